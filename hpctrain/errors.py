@@ -1,0 +1,22 @@
+"""The one exception type users see, and the exit codes scripts rely on.
+
+A HpctrainError is printed as one line (`hpctrain: error: ...`) with no
+traceback; its exit code tells a job script what happened.
+"""
+
+EXIT_OK = 0
+EXIT_FAILURE = 1      # a bug: uncaught exception, traceback printed
+EXIT_BAD_INPUT = 2    # bad flag, file, data or cluster layout
+EXIT_TIMEOUT = 3      # a blocking wait passed --timeout; the message names the peer
+EXIT_PREEMPTED = 75   # SIGTERM/SIGUSR1: checkpoint written, requeue and --resume
+
+
+class HpctrainError(Exception):
+    """An error the user can act on; `str(e)` is the whole message, one line."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message, exit_code=None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
