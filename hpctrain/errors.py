@@ -15,8 +15,15 @@ class HpctrainError(Exception):
     """An error the user can act on; `str(e)` is the whole message, one line."""
 
     exit_code = EXIT_BAD_INPUT
+    # collective: every rank raised it at the same point, so all can simply
+    # exit; otherwise the job must be aborted or the other ranks would hang.
+    collective = False
+    # report: this rank prints the message (one line per job, not per rank).
+    report = True
 
-    def __init__(self, message, exit_code=None):
+    def __init__(self, message, exit_code=None, collective=False, report=True):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
+        self.collective = collective
+        self.report = report

@@ -1,0 +1,171 @@
+"""The one argparse definition of hpctrain's flags, their defaults and checks.
+
+Used by `python -m hpctrain.mnist`; imports only the standard library so the
+flags can be parsed before numpy, BLAS or MPI start (they read environment
+variables that we set from the flags and the launcher).
+
+    python -m hpctrain.mnist --help
+"""
+import argparse
+import os
+
+from .errors import HpctrainError
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _nonneg_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _nonneg_float(text):
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _hidden(text):
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer widths, got {text!r}")
+    if any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"layer widths must be >= 1, got {text!r}")
+    return sizes
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (and only on rank 0)."""
+
+    quiet = False
+
+    def error(self, message):
+        if not self.quiet:
+            import sys
+            print(f"hpctrain: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser():
+    p = _Parser(
+        prog="python -m hpctrain.mnist",
+        description="Train an MLP on MNIST data-parallel across MPI ranks "
+                    "(run under mpirun/srun; one process trains alone).")
+    a = p.add_argument
+
+    g = p.add_argument_group("training")
+    a("--mode", choices=["ring", "ps"], default="ring",
+      help="ring: every rank a peer, gradients averaged by ring allreduce; "
+           "ps: parameter servers + workers (default: %(default)s)")
+    a("--data", metavar="DIR", default=None,
+      help="directory of prepared HDF5 shards (default: data/mnist, prepared from "
+           "the bundled 5k sample on first use)")
+    g.add_argument("--batch-size", type=_positive_int, default=32, help="samples per worker per step (default: %(default)s)")
+    g.add_argument("--steps", type=_positive_int, default=2000, help="global training steps (default: %(default)s)")
+    g.add_argument("--lr", type=_positive_float, default=1e-4, help="learning rate (default: %(default)s)")
+    g.add_argument("--optimizer", choices=["adam", "sgd", "momentum"], default="adam", help="(default: %(default)s)")
+    g.add_argument("--momentum", type=_nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
+    g.add_argument("--hidden", type=_hidden, default=[500, 500], metavar="W1,W2,...",
+                   help="hidden layer widths (default: 500,500)")
+    g.add_argument("--seed", type=int, default=0, help="random seed; rank r uses seed+r for its own randomness (default: %(default)s)")
+    g.add_argument("--scale-lr", action="store_true",
+                   help="multiply --lr by the number of workers (linear scaling rule, Goyal et al.)")
+    g.add_argument("--warmup-steps", type=_nonneg_int, default=0,
+                   help="ramp the learning rate up linearly over the first K steps (default: %(default)s)")
+    g.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto",
+                   help="where arrays live: cpu (NumPy), gpu (CuPy), auto (gpu if CuPy sees one) (default: %(default)s)")
+
+    g = p.add_argument_group("ring mode")
+    g.add_argument("--allreduce", choices=["ring", "mpi", "nccl"], default="ring",
+                   help="ring: hpctrain's ring allreduce; mpi: MPI_Allreduce; nccl: NCCL through CuPy (default: %(default)s)")
+    g.add_argument("--fusion-mb", type=_nonneg_float, default=1.0,
+                   help="bucket size in MiB for fused, overlapped gradient allreduce; 0 = one allreduce after backprop (default: %(default)s)")
+    g.add_argument("--cuda-aware", choices=["auto", "yes", "no"], default="auto",
+                   help="pass GPU buffers straight to MPI (yes), stage through host memory (no), or ask the MPI library (auto)")
+
+    g = p.add_argument_group("ps mode")
+    g.add_argument("--num-ps", type=_positive_int, default=1, help="the first N ranks are parameter servers (default: %(default)s)")
+    sync = g.add_mutually_exclusive_group()
+    sync.add_argument("--sync", dest="sync", action="store_true", default=True,
+                      help="synchronous updates: one per version from distinct workers (default)")
+    sync.add_argument("--async", dest="sync", action="store_false",
+                      help="asynchronous updates: each gradient applied on arrival")
+    g.add_argument("--replicas-to-aggregate", type=_positive_int, default=None,
+                   help="sync: gradients (from distinct workers) per update (default: all workers minus --backup-workers)")
+    g.add_argument("--backup-workers", type=_nonneg_int, default=0,
+                   help="sync: aggregate the first W-B workers' gradients and drop the rest (default: %(default)s)")
+    g.add_argument("--max-staleness", type=_nonneg_int, default=None,
+                   help="async: a worker more than S versions behind pulls again instead of pushing (default: unbounded)")
+    g.add_argument("--dc-lambda", type=_nonneg_float, default=0.0,
+                   help="async: DC-ASGD delay compensation strength (0 = plain async) (default: %(default)s)")
+    g.add_argument("--placement", choices=["round-robin", "greedy", "even"], default="even",
+                   help="how parameters are split over servers (default: %(default)s)")
+    g.add_argument("--ps-device", choices=["cpu", "gpu"], default="cpu",
+                   help="where servers keep their parameter slice (default: %(default)s)")
+
+    g = p.add_argument_group("checkpoints and output")
+    g.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="write checkpoints here (chief only)")
+    g.add_argument("--checkpoint-every", type=_nonneg_int, default=0,
+                   help="checkpoint every N steps (0: only on SIGTERM/SIGUSR1 and at the end) (default: %(default)s)")
+    g.add_argument("--keep-checkpoints", type=_positive_int, default=3, help="keep the newest K checkpoints (default: %(default)s)")
+    g.add_argument("--resume", choices=["auto", "yes", "no"], default="auto",
+                   help="auto: resume from the newest valid checkpoint if there is one; yes: require one; no: start fresh")
+    g.add_argument("--save", metavar="FILE.h5", default=None, help="write the final parameters to this HDF5 file")
+    g.add_argument("--metrics", metavar="FILE.jsonl", default=None, help="write metrics as JSON Lines (chief only)")
+    g.add_argument("--log-every", type=_positive_int, default=100, help="print a progress line every N steps (default: %(default)s)")
+    g.add_argument("--eval-every", type=_nonneg_int, default=0,
+                   help="evaluate on the test set every N steps (0: only at the end) (default: %(default)s)")
+    g.add_argument("--timeline", metavar="FILE.json", default=None, help="write a Chrome trace of the chief's steps")
+    g.add_argument("--timeout", type=_positive_float, default=300.0,
+                   help="seconds any rank waits for a peer before it names the peer and aborts the job (default: %(default)s)")
+    return p
+
+
+def validate(args, world_size):
+    """Checks that need the world size. Raises HpctrainError (same on every rank)."""
+    if args.mode == "ps":
+        if args.num_ps >= world_size:
+            raise HpctrainError(
+                f"--mode ps with --num-ps {args.num_ps} needs more than {args.num_ps} ranks "
+                f"(got {world_size}): no rank would be a worker")
+        workers = world_size - args.num_ps
+        if args.backup_workers >= workers:
+            raise HpctrainError(f"--backup-workers {args.backup_workers} must be less than the {workers} workers")
+        if args.replicas_to_aggregate is not None and args.replicas_to_aggregate > workers:
+            raise HpctrainError(f"--replicas-to-aggregate {args.replicas_to_aggregate} is more than the {workers} workers")
+    if args.allreduce == "nccl" and args.device == "cpu":
+        raise HpctrainError("--allreduce nccl needs --device gpu (or auto on a GPU node)")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise HpctrainError("--checkpoint-every needs --checkpoint-dir")
+    if args.resume == "yes" and not args.checkpoint_dir:
+        raise HpctrainError("--resume yes needs --checkpoint-dir")
+    for flag in ("save", "metrics", "timeline"):
+        path = getattr(args, flag)
+        if path:
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent):
+                raise HpctrainError(f"--{flag} {path}: directory {parent} does not exist")
+
+
+def parse(argv=None, quiet=False):
+    """Parse flags. With quiet=True (non-zero ranks) a bad flag exits without
+    printing, so the job shows one line from rank 0 instead of one per rank."""
+    parser = build_parser()
+    parser.quiet = quiet
+    return parser.parse_args(argv)

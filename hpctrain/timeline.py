@@ -1,0 +1,83 @@
+"""Chrome-trace timeline of the chief's steps (the format Horovod's timeline
+uses; open the file in https://ui.perfetto.dev or chrome://tracing).
+
+Spans are complete events ("ph": "X") with microsecond timestamps, one track
+(tid) per thread, so a communication thread's bucket allreduces show beside
+backprop. Disabled, every call is a no-op costing one attribute lookup.
+
+    mpirun -n 2 python -m hpctrain.mnist --steps 20 --timeline /tmp/t.json
+"""
+import json
+import os
+import threading
+import time
+
+
+class _Span:
+    __slots__ = ("tl", "name", "cat", "args", "t0")
+
+    def __init__(self, tl, name, cat, args):
+        self.tl, self.name, self.cat, self.args = tl, name, cat, args
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.tl.add(self.name, self.cat, self.t0, time.perf_counter(), self.args)
+        return False
+
+
+class _NoSpan:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_SPAN = _NoSpan()
+
+
+class Timeline:
+    def __init__(self, path=None, process_name="hpctrain"):
+        self.path = path
+        self.enabled = path is not None
+        self._events = []
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self._tids = {}
+        self._process_name = process_name
+
+    def span(self, name, cat="step", **args):
+        """with timeline.span("backward", cat="compute"): ..."""
+        if not self.enabled:
+            return _NO_SPAN
+        return _Span(self, name, cat, args or None)
+
+    def add(self, name, cat, t_start, t_end, args=None):
+        """Record a span measured elsewhere (perf_counter seconds)."""
+        if not self.enabled:
+            return
+        ident = threading.get_ident()
+        event = {"name": name, "cat": cat, "ph": "X", "pid": 0,
+                 "tid": self._tids.setdefault(ident, len(self._tids)),
+                 "ts": round((t_start - self._t0) * 1e6, 1),
+                 "dur": round((t_end - t_start) * 1e6, 1)}
+        if args:
+            event["args"] = args
+        with self._lock:
+            self._events.append(event)
+
+    def write(self):
+        """Write the trace atomically (temporary file, then rename)."""
+        if not self.enabled:
+            return
+        names = {tid: ("main" if tid == 0 else f"thread {tid}") for tid in self._tids.values()}
+        meta = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": self._process_name}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": n}}
+                 for tid, n in names.items()]
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}, f)
+        os.replace(tmp, self.path)

@@ -1,0 +1,312 @@
+"""The training loop for both modes, and what every run shares: start-up,
+data, evaluation, logging, metrics and the parameters file.
+
+Read top to bottom: `run()` sets up (roles, device, consistency check, data),
+then `train_ring()` or the ps loop (`train_ps()` in ps mode) trains, then the
+chief evaluates and writes its files.
+
+    mpirun -n 4 python -m hpctrain.mnist --steps 200
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import data as data_mod
+from . import device
+from .cli import validate
+from .cluster import Cluster, check_consistency
+from .comm.deadline import Watchdog
+from .comm.ring import make_allreduce
+from .errors import EXIT_PREEMPTED, HpctrainError
+from .model import MLP, num_params
+from .optim import learning_rate, make_optimizer
+from .timeline import Timeline
+
+# The wire: [loss, stop flag, gradients...]. Riding along with the gradient
+# allreduce, the loss average and the ranks' agreement to stop cost nothing extra;
+# they sit at the front because layer 0 finishes last (backprop runs backwards),
+# after the loss and any signal are known.
+WIRE_LOSS, WIRE_STOP, WIRE_GRADS = 0, 1, 2
+
+
+def collective(comm, fn, *args, **kwargs):
+    """Run fn on every rank of comm; if it raises HpctrainError anywhere, every
+    rank raises: the lowest failing rank its own message (printed), the others a
+    silent error with the same exit code. So a set-up error on one rank never
+    leaves the rest waiting in a collective, and the job prints one line."""
+    error = None
+    try:
+        result = fn(*args, **kwargs)
+    except HpctrainError as exc:
+        error, result = exc, None
+    size, rank = comm.Get_size(), comm.Get_rank()
+    flag = np.array([error.exit_code if error else 0, -rank if error else -size], np.int64)
+    comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+    if flag[0]:
+        first = -int(flag[1])
+        if error is None:
+            error = HpctrainError("", exit_code=int(flag[0]))
+        error.collective = True
+        error.report = rank == first
+        raise error
+    return result
+
+
+class Log:
+    """Progress lines from the chief (or any rank with everyone=True)."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+
+    def __call__(self, text, everyone=False):
+        if everyone or self.cluster.is_chief:
+            print(text, flush=True)
+
+
+class Metrics:
+    """JSON Lines written by the chief; kept in a temporary file and renamed
+    into place when the run ends, so a failed run leaves nothing half-written."""
+
+    def __init__(self, path, enabled):
+        self.path = path if enabled else None
+        self._file = None
+        if self.path:
+            self._tmp = f"{self.path}.tmp-{os.getpid()}"
+            self._file = open(self._tmp, "w")
+
+    def write(self, record):
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+
+    def close(self, keep=True):
+        if not self._file:
+            return
+        self._file.close()
+        self._file = None
+        if keep:
+            os.replace(self._tmp, self.path)
+        else:
+            os.unlink(self._tmp)
+
+
+class StopSignal:
+    """SIGTERM/SIGUSR1 (SLURM's pre-emption and time-limit warnings) set a flag
+    that the next step's allreduce carries to every rank, so all ranks stop
+    after the same step."""
+
+    def __init__(self):
+        self.received = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+
+# ---------------------------------------------------------------------------
+# start-up
+
+def ensure_data(args, cluster, log):
+    """The shard directory to train from. Without --data: data/mnist, prepared
+    from the bundled sample on first use by rank 0 while the others wait."""
+    if args.data:
+        return args.data
+    path = data_mod.default_data_dir()
+
+    def prepare_once():
+        if cluster.rank == 0 and not data_mod.is_prepared(path):
+            log(f"preparing {path} from the bundled MNIST sample "
+                f"({data_mod.bundled_sample_dir()}), first use only", everyone=True)
+            try:
+                data_mod.prepare(data_mod.bundled_sample_dir(), path, log=lambda *a, **k: None)
+            except HpctrainError:
+                if not data_mod.is_prepared(path):  # another job may have won the race
+                    raise
+    collective(cluster.comm, prepare_once)
+    return path
+
+
+def job_settings(args):
+    """What must be identical on every rank (checked at start-up)."""
+    keys = ("mode", "batch_size", "steps", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
+            "allreduce", "fusion_mb", "num_ps", "sync", "replicas_to_aggregate", "backup_workers",
+            "max_staleness", "dc_lambda", "placement", "checkpoint_every", "timeout")
+    settings = {k: getattr(args, k) for k in keys}
+    settings["hidden"] = ",".join(map(str, args.hidden))
+    settings["num_params"] = num_params(args.hidden)
+    settings["hpctrain"] = __import__("hpctrain").__version__
+    return settings
+
+
+class Run:
+    """Everything a training loop needs that is not the loop itself."""
+
+    def __init__(self, args, process_note=""):
+        self.args = args
+        self.comm = MPI.COMM_WORLD
+        self.cluster = Cluster(self.comm, args.mode, args.num_ps)
+        self.log = Log(self.cluster)
+        self.t_start = time.perf_counter()
+        collective(self.comm, validate, args, self.cluster.size)
+        self.xp, self.device_name, device_note = collective(self.comm, device.select, args.device)
+        self.watchdog = Watchdog(args.timeout, self.cluster.rank, self.comm.Abort)
+        self.timeline = Timeline(args.timeline if self.cluster.is_chief else None)
+        self.stop = StopSignal()
+        c = self.cluster
+        self.log(f"hpctrain: {args.mode} mode, world size {c.size} "
+                 f"({c.num_ps} ps + {c.num_workers} workers), device {self.device_name} ({device_note})"
+                 + (f"; {process_note}" if process_note else ""))
+        # Every rank builds the model (shapes only) to compare, before any training.
+        collective(self.comm, check_consistency, self.comm, job_settings(args))
+        self.data_dir = ensure_data(args, c, self.log)
+        self.metrics = Metrics(args.metrics, c.is_chief)
+
+    def lr(self, step):
+        a = self.args
+        return learning_rate(step, a.lr, self.cluster.num_workers, a.scale_lr, a.warmup_steps)
+
+    def open_reader(self):
+        a, c = self.args, self.cluster
+        return collective(c.worker_comm, data_mod.ShardReader, self.data_dir, c.worker_index,
+                          c.num_workers, a.batch_size, a.seed)
+
+    def evaluate(self, model):
+        """Test loss and accuracy, each worker evaluating its part of the test set."""
+        c = self.cluster
+        x, y = collective(c.worker_comm, data_mod.load_test, self.data_dir, c.worker_index, c.num_workers)
+        xp = self.xp
+        loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
+        totals = np.array([loss_sum, correct, len(y)], np.float64)
+        with self.watchdog.waiting("evaluation allreduce", peer=None):
+            c.worker_comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+        n = max(totals[2], 1)
+        return totals[0] / n, totals[1] / n, int(totals[2])
+
+    def save_params(self, model, step):
+        """--save: one float32 dataset per tensor, attributes step/mode/world_size;
+        written to a temporary name and renamed, so it is never half-written."""
+        path = self.args.save
+        if not path or not self.cluster.is_chief:
+            return
+        import h5py
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with h5py.File(tmp, "w") as f:
+                for name, view in model.tensors():
+                    f.create_dataset(name, data=device.to_host(view))
+                f.attrs["step"] = step
+                f.attrs["mode"] = self.args.mode
+                f.attrs["world_size"] = self.cluster.size
+                f.attrs["hidden"] = ",".join(map(str, self.args.hidden))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def progress(self, step, loss, samples, t_loop):
+        """The chief's progress line and metrics record."""
+        elapsed = time.perf_counter() - self.t_start
+        rate = samples / t_loop if t_loop > 0 else 0.0
+        self.log(f"step {step:>6}/{self.args.steps}  loss {loss:.4f}  "
+                 f"samples/s {rate:,.0f}  elapsed {elapsed:.1f}s")
+        self.metrics.write({"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
+                            "time_s": round(elapsed, 3)})
+
+    def finish(self, model, step, t_loop, samples, comm_s, compute_s, extra=None):
+        """Evaluate, print, write --save and the final metrics record."""
+        test_loss, test_acc, n_test = self.evaluate(model)
+        c, a = self.cluster, self.args
+        wall = time.perf_counter() - self.t_start
+        rate = samples / t_loop if t_loop > 0 else 0.0
+        self.log(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
+                 f"{step} steps, {rate:,.0f} samples/s, {wall:.1f}s)")
+        self.save_params(model, step)
+        record = {"event": "final", "mode": a.mode, "world_size": c.size, "workers": c.num_workers,
+                  "steps": step, "global_batch": a.batch_size * c.num_workers,
+                  "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
+                  "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
+                  "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
+                  "device": self.device_name}
+        record.update(extra or {})
+        self.metrics.write(record)
+        self.metrics.close()
+        self.timeline.write()
+        return record
+
+
+# ---------------------------------------------------------------------------
+# ring mode
+
+def train_ring(run):
+    a, c, xp = run.args, run.cluster, run.xp
+    comm = c.worker_comm
+    W = c.num_workers
+    n = num_params(a.hidden)
+    wire = xp.zeros(WIRE_GRADS + n, np.float32)
+    model = MLP(a.hidden, xp, grads=wire[WIRE_GRADS:])
+    model.init(a.seed)
+    # Identical start everywhere: rank 0's parameters.
+    device.synchronize(xp)
+    with run.watchdog.waiting("initial parameter broadcast", peer=0):
+        comm.Bcast(model.params, root=0)
+    opt = make_optimizer(a.optimizer, n, xp, momentum=a.momentum)
+    reader = run.open_reader()
+    allreduce = make_allreduce(a.allreduce, comm, run.watchdog)
+    tl = run.timeline
+    grad_scale = 1.0 / W
+
+    comm_s = compute_s = 0.0
+    samples = 0
+    loss_window = []
+    t_loop = time.perf_counter()
+    step = 0
+    while step < a.steps:
+        with tl.span("data", cat="data"):
+            x, y = reader.next_batch()
+            x, y = xp.asarray(x), xp.asarray(y)
+        t0 = time.perf_counter()
+        with tl.span("forward+backward", cat="compute"):
+            loss = model.forward_backward(x, y)
+        wire[WIRE_LOSS] = loss
+        wire[WIRE_STOP] = 1.0 if run.stop.received else 0.0
+        device.synchronize(xp)
+        t1 = time.perf_counter()
+        with tl.span("allreduce", cat="comm"):
+            allreduce(wire)
+        t2 = time.perf_counter()
+        with tl.span("optimizer", cat="optimizer"):
+            opt.step(model.params, model.grads, run.lr(step), grad_scale)
+        compute_s += t1 - t0
+        comm_s += t2 - t1
+        step += 1
+        samples += a.batch_size * W
+        loss_window.append(wire[WIRE_LOSS])
+        if step % a.log_every == 0 or step == a.steps:
+            mean_loss = float(sum(float(v) for v in loss_window) / len(loss_window)) / W
+            loss_window.clear()
+            run.progress(step, mean_loss, samples, time.perf_counter() - t_loop)
+        if float(wire[WIRE_STOP]) > 0:
+            break
+    t_loop = time.perf_counter() - t_loop
+    if float(wire[WIRE_STOP]) > 0:
+        run.log(f"stopping after step {step}: signal received")
+        run.metrics.close(keep=True)
+        raise HpctrainError(f"stopped by {run.stop.received or 'a signal on another rank'} after step {step}",
+                            exit_code=EXIT_PREEMPTED, collective=True, report=c.is_chief)
+    return run.finish(model, step, t_loop, samples, comm_s, compute_s)
+
+
+# ---------------------------------------------------------------------------
+
+def run(args, process_note=""):
+    """Train as the flags say; returns the final metrics record (chief) or None."""
+    r = Run(args, process_note)
+    if args.mode == "ring":
+        return train_ring(r)
+    from .ps_train import train_ps
+    return train_ps(r)
