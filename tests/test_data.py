@@ -1,0 +1,617 @@
+"""Tests for hpctrain.data: IDX reading, shard preparation, per-worker reading, fetch.
+
+Serial, no MPI, real files only (small IDX files written here in the real
+format, the bundled MNIST sample, a local HTTP server for fetch):
+
+    .venv/bin/python -m pytest tests/test_data.py
+"""
+
+import functools
+import gzip
+import hashlib
+import http.server
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpctrain import data
+from hpctrain.errors import HpctrainError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_idx(path, array, gz=None):
+    """IDX as LeCun's page specifies it, written independently of the module."""
+    array = np.asarray(array, dtype=np.uint8)
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim)
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    payload = header + array.tobytes()
+    gz = str(path).endswith(".gz") if gz is None else gz
+    Path(path).write_bytes(gzip.compress(payload) if gz else payload)
+    return path
+
+
+def numbered_images(n, start=0):
+    """n 28x28 images whose first two pixels spell their number: traceable samples."""
+    images = np.zeros((n, 28, 28), np.uint8)
+    ids = np.arange(start, start + n)
+    images[:, 0, 0], images[:, 0, 1] = ids // 256, ids % 256
+    images[:, 5:20, 5:20] = (ids % 251)[:, None, None]
+    return images
+
+
+def sample_ids(images):
+    images = images.reshape(len(images), -1)
+    return images[:, 0].astype(np.int64) * 256 + images[:, 1]
+
+
+def make_single_source(dirpath, n=1000, classes=10):
+    """A label-sorted images/labels pair, like the bundled sample."""
+    dirpath.mkdir(parents=True, exist_ok=True)
+    write_idx(dirpath / "images-idx3-ubyte.gz", numbered_images(n))
+    write_idx(dirpath / "labels-idx1-ubyte.gz", np.repeat(np.arange(classes), n // classes))
+    return dirpath
+
+
+def quiet(*args):
+    pass
+
+
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundled") / "shards"
+    manifest = data.prepare(data.bundled_sample_dir(), out, log=quiet)
+    return out, manifest
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory):
+    """1000 traceable samples: 900 train in 8 shards, 100 test."""
+    base = tmp_path_factory.mktemp("numbered")
+    source = make_single_source(base / "src")
+    out = base / "shards"
+    data.prepare(source, out, shards=8, test_fraction=0.1, seed=3, log=quiet)
+    return out
+
+
+def train_ids(out):
+    """The ids of every training sample, read straight from the shard files."""
+    import h5py
+    manifest = json.loads((out / "manifest.json").read_text())
+    ids = []
+    for entry in manifest["train"]["shards"]:
+        with h5py.File(out / entry["file"], "r") as f:
+            ids.append(sample_ids(f["images"][:]))
+    return np.concatenate(ids)
+
+
+# ---------------------------------------------------------------------------
+# read_idx
+
+@pytest.mark.parametrize("name", ["x-images-idx3-ubyte", "x-images-idx3-ubyte.gz"])
+def test_read_idx_raw_and_gzip(tmp_path, name):
+    images = numbered_images(7)
+    labels = np.arange(7, dtype=np.uint8)
+    got = data.read_idx(write_idx(tmp_path / name, images))
+    assert got.dtype == np.uint8 and got.shape == (7, 28, 28)
+    np.testing.assert_array_equal(got, images)
+    np.testing.assert_array_equal(data.read_idx(write_idx(tmp_path / "l.gz", labels)), labels)
+
+
+def test_read_idx_detects_gzip_by_content_not_name(tmp_path):
+    images = numbered_images(3)
+    path = write_idx(tmp_path / "misnamed", images, gz=True)
+    np.testing.assert_array_equal(data.read_idx(path), images)
+    path = write_idx(tmp_path / "misnamed.gz", images, gz=False)
+    np.testing.assert_array_equal(data.read_idx(path), images)
+
+
+def test_read_idx_bundled_sample():
+    images = data.read_idx(data.bundled_sample_dir() / "images-idx3-ubyte.gz", "images")
+    labels = data.read_idx(data.bundled_sample_dir() / "labels-idx1-ubyte.gz", "labels")
+    assert images.shape == (5000, 28, 28) and labels.shape == (5000,)
+    assert np.bincount(labels).tolist() == [500] * 10
+
+
+def test_read_idx_wrong_magic(tmp_path):
+    path = tmp_path / "images.gz"
+    path.write_bytes(gzip.compress(b"\0" * 100))
+    with pytest.raises(HpctrainError) as e:
+        data.read_idx(path, "images")
+    assert str(e.value) == (f"{path}: not an IDX image file (magic 0x00000000, "
+                            f"expected 0x00000803)")
+    labels = write_idx(tmp_path / "labels", np.zeros(3))
+    with pytest.raises(HpctrainError, match="not an IDX image file .*0x00000801"):
+        data.read_idx(labels, "images")
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, world\n")
+    with pytest.raises(HpctrainError, match="notes.txt: not an IDX file"):
+        data.read_idx(text)
+
+
+def test_read_idx_unsupported_dtype(tmp_path):
+    path = tmp_path / "floats"
+    path.write_bytes(struct.pack(">BBBBI", 0, 0, 0x0D, 1, 2) + b"\0" * 8)
+    with pytest.raises(HpctrainError, match="unsupported IDX data type 0x0d"):
+        data.read_idx(path)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_idx_truncated(tmp_path, gz):
+    full = struct.pack(">BBBBIII", 0, 0, 8, 3, 10, 28, 28) + bytes(10 * 784)
+    cut = full[:-100]
+    path = tmp_path / "images"
+    path.write_bytes(gzip.compress(cut) if gz else cut)
+    with pytest.raises(HpctrainError, match=r"truncated \(header says 10x28x28 = 7840 data "
+                                            r"bytes, file has 7740\)"):
+        data.read_idx(path)
+    path.write_bytes(full[:9])
+    with pytest.raises(HpctrainError, match="truncated IDX header"):
+        data.read_idx(path)
+
+
+def test_read_idx_trailing_garbage(tmp_path):
+    path = tmp_path / "labels"
+    path.write_bytes(struct.pack(">BBBBI", 0, 0, 8, 1, 3) + b"\1\2\3\4")
+    with pytest.raises(HpctrainError, match="more data than its header"):
+        data.read_idx(path)
+
+
+def test_read_idx_corrupt_gzip(tmp_path):
+    blob = gzip.compress(struct.pack(">BBBBIII", 0, 0, 8, 3, 50, 28, 28) +
+                         numbered_images(50).tobytes())
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(HpctrainError, match="cut.gz: corrupt gzip data"):
+        data.read_idx(cut)
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 0xFF
+    bad = tmp_path / "flipped.gz"
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(HpctrainError, match="flipped.gz: "):
+        data.read_idx(bad)
+
+
+def test_read_idx_missing_file(tmp_path):
+    with pytest.raises(HpctrainError, match="nothing.gz: no such file"):
+        data.read_idx(tmp_path / "nothing.gz")
+
+
+# ---------------------------------------------------------------------------
+# prepare
+
+def test_prepare_bundled_sample_is_class_balanced(bundled):
+    out, manifest = bundled
+    assert manifest["train"]["num_samples"] == 4500
+    assert manifest["test"]["num_samples"] == 500
+    assert manifest["test"]["per_class"] == {str(c): 50 for c in range(10)}
+    assert manifest["train"]["per_class"] == {str(c): 450 for c in range(10)}
+    shards = manifest["train"]["shards"]
+    assert [s["file"] for s in shards] == [f"train-{i:05d}-of-00008.h5" for i in range(8)]
+    sizes = [s["num_samples"] for s in shards]
+    assert sum(sizes) == 4500 and max(sizes) - min(sizes) <= 1
+    for c in map(str, range(10)):
+        counts = [s["per_class"][c] for s in shards]
+        assert min(counts) >= 1 and max(counts) - min(counts) <= 1, (c, counts)
+
+    import h5py
+    for s in shards + manifest["test"]["shards"]:
+        with h5py.File(out / s["file"], "r") as f:
+            images, labels = f["images"], f["labels"]
+            assert images.dtype == np.uint8 and images.shape == (s["num_samples"], 28, 28)
+            assert labels.dtype == np.uint8 and labels.shape == (s["num_samples"],)
+            assert images.chunks is not None and images.compression == "gzip"
+            counts = np.bincount(labels[:], minlength=10)
+            assert {str(c): int(n) for c, n in enumerate(counts)} == s["per_class"]
+            # The source is sorted by label; a shard must not be.
+            assert (np.diff(labels[:].astype(int)) != 0).sum() > len(labels) // 3
+
+
+def test_prepare_manifest_contents(bundled):
+    out, manifest = bundled
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk == manifest
+    assert manifest["format"] == "hpctrain-shards" and manifest["version"] == 1
+    assert manifest["seed"] == 0 and manifest["test_fraction"] == 0.1
+    assert manifest["image_shape"] == [28, 28] and manifest["num_classes"] == 10
+    files = {f["name"]: f for f in manifest["source"]["files"]}
+    sample = data.bundled_sample_dir()
+    for name in ("images-idx3-ubyte.gz", "labels-idx1-ubyte.gz"):
+        raw = (sample / name).read_bytes()
+        assert files[name]["sha256"] == hashlib.sha256(raw).hexdigest()
+        assert files[name]["bytes"] == len(raw)
+    assert files["images-idx3-ubyte.gz"]["sha256"] == (
+        "35c4442b3738be6b58df4ff21f19341f0368e1c3d24840252fb3ff06ba646387")
+    assert [s["file"] for s in manifest["test"]["shards"]] == ["test-00000-of-00001.h5"]
+    for s in manifest["train"]["shards"] + manifest["test"]["shards"]:
+        raw = (out / s["file"]).read_bytes()
+        assert s["sha256"] == hashlib.sha256(raw).hexdigest() and s["bytes"] == len(raw)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["manifest.json"] + [s["file"] for s in manifest["train"]["shards"]] +
+        ["test-00000-of-00001.h5"])
+    assert data.is_prepared(out) and not data.is_prepared(out.parent)
+
+
+def test_prepare_is_deterministic_and_disjoint(tmp_path, numbered):
+    source = make_single_source(tmp_path / "src")
+    again = data.prepare(source, tmp_path / "again", shards=8, seed=3, log=quiet)
+    first = json.loads((numbered / "manifest.json").read_text())
+    assert [s["sha256"] for s in again["train"]["shards"]] == [
+        s["sha256"] for s in first["train"]["shards"]]
+    ids = train_ids(numbered)
+    x, _ = data.load_test(numbered)
+    test = sample_ids((x * 255).round().astype(np.uint8))
+    assert len(ids) == 900 and len(test) == 100
+    assert sorted(np.concatenate([ids, test]).tolist()) == list(range(1000))
+
+
+def test_prepare_standard_layout_keeps_its_split(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_idx(src / "train-images-idx3-ubyte.gz", numbered_images(60))
+    write_idx(src / "train-labels-idx1-ubyte.gz", np.arange(60) % 3)
+    write_idx(src / "t10k-images-idx3-ubyte", numbered_images(9, start=60))
+    write_idx(src / "t10k-labels-idx1-ubyte", np.arange(9) % 3)
+    manifest = data.prepare(src, tmp_path / "out", shards=4, test_fraction=0.5, log=quiet)
+    assert manifest["source"]["layout"] == "standard" and manifest["test_fraction"] is None
+    assert manifest["train"]["num_samples"] == 60 and manifest["test"]["num_samples"] == 9
+    assert sorted(train_ids(tmp_path / "out").tolist()) == list(range(60))
+    x, y = data.load_test(tmp_path / "out")
+    assert sample_ids((x * 255).round().astype(np.uint8)).tolist() == list(range(60, 69))
+
+
+def test_prepare_without_test_set(tmp_path):
+    source = make_single_source(tmp_path / "src", n=100)
+    manifest = data.prepare(source, tmp_path / "out", shards=3, test_fraction=0, log=quiet)
+    assert manifest["train"]["num_samples"] == 100 and manifest["test"]["num_samples"] == 0
+    x, y = data.load_test(tmp_path / "out", 1, 2)
+    assert x.shape == (0, 784) and x.dtype == np.float32 and y.shape == (0,)
+
+
+def test_prepare_refuses_existing_output_without_force(tmp_path):
+    source = make_single_source(tmp_path / "src", n=100)
+    out = tmp_path / "out"
+    data.prepare(source, out, shards=2, log=quiet)
+    (out / "stale.txt").write_text("from an older run")
+    with pytest.raises(HpctrainError) as e:
+        data.prepare(source, out, shards=4, log=quiet)
+    assert str(e.value) == f"{out}: already exists (use --force to overwrite)"
+    assert (out / "stale.txt").exists()
+    manifest = data.prepare(source, out, shards=4, force=True, log=quiet)
+    assert len(manifest["train"]["shards"]) == 4 and not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    data.prepare(source, empty, shards=2, log=quiet)
+    assert data.is_prepared(empty)
+
+
+def test_failed_prepare_leaves_nothing(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    write_idx(src / "images-idx3-ubyte.gz", numbered_images(20))
+    write_idx(src / "labels-idx1-ubyte.gz", np.zeros(19))
+    out = tmp_path / "out"
+    with pytest.raises(HpctrainError, match="20 images but labels-idx1-ubyte.gz has 19 labels"):
+        data.prepare(src, out, shards=2, log=quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+    # A failure half-way through writing shards must not leave them either.
+    good = make_single_source(tmp_path / "good", n=100)
+    calls = []
+    real = data._write_shard
+
+    def failing(path, *args):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(path, *args)
+
+    monkeypatch.setattr(data, "_write_shard", failing)
+    with pytest.raises(HpctrainError, match="out: cannot write shards .*No space left"):
+        data.prepare(good, out, shards=4, log=quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "src"]
+
+
+def test_prepare_bad_arguments(tmp_path):
+    source = make_single_source(tmp_path / "src", n=20, classes=2)
+    out = tmp_path / "out"
+    with pytest.raises(HpctrainError, match="--shards must be a positive integer"):
+        data.prepare(source, out, shards=0)
+    for bad in (1.0, -0.1):
+        with pytest.raises(HpctrainError, match=r"--test-fraction must be in \[0, 1\)"):
+            data.prepare(source, out, test_fraction=bad)
+    with pytest.raises(HpctrainError, match="18 training samples, fewer than --shards 19"):
+        data.prepare(source, out, shards=19, log=quiet)
+    with pytest.raises(HpctrainError, match="nowhere: no such directory"):
+        data.prepare(tmp_path / "nowhere", out)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(HpctrainError, match="empty: expected train-/t10k-.*found: none"):
+        data.prepare(empty, out)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------
+# ShardReader
+
+@pytest.mark.parametrize("workers", [1, 3, 8, 12, 20])
+def test_workers_partition_the_training_set(numbered, workers):
+    parts = [data.ShardReader(numbered, w, workers, 16, seed=0) for w in range(workers)]
+    ids = np.concatenate([sample_ids(r.images) for r in parts])
+    assert len(ids) == 900 and len(set(ids.tolist())) == 900
+    assert sorted(ids.tolist()) == sorted(train_ids(numbered).tolist())
+    sizes = [r.num_samples for r in parts]
+    if workers <= 8:
+        # Whole shards: worker w reads w, w+W, ...
+        assert parts[0].files == [f"train-{s:05d}-of-00008.h5" for s in range(0, 8, workers)]
+    else:
+        # Workers sharing a shard split it into near-equal contiguous slices.
+        assert all(len(r.files) == 1 for r in parts)
+        for s in range(8):
+            sharing = [r.num_samples for r in parts if r.worker % 8 == s]
+            assert max(sharing) - min(sharing) <= 1
+    assert min(sizes) > 0
+
+
+def test_batches_are_deterministic_and_reshuffle_every_epoch(numbered):
+    a = data.ShardReader(numbered, 1, 3, 50, seed=7)
+    b = data.ShardReader(numbered, 1, 3, 50, seed=7)
+    n = a.num_samples
+    per_epoch = n // 50
+    epochs = []
+    for _ in range(2):
+        seen, labels = [], []
+        for _ in range(per_epoch):
+            x, y = a.next_batch()
+            xb, yb = b.next_batch()
+            assert x.dtype == np.float32 and x.shape == (50, 784) and 0 <= x.min() <= x.max() <= 1
+            assert y.dtype == np.int64 and y.shape == (50,)
+            np.testing.assert_array_equal(x, xb)
+            np.testing.assert_array_equal(y, yb)
+            seen.extend(sample_ids((x * 255).round().astype(np.uint8)).tolist())
+            labels.extend(y.tolist())
+        assert len(set(seen)) == per_epoch * 50   # no repeats within an epoch
+        ids = sample_ids(a.images).tolist()
+        truth = dict(zip(ids, a.labels.tolist()))
+        assert [truth[i] for i in seen] == labels
+        epochs.append(seen)
+    assert epochs[0] != epochs[1]
+    other = data.ShardReader(numbered, 1, 3, 50, seed=8)
+    assert not np.array_equal(other.next_batch()[1], data.ShardReader(
+        numbered, 1, 3, 50, seed=7).next_batch()[1])
+
+
+def test_batch_arrays_are_reused(numbered):
+    r = data.ShardReader(numbered, 0, 2, 32, seed=0)
+    x1, y1 = r.next_batch()
+    first = x1.copy()
+    x2, y2 = r.next_batch()
+    assert x1 is x2 and y1 is y2 and not np.array_equal(first, x2)
+
+
+def test_position_and_seek_resume_the_same_batches(numbered):
+    r = data.ShardReader(numbered, 2, 3, 64, seed=5)
+    per_epoch = r.num_samples // 64
+    assert per_epoch < 7   # the 7 batches cross an epoch boundary
+    for _ in range(7):
+        r.next_batch()
+    position = r.position
+    assert position == (7 // per_epoch, 64 * (7 % per_epoch))
+    expected = [tuple(a.copy() for a in r.next_batch()) for _ in range(3)]
+    fresh = data.ShardReader(numbered, 2, 3, 64, seed=5)
+    fresh.seek(*position)
+    for x, y in expected:
+        xf, yf = fresh.next_batch()
+        np.testing.assert_array_equal(x, xf)
+        np.testing.assert_array_equal(y, yf)
+    with pytest.raises(HpctrainError, match="cannot seek"):
+        fresh.seek(0, 290)
+
+
+def test_part_smaller_than_a_batch_wraps_around(numbered):
+    r = data.ShardReader(numbered, 0, 20, 100, seed=0)
+    assert r.num_samples < 100
+    x, y = r.next_batch()
+    assert x.shape == (100, 784) and y.shape == (100,)
+    assert set(sample_ids((x * 255).round().astype(np.uint8)).tolist()) == set(
+        sample_ids(r.images).tolist())
+    assert r.position == (1, 0)
+
+
+def copy_shards(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupt_shard_is_refused(numbered, tmp_path):
+    out = copy_shards(numbered, tmp_path / "shards")
+    shard = out / "train-00001-of-00008.h5"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2: len(raw) // 2 + 64] = b"\xff" * 64
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(HpctrainError, match="train-00001-of-00008.h5: corrupt shard"):
+        data.ShardReader(out, 1, 8, 16, seed=0)
+    # Only the files a worker opens are checked: worker 0 still starts.
+    assert data.ShardReader(out, 0, 8, 16, seed=0).num_samples > 0
+
+
+def test_unreadable_or_misshapen_shard_is_refused(numbered, tmp_path):
+    import h5py
+    out = copy_shards(numbered, tmp_path / "shards")
+    manifest = json.loads((out / "manifest.json").read_text())
+
+    def replace(i, write):
+        path = out / manifest["train"]["shards"][i]["file"]
+        write(path)
+        manifest["train"]["shards"][i]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        (out / "manifest.json").write_text(json.dumps(manifest))
+
+    replace(0, lambda p: p.write_bytes(b"not hdf5 at all" * 100))
+    with pytest.raises(HpctrainError, match="train-00000-of-00008.h5: unreadable HDF5 shard"):
+        data.ShardReader(out, 0, 8, 16, seed=0)
+
+    def wrong_shape(p):
+        with h5py.File(p, "w") as f:
+            f["images"] = np.zeros((5, 784), np.uint8)
+            f["labels"] = np.zeros(5, np.uint8)
+    replace(1, wrong_shape)
+    with pytest.raises(HpctrainError, match="train-00001-of-00008.h5: bad shard"):
+        data.ShardReader(out, 1, 8, 16, seed=0)
+
+
+def test_missing_shard_or_manifest(numbered, tmp_path):
+    out = copy_shards(numbered, tmp_path / "shards")
+    (out / "train-00005-of-00008.h5").unlink()
+    with pytest.raises(HpctrainError, match="train-00005-of-00008.h5: missing shard"):
+        data.ShardReader(out, 2, 3, 16, seed=0)
+    (out / "manifest.json").unlink()
+    with pytest.raises(HpctrainError, match="manifest.json: missing.*python -m hpctrain.data "
+                                            "prepare"):
+        data.ShardReader(out, 0, 1, 16, seed=0)
+    with pytest.raises(HpctrainError, match="nowhere: no such directory.*python -m "
+                                            "hpctrain.data prepare"):
+        data.load_test(tmp_path / "nowhere")
+
+
+def test_more_workers_than_samples(tmp_path):
+    source = make_single_source(tmp_path / "src", n=20, classes=2)
+    out = tmp_path / "out"
+    data.prepare(source, out, shards=2, test_fraction=0.1, log=quiet)
+    with pytest.raises(HpctrainError, match=r"more workers \(19\) than training samples \(18\)"):
+        data.ShardReader(out, 0, 19, 4, seed=0)
+    assert data.ShardReader(out, 17, 18, 4, seed=0).num_samples == 1
+
+
+def test_bad_reader_arguments(numbered):
+    with pytest.raises(HpctrainError, match="worker must be in 0..2"):
+        data.ShardReader(numbered, 3, 3, 16, seed=0)
+    with pytest.raises(HpctrainError, match="--batch-size must be a positive integer"):
+        data.ShardReader(numbered, 0, 3, 0, seed=0)
+
+
+@pytest.mark.parametrize("parts", [1, 3, 7, 100, 130])
+def test_load_test_parts_cover_the_test_set(numbered, parts):
+    whole_x, whole_y = data.load_test(numbered)
+    assert whole_x.shape == (100, 784) and whole_x.dtype == np.float32
+    assert whole_y.dtype == np.int64 and np.bincount(whole_y).tolist() == [10] * 10
+    xs, ys = zip(*(data.load_test(numbered, p, parts) for p in range(parts)))
+    assert max(len(y) for y in ys) - min(len(y) for y in ys) <= 1
+    assert all(x.shape == (len(y), 784) and x.dtype == np.float32 for x, y in zip(xs, ys))
+    np.testing.assert_array_equal(np.concatenate(xs), whole_x)
+    np.testing.assert_array_equal(np.concatenate(ys), whole_y)
+
+
+def test_training_and_test_pixels_scale_the_same_way(numbered):
+    r = data.ShardReader(numbered, 0, 1, 900, seed=0)
+    x, _ = r.next_batch()
+    assert set(np.unique(x).tolist()) <= set((np.arange(256, dtype=np.float32) / 255).tolist())
+
+
+def test_default_dirs():
+    assert data.default_data_dir() == REPO / "data" / "mnist"
+    assert data.bundled_sample_dir() == REPO / "data" / "mnist-5k"
+
+
+# ---------------------------------------------------------------------------
+# fetch
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def mirror(tmp_path, monkeypatch):
+    """A local HTTP server with four small, valid MNIST-format .gz files."""
+    root = tmp_path / "www"
+    root.mkdir()
+    write_idx(root / "train-images-idx3-ubyte.gz", numbered_images(40))
+    write_idx(root / "train-labels-idx1-ubyte.gz", np.arange(40) % 4)
+    write_idx(root / "t10k-images-idx3-ubyte.gz", numbered_images(8, start=40))
+    write_idx(root / "t10k-labels-idx1-ubyte.gz", np.arange(8) % 4)
+    sums = {p.name: hashlib.md5(p.read_bytes()).hexdigest() for p in root.iterdir()}
+    monkeypatch.setitem(data.MD5, "mnist", sums)
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/", root
+    server.shutdown()
+    server.server_close()
+
+
+def test_fetch_from_mirror_then_prepare(mirror, tmp_path):
+    url, root = mirror
+    out = tmp_path / "raw"
+    lines = []
+    paths = data.fetch("mnist", out, mirror=url, log=lines.append)
+    assert sorted(p.name for p in out.iterdir()) == sorted(data.MD5["mnist"])
+    assert [p.read_bytes() for p in paths] == [(root / p.name).read_bytes() for p in paths]
+    lines.clear()
+    data.fetch("mnist", out, mirror=url.rstrip("/"), log=lines.append)
+    assert len(lines) == 4 and all("present, checksum ok" in line for line in lines)
+    manifest = data.prepare(out, tmp_path / "shards", shards=2, log=quiet)
+    assert manifest["train"]["num_samples"] == 40 and manifest["test"]["num_samples"] == 8
+
+
+def test_fetch_refuses_a_wrong_file(mirror, tmp_path, monkeypatch):
+    url, root = mirror
+    monkeypatch.setitem(data.MD5["mnist"], "t10k-images-idx3-ubyte.gz", "0" * 32)
+    out = tmp_path / "raw"
+    with pytest.raises(HpctrainError, match="t10k-images-idx3-ubyte.gz: checksum mismatch"):
+        data.fetch("mnist", out, mirror=url, log=quiet)
+    names = sorted(p.name for p in out.iterdir())
+    assert "t10k-images-idx3-ubyte.gz" not in names and not any(".part" in n for n in names)
+
+
+def test_fetch_http_error_and_timeout(mirror, tmp_path):
+    url, root = mirror
+    (root / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(HpctrainError, match="t10k-labels-idx1-ubyte.gz: HTTP 404"):
+        data.fetch("mnist", tmp_path / "raw", mirror=url, log=quiet)
+    assert not any(".part" in p.name for p in (tmp_path / "raw").iterdir())
+    # A listener that never answers: the kernel completes the connection, no reply comes.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        with pytest.raises(HpctrainError, match="no response within 0.3 s"):
+            data.fetch("mnist", tmp_path / "raw2", mirror=f"http://127.0.0.1:{port}/",
+                       log=quiet, timeout=0.3)
+    with pytest.raises(HpctrainError, match="unknown dataset 'cifar'"):
+        data.fetch("cifar", tmp_path / "raw3")
+
+
+# ---------------------------------------------------------------------------
+# Command line
+
+def run_cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "hpctrain.data", *map(str, args)],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+
+
+def test_cli_bad_source_is_one_line_exit_2(tmp_path):
+    r = run_cli("prepare", "--source", tmp_path / "missing", "--out", tmp_path / "out")
+    assert r.returncode == 2
+    assert r.stderr == f"hpctrain: error: {tmp_path / 'missing'}: no such directory\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_prepare_prints_a_summary(tmp_path):
+    source = make_single_source(tmp_path / "src", n=100)
+    r = run_cli("prepare", "--source", source, "--out", tmp_path / "out", "--shards", 3,
+                "--test-fraction", 0.2, "--seed", 1)
+    assert r.returncode == 0, r.stderr
+    assert "80 training samples in 3 shards" in r.stdout and "20 test samples" in r.stdout
+    assert data.is_prepared(tmp_path / "out")
