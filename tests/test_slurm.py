@@ -29,7 +29,8 @@ reports it) and the job's combined stdout/stderr, or sbatch's own message when
 the submission is rejected. ``script`` is a path, or the text of a script
 (starting with ``#!``), which is written to a file first. ``env`` adds
 variables to the submitting environment (sbatch exports it to the job);
-``HPCTRAIN_PYTHON`` is always set to the repo's ``.venv`` python. A job still
+``HPCTRAIN_PYTHON`` is always set to the repo's ``.venv`` python, and
+``PMI_*``/``OMPI_*``/``SLURM_*``-style launcher variables are dropped. A job still
 running at ``timeout`` is cancelled and the test fails with its output so far.
 ``sbatch --wait`` polls every 2 s (``MinJobAge=5``), so a job costs >= 2 s.
 
@@ -96,6 +97,9 @@ if _reason:
     pytest.skip(_reason, allow_module_level=True)
 
 
+_LAUNCHER_VARS = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "SLURM_")
+
+
 class JobResult(NamedTuple):
     returncode: int
     output: str
@@ -128,7 +132,11 @@ class Slurm:
         argv = ["sbatch", "--wait", f"--job-name={name}", f"--output={out}",
                 f"--chdir={self.repo}", *map(str, sbatch_args), str(script),
                 *map(str, args)]
-        full_env = dict(os.environ, HPCTRAIN_PYTHON=str(self.python))
+        # The job must form its own MPI world under its own allocation: drop
+        # launcher variables a surrounding mpirun or SLURM job would leak in.
+        full_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(_LAUNCHER_VARS)}
+        full_env["HPCTRAIN_PYTHON"] = str(self.python)
         full_env.update(env or {})
         try:
             proc = subprocess.run(argv, capture_output=True, text=True,
