@@ -1,0 +1,76 @@
+"""The MLP: flat buffers with per-layer views, and backprop against finite differences."""
+import numpy as np
+
+from hpctrain.model import MLP, num_params
+
+
+def test_views_share_one_flat_buffer():
+    m = MLP((20, 10))
+    assert m.num_params == num_params((20, 10)) == 784 * 20 + 20 + 20 * 10 + 10 + 10 * 10 + 10
+    m.params[:] = np.arange(m.num_params, dtype=np.float32)
+    for name, lo, hi in m.tensor_ranges():
+        view = dict(m.tensors())[name]
+        assert np.shares_memory(view, m.params)
+        assert np.array_equal(view.ravel(), np.arange(lo, hi, dtype=np.float32))
+    for g in m.gW + m.gb:
+        assert np.shares_memory(g, m.grads)
+    assert [n for n, _ in m.tensors()] == ["layer0/W", "layer0/b", "layer1/W", "layer1/b", "layer2/W", "layer2/b"]
+
+
+def test_gradient_matches_finite_differences():
+    m = MLP((16, 12), dtype=np.float64)
+    m.init(3)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((6, 784)), rng.integers(0, 10, 6)
+    m.forward_backward(x, y)
+    analytic = m.grads.copy()
+    # every bias and a sample of weights from every layer
+    picks = [k for _, lo, hi in m.tensor_ranges() for k in rng.choice(np.arange(lo, hi), min(15, hi - lo), replace=False)]
+    eps = 1e-6
+    for k in picks:
+        old = m.params[k]
+        m.params[k] = old + eps
+        up = float(m.forward_backward(x, y))
+        m.params[k] = old - eps
+        down = float(m.forward_backward(x, y))
+        m.params[k] = old
+        numeric = (up - down) / (2 * eps)
+        assert abs(numeric - analytic[k]) <= 1e-6 + 1e-4 * abs(numeric), (k, numeric, analytic[k])
+
+
+def test_layer_done_callbacks_run_last_layer_first_after_its_gradient_is_final():
+    m = MLP((8, 8))
+    m.init(0)
+    x = np.random.default_rng(0).random((4, 784)).astype(np.float32)
+    y = np.array([1, 2, 3, 4])
+    m.forward_backward(x, y)
+    final = m.grads.copy()
+    m.grads[:] = np.nan
+    seen = []
+
+    def done(i):
+        lo, hi = m.layer_ranges[i]
+        assert np.array_equal(m.grads[lo:hi], final[lo:hi])
+        seen.append(i)
+    m.forward_backward(x, y, on_layer_done=done)
+    assert seen == [2, 1, 0]
+
+
+def test_evaluate_counts_correct_and_loss():
+    m = MLP((8,))
+    m.init(0)
+    rng = np.random.default_rng(1)
+    x, y = rng.random((2500, 784)).astype(np.float32), rng.integers(0, 10, 2500)
+    loss_sum, correct = m.evaluate(x, y, batch=1000)
+    loss = float(m.forward_backward(x, y))
+    assert abs(loss_sum / 2500 - loss) < 1e-4
+    assert 0 <= correct <= 2500
+
+
+def test_init_is_deterministic_and_he_scaled():
+    a, b = MLP(), MLP()
+    a.init(7)
+    b.init(7)
+    assert np.array_equal(a.params, b.params)
+    assert abs(float(a.W[0].std()) - np.sqrt(2 / 784)) < 0.01 * np.sqrt(2 / 784) * 10
+    assert not np.any(a.b[0])

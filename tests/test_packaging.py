@@ -1,0 +1,38 @@
+"""pyproject.toml and environment.yml name the same packages; the README
+shows the two commands a user starts with; CI runs the README's test command."""
+import os
+import re
+import tomllib
+
+from conftest import REPO
+
+# pip name -> conda-forge name, where they differ in more than version pins.
+PIP_TO_CONDA = {"mpich": "openmpi", "cupy-cuda12x": "cupy"}
+
+
+def _name(spec):
+    return re.split(r"[<>=!\[ ;]", spec.strip(), maxsplit=1)[0].lower()
+
+
+def test_environment_yml_names_the_same_packages_as_pyproject():
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    pip = {_name(d) for d in project["dependencies"]}
+    for extra in project["optional-dependencies"].values():
+        pip |= {_name(d) for d in extra}
+    expected = {PIP_TO_CONDA.get(n, n) for n in pip}
+    conda = set()
+    for line in open(os.path.join(REPO, "environment.yml")):
+        m = re.match(r"\s*#?\s*-\s+([A-Za-z0-9_.-]+)", line)
+        if m and m.group(1) not in ("conda-forge",):
+            conda.add(_name(m.group(1)))
+    conda.discard("python")
+    assert expected == conda, (expected ^ conda)
+
+
+def test_readme_quick_start_and_ci():
+    readme = open(os.path.join(REPO, "README.md")).read()
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"^\s*(make \w+)\s*$", quick, re.M)
+    assert commands[:2] == ["make run", "make test"]
+    assert "make test" in open(os.path.join(REPO, ".ci", "run")).read()
