@@ -26,25 +26,44 @@ FLUSH_BELOW = 1e-30
 
 
 class SGD:
+    """params -= lr * grad_scale * grads.
+
+    A step is `begin(lr, grad_scale)` once, then `update(params, grads, lo, hi)`
+    for any ranges covering the buffer (bucket fusion updates each bucket as
+    soon as its allreduce lands); `step()` does both for the whole buffer.
+    """
+
     state_names = ()
 
     def __init__(self, size, xp=np, dtype=np.float32):
         self.xp, self.size, self.t = xp, size, 0
         self._tmp = xp.empty(min(BLOCK, max(size, 1)), dtype)
+        self._tmp2 = xp.empty_like(self._tmp)
 
     def state(self):
         """name -> flat array of this optimizer's state (for checkpoints)."""
         return {name: getattr(self, name) for name in self.state_names}
 
     def step(self, params, grads, lr, grad_scale=1.0):
-        """params -= lr * grad_scale * grads (grad_scale averages a summed gradient)."""
+        self.begin(lr, grad_scale)
+        self.update(params, grads)
+
+    def begin(self, lr, grad_scale=1.0):
+        """Start step t+1 with learning rate lr; grad_scale averages a summed gradient."""
         self.t += 1
-        xp, tmp = self.xp, self._tmp
-        for lo in range(0, self.size, BLOCK):
-            hi = min(lo + BLOCK, self.size)
-            t = tmp[: hi - lo]
-            xp.multiply(grads[lo:hi], lr * grad_scale, out=t)
-            params[lo:hi] -= t
+        self.lr, self.grad_scale = lr, grad_scale
+
+    def update(self, params, grads, lo=0, hi=None):
+        """Apply the current step to elements [lo, hi) (views of the full buffers)."""
+        hi = self.size if hi is None else hi
+        for b_lo in range(lo, hi, BLOCK):
+            b_hi = min(b_lo + BLOCK, hi)
+            self._update_block(params, grads, b_lo, b_hi)
+
+    def _update_block(self, params, grads, lo, hi):
+        t = self._tmp[: hi - lo]
+        self.xp.multiply(grads[lo:hi], self.lr * self.grad_scale, out=t)
+        params[lo:hi] -= t
 
 
 class Momentum(SGD):
@@ -57,17 +76,13 @@ class Momentum(SGD):
         self.mu = momentum
         self.velocity = xp.zeros(size, dtype)
 
-    def step(self, params, grads, lr, grad_scale=1.0):
-        self.t += 1
-        xp, tmp, v = self.xp, self._tmp, self.velocity
-        for lo in range(0, self.size, BLOCK):
-            hi = min(lo + BLOCK, self.size)
-            t, vb = tmp[: hi - lo], v[lo:hi]
-            vb *= self.mu
-            xp.multiply(grads[lo:hi], grad_scale, out=t)
-            vb += t
-            xp.multiply(vb, lr, out=t)
-            params[lo:hi] -= t
+    def _update_block(self, params, grads, lo, hi):
+        xp, t, vb = self.xp, self._tmp[: hi - lo], self.velocity[lo:hi]
+        vb *= self.mu
+        xp.multiply(grads[lo:hi], self.grad_scale, out=t)
+        vb += t
+        xp.multiply(vb, self.lr, out=t)
+        params[lo:hi] -= t
 
 
 class Adam(SGD):
@@ -80,37 +95,39 @@ class Adam(SGD):
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.m = xp.zeros(size, dtype)
         self.v = xp.zeros(size, dtype)
-        self._tmp2 = xp.empty_like(self._tmp)
 
-    def step(self, params, grads, lr, grad_scale=1.0):
-        self.t += 1
-        xp, b1, b2 = self.xp, self.beta1, self.beta2
-        step_size = lr / (1 - b1 ** self.t)
-        inv_sqrt_bc2 = 1.0 / math.sqrt(1 - b2 ** self.t)
-        g_scale_m = (1 - b1) * grad_scale
-        g_scale_v = (1 - b2) * grad_scale * grad_scale
-        m, v = self.m, self.v
-        for lo in range(0, self.size, BLOCK):
-            hi = min(lo + BLOCK, self.size)
-            n = hi - lo
-            t, t2, g, mb, vb = self._tmp[:n], self._tmp2[:n], grads[lo:hi], m[lo:hi], v[lo:hi]
-            mb *= b1
-            xp.multiply(g, g_scale_m, out=t)
-            mb += t
-            vb *= b2
-            xp.multiply(g, g, out=t)
-            t *= g_scale_v
-            vb += t
-            # p -= step_size * m / (sqrt(v) / sqrt(bc2) + eps)
-            xp.sqrt(vb, out=t)
-            t *= inv_sqrt_bc2
-            t += self.eps
-            xp.divide(mb, t, out=t2)
-            t2 *= step_size
-            params[lo:hi] -= t2
-        if self.t % FLUSH_EVERY == 0:
-            for state in (m, v):
-                state[xp.abs(state) < FLUSH_BELOW] = 0
+    def begin(self, lr, grad_scale=1.0):
+        super().begin(lr, grad_scale)
+        b1, b2 = self.beta1, self.beta2
+        self.step_size = lr / (1 - b1 ** self.t)
+        self.inv_sqrt_bc2 = 1.0 / math.sqrt(1 - b2 ** self.t)
+        self.g_scale_m = (1 - b1) * grad_scale
+        self.g_scale_v = (1 - b2) * grad_scale * grad_scale
+        self.flush = self.t % FLUSH_EVERY == 0
+
+    def _update_block(self, params, grads, lo, hi):
+        xp, n = self.xp, hi - lo
+        t, t2, g, mb, vb = self._tmp[:n], self._tmp2[:n], grads[lo:hi], self.m[lo:hi], self.v[lo:hi]
+        mb *= self.beta1
+        xp.multiply(g, self.g_scale_m, out=t)
+        mb += t
+        vb *= self.beta2
+        xp.multiply(g, g, out=t)
+        t *= self.g_scale_v
+        vb += t
+        # p -= step_size * m / (sqrt(v) / sqrt(bc2) + eps)
+        xp.sqrt(vb, out=t)
+        t *= self.inv_sqrt_bc2
+        t += self.eps
+        xp.divide(mb, t, out=t2)
+        t2 *= self.step_size
+        params[lo:hi] -= t2
+        if self.flush:
+            for state in (mb, vb):
+                xp.abs(state, out=t)
+                xp.less(t, FLUSH_BELOW, out=t2)  # 1.0 where tiny
+                xp.subtract(1.0, t2, out=t2)
+                state *= t2
 
 
 OPTIMIZERS = {"sgd": SGD, "momentum": Momentum, "adam": Adam}
