@@ -633,13 +633,18 @@ class ShardReader:
             b = _bounds(shards[w % S]["num_samples"], sharing)
             j = w // S
             reads = [(shards[w % S], b[j], b[j + 1])]
-        images, labels = [], []
+        # Read each part straight into its place: peak memory is the worker's
+        # data plus one part, not twice the data.
+        count = sum(stop - start for _, start, stop in reads)
+        self.images = np.empty((count, self.num_features), np.uint8)
+        self.labels = np.empty(count, np.int64)
+        at = 0
         for entry, start, stop in reads:
             x, y = _read_shard(self.data_dir, entry, shape, start, stop)
-            images.append(x.reshape(len(x), -1))
-            labels.append(y)
-        self.images = np.ascontiguousarray(np.concatenate(images))
-        self.labels = np.concatenate(labels).astype(np.int64)
+            self.images[at: at + len(x)] = x.reshape(len(x), -1)
+            self.labels[at: at + len(y)] = y
+            at += len(x)
+            del x, y
         self.files = [entry["file"] for entry, _, _ in reads]
         self.num_samples = len(self.labels)
         if self.num_samples == 0:
@@ -692,8 +697,9 @@ class ShardReader:
         return self._x, self._y
 
 
-def load_test(data_dir, part=0, parts=1):
+def load_test(data_dir, part=0, parts=1, raw=False):
     """Contiguous part `part` of `parts` of the test set: (x float32 (n, features), y int64 (n,)).
+    With raw=True, x stays uint8 pixels (a quarter of the memory; scale by 1/255 per batch).
 
     Parts are near-equal and together cover the test set once, so ranks can
     evaluate it together; a part is empty when parts exceeds the test set.
@@ -706,14 +712,15 @@ def load_test(data_dir, part=0, parts=1):
     features = int(np.prod(shape))
     b = _bounds(manifest["test"]["num_samples"], parts)
     lo, hi = b[part], b[part + 1]
-    xs, ys = [np.empty((0, features), np.float32)], [np.empty(0, np.int64)]
+    xs, ys = [np.empty((0, features), np.uint8 if raw else np.float32)], [np.empty(0, np.int64)]
     at = 0
     for entry in manifest["test"]["shards"]:
         n = entry["num_samples"]
         start, stop = max(lo - at, 0), min(hi - at, n)
         if start < stop:
             x, y = _read_shard(data_dir, entry, shape, start, stop)
-            xs.append(_to_float(x.reshape(len(x), -1)))
+            x = x.reshape(len(x), -1)
+            xs.append(x if raw else _to_float(x))
             ys.append(y.astype(np.int64))
         at += n
     return np.concatenate(xs), np.concatenate(ys)

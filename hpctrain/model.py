@@ -57,11 +57,12 @@ class MLP:
         """He-normal weights, zero biases, from `seed` (host RNG, then copied,
         so CPU and GPU runs start from the same bits)."""
         rng = np.random.default_rng(seed)
-        host = np.zeros(self.num_params, self.dtype)
+        self.params[...] = 0
         for (lo, hi), fan_in, fan_out in zip(self.layer_ranges, self.sizes[:-1], self.sizes[1:]):
-            w = rng.standard_normal((fan_in, fan_out)) * np.sqrt(2.0 / fan_in)
-            host[lo: lo + fan_in * fan_out] = w.ravel()
-        self.params[...] = self.xp.asarray(host)
+            # one layer at a time, in the buffer's dtype: no model-sized temporaries
+            w = rng.standard_normal(fan_in * fan_out, dtype=np.float64 if self.dtype == np.float64 else np.float32)
+            w *= np.sqrt(2.0 / fan_in)
+            self.params[lo: lo + fan_in * fan_out] = self.xp.asarray(w.astype(self.dtype, copy=False))
 
     def tensors(self):
         """(name, view) for each parameter tensor, in buffer order."""
@@ -77,16 +78,19 @@ class MLP:
         return out
 
     # --- compute ------------------------------------------------------------
-    def _buffers(self, batch):
-        acts = self._acts.get(batch)
-        if acts is None:
+    def _buffers(self, batch, backward=True):
+        """Activation (and, for training, gradient) buffers, kept for the next
+        call: one set for training, one for evaluation, so neither evicts the other."""
+        key = "train" if backward else "eval"
+        acts = self._acts.get(key)
+        if acts is None or acts["rows"].shape[0] != batch:
             xp = self.xp
             acts = {
                 "h": [xp.empty((batch, n), self.dtype) for n in self.sizes[1:]],
-                "d": [xp.empty((batch, n), self.dtype) for n in self.sizes[1:]],
+                "d": [xp.empty((batch, n), self.dtype) for n in self.sizes[1:]] if backward else None,
                 "rows": xp.arange(batch),
             }
-            self._acts = {batch: acts}  # one batch size at a time: bounded memory
+            self._acts[key] = acts
         return acts
 
     def _forward(self, x, acts):
@@ -135,13 +139,16 @@ class MLP:
                 on_layer_done(i)
         return loss
 
-    def evaluate(self, x, y, batch=1000):
-        """(sum of cross-entropy, number correct) over x, y, as Python numbers."""
+    def evaluate(self, x, y, batch=250):
+        """(sum of cross-entropy, number correct) over x, y, as Python numbers.
+        x may be uint8 pixels (scaled by 1/255 a batch at a time) or floats."""
         xp = self.xp
         total_loss, correct = 0.0, 0
         for lo in range(0, x.shape[0], batch):
             xb, yb = x[lo: lo + batch], y[lo: lo + batch]
-            logits = self._forward(xb, self._buffers(xb.shape[0]))
+            if xb.dtype == np.uint8:
+                xb = xb.astype(self.dtype) / 255
+            logits = self._forward(xb, self._buffers(xb.shape[0], backward=False))
             shifted = logits - logits.max(axis=1, keepdims=True)
             logp = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
             total_loss += float(-logp[xp.arange(xb.shape[0]), yb].sum())

@@ -58,12 +58,17 @@ class FusedAllreduce:
         self.buckets = bucket_bounds(wire.size, bucket_elems, ready_from)
         self.sync = sync or (lambda: None)
         self.on_reduced = on_reduced
-        self.overlap = overlap and len(self.buckets) > 1
+        # One rank has nothing to reduce, one bucket nothing to overlap: no thread.
+        self.overlap = overlap and len(self.buckets) > 1 and getattr(allreduce, "size", 2) > 1
         self.timeline = timeline
         self.watchdog = watchdog
         self._next = 0          # index of the next bucket to launch
         self._error = None
-        self.wait_s = 0.0       # time the main thread waited in wait() (not hidden)
+        # Last step's accounting (seconds): the main thread's wait in wait(), and
+        # how much of it was allreduce and how much optimizer update (the rest of
+        # their time was hidden behind backprop); update_s is all update time.
+        self.wait_s = self.exposed_comm_s = self.exposed_update_s = self.update_s = 0.0
+        self._spans = []        # (start, end, is_update) of this step's work
         if self.overlap:
             self._todo = queue.SimpleQueue()
             self._done = queue.SimpleQueue()
@@ -72,7 +77,10 @@ class FusedAllreduce:
 
     # --- called by the training loop ---------------------------------------
     def layer_done(self, layer):
-        """Launch every bucket that lies wholly in the finished region."""
+        """Launch every bucket that lies wholly in the finished region (with
+        overlap; without, everything waits for wait())."""
+        if not self.overlap:
+            return
         finished_from = self.ready_from[layer]
         launched = False
         while self._next < len(self.buckets) and self.buckets[self._next][0] >= finished_from:
@@ -101,7 +109,18 @@ class FusedAllreduce:
                 if item is not None:
                     raise item
         self._next = 0
-        self.wait_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.wait_s = t1 - t0
+        comm = update = total_update = 0.0
+        for start, end, is_update in self._spans:
+            exposed = max(0.0, min(end, t1) - max(start, t0))
+            if is_update:
+                update += exposed
+                total_update += end - start
+            else:
+                comm += exposed
+        self.exposed_comm_s, self.exposed_update_s, self.update_s = comm, update, total_update
+        self._spans.clear()
 
     def close(self):
         if self.overlap:
@@ -119,12 +138,15 @@ class FusedAllreduce:
         t0 = time.perf_counter()
         self.allreduce(self.wire[lo:hi])
         t1 = time.perf_counter()
+        self._spans.append((t0, t1, False))
         if self.timeline is not None:
             self.timeline.add(f"allreduce [{lo}:{hi})", "comm", t0, t1, {"bytes": (hi - lo) * self.wire.itemsize})
         if self.on_reduced is not None:
             self.on_reduced(lo, hi)
+            t2 = time.perf_counter()
+            self._spans.append((t1, t2, True))
             if self.timeline is not None:
-                self.timeline.add(f"optimizer [{lo}:{hi})", "optimizer", t1, time.perf_counter())
+                self.timeline.add(f"optimizer [{lo}:{hi})", "optimizer", t1, t2)
 
     def _worker(self):
         while True:

@@ -9,10 +9,18 @@ summed chunks around. Each rank sends 2(N-1)/N of the buffer in all, whatever
 the number of ranks. Chunks are slices of the buffer itself, so nothing is
 copied except the incoming chunk that must be added.
 
+The buffer may be NumPy or CuPy (the latter only with a CUDA-aware MPI, which
+reads and writes device memory itself; comm/buffers.py decides, and stages
+through host memory otherwise). For CuPy the scratch lives on the device, the
+adds are kernels, and the stream is synchronized before MPI touches anything
+a kernel wrote.
+
     mpirun -n 3 python -m hpctrain.comm.ring      # self-check: full(n, rank) sums
 """
 import numpy as np
 from mpi4py import MPI
+
+from ..device import array_module
 
 # Chunks are received and added in segments of this many bytes so the add of
 # one segment overlaps the transfer of the next, and the scratch stays in cache.
@@ -39,28 +47,38 @@ class RingAllreduce:
         self.watchdog = watchdog
         self._scratch = {}
 
-    def _scratch_for(self, dtype, n):
-        buf = self._scratch.get(dtype)
+    def _scratch_for(self, dtype, n, xp=np):
+        key = (xp.__name__, dtype)
+        buf = self._scratch.get(key)
         if buf is None or buf.size < n:
-            buf = np.empty(max(n, 1), dtype=dtype)
-            self._scratch[dtype] = buf
+            buf = xp.empty(max(n, 1), dtype=dtype)
+            self._scratch[key] = buf
         return buf
 
     def __call__(self, buf):
         if self.size == 1 or buf.size == 0:
             return buf
+        if isinstance(buf, np.ndarray):
+            xp, sync = np, None
+        else:
+            xp = array_module(buf)
+            sync = xp.cuda.get_current_stream().synchronize
+            sync()  # MPI reads what kernels wrote
         if self.watchdog is not None:
             with self.watchdog.waiting("ring allreduce", peer=self.left):
-                self._ring(buf)
+                self._ring(buf, xp, sync)
         else:
-            self._ring(buf)
+            self._ring(buf, xp, sync)
         return buf
 
-    def _ring(self, buf):
+    def _ring(self, buf, xp=np, sync=None):
+        """sync: None for host memory; for device memory, waits for the adds
+        (kernels) before MPI sends their result or receives over their input."""
         n, size, rank = buf.size, self.size, self.rank
         b = chunk_bounds(n, size)
         seg = max(1, SEGMENT_BYTES // buf.itemsize)
-        scratch = self._scratch_for(buf.dtype, min(b[1] - b[0] + 1, seg))
+        scratch = self._scratch_for(buf.dtype, min(b[1] - b[0] + 1, seg), xp)
+        add = xp.add
         comm, right, left = self.comm, self.right, self.left
 
         # Reduce-scatter: after step s, chunk (rank - s - 1) holds s+2 ranks' sum.
@@ -72,9 +90,11 @@ class RingAllreduce:
             if s_hi - s_lo <= seg and r_hi - r_lo <= seg:
                 tmp = scratch[: r_hi - r_lo]
                 comm.Sendrecv(buf[s_lo:s_hi], right, 0, tmp, left, 0)
-                np.add(buf[r_lo:r_hi], tmp, out=buf[r_lo:r_hi])
+                add(buf[r_lo:r_hi], tmp, out=buf[r_lo:r_hi])
+                if sync is not None:
+                    sync()
             else:
-                self._sendrecv_add(buf, s_lo, s_hi, r_lo, r_hi, seg)
+                self._sendrecv_add(buf, s_lo, s_hi, r_lo, r_hi, seg, xp, sync)
 
         # Allgather: pass the summed chunks around, straight into place.
         for step in range(size - 1):
@@ -82,13 +102,14 @@ class RingAllreduce:
             recv = (rank - step) % size
             comm.Sendrecv(buf[b[send]:b[send + 1]], right, 1, buf[b[recv]:b[recv + 1]], left, 1)
 
-    def _sendrecv_add(self, buf, s_lo, s_hi, r_lo, r_hi, seg):
+    def _sendrecv_add(self, buf, s_lo, s_hi, r_lo, r_hi, seg, xp=np, sync=None):
         """Large chunks travel as segments of `seg` elements (a chunk of at most
         one segment is one message, so both neighbours agree on the message
         count from the chunk's length alone); each received segment is added
         while the next is in flight, through a double-buffered scratch."""
         comm, right, left = self.comm, self.right, self.left
-        scratch = self._scratch_for(buf.dtype, 2 * seg)
+        scratch = self._scratch_for(buf.dtype, 2 * seg, xp)
+        add = xp.add
         halves = (scratch[:seg], scratch[seg: 2 * seg])
         sends = [comm.Isend(buf[lo:min(lo + seg, s_hi)], right, 0) for lo in range(s_lo, s_hi, seg)]
         starts = list(range(r_lo, r_hi, seg))
@@ -101,7 +122,9 @@ class RingAllreduce:
                 nlo = starts[i + 1]
                 reqs[(i + 1) % 2] = comm.Irecv(halves[(i + 1) % 2][: min(seg, r_hi - nlo)], left, 0)
             reqs[i % 2].Wait()
-            np.add(buf[lo:hi], halves[i % 2][: hi - lo], out=buf[lo:hi])
+            add(buf[lo:hi], halves[i % 2][: hi - lo], out=buf[lo:hi])
+            if sync is not None:
+                sync()  # before the next Irecv into this half, and before buf[lo:hi] is sent on
         MPI.Request.Waitall(sends)
 
 
@@ -112,11 +135,14 @@ class MpiAllreduce:
 
     def __init__(self, comm, watchdog=None):
         self.comm = comm.Dup()
+        self.size = self.comm.Get_size()
         self.watchdog = watchdog
 
     def __call__(self, buf):
         if self.comm.Get_size() == 1 or buf.size == 0:
             return buf
+        if not isinstance(buf, np.ndarray):
+            array_module(buf).cuda.get_current_stream().synchronize()  # MPI reads what kernels wrote
         if self.watchdog is not None:
             with self.watchdog.waiting("MPI_Allreduce", peer=None):
                 self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)

@@ -1,0 +1,51 @@
+"""python -m hpctrain.bench allreduce|train|model --help"""
+import argparse
+import sys
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="python -m hpctrain.bench", description=__doc__)
+    sub = p.add_subparsers(dest="what", required=True)
+
+    a = sub.add_parser("allreduce", help="hpctrain's ring vs MPI's Allreduce, 4 KiB to 64 MiB")
+    a.add_argument("--ranks", type=int, default=2, help="ranks to launch when not already under mpirun (default: %(default)s)")
+    a.add_argument("--sizes", default="4K,16K,64K,256K,1M,4M,16M,64M", help="comma-separated sizes in bytes (K, M suffixes)")
+    a.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="buffers in host memory or CuPy device memory")
+    a.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+
+    t = sub.add_parser("train", help="training throughput for several rank counts (flags after -- go to hpctrain.mnist)")
+    t.add_argument("--mode", choices=["ring", "ps"], default="ring")
+    t.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
+    t.add_argument("--steps", type=int, default=1000, help="steps per run (default: %(default)s)")
+    t.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median is reported")
+    t.add_argument("--json", action="store_true")
+
+    m = sub.add_parser("model", help="fit alpha-beta models here, predict 8-256 GPUs")
+    m.add_argument("--ranks", type=int, default=4, help="ranks for the measurements (default: %(default)s)")
+    m.add_argument("--link-gbit", type=float, default=25.0, help="link bandwidth to predict for (default: %(default)s)")
+    m.add_argument("--alpha-us", type=float, default=10.0, help="per-message latency on that network (default: %(default)s)")
+    m.add_argument("--compute-ms", type=float, default=50.0, help="compute time per step per GPU (default: %(default)s)")
+    m.add_argument("--model-mb", type=float, default=100.0, help="gradient size in MB (default: %(default)s, about ResNet-50)")
+    m.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden behind backprop (0-1)")
+    m.add_argument("--ps-ratio", type=float, default=1.0, help="parameter servers per worker (default: %(default)s)")
+    m.add_argument("--json", action="store_true")
+
+    args = p.parse_args(argv)
+    if args.what == "allreduce":
+        from .allreduce import main as run
+        return run(args)
+    if args.what == "train":
+        args.ranks = [int(r) for r in args.ranks.split(",")]
+        from .train import main as run
+        return run(args, extra)
+    from .model import main as run
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""What the benchmarks share: finding mpirun, launching a job, printing tables."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+
+def mpirun_path():
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return here if os.path.exists(here) else (shutil.which("mpirun") or "mpirun")
+
+
+def under_mpi():
+    """True when this process is one rank of a multi-rank MPI job."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):
+        if int(os.environ.get(var, "1") or 1) > 1:
+            return True
+    return False
+
+
+def clean_env():
+    """The environment for a child job: none of our own launcher's variables."""
+    env = dict(os.environ)
+    for var in list(env):
+        if var.startswith(("PMI_", "MPI_LOCAL", "OMPI_COMM", "PMIX_", "HYDRA_")):
+            env.pop(var)
+    return env
+
+
+def launch(ranks, args, timeout=1800):
+    """Run `mpirun -n ranks python args...`; returns CompletedProcess (text)."""
+    cmd = [mpirun_path(), "-n", str(ranks), sys.executable, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
+
+
+def table(rows, columns):
+    """A plain-text table: columns = [(header, key, format)]."""
+    cells = [[h for h, _, _ in columns]]
+    for row in rows:
+        cells.append([("-" if row.get(k) is None else fmt.format(row[k])) for _, k, fmt in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def dump(obj):
+    print(json.dumps(obj, indent=1))

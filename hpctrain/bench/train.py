@@ -1,0 +1,90 @@
+"""Training throughput: runs `python -m hpctrain.mnist` through mpirun for each
+rank count, repeats each, and reports the median of the repeats.
+
+    python -m hpctrain.bench train --mode ring --ranks 1,2,4
+    python -m hpctrain.bench train --mode ps --ranks 3,4 -- --num-ps 2 --async
+
+Every configuration does equal work per worker (the same steps of the same
+batch per worker). Steady-state figures come from the run's own per-step
+timings with the first 10% of steps (warm-up) left out: samples/s = global
+batch / median step time; the step splits into compute (forward+backward),
+communication not hidden behind backprop, and optimizer (time the step
+waited for parameter updates; "hidden" is update time that ran during backprop). Memory: the
+largest rank's peak RSS above the interpreter with its imports, against
+params + grads + optimizer state + one batch.
+"""
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+from ..model import num_params
+from .common import launch, table
+
+STATE_COPIES = {"adam": 2, "momentum": 1, "sgd": 0}
+
+
+def one_run(ranks, mode, steps, extra, tmp):
+    metrics = os.path.join(tmp, f"m-{mode}-{ranks}.jsonl")
+    args = ["-m", "hpctrain.mnist", "--mode", mode, "--steps", str(steps), "--log-every", str(steps),
+            "--metrics", metrics, *extra]
+    r = launch(ranks, args)
+    if r.returncode != 0:
+        raise SystemExit(f"hpctrain: error: bench run failed (mpirun -n {ranks} python {' '.join(args)}):\n"
+                         + r.stderr[-2000:])
+    with open(metrics) as f:
+        return [json.loads(line) for line in f][-1]
+
+
+def memory_target_mb(hidden, optimizer, batch):
+    n = num_params(hidden)
+    return 2 * (4 * n * (2 + STATE_COPIES[optimizer]) + batch * (784 * 4 + 8)) / 2**20
+
+
+def main(args, extra):
+    from ..cli import parse
+    flags = parse(["--mode", args.mode, *extra])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            runs = [one_run(ranks, args.mode, args.steps, extra, tmp) for _ in range(args.repeats)]
+            med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]
+                   if isinstance(runs[0][k], (int, float)) and not isinstance(runs[0][k], bool)}
+            step = med.get("step_median_s")
+            rows.append({
+                "mode": args.mode, "ranks": ranks, "workers": int(med["workers"]),
+                "global_batch": int(med["global_batch"]),
+                "samples_per_s": med["global_batch"] / step if step else med["samples_per_s"],
+                "loop_samples_per_s": med["samples_per_s"],
+                "step_ms": step * 1e3 if step else None,
+                "compute_ms": med.get("compute_median_s", 0) * 1e3,
+                "wait_ms": med.get("wait_median_s", 0) * 1e3,
+                "comm_ms": med.get("comm_exposed_median_s", 0) * 1e3,
+                "comm_pct": 100 * med.get("comm_exposed_median_s", 0) / step if step else None,
+                "optimizer_ms": med.get("optimizer_exposed_median_s", 0) * 1e3,
+                "optimizer_total_ms": med.get("optimizer_total_median_s", 0) * 1e3,
+                "optimizer_hidden_ms": (med.get("optimizer_total_median_s", 0)
+                                        - med.get("optimizer_exposed_median_s", 0)) * 1e3,
+                "peak_mb": med.get("peak_rss_mb"),
+                "above_base_mb": med.get("peak_rss_above_base_mb"),
+                "mem_target_mb": memory_target_mb(flags.hidden, flags.optimizer, flags.batch_size),
+                "test_accuracy": med.get("test_accuracy"),
+            })
+    if args.json:
+        print(json.dumps({"bench": "train", "mode": args.mode, "steps": args.steps, "repeats": args.repeats,
+                          "flags": extra, "rows": rows}))
+        return 0
+    print(f"train, {args.mode} mode, {args.steps} steps x {args.repeats} repeats, "
+          f"hidden {','.join(map(str, flags.hidden))}, {flags.optimizer}, batch {flags.batch_size}/worker"
+          + (f", flags: {' '.join(extra)}" if extra else ""))
+    print(table(rows, [
+        ("ranks", "ranks", "{}"), ("workers", "workers", "{}"), ("samples/s", "samples_per_s", "{:,.0f}"),
+        ("loop samples/s", "loop_samples_per_s", "{:,.0f}"), ("step ms", "step_ms", "{:.3f}"),
+        ("compute ms", "compute_ms", "{:.3f}"), ("comm not hidden ms", "comm_ms", "{:.3f}"),
+        ("% of step", "comm_pct", "{:.1f}"), ("optimizer ms", "optimizer_ms", "{:.3f}"),
+        ("(of it hidden)", "optimizer_hidden_ms", "{:.3f}"),
+        ("peak MB", "peak_mb", "{:.1f}"), ("above base MB", "above_base_mb", "{:.1f}"),
+        ("2x state MB", "mem_target_mb", "{:.1f}")]))
+    return 0
