@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from . import data as data_mod
 from . import device
+from . import jobcheck
 from .cli import validate
 from .cluster import Cluster, check_consistency
 from .comm.deadline import Watchdog
@@ -151,6 +152,7 @@ class Run:
         self.comm = MPI.COMM_WORLD
         self.cluster = Cluster(self.comm, args.mode, args.num_ps)
         self.log = Log(self.cluster)
+        jobcheck.check_world(self.cluster, self.log)
         self.t_start = time.perf_counter()
         collective(self.comm, validate, args, self.cluster.size)
         self.xp, self.device_name, device_note = collective(self.comm, device.select, args.device)
