@@ -12,10 +12,12 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
+from . import checkpoint
 from . import data as data_mod
 from . import device
 from . import jobcheck
@@ -56,6 +58,15 @@ def collective(comm, fn, *args, **kwargs):
         error.report = rank == first
         raise error
     return result
+
+
+@dataclass
+class Resume:
+    """Where a resumed run starts: step and optimizer_t on every rank, the
+    Checkpoint itself (host arrays) on the chief only."""
+    step: int
+    optimizer_t: int
+    checkpoint: object = None
 
 
 class Log:
@@ -101,12 +112,14 @@ class StopSignal:
     after the same step."""
 
     def __init__(self):
-        self.received = None
+        self.received = None   # the signal's name, e.g. "SIGTERM"
+        self.signum = 0
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.received = signal.Signals(signum).name
+        self.signum = int(signum)
 
 
 # ---------------------------------------------------------------------------
@@ -148,6 +161,9 @@ class Run:
     """Everything a training loop needs that is not the loop itself."""
 
     def __init__(self, args, process_note=""):
+        # First: a signal during start-up is then kept for the first step
+        # (which stops and checkpoints) instead of killing the rank mid-collective.
+        self.stop = StopSignal()
         self.args = args
         self.comm = MPI.COMM_WORLD
         self.cluster = Cluster(self.comm, args.mode, args.num_ps)
@@ -158,7 +174,8 @@ class Run:
         self.xp, self.device_name, device_note = collective(self.comm, device.select, args.device)
         self.watchdog = Watchdog(args.timeout, self.cluster.rank, self.comm.Abort)
         self.timeline = Timeline(args.timeline if self.cluster.is_chief else None)
-        self.stop = StopSignal()
+        self.saved_step = None   # the step of the newest checkpoint written or resumed from
+        self.saved_path = None
         c = self.cluster
         self.log(f"hpctrain: {args.mode} mode, world size {c.size} "
                  f"({c.num_ps} ps + {c.num_workers} workers), device {self.device_name} ({device_note})"
@@ -210,6 +227,161 @@ class Run:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
+    # --- checkpoints, for both modes: the chief reads and writes the file;
+    # the data positions travel over worker_comm, whose rank 0 is the chief in
+    # either mode; everything else over the communicator the caller passes
+    # (ring: worker_comm; ps: COMM_WORLD, so the servers share the outcome).
+
+    def _chief_in(self, comm):
+        """The chief's rank in comm (a communicator that contains it)."""
+        world, group = self.comm.Get_group(), comm.Get_group()
+        try:
+            return MPI.Group.Translate_ranks(world, [self.cluster.chief_rank], group)[0]
+        finally:
+            world.Free()
+            group.Free()
+
+    def load_checkpoint(self, comm):
+        """Collective over comm. Honouring --resume, the chief finds the newest
+        valid checkpoint in --checkpoint-dir. Returns None on every rank when
+        the run starts fresh; otherwise a Resume with step and optimizer_t on
+        every rank and the Checkpoint (host arrays) on the chief only.
+        A problem (--resume yes and nothing to resume, a checkpoint of another
+        job) is one error line and a clean exit on every rank of comm."""
+        a, c = self.args, self.cluster
+        if not a.checkpoint_dir:
+            return None
+
+        def chief_reads():
+            if not c.is_chief:
+                return None
+            d = a.checkpoint_dir
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise HpctrainError(f"--checkpoint-dir {d}: cannot create ({e.strerror})") from None
+            if not os.access(d, os.W_OK | os.X_OK):
+                raise HpctrainError(f"--checkpoint-dir {d}: not writable")
+            found = checkpoint.list_checkpoints(d)
+            if a.resume == "no":
+                if found:
+                    raise HpctrainError(
+                        f"--resume no, but {d} holds checkpoints of an earlier run (newest "
+                        f"{os.path.basename(found[0][1])}); remove them or use another --checkpoint-dir")
+                return None
+            ckpt = checkpoint.load_latest(d, checkpoint.settings_for(a, c.num_workers),
+                                          warn=lambda line: print(f"hpctrain: warning: {line}",
+                                                                  file=sys.stderr, flush=True))
+            if ckpt is None and found:
+                raise HpctrainError(f"--checkpoint-dir {d}: none of its {len(found)} checkpoints is "
+                                    f"valid (see the warnings above); move them away to start fresh")
+            if ckpt is None and a.resume == "yes":
+                raise HpctrainError(f"--resume yes, but --checkpoint-dir {d} holds no checkpoint")
+            if ckpt is not None and ckpt.data_positions.shape != (c.num_workers, 2):
+                raise HpctrainError(f"{ckpt.path}: data positions for {ckpt.data_positions.shape[0]} "
+                                    f"workers, this run has {c.num_workers}")
+            return ckpt
+
+        ckpt = collective(comm, chief_reads)
+        head = np.zeros(3, np.int64)
+        if ckpt is not None:
+            head[:] = 1, ckpt.step, ckpt.optimizer_t
+        with self.watchdog.waiting("checkpoint header broadcast", peer=self.cluster.chief_rank):
+            comm.Bcast(head, root=self._chief_in(comm))
+        if not head[0]:
+            return None
+        self.saved_step = int(head[1])
+        self.saved_path = ckpt.path if ckpt is not None else None
+        return Resume(step=int(head[1]), optimizer_t=int(head[2]), checkpoint=ckpt)
+
+    def broadcast_state(self, comm, resume, params, optimizer):
+        """Collective over comm: the resumed parameters and optimizer state
+        from the chief into every rank's params and optimizer (ring mode, where
+        every rank holds all of them); optimizer.t restored too."""
+        root = self._chief_in(comm)
+        ckpt = resume.checkpoint
+        targets = [("params", params, ckpt.params if ckpt else None)]
+        for name, array in optimizer.state().items():
+            targets.append((f"optimizer state {name}", array, ckpt.optimizer_state[name] if ckpt else None))
+        for what, target, source in targets:
+            host = np.empty(target.shape, target.dtype)
+            if source is not None:
+                host[...] = source
+            with self.watchdog.waiting(f"checkpoint broadcast ({what})", peer=self.cluster.chief_rank):
+                comm.Bcast(host, root=root)
+            target[...] = self.xp.asarray(host)
+        optimizer.t = resume.optimizer_t
+        device.synchronize(self.xp)
+
+    def seek_readers(self, reader, resume):
+        """Every worker: its reader to the position the checkpoint recorded for it."""
+        c = self.cluster
+        positions = np.empty((c.num_workers, 2), np.int64)
+        if resume.checkpoint is not None:
+            positions[...] = resume.checkpoint.data_positions
+        with self.watchdog.waiting("checkpoint broadcast (data positions)", peer=c.chief_rank):
+            c.worker_comm.Bcast(positions, root=0)
+        epoch, offset = (int(v) for v in positions[c.worker_index])
+
+        def seek():
+            try:
+                reader.seek(epoch, offset)
+            except HpctrainError as e:
+                raise HpctrainError(f"{e}: the checkpoint's data position does not fit this data "
+                                    f"(was --data changed?)") from None
+        collective(c.worker_comm, seek)
+
+    def gather_positions(self, reader):
+        """Every worker: (workers, 2) int64 reader positions on the chief, None elsewhere."""
+        c = self.cluster
+        mine = np.array(reader.position, np.int64)
+        everyone = np.empty((c.num_workers, 2), np.int64) if c.is_chief else None
+        with self.watchdog.waiting("checkpoint gather (data positions)", peer=c.chief_rank):
+            c.worker_comm.Gather(mine, everyone, root=0)
+        return everyone
+
+    def save_checkpoint(self, comm, step, params, optimizer_state, optimizer_t, positions):
+        """Collective over comm: the chief writes the checkpoint of `step` from
+        the arrays it passes (device or host; the other ranks' arguments are
+        ignored) and prunes to --keep-checkpoints. A failure to write stops
+        every rank of comm with one error line. Returns the path on the chief."""
+        a, c = self.args, self.cluster
+
+        def chief_writes():
+            if not c.is_chief:
+                return None
+            device.synchronize(self.xp)
+            info = {"world_size": c.size, "num_ps": c.num_ps, "steps": a.steps, "lr": a.lr,
+                    "scale_lr": int(a.scale_lr), "warmup_steps": a.warmup_steps,
+                    "hpctrain": __import__("hpctrain").__version__}
+            return checkpoint.save(a.checkpoint_dir, step, device.to_host(params),
+                                   {k: device.to_host(v) for k, v in optimizer_state.items()},
+                                   optimizer_t, positions, checkpoint.settings_for(a, c.num_workers),
+                                   keep=a.keep_checkpoints, info=info)
+        with self.timeline.span("checkpoint", cat="checkpoint"):
+            path = collective(comm, chief_writes)
+        self.saved_step, self.saved_path = step, path
+        return path
+
+    def checkpoint_due(self, step):
+        """True when --checkpoint-every says this step gets a checkpoint."""
+        every = self.args.checkpoint_every
+        return bool(self.args.checkpoint_dir and every and step % every == 0 and step != self.saved_step)
+
+    def preempted(self, comm, step):
+        """After every rank of comm stopped at `step` (and the checkpoint is
+        written): raise the EXIT_PREEMPTED error everywhere, the chief's line
+        naming the signal (whichever rank got it) and the checkpoint."""
+        sig = np.array([self.stop.signum], np.int64)
+        comm.Allreduce(MPI.IN_PLACE, sig, op=MPI.MAX)
+        name = signal.Signals(int(sig[0])).name if sig[0] else "a signal"
+        if self.saved_path and self.saved_step == step:
+            where = f"checkpoint {self.saved_path}; run the same command again to resume"
+        else:
+            where = "no checkpoint written (no --checkpoint-dir): a new run starts from step 0"
+        raise HpctrainError(f"stopped by {name} after step {step}; {where}",
+                            exit_code=EXIT_PREEMPTED, collective=True, report=self.cluster.is_chief)
+
     def progress(self, step, loss, samples, t_loop):
         """The chief's progress line and metrics record."""
         elapsed = time.perf_counter() - self.t_start
@@ -244,6 +416,30 @@ class Run:
 # ---------------------------------------------------------------------------
 # ring mode
 
+def ring_resume(run, model, opt, reader):
+    """With --checkpoint-dir: continue from the newest checkpoint (parameters,
+    optimizer state and step count, each worker's data position). Returns the
+    step to start from, 0 for a fresh run. Every rank holds the whole state in
+    ring mode, so the chief's copy is broadcast to all."""
+    resume = run.load_checkpoint(run.cluster.worker_comm)
+    if resume is None:
+        return 0
+    run.broadcast_state(run.cluster.worker_comm, resume, model.params, opt)
+    run.seek_readers(reader, resume)
+    note = f" (--steps {run.args.steps}: nothing left to train)" if resume.step >= run.args.steps else ""
+    run.log(f"resumed from {run.saved_path} at step {resume.step}{note}")
+    return resume.step
+
+
+def ring_checkpoint(run, step, model, opt, reader):
+    """With --checkpoint-dir: checkpoint `step` unless it already has one. Every
+    rank holds the same parameters and optimizer state in ring mode, so only
+    the data positions are gathered; the chief writes."""
+    if run.args.checkpoint_dir and run.saved_step != step:
+        positions = run.gather_positions(reader)
+        run.save_checkpoint(run.cluster.worker_comm, step, model.params, opt.state(), opt.t, positions)
+
+
 def train_ring(run):
     a, c, xp = run.args, run.cluster, run.xp
     comm = c.worker_comm
@@ -261,12 +457,12 @@ def train_ring(run):
     allreduce = make_allreduce(a.allreduce, comm, run.watchdog)
     tl = run.timeline
     grad_scale = 1.0 / W
+    step = ring_resume(run, model, opt, reader)
 
     comm_s = compute_s = 0.0
     samples = 0
     loss_window = []
     t_loop = time.perf_counter()
-    step = 0
     while step < a.steps:
         with tl.span("data", cat="data"):
             x, y = reader.next_batch()
@@ -294,12 +490,14 @@ def train_ring(run):
             run.progress(step, mean_loss, samples, time.perf_counter() - t_loop)
         if float(wire[WIRE_STOP]) > 0:
             break
+        if run.checkpoint_due(step):
+            ring_checkpoint(run, step, model, opt, reader)
     t_loop = time.perf_counter() - t_loop
-    if float(wire[WIRE_STOP]) > 0:
-        run.log(f"stopping after step {step}: signal received")
+    # The last checkpoint: at the end of training, or where a signal stopped it.
+    ring_checkpoint(run, step, model, opt, reader)
+    if float(wire[WIRE_STOP]) > 0 and step < a.steps:
         run.metrics.close(keep=True)
-        raise HpctrainError(f"stopped by {run.stop.received or 'a signal on another rank'} after step {step}",
-                            exit_code=EXIT_PREEMPTED, collective=True, report=c.is_chief)
+        run.preempted(comm, step)
     return run.finish(model, step, t_loop, samples, comm_s, compute_s)
 
 

@@ -1,0 +1,405 @@
+"""Atomic HDF5 checkpoints and resume: what a pre-empted job needs to continue
+exactly where it stopped.
+
+One file per checkpoint, `DIR/ckpt-00000123.h5` (the global step, 8 digits),
+written by the chief only. It holds everything a bit-exact resume needs:
+
+    user block (512 B)     "hpctrain-checkpoint 1 sha256 <hex>\n": a hash of
+                           every byte after it, checked before HDF5 parses the file
+    params                 float32 (n,)    all parameters, the model's flat buffer
+    optimizer/<name>       float32 (n,)    each optimizer state array (Adam: m, v)
+    data_positions         int64 (W, 2)    each worker's reader position: epoch, offset
+    attrs                  format, format_version, step, optimizer_t, optimizer_state,
+                           the settings that must match on resume (MUST_MATCH),
+                           run information (world_size, num_ps, steps, lr, ...),
+                           sha256: over every dataset and every other attribute
+
+No random-number state is stored because there is none to store: each reader's
+shuffle is a pure function of (seed, epoch, worker) and the model has no dropout.
+
+Writing: a hidden temporary name in the same directory, flushed and fsync'd,
+renamed into place, then the directory fsync'd; so a crash leaves either the
+complete new file or none, never a half-written `ckpt-*.h5`. The newest K
+files are kept, older ones and temporary files left by crashed writers are
+removed (one job per checkpoint directory).
+
+Reading: newest first; a file that is unreadable, truncated, incomplete or
+fails a checksum is reported through `warn` and skipped for the previous
+one. A valid checkpoint of a different job (another model, mode, optimizer,
+worker count, batch size or seed) is an error naming the setting, never
+silently skipped. Only h5py reads; nothing is unpickled.
+
+No MPI here: train.py gathers and broadcasts, this module reads and writes.
+
+    python -m hpctrain.checkpoint DIR      # lists DIR's checkpoints and checks each
+"""
+import errno
+import hashlib
+import io
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import HpctrainError
+from .model import num_params
+
+FORMAT = "hpctrain-checkpoint"
+FORMAT_VERSION = 1
+# The file starts with an HDF5 user block (bytes HDF5 itself skips) holding a
+# one-line header: "hpctrain-checkpoint 1 sha256 <hex>\n", zero-padded, the hash
+# over "hpctrain-checkpoint 1\n" and every byte after the user block. It is
+# checked before HDF5 parses the file: the HDF5 library can crash (not raise)
+# on damaged metadata.
+USERBLOCK = 512
+_NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
+_TMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5\.tmp-")
+
+# The flags a resumed run must share with the run that wrote the checkpoint:
+# the model and its state (mode, hidden, num_params, optimizer), the data
+# positions (one per worker, offsets in batches of batch_size) and the shuffle
+# (seed). Everything else may change on resume, --steps in particular (a
+# resumed job may train longer); the result is bit-identical to an
+# uninterrupted run only when nothing else changed either (lr, warm-up,
+# world size in ps mode: the arithmetic differs otherwise).
+MUST_MATCH = ("mode", "hidden", "num_params", "optimizer", "num_workers", "batch_size", "seed")
+
+
+def _describe(key, value):
+    """A setting as the user knows it: "--hidden 64", "2 workers"."""
+    if key == "num_workers":
+        return f"{value} workers"
+    if key == "num_params":
+        return f"{value} parameters"
+    return f"--{key.replace('_', '-')} {value}"
+
+
+def checkpoint_name(step):
+    return f"ckpt-{int(step):08d}.h5"
+
+
+def settings_for(args, num_workers):
+    """The MUST_MATCH settings of a run, from its flags (str and int values only)."""
+    return {"mode": args.mode, "hidden": ",".join(map(str, args.hidden)),
+            "num_params": int(num_params(args.hidden)), "optimizer": args.optimizer,
+            "num_workers": int(num_workers), "batch_size": int(args.batch_size), "seed": int(args.seed)}
+
+
+@dataclass
+class Checkpoint:
+    """One checkpoint read back and verified; arrays are NumPy, on the host."""
+    path: str
+    step: int
+    optimizer_t: int
+    params: np.ndarray
+    optimizer_state: dict
+    data_positions: np.ndarray
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def name(self):
+        return os.path.basename(self.path)
+
+
+class _Corrupt(Exception):
+    """A checkpoint file that cannot be trusted: skip it for the previous one."""
+
+
+# ---------------------------------------------------------------------------
+# writing
+
+def save(directory, step, params, optimizer_state, optimizer_t, data_positions, settings, keep=3,
+         info=None):
+    """Write DIR/ckpt-<step>.h5 atomically; keep the newest `keep`; return its path.
+
+    params and each optimizer state array: 1-D float32 (host arrays); data_positions:
+    (workers, 2) int64 (epoch, offset); settings: the MUST_MATCH values; info:
+    more attributes recorded for people (world size, lr, ...), checked by no one.
+    """
+    import h5py
+    params = _flat32(params, "params")
+    state = {name: _flat32(a, f"optimizer state {name}") for name, a in optimizer_state.items()}
+    positions = np.ascontiguousarray(data_positions, dtype="<i8")
+    if positions.ndim != 2 or positions.shape[1] != 2:
+        raise ValueError(f"data_positions must be (workers, 2), got {positions.shape}")
+    attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step),
+             "optimizer_t": int(optimizer_t), "optimizer_state": ",".join(state)}
+    for key, value in {**(info or {}), **settings}.items():
+        if key not in attrs:
+            attrs[key] = _attr_value(key, value)
+    datasets = {"params": params, "data_positions": positions,
+                **{f"optimizer/{name}": a for name, a in state.items()}}
+    attrs["sha256"] = _checksum(datasets, attrs)
+
+    directory = os.fspath(directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise HpctrainError(f"--checkpoint-dir {directory}: cannot create ({e.strerror})") from None
+    name = checkpoint_name(step)
+    path = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    try:
+        # No HDF5 file lock: it fails on some parallel filesystems, and the
+        # temporary name is this process's alone.
+        with h5py.File(tmp, "w", userblock_size=USERBLOCK, locking=False) as f:
+            for key, array in datasets.items():
+                f.create_dataset(key, data=array)
+            for key, value in attrs.items():
+                f.attrs[key] = value
+        # h5py has flushed and closed the file: hash it, write the header and
+        # make every byte durable before the rename shows it under the real name.
+        stamp(tmp, durable=True)
+        os.replace(tmp, path)
+        _fsync_dir(directory)
+    except OSError as e:
+        raise HpctrainError(f"{path}: cannot write checkpoint ({e.strerror or e})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _prune(directory, keep, mine=path)
+    return path
+
+
+def _hasher(version):
+    return hashlib.sha256(f"{FORMAT} {version}\n".encode())
+
+
+def _header(version, digest):
+    return f"{FORMAT} {version} sha256 {digest}\n".encode().ljust(USERBLOCK, b"\0")
+
+
+def stamp(path, durable=False):
+    """Write the header of a checkpoint file whose HDF5 part is complete."""
+    with open(path, "r+b") as f:
+        f.seek(USERBLOCK)
+        h = _hasher(FORMAT_VERSION)
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        f.seek(0)
+        f.write(_header(FORMAT_VERSION, h.hexdigest()))
+        f.flush()
+        if durable:
+            os.fsync(f.fileno())
+
+
+def _flat32(array, what):
+    a = np.ascontiguousarray(array, dtype="<f4")
+    if a.ndim != 1:
+        raise ValueError(f"{what} must be a flat 1-D array, got shape {a.shape}")
+    return a
+
+
+def _attr_value(key, value):
+    if isinstance(value, (bool, np.bool_)):
+        return int(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    raise TypeError(f"checkpoint attribute {key}: int, float or str expected, got {type(value).__name__}")
+
+
+def _fsync_dir(directory):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        # Some filesystems cannot fsync a directory; the rename is then as
+        # durable as that filesystem makes it.
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def list_checkpoints(directory):
+    """[(step, path)] of DIR's checkpoint files, newest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise HpctrainError(f"--checkpoint-dir {directory}: cannot list ({e.strerror})") from None
+    found = [(int(m.group(1)), os.path.join(directory, n)) for n in names if (m := _NAME_RE.match(n))]
+    return sorted(found, reverse=True)
+
+
+def _prune(directory, keep, mine):
+    for _, path in list_checkpoints(directory)[keep:]:
+        if path != mine:
+            _unlink_quietly(path)
+    mine_tmp = f".{os.path.basename(mine)}.tmp-{os.getpid()}"
+    for n in os.listdir(directory):
+        if _TMP_RE.match(n) and n != mine_tmp:
+            _unlink_quietly(os.path.join(directory, n))
+
+
+def _unlink_quietly(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# ---------------------------------------------------------------------------
+# checksum
+
+def _checksum(datasets, attrs):
+    """sha256 over every dataset (name, dtype, shape, bytes) and every attribute
+    but the checksum itself, in name order: any changed bit is caught."""
+    h = hashlib.sha256()
+    for key in sorted(datasets):
+        a = np.ascontiguousarray(datasets[key])
+        a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+        h.update(f"dataset {key} {a.dtype.str} {a.shape}\n".encode())
+        h.update(memoryview(a).cast("B"))
+    for key in sorted(attrs):
+        if key != "sha256":
+            value = attrs[key]
+            h.update(f"attr {key} {type(value).__name__} {value!r}\n".encode())
+    return h.hexdigest()
+
+
+def _plain(value):
+    """An attribute as read by h5py -> the Python value it was written as."""
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) and value.shape == ():
+        return value.item()
+    return value
+
+
+# ---------------------------------------------------------------------------
+# reading
+
+def _check_header(path, raw):
+    """The file's bytes against its header: _Corrupt unless they match."""
+    if len(raw) < USERBLOCK:
+        raise _Corrupt(f"truncated ({len(raw)} bytes)")
+    fields = raw[:USERBLOCK].split(b"\n", 1)[0].split(b" ")
+    if len(fields) != 4 or fields[0] != FORMAT.encode() or fields[2] != b"sha256":
+        raise _Corrupt("no hpctrain checkpoint header")
+    version = fields[1].decode(errors="replace")
+    h = _hasher(version)
+    h.update(memoryview(raw)[USERBLOCK:])
+    if raw[:USERBLOCK] != _header(version, h.hexdigest()):
+        raise _Corrupt("checksum mismatch")
+    if version != str(FORMAT_VERSION):
+        raise HpctrainError(f"{path}: checkpoint format version {version}, this hpctrain reads "
+                            f"version {FORMAT_VERSION}; start fresh with another --checkpoint-dir")
+
+
+def read(path):
+    """One checkpoint, verified (Checkpoint), or _Corrupt with the reason."""
+    import h5py
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise _Corrupt(f"cannot read: {e.strerror}") from None
+    _check_header(path, raw)
+    try:
+        # From memory: the bytes just verified are the bytes parsed.
+        with h5py.File(io.BytesIO(raw), "r") as f:
+            attrs = {k: _plain(v) for k, v in f.attrs.items()}
+            if attrs.get("format") != FORMAT:
+                raise _Corrupt("not an hpctrain checkpoint")
+            if "sha256" not in attrs:
+                raise _Corrupt("no content checksum")
+            names = [n for n in str(attrs.get("optimizer_state", "")).split(",") if n]
+            datasets = {}
+            for key in ["params", "data_positions"] + [f"optimizer/{n}" for n in names]:
+                obj = f.get(key)
+                if not isinstance(obj, h5py.Dataset):
+                    raise _Corrupt(f"missing dataset {key}")
+                if obj.dtype.kind not in "fi":
+                    raise _Corrupt(f"dataset {key} has type {obj.dtype}")
+                datasets[key] = obj[()]
+    except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
+        # Whatever damaged bytes make HDF5 raise, the file cannot be trusted.
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise _Corrupt(f"unreadable HDF5: {first}") from None
+    if _checksum(datasets, attrs) != attrs["sha256"]:
+        raise _Corrupt("content checksum mismatch")
+    params, positions = datasets["params"], datasets["data_positions"]
+    if params.ndim != 1 or params.dtype != np.float32:
+        raise _Corrupt(f"params is {params.dtype} {params.shape}, expected flat float32")
+    if positions.ndim != 2 or positions.shape[1] != 2:
+        raise _Corrupt(f"data_positions has shape {positions.shape}, expected (workers, 2)")
+    state = {n: datasets[f"optimizer/{n}"] for n in names}
+    for n, a in state.items():
+        if a.shape != params.shape or a.dtype != np.float32:
+            raise _Corrupt(f"optimizer state {n} is {a.dtype} {a.shape}, params are {params.shape}")
+    for key in ("step", "optimizer_t"):
+        if not isinstance(attrs.get(key), int):
+            raise _Corrupt(f"attribute {key} missing or not an integer")
+    return Checkpoint(path=os.fspath(path), step=attrs["step"], optimizer_t=attrs["optimizer_t"],
+                      params=params, optimizer_state=state,
+                      data_positions=positions.astype(np.int64, copy=False), attrs=attrs)
+
+
+def check_compatible(ckpt, expected_settings):
+    """HpctrainError naming the first setting that differs between the checkpoint and this run."""
+    version = ckpt.attrs.get("format_version")
+    if version != FORMAT_VERSION:
+        raise HpctrainError(f"{ckpt.path}: checkpoint format version {version}, this hpctrain reads "
+                            f"version {FORMAT_VERSION}; use --resume no with a new --checkpoint-dir")
+    for key, want in expected_settings.items():
+        have = ckpt.attrs.get(key)
+        if have is None:
+            raise HpctrainError(f"{ckpt.path}: checkpoint does not record {key}; cannot resume "
+                                f"from it (use a new --checkpoint-dir or --resume no)")
+        if str(have) != str(want):
+            raise HpctrainError(f"{ckpt.path}: checkpoint was written with {_describe(key, have)}, this "
+                                f"run has {_describe(key, want)}; resume with the same setting, or start "
+                                f"fresh with another --checkpoint-dir")
+
+
+def load_latest(directory, expected_settings, warn=None):
+    """The newest valid checkpoint in DIR (Checkpoint), or None if it holds none.
+
+    Corrupt files are reported through warn(line) and skipped; a valid file
+    that does not match expected_settings raises HpctrainError.
+    """
+    warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
+    for _, path in list_checkpoints(directory):
+        try:
+            ckpt = read(path)
+        except _Corrupt as e:
+            warn(f"{os.path.basename(path)}: corrupt ({e}), trying the previous one")
+            continue
+        check_compatible(ckpt, expected_settings)
+        return ckpt
+    return None
+
+
+def main(argv=None):
+    """List DIR's checkpoints newest first and verify each (exit 1 if any is corrupt)."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m hpctrain.checkpoint",
+                                description="List and verify the checkpoints in a --checkpoint-dir.")
+    p.add_argument("dir", help="checkpoint directory")
+    a = p.parse_args(argv)
+    bad = 0
+    for _, path in list_checkpoints(a.dir):
+        try:
+            c = read(path)
+            keys = ", ".join(f"{k} {c.attrs[k]}" for k in MUST_MATCH if k in c.attrs)
+            print(f"{c.name}: ok, step {c.step}, {keys}")
+        except _Corrupt as e:
+            bad += 1
+            print(f"{os.path.basename(path)}: corrupt ({e})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""Tests for checkpoints and resume (hpctrain/checkpoint.py and the ring loop's use of it).
+
+Serial tests of the file format (atomic write, keep-K, corrupt files, checksum,
+incompatible settings), then real jobs under the venv's mpirun: a ring run
+stopped by SIGTERM and by SIGUSR1 and resumed ends bit-identical to an
+uninterrupted run. The jobs run in the plain pytest pass (skipped inside the
+MPI pass), with a small model so the file takes well under a minute on 2 cores:
+
+    .venv/bin/python -m pytest tests/test_checkpoint.py
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import MPIRUN, REPO, under_mpirun
+from hpctrain import checkpoint
+from hpctrain.errors import EXIT_PREEMPTED, HpctrainError
+
+SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam", "num_workers": 2,
+            "batch_size": 4, "seed": 0}
+
+
+def write(directory, step, n=16, keep=3, settings=None, seed=None):
+    rng = np.random.default_rng(step if seed is None else seed)
+    params = rng.standard_normal(n).astype(np.float32)
+    state = {"m": rng.standard_normal(n).astype(np.float32), "v": rng.random(n).astype(np.float32)}
+    positions = np.array([[step // 10, 4 * step % 40], [step // 10, 8]], np.int64)
+    path = checkpoint.save(directory, step, params, state, step, positions, settings or SETTINGS, keep=keep,
+                           info={"world_size": 2, "lr": 1e-4})
+    return path, params, state, positions
+
+
+def load(directory, settings=None):
+    warnings = []
+    ckpt = checkpoint.load_latest(directory, settings or SETTINGS, warn=warnings.append)
+    return ckpt, warnings
+
+
+# ---------------------------------------------------------------------------
+# the file format
+
+def test_round_trip_keeps_every_bit_and_attribute(tmp_path):
+    path, params, state, positions = write(tmp_path, 123)
+    assert os.path.basename(path) == "ckpt-00000123.h5"
+    ckpt, warnings = load(tmp_path)
+    assert warnings == [] and ckpt.step == 123 and ckpt.optimizer_t == 123 and ckpt.path == path
+    assert ckpt.params.dtype == np.float32 and np.array_equal(ckpt.params, params)
+    assert set(ckpt.optimizer_state) == {"m", "v"}
+    assert all(np.array_equal(ckpt.optimizer_state[k], state[k]) for k in state)
+    assert ckpt.data_positions.dtype == np.int64 and np.array_equal(ckpt.data_positions, positions)
+    with h5py.File(path, "r") as f:
+        assert set(f) == {"params", "optimizer", "data_positions"} and set(f["optimizer"]) == {"m", "v"}
+        for key in ("step", "optimizer_t", "mode", "world_size", "num_workers", "hidden", "optimizer",
+                    "format_version", "sha256"):
+            assert key in f.attrs, key
+        assert f["params"].dtype == np.float32 and f["data_positions"].shape == (2, 2)
+
+
+def test_save_is_atomic_and_durable(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    path, _, _, _ = write(tmp_path, 10)
+    # the file's bytes under its temporary name, then the directory after the rename
+    assert len(synced) == 2 and ".ckpt-00000010.h5.tmp-" in synced[0] and synced[1] == str(tmp_path)
+    assert os.listdir(tmp_path) == ["ckpt-00000010.h5"]
+
+
+def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    write(tmp_path, 10)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(h5py.Group, "create_dataset", disk_full)
+    with pytest.raises(HpctrainError, match=r"ckpt-00000020.h5: cannot write checkpoint \(No space left"):
+        write(tmp_path, 20)
+    assert os.listdir(tmp_path) == ["ckpt-00000010.h5"]
+    monkeypatch.undo()
+    assert load(tmp_path)[0].step == 10
+
+
+def test_keeps_the_newest_k_and_removes_stale_temporary_files(tmp_path):
+    stale = tmp_path / ".ckpt-00000015.h5.tmp-99999"
+    stale.write_bytes(b"half a checkpoint from a crashed writer")
+    for step in range(10, 60, 10):
+        write(tmp_path, step, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000040.h5", "ckpt-00000050.h5"]
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [50, 40]
+
+
+def test_truncated_newest_falls_back_to_the_previous_one_with_a_warning(tmp_path):
+    write(tmp_path, 10)
+    _, params20, _, _ = write(tmp_path, 20)
+    newest = tmp_path / "ckpt-00000030.h5"
+    write(tmp_path, 30)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    ckpt, warnings = load(tmp_path)
+    assert ckpt.step == 20 and np.array_equal(ckpt.params, params20)
+    assert len(warnings) == 1
+    assert warnings[0].startswith("ckpt-00000030.h5: corrupt (") and warnings[0].endswith(
+        "), trying the previous one")
+
+
+def test_the_header_hash_catches_any_flipped_byte_before_hdf5_reads_it(tmp_path):
+    # (Some flips in HDF5's metadata crash the HDF5 library itself: no file
+    # reaches h5py unless every byte matches the header's hash.)
+    path, _, _, _ = write(tmp_path, 10)
+    good = open(path, "rb").read()
+    for at in range(0, len(good), 97):
+        bad = bytearray(good)
+        bad[at] ^= 0x10
+        with open(path, "wb") as f:
+            f.write(bad)
+        ckpt, warnings = load(tmp_path)
+        assert ckpt is None and len(warnings) == 1, at
+        assert "checksum mismatch" in warnings[0] or "header" in warnings[0], (at, warnings)
+
+
+def test_checksum_catches_a_flipped_bit_on_disk(tmp_path):
+    write(tmp_path, 10)
+    path, _, _, _ = write(tmp_path, 20)
+    with h5py.File(path, "r") as f:
+        offset = f["optimizer/v"].id.get_offset()  # contiguous dataset: its bytes in the file
+    with open(path, "r+b") as f:
+        f.seek(offset + 5)
+        byte = f.read(1)
+        f.seek(offset + 5)
+        f.write(bytes([byte[0] ^ 0x01]))
+    ckpt, warnings = load(tmp_path)
+    assert ckpt.step == 10
+    assert warnings == ["ckpt-00000020.h5: corrupt (checksum mismatch), trying the previous one"]
+
+
+def test_an_edited_file_fails_its_header_hash(tmp_path):
+    write(tmp_path, 10)
+    path, _, _, _ = write(tmp_path, 20)
+    with h5py.File(path, "r+") as f:
+        assert f.userblock_size == checkpoint.USERBLOCK
+        f["params"][0] = 1.5
+    ckpt, warnings = load(tmp_path)
+    assert ckpt.step == 10
+    assert warnings == ["ckpt-00000020.h5: corrupt (checksum mismatch), trying the previous one"]
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda f: f.attrs.__setitem__("step", 21), "content checksum mismatch"),
+    (lambda f: f["params"].__setitem__(0, 1.5), "content checksum mismatch"),
+    (lambda f: f.attrs.__delitem__("sha256"), "no content checksum"),
+    (lambda f: f["optimizer"].__delitem__("v"), "missing dataset optimizer/v"),
+    (lambda f: f.__delitem__("data_positions"), "missing dataset data_positions"),
+])
+def test_files_with_a_valid_header_but_wrong_content_are_skipped(tmp_path, damage, reason):
+    # A file edited and then given a fresh header (as a buggy writer would):
+    # the content checksum and the structure checks still catch it.
+    write(tmp_path, 10)
+    path, _, _, _ = write(tmp_path, 20)
+    with h5py.File(path, "r+") as f:
+        damage(f)
+    checkpoint.stamp(path)
+    ckpt, warnings = load(tmp_path)
+    assert ckpt.step == 10 and warnings == [f"ckpt-00000020.h5: corrupt ({reason}), trying the previous one"]
+
+
+def test_a_checkpoint_of_another_format_version_is_a_clear_error(tmp_path):
+    path, _, _, _ = write(tmp_path, 10)
+    raw = open(path, "rb").read()
+    h = checkpoint._hasher(2)
+    h.update(raw[checkpoint.USERBLOCK:])
+    with open(path, "r+b") as f:
+        f.write(checkpoint._header(2, h.hexdigest()))
+    with pytest.raises(HpctrainError, match=r"ckpt-00000010.h5: checkpoint format version 2, this hpctrain "
+                                            r"reads version 1"):
+        load(tmp_path)
+
+
+def test_nothing_to_resume(tmp_path):
+    assert load(tmp_path / "absent") == (None, [])
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert load(tmp_path) == (None, [])
+    (tmp_path / "ckpt-00000010.h5").write_bytes(b"")
+    ckpt, warnings = load(tmp_path)
+    assert warnings == ["ckpt-00000010.h5: corrupt (truncated (0 bytes)), trying the previous one"]
+    assert ckpt is None
+
+
+@pytest.mark.parametrize("key, value, have, want", [
+    ("hidden", "16", "--hidden 8", "--hidden 16"), ("optimizer", "sgd", "--optimizer adam", "--optimizer sgd"),
+    ("mode", "ps", "--mode ring", "--mode ps"), ("num_workers", 4, "2 workers", "4 workers"),
+    ("batch_size", 8, "--batch-size 4", "--batch-size 8"), ("seed", 1, "--seed 0", "--seed 1"),
+])
+def test_a_checkpoint_of_another_job_is_a_clear_error(tmp_path, key, value, have, want):
+    write(tmp_path, 10)
+    write(tmp_path, 20)
+    with pytest.raises(HpctrainError) as e:
+        load(tmp_path, {**SETTINGS, key: value})
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path / 'ckpt-00000020.h5'}: checkpoint was written with {have}, "
+                              f"this run has {want}; "), message
+    assert "\n" not in message
+
+
+# ---------------------------------------------------------------------------
+# real jobs
+
+needs_own_jobs = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun jobs: runs in the plain pytest pass")
+SMALL = ["--hidden", "64", "--log-every", "1000"]
+
+
+def clean_env():
+    env = dict(os.environ)
+    for var in [v for v in env if v.startswith(("PMI_", "MPI_LOCAL", "OMPI_", "PMIX_", "HYDRA_"))]:
+        env.pop(var)  # never let a nested job join the test runner's world
+    return env
+
+
+def run(n, *args, timeout=120):
+    cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "hpctrain.mnist", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=REPO)
+
+
+def errors(r):
+    return [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
+
+
+def run_and_signal(n, sig, ckpt_dir, after_step, *args, timeout=120):
+    """Start a job, and once it has written a checkpoint past `after_step`,
+    send `sig` to mpirun (MPICH's hydra forwards SIGTERM/SIGUSR1 to every rank)."""
+    cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "hpctrain.mnist", *map(str, args)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                         cwd=REPO)
+    deadline = time.monotonic() + timeout
+    try:
+        while p.poll() is None and time.monotonic() < deadline:
+            steps = [s for s, _ in checkpoint.list_checkpoints(ckpt_dir)]
+            if steps and steps[0] > after_step:
+                p.send_signal(sig)
+                break
+            time.sleep(0.005)
+        out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def saved(path):
+    with h5py.File(path, "r") as f:
+        return {f"{g}/{k}": f[g][k][()] for g in f for k in f[g]}, dict(f.attrs)
+
+
+def assert_bit_identical(a_path, b_path):
+    a, a_attrs = saved(a_path)
+    b, b_attrs = saved(b_path)
+    assert set(a) == set(b) and a
+    for key in a:
+        assert a[key].tobytes() == b[key].tobytes(), f"{key} differs"
+    assert a_attrs["step"] == b_attrs["step"]
+
+
+@needs_own_jobs
+def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path):
+    # Long enough that a signal sent right after the first checkpoint lands
+    # mid-run even on a loaded machine (the signal landed within ~10 steps of
+    # the first checkpoint here, at ~7000 steps/s), short enough to be quick.
+    steps = 3000
+    common = ["--steps", steps, *SMALL]  # Adam, the default optimizer
+    r = run(2, *common, "--save", tmp_path / "full.h5")
+    assert r.returncode == 0, r.stderr
+
+    ckpt_dir = tmp_path / "ckpt"
+    resumable = [*common, "--checkpoint-dir", ckpt_dir, "--checkpoint-every", 10, "--save", tmp_path / "resumed.h5"]
+    stopped_at = 0
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        r = run_and_signal(2, sig, ckpt_dir, stopped_at, *resumable)
+        assert r.returncode == EXIT_PREEMPTED, (r.returncode, r.stdout, r.stderr)
+        lines = errors(r)
+        assert len(lines) == 1, r.stderr  # from the chief only
+        m = re.fullmatch(rf"hpctrain: error: stopped by {sig.name} after step (\d+); checkpoint (\S+); "
+                         r"run the same command again to resume", lines[0])
+        assert m, lines[0]
+        step, path = int(m.group(1)), m.group(2)
+        assert stopped_at < step < steps and path == str(ckpt_dir / f"ckpt-{step:08d}.h5")
+        assert checkpoint.list_checkpoints(ckpt_dir)[0] == (step, path)
+        if stopped_at:
+            assert f"resumed from {ckpt_dir / f'ckpt-{stopped_at:08d}.h5'} at step {stopped_at}" in r.stdout
+        assert not (tmp_path / "resumed.h5").exists()
+        stopped_at = step
+
+    r = run(2, *resumable)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {ckpt_dir / f'ckpt-{stopped_at:08d}.h5'} at step {stopped_at}" in r.stdout
+    assert_bit_identical(tmp_path / "full.h5", tmp_path / "resumed.h5")
+    # the final checkpoint, and only the newest --keep-checkpoints (3)
+    assert [s for s, _ in checkpoint.list_checkpoints(ckpt_dir)] == [steps, steps - 10, steps - 20]
+    assert [n for n in os.listdir(ckpt_dir) if not n.startswith("ckpt-")] == []
+
+
+@needs_own_jobs
+def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    flags = ["--steps", 40, *SMALL, "--checkpoint-dir", ckpt_dir, "--checkpoint-every", 10]
+    r = run(2, *flags, "--save", tmp_path / "first.h5")
+    assert r.returncode == 0, r.stderr
+    newest = ckpt_dir / "ckpt-00000040.h5"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    r = run(2, *flags, "--save", tmp_path / "again.h5")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("hpctrain: warning: ckpt-00000040.h5: corrupt (") == 1, r.stderr
+    assert f"resumed from {ckpt_dir / 'ckpt-00000030.h5'} at step 30" in r.stdout
+    assert_bit_identical(tmp_path / "first.h5", tmp_path / "again.h5")
+
+    # a valid checkpoint of another model is an error, on every rank, in one line
+    r = run(2, "--steps", 40, "--hidden", "32", "--checkpoint-dir", ckpt_dir, "--save", tmp_path / "x.h5")
+    assert r.returncode == 2 and len(errors(r)) == 1, r.stderr
+    assert "checkpoint was written with --hidden 64, this run has --hidden 32" in errors(r)[0]
+    assert not (tmp_path / "x.h5").exists()
+
+    # starting fresh over another run's checkpoints would mix the two
+    r = run(2, *flags, "--resume", "no")
+    assert r.returncode == 2 and len(errors(r)) == 1, r.stderr
+    assert "--resume no, but" in errors(r)[0] and "ckpt-00000040.h5" in errors(r)[0]
+
+
+@needs_own_jobs
+def test_resume_yes_without_a_checkpoint_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty"
+    r = run(2, "--steps", 10, *SMALL, "--checkpoint-dir", empty, "--resume", "yes", "--save", tmp_path / "p.h5")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert errors(r) == [f"hpctrain: error: --resume yes, but --checkpoint-dir {empty} holds no checkpoint"]
+    assert not (tmp_path / "p.h5").exists() and os.listdir(empty) == []
