@@ -85,7 +85,9 @@ def gather_layout(cluster):
     name = cluster.host.encode()[:HOST_BYTES]
     host[: len(name)] = np.frombuffer(name, np.uint8)
     nums = np.array([cluster.local_rank, gpu], np.int32)
-    root = cluster.chief_rank
+    # An impossible layout (--num-ps >= world size) has no chief: gather to
+    # rank 0 then, and let validation report the layout right after.
+    root = cluster.chief_rank if cluster.chief_rank < cluster.size else 0
     is_root = cluster.rank == root
     size = cluster.size
     all_hosts = np.empty((size, HOST_BYTES), np.uint8) if is_root else None
