@@ -96,6 +96,10 @@ def build_parser():
                    help="ring: hpctrain's ring allreduce; mpi: MPI_Allreduce; nccl: NCCL through CuPy (default: %(default)s)")
     g.add_argument("--fusion-mb", type=_nonneg_float, default=1.0,
                    help="bucket size in MiB for fused, overlapped gradient allreduce; 0 = one allreduce after backprop (default: %(default)s)")
+    g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="run bucket allreduces on a communication thread during backprop: on, off, or auto "
+                        "(on for GPUs and when each rank has a spare core; off when ranks share cores, "
+                        "where the thread only steals CPU from backprop)")
     g.add_argument("--cuda-aware", choices=["auto", "yes", "no"], default="auto",
                    help="pass GPU buffers straight to MPI (yes), stage through host memory (no), or ask the MPI library (auto)")
 

@@ -24,10 +24,12 @@ from . import jobcheck
 from .cli import validate
 from .cluster import Cluster, check_consistency
 from .comm.deadline import Watchdog
+from .comm.fusion import FusedAllreduce
 from .comm.ring import make_allreduce
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .model import MLP, num_params
 from .optim import learning_rate, make_optimizer
+from .stats import StepStats
 from .timeline import Timeline
 
 # The wire: [loss, stop flag, gradients...]. Riding along with the gradient
@@ -164,6 +166,7 @@ class Run:
         # First: a signal during start-up is then kept for the first step
         # (which stops and checkpoints) instead of killing the rank mid-collective.
         self.stop = StopSignal()
+        self.stats = StepStats()
         self.args = args
         self.comm = MPI.COMM_WORLD
         self.cluster = Cluster(self.comm, args.mode, args.num_ps)
@@ -197,7 +200,8 @@ class Run:
     def evaluate(self, model):
         """Test loss and accuracy, each worker evaluating its part of the test set."""
         c = self.cluster
-        x, y = collective(c.worker_comm, data_mod.load_test, self.data_dir, c.worker_index, c.num_workers)
+        x, y = collective(c.worker_comm, data_mod.load_test, self.data_dir, c.worker_index, c.num_workers,
+                          raw=True)
         xp = self.xp
         loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
         totals = np.array([loss_sum, correct, len(y)], np.float64)
@@ -391,6 +395,18 @@ class Run:
         self.metrics.write({"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
                             "time_s": round(elapsed, 3)})
 
+    def memory_and_step_medians(self):
+        """Median step split from self.stats, and peak memory: the largest of any
+        worker (bytes above the interpreter with its imports, and in all)."""
+        summary = self.stats.summary()
+        peak = summary.pop("peak_rss_bytes")
+        mem = np.array([peak, peak - summary.pop("base_rss_bytes")], np.float64)
+        self.cluster.worker_comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
+        summary = {k: round(v, 7) for k, v in summary.items()}
+        summary["peak_rss_mb"] = round(mem[0] / 2**20, 1)
+        summary["peak_rss_above_base_mb"] = round(mem[1] / 2**20, 1)
+        return summary
+
     def finish(self, model, step, t_loop, samples, comm_s, compute_s, extra=None):
         """Evaluate, print, write --save and the final metrics record."""
         test_loss, test_acc, n_test = self.evaluate(model)
@@ -406,6 +422,7 @@ class Run:
                   "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
                   "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
                   "device": self.device_name}
+        record.update(self.memory_and_step_medians())
         record.update(extra or {})
         self.metrics.write(record)
         self.metrics.close()
@@ -440,6 +457,18 @@ def ring_checkpoint(run, step, model, opt, reader):
         run.save_checkpoint(run.cluster.worker_comm, step, model.params, opt.state(), opt.t, positions)
 
 
+def overlap_wanted(flag, xp, cluster):
+    """--overlap auto: a communication thread pays only when a core is free to
+    run it while backprop computes: always with a GPU doing the math, on CPUs
+    only when this node has at least two cores per rank. (Measured on 2 cores,
+    2 ranks: the thread's allreduce started only after backprop ended, and with
+    4 ranks the extra thread cost throughput.)"""
+    if flag != "auto":
+        return flag == "on"
+    from .cluster import cores_available
+    return device.is_gpu(xp) or cores_available() >= 2 * cluster.local_size
+
+
 def train_ring(run):
     a, c, xp = run.args, run.cluster, run.xp
     comm = c.worker_comm
@@ -457,36 +486,45 @@ def train_ring(run):
     allreduce = make_allreduce(a.allreduce, comm, run.watchdog)
     tl = run.timeline
     grad_scale = 1.0 / W
+    # Buckets of the wire are allreduced as backprop finishes them, and each
+    # reduced bucket's parameters are updated right away (comm/fusion.py).
+    ready_from = [0] + [WIRE_GRADS + lo for lo, _ in model.layer_ranges[1:]]
+    fused = FusedAllreduce(
+        allreduce, wire, ready_from, int(a.fusion_mb * (1 << 20)) // wire.itemsize,
+        sync=lambda: device.synchronize(xp),
+        on_reduced=lambda lo, hi: opt.update(model.params, model.grads, max(lo - WIRE_GRADS, 0), hi - WIRE_GRADS),
+        overlap=overlap_wanted(a.overlap, xp, c), timeline=tl if tl.enabled else None, watchdog=run.watchdog)
     step = ring_resume(run, model, opt, reader)
 
     comm_s = compute_s = 0.0
     samples = 0
-    loss_window = []
+    loss_sum, loss_count = xp.zeros(1, np.float64), 0
     t_loop = time.perf_counter()
     while step < a.steps:
         with tl.span("data", cat="data"):
             x, y = reader.next_batch()
             x, y = xp.asarray(x), xp.asarray(y)
         t0 = time.perf_counter()
-        with tl.span("forward+backward", cat="compute"):
-            loss = model.forward_backward(x, y)
-        wire[WIRE_LOSS] = loss
         wire[WIRE_STOP] = 1.0 if run.stop.received else 0.0
-        device.synchronize(xp)
+        opt.begin(run.lr(step), grad_scale)
+        with tl.span("forward+backward", cat="compute"):
+            model.forward_backward(x, y, on_layer_done=fused.layer_done,
+                                   loss_out=wire[WIRE_LOSS:WIRE_LOSS + 1])
         t1 = time.perf_counter()
-        with tl.span("allreduce", cat="comm"):
-            allreduce(wire)
+        with tl.span("wait for gradients", cat="comm"):
+            fused.wait()
         t2 = time.perf_counter()
-        with tl.span("optimizer", cat="optimizer"):
-            opt.step(model.params, model.grads, run.lr(step), grad_scale)
         compute_s += t1 - t0
         comm_s += t2 - t1
+        run.stats.record(t2 - t0, t1 - t0, t2 - t1, fused.exposed_comm_s, fused.exposed_update_s, fused.update_s)
         step += 1
         samples += a.batch_size * W
-        loss_window.append(wire[WIRE_LOSS])
+        loss_sum += wire[WIRE_LOSS:WIRE_LOSS + 1]  # on the device: no sync per step
+        loss_count += 1
         if step % a.log_every == 0 or step == a.steps:
-            mean_loss = float(sum(float(v) for v in loss_window) / len(loss_window)) / W
-            loss_window.clear()
+            mean_loss = float(loss_sum[0]) / loss_count / W
+            loss_sum[...] = 0
+            loss_count = 0
             run.progress(step, mean_loss, samples, time.perf_counter() - t_loop)
         if float(wire[WIRE_STOP]) > 0:
             break
@@ -508,5 +546,5 @@ def run(args, process_note=""):
     r = Run(args, process_note)
     if args.mode == "ring":
         return train_ring(r)
-    from .ps_train import train_ps
+    from .train_ps import train_ps
     return train_ps(r)
