@@ -61,6 +61,15 @@ def launcher_env(env=None):
         local_size = _int(env, lsize_v)
         if rank_v == "SLURM_PROCID":
             local_size = _slurm_local_size(env)
+        elif (local_rank is None or local_size is None) and _int(env, "SLURM_PROCID") == rank \
+                and size in (None, _int(env, "SLURM_NTASKS")):
+            # srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE but not Hydra's node-local
+            # MPI_LOCALRANKID/MPI_LOCALNRANKS: SLURM's variables of this very
+            # task (same rank and size) say it.
+            if local_rank is None:
+                local_rank = _int(env, "SLURM_LOCALID")
+            if local_size is None:
+                local_size = _slurm_local_size(env)
         return rank, size, local_rank, local_size
     return None, None, None, None
 
