@@ -1,0 +1,227 @@
+"""Parameter-server training (`--mode ps`): `train_ps(run)` turns the ranks of
+a `Run` into servers and workers and trains, synchronously (the default) or
+asynchronously. The protocol itself is hpctrain/comm/ps.py; this file wires it
+to the model, optimizer, data, logging and metrics, like `train_ring` does.
+
+    mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2            # sync, 2 ps + 2 workers
+    mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2 --async    # async
+    mpirun -n 4 python -m hpctrain.mnist --mode ps --backup-workers 1    # 1 ps, 3 workers, 1 backup
+
+Servers (ranks [0, num_ps)) each own a slice of the flat parameter vector and
+its optimizer state and run `Server.serve()`. Workers pull, compute, push; the
+chief (worker 0) initializes the servers with its initial parameters (the same
+as ring mode's for the same seed), logs, evaluates and writes the files.
+
+Test hooks (environment variables, for the tests only):
+  HPCTRAIN_TEST_SLOW_WORKER=i:s[,j:s]  worker i sleeps s seconds in every step (a straggler)
+  HPCTRAIN_TEST_HANG_PS=k:v            ps task k stops answering once its version reaches v
+  HPCTRAIN_TEST_SIGNAL=i:n             worker i sends itself SIGUSR1 in its n-th step
+"""
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .comm.ps import Client, Server, describe, place, summarize
+from .errors import HpctrainError
+from .model import MLP
+from .optim import make_optimizer
+
+
+def _hook(name, index):
+    """The value for `index` in a test hook like "1:0.2,3:0.5", or None."""
+    for item in os.environ.get(name, "").split(","):
+        if ":" in item:
+            key, value = item.split(":", 1)
+            if int(key) == index:
+                return float(value)
+    return None
+
+
+def replicas_to_aggregate(args, num_workers):
+    if not args.sync:
+        return 1
+    return args.replicas_to_aggregate or num_workers - args.backup_workers
+
+
+def open_reader_everywhere(run):
+    """Workers open their data; servers learn whether that worked (a world
+    Allreduce), so a bad data directory never leaves servers waiting for
+    workers that have already exited."""
+    c = run.cluster
+    error, reader = None, None
+    if c.is_worker:
+        try:
+            reader = run.open_reader()
+        except HpctrainError as exc:   # collective among workers: one of them reports
+            error = exc
+    flag = np.array([error.exit_code if error else 0], np.int64)
+    with run.watchdog.waiting("start-up agreement", peer=None):
+        c.comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+    if flag[0]:
+        raise error or HpctrainError("", exit_code=int(flag[0]), collective=True, report=False)
+    return reader
+
+
+def log_cluster(run, placement, tensor_ranges):
+    """The chief's start-up picture: roles in TensorFlow's naming, placement."""
+    a, c = run.args, run.cluster
+    n = tensor_ranges[-1][2]
+    lines = ["cluster:"]
+    for r in range(c.size):
+        lines.append(f"  {c.role_name(r)} = rank {r}" + ("  (chief)" if r == c.chief_rank else ""))
+    lines.append(f"placement {a.placement}: {n:,} parameters ({4 * n:,} bytes) on {c.num_ps} ps")
+    for k, (count, parts) in enumerate(describe(placement, tensor_ranges)):
+        lines.append(f"  /job:ps/task:{k}: {count:,} parameters, {4 * count:,} bytes: {', '.join(parts) or '-'}")
+    if a.sync:
+        R = replicas_to_aggregate(a, c.num_workers)
+        lines.append(f"sync: each update aggregates {R} of {c.num_workers} workers' gradients"
+                     + (f" ({c.num_workers - R} backup)" if R < c.num_workers else "")
+                     + ("; --max-staleness/--dc-lambda apply to --async only"
+                        if a.max_staleness is not None or a.dc_lambda else ""))
+    else:
+        lines.append("async: each gradient applied on arrival"
+                     + (f"; max staleness {a.max_staleness}" if a.max_staleness is not None else "")
+                     + (f"; DC-ASGD lambda {a.dc_lambda:g}" if a.dc_lambda else ""))
+    run.log("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------
+
+def train_ps(run):
+    a, c = run.args, run.cluster
+    # The protocol's own communicator: its tags never meet anyone else's messages.
+    comm = c.comm.Dup()
+    reader = open_reader_everywhere(run)
+    if c.is_ps:
+        tensor_ranges = MLP(a.hidden, np).tensor_ranges()
+        return serve(run, comm, place(tensor_ranges, c.num_ps, a.placement))
+    return work(run, comm, reader)
+
+
+def serve(run, comm, placement):
+    a, c = run.args, run.cluster
+    mine = placement[c.ps_index]
+    size = sum(hi - lo for lo, hi in mine)
+    optimizer = make_optimizer(a.optimizer, size, np, momentum=a.momentum)
+    hang_at = _hook("HPCTRAIN_TEST_HANG_PS", c.ps_index)
+
+    def after_update(version):
+        if hang_at is not None and version >= hang_at:
+            print(f"hpctrain: test hook: {c.role_name()} stops answering at version {version}",
+                  file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
+
+    server = Server(comm, mine, c.worker_ranks, c.ps_ranks, optimizer, run.lr, steps=a.steps, sync=a.sync,
+                    replicas=replicas_to_aggregate(a, c.num_workers), max_staleness=a.max_staleness,
+                    dc_lambda=a.dc_lambda, watchdog=run.watchdog,
+                    stop_requested=lambda: run.stop.received, after_update=after_update)
+    server.serve()
+    if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
+        with run.watchdog.waiting("stop agreement", peer=None):
+            run.preempted(c.comm, server.version)
+    return None
+
+
+def work(run, comm, reader):
+    a, c, xp = run.args, run.cluster, run.xp
+    W, tl = c.num_workers, run.timeline
+    model = MLP(a.hidden, xp)
+    model.init(a.seed)
+    tensor_ranges = model.tensor_ranges()
+    placement = place(tensor_ranges, c.num_ps, a.placement)
+    # MPI moves host memory here; on a GPU the model's buffers are mirrored.
+    gpu = xp is not np
+    params = np.zeros(model.num_params, np.float32) if gpu else model.params
+    grads = np.zeros(model.num_params, np.float32) if gpu else model.grads
+    client = Client(comm, c.ps_ranks, placement, params, grads, c.worker_index, W,
+                    sync=a.sync, watchdog=run.watchdog)
+    if c.is_chief:
+        log_cluster(run, placement, tensor_ranges)
+        if gpu:
+            params[...] = model.params.get()
+        client.restore(0, 0, params)   # the chief decides the initial parameters
+    client.pull()
+    if gpu:
+        model.params[...] = xp.asarray(params)
+
+    R = replicas_to_aggregate(a, W)
+    per_update = a.batch_size * R
+    slow = _hook("HPCTRAIN_TEST_SLOW_WORKER", c.worker_index)
+    signal_at = _hook("HPCTRAIN_TEST_SIGNAL", c.worker_index)
+    start = client.version
+    comm_s = compute_s = 0.0
+    local = 0
+    losses = []
+    logged = start
+    next_log = (start // a.log_every + 1) * a.log_every
+    t_loop = time.perf_counter()
+    while not client.stop:
+        with tl.span("data", cat="data"):
+            x, y = reader.next_batch()
+            x, y = xp.asarray(x), xp.asarray(y)
+        t0 = time.perf_counter()
+        with tl.span("forward+backward", cat="compute"):
+            loss = model.forward_backward(x, y)
+            if gpu:
+                grads[...] = model.grads.get()
+            loss = float(loss)
+        if slow:
+            time.sleep(slow)
+        local += 1
+        if signal_at == local:
+            signal.raise_signal(signal.SIGUSR1)
+        t1 = time.perf_counter()
+        with tl.span("push+pull", cat="comm"):
+            client.push_pull(loss, stop_request=run.stop.received is not None)
+        t2 = time.perf_counter()
+        if gpu:
+            model.params[...] = xp.asarray(params)
+        compute_s += t1 - t0
+        comm_s += t2 - t1
+        losses.append(client.loss if a.sync else loss)
+        step = client.version
+        if step >= next_log or (client.stop and step != logged):
+            _progress(run, step, sum(losses) / len(losses), (step - start) * per_update,
+                      time.perf_counter() - t_loop, local)
+            losses.clear()
+            logged = step
+            next_log = (step // a.log_every + 1) * a.log_every
+    t_loop = time.perf_counter() - t_loop
+
+    # Every worker ends with the final parameters (the evaluation is shared).
+    with tl.span("final pull", cat="comm"):
+        stats = client.final()
+    if gpu:
+        model.params[...] = xp.asarray(params)
+    step = client.version
+    if client.preempted:
+        run.log(f"stopping after step {step}: signal received")
+        run.metrics.close(keep=True)
+        with run.watchdog.waiting("stop agreement", peer=None):
+            run.preempted(c.comm, step)   # raises the exit-75 error on every rank
+    extra = summarize(stats, W)
+    extra.update({"num_ps": c.num_ps, "placement": a.placement, "sync": a.sync, "replicas_to_aggregate": R,
+                  "backup_workers": W - R if a.sync else 0, "max_staleness": a.max_staleness,
+                  "dc_lambda": a.dc_lambda, "loop_s": round(t_loop, 4), "local_steps": local,
+                  "rejected_pushes": client.rejected})
+    return run.finish(model, step, t_loop, (step - start) * per_update, comm_s, compute_s, extra)
+
+
+def _progress(run, step, loss, samples, t_loop, local):
+    """Sync: the chief's line (the loss is all aggregated workers' mean, as in
+    ring mode). Async: every worker prints its own line, as in the tutorial."""
+    if run.args.sync:
+        run.progress(step, loss, samples, t_loop)
+        return
+    c = run.cluster
+    elapsed = time.perf_counter() - run.t_start
+    rate = samples / t_loop if t_loop > 0 else 0.0
+    run.log(f"worker {c.worker_index}: step {step:>6}/{run.args.steps}  loss {loss:.4f}  "
+            f"samples/s {rate:,.0f}  elapsed {elapsed:.1f}s  (local step {local})", everyone=True)
+    run.metrics.write({"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
+                       "time_s": round(elapsed, 3)})

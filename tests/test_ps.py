@@ -1,0 +1,434 @@
+"""Parameter-server mode: placement, the protocol (sync rounds, snapshot and
+restore, DC-ASGD, bounded staleness) and whole jobs.
+
+    .venv/bin/python -m pytest tests/test_ps.py                       # serial + jobs
+    mpirun -n 3 python -m mpi4py -m pytest --with-mpi --only-mpi tests/test_ps.py
+
+Three kinds of tests:
+- serial: placement, packing, the DC-ASGD formula;
+- MPI (pytest-mpi): ps.Server and ps.Client on COMM_WORLD, with 1 ps below 4
+  ranks and 2 ps from 4 on; expectations are computed from the size, so they
+  pass at 2, 3 and 4 ranks (the DC-ASGD and staleness tests need 2 workers);
+- jobs: `mpirun -n N python -m hpctrain.mnist --mode ps ...` launched from the
+  plain pytest pass (they skip inside the MPI pass). Stragglers, a hung server
+  and a signal come from test hooks read by hpctrain/train_ps.py:
+  HPCTRAIN_TEST_SLOW_WORKER=i:s, HPCTRAIN_TEST_HANG_PS=k:v, HPCTRAIN_TEST_SIGNAL=i:n.
+"""
+import json
+import re
+
+import numpy as np
+import pytest
+
+from hpctrain.comm import ps
+from hpctrain.model import MLP
+
+# ---------------------------------------------------------------------------
+# serial
+
+
+def tensor_ranges(hidden):
+    return MLP(hidden, np).tensor_ranges()
+
+
+@pytest.mark.parametrize("hidden", [(500, 500), (10,), (3, 5, 7)])
+@pytest.mark.parametrize("strategy", ps.PLACEMENTS)
+@pytest.mark.parametrize("num_ps", [1, 2, 3, 5, 7])
+def test_placement_covers_every_parameter_exactly_once(hidden, strategy, num_ps):
+    ranges = tensor_ranges(hidden)
+    n = ranges[-1][2]
+    layout = ps.place(ranges, num_ps, strategy)
+    assert len(layout) == num_ps
+    seen = np.zeros(n, np.int64)
+    for server in layout:
+        assert server == sorted(server)
+        for (lo, hi), nxt in zip(server, server[1:] + [(None, None)]):
+            assert 0 <= lo < hi <= n
+            assert nxt[0] is None or hi < nxt[0]      # merged: no two ranges touch
+            seen[lo:hi] += 1
+    assert np.all(seen == 1)
+    sizes = [sum(hi - lo for lo, hi in s) for s in layout]
+    if strategy == "even":
+        assert max(sizes) - min(sizes) <= 1 and all(len(s) <= 1 for s in layout)
+    else:
+        # whole tensors only: every tensor lies inside one server's ranges
+        for _, lo, hi in ranges:
+            assert sum(1 for s in layout for a, b in s if a <= lo and hi <= b) == 1
+    if strategy == "round-robin":
+        for i, (_, lo, hi) in enumerate(ranges):
+            assert any(a <= lo and hi <= b for a, b in layout[i % num_ps])
+
+
+def test_greedy_puts_the_biggest_tensor_alone_and_balances_the_rest():
+    ranges = tensor_ranges((500, 500))
+    layout = ps.place(ranges, 2, "greedy")
+    assert layout[0] == [(0, 784 * 500)]               # layer0/W, the biggest
+    assert layout[1] == [(784 * 500, ranges[-1][2])]   # everything else: one contiguous range
+    layout = ps.place(ranges, 3, "greedy")
+    loads = sorted(sum(hi - lo for lo, hi in s) for s in layout)
+    assert loads == [5000 + 500 + 500 + 10, 250000, 392000]
+    desc = ps.describe(ps.place(ranges, 2, "round-robin"), ranges)
+    assert desc[0][1] == ["layer0/W", "layer1/W", "layer2/W"] and desc[1][0] == 500 + 500 + 10
+    desc = ps.describe(ps.place(ranges, 2, "even"), ranges)
+    half = ranges[-1][2] // 2
+    assert desc[0] == (half, [f"layer0/W[0:{half}]"])
+    assert desc[1][1][0] == f"layer0/W[{half}:{784 * 500}]"
+
+
+def test_slice_is_a_view_when_contiguous_and_packs_otherwise():
+    flat = np.arange(20, dtype=np.float32)
+    one = ps.Slice(flat, [(3, 9)])
+    assert not one.packed and np.shares_memory(one.buf, flat) and one.size == 6
+    two = ps.Slice(flat, [(0, 2), (10, 13)])
+    two.pack()
+    assert two.packed and two.buf.tolist() == [0, 1, 10, 11, 12]
+    two.buf[:] = -1
+    two.unpack()
+    assert flat[:2].tolist() == [-1, -1] and flat[10:13].tolist() == [-1, -1, -1] and flat[2] == 2
+
+
+def test_dc_compensation_matches_the_formula():
+    rng = np.random.default_rng(0)
+    n = 100_003  # several blocks and a ragged end
+    g, w, w_bak = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    lam = 0.7
+    direct = (g.astype(np.float64) + lam * g.astype(np.float64) ** 2 * (w.astype(np.float64) - w_bak))
+    out = ps.dc_compensate(g.copy(), w, w_bak, lam, np.empty(ps.BLOCK, np.float32))
+    np.testing.assert_allclose(out, direct, rtol=1e-5, atol=1e-6)
+    same = ps.dc_compensate(g.copy(), w, w_bak, 0.0, np.empty(7, np.float32))
+    assert np.array_equal(same, g)
+
+
+# ---------------------------------------------------------------------------
+# MPI: the protocol on COMM_WORLD
+
+TENSORS = [("a", 0, 300), ("b", 300, 310), ("c", 310, 1000)]   # 2 ps round-robin: ps 0 holds a and c
+N = 1000
+
+
+def roles():
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    num_ps = 1 if world.size < 4 else 2
+    return world, list(range(num_ps)), list(range(num_ps, world.size))
+
+
+class Setup:
+    """Servers and workers on a fresh duplicate of COMM_WORLD, each rank with a
+    watchdog that aborts the job instead of hanging if a test goes wrong."""
+
+    def __init__(self, placement="round-robin"):
+        from hpctrain.comm.deadline import Watchdog
+        world, self.servers, self.workers = roles()
+        self.comm = world.Dup()
+        self.rank = self.comm.rank
+        self.is_server = self.rank < len(self.servers)
+        self.layout = ps.place(TENSORS, len(self.servers), placement)
+        self.dog = Watchdog(60, self.rank, world.Abort)
+        color = 0 if not self.is_server else 1
+        self.wcomm = world.Split(color, self.rank)   # the workers among themselves
+
+    def serve(self, optimizer_cls, **kw):
+        mine = self.layout[self.rank]
+        size = sum(hi - lo for lo, hi in mine)
+        kw.setdefault("lr_fn", lambda v: 0.5)
+        lr_fn = kw.pop("lr_fn")
+        server = ps.Server(self.comm, mine, self.workers, self.servers, optimizer_cls(size), lr_fn,
+                           watchdog=self.dog, **kw)
+        server.serve()
+        return server
+
+    def client(self, sync=True):
+        self.params = np.zeros(N, np.float32)
+        self.grads = np.zeros(N, np.float32)
+        index = self.rank - len(self.servers)
+        return index, ps.Client(self.comm, self.servers, self.layout, self.params, self.grads, index,
+                                len(self.workers), sync=sync, watchdog=self.dog)
+
+    def close(self):
+        self.wcomm.Free()
+        self.comm.Free()
+
+
+def gradient(worker, step):
+    return np.random.default_rng([worker, step]).standard_normal(N).astype(np.float32)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("placement", ["even", "round-robin"])
+def test_sync_rounds_sum_in_worker_order_on_every_server(placement):
+    from hpctrain.optim import SGD
+    s = Setup(placement)
+    rounds, lr = 4, 0.5
+    W = len(s.workers)
+    if s.is_server:
+        server = s.serve(SGD, steps=rounds, lr_fn=lambda v: lr)
+        assert server.version == rounds and server.updates == rounds and server.stale_dropped == 0
+        s.close()
+        return
+    index, client = s.client()
+    p0 = np.random.default_rng(123).standard_normal(N).astype(np.float32)
+    if index == 0:
+        client.restore(0, 0, p0)
+    client.pull()
+    got = [s.params.copy()]
+    versions = []
+    while not client.stop:
+        s.grads[:] = gradient(index, client.version)
+        client.push_pull(float(index))
+        got.append(s.params.copy())
+        versions.append(client.version)
+    stats = client.final()
+    s.close()
+    # the same arithmetic as the server: sum in worker order, then SGD's params -= g * (lr / W)
+    expect = p0.copy()
+    assert np.array_equal(got[0], expect)
+    for r in range(rounds):
+        total = gradient(0, r) if W == 1 else np.add(gradient(0, r), gradient(1, r))
+        for w in range(2, W):
+            total += gradient(w, r)
+        expect -= total * (lr * (1.0 / W))
+        assert np.array_equal(got[r + 1], expect), f"round {r}"
+    assert versions == list(range(1, rounds + 1))
+    assert client.loss == pytest.approx(sum(range(W)) / W)        # the round's mean loss rides along
+    summary = ps.summarize(stats, W)
+    assert summary["updates"] == rounds and summary["pushes_by_worker"] == [rounds] * W
+    assert summary["ps_versions"] == [rounds] * len(s.servers)
+    assert sum(summary["ps_elements"]) == N
+
+
+@pytest.mark.mpi(min_size=2)
+def test_snapshot_and_restore_round_trip_parameters_and_adam_state():
+    from hpctrain.optim import Adam
+    s = Setup("round-robin")
+    if s.is_server:
+        s.serve(Adam, steps=100, sync=False, lr_fn=lambda v: 1e-3 * (v + 1))
+        s.close()
+        return
+    index, client = s.client(sync=False)
+    if index == 0:
+        rng = np.random.default_rng(7)
+        p0 = rng.standard_normal(N).astype(np.float32)
+        m0 = rng.standard_normal(N).astype(np.float32)
+        v0 = rng.random(N).astype(np.float32)
+        client.restore(7, 5, p0, {"m": m0, "v": v0})
+        versions, t, params, states = client.snapshot(("m", "v"))
+        first = (versions, t, params, states)
+        # one more update on the servers, then the same on a local Adam from the same state
+        g = gradient(0, 0)
+        s.grads[:] = g
+        client.push_pull(0.0)
+        pushed = s.params.copy()
+        versions2, t2, params2, states2 = client.snapshot(("m", "v"))
+        local = Adam(N)
+        local.m[:], local.v[:], local.t = m0, v0, 5
+        p = p0.copy()
+        local.step(p, g, 1e-3 * 8, 1.0)
+    client.final()
+    s.close()
+    if index != 0:
+        return
+    versions, t, params, states = first
+    assert versions == [7] * len(s.servers) and t == 5
+    assert np.array_equal(params, p0) and np.array_equal(states["m"], m0) and np.array_equal(states["v"], v0)
+    assert versions2 == [8] * len(s.servers) and t2 == 6
+    assert np.array_equal(params2, p) and np.array_equal(pushed, p)
+    assert np.array_equal(states2["m"], local.m) and np.array_equal(states2["v"], local.v)
+
+
+def two_worker_race(s, first, second):
+    """Workers 0 and 1 both pull version 0; worker 1 pushes (applied at once),
+    then worker 0 pushes its gradient of version 0, one version late.
+    Returns (p0, p1, p2) as worker 0 sees them; other workers just finish."""
+    index, client = s.client(sync=False)
+    p0 = np.random.default_rng(5).standard_normal(N).astype(np.float32)
+    if index == 0:
+        client.restore(0, 0, p0)
+    result = None
+    if index < 2:
+        client.pull()
+        s.wcomm.Barrier()                  # both hold version 0
+        if index == 1:
+            s.grads[:] = second
+            client.push_pull(1.0)
+        s.wcomm.Barrier()                  # worker 1's update is in
+        if index == 0:
+            p1 = p0 - second * np.float32(0.5)
+            s.grads[:] = first
+            client.push_pull(0.0)
+            result = (p0, p1, s.params.copy(), client)
+    stats = client.final()
+    return result, stats
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("lam", [0.0, 2.0])
+def test_dc_asgd_update_matches_a_direct_computation(lam):
+    from hpctrain.optim import SGD
+    s = Setup("round-robin")
+    g0, g1 = gradient(0, 1), gradient(1, 1)
+    if s.is_server:
+        server = s.serve(SGD, steps=100, sync=False, dc_lambda=lam)
+        s.close()
+        assert server.updates == 2 and server.st_max == 1 and list(server.hist[:3]) == [1, 1, 0]
+        return
+    result, stats = two_worker_race(s, g0, g1)
+    s.close()
+    if result is None:
+        return
+    p0, p1, p2, client = result
+    if lam == 0:   # plain async: worker 0's gradient applied as it is, one version late
+        assert np.array_equal(p2, p1 - g0 * np.float32(0.5))
+    else:
+        f64 = np.float64
+        direct = g0.astype(f64) + lam * g0.astype(f64) ** 2 * (p1.astype(f64) - p0)
+        np.testing.assert_allclose(p2, p1 - 0.5 * direct, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(p2, p1 - g0 * np.float32(0.5), rtol=1e-5, atol=1e-6)
+    summary = ps.summarize(stats, len(s.workers))
+    assert summary["staleness_max"] == 1 and summary["staleness_mean"] == 0.5
+    assert summary["staleness_histogram"] == [1, 1] and client.rejected == 0
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_push_beyond_max_staleness_is_not_applied_and_brings_fresh_parameters():
+    from hpctrain.optim import SGD
+    s = Setup("even")
+    g0, g1 = gradient(0, 2), gradient(1, 2)
+    if s.is_server:
+        server = s.serve(SGD, steps=100, sync=False, max_staleness=0)
+        s.close()
+        assert server.updates == 1 and server.stale_dropped == 1
+        return
+    result, stats = two_worker_race(s, g0, g1)
+    s.close()
+    if result is None:
+        return
+    p0, p1, p2, client = result
+    assert np.array_equal(p2, p1) and client.rejected == 1 and client.version == 1
+    summary = ps.summarize(stats, len(s.workers))
+    assert summary["stale_dropped"] == 1 and summary["dropped_by_worker"][:2] == [1, 0]
+
+
+# ---------------------------------------------------------------------------
+# jobs: mpirun -n N python -m hpctrain.mnist --mode ps ...
+
+
+def saved(path):
+    import h5py
+    with h5py.File(path, "r") as f:
+        return {f"{g}/{k}": f[g][k][()] for g in f for k in f[g]}, dict(f.attrs)
+
+
+def final_record(path):
+    return json.loads(path.read_text().splitlines()[-1])
+
+
+def ok(r):
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.parametrize("ranks, num_ps, placement", [(3, 1, "even"), (5, 2, "round-robin")])
+def test_sync_ps_equals_ring_under_sgd(job, tmp_path, ranks, num_ps, placement):
+    common = ["--optimizer", "sgd", "--lr", "0.05", "--steps", "50", "--log-every", "25"]
+    ok(job(ranks, "--mode", "ps", "--num-ps", num_ps, "--placement", placement, "--sync", *common,
+           "--save", tmp_path / "ps.h5"))
+    ok(job(ranks - num_ps, "--mode", "ring", *common, "--save", tmp_path / "ring.h5"))
+    a, attrs = saved(tmp_path / "ps.h5")
+    b, _ = saved(tmp_path / "ring.h5")
+    assert set(a) == set(b) and attrs["mode"] == "ps" and attrs["step"] == 50
+    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-5
+
+
+def test_sync_ps_is_bit_reproducible_at_3_workers(job, tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        ok(job(4, "--mode", "ps", "--num-ps", 1, "--steps", 50, "--hidden", "64", "--log-every", 50,
+               "--save", tmp_path / f"{name}.h5"))
+        runs.append(saved(tmp_path / f"{name}.h5")[0])
+    assert all(np.array_equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_backup_workers_drop_exactly_the_late_gradients(job, tmp_path):
+    # 3 workers, aggregate 2; worker 2 sleeps 0.1 s per step while the others take ~2 ms
+    m = tmp_path / "m.jsonl"
+    ok(job(4, "--mode", "ps", "--num-ps", 1, "--backup-workers", 1, "--hidden", "32", "--steps", 300,
+           "--log-every", 100, "--metrics", m, env={"HPCTRAIN_TEST_SLOW_WORKER": "2:0.1"}))
+    f = final_record(m)
+    late = f["pushes_by_worker"][2]
+    assert f["updates"] == 300 and f["replicas_to_aggregate"] == 2 and f["backup_workers"] == 1
+    assert f["pushes_by_worker"][:2] == [300, 300]          # every fast gradient was used
+    assert late >= 1 and f["dropped_by_worker"] == [0, 0, late] and f["stale_dropped"] == late
+
+
+def test_a_straggler_holds_sync_back_without_backup_workers_and_not_with(job, tmp_path):
+    slow = {"HPCTRAIN_TEST_SLOW_WORKER": "1:0.1"}
+    loop = {}
+    for backup in (0, 1):
+        m = tmp_path / f"m{backup}.jsonl"
+        ok(job(3, "--mode", "ps", "--backup-workers", backup, "--hidden", "32", "--steps", 15,
+               "--log-every", 15, "--metrics", m, env=slow))
+        f = final_record(m)
+        assert f["updates"] == 15
+        loop[backup] = f["loop_s"]
+    assert loop[0] >= 15 * 0.1
+    assert loop[1] < 15 * 0.1 / 2
+
+
+def test_async_converges_and_reports_staleness(job, tmp_path):
+    m = tmp_path / "m.jsonl"
+    r = ok(job(3, "--mode", "ps", "--async", "--steps", 300, "--log-every", 100, "--metrics", m))
+    f = final_record(m)
+    assert f["test_accuracy"] >= 0.85, f
+    assert f["steps"] == 300 and f["updates"] == 300 and f["sync"] is False
+    assert sum(f["staleness_histogram"]) == 300 and f["staleness_max"] >= 1 and f["staleness_mean"] > 0
+    assert sum(f["pushes_by_worker"]) == 300 + f["after_stop_dropped"]
+    out = r.stdout
+    assert "/job:ps/task:0 = rank 0" in out and "/job:worker/task:1 = rank 2" in out
+    assert "/job:ps/task:0: 648,010 parameters, 2,592,040 bytes" in out
+    assert re.search(r"^worker 0: step +\d+/300", out, re.M) and re.search(r"^worker 1: step +\d+/300", out, re.M)
+
+
+def test_async_with_dc_asgd_and_bounded_staleness_trains(job, tmp_path):
+    m = tmp_path / "m.jsonl"
+    ok(job(4, "--mode", "ps", "--num-ps", 2, "--placement", "greedy", "--async", "--dc-lambda", "0.5",
+           "--max-staleness", 1, "--hidden", "64", "--steps", 200, "--log-every", 100, "--lr", "1e-3",
+           "--metrics", m))
+    f = final_record(m)
+    assert f["updates"] == 200 and f["staleness_max"] <= 1 and f["dc_lambda"] == 0.5
+    assert f["test_accuracy"] > 0.6, f
+
+
+@pytest.mark.parametrize("mode", ["--sync", "--async"])
+def test_a_signal_on_one_worker_stops_every_rank(job, tmp_path, mode):
+    m = tmp_path / "m.jsonl"
+    r = job(4, "--mode", "ps", "--num-ps", 2, mode, "--hidden", "32", "--steps", 5000, "--log-every", 10,
+            "--metrics", m, env={"HPCTRAIN_TEST_SIGNAL": "1:20"}, timeout=120)
+    assert r.returncode == 75, r.stderr
+    errors = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(errors) == 1 and re.match(r"hpctrain: error: stopped by SIGUSR1 after step \d+;", errors[0]), errors
+    step = int(re.search(r"after step (\d+)", errors[0]).group(1))
+    if mode == "--sync":
+        assert step == 20   # worker 1's 20th push asked; that round was the last
+    assert f"stopping after step {step}: signal received" in r.stdout
+    assert m.exists()
+
+
+def test_a_server_that_stops_answering_is_a_deadline_error(job):
+    r = job(3, "--mode", "ps", "--hidden", "32", "--steps", 1000, "--timeout", 3,
+            env={"HPCTRAIN_TEST_HANG_PS": "0:5"}, timeout=60)
+    assert r.returncode == 3, r.stderr
+    assert re.search(r"^hpctrain: error: rank [12] waited \d+ s for rank 0 \(.*\); giving up \(--timeout 3\)$",
+                     r.stderr, re.M), r.stderr
+
+
+@pytest.mark.parametrize("ranks, flags, expect", [
+    (2, ["--num-ps", "2"], "needs more than 2 ranks"),
+    (3, ["--replicas-to-aggregate", "3"], "is more than the 2 workers"),
+    (3, ["--backup-workers", "2"], "must be less than the 2 workers"),
+])
+def test_invalid_layouts_are_one_line_errors(job, tmp_path, ranks, flags, expect):
+    r = job(ranks, "--mode", "ps", *flags, "--save", tmp_path / "p.h5", timeout=60)
+    errors = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 2 and len(errors) == 1 and expect in errors[0], r.stderr
+    assert errors[0].startswith("hpctrain: error:") and not (tmp_path / "p.h5").exists()
