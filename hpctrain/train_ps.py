@@ -12,6 +12,12 @@ its optimizer state and run `Server.serve()`. Workers pull, compute, push; the
 chief (worker 0) initializes the servers with its initial parameters (the same
 as ring mode's for the same seed), logs, evaluates and writes the files.
 
+Checkpoints (--checkpoint-dir): the chief writes them alone, from the servers'
+slices and optimizer state (SNAPSHOT every --checkpoint-every steps; the final
+reply at the end or after a signal) and the data positions that the workers'
+pushes carried to ps 0. On resume it loads the servers back (RESTORE) and the
+workers seek their readers, so sync training resumes bit for bit.
+
 Test hooks (environment variables, for the tests only):
   HPCTRAIN_TEST_SLOW_WORKER=i:s[,j:s]  worker i sleeps s seconds in every step (a straggler)
   HPCTRAIN_TEST_HANG_PS=k:v            ps task k stops answering once its version reaches v
@@ -96,10 +102,13 @@ def train_ps(run):
     # The protocol's own communicator: its tags never meet anyone else's messages.
     comm = c.comm.Dup()
     reader = open_reader_everywhere(run)
+    # With --checkpoint-dir: every rank learns whether (and from which step)
+    # the run resumes; the chief then loads the servers (RESTORE).
+    resume = run.load_checkpoint(c.comm)
     if c.is_ps:
         tensor_ranges = MLP(a.hidden, np).tensor_ranges()
         return serve(run, comm, place(tensor_ranges, c.num_ps, a.placement))
-    return work(run, comm, reader)
+    return work(run, comm, reader, resume)
 
 
 def serve(run, comm, placement):
@@ -127,7 +136,17 @@ def serve(run, comm, placement):
     return None
 
 
-def work(run, comm, reader):
+def save_alone(run, step, params, states, t, positions):
+    """The chief writes a checkpoint by itself (servers and workers keep going).
+    A failure to write is one error line and aborts the job."""
+    try:
+        run.save_checkpoint(MPI.COMM_SELF, step, params, states, t, positions)
+    except HpctrainError as exc:
+        run.metrics.close(keep=False)
+        raise HpctrainError(str(exc), exit_code=exc.exit_code) from None   # not collective: abort
+
+
+def work(run, comm, reader, resume):
     a, c, xp = run.args, run.cluster, run.xp
     W, tl = c.num_workers, run.timeline
     model = MLP(a.hidden, xp)
@@ -140,11 +159,21 @@ def work(run, comm, reader):
     grads = np.zeros(model.num_params, np.float32) if gpu else model.grads
     client = Client(comm, c.ps_ranks, placement, params, grads, c.worker_index, W,
                     sync=a.sync, watchdog=run.watchdog)
+    state_names = make_optimizer(a.optimizer, 1, np).state_names
     if c.is_chief:
         log_cluster(run, placement, tensor_ranges)
-        if gpu:
-            params[...] = model.params.get()
-        client.restore(0, 0, params)   # the chief decides the initial parameters
+        if resume is not None:
+            ckpt = resume.checkpoint
+            client.restore(resume.step, resume.optimizer_t, ckpt.params,
+                           {name: ckpt.optimizer_state[name] for name in state_names}, ckpt.data_positions)
+        else:
+            if gpu:
+                params[...] = model.params.get()
+            client.restore(0, 0, params)   # the chief decides the initial parameters
+    if resume is not None:
+        run.seek_readers(reader, resume)
+        note = f" (--steps {a.steps}: nothing left to train)" if resume.step >= a.steps else ""
+        run.log(f"resumed from {run.saved_path} at step {resume.step}{note}")
     client.pull()
     if gpu:
         model.params[...] = xp.asarray(params)
@@ -159,6 +188,8 @@ def work(run, comm, reader):
     losses = []
     logged = start
     next_log = (start // a.log_every + 1) * a.log_every
+    every = a.checkpoint_every if (a.checkpoint_dir and c.is_chief) else 0
+    next_checkpoint = (start // every + 1) * every if every else None
     t_loop = time.perf_counter()
     while not client.stop:
         with tl.span("data", cat="data"):
@@ -177,7 +208,7 @@ def work(run, comm, reader):
             signal.raise_signal(signal.SIGUSR1)
         t1 = time.perf_counter()
         with tl.span("push+pull", cat="comm"):
-            client.push_pull(loss, stop_request=run.stop.received is not None)
+            client.push_pull(loss, stop_request=run.stop.received is not None, position=reader.position)
         t2 = time.perf_counter()
         if gpu:
             model.params[...] = xp.asarray(params)
@@ -191,14 +222,25 @@ def work(run, comm, reader):
             losses.clear()
             logged = step
             next_log = (step // a.log_every + 1) * a.log_every
+        if every and step >= next_checkpoint and not client.stop:
+            # The chief alone: the servers' slices and state (SNAPSHOT), with
+            # the data positions the leader recorded for that version.
+            versions, t, p, states, positions = client.snapshot(state_names)
+            save_alone(run, versions[0], p, states, t, positions)
+            next_checkpoint = (step // every + 1) * every
     t_loop = time.perf_counter() - t_loop
 
-    # Every worker ends with the final parameters (the evaluation is shared).
+    # Every worker ends with the final parameters (the evaluation is shared);
+    # the chief also gets the final optimizer state for the last checkpoint.
+    want_state = bool(a.checkpoint_dir and c.is_chief)
     with tl.span("final pull", cat="comm"):
-        stats = client.final()
+        stats = client.final(state_names if want_state else None)
     if gpu:
         model.params[...] = xp.asarray(params)
     step = client.version
+    if want_state and run.saved_step != step:
+        t, states, positions = client.final_state
+        save_alone(run, step, params, states, t, positions)
     if client.preempted:
         run.log(f"stopping after step {step}: signal received")
         run.metrics.close(keep=True)

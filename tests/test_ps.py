@@ -198,9 +198,10 @@ def test_sync_rounds_sum_in_worker_order_on_every_server(placement):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_snapshot_and_restore_round_trip_parameters_and_adam_state():
+def test_snapshot_and_restore_round_trip_parameters_adam_state_and_positions():
     from hpctrain.optim import Adam
     s = Setup("round-robin")
+    W = len(s.workers)
     if s.is_server:
         s.serve(Adam, steps=100, sync=False, lr_fn=lambda v: 1e-3 * (v + 1))
         s.close()
@@ -211,29 +212,38 @@ def test_snapshot_and_restore_round_trip_parameters_and_adam_state():
         p0 = rng.standard_normal(N).astype(np.float32)
         m0 = rng.standard_normal(N).astype(np.float32)
         v0 = rng.random(N).astype(np.float32)
-        client.restore(7, 5, p0, {"m": m0, "v": v0})
-        versions, t, params, states = client.snapshot(("m", "v"))
-        first = (versions, t, params, states)
+        pos0 = np.arange(2 * W).reshape(W, 2) * 32
+        client.restore(7, 5, p0, {"m": m0, "v": v0}, pos0)
+        first = client.snapshot(("m", "v"))
         # one more update on the servers, then the same on a local Adam from the same state
         g = gradient(0, 0)
         s.grads[:] = g
-        client.push_pull(0.0)
+        client.push_pull(0.0, position=(3, 96))
         pushed = s.params.copy()
-        versions2, t2, params2, states2 = client.snapshot(("m", "v"))
+        second = client.snapshot(("m", "v"))
         local = Adam(N)
         local.m[:], local.v[:], local.t = m0, v0, 5
         p = p0.copy()
         local.step(p, g, 1e-3 * 8, 1.0)
-    client.final()
+    s.wcomm.Barrier()        # the others finish only after the snapshots: the final state is the same
+    client.final(("m", "v") if index == 0 else None)
     s.close()
     if index != 0:
         return
-    versions, t, params, states = first
+    versions, t, params, states, positions = first
     assert versions == [7] * len(s.servers) and t == 5
     assert np.array_equal(params, p0) and np.array_equal(states["m"], m0) and np.array_equal(states["v"], v0)
-    assert versions2 == [8] * len(s.servers) and t2 == 6
-    assert np.array_equal(params2, p) and np.array_equal(pushed, p)
-    assert np.array_equal(states2["m"], local.m) and np.array_equal(states2["v"], local.v)
+    assert np.array_equal(positions, pos0)
+    versions, t, params, states, positions = second
+    assert versions == [8] * len(s.servers) and t == 6
+    assert np.array_equal(params, p) and np.array_equal(pushed, p)
+    assert np.array_equal(states["m"], local.m) and np.array_equal(states["v"], local.v)
+    expect_pos = pos0.copy()
+    expect_pos[0] = 3, 96    # the chief's push carried its position; the others' are the restored ones
+    assert np.array_equal(positions, expect_pos)
+    t, states, positions = client.final_state
+    assert t == 6 and np.array_equal(states["m"], local.m) and np.array_equal(states["v"], local.v)
+    assert np.array_equal(positions, expect_pos) and np.array_equal(s.params, p)
 
 
 def two_worker_race(s, first, second):
@@ -412,6 +422,29 @@ def test_a_signal_on_one_worker_stops_every_rank(job, tmp_path, mode):
         assert step == 20   # worker 1's 20th push asked; that round was the last
     assert f"stopping after step {step}: signal received" in r.stdout
     assert m.exists()
+
+
+def test_a_stopped_sync_run_resumes_where_an_uninterrupted_run_ends(job, tmp_path):
+    # 2 ps + 2 workers, Adam: checkpoints every 15 steps (SNAPSHOT) and at the
+    # signal (the final state); resuming from either ends bit for bit where
+    # the uninterrupted run ends.
+    common = ["--mode", "ps", "--num-ps", 2, "--steps", 40, "--hidden", "64", "--log-every", 10]
+    ok(job(4, *common, "--save", tmp_path / "straight.h5"))
+    ckpt = tmp_path / "ckpt"
+    r = job(4, *common, "--checkpoint-dir", ckpt, "--checkpoint-every", 15, env={"HPCTRAIN_TEST_SIGNAL": "1:22"})
+    assert r.returncode == 75, r.stderr
+    assert f"stopped by SIGUSR1 after step 22; checkpoint {ckpt}/ckpt-00000022.h5" in r.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-00000015.h5", "ckpt-00000022.h5"]
+    periodic = tmp_path / "periodic"
+    periodic.mkdir()
+    (periodic / "ckpt-00000015.h5").write_bytes((ckpt / "ckpt-00000015.h5").read_bytes())
+    straight, _ = saved(tmp_path / "straight.h5")
+    for directory, step in ((ckpt, 22), (periodic, 15)):
+        r = ok(job(4, *common, "--checkpoint-dir", directory, "--save", tmp_path / "resumed.h5"))
+        assert f"resumed from {directory}/ckpt-{step:08d}.h5 at step {step}" in r.stdout
+        resumed, attrs = saved(tmp_path / "resumed.h5")
+        assert attrs["step"] == 40 and all(np.array_equal(straight[k], resumed[k]) for k in straight)
+        assert (directory / "ckpt-00000040.h5").exists()
 
 
 def test_a_server_that_stops_answering_is_a_deadline_error(job):

@@ -16,23 +16,28 @@ copy), a packed copy otherwise.
 Wire. Every request and reply starts with one int64 header of HEADER fields
 (buffer-form Send/Recv, nothing pickled), followed by raw float32 buffers:
 
-    worker -> server  TAG_HEADER  [op, version, worker, flags, stop, t, nstate, loss]
+    worker -> server  TAG_HEADER  [op, version, worker, flags, stop, t, nstate, loss, epoch, offset]
                       TAG_GRAD    gradient slice (OP_PUSH only)
     server -> worker  TAG_REPLY   header: op=OP_REPLY, version, flags, stop version, loss
                       TAG_PARAMS  parameter slice
     either way        TAG_BULK    snapshot/restore payloads, final statistics
     ps 0 -> ps k      TAG_ROUND   header + W member flags: who is in round `version` (sync)
 
-`loss` is a float64 stored in the int64 field's bits. Ops:
+`loss` is a float64 stored in the int64 field's bits; (epoch, offset) is the
+pushing worker's data position after the batch of this gradient (the leader
+keeps them for checkpoints). Ops:
 
     OP_PULL      reply with the parameters once version >= header version
     OP_PUSH      a gradient computed on `version`; reply with the parameters
                  after it is used or dropped (sync: once version > its version)
-    OP_FINAL     the worker is done; reply (parameters + statistics) when all are
+    OP_FINAL     the worker is done; reply (parameters + statistics) when all are;
+                 with F_WANT_STATE also the optimizer state and data positions
     OP_SNAPSHOT  (chief) reply on TAG_BULK: header (version, t, nstate), the
-                 parameter slice, then each optimizer state array in order
+                 parameter slice, each optimizer state array in order, and the
+                 workers' data positions (int64 W x 2) that go with that version
     OP_RESTORE   (chief) header (version, t, nstate) then, on TAG_BULK, the
-                 slice and nstate state arrays (0: reset the state); ack on TAG_BULK.
+                 slice, nstate state arrays (0: reset the state) and the data
+                 positions (W x 2); ack on TAG_BULK.
                  The chief's first RESTORE is how servers get initial parameters;
                  pulls are answered only after it.
 
@@ -62,8 +67,8 @@ Every blocking wait runs under the watchdog (`--timeout`), naming the peer.
 import numpy as np
 from mpi4py import MPI
 
-HEADER = 8
-H_OP, H_VERSION, H_WORKER, H_FLAGS, H_STOP, H_T, H_NSTATE, H_LOSS = range(HEADER)
+HEADER = 10
+H_OP, H_VERSION, H_WORKER, H_FLAGS, H_STOP, H_T, H_NSTATE, H_LOSS, H_EPOCH, H_OFFSET = range(HEADER)
 
 OP_PULL, OP_PUSH, OP_FINAL, OP_SNAPSHOT, OP_RESTORE, OP_REPLY, OP_ROUND = 1, 2, 3, 4, 5, 6, 7
 OP_NAMES = {OP_PULL: "PULL", OP_PUSH: "PUSH", OP_FINAL: "FINAL", OP_SNAPSHOT: "SNAPSHOT",
@@ -73,6 +78,7 @@ F_STOP_REQUEST = 1   # a stop signal was seen: please stop soon
 F_STOP = 2           # reply: the leader's version reached its stop version: stop now
 F_PREEMPTED = 4      # the stop came from a signal, not from the step budget
 F_REJECTED = 8       # reply: your gradient was not applied (stale, too stale, or past the end)
+F_WANT_STATE = 16    # OP_FINAL: also send the optimizer state and data positions (a checkpoint)
 
 TAG_HEADER, TAG_GRAD, TAG_REPLY, TAG_PARAMS, TAG_BULK, TAG_ROUND = 101, 102, 103, 104, 105, 106
 
@@ -266,6 +272,10 @@ class Server:
         self.want = np.full(W, -1, np.int64)      # pending reply: minimum version, -1 none
         self.rejected = np.zeros(W, bool)
         self.done = np.zeros(W, bool)
+        self.want_state = np.zeros(W, bool)     # OP_FINAL asked for the optimizer state
+        # data positions for checkpoints: per worker, its last two pushes'
+        # (version, epoch, offset), newest first; epoch -1: none
+        self.positions = np.full((W, 2, 3), -1, np.int64)
         self.grad_posted = np.zeros(W, bool)
         self.sending = np.zeros(W, bool)
         # statistics
@@ -336,8 +346,9 @@ class Server:
 
     def _stop_request(self):
         self.stop_seen = True
-        if self.leader and self.version < self.stop_version:
-            self.stop_version = min(self.stop_version, self.version + 1)
+        # Stop after the version in progress; a request during the last one changes nothing.
+        if self.leader and self.version + 1 < self.stop_version:
+            self.stop_version = self.version + 1
             self.preempted = True
 
     # --- messages -----------------------------------------------------------
@@ -351,6 +362,9 @@ class Server:
                 self.req_grad[w].Wait()
             self.grad_posted[w] = False
             version, loss = int(h[H_VERSION]), float(_loss_bits(h)[H_LOSS])
+            rec = self.positions[w]
+            rec[1] = rec[0]
+            rec[0] = version, h[H_EPOCH], h[H_OFFSET]
             self.req_hdr[w].Start()
             self._on_push(w, version, loss)
         elif op == OP_PULL:
@@ -360,6 +374,7 @@ class Server:
         elif op == OP_FINAL:
             self.done[w] = True
             self.final_version = max(self.final_version, int(h[H_VERSION]))
+            self.want_state[w] = bool(h[H_FLAGS] & F_WANT_STATE)
             if h[H_FLAGS] & F_PREEMPTED:
                 self.preempted = True
             if self.grad_posted[w]:
@@ -562,6 +577,19 @@ class Server:
         self.sending[w] = True
 
     # --- checkpoint support -------------------------------------------------
+    def positions_at(self, version):
+        """(W, 2) int64: each worker's data position that goes with parameters
+        of `version`: after the batch of its newest push computed on an older
+        version (sync: the push of round version-1, even if the worker already
+        pushed for `version`). (-1, -1) where there is none."""
+        out = np.full((self.W, 2), -1, np.int64)
+        for w in range(self.W):
+            for tag, epoch, offset in self.positions[w]:
+                if epoch >= 0 and tag < version:
+                    out[w] = epoch, offset
+                    break
+        return out
+
     def _snapshot(self, w):
         rank = self.workers[w]
         states = self.opt.state()
@@ -573,6 +601,7 @@ class Server:
             self.comm.Send(self.params, rank, TAG_BULK)
             for array in states.values():
                 self.comm.Send(array, rank, TAG_BULK)
+            self.comm.Send(self.positions_at(self.version), rank, TAG_BULK)
 
     def _restore(self, w, h):
         rank = self.workers[w]
@@ -589,8 +618,13 @@ class Server:
                     self.comm.Recv(array, rank, TAG_BULK)
                 else:
                     array[...] = 0
+            positions = np.empty((self.W, 2), np.int64)
+            self.comm.Recv(positions, rank, TAG_BULK)
         self.opt.t = int(h[H_T])
         self.version = int(h[H_VERSION])
+        self.positions[...] = -1
+        self.positions[:, 0, 0] = self.version - 1
+        self.positions[:, 0, 1:] = positions
         if self.w_bak is not None:
             self.w_bak[...] = self.params
         for v in np.flatnonzero(self.tag >= 0):   # gradients of the old state mean nothing now
@@ -622,11 +656,15 @@ class Server:
             with self.dog.waiting("round decision to servers", peer=self.servers[1:]):
                 MPI.Request.Waitall(self.send_round)
         stats = self.stats()
+        states = list(self.opt.state().values())
+        positions = self.positions_at(self.version)
         reqs = []
         for w, r in enumerate(self.workers):
             self._fill_reply(self.hdr_out[w], w)
             reqs += [self.comm.Isend(self.hdr_out[w], r, TAG_REPLY), self.comm.Isend(self.params, r, TAG_PARAMS),
                      self.comm.Isend(stats, r, TAG_BULK)]
+            if self.want_state[w]:
+                reqs += [self.comm.Isend(a, r, TAG_BULK) for a in states] + [self.comm.Isend(positions, r, TAG_BULK)]
         with self.dog.waiting("final replies", peer=self.workers):
             MPI.Request.Waitall(reqs)
         if self.req_round is not None:
@@ -677,11 +715,12 @@ class Client:
         self.loss = float("nan")    # leader: mean loss of the last round (sync) / last gradient (async)
         self.rejected = 0           # pushes the leader did not apply
 
-    def _exchange(self, op, flags, loss=0.0, grads=False, what="parameters"):
+    def _exchange(self, op, flags, loss=0.0, grads=False, what="parameters", position=(0, 0)):
         MPI.Prequest.Startall(self.recvs)
         for k in range(self.P):
             h = self.hdr_out[k]
             h[H_OP], h[H_WORKER], h[H_FLAGS] = op, self.worker, flags
+            h[H_EPOCH], h[H_OFFSET] = position
             # sync: one version for all servers (the leader's), so rounds line up
             h[H_VERSION] = self.version if (self.sync or op != OP_PUSH) else self.versions[k]
             _loss_bits(h)[H_LOSS] = loss
@@ -715,28 +754,55 @@ class Client:
         self.version = min_version
         self._exchange(OP_PULL, 0, what="pull parameters")
 
-    def push_pull(self, loss, stop_request=False):
-        """Push the gradient (computed on the last pulled version), receive new parameters."""
+    def push_pull(self, loss, stop_request=False, position=(0, 0)):
+        """Push the gradient (computed on the last pulled version) with the data
+        position after its batch; receive new parameters."""
         flags = F_STOP_REQUEST if (stop_request or self.stop_seen) else 0
-        self._exchange(OP_PUSH, flags, loss, grads=True, what="push gradients, pull parameters")
+        self._exchange(OP_PUSH, flags, loss, grads=True, what="push gradients, pull parameters",
+                       position=position)
 
-    def final(self):
+    def final(self, state_names=None):
         """Say done; once every worker is, receive the final parameters and each
-        server's statistics (rows of self.stats)."""
+        server's statistics (rows of self.stats, returned). With state_names
+        (the optimizer's, in order), also the final optimizer state and data
+        positions: self.final_state = (t, {name: full flat array}, positions)."""
         reqs = [self.comm.Irecv(self.stats[k], self.servers[k], TAG_BULK) for k in range(self.P)]
-        self._exchange(OP_FINAL, F_PREEMPTED if self.preempted else 0, what="final parameters")
+        flags = (F_PREEMPTED if self.preempted else 0) | (F_WANT_STATE if state_names is not None else 0)
+        self._exchange(OP_FINAL, flags, what="final parameters")
         with self.dog.waiting("final statistics", peer=self.servers):
             MPI.Request.Waitall(reqs)
+        if state_names is not None:
+            states, positions = self._receive_state(state_names, "final state")
+            self.final_state = (int(self.hdr_in[0][H_T]), states, positions)
         for req in self.pushes + self.recvs:
             req.Free()
         return self.stats
 
+    def _receive_state(self, state_names, what):
+        """Each server's optimizer state slices and data positions (TAG_BULK),
+        assembled into full flat arrays; the positions are the leader's."""
+        n = self.params.size
+        states = {name: np.zeros(n, np.float32) for name in state_names}
+        positions = np.zeros((self.W, 2), np.int64)
+        scratch = np.zeros((self.W, 2), np.int64)
+        for k, rank in enumerate(self.servers):
+            with self.dog.waiting(what, peer=rank):
+                for flat in states.values():
+                    sl = Slice(flat, self.placement[k])
+                    self.comm.Recv(sl.buf, rank, TAG_BULK)
+                    sl.unpack()
+                self.comm.Recv(positions if k == 0 else scratch, rank, TAG_BULK)
+        return states, positions
+
     # --- checkpoint support (chief) ----------------------------------------
-    def restore(self, version, t, params, states=None):
+    def restore(self, version, t, params, states=None, positions=None):
         """Load every server: its slice of `params` (full flat array) and, when
         `states` (name -> full flat array, in the optimizer's state order) is
-        given, of each optimizer state; version and optimizer step t."""
+        given, of each optimizer state; version, optimizer step t, and the
+        workers' data positions (W x 2, default zeros) that go with them."""
         states = states or {}
+        positions = np.zeros((self.W, 2), np.int64) if positions is None else \
+            np.ascontiguousarray(positions, np.int64).reshape(self.W, 2)
         for k, rank in enumerate(self.servers):
             h = self.hdr_out[k]
             h[:] = 0
@@ -744,19 +810,23 @@ class Client:
             with self.dog.waiting("restore servers", peer=rank):
                 self.comm.Send(h, rank, TAG_HEADER)
                 for flat in [params, *states.values()]:
-                    sl = Slice(flat, self.placement[k])
+                    sl = Slice(np.ascontiguousarray(flat, np.float32), self.placement[k])
                     sl.pack()
                     self.comm.Send(sl.buf, rank, TAG_BULK)
+                self.comm.Send(positions, rank, TAG_BULK)
                 self.comm.Recv(self.hdr_in[k], rank, TAG_BULK)
             self.versions[k] = self.hdr_in[k][H_VERSION]
         self.version = int(version)
 
     def snapshot(self, state_names):
-        """(versions per server, optimizer t, params, {name: state}) from every
-        server, as full flat arrays (for a checkpoint)."""
+        """(versions per server, optimizer t, params, {name: state}, positions)
+        from every server, as full flat arrays, and the leader's data
+        positions (W x 2) that go with its version: a checkpoint."""
         n = self.params.size
         params = np.zeros(n, np.float32)
         states = {name: np.zeros(n, np.float32) for name in state_names}
+        positions = np.zeros((self.W, 2), np.int64)
+        scratch = np.zeros((self.W, 2), np.int64)
         versions, t = [], None
         for k, rank in enumerate(self.servers):
             h = self.hdr_out[k]
@@ -773,9 +843,10 @@ class Client:
                     sl = Slice(flat, self.placement[k])
                     self.comm.Recv(sl.buf, rank, TAG_BULK)
                     sl.unpack()
+                self.comm.Recv(positions if k == 0 else scratch, rank, TAG_BULK)
             versions.append(int(reply[H_VERSION]))
             t = int(reply[H_T]) if t is None else t
-        return versions, t, params, states
+        return versions, t, params, states, positions
 
 
 def summarize(stats, num_workers):
