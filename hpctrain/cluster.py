@@ -4,9 +4,13 @@ node-local ranks; and the start-up check that every rank runs the same job.
 Two halves, because some settings must be made before MPI (and BLAS) start:
 - `launcher_env()` / `configure_process()`: read the launcher's variables
   (SLURM, Open MPI, MPICH/Hydra, PMIx) and set progress throttling for
-  oversubscribed nodes and BLAS threads per rank. Standard library only.
+  oversubscribed nodes and BLAS threads per rank, and pick this rank's GPU
+  (`bind_gpu`: some CUDA-aware MPIs need the device set before MPI_Init).
+  Standard library only, apart from CuPy for the GPU.
 - `Cluster(comm, mode, num_ps)`: after MPI_Init, the roles and communicators;
-  `check_consistency(...)` compares the flags that must match on all ranks.
+  `check_consistency(...)` compares the flags that must match on all ranks;
+  `Cluster.confirm_gpu_binding()` checks the GPU choice against MPI's own
+  node-local rank.
 
     mpirun -n 4 python -m hpctrain.cluster --mode ps --num-ps 1   # prints the layout
 """
@@ -81,11 +85,12 @@ def cores_available():
         return os.cpu_count() or 1
 
 
-def configure_process(env=None):
+def configure_process(env=None, device="auto"):
     """Before numpy and MPI load: when more ranks than cores share this node,
     make idle MPI ranks yield instead of busy-polling (a 4-rank exchange on 2
-    cores ran ~7x faster so), and give each rank its share of BLAS threads.
-    A variable the user set is left alone. Returns a note for the log."""
+    cores ran ~7x faster so), give each rank its share of BLAS threads, and
+    (--device gpu|auto) bind this rank's GPU. A variable the user set is left
+    alone. Returns a note for the log."""
     env = os.environ if env is None else env
     _, _, local_rank, local_size = launcher_env(env)
     local_size = local_size or 1
@@ -102,7 +107,58 @@ def configure_process(env=None):
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, str(threads))
     notes.append(f"BLAS threads per rank: {env['OPENBLAS_NUM_THREADS']}")
+    gpu = bind_gpu(device, env)
+    if gpu:
+        notes.append(gpu)
     return "; ".join(notes)
+
+
+# What bind_gpu did before MPI started, for Cluster.confirm_gpu_binding after.
+_GPU_BINDING = {"device": None, "local_rank": None, "count": 0}
+
+
+def _cupy():
+    try:
+        import cupy
+        return cupy
+    except Exception:  # not installed, or a broken CUDA: device.select says why, later
+        return None
+
+
+def gpu_for(local_rank, gpu_count):
+    """The GPU of a rank: node-local ranks dealt round-robin over the visible
+    GPUs (a launcher that gives each rank its own CUDA_VISIBLE_DEVICES leaves
+    one visible, so every rank takes its device 0)."""
+    return local_rank % gpu_count
+
+
+def bind_gpu(device="auto", env=None, cupy=None):
+    """Before MPI_Init, with --device gpu|auto: make GPU local_rank % visible
+    GPUs this process's CUDA device (cupy.cuda.Device(i).use()), local_rank
+    from the launcher. Devices are counted with cudaGetDeviceCount, which
+    creates no CUDA context, so no rank touches GPU 0 on the way to its own;
+    nothing is hidden with CUDA_VISIBLE_DEVICES, so CUDA IPC between ranks
+    keeps working. Without CuPy, a GPU or a launcher local rank this does
+    nothing (confirm_gpu_binding decides after MPI starts). Returns a note."""
+    if device == "cpu":
+        return ""
+    cupy = _cupy() if cupy is None else cupy
+    if cupy is None:
+        return ""
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return ""
+    if count < 1:
+        return ""
+    _, _, local_rank, _ = launcher_env(env)
+    _GPU_BINDING.update(device=None, local_rank=local_rank, count=count)
+    if local_rank is None:
+        return ""
+    chosen = gpu_for(local_rank, count)
+    cupy.cuda.Device(chosen).use()
+    _GPU_BINDING["device"] = chosen
+    return f"GPU {chosen} of {count} (launcher local rank {local_rank})"
 
 
 class Cluster:
@@ -133,6 +189,46 @@ class Cluster:
         self.local_rank = self.local_comm.Get_rank()
         self.local_size = self.local_comm.Get_size()
         self.host = socket.gethostname()
+
+    def confirm_gpu_binding(self, device="auto", cupy=None):
+        """After MPI_Init, on every rank (collective over comm): the GPU must be
+        local_rank % GPUs with local_rank from MPI's shared-memory split. Ranks
+        whose launcher variables disagreed (or were missing) are rebound now;
+        the chief's note says how many. Call before any CuPy allocation."""
+        from mpi4py import MPI
+        import numpy as np
+        counts = np.zeros(3, np.int64)   # [ranks on a GPU, launcher disagreed, no launcher local rank]
+        note = ""
+        cupy = None if device == "cpu" else (_cupy() if cupy is None else cupy)
+        if cupy is not None:
+            try:
+                count = cupy.cuda.runtime.getDeviceCount()
+            except Exception:
+                count = 0
+            if count:
+                want = gpu_for(self.local_rank, count)
+                launcher = _GPU_BINDING["local_rank"]
+                counts[0] = 1
+                if _GPU_BINDING["count"]:   # bind_gpu ran before MPI_Init
+                    if launcher is None:
+                        counts[2] = 1
+                    elif launcher != self.local_rank:
+                        counts[1] = 1
+                if _GPU_BINDING["device"] != want:
+                    cupy.cuda.Device(want).use()
+                    _GPU_BINDING["device"] = want
+                share = -(-self.local_size // count)
+                note = (f"GPU {want} of {count} by node-local rank {self.local_rank}/{self.local_size}"
+                        + (f", up to {share} ranks per GPU" if share > 1 else ""))
+        self.comm.Allreduce(MPI.IN_PLACE, counts, op=MPI.SUM)
+        if counts[1] and self.is_chief:
+            import sys
+            print(f"hpctrain: warning: on {counts[1]} of {counts[0]} GPU ranks the launcher's local rank "
+                  f"disagreed with MPI's node-local rank; those ranks were rebound to MPI's choice "
+                  f"after MPI_Init", file=sys.stderr, flush=True)
+        if counts[2]:
+            note += f"; {counts[2]} of {counts[0]} ranks bound after MPI start (no launcher local rank)"
+        return note
 
     def role_name(self, rank=None):
         """TensorFlow's naming: /job:ps/task:0, /job:worker/task:1."""

@@ -1,8 +1,18 @@
-"""The array module for this rank: NumPy on CPU, CuPy on a GPU.
+"""The array module for this rank: NumPy on CPU, CuPy on a GPU; and the few
+device-memory primitives the rest of hpctrain builds on.
 
 Code that computes takes `xp` and never imports numpy/cupy directly for its
 math, so the same model and optimizer run on either. Before MPI reads a CuPy
 buffer, the stream that wrote it must be synchronized: `synchronize(xp)`.
+
+Copies between host and device go through a `Copier` (`copier(xp)`): pinned
+host memory, asynchronous copies on their own CUDA streams, and events that
+order them against the compute stream without blocking the host. For NumPy
+the same interface copies synchronously, so code written against it
+(comm/buffers.py, prefetch.py) runs, and is tested, on CPU.
+
+CuPy is imported as `cupy`, whichever wheel provides it (cupy-cuda11x,
+cupy-cuda12x, cupy-cuda13x, ...); nothing here depends on the CUDA version.
 
     python -m hpctrain.device        # prints what --device auto would pick
 """
@@ -16,7 +26,7 @@ def _cupy_or_reason():
     try:
         import cupy
     except ImportError:
-        return None, "CuPy is not installed (pip install 'hpctrain[gpu]')"
+        return None, "CuPy is not installed (pip install cupy-cuda12x, or the cupy-cuda1Xx matching your CUDA)"
     except Exception as exc:  # a broken CUDA install raises all sorts
         return None, f"CuPy failed to import: {exc}"
     try:
@@ -44,6 +54,15 @@ def is_gpu(xp):
     return xp is not np
 
 
+def array_module(array):
+    """numpy or cupy, whichever `array` belongs to (CuPy is imported only for
+    arrays that are not NumPy's, so CPU runs never load it)."""
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy
+    return cupy.get_array_module(array)
+
+
 def synchronize(xp):
     """Wait for the current stream, so MPI sees fully written device memory."""
     if xp is not np:
@@ -55,6 +74,136 @@ def to_host(array):
     if isinstance(array, np.ndarray):
         return array
     return array.get()
+
+
+def current_device(xp):
+    """The CUDA device id this thread computes on (None for NumPy)."""
+    return None if xp is np else xp.cuda.runtime.getDevice()
+
+
+def use_device(xp, device_id):
+    """Make the calling thread compute on `device_id`. The current CUDA device
+    is per host thread: a thread that hpctrain starts (the fused-allreduce
+    communication thread) begins on device 0 whatever the main thread chose.
+    A no-op for NumPy, and cheap when the device is already current."""
+    if xp is not np and device_id is not None and xp.cuda.runtime.getDevice() != device_id:
+        xp.cuda.runtime.setDevice(device_id)
+
+
+def pinned_empty(shape, dtype):
+    """An uninitialized NumPy array in page-locked (pinned) host memory, which
+    the GPU's copy engines can read and write asynchronously."""
+    import cupy
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    mem = cupy.cuda.alloc_pinned_memory(max(count, 1) * dtype.itemsize)
+    return np.ndarray(shape, dtype, buffer=mem)  # the array keeps `mem` alive
+
+
+# ---------------------------------------------------------------------------
+# copies between host and device
+
+class HostCopier:
+    """The Copier interface for NumPy arrays standing in for device arrays:
+    copies happen at once and every token is None. CPU runs and the CPU tests
+    of the staging and prefetch logic use it."""
+
+    def host_empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def device_empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def mark(self):
+        """A token for 'everything the compute stream has been given so far'."""
+        return None
+
+    def to_host(self, dev, host, after=None):
+        """Start copying dev -> host (after the token `after`); returns a token."""
+        np.copyto(host, dev)
+        return None
+
+    def to_device(self, host, dev, after=None):
+        """Start copying host -> dev (after the token `after`); returns a token."""
+        np.copyto(dev, host)
+        return None
+
+    def wait(self, token):
+        """Block the host until the copy behind `token` is done."""
+
+    def use(self, token):
+        """Make the compute stream wait for `token` (the host does not block)."""
+
+
+class CudaCopier:
+    """Copies on two non-blocking CUDA streams of the current device, one per
+    direction, so a device-to-host copy, a host-to-device copy and compute can
+    all run at once. Tokens are CUDA events. Host buffers must be pinned
+    (host_empty) for the copies to be asynchronous.
+
+    Non-blocking streams do not synchronize with CUDA's legacy default stream
+    (where CuPy computes unless told otherwise); every ordering between copies
+    and compute is therefore explicit: `after=mark()` before a copy reads what
+    compute wrote, `use(token)` before compute reads what a copy wrote."""
+
+    def __init__(self, cupy):
+        self.cp = cupy
+        self.d2h = cupy.cuda.Stream(non_blocking=True)
+        self.h2d = cupy.cuda.Stream(non_blocking=True)
+        rt = cupy.cuda.runtime
+        self._memcpy, self._D2H, self._H2D = rt.memcpyAsync, rt.memcpyDeviceToHost, rt.memcpyHostToDevice
+
+    def host_empty(self, shape, dtype):
+        return pinned_empty(shape, dtype)
+
+    def device_empty(self, shape, dtype):
+        return self.cp.empty(shape, dtype)
+
+    def _event(self):
+        return self.cp.cuda.Event(block=False, disable_timing=True)
+
+    def mark(self):
+        ev = self._event()
+        ev.record(self.cp.cuda.get_current_stream())
+        return ev
+
+    def _copy(self, dst_ptr, src_ptr, nbytes, kind, stream, after):
+        if after is not None:
+            stream.wait_event(after)
+        if nbytes:
+            self._memcpy(dst_ptr, src_ptr, nbytes, kind, stream.ptr)
+        ev = self._event()
+        ev.record(stream)
+        return ev
+
+    def to_host(self, dev, host, after=None):
+        _check_pair(dev, host)
+        return self._copy(host.ctypes.data, dev.data.ptr, dev.nbytes, self._D2H, self.d2h, after)
+
+    def to_device(self, host, dev, after=None):
+        _check_pair(dev, host)
+        return self._copy(dev.data.ptr, host.ctypes.data, dev.nbytes, self._H2D, self.h2d, after)
+
+    def wait(self, token):
+        if token is not None:
+            token.synchronize()
+
+    def use(self, token):
+        if token is not None:
+            self.cp.cuda.get_current_stream().wait_event(token)
+
+
+def _check_pair(dev, host):
+    # Raw memcpy of whole buffers: both sides must be contiguous and the same size.
+    if dev.nbytes != host.nbytes or not (dev.flags.c_contiguous and host.flags.c_contiguous):
+        raise ValueError(f"copy between {dev.shape} {dev.dtype} and {host.shape} {host.dtype}: "
+                         "need contiguous buffers of equal size")
+
+
+def copier(xp):
+    """The Copier for arrays of module xp: CudaCopier for CuPy, HostCopier for NumPy."""
+    return HostCopier() if xp is np else CudaCopier(xp)
 
 
 if __name__ == "__main__":

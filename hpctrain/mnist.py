@@ -17,7 +17,7 @@ from .errors import EXIT_FAILURE, HpctrainError
 def main(argv=None):
     rank, size, _, _ = cluster.launcher_env()
     args = cli.parse(argv, quiet=bool(rank))
-    note = cluster.configure_process()
+    note = cluster.configure_process(device=args.device)
     try:
         from . import train  # numpy, BLAS and MPI start here
         train.run(args, note)

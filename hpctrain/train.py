@@ -19,12 +19,13 @@ from mpi4py import MPI
 
 from . import checkpoint
 from . import data as data_mod
-from . import device
+from . import device, prefetch
 from . import jobcheck
 from .cli import validate
 from .cluster import Cluster, check_consistency
 from .comm.deadline import Watchdog
 from .comm.fusion import FusedAllreduce
+from .comm import buffers
 from .comm.ring import make_allreduce
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .model import MLP, num_params
@@ -174,7 +175,10 @@ class Run:
         jobcheck.check_world(self.cluster, self.log)
         self.t_start = time.perf_counter()
         collective(self.comm, validate, args, self.cluster.size)
+        gpu_note = self.cluster.confirm_gpu_binding(args.device)  # MPI's node-local rank has the last word
         self.xp, self.device_name, device_note = collective(self.comm, device.select, args.device)
+        device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(self.xp) else "",
+                                              collective(self.comm, buffers.exchange_plan, args, self.xp)]))
         self.watchdog = Watchdog(args.timeout, self.cluster.rank, self.comm.Abort)
         self.timeline = Timeline(args.timeline if self.cluster.is_chief else None)
         self.saved_step = None   # the step of the newest checkpoint written or resumed from
@@ -480,10 +484,10 @@ def train_ring(run):
     # Identical start everywhere: rank 0's parameters.
     device.synchronize(xp)
     with run.watchdog.waiting("initial parameter broadcast", peer=0):
-        comm.Bcast(model.params, root=0)
+        buffers.bcast(comm, model.params, root=0)
     opt = make_optimizer(a.optimizer, n, xp, momentum=a.momentum)
-    reader = run.open_reader()
-    allreduce = make_allreduce(a.allreduce, comm, run.watchdog)
+    reader = prefetch.device_batches(run.open_reader(), xp)  # GPU: pinned, async, one step ahead
+    allreduce = buffers.make_exchange(a, comm, xp, run.watchdog)  # GPU: direct, staged or NCCL
     tl = run.timeline
     grad_scale = 1.0 / W
     # Buckets of the wire are allreduced as backprop finishes them, and each

@@ -1,0 +1,179 @@
+"""--allreduce nccl: gradients summed on the GPUs by NCCL, through CuPy's
+bindings (cupy.cuda.nccl), one GPU per rank.
+
+MPI still starts the job: rank 0 makes NCCL's unique id and broadcasts it as
+a raw buffer (no pickle), every rank joins the NCCL communicator with it (the
+way ChainerMN's PureNcclCommunicator does), and from then on each allreduce
+is one NCCL call on the current stream. NCCL refuses two ranks on one GPU, so
+that is checked first, with an error that says what to do instead.
+
+    mpirun -n 2 python -m hpctrain.mnist --device gpu --allreduce nccl   # one GPU per rank
+"""
+import socket
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import device
+from ..errors import HpctrainError
+
+UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
+_RECORD = 96           # bytes per rank in the host/GPU gather
+
+
+def nccl_or_reason(xp):
+    """(cupy.cuda.nccl, 'NCCL x.y.z') where NCCL can be used, else (None, why not)."""
+    if not device.is_gpu(xp):
+        return None, "NCCL needs a GPU (this run is on the CPU)"
+    try:
+        from cupy.cuda import nccl
+    except Exception as exc:
+        return None, f"CuPy's NCCL bindings failed to load ({exc})"
+    if not getattr(nccl, "available", True) or not hasattr(nccl, "NcclCommunicator"):
+        return None, ("CuPy cannot load the NCCL library (pip install nvidia-nccl-cu12 or -cu13 to match "
+                      "your CuPy, or python -m cupyx.tools.install_library --library nccl --cuda 12.x)")
+    try:
+        code = nccl.get_version()
+    except Exception:
+        code = 0
+    return nccl, f"NCCL {version_text(code)}"
+
+
+def version_text(code):
+    """NCCL_VERSION_CODE as text: 2.9 and later encode x*10000 + y*100 + z, older x*1000 + y*100 + z."""
+    if not code:
+        return "(version unknown)"
+    if code >= 20900:
+        return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+    return f"{code // 1000}.{code // 100 % 10}.{code % 100}"
+
+
+# --- the unique id over MPI --------------------------------------------------
+
+def encode_unique_id(uid):
+    """NCCL's unique id (CuPy gives a tuple of 128 C chars as ints: signed
+    -128..127 where char is signed, as on x86-64; 0..255 where it is not, as on
+    aarch64) as an int16 record [1, id...], so it round-trips exactly as raw bytes."""
+    values = np.asarray(tuple(uid), np.int64)
+    if values.shape != (UNIQUE_ID_BYTES,) or values.min() < -128 or values.max() > 255:
+        raise ValueError(f"not an NCCL unique id: {len(values)} values in [{values.min()}, {values.max()}]")
+    record = np.empty(1 + UNIQUE_ID_BYTES, np.int16)
+    record[0] = 1
+    record[1:] = values
+    return record
+
+
+def decode_unique_id(record):
+    return tuple(int(v) for v in record[1:])
+
+
+def share_unique_id(comm, make_id, root=0):
+    """Rank root calls make_id() (nccl.get_unique_id); every rank gets the id.
+    If it fails on root, every rank raises (root with the message), so no rank
+    waits for a communicator that will never form."""
+    record = np.zeros(1 + UNIQUE_ID_BYTES, np.int16)
+    error = None
+    if comm.Get_rank() == root:
+        try:
+            record[:] = encode_unique_id(make_id())
+        except Exception as exc:
+            error = f"NCCL could not make its unique id ({exc.__class__.__name__}: {exc})"
+            record[0] = 0
+    comm.Bcast(record, root=root)
+    if record[0] != 1:
+        raise HpctrainError(error or "", collective=True, report=error is not None)
+    return decode_unique_id(record)
+
+
+# --- one GPU per rank ----------------------------------------------------------
+
+def gather_text(comm, text):
+    """Every rank's `text` (<= 96 bytes UTF-8), on every rank, through a fixed-size Allgather."""
+    mine = np.zeros(_RECORD, np.uint8)
+    raw = text.encode()[:_RECORD]
+    mine[: len(raw)] = np.frombuffer(raw, np.uint8)
+    everyone = np.empty((comm.Get_size(), _RECORD), np.uint8)
+    comm.Allgather(mine, everyone)
+    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in everyone]
+
+
+def shared_devices(names):
+    """{device name: [ranks]} for every device that more than one rank names."""
+    ranks = {}
+    for rank, name in enumerate(names):
+        ranks.setdefault(name, []).append(rank)
+    return {name: r for name, r in ranks.items() if len(r) > 1}
+
+
+def _device_name(xp, device_id):
+    try:
+        bus = xp.cuda.Device(device_id).pci_bus_id
+    except Exception:
+        try:
+            bus = xp.cuda.runtime.deviceGetPCIBusId(device_id)
+        except Exception:
+            bus = f"device {device_id}"
+    return f"{socket.gethostname()} GPU {bus}"
+
+
+class NcclAllreduce:
+    """In-place sum of a CuPy buffer over comm's ranks with NCCL. Collective to
+    construct. Returns when the sum is complete (the stream is synchronized,
+    under the deadline), like the MPI allreduces."""
+
+    name = "nccl"
+
+    def __init__(self, comm, xp, watchdog=None):
+        nccl, why = nccl_or_reason(xp)
+        if nccl is None:
+            raise HpctrainError(f"--allreduce nccl: {why}")
+        self.nccl, self.xp, self.watchdog = nccl, xp, watchdog
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self.device_id = device.current_device(xp)
+        shared = shared_devices(gather_text(comm, _device_name(xp, self.device_id)))
+        if shared:
+            name, ranks = next(iter(shared.items()))
+            raise HpctrainError(
+                f"--allreduce nccl needs one GPU per rank, but ranks {','.join(map(str, ranks))} share "
+                f"{name}; use --allreduce ring or mpi to share GPUs", collective=True, report=self.rank == 0)
+        uid = share_unique_id(comm, nccl.get_unique_id)
+        try:
+            if watchdog is not None:
+                with watchdog.waiting("NCCL communicator set-up", peer=None):
+                    self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+            else:
+                self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        except Exception as exc:
+            raise HpctrainError(f"NCCL could not set up its communicator ({exc})") from None
+        self._types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
+                       np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.int32): nccl.NCCL_INT32,
+                       np.dtype(np.int64): nccl.NCCL_INT64}
+
+    def __call__(self, buf):
+        if buf.size == 0:
+            return buf
+        if not buf.flags.c_contiguous:
+            raise ValueError("NcclAllreduce needs a contiguous buffer")
+        device.use_device(self.xp, self.device_id)
+        stream = self.xp.cuda.get_current_stream()
+        # Same stream as the kernels that wrote buf: NCCL starts after them.
+        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._types[buf.dtype],
+                            self.nccl.NCCL_SUM, stream.ptr)
+        if self.watchdog is not None:
+            with self.watchdog.waiting("NCCL allreduce", peer=None):
+                stream.synchronize()
+        else:
+            stream.synchronize()
+        return buf
+
+
+if __name__ == "__main__":
+    from .. import device as dev
+    xp, name, note = dev.select("gpu")
+    world = MPI.COMM_WORLD
+    ar = NcclAllreduce(world, xp)
+    x = xp.full(1000, world.rank, np.float32)
+    ar(x)
+    assert bool((x == sum(range(world.size))).all())
+    if world.rank == 0:
+        print(f"NCCL allreduce OK on {world.size} ranks")

@@ -1,0 +1,222 @@
+#!/usr/bin/env bash
+# GPU device check for hpctrain: one script, under 5 minutes on one GPU.
+#
+#   bash tests/gpu/device_check.sh            # from the repo root (see tests/gpu/README.md)
+#
+# Expects python3 with CuPy (any cupy-cuda1Xx), numpy, h5py and mpi4py, and
+# no MPI runtime: it installs the wheels carried in .whl/ (the mpich wheel,
+# pytest, pytest-mpi and their pure-Python deps) into /tmp/site with pip
+# --no-index, puts /tmp/site/bin (mpirun) first on PATH and /tmp/site/lib
+# (libmpi.so.12) where mpi4py finds it. Then, each step under a timeout and
+# the whole under a time budget (later steps are skipped, and say so):
+#   1. what is here: GPU, CuPy/CUDA, mpi4py, MPI library, CUDA-aware answer
+#   2. the GPU-marked tests, plainly and under mpirun -n 2 (ranks share the GPU)
+#   3. training on the bundled sample: GPU vs CPU parameters after the same
+#      SGD steps (1 and 4 ranks), accuracy with 1 and 4 ranks on the GPU
+#      (4 share it: staging path), NCCL with 1 rank and its error with 2, ps mode
+#   4. benchmarks: allreduce with CuPy buffers, training GPU vs CPU, default
+#      and wide (--hidden 4096,4096) model
+# and prints one table. Logs go to $OUT (if set) or /tmp/hpctrain-device-check.
+# Exit code: 0 when every check passed or was skipped for time, 1 otherwise.
+set -u
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+PY=${PYTHON:-python3}
+BUDGET=${CHECK_BUDGET_S:-285}     # seconds for steps 2-4; setup and the table come on top
+LOGS=${OUT:-/tmp/hpctrain-device-check}
+WORK=$(mktemp -d /tmp/hpctrain-check.XXXXXX)
+mkdir -p "$LOGS"
+TABLE=$WORK/table.tsv
+: > "$TABLE"
+FAILED=0
+
+row() {  # row CHECK RESULT DETAIL
+    printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$TABLE"
+    [ "$2" = FAIL ] && FAILED=1
+    printf '[%4ds] %-44s %-5s %s\n' "$SECONDS" "$1" "$2" "$3"
+}
+
+time_left() {  # time_left CHECK: false (and a 'skip' row) once the budget is spent
+    if [ "$SECONDS" -ge "$BUDGET" ]; then
+        row "$1" skip "time budget (${BUDGET}s) spent"
+        return 1
+    fi
+}
+
+# --- setup ------------------------------------------------------------------
+SITE=${HPCTRAIN_SITE:-/tmp/site}
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" --upgrade .whl/*.whl > "$LOGS/pip.log" 2>&1 \
+        || { echo "pip install from .whl/ failed:"; tail -5 "$LOGS/pip.log"; }
+else
+    echo "no .whl/ here: using whatever MPI and pytest are installed"
+fi
+export PATH=$SITE/bin:$PATH
+export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
+export LD_LIBRARY_PATH=$SITE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+[ -e "$SITE/lib/libmpi.so.12" ] && export MPI4PY_LIBMPI=${MPI4PY_LIBMPI:-$SITE/lib/libmpi.so.12}
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}   # one node: NCCL's bootstrap on loopback
+export PYTHONDONTWRITEBYTECODE=1
+MPIRUN=$(command -v mpirun || echo mpirun)
+SETUP_S=$SECONDS
+SECONDS=0
+
+# --- 1. what is here ------------------------------------------------------------
+command -v nvidia-smi >/dev/null && nvidia-smi -L | head -4
+"$PY" - <<'EOF' 2>&1 | tee "$LOGS/env.txt"
+import platform, numpy
+print("python", platform.python_version(), "| numpy", numpy.__version__)
+try:
+    import cupy
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    print("cupy", cupy.__version__, "| CUDA runtime", cupy.cuda.runtime.runtimeGetVersion(),
+          "| driver", cupy.cuda.runtime.driverGetVersion(), "|", props["name"].decode(),
+          f"| {cupy.cuda.runtime.getDeviceCount()} GPU(s)")
+except Exception as e:
+    print("cupy: NOT USABLE:", e)
+import mpi4py
+print("mpi4py", mpi4py.__version__, mpi4py.__file__)
+EOF
+"$MPIRUN" -n 1 "$PY" -m hpctrain.comm.buffers > "$LOGS/cuda_aware.txt" 2>&1
+AWARE=$(grep -m1 "CUDA-aware" "$LOGS/cuda_aware.txt" || tail -2 "$LOGS/cuda_aware.txt" | tr '\n' ' ')
+row "MPI CUDA-aware (detected)" info "${AWARE#CUDA-aware: }"
+"$PY" -m hpctrain.device > "$LOGS/device.txt" 2>&1
+row "device --auto picks" info "$(tail -1 "$LOGS/device.txt")"
+
+# --- 2. GPU-marked tests ----------------------------------------------------------
+summary() { grep -E "passed|failed|error|skipped|no tests ran" "$1" | tail -1; }
+if time_left "pytest -m gpu (1 process)"; then
+    timeout 170 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_gpu.py > "$LOGS/pytest_gpu.txt" 2>&1
+    rc=$?
+    row "pytest -m gpu (1 process)" "$([ $rc = 0 ] && echo pass || echo FAIL)" "$(summary "$LOGS/pytest_gpu.txt") rc=$rc"
+fi
+if time_left "pytest -m gpu (mpirun -n 2)"; then
+    timeout 120 "$MPIRUN" -n 2 "$PY" -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi --only-mpi -m gpu -rs \
+        tests/test_gpu.py > "$LOGS/pytest_gpu_mpi2.txt" 2>&1
+    rc=$?
+    row "pytest -m gpu (mpirun -n 2)" "$([ $rc = 0 ] && echo pass || echo FAIL)" "$(summary "$LOGS/pytest_gpu_mpi2.txt") rc=$rc"
+fi
+
+# --- 3. training on the bundled sample ---------------------------------------------
+train() {  # train NAME RANKS TIMEOUT FLAGS... -> rc; log in $LOGS/NAME.txt, files in $WORK/NAME.*
+    local name=$1 ranks=$2 limit=$3
+    shift 3
+    timeout "$limit" "$MPIRUN" -n "$ranks" "$PY" -m hpctrain.mnist "$@" --metrics "$WORK/$name.jsonl" \
+        > "$LOGS/$name.txt" 2>&1
+}
+final() {  # final NAME KEY -> the final metrics record's KEY
+    "$PY" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][-1]; print(r.get(sys.argv[2]))" \
+        "$WORK/$1.jsonl" "$2" 2>/dev/null || echo "?"
+}
+maxdiff() {  # maxdiff A.h5 B.h5 -> max |a - b| over all parameters
+    "$PY" - "$1" "$2" <<'EOF' 2>&1 | tail -1
+import sys, h5py, numpy as np
+with h5py.File(sys.argv[1]) as a, h5py.File(sys.argv[2]) as b:
+    print(max(float(np.abs(a[g][k][()] - b[g][k][()]).max()) for g in a for k in a[g]))
+EOF
+}
+SGD="--optimizer sgd --lr 0.05 --steps 100 --log-every 100"
+for ranks in 1 4; do
+    time_left "GPU vs CPU params, $ranks rank(s), 100 SGD" || continue
+    train "sgd_gpu_$ranks" "$ranks" 120 --device gpu $SGD --save "$WORK/sgd_gpu_$ranks.h5"; g=$?
+    train "sgd_cpu_$ranks" "$ranks" 120 --device cpu $SGD --save "$WORK/sgd_cpu_$ranks.h5"; c=$?
+    if [ $g = 0 ] && [ $c = 0 ]; then
+        d=$(maxdiff "$WORK/sgd_gpu_$ranks.h5" "$WORK/sgd_cpu_$ranks.h5")
+        ok=$("$PY" -c "print('pass' if float('$d') < 1e-4 else 'FAIL')" 2>/dev/null || echo FAIL)
+        row "GPU vs CPU params, $ranks rank(s), 100 SGD" "$ok" "max |diff| = $d (pass < 1e-4)"
+    else
+        row "GPU vs CPU params, $ranks rank(s), 100 SGD" FAIL "rc gpu=$g cpu=$c (logs sgd_*_$ranks.txt)"
+    fi
+    [ $g = 0 ] && row "  path, $ranks rank(s)" info "$(grep -o 'gradients: .*' "$LOGS/sgd_gpu_$ranks.txt" | head -1 | cut -c1-150)"
+done
+for ranks in 1 4; do
+    time_left "GPU training, $ranks rank(s), Adam 300 steps" || continue
+    train "adam_gpu_$ranks" "$ranks" 120 --device gpu --steps 300 --log-every 300; rc=$?
+    acc=$(final "adam_gpu_$ranks" test_accuracy)
+    ok=$("$PY" -c "print('pass' if $rc == 0 and float('$acc') >= 0.85 else 'FAIL')" 2>/dev/null || echo FAIL)
+    row "GPU training, $ranks rank(s), Adam 300 steps" "$ok" \
+        "test accuracy $acc (pass >= 0.85), $(final "adam_gpu_$ranks" samples_per_s) samples/s, rc=$rc"
+done
+if time_left "--allreduce nccl, 1 rank"; then
+    # With NCCL: trains. Without: one clear error line, exit 2 (also a pass: that is the contract).
+    train nccl_1 1 90 --device gpu --allreduce nccl --steps 50 --log-every 50; rc=$?
+    errors=$(grep -c "hpctrain: error" "$LOGS/nccl_1.txt")
+    line=$(grep -m1 -o 'NCCL allreduce[^;]*\|hpctrain: error: .*' "$LOGS/nccl_1.txt" | head -1)
+    ok=$({ [ $rc = 0 ] || { [ $rc = 2 ] && [ "$errors" = 1 ] && grep -qi nccl <<< "$line"; }; } && echo pass || echo FAIL)
+    row "--allreduce nccl, 1 rank" "$ok" "rc=$rc: ${line:-no NCCL line in nccl_1.txt}"
+    # NCCL refuses two ranks on one GPU: hpctrain must say so in one line, exit 2.
+    train nccl_2 2 90 --device gpu --allreduce nccl --steps 5; rc=$?
+    line=$(grep -m1 "hpctrain: error" "$LOGS/nccl_2.txt")
+    ok=$([ $rc = 2 ] && [ "$(grep -c 'hpctrain: error' "$LOGS/nccl_2.txt")" = 1 ] && grep -qi nccl <<< "$line" \
+         && echo pass || echo FAIL)
+    row "--allreduce nccl, 2 ranks on 1 GPU" "$ok" "rc=$rc (want 2, one line): ${line:-none}"
+fi
+if time_left "ps mode, 1 ps + 2 GPU workers"; then
+    train ps_gpu 3 90 --mode ps --num-ps 1 --device gpu --steps 100 --log-every 100; rc=$?
+    row "ps mode, 1 ps + 2 GPU workers" "$([ $rc = 0 ] && echo pass || echo FAIL)" \
+        "rc=$rc, test accuracy $(final ps_gpu test_accuracy) $(grep -m1 'hpctrain: error' "$LOGS/ps_gpu.txt")"
+fi
+
+# --- 4. benchmarks (the bench module may be missing or older: failures are reported, not fatal) ---
+if time_left "bench allreduce, 2 ranks, CuPy buffers"; then
+    timeout 120 "$PY" -m hpctrain.bench allreduce --ranks 2 --device gpu --sizes 64K,1M,16M,64M --json \
+        > "$LOGS/bench_allreduce_gpu.txt" 2>&1; rc=$?
+    detail=$("$PY" - "$LOGS/bench_allreduce_gpu.txt" <<'EOF' 2>/dev/null
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("{"):
+        rows = json.loads(line)["rows"]
+        print("; ".join(f"{r['bytes'] >> 10} KiB: ring {r['ring_us']:,.0f} us ({r['ring_busbw']:.1f} GB/s), "
+                        f"mpi {r['mpi_us']:,.0f} us" for r in rows))
+EOF
+)
+    row "bench allreduce, 2 ranks, CuPy buffers" "$([ $rc = 0 ] && echo info || echo FAIL)" "${detail:-rc=$rc, see bench_allreduce_gpu.txt}"
+fi
+bench_train() {  # bench_train NAME DEVICE HIDDEN STEPS -> samples/s or an error note
+    local name=$1 dev=$2 hidden=$3 steps=$4 rc
+    # The flag spelling the bench module documents; older ones pass hpctrain flags after --.
+    timeout 100 "$PY" -m hpctrain.bench train --device "$dev" --hidden "$hidden" --ranks 1 --steps "$steps" \
+        --repeats 1 --json > "$LOGS/$name.txt" 2>&1; rc=$?
+    if [ $rc != 0 ]; then
+        timeout 100 "$PY" -m hpctrain.bench train --ranks 1 --steps "$steps" --repeats 1 --json -- \
+            --device "$dev" --hidden "$hidden" > "$LOGS/$name.txt" 2>&1; rc=$?
+    fi
+    "$PY" - "$LOGS/$name.txt" <<'EOF' 2>/dev/null || echo "failed (rc=$rc, see $name.txt)"
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("{"):
+        r = json.loads(line)["rows"][0]
+        print(f"{r['samples_per_s']:,.0f} samples/s, step {r['step_ms']:.2f} ms")
+        break
+else:
+    raise SystemExit(1)
+EOF
+}
+for model in "500,500 300" "4096,4096 150"; do
+    set -- $model
+    time_left "bench train, 1 rank, hidden $1" || continue
+    gpu=$(bench_train "bench_train_gpu_$1" gpu "$1" "$2")
+    cpu=$(bench_train "bench_train_cpu_$1" cpu "$1" "$2")
+    ratio=$("$PY" -c "
+import re,sys
+g,c=[float(re.match(r'([\d,.]+) samples', s).group(1).replace(',','')) for s in sys.argv[1:]]
+print(f'GPU/CPU {g/c:.1f}x')" "$gpu" "$cpu" 2>/dev/null || echo "")
+    row "bench train, 1 rank, hidden $1" info "GPU $gpu | CPU $cpu | $ratio"
+done
+
+# --- the table ----------------------------------------------------------------------
+echo
+echo "hpctrain device check: $(date -u +%FT%TZ), setup ${SETUP_S}s, checks ${SECONDS}s"
+"$PY" - "$TABLE" <<'EOF' | tee "$LOGS/table.txt"
+import sys
+rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
+w = [max(len(r[i]) for r in rows + [["check", "result", ""]]) for i in range(2)]
+print(f"{'check':<{w[0]}}  {'result':<{w[1]}}  detail")
+print(f"{'-' * w[0]}  {'-' * w[1]}  {'-' * 40}")
+for check, result, detail in rows:
+    print(f"{check:<{w[0]}}  {result:<{w[1]}}  {detail}")
+EOF
+cp -r "$WORK"/*.jsonl "$LOGS"/ 2>/dev/null
+echo "logs: $LOGS"
+exit $FAILED

@@ -1,0 +1,251 @@
+"""GPU tests: CuPy against NumPy, and the device paths of the gradient
+exchange. Every test here is marked `gpu` and skipped, with the reason, where
+CuPy or a CUDA device is missing (CI, laptops).
+
+    python -m pytest -q -m gpu tests/test_gpu.py
+    mpirun -n 2 python -m mpi4py -m pytest -q --with-mpi --only-mpi -m gpu tests/test_gpu.py
+
+The MPI-marked tests run on COMM_SELF and COMM_WORLD: ranks may share one GPU
+(staged and direct paths allow it; NCCL does not, and says so).
+tests/gpu/device_check.sh runs all of them on a GPU machine.
+"""
+import argparse
+import threading
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpctrain import device, prefetch
+from hpctrain.comm import buffers
+from hpctrain.comm.ring import MpiAllreduce, RingAllreduce
+from hpctrain.errors import HpctrainError
+from hpctrain.model import MLP
+from hpctrain.optim import make_optimizer
+
+cp, WHY = device._cupy_or_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason=f"needs CuPy and a CUDA GPU: {WHY}")]
+
+COMMS = [pytest.param(MPI.COMM_SELF, id="self"), pytest.param(MPI.COMM_WORLD, id="world")]
+
+
+def flags(**kw):
+    base = dict(allreduce="ring", cuda_aware="auto", mode="ring", device="gpu")
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+# --- copies ------------------------------------------------------------------
+
+def test_pinned_memory_and_async_copies_are_ordered_against_compute():
+    c = device.copier(cp)
+    assert isinstance(c, device.CudaCopier)
+    n = 1 << 22
+    host = c.host_empty(n, np.float32)
+    assert isinstance(host, np.ndarray) and host.shape == (n,)
+    dev = cp.zeros(n, np.float32)
+    for value in (1.0, 2.0, 3.0):
+        dev += 1.0    # queued on the compute stream, not waited for
+        c.wait(c.to_host(dev, host, after=c.mark()))
+        assert np.all(host == value)
+    host[:] = 7
+    c.use(c.to_device(host, dev, after=c.mark()))
+    dev *= 2          # must run after the copy
+    assert bool((dev == 14).all())
+
+
+def test_staged_pipeline_with_cuda_streams_on_one_process():
+    class Triple:   # a stand-in allreduce over "2 ranks": h = 3h
+        size, name = 2, "triple"
+
+        def __call__(self, h):
+            h *= 3
+            return h
+
+    for n, chunk in ((1, 4096), (1000, 4096), (3_000_001, 1 << 20)):
+        staged = buffers.StagedAllreduce(Triple(), device.copier(cp), chunk_bytes=chunk)
+        x = cp.arange(n, dtype=cp.float32)
+        x += 1            # pending kernel: the first copy must wait for it
+        staged(x)
+        x -= 1            # must run after the copies back
+        expect = np.arange(n, dtype=np.float32) * 3 + 2
+        np.testing.assert_array_equal(cp.asnumpy(x), expect)
+
+
+# --- allreduce of CuPy buffers ---------------------------------------------------
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("algo", [RingAllreduce, MpiAllreduce])
+def test_staged_allreduce_of_cupy_buffers(comm, algo):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    staged = buffers.StagedAllreduce(algo(comm), device.copier(cp), chunk_bytes=1 << 16)
+    for n in (1, size + 1, 1000, 100_003, 1 << 20):
+        x = cp.full(n, rank, np.float32)
+        staged(x)
+        assert bool((x == sum(range(size))).all()), n
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("algo", [RingAllreduce, MpiAllreduce])
+def test_direct_allreduce_of_cupy_buffers(comm, algo):
+    aware, why = buffers.cuda_aware("auto")
+    if comm.Get_size() > 1 and not aware:
+        pytest.skip(f"MPI is not CUDA-aware ({why}): device pointers would crash it")
+    size, rank = comm.Get_size(), comm.Get_rank()
+    reduce = algo(comm)
+    for n in (1, size + 1, 1000, 100_003, 1 << 20):
+        x = cp.full(n, rank, np.float32)
+        reduce(x)
+        assert bool((x == sum(range(size))).all()), n
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("algo", ["ring", "mpi"])
+def test_make_exchange_from_another_thread_matches_the_host_ring(comm, algo):
+    """The factory's path (staged here unless MPI is CUDA-aware), called from a
+    thread as fusion's communication thread does, equals the host ring."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    exchange = buffers.make_exchange(flags(allreduce=algo), comm, cp)
+    assert exchange.size == size
+    rng = np.random.default_rng(rank)
+    host = rng.standard_normal(300_007).astype(np.float32)
+    dev = cp.asarray(host)
+    errors = []
+
+    def run():
+        try:
+            exchange(dev)
+        except Exception as exc:  # reported below, on the main thread
+            errors.append(exc)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors
+    RingAllreduce(comm)(host)
+    np.testing.assert_allclose(cp.asnumpy(dev), host, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("comm", COMMS)
+def test_nccl_allreduce_or_a_clear_error(comm):
+    from hpctrain.comm import nccl
+    lib, why = nccl.nccl_or_reason(cp)
+    if lib is None:
+        with pytest.raises(HpctrainError, match="nccl"):
+            buffers.exchange_plan(flags(allreduce="nccl"), cp)
+        pytest.skip(f"no NCCL here ({why}); the error says so")
+    names = nccl.gather_text(comm, nccl._device_name(cp, cp.cuda.runtime.getDevice()))
+    if nccl.shared_devices(names):
+        with pytest.raises(HpctrainError, match="one GPU per rank"):
+            nccl.NcclAllreduce(comm, cp)
+        pytest.skip("ranks share a GPU: NCCL refuses, and the error says so")
+    reduce = nccl.NcclAllreduce(comm, cp)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    x = cp.full(100_003, rank, np.float32)
+    reduce(x)
+    assert bool((x == sum(range(size))).all())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bcast_and_host_mirror_of_cupy_arrays():
+    comm = MPI.COMM_WORLD
+    a = cp.full(1000, comm.rank, np.float32)
+    buffers.bcast(comm, a, root=comm.size - 1)
+    assert bool((a == comm.size - 1).all())
+    m = buffers.HostMirror(cp.full((4, 5), comm.rank, np.float64))
+    assert m.staged and isinstance(m.host, np.ndarray)
+    if comm.rank == 0:
+        comm.Send(m.to_host(), dest=1)
+    elif comm.rank == 1:
+        comm.Recv(m.recv_buffer(), source=0)
+        m.to_device()
+        assert bool((m.array == 0).all())
+
+
+# --- model, optimizer, training: CuPy equals NumPy -------------------------------
+
+def test_forward_backward_equals_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.random((64, 784)).astype(np.float32)
+    y = rng.integers(0, 10, 64)
+    cpu, gpu = MLP((500, 500)), MLP((500, 500), cp)
+    cpu.init(3)
+    gpu.init(3)
+    assert np.array_equal(cpu.params, cp.asnumpy(gpu.params))
+    lc = float(cpu.forward_backward(x, y))
+    lg = float(gpu.forward_backward(cp.asarray(x), cp.asarray(y)))
+    assert abs(lc - lg) < 1e-5 * max(1.0, abs(lc))
+    np.testing.assert_allclose(cp.asnumpy(gpu.grads), cpu.grads, rtol=1e-4, atol=1e-6)
+    lc, cc = cpu.evaluate(x, y)
+    lg, cg = gpu.evaluate(cp.asarray(x), cp.asarray(y))
+    assert cc == cg and abs(lc - lg) < 1e-4 * max(1.0, abs(lc))
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
+def test_optimizer_steps_equal_numpy(name):
+    n = 100_003
+    rng = np.random.default_rng(1)
+    p = rng.standard_normal(n).astype(np.float32)
+    pc, pg = p.copy(), cp.asarray(p)
+    oc, og = make_optimizer(name, n), make_optimizer(name, n, cp)
+    for step in range(60):   # past Adam's flush at step 50
+        g = (rng.standard_normal(n) * (1e-3 if step % 7 else 1e-32)).astype(np.float32)
+        oc.step(pc, g, 1e-2, 0.5)
+        og.step(pg, cp.asarray(g), 1e-2, 0.5)
+    np.testing.assert_allclose(cp.asnumpy(pg), pc, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from hpctrain import data
+    out = tmp_path_factory.mktemp("shards") / "mnist"
+    data.prepare(data.bundled_sample_dir(), str(out), shards=2, log=lambda *a, **k: None)
+    return str(out)
+
+
+def test_prefetcher_yields_the_readers_batches(shards):
+    from hpctrain.data import ShardReader
+    plain = ShardReader(shards, 0, 1, 128, 5)
+    fetched = prefetch.device_batches(ShardReader(shards, 0, 1, 128, 5), cp)
+    assert isinstance(fetched, prefetch.Prefetcher)
+    for step in range(100):
+        x, y = plain.next_batch()
+        dx, dy = fetched.next_batch()
+        dx *= 1.0   # compute on the batch, queued behind its copy
+        assert isinstance(dx, cp.ndarray) and dx.dtype == np.float32 and dy.dtype == np.int64
+        np.testing.assert_array_equal(cp.asnumpy(dx), x)
+        np.testing.assert_array_equal(cp.asnumpy(dy), y)
+        assert fetched.position == plain.position, step
+    plain.seek(1, 256)
+    fetched.seek(1, 256)
+    np.testing.assert_array_equal(cp.asnumpy(fetched.next_batch()[0]), plain.next_batch()[0])
+
+
+def test_sgd_training_on_gpu_ends_where_cpu_training_ends(shards):
+    """One rank, 50 SGD steps, the real batches: parameters within 1e-5."""
+    from hpctrain.data import ShardReader
+    out = {}
+    for xp in (np, cp):
+        model = MLP((500, 500), xp)
+        model.init(0)
+        opt = make_optimizer("sgd", model.num_params, xp)
+        batches = prefetch.device_batches(ShardReader(shards, 0, 1, 32, 0), xp)
+        for _ in range(50):
+            x, y = batches.next_batch()
+            model.forward_backward(xp.asarray(x), xp.asarray(y))
+            opt.step(model.params, model.grads, 0.05)
+        out[xp.__name__] = device.to_host(model.params)
+    diff = float(np.abs(out["cupy"] - out["numpy"]).max())
+    assert diff < 1e-5, diff
+
+
+def test_use_device_binds_a_new_thread_to_the_callers_gpu():
+    mine = device.current_device(cp)
+    seen = []
+    t = threading.Thread(target=lambda: (device.use_device(cp, mine), seen.append(device.current_device(cp))))
+    t.start()
+    t.join()
+    assert seen == [mine]
