@@ -168,7 +168,7 @@ def work(run, comm, reader, resume):
                            {name: ckpt.optimizer_state[name] for name in state_names}, ckpt.data_positions)
         else:
             if gpu:
-                params[...] = model.params.get()
+                model.params.get(out=params)
             client.restore(0, 0, params)   # the chief decides the initial parameters
     if resume is not None:
         run.seek_readers(reader, resume)
@@ -176,7 +176,7 @@ def work(run, comm, reader, resume):
         run.log(f"resumed from {run.saved_path} at step {resume.step}{note}")
     client.pull()
     if gpu:
-        model.params[...] = xp.asarray(params)
+        model.params.set(params)
 
     R = replicas_to_aggregate(a, W)
     per_update = a.batch_size * R
@@ -199,7 +199,7 @@ def work(run, comm, reader, resume):
         with tl.span("forward+backward", cat="compute"):
             loss = model.forward_backward(x, y)
             if gpu:
-                grads[...] = model.grads.get()
+                model.grads.get(out=grads)   # into the host mirror: no allocation
             loss = float(loss)
         if slow:
             time.sleep(slow)
@@ -211,7 +211,7 @@ def work(run, comm, reader, resume):
             client.push_pull(loss, stop_request=run.stop.received is not None, position=reader.position)
         t2 = time.perf_counter()
         if gpu:
-            model.params[...] = xp.asarray(params)
+            model.params.set(params)
         compute_s += t1 - t0
         comm_s += t2 - t1
         losses.append(client.loss if a.sync else loss)
@@ -236,7 +236,7 @@ def work(run, comm, reader, resume):
     with tl.span("final pull", cat="comm"):
         stats = client.final(state_names if want_state else None)
     if gpu:
-        model.params[...] = xp.asarray(params)
+        model.params.set(params)
     step = client.version
     if want_state and run.saved_step != step:
         t, states, positions = client.final_state
