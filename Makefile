@@ -29,7 +29,7 @@ test-serial: $(VENV)/.installed
 test-mpi: $(VENV)/.installed
 	@set -e; for n in 2 3 4; do \
 	  echo "== MPI tests at $$n ranks"; \
-	  timeout $(MPI_TEST_TIMEOUT) $(MPIRUN) -n $$n $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --with-mpi --only-mpi tests; \
+	  timeout $(MPI_TEST_TIMEOUT) $(MPIRUN) -n $$n $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --only-mpi tests; \
 	done
 
 bench: $(VENV)/.installed

@@ -214,6 +214,9 @@ def work(run, comm, reader, resume):
             model.params.set(params)
         compute_s += t1 - t0
         comm_s += t2 - t1
+        # The worker's view: its push+pull wait is communication not hidden
+        # (the servers' optimizer work is inside it).
+        run.stats.record(t2 - t0, t1 - t0, t2 - t1, t2 - t1, 0.0, 0.0)
         losses.append(client.loss if a.sync else loss)
         step = client.version
         if step >= next_log or (client.stop and step != logged):

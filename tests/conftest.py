@@ -1,7 +1,7 @@
 """Shared test helpers: run hpctrain under the venv's mpirun as a real job.
 
 Plain `pytest` runs the serial tests and the tests that launch their own
-mpirun jobs; `mpirun -n N python -m mpi4py -m pytest --with-mpi --only-mpi`
+mpirun jobs; `mpirun -n N python -m mpi4py -m pytest --only-mpi`
 runs the tests marked @pytest.mark.mpi on N ranks (pytest-mpi).
 """
 import os

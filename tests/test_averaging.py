@@ -1,7 +1,7 @@
 """Gradient averaging: N ranks with batch B give the update one process
 computes over the same N*B samples.
 
-    mpirun -n 4 python -m mpi4py -m pytest --with-mpi --only-mpi tests/test_averaging.py
+    mpirun -n 4 python -m mpi4py -m pytest --only-mpi tests/test_averaging.py
 """
 import numpy as np
 import pytest

@@ -4,7 +4,7 @@ detection, HostMirror, the prefetcher's slots and positions, NCCL's unique id
 over MPI, GPU binding (with a stand-in CuPy), and the CPU fallbacks end to end.
 
     python -m pytest -q tests/test_buffers.py
-    mpirun -n 3 python -m mpi4py -m pytest --with-mpi --only-mpi tests/test_buffers.py
+    mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_buffers.py
 
 LazyCopier models CUDA streams on NumPy: a copy runs only when something
 waits for it (or for a later copy on its stream), and fresh buffers are NaN,

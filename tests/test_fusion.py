@@ -1,7 +1,7 @@
 """Bucket fusion with overlap gives the same bits as reducing the same buckets
 one after another, and buckets end on layer boundaries.
 
-    mpirun -n 3 python -m mpi4py -m pytest --with-mpi --only-mpi tests/test_fusion.py
+    mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_fusion.py
 """
 import numpy as np
 import pytest

@@ -3,7 +3,7 @@ exchange. Every test here is marked `gpu` and skipped, with the reason, where
 CuPy or a CUDA device is missing (CI, laptops).
 
     python -m pytest -q -m gpu tests/test_gpu.py
-    mpirun -n 2 python -m mpi4py -m pytest -q --with-mpi --only-mpi -m gpu tests/test_gpu.py
+    mpirun -n 2 python -m mpi4py -m pytest -q --only-mpi -m gpu tests/test_gpu.py
 
 The MPI-marked tests run on COMM_SELF and COMM_WORLD: ranks may share one GPU
 (staged and direct paths allow it; NCCL does not, and says so).

@@ -2,7 +2,7 @@
 restore, DC-ASGD, bounded staleness) and whole jobs.
 
     .venv/bin/python -m pytest tests/test_ps.py                       # serial + jobs
-    mpirun -n 3 python -m mpi4py -m pytest --with-mpi --only-mpi tests/test_ps.py
+    mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_ps.py
 
 Three kinds of tests:
 - serial: placement, packing, the DC-ASGD formula;

@@ -1,6 +1,6 @@
 """Ring allreduce against the definition and against MPI's own Allreduce.
 
-    mpirun -n 3 python -m mpi4py -m pytest --with-mpi --only-mpi tests/test_ring.py
+    mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_ring.py
 
 Each test runs on COMM_WORLD and on COMM_SELF (size 1), and expectations are
 computed from rank and size, so the file passes at any world size.

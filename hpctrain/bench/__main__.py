@@ -25,6 +25,12 @@ def main(argv=None):
     t.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median is reported")
     t.add_argument("--json", action="store_true")
 
+    c = sub.add_parser("compare", help="hpctrain ring vs a plain NumPy loop and PyTorch DDP, in one run")
+    c.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
+    c.add_argument("--steps", type=int, default=1000, help="steps per run (default: %(default)s)")
+    c.add_argument("--repeats", type=int, default=3, help="hpctrain runs per configuration (median)")
+    c.add_argument("--json", action="store_true")
+
     m = sub.add_parser("model", help="fit alpha-beta models here, predict 8-256 GPUs")
     m.add_argument("--ranks", type=int, default=4, help="ranks for the measurements (default: %(default)s)")
     m.add_argument("--link-gbit", type=float, default=25.0, help="link bandwidth to predict for (default: %(default)s)")
@@ -43,6 +49,10 @@ def main(argv=None):
         args.ranks = [int(r) for r in args.ranks.split(",")]
         from .train import main as run
         return run(args, extra)
+    if args.what == "compare":
+        args.ranks = [int(r) for r in args.ranks.split(",")]
+        from .train import compare
+        return compare(args)
     from .model import main as run
     return run(args)
 

@@ -43,35 +43,74 @@ def memory_target_mb(hidden, optimizer, batch):
     return 2 * (4 * n * (2 + STATE_COPIES[optimizer]) + batch * (784 * 4 + 8)) / 2**20
 
 
-def main(args, extra):
+def measure(args, extra):
+    """One row per rank count: medians over args.repeats runs."""
+    rows = []
     from ..cli import parse
     flags = parse(["--mode", args.mode, *extra])
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
             runs = [one_run(ranks, args.mode, args.steps, extra, tmp) for _ in range(args.repeats)]
-            med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]
-                   if isinstance(runs[0][k], (int, float)) and not isinstance(runs[0][k], bool)}
-            step = med.get("step_median_s")
-            rows.append({
-                "mode": args.mode, "ranks": ranks, "workers": int(med["workers"]),
-                "global_batch": int(med["global_batch"]),
-                "samples_per_s": med["global_batch"] / step if step else med["samples_per_s"],
-                "loop_samples_per_s": med["samples_per_s"],
-                "step_ms": step * 1e3 if step else None,
-                "compute_ms": med.get("compute_median_s", 0) * 1e3,
-                "wait_ms": med.get("wait_median_s", 0) * 1e3,
-                "comm_ms": med.get("comm_exposed_median_s", 0) * 1e3,
-                "comm_pct": 100 * med.get("comm_exposed_median_s", 0) / step if step else None,
-                "optimizer_ms": med.get("optimizer_exposed_median_s", 0) * 1e3,
-                "optimizer_total_ms": med.get("optimizer_total_median_s", 0) * 1e3,
-                "optimizer_hidden_ms": (med.get("optimizer_total_median_s", 0)
-                                        - med.get("optimizer_exposed_median_s", 0)) * 1e3,
-                "peak_mb": med.get("peak_rss_mb"),
-                "above_base_mb": med.get("peak_rss_above_base_mb"),
-                "mem_target_mb": memory_target_mb(flags.hidden, flags.optimizer, flags.batch_size),
-                "test_accuracy": med.get("test_accuracy"),
-            })
+            rows.append(summarise(args.mode, ranks, runs, flags))
+    return rows, flags
+
+
+def summarise(mode, ranks, runs, flags):
+    med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]
+           if isinstance(runs[0][k], (int, float)) and not isinstance(runs[0][k], bool)}
+    step = med.get("step_median_s")
+    return {
+        "mode": mode, "ranks": ranks, "workers": int(med["workers"]),
+        "global_batch": int(med["global_batch"]),
+        "samples_per_s": med["global_batch"] / step if step else med["samples_per_s"],
+        "loop_samples_per_s": med["samples_per_s"],
+        "step_ms": step * 1e3 if step else None,
+        "compute_ms": med.get("compute_median_s", 0) * 1e3,
+        "wait_ms": med.get("wait_median_s", 0) * 1e3,
+        "comm_ms": med.get("comm_exposed_median_s", 0) * 1e3,
+        "comm_pct": 100 * med.get("comm_exposed_median_s", 0) / step if step else None,
+        "optimizer_ms": med.get("optimizer_exposed_median_s", 0) * 1e3,
+        "optimizer_total_ms": med.get("optimizer_total_median_s", 0) * 1e3,
+        "optimizer_hidden_ms": (med.get("optimizer_total_median_s", 0)
+                                - med.get("optimizer_exposed_median_s", 0)) * 1e3,
+        "peak_mb": med.get("peak_rss_mb"),
+        "above_base_mb": med.get("peak_rss_above_base_mb"),
+        "mem_target_mb": memory_target_mb(flags.hidden, flags.optimizer, flags.batch_size),
+        "test_accuracy": med.get("test_accuracy"),
+    }
+
+
+def compare(args):
+    """hpctrain ring mode vs the NumPy loop (1 rank) and DDP (each rank count)."""
+    from . import reference
+    args.mode = "ring"
+    rows, _ = measure(args, [])
+    numpy_rate = reference.numpy_loop(args.steps)
+    out = []
+    for row in rows:
+        n = row["ranks"]
+        ddp = reference.ddp(n, args.steps)
+        out.append({"ranks": n, "hpctrain": row["samples_per_s"], "ddp": ddp,
+                    "vs_ddp": row["samples_per_s"] / ddp if ddp else None,
+                    "numpy_loop": numpy_rate if n == 1 else None,
+                    "vs_numpy": row["samples_per_s"] / numpy_rate if n == 1 else None,
+                    "comm_pct": row["comm_pct"], "above_base_mb": row["above_base_mb"],
+                    "mem_target_mb": row["mem_target_mb"]})
+    if args.json:
+        print(json.dumps({"bench": "compare", "steps": args.steps, "rows": out}))
+        return 0
+    print(f"samples/s, 784-500-500-10, Adam, batch 32 per rank, {args.steps} steps "
+          f"(hpctrain: median of {args.repeats} runs; DDP: gloo, 1 thread per rank)")
+    print(table(out, [("ranks", "ranks", "{}"), ("hpctrain", "hpctrain", "{:,.0f}"),
+                      ("PyTorch DDP", "ddp", "{:,.0f}"), ("hpctrain/DDP", "vs_ddp", "{:.2f}"),
+                      ("NumPy loop", "numpy_loop", "{:,.0f}"), ("hpctrain/NumPy", "vs_numpy", "{:.2f}"),
+                      ("comm not hidden %", "comm_pct", "{:.1f}"),
+                      ("mem above base MB", "above_base_mb", "{:.1f}"), ("2x state MB", "mem_target_mb", "{:.1f}")]))
+    return 0
+
+
+def main(args, extra):
+    rows, flags = measure(args, extra)
     if args.json:
         print(json.dumps({"bench": "train", "mode": args.mode, "steps": args.steps, "repeats": args.repeats,
                           "flags": extra, "rows": rows}))
