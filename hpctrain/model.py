@@ -8,7 +8,7 @@ Layers sit in the buffer in order (layer 0 first); backprop finishes the last
 layer first, so the finished part of the gradient grows from the end of the
 buffer towards its start, which is what bucket fusion relies on.
 
-    python -m hpctrain.model        # gradient check against finite differences
+    python -m hpctrain.model        # the flat buffer's layout
 """
 import numpy as np
 
@@ -157,19 +157,7 @@ class MLP:
 
 
 if __name__ == "__main__":
-    m = MLP((16, 8), dtype=np.float64)
-    m.init(0)
-    rng = np.random.default_rng(1)
-    x, y = rng.random((5, INPUTS)), rng.integers(0, CLASSES, 5)
-    m.forward_backward(x, y)
-    analytic = m.grads.copy()
-    eps, worst = 1e-6, 0.0
-    for k in rng.choice(m.num_params, 50, replace=False):
-        old = m.params[k]
-        m.params[k] = old + eps
-        up = float(m.forward_backward(x, y))
-        m.params[k] = old - eps
-        down = float(m.forward_backward(x, y))
-        m.params[k] = old
-        worst = max(worst, abs((up - down) / (2 * eps) - analytic[k]))
-    print(f"max |finite difference - backprop| over 50 parameters: {worst:.2e}")
+    m = MLP()
+    for name, lo, hi in m.tensor_ranges():
+        print(f"{name:10s} [{lo:>7}, {hi:>7})  {hi - lo:>7} floats")
+    print(f"{m.num_params} parameters, {m.num_params * 4:,} bytes in one flat buffer")

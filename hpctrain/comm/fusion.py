@@ -52,7 +52,7 @@ class FusedAllreduce:
 
     def __init__(self, allreduce, wire, ready_from, bucket_elems, sync=None, on_reduced=None,
                  overlap=True, timeline=None, watchdog=None):
-        self.allreduce = allreduce
+        self.exchange = allreduce
         self.wire = wire
         self.ready_from = list(ready_from)
         self.buckets = bucket_bounds(wire.size, bucket_elems, ready_from)
@@ -136,7 +136,7 @@ class FusedAllreduce:
 
     def _reduce(self, lo, hi):
         t0 = time.perf_counter()
-        self.allreduce(self.wire[lo:hi])
+        self.exchange(self.wire[lo:hi])
         t1 = time.perf_counter()
         self._spans.append((t0, t1, False))
         if self.timeline is not None:
