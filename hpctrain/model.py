@@ -105,11 +105,12 @@ class MLP:
             a = h
         return a  # logits
 
-    def forward_backward(self, x, y, on_layer_done=None, loss_out=None):
+    def forward_backward(self, x, y, on_layer_done=None, loss_out=None, on_forward_done=None):
         """Mean cross-entropy over the batch (an xp scalar); writes the gradient of
         that mean into self.grads. `on_layer_done(i)` is called as soon as layer
         i's gradient is final (last layer first); `loss_out` (a 1-element array)
-        receives the loss before backprop starts."""
+        receives the loss before backprop starts; `on_forward_done()` is called
+        then too (for timelines)."""
         xp = self.xp
         batch = x.shape[0]
         acts = self._buffers(batch)
@@ -123,6 +124,8 @@ class MLP:
         loss = -xp.log(xp.maximum(d[rows, y], 1e-30)).mean()
         if loss_out is not None:
             loss_out[...] = loss
+        if on_forward_done is not None:
+            on_forward_done()
         d[rows, y] -= 1.0
         d *= 1.0 / batch
         for i in range(self.num_layers - 1, -1, -1):

@@ -55,6 +55,27 @@ class Timeline:
             return _NO_SPAN
         return _Span(self, name, cat, args or None)
 
+    def model_hooks(self, t_start, on_layer_done):
+        """Callbacks for MLP.forward_backward that record a "forward" span and
+        one "backward layerI" span per layer, then call on_layer_done(i).
+        Disabled: on_layer_done itself and no forward hook (nothing added per step)."""
+        if not self.enabled:
+            return None, on_layer_done
+        last = [t_start]
+
+        def forward_done():
+            now = time.perf_counter()
+            self.add("forward", "compute", last[0], now)
+            last[0] = now
+
+        def layer_done(i):
+            now = time.perf_counter()
+            self.add(f"backward layer{i}", "compute", last[0], now)
+            last[0] = now
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return forward_done, layer_done
+
     def add(self, name, cat, t_start, t_end, args=None):
         """Record a span measured elsewhere (perf_counter seconds)."""
         if not self.enabled:

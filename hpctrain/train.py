@@ -511,13 +511,14 @@ def train_ring(run):
         t0 = time.perf_counter()
         wire[WIRE_STOP] = 1.0 if run.stop.received else 0.0
         opt.begin(run.lr(step), grad_scale)
-        with tl.span("forward+backward", cat="compute"):
-            model.forward_backward(x, y, on_layer_done=fused.layer_done,
-                                   loss_out=wire[WIRE_LOSS:WIRE_LOSS + 1])
+        forward_done, layer_done = tl.model_hooks(t0, fused.layer_done)
+        model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
+                               loss_out=wire[WIRE_LOSS:WIRE_LOSS + 1])
         t1 = time.perf_counter()
         with tl.span("wait for gradients", cat="comm"):
             fused.wait()
         t2 = time.perf_counter()
+        tl.add("step", "step", t0, t2, {"step": step + 1})
         compute_s += t1 - t0
         comm_s += t2 - t1
         run.stats.record(t2 - t0, t1 - t0, t2 - t1, fused.exposed_comm_s, fused.exposed_update_s, fused.update_s)

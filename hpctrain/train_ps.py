@@ -197,7 +197,8 @@ def work(run, comm, reader, resume):
             x, y = xp.asarray(x), xp.asarray(y)
         t0 = time.perf_counter()
         with tl.span("forward+backward", cat="compute"):
-            loss = model.forward_backward(x, y)
+            forward_done, layer_done = tl.model_hooks(t0, None)
+            loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done)
             if gpu:
                 model.grads.get(out=grads)   # into the host mirror: no allocation
             loss = float(loss)

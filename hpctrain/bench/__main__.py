@@ -33,6 +33,7 @@ def main(argv=None):
 
     m = sub.add_parser("model", help="fit alpha-beta models here, predict 8-256 GPUs")
     m.add_argument("--ranks", type=int, default=4, help="ranks for the measurements (default: %(default)s)")
+    m.add_argument("--sizes", default="4K,64K,1M,4M,16M", help="message sizes measured for the fit")
     m.add_argument("--link-gbit", type=float, default=25.0, help="link bandwidth to predict for (default: %(default)s)")
     m.add_argument("--alpha-us", type=float, default=10.0, help="per-message latency on that network (default: %(default)s)")
     m.add_argument("--compute-ms", type=float, default=50.0, help="compute time per step per GPU (default: %(default)s)")

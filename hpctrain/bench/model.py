@@ -60,14 +60,14 @@ def fit(xs, ys):
     return [max(float(c), 0.0) for c in coef]
 
 
-def measure(ranks):
+def measure(ranks, sizes="4K,64K,1M,4M,16M"):
     """alpha/beta for ring and ps from measurements at `ranks` ranks on this machine."""
     from .allreduce import measure as allreduce_measure
     from ..cluster import configure_process
     configure_process()
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
-    sizes = [parse_size(s) for s in ("4K", "64K", "1M", "4M", "16M")]
+    sizes = [parse_size(s) for s in sizes.split(",")]
     rows = allreduce_measure(comm, sizes, min_time=0.2)
     n = comm.size
     ring_a, ring_b = fit([[2 * (n - 1), 2 * (n - 1) / n * r["bytes"]] for r in rows],
@@ -102,7 +102,7 @@ def main(args):
         if r.returncode:
             print(r.stderr[-2000:])
         return r.returncode
-    fitted = measure(args.ranks)
+    fitted = measure(args.ranks, args.sizes)
     from mpi4py import MPI
     if MPI.COMM_WORLD.rank != 0:
         return 0

@@ -1,0 +1,66 @@
+"""The benchmarks and the timeline run and produce what they promise (their
+figures are not checked: speed is shown by the benchmarks, never asserted)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, under_mpirun
+
+pytestmark = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun jobs")
+
+
+def bench(*args, timeout=300):
+    r = subprocess.run([sys.executable, "-m", "hpctrain.bench", *args], capture_output=True, text=True,
+                       timeout=timeout, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_bench_allreduce_quick():
+    out = json.loads(bench("allreduce", "--ranks", "2", "--sizes", "4K,300K", "--json"))
+    assert out["ranks"] == 2 and [r["bytes"] for r in out["rows"]] == [4096, 307200]
+    for row in out["rows"]:
+        assert row["ring_us"] > 0 and row["mpi_us"] > 0 and row["ring_busbw"] > 0
+    table = bench("allreduce", "--ranks", "2", "--sizes", "4K")
+    assert "busbw" in table and "4,096" in table
+
+
+def test_bench_train_quick_ring_and_ps():
+    out = json.loads(bench("train", "--mode", "ring", "--ranks", "1,2", "--steps", "40", "--repeats", "1",
+                           "--json", "--", "--hidden", "64"))
+    assert [r["ranks"] for r in out["rows"]] == [1, 2]
+    for row in out["rows"]:
+        assert row["samples_per_s"] > 0 and row["step_ms"] > 0 and row["compute_ms"] > 0
+        assert row["peak_mb"] > 0 and row["mem_target_mb"] > 0
+    out = json.loads(bench("train", "--mode", "ps", "--ranks", "3", "--steps", "40", "--repeats", "1",
+                           "--json", "--", "--hidden", "64", "--num-ps", "1"))
+    assert out["rows"][0]["workers"] == 2 and out["rows"][0]["samples_per_s"] > 0
+
+
+def test_bench_model_quick():
+    out = json.loads(bench("model", "--ranks", "2", "--sizes", "4K,1M", "--json"))
+    assert [r["gpus"] for r in out["predicted"]] == [8, 16, 32, 64, 128, 256]
+    assert all(r["winner"] in ("ring", "ps") for r in out["predicted"])
+    assert out["fitted_here"]["ring_beta_s_per_byte"] > 0
+
+
+@pytest.mark.parametrize("mode, extra, must_have", [
+    ("ring", ["--fusion-mb", "0.5", "--overlap", "on"],
+     {"data", "forward", "backward layer0", "backward layer2", "wait for gradients", "step"}),
+    ("ps", ["--num-ps", "1"], {"data", "forward", "backward layer0", "push+pull"}),
+])
+def test_timeline_is_a_chrome_trace_with_every_span_kind(job, tmp_path, mode, extra, must_have):
+    path = tmp_path / "t.json"
+    r = job(3, "--mode", mode, "--steps", "10", "--timeline", path, *extra)
+    assert r.returncode == 0, r.stderr
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in spans}
+    assert must_have <= names, must_have - names
+    assert all(e["dur"] >= 0 and {"ts", "pid", "tid", "cat"} <= set(e) for e in spans)
+    if mode == "ring":
+        assert any(n.startswith("allreduce [") for n in names)
+        assert any(n.startswith("optimizer [") for n in names)
+        assert sum(e["name"] == "step" for e in spans) == 10
