@@ -65,6 +65,8 @@ class Watchdog:
     def _fire(self, what, peer, waited):
         if callable(peer):
             peer = peer()
+        if isinstance(peer, (list, tuple, set)) and len(peer) == 1:
+            peer = next(iter(peer))
         if peer is None:
             whom = "its peers"
         elif isinstance(peer, (list, tuple, set)):

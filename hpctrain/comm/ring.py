@@ -65,7 +65,8 @@ class RingAllreduce:
             sync = xp.cuda.get_current_stream().synchronize
             sync()  # MPI reads what kernels wrote
         if self.watchdog is not None:
-            with self.watchdog.waiting("ring allreduce", peer=self.left):
+            # Sendrecv waits on both neighbours: the left one's data, the right one's receive.
+            with self.watchdog.waiting("ring allreduce", peer=sorted({self.left, self.right})):
                 self._ring(buf, xp, sync)
         else:
             self._ring(buf, xp, sync)
