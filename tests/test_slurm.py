@@ -34,17 +34,24 @@ variables to the submitting environment (sbatch exports it to the job);
 running at ``timeout`` is cancelled and the test fails with its output so far.
 ``sbatch --wait`` polls every 2 s (``MinJobAge=5``), so a job costs >= 2 s.
 
+The job-script tests below submit the real ``jobs/ring.slurm`` and
+``jobs/ps.slurm`` (see ``jobs/README.md``): training to >= 0.92 accuracy, the
+world-size check, the mpirun launcher, and kill-and-resume (signal, checkpoint,
+requeue or resubmission, bit-exact final parameters). About 80 s on 2 idle cores.
+
 Other attributes: ``slurm.repo``, ``slurm.python`` (``.venv/bin/python``),
 ``slurm.workdir`` (job scripts and outputs), ``slurm.statedir`` (daemon logs),
 ``slurm.cmd(*argv, timeout=30)`` -> ``CompletedProcess`` for squeue/scontrol/...
 """
 
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import NamedTuple
@@ -210,3 +217,292 @@ def test_impossible_job_is_rejected_at_submission(slurm):
     queue = slurm.cmd("squeue", "-h", "-o", "%i %j %T")
     assert queue.returncode == 0, queue.stderr
     assert "hpctrain-test-" not in queue.stdout, queue.stdout
+
+
+# ---------------------------------------------------------------------------
+# The real job scripts: jobs/ring.slurm and jobs/ps.slurm (see jobs/README.md).
+# Each test gives the job its own checkpoint root (HPCTRAIN_CHECKPOINT_ROOT) or
+# directory (HPCTRAIN_CHECKPOINT_DIR), so nothing lands in the repository's runs/.
+
+RING_JOB = REPO / "jobs" / "ring.slurm"
+PS_JOB = REPO / "jobs" / "ps.slurm"
+WORLD_LINE = re.compile(r"^hpctrain: world size (\d+) \(as expected\), 1 host: (\S+) x(\d+); "
+                        r"rank -> host/local rank/GPU: (.*)$", re.M)
+ACCURACY = re.compile(r"^test accuracy (\d+\.\d+)", re.M)
+STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+\.h5)")
+RESUMED = re.compile(r"^resumed from (\S+) at step (\d+)$", re.M)
+EXPECT_MSG = ("hpctrain: error: expected one MPI world of 4 ranks, got size 1 "
+              "(srun without --mpi=pmi2? set HPCTRAIN_SRUN_MPI)")
+
+
+def _first_hpctrain_line(out):
+    lines = [line for line in out.splitlines() if line.startswith("hpctrain:")]
+    assert lines, out
+    return lines[0]
+
+
+def _check_world_of_four(out):
+    """The job's first hpctrain line: one world of 4, and the rank map."""
+    m = WORLD_LINE.match(_first_hpctrain_line(out))
+    assert m, out
+    assert m.group(1) == "4" and m.group(3) == "4", out
+    host = re.escape(m.group(2))
+    ranks = m.group(4).split(", ")
+    assert len(ranks) == 4, out
+    for r, entry in enumerate(ranks):
+        # rank -> host/local rank/GPU ("-" without CuPy or a GPU)
+        assert re.fullmatch(rf"{r} -> {host}/{r}/(-|\d+)", entry), out
+
+
+def _final_metrics(path):
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    final = [r for r in records if r.get("event") == "final"]
+    assert len(final) == 1, records
+    return final[0]
+
+
+def _params(path):
+    import h5py
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if hasattr(obj, "shape") else None)
+        step = int(f.attrs["step"])
+    return step, out
+
+
+def _assert_same_params(a, b):
+    step_a, pa = _params(a)
+    step_b, pb = _params(b)
+    assert step_a == step_b
+    assert sorted(pa) == sorted(pb)
+    for name in pa:
+        assert pa[name].dtype == pb[name].dtype and pa[name].shape == pb[name].shape, name
+        # Bit-exact: resume repeats the very same arithmetic.
+        assert pa[name].tobytes() == pb[name].tobytes(), \
+            f"{name}: max |diff| {abs(pa[name].astype('f8') - pb[name].astype('f8')).max()}"
+
+
+def test_ring_job_trains_the_sample(slurm, tmp_path):
+    # `sbatch jobs/ring.slurm` as is (4 ranks on the one node, 2000 steps), plus
+    # a flag passed through to hpctrain.
+    metrics = tmp_path / "ring.jsonl"
+    rc, out = slurm.submit(RING_JOB, "--metrics", metrics,
+                           env={"HPCTRAIN_CHECKPOINT_ROOT": str(tmp_path / "runs")}, timeout=240)
+    assert rc == 0, out
+    _check_world_of_four(out)
+    assert "launch: srun --mpi=pmi2 " in out, out
+    acc = [float(a) for a in ACCURACY.findall(out)]
+    assert len(acc) == 1 and acc[0] >= 0.92, out
+    final = _final_metrics(metrics)
+    assert (final["mode"], final["world_size"], final["workers"], final["steps"]) == ("ring", 4, 4, 2000)
+    # Checkpoints under <root>/<job name>/, the last one at the end of training.
+    ckpts = sorted((tmp_path / "runs").glob("hpctrain-test-*/ckpt-*.h5"))
+    assert ckpts and ckpts[-1].name == "ckpt-00002000.h5", (ckpts, out)
+    assert "hpctrain-job: finished" in out, out
+
+
+def test_ps_job_trains_the_sample(slurm, tmp_path):
+    metrics = tmp_path / "ps.jsonl"
+    rc, out = slurm.submit(PS_JOB, "--metrics", metrics,
+                           env={"HPCTRAIN_CHECKPOINT_ROOT": str(tmp_path / "runs")}, timeout=240)
+    assert rc == 0, out
+    _check_world_of_four(out)
+    assert "--mode ps --num-ps 1" in out, out
+    acc = [float(a) for a in ACCURACY.findall(out)]
+    assert len(acc) == 1 and acc[0] >= 0.92, out
+    final = _final_metrics(metrics)
+    assert (final["mode"], final["world_size"], final["workers"], final["steps"]) == ("ps", 4, 3, 2000)
+
+
+def test_job_without_pmi_stops_with_one_clear_line(slurm, tmp_path):
+    # srun --mpi=none: MPICH finds no PMI, every task is a world of size 1.
+    rc, out = slurm.submit(RING_JOB, "--steps", "5", "--hidden", "8",
+                           env={"HPCTRAIN_SRUN_MPI": "none",
+                                "HPCTRAIN_CHECKPOINT_ROOT": str(tmp_path / "runs")}, timeout=120)
+    assert rc == 2, out
+    assert out.count(EXPECT_MSG) == 4, out      # every singleton world says it, once
+    assert "test accuracy" not in out, out
+    assert "hpctrain-job: hpctrain failed with exit code 2" in out, out
+    assert "requeue" not in out, out
+    assert not list((tmp_path / "runs").glob("*/ckpt-*.h5")), "a singleton world wrote a checkpoint"
+
+
+def test_ring_job_with_mpirun_launcher(slurm, tmp_path):
+    rc, out = slurm.submit(RING_JOB, "--steps", "50", "--hidden", "32",
+                           env={"HPCTRAIN_LAUNCHER": "mpirun",
+                                "HPCTRAIN_CHECKPOINT_ROOT": str(tmp_path / "runs")}, timeout=120)
+    assert rc == 0, out
+    _check_world_of_four(out)
+    assert re.search(r"launch: \S*mpirun -n 4 ", out), out
+    assert "hpctrain-job: finished" in out, out
+
+
+# ---- kill and resume -------------------------------------------------------------
+# These jobs are submitted without --wait and followed with scontrol: across a
+# requeue, `sbatch --wait` can return early (it polls every 2 s and sometimes
+# catches the job between its runs, then exits 1).
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY"}
+
+
+def _submit_nowait(slurm, script, *args, env):
+    """sbatch without --wait; returns (job id, job name, output file)."""
+    name = f"hpctrain-test-{uuid.uuid4().hex[:8]}"
+    out = slurm.workdir / f"{name}.out"
+    argv = ["sbatch", "--parsable", f"--job-name={name}", f"--output={out}", f"--chdir={slurm.repo}",
+            str(script), *map(str, args)]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
+    full_env["HPCTRAIN_PYTHON"] = str(slurm.python)
+    full_env.update(env)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.strip().split(";")[0], name, out
+
+
+def _output(out):
+    return out.read_text(errors="replace") if out.exists() else "(no output file yet)"
+
+
+def _wait_for(what, predicate, timeout, job_id=None, slurm=None, out=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    if job_id and slurm:
+        slurm.cmd("scancel", job_id, timeout=15)
+    pytest.fail(f"gave up waiting for {what} after {timeout} s"
+                + (f" (job {job_id} cancelled)" if job_id else "")
+                + (f"; job output so far:\n{_output(out)}" if out is not None else ""))
+
+
+def _job_info(slurm, job_id):
+    """(state, restarts, exit code) from scontrol; (None, None, None) once it is gone."""
+    show = slurm.cmd("scontrol", "show", "job", "-o", job_id).stdout
+    state = re.search(r"\bJobState=(\S+)", show)
+    restarts = re.search(r"\bRestarts=(\d+)", show)
+    code = re.search(r"\bExitCode=(\d+):\d+", show)
+    if not state:
+        return None, None, None
+    return state.group(1), int(restarts.group(1)), int(code.group(1))
+
+
+def _wait_until_ended(slurm, job_id, out, restarts, timeout):
+    """The job's exit code, once its run number `restarts` has ended for good."""
+    def ended():
+        state, n, code = _job_info(slurm, job_id)
+        return (code,) if state in TERMINAL and n == restarts else None
+    return _wait_for(f"job {job_id} to end", ended, timeout, job_id, slurm, out)[0], _output(out)
+
+
+def _interrupt_mid_run(slurm, script, flags, ckpt_dir, extra_env, scancel_args):
+    """Submit script with flags, wait for its first periodic checkpoint, then
+    send the signal with scancel. Returns (job id, job name, output file)."""
+    env = {"HPCTRAIN_CHECKPOINT_DIR": str(ckpt_dir), **extra_env}
+    job_id, name, out = _submit_nowait(slurm, script, *flags, env=env)
+    _wait_for("the first checkpoint", lambda: list(ckpt_dir.glob("ckpt-*.h5")), 120, job_id, slurm, out)
+    sent = slurm.cmd("scancel", *scancel_args, job_id)
+    assert sent.returncode == 0, sent.stderr
+    return job_id, name, out
+
+
+def _check_stopped_and_resumed(out, signal_name, ckpt_dir):
+    stopped = STOPPED.search(out)
+    assert stopped, f"the job was not stopped by the signal (finished first?):\n{out}"
+    assert stopped.group(1) == signal_name, out
+    step = int(stopped.group(2))
+    assert Path(stopped.group(3)).parent == ckpt_dir, out
+    resumed = RESUMED.search(out)
+    assert resumed, out
+    assert (resumed.group(1), int(resumed.group(2))) == (stopped.group(3), step), out
+    return step
+
+
+# Long enough that the signal lands mid-run after the first periodic
+# checkpoint, short enough for CI: ~4 s of training each on 2 idle cores.
+KILL_FLAGS = {
+    "ring": ("--steps", "400", "--checkpoint-every", "50"),
+    "ps": ("--steps", "800", "--checkpoint-every", "50"),
+}
+_REFERENCE = {}
+
+
+def _reference_params(slurm, mode, tmp_path_factory):
+    """--save of an uninterrupted run of the same job (computed once per mode)."""
+    if mode not in _REFERENCE:
+        d = tmp_path_factory.mktemp(f"ref-{mode}")
+        script = RING_JOB if mode == "ring" else PS_JOB
+        rc, out = slurm.submit(script, *KILL_FLAGS[mode], "--save", d / "ref.h5",
+                               env={"HPCTRAIN_CHECKPOINT_DIR": str(d / "ckpt")}, timeout=180)
+        assert rc == 0, out
+        assert "stopped by" not in out, out
+        _REFERENCE[mode] = d / "ref.h5"
+    return _REFERENCE[mode]
+
+
+def _kill_and_resume(slurm, tmp_path, tmp_path_factory, mode, how):
+    """Run the job, stop it mid-run with a signal, let it continue (requeue or
+    resubmission), and compare the final parameters with an uninterrupted run's.
+
+    how = "requeue": `scancel --signal=TERM` signals the job step, so srun's
+    tasks get SIGTERM directly (as on pre-emption); they stop after the same
+    step, the chief checkpoints, all exit 75, and the job script requeues the
+    job (same id, restart 1), which resumes from the checkpoint.
+    how = "resubmit": `scancel --batch --signal=USR1` signals only the batch
+    shell (what --signal=B:USR1@120 does before the time limit), which
+    forwards it through srun to the ranks; with HPCTRAIN_MAX_REQUEUES=0 the
+    job ends with 75, and submitting the same job again continues it.
+    """
+    ref = _reference_params(slurm, mode, tmp_path_factory)
+    script = RING_JOB if mode == "ring" else PS_JOB
+    ckpt = tmp_path / "ckpt"
+    resumed_h5 = tmp_path / "resumed.h5"
+    flags = (*KILL_FLAGS[mode], "--save", resumed_h5)
+    steps = int(KILL_FLAGS[mode][1])
+    if how == "requeue":
+        job_id, name, out_file = _interrupt_mid_run(slurm, script, flags, ckpt, {}, ["--signal=TERM"])
+        # SLURM holds a requeued job ~2 min (BeginTime) before it may start
+        # again; let it start now.
+        _wait_for("the requeued job", lambda: _job_info(slurm, job_id)[:2] == ("PENDING", 1), 120,
+                  job_id, slurm, out_file)
+        up = slurm.cmd("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        assert up.returncode == 0, up.stderr
+        rc, out = _wait_until_ended(slurm, job_id, out_file, restarts=1, timeout=180)
+        assert rc == 0, out
+        assert f"requeued job {job_id} (restart 1 of at most 10)" in out, out
+        assert f"job {job_id} '{name}' run 2 (restart 1)" in out, out
+        step = _check_stopped_and_resumed(out, "SIGTERM", ckpt)
+        assert out.count("hpctrain-job: finished") == 1, out
+    else:
+        no_requeue = {"HPCTRAIN_MAX_REQUEUES": "0"}
+        job_id, _, out_file = _interrupt_mid_run(slurm, script, flags, ckpt, no_requeue,
+                                                 ["--batch", "--signal=USR1"])
+        rc, first = _wait_until_ended(slurm, job_id, out_file, restarts=0, timeout=120)
+        assert rc == 75, first
+        assert "hpctrain-job: got SIGUSR1" in first, first
+        assert "not requeued" in first and "Resubmit with the same job name to continue" in first, first
+        assert not resumed_h5.exists(), first
+        rc, second = slurm.submit(script, *flags, env={"HPCTRAIN_CHECKPOINT_DIR": str(ckpt), **no_requeue},
+                                  timeout=180)
+        assert rc == 0, second
+        assert "requeue" not in second, second
+        out = first + second
+        step = _check_stopped_and_resumed(out, "SIGUSR1", ckpt)
+    assert 0 < step < steps, out
+    _assert_same_params(resumed_h5, ref)
+
+
+def test_ring_job_killed_requeues_itself_and_ends_where_an_uninterrupted_run_ends(
+        slurm, tmp_path, tmp_path_factory):
+    _kill_and_resume(slurm, tmp_path, tmp_path_factory, "ring", "requeue")
+
+
+def test_ring_job_stopped_before_time_limit_resubmitted_ends_where_an_uninterrupted_run_ends(
+        slurm, tmp_path, tmp_path_factory):
+    _kill_and_resume(slurm, tmp_path, tmp_path_factory, "ring", "resubmit")
+
+
+def test_ps_job_killed_requeues_itself_and_ends_where_an_uninterrupted_run_ends(
+        slurm, tmp_path, tmp_path_factory):
+    _kill_and_resume(slurm, tmp_path, tmp_path_factory, "ps", "requeue")

@@ -1,0 +1,84 @@
+# jobs/env.sh -- the site-specific part of the hpctrain job scripts, in one place.
+# Sourced (bash) by jobs/launch.sh in the batch shell on the job's first node;
+# srun/mpirun pass the resulting environment on to every rank on every node.
+#
+# EDIT THIS FILE FOR YOUR CLUSTER (or set the variables at submission:
+# `HPCTRAIN_MODULES="cuda/12.2 openmpi/4.1" sbatch jobs/ring.slurm`; sbatch
+# exports the submitting shell's environment to the job by default).
+#
+#   HPCTRAIN_MODULES    modules to `module load` first (default: none), e.g.
+#                       "gcc/12 cuda/12.2" (PyPI MPICH wheel in the venv) or
+#                       "openmpi/4.1 cuda/12.2" (site MPI; then HPCTRAIN_SRUN_MPI=pmix)
+#   HPCTRAIN_VENV       virtual environment to activate (default: <repo>/.venv)
+#   HPCTRAIN_PYTHON     the Python that runs hpctrain (default: $HPCTRAIN_VENV/bin/python)
+#   HPCTRAIN_LAUNCHER   srun (default) or mpirun
+#   HPCTRAIN_SRUN_MPI   srun's --mpi plugin (default: pmi2, what the PyPI MPICH
+#                       wheel speaks; pmix for Open MPI / most site MPIs; set it
+#                       empty to use the site's MpiDefault, i.e. no --mpi flag)
+#   HPCTRAIN_SRUN_ARGS  more srun flags, e.g. "--distribution=cyclic" (ps mode on
+#                       several nodes) or "--cpu-bind=cores"
+#   HPCTRAIN_MPIRUN     the mpirun to use with HPCTRAIN_LAUNCHER=mpirun
+#                       (default: the one next to HPCTRAIN_PYTHON, else mpirun on PATH)
+#   HPCTRAIN_MPIRUN_ARGS  more mpirun flags
+#
+# Sets HPCTRAIN_PYTHON and the launcher command prefix HPCTRAIN_LAUNCH (an array).
+# Nothing here may assume a GPU: CPU-only nodes run the same scripts.
+
+# ---- modules ------------------------------------------------------------------
+: "${HPCTRAIN_MODULES:=}"
+if [ -n "$HPCTRAIN_MODULES" ]; then
+    if ! command -v module >/dev/null 2>&1 && [ -r /etc/profile.d/modules.sh ]; then
+        . /etc/profile.d/modules.sh           # batch shells are not login shells
+    fi
+    if command -v module >/dev/null 2>&1; then
+        # shellcheck disable=SC2086  # a list of module names
+        module load $HPCTRAIN_MODULES || { echo "hpctrain-job: error: module load $HPCTRAIN_MODULES failed" >&2; exit 2; }
+    else
+        echo "hpctrain-job: error: HPCTRAIN_MODULES is set but there is no 'module' command" >&2
+        exit 2
+    fi
+fi
+
+# ---- Python environment ----------------------------------------------------------
+: "${HPCTRAIN_VENV:=$HPCTRAIN_HOME/.venv}"
+if [ -r "$HPCTRAIN_VENV/bin/activate" ]; then
+    # shellcheck disable=SC1091
+    . "$HPCTRAIN_VENV/bin/activate"          # puts the venv's mpirun on PATH too
+fi
+: "${HPCTRAIN_PYTHON:=$HPCTRAIN_VENV/bin/python}"
+if ! [ -x "$HPCTRAIN_PYTHON" ]; then
+    echo "hpctrain-job: error: no Python at $HPCTRAIN_PYTHON (run 'make test-serial' in $HPCTRAIN_HOME to create .venv, or set HPCTRAIN_PYTHON)" >&2
+    exit 2
+fi
+# hpctrain is importable even when the venv has it not installed (-e).
+export PYTHONPATH="$HPCTRAIN_HOME${PYTHONPATH:+:$PYTHONPATH}"
+export HPCTRAIN_PYTHON
+
+# ---- launcher -------------------------------------------------------------------------
+: "${HPCTRAIN_LAUNCHER:=srun}"
+: "${HPCTRAIN_SRUN_MPI=pmi2}"                 # unset -> pmi2; set empty -> no --mpi flag
+: "${HPCTRAIN_SRUN_ARGS:=}"
+: "${HPCTRAIN_MPIRUN_ARGS:=}"
+case $HPCTRAIN_LAUNCHER in
+    srun)
+        # No --kill-on-bad-exit: after a stop signal the chief may still be
+        # writing the checkpoint when the other ranks have exited 75. A rank
+        # that really fails aborts the job itself (MPI_Abort; --timeout).
+        # shellcheck disable=SC2206  # HPCTRAIN_SRUN_ARGS is a list of flags
+        HPCTRAIN_LAUNCH=(srun ${HPCTRAIN_SRUN_MPI:+--mpi=$HPCTRAIN_SRUN_MPI} --kill-on-bad-exit=0 $HPCTRAIN_SRUN_ARGS)
+        ;;
+    mpirun)
+        if [ -z "${HPCTRAIN_MPIRUN:-}" ]; then
+            HPCTRAIN_MPIRUN=$(dirname "$HPCTRAIN_PYTHON")/mpirun
+            [ -x "$HPCTRAIN_MPIRUN" ] || HPCTRAIN_MPIRUN=mpirun
+        fi
+        # Hydra (MPICH) and Open MPI's mpirun both read the SLURM allocation
+        # (nodes, tasks per node) and start remote ranks through srun themselves.
+        # shellcheck disable=SC2206
+        HPCTRAIN_LAUNCH=("$HPCTRAIN_MPIRUN" -n "$HPCTRAIN_NTASKS" $HPCTRAIN_MPIRUN_ARGS)
+        ;;
+    *)
+        echo "hpctrain-job: error: HPCTRAIN_LAUNCHER=$HPCTRAIN_LAUNCHER: expected srun or mpirun" >&2
+        exit 2
+        ;;
+esac

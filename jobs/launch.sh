@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# jobs/launch.sh HPCTRAIN-FLAGS... -- what jobs/ring.slurm and jobs/ps.slurm share.
+#
+# `exec`'d by them inside the batch job (so this process IS the batch shell and
+# receives the batch shell's signals). It
+#   1. sources jobs/env.sh (modules, venv, launcher choice),
+#   2. exports HPCTRAIN_EXPECT_WORLD_SIZE=$SLURM_NTASKS, so hpctrain stops with
+#      one clear line when the launcher made N worlds of size 1 instead of one,
+#   3. runs `python -m hpctrain.mnist --checkpoint-dir DIR --checkpoint-every N
+#      --resume auto FLAGS...` under srun (or mpirun), in the background, and
+#      forwards USR1/TERM to it (as USR1: see below),
+#   4. on exit code 75 (stopped by a signal, checkpoint written) requeues the
+#      job with `scontrol requeue`, so it resumes by itself from the checkpoint.
+#
+# Exit codes: 0 training finished, or stopped and requeued (the requeued run
+# continues); 75 stopped with a checkpoint but not requeued (requeue limit
+# reached, disabled or refused: resubmit the same command to continue);
+# 2 bad set-up (this script, env.sh, or hpctrain's bad-input errors); any other
+# code is hpctrain's (see hpctrain/errors.py), passed through unchanged.
+# Variables: see jobs/README.md and jobs/env.sh.
+set -uo pipefail
+
+EXIT_PREEMPTED=75                      # hpctrain/errors.py
+say() { echo "hpctrain-job: $*"; }
+die() { echo "hpctrain-job: error: $*" >&2; exit 2; }
+
+if [ -z "${HPCTRAIN_HOME:-}" ]; then
+    HPCTRAIN_HOME=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+fi
+export HPCTRAIN_HOME
+[ -n "${SLURM_JOB_ID:-}" ] || die "not inside a SLURM job: submit with 'sbatch jobs/ring.slurm' (or run under salloc)"
+
+# Ranks in the job: what the one MPI world must have.
+HPCTRAIN_NTASKS=${SLURM_NTASKS:-${SLURM_NPROCS:-}}
+[ -n "$HPCTRAIN_NTASKS" ] || die "SLURM_NTASKS is not set: request tasks (--ntasks-per-node) in the job script"
+export HPCTRAIN_EXPECT_WORLD_SIZE=$HPCTRAIN_NTASKS
+
+# shellcheck source=jobs/env.sh
+. "$HPCTRAIN_HOME/jobs/env.sh"
+
+# ---- checkpoints: one directory per job NAME, not per job id -----------------
+# A requeued job keeps its id, but a job resubmitted by hand gets a new one; the
+# name (sbatch -J) is what both share. An explicit --checkpoint-dir flag wins.
+RESTARTS=${SLURM_RESTART_COUNT:-0}
+# Array tasks share a name: each gets its own directory (the task id is stable too).
+RUN_NAME=${SLURM_JOB_NAME:-hpctrain}${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}
+CKPT_DIR=${HPCTRAIN_CHECKPOINT_DIR:-${HPCTRAIN_CHECKPOINT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/runs}/$RUN_NAME}
+prev=""
+for arg in "$@"; do
+    case $arg in --checkpoint-dir=*) CKPT_DIR=${arg#*=} ;; esac
+    [ "$prev" = --checkpoint-dir ] && CKPT_DIR=$arg
+    prev=$arg
+done
+mkdir -p "$CKPT_DIR" || die "cannot create checkpoint directory $CKPT_DIR"
+
+CMD=("$HPCTRAIN_PYTHON" -m hpctrain.mnist
+     --checkpoint-dir "$CKPT_DIR" --checkpoint-every "${HPCTRAIN_CHECKPOINT_EVERY:-500}" --resume auto
+     "$@")
+# A requeued run must continue even if the first run said --resume no.
+[ "$RESTARTS" -gt 0 ] && CMD+=(--resume auto)
+
+say "job ${SLURM_JOB_ID} '${SLURM_JOB_NAME:-}' run $((RESTARTS + 1)) (restart $RESTARTS)," \
+    "${SLURM_JOB_NUM_NODES:-1} node(s) ${SLURM_JOB_NODELIST:-?}, $HPCTRAIN_NTASKS tasks"
+say "checkpoints: $CKPT_DIR"
+say "launch: ${HPCTRAIN_LAUNCH[*]} ${CMD[*]}"
+
+# ---- run, forwarding the stop signals ---------------------------------------------
+# The job scripts use --signal=B:USR1@120: before the time limit SLURM signals
+# only this shell, so it must pass the signal on (with mpirun the ranks are
+# children of this shell, outside any job step, and no one else would tell them).
+# Whatever arrives (USR1 from --signal, TERM from `scancel --batch`/preemption)
+# is forwarded as USR1: hpctrain treats both alike, and launchers just relay
+# USR1, whereas some (Open MPI's mpirun) turn a TERM into killing the ranks.
+# Ranks that also get the signal directly (scancel --signal=TERM signals the
+# job steps; preemption signals every process) are fine: one stop either way.
+SIGNALED=""
+LAUNCHER_PID=""
+forward() {
+    SIGNALED=$1
+    say "got SIG$1: asking hpctrain to checkpoint and stop"
+    [ -n "$LAUNCHER_PID" ] && kill -USR1 "$LAUNCHER_PID" 2>/dev/null
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+
+"${HPCTRAIN_LAUNCH[@]}" "${CMD[@]}" &
+LAUNCHER_PID=$!
+# `wait` returns early (>128) when a trapped signal arrives: wait again until
+# the launcher has really exited.
+while :; do
+    wait "$LAUNCHER_PID"
+    rc=$?
+    kill -0 "$LAUNCHER_PID" 2>/dev/null || break
+done
+trap - USR1 TERM INT
+
+# ---- exit code -> requeue or not ------------------------------------------------------
+if [ "$rc" -eq 0 ]; then
+    say "finished"
+    exit 0
+fi
+# 75: hpctrain stopped after a signal and wrote its checkpoint. A launcher
+# killed by a signal (>128) right after we were signalled means the ranks died
+# before installing their handler (start-up): requeue too, --resume auto will
+# start from whatever checkpoint exists.
+if [ "$rc" -eq "$EXIT_PREEMPTED" ] || { [ -n "$SIGNALED" ] && [ "$rc" -gt 128 ]; }; then
+    MAX=${HPCTRAIN_MAX_REQUEUES:-10}
+    if [ "$RESTARTS" -ge "$MAX" ]; then
+        say "stopped (exit $rc), checkpoint in $CKPT_DIR; not requeued: restart $RESTARTS reached HPCTRAIN_MAX_REQUEUES=$MAX." \
+            "Resubmit with the same job name to continue."
+        exit "$EXIT_PREEMPTED"
+    fi
+    if out=$(scontrol requeue "$SLURM_JOB_ID" 2>&1); then
+        say "stopped (exit $rc), checkpoint in $CKPT_DIR; requeued job $SLURM_JOB_ID (restart $((RESTARTS + 1)) of at most $MAX): it resumes from the checkpoint"
+        exit 0
+    fi
+    say "stopped (exit $rc), checkpoint in $CKPT_DIR; scontrol requeue failed: $out." \
+        "Resubmit with the same job name to continue."
+    exit "$EXIT_PREEMPTED"
+fi
+say "hpctrain failed with exit code $rc"
+exit "$rc"
