@@ -35,7 +35,8 @@ def main(argv=None):
     m.add_argument("--ranks", type=int, default=4, help="ranks for the measurements (default: %(default)s)")
     m.add_argument("--sizes", default="4K,64K,1M,4M,16M", help="message sizes measured for the fit")
     m.add_argument("--link-gbit", type=float, default=25.0, help="link bandwidth to predict for (default: %(default)s)")
-    m.add_argument("--alpha-us", type=float, default=10.0, help="per-message latency on that network (default: %(default)s)")
+    m.add_argument("--alpha-us", type=float, default=None,
+                   help="per-step latency to predict with (default: the one fitted here, hpctrain's software overhead)")
     m.add_argument("--compute-ms", type=float, default=50.0, help="compute time per step per GPU (default: %(default)s)")
     m.add_argument("--model-mb", type=float, default=100.0, help="gradient size in MB (default: %(default)s, about ResNet-50)")
     m.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden behind backprop (0-1)")

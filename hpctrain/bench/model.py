@@ -2,7 +2,7 @@
 model to allreduce and ps-exchange measurements made here, then predict step
 time and scaling efficiency for 8-256 GPUs on a given network.
 
-    python -m hpctrain.bench model --link-gbit 25 --compute-ms 50 --model-mb 100
+    python -m hpctrain.bench model --link-gbit 25 --compute-ms 50 --model-mb 100 [--alpha-us 10]
 
 Models (S bytes of gradient, N workers, P parameter servers):
 - ring allreduce: t = 2(N-1)*alpha + 2(N-1)/N * S * beta
@@ -80,10 +80,11 @@ def measure(ranks, sizes="4K,64K,1M,4M,16M"):
             "ring_points": [(r["bytes"], r["ring_us"] * 1e-6) for r in rows], "ps_points": ps}
 
 
-def predict(n, s, alpha, beta, compute, overlap, ps_ratio):
-    ring = 2 * (n - 1) * alpha + 2 * (n - 1) / n * s * beta
+def predict(n, s, alphas, beta, compute, overlap, ps_ratio):
+    ring_alpha, ps_alpha = alphas
+    ring = 2 * (n - 1) * ring_alpha + 2 * (n - 1) / n * s * beta
     p = max(1, int(round(n * ps_ratio)))
-    ps = 2 * alpha + 2 * s * (n / p) * beta
+    ps = 2 * ps_alpha + 2 * s * (n / p) * beta
     out = {"gpus": n, "servers": p, "ring_comm_ms": ring * 1e3, "ps_comm_ms": ps * 1e3}
     for name, t in (("ring", ring), ("ps", ps)):
         step = compute + (1 - overlap) * t if (1 - overlap) * t > 0 else compute
@@ -106,12 +107,16 @@ def main(args):
     from mpi4py import MPI
     if MPI.COMM_WORLD.rank != 0:
         return 0
-    # The network to predict for: its alpha, its beta from the link speed.
-    alpha = args.alpha_us * 1e-6
+    # The network to predict for: beta from its link speed; alpha as given, or
+    # the per-step latency fitted here (hpctrain's own software overhead).
+    if args.alpha_us is None:
+        alphas = (fitted["ring_alpha_s"], fitted["ps_alpha_s"])
+    else:
+        alphas = (args.alpha_us * 1e-6, args.alpha_us * 1e-6)
     beta = 8 / (args.link_gbit * 1e9)
     s = args.model_mb * 2**20
     compute = args.compute_ms * 1e-3
-    rows = [predict(n, s, alpha, beta, compute, args.overlap, args.ps_ratio) for n in (8, 16, 32, 64, 128, 256)]
+    rows = [predict(n, s, alphas, beta, compute, args.overlap, args.ps_ratio) for n in (8, 16, 32, 64, 128, 256)]
     if args.json:
         print(json.dumps({"bench": "model", "fitted_here": fitted, "predicted": rows}))
         return 0
@@ -122,7 +127,8 @@ def main(args):
     print(f"  ps:   alpha {f['ps_alpha_s'] * 1e6:.2f} us, beta {f['ps_beta_s_per_byte'] * 1e9:.3f} ns/byte "
           f"(= {1 / max(f['ps_beta_s_per_byte'], 1e-15) / 1e9:.2f} GB/s at the server)")
     print(f"predicted for {args.model_mb:g} MB of gradients, {args.compute_ms:g} ms compute per step, "
-          f"{args.link_gbit:g} Gbit/s links, alpha {args.alpha_us:g} us, overlap {args.overlap:g}, "
+          f"{args.link_gbit:g} Gbit/s links, alpha ring {alphas[0] * 1e6:.1f} us / ps {alphas[1] * 1e6:.1f} us, "
+          f"overlap {args.overlap:g}, "
           f"ps servers = {args.ps_ratio:g} x workers:")
     print(table(rows, [("GPUs", "gpus", "{}"), ("servers", "servers", "{}"),
                        ("ring comm ms", "ring_comm_ms", "{:.1f}"), ("ps comm ms", "ps_comm_ms", "{:.1f}"),

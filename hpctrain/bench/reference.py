@@ -88,6 +88,7 @@ def _ddp_rank(rank, world, steps, batch, rendezvous, out):
     if rank == 0:
         with open(out, "w") as f:
             f.write(str(world * batch / float(t)))
+    dist.barrier()
     dist.destroy_process_group()
 
 
