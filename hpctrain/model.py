@@ -142,7 +142,7 @@ class MLP:
                 on_layer_done(i)
         return loss
 
-    def evaluate(self, x, y, batch=250):
+    def evaluate(self, x, y, batch=128):
         """(sum of cross-entropy, number correct) over x, y, as Python numbers.
         x may be uint8 pixels (scaled by 1/255 a batch at a time) or floats."""
         xp = self.xp
@@ -150,7 +150,8 @@ class MLP:
         for lo in range(0, x.shape[0], batch):
             xb, yb = x[lo: lo + batch], y[lo: lo + batch]
             if xb.dtype == np.uint8:
-                xb = xb.astype(self.dtype) / 255
+                xb = xb.astype(self.dtype)
+                xb /= 255
             logits = self._forward(xb, self._buffers(xb.shape[0], backward=False))
             shifted = logits - logits.max(axis=1, keepdims=True)
             logp = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))

@@ -190,6 +190,7 @@ class Run:
         # Every rank builds the model (shapes only) to compare, before any training.
         collective(self.comm, check_consistency, self.comm, job_settings(args))
         self.data_dir = ensure_data(args, c, self.log)
+        self._test = None
         self.metrics = Metrics(args.metrics, c.is_chief)
 
     def lr(self, step):
@@ -197,15 +198,26 @@ class Run:
         return learning_rate(step, a.lr, self.cluster.num_workers, a.scale_lr, a.warmup_steps)
 
     def open_reader(self):
+        """This worker's training-batch reader (and its test part, loaded now)."""
         a, c = self.args, self.cluster
-        return collective(c.worker_comm, data_mod.ShardReader, self.data_dir, c.worker_index,
-                          c.num_workers, a.batch_size, a.seed)
+        reader = collective(c.worker_comm, data_mod.ShardReader, self.data_dir, c.worker_index,
+                            c.num_workers, a.batch_size, a.seed)
+        self.test_part()
+        return reader
+
+    def test_part(self):
+        """This worker's part of the test set (uint8 pixels), read once: at
+        start-up, before training memory is touched, not at every evaluation."""
+        if self._test is None:
+            c = self.cluster
+            self._test = collective(c.worker_comm, data_mod.load_test, self.data_dir, c.worker_index,
+                                    c.num_workers, raw=True)
+        return self._test
 
     def evaluate(self, model):
         """Test loss and accuracy, each worker evaluating its part of the test set."""
         c = self.cluster
-        x, y = collective(c.worker_comm, data_mod.load_test, self.data_dir, c.worker_index, c.num_workers,
-                          raw=True)
+        x, y = self.test_part()
         xp = self.xp
         loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
         totals = np.array([loss_sum, correct, len(y)], np.float64)
