@@ -42,6 +42,9 @@ def main(argv=None):
 def _abort_others(code):
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
+        import time
+        from .comm.deadline import ABORT_GRACE_S
+        time.sleep(ABORT_GRACE_S)  # let the launcher forward our error line first
         mpi.COMM_WORLD.Abort(code)
 
 

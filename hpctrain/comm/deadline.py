@@ -16,6 +16,8 @@ import time
 
 from ..errors import EXIT_TIMEOUT
 
+ABORT_GRACE_S = 0.5
+
 
 class _Wait:
     __slots__ = ("dog", "what", "peer", "key")
@@ -77,4 +79,7 @@ class Watchdog:
             whom = str(peer)
         self.fired = f"rank {self.rank} waited {waited:.0f} s for {whom} ({what}); giving up (--timeout {self.timeout:g})"
         print(f"hpctrain: error: {self.fired}", file=self._out, flush=True)
+        # MPI_Abort makes the launcher kill every rank at once, and a line still
+        # in the pipe to the launcher can be lost with them: give it a moment.
+        time.sleep(ABORT_GRACE_S)
         self._abort(EXIT_TIMEOUT)
