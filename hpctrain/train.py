@@ -190,7 +190,8 @@ class Run:
         # Every rank builds the model (shapes only) to compare, before any training.
         collective(self.comm, check_consistency, self.comm, job_settings(args))
         self.data_dir = ensure_data(args, c, self.log)
-        self._test = None
+        self._test = self._test_full = None
+        self._last_eval = None
         self.metrics = Metrics(args.metrics, c.is_chief)
 
     def lr(self, step):
@@ -423,6 +424,33 @@ class Run:
         summary["peak_rss_above_base_mb"] = round(mem[1] / 2**20, 1)
         return summary
 
+    def periodic_eval(self, model, step):
+        """--eval-every N: when `step` reaches a multiple of N (before the last
+        step, which finish() evaluates), the chief evaluates its parameters on
+        the whole test set by itself (no collective: in async ps mode workers
+        are never at the same step) and logs and records it. Returns the seconds
+        spent, which the caller keeps out of samples/s."""
+        every = self.args.eval_every
+        if self._last_eval is None:  # the first step of this run (or of a resumed one)
+            self._last_eval = step - 1
+        if not every or not self.cluster.is_chief or step >= self.args.steps:
+            self._last_eval = step
+            return 0.0
+        crossed = step // every > self._last_eval // every
+        self._last_eval = step
+        if not crossed:
+            return 0.0
+        t0 = time.perf_counter()
+        if self._test_full is None:
+            self._test_full = data_mod.load_test(self.data_dir, raw=True)
+        x, y = self._test_full
+        loss_sum, correct = model.evaluate(self.xp.asarray(x), self.xp.asarray(y))
+        n = max(len(y), 1)
+        self.log(f"step {step:>6}/{self.args.steps}  test accuracy {correct / n:.4f}  test loss {loss_sum / n:.4f}")
+        self.metrics.write({"event": "eval", "step": step, "test_accuracy": round(correct / n, 6),
+                            "test_loss": round(loss_sum / n, 6)})
+        return time.perf_counter() - t0
+
     def finish(self, model, step, t_loop, samples, comm_s, compute_s, extra=None):
         """Evaluate, print, write --save and the final metrics record."""
         test_loss, test_acc, n_test = self.evaluate(model)
@@ -543,6 +571,7 @@ def train_ring(run):
             loss_sum[...] = 0
             loss_count = 0
             run.progress(step, mean_loss, samples, time.perf_counter() - t_loop)
+        t_loop += run.periodic_eval(model, step)
         if float(wire[WIRE_STOP]) > 0:
             break
         if run.checkpoint_due(step):

@@ -226,6 +226,7 @@ def work(run, comm, reader, resume):
             losses.clear()
             logged = step
             next_log = (step // a.log_every + 1) * a.log_every
+        t_loop += run.periodic_eval(model, step)
         if every and step >= next_checkpoint and not client.stop:
             # The chief alone: the servers' slices and state (SNAPSHOT), with
             # the data positions the leader recorded for that version.

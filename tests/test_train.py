@@ -183,3 +183,17 @@ def test_a_stalled_rank_is_named_and_the_job_aborts(tmp_path):
     lines = [l for l in err.splitlines() if l.startswith("hpctrain: error:")]
     # Ring neighbours of the stalled rank give up first and name it (two may race to say so).
     assert 1 <= len(lines) <= 2 and "2 (ring allreduce)" in lines[0] and "--timeout 3" in lines[0], err
+
+
+@pytest.mark.parametrize("ranks, mode", [(2, "ring"), (3, "ps")])
+def test_eval_every_records_test_accuracy_during_training(job, tmp_path, ranks, mode):
+    metrics = tmp_path / "m.jsonl"
+    r = job(ranks, "--mode", mode, "--steps", "60", "--eval-every", "20", "--log-every", "30",
+            "--hidden", "64", "--metrics", metrics)
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(s) for s in metrics.read_text().splitlines()]
+    evals = [m for m in records if m.get("event") == "eval"]
+    assert [m["step"] // 20 for m in evals] == [1, 2], evals
+    assert all(0 <= m["test_accuracy"] <= 1 and m["test_loss"] > 0 for m in evals)
+    assert records[-1]["event"] == "final"
+    assert r.stdout.count("test accuracy") == 3
