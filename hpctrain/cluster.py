@@ -85,19 +85,6 @@ def cores_available():
         return os.cpu_count() or 1
 
 
-def return_freed_buffers_to_the_os():
-    """glibc raises its mmap threshold each time a large block is freed, so
-    HDF5's chunk buffers (about 1 MB, read once at start-up) end up in the heap
-    and stay resident for the whole run. A fixed threshold returns them."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)   # M_MMAP_THRESHOLD (fixed: no dynamic raise)
-        libc.mallopt(-1, 128 * 1024)   # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to do
-
-
 def configure_process(env=None, device="auto"):
     """Before numpy and MPI load: when more ranks than cores share this node,
     make idle MPI ranks yield instead of busy-polling (a 4-rank exchange on 2

@@ -17,7 +17,6 @@ from .errors import EXIT_FAILURE, HpctrainError
 def main(argv=None):
     rank, size, _, _ = cluster.launcher_env()
     args = cli.parse(argv, quiet=bool(rank))
-    cluster.return_freed_buffers_to_the_os()
     note = cluster.configure_process(device=args.device)
     try:
         from . import train  # numpy, BLAS and MPI start here
