@@ -26,7 +26,6 @@ from .cluster import Cluster, check_consistency
 from .comm.deadline import Watchdog
 from .comm.fusion import FusedAllreduce
 from .comm import buffers
-from .comm.ring import make_allreduce
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .model import MLP, num_params
 from .optim import learning_rate, make_optimizer

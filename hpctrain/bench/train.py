@@ -15,7 +15,6 @@ params + grads + optimizer state + one batch.
 """
 import json
 import os
-import sys
 import tempfile
 
 import numpy as np
