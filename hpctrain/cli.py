@@ -121,7 +121,7 @@ def build_parser():
     g.add_argument("--placement", choices=["round-robin", "greedy", "even"], default="even",
                    help="how parameters are split over servers (default: %(default)s)")
     g.add_argument("--ps-device", choices=["cpu", "gpu"], default="cpu",
-                   help="where servers keep their parameter slice; only cpu is supported (default: %(default)s)")
+                   help="where servers keep their parameter slice and optimizer state (default: %(default)s)")
 
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="write checkpoints here (chief only)")
@@ -153,11 +153,6 @@ def validate(args, world_size):
             raise HpctrainError(f"--backup-workers {args.backup_workers} must be less than the {workers} workers")
         if args.replicas_to_aggregate is not None and args.replicas_to_aggregate > workers:
             raise HpctrainError(f"--replicas-to-aggregate {args.replicas_to_aggregate} is more than the {workers} workers")
-    if args.mode == "ps" and args.ps_device == "gpu":
-        # Not built: a server's work is an elementwise update, memory-bound and
-        # small next to its messages; on the host it saves two copies per request.
-        raise HpctrainError("--ps-device gpu is not supported: parameter servers keep their slice in host "
-                            "memory (workers still compute on GPUs); use --ps-device cpu")
     if args.allreduce == "nccl" and args.device == "cpu":
         raise HpctrainError("--allreduce nccl needs --device gpu (or auto on a GPU node)")
     if args.checkpoint_every and not args.checkpoint_dir:

@@ -147,6 +147,22 @@ def ensure_data(args, cluster, log):
     return path
 
 
+def server_array_module(args):
+    """ps mode: where servers keep their slice (--ps-device). numpy, or cupy
+    when asked for and a GPU is there (else one clear error on every rank).
+    HPCTRAIN_TEST_PS_DEVICE_NUMPY=1 (tests only) takes the --ps-device gpu
+    code path with NumPy standing in for CuPy, so CPU tests cover its wiring."""
+    if args.mode != "ps" or args.ps_device != "gpu":
+        return np
+    if os.environ.get("HPCTRAIN_TEST_PS_DEVICE_NUMPY") == "1":
+        return np
+    try:
+        xp, _, _ = device.select("gpu")
+    except HpctrainError as exc:
+        raise HpctrainError(str(exc).replace("--device gpu", "--ps-device gpu")) from None
+    return xp
+
+
 def job_settings(args):
     """What must be identical on every rank (checked at start-up)."""
     keys = ("mode", "batch_size", "steps", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
@@ -178,6 +194,7 @@ class Run:
         self.xp, self.device_name, device_note = collective(self.comm, device.select, args.device)
         device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(self.xp) else "",
                                               collective(self.comm, buffers.exchange_plan, args, self.xp)]))
+        self.server_xp = collective(self.comm, server_array_module, args)
         self.watchdog = Watchdog(args.timeout, self.cluster.rank, self.comm.Abort)
         self.timeline = Timeline(args.timeline if self.cluster.is_chief else None)
         self.saved_step = None   # the step of the newest checkpoint written or resumed from

@@ -34,7 +34,7 @@ from mpi4py import MPI
 from .comm.ps import Client, Server, describe, place, summarize
 from .errors import HpctrainError
 from .model import MLP
-from .optim import make_optimizer
+from .optim import OnDevice, make_optimizer
 
 
 def _hook(name, index):
@@ -115,7 +115,11 @@ def serve(run, comm, placement):
     a, c = run.args, run.cluster
     mine = placement[c.ps_index]
     size = sum(hi - lo for lo, hi in mine)
-    optimizer = make_optimizer(a.optimizer, size, np, momentum=a.momentum)
+    if a.ps_device == "gpu":
+        # The slice and its optimizer state on this rank's GPU; messages stay on the host.
+        optimizer = OnDevice(make_optimizer(a.optimizer, size, run.server_xp, momentum=a.momentum), size)
+    else:
+        optimizer = make_optimizer(a.optimizer, size, np, momentum=a.momentum)
     hang_at = _hook("HPCTRAIN_TEST_HANG_PS", c.ps_index)
 
     def after_update(version):

@@ -83,3 +83,34 @@ def test_state_names():
     assert set(Adam(4).state()) == {"m", "v"}
     assert set(Momentum(4).state()) == {"velocity"}
     assert SGD(4).state() == {}
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
+def test_on_device_equals_the_inner_optimizer_through_restores(name):
+    """optim.OnDevice (a server's --ps-device gpu optimizer; NumPy stands in for
+    CuPy here) keeps host parameters and state authoritative across restores."""
+    from hpctrain.optim import OnDevice
+    rng = np.random.default_rng(3)
+    n = 5000
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(8)]
+    plain, wrapped = make_optimizer(name, n), OnDevice(make_optimizer(name, n), n)
+    p_plain = rng.standard_normal(n).astype(np.float32)
+    p_wrapped = np.zeros(n, np.float32)
+    wrapped.state()           # a restore: the caller writes parameters into its host buffer
+    p_wrapped[...] = p_plain
+    for g in grads[:4]:
+        plain.step(p_plain, g, 1e-2, 0.5)
+        wrapped.step(p_wrapped, g, 1e-2, 0.5)
+    assert np.array_equal(p_plain, p_wrapped)
+    for k, v in plain.state().items():   # a snapshot reads the device state
+        assert np.array_equal(wrapped.state()[k], v)
+    # a restore from other values: host params and state are written, t set
+    for k, v in wrapped.state().items():
+        v[...] = plain.state()[k] * 0.5
+        plain.state()[k][...] *= 0.5
+    p_wrapped[...] = p_plain = p_plain * 2
+    wrapped.t = plain.t = 10
+    for g in grads[4:]:
+        plain.step(p_plain, g, 1e-2)
+        wrapped.step(p_wrapped, g, 1e-2)
+    assert np.array_equal(p_plain, p_wrapped) and wrapped.t == plain.t == 14

@@ -465,3 +465,23 @@ def test_invalid_layouts_are_one_line_errors(job, tmp_path, ranks, flags, expect
     errors = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 2 and len(errors) == 1 and expect in errors[0], r.stderr
     assert errors[0].startswith("hpctrain: error:") and not (tmp_path / "p.h5").exists()
+
+
+def test_ps_device_gpu_path_equals_host_servers_and_resumes(job, tmp_path):
+    """--ps-device gpu (servers update on the device through optim.OnDevice;
+    NumPy stands in for CuPy via HPCTRAIN_TEST_PS_DEVICE_NUMPY) gives the same
+    bits as host servers, also across a checkpoint and resume."""
+    common = ["--mode", "ps", "--num-ps", 2, "--steps", 30, "--hidden", "64"]
+    stand_in = {"HPCTRAIN_TEST_PS_DEVICE_NUMPY": "1"}
+    ok(job(4, *common, "--save", tmp_path / "host.h5"))
+    ok(job(4, *common, "--ps-device", "gpu", "--save", tmp_path / "dev.h5", env=stand_in))
+    host, _ = saved(tmp_path / "host.h5")
+    dev, _ = saved(tmp_path / "dev.h5")
+    assert all(np.array_equal(host[k], dev[k]) for k in host)
+    ckpt = tmp_path / "ckpt"
+    ok(job(4, *common[:-4], "--steps", 15, "--hidden", "64", "--ps-device", "gpu", "--checkpoint-dir", ckpt,
+           env=stand_in))
+    ok(job(4, *common, "--ps-device", "gpu", "--checkpoint-dir", ckpt, "--save", tmp_path / "resumed.h5",
+           env=stand_in))
+    resumed, _ = saved(tmp_path / "resumed.h5")
+    assert all(np.array_equal(host[k], resumed[k]) for k in host)

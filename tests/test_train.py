@@ -91,7 +91,7 @@ def test_a_rank_with_a_different_model_is_a_clear_error(job, tmp_path):
     (["--mode", "ps", "--num-ps", "2"], "needs more than 2 ranks"),
     (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
     (["--save", "/nonexistent/dir/p.h5"], "does not exist"),
-    (["--mode", "ps", "--ps-device", "gpu"], "--ps-device gpu is not supported"),
+    (["--mode", "ps", "--ps-device", "gpu", "--device", "cpu"], "--ps-device gpu: CuPy is not installed"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(job, tmp_path, flags, expect):
     r = job(2, *flags, "--metrics", tmp_path / "m.jsonl", timeout=60)
