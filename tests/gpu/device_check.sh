@@ -157,6 +157,11 @@ if time_left "ps mode, 1 ps + 2 GPU workers"; then
     row "ps mode, 1 ps + 2 GPU workers" "$([ $rc = 0 ] && echo pass || echo FAIL)" \
         "rc=$rc, test accuracy $(final ps_gpu test_accuracy) $(grep -m1 'hpctrain: error' "$LOGS/ps_gpu.txt")"
 fi
+if time_left "ps mode, servers on the GPU (--ps-device gpu)"; then
+    train ps_dev 3 90 --mode ps --num-ps 1 --device gpu --ps-device gpu --steps 100 --log-every 100; rc=$?
+    row "ps mode, --ps-device gpu" "$([ $rc = 0 ] && echo pass || echo FAIL)" \
+        "rc=$rc, test accuracy $(final ps_dev test_accuracy) (same as the row above: $(final ps_gpu test_accuracy)) $(grep -m1 'hpctrain: error' "$LOGS/ps_dev.txt")"
+fi
 
 # --- 4. benchmarks (the bench module may be missing or older: failures are reported, not fatal) ---
 if time_left "bench allreduce, 2 ranks, CuPy buffers"; then
