@@ -313,6 +313,7 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         raise HpctrainError(f"--shards must be a positive integer, got {shards!r}")
     if not 0 <= test_fraction < 1:
         raise HpctrainError(f"--test-fraction must be in [0, 1), got {test_fraction}")
+    _check_not_input(source, out)
     _check_out(out, force)
 
     layout, paths = _find_source_files(source)
@@ -401,6 +402,15 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         f"({min(sizes)}-{max(sizes)} each), {manifest['test']['num_samples']} test samples, "
         f"{num_classes} classes, from {layout} layout in {source}")
     return manifest
+
+
+def _check_not_input(source, out):
+    """--out must not be, or contain, --source: installing the shards replaces
+    out as a whole, and with --force that would delete the IDX files."""
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or dst in src.parents:
+        raise HpctrainError(f"--out {out} {'is' if dst == src else 'contains'} --source {source}: "
+                            f"preparing would replace the input files; write the shards elsewhere")
 
 
 def _check_out(out, force):

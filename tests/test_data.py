@@ -615,3 +615,25 @@ def test_cli_prepare_prints_a_summary(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "80 training samples in 3 shards" in r.stdout and "20 test samples" in r.stdout
     assert data.is_prepared(tmp_path / "out")
+
+
+def test_cli_prepare_force_never_deletes_its_input(tmp_path):
+    # --out equal to --source, or a parent of it: refused with one line, the
+    # IDX files untouched (before, `--out D --force` replaced D and exited 0).
+    source = make_single_source(tmp_path / "raw" / "mnist", n=100)
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    for out, verb in ((source, "is"), (tmp_path / "raw", "contains"), (tmp_path, "contains")):
+        r = run_cli("prepare", "--source", source, "--out", out, "--force")
+        assert r.returncode == 2, r.stderr
+        assert r.stderr == (f"hpctrain: error: --out {out} {verb} --source {source}: preparing "
+                            f"would replace the input files; write the shards elsewhere\n")
+        assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+    # Through a symlink too: the check compares resolved paths.
+    link = tmp_path / "link"
+    link.symlink_to(source)
+    r = run_cli("prepare", "--source", source, "--out", link, "--force")
+    assert r.returncode == 2 and "would replace the input files" in r.stderr
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+    # A sibling directory is fine.
+    r = run_cli("prepare", "--source", source, "--out", tmp_path / "raw" / "shards", "--force")
+    assert r.returncode == 0, r.stderr
