@@ -545,7 +545,48 @@ def load_manifest(data_dir):
     if manifest.get("version") != FORMAT_VERSION:
         raise HpctrainError(f"{path}: manifest version {manifest.get('version')}, this "
                             f"hpctrain reads version {FORMAT_VERSION}; prepare again with --force")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise HpctrainError(f"{path}: bad manifest: {problem}; prepare again with --force")
     return manifest
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _manifest_problem(manifest):
+    """What is wrong with a manifest's structure (None if nothing): the keys
+    and types the readers use, and shard names confined to the data
+    directory. The manifest is input like any other file: a name such as
+    ../../etc/passwd or /scratch/other/train.h5 must never be opened."""
+    shape = manifest.get("image_shape")
+    if not (isinstance(shape, list) and shape and all(_is_count(d) and d > 0 for d in shape)):
+        return f"image_shape must be a list of positive integers, got {shape!r}"
+    classes = manifest.get("num_classes")
+    if not (_is_count(classes) and classes > 0):
+        return f"num_classes must be a positive integer, got {classes!r}"
+    for split in ("train", "test"):
+        part = manifest.get(split)
+        if not isinstance(part, dict) or not isinstance(part.get("shards"), list):
+            return f"'{split}' must hold a list of shards"
+        if split == "train" and not part["shards"]:
+            return "no training shards"
+        for entry in part["shards"]:
+            if not isinstance(entry, dict):
+                return f"a {split} shard entry is {type(entry).__name__}, not an object"
+            name = entry.get("file")
+            if not isinstance(name, str) or not name or name in (".", "..") or "/" in name \
+                    or "\\" in name or "\0" in name:
+                return f"shard file {name!r} is not a plain file name in the data directory"
+            if not _is_count(entry.get("num_samples")):
+                return f"{name}: num_samples must be a non-negative integer"
+            if not isinstance(entry.get("sha256"), str):
+                return f"{name}: sha256 missing"
+        total = sum(e["num_samples"] for e in part["shards"])
+        if part.get("num_samples") != total:
+            return f"{split} num_samples {part.get('num_samples')!r}, its shards hold {total}"
+    return None
 
 
 def _open_h5(path):

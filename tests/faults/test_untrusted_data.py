@@ -1,0 +1,86 @@
+"""Faults: data whose manifest points outside the data directory or is malformed.
+
+The manifest is input like any other file: whatever it says, training opens
+only files inside --data, and a malformed one is one line and exit 2.
+
+    .venv/bin/python -m pytest tests/faults/test_untrusted_data.py
+"""
+import json
+import shutil
+import time
+
+import pytest
+
+from hpctrain import data
+from hpctrain.errors import HpctrainError
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults") / "mnist"
+    data.prepare(data.bundled_sample_dir(), out, shards=2, log=None)
+    return out
+
+
+def edited(shards, dst, edit):
+    """A copy of the shard directory whose manifest `edit` changed in place."""
+    shutil.copytree(shards, dst)
+    manifest = json.loads((dst / data.MANIFEST).read_text())
+    edit(manifest)
+    (dst / data.MANIFEST).write_text(json.dumps(manifest))
+    return dst
+
+
+def test_shard_names_that_leave_the_data_directory_are_refused(shards, tmp_path, job):
+    # A real shard outside --data: the manifest may name it, but it is not read.
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy(shards / "train-00000-of-00002.h5", outside / "train.h5")
+    names = ["../elsewhere/train.h5", str(outside / "train.h5"), "../../../../../../etc/passwd",
+             "..", "sub/train-00000-of-00002.h5"]
+    for i, name in enumerate(names):
+        d = edited(shards, tmp_path / f"d{i}", lambda m: m["train"]["shards"][0].update(file=name))
+        with pytest.raises(HpctrainError) as e:
+            data.ShardReader(d, 0, 1, 8, seed=0)
+        assert str(e.value) == (f"{d / data.MANIFEST}: bad manifest: shard file {name!r} is not a "
+                                f"plain file name in the data directory; prepare again with --force")
+    # End to end: one line on the whole job, exit 2, no parameters written.
+    t0 = time.monotonic()
+    r = job(2, "--data", tmp_path / "d0", "--steps", "5", "--save", tmp_path / "p.h5", timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert lines == [f"hpctrain: error: {tmp_path / 'd0' / data.MANIFEST}: bad manifest: shard file "
+                     f"'../elsewhere/train.h5' is not a plain file name in the data directory; "
+                     f"prepare again with --force"], r.stderr
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "p.h5").exists()
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m: m.pop("image_shape"), "image_shape must be a list of positive integers, got None"),
+    (lambda m: m.update(image_shape=[28, "28"]), "image_shape must be a list of positive integers"),
+    (lambda m: m.update(num_classes=0), "num_classes must be a positive integer, got 0"),
+    (lambda m: m.pop("test"), "'test' must hold a list of shards"),
+    (lambda m: m["train"].update(shards={}), "'train' must hold a list of shards"),
+    (lambda m: m["train"].update(shards=[], num_samples=0), "no training shards"),
+    (lambda m: m["train"]["shards"].__setitem__(0, "train.h5"), "a train shard entry is str, not an object"),
+    (lambda m: m["train"]["shards"][0].update(num_samples=-1), "num_samples must be a non-negative integer"),
+    (lambda m: m["train"]["shards"][0].update(num_samples=True), "num_samples must be a non-negative integer"),
+    (lambda m: m["test"]["shards"][0].pop("sha256"), "sha256 missing"),
+    (lambda m: m["train"].update(num_samples=7), "train num_samples 7, its shards hold"),
+])
+def test_malformed_manifest_is_one_line(shards, tmp_path, edit, problem):
+    d = edited(shards, tmp_path / "d", edit)
+    for read in (lambda: data.ShardReader(d, 0, 1, 8, seed=0), lambda: data.load_test(d)):
+        with pytest.raises(HpctrainError) as e:
+            read()
+        assert f"{d / data.MANIFEST}: bad manifest: " in str(e.value) and problem in str(e.value)
+        assert "\n" not in str(e.value)
+
+
+def test_manifest_that_is_not_an_object(shards, tmp_path):
+    d = tmp_path / "d"
+    shutil.copytree(shards, d)
+    for text in ("[]", "null", "42", "{\"format\": 1}"):
+        (d / data.MANIFEST).write_text(text)
+        with pytest.raises(HpctrainError, match="not an hpctrain shard manifest"):
+            data.load_manifest(d)
