@@ -7,7 +7,6 @@ variables that we set from the flags and the launcher).
     python -m hpctrain.mnist --help
 """
 import argparse
-import os
 
 from .errors import HpctrainError
 
@@ -159,12 +158,6 @@ def validate(args, world_size):
         raise HpctrainError("--checkpoint-every needs --checkpoint-dir")
     if args.resume == "yes" and not args.checkpoint_dir:
         raise HpctrainError("--resume yes needs --checkpoint-dir")
-    for flag in ("save", "metrics", "timeline"):
-        path = getattr(args, flag)
-        if path:
-            parent = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(parent):
-                raise HpctrainError(f"--{flag} {path}: directory {parent} does not exist")
 
 
 def parse(argv=None, quiet=False):

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from . import checkpoint
 from . import data as data_mod
 from . import device, prefetch
 from . import jobcheck
+from .outputs import check_outputs, rescue_path
 from .cli import validate
 from .cluster import Cluster, check_consistency
 from .comm.deadline import Watchdog
@@ -205,6 +207,8 @@ class Run:
                  + (f"; {process_note}" if process_note else ""))
         # Every rank builds the model (shapes only) to compare, before any training.
         collective(self.comm, check_consistency, self.comm, job_settings(args))
+        # Before any training: a result that cannot be written would be lost.
+        collective(self.comm, lambda: check_outputs(args) if c.is_chief else None)
         self.data_dir = ensure_data(args, c, self.log)
         self._test = self._test_full = None
         self._last_eval = None
@@ -244,13 +248,35 @@ class Run:
         return totals[0] / n, totals[1] / n, int(totals[2])
 
     def save_params(self, model, step):
-        """--save: one float32 dataset per tensor, attributes step/mode/world_size;
-        written to a temporary name and renamed, so it is never half-written."""
+        """--save, on the chief. Returns None, or (when the file cannot be
+        written, e.g. the disk filled up during training) the one-line error
+        that says where the parameters are kept instead: the checkpoint of this
+        step if there is one, else a file in the temporary directory."""
         path = self.args.save
         if not path or not self.cluster.is_chief:
-            return
+            return None
+        try:
+            self._write_params(path, model, step)
+            return None
+        except OSError as e:
+            failed = f"--save {path}: cannot write ({e.strerror or e})"
+        if self.saved_path and self.saved_step == step:
+            return f"{failed}; the parameters of step {step} are in checkpoint {self.saved_path}"
+        try:
+            rescue = rescue_path(step)
+            self._write_params(rescue, model, step)
+        except OSError as e:
+            return f"{failed}, nor in the temporary directory ({e.strerror or e}): the parameters are lost"
+        return f"{failed}; the parameters of step {step} are kept in {rescue}"
+
+    def _write_params(self, path, model, step):
+        """One float32 dataset per tensor, attributes step/mode/world_size;
+        written to a temporary name and renamed, so it is never half-written."""
         import h5py
-        tmp = f"{path}.tmp-{os.getpid()}"
+        # Exclusive and unpredictable: a planted symlink is never followed.
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                   prefix=f".{os.path.basename(path)}.tmp-")
+        os.close(fd)
         try:
             with h5py.File(tmp, "w") as f:
                 for name, view in model.tensors():
@@ -292,13 +318,7 @@ class Run:
         def chief_reads():
             if not c.is_chief:
                 return None
-            d = a.checkpoint_dir
-            try:
-                os.makedirs(d, exist_ok=True)
-            except OSError as e:
-                raise HpctrainError(f"--checkpoint-dir {d}: cannot create ({e.strerror})") from None
-            if not os.access(d, os.W_OK | os.X_OK):
-                raise HpctrainError(f"--checkpoint-dir {d}: not writable")
+            d = a.checkpoint_dir  # created and tried by check_outputs at start-up
             found = checkpoint.list_checkpoints(d)
             if a.resume == "no":
                 if found:
@@ -475,7 +495,7 @@ class Run:
         rate = samples / t_loop if t_loop > 0 else 0.0
         self.log(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
                  f"{step} steps, {rate:,.0f} samples/s, {wall:.1f}s)")
-        self.save_params(model, step)
+        save_error = self.save_params(model, step)
         record = {"event": "final", "mode": a.mode, "world_size": c.size, "workers": c.num_workers,
                   "steps": step, "global_batch": a.batch_size * c.num_workers,
                   "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
@@ -487,7 +507,15 @@ class Run:
         self.metrics.write(record)
         self.metrics.close()
         self.timeline.write()
+        # The final record and the timeline are written; if --save failed, every
+        # worker exits with the chief's line (no abort: nobody is left waiting).
+        collective(c.worker_comm, self._raise_if, save_error)
         return record
+
+    @staticmethod
+    def _raise_if(error_line):
+        if error_line:
+            raise HpctrainError(error_line)
 
 
 # ---------------------------------------------------------------------------
