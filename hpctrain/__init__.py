@@ -2,4 +2,9 @@
 
 Run:  mpirun -n 4 python -m hpctrain.mnist [--mode ring|ps] [--help]
 """
-__version__ = "0.1.0"
+from importlib import metadata
+
+try:
+    __version__ = metadata.version("hpctrain")   # pyproject.toml is the one source
+except metadata.PackageNotFoundError:            # run from a source tree that was never installed
+    __version__ = "unknown"

@@ -10,7 +10,7 @@ written by the chief only. It holds everything a bit-exact resume needs:
     optimizer/<name>       float32 (n,)    each optimizer state array (Adam: m, v)
     data_positions         int64 (W, 2)    each worker's reader position: epoch, offset
     attrs                  format, format_version, step, optimizer_t, optimizer_state,
-                           the settings that must match on resume (MUST_MATCH),
+                           the settings that must match on resume (settings.SAME_ON_RESUME),
                            run information (world_size, num_ps, steps, lr, ...),
                            sha256: over every dataset and every other attribute
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import HpctrainError
-from .model import num_params
+from .settings import SAME_ON_RESUME
 
 FORMAT = "hpctrain-checkpoint"
 FORMAT_VERSION = 1
@@ -56,15 +56,6 @@ FORMAT_VERSION = 1
 USERBLOCK = 512
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 _TMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5\.tmp-")
-
-# The flags a resumed run must share with the run that wrote the checkpoint:
-# the model and its state (mode, hidden, num_params, optimizer), the data
-# positions (one per worker, offsets in batches of batch_size) and the shuffle
-# (seed). Everything else may change on resume, --steps in particular (a
-# resumed job may train longer); the result is bit-identical to an
-# uninterrupted run only when nothing else changed either (lr, warm-up,
-# world size in ps mode: the arithmetic differs otherwise).
-MUST_MATCH = ("mode", "hidden", "num_params", "optimizer", "num_workers", "batch_size", "seed")
 
 
 def _describe(key, value):
@@ -78,13 +69,6 @@ def _describe(key, value):
 
 def checkpoint_name(step):
     return f"ckpt-{int(step):08d}.h5"
-
-
-def settings_for(args, num_workers):
-    """The MUST_MATCH settings of a run, from its flags (str and int values only)."""
-    return {"mode": args.mode, "hidden": ",".join(map(str, args.hidden)),
-            "num_params": int(num_params(args.hidden)), "optimizer": args.optimizer,
-            "num_workers": int(num_workers), "batch_size": int(args.batch_size), "seed": int(args.seed)}
 
 
 @dataclass
@@ -115,7 +99,8 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     """Write DIR/ckpt-<step>.h5 atomically; keep the newest `keep`; return its path.
 
     params and each optimizer state array: 1-D float32 (host arrays); data_positions:
-    (workers, 2) int64 (epoch, offset); settings: the MUST_MATCH values; info:
+    (workers, 2) int64 (epoch, offset); settings: the values that must match on
+    resume (settings.same_on_resume); info:
     more attributes recorded for people (world size, lr, ...), checked by no one.
     """
     import h5py
@@ -393,7 +378,7 @@ def main(argv=None):
     for _, path in list_checkpoints(a.dir):
         try:
             c = read(path)
-            keys = ", ".join(f"{k} {c.attrs[k]}" for k in MUST_MATCH if k in c.attrs)
+            keys = ", ".join(f"{k} {c.attrs[k]}" for k in SAME_ON_RESUME if k in c.attrs)
             print(f"{c.name}: ok, step {c.step}, {keys}")
         except _Corrupt as e:
             bad += 1

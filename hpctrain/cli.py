@@ -7,6 +7,7 @@ variables that we set from the flags and the launcher).
     python -m hpctrain.mnist --help
 """
 import argparse
+import math
 
 from .errors import HpctrainError
 
@@ -25,15 +26,22 @@ def _nonneg_int(text):
     return value
 
 
-def _positive_float(text):
+def _finite_float(text):
     value = float(text)
+    if not math.isfinite(value):   # inf and nan parse as floats; neither is a setting
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _positive_float(text):
+    value = _finite_float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
 def _nonneg_float(text):
-    value = float(text)
+    value = _finite_float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
@@ -50,15 +58,18 @@ def _hidden(text):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (and only on rank 0)."""
+    """argparse whose bad flag is an HpctrainError (one line), not an exit:
+    under MPI the ranks must first agree on it (a flag bad on one rank only,
+    as in an MPMD launch, must still end every rank)."""
 
     quiet = False
 
+    def print_help(self, file=None):
+        if not self.quiet:   # --help under mpirun: one copy, not one per rank
+            super().print_help(file)
+
     def error(self, message):
-        if not self.quiet:
-            import sys
-            print(f"hpctrain: error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
+        raise HpctrainError(f"{message} (see --help)")
 
 
 def build_parser():
@@ -82,7 +93,8 @@ def build_parser():
     g.add_argument("--momentum", type=_nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
     g.add_argument("--hidden", type=_hidden, default=[500, 500], metavar="W1,W2,...",
                    help="hidden layer widths (default: 500,500)")
-    g.add_argument("--seed", type=int, default=0, help="random seed; rank r uses seed+r for its own randomness (default: %(default)s)")
+    g.add_argument("--seed", type=_nonneg_int, default=0, help="random seed: the initial parameters (rank 0's, broadcast) and each worker's "
+                        "data shuffle, a function of (seed, epoch, worker) (default: %(default)s)")
     g.add_argument("--scale-lr", action="store_true",
                    help="multiply --lr by the number of workers (linear scaling rule, Goyal et al.)")
     g.add_argument("--warmup-steps", type=_nonneg_int, default=0,
@@ -161,8 +173,11 @@ def validate(args, world_size):
 
 
 def parse(argv=None, quiet=False):
-    """Parse flags. With quiet=True (non-zero ranks) a bad flag exits without
-    printing, so the job shows one line from rank 0 instead of one per rank."""
+    """Parse flags; a bad flag raises HpctrainError. With quiet=True (non-zero
+    ranks) --help prints nothing, so the job shows one copy."""
     parser = build_parser()
     parser.quiet = quiet
     return parser.parse_args(argv)
+
+
+DEFAULT_TIMEOUT = build_parser().get_default("timeout")

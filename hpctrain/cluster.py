@@ -78,6 +78,30 @@ def launcher_env(env=None):
     return None, None, None, None
 
 
+def in_mpi_job(env=None):
+    """True when this process is one rank of a multi-rank job, as the
+    launcher's variables say (before MPI starts, so MPI is not initialized
+    just to ask)."""
+    env = os.environ if env is None else env
+    _, size, _, _ = launcher_env(env)
+    size = size if size is not None else _int(env, "PMIX_SIZE")
+    return (size or 1) > 1
+
+
+# The variables by which a launcher tells its ranks who they are.
+_LAUNCHER_PREFIXES = ("PMI_", "MPI_LOCAL", "OMPI_", "PMIX_", "HYDRA_")
+
+
+def child_env(env=None, also=()):
+    """The environment for a job started from inside another (a benchmark or a
+    test launching mpirun): without our launcher's variables, so the child
+    never joins our world; `also`: more prefixes to drop (e.g. "SLURM_")."""
+    env = dict(os.environ if env is None else env)
+    for var in [v for v in env if v.startswith(_LAUNCHER_PREFIXES + tuple(also))]:
+        env.pop(var)
+    return env
+
+
 def cores_available():
     try:
         return len(os.sched_getaffinity(0))
@@ -87,8 +111,8 @@ def cores_available():
 
 def configure_process(env=None, device="auto"):
     """Before numpy and MPI load: when more ranks than cores share this node,
-    make idle MPI ranks yield instead of busy-polling (a 4-rank exchange on 2
-    cores ran ~7x faster so), give each rank its share of BLAS threads, and
+    make idle MPI ranks yield instead of busy-polling the cores that the
+    computing ranks need, give each rank its share of BLAS threads, and
     (--device gpu|auto) bind this rank's GPU. A variable the user set is left
     alone. Returns a note for the log."""
     env = os.environ if env is None else env

@@ -8,6 +8,7 @@ Order matters: flags are parsed and the process configured (BLAS threads, MPI
 progress throttling, GPU binding) before numpy and MPI are imported, because
 they read those settings once, when they load. Exit codes: hpctrain/errors.py.
 """
+import os
 import sys
 
 from . import cli, cluster
@@ -15,12 +16,18 @@ from .errors import EXIT_FAILURE, HpctrainError
 
 
 def main(argv=None):
-    rank, size, _, _ = cluster.launcher_env()
-    args = cli.parse(argv, quiet=bool(rank))
-    note = cluster.configure_process(device=args.device)
+    rank, _, _, _ = cluster.launcher_env()
+    args = flag_error = None
     try:
-        from . import train  # numpy, BLAS and MPI start here
-        train.run(args, note)
+        args = cli.parse(argv, quiet=bool(rank))
+    except HpctrainError as exc:
+        if not cluster.in_mpi_job():
+            print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
+            return exc.exit_code
+        flag_error = exc   # the other ranks may have good flags: agree first (train)
+    note = cluster.configure_process(device=args.device if args else "auto")
+    try:
+        train(args, note, flag_error)
         return 0
     except HpctrainError as exc:
         if exc.report and str(exc):
@@ -36,6 +43,38 @@ def main(argv=None):
         sys.stderr.flush()
         _abort_others(EXIT_FAILURE)
         return EXIT_FAILURE
+
+
+def train(args, process_note="", flag_error=None):
+    """Train as the flags say; returns the final metrics record (chief) or None.
+    flag_error: this rank's flags were bad (args is None); every rank stops."""
+    from .comm.deadline import Watchdog
+    # Bounded from the first line: a rank that never reaches MPI_Init, or
+    # stalls in it, ends this process (nothing of MPI can be used yet); the
+    # launcher takes the rest down.
+    timeout = args.timeout if args else cli.DEFAULT_TIMEOUT
+    watchdog = Watchdog(timeout, cluster.launcher_env()[0] or 0, abort=_exit_now)
+    from .comm.start import start_mpi
+    MPI = start_mpi(watchdog)   # numpy, BLAS and MPI start here
+    from .session import Session, agreed
+    # The first collective of every rank: a flag bad on some ranks only (an
+    # MPMD launch, a per-rank wrapper) ends every rank with its line, exit 2.
+    agreed(MPI.COMM_WORLD, _raise, flag_error, watchdog=watchdog, what="flags")
+    session = Session(args, process_note, watchdog)
+    if args.mode == "ring":
+        from .loop_ring import train_ring
+        return train_ring(session)
+    from .loop_ps import train_ps
+    return train_ps(session)
+
+
+def _raise(error):
+    if error is not None:
+        raise error
+
+
+def _exit_now(code):
+    os._exit(code)
 
 
 def _abort_others(code):

@@ -10,25 +10,22 @@ import sys
 
 import pytest
 
+from hpctrain.cluster import child_env, in_mpi_job
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 
 
 def under_mpirun():
     """True inside an MPI job of more than one rank (the MPI test pass)."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        if int(os.environ.get(var, "1")) > 1:
-            return True
-    return False
+    return in_mpi_job()
 
 
 def run_job(n, *args, timeout=240, env=None, cwd=None, module="hpctrain.mnist"):
     """`mpirun -n n python -m hpctrain.mnist args...`; returns CompletedProcess
     with text stdout/stderr. A job that outlives `timeout` fails the test."""
     cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", module, *map(str, args)]
-    full_env = dict(os.environ)
-    for var in [v for v in full_env if v.startswith(("PMI_", "MPI_LOCAL", "OMPI_", "PMIX_", "HYDRA_"))]:
-        full_env.pop(var)  # never let a nested job join the test runner's world
+    full_env = child_env()  # never let a nested job join the test runner's world
     full_env.update(env or {})
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=cwd or REPO)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import MPIRUN, REPO, under_mpirun
+from hpctrain.cluster import child_env
 from hpctrain import checkpoint
 from hpctrain.errors import EXIT_PREEMPTED, HpctrainError
 
@@ -217,16 +218,9 @@ needs_own_jobs = pytest.mark.skipif(under_mpirun(), reason="launches its own mpi
 SMALL = ["--hidden", "64", "--log-every", "1000"]
 
 
-def clean_env():
-    env = dict(os.environ)
-    for var in [v for v in env if v.startswith(("PMI_", "MPI_LOCAL", "OMPI_", "PMIX_", "HYDRA_"))]:
-        env.pop(var)  # never let a nested job join the test runner's world
-    return env
-
-
 def run(n, *args, timeout=120):
     cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "hpctrain.mnist", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=REPO)
 
 
 def errors(r):
@@ -237,7 +231,7 @@ def run_and_signal(n, sig, ckpt_dir, after_step, *args, timeout=120):
     """Start a job, and once it has written a checkpoint past `after_step`,
     send `sig` to mpirun (MPICH's hydra forwards SIGTERM/SIGUSR1 to every rank)."""
     cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "hpctrain.mnist", *map(str, args)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
                          cwd=REPO)
     deadline = time.monotonic() + timeout
     try:

@@ -15,6 +15,7 @@ Three kinds of tests:
   HPCTRAIN_TEST_SLOW_WORKER=i:s, HPCTRAIN_TEST_HANG_PS=k:v, HPCTRAIN_TEST_SIGNAL=i:n.
 """
 import json
+import os
 import re
 
 import numpy as np
@@ -469,19 +470,19 @@ def test_invalid_layouts_are_one_line_errors(job, tmp_path, ranks, flags, expect
 
 def test_ps_device_gpu_path_equals_host_servers_and_resumes(job, tmp_path):
     """--ps-device gpu (servers update on the device through optim.OnDevice;
-    NumPy stands in for CuPy via HPCTRAIN_TEST_PS_DEVICE_NUMPY) gives the same
+    NumPy stands in for CuPy through tests/numpy_as_gpu.py) gives the same
     bits as host servers, also across a checkpoint and resume."""
     common = ["--mode", "ps", "--num-ps", 2, "--steps", 30, "--hidden", "64"]
-    stand_in = {"HPCTRAIN_TEST_PS_DEVICE_NUMPY": "1"}
+    stand_in = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
     ok(job(4, *common, "--save", tmp_path / "host.h5"))
-    ok(job(4, *common, "--ps-device", "gpu", "--save", tmp_path / "dev.h5", env=stand_in))
+    ok(job(4, *common, "--ps-device", "gpu", "--save", tmp_path / "dev.h5", env=stand_in, module="numpy_as_gpu"))
     host, _ = saved(tmp_path / "host.h5")
     dev, _ = saved(tmp_path / "dev.h5")
     assert all(np.array_equal(host[k], dev[k]) for k in host)
     ckpt = tmp_path / "ckpt"
     ok(job(4, *common[:-4], "--steps", 15, "--hidden", "64", "--ps-device", "gpu", "--checkpoint-dir", ckpt,
-           env=stand_in))
+           env=stand_in, module="numpy_as_gpu"))
     ok(job(4, *common, "--ps-device", "gpu", "--checkpoint-dir", ckpt, "--save", tmp_path / "resumed.h5",
-           env=stand_in))
+           env=stand_in, module="numpy_as_gpu"))
     resumed, _ = saved(tmp_path / "resumed.h5")
     assert all(np.array_equal(host[k], resumed[k]) for k in host)

@@ -50,13 +50,15 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
+from conftest import under_mpirun
+from hpctrain.cluster import child_env
 
 pytestmark = pytest.mark.slurm
 
@@ -69,26 +71,10 @@ UP_TIMEOUT = 900
 DOWN_TIMEOUT = 60
 
 
-def _under_mpi_launcher():
-    env = os.environ
-    if "PMI_RANK" in env or "PMIX_RANK" in env:
-        return True
-    for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS"):
-        try:
-            if int(env.get(key, "1")) > 1:
-                return True
-        except ValueError:
-            pass
-    # Only look at mpi4py if it is already loaded: importing it here would
-    # initialize MPI in the plain pytest pass for no reason.
-    mpi = sys.modules.get("mpi4py.MPI")
-    return bool(mpi and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1)
-
-
 def _skip_reason():
     if os.environ.get("HPCTRAIN_SKIP_SLURM") == "1":
         return "HPCTRAIN_SKIP_SLURM=1"
-    if _under_mpi_launcher():
+    if under_mpirun():
         return "SLURM tests run in the plain pytest pass, not under an MPI launcher"
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "needs root to install and start a single-node SLURM"
@@ -102,9 +88,6 @@ def _skip_reason():
 _reason = _skip_reason()
 if _reason:
     pytest.skip(_reason, allow_module_level=True)
-
-
-_LAUNCHER_VARS = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "SLURM_")
 
 
 class JobResult(NamedTuple):
@@ -141,8 +124,7 @@ class Slurm:
                 *map(str, args)]
         # The job must form its own MPI world under its own allocation: drop
         # launcher variables a surrounding mpirun or SLURM job would leak in.
-        full_env = {k: v for k, v in os.environ.items()
-                    if not k.startswith(_LAUNCHER_VARS)}
+        full_env = child_env(also=("SLURM_",))
         full_env["HPCTRAIN_PYTHON"] = str(self.python)
         full_env.update(env or {})
         try:
@@ -351,7 +333,7 @@ def _submit_nowait(slurm, script, *args, env):
     out = slurm.workdir / f"{name}.out"
     argv = ["sbatch", "--parsable", f"--job-name={name}", f"--output={out}", f"--chdir={slurm.repo}",
             str(script), *map(str, args)]
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
+    full_env = child_env(also=("SLURM_",))
     full_env["HPCTRAIN_PYTHON"] = str(slurm.python)
     full_env.update(env)
     proc = subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=30)

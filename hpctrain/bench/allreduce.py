@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from .common import launch, table, under_mpi
+from ..cluster import in_mpi_job
+from .common import launch, table
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 
@@ -78,7 +79,7 @@ COLUMNS = [("bytes", "bytes", "{:,}"), ("ring us", "ring_us", "{:,.1f}"), ("mpi 
 
 
 def main(args):
-    if not under_mpi():
+    if not in_mpi_job():
         argv = [a for a in sys.argv[1:]]
         r = launch(args.ranks, ["-m", "hpctrain.bench", *argv])
         sys.stdout.write(r.stdout)

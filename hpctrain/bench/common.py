@@ -5,33 +5,18 @@ import shutil
 import subprocess
 import sys
 
+from ..cluster import child_env
+
 
 def mpirun_path():
     here = os.path.join(os.path.dirname(sys.executable), "mpirun")
     return here if os.path.exists(here) else (shutil.which("mpirun") or "mpirun")
 
 
-def under_mpi():
-    """True when this process is one rank of a multi-rank MPI job."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):
-        if int(os.environ.get(var, "1") or 1) > 1:
-            return True
-    return False
-
-
-def clean_env():
-    """The environment for a child job: none of our own launcher's variables."""
-    env = dict(os.environ)
-    for var in list(env):
-        if var.startswith(("PMI_", "MPI_LOCAL", "OMPI_COMM", "PMIX_", "HYDRA_")):
-            env.pop(var)
-    return env
-
-
 def launch(ranks, args, timeout=1800):
     """Run `mpirun -n ranks python args...`; returns CompletedProcess (text)."""
     cmd = [mpirun_path(), "-n", str(ranks), sys.executable, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
 
 
 def table(rows, columns):

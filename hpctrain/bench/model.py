@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 from .allreduce import parse_size
-from .common import launch, table, under_mpi
+from ..cluster import in_mpi_job
+from .common import launch, table
 
 
 def ps_exchange_times(comm, sizes, iters=20):
@@ -96,7 +97,7 @@ def predict(n, s, alphas, beta, compute, overlap, ps_ratio):
 
 
 def main(args):
-    if not under_mpi():
+    if not in_mpi_job():
         import sys
         r = launch(args.ranks, ["-m", "hpctrain.bench", *sys.argv[1:]])
         print(r.stdout, end="")

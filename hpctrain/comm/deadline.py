@@ -41,7 +41,7 @@ class Watchdog:
     def __init__(self, timeout, rank, abort, out=sys.stderr):
         self.timeout = float(timeout)
         self.rank = rank
-        self._abort = abort
+        self.abort = abort   # MPI_Abort once MPI is up; before, os._exit
         self._out = out
         self._waits = {}
         self.fired = None
@@ -82,4 +82,4 @@ class Watchdog:
         # MPI_Abort makes the launcher kill every rank at once, and a line still
         # in the pipe to the launcher can be lost with them: give it a moment.
         time.sleep(ABORT_GRACE_S)
-        self._abort(EXIT_TIMEOUT)
+        self.abort(EXIT_TIMEOUT)

@@ -2,29 +2,34 @@
 when its HDF5 file is created): a fault injected from the tests, not from
 production code.
 
-    mpirun -n 2 python tests/faults/disk_full_on_save.py --steps 20 --save p.h5
+    PYTHONPATH=tests/faults mpirun -n 2 python -m disk_full_on_save --steps 20 --save p.h5
+
+The patch goes in after mnist.main has configured the process: h5py and
+numpy must not load before (numpy reads the BLAS thread count once).
 """
 import errno
 import os
 import sys
 
-import h5py
-
 from hpctrain import mnist
 
+_train = mnist.train
 
-def main():
-    save = os.path.basename(sys.argv[sys.argv.index("--save") + 1])
+
+def train(args, *rest):
+    import h5py
+    save = os.path.basename(args.save)
     real_init = h5py.File.__init__
 
-    def init(self, name, *args, **kwargs):
+    def init(self, name, *a, **kw):
         if os.path.basename(str(name)).startswith(f".{save}.tmp-"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real_init(self, name, *args, **kwargs)
+        real_init(self, name, *a, **kw)
 
     h5py.File.__init__ = init
-    sys.exit(mnist.main())
+    return _train(args, *rest)
 
 
 if __name__ == "__main__":
-    main()
+    mnist.train = train
+    sys.exit(mnist.main())

@@ -1,14 +1,15 @@
-"""Parameter-server training (`--mode ps`): `train_ps(run)` turns the ranks of
-a `Run` into servers and workers and trains, synchronously (the default) or
-asynchronously. The protocol itself is hpctrain/comm/ps.py; this file wires it
-to the model, optimizer, data, logging and metrics, like `train_ring` does.
+"""The parameter-server loop (`--mode ps`), top to bottom: `train_ps(session)`
+turns the ranks of a Session into servers and workers and trains,
+synchronously (the default) or asynchronously. The protocol itself is
+hpctrain/comm/ps.py; this file wires it to the model, optimizer, data,
+reports and checkpoints, as loop_ring.py does for the ring.
 
     mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2            # sync, 2 ps + 2 workers
     mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2 --async    # async
     mpirun -n 4 python -m hpctrain.mnist --mode ps --backup-workers 1    # 1 ps, 3 workers, 1 backup
 
 Servers (ranks [0, num_ps)) each own a slice of the flat parameter vector and
-its optimizer state and run `Server.serve()`. Workers pull, compute, push; the
+its optimizer state and run `Server.serve()` (`run_server`). Workers pull, compute, push; the
 chief (worker 0) initializes the servers with its initial parameters (the same
 as ring mode's for the same seed), logs, evaluates and writes the files.
 
@@ -29,12 +30,12 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from .comm.ps import Client, Server, describe, place, summarize
-from .errors import HpctrainError
 from .model import MLP
 from .optim import OnDevice, make_optimizer
+from .report import Report, finish_everywhere
+from .resume import Checkpoints
 
 
 def _hook(name, index):
@@ -53,28 +54,9 @@ def replicas_to_aggregate(args, num_workers):
     return args.replicas_to_aggregate or num_workers - args.backup_workers
 
 
-def open_reader_everywhere(run):
-    """Workers open their data; servers learn whether that worked (a world
-    Allreduce), so a bad data directory never leaves servers waiting for
-    workers that have already exited."""
-    c = run.cluster
-    error, reader = None, None
-    if c.is_worker:
-        try:
-            reader = run.open_reader()
-        except HpctrainError as exc:   # collective among workers: one of them reports
-            error = exc
-    flag = np.array([error.exit_code if error else 0], np.int64)
-    with run.watchdog.waiting("start-up agreement", peer=None):
-        c.comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
-    if flag[0]:
-        raise error or HpctrainError("", exit_code=int(flag[0]), collective=True, report=False)
-    return reader
-
-
-def log_cluster(run, placement, tensor_ranges):
+def cluster_lines(session, placement, tensor_ranges):
     """The chief's start-up picture: roles in TensorFlow's naming, placement."""
-    a, c = run.args, run.cluster
+    a, c = session.args, session.cluster
     n = tensor_ranges[-1][2]
     lines = ["cluster:"]
     for r in range(c.size):
@@ -92,32 +74,35 @@ def log_cluster(run, placement, tensor_ranges):
         lines.append("async: each gradient applied on arrival"
                      + (f"; max staleness {a.max_staleness}" if a.max_staleness is not None else "")
                      + (f"; DC-ASGD lambda {a.dc_lambda:g}" if a.dc_lambda else ""))
-    run.log("\n".join(lines))
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------
 
-def train_ps(run):
-    a, c = run.args, run.cluster
+def train_ps(session):
+    a, c = session.args, session.cluster
+    checkpoints = Checkpoints(session)
     # The protocol's own communicator: its tags never meet anyone else's messages.
     comm = c.comm.Dup()
-    reader = open_reader_everywhere(run)
+    # Workers open their data; the servers learn whether that worked, so a bad
+    # data directory never leaves them waiting for workers that have exited.
+    reader = session.agreed(c.comm, session.open_reader if c.is_worker else lambda: None)
     # With --checkpoint-dir: every rank learns whether (and from which step)
     # the run resumes; the chief then loads the servers (RESTORE).
-    resume = run.load_checkpoint(c.comm)
+    resume = checkpoints.load(c.comm)
     if c.is_ps:
         tensor_ranges = MLP(a.hidden, np).tensor_ranges()
-        return serve(run, comm, place(tensor_ranges, c.num_ps, a.placement))
-    return work(run, comm, reader, resume)
+        return run_server(session, checkpoints, comm, place(tensor_ranges, c.num_ps, a.placement))
+    return run_worker(session, checkpoints, comm, reader, resume)
 
 
-def serve(run, comm, placement):
-    a, c = run.args, run.cluster
+def run_server(session, checkpoints, comm, placement):
+    a, c = session.args, session.cluster
     mine = placement[c.ps_index]
     size = sum(hi - lo for lo, hi in mine)
     if a.ps_device == "gpu":
         # The slice and its optimizer state on this rank's GPU; messages stay on the host.
-        optimizer = OnDevice(make_optimizer(a.optimizer, size, run.server_xp, momentum=a.momentum), size)
+        optimizer = OnDevice(make_optimizer(a.optimizer, size, session.server_xp, momentum=a.momentum), size)
     else:
         optimizer = make_optimizer(a.optimizer, size, np, momentum=a.momentum)
     hang_at = _hook("HPCTRAIN_TEST_HANG_PS", c.ps_index)
@@ -129,30 +114,20 @@ def serve(run, comm, placement):
             while True:
                 time.sleep(3600)
 
-    server = Server(comm, mine, c.worker_ranks, c.ps_ranks, optimizer, run.lr, steps=a.steps, sync=a.sync,
+    server = Server(comm, mine, c.worker_ranks, c.ps_ranks, optimizer, session.lr, steps=a.steps, sync=a.sync,
                     replicas=replicas_to_aggregate(a, c.num_workers), max_staleness=a.max_staleness,
-                    dc_lambda=a.dc_lambda, watchdog=run.watchdog,
-                    stop_requested=lambda: run.stop.received, after_update=after_update)
+                    dc_lambda=a.dc_lambda, watchdog=session.watchdog,
+                    stop_requested=lambda: session.stop.received, after_update=after_update)
     server.serve()
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
-        with run.watchdog.waiting("stop agreement", peer=None):
-            run.preempted(c.comm, server.version)
+        checkpoints.preempted(c.comm, server.version)
     return None
 
 
-def save_alone(run, step, params, states, t, positions):
-    """The chief writes a checkpoint by itself (servers and workers keep going).
-    A failure to write is one error line and aborts the job."""
-    try:
-        run.save_checkpoint(MPI.COMM_SELF, step, params, states, t, positions)
-    except HpctrainError as exc:
-        run.metrics.close(keep=False)
-        raise HpctrainError(str(exc), exit_code=exc.exit_code) from None   # not collective: abort
-
-
-def work(run, comm, reader, resume):
-    a, c, xp = run.args, run.cluster, run.xp
-    W, tl = c.num_workers, run.timeline
+def run_worker(session, checkpoints, comm, reader, resume):
+    a, c, xp = session.args, session.cluster, session.xp
+    W, tl, chief = c.num_workers, session.timeline, session.chief
+    report = Report(session)
     model = MLP(a.hidden, xp)
     model.init(a.seed)
     tensor_ranges = model.tensor_ranges()
@@ -162,10 +137,10 @@ def work(run, comm, reader, resume):
     params = np.zeros(model.num_params, np.float32) if gpu else model.params
     grads = np.zeros(model.num_params, np.float32) if gpu else model.grads
     client = Client(comm, c.ps_ranks, placement, params, grads, c.worker_index, W,
-                    sync=a.sync, watchdog=run.watchdog)
+                    sync=a.sync, watchdog=session.watchdog)
     state_names = make_optimizer(a.optimizer, 1, np).state_names
-    if c.is_chief:
-        log_cluster(run, placement, tensor_ranges)
+    if chief:
+        print(cluster_lines(session, placement, tensor_ranges), flush=True)
         if resume is not None:
             ckpt = resume.checkpoint
             client.restore(resume.step, resume.optimizer_t, ckpt.params,
@@ -175,9 +150,8 @@ def work(run, comm, reader, resume):
                 model.params.get(out=params)
             client.restore(0, 0, params)   # the chief decides the initial parameters
     if resume is not None:
-        run.seek_readers(reader, resume)
-        note = f" (--steps {a.steps}: nothing left to train)" if resume.step >= a.steps else ""
-        run.log(f"resumed from {run.saved_path} at step {resume.step}{note}")
+        checkpoints.seek_readers(reader, resume)
+        session.chief_says(checkpoints.resumed_line(resume.step))
     client.pull()
     if gpu:
         model.params.set(params)
@@ -192,7 +166,7 @@ def work(run, comm, reader, resume):
     losses = []
     logged = start
     next_log = (start // a.log_every + 1) * a.log_every
-    every = a.checkpoint_every if (a.checkpoint_dir and c.is_chief) else 0
+    every = a.checkpoint_every if (checkpoints.enabled and chief) else 0
     next_checkpoint = (start // every + 1) * every if every else None
     t_loop = time.perf_counter()
     while not client.stop:
@@ -213,7 +187,7 @@ def work(run, comm, reader, resume):
             signal.raise_signal(signal.SIGUSR1)
         t1 = time.perf_counter()
         with tl.span("push+pull", cat="comm"):
-            client.push_pull(loss, stop_request=run.stop.received is not None, position=reader.position)
+            client.push_pull(loss, stop_request=session.stop.received is not None, position=reader.position)
         t2 = time.perf_counter()
         if gpu:
             model.params.set(params)
@@ -221,58 +195,52 @@ def work(run, comm, reader, resume):
         comm_s += t2 - t1
         # The worker's view: its push+pull wait is communication not hidden
         # (the servers' optimizer work is inside it).
-        run.stats.record(t2 - t0, t1 - t0, t2 - t1, t2 - t1, 0.0, 0.0)
+        session.stats.record(t2 - t0, t1 - t0, t2 - t1, t2 - t1, 0.0, 0.0)
         losses.append(client.loss if a.sync else loss)
         step = client.version
         if step >= next_log or (client.stop and step != logged):
-            _progress(run, step, sum(losses) / len(losses), (step - start) * per_update,
-                      time.perf_counter() - t_loop, local)
+            # Sync: the chief's line (the mean loss of the aggregated workers, as
+            # in ring mode). Async: every worker prints its own.
+            loss_mean, samples, elapsed = sum(losses) / len(losses), (step - start) * per_update, \
+                time.perf_counter() - t_loop
+            if not a.sync:
+                report.progress(step, loss_mean, samples, elapsed, worker=c.worker_index, local_step=local)
+            elif chief:
+                report.progress(step, loss_mean, samples, elapsed)
             losses.clear()
             logged = step
             next_log = (step // a.log_every + 1) * a.log_every
-        t_loop += run.periodic_eval(model, step)
+        if chief:
+            t_loop += report.periodic_eval(model, step)
         if every and step >= next_checkpoint and not client.stop:
             # The chief alone: the servers' slices and state (SNAPSHOT), with
             # the data positions the leader recorded for that version.
             versions, t, p, states, positions = client.snapshot(state_names)
-            save_alone(run, versions[0], p, states, t, positions)
+            checkpoints.save_alone(versions[0], p, states, t, positions)
             next_checkpoint = (step // every + 1) * every
     t_loop = time.perf_counter() - t_loop
 
     # Every worker ends with the final parameters (the evaluation is shared);
     # the chief also gets the final optimizer state for the last checkpoint.
-    want_state = bool(a.checkpoint_dir and c.is_chief)
+    want_state = checkpoints.enabled and chief
     with tl.span("final pull", cat="comm"):
         stats = client.final(state_names if want_state else None)
     if gpu:
         model.params.set(params)
     step = client.version
-    if want_state and run.saved_step != step:
+    if want_state and checkpoints.saved_step != step:
         t, states, positions = client.final_state
-        save_alone(run, step, params, states, t, positions)
+        checkpoints.save_alone(step, params, states, t, positions)
     if client.preempted:
-        run.log(f"stopping after step {step}: signal received")
-        run.metrics.close(keep=True)
-        with run.watchdog.waiting("stop agreement", peer=None):
-            run.preempted(c.comm, step)   # raises the exit-75 error on every rank
+        if chief:
+            print(f"stopping after step {step}: signal received", flush=True)
+            report.metrics.close(keep=True)
+        checkpoints.preempted(c.comm, step)   # raises the exit-75 error on every rank
     extra = summarize(stats, W)
     extra.update({"num_ps": c.num_ps, "placement": a.placement, "sync": a.sync, "replicas_to_aggregate": R,
                   "backup_workers": W - R if a.sync else 0, "max_staleness": a.max_staleness,
                   "dc_lambda": a.dc_lambda, "loop_s": round(t_loop, 4), "local_steps": local,
                   "rejected_pushes": client.rejected})
-    return run.finish(model, step, t_loop, (step - start) * per_update, comm_s, compute_s, extra)
+    return finish_everywhere(session, report, model, step, t_loop, (step - start) * per_update, comm_s,
+                             compute_s, checkpoints, extra)
 
-
-def _progress(run, step, loss, samples, t_loop, local):
-    """Sync: the chief's line (the loss is all aggregated workers' mean, as in
-    ring mode). Async: every worker prints its own line, as in the tutorial."""
-    if run.args.sync:
-        run.progress(step, loss, samples, t_loop)
-        return
-    c = run.cluster
-    elapsed = time.perf_counter() - run.t_start
-    rate = samples / t_loop if t_loop > 0 else 0.0
-    run.log(f"worker {c.worker_index}: step {step:>6}/{run.args.steps}  loss {loss:.4f}  "
-            f"samples/s {rate:,.0f}  elapsed {elapsed:.1f}s  (local step {local})", everyone=True)
-    run.metrics.write({"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
-                       "time_s": round(elapsed, 3)})

@@ -1,0 +1,38 @@
+"""Starting MPI under a deadline: MPI_Init_thread called so that the
+watchdog's thread can still run while it waits.
+
+mpi4py's own MPI_Init (on `from mpi4py import MPI`, or MPI.Init_thread())
+holds Python's GIL for as long as MPI_Init waits for the other ranks, so no
+Python thread can notice that a rank never arrived: a job whose rank stalled
+before or in MPI_Init hung silently. Calling MPI_Init_thread through ctypes
+releases the GIL for the call; mpi4py then finds MPI initialized and
+finalizes it at exit. Where libmpi cannot be found by path (a static build),
+mpi4py initializes as usual and the deadline starts after MPI_Init.
+
+    python -c "from hpctrain.comm.start import start_mpi"   # used by hpctrain.mnist
+"""
+import ctypes
+
+
+def start_mpi(watchdog):
+    """Initialize MPI (THREAD_MULTIPLE requested) under watchdog; return the
+    mpi4py.MPI module. On return the watchdog aborts through MPI_Abort."""
+    import mpi4py
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = True
+    from mpi4py import MPI
+    from .buffers import _loaded_libmpi
+    if not MPI.Is_initialized():
+        paths = _loaded_libmpi()
+        with watchdog.waiting("MPI start-up (MPI_Init)", peer="the launcher or another rank"):
+            if paths:
+                provided = ctypes.c_int(-1)
+                init = ctypes.CDLL(paths[0]).MPI_Init_thread   # CDLL: the GIL is released
+                init.restype = ctypes.c_int
+                if init(None, None, ctypes.c_int(MPI.THREAD_MULTIPLE), ctypes.byref(provided)) != 0:
+                    raise RuntimeError("MPI_Init_thread failed")
+            else:
+                MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    watchdog.rank = MPI.COMM_WORLD.Get_rank()
+    watchdog.abort = MPI.COMM_WORLD.Abort
+    return MPI

@@ -1,0 +1,217 @@
+"""What a run tells its user: progress lines, the --metrics records, test-set
+evaluations, the final record and the --save parameters file.
+
+The chief writes everything; the loops call these under an explicit
+`if chief:`, except the two collectives that every worker joins
+(`evaluate`, `peak_memory_and_step_medians`).
+
+    mpirun -n 2 python -m hpctrain.mnist --steps 300 --metrics m.jsonl --save p.h5
+"""
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import data as data_mod
+from . import device
+from .errors import HpctrainError
+from .outputs import rescue_path
+
+
+class Metrics:
+    """JSON Lines written by the chief; kept in a temporary file and renamed
+    into place when the run ends, so a failed run leaves nothing half-written."""
+
+    def __init__(self, path):
+        self.path = path
+        self._file = None
+        if self.path:
+            self._tmp = f"{self.path}.tmp-{os.getpid()}"
+            self._file = open(self._tmp, "w")
+
+    def write(self, record):
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+
+    def close(self, keep=True):
+        if not self._file:
+            return
+        self._file.close()
+        self._file = None
+        if keep:
+            os.replace(self._tmp, self.path)
+        else:
+            os.unlink(self._tmp)
+
+
+class Report:
+    """The chief's lines and records for one run."""
+
+    def __init__(self, session):
+        self.session = session
+        self.args = session.args
+        # Async ps workers print their own progress lines; only the chief writes files.
+        self.metrics = Metrics(session.args.metrics if session.chief else None)
+        self._test_full = None
+        self._last_eval = None
+
+    def progress(self, step, loss, samples, t_loop, worker=None, local_step=None):
+        """A progress line and (on the chief) a metrics record. Async ps
+        workers each print their own line, as in the tutorial: `worker` and
+        `local_step` say whose it is."""
+        elapsed = time.perf_counter() - self.session.t_start
+        rate = samples / t_loop if t_loop > 0 else 0.0
+        who = f"worker {worker}: " if worker is not None else ""
+        local = f"  (local step {local_step})" if local_step is not None else ""
+        print(f"{who}step {step:>6}/{self.args.steps}  loss {loss:.4f}  "
+              f"samples/s {rate:,.0f}  elapsed {elapsed:.1f}s{local}", flush=True)
+        self.metrics.write({"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
+                            "time_s": round(elapsed, 3)})
+
+    def periodic_eval(self, model, step):
+        """--eval-every N: when `step` reaches a multiple of N (before the last
+        step, which the final evaluation covers), the chief evaluates its
+        parameters on the whole test set by itself (no collective: in async ps
+        mode workers are never at the same step) and logs and records it.
+        Returns the seconds spent, which the caller keeps out of samples/s."""
+        every = self.args.eval_every
+        if self._last_eval is None:  # the first step of this run (or of a resumed one)
+            self._last_eval = step - 1
+        crossed = bool(every) and step < self.args.steps and step // every > self._last_eval // every
+        self._last_eval = step
+        if not crossed:
+            return 0.0
+        t0 = time.perf_counter()
+        if self._test_full is None:
+            self._test_full = data_mod.load_test(self.session.data_dir, raw=True)
+        x, y = self._test_full
+        xp = self.session.xp
+        loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
+        n = max(len(y), 1)
+        print(f"step {step:>6}/{self.args.steps}  test accuracy {correct / n:.4f}  "
+              f"test loss {loss_sum / n:.4f}", flush=True)
+        self.metrics.write({"event": "eval", "step": step, "test_accuracy": round(correct / n, 6),
+                            "test_loss": round(loss_sum / n, 6)})
+        return time.perf_counter() - t0
+
+    def final(self, result, step, t_loop, samples, comm_s, compute_s, extra):
+        """The chief's last line, --save, the final record, the timeline.
+        Returns (record, None), or (record, line) when --save could not be
+        written; the line then says where the parameters are kept instead."""
+        s, a, c = self.session, self.args, self.session.cluster
+        test_loss, test_acc, n_test = result["test"]
+        wall = time.perf_counter() - s.t_start
+        rate = samples / t_loop if t_loop > 0 else 0.0
+        print(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
+              f"{step} steps, {rate:,.0f} samples/s, {wall:.1f}s)", flush=True)
+        save_error = save_params(a.save, result["model"], step, a, c.size, result["checkpoint"])
+        record = {"event": "final", "mode": a.mode, "world_size": c.size, "workers": c.num_workers,
+                  "steps": step, "global_batch": a.batch_size * c.num_workers,
+                  "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
+                  "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
+                  "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
+                  "device": s.device_name}
+        record.update(result["medians"])
+        record.update(extra or {})
+        self.metrics.write(record)
+        self.metrics.close()
+        s.timeline.write()
+        return record, save_error
+
+
+def evaluate(session, model):
+    """Every worker: test loss, accuracy and count, each worker evaluating its
+    part of the test set (one Allreduce of the sums)."""
+    c, xp = session.cluster, session.xp
+    x, y = session.test_part()
+    loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
+    totals = np.array([loss_sum, correct, len(y)], np.float64)
+    with session.watchdog.waiting("evaluation allreduce", peer=None):
+        c.worker_comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+    n = max(totals[2], 1)
+    return totals[0] / n, totals[1] / n, int(totals[2])
+
+
+def peak_memory_and_step_medians(session):
+    """Every worker: the median step split from session.stats, and peak memory:
+    the largest of any worker (bytes above the interpreter with its imports,
+    and in all)."""
+    summary = session.stats.summary()
+    peak = summary.pop("peak_rss_bytes")
+    mem = np.array([peak, peak - summary.pop("base_rss_bytes")], np.float64)
+    with session.watchdog.waiting("memory statistics allreduce", peer=None):
+        session.cluster.worker_comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
+    summary = {k: round(v, 7) for k, v in summary.items()}
+    summary["peak_rss_mb"] = round(mem[0] / 2**20, 1)
+    summary["peak_rss_above_base_mb"] = round(mem[1] / 2**20, 1)
+    return summary
+
+
+def finish_everywhere(session, report, model, step, t_loop, samples, comm_s, compute_s,
+                      checkpoints, extra=None):
+    """Every worker, at the end of training: the shared evaluation and
+    statistics, then the chief's final line and files. If --save failed, every
+    worker exits with the chief's line (no abort: nobody is left waiting)."""
+    result = {"test": evaluate(session, model), "medians": peak_memory_and_step_medians(session),
+              "model": model,
+              "checkpoint": checkpoints.saved_path if checkpoints.saved_step == step else None}
+    record, save_error = None, None
+    if session.chief:
+        record, save_error = report.final(result, step, t_loop, samples, comm_s, compute_s, extra)
+    session.agreed(session.cluster.worker_comm, _raise_if, save_error)
+    return record
+
+
+def _raise_if(line):
+    if line:
+        raise HpctrainError(line)
+
+
+# ---------------------------------------------------------------------------
+# the parameters file
+
+def save_params(path, model, step, args, world_size, checkpoint_path=None):
+    """--save. Returns None, or (when the file cannot be written, e.g. the disk
+    filled up during training) the one-line error that says where the
+    parameters are kept instead: the checkpoint of this step if there is one,
+    else a file in the temporary directory."""
+    if not path:
+        return None
+    try:
+        write_params(path, model, step, args, world_size)
+        return None
+    except OSError as e:
+        failed = f"--save {path}: cannot write ({e.strerror or e})"
+    if checkpoint_path:
+        return f"{failed}; the parameters of step {step} are in checkpoint {checkpoint_path}"
+    try:
+        rescue = rescue_path(step)
+        write_params(rescue, model, step, args, world_size)
+    except OSError as e:
+        return f"{failed}, nor in the temporary directory ({e.strerror or e}): the parameters are lost"
+    return f"{failed}; the parameters of step {step} are kept in {rescue}"
+
+
+def write_params(path, model, step, args, world_size):
+    """One float32 dataset per tensor, attributes step/mode/world_size/hidden;
+    written to a temporary name and renamed, so it is never half-written."""
+    import h5py
+    # Exclusive and unpredictable: a planted symlink is never followed.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=f".{os.path.basename(path)}.tmp-")
+    os.close(fd)
+    try:
+        with h5py.File(tmp, "w") as f:
+            for name, view in model.tensors():
+                f.create_dataset(name, data=device.to_host(view))
+            f.attrs["step"] = step
+            f.attrs["mode"] = args.mode
+            f.attrs["world_size"] = world_size
+            f.attrs["hidden"] = ",".join(map(str, args.hidden))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,195 @@
+"""Checkpoint orchestration for both loops, on top of checkpoint.py's files:
+which checkpoint a run resumes from, the state and data positions sent to
+every rank, the checkpoints written while training, and the exit after a
+pre-emption signal.
+
+The chief alone reads and writes the files. The data positions travel over
+the workers' communicator, whose rank 0 is the chief in either mode;
+everything else over the communicator the caller passes (ring: the workers';
+ps: the world, so the servers share the outcome).
+
+    mpirun -n 2 python -m hpctrain.mnist --checkpoint-dir ckpt --checkpoint-every 100
+"""
+import signal
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import checkpoint, device, settings
+from .errors import EXIT_PREEMPTED, HpctrainError
+
+
+@dataclass
+class Resume:
+    """Where a resumed run starts: step and optimizer_t on every rank, the
+    Checkpoint itself (host arrays) on the chief only."""
+    step: int
+    optimizer_t: int
+    checkpoint: object = None
+
+
+class Checkpoints:
+    """--checkpoint-dir for one run: what was last written or resumed from."""
+
+    def __init__(self, session):
+        self.session = session
+        self.enabled = bool(session.args.checkpoint_dir)
+        self.saved_step = None   # the step of the newest checkpoint written or resumed from
+        self.saved_path = None
+
+    # --- resume -----------------------------------------------------------
+
+    def load(self, comm):
+        """Collective over comm. Honouring --resume, the chief finds the newest
+        valid checkpoint in --checkpoint-dir. Returns None on every rank when
+        the run starts fresh; otherwise a Resume with step and optimizer_t on
+        every rank and the Checkpoint (host arrays) on the chief only.
+        A problem (--resume yes and nothing to resume, a checkpoint of another
+        job) is one error line and a clean exit on every rank of comm."""
+        s = self.session
+        if not self.enabled:
+            return None
+        ckpt = s.agreed(comm, self._chief_reads if s.chief else lambda: None)
+        head = np.zeros(3, np.int64)
+        if ckpt is not None:
+            head[:] = 1, ckpt.step, ckpt.optimizer_t
+        with s.watchdog.waiting("checkpoint header broadcast", peer=s.cluster.chief_rank):
+            comm.Bcast(head, root=s.chief_in(comm))
+        if not head[0]:
+            return None
+        self.saved_step = int(head[1])
+        self.saved_path = ckpt.path if ckpt is not None else None
+        return Resume(step=int(head[1]), optimizer_t=int(head[2]), checkpoint=ckpt)
+
+    def _chief_reads(self):
+        a, c = self.session.args, self.session.cluster
+        d = a.checkpoint_dir  # created and tried by check_outputs at start-up
+        found = checkpoint.list_checkpoints(d)
+        if a.resume == "no":
+            if found:
+                raise HpctrainError(
+                    f"--resume no, but {d} holds checkpoints of an earlier run (newest "
+                    f"{found[0][1].rsplit('/', 1)[-1]}); remove them or use another --checkpoint-dir")
+            return None
+        ckpt = checkpoint.load_latest(d, settings.same_on_resume(a, c.num_workers),
+                                      warn=lambda line: print(f"hpctrain: warning: {line}",
+                                                              file=sys.stderr, flush=True))
+        if ckpt is None and found:
+            raise HpctrainError(f"--checkpoint-dir {d}: none of its {len(found)} checkpoints is "
+                                f"valid (see the warnings above); move them away to start fresh")
+        if ckpt is None and a.resume == "yes":
+            raise HpctrainError(f"--resume yes, but --checkpoint-dir {d} holds no checkpoint")
+        if ckpt is not None and ckpt.data_positions.shape != (c.num_workers, 2):
+            raise HpctrainError(f"{ckpt.path}: data positions for {ckpt.data_positions.shape[0]} "
+                                f"workers, this run has {c.num_workers}")
+        return ckpt
+
+    def resumed_line(self, step):
+        """The chief's line for a resumed run."""
+        steps = self.session.args.steps
+        note = f" (--steps {steps}: nothing left to train)" if step >= steps else ""
+        return f"resumed from {self.saved_path} at step {step}{note}"
+
+    def broadcast_state(self, comm, resume, params, optimizer):
+        """Collective over comm: the resumed parameters and optimizer state
+        from the chief into every rank's params and optimizer (ring mode, where
+        every rank holds all of them); optimizer.t restored too."""
+        s = self.session
+        root = s.chief_in(comm)
+        ckpt = resume.checkpoint
+        targets = [("params", params, ckpt.params if ckpt else None)]
+        for name, array in optimizer.state().items():
+            targets.append((f"optimizer state {name}", array, ckpt.optimizer_state[name] if ckpt else None))
+        for what, target, source in targets:
+            host = np.empty(target.shape, target.dtype)
+            if source is not None:
+                host[...] = source
+            with s.watchdog.waiting(f"checkpoint broadcast ({what})", peer=s.cluster.chief_rank):
+                comm.Bcast(host, root=root)
+            target[...] = s.xp.asarray(host)
+        optimizer.t = resume.optimizer_t
+        device.synchronize(s.xp)
+
+    def seek_readers(self, reader, resume):
+        """Every worker: its reader to the position the checkpoint recorded for it."""
+        s, c = self.session, self.session.cluster
+        positions = np.empty((c.num_workers, 2), np.int64)
+        if resume.checkpoint is not None:
+            positions[...] = resume.checkpoint.data_positions
+        with s.watchdog.waiting("checkpoint broadcast (data positions)", peer=c.chief_rank):
+            c.worker_comm.Bcast(positions, root=0)
+        epoch, offset = (int(v) for v in positions[c.worker_index])
+
+        def seek():
+            try:
+                reader.seek(epoch, offset)
+            except HpctrainError as e:
+                raise HpctrainError(f"{e}: the checkpoint's data position does not fit this data "
+                                    f"(was --data changed?)") from None
+        s.agreed(c.worker_comm, seek)
+
+    # --- while training -----------------------------------------------------
+
+    def due(self, step):
+        """True when --checkpoint-every says this step gets a checkpoint."""
+        every = self.session.args.checkpoint_every
+        return bool(self.enabled and every and step % every == 0 and step != self.saved_step)
+
+    def gather_positions(self, reader):
+        """Every worker: (workers, 2) int64 reader positions on the chief, None elsewhere."""
+        s, c = self.session, self.session.cluster
+        mine = np.array(reader.position, np.int64)
+        everyone = np.empty((c.num_workers, 2), np.int64) if s.chief else None
+        with s.watchdog.waiting("checkpoint gather (data positions)", peer=c.chief_rank):
+            c.worker_comm.Gather(mine, everyone, root=0)
+        return everyone
+
+    def save(self, comm, step, params, optimizer_state, optimizer_t, positions):
+        """Collective over comm: the chief writes the checkpoint of `step` from
+        the arrays it passes (device or host; the other ranks' arguments are
+        ignored) and prunes to --keep-checkpoints. A failure to write stops
+        every rank of comm with one error line. Returns the path on the chief."""
+        s = self.session
+        a, c = s.args, s.cluster
+
+        def chief_writes():
+            device.synchronize(s.xp)
+            return checkpoint.save(a.checkpoint_dir, step, device.to_host(params),
+                                   {k: device.to_host(v) for k, v in optimizer_state.items()},
+                                   optimizer_t, positions, settings.same_on_resume(a, c.num_workers),
+                                   keep=a.keep_checkpoints,
+                                   info=settings.recorded(a, c.size, c.num_workers))
+        with s.timeline.span("checkpoint", cat="checkpoint"):
+            path = s.agreed(comm, chief_writes if s.chief else lambda: None)
+        self.saved_step, self.saved_path = step, path
+        return path
+
+    def save_alone(self, step, params, states, t, positions):
+        """ps mode: the chief writes a checkpoint by itself while servers and
+        workers keep going. A failure to write is one error line and aborts the
+        job (the others are not at a point where they could agree)."""
+        from mpi4py import MPI
+        try:
+            self.save(MPI.COMM_SELF, step, params, states, t, positions)
+        except HpctrainError as exc:
+            raise HpctrainError(str(exc), exit_code=exc.exit_code) from None   # not collective: abort
+
+    # --- pre-emption ----------------------------------------------------------
+
+    def preempted(self, comm, step):
+        """After every rank of comm stopped at `step` (and the checkpoint is
+        written): raise the EXIT_PREEMPTED error everywhere, the chief's line
+        naming the signal (whichever rank got it) and the checkpoint."""
+        from mpi4py import MPI
+        s = self.session
+        sig = np.array([s.stop.signum], np.int64)
+        with s.watchdog.waiting("stop agreement", peer=None):
+            comm.Allreduce(MPI.IN_PLACE, sig, op=MPI.MAX)
+        name = signal.Signals(int(sig[0])).name if sig[0] else "a signal"
+        if self.saved_path and self.saved_step == step:
+            where = f"checkpoint {self.saved_path}; run the same command again to resume"
+        else:
+            where = "no checkpoint written (no --checkpoint-dir): a new run starts from step 0"
+        raise HpctrainError(f"stopped by {name} after step {step}; {where}",
+                            exit_code=EXIT_PREEMPTED, collective=True, report=s.chief)

@@ -1,0 +1,227 @@
+"""The MPI world of one run: roles, device, watchdog, the start-up checks
+(flags that need the world size, the same job on every rank, outputs that can
+be written, data that is there), and what both loops read from it.
+
+`Session(args)` is built by every rank before either loop; the loops
+(loop_ring.py, loop_ps.py) read it top to bottom. Errors during start-up go
+through `agreed()`, so a problem on any rank is one line and a clean exit on
+every rank, never a rank left waiting in a collective.
+
+    mpirun -n 4 python -m hpctrain.mnist --steps 200
+"""
+import contextlib
+import functools
+import signal
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import data as data_mod
+from . import device, jobcheck, settings
+from .cli import validate
+from .cluster import Cluster, check_consistency
+from .comm import buffers
+from .errors import HpctrainError
+from .model import num_params
+from .optim import learning_rate
+from .outputs import check_outputs
+from .stats import StepStats
+from .timeline import Timeline
+
+
+def agreed(comm, fn, *args, watchdog=None, what=None):
+    """Run fn(*args) on every rank of comm; if it raises HpctrainError anywhere,
+    every rank raises: the lowest failing rank its own message (printed), the
+    others a silent error with the same exit code. So a set-up error on one
+    rank never leaves the rest waiting in a collective, and the job prints one
+    line. The agreement waits under `watchdog` (a rank that never arrives is
+    named), labelled `what`."""
+    error = None
+    try:
+        result = fn(*args)
+    except HpctrainError as exc:
+        error, result = exc, None
+    size, rank = comm.Get_size(), comm.Get_rank()
+    # [exit code, size - rank of a rank with a line to print]: the lowest such
+    # rank prints. An error that an inner agreement already silenced has no
+    # line of its own, so fn may itself agree on a smaller communicator.
+    speaks = error is not None and error.report and bool(str(error))
+    flag = np.array([error.exit_code if error else 0, size - rank if speaks else 0], np.int64)
+    with watchdog.waiting(f"agreement after {what or getattr(fn, '__name__', 'a step')}", peer=None) \
+            if watchdog else contextlib.nullcontext():
+        comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+    if flag[0]:
+        if error is None:
+            error = HpctrainError("", exit_code=int(flag[0]))
+        error.collective = True
+        error.report = speaks and size - rank == flag[1]
+        raise error
+    return result
+
+
+class StopSignal:
+    """SIGTERM/SIGUSR1 (SLURM's pre-emption and time-limit warnings) set a flag
+    that the next step carries to every rank, so all ranks stop after the same
+    step."""
+
+    def __init__(self):
+        self.received = None   # the signal's name, e.g. "SIGTERM"
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        self.signum = int(signum)
+
+
+def ensure_data(args, cluster, watchdog):
+    """The shard directory to train from. Without --data: data/mnist, prepared
+    from the bundled sample on first use by rank 0 while the others wait."""
+    if args.data:
+        return args.data
+    path = data_mod.default_data_dir()
+
+    def prepare_once():
+        if cluster.rank == 0 and not data_mod.is_prepared(path):
+            print(f"preparing {path} from the bundled MNIST sample "
+                  f"({data_mod.bundled_sample_dir()}), first use only", flush=True)
+            try:
+                data_mod.prepare(data_mod.bundled_sample_dir(), path, log=None)
+            except HpctrainError:
+                if not data_mod.is_prepared(path):  # another job may have won the race
+                    raise
+    agreed(cluster.comm, prepare_once, watchdog=watchdog, what="preparing the bundled sample")
+    return path
+
+
+def server_array_module(args):
+    """ps mode: where servers keep their slice (--ps-device). numpy, or cupy
+    when asked for and a GPU is there (else one clear error on every rank)."""
+    if args.mode != "ps" or args.ps_device != "gpu":
+        return np
+    try:
+        xp, _, _ = device.select("gpu")
+    except HpctrainError as exc:
+        raise HpctrainError(str(exc).replace("--device gpu", "--ps-device gpu")) from None
+    return xp
+
+
+def _nothing(*args):
+    return None
+
+
+def memory_needed(args):
+    """Bytes one rank needs for the model at least: parameters, gradients and
+    the optimizer's state (flat float32 buffers), the training batch (float32
+    and its uint8 copy), and forward and backward activations of every layer.
+    An estimate from below: a rank that cannot hold this cannot train."""
+    n = num_params(args.hidden)
+    states = {"sgd": 0, "momentum": 1, "adam": 2}[args.optimizer]
+    widths = sum(args.hidden) + 10
+    batch = args.batch_size
+    return 4 * n * (2 + states) + batch * 784 * 5 + 2 * 4 * batch * widths
+
+
+def memory_available():
+    """Bytes this node can still give (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(args, ranks_on_node):
+    """Refuse up front a model or batch that cannot fit (a traceback from deep
+    inside NumPy, or the OOM killer, an hour later is worse)."""
+    need = memory_needed(args)
+    have = memory_available()
+    if have is not None and need * ranks_on_node > have:
+        raise HpctrainError(
+            f"--hidden {','.join(map(str, args.hidden))} with --batch-size {args.batch_size} needs at "
+            f"least {need / 2**30:.1f} GiB per rank (parameters, gradients, optimizer state, "
+            f"activations); this node has {have / 2**30:.1f} GiB available for {ranks_on_node} "
+            f"rank{'s' if ranks_on_node > 1 else ''}")
+
+
+class Session:
+    """Everything a training loop needs that is not the loop itself."""
+
+    def __init__(self, args, process_note, watchdog):
+        """watchdog: started before MPI_Init (mnist.train), aborting through
+        MPI now; every start-up collective below waits under it."""
+        # First: a signal during start-up is then kept for the first step
+        # (which stops and checkpoints) instead of killing the rank mid-collective.
+        self.stop = StopSignal()
+        self.stats = StepStats()
+        self.args = args
+        self.comm = MPI.COMM_WORLD
+        self.watchdog = watchdog
+        with watchdog.waiting("start-up (communicators)", peer=None):
+            self.cluster = cluster = Cluster(self.comm, args.mode, args.num_ps)
+        self.chief = cluster.is_chief
+        with watchdog.waiting("start-up (rank map)", peer=None):
+            jobcheck.check_world(cluster, self.chief_says)
+        self.t_start = time.perf_counter()
+        self.agreed(self.comm, validate, args, cluster.size)
+        self.agreed(self.comm, check_memory, args, cluster.local_size)
+        with watchdog.waiting("start-up (GPU binding)", peer=None):
+            gpu_note = cluster.confirm_gpu_binding(args.device)  # MPI's node-local rank has the last word
+        self.xp, self.device_name, device_note = self.agreed(self.comm, device.select, args.device)
+        plan = self.agreed(self.comm, buffers.exchange_plan, args, self.xp)
+        device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(self.xp) else "", plan]))
+        self.server_xp = self.agreed(self.comm, server_array_module, args)
+        self.timeline = Timeline(args.timeline if self.chief else None)
+        self.chief_says(f"hpctrain: {args.mode} mode, world size {cluster.size} "
+                        f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {self.device_name} "
+                        f"({device_note})" + (f"; {process_note}" if process_note else ""))
+        with watchdog.waiting("start-up (same job on every rank)", peer=None):
+            self.agreed(self.comm, check_consistency, self.comm, settings.same_on_every_rank(args))
+        # Before any training: a result that cannot be written would be lost.
+        self.agreed(self.comm, check_outputs if self.chief else _nothing, args)
+        self.data_dir = ensure_data(args, cluster, watchdog)
+        self._test = None
+
+    def agreed(self, comm, fn, *args):
+        """agreed() under this session's watchdog."""
+        return agreed(comm, fn, *args, watchdog=self.watchdog)
+
+    def chief_says(self, text):
+        """A line on standard output from the chief; the other ranks stay quiet."""
+        if self.chief:
+            print(text, flush=True)
+
+    def lr(self, step):
+        a = self.args
+        return learning_rate(step, a.lr, self.cluster.num_workers, a.scale_lr, a.warmup_steps)
+
+    def open_reader(self):
+        """This worker's training-batch reader (and its test part, loaded now)."""
+        a, c = self.args, self.cluster
+        reader = self.agreed(c.worker_comm, data_mod.ShardReader, self.data_dir, c.worker_index,
+                             c.num_workers, a.batch_size, a.seed)
+        self.test_part()
+        return reader
+
+    def test_part(self):
+        """This worker's part of the test set (uint8 pixels), read once: at
+        start-up, before training memory is touched, not at every evaluation."""
+        if self._test is None:
+            c = self.cluster
+            self._test = self.agreed(c.worker_comm, functools.partial(data_mod.load_test, raw=True),
+                                     self.data_dir, c.worker_index, c.num_workers)
+        return self._test
+
+    def chief_in(self, comm):
+        """The chief's rank in comm (a communicator that contains it)."""
+        world, group = self.comm.Get_group(), comm.Get_group()
+        try:
+            return MPI.Group.Translate_ranks(world, [self.cluster.chief_rank], group)[0]
+        finally:
+            world.Free()
+            group.Free()

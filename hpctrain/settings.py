@@ -1,0 +1,46 @@
+"""What makes two processes the same job: one list of settings, three uses.
+
+- At start-up every rank compares `same_on_every_rank(args)` (session.py):
+  a rank launched with another --lr or --hidden stops the job with one line.
+- Every checkpoint records `recorded(args, ...)` as attributes (checkpoint.py).
+- On resume the checkpoint's `SAME_ON_RESUME` values must equal this run's:
+  the model and its state (mode, hidden, num_params, optimizer), the data
+  positions (one per worker, offsets in batches of batch_size) and the shuffle
+  (seed). Everything else may change on resume, --steps in particular (a
+  resumed job may train longer); the result is bit-identical to an
+  uninterrupted run only when nothing else changed either.
+
+    python -c "from hpctrain import cli, settings; print(settings.same_on_every_rank(cli.parse([])))"
+"""
+from . import __version__
+from .model import num_params
+
+# Flags whose value must be identical on every rank of a job.
+RANK_FLAGS = ("mode", "batch_size", "steps", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
+              "allreduce", "fusion_mb", "num_ps", "sync", "replicas_to_aggregate", "backup_workers",
+              "max_staleness", "dc_lambda", "placement", "checkpoint_every", "timeout")
+SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "num_workers", "batch_size", "seed")
+
+
+def _job(args):
+    """The job's settings as str, int and float values (what HDF5 attributes and
+    fixed-width byte records can carry)."""
+    job = {k: getattr(args, k) for k in RANK_FLAGS}
+    job["hidden"] = ",".join(map(str, args.hidden))
+    job["num_params"] = int(num_params(args.hidden))
+    job["hpctrain"] = __version__
+    return job
+
+
+def same_on_every_rank(args):
+    return _job(args)
+
+
+def same_on_resume(args, num_workers):
+    job = dict(_job(args), num_workers=int(num_workers))
+    return {k: job[k] for k in SAME_ON_RESUME}
+
+
+def recorded(args, world_size, num_workers):
+    """Everything a checkpoint records about the run that wrote it."""
+    return dict(_job(args), world_size=int(world_size), num_workers=int(num_workers))

@@ -1,0 +1,51 @@
+"""Faults: a rank with bad flags, or one that stalls at start-up, ends the
+whole job with one line, bounded by --timeout, never a silent hang.
+
+    .venv/bin/python -m pytest tests/faults/test_stalls.py
+"""
+import subprocess
+import sys
+import time
+
+from conftest import MPIRUN, REPO
+from hpctrain.cluster import child_env
+from ranks import Stopped, rank_pid
+
+PY = [sys.executable, "-m", "hpctrain.mnist"]
+
+
+def errors(stderr):
+    return [s for s in stderr.splitlines() if s.startswith("hpctrain: error:")]
+
+
+def test_a_flag_bad_on_one_rank_only_ends_the_job(job, tmp_path):
+    # MPMD: rank 0 is fine, rank 1 has --batch-size 0. Before, rank 0 waited forever.
+    t0 = time.monotonic()
+    r = subprocess.run([MPIRUN, "-n", "1", *PY, "--steps", "30", "--timeout", "15", ":",
+                        "-n", "1", *PY, "--steps", "30", "--timeout", "15", "--batch-size", "0"],
+                       capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
+    assert r.returncode == 2, r.stderr
+    assert errors(r.stderr) == ["hpctrain: error: argument --batch-size: must be >= 1, got 0 (see --help)"]
+    assert time.monotonic() - t0 < 30
+    assert "step " not in r.stdout
+
+
+def test_a_rank_stopped_at_start_up_ends_the_job(job):
+    # SIGSTOP rank 1 as soon as it exists (before or inside MPI_Init, or in the
+    # first collectives): the others' deadline ends the job, exit 3.
+    t0 = time.monotonic()
+    proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--steps", "300", "--timeout", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+    try:
+        pid = rank_pid(proc, 1, poll=0.005)
+        assert pid, "rank 1 not found"
+        with Stopped(pid):
+            out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - t0
+    assert proc.returncode == 3, (proc.returncode, err)
+    lines = errors(err)
+    assert len(lines) == 1 and "giving up (--timeout 5)" in lines[0], err
+    assert took < 30 and "step " not in out

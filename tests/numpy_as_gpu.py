@@ -1,0 +1,26 @@
+"""Run hpctrain.mnist with NumPy standing in for CuPy where --ps-device gpu
+asks for the servers' array module, so CPU tests cover that code path
+(optim.OnDevice and its host/device copies) bit for bit.
+
+    PYTHONPATH=tests mpirun -n 4 python -m numpy_as_gpu --mode ps --num-ps 2 --ps-device gpu
+
+The patch goes in after mnist.main has configured the process: numpy must
+not load before (it reads the BLAS thread count once, when it loads).
+"""
+import sys
+
+from hpctrain import mnist
+
+_train = mnist.train
+
+
+def train(args, *rest):
+    import numpy as np
+    from hpctrain import session
+    session.server_array_module = lambda args: np
+    return _train(args, *rest)
+
+
+if __name__ == "__main__":
+    mnist.train = train
+    sys.exit(mnist.main())
