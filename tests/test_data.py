@@ -10,6 +10,7 @@ import functools
 import gzip
 import hashlib
 import http.server
+import importlib
 import json
 import os
 import shutil
@@ -25,6 +26,10 @@ import pytest
 
 from hpctrain import data
 from hpctrain.errors import HpctrainError
+
+# The module, not the function of the same name that hpctrain.data re-exports
+# (`import hpctrain.data.prepare as m` would bind the function).
+prepare_mod = importlib.import_module("hpctrain.data.prepare")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -308,7 +313,7 @@ def test_failed_prepare_leaves_nothing(tmp_path, monkeypatch):
     # A failure half-way through writing shards must not leave them either.
     good = make_single_source(tmp_path / "good", n=100)
     calls = []
-    real = data._write_shard
+    real = prepare_mod._write_shard
 
     def failing(path, *args):
         calls.append(path)
@@ -316,7 +321,7 @@ def test_failed_prepare_leaves_nothing(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         real(path, *args)
 
-    monkeypatch.setattr(data, "_write_shard", failing)
+    monkeypatch.setattr(prepare_mod, "_write_shard", failing)
     with pytest.raises(HpctrainError, match="out: cannot write shards .*No space left"):
         data.prepare(good, out, shards=4, log=quiet)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "src"]

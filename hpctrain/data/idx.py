@@ -1,0 +1,106 @@
+"""IDX files (LeCun's MNIST format), raw or gzip-compressed, into uint8 arrays.
+
+The format: a 4-byte magic (0, 0, type code, number of dimensions), one
+big-endian uint32 per dimension, then the data, row-major. Only unsigned
+bytes (type 0x08) occur in MNIST and Fashion-MNIST, so only they are read.
+Every way a file can be wrong is one HpctrainError line, never a traceback.
+
+    python -c "from hpctrain.data import read_idx; print(read_idx('data/mnist-5k/labels-idx1-ubyte.gz').shape)"
+
+No MPI here (house rule).
+"""
+
+import gzip
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from hpctrain.errors import HpctrainError
+
+# IDX type codes; only unsigned bytes occur in MNIST and Fashion-MNIST.
+_IDX_UBYTE = 0x08
+_IDX_MAGIC = {"images": 0x00000803, "labels": 0x00000801}
+_GZIP_MAGIC = b"\x1f\x8b"
+_MAX_IDX_BYTES = 1 << 36
+
+
+def read_idx(path, kind=None):
+    """Read an IDX file (gzip-compressed or raw) into a uint8 array.
+
+    kind="images" or "labels" also demands that magic (0x803 or 0x801), so a
+    swapped pair of files is caught here rather than as a shape error later.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as raw:
+            compressed = raw.read(2) == _GZIP_MAGIC
+            raw.seek(0)
+            if not compressed:
+                return _parse_idx(raw, path, kind)
+            try:
+                with gzip.GzipFile(fileobj=raw, mode="rb") as f:
+                    return _parse_idx(f, path, kind)
+            except (OSError, EOFError, zlib.error) as e:
+                # A cut-off download ends the deflate stream early (EOFError);
+                # flipped bytes fail the CRC or the inflater (OSError, zlib.error).
+                raise HpctrainError(f"{path}: corrupt gzip data ({e})") from None
+    except FileNotFoundError:
+        raise HpctrainError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise HpctrainError(f"{path}: is a directory, expected an IDX file") from None
+    except PermissionError as e:
+        raise HpctrainError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _parse_idx(f, path, kind):
+    head = _read_exact(f, 4)
+    magic = int.from_bytes(head.ljust(4, b"\0"), "big")
+    if kind is not None:
+        expected = _IDX_MAGIC[kind]
+        if len(head) < 4 or magic != expected:
+            what = "image" if kind == "images" else "label"
+            raise HpctrainError(f"{path}: not an IDX {what} file "
+                                f"(magic 0x{magic:08x}, expected 0x{expected:08x})")
+    if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[3] == 0:
+        raise HpctrainError(f"{path}: not an IDX file (magic 0x{magic:08x}, "
+                            f"expected 0x00000803 for images or 0x00000801 for labels)")
+    if head[2] != _IDX_UBYTE:
+        raise HpctrainError(f"{path}: unsupported IDX data type 0x{head[2]:02x} "
+                            f"(only 0x08, unsigned byte, is supported)")
+    ndim = head[3]
+    dims_raw = _read_exact(f, 4 * ndim)
+    if len(dims_raw) < 4 * ndim:
+        raise HpctrainError(f"{path}: truncated IDX header ({4 + len(dims_raw)} bytes, "
+                            f"expected {4 + 4 * ndim})")
+    shape = tuple(int.from_bytes(dims_raw[4 * i:4 * i + 4], "big") for i in range(ndim))
+    if np.prod(shape, dtype=np.float64) > _MAX_IDX_BYTES:
+        # A damaged header must not turn into a multi-terabyte allocation.
+        raise HpctrainError(f"{path}: corrupt IDX header (claims {'x'.join(map(str, shape))} "
+                            f"elements)")
+    out = np.empty(shape, dtype=np.uint8)
+    got = _readinto_full(f, memoryview(out).cast("B"))
+    if got < out.nbytes:
+        dims = "x".join(map(str, shape))
+        raise HpctrainError(f"{path}: truncated (header says {dims} = {out.nbytes} data "
+                            f"bytes, file has {got})")
+    if f.read(1):
+        raise HpctrainError(f"{path}: more data than its header ({'x'.join(map(str, shape))}) "
+                            f"says; not a valid IDX file")
+    return out
+
+
+def _read_exact(f, n):
+    buf = bytearray(n)
+    return bytes(buf[:_readinto_full(f, memoryview(buf))])
+
+
+def _readinto_full(f, view):
+    # GzipFile and raw files may both return short reads before the end.
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
