@@ -191,6 +191,78 @@ def test_read_idx_missing_file(tmp_path):
         data.read_idx(tmp_path / "nothing.gz")
 
 
+def read_idx_peak(path, kind=None):
+    """read_idx's HpctrainError and the peak Python/NumPy memory it took."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        with pytest.raises(HpctrainError) as e:
+            data.read_idx(path, kind)
+        return str(e.value), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_idx_lying_header_is_refused_before_allocating(tmp_path, gz):
+    # 80 million images claimed (62.7 GB), ten present: one line, a few MB at most.
+    lie = struct.pack(">BBBBIII", 0, 0, 8, 3, 80_000_000, 28, 28) + numbered_images(10).tobytes()
+    path = tmp_path / ("images.gz" if gz else "images")
+    path.write_bytes(gzip.compress(lie) if gz else lie)
+    message, peak = read_idx_peak(path, "images")
+    if gz:
+        size = path.stat().st_size
+        assert message == (f"{path}: corrupt IDX header (claims 80000000x28x28 = 62720000000 "
+                           f"data bytes; {size} bytes of gzip hold at most {size * 1032})")
+    else:
+        assert message == (f"{path}: truncated (header says 80000000x28x28 = 62720000000 data "
+                           f"bytes, file has 7840)")
+    assert peak < 4 << 20, peak
+
+
+def test_read_idx_gzip_grows_with_the_data_not_the_header(tmp_path):
+    # Incompressible data, so the claim passes the compression-ratio bound:
+    # the reader must find the lie by reading, holding no more than it read.
+    payload = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8).tobytes()
+    path = tmp_path / "labels.gz"
+    path.write_bytes(gzip.compress(struct.pack(">BBBBI", 0, 0, 8, 1, 150_000_000) + payload))
+    message, peak = read_idx_peak(path, "labels")
+    assert message == (f"{path}: truncated (header says 150000000 = 150000000 data bytes, "
+                       f"file has 200000)")
+    assert peak < 8 << 20, peak
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_idx_zero_or_too_many_dimensions(tmp_path, gz):
+    cases = [(struct.pack(">BBBBIII", 0, 0, 8, 3, 10, 0, 28), "claims 10x0x28 elements; no "
+                                                               "dimension may be 0"),
+             (struct.pack(">BBBBI", 0, 0, 8, 1, 0), "claims 0 elements; no dimension may be 0"),
+             (struct.pack(">BBBB5I", 0, 0, 8, 5, 1, 1, 1, 1, 1) + b"\1",
+              "5 dimensions, hpctrain reads at most 4"),
+             (struct.pack(">BBBB", 0, 0, 8, 255) + b"\1" * 1020,
+              "255 dimensions, hpctrain reads at most 4")]
+    for i, (blob, problem) in enumerate(cases):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(gzip.compress(blob) if gz else blob)
+        with pytest.raises(HpctrainError) as e:
+            data.read_idx(path)
+        assert str(e.value) == f"{path}: corrupt IDX header ({problem})"
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_cli_lying_idx_header_is_one_line_exit_2(tmp_path, gz):
+    src = tmp_path / "src"
+    src.mkdir()
+    lie = struct.pack(">BBBBIII", 0, 0, 8, 3, 80_000_000, 28, 28) + numbered_images(10).tobytes()
+    images = src / ("images-idx3-ubyte.gz" if gz else "images-idx3-ubyte")
+    images.write_bytes(gzip.compress(lie) if gz else lie)
+    write_idx(src / "labels-idx1-ubyte", np.zeros(10))
+    r = run_cli("prepare", "--source", src, "--out", tmp_path / "out")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"hpctrain: error: {images}: ") and r.stderr.count("\n") == 1
+    assert "80000000x28x28" in r.stderr and not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------
 # prepare
 

@@ -11,6 +11,9 @@ No MPI here (house rule).
 """
 
 import gzip
+import math
+import os
+import stat
 import zlib
 from pathlib import Path
 
@@ -23,6 +26,12 @@ _IDX_UBYTE = 0x08
 _IDX_MAGIC = {"images": 0x00000803, "labels": 0x00000801}
 _GZIP_MAGIC = b"\x1f\x8b"
 _MAX_IDX_BYTES = 1 << 36
+# MNIST's labels have 1 dimension and its images 3; a 4th allows channels.
+_MAX_IDX_DIMS = 4
+# Deflate's best case is about 1032:1 (258-byte matches coded in 2 bits);
+# gzip's own header only lowers it. More is a lie, not compression.
+_MAX_DEFLATE_RATIO = 1032
+_READ_BLOCK = 1 << 20
 
 
 def read_idx(path, kind=None):
@@ -30,17 +39,22 @@ def read_idx(path, kind=None):
 
     kind="images" or "labels" also demands that magic (0x803 or 0x801), so a
     swapped pair of files is caught here rather than as a shape error later.
+    The header is checked against what the file can hold before anything is
+    allocated, so a damaged or lying header is one line, not gigabytes.
     """
     path = Path(path)
     try:
         with open(path, "rb") as raw:
+            st = os.fstat(raw.fileno())
+            # Only a regular file's length is known up front (not a pipe's).
+            length = st.st_size if stat.S_ISREG(st.st_mode) else None
             compressed = raw.read(2) == _GZIP_MAGIC
             raw.seek(0)
             if not compressed:
-                return _parse_idx(raw, path, kind)
+                return _parse_idx(raw, path, kind, length=length)
             try:
                 with gzip.GzipFile(fileobj=raw, mode="rb") as f:
-                    return _parse_idx(f, path, kind)
+                    return _parse_idx(f, path, kind, gzip_length=length)
             except (OSError, EOFError, zlib.error) as e:
                 # A cut-off download ends the deflate stream early (EOFError);
                 # flipped bytes fail the CRC or the inflater (OSError, zlib.error).
@@ -53,7 +67,8 @@ def read_idx(path, kind=None):
         raise HpctrainError(f"{path}: cannot read ({e.strerror})") from None
 
 
-def _parse_idx(f, path, kind):
+def _read_header(f, path, kind):
+    """(shape, header length in bytes), the header checked on its own terms."""
     head = _read_exact(f, 4)
     magic = int.from_bytes(head.ljust(4, b"\0"), "big")
     if kind is not None:
@@ -69,25 +84,62 @@ def _parse_idx(f, path, kind):
         raise HpctrainError(f"{path}: unsupported IDX data type 0x{head[2]:02x} "
                             f"(only 0x08, unsigned byte, is supported)")
     ndim = head[3]
+    if ndim > _MAX_IDX_DIMS:
+        raise HpctrainError(f"{path}: corrupt IDX header ({ndim} dimensions, hpctrain reads "
+                            f"at most {_MAX_IDX_DIMS})")
     dims_raw = _read_exact(f, 4 * ndim)
     if len(dims_raw) < 4 * ndim:
         raise HpctrainError(f"{path}: truncated IDX header ({4 + len(dims_raw)} bytes, "
                             f"expected {4 + 4 * ndim})")
     shape = tuple(int.from_bytes(dims_raw[4 * i:4 * i + 4], "big") for i in range(ndim))
-    if np.prod(shape, dtype=np.float64) > _MAX_IDX_BYTES:
+    dims = "x".join(map(str, shape))
+    if 0 in shape:
+        raise HpctrainError(f"{path}: corrupt IDX header (claims {dims} elements; "
+                            f"no dimension may be 0)")
+    if math.prod(shape) > _MAX_IDX_BYTES:
         # A damaged header must not turn into a multi-terabyte allocation.
-        raise HpctrainError(f"{path}: corrupt IDX header (claims {'x'.join(map(str, shape))} "
-                            f"elements)")
-    out = np.empty(shape, dtype=np.uint8)
-    got = _readinto_full(f, memoryview(out).cast("B"))
-    if got < out.nbytes:
-        dims = "x".join(map(str, shape))
-        raise HpctrainError(f"{path}: truncated (header says {dims} = {out.nbytes} data "
-                            f"bytes, file has {got})")
+        raise HpctrainError(f"{path}: corrupt IDX header (claims {dims} elements)")
+    return shape, 4 + 4 * ndim
+
+
+def _parse_idx(f, path, kind, length=None, gzip_length=None):
+    """The array of an IDX stream. length: the raw file's length, if known;
+    gzip_length: the compressed file's length, if known."""
+    shape, header = _read_header(f, path, kind)
+    need = math.prod(shape)
+    dims = "x".join(map(str, shape))
+    if length is not None:
+        # Raw: the data's length is known, so check it before allocating.
+        _check_length(path, dims, need, length - header)
+        out = np.empty(shape, dtype=np.uint8)
+        got = _readinto_full(f, memoryview(out).cast("B"))
+        _check_length(path, dims, need, got)   # the file may shrink under us
+        return out
+    if gzip_length is not None and need > gzip_length * _MAX_DEFLATE_RATIO:
+        raise HpctrainError(f"{path}: corrupt IDX header (claims {dims} = {need} data bytes; "
+                            f"{gzip_length} bytes of gzip hold at most "
+                            f"{gzip_length * _MAX_DEFLATE_RATIO})")
+    # Compressed (or a pipe): the length shows only as the data arrives, so
+    # the buffer grows with what was actually read, never to what the header says.
+    data = bytearray()
+    while len(data) < need:
+        block = f.read(min(_READ_BLOCK, need - len(data)))
+        if not block:
+            break
+        data += block
+    _check_length(path, dims, need, len(data))
     if f.read(1):
-        raise HpctrainError(f"{path}: more data than its header ({'x'.join(map(str, shape))}) "
+        _check_length(path, dims, need, need + 1)
+    return np.frombuffer(data, dtype=np.uint8).reshape(shape)
+
+
+def _check_length(path, dims, need, got):
+    if got < need:
+        raise HpctrainError(f"{path}: truncated (header says {dims} = {need} data "
+                            f"bytes, file has {got})")
+    if got > need:
+        raise HpctrainError(f"{path}: more data than its header ({dims}) "
                             f"says; not a valid IDX file")
-    return out
 
 
 def _read_exact(f, n):
