@@ -546,6 +546,74 @@ def test_unreadable_or_misshapen_shard_is_refused(numbered, tmp_path):
         data.ShardReader(out, 1, 8, 16, seed=0)
 
 
+def test_labels_beyond_num_classes_are_refused_naming_the_shard(numbered, tmp_path):
+    import h5py
+    out = copy_shards(numbered, tmp_path / "shards")
+    manifest = json.loads((out / "manifest.json").read_text())
+    # A shard whose labels the manifest does not cover, with a matching sha256.
+    entry = manifest["train"]["shards"][2]
+    path = out / entry["file"]
+    with h5py.File(path, "r+") as f:
+        labels = f["labels"][:]
+        labels[7] = 12
+        f["labels"][:] = labels
+    entry["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(HpctrainError) as e:
+        data.ShardReader(out, 2, 8, 16, seed=0)
+    assert str(e.value) == (f"{path}: label 12 in row 7 is not below the manifest's num_classes "
+                            f"10; prepare again with --force")
+    assert e.value.exit_code == 2
+    assert data.ShardReader(out, 1, 8, 16, seed=0).num_samples > 0   # other shards still open
+    # A manifest claiming fewer classes than its shards hold: the same, test set too.
+    manifest["num_classes"] = 5
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    for read in (lambda: data.ShardReader(out, 0, 8, 16, seed=0), lambda: data.load_test(out)):
+        with pytest.raises(HpctrainError, match=r"-of-0000\d.h5: label [5-9] in row \d+ is not "
+                                                r"below the manifest's num_classes 5"):
+            read()
+
+
+def test_prepare_checks_the_arrays_fit_their_manifest(tmp_path):
+    ok = numbered_images(4), np.arange(4, dtype=np.uint8)
+    paths = {"images": tmp_path / "i", "labels": tmp_path / "l"}
+
+    def check(train, test=ok, classes=4):
+        with pytest.raises(HpctrainError) as e:
+            prepare_mod._check_fits({"train": (*train, None), "test": (*test, None)}, classes,
+                                    paths)
+        return str(e.value)
+
+    prepare_mod._check_fits({"train": (*ok, None), "test": (*ok, None)}, 4, paths)
+    prepare_mod._check_fits({"train": (np.zeros((2, 4, 4, 3), np.uint8), ok[1][:2], None),
+                             "test": (np.zeros((0, 4, 4, 3), np.uint8), ok[1][:0], None)}, 4, paths)
+    assert check((ok[0].astype(np.float32), ok[1])) == (
+        "i, l: train images must be uint8 of 2 or 3 dimensions each, got float32 (4, 28, 28)")
+    assert "got uint8 (4, 784)" in check((ok[0].reshape(4, -1), ok[1]))
+    assert check(ok, (numbered_images(2)[:, :14], ok[1][:2])) == (
+        "i, l: test images are (14, 28), training images are (28, 28)")
+    assert check(ok, classes=3) == "i, l: train labels must be uint8 below 3, got uint8 (4,)"
+
+
+def test_model_fit_problem(bundled):
+    from hpctrain import model
+    _, manifest = bundled
+    assert data.model_fit_problem(manifest) is None
+    assert data.model_fit_problem(manifest, model.INPUTS, model.CLASSES) is None
+    wide = dict(manifest, image_shape=[32, 32, 3])
+    assert data.model_fit_problem(wide) == ("images are 32x32x3 = 3072 values, the model takes "
+                                            "784 inputs")
+    assert data.model_fit_problem(wide, in_features=3072) is None
+    many = dict(manifest, num_classes=47)
+    assert data.model_fit_problem(many) == ("47 classes (labels 0..46), the model has 10 "
+                                            "outputs (labels 0..9)")
+    assert data.model_fit_problem(many, num_classes=47) is None
+    assert data.model_fit_problem(dict(manifest, num_classes=2)) is None   # fewer is fine
+    assert data.model_fit_problem(dict(manifest, image_shape=[784])) is None
+    assert data.model_fit_problem(dict(manifest, image_shape=[])) == (
+        "bad manifest: image_shape must be a list of positive integers, got []")
+
+
 def test_missing_shard_or_manifest(numbered, tmp_path):
     out = copy_shards(numbered, tmp_path / "shards")
     (out / "train-00005-of-00008.h5").unlink()

@@ -12,6 +12,7 @@ No MPI here (house rule).
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 from hpctrain.errors import HpctrainError
@@ -128,4 +129,25 @@ def _split_problem(part, split):
     total = sum(e["num_samples"] for e in part["shards"])
     if part.get("num_samples") != total:
         return f"{split} num_samples {part.get('num_samples')!r}, its shards hold {total}"
+    return None
+
+
+def model_fit_problem(manifest, in_features=784, num_classes=10):
+    """Why a model of in_features inputs and num_classes outputs cannot train
+    on this data (one line), or None if it can. The defaults are hpctrain's
+    MLP (model.INPUTS, model.CLASSES); the session passes them at start-up,
+    so a mismatch is one line before the first step, not a shape error or a
+    label that indexes past the logits half-way through."""
+    problem = _manifest_problem(manifest)
+    if problem:
+        return f"bad manifest: {problem}"
+    shape = manifest["image_shape"]
+    features = math.prod(shape)
+    if features != in_features:
+        return (f"images are {'x'.join(map(str, shape))} = {features} values, the model "
+                f"takes {in_features} inputs")
+    classes = manifest["num_classes"]
+    if classes > num_classes:
+        return (f"{classes} classes (labels 0..{classes - 1}), the model has "
+                f"{num_classes} outputs (labels 0..{num_classes - 1})")
     return None

@@ -111,6 +111,24 @@ def _load_split(layout, paths, shards, test_fraction, seed):
     return (images, labels, train_parts), (images, labels, test_parts)
 
 
+def _check_fits(splits, num_classes, paths):
+    """The arrays fit the manifest they will be written with: uint8 images
+    of one 2-D or 3-D shape (rows, cols[, channels]) in both splits, uint8
+    labels below num_classes. The readers trust the manifest for all of it."""
+    shape = splits["train"][0].shape[1:]
+    source = ", ".join(p.name for p in paths.values())
+    for split, (x, y, _) in splits.items():
+        if x.dtype != np.uint8 or not 2 <= x.ndim - 1 <= 3 or 0 in x.shape[1:]:
+            raise HpctrainError(f"{source}: {split} images must be uint8 of 2 or 3 "
+                                f"dimensions each, got {x.dtype} {x.shape}")
+        if x.shape[1:] != shape:
+            raise HpctrainError(f"{source}: {split} images are {x.shape[1:]}, training "
+                                f"images are {shape}")
+        if y.dtype != np.uint8 or y.ndim != 1 or (len(y) and int(y.max()) >= num_classes):
+            raise HpctrainError(f"{source}: {split} labels must be uint8 below {num_classes}, "
+                                f"got {y.dtype} {y.shape}")
+
+
 def _stratified_deal(labels, index, shards, rng):
     """Deal `index` (positions into labels) to shards, class by class, round-robin.
 
@@ -229,6 +247,7 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         raise HpctrainError(f"{source}: {n_train} training samples, fewer than "
                             f"--shards {shards}; use fewer shards")
     num_classes = int(max(train[1].max(initial=0), test[1].max(initial=0))) + 1
+    _check_fits(splits, num_classes, paths)
 
     tmp = _make_tmp(out)
     try:

@@ -30,7 +30,7 @@ def _open_h5(path):
         return h5py.File(path, "r")
 
 
-def _read_shard(data_dir, entry, image_shape, start=0, stop=None):
+def _read_shard(data_dir, entry, image_shape, num_classes, start=0, stop=None):
     """Rows [start, stop) of one shard, after checking it against the manifest."""
     path = Path(data_dir) / entry["file"]
     if not path.is_file():
@@ -52,10 +52,22 @@ def _read_shard(data_dir, entry, image_shape, start=0, stop=None):
                 raise HpctrainError(
                     f"{path}: bad shard: expected uint8 images {(n, *image_shape)} and "
                     f"labels {(n,)}, found {_describe(images)} and {_describe(labels)}")
-            return images[start:stop], labels[start:stop]
+            x, y = images[start:stop], labels[start:stop]
     except OSError as e:
         raise HpctrainError(f"{path}: unreadable HDF5 shard ({e}); prepare again "
                             f"with --force") from None
+    _check_labels(path, y, num_classes, start)
+    return x, y
+
+
+def _check_labels(path, labels, num_classes, start):
+    # A label past num_classes would index past the model's outputs (or,
+    # through NumPy's negative indexing, silently train the wrong class).
+    bad = np.flatnonzero(labels >= num_classes)
+    if len(bad):
+        raise HpctrainError(f"{path}: label {int(labels[bad[0]])} in row {start + int(bad[0])} "
+                            f"is not below the manifest's num_classes {num_classes}; "
+                            f"prepare again with --force")
 
 
 def _describe(obj):
@@ -119,7 +131,7 @@ class ShardReader:
             raise HpctrainError(f"{self.data_dir}: more workers ({self.num_workers}) than "
                                 f"training samples ({total})")
         reads = _worker_reads(shards, self.worker, self.num_workers)
-        self._load(reads, shape)
+        self._load(reads, shape, self.num_classes)
         self.files = [entry["file"] for entry, _, _ in reads]
         self.num_samples = len(self.labels)
         if self.num_samples == 0:
@@ -136,7 +148,7 @@ class ShardReader:
         self._x = np.empty((self.batch_size, self.num_features), np.float32)
         self._y = np.empty(self.batch_size, np.int64)
 
-    def _load(self, reads, shape):
+    def _load(self, reads, shape, num_classes):
         # Read each part straight into its place: peak memory is the worker's
         # data plus one part, not twice the data.
         count = sum(stop - start for _, start, stop in reads)
@@ -144,7 +156,7 @@ class ShardReader:
         self.labels = np.empty(count, np.int64)
         at = 0
         for entry, start, stop in reads:
-            x, y = _read_shard(self.data_dir, entry, shape, start, stop)
+            x, y = _read_shard(self.data_dir, entry, shape, num_classes, start, stop)
             self.images[at: at + len(x)] = x.reshape(len(x), -1)
             self.labels[at: at + len(y)] = y
             at += len(x)
@@ -208,7 +220,7 @@ def load_test(data_dir, part=0, parts=1, raw=False):
         n = entry["num_samples"]
         start, stop = max(lo - at, 0), min(hi - at, n)
         if start < stop:
-            x, y = _read_shard(data_dir, entry, shape, start, stop)
+            x, y = _read_shard(data_dir, entry, shape, manifest["num_classes"], start, stop)
             x = x.reshape(len(x), -1)
             xs.append(x if raw else _to_float(x))
             ys.append(y.astype(np.int64))
