@@ -574,6 +574,19 @@ def test_labels_beyond_num_classes_are_refused_naming_the_shard(numbered, tmp_pa
             read()
 
 
+def test_manifest_sizes_are_checked_against_the_shards_before_allocating(numbered, tmp_path):
+    # Found by tests/test_data_properties.py: image_shape [10**6, 10**6] made
+    # ShardReader allocate 43.7 TiB (MemoryError traceback) before it opened a shard.
+    out = copy_shards(numbered, tmp_path / "shards")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["image_shape"] = [10 ** 6, 10 ** 6]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    for read in (lambda: data.ShardReader(out, 0, 1, 16, seed=0), lambda: data.load_test(out)):
+        with pytest.raises(HpctrainError, match=r"-of-0000\d.h5: bad shard: expected uint8 "
+                                                r"images \(\d+, 1000000, 1000000\)"):
+            read()
+
+
 def test_prepare_checks_the_arrays_fit_their_manifest(tmp_path):
     ok = numbered_images(4), np.arange(4, dtype=np.uint8)
     paths = {"images": tmp_path / "i", "labels": tmp_path / "l"}

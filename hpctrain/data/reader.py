@@ -11,6 +11,7 @@ No MPI here (house rule): callers pass worker numbers, not ranks.
     python -c "from hpctrain.data import ShardReader; print(ShardReader('data/mnist', 0, 1, 64, 0).num_samples)"
 """
 
+import math
 from pathlib import Path
 
 import h5py
@@ -30,8 +31,10 @@ def _open_h5(path):
         return h5py.File(path, "r")
 
 
-def _read_shard(data_dir, entry, image_shape, num_classes, start=0, stop=None):
-    """Rows [start, stop) of one shard, after checking it against the manifest."""
+def _verify_shard(data_dir, entry, image_shape):
+    """The shard's path, once it matches the manifest: present, its sha256,
+    uint8 images and labels of the listed shapes. Nothing is allocated before
+    this, because the sizes come from the manifest, which is input too."""
     path = Path(data_dir) / entry["file"]
     if not path.is_file():
         raise HpctrainError(f"{path}: missing shard (listed in {MANIFEST}); prepare again "
@@ -41,7 +44,6 @@ def _read_shard(data_dir, entry, image_shape, num_classes, start=0, stop=None):
         raise HpctrainError(f"{path}: corrupt shard (sha256 {got[:12]}..., manifest says "
                             f"{entry['sha256'][:12]}...); prepare again with --force")
     n = entry["num_samples"]
-    stop = n if stop is None else stop
     try:
         with _open_h5(path) as f:
             images, labels = f.get("images"), f.get("labels")
@@ -52,12 +54,31 @@ def _read_shard(data_dir, entry, image_shape, num_classes, start=0, stop=None):
                 raise HpctrainError(
                     f"{path}: bad shard: expected uint8 images {(n, *image_shape)} and "
                     f"labels {(n,)}, found {_describe(images)} and {_describe(labels)}")
-            x, y = images[start:stop], labels[start:stop]
     except OSError as e:
-        raise HpctrainError(f"{path}: unreadable HDF5 shard ({e}); prepare again "
-                            f"with --force") from None
+        raise _unreadable(path, e) from None
+    return path
+
+
+def _read_rows(path, start, stop, num_classes):
+    """Rows [start, stop) of a verified shard, its labels checked."""
+    try:
+        with _open_h5(path) as f:
+            x, y = f["images"][start:stop], f["labels"][start:stop]
+    except OSError as e:
+        raise _unreadable(path, e) from None
     _check_labels(path, y, num_classes, start)
     return x, y
+
+
+def _read_shard(data_dir, entry, image_shape, num_classes, start=0, stop=None):
+    """Rows [start, stop) of one shard, after checking it against the manifest."""
+    path = _verify_shard(data_dir, entry, image_shape)
+    stop = entry["num_samples"] if stop is None else stop
+    return _read_rows(path, start, stop, num_classes)
+
+
+def _unreadable(path, e):
+    return HpctrainError(f"{path}: unreadable HDF5 shard ({e}); prepare again with --force")
 
 
 def _check_labels(path, labels, num_classes, start):
@@ -123,7 +144,7 @@ class ShardReader:
 
         manifest = load_manifest(self.data_dir)
         shape = tuple(manifest["image_shape"])
-        self.num_features = int(np.prod(shape))
+        self.num_features = math.prod(shape)
         self.num_classes = int(manifest["num_classes"])
         shards = manifest["train"]["shards"]
         total = manifest["train"]["num_samples"]
@@ -149,14 +170,21 @@ class ShardReader:
         self._y = np.empty(self.batch_size, np.int64)
 
     def _load(self, reads, shape, num_classes):
-        # Read each part straight into its place: peak memory is the worker's
-        # data plus one part, not twice the data.
+        # Every shard matches the manifest before the manifest's sizes are
+        # allocated. Then each part is read straight into its place: peak
+        # memory is the worker's data plus one part, not twice the data.
+        paths = [_verify_shard(self.data_dir, entry, shape) for entry, _, _ in reads]
         count = sum(stop - start for _, start, stop in reads)
-        self.images = np.empty((count, self.num_features), np.uint8)
-        self.labels = np.empty(count, np.int64)
+        try:
+            self.images = np.empty((count, self.num_features), np.uint8)
+            self.labels = np.empty(count, np.int64)
+        except (MemoryError, ValueError):
+            raise HpctrainError(f"{self.data_dir}: worker {self.worker}'s part ({count} samples "
+                                f"of {self.num_features} values) does not fit in memory; use "
+                                f"more workers") from None
         at = 0
-        for entry, start, stop in reads:
-            x, y = _read_shard(self.data_dir, entry, shape, num_classes, start, stop)
+        for path, (_, start, stop) in zip(paths, reads):
+            x, y = _read_rows(path, start, stop, num_classes)
             self.images[at: at + len(x)] = x.reshape(len(x), -1)
             self.labels[at: at + len(y)] = y
             at += len(x)
@@ -211,7 +239,7 @@ def load_test(data_dir, part=0, parts=1, raw=False):
                             f"got part={part!r}, parts={parts!r}")
     manifest = load_manifest(data_dir)
     shape = tuple(manifest["image_shape"])
-    features = int(np.prod(shape))
+    features = math.prod(shape)
     b = _bounds(manifest["test"]["num_samples"], parts)
     lo, hi = b[part], b[part + 1]
     xs, ys = [np.empty((0, features), np.uint8 if raw else np.float32)], [np.empty(0, np.int64)]
