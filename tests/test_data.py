@@ -10,6 +10,7 @@ import functools
 import gzip
 import hashlib
 import http.server
+import importlib
 import json
 import os
 import shutil
@@ -25,6 +26,10 @@ import pytest
 
 from hpctrain import data
 from hpctrain.errors import HpctrainError
+
+# The module, not the function of the same name that hpctrain.data re-exports
+# (`import hpctrain.data.prepare as m` would bind the function).
+prepare_mod = importlib.import_module("hpctrain.data.prepare")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -186,6 +191,78 @@ def test_read_idx_missing_file(tmp_path):
         data.read_idx(tmp_path / "nothing.gz")
 
 
+def read_idx_peak(path, kind=None):
+    """read_idx's HpctrainError and the peak Python/NumPy memory it took."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        with pytest.raises(HpctrainError) as e:
+            data.read_idx(path, kind)
+        return str(e.value), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_idx_lying_header_is_refused_before_allocating(tmp_path, gz):
+    # 80 million images claimed (62.7 GB), ten present: one line, a few MB at most.
+    lie = struct.pack(">BBBBIII", 0, 0, 8, 3, 80_000_000, 28, 28) + numbered_images(10).tobytes()
+    path = tmp_path / ("images.gz" if gz else "images")
+    path.write_bytes(gzip.compress(lie) if gz else lie)
+    message, peak = read_idx_peak(path, "images")
+    if gz:
+        size = path.stat().st_size
+        assert message == (f"{path}: corrupt IDX header (claims 80000000x28x28 = 62720000000 "
+                           f"data bytes; {size} bytes of gzip hold at most {size * 1032})")
+    else:
+        assert message == (f"{path}: truncated (header says 80000000x28x28 = 62720000000 data "
+                           f"bytes, file has 7840)")
+    assert peak < 4 << 20, peak
+
+
+def test_read_idx_gzip_grows_with_the_data_not_the_header(tmp_path):
+    # Incompressible data, so the claim passes the compression-ratio bound:
+    # the reader must find the lie by reading, holding no more than it read.
+    payload = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8).tobytes()
+    path = tmp_path / "labels.gz"
+    path.write_bytes(gzip.compress(struct.pack(">BBBBI", 0, 0, 8, 1, 150_000_000) + payload))
+    message, peak = read_idx_peak(path, "labels")
+    assert message == (f"{path}: truncated (header says 150000000 = 150000000 data bytes, "
+                       f"file has 200000)")
+    assert peak < 8 << 20, peak
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_idx_zero_or_too_many_dimensions(tmp_path, gz):
+    cases = [(struct.pack(">BBBBIII", 0, 0, 8, 3, 10, 0, 28), "claims 10x0x28 elements; no "
+                                                               "dimension may be 0"),
+             (struct.pack(">BBBBI", 0, 0, 8, 1, 0), "claims 0 elements; no dimension may be 0"),
+             (struct.pack(">BBBB5I", 0, 0, 8, 5, 1, 1, 1, 1, 1) + b"\1",
+              "5 dimensions, hpctrain reads at most 4"),
+             (struct.pack(">BBBB", 0, 0, 8, 255) + b"\1" * 1020,
+              "255 dimensions, hpctrain reads at most 4")]
+    for i, (blob, problem) in enumerate(cases):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(gzip.compress(blob) if gz else blob)
+        with pytest.raises(HpctrainError) as e:
+            data.read_idx(path)
+        assert str(e.value) == f"{path}: corrupt IDX header ({problem})"
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_cli_lying_idx_header_is_one_line_exit_2(tmp_path, gz):
+    src = tmp_path / "src"
+    src.mkdir()
+    lie = struct.pack(">BBBBIII", 0, 0, 8, 3, 80_000_000, 28, 28) + numbered_images(10).tobytes()
+    images = src / ("images-idx3-ubyte.gz" if gz else "images-idx3-ubyte")
+    images.write_bytes(gzip.compress(lie) if gz else lie)
+    write_idx(src / "labels-idx1-ubyte", np.zeros(10))
+    r = run_cli("prepare", "--source", src, "--out", tmp_path / "out")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"hpctrain: error: {images}: ") and r.stderr.count("\n") == 1
+    assert "80000000x28x28" in r.stderr and not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------
 # prepare
 
@@ -308,7 +385,7 @@ def test_failed_prepare_leaves_nothing(tmp_path, monkeypatch):
     # A failure half-way through writing shards must not leave them either.
     good = make_single_source(tmp_path / "good", n=100)
     calls = []
-    real = data._write_shard
+    real = prepare_mod._write_shard
 
     def failing(path, *args):
         calls.append(path)
@@ -316,7 +393,7 @@ def test_failed_prepare_leaves_nothing(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         real(path, *args)
 
-    monkeypatch.setattr(data, "_write_shard", failing)
+    monkeypatch.setattr(prepare_mod, "_write_shard", failing)
     with pytest.raises(HpctrainError, match="out: cannot write shards .*No space left"):
         data.prepare(good, out, shards=4, log=quiet)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "src"]
@@ -467,6 +544,87 @@ def test_unreadable_or_misshapen_shard_is_refused(numbered, tmp_path):
     replace(1, wrong_shape)
     with pytest.raises(HpctrainError, match="train-00001-of-00008.h5: bad shard"):
         data.ShardReader(out, 1, 8, 16, seed=0)
+
+
+def test_labels_beyond_num_classes_are_refused_naming_the_shard(numbered, tmp_path):
+    import h5py
+    out = copy_shards(numbered, tmp_path / "shards")
+    manifest = json.loads((out / "manifest.json").read_text())
+    # A shard whose labels the manifest does not cover, with a matching sha256.
+    entry = manifest["train"]["shards"][2]
+    path = out / entry["file"]
+    with h5py.File(path, "r+") as f:
+        labels = f["labels"][:]
+        labels[7] = 12
+        f["labels"][:] = labels
+    entry["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(HpctrainError) as e:
+        data.ShardReader(out, 2, 8, 16, seed=0)
+    assert str(e.value) == (f"{path}: label 12 in row 7 is not below the manifest's num_classes "
+                            f"10; prepare again with --force")
+    assert e.value.exit_code == 2
+    assert data.ShardReader(out, 1, 8, 16, seed=0).num_samples > 0   # other shards still open
+    # A manifest claiming fewer classes than its shards hold: the same, test set too.
+    manifest["num_classes"] = 5
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    for read in (lambda: data.ShardReader(out, 0, 8, 16, seed=0), lambda: data.load_test(out)):
+        with pytest.raises(HpctrainError, match=r"-of-0000\d.h5: label [5-9] in row \d+ is not "
+                                                r"below the manifest's num_classes 5"):
+            read()
+
+
+def test_manifest_sizes_are_checked_against_the_shards_before_allocating(numbered, tmp_path):
+    # Found by tests/test_data_properties.py: image_shape [10**6, 10**6] made
+    # ShardReader allocate 43.7 TiB (MemoryError traceback) before it opened a shard.
+    out = copy_shards(numbered, tmp_path / "shards")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["image_shape"] = [10 ** 6, 10 ** 6]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    for read in (lambda: data.ShardReader(out, 0, 1, 16, seed=0), lambda: data.load_test(out)):
+        with pytest.raises(HpctrainError, match=r"-of-0000\d.h5: bad shard: expected uint8 "
+                                                r"images \(\d+, 1000000, 1000000\)"):
+            read()
+
+
+def test_prepare_checks_the_arrays_fit_their_manifest(tmp_path):
+    ok = numbered_images(4), np.arange(4, dtype=np.uint8)
+    paths = {"images": tmp_path / "i", "labels": tmp_path / "l"}
+
+    def check(train, test=ok, classes=4):
+        with pytest.raises(HpctrainError) as e:
+            prepare_mod._check_fits({"train": (*train, None), "test": (*test, None)}, classes,
+                                    paths)
+        return str(e.value)
+
+    prepare_mod._check_fits({"train": (*ok, None), "test": (*ok, None)}, 4, paths)
+    prepare_mod._check_fits({"train": (np.zeros((2, 4, 4, 3), np.uint8), ok[1][:2], None),
+                             "test": (np.zeros((0, 4, 4, 3), np.uint8), ok[1][:0], None)}, 4, paths)
+    assert check((ok[0].astype(np.float32), ok[1])) == (
+        "i, l: train images must be uint8 of 2 or 3 dimensions each, got float32 (4, 28, 28)")
+    assert "got uint8 (4, 784)" in check((ok[0].reshape(4, -1), ok[1]))
+    assert check(ok, (numbered_images(2)[:, :14], ok[1][:2])) == (
+        "i, l: test images are (14, 28), training images are (28, 28)")
+    assert check(ok, classes=3) == "i, l: train labels must be uint8 below 3, got uint8 (4,)"
+
+
+def test_model_fit_problem(bundled):
+    from hpctrain import model
+    _, manifest = bundled
+    assert data.model_fit_problem(manifest) is None
+    assert data.model_fit_problem(manifest, model.INPUTS, model.CLASSES) is None
+    wide = dict(manifest, image_shape=[32, 32, 3])
+    assert data.model_fit_problem(wide) == ("images are 32x32x3 = 3072 values, the model takes "
+                                            "784 inputs")
+    assert data.model_fit_problem(wide, in_features=3072) is None
+    many = dict(manifest, num_classes=47)
+    assert data.model_fit_problem(many) == ("47 classes (labels 0..46), the model has 10 "
+                                            "outputs (labels 0..9)")
+    assert data.model_fit_problem(many, num_classes=47) is None
+    assert data.model_fit_problem(dict(manifest, num_classes=2)) is None   # fewer is fine
+    assert data.model_fit_problem(dict(manifest, image_shape=[784])) is None
+    assert data.model_fit_problem(dict(manifest, image_shape=[])) == (
+        "bad manifest: image_shape must be a list of positive integers, got []")
 
 
 def test_missing_shard_or_manifest(numbered, tmp_path):

@@ -60,11 +60,28 @@ def test_evaluate_counts_correct_and_loss():
     m = MLP((8,))
     m.init(0)
     rng = np.random.default_rng(1)
-    x, y = rng.random((2500, 784)).astype(np.float32), rng.integers(0, 10, 2500)
+    x = rng.random((2500, 784)).astype(np.float32)
+    # The predictions, by an independent forward pass in float64: ReLU between layers.
+    a = x.astype(np.float64)
+    for i, (W, b) in enumerate(zip(m.W, m.b)):
+        a = a @ W.astype(np.float64) + b
+        if i < len(m.W) - 1:
+            a = np.maximum(a, 0)
+    predicted = a.argmax(axis=1)
+    top2 = np.sort(a, axis=1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0]).min() > 1e-5   # no near-tie float32 could flip
+    # Labels right for a known 1234 samples (spread over every batch), wrong for the rest.
+    right = rng.permutation(2500)[:1234]
+    y = (predicted + 1 + rng.integers(0, 9, 2500)) % 10
+    y[right] = predicted[right]
     loss_sum, correct = m.evaluate(x, y, batch=1000)
     loss = float(m.forward_backward(x, y))
     assert abs(loss_sum / 2500 - loss) < 1e-4
-    assert 0 <= correct <= 2500
+    assert correct == 1234
+    # uint8 pixels are scaled the same way as the floats they stand for.
+    pixels = rng.integers(0, 256, (300, 784), dtype=np.uint8)
+    assert m.evaluate(pixels, y[:300], batch=128)[1] == m.evaluate(
+        (pixels / np.float32(255)).astype(np.float32), y[:300], batch=128)[1]
 
 
 def test_init_is_deterministic_and_he_scaled():

@@ -84,3 +84,16 @@ def test_manifest_that_is_not_an_object(shards, tmp_path):
         (d / data.MANIFEST).write_text(text)
         with pytest.raises(HpctrainError, match="not an hpctrain shard manifest"):
             data.load_manifest(d)
+
+
+def test_labels_beyond_the_manifests_classes_end_the_job_with_one_line(shards, tmp_path, job):
+    # Shards with labels 0..9 under a manifest that says 4 classes: before any
+    # step, one line naming a shard on the whole job, exit 2.
+    d = edited(shards, tmp_path / "d", lambda m: m.update(num_classes=4))
+    r = job(2, "--data", d, "--steps", "5", "--save", tmp_path / "p.h5", timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"hpctrain: error: {d}/train-0000") and (
+        "is not below the manifest's num_classes 4; prepare again with --force" in lines[0])
+    assert not (tmp_path / "p.h5").exists()

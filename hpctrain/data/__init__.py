@@ -1,0 +1,35 @@
+"""MNIST-style data for hpctrain: IDX reader, HDF5 shard writer, per-worker shard reader.
+
+Turn IDX files into class-balanced HDF5 shards once, then let each worker read
+only its own shards (or its own slice of one shard) while training:
+
+    python -m hpctrain.data prepare --source data/mnist-5k --out data/mnist --shards 8
+    python -m hpctrain.data fetch --dataset mnist --out data/raw/mnist
+    python -m hpctrain.data prepare --source data/raw/mnist --out data/mnist --force
+
+In code: `ShardReader(dir, worker, num_workers, batch_size, seed).next_batch()`
+for training batches, `load_test(dir, part, parts)` for a rank's share of the
+test set. No MPI here (house rule): callers pass worker numbers, not ranks.
+
+One job per module:
+    idx.py       IDX files (raw or gzip) -> uint8 arrays
+    prepare.py   IDX -> class-balanced HDF5 shards + manifest.json, atomically
+    fetch.py     download the standard .gz files, verify their MD5
+    manifest.py  format constants, paths, load_manifest and its structure check
+    reader.py    ShardReader (training batches), load_test (test set parts)
+    __main__.py  the command line (python -m hpctrain.data prepare|fetch)
+"""
+
+from .fetch import MD5, MIRRORS, STANDARD_FILES, fetch
+from .idx import read_idx
+from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, bundled_sample_dir, default_data_dir,
+                       is_prepared, load_manifest, model_fit_problem, repo_root, shard_name)
+from .prepare import prepare
+from .reader import ShardReader, load_test
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "MANIFEST", "MD5", "MIRRORS", "STANDARD_FILES",
+    "ShardReader", "bundled_sample_dir", "default_data_dir", "fetch", "is_prepared",
+    "load_manifest", "load_test", "model_fit_problem", "prepare", "read_idx", "repo_root",
+    "shard_name",
+]

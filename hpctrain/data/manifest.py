@@ -1,0 +1,153 @@
+"""The shard directory's contract: where it lives, what manifest.json must hold.
+
+prepare.py writes a directory of HDF5 shards plus manifest.json; reader.py
+opens it. This module is what both agree on: the format constants, the paths
+(default_data_dir, bundled_sample_dir, shard_name), and load_manifest, which
+checks the manifest's structure before any file it names is opened.
+
+    python -c "from hpctrain.data import load_manifest; print(load_manifest('data/mnist'))"
+
+No MPI here (house rule).
+"""
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+from hpctrain.errors import HpctrainError
+
+FORMAT = "hpctrain-shards"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+_PREPARE_HINT = "python -m hpctrain.data prepare --source data/mnist-5k --out DIR"
+
+
+# ---------------------------------------------------------------------------
+# Paths
+
+def repo_root():
+    # hpctrain/data/manifest.py -> the repository holding hpctrain/.
+    return Path(__file__).resolve().parent.parent.parent
+
+
+def default_data_dir():
+    """Where training looks for shards unless told otherwise: <repo>/data/mnist."""
+    return repo_root() / "data" / "mnist"
+
+
+def bundled_sample_dir():
+    """The real 5,000-image MNIST sample shipped with the repository."""
+    return repo_root() / "data" / "mnist-5k"
+
+
+def is_prepared(data_dir):
+    return (Path(data_dir) / MANIFEST).is_file()
+
+
+def shard_name(split, index, count):
+    return f"{split}-{index:05d}-of-{count:05d}.h5"
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# manifest.json
+
+def load_manifest(data_dir):
+    """The manifest of a prepared directory, with a clear error if there is none."""
+    data_dir = Path(data_dir)
+    path = data_dir / MANIFEST
+    if not data_dir.is_dir():
+        raise HpctrainError(f"{data_dir}: no such directory; prepare shards first: "
+                            f"{_PREPARE_HINT}")
+    if not path.is_file():
+        raise HpctrainError(f"{path}: missing, {data_dir} is not a prepared shard directory; "
+                            f"prepare it: {_PREPARE_HINT}")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise HpctrainError(f"{path}: unreadable ({e}); prepare again with --force") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise HpctrainError(f"{path}: not an hpctrain shard manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise HpctrainError(f"{path}: manifest version {manifest.get('version')}, this "
+                            f"hpctrain reads version {FORMAT_VERSION}; prepare again with --force")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise HpctrainError(f"{path}: bad manifest: {problem}; prepare again with --force")
+    return manifest
+
+
+def _is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _manifest_problem(manifest):
+    """What is wrong with a manifest's structure (None if nothing): the keys
+    and types the readers use, and shard names confined to the data
+    directory. The manifest is input like any other file: a name such as
+    ../../etc/passwd or /scratch/other/train.h5 must never be opened."""
+    shape = manifest.get("image_shape")
+    if not (isinstance(shape, list) and shape and all(_is_count(d) and d > 0 for d in shape)):
+        return f"image_shape must be a list of positive integers, got {shape!r}"
+    classes = manifest.get("num_classes")
+    if not (_is_count(classes) and classes > 0):
+        return f"num_classes must be a positive integer, got {classes!r}"
+    for split in ("train", "test"):
+        problem = _split_problem(manifest.get(split), split)
+        if problem:
+            return problem
+    return None
+
+
+def _split_problem(part, split):
+    """What is wrong with manifest[split] (None if nothing)."""
+    if not isinstance(part, dict) or not isinstance(part.get("shards"), list):
+        return f"'{split}' must hold a list of shards"
+    if split == "train" and not part["shards"]:
+        return "no training shards"
+    for entry in part["shards"]:
+        if not isinstance(entry, dict):
+            return f"a {split} shard entry is {type(entry).__name__}, not an object"
+        name = entry.get("file")
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name \
+                or "\\" in name or "\0" in name:
+            return f"shard file {name!r} is not a plain file name in the data directory"
+        if not _is_count(entry.get("num_samples")):
+            return f"{name}: num_samples must be a non-negative integer"
+        if not isinstance(entry.get("sha256"), str):
+            return f"{name}: sha256 missing"
+    total = sum(e["num_samples"] for e in part["shards"])
+    if part.get("num_samples") != total:
+        return f"{split} num_samples {part.get('num_samples')!r}, its shards hold {total}"
+    return None
+
+
+def model_fit_problem(manifest, in_features=784, num_classes=10):
+    """Why a model of in_features inputs and num_classes outputs cannot train
+    on this data (one line), or None if it can. The defaults are hpctrain's
+    MLP (model.INPUTS, model.CLASSES); the session passes them at start-up,
+    so a mismatch is one line before the first step, not a shape error or a
+    label that indexes past the logits half-way through."""
+    problem = _manifest_problem(manifest)
+    if problem:
+        return f"bad manifest: {problem}"
+    shape = manifest["image_shape"]
+    features = math.prod(shape)
+    if features != in_features:
+        return (f"images are {'x'.join(map(str, shape))} = {features} values, the model "
+                f"takes {in_features} inputs")
+    classes = manifest["num_classes"]
+    if classes > num_classes:
+        return (f"{classes} classes (labels 0..{classes - 1}), the model has "
+                f"{num_classes} outputs (labels 0..{num_classes - 1})")
+    return None

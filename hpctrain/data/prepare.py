@@ -1,0 +1,326 @@
+"""IDX files -> class-balanced HDF5 shards + manifest.json, written atomically.
+
+    python -m hpctrain.data prepare --source data/mnist-5k --out data/mnist --shards 8
+
+or in code `prepare(source, out, shards=8)`, which returns the manifest. The
+source is either the standard train-/t10k- quartet (its split is kept) or one
+images/labels pair (split here, stratified by class). Every shard gets every
+class (the stratified deal), and everything is written to a temporary sibling
+of --out and renamed into place, so --out is either complete or untouched.
+No MPI here (house rule).
+"""
+
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hpctrain.errors import HpctrainError
+
+from .idx import read_idx
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, shard_name
+
+# Rows per HDF5 chunk: ~800 KB of 28x28 images, under HDF5's 1 MiB default
+# chunk cache, and small enough that a worker's hyperslab reads little extra.
+_CHUNK_ROWS = 1024
+
+_STANDARD_RE = re.compile(r"^(train|t10k)-(images|labels)[-.](idx[13])-ubyte(\.gz)?$")
+
+
+# ---------------------------------------------------------------------------
+# Finding and reading the source
+
+def _find_source_files(source):
+    if not source.exists():
+        raise HpctrainError(f"{source}: no such directory")
+    if not source.is_dir():
+        raise HpctrainError(f"{source}: not a directory (expected a directory of IDX files)")
+    # Prefer foo.gz over foo when both exist: .gz is what fetch verified.
+    by_stem = {}
+    for p in sorted(source.iterdir()):
+        if p.is_file():
+            stem = p.name[:-3] if p.name.endswith(".gz") else p.name
+            if stem not in by_stem or p.name.endswith(".gz"):
+                by_stem[stem] = p
+    files = sorted(by_stem.values())
+
+    standard = {}
+    for p in files:
+        m = _STANDARD_RE.match(p.name)
+        if m and (m.group(2) == "images") == (m.group(3) == "idx3"):
+            split = "train" if m.group(1) == "train" else "test"
+            standard[f"{split}_{m.group(2)}"] = p
+    if len(standard) == 4:
+        return "standard", standard
+
+    images = [p for p in files if "images" in p.name and "idx3" in p.name]
+    labels = [p for p in files if "labels" in p.name and "idx1" in p.name]
+    if len(images) == 1 and len(labels) == 1:
+        return "single", {"images": images[0], "labels": labels[0]}
+    found = ", ".join(p.name for p in images + labels) or "none"
+    raise HpctrainError(
+        f"{source}: expected train-/t10k-images-idx3-ubyte[.gz] + -labels-idx1-ubyte[.gz] "
+        f"or exactly one *images*idx3* and one *labels*idx1* file (found: {found})")
+
+
+def _read_pair(images_path, labels_path):
+    images = read_idx(images_path, "images")
+    labels = read_idx(labels_path, "labels")
+    if images.ndim != 3:
+        raise HpctrainError(f"{images_path}: expected 3 dimensions (N, rows, cols), "
+                            f"got shape {images.shape}")
+    if labels.ndim != 1:
+        raise HpctrainError(f"{labels_path}: expected 1 dimension (N,), got shape {labels.shape}")
+    if len(images) != len(labels):
+        raise HpctrainError(f"{images_path}: {len(images)} images but {labels_path.name} "
+                            f"has {len(labels)} labels")
+    return images, labels
+
+
+def _load_split(layout, paths, shards, test_fraction, seed):
+    """((train_x, train_y, train_parts), (test_x, test_y, test_parts)): the
+    arrays of each split and, per shard, the positions into them it gets."""
+    if layout == "standard":
+        train_x, train_y = _read_pair(paths["train_images"], paths["train_labels"])
+        test_x, test_y = _read_pair(paths["test_images"], paths["test_labels"])
+        if train_x.shape[1:] != test_x.shape[1:]:
+            raise HpctrainError(f"{paths['test_images']}: images are {test_x.shape[1:]}, "
+                                f"training images are {train_x.shape[1:]}")
+        rng = np.random.default_rng(seed)
+        train_parts = _stratified_deal(train_y, np.arange(len(train_y)), shards, rng)
+        test_parts = [np.arange(len(test_y))]
+        return (train_x, train_y, train_parts), (test_x, test_y, test_parts)
+
+    images, labels = _read_pair(paths["images"], paths["labels"])
+    rng = np.random.default_rng(seed)
+    train_idx, test_idx = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        k = int(np.floor(len(idx) * test_fraction + 0.5))
+        test_idx.append(idx[:k])
+        train_idx.append(idx[k:])
+    train_idx, test_idx = np.concatenate(train_idx), np.concatenate(test_idx)
+    # Both splits index the same arrays; the parts keep them apart.
+    train_parts = _stratified_deal(labels, train_idx, shards, rng)
+    test_parts = [rng.permutation(test_idx)]
+    return (images, labels, train_parts), (images, labels, test_parts)
+
+
+def _check_fits(splits, num_classes, paths):
+    """The arrays fit the manifest they will be written with: uint8 images
+    of one 2-D or 3-D shape (rows, cols[, channels]) in both splits, uint8
+    labels below num_classes. The readers trust the manifest for all of it."""
+    shape = splits["train"][0].shape[1:]
+    source = ", ".join(p.name for p in paths.values())
+    for split, (x, y, _) in splits.items():
+        if x.dtype != np.uint8 or not 2 <= x.ndim - 1 <= 3 or 0 in x.shape[1:]:
+            raise HpctrainError(f"{source}: {split} images must be uint8 of 2 or 3 "
+                                f"dimensions each, got {x.dtype} {x.shape}")
+        if x.shape[1:] != shape:
+            raise HpctrainError(f"{source}: {split} images are {x.shape[1:]}, training "
+                                f"images are {shape}")
+        if y.dtype != np.uint8 or y.ndim != 1 or (len(y) and int(y.max()) >= num_classes):
+            raise HpctrainError(f"{source}: {split} labels must be uint8 below {num_classes}, "
+                                f"got {y.dtype} {y.shape}")
+
+
+def _stratified_deal(labels, index, shards, rng):
+    """Deal `index` (positions into labels) to shards, class by class, round-robin.
+
+    The deal continues where the previous class stopped, so shard sizes differ
+    by at most one overall and each class's count differs by at most one across
+    shards: a label-sorted source still gives every shard every class.
+    """
+    members = [[] for _ in range(shards)]
+    start = 0
+    for c in np.unique(labels[index]):
+        idx = rng.permutation(index[labels[index] == c])
+        slot = (start + np.arange(len(idx))) % shards
+        for s in range(shards):
+            members[s].append(idx[slot == s])
+        start = (start + len(idx)) % shards
+    return [rng.permutation(np.concatenate(m)) if m else np.empty(0, np.intp) for m in members]
+
+
+# ---------------------------------------------------------------------------
+# Writing shards and the manifest
+
+def _write_shard(path, images, labels, split, index, count):
+    rows = max(1, min(len(images), _CHUNK_ROWS))
+    # HDF5 refuses a chunk larger than a fixed-size dataset, even an empty one.
+    chunks = (rows,) + images.shape[1:] if len(images) else True
+    with h5py.File(path, "w") as f:
+        f.create_dataset("images", data=images, chunks=chunks,
+                         compression="gzip", compression_opts=4)
+        f.create_dataset("labels", data=labels, dtype=np.uint8)
+        f.attrs["split"] = split
+        f.attrs["shard"] = index
+        f.attrs["num_shards"] = count
+
+
+def _shard_entry(path, labels, num_classes):
+    return {
+        "file": path.name,
+        "num_samples": int(len(labels)),
+        "per_class": _per_class(labels, num_classes),
+        "bytes": path.stat().st_size,
+        "sha256": _sha256(path),
+    }
+
+
+def _per_class(labels, num_classes):
+    counts = np.bincount(labels, minlength=num_classes)
+    return {str(c): int(n) for c, n in enumerate(counts)}
+
+
+def _write_shards(tmp, splits, num_classes):
+    """Write every shard of every split into tmp; return their manifest entries."""
+    entries = {}
+    for split, (x, y, parts) in splits.items():
+        entries[split] = []
+        for i, part in enumerate(parts):
+            path = tmp / shard_name(split, i, len(parts))
+            _write_shard(path, x[part], y[part], split, i, len(parts))
+            entries[split].append(_shard_entry(path, y[part], num_classes))
+    return entries
+
+
+def _build_manifest(source, layout, paths, seed, test_fraction, splits, entries, num_classes):
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "source": {
+            "dir": str(source),
+            "layout": layout,
+            "files": [{"role": role, "name": p.name, "bytes": p.stat().st_size,
+                       "sha256": _sha256(p)} for role, p in paths.items()],
+        },
+        "seed": int(seed),
+        "test_fraction": float(test_fraction) if layout == "single" else None,
+        "image_shape": [int(d) for d in splits["train"][0].shape[1:]],
+        "dtype": "uint8",
+        "num_classes": num_classes,
+    }
+    for split, (_, y, parts) in splits.items():
+        all_idx = np.concatenate(parts) if parts else np.empty(0, np.intp)
+        manifest[split] = {
+            "num_samples": int(len(all_idx)),
+            "per_class": _per_class(y[all_idx], num_classes),
+            "shards": entries[split],
+        }
+    return manifest
+
+
+# ---------------------------------------------------------------------------
+# prepare
+
+def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=print):
+    """Write class-balanced HDF5 shards and manifest.json from IDX files; return the manifest.
+
+    source holds the standard train-/t10k- files (their split is kept,
+    test_fraction is ignored) or one images/labels pair, which is split here,
+    stratified by class. Everything is written to a temporary sibling of out
+    and renamed into place, so out is either complete or untouched.
+    """
+    log = log or (lambda *a: None)
+    source, out = Path(source), Path(out)
+    if out.is_symlink():
+        # Keep a data/mnist -> /scratch/... link pointing at the new shards.
+        out = out.resolve()
+    if not isinstance(shards, (int, np.integer)) or shards < 1:
+        raise HpctrainError(f"--shards must be a positive integer, got {shards!r}")
+    if not 0 <= test_fraction < 1:
+        raise HpctrainError(f"--test-fraction must be in [0, 1), got {test_fraction}")
+    _check_not_input(source, out)
+    _check_out(out, force)
+
+    layout, paths = _find_source_files(source)
+    train, test = _load_split(layout, paths, shards, test_fraction, seed)
+    splits = {"train": train, "test": test}
+    n_train = sum(len(p) for p in train[2])
+    if n_train < shards:
+        raise HpctrainError(f"{source}: {n_train} training samples, fewer than "
+                            f"--shards {shards}; use fewer shards")
+    num_classes = int(max(train[1].max(initial=0), test[1].max(initial=0))) + 1
+    _check_fits(splits, num_classes, paths)
+
+    tmp = _make_tmp(out)
+    try:
+        entries = _write_shards(tmp, splits, num_classes)
+        manifest = _build_manifest(source, layout, paths, seed, test_fraction, splits, entries,
+                                   num_classes)
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=2)
+            f.write("\n")
+        _install(tmp, out, force)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise HpctrainError(f"{out}: cannot write shards ({e})") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    sizes = [e["num_samples"] for e in entries["train"]]
+    log(f"prepared {out}: {n_train} training samples in {shards} shards "
+        f"({min(sizes)}-{max(sizes)} each), {manifest['test']['num_samples']} test samples, "
+        f"{num_classes} classes, from {layout} layout in {source}")
+    return manifest
+
+
+# ---------------------------------------------------------------------------
+# The output directory: checked first, replaced last
+
+def _check_not_input(source, out):
+    """--out must not be, or contain, --source: installing the shards replaces
+    out as a whole, and with --force that would delete the IDX files."""
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or dst in src.parents:
+        raise HpctrainError(f"--out {out} {'is' if dst == src else 'contains'} --source {source}: "
+                            f"preparing would replace the input files; write the shards elsewhere")
+
+
+def _check_out(out, force):
+    if out.exists() and not out.is_dir():
+        raise HpctrainError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise HpctrainError(f"{out}: already exists (use --force to overwrite)")
+
+
+def _make_tmp(out):
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # Not mkdtemp: its mode 0700 would survive the rename and hide the
+        # shards from other users; mkdir honours the umask.
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+    except OSError as e:
+        raise HpctrainError(f"{out}: cannot create output directory ({e})") from None
+    return tmp
+
+
+def _install(tmp, out, force):
+    _check_out(out, force)
+    old = None
+    if out.is_dir():
+        if any(out.iterdir()):
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(out, old)
+        else:
+            out.rmdir()
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if old is not None:
+            os.rename(old, out)
+        elif out.is_dir() and any(out.iterdir()):
+            # Another process prepared out between our check and this rename.
+            raise HpctrainError(f"{out}: already exists (use --force to overwrite)") from None
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
