@@ -11,6 +11,9 @@ every rank, never a rank left waiting in a collective.
 """
 import contextlib
 import functools
+import hashlib
+import json
+import os
 import signal
 import time
 
@@ -23,7 +26,7 @@ from .cli import validate
 from .cluster import Cluster, check_consistency
 from .comm import buffers
 from .errors import HpctrainError
-from .model import num_params
+from .model import CLASSES, INPUTS, num_params
 from .optim import learning_rate
 from .outputs import check_outputs
 from .stats import StepStats
@@ -108,6 +111,17 @@ def server_array_module(args):
     return xp
 
 
+def data_identity(data_dir):
+    """The data this rank trains on, as a digest of its manifest's content
+    (not its path: two paths may hold the same data, one path on two nodes
+    different data), after checking that the model can take it."""
+    manifest = data_mod.load_manifest(data_dir)
+    problem = data_mod.model_fit_problem(manifest, INPUTS, CLASSES)
+    if problem:
+        raise HpctrainError(f"{data_dir}: {problem}")
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def _nothing(*args):
     return None
 
@@ -185,6 +199,15 @@ class Session:
         # Before any training: a result that cannot be written would be lost.
         self.agreed(self.comm, check_outputs if self.chief else _nothing, args)
         self.data_dir = ensure_data(args, cluster, watchdog)
+        # The same data and the same checkpoint directory everywhere: a rank
+        # with another --checkpoint-dir would wait for checkpoints forever.
+        data = self.agreed(self.comm, data_identity, self.data_dir)
+        where = os.path.realpath(args.checkpoint_dir) if args.checkpoint_dir else "-"
+        if len(where) > 60:   # compared as 64-byte records: keep the end, hash the whole
+            where = hashlib.sha256(where.encode()).hexdigest()[:8] + "..." + where[-45:]
+        with watchdog.waiting("start-up (same data on every rank)", peer=None):
+            self.agreed(self.comm, check_consistency, self.comm,
+                        {"data (manifest digest)": data, "checkpoint_dir": where})
         self._test = None
 
     def agreed(self, comm, fn, *args):

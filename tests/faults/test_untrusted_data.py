@@ -97,3 +97,38 @@ def test_labels_beyond_the_manifests_classes_end_the_job_with_one_line(shards, t
     assert lines[0].startswith(f"hpctrain: error: {d}/train-0000") and (
         "is not below the manifest's num_classes 4; prepare again with --force" in lines[0])
     assert not (tmp_path / "p.h5").exists()
+
+
+def test_data_the_model_cannot_take_is_refused_at_start_up(shards, tmp_path, job):
+    # A manifest with 47 classes (EMNIST-like) for a 10-output model: one
+    # line naming the mismatch before any step, not a shape error mid-run.
+    d = edited(shards, tmp_path / "d", lambda m: m.update(num_classes=47))
+    r = job(2, "--data", d, "--steps", "5", timeout=60)
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "47 classes" in lines[0] and "the model has 10 outputs" in lines[0], lines
+    assert "step " not in r.stdout
+
+
+def test_ranks_on_different_data_or_checkpoint_dirs_are_refused(shards, tmp_path):
+    # Same content under another path is fine; other content is named, and so
+    # is a --checkpoint-dir that differs on one rank (before: a hang until the timeout).
+    import subprocess
+    import sys
+    from conftest import MPIRUN, REPO
+    from hpctrain.cluster import child_env
+    copy = tmp_path / "copy"
+    shutil.copytree(shards, copy)
+    other = edited(shards, tmp_path / "other", lambda m: m.update(seed=99))
+    py = [sys.executable, "-m", "hpctrain.mnist", "--steps", "3", "--hidden", "16", "--timeout", "20"]
+
+    def run(flags0, flags1):
+        return subprocess.run([MPIRUN, "-n", "1", *py, *flags0, ":", "-n", "1", *py, *flags1],
+                              capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
+    r = run(["--data", shards], ["--data", copy])
+    assert r.returncode == 0, r.stderr
+    r = run(["--data", shards], ["--data", other])
+    assert r.returncode == 2 and "ranks disagree on the job: data (manifest digest): rank 0 has" in r.stderr
+    r = run(["--data", shards, "--checkpoint-dir", tmp_path / "c0"],
+            ["--data", shards, "--checkpoint-dir", tmp_path / "c1"])
+    assert r.returncode == 2 and "checkpoint_dir: rank 0 has" in r.stderr, r.stderr
