@@ -8,6 +8,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1      # a bug: uncaught exception, traceback printed
 EXIT_BAD_INPUT = 2    # bad flag, file, data or cluster layout
 EXIT_TIMEOUT = 3      # a blocking wait passed --timeout; the message names the peer
+EXIT_DIVERGED = 4     # the loss or the parameters became inf/nan: no checkpoint of them, no requeue
 EXIT_PREEMPTED = 75   # SIGTERM/SIGUSR1: checkpoint written, requeue and --resume
 
 

@@ -24,6 +24,7 @@ Test hooks (environment variables, for the tests only):
   HPCTRAIN_TEST_HANG_PS=k:v            ps task k stops answering once its version reaches v
   HPCTRAIN_TEST_SIGNAL=i:n             worker i sends itself SIGUSR1 in its n-th step
 """
+import math
 import os
 import signal
 import sys
@@ -34,6 +35,7 @@ import numpy as np
 from .comm.ps import Client, Server, describe, place, summarize
 from .model import MLP
 from .optim import OnDevice, make_optimizer
+from .loop_ring import diverged
 from .report import Report, finish_everywhere
 from .resume import Checkpoints
 
@@ -197,6 +199,12 @@ def run_worker(session, checkpoints, comm, reader, resume):
         # (the servers' optimizer work is inside it).
         session.stats.record(t2 - t0, t1 - t0, t2 - t1, t2 - t1, 0.0, 0.0)
         losses.append(client.loss if a.sync else loss)
+        if not math.isfinite(losses[-1]):
+            # Sync: every worker sees the same aggregated loss and the chief says so;
+            # async: the worker whose own loss it is. Not agreed: the job is aborted.
+            error = diverged(client.version, losses[-1], chief or not a.sync)
+            error.collective = False
+            raise error
         step = client.version
         if step >= next_log or (client.stop and step != logged):
             # Sync: the chief's line (the mean loss of the aggregated workers, as

@@ -5,6 +5,7 @@ bucket's parameters updated right away. Chief-only work stands under
 
     mpirun -n 4 python -m hpctrain.mnist --steps 200
 """
+import math
 import time
 
 import numpy as np
@@ -13,6 +14,7 @@ from . import device, prefetch
 from .cluster import cores_available
 from .comm import buffers
 from .comm.fusion import FusedAllreduce
+from .errors import EXIT_DIVERGED, HpctrainError
 from .model import MLP, num_params
 from .optim import make_optimizer
 from .report import Report, finish_everywhere
@@ -34,6 +36,14 @@ def overlap_wanted(flag, xp, cluster):
     if flag != "auto":
         return flag == "on"
     return device.is_gpu(xp) or cores_available() >= 2 * cluster.local_size
+
+
+def diverged(step, loss, report):
+    """The error that ends a run whose loss became inf or nan (exit 4: a requeue
+    would only diverge again; the last checkpoint, if any, is from before)."""
+    return HpctrainError(f"the loss became {loss} at step {step}: training diverged (try a lower --lr "
+                         f"or --warmup-steps); no checkpoint of these parameters is written",
+                         exit_code=EXIT_DIVERGED, collective=True, report=report)
 
 
 def train_ring(session):
@@ -104,6 +114,10 @@ def train_ring(session):
                              fused.update_s)
         step += 1
         samples += args.batch_size * workers
+        # The summed loss is the same number on every rank, so all stop together.
+        # (Reading it costs no extra sync: the stop flag below is read anyway.)
+        if not math.isfinite(float(wire[WIRE_LOSS])):
+            raise diverged(step, float(wire[WIRE_LOSS]) / workers, chief)
         loss_sum += wire[WIRE_LOSS:WIRE_LOSS + 1]  # on the device: no sync per step
         loss_count += 1
         if step % args.log_every == 0 or step == args.steps:

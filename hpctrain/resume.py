@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checkpoint, device, settings
-from .errors import EXIT_PREEMPTED, HpctrainError
+from .errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 
 
 @dataclass
@@ -155,7 +155,11 @@ class Checkpoints:
 
         def chief_writes():
             device.synchronize(s.xp)
-            return checkpoint.save(a.checkpoint_dir, step, device.to_host(params),
+            host = device.to_host(params)
+            if not np.isfinite(host).all():   # a checkpoint to resume from must be worth resuming
+                raise HpctrainError(f"the parameters of step {step} are not finite: training diverged "
+                                    f"(try a lower --lr); no checkpoint written", exit_code=EXIT_DIVERGED)
+            return checkpoint.save(a.checkpoint_dir, step, host,
                                    {k: device.to_host(v) for k, v in optimizer_state.items()},
                                    optimizer_t, positions, settings.same_on_resume(a, c.num_workers),
                                    keep=a.keep_checkpoints,

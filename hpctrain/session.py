@@ -173,6 +173,9 @@ class Session:
         # (which stops and checkpoints) instead of killing the rank mid-collective.
         self.stop = StopSignal()
         self.stats = StepStats()
+        # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
+        # NumPy's warnings on every rank.
+        np.seterr(over="ignore", invalid="ignore", divide="ignore")
         self.args = args
         self.comm = MPI.COMM_WORLD
         self.watchdog = watchdog

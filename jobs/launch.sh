@@ -119,5 +119,7 @@ if [ "$rc" -eq "$EXIT_PREEMPTED" ] || { [ -n "$SIGNALED" ] && [ "$rc" -gt 128 ];
         "Resubmit with the same job name to continue."
     exit "$EXIT_PREEMPTED"
 fi
+# 4: the loss diverged (inf/nan); 2: bad input; 3: a rank stalled past --timeout.
+# None of them is requeued: the same run would fail the same way.
 say "hpctrain failed with exit code $rc"
 exit "$rc"
