@@ -27,12 +27,15 @@ from .resume import Checkpoints
 WIRE_LOSS, WIRE_STOP, WIRE_GRADS = 0, 1, 2
 
 
-def overlap_wanted(flag, xp, cluster):
+def overlap_wanted(flag, xp, cluster, thread_multiple=True):
     """--overlap auto: a communication thread pays only when a core is free to
     run it while backprop computes: always with a GPU doing the math, on CPUs
     only when this node has at least two cores per rank. (Measured on 2 cores,
     2 ranks: the thread's allreduce started only after backprop ended, and with
-    4 ranks the extra thread cost throughput.)"""
+    4 ranks the extra thread cost throughput.) Never without
+    MPI_THREAD_MULTIPLE: two threads would call MPI at once."""
+    if not thread_multiple:
+        return False
     if flag != "auto":
         return flag == "on"
     return device.is_gpu(xp) or cores_available() >= 2 * cluster.local_size
@@ -71,7 +74,7 @@ def train_ring(session):
         sync=lambda: device.synchronize(xp),
         on_reduced=lambda lo, hi: optimizer.update(model.params, model.grads, max(lo - WIRE_GRADS, 0),
                                                    hi - WIRE_GRADS),
-        overlap=overlap_wanted(args.overlap, xp, cluster),
+        overlap=overlap_wanted(args.overlap, xp, cluster, session.thread_multiple),
         timeline=timeline if timeline.enabled else None, watchdog=session.watchdog)
 
     # --- resume: every rank holds the whole state, so the chief's copy goes to all

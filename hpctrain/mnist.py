@@ -56,6 +56,14 @@ def train(args, process_note="", flag_error=None):
     watchdog = Watchdog(timeout, cluster.launcher_env()[0] or 0, abort=_exit_now)
     from .comm.start import start_mpi
     MPI = start_mpi(watchdog)   # numpy, BLAS and MPI start here
+    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        with watchdog.waiting("start-up (roll-call communicator)", peer=None):
+            watchdog.roll_call_on(MPI.COMM_WORLD)
+    else:
+        # The watchdog's thread must not call MPI then: it names whom it
+        # waited for and ends this process; the launcher takes the rest down.
+        watchdog.no_roll_call = "the culprit could not be determined: MPI gives less than MPI_THREAD_MULTIPLE"
+        watchdog.abort = _exit_now
     from .session import Session, agreed
     # The first collective of every rank: a flag bad on some ranks only (an
     # MPMD launch, a per-rank wrapper) ends every rank with its line, exit 2.

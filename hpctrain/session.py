@@ -193,6 +193,9 @@ class Session:
         plan = self.agreed(self.comm, buffers.exchange_plan, args, self.xp)
         device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(self.xp) else "", plan]))
         self.server_xp = self.agreed(self.comm, server_array_module, args)
+        self.thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        if not self.thread_multiple:
+            device_note += "; MPI gives less than MPI_THREAD_MULTIPLE: no communication thread (--overlap off)"
         self.timeline = Timeline(args.timeline if self.chief else None)
         self.chief_says(f"hpctrain: {args.mode} mode, world size {cluster.size} "
                         f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {self.device_name} "

@@ -49,3 +49,35 @@ def test_a_rank_stopped_at_start_up_ends_the_job(job):
     lines = errors(err)
     assert len(lines) == 1 and "giving up (--timeout 5)" in lines[0], err
     assert took < 30 and "step " not in out
+
+
+def stall(ranks, victim, flags, after_s=1.0):
+    """Start a job, SIGSTOP rank `victim` after_s seconds after it appears,
+    and return (returncode, stdout, stderr, seconds from the stop to the end)."""
+    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), *PY, *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+    try:
+        pid = rank_pid(proc, victim)
+        assert pid, f"rank {victim} not found"
+        time.sleep(after_s)
+        with Stopped(pid):
+            t0 = time.monotonic()
+            out, err = proc.communicate(timeout=90)
+            took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out, err, took
+
+
+def test_a_rank_stopped_mid_training_is_named_and_no_other(job):
+    # At 3 ranks every survivor ends up waiting for an innocent neighbour too;
+    # the roll call finds the one rank that does not answer. One line per job.
+    rc, out, err, took = stall(3, 2, ["--steps", "1000000", "--log-every", "1000000", "--hidden", "64",
+                                      "--timeout", "4"], after_s=3.0)
+    assert rc == 3, err
+    lines = errors(err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith("hpctrain: error: rank 2 stopped responding (no answer to a roll call"), lines
+    assert "--timeout 4" in lines[0] and "rank 0 stopped" not in lines[0] and "rank 1 stopped" not in lines[0]
+    assert took < 40
