@@ -120,6 +120,7 @@ def run_server(session, checkpoints, comm, placement):
                     replicas=replicas_to_aggregate(a, c.num_workers), max_staleness=a.max_staleness,
                     dc_lambda=a.dc_lambda, watchdog=session.watchdog,
                     stop_requested=lambda: session.stop.received, after_update=after_update)
+    session.stop.training = True   # the server loop takes stop requests from here on
     server.serve()
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
         checkpoints.preempted(c.comm, server.version)
@@ -171,6 +172,7 @@ def run_worker(session, checkpoints, comm, reader, resume):
     every = a.checkpoint_every if (checkpoints.enabled and chief) else 0
     next_checkpoint = (start // every + 1) * every if every else None
     t_loop = time.perf_counter()
+    session.stop.training = True   # a stop signal is taken by the next step from here on
     while not client.stop:
         with tl.span("data", cat="data"):
             x, y = reader.next_batch()

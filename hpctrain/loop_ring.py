@@ -96,6 +96,7 @@ def train_ring(session):
     loss_sum, loss_count = xp.zeros(1, np.float64), 0
     grad_scale = 1.0 / workers
     t_loop = time.perf_counter()
+    session.stop.training = True   # a stop signal is taken by the next step from here on
     while step < args.steps:
         with timeline.span("data", cat="data"):
             x, y = reader.next_batch()

@@ -50,7 +50,7 @@ class Checkpoints:
         s = self.session
         if not self.enabled:
             return None
-        ckpt = s.agreed(comm, self._chief_reads if s.chief else lambda: None)
+        ckpt = s.agreed(comm, self._chief_reads_bounded if s.chief else lambda: None)
         head = np.zeros(3, np.int64)
         if ckpt is not None:
             head[:] = 1, ckpt.step, ckpt.optimizer_t
@@ -61,6 +61,12 @@ class Checkpoints:
         self.saved_step = int(head[1])
         self.saved_path = ckpt.path if ckpt is not None else None
         return Resume(step=int(head[1]), optimizer_t=int(head[2]), checkpoint=ckpt)
+
+    def _chief_reads_bounded(self):
+        # A file system can hang (a dead NFS server, a FIFO): bounded like any wait.
+        with self.session.watchdog.waiting(f"reading checkpoints in {self.session.args.checkpoint_dir}",
+                                           peer="the file system"):
+            return self._chief_reads()
 
     def _chief_reads(self):
         a, c = self.session.args, self.session.cluster
@@ -159,11 +165,12 @@ class Checkpoints:
             if not np.isfinite(host).all():   # a checkpoint to resume from must be worth resuming
                 raise HpctrainError(f"the parameters of step {step} are not finite: training diverged "
                                     f"(try a lower --lr); no checkpoint written", exit_code=EXIT_DIVERGED)
-            return checkpoint.save(a.checkpoint_dir, step, host,
-                                   {k: device.to_host(v) for k, v in optimizer_state.items()},
-                                   optimizer_t, positions, settings.same_on_resume(a, c.num_workers),
-                                   keep=a.keep_checkpoints,
-                                   info=settings.recorded(a, c.size, c.num_workers))
+            with s.watchdog.waiting(f"writing a checkpoint in {a.checkpoint_dir}", peer="the file system"):
+                return checkpoint.save(a.checkpoint_dir, step, host,
+                                       {k: device.to_host(v) for k, v in optimizer_state.items()},
+                                       optimizer_t, positions, settings.same_on_resume(a, c.num_workers),
+                                       keep=a.keep_checkpoints,
+                                       info=settings.recorded(a, c.size, c.num_workers))
         with s.timeline.span("checkpoint", cat="checkpoint"):
             path = s.agreed(comm, chief_writes if s.chief else lambda: None)
         self.saved_step, self.saved_path = step, path

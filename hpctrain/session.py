@@ -25,7 +25,7 @@ from . import device, jobcheck, settings
 from .cli import validate
 from .cluster import Cluster, check_consistency
 from .comm import buffers
-from .errors import HpctrainError
+from .errors import EXIT_PREEMPTED, HpctrainError
 from .model import CLASSES, INPUTS, num_params
 from .optim import learning_rate
 from .outputs import check_outputs
@@ -66,17 +66,46 @@ def agreed(comm, fn, *args, watchdog=None, what=None):
 class StopSignal:
     """SIGTERM/SIGUSR1 (SLURM's pre-emption and time-limit warnings) set a flag
     that the next step carries to every rank, so all ranks stop after the same
-    step."""
+    step.
+
+    Python runs a signal handler only when the main thread gets back to Python
+    code, so a rank blocked inside MPI during start-up would never see it. The
+    signal's number is therefore also written to a pipe (set_wakeup_fd, done
+    in C at delivery), which the watchdog's thread reads: a signal that
+    arrives before training starts, and is not picked up by a first step
+    within START_GRACE_S, ends the job (exit 75) from that thread."""
+
+    START_GRACE_S = 5.0
 
     def __init__(self):
         self.received = None   # the signal's name, e.g. "SIGTERM"
         self.signum = 0
+        self.training = False  # set by the loops when the first step begins
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
+        self.wakeup_fd, write_fd = os.pipe()
+        os.set_blocking(self.wakeup_fd, False)
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._arrived = None
 
     def _handle(self, signum, frame):
         self.received = signal.Signals(signum).name
         self.signum = int(signum)
+
+    def overdue(self):
+        """Called by the watchdog's thread: the signal's name when a stop
+        signal arrived before training began and START_GRACE_S have passed."""
+        try:
+            data = os.read(self.wakeup_fd, 64)
+        except BlockingIOError:
+            data = b""
+        for num in data:
+            if num in (signal.SIGTERM, signal.SIGUSR1) and self._arrived is None:
+                self._arrived = (time.monotonic(), signal.Signals(num).name)
+        if self._arrived and not self.training and time.monotonic() - self._arrived[0] > self.START_GRACE_S:
+            return self._arrived[1]
+        return None
 
 
 def ensure_data(args, cluster, watchdog):
@@ -172,6 +201,7 @@ class Session:
         # First: a signal during start-up is then kept for the first step
         # (which stops and checkpoints) instead of killing the rank mid-collective.
         self.stop = StopSignal()
+        watchdog.also_watch(self._stopped_during_start_up)
         self.stats = StepStats()
         # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
         # NumPy's warnings on every rank.
@@ -219,6 +249,15 @@ class Session:
     def agreed(self, comm, fn, *args):
         """agreed() under this session's watchdog."""
         return agreed(comm, fn, *args, watchdog=self.watchdog)
+
+    def _stopped_during_start_up(self):
+        """For the watchdog's thread: the line and exit code when a stop signal
+        came during start-up and no first step took it (a rank is stuck)."""
+        name = self.stop.overdue()
+        if name is None:
+            return None
+        return (f"stopped by {name} during start-up, before the first step (a rank is stuck there); "
+                f"no new checkpoint: run the same command again to resume from the last one", EXIT_PREEMPTED)
 
     def chief_says(self, text):
         """A line on standard output from the chief; the other ranks stay quiet."""

@@ -61,11 +61,18 @@ class Watchdog:
         self.fired = None
         self._roll = None    # (communicator, numpy) once roll_call_on() was called
         self.no_roll_call = None   # why there is none, said in the line
+        self._watches = []
         self._lock = threading.Lock()
         period = min(1.0, max(0.05, self.timeout / 10))
         self._thread = threading.Thread(target=self._run, args=(period,), name="hpctrain-watchdog",
                                         daemon=True)
         self._thread.start()
+
+    def also_watch(self, check):
+        """check() is called by this thread a few times a second; when it
+        returns (line, exit code) the line is printed (by rank 0, or after a
+        moment by any rank) and the job aborted with that code."""
+        self._watches.append(check)
 
     def roll_call_on(self, comm):
         """Collective over comm: from now on an expired wait holds a roll call
@@ -82,6 +89,16 @@ class Watchdog:
         while True:
             time.sleep(period)
             self._answer_roll_calls()
+            for check in self._watches:
+                verdict = check()
+                if verdict:
+                    line, code = verdict
+                    if self.rank != 0:
+                        self._linger(1.0)   # rank 0 got the same signal, most likely: one line
+                    print(f"hpctrain: error: {line}", file=self._out, flush=True)
+                    self._linger(ABORT_GRACE_S)
+                    self.abort(code)
+                    return
             now = time.monotonic()
             for since, what, peer in list(self._waits.values()):
                 if now - since > self.timeout:

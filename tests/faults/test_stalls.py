@@ -81,3 +81,45 @@ def test_a_rank_stopped_mid_training_is_named_and_no_other(job):
     assert lines[0].startswith("hpctrain: error: rank 2 stopped responding (no answer to a roll call"), lines
     assert "--timeout 4" in lines[0] and "rank 0 stopped" not in lines[0] and "rank 1 stopped" not in lines[0]
     assert took < 40
+
+
+def hanging_checkpoint_dir(tmp_path):
+    """A checkpoint directory whose newest 'checkpoint' is a FIFO: opening it
+    blocks, as a file on a dead file server would."""
+    import os
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.mkfifo(ckpt / "ckpt-00000010.h5")
+    return ckpt
+
+
+def test_a_hanging_file_system_ends_the_job_within_the_deadline(job, tmp_path):
+    t0 = time.monotonic()
+    r = job(2, "--steps", "30", "--hidden", "16", "--timeout", "4", "--checkpoint-dir",
+            hanging_checkpoint_dir(tmp_path), timeout=90)
+    assert r.returncode == 3, r.stderr
+    lines = errors(r.stderr)
+    assert len(lines) == 1 and "for the file system (reading checkpoints in" in lines[0], r.stderr
+    assert time.monotonic() - t0 < 40 and "step " not in r.stdout
+
+
+def test_sigterm_stops_a_job_stuck_in_start_up(tmp_path):
+    # Stuck reading a checkpoint with a long --timeout: SIGTERM (what SLURM
+    # sends) must still end it, with exit 75 so the job script requeues it.
+    import signal
+    proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--steps", "30", "--hidden", "16", "--timeout", "300",
+                             "--checkpoint-dir", hanging_checkpoint_dir(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+    try:
+        assert rank_pid(proc, 1), "rank 1 not found"
+        time.sleep(4)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)   # Hydra forwards it to every rank
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err
+    lines = errors(err)
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: stopped by SIGTERM during start-up"), err
+    assert time.monotonic() - t0 < 20
