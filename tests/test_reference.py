@@ -50,7 +50,8 @@ RESUMED = {
 @pytest.fixture(scope="module")
 def pinned(tmp_path_factory):
     """The pinned commit's hpctrain/ package, extracted from git."""
-    if shutil.which("git") is None or not os.path.isdir(os.path.join(REPO, ".git")):
+    # .git is a directory in a clone and a file in a worktree (git worktree add)
+    if shutil.which("git") is None or not os.path.exists(os.path.join(REPO, ".git")):
         pytest.skip("needs git and the repository's history (a git clone)")
     where = tmp_path_factory.mktemp("pinned")
     archive = subprocess.run(["git", "-C", REPO, "archive", PINNED, "hpctrain"], capture_output=True)
