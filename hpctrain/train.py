@@ -25,21 +25,17 @@ from . import jobcheck
 from .outputs import check_outputs, rescue_path
 from .cli import validate
 from .cluster import Cluster, check_consistency
+from .comm import allreduce_plan, make_allreduce
 from .comm.deadline import Watchdog
+from .comm.device_buffers import bcast
 from .comm.fusion import FusedAllreduce
-from .comm import buffers
+from .comm.topology import Topology
+from .comm.wire import Wire
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .model import MLP, num_params
 from .optim import learning_rate, make_optimizer
 from .stats import StepStats
 from .timeline import Timeline
-
-# The wire: [loss, stop flag, gradients...]. Riding along with the gradient
-# allreduce, the loss average and the ranks' agreement to stop cost nothing extra;
-# they sit at the front because layer 0 finishes last (backprop runs backwards),
-# after the loss and any signal are known.
-WIRE_LOSS, WIRE_STOP, WIRE_GRADS = 0, 1, 2
-
 
 def collective(comm, fn, *args, **kwargs):
     """Run fn on every rank of comm; if it raises HpctrainError anywhere, every
@@ -195,7 +191,8 @@ class Run:
         gpu_note = self.cluster.confirm_gpu_binding(args.device)  # MPI's node-local rank has the last word
         self.xp, self.device_name, device_note = collective(self.comm, device.select, args.device)
         device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(self.xp) else "",
-                                              collective(self.comm, buffers.exchange_plan, args, self.xp)]))
+                                              collective(self.comm, allreduce_plan, args.allreduce, self.xp,
+                                                         args.mode, args.cuda_aware)]))
         self.server_xp = collective(self.comm, server_array_module, args)
         self.watchdog = Watchdog(args.timeout, self.cluster.rank, self.comm.Abort)
         self.timeline = Timeline(args.timeline if self.cluster.is_chief else None)
@@ -562,25 +559,26 @@ def train_ring(run):
     comm = c.worker_comm
     W = c.num_workers
     n = num_params(a.hidden)
-    wire = xp.zeros(WIRE_GRADS + n, np.float32)
-    model = MLP(a.hidden, xp, grads=wire[WIRE_GRADS:])
+    wire = Wire(n, xp)  # [loss, stop, grads...]: comm/wire.py
+    model = MLP(a.hidden, xp, grads=wire.grads)
     model.init(a.seed)
     # Identical start everywhere: rank 0's parameters.
     device.synchronize(xp)
     with run.watchdog.waiting("initial parameter broadcast", peer=0):
-        buffers.bcast(comm, model.params, root=0)
+        bcast(comm, model.params, root=0)
     opt = make_optimizer(a.optimizer, n, xp, momentum=a.momentum)
     reader = prefetch.device_batches(run.open_reader(), xp)  # GPU: pinned, async, one step ahead
-    allreduce = buffers.make_exchange(a, comm, xp, run.watchdog)  # GPU: direct, staged or NCCL
+    with Topology(comm) as topology:  # the strategy keeps its own duplicate of comm
+        strategy = make_allreduce(a.allreduce, topology, xp, run.watchdog, a.cuda_aware)  # GPU: direct, staged or NCCL
     tl = run.timeline
     grad_scale = 1.0 / W
     # Buckets of the wire are allreduced as backprop finishes them, and each
     # reduced bucket's parameters are updated right away (comm/fusion.py).
-    ready_from = [0] + [WIRE_GRADS + lo for lo, _ in model.layer_ranges[1:]]
     fused = FusedAllreduce(
-        allreduce, wire, ready_from, int(a.fusion_mb * (1 << 20)) // wire.itemsize,
+        strategy, wire.buffer, wire.ready_from(model.layer_ranges),
+        int(a.fusion_mb * (1 << 20)) // wire.buffer.itemsize,
         sync=lambda: device.synchronize(xp),
-        on_reduced=lambda lo, hi: opt.update(model.params, model.grads, max(lo - WIRE_GRADS, 0), hi - WIRE_GRADS),
+        on_reduced=lambda lo, hi: opt.update(model.params, model.grads, *wire.grads_range(lo, hi)),
         overlap=overlap_wanted(a.overlap, xp, c), timeline=tl if tl.enabled else None, watchdog=run.watchdog)
     step = ring_resume(run, model, opt, reader)
 
@@ -593,11 +591,11 @@ def train_ring(run):
             x, y = reader.next_batch()
             x, y = xp.asarray(x), xp.asarray(y)
         t0 = time.perf_counter()
-        wire[WIRE_STOP] = 1.0 if run.stop.received else 0.0
+        wire.set_stop(run.stop.received)
         opt.begin(run.lr(step), grad_scale)
         forward_done, layer_done = tl.model_hooks(t0, fused.layer_done)
         model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
-                               loss_out=wire[WIRE_LOSS:WIRE_LOSS + 1])
+                               loss_out=wire.loss)
         t1 = time.perf_counter()
         with tl.span("wait for gradients", cat="comm"):
             fused.wait()
@@ -608,7 +606,7 @@ def train_ring(run):
         run.stats.record(t2 - t0, t1 - t0, t2 - t1, fused.exposed_comm_s, fused.exposed_update_s, fused.update_s)
         step += 1
         samples += a.batch_size * W
-        loss_sum += wire[WIRE_LOSS:WIRE_LOSS + 1]  # on the device: no sync per step
+        loss_sum += wire.loss  # on the device: no sync per step
         loss_count += 1
         if step % a.log_every == 0 or step == a.steps:
             mean_loss = float(loss_sum[0]) / loss_count / W
@@ -616,14 +614,14 @@ def train_ring(run):
             loss_count = 0
             run.progress(step, mean_loss, samples, time.perf_counter() - t_loop)
         t_loop += run.periodic_eval(model, step)
-        if float(wire[WIRE_STOP]) > 0:
+        if wire.stop_requested():
             break
         if run.checkpoint_due(step):
             ring_checkpoint(run, step, model, opt, reader)
     t_loop = time.perf_counter() - t_loop
     # The last checkpoint: at the end of training, or where a signal stopped it.
     ring_checkpoint(run, step, model, opt, reader)
-    if float(wire[WIRE_STOP]) > 0 and step < a.steps:
+    if wire.stop_requested() and step < a.steps:
         run.metrics.close(keep=True)
         run.preempted(comm, step)
     return run.finish(model, step, t_loop, samples, comm_s, compute_s)
