@@ -108,9 +108,9 @@ class HostMirror:
 def bcast(comm, array, root=0):
     """comm.Bcast of an xp array from root, through host memory for CuPy (a
     one-off at start-up: always staged, so it is safe on any MPI)."""
-    m = HostMirror(array)
-    comm.Bcast(m.to_host() if comm.Get_rank() == root else m.recv_buffer(), root=root)
+    mirror = HostMirror(array)
+    comm.Bcast(mirror.to_host() if comm.Get_rank() == root else mirror.recv_buffer(), root=root)
     if comm.Get_rank() != root:
-        m.to_device()
-        m.wait()   # m's pinned buffer is freed on return
+        mirror.to_device()
+        mirror.wait()   # the mirror's pinned buffer is freed on return
     return array

@@ -59,37 +59,37 @@ class StagedAllreduce:
         n = buf.size
         if self.size == 1 or n == 0:
             return buf
-        c = self.copier
+        copier = self.copier
         host = self._host_for(buf)
         step = max(1, self.chunk_bytes // buf.itemsize)
         bounds = list(range(0, n, step)) + [n]
         # The first copy waits for what the compute stream has written so far;
         # later ones are behind it on the same copy stream.
-        pending = c.to_host(buf[bounds[0]:bounds[1]], host[bounds[0]:bounds[1]], after=c.mark())
+        pending = copier.to_host(buf[bounds[0]:bounds[1]], host[bounds[0]:bounds[1]], after=copier.mark())
         back = None
         for k in range(len(bounds) - 1):
             lo, hi = bounds[k], bounds[k + 1]
             ready = pending
             if k + 2 < len(bounds):
                 nhi = bounds[k + 2]
-                pending = c.to_host(buf[hi:nhi], host[hi:nhi])
-            c.wait(ready)                 # chunk k is on the host
+                pending = copier.to_host(buf[hi:nhi], host[hi:nhi])
+            copier.wait(ready)                 # chunk k is on the host
             self.inner.allreduce(host[lo:hi])
-            back = c.to_device(host[lo:hi], buf[lo:hi])
-        c.use(back)  # compute that reads buf runs after the last copy back (copies in order)
+            back = copier.to_device(host[lo:hi], buf[lo:hi])
+        copier.use(back)  # compute that reads buf runs after the last copy back (copies in order)
         self._back = back
         return buf
 
     def _stage(self, buf, lo, hi, run):
         """Copy buf[lo:hi] to the host, run(host) -> (lo, hi) to copy back."""
-        c = self.copier
+        copier = self.copier
         host = self._host_for(buf)
         if hi > lo:
-            c.wait(c.to_host(buf[lo:hi], host[lo:hi], after=c.mark()))
+            copier.wait(copier.to_host(buf[lo:hi], host[lo:hi], after=copier.mark()))
         lo, hi = run(host)
         if hi > lo:
-            self._back = c.to_device(host[lo:hi], buf[lo:hi])
-            c.use(self._back)
+            self._back = copier.to_device(host[lo:hi], buf[lo:hi])
+            copier.use(self._back)
         return lo, hi
 
     def reduce_scatter(self, buf):
