@@ -267,22 +267,16 @@ def check_consistency(comm, settings):
     same names on all ranks) with an Allgather of fixed-size byte records (no
     pickle). A mismatch raises the same one-line HpctrainError on every rank,
     naming the setting and the ranks that differ from rank 0."""
-    import numpy as np
+    from .comm.records import allgather_bytes
     width = 64
     names = sorted(settings)
-    mine = np.zeros((len(names), width), np.uint8)
-    for i, name in enumerate(names):
-        text = str(settings[name]).encode()[:width]
-        mine[i, : len(text)] = np.frombuffer(text, np.uint8)
-    everyone = np.empty((comm.Get_size(), len(names), width), np.uint8)
-    comm.Allgather(mine, everyone)
+    everyone = allgather_bytes(comm, [str(settings[name]).encode() for name in names], width)
     problems = []
     for i, name in enumerate(names):
-        ref = everyone[0, i]
-        odd = [r for r in range(comm.Get_size()) if not np.array_equal(everyone[r, i], ref)]
+        odd = [r for r in range(comm.Get_size()) if everyone[r][i] != everyone[0][i]]
         if odd:
             def show(r):
-                return bytes(everyone[r, i]).rstrip(b"\0").decode(errors="replace")
+                return everyone[r][i].decode(errors="replace")
             problems.append(f"{name}: rank 0 has {show(0)}, "
                             + ", ".join(f"rank {r} has {show(r)}" for r in odd[:4])
                             + (" ..." if len(odd) > 4 else ""))

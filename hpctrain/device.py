@@ -9,7 +9,7 @@ Copies between host and device go through a `Copier` (`copier(xp)`): pinned
 host memory, asynchronous copies on their own CUDA streams, and events that
 order them against the compute stream without blocking the host. For NumPy
 the same interface copies synchronously, so code written against it
-(comm/buffers.py, prefetch.py) runs, and is tested, on CPU.
+(comm/staged.py, comm/device_buffers.py, prefetch.py) runs, and is tested, on CPU.
 
 CuPy is imported as `cupy`, whichever wheel provides it (cupy-cuda11x,
 cupy-cuda12x, cupy-cuda13x, ...); nothing here depends on the CUDA version.

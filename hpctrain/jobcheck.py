@@ -21,6 +21,7 @@ import os
 
 import numpy as np
 
+from .comm.records import gather_bytes
 from .errors import HpctrainError
 
 ENV_EXPECT = "HPCTRAIN_EXPECT_WORLD_SIZE"
@@ -81,23 +82,18 @@ def gather_layout(cluster):
     """(host, local_rank, gpu) per rank, on the chief; None elsewhere."""
     gpus = gpus_on_node()
     gpu = cluster.local_rank % gpus if gpus else -1
-    host = np.zeros(HOST_BYTES, np.uint8)
-    name = cluster.host.encode()[:HOST_BYTES]
-    host[: len(name)] = np.frombuffer(name, np.uint8)
     nums = np.array([cluster.local_rank, gpu], np.int32)
     # An impossible layout (--num-ps >= world size) has no chief: gather to
     # rank 0 then, and let validation report the layout right after.
     root = cluster.chief_rank if cluster.chief_rank < cluster.size else 0
     is_root = cluster.rank == root
     size = cluster.size
-    all_hosts = np.empty((size, HOST_BYTES), np.uint8) if is_root else None
+    all_hosts = gather_bytes(cluster.comm, cluster.host, HOST_BYTES, root=root)
     all_nums = np.empty((size, 2), np.int32) if is_root else None
-    cluster.comm.Gather(host, all_hosts, root=root)
     cluster.comm.Gather(nums, all_nums, root=root)
     if not is_root:
         return None
-    return [(bytes(all_hosts[r]).rstrip(b"\0").decode(errors="replace"),
-             int(all_nums[r, 0]), int(all_nums[r, 1])) for r in range(size)]
+    return [(all_hosts[r], int(all_nums[r, 0]), int(all_nums[r, 1])) for r in range(size)]
 
 
 def layout_line(records, expected=None):

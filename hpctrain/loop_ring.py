@@ -12,20 +12,16 @@ import numpy as np
 
 from . import device, prefetch
 from .cluster import cores_available
-from .comm import buffers
+from .comm import make_allreduce
+from .comm.device_buffers import bcast
 from .comm.fusion import FusedAllreduce
+from .comm.topology import Topology
+from .comm.wire import Wire
 from .errors import EXIT_DIVERGED, HpctrainError
 from .model import MLP, num_params
 from .optim import make_optimizer
 from .report import Report, finish_everywhere
 from .resume import Checkpoints
-
-# The wire: [loss, stop flag, gradients...]. Riding along with the gradient
-# allreduce, the loss average and the ranks' agreement to stop cost nothing extra;
-# they sit at the front because layer 0 finishes last (backprop runs backwards),
-# after the loss and any signal are known.
-WIRE_LOSS, WIRE_STOP, WIRE_GRADS = 0, 1, 2
-
 
 def overlap_wanted(flag, xp, cluster, thread_multiple=True):
     """--overlap auto: a communication thread pays only when a core is free to
@@ -56,24 +52,25 @@ def train_ring(session):
 
     # --- model, optimizer, data, allreduce ----------------------------------
     n = num_params(args.hidden)
-    wire = xp.zeros(WIRE_GRADS + n, np.float32)
-    model = MLP(args.hidden, xp, grads=wire[WIRE_GRADS:])
+    wire = Wire(n, xp)  # [loss, stop, grads...]: comm/wire.py
+    model = MLP(args.hidden, xp, grads=wire.grads)
     model.init(args.seed)
     # Identical start everywhere: rank 0's parameters.
     device.synchronize(xp)
     with session.watchdog.waiting("initial parameter broadcast", peer=0):
-        buffers.bcast(comm, model.params, root=0)
+        bcast(comm, model.params, root=0)
     optimizer = make_optimizer(args.optimizer, n, xp, momentum=args.momentum)
     reader = prefetch.device_batches(session.open_reader(), xp)  # GPU: pinned, async, one step ahead
-    allreduce = buffers.make_exchange(args, comm, xp, session.watchdog)  # GPU: direct, staged or NCCL
+    with session.watchdog.waiting("start-up (allreduce communicators)", peer=None):
+        with Topology(comm) as topology:  # the strategy keeps its own duplicate of comm
+            strategy = make_allreduce(args.allreduce, topology, xp, session.watchdog, args.cuda_aware)
     # Buckets of the wire are allreduced as backprop finishes them, and each
     # reduced bucket's parameters are updated right away (comm/fusion.py).
-    ready_from = [0] + [WIRE_GRADS + lo for lo, _ in model.layer_ranges[1:]]
     fused = FusedAllreduce(
-        allreduce, wire, ready_from, int(args.fusion_mb * (1 << 20)) // wire.itemsize,
+        strategy, wire.buffer, wire.ready_from(model.layer_ranges),
+        int(args.fusion_mb * (1 << 20)) // wire.buffer.itemsize,
         sync=lambda: device.synchronize(xp),
-        on_reduced=lambda lo, hi: optimizer.update(model.params, model.grads, max(lo - WIRE_GRADS, 0),
-                                                   hi - WIRE_GRADS),
+        on_reduced=lambda lo, hi: optimizer.update(model.params, model.grads, *wire.grads_range(lo, hi)),
         overlap=overlap_wanted(args.overlap, xp, cluster, session.thread_multiple),
         timeline=timeline if timeline.enabled else None, watchdog=session.watchdog)
 
@@ -102,11 +99,11 @@ def train_ring(session):
             x, y = reader.next_batch()
             x, y = xp.asarray(x), xp.asarray(y)
         t0 = time.perf_counter()
-        wire[WIRE_STOP] = 1.0 if session.stop.received else 0.0
+        wire.set_stop(session.stop.received)
         optimizer.begin(session.lr(step), grad_scale)
         forward_done, layer_done = timeline.model_hooks(t0, fused.layer_done)
         model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
-                               loss_out=wire[WIRE_LOSS:WIRE_LOSS + 1])
+                               loss_out=wire.loss)
         t1 = time.perf_counter()
         with timeline.span("wait for gradients", cat="comm"):
             fused.wait()
@@ -120,9 +117,9 @@ def train_ring(session):
         samples += args.batch_size * workers
         # The summed loss is the same number on every rank, so all stop together.
         # (Reading it costs no extra sync: the stop flag below is read anyway.)
-        if not math.isfinite(float(wire[WIRE_LOSS])):
-            raise diverged(step, float(wire[WIRE_LOSS]) / workers, chief)
-        loss_sum += wire[WIRE_LOSS:WIRE_LOSS + 1]  # on the device: no sync per step
+        if not math.isfinite(float(wire.loss[0])):
+            raise diverged(step, float(wire.loss[0]) / workers, chief)
+        loss_sum += wire.loss  # on the device: no sync per step
         loss_count += 1
         if step % args.log_every == 0 or step == args.steps:
             if chief:
@@ -132,7 +129,7 @@ def train_ring(session):
             loss_count = 0
         if chief:
             t_loop += report.periodic_eval(model, step)
-        if float(wire[WIRE_STOP]) > 0:
+        if wire.stop_requested():
             break
         if checkpoints.due(step):
             checkpoint_now()
@@ -142,7 +139,7 @@ def train_ring(session):
     # signal stopped it), then either the pre-emption exit or the results
     if checkpoints.enabled and checkpoints.saved_step != step:
         checkpoint_now()
-    if float(wire[WIRE_STOP]) > 0 and step < args.steps:
+    if wire.stop_requested() and step < args.steps:
         if chief:
             report.metrics.close(keep=True)
         checkpoints.preempted(comm, step)

@@ -24,7 +24,7 @@ from . import data as data_mod
 from . import device, jobcheck, settings
 from .cli import validate
 from .cluster import Cluster, check_consistency
-from .comm import buffers
+from .comm import allreduce_plan
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .model import CLASSES, INPUTS, num_params
 from .optim import learning_rate
@@ -220,7 +220,7 @@ class Session:
         with watchdog.waiting("start-up (GPU binding)", peer=None):
             gpu_note = cluster.confirm_gpu_binding(args.device)  # MPI's node-local rank has the last word
         self.xp, self.device_name, device_note = self.agreed(self.comm, device.select, args.device)
-        plan = self.agreed(self.comm, buffers.exchange_plan, args, self.xp)
+        plan = self.agreed(self.comm, allreduce_plan, args.allreduce, self.xp, args.mode, args.cuda_aware)
         device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(self.xp) else "", plan]))
         self.server_xp = self.agreed(self.comm, server_array_module, args)
         self.thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE

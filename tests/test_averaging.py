@@ -23,7 +23,7 @@ def test_averaged_update_equals_single_process_over_all_samples():
     dist = MLP((32, 16))
     dist.init(0)
     dist.forward_backward(x_all[rank * batch:(rank + 1) * batch], y_all[rank * batch:(rank + 1) * batch])
-    RingAllreduce(comm)(dist.grads)
+    RingAllreduce(comm).allreduce(dist.grads)
     SGD(dist.num_params).step(dist.params, dist.grads, 0.1, grad_scale=1.0 / size)
 
     single = MLP((32, 16))

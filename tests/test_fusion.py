@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from hpctrain.comm.fusion import FusedAllreduce, bucket_bounds
 from hpctrain.comm.ring import RingAllreduce
+from hpctrain.comm.wire import Wire
 from hpctrain.model import MLP
 from hpctrain.optim import Adam
 
@@ -31,21 +32,21 @@ def train_steps(comm, overlap, fusion_elems, steps=5):
     """A few steps of the real loop's arithmetic: wire = [loss, stop, grads]."""
     rng = np.random.default_rng(comm.rank)
     n = MLP((64, 32)).num_params
-    wire = np.zeros(2 + n, np.float32)
-    model = MLP((64, 32), grads=wire[2:])
+    wire = Wire(n)
+    model = MLP((64, 32), grads=wire.grads)
     model.init(0)
     opt = Adam(n)
-    ready_from = [0] + [2 + lo for lo, _ in model.layer_ranges[1:]]
-    fused = FusedAllreduce(RingAllreduce(comm), wire, ready_from, fusion_elems, overlap=overlap,
-                           on_reduced=lambda lo, hi: opt.update(model.params, model.grads, max(lo - 2, 0), hi - 2))
+    fused = FusedAllreduce(RingAllreduce(comm), wire.buffer, wire.ready_from(model.layer_ranges), fusion_elems,
+                           overlap=overlap,
+                           on_reduced=lambda lo, hi: opt.update(model.params, model.grads, *wire.grads_range(lo, hi)))
     for _ in range(steps):
         x = rng.random((16, 784)).astype(np.float32)
         y = rng.integers(0, 10, 16)
         opt.begin(1e-3, 1.0 / comm.size)
-        model.forward_backward(x, y, on_layer_done=fused.layer_done, loss_out=wire[0:1])
+        model.forward_backward(x, y, on_layer_done=fused.layer_done, loss_out=wire.loss)
         fused.wait()
     fused.close()
-    return model.params.copy(), len(fused.buckets), float(wire[0])
+    return model.params.copy(), len(fused.buckets), float(wire.loss[0])
 
 
 @pytest.mark.mpi(min_size=2)

@@ -9,7 +9,6 @@ The MPI-marked tests run on COMM_SELF and COMM_WORLD: ranks may share one GPU
 (staged and direct paths allow it; NCCL does not, and says so).
 tests/gpu/device_check.sh runs all of them on a GPU machine.
 """
-import argparse
 import threading
 
 import numpy as np
@@ -17,8 +16,14 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain import device, prefetch
-from hpctrain.comm import buffers
-from hpctrain.comm.ring import MpiAllreduce, RingAllreduce
+from hpctrain.comm import allreduce_plan, make_allreduce
+from hpctrain.comm.cuda_aware import cuda_aware
+from hpctrain.comm.device_buffers import HostMirror, bcast
+from hpctrain.comm.mpi import MpiAllreduce
+from hpctrain.comm.records import allgather_bytes
+from hpctrain.comm.ring import RingAllreduce
+from hpctrain.comm.staged import StagedAllreduce
+from hpctrain.comm.topology import Topology
 from hpctrain.errors import HpctrainError
 from hpctrain.model import MLP
 from hpctrain.optim import make_optimizer
@@ -27,12 +32,6 @@ cp, WHY = device._cupy_or_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason=f"needs CuPy and a CUDA GPU: {WHY}")]
 
 COMMS = [pytest.param(MPI.COMM_SELF, id="self"), pytest.param(MPI.COMM_WORLD, id="world")]
-
-
-def flags(**kw):
-    base = dict(allreduce="ring", cuda_aware="auto", mode="ring", device="gpu")
-    base.update(kw)
-    return argparse.Namespace(**base)
 
 
 # --- copies ------------------------------------------------------------------
@@ -58,15 +57,15 @@ def test_staged_pipeline_with_cuda_streams_on_one_process():
     class Triple:   # a stand-in allreduce over "2 ranks": h = 3h
         size, name = 2, "triple"
 
-        def __call__(self, h):
+        def allreduce(self, h):
             h *= 3
             return h
 
     for n, chunk in ((1, 4096), (1000, 4096), (3_000_001, 1 << 20)):
-        staged = buffers.StagedAllreduce(Triple(), device.copier(cp), chunk_bytes=chunk)
+        staged = StagedAllreduce(Triple(), device.copier(cp), chunk_bytes=chunk)
         x = cp.arange(n, dtype=cp.float32)
         x += 1            # pending kernel: the first copy must wait for it
-        staged(x)
+        staged.allreduce(x)
         x -= 1            # must run after the copies back
         expect = np.arange(n, dtype=np.float32) * 3 + 2
         np.testing.assert_array_equal(cp.asnumpy(x), expect)
@@ -79,10 +78,10 @@ def test_staged_pipeline_with_cuda_streams_on_one_process():
 @pytest.mark.parametrize("algo", [RingAllreduce, MpiAllreduce])
 def test_staged_allreduce_of_cupy_buffers(comm, algo):
     size, rank = comm.Get_size(), comm.Get_rank()
-    staged = buffers.StagedAllreduce(algo(comm), device.copier(cp), chunk_bytes=1 << 16)
+    staged = StagedAllreduce(algo(comm), device.copier(cp), chunk_bytes=1 << 16)
     for n in (1, size + 1, 1000, 100_003, 1 << 20):
         x = cp.full(n, rank, np.float32)
-        staged(x)
+        staged.allreduce(x)
         assert bool((x == sum(range(size))).all()), n
 
 
@@ -90,26 +89,27 @@ def test_staged_allreduce_of_cupy_buffers(comm, algo):
 @pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("algo", [RingAllreduce, MpiAllreduce])
 def test_direct_allreduce_of_cupy_buffers(comm, algo):
-    aware, why = buffers.cuda_aware("auto")
+    aware, why = cuda_aware("auto")
     if comm.Get_size() > 1 and not aware:
         pytest.skip(f"MPI is not CUDA-aware ({why}): device pointers would crash it")
     size, rank = comm.Get_size(), comm.Get_rank()
     reduce = algo(comm)
     for n in (1, size + 1, 1000, 100_003, 1 << 20):
         x = cp.full(n, rank, np.float32)
-        reduce(x)
+        reduce.allreduce(x)
         assert bool((x == sum(range(size))).all()), n
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("algo", ["ring", "mpi"])
-def test_make_exchange_from_another_thread_matches_the_host_ring(comm, algo):
+def test_make_allreduce_from_another_thread_matches_the_host_ring(comm, algo):
     """The factory's path (staged here unless MPI is CUDA-aware), called from a
     thread as fusion's communication thread does, equals the host ring."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    exchange = buffers.make_exchange(flags(allreduce=algo), comm, cp)
-    assert exchange.size == size
+    with Topology(comm) as topology:
+        strategy = make_allreduce(algo, topology, cp)
+    assert strategy.size == size
     rng = np.random.default_rng(rank)
     host = rng.standard_normal(300_007).astype(np.float32)
     dev = cp.asarray(host)
@@ -117,15 +117,31 @@ def test_make_exchange_from_another_thread_matches_the_host_ring(comm, algo):
 
     def run():
         try:
-            exchange(dev)
+            strategy.allreduce(dev)
         except Exception as exc:  # reported below, on the main thread
             errors.append(exc)
     t = threading.Thread(target=run)
     t.start()
     t.join()
     assert not errors, errors
-    RingAllreduce(comm)(host)
+    RingAllreduce(comm).allreduce(host)
     np.testing.assert_allclose(cp.asnumpy(dev), host, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("algo", ["ring", "mpi"])
+def test_reduce_scatter_then_allgather_of_cupy_buffers(comm, algo):
+    """The factory's strategy (direct or staged) keeps the interface on the device."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    with Topology(comm) as topology:
+        strategy = make_allreduce(algo, topology, cp)
+    for n in (1, max(size - 1, 1), 1001, 300_007):
+        x = cp.full(n, rank, np.float32)
+        lo, hi = strategy.reduce_scatter(x)
+        assert (lo, hi) == strategy.shard(n) and bool((x[lo:hi] == sum(range(size))).all()), n
+        strategy.allgather(x)
+        assert bool((x == sum(range(size))).all()), n
 
 
 @pytest.mark.mpi(min_size=1)
@@ -135,9 +151,9 @@ def test_nccl_allreduce_or_a_clear_error(comm):
     lib, why = nccl.nccl_or_reason(cp)
     if lib is None:
         with pytest.raises(HpctrainError, match="nccl"):
-            buffers.exchange_plan(flags(allreduce="nccl"), cp)
+            allreduce_plan("nccl", cp)
         pytest.skip(f"no NCCL here ({why}); the error says so")
-    names = nccl.gather_text(comm, nccl._device_name(cp, cp.cuda.runtime.getDevice()))
+    names = allgather_bytes(comm, nccl._device_name(cp, cp.cuda.runtime.getDevice()), nccl.DEVICE_NAME_BYTES)
     if nccl.shared_devices(names):
         with pytest.raises(HpctrainError, match="one GPU per rank"):
             nccl.NcclAllreduce(comm, cp)
@@ -145,17 +161,22 @@ def test_nccl_allreduce_or_a_clear_error(comm):
     reduce = nccl.NcclAllreduce(comm, cp)
     size, rank = comm.Get_size(), comm.Get_rank()
     x = cp.full(100_003, rank, np.float32)
-    reduce(x)
+    reduce.allreduce(x)
     assert bool((x == sum(range(size))).all())
+    y = cp.full(1000 * size, rank, np.float32)
+    lo, hi = reduce.reduce_scatter(y)
+    assert (lo, hi) == (1000 * rank, 1000 * (rank + 1)) and bool((y[lo:hi] == sum(range(size))).all())
+    reduce.allgather(y)
+    assert bool((y == sum(range(size))).all())
 
 
 @pytest.mark.mpi(min_size=2)
 def test_bcast_and_host_mirror_of_cupy_arrays():
     comm = MPI.COMM_WORLD
     a = cp.full(1000, comm.rank, np.float32)
-    buffers.bcast(comm, a, root=comm.size - 1)
+    bcast(comm, a, root=comm.size - 1)
     assert bool((a == comm.size - 1).all())
-    m = buffers.HostMirror(cp.full((4, 5), comm.rank, np.float64))
+    m = HostMirror(cp.full((4, 5), comm.rank, np.float64))
     assert m.staged and isinstance(m.host, np.ndarray)
     if comm.rank == 0:
         comm.Send(m.to_host(), dest=1)

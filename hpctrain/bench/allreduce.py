@@ -27,36 +27,32 @@ def parse_size(text):
 
 
 def measure(comm, sizes, device="cpu", min_time=0.3, max_iters=200):
-    from ..comm.ring import make_allreduce
+    from ..comm import make_allreduce
+    from ..comm.topology import Topology
     from .. import device as dev
     xp, _, _ = dev.select(device)
-    algos = {name: make_allreduce(name, comm) for name in ("ring", "mpi")}
-    try:
-        from ..comm import buffers  # GPU paths, when present
-        if dev.is_gpu(xp):
-            algos = {name: buffers.wrap_for_device(a, xp, comm) for name, a in algos.items()}
-    except (ImportError, AttributeError):
-        pass
+    with Topology(comm) as topology:  # GPU: direct on a CUDA-aware MPI, else staged
+        strategies = {name: make_allreduce(name, topology, xp) for name in ("ring", "mpi")}
     size, rows = comm.Get_size(), []
     for nbytes in sizes:
         n = max(1, nbytes // 4)
         buf = xp.ones(n, np.float32)
-        for a in algos.values():  # warm-up: connections, scratch buffers
-            a(buf)
+        for strategy in strategies.values():  # warm-up: connections, scratch buffers
+            strategy.allreduce(buf)
         # iterations: enough for ~min_time per algorithm, decided on rank 0
         t0 = time.perf_counter()
-        algos["mpi"](buf)
+        strategies["mpi"].allreduce(buf)
         est = np.array([time.perf_counter() - t0])
         comm.Bcast(est, root=0)
         iters = int(min(max_iters, max(5, min_time / max(est[0], 1e-6))))
-        times = {name: np.empty(iters) for name in algos}
+        times = {name: np.empty(iters) for name in strategies}
         for i in range(iters):
-            for name, a in algos.items():
+            for name, strategy in strategies.items():
                 buf.fill(1.0)
                 dev.synchronize(xp)
                 comm.Barrier()
                 t = time.perf_counter()
-                a(buf)
+                strategy.allreduce(buf)
                 dev.synchronize(xp)
                 times[name][i] = time.perf_counter() - t
         row = {"bytes": n * 4, "ranks": size, "iters": iters}

@@ -114,11 +114,16 @@ class Watchdog:
         while comm.Iprobe(tag=_ASK):
             status = _status()
             comm.Recv(asked, source=_any_source(), tag=_ASK, status=status)
-            comm.Send(np.array([self.rank], np.int64), dest=status.Get_source(), tag=_ANSWER)
+            # The answer says whether this rank's own wait has expired too: of
+            # the ranks that give up, the lowest prints the job's line.
+            now = time.monotonic()
+            expired = any(now - since > self.timeout for since, _, _ in list(self._waits.values()))
+            comm.Send(np.array([int(expired)], np.int64), dest=status.Get_source(), tag=_ANSWER)
 
     def roll_call(self, grace=ROLL_CALL_S):
-        """The ranks that did not answer "alive?" within grace seconds (a sorted
-        list), asking from this thread, answering the others meanwhile."""
+        """(silent, giving_up): the ranks that did not answer "alive?" within
+        grace seconds, and those that answered that they give up too (sorted
+        lists); asking from this thread, answering the others meanwhile."""
         comm, np = self._roll
         others = [r for r in range(comm.Get_size()) if r != comm.Get_rank()]
         question = np.zeros(1, np.int64)
@@ -131,15 +136,14 @@ class Watchdog:
             time.sleep(0.02)
         # Requests to a stopped rank stay pending: the job is about to be aborted.
         del sends
-        return sorted(r for r, q in recvs.items() if not q.Test())
+        silent = sorted(r for r, q in recvs.items() if not q.Test())
+        return silent, sorted(r for r in others if r not in silent and answers[r][0])
 
     def _fire(self, what, peer, waited):
         silent, first = None, True
         if self._roll is not None:
-            silent = self.roll_call()
-            comm = self._roll[0]
-            alive = [r for r in range(comm.Get_size()) if r not in silent]
-            first = self.rank == min(alive)
+            silent, giving_up = self.roll_call()
+            first = self.rank < min(giving_up, default=self.rank + 1)
         if callable(peer):
             peer = peer()
         if isinstance(peer, (list, tuple, set)) and len(peer) == 1:
@@ -159,8 +163,8 @@ class Watchdog:
                           f"(no answer to a roll call in {ROLL_CALL_S:g} s); {waited_line}; "
                           f"giving up (--timeout {self.timeout:g})")
         elif self._roll is not None:
-            self.fired = (f"{waited_line}, but every rank answered a roll call: a rank may be stuck "
-                          f"inside MPI or a deadlock; giving up (--timeout {self.timeout:g})")
+            self.fired = (f"{waited_line}; every rank answered a roll call (so a rank is alive but not "
+                          f"taking part: stuck outside MPI, or a deadlock); giving up (--timeout {self.timeout:g})")
         else:
             self.fired = (f"{waited_line}" + (f" ({self.no_roll_call})" if self.no_roll_call else "")
                           + f"; giving up (--timeout {self.timeout:g})")

@@ -20,6 +20,8 @@ import queue
 import threading
 import time
 
+from .strategy import waiting
+
 
 def bucket_bounds(n, bucket_elems, cuts=()):
     """[(lo, hi)] covering [0, n), in the order they become ready (from the end).
@@ -43,23 +45,25 @@ def bucket_bounds(n, bucket_elems, cuts=()):
 
 
 class FusedAllreduce:
-    """Drive bucketed allreduces of `wire` from backprop's layer callbacks.
+    """Drive bucketed allreduces of `wire` (a flat buffer; comm/wire.py's
+    Wire.buffer in training) with `strategy` (comm/__init__.make_allreduce)
+    from backprop's layer callbacks.
 
     ready_from[i]: the lowest wire offset that is final once layer i's gradient
     is done (layers finish from last to first). Per step: `layer_done(i)` from
     backprop, then `wait()`; `on_reduced(lo, hi)` runs on each reduced bucket.
     """
 
-    def __init__(self, allreduce, wire, ready_from, bucket_elems, sync=None, on_reduced=None,
+    def __init__(self, strategy, wire, ready_from, bucket_elems, sync=None, on_reduced=None,
                  overlap=True, timeline=None, watchdog=None):
-        self.exchange = allreduce
+        self.strategy = strategy
         self.wire = wire
         self.ready_from = list(ready_from)
         self.buckets = bucket_bounds(wire.size, bucket_elems, ready_from)
         self.sync = sync or (lambda: None)
         self.on_reduced = on_reduced
         # One rank has nothing to reduce, one bucket nothing to overlap: no thread.
-        self.overlap = overlap and len(self.buckets) > 1 and getattr(allreduce, "size", 2) > 1
+        self.overlap = overlap and len(self.buckets) > 1 and strategy.size > 1
         self.timeline = timeline
         self.watchdog = watchdog
         self._next = 0          # index of the next bucket to launch
@@ -101,10 +105,7 @@ class FusedAllreduce:
                 self._next += 1
         if self.overlap:
             for _ in range(len(self.buckets)):
-                if self.watchdog is not None:
-                    with self.watchdog.waiting("fused allreduce", peer=None):
-                        item = self._done.get()
-                else:
+                with waiting(self.watchdog, "fused allreduce"):
                     item = self._done.get()
                 if item is not None:
                     raise item
@@ -136,7 +137,7 @@ class FusedAllreduce:
 
     def _reduce(self, lo, hi):
         t0 = time.perf_counter()
-        self.exchange(self.wire[lo:hi])
+        self.strategy.allreduce(self.wire[lo:hi])
         t1 = time.perf_counter()
         self._spans.append((t0, t1, False))
         if self.timeline is not None:

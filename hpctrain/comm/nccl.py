@@ -6,6 +6,9 @@ a raw buffer (no pickle), every rank joins the NCCL communicator with it (the
 way ChainerMN's PureNcclCommunicator does), and from then on each allreduce
 is one NCCL call on the current stream. NCCL refuses two ranks on one GPU, so
 that is checked first, with an error that says what to do instead.
+reduce_scatter and allgather (comm/strategy.py) are NCCL's own, in place; NCCL
+needs equal parts, so they take lengths divisible by the number of ranks and
+raise a clear HpctrainError for others.
 
     mpirun -n 2 python -m hpctrain.mnist --device gpu --allreduce nccl   # one GPU per rank
 """
@@ -16,9 +19,11 @@ from mpi4py import MPI
 
 from .. import device
 from ..errors import HpctrainError
+from .records import allgather_bytes
+from .strategy import chunk_bounds, waiting
 
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
-_RECORD = 96           # bytes per rank in the host/GPU gather
+DEVICE_NAME_BYTES = 96  # bytes per rank in the host/GPU gather
 
 
 def nccl_or_reason(xp):
@@ -87,16 +92,6 @@ def share_unique_id(comm, make_id, root=0):
 
 # --- one GPU per rank ----------------------------------------------------------
 
-def gather_text(comm, text):
-    """Every rank's `text` (<= 96 bytes UTF-8), on every rank, through a fixed-size Allgather."""
-    mine = np.zeros(_RECORD, np.uint8)
-    raw = text.encode()[:_RECORD]
-    mine[: len(raw)] = np.frombuffer(raw, np.uint8)
-    everyone = np.empty((comm.Get_size(), _RECORD), np.uint8)
-    comm.Allgather(mine, everyone)
-    return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in everyone]
-
-
 def shared_devices(names):
     """{device name: [ranks]} for every device that more than one rank names."""
     ranks = {}
@@ -130,7 +125,7 @@ class NcclAllreduce:
         self.nccl, self.xp, self.watchdog = nccl, xp, watchdog
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self.device_id = device.current_device(xp)
-        shared = shared_devices(gather_text(comm, _device_name(xp, self.device_id)))
+        shared = shared_devices(allgather_bytes(comm, _device_name(xp, self.device_id), DEVICE_NAME_BYTES))
         if shared:
             name, ranks = next(iter(shared.items()))
             raise HpctrainError(
@@ -138,10 +133,7 @@ class NcclAllreduce:
                 f"{name}; use --allreduce ring or mpi to share GPUs", collective=True, report=self.rank == 0)
         uid = share_unique_id(comm, nccl.get_unique_id)
         try:
-            if watchdog is not None:
-                with watchdog.waiting("NCCL communicator set-up", peer=None):
-                    self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
-            else:
+            with waiting(watchdog, "NCCL communicator set-up"):
                 self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         except Exception as exc:
             raise HpctrainError(f"NCCL could not set up its communicator ({exc})") from None
@@ -149,21 +141,61 @@ class NcclAllreduce:
                        np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.int32): nccl.NCCL_INT32,
                        np.dtype(np.int64): nccl.NCCL_INT64}
 
-    def __call__(self, buf):
+    def shard(self, n):
+        bounds = chunk_bounds(n, self.size)
+        return bounds[self.rank], bounds[self.rank + 1]
+
+    def _begin(self, buf, what):
+        """The stream to run on; NCCL's calls go on the stream of the kernels
+        that wrote buf, so they start after them."""
+        if not buf.flags.c_contiguous:
+            raise ValueError(f"NCCL {what} needs a contiguous buffer")
+        device.use_device(self.xp, self.device_id)
+        return self.xp.cuda.get_current_stream()
+
+    def _finish(self, stream, what):
+        # Return when the result is complete, under the deadline, like the MPI strategies.
+        with waiting(self.watchdog, f"NCCL {what}"):
+            stream.synchronize()
+
+    def _equal_parts(self, buf, what):
+        if buf.size % self.size:
+            raise HpctrainError(
+                f"NCCL {what} needs a length divisible by the number of ranks ({buf.size} elements, "
+                f"{self.size} ranks); use allreduce, or the ring or mpi strategy")
+        return buf.size // self.size
+
+    def allreduce(self, buf):
         if buf.size == 0:
             return buf
-        if not buf.flags.c_contiguous:
-            raise ValueError("NcclAllreduce needs a contiguous buffer")
-        device.use_device(self.xp, self.device_id)
-        stream = self.xp.cuda.get_current_stream()
-        # Same stream as the kernels that wrote buf: NCCL starts after them.
+        stream = self._begin(buf, "allreduce")
         self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._types[buf.dtype],
                             self.nccl.NCCL_SUM, stream.ptr)
-        if self.watchdog is not None:
-            with self.watchdog.waiting("NCCL allreduce", peer=None):
-                stream.synchronize()
-        else:
-            stream.synchronize()
+        self._finish(stream, "allreduce")
+        return buf
+
+    def reduce_scatter(self, buf):
+        """In place: NCCL's reduceScatter with recvbuff = sendbuff + rank * part."""
+        lo, hi = self.shard(buf.size)
+        if buf.size == 0 or self.size == 1:
+            return lo, hi
+        part = self._equal_parts(buf, "reduce_scatter")
+        stream = self._begin(buf, "reduce_scatter")
+        self.comm.reduceScatter(buf.data.ptr, buf[lo:hi].data.ptr, part, self._types[buf.dtype],
+                                self.nccl.NCCL_SUM, stream.ptr)
+        self._finish(stream, "reduce_scatter")
+        return lo, hi
+
+    def allgather(self, buf):
+        """In place: NCCL's allGather with sendbuff = recvbuff + rank * part."""
+        if buf.size == 0 or self.size == 1:
+            return buf
+        part = self._equal_parts(buf, "allgather")
+        lo, _ = self.shard(buf.size)
+        stream = self._begin(buf, "allgather")
+        self.comm.allGather(buf[lo:lo + part].data.ptr, buf.data.ptr, part, self._types[buf.dtype],
+                            stream.ptr)
+        self._finish(stream, "allgather")
         return buf
 
 
@@ -171,9 +203,9 @@ if __name__ == "__main__":
     from .. import device as dev
     xp, name, note = dev.select("gpu")
     world = MPI.COMM_WORLD
-    ar = NcclAllreduce(world, xp)
+    strategy = NcclAllreduce(world, xp)
     x = xp.full(1000, world.rank, np.float32)
-    ar(x)
+    strategy.allreduce(x)
     assert bool((x == sum(range(world.size))).all())
     if world.rank == 0:
         print(f"NCCL allreduce OK on {world.size} ranks")

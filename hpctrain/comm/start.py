@@ -21,9 +21,9 @@ def start_mpi(watchdog):
     mpi4py.rc.initialize = False
     mpi4py.rc.finalize = True
     from mpi4py import MPI
-    from .buffers import _loaded_libmpi
+    from .cuda_aware import loaded_libmpi
     if not MPI.Is_initialized():
-        paths = _loaded_libmpi()
+        paths = loaded_libmpi()
         with watchdog.waiting("MPI start-up (MPI_Init)", peer="the launcher or another rank"):
             if paths:
                 provided = ctypes.c_int(-1)

@@ -78,7 +78,7 @@ except Exception as e:
 import mpi4py
 print("mpi4py", mpi4py.__version__, mpi4py.__file__)
 EOF
-"$MPIRUN" -n 1 "$PY" -m hpctrain.comm.buffers > "$LOGS/cuda_aware.txt" 2>&1
+"$MPIRUN" -n 1 "$PY" -m hpctrain.comm.cuda_aware > "$LOGS/cuda_aware.txt" 2>&1
 AWARE=$(grep -m1 "CUDA-aware" "$LOGS/cuda_aware.txt" || tail -2 "$LOGS/cuda_aware.txt" | tr '\n' ' ')
 row "MPI CUDA-aware (detected)" info "${AWARE#CUDA-aware: }"
 "$PY" -m hpctrain.device > "$LOGS/device.txt" 2>&1

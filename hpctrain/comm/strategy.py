@@ -1,0 +1,66 @@
+"""The one interface every allreduce strategy has, and what they share.
+
+A strategy sums contiguous 1-D arrays across the ranks of a communicator:
+
+    allreduce(buf)       in place: every rank ends with the elementwise sum
+    reduce_scatter(buf)  -> (lo, hi): buf[lo:hi] is this rank's part, fully
+                         summed; the rest of buf is scratch (partial sums)
+    allgather(buf)       every rank's part (buf[lo:hi] as reduce_scatter left
+                         it) to everyone: the inverse of reduce_scatter's layout
+    shard(n)             -> (lo, hi) this rank owns in a buffer of n elements
+                         (known before any call, e.g. for a sharded update)
+
+reduce_scatter followed by allgather equals allreduce. Parts are near-equal
+(`chunk_bounds`); which rank owns which part is the strategy's own business
+(the ring's rank r owns chunk r+1, MPI's Reduce_scatter gives rank r chunk r),
+so always ask `shard`. Parts may be empty when a buffer is shorter than the
+communicator. Attributes: `name`, `size`, `rank`.
+
+Implementations: ring.py, mpi.py, nccl.py (flat, over one communicator);
+staged.py wraps any of the host ones for device buffers.
+
+    python -m pytest -q tests/test_ring.py    # and under mpirun, see there
+"""
+from contextlib import nullcontext
+
+
+def chunk_bounds(n, parts):
+    """Start offsets of `parts` near-equal chunks of n elements (parts+1 values)."""
+    return [i * n // parts for i in range(parts + 1)]
+
+
+def waiting(watchdog, what, peer=None):
+    """The watchdog's deadline around one blocking wait, or nothing without one."""
+    return nullcontext() if watchdog is None else watchdog.waiting(what, peer=peer)
+
+
+class FlatStrategy:
+    """Base of the strategies over one communicator, which they duplicate so
+    their messages never match anyone else's. Subclasses give `name`,
+    `owned_chunk()` and the three operations."""
+
+    name = "?"
+
+    def __init__(self, comm, watchdog=None):
+        self.comm = comm.Dup()
+        self.size = self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
+        self.watchdog = watchdog
+
+    def owned_chunk(self):
+        """Index of the chunk (of chunk_bounds(n, size)) this rank owns."""
+        return self.rank
+
+    def shard(self, n):
+        bounds = chunk_bounds(n, self.size)
+        k = self.owned_chunk()
+        return bounds[k], bounds[k + 1]
+
+    def waiting(self, what, peer=None):
+        return waiting(self.watchdog, what, peer)
+
+    def free(self):
+        """Release the duplicated communicator (collective)."""
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None

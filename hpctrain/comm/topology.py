@@ -1,0 +1,73 @@
+"""Where the ranks of a communicator are: which share a node, how many nodes,
+the host of every rank. Built once (collective) and handed to the allreduce
+factory (comm/__init__.py), so strategies that care about nodes (a
+hierarchical allreduce: inside a node, then across node leaders; a sharded
+optimizer update) can be added without changing how strategies are made.
+
+The node is MPI's shared-memory split (Split_type(COMM_TYPE_SHARED)), the
+truth whatever host names or the launcher say; host names are for messages,
+gathered as fixed-width byte records (no pickle).
+
+    with Topology(comm) as topology:
+        strategy = make_allreduce("ring", topology, np)
+    mpirun -n 3 python -m hpctrain.comm.topology      # prints each rank's place
+"""
+import socket
+
+import numpy as np
+from mpi4py import MPI
+
+from .records import allgather_bytes
+
+HOST_BYTES = 64
+
+
+class Topology:
+    """comm: the communicator (not duplicated, not freed here); rank, size;
+    node_comm: the ranks on this node (created here: free() it); local_rank,
+    local_size: this rank within its node; node_of: the node index of every
+    rank (nodes numbered by their lowest rank); node: this rank's node;
+    num_nodes; hosts: every rank's host name. Collective to build over comm."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = self.node_comm.Get_rank(), self.node_comm.Get_size()
+        # Each node is named by its lowest rank (its leader's, key=rank above).
+        leader = np.array([self.rank], np.int64)
+        self.node_comm.Bcast(leader, root=0)
+        leaders = np.empty(self.size, np.int64)
+        comm.Allgather(leader, leaders)
+        index = {first: i for i, first in enumerate(sorted(set(leaders.tolist())))}
+        self.node_of = [index[first] for first in leaders.tolist()]
+        self.node = self.node_of[self.rank]
+        self.num_nodes = len(index)
+        self.hosts = allgather_bytes(comm, socket.gethostname(), HOST_BYTES)
+
+    @property
+    def is_leader(self):
+        """The lowest rank of its node."""
+        return self.local_rank == 0
+
+    def free(self):
+        """Free the communicators created here (collective over comm)."""
+        if self.node_comm is not None:
+            self.node_comm.Free()
+            self.node_comm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+        return False
+
+    def __repr__(self):
+        return (f"Topology(rank {self.rank}/{self.size}, node {self.node}/{self.num_nodes} "
+                f"on {self.hosts[self.rank]}, local {self.local_rank}/{self.local_size})")
+
+
+if __name__ == "__main__":
+    with Topology(MPI.COMM_WORLD) as t:
+        print(t, flush=True)

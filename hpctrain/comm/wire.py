@@ -1,0 +1,51 @@
+"""The layout of the buffer the ring loop exchanges each step:
+
+    [loss, stop, grads...]
+
+Riding along with the gradient allreduce, the loss average and the ranks'
+agreement to stop cost nothing extra; they sit at the front because layer 0
+finishes last (backprop runs backwards), after the loss and any signal are
+known, so the bucket that holds them (the last to be reduced) is ready no
+earlier than it would be without them. The model's gradients are a view
+into the wire (MLP(grads=wire.grads)), so backprop writes them in place.
+
+    python -m pytest -q tests/test_wire.py
+"""
+import numpy as np
+
+LOSS, STOP, GRADS = 0, 1, 2
+
+
+class Wire:
+    """buffer: the whole flat array (what the strategy reduces); loss, stop,
+    grads: views of it. Offsets in the buffer are 'wire offsets'."""
+
+    def __init__(self, num_grads, xp=np, dtype=np.float32):
+        self.buffer = xp.zeros(GRADS + num_grads, dtype)
+        self.loss = self.buffer[LOSS:LOSS + 1]
+        self.stop = self.buffer[STOP:STOP + 1]
+        self.grads = self.buffer[GRADS:]
+
+    @property
+    def size(self):
+        return self.buffer.size
+
+    def ready_from(self, layer_ranges):
+        """For each layer i (ranges (lo, hi) in the gradient buffer): the lowest
+        wire offset that is final once layer i's gradient is done. Layers
+        finish from last to first; layer 0 finishes last, and with it the
+        loss and stop in front of it (so 0)."""
+        return [0] + [GRADS + lo for lo, _ in layer_ranges[1:]]
+
+    @staticmethod
+    def grads_range(lo, hi):
+        """The gradient-buffer range [lo, hi) of wire range [lo, hi) (the loss
+        and stop dropped)."""
+        return max(lo - GRADS, 0), hi - GRADS
+
+    def set_stop(self, stop):
+        self.stop[0] = 1.0 if stop else 0.0
+
+    def stop_requested(self):
+        """After the allreduce: did any rank ask to stop? (Reads the device: a sync.)"""
+        return float(self.stop[0]) > 0

@@ -1,0 +1,149 @@
+"""Stand-ins for CUDA on NumPy, shared by the tests of the GPU plumbing that
+runs without a GPU (test_staged.py, test_device_buffers.py, test_gpu_on_cpu.py).
+
+LazyCopier models CUDA streams on NumPy: a copy runs only when something
+waits for it (or for a later copy on its stream), and fresh buffers are NaN,
+so a missing wait or use() shows up as wrong numbers, not as luck. FakeCupy
+(fake_cupy) goes one level lower: device.CudaCopier itself runs against it,
+its raw memcpyAsync calls deferred per stream until an event or stream says
+so. These check hpctrain's ordering logic and pointer arithmetic, not CUDA:
+tests/test_gpu.py does that on a GPU.
+"""
+import ctypes
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from hpctrain import device
+
+
+class LazyCopier(device.HostCopier):
+    """device.HostCopier with CUDA's freedom: each direction is a stream whose
+    copies run as late as allowed (when waited for, or when a later copy on
+    the same stream is)."""
+
+    def __init__(self):
+        self.queues = {"d2h": [], "h2d": []}
+        self.copies = 0
+
+    def host_empty(self, shape, dtype):
+        return np.full(shape, np.nan, dtype) if np.dtype(dtype).kind == "f" else np.full(shape, -7, dtype)
+
+    device_empty = host_empty
+
+    def _enqueue(self, stream, dst, src):
+        token = (stream, object())
+        self.queues[stream].append((token, dst, src))
+        return token
+
+    def to_host(self, dev, host, after=None):
+        return self._enqueue("d2h", host, dev)
+
+    def to_device(self, host, dev, after=None):
+        return self._enqueue("h2d", dev, host)
+
+    def wait(self, token):
+        if token is None:
+            return
+        queue = self.queues[token[0]]
+        while queue:
+            tok, dst, src = queue.pop(0)
+            np.copyto(dst, src)
+            self.copies += 1
+            if tok is token:
+                return
+
+    use = wait  # NumPy 'compute' is synchronous: waiting in the stream = waiting now
+
+    def idle(self):
+        return not any(self.queues.values())
+
+
+class Scale:
+    """A stand-in allreduce of 'size' 2 for serial tests: h = 3h + 1, chunk lengths recorded."""
+    size = 2
+    name = "scale"
+
+    def __init__(self):
+        self.lengths = []
+
+    def allreduce(self, h):
+        self.lengths.append(h.size)
+        h *= 3
+        h += 1
+        return h
+
+
+class FakeStream:
+    """A CUDA stream whose work (copies) runs only when someone waits for it.
+    The null stream stands for compute, which NumPy does at once."""
+    registry = {}
+
+    def __init__(self, null=False, non_blocking=False):
+        self.null, self.queue, self.done = null, [], 0
+        self.ptr = 0 if null else id(self)
+        FakeStream.registry[self.ptr] = self
+
+    def run_until(self, n):
+        while self.done < n:
+            op = self.queue[self.done]
+            self.done += 1
+            op()
+
+    def synchronize(self):
+        self.run_until(len(self.queue))
+
+    def wait_event(self, event):
+        if self.null:
+            event.synchronize()
+        else:  # later work on this stream waits for the event's work
+            self.queue.append(event.synchronize)
+
+
+class FakeEvent:
+    def __init__(self, block=False, disable_timing=False):
+        self.stream, self.pos = None, 0
+
+    def record(self, stream=None):
+        self.stream, self.pos = stream, len(stream.queue)
+
+    def synchronize(self):
+        if self.stream is not None:
+            self.stream.run_until(self.pos)
+
+
+class DevArray(np.ndarray):
+    """NumPy memory posing as device memory: .data.ptr, as CuPy has."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
+
+def fake_cupy():
+    null = FakeStream(null=True)
+
+    def memcpy_async(dst, src, size, kind, stream_ptr):
+        assert kind in (1, 2) and size > 0
+        FakeStream.registry[stream_ptr].queue.append(lambda: ctypes.memmove(dst, src, size))
+        if stream_ptr == 0:
+            FakeStream.registry[0].synchronize()
+
+    runtime = types.SimpleNamespace(memcpyAsync=memcpy_async, memcpyHostToDevice=1, memcpyDeviceToHost=2)
+    cuda = types.SimpleNamespace(Stream=FakeStream, Event=FakeEvent, runtime=runtime,
+                                 get_current_stream=lambda: null,
+                                 alloc_pinned_memory=lambda nbytes: bytearray(nbytes))
+
+    def empty(shape, dtype):
+        return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -7, dtype).view(DevArray)
+    return types.SimpleNamespace(cuda=cuda, empty=empty, __name__="cupy")
+
+
+@pytest.fixture
+def cudacopier(monkeypatch):
+    fake = fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)  # device.pinned_empty imports it
+    return lambda: device.CudaCopier(fake)
+
