@@ -20,14 +20,16 @@ shuffle is a pure function of (seed, epoch, worker) and the model has no dropout
 Writing: a hidden temporary name in the same directory, flushed and fsync'd,
 renamed into place, then the directory fsync'd; so a crash leaves either the
 complete new file or none, never a half-written `ckpt-*.h5`. The newest K
-files are kept, older ones and temporary files left by crashed writers are
-removed (one job per checkpoint directory).
+files up to the one just written are kept (by the step in their names; a
+name above it is never pruned: it may lie), older ones and temporary files
+left by crashed writers are removed (one job per checkpoint directory).
 
-Reading: newest first; a file that is unreadable, truncated, incomplete or
-fails a checksum is reported through `warn` and skipped for the previous
-one. A valid checkpoint of a different job (another model, mode, optimizer,
-worker count, batch size or seed) is an error naming the setting, never
-silently skipped. Only h5py reads; nothing is unpickled.
+Reading: newest first; a file that is unreadable, truncated, incomplete,
+fails a checksum or holds another step than its name says (a renamed copy)
+is reported through `warn` and skipped for the previous one. A valid
+checkpoint of a different job (another model, mode, optimizer, worker count,
+batch size or seed) is an error naming the setting, never silently skipped.
+Only h5py reads; nothing is unpickled.
 
 No MPI here: train.py gathers and broadcasts, this module reads and writes.
 
@@ -217,9 +219,16 @@ def list_checkpoints(directory):
 
 
 def _prune(directory, keep, mine):
-    for _, path in list_checkpoints(directory)[keep:]:
-        if path != mine:
-            _unlink_quietly(path)
+    """Keep the newest `keep` checkpoints up to `mine` (the one just written),
+    by the step in their names; remove the older ones. A file named above
+    `mine` is never removed here: it is either newer than this run's step or a
+    file whose name lies about its step (a renamed copy, which resume reports
+    and skips); counted among the `keep`, a lying name would prune the real
+    newest checkpoints, the one just written included."""
+    mine_step = int(_NAME_RE.match(os.path.basename(mine)).group(1))
+    older = [path for step, path in list_checkpoints(directory) if step <= mine_step and path != mine]
+    for path in older[max(keep - 1, 0):]:
+        _unlink_quietly(path)
     mine_tmp = f".{os.path.basename(mine)}.tmp-{os.getpid()}"
     for n in os.listdir(directory):
         if _TMP_RE.match(n) and n != mine_tmp:
@@ -352,19 +361,30 @@ def check_compatible(ckpt, expected_settings):
 def load_latest(directory, expected_settings, warn=None):
     """The newest valid checkpoint in DIR (Checkpoint), or None if it holds none.
 
-    Corrupt files are reported through warn(line) and skipped; a valid file
+    The newest is the one with the highest step stored inside it: a file whose
+    name says another step than its content (a renamed copy) is reported
+    through warn(line) and skipped, as corrupt files are, so a copy named
+    `ckpt-99999999.h5` cannot pin every later run to an old step. A valid file
     that does not match expected_settings raises HpctrainError.
     """
     warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
-    for _, path in list_checkpoints(directory):
+    for named, path in list_checkpoints(directory):
         try:
             ckpt = read(path)
         except _Corrupt as e:
             warn(f"{os.path.basename(path)}: corrupt ({e}), trying the previous one")
             continue
+        if ckpt.step != named:
+            warn(_misnamed(path, named, ckpt.step))
+            continue
         check_compatible(ckpt, expected_settings)
         return ckpt
     return None
+
+
+def _misnamed(path, named, step):
+    return (f"{os.path.basename(path)}: its name says step {named} but it holds step {step} (a renamed "
+            f"copy?), skipped; trying the previous one")
 
 
 def main(argv=None):
@@ -375,9 +395,11 @@ def main(argv=None):
     p.add_argument("dir", help="checkpoint directory")
     a = p.parse_args(argv)
     bad = 0
-    for _, path in list_checkpoints(a.dir):
+    for named, path in list_checkpoints(a.dir):
         try:
             c = read(path)
+            if c.step != named:
+                raise _Corrupt(f"its name says step {named} but it holds step {c.step}")
             keys = ", ".join(f"{k} {c.attrs[k]}" for k in SAME_ON_RESUME if k in c.attrs)
             print(f"{c.name}: ok, step {c.step}, {keys}")
         except _Corrupt as e:

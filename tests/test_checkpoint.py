@@ -100,6 +100,29 @@ def test_keeps_the_newest_k_and_removes_stale_temporary_files(tmp_path):
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [50, 40]
 
 
+def test_a_file_whose_name_lies_about_its_step_is_skipped_and_never_pins_pruning(tmp_path):
+    # A copy of step 10 named far above every real step: before, resume took
+    # it (newest by name) and pruning kept it while deleting the real newest.
+    old, params10, _, _ = write(tmp_path, 10)
+    liar = tmp_path / "ckpt-99999999.h5"
+    liar.write_bytes(open(old, "rb").read())
+    _, params20, _, _ = write(tmp_path, 20, keep=2)
+    ckpt, warnings = load(tmp_path)
+    assert ckpt.step == 20 and np.array_equal(ckpt.params, params20)
+    assert warnings == ["ckpt-99999999.h5: its name says step 99999999 but it holds step 10 (a renamed "
+                        "copy?), skipped; trying the previous one"]
+    # Pruning keeps the newest 2 up to the one just written; the lying name is
+    # neither counted nor removed (resume reports it every time).
+    write(tmp_path, 30, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000020.h5", "ckpt-00000030.h5", "ckpt-99999999.h5"]
+    # A name below its content is a liar too: skipped for the real previous one.
+    (tmp_path / "ckpt-00000030.h5").rename(tmp_path / "ckpt-00000025.h5")
+    ckpt, warnings = load(tmp_path)
+    assert ckpt.step == 20 and len(warnings) == 2
+    assert warnings[1].startswith("ckpt-00000025.h5: its name says step 25 but it holds step 30 ")
+    assert checkpoint.main([str(tmp_path)]) == 1
+
+
 def test_truncated_newest_falls_back_to_the_previous_one_with_a_warning(tmp_path):
     write(tmp_path, 10)
     _, params20, _, _ = write(tmp_path, 20)
