@@ -21,8 +21,9 @@ Writing: a hidden temporary name in the same directory, flushed and fsync'd,
 renamed into place, then the directory fsync'd; so a crash leaves either the
 complete new file or none, never a half-written `ckpt-*.h5`. The newest K
 files up to the one just written are kept (by the step in their names; a
-name above it is never pruned: it may lie), older ones and temporary files
-left by crashed writers are removed (one job per checkpoint directory).
+name above it is never pruned: it may lie), older ones removed. Temporary
+files that killed writers left are swept at the next start
+(outputs.sweep_stale_temporaries); one job per checkpoint directory.
 
 Reading: newest first; a file that is unreadable, truncated, incomplete,
 fails a checksum or holds another step than its name says (a renamed copy)
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import HpctrainError
+from .outputs import temp_next_to
 from .settings import SAME_ON_RESUME
 
 FORMAT = "hpctrain-checkpoint"
@@ -57,7 +59,6 @@ FORMAT_VERSION = 1
 # on damaged metadata.
 USERBLOCK = 512
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
-_TMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5\.tmp-")
 
 
 def _describe(key, value):
@@ -127,8 +128,12 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
         raise HpctrainError(f"--checkpoint-dir {directory}: cannot create ({e.strerror})") from None
     name = checkpoint_name(step)
     path = os.path.join(directory, name)
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    tmp = None
     try:
+        # Exclusive, unpredictable, with this pid (outputs.temp_next_to):
+        # removed below on every way out, or at the next start if killed.
+        fd, tmp = temp_next_to(path)
+        os.close(fd)
         # No HDF5 file lock: it fails on some parallel filesystems, and the
         # temporary name is this process's alone.
         with h5py.File(tmp, "w", userblock_size=USERBLOCK, locking=False) as f:
@@ -144,7 +149,7 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     except OSError as e:
         raise HpctrainError(f"{path}: cannot write checkpoint ({e.strerror or e})") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
     _prune(directory, keep, mine=path)
     return path
@@ -229,10 +234,6 @@ def _prune(directory, keep, mine):
     older = [path for step, path in list_checkpoints(directory) if step <= mine_step and path != mine]
     for path in older[max(keep - 1, 0):]:
         _unlink_quietly(path)
-    mine_tmp = f".{os.path.basename(mine)}.tmp-{os.getpid()}"
-    for n in os.listdir(directory):
-        if _TMP_RE.match(n) and n != mine_tmp:
-            _unlink_quietly(os.path.join(directory, n))
 
 
 def _unlink_quietly(path):

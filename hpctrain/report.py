@@ -18,7 +18,7 @@ from mpi4py import MPI
 from . import data as data_mod
 from . import device
 from .errors import HpctrainError
-from .outputs import rescue_path
+from .outputs import rescue_path, temp_next_to
 
 
 class Metrics:
@@ -200,8 +200,7 @@ def write_params(path, model, step, args, world_size):
     written to a temporary name and renamed, so it is never half-written."""
     import h5py
     # Exclusive and unpredictable: a planted symlink is never followed.
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=f".{os.path.basename(path)}.tmp-")
+    fd, tmp = temp_next_to(path)
     os.close(fd)
     try:
         with h5py.File(tmp, "w") as f:
