@@ -9,6 +9,7 @@ EXIT_FAILURE = 1      # a bug: uncaught exception, traceback printed
 EXIT_BAD_INPUT = 2    # bad flag, file, data or cluster layout
 EXIT_TIMEOUT = 3      # a blocking wait passed --timeout; the message names the peer
 EXIT_PREEMPTED = 75   # SIGTERM/SIGUSR1: checkpoint written, requeue and --resume
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT): stopped at once, no new checkpoint (128 + SIGINT, as shells do)
 
 
 class HpctrainError(Exception):

@@ -8,8 +8,8 @@ root on a read-only mount's files), it is not a directory, and no two flags
 name the same file.
 
 Temporary files (the parameters file, a checkpoint, the metrics file being
-rewritten on resume) are made by `temp_next_to`: created exclusively (O_EXCL,
-mode 0600) in the target's own directory, so the rename into place stays on
+rewritten on resume) are made by `temp_next_to`: created exclusively (O_EXCL)
+in the target's own directory, so the rename into place stays on
 one filesystem, named `.<name>.tmp-<pid>-<random>`: nobody can predict the
 name (a planted symlink is never followed) and the pid tells the next start
 whether its writer is gone. The writer removes its file on every exit path it
@@ -101,8 +101,28 @@ def temp_next_to(path):
     """(fd, tmp): a new, empty file for `path`'s content, created exclusively
     in its directory under an unpredictable name that carries this pid. The
     caller closes fd, renames tmp into place, and removes it in a finally."""
-    return tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                            prefix=f".{os.path.basename(path)}.tmp-{os.getpid()}-")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=f".{os.path.basename(path)}.tmp-{os.getpid()}-")
+    try:
+        # mkstemp's 0600 is for secrets; the renamed file gets the mode a
+        # plain open() would have given it.
+        os.fchmod(fd, 0o666 & ~_umask())
+    except OSError:
+        pass
+    return fd, tmp
+
+
+def _umask():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def sweep_stale_temporaries(args):

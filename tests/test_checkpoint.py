@@ -151,7 +151,9 @@ def test_temporary_names_are_exclusive_unpredictable_and_carry_the_pid(tmp_path)
     for _ in range(3):
         fd, tmp = outputs.temp_next_to(tmp_path / "p.h5")
         os.close(fd)
-        assert os.path.dirname(tmp) == str(tmp_path) and os.stat(tmp).st_mode & 0o777 == 0o600
+        umask = os.umask(0o022)
+        os.umask(umask)
+        assert os.path.dirname(tmp) == str(tmp_path) and os.stat(tmp).st_mode & 0o777 == 0o666 & ~umask
         assert re.fullmatch(rf"\.p\.h5\.tmp-{os.getpid()}-[a-z0-9_]{{8}}", os.path.basename(tmp)), tmp
         names.add(tmp)
     assert len(names) == 3
