@@ -103,12 +103,12 @@ def _interrupted(args):
     have removed their temporary files on the way here (try/finally); what
     was written before (checkpoints, metrics records) is whole.
 
-    The chief (ring: rank 0; ps: worker 0, which always runs Python code,
-    while a server may sit in MPI where no signal reaches Python) says it and
-    aborts the job. Another rank waits for that abort to end it, and speaks
-    (and aborts) itself only if it did not come: it got the signal and the
-    chief did not. Those waits are staggered by rank, so that one rank
-    speaks."""
+    The chief (ring: rank 0; ps: worker 0) says it and aborts the job.
+    Another rank waits for that abort to end it, and speaks (and aborts)
+    itself only if it did not come: the chief did not get the signal, or sits
+    in an MPI call (C code, where no signal reaches Python) waiting for a
+    peer that already stopped. Those waits are staggered by rank, so that
+    one rank speaks."""
     import time
     from .comm.deadline import ABORT_GRACE_S
     mpi = sys.modules.get("mpi4py.MPI")
@@ -118,7 +118,8 @@ def _interrupted(args):
     if rank != chief:
         if not up:
             return EXIT_INTERRUPTED   # before MPI: every rank got it from the launcher
-        time.sleep(ABORT_GRACE_S + LONE_SIGINT_WAIT_S * (1 + min(abs(rank - chief), 32)))
+        after = (rank - chief) % mpi.COMM_WORLD.Get_size()   # 1, 2, ...: one rank at a time
+        time.sleep(ABORT_GRACE_S + LONE_SIGINT_WAIT_S * (1 + min(after, 32)))
     where = (f"checkpoints already in --checkpoint-dir {args.checkpoint_dir} are whole; run the same "
              f"command again to resume from the newest" if args is not None and args.checkpoint_dir
              else "nothing is resumable (no --checkpoint-dir)")
