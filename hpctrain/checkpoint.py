@@ -20,14 +20,17 @@ shuffle is a pure function of (seed, epoch, worker) and the model has no dropout
 Writing: a hidden temporary name in the same directory, flushed and fsync'd,
 renamed into place, then the directory fsync'd; so a crash leaves either the
 complete new file or none, never a half-written `ckpt-*.h5`. The newest K
-files are kept, older ones and temporary files left by crashed writers are
-removed (one job per checkpoint directory).
+files up to the one just written are kept (by the step in their names; a
+name above it is never pruned: it may lie), older ones removed. Temporary
+files that killed writers left are swept at the next start
+(outputs.sweep_stale_temporaries); one job per checkpoint directory.
 
-Reading: newest first; a file that is unreadable, truncated, incomplete or
-fails a checksum is reported through `warn` and skipped for the previous
-one. A valid checkpoint of a different job (another model, mode, optimizer,
-worker count, batch size or seed) is an error naming the setting, never
-silently skipped. Only h5py reads; nothing is unpickled.
+Reading: newest first; a file that is unreadable, truncated, incomplete,
+fails a checksum or holds another step than its name says (a renamed copy)
+is reported through `warn` and skipped for the previous one. A valid
+checkpoint of a different job (another model, mode, optimizer, worker count,
+batch size or seed) is an error naming the setting, never silently skipped.
+Only h5py reads; nothing is unpickled.
 
 No MPI here: train.py gathers and broadcasts, this module reads and writes.
 
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import HpctrainError
+from .outputs import temp_next_to
 from .settings import SAME_ON_RESUME
 
 FORMAT = "hpctrain-checkpoint"
@@ -55,7 +59,6 @@ FORMAT_VERSION = 1
 # on damaged metadata.
 USERBLOCK = 512
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
-_TMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5\.tmp-")
 
 
 def _describe(key, value):
@@ -125,8 +128,12 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
         raise HpctrainError(f"--checkpoint-dir {directory}: cannot create ({e.strerror})") from None
     name = checkpoint_name(step)
     path = os.path.join(directory, name)
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    tmp = None
     try:
+        # Exclusive, unpredictable, with this pid (outputs.temp_next_to):
+        # removed below on every way out, or at the next start if killed.
+        fd, tmp = temp_next_to(path)
+        os.close(fd)
         # No HDF5 file lock: it fails on some parallel filesystems, and the
         # temporary name is this process's alone.
         with h5py.File(tmp, "w", userblock_size=USERBLOCK, locking=False) as f:
@@ -142,7 +149,7 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     except OSError as e:
         raise HpctrainError(f"{path}: cannot write checkpoint ({e.strerror or e})") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
     _prune(directory, keep, mine=path)
     return path
@@ -217,13 +224,16 @@ def list_checkpoints(directory):
 
 
 def _prune(directory, keep, mine):
-    for _, path in list_checkpoints(directory)[keep:]:
-        if path != mine:
-            _unlink_quietly(path)
-    mine_tmp = f".{os.path.basename(mine)}.tmp-{os.getpid()}"
-    for n in os.listdir(directory):
-        if _TMP_RE.match(n) and n != mine_tmp:
-            _unlink_quietly(os.path.join(directory, n))
+    """Keep the newest `keep` checkpoints up to `mine` (the one just written),
+    by the step in their names; remove the older ones. A file named above
+    `mine` is never removed here: it is either newer than this run's step or a
+    file whose name lies about its step (a renamed copy, which resume reports
+    and skips); counted among the `keep`, a lying name would prune the real
+    newest checkpoints, the one just written included."""
+    mine_step = int(_NAME_RE.match(os.path.basename(mine)).group(1))
+    older = [path for step, path in list_checkpoints(directory) if step <= mine_step and path != mine]
+    for path in older[max(keep - 1, 0):]:
+        _unlink_quietly(path)
 
 
 def _unlink_quietly(path):
@@ -352,19 +362,30 @@ def check_compatible(ckpt, expected_settings):
 def load_latest(directory, expected_settings, warn=None):
     """The newest valid checkpoint in DIR (Checkpoint), or None if it holds none.
 
-    Corrupt files are reported through warn(line) and skipped; a valid file
+    The newest is the one with the highest step stored inside it: a file whose
+    name says another step than its content (a renamed copy) is reported
+    through warn(line) and skipped, as corrupt files are, so a copy named
+    `ckpt-99999999.h5` cannot pin every later run to an old step. A valid file
     that does not match expected_settings raises HpctrainError.
     """
     warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
-    for _, path in list_checkpoints(directory):
+    for named, path in list_checkpoints(directory):
         try:
             ckpt = read(path)
         except _Corrupt as e:
             warn(f"{os.path.basename(path)}: corrupt ({e}), trying the previous one")
             continue
+        if ckpt.step != named:
+            warn(_misnamed(path, named, ckpt.step))
+            continue
         check_compatible(ckpt, expected_settings)
         return ckpt
     return None
+
+
+def _misnamed(path, named, step):
+    return (f"{os.path.basename(path)}: its name says step {named} but it holds step {step} (a renamed "
+            f"copy?), skipped; trying the previous one")
 
 
 def main(argv=None):
@@ -375,9 +396,11 @@ def main(argv=None):
     p.add_argument("dir", help="checkpoint directory")
     a = p.parse_args(argv)
     bad = 0
-    for _, path in list_checkpoints(a.dir):
+    for named, path in list_checkpoints(a.dir):
         try:
             c = read(path)
+            if c.step != named:
+                raise _Corrupt(f"its name says step {named} but it holds step {c.step}")
             keys = ", ".join(f"{k} {c.attrs[k]}" for k in SAME_ON_RESUME if k in c.attrs)
             print(f"{c.name}: ok, step {c.step}, {keys}")
         except _Corrupt as e:

@@ -1,7 +1,18 @@
 """The one exception type users see, and the exit codes scripts rely on.
 
 A HpctrainError is printed as one line (`hpctrain: error: ...`) with no
-traceback; its exit code tells a job script what happened.
+traceback; its exit code tells a job script what happened:
+
+    0    done: the final record and --save written
+    1    a bug: an uncaught exception, its traceback printed, the job aborted
+    2    bad input: a flag, file, data, output or cluster layout (one line,
+         nothing trained or written)
+    3    a rank waited longer than --timeout for a peer (the line names it)
+    75   pre-empted (SIGTERM/SIGUSR1): a checkpoint written after the same
+         step on every rank; requeue, and the same command resumes (EX_TEMPFAIL)
+    130  interrupted (Ctrl-C, SIGINT): stopped at once without a new
+         checkpoint; the checkpoints and metrics records written before are
+         whole, temporary files removed (128 + SIGINT, as shells report it)
 """
 
 EXIT_OK = 0
@@ -10,6 +21,7 @@ EXIT_BAD_INPUT = 2    # bad flag, file, data or cluster layout
 EXIT_TIMEOUT = 3      # a blocking wait passed --timeout; the message names the peer
 EXIT_DIVERGED = 4     # the loss or the parameters became inf/nan: no checkpoint of them, no requeue
 EXIT_PREEMPTED = 75   # SIGTERM/SIGUSR1: checkpoint written, requeue and --resume
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT): stopped at once, no new checkpoint (128 + SIGINT, as shells do)
 
 
 class HpctrainError(Exception):

@@ -9,13 +9,29 @@ progress throttling, GPU binding) before numpy and MPI are imported, because
 they read those settings once, when they load. Exit codes: hpctrain/errors.py.
 """
 import os
+import signal
 import sys
 
 from . import cli, cluster
-from .errors import EXIT_FAILURE, HpctrainError
+from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, HpctrainError
+
+# A rank other than the chief that got Ctrl-C waits this long per rank of
+# distance from the chief (after the abort grace) for the chief's abort,
+# before it speaks itself: on a loaded node the launcher takes a while to end
+# every rank.
+LONE_SIGINT_WAIT_S = 2.0
 
 
 def main(argv=None):
+    signal.signal(signal.SIGINT, _on_sigint)
+    seen = {}   # the parsed flags, for the Ctrl-C line
+    try:
+        return _main(argv, seen)
+    except KeyboardInterrupt:
+        return _interrupted(seen.get("args"))
+
+
+def _main(argv, seen):
     rank, _, _, _ = cluster.launcher_env()
     args = flag_error = None
     try:
@@ -25,6 +41,7 @@ def main(argv=None):
             print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
             return exc.exit_code
         flag_error = exc   # the other ranks may have good flags: agree first (train)
+    seen["args"] = args
     note = cluster.configure_process(device=args.device if args else "auto")
     try:
         train(args, note, flag_error)
@@ -79,6 +96,44 @@ def train(args, process_note="", flag_error=None):
 def _raise(error):
     if error is not None:
         raise error
+
+
+def _on_sigint(signum, frame):
+    # The first Ctrl-C interrupts; any more (a terminal sends one to every
+    # process of the job, and Hydra forwards its own) must not interrupt the
+    # way out, or a traceback is printed after all.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _interrupted(args):
+    """Ctrl-C (SIGINT) on this rank: one line for the job, exit 130. Writers
+    have removed their temporary files on the way here (try/finally); what
+    was written before (checkpoints, metrics records) is whole.
+
+    The chief (ring: rank 0; ps: worker 0) says it and aborts the job.
+    Another rank waits for that abort to end it, and speaks (and aborts)
+    itself only if it did not come: the chief did not get the signal, or sits
+    in an MPI call (C code, where no signal reaches Python) waiting for a
+    peer that already stopped. Those waits are staggered by rank, so that
+    one rank speaks."""
+    import time
+    from .comm.deadline import ABORT_GRACE_S
+    mpi = sys.modules.get("mpi4py.MPI")
+    up = mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+    rank = mpi.COMM_WORLD.Get_rank() if up else (cluster.launcher_env()[0] or 0)
+    chief = args.num_ps if args is not None and args.mode == "ps" else 0
+    if rank != chief:
+        if not up:
+            return EXIT_INTERRUPTED   # before MPI: every rank got it from the launcher
+        after = (rank - chief) % mpi.COMM_WORLD.Get_size()   # 1, 2, ...: one rank at a time
+        time.sleep(ABORT_GRACE_S + LONE_SIGINT_WAIT_S * (1 + min(after, 32)))
+    where = (f"checkpoints already in --checkpoint-dir {args.checkpoint_dir} are whole; run the same "
+             f"command again to resume from the newest" if args is not None and args.checkpoint_dir
+             else "nothing is resumable (no --checkpoint-dir)")
+    print(f"hpctrain: error: interrupted (SIGINT) on rank {rank}; {where}", file=sys.stderr, flush=True)
+    _abort_others(EXIT_INTERRUPTED)
+    return EXIT_INTERRUPTED
 
 
 def _exit_now(code):

@@ -7,10 +7,27 @@ takes a new file (a real file is created and removed: access() says yes to
 root on a read-only mount's files), it is not a directory, and no two flags
 name the same file.
 
-    python -c "from hpctrain.outputs import check_outputs"   # used by train.Run
+Temporary files (the parameters file, a checkpoint, the metrics file being
+rewritten on resume) are made by `temp_next_to`: created exclusively (O_EXCL)
+in the target's own directory, so the rename into place stays on
+one filesystem, named `.<name>.tmp-<pid>-<random>`: nobody can predict the
+name (a planted symlink is never followed) and the pid tells the next start
+whether its writer is gone. The writer removes its file on every exit path it
+controls (try/finally: errors, disk full, Ctrl-C); what a killed writer left
+behind is swept at the next start (`sweep_stale_temporaries`, from
+check_outputs on the chief): only names of our own patterns, only files last
+written before this process started, and only when their writer's pid is no
+longer running (names without a pid, from older versions: when untouched for
+an hour). One job per output file and checkpoint directory, as always; a pid
+is checked on this node only.
+
+    python -c "from hpctrain.outputs import check_outputs"   # used by session.Session
 """
 import os
+import re
+import stat
 import tempfile
+import time
 
 from .errors import HpctrainError
 
@@ -49,6 +66,7 @@ def check_outputs(args):
         except OSError as e:
             raise HpctrainError(f"--checkpoint-dir {d}: cannot create ({e.strerror})") from None
         _try_write(real, f"--checkpoint-dir {d}")
+    sweep_stale_temporaries(args)
 
 
 def _try_write(directory, what):
@@ -66,3 +84,119 @@ def rescue_path(step):
     fd, path = tempfile.mkstemp(prefix=f"hpctrain-params-step{step}-", suffix=".h5")
     os.close(fd)
     return path
+
+
+# ---------------------------------------------------------------------------
+# temporary files
+
+# After "<name>.tmp-": this version's "<pid>-<random>", or what older versions
+# wrote: "<pid>" (checkpoints, metrics, timeline) or mkstemp's "<random>" (--save).
+_TMP_SUFFIX = r"\.tmp-(?:(?P<pid>\d+)(?:-[a-z0-9_]{8})?|[a-z0-9_]{8})"
+_CKPT_TMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5" + _TMP_SUFFIX + "$")
+# Names without a pid are swept only when untouched this long.
+STALE_AFTER_S = 3600.0
+
+
+def temp_next_to(path):
+    """(fd, tmp): a new, empty file for `path`'s content, created exclusively
+    in its directory under an unpredictable name that carries this pid. The
+    caller closes fd, renames tmp into place, and removes it in a finally."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                               prefix=f".{os.path.basename(path)}.tmp-{os.getpid()}-")
+    try:
+        # mkstemp's 0600 is for secrets; the renamed file gets the mode a
+        # plain open() would have given it.
+        os.fchmod(fd, 0o666 & ~_umask())
+    except OSError:
+        pass
+    return fd, tmp
+
+
+def _umask():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def sweep_stale_temporaries(args):
+    """Remove the temporary files that killed runs left next to --save,
+    --metrics, --timeline and in --checkpoint-dir (see the module's
+    docstring for which). Returns the paths removed. Never raises: a file
+    that cannot be removed is left as it was."""
+    started = process_start_time()
+    removed = []
+    targets = []
+    for flag in FILE_FLAGS:
+        path = getattr(args, flag, None)
+        if path:
+            base = re.escape(os.path.basename(os.path.abspath(path)))
+            targets.append((os.path.dirname(os.path.abspath(path)),
+                            re.compile(rf"^\.?{base}{_TMP_SUFFIX}$")))
+    if getattr(args, "checkpoint_dir", None):
+        targets.append((os.path.abspath(args.checkpoint_dir), _CKPT_TMP_RE))
+    for directory, pattern in targets:
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            m = pattern.match(name)
+            if not m:
+                continue
+            path = os.path.join(directory, name)
+            pid = int(m.group("pid")) if m.group("pid") else None
+            if _stale(path, pid, started):
+                try:
+                    os.unlink(path)
+                    removed.append(path)
+                except OSError:
+                    pass
+    return removed
+
+
+def _stale(path, pid, started):
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_mtime >= started:
+        return False   # written since this process started: maybe a running job's
+    if pid is not None:
+        return pid == os.getpid() or not pid_running(pid)
+    return time.time() - st.st_mtime > STALE_AFTER_S
+
+
+def pid_running(pid):
+    """True if a process with this pid exists on this node."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True   # someone else's process
+    except (OverflowError, ValueError, OSError):
+        return False
+    return True
+
+
+def process_start_time():
+    """When this process started (seconds since the epoch, to the second at
+    worst); now where /proc cannot tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])   # field 22, starttime, in clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        # btime is whole seconds: a second earlier, so that nothing written
+        # after this process started can look older than it.
+        return boot + ticks / os.sysconf("SC_CLK_TCK") - 1.0
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()

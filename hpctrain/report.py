@@ -9,7 +9,7 @@ The chief writes everything; the loops call these under an explicit
 """
 import json
 import os
-import tempfile
+import stat
 import time
 
 import numpy as np
@@ -18,33 +18,96 @@ from mpi4py import MPI
 from . import data as data_mod
 from . import device
 from .errors import HpctrainError
-from .outputs import rescue_path
+from .outputs import rescue_path, temp_next_to
 
 
 class Metrics:
-    """JSON Lines written by the chief; kept in a temporary file and renamed
-    into place when the run ends, so a failed run leaves nothing half-written."""
+    """The --metrics file, JSON Lines, written by the chief alone (the other
+    ranks hold Metrics(None), which writes nothing).
+
+    Live: opened for append, every record flushed as it is written, so
+    `tail -f` follows a running job and a killed job keeps what it logged.
+    `resume_at(step)`, called by the loops once the resume is decided, says
+    where this run starts: None (or 0) for a fresh run, whose file starts
+    anew; a checkpoint's step for a resumed one, whose file keeps the records
+    up to that step (an earlier final record and anything past the
+    checkpoint are dropped: they will be logged again) and then goes on, so
+    the file holds every logged step once, in order, and one final record.
+    The kept part is rewritten to an exclusive temporary file and renamed
+    into place; a write before resume_at starts the file anew."""
 
     def __init__(self, path):
         self.path = path
         self._file = None
-        if self.path:
-            self._tmp = f"{self.path}.tmp-{os.getpid()}"
-            self._file = open(self._tmp, "w")
+
+    def resume_at(self, step):
+        if not self.path or self._file:
+            return
+        if not step:
+            self._file = open(self.path, "w")
+            return
+        try:
+            with open(self.path) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            lines = []
+        except (OSError, UnicodeDecodeError) as e:
+            raise HpctrainError(f"--metrics {self.path}: cannot read to resume it ({getattr(e, 'strerror', e)})") \
+                from None
+        kept = [line for line in lines if _kept(line, step)]
+        if len(kept) != len(lines):
+            self._rewrite(kept)
+        self._file = open(self.path, "a")
+
+    def _rewrite(self, lines):
+        fd, tmp = temp_next_to(self.path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(line + "\n" for line in lines))
+                f.flush()
+                os.fsync(f.fileno())
+            _same_mode(self.path, tmp)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            raise HpctrainError(f"--metrics {self.path}: cannot rewrite to resume it ({e.strerror or e})") from None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     def write(self, record):
-        if self._file:
-            self._file.write(json.dumps(record) + "\n")
+        if not self.path:
+            return
+        if self._file is None:
+            self.resume_at(None)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
 
     def close(self, keep=True):
-        if not self._file:
-            return
-        self._file.close()
-        self._file = None
-        if keep:
-            os.replace(self._tmp, self.path)
-        else:
-            os.unlink(self._tmp)
+        """Close the file (every record is already in it; `keep` is kept
+        for the callers' sake: a live file is never removed)."""
+        if self._file:
+            self._file.close()
+            self._file = None
+
+
+def _kept(line, step):
+    """Whether a record of the metrics file stays when the run resumes at `step`."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False   # a line a killed writer left half-written
+    if not isinstance(record, dict) or record.get("event") == "final":
+        return False
+    at = record.get("step")
+    return isinstance(at, int) and at <= step
+
+
+def _same_mode(path, tmp):
+    """The rewritten file keeps the permissions of the one it replaces."""
+    try:
+        os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+    except FileNotFoundError:
+        pass
 
 
 class Report:
@@ -200,8 +263,7 @@ def write_params(path, model, step, args, world_size):
     written to a temporary name and renamed, so it is never half-written."""
     import h5py
     # Exclusive and unpredictable: a planted symlink is never followed.
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=f".{os.path.basename(path)}.tmp-")
+    fd, tmp = temp_next_to(path)
     os.close(fd)
     try:
         with h5py.File(tmp, "w") as f:

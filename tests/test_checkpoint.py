@@ -91,13 +91,95 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
     assert load(tmp_path)[0].step == 10
 
 
-def test_keeps_the_newest_k_and_removes_stale_temporary_files(tmp_path):
-    stale = tmp_path / ".ckpt-00000015.h5.tmp-99999"
-    stale.write_bytes(b"half a checkpoint from a crashed writer")
+def test_keeps_the_newest_k(tmp_path):
     for step in range(10, 60, 10):
         write(tmp_path, step, keep=2)
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000040.h5", "ckpt-00000050.h5"]
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [50, 40]
+
+
+def a_dead_pid():
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path):
+    from argparse import Namespace
+    from hpctrain import outputs
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    ckpt.mkdir()
+    out.mkdir()
+    running = subprocess.Popen(["sleep", "60"])   # a running job's writer
+    dead, alive = a_dead_pid(), running.pid
+    stale = [ckpt / f".ckpt-00000015.h5.tmp-{dead}",              # older versions: pid only
+             ckpt / f".ckpt-00000020.h5.tmp-{dead}-abc_1234",     # this version: pid and random
+             out / f".p.h5.tmp-{dead}-x1y2z3w4",
+             out / "m.jsonl.tmp-{}".format(dead),                  # the old metrics file
+             out / "t.json.tmp-{}".format(dead),                   # the timeline's
+             out / ".p.h5.tmp-q9r8s7t6"]                           # old --save: no pid, an hour untouched
+    kept = [ckpt / f".ckpt-00000030.h5.tmp-{alive}-abcdefgh",     # a running writer's
+            out / f".p.h5.tmp-{alive}-abcdefgh",
+            out / ".p.h5.tmp-recent00",                            # no pid, recent
+            out / f".other.h5.tmp-{dead}-abcdefgh",                # not one of this run's outputs
+            out / "notes.txt", ckpt / "ckpt-00000010.h5"]
+    hour_ago = time.time() - 2 * outputs.STALE_AFTER_S
+    for path in stale + kept:
+        path.write_bytes(b"half")
+        if path.name != ".p.h5.tmp-recent00":
+            os.utime(path, (hour_ago, hour_ago))
+    os.utime(out / ".p.h5.tmp-recent00", (time.time() - 60, time.time() - 60))
+    args = Namespace(save=str(out / "p.h5"), metrics=str(out / "m.jsonl"), timeline=str(out / "t.json"),
+                     checkpoint_dir=str(ckpt))
+    outputs.check_outputs(args)
+    assert all(not p.exists() for p in stale), [p.name for p in stale if p.exists()]
+    assert all(p.exists() for p in kept), [p.name for p in kept if not p.exists()]
+    # A file written after this process started is never touched, whatever its pid.
+    fresh = out / f".p.h5.tmp-{dead}-fresh000"
+    fresh.write_bytes(b"")
+    assert outputs.sweep_stale_temporaries(args) == [] and fresh.exists()
+    # Once its writer is gone, the running job's file is a leftover too.
+    running.kill()
+    running.wait()
+    assert sorted(outputs.sweep_stale_temporaries(args)) == [str(ckpt / f".ckpt-00000030.h5.tmp-{alive}-abcdefgh"),
+                                                             str(out / f".p.h5.tmp-{alive}-abcdefgh")]
+
+
+def test_temporary_names_are_exclusive_unpredictable_and_carry_the_pid(tmp_path):
+    from hpctrain import outputs
+    names = set()
+    for _ in range(3):
+        fd, tmp = outputs.temp_next_to(tmp_path / "p.h5")
+        os.close(fd)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        assert os.path.dirname(tmp) == str(tmp_path) and os.stat(tmp).st_mode & 0o777 == 0o666 & ~umask
+        assert re.fullmatch(rf"\.p\.h5\.tmp-{os.getpid()}-[a-z0-9_]{{8}}", os.path.basename(tmp)), tmp
+        names.add(tmp)
+    assert len(names) == 3
+
+
+def test_a_file_whose_name_lies_about_its_step_is_skipped_and_never_pins_pruning(tmp_path):
+    # A copy of step 10 named far above every real step: before, resume took
+    # it (newest by name) and pruning kept it while deleting the real newest.
+    old, params10, _, _ = write(tmp_path, 10)
+    liar = tmp_path / "ckpt-99999999.h5"
+    liar.write_bytes(open(old, "rb").read())
+    _, params20, _, _ = write(tmp_path, 20, keep=2)
+    ckpt, warnings = load(tmp_path)
+    assert ckpt.step == 20 and np.array_equal(ckpt.params, params20)
+    assert warnings == ["ckpt-99999999.h5: its name says step 99999999 but it holds step 10 (a renamed "
+                        "copy?), skipped; trying the previous one"]
+    # Pruning keeps the newest 2 up to the one just written; the lying name is
+    # neither counted nor removed (resume reports it every time).
+    write(tmp_path, 30, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000020.h5", "ckpt-00000030.h5", "ckpt-99999999.h5"]
+    # A name below its content is a liar too: skipped for the real previous one.
+    (tmp_path / "ckpt-00000030.h5").rename(tmp_path / "ckpt-00000025.h5")
+    ckpt, warnings = load(tmp_path)
+    assert ckpt.step == 20 and len(warnings) == 2
+    assert warnings[1].startswith("ckpt-00000025.h5: its name says step 25 but it holds step 30 ")
+    assert checkpoint.main([str(tmp_path)]) == 1
 
 
 def test_truncated_newest_falls_back_to_the_previous_one_with_a_warning(tmp_path):
