@@ -13,6 +13,8 @@ import os
 import threading
 import time
 
+from .outputs import temp_next_to
+
 
 class _Span:
     __slots__ = ("tl", "name", "cat", "args", "t0")
@@ -92,7 +94,11 @@ class Timeline:
         meta = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": self._process_name}}]
         meta += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": n}}
                  for tid, n in names.items()]
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, self.path)
+        fd, tmp = temp_next_to(self.path)   # exclusive, unpredictable: no planted symlink followed
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}, f)
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
