@@ -1,6 +1,6 @@
 """Parameter-server training (`--mode ps`): `train_ps(run)` turns the ranks of
 a `Run` into servers and workers and trains, synchronously (the default) or
-asynchronously. The protocol itself is hpctrain/comm/ps.py; this file wires it
+asynchronously. The protocol itself is hpctrain/comm/ps/; this file wires it
 to the model, optimizer, data, logging and metrics, like `train_ring` does.
 
     mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2            # sync, 2 ps + 2 workers
@@ -133,7 +133,7 @@ def serve(run, comm, placement):
                     replicas=replicas_to_aggregate(a, c.num_workers), max_staleness=a.max_staleness,
                     dc_lambda=a.dc_lambda, watchdog=run.watchdog,
                     stop_requested=lambda: run.stop.received, after_update=after_update)
-    server.serve()
+    server.serve_until_done()
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
         with run.watchdog.waiting("stop agreement", peer=None):
             run.preempted(c.comm, server.version)

@@ -135,7 +135,7 @@ class Setup:
         lr_fn = kw.pop("lr_fn")
         server = ps.Server(self.comm, mine, self.workers, self.servers, optimizer_cls(size), lr_fn,
                            watchdog=self.dog, **kw)
-        server.serve()
+        server.serve_until_done()
         return server
 
     def client(self, sync=True):
@@ -163,7 +163,7 @@ def test_sync_rounds_sum_in_worker_order_on_every_server(placement):
     W = len(s.workers)
     if s.is_server:
         server = s.serve(SGD, steps=rounds, lr_fn=lambda v: lr)
-        assert server.version == rounds and server.updates == rounds and server.stale_dropped == 0
+        assert server.version == rounds and server.stats.updates == rounds and server.stats.stale_dropped == 0
         s.close()
         return
     index, client = s.client()
@@ -280,7 +280,7 @@ def test_dc_asgd_update_matches_a_direct_computation(lam):
     if s.is_server:
         server = s.serve(SGD, steps=100, sync=False, dc_lambda=lam)
         s.close()
-        assert server.updates == 2 and server.st_max == 1 and list(server.hist[:3]) == [1, 1, 0]
+        assert server.stats.updates == 2 and server.stats.st_max == 1 and list(server.stats.hist[:3]) == [1, 1, 0]
         return
     result, stats = two_worker_race(s, g0, g1)
     s.close()
@@ -307,7 +307,7 @@ def test_a_push_beyond_max_staleness_is_not_applied_and_brings_fresh_parameters(
     if s.is_server:
         server = s.serve(SGD, steps=100, sync=False, max_staleness=0)
         s.close()
-        assert server.updates == 1 and server.stale_dropped == 1
+        assert server.stats.updates == 1 and server.stats.stale_dropped == 1
         return
     result, stats = two_worker_race(s, g0, g1)
     s.close()

@@ -1,0 +1,269 @@
+"""One parameter server: the request loop and what answers each request.
+Aggregation (sync rounds or async updates) lives in aggregate.py, the
+checkpoint side (snapshot, restore, data positions) in snapshot.py.
+
+    mpirun -n 3 python -m hpctrain.comm.ps      # self-check: 1 ps, 2 workers, sync
+
+The server pre-posts one receive per worker for headers and for gradients
+(persistent requests) and serves everyone through Waitsome, handling the
+completed requests in worker order, so no worker can starve another.
+
+Stopping. The leader (server_ranks[0]) owns the step budget: every reply
+carries its stop version and F_STOP once reached. A stop request
+(F_STOP_REQUEST in any worker's header, or a signal at the leader) lowers it
+to version+1, so every worker stops after the same version; other servers
+that see a signal set F_STOP_REQUEST in their replies and workers forward it.
+The server returns when every worker sent OP_FINAL.
+
+Every blocking wait runs under the watchdog (`--timeout`), naming the peer.
+"""
+from contextlib import nullcontext
+
+import numpy as np
+from mpi4py import MPI
+
+from .aggregate import AsyncApply, SyncRounds
+from .placement import slice_size
+from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLAGS, H_LOSS,
+                       H_OFFSET, H_OP, H_STOP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
+                       OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
+                       ProtocolError, loss_field)
+from .snapshot import DataPositions, receive_restore, send_snapshot
+from .stats import ServerStats
+
+
+class Server:
+    """One parameter server: serve_until_done() until every worker sent OP_FINAL.
+
+    ranges: this server's (lo, hi) ranges; worker_ranks / server_ranks: ranks in
+    `comm` (server_ranks[0] is the leader); optimizer sized to this server's
+    element count; lr_fn(version) -> learning rate; steps: the step budget.
+    """
+
+    def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
+                 sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=None,
+                 stop_requested=None, after_update=None):
+        self.comm, self.rank = comm, comm.Get_rank()
+        self.workers, self.servers = list(worker_ranks), list(server_ranks)
+        self.leader = self.rank == self.servers[0]
+        self.ranges = list(ranges)
+        self.size = slice_size(self.ranges)
+        self.num_workers = len(self.workers)
+        self.opt, self.lr_fn = optimizer, lr_fn
+        self.watchdog = watchdog
+        self.stop_requested, self.after_update = stop_requested, after_update
+        self.params = np.zeros(self.size, np.float32)
+        self.grads = np.zeros((self.num_workers, self.size), np.float32)   # one landing buffer per worker
+        self._init_state(int(steps))
+        if sync:
+            replicas = replicas or self.num_workers
+            if not 1 <= replicas <= self.num_workers:
+                raise ValueError(f"replicas {replicas} must be in 1..{self.num_workers}")
+            self.aggregation = SyncRounds(self, replicas)
+        else:
+            self.aggregation = AsyncApply(self, max_staleness, dc_lambda)
+        self._init_requests()
+
+    def _init_state(self, steps):
+        workers = self.num_workers
+        self.version = 0
+        self.initialized = False
+        self.stop_version = steps
+        self.preempted = False
+        self.stop_seen = False                  # a signal or request seen here (followers pass it on)
+        self.final_version = 0                  # the leader version workers ended at (from OP_FINAL)
+        self.last_loss = float("nan")
+        self.want = np.full(workers, -1, np.int64)      # pending reply: minimum version, -1 none
+        self.rejected = np.zeros(workers, bool)
+        self.done = np.zeros(workers, bool)
+        self.want_state = np.zeros(workers, bool)       # OP_FINAL asked for the optimizer state
+        self.grad_posted = np.zeros(workers, bool)
+        self.sending = np.zeros(workers, bool)
+        self.positions = DataPositions(workers)
+        self.stats = ServerStats(workers)
+
+    def _init_requests(self):
+        comm, workers = self.comm, self.workers
+        self.hdr_in = np.zeros((self.num_workers, HEADER), np.int64)
+        self.hdr_out = np.zeros((self.num_workers, HEADER), np.int64)
+        self.bulk_hdr = np.zeros(HEADER, np.int64)
+        self.req_hdr = [comm.Recv_init(self.hdr_in[w], r, TAG_HEADER) for w, r in enumerate(workers)]
+        self.req_grad = [comm.Recv_init(self.grads[w], r, TAG_GRAD) for w, r in enumerate(workers)]
+        self.send_hdr = [comm.Send_init(self.hdr_out[w], r, TAG_REPLY) for w, r in enumerate(workers)]
+        self.send_params = [comm.Send_init(self.aggregation.send_buffer(w), r, TAG_PARAMS)
+                            for w, r in enumerate(workers)]
+
+    def waiting(self, what, peer=None):
+        return self.watchdog.waiting(what, peer=peer) if self.watchdog else nullcontext()
+
+    # --- main loop ----------------------------------------------------------
+    def serve_until_done(self):
+        """Serve until every worker is done; returns the statistics array."""
+        waits = list(self.req_hdr) + self.aggregation.requests()
+        MPI.Prequest.Startall(self.req_hdr)
+        MPI.Prequest.Startall(self.req_grad)
+        self.grad_posted[:] = True
+        self.aggregation.start()
+        while not (self.done.all() and self.aggregation.caught_up()):
+            with self.waiting("requests from workers", peer=self._awaited):
+                ready = MPI.Request.Waitsome(waits)
+            if ready is None:
+                raise ProtocolError(f"ps rank {self.rank}: nothing left to wait for at version {self.version}")
+            for i in sorted(ready):
+                if i >= self.num_workers:
+                    self.aggregation.on_message()
+                else:
+                    self._on_header(i)
+            self._check_signal()
+        return self._finish()
+
+    def _awaited(self):
+        if not self.initialized:
+            return [self.workers[0]]
+        out = [r for w, r in enumerate(self.workers) if not self.done[w] and self.aggregation.waiting_on(w)]
+        return self.aggregation.awaited_servers() + out or "its peers"
+
+    def _check_signal(self):
+        if self.stop_requested is not None and not self.stop_seen and self.stop_requested():
+            self._stop_request()
+
+    def _stop_request(self):
+        self.stop_seen = True
+        # Stop after the version in progress; a request during the last one changes nothing.
+        if self.leader and self.version + 1 < self.stop_version:
+            self.stop_version = self.version + 1
+            self.preempted = True
+
+    # --- messages -----------------------------------------------------------
+    def _on_header(self, w):
+        header = self.hdr_in[w]
+        op = int(header[H_OP])
+        if header[H_FLAGS] & F_STOP_REQUEST:
+            self._stop_request()
+        if op == OP_PUSH:
+            with self.waiting("gradient", peer=self.workers[w]):
+                self.req_grad[w].Wait()
+            self.grad_posted[w] = False
+            version, loss = int(header[H_VERSION]), float(loss_field(header)[H_LOSS])
+            self.positions.record(w, version, header[H_EPOCH], header[H_OFFSET])
+            self.req_hdr[w].Start()
+            self._on_push(w, version, loss)
+        elif op == OP_PULL:
+            self.want[w] = int(header[H_VERSION])
+            self.req_hdr[w].Start()
+            self.reply(w)
+        elif op == OP_FINAL:
+            self._on_final(w, header)
+        elif op == OP_SNAPSHOT:
+            send_snapshot(self, w)
+            self.req_hdr[w].Start()
+        elif op == OP_RESTORE:
+            receive_restore(self, w, header)
+            self.req_hdr[w].Start()
+        else:
+            raise ProtocolError(f"ps rank {self.rank}: unknown op {op} from rank {self.workers[w]}")
+
+    def _on_push(self, w, version, loss):
+        if not self.initialized:
+            raise ProtocolError(f"ps rank {self.rank}: push from rank {self.workers[w]} before initialization")
+        self.stats.pushes[w] += 1
+        self.aggregation.on_push(w, version, loss)
+
+    def _on_final(self, w, header):
+        self.done[w] = True
+        self.final_version = max(self.final_version, int(header[H_VERSION]))
+        self.want_state[w] = bool(header[H_FLAGS] & F_WANT_STATE)
+        if header[H_FLAGS] & F_PREEMPTED:
+            self.preempted = True
+        if self.grad_posted[w]:
+            self.req_grad[w].Cancel()
+            self.req_grad[w].Wait()
+            self.grad_posted[w] = False
+
+    def repost(self, w):
+        if not self.grad_posted[w] and not self.done[w]:
+            self.req_grad[w].Start()
+            self.grad_posted[w] = True
+
+    def drop(self, w, stale=True):
+        """Worker w's gradient is not applied: stale, or past the end."""
+        self.stats.drop(w, stale)
+        self.rejected[w] = True
+        self.repost(w)
+
+    def updated(self):
+        if self.after_update is not None:
+            self.after_update(self.version)
+
+    # --- replies ------------------------------------------------------------
+    def quiesce(self):
+        """Wait for outgoing parameter messages: their buffer is about to change."""
+        busy = np.flatnonzero(self.sending)
+        if len(busy) == 0:
+            return
+        with self.waiting("parameter replies", peer=[self.workers[w] for w in busy]):
+            for w in busy:
+                self.send_hdr[w].Wait()
+                self.send_params[w].Wait()
+        self.sending[:] = False
+
+    def _flags(self, w=None):
+        flags = 0
+        if self.version >= self.stop_version:
+            flags |= F_STOP
+        if self.preempted:
+            flags |= F_PREEMPTED
+        if self.stop_seen and not self.leader:
+            flags |= F_STOP_REQUEST
+        if w is not None and self.rejected[w]:
+            flags |= F_REJECTED
+        return flags
+
+    def fill_reply(self, header, w=None):
+        header[:] = 0
+        header[H_OP], header[H_VERSION], header[H_WORKER] = OP_REPLY, self.version, -1
+        header[H_FLAGS], header[H_STOP], header[H_T] = self._flags(w), self.stop_version, self.opt.t
+        loss_field(header)[H_LOSS] = self.last_loss
+
+    def reply(self, w):
+        """Answer worker w's pending request if the version it wants is here."""
+        want = self.want[w]
+        if want < 0 or not self.initialized or self.done[w]:
+            return
+        if self.version < want and self.version < self.stop_version:
+            return
+        self.want[w] = -1
+        if self.sending[w]:
+            with self.waiting("parameter reply", peer=self.workers[w]):
+                self.send_hdr[w].Wait()
+                self.send_params[w].Wait()
+        self.fill_reply(self.hdr_out[w], w)
+        self.rejected[w] = False
+        self.aggregation.before_reply(w)
+        self.send_hdr[w].Start()
+        self.send_params[w].Start()
+        self.sending[w] = True
+
+    # --- the end ------------------------------------------------------------
+    def stats_array(self):
+        return self.stats.to_array(self.version, self.size)
+
+    def _finish(self):
+        self.quiesce()
+        self.aggregation.finish_sends()
+        stats = self.stats_array()
+        states = list(self.opt.state().values())
+        positions = self.positions.at(self.version)
+        reqs = []
+        for w, r in enumerate(self.workers):
+            self.fill_reply(self.hdr_out[w], w)
+            reqs += [self.comm.Isend(self.hdr_out[w], r, TAG_REPLY), self.comm.Isend(self.params, r, TAG_PARAMS),
+                     self.comm.Isend(stats, r, TAG_BULK)]
+            if self.want_state[w]:
+                reqs += [self.comm.Isend(array, r, TAG_BULK) for array in states] + [self.comm.Isend(positions, r, TAG_BULK)]
+        with self.waiting("final replies", peer=self.workers):
+            MPI.Request.Waitall(reqs)
+        self.aggregation.free()
+        for req in self.req_hdr + self.req_grad + self.send_hdr + self.send_params:
+            req.Free()
+        return stats
