@@ -18,14 +18,9 @@ reply at the end or after a signal) and the data positions that the workers'
 pushes carried to ps 0. On resume it loads the servers back (RESTORE) and the
 workers seek their readers, so sync training resumes bit for bit.
 
-Test hooks (environment variables, for the tests only):
-  HPCTRAIN_TEST_SLOW_WORKER=i:s[,j:s]  worker i sleeps s seconds in every step (a straggler)
-  HPCTRAIN_TEST_HANG_PS=k:v            ps task k stops answering once its version reaches v
-  HPCTRAIN_TEST_SIGNAL=i:n             worker i sends itself SIGUSR1 in its n-th step
+Faults (a straggler, a hung server, a signal) are injected by the tests
+(tests/faults/inject_ps.py), not here.
 """
-import os
-import signal
-import sys
 import time
 
 import numpy as np
@@ -35,16 +30,6 @@ from .comm.ps import Client, Server, describe, place, summarize
 from .errors import HpctrainError
 from .model import MLP
 from .optim import OnDevice, make_optimizer
-
-
-def _hook(name, index):
-    """The value for `index` in a test hook like "1:0.2,3:0.5", or None."""
-    for item in os.environ.get(name, "").split(","):
-        if ":" in item:
-            key, value = item.split(":", 1)
-            if int(key) == index:
-                return float(value)
-    return None
 
 
 def replicas_to_aggregate(args, num_workers):
@@ -120,19 +105,10 @@ def serve(run, comm, placement):
         optimizer = OnDevice(make_optimizer(a.optimizer, size, run.server_xp, momentum=a.momentum), size)
     else:
         optimizer = make_optimizer(a.optimizer, size, np, momentum=a.momentum)
-    hang_at = _hook("HPCTRAIN_TEST_HANG_PS", c.ps_index)
-
-    def after_update(version):
-        if hang_at is not None and version >= hang_at:
-            print(f"hpctrain: test hook: {c.role_name()} stops answering at version {version}",
-                  file=sys.stderr, flush=True)
-            while True:
-                time.sleep(3600)
-
     server = Server(comm, mine, c.worker_ranks, c.ps_ranks, optimizer, run.lr, steps=a.steps, sync=a.sync,
                     replicas=replicas_to_aggregate(a, c.num_workers), max_staleness=a.max_staleness,
                     dc_lambda=a.dc_lambda, watchdog=run.watchdog,
-                    stop_requested=lambda: run.stop.received, after_update=after_update)
+                    stop_requested=lambda: run.stop.received)
     server.serve_until_done()
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
         with run.watchdog.waiting("stop agreement", peer=None):
@@ -184,8 +160,6 @@ def work(run, comm, reader, resume):
 
     R = replicas_to_aggregate(a, W)
     per_update = a.batch_size * R
-    slow = _hook("HPCTRAIN_TEST_SLOW_WORKER", c.worker_index)
-    signal_at = _hook("HPCTRAIN_TEST_SIGNAL", c.worker_index)
     start = client.version
     comm_s = compute_s = 0.0
     local = 0
@@ -206,11 +180,7 @@ def work(run, comm, reader, resume):
             if gpu:
                 model.grads.get(out=grads)   # into the host mirror: no allocation
             loss = float(loss)
-        if slow:
-            time.sleep(slow)
         local += 1
-        if signal_at == local:
-            signal.raise_signal(signal.SIGUSR1)
         t1 = time.perf_counter()
         with tl.span("push+pull", cat="comm"):
             client.push_pull(loss, stop_request=run.stop.received is not None, position=reader.position)

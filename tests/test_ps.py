@@ -11,10 +11,11 @@ Three kinds of tests:
   pass at 2, 3 and 4 ranks (the DC-ASGD and staleness tests need 2 workers);
 - jobs: `mpirun -n N python -m hpctrain.mnist --mode ps ...` launched from the
   plain pytest pass (they skip inside the MPI pass). Stragglers, a hung server
-  and a signal come from test hooks read by hpctrain/train_ps.py:
-  HPCTRAIN_TEST_SLOW_WORKER=i:s, HPCTRAIN_TEST_HANG_PS=k:v, HPCTRAIN_TEST_SIGNAL=i:n.
+  and a signal are injected by tests/faults/inject_ps.py (FAULT_SLOW_WORKER=i:s,
+  FAULT_HANG_PS=k:v, FAULT_SIGNAL=i:n): see `with_faults`.
 """
 import json
+import os
 import re
 
 import numpy as np
@@ -338,6 +339,14 @@ def ok(r):
     return r
 
 
+FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+
+
+def with_faults(**faults):
+    """job() keywords that run tests/faults/inject_ps.py with these FAULT_* variables."""
+    return {"module": "inject_ps", "env": {"PYTHONPATH": FAULTS, **faults}}
+
+
 @pytest.mark.parametrize("ranks, num_ps, placement", [(3, 1, "even"), (5, 2, "round-robin")])
 def test_sync_ps_equals_ring_under_sgd(job, tmp_path, ranks, num_ps, placement):
     common = ["--optimizer", "sgd", "--lr", "0.05", "--steps", "50", "--log-every", "25"]
@@ -363,7 +372,7 @@ def test_backup_workers_drop_exactly_the_late_gradients(job, tmp_path):
     # 3 workers, aggregate 2; worker 2 sleeps 0.1 s per step while the others take ~2 ms
     m = tmp_path / "m.jsonl"
     ok(job(4, "--mode", "ps", "--num-ps", 1, "--backup-workers", 1, "--hidden", "32", "--steps", 300,
-           "--log-every", 100, "--metrics", m, env={"HPCTRAIN_TEST_SLOW_WORKER": "2:0.1"}))
+           "--log-every", 100, "--metrics", m, **with_faults(FAULT_SLOW_WORKER="2:0.1")))
     f = final_record(m)
     late = f["pushes_by_worker"][2]
     assert f["updates"] == 300 and f["replicas_to_aggregate"] == 2 and f["backup_workers"] == 1
@@ -372,17 +381,23 @@ def test_backup_workers_drop_exactly_the_late_gradients(job, tmp_path):
 
 
 def test_a_straggler_holds_sync_back_without_backup_workers_and_not_with(job, tmp_path):
-    slow = {"HPCTRAIN_TEST_SLOW_WORKER": "1:0.1"}
-    loop = {}
+    # Worker 1 sleeps 0.1 s per step. Without a backup every round waits for
+    # its gradient; with one, rounds close on the first arrival, so the
+    # straggler's gradients are mostly late and dropped (not a wall-clock
+    # threshold: that flaked on a loaded machine).
+    loop, used = {}, {}
     for backup in (0, 1):
         m = tmp_path / f"m{backup}.jsonl"
         ok(job(3, "--mode", "ps", "--backup-workers", backup, "--hidden", "32", "--steps", 15,
-               "--log-every", 15, "--metrics", m, env=slow))
+               "--log-every", 15, "--metrics", m, **with_faults(FAULT_SLOW_WORKER="1:0.1")))
         f = final_record(m)
         assert f["updates"] == 15
         loop[backup] = f["loop_s"]
+        used[backup] = [p - d for p, d in zip(f["pushes_by_worker"], f["dropped_by_worker"])]
     assert loop[0] >= 15 * 0.1
-    assert loop[1] < 15 * 0.1 / 2
+    assert used[0] == [15, 15]                    # every round held both gradients
+    assert sum(used[1]) == 15                     # one gradient per round: the first to arrive
+    assert used[1][1] < used[1][0]                # ... mostly the fast worker's
 
 
 def test_async_converges_and_reports_staleness(job, tmp_path):
@@ -413,7 +428,7 @@ def test_async_with_dc_asgd_and_bounded_staleness_trains(job, tmp_path):
 def test_a_signal_on_one_worker_stops_every_rank(job, tmp_path, mode):
     m = tmp_path / "m.jsonl"
     r = job(4, "--mode", "ps", "--num-ps", 2, mode, "--hidden", "32", "--steps", 5000, "--log-every", 10,
-            "--metrics", m, env={"HPCTRAIN_TEST_SIGNAL": "1:20"}, timeout=120)
+            "--metrics", m, timeout=120, **with_faults(FAULT_SIGNAL="1:20"))
     assert r.returncode == 75, r.stderr
     errors = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(errors) == 1 and re.match(r"hpctrain: error: stopped by SIGUSR1 after step \d+;", errors[0]), errors
@@ -431,7 +446,8 @@ def test_a_stopped_sync_run_resumes_where_an_uninterrupted_run_ends(job, tmp_pat
     common = ["--mode", "ps", "--num-ps", 2, "--steps", 40, "--hidden", "64", "--log-every", 10]
     ok(job(4, *common, "--save", tmp_path / "straight.h5"))
     ckpt = tmp_path / "ckpt"
-    r = job(4, *common, "--checkpoint-dir", ckpt, "--checkpoint-every", 15, env={"HPCTRAIN_TEST_SIGNAL": "1:22"})
+    r = job(4, *common, "--checkpoint-dir", ckpt, "--checkpoint-every", 15,
+            **with_faults(FAULT_SIGNAL="1:22"))
     assert r.returncode == 75, r.stderr
     assert f"stopped by SIGUSR1 after step 22; checkpoint {ckpt}/ckpt-00000022.h5" in r.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-00000015.h5", "ckpt-00000022.h5"]
@@ -449,7 +465,7 @@ def test_a_stopped_sync_run_resumes_where_an_uninterrupted_run_ends(job, tmp_pat
 
 def test_a_server_that_stops_answering_is_a_deadline_error(job):
     r = job(3, "--mode", "ps", "--hidden", "32", "--steps", 1000, "--timeout", 3,
-            env={"HPCTRAIN_TEST_HANG_PS": "0:5"}, timeout=60)
+            timeout=60, **with_faults(FAULT_HANG_PS="0:5"))
     assert r.returncode == 3, r.stderr
     assert re.search(r"^hpctrain: error: rank [12] waited \d+ s for rank 0 \(.*\); giving up \(--timeout 3\)$",
                      r.stderr, re.M), r.stderr

@@ -200,7 +200,6 @@ class SyncRounds:
         if self.req_round is not None:
             self.have_decision = False
             self.req_round.Start()
-        srv.updated()
         for w in range(srv.num_workers):
             srv.reply(w)
 
@@ -272,5 +271,4 @@ class AsyncApply:
             srv.stats.updates += 1
             srv.last_loss = loss
             srv.repost(w)
-            srv.updated()
         srv.reply(w)

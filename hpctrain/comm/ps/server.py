@@ -42,7 +42,7 @@ class Server:
 
     def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
                  sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=None,
-                 stop_requested=None, after_update=None):
+                 stop_requested=None):
         self.comm, self.rank = comm, comm.Get_rank()
         self.workers, self.servers = list(worker_ranks), list(server_ranks)
         self.leader = self.rank == self.servers[0]
@@ -51,7 +51,7 @@ class Server:
         self.num_workers = len(self.workers)
         self.opt, self.lr_fn = optimizer, lr_fn
         self.watchdog = watchdog
-        self.stop_requested, self.after_update = stop_requested, after_update
+        self.stop_requested = stop_requested
         self.params = np.zeros(self.size, np.float32)
         self.grads = np.zeros((self.num_workers, self.size), np.float32)   # one landing buffer per worker
         self._init_state(int(steps))
@@ -190,10 +190,6 @@ class Server:
         self.stats.drop(w, stale)
         self.rejected[w] = True
         self.repost(w)
-
-    def updated(self):
-        if self.after_update is not None:
-            self.after_update(self.version)
 
     # --- replies ------------------------------------------------------------
     def quiesce(self):
