@@ -126,6 +126,16 @@ def save_alone(run, step, params, states, t, positions):
         raise HpctrainError(str(exc), exit_code=exc.exit_code) from None   # not collective: abort
 
 
+def save_cut(run, cut):
+    """A checkpoint of the servers' Cut, or one line why not: servers at
+    different versions (async updates in flight) are not one state."""
+    if not cut.consistent:
+        run.log(f"checkpoint at step {cut.versions[0]} not written: the servers are not at one version "
+                f"({cut.describe()})")
+        return
+    save_alone(run, cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions)
+
+
 def work(run, comm, reader, resume):
     a, c, xp = run.args, run.cluster, run.xp
     W, tl = c.num_workers, run.timeline
@@ -202,10 +212,9 @@ def work(run, comm, reader, resume):
             next_log = (step // a.log_every + 1) * a.log_every
         t_loop += run.periodic_eval(model, step)
         if every and step >= next_checkpoint and not client.stop:
-            # The chief alone: the servers' slices and state (SNAPSHOT), with
-            # the data positions the leader recorded for that version.
-            versions, t, p, states, positions = client.snapshot(state_names)
-            save_alone(run, versions[0], p, states, t, positions)
+            # The chief alone: the servers' slices and state at one version
+            # (SNAPSHOT), with the data positions the leader recorded for it.
+            save_cut(run, client.snapshot(state_names))
             next_checkpoint = (step // every + 1) * every
     t_loop = time.perf_counter() - t_loop
 
@@ -218,8 +227,7 @@ def work(run, comm, reader, resume):
         model.params.set(params)
     step = client.version
     if want_state and run.saved_step != step:
-        t, states, positions = client.final_state
-        save_alone(run, step, params, states, t, positions)
+        save_cut(run, client.final_state)
     if client.preempted:
         run.log(f"stopping after step {step}: signal received")
         run.metrics.close(keep=True)

@@ -231,19 +231,19 @@ def test_snapshot_and_restore_round_trip_parameters_adam_state_and_positions():
     s.close()
     if index != 0:
         return
-    versions, t, params, states, positions = first
-    assert versions == [7] * len(s.servers) and t == 5
+    versions, ts, params, states, positions = first
+    assert versions == [7] * len(s.servers) and ts == [5] * len(s.servers) and first.consistent
     assert np.array_equal(params, p0) and np.array_equal(states["m"], m0) and np.array_equal(states["v"], v0)
     assert np.array_equal(positions, pos0)
-    versions, t, params, states, positions = second
-    assert versions == [8] * len(s.servers) and t == 6
+    versions, ts, params, states, positions = second
+    assert versions == [8] * len(s.servers) and ts == [6] * len(s.servers)
     assert np.array_equal(params, p) and np.array_equal(pushed, p)
     assert np.array_equal(states["m"], local.m) and np.array_equal(states["v"], local.v)
     expect_pos = pos0.copy()
     expect_pos[0] = 3, 96    # the chief's push carried its position; the others' are the restored ones
     assert np.array_equal(positions, expect_pos)
-    t, states, positions = client.final_state
-    assert t == 6 and np.array_equal(states["m"], local.m) and np.array_equal(states["v"], local.v)
+    versions, ts, _, states, positions = client.final_state
+    assert ts == [6] * len(s.servers) and versions == [8] * len(s.servers) and np.array_equal(states["m"], local.m) and np.array_equal(states["v"], local.v)
     assert np.array_equal(positions, expect_pos) and np.array_equal(s.params, p)
 
 
@@ -461,6 +461,44 @@ def test_a_stopped_sync_run_resumes_where_an_uninterrupted_run_ends(job, tmp_pat
         resumed, attrs = saved(tmp_path / "resumed.h5")
         assert attrs["step"] == 40 and all(np.array_equal(straight[k], resumed[k]) for k in straight)
         assert (directory / "ckpt-00000040.h5").exists()
+
+
+@pytest.mark.parametrize("mode", ["sync-backup", "async"])
+def test_a_checkpoint_is_one_cut_across_servers(job, tmp_path, mode):
+    """With backup workers (a slow chief: the others move the rounds on while
+    it takes a snapshot) or async updates, every checkpoint written holds one
+    version and one optimizer step on every server; an async cut that is not
+    one state is not written, with one line saying so (issue 10, part 2.1)."""
+    cuts, ckpt = tmp_path / "cuts.jsonl", tmp_path / "ckpt"
+    if mode == "async":
+        ranks, flags = 4, ["--async"]
+    else:
+        ranks, flags = 5, ["--backup-workers", 1]
+    r = ok(job(ranks, "--mode", "ps", "--num-ps", 2, *flags, "--hidden", "32", "--steps", 60,
+               "--checkpoint-dir", ckpt, "--checkpoint-every", 5, "--keep-checkpoints", 100, "--log-every", 60,
+               **with_faults(FAULT_SLOW_WORKER="0:0.02", PROBE_CUTS=str(cuts))))
+    records = [json.loads(line) for line in cuts.read_text().splitlines()]
+    assert records and records[-1]["kind"] == "final"
+    written = {p.name for p in ckpt.iterdir()}
+    for rec in records:
+        one = len(set(rec["versions"])) == 1 and len(set(rec["ts"])) == 1
+        if mode != "async":
+            assert one, rec            # sync: the leader's hold makes every cut one version
+        name = f"ckpt-{rec['versions'][0]:08d}.h5"
+        if one:
+            assert name in written, rec
+        else:
+            assert f"checkpoint at step {rec['versions'][0]} not written: the servers are not at one version" \
+                in r.stdout, rec
+    for name in written:
+        attrs = saved_attrs(ckpt / name)
+        assert attrs["optimizer_t"] == attrs["step"]      # Adam: one step per version, on every server
+
+
+def saved_attrs(path):
+    import h5py
+    with h5py.File(path, "r") as f:
+        return dict(f.attrs)
 
 
 def test_a_server_that_stops_answering_is_a_deadline_error(job):

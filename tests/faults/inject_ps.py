@@ -11,7 +11,10 @@ Environment (each item `index:value`, several separated by commas):
   FAULT_SIGNAL=i:n             worker i sends itself SIGUSR1 in its n-th step,
                                after its forward/backward pass, before its push
   FAULT_PID_DIR=DIR            every rank writes its pid to DIR/rank-<rank>.pid
+  PROBE_CUTS=FILE              the chief appends each checkpoint cut's server
+                               versions and optimizer steps to FILE (JSON lines)
 """
+import json
 import os
 import signal
 import sys
@@ -76,6 +79,29 @@ def inject_server_hang():
     Server.reply = patched
 
 
+def probe_cuts(path):
+    """Record what every snapshot and final state looked like, server by server."""
+    from hpctrain.comm.ps import Client
+    snapshot, final = Client.snapshot, Client.final
+
+    def record(cut, kind):
+        with open(path, "a") as f:
+            f.write(json.dumps({"kind": kind, "versions": cut.versions, "ts": cut.ts}) + "\n")
+
+    def snapshot_recorded(self, *args, **kwargs):
+        cut = snapshot(self, *args, **kwargs)
+        record(cut, "snapshot")
+        return cut
+
+    def final_recorded(self, state_names=None):
+        stats = final(self, state_names)
+        if state_names is not None:
+            record(self.final_state, "final")
+        return stats
+
+    Client.snapshot, Client.final = snapshot_recorded, final_recorded
+
+
 def main():
     rank = cluster.launcher_env()[0]
     if os.environ.get("FAULT_PID_DIR"):
@@ -88,6 +114,8 @@ def main():
         inject_worker_faults()
         if os.environ.get("FAULT_HANG_PS"):
             inject_server_hang()
+        if os.environ.get("PROBE_CUTS"):
+            probe_cuts(os.environ["PROBE_CUTS"])
         return note
 
     cluster.configure_process = configure_then_inject

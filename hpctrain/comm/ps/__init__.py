@@ -14,11 +14,11 @@ knows nothing about models (the optimizer comes in as an object with
     stats.py      ServerStats and summarize (the final record's ps fields)
 """
 from .aggregate import BLOCK, AsyncApply, SyncRounds, dc_compensate
-from .client import Client
+from .client import Client, Cut
 from .placement import PLACEMENTS, Slice, describe, place
 from .protocol import ProtocolError
 from .server import Server
 from .stats import ServerStats, summarize
 
-__all__ = ["BLOCK", "PLACEMENTS", "AsyncApply", "Client", "ProtocolError", "Server", "ServerStats", "Slice",
+__all__ = ["BLOCK", "PLACEMENTS", "AsyncApply", "Client", "Cut", "ProtocolError", "Server", "ServerStats", "Slice",
            "SyncRounds", "dc_compensate", "describe", "place", "summarize"]

@@ -84,6 +84,10 @@ class SyncRounds:
     def waiting_on(self, worker):
         return self.tag[worker] < self.server.version
 
+    def holds_for_snapshot(self):
+        # Only the leader: followers must still apply the rounds it decided.
+        return self.server.leader
+
     def awaited_servers(self):
         srv = self.server
         return [srv.servers[0]] if self.coordinated and not srv.leader and not self.have_decision else []
@@ -230,6 +234,9 @@ class AsyncApply:
             self.w_bak[worker][...] = self.server.params   # what this worker will compute on
 
     def waiting_on(self, worker):
+        return True
+
+    def holds_for_snapshot(self):
         return True
 
     def awaited_servers(self):

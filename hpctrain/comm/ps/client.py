@@ -9,6 +9,7 @@ a view of the flat buffer when it is one range (no copy), a packed copy
 otherwise. Workers post their reply receives first, then send to all servers.
 """
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -16,8 +17,28 @@ from mpi4py import MPI
 from .placement import Slice
 from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLAGS, H_LOSS,
                        H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
-                       OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
+                       OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
                        ProtocolError, loss_field, stats_length)
+
+
+class Cut(NamedTuple):
+    """Every server's state at one moment, as full flat arrays: a checkpoint.
+    versions and ts: each server's version and optimizer step; positions: the
+    workers' data positions (W x 2) that go with the leader's version."""
+    versions: list
+    ts: list
+    params: np.ndarray
+    states: dict
+    positions: np.ndarray
+
+    @property
+    def consistent(self):
+        """One version and one optimizer step on every server (sync: always;
+        async with several servers: only when no update was in flight)."""
+        return len(set(self.versions)) == 1 and len(set(self.ts)) == 1
+
+    def describe(self):
+        return f"ps versions {self.versions}, optimizer steps {self.ts}"
 
 
 class Client:
@@ -114,7 +135,7 @@ class Client:
         """Say done; once every worker is, receive the final parameters and each
         server's statistics (rows of self.stats, returned). With state_names
         (the optimizer's, in order), also the final optimizer state and data
-        positions: self.final_state = (t, {name: full flat array}, positions)."""
+        positions: self.final_state, a Cut (its params: this client's buffer)."""
         reqs = [self.comm.Irecv(self.stats[k], self.servers[k], TAG_BULK) for k in range(self.num_servers)]
         flags = (F_PREEMPTED if self.preempted else 0) | (F_WANT_STATE if state_names is not None else 0)
         self._exchange(OP_FINAL, flags, what="final parameters")
@@ -122,7 +143,8 @@ class Client:
             MPI.Request.Waitall(reqs)
         if state_names is not None:
             states, positions = self._receive_state(state_names, "final state")
-            self.final_state = (int(self.hdr_in[0][H_T]), states, positions)
+            self.final_state = Cut([int(h[H_VERSION]) for h in self.hdr_in], [int(h[H_T]) for h in self.hdr_in],
+                                   self.params, states, positions)
         for req in self.pushes + self.recvs:
             req.Free()
         return self.stats
@@ -169,22 +191,21 @@ class Client:
         self.version = int(version)
 
     def snapshot(self, state_names):
-        """(versions per server, optimizer t, params, {name: state}, positions)
-        from every server, as full flat arrays, and the leader's data
-        positions (W x 2) that go with its version: a checkpoint."""
+        """A Cut of every server at one version: the leader first (it holds, and
+        its version is the cut's), then each other server at that version;
+        then every server is released."""
         n = self.params.size
         params = np.zeros(n, np.float32)
         states = {name: np.zeros(n, np.float32) for name in state_names}
         positions = np.zeros((self.num_workers, 2), np.int64)
         scratch = np.zeros((self.num_workers, 2), np.int64)
-        versions, t = [], None
+        versions, ts = [], []
         for k, rank in enumerate(self.servers):
-            header = self.hdr_out[k]
-            header[:] = 0
-            header[H_OP], header[H_WORKER] = OP_SNAPSHOT, self.worker
+            # sync: followers answer at the leader's version; async: each as it is, held
+            target = versions[0] if k and self.sync else -1
+            self._send_header(k, OP_SNAPSHOT, target, "snapshot")
+            reply = self.hdr_in[k]
             with self.waiting("snapshot", peer=rank):
-                self.comm.Send(header, rank, TAG_HEADER)
-                reply = self.hdr_in[k]
                 self.comm.Recv(reply, rank, TAG_BULK)
                 if int(reply[H_NSTATE]) != len(state_names):
                     raise ProtocolError(f"ps rank {rank} sent {int(reply[H_NSTATE])} state arrays, "
@@ -195,5 +216,14 @@ class Client:
                     piece.unpack()
                 self.comm.Recv(positions if k == 0 else scratch, rank, TAG_BULK)
             versions.append(int(reply[H_VERSION]))
-            t = int(reply[H_T]) if t is None else t
-        return versions, t, params, states, positions
+            ts.append(int(reply[H_T]))
+        for k in range(self.num_servers):
+            self._send_header(k, OP_RELEASE, -1, "release after the snapshot")
+        return Cut(versions, ts, params, states, positions)
+
+    def _send_header(self, k, op, version, what):
+        header = self.hdr_out[k]
+        header[:] = 0
+        header[H_OP], header[H_VERSION], header[H_WORKER] = op, version, self.worker
+        with self.waiting(what, peer=self.servers[k]):
+            self.comm.Send(header, self.servers[k], TAG_HEADER)

@@ -28,15 +28,22 @@ pushing worker's data position after the batch of this gradient. Ops:
     OP_RESTORE   (chief) header (version, t, nstate) then, on TAG_BULK, the
                  slice, nstate state arrays (0: reset the state) and the data
                  positions (W x 2); ack on TAG_BULK.
+    OP_RELEASE   (chief) the snapshot is taken: apply the pushes held since.
+
+A checkpoint is one cut: the chief asks the leader first (version -1); the
+leader holds (applies no gradient) and answers with its version v; then each
+other server is asked for v: a sync follower answers once it applied round
+v-1 (it cannot pass v: the leader decides no round while it holds), an async
+one holds and answers at once. OP_RELEASE ends every hold.
 """
 import numpy as np
 
 HEADER = 10
 H_OP, H_VERSION, H_WORKER, H_FLAGS, H_STOP, H_T, H_NSTATE, H_LOSS, H_EPOCH, H_OFFSET = range(HEADER)
 
-OP_PULL, OP_PUSH, OP_FINAL, OP_SNAPSHOT, OP_RESTORE, OP_REPLY, OP_ROUND = 1, 2, 3, 4, 5, 6, 7
+OP_PULL, OP_PUSH, OP_FINAL, OP_SNAPSHOT, OP_RESTORE, OP_REPLY, OP_ROUND, OP_RELEASE = 1, 2, 3, 4, 5, 6, 7, 8
 OP_NAMES = {OP_PULL: "PULL", OP_PUSH: "PUSH", OP_FINAL: "FINAL", OP_SNAPSHOT: "SNAPSHOT",
-            OP_RESTORE: "RESTORE", OP_REPLY: "REPLY", OP_ROUND: "ROUND"}
+            OP_RESTORE: "RESTORE", OP_REPLY: "REPLY", OP_ROUND: "ROUND", OP_RELEASE: "RELEASE"}
 
 F_STOP_REQUEST = 1   # a stop signal was seen: please stop soon
 F_STOP = 2           # reply: the leader's version reached its stop version: stop now

@@ -26,7 +26,7 @@ from .aggregate import AsyncApply, SyncRounds
 from .placement import slice_size
 from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLAGS, H_LOSS,
                        H_OFFSET, H_OP, H_STOP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
-                       OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
+                       OP_RELEASE, OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
                        ProtocolError, loss_field)
 from .snapshot import DataPositions, receive_restore, send_snapshot
 from .stats import ServerStats
@@ -81,6 +81,9 @@ class Server:
         self.sending = np.zeros(workers, bool)
         self.positions = DataPositions(workers)
         self.stats = ServerStats(workers)
+        self.holding = False                    # a snapshot is being taken: pushes wait in `held`
+        self.held = []
+        self.snapshot_due = None                # (worker, version): answer once at that version
 
     def _init_requests(self):
         comm, workers = self.comm, self.workers
@@ -114,6 +117,7 @@ class Server:
                     self.aggregation.on_message()
                 else:
                     self._on_header(i)
+            self._check_snapshot_due()
             self._check_signal()
         return self._finish()
 
@@ -155,8 +159,11 @@ class Server:
         elif op == OP_FINAL:
             self._on_final(w, header)
         elif op == OP_SNAPSHOT:
-            send_snapshot(self, w)
+            self._on_snapshot(w, int(header[H_VERSION]))
             self.req_hdr[w].Start()
+        elif op == OP_RELEASE:
+            self.req_hdr[w].Start()
+            self._release()
         elif op == OP_RESTORE:
             receive_restore(self, w, header)
             self.req_hdr[w].Start()
@@ -166,8 +173,36 @@ class Server:
     def _on_push(self, w, version, loss):
         if not self.initialized:
             raise ProtocolError(f"ps rank {self.rank}: push from rank {self.workers[w]} before initialization")
+        if self.holding:
+            self.held.append((w, version, loss))
+            return
         self.stats.pushes[w] += 1
         self.aggregation.on_push(w, version, loss)
+
+    # --- snapshots: one cut across servers --------------------------------------
+    def _on_snapshot(self, w, version):
+        """Hold (where this server must) and send the snapshot now, or once at
+        `version` (a sync follower behind the leader's cut); -1: any version."""
+        if self.aggregation.holds_for_snapshot():
+            self.holding = True
+        if version > self.version:
+            self.snapshot_due = (w, version)
+            return
+        if version >= 0 and version != self.version:
+            raise ProtocolError(f"ps rank {self.rank}: snapshot of version {version} at version {self.version}")
+        send_snapshot(self, w)
+
+    def _check_snapshot_due(self):
+        if self.snapshot_due is not None and self.version >= self.snapshot_due[1]:
+            w, version = self.snapshot_due
+            self.snapshot_due = None
+            self._on_snapshot(w, version)
+
+    def _release(self):
+        """The cut is taken: apply the held pushes in their order of arrival."""
+        held, self.held, self.holding = self.held, [], False
+        for w, version, loss in held:
+            self._on_push(w, version, loss)
 
     def _on_final(self, w, header):
         self.done[w] = True
