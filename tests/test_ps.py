@@ -17,6 +17,10 @@ Three kinds of tests:
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -499,6 +503,94 @@ def saved_attrs(path):
     import h5py
     with h5py.File(path, "r") as f:
         return dict(f.attrs)
+
+
+def start_job(n, *args, env):
+    """Like the job fixture, but running in the background (tests/faults/inject_ps.py)."""
+    from conftest import MPIRUN, REPO
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("PMI_", "MPI_LOCAL", "OMPI_", "PMIX_", "HYDRA_"))}
+    full_env.update({"PYTHONPATH": FAULTS, **env})
+    cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "inject_ps", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            cwd=REPO)
+
+
+def wait_for(condition, seconds, what):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {seconds} s"
+        time.sleep(0.1)
+
+
+def local_steps(progress, worker):
+    """The worker's local step count as its PROBE_PROGRESS file says (0: none yet)."""
+    try:
+        return int((progress / f"worker-{worker}.steps").read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def stopped(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def stop_one_async_worker(tmp_path, stopped_for):
+    """4 ranks (1 ps, 3 workers), async, --timeout 8; worker 2 (rank 3) stops
+    itself in its 20th step with its push sent and its reply posted (both
+    2.6 MB: they stay half-way while it is stopped); SIGCONT after
+    `stopped_for` seconds (None: never). Returns (result, worker 0's local
+    steps when worker 2 stopped, when it went on)."""
+    pids, progress = tmp_path / "pids", tmp_path / "progress"
+    pids.mkdir()
+    progress.mkdir()
+    proc = start_job(4, "--mode", "ps", "--async", "--steps", 600, "--log-every", 300, "--timeout", 8,
+                     "--metrics", tmp_path / "m.jsonl",
+                     env={"FAULT_PID_DIR": str(pids), "PROBE_PROGRESS": str(progress),
+                          "FAULT_STOP_WORKER": "2:20"})
+    pid = None
+    try:
+        wait_for(lambda: (pids / "rank-3.pid").exists(), 120, "pid file")
+        pid = int((pids / "rank-3.pid").read_text())
+        wait_for(lambda: stopped(pid), 120, "stop of worker 2")
+        before = local_steps(progress, 0)
+        time.sleep(stopped_for or 4)
+        during = local_steps(progress, 0)
+        if stopped_for:
+            os.kill(pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), before, during
+
+
+def test_async_a_stopped_worker_does_not_stop_the_others(job, tmp_path):
+    """Issue 10, part 2.2: the server never waits on one worker's gradient or
+    reply; the stopped one is named in one line, and the job ends normally
+    once it is back (before the deadline)."""
+    r, before, during = stop_one_async_worker(tmp_path, stopped_for=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert during - before >= 20, (before, during)        # the others trained while worker 2 was stopped
+    warnings = [line for line in r.stderr.splitlines() if "has sent nothing" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("hpctrain: warning: worker 2 (rank 3)"), r.stderr
+    f = final_record(tmp_path / "m.jsonl")
+    assert f["steps"] == 600 and f["updates"] == 600
+
+
+def test_async_a_worker_that_never_returns_ends_the_job_at_the_deadline(job, tmp_path):
+    r, before, during = stop_one_async_worker(tmp_path, stopped_for=None)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert during - before >= 20, (before, during)
+    assert re.search(r"^hpctrain: error: rank 0 waited \d+ s for rank 3 \(requests from worker 2\); "
+                     r"giving up \(--timeout 8\)$", r.stderr, re.M), r.stderr
 
 
 def test_a_server_that_stops_answering_is_a_deadline_error(job):

@@ -10,7 +10,12 @@ Environment (each item `index:value`, several separated by commas):
   FAULT_HANG_PS=k:v            ps task k stops answering once its version reaches v
   FAULT_SIGNAL=i:n             worker i sends itself SIGUSR1 in its n-th step,
                                after its forward/backward pass, before its push
+  FAULT_STOP_WORKER=i:n        worker i stops itself (SIGSTOP) in its n-th step, its push
+                               started and its reply posted, before it waits for the reply:
+                               messages to and from it stay half-way until SIGCONT
   FAULT_PID_DIR=DIR            every rank writes its pid to DIR/rank-<rank>.pid
+  PROBE_PROGRESS=DIR           every worker writes its local step count to
+                               DIR/worker-<i>.steps every 10 steps
   PROBE_CUTS=FILE              the chief appends each checkpoint cut's server
                                versions and optimizer steps to FILE (JSON lines)
 """
@@ -41,12 +46,14 @@ def inject_worker_faults():
     from hpctrain.model import MLP
     worker = {}
     client_init, forward_backward = Client.__init__, MLP.forward_backward
+    progress = os.environ.get("PROBE_PROGRESS")
 
     def init(self, *args, **kwargs):
         client_init(self, *args, **kwargs)
         worker.update(index=self.worker, steps=0,
                       slow=setting("FAULT_SLOW_WORKER", self.worker),
-                      signal_at=setting("FAULT_SIGNAL", self.worker))
+                      signal_at=setting("FAULT_SIGNAL", self.worker),
+                      stop_at=setting("FAULT_STOP_WORKER", self.worker))
 
     def step(self, *args, **kwargs):
         loss = forward_backward(self, *args, **kwargs)
@@ -54,11 +61,22 @@ def inject_worker_faults():
             if worker["slow"]:
                 time.sleep(worker["slow"])
             worker["steps"] += 1
+            if progress and worker["steps"] % 10 == 0:
+                with open(os.path.join(progress, f"worker-{worker['index']}.steps"), "w") as f:
+                    f.write(str(worker["steps"]))
             if worker["signal_at"] == worker["steps"]:
                 signal.raise_signal(signal.SIGUSR1)
         return loss
 
-    Client.__init__, MLP.forward_backward = init, step
+    waiting = Client.waiting
+
+    def waiting_or_stop(self, what, peer=None):
+        if worker and worker["stop_at"] == worker["steps"] and what.startswith("push"):
+            worker["stop_at"] = None
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return waiting(self, what, peer)
+
+    Client.__init__, MLP.forward_backward, Client.waiting = init, step, waiting_or_stop
 
 
 def inject_server_hang():

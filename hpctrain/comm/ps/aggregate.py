@@ -16,8 +16,8 @@ Async. Each gradient is applied on arrival with staleness = version - its
 version; `max_staleness` S: a push more than S behind is not applied, and the
 reply brings fresh parameters (a re-pull). DC-ASGD (`dc_lambda` L > 0): the
 server keeps, per worker, the parameters it last sent that worker (w_bak) and
-applies g + L*g*g*(w - w_bak); replies are sent from w_bak, which doubles as
-the send buffer.
+applies g + L*g*g*(w - w_bak); w_bak is the server's per-worker reply buffer
+(Server.reply_bufs), which holds exactly that.
 """
 import numpy as np
 from mpi4py import MPI
@@ -74,12 +74,6 @@ class SyncRounds:
     def start(self):
         if self.req_round is not None:
             self.req_round.Start()
-
-    def send_buffer(self, worker):
-        return self.server.params
-
-    def before_reply(self, worker):
-        pass
 
     def waiting_on(self, worker):
         return self.tag[worker] < self.server.version
@@ -217,7 +211,8 @@ class AsyncApply:
         self.max_staleness = max_staleness
         self.dc_lambda = float(dc_lambda)
         size = server.size
-        self.w_bak = np.zeros((server.num_workers, size), np.float32) if self.dc_lambda > 0 else None
+        # the parameters each worker computes on: what the server last sent it
+        self.w_bak = server.reply_bufs if self.dc_lambda > 0 else None
         self.scratch = np.empty(max(1, min(BLOCK, size)), np.float32)
 
     def requests(self):
@@ -225,13 +220,6 @@ class AsyncApply:
 
     def start(self):
         pass
-
-    def send_buffer(self, worker):
-        return self.w_bak[worker] if self.w_bak is not None else self.server.params
-
-    def before_reply(self, worker):
-        if self.w_bak is not None:
-            self.w_bak[worker][...] = self.server.params   # what this worker will compute on
 
     def waiting_on(self, worker):
         return True
@@ -246,8 +234,7 @@ class AsyncApply:
         return True
 
     def after_restore(self):
-        if self.w_bak is not None:
-            self.w_bak[...] = self.server.params
+        pass
 
     def finish_sends(self):
         pass
@@ -269,9 +256,7 @@ class AsyncApply:
         else:
             srv.stats.applied(staleness)
             grad = srv.grads[w]
-            if self.w_bak is None:
-                srv.quiesce()          # params are the send buffer of earlier replies
-            else:
+            if self.w_bak is not None:
                 dc_compensate(grad, srv.params, self.w_bak[w], self.dc_lambda, self.scratch)
             srv.opt.step(srv.params, grad, srv.lr_fn(srv.version), 1.0)
             srv.version += 1

@@ -28,6 +28,7 @@ from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_S
                        H_OFFSET, H_OP, H_STOP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
                        OP_RELEASE, OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
                        ProtocolError, loss_field)
+from .silence import SilenceWatch
 from .snapshot import DataPositions, receive_restore, send_snapshot
 from .stats import ServerStats
 
@@ -54,6 +55,13 @@ class Server:
         self.stop_requested = stop_requested
         self.params = np.zeros(self.size, np.float32)
         self.grads = np.zeros((self.num_workers, self.size), np.float32)   # one landing buffer per worker
+        # Replies go out from params when every round needs every worker (sync
+        # without backups: no copy). Otherwise each worker's reply has a buffer
+        # of its own, so an update never waits for a reply that a stopped or
+        # slow worker is not receiving: the others go on.
+        self.reply_bufs = None
+        if not sync or (replicas or self.num_workers) < self.num_workers:
+            self.reply_bufs = np.zeros((self.num_workers, self.size), np.float32)
         self._init_state(int(steps))
         if sync:
             replicas = replicas or self.num_workers
@@ -77,13 +85,16 @@ class Server:
         self.rejected = np.zeros(workers, bool)
         self.done = np.zeros(workers, bool)
         self.want_state = np.zeros(workers, bool)       # OP_FINAL asked for the optimizer state
-        self.grad_posted = np.zeros(workers, bool)
+        self.grad_posted = np.zeros(workers, bool)     # a gradient receive is active
+        self.grad_arrived = np.zeros(workers, bool)    # ... and completed, its header not yet here
+        self.push_pending = [None] * workers           # a push header whose gradient is still coming
         self.sending = np.zeros(workers, bool)
         self.positions = DataPositions(workers)
         self.stats = ServerStats(workers)
         self.holding = False                    # a snapshot is being taken: pushes wait in `held`
         self.held = []
         self.snapshot_due = None                # (worker, version): answer once at that version
+        self.heard = lambda w: None             # serve_until_done: the leader's SilenceWatch
 
     def _init_requests(self):
         comm, workers = self.comm, self.workers
@@ -93,8 +104,8 @@ class Server:
         self.req_hdr = [comm.Recv_init(self.hdr_in[w], r, TAG_HEADER) for w, r in enumerate(workers)]
         self.req_grad = [comm.Recv_init(self.grads[w], r, TAG_GRAD) for w, r in enumerate(workers)]
         self.send_hdr = [comm.Send_init(self.hdr_out[w], r, TAG_REPLY) for w, r in enumerate(workers)]
-        self.send_params = [comm.Send_init(self.aggregation.send_buffer(w), r, TAG_PARAMS)
-                            for w, r in enumerate(workers)]
+        self.send_params = [comm.Send_init(self.params if self.reply_bufs is None else self.reply_bufs[w], r,
+                                           TAG_PARAMS) for w, r in enumerate(workers)]
 
     def waiting(self, what, peer=None):
         return self.watchdog.waiting(what, peer=peer) if self.watchdog else nullcontext()
@@ -102,23 +113,36 @@ class Server:
     # --- main loop ----------------------------------------------------------
     def serve_until_done(self):
         """Serve until every worker is done; returns the statistics array."""
-        waits = list(self.req_hdr) + self.aggregation.requests()
+        # Headers, gradients and (sync followers) round decisions, all at once:
+        # a worker stopped halfway through sending its gradient holds up nobody.
+        waits = list(self.req_hdr) + list(self.req_grad) + self.aggregation.requests()
         MPI.Prequest.Startall(self.req_hdr)
         MPI.Prequest.Startall(self.req_grad)
         self.grad_posted[:] = True
         self.aggregation.start()
+        # The leader watches for workers gone silent (one line each; the deadline if they never return).
+        silence = SilenceWatch(self, self.watchdog.timeout) if self.leader and self.watchdog else None
+        self.heard = silence.heard if silence else lambda w: None
         while not (self.done.all() and self.aggregation.caught_up()):
             with self.waiting("requests from workers", peer=self._awaited):
+                if silence:
+                    silence.idle = True
                 ready = MPI.Request.Waitsome(waits)
+                if silence:
+                    silence.idle = False
             if ready is None:
                 raise ProtocolError(f"ps rank {self.rank}: nothing left to wait for at version {self.version}")
             for i in sorted(ready):
-                if i >= self.num_workers:
-                    self.aggregation.on_message()
-                else:
+                if i < self.num_workers:
                     self._on_header(i)
+                elif i < 2 * self.num_workers:
+                    self._on_gradient(i - self.num_workers)
+                else:
+                    self.aggregation.on_message()
             self._check_snapshot_due()
             self._check_signal()
+        if silence:
+            silence.stop()
         return self._finish()
 
     def _awaited(self):
@@ -140,18 +164,18 @@ class Server:
 
     # --- messages -----------------------------------------------------------
     def _on_header(self, w):
+        self.heard(w)
         header = self.hdr_in[w]
         op = int(header[H_OP])
         if header[H_FLAGS] & F_STOP_REQUEST:
             self._stop_request()
         if op == OP_PUSH:
-            with self.waiting("gradient", peer=self.workers[w]):
-                self.req_grad[w].Wait()
-            self.grad_posted[w] = False
-            version, loss = int(header[H_VERSION]), float(loss_field(header)[H_LOSS])
-            self.positions.record(w, version, header[H_EPOCH], header[H_OFFSET])
+            # The header buffer is posted again at once (the worker sends no
+            # other until it has our reply); the push waits for its gradient.
+            self.push_pending[w] = (int(header[H_VERSION]), float(loss_field(header)[H_LOSS]),
+                                    int(header[H_EPOCH]), int(header[H_OFFSET]))
             self.req_hdr[w].Start()
-            self._on_push(w, version, loss)
+            self._push_if_complete(w)
         elif op == OP_PULL:
             self.want[w] = int(header[H_VERSION])
             self.req_hdr[w].Start()
@@ -169,6 +193,19 @@ class Server:
             self.req_hdr[w].Start()
         else:
             raise ProtocolError(f"ps rank {self.rank}: unknown op {op} from rank {self.workers[w]}")
+
+    def _on_gradient(self, w):
+        self.grad_posted[w] = False
+        self.grad_arrived[w] = True
+        self._push_if_complete(w)
+
+    def _push_if_complete(self, w):
+        if self.push_pending[w] is None or not self.grad_arrived[w]:
+            return
+        version, loss, epoch, offset = self.push_pending[w]
+        self.push_pending[w], self.grad_arrived[w] = None, False
+        self.positions.record(w, version, epoch, offset)
+        self._on_push(w, version, loss)
 
     def _on_push(self, w, version, loss):
         if not self.initialized:
@@ -228,7 +265,12 @@ class Server:
 
     # --- replies ------------------------------------------------------------
     def quiesce(self):
-        """Wait for outgoing parameter messages: their buffer is about to change."""
+        """Params is about to change: wait for the replies sent from it (none
+        when every worker has a reply buffer of its own)."""
+        if self.reply_bufs is None:
+            self._wait_replies()
+
+    def _wait_replies(self):
         busy = np.flatnonzero(self.sending)
         if len(busy) == 0:
             return
@@ -269,8 +311,10 @@ class Server:
                 self.send_hdr[w].Wait()
                 self.send_params[w].Wait()
         self.fill_reply(self.hdr_out[w], w)
+        self.heard(w)
         self.rejected[w] = False
-        self.aggregation.before_reply(w)
+        if self.reply_bufs is not None:
+            self.reply_bufs[w][...] = self.params
         self.send_hdr[w].Start()
         self.send_params[w].Start()
         self.sending[w] = True
@@ -280,7 +324,7 @@ class Server:
         return self.stats.to_array(self.version, self.size)
 
     def _finish(self):
-        self.quiesce()
+        self._wait_replies()     # every worker is done: each received its last reply
         self.aggregation.finish_sends()
         stats = self.stats_array()
         states = list(self.opt.state().values())
