@@ -1,7 +1,7 @@
 """The parameter-server loop (`--mode ps`), top to bottom: `train_ps(session)`
 turns the ranks of a Session into servers and workers and trains,
 synchronously (the default) or asynchronously. The protocol itself is
-hpctrain/comm/ps.py; this file wires it to the model, optimizer, data,
+hpctrain/comm/ps/; this file wires it to the model, optimizer, data,
 reports and checkpoints, as loop_ring.py does for the ring.
 
     mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2            # sync, 2 ps + 2 workers
@@ -9,7 +9,7 @@ reports and checkpoints, as loop_ring.py does for the ring.
     mpirun -n 4 python -m hpctrain.mnist --mode ps --backup-workers 1    # 1 ps, 3 workers, 1 backup
 
 Servers (ranks [0, num_ps)) each own a slice of the flat parameter vector and
-its optimizer state and run `Server.serve()` (`run_server`). Workers pull, compute, push; the
+its optimizer state and run `Server.serve_until_done()` (`run_server`). Workers pull, compute, push; the
 chief (worker 0) initializes the servers with its initial parameters (the same
 as ring mode's for the same seed), logs, evaluates and writes the files.
 
@@ -19,15 +19,10 @@ reply at the end or after a signal) and the data positions that the workers'
 pushes carried to ps 0. On resume it loads the servers back (RESTORE) and the
 workers seek their readers, so sync training resumes bit for bit.
 
-Test hooks (environment variables, for the tests only):
-  HPCTRAIN_TEST_SLOW_WORKER=i:s[,j:s]  worker i sleeps s seconds in every step (a straggler)
-  HPCTRAIN_TEST_HANG_PS=k:v            ps task k stops answering once its version reaches v
-  HPCTRAIN_TEST_SIGNAL=i:n             worker i sends itself SIGUSR1 in its n-th step
+Faults (a straggler, a hung server, a signal) are injected by the tests
+(tests/faults/inject_ps.py), not here.
 """
 import math
-import os
-import signal
-import sys
 import time
 
 import numpy as np
@@ -38,16 +33,6 @@ from .optim import OnDevice, make_optimizer
 from .loop_ring import diverged
 from .report import Report, finish_everywhere
 from .resume import Checkpoints
-
-
-def _hook(name, index):
-    """The value for `index` in a test hook like "1:0.2,3:0.5", or None."""
-    for item in os.environ.get(name, "").split(","):
-        if ":" in item:
-            key, value = item.split(":", 1)
-            if int(key) == index:
-                return float(value)
-    return None
 
 
 def replicas_to_aggregate(args, num_workers):
@@ -107,24 +92,25 @@ def run_server(session, checkpoints, comm, placement):
         optimizer = OnDevice(make_optimizer(a.optimizer, size, session.server_xp, momentum=a.momentum), size)
     else:
         optimizer = make_optimizer(a.optimizer, size, np, momentum=a.momentum)
-    hang_at = _hook("HPCTRAIN_TEST_HANG_PS", c.ps_index)
-
-    def after_update(version):
-        if hang_at is not None and version >= hang_at:
-            print(f"hpctrain: test hook: {c.role_name()} stops answering at version {version}",
-                  file=sys.stderr, flush=True)
-            while True:
-                time.sleep(3600)
-
     server = Server(comm, mine, c.worker_ranks, c.ps_ranks, optimizer, session.lr, steps=a.steps, sync=a.sync,
                     replicas=replicas_to_aggregate(a, c.num_workers), max_staleness=a.max_staleness,
                     dc_lambda=a.dc_lambda, watchdog=session.watchdog,
-                    stop_requested=lambda: session.stop.received, after_update=after_update)
+                    stop_requested=lambda: session.stop.received)
     session.stop.training = True   # the server loop takes stop requests from here on
-    server.serve()
+    server.serve_until_done()
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
         checkpoints.preempted(c.comm, server.version)
     return None
+
+
+def save_cut(session, checkpoints, cut):
+    """A checkpoint of the servers' Cut, or one line why not: servers at
+    different versions (async updates in flight) are not one state."""
+    if not cut.consistent:
+        session.chief_says(f"checkpoint at step {cut.versions[0]} not written: the servers are not at "
+                           f"one version ({cut.describe()})")
+        return
+    checkpoints.save_alone(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions)
 
 
 def run_worker(session, checkpoints, comm, reader, resume):
@@ -162,8 +148,6 @@ def run_worker(session, checkpoints, comm, reader, resume):
 
     R = replicas_to_aggregate(a, W)
     per_update = a.batch_size * R
-    slow = _hook("HPCTRAIN_TEST_SLOW_WORKER", c.worker_index)
-    signal_at = _hook("HPCTRAIN_TEST_SIGNAL", c.worker_index)
     start = client.version
     comm_s = compute_s = 0.0
     local = 0
@@ -185,11 +169,7 @@ def run_worker(session, checkpoints, comm, reader, resume):
             if gpu:
                 model.grads.get(out=grads)   # into the host mirror: no allocation
             loss = float(loss)
-        if slow:
-            time.sleep(slow)
         local += 1
-        if signal_at == local:
-            signal.raise_signal(signal.SIGUSR1)
         t1 = time.perf_counter()
         with tl.span("push+pull", cat="comm"):
             client.push_pull(loss, stop_request=session.stop.received is not None, position=reader.position)
@@ -224,10 +204,9 @@ def run_worker(session, checkpoints, comm, reader, resume):
         if chief:
             t_loop += report.periodic_eval(model, step)
         if every and step >= next_checkpoint and not client.stop:
-            # The chief alone: the servers' slices and state (SNAPSHOT), with
-            # the data positions the leader recorded for that version.
-            versions, t, p, states, positions = client.snapshot(state_names)
-            checkpoints.save_alone(versions[0], p, states, t, positions)
+            # The chief alone: the servers' slices and state at one version
+            # (SNAPSHOT), with the data positions the leader recorded for it.
+            save_cut(session, checkpoints, client.snapshot(state_names))
             next_checkpoint = (step // every + 1) * every
     t_loop = time.perf_counter() - t_loop
 
@@ -240,8 +219,7 @@ def run_worker(session, checkpoints, comm, reader, resume):
         model.params.set(params)
     step = client.version
     if want_state and checkpoints.saved_step != step:
-        t, states, positions = client.final_state
-        checkpoints.save_alone(step, params, states, t, positions)
+        save_cut(session, checkpoints, client.final_state)
     if client.preempted:
         if chief:
             print(f"stopping after step {step}: signal received", flush=True)

@@ -1,0 +1,229 @@
+"""A worker's side of the parameter-server protocol: pull parameters into the
+model's flat buffer, push its flat gradient buffer, all servers at once; and
+the chief's checkpoint calls (restore, snapshot).
+
+    mpirun -n 3 python -m hpctrain.comm.ps      # self-check: 1 ps, 2 workers, sync
+
+A worker's message to a server is the concatenation of that server's ranges:
+a view of the flat buffer when it is one range (no copy), a packed copy
+otherwise. Workers post their reply receives first, then send to all servers.
+"""
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import numpy as np
+from mpi4py import MPI
+
+from .placement import Slice
+from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLAGS, H_LOSS,
+                       H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
+                       OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
+                       ProtocolError, loss_field, stats_length)
+
+
+class Cut(NamedTuple):
+    """Every server's state at one moment, as full flat arrays: a checkpoint.
+    versions and ts: each server's version and optimizer step; positions: the
+    workers' data positions (W x 2) that go with the leader's version."""
+    versions: list
+    ts: list
+    params: np.ndarray
+    states: dict
+    positions: np.ndarray
+
+    @property
+    def consistent(self):
+        """One version and one optimizer step on every server (sync: always;
+        async with several servers: only when no update was in flight)."""
+        return len(set(self.versions)) == 1 and len(set(self.ts)) == 1
+
+    def describe(self):
+        return f"ps versions {self.versions}, optimizer steps {self.ts}"
+
+
+class Client:
+    """A worker's side: pull parameters into `params`, push `grads` (both the
+    flat buffers of the model), all servers at once."""
+
+    def __init__(self, comm, server_ranks, placement, params, grads, worker, num_workers, *,
+                 sync=True, watchdog=None):
+        self.comm = comm
+        self.servers = list(server_ranks)
+        self.num_servers = len(self.servers)
+        self.worker, self.num_workers = worker, num_workers
+        self.sync = sync
+        self.watchdog = watchdog
+        self.placement = [list(r) for r in placement]
+        self.params, self.grads = params, grads
+        self.p_slices = [Slice(params, r) for r in self.placement]
+        self.g_slices = [Slice(grads, r) for r in self.placement]
+        self.hdr_out = np.zeros((self.num_servers, HEADER), np.int64)
+        self.hdr_in = np.zeros((self.num_servers, HEADER), np.int64)
+        self.stats = np.zeros((self.num_servers, stats_length(num_workers)), np.float64)
+        self._init_requests()
+        self.versions = np.zeros(self.num_servers, np.int64)
+        self.version = 0            # the leader's
+        self.stop = False
+        self.preempted = False
+        self.stop_seen = False      # some server saw a stop signal: ask the leader to stop
+        self.loss = float("nan")    # leader: mean loss of the last round (sync) / last gradient (async)
+        self.rejected = 0           # pushes the leader did not apply
+
+    def _init_requests(self):
+        comm, servers, every = self.comm, self.servers, range(self.num_servers)
+        self.send_hdr = [comm.Send_init(self.hdr_out[k], servers[k], TAG_HEADER) for k in every]
+        self.send_grad = [comm.Send_init(self.g_slices[k].buf, servers[k], TAG_GRAD) for k in every]
+        self.recv_hdr = [comm.Recv_init(self.hdr_in[k], servers[k], TAG_REPLY) for k in every]
+        self.recv_params = [comm.Recv_init(self.p_slices[k].buf, servers[k], TAG_PARAMS) for k in every]
+        self.replies = [[self.recv_hdr[k], self.recv_params[k]] for k in every]
+        self.recvs = self.recv_hdr + self.recv_params
+        self.pushes = self.send_hdr + self.send_grad
+
+    def waiting(self, what, peer=None):
+        return self.watchdog.waiting(what, peer=peer) if self.watchdog else nullcontext()
+
+    def _exchange(self, op, flags, loss=0.0, grads=False, what="parameters", position=(0, 0)):
+        MPI.Prequest.Startall(self.recvs)
+        for k in range(self.num_servers):
+            header = self.hdr_out[k]
+            header[H_OP], header[H_WORKER], header[H_FLAGS] = op, self.worker, flags
+            header[H_EPOCH], header[H_OFFSET] = position
+            # sync: one version for all servers (the leader's), so rounds line up
+            header[H_VERSION] = self.version if (self.sync or op != OP_PUSH) else self.versions[k]
+            loss_field(header)[H_LOSS] = loss
+        if grads:
+            for piece in self.g_slices:
+                piece.pack()
+            MPI.Prequest.Startall(self.pushes)
+        else:
+            MPI.Prequest.Startall(self.send_hdr)
+        for k in range(self.num_servers):
+            with self.waiting(what, peer=self.servers[k]):
+                MPI.Request.Waitall(self.replies[k])
+        with self.waiting("sending to the servers", peer=self.servers):
+            MPI.Request.Waitall(self.pushes if grads else self.send_hdr)
+        self._read_replies()
+
+    def _read_replies(self):
+        for k in range(self.num_servers):
+            self.p_slices[k].unpack()
+            header = self.hdr_in[k]
+            self.versions[k] = header[H_VERSION]
+            if header[H_FLAGS] & F_STOP_REQUEST:
+                self.stop_seen = True
+        lead = self.hdr_in[0]
+        self.version = int(lead[H_VERSION])
+        self.stop = bool(lead[H_FLAGS] & F_STOP)
+        self.preempted = bool(lead[H_FLAGS] & F_PREEMPTED)
+        self.loss = float(loss_field(lead)[H_LOSS])
+        if lead[H_FLAGS] & F_REJECTED:
+            self.rejected += 1
+
+    def pull(self, min_version=0):
+        """Parameters of version >= min_version (the first pull waits for the chief's restore)."""
+        self.version = min_version
+        self._exchange(OP_PULL, 0, what="pull parameters")
+
+    def push_pull(self, loss, stop_request=False, position=(0, 0)):
+        """Push the gradient (computed on the last pulled version) with the data
+        position after its batch; receive new parameters."""
+        flags = F_STOP_REQUEST if (stop_request or self.stop_seen) else 0
+        self._exchange(OP_PUSH, flags, loss, grads=True, what="push gradients, pull parameters",
+                       position=position)
+
+    def final(self, state_names=None):
+        """Say done; once every worker is, receive the final parameters and each
+        server's statistics (rows of self.stats, returned). With state_names
+        (the optimizer's, in order), also the final optimizer state and data
+        positions: self.final_state, a Cut (its params: this client's buffer)."""
+        reqs = [self.comm.Irecv(self.stats[k], self.servers[k], TAG_BULK) for k in range(self.num_servers)]
+        flags = (F_PREEMPTED if self.preempted else 0) | (F_WANT_STATE if state_names is not None else 0)
+        self._exchange(OP_FINAL, flags, what="final parameters")
+        with self.waiting("final statistics", peer=self.servers):
+            MPI.Request.Waitall(reqs)
+        if state_names is not None:
+            states, positions = self._receive_state(state_names, "final state")
+            self.final_state = Cut([int(h[H_VERSION]) for h in self.hdr_in], [int(h[H_T]) for h in self.hdr_in],
+                                   self.params, states, positions)
+        for req in self.pushes + self.recvs:
+            req.Free()
+        return self.stats
+
+    def _receive_state(self, state_names, what):
+        """Each server's optimizer state slices and data positions (TAG_BULK),
+        assembled into full flat arrays; the positions are the leader's."""
+        n = self.params.size
+        states = {name: np.zeros(n, np.float32) for name in state_names}
+        positions = np.zeros((self.num_workers, 2), np.int64)
+        scratch = np.zeros((self.num_workers, 2), np.int64)
+        for k, rank in enumerate(self.servers):
+            with self.waiting(what, peer=rank):
+                for flat in states.values():
+                    piece = Slice(flat, self.placement[k])
+                    self.comm.Recv(piece.buf, rank, TAG_BULK)
+                    piece.unpack()
+                self.comm.Recv(positions if k == 0 else scratch, rank, TAG_BULK)
+        return states, positions
+
+    # --- checkpoint support (chief) ----------------------------------------
+    def restore(self, version, t, params, states=None, positions=None):
+        """Load every server: its slice of `params` (full flat array) and, when
+        `states` (name -> full flat array, in the optimizer's state order) is
+        given, of each optimizer state; version, optimizer step t, and the
+        workers' data positions (W x 2, default zeros) that go with them."""
+        states = states or {}
+        positions = np.zeros((self.num_workers, 2), np.int64) if positions is None else \
+            np.ascontiguousarray(positions, np.int64).reshape(self.num_workers, 2)
+        for k, rank in enumerate(self.servers):
+            header = self.hdr_out[k]
+            header[:] = 0
+            header[H_OP], header[H_VERSION], header[H_WORKER] = OP_RESTORE, version, self.worker
+            header[H_T], header[H_NSTATE] = t, len(states)
+            with self.waiting("restore servers", peer=rank):
+                self.comm.Send(header, rank, TAG_HEADER)
+                for flat in [params, *states.values()]:
+                    piece = Slice(np.ascontiguousarray(flat, np.float32), self.placement[k])
+                    piece.pack()
+                    self.comm.Send(piece.buf, rank, TAG_BULK)
+                self.comm.Send(positions, rank, TAG_BULK)
+                self.comm.Recv(self.hdr_in[k], rank, TAG_BULK)
+            self.versions[k] = self.hdr_in[k][H_VERSION]
+        self.version = int(version)
+
+    def snapshot(self, state_names):
+        """A Cut of every server at one version: the leader first (it holds, and
+        its version is the cut's), then each other server at that version;
+        then every server is released."""
+        n = self.params.size
+        params = np.zeros(n, np.float32)
+        states = {name: np.zeros(n, np.float32) for name in state_names}
+        positions = np.zeros((self.num_workers, 2), np.int64)
+        scratch = np.zeros((self.num_workers, 2), np.int64)
+        versions, ts = [], []
+        for k, rank in enumerate(self.servers):
+            # sync: followers answer at the leader's version; async: each as it is, held
+            target = versions[0] if k and self.sync else -1
+            self._send_header(k, OP_SNAPSHOT, target, "snapshot")
+            reply = self.hdr_in[k]
+            with self.waiting("snapshot", peer=rank):
+                self.comm.Recv(reply, rank, TAG_BULK)
+                if int(reply[H_NSTATE]) != len(state_names):
+                    raise ProtocolError(f"ps rank {rank} sent {int(reply[H_NSTATE])} state arrays, "
+                                        f"expected {len(state_names)}")
+                for flat in [params, *states.values()]:
+                    piece = Slice(flat, self.placement[k])
+                    self.comm.Recv(piece.buf, rank, TAG_BULK)
+                    piece.unpack()
+                self.comm.Recv(positions if k == 0 else scratch, rank, TAG_BULK)
+            versions.append(int(reply[H_VERSION]))
+            ts.append(int(reply[H_T]))
+        for k in range(self.num_servers):
+            self._send_header(k, OP_RELEASE, -1, "release after the snapshot")
+        return Cut(versions, ts, params, states, positions)
+
+    def _send_header(self, k, op, version, what):
+        header = self.hdr_out[k]
+        header[:] = 0
+        header[H_OP], header[H_VERSION], header[H_WORKER] = op, version, self.worker
+        with self.waiting(what, peer=self.servers[k]):
+            self.comm.Send(header, self.servers[k], TAG_HEADER)

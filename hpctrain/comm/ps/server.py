@@ -1,0 +1,344 @@
+"""One parameter server: the request loop and what answers each request.
+Aggregation (sync rounds or async updates) lives in aggregate.py, the
+checkpoint side (snapshot, restore, data positions) in snapshot.py.
+
+    mpirun -n 3 python -m hpctrain.comm.ps      # self-check: 1 ps, 2 workers, sync
+
+The server pre-posts one receive per worker for headers and for gradients
+(persistent requests) and serves everyone through Waitsome, handling the
+completed requests in worker order, so no worker can starve another.
+
+Stopping. The leader (server_ranks[0]) owns the step budget: every reply
+carries its stop version and F_STOP once reached. A stop request
+(F_STOP_REQUEST in any worker's header, or a signal at the leader) lowers it
+to version+1, so every worker stops after the same version; other servers
+that see a signal set F_STOP_REQUEST in their replies and workers forward it.
+The server returns when every worker sent OP_FINAL.
+
+Every blocking wait runs under the watchdog (`--timeout`), naming the peer.
+"""
+from contextlib import nullcontext
+
+import numpy as np
+from mpi4py import MPI
+
+from .aggregate import AsyncApply, SyncRounds
+from .placement import slice_size
+from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLAGS, H_LOSS,
+                       H_OFFSET, H_OP, H_STOP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
+                       OP_RELEASE, OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
+                       ProtocolError, loss_field)
+from .silence import SilenceWatch
+from .snapshot import DataPositions, receive_restore, send_snapshot
+from .stats import ServerStats
+
+
+class Server:
+    """One parameter server: serve_until_done() until every worker sent OP_FINAL.
+
+    ranges: this server's (lo, hi) ranges; worker_ranks / server_ranks: ranks in
+    `comm` (server_ranks[0] is the leader); optimizer sized to this server's
+    element count; lr_fn(version) -> learning rate; steps: the step budget.
+    """
+
+    def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
+                 sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=None,
+                 stop_requested=None):
+        self.comm, self.rank = comm, comm.Get_rank()
+        self.workers, self.servers = list(worker_ranks), list(server_ranks)
+        self.leader = self.rank == self.servers[0]
+        self.ranges = list(ranges)
+        self.size = slice_size(self.ranges)
+        self.num_workers = len(self.workers)
+        self.opt, self.lr_fn = optimizer, lr_fn
+        self.watchdog = watchdog
+        self.stop_requested = stop_requested
+        self.params = np.zeros(self.size, np.float32)
+        self.grads = np.zeros((self.num_workers, self.size), np.float32)   # one landing buffer per worker
+        # Replies go out from params when every round needs every worker (sync
+        # without backups: no copy). Otherwise each worker's reply has a buffer
+        # of its own, so an update never waits for a reply that a stopped or
+        # slow worker is not receiving: the others go on.
+        self.reply_bufs = None
+        if not sync or (replicas or self.num_workers) < self.num_workers:
+            self.reply_bufs = np.zeros((self.num_workers, self.size), np.float32)
+        self._init_state(int(steps))
+        if sync:
+            replicas = replicas or self.num_workers
+            if not 1 <= replicas <= self.num_workers:
+                raise ValueError(f"replicas {replicas} must be in 1..{self.num_workers}")
+            self.aggregation = SyncRounds(self, replicas)
+        else:
+            self.aggregation = AsyncApply(self, max_staleness, dc_lambda)
+        self._init_requests()
+
+    def _init_state(self, steps):
+        workers = self.num_workers
+        self.version = 0
+        self.initialized = False
+        self.stop_version = steps
+        self.preempted = False
+        self.stop_seen = False                  # a signal or request seen here (followers pass it on)
+        self.final_version = 0                  # the leader version workers ended at (from OP_FINAL)
+        self.last_loss = float("nan")
+        self.want = np.full(workers, -1, np.int64)      # pending reply: minimum version, -1 none
+        self.rejected = np.zeros(workers, bool)
+        self.done = np.zeros(workers, bool)
+        self.want_state = np.zeros(workers, bool)       # OP_FINAL asked for the optimizer state
+        self.grad_posted = np.zeros(workers, bool)     # a gradient receive is active
+        self.grad_arrived = np.zeros(workers, bool)    # ... and completed, its header not yet here
+        self.push_pending = [None] * workers           # a push header whose gradient is still coming
+        self.sending = np.zeros(workers, bool)
+        self.positions = DataPositions(workers)
+        self.stats = ServerStats(workers)
+        self.holding = False                    # a snapshot is being taken: pushes wait in `held`
+        self.held = []
+        self.snapshot_due = None                # (worker, version): answer once at that version
+        self.heard = lambda w: None             # serve_until_done: the leader's SilenceWatch
+
+    def _init_requests(self):
+        comm, workers = self.comm, self.workers
+        self.hdr_in = np.zeros((self.num_workers, HEADER), np.int64)
+        self.hdr_out = np.zeros((self.num_workers, HEADER), np.int64)
+        self.bulk_hdr = np.zeros(HEADER, np.int64)
+        self.req_hdr = [comm.Recv_init(self.hdr_in[w], r, TAG_HEADER) for w, r in enumerate(workers)]
+        self.req_grad = [comm.Recv_init(self.grads[w], r, TAG_GRAD) for w, r in enumerate(workers)]
+        self.send_hdr = [comm.Send_init(self.hdr_out[w], r, TAG_REPLY) for w, r in enumerate(workers)]
+        self.send_params = [comm.Send_init(self.params if self.reply_bufs is None else self.reply_bufs[w], r,
+                                           TAG_PARAMS) for w, r in enumerate(workers)]
+
+    def waiting(self, what, peer=None):
+        return self.watchdog.waiting(what, peer=peer) if self.watchdog else nullcontext()
+
+    # --- main loop ----------------------------------------------------------
+    def serve_until_done(self):
+        """Serve until every worker is done; returns the statistics array."""
+        # Headers, gradients and (sync followers) round decisions, all at once:
+        # a worker stopped halfway through sending its gradient holds up nobody.
+        waits = list(self.req_hdr) + list(self.req_grad) + self.aggregation.requests()
+        MPI.Prequest.Startall(self.req_hdr)
+        MPI.Prequest.Startall(self.req_grad)
+        self.grad_posted[:] = True
+        self.aggregation.start()
+        # The leader watches for workers gone silent (one line each; the deadline if they never return).
+        silence = SilenceWatch(self, self.watchdog.timeout) if self.leader and self.watchdog else None
+        self.heard = silence.heard if silence else lambda w: None
+        while not (self.done.all() and self.aggregation.caught_up()):
+            with self.waiting("requests from workers", peer=self._awaited):
+                if silence:
+                    silence.idle = True
+                ready = MPI.Request.Waitsome(waits)
+                if silence:
+                    silence.idle = False
+            if ready is None:
+                raise ProtocolError(f"ps rank {self.rank}: nothing left to wait for at version {self.version}")
+            for i in sorted(ready):
+                if i < self.num_workers:
+                    self._on_header(i)
+                elif i < 2 * self.num_workers:
+                    self._on_gradient(i - self.num_workers)
+                else:
+                    self.aggregation.on_message()
+            self._check_snapshot_due()
+            self._check_signal()
+        if silence:
+            silence.stop()
+        return self._finish()
+
+    def _awaited(self):
+        if not self.initialized:
+            return [self.workers[0]]
+        out = [r for w, r in enumerate(self.workers) if not self.done[w] and self.aggregation.waiting_on(w)]
+        return self.aggregation.awaited_servers() + out or "its peers"
+
+    def _check_signal(self):
+        if self.stop_requested is not None and not self.stop_seen and self.stop_requested():
+            self._stop_request()
+
+    def _stop_request(self):
+        self.stop_seen = True
+        # Stop after the version in progress; a request during the last one changes nothing.
+        if self.leader and self.version + 1 < self.stop_version:
+            self.stop_version = self.version + 1
+            self.preempted = True
+
+    # --- messages -----------------------------------------------------------
+    def _on_header(self, w):
+        self.heard(w)
+        header = self.hdr_in[w]
+        op = int(header[H_OP])
+        if header[H_FLAGS] & F_STOP_REQUEST:
+            self._stop_request()
+        if op == OP_PUSH:
+            # The header buffer is posted again at once (the worker sends no
+            # other until it has our reply); the push waits for its gradient.
+            self.push_pending[w] = (int(header[H_VERSION]), float(loss_field(header)[H_LOSS]),
+                                    int(header[H_EPOCH]), int(header[H_OFFSET]))
+            self.req_hdr[w].Start()
+            self._push_if_complete(w)
+        elif op == OP_PULL:
+            self.want[w] = int(header[H_VERSION])
+            self.req_hdr[w].Start()
+            self.reply(w)
+        elif op == OP_FINAL:
+            self._on_final(w, header)
+        elif op == OP_SNAPSHOT:
+            self._on_snapshot(w, int(header[H_VERSION]))
+            self.req_hdr[w].Start()
+        elif op == OP_RELEASE:
+            self.req_hdr[w].Start()
+            self._release()
+        elif op == OP_RESTORE:
+            receive_restore(self, w, header)
+            self.req_hdr[w].Start()
+        else:
+            raise ProtocolError(f"ps rank {self.rank}: unknown op {op} from rank {self.workers[w]}")
+
+    def _on_gradient(self, w):
+        self.grad_posted[w] = False
+        self.grad_arrived[w] = True
+        self._push_if_complete(w)
+
+    def _push_if_complete(self, w):
+        if self.push_pending[w] is None or not self.grad_arrived[w]:
+            return
+        version, loss, epoch, offset = self.push_pending[w]
+        self.push_pending[w], self.grad_arrived[w] = None, False
+        self.positions.record(w, version, epoch, offset)
+        self._on_push(w, version, loss)
+
+    def _on_push(self, w, version, loss):
+        if not self.initialized:
+            raise ProtocolError(f"ps rank {self.rank}: push from rank {self.workers[w]} before initialization")
+        if self.holding:
+            self.held.append((w, version, loss))
+            return
+        self.stats.pushes[w] += 1
+        self.aggregation.on_push(w, version, loss)
+
+    # --- snapshots: one cut across servers --------------------------------------
+    def _on_snapshot(self, w, version):
+        """Hold (where this server must) and send the snapshot now, or once at
+        `version` (a sync follower behind the leader's cut); -1: any version."""
+        if self.aggregation.holds_for_snapshot():
+            self.holding = True
+        if version > self.version:
+            self.snapshot_due = (w, version)
+            return
+        if version >= 0 and version != self.version:
+            raise ProtocolError(f"ps rank {self.rank}: snapshot of version {version} at version {self.version}")
+        send_snapshot(self, w)
+
+    def _check_snapshot_due(self):
+        if self.snapshot_due is not None and self.version >= self.snapshot_due[1]:
+            w, version = self.snapshot_due
+            self.snapshot_due = None
+            self._on_snapshot(w, version)
+
+    def _release(self):
+        """The cut is taken: apply the held pushes in their order of arrival."""
+        held, self.held, self.holding = self.held, [], False
+        for w, version, loss in held:
+            self._on_push(w, version, loss)
+
+    def _on_final(self, w, header):
+        self.done[w] = True
+        self.final_version = max(self.final_version, int(header[H_VERSION]))
+        self.want_state[w] = bool(header[H_FLAGS] & F_WANT_STATE)
+        if header[H_FLAGS] & F_PREEMPTED:
+            self.preempted = True
+        if self.grad_posted[w]:
+            self.req_grad[w].Cancel()
+            self.req_grad[w].Wait()
+            self.grad_posted[w] = False
+
+    def repost(self, w):
+        if not self.grad_posted[w] and not self.done[w]:
+            self.req_grad[w].Start()
+            self.grad_posted[w] = True
+
+    def drop(self, w, stale=True):
+        """Worker w's gradient is not applied: stale, or past the end."""
+        self.stats.drop(w, stale)
+        self.rejected[w] = True
+        self.repost(w)
+
+    # --- replies ------------------------------------------------------------
+    def quiesce(self):
+        """Params is about to change: wait for the replies sent from it (none
+        when every worker has a reply buffer of its own)."""
+        if self.reply_bufs is None:
+            self._wait_replies()
+
+    def _wait_replies(self):
+        busy = np.flatnonzero(self.sending)
+        if len(busy) == 0:
+            return
+        with self.waiting("parameter replies", peer=[self.workers[w] for w in busy]):
+            for w in busy:
+                self.send_hdr[w].Wait()
+                self.send_params[w].Wait()
+        self.sending[:] = False
+
+    def _flags(self, w=None):
+        flags = 0
+        if self.version >= self.stop_version:
+            flags |= F_STOP
+        if self.preempted:
+            flags |= F_PREEMPTED
+        if self.stop_seen and not self.leader:
+            flags |= F_STOP_REQUEST
+        if w is not None and self.rejected[w]:
+            flags |= F_REJECTED
+        return flags
+
+    def fill_reply(self, header, w=None):
+        header[:] = 0
+        header[H_OP], header[H_VERSION], header[H_WORKER] = OP_REPLY, self.version, -1
+        header[H_FLAGS], header[H_STOP], header[H_T] = self._flags(w), self.stop_version, self.opt.t
+        loss_field(header)[H_LOSS] = self.last_loss
+
+    def reply(self, w):
+        """Answer worker w's pending request if the version it wants is here."""
+        want = self.want[w]
+        if want < 0 or not self.initialized or self.done[w]:
+            return
+        if self.version < want and self.version < self.stop_version:
+            return
+        self.want[w] = -1
+        if self.sending[w]:
+            with self.waiting("parameter reply", peer=self.workers[w]):
+                self.send_hdr[w].Wait()
+                self.send_params[w].Wait()
+        self.fill_reply(self.hdr_out[w], w)
+        self.heard(w)
+        self.rejected[w] = False
+        if self.reply_bufs is not None:
+            self.reply_bufs[w][...] = self.params
+        self.send_hdr[w].Start()
+        self.send_params[w].Start()
+        self.sending[w] = True
+
+    # --- the end ------------------------------------------------------------
+    def stats_array(self):
+        return self.stats.to_array(self.version, self.size)
+
+    def _finish(self):
+        self._wait_replies()     # every worker is done: each received its last reply
+        self.aggregation.finish_sends()
+        stats = self.stats_array()
+        states = list(self.opt.state().values())
+        positions = self.positions.at(self.version)
+        reqs = []
+        for w, r in enumerate(self.workers):
+            self.fill_reply(self.hdr_out[w], w)
+            reqs += [self.comm.Isend(self.hdr_out[w], r, TAG_REPLY), self.comm.Isend(self.params, r, TAG_PARAMS),
+                     self.comm.Isend(stats, r, TAG_BULK)]
+            if self.want_state[w]:
+                reqs += [self.comm.Isend(array, r, TAG_BULK) for array in states] + [self.comm.Isend(positions, r, TAG_BULK)]
+        with self.waiting("final replies", peer=self.workers):
+            MPI.Request.Waitall(reqs)
+        self.aggregation.free()
+        for req in self.req_hdr + self.req_grad + self.send_hdr + self.send_params:
+            req.Free()
+        return stats

@@ -1,0 +1,92 @@
+"""The server's side of checkpoints: the workers' data positions that go with
+a version, OP_SNAPSHOT (send the slice, optimizer state and positions to the
+chief) and OP_RESTORE (load them, or the chief's initial parameters).
+
+    mpirun -n 3 python -m pytest --only-mpi tests/test_ps.py -k snapshot
+
+The leader keeps, per worker, the (version, epoch, offset) of its last two
+pushes, newest first, so that a snapshot of version v can give each worker's
+position after its batch for the newest gradient computed on an older version
+(sync: round v-1, even if a fast worker already pushed for v).
+"""
+import numpy as np
+
+from .protocol import H_NSTATE, H_T, H_VERSION, TAG_BULK, ProtocolError
+
+
+class DataPositions:
+    """Per worker: its last two pushes' (version, epoch, offset), newest first; epoch -1: none."""
+
+    def __init__(self, num_workers):
+        self.num_workers = num_workers
+        self.recent = np.full((num_workers, 2, 3), -1, np.int64)
+
+    def record(self, worker, version, epoch, offset):
+        rec = self.recent[worker]
+        rec[1] = rec[0]
+        rec[0] = version, epoch, offset
+
+    def at(self, version):
+        """(W, 2) int64: each worker's data position that goes with parameters
+        of `version`: after the batch of its newest push computed on an older
+        version. (-1, -1) where there is none."""
+        out = np.full((self.num_workers, 2), -1, np.int64)
+        for w in range(self.num_workers):
+            for tag, epoch, offset in self.recent[w]:
+                if epoch >= 0 and tag < version:
+                    out[w] = epoch, offset
+                    break
+        return out
+
+    def reset(self, version, positions):
+        """After a restore of `version`: the positions that came with it."""
+        self.recent[...] = -1
+        self.recent[:, 0, 0] = version - 1
+        self.recent[:, 0, 1:] = positions
+
+
+def send_snapshot(server, w):
+    """OP_SNAPSHOT from worker w (the chief): header, slice, state, positions."""
+    rank = server.workers[w]
+    states = server.opt.state()
+    header = server.bulk_hdr
+    server.fill_reply(header)
+    header[H_NSTATE] = len(states)
+    with server.waiting("snapshot to the chief", peer=rank):
+        server.comm.Send(header, rank, TAG_BULK)
+        server.comm.Send(server.params, rank, TAG_BULK)
+        for array in states.values():
+            server.comm.Send(array, rank, TAG_BULK)
+        server.comm.Send(server.positions.at(server.version), rank, TAG_BULK)
+
+
+def receive_restore(server, w, header):
+    """OP_RESTORE from worker w (the chief): load slice, state (or zeros),
+    version, t and positions; acknowledge; answer the pulls that waited."""
+    rank = server.workers[w]
+    states = server.opt.state()
+    nstate = int(header[H_NSTATE])
+    if nstate not in (0, len(states)):
+        raise ProtocolError(f"ps rank {server.rank}: restore with {nstate} state arrays, "
+                            f"the optimizer has {len(states)}")
+    server.quiesce()
+    with server.waiting("restore from the chief", peer=rank):
+        server.comm.Recv(server.params, rank, TAG_BULK)
+        for array in states.values():
+            if nstate:
+                server.comm.Recv(array, rank, TAG_BULK)
+            else:
+                array[...] = 0
+        positions = np.empty((server.num_workers, 2), np.int64)
+        server.comm.Recv(positions, rank, TAG_BULK)
+    server.opt.t = int(header[H_T])
+    server.version = int(header[H_VERSION])
+    server.positions.reset(server.version, positions)
+    server.aggregation.after_restore()
+    server.initialized = True
+    ack = server.bulk_hdr
+    server.fill_reply(ack)
+    with server.waiting("restore acknowledgement", peer=rank):
+        server.comm.Send(ack, rank, TAG_BULK)
+    for v in range(server.num_workers):
+        server.reply(v)
