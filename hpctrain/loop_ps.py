@@ -43,63 +43,64 @@ def replicas_to_aggregate(args, num_workers):
 
 def cluster_lines(session, placement, tensor_ranges):
     """The chief's start-up picture: roles in TensorFlow's naming, placement."""
-    a, c = session.args, session.cluster
+    args, cluster = session.args, session.cluster
     n = tensor_ranges[-1][2]
     lines = ["cluster:"]
-    for r in range(c.size):
-        lines.append(f"  {c.role_name(r)} = rank {r}" + ("  (chief)" if r == c.chief_rank else ""))
-    lines.append(f"placement {a.placement}: {n:,} parameters ({4 * n:,} bytes) on {c.num_ps} ps")
+    for r in range(cluster.size):
+        lines.append(f"  {cluster.role_name(r)} = rank {r}" + ("  (chief)" if r == cluster.chief_rank else ""))
+    lines.append(f"placement {args.placement}: {n:,} parameters ({4 * n:,} bytes) on {cluster.num_ps} ps")
     for k, (count, parts) in enumerate(describe(placement, tensor_ranges)):
         lines.append(f"  /job:ps/task:{k}: {count:,} parameters, {4 * count:,} bytes: {', '.join(parts) or '-'}")
-    if a.sync:
-        R = replicas_to_aggregate(a, c.num_workers)
-        lines.append(f"sync: each update aggregates {R} of {c.num_workers} workers' gradients"
-                     + (f" ({c.num_workers - R} backup)" if R < c.num_workers else "")
+    if args.sync:
+        R = replicas_to_aggregate(args, cluster.num_workers)
+        lines.append(f"sync: each update aggregates {R} of {cluster.num_workers} workers' gradients"
+                     + (f" ({cluster.num_workers - R} backup)" if R < cluster.num_workers else "")
                      + ("; --max-staleness/--dc-lambda apply to --async only"
-                        if a.max_staleness is not None or a.dc_lambda else ""))
+                        if args.max_staleness is not None or args.dc_lambda else ""))
     else:
         lines.append("async: each gradient applied on arrival"
-                     + (f"; max staleness {a.max_staleness}" if a.max_staleness is not None else "")
-                     + (f"; DC-ASGD lambda {a.dc_lambda:g}" if a.dc_lambda else ""))
+                     + (f"; max staleness {args.max_staleness}" if args.max_staleness is not None else "")
+                     + (f"; DC-ASGD lambda {args.dc_lambda:g}" if args.dc_lambda else ""))
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------
 
 def train_ps(session):
-    a, c = session.args, session.cluster
+    args, cluster = session.args, session.cluster
     checkpoints = Checkpoints(session)
     # The protocol's own communicator: its tags never meet anyone else's messages.
-    comm = c.comm.Dup()
+    comm = cluster.comm.Dup()
     # Workers open their data; the servers learn whether that worked, so a bad
     # data directory never leaves them waiting for workers that have exited.
-    reader = session.agreed(c.comm, session.open_reader if c.is_worker else lambda: None)
+    reader = session.agreed(cluster.comm, session.open_reader if cluster.is_worker else lambda: None)
     # With --checkpoint-dir: every rank learns whether (and from which step)
     # the run resumes; the chief then loads the servers (RESTORE).
-    resume = checkpoints.load(c.comm)
-    if c.is_ps:
-        tensor_ranges = MLP(a.hidden, np).tensor_ranges()
-        return run_server(session, checkpoints, comm, place(tensor_ranges, c.num_ps, a.placement))
+    resume = checkpoints.load(cluster.comm)
+    if cluster.is_ps:
+        tensor_ranges = MLP(args.hidden, np).tensor_ranges()
+        return run_server(session, checkpoints, comm, place(tensor_ranges, cluster.num_ps, args.placement))
     return run_worker(session, checkpoints, comm, reader, resume)
 
 
 def run_server(session, checkpoints, comm, placement):
-    a, c = session.args, session.cluster
-    mine = placement[c.ps_index]
+    args, cluster = session.args, session.cluster
+    mine = placement[cluster.ps_index]
     size = sum(hi - lo for lo, hi in mine)
-    if a.ps_device == "gpu":
+    if args.ps_device == "gpu":
         # The slice and its optimizer state on this rank's GPU; messages stay on the host.
-        optimizer = OnDevice(make_optimizer(a.optimizer, size, session.server_xp, momentum=a.momentum), size)
+        optimizer = OnDevice(make_optimizer(args.optimizer, size, session.server_xp, momentum=args.momentum), size)
     else:
-        optimizer = make_optimizer(a.optimizer, size, np, momentum=a.momentum)
-    server = Server(comm, mine, c.worker_ranks, c.ps_ranks, optimizer, session.lr, steps=a.steps, sync=a.sync,
-                    replicas=replicas_to_aggregate(a, c.num_workers), max_staleness=a.max_staleness,
-                    dc_lambda=a.dc_lambda, watchdog=session.watchdog,
+        optimizer = make_optimizer(args.optimizer, size, np, momentum=args.momentum)
+    server = Server(comm, mine, cluster.worker_ranks, cluster.ps_ranks, optimizer, session.lr,
+                    steps=args.steps, sync=args.sync,
+                    replicas=replicas_to_aggregate(args, cluster.num_workers), max_staleness=args.max_staleness,
+                    dc_lambda=args.dc_lambda, watchdog=session.watchdog,
                     stop_requested=lambda: session.stop.received)
     session.stop.training = True   # the server loop takes stop requests from here on
     server.serve_until_done()
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
-        checkpoints.preempted(c.comm, server.version)
+        checkpoints.preempted(cluster.comm, server.version)
     return None
 
 
@@ -110,24 +111,24 @@ def save_cut(session, checkpoints, cut):
         session.chief_says(f"checkpoint at step {cut.versions[0]} not written: the servers are not at "
                            f"one version ({cut.describe()})")
         return
-    checkpoints.save_alone(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions)
+    checkpoints.save_on_chief_only(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions)
 
 
 def run_worker(session, checkpoints, comm, reader, resume):
-    a, c, xp = session.args, session.cluster, session.xp
-    W, tl, chief = c.num_workers, session.timeline, session.chief
+    args, cluster, xp = session.args, session.cluster, session.xp
+    W, tl, chief = cluster.num_workers, session.timeline, session.chief
     report = Report(session)
-    model = MLP(a.hidden, xp)
-    model.init(a.seed)
+    model = MLP(args.hidden, xp)
+    model.init(args.seed)
     tensor_ranges = model.tensor_ranges()
-    placement = place(tensor_ranges, c.num_ps, a.placement)
+    placement = place(tensor_ranges, cluster.num_ps, args.placement)
     # MPI moves host memory here; on a GPU the model's buffers are mirrored.
     gpu = xp is not np
     params = np.zeros(model.num_params, np.float32) if gpu else model.params
     grads = np.zeros(model.num_params, np.float32) if gpu else model.grads
-    client = Client(comm, c.ps_ranks, placement, params, grads, c.worker_index, W,
-                    sync=a.sync, watchdog=session.watchdog)
-    state_names = make_optimizer(a.optimizer, 1, np).state_names
+    client = Client(comm, cluster.ps_ranks, placement, params, grads, cluster.worker_index, W,
+                    sync=args.sync, watchdog=session.watchdog)
+    state_names = make_optimizer(args.optimizer, 1, np).state_names
     if chief:
         print(cluster_lines(session, placement, tensor_ranges), flush=True)
         if resume is not None:
@@ -146,15 +147,15 @@ def run_worker(session, checkpoints, comm, reader, resume):
     if gpu:
         model.params.set(params)
 
-    R = replicas_to_aggregate(a, W)
-    per_update = a.batch_size * R
+    R = replicas_to_aggregate(args, W)
+    per_update = args.batch_size * R
     start = client.version
     comm_s = compute_s = 0.0
     local = 0
     losses = []
     logged = start
-    next_log = (start // a.log_every + 1) * a.log_every
-    every = a.checkpoint_every if (checkpoints.enabled and chief) else 0
+    next_log = (start // args.log_every + 1) * args.log_every
+    every = args.checkpoint_every if (checkpoints.enabled and chief) else 0
     next_checkpoint = (start // every + 1) * every if every else None
     t_loop = time.perf_counter()
     session.stop.training = True   # a stop signal is taken by the next step from here on
@@ -181,26 +182,26 @@ def run_worker(session, checkpoints, comm, reader, resume):
         # The worker's view: its push+pull wait is communication not hidden
         # (the servers' optimizer work is inside it).
         session.stats.record(t2 - t0, t1 - t0, t2 - t1, t2 - t1, 0.0, 0.0)
-        losses.append(client.loss if a.sync else loss)
+        losses.append(client.loss if args.sync else loss)
         if not math.isfinite(losses[-1]):
             # Sync: every worker sees the same aggregated loss and the chief says so;
             # async: the worker whose own loss it is. Not agreed: the job is aborted.
-            error = diverged(client.version, losses[-1], chief or not a.sync)
+            error = diverged(client.version, losses[-1], chief or not args.sync)
             error.collective = False
             raise error
         step = client.version
         if step >= next_log or (client.stop and step != logged):
             # Sync: the chief's line (the mean loss of the aggregated workers, as
             # in ring mode). Async: every worker prints its own.
-            loss_mean, samples, elapsed = sum(losses) / len(losses), (step - start) * per_update, \
+            loss_mean, samples, elapsed = sum(losses) / len(losses), (step - start) * per_update,\
                 time.perf_counter() - t_loop
-            if not a.sync:
-                report.progress(step, loss_mean, samples, elapsed, worker=c.worker_index, local_step=local)
+            if not args.sync:
+                report.progress(step, loss_mean, samples, elapsed, worker=cluster.worker_index, local_step=local)
             elif chief:
                 report.progress(step, loss_mean, samples, elapsed)
             losses.clear()
             logged = step
-            next_log = (step // a.log_every + 1) * a.log_every
+            next_log = (step // args.log_every + 1) * args.log_every
         if chief:
             t_loop += report.periodic_eval(model, step)
         if every and step >= next_checkpoint and not client.stop:
@@ -224,11 +225,11 @@ def run_worker(session, checkpoints, comm, reader, resume):
         if chief:
             print(f"stopping after step {step}: signal received", flush=True)
             report.metrics.close(keep=True)
-        checkpoints.preempted(c.comm, step)   # raises the exit-75 error on every rank
+        checkpoints.preempted(cluster.comm, step)   # raises the exit-75 error on every rank
     extra = summarize(stats, W)
-    extra.update({"num_ps": c.num_ps, "placement": a.placement, "sync": a.sync, "replicas_to_aggregate": R,
-                  "backup_workers": W - R if a.sync else 0, "max_staleness": a.max_staleness,
-                  "dc_lambda": a.dc_lambda, "loop_s": round(t_loop, 4), "local_steps": local,
+    extra.update({"num_ps": cluster.num_ps, "placement": args.placement, "sync": args.sync, "replicas_to_aggregate": R,
+                  "backup_workers": W - R if args.sync else 0, "max_staleness": args.max_staleness,
+                  "dc_lambda": args.dc_lambda, "loop_s": round(t_loop, 4), "local_steps": local,
                   "rejected_pushes": client.rejected})
     return finish_everywhere(session, report, model, step, t_loop, (step - start) * per_update, comm_s,
                              compute_s, checkpoints, extra)

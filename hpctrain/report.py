@@ -52,7 +52,7 @@ class Metrics:
         except FileNotFoundError:
             lines = []
         except (OSError, UnicodeDecodeError) as e:
-            raise HpctrainError(f"--metrics {self.path}: cannot read to resume it ({getattr(e, 'strerror', e)})") \
+            raise HpctrainError(f"--metrics {self.path}: cannot read to resume it ({getattr(e, 'strerror', e)})")\
                 from None
         kept = [line for line in lines if _kept(line, step)]
         if len(kept) != len(lines):
@@ -164,36 +164,36 @@ class Report:
         """The chief's last line, --save, the final record, the timeline.
         Returns (record, None), or (record, line) when --save could not be
         written; the line then says where the parameters are kept instead."""
-        s, a, c = self.session, self.args, self.session.cluster
+        session, args, cluster = self.session, self.args, self.session.cluster
         test_loss, test_acc, n_test = result["test"]
-        wall = time.perf_counter() - s.t_start
+        wall = time.perf_counter() - session.t_start
         rate = samples / t_loop if t_loop > 0 else 0.0
         print(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
               f"{step} steps, {rate:,.0f} samples/s, {wall:.1f}s)", flush=True)
-        save_error = save_params(a.save, result["model"], step, a, c.size, result["checkpoint"])
-        record = {"event": "final", "mode": a.mode, "world_size": c.size, "workers": c.num_workers,
-                  "steps": step, "global_batch": a.batch_size * c.num_workers,
+        save_error = save_params(args.save, result["model"], step, args, cluster.size, result["checkpoint"])
+        record = {"event": "final", "mode": args.mode, "world_size": cluster.size, "workers": cluster.num_workers,
+                  "steps": step, "global_batch": args.batch_size * cluster.num_workers,
                   "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
                   "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
                   "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
-                  "device": s.device_name}
+                  "device": session.device_name}
         record.update(result["medians"])
         record.update(extra or {})
         self.metrics.write(record)
         self.metrics.close()
-        s.timeline.write()
+        session.timeline.write()
         return record, save_error
 
 
 def evaluate(session, model):
     """Every worker: test loss, accuracy and count, each worker evaluating its
     part of the test set (one Allreduce of the sums)."""
-    c, xp = session.cluster, session.xp
+    cluster, xp = session.cluster, session.xp
     x, y = session.test_part()
     loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
     totals = np.array([loss_sum, correct, len(y)], np.float64)
     with session.watchdog.waiting("evaluation allreduce", peer=None):
-        c.worker_comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+        cluster.worker_comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
     n = max(totals[2], 1)
     return totals[0] / n, totals[1] / n, int(totals[2])
 

@@ -47,15 +47,15 @@ class Checkpoints:
         every rank and the Checkpoint (host arrays) on the chief only.
         A problem (--resume yes and nothing to resume, a checkpoint of another
         job) is one error line and a clean exit on every rank of comm."""
-        s = self.session
+        session = self.session
         if not self.enabled:
             return None
-        ckpt = s.agreed(comm, self._chief_reads_bounded if s.chief else lambda: None)
+        ckpt = session.agreed(comm, self._chief_reads_bounded if session.chief else lambda: None)
         head = np.zeros(3, np.int64)
         if ckpt is not None:
             head[:] = 1, ckpt.step, ckpt.optimizer_t
-        with s.watchdog.waiting("checkpoint header broadcast", peer=s.cluster.chief_rank):
-            comm.Bcast(head, root=s.chief_in(comm))
+        with session.watchdog.waiting("checkpoint header broadcast", peer=session.cluster.chief_rank):
+            comm.Bcast(head, root=session.chief_in(comm))
         if not head[0]:
             return None
         self.saved_step = int(head[1])
@@ -69,26 +69,26 @@ class Checkpoints:
             return self._chief_reads()
 
     def _chief_reads(self):
-        a, c = self.session.args, self.session.cluster
-        d = a.checkpoint_dir  # created and tried by check_outputs at start-up
+        args, cluster = self.session.args, self.session.cluster
+        d = args.checkpoint_dir  # created and tried by check_outputs at start-up
         found = checkpoint.list_checkpoints(d)
-        if a.resume == "no":
+        if args.resume == "no":
             if found:
                 raise HpctrainError(
                     f"--resume no, but {d} holds checkpoints of an earlier run (newest "
                     f"{found[0][1].rsplit('/', 1)[-1]}); remove them or use another --checkpoint-dir")
             return None
-        ckpt = checkpoint.load_latest(d, settings.same_on_resume(a, c.num_workers),
+        ckpt = checkpoint.load_latest(d, settings.same_on_resume(args, cluster.num_workers),
                                       warn=lambda line: print(f"hpctrain: warning: {line}",
                                                               file=sys.stderr, flush=True))
         if ckpt is None and found:
             raise HpctrainError(f"--checkpoint-dir {d}: none of its {len(found)} checkpoints is "
                                 f"valid (see the warnings above); move them away to start fresh")
-        if ckpt is None and a.resume == "yes":
+        if ckpt is None and args.resume == "yes":
             raise HpctrainError(f"--resume yes, but --checkpoint-dir {d} holds no checkpoint")
-        if ckpt is not None and ckpt.data_positions.shape != (c.num_workers, 2):
+        if ckpt is not None and ckpt.data_positions.shape != (cluster.num_workers, 2):
             raise HpctrainError(f"{ckpt.path}: data positions for {ckpt.data_positions.shape[0]} "
-                                f"workers, this run has {c.num_workers}")
+                                f"workers, this run has {cluster.num_workers}")
         return ckpt
 
     def resumed_line(self, step):
@@ -101,8 +101,8 @@ class Checkpoints:
         """Collective over comm: the resumed parameters and optimizer state
         from the chief into every rank's params and optimizer (ring mode, where
         every rank holds all of them); optimizer.t restored too."""
-        s = self.session
-        root = s.chief_in(comm)
+        session = self.session
+        root = session.chief_in(comm)
         ckpt = resume.checkpoint
         targets = [("params", params, ckpt.params if ckpt else None)]
         for name, array in optimizer.state().items():
@@ -111,21 +111,21 @@ class Checkpoints:
             host = np.empty(target.shape, target.dtype)
             if source is not None:
                 host[...] = source
-            with s.watchdog.waiting(f"checkpoint broadcast ({what})", peer=s.cluster.chief_rank):
+            with session.watchdog.waiting(f"checkpoint broadcast ({what})", peer=session.cluster.chief_rank):
                 comm.Bcast(host, root=root)
-            target[...] = s.xp.asarray(host)
+            target[...] = session.xp.asarray(host)
         optimizer.t = resume.optimizer_t
-        device.synchronize(s.xp)
+        device.synchronize(session.xp)
 
     def seek_readers(self, reader, resume):
         """Every worker: its reader to the position the checkpoint recorded for it."""
-        s, c = self.session, self.session.cluster
-        positions = np.empty((c.num_workers, 2), np.int64)
+        session, cluster = self.session, self.session.cluster
+        positions = np.empty((cluster.num_workers, 2), np.int64)
         if resume.checkpoint is not None:
             positions[...] = resume.checkpoint.data_positions
-        with s.watchdog.waiting("checkpoint broadcast (data positions)", peer=c.chief_rank):
-            c.worker_comm.Bcast(positions, root=0)
-        epoch, offset = (int(v) for v in positions[c.worker_index])
+        with session.watchdog.waiting("checkpoint broadcast (data positions)", peer=cluster.chief_rank):
+            cluster.worker_comm.Bcast(positions, root=0)
+        epoch, offset = (int(v) for v in positions[cluster.worker_index])
 
         def seek():
             try:
@@ -133,7 +133,7 @@ class Checkpoints:
             except HpctrainError as e:
                 raise HpctrainError(f"{e}: the checkpoint's data position does not fit this data "
                                     f"(was --data changed?)") from None
-        s.agreed(c.worker_comm, seek)
+        session.agreed(cluster.worker_comm, seek)
 
     # --- while training -----------------------------------------------------
 
@@ -144,11 +144,11 @@ class Checkpoints:
 
     def gather_positions(self, reader):
         """Every worker: (workers, 2) int64 reader positions on the chief, None elsewhere."""
-        s, c = self.session, self.session.cluster
+        session, cluster = self.session, self.session.cluster
         mine = np.array(reader.position, np.int64)
-        everyone = np.empty((c.num_workers, 2), np.int64) if s.chief else None
-        with s.watchdog.waiting("checkpoint gather (data positions)", peer=c.chief_rank):
-            c.worker_comm.Gather(mine, everyone, root=0)
+        everyone = np.empty((cluster.num_workers, 2), np.int64) if session.chief else None
+        with session.watchdog.waiting("checkpoint gather (data positions)", peer=cluster.chief_rank):
+            cluster.worker_comm.Gather(mine, everyone, root=0)
         return everyone
 
     def save(self, comm, step, params, optimizer_state, optimizer_t, positions):
@@ -156,27 +156,27 @@ class Checkpoints:
         the arrays it passes (device or host; the other ranks' arguments are
         ignored) and prunes to --keep-checkpoints. A failure to write stops
         every rank of comm with one error line. Returns the path on the chief."""
-        s = self.session
-        a, c = s.args, s.cluster
+        session = self.session
+        args, cluster = session.args, session.cluster
 
         def chief_writes():
-            device.synchronize(s.xp)
+            device.synchronize(session.xp)
             host = device.to_host(params)
             if not np.isfinite(host).all():   # a checkpoint to resume from must be worth resuming
                 raise HpctrainError(f"the parameters of step {step} are not finite: training diverged "
                                     f"(try a lower --lr); no checkpoint written", exit_code=EXIT_DIVERGED)
-            with s.watchdog.waiting(f"writing a checkpoint in {a.checkpoint_dir}", peer="the file system"):
-                return checkpoint.save(a.checkpoint_dir, step, host,
+            with session.watchdog.waiting(f"writing a checkpoint in {args.checkpoint_dir}", peer="the file system"):
+                return checkpoint.save(args.checkpoint_dir, step, host,
                                        {k: device.to_host(v) for k, v in optimizer_state.items()},
-                                       optimizer_t, positions, settings.same_on_resume(a, c.num_workers),
-                                       keep=a.keep_checkpoints,
-                                       info=settings.recorded(a, c.size, c.num_workers))
-        with s.timeline.span("checkpoint", cat="checkpoint"):
-            path = s.agreed(comm, chief_writes if s.chief else lambda: None)
+                                       optimizer_t, positions, settings.same_on_resume(args, cluster.num_workers),
+                                       keep=args.keep_checkpoints,
+                                       info=settings.recorded(args, cluster.size, cluster.num_workers))
+        with session.timeline.span("checkpoint", cat="checkpoint"):
+            path = session.agreed(comm, chief_writes if session.chief else lambda: None)
         self.saved_step, self.saved_path = step, path
         return path
 
-    def save_alone(self, step, params, states, t, positions):
+    def save_on_chief_only(self, step, params, states, t, positions):
         """ps mode: the chief writes a checkpoint by itself while servers and
         workers keep going. A failure to write is one error line and aborts the
         job (the others are not at a point where they could agree)."""
@@ -193,9 +193,9 @@ class Checkpoints:
         written): raise the EXIT_PREEMPTED error everywhere, the chief's line
         naming the signal (whichever rank got it) and the checkpoint."""
         from mpi4py import MPI
-        s = self.session
-        sig = np.array([s.stop.signum], np.int64)
-        with s.watchdog.waiting("stop agreement", peer=None):
+        session = self.session
+        sig = np.array([session.stop.signum], np.int64)
+        with session.watchdog.waiting("stop agreement", peer=None):
             comm.Allreduce(MPI.IN_PLACE, sig, op=MPI.MAX)
         name = signal.Signals(int(sig[0])).name if sig[0] else "a signal"
         if self.saved_path and self.saved_step == step:
@@ -203,4 +203,4 @@ class Checkpoints:
         else:
             where = "no checkpoint written (no --checkpoint-dir): a new run starts from step 0"
         raise HpctrainError(f"stopped by {name} after step {step}; {where}",
-                            exit_code=EXIT_PREEMPTED, collective=True, report=s.chief)
+                            exit_code=EXIT_PREEMPTED, collective=True, report=session.chief)

@@ -51,7 +51,7 @@ def agreed(comm, fn, *args, watchdog=None, what=None):
     # line of its own, so fn may itself agree on a smaller communicator.
     speaks = error is not None and error.report and bool(str(error))
     flag = np.array([error.exit_code if error else 0, size - rank if speaks else 0], np.int64)
-    with watchdog.waiting(f"agreement after {what or getattr(fn, '__name__', 'a step')}", peer=None) \
+    with watchdog.waiting(f"agreement after {what or getattr(fn, '__name__', 'args step')}", peer=None)\
             if watchdog else contextlib.nullcontext():
         comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
     if flag[0]:
@@ -265,14 +265,14 @@ class Session:
             print(text, flush=True)
 
     def lr(self, step):
-        a = self.args
-        return learning_rate(step, a.lr, self.cluster.num_workers, a.scale_lr, a.warmup_steps)
+        args = self.args
+        return learning_rate(step, args.lr, self.cluster.num_workers, args.scale_lr, args.warmup_steps)
 
     def open_reader(self):
         """This worker's training-batch reader (and its test part, loaded now)."""
-        a, c = self.args, self.cluster
-        reader = self.agreed(c.worker_comm, data_mod.ShardReader, self.data_dir, c.worker_index,
-                             c.num_workers, a.batch_size, a.seed)
+        args, cluster = self.args, self.cluster
+        reader = self.agreed(cluster.worker_comm, data_mod.ShardReader, self.data_dir, cluster.worker_index,
+                             cluster.num_workers, args.batch_size, args.seed)
         self.test_part()
         return reader
 
@@ -280,9 +280,9 @@ class Session:
         """This worker's part of the test set (uint8 pixels), read once: at
         start-up, before training memory is touched, not at every evaluation."""
         if self._test is None:
-            c = self.cluster
-            self._test = self.agreed(c.worker_comm, functools.partial(data_mod.load_test, raw=True),
-                                     self.data_dir, c.worker_index, c.num_workers)
+            cluster = self.cluster
+            self._test = self.agreed(cluster.worker_comm, functools.partial(data_mod.load_test, raw=True),
+                                     self.data_dir, cluster.worker_index, cluster.num_workers)
         return self._test
 
     def chief_in(self, comm):
