@@ -71,7 +71,7 @@ def train(args, process_note="", flag_error=None):
     # launcher takes the rest down.
     timeout = args.timeout if args else cli.DEFAULT_TIMEOUT
     watchdog = Watchdog(timeout, cluster.launcher_env()[0] or 0, abort=_exit_now)
-    from .comm.start import start_mpi
+    from .comm.start import start_mpi, stop_mpi
     MPI = start_mpi(watchdog)   # numpy, BLAS and MPI start here
     if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         with watchdog.waiting("start-up (roll-call communicator)", peer=None):
@@ -87,10 +87,12 @@ def train(args, process_note="", flag_error=None):
     agreed(MPI.COMM_WORLD, _raise, flag_error, watchdog=watchdog, what="flags")
     session = Session(args, process_note, watchdog)
     if args.mode == "ring":
-        from .loop_ring import train_ring
-        return train_ring(session)
-    from .loop_ps import train_ps
-    return train_ps(session)
+        from .loop_ring import train_ring as loop
+    else:
+        from .loop_ps import train_ps as loop
+    record = loop(session)
+    stop_mpi(watchdog)   # shutdown is a wait too
+    return record
 
 
 def _raise(error):

@@ -68,6 +68,13 @@ class Watchdog:
                                         daemon=True)
         self._thread.start()
 
+    def stop_using_mpi(self, abort):
+        """Before MPI_Finalize: no more roll calls (this thread's MPI calls
+        would race the finalization), and `abort` (os._exit) instead of MPI."""
+        with self._lock:
+            self._roll = None
+            self.abort = abort
+
     def also_watch(self, check):
         """check() is called by this thread a few times a second; when it
         returns (line, exit code) the line is printed (by rank 0, or after a
@@ -107,9 +114,12 @@ class Watchdog:
 
     def _answer_roll_calls(self):
         """Reply "alive" to every rank that asked (this thread only)."""
-        if self._roll is None:
-            return
-        comm, np = self._roll
+        with self._lock:
+            if self._roll is None:
+                return
+            self._answer_locked(*self._roll)
+
+    def _answer_locked(self, comm, np):
         asked = np.zeros(1, np.int64)
         while comm.Iprobe(tag=_ASK):
             status = _status()

@@ -21,7 +21,7 @@ def start_mpi(watchdog):
     mpi4py.rc.initialize = False
     mpi4py.rc.finalize = True
     from mpi4py import MPI
-    from .cuda_aware import loaded_libmpi
+    from .cuda_aware import loaded_libmpi   # imports mpi4py.MPI: only now, with initialize off
     if not MPI.Is_initialized():
         paths = loaded_libmpi()
         with watchdog.waiting("MPI start-up (MPI_Init)", peer="the launcher or another rank"):
@@ -36,3 +36,21 @@ def start_mpi(watchdog):
     watchdog.rank = MPI.COMM_WORLD.Get_rank()
     watchdog.abort = MPI.COMM_WORLD.Abort
     return MPI
+
+
+def stop_mpi(watchdog):
+    """MPI_Finalize under watchdog (it waits for the other ranks in some
+    libraries), GIL released as in start_mpi. The watchdog's thread stops
+    calling MPI first, and from here on ends only this process."""
+    import os
+    from mpi4py import MPI
+    from .cuda_aware import loaded_libmpi
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    watchdog.stop_using_mpi(abort=os._exit)
+    paths = loaded_libmpi()
+    with watchdog.waiting("shutdown (MPI_Finalize)", peer="the other ranks"):
+        if paths:
+            ctypes.CDLL(paths[0]).MPI_Finalize()
+        else:
+            MPI.Finalize()

@@ -123,3 +123,38 @@ def test_sigterm_stops_a_job_stuck_in_start_up(tmp_path):
     lines = errors(err)
     assert len(lines) == 1 and lines[0].startswith("hpctrain: error: stopped by SIGTERM during start-up"), err
     assert time.monotonic() - t0 < 20
+
+
+def test_a_rank_stopped_at_shutdown_ends_the_job_and_the_result_is_kept(tmp_path):
+    # Rank 1 stopped as soon as the chief prints its final line: the
+    # agreement after the final record, or MPI_Finalize, waits under the
+    # deadline. The result (the final metrics record) is written either way.
+    import json
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--steps", "40", "--hidden", "16", "--log-every", "20",
+                             "--timeout", "4", "--metrics", metrics], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+    try:
+        pid = rank_pid(proc, 1)
+        assert pid, "rank 1 not found"
+        for line in proc.stdout:
+            if line.startswith("test accuracy"):
+                break
+        with Stopped(pid):
+            t0 = time.monotonic()
+            out, err = proc.communicate(timeout=60)
+            took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Rank 1 may have finished before the stop landed (exit 0); otherwise the deadline names it.
+    assert proc.returncode in (0, 3), err
+    if proc.returncode == 3:
+        lines = errors(err)
+        # Named by the roll call, or (in MPI_Finalize, where MPI can no longer be
+        # used for one) the wait itself.
+        assert len(lines) == 1, err
+        assert (lines[0].startswith("hpctrain: error: rank 1 stopped responding")
+                or "waited 4 s for the other ranks (shutdown (MPI_Finalize))" in lines[0]), err
+    assert took < 30
+    assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
