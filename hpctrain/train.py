@@ -247,6 +247,15 @@ class Run:
         n = max(totals[2], 1)
         return totals[0] / n, totals[1] / n, int(totals[2])
 
+    def evaluate_alone(self, model):
+        """Test loss and accuracy on the whole test set, this rank alone."""
+        if self._test_full is None:
+            self._test_full = data_mod.load_test(self.data_dir, raw=True)
+        x, y = self._test_full
+        loss_sum, correct = model.evaluate(self.xp.asarray(x), self.xp.asarray(y))
+        n = max(len(y), 1)
+        return loss_sum / n, correct / n, len(y)
+
     def save_params(self, model, step):
         """--save, on the chief. Returns None, or (when the file cannot be
         written, e.g. the disk filled up during training) the one-line error
@@ -448,13 +457,14 @@ class Run:
         self.metrics.write({"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
                             "time_s": round(elapsed, 3)})
 
-    def memory_and_step_medians(self):
+    def memory_and_step_medians(self, alone=False):
         """Median step split from self.stats, and peak memory: the largest of any
-        worker (bytes above the interpreter with its imports, and in all)."""
+        worker (alone: this one's) (bytes above the interpreter with its imports, and in all)."""
         summary = self.stats.summary()
         peak = summary.pop("peak_rss_bytes")
         mem = np.array([peak, peak - summary.pop("base_rss_bytes")], np.float64)
-        self.cluster.worker_comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
+        if not alone:
+            self.cluster.worker_comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
         summary = {k: round(v, 7) for k, v in summary.items()}
         summary["peak_rss_mb"] = round(mem[0] / 2**20, 1)
         summary["peak_rss_above_base_mb"] = round(mem[1] / 2**20, 1)
@@ -487,9 +497,10 @@ class Run:
                             "test_loss": round(loss_sum / n, 6)})
         return time.perf_counter() - t0
 
-    def finish(self, model, step, t_loop, samples, comm_s, compute_s, extra=None):
-        """Evaluate, print, write --save and the final metrics record."""
-        test_loss, test_acc, n_test = self.evaluate(model)
+    def finish(self, model, step, t_loop, samples, comm_s, compute_s, extra=None, alone=False):
+        """Evaluate, print, write --save and the final metrics record. alone:
+        the chief by itself (ps: a worker was left behind), no collective."""
+        test_loss, test_acc, n_test = self.evaluate_alone(model) if alone else self.evaluate(model)
         c, a = self.cluster, self.args
         wall = time.perf_counter() - self.t_start
         rate = samples / t_loop if t_loop > 0 else 0.0
@@ -502,11 +513,14 @@ class Run:
                   "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
                   "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
                   "device": self.device_name}
-        record.update(self.memory_and_step_medians())
+        record.update(self.memory_and_step_medians(alone))
         record.update(extra or {})
         self.metrics.write(record)
         self.metrics.close()
         self.timeline.write()
+        if alone:
+            self._raise_if(save_error)
+            return record
         # The final record and the timeline are written; if --save failed, every
         # worker exits with the chief's line (no abort: nobody is left waiting).
         collective(c.worker_comm, self._raise_if, save_error)

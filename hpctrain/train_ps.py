@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .comm.ps import Client, Server, describe, place, summarize
-from .errors import HpctrainError
+from .errors import EXIT_TIMEOUT, HpctrainError
 from .model import MLP
 from .optim import OnDevice, make_optimizer
 
@@ -238,7 +238,25 @@ def work(run, comm, reader, resume):
                   "backup_workers": W - R if a.sync else 0, "max_staleness": a.max_staleness,
                   "dc_lambda": a.dc_lambda, "loop_s": round(t_loop, 4), "local_steps": local,
                   "rejected_pushes": client.rejected})
-    return run.finish(model, step, t_loop, (step - start) * per_update, comm_s, compute_s, extra)
+    result = (model, step, t_loop, (step - start) * per_update, comm_s, compute_s, extra)
+    if extra["abandoned_workers"]:
+        return finish_without(run, extra["abandoned_workers"], *result)
+    return run.finish(*result)
+
+
+def finish_without(run, abandoned, model, step, *rest):
+    """The servers left behind workers that went silent and never came back
+    after the last step: the chief writes the result by itself (the final
+    checkpoint is written; now the evaluation, --save, the final record),
+    then the job ends with exit 3 and a line naming them (they can never
+    join MPI_Finalize). The other ranks wait for that end."""
+    c = run.cluster
+    if not c.is_chief:
+        return None
+    run.finish(model, step, *rest, alone=True)
+    names = ", ".join(f"worker {w} (rank {c.worker_ranks[w]})" for w in abandoned)
+    raise HpctrainError(f"{names} sent nothing for --timeout {run.args.timeout:g} s and never finished; "
+                        f"the result of step {step} is written, the job ends without it", exit_code=EXIT_TIMEOUT)
 
 
 def _progress(run, step, loss, samples, t_loop, local):
