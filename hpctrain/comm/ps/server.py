@@ -29,7 +29,7 @@ from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_S
                        OP_RELEASE, OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
                        ProtocolError, loss_field)
 from .silence import SilenceWatch
-from .snapshot import DataPositions, receive_restore, send_snapshot
+from .snapshot import CutHold, DataPositions, receive_restore
 from .stats import ServerStats
 
 
@@ -92,9 +92,7 @@ class Server:
         self.sending = np.zeros(workers, bool)
         self.positions = DataPositions(workers)
         self.stats = ServerStats(workers)
-        self.holding = False                    # a snapshot is being taken: pushes wait in `held`
-        self.held = []
-        self.snapshot_due = None                # (worker, version): answer once at that version
+        self.cut = CutHold(self)                # a checkpoint cut being taken
         self.heard = lambda w: None             # serve_until_done: the leader's SilenceWatch
 
     def _init_requests(self):
@@ -144,7 +142,7 @@ class Server:
                     self._on_gradient(i - self.num_workers)
                 else:
                     others[i - 2 * self.num_workers][1]()
-            self._check_snapshot_due()
+            self.cut.answer_if_due()
             self._check_signal()
         return self._finish()
 
@@ -186,11 +184,12 @@ class Server:
         elif op == OP_FINAL:
             self._on_final(w, header)
         elif op == OP_SNAPSHOT:
-            self._on_snapshot(w, int(header[H_VERSION]))
+            self.cut.on_snapshot(w, int(header[H_VERSION]))
             self.req_hdr[w].Start()
         elif op == OP_RELEASE:
             self.req_hdr[w].Start()
-            self._release()
+            for args in self.cut.release():
+                self._on_push(*args)
         elif op == OP_RESTORE:
             receive_restore(self, w, header)
             self.req_hdr[w].Start()
@@ -213,36 +212,10 @@ class Server:
     def _on_push(self, w, version, loss):
         if not self.initialized:
             raise ProtocolError(f"ps rank {self.rank}: push from rank {self.workers[w]} before initialization")
-        if self.holding:
-            self.held.append((w, version, loss))
+        if self.cut.holds(w, version, loss):
             return
         self.stats.pushes[w] += 1
         self.aggregation.on_push(w, version, loss)
-
-    # --- snapshots: one cut across servers --------------------------------------
-    def _on_snapshot(self, w, version):
-        """Hold (where this server must) and send the snapshot now, or once at
-        `version` (a sync follower behind the leader's cut); -1: any version."""
-        if self.aggregation.holds_for_snapshot():
-            self.holding = True
-        if version > self.version:
-            self.snapshot_due = (w, version)
-            return
-        if version >= 0 and version != self.version:
-            raise ProtocolError(f"ps rank {self.rank}: snapshot of version {version} at version {self.version}")
-        send_snapshot(self, w)
-
-    def _check_snapshot_due(self):
-        if self.snapshot_due is not None and self.version >= self.snapshot_due[1]:
-            w, version = self.snapshot_due
-            self.snapshot_due = None
-            self._on_snapshot(w, version)
-
-    def _release(self):
-        """The cut is taken: apply the held pushes in their order of arrival."""
-        held, self.held, self.holding = self.held, [], False
-        for w, version, loss in held:
-            self._on_push(w, version, loss)
 
     def _leave_behind(self):
         """The run is over but for workers silent past the deadline: finish

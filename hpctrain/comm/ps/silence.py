@@ -67,7 +67,7 @@ class SilenceWatch:
 
     def _silent(self, now):
         srv = self.server
-        held = {h[0] for h in srv.held}
+        held = {h[0] for h in srv.cut.held}
         for w in range(srv.num_workers):
             if srv.done[w] or srv.want[w] >= 0 or w in held:   # done, or waiting for us
                 continue
