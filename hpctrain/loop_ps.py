@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from .comm.ps import Client, Server, describe, place, summarize
+from .errors import EXIT_TIMEOUT, HpctrainError
 from .model import MLP
 from .optim import OnDevice, make_optimizer
 from .loop_ring import diverged
@@ -231,6 +232,23 @@ def run_worker(session, checkpoints, comm, reader, resume):
                   "backup_workers": W - R if args.sync else 0, "max_staleness": args.max_staleness,
                   "dc_lambda": args.dc_lambda, "loop_s": round(t_loop, 4), "local_steps": local,
                   "rejected_pushes": client.rejected})
-    return finish_everywhere(session, report, model, step, t_loop, (step - start) * per_update, comm_s,
-                             compute_s, checkpoints, extra)
+    result = (model, step, t_loop, (step - start) * per_update, comm_s, compute_s, checkpoints, extra)
+    if extra["abandoned_workers"]:
+        return finish_without(session, report, extra["abandoned_workers"], *result)
+    return finish_everywhere(session, report, *result)
+
+
+def finish_without(session, report, abandoned, model, step, *rest):
+    """The servers left behind workers that went silent and never came back
+    after the last step: the chief writes the result by itself (the final
+    checkpoint is written; now the evaluation, --save, the final record),
+    then the job ends with exit 3 and a line naming them (they can never
+    join MPI_Finalize). The other ranks wait for that end."""
+    cluster = session.cluster
+    if not session.chief:
+        return None
+    finish_everywhere(session, report, model, step, *rest, alone=True)
+    names = ", ".join(f"worker {w} (rank {cluster.worker_ranks[w]})" for w in abandoned)
+    raise HpctrainError(f"{names} sent nothing for --timeout {session.args.timeout:g} s and never finished; "
+                        f"the result of step {step} is written, the job ends without it", exit_code=EXIT_TIMEOUT)
 

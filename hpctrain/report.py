@@ -148,17 +148,22 @@ class Report:
         if not crossed:
             return 0.0
         t0 = time.perf_counter()
+        test_loss, test_acc, _ = self.evaluate_alone(model)
+        print(f"step {step:>6}/{self.args.steps}  test accuracy {test_acc:.4f}  "
+              f"test loss {test_loss:.4f}", flush=True)
+        self.metrics.write({"event": "eval", "step": step, "test_accuracy": round(test_acc, 6),
+                            "test_loss": round(test_loss, 6)})
+        return time.perf_counter() - t0
+
+    def evaluate_alone(self, model):
+        """Test loss, accuracy and count on the whole test set, this rank alone."""
         if self._test_full is None:
             self._test_full = data_mod.load_test(self.session.data_dir, raw=True)
         x, y = self._test_full
         xp = self.session.xp
         loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
         n = max(len(y), 1)
-        print(f"step {step:>6}/{self.args.steps}  test accuracy {correct / n:.4f}  "
-              f"test loss {loss_sum / n:.4f}", flush=True)
-        self.metrics.write({"event": "eval", "step": step, "test_accuracy": round(correct / n, 6),
-                            "test_loss": round(loss_sum / n, 6)})
-        return time.perf_counter() - t0
+        return loss_sum / n, correct / n, len(y)
 
     def final(self, result, step, t_loop, samples, comm_s, compute_s, extra):
         """The chief's last line, --save, the final record, the timeline.
@@ -198,15 +203,16 @@ def evaluate(session, model):
     return totals[0] / n, totals[1] / n, int(totals[2])
 
 
-def peak_memory_and_step_medians(session):
-    """Every worker: the median step split from session.stats, and peak memory:
-    the largest of any worker (bytes above the interpreter with its imports,
-    and in all)."""
+def peak_memory_and_step_medians(session, alone=False):
+    """Every worker (or, alone, this one): the median step split from
+    session.stats, and peak memory: the largest of any worker (bytes above
+    the interpreter with its imports, and in all)."""
     summary = session.stats.summary()
     peak = summary.pop("peak_rss_bytes")
     mem = np.array([peak, peak - summary.pop("base_rss_bytes")], np.float64)
-    with session.watchdog.waiting("memory statistics allreduce", peer=None):
-        session.cluster.worker_comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
+    if not alone:
+        with session.watchdog.waiting("memory statistics allreduce", peer=None):
+            session.cluster.worker_comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
     summary = {k: round(v, 7) for k, v in summary.items()}
     summary["peak_rss_mb"] = round(mem[0] / 2**20, 1)
     summary["peak_rss_above_base_mb"] = round(mem[1] / 2**20, 1)
@@ -214,16 +220,21 @@ def peak_memory_and_step_medians(session):
 
 
 def finish_everywhere(session, report, model, step, t_loop, samples, comm_s, compute_s,
-                      checkpoints, extra=None):
+                      checkpoints, extra=None, alone=False):
     """Every worker, at the end of training: the shared evaluation and
     statistics, then the chief's final line and files. If --save failed, every
-    worker exits with the chief's line (no abort: nobody is left waiting)."""
-    result = {"test": evaluate(session, model), "medians": peak_memory_and_step_medians(session),
+    worker exits with the chief's line (no abort: nobody is left waiting).
+    alone: the chief by itself, no collective (ps: a worker was left behind)."""
+    test = report.evaluate_alone(model) if alone else evaluate(session, model)
+    result = {"test": test, "medians": peak_memory_and_step_medians(session, alone),
               "model": model,
               "checkpoint": checkpoints.saved_path if checkpoints.saved_step == step else None}
     record, save_error = None, None
     if session.chief:
         record, save_error = report.final(result, step, t_loop, samples, comm_s, compute_s, extra)
+    if alone:
+        _raise_if(save_error)
+        return record
     session.agreed(session.cluster.worker_comm, _raise_if, save_error)
     return record
 

@@ -536,7 +536,7 @@ def stopped(pid):
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-def stop_one_async_worker(tmp_path, stopped_for):
+def stop_one_async_worker(tmp_path, stopped_for, steps=600):
     """4 ranks (1 ps, 3 workers), async, --timeout 8; worker 2 (rank 3) stops
     itself in its 20th step with its push sent and its reply posted (both
     2.6 MB: they stay half-way while it is stopped); SIGCONT after
@@ -545,7 +545,7 @@ def stop_one_async_worker(tmp_path, stopped_for):
     pids, progress = tmp_path / "pids", tmp_path / "progress"
     pids.mkdir()
     progress.mkdir()
-    proc = start_job(4, "--mode", "ps", "--async", "--steps", 600, "--log-every", 300, "--timeout", 8,
+    proc = start_job(4, "--mode", "ps", "--async", "--steps", steps, "--log-every", 300, "--timeout", 8,
                      "--metrics", tmp_path / "m.jsonl",
                      env={"FAULT_PID_DIR": str(pids), "PROBE_PROGRESS": str(progress),
                           "FAULT_STOP_WORKER": "2:20"})
@@ -586,11 +586,43 @@ def test_async_a_stopped_worker_does_not_stop_the_others(job, tmp_path):
 
 
 def test_async_a_worker_that_never_returns_ends_the_job_at_the_deadline(job, tmp_path):
-    r, before, during = stop_one_async_worker(tmp_path, stopped_for=None)
+    # 100000 steps: the others are still training at the deadline
+    r, before, during = stop_one_async_worker(tmp_path, stopped_for=None, steps=100000)
     assert r.returncode == 3, r.stderr[-3000:]
     assert during - before >= 20, (before, during)
     assert re.search(r"^hpctrain: error: rank 0 waited \d+ s for rank 3 \(requests from worker 2\); "
                      r"giving up \(--timeout 8\)$", r.stderr, re.M), r.stderr
+
+
+@pytest.mark.parametrize("mode", ["backup", "async"])
+def test_a_worker_stuck_for_good_is_left_behind_and_the_result_is_written(job, tmp_path, mode):
+    """Issue 10, part 2.3: worker 2 stops for good in its 10th step; the
+    others finish the run; at the deadline the servers leave it behind, the
+    chief writes --save, the final checkpoint and the final record, and the
+    job ends with exit 3 and a line naming it."""
+    ckpt, m, save = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "p.h5"
+    flags = ["--backup-workers", 1] if mode == "backup" else ["--async"]
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    try:
+        r = job(4, "--mode", "ps", *flags, "--hidden", "32", "--steps", 60, "--log-every", 30, "--timeout", 8,
+                "--checkpoint-dir", ckpt, "--metrics", m, "--save", save, timeout=120,
+                **with_faults(FAULT_STOP_WORKER="2:10", FAULT_PID_DIR=str(pids)))
+    finally:
+        try:
+            os.kill(int((pids / "rank-3.pid").read_text()), signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass
+    assert r.returncode == 3, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert len(errors) == 1 and errors[0].startswith("hpctrain: error: worker 2 (rank 3) sent nothing for "
+                                                     "--timeout 8 s and never finished; the result of step 60 "
+                                                     "is written"), r.stderr
+    f = final_record(m)
+    assert f["event"] == "final" and f["steps"] == 60 and f["abandoned_workers"] == [2]
+    params, attrs = saved(save)
+    assert attrs["step"] == 60 and attrs["mode"] == "ps"
+    assert (ckpt / "ckpt-00000060.h5").exists()
 
 
 def test_a_server_that_stops_answering_is_a_deadline_error(job):

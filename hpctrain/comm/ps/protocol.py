@@ -52,11 +52,13 @@ F_REJECTED = 8       # reply: your gradient was not applied (stale, too stale, o
 F_WANT_STATE = 16    # OP_FINAL: also send the optimizer state and data positions (a checkpoint)
 
 TAG_HEADER, TAG_GRAD, TAG_REPLY, TAG_PARAMS, TAG_BULK, TAG_ROUND = 101, 102, 103, 104, 105, 106
+TAG_WAKE = 107       # a server to itself (COMM_SELF): its SilenceWatch has news
 
 HIST_BINS = 32       # staleness histogram: 0..30, and 31+ in the last bin
 
 # Statistics a server sends with its final reply (float64); then W pushes,
-# W dropped, HIST_BINS histogram counts.
+# W dropped, W abandoned (1: the worker never came back, the run ended
+# without it), HIST_BINS histogram counts.
 S_VERSION, S_UPDATES, S_STALE, S_AFTER_STOP, S_ST_SUM, S_ST_COUNT, S_ST_MAX, S_ELEMENTS = range(8)
 S_FIXED = 8
 
@@ -66,7 +68,7 @@ class ProtocolError(RuntimeError):
 
 
 def stats_length(num_workers):
-    return S_FIXED + 2 * num_workers + HIST_BINS
+    return S_FIXED + 3 * num_workers + HIST_BINS
 
 
 def loss_field(header):

@@ -29,7 +29,7 @@ from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_S
                        OP_RELEASE, OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
                        ProtocolError, loss_field)
 from .silence import SilenceWatch
-from .snapshot import DataPositions, receive_restore, send_snapshot
+from .snapshot import CutHold, DataPositions, receive_restore
 from .stats import ServerStats
 
 
@@ -88,12 +88,11 @@ class Server:
         self.grad_posted = np.zeros(workers, bool)     # a gradient receive is active
         self.grad_arrived = np.zeros(workers, bool)    # ... and completed, its header not yet here
         self.push_pending = [None] * workers           # a push header whose gradient is still coming
+        self.left_behind = np.zeros(workers, bool)      # silent past the deadline after the run
         self.sending = np.zeros(workers, bool)
         self.positions = DataPositions(workers)
         self.stats = ServerStats(workers)
-        self.holding = False                    # a snapshot is being taken: pushes wait in `held`
-        self.held = []
-        self.snapshot_due = None                # (worker, version): answer once at that version
+        self.cut = CutHold(self)                # a checkpoint cut being taken
         self.heard = lambda w: None             # serve_until_done: the leader's SilenceWatch
 
     def _init_requests(self):
@@ -113,16 +112,20 @@ class Server:
     # --- main loop ----------------------------------------------------------
     def serve_until_done(self):
         """Serve until every worker is done; returns the statistics array."""
-        # Headers, gradients and (sync followers) round decisions, all at once:
-        # a worker stopped halfway through sending its gradient holds up nobody.
-        waits = list(self.req_hdr) + list(self.req_grad) + self.aggregation.requests()
         MPI.Prequest.Startall(self.req_hdr)
         MPI.Prequest.Startall(self.req_grad)
         self.grad_posted[:] = True
         self.aggregation.start()
-        # The leader watches for workers gone silent (one line each; the deadline if they never return).
-        silence = SilenceWatch(self, self.watchdog.timeout) if self.leader and self.watchdog else None
+        # Workers gone silent: ps 0 names them; at the deadline they are left
+        # behind if the run is over, else ps 0 ends the job.
+        silence = self.silence = SilenceWatch(self, self.watchdog.timeout) if self.watchdog else None
         self.heard = silence.heard if silence else lambda w: None
+        # Headers, gradients, (sync followers) round decisions and the silence
+        # watch, all at once: a worker stopped halfway through sending holds up nobody.
+        others = [(req, self.aggregation.on_message) for req in self.aggregation.requests()]
+        if silence:
+            others.append((silence.request, self._leave_behind))
+        waits = list(self.req_hdr) + list(self.req_grad) + [req for req, _ in others]
         while not (self.done.all() and self.aggregation.caught_up()):
             with self.waiting("requests from workers", peer=self._awaited):
                 if silence:
@@ -138,11 +141,9 @@ class Server:
                 elif i < 2 * self.num_workers:
                     self._on_gradient(i - self.num_workers)
                 else:
-                    self.aggregation.on_message()
-            self._check_snapshot_due()
+                    others[i - 2 * self.num_workers][1]()
+            self.cut.answer_if_due()
             self._check_signal()
-        if silence:
-            silence.stop()
         return self._finish()
 
     def _awaited(self):
@@ -183,11 +184,12 @@ class Server:
         elif op == OP_FINAL:
             self._on_final(w, header)
         elif op == OP_SNAPSHOT:
-            self._on_snapshot(w, int(header[H_VERSION]))
+            self.cut.on_snapshot(w, int(header[H_VERSION]))
             self.req_hdr[w].Start()
         elif op == OP_RELEASE:
             self.req_hdr[w].Start()
-            self._release()
+            for args in self.cut.release():
+                self._on_push(*args)
         elif op == OP_RESTORE:
             receive_restore(self, w, header)
             self.req_hdr[w].Start()
@@ -210,36 +212,18 @@ class Server:
     def _on_push(self, w, version, loss):
         if not self.initialized:
             raise ProtocolError(f"ps rank {self.rank}: push from rank {self.workers[w]} before initialization")
-        if self.holding:
-            self.held.append((w, version, loss))
+        if self.cut.holds(w, version, loss):
             return
         self.stats.pushes[w] += 1
         self.aggregation.on_push(w, version, loss)
 
-    # --- snapshots: one cut across servers --------------------------------------
-    def _on_snapshot(self, w, version):
-        """Hold (where this server must) and send the snapshot now, or once at
-        `version` (a sync follower behind the leader's cut); -1: any version."""
-        if self.aggregation.holds_for_snapshot():
-            self.holding = True
-        if version > self.version:
-            self.snapshot_due = (w, version)
-            return
-        if version >= 0 and version != self.version:
-            raise ProtocolError(f"ps rank {self.rank}: snapshot of version {version} at version {self.version}")
-        send_snapshot(self, w)
-
-    def _check_snapshot_due(self):
-        if self.snapshot_due is not None and self.version >= self.snapshot_due[1]:
-            w, version = self.snapshot_due
-            self.snapshot_due = None
-            self._on_snapshot(w, version)
-
-    def _release(self):
-        """The cut is taken: apply the held pushes in their order of arrival."""
-        held, self.held, self.holding = self.held, [], False
-        for w, version, loss in held:
-            self._on_push(w, version, loss)
+    def _leave_behind(self):
+        """The run is over but for workers silent past the deadline: finish
+        without them (their requests stay as they are: they never complete)."""
+        for w in self.silence.gone():
+            self.done[w] = self.left_behind[w] = True
+            self.sending[w] = False
+            self.stats.abandoned[w] = 1
 
     def _on_final(self, w, header):
         self.done[w] = True
@@ -330,15 +314,21 @@ class Server:
         states = list(self.opt.state().values())
         positions = self.positions.at(self.version)
         reqs = []
-        for w, r in enumerate(self.workers):
+        present = [w for w in range(self.num_workers) if not self.left_behind[w]]
+        for w in present:
+            rank = self.workers[w]
             self.fill_reply(self.hdr_out[w], w)
-            reqs += [self.comm.Isend(self.hdr_out[w], r, TAG_REPLY), self.comm.Isend(self.params, r, TAG_PARAMS),
-                     self.comm.Isend(stats, r, TAG_BULK)]
+            reqs += [self.comm.Isend(self.hdr_out[w], rank, TAG_REPLY),
+                     self.comm.Isend(self.params, rank, TAG_PARAMS), self.comm.Isend(stats, rank, TAG_BULK)]
             if self.want_state[w]:
-                reqs += [self.comm.Isend(array, r, TAG_BULK) for array in states] + [self.comm.Isend(positions, r, TAG_BULK)]
-        with self.waiting("final replies", peer=self.workers):
+                reqs += [self.comm.Isend(array, rank, TAG_BULK) for array in states]
+                reqs.append(self.comm.Isend(positions, rank, TAG_BULK))
+        with self.waiting("final replies", peer=[self.workers[w] for w in present]):
             MPI.Request.Waitall(reqs)
+        if self.silence:
+            self.silence.stop()
         self.aggregation.free()
-        for req in self.req_hdr + self.req_grad + self.send_hdr + self.send_params:
-            req.Free()
+        for w in present:
+            for req in (self.req_hdr[w], self.req_grad[w], self.send_hdr[w], self.send_params[w]):
+                req.Free()
         return stats

@@ -1,27 +1,35 @@
-"""Workers that go quiet: the leader server notices a worker that has sent
-nothing while the server owes it nothing (stopped, swapped out, hung in its
-own code), says so in one line, and ends the job at the deadline if it never
-comes back. The other workers go on meanwhile (async, backup workers).
+"""Workers that go quiet: a server notices a worker that has sent nothing
+while the server owes it nothing (stopped, swapped out, hung in its own
+code). ps 0 says so in one line; the other workers go on (async, backup
+workers). At the deadline (--timeout of silence):
+- if every other worker has finished (the run is over), each server leaves
+  the silent one behind: the others get their final replies and the chief
+  writes the result, then ends the job (it can never join MPI_Finalize);
+- otherwise ps 0 ends the job (exit 3) with a line naming the silent worker.
 
-    mpirun -n 4 python -m pytest tests/test_ps.py -k stopped_worker
+    mpirun -n 4 python -m pytest tests/test_ps.py -k "stopped_worker or never_returns or abandoned"
 
-A thread, because the server's own wait (Waitsome) wakes only for messages.
-It judges only while the server is blocked in that wait, when every request
-that arrived has been handled: a server stuck elsewhere (a hung rank) is left
-to the workers' watchdogs, which name it.
+A thread, because the server's own wait (Waitsome) wakes only for messages:
+it wakes the server with a message to itself. It judges only while the
+server is blocked in that wait, when every request that arrived has been
+handled: a server stuck elsewhere (a hung rank) is left to the workers'
+watchdogs, which name it.
 """
 import sys
 import threading
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from ...errors import EXIT_TIMEOUT
 from ..deadline import ABORT_GRACE_S
+from .protocol import TAG_WAKE
 
 
 class SilenceWatch:
-    """Warn after timeout/4 of silence from one worker; give up after timeout."""
+    """Warn (ps 0) after timeout/4 of silence from one worker; at timeout,
+    leave it behind if the run is over, else (ps 0) end the job."""
 
     def __init__(self, server, timeout, out=sys.stderr):
         self.server, self.timeout, self.out = server, float(timeout), out
@@ -30,6 +38,12 @@ class SilenceWatch:
         self.idle = False          # the server is blocked waiting for requests
         self.warned = set()
         self.stopped = False
+        self.woke = False
+        # The server's wake-up line: a receive on its own COMM_SELF, in its Waitsome.
+        self.wake_comm = MPI.COMM_SELF.Dup()
+        self.wake_buf = np.zeros(1, np.int64)
+        self.request = self.wake_comm.Recv_init(self.wake_buf, 0, TAG_WAKE)
+        self.request.Start()
         period = min(1.0, max(0.05, self.timeout / 20))
         threading.Thread(target=self._run, args=(period,), name="hpctrain-ps-silence", daemon=True).start()
 
@@ -38,12 +52,22 @@ class SilenceWatch:
         self.quiet_since[w] = time.monotonic()
         self.warned.discard(w)
 
+    def gone(self):
+        """Workers silent for longer than the deadline."""
+        now = time.monotonic()
+        return [w for w, quiet in self._silent(now) if quiet > self.timeout]
+
     def stop(self):
         self.stopped = True
+        if not self.woke:
+            self.request.Cancel()
+            self.request.Wait()
+        self.request.Free()
+        self.wake_comm.Free()
 
     def _silent(self, now):
         srv = self.server
-        held = {h[0] for h in srv.held}
+        held = {h[0] for h in srv.cut.held}
         for w in range(srv.num_workers):
             if srv.done[w] or srv.want[w] >= 0 or w in held:   # done, or waiting for us
                 continue
@@ -55,20 +79,28 @@ class SilenceWatch:
             time.sleep(period)
             if not self.idle:
                 continue
-            for w, quiet in self._silent(time.monotonic()):
-                rank = srv.workers[w]
-                if quiet > self.timeout and self.idle:
-                    self._give_up(rank, w, quiet)
+            now = time.monotonic()
+            silent = dict(self._silent(now))
+            gone = [w for w, quiet in silent.items() if quiet > self.timeout]
+            if gone and self.idle:
+                others_done = srv.done.any() and all(srv.done[w] or w in gone for w in range(srv.num_workers))
+                if others_done:
+                    self.woke = True          # the server leaves them behind (Server._leave_behind)
+                    self.wake_comm.Send(np.ones(1, np.int64), 0, TAG_WAKE)
                     return
-                if quiet > self.warn_after and w not in self.warned:
+                if srv.leader:
+                    self._give_up(gone[0], silent[gone[0]])
+                    return
+            for w, quiet in silent.items():
+                if srv.leader and quiet > self.warn_after and w not in self.warned:
                     self.warned.add(w)
-                    print(f"hpctrain: warning: worker {w} (rank {rank}) has sent nothing for {quiet:.0f} s; "
-                          f"the job ends at --timeout {self.timeout:g} s unless it returns",
+                    print(f"hpctrain: warning: worker {w} (rank {srv.workers[w]}) has sent nothing for "
+                          f"{quiet:.0f} s; the job ends at --timeout {self.timeout:g} s unless it returns",
                           file=self.out, flush=True)
 
-    def _give_up(self, rank, w, quiet):
+    def _give_up(self, w, quiet):
         srv = self.server
-        print(f"hpctrain: error: rank {srv.rank} waited {quiet:.0f} s for rank {rank} (requests from worker "
-              f"{w}); giving up (--timeout {self.timeout:g})", file=self.out, flush=True)
+        print(f"hpctrain: error: rank {srv.rank} waited {quiet:.0f} s for rank {srv.workers[w]} (requests from "
+              f"worker {w}); giving up (--timeout {self.timeout:g})", file=self.out, flush=True)
         time.sleep(ABORT_GRACE_S)     # let the launcher forward the line before the ranks die
         srv.comm.Abort(EXIT_TIMEOUT)

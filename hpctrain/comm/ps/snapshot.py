@@ -1,6 +1,7 @@
 """The server's side of checkpoints: the workers' data positions that go with
 a version, OP_SNAPSHOT (send the slice, optimizer state and positions to the
-chief) and OP_RESTORE (load them, or the chief's initial parameters).
+chief, at one cut: CutHold) and OP_RESTORE (load them, or the chief's
+initial parameters).
 
     mpirun -n 3 python -m pytest --only-mpi tests/test_ps.py -k snapshot
 
@@ -90,3 +91,45 @@ def receive_restore(server, w, header):
         server.comm.Send(ack, rank, TAG_BULK)
     for v in range(server.num_workers):
         server.reply(v)
+
+
+class CutHold:
+    """A checkpoint is one cut (protocol.py): while it is taken this server
+    may hold pushes (apply none) until OP_RELEASE, and a sync follower
+    answers only once it reached the leader's version."""
+
+    def __init__(self, server):
+        self.server = server
+        self.holding = False
+        self.held = []               # (worker, version, loss) in order of arrival
+        self.due = None              # (worker, version): answer once at that version
+
+    def holds(self, w, version, loss):
+        """Keep this push for later if a cut is being taken."""
+        if self.holding:
+            self.held.append((w, version, loss))
+        return self.holding
+
+    def on_snapshot(self, w, version):
+        """Hold (where this server must) and send the snapshot now, or once at
+        `version` (a sync follower behind the leader's cut); -1: any version."""
+        srv = self.server
+        if srv.aggregation.holds_for_snapshot():
+            self.holding = True
+        if version > srv.version:
+            self.due = (w, version)
+            return
+        if version >= 0 and version != srv.version:
+            raise ProtocolError(f"ps rank {srv.rank}: snapshot of version {version} at version {srv.version}")
+        send_snapshot(srv, w)
+
+    def answer_if_due(self):
+        if self.due is not None and self.server.version >= self.due[1]:
+            w, version = self.due
+            self.due = None
+            self.on_snapshot(w, version)
+
+    def release(self):
+        """The cut is taken: the held pushes, in their order of arrival, to apply now."""
+        held, self.held, self.holding = self.held, [], False
+        return held

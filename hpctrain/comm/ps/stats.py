@@ -20,6 +20,7 @@ class ServerStats:
         self.pushes = np.zeros(num_workers, np.int64)
         self.dropped = np.zeros(num_workers, np.int64)
         self.hist = np.zeros(HIST_BINS, np.int64)
+        self.abandoned = np.zeros(num_workers, np.int64)
 
     def drop(self, worker, stale=True):
         """A gradient not applied: stale (counted per worker) or past the end."""
@@ -44,7 +45,8 @@ class ServerStats:
         workers = self.num_workers
         out[S_FIXED: S_FIXED + workers] = self.pushes
         out[S_FIXED + workers: S_FIXED + 2 * workers] = self.dropped
-        out[S_FIXED + 2 * workers:] = self.hist
+        out[S_FIXED + 2 * workers: S_FIXED + 3 * workers] = self.abandoned
+        out[S_FIXED + 3 * workers:] = self.hist
         return out
 
 
@@ -54,7 +56,7 @@ def summarize(stats, num_workers):
     per-server lists."""
     workers = num_workers
     lead = stats[0]
-    hist = lead[S_FIXED + 2 * workers:].astype(np.int64).tolist()
+    hist = lead[S_FIXED + 3 * workers:].astype(np.int64).tolist()
     while len(hist) > 1 and hist[-1] == 0:
         hist.pop()
     count = lead[S_ST_COUNT]
@@ -67,6 +69,9 @@ def summarize(stats, num_workers):
         "staleness_histogram": hist,
         "pushes_by_worker": lead[S_FIXED: S_FIXED + workers].astype(np.int64).tolist(),
         "dropped_by_worker": lead[S_FIXED + workers: S_FIXED + 2 * workers].astype(np.int64).tolist(),
+        # any server's: each leaves behind the workers it waited for in vain
+        "abandoned_workers": [int(w) for w in np.flatnonzero(stats[:, S_FIXED + 2 * workers: S_FIXED + 3 * workers]
+                                                            .max(axis=0))],
         "ps_versions": stats[:, S_VERSION].astype(np.int64).tolist(),
         "ps_updates": stats[:, S_UPDATES].astype(np.int64).tolist(),
         "ps_stale_dropped": stats[:, S_STALE].astype(np.int64).tolist(),
