@@ -319,11 +319,15 @@ def read(path):
                 if obj.dtype.kind not in "fi":
                     raise _Corrupt(f"dataset {key} has type {obj.dtype}")
                 datasets[key] = obj[()]
-    except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:
+    except (OSError, KeyError, ValueError, RuntimeError, TypeError, OverflowError) as e:
         # Whatever damaged bytes make HDF5 raise, the file cannot be trusted.
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise _Corrupt(f"unreadable HDF5: {first}") from None
-    if _checksum(datasets, attrs) != attrs["sha256"]:
+    try:
+        matches = _checksum(datasets, attrs) == attrs["sha256"]
+    except (TypeError, ValueError, KeyError) as e:   # damaged attribute names or values
+        raise _Corrupt(f"unreadable attributes ({type(e).__name__})") from None
+    if not matches:
         raise _Corrupt("content checksum mismatch")
     params, positions = datasets["params"], datasets["data_positions"]
     if params.ndim != 1 or params.dtype != np.float32:

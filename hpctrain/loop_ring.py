@@ -57,7 +57,7 @@ def train_ring(session):
     model.init(args.seed)
     # Identical start everywhere: rank 0's parameters.
     device.synchronize(xp)
-    with session.watchdog.waiting("initial parameter broadcast", peer=0):
+    with session.watchdog.waiting("initial parameter broadcast", peer=0 if cluster.rank else None):
         bcast(comm, model.params, root=0)
     optimizer = make_optimizer(args.optimizer, n, xp, momentum=args.momentum)
     reader = prefetch.device_batches(session.open_reader(), xp)  # GPU: pinned, async, one step ahead

@@ -230,20 +230,22 @@ class Session:
         self.chief_says(f"hpctrain: {args.mode} mode, world size {cluster.size} "
                         f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {self.device_name} "
                         f"({device_note})" + (f"; {process_note}" if process_note else ""))
-        with watchdog.waiting("start-up (same job on every rank)", peer=None):
-            self.agreed(self.comm, check_consistency, self.comm, settings.same_on_every_rank(args))
-        # Before any training: a result that cannot be written would be lost.
-        self.agreed(self.comm, check_outputs if self.chief else _nothing, args)
-        self.data_dir = ensure_data(args, cluster, watchdog)
-        # The same data and the same checkpoint directory everywhere: a rank
-        # with another --checkpoint-dir would wait for checkpoints forever.
-        data = self.agreed(self.comm, data_identity, self.data_dir)
+        # The same job everywhere, the same checkpoint directory included: a
+        # rank with another --checkpoint-dir would wait for checkpoints forever.
         where = os.path.realpath(args.checkpoint_dir) if args.checkpoint_dir else "-"
         if len(where) > 60:   # compared as 64-byte records: keep the end, hash the whole
             where = hashlib.sha256(where.encode()).hexdigest()[:8] + "..." + where[-45:]
-        with watchdog.waiting("start-up (same data on every rank)", peer=None):
+        with watchdog.waiting("start-up (same job on every rank)", peer=None):
             self.agreed(self.comm, check_consistency, self.comm,
-                        {"data (manifest digest)": data, "checkpoint_dir": where})
+                        dict(settings.same_on_every_rank(args), checkpoint_dir=where))
+        # The same data everywhere (its manifest's content, not its path).
+        self.data_dir = ensure_data(args, cluster, watchdog)
+        data = self.agreed(self.comm, data_identity, self.data_dir)
+        with watchdog.waiting("start-up (same data on every rank)", peer=None):
+            self.agreed(self.comm, check_consistency, self.comm, {"data (manifest digest)": data})
+        # Last before training, so a refusal above leaves nothing behind (this
+        # creates --checkpoint-dir): a result that cannot be written would be lost.
+        self.agreed(self.comm, check_outputs if self.chief else _nothing, args)
         self._test = None
 
     def agreed(self, comm, fn, *args):

@@ -132,3 +132,10 @@ def test_ranks_on_different_data_or_checkpoint_dirs_are_refused(shards, tmp_path
     r = run(["--data", shards, "--checkpoint-dir", tmp_path / "c0"],
             ["--data", shards, "--checkpoint-dir", tmp_path / "c1"])
     assert r.returncode == 2 and "checkpoint_dir: rank 0 has" in r.stderr, r.stderr
+
+
+def test_a_refused_start_leaves_no_checkpoint_directory(shards, tmp_path, job):
+    # Data the model cannot take is refused before the outputs are created.
+    d = edited(shards, tmp_path / "d", lambda m: m.update(num_classes=47))
+    r = job(2, "--data", d, "--steps", "5", "--checkpoint-dir", tmp_path / "ckpt", timeout=60)
+    assert r.returncode == 2 and not (tmp_path / "ckpt").exists(), r.stderr
