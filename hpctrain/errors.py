@@ -7,7 +7,10 @@ traceback; its exit code tells a job script what happened:
     1    a bug: an uncaught exception, its traceback printed, the job aborted
     2    bad input: a flag, file, data, output or cluster layout (one line,
          nothing trained or written)
-    3    a rank waited longer than --timeout for a peer (the line names it)
+    3    a rank waited longer than --timeout (from before MPI_Init to
+         MPI_Finalize); a roll call names the rank that stopped responding
+    4    the loss became inf/nan (diverged): no checkpoint of those
+         parameters; job scripts do not requeue it
     75   pre-empted (SIGTERM/SIGUSR1): a checkpoint written after the same
          step on every rank; requeue, and the same command resumes (EX_TEMPFAIL)
     130  interrupted (Ctrl-C, SIGINT): stopped at once without a new
