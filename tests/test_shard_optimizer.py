@@ -19,16 +19,21 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain import data as data_mod
+from hpctrain import device
 from hpctrain.comm.fusion import FusedAllreduce
 from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring import RingAllreduce
+from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.wire import Wire
 from hpctrain.model import MLP
 from hpctrain.optim import Sharded, make_optimizer, state_bytes
 from hpctrain.resume import Checkpoints
 
 HIDDEN = (37, 19)
-STRATEGIES = {"ring": RingAllreduce, "mpi": MpiAllreduce}
+STRATEGIES = {"ring": RingAllreduce, "mpi": MpiAllreduce,
+              # the staging through host memory a GPU without CUDA-aware MPI takes, with a host stand-in
+              "staged ring": lambda comm: StagedAllreduce(RingAllreduce(comm), device.HostCopier(),
+                                                          chunk_bytes=1024)}
 
 
 # --- the sharded bucket update, on any number of ranks ----------------------
@@ -69,7 +74,7 @@ def run_steps(comm, strategy_name, optimizer, sharded, fusion_elems, overlap, st
         losses.append(float(summed.loss[0]))
         stops.append(summed.stop_requested())
     fused.close()
-    strategy.free()
+    getattr(strategy, "inner", strategy).free()
     return model.params.copy(), losses, stops, opt
 
 
@@ -97,6 +102,16 @@ def test_sharded_bucket_update_is_bit_identical_on_the_ring(optimizer, fusion_el
     assert owned[0] == n
     assert opt.size <= n / size + 3   # one chunk of each of at most 3 buckets
     assert state_bytes(opt) == opt.size * 4 * len(opt.state_names)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("fusion_elems, overlap", [(0, False), (300, True)])
+def test_sharded_update_staged_through_host_memory_is_bit_identical(fusion_elems, overlap):
+    comm = MPI.COMM_WORLD
+    plain, plain_losses, _, _ = run_steps(comm, "ring", "adam", False, fusion_elems, overlap)
+    shard, losses, stops, _ = run_steps(comm, "staged ring", "adam", True, fusion_elems, overlap)
+    assert np.array_equal(plain, shard) and losses == plain_losses
+    assert stops == [False, False, True, False]
 
 
 @pytest.mark.mpi
