@@ -111,6 +111,10 @@ def build_parser():
                    help="run bucket allreduces on a communication thread during backprop: on, off, or auto "
                         "(on for GPUs and when each rank has a spare core; off when ranks share cores, "
                         "where the thread only steals CPU from backprop)")
+    g.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
+                   help="on: each rank updates only its share of every bucket after the reduce-scatter and the allgather "
+                        "carries parameters (ZeRO-1: optimizer state and work 1/N, same parameters); auto = off "
+                        "(a fixed rule until a benchmark shows on faster) (default: %(default)s)")
     g.add_argument("--cuda-aware", choices=["auto", "yes", "no"], default="auto",
                    help="pass GPU buffers straight to MPI (yes), stage through host memory (no), or ask the MPI library (auto)")
 
@@ -166,6 +170,12 @@ def validate(args, world_size):
             raise HpctrainError(f"--replicas-to-aggregate {args.replicas_to_aggregate} is more than the {workers} workers")
     if args.allreduce == "nccl" and args.device == "cpu":
         raise HpctrainError("--allreduce nccl needs --device gpu (or auto on a GPU node)")
+    if args.shard_optimizer == "on" and args.mode == "ring" and args.allreduce == "nccl":
+        raise HpctrainError("--shard-optimizer on does not work with --allreduce nccl yet "
+                            "(its reduce-scatter needs equal parts); use --allreduce ring or mpi")
+    if args.shard_optimizer == "on" and args.mode == "ps":
+        raise HpctrainError("--shard-optimizer on is for --mode ring (in ps mode the servers "
+                            "already hold the optimizer state in shards)")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise HpctrainError("--checkpoint-every needs --checkpoint-dir")
     if args.resume == "yes" and not args.checkpoint_dir:

@@ -9,6 +9,7 @@ import math
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from . import device, prefetch
 from .cluster import cores_available
@@ -19,7 +20,7 @@ from .comm.topology import Topology
 from .comm.wire import Wire
 from .errors import EXIT_DIVERGED, HpctrainError
 from .model import MLP, num_params
-from .optim import make_optimizer
+from .optim import make_optimizer, state_bytes
 from .report import Report, finish_everywhere
 from .resume import Checkpoints
 
@@ -35,6 +36,13 @@ def overlap_wanted(flag, xp, cluster, thread_multiple=True):
     if flag != "auto":
         return flag == "on"
     return device.is_gpu(xp) or cores_available() >= 2 * cluster.local_size
+
+
+def shard_wanted(flag):
+    """--shard-optimizer auto is a fixed rule, not a measurement: off, until
+    `python -m hpctrain.bench train` shows the sharded step faster (both give
+    the same parameters bit for bit on the ring; sharding saves memory)."""
+    return flag == "on"
 
 
 def diverged(step, loss, report):
@@ -53,26 +61,40 @@ def train_ring(session):
     # --- model, optimizer, data, allreduce ----------------------------------
     n = num_params(args.hidden)
     wire = Wire(n, xp)  # [loss, stop, grads...]: comm/wire.py
-    model = MLP(args.hidden, xp, grads=wire.grads)
+    sharded = shard_wanted(args.shard_optimizer)
+    # Sharded: the parameters in a buffer laid out like the wire, so each
+    # bucket's allgather carries them; its loss and stop slots get the sums.
+    params_wire = Wire(n, xp) if sharded else None
+    summed = params_wire if sharded else wire   # where the summed loss and stop are read
+    model = MLP(args.hidden, xp, params=params_wire.grads if sharded else None, grads=wire.grads)
     model.init(args.seed)
     # Identical start everywhere: rank 0's parameters.
     device.synchronize(xp)
     with session.watchdog.waiting("initial parameter broadcast", peer=0 if cluster.rank else None):
         bcast(comm, model.params, root=0)
-    optimizer = make_optimizer(args.optimizer, n, xp, momentum=args.momentum)
     reader = prefetch.device_batches(session.open_reader(), xp)  # GPU: pinned, async, one step ahead
     with session.watchdog.waiting("start-up (allreduce communicators)", peer=None):
         with Topology(comm) as topology:  # the strategy keeps its own duplicate of comm
             strategy = make_allreduce(args.allreduce, topology, xp, session.watchdog, args.cuda_aware)
     # Buckets of the wire are allreduced as backprop finishes them, and each
     # reduced bucket's parameters are updated right away (comm/fusion.py).
+    # Sharded: reduce-scattered, this rank's part updated, parameters allgathered.
+    def update_owned(lo, hi):
+        wire.pass_head(params_wire, lo, hi)
+        optimizer.update(model.params, model.grads, *wire.grads_range(lo, hi))
+
     fused = FusedAllreduce(
         strategy, wire.buffer, wire.ready_from(model.layer_ranges),
         int(args.fusion_mb * (1 << 20)) // wire.buffer.itemsize,
         sync=lambda: device.synchronize(xp),
-        on_reduced=lambda lo, hi: optimizer.update(model.params, model.grads, *wire.grads_range(lo, hi)),
+        on_reduced=update_owned if sharded else
+        lambda lo, hi: optimizer.update(model.params, model.grads, *wire.grads_range(lo, hi)),
         overlap=overlap_wanted(args.overlap, xp, cluster, session.thread_multiple),
-        timeline=timeline if timeline.enabled else None, watchdog=session.watchdog)
+        timeline=timeline if timeline.enabled else None, watchdog=session.watchdog,
+        gather=params_wire.buffer if sharded else None)
+    # Sharded: state only for the gradient ranges this rank owns (~1/N).
+    owned = [wire.grads_range(lo, hi) for lo, hi in fused.owned()] if sharded else None
+    optimizer = make_optimizer(args.optimizer, n, xp, momentum=args.momentum, owned=owned)
 
     # --- resume: every rank holds the whole state, so the chief's copy goes to all
     step = 0
@@ -86,7 +108,9 @@ def train_ring(session):
 
     def checkpoint_now():
         positions = checkpoints.gather_positions(reader)
-        checkpoints.save(comm, step, model.params, optimizer.state(), optimizer.t, positions)
+        # Sharded: the chief gathers the full-length state (the same file either way).
+        state = checkpoints.gather_state(comm, optimizer) if sharded else optimizer.state()
+        checkpoints.save(comm, step, model.params, state, optimizer.t, positions)
 
     # --- training -------------------------------------------------------------
     comm_s = compute_s = 0.0
@@ -118,9 +142,9 @@ def train_ring(session):
         samples += args.batch_size * workers
         # The summed loss is the same number on every rank, so all stop together.
         # (Reading it costs no extra sync: the stop flag below is read anyway.)
-        if not math.isfinite(float(wire.loss[0])):
-            raise diverged(step, float(wire.loss[0]) / workers, chief)
-        loss_sum += wire.loss  # on the device: no sync per step
+        if not math.isfinite(float(summed.loss[0])):
+            raise diverged(step, float(summed.loss[0]) / workers, chief)
+        loss_sum += summed.loss  # on the device: no sync per step
         loss_count += 1
         if step % args.log_every == 0 or step == args.steps:
             if chief:
@@ -130,7 +154,7 @@ def train_ring(session):
             loss_count = 0
         if chief:
             t_loop += report.periodic_eval(model, step)
-        if wire.stop_requested():
+        if summed.stop_requested():
             break
         if checkpoints.due(step):
             checkpoint_now()
@@ -140,8 +164,14 @@ def train_ring(session):
     # signal stopped it), then either the pre-emption exit or the results
     if checkpoints.enabled and checkpoints.saved_step != step:
         checkpoint_now()
-    if wire.stop_requested() and step < args.steps:
+    if summed.stop_requested() and step < args.steps:
         if chief:
             report.metrics.close(keep=True)
         checkpoints.preempted(comm, step)
-    return finish_everywhere(session, report, model, step, t_loop, samples, comm_s, compute_s, checkpoints)
+    # The largest optimizer state any rank holds (sharded: about 1/N of it).
+    state = np.array([state_bytes(optimizer)], np.int64)
+    with session.watchdog.waiting("optimizer state size allreduce", peer=None):
+        comm.Allreduce(MPI.IN_PLACE, state, op=MPI.MAX)
+    extra = {"shard_optimizer": "on" if sharded else "off", "optimizer_state_bytes": int(state[0])}
+    return finish_everywhere(session, report, model, step, t_loop, samples, comm_s, compute_s, checkpoints,
+                             extra=extra)

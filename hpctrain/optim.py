@@ -1,7 +1,8 @@
 """SGD, momentum and Adam on flat arrays, and the learning-rate schedule.
 
 An optimizer owns its state for one contiguous range of parameters (the whole
-model in ring mode, one server's slice in ps mode) and updates in place. Every
+model in ring mode, one server's slice in ps mode, the parts of the buckets a
+rank owns with --shard-optimizer on: `Sharded`) and updates in place. Every
 operation is elementwise, so updating a slice gives bit-for-bit what updating
 the whole buffer gives for those elements: ps and ring runs stay comparable.
 
@@ -187,10 +188,89 @@ def _to_host(dev, host):
         dev.get(out=host)
 
 
+class Sharded:
+    """An optimizer that owns only `ranges` [(lo, hi), ...] (disjoint) of a
+    flat buffer, its state kept compact: the owned ranges one after another,
+    in buffer order, so the state is sum(hi - lo) elements, not the buffer's
+    length (ring mode with --shard-optimizer on: each rank updates the part of
+    every bucket it owns after the reduce-scatter, ZeRO stage 1).
+
+    `update(params, grads, lo, hi)` takes full-length buffers and a range that
+    lies inside one owned range; the arithmetic is the inner optimizer's, per
+    element, so each owned element gets bit for bit what the unsharded
+    optimizer would give it. `t` (Adam's bias correction) is the inner's, the
+    same on every rank. `state()` is compact; `expand`/`compact` move state
+    between that layout and full-length arrays (checkpoints hold full ones)."""
+
+    def __init__(self, inner_factory, ranges, full_size):
+        self.full_size = full_size   # the buffer's length (checkpoints hold state this long)
+        self.ranges = sorted((int(lo), int(hi)) for lo, hi in ranges if hi > lo)
+        self.offsets, c = [], 0
+        for i, (lo, hi) in enumerate(self.ranges):
+            if i and lo < self.ranges[i - 1][1]:
+                raise ValueError(f"overlapping owned ranges {self.ranges[i - 1]} and {(lo, hi)}")
+            self.offsets.append(c)
+            c += hi - lo
+        self.size = c
+        self.inner = inner_factory(c)
+        self.xp = self.inner.xp
+        self.state_names = self.inner.state_names
+
+    @property
+    def t(self):
+        return self.inner.t
+
+    @t.setter
+    def t(self, value):
+        self.inner.t = value
+
+    def begin(self, lr, grad_scale=1.0):
+        self.inner.begin(lr, grad_scale)
+
+    def state(self):
+        return self.inner.state()
+
+    def _find(self, lo, hi):
+        for (r_lo, r_hi), c in zip(self.ranges, self.offsets):
+            if r_lo <= lo and hi <= r_hi:
+                return c + (lo - r_lo)
+        raise ValueError(f"[{lo}, {hi}) is not within one owned range")
+
+    def update(self, params, grads, lo, hi):
+        if hi <= lo:
+            return
+        c = self._find(lo, hi)
+        # Shifted views, so the inner optimizer's index c means element lo of
+        # the buffers (c <= lo: the compact layout keeps buffer order).
+        shift = lo - c
+        self.inner.update(params[shift:], grads[shift:], c, c + hi - lo)
+
+    def compact(self, full, out):
+        """out (compact) <- the owned elements of full (a full-length array)."""
+        for (lo, hi), c in zip(self.ranges, self.offsets):
+            out[c:c + hi - lo] = full[lo:hi]
+        return out
+
+    def expand(self, compact, out):
+        """out (full-length) [owned ranges] <- compact; the rest untouched."""
+        for (lo, hi), c in zip(self.ranges, self.offsets):
+            out[lo:hi] = compact[c:c + hi - lo]
+        return out
+
+
+def state_bytes(optimizer):
+    """Bytes of optimizer state this process holds (sharded or not)."""
+    return sum(int(a.nbytes) for a in optimizer.state().values())
+
+
 OPTIMIZERS = {"sgd": SGD, "momentum": Momentum, "adam": Adam}
 
 
-def make_optimizer(name, size, xp=np, dtype=np.float32, momentum=0.9):
+def make_optimizer(name, size, xp=np, dtype=np.float32, momentum=0.9, owned=None):
+    """The optimizer `name` for a flat buffer of `size` elements; with `owned`
+    (a list of (lo, hi)), a Sharded one keeping state for those ranges only."""
+    if owned is not None:
+        return Sharded(lambda n: make_optimizer(name, n, xp, dtype, momentum), owned, size)
     if name == "momentum":
         return Momentum(size, xp, dtype, momentum=momentum)
     return OPTIMIZERS[name](size, xp, dtype)

@@ -37,6 +37,7 @@ class Checkpoints:
         self.enabled = bool(session.args.checkpoint_dir)
         self.saved_step = None   # the step of the newest checkpoint written or resumed from
         self.saved_path = None
+        self._owners = None      # (optimizer, layout): a sharded optimizer's owners, once
 
     # --- resume -----------------------------------------------------------
 
@@ -100,13 +101,17 @@ class Checkpoints:
     def broadcast_state(self, comm, resume, params, optimizer):
         """Collective over comm: the resumed parameters and optimizer state
         from the chief into every rank's params and optimizer (ring mode, where
-        every rank holds all of them); optimizer.t restored too."""
+        every rank holds all of them; a sharded optimizer gets its owned parts
+        of the state, scattered: `scatter_state`); optimizer.t restored too."""
         session = self.session
         root = session.chief_in(comm)
         ckpt = resume.checkpoint
         targets = [("params", params, ckpt.params if ckpt else None)]
-        for name, array in optimizer.state().items():
-            targets.append((f"optimizer state {name}", array, ckpt.optimizer_state[name] if ckpt else None))
+        if getattr(optimizer, "ranges", None) is not None:
+            self.scatter_state(comm, ckpt.optimizer_state if ckpt else None, optimizer)
+        else:
+            for name, array in optimizer.state().items():
+                targets.append((f"optimizer state {name}", array, ckpt.optimizer_state[name] if ckpt else None))
         for what, target, source in targets:
             host = np.empty(target.shape, target.dtype)
             if source is not None:
@@ -116,6 +121,85 @@ class Checkpoints:
             target[...] = session.xp.asarray(host)
         optimizer.t = resume.optimizer_t
         device.synchronize(session.xp)
+
+    # --- a sharded optimizer's state (--shard-optimizer on) ---------------
+
+    def _layout(self, comm, optimizer):
+        """Collective over comm, once: on the chief, every rank's owned ranges
+        (a list of int64 (k, 2) arrays, by rank of comm) and their sizes; None
+        elsewhere. Raw int64 buffers (Gather, Gatherv), no pickle."""
+        if self._owners is not None and self._owners[0] is optimizer:
+            return self._owners[1]
+        session = self.session
+        root = session.chief_in(comm)
+        mine = np.array(optimizer.ranges, np.int64).reshape(-1, 2)
+        counts = np.zeros(comm.Get_size(), np.int64) if comm.Get_rank() == root else None
+        with session.watchdog.waiting("optimizer shard layout gather", peer=None):
+            comm.Gather(np.array([mine.shape[0]], np.int64), counts, root=root)
+            everyone = None
+            if counts is not None:
+                everyone = np.empty((int(counts.sum()), 2), np.int64)
+                displs = np.concatenate([[0], np.cumsum(counts)[:-1]]) * 2
+                comm.Gatherv(mine.ravel(), [everyone.ravel(), (counts * 2, displs)], root=root)
+            else:
+                comm.Gatherv(mine.ravel(), None, root=root)
+        layout = None
+        if everyone is not None:
+            splits = np.cumsum(counts)[:-1]
+            ranges = np.split(everyone, splits)
+            layout = (ranges, np.array([int((r[:, 1] - r[:, 0]).sum()) for r in ranges], np.int64))
+        self._owners = (optimizer, layout)
+        return layout
+
+    def gather_state(self, comm, optimizer):
+        """Collective over comm: the state of a sharded optimizer, each rank's
+        owned parts gathered into full-length host arrays on the chief (the
+        same checkpoint as an unsharded run writes); {} elsewhere."""
+        session, xp = self.session, self.session.xp
+        root = session.chief_in(comm)
+        layout = self._layout(comm, optimizer)
+        n = optimizer.full_size
+        device.synchronize(xp)
+        out = {}
+        for name, compact in optimizer.state().items():
+            host = device.to_host(compact)
+            with session.watchdog.waiting(f"checkpoint gather (optimizer state {name})", peer=None):
+                if layout is None:
+                    comm.Gatherv(host, None, root=root)
+                    continue
+                ranges, sizes = layout
+                parts = np.empty(int(sizes.sum()), host.dtype)
+                displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+                comm.Gatherv(host, [parts, (sizes, displs)], root=root)
+            full = np.zeros(n, host.dtype)
+            for r, (owned, start) in enumerate(zip(ranges, displs)):
+                c = int(start)
+                for lo, hi in owned:
+                    full[lo:hi] = parts[c:c + hi - lo]
+                    c += hi - lo
+            out[name] = full
+        return out
+
+    def scatter_state(self, comm, full_state, optimizer):
+        """Collective over comm: full-length state arrays on the chief (from a
+        checkpoint, sharded or not) into each rank's owned parts (Scatterv)."""
+        session, xp = self.session, self.session.xp
+        root = session.chief_in(comm)
+        layout = self._layout(comm, optimizer)
+        for name, compact in optimizer.state().items():
+            mine = np.empty(compact.shape, compact.dtype)
+            with session.watchdog.waiting(f"checkpoint scatter (optimizer state {name})",
+                                          peer=session.cluster.chief_rank):
+                if layout is None:
+                    comm.Scatterv(None, mine, root=root)
+                else:
+                    ranges, sizes = layout
+                    full = np.asarray(full_state[name], compact.dtype)
+                    parts = np.concatenate([full[lo:hi] for owned in ranges for lo, hi in owned]
+                                           or [np.empty(0, compact.dtype)])
+                    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+                    comm.Scatterv([parts, (sizes, displs)], mine, root=root)
+            compact[...] = xp.asarray(mine)
 
     def seek_readers(self, reader, resume):
         """Every worker: its reader to the position the checkpoint recorded for it."""

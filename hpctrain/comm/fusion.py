@@ -15,6 +15,12 @@ those of reducing the same buckets one after another.
 
     mpirun -n 2 python -m hpctrain.mnist --fusion-mb 1      # overlapped buckets
     mpirun -n 2 python -m hpctrain.mnist --fusion-mb 0      # one allreduce after backprop
+
+Sharded (`gather=` a second buffer laid out like the wire, ZeRO stage 1): a
+bucket is reduce-scattered instead, `on_reduced` runs on the part this rank
+owns (its wire range), and the allgather then carries the same range of
+`gather` (the updated parameters) to every rank. Same bytes on the wire,
+1/N of the update work.
 """
 import queue
 import threading
@@ -52,12 +58,19 @@ class FusedAllreduce:
     ready_from[i]: the lowest wire offset that is final once layer i's gradient
     is done (layers finish from last to first). Per step: `layer_done(i)` from
     backprop, then `wait()`; `on_reduced(lo, hi)` runs on each reduced bucket.
+    With `gather` (a buffer of wire's length and layout), each bucket is
+    reduce-scattered, `on_reduced` runs on the owned part only (`owned()` lists
+    those ranges, known before the first step), and `gather`'s bucket range is
+    allgathered.
     """
 
     def __init__(self, strategy, wire, ready_from, bucket_elems, sync=None, on_reduced=None,
-                 overlap=True, timeline=None, watchdog=None):
+                 overlap=True, timeline=None, watchdog=None, gather=None):
         self.strategy = strategy
         self.wire = wire
+        if gather is not None and (gather.shape != wire.shape or gather.dtype != wire.dtype):
+            raise ValueError("the gathered buffer must have the wire's length and type")
+        self.gather = gather
         self.ready_from = list(ready_from)
         self.buckets = bucket_bounds(wire.size, bucket_elems, ready_from)
         self.sync = sync or (lambda: None)
@@ -123,6 +136,15 @@ class FusedAllreduce:
         self.exposed_comm_s, self.exposed_update_s, self.update_s = comm, update, total_update
         self._spans.clear()
 
+    def owned(self):
+        """The wire ranges [(lo, hi)] this rank updates with `gather` (one per
+        bucket, possibly empty): its shard of each bucket."""
+        out = []
+        for lo, hi in self.buckets:
+            a, b = self.strategy.shard(hi - lo)
+            out.append((lo + a, lo + b))
+        return out
+
     def close(self):
         if self.overlap:
             self._todo.put(None)
@@ -136,6 +158,8 @@ class FusedAllreduce:
             self._reduce(*bucket)
 
     def _reduce(self, lo, hi):
+        if self.gather is not None:
+            return self._reduce_sharded(lo, hi)
         t0 = time.perf_counter()
         self.strategy.allreduce(self.wire[lo:hi])
         t1 = time.perf_counter()
@@ -148,6 +172,22 @@ class FusedAllreduce:
             self._spans.append((t1, t2, True))
             if self.timeline is not None:
                 self.timeline.add(f"optimizer [{lo}:{hi})", "optimizer", t1, t2)
+
+    def _reduce_sharded(self, lo, hi):
+        t0 = time.perf_counter()
+        a, b = self.strategy.reduce_scatter(self.wire[lo:hi])
+        t1 = time.perf_counter()
+        if self.on_reduced is not None:
+            self.on_reduced(lo + a, lo + b)
+        t2 = time.perf_counter()
+        self.strategy.allgather(self.gather[lo:hi])
+        t3 = time.perf_counter()
+        self._spans += [(t0, t1, False), (t1, t2, True), (t2, t3, False)]
+        if self.timeline is not None:
+            size = {"bytes": (hi - lo) * self.wire.itemsize}
+            self.timeline.add(f"reduce-scatter [{lo}:{hi})", "comm", t0, t1, size)
+            self.timeline.add(f"optimizer [{lo + a}:{lo + b})", "optimizer", t1, t2)
+            self.timeline.add(f"allgather [{lo}:{hi})", "comm", t2, t3, size)
 
     def _worker(self):
         while True:

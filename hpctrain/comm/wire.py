@@ -9,6 +9,13 @@ known, so the bucket that holds them (the last to be reduced) is ready no
 earlier than it would be without them. The model's gradients are a view
 into the wire (MLP(grads=wire.grads)), so backprop writes them in place.
 
+With --shard-optimizer on, a second Wire carries the parameters in its
+gradient part (MLP(params=...)): the allgather half of each bucket moves that
+buffer's range instead. The loss and stop slots ride the reduce-scatter as
+always; the rank that owns them copies their sums into the second wire's
+slots (`pass_head`) before its allgather, so every rank reads the summed
+loss and stop there, with no extra message.
+
     python -m pytest -q tests/test_wire.py
 """
 import numpy as np
@@ -42,6 +49,14 @@ class Wire:
         """The gradient-buffer range [lo, hi) of wire range [lo, hi) (the loss
         and stop dropped)."""
         return max(lo - GRADS, 0), hi - GRADS
+
+    def pass_head(self, into, lo, hi):
+        """Sharded step: the loss and stop slots within wire range [lo, hi)
+        (summed there by the reduce-scatter) into Wire `into`, whose
+        allgather then brings them to every rank."""
+        top = min(hi, GRADS)
+        if lo < top:
+            into.buffer[lo:top] = self.buffer[lo:top]
 
     def set_stop(self, stop):
         self.stop[0] = 1.0 if stop else 0.0
