@@ -98,10 +98,11 @@ def run_server(session, checkpoints, comm, placement):
                     replicas=replicas_to_aggregate(args, cluster.num_workers), max_staleness=args.max_staleness,
                     dc_lambda=args.dc_lambda, watchdog=session.watchdog,
                     stop_requested=lambda: session.stop.received)
-    session.stop.training = True   # the server loop takes stop requests from here on
+    session.stop.phase = "training"   # the server loop takes stop requests from here on
     server.serve_until_done()
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
         checkpoints.preempted(cluster.comm, server.version)
+    session.stop.phase = "finishing"
     return None
 
 
@@ -159,7 +160,7 @@ def run_worker(session, checkpoints, comm, reader, resume):
     every = args.checkpoint_every if (checkpoints.enabled and chief) else 0
     next_checkpoint = (start // every + 1) * every if every else None
     t_loop = time.perf_counter()
-    session.stop.training = True   # a stop signal is taken by the next step from here on
+    session.stop.phase = "training"   # a stop signal is taken by the next step from here on
     while not client.stop:
         with tl.span("data", cat="data"):
             x, y = reader.next_batch()
@@ -227,6 +228,7 @@ def run_worker(session, checkpoints, comm, reader, resume):
             print(f"stopping after step {step}: signal received", flush=True)
             report.metrics.close(keep=True)
         checkpoints.preempted(cluster.comm, step)   # raises the exit-75 error on every rank
+    session.stop.phase = "finishing"   # a signal now may find a rank stuck: the watchdog acts on it
     extra = summarize(stats, W)
     extra.update({"num_ps": cluster.num_ps, "placement": args.placement, "sync": args.sync, "replicas_to_aggregate": R,
                   "backup_workers": W - R if args.sync else 0, "max_staleness": args.max_staleness,

@@ -118,7 +118,7 @@ def train_ring(session):
     loss_sum, loss_count = xp.zeros(1, np.float64), 0
     grad_scale = 1.0 / workers
     t_loop = time.perf_counter()
-    session.stop.training = True   # a stop signal is taken by the next step from here on
+    session.stop.phase = "training"   # a stop signal is taken by the next step from here on
     while step < args.steps:
         with timeline.span("data", cat="data"):
             x, y = reader.next_batch()
@@ -159,6 +159,8 @@ def train_ring(session):
         if checkpoints.due(step):
             checkpoint_now()
     t_loop = time.perf_counter() - t_loop
+    if not wire.stop_requested():
+        session.stop.phase = "finishing"   # a signal now may find a rank stuck: the watchdog acts on it
 
     # --- the end: the last checkpoint (at the end of training, or where a
     # signal stopped it), then either the pre-emption exit or the results

@@ -71,16 +71,18 @@ class StopSignal:
     Python runs a signal handler only when the main thread gets back to Python
     code, so a rank blocked inside MPI during start-up would never see it. The
     signal's number is therefore also written to a pipe (set_wakeup_fd, done
-    in C at delivery), which the watchdog's thread reads: a signal that
-    arrives before training starts, and is not picked up by a first step
-    within START_GRACE_S, ends the job (exit 75) from that thread."""
+    in C at delivery), which the watchdog's thread reads. During training the
+    loops take the signal (checkpoint, exit 75 together). Outside training (start-up, or
+    after the last step while the results are written) a signal that the
+    process has not acted on within GRACE_S ends the job (exit 75) from that
+    thread: a rank stuck there must not keep a pre-empted job alive."""
 
-    START_GRACE_S = 5.0
+    GRACE_S = 5.0
 
     def __init__(self):
         self.received = None   # the signal's name, e.g. "SIGTERM"
         self.signum = 0
-        self.training = False  # set by the loops when the first step begins
+        self.phase = "start-up"   # the loops set "training", then "finishing"
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
         self.wakeup_fd, write_fd = os.pipe()
@@ -94,17 +96,18 @@ class StopSignal:
         self.signum = int(signum)
 
     def overdue(self):
-        """Called by the watchdog's thread: the signal's name when a stop
-        signal arrived before training began and START_GRACE_S have passed."""
+        """Called by the watchdog's thread: (signal name, phase) when a stop
+        signal arrived outside training and GRACE_S have passed since."""
         try:
             data = os.read(self.wakeup_fd, 64)
         except BlockingIOError:
             data = b""
         for num in data:
-            if num in (signal.SIGTERM, signal.SIGUSR1) and self._arrived is None:
-                self._arrived = (time.monotonic(), signal.Signals(num).name)
-        if self._arrived and not self.training and time.monotonic() - self._arrived[0] > self.START_GRACE_S:
-            return self._arrived[1]
+            # A signal read during training is the loop's to act on.
+            if num in (signal.SIGTERM, signal.SIGUSR1) and self._arrived is None and self.phase != "training":
+                self._arrived = (time.monotonic(), signal.Signals(num).name, self.phase)
+        if self._arrived and self.phase != "training" and time.monotonic() - self._arrived[0] > self.GRACE_S:
+            return self._arrived[1:]
         return None
 
 
@@ -201,7 +204,7 @@ class Session:
         # First: a signal during start-up is then kept for the first step
         # (which stops and checkpoints) instead of killing the rank mid-collective.
         self.stop = StopSignal()
-        watchdog.also_watch(self._stopped_during_start_up)
+        watchdog.also_watch(self._stopped_outside_training)
         self.stats = StepStats()
         # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
         # NumPy's warnings on every rank.
@@ -252,14 +255,21 @@ class Session:
         """agreed() under this session's watchdog."""
         return agreed(comm, fn, *args, watchdog=self.watchdog)
 
-    def _stopped_during_start_up(self):
+    def _stopped_outside_training(self):
         """For the watchdog's thread: the line and exit code when a stop signal
-        came during start-up and no first step took it (a rank is stuck)."""
-        name = self.stop.overdue()
-        if name is None:
+        came outside training (start-up, or writing the results) and the
+        process has not ended within the grace (a rank is stuck there)."""
+        overdue = self.stop.overdue()
+        if overdue is None:
             return None
-        return (f"stopped by {name} during start-up, before the first step (a rank is stuck there); "
-                f"no new checkpoint: run the same command again to resume from the last one", EXIT_PREEMPTED)
+        name, phase = overdue
+        if phase == "start-up":
+            return (f"stopped by {name} during start-up, before the first step (a rank is stuck there); "
+                    f"no new checkpoint: run the same command again to resume from the last one", EXIT_PREEMPTED)
+        where = (f"the final checkpoint in {self.args.checkpoint_dir} is whole: run the same command again "
+                 f"to write the results" if self.args.checkpoint_dir else "no --checkpoint-dir: the results are lost")
+        return (f"stopped by {name} after the last step, while the results were written (a rank is stuck "
+                f"there); {where}", EXIT_PREEMPTED)
 
     def chief_says(self, text):
         """A line on standard output from the chief; the other ranks stay quiet."""

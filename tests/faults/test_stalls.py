@@ -158,3 +158,40 @@ def test_a_rank_stopped_at_shutdown_ends_the_job_and_the_result_is_kept(tmp_path
                 or "waited 4 s for the other ranks (shutdown (MPI_Finalize))" in lines[0]), err
     assert took < 30
     assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
+
+
+def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
+    # Rank 1 stopped after the last step, while the chief evaluates and writes
+    # (long --timeout): SIGTERM ends the job with exit 75, and the same command
+    # again resumes from the final checkpoint and writes the results.
+    import json
+    import signal
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    cmd = [MPIRUN, "-n", "2", *PY, "--steps", "40", "--hidden", "16", "--log-every", "40", "--timeout", "300",
+           "--checkpoint-dir", ckpt, "--metrics", metrics]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                            cwd=REPO)
+    try:
+        pid = rank_pid(proc, 1)
+        assert pid, "rank 1 not found"
+        while not (ckpt / "ckpt-00000040.h5").exists() and proc.poll() is None:
+            time.sleep(0.005)   # the final checkpoint is written right after the loop
+        with Stopped(pid):
+            time.sleep(1)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+            took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode == 0:   # rank 1 was through before the stop landed: nothing was stuck
+        return
+    assert proc.returncode == 75, err
+    lines = errors(err)
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: stopped by SIGTERM after the last step"), err
+    assert took < 20
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout and "nothing left to train" in again.stdout
+    assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
