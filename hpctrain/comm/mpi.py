@@ -69,18 +69,7 @@ class MpiAllreduce(FlatStrategy):
         return buf
 
 
+
 if __name__ == "__main__":
-    world = MPI.COMM_WORLD
-    strategy = MpiAllreduce(world)
-    expect = sum(range(world.size))
-    for n in (0, 1, world.size - 1, 7, 1000, 1 << 20):
-        x = np.full(n, world.rank, dtype=np.float32)
-        y = x.copy()
-        strategy.allreduce(x)
-        assert np.all(x == expect), (n, x[:5])
-        lo, hi = strategy.reduce_scatter(y)
-        assert np.all(y[lo:hi] == expect), (n, lo, hi)
-        strategy.allgather(y)
-        assert np.array_equal(x, y), n
-    if world.rank == 0:
-        print(f"MPI allreduce, reduce-scatter + allgather OK on {world.size} ranks")
+    from .strategy import self_check
+    self_check(MpiAllreduce(MPI.COMM_WORLD), "MPI allreduce")

@@ -64,3 +64,22 @@ class FlatStrategy:
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
+
+
+def self_check(strategy, name):
+    """A strategy's `python -m` check: allreduce of full(n, rank) gives
+    sum(range(size)), and reduce_scatter + allgather gives the same buffer,
+    for lengths 0, 1, below the world size, odd and large."""
+    import numpy as np
+    expect = sum(range(strategy.size))
+    for n in (0, 1, strategy.size - 1, 7, 1000, 1 << 20):
+        x = np.full(n, strategy.rank, dtype=np.float32)
+        y = x.copy()
+        strategy.allreduce(x)
+        assert np.all(x == expect), (n, x[:5])
+        lo, hi = strategy.reduce_scatter(y)
+        assert np.all(y[lo:hi] == expect), (n, lo, hi)
+        strategy.allgather(y)
+        assert np.array_equal(x, y), n
+    if strategy.rank == 0:
+        print(f"{name}, reduce-scatter + allgather OK on {strategy.size} ranks")
