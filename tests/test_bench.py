@@ -64,3 +64,13 @@ def test_timeline_is_a_chrome_trace_with_every_span_kind(job, tmp_path, mode, ex
         assert any(n.startswith("allreduce [") for n in names)
         assert any(n.startswith("optimizer [") for n in names)
         assert sum(e["name"] == "step" for e in spans) == 10
+
+
+def test_bench_train_compare_two_settings_in_one_run():
+    out = json.loads(bench("train", "--ranks", "2", "--steps", "40", "--repeats", "1", "--compare",
+                           "shard-optimizer=off,on", "--json", "--", "--hidden", "64"))
+    assert [r["setting"] for r in out["rows"]] == ["shard-optimizer=off", "shard-optimizer=on"]
+    first, second = out["rows"]
+    assert first["speedup"] == 1.0 and second["speedup"] > 0
+    assert 1.0 <= first["amdahl_bound"] <= 2.0   # 1 / (1 - f (1 - 1/2)) with 0 <= f <= 1
+    assert first["optimizer_ratio"] == 1.0 and second["optimizer_ratio"] > 0

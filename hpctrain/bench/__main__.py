@@ -23,6 +23,9 @@ def main(argv=None):
     t.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
     t.add_argument("--steps", type=int, default=1000, help="steps per run (default: %(default)s)")
     t.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median is reported")
+    t.add_argument("--compare", metavar="FLAG=V1,V2", default=None,
+                   help="run every rank count with each value of one hpctrain flag, repeats interleaved, "
+                        "e.g. shard-optimizer=off,on; ratios against the first value")
     t.add_argument("--json", action="store_true")
 
     c = sub.add_parser("compare", help="hpctrain ring vs a plain NumPy loop and PyTorch DDP, in one run")
@@ -49,6 +52,9 @@ def main(argv=None):
         return run(args)
     if args.what == "train":
         args.ranks = [int(r) for r in args.ranks.split(",")]
+        if args.compare:
+            from .train import compare_settings
+            return compare_settings(args, extra)
         from .train import main as run
         return run(args, extra)
     if args.what == "compare":

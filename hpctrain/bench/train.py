@@ -3,6 +3,7 @@ rank count, repeats each, and reports the median of the repeats.
 
     python -m hpctrain.bench train --mode ring --ranks 1,2,4
     python -m hpctrain.bench train --mode ps --ranks 3,4 -- --num-ps 2 --async
+    python -m hpctrain.bench train --ranks 2,4 --compare shard-optimizer=off,on
 
 Every configuration does equal work per worker (the same steps of the same
 batch per worker). Steady-state figures come from the run's own per-step
@@ -105,6 +106,53 @@ def compare(args):
                       ("NumPy loop", "numpy_loop", "{:,.0f}"), ("hpctrain/NumPy", "vs_numpy", "{:.2f}"),
                       ("comm not hidden %", "comm_pct", "{:.1f}"),
                       ("mem above base MB", "above_base_mb", "{:.1f}"), ("2x state MB", "mem_target_mb", "{:.1f}")]))
+    return 0
+
+
+def compare_settings(args, extra):
+    """--compare FLAG=V1,V2,...: for each rank count, runs with `--FLAG V` for
+    every value, repeats interleaved (V1, V2, V1, V2, ...) so that a noisy,
+    shared machine slows each setting alike; medians per setting, and ratios
+    against the first value. Beside them, the Amdahl bound for a change that
+    divides the optimizer's work by N: 1 / (1 - f_opt * (1 - 1/N)), f_opt the
+    optimizer's share of the first setting's step, from the same run."""
+    flag, _, values = args.compare.partition("=")
+    values = [v for v in values.split(",") if v]
+    if not flag or len(values) < 2:
+        raise SystemExit("hpctrain: error: --compare wants FLAG=V1,V2[,...], e.g. shard-optimizer=off,on")
+    from ..cli import parse
+    flags = parse(["--mode", args.mode, *extra])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            runs = {v: [] for v in values}
+            for _ in range(args.repeats):
+                for v in values:
+                    runs[v].append(one_run(ranks, args.mode, args.steps, [*extra, f"--{flag}", v], tmp))
+            base = None
+            for v in values:
+                row = dict(summarise(args.mode, ranks, runs[v], flags), setting=f"{flag}={v}")
+                if base is None:
+                    base = row
+                    f_opt = (row["optimizer_total_ms"] / row["step_ms"]) if row["step_ms"] else 0.0
+                    row["amdahl_bound"] = 1 / (1 - f_opt * (1 - 1 / row["workers"]))
+                row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
+                row["optimizer_ratio"] = (row["optimizer_total_ms"] / base["optimizer_total_ms"]
+                                          if base["optimizer_total_ms"] else None)
+                rows.append(row)
+    if args.json:
+        print(json.dumps({"bench": "train", "mode": args.mode, "steps": args.steps, "repeats": args.repeats,
+                          "compare": args.compare, "flags": extra, "rows": rows}))
+        return 0
+    print(f"train, {args.mode} mode, {args.steps} steps x {args.repeats} interleaved repeats, "
+          f"hidden {','.join(map(str, flags.hidden))}, {flags.optimizer}, batch {flags.batch_size}/worker"
+          + (f", flags: {' '.join(extra)}" if extra else ""))
+    print(table(rows, [
+        ("ranks", "ranks", "{}"), ("setting", "setting", "{}"), ("samples/s", "samples_per_s", "{:,.0f}"),
+        ("x first", "speedup", "{:.2f}"), ("Amdahl bound", "amdahl_bound", "{:.2f}"),
+        ("step ms", "step_ms", "{:.3f}"), ("compute ms", "compute_ms", "{:.3f}"),
+        ("comm not hidden ms", "comm_ms", "{:.3f}"), ("optimizer ms (all)", "optimizer_total_ms", "{:.3f}"),
+        ("optimizer x first", "optimizer_ratio", "{:.2f}"), ("peak MB", "peak_mb", "{:.1f}")]))
     return 0
 
 
