@@ -101,7 +101,9 @@ class Watchdog:
                 if verdict:
                     line, code = verdict
                     if self.rank != 0:
-                        self._linger(1.0)   # rank 0 got the same signal, most likely: one line
+                        # Rank 0 got the same signal, most likely, and ends the
+                        # job after ABORT_GRACE_S: one line, not one per rank.
+                        self._linger(3.0)
                     print(f"hpctrain: error: {line}", file=self._out, flush=True)
                     self._linger(ABORT_GRACE_S)
                     self.abort(code)
