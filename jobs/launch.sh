@@ -53,9 +53,26 @@ for arg in "$@"; do
 done
 mkdir -p "$CKPT_DIR" || die "cannot create checkpoint directory $CKPT_DIR"
 
+# ---- --timeout above SlurmdTimeout ----------------------------------------------
+# When a node dies, SLURM marks it down after SlurmdTimeout and requeues the
+# job (--requeue in the job scripts); meanwhile the ranks on the other nodes
+# wait for it. hpctrain's --timeout must not end them first (exit 3 is not
+# requeued), so unless the flags name one it is at least 2 x SlurmdTimeout + 60 s.
+TIMEOUT_FLAGS=()
+case " $* " in
+    *" --timeout "*|*" --timeout="*) ;;
+    *)
+        slurmd_timeout=$(scontrol show config 2>/dev/null | sed -n 's/^SlurmdTimeout *= *\([0-9]*\) sec.*/\1/p')
+        if [ -n "$slurmd_timeout" ] && [ $((2 * slurmd_timeout + 60)) -gt 300 ]; then
+            TIMEOUT_FLAGS=(--timeout $((2 * slurmd_timeout + 60)))
+            say "--timeout $((2 * slurmd_timeout + 60)): above 2 x SlurmdTimeout ($slurmd_timeout s), so SLURM requeues the job after a node failure before hpctrain gives up"
+        fi
+        ;;
+esac
+
 CMD=("$HPCTRAIN_PYTHON" -m hpctrain.mnist
      --checkpoint-dir "$CKPT_DIR" --checkpoint-every "${HPCTRAIN_CHECKPOINT_EVERY:-500}" --resume auto
-     "$@")
+     "${TIMEOUT_FLAGS[@]}" "$@")
 # A requeued run must continue even if the first run said --resume no.
 [ "$RESTARTS" -gt 0 ] && CMD+=(--resume auto)
 
@@ -96,6 +113,12 @@ done
 trap - USR1 TERM INT
 
 # ---- exit code -> requeue or not ------------------------------------------------------
+if [ "$rc" -eq 0 ] && [ -n "$SIGNALED" ]; then
+    # SLURM cancelled the step (node failure, scancel) and the launcher did not
+    # pass on an exit code: whether training ended is not known here.
+    say "the launcher exited 0 after SIG$SIGNALED (job step cancelled by SLURM?); checkpoints stay in $CKPT_DIR"
+    exit 0
+fi
 if [ "$rc" -eq 0 ]; then
     say "finished"
     exit 0

@@ -1,0 +1,378 @@
+"""hpctrain on several hosts: a simulated cluster of 3 nodes on this machine.
+
+Run: ``.venv/bin/python -m pytest -q tests/test_cluster.py`` (as root; about
+3 minutes on 2 idle cores; the first run may install SLURM with apt-get).
+
+The module fixture ``cluster`` brings up the cluster of tests/cluster/ (see
+its README): three network namespaces hpt-n0 (login node: slurmctld,
+mpirun), hpt-n1 and hpt-n2 (compute nodes: one slurmd each), each with its
+own host name, address and boot_id, joined by veth pairs on a bridge, so
+every byte between "nodes" crosses a veth over TCP and is counted there. It
+tears down exactly what it created at the end, whether tests pass or fail.
+Skipped, with the reason, when not root, under an MPI launcher (``make test``
+runs it in the plain pytest pass), with ``HPCTRAIN_SKIP_CLUSTER=1``, or when
+this machine cannot create network namespaces.
+
+What is checked: mpirun across nodes (Hydra with an ssh stand-in) with block
+and round-robin placement, the rank map in the first log line, the bytes on
+each node's link against what the algorithm must send; `sbatch -N 2` of the
+real jobs/ring.slurm and jobs/ps.slurm against the same training on one
+node; kill-and-requeue across nodes (bit-exact); and a node failure: the
+second compute node dies mid-job (its slurmd and every process in it), SLURM
+marks it down after SlurmdTimeout and requeues the job (--requeue), the node
+comes back, and the job resumes from its checkpoint (bit-exact).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, under_mpirun
+from hpctrain.cluster import child_env
+
+pytestmark = pytest.mark.cluster
+
+HERE = Path(REPO) / "tests" / "cluster"
+PYTHON = Path(sys.executable)
+MPIRUN = PYTHON.parent / "mpirun"
+STATE = Path(os.environ.get("HPT_CLUSTER_DIR", "/tmp/hpctrain-cluster"))
+NODES = ("hpt-n1", "hpt-n2")
+# The default model: 784-500-500-10, float32 gradients.
+GRAD_BYTES = 4 * (784 * 500 + 500 + 500 * 500 + 500 + 500 * 10 + 10)
+
+
+def _skip_reason():
+    if os.environ.get("HPCTRAIN_SKIP_CLUSTER") == "1":
+        return "HPCTRAIN_SKIP_CLUSTER=1"
+    if under_mpirun():
+        return "cluster tests run in the plain pytest pass, not under an MPI launcher"
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    for tool in ("ip", "unshare", "nsenter"):
+        if not shutil.which(tool) and not Path("/usr/sbin", tool).exists():
+            return f"no `{tool}` on this machine"
+    if not MPIRUN.exists():
+        return f"no {MPIRUN}"
+    return None
+
+
+_reason = _skip_reason()
+if _reason:
+    pytest.skip(_reason, allow_module_level=True)
+
+
+def _run(*argv, timeout=60, check=True, env=None):
+    proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, argv))} exited {proc.returncode}:\n"
+                             f"{proc.stdout}{proc.stderr}")
+    return proc
+
+
+class Cluster:
+    """Handle on the simulated cluster (see the module docstring)."""
+
+    def __init__(self, workdir):
+        self.workdir = Path(workdir)
+
+    # ---- links -------------------------------------------------------------------
+    @staticmethod
+    def link_bytes():
+        """{node: (bytes out of the node, bytes into it)} from the host ends of
+        the veths (a host end transmits what the node receives)."""
+        out = {}
+        for node in NODES:
+            stats = Path(f"/sys/class/net/hpt-v{node[-1]}/statistics")
+            out[node] = (int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text()))
+        return out
+
+    # ---- mpirun across nodes ---------------------------------------------------------
+    def mpirun(self, hosts, n, *args, module="hpctrain.mnist", timeout=240):
+        """`mpirun -hosts HOSTS -n n python -m module args` launched on the
+        login node, ranks started through fake-ssh. Returns (CompletedProcess,
+        {node: (bytes out, bytes in)} moved during the job)."""
+        before = self.link_bytes()
+        proc = _run(HERE / "on.sh", "hpt-n0", MPIRUN, "-launcher", "ssh",
+                    "-launcher-exec", HERE / "fake-ssh", "-hosts", hosts, "-n", n,
+                    PYTHON, "-m", module, *args, timeout=timeout, check=False, env=child_env())
+        after = self.link_bytes()
+        moved = {node: (after[node][0] - before[node][0], after[node][1] - before[node][1])
+                 for node in NODES}
+        return proc, moved
+
+    # ---- SLURM ----------------------------------------------------------------------------
+    def cli(self, *argv, timeout=30, env=None):
+        return _run(HERE / "slurm.sh", "cli", *argv, timeout=timeout, check=False, env=env)
+
+    def submit(self, script, *args, nodes=2, per_node=2, env=None, name=None):
+        """sbatch (no --wait) from the login node; returns (job id, name, output file)."""
+        name = name or f"hpt-{uuid.uuid4().hex[:8]}"
+        out = self.workdir / f"{name}.out"
+        full_env = child_env(also=("SLURM_",))
+        full_env["HPCTRAIN_PYTHON"] = str(PYTHON)
+        full_env.update(env or {})
+        proc = self.cli("sbatch", "--parsable", f"--job-name={name}", f"--output={out}",
+                        f"--chdir={REPO}", f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
+                        script, *map(str, args), env=full_env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout.strip().split(";")[0], name, out
+
+    def job(self, job_id):
+        """(state, restarts, exit code) of a job; Nones once SLURM forgot it."""
+        show = self.cli("scontrol", "show", "job", "-o", job_id).stdout
+        state = re.search(r"\bJobState=(\S+)", show)
+        if not state:
+            return None, None, None
+        return (state.group(1), int(re.search(r"\bRestarts=(\d+)", show).group(1)),
+                int(re.search(r"\bExitCode=(\d+):\d+", show).group(1)))
+
+    def wait(self, what, predicate, timeout, job_id=None, out=None):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.2)
+        if job_id:
+            self.cli("scancel", job_id)
+        pytest.fail(f"gave up waiting for {what} after {timeout} s"
+                    + (f"; job output so far:\n{_text(out)}" if out else "")
+                    + f"\nslurmctld.log:\n{_tail(STATE / 'slurm/ctld/slurmctld.log')}")
+
+    def wait_ended(self, job_id, out, restarts=0, timeout=240):
+        """Exit code of run number `restarts` of the job, once it has ended."""
+        def ended():
+            state, n, code = self.job(job_id)
+            return (code,) if state in TERMINAL and n == restarts else None
+        return self.wait(f"job {job_id} to end", ended, timeout, job_id, out)[0], _text(out)
+
+    def node_state(self, node):
+        return self.cli("sinfo", "-h", "-N", "-n", node, "-o", "%T").stdout.strip()
+
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY"}
+
+
+def _text(path):
+    return Path(path).read_text(errors="replace") if path and Path(path).exists() else "(no output)"
+
+
+def _tail(path, n=15):
+    return "\n".join(_text(path).splitlines()[-n:])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        up = _run(HERE / "netns.sh", "up", "3", check=False)
+        if up.returncode != 0:
+            if "Operation not permitted" in up.stderr or "RTNETLINK" in up.stderr:
+                pytest.skip(f"cannot create network namespaces here: {up.stderr.strip().splitlines()[-1]}")
+            pytest.fail(f"netns.sh up failed:\n{up.stdout}{up.stderr}")
+        slurm = _run(HERE / "slurm.sh", "up", timeout=900, check=False)
+        if slurm.returncode == 3:
+            pytest.skip(f"cannot install SLURM here: {slurm.stdout}{slurm.stderr}")
+        assert slurm.returncode == 0, f"slurm.sh up failed:\n{slurm.stdout}{slurm.stderr}"
+        yield Cluster(tmp_path_factory.mktemp("cluster"))
+    finally:
+        # Teardown whatever happened above: SLURM, processes left in the nodes, the network.
+        down = _run(HERE / "slurm.sh", "down", timeout=120, check=False)
+        net = _run(HERE / "netns.sh", "down", timeout=60, check=False)
+        assert down.returncode == 0 and net.returncode == 0, \
+            f"teardown failed:\n{down.stdout}{down.stderr}{net.stdout}{net.stderr}"
+
+
+# ---- what the first log line and the links say ---------------------------------------------
+
+LAYOUT = re.compile(r"^hpctrain: world size (\d+) \([^)]*\), (\d+) hosts?: ([^;]*); "
+                    r"rank -> host/local rank/GPU: (.*)$", re.M)
+ACCURACY = re.compile(r"^test accuracy (\d+\.\d+)", re.M)
+
+
+def rank_hosts(out):
+    """[(host, local rank)] per rank from the first line of the job."""
+    m = LAYOUT.search(out)
+    assert m, out
+    entries = m.group(4).split(", ")
+    assert len(entries) == int(m.group(1)), out
+    places = []
+    for r, entry in enumerate(entries):
+        e = re.fullmatch(rf"{r} -> (\S+)/(\d+)/(-|\d+)", entry)
+        assert e, out
+        places.append((e.group(1), int(e.group(2))))
+    return places
+
+
+def assert_bytes(moved, expected, what):
+    """Every node's link carried `expected` bytes each way, within 10% (TCP/IP
+    headers add about 1% with segmentation offload; start-up, evaluation and
+    the final gather add well under 1% at these step counts)."""
+    for node, (sent, received) in moved.items():
+        for direction, value in (("out of", sent), ("into", received)):
+            assert 0.98 * expected <= value <= 1.10 * expected, (
+                f"{what}: {value / 1e6:.1f} MB went {direction} {node}, the algorithm sends "
+                f"{expected / 1e6:.1f} MB (all bytes: {moved})")
+
+
+def _params(path):
+    import h5py
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if hasattr(obj, "shape") else None)
+        return int(f.attrs["step"]), out
+
+
+def assert_same_params(a, b, rtol=0.0):
+    step_a, pa = _params(a)
+    step_b, pb = _params(b)
+    assert step_a == step_b and sorted(pa) == sorted(pb)
+    for name in pa:
+        if rtol == 0.0:
+            assert pa[name].tobytes() == pb[name].tobytes(), \
+                f"{name}: max |diff| {np.abs(pa[name].astype('f8') - pb[name].astype('f8')).max()}"
+        else:
+            np.testing.assert_allclose(pa[name], pb[name], rtol=rtol, atol=rtol, err_msg=name)
+
+
+# ---- mpirun across nodes -----------------------------------------------------------------
+
+STEPS_FOR_BYTES = 100
+
+
+def test_mpirun_block_placement_ring_sends_what_the_ring_must(cluster, tmp_path):
+    # Ranks 0,1 on hpt-n1 and 2,3 on hpt-n2: the ring 0-1-2-3 crosses each
+    # node boundary once per direction; the one rank of each node that sends
+    # across sends 2(N-1)/N of the gradients per step.
+    proc, moved = cluster.mpirun("hpt-n1:2,hpt-n2:2", 4, "--allreduce", "ring", "--hidden", "500,500",
+                                 "--steps", STEPS_FOR_BYTES, "--log-every", STEPS_FOR_BYTES,
+                                 "--save", tmp_path / "p.h5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert rank_hosts(proc.stdout) == [("hpt-n1", 0), ("hpt-n1", 1), ("hpt-n2", 0), ("hpt-n2", 1)]
+    assert_bytes(moved, STEPS_FOR_BYTES * 2 * 3 / 4 * GRAD_BYTES, "flat ring, block placement")
+
+
+def test_mpirun_round_robin_placement(cluster, tmp_path):
+    # -hosts n1:1,n2:1 deals the ranks out one by one: 0,2 on hpt-n1, 1,3 on hpt-n2.
+    proc, _ = cluster.mpirun("hpt-n1:1,hpt-n2:1", 4, "--allreduce", "ring", "--steps", 20,
+                             "--log-every", 20, "--hidden", "64", "--save", tmp_path / "p.h5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert rank_hosts(proc.stdout) == [("hpt-n1", 0), ("hpt-n2", 0), ("hpt-n1", 1), ("hpt-n2", 1)]
+    assert ACCURACY.search(proc.stdout), proc.stdout
+
+
+# ---- SLURM jobs across nodes -----------------------------------------------------------------
+
+RING_JOB = Path(REPO) / "jobs" / "ring.slurm"
+PS_JOB = Path(REPO) / "jobs" / "ps.slurm"
+JOB_FLAGS = {
+    "ring": ("--steps", "600", "--checkpoint-every", "100"),
+    "ps": ("--steps", "600", "--checkpoint-every", "100"),
+}
+_JOB_RUNS = {}
+
+
+def _uninterrupted(cluster, mode):
+    """The job of `mode` on 2 nodes x 2 ranks, run to the end once: (output, --save file)."""
+    if mode not in _JOB_RUNS:
+        d = cluster.workdir / f"whole-{mode}"
+        d.mkdir()
+        script = RING_JOB if mode == "ring" else PS_JOB
+        job_id, _, out = cluster.submit(script, *JOB_FLAGS[mode], "--save", d / "p.h5",
+                                        "--metrics", d / "m.jsonl",
+                                        env={"HPCTRAIN_CHECKPOINT_DIR": str(d / "ckpt")})
+        rc, text = cluster.wait_ended(job_id, out)
+        assert rc == 0, text
+        _JOB_RUNS[mode] = (text, d / "p.h5", d / "m.jsonl")
+    return _JOB_RUNS[mode]
+
+
+@pytest.mark.parametrize("mode", ["ring", "ps"])
+def test_sbatch_two_nodes_trains_as_on_one_node(cluster, tmp_path, mode):
+    text, saved, metrics = _uninterrupted(cluster, mode)
+    assert "2 node(s) hpt-n[1-2], 4 tasks" in text, text
+    assert rank_hosts(text) == [("hpt-n1", 0), ("hpt-n1", 1), ("hpt-n2", 0), ("hpt-n2", 1)], text
+    final = [json.loads(line) for line in Path(metrics).read_text().splitlines()][-1]
+    assert (final["event"], final["world_size"], final["steps"]) == ("final", 4, 600), final
+    # The same training on one node (4 ranks of one host, no network).
+    single = tmp_path / "single.h5"
+    flags = [f for f in JOB_FLAGS[mode] if f not in ("--checkpoint-every", "100")]
+    proc = _run(MPIRUN, "-n", 4, PYTHON, "-m", "hpctrain.mnist", "--mode", mode, *flags,
+                "--save", single, timeout=300, env=child_env())
+    accuracy = float(ACCURACY.search(text).group(1))
+    single_accuracy = float(ACCURACY.search(proc.stdout).group(1))
+    assert accuracy >= 0.9 and abs(accuracy - single_accuracy) <= 0.01, (accuracy, single_accuracy)
+    if mode == "ps":
+        # sync ps sums the workers' gradients in rank order wherever they run
+        assert_same_params(saved, single)
+
+
+STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+\.h5)")
+RESUMED = re.compile(r"^resumed from (\S+) at step (\d+)$", re.M)
+
+
+def _first_checkpoint(cluster, ckpt, job_id, out):
+    cluster.wait("the first checkpoint", lambda: list(ckpt.glob("ckpt-*.h5")), 180, job_id, out)
+
+
+def _start_requeued_now(cluster, job_id, out, restarts=1):
+    # SLURM holds a requeued job (BeginTime, about 2 min) before it may start
+    # again; start it now. A start within the second the first run ended is
+    # refused ("Job credential revoked": whole-second times), hence the sleep.
+    cluster.wait("the requeued job", lambda: cluster.job(job_id)[:2] == ("PENDING", restarts),
+                 120, job_id, out)
+    time.sleep(2)
+    up = cluster.cli("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    assert up.returncode == 0, up.stdout + up.stderr
+
+
+def test_kill_and_requeue_across_nodes_resumes_bit_exact(cluster, tmp_path):
+    _, whole, _ = _uninterrupted(cluster, "ring")
+    ckpt = tmp_path / "ckpt"
+    job_id, _, out = cluster.submit(RING_JOB, *JOB_FLAGS["ring"], "--save", tmp_path / "p.h5",
+                                    env={"HPCTRAIN_CHECKPOINT_DIR": str(ckpt)})
+    _first_checkpoint(cluster, ckpt, job_id, out)
+    sent = cluster.cli("scancel", "--signal=TERM", job_id)
+    assert sent.returncode == 0, sent.stderr
+    _start_requeued_now(cluster, job_id, out)
+    rc, text = cluster.wait_ended(job_id, out, restarts=1)
+    assert rc == 0, text
+    stopped = STOPPED.search(text)
+    assert stopped and 0 < int(stopped.group(2)) < 600, text
+    assert RESUMED.search(text).groups() == (stopped.group(3), stopped.group(2)), text
+    assert_same_params(tmp_path / "p.h5", whole)
+
+
+def test_node_failure_requeues_and_resumes_from_the_checkpoint(cluster, tmp_path):
+    # SLURM's own mechanism: the job script asks for --requeue; slurmctld marks
+    # a node that stops answering DOWN after SlurmdTimeout (10 s here),
+    # cancels the job "due to node failure" and requeues it. hpctrain's ranks
+    # on the surviving node wait meanwhile; their --timeout (60 s here; the
+    # job script keeps it above SlurmdTimeout) must not fire first.
+    _, whole, _ = _uninterrupted(cluster, "ring")
+    ckpt = tmp_path / "ckpt"
+    job_id, _, out = cluster.submit(RING_JOB, *JOB_FLAGS["ring"], "--save", tmp_path / "p.h5",
+                                    env={"HPCTRAIN_CHECKPOINT_DIR": str(ckpt)})
+    _first_checkpoint(cluster, ckpt, job_id, out)
+    _run(HERE / "slurm.sh", "stop-node", "hpt-n2")       # slurmd, slurmstepd and ranks: gone
+    cluster.wait("hpt-n2 to be marked down", lambda: cluster.node_state("hpt-n2").startswith("down"),
+                 120, job_id, out)
+    _run(HERE / "slurm.sh", "start-node", "hpt-n2")      # the node comes back
+    cluster.wait("hpt-n2 back in service", lambda: cluster.node_state("hpt-n2") in ("idle", "mixed", "allocated"),
+                 60, job_id, out)
+    _start_requeued_now(cluster, job_id, out)
+    rc, text = cluster.wait_ended(job_id, out, restarts=1)
+    assert rc == 0, text
+    assert "requeue job JobId=%s due to failure of node hpt-n2" % job_id in _text(STATE / "slurm/ctld/slurmctld.log")
+    resumed = RESUMED.search(text)
+    assert resumed and Path(resumed.group(1)).parent == ckpt and int(resumed.group(2)) > 0, text
+    assert "hpctrain-job: job %s '" % job_id in text and "run 2 (restart 1)" in text, text
+    assert_same_params(tmp_path / "p.h5", whole)
