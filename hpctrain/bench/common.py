@@ -1,6 +1,7 @@
 """What the benchmarks share: finding mpirun, launching a job, printing tables."""
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,8 +15,12 @@ def mpirun_path():
 
 
 def launch(ranks, args, timeout=1800):
-    """Run `mpirun -n ranks python args...`; returns CompletedProcess (text)."""
-    cmd = [mpirun_path(), "-n", str(ranks), sys.executable, *args]
+    """Run `mpirun -n ranks $HPCTRAIN_MPIRUN_ARGS python args...`; returns
+    CompletedProcess (text). HPCTRAIN_MPIRUN_ARGS (the variable jobs/env.sh
+    reads too) places the ranks, e.g. on several hosts:
+    "-launcher ssh -hosts n1:2,n2:2" (docs/clusters.md)."""
+    more = shlex.split(os.environ.get("HPCTRAIN_MPIRUN_ARGS", ""))
+    cmd = [mpirun_path(), "-n", str(ranks), *more, sys.executable, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env())
 
 
