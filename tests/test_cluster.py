@@ -245,28 +245,62 @@ def assert_same_params(a, b, rtol=0.0):
 
 # ---- mpirun across nodes -----------------------------------------------------------------
 
-STEPS_FOR_BYTES = 100
+STEPS_FOR_BYTES = 60
+BLOCK, ROUND_ROBIN = "hpt-n1:2,hpt-n2:2", "hpt-n1:1,hpt-n2:1"
+PLACED = {BLOCK: [("hpt-n1", 0), ("hpt-n1", 1), ("hpt-n2", 0), ("hpt-n2", 1)],
+          ROUND_ROBIN: [("hpt-n1", 0), ("hpt-n2", 0), ("hpt-n1", 1), ("hpt-n2", 1)]}
 
 
-def test_mpirun_block_placement_ring_sends_what_the_ring_must(cluster, tmp_path):
-    # Ranks 0,1 on hpt-n1 and 2,3 on hpt-n2: the ring 0-1-2-3 crosses each
-    # node boundary once per direction; the one rank of each node that sends
+@pytest.mark.parametrize("hosts, flags, per_step", [
+    # Ranks 0,1 on hpt-n1 and 2,3 on hpt-n2: the ring 0-1-2-3 crosses each node
+    # boundary once per direction, and the one rank of a node that sends
     # across sends 2(N-1)/N of the gradients per step.
-    proc, moved = cluster.mpirun("hpt-n1:2,hpt-n2:2", 4, "--allreduce", "ring", "--hidden", "500,500",
-                                 "--steps", STEPS_FOR_BYTES, "--log-every", STEPS_FOR_BYTES,
-                                 "--save", tmp_path / "p.h5")
+    (BLOCK, ("--allreduce", "ring"), 2 * 3 / 4),
+    # Round-robin (0,2 on hpt-n1): the ring in node order (the default) is
+    # 0-2-1-3, the same 2(N-1)/N per node; in rank order every hop crosses,
+    # and both ranks of a node send 2(N-1)/N across.
+    (ROUND_ROBIN, ("--allreduce", "ring"), 2 * 3 / 4),
+    (ROUND_ROBIN, ("--allreduce", "ring", "--ring-order", "rank"), 2 * 2 * 3 / 4),
+    # Hierarchical: each node sends 2(M-1)/M of the gradients for M nodes,
+    # split over its ranks (the lower bound), whatever the placement.
+    (BLOCK, ("--allreduce", "hier"), 2 * 1 / 2),
+    (ROUND_ROBIN, ("--allreduce", "hier"), 2 * 1 / 2),
+], ids=["block-ring", "rr-ring-node-order", "rr-ring-rank-order", "block-hier", "rr-hier"])
+def test_mpirun_across_nodes_sends_what_the_algorithm_must(cluster, tmp_path, hosts, flags, per_step):
+    proc, moved = cluster.mpirun(hosts, 4, *flags, "--hidden", "500,500", "--steps", STEPS_FOR_BYTES,
+                                 "--log-every", STEPS_FOR_BYTES, "--save", tmp_path / "p.h5")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert rank_hosts(proc.stdout) == [("hpt-n1", 0), ("hpt-n1", 1), ("hpt-n2", 0), ("hpt-n2", 1)]
-    assert_bytes(moved, STEPS_FOR_BYTES * 2 * 3 / 4 * GRAD_BYTES, "flat ring, block placement")
-
-
-def test_mpirun_round_robin_placement(cluster, tmp_path):
-    # -hosts n1:1,n2:1 deals the ranks out one by one: 0,2 on hpt-n1, 1,3 on hpt-n2.
-    proc, _ = cluster.mpirun("hpt-n1:1,hpt-n2:1", 4, "--allreduce", "ring", "--steps", 20,
-                             "--log-every", 20, "--hidden", "64", "--save", tmp_path / "p.h5")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert rank_hosts(proc.stdout) == [("hpt-n1", 0), ("hpt-n2", 0), ("hpt-n1", 1), ("hpt-n2", 1)]
+    assert rank_hosts(proc.stdout) == PLACED[hosts]
     assert ACCURACY.search(proc.stdout), proc.stdout
+    assert_bytes(moved, STEPS_FOR_BYTES * per_step * GRAD_BYTES, f"{' '.join(flags)} on {hosts}")
+
+
+def test_hier_equals_the_flat_ring_across_nodes(cluster, tmp_path):
+    common = ("--optimizer", "sgd", "--lr", "0.05", "--steps", "30", "--log-every", "30", "--hidden", "128")
+    for name in ("ring", "hier"):
+        proc, _ = cluster.mpirun(BLOCK, 4, *common, "--allreduce", name, "--save", tmp_path / f"{name}.h5")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_same_params(tmp_path / "ring.h5", tmp_path / "hier.h5", rtol=1e-5)
+
+
+SERVERS = re.compile(r"^hpctrain: ps servers: (.*)$", re.M)
+
+
+def test_ps_servers_spread_over_nodes(cluster, tmp_path):
+    # Block placement, 2 servers: `first` puts both on hpt-n1 (ranks 0, 1);
+    # `spread` puts one on each node (ranks 0 and 2). Sync ps gives the same
+    # parameters either way.
+    common = ("--mode", "ps", "--num-ps", "2", "--steps", "30", "--log-every", "30", "--hidden", "128")
+    where = {}
+    for rule in ("first", "spread"):
+        proc, _ = cluster.mpirun(BLOCK, 4, *common, "--ps-ranks", rule, "--save", tmp_path / f"{rule}.h5")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        m = SERVERS.search(proc.stdout + proc.stderr)
+        assert m, proc.stdout
+        where[rule] = m.group(1)
+    assert "rank 0 on hpt-n1" in where["first"] and "rank 1 on hpt-n1" in where["first"], where
+    assert "rank 0 on hpt-n1" in where["spread"] and "rank 2 on hpt-n2" in where["spread"], where
+    assert_same_params(tmp_path / "first.h5", tmp_path / "spread.h5")
 
 
 # ---- SLURM jobs across nodes -----------------------------------------------------------------

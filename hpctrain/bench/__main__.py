@@ -12,10 +12,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m hpctrain.bench", description=__doc__)
     sub = p.add_subparsers(dest="what", required=True)
 
-    a = sub.add_parser("allreduce", help="hpctrain's ring vs MPI's Allreduce, 4 KiB to 64 MiB")
+    a = sub.add_parser("allreduce", help="allreduce algorithms side by side (ring, ring-rank, hier, mpi), 4 KiB to 64 MiB")
     a.add_argument("--ranks", type=int, default=2, help="ranks to launch when not already under mpirun (default: %(default)s)")
     a.add_argument("--sizes", default="4K,16K,64K,256K,1M,4M,16M,64M", help="comma-separated sizes in bytes (K, M suffixes)")
     a.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="buffers in host memory or CuPy device memory")
+    a.add_argument("--algorithms", default="ring,mpi",
+                   help="comma-separated: ring (hpctrain's, node order), ring-rank (rank order), hier, mpi "
+                        "(default: %(default)s); ratios against the first")
+    a.add_argument("--link-gbit", type=float, default=None,
+                   help="link rate between nodes: also measure bytes per node link and link efficiency")
     a.add_argument("--json", action="store_true", help="one JSON object instead of a table")
 
     t = sub.add_parser("train", help="training throughput for several rank counts (flags after -- go to hpctrain.mnist)")

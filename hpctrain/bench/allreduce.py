@@ -1,14 +1,27 @@
-"""hpctrain's ring allreduce against MPI's native Allreduce, in one run.
+"""Allreduce algorithms side by side, in one run: hpctrain's ring (in node
+order, and in rank order), the hierarchical allreduce, MPI's native one.
 
     python -m hpctrain.bench allreduce --ranks 2          # launches mpirun -n 2 itself
     mpirun -n 4 python -m hpctrain.bench allreduce        # or run it under your launcher
+    HPCTRAIN_MPIRUN_ARGS="-hosts n1:2,n2:2" python -m hpctrain.bench allreduce --ranks 4 \\
+        --algorithms ring,ring-rank,hier,mpi --link-gbit 1    # several nodes: bytes per link too
 
-For each size, the two algorithms alternate (so machine noise hits both), each
-iteration starts after a barrier, and an iteration's time is the slowest
+For each size, the algorithms alternate (so machine noise hits all alike),
+each iteration starts after a barrier, and an iteration's time is the slowest
 rank's. Reported: median time, algbw = S/t and busbw = algbw * 2(N-1)/N (the
 nccl-tests definitions, so busbw is comparable across rank counts).
+
+With --link-gbit R, each algorithm then runs again on its own, and the
+lowest rank of every node reads the node's network byte counters
+(/sys/class/net/*/statistics, loopback left out) around it: `link MB` is the
+most any node sent per allreduce, `must MB` what the algorithm has to send
+out of a node (ring: 2(N-1)/N of the buffer from every rank whose right
+neighbour is on another node; hier: 2(M-1)/M of it for M nodes; MPI's: not
+known), and link efficiency = must bytes / (time x R). On one node nothing
+crosses a link and both are 0.
 """
 import json
+import os
 import sys
 import time
 
@@ -18,6 +31,9 @@ from ..cluster import in_mpi_job
 from .common import launch, table
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
+# name on the command line -> (strategy, ring order)
+ALGORITHMS = {"ring": ("ring", "node"), "ring-rank": ("ring", "rank"), "hier": ("hier", "node"),
+              "mpi": ("mpi", "node")}
 
 
 def parse_size(text):
@@ -26,14 +42,60 @@ def parse_size(text):
     return int(float(text.rstrip("KMG")) * scale)
 
 
-def measure(comm, sizes, device="cpu", min_time=0.3, max_iters=200):
+def key(name):
+    return name.replace("-", "_")
+
+
+def node_bytes_out():
+    """Bytes this node has sent on its network interfaces (loopback left out)."""
+    total = 0
+    for iface in os.listdir("/sys/class/net"):
+        if iface == "lo":
+            continue
+        try:
+            with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+                total += int(f.read())
+        except OSError:
+            pass
+    return total
+
+
+def must_send(name, topology, nbytes):
+    """Bytes the algorithm has to send out of the busiest node per allreduce
+    of nbytes (None where the algorithm is not ours to know)."""
+    n, m = topology.size, topology.num_nodes
+    if m == 1:
+        return 0.0
+    if name == "hier":
+        return 2 * (m - 1) / m * nbytes
+    if name in ("ring", "ring-rank"):
+        order = topology.by_node() if ALGORITHMS[name][1] == "node" else list(range(n))
+        crossing = [0] * m
+        for i, r in enumerate(order):
+            if topology.node_of[r] != topology.node_of[order[(i + 1) % n]]:
+                crossing[topology.node_of[r]] += 1
+        return max(crossing) * 2 * (n - 1) / n * nbytes
+    return None
+
+
+def _slowest(comm, values):
+    from mpi4py import MPI
+    values = np.asarray(values, np.float64)
+    comm.Allreduce(MPI.IN_PLACE, values, op=MPI.MAX)
+    return values
+
+
+def measure(comm, sizes, device="cpu", min_time=0.3, max_iters=200, algorithms=("ring", "mpi"),
+            link_gbit=None):
     from ..comm import make_allreduce
     from ..comm.topology import Topology
     from .. import device as dev
     xp, _, _ = dev.select(device)
-    with Topology(comm) as topology:  # GPU: direct on a CUDA-aware MPI, else staged
-        strategies = {name: make_allreduce(name, topology, xp) for name in ("ring", "mpi")}
+    topology = Topology(comm)
+    strategies = {name: make_allreduce(ALGORITHMS[name][0], topology, xp, ring_order=ALGORITHMS[name][1])
+                  for name in algorithms}
     size, rows = comm.Get_size(), []
+    first = algorithms[0]
     for nbytes in sizes:
         n = max(1, nbytes // 4)
         buf = xp.ones(n, np.float32)
@@ -41,7 +103,7 @@ def measure(comm, sizes, device="cpu", min_time=0.3, max_iters=200):
             strategy.allreduce(buf)
         # iterations: enough for ~min_time per algorithm, decided on rank 0
         t0 = time.perf_counter()
-        strategies["mpi"].allreduce(buf)
+        strategies[first].allreduce(buf)
         est = np.array([time.perf_counter() - t0])
         comm.Bcast(est, root=0)
         iters = int(min(max_iters, max(5, min_time / max(est[0], 1e-6))))
@@ -55,26 +117,66 @@ def measure(comm, sizes, device="cpu", min_time=0.3, max_iters=200):
                 strategy.allreduce(buf)
                 dev.synchronize(xp)
                 times[name][i] = time.perf_counter() - t
-        row = {"bytes": n * 4, "ranks": size, "iters": iters}
+        row = {"bytes": n * 4, "ranks": size, "nodes": topology.num_nodes, "iters": iters}
         for name, t in times.items():
-            from mpi4py import MPI
-            comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
-            med = float(np.median(t))
-            algbw = n * 4 / med / 1e9
-            row[f"{name}_us"] = med * 1e6
-            row[f"{name}_busbw"] = algbw * 2 * (size - 1) / size
-        row["ratio_busbw"] = row["ring_busbw"] / row["mpi_busbw"] if row["mpi_busbw"] else None
-        row["ratio_latency"] = row["ring_us"] / row["mpi_us"]
+            med = float(np.median(_slowest(comm, t)))
+            row[f"{key(name)}_us"] = med * 1e6
+            row[f"{key(name)}_busbw"] = n * 4 / med / 1e9 * 2 * (size - 1) / size
+        if "ring" in strategies and "mpi" in strategies:
+            row["ratio_busbw"] = row["ring_busbw"] / row["mpi_busbw"] if row["mpi_busbw"] else None
+            row["ratio_latency"] = row["ring_us"] / row["mpi_us"]
+        for name in algorithms[1:]:
+            row[f"{key(name)}_vs_{key(first)}"] = row[f"{key(name)}_busbw"] / row[f"{key(first)}_busbw"]
+        if link_gbit:
+            for name, strategy in strategies.items():
+                row.update(_link_pass(comm, topology, name, strategy, buf, min(iters, 20), link_gbit, xp, dev))
         rows.append(row)
+    topology.free()
     return rows
 
 
-COLUMNS = [("bytes", "bytes", "{:,}"), ("ring us", "ring_us", "{:,.1f}"), ("mpi us", "mpi_us", "{:,.1f}"),
-           ("ring busbw GB/s", "ring_busbw", "{:.2f}"), ("mpi busbw GB/s", "mpi_busbw", "{:.2f}"),
-           ("ring/mpi busbw", "ratio_busbw", "{:.2f}"), ("ring/mpi time", "ratio_latency", "{:.2f}")]
+def _link_pass(comm, topology, name, strategy, buf, iters, link_gbit, xp, dev):
+    """One algorithm alone for `iters` allreduces: bytes out of the busiest
+    node per allreduce, what it must send, and the link efficiency."""
+    comm.Barrier()
+    before = node_bytes_out() if topology.is_leader else 0
+    times = np.empty(iters)
+    for i in range(iters):
+        dev.synchronize(xp)
+        comm.Barrier()
+        t = time.perf_counter()
+        strategy.allreduce(buf)
+        dev.synchronize(xp)
+        times[i] = time.perf_counter() - t
+    comm.Barrier()
+    sent = (node_bytes_out() - before) / iters if topology.is_leader else 0.0
+    sent = float(_slowest(comm, [sent])[0])
+    med = float(np.median(_slowest(comm, times)))
+    must = must_send(name, topology, buf.size * 4)
+    k = key(name)
+    return {f"{k}_link_mb": sent / 1e6, f"{k}_must_mb": None if must is None else must / 1e6,
+            f"{k}_link_eff": None if not must else must / (med * link_gbit * 1e9 / 8)}
+
+
+def columns(algorithms, link_gbit):
+    cols = [("bytes", "bytes", "{:,}")]
+    cols += [(f"{a} us", f"{key(a)}_us", "{:,.1f}") for a in algorithms]
+    cols += [(f"{a} busbw GB/s", f"{key(a)}_busbw", "{:.3f}") for a in algorithms]
+    cols += [(f"{a}/{algorithms[0]}", f"{key(a)}_vs_{key(algorithms[0])}", "{:.2f}") for a in algorithms[1:]]
+    if link_gbit:
+        for a in algorithms:
+            cols += [(f"{a} link MB", f"{key(a)}_link_mb", "{:.2f}"), (f"{a} must MB", f"{key(a)}_must_mb", "{:.2f}"),
+                     (f"{a} link eff", f"{key(a)}_link_eff", "{:.2f}")]
+    return cols
 
 
 def main(args):
+    algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown or not algorithms:
+        print(f"hpctrain: error: --algorithms: unknown {', '.join(unknown) or '(none given)'} "
+              f"(choose from {', '.join(ALGORITHMS)})", file=sys.stderr)
+        return 2
     if not in_mpi_job():
         argv = [a for a in sys.argv[1:]]
         r = launch(args.ranks, ["-m", "hpctrain.bench", *argv])
@@ -85,11 +187,17 @@ def main(args):
     configure_process()
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
-    rows = measure(comm, [parse_size(s) for s in args.sizes.split(",")], args.device)
+    rows = measure(comm, [parse_size(s) for s in args.sizes.split(",")], args.device,
+                   algorithms=algorithms, link_gbit=args.link_gbit)
     if comm.rank == 0:
         if args.json:
-            print(json.dumps({"bench": "allreduce", "ranks": comm.size, "device": args.device, "rows": rows}))
+            print(json.dumps({"bench": "allreduce", "ranks": comm.size, "nodes": rows[0]["nodes"] if rows else 1,
+                              "device": args.device, "algorithms": list(algorithms),
+                              "link_gbit": args.link_gbit, "rows": rows}))
         else:
-            print(f"allreduce, {comm.size} ranks, float32, {args.device}: median of the slowest rank per iteration")
-            print(table(rows, COLUMNS))
+            nodes = rows[0]["nodes"] if rows else 1
+            print(f"allreduce, {comm.size} ranks on {nodes} node{'s' if nodes > 1 else ''}, float32, {args.device}: "
+                  f"median of the slowest rank per iteration"
+                  + (f"; links {args.link_gbit:g} Gbit/s" if args.link_gbit else ""))
+            print(table(rows, columns(algorithms, args.link_gbit)))
     return 0
