@@ -168,7 +168,6 @@ def test_on_one_node_auto_is_todays_ring_in_rank_order():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_auto_picks_by_topology_and_says_why(split):
-    comm = MPI.COMM_WORLD
     with fake_topology(split) as topology:
         strategy = make_allreduce("auto", topology, np)
         nodes, equal = topology.num_nodes, topology.equal_nodes
