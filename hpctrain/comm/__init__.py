@@ -74,7 +74,7 @@ def make_allreduce(name, topology, xp, watchdog=None, cuda_aware="auto", ring_or
     topology.comm for arrays of module xp; 'auto' and 'hier' resolved by
     `choose` (its reason is the returned strategy's `choice`, "" if none);
     the ring ordered by `ring_order` ('node' or 'rank'):
-    - NumPy: the ring or MPI strategy itself (no wrapper, no extra work per call);
+    - NumPy: the ring, hier or MPI strategy itself (no wrapper, no extra work per call);
     - CuPy: NCCL for 'nccl'; else the same strategy given device buffers on a
       CUDA-aware MPI (`cuda_aware`: 'auto' asks the library, 'yes'/'no'
       override), or staged through pinned host memory; either bound to this
