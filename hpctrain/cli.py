@@ -103,8 +103,15 @@ def build_parser():
                    help="where arrays live: cpu (NumPy), gpu (CuPy), auto (gpu if CuPy sees one) (default: %(default)s)")
 
     g = p.add_argument_group("ring mode")
-    g.add_argument("--allreduce", choices=["ring", "mpi", "nccl"], default="ring",
-                   help="ring: hpctrain's ring allreduce; mpi: MPI_Allreduce; nccl: NCCL through CuPy (default: %(default)s)")
+    g.add_argument("--allreduce", choices=["auto", "ring", "hier", "mpi", "nccl"], default="auto",
+                   help="ring: hpctrain's ring allreduce; hier: reduce-scatter inside each node, ring allreduce "
+                        "across nodes, allgather inside each node (equal ranks per node, else the ring); "
+                        "auto: ring on one node, hier on several with equal ranks per node, ring otherwise; "
+                        "mpi: MPI_Allreduce; nccl: NCCL through CuPy (default: %(default)s)")
+    g.add_argument("--ring-order", choices=["node", "rank"], default="node",
+                   help="order of the ring's ranks: node (ranks of one node adjacent, whatever the launcher's "
+                        "placement: each node boundary crossed once per direction) or rank (the launcher's "
+                        "order); the same on one node (default: %(default)s)")
     g.add_argument("--fusion-mb", type=_nonneg_float, default=1.0,
                    help="bucket size in MiB for fused, overlapped gradient allreduce; 0 = one allreduce after backprop (default: %(default)s)")
     g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
@@ -172,7 +179,7 @@ def validate(args, world_size):
         raise HpctrainError("--allreduce nccl needs --device gpu (or auto on a GPU node)")
     if args.shard_optimizer == "on" and args.mode == "ring" and args.allreduce == "nccl":
         raise HpctrainError("--shard-optimizer on does not work with --allreduce nccl yet "
-                            "(its reduce-scatter needs equal parts); use --allreduce ring or mpi")
+                            "(its reduce-scatter needs equal parts); use --allreduce auto, ring, hier or mpi")
     if args.shard_optimizer == "on" and args.mode == "ps":
         raise HpctrainError("--shard-optimizer on is for --mode ring (in ps mode the servers "
                             "already hold the optimizer state in shards)")

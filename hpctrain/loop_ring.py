@@ -75,7 +75,10 @@ def train_ring(session):
     reader = prefetch.device_batches(session.open_reader(), xp)  # GPU: pinned, async, one step ahead
     with session.watchdog.waiting("start-up (allreduce communicators)", peer=None):
         with Topology(comm) as topology:  # the strategy keeps its own duplicate of comm
-            strategy = make_allreduce(args.allreduce, topology, xp, session.watchdog, args.cuda_aware)
+            strategy = make_allreduce(args.allreduce, topology, xp, session.watchdog, args.cuda_aware,
+                                      args.ring_order)
+    if strategy.choice:   # which algorithm the topology got, and why
+        session.chief_says(f"hpctrain: allreduce {strategy.name} ({strategy.choice})")
     # Buckets of the wire are allreduced as backprop finishes them, and each
     # reduced bucket's parameters are updated right away (comm/fusion.py).
     # Sharded: reduce-scattered, this rank's part updated, parameters allgathered.

@@ -43,12 +43,15 @@ def _device_sync(buf):
 
 
 class RingAllreduce(FlatStrategy):
-    """Ring allreduce over `comm` (duplicated). Contiguous 1-D arrays, summed in place."""
+    """Ring allreduce over `comm` (duplicated), in comm's rank order.
+    Contiguous 1-D arrays, summed in place. `label` starts the watchdog's
+    description of each wait (hier.py's two rings say which is which)."""
 
     name = "ring"
 
-    def __init__(self, comm, watchdog=None):
+    def __init__(self, comm, watchdog=None, label="ring"):
         super().__init__(comm, watchdog)
+        self.label = label
         self.right = (self.rank + 1) % self.size
         self.left = (self.rank - 1) % self.size
         self._scratch = {}
@@ -73,7 +76,7 @@ class RingAllreduce(FlatStrategy):
         if self.size == 1 or buf.size == 0:
             return buf
         xp, sync = _device_sync(buf)
-        with self._waiting("ring allreduce"):
+        with self._waiting(f"{self.label} allreduce"):
             self._reduce_scatter(buf, xp, sync)
             self._allgather(buf)
         return buf
@@ -81,14 +84,14 @@ class RingAllreduce(FlatStrategy):
     def reduce_scatter(self, buf):
         if self.size > 1 and buf.size > 0:
             xp, sync = _device_sync(buf)
-            with self._waiting("ring reduce-scatter"):
+            with self._waiting(f"{self.label} reduce-scatter"):
                 self._reduce_scatter(buf, xp, sync)
         return self.shard(buf.size)
 
     def allgather(self, buf):
         if self.size > 1 and buf.size > 0:
             _device_sync(buf)
-            with self._waiting("ring allgather"):
+            with self._waiting(f"{self.label} allgather"):
                 self._allgather(buf)
         return buf
 

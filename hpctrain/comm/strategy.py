@@ -17,7 +17,8 @@ so always ask `shard`. Parts may be empty when a buffer is shorter than the
 communicator. Attributes: `name`, `size`, `rank`.
 
 Implementations: ring.py, mpi.py, nccl.py (flat, over one communicator);
-staged.py wraps any of the host ones for device buffers.
+hier.py (two rings: inside each node, then across nodes); staged.py wraps
+any of the host ones for device buffers.
 
     python -m pytest -q tests/test_ring.py    # and under mpirun, see there
 """
@@ -34,10 +35,24 @@ def waiting(watchdog, what, peer=None):
     return nullcontext() if watchdog is None else watchdog.waiting(what, peer=peer)
 
 
+def world_ranks(comm):
+    """COMM_WORLD's rank of each rank of comm, in comm's order. Messages name
+    these: a rank of a reordered or split communicator (a node-ordered ring,
+    a node's ring) means nothing to whoever reads the line. Local, no messages."""
+    from mpi4py import MPI
+    mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), world)]
+    finally:
+        mine.Free()
+        world.Free()
+
+
 class FlatStrategy:
     """Base of the strategies over one communicator, which they duplicate so
     their messages never match anyone else's. Subclasses give `name`,
-    `owned_chunk()` and the three operations."""
+    `owned_chunk()` and the three operations. `rank` is the position in comm
+    (what ownership follows); `world_ranks` names peers in messages."""
 
     name = "?"
 
@@ -45,6 +60,7 @@ class FlatStrategy:
         self.comm = comm.Dup()
         self.size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
+        self.world_ranks = world_ranks(self.comm)
         self.watchdog = watchdog
 
     def owned_chunk(self):
@@ -57,6 +73,11 @@ class FlatStrategy:
         return bounds[k], bounds[k + 1]
 
     def waiting(self, what, peer=None):
+        """peer: positions in comm (an int or a list), named as world ranks."""
+        if isinstance(peer, int):
+            peer = self.world_ranks[peer]
+        elif isinstance(peer, (list, tuple, set)):
+            peer = sorted(self.world_ranks[p] for p in peer)
         return waiting(self.watchdog, what, peer)
 
     def free(self):

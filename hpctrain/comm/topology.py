@@ -11,6 +11,11 @@ gathered as fixed-width byte records (no pickle).
     with Topology(comm) as topology:
         strategy = make_allreduce("ring", topology, np)
     mpirun -n 3 python -m hpctrain.comm.topology      # prints each rank's place
+
+Tests on one machine stand in for several nodes with a real split given as
+`node_comm` (Topology(comm, node_comm=comm.Split(rank // 2, rank))): the
+node-aware code then runs exactly as on a cluster. Production code never
+passes it, so a run always sees MPI's shared-memory truth.
 """
 import socket
 
@@ -27,12 +32,18 @@ class Topology:
     node_comm: the ranks on this node (created here: free() it); local_rank,
     local_size: this rank within its node; node_of: the node index of every
     rank (nodes numbered by their lowest rank); node: this rank's node;
-    num_nodes; hosts: every rank's host name. Collective to build over comm."""
+    num_nodes; local_sizes: the ranks on each node; hosts: every rank's host
+    name. Collective to build over comm.
 
-    def __init__(self, comm):
+    node_comm: the nodes given instead of found (tests: a split of comm,
+    ordered by rank within each part); taken over, freed by free()."""
+
+    def __init__(self, comm, node_comm=None):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        if node_comm is None:
+            node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.node_comm = node_comm
         self.local_rank, self.local_size = self.node_comm.Get_rank(), self.node_comm.Get_size()
         # Each node is named by its lowest rank (its leader's, key=rank above).
         leader = np.array([self.rank], np.int64)
@@ -43,12 +54,24 @@ class Topology:
         self.node_of = [index[first] for first in leaders.tolist()]
         self.node = self.node_of[self.rank]
         self.num_nodes = len(index)
+        self.local_sizes = [self.node_of.count(i) for i in range(self.num_nodes)]
         self.hosts = allgather_bytes(comm, socket.gethostname(), HOST_BYTES)
 
     @property
     def is_leader(self):
         """The lowest rank of its node."""
         return self.local_rank == 0
+
+    @property
+    def equal_nodes(self):
+        """Every node has as many ranks as every other (a hierarchical allreduce needs it)."""
+        return len(set(self.local_sizes)) == 1
+
+    def by_node(self):
+        """The ranks of comm ordered by node, then by rank: a ring in this
+        order crosses each node boundary once per direction, wherever the
+        launcher placed the ranks (round-robin placement would cross at every hop)."""
+        return sorted(range(self.size), key=lambda r: (self.node_of[r], r))
 
     def free(self):
         """Free the communicators created here (collective over comm)."""
