@@ -260,13 +260,14 @@ class Cluster:
                 or len(servers) != min(self.num_ps, self.size):
             raise ValueError(f"servers {servers}: need {self.num_ps} distinct, sorted ranks of 0..{self.size - 1}")
         self.ps_ranks = list(servers)
-        taken = set(self.ps_ranks)
-        self.worker_ranks = [r for r in range(self.size) if r not in taken]
+        self._task = {r: k for k, r in enumerate(self.ps_ranks)}   # world rank -> ps task
+        self.worker_ranks = [r for r in range(self.size) if r not in self._task]
+        self._worker = {r: w for w, r in enumerate(self.worker_ranks)}   # world rank -> worker task
         self.num_workers = len(self.worker_ranks)
-        self.is_ps = self.rank in taken
+        self.is_ps = self.rank in self._task
         self.is_worker = not self.is_ps
-        self.worker_index = self.worker_ranks.index(self.rank) if self.is_worker else None
-        self.ps_index = self.ps_ranks.index(self.rank) if self.is_ps else None
+        self.worker_index = self._worker.get(self.rank)
+        self.ps_index = self._task.get(self.rank)
         # No worker (--num-ps >= world size, refused by cli.validate next): no chief.
         self.chief_rank = self.worker_ranks[0] if self.worker_ranks else self.size
         self.is_chief = self.rank == self.chief_rank
@@ -319,9 +320,9 @@ class Cluster:
     def role_name(self, rank=None):
         """TensorFlow's naming: /job:ps/task:0, /job:worker/task:1."""
         rank = self.rank if rank is None else rank
-        if rank in self.ps_ranks:
-            return f"/job:ps/task:{self.ps_ranks.index(rank)}"
-        return f"/job:worker/task:{self.worker_ranks.index(rank)}"
+        if rank in self._task:
+            return f"/job:ps/task:{self._task[rank]}"
+        return f"/job:worker/task:{self._worker[rank]}"
 
     def servers_line(self):
         """Where each server is: one line for the start-up log."""
