@@ -126,7 +126,12 @@ def build_parser():
                    help="pass GPU buffers straight to MPI (yes), stage through host memory (no), or ask the MPI library (auto)")
 
     g = p.add_argument_group("ps mode")
-    g.add_argument("--num-ps", type=_positive_int, default=1, help="the first N ranks are parameter servers (default: %(default)s)")
+    g.add_argument("--num-ps", type=_positive_int, default=1,
+                   help="N ranks are parameter servers, which ones: --ps-ranks (default: %(default)s)")
+    g.add_argument("--ps-ranks", choices=["spread", "first"], default="spread",
+                   help="which ranks are the servers: spread: server k on node k mod (nodes), the lowest rank "
+                        "there not taken yet, so no one node's link carries every push and pull; first: "
+                        "ranks 0..N-1. On one node both are ranks 0..N-1 (default: %(default)s)")
     sync = g.add_mutually_exclusive_group()
     sync.add_argument("--sync", dest="sync", action="store_true", default=True,
                       help="synchronous updates: one per version from distinct workers (default)")

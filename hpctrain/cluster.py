@@ -7,12 +7,13 @@ Two halves, because some settings must be made before MPI (and BLAS) start:
   oversubscribed nodes and BLAS threads per rank, and pick this rank's GPU
   (`bind_gpu`: some CUDA-aware MPIs need the device set before MPI_Init).
   Standard library only, apart from CuPy for the GPU.
-- `Cluster(comm, mode, num_ps)`: after MPI_Init, the roles and communicators;
+- `Cluster(comm, mode, num_ps, ps_rule)`: after MPI_Init, the roles and
+  communicators; which ranks serve (`server_ranks`: --ps-ranks first|spread);
   `check_consistency(...)` compares the flags that must match on all ranks;
   `Cluster.confirm_gpu_binding()` checks the GPU choice against MPI's own
   node-local rank.
 
-    mpirun -n 4 python -m hpctrain.cluster --mode ps --num-ps 1   # prints the layout
+    mpirun -n 4 python -m hpctrain.cluster --mode ps --num-ps 2 --ps-ranks spread   # prints the layout
 """
 import os
 import socket
@@ -185,34 +186,96 @@ def bind_gpu(device="auto", env=None, cupy=None):
     return f"GPU {chosen} of {count} (launcher local rank {local_rank})"
 
 
+PS_RULES = ("spread", "first")
+
+
+def server_ranks(node_of, num_ps, rule="spread"):
+    """The world ranks of the parameter servers, sorted (ps task k is the k-th
+    of them). node_of: the node index of every world rank (nodes numbered by
+    their lowest rank, as comm/topology.py numbers them). first: ranks
+    0..num_ps-1. spread: server k goes to node k mod M (M nodes), to the
+    lowest rank there not taken yet; a node with no rank left is skipped for
+    the next one. On one node both give 0..num_ps-1. More servers than ranks:
+    every rank (cli.validate refuses that layout right after)."""
+    size = len(node_of)
+    num_ps = min(num_ps, size)
+    if rule == "first":
+        return list(range(num_ps))
+    if rule != "spread":
+        raise ValueError(f"unknown --ps-ranks rule {rule!r} (choose from {', '.join(PS_RULES)})")
+    free = {}   # node -> its ranks not taken yet, lowest first
+    for rank, node in enumerate(node_of):
+        free.setdefault(node, []).append(rank)
+    nodes = sorted(free)
+    taken = []
+    for k in range(num_ps):
+        i = k % len(nodes)
+        while not free[nodes[i]]:   # this node is all servers already: the next one
+            i = (i + 1) % len(nodes)
+        taken.append(free[nodes[i]].pop(0))
+    return sorted(taken)
+
+
+# The chief's world rank once a Cluster is made, for the Ctrl-C line
+# (mnist._interrupted), which must not call MPI to learn it.
+_ROLES = {"chief": None}
+
+
+def known_chief_rank():
+    """The chief's world rank, or None before the roles are known."""
+    return _ROLES["chief"]
+
+
 class Cluster:
     """Roles of every rank. ring: all ranks are workers, rank 0 is the chief.
-    ps: ranks [0, num_ps) are servers, the rest workers; worker 0 is the chief."""
+    ps: num_ps ranks are servers (which ones: `server_ranks(node_of, num_ps,
+    ps_rule)`, the same on every rank), the rest workers. Servers are ps task
+    0..K-1 in the order of their world ranks (ps_index), workers 0..W-1 in the
+    order of theirs (worker_index); the chief is worker 0, the lowest worker
+    rank. servers: an explicit sorted list of world ranks instead of the rule
+    (the tests put servers on ranks that the rule would not, all ranks being
+    on one node there). Collective over comm."""
 
-    def __init__(self, comm, mode="ring", num_ps=0):
+    def __init__(self, comm, mode="ring", num_ps=0, ps_rule="spread", servers=None):
         from mpi4py import MPI
+        from .comm.records import allgather_bytes
+        from .comm.topology import HOST_BYTES, nodes_of
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.mode = mode
         self.num_ps = num_ps if mode == "ps" else 0
-        self.ps_ranks = list(range(self.num_ps))
-        self.worker_ranks = list(range(self.num_ps, self.size))
-        self.num_workers = len(self.worker_ranks)
-        self.is_ps = self.rank < self.num_ps
-        self.is_worker = not self.is_ps
-        self.worker_index = self.rank - self.num_ps if self.is_worker else None
-        self.ps_index = self.rank if self.is_ps else None
-        self.chief_rank = self.num_ps
-        self.is_chief = self.rank == self.chief_rank
-        # Workers' own communicator (ring allreduce, evaluation): servers get COMM_NULL.
-        color = 0 if self.is_worker else MPI.UNDEFINED
-        self.worker_comm = comm.Split(color, self.rank)
+        self.ps_rule = ps_rule
         # Node-local rank from the MPI shared-memory split: the truth, whatever the launcher says.
         self.local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank = self.local_comm.Get_rank()
         self.local_size = self.local_comm.Get_size()
+        self.node_of = nodes_of(comm, self.local_comm)
+        self.num_nodes = max(self.node_of) + 1
         self.host = socket.gethostname()
+        self.hosts = allgather_bytes(comm, self.host, HOST_BYTES)
+        if servers is None or not self.num_ps:
+            servers = server_ranks(self.node_of, self.num_ps, ps_rule)
+        elif sorted(set(servers)) != list(servers) or not set(servers) <= set(range(self.size)) \
+                or len(servers) != min(self.num_ps, self.size):
+            raise ValueError(f"servers {servers}: need {self.num_ps} distinct, sorted ranks of 0..{self.size - 1}")
+        self.ps_ranks = list(servers)
+        self._task = {r: k for k, r in enumerate(self.ps_ranks)}   # world rank -> ps task
+        self.worker_ranks = [r for r in range(self.size) if r not in self._task]
+        self._worker = {r: w for w, r in enumerate(self.worker_ranks)}   # world rank -> worker task
+        self.num_workers = len(self.worker_ranks)
+        self.is_ps = self.rank in self._task
+        self.is_worker = not self.is_ps
+        self.worker_index = self._worker.get(self.rank)
+        self.ps_index = self._task.get(self.rank)
+        # No worker (--num-ps >= world size, refused by cli.validate next): no chief.
+        self.chief_rank = self.worker_ranks[0] if self.worker_ranks else self.size
+        self.is_chief = self.rank == self.chief_rank
+        _ROLES["chief"] = self.chief_rank
+        # Workers' own communicator (ring allreduce, evaluation), ordered by
+        # world rank, so its rank 0 is the chief: servers get COMM_NULL.
+        color = 0 if self.is_worker else MPI.UNDEFINED
+        self.worker_comm = comm.Split(color, self.rank)
 
     def confirm_gpu_binding(self, device="auto", cupy=None):
         """After MPI_Init, on every rank (collective over comm): the GPU must be
@@ -257,9 +320,16 @@ class Cluster:
     def role_name(self, rank=None):
         """TensorFlow's naming: /job:ps/task:0, /job:worker/task:1."""
         rank = self.rank if rank is None else rank
-        if rank < self.num_ps:
-            return f"/job:ps/task:{rank}"
-        return f"/job:worker/task:{rank - self.num_ps}"
+        if rank in self._task:
+            return f"/job:ps/task:{self._task[rank]}"
+        return f"/job:worker/task:{self._worker[rank]}"
+
+    def servers_line(self):
+        """Where each server is: one line for the start-up log."""
+        shown = [f"{self.role_name(r)} = rank {r} on {self.hosts[r]}" for r in self.ps_ranks[:16]]
+        more = f", ... ({len(self.ps_ranks) - 16} more)" if len(self.ps_ranks) > 16 else ""
+        nodes = f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''}"
+        return f"ps servers (--ps-ranks {self.ps_rule}, {nodes}): " + ", ".join(shown) + more
 
 
 def check_consistency(comm, settings):
@@ -289,8 +359,9 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="ring")
     p.add_argument("--num-ps", type=int, default=1)
+    p.add_argument("--ps-ranks", choices=PS_RULES, default="spread")
     a = p.parse_args()
     note = configure_process()
     from mpi4py import MPI
-    c = Cluster(MPI.COMM_WORLD, a.mode, a.num_ps)
+    c = Cluster(MPI.COMM_WORLD, a.mode, a.num_ps, a.ps_ranks)
     print(f"{c.role_name()} = rank {c.rank} on {c.host} (local {c.local_rank}/{c.local_size}; {note})")

@@ -8,7 +8,7 @@ reports and checkpoints, as loop_ring.py does for the ring.
     mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2 --async    # async
     mpirun -n 4 python -m hpctrain.mnist --mode ps --backup-workers 1    # 1 ps, 3 workers, 1 backup
 
-Servers (ranks [0, num_ps)) each own a slice of the flat parameter vector and
+Servers (--num-ps ranks, placed by --ps-ranks: cluster.server_ranks) each own a slice of the flat parameter vector and
 its optimizer state and run `Server.serve_until_done()` (`run_server`). Workers pull, compute, push; the
 chief (worker 0) initializes the servers with its initial parameters (the same
 as ring mode's for the same seed), logs, evaluates and writes the files.
@@ -230,7 +230,8 @@ def run_worker(session, checkpoints, comm, reader, resume):
         checkpoints.preempted(cluster.comm, step)   # raises the exit-75 error on every rank
     session.stop.phase = "finishing"   # a signal now may find a rank stuck: the watchdog acts on it
     extra = summarize(stats, W)
-    extra.update({"num_ps": cluster.num_ps, "placement": args.placement, "sync": args.sync, "replicas_to_aggregate": R,
+    extra.update({"num_ps": cluster.num_ps, "ps_ranks": args.ps_ranks, "server_ranks": cluster.ps_ranks,
+                  "placement": args.placement, "sync": args.sync, "replicas_to_aggregate": R,
                   "backup_workers": W - R if args.sync else 0, "max_staleness": args.max_staleness,
                   "dc_lambda": args.dc_lambda, "loop_s": round(t_loop, 4), "local_steps": local,
                   "rejected_pushes": client.rejected})

@@ -124,7 +124,9 @@ def _interrupted(args):
     mpi = sys.modules.get("mpi4py.MPI")
     up = mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
     rank = mpi.COMM_WORLD.Get_rank() if up else (cluster.launcher_env()[0] or 0)
-    chief = args.num_ps if args is not None and args.mode == "ps" else 0
+    chief = cluster.known_chief_rank()
+    if chief is None:   # before the roles are known: today's rule's chief, or rank 0
+        chief = args.num_ps if args is not None and args.mode == "ps" else 0
     if rank != chief:
         if not up:
             return EXIT_INTERRUPTED   # before MPI: every rank got it from the launcher

@@ -213,8 +213,18 @@ class Session:
         self.comm = MPI.COMM_WORLD
         self.watchdog = watchdog
         with watchdog.waiting("start-up (communicators)", peer=None):
-            self.cluster = cluster = Cluster(self.comm, args.mode, args.num_ps)
+            self.cluster = cluster = Cluster(self.comm, args.mode, args.num_ps, args.ps_ranks)
         self.chief = cluster.is_chief
+        # The same job everywhere, the same checkpoint directory included: a
+        # rank with another --checkpoint-dir would wait for checkpoints forever.
+        # First, before the roles are used: ranks that disagree on --num-ps or
+        # --ps-ranks disagree on who the chief is (the rank map's root).
+        where = os.path.realpath(args.checkpoint_dir) if args.checkpoint_dir else "-"
+        if len(where) > 60:   # compared as 64-byte records: keep the end, hash the whole
+            where = hashlib.sha256(where.encode()).hexdigest()[:8] + "..." + where[-45:]
+        with watchdog.waiting("start-up (same job on every rank)", peer=None):
+            self.agreed(self.comm, check_consistency, self.comm,
+                        dict(settings.same_on_every_rank(args), checkpoint_dir=where))
         with watchdog.waiting("start-up (rank map)", peer=None):
             jobcheck.check_world(cluster, self.chief_says)
         self.t_start = time.perf_counter()
@@ -233,14 +243,8 @@ class Session:
         self.chief_says(f"hpctrain: {args.mode} mode, world size {cluster.size} "
                         f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {self.device_name} "
                         f"({device_note})" + (f"; {process_note}" if process_note else ""))
-        # The same job everywhere, the same checkpoint directory included: a
-        # rank with another --checkpoint-dir would wait for checkpoints forever.
-        where = os.path.realpath(args.checkpoint_dir) if args.checkpoint_dir else "-"
-        if len(where) > 60:   # compared as 64-byte records: keep the end, hash the whole
-            where = hashlib.sha256(where.encode()).hexdigest()[:8] + "..." + where[-45:]
-        with watchdog.waiting("start-up (same job on every rank)", peer=None):
-            self.agreed(self.comm, check_consistency, self.comm,
-                        dict(settings.same_on_every_rank(args), checkpoint_dir=where))
+        if cluster.num_ps:
+            self.chief_says(cluster.servers_line())
         # The same data everywhere (its manifest's content, not its path).
         self.data_dir = ensure_data(args, cluster, watchdog)
         data = self.agreed(self.comm, data_identity, self.data_dir)

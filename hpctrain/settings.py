@@ -17,7 +17,7 @@ from .model import num_params
 
 # Flags whose value must be identical on every rank of a job.
 RANK_FLAGS = ("mode", "batch_size", "steps", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
-              "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "sync", "replicas_to_aggregate", "backup_workers",
+              "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "sync", "replicas_to_aggregate", "backup_workers",
               "max_staleness", "dc_lambda", "placement", "checkpoint_every", "timeout")
 SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "num_workers", "batch_size", "seed")
 

@@ -27,6 +27,19 @@ from .records import allgather_bytes
 HOST_BYTES = 64
 
 
+def nodes_of(comm, node_comm):
+    """The node index of every rank of comm, the same list on every rank:
+    nodes numbered 0, 1, ... in the order of their lowest rank. node_comm:
+    this rank's node, split from comm by COMM_TYPE_SHARED with key=rank (so
+    its rank 0 is the node's lowest). Collective over comm."""
+    leader = np.array([comm.Get_rank()], np.int64)
+    node_comm.Bcast(leader, root=0)
+    leaders = np.empty(comm.Get_size(), np.int64)
+    comm.Allgather(leader, leaders)
+    index = {first: i for i, first in enumerate(sorted(set(leaders.tolist())))}
+    return [index[first] for first in leaders.tolist()]
+
+
 class Topology:
     """comm: the communicator (not duplicated, not freed here); rank, size;
     node_comm: the ranks on this node (created here: free() it); local_rank,
@@ -45,15 +58,9 @@ class Topology:
             node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.node_comm = node_comm
         self.local_rank, self.local_size = self.node_comm.Get_rank(), self.node_comm.Get_size()
-        # Each node is named by its lowest rank (its leader's, key=rank above).
-        leader = np.array([self.rank], np.int64)
-        self.node_comm.Bcast(leader, root=0)
-        leaders = np.empty(self.size, np.int64)
-        comm.Allgather(leader, leaders)
-        index = {first: i for i, first in enumerate(sorted(set(leaders.tolist())))}
-        self.node_of = [index[first] for first in leaders.tolist()]
+        self.node_of = nodes_of(comm, self.node_comm)
         self.node = self.node_of[self.rank]
-        self.num_nodes = len(index)
+        self.num_nodes = max(self.node_of) + 1
         self.local_sizes = [self.node_of.count(i) for i in range(self.num_nodes)]
         self.hosts = allgather_bytes(comm, socket.gethostname(), HOST_BYTES)
 
