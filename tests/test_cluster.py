@@ -283,7 +283,7 @@ def test_hier_equals_the_flat_ring_across_nodes(cluster, tmp_path):
     assert_same_params(tmp_path / "ring.h5", tmp_path / "hier.h5", rtol=1e-5)
 
 
-SERVERS = re.compile(r"^hpctrain: ps servers: (.*)$", re.M)
+SERVERS = re.compile(r"^(?:hpctrain: )?ps servers \(--ps-ranks \w+, 2 nodes\): (.*)$", re.M)
 
 
 def test_ps_servers_spread_over_nodes(cluster, tmp_path):
