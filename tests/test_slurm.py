@@ -29,7 +29,7 @@ reports it) and the job's combined stdout/stderr, or sbatch's own message when
 the submission is rejected. ``script`` is a path, or the text of a script
 (starting with ``#!``), which is written to a file first. ``env`` adds
 variables to the submitting environment (sbatch exports it to the job);
-``HPCTRAIN_PYTHON`` is always set to the repo's ``.venv`` python, and
+``HPCTRAIN_PYTHON`` is always set to the python running the tests, and
 ``PMI_*``/``OMPI_*``/``SLURM_*``-style launcher variables are dropped. A job still
 running at ``timeout`` is cancelled and the test fails with its output so far.
 ``sbatch --wait`` polls every 2 s (``MinJobAge=5``), so a job costs >= 2 s.
@@ -39,7 +39,13 @@ The job-script tests below submit the real ``jobs/ring.slurm`` and
 world-size check, the mpirun launcher, and kill-and-resume (signal, checkpoint,
 requeue or resubmission, bit-exact final parameters). About 80 s on 2 idle cores.
 
-Other attributes: ``slurm.repo``, ``slurm.python`` (``.venv/bin/python``),
+The python running pytest is the one the jobs use (``.venv`` for ``make test``,
+``.venv-openmpi`` for ``make test-openmpi``); the MPICH and Open MPI tests
+skip themselves under the other MPI. Open MPI's ``srun --mpi=pmix`` needs
+SLURM's PMIx plugin to find ``libpmix.so``: ``HPCTRAIN_SLURM_PMIX=1`` makes
+``slurm_up.sh`` install it (Debian's ``libpmix-dev``).
+
+Other attributes: ``slurm.repo``, ``slurm.python`` (the tests' python),
 ``slurm.workdir`` (job scripts and outputs), ``slurm.statedir`` (daemon logs),
 ``slurm.cmd(*argv, timeout=30)`` -> ``CompletedProcess`` for squeue/scontrol/...
 """
@@ -50,6 +56,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -64,7 +71,11 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parent.parent
 SLURM_DIR = REPO / "tests" / "slurm"
-VENV_PY = REPO / ".venv" / "bin" / "python"
+VENV_PY = Path(sys.executable)
+# Which MPI the jobs run on: the PyPI wheels put these next to the python.
+OPEN_MPI = (VENV_PY.parent / "ompi_info").exists()
+needs_mpich = pytest.mark.skipif(OPEN_MPI, reason="MPICH (pmi2) test; this python's mpi4py uses Open MPI")
+needs_open_mpi = pytest.mark.skipif(not OPEN_MPI, reason="Open MPI test (make test-openmpi)")
 STATEDIR = Path(os.environ.get("HPCTRAIN_SLURM_STATE", "/tmp/hpctrain-slurm"))
 # Fresh machine: apt-get update + install can take minutes on a slow mirror.
 UP_TIMEOUT = 900
@@ -80,8 +91,6 @@ def _skip_reason():
         return "needs root to install and start a single-node SLURM"
     if not shutil.which("sbatch") and not shutil.which("apt-get"):
         return "SLURM is not installed and there is no apt-get to install it"
-    if not VENV_PY.exists():
-        return f"no {VENV_PY} (run make test-serial first)"
     return None
 
 
@@ -173,6 +182,7 @@ def _hello_job(srun_flags):
     )
 
 
+@needs_mpich
 def test_srun_pmi2_gives_one_world_of_four(slurm):
     rc, out = slurm.submit(_hello_job("--mpi=pmi2"), timeout=120)
     assert rc == 0, out
@@ -181,6 +191,7 @@ def test_srun_pmi2_gives_one_world_of_four(slurm):
     assert "hello_mpi: world of 4 ranks OK" in out, out
 
 
+@needs_mpich
 def test_srun_without_pmi2_is_caught(slurm):
     # MpiDefault=none: no PMI for MPICH, so each task is its own singleton world.
     rc, out = slurm.submit(_hello_job(""), timeout=120)
@@ -264,6 +275,7 @@ def _assert_same_params(a, b):
             f"{name}: max |diff| {abs(pa[name].astype('f8') - pb[name].astype('f8')).max()}"
 
 
+@needs_mpich
 def test_ring_job_trains_the_sample(slurm, tmp_path):
     # `sbatch jobs/ring.slurm` as is (4 ranks on the one node, 2000 steps), plus
     # a flag passed through to hpctrain.
@@ -283,6 +295,7 @@ def test_ring_job_trains_the_sample(slurm, tmp_path):
     assert "hpctrain-job: finished" in out, out
 
 
+@needs_mpich
 def test_ps_job_trains_the_sample(slurm, tmp_path):
     metrics = tmp_path / "ps.jsonl"
     rc, out = slurm.submit(PS_JOB, "--metrics", metrics,
@@ -296,6 +309,7 @@ def test_ps_job_trains_the_sample(slurm, tmp_path):
     assert (final["mode"], final["world_size"], final["workers"], final["steps"]) == ("ps", 4, 3, 2000)
 
 
+@needs_mpich
 def test_job_without_pmi_stops_with_one_clear_line(slurm, tmp_path):
     # srun --mpi=none: MPICH finds no PMI, every task is a world of size 1.
     rc, out = slurm.submit(RING_JOB, "--steps", "5", "--hidden", "8",
@@ -309,6 +323,7 @@ def test_job_without_pmi_stops_with_one_clear_line(slurm, tmp_path):
     assert not list((tmp_path / "runs").glob("*/ckpt-*.h5")), "a singleton world wrote a checkpoint"
 
 
+@needs_mpich
 def test_ring_job_with_mpirun_launcher(slurm, tmp_path):
     rc, out = slurm.submit(RING_JOB, "--steps", "50", "--hidden", "32",
                            env={"HPCTRAIN_LAUNCHER": "mpirun",
@@ -318,6 +333,25 @@ def test_ring_job_with_mpirun_launcher(slurm, tmp_path):
     assert re.search(r"launch: \S*mpirun -n 4 ", out), out
     assert "hpctrain-job: finished" in out, out
 
+
+@needs_open_mpi
+def test_ring_job_on_open_mpi_with_srun_pmix(slurm, tmp_path):
+    # jobs/env.sh finds Open MPI next to the python and launches with
+    # srun --mpi=pmix and PMIX_MCA_psec=native: one world of 4, no PMIx noise.
+    metrics = tmp_path / "ring.jsonl"
+    rc, out = slurm.submit(RING_JOB, "--steps", "50", "--hidden", "32", "--metrics", metrics,
+                           env={"HPCTRAIN_CHECKPOINT_ROOT": str(tmp_path / "runs")}, timeout=120)
+    assert rc == 0, out
+    assert (f"hpctrain-job: MPI: Open MPI (ompi_info next to {VENV_PY}) -> "
+            "srun --mpi=pmix, PMIX_MCA_psec=native") in out, out
+    assert "launch: srun --mpi=pmix " in out, out
+    _check_world_of_four(out)
+    final = _final_metrics(metrics)
+    assert (final["mode"], final["world_size"], final["steps"]) == ("ring", 4, 50)
+    assert "hpctrain-job: finished" in out, out
+    rest = "\n".join(line for line in out.splitlines() if not line.startswith("hpctrain-job: MPI:"))
+    for noise in ("psec", "munge", "help file", "PMIX ERROR", "-----"):
+        assert noise not in rest, out
 
 # ---- kill and resume -------------------------------------------------------------
 # These jobs are submitted without --wait and followed with scontrol: across a
@@ -480,16 +514,19 @@ def _kill_and_resume(slurm, tmp_path, tmp_path_factory, mode, how):
     _assert_same_params(resumed_h5, ref)
 
 
+@needs_mpich
 def test_ring_job_killed_requeues_itself_and_ends_where_an_uninterrupted_run_ends(
         slurm, tmp_path, tmp_path_factory):
     _kill_and_resume(slurm, tmp_path, tmp_path_factory, "ring", "requeue")
 
 
+@needs_mpich
 def test_ring_job_stopped_before_time_limit_resubmitted_ends_where_an_uninterrupted_run_ends(
         slurm, tmp_path, tmp_path_factory):
     _kill_and_resume(slurm, tmp_path, tmp_path_factory, "ring", "resubmit")
 
 
+@needs_mpich
 def test_ps_job_killed_requeues_itself_and_ends_where_an_uninterrupted_run_ends(
         slurm, tmp_path, tmp_path_factory):
     _kill_and_resume(slurm, tmp_path, tmp_path_factory, "ps", "requeue")

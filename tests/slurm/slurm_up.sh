@@ -7,7 +7,11 @@
 # script started is up with the same config, it says so and exits 0 at once.
 #
 # Environment: HPCTRAIN_SLURM_CPUS (CPUs the node advertises, default 4),
-# HPCTRAIN_SLURM_WAIT (seconds to wait for the node to go idle, default 30).
+# HPCTRAIN_SLURM_WAIT (seconds to wait for the node to go idle, default 30),
+# HPCTRAIN_SLURM_PMIX=1 (srun --mpi=pmix for Open MPI: SLURM's PMIx plugin
+# dlopens <pmix dir>/libpmix.so, which on Debian only libpmix-dev has, not
+# libpmix2; installed if missing, and a slurmd that started without it, and so
+# cannot load the plugin, is restarted).
 #
 # Exit codes: 0 up; 1 daemons failed to come up; 2 not root;
 # 3 packages missing and could not be installed; 4 /etc/slurm/slurm.conf
@@ -55,10 +59,13 @@ have_all() {
     done
 }
 export PATH=$PATH:/usr/sbin:/sbin
-if ! have_all; then
+WANT_PMIX=${HPCTRAIN_SLURM_PMIX:-0}
+have_pmix() { [ "$WANT_PMIX" != 1 ] || ls /usr/lib/*/pmix*/lib/libpmix.so >/dev/null 2>&1; }
+if ! have_all || ! have_pmix; then
     command -v apt-get >/dev/null 2>&1 || fail 3 "SLURM is not installed and there is no apt-get"
     export DEBIAN_FRONTEND=noninteractive
     PKGS="slurmctld slurmd slurm-client munge"
+    [ "$WANT_PMIX" = 1 ] && PKGS="$PKGS libpmix-dev"
     echo "slurm_up: installing $PKGS with apt-get" >&2
     # No package lists yet (fresh image): update first; otherwise try the
     # cached lists and update only if that fails (stale lists give 404s).
@@ -73,6 +80,7 @@ if ! have_all; then
         }
     fi
     have_all || fail 3 "installed $PKGS but the SLURM/munge commands are still missing"
+    have_pmix || fail 3 "installed $PKGS but there is still no libpmix.so for SLURM's PMIx plugin"
 fi
 
 # ---- config ----------------------------------------------------------------
@@ -139,8 +147,10 @@ pid_alive() {
 munge_ok() { timeout 5 munge -n 2>/dev/null | timeout 5 unmunge >/dev/null 2>&1; }
 node_state() { timeout 5 sinfo -h -o %t 2>/dev/null | head -n 1; }
 
+# A slurmd started before libpmix.so existed has no PMIx plugin until restarted.
+pmix_ok() { [ "$WANT_PMIX" != 1 ] || ! grep -q "can not load PMIx library" "$STATEDIR/slurmd.log" 2>/dev/null; }
 if [ -e "$CONF" ] && [ "$(cat "$CONF")" = "$NEW_CONF" ] \
-   && pid_alive "$STATEDIR/slurmctld.pid" && pid_alive "$STATEDIR/slurmd.pid" && munge_ok; then
+   && pid_alive "$STATEDIR/slurmctld.pid" && pid_alive "$STATEDIR/slurmd.pid" && munge_ok && pmix_ok; then
     case $(node_state) in
         idle|mix|alloc|comp)
             echo "slurm_up: already up: node $NODE $(node_state), CPUs=$CPUS, state $STATEDIR"
