@@ -43,6 +43,9 @@ def main(argv=None):
     m.add_argument("--ranks", type=int, default=4, help="ranks for the measurements (default: %(default)s)")
     m.add_argument("--sizes", default="4K,64K,1M,4M,16M", help="message sizes measured for the fit")
     m.add_argument("--link-gbit", type=float, default=25.0, help="link bandwidth to predict for (default: %(default)s)")
+    m.add_argument("--link-efficiency", type=float, default=0.85,
+                   help="fraction of the link rate an allreduce gets (default: %(default)s, measured across "
+                        "simulated nodes: docs/clusters.md)")
     m.add_argument("--alpha-us", type=float, default=None,
                    help="per-step latency to predict with (default: the one fitted here, hpctrain's software overhead)")
     m.add_argument("--compute-ms", type=float, default=50.0, help="compute time per step per GPU (default: %(default)s)")

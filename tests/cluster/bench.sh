@@ -45,20 +45,21 @@ for placement in block:hpt-n1:2,hpt-n2:2 round-robin:hpt-n1:1,hpt-n2:1; do
         --compare ring-order=node,rank -- --allreduce ring
 done
 echo
-echo "== the alpha-beta model against the ring, 1 rank per node (t = 2(N-1) alpha + 2(N-1)/N S beta, beta = 8/rate)"
+echo "== bench model's ring prediction against the ring, 1 rank per node ($gbit Gbit/s at --link-efficiency 0.85; alpha from 4K)"
 for hosts in hpt-n1:1,hpt-n2:1 hpt-n1:1,hpt-n2:1,hpt-n3:1,hpt-n4:1; do
     n=$(tr ',' '\n' <<< "$hosts" | wc -l)
-    on "$hosts" "$PY" -m hpctrain.bench allreduce --ranks "$n" --sizes 64K,16M,64M \
+    on "$hosts" "$PY" -m hpctrain.bench allreduce --ranks "$n" --sizes 4K,16M,64M \
         --algorithms ring --link-gbit "$gbit" --json |
     "$PY" -c "
 import json, sys
-d = json.loads(sys.stdin.read()); n = d['ranks']; beta = 8 / ($gbit * 1e9)
-small = d['rows'][0]; alpha = small['ring_us'] * 1e-6 / (2 * (n - 1))  # 64K: latency-bound, fixes alpha
+from hpctrain.bench.model import predict
+d = json.loads(sys.stdin.read()); n = d['ranks']; eff = 0.85
+alpha = d['rows'][0]['ring_us'] * 1e-6 / (2 * (n - 1))      # 4K: latency-bound
 for r in d['rows'][1:]:
-    pred = 2 * (n - 1) * alpha + 2 * (n - 1) / n * r['bytes'] * beta
+    pred = predict(n, r['bytes'], (alpha, alpha), 8 / ($gbit * 1e9 * eff), 0.0, 0.0, 1.0)['ring_comm_ms'] / 1e3
     meas = r['ring_us'] * 1e-6
-    print(f'{n} nodes x 1 rank, {r[\"bytes\"] / 2**20:g} MiB: measured {meas * 1e3:.1f} ms, model {pred * 1e3:.1f} ms '
-          f'(alpha {alpha * 1e6:.0f} us from 64K), error {(meas - pred) / pred:+.0%}; '
-          f'link {r[\"ring_link_mb\"]:.1f} MB sent, must {r[\"ring_must_mb\"]:.1f} MB, efficiency {r[\"ring_link_eff\"]:.2f}')
+    print(f'{n} nodes x 1 rank, {r[\"bytes\"] / 2**20:g} MiB: measured {meas * 1e3:.1f} ms, model {pred * 1e3:.1f} ms, '
+          f'error {(meas - pred) / pred:+.0%}; link {r[\"ring_link_mb\"]:.1f} MB sent, must {r[\"ring_must_mb\"]:.1f} MB, '
+          f'link efficiency {r[\"ring_link_eff\"]:.2f}')
 "
 done
