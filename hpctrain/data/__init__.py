@@ -23,13 +23,14 @@ One job per module:
 from .fetch import MD5, MIRRORS, STANDARD_FILES, fetch
 from .idx import read_idx
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, bundled_sample_dir, default_data_dir,
-                       is_prepared, load_manifest, model_fit_problem, repo_root, shard_name)
+                       is_prepared, load_manifest, model_fit_problem, model_shape, repo_root,
+                       shard_name)
 from .prepare import prepare
 from .reader import ShardReader, load_test
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MANIFEST", "MD5", "MIRRORS", "STANDARD_FILES",
     "ShardReader", "bundled_sample_dir", "default_data_dir", "fetch", "is_prepared",
-    "load_manifest", "load_test", "model_fit_problem", "prepare", "read_idx", "repo_root",
+    "load_manifest", "load_test", "model_fit_problem", "model_shape", "prepare", "read_idx", "repo_root",
     "shard_name",
 ]
