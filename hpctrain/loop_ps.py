@@ -29,7 +29,6 @@ import numpy as np
 
 from .comm.ps import Client, Server, describe, place, summarize
 from .errors import EXIT_TIMEOUT, HpctrainError
-from .model import MLP
 from .optim import OnDevice, make_optimizer
 from .loop_ring import diverged
 from .report import Report, finish_everywhere
@@ -79,7 +78,7 @@ def train_ps(session):
     # the run resumes; the chief then loads the servers (RESTORE).
     resume = checkpoints.load(cluster.comm)
     if cluster.is_ps:
-        tensor_ranges = MLP(args.hidden, np).tensor_ranges()
+        tensor_ranges = session.model(np).tensor_ranges()
         return run_server(session, checkpoints, comm, place(tensor_ranges, cluster.num_ps, args.placement))
     return run_worker(session, checkpoints, comm, reader, resume)
 
@@ -120,7 +119,7 @@ def run_worker(session, checkpoints, comm, reader, resume):
     args, cluster, xp = session.args, session.cluster, session.xp
     W, tl, chief = cluster.num_workers, session.timeline, session.chief
     report = Report(session)
-    model = MLP(args.hidden, xp)
+    model = session.model(xp)
     model.init(args.seed)
     tensor_ranges = model.tensor_ranges()
     placement = place(tensor_ranges, cluster.num_ps, args.placement)

@@ -19,7 +19,6 @@ from .comm.fusion import FusedAllreduce
 from .comm.topology import Topology
 from .comm.wire import Wire
 from .errors import EXIT_DIVERGED, HpctrainError
-from .model import MLP, num_params
 from .optim import make_optimizer, state_bytes
 from .report import Report, finish_everywhere
 from .resume import Checkpoints
@@ -37,13 +36,11 @@ def overlap_wanted(flag, xp, cluster, thread_multiple=True):
         return flag == "on"
     return device.is_gpu(xp) or cores_available() >= 2 * cluster.local_size
 
-
 def shard_wanted(flag):
     """--shard-optimizer auto is a fixed rule, not a measurement: off, until
     `python -m hpctrain.bench train` shows the sharded step faster (both give
     the same parameters bit for bit on the ring; sharding saves memory)."""
     return flag == "on"
-
 
 def diverged(step, loss, report):
     """The error that ends a run whose loss became inf or nan (exit 4: a requeue
@@ -52,21 +49,20 @@ def diverged(step, loss, report):
                          f"or --warmup-steps); no checkpoint of these parameters is written",
                          exit_code=EXIT_DIVERGED, collective=True, report=report)
 
-
 def train_ring(session):
     args, cluster, xp = session.args, session.cluster, session.xp
     chief, comm, workers = session.chief, cluster.worker_comm, cluster.num_workers
     report, checkpoints, timeline = Report(session), Checkpoints(session), session.timeline
 
     # --- model, optimizer, data, allreduce ----------------------------------
-    n = num_params(args.hidden)
+    n = session.num_params()   # the data's manifest shapes the model
     wire = Wire(n, xp)  # [loss, stop, grads...]: comm/wire.py
     sharded = shard_wanted(args.shard_optimizer)
     # Sharded: the parameters in a buffer laid out like the wire, so each
     # bucket's allgather carries them; its loss and stop slots get the sums.
     params_wire = Wire(n, xp) if sharded else None
     summed = params_wire if sharded else wire   # where the summed loss and stop are read
-    model = MLP(args.hidden, xp, params=params_wire.grads if sharded else None, grads=wire.grads)
+    model = session.model(xp, params=params_wire.grads if sharded else None, grads=wire.grads)
     model.init(args.seed)
     # Identical start everywhere: rank 0's parameters.
     device.synchronize(xp)

@@ -1,5 +1,7 @@
-"""The MLP (784-500-500-10 by default, ReLU, softmax cross-entropy), written
-against an array module `xp` (NumPy or CuPy).
+"""The MLP (inputs-500-500-classes, ReLU, softmax cross-entropy), written
+against an array module `xp` (NumPy or CuPy). Inputs and classes come from
+the data's manifest (the session passes them); MNIST's 784 and 10 are the
+defaults, so MNIST's model is 784-500-500-10.
 
 Parameters live in ONE flat float32 buffer and gradients in another; each
 layer's W and b are views into them. So one allreduce, one MPI message or one
@@ -12,19 +14,21 @@ buffer towards its start, which is what bucket fusion relies on.
 """
 import numpy as np
 
+# MNIST's shape: the defaults where no manifest is at hand (demos, benches).
 INPUTS = 784
 CLASSES = 10
 
 
-def num_params(hidden):
-    sizes = [INPUTS, *hidden, CLASSES]
+def num_params(hidden, inputs=INPUTS, classes=CLASSES):
+    sizes = [inputs, *hidden, classes]
     return sum(i * o + o for i, o in zip(sizes[:-1], sizes[1:]))
 
 
 class MLP:
-    def __init__(self, hidden=(500, 500), xp=np, params=None, grads=None, dtype=np.float32):
+    def __init__(self, hidden=(500, 500), xp=np, params=None, grads=None, dtype=np.float32,
+                 inputs=INPUTS, classes=CLASSES):
         self.xp = xp
-        self.sizes = [INPUTS, *hidden, CLASSES]
+        self.sizes = [int(inputs), *hidden, int(classes)]
         self.dtype = np.dtype(dtype)
         shapes, offset = [], 0
         self.layer_ranges = []  # (lo, hi) of layer i's W and b in the flat buffers

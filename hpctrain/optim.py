@@ -287,7 +287,7 @@ def learning_rate(step, base_lr, workers=1, scale_lr=False, warmup_steps=0):
 
 if __name__ == "__main__":
     import time
-    n = 784 * 500 + 500 + 500 * 500 + 500 + 500 * 10 + 10
+    n = 784 * 500 + 500 + 500 * 500 + 500 + 500 * 10 + 10   # MNIST's default model
     p = np.zeros(n, np.float32)
     g = np.random.default_rng(0).standard_normal(n).astype(np.float32)
     opt = Adam(n)

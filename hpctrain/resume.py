@@ -79,7 +79,8 @@ class Checkpoints:
                     f"--resume no, but {d} holds checkpoints of an earlier run (newest "
                     f"{found[0][1].rsplit('/', 1)[-1]}); remove them or use another --checkpoint-dir")
             return None
-        ckpt = checkpoint.load_latest(d, settings.same_on_resume(args, cluster.num_workers),
+        ckpt = checkpoint.load_latest(d, settings.same_on_resume(args, cluster.num_workers,
+                                                               self.session.model_shape),
                                       warn=lambda line: print(f"hpctrain: warning: {line}",
                                                               file=sys.stderr, flush=True))
         if ckpt is None and found:
@@ -252,9 +253,11 @@ class Checkpoints:
             with session.watchdog.waiting(f"writing a checkpoint in {args.checkpoint_dir}", peer="the file system"):
                 return checkpoint.save(args.checkpoint_dir, step, host,
                                        {k: device.to_host(v) for k, v in optimizer_state.items()},
-                                       optimizer_t, positions, settings.same_on_resume(args, cluster.num_workers),
+                                       optimizer_t, positions,
+                                       settings.same_on_resume(args, cluster.num_workers, session.model_shape),
                                        keep=args.keep_checkpoints,
-                                       info=settings.recorded(args, cluster.size, cluster.num_workers))
+                                       info=settings.recorded(args, cluster.size, cluster.num_workers,
+                                                              session.model_shape))
         with session.timeline.span("checkpoint", cat="checkpoint"):
             path = session.agreed(comm, chief_writes if session.chief else lambda: None)
         self.saved_step, self.saved_path = step, path

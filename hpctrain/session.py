@@ -26,7 +26,7 @@ from .cli import validate
 from .cluster import Cluster, check_consistency
 from .comm import allreduce_plan
 from .errors import EXIT_PREEMPTED, HpctrainError
-from .model import CLASSES, INPUTS, num_params
+from .model import CLASSES, INPUTS, MLP, num_params
 from .optim import learning_rate
 from .outputs import check_outputs
 from .stats import StepStats
@@ -144,30 +144,34 @@ def server_array_module(args):
 
 
 def data_identity(data_dir):
-    """The data this rank trains on, as a digest of its manifest's content
-    (not its path: two paths may hold the same data, one path on two nodes
-    different data), after checking that the model can take it."""
+    """(digest, (inputs, classes)): the data this rank trains on, as a digest
+    of its manifest's content (not its path: two paths may hold the same
+    data, one path on two nodes different data), and the model's input and
+    output sizes, which follow the manifest (model.MLP's inputs, classes)."""
     manifest = data_mod.load_manifest(data_dir)
-    problem = data_mod.model_fit_problem(manifest, INPUTS, CLASSES)
-    if problem:
-        raise HpctrainError(f"{data_dir}: {problem}")
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+    try:
+        shape = data_mod.model_shape(manifest)
+    except HpctrainError as e:
+        raise HpctrainError(f"{data_dir}: {e}") from None
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16], shape
 
 
 def _nothing(*args):
     return None
 
 
-def memory_needed(args):
+def memory_needed(args, model_shape=(INPUTS, CLASSES)):
     """Bytes one rank needs for the model at least: parameters, gradients and
     the optimizer's state (flat float32 buffers), the training batch (float32
     and its uint8 copy), and forward and backward activations of every layer.
-    An estimate from below: a rank that cannot hold this cannot train."""
-    n = num_params(args.hidden)
+    An estimate from below: a rank that cannot hold this cannot train.
+    model_shape: (inputs, classes), from the data's manifest."""
+    inputs, classes = model_shape
+    n = num_params(args.hidden, inputs, classes)
     states = {"sgd": 0, "momentum": 1, "adam": 2}[args.optimizer]
-    widths = sum(args.hidden) + 10
+    widths = sum(args.hidden) + classes
     batch = args.batch_size
-    return 4 * n * (2 + states) + batch * 784 * 5 + 2 * 4 * batch * widths
+    return 4 * n * (2 + states) + batch * inputs * 5 + 2 * 4 * batch * widths
 
 
 def memory_available():
@@ -182,10 +186,10 @@ def memory_available():
     return None
 
 
-def check_memory(args, ranks_on_node):
+def check_memory(args, ranks_on_node, model_shape=(INPUTS, CLASSES)):
     """Refuse up front a model or batch that cannot fit (a traceback from deep
     inside NumPy, or the OOM killer, an hour later is worse)."""
-    need = memory_needed(args)
+    need = memory_needed(args, model_shape)
     have = memory_available()
     if have is not None and need * ranks_on_node > have:
         raise HpctrainError(
@@ -229,7 +233,6 @@ class Session:
             jobcheck.check_world(cluster, self.chief_says)
         self.t_start = time.perf_counter()
         self.agreed(self.comm, validate, args, cluster.size)
-        self.agreed(self.comm, check_memory, args, cluster.local_size)
         with watchdog.waiting("start-up (GPU binding)", peer=None):
             gpu_note = cluster.confirm_gpu_binding(args.device)  # MPI's node-local rank has the last word
         self.xp, self.device_name, device_note = self.agreed(self.comm, device.select, args.device)
@@ -247,9 +250,11 @@ class Session:
             self.chief_says(cluster.servers_line())
         # The same data everywhere (its manifest's content, not its path).
         self.data_dir = ensure_data(args, cluster, watchdog)
-        data = self.agreed(self.comm, data_identity, self.data_dir)
+        data, self.model_shape = self.agreed(self.comm, data_identity, self.data_dir)
         with watchdog.waiting("start-up (same data on every rank)", peer=None):
             self.agreed(self.comm, check_consistency, self.comm, {"data (manifest digest)": data})
+        # After the data: the model's size follows its manifest.
+        self.agreed(self.comm, check_memory, args, cluster.local_size, self.model_shape)
         # Last before training, so a refusal above leaves nothing behind (this
         # creates --checkpoint-dir): a result that cannot be written would be lost.
         self.agreed(self.comm, check_outputs if self.chief else _nothing, args)
@@ -279,6 +284,15 @@ class Session:
         """A line on standard output from the chief; the other ranks stay quiet."""
         if self.chief:
             print(text, flush=True)
+
+    def model(self, xp, **buffers):
+        """An MLP of --hidden shaped for this run's data (model_shape: the
+        manifest's image values and classes); buffers: params=, grads=."""
+        inputs, classes = self.model_shape
+        return MLP(self.args.hidden, xp, inputs=inputs, classes=classes, **buffers)
+
+    def num_params(self):
+        return num_params(self.args.hidden, *self.model_shape)
 
     def lr(self, step):
         args = self.args

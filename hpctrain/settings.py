@@ -13,7 +13,7 @@
     python -c "from hpctrain import cli, settings; print(settings.same_on_every_rank(cli.parse([])))"
 """
 from . import __version__
-from .model import num_params
+from .model import CLASSES, INPUTS, num_params
 
 # Flags whose value must be identical on every rank of a job.
 RANK_FLAGS = ("mode", "batch_size", "steps", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
@@ -22,25 +22,30 @@ RANK_FLAGS = ("mode", "batch_size", "steps", "lr", "optimizer", "seed", "scale_l
 SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "num_workers", "batch_size", "seed")
 
 
-def _job(args):
+def _job(args, model_shape=(INPUTS, CLASSES)):
     """The job's settings as str, int and float values (what HDF5 attributes and
-    fixed-width byte records can carry)."""
+    fixed-width byte records can carry). model_shape: (inputs, classes) from
+    the data's manifest; num_params counts them, so a checkpoint of a model
+    for other data (another image size or class count) is not resumed."""
     job = {k: getattr(args, k) for k in RANK_FLAGS}
     job["hidden"] = ",".join(map(str, args.hidden))
-    job["num_params"] = int(num_params(args.hidden))
+    job["num_params"] = int(num_params(args.hidden, *model_shape))
     job["hpctrain"] = __version__
     return job
 
 
 def same_on_every_rank(args):
+    # Before the data is read: --hidden is compared here, the data itself
+    # by its manifest's digest (session.py).
     return _job(args)
 
 
-def same_on_resume(args, num_workers):
-    job = dict(_job(args), num_workers=int(num_workers))
+def same_on_resume(args, num_workers, model_shape=(INPUTS, CLASSES)):
+    job = dict(_job(args, model_shape), num_workers=int(num_workers))
     return {k: job[k] for k in SAME_ON_RESUME}
 
 
-def recorded(args, world_size, num_workers):
+def recorded(args, world_size, num_workers, model_shape=(INPUTS, CLASSES)):
     """Everything a checkpoint records about the run that wrote it."""
-    return dict(_job(args), world_size=int(world_size), num_workers=int(num_workers))
+    return dict(_job(args, model_shape), world_size=int(world_size), num_workers=int(num_workers),
+                inputs=int(model_shape[0]), classes=int(model_shape[1]))

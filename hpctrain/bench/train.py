@@ -20,7 +20,7 @@ import tempfile
 
 import numpy as np
 
-from ..model import num_params
+from ..model import CLASSES, INPUTS, num_params
 from .common import launch, table
 
 STATE_COPIES = {"adam": 2, "momentum": 1, "sgd": 0}
@@ -38,9 +38,18 @@ def one_run(ranks, mode, steps, extra, tmp):
         return [json.loads(line) for line in f][-1]
 
 
-def memory_target_mb(hidden, optimizer, batch):
-    n = num_params(hidden)
-    return 2 * (4 * n * (2 + STATE_COPIES[optimizer]) + batch * (784 * 4 + 8)) / 2**20
+def memory_target_mb(hidden, optimizer, batch, model_shape=(INPUTS, CLASSES)):
+    inputs, classes = model_shape
+    n = num_params(hidden, inputs, classes)
+    return 2 * (4 * n * (2 + STATE_COPIES[optimizer]) + batch * (inputs * 4 + 8)) / 2**20
+
+
+def model_shape(flags):
+    """(inputs, classes) of the benched model: --data's manifest, else MNIST's."""
+    if not flags.data:
+        return INPUTS, CLASSES
+    from ..data import load_manifest, model_shape as shape_of
+    return shape_of(load_manifest(flags.data))
 
 
 def measure(args, extra):
@@ -75,7 +84,8 @@ def summarise(mode, ranks, runs, flags):
                                 - med.get("optimizer_exposed_median_s", 0)) * 1e3,
         "peak_mb": med.get("peak_rss_mb"),
         "above_base_mb": med.get("peak_rss_above_base_mb"),
-        "mem_target_mb": memory_target_mb(flags.hidden, flags.optimizer, flags.batch_size),
+        "mem_target_mb": memory_target_mb(flags.hidden, flags.optimizer, flags.batch_size,
+                                          model_shape(flags)),
         "test_accuracy": med.get("test_accuracy"),
     }
 

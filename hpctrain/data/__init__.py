@@ -1,4 +1,5 @@
-"""MNIST-style data for hpctrain: IDX reader, HDF5 shard writer, per-worker shard reader.
+"""Image data for hpctrain (MNIST, Fashion-MNIST, KMNIST, EMNIST, CIFAR-10): IDX and
+CIFAR-10 readers, HDF5 shard writer, per-worker shard reader.
 
 Turn IDX files into class-balanced HDF5 shards once, then let each worker read
 only its own shards (or its own slice of one shard) while training:
@@ -13,23 +14,26 @@ test set. No MPI here (house rule): callers pass worker numbers, not ranks.
 
 One job per module:
     idx.py       IDX files (raw or gzip) -> uint8 arrays
-    prepare.py   IDX -> class-balanced HDF5 shards + manifest.json, atomically
-    fetch.py     download the standard .gz files, verify their MD5
+    cifar.py     CIFAR-10 binary batches -> uint8 arrays
+    prepare.py   IDX or CIFAR-10 -> class-balanced HDF5 shards + manifest.json, atomically
+    fetch.py     download the published files, verify their MD5, unpack archives safely
     manifest.py  format constants, paths, load_manifest and its structure check
     reader.py    ShardReader (training batches), load_test (test set parts)
     __main__.py  the command line (python -m hpctrain.data prepare|fetch)
 """
 
-from .fetch import MD5, MIRRORS, STANDARD_FILES, fetch
+from .fetch import CIFAR10_BATCHES, EMNIST_SPLITS, MD5, MIRRORS, STANDARD_FILES, extract, fetch
 from .idx import read_idx
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, bundled_sample_dir, default_data_dir,
-                       is_prepared, load_manifest, model_fit_problem, repo_root, shard_name)
+                       is_prepared, load_manifest, model_fit_problem, model_shape, repo_root,
+                       shard_name)
 from .prepare import prepare
 from .reader import ShardReader, load_test
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "MANIFEST", "MD5", "MIRRORS", "STANDARD_FILES",
+    "CIFAR10_BATCHES", "EMNIST_SPLITS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MD5", "MIRRORS",
+    "STANDARD_FILES", "extract",
     "ShardReader", "bundled_sample_dir", "default_data_dir", "fetch", "is_prepared",
-    "load_manifest", "load_test", "model_fit_problem", "prepare", "read_idx", "repo_root",
+    "load_manifest", "load_test", "model_fit_problem", "model_shape", "prepare", "read_idx", "repo_root",
     "shard_name",
 ]

@@ -1,8 +1,10 @@
-"""The data command line: prepare shards from IDX files, or download MNIST/Fashion-MNIST.
+"""The data command line: prepare shards from IDX or CIFAR-10 files, or download a dataset.
 
     python -m hpctrain.data prepare --source data/mnist-5k --out data/mnist --shards 8
     python -m hpctrain.data fetch --dataset mnist --out data/raw/mnist
     python -m hpctrain.data prepare --source data/raw/mnist --out data/mnist --force
+    python -m hpctrain.data fetch --dataset emnist --split balanced --out data/raw/emnist
+    python -m hpctrain.data fetch --dataset cifar-10 --out data/raw/cifar-10
 
 Bad input is one line on stderr (`hpctrain: error: ...`) and exit 2; no
 command prints the help and exits 2. No MPI here (house rule).
@@ -13,7 +15,7 @@ import sys
 
 from hpctrain.errors import HpctrainError
 
-from .fetch import MD5, fetch
+from .fetch import EMNIST_SPLITS, MD5, fetch
 from .manifest import bundled_sample_dir, default_data_dir
 from .prepare import prepare
 
@@ -21,15 +23,19 @@ from .prepare import prepare
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m hpctrain.data",
-        description="Prepare HDF5 training shards from IDX files, or download MNIST/Fashion-MNIST.")
+        description="Prepare HDF5 training shards from IDX or CIFAR-10 binary files, or download "
+                    "MNIST, Fashion-MNIST, KMNIST, EMNIST or CIFAR-10.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    pp = sub.add_parser("prepare", help="IDX files -> class-balanced HDF5 shards + manifest.json",
+    pp = sub.add_parser("prepare", help="IDX or CIFAR-10 files -> class-balanced HDF5 shards + "
+                                        "manifest.json",
                         description="Write train-0000i-of-0000S.h5, test-00000-of-00001.h5 and "
                                     "manifest.json into --out, atomically.")
     pp.add_argument("--source", metavar="DIR", default=str(bundled_sample_dir()),
-                    help="directory with train-/t10k-*-idx?-ubyte[.gz] files, or one "
-                         "*images*idx3* + *labels*idx1* pair (default: the bundled 5k sample)")
+                    help="directory with train-/t10k-*-idx?-ubyte[.gz] files (EMNIST's "
+                         "emnist-SPLIT-train-/test- too), CIFAR-10's data_batch_1..5.bin + "
+                         "test_batch.bin, or one *images*idx3* + *labels*idx1* pair "
+                         "(default: the bundled 5k sample)")
     pp.add_argument("--out", metavar="DIR", default=str(default_data_dir()),
                     help="output directory (default: data/mnist in the repository)")
     pp.add_argument("--shards", type=int, default=8,
@@ -43,15 +49,19 @@ def build_parser():
     pp.add_argument("--force", action="store_true",
                     help="replace --out if it already holds files")
 
-    pf = sub.add_parser("fetch", help="download MNIST or Fashion-MNIST and verify MD5 checksums",
-                        description="Download the four standard .gz files into --out; files "
-                                    "already there with the right checksum are kept.")
+    pf = sub.add_parser("fetch", help="download a dataset and verify its MD5 checksums",
+                        description="Download the dataset's published files into --out (EMNIST, "
+                                    "CIFAR-10: the archive, then its files taken out of it); "
+                                    "files already there with the right checksum are kept.")
     pf.add_argument("--dataset", choices=sorted(MD5), default="mnist",
                     help="which dataset (default: %(default)s)")
     pf.add_argument("--out", metavar="DIR", required=True,
                     help="directory for the .gz files (then: prepare --source DIR)")
     pf.add_argument("--mirror", metavar="URL", default=None,
-                    help="base URL holding the four files (default: the dataset's public mirror)")
+                    help="base URL holding the files (default: the dataset's public site)")
+    pf.add_argument("--split", choices=EMNIST_SPLITS, default="balanced",
+                    help="EMNIST only: which split to take out of the zip (default: "
+                         "%(default)s, 47 classes)")
     pf.add_argument("--timeout", type=float, default=60.0,
                     help="seconds to wait for the network before giving up (default: %(default)s)")
     return p
@@ -65,7 +75,8 @@ def main(argv=None):
             prepare(args.source, args.out, shards=args.shards, test_fraction=args.test_fraction,
                     seed=args.seed, force=args.force)
         elif args.command == "fetch":
-            fetch(args.dataset, args.out, mirror=args.mirror, timeout=args.timeout)
+            fetch(args.dataset, args.out, mirror=args.mirror, timeout=args.timeout,
+                  split=args.split)
         else:
             parser.print_help(sys.stderr)
             return 2

@@ -1,7 +1,14 @@
-"""Download MNIST or Fashion-MNIST's four .gz files and verify their published MD5.
+"""Download a dataset's published files and verify their published MD5.
 
     python -m hpctrain.data fetch --dataset mnist --out data/raw/mnist
     python -m hpctrain.data prepare --source data/raw/mnist --out data/mnist --force
+
+MNIST, Fashion-MNIST and KMNIST are four IDX .gz files each. EMNIST comes as
+one zip of .gz files (all six splits); the chosen split's four files
+(--split, default balanced) are taken out of it. CIFAR-10 comes as one
+tar.gz; its six binary batches are taken out of it. Only the named members
+are extracted, only regular files, each to a name chosen here (never the
+archive's path), so an archive cannot write outside --out.
 
 A file is renamed into place only after its checksum matches, so --out never
 holds a partial or wrong file under a real name. Network trouble is one
@@ -12,9 +19,12 @@ import hashlib
 import http.client
 import os
 import socket
+import tarfile
 import tempfile
 import urllib.error
 import urllib.request
+import zipfile
+import zlib
 from pathlib import Path
 
 from hpctrain.errors import HpctrainError
@@ -29,9 +39,14 @@ STANDARD_FILES = {
 MIRRORS = {
     "mnist": "https://ossci-datasets.s3.amazonaws.com/mnist/",
     "fashion-mnist": "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+    "kmnist": "http://codh.rois.ac.jp/kmnist/dataset/kmnist/",
+    "emnist": "https://biometrics.nist.gov/cs_links/EMNIST/",
+    "cifar-10": "https://www.cs.toronto.edu/~kriz/",
 }
 
-# Published MD5s (torchvision's tables; Fashion-MNIST's also in Zalando's README).
+# Published MD5s (torchvision's tables; Fashion-MNIST's also in Zalando's
+# README, KMNIST's in torchvision's KMNIST, EMNIST's zip in torchvision's
+# EMNIST, CIFAR-10's binary archive on its page, cs.toronto.edu/~kriz/cifar.html).
 # The one place checksums live, so a test can swap in its own.
 MD5 = {
     "mnist": {
@@ -46,11 +61,47 @@ MD5 = {
         "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
         "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
     },
+    "kmnist": {
+        "train-images-idx3-ubyte.gz": "bdb82020997e1d708af4cf47b453dcf7",
+        "train-labels-idx1-ubyte.gz": "e144d726b3acfaa3e44228e80efcd344",
+        "t10k-images-idx3-ubyte.gz": "5c965bf0a639b31b8f53240b1b52f4d7",
+        "t10k-labels-idx1-ubyte.gz": "7320c461ea6c1c855c0b718fb2a4b134",
+    },
+    "emnist": {
+        "gzip.zip": "58c8d27c78d21e728a6bc7b3cc06412e",
+    },
+    "cifar-10": {
+        "cifar-10-binary.tar.gz": "c32a1d4ab5d03f1284b67883e8d87530",
+    },
 }
 
+EMNIST_SPLITS = ("balanced", "byclass", "bymerge", "digits", "letters", "mnist")
+CIFAR10_BATCHES = tuple(f"data_batch_{i}.bin" for i in range(1, 6)) + ("test_batch.bin",)
+# Larger members than these are not what the archives hold: a damaged or
+# hostile archive must not fill the disk. (EMNIST byclass's training images,
+# the largest member, are ~170 MB gzipped; a CIFAR-10 batch is 30,730,000 bytes.)
+_MAX_MEMBER_BYTES = 1 << 30
 
-def fetch(dataset, out, mirror=None, log=print, timeout=60):
-    """Download dataset's four .gz files into out, verified against MD5; return their paths.
+
+def archive_members(dataset, split="balanced"):
+    """{member's file name in the archive: name written into --out} for an
+    archive dataset, or None for one whose files are downloaded directly."""
+    if dataset == "emnist":
+        if split not in EMNIST_SPLITS:
+            raise HpctrainError(f"unknown EMNIST split {split!r} (choose from "
+                                f"{', '.join(EMNIST_SPLITS)})")
+        return {f"emnist-{split}-{part}-ubyte.gz": f"emnist-{split}-{part}-ubyte.gz"
+                for part in ("train-images-idx3", "train-labels-idx1",
+                             "test-images-idx3", "test-labels-idx1")}
+    if dataset == "cifar-10":
+        return {name: name for name in CIFAR10_BATCHES}
+    return None
+
+
+def fetch(dataset, out, mirror=None, log=print, timeout=60, split="balanced"):
+    """Download dataset's files into out, verified against MD5; return the
+    paths that prepare reads (for EMNIST and CIFAR-10: the members taken out
+    of the verified archive; split: EMNIST's split).
 
     A file already present with the right checksum is kept. Each download goes
     to a temporary name and is renamed only after its checksum matches, so out
@@ -59,6 +110,7 @@ def fetch(dataset, out, mirror=None, log=print, timeout=60):
     log = log or (lambda *a: None)
     if dataset not in MD5:
         raise HpctrainError(f"unknown dataset {dataset!r} (choose from {', '.join(MD5)})")
+    members = archive_members(dataset, split)
     base = (mirror or MIRRORS[dataset]).rstrip("/") + "/"
     out = Path(out)
     try:
@@ -88,7 +140,83 @@ def fetch(dataset, out, mirror=None, log=print, timeout=60):
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+    if members is None:
+        return paths
+    return extract(paths[0], members, out, log)
+
+
+# ---------------------------------------------------------------------------
+# Archives: only the named regular files, each to a name chosen here
+
+def extract(archive, members, out, log=print):
+    """Write each wanted member of archive (zip or tar.gz, verified already)
+    to out/members[name]; return their paths in members' order. A member is
+    matched by its file name alone and must be a regular file; its path in
+    the archive is never used, so nothing is written outside out."""
+    log = log or (lambda *a: None)
+    archive, out = Path(archive), Path(out)
+    try:
+        if zipfile.is_zipfile(archive):
+            with zipfile.ZipFile(archive) as z:
+                found = {_base(i.filename): i for i in z.infolist()
+                         if not i.is_dir() and _base(i.filename) in members}
+                _check_found(archive, members, found)
+                for name, info in found.items():
+                    if info.file_size > _MAX_MEMBER_BYTES:
+                        raise HpctrainError(f"{archive}: member {info.filename} claims "
+                                            f"{info.file_size} bytes; not a genuine archive")
+                    with z.open(info) as src:
+                        _write_member(src, out / members[name], archive, info.filename)
+        else:
+            with tarfile.open(archive, "r:*") as t:
+                found = {}
+                for m in t:
+                    if _base(m.name) in members:
+                        if not m.isreg():   # a link or device: never followed or made
+                            raise HpctrainError(f"{archive}: member {m.name} is not a "
+                                                f"regular file; not a genuine archive")
+                        if m.size > _MAX_MEMBER_BYTES:
+                            raise HpctrainError(f"{archive}: member {m.name} claims {m.size} "
+                                                f"bytes; not a genuine archive")
+                        found[_base(m.name)] = m
+                _check_found(archive, members, found)
+                for name, m in found.items():
+                    with t.extractfile(m) as src:
+                        _write_member(src, out / members[name], archive, m.name)
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, zlib.error) as e:
+        raise HpctrainError(f"{archive}: corrupt archive ({e})") from None
+    except OSError as e:
+        raise HpctrainError(f"{archive}: cannot extract ({e})") from None
+    paths = [out / members[name] for name in members]
+    log(f"{archive}: extracted {', '.join(p.name for p in paths)}")
     return paths
+
+
+def _base(name):
+    return name.replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def _check_found(archive, members, found):
+    missing = [name for name in members if name not in found]
+    if missing:
+        raise HpctrainError(f"{archive}: no member {missing[0]} (wanted: {', '.join(members)})")
+
+
+def _write_member(src, dest, archive, member):
+    """src's bytes to dest via an exclusive temporary name, at most
+    _MAX_MEMBER_BYTES (the header may lie about the size)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.part-", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                f.write(block)
+                if f.tell() > _MAX_MEMBER_BYTES:
+                    raise HpctrainError(f"{archive}: member {member} is larger than "
+                                        f"{_MAX_MEMBER_BYTES} bytes; not a genuine archive")
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _download(url, f, timeout):

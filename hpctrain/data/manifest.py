@@ -132,12 +132,24 @@ def _split_problem(part, split):
     return None
 
 
+def model_shape(manifest):
+    """(inputs, classes) of the model that trains on this data: the values of
+    one image (channels included) and the manifest's class count. The model
+    is built from these, so the data and the model cannot disagree; labels
+    past the class count are refused by the readers, shard by shard."""
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise HpctrainError(f"bad manifest: {problem}")
+    return math.prod(manifest["image_shape"]), manifest["num_classes"]
+
+
 def model_fit_problem(manifest, in_features=784, num_classes=10):
     """Why a model of in_features inputs and num_classes outputs cannot train
-    on this data (one line), or None if it can. The defaults are hpctrain's
-    MLP (model.INPUTS, model.CLASSES); the session passes them at start-up,
-    so a mismatch is one line before the first step, not a shape error or a
-    label that indexes past the logits half-way through."""
+    on this data (one line), or None if it can. The defaults are MNIST's
+    model (model.INPUTS, model.CLASSES). Training builds its model from the
+    manifest (model_shape), so this is for a model made elsewhere: a
+    mismatch is one line, not a shape error or a label that indexes past
+    the logits half-way through."""
     problem = _manifest_problem(manifest)
     if problem:
         return f"bad manifest: {problem}"

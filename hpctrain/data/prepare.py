@@ -1,10 +1,14 @@
-"""IDX files -> class-balanced HDF5 shards + manifest.json, written atomically.
+"""IDX or CIFAR-10 files -> class-balanced HDF5 shards + manifest.json, written atomically.
 
     python -m hpctrain.data prepare --source data/mnist-5k --out data/mnist --shards 8
 
 or in code `prepare(source, out, shards=8)`, which returns the manifest. The
-source is either the standard train-/t10k- quartet (its split is kept) or one
-images/labels pair (split here, stratified by class). Every shard gets every
+source is the standard train-/t10k- IDX quartet (MNIST, Fashion-MNIST,
+KMNIST; EMNIST's emnist-SPLIT-train-/test- quartet too) or CIFAR-10's binary
+batches (data_batch_1..5.bin + test_batch.bin); their split is kept. Or it is
+one IDX images/labels pair, split here, stratified by class. The manifest
+records the image shape (rows, cols[, channels]) and the class count (the
+largest label + 1), from which training builds its model. Every shard gets every
 class (the stratified deal), and everything is written to a temporary sibling
 of --out and renamed into place, so --out is either complete or untouched.
 No MPI here (house rule).
@@ -22,14 +26,22 @@ import numpy as np
 
 from hpctrain.errors import HpctrainError
 
+from .cifar import read_batches
 from .idx import read_idx
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, shard_name
 
 # Rows per HDF5 chunk: ~800 KB of 28x28 images, under HDF5's 1 MiB default
 # chunk cache, and small enough that a worker's hyperslab reads little extra.
+# Larger images get fewer rows, so a chunk stays under the cache (CIFAR-10: 341).
 _CHUNK_ROWS = 1024
+_CHUNK_BYTES = 1 << 20
 
-_STANDARD_RE = re.compile(r"^(train|t10k)-(images|labels)[-.](idx[13])-ubyte(\.gz)?$")
+# MNIST's names, and EMNIST's (emnist-balanced-train-images-idx3-ubyte.gz, ...).
+_STANDARD_RE = re.compile(
+    r"^((?:emnist-[a-z]+-)?)(train|t10k|test)-(images|labels)[-.](idx[13])-ubyte(\.gz)?$")
+_CIFAR_TRAIN_RE = re.compile(r"^data_batch_(\d+)\.bin$")
+_CIFAR_TEST = "test_batch.bin"
+_CIFAR_DIR = "cifar-10-batches-bin"   # what the CIFAR-10 archive unpacks to
 
 
 # ---------------------------------------------------------------------------
@@ -49,14 +61,23 @@ def _find_source_files(source):
                 by_stem[stem] = p
     files = sorted(by_stem.values())
 
-    standard = {}
+    groups = {}   # prefix ("" or "emnist-SPLIT-") -> the quartet's files found
     for p in files:
         m = _STANDARD_RE.match(p.name)
-        if m and (m.group(2) == "images") == (m.group(3) == "idx3"):
-            split = "train" if m.group(1) == "train" else "test"
-            standard[f"{split}_{m.group(2)}"] = p
-    if len(standard) == 4:
-        return "standard", standard
+        if m and (m.group(3) == "images") == (m.group(4) == "idx3"):
+            split = "train" if m.group(2) == "train" else "test"
+            groups.setdefault(m.group(1), {})[f"{split}_{m.group(3)}"] = p
+    complete = {k: v for k, v in groups.items() if len(v) == 4}
+    if len(complete) > 1:
+        names = ", ".join(f"{k or ''}train-..." for k in sorted(complete))
+        raise HpctrainError(f"{source}: holds more than one dataset ({names}); put one "
+                            f"dataset's files in a directory of its own")
+    if complete:
+        return "standard", next(iter(complete.values()))
+
+    cifar = _find_cifar(source, files)
+    if cifar:
+        return "cifar-10", cifar
 
     images = [p for p in files if "images" in p.name and "idx3" in p.name]
     labels = [p for p in files if "labels" in p.name and "idx1" in p.name]
@@ -64,8 +85,25 @@ def _find_source_files(source):
         return "single", {"images": images[0], "labels": labels[0]}
     found = ", ".join(p.name for p in images + labels) or "none"
     raise HpctrainError(
-        f"{source}: expected train-/t10k-images-idx3-ubyte[.gz] + -labels-idx1-ubyte[.gz] "
-        f"or exactly one *images*idx3* and one *labels*idx1* file (found: {found})")
+        f"{source}: expected train-/t10k-images-idx3-ubyte[.gz] + -labels-idx1-ubyte[.gz], "
+        f"CIFAR-10's data_batch_N.bin + {_CIFAR_TEST}, or exactly one *images*idx3* and one "
+        f"*labels*idx1* file (found: {found})")
+
+
+def _find_cifar(source, files):
+    """{"train_1": data_batch_1.bin, ..., "test": test_batch.bin} in source
+    (or in the cifar-10-batches-bin directory the archive unpacks to), or None."""
+    inner = source / _CIFAR_DIR
+    if not any(p.name == _CIFAR_TEST for p in files) and inner.is_dir():
+        files = sorted(p for p in inner.iterdir() if p.is_file())
+    train = {int(m.group(1)): p for p in files if (m := _CIFAR_TRAIN_RE.match(p.name))}
+    test = [p for p in files if p.name == _CIFAR_TEST]
+    if not test and not train:
+        return None
+    if not test or not train:
+        raise HpctrainError(f"{source}: CIFAR-10 needs data_batch_N.bin and {_CIFAR_TEST} "
+                            f"(found {', '.join(p.name for p in [*train.values(), *test])})")
+    return {**{f"train_{n}": train[n] for n in sorted(train)}, "test": test[0]}
 
 
 def _read_pair(images_path, labels_path):
@@ -85,9 +123,13 @@ def _read_pair(images_path, labels_path):
 def _load_split(layout, paths, shards, test_fraction, seed):
     """((train_x, train_y, train_parts), (test_x, test_y, test_parts)): the
     arrays of each split and, per shard, the positions into them it gets."""
-    if layout == "standard":
-        train_x, train_y = _read_pair(paths["train_images"], paths["train_labels"])
-        test_x, test_y = _read_pair(paths["test_images"], paths["test_labels"])
+    if layout in ("standard", "cifar-10"):
+        if layout == "standard":
+            train_x, train_y = _read_pair(paths["train_images"], paths["train_labels"])
+            test_x, test_y = _read_pair(paths["test_images"], paths["test_labels"])
+        else:
+            train_x, train_y = read_batches([p for role, p in paths.items() if role != "test"])
+            test_x, test_y = read_batches([paths["test"]])
         if train_x.shape[1:] != test_x.shape[1:]:
             raise HpctrainError(f"{paths['test_images']}: images are {test_x.shape[1:]}, "
                                 f"training images are {train_x.shape[1:]}")
@@ -151,7 +193,8 @@ def _stratified_deal(labels, index, shards, rng):
 # Writing shards and the manifest
 
 def _write_shard(path, images, labels, split, index, count):
-    rows = max(1, min(len(images), _CHUNK_ROWS))
+    row_bytes = max(1, images[0].nbytes if len(images) else 1)
+    rows = max(1, min(len(images), _CHUNK_ROWS, _CHUNK_BYTES // row_bytes))
     # HDF5 refuses a chunk larger than a fixed-size dataset, even an empty one.
     chunks = (rows,) + images.shape[1:] if len(images) else True
     with h5py.File(path, "w") as f:
@@ -222,8 +265,8 @@ def _build_manifest(source, layout, paths, seed, test_fraction, splits, entries,
 def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=print):
     """Write class-balanced HDF5 shards and manifest.json from IDX files; return the manifest.
 
-    source holds the standard train-/t10k- files (their split is kept,
-    test_fraction is ignored) or one images/labels pair, which is split here,
+    source holds the standard train-/t10k- files or CIFAR-10's batches (their
+    split is kept, test_fraction is ignored) or one images/labels pair, which is split here,
     stratified by class. Everything is written to a temporary sibling of out
     and renamed into place, so out is either complete or untouched.
     """

@@ -99,15 +99,17 @@ def test_labels_beyond_the_manifests_classes_end_the_job_with_one_line(shards, t
     assert not (tmp_path / "p.h5").exists()
 
 
-def test_data_the_model_cannot_take_is_refused_at_start_up(shards, tmp_path, job):
-    # A manifest with 47 classes (EMNIST-like) for a 10-output model: one
-    # line naming the mismatch before any step, not a shape error mid-run.
+def test_the_model_follows_the_manifests_classes(shards, tmp_path, job):
+    # A manifest with 47 classes (EMNIST balanced) over labels 0..9: the model
+    # is built from the manifest (47 outputs), so it trains; before, a
+    # 10-output model refused it. Labels past the manifest's count are
+    # refused by the test above.
+    import h5py
     d = edited(shards, tmp_path / "d", lambda m: m.update(num_classes=47))
-    r = job(2, "--data", d, "--steps", "5", timeout=60)
-    lines = [s for s in r.stderr.splitlines() if s.strip()]
-    assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert "47 classes" in lines[0] and "the model has 10 outputs" in lines[0], lines
-    assert "step " not in r.stdout
+    r = job(2, "--data", d, "--steps", "3", "--hidden", "16", "--save", tmp_path / "p.h5", timeout=60)
+    assert r.returncode == 0, r.stderr
+    with h5py.File(tmp_path / "p.h5") as f:
+        assert f["layer0/W"].shape == (784, 16) and f["layer1/W"].shape == (16, 47)
 
 
 def test_ranks_on_different_data_or_checkpoint_dirs_are_refused(shards, tmp_path):
@@ -135,7 +137,10 @@ def test_ranks_on_different_data_or_checkpoint_dirs_are_refused(shards, tmp_path
 
 
 def test_a_refused_start_leaves_no_checkpoint_directory(shards, tmp_path, job):
-    # Data the model cannot take is refused before the outputs are created.
-    d = edited(shards, tmp_path / "d", lambda m: m.update(num_classes=47))
+    # A manifest whose images make a model too big for memory (the estimate
+    # follows the manifest, not MNIST) is refused before the outputs are created.
+    d = edited(shards, tmp_path / "d", lambda m: m.update(image_shape=[100000, 100000]))
     r = job(2, "--data", d, "--steps", "5", "--checkpoint-dir", tmp_path / "ckpt", timeout=60)
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
     assert r.returncode == 2 and not (tmp_path / "ckpt").exists(), r.stderr
+    assert len(lines) == 1 and "--hidden 500,500 with --batch-size 32 needs at least" in lines[0], lines
