@@ -143,7 +143,7 @@ def run_worker(session, checkpoints, comm, reader, resume):
     if resume is not None:
         checkpoints.seek_readers(reader, resume)
         session.chief_says(checkpoints.resumed_line(resume.step))
-    report.metrics.resume_at(checkpoints.saved_step)   # None: a fresh run, a fresh file
+    report.resume_at(checkpoints.saved_step)   # None: a fresh run, a fresh file
     client.pull()
     if gpu:
         model.params.set(params)

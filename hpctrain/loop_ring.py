@@ -103,7 +103,7 @@ def train_ring(session):
         checkpoints.seek_readers(reader, resume)
         step = resume.step
         session.chief_says(checkpoints.resumed_line(step))
-    report.metrics.resume_at(checkpoints.saved_step)   # None: a fresh run, a fresh file
+    report.resume_at(checkpoints.saved_step)   # None: a fresh run, a fresh file
 
     def checkpoint_now():
         positions = checkpoints.gather_positions(reader)

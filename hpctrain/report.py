@@ -90,6 +90,16 @@ class Metrics:
             self._file = None
 
 
+def eta_text(seconds):
+    """42s, 1m23s, 2h05m: short enough for a progress line."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def _kept(line, step):
     """Whether a record of the metrics file stays when the run resumes at `step`."""
     try:
@@ -120,6 +130,13 @@ class Report:
         self.metrics = Metrics(session.args.metrics if session.chief else None)
         self._test_full = None
         self._last_eval = None
+        self._mark = None   # (step, wall time) of the last progress line, for the ETA
+
+    def resume_at(self, step):
+        """Where this run starts (None: step 0): the metrics file keeps the
+        records up to it, and the first ETA counts the steps from it."""
+        self.metrics.resume_at(step)
+        self._mark = (step or 0, time.perf_counter())
 
     def progress(self, step, loss, samples, t_loop, worker=None, local_step=None):
         """A progress line and (on the chief) a metrics record. Async ps
@@ -130,9 +147,23 @@ class Report:
         who = f"worker {worker}: " if worker is not None else ""
         local = f"  (local step {local_step})" if local_step is not None else ""
         print(f"{who}step {step:>6}/{self.args.steps}  loss {loss:.4f}  "
-              f"samples/s {rate:,.0f}  elapsed {elapsed:.1f}s{local}", flush=True)
+              f"samples/s {rate:,.0f}  elapsed {elapsed:.1f}s  {self._eta(step)}{local}", flush=True)
         self.metrics.write({"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
                             "time_s": round(elapsed, 3)})
+
+    def _eta(self, step):
+        """`eta 1m23s`: the steps left at the rate since the last line (wall
+        time, so evaluations and checkpoints count: they are part of the wait).
+        Not in the metrics records: it is a guess, derived from them."""
+        now = time.perf_counter()
+        last_step, last_t = self._mark or (0, self.session.t_start)
+        self._mark = (step, now)
+        left = max(self.args.steps - step, 0)
+        if not left:
+            return "eta 0s"
+        if step <= last_step or now <= last_t:
+            return "eta ?"
+        return "eta " + eta_text(left * (now - last_t) / (step - last_step))
 
     def periodic_eval(self, model, step):
         """--eval-every N: when `step` reaches a multiple of N (before the last

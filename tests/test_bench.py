@@ -4,11 +4,35 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+try:
+    from matplotlib.image import imread
+    from hpctrain import plot
+except ImportError:   # without the plot extra the benchmarks still run, unplotted
+    plot = None
 
 from conftest import REPO, under_mpirun
 
 pytestmark = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun jobs")
+
+
+def plot_flag(png):
+    return ["--plot", png] if plot else []
+
+
+def assert_plot(png, function, out, same):
+    """--plot wrote a PNG of the promised size, and drawing the --json rows
+    gives the series they hold (skipped without the plot extra)."""
+    if plot is None:
+        return
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    size = plot.ALLREDUCE_SIZE if function == "plot_allreduce" else plot.TRAIN_SIZE
+    assert imread(png).shape[:2] == (round(size[1] * plot.DPI), round(size[0] * plot.DPI))
+    data = out if function == "plot_allreduce" else out["rows"]
+    assert same(getattr(plot, function)(data, png.with_name("again.png")))
 
 
 def bench(*args, timeout=300):
@@ -18,22 +42,41 @@ def bench(*args, timeout=300):
     return r.stdout
 
 
-def test_bench_allreduce_quick():
-    out = json.loads(bench("allreduce", "--ranks", "2", "--sizes", "4K,300K", "--json"))
+def test_bench_allreduce_quick(tmp_path):
+    png = tmp_path / "busbw.png"
+    out = json.loads(bench("allreduce", "--ranks", "2", "--sizes", "4K,300K", "--json", *plot_flag(png)))
     assert out["ranks"] == 2 and [r["bytes"] for r in out["rows"]] == [4096, 307200]
     for row in out["rows"]:
         assert row["ring_us"] > 0 and row["mpi_us"] > 0 and row["ring_busbw"] > 0
+    assert_plot(png, "plot_allreduce", out, lambda drawn: {
+        name: (x.tolist(), y.tolist()) for name, (x, y) in drawn.items()} == {
+        f"busbw/{a}": ([r["bytes"] for r in out["rows"]], [r[f"{a}_busbw"] for r in out["rows"]])
+        for a in ("ring", "mpi")})
     table = bench("allreduce", "--ranks", "2", "--sizes", "4K")
     assert "busbw" in table and "4,096" in table
 
 
-def test_bench_train_quick_ring_and_ps():
+def test_bench_train_quick_ring_and_ps(tmp_path):
+    png = tmp_path / "train.png"
     out = json.loads(bench("train", "--mode", "ring", "--ranks", "1,2", "--steps", "40", "--repeats", "1",
-                           "--json", "--", "--hidden", "64"))
+                           "--json", *plot_flag(png), "--", "--hidden", "64"))
     assert [r["ranks"] for r in out["rows"]] == [1, 2]
     for row in out["rows"]:
         assert row["samples_per_s"] > 0 and row["step_ms"] > 0 and row["compute_ms"] > 0
         assert row["peak_mb"] > 0 and row["mem_target_mb"] > 0
+
+    def same(drawn):
+        x, y = drawn["samples_per_s/ring"]
+        assert x.tolist() == [1, 2] and y.tolist() == [r["samples_per_s"] for r in out["rows"]]
+        for key, part in [("compute_ms", "compute"), ("comm_ms", "comm not hidden"),
+                          ("optimizer_ms", "optimizer not hidden")]:
+            # a stacked bar's height comes back as top - bottom: equal up to rounding
+            assert np.allclose(drawn[f"step/{part}"][1], [r[key] for r in out["rows"]], rtol=1e-9, atol=1e-9)
+        stacked = sum(drawn[f"step/{part}"][1] for _, part in plot.STEP_PARTS)
+        waits = [r["compute_ms"] + max(r["wait_ms"], r["comm_ms"] + r["optimizer_ms"]) for r in out["rows"]]
+        assert np.allclose(stacked, waits)
+        return True
+    assert_plot(png, "plot_train", out, same)
     out = json.loads(bench("train", "--mode", "ps", "--ranks", "3", "--steps", "40", "--repeats", "1",
                            "--json", "--", "--hidden", "64", "--num-ps", "1"))
     assert out["rows"][0]["workers"] == 2 and out["rows"][0]["samples_per_s"] > 0

@@ -1,6 +1,8 @@
-"""python -m hpctrain.bench allreduce|train|model --help"""
+"""python -m hpctrain.bench allreduce|train|model --help  (--plot PNG: allreduce, train)"""
 import argparse
 import sys
+
+from ..errors import HpctrainError
 
 
 def main(argv=None):
@@ -22,6 +24,8 @@ def main(argv=None):
     a.add_argument("--link-gbit", type=float, default=None,
                    help="link rate between nodes: also measure bytes per node link and link efficiency")
     a.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    a.add_argument("--plot", metavar="PNG", default=None,
+                   help="also draw busbw against size per algorithm (needs matplotlib: pip install 'hpctrain[plot]')")
 
     t = sub.add_parser("train", help="training throughput for several rank counts (flags after -- go to hpctrain.mnist)")
     t.add_argument("--mode", choices=["ring", "ps"], default="ring")
@@ -32,6 +36,9 @@ def main(argv=None):
                    help="run every rank count with each value of one hpctrain flag, repeats interleaved, "
                         "e.g. shard-optimizer=off,on; ratios against the first value")
     t.add_argument("--json", action="store_true")
+    t.add_argument("--plot", metavar="PNG", default=None,
+                   help="also draw samples/s against ranks and the step split "
+                        "(needs matplotlib: pip install 'hpctrain[plot]')")
 
     c = sub.add_parser("compare", help="hpctrain ring vs a plain NumPy loop and PyTorch DDP, in one run")
     c.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
@@ -55,6 +62,20 @@ def main(argv=None):
     m.add_argument("--json", action="store_true")
 
     args = p.parse_args(argv)
+    try:
+        return _run(args, extra)
+    except HpctrainError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def _run(args, extra):
+    if getattr(args, "plot", None):
+        # Before the benchmark: a missing matplotlib or output folder is
+        # found out now, not after minutes of measuring.
+        from ..plot import check_output, require
+        require()
+        check_output(args.plot, "--plot")
     if args.what == "allreduce":
         from .allreduce import main as run
         return run(args)

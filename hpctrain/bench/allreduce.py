@@ -3,6 +3,7 @@ order, and in rank order), the hierarchical allreduce, MPI's native one.
 
     python -m hpctrain.bench allreduce --ranks 2          # launches mpirun -n 2 itself
     mpirun -n 4 python -m hpctrain.bench allreduce        # or run it under your launcher
+    python -m hpctrain.bench allreduce --ranks 2 --plot busbw.png   # and a picture (hpctrain.plot)
     HPCTRAIN_MPIRUN_ARGS="-hosts n1:2,n2:2" python -m hpctrain.bench allreduce --ranks 4 \\
         --algorithms ring,ring-rank,hier,mpi --link-gbit 1    # several nodes: bytes per link too
 
@@ -190,14 +191,18 @@ def main(args):
     rows = measure(comm, [parse_size(s) for s in args.sizes.split(",")], args.device,
                    algorithms=algorithms, link_gbit=args.link_gbit)
     if comm.rank == 0:
+        result = {"bench": "allreduce", "ranks": comm.size, "nodes": rows[0]["nodes"] if rows else 1,
+                  "device": args.device, "algorithms": list(algorithms), "link_gbit": args.link_gbit, "rows": rows}
         if args.json:
-            print(json.dumps({"bench": "allreduce", "ranks": comm.size, "nodes": rows[0]["nodes"] if rows else 1,
-                              "device": args.device, "algorithms": list(algorithms),
-                              "link_gbit": args.link_gbit, "rows": rows}))
+            print(json.dumps(result))
         else:
             nodes = rows[0]["nodes"] if rows else 1
             print(f"allreduce, {comm.size} ranks on {nodes} node{'s' if nodes > 1 else ''}, float32, {args.device}: "
                   f"median of the slowest rank per iteration"
                   + (f"; links {args.link_gbit:g} Gbit/s" if args.link_gbit else ""))
             print(table(rows, columns(algorithms, args.link_gbit)))
+        if args.plot:
+            from ..plot import plot_allreduce
+            plot_allreduce(result, args.plot)
+            print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0

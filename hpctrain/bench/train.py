@@ -4,6 +4,7 @@ rank count, repeats each, and reports the median of the repeats.
     python -m hpctrain.bench train --mode ring --ranks 1,2,4
     python -m hpctrain.bench train --mode ps --ranks 3,4 -- --num-ps 2 --async
     python -m hpctrain.bench train --ranks 2,4 --compare shard-optimizer=off,on
+    python -m hpctrain.bench train --ranks 1,2 --plot train.png   # and a picture (hpctrain.plot)
 
 Every configuration does equal work per worker (the same steps of the same
 batch per worker). Steady-state figures come from the run's own per-step
@@ -16,6 +17,7 @@ params + grads + optimizer state + one batch.
 """
 import json
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -153,7 +155,7 @@ def compare_settings(args, extra):
     if args.json:
         print(json.dumps({"bench": "train", "mode": args.mode, "steps": args.steps, "repeats": args.repeats,
                           "compare": args.compare, "flags": extra, "rows": rows}))
-        return 0
+        return plot(args, rows, f"train, {args.mode} mode, {args.steps} steps, --compare {args.compare}")
     print(f"train, {args.mode} mode, {args.steps} steps x {args.repeats} interleaved repeats, "
           f"hidden {','.join(map(str, flags.hidden))}, {flags.optimizer}, batch {flags.batch_size}/worker"
           + (f", flags: {' '.join(extra)}" if extra else ""))
@@ -163,15 +165,26 @@ def compare_settings(args, extra):
         ("step ms", "step_ms", "{:.3f}"), ("compute ms", "compute_ms", "{:.3f}"),
         ("comm not hidden ms", "comm_ms", "{:.3f}"), ("optimizer ms (all)", "optimizer_total_ms", "{:.3f}"),
         ("optimizer x first", "optimizer_ratio", "{:.2f}"), ("peak MB", "peak_mb", "{:.1f}")]))
+    return plot(args, rows, f"train, {args.mode} mode, {args.steps} steps, --compare {args.compare}")
+
+
+def plot(args, rows, title):
+    """--plot: the picture after the figures (matplotlib only imported here)."""
+    if args.plot:
+        from ..plot import plot_train
+        plot_train(rows, args.plot, title)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
 def main(args, extra):
     rows, flags = measure(args, extra)
+    title = (f"train, {args.mode} mode, {args.steps} steps x {args.repeats} repeats"
+             + (f", {' '.join(extra)}" if extra else ""))
     if args.json:
         print(json.dumps({"bench": "train", "mode": args.mode, "steps": args.steps, "repeats": args.repeats,
                           "flags": extra, "rows": rows}))
-        return 0
+        return plot(args, rows, title)
     print(f"train, {args.mode} mode, {args.steps} steps x {args.repeats} repeats, "
           f"hidden {','.join(map(str, flags.hidden))}, {flags.optimizer}, batch {flags.batch_size}/worker"
           + (f", flags: {' '.join(extra)}" if extra else ""))
@@ -183,4 +196,4 @@ def main(args, extra):
         ("(of it hidden)", "optimizer_hidden_ms", "{:.3f}"),
         ("peak MB", "peak_mb", "{:.1f}"), ("above base MB", "above_base_mb", "{:.1f}"),
         ("2x state MB", "mem_target_mb", "{:.1f}")]))
-    return 0
+    return plot(args, rows, title)
