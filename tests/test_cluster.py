@@ -307,9 +307,12 @@ def test_ps_servers_spread_over_nodes(cluster, tmp_path):
 
 RING_JOB = Path(REPO) / "jobs" / "ring.slurm"
 PS_JOB = Path(REPO) / "jobs" / "ps.slurm"
+# Short runs (CI time): the claim is "the same training as on one node",
+# checked against a one-node run of the same flags, not a fixed accuracy.
+JOB_STEPS = 300
 JOB_FLAGS = {
-    "ring": ("--steps", "600", "--checkpoint-every", "100"),
-    "ps": ("--steps", "600", "--checkpoint-every", "100"),
+    "ring": ("--steps", str(JOB_STEPS), "--checkpoint-every", "50"),
+    "ps": ("--steps", str(JOB_STEPS), "--checkpoint-every", "50"),
 }
 _JOB_RUNS = {}
 
@@ -335,15 +338,15 @@ def test_sbatch_two_nodes_trains_as_on_one_node(cluster, tmp_path, mode):
     assert "2 node(s) hpt-n[1-2], 4 tasks" in text, text
     assert rank_hosts(text) == [("hpt-n1", 0), ("hpt-n1", 1), ("hpt-n2", 0), ("hpt-n2", 1)], text
     final = [json.loads(line) for line in Path(metrics).read_text().splitlines()][-1]
-    assert (final["event"], final["world_size"], final["steps"]) == ("final", 4, 600), final
+    assert (final["event"], final["world_size"], final["steps"]) == ("final", 4, JOB_STEPS), final
     # The same training on one node (4 ranks of one host, no network).
     single = tmp_path / "single.h5"
-    flags = [f for f in JOB_FLAGS[mode] if f not in ("--checkpoint-every", "100")]
+    flags = JOB_FLAGS[mode][:2]
     proc = _run(MPIRUN, "-n", 4, PYTHON, "-m", "hpctrain.mnist", "--mode", mode, *flags,
                 "--save", single, timeout=300, env=child_env())
     accuracy = float(ACCURACY.search(text).group(1))
     single_accuracy = float(ACCURACY.search(proc.stdout).group(1))
-    assert accuracy >= 0.9 and abs(accuracy - single_accuracy) <= 0.01, (accuracy, single_accuracy)
+    assert accuracy >= 0.85 and abs(accuracy - single_accuracy) <= 0.01, (accuracy, single_accuracy)
     if mode == "ps":
         # sync ps sums the workers' gradients in rank order wherever they run
         assert_same_params(saved, single)
@@ -380,7 +383,7 @@ def test_kill_and_requeue_across_nodes_resumes_bit_exact(cluster, tmp_path):
     rc, text = cluster.wait_ended(job_id, out, restarts=1)
     assert rc == 0, text
     stopped = STOPPED.search(text)
-    assert stopped and 0 < int(stopped.group(2)) < 600, text
+    assert stopped and 0 < int(stopped.group(2)) < JOB_STEPS, text
     assert RESUMED.search(text).groups() == (stopped.group(3), stopped.group(2)), text
     assert_same_params(tmp_path / "p.h5", whole)
 
