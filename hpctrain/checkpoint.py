@@ -48,7 +48,7 @@ import numpy as np
 
 from .errors import HpctrainError
 from .outputs import temp_next_to
-from .settings import SAME_ON_RESUME
+from .settings import RESUME_DEFAULTS, SAME_ON_RESUME
 
 FORMAT = "hpctrain-checkpoint"
 FORMAT_VERSION = 1
@@ -353,7 +353,7 @@ def check_compatible(ckpt, expected_settings):
         raise HpctrainError(f"{ckpt.path}: checkpoint format version {version}, this hpctrain reads "
                             f"version {FORMAT_VERSION}; use --resume no with a new --checkpoint-dir")
     for key, want in expected_settings.items():
-        have = ckpt.attrs.get(key)
+        have = ckpt.attrs.get(key, RESUME_DEFAULTS.get(key))
         if have is None:
             raise HpctrainError(f"{ckpt.path}: checkpoint does not record {key}; cannot resume "
                                 f"from it (use a new --checkpoint-dir or --resume no)")

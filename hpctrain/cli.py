@@ -11,6 +11,8 @@ import math
 
 from .errors import HpctrainError
 
+DEFAULT_STEPS = 2000
+
 
 def _positive_int(text):
     value = int(text)
@@ -87,7 +89,12 @@ def build_parser():
       help="directory of prepared HDF5 shards (default: data/mnist, prepared from "
            "the bundled 5k sample on first use)")
     g.add_argument("--batch-size", type=_positive_int, default=32, help="samples per worker per step (default: %(default)s)")
-    g.add_argument("--steps", type=_positive_int, default=2000, help="global training steps (default: %(default)s)")
+    length = g.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=_positive_int, default=None,
+                        help=f"global training steps (default: {DEFAULT_STEPS})")
+    length.add_argument("--epochs", type=_positive_float, default=None, metavar="E",
+                        help="train for E passes over the training set instead: steps = ceil(E * train samples "
+                             "/ (workers * --batch-size)), from the data's manifest at start-up")
     g.add_argument("--lr", type=_positive_float, default=1e-4, help="learning rate (default: %(default)s)")
     g.add_argument("--optimizer", choices=["adam", "sgd", "momentum"], default="adam", help="(default: %(default)s)")
     g.add_argument("--momentum", type=_nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
@@ -99,6 +106,18 @@ def build_parser():
                    help="multiply --lr by the number of workers (linear scaling rule, Goyal et al.)")
     g.add_argument("--warmup-steps", type=_nonneg_int, default=0,
                    help="ramp the learning rate up linearly over the first K steps (default: %(default)s)")
+    g.add_argument("--lr-schedule", choices=["constant", "step", "cosine"], default="constant",
+                   help="constant: --lr throughout; step: times --lr-decay every --lr-decay-steps steps; "
+                        "cosine: from --lr after the warm-up down to --lr-min at the last step (default: %(default)s)")
+    g.add_argument("--lr-decay", type=_positive_float, default=0.1,
+                   help="--lr-schedule step: the factor applied every --lr-decay-steps steps (default: %(default)s)")
+    g.add_argument("--lr-decay-steps", type=_nonneg_int, default=0,
+                   help="--lr-schedule step: decay every N steps (required, > 0)")
+    g.add_argument("--lr-min", type=_nonneg_float, default=0.0,
+                   help="--lr-schedule cosine: the lr at the last step (default: %(default)s)")
+    g.add_argument("--weight-decay", type=_nonneg_float, default=0.0, metavar="WD",
+                   help="decoupled weight decay (AdamW): p -= lr * WD * p every step, for every --optimizer "
+                        "(default: %(default)s)")
     g.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto",
                    help="where arrays live: cpu (NumPy), gpu (CuPy), auto (gpu if CuPy sees one) (default: %(default)s)")
 
@@ -188,6 +207,10 @@ def validate(args, world_size):
     if args.shard_optimizer == "on" and args.mode == "ps":
         raise HpctrainError("--shard-optimizer on is for --mode ring (in ps mode the servers "
                             "already hold the optimizer state in shards)")
+    if args.lr_schedule == "step" and not args.lr_decay_steps:
+        raise HpctrainError("--lr-schedule step needs --lr-decay-steps N (N > 0)")
+    if args.lr_schedule == "cosine" and args.lr_min > args.lr:
+        raise HpctrainError(f"--lr-min {args.lr_min:g} is above --lr {args.lr:g}: a cosine schedule decays")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise HpctrainError("--checkpoint-every needs --checkpoint-dir")
     if args.resume == "yes" and not args.checkpoint_dir:
@@ -199,7 +222,21 @@ def parse(argv=None, quiet=False):
     ranks) --help prints nothing, so the job shows one copy."""
     parser = build_parser()
     parser.quiet = quiet
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.steps is None and args.epochs is None:
+        args.steps = DEFAULT_STEPS
+    elif args.steps is None:
+        # --epochs: the session turns them into steps once the data's manifest
+        # and the worker count are known (steps_for_epochs); 0 until then.
+        args.steps = 0
+    return args
+
+
+def steps_for_epochs(epochs, train_samples, workers, batch_size):
+    """--epochs E as global steps: ceil(E * samples / (workers * batch size)),
+    at least 1. Exact for a whole E and integer arithmetic where E*4 is whole,
+    so 1 epoch of 4500 samples at 2 x 32 is 71 steps, not 70 or 72."""
+    return max(1, math.ceil(epochs * train_samples / (workers * batch_size)))
 
 
 DEFAULT_TIMEOUT = build_parser().get_default("timeout")

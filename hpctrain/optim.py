@@ -1,4 +1,5 @@
-"""SGD, momentum and Adam on flat arrays, and the learning-rate schedule.
+"""SGD, momentum and Adam on flat arrays, decoupled weight decay, and the
+learning-rate schedules (constant, step, cosine; each after a linear warm-up).
 
 An optimizer owns its state for one contiguous range of parameters (the whole
 model in ring mode, one server's slice in ps mode, the parts of the buckets a
@@ -12,6 +13,11 @@ Adam step makes, instead of streaming 4 large arrays through memory 10 times.
 Adam's moments of weights that never see a gradient (MNIST's border pixels)
 decay towards subnormal floats, which are ~100x slower to compute with; every
 FLUSH_EVERY steps such values are flushed to zero.
+
+Weight decay is decoupled (AdamW, Loshchilov & Hutter): p *= 1 - lr * wd
+before the gradient step, in the same block pass, for every optimizer (for
+SGD and momentum it is plain L2 decay with the lr folded in). At wd = 0 the
+multiply is skipped, so results stay bit for bit what they were without it.
 
     python -m hpctrain.optim       # times one Adam step over 650k parameters
 """
@@ -27,7 +33,7 @@ FLUSH_BELOW = 1e-30
 
 
 class SGD:
-    """params -= lr * grad_scale * grads.
+    """params -= lr * grad_scale * grads (after params *= 1 - lr * weight_decay).
 
     A step is `begin(lr, grad_scale)` once, then `update(params, grads, lo, hi)`
     for any ranges covering the buffer (bucket fusion updates each bucket as
@@ -36,8 +42,10 @@ class SGD:
 
     state_names = ()
 
-    def __init__(self, size, xp=np, dtype=np.float32):
+    def __init__(self, size, xp=np, dtype=np.float32, weight_decay=0.0):
         self.xp, self.size, self.t = xp, size, 0
+        self.weight_decay = weight_decay
+        self.keep = 1.0
         self._tmp = xp.empty(min(BLOCK, max(size, 1)), dtype)
         self._tmp2 = xp.empty_like(self._tmp)
 
@@ -53,12 +61,16 @@ class SGD:
         """Start step t+1 with learning rate lr; grad_scale averages a summed gradient."""
         self.t += 1
         self.lr, self.grad_scale = lr, grad_scale
+        # Decoupled decay follows the scheduled lr (as AdamW's does).
+        self.keep = 1.0 - lr * self.weight_decay
 
     def update(self, params, grads, lo=0, hi=None):
         """Apply the current step to elements [lo, hi) (views of the full buffers)."""
         hi = self.size if hi is None else hi
         for b_lo in range(lo, hi, BLOCK):
             b_hi = min(b_lo + BLOCK, hi)
+            if self.weight_decay:   # skipped at 0: bit-identical to no decay at all
+                params[b_lo:b_hi] *= self.keep
             self._update_block(params, grads, b_lo, b_hi)
 
     def _update_block(self, params, grads, lo, hi):
@@ -72,8 +84,8 @@ class Momentum(SGD):
 
     state_names = ("velocity",)
 
-    def __init__(self, size, xp=np, dtype=np.float32, momentum=0.9):
-        super().__init__(size, xp, dtype)
+    def __init__(self, size, xp=np, dtype=np.float32, momentum=0.9, weight_decay=0.0):
+        super().__init__(size, xp, dtype, weight_decay)
         self.mu = momentum
         self.velocity = xp.zeros(size, dtype)
 
@@ -91,8 +103,8 @@ class Adam(SGD):
 
     state_names = ("m", "v")
 
-    def __init__(self, size, xp=np, dtype=np.float32, beta1=0.9, beta2=0.999, eps=1e-8):
-        super().__init__(size, xp, dtype)
+    def __init__(self, size, xp=np, dtype=np.float32, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0):
+        super().__init__(size, xp, dtype, weight_decay)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.m = xp.zeros(size, dtype)
         self.v = xp.zeros(size, dtype)
@@ -266,23 +278,55 @@ def state_bytes(optimizer):
 OPTIMIZERS = {"sgd": SGD, "momentum": Momentum, "adam": Adam}
 
 
-def make_optimizer(name, size, xp=np, dtype=np.float32, momentum=0.9, owned=None):
+def make_optimizer(name, size, xp=np, dtype=np.float32, momentum=0.9, owned=None, weight_decay=0.0):
     """The optimizer `name` for a flat buffer of `size` elements; with `owned`
-    (a list of (lo, hi)), a Sharded one keeping state for those ranges only."""
+    (a list of (lo, hi)), a Sharded one keeping state for those ranges only.
+    weight_decay: decoupled (p *= 1 - lr * wd each step), per element, so a
+    slice or a shard decays exactly as the whole buffer would."""
     if owned is not None:
-        return Sharded(lambda n: make_optimizer(name, n, xp, dtype, momentum), owned, size)
+        return Sharded(lambda n: make_optimizer(name, n, xp, dtype, momentum, weight_decay=weight_decay),
+                       owned, size)
     if name == "momentum":
-        return Momentum(size, xp, dtype, momentum=momentum)
-    return OPTIMIZERS[name](size, xp, dtype)
+        return Momentum(size, xp, dtype, momentum=momentum, weight_decay=weight_decay)
+    return OPTIMIZERS[name](size, xp, dtype, weight_decay=weight_decay)
 
 
-def learning_rate(step, base_lr, workers=1, scale_lr=False, warmup_steps=0):
-    """lr for 0-based `step`: base (times workers with --scale-lr), ramped
-    linearly from base/warmup to full over the first warmup_steps (Goyal et al.)."""
+SCHEDULES = ("constant", "step", "cosine")
+
+
+def learning_rate(step, base_lr, workers=1, scale_lr=False, warmup_steps=0, schedule="constant",
+                  decay=0.1, decay_steps=0, lr_min=0.0, total_steps=None):
+    """lr for 0-based `step`, a pure function of it (so a resume is bit-exact):
+    base (times workers with --scale-lr), shaped by `schedule`, ramped
+    linearly from 1/warmup to full over the first warmup_steps (Goyal et al.).
+
+    constant: base. step: base * decay ** (step // decay_steps), counted from
+    step 0 (the warm-up ramps whatever the schedule gives). cosine: base at
+    the end of the warm-up, down to lr_min (not scaled by --scale-lr) at the
+    last step, total_steps - 1: lr_min + (base - lr_min) * (1 + cos(pi * p)) / 2,
+    p = (step - warmup_steps) / (total_steps - 1 - warmup_steps)."""
     lr = base_lr * (workers if scale_lr else 1)
+    if schedule == "step":
+        lr *= decay ** (step // decay_steps)
+    elif schedule == "cosine":
+        span = max(total_steps - 1 - warmup_steps, 1)
+        p = min(max(step - warmup_steps, 0) / span, 1.0)
+        lr = lr_min + (lr - lr_min) * 0.5 * (1.0 + math.cos(math.pi * p))
     if warmup_steps and step < warmup_steps:
         lr *= (step + 1) / warmup_steps
     return lr
+
+
+def schedule_line(base_lr, workers=1, scale_lr=False, warmup_steps=0, schedule="constant", decay=0.1,
+                  decay_steps=0, lr_min=0.0, total_steps=None):
+    """The schedule's key points in one line (the chief prints it at start)."""
+    lr = base_lr * (workers if scale_lr else 1)
+    warm = f" (after {warmup_steps} warm-up steps)" if warmup_steps else ""
+    if schedule == "step":
+        return f"lr: step from {lr:g}{warm}, times {decay:g} every {decay_steps} steps"
+    if schedule == "cosine":
+        return f"lr: cosine from {lr:g}{warm} to {lr_min:g} at step {total_steps}"
+    return f"lr: constant {lr:g}{warm}"
 
 
 if __name__ == "__main__":

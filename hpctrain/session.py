@@ -22,12 +22,12 @@ from mpi4py import MPI
 
 from . import data as data_mod
 from . import device, jobcheck, settings
-from .cli import validate
+from .cli import steps_for_epochs, validate
 from .cluster import Cluster, check_consistency
 from .comm import allreduce_plan
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .model import CLASSES, INPUTS, MLP, num_params
-from .optim import learning_rate
+from .optim import learning_rate, schedule_line
 from .outputs import check_outputs
 from .stats import StepStats
 from .timeline import Timeline
@@ -253,6 +253,9 @@ class Session:
         data, self.model_shape = self.agreed(self.comm, data_identity, self.data_dir)
         with watchdog.waiting("start-up (same data on every rank)", peer=None):
             self.agreed(self.comm, check_consistency, self.comm, {"data (manifest digest)": data})
+        # After the data: --epochs count its training samples (the same on
+        # every rank: the manifest's digest was compared above).
+        self._schedule = self._recipe(data_mod.load_manifest(self.data_dir))
         # After the data: the model's size follows its manifest.
         self.agreed(self.comm, check_memory, args, cluster.local_size, self.model_shape)
         # Last before training, so a refusal above leaves nothing behind (this
@@ -295,8 +298,23 @@ class Session:
         return num_params(self.args.hidden, *self.model_shape)
 
     def lr(self, step):
-        args = self.args
-        return learning_rate(step, args.lr, self.cluster.num_workers, args.scale_lr, args.warmup_steps)
+        """The learning rate of 0-based `step`: a pure function of it (resume is bit-exact)."""
+        return learning_rate(step, **self._schedule)
+
+    def _recipe(self, manifest):
+        """--epochs as steps, and the lr schedule's arguments; the chief says both."""
+        args, workers = self.args, self.cluster.num_workers
+        if args.epochs is not None:
+            samples = manifest["train"]["num_samples"]
+            args.steps = steps_for_epochs(args.epochs, samples, workers, args.batch_size)
+            self.chief_says(f"steps: {args.epochs:g} epochs of {samples} samples at {workers} workers x "
+                            f"{args.batch_size} = {args.steps} steps")
+        sched = dict(base_lr=args.lr, workers=workers, scale_lr=args.scale_lr, warmup_steps=args.warmup_steps,
+                     schedule=args.lr_schedule, decay=args.lr_decay, decay_steps=args.lr_decay_steps,
+                     lr_min=args.lr_min, total_steps=args.steps)
+        if args.lr_schedule != "constant":   # constant: today's output, unchanged
+            self.chief_says(schedule_line(**sched))
+        return sched
 
     def open_reader(self):
         """This worker's training-batch reader (and its test part, loaded now)."""

@@ -6,8 +6,9 @@
 - On resume the checkpoint's `SAME_ON_RESUME` values must equal this run's:
   the model and its state (mode, hidden, num_params, optimizer), the data
   positions (one per worker, offsets in batches of batch_size) and the shuffle
-  (seed). Everything else may change on resume, --steps in particular (a
-  resumed job may train longer); the result is bit-identical to an
+  (seed), and the learning-rate schedule's shape (`schedule_key`: with
+  cosine, --steps too). Everything else may change on resume, --steps in
+  particular (a resumed job may train longer), --lr and --weight-decay; the result is bit-identical to an
   uninterrupted run only when nothing else changed either.
 
     python -c "from hpctrain import cli, settings; print(settings.same_on_every_rank(cli.parse([])))"
@@ -16,10 +17,28 @@ from . import __version__
 from .model import CLASSES, INPUTS, num_params
 
 # Flags whose value must be identical on every rank of a job.
-RANK_FLAGS = ("mode", "batch_size", "steps", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
+RANK_FLAGS = ("mode", "batch_size", "steps", "epochs", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
+              "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay",
               "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "sync", "replicas_to_aggregate", "backup_workers",
               "max_staleness", "dc_lambda", "placement", "checkpoint_every", "timeout")
-SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "num_workers", "batch_size", "seed")
+SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "num_workers", "batch_size", "seed",
+                  "lr_schedule")
+# What a checkpoint written before a setting existed means by it (it is
+# missing there): checkpoints from before --lr-schedule were all constant.
+RESUME_DEFAULTS = {"lr_schedule": "constant"}
+
+
+def schedule_key(args):
+    """The --lr-schedule a checkpoint records and a resume must match: the
+    schedule and the flags that shape it, and for cosine the last step (its
+    curve depends on --steps, so a resume that trains longer would take
+    another path). --lr, --scale-lr and --warmup-steps may change on resume
+    as before (a deliberate change, like --lr)."""
+    if args.lr_schedule == "step":
+        return f"step x{args.lr_decay!r} every {args.lr_decay_steps}"
+    if args.lr_schedule == "cosine":
+        return f"cosine to {args.lr_min!r} at step {args.steps}"
+    return "constant"
 
 
 def _job(args, model_shape=(INPUTS, CLASSES)):
@@ -41,7 +60,7 @@ def same_on_every_rank(args):
 
 
 def same_on_resume(args, num_workers, model_shape=(INPUTS, CLASSES)):
-    job = dict(_job(args, model_shape), num_workers=int(num_workers))
+    job = dict(_job(args, model_shape), num_workers=int(num_workers), lr_schedule=schedule_key(args))
     return {k: job[k] for k in SAME_ON_RESUME}
 
 
