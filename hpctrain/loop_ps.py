@@ -89,9 +89,13 @@ def run_server(session, checkpoints, comm, placement):
     size = sum(hi - lo for lo, hi in mine)
     if args.ps_device == "gpu":
         # The slice and its optimizer state on this rank's GPU; messages stay on the host.
-        optimizer = OnDevice(make_optimizer(args.optimizer, size, session.server_xp, momentum=args.momentum), size)
+        optimizer = OnDevice(make_optimizer(args.optimizer, size, session.server_xp, momentum=args.momentum,
+                                            weight_decay=args.weight_decay), size)
     else:
-        optimizer = make_optimizer(args.optimizer, size, np, momentum=args.momentum)
+        # --weight-decay is the optimizer's own (decoupled, per element): each
+        # server decays its slice as ring mode decays the whole buffer.
+        optimizer = make_optimizer(args.optimizer, size, np, momentum=args.momentum,
+                                   weight_decay=args.weight_decay)
     server = Server(comm, mine, cluster.worker_ranks, cluster.ps_ranks, optimizer, session.lr,
                     steps=args.steps, sync=args.sync,
                     replicas=replicas_to_aggregate(args, cluster.num_workers), max_staleness=args.max_staleness,

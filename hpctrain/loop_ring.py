@@ -93,7 +93,8 @@ def train_ring(session):
         gather=params_wire.buffer if sharded else None)
     # Sharded: state only for the gradient ranges this rank owns (~1/N).
     owned = [wire.grads_range(lo, hi) for lo, hi in fused.owned()] if sharded else None
-    optimizer = make_optimizer(args.optimizer, n, xp, momentum=args.momentum, owned=owned)
+    optimizer = make_optimizer(args.optimizer, n, xp, momentum=args.momentum, owned=owned,
+                               weight_decay=args.weight_decay)
 
     # --- resume: every rank holds the whole state, so the chief's copy goes to all
     step = 0
