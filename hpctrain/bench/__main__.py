@@ -31,6 +31,9 @@ def main(argv=None):
     t.add_argument("--compare", metavar="FLAG=V1,V2", default=None,
                    help="run every rank count with each value of one hpctrain flag, repeats interleaved, "
                         "e.g. shard-optimizer=off,on; ratios against the first value")
+    t.add_argument("--versus-ring", action="store_true",
+                   help="ps only: for each rank count N, interleave ring with N - num_ps ranks, ps --sync and "
+                        "ps --async with N ranks; medians, ratios to the ring, the servers' time per update")
     t.add_argument("--json", action="store_true")
 
     c = sub.add_parser("compare", help="hpctrain ring vs a plain NumPy loop and PyTorch DDP, in one run")
@@ -57,6 +60,9 @@ def main(argv=None):
         return run(args)
     if args.what == "train":
         args.ranks = [int(r) for r in args.ranks.split(",")]
+        if args.versus_ring:
+            from .train import versus_ring
+            return versus_ring(args, extra)
         if args.compare:
             from .train import compare_settings
             return compare_settings(args, extra)

@@ -17,6 +17,7 @@ The server returns when every worker sent OP_FINAL.
 
 Every blocking wait runs under the watchdog (`--timeout`), naming the peer.
 """
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -126,11 +127,15 @@ class Server:
         if silence:
             others.append((silence.request, self._leave_behind))
         waits = list(self.req_hdr) + list(self.req_grad) + [req for req, _ in others]
+        times, clock = self.stats.times, time.perf_counter
+        t_start = clock()
         while not (self.done.all() and self.aggregation.caught_up()):
             with self.waiting("requests from workers", peer=self._awaited):
                 if silence:
                     silence.idle = True
+                t0 = clock()
                 ready = MPI.Request.Waitsome(waits)
+                times["idle"] += clock() - t0
                 if silence:
                     silence.idle = False
             if ready is None:
@@ -144,6 +149,7 @@ class Server:
                     others[i - 2 * self.num_workers][1]()
             self.cut.answer_if_due()
             self._check_signal()
+        times["total"] += clock() - t_start
         return self._finish()
 
     def _awaited(self):
@@ -258,11 +264,13 @@ class Server:
         busy = np.flatnonzero(self.sending)
         if len(busy) == 0:
             return
+        t0 = time.perf_counter()
         with self.waiting("parameter replies", peer=[self.workers[w] for w in busy]):
             for w in busy:
                 self.send_hdr[w].Wait()
                 self.send_params[w].Wait()
         self.sending[:] = False
+        self.stats.times["send_wait"] += time.perf_counter() - t0
 
     def _flags(self, w=None):
         flags = 0
@@ -290,10 +298,13 @@ class Server:
         if self.version < want and self.version < self.stop_version:
             return
         self.want[w] = -1
+        times, t0 = self.stats.times, time.perf_counter()
         if self.sending[w]:
             with self.waiting("parameter reply", peer=self.workers[w]):
                 self.send_hdr[w].Wait()
                 self.send_params[w].Wait()
+        t1 = time.perf_counter()
+        times["send_wait"] += t1 - t0
         self.fill_reply(self.hdr_out[w], w)
         self.heard(w)
         self.rejected[w] = False
@@ -302,6 +313,7 @@ class Server:
         self.send_hdr[w].Start()
         self.send_params[w].Start()
         self.sending[w] = True
+        times["reply"] += time.perf_counter() - t1
 
     # --- the end ------------------------------------------------------------
     def stats_array(self):
