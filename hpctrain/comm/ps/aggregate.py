@@ -163,7 +163,7 @@ class SyncRounds:
         srv = self.server
         if self.round_sending:
             with srv.waiting("round decision to servers", peer=srv.servers[1:]):
-                MPI.Request.Waitall(self.send_round)
+                srv.waits.all(self.send_round)
         buf = self.round_buf
         buf[:] = 0
         buf[H_OP], buf[H_VERSION], buf[H_STOP] = OP_ROUND, srv.version, srv.stop_version

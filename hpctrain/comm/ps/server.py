@@ -32,6 +32,7 @@ from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_S
 from .silence import SilenceWatch
 from .snapshot import CutHold, DataPositions, receive_restore
 from .stats import ServerStats
+from .waits import Waits
 
 
 class Server:
@@ -39,12 +40,13 @@ class Server:
 
     ranges: this server's (lo, hi) ranges; worker_ranks / server_ranks: ranks in
     `comm` (server_ranks[0] is the leader); optimizer sized to this server's
-    element count; lr_fn(version) -> learning rate; steps: the step budget.
+    element count; lr_fn(version) -> learning rate; steps: the step budget;
+    nap: wait for requests without busy-polling (more ranks than cores: waits.py).
     """
 
     def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
                  sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=None,
-                 stop_requested=None):
+                 stop_requested=None, nap=False):
         self.comm, self.rank = comm, comm.Get_rank()
         self.workers, self.servers = list(worker_ranks), list(server_ranks)
         self.leader = self.rank == self.servers[0]
@@ -53,6 +55,7 @@ class Server:
         self.num_workers = len(self.workers)
         self.opt, self.lr_fn = optimizer, lr_fn
         self.watchdog = watchdog
+        self.waits = Waits(nap)
         self.stop_requested = stop_requested
         self.params = np.zeros(self.size, np.float32)
         self.grads = np.zeros((self.num_workers, self.size), np.float32)   # one landing buffer per worker
@@ -134,7 +137,7 @@ class Server:
                 if silence:
                     silence.idle = True
                 t0 = clock()
-                ready = MPI.Request.Waitsome(waits)
+                ready = self.waits.some(waits)
                 times["idle"] += clock() - t0
                 if silence:
                     silence.idle = False
@@ -266,9 +269,7 @@ class Server:
             return
         t0 = time.perf_counter()
         with self.waiting("parameter replies", peer=[self.workers[w] for w in busy]):
-            for w in busy:
-                self.send_hdr[w].Wait()
-                self.send_params[w].Wait()
+            self.waits.all([req for w in busy for req in (self.send_hdr[w], self.send_params[w])])
         self.sending[:] = False
         self.stats.times["send_wait"] += time.perf_counter() - t0
 
@@ -301,8 +302,7 @@ class Server:
         times, t0 = self.stats.times, time.perf_counter()
         if self.sending[w]:
             with self.waiting("parameter reply", peer=self.workers[w]):
-                self.send_hdr[w].Wait()
-                self.send_params[w].Wait()
+                self.waits.all([self.send_hdr[w], self.send_params[w]])
         t1 = time.perf_counter()
         times["send_wait"] += t1 - t0
         self.fill_reply(self.hdr_out[w], w)
