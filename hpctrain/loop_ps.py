@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from .cluster import cores_available
 from .comm.ps import Client, Server, describe, place, summarize
 from .errors import EXIT_TIMEOUT, HpctrainError
 from .optim import OnDevice, make_optimizer
@@ -39,6 +40,12 @@ def replicas_to_aggregate(args, num_workers):
     if not args.sync:
         return 1
     return args.replicas_to_aggregate or num_workers - args.backup_workers
+
+
+def oversubscribed(cluster):
+    """More ranks than cores on this node: waiting ranks must not busy-poll
+    (comm/ps/waits.py), or they take the cores the computing ranks need."""
+    return cluster.local_size > cores_available()
 
 
 def cluster_lines(session, placement, tensor_ranges):
@@ -100,7 +107,7 @@ def run_server(session, checkpoints, comm, placement):
                     steps=args.steps, sync=args.sync,
                     replicas=replicas_to_aggregate(args, cluster.num_workers), max_staleness=args.max_staleness,
                     dc_lambda=args.dc_lambda, watchdog=session.watchdog,
-                    stop_requested=lambda: session.stop.received)
+                    stop_requested=lambda: session.stop.received, nap=oversubscribed(cluster))
     session.stop.phase = "training"   # the server loop takes stop requests from here on
     server.serve_until_done()
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
@@ -132,7 +139,7 @@ def run_worker(session, checkpoints, comm, reader, resume):
     params = np.zeros(model.num_params, np.float32) if gpu else model.params
     grads = np.zeros(model.num_params, np.float32) if gpu else model.grads
     client = Client(comm, cluster.ps_ranks, placement, params, grads, cluster.worker_index, W,
-                    sync=args.sync, watchdog=session.watchdog)
+                    sync=args.sync, watchdog=session.watchdog, nap=oversubscribed(cluster))
     state_names = make_optimizer(args.optimizer, 1, np).state_names
     if chief:
         print(cluster_lines(session, placement, tensor_ranges), flush=True)
@@ -180,6 +187,12 @@ def run_worker(session, checkpoints, comm, reader, resume):
         with tl.span("push+pull", cat="comm"):
             client.push_pull(loss, stop_request=session.stop.received is not None, position=reader.position)
         t2 = time.perf_counter()
+        if tl.enabled:
+            # inside push+pull: starting the sends, waiting for the servers' replies, the rest
+            sent, replied, done = client.marks
+            tl.add("push", "comm", t1, sent)
+            tl.add("wait for parameters", "comm", sent, replied)
+            tl.add("sends done+read replies", "comm", replied, done)
         if gpu:
             model.params.set(params)
         compute_s += t1 - t0

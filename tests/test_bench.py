@@ -92,7 +92,7 @@ def test_bench_model_quick():
 @pytest.mark.parametrize("mode, extra, must_have", [
     ("ring", ["--fusion-mb", "0.5", "--overlap", "on"],
      {"data", "forward", "backward layer0", "backward layer2", "wait for gradients", "step"}),
-    ("ps", ["--num-ps", "1"], {"data", "forward", "backward layer0", "push+pull"}),
+    ("ps", ["--num-ps", "1"], {"data", "forward", "backward layer0", "push+pull", "push", "wait for parameters"}),
 ])
 def test_timeline_is_a_chrome_trace_with_every_span_kind(job, tmp_path, mode, extra, must_have):
     path = tmp_path / "t.json"
@@ -117,3 +117,15 @@ def test_bench_train_compare_two_settings_in_one_run():
     assert first["speedup"] == 1.0 and second["speedup"] > 0
     assert 1.0 <= first["amdahl_bound"] <= 2.0   # 1 / (1 - f (1 - 1/2)) with 0 <= f <= 1
     assert first["optimizer_ratio"] == 1.0 and second["optimizer_ratio"] > 0
+
+
+def test_bench_train_ps_versus_ring_in_one_run():
+    out = json.loads(bench("train", "--mode", "ps", "--ranks", "3", "--steps", "30", "--repeats", "1",
+                           "--versus-ring", "--json", "--", "--hidden", "64", "--num-ps", "1"))
+    ring, sync, asyn = out["rows"]
+    assert [r["setting"] for r in out["rows"]] == ["ring", "ps sync", "ps async"]
+    assert (ring["ranks"], sync["ranks"], asyn["ranks"]) == (2, 3, 3)
+    assert ring["x_ring"] == 1.0 and sync["x_sync"] == 1.0 and asyn["x_ring"] > 0
+    for row in (sync, asyn):
+        ms = row["server_ms"]
+        assert ms["total"] > 0 and ms["idle"] >= 0 and ms["optimizer"] > 0

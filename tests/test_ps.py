@@ -664,3 +664,23 @@ def test_ps_device_gpu_path_equals_host_servers_and_resumes(job, tmp_path):
            env=stand_in, module="numpy_as_gpu"))
     resumed, _ = saved(tmp_path / "resumed.h5")
     assert all(np.array_equal(host[k], resumed[k]) for k in host)
+
+
+@pytest.mark.parametrize("nap", [False, True])
+def test_waits_some_and_all_complete_with_or_without_naps(nap):
+    from mpi4py import MPI
+
+    from hpctrain.comm.ps.waits import Waits
+    comm = MPI.COMM_SELF
+    waits = Waits(nap)
+    got = np.zeros(3, np.int64)
+    recv = [comm.Irecv(got[i:i + 1], 0, 40 + i) for i in range(3)]
+    sends = [comm.Isend(np.full(1, 7 + i, np.int64), 0, 40 + i) for i in (1, 2)]
+    ready = set()
+    while len(ready) < 2:
+        ready |= set(waits.some(recv))
+    assert ready == {1, 2} and list(got[1:]) == [8, 9]
+    waits.all(sends)
+    last = comm.Isend(np.full(1, 7, np.int64), 0, 40)
+    waits.all([recv[0], last])
+    assert waits.some(recv) is None and got[0] == 7   # nothing active any more

@@ -35,6 +35,9 @@ def main(argv=None):
     t.add_argument("--compare", metavar="FLAG=V1,V2", default=None,
                    help="run every rank count with each value of one hpctrain flag, repeats interleaved, "
                         "e.g. shard-optimizer=off,on; ratios against the first value")
+    t.add_argument("--versus-ring", action="store_true",
+                   help="ps only: for each rank count N, interleave ring with N - num_ps ranks, ps --sync and "
+                        "ps --async with N ranks; medians, ratios to the ring, the servers' time per update")
     t.add_argument("--json", action="store_true")
     t.add_argument("--plot", metavar="PNG", default=None,
                    help="also draw samples/s against ranks and the step split "
@@ -81,6 +84,9 @@ def _run(args, extra):
         return run(args)
     if args.what == "train":
         args.ranks = [int(r) for r in args.ranks.split(",")]
+        if args.versus_ring:
+            from .train import versus_ring
+            return versus_ring(args, extra)
         if args.compare:
             from .train import compare_settings
             return compare_settings(args, extra)

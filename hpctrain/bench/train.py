@@ -5,6 +5,7 @@ rank count, repeats each, and reports the median of the repeats.
     python -m hpctrain.bench train --mode ps --ranks 3,4 -- --num-ps 2 --async
     python -m hpctrain.bench train --ranks 2,4 --compare shard-optimizer=off,on
     python -m hpctrain.bench train --ranks 1,2 --plot train.png   # and a picture (hpctrain.plot)
+    python -m hpctrain.bench train --mode ps --ranks 4 --versus-ring -- --num-ps 2
 
 Every configuration does equal work per worker (the same steps of the same
 batch per worker). Steady-state figures come from the run's own per-step
@@ -174,6 +175,86 @@ def plot(args, rows, title):
         from ..plot import plot_train
         plot_train(rows, args.plot, title)
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+# ps-only flags (with their value, or None for a switch): left out of the ring runs
+PS_FLAGS = {"--num-ps": 1, "--ps-ranks": 1, "--placement": 1, "--replicas-to-aggregate": 1, "--backup-workers": 1,
+            "--max-staleness": 1, "--dc-lambda": 1, "--ps-device": 1, "--sync": 0, "--async": 0}
+
+
+def ring_flags(extra):
+    out, skip = [], 0
+    for a in extra:
+        if skip:
+            skip -= 1
+            continue
+        name = a.split("=", 1)[0]
+        if name in PS_FLAGS:
+            skip = PS_FLAGS[name] if "=" not in a else 0
+            continue
+        out.append(a)
+    return out
+
+
+def server_ms_per_update(runs):
+    """The servers' loop time per update (ms, mean over servers, median over runs), by activity."""
+    out = {}
+    for name in runs[0]["ps_time_s"][0]:
+        out[name] = float(np.median([np.mean([t[name] / max(1, u) for t, u in zip(r["ps_time_s"], r["ps_updates"])])
+                                     for r in runs])) * 1e3
+    out["other"] = out["total"] - sum(v for k, v in out.items() if k != "total")
+    return out
+
+
+def versus_ring(args, extra):
+    """ps against the unsharded ring on the same cores, in one run: for each
+    rank count N (ps: N ranks, --num-ps of them servers), ring with the
+    N - num_ps worker ranks, ps --sync and ps --async, repeats interleaved;
+    medians, ratios to the ring. Equal work per worker: async gets
+    workers x --steps updates (one worker's batch each)."""
+    from ..cli import parse
+    flags = parse(["--mode", "ps", *extra])
+    ring_extra = ring_flags(extra)
+    ps_extra = [a for a in extra if a not in ("--sync", "--async")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            workers = ranks - flags.num_ps
+            configs = [("ring", workers, "ring", args.steps, ring_extra),
+                       ("ps sync", ranks, "ps", args.steps, [*ps_extra, "--sync"]),
+                       ("ps async", ranks, "ps", args.steps * workers, [*ps_extra, "--async"])]
+            runs = {name: [] for name, *_ in configs}
+            for _ in range(args.repeats):
+                for name, n, mode, steps, more in configs:
+                    runs[name].append(one_run(n, mode, steps, more, tmp))
+            base = sync = None
+            for name, n, mode, _, _ in configs:
+                row = dict(summarise(mode, n, runs[name], flags), setting=name)
+                base = base or row
+                row["x_ring"] = row["samples_per_s"] / base["samples_per_s"]
+                row["loop_x_ring"] = row["loop_samples_per_s"] / base["loop_samples_per_s"]
+                if mode == "ps":
+                    row["server_ms"] = server_ms_per_update(runs[name])
+                    sync = sync or row
+                    row["x_sync"] = row["samples_per_s"] / sync["samples_per_s"]
+                rows.append(row)
+    if args.json:
+        print(json.dumps({"bench": "train", "versus_ring": True, "steps": args.steps, "repeats": args.repeats,
+                          "flags": extra, "rows": rows}))
+        return 0
+    print(f"train, ps vs ring, {args.steps} steps per worker x {args.repeats} interleaved repeats, "
+          f"hidden {','.join(map(str, flags.hidden))}, {flags.optimizer}, batch {flags.batch_size}/worker"
+          + (f", flags: {' '.join(extra)}" if extra else ""))
+    print(table(rows, [
+        ("ranks", "ranks", "{}"), ("setting", "setting", "{}"), ("samples/s", "samples_per_s", "{:,.0f}"),
+        ("x ring", "x_ring", "{:.2f}"), ("x sync", "x_sync", "{:.2f}"),
+        ("loop samples/s", "loop_samples_per_s", "{:,.0f}"), ("loop x ring", "loop_x_ring", "{:.2f}"),
+        ("step ms", "step_ms", "{:.3f}"), ("compute ms", "compute_ms", "{:.3f}"),
+        ("comm+wait ms", "comm_ms", "{:.3f}")]))
+    print("servers, ms per update (mean over servers): "
+          + ", ".join(f"{row['setting']}: " + " ".join(f"{k} {v:.3f}" for k, v in row["server_ms"].items())
+                      for row in rows if "server_ms" in row))
     return 0
 
 

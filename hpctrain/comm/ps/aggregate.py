@@ -19,6 +19,8 @@ server keeps, per worker, the parameters it last sent that worker (w_bak) and
 applies g + L*g*g*(w - w_bak); w_bak is the server's per-worker reply buffer
 (Server.reply_bufs), which holds exactly that.
 """
+import time
+
 import numpy as np
 from mpi4py import MPI
 
@@ -161,7 +163,7 @@ class SyncRounds:
         srv = self.server
         if self.round_sending:
             with srv.waiting("round decision to servers", peer=srv.servers[1:]):
-                MPI.Request.Waitall(self.send_round)
+                srv.waits.all(self.send_round)
         buf = self.round_buf
         buf[:] = 0
         buf[H_OP], buf[H_VERSION], buf[H_STOP] = OP_ROUND, srv.version, srv.stop_version
@@ -173,6 +175,7 @@ class SyncRounds:
     def _apply_round(self, members):
         srv = self.server
         srv.quiesce()
+        times, t0 = srv.stats.times, time.perf_counter()
         first = members[0]
         if len(members) == 1:
             total = srv.grads[first]
@@ -181,7 +184,10 @@ class SyncRounds:
             np.add(srv.grads[first], srv.grads[members[1]], out=total)
             for m in members[2:]:
                 total += srv.grads[m]          # worker order, whatever the arrival order
+        t1 = time.perf_counter()
         srv.opt.step(srv.params, total, srv.lr_fn(srv.version), 1.0 / len(members))
+        times["aggregate"] += t1 - t0
+        times["optimizer"] += time.perf_counter() - t1
         srv.last_loss = float(sum(self.loss[m] for m in members) / len(members))
         srv.stats.applied(0, count=len(members))
         round_version = srv.version
@@ -256,9 +262,13 @@ class AsyncApply:
         else:
             srv.stats.applied(staleness)
             grad = srv.grads[w]
+            times, t0 = srv.stats.times, time.perf_counter()
             if self.w_bak is not None:
                 dc_compensate(grad, srv.params, self.w_bak[w], self.dc_lambda, self.scratch)
+            t1 = time.perf_counter()
             srv.opt.step(srv.params, grad, srv.lr_fn(srv.version), 1.0)
+            times["aggregate"] += t1 - t0
+            times["optimizer"] += time.perf_counter() - t1
             srv.version += 1
             srv.stats.updates += 1
             srv.last_loss = loss

@@ -8,6 +8,7 @@ A worker's message to a server is the concatenation of that server's ranges:
 a view of the flat buffer when it is one range (no copy), a packed copy
 otherwise. Workers post their reply receives first, then send to all servers.
 """
+import time
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -19,6 +20,7 @@ from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_S
                        H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
                        OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
                        ProtocolError, loss_field, stats_length)
+from .waits import Waits
 
 
 class Cut(NamedTuple):
@@ -46,13 +48,14 @@ class Client:
     flat buffers of the model), all servers at once."""
 
     def __init__(self, comm, server_ranks, placement, params, grads, worker, num_workers, *,
-                 sync=True, watchdog=None):
+                 sync=True, watchdog=None, nap=False):
         self.comm = comm
         self.servers = list(server_ranks)
         self.num_servers = len(self.servers)
         self.worker, self.num_workers = worker, num_workers
         self.sync = sync
         self.watchdog = watchdog
+        self.waits = Waits(nap)     # more ranks than cores: wait without busy-polling (waits.py)
         self.placement = [list(r) for r in placement]
         self.params, self.grads = params, grads
         self.p_slices = [Slice(params, r) for r in self.placement]
@@ -68,6 +71,8 @@ class Client:
         self.stop_seen = False      # some server saw a stop signal: ask the leader to stop
         self.loss = float("nan")    # leader: mean loss of the last round (sync) / last gradient (async)
         self.rejected = 0           # pushes the leader did not apply
+        # perf_counter marks of the last exchange: sends started, replies in, done (for --timeline)
+        self.marks = [0.0, 0.0, 0.0]
 
     def _init_requests(self):
         comm, servers, every = self.comm, self.servers, range(self.num_servers)
@@ -97,12 +102,16 @@ class Client:
             MPI.Prequest.Startall(self.pushes)
         else:
             MPI.Prequest.Startall(self.send_hdr)
+        marks = self.marks
+        marks[0] = time.perf_counter()
         for k in range(self.num_servers):
             with self.waiting(what, peer=self.servers[k]):
-                MPI.Request.Waitall(self.replies[k])
+                self.waits.all(self.replies[k])
+        marks[1] = time.perf_counter()
         with self.waiting("sending to the servers", peer=self.servers):
-            MPI.Request.Waitall(self.pushes if grads else self.send_hdr)
+            self.waits.all(self.pushes if grads else self.send_hdr)
         self._read_replies()
+        marks[2] = time.perf_counter()
 
     def _read_replies(self):
         for k in range(self.num_servers):

@@ -56,11 +56,14 @@ TAG_WAKE = 107       # a server to itself (COMM_SELF): its SilenceWatch has news
 
 HIST_BINS = 32       # staleness histogram: 0..30, and 31+ in the last bin
 
-# Statistics a server sends with its final reply (float64); then W pushes,
-# W dropped, W abandoned (1: the worker never came back, the run ended
-# without it), HIST_BINS histogram counts.
+# Statistics a server sends with its final reply (float64): counts, then the
+# seconds its loop spent per activity (T_NAMES, from serve_until_done to the
+# last request); then W pushes, W dropped, W abandoned (1: the worker never
+# came back, the run ended without it), HIST_BINS histogram counts.
 S_VERSION, S_UPDATES, S_STALE, S_AFTER_STOP, S_ST_SUM, S_ST_COUNT, S_ST_MAX, S_ELEMENTS = range(8)
-S_FIXED = 8
+T_NAMES = ("idle", "aggregate", "optimizer", "reply", "send_wait", "total")
+S_TIMES = 8
+S_FIXED = S_TIMES + len(T_NAMES)
 
 
 class ProtocolError(RuntimeError):

@@ -17,6 +17,7 @@ The server returns when every worker sent OP_FINAL.
 
 Every blocking wait runs under the watchdog (`--timeout`), naming the peer.
 """
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -31,6 +32,7 @@ from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_S
 from .silence import SilenceWatch
 from .snapshot import CutHold, DataPositions, receive_restore
 from .stats import ServerStats
+from .waits import Waits
 
 
 class Server:
@@ -38,12 +40,13 @@ class Server:
 
     ranges: this server's (lo, hi) ranges; worker_ranks / server_ranks: ranks in
     `comm` (server_ranks[0] is the leader); optimizer sized to this server's
-    element count; lr_fn(version) -> learning rate; steps: the step budget.
+    element count; lr_fn(version) -> learning rate; steps: the step budget;
+    nap: wait for requests without busy-polling (more ranks than cores: waits.py).
     """
 
     def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
                  sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=None,
-                 stop_requested=None):
+                 stop_requested=None, nap=False):
         self.comm, self.rank = comm, comm.Get_rank()
         self.workers, self.servers = list(worker_ranks), list(server_ranks)
         self.leader = self.rank == self.servers[0]
@@ -52,6 +55,7 @@ class Server:
         self.num_workers = len(self.workers)
         self.opt, self.lr_fn = optimizer, lr_fn
         self.watchdog = watchdog
+        self.waits = Waits(nap)
         self.stop_requested = stop_requested
         self.params = np.zeros(self.size, np.float32)
         self.grads = np.zeros((self.num_workers, self.size), np.float32)   # one landing buffer per worker
@@ -126,11 +130,15 @@ class Server:
         if silence:
             others.append((silence.request, self._leave_behind))
         waits = list(self.req_hdr) + list(self.req_grad) + [req for req, _ in others]
+        times, clock = self.stats.times, time.perf_counter
+        t_start = clock()
         while not (self.done.all() and self.aggregation.caught_up()):
             with self.waiting("requests from workers", peer=self._awaited):
                 if silence:
                     silence.idle = True
-                ready = MPI.Request.Waitsome(waits)
+                t0 = clock()
+                ready = self.waits.some(waits)
+                times["idle"] += clock() - t0
                 if silence:
                     silence.idle = False
             if ready is None:
@@ -144,6 +152,7 @@ class Server:
                     others[i - 2 * self.num_workers][1]()
             self.cut.answer_if_due()
             self._check_signal()
+        times["total"] += clock() - t_start
         return self._finish()
 
     def _awaited(self):
@@ -258,11 +267,11 @@ class Server:
         busy = np.flatnonzero(self.sending)
         if len(busy) == 0:
             return
+        t0 = time.perf_counter()
         with self.waiting("parameter replies", peer=[self.workers[w] for w in busy]):
-            for w in busy:
-                self.send_hdr[w].Wait()
-                self.send_params[w].Wait()
+            self.waits.all([req for w in busy for req in (self.send_hdr[w], self.send_params[w])])
         self.sending[:] = False
+        self.stats.times["send_wait"] += time.perf_counter() - t0
 
     def _flags(self, w=None):
         flags = 0
@@ -290,10 +299,12 @@ class Server:
         if self.version < want and self.version < self.stop_version:
             return
         self.want[w] = -1
+        times, t0 = self.stats.times, time.perf_counter()
         if self.sending[w]:
             with self.waiting("parameter reply", peer=self.workers[w]):
-                self.send_hdr[w].Wait()
-                self.send_params[w].Wait()
+                self.waits.all([self.send_hdr[w], self.send_params[w]])
+        t1 = time.perf_counter()
+        times["send_wait"] += t1 - t0
         self.fill_reply(self.hdr_out[w], w)
         self.heard(w)
         self.rejected[w] = False
@@ -302,6 +313,7 @@ class Server:
         self.send_hdr[w].Start()
         self.send_params[w].Start()
         self.sending[w] = True
+        times["reply"] += time.perf_counter() - t1
 
     # --- the end ------------------------------------------------------------
     def stats_array(self):

@@ -7,7 +7,7 @@ protocol.py), and the summary the final metrics record carries.
 import numpy as np
 
 from .protocol import (HIST_BINS, S_AFTER_STOP, S_ELEMENTS, S_FIXED, S_ST_COUNT, S_ST_MAX, S_ST_SUM, S_STALE,
-                       S_UPDATES, S_VERSION, stats_length)
+                       S_TIMES, S_UPDATES, S_VERSION, T_NAMES, stats_length)
 
 
 class ServerStats:
@@ -21,6 +21,8 @@ class ServerStats:
         self.dropped = np.zeros(num_workers, np.int64)
         self.hist = np.zeros(HIST_BINS, np.int64)
         self.abandoned = np.zeros(num_workers, np.int64)
+        # Seconds per activity of the server's loop (T_NAMES): where a round goes.
+        self.times = dict.fromkeys(T_NAMES, 0.0)
 
     def drop(self, worker, stale=True):
         """A gradient not applied: stale (counted per worker) or past the end."""
@@ -42,6 +44,7 @@ class ServerStats:
                                                                           self.stale_dropped, self.after_stop)
         out[S_ST_SUM], out[S_ST_COUNT], out[S_ST_MAX], out[S_ELEMENTS] = (self.st_sum, self.st_count,
                                                                          self.st_max, elements)
+        out[S_TIMES: S_FIXED] = [self.times[name] for name in T_NAMES]
         workers = self.num_workers
         out[S_FIXED: S_FIXED + workers] = self.pushes
         out[S_FIXED + workers: S_FIXED + 2 * workers] = self.dropped
@@ -76,4 +79,8 @@ def summarize(stats, num_workers):
         "ps_updates": stats[:, S_UPDATES].astype(np.int64).tolist(),
         "ps_stale_dropped": stats[:, S_STALE].astype(np.int64).tolist(),
         "ps_elements": stats[:, S_ELEMENTS].astype(np.int64).tolist(),
+        # per server, seconds of its loop: waiting for requests (idle), summing
+        # gradients, the optimizer, starting replies, waiting for replies to drain
+        "ps_time_s": [{name: round(float(row[S_TIMES + i]), 4) for i, name in enumerate(T_NAMES)}
+                      for row in stats],
     }
