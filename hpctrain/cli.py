@@ -180,7 +180,11 @@ def build_parser():
     g.add_argument("--metrics", metavar="FILE.jsonl", default=None, help="write metrics as JSON Lines (chief only)")
     g.add_argument("--log-every", type=_positive_int, default=100, help="print a progress line every N steps (default: %(default)s)")
     g.add_argument("--eval-every", type=_nonneg_int, default=0,
-                   help="evaluate on the test set every N steps (0: only at the end) (default: %(default)s)")
+                   help="evaluate on the test set (and the validation part, if the data has one) every N steps "
+                        "(0: only at the end) (default: %(default)s)")
+    g.add_argument("--keep-best", metavar="FILE.h5", default=None,
+                   help="write the parameters of the best validation accuracy so far to this HDF5 file "
+                        "(needs --eval-every and data prepared with --val-fraction)")
     g.add_argument("--timeline", metavar="FILE.json", default=None, help="write a Chrome trace of the chief's steps")
     g.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds any rank waits for a peer before it names the peer and aborts the job (default: %(default)s)")
@@ -215,6 +219,9 @@ def validate(args, world_size):
         raise HpctrainError("--checkpoint-every needs --checkpoint-dir")
     if args.resume == "yes" and not args.checkpoint_dir:
         raise HpctrainError("--resume yes needs --checkpoint-dir")
+    if args.keep_best and not args.eval_every:
+        # Best of what? Only the periodic validations (and the final one) choose.
+        raise HpctrainError("--keep-best needs --eval-every N (N > 0)")
 
 
 def parse(argv=None, quiet=False):

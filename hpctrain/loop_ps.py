@@ -154,7 +154,8 @@ def run_worker(session, checkpoints, comm, reader, resume):
     if resume is not None:
         checkpoints.seek_readers(reader, resume)
         session.chief_says(checkpoints.resumed_line(resume.step))
-    report.resume_at(checkpoints.saved_step)   # None: a fresh run, a fresh file
+    report.resume_at(checkpoints.saved_step, resume)   # None: a fresh run, a fresh file
+    checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
     client.pull()
     if gpu:
         model.params.set(params)
@@ -237,6 +238,8 @@ def run_worker(session, checkpoints, comm, reader, resume):
     if gpu:
         model.params.set(params)
     step = client.version
+    if chief and session.has_val and not client.preempted:
+        report.final_val(model, step)   # before the last checkpoint: it records the best
     if want_state and checkpoints.saved_step != step:
         save_cut(session, checkpoints, client.final_state)
     if client.preempted:

@@ -104,7 +104,8 @@ def train_ring(session):
         checkpoints.seek_readers(reader, resume)
         step = resume.step
         session.chief_says(checkpoints.resumed_line(step))
-    report.resume_at(checkpoints.saved_step)   # None: a fresh run, a fresh file
+    report.resume_at(checkpoints.saved_step, resume)   # None: a fresh run, a fresh file
+    checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
 
     def checkpoint_now():
         positions = checkpoints.gather_positions(reader)
@@ -164,6 +165,8 @@ def train_ring(session):
 
     # --- the end: the last checkpoint (at the end of training, or where a
     # signal stopped it), then either the pre-emption exit or the results
+    if chief and session.has_val and not (summed.stop_requested() and step < args.steps):
+        report.final_val(model, step)   # before the last checkpoint: it records the best
     if checkpoints.enabled and checkpoints.saved_step != step:
         checkpoint_now()
     if summed.stop_requested() and step < args.steps:

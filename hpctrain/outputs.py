@@ -1,4 +1,4 @@
-"""The files a run writes (--save, --metrics, --timeline, --checkpoint-dir),
+"""The files a run writes (--save, --metrics, --timeline, --keep-best, --checkpoint-dir),
 checked before the first step on the rank that writes them.
 
 A run that trains for hours and then finds it cannot write its result has
@@ -31,17 +31,18 @@ import time
 
 from .errors import HpctrainError
 
-FILE_FLAGS = ("save", "metrics", "timeline")
+FILE_FLAGS = ("save", "metrics", "timeline", "keep_best")
 
 
 def check_outputs(args):
     """Raise HpctrainError (one line naming the flag) unless every output the
     flags name can be written. Creates --checkpoint-dir if missing."""
     seen = {}
-    for flag in FILE_FLAGS:
-        path = getattr(args, flag)
+    for name in FILE_FLAGS:
+        path = getattr(args, name, None)
         if not path:
             continue
+        flag = name.replace("_", "-")
         real = os.path.realpath(path)
         if real in seen:
             raise HpctrainError(f"--{flag} and --{seen[real]} both name {path}: give each its own file")

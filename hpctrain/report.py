@@ -1,11 +1,13 @@
 """What a run tells its user: progress lines, the --metrics records, test-set
-evaluations, the final record and the --save parameters file.
+(and validation-part) evaluations, the final record, the --save parameters
+file and the --keep-best one.
 
 The chief writes everything; the loops call these under an explicit
 `if chief:`, except the two collectives that every worker joins
 (`evaluate`, `peak_memory_and_step_medians`).
 
     mpirun -n 2 python -m hpctrain.mnist --steps 300 --metrics m.jsonl --save p.h5
+    mpirun -n 2 python -m hpctrain.mnist --data data/mnist-val --eval-every 50 --keep-best best.h5
 """
 import json
 import os
@@ -128,13 +130,22 @@ class Report:
         self.args = session.args
         # Async ps workers print their own progress lines; only the chief writes files.
         self.metrics = Metrics(session.args.metrics if session.chief else None)
-        self._test_full = None
+        self._full = {}   # split -> the whole split (uint8), read once by the chief
         self._last_eval = None
+        # --keep-best: (val accuracy, step) of the best validation so far. It
+        # goes into every checkpoint (checkpoint_attrs) and comes back on
+        # resume, so a resumed run keeps the file an uninterrupted run keeps.
+        self.best = None
+        self._final_val = None   # (loss, accuracy) on the val part at the end (final_val)
         self._mark = None   # (step, wall time) of the last progress line, for the ETA
 
-    def resume_at(self, step):
+    def resume_at(self, step, resume=None):
         """Where this run starts (None: step 0): the metrics file keeps the
-        records up to it, and the first ETA counts the steps from it."""
+        records up to it, and the first ETA counts the steps from it. The
+        chief takes the best validation so far from resume's checkpoint."""
+        ckpt = getattr(resume, "checkpoint", None)
+        if ckpt is not None and ckpt.attrs.get("best_val_step", -1) >= 0:
+            self.best = (float(ckpt.attrs["best_val_accuracy"]), int(ckpt.attrs["best_val_step"]))
         self.metrics.resume_at(step)
         self._mark = (step or 0, time.perf_counter())
 
@@ -180,17 +191,59 @@ class Report:
             return 0.0
         t0 = time.perf_counter()
         test_loss, test_acc, _ = self.evaluate_alone(model)
-        print(f"step {step:>6}/{self.args.steps}  test accuracy {test_acc:.4f}  "
-              f"test loss {test_loss:.4f}", flush=True)
-        self.metrics.write({"event": "eval", "step": step, "test_accuracy": round(test_acc, 6),
-                            "test_loss": round(test_loss, 6)})
+        record = {"event": "eval", "step": step, "test_accuracy": round(test_acc, 6),
+                  "test_loss": round(test_loss, 6)}
+        line = f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}"
+        if self.session.has_val:
+            val_loss, val_acc, _ = self.evaluate_alone(model, "val")
+            record.update(val_accuracy=round(val_acc, 6), val_loss=round(val_loss, 6))
+            line = f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}  " + line
+            self.keep_if_best(model, step, val_acc)
+        print(f"step {step:>6}/{self.args.steps}  {line}", flush=True)
+        self.metrics.write(record)
         return time.perf_counter() - t0
 
-    def evaluate_alone(self, model):
-        """Test loss, accuracy and count on the whole test set, this rank alone."""
-        if self._test_full is None:
-            self._test_full = data_mod.load_test(self.session.data_dir, raw=True)
-        x, y = self._test_full
+    def keep_if_best(self, model, step, val_acc):
+        """--keep-best: write the parameters when val_acc beats every earlier
+        validation (strictly: a tie keeps the earlier, smaller step). A failed
+        write ends the run: a best file that silently stopped following the
+        best would be worse than none."""
+        if not self.args.keep_best or (self.best is not None and val_acc <= self.best[0]):
+            return
+        self.best = (float(val_acc), int(step))
+        try:
+            write_params(self.args.keep_best, model, step, self.args, self.session.cluster.size,
+                         attrs={"val_accuracy": float(val_acc)})
+        except OSError as e:
+            raise HpctrainError(f"--keep-best {self.args.keep_best}: cannot write ({e.strerror or e})",
+                                collective=False) from None
+
+    def final_val(self, model, step):
+        """The chief alone (as periodic_eval; the val part is small): val loss
+        and accuracy of the final parameters, once, and a --keep-best
+        candidate. The loops call it before the final checkpoint, so that
+        checkpoint's best includes it (resume keeps the same best) -- but not
+        when a signal stopped training early: an uninterrupted run would
+        never have evaluated that step."""
+        if self._final_val is None:
+            val_loss, val_acc, _ = self.evaluate_alone(model, "val")
+            self.keep_if_best(model, step, val_acc)
+            self._final_val = (val_loss, val_acc)
+        return self._final_val
+
+    def checkpoint_attrs(self):
+        """What a checkpoint records of this report: the best validation so
+        far (--keep-best only: other checkpoints stay as they were)."""
+        if not self.args.keep_best:
+            return {}
+        acc, step = self.best if self.best is not None else (-1.0, -1)
+        return {"best_val_accuracy": acc, "best_val_step": step}
+
+    def evaluate_alone(self, model, split="test"):
+        """Loss, accuracy and count on the whole test set (or "val" part), this rank alone."""
+        if split not in self._full:
+            self._full[split] = data_mod.load_test(self.session.data_dir, raw=True, split=split)
+        x, y = self._full[split]
         xp = self.session.xp
         loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
         n = max(len(y), 1)
@@ -202,6 +255,11 @@ class Report:
         written; the line then says where the parameters are kept instead."""
         session, args, cluster = self.session, self.args, self.session.cluster
         test_loss, test_acc, n_test = result["test"]
+        val = {}
+        if session.has_val:
+            val_loss, val_acc = self.final_val(result["model"], step)
+            val = {"val_accuracy": round(val_acc, 6), "val_loss": round(val_loss, 6)}
+            print(f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}", flush=True)
         wall = time.perf_counter() - session.t_start
         rate = samples / t_loop if t_loop > 0 else 0.0
         print(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
@@ -209,7 +267,7 @@ class Report:
         save_error = save_params(args.save, result["model"], step, args, cluster.size, result["checkpoint"])
         record = {"event": "final", "mode": args.mode, "world_size": cluster.size, "workers": cluster.num_workers,
                   "steps": step, "global_batch": args.batch_size * cluster.num_workers,
-                  "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
+                  **val, "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
                   "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
                   "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
                   "device": session.device_name}
@@ -300,9 +358,10 @@ def save_params(path, model, step, args, world_size, checkpoint_path=None):
     return f"{failed}; the parameters of step {step} are kept in {rescue}"
 
 
-def write_params(path, model, step, args, world_size):
-    """One float32 dataset per tensor, attributes step/mode/world_size/hidden;
-    written to a temporary name and renamed, so it is never half-written."""
+def write_params(path, model, step, args, world_size, attrs=None):
+    """One float32 dataset per tensor, attributes step/mode/world_size/hidden
+    (and attrs: --keep-best's val_accuracy); written to a temporary name and
+    renamed, so it is never half-written."""
     import h5py
     # Exclusive and unpredictable: a planted symlink is never followed.
     fd, tmp = temp_next_to(path)
@@ -315,6 +374,8 @@ def write_params(path, model, step, args, world_size):
             f.attrs["mode"] = args.mode
             f.attrs["world_size"] = world_size
             f.attrs["hidden"] = ",".join(map(str, args.hidden))
+            for key, value in (attrs or {}).items():
+                f.attrs[key] = value
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

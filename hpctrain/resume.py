@@ -38,6 +38,9 @@ class Checkpoints:
         self.saved_step = None   # the step of the newest checkpoint written or resumed from
         self.saved_path = None
         self._owners = None      # (optimizer, layout): a sharded optimizer's owners, once
+        # More attributes for the chief's checkpoints (report.Report.checkpoint_attrs:
+        # the best validation so far), set by the loop that has a report.
+        self.more_attrs = dict
 
     # --- resume -----------------------------------------------------------
 
@@ -256,8 +259,8 @@ class Checkpoints:
                                        optimizer_t, positions,
                                        settings.same_on_resume(args, cluster.num_workers, session.model_shape),
                                        keep=args.keep_checkpoints,
-                                       info=settings.recorded(args, cluster.size, cluster.num_workers,
-                                                              session.model_shape))
+                                       info=dict(settings.recorded(args, cluster.size, cluster.num_workers,
+                                                                   session.model_shape), **self.more_attrs()))
         with session.timeline.span("checkpoint", cat="checkpoint"):
             path = session.agreed(comm, chief_writes if session.chief else lambda: None)
         self.saved_step, self.saved_path = step, path

@@ -156,6 +156,13 @@ def data_identity(data_dir):
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16], shape
 
 
+def check_val(args, has_val, data_dir):
+    """--keep-best chooses by validation accuracy: the data must have a val part."""
+    if args.keep_best and not has_val:
+        raise HpctrainError(f"--keep-best needs a validation part, and {data_dir} has none; prepare "
+                            f"it with: python -m hpctrain.data prepare --val-fraction F --out DIR")
+
+
 def _nothing(*args):
     return None
 
@@ -253,6 +260,8 @@ class Session:
         data, self.model_shape = self.agreed(self.comm, data_identity, self.data_dir)
         with watchdog.waiting("start-up (same data on every rank)", peer=None):
             self.agreed(self.comm, check_consistency, self.comm, {"data (manifest digest)": data})
+        self.has_val = data_mod.has_val(self.data_dir)
+        self.agreed(self.comm, check_val, args, self.has_val, self.data_dir)
         # After the data: --epochs count its training samples (the same on
         # every rank: the manifest's digest was compared above).
         self._schedule = self._recipe(data_mod.load_manifest(self.data_dir))

@@ -10,7 +10,8 @@ only its own shards (or its own slice of one shard) while training:
 
 In code: `ShardReader(dir, worker, num_workers, batch_size, seed).next_batch()`
 for training batches, `load_test(dir, part, parts)` for a rank's share of the
-test set. No MPI here (house rule): callers pass worker numbers, not ranks.
+test set (`load_test(dir, split="val")`: the --val-fraction part). No MPI here
+(house rule): callers pass worker numbers, not ranks.
 
 One job per module:
     idx.py       IDX files (raw or gzip) -> uint8 arrays
@@ -18,7 +19,7 @@ One job per module:
     prepare.py   IDX or CIFAR-10 -> class-balanced HDF5 shards + manifest.json, atomically
     fetch.py     download the published files, verify their MD5, unpack archives safely
     manifest.py  format constants, paths, load_manifest and its structure check
-    reader.py    ShardReader (training batches), load_test (test set parts)
+    reader.py    ShardReader (training batches), load_test (test or val set parts)
     __main__.py  the command line (python -m hpctrain.data prepare|fetch)
 """
 
@@ -28,12 +29,12 @@ from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, bundled_sample_dir, def
                        is_prepared, load_manifest, model_fit_problem, model_shape, repo_root,
                        shard_name)
 from .prepare import prepare
-from .reader import ShardReader, load_test
+from .reader import ShardReader, has_val, load_test
 
 __all__ = [
     "CIFAR10_BATCHES", "EMNIST_SPLITS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MD5", "MIRRORS",
     "STANDARD_FILES", "extract",
-    "ShardReader", "bundled_sample_dir", "default_data_dir", "fetch", "is_prepared",
+    "ShardReader", "bundled_sample_dir", "default_data_dir", "fetch", "has_val", "is_prepared",
     "load_manifest", "load_test", "model_fit_problem", "model_shape", "prepare", "read_idx", "repo_root",
     "shard_name",
 ]

@@ -3,6 +3,7 @@
     python -m hpctrain.data prepare --source data/mnist-5k --out data/mnist --shards 8
     python -m hpctrain.data fetch --dataset mnist --out data/raw/mnist
     python -m hpctrain.data prepare --source data/raw/mnist --out data/mnist --force
+    python -m hpctrain.data prepare --out data/mnist-val --val-fraction 0.1
     python -m hpctrain.data fetch --dataset emnist --split balanced --out data/raw/emnist
     python -m hpctrain.data fetch --dataset cifar-10 --out data/raw/cifar-10
 
@@ -44,6 +45,10 @@ def build_parser():
     pp.add_argument("--test-fraction", type=float, default=0.1,
                     help="test share when splitting a single images/labels pair, stratified by "
                          "class; ignored for train/t10k sources (default: %(default)s)")
+    pp.add_argument("--val-fraction", type=float, default=0.0,
+                    help="hold out this share of each training class as a validation part "
+                         "(val-00000-of-00001.h5), used by training's --eval-every and "
+                         "--keep-best (default: %(default)s: none)")
     pp.add_argument("--seed", type=int, default=0,
                     help="seed of the split and the shuffles (default: %(default)s)")
     pp.add_argument("--force", action="store_true",
@@ -73,7 +78,7 @@ def main(argv=None):
     try:
         if args.command == "prepare":
             prepare(args.source, args.out, shards=args.shards, test_fraction=args.test_fraction,
-                    seed=args.seed, force=args.force)
+                    seed=args.seed, force=args.force, val_fraction=args.val_fraction)
         elif args.command == "fetch":
             fetch(args.dataset, args.out, mirror=args.mirror, timeout=args.timeout,
                   split=args.split)

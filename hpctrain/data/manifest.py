@@ -102,7 +102,8 @@ def _manifest_problem(manifest):
     classes = manifest.get("num_classes")
     if not (_is_count(classes) and classes > 0):
         return f"num_classes must be a positive integer, got {classes!r}"
-    for split in ("train", "test"):
+    # "val" is there only when prepare held one out (--val-fraction).
+    for split in ("train", "test") + (("val",) if "val" in manifest else ()):
         problem = _split_problem(manifest.get(split), split)
         if problem:
             return problem

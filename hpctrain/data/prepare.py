@@ -11,6 +11,10 @@ records the image shape (rows, cols[, channels]) and the class count (the
 largest label + 1), from which training builds its model. Every shard gets every
 class (the stratified deal), and everything is written to a temporary sibling
 of --out and renamed into place, so --out is either complete or untouched.
+--val-fraction F holds out a validation part (val-00000-of-00001.h5, the
+manifest's "val"): of each class, the last round(F * its count) training
+images in the deterministic order above; training shards exclude them. F 0
+(the default) writes exactly what it did before the option existed.
 No MPI here (house rule).
 """
 
@@ -120,7 +124,7 @@ def _read_pair(images_path, labels_path):
     return images, labels
 
 
-def _load_split(layout, paths, shards, test_fraction, seed):
+def _load_split(layout, paths, shards, test_fraction, seed, val_fraction=0.0):
     """((train_x, train_y, train_parts), (test_x, test_y, test_parts)): the
     arrays of each split and, per shard, the positions into them it gets."""
     if layout in ("standard", "cifar-10"):
@@ -134,9 +138,10 @@ def _load_split(layout, paths, shards, test_fraction, seed):
             raise HpctrainError(f"{paths['test_images']}: images are {test_x.shape[1:]}, "
                                 f"training images are {train_x.shape[1:]}")
         rng = np.random.default_rng(seed)
-        train_parts = _stratified_deal(train_y, np.arange(len(train_y)), shards, rng)
+        train_idx, val = _val_split((train_x, train_y), np.arange(len(train_y)), val_fraction)
+        train_parts = _stratified_deal(train_y, train_idx, shards, rng)
         test_parts = [np.arange(len(test_y))]
-        return (train_x, train_y, train_parts), (test_x, test_y, test_parts)
+        return (train_x, train_y, train_parts), (test_x, test_y, test_parts), val
 
     images, labels = _read_pair(paths["images"], paths["labels"])
     rng = np.random.default_rng(seed)
@@ -147,10 +152,33 @@ def _load_split(layout, paths, shards, test_fraction, seed):
         test_idx.append(idx[:k])
         train_idx.append(idx[k:])
     train_idx, test_idx = np.concatenate(train_idx), np.concatenate(test_idx)
-    # Both splits index the same arrays; the parts keep them apart.
+    train_idx, val = _val_split((images, labels), train_idx, val_fraction)
+    # All splits index the same arrays; the parts keep them apart.
     train_parts = _stratified_deal(labels, train_idx, shards, rng)
     test_parts = [rng.permutation(test_idx)]
-    return (images, labels, train_parts), (images, labels, test_parts)
+    return (images, labels, train_parts), (images, labels, test_parts), val
+
+
+def _val_split(arrays, index, val_fraction):
+    """(train positions, val split or None): --val-fraction 0 holds out nothing."""
+    if not val_fraction:
+        return index, None
+    return _hold_out_val((*arrays, [index]), val_fraction)
+
+
+def _hold_out_val(train, val_fraction):
+    """(train positions, val split): the last round(F * n_c) of each class c of train's
+    positions, in their order, held out as a validation part. Per class, so
+    a label-sorted source still gives the val part every class; no random
+    draw, so the training deal's generator sees exactly what it did before."""
+    x, y, parts = train
+    index = np.concatenate(parts)
+    keep = np.ones(len(index), bool)
+    for c in np.unique(y[index]):
+        at = np.flatnonzero(y[index] == c)
+        k = int(np.floor(len(at) * val_fraction + 0.5))
+        keep[at[len(at) - k:]] = False
+    return index[keep], (x, y, [index[~keep]])
 
 
 def _check_fits(splits, num_classes, paths):
@@ -233,7 +261,8 @@ def _write_shards(tmp, splits, num_classes):
     return entries
 
 
-def _build_manifest(source, layout, paths, seed, test_fraction, splits, entries, num_classes):
+def _build_manifest(source, layout, paths, seed, test_fraction, splits, entries, num_classes,
+                    val_fraction=0.0):
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -249,6 +278,8 @@ def _build_manifest(source, layout, paths, seed, test_fraction, splits, entries,
         "dtype": "uint8",
         "num_classes": num_classes,
     }
+    if "val" in splits:   # absent without a val part: manifests stay as they were
+        manifest["val_fraction"] = float(val_fraction)
     for split, (_, y, parts) in splits.items():
         all_idx = np.concatenate(parts) if parts else np.empty(0, np.intp)
         manifest[split] = {
@@ -262,12 +293,14 @@ def _build_manifest(source, layout, paths, seed, test_fraction, splits, entries,
 # ---------------------------------------------------------------------------
 # prepare
 
-def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=print):
+def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=print, val_fraction=0.0):
     """Write class-balanced HDF5 shards and manifest.json from IDX files; return the manifest.
 
     source holds the standard train-/t10k- files or CIFAR-10's batches (their
     split is kept, test_fraction is ignored) or one images/labels pair, which is split here,
-    stratified by class. Everything is written to a temporary sibling of out
+    stratified by class. val_fraction > 0 holds out that share of each
+    training class as a "val" part (_hold_out_val). Everything is written
+    to a temporary sibling of out
     and renamed into place, so out is either complete or untouched.
     """
     log = log or (lambda *a: None)
@@ -279,12 +312,19 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         raise HpctrainError(f"--shards must be a positive integer, got {shards!r}")
     if not 0 <= test_fraction < 1:
         raise HpctrainError(f"--test-fraction must be in [0, 1), got {test_fraction}")
+    if not 0 <= val_fraction < 1:
+        raise HpctrainError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     _check_not_input(source, out)
     _check_out(out, force)
 
     layout, paths = _find_source_files(source)
-    train, test = _load_split(layout, paths, shards, test_fraction, seed)
+    train, test, val = _load_split(layout, paths, shards, test_fraction, seed, val_fraction)
     splits = {"train": train, "test": test}
+    if val is not None:
+        if not len(val[2][0]):
+            raise HpctrainError(f"--val-fraction {val_fraction:g} holds out no training image "
+                                f"(it rounds to 0 in every class); use a larger fraction")
+        splits["val"] = val
     n_train = sum(len(p) for p in train[2])
     if n_train < shards:
         raise HpctrainError(f"{source}: {n_train} training samples, fewer than "
@@ -296,7 +336,7 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
     try:
         entries = _write_shards(tmp, splits, num_classes)
         manifest = _build_manifest(source, layout, paths, seed, test_fraction, splits, entries,
-                                   num_classes)
+                                   num_classes, val_fraction)
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
@@ -309,8 +349,9 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         raise
 
     sizes = [e["num_samples"] for e in entries["train"]]
+    held = f"{manifest['val']['num_samples']} validation samples, " if "val" in manifest else ""
     log(f"prepared {out}: {n_train} training samples in {shards} shards "
-        f"({min(sizes)}-{max(sizes)} each), {manifest['test']['num_samples']} test samples, "
+        f"({min(sizes)}-{max(sizes)} each), {held}{manifest['test']['num_samples']} test samples, "
         f"{num_classes} classes, from {layout} layout in {source}")
     return manifest
 

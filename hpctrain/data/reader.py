@@ -227,9 +227,15 @@ class ShardReader:
         return self._x, self._y
 
 
-def load_test(data_dir, part=0, parts=1, raw=False):
+def has_val(data_dir):
+    """Whether prepare held out a validation part (--val-fraction) in data_dir."""
+    return "val" in load_manifest(data_dir)
+
+
+def load_test(data_dir, part=0, parts=1, raw=False, split="test"):
     """Contiguous part `part` of `parts` of the test set: (x float32 (n, features), y int64 (n,)).
     With raw=True, x stays uint8 pixels (a quarter of the memory; scale by 1/255 per batch).
+    split="val": the validation part instead (prepare --val-fraction).
 
     Parts are near-equal and together cover the test set once, so ranks can
     evaluate it together; a part is empty when parts exceeds the test set.
@@ -240,11 +246,13 @@ def load_test(data_dir, part=0, parts=1, raw=False):
     manifest = load_manifest(data_dir)
     shape = tuple(manifest["image_shape"])
     features = math.prod(shape)
-    b = _bounds(manifest["test"]["num_samples"], parts)
+    if split not in manifest:
+        raise HpctrainError(f"{data_dir}: no {split} part; prepare again with --val-fraction F")
+    b = _bounds(manifest[split]["num_samples"], parts)
     lo, hi = b[part], b[part + 1]
     xs, ys = [np.empty((0, features), np.uint8 if raw else np.float32)], [np.empty(0, np.int64)]
     at = 0
-    for entry in manifest["test"]["shards"]:
+    for entry in manifest[split]["shards"]:
         n = entry["num_samples"]
         start, stop = max(lo - at, 0), min(hi - at, n)
         if start < stop:
