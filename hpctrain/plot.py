@@ -151,12 +151,13 @@ def wall_times(steps):
     return out
 
 
-def accuracy_points(run):
-    """(steps, test accuracies): the --eval-every evaluations and the final one."""
-    points = {int(r["step"]): float(r["test_accuracy"]) for r in run["evals"]}
+def accuracy_points(run, key="test_accuracy"):
+    """(steps, accuracies): the --eval-every evaluations and the final one;
+    key "val_accuracy" for the validation part (data prepared with --val-fraction)."""
+    points = {int(r["step"]): float(r[key]) for r in run["evals"] if _number(r.get(key))}
     final = run["final"]
-    if final and _number(final.get("steps")) and _number(final.get("test_accuracy")):
-        points[int(final["steps"])] = float(final["test_accuracy"])
+    if final and _number(final.get("steps")) and _number(final.get(key)):
+        points[int(final["steps"])] = float(final[key])
     return sorted(points), [points[s] for s in sorted(points)]
 
 
@@ -190,6 +191,10 @@ def plot_runs(runs, path):
         if acc_x:
             _line(drawn, f"test_accuracy/{label}", axes[0][1], acc_x, acc_y, color=color, marker="o",
                   label=label)
+        val_x, val_y = accuracy_points(run, "val_accuracy")
+        if val_x:   # dashed, same colour: the validation part of the same run
+            _line(drawn, f"val_accuracy/{label}", axes[0][1], val_x, val_y, color=color, marker="s",
+                  linestyle="--")
         rate = [r.get("samples_per_s", np.nan) for r in steps]
         _line(drawn, f"samples_per_s/{label}", axes[0][2], x, rate, color=color, label=label)
         _line(drawn, f"loss_vs_time/{label}", axes[1][0], t, [r["loss"] for r in steps], color=color,
@@ -197,7 +202,7 @@ def plot_runs(runs, path):
         _line(drawn, f"samples_per_s_vs_time/{label}", axes[1][1], t, rate, color=color, label=label)
     # samples/s in a record is the mean over the loop so far, not the rate of the last interval.
     rate_title = "samples/s (loop mean so far)"
-    titles = [("loss", "step"), ("test accuracy (--eval-every, final)", "step"), (rate_title, "step"),
+    titles = [("loss", "step"), ("test accuracy (validation dashed)", "step"), (rate_title, "step"),
               ("loss", "wall time (s)"), (rate_title, "wall time (s)")]
     for ax, (title, xlabel) in zip([axes[0][0], axes[0][1], axes[0][2], axes[1][0], axes[1][1]], titles):
         ax.set_title(title)

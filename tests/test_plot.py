@@ -171,3 +171,20 @@ def test_allreduce_plot_series_are_the_rows(tmp_path):
     x, y = drawn["busbw/mpi"]
     assert x.tolist() == [4096, 65536, 1 << 20] and np.allclose(y, [0.01, 0.21, 0.41])
     assert [plot.size_text(b) for b in x] == ["4K", "64K", "1M"]
+
+
+def test_validation_accuracy_is_drawn_beside_the_test_accuracy(tmp_path):
+    # Data prepared with --val-fraction: eval and final records carry val_accuracy too.
+    path = tmp_path / "val.jsonl"
+    lines = [{"step": 10, "loss": 2.0, "samples_per_s": 100.0, "time_s": 1.0},
+             {"event": "eval", "step": 10, "test_accuracy": 0.5, "val_accuracy": 0.55},
+             {"step": 20, "loss": 1.5, "samples_per_s": 110.0, "time_s": 2.0},
+             {"event": "eval", "step": 20, "test_accuracy": 0.6, "val_accuracy": 0.62},
+             {"event": "final", "mode": "ring", "steps": 20, "test_accuracy": 0.6, "val_accuracy": 0.62}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run = plot.read_run(path)
+    assert plot.accuracy_points(run, "val_accuracy") == ([10, 20], [0.55, 0.62])
+    drawn = plot.plot_runs([run], tmp_path / "val.png")
+    assert drawn["val_accuracy/val"][1].tolist() == [0.55, 0.62]
+    assert drawn["test_accuracy/val"][1].tolist() == [0.5, 0.6]
+    assert_png(tmp_path / "val.png", plot.RUN_SIZE)
