@@ -41,6 +41,12 @@ def one_run(ranks, mode, steps, extra, tmp):
         return [json.loads(line) for line in f][-1]
 
 
+def header(what, flags, extra):
+    """The first line of a train table: what ran, the model and the extra flags."""
+    return (f"train, {what}, hidden {','.join(map(str, flags.hidden))}, {flags.optimizer}, "
+            f"batch {flags.batch_size}/worker" + (f", flags: {' '.join(extra)}" if extra else ""))
+
+
 def memory_target_mb(hidden, optimizer, batch, model_shape=(INPUTS, CLASSES)):
     inputs, classes = model_shape
     n = num_params(hidden, inputs, classes)
@@ -157,9 +163,7 @@ def compare_settings(args, extra):
         print(json.dumps({"bench": "train", "mode": args.mode, "steps": args.steps, "repeats": args.repeats,
                           "compare": args.compare, "flags": extra, "rows": rows}))
         return plot(args, rows, f"train, {args.mode} mode, {args.steps} steps, --compare {args.compare}")
-    print(f"train, {args.mode} mode, {args.steps} steps x {args.repeats} interleaved repeats, "
-          f"hidden {','.join(map(str, flags.hidden))}, {flags.optimizer}, batch {flags.batch_size}/worker"
-          + (f", flags: {' '.join(extra)}" if extra else ""))
+    print(header(f"{args.mode} mode, {args.steps} steps x {args.repeats} interleaved repeats", flags, extra))
     print(table(rows, [
         ("ranks", "ranks", "{}"), ("setting", "setting", "{}"), ("samples/s", "samples_per_s", "{:,.0f}"),
         ("x first", "speedup", "{:.2f}"), ("Amdahl bound", "amdahl_bound", "{:.2f}"),
@@ -243,9 +247,7 @@ def versus_ring(args, extra):
         print(json.dumps({"bench": "train", "versus_ring": True, "steps": args.steps, "repeats": args.repeats,
                           "flags": extra, "rows": rows}))
         return 0
-    print(f"train, ps vs ring, {args.steps} steps per worker x {args.repeats} interleaved repeats, "
-          f"hidden {','.join(map(str, flags.hidden))}, {flags.optimizer}, batch {flags.batch_size}/worker"
-          + (f", flags: {' '.join(extra)}" if extra else ""))
+    print(header(f"ps vs ring, {args.steps} steps per worker x {args.repeats} interleaved repeats", flags, extra))
     print(table(rows, [
         ("ranks", "ranks", "{}"), ("setting", "setting", "{}"), ("samples/s", "samples_per_s", "{:,.0f}"),
         ("x ring", "x_ring", "{:.2f}"), ("x sync", "x_sync", "{:.2f}"),
@@ -266,9 +268,7 @@ def main(args, extra):
         print(json.dumps({"bench": "train", "mode": args.mode, "steps": args.steps, "repeats": args.repeats,
                           "flags": extra, "rows": rows}))
         return plot(args, rows, title)
-    print(f"train, {args.mode} mode, {args.steps} steps x {args.repeats} repeats, "
-          f"hidden {','.join(map(str, flags.hidden))}, {flags.optimizer}, batch {flags.batch_size}/worker"
-          + (f", flags: {' '.join(extra)}" if extra else ""))
+    print(header(f"{args.mode} mode, {args.steps} steps x {args.repeats} repeats", flags, extra))
     print(table(rows, [
         ("ranks", "ranks", "{}"), ("workers", "workers", "{}"), ("samples/s", "samples_per_s", "{:,.0f}"),
         ("loop samples/s", "loop_samples_per_s", "{:,.0f}"), ("step ms", "step_ms", "{:.3f}"),

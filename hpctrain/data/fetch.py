@@ -15,6 +15,7 @@ holds a partial or wrong file under a real name. Network trouble is one
 HpctrainError line naming the URL. No MPI here (house rule).
 """
 
+import contextlib
 import hashlib
 import http.client
 import os
@@ -129,17 +130,11 @@ def fetch(dataset, out, mirror=None, log=print, timeout=60, split="balanced"):
             log(f"{dest}: checksum mismatch, downloading again")
         url = base + name
         log(f"downloading {url}")
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.part-", dir=out)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                got = _download(url, f, timeout)
+        with _written(dest) as f:
+            got = _download(url, f, timeout)
             if got != expected:
                 raise HpctrainError(f"{url}: checksum mismatch (md5 {got}, expected "
                                     f"{expected}); download discarded")
-            os.replace(tmp, dest)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
     if members is None:
         return paths
     return extract(paths[0], members, out, log)
@@ -202,21 +197,29 @@ def _check_found(archive, members, found):
         raise HpctrainError(f"{archive}: no member {missing[0]} (wanted: {', '.join(members)})")
 
 
-def _write_member(src, dest, archive, member):
-    """src's bytes to dest via an exclusive temporary name, at most
-    _MAX_MEMBER_BYTES (the header may lie about the size)."""
+@contextlib.contextmanager
+def _written(dest):
+    """A file to write dest's bytes into: an exclusive temporary name next to
+    it, renamed to dest when the block ends normally, removed if it raises
+    (a download or extraction cut short never leaves a half file as dest)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.part-", dir=dest.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            for block in iter(lambda: src.read(1 << 20), b""):
-                f.write(block)
-                if f.tell() > _MAX_MEMBER_BYTES:
-                    raise HpctrainError(f"{archive}: member {member} is larger than "
-                                        f"{_MAX_MEMBER_BYTES} bytes; not a genuine archive")
+            yield f
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_member(src, dest, archive, member):
+    """src's bytes to dest, at most _MAX_MEMBER_BYTES (the header may lie about the size)."""
+    with _written(dest) as f:
+        for block in iter(lambda: src.read(1 << 20), b""):
+            f.write(block)
+            if f.tell() > _MAX_MEMBER_BYTES:
+                raise HpctrainError(f"{archive}: member {member} is larger than "
+                                    f"{_MAX_MEMBER_BYTES} bytes; not a genuine archive")
 
 
 def _download(url, f, timeout):
