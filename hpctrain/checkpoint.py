@@ -4,18 +4,18 @@ exactly where it stopped.
 One file per checkpoint, `DIR/ckpt-00000123.h5` (the global step, 8 digits),
 written by the chief only. It holds everything a bit-exact resume needs:
 
-    user block (512 B)     "hpctrain-checkpoint 1 sha256 <hex>\n": a hash of
+    user block (512 B)     "hpctrain-checkpoint 2 sha256 <hex>\n": a hash of
                            every byte after it, checked before HDF5 parses the file
     params                 float32 (n,)    all parameters, the model's flat buffer
     optimizer/<name>       float32 (n,)    each optimizer state array (Adam: m, v)
-    data_positions         int64 (W, 2)    each worker's reader position: epoch, offset
+    data_positions         int64 (W, 2)    each worker's reader position: epoch, samples of its permutation taken
     attrs                  format, format_version, step, optimizer_t, optimizer_state,
                            the settings that must match on resume (settings.SAME_ON_RESUME),
                            run information (world_size, num_ps, steps, lr, ...),
                            sha256: over every dataset and every other attribute
 
 No random-number state is stored because there is none to store: each reader's
-shuffle is a pure function of (seed, epoch, worker) and the model has no dropout.
+shuffle is a pure function of (seed, epoch) and the model has no dropout.
 
 Writing: a hidden temporary name in the same directory, flushed and fsync'd,
 renamed into place, then the directory fsync'd; so a crash leaves either the
@@ -51,10 +51,13 @@ from .outputs import temp_next_to
 from .settings import RESUME_DEFAULTS, SAME_ON_RESUME
 
 FORMAT = "hpctrain-checkpoint"
-FORMAT_VERSION = 1
+# 2: data_positions are (epoch, position in the epoch's permutation of the
+# whole training set), which any number of workers can go on from; version 1
+# held offsets into each worker's own part.
+FORMAT_VERSION = 2
 # The file starts with an HDF5 user block (bytes HDF5 itself skips) holding a
-# one-line header: "hpctrain-checkpoint 1 sha256 <hex>\n", zero-padded, the hash
-# over "hpctrain-checkpoint 1\n" and every byte after the user block. It is
+# one-line header: "hpctrain-checkpoint 2 sha256 <hex>\n", zero-padded, the hash
+# over "hpctrain-checkpoint 2\n" and every byte after the user block. It is
 # checked before HDF5 parses the file: the HDF5 library can crash (not raise)
 # on damaged metadata.
 USERBLOCK = 512
@@ -62,9 +65,7 @@ _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 
 
 def _describe(key, value):
-    """A setting as the user knows it: "--hidden 64", "2 workers"."""
-    if key == "num_workers":
-        return f"{value} workers"
+    """A setting as the user knows it: "--hidden 64", "1000 parameters"."""
     if key == "num_params":
         return f"{value} parameters"
     return f"--{key.replace('_', '-')} {value}"

@@ -101,7 +101,7 @@ def build_parser():
     g.add_argument("--hidden", type=_hidden, default=[500, 500], metavar="W1,W2,...",
                    help="hidden layer widths (default: 500,500)")
     g.add_argument("--seed", type=_nonneg_int, default=0, help="random seed: the initial parameters (rank 0's, broadcast) and each worker's "
-                        "data shuffle, a function of (seed, epoch, worker) (default: %(default)s)")
+                        "each epoch's data shuffle, a function of (seed, epoch) (default: %(default)s)")
     g.add_argument("--scale-lr", action="store_true",
                    help="multiply --lr by the number of workers (linear scaling rule, Goyal et al.)")
     g.add_argument("--warmup-steps", type=_nonneg_int, default=0,

@@ -33,7 +33,7 @@ from .errors import EXIT_TIMEOUT, HpctrainError
 from .optim import OnDevice, make_optimizer
 from .loop_ring import diverged
 from .report import Report, finish_everywhere
-from .resume import Checkpoints
+from .resume import Checkpoints, positions_for, resume_point
 
 
 def replicas_to_aggregate(args, num_workers):
@@ -146,14 +146,15 @@ def run_worker(session, checkpoints, comm, reader, resume):
         if resume is not None:
             ckpt = resume.checkpoint
             client.restore(resume.step, resume.optimizer_t, ckpt.params,
-                           {name: ckpt.optimizer_state[name] for name in state_names}, ckpt.data_positions)
+                           {name: ckpt.optimizer_state[name] for name in state_names},
+                           positions_for(resume_point(ckpt.data_positions), W))
         else:
             if gpu:
                 model.params.get(out=params)
             client.restore(0, 0, params)   # the chief decides the initial parameters
     if resume is not None:
         checkpoints.seek_readers(reader, resume)
-        session.chief_says(checkpoints.resumed_line(resume.step))
+        session.chief_says(checkpoints.resumed_line(resume))
     report.resume_at(checkpoints.saved_step, resume)   # None: a fresh run, a fresh file
     checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
     client.pull()

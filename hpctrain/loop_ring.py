@@ -103,7 +103,7 @@ def train_ring(session):
         checkpoints.broadcast_state(comm, resume, model.params, optimizer)
         checkpoints.seek_readers(reader, resume)
         step = resume.step
-        session.chief_says(checkpoints.resumed_line(step))
+        session.chief_says(checkpoints.resumed_line(resume))
     report.resume_at(checkpoints.saved_step, resume)   # None: a fresh run, a fresh file
     checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
 

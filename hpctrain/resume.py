@@ -29,6 +29,22 @@ class Resume:
     checkpoint: object = None
 
 
+def resume_point(positions):
+    """(epoch, pos) where the data goes on from a checkpoint's positions
+    (one row per worker that wrote it). In ring mode and sync ps the rows are
+    equal. In async ps workers run ahead of each other: going on from the
+    furthest means no sample is used twice in an epoch; the samples the slower
+    workers had not reached yet are skipped for that epoch."""
+    positions = np.asarray(positions, np.int64).reshape(-1, 2)
+    epoch = int(positions[:, 0].max())
+    return epoch, int(positions[positions[:, 0] == epoch, 1].max())
+
+
+def positions_for(point, num_workers):
+    """The (num_workers, 2) positions of workers that all go on from `point`."""
+    return np.tile(np.asarray(point, np.int64), (int(num_workers), 1))
+
+
 class Checkpoints:
     """--checkpoint-dir for one run: what was last written or resumed from."""
 
@@ -91,16 +107,24 @@ class Checkpoints:
                                 f"valid (see the warnings above); move them away to start fresh")
         if ckpt is None and args.resume == "yes":
             raise HpctrainError(f"--resume yes, but --checkpoint-dir {d} holds no checkpoint")
-        if ckpt is not None and ckpt.data_positions.shape != (cluster.num_workers, 2):
-            raise HpctrainError(f"{ckpt.path}: data positions for {ckpt.data_positions.shape[0]} "
-                                f"workers, this run has {cluster.num_workers}")
         return ckpt
 
-    def resumed_line(self, step):
-        """The chief's line for a resumed run."""
-        steps = self.session.args.steps
+    def resumed_line(self, resume):
+        """The chief's line for a resumed run; on another number of workers it
+        says where the data goes on and what --scale-lr makes of the lr."""
+        session, step = self.session, resume.step
+        steps, workers = session.args.steps, session.cluster.num_workers
         note = f" (--steps {steps}: nothing left to train)" if step >= steps else ""
-        return f"resumed from {self.saved_path} at step {step}{note}"
+        line = f"resumed from {self.saved_path} at step {step}{note}"
+        before = int(resume.checkpoint.attrs.get("num_workers", workers)) if resume.checkpoint else workers
+        if before != workers:
+            epoch, pos = resume_point(resume.checkpoint.data_positions)
+            line += (f"; written with {before} workers, this run has {workers}: the rest of epoch "
+                     f"{epoch} (from sample {pos}) is dealt over {workers} workers")
+            if session.args.scale_lr:
+                line += (f"; --scale-lr: lr {session.lr(step):g} at step {step} for {workers} "
+                         f"workers (was {session.lr(step) * before / workers:g})")
+        return line
 
     def broadcast_state(self, comm, resume, params, optimizer):
         """Collective over comm: the resumed parameters and optimizer state
@@ -206,18 +230,19 @@ class Checkpoints:
             compact[...] = xp.asarray(mine)
 
     def seek_readers(self, reader, resume):
-        """Every worker: its reader to the position the checkpoint recorded for it."""
+        """Every worker: its reader to the checkpoint's `resume_point`, whatever
+        number of workers wrote it."""
         session, cluster = self.session, self.session.cluster
-        positions = np.empty((cluster.num_workers, 2), np.int64)
+        point = np.zeros(2, np.int64)
         if resume.checkpoint is not None:
-            positions[...] = resume.checkpoint.data_positions
+            point[:] = resume_point(resume.checkpoint.data_positions)
         with session.watchdog.waiting("checkpoint broadcast (data positions)", peer=cluster.chief_rank):
-            cluster.worker_comm.Bcast(positions, root=0)
-        epoch, offset = (int(v) for v in positions[cluster.worker_index])
+            cluster.worker_comm.Bcast(point, root=0)
+        epoch, pos = (int(v) for v in point)
 
         def seek():
             try:
-                reader.seek(epoch, offset)
+                reader.seek(epoch, pos)
             except HpctrainError as e:
                 raise HpctrainError(f"{e}: the checkpoint's data position does not fit this data "
                                     f"(was --data changed?)") from None

@@ -4,10 +4,11 @@
   a rank launched with another --lr or --hidden stops the job with one line.
 - Every checkpoint records `recorded(args, ...)` as attributes (checkpoint.py).
 - On resume the checkpoint's `SAME_ON_RESUME` values must equal this run's:
-  the model and its state (mode, hidden, num_params, optimizer), the data
-  positions (one per worker, offsets in batches of batch_size) and the shuffle
-  (seed), and the learning-rate schedule's shape (`schedule_key`: with
-  cosine, --steps too). Everything else may change on resume, --steps in
+  the model and its state (mode, hidden, num_params, optimizer), the
+  per-worker batch the run was tuned with (batch_size), the shuffle (seed),
+  and the learning-rate schedule's shape (`schedule_key`: with cosine,
+  --steps too). Everything else may change on resume: the number
+  of workers and servers (a resized job goes on: data/reader.py), --steps in
   particular (a resumed job may train longer), --lr and --weight-decay; the result is bit-identical to an
   uninterrupted run only when nothing else changed either.
 
@@ -21,8 +22,7 @@ RANK_FLAGS = ("mode", "batch_size", "steps", "epochs", "lr", "optimizer", "seed"
               "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay",
               "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "sync", "replicas_to_aggregate", "backup_workers",
               "max_staleness", "dc_lambda", "placement", "checkpoint_every", "timeout")
-SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "num_workers", "batch_size", "seed",
-                  "lr_schedule")
+SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "batch_size", "seed", "lr_schedule")
 # What a checkpoint written before a setting existed means by it (it is
 # missing there): checkpoints from before --lr-schedule were all constant.
 RESUME_DEFAULTS = {"lr_schedule": "constant"}

@@ -24,7 +24,7 @@ from hpctrain.cluster import child_env
 from hpctrain import checkpoint
 from hpctrain.errors import EXIT_PREEMPTED, HpctrainError
 
-SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam", "num_workers": 2,
+SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",
             "batch_size": 4, "seed": 0}
 
 
@@ -34,7 +34,7 @@ def write(directory, step, n=16, keep=3, settings=None, seed=None):
     state = {"m": rng.standard_normal(n).astype(np.float32), "v": rng.random(n).astype(np.float32)}
     positions = np.array([[step // 10, 4 * step % 40], [step // 10, 8]], np.int64)
     path = checkpoint.save(directory, step, params, state, step, positions, settings or SETTINGS, keep=keep,
-                           info={"world_size": 2, "lr": 1e-4})
+                           info={"world_size": 2, "num_workers": 2, "lr": 1e-4})
     return path, params, state, positions
 
 
@@ -258,12 +258,13 @@ def test_files_with_a_valid_header_but_wrong_content_are_skipped(tmp_path, damag
 def test_a_checkpoint_of_another_format_version_is_a_clear_error(tmp_path):
     path, _, _, _ = write(tmp_path, 10)
     raw = open(path, "rb").read()
-    h = checkpoint._hasher(2)
+    # Version 1 (data positions were offsets into each worker's own part).
+    h = checkpoint._hasher(1)
     h.update(raw[checkpoint.USERBLOCK:])
     with open(path, "r+b") as f:
-        f.write(checkpoint._header(2, h.hexdigest()))
-    with pytest.raises(HpctrainError, match=r"ckpt-00000010.h5: checkpoint format version 2, this hpctrain "
-                                            r"reads version 1"):
+        f.write(checkpoint._header(1, h.hexdigest()))
+    with pytest.raises(HpctrainError, match=r"ckpt-00000010.h5: checkpoint format version 1, this hpctrain "
+                                            r"reads version 2"):
         load(tmp_path)
 
 
@@ -279,7 +280,7 @@ def test_nothing_to_resume(tmp_path):
 
 @pytest.mark.parametrize("key, value, have, want", [
     ("hidden", "16", "--hidden 8", "--hidden 16"), ("optimizer", "sgd", "--optimizer adam", "--optimizer sgd"),
-    ("mode", "ps", "--mode ring", "--mode ps"), ("num_workers", 4, "2 workers", "4 workers"),
+    ("mode", "ps", "--mode ring", "--mode ps"),
     ("batch_size", 8, "--batch-size 4", "--batch-size 8"), ("seed", 1, "--seed 0", "--seed 1"),
 ])
 def test_a_checkpoint_of_another_job_is_a_clear_error(tmp_path, key, value, have, want):

@@ -28,7 +28,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hpctrain import checkpoint  # noqa: E402
 from hpctrain.errors import HpctrainError  # noqa: E402
 
-SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam", "num_workers": 2,
+SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",
             "batch_size": 4, "seed": 0}
 PROPERTY = dict(max_examples=60, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])

@@ -421,30 +421,91 @@ def test_prepare_bad_arguments(tmp_path):
 # ---------------------------------------------------------------------------
 # ShardReader
 
+def epoch_of(readers, steps):
+    """Sample ids (as the images spell them) per step and worker: int (steps, W, B)."""
+    out = []
+    for _ in range(steps):
+        out.append([sample_ids((r.next_batch()[0] * 255).round().astype(np.uint8)) for r in readers])
+    return np.array(out)
+
+
 @pytest.mark.parametrize("workers", [1, 3, 8, 12, 20])
-def test_workers_partition_the_training_set(numbered, workers):
-    parts = [data.ShardReader(numbered, w, workers, 16, seed=0) for w in range(workers)]
-    ids = np.concatenate([sample_ids(r.images) for r in parts])
-    assert len(ids) == 900 and len(set(ids.tolist())) == 900
-    assert sorted(ids.tolist()) == sorted(train_ids(numbered).tolist())
-    sizes = [r.num_samples for r in parts]
-    if workers <= 8:
-        # Whole shards: worker w reads w, w+W, ...
-        assert parts[0].files == [f"train-{s:05d}-of-00008.h5" for s in range(0, 8, workers)]
-    else:
-        # Workers sharing a shard split it into near-equal contiguous slices.
-        assert all(len(r.files) == 1 for r in parts)
-        for s in range(8):
-            sharing = [r.num_samples for r in parts if r.worker % 8 == s]
-            assert max(sharing) - min(sharing) <= 1
-    assert min(sizes) > 0
+@pytest.mark.parametrize("resident", [True, False])
+def test_an_epoch_is_one_permutation_dealt_over_the_workers(numbered, workers, resident):
+    """Every step takes W*B distinct training samples, worker w the w-th B of
+    the step's block of the epoch's permutation; an epoch uses a sample at most
+    once and drops fewer than W*B; the next epoch is another permutation."""
+    B = 16
+    readers = [data.ShardReader(numbered, w, workers, B, seed=0,
+                                resident_bytes=data.reader.RESIDENT_BYTES if resident else 0)
+               for w in range(workers)]
+    assert all(r.resident == resident for r in readers)
+    steps = 900 // (workers * B)
+    first, second = epoch_of(readers, steps), epoch_of(readers, steps)
+    truth = set(train_ids(numbered).tolist())
+    for epoch in (first, second):
+        ids = epoch.reshape(-1).tolist()
+        assert len(set(ids)) == len(ids) == steps * workers * B and set(ids) <= truth
+        assert 900 - len(ids) < workers * B
+    assert readers[0].position == (1, steps * workers * B)
+    assert not np.array_equal(first, second)
+    # The dealing is the module's deal(): global ids in shard order.
+    order = np.asarray(train_ids_in_order(numbered))
+    np.testing.assert_array_equal(first, order[data.reader.deal(900, workers, B, 0, 0)])
+
+
+def train_ids_in_order(out):
+    """Sample ids of the training set in global order (shard by shard, row by row)."""
+    import h5py
+    manifest = json.loads((out / "manifest.json").read_text())
+    ids = []
+    for e in manifest["train"]["shards"]:
+        with h5py.File(out / e["file"], "r") as f:
+            ids.extend(sample_ids(f["images"][:]).tolist())
+    return ids
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_a_run_resized_2_4_3_goes_on_where_the_last_stopped(numbered, resident):
+    """seek(position) with another number of workers deals the rest of the
+    epoch over them: no sample twice within an epoch, fewer than W*B dropped
+    per epoch (W: the workers that end it), the same for the slab-read path."""
+    budget = data.reader.RESIDENT_BYTES if resident else 0
+    B, used, position = 16, {}, (0, 0)
+    order = np.asarray(train_ids_in_order(numbered))
+    for workers, steps in ((2, 20), (4, 9), (3, 30)):
+        readers = [data.ShardReader(numbered, w, workers, B, seed=4, resident_bytes=budget)
+                   for w in range(workers)]
+        for r in readers:
+            r.seek(*position)
+        for _ in range(steps):
+            for r in readers:
+                x, _ = r.next_batch()
+                ids = sample_ids((x * 255).round().astype(np.uint8))
+                np.testing.assert_array_equal(order[r.last_ids], ids)   # last_ids: what the test records
+                used.setdefault(r.position[0], []).extend(ids.tolist())
+        assert len({r.position for r in readers}) == 1
+        position = readers[0].position
+    assert position[0] >= 2
+    for epoch, ids in used.items():
+        assert len(ids) == len(set(ids)), f"epoch {epoch} used a sample twice"
+        if epoch < position[0]:
+            assert 900 - len(ids) < 4 * B
+    # Going on at the same size is the same as never stopping.
+    a = [data.ShardReader(numbered, w, 3, B, seed=4) for w in range(3)]
+    b = [data.ShardReader(numbered, w, 3, B, seed=4) for w in range(3)]
+    first = epoch_of(a, 40)
+    for r in b:
+        r.seek(*a[0].position)
+    np.testing.assert_array_equal(epoch_of(a, 25), epoch_of(b, 25))
+    assert first.shape == (40, 3, B)
 
 
 def test_batches_are_deterministic_and_reshuffle_every_epoch(numbered):
     a = data.ShardReader(numbered, 1, 3, 50, seed=7)
     b = data.ShardReader(numbered, 1, 3, 50, seed=7)
     n = a.num_samples
-    per_epoch = n // 50
+    per_epoch = n // (3 * 50)
     epochs = []
     for _ in range(2):
         seen, labels = [], []
@@ -478,12 +539,12 @@ def test_batch_arrays_are_reused(numbered):
 
 def test_position_and_seek_resume_the_same_batches(numbered):
     r = data.ShardReader(numbered, 2, 3, 64, seed=5)
-    per_epoch = r.num_samples // 64
+    per_epoch = r.num_samples // (3 * 64)
     assert per_epoch < 7   # the 7 batches cross an epoch boundary
     for _ in range(7):
         r.next_batch()
     position = r.position
-    assert position == (7 // per_epoch, 64 * (7 % per_epoch))
+    assert position == (7 // per_epoch, 3 * 64 * (7 % per_epoch))
     expected = [tuple(a.copy() for a in r.next_batch()) for _ in range(3)]
     fresh = data.ShardReader(numbered, 2, 3, 64, seed=5)
     fresh.seek(*position)
@@ -492,17 +553,7 @@ def test_position_and_seek_resume_the_same_batches(numbered):
         np.testing.assert_array_equal(x, xf)
         np.testing.assert_array_equal(y, yf)
     with pytest.raises(HpctrainError, match="cannot seek"):
-        fresh.seek(0, 290)
-
-
-def test_part_smaller_than_a_batch_wraps_around(numbered):
-    r = data.ShardReader(numbered, 0, 20, 100, seed=0)
-    assert r.num_samples < 100
-    x, y = r.next_batch()
-    assert x.shape == (100, 784) and y.shape == (100,)
-    assert set(sample_ids((x * 255).round().astype(np.uint8)).tolist()) == set(
-        sample_ids(r.images).tolist())
-    assert r.position == (1, 0)
+        fresh.seek(0, 901)
 
 
 def copy_shards(src, dst):
@@ -516,10 +567,10 @@ def test_corrupt_shard_is_refused(numbered, tmp_path):
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2: len(raw) // 2 + 64] = b"\xff" * 64
     shard.write_bytes(bytes(raw))
-    with pytest.raises(HpctrainError, match="train-00001-of-00008.h5: corrupt shard"):
-        data.ShardReader(out, 1, 8, 16, seed=0)
-    # Only the files a worker opens are checked: worker 0 still starts.
-    assert data.ShardReader(out, 0, 8, 16, seed=0).num_samples > 0
+    # Every worker may be dealt any sample, so every worker checks every shard.
+    for worker in (0, 1):
+        with pytest.raises(HpctrainError, match="train-00001-of-00008.h5: corrupt shard"):
+            data.ShardReader(out, worker, 8, 16, seed=0)
 
 
 def test_unreadable_or_misshapen_shard_is_refused(numbered, tmp_path):
@@ -533,9 +584,11 @@ def test_unreadable_or_misshapen_shard_is_refused(numbered, tmp_path):
         manifest["train"]["shards"][i]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
         (out / "manifest.json").write_text(json.dumps(manifest))
 
+    good = (out / manifest["train"]["shards"][0]["file"]).read_bytes()
     replace(0, lambda p: p.write_bytes(b"not hdf5 at all" * 100))
     with pytest.raises(HpctrainError, match="train-00000-of-00008.h5: unreadable HDF5 shard"):
         data.ShardReader(out, 0, 8, 16, seed=0)
+    replace(0, lambda p: p.write_bytes(good))
 
     def wrong_shape(p):
         with h5py.File(p, "w") as f:
@@ -564,7 +617,10 @@ def test_labels_beyond_num_classes_are_refused_naming_the_shard(numbered, tmp_pa
     assert str(e.value) == (f"{path}: label 12 in row 7 is not below the manifest's num_classes "
                             f"10; prepare again with --force")
     assert e.value.exit_code == 2
-    assert data.ShardReader(out, 1, 8, 16, seed=0).num_samples > 0   # other shards still open
+    # Read epoch by epoch (a training set too big to hold): at the first batch.
+    reader = data.ShardReader(out, 1, 8, 16, seed=0, resident_bytes=0)
+    with pytest.raises(HpctrainError, match=r"-of-00008.h5: label 12 in row 7 is not below"):
+        reader.next_batch()
     # A manifest claiming fewer classes than its shards hold: the same, test set too.
     manifest["num_classes"] = 5
     (out / "manifest.json").write_text(json.dumps(manifest))
@@ -645,9 +701,11 @@ def test_more_workers_than_samples(tmp_path):
     source = make_single_source(tmp_path / "src", n=20, classes=2)
     out = tmp_path / "out"
     data.prepare(source, out, shards=2, test_fraction=0.1, log=quiet)
-    with pytest.raises(HpctrainError, match=r"more workers \(19\) than training samples \(18\)"):
-        data.ShardReader(out, 0, 19, 4, seed=0)
-    assert data.ShardReader(out, 17, 18, 4, seed=0).num_samples == 1
+    with pytest.raises(HpctrainError, match=r"18 training samples, fewer than one step takes "
+                                            r"\(5 workers x --batch-size 4 = 20\)"):
+        data.ShardReader(out, 0, 5, 4, seed=0)
+    r = data.ShardReader(out, 17, 18, 1, seed=0)
+    assert r.next_batch()[0].shape == (1, 784) and r.position == (0, 18)
 
 
 def test_bad_reader_arguments(numbered):

@@ -118,7 +118,9 @@ def test_more_ranks_than_samples_is_a_clear_error(job, tmp_path):
     r = job(3, "--data", shards, "--steps", "5", "--save", tmp_path / "p.h5", timeout=60)
     assert r.returncode == 2
     errors = [l for l in r.stderr.splitlines() if l.strip()]
-    assert len(errors) == 1 and "workers" in errors[0] and "samples" in errors[0], r.stderr
+    assert errors == [f"hpctrain: error: {shards}: 2 training samples, fewer than one step takes "
+                      f"(3 workers x --batch-size 32 = 96); use a smaller --batch-size or fewer "
+                      f"workers"], r.stderr
     assert not (tmp_path / "p.h5").exists()
 
 
@@ -128,11 +130,11 @@ def test_missing_and_corrupt_shards_are_clear_errors(job, tmp_path):
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2: len(raw) // 2 + 64] = b"\xff" * 64
     victim.write_bytes(bytes(raw))
-    r = job(2, "--data", shards, "--steps", "5", timeout=60)
+    r = job(2, "--data", shards, "--steps", "5", "--batch-size", "8", timeout=60)
     errors = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 2 and len(errors) == 1 and "train-00001-of-00002.h5" in errors[0], r.stderr
     victim.unlink()
-    r = job(2, "--data", shards, "--steps", "5", timeout=60)
+    r = job(2, "--data", shards, "--steps", "5", "--batch-size", "8", timeout=60)
     errors = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 2 and len(errors) == 1 and "train-00001-of-00002.h5" in errors[0], r.stderr
     r = job(2, "--data", tmp_path / "nowhere", "--steps", "5", timeout=60)

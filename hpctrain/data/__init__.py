@@ -1,8 +1,8 @@
 """Image data for hpctrain (MNIST, Fashion-MNIST, KMNIST, EMNIST, CIFAR-10): IDX and
-CIFAR-10 readers, HDF5 shard writer, per-worker shard reader.
+CIFAR-10 readers, HDF5 shard writer, the workers' shard reader.
 
-Turn IDX files into class-balanced HDF5 shards once, then let each worker read
-only its own shards (or its own slice of one shard) while training:
+Turn IDX files into class-balanced HDF5 shards once, then let the workers
+take their batches of each epoch's permutation of the training set from them:
 
     python -m hpctrain.data prepare --source data/mnist-5k --out data/mnist --shards 8
     python -m hpctrain.data fetch --dataset mnist --out data/raw/mnist
