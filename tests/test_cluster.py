@@ -413,3 +413,26 @@ def test_node_failure_requeues_and_resumes_from_the_checkpoint(cluster, tmp_path
     assert resumed and Path(resumed.group(1)).parent == ckpt and int(resumed.group(2)) > 0, text
     assert "hpctrain-job: job %s '" % job_id in text and "run 2 (restart 1)" in text, text
     assert_same_params(tmp_path / "p.h5", whole)
+
+
+def test_a_job_resubmitted_on_more_nodes_goes_on(cluster, tmp_path):
+    # The checkpoint directory is named by the job name (jobs/launch.sh):
+    # stop a 1-node job (not requeued), submit the same name on 2 nodes, and
+    # it goes on from the checkpoint with twice the workers.
+    env = {"HPCTRAIN_CHECKPOINT_ROOT": str(tmp_path), "HPCTRAIN_MAX_REQUEUES": "0"}
+    job_id, name, out = cluster.submit(RING_JOB, *JOB_FLAGS["ring"], nodes=1, env=env)
+    ckpt = tmp_path / name
+    _first_checkpoint(cluster, ckpt, job_id, out)
+    sent = cluster.cli("scancel", "--signal=TERM", job_id)
+    assert sent.returncode == 0, sent.stderr
+    rc, text = cluster.wait_ended(job_id, out)
+    stopped = STOPPED.search(text)
+    assert rc != 0 and stopped and "not requeued" in text, text
+    job_id, _, out = cluster.submit(RING_JOB, *JOB_FLAGS["ring"], "--metrics", tmp_path / "m.jsonl",
+                                    nodes=2, env=env, name=name)
+    rc, text = cluster.wait_ended(job_id, out)
+    assert rc == 0, text
+    assert (f"resumed from {stopped.group(3)} at step {stopped.group(2)}; written with 2 workers, "
+            f"this run has 4: the rest of epoch") in text, text
+    final = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()][-1]
+    assert (final["event"], final["world_size"], final["steps"]) == ("final", 4, JOB_STEPS), final
