@@ -13,6 +13,7 @@ push, resume bit-exact, metrics.
 """
 import json
 import math
+import os
 
 import h5py
 import numpy as np
@@ -307,6 +308,16 @@ def test_clipped_sync_ps_equals_ring_under_sgd(job, tmp_path, ranks, num_ps, pla
     ps, ring = records(tmp_path / "ps.jsonl"), records(tmp_path / "ring.jsonl")
     np.testing.assert_allclose([r["grad_norm"] for r in ps[:-1]], [r["grad_norm"] for r in ring[:-1]], rtol=1e-5)
     assert ps[-1]["clip_norm"] == 0.3
+
+
+def test_clipped_ps_device_gpu_path_equals_host_servers(job, tmp_path):
+    """--ps-device gpu (optim.OnDevice; NumPy stands in for CuPy through
+    tests/numpy_as_gpu.py) clips to the same bits as host servers."""
+    common = ["--mode", "ps", "--num-ps", 2, "--steps", 20, "--log-every", 10, *SMALL, "--clip-norm", 0.3]
+    stand_in = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    ok(job(4, *common, "--save", tmp_path / "host.h5"))
+    ok(job(4, *common, "--ps-device", "gpu", "--save", tmp_path / "dev.h5", env=stand_in, module="numpy_as_gpu"))
+    assert same_bytes(tmp_path / "host.h5", tmp_path / "dev.h5")
 
 
 def test_async_ps_clips_each_push(job, tmp_path):
