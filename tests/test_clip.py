@@ -240,15 +240,25 @@ def test_a_threshold_never_reached_changes_no_bit():
 
 
 @pytest.mark.mpi
-def test_parts_are_every_ranks_shard():
+@pytest.mark.parametrize("name", ["ring", "mpi", "hier on fake 2-rank nodes"])
+def test_parts_are_every_ranks_shard(name):
+    from hpctrain.comm.hier import HierAllreduce
+    from hpctrain.comm.topology import Topology
     comm = MPI.COMM_WORLD
-    ring = RingAllreduce(comm)
+    if name.startswith("hier"):
+        if comm.size % 2:
+            pytest.skip("an odd world size makes unequal fake nodes")
+        with Topology(comm, node_comm=comm.Split(comm.rank // 2, comm.rank)) as topology:
+            strategy = HierAllreduce(topology)   # its rings keep their own communicators
+    else:
+        strategy = STRATEGIES[name](comm)
     for n in (0, 1, comm.size - 1, 7, 1000):
-        mine = np.array(ring.shard(n), np.int64)
+        mine = np.array(strategy.shard(n), np.int64)
         everyone = np.empty((comm.size, 2), np.int64)
         comm.Allgather(mine, everyone)
-        assert sorted(map(tuple, everyone.tolist())) == ring.parts(n)
-    ring.free()
+        assert sorted(map(tuple, everyone.tolist())) == sorted(strategy.parts(n))
+        assert sum(b - a for a, b in strategy.parts(n)) == n
+    strategy.free()
 
 
 # --- jobs ----------------------------------------------------------------------
