@@ -118,6 +118,11 @@ def build_parser():
     g.add_argument("--weight-decay", type=_nonneg_float, default=0.0, metavar="WD",
                    help="decoupled weight decay (AdamW): p -= lr * WD * p every step, for every --optimizer "
                         "(default: %(default)s)")
+    g.add_argument("--clip-norm", type=_positive_float, default=None, metavar="C",
+                   help="clip the averaged gradient to global 2-norm C: g *= min(1, C / (||g|| + 1e-6)), "
+                        "the same factor on every rank (ring: the per-bucket updates then wait for the last "
+                        "bucket; sync ps: on the servers' aggregate; async ps: each worker's own gradient) "
+                        "(default: off)")
     g.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto",
                    help="where arrays live: cpu (NumPy), gpu (CuPy), auto (gpu if CuPy sees one) (default: %(default)s)")
 

@@ -279,6 +279,10 @@ class Cluster:
         # world rank, so its rank 0 is the chief: servers get COMM_NULL.
         color = 0 if self.is_worker else MPI.UNDEFINED
         self.worker_comm = comm.Split(color, self.rank)
+        # The servers' own (ps mode), ordered by world rank: a collective
+        # among them alone (--clip-norm's norm of the aggregate); COMM_NULL
+        # on workers, and on every rank in ring mode.
+        self.ps_comm = comm.Split(0 if self.is_ps else MPI.UNDEFINED, self.rank)
 
     def confirm_gpu_binding(self, device="auto", cupy=None):
         """After MPI_Init, on every rank (collective over comm): the GPU must be

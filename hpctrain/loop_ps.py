@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from .clipping import Clip
 from .cluster import cores_available
 from .comm.ps import Client, Server, describe, place, summarize
 from .errors import EXIT_TIMEOUT, HpctrainError
@@ -107,7 +108,10 @@ def run_server(session, checkpoints, comm, placement):
                     steps=args.steps, sync=args.sync,
                     replicas=replicas_to_aggregate(args, cluster.num_workers), max_staleness=args.max_staleness,
                     dc_lambda=args.dc_lambda, watchdog=session.watchdog,
-                    stop_requested=lambda: session.stop.received, nap=oversubscribed(cluster))
+                    stop_requested=lambda: session.stop.received, nap=oversubscribed(cluster),
+                    # --clip-norm, sync: on the aggregate (async: each worker clips its own)
+                    clip=Clip(args.clip_norm) if args.clip_norm and args.sync else None,
+                    servers_comm=cluster.ps_comm)
     session.stop.phase = "training"   # the server loop takes stop requests from here on
     server.serve_until_done()
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
@@ -162,6 +166,8 @@ def run_worker(session, checkpoints, comm, reader, resume):
         model.params.set(params)
 
     R = replicas_to_aggregate(args, W)
+    clip = Clip(args.clip_norm) if args.clip_norm and not args.sync else None
+    norms = []   # sync --clip-norm: the servers' pre-clip norm of each round
     per_update = args.batch_size * R
     start = client.version
     comm_s = compute_s = 0.0
@@ -184,6 +190,8 @@ def run_worker(session, checkpoints, comm, reader, resume):
             if gpu:
                 model.grads.get(out=grads)   # into the host mirror: no allocation
             loss = float(loss)
+            if clip:   # async: this worker's own gradient, whole here (sync: the servers clip the aggregate)
+                clip.clip_(grads)
         local += 1
         t1 = time.perf_counter()
         with tl.span("push+pull", cat="comm"):
@@ -203,6 +211,8 @@ def run_worker(session, checkpoints, comm, reader, resume):
         # (the servers' optimizer work is inside it).
         session.stats.record(t2 - t0, t1 - t0, t2 - t1, t2 - t1, 0.0, 0.0)
         losses.append(client.loss if args.sync else loss)
+        if args.clip_norm and args.sync:
+            norms.append(client.grad_norm)
         if not math.isfinite(losses[-1]):
             # Sync: every worker sees the same aggregated loss and the chief says so;
             # async: the worker whose own loss it is. Not agreed: the job is aborted.
@@ -215,11 +225,18 @@ def run_worker(session, checkpoints, comm, reader, resume):
             # in ring mode). Async: every worker prints its own.
             loss_mean, samples, elapsed = sum(losses) / len(losses), (step - start) * per_update,\
                 time.perf_counter() - t_loop
+            grad_norm = None
+            if clip:
+                grad_norm = clip.mean_norm()
+            elif args.clip_norm:
+                grad_norm = sum(norms) / len(norms)
             if not args.sync:
-                report.progress(step, loss_mean, samples, elapsed, worker=cluster.worker_index, local_step=local)
+                report.progress(step, loss_mean, samples, elapsed, worker=cluster.worker_index, local_step=local,
+                                grad_norm=grad_norm)
             elif chief:
-                report.progress(step, loss_mean, samples, elapsed)
+                report.progress(step, loss_mean, samples, elapsed, grad_norm=grad_norm)
             losses.clear()
+            norms.clear()
             logged = step
             next_log = (step // args.log_every + 1) * args.log_every
         if chief:
@@ -255,6 +272,10 @@ def run_worker(session, checkpoints, comm, reader, resume):
                   "backup_workers": W - R if args.sync else 0, "max_staleness": args.max_staleness,
                   "dc_lambda": args.dc_lambda, "loop_s": round(t_loop, 4), "local_steps": local,
                   "rejected_pushes": client.rejected})
+    if args.clip_norm:
+        extra["clip_norm"] = args.clip_norm
+        if clip:   # async: this worker's (the chief's) own pushes
+            extra.update(clip.totals())
     result = (model, step, t_loop, (step - start) * per_update, comm_s, compute_s, checkpoints, extra)
     if extra["abandoned_workers"]:
         return finish_without(session, report, extra["abandoned_workers"], *result)

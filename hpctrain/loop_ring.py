@@ -12,12 +12,14 @@ import numpy as np
 from mpi4py import MPI
 
 from . import device, prefetch
+from .clipping import Clip
 from .cluster import cores_available
 from .comm import make_allreduce
 from .comm.device_buffers import bcast
 from .comm.fusion import FusedAllreduce
+from .comm.norm import BucketNorm
 from .comm.topology import Topology
-from .comm.wire import Wire
+from .comm.wire import GRADS, Wire
 from .errors import EXIT_DIVERGED, HpctrainError
 from .optim import make_optimizer, state_bytes
 from .report import Report, finish_everywhere
@@ -82,6 +84,10 @@ def train_ring(session):
         wire.pass_head(params_wire, lo, hi)
         optimizer.update(model.params, model.grads, *wire.grads_range(lo, hi))
 
+    # --clip-norm: the factor needs the whole summed gradient's norm, so the
+    # updates wait for the last bucket (comm/fusion.py's deferred updates).
+    clip = Clip(args.clip_norm) if args.clip_norm else None
+    grad_scale = 1.0 / workers   # the summed gradient's average
     fused = FusedAllreduce(
         strategy, wire.buffer, wire.ready_from(model.layer_ranges),
         int(args.fusion_mb * (1 << 20)) // wire.buffer.itemsize,
@@ -90,7 +96,14 @@ def train_ring(session):
         lambda lo, hi: optimizer.update(model.params, model.grads, *wire.grads_range(lo, hi)),
         overlap=overlap_wanted(args.overlap, xp, cluster, session.thread_multiple),
         timeline=timeline if timeline.enabled else None, watchdog=session.watchdog,
-        gather=params_wire.buffer if sharded else None)
+        gather=params_wire.buffer if sharded else None,
+        before_updates=(lambda: optimizer.set_grad_scale(clip.scaled(norm.partials(), grad_scale)))
+        if clip else None)
+    if clip:
+        # The norm of the gradient part only (the loss and stop slots ride along),
+        # the same bits sharded or not (comm/norm.py).
+        norm = BucketNorm(strategy, fused.buckets, wire.buffer, skip=GRADS, sharded=sharded, comm=comm,
+                          watchdog=session.watchdog)
     # Sharded: state only for the gradient ranges this rank owns (~1/N).
     owned = [wire.grads_range(lo, hi) for lo, hi in fused.owned()] if sharded else None
     optimizer = make_optimizer(args.optimizer, n, xp, momentum=args.momentum, owned=owned,
@@ -117,7 +130,6 @@ def train_ring(session):
     comm_s = compute_s = 0.0
     samples = 0
     loss_sum, loss_count = xp.zeros(1, np.float64), 0
-    grad_scale = 1.0 / workers
     t_loop = time.perf_counter()
     session.stop.phase = "training"   # a stop signal is taken by the next step from here on
     while step < args.steps:
@@ -150,7 +162,8 @@ def train_ring(session):
         if step % args.log_every == 0 or step == args.steps:
             if chief:
                 mean_loss = float(loss_sum[0]) / loss_count / workers
-                report.progress(step, mean_loss, samples, time.perf_counter() - t_loop)
+                report.progress(step, mean_loss, samples, time.perf_counter() - t_loop,
+                                grad_norm=clip.mean_norm() if clip else None)
             loss_sum[...] = 0
             loss_count = 0
         if chief:
@@ -178,5 +191,7 @@ def train_ring(session):
     with session.watchdog.waiting("optimizer state size allreduce", peer=None):
         comm.Allreduce(MPI.IN_PLACE, state, op=MPI.MAX)
     extra = {"shard_optimizer": "on" if sharded else "off", "optimizer_state_bytes": int(state[0])}
+    if clip:
+        extra.update(clip.totals())
     return finish_everywhere(session, report, model, step, t_loop, samples, comm_s, compute_s, checkpoints,
                              extra=extra)

@@ -60,9 +60,16 @@ class SGD:
     def begin(self, lr, grad_scale=1.0):
         """Start step t+1 with learning rate lr; grad_scale averages a summed gradient."""
         self.t += 1
-        self.lr, self.grad_scale = lr, grad_scale
+        self.lr = lr
         # Decoupled decay follows the scheduled lr (as AdamW's does).
         self.keep = 1.0 - lr * self.weight_decay
+        self.set_grad_scale(grad_scale)
+
+    def set_grad_scale(self, grad_scale):
+        """Change this step's grad_scale before its updates: --clip-norm
+        knows its factor only once the whole gradient is summed, after
+        begin(), and folds it in here (a multiply the update does anyway)."""
+        self.grad_scale = grad_scale
 
     def update(self, params, grads, lo=0, hi=None):
         """Apply the current step to elements [lo, hi) (views of the full buffers)."""
@@ -114,9 +121,12 @@ class Adam(SGD):
         b1, b2 = self.beta1, self.beta2
         self.step_size = lr / (1 - b1 ** self.t)
         self.inv_sqrt_bc2 = 1.0 / math.sqrt(1 - b2 ** self.t)
-        self.g_scale_m = (1 - b1) * grad_scale
-        self.g_scale_v = (1 - b2) * grad_scale * grad_scale
         self.flush = self.t % FLUSH_EVERY == 0
+
+    def set_grad_scale(self, grad_scale):
+        super().set_grad_scale(grad_scale)
+        self.g_scale_m = (1 - self.beta1) * grad_scale
+        self.g_scale_v = (1 - self.beta2) * grad_scale * grad_scale
 
     def _update_block(self, params, grads, lo, hi):
         xp, n = self.xp, hi - lo
@@ -238,6 +248,9 @@ class Sharded:
 
     def begin(self, lr, grad_scale=1.0):
         self.inner.begin(lr, grad_scale)
+
+    def set_grad_scale(self, grad_scale):
+        self.inner.set_grad_scale(grad_scale)
 
     def state(self):
         return self.inner.state()

@@ -149,18 +149,23 @@ class Report:
         self.metrics.resume_at(step)
         self._mark = (step or 0, time.perf_counter())
 
-    def progress(self, step, loss, samples, t_loop, worker=None, local_step=None):
+    def progress(self, step, loss, samples, t_loop, worker=None, local_step=None, grad_norm=None):
         """A progress line and (on the chief) a metrics record. Async ps
         workers each print their own line, as in the tutorial: `worker` and
-        `local_step` say whose it is."""
+        `local_step` say whose it is. grad_norm (--clip-norm): the mean
+        pre-clip gradient norm since the last line."""
         elapsed = time.perf_counter() - self.session.t_start
         rate = samples / t_loop if t_loop > 0 else 0.0
         who = f"worker {worker}: " if worker is not None else ""
         local = f"  (local step {local_step})" if local_step is not None else ""
-        print(f"{who}step {step:>6}/{self.args.steps}  loss {loss:.4f}  "
+        norm = f"  grad norm {grad_norm:.4g}" if grad_norm is not None else ""
+        print(f"{who}step {step:>6}/{self.args.steps}  loss {loss:.4f}{norm}  "
               f"samples/s {rate:,.0f}  elapsed {elapsed:.1f}s  {self._eta(step)}{local}", flush=True)
-        self.metrics.write({"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
-                            "time_s": round(elapsed, 3)})
+        record = {"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
+                  "time_s": round(elapsed, 3)}
+        if grad_norm is not None:
+            record["grad_norm"] = round(float(grad_norm), 6)
+        self.metrics.write(record)
 
     def _eta(self, step):
         """`eta 1m23s`: the steps left at the rate since the last line (wall

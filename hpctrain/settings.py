@@ -7,9 +7,11 @@
   the model and its state (mode, hidden, num_params, optimizer), the
   per-worker batch the run was tuned with (batch_size), the shuffle (seed),
   and the learning-rate schedule's shape (`schedule_key`: with cosine,
-  --steps too). Everything else may change on resume: the number
-  of workers and servers (a resized job goes on: data/reader.py), --steps in
-  particular (a resumed job may train longer), --lr and --weight-decay; the result is bit-identical to an
+  --steps too). Everything else may change on resume: the number of
+  workers and servers (a resized job goes on: data/reader.py), --steps in
+  particular (a resumed job may train longer), --lr, --weight-decay and
+  --clip-norm (each scales updates, none shapes the state: a deliberate
+  change, like --lr); the result is bit-identical to an
   uninterrupted run only when nothing else changed either.
 
     python -c "from hpctrain import cli, settings; print(settings.same_on_every_rank(cli.parse([])))"
@@ -19,7 +21,7 @@ from .model import CLASSES, INPUTS, num_params
 
 # Flags whose value must be identical on every rank of a job.
 RANK_FLAGS = ("mode", "batch_size", "steps", "epochs", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
-              "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay",
+              "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay", "clip_norm",
               "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "sync", "replicas_to_aggregate", "backup_workers",
               "max_staleness", "dc_lambda", "placement", "checkpoint_every", "timeout")
 SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "batch_size", "seed", "lr_schedule")

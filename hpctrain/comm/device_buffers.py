@@ -28,6 +28,9 @@ class BoundToDevice:
     def shard(self, n):
         return self.inner.shard(n)
 
+    def parts(self, n):
+        return self.inner.parts(n)
+
     def allreduce(self, buf):
         device.use_device(self.xp, self.device_id)
         return self.inner.allreduce(buf)

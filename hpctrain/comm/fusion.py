@@ -21,6 +21,14 @@ bucket is reduce-scattered instead, `on_reduced` runs on the part this rank
 owns (its wire range), and the allgather then carries the same range of
 `gather` (the updated parameters) to every rank. Same bytes on the wire,
 1/N of the update work.
+
+Deferred updates (`before_updates=` a callable, --clip-norm): the clip
+factor needs the norm of the whole summed gradient, known only after the
+last bucket. Then the buckets are summed as above (overlapped with
+backprop), but no bucket's update (nor, sharded, its allgather) runs until
+wait() has seen every sum and called before_updates(); the updates and
+allgathers then run in wait(), bucket by bucket, in the main thread. The
+sums still hide behind backprop; the update no longer does.
 """
 import queue
 import threading
@@ -61,12 +69,14 @@ class FusedAllreduce:
     With `gather` (a buffer of wire's length and layout), each bucket is
     reduce-scattered, `on_reduced` runs on the owned part only (`owned()` lists
     those ranges, known before the first step), and `gather`'s bucket range is
-    allgathered.
+    allgathered. With `before_updates`, every on_reduced (and allgather) waits
+    for it, in wait(), after the last bucket's sum.
     """
 
     def __init__(self, strategy, wire, ready_from, bucket_elems, sync=None, on_reduced=None,
-                 overlap=True, timeline=None, watchdog=None, gather=None):
+                 overlap=True, timeline=None, watchdog=None, gather=None, before_updates=None):
         self.strategy = strategy
+        self.before_updates = before_updates
         self.wire = wire
         if gather is not None and (gather.shape != wire.shape or gather.dtype != wire.dtype):
             raise ValueError("the gathered buffer must have the wire's length and type")
@@ -122,6 +132,10 @@ class FusedAllreduce:
                     item = self._done.get()
                 if item is not None:
                     raise item
+        if self.before_updates is not None:
+            self.before_updates()   # every sum is in: e.g. the clip norm
+            for lo, hi in self.buckets:
+                self._update(lo, hi, *self._owned_part(lo, hi))
         self._next = 0
         t1 = time.perf_counter()
         self.wait_s = t1 - t0
@@ -157,37 +171,45 @@ class FusedAllreduce:
         else:
             self._reduce(*bucket)
 
+    def _owned_part(self, lo, hi):
+        """The range of bucket [lo, hi) that on_reduced gets, relative to lo."""
+        return self.strategy.shard(hi - lo) if self.gather is not None else (0, hi - lo)
+
     def _reduce(self, lo, hi):
-        if self.gather is not None:
-            return self._reduce_sharded(lo, hi)
+        """Sum bucket [lo, hi) (all of it, or this rank's part with gather);
+        then, unless deferred, its update (and allgather)."""
         t0 = time.perf_counter()
-        self.strategy.allreduce(self.wire[lo:hi])
+        if self.gather is not None:
+            a, b = self.strategy.reduce_scatter(self.wire[lo:hi])
+            what = "reduce-scatter"
+        else:
+            self.strategy.allreduce(self.wire[lo:hi])
+            a, b, what = 0, hi - lo, "allreduce"
         t1 = time.perf_counter()
         self._spans.append((t0, t1, False))
         if self.timeline is not None:
-            self.timeline.add(f"allreduce [{lo}:{hi})", "comm", t0, t1, {"bytes": (hi - lo) * self.wire.itemsize})
-        if self.on_reduced is not None:
-            self.on_reduced(lo, hi)
-            t2 = time.perf_counter()
-            self._spans.append((t1, t2, True))
-            if self.timeline is not None:
-                self.timeline.add(f"optimizer [{lo}:{hi})", "optimizer", t1, t2)
+            self.timeline.add(f"{what} [{lo}:{hi})", "comm", t0, t1, {"bytes": (hi - lo) * self.wire.itemsize})
+        if self.before_updates is None:
+            self._update(lo, hi, a, b)
 
-    def _reduce_sharded(self, lo, hi):
-        t0 = time.perf_counter()
-        a, b = self.strategy.reduce_scatter(self.wire[lo:hi])
+    def _update(self, lo, hi, a, b):
+        """on_reduced on the summed part [lo + a, lo + b) of bucket [lo, hi);
+        with gather, then the allgather of gather's bucket range."""
         t1 = time.perf_counter()
         if self.on_reduced is not None:
             self.on_reduced(lo + a, lo + b)
-        t2 = time.perf_counter()
-        self.strategy.allgather(self.gather[lo:hi])
-        t3 = time.perf_counter()
-        self._spans += [(t0, t1, False), (t1, t2, True), (t2, t3, False)]
-        if self.timeline is not None:
-            size = {"bytes": (hi - lo) * self.wire.itemsize}
-            self.timeline.add(f"reduce-scatter [{lo}:{hi})", "comm", t0, t1, size)
-            self.timeline.add(f"optimizer [{lo + a}:{lo + b})", "optimizer", t1, t2)
-            self.timeline.add(f"allgather [{lo}:{hi})", "comm", t2, t3, size)
+            t2 = time.perf_counter()
+            self._spans.append((t1, t2, True))
+            if self.timeline is not None:
+                self.timeline.add(f"optimizer [{lo + a}:{lo + b})", "optimizer", t1, t2)
+        if self.gather is not None:
+            t2 = time.perf_counter()
+            self.strategy.allgather(self.gather[lo:hi])
+            t3 = time.perf_counter()
+            self._spans.append((t2, t3, False))
+            if self.timeline is not None:
+                self.timeline.add(f"allgather [{lo}:{hi})", "comm", t2, t3,
+                                  {"bytes": (hi - lo) * self.wire.itemsize})
 
     def _worker(self):
         while True:

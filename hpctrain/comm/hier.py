@@ -61,6 +61,10 @@ class HierAllreduce:
         c, d = self.inter.shard(b - a)
         return a + c, a + d
 
+    def parts(self, n):
+        # Each node chunk is cut again by the inter-node ring (shard's two levels).
+        return [(a + c, a + d) for a, b in self.intra.parts(n) for c, d in self.inter.parts(b - a)]
+
     def allreduce(self, buf):
         if self.size == 1 or buf.size == 0:
             return buf

@@ -20,7 +20,7 @@ from mpi4py import MPI
 from .. import device
 from ..errors import HpctrainError
 from .records import allgather_bytes
-from .strategy import chunk_bounds, waiting
+from .strategy import chunk_bounds, chunk_parts, waiting
 
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 DEVICE_NAME_BYTES = 96  # bytes per rank in the host/GPU gather
@@ -144,6 +144,9 @@ class NcclAllreduce:
     def shard(self, n):
         bounds = chunk_bounds(n, self.size)
         return bounds[self.rank], bounds[self.rank + 1]
+
+    def parts(self, n):
+        return chunk_parts(n, self.size)
 
     def _begin(self, buf, what):
         """The stream to run on; NCCL's calls go on the stream of the kernels

@@ -44,6 +44,9 @@ class StagedAllreduce:
     def shard(self, n):
         return self.inner.shard(n)
 
+    def parts(self, n):
+        return self.inner.parts(n)
+
     def _host_for(self, buf):
         host = self._host
         if host is None or host.dtype != buf.dtype or host.size < buf.size:

@@ -9,6 +9,10 @@ A strategy sums contiguous 1-D arrays across the ranks of a communicator:
                          it) to everyone: the inverse of reduce_scatter's layout
     shard(n)             -> (lo, hi) this rank owns in a buffer of n elements
                          (known before any call, e.g. for a sharded update)
+    parts(n)             -> [(lo, hi)] every rank's shard(n), in buffer order:
+                         the partition itself (a rank holding the whole sum
+                         computes per part what each owner computes on its
+                         own: comm/norm.py's sum of squares)
 
 reduce_scatter followed by allgather equals allreduce. Parts are near-equal
 (`chunk_bounds`); which rank owns which part is the strategy's own business
@@ -28,6 +32,12 @@ from contextlib import nullcontext
 def chunk_bounds(n, parts):
     """Start offsets of `parts` near-equal chunks of n elements (parts+1 values)."""
     return [i * n // parts for i in range(parts + 1)]
+
+
+def chunk_parts(n, parts):
+    """The (lo, hi) of each of chunk_bounds(n, parts)'s chunks, in order."""
+    bounds = chunk_bounds(n, parts)
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def waiting(watchdog, what, peer=None):
@@ -71,6 +81,10 @@ class FlatStrategy:
         bounds = chunk_bounds(n, self.size)
         k = self.owned_chunk()
         return bounds[k], bounds[k + 1]
+
+    def parts(self, n):
+        # Whoever owns which chunk, the chunks are the same ones.
+        return chunk_parts(n, self.size)
 
     def waiting(self, what, peer=None):
         """peer: positions in comm (an int or a list), named as world ranks."""

@@ -17,6 +17,8 @@ import pytest
     (["--dc-lambda", "nan"], "argument --dc-lambda: must be a finite number, got nan"),
     (["--timeout", "inf"], "argument --timeout: must be a finite number, got inf"),
     (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["--clip-norm", "nan"], "argument --clip-norm: must be a finite number, got nan"),
+    (["--clip-norm", "0"], "argument --clip-norm: must be > 0, got 0"),
     (["--batch-size", "10000000"], "--batch-size 10000000 needs at least"),
     (["--hidden", "100000,100000"], "--hidden 100000,100000 with --batch-size 32 needs at least"),
 ])

@@ -24,6 +24,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ...clipping import sum_squares
 from .protocol import F_PREEMPTED, H_FLAGS, H_OP, H_STOP, H_VERSION, HEADER, OP_ROUND, TAG_ROUND, ProtocolError
 
 BLOCK = 32768        # elements per block in the DC-ASGD pass (cache-sized)
@@ -184,8 +185,11 @@ class SyncRounds:
             np.add(srv.grads[first], srv.grads[members[1]], out=total)
             for m in members[2:]:
                 total += srv.grads[m]          # worker order, whatever the arrival order
+        scale = 1.0 / len(members)
+        if srv.clip is not None:
+            scale = self._clipped(total, scale)
         t1 = time.perf_counter()
-        srv.opt.step(srv.params, total, srv.lr_fn(srv.version), 1.0 / len(members))
+        srv.opt.step(srv.params, total, srv.lr_fn(srv.version), scale)
         times["aggregate"] += t1 - t0
         times["optimizer"] += time.perf_counter() - t1
         srv.last_loss = float(sum(self.loss[m] for m in members) / len(members))
@@ -206,6 +210,25 @@ class SyncRounds:
             self.req_round.Start()
         for w in range(srv.num_workers):
             srv.reply(w)
+
+
+    def _clipped(self, total, scale):
+        """--clip-norm: the round's grad_scale times the clip factor of the
+        averaged gradient's norm, from every server's slice of `total` (each
+        server's sum of squares, gathered among the servers: they all apply
+        every round, in order, so each is here for this one too; fsum makes
+        the factor the same bits on every server)."""
+        srv = self.server
+        partials = sum_squares([total])
+        comm = srv.servers_comm
+        if comm is not None and comm.Get_size() > 1:
+            everyone = np.zeros(comm.Get_size(), np.float64)
+            with srv.waiting("clip norm: the servers' sums of squares", peer=srv.servers):
+                comm.Allgather(partials, everyone)
+            partials = everyone
+        scale = srv.clip.scaled(partials, scale)
+        srv.last_norm = srv.clip.norm
+        return scale
 
 
 class AsyncApply:

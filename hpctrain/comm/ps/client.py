@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from .placement import Slice
 from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLAGS, H_LOSS,
-                       H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
+                       H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
                        OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
                        ProtocolError, loss_field, stats_length)
 from .waits import Waits
@@ -70,6 +70,7 @@ class Client:
         self.preempted = False
         self.stop_seen = False      # some server saw a stop signal: ask the leader to stop
         self.loss = float("nan")    # leader: mean loss of the last round (sync) / last gradient (async)
+        self.grad_norm = float("nan")   # leader: the last sync round's pre-clip norm (--clip-norm)
         self.rejected = 0           # pushes the leader did not apply
         # perf_counter marks of the last exchange: sends started, replies in, done (for --timeline)
         self.marks = [0.0, 0.0, 0.0]
@@ -125,6 +126,7 @@ class Client:
         self.stop = bool(lead[H_FLAGS] & F_STOP)
         self.preempted = bool(lead[H_FLAGS] & F_PREEMPTED)
         self.loss = float(loss_field(lead)[H_LOSS])
+        self.grad_norm = float(loss_field(lead)[H_NORM])
         if lead[H_FLAGS] & F_REJECTED:
             self.rejected += 1
 

@@ -9,13 +9,15 @@ Every request and reply starts with one int64 header of HEADER fields
 
     worker -> server  TAG_HEADER  [op, version, worker, flags, stop, t, nstate, loss, epoch, offset]
                       TAG_GRAD    gradient slice (OP_PUSH only)
-    server -> worker  TAG_REPLY   header: op=OP_REPLY, version, flags, stop version, loss
+    server -> worker  TAG_REPLY   header: op=OP_REPLY, version, flags, stop version, loss, norm
                       TAG_PARAMS  parameter slice
     either way        TAG_BULK    snapshot/restore payloads, final statistics
     ps 0 -> ps k      TAG_ROUND   header + W member flags: who is in round `version` (sync)
 
-`loss` is a float64 stored in the int64 field's bits; (epoch, offset) is the
-pushing worker's data position after the batch of this gradient. Ops:
+`loss` is a float64 stored in the int64 field's bits, and so is a reply's
+`norm`: the pre-clip 2-norm of the last sync round's averaged gradient
+(--clip-norm; nan without it); (epoch, offset) is the pushing worker's data
+position after the batch of this gradient. Ops:
 
     OP_PULL      reply with the parameters once version >= header version
     OP_PUSH      a gradient computed on `version`; reply with the parameters
@@ -38,8 +40,8 @@ one holds and answers at once. OP_RELEASE ends every hold.
 """
 import numpy as np
 
-HEADER = 10
-H_OP, H_VERSION, H_WORKER, H_FLAGS, H_STOP, H_T, H_NSTATE, H_LOSS, H_EPOCH, H_OFFSET = range(HEADER)
+HEADER = 11
+H_OP, H_VERSION, H_WORKER, H_FLAGS, H_STOP, H_T, H_NSTATE, H_LOSS, H_EPOCH, H_OFFSET, H_NORM = range(HEADER)
 
 OP_PULL, OP_PUSH, OP_FINAL, OP_SNAPSHOT, OP_RESTORE, OP_REPLY, OP_ROUND, OP_RELEASE = 1, 2, 3, 4, 5, 6, 7, 8
 OP_NAMES = {OP_PULL: "PULL", OP_PUSH: "PUSH", OP_FINAL: "FINAL", OP_SNAPSHOT: "SNAPSHOT",
@@ -75,5 +77,5 @@ def stats_length(num_workers):
 
 
 def loss_field(header):
-    """The header as float64: index H_LOSS reads or writes the loss's bits."""
+    """The header as float64: index H_LOSS (H_NORM) reads or writes the loss's (norm's) bits."""
     return header.view(np.float64)

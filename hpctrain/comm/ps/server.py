@@ -26,7 +26,7 @@ from mpi4py import MPI
 from .aggregate import AsyncApply, SyncRounds
 from .placement import slice_size
 from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLAGS, H_LOSS,
-                       H_OFFSET, H_OP, H_STOP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
+                       H_NORM, H_OFFSET, H_OP, H_STOP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
                        OP_RELEASE, OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
                        ProtocolError, loss_field)
 from .silence import SilenceWatch
@@ -42,12 +42,16 @@ class Server:
     `comm` (server_ranks[0] is the leader); optimizer sized to this server's
     element count; lr_fn(version) -> learning rate; steps: the step budget;
     nap: wait for requests without busy-polling (more ranks than cores: waits.py).
+    clip (sync, --clip-norm): a clipping.Clip for each round's aggregate;
+    servers_comm: the servers' own communicator, over which the slices'
+    sums of squares meet (needed with clip and more than one server).
     """
 
     def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
                  sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=None,
-                 stop_requested=None, nap=False):
+                 stop_requested=None, nap=False, clip=None, servers_comm=None):
         self.comm, self.rank = comm, comm.Get_rank()
+        self.clip, self.servers_comm = clip, servers_comm
         self.workers, self.servers = list(worker_ranks), list(server_ranks)
         self.leader = self.rank == self.servers[0]
         self.ranges = list(ranges)
@@ -85,6 +89,7 @@ class Server:
         self.stop_seen = False                  # a signal or request seen here (followers pass it on)
         self.final_version = 0                  # the leader version workers ended at (from OP_FINAL)
         self.last_loss = float("nan")
+        self.last_norm = float("nan")           # the last round's pre-clip norm (--clip-norm)
         self.want = np.full(workers, -1, np.int64)      # pending reply: minimum version, -1 none
         self.rejected = np.zeros(workers, bool)
         self.done = np.zeros(workers, bool)
@@ -290,6 +295,7 @@ class Server:
         header[H_OP], header[H_VERSION], header[H_WORKER] = OP_REPLY, self.version, -1
         header[H_FLAGS], header[H_STOP], header[H_T] = self._flags(w), self.stop_version, self.opt.t
         loss_field(header)[H_LOSS] = self.last_loss
+        loss_field(header)[H_NORM] = self.last_norm
 
     def reply(self, w):
         """Answer worker w's pending request if the version it wants is here."""

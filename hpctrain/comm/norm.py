@@ -1,0 +1,54 @@
+"""The sum of squares of the fused, summed gradient buffer, for --clip-norm in
+ring mode: the same bits whether each rank holds every bucket's sum
+(allreduce) or only its own part of each (--shard-optimizer on, reduce-scatter).
+
+Float sums depend on how they are split, so both ways split alike: every
+bucket is cut into the strategy's parts (`strategy.parts`, the shards of
+all the ranks), each part's sum of squares is taken on its own
+(clipping.sum_squares), and the parts are added with math.fsum, which is
+correctly rounded and so blind to their order. Unsharded, a rank holds
+every part and computes them all: no message. Sharded, it holds one part
+per bucket; one Allgather of a float64 per bucket and rank (a few dozen
+bytes) brings everyone the rest. Either way every rank gets the same norm.
+
+The loss and stop slots at the wire's front (comm/wire.py) are summed with
+the gradient but are not part of it: `skip` leaves them out.
+
+    mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_clip.py
+"""
+import numpy as np
+
+from ..clipping import sum_squares
+from .strategy import waiting
+
+
+class BucketNorm:
+    """sum_of_squares() of buffer[skip:] once FusedAllreduce has summed
+    every bucket of `buckets` ([(lo, hi)] of the buffer) with `strategy`.
+    sharded: this rank holds only strategy.shard of each bucket, and
+    `comm` (every rank of the strategy's) carries the parts under `watchdog`."""
+
+    def __init__(self, strategy, buckets, buffer, skip=0, sharded=False, comm=None, watchdog=None):
+        self.buffer, self.sharded, self.comm, self.watchdog = buffer, sharded, comm, watchdog
+        self.ranges = []
+        for lo, hi in buckets:
+            parts = [strategy.shard(hi - lo)] if sharded else strategy.parts(hi - lo)
+            # Empty ranges stay: sharded, every rank sends one value per bucket.
+            self.ranges += [(max(lo + a, skip), max(lo + b, skip)) for a, b in parts]
+        if sharded:
+            if comm is None:
+                raise ValueError("a sharded norm needs the communicator of the ranks holding the parts")
+            self._mine = np.zeros(len(self.ranges), np.float64)
+            self._everyone = np.zeros(len(self.ranges) * comm.Get_size(), np.float64)
+
+    def partials(self):
+        """The sums of squares of every part of the buffer (sharded: of every
+        rank's part, after a collective over comm)."""
+        mine = sum_squares([self.buffer[a:b] for a, b in self.ranges])
+        if not self.sharded:
+            return mine
+        self._mine[...] = mine
+        with waiting(self.watchdog, "clip norm: sums of squares allgather"):
+            self.comm.Allgather(self._mine, self._everyone)
+        return self._everyone
+
