@@ -102,9 +102,64 @@ def pinned_empty(shape, dtype):
 
 
 # ---------------------------------------------------------------------------
+# ordering work between host threads' streams
+
+class HostMarks:
+    """The Marks interface for NumPy, where work is done when the call
+    returns: every token is None and nothing waits."""
+
+    def bind_thread(self):
+        """Make the calling thread work on the device these marks belong to."""
+
+    def mark(self):
+        """A token for 'everything the calling thread's stream has been given so far'."""
+        return None
+
+    def use(self, token):
+        """Make the calling thread's stream wait for `token` (the host does not block)."""
+
+
+class CudaMarks(HostMarks):
+    """Tokens are CUDA events recorded on the calling thread's current stream.
+
+    Two host threads may compute on two streams: with CuPy's per-thread
+    default streams (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) or a stream made
+    current with `with stream:`, nothing orders one thread's kernels after
+    the other's, as the legacy default stream does. A mark handed from one
+    thread to the other and `use`d there does, without blocking either host
+    thread (comm/fusion.py: backprop -> communication thread -> next step)."""
+
+    def __init__(self, cupy):
+        self.cp = cupy
+        self.device_id = current_device(cupy)
+
+    def bind_thread(self):
+        # A new host thread starts on device 0: its current stream, and the
+        # events recorded there, must be those of this rank's device.
+        use_device(self.cp, self.device_id)
+
+    def _event(self):
+        return self.cp.cuda.Event(block=False, disable_timing=True)
+
+    def mark(self):
+        ev = self._event()
+        ev.record(self.cp.cuda.get_current_stream())
+        return ev
+
+    def use(self, token):
+        if token is not None:
+            self.cp.cuda.get_current_stream().wait_event(token)
+
+
+def stream_marks(xp):
+    """The Marks for arrays of module xp: CudaMarks for CuPy, HostMarks for NumPy."""
+    return HostMarks() if xp is np else CudaMarks(xp)
+
+
+# ---------------------------------------------------------------------------
 # copies between host and device
 
-class HostCopier:
+class HostCopier(HostMarks):
     """The Copier interface for NumPy arrays standing in for device arrays:
     copies happen at once and every token is None. CPU runs and the CPU tests
     of the staging and prefetch logic use it."""
@@ -114,10 +169,6 @@ class HostCopier:
 
     def device_empty(self, shape, dtype):
         return np.empty(shape, dtype)
-
-    def mark(self):
-        """A token for 'everything the compute stream has been given so far'."""
-        return None
 
     def to_host(self, dev, host, after=None):
         """Start copying dev -> host (after the token `after`); returns a token."""
@@ -132,11 +183,8 @@ class HostCopier:
     def wait(self, token):
         """Block the host until the copy behind `token` is done."""
 
-    def use(self, token):
-        """Make the compute stream wait for `token` (the host does not block)."""
 
-
-class CudaCopier:
+class CudaCopier(CudaMarks):
     """Copies on two non-blocking CUDA streams of the current device, one per
     direction, so a device-to-host copy, a host-to-device copy and compute can
     all run at once. Tokens are CUDA events. Host buffers must be pinned
@@ -149,6 +197,7 @@ class CudaCopier:
 
     def __init__(self, cupy):
         self.cp = cupy
+        self.device_id = None   # made on the calling thread's device; bind_thread() leaves threads alone
         self.d2h = cupy.cuda.Stream(non_blocking=True)
         self.h2d = cupy.cuda.Stream(non_blocking=True)
         rt = cupy.cuda.runtime
@@ -159,14 +208,6 @@ class CudaCopier:
 
     def device_empty(self, shape, dtype):
         return self.cp.empty(shape, dtype)
-
-    def _event(self):
-        return self.cp.cuda.Event(block=False, disable_timing=True)
-
-    def mark(self):
-        ev = self._event()
-        ev.record(self.cp.cuda.get_current_stream())
-        return ev
 
     def _copy(self, dst_ptr, src_ptr, nbytes, kind, stream, after):
         if after is not None:
@@ -188,10 +229,6 @@ class CudaCopier:
     def wait(self, token):
         if token is not None:
             token.synchronize()
-
-    def use(self, token):
-        if token is not None:
-            self.cp.cuda.get_current_stream().wait_event(token)
 
 
 def _check_pair(dev, host):

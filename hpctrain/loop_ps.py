@@ -21,14 +21,24 @@ workers seek their readers, so sync training resumes bit for bit.
 
 Faults (a straggler, a hung server, a signal) are injected by the tests
 (tests/faults/inject_ps.py), not here.
+
+GPU workers get their batches through the prefetcher (pinned memory, one
+step ahead) and hand MPI the model's own device buffers on a CUDA-aware MPI,
+else pinned host mirrors of them, allocated once (comm/device_buffers.py):
+one device-to-host copy of the gradients and one copy back of the
+parameters per round. For NumPy the mirrors are the buffers themselves and
+the reader is used as it is: one loop serves both.
 """
 import math
 import time
 
 import numpy as np
 
+from . import device, prefetch
 from .clipping import Clip
 from .cluster import cores_available
+from .comm.cuda_aware import cuda_aware
+from .comm.device_buffers import HostMirror
 from .comm.ps import Client, Server, describe, place, summarize
 from .errors import EXIT_TIMEOUT, HpctrainError
 from .optim import OnDevice, make_optimizer
@@ -138,10 +148,13 @@ def run_worker(session, checkpoints, comm, reader, resume):
     model.init(args.seed)
     tensor_ranges = model.tensor_ranges()
     placement = place(tensor_ranges, cluster.num_ps, args.placement)
-    # MPI moves host memory here; on a GPU the model's buffers are mirrored.
-    gpu = xp is not np
-    params = np.zeros(model.num_params, np.float32) if gpu else model.params
-    grads = np.zeros(model.num_params, np.float32) if gpu else model.grads
+    reader = prefetch.device_batches(reader, xp)   # GPU: pinned, async, one step ahead
+    # What MPI reads and writes: the model's buffers (NumPy; GPU with a
+    # CUDA-aware MPI: point-to-point, so no agreement between ranks is needed)
+    # or pinned host mirrors of them. Kept for the whole run (see HostMirror).
+    direct = device.is_gpu(xp) and cuda_aware(args.cuda_aware)[0]
+    pm, gm = HostMirror(model.params, direct=direct), HostMirror(model.grads, direct=direct)
+    params, grads = pm.host, gm.host
     client = Client(comm, cluster.ps_ranks, placement, params, grads, cluster.worker_index, W,
                     sync=args.sync, watchdog=session.watchdog, nap=oversubscribed(cluster))
     state_names = make_optimizer(args.optimizer, 1, np).state_names
@@ -153,17 +166,15 @@ def run_worker(session, checkpoints, comm, reader, resume):
                            {name: ckpt.optimizer_state[name] for name in state_names},
                            positions_for(resume_point(ckpt.data_positions), W))
         else:
-            if gpu:
-                model.params.get(out=params)
-            client.restore(0, 0, params)   # the chief decides the initial parameters
+            client.restore(0, 0, device.to_host(model.params))   # the chief decides the initial parameters
     if resume is not None:
         checkpoints.seek_readers(reader, resume)
         session.chief_says(checkpoints.resumed_line(resume))
     report.resume_at(checkpoints.saved_step, resume)   # None: a fresh run, a fresh file
     checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
+    pm.recv_buffer()
     client.pull()
-    if gpu:
-        model.params.set(params)
+    pm.to_device()
 
     R = replicas_to_aggregate(args, W)
     clip = Clip(args.clip_norm) if args.clip_norm and not args.sync else None
@@ -187,15 +198,16 @@ def run_worker(session, checkpoints, comm, reader, resume):
         with tl.span("forward+backward", cat="compute"):
             forward_done, layer_done = tl.model_hooks(t0, None)
             loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done)
-            if gpu:
-                model.grads.get(out=grads)   # into the host mirror: no allocation
-            loss = float(loss)
+            gm.to_host()        # returns when the gradients are where MPI reads them
+            loss = float(loss)  # after that wait: no second one for the loss
             if clip:   # async: this worker's own gradient, whole here (sync: the servers clip the aggregate)
                 clip.clip_(grads)
         local += 1
         t1 = time.perf_counter()
         with tl.span("push+pull", cat="comm"):
+            pm.recv_buffer()    # the last copy to the device has read params: MPI may overwrite them
             client.push_pull(loss, stop_request=session.stop.received is not None, position=reader.position)
+            pm.to_device()      # asynchronous; the next forward waits for it on the device
         t2 = time.perf_counter()
         if tl.enabled:
             # inside push+pull: starting the sends, waiting for the servers' replies, the rest
@@ -203,8 +215,6 @@ def run_worker(session, checkpoints, comm, reader, resume):
             tl.add("push", "comm", t1, sent)
             tl.add("wait for parameters", "comm", sent, replied)
             tl.add("sends done+read replies", "comm", replied, done)
-        if gpu:
-            model.params.set(params)
         compute_s += t1 - t0
         comm_s += t2 - t1
         # The worker's view: its push+pull wait is communication not hidden
@@ -252,9 +262,10 @@ def run_worker(session, checkpoints, comm, reader, resume):
     # the chief also gets the final optimizer state for the last checkpoint.
     want_state = checkpoints.enabled and chief
     with tl.span("final pull", cat="comm"):
+        pm.recv_buffer()
         stats = client.final(state_names if want_state else None)
-    if gpu:
-        model.params.set(params)
+    pm.to_device()
+    pm.wait()   # nothing reads the pinned mirror once run_worker returns
     step = client.version
     if chief and session.has_val and not client.preempted:
         report.final_val(model, step)   # before the last checkpoint: it records the best

@@ -19,7 +19,7 @@ from .comm.device_buffers import bcast
 from .comm.fusion import FusedAllreduce
 from .comm.norm import BucketNorm
 from .comm.topology import Topology
-from .comm.wire import GRADS, Wire
+from .comm.wire import GRADS, LOSS, STOP, Wire
 from .errors import EXIT_DIVERGED, HpctrainError
 from .optim import make_optimizer, state_bytes
 from .report import Report, finish_everywhere
@@ -63,7 +63,6 @@ def train_ring(session):
     # Sharded: the parameters in a buffer laid out like the wire, so each
     # bucket's allgather carries them; its loss and stop slots get the sums.
     params_wire = Wire(n, xp) if sharded else None
-    summed = params_wire if sharded else wire   # where the summed loss and stop are read
     model = session.model(xp, params=params_wire.grads if sharded else None, grads=wire.grads)
     model.init(args.seed)
     # Identical start everywhere: rank 0's parameters.
@@ -91,7 +90,7 @@ def train_ring(session):
     fused = FusedAllreduce(
         strategy, wire.buffer, wire.ready_from(model.layer_ranges),
         int(args.fusion_mb * (1 << 20)) // wire.buffer.itemsize,
-        sync=lambda: device.synchronize(xp),
+        marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         on_reduced=update_owned if sharded else
         lambda lo, hi: optimizer.update(model.params, model.grads, *wire.grads_range(lo, hi)),
         overlap=overlap_wanted(args.overlap, xp, cluster, session.thread_multiple),
@@ -129,7 +128,8 @@ def train_ring(session):
     # --- training -------------------------------------------------------------
     comm_s = compute_s = 0.0
     samples = 0
-    loss_sum, loss_count = xp.zeros(1, np.float64), 0
+    loss_sum, loss_count = 0.0, 0
+    stopped = False   # some rank asked to stop: the summed flag, the same on every rank
     t_loop = time.perf_counter()
     session.stop.phase = "training"   # a stop signal is taken by the next step from here on
     while step < args.steps:
@@ -153,36 +153,42 @@ def train_ring(session):
                              fused.update_s)
         step += 1
         samples += args.batch_size * workers
-        # The summed loss is the same number on every rank, so all stop together.
-        # (Reading it costs no extra sync: the stop flag below is read anyway.)
-        if not math.isfinite(float(summed.loss[0])):
-            raise diverged(step, float(summed.loss[0]) / workers, chief)
-        loss_sum += summed.loss  # on the device: no sync per step
+        # The summed loss and stop flag, read every step from the host copy
+        # that fused.wait() leaves (comm/fusion.py's `head`: the staged path's
+        # host buffer, else two floats copied by the thread that reduced them),
+        # never from the device: the main thread does not wait for the
+        # optimizer's kernels, and the GPU runs them while the host reads the
+        # next batch. Every step, not every k: the sum is the same bits on
+        # every rank, so all stop (or find the loss diverged) after the same
+        # step, and a signal is taken at the next step as on the CPU.
+        loss, stopped = float(fused.head[LOSS]), bool(fused.head[STOP] > 0)
+        if not math.isfinite(loss):
+            raise diverged(step, loss / workers, chief)
+        loss_sum += loss
         loss_count += 1
         if step % args.log_every == 0 or step == args.steps:
             if chief:
-                mean_loss = float(loss_sum[0]) / loss_count / workers
+                mean_loss = loss_sum / loss_count / workers
                 report.progress(step, mean_loss, samples, time.perf_counter() - t_loop,
                                 grad_norm=clip.mean_norm() if clip else None)
-            loss_sum[...] = 0
-            loss_count = 0
+            loss_sum, loss_count = 0.0, 0
         if chief:
             t_loop += report.periodic_eval(model, step)
-        if summed.stop_requested():
+        if stopped:
             break
         if checkpoints.due(step):
             checkpoint_now()
     t_loop = time.perf_counter() - t_loop
-    if not wire.stop_requested():
+    if not stopped:
         session.stop.phase = "finishing"   # a signal now may find a rank stuck: the watchdog acts on it
 
     # --- the end: the last checkpoint (at the end of training, or where a
     # signal stopped it), then either the pre-emption exit or the results
-    if chief and session.has_val and not (summed.stop_requested() and step < args.steps):
+    if chief and session.has_val and not (stopped and step < args.steps):
         report.final_val(model, step)   # before the last checkpoint: it records the best
     if checkpoints.enabled and checkpoints.saved_step != step:
         checkpoint_now()
-    if summed.stop_requested() and step < args.steps:
+    if stopped and step < args.steps:
         if chief:
             report.metrics.close(keep=True)
         checkpoints.preempted(comm, step)

@@ -8,9 +8,17 @@ so a missing wait or use() shows up as wrong numbers, not as luck. FakeCupy
 its raw memcpyAsync calls deferred per stream until an event or stream says
 so. These check hpctrain's ordering logic and pointer arithmetic, not CUDA:
 tests/test_gpu.py does that on a GPU.
+
+fake_cupy(per_thread=True) gives each host thread its own current stream, as
+CuPy does with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1: "kernels" that a test
+queues there (`launch`) run only when that stream is synchronized or an
+event behind them is waited for, so work on two threads is ordered only by
+the events hpctrain hands between them (comm/fusion.py). Every stream
+records which threads synchronized it (`synced_by`).
 """
 import ctypes
 import sys
+import threading
 import types
 
 import numpy as np
@@ -76,6 +84,11 @@ class Scale:
         return h
 
 
+# One device runs every stream's work, one op at a time (re-entrant: an op
+# may wait for an event on another stream, which runs that stream's work).
+_DEVICE = threading.RLock()
+
+
 class FakeStream:
     """A CUDA stream whose work (copies) runs only when someone waits for it.
     The null stream stands for compute, which NumPy does at once."""
@@ -83,16 +96,19 @@ class FakeStream:
 
     def __init__(self, null=False, non_blocking=False):
         self.null, self.queue, self.done = null, [], 0
+        self.synced_by = []
         self.ptr = 0 if null else id(self)
         FakeStream.registry[self.ptr] = self
 
     def run_until(self, n):
-        while self.done < n:
-            op = self.queue[self.done]
-            self.done += 1
-            op()
+        with _DEVICE:
+            while self.done < n:
+                op = self.queue[self.done]
+                self.done += 1
+                op()
 
     def synchronize(self):
+        self.synced_by.append(threading.current_thread().name)
         self.run_until(len(self.queue))
 
     def wait_event(self, event):
@@ -122,8 +138,22 @@ class DevArray(np.ndarray):
         return types.SimpleNamespace(ptr=self.ctypes.data)
 
 
-def fake_cupy():
+def launch(cupy, kernel):
+    """Queue `kernel()` (a Python function standing for a CUDA kernel) on
+    the calling thread's current stream of a fake_cupy."""
+    cupy.cuda.get_current_stream().queue.append(kernel)
+
+
+def fake_cupy(per_thread=False):
     null = FakeStream(null=True)
+    local = threading.local()
+
+    def current_stream():
+        if not per_thread:
+            return null
+        if not hasattr(local, "stream"):
+            local.stream = FakeStream(non_blocking=True)
+        return local.stream
 
     def memcpy_async(dst, src, size, kind, stream_ptr):
         assert kind in (1, 2) and size > 0
@@ -131,9 +161,10 @@ def fake_cupy():
         if stream_ptr == 0:
             FakeStream.registry[0].synchronize()
 
-    runtime = types.SimpleNamespace(memcpyAsync=memcpy_async, memcpyHostToDevice=1, memcpyDeviceToHost=2)
+    runtime = types.SimpleNamespace(memcpyAsync=memcpy_async, memcpyHostToDevice=1, memcpyDeviceToHost=2,
+                                    getDevice=lambda: 0, setDevice=lambda i: None)
     cuda = types.SimpleNamespace(Stream=FakeStream, Event=FakeEvent, runtime=runtime,
-                                 get_current_stream=lambda: null,
+                                 get_current_stream=current_stream,
                                  alloc_pinned_memory=lambda nbytes: bytearray(nbytes))
 
     def empty(shape, dtype):
@@ -146,4 +177,12 @@ def cudacopier(monkeypatch):
     fake = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)  # device.pinned_empty imports it
     return lambda: device.CudaCopier(fake)
+
+
+@pytest.fixture
+def threadstreams(monkeypatch):
+    """A fake_cupy with a stream per host thread, installed as `cupy`."""
+    fake = fake_cupy(per_thread=True)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    return fake
 

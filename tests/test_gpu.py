@@ -270,3 +270,69 @@ def test_use_device_binds_a_new_thread_to_the_callers_gpu():
     t.start()
     t.join()
     assert seen == [mine]
+
+
+# --- fusion's events and the ps worker's device buffers -----------------------------
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_fusion_events_order_a_non_blocking_main_stream_and_the_comm_thread(path):
+    """The main thread computes on a non-blocking stream, which CUDA's legacy
+    default stream (the communication thread's) does not wait for, nor it
+    for that: only fusion's events order backprop -> reduce -> update ->
+    next forward. The 'backprop' is slow (a chain of matmuls) so a missing
+    event shows as stale gradients or parameters."""
+    from gpu_fakes import Scale
+    from hpctrain.comm.fusion import FusedAllreduce
+
+    class Direct:   # 'MPI' reading and writing device memory once the stream is synchronized
+        size, rank, name = 2, 0, "direct"
+
+        def shard(self, n):
+            return 0, n
+
+        def allreduce(self, buf):
+            cp.cuda.get_current_stream().synchronize()
+            host = cp.asnumpy(buf) * 2 + 1
+            buf.set(host)
+            cp.cuda.get_current_stream().synchronize()   # as MPI: written when the call returns
+            return buf
+
+    n, cuts = 3 << 20, [0, 1 << 20, 2 << 20]
+    strategy, reduce = (Direct(), lambda v: v * 2 + 1) if path == "direct" else \
+        (StagedAllreduce(Scale(), device.copier(cp)), lambda v: v * 3 + 1)
+    wire, params = cp.zeros(n, np.float32), cp.zeros(n, np.float32)
+    fused = FusedAllreduce(strategy, wire, cuts, 1 << 20, marks=device.stream_marks(cp),
+                           on_reduced=lambda lo, hi: params.__setitem__(slice(lo, hi), params[lo:hi] - wire[lo:hi]))
+    assert fused.overlap and len(fused.buckets) == 3
+    a = cp.full((2048, 2048), 1.0 / 2048, np.float32)
+    expect = np.zeros(n, np.float32)
+    with cp.cuda.Stream(non_blocking=True):
+        for step in range(3):
+            grads = np.random.default_rng(step).random(n, dtype=np.float32)
+            for i in reversed(range(3)):
+                for _ in range(50):   # slow, so the copy or MPI would overtake it without the event
+                    a = a @ a * 2048 / 2048
+                lo, hi = cuts[i], cuts[i + 1] if i < 2 else n
+                wire[lo:hi] = cp.asarray(grads[lo:hi]) + (a[0, 0] - a[0, 0])
+                fused.layer_done(i)
+            fused.wait()
+            seen = cp.asnumpy(params)   # the next 'forward' reads the parameters on this stream
+            summed = reduce(grads)
+            expect -= summed
+            assert np.array_equal(fused.head, summed[:2]), step
+            assert np.array_equal(seen, expect), step
+    fused.close()
+
+
+def test_ps_slices_pack_and_unpack_on_the_device():
+    from hpctrain.comm.ps.placement import Slice
+    flat = cp.arange(100, dtype=cp.float32)
+    piece = Slice(flat, [(3, 10), (50, 61)])
+    assert piece.packed and isinstance(piece.buf, cp.ndarray)
+    piece.pack()
+    want = np.r_[np.arange(3, 10), np.arange(50, 61)].astype(np.float32)
+    assert np.array_equal(cp.asnumpy(piece.buf), want)
+    piece.buf[...] = -1
+    piece.unpack()
+    host = cp.asnumpy(flat)
+    assert (host[3:10] == -1).all() and (host[50:61] == -1).all() and host[10] == 10

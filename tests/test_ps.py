@@ -684,3 +684,24 @@ def test_waits_some_and_all_complete_with_or_without_naps(nap):
     last = comm.Isend(np.full(1, 7, np.int64), 0, 40)
     waits.all([recv[0], last])
     assert waits.some(recv) is None and got[0] == 7   # nothing active any more
+
+
+def test_ps_gpu_worker_path_equals_the_cpu_one_and_resumes(job, tmp_path):
+    """GPU workers' wiring (the prefetcher, staged host mirrors of parameters
+    and gradients; tests/staged_workers.py stages them through NaN-filled,
+    lazy copies on NumPy) gives the same bits as the CPU workers, with packed
+    slices (round-robin placement), also across a checkpoint and resume."""
+    common = ["--mode", "ps", "--num-ps", 2, "--placement", "round-robin", "--steps", 30, "--hidden", "64,32"]
+    stand_in = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    ok(job(4, *common, "--save", tmp_path / "host.h5"))
+    ok(job(4, *common, "--save", tmp_path / "staged.h5", env=stand_in, module="staged_workers"))
+    host, _ = saved(tmp_path / "host.h5")
+    staged, _ = saved(tmp_path / "staged.h5")
+    assert all(np.array_equal(host[k], staged[k]) for k in host)
+    ckpt = tmp_path / "ckpt"
+    half = [a if a != 30 else 15 for a in common]
+    ok(job(4, *half, "--checkpoint-dir", ckpt, env=stand_in, module="staged_workers"))
+    ok(job(4, *common, "--checkpoint-dir", ckpt, "--save", tmp_path / "resumed.h5", env=stand_in,
+           module="staged_workers"))
+    resumed, _ = saved(tmp_path / "resumed.h5")
+    assert all(np.array_equal(host[k], resumed[k]) for k in host)

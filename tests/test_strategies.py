@@ -162,4 +162,5 @@ def test_device_buffers_take_the_path_the_flag_says(comm, name, fake_gpu):
         assert np.all(x == sum(range(size)))
     assert allreduce_plan(name, fake_gpu, cuda_aware="no") == \
         f"gradients: {name} allreduce, staged through pinned host memory (--cuda-aware no)"
-    assert allreduce_plan(name, fake_gpu, mode="ps", cuda_aware="yes") == "CUDA-aware MPI: yes (--cuda-aware yes)"
+    assert allreduce_plan(name, fake_gpu, mode="ps", cuda_aware="yes") == \
+        "ps workers: the model's device buffers straight to MPI (--cuda-aware yes)"

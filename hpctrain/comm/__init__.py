@@ -144,8 +144,9 @@ def allreduce_plan(name, xp, mode="ring", cuda_aware="auto"):
         return ""
     from .cuda_aware import cuda_aware as ask
     direct, why = ask(cuda_aware)
-    if mode == "ps":  # ps always moves host copies of the device arrays (train_ps.work)
-        return f"CUDA-aware MPI: {'yes' if direct else 'no'} ({why})"
+    if mode == "ps":  # point-to-point: each worker on its own (loop_ps.run_worker)
+        how = "the model's device buffers straight to MPI" if direct else "through pinned host mirrors"
+        return f"ps workers: {how} ({why})"
     path = "device buffers straight to MPI" if direct else "staged through pinned host memory"
     what = "allreduce (ring or hier by topology)" if name == "auto" else f"{name} allreduce"
     return f"gradients: {what}, {path} ({why})"

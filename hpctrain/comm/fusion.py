@@ -22,6 +22,16 @@ owns (its wire range), and the allgather then carries the same range of
 `gather` (the updated parameters) to every rank. Same bytes on the wire,
 1/N of the update work.
 
+On a GPU, the two threads may compute on two streams (CuPy's per-thread
+default streams, or any stream a thread makes current), so nothing but
+events orders their kernels: `layer_done` records one (`marks.mark()`) on
+backprop's stream and hands it to the communication thread with the bucket;
+that thread's stream waits for it (`marks.use`) before the strategy reads
+the bucket, and it hands back an event recorded after the bucket's update,
+which `wait()` makes the main stream wait for, so the next forward reads
+updated parameters. Neither host thread blocks for the other's kernels (the
+main thread used to synchronize its whole stream in `layer_done`).
+
 Deferred updates (`before_updates=` a callable, --clip-norm): the clip
 factor needs the norm of the whole summed gradient, known only after the
 last bucket. Then the buckets are summed as above (overlapped with
@@ -29,11 +39,21 @@ backprop), but no bucket's update (nor, sharded, its allgather) runs until
 wait() has seen every sum and called before_updates(); the updates and
 allgathers then run in wait(), bucket by bucket, in the main thread. The
 sums still hide behind backprop; the update no longer does.
+
+`head`: the first elements of the reduced buffer (the wire's summed loss and
+stop) as a host array, filled as soon as the bucket that holds them is
+reduced: from the strategy's own host copy where it has one (staged), else
+with a small copy by whichever thread reduced the bucket, right after the
+strategy synchronized its stream. The training loop reads the stop flag and
+the loss there every step without a device synchronization of its own.
 """
 import queue
 import threading
 import time
 
+import numpy as np
+
+from .. import device
 from .strategy import waiting
 
 
@@ -69,12 +89,16 @@ class FusedAllreduce:
     With `gather` (a buffer of wire's length and layout), each bucket is
     reduce-scattered, `on_reduced` runs on the owned part only (`owned()` lists
     those ranges, known before the first step), and `gather`'s bucket range is
-    allgathered. With `before_updates`, every on_reduced (and allgather) waits
-    for it, in wait(), after the last bucket's sum.
+    allgathered. `marks`: device.stream_marks(xp), the events that order the
+    two threads' streams (default: NumPy's, which do nothing). After wait(),
+    `head` (a host array of `head` elements) holds the first elements of the
+    result: the reduced wire, or `gather` when sharded. With `before_updates`,
+    every on_reduced (and allgather) waits for it, in wait(), after the last
+    bucket's sum.
     """
 
-    def __init__(self, strategy, wire, ready_from, bucket_elems, sync=None, on_reduced=None,
-                 overlap=True, timeline=None, watchdog=None, gather=None, before_updates=None):
+    def __init__(self, strategy, wire, ready_from, bucket_elems, marks=None, on_reduced=None,
+                 overlap=True, timeline=None, watchdog=None, gather=None, head=2, before_updates=None):
         self.strategy = strategy
         self.before_updates = before_updates
         self.wire = wire
@@ -83,7 +107,8 @@ class FusedAllreduce:
         self.gather = gather
         self.ready_from = list(ready_from)
         self.buckets = bucket_bounds(wire.size, bucket_elems, ready_from)
-        self.sync = sync or (lambda: None)
+        self.marks = marks or device.HostMarks()
+        self.head = np.zeros(min(head, wire.size), wire.dtype)
         self.on_reduced = on_reduced
         # One rank has nothing to reduce, one bucket nothing to overlap: no thread.
         self.overlap = overlap and len(self.buckets) > 1 and strategy.size > 1
@@ -109,29 +134,21 @@ class FusedAllreduce:
         if not self.overlap:
             return
         finished_from = self.ready_from[layer]
-        launched = False
-        while self._next < len(self.buckets) and self.buckets[self._next][0] >= finished_from:
-            if not launched:
-                self.sync()  # the device must have written the gradients MPI will read
-                launched = True
-            self._launch(self.buckets[self._next])
-            self._next += 1
+        self._launch_until(lambda lo: lo >= finished_from)
 
     def wait(self):
         """Launch what is left, then wait until every bucket is reduced (and its
-        callback has run)."""
+        callback has run). The host does not wait for the device: later
+        kernels on this thread's stream are ordered after the buckets' work."""
         t0 = time.perf_counter()
-        if self._next < len(self.buckets):
-            self.sync()
-            while self._next < len(self.buckets):
-                self._launch(self.buckets[self._next])
-                self._next += 1
+        self._launch_until(lambda lo: True)
         if self.overlap:
             for _ in range(len(self.buckets)):
                 with waiting(self.watchdog, "fused allreduce"):
                     item = self._done.get()
-                if item is not None:
+                if isinstance(item, BaseException):
                     raise item
+                self.marks.use(item)   # the next forward waits for this bucket's update
         if self.before_updates is not None:
             self.before_updates()   # every sum is in: e.g. the clip norm
             for lo, hi in self.buckets:
@@ -165,11 +182,31 @@ class FusedAllreduce:
             self._thread.join(timeout=5)
 
     # --- internals -----------------------------------------------------------
-    def _launch(self, bucket):
-        if self.overlap:
-            self._todo.put(bucket)
-        else:
-            self._reduce(*bucket)
+    def _launch_until(self, ready):
+        """Launch the next buckets while ready(bucket's lo). Without overlap
+        they are reduced here, on this thread's stream, which every strategy
+        synchronizes or waits for itself before MPI reads."""
+        if self._next == len(self.buckets) or not ready(self.buckets[self._next][0]):
+            return
+        # One event for every bucket launched now: all were written by the
+        # kernels queued so far on backprop's stream.
+        backprop = self.marks.mark() if self.overlap else None
+        while self._next < len(self.buckets) and ready(self.buckets[self._next][0]):
+            if self.overlap:
+                self._todo.put((self.buckets[self._next], backprop))
+            else:
+                self._reduce(*self.buckets[self._next])
+            self._next += 1
+
+    def _copy_head(self, lo, buf):
+        """After the bucket [lo, ...) that holds the head was reduced into buf."""
+        if lo != 0 or not self.head.size:
+            return
+        host = getattr(self.strategy, "host_copy", None)
+        src = host(buf) if host is not None else None
+        if src is None:   # no host copy: the strategy left the stream synchronized, the copy is short
+            src = device.to_host(buf[: self.head.size])
+        self.head[...] = src[: self.head.size]
 
     def _owned_part(self, lo, hi):
         """The range of bucket [lo, hi) that on_reduced gets, relative to lo."""
@@ -179,11 +216,13 @@ class FusedAllreduce:
         """Sum bucket [lo, hi) (all of it, or this rank's part with gather);
         then, unless deferred, its update (and allgather)."""
         t0 = time.perf_counter()
+        buf = self.wire[lo:hi]
         if self.gather is not None:
-            a, b = self.strategy.reduce_scatter(self.wire[lo:hi])
+            a, b = self.strategy.reduce_scatter(buf)
             what = "reduce-scatter"
         else:
-            self.strategy.allreduce(self.wire[lo:hi])
+            self.strategy.allreduce(buf)
+            self._copy_head(lo, buf)
             a, b, what = 0, hi - lo, "allreduce"
         t1 = time.perf_counter()
         self._spans.append((t0, t1, False))
@@ -204,7 +243,9 @@ class FusedAllreduce:
                 self.timeline.add(f"optimizer [{lo + a}:{lo + b})", "optimizer", t1, t2)
         if self.gather is not None:
             t2 = time.perf_counter()
-            self.strategy.allgather(self.gather[lo:hi])
+            buf = self.gather[lo:hi]
+            self.strategy.allgather(buf)
+            self._copy_head(lo, buf)
             t3 = time.perf_counter()
             self._spans.append((t2, t3, False))
             if self.timeline is not None:
@@ -212,12 +253,15 @@ class FusedAllreduce:
                                   {"bytes": (hi - lo) * self.wire.itemsize})
 
     def _worker(self):
+        self.marks.bind_thread()
         while True:
-            bucket = self._todo.get()
-            if bucket is None:
+            item = self._todo.get()
+            if item is None:
                 return
+            bucket, backprop = item
             try:
+                self.marks.use(backprop)   # MPI and copies read the bucket after backprop wrote it
                 self._reduce(*bucket)
-                self._done.put(None)
+                self._done.put(self.marks.mark())   # the next forward runs after this bucket's update
             except BaseException as exc:  # surface in the main thread
                 self._done.put(exc)

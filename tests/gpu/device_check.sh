@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU device check for hpctrain: one script, under 5 minutes on one GPU.
+# GPU device check for hpctrain: one script, under 8 minutes on one GPU (H200: setup ~1 min).
 #
 #   bash tests/gpu/device_check.sh            # from the repo root (see tests/gpu/README.md)
 #
@@ -14,6 +14,9 @@
 #   3. training on the bundled sample: GPU vs CPU parameters after the same
 #      SGD steps (1 and 4 ranks), accuracy with 1 and 4 ranks on the GPU
 #      (4 share it: staging path), NCCL with 1 rank and its error with 2, ps mode
+#      (GPU workers against CPU workers, and the path they took), the sharded
+#      optimizer update against the replicated one and per-thread default
+#      streams against the legacy one (bit for bit, 2 ranks)
 #   4. benchmarks: allreduce with CuPy buffers, training GPU vs CPU, default
 #      and wide (--hidden 4096,4096) model
 # and prints one table. Logs go to $OUT (if set) or /tmp/hpctrain-device-check.
@@ -22,7 +25,7 @@ set -u
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 PY=${PYTHON:-python3}
-BUDGET=${CHECK_BUDGET_S:-285}     # seconds for steps 2-4; setup and the table come on top
+BUDGET=${CHECK_BUDGET_S:-390}     # seconds for steps 2-4; setup and the table come on top
 LOGS=${OUT:-/tmp/hpctrain-device-check}
 WORK=$(mktemp -d /tmp/hpctrain-check.XXXXXX)
 mkdir -p "$LOGS"
@@ -152,15 +155,67 @@ if time_left "--allreduce nccl, 1 rank"; then
          && echo pass || echo FAIL)
     row "--allreduce nccl, 2 ranks on 1 GPU" "$ok" "rc=$rc (want 2, one line): ${line:-none}"
 fi
-if time_left "ps mode, 1 ps + 2 GPU workers"; then
-    train ps_gpu 3 90 --mode ps --num-ps 1 --device gpu --steps 100 --log-every 100; rc=$?
-    row "ps mode, 1 ps + 2 GPU workers" "$([ $rc = 0 ] && echo pass || echo FAIL)" \
-        "rc=$rc, test accuracy $(final ps_gpu test_accuracy) $(grep -m1 'hpctrain: error' "$LOGS/ps_gpu.txt")"
+PS="--mode ps --num-ps 1 --placement round-robin $SGD"   # round-robin: slices packed per server
+if time_left "ps, 1 ps + 2 GPU workers vs CPU workers"; then
+    # GPU workers: batches through the prefetcher; parameters and gradients through pinned
+    # mirrors, or straight from device memory where MPI is CUDA-aware (the path line says which).
+    train ps_gpu 3 90 $PS --device gpu --save "$WORK/ps_gpu.h5"; g=$?
+    train ps_cpu 3 90 $PS --device cpu --save "$WORK/ps_cpu.h5"; c=$?
+    if [ $g = 0 ] && [ $c = 0 ]; then
+        d=$(maxdiff "$WORK/ps_gpu.h5" "$WORK/ps_cpu.h5")
+        ok=$("$PY" -c "print('pass' if float('$d') < 1e-4 else 'FAIL')" 2>/dev/null || echo FAIL)
+        row "ps, 1 ps + 2 GPU workers vs CPU workers" "$ok" \
+            "max |diff| = $d (pass < 1e-4), test accuracy $(final ps_gpu test_accuracy)"
+    else
+        row "ps, 1 ps + 2 GPU workers vs CPU workers" FAIL \
+            "rc gpu=$g cpu=$c $(grep -m1 'hpctrain: error' "$LOGS/ps_gpu.txt")"
+    fi
+    path=$(grep -o 'ps workers: .*' "$LOGS/ps_gpu.txt" | head -1 | cut -c1-150)
+    row "  ps worker path" info "${path:-no 'ps workers:' line in ps_gpu.txt}"
+    case "${AWARE#CUDA-aware: }" in
+        yes*) ;;
+        *) row "  ps workers, device buffers to MPI" skip "MPI is not CUDA-aware: the pinned mirrors ran" ;;
+    esac
 fi
 if time_left "ps mode, servers on the GPU (--ps-device gpu)"; then
-    train ps_dev 3 90 --mode ps --num-ps 1 --device gpu --ps-device gpu --steps 100 --log-every 100; rc=$?
+    train ps_dev 3 90 $PS --device gpu --ps-device gpu; rc=$?
     row "ps mode, --ps-device gpu" "$([ $rc = 0 ] && echo pass || echo FAIL)" \
-        "rc=$rc, test accuracy $(final ps_dev test_accuracy) (same as the row above: $(final ps_gpu test_accuracy)) $(grep -m1 'hpctrain: error' "$LOGS/ps_dev.txt")"
+        "rc=$rc, test accuracy $(final ps_dev test_accuracy) (host servers, row above: $(final ps_gpu test_accuracy)) $(grep -m1 'hpctrain: error' "$LOGS/ps_dev.txt")"
+fi
+
+same_bits() {  # same_bits CHECK A B: parameters of $WORK/A.h5 and $WORK/B.h5 bit for bit
+    local d ok
+    d=$(maxdiff "$WORK/$2.h5" "$WORK/$3.h5")
+    ok=$("$PY" -c "print('pass' if float('$d') == 0 else 'FAIL')" 2>/dev/null || echo FAIL)
+    row "$1" "$ok" "max |diff| = $d (pass: 0, bit for bit)"
+}
+ADAM="--optimizer adam --steps 100 --log-every 100 --fusion-mb 1"
+if time_left "ring 2 ranks: --shard-optimizer on == off"; then
+    # ZeRO-1 on the GPU: each rank updates its shard after the reduce-scatter, the
+    # allgather carries parameters; the update is elementwise, so the same bits.
+    train shard_off 2 90 --device gpu $ADAM --shard-optimizer off --save "$WORK/shard_off.h5"; a=$?
+    train shard_on 2 90 --device gpu $ADAM --shard-optimizer on --save "$WORK/shard_on.h5"; b=$?
+    if [ $a = 0 ] && [ $b = 0 ]; then
+        same_bits "ring 2 ranks: --shard-optimizer on == off" shard_off shard_on
+        row "  optimizer state per rank, off -> on" info \
+            "$(final shard_off optimizer_state_bytes) -> $(final shard_on optimizer_state_bytes) bytes"
+    else
+        row "ring 2 ranks: --shard-optimizer on == off" FAIL "rc off=$a on=$b (logs shard_*.txt)"
+    fi
+fi
+if time_left "ring 2 ranks: per-thread default streams"; then
+    # The communication thread's stream is then not the main thread's: only fusion's
+    # events order backprop -> reduce -> update -> next forward (sharded, too).
+    CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 train ptds_off 2 90 --device gpu $ADAM --overlap on \
+        --save "$WORK/ptds_off.h5"; a=$?
+    CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 train ptds_on 2 90 --device gpu $ADAM --overlap on \
+        --shard-optimizer on --save "$WORK/ptds_on.h5"; b=$?
+    if [ $a = 0 ] && [ $b = 0 ] && [ -e "$WORK/shard_off.h5" ]; then
+        same_bits "ring 2 ranks: per-thread default streams" shard_off ptds_off
+        same_bits "  ... and --shard-optimizer on" shard_off ptds_on
+    else
+        row "ring 2 ranks: per-thread default streams" FAIL "rc=$a/$b (logs ptds_*.txt; needs shard_off.h5)"
+    fi
 fi
 
 # --- 4. benchmarks (the bench module may be missing or older: failures are reported, not fatal) ---

@@ -7,6 +7,11 @@ the chief's checkpoint calls (restore, snapshot).
 A worker's message to a server is the concatenation of that server's ranges:
 a view of the flat buffer when it is one range (no copy), a packed copy
 otherwise. Workers post their reply receives first, then send to all servers.
+
+The buffers may be CuPy arrays (GPU workers on a CUDA-aware MPI, which reads
+and writes device memory itself): then the stream is synchronized before
+MPI may overwrite what kernels still read, and after packing (kernels)
+before MPI reads the packed copies; unpacking is ordered on the stream.
 """
 import time
 from contextlib import nullcontext
@@ -15,6 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from ...device import array_module
 from .placement import Slice
 from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLAGS, H_LOSS,
                        H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
@@ -60,6 +66,8 @@ class Client:
         self.params, self.grads = params, grads
         self.p_slices = [Slice(params, r) for r in self.placement]
         self.g_slices = [Slice(grads, r) for r in self.placement]
+        # Device buffers: the stream to synchronize before MPI touches them (None for NumPy).
+        self._stream = None if isinstance(grads, np.ndarray) else array_module(grads).cuda.get_current_stream
         self.hdr_out = np.zeros((self.num_servers, HEADER), np.int64)
         self.hdr_in = np.zeros((self.num_servers, HEADER), np.int64)
         self.stats = np.zeros((self.num_servers, stats_length(num_workers)), np.float64)
@@ -89,6 +97,8 @@ class Client:
         return self.watchdog.waiting(what, peer=peer) if self.watchdog else nullcontext()
 
     def _exchange(self, op, flags, loss=0.0, grads=False, what="parameters", position=(0, 0)):
+        if self._stream is not None:   # kernels (the model's, last unpack) may still read what MPI overwrites
+            self._stream().synchronize()
         MPI.Prequest.Startall(self.recvs)
         for k in range(self.num_servers):
             header = self.hdr_out[k]
@@ -100,6 +110,8 @@ class Client:
         if grads:
             for piece in self.g_slices:
                 piece.pack()
+            if self._stream is not None and any(piece.packed for piece in self.g_slices):
+                self._stream().synchronize()   # the packing kernels are done before MPI reads
             MPI.Prequest.Startall(self.pushes)
         else:
             MPI.Prequest.Startall(self.send_hdr)

@@ -12,6 +12,8 @@ slice updates bit for bit as the whole buffer would.
 """
 import numpy as np
 
+from ...device import array_module
+
 PLACEMENTS = ("even", "round-robin", "greedy")
 
 
@@ -76,7 +78,8 @@ def slice_size(ranges):
 
 class Slice:
     """One server's ranges of a flat buffer, as one contiguous array: the view
-    itself for a single range, else a packed copy (pack/unpack move the data)."""
+    itself for a single range, else a packed copy (pack/unpack move the data)
+    of the buffer's kind (a CuPy buffer packs on the device)."""
 
     def __init__(self, flat, ranges):
         self.flat, self.ranges = flat, list(ranges)
@@ -85,7 +88,8 @@ class Slice:
             lo, hi = self.ranges[0]
             self.buf, self.packed = flat[lo:hi], False
         else:
-            self.buf, self.packed = np.zeros(self.size, flat.dtype), True
+            xp = np if isinstance(flat, np.ndarray) else array_module(flat)
+            self.buf, self.packed = xp.zeros(self.size, flat.dtype), True
 
     def pack(self):
         if self.packed:

@@ -1,0 +1,32 @@
+"""Run hpctrain.mnist with NumPy standing in for the GPU of ps workers: their
+batches go through the prefetcher and their parameters and gradients through
+staged host mirrors, both with tests/gpu_fakes.LazyCopier (fresh buffers are
+NaN, copies run only when waited for), so CPU tests cover the GPU worker's
+wiring in loop_ps.run_worker bit for bit.
+
+    PYTHONPATH=tests mpirun -n 4 python -m staged_workers --mode ps --num-ps 2
+
+The patch goes in after mnist.main has configured the process (numpy must
+not load before: it reads the BLAS thread count once, when it loads).
+"""
+import sys
+import types
+
+from hpctrain import mnist
+
+_train = mnist.train
+
+
+def train(args, *rest):
+    from gpu_fakes import LazyCopier
+    from hpctrain import loop_ps, prefetch
+    from hpctrain.comm.device_buffers import HostMirror
+    loop_ps.HostMirror = lambda array, direct=False: HostMirror(array, copier=LazyCopier())
+    loop_ps.prefetch = types.SimpleNamespace(
+        device_batches=lambda reader, xp: prefetch.device_batches(reader, xp, LazyCopier()))
+    return _train(args, *rest)
+
+
+if __name__ == "__main__":
+    mnist.train = train
+    sys.exit(mnist.main())
