@@ -119,15 +119,17 @@ def test_without_a_val_part_records_are_as_before(job, tmp_path):
     assert not any(k.startswith("val_") for m in _records(metrics) for k in m)
 
 
-def test_keep_best_resumes_bit_exact(job, tmp_path, val_data):
-    """Ring: 40 steps at once, or 20 then resumed to 40 (the final evaluation
-    at 20 is in the checkpoint's best): the same --keep-best file."""
-    flags = ["--data", val_data, *COMMON[2:], "--checkpoint-every", "10"]
+@pytest.mark.parametrize("mode, n", [("ring", 2), ("ps", 3)])
+def test_keep_best_resumes_bit_exact(job, tmp_path, val_data, mode, n):
+    """40 steps at once, or 20 then resumed to 40 (the final evaluation at 20
+    is in the checkpoint's best): the same --keep-best file (ps: sync, 1
+    server + 2 workers, whose sums are in worker order: bit-exact too)."""
+    flags = ["--data", val_data, *COMMON[2:], "--checkpoint-every", "10", "--mode", mode]
     whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
-    r = job(2, *flags, "--steps", "40", "--checkpoint-dir", tmp_path / "a", "--keep-best", whole, timeout=120)
+    r = job(n, *flags, "--steps", "40", "--checkpoint-dir", tmp_path / "a", "--keep-best", whole, timeout=120)
     assert r.returncode == 0, r.stderr
     for steps in ("20", "40"):
-        r = job(2, *flags, "--steps", steps, "--checkpoint-dir", tmp_path / "b", "--keep-best", part, timeout=120)
+        r = job(n, *flags, "--steps", steps, "--checkpoint-dir", tmp_path / "b", "--keep-best", part, timeout=120)
         assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout
     (p1, a1), (p2, a2) = _params(whole), _params(part)
