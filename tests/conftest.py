@@ -52,3 +52,16 @@ def job():
     if under_mpirun():
         pytest.skip("launches its own mpirun jobs: runs in the plain pytest pass")
     return run_job
+
+
+def saved(path):
+    """Every dataset of a --save (or checkpoint) file: {"group/name": array}."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        return {f"{g}/{k}": f[g][k][()] for g in f for k in f[g]}
+
+
+def same_bytes(a, b):
+    """Whether two --save files hold the same datasets, bit for bit."""
+    a, b = saved(a), saved(b)
+    return set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)

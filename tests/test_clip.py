@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import same_bytes, saved
 from gpu_fakes import LazyCopier
 from hpctrain import device
 from hpctrain.clipping import EPS, Clip, clip_, clip_factor, global_norm, sum_squares
@@ -264,16 +265,6 @@ def test_parts_are_every_ranks_shard(name):
 # --- jobs ----------------------------------------------------------------------
 
 SMALL = ["--hidden", "64", "--batch-size", "16", "--timeout", "120"]
-
-
-def saved(path):
-    with h5py.File(path, "r") as f:
-        return {f"{g}/{k}": f[g][k][()] for g in f for k in f[g]}
-
-
-def same_bytes(a, b):
-    a, b = saved(a), saved(b)
-    return set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
 
 
 def records(path):

@@ -7,24 +7,14 @@ bit, and bad values as one line and exit 2.
 
     .venv/bin/python -m pytest tests/test_recipe.py
 """
-import h5py
 import numpy as np
 import pytest
 
+from conftest import same_bytes, saved
 from hpctrain.cli import steps_for_epochs
 from hpctrain.optim import learning_rate, make_optimizer, schedule_line
 
 SMALL = ["--hidden", "64", "--log-every", "1000"]
-
-
-def saved(path):
-    with h5py.File(path, "r") as f:
-        return {f"{g}/{k}": f[g][k][()] for g in f for k in f[g]}
-
-
-def same_bytes(a, b):
-    a, b = saved(a), saved(b)
-    return set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
 
 
 def ok(r):

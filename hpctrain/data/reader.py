@@ -190,7 +190,7 @@ class ShardReader:
         self._rows = None                   # the rows of images that _ids are
         self.resident = self.num_samples * self.num_features <= resident_bytes
         if self.resident:
-            self._allocate(self.num_samples, "the training set")
+            self._allocate(self.num_samples, "the training set", "use fewer ranks per node")
             for (path, n), first in zip(self._shards, self._first):
                 x, y = _read_rows(path, 0, n, self.num_classes)
                 self.images[first:first + n] = x.reshape(n, -1)
@@ -200,14 +200,14 @@ class ShardReader:
         self._x = np.empty((self.batch_size, self.num_features), np.float32)
         self._y = np.empty(self.batch_size, np.int64)
 
-    def _allocate(self, count, what):
+    def _allocate(self, count, what, hint):
         try:
             self.images = np.empty((count, self.num_features), np.uint8)
             self.labels = np.empty(count, np.int64)
         except (MemoryError, ValueError):
             raise HpctrainError(f"{self.data_dir}: worker {self.worker}'s copy of {what} ({count} "
                                 f"samples of {self.num_features} values) does not fit in memory; "
-                                f"use more workers") from None
+                                f"{hint}") from None
 
     @property
     def position(self):
@@ -243,7 +243,7 @@ class ShardReader:
             return
         self._rows = np.arange(count)
         if self.images is None or len(self.images) < count:
-            self._allocate(count, "an epoch's part")
+            self._allocate(count, "an epoch's part", "use more workers")
         # Shard by shard, slab by slab, in row order; each row lands at its
         # place in this worker's order of the epoch.
         order = np.argsort(self._ids, kind="stable")
