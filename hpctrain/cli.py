@@ -144,8 +144,9 @@ def build_parser():
                         "where the thread only steals CPU from backprop)")
     g.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
                    help="on: each rank updates only its share of every bucket after the reduce-scatter and the allgather "
-                        "carries parameters (ZeRO-1: optimizer state and work 1/N, same parameters); auto = off "
-                        "(a fixed rule until a benchmark shows on faster) (default: %(default)s)")
+                        "carries parameters (ZeRO-1: optimizer state and work 1/N, same parameters); auto = on with 2 or more "
+                        "workers on CPUs with --allreduce auto|ring|hier, where it measured faster and is bit-identical "
+                        "(default: %(default)s)")
     g.add_argument("--cuda-aware", choices=["auto", "yes", "no"], default="auto",
                    help="pass GPU buffers straight to MPI (yes), stage through host memory (no), or ask the MPI library (auto)")
 

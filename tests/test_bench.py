@@ -89,12 +89,15 @@ def test_bench_model_quick():
     assert out["fitted_here"]["ring_beta_s_per_byte"] > 0
 
 
-@pytest.mark.parametrize("mode, extra, must_have", [
-    ("ring", ["--fusion-mb", "0.5", "--overlap", "on"],
-     {"data", "forward", "backward layer0", "backward layer2", "wait for gradients", "step"}),
-    ("ps", ["--num-ps", "1"], {"data", "forward", "backward layer0", "push+pull", "push", "wait for parameters"}),
+RING_SPANS = {"data", "forward", "backward layer0", "backward layer2", "wait for gradients", "step"}
+
+
+@pytest.mark.parametrize("mode, extra, must_have, collectives", [
+    ("ring", ["--fusion-mb", "0.5", "--overlap", "on", "--shard-optimizer", "off"], RING_SPANS, ["allreduce ["]),
+    ("ring", ["--fusion-mb", "0.5", "--overlap", "on"], RING_SPANS, ["reduce-scatter [", "allgather ["]),
+    ("ps", ["--num-ps", "1"], {"data", "forward", "backward layer0", "push+pull", "push", "wait for parameters"}, []),
 ])
-def test_timeline_is_a_chrome_trace_with_every_span_kind(job, tmp_path, mode, extra, must_have):
+def test_timeline_is_a_chrome_trace_with_every_span_kind(job, tmp_path, mode, extra, must_have, collectives):
     path = tmp_path / "t.json"
     r = job(3, "--mode", mode, "--steps", "10", "--timeline", path, *extra)
     assert r.returncode == 0, r.stderr
@@ -103,8 +106,9 @@ def test_timeline_is_a_chrome_trace_with_every_span_kind(job, tmp_path, mode, ex
     names = {e["name"] for e in spans}
     assert must_have <= names, must_have - names
     assert all(e["dur"] >= 0 and {"ts", "pid", "tid", "cat"} <= set(e) for e in spans)
+    for kind in collectives:   # sharded by default on CPUs: reduce-scatter + allgather
+        assert any(n.startswith(kind) for n in names), kind
     if mode == "ring":
-        assert any(n.startswith("allreduce [") for n in names)
         assert any(n.startswith("optimizer [") for n in names)
         assert sum(e["name"] == "step" for e in spans) == 10
 
