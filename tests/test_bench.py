@@ -133,3 +133,10 @@ def test_bench_train_ps_versus_ring_in_one_run():
     for row in (sync, asyn):
         ms = row["server_ms"]
         assert ms["total"] > 0 and ms["idle"] >= 0 and ms["optimizer"] > 0
+
+
+def test_ps_is_measured_against_the_unsharded_ring():
+    from hpctrain.bench.train import ring_baseline_flags
+    assert ring_baseline_flags(["--num-ps", "2", "--hidden", "64", "--async"]) == [
+        "--hidden", "64", "--shard-optimizer", "off"]
+    assert ring_baseline_flags(["--num-ps=2", "--shard-optimizer", "on"]) == ["--shard-optimizer", "on"]

@@ -201,6 +201,15 @@ def ring_flags(extra):
     return out
 
 
+def ring_baseline_flags(extra):
+    """The ring that ps is measured against: extra without the ps flags, and
+    unsharded unless extra says otherwise (--shard-optimizer auto is on for CPUs)."""
+    out = ring_flags(extra)
+    if not any(a.split("=", 1)[0] == "--shard-optimizer" for a in out):
+        out += ["--shard-optimizer", "off"]
+    return out
+
+
 def server_ms_per_update(runs):
     """The servers' loop time per update (ms, mean over servers, median over runs), by activity."""
     out = {}
@@ -219,7 +228,7 @@ def versus_ring(args, extra):
     workers x --steps updates (one worker's batch each)."""
     from ..cli import parse
     flags = parse(["--mode", "ps", *extra])
-    ring_extra = ring_flags(extra)
+    ring_extra = ring_baseline_flags(extra)
     ps_extra = [a for a in extra if a not in ("--sync", "--async")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
