@@ -450,19 +450,8 @@ def test_an_epoch_is_one_permutation_dealt_over_the_workers(numbered, workers, r
     assert readers[0].position == (1, steps * workers * B)
     assert not np.array_equal(first, second)
     # The dealing is the module's deal(): global ids in shard order.
-    order = np.asarray(train_ids_in_order(numbered))
+    order = train_ids(numbered)   # in shard order: a global id's sample
     np.testing.assert_array_equal(first, order[data.reader.deal(900, workers, B, 0, 0)])
-
-
-def train_ids_in_order(out):
-    """Sample ids of the training set in global order (shard by shard, row by row)."""
-    import h5py
-    manifest = json.loads((out / "manifest.json").read_text())
-    ids = []
-    for e in manifest["train"]["shards"]:
-        with h5py.File(out / e["file"], "r") as f:
-            ids.extend(sample_ids(f["images"][:]).tolist())
-    return ids
 
 
 @pytest.mark.parametrize("resident", [True, False])
@@ -472,7 +461,7 @@ def test_a_run_resized_2_4_3_goes_on_where_the_last_stopped(numbered, resident):
     per epoch (W: the workers that end it), the same for the slab-read path."""
     budget = data.reader.RESIDENT_BYTES if resident else 0
     B, used, position = 16, {}, (0, 0)
-    order = np.asarray(train_ids_in_order(numbered))
+    order = train_ids(numbered)   # in shard order: a global id's sample
     for workers, steps in ((2, 20), (4, 9), (3, 30)):
         readers = [data.ShardReader(numbered, w, workers, B, seed=4, resident_bytes=budget)
                    for w in range(workers)]

@@ -179,7 +179,6 @@ class ShardReader:
                                 f"fewer workers")
         # Every shard matches the manifest before any of its sizes is used.
         self._shards = [(_verify_shard(self.data_dir, e, shape), int(e["num_samples"])) for e in shards]
-        self.files = [e["file"] for e in shards]
         self._first = np.cumsum([0] + [n for _, n in self._shards])   # global id of each shard's row 0
 
         self._epoch, self._start = 0, 0     # the epoch dealt, from which position
