@@ -174,6 +174,10 @@ def build_parser():
                    help="how parameters are split over servers (default: %(default)s)")
     g.add_argument("--ps-device", choices=["cpu", "gpu"], default="cpu",
                    help="where servers keep their parameter slice and optimizer state (default: %(default)s)")
+    g.add_argument("--ps-exchange", choices=["auto", "mpi"], default="auto",
+                   help="auto: on each node, workers and servers exchange gradients and parameters through an MPI "
+                        "shared-memory window (only headers are messages; NumPy workers; between nodes, messages); "
+                        "mpi: MPI messages only (default: %(default)s)")
 
     g = p.add_argument_group("checkpoints and output")
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="write checkpoints here (chief only)")

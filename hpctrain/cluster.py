@@ -116,8 +116,9 @@ def cores_available():
 def configure_process(env=None, device="auto"):
     """Before numpy and MPI load: when more ranks than cores share this node,
     make idle MPI ranks yield instead of busy-polling the cores that the
-    computing ranks need, give each rank its share of BLAS threads, and
-    (--device gpu|auto) bind this rank's GPU. A variable the user set is left
+    computing ranks need, give each rank its share of BLAS threads, keep
+    Open MPI's osc/ucx out of the way, and (--device gpu|auto) bind this
+    rank's GPU. A variable the user set is left
     alone. Returns a note for the log."""
     env = os.environ if env is None else env
     _, _, local_rank, local_size = launcher_env(env)
@@ -135,6 +136,10 @@ def configure_process(env=None, device="auto"):
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, str(threads))
     notes.append(f"BLAS threads per rank: {env['OPENBLAS_NUM_THREADS']}")
+    # Our one RMA window is ps's node-local shared memory (comm/ps/shared.py),
+    # Open MPI's osc/sm; osc/ucx, queried first, prints an "Error" line per
+    # rank where UCX has no RMA transport (a node without InfiniBand).
+    env.setdefault("OMPI_MCA_osc", "^ucx")
     gpu = bind_gpu(device, env)
     if gpu:
         notes.append(gpu)

@@ -40,6 +40,9 @@ from .cluster import cores_available
 from .comm.cuda_aware import cuda_aware
 from .comm.device_buffers import HostMirror
 from .comm.ps import Client, Server, describe, place, summarize
+from .comm.ps.placement import slice_size
+from .comm.ps.server import reply_buffers_needed
+from .comm.ps.shared import open_shared
 from .errors import EXIT_TIMEOUT, HpctrainError
 from .optim import OnDevice, make_optimizer
 from .loop_ring import diverged
@@ -59,7 +62,18 @@ def oversubscribed(cluster):
     return cluster.local_size > cores_available()
 
 
-def cluster_lines(session, placement, tensor_ranges):
+def exchange_name(client):
+    """How this worker exchanges with the servers (the final record's ps_exchange)."""
+    shm = sum(client.in_window)
+    return "mpi" if not shm else "shared" if shm == client.num_servers else "shared+mpi"
+
+
+EXCHANGE_LINES = {"mpi": "MPI messages",
+                  "shared": "shared memory (only the headers are MPI messages)",
+                  "shared+mpi": "shared memory with the servers on its node, MPI messages with the others"}
+
+
+def cluster_lines(session, placement, tensor_ranges, exchange="mpi"):
     """The chief's start-up picture: roles in TensorFlow's naming, placement."""
     args, cluster = session.args, session.cluster
     n = tensor_ranges[-1][2]
@@ -69,6 +83,7 @@ def cluster_lines(session, placement, tensor_ranges):
     lines.append(f"placement {args.placement}: {n:,} parameters ({4 * n:,} bytes) on {cluster.num_ps} ps")
     for k, (count, parts) in enumerate(describe(placement, tensor_ranges)):
         lines.append(f"  /job:ps/task:{k}: {count:,} parameters, {4 * count:,} bytes: {', '.join(parts) or '-'}")
+    lines.append(f"exchange (--ps-exchange {args.ps_exchange}): the chief uses {EXCHANGE_LINES[exchange]}")
     if args.sync:
         R = replicas_to_aggregate(args, cluster.num_workers)
         lines.append(f"sync: each update aggregates {R} of {cluster.num_workers} workers' gradients"
@@ -95,13 +110,31 @@ def train_ps(session):
     # With --checkpoint-dir: every rank learns whether (and from which step)
     # the run resumes; the chief then loads the servers (RESTORE).
     resume = checkpoints.load(cluster.comm)
+    placement = place(session.model(np).tensor_ranges(), cluster.num_ps, args.placement)
+    shared = open_exchange(session, placement)
     if cluster.is_ps:
-        tensor_ranges = session.model(np).tensor_ranges()
-        return run_server(session, checkpoints, comm, place(tensor_ranges, cluster.num_ps, args.placement))
-    return run_worker(session, checkpoints, comm, reader, resume)
+        result = run_server(session, checkpoints, comm, placement, shared)
+    else:
+        result = run_worker(session, checkpoints, comm, reader, resume, placement, shared)
+    if shared is not None:   # not after an error: the job ends through MPI_Abort or Finalize
+        shared.close()
+    return result
 
 
-def run_server(session, checkpoints, comm, placement):
+def open_exchange(session, placement):
+    """This node's shared-memory window for the ps exchange (comm/ps/shared.py),
+    or None: --ps-exchange mpi, a node without both roles, a GPU worker on it,
+    or /dev/shm too small. Collective over the node's ranks."""
+    args, cluster = session.args, session.cluster
+    return open_shared(cluster, enabled=args.ps_exchange == "auto",
+                       able=cluster.is_ps or not device.is_gpu(session.xp),
+                       num_params=session.num_params(), server_sizes=[slice_size(r) for r in placement],
+                       reply_bufs=reply_buffers_needed(args.sync, replicas_to_aggregate(args, cluster.num_workers),
+                                                       cluster.num_workers),
+                       watchdog=session.watchdog)
+
+
+def run_server(session, checkpoints, comm, placement, shared):
     args, cluster = session.args, session.cluster
     mine = placement[cluster.ps_index]
     size = sum(hi - lo for lo, hi in mine)
@@ -121,7 +154,7 @@ def run_server(session, checkpoints, comm, placement):
                     stop_requested=lambda: session.stop.received, nap=oversubscribed(cluster),
                     # --clip-norm, sync: on the aggregate (async: each worker clips its own)
                     clip=Clip(args.clip_norm) if args.clip_norm and args.sync else None,
-                    servers_comm=cluster.ps_comm)
+                    servers_comm=cluster.ps_comm, shared=shared)
     session.stop.phase = "training"   # the server loop takes stop requests from here on
     server.serve_until_done()
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
@@ -140,14 +173,15 @@ def save_cut(session, checkpoints, cut):
     checkpoints.save_on_chief_only(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions)
 
 
-def run_worker(session, checkpoints, comm, reader, resume):
+def run_worker(session, checkpoints, comm, reader, resume, placement, shared):
     args, cluster, xp = session.args, session.cluster, session.xp
     W, tl, chief = cluster.num_workers, session.timeline, session.chief
     report = Report(session)
-    model = session.model(xp)
+    # In a shared-memory window, backprop writes the gradient where the servers read it.
+    model = session.model(xp) if shared is None else \
+        session.model(xp, grads=shared.worker_grads(cluster.rank, session.num_params()))
     model.init(args.seed)
     tensor_ranges = model.tensor_ranges()
-    placement = place(tensor_ranges, cluster.num_ps, args.placement)
     reader = prefetch.device_batches(reader, xp)   # GPU: pinned, async, one step ahead
     # What MPI reads and writes: the model's buffers (NumPy; GPU with a
     # CUDA-aware MPI: point-to-point, so no agreement between ranks is needed)
@@ -156,10 +190,10 @@ def run_worker(session, checkpoints, comm, reader, resume):
     pm, gm = HostMirror(model.params, direct=direct), HostMirror(model.grads, direct=direct)
     params, grads = pm.host, gm.host
     client = Client(comm, cluster.ps_ranks, placement, params, grads, cluster.worker_index, W,
-                    sync=args.sync, watchdog=session.watchdog, nap=oversubscribed(cluster))
+                    sync=args.sync, watchdog=session.watchdog, nap=oversubscribed(cluster), shared=shared)
     state_names = make_optimizer(args.optimizer, 1, np).state_names
     if chief:
-        print(cluster_lines(session, placement, tensor_ranges), flush=True)
+        print(cluster_lines(session, placement, tensor_ranges, exchange_name(client)), flush=True)
         if resume is not None:
             ckpt = resume.checkpoint
             client.restore(resume.step, resume.optimizer_t, ckpt.params,
@@ -279,7 +313,8 @@ def run_worker(session, checkpoints, comm, reader, resume):
     session.stop.phase = "finishing"   # a signal now may find a rank stuck: the watchdog acts on it
     extra = summarize(stats, W)
     extra.update({"num_ps": cluster.num_ps, "ps_ranks": args.ps_ranks, "server_ranks": cluster.ps_ranks,
-                  "placement": args.placement, "sync": args.sync, "replicas_to_aggregate": R,
+                  "placement": args.placement, "ps_exchange": exchange_name(client), "sync": args.sync,
+                  "replicas_to_aggregate": R,
                   "backup_workers": W - R if args.sync else 0, "max_staleness": args.max_staleness,
                   "dc_lambda": args.dc_lambda, "loop_s": round(t_loop, 4), "local_steps": local,
                   "rejected_pushes": client.rejected})

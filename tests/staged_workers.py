@@ -1,8 +1,9 @@
 """Run hpctrain.mnist with NumPy standing in for the GPU of ps workers: their
 batches go through the prefetcher and their parameters and gradients through
 staged host mirrors, both with tests/gpu_fakes.LazyCopier (fresh buffers are
-NaN, copies run only when waited for), so CPU tests cover the GPU worker's
-wiring in loop_ps.run_worker bit for bit.
+NaN, copies run only when waited for), and MPI messages to the servers, as
+for a GPU worker, so CPU tests cover the GPU worker's wiring in
+loop_ps.run_worker bit for bit.
 
     PYTHONPATH=tests mpirun -n 4 python -m staged_workers --mode ps --num-ps 2
 
@@ -24,6 +25,8 @@ def train(args, *rest):
     loop_ps.HostMirror = lambda array, direct=False: HostMirror(array, copier=LazyCopier())
     loop_ps.prefetch = types.SimpleNamespace(
         device_batches=lambda reader, xp: prefetch.device_batches(reader, xp, LazyCopier()))
+    # A GPU worker exchanges by messages (loop_ps.open_exchange: its buffers are device memory).
+    args.ps_exchange = "mpi"
     return _train(args, *rest)
 
 

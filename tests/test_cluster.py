@@ -291,15 +291,21 @@ def test_ps_servers_spread_over_nodes(cluster, tmp_path):
     # `spread` puts one on each node (ranks 0 and 2). Sync ps gives the same
     # parameters either way.
     common = ("--mode", "ps", "--num-ps", "2", "--steps", "30", "--log-every", "30", "--hidden", "128")
-    where = {}
+    where, exchange = {}, {}
     for rule in ("first", "spread"):
-        proc, _ = cluster.mpirun(BLOCK, 4, *common, "--ps-ranks", rule, "--save", tmp_path / f"{rule}.h5")
+        proc, _ = cluster.mpirun(BLOCK, 4, *common, "--ps-ranks", rule, "--save", tmp_path / f"{rule}.h5",
+                                 "--metrics", tmp_path / f"{rule}.jsonl")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         m = SERVERS.search(proc.stdout + proc.stderr)
         assert m, proc.stdout
         where[rule] = m.group(1)
+        exchange[rule] = json.loads((tmp_path / f"{rule}.jsonl").read_text().splitlines()[-1])["ps_exchange"]
     assert "rank 0 on hpt-n1" in where["first"] and "rank 1 on hpt-n1" in where["first"], where
     assert "rank 0 on hpt-n1" in where["spread"] and "rank 2 on hpt-n2" in where["spread"], where
+    # --ps-exchange auto: `first` leaves no node with both roles (messages
+    # only); with `spread` the chief (rank 1, hpt-n1) shares memory with
+    # server 0 and sends messages to server 1 on hpt-n2.
+    assert exchange["first"] == "mpi" and exchange["spread"] == "shared+mpi", exchange
     assert_same_params(tmp_path / "first.h5", tmp_path / "spread.h5")
 
 

@@ -120,10 +120,15 @@ def roles():
 
 class Setup:
     """Servers and workers on a fresh duplicate of COMM_WORLD, each rank with a
-    watchdog that aborts the job instead of hanging if a test goes wrong."""
+    watchdog that aborts the job instead of hanging if a test goes wrong.
+    exchange="shared": through one shared-memory window (every rank is on
+    this node), with a reply buffer per worker when not sync (as Server
+    keeps them)."""
 
-    def __init__(self, placement="round-robin"):
+    def __init__(self, placement="round-robin", exchange="mpi", sync=True):
+        from mpi4py import MPI
         from hpctrain.comm.deadline import Watchdog
+        from hpctrain.comm.ps.shared import SharedExchange, segment_floats
         world, self.servers, self.workers = roles()
         self.comm = world.Dup()
         self.rank = self.comm.rank
@@ -132,6 +137,14 @@ class Setup:
         self.dog = Watchdog(60, self.rank, world.Abort)
         color = 0 if not self.is_server else 1
         self.wcomm = world.Split(color, self.rank)   # the workers among themselves
+        self.shared = None
+        if exchange == "shared":
+            node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+            assert node.size == world.size
+            size = ps.placement.slice_size(self.layout[self.rank]) if self.is_server else 0
+            floats = segment_floats(self.is_server, N, size, len(self.workers), reply_bufs=not sync)
+            self.shared = SharedExchange(node, list(range(world.size)), floats, self.dog)
+            node.Free()
 
     def serve(self, optimizer_cls, **kw):
         mine = self.layout[self.rank]
@@ -139,18 +152,20 @@ class Setup:
         kw.setdefault("lr_fn", lambda v: 0.5)
         lr_fn = kw.pop("lr_fn")
         server = ps.Server(self.comm, mine, self.workers, self.servers, optimizer_cls(size), lr_fn,
-                           watchdog=self.dog, **kw)
+                           watchdog=self.dog, shared=self.shared, **kw)
         server.serve_until_done()
         return server
 
     def client(self, sync=True):
         self.params = np.zeros(N, np.float32)
-        self.grads = np.zeros(N, np.float32)
+        self.grads = np.zeros(N, np.float32) if self.shared is None else self.shared.worker_grads(self.rank, N)
         index = self.rank - len(self.servers)
         return index, ps.Client(self.comm, self.servers, self.layout, self.params, self.grads, index,
-                                len(self.workers), sync=sync, watchdog=self.dog)
+                                len(self.workers), sync=sync, watchdog=self.dog, shared=self.shared)
 
     def close(self):
+        if self.shared is not None:
+            self.shared.close()
         self.wcomm.Free()
         self.comm.Free()
 
@@ -159,11 +174,15 @@ def gradient(worker, step):
     return np.random.default_rng([worker, step]).standard_normal(N).astype(np.float32)
 
 
+EXCHANGES = ["mpi", "shared"]
+
+
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("placement", ["even", "round-robin"])
-def test_sync_rounds_sum_in_worker_order_on_every_server(placement):
+def test_sync_rounds_sum_in_worker_order_on_every_server(placement, exchange):
     from hpctrain.optim import SGD
-    s = Setup(placement)
+    s = Setup(placement, exchange)
     rounds, lr = 4, 0.5
     W = len(s.workers)
     if s.is_server:
@@ -203,9 +222,10 @@ def test_sync_rounds_sum_in_worker_order_on_every_server(placement):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_snapshot_and_restore_round_trip_parameters_adam_state_and_positions():
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_snapshot_and_restore_round_trip_parameters_adam_state_and_positions(exchange):
     from hpctrain.optim import Adam
-    s = Setup("round-robin")
+    s = Setup("round-robin", exchange, sync=False)
     W = len(s.workers)
     if s.is_server:
         s.serve(Adam, steps=100, sync=False, lr_fn=lambda v: 1e-3 * (v + 1))
@@ -277,10 +297,11 @@ def two_worker_race(s, first, second):
 
 
 @pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("lam", [0.0, 2.0])
-def test_dc_asgd_update_matches_a_direct_computation(lam):
+def test_dc_asgd_update_matches_a_direct_computation(lam, exchange):
     from hpctrain.optim import SGD
-    s = Setup("round-robin")
+    s = Setup("round-robin", exchange, sync=False)
     g0, g1 = gradient(0, 1), gradient(1, 1)
     if s.is_server:
         server = s.serve(SGD, steps=100, sync=False, dc_lambda=lam)
@@ -305,9 +326,10 @@ def test_dc_asgd_update_matches_a_direct_computation(lam):
 
 
 @pytest.mark.mpi(min_size=3)
-def test_a_push_beyond_max_staleness_is_not_applied_and_brings_fresh_parameters():
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_a_push_beyond_max_staleness_is_not_applied_and_brings_fresh_parameters(exchange):
     from hpctrain.optim import SGD
-    s = Setup("even")
+    s = Setup("even", exchange, sync=False)
     g0, g1 = gradient(0, 2), gradient(1, 2)
     if s.is_server:
         server = s.serve(SGD, steps=100, sync=False, max_staleness=0)
@@ -361,6 +383,53 @@ def test_sync_ps_equals_ring_under_sgd(job, tmp_path, ranks, num_ps, placement):
     b, _ = saved(tmp_path / "ring.h5")
     assert set(a) == set(b) and attrs["mode"] == "ps" and attrs["step"] == 50
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-5
+
+
+def test_shared_memory_exchange_gives_the_bits_of_mpi_messages(job, tmp_path):
+    """--ps-exchange auto (one node: a shared-memory window) against mpi, sync
+    Adam with 2 servers holding packed slices (round-robin): the same
+    parameters, and the record says which exchange ran."""
+    common = ["--mode", "ps", "--num-ps", 2, "--placement", "round-robin", "--steps", 40, "--hidden", "64,32",
+              "--log-every", 40]
+    runs = {}
+    for exchange in ("auto", "mpi"):
+        r = ok(job(5, *common, "--ps-exchange", exchange, "--save", tmp_path / f"{exchange}.h5",
+                   "--metrics", tmp_path / f"{exchange}.jsonl"))
+        runs[exchange] = saved(tmp_path / f"{exchange}.h5")[0]
+        record = final_record(tmp_path / f"{exchange}.jsonl")
+        assert record["ps_exchange"] == {"auto": "shared", "mpi": "mpi"}[exchange]
+        line = {"auto": "shared memory (only the headers", "mpi": "uses MPI messages"}[exchange]
+        assert f"exchange (--ps-exchange {exchange}): the chief uses" in r.stdout and line in r.stdout, r.stdout
+    assert all(np.array_equal(runs["auto"][k], runs["mpi"][k]) for k in runs["mpi"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_node_shares_memory_only_when_every_rank_can():
+    """open_shared: one node with a server and workers gets a window with each
+    rank's part; not with --ps-exchange mpi, not when one rank cannot (a GPU
+    worker), not when /dev/shm has no room; every rank decides the same."""
+    from mpi4py import MPI
+    from hpctrain.cluster import Cluster
+    from hpctrain.comm.ps.shared import open_shared
+    world = MPI.COMM_WORLD
+    c = Cluster(world, "ps", 1)
+    sizes = dict(num_params=N, server_sizes=[N], reply_bufs=True)
+    shared = open_shared(c, enabled=True, able=True, **sizes)
+    assert shared is not None and shared.ranks == list(range(world.size))
+    assert shared.part(0).size == N * (1 + c.num_workers) and shared.worker_grads(world.size - 1, N).size == N
+    mine = shared.part(world.rank)
+    mine[:] = world.rank
+    shared.sync()
+    world.Barrier()
+    shared.sync()
+    assert [float(shared.part(r)[-1]) for r in range(world.size)] == list(range(world.size))
+    shared.close()
+    assert open_shared(c, enabled=False, able=True, **sizes) is None
+    assert open_shared(c, enabled=True, able=world.rank != world.size - 1, **sizes) is None
+    assert open_shared(c, enabled=True, able=True, room=lambda: N * 4, **sizes) is None
+    for comm in (c.worker_comm, c.ps_comm, c.local_comm):
+        if comm != MPI.COMM_NULL:
+            comm.Free()
 
 
 def test_sync_ps_is_bit_reproducible_at_3_workers(job, tmp_path):
@@ -689,8 +758,9 @@ def test_waits_some_and_all_complete_with_or_without_naps(nap):
 def test_ps_gpu_worker_path_equals_the_cpu_one_and_resumes(job, tmp_path):
     """GPU workers' wiring (the prefetcher, staged host mirrors of parameters
     and gradients; tests/staged_workers.py stages them through NaN-filled,
-    lazy copies on NumPy) gives the same bits as the CPU workers, with packed
-    slices (round-robin placement), also across a checkpoint and resume."""
+    lazy copies on NumPy, and MPI messages) gives the same bits as the CPU
+    workers (shared-memory exchange), with packed slices (round-robin
+    placement), also across a checkpoint and resume."""
     common = ["--mode", "ps", "--num-ps", 2, "--placement", "round-robin", "--steps", 30, "--hidden", "64,32"]
     stand_in = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
     ok(job(4, *common, "--save", tmp_path / "host.h5"))

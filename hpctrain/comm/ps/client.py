@@ -8,6 +8,10 @@ A worker's message to a server is the concatenation of that server's ranges:
 a view of the flat buffer when it is one range (no copy), a packed copy
 otherwise. Workers post their reply receives first, then send to all servers.
 
+With a shared-memory window (shared.py), a server on this node gets only
+the headers: it reads the gradient in place, and the worker copies the
+parameters out of the server's part of the window.
+
 The buffers may be CuPy arrays (GPU workers on a CUDA-aware MPI, which reads
 and writes device memory itself): then the stream is synchronized before
 MPI may overwrite what kernels still read, and after packing (kernels)
@@ -22,8 +26,8 @@ from mpi4py import MPI
 
 from ...device import array_module
 from .placement import Slice
-from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLAGS, H_LOSS,
-                       H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
+from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
+                       H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
                        OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
                        ProtocolError, loss_field, stats_length)
 from .waits import Waits
@@ -54,7 +58,7 @@ class Client:
     flat buffers of the model), all servers at once."""
 
     def __init__(self, comm, server_ranks, placement, params, grads, worker, num_workers, *,
-                 sync=True, watchdog=None, nap=False):
+                 sync=True, watchdog=None, nap=False, shared=None):
         self.comm = comm
         self.servers = list(server_ranks)
         self.num_servers = len(self.servers)
@@ -66,6 +70,7 @@ class Client:
         self.params, self.grads = params, grads
         self.p_slices = [Slice(params, r) for r in self.placement]
         self.g_slices = [Slice(grads, r) for r in self.placement]
+        self._init_window(shared)
         # Device buffers: the stream to synchronize before MPI touches them (None for NumPy).
         self._stream = None if isinstance(grads, np.ndarray) else array_module(grads).cuda.get_current_stream
         self.hdr_out = np.zeros((self.num_servers, HEADER), np.int64)
@@ -83,15 +88,35 @@ class Client:
         # perf_counter marks of the last exchange: sends started, replies in, done (for --timeline)
         self.marks = [0.0, 0.0, 0.0]
 
+    def _init_window(self, shared):
+        """Servers in this node's shared-memory window (shared.py): where their
+        parameters (and this worker's reply buffer, if they keep one) are.
+        The gradient buffer must be this worker's part of the window."""
+        self.shared = shared
+        self.in_window = [shared is not None and shared.on_node(r) for r in self.servers]
+        self.window_params, self.window_replies = [None] * self.num_servers, [None] * self.num_servers
+        if not any(self.in_window):
+            return
+        mine = shared.part(self.comm.Get_rank())
+        if not np.shares_memory(self.grads, mine) or self.grads.ctypes.data != mine.ctypes.data:
+            raise ProtocolError("the gradient buffer of a worker in the shared window must be its part of it")
+        for k, rank in enumerate(self.servers):
+            if self.in_window[k]:
+                size, part = self.p_slices[k].size, shared.part(rank)
+                self.window_params[k] = part[:size]
+                if part.size >= size * (2 + self.worker):
+                    self.window_replies[k] = part[size * (1 + self.worker): size * (2 + self.worker)]
+
     def _init_requests(self):
         comm, servers, every = self.comm, self.servers, range(self.num_servers)
+        by_mpi = [k for k in every if not self.in_window[k]]   # the others: headers only
         self.send_hdr = [comm.Send_init(self.hdr_out[k], servers[k], TAG_HEADER) for k in every]
-        self.send_grad = [comm.Send_init(self.g_slices[k].buf, servers[k], TAG_GRAD) for k in every]
+        send_grad = [comm.Send_init(self.g_slices[k].buf, servers[k], TAG_GRAD) for k in by_mpi]
         self.recv_hdr = [comm.Recv_init(self.hdr_in[k], servers[k], TAG_REPLY) for k in every]
-        self.recv_params = [comm.Recv_init(self.p_slices[k].buf, servers[k], TAG_PARAMS) for k in every]
-        self.replies = [[self.recv_hdr[k], self.recv_params[k]] for k in every]
-        self.recvs = self.recv_hdr + self.recv_params
-        self.pushes = self.send_hdr + self.send_grad
+        recv_params = {k: comm.Recv_init(self.p_slices[k].buf, servers[k], TAG_PARAMS) for k in by_mpi}
+        self.replies = [[self.recv_hdr[k]] + ([recv_params[k]] if k in recv_params else []) for k in every]
+        self.recvs = self.recv_hdr + list(recv_params.values())
+        self.pushes = self.send_hdr + send_grad
 
     def waiting(self, what, peer=None):
         return self.watchdog.waiting(what, peer=peer) if self.watchdog else nullcontext()
@@ -108,10 +133,13 @@ class Client:
             header[H_VERSION] = self.version if (self.sync or op != OP_PUSH) else self.versions[k]
             loss_field(header)[H_LOSS] = loss
         if grads:
-            for piece in self.g_slices:
-                piece.pack()
+            for k, piece in enumerate(self.g_slices):
+                if not self.in_window[k]:
+                    piece.pack()
             if self._stream is not None and any(piece.packed for piece in self.g_slices):
                 self._stream().synchronize()   # the packing kernels are done before MPI reads
+            if self.shared is not None:   # the gradient in the window is visible before the header says so
+                self.shared.sync()
             MPI.Prequest.Startall(self.pushes)
         else:
             MPI.Prequest.Startall(self.send_hdr)
@@ -127,9 +155,13 @@ class Client:
         marks[2] = time.perf_counter()
 
     def _read_replies(self):
+        if self.shared is not None:
+            self.shared.sync()
         for k in range(self.num_servers):
-            self.p_slices[k].unpack()
             header = self.hdr_in[k]
+            if self.in_window[k]:
+                self.p_slices[k].buf[...] = self._window_source(k, header)
+            self.p_slices[k].unpack()
             self.versions[k] = header[H_VERSION]
             if header[H_FLAGS] & F_STOP_REQUEST:
                 self.stop_seen = True
@@ -141,6 +173,13 @@ class Client:
         self.grad_norm = float(loss_field(lead)[H_NORM])
         if lead[H_FLAGS] & F_REJECTED:
             self.rejected += 1
+
+    def _window_source(self, k, header):
+        if not header[H_FLAGS] & F_OWN_BUFFER:
+            return self.window_params[k]
+        if self.window_replies[k] is None:
+            raise ProtocolError(f"ps rank {self.servers[k]} replied from a reply buffer it does not have")
+        return self.window_replies[k]
 
     def pull(self, min_version=0):
         """Parameters of version >= min_version (the first pull waits for the chief's restore)."""

@@ -11,6 +11,9 @@ Every request and reply starts with one int64 header of HEADER fields
                       TAG_GRAD    gradient slice (OP_PUSH only)
     server -> worker  TAG_REPLY   header: op=OP_REPLY, version, flags, stop version, loss, norm
                       TAG_PARAMS  parameter slice
+Between a worker and a server in one shared-memory window (shared.py) only
+the headers travel: the server reads the gradient in the worker's buffer, the
+worker copies the parameters from the server's part of the window.
     either way        TAG_BULK    snapshot/restore payloads, final statistics
     ps 0 -> ps k      TAG_ROUND   header + W member flags: who is in round `version` (sync)
 
@@ -52,6 +55,7 @@ F_STOP = 2           # reply: the leader's version reached its stop version: sto
 F_PREEMPTED = 4      # the stop came from a signal, not from the step budget
 F_REJECTED = 8       # reply: your gradient was not applied (stale, too stale, or past the end)
 F_WANT_STATE = 16    # OP_FINAL: also send the optimizer state and data positions (a checkpoint)
+F_OWN_BUFFER = 32    # reply, shared-memory exchange: the parameters are in the worker's reply buffer, not params
 
 TAG_HEADER, TAG_GRAD, TAG_REPLY, TAG_PARAMS, TAG_BULK, TAG_ROUND = 101, 102, 103, 104, 105, 106
 TAG_WAKE = 107       # a server to itself (COMM_SELF): its SilenceWatch has news

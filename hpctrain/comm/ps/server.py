@@ -24,15 +24,21 @@ import numpy as np
 from mpi4py import MPI
 
 from .aggregate import AsyncApply, SyncRounds
-from .placement import slice_size
-from .protocol import (F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLAGS, H_LOSS,
-                       H_NORM, H_OFFSET, H_OP, H_STOP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
+from .placement import Slice, slice_size
+from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
+                       H_FLAGS, H_LOSS, H_NORM, H_OFFSET, H_OP, H_STOP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
                        OP_RELEASE, OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
                        ProtocolError, loss_field)
 from .silence import SilenceWatch
 from .snapshot import CutHold, DataPositions, receive_restore
 from .stats import ServerStats
 from .waits import Waits
+
+
+def reply_buffers_needed(sync, replicas, num_workers):
+    """Each worker's reply from a buffer of its own (async, backup workers),
+    rather than from the server's params."""
+    return not sync or (replicas or num_workers) < num_workers
 
 
 class Server:
@@ -45,11 +51,14 @@ class Server:
     clip (sync, --clip-norm): a clipping.Clip for each round's aggregate;
     servers_comm: the servers' own communicator, over which the slices'
     sums of squares meet (needed with clip and more than one server).
+    shared: the node's SharedExchange (shared.py) or None: this server's
+    params and reply buffers are its part of the window, and a worker in
+    the window pushes and pulls with a header only.
     """
 
     def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
                  sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=None,
-                 stop_requested=None, nap=False, clip=None, servers_comm=None):
+                 stop_requested=None, nap=False, clip=None, servers_comm=None, shared=None):
         self.comm, self.rank = comm, comm.Get_rank()
         self.clip, self.servers_comm = clip, servers_comm
         self.workers, self.servers = list(worker_ranks), list(server_ranks)
@@ -61,15 +70,26 @@ class Server:
         self.watchdog = watchdog
         self.waits = Waits(nap)
         self.stop_requested = stop_requested
-        self.params = np.zeros(self.size, np.float32)
-        self.grads = np.zeros((self.num_workers, self.size), np.float32)   # one landing buffer per worker
         # Replies go out from params when every round needs every worker (sync
         # without backups: no copy). Otherwise each worker's reply has a buffer
         # of its own, so an update never waits for a reply that a stopped or
         # slow worker is not receiving: the others go on.
-        self.reply_bufs = None
-        if not sync or (replicas or self.num_workers) < self.num_workers:
-            self.reply_bufs = np.zeros((self.num_workers, self.size), np.float32)
+        own_replies = reply_buffers_needed(sync, replicas, self.num_workers)
+        self.shared = shared
+        if shared is not None:
+            self.params = shared.server_params(self.rank, self.size)
+            self.params[...] = 0
+            self.reply_bufs = shared.server_reply_bufs(self.rank, self.size, self.num_workers) if own_replies else None
+        else:
+            self.params = np.zeros(self.size, np.float32)
+            self.reply_bufs = np.zeros((self.num_workers, self.size), np.float32) if own_replies else None
+        # Where each worker's gradient slice lands: a buffer of ours that MPI
+        # receives into, or (a worker in the shared window) the worker's own
+        # buffer, read in place (a view for one range, packed for several).
+        self.in_window = np.array([shared is not None and shared.on_node(r) for r in self.workers], bool)
+        self.grad_views = [Slice(shared.part(r), self.ranges) if self.in_window[w]
+                           else None for w, r in enumerate(self.workers)]
+        self.grads = [view.buf if view is not None else np.zeros(self.size, np.float32) for view in self.grad_views]
         self._init_state(int(steps))
         if sync:
             replicas = replicas or self.num_workers
@@ -114,6 +134,9 @@ class Server:
         self.send_hdr = [comm.Send_init(self.hdr_out[w], r, TAG_REPLY) for w, r in enumerate(workers)]
         self.send_params = [comm.Send_init(self.params if self.reply_bufs is None else self.reply_bufs[w], r,
                                            TAG_PARAMS) for w, r in enumerate(workers)]
+        # What a reply to each worker sends: the header, and the parameters unless they are in the window.
+        self.reply_reqs = [[self.send_hdr[w]] + ([] if self.in_window[w] else [self.send_params[w]])
+                           for w in range(self.num_workers)]
 
     def waiting(self, what, peer=None):
         return self.watchdog.waiting(what, peer=peer) if self.watchdog else nullcontext()
@@ -122,8 +145,8 @@ class Server:
     def serve_until_done(self):
         """Serve until every worker is done; returns the statistics array."""
         MPI.Prequest.Startall(self.req_hdr)
-        MPI.Prequest.Startall(self.req_grad)
-        self.grad_posted[:] = True
+        for w in range(self.num_workers):
+            self.repost(w)
         self.aggregation.start()
         # Workers gone silent: ps 0 names them; at the deadline they are left
         # behind if the run is over, else ps 0 ends the job.
@@ -190,6 +213,10 @@ class Server:
             self.push_pending[w] = (int(header[H_VERSION]), float(loss_field(header)[H_LOSS]),
                                     int(header[H_EPOCH]), int(header[H_OFFSET]))
             self.req_hdr[w].Start()
+            if self.in_window[w]:   # the gradient is already where the worker wrote it
+                self.shared.sync()
+                self.grad_views[w].pack()
+                self.grad_arrived[w] = True
             self._push_if_complete(w)
         elif op == OP_PULL:
             self.want[w] = int(header[H_VERSION])
@@ -251,7 +278,7 @@ class Server:
             self.grad_posted[w] = False
 
     def repost(self, w):
-        if not self.grad_posted[w] and not self.done[w]:
+        if not self.grad_posted[w] and not self.done[w] and not self.in_window[w]:
             self.req_grad[w].Start()
             self.grad_posted[w] = True
 
@@ -274,7 +301,7 @@ class Server:
             return
         t0 = time.perf_counter()
         with self.waiting("parameter replies", peer=[self.workers[w] for w in busy]):
-            self.waits.all([req for w in busy for req in (self.send_hdr[w], self.send_params[w])])
+            self.waits.all([req for w in busy for req in self.reply_reqs[w]])
         self.sending[:] = False
         self.stats.times["send_wait"] += time.perf_counter() - t0
 
@@ -308,7 +335,7 @@ class Server:
         times, t0 = self.stats.times, time.perf_counter()
         if self.sending[w]:
             with self.waiting("parameter reply", peer=self.workers[w]):
-                self.waits.all([self.send_hdr[w], self.send_params[w]])
+                self.waits.all(self.reply_reqs[w])
         t1 = time.perf_counter()
         times["send_wait"] += t1 - t0
         self.fill_reply(self.hdr_out[w], w)
@@ -316,8 +343,10 @@ class Server:
         self.rejected[w] = False
         if self.reply_bufs is not None:
             self.reply_bufs[w][...] = self.params
-        self.send_hdr[w].Start()
-        self.send_params[w].Start()
+            self.hdr_out[w][H_FLAGS] |= F_OWN_BUFFER
+        if self.in_window[w]:   # the worker copies them out of the window once it has the header
+            self.shared.sync()
+        MPI.Prequest.Startall(self.reply_reqs[w])
         self.sending[w] = True
         times["reply"] += time.perf_counter() - t1
 
@@ -327,6 +356,8 @@ class Server:
 
     def _finish(self):
         self._wait_replies()     # every worker is done: each received its last reply
+        if self.shared is not None:
+            self.shared.sync()
         self.aggregation.finish_sends()
         stats = self.stats_array()
         states = list(self.opt.state().values())
@@ -336,8 +367,10 @@ class Server:
         for w in present:
             rank = self.workers[w]
             self.fill_reply(self.hdr_out[w], w)
-            reqs += [self.comm.Isend(self.hdr_out[w], rank, TAG_REPLY),
-                     self.comm.Isend(self.params, rank, TAG_PARAMS), self.comm.Isend(stats, rank, TAG_BULK)]
+            reqs.append(self.comm.Isend(self.hdr_out[w], rank, TAG_REPLY))
+            if not self.in_window[w]:   # else the worker copies params out of the window (no F_OWN_BUFFER)
+                reqs.append(self.comm.Isend(self.params, rank, TAG_PARAMS))
+            reqs.append(self.comm.Isend(stats, rank, TAG_BULK))
             if self.want_state[w]:
                 reqs += [self.comm.Isend(array, rank, TAG_BULK) for array in states]
                 reqs.append(self.comm.Isend(positions, rank, TAG_BULK))

@@ -1,0 +1,135 @@
+"""The ps exchange through shared memory: on one node, every worker's flat
+gradient buffer and every server's parameter slice (and its per-worker reply
+buffers) live in one MPI-3 shared-memory window over the node's ranks
+(MPI_Win_allocate_shared). A push then moves no bytes: the server reads the
+worker's gradient where backprop wrote it. A pull is one copy: the worker
+copies the server's slice into its own parameters. Headers still go as MPI
+messages, and carry the order: the sender calls MPI_Win_sync before its
+header, the receiver after it (the MPI-3 "passive target epoch, Win_sync,
+point-to-point" pattern for shared memory).
+
+    mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2                     # auto: shared memory
+    mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2 --ps-exchange mpi   # messages only
+
+Why: as messages, each worker's 2.6 MB goes each way through MPICH's
+shared-memory cells, copied in by the sender and out by the receiver, in
+chunks both processes must be running for. With 4 ranks on 2 cores they
+often are not, and a round waited on that more than on its work.
+
+Who takes part (`open_shared`, collective over the node's communicator): the
+ranks of a node that has a server and a worker, when every worker there is
+a NumPy worker (a GPU worker's buffers are device memory: it keeps the
+messages) and /dev/shm has room. Every rank of the node makes the same
+choice; a pair on two nodes always uses messages.
+
+Lifetime: `close()` frees the window (collective on the node) after the loop
+returns; a worker's model computes in the window until then. After an error
+the window is left to MPI_Finalize or MPI_Abort: a collective free could
+wait for a rank that is gone.
+"""
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+FLOAT = np.dtype(np.float32).itemsize
+SHM_DIR = "/dev/shm"
+SHM_HEADROOM = 1.25     # room asked of /dev/shm beyond the window itself
+
+
+def shm_room(path=SHM_DIR):
+    """Bytes free for shared memory on this node (None: unknown)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def segment_floats(is_ps, num_params, server_size, num_workers, reply_bufs):
+    """This rank's part of the window: a worker's whole gradient buffer; a
+    server's slice, then (reply_bufs) one reply buffer per worker."""
+    if not is_ps:
+        return num_params
+    return server_size * (1 + (num_workers if reply_bufs else 0))
+
+
+def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs, watchdog=None, room=shm_room):
+    """The node's SharedExchange, or None where the node uses messages.
+    Collective over cluster.local_comm (every rank of the node calls it).
+
+    enabled: --ps-exchange auto (False: mpi); able: this rank can take part
+    (a NumPy worker, or a server); server_sizes: each server's slice length;
+    reply_bufs: servers keep one reply buffer per worker (async, backups)."""
+    local = cluster.local_comm
+    mine = [r for r in range(cluster.size) if cluster.node_of[r] == cluster.node_of[cluster.rank]]
+    roles = {r in cluster.ps_ranks for r in mine}
+    if not enabled or roles != {True, False}:    # same on every rank of the node: no agreement needed
+        return None
+    W = cluster.num_workers
+    sizes = [segment_floats(r in cluster.ps_ranks, num_params,
+                            server_sizes[cluster.ps_ranks.index(r)] if r in cluster.ps_ranks else 0, W, reply_bufs)
+             for r in mine]
+    free = room()
+    fits = free is None or sum(sizes) * FLOAT * SHM_HEADROOM <= free
+    vote = np.array([1 if (able and fits) else 0], np.int32)
+    with _waiting(watchdog, "shared-memory exchange: agreement on the node", mine):
+        local.Allreduce(MPI.IN_PLACE, vote, op=MPI.MIN)
+    if not vote[0]:
+        return None
+    return SharedExchange(local, mine, sizes[mine.index(cluster.rank)], watchdog)
+
+
+def _waiting(watchdog, what, peer):
+    if watchdog is None:
+        from contextlib import nullcontext
+        return nullcontext()
+    return watchdog.waiting(what, peer=peer)
+
+
+class SharedExchange:
+    """One node's window. ranks: the node's world ranks, in node-rank order
+    (the node communicator is split with key = world rank)."""
+
+    def __init__(self, local_comm, ranks, floats, watchdog=None):
+        self.ranks = list(ranks)
+        self.watchdog = watchdog
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")   # each rank's part page-aligned, on its own NUMA node
+        with _waiting(watchdog, "shared-memory exchange: allocating the window", self.ranks):
+            self.win = MPI.Win.Allocate_shared(max(1, floats) * FLOAT, FLOAT, info=info, comm=local_comm)
+        info.Free()
+        self.win.Lock_all(MPI.MODE_NOCHECK)    # one passive epoch for the whole run: Win_sync needs one
+        self._parts = {}
+
+    def on_node(self, rank):
+        return rank in self.ranks
+
+    def part(self, rank):
+        """The whole segment of world rank `rank` (on this node), as float32."""
+        if rank not in self._parts:
+            mem, _ = self.win.Shared_query(self.ranks.index(rank))
+            self._parts[rank] = np.frombuffer(mem, np.float32)
+        return self._parts[rank]
+
+    def worker_grads(self, rank, num_params):
+        """A worker's flat gradient buffer (its model computes into it)."""
+        return self.part(rank)[:num_params]
+
+    def server_params(self, rank, size):
+        return self.part(rank)[:size]
+
+    def server_reply_bufs(self, rank, size, num_workers):
+        return self.part(rank)[size: size * (1 + num_workers)].reshape(num_workers, size)
+
+    def sync(self):
+        """A memory barrier for the window: before a header that says the data
+        is there, and after receiving one, before reading."""
+        self.win.Sync()
+
+    def close(self):
+        """Free the window: every rank of the node, once nothing reads it."""
+        self._parts.clear()
+        self.win.Unlock_all()
+        with _waiting(self.watchdog, "shared-memory exchange: freeing the window", self.ranks):
+            self.win.Free()
