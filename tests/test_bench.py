@@ -135,6 +135,16 @@ def test_bench_train_ps_versus_ring_in_one_run():
         assert ms["total"] > 0 and ms["idle"] >= 0 and ms["optimizer"] > 0
 
 
+def test_bench_versus_ring_compares_ps_settings_in_the_same_run():
+    out = json.loads(bench("train", "--mode", "ps", "--ranks", "3", "--steps", "20", "--repeats", "1",
+                           "--versus-ring", "--compare", "ps-exchange=mpi,auto", "--json", "--",
+                           "--hidden", "32", "--num-ps", "1"))
+    assert [r["setting"] for r in out["rows"]] == ["ring", "ps sync ps-exchange=mpi", "ps async ps-exchange=mpi",
+                                                   "ps sync ps-exchange=auto", "ps async ps-exchange=auto"]
+    sync_mpi, sync_auto = out["rows"][1], out["rows"][3]
+    assert sync_mpi["x_sync"] == 1.0 and sync_auto["x_sync"] == 1.0 and sync_auto["x_ring"] > 0
+
+
 def test_ps_is_measured_against_the_unsharded_ring():
     from hpctrain.bench.train import ring_baseline_flags
     assert ring_baseline_flags(["--num-ps", "2", "--hidden", "64", "--async"]) == [

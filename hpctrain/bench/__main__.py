@@ -37,7 +37,8 @@ def main(argv=None):
                         "e.g. shard-optimizer=off,on; ratios against the first value")
     t.add_argument("--versus-ring", action="store_true",
                    help="ps only: for each rank count N, interleave ring with N - num_ps ranks, ps --sync and "
-                        "ps --async with N ranks; medians, ratios to the ring, the servers' time per update")
+                        "ps --async with N ranks; medians, ratios to the ring, the servers' time per update; "
+                        "with --compare, ps sync and async with each value")
     t.add_argument("--json", action="store_true")
     t.add_argument("--plot", metavar="PNG", default=None,
                    help="also draw samples/s against ranks and the step split "

@@ -135,10 +135,7 @@ def compare_settings(args, extra):
     against the first value. Beside them, the Amdahl bound for a change that
     divides the optimizer's work by N: 1 / (1 - f_opt * (1 - 1/N)), f_opt the
     optimizer's share of the first setting's step, from the same run."""
-    flag, _, values = args.compare.partition("=")
-    values = [v for v in values.split(",") if v]
-    if not flag or len(values) < 2:
-        raise SystemExit("hpctrain: error: --compare wants FLAG=V1,V2[,...], e.g. shard-optimizer=off,on")
+    flag, values = compare_values(args.compare)
     from ..cli import parse
     flags = parse(["--mode", args.mode, *extra])
     rows = []
@@ -220,23 +217,37 @@ def server_ms_per_update(runs):
     return out
 
 
+def compare_values(spec):
+    """--compare FLAG=V1,V2[,...] -> (FLAG, [V1, V2, ...]), or one error line."""
+    flag, _, values = spec.partition("=")
+    values = [v for v in values.split(",") if v]
+    if not flag or len(values) < 2:
+        raise SystemExit("hpctrain: error: --compare wants FLAG=V1,V2[,...], e.g. shard-optimizer=off,on")
+    return flag, values
+
+
 def versus_ring(args, extra):
     """ps against the unsharded ring on the same cores, in one run: for each
     rank count N (ps: N ranks, --num-ps of them servers), ring with the
     N - num_ps worker ranks, ps --sync and ps --async, repeats interleaved;
     medians, ratios to the ring. Equal work per worker: async gets
-    workers x --steps updates (one worker's batch each)."""
+    workers x --steps updates (one worker's batch each). With --compare
+    FLAG=V1,V2: ps sync and async with each value (e.g. ps-exchange=mpi,auto:
+    before and after, in one run); x sync is against the sync of that value."""
     from ..cli import parse
     flags = parse(["--mode", "ps", *extra])
     ring_extra = ring_baseline_flags(extra)
     ps_extra = [a for a in extra if a not in ("--sync", "--async")]
+    flag, values = compare_values(args.compare) if args.compare else (None, [None])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
             workers = ranks - flags.num_ps
-            configs = [("ring", workers, "ring", args.steps, ring_extra),
-                       ("ps sync", ranks, "ps", args.steps, [*ps_extra, "--sync"]),
-                       ("ps async", ranks, "ps", args.steps * workers, [*ps_extra, "--async"])]
+            configs = [("ring", workers, "ring", args.steps, ring_extra)]
+            for v in values:
+                more, name = ([f"--{flag}", v], f" {flag}={v}") if flag else ([], "")
+                configs += [("ps sync" + name, ranks, "ps", args.steps, [*ps_extra, *more, "--sync"]),
+                            ("ps async" + name, ranks, "ps", args.steps * workers, [*ps_extra, *more, "--async"])]
             runs = {name: [] for name, *_ in configs}
             for _ in range(args.repeats):
                 for name, n, mode, steps, more in configs:
@@ -249,7 +260,8 @@ def versus_ring(args, extra):
                 row["loop_x_ring"] = row["loop_samples_per_s"] / base["loop_samples_per_s"]
                 if mode == "ps":
                     row["server_ms"] = server_ms_per_update(runs[name])
-                    sync = sync or row
+                    if name.startswith("ps sync"):
+                        sync = row
                     row["x_sync"] = row["samples_per_s"] / sync["samples_per_s"]
                 rows.append(row)
     if args.json:
