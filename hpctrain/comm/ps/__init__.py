@@ -11,6 +11,7 @@ knows nothing about models (the optimizer comes in as an object with
     aggregate.py  SyncRounds and AsyncApply (bounded staleness, DC-ASGD)
     snapshot.py   the server's side of checkpoints (snapshot, restore, data positions)
     client.py     Client: a worker's pull/push, the chief's restore and snapshot
+    shared.py     open_shared, SharedExchange: a node's shared-memory window (--ps-exchange auto)
     silence.py    SilenceWatch: ps 0 names a worker gone quiet, ends the job at the deadline
     stats.py      ServerStats and summarize (the final record's ps fields)
 """

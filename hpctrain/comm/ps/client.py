@@ -27,9 +27,9 @@ from mpi4py import MPI
 from ...device import array_module
 from .placement import Slice
 from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
-                       H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
-                       OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
-                       ProtocolError, loss_field, stats_length)
+                       H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL,
+                       OP_PULL, OP_PUSH, OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS,
+                       TAG_REPLY, ProtocolError, loss_field, stats_length)
 from .waits import Waits
 
 
@@ -98,7 +98,7 @@ class Client:
         if not any(self.in_window):
             return
         mine = shared.part(self.comm.Get_rank())
-        if not np.shares_memory(self.grads, mine) or self.grads.ctypes.data != mine.ctypes.data:
+        if self.grads.ctypes.data != mine.ctypes.data:
             raise ProtocolError("the gradient buffer of a worker in the shared window must be its part of it")
         for k, rank in enumerate(self.servers):
             if self.in_window[k]:

@@ -26,9 +26,9 @@ from mpi4py import MPI
 from .aggregate import AsyncApply, SyncRounds
 from .placement import Slice, slice_size
 from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
-                       H_FLAGS, H_LOSS, H_NORM, H_OFFSET, H_OP, H_STOP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL, OP_PULL, OP_PUSH,
-                       OP_RELEASE, OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS, TAG_REPLY,
-                       ProtocolError, loss_field)
+                       H_FLAGS, H_LOSS, H_NORM, H_OFFSET, H_OP, H_STOP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL,
+                       OP_PULL, OP_PUSH, OP_RELEASE, OP_REPLY, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER,
+                       TAG_PARAMS, TAG_REPLY, ProtocolError, loss_field)
 from .silence import SilenceWatch
 from .snapshot import CutHold, DataPositions, receive_restore
 from .stats import ServerStats
