@@ -116,7 +116,7 @@ def train_ps(session):
         result = run_server(session, checkpoints, comm, placement, shared)
     else:
         result = run_worker(session, checkpoints, comm, reader, resume, placement, shared)
-    if shared is not None:   # not after an error: the job ends through MPI_Abort or Finalize
+    if shared is not None:   # MPI_Finalize frees the window (shared.py: why not MPI_Win_free here)
         shared.close()
     return result
 

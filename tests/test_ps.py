@@ -166,6 +166,7 @@ class Setup:
     def close(self):
         if self.shared is not None:
             self.shared.close()
+            self.shared.free()
         self.wcomm.Free()
         self.comm.Free()
 
@@ -424,6 +425,7 @@ def test_a_node_shares_memory_only_when_every_rank_can():
     shared.sync()
     assert [float(shared.part(r)[-1]) for r in range(world.size)] == list(range(world.size))
     shared.close()
+    shared.free()
     assert open_shared(c, enabled=False, able=True, **sizes) is None
     assert open_shared(c, enabled=True, able=world.rank != world.size - 1, **sizes) is None
     assert open_shared(c, enabled=True, able=True, room=lambda: N * 4, **sizes) is None

@@ -22,10 +22,13 @@ a NumPy worker (a GPU worker's buffers are device memory: it keeps the
 messages) and /dev/shm has room. Every rank of the node makes the same
 choice; a pair on two nodes always uses messages.
 
-Lifetime: `close()` frees the window (collective on the node) after the loop
-returns; a worker's model computes in the window until then. After an error
-the window is left to MPI_Finalize or MPI_Abort: a collective free could
-wait for a rank that is gone.
+Lifetime: the window lives until MPI_Finalize (or MPI_Abort), which frees
+what is left (MPICH and Open MPI both do). `close()` only ends this rank's
+access epoch: MPI_Win_free is collective over the node, and the ways out of
+a run do not meet at one point (a save that failed on the chief ends the
+workers with an error while the servers are done; a worker left behind never
+comes back), so a free there could wait for a rank that has left. A worker's
+model computes in its part until the process ends.
 """
 import os
 
@@ -128,8 +131,12 @@ class SharedExchange:
         self.win.Sync()
 
     def close(self):
-        """Free the window: every rank of the node, once nothing reads it."""
-        self._parts.clear()
+        """This rank is done with the window (local; MPI_Finalize frees it)."""
         self.win.Unlock_all()
+
+    def free(self):
+        """Free the window now: collective over the node, for callers whose
+        ranks all get here (the tests); nothing may read its parts after."""
+        self._parts.clear()
         with _waiting(self.watchdog, "shared-memory exchange: freeing the window", self.ranks):
             self.win.Free()
