@@ -73,7 +73,7 @@ EXCHANGE_LINES = {"mpi": "MPI messages",
                   "shared+mpi": "shared memory with the servers on its node, MPI messages with the others"}
 
 
-def cluster_lines(session, placement, tensor_ranges, exchange="mpi"):
+def cluster_lines(session, placement, tensor_ranges, exchange="mpi", why_not=""):
     """The chief's start-up picture: roles in TensorFlow's naming, placement."""
     args, cluster = session.args, session.cluster
     n = tensor_ranges[-1][2]
@@ -83,7 +83,8 @@ def cluster_lines(session, placement, tensor_ranges, exchange="mpi"):
     lines.append(f"placement {args.placement}: {n:,} parameters ({4 * n:,} bytes) on {cluster.num_ps} ps")
     for k, (count, parts) in enumerate(describe(placement, tensor_ranges)):
         lines.append(f"  /job:ps/task:{k}: {count:,} parameters, {4 * count:,} bytes: {', '.join(parts) or '-'}")
-    lines.append(f"exchange (--ps-exchange {args.ps_exchange}): the chief uses {EXCHANGE_LINES[exchange]}")
+    lines.append(f"exchange (--ps-exchange {args.ps_exchange}): the chief uses {EXCHANGE_LINES[exchange]}"
+                 + (f": {why_not}" if why_not else ""))
     if args.sync:
         R = replicas_to_aggregate(args, cluster.num_workers)
         lines.append(f"sync: each update aggregates {R} of {cluster.num_workers} workers' gradients"
@@ -111,20 +112,21 @@ def train_ps(session):
     # the run resumes; the chief then loads the servers (RESTORE).
     resume = checkpoints.load(cluster.comm)
     placement = place(session.model(np).tensor_ranges(), cluster.num_ps, args.placement)
-    shared = open_exchange(session, placement)
+    shared, why_not = open_exchange(session, placement)
     if cluster.is_ps:
         result = run_server(session, checkpoints, comm, placement, shared)
     else:
-        result = run_worker(session, checkpoints, comm, reader, resume, placement, shared)
+        result = run_worker(session, checkpoints, comm, reader, resume, placement, shared, why_not)
     if shared is not None:   # MPI_Finalize frees the window (shared.py: why not MPI_Win_free here)
         shared.close()
     return result
 
 
 def open_exchange(session, placement):
-    """This node's shared-memory window for the ps exchange (comm/ps/shared.py),
-    or None: --ps-exchange mpi, a node without both roles, a GPU worker on it,
-    or /dev/shm too small. Collective over the node's ranks."""
+    """(this node's shared-memory window for the ps exchange (comm/ps/shared.py)
+    or None, why not in words): None with --ps-exchange mpi, a node without
+    both roles, a GPU worker on it, or /dev/shm too small. Collective over
+    the node's ranks."""
     args, cluster = session.args, session.cluster
     return open_shared(cluster, enabled=args.ps_exchange == "auto",
                        able=cluster.is_ps or not device.is_gpu(session.xp),
@@ -173,7 +175,7 @@ def save_cut(session, checkpoints, cut):
     checkpoints.save_on_chief_only(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions)
 
 
-def run_worker(session, checkpoints, comm, reader, resume, placement, shared):
+def run_worker(session, checkpoints, comm, reader, resume, placement, shared, why_not=""):
     args, cluster, xp = session.args, session.cluster, session.xp
     W, tl, chief = cluster.num_workers, session.timeline, session.chief
     report = Report(session)
@@ -193,7 +195,7 @@ def run_worker(session, checkpoints, comm, reader, resume, placement, shared):
                     sync=args.sync, watchdog=session.watchdog, nap=oversubscribed(cluster), shared=shared)
     state_names = make_optimizer(args.optimizer, 1, np).state_names
     if chief:
-        print(cluster_lines(session, placement, tensor_ranges, exchange_name(client)), flush=True)
+        print(cluster_lines(session, placement, tensor_ranges, exchange_name(client), why_not), flush=True)
         if resume is not None:
             ckpt = resume.checkpoint
             client.restore(resume.step, resume.optimizer_t, ckpt.params,

@@ -104,6 +104,8 @@ class Client:
             if self.in_window[k]:
                 size, part = self.p_slices[k].size, shared.part(rank)
                 self.window_params[k] = part[:size]
+                # Its reply buffer for this worker, if the server keeps them (the
+                # part may be longer than asked: F_OWN_BUFFER says which to read).
                 if part.size >= size * (2 + self.worker):
                     self.window_replies[k] = part[size * (1 + self.worker): size * (2 + self.worker)]
 

@@ -20,7 +20,8 @@ Who takes part (`open_shared`, collective over the node's communicator): the
 ranks of a node that has a server and a worker, when every worker there is
 a NumPy worker (a GPU worker's buffers are device memory: it keeps the
 messages) and /dev/shm has room. Every rank of the node makes the same
-choice; a pair on two nodes always uses messages.
+choice; a pair on two nodes always uses messages. Where a node could but
+does not, the chief's line says why.
 
 Lifetime: the window lives until MPI_Finalize (or MPI_Abort), which frees
 what is left (MPICH and Open MPI both do). `close()` only ends this rank's
@@ -58,8 +59,10 @@ def segment_floats(is_ps, num_params, server_size, num_workers, reply_bufs):
 
 
 def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs, watchdog=None, room=shm_room):
-    """The node's SharedExchange, or None where the node uses messages.
-    Collective over cluster.local_comm (every rank of the node calls it).
+    """(the node's SharedExchange or None, why not): where the node uses
+    messages, `why` says so in words for the chief's line ("" when the flag or
+    the node's roles decided). Collective over cluster.local_comm (every rank
+    of the node calls it).
 
     enabled: --ps-exchange auto (False: mpi); able: this rank can take part
     (a NumPy worker, or a server); server_sizes: each server's slice length;
@@ -68,19 +71,22 @@ def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs,
     mine = [r for r in range(cluster.size) if cluster.node_of[r] == cluster.node_of[cluster.rank]]
     roles = {r in cluster.ps_ranks for r in mine}
     if not enabled or roles != {True, False}:    # same on every rank of the node: no agreement needed
-        return None
+        return None, ""
     W = cluster.num_workers
     sizes = [segment_floats(r in cluster.ps_ranks, num_params,
                             server_sizes[cluster.ps_ranks.index(r)] if r in cluster.ps_ranks else 0, W, reply_bufs)
              for r in mine]
-    free = room()
-    fits = free is None or sum(sizes) * FLOAT * SHM_HEADROOM <= free
-    vote = np.array([1 if (able and fits) else 0], np.int32)
+    need, free = sum(sizes) * FLOAT * SHM_HEADROOM, room()
+    vote = np.array([1 if able else 0, 1 if free is None or need <= free else 0], np.int32)
     with _waiting(watchdog, "shared-memory exchange: agreement on the node", mine):
         local.Allreduce(MPI.IN_PLACE, vote, op=MPI.MIN)
     if not vote[0]:
-        return None
-    return SharedExchange(local, mine, sizes[mine.index(cluster.rank)], watchdog)
+        return None, "a worker on this node is a GPU worker (device buffers go as messages)"
+    if not vote[1]:
+        return None, (f"{SHM_DIR} on this node has too little room for the window ({need / 2**20:,.0f} MB "
+                      f"with headroom; {free / 2**20:,.0f} MB free here)" if free is not None else
+                      f"{SHM_DIR} on another rank of this node has too little room for the window")
+    return SharedExchange(local, mine, sizes[mine.index(cluster.rank)], watchdog), ""
 
 
 def _waiting(watchdog, what, peer):
