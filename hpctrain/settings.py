@@ -22,8 +22,9 @@ from .model import CLASSES, INPUTS, num_params
 # Flags whose value must be identical on every rank of a job.
 RANK_FLAGS = ("mode", "batch_size", "steps", "epochs", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
               "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay", "clip_norm",
-              "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "sync", "replicas_to_aggregate", "backup_workers",
-              "max_staleness", "dc_lambda", "placement", "checkpoint_every", "timeout")
+              "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "ps_exchange", "sync",
+              "replicas_to_aggregate", "backup_workers", "max_staleness", "dc_lambda", "placement", "checkpoint_every",
+              "timeout")
 SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "batch_size", "seed", "lr_schedule")
 # What a checkpoint written before a setting existed means by it (it is
 # missing there): checkpoints from before --lr-schedule were all constant.

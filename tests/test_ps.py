@@ -404,6 +404,19 @@ def test_shared_memory_exchange_gives_the_bits_of_mpi_messages(job, tmp_path):
     assert all(np.array_equal(runs["auto"][k], runs["mpi"][k]) for k in runs["mpi"])
 
 
+def test_a_rank_with_another_ps_exchange_is_one_line_not_a_hang(tmp_path):
+    """open_shared is collective on the node: a rank launched with another
+    --ps-exchange must stop the job at the start-up comparison."""
+    from conftest import MPIRUN, REPO
+    from hpctrain.cluster import child_env
+    py = [sys.executable, "-m", "hpctrain.mnist", "--mode", "ps", "--steps", "3", "--hidden", "16", "--timeout", "20"]
+    r = subprocess.run([MPIRUN, "-n", "2", *py, ":", "-n", "1", *py, "--ps-exchange", "mpi"],
+                       capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error")]
+    assert lines == ["hpctrain: error: ranks disagree on the job: ps_exchange: rank 0 has auto, rank 2 has mpi"], r.stderr
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_node_shares_memory_only_when_every_rank_can():
     """open_shared: one node with a server and workers gets a window with each
