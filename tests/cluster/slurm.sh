@@ -42,15 +42,22 @@ stop_pid() {  # stop_pid LABEL PIDFILE EXE
     alive "$p" && kill -KILL "$p" 2>/dev/null
     rm -f "$2"
 }
-SLURMD_EXE=$(readlink -f /usr/sbin/slurmd)
-CTLD_EXE=$(readlink -f /usr/sbin/slurmctld)
+# What the daemons' /proc/PID/exe is, resolved when asked: on a fresh machine
+# SLURM is installed by `up` below, and Debian's /usr/sbin/slurmd is then a link
+# through /etc/alternatives to slurmd-wlm. Resolved before the install, it named
+# a path no process runs, so the first slurmd was never recognised as started.
+slurmd_exe() { readlink -f /usr/sbin/slurmd; }
+ctld_exe() { readlink -f /usr/sbin/slurmctld; }
+munged_exe() { readlink -f /usr/sbin/munged; }
 
 start_slurmd() {
     local n=$1
     mkdir -p "$S/$n/spool"
-    pid_of "$S/$n/slurmd.pid" "$SLURMD_EXE" >/dev/null && return 0
+    pid_of "$S/$n/slurmd.pid" "$(slurmd_exe)" >/dev/null && return 0
     "$here/on.sh" "$n" "$D/bin/hpt-slurmd" -f "$CONF" -N "$n" || return 1
-    for _ in $(seq 50); do pid_of "$S/$n/slurmd.pid" "$SLURMD_EXE" >/dev/null && return 0; sleep 0.1; done
+    # A first slurmd on a machine probes its plugins and hardware before it
+    # writes its pid file: allow it 30 s (a later start takes well under one).
+    for _ in $(seq 300); do pid_of "$S/$n/slurmd.pid" "$(slurmd_exe)" >/dev/null && return 0; sleep 0.1; done
     return 1
 }
 
@@ -66,7 +73,7 @@ up() {
     # A clean slate every time: no daemons, job ids or jobs from an earlier session.
     down >/dev/null
     rm -rf "$S"; mkdir -p "$S/etc" "$S/ctld" "$D/bin"
-    if ! [ -n "$(pid_of "$M/munged.pid" "$(readlink -f /usr/sbin/munged)")" ]; then
+    if ! [ -n "$(pid_of "$M/munged.pid" "$(munged_exe)")" ]; then
         rm -rf "$M"; install -d -o munge -g munge -m 0755 "$M"
         dd if=/dev/urandom of="$M/munge.key" bs=1 count=1024 status=none
         chown munge:munge "$M/munge.key"; chmod 0400 "$M/munge.key"
@@ -103,14 +110,14 @@ up() {
 
 down() {
     local pf n
-    if [ -n "$(pid_of "$S/ctld/slurmctld.pid" "$CTLD_EXE")" ]; then
+    if [ -n "$(pid_of "$S/ctld/slurmctld.pid" "$(ctld_exe)")" ]; then
         jobs=$(cli squeue -h -o %i 2>/dev/null)
         # shellcheck disable=SC2086
         [ -z "$jobs" ] || cli scancel $jobs
     fi
-    for pf in "$S"/hpt-n*/slurmd.pid; do [ -e "$pf" ] && stop_pid slurmd "$pf" "$SLURMD_EXE"; done
-    stop_pid slurmctld "$S/ctld/slurmctld.pid" "$CTLD_EXE"
-    stop_pid munged "$M/munged.pid" "$(readlink -f /usr/sbin/munged)"
+    for pf in "$S"/hpt-n*/slurmd.pid; do [ -e "$pf" ] && stop_pid slurmd "$pf" "$(slurmd_exe)"; done
+    stop_pid slurmctld "$S/ctld/slurmctld.pid" "$(ctld_exe)"
+    stop_pid munged "$M/munged.pid" "$(munged_exe)"
     # What is left in our nodes (job steps, ranks) goes too: netns.sh down kills nothing.
     for n in $(ls /run/netns 2>/dev/null | grep -E '^hpt-n[0-9]+$'); do
         kill_node_processes "$n"
