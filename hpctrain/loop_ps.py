@@ -39,7 +39,7 @@ from .clipping import Clip
 from .cluster import cores_available
 from .comm.cuda_aware import cuda_aware
 from .comm.device_buffers import HostMirror
-from .comm.ps import Client, Server, describe, place, summarize
+from .comm.ps import Client, ProtocolError, Server, describe, place, summarize
 from .comm.ps.placement import slice_size
 from .comm.ps.server import reply_buffers_needed
 from .comm.ps.shared import open_shared
@@ -166,12 +166,13 @@ def run_server(session, checkpoints, comm, placement, shared):
 
 
 def save_cut(session, checkpoints, cut):
-    """A checkpoint of the servers' Cut, or one line why not: servers at
-    different versions (async updates in flight) are not one state."""
-    if not cut.consistent:
-        session.chief_says(f"checkpoint at step {cut.versions[0]} not written: the servers are not at "
-                           f"one version ({cut.describe()})")
-        return
+    """A checkpoint of the servers' Cut at ps 0's version and optimizer step.
+    Sync: every server is at that version (ps 0's hold makes it so: anything
+    else is a bug). Async: each server's slice as it was while held, with
+    the updates it applied; the servers' own counts may differ and resume
+    from ps 0's (docs/ps.md, "Checkpoints in ps mode")."""
+    if session.args.sync and not cut.consistent:
+        raise ProtocolError(f"a sync checkpoint cut is not one version: {cut.describe()}")
     checkpoints.save_on_chief_only(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions)
 
 

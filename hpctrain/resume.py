@@ -315,7 +315,12 @@ class Checkpoints:
         name = signal.Signals(int(sig[0])).name if sig[0] else "a signal"
         if self.saved_path and self.saved_step == step:
             where = f"checkpoint {self.saved_path}; run the same command again to resume"
-        else:
+        elif not self.enabled:
             where = "no checkpoint written (no --checkpoint-dir): a new run starts from step 0"
+        elif self.saved_path:
+            where = (f"no checkpoint of step {step} written; the newest is {self.saved_path} "
+                     f"(step {self.saved_step}): run the same command again to resume from it")
+        else:
+            where = f"no checkpoint of step {step} written, and none before it: a new run starts from step 0"
         raise HpctrainError(f"stopped by {name} after step {step}; {where}",
                             exit_code=EXIT_PREEMPTED, collective=True, report=session.chief)

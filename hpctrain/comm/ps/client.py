@@ -255,9 +255,9 @@ class Client:
         self.version = int(version)
 
     def snapshot(self, state_names):
-        """A Cut of every server at one version: the leader first (it holds, and
-        its version is the cut's), then each other server at that version;
-        then every server is released."""
+        """A Cut of every server: the leader first (it holds, and its version
+        is the cut's), then each other server, sync at that version, async
+        held as it is (its version may differ); then every server is released."""
         n = self.params.size
         params = np.zeros(n, np.float32)
         states = {name: np.zeros(n, np.float32) for name in state_names}

@@ -39,7 +39,8 @@ A checkpoint is one cut: the chief asks the leader first (version -1); the
 leader holds (applies no gradient) and answers with its version v; then each
 other server is asked for v: a sync follower answers once it applied round
 v-1 (it cannot pass v: the leader decides no round while it holds), an async
-one holds and answers at once. OP_RELEASE ends every hold.
+one holds and answers at once, at its own version (the checkpoint's step is
+the leader's). OP_RELEASE ends every hold.
 """
 import numpy as np
 

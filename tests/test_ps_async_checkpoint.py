@@ -1,0 +1,93 @@
+"""Async ps with two servers checkpoints (issue 19, section 3.1): the
+periodic checkpoints and the one after a stop signal are written although
+the servers' versions differ, and the same command resumes from them.
+
+    .venv/bin/python -m pytest -q tests/test_ps_async_checkpoint.py
+
+The job runs under tests/faults/inject_ps.py for its probes only (no fault):
+PROBE_CUTS records every cut the chief takes, PROBE_PROGRESS the workers'
+local steps (the signal goes to mpirun once training is under way).
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import MPIRUN, OPEN_MPI, REPO, under_mpirun
+from hpctrain.cluster import child_env
+from hpctrain.errors import EXIT_PREEMPTED
+
+FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+STEPS = 1500
+
+pytestmark = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun jobs: runs in the plain pytest pass")
+
+
+def launch(args, env):
+    cmd = [MPIRUN, "-n", "4", sys.executable, "-m", "inject_ps", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=dict(child_env(), PYTHONPATH=FAULTS, **env))
+
+
+def local_steps(progress):
+    try:
+        return int((progress / "worker-0.steps").read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def run_and_signal(args, env, progress, sig, after=50, timeout=120):
+    """The job, and `sig` to mpirun (MPICH's hydra forwards it to every rank)
+    once worker 0 took `after` steps."""
+    p = launch(args, env)
+    deadline = time.monotonic() + timeout
+    try:
+        while p.poll() is None and time.monotonic() < deadline:
+            if local_steps(progress) >= after:
+                p.send_signal(sig)
+                break
+            time.sleep(0.005)
+        out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return p.returncode, out, err
+
+
+def test_async_two_servers_checkpoint_periodically_and_on_a_signal_and_resume(tmp_path):
+    ckpt, cuts, progress, metrics = tmp_path / "ckpt", tmp_path / "cuts.jsonl", tmp_path / "progress", \
+        tmp_path / "m.jsonl"
+    progress.mkdir()
+    args = ["--mode", "ps", "--num-ps", 2, "--async", "--hidden", 64, "--steps", STEPS, "--log-every", 1000,
+            "--checkpoint-dir", ckpt, "--checkpoint-every", 50, "--keep-checkpoints", 1000, "--metrics", metrics]
+    env = {"PROBE_CUTS": str(cuts), "PROBE_PROGRESS": str(progress)}
+    # Open MPI's mpirun turns SIGTERM into killing the ranks; it relays USR1.
+    sig = signal.SIGUSR1 if OPEN_MPI else signal.SIGTERM
+    rc, out, err = run_and_signal(args, env, progress, sig)
+    assert rc == EXIT_PREEMPTED, (rc, out[-2000:], err[-3000:])
+    lines = [line for line in err.splitlines() if line.startswith("hpctrain: error:")]
+    assert len(lines) == 1, err
+    m = re.fullmatch(rf"hpctrain: error: stopped by {sig.name} after step (\d+); checkpoint (\S+); "
+                     r"run the same command again to resume", lines[0])
+    assert m, lines[0]
+    step = int(m.group(1))
+    assert 0 < step < STEPS and m.group(2) == str(ckpt / f"ckpt-{step:08d}.h5")
+    # Every cut the chief took is a checkpoint, the stop's (the final state) included.
+    records = [json.loads(line) for line in cuts.read_text().splitlines()]
+    assert records[-1]["kind"] == "final" and records[-1]["versions"][0] == step
+    assert {f"ckpt-{rec['versions'][0]:08d}.h5" for rec in records} == {p.name for p in ckpt.iterdir()}
+    assert "not written" not in out
+
+    done = subprocess.run([MPIRUN, "-n", "4", sys.executable, "-m", "hpctrain.mnist", *map(str, args)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=child_env())
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert f"resumed from {ckpt / f'ckpt-{step:08d}.h5'} at step {step}" in done.stdout
+    final = json.loads(metrics.read_text().splitlines()[-1])
+    assert final["event"] == "final" and final["steps"] == STEPS
+    assert (ckpt / f"ckpt-{STEPS:08d}.h5").exists()
