@@ -1,8 +1,13 @@
 """python -m hpctrain.bench allreduce|train|model --help  (--plot PNG: allreduce, train)"""
 import argparse
 import sys
+from contextlib import nullcontext
 
 from ..errors import HpctrainError
+from .common import RANKS_PER_CORE, check_ranks, is_rank, stopping_on_signals
+
+OVERSUBSCRIBE = ("--oversubscribe-ok", dict(action="store_true", help=f"run more than {RANKS_PER_CORE} ranks per "
+                                            "core here (ranks spread over several hosts by HPCTRAIN_MPIRUN_ARGS)"))
 
 
 def main(argv=None):
@@ -23,6 +28,7 @@ def main(argv=None):
                         "(default: %(default)s); ratios against the first")
     a.add_argument("--link-gbit", type=float, default=None,
                    help="link rate between nodes: also measure bytes per node link and link efficiency")
+    a.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     a.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     a.add_argument("--plot", metavar="PNG", default=None,
                    help="also draw busbw against size per algorithm (needs matplotlib: pip install 'hpctrain[plot]')")
@@ -39,6 +45,7 @@ def main(argv=None):
                    help="ps only: for each rank count N, interleave ring with N - num_ps ranks, ps --sync and "
                         "ps --async with N ranks; medians, ratios to the ring, the servers' time per update; "
                         "with --compare, ps sync and async with each value")
+    t.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     t.add_argument("--json", action="store_true")
     t.add_argument("--plot", metavar="PNG", default=None,
                    help="also draw samples/s against ranks and the step split "
@@ -48,6 +55,7 @@ def main(argv=None):
     c.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
     c.add_argument("--steps", type=int, default=1000, help="steps per run (default: %(default)s)")
     c.add_argument("--repeats", type=int, default=3, help="hpctrain runs per configuration (median)")
+    c.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     c.add_argument("--json", action="store_true")
 
     m = sub.add_parser("model", help="fit alpha-beta models here, predict 8-256 GPUs")
@@ -63,17 +71,30 @@ def main(argv=None):
     m.add_argument("--model-mb", type=float, default=100.0, help="gradient size in MB (default: %(default)s, about ResNet-50)")
     m.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden behind backprop (0-1)")
     m.add_argument("--ps-ratio", type=float, default=1.0, help="parameter servers per worker (default: %(default)s)")
+    m.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     m.add_argument("--json", action="store_true")
 
     args = p.parse_args(argv)
+    args.argv = argv
     try:
-        return _run(args, extra)
+        # A rank keeps the default handlers: its launcher's SIGTERM must end
+        # it even while it waits inside MPI, where no Python handler runs.
+        launcher = args.what in ("train", "compare") or not is_rank()
+        with stopping_on_signals() if launcher else nullcontext():
+            return _run(args, extra)
     except HpctrainError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
         return e.exit_code
 
 
 def _run(args, extra):
+    if args.what in ("train", "compare"):
+        args.ranks = [int(r) for r in args.ranks.split(",")]
+    counts = args.ranks if isinstance(args.ranks, list) else [args.ranks]
+    if args.what == "model":
+        check_ranks(counts, args.oversubscribe_ok, least=2, why=" (the fit needs a ring, and a server with a worker)")
+    else:
+        check_ranks(counts, args.oversubscribe_ok)
     if getattr(args, "plot", None):
         # Before the benchmark: a missing matplotlib or output folder is
         # found out now, not after minutes of measuring.
@@ -84,7 +105,6 @@ def _run(args, extra):
         from .allreduce import main as run
         return run(args)
     if args.what == "train":
-        args.ranks = [int(r) for r in args.ranks.split(",")]
         if args.versus_ring:
             from .train import versus_ring
             return versus_ring(args, extra)
@@ -94,7 +114,6 @@ def _run(args, extra):
         from .train import main as run
         return run(args, extra)
     if args.what == "compare":
-        args.ranks = [int(r) for r in args.ranks.split(",")]
         from .train import compare
         return compare(args)
     from .model import main as run
