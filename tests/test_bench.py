@@ -240,6 +240,47 @@ def test_a_rank_count_this_machine_cannot_run_is_one_line(args, capsys, monkeypa
     assert err.startswith("hpctrain: error: --ranks ") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("args", [
+    ["train", "--ranks", "1,x"], ["allreduce", "--ranks", "two"], ["allreduce", "--sizes", "4K,4Q"],
+    ["train", "--steps", "0"], ["train", "--repeats", "-1"], ["model", "--link-gbit", "0"],
+    ["model", "--overlap", "nan"], ["model", "--link-efficiency", "1.5"], ["frob"], ["allreduce", "--frob"],
+    ["train", "--ranks", "1", "--steps", "1", "--", "--frob"], ["train", "--ranks", "1", "--", "--hidden", "x"],
+    ["train", "--ranks", "1", "--steps", "1", "--compare", "nonsense"],
+    ["train", "--ranks", "1", "--steps", "1", "--compare", "shard-optimizer=off"],
+    ["train", "--ranks", "1", "--steps", "1", "--compare", "frob=1,2"],
+    ["train", "--ranks", "1", "--steps", "1", "--compare", "shard-optimizer=off,maybe"],
+    ["train", "--mode", "ps", "--ranks", "3", "--versus-ring", "--compare", "ps-exchange=mpi,frob", "--",
+     "--num-ps", "1"],
+])
+def test_a_bad_bench_argument_is_one_line_before_anything_runs(args, capsys, monkeypatch):
+    from hpctrain.bench.__main__ import main
+
+    def launched(cmd, *a, **k):
+        raise AssertionError(f"launched {cmd}")
+    monkeypatch.setattr(subprocess, "Popen", launched)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpctrain: error: ") and err.count("\n") == 1, err
+
+
+def test_a_bad_bench_argument_exits_2_without_a_traceback():
+    r = subprocess.run([sys.executable, "-m", "hpctrain.bench", "train", "--ranks", "1,x"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == ("hpctrain: error: argument --ranks: '1,x': want comma-separated whole numbers, "
+                        "e.g. 1,2,4 (see --help)\n")
+
+
+def test_a_run_that_refuses_its_flags_is_its_one_line():
+    # a refusal only the job can make (the world size): its line, not a block
+    r = subprocess.run([sys.executable, "-m", "hpctrain.bench", "train", "--mode", "ps", "--ranks", "1", "--steps",
+                        "1", "--repeats", "1", "--", "--hidden", "8", "--num-ps", "1"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("hpctrain: error: --mode ps with --num-ps 1 needs more than 1 ranks")
+    assert "(in: mpirun -n 1 python -m hpctrain.mnist --mode ps " in r.stderr
+
+
 def test_more_ranks_than_the_cores_can_run_only_when_insisted_on():
     from hpctrain.bench.common import RANKS_PER_CORE, check_ranks
     from hpctrain.errors import HpctrainError

@@ -28,18 +28,12 @@ import time
 
 import numpy as np
 
-from .common import is_rank, launch, table
+from .common import is_rank, launch, parse_size, table
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 # name on the command line -> (strategy, ring order)
 ALGORITHMS = {"ring": ("ring", "node"), "ring-rank": ("ring", "rank"), "hier": ("hier", "node"),
               "mpi": ("mpi", "node")}
-
-
-def parse_size(text):
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * scale)
 
 
 def key(name):

@@ -25,6 +25,13 @@ RANKS_PER_CORE = 4
 _launches = itertools.count()
 
 
+def parse_size(text):
+    """'4K' -> 4096 (K, M, G suffixes; a ValueError for anything else)."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * scale)
+
+
 def is_rank():
     """True in a rank of a benchmark's job (ours, or the user's mpirun)."""
     return bool(os.environ.get(CHILD)) or in_mpi_job()

@@ -22,8 +22,7 @@ import time
 
 import numpy as np
 
-from .allreduce import parse_size
-from .common import is_rank, launch, table
+from .common import is_rank, launch, parse_size, table
 
 
 def ps_exchange_times(comm, sizes, iters=20):
