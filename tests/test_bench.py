@@ -1,8 +1,12 @@
 """The benchmarks and the timeline run and produce what they promise (their
 figures are not checked: speed is shown by the benchmarks, never asserted)."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
 
 import numpy as np
 import pytest
@@ -150,3 +154,162 @@ def test_ps_is_measured_against_the_unsharded_ring():
     assert ring_baseline_flags(["--num-ps", "2", "--hidden", "64", "--async"]) == [
         "--hidden", "64", "--shard-optimizer", "off"]
     assert ring_baseline_flags(["--num-ps=2", "--shard-optimizer", "on"]) == ["--shard-optimizer", "on"]
+
+
+# Every process a bench starts, wherever its launcher puts it (Hydra starts
+# each proxy and rank in a session of its own), inherits this variable.
+TAG = "HPCTRAIN_TEST_BENCH"
+
+
+def tagged(tag):
+    """{pid: argv} of this machine's processes whose environment holds TAG=tag."""
+    mark = f"{TAG}={tag}\0".encode()
+    found = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark in f.read():
+                    with open(f"/proc/{name}/cmdline", "rb") as g:
+                        found[int(name)] = g.read().decode(errors="replace").split("\0")
+        except OSError:
+            pass
+    return found
+
+
+def kill_tagged(tag, seconds=20):
+    """SIGKILL, by pid, whatever a test's bench left (a regression's fork bomb included)."""
+    deadline = time.monotonic() + seconds
+    while (pids := tagged(tag)) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
+def wait_for(condition, seconds):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def start_bench(tmp_path, *args):
+    """The bench in a process of its own, tagged; its temporary files under tmp_path/tmp."""
+    tag = uuid.uuid4().hex
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, **{TAG: tag, "TMPDIR": str(tmp_path / "tmp")})
+    proc = subprocess.Popen([sys.executable, "-m", "hpctrain.bench", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    return tag, proc
+
+
+def test_bench_on_one_rank_launches_one_job(tmp_path):
+    # A world of one rank has no launcher variable that tells it from a plain
+    # process: the bench's rank must not launch again (that was a fork bomb).
+    tag, proc = start_bench(tmp_path, "allreduce", "--ranks", "1", "--sizes", "4K", "--json")
+    most = 0
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline and most <= 10:
+            most = max(most, len(tagged(tag)))
+            time.sleep(0.02)
+    finally:
+        kill_tagged(tag)
+        out, err = proc.communicate()
+    # the bench, mpirun, its proxy, the one rank (and a launcher's fork in passing)
+    assert most <= 6, f"{most} processes"
+    assert proc.returncode == 0, err[-3000:]
+    out = json.loads(out)
+    assert out["ranks"] == 1 and out["rows"][0]["mpi_vs_ring"] > 0
+
+
+@pytest.mark.parametrize("args", [
+    ["allreduce", "--ranks", "0"], ["allreduce", "--ranks", "100000"], ["train", "--ranks", "1,0"],
+    ["train", "--ranks", "2,100000", "--steps", "1"], ["compare", "--ranks", "100000"], ["model", "--ranks", "1"],
+])
+def test_a_rank_count_this_machine_cannot_run_is_one_line(args, capsys, monkeypatch):
+    from hpctrain.bench.__main__ import main
+
+    def launched(cmd, *a, **k):   # (subprocess.run starts its process through Popen too)
+        raise AssertionError(f"launched {cmd}")
+    monkeypatch.setattr(subprocess, "Popen", launched)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpctrain: error: --ranks ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("args", [
+    ["train", "--ranks", "1,x"], ["allreduce", "--ranks", "two"], ["allreduce", "--sizes", "4K,4Q"],
+    ["train", "--steps", "0"], ["train", "--repeats", "-1"], ["model", "--link-gbit", "0"],
+    ["model", "--overlap", "nan"], ["model", "--link-efficiency", "1.5"], ["frob"], ["allreduce", "--frob"],
+    ["train", "--ranks", "1", "--steps", "1", "--", "--frob"], ["train", "--ranks", "1", "--", "--hidden", "x"],
+    ["train", "--ranks", "1", "--steps", "1", "--compare", "nonsense"],
+    ["train", "--ranks", "1", "--steps", "1", "--compare", "shard-optimizer=off"],
+    ["train", "--ranks", "1", "--steps", "1", "--compare", "frob=1,2"],
+    ["train", "--ranks", "1", "--steps", "1", "--compare", "shard-optimizer=off,maybe"],
+    ["train", "--mode", "ps", "--ranks", "3", "--versus-ring", "--compare", "ps-exchange=mpi,frob", "--",
+     "--num-ps", "1"],
+])
+def test_a_bad_bench_argument_is_one_line_before_anything_runs(args, capsys, monkeypatch):
+    from hpctrain.bench.__main__ import main
+
+    def launched(cmd, *a, **k):
+        raise AssertionError(f"launched {cmd}")
+    monkeypatch.setattr(subprocess, "Popen", launched)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpctrain: error: ") and err.count("\n") == 1, err
+
+
+def test_a_bad_bench_argument_exits_2_without_a_traceback():
+    r = subprocess.run([sys.executable, "-m", "hpctrain.bench", "train", "--ranks", "1,x"], capture_output=True,
+                       text=True, timeout=60, cwd=REPO)
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == ("hpctrain: error: argument --ranks: '1,x': want comma-separated whole numbers, "
+                        "e.g. 1,2,4 (see --help)\n")
+
+
+def test_a_run_that_refuses_its_flags_is_its_one_line():
+    # a refusal only the job can make (the world size): its line, not a block
+    r = subprocess.run([sys.executable, "-m", "hpctrain.bench", "train", "--mode", "ps", "--ranks", "1", "--steps",
+                        "1", "--repeats", "1", "--", "--hidden", "8", "--num-ps", "1"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("hpctrain: error: --mode ps with --num-ps 1 needs more than 1 ranks")
+    assert "(in: mpirun -n 1 python -m hpctrain.mnist --mode ps " in r.stderr
+
+
+def test_more_ranks_than_the_cores_can_run_only_when_insisted_on():
+    from hpctrain.bench.common import RANKS_PER_CORE, check_ranks
+    from hpctrain.errors import HpctrainError
+    many = RANKS_PER_CORE * os.cpu_count() + 1
+    check_ranks([1, many], oversubscribe_ok=True)
+    with pytest.raises(HpctrainError, match=f"--ranks {many}: .*--oversubscribe-ok"):
+        check_ranks([1, many])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_the_bench_takes_its_mpirun_and_ranks_down(tmp_path, sig):
+    tag, proc = start_bench(tmp_path, "train", "--ranks", "2", "--steps", "1000000", "--repeats", "1", "--",
+                            "--hidden", "16")
+
+    def ranks():
+        return [p for p, argv in tagged(tag).items() if argv[:3] == [sys.executable, "-m", "hpctrain.mnist"]]
+    try:
+        # Training: the job's start-up lines are out (an mpirun that wrote
+        # to a dead bench's pipe would die of it, as this one need not).
+        assert wait_for(lambda: any((tmp_path / "tmp").glob("*/m-ring-2.jsonl")), 120), proc.poll()
+        assert len(ranks()) == 2
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+        gone = wait_for(lambda: not tagged(tag), 20)
+        left = tagged(tag)
+    finally:
+        kill_tagged(tag)
+    assert gone, left
+    if sig == signal.SIGTERM:   # one line, the shell's code, its temporary folder removed
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert err == "hpctrain: error: stopped by SIGTERM; its MPI job was taken down\n"
+        assert list((tmp_path / "tmp").iterdir()) == []

@@ -1,8 +1,57 @@
-"""python -m hpctrain.bench allreduce|train|model --help  (--plot PNG: allreduce, train)"""
+"""python -m hpctrain.bench allreduce|train|model --help  (--plot PNG: allreduce, train)
+
+A bad argument is one line (`hpctrain: error: ...`), exit 2, before anything runs."""
 import argparse
+import math
 import sys
+from contextlib import nullcontext
 
 from ..errors import HpctrainError
+from .common import RANKS_PER_CORE, check_ranks, is_rank, parse_size, stopping_on_signals
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose bad argument is one error line, not a usage block."""
+
+    def error(self, message):
+        raise HpctrainError(f"{message} (see --help)")
+
+
+def _number(kind, low, high=None, low_ok=False):
+    """An argparse type: a finite kind(text) in (low, high], or [low, high] with low_ok."""
+    def parse(text):
+        value = kind(text)
+        if not (math.isfinite(value) and (low <= value if low_ok else low < value)
+                and (high is None or value <= high)):
+            interval = f"{'[' if low_ok else '('}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+            raise argparse.ArgumentTypeError(f"{text}: must be in {interval}")
+        return value
+    parse.__name__ = kind.__name__   # argparse's "invalid float value: 'x'"
+    return parse
+
+
+def _counts(text):
+    """--ranks 1,2,4 -> [1, 2, 4] (which counts this machine runs: check_ranks)."""
+    try:
+        return [int(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want comma-separated whole numbers, e.g. 1,2,4") from None
+
+
+def _sizes(text):
+    try:
+        sizes = [parse_size(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want comma-separated byte counts, e.g. 4K,1M,16M") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every size must be at least 1 byte")
+    return text
+
+
+_POSITIVE = _number(int, 1, low_ok=True)
+_RATE = _number(float, 0)
+OVERSUBSCRIBE = ("--oversubscribe-ok", dict(action="store_true", help=f"run more than {RANKS_PER_CORE} ranks per "
+                                            "core here (ranks spread over several hosts by HPCTRAIN_MPIRUN_ARGS)"))
 
 
 def main(argv=None):
@@ -11,27 +60,28 @@ def main(argv=None):
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="python -m hpctrain.bench", description=__doc__)
+    p = _Parser(prog="python -m hpctrain.bench", description=__doc__)
     sub = p.add_subparsers(dest="what", required=True)
 
     a = sub.add_parser("allreduce", help="allreduce algorithms side by side (ring, ring-rank, hier, mpi), 4 KiB to 64 MiB")
     a.add_argument("--ranks", type=int, default=2, help="ranks to launch when not already under mpirun (default: %(default)s)")
-    a.add_argument("--sizes", default="4K,16K,64K,256K,1M,4M,16M,64M", help="comma-separated sizes in bytes (K, M suffixes)")
+    a.add_argument("--sizes", type=_sizes, default="4K,16K,64K,256K,1M,4M,16M,64M", help="comma-separated sizes in bytes (K, M suffixes)")
     a.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="buffers in host memory or CuPy device memory")
     a.add_argument("--algorithms", default="ring,mpi",
                    help="comma-separated: ring (hpctrain's, node order), ring-rank (rank order), hier, mpi "
                         "(default: %(default)s); ratios against the first")
-    a.add_argument("--link-gbit", type=float, default=None,
+    a.add_argument("--link-gbit", type=_RATE, default=None,
                    help="link rate between nodes: also measure bytes per node link and link efficiency")
+    a.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     a.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     a.add_argument("--plot", metavar="PNG", default=None,
                    help="also draw busbw against size per algorithm (needs matplotlib: pip install 'hpctrain[plot]')")
 
     t = sub.add_parser("train", help="training throughput for several rank counts (flags after -- go to hpctrain.mnist)")
     t.add_argument("--mode", choices=["ring", "ps"], default="ring")
-    t.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
-    t.add_argument("--steps", type=int, default=1000, help="steps per run (default: %(default)s)")
-    t.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median is reported")
+    t.add_argument("--ranks", type=_counts, default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
+    t.add_argument("--steps", type=_POSITIVE, default=1000, help="steps per run (default: %(default)s)")
+    t.add_argument("--repeats", type=_POSITIVE, default=3, help="runs per configuration; the median is reported")
     t.add_argument("--compare", metavar="FLAG=V1,V2", default=None,
                    help="run every rank count with each value of one hpctrain flag, repeats interleaved, "
                         "e.g. shard-optimizer=off,on; ratios against the first value")
@@ -39,41 +89,54 @@ def main(argv=None):
                    help="ps only: for each rank count N, interleave ring with N - num_ps ranks, ps --sync and "
                         "ps --async with N ranks; medians, ratios to the ring, the servers' time per update; "
                         "with --compare, ps sync and async with each value")
+    t.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     t.add_argument("--json", action="store_true")
     t.add_argument("--plot", metavar="PNG", default=None,
                    help="also draw samples/s against ranks and the step split "
                         "(needs matplotlib: pip install 'hpctrain[plot]')")
 
     c = sub.add_parser("compare", help="hpctrain ring vs a plain NumPy loop and PyTorch DDP, in one run")
-    c.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
-    c.add_argument("--steps", type=int, default=1000, help="steps per run (default: %(default)s)")
-    c.add_argument("--repeats", type=int, default=3, help="hpctrain runs per configuration (median)")
+    c.add_argument("--ranks", type=_counts, default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
+    c.add_argument("--steps", type=_POSITIVE, default=1000, help="steps per run (default: %(default)s)")
+    c.add_argument("--repeats", type=_POSITIVE, default=3, help="hpctrain runs per configuration (median)")
+    c.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     c.add_argument("--json", action="store_true")
 
     m = sub.add_parser("model", help="fit alpha-beta models here, predict 8-256 GPUs")
     m.add_argument("--ranks", type=int, default=4, help="ranks for the measurements (default: %(default)s)")
-    m.add_argument("--sizes", default="4K,64K,1M,4M,16M", help="message sizes measured for the fit")
-    m.add_argument("--link-gbit", type=float, default=25.0, help="link bandwidth to predict for (default: %(default)s)")
-    m.add_argument("--link-efficiency", type=float, default=0.85,
+    m.add_argument("--sizes", type=_sizes, default="4K,64K,1M,4M,16M", help="message sizes measured for the fit")
+    m.add_argument("--link-gbit", type=_RATE, default=25.0, help="link bandwidth to predict for (default: %(default)s)")
+    m.add_argument("--link-efficiency", type=_number(float, 0, 1), default=0.85,
                    help="fraction of the link rate an allreduce gets (default: %(default)s, measured across "
                         "simulated nodes: docs/clusters.md)")
-    m.add_argument("--alpha-us", type=float, default=None,
+    m.add_argument("--alpha-us", type=_number(float, 0, low_ok=True), default=None,
                    help="per-step latency to predict with (default: the one fitted here, hpctrain's software overhead)")
-    m.add_argument("--compute-ms", type=float, default=50.0, help="compute time per step per GPU (default: %(default)s)")
-    m.add_argument("--model-mb", type=float, default=100.0, help="gradient size in MB (default: %(default)s, about ResNet-50)")
-    m.add_argument("--overlap", type=float, default=0.0, help="fraction of communication hidden behind backprop (0-1)")
-    m.add_argument("--ps-ratio", type=float, default=1.0, help="parameter servers per worker (default: %(default)s)")
+    m.add_argument("--compute-ms", type=_RATE, default=50.0, help="compute time per step per GPU (default: %(default)s)")
+    m.add_argument("--model-mb", type=_RATE, default=100.0, help="gradient size in MB (default: %(default)s, about ResNet-50)")
+    m.add_argument("--overlap", type=_number(float, 0, 1, low_ok=True), default=0.0, help="fraction of communication hidden behind backprop (0-1)")
+    m.add_argument("--ps-ratio", type=_RATE, default=1.0, help="parameter servers per worker (default: %(default)s)")
+    m.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     m.add_argument("--json", action="store_true")
 
-    args = p.parse_args(argv)
     try:
-        return _run(args, extra)
+        args = p.parse_args(argv)
+        args.argv = argv
+        # A rank keeps the default handlers: its launcher's SIGTERM must end
+        # it even while it waits inside MPI, where no Python handler runs.
+        launcher = args.what in ("train", "compare") or not is_rank()
+        with stopping_on_signals() if launcher else nullcontext():
+            return _run(args, extra)
     except HpctrainError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
         return e.exit_code
 
 
 def _run(args, extra):
+    counts = args.ranks if isinstance(args.ranks, list) else [args.ranks]
+    if args.what == "model":
+        check_ranks(counts, args.oversubscribe_ok, least=2, why=" (the fit needs a ring, and a server with a worker)")
+    else:
+        check_ranks(counts, args.oversubscribe_ok)
     if getattr(args, "plot", None):
         # Before the benchmark: a missing matplotlib or output folder is
         # found out now, not after minutes of measuring.
@@ -84,7 +147,6 @@ def _run(args, extra):
         from .allreduce import main as run
         return run(args)
     if args.what == "train":
-        args.ranks = [int(r) for r in args.ranks.split(",")]
         if args.versus_ring:
             from .train import versus_ring
             return versus_ring(args, extra)
@@ -94,7 +156,6 @@ def _run(args, extra):
         from .train import main as run
         return run(args, extra)
     if args.what == "compare":
-        args.ranks = [int(r) for r in args.ranks.split(",")]
         from .train import compare
         return compare(args)
     from .model import main as run

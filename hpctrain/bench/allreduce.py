@@ -28,19 +28,12 @@ import time
 
 import numpy as np
 
-from ..cluster import in_mpi_job
-from .common import launch, table
+from .common import is_rank, launch, parse_size, table
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 # name on the command line -> (strategy, ring order)
 ALGORITHMS = {"ring": ("ring", "node"), "ring-rank": ("ring", "rank"), "hier": ("hier", "node"),
               "mpi": ("mpi", "node")}
-
-
-def parse_size(text):
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * scale)
 
 
 def key(name):
@@ -123,11 +116,12 @@ def measure(comm, sizes, device="cpu", min_time=0.3, max_iters=200, algorithms=(
             med = float(np.median(_slowest(comm, t)))
             row[f"{key(name)}_us"] = med * 1e6
             row[f"{key(name)}_busbw"] = n * 4 / med / 1e9 * 2 * (size - 1) / size
+        # busbw ratios as time ratios (the same bytes): defined on 1 rank too, where busbw is 0
         if "ring" in strategies and "mpi" in strategies:
-            row["ratio_busbw"] = row["ring_busbw"] / row["mpi_busbw"] if row["mpi_busbw"] else None
+            row["ratio_busbw"] = row["mpi_us"] / row["ring_us"]
             row["ratio_latency"] = row["ring_us"] / row["mpi_us"]
         for name in algorithms[1:]:
-            row[f"{key(name)}_vs_{key(first)}"] = row[f"{key(name)}_busbw"] / row[f"{key(first)}_busbw"]
+            row[f"{key(name)}_vs_{key(first)}"] = row[f"{key(first)}_us"] / row[f"{key(name)}_us"]
         if link_gbit:
             for name, strategy in strategies.items():
                 row.update(_link_pass(comm, topology, name, strategy, buf, min(iters, 20), link_gbit, xp, dev))
@@ -178,9 +172,8 @@ def main(args):
         print(f"hpctrain: error: --algorithms: unknown {', '.join(unknown) or '(none given)'} "
               f"(choose from {', '.join(ALGORITHMS)})", file=sys.stderr)
         return 2
-    if not in_mpi_job():
-        argv = [a for a in sys.argv[1:]]
-        r = launch(args.ranks, ["-m", "hpctrain.bench", *argv])
+    if not is_rank():
+        r = launch(args.ranks, ["-m", "hpctrain.bench", *args.argv])
         sys.stdout.write(r.stdout)
         sys.stderr.write(r.stderr)
         return r.returncode

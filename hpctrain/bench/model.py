@@ -22,9 +22,7 @@ import time
 
 import numpy as np
 
-from .allreduce import parse_size
-from ..cluster import in_mpi_job
-from .common import launch, table
+from .common import is_rank, launch, parse_size, table
 
 
 def ps_exchange_times(comm, sizes, iters=20):
@@ -100,9 +98,8 @@ def predict(n, s, alphas, beta, compute, overlap, ps_ratio):
 
 
 def main(args):
-    if not in_mpi_job():
-        import sys
-        r = launch(args.ranks, ["-m", "hpctrain.bench", *sys.argv[1:]])
+    if not is_rank():
+        r = launch(args.ranks, ["-m", "hpctrain.bench", *args.argv])
         print(r.stdout, end="")
         if r.returncode:
             print(r.stderr[-2000:])

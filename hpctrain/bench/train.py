@@ -24,6 +24,7 @@ import tempfile
 import numpy as np
 
 from ..model import CLASSES, INPUTS, num_params
+from ..errors import EXIT_BAD_INPUT, HpctrainError
 from .common import launch, table
 
 STATE_COPIES = {"adam": 2, "momentum": 1, "sgd": 0}
@@ -35,10 +36,21 @@ def one_run(ranks, mode, steps, extra, tmp):
             "--metrics", metrics, *extra]
     r = launch(ranks, args)
     if r.returncode != 0:
-        raise SystemExit(f"hpctrain: error: bench run failed (mpirun -n {ranks} python {' '.join(args)}):\n"
-                         + r.stderr[-2000:])
+        raise run_failed(ranks, args, r)
     with open(metrics) as f:
         return [json.loads(line) for line in f][-1]
+
+
+def run_failed(ranks, args, r):
+    """The error for a failed run: its own one line where it refused its
+    input (exit 2); otherwise its output's tail first, then our line."""
+    run = f"mpirun -n {ranks} python {' '.join(args)}"
+    lines = r.stderr.splitlines()
+    said = [line for line in lines if line.startswith("hpctrain: error: ")]
+    if r.returncode == EXIT_BAD_INPUT and said:
+        return HpctrainError(f"{said[-1][len('hpctrain: error: '):]} (in: {run})")
+    sys.stderr.write("\n".join(lines[-30:]) + "\n")
+    return HpctrainError(f"bench run failed with exit code {r.returncode} ({run})", exit_code=r.returncode or 1)
 
 
 def header(what, flags, extra):
@@ -135,7 +147,7 @@ def compare_settings(args, extra):
     against the first value. Beside them, the Amdahl bound for a change that
     divides the optimizer's work by N: 1 / (1 - f_opt * (1 - 1/N)), f_opt the
     optimizer's share of the first setting's step, from the same run."""
-    flag, values = compare_values(args.compare)
+    flag, values = compare_values(args.compare, args.mode, extra)
     from ..cli import parse
     flags = parse(["--mode", args.mode, *extra])
     rows = []
@@ -217,12 +229,19 @@ def server_ms_per_update(runs):
     return out
 
 
-def compare_values(spec):
-    """--compare FLAG=V1,V2[,...] -> (FLAG, [V1, V2, ...]), or one error line."""
+def compare_values(spec, mode, extra):
+    """--compare FLAG=V1,V2[,...] -> (FLAG, [V1, V2, ...]), or one error line;
+    each `--FLAG V` is checked with the other flags before anything runs."""
+    from ..cli import parse
     flag, _, values = spec.partition("=")
     values = [v for v in values.split(",") if v]
-    if not flag or len(values) < 2:
-        raise SystemExit("hpctrain: error: --compare wants FLAG=V1,V2[,...], e.g. shard-optimizer=off,on")
+    if not flag or flag.startswith("-") or len(values) < 2:
+        raise HpctrainError(f"--compare {spec}: want FLAG=V1,V2[,...], e.g. shard-optimizer=off,on")
+    for v in values:
+        try:
+            parse(["--mode", mode, *extra, f"--{flag}", v])
+        except HpctrainError as e:
+            raise HpctrainError(f"--compare {spec}: {e}") from None
     return flag, values
 
 
@@ -238,7 +257,7 @@ def versus_ring(args, extra):
     flags = parse(["--mode", "ps", *extra])
     ring_extra = ring_baseline_flags(extra)
     ps_extra = [a for a in extra if a not in ("--sync", "--async")]
-    flag, values = compare_values(args.compare) if args.compare else (None, [None])
+    flag, values = compare_values(args.compare, "ps", ps_extra) if args.compare else (None, [None])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
