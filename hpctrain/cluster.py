@@ -118,9 +118,9 @@ def configure_process(env=None, device="auto"):
     """Before numpy and MPI load: when more ranks than cores share this node,
     make idle MPI ranks yield instead of busy-polling the cores that the
     computing ranks need, give each rank its share of BLAS threads, keep
-    Open MPI's osc/ucx out of the way, and (--device gpu|auto) bind this
-    rank's GPU. A variable the user set is left
-    alone. Returns a note for the log."""
+    Open MPI's osc/ucx out of the way, refuse a /dev/shm too small for
+    MPICH (check_shm_room: HpctrainError), and (--device gpu|auto) bind this
+    rank's GPU. A variable the user set is left alone. Returns a note for the log."""
     env = os.environ if env is None else env
     _, _, local_rank, local_size = launcher_env(env)
     local_size = local_size or 1
