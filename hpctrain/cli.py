@@ -8,10 +8,15 @@ variables that we set from the flags and the launcher).
 """
 import argparse
 import math
+import sys
 
 from .errors import HpctrainError
 
 DEFAULT_STEPS = 2000
+# Past these a run cannot be meant: a million passes over the data (--steps
+# says a long run plainly), or a trillion steps (116 days at 10 us a step).
+MAX_EPOCHS = 1e6
+MAX_STEPS = 10**12
 
 
 def _positive_int(text):
@@ -26,6 +31,27 @@ def _nonneg_int(text):
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def _steps(text):
+    value = _positive_int(text)
+    if value > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_STEPS:,}, got {text}")
+    return value
+
+
+def _epochs(text):
+    value = _positive_float(text)
+    if value > MAX_EPOCHS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_EPOCHS:,.0f} passes over the "
+                                         f"data, got {text} (a long run: --steps N)")
+    return value
+
+
+def _path(text):
+    if not text.strip():   # "" would silently mean "not given" (an unset shell variable)
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
 
 
 def _finite_float(text):
@@ -85,14 +111,14 @@ def build_parser():
     a("--mode", choices=["ring", "ps"], default="ring",
       help="ring: every rank a peer, gradients averaged by ring allreduce; "
            "ps: parameter servers + workers (default: %(default)s)")
-    a("--data", metavar="DIR", default=None,
+    a("--data", metavar="DIR", type=_path, default=None,
       help="directory of prepared HDF5 shards (default: data/mnist, prepared from "
            "the bundled 5k sample on first use)")
     g.add_argument("--batch-size", type=_positive_int, default=32, help="samples per worker per step (default: %(default)s)")
     length = g.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=_positive_int, default=None,
+    length.add_argument("--steps", type=_steps, default=None,
                         help=f"global training steps (default: {DEFAULT_STEPS})")
-    length.add_argument("--epochs", type=_positive_float, default=None, metavar="E",
+    length.add_argument("--epochs", type=_epochs, default=None, metavar="E",
                         help="train for E passes over the training set instead: steps = ceil(E * train samples "
                              "/ (workers * --batch-size)), from the data's manifest at start-up")
     g.add_argument("--lr", type=_positive_float, default=1e-4, help="learning rate (default: %(default)s)")
@@ -180,22 +206,22 @@ def build_parser():
                         "mpi: MPI messages only (default: %(default)s)")
 
     g = p.add_argument_group("checkpoints and output")
-    g.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="write checkpoints here (chief only)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", type=_path, default=None, help="write checkpoints here (chief only)")
     g.add_argument("--checkpoint-every", type=_nonneg_int, default=0,
                    help="checkpoint every N steps (0: only on SIGTERM/SIGUSR1 and at the end) (default: %(default)s)")
     g.add_argument("--keep-checkpoints", type=_positive_int, default=3, help="keep the newest K checkpoints (default: %(default)s)")
     g.add_argument("--resume", choices=["auto", "yes", "no"], default="auto",
                    help="auto: resume from the newest valid checkpoint if there is one; yes: require one; no: start fresh")
-    g.add_argument("--save", metavar="FILE.h5", default=None, help="write the final parameters to this HDF5 file")
-    g.add_argument("--metrics", metavar="FILE.jsonl", default=None, help="write metrics as JSON Lines (chief only)")
+    g.add_argument("--save", metavar="FILE.h5", type=_path, default=None, help="write the final parameters to this HDF5 file")
+    g.add_argument("--metrics", metavar="FILE.jsonl", type=_path, default=None, help="write metrics as JSON Lines (chief only)")
     g.add_argument("--log-every", type=_positive_int, default=100, help="print a progress line every N steps (default: %(default)s)")
     g.add_argument("--eval-every", type=_nonneg_int, default=0,
                    help="evaluate on the test set (and the validation part, if the data has one) every N steps "
                         "(0: only at the end) (default: %(default)s)")
-    g.add_argument("--keep-best", metavar="FILE.h5", default=None,
+    g.add_argument("--keep-best", metavar="FILE.h5", type=_path, default=None,
                    help="write the parameters of the best validation accuracy so far to this HDF5 file "
                         "(needs --eval-every and data prepared with --val-fraction)")
-    g.add_argument("--timeline", metavar="FILE.json", default=None, help="write a Chrome trace of the chief's steps")
+    g.add_argument("--timeline", metavar="FILE.json", type=_path, default=None, help="write a Chrome trace of the chief's steps")
     g.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds any rank waits for a peer before it names the peer and aborts the job (default: %(default)s)")
     return p
@@ -246,7 +272,30 @@ def parse(argv=None, quiet=False):
         # --epochs: the session turns them into steps once the data's manifest
         # and the worker count are known (steps_for_epochs); 0 until then.
         args.steps = 0
+    if not quiet:   # rank 0 warns for the job (the others parse the same flags)
+        for line in doubtful(args, parser):
+            print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
     return args
+
+
+def doubtful(args, parser):
+    """Settings that may be meant but look like a slip: each a line, the run goes on."""
+    default = parser.get_default
+    lines = []
+    if args.lr_schedule != "step":
+        lines += [f"{flag} {value:g} has no effect without --lr-schedule step"
+                  for flag, value, dflt in (("--lr-decay-steps", args.lr_decay_steps, "lr_decay_steps"),
+                                            ("--lr-decay", args.lr_decay, "lr_decay"))
+                  if value != default(dflt)]
+    if args.lr_schedule != "cosine" and args.lr_min != default("lr_min"):
+        lines.append(f"--lr-min {args.lr_min:g} has no effect without --lr-schedule cosine")
+    if args.steps and args.warmup_steps > args.steps:
+        lines.append(f"--warmup-steps {args.warmup_steps} is longer than the run ({args.steps} steps): "
+                     f"the learning rate never reaches --lr {args.lr:g}")
+    if not args.hidden:
+        lines.append("--hidden gives no layer widths: the model is linear (inputs straight to the "
+                     "classes, no hidden layer)")
+    return lines
 
 
 def steps_for_epochs(epochs, train_samples, workers, batch_size):

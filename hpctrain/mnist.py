@@ -42,8 +42,8 @@ def _main(argv, seen):
             return exc.exit_code
         flag_error = exc   # the other ranks may have good flags: agree first (train)
     seen["args"] = args
-    note = cluster.configure_process(device=args.device if args else "auto")
     try:
+        note = cluster.configure_process(device=args.device if args else "auto")
         train(args, note, flag_error)
         return 0
     except HpctrainError as exc:

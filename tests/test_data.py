@@ -120,6 +120,20 @@ def test_read_idx_detects_gzip_by_content_not_name(tmp_path):
     np.testing.assert_array_equal(data.read_idx(path), images)
 
 
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_idx_from_a_fifo(tmp_path, gz):
+    # A FIFO cannot seek back over the two bytes that tell gzip from raw; before,
+    # that was an uncaught OSError ("Illegal seek").
+    labels = np.arange(300) % 10
+    payload = write_idx(tmp_path / "l.idx", labels, gz=gz).read_bytes()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_bytes, args=(payload,), daemon=True)
+    writer.start()
+    np.testing.assert_array_equal(data.read_idx(fifo, "labels"), labels)
+    writer.join(timeout=10)
+
+
 def test_read_idx_bundled_sample():
     images = data.read_idx(data.bundled_sample_dir() / "images-idx3-ubyte.gz", "images")
     labels = data.read_idx(data.bundled_sample_dir() / "labels-idx1-ubyte.gz", "labels")
@@ -344,6 +358,46 @@ def test_prepare_standard_layout_keeps_its_split(tmp_path):
     assert sorted(train_ids(tmp_path / "out").tolist()) == list(range(60))
     x, y = data.load_test(tmp_path / "out")
     assert sample_ids((x * 255).round().astype(np.uint8)).tolist() == list(range(60, 69))
+
+
+def test_prepare_warns_of_empty_classes_below_the_largest_label(tmp_path):
+    # One 12 among 0..9: a 13-class manifest with classes 10 and 11 empty, trained as
+    # a 13-output model. Far more often a corrupt label than a real class: one line.
+    src = tmp_path / "src"
+    src.mkdir()
+    labels = np.arange(100) % 10
+    labels[37] = 12
+    write_idx(src / "images-idx3-ubyte.gz", numbered_images(100))
+    write_idx(src / "labels-idx1-ubyte.gz", labels)
+    warned = []
+    manifest = data.prepare(src, tmp_path / "out", shards=2, log=quiet, warn=warned.append)
+    assert manifest["num_classes"] == 13
+    line = (f"{src}: labels run to 12, but classes 10-11 have no sample and class 12 has 1: "
+            f"a corrupt label? the model gets 13 outputs")
+    assert warned == [line]
+    warned.clear()
+    data.prepare(make_single_source(tmp_path / "ok", n=100), tmp_path / "out2", shards=2, log=quiet,
+                 warn=warned.append)
+    assert warned == []
+    r = run_cli("prepare", "--source", src, "--out", tmp_path / "out3", "--shards", 2)
+    assert r.returncode == 0 and r.stderr.splitlines() == [f"hpctrain: warning: {line}"], r.stderr
+
+
+def test_prepare_refuses_a_single_class(tmp_path):
+    # Before: prepared as "1 classes", a model with one output (nothing to learn).
+    src = make_single_source(tmp_path / "idx", n=100, classes=1)
+    with pytest.raises(HpctrainError, match="every label is 0: one class is nothing to classify"):
+        data.prepare(src, tmp_path / "out", shards=2, log=quiet)
+    cifar = tmp_path / "cifar"
+    cifar.mkdir()
+    record = bytes([3]) + bytes(3072)   # label 3, a black 32x32x3 image
+    for name in [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]:
+        (cifar / name).write_bytes(record * 4)
+    r = run_cli("prepare", "--source", cifar, "--out", tmp_path / "out", "--shards", 2)
+    assert r.returncode == 2 and r.stderr == (
+        f"hpctrain: error: {cifar}: every label is 3: one class is nothing to classify "
+        f"(a wrong or damaged source?)\n")
+    assert not (tmp_path / "out").exists()
 
 
 def test_prepare_without_test_set(tmp_path):

@@ -68,7 +68,8 @@ def build_parser():
                     help="EMNIST only: which split to take out of the zip (default: "
                          "%(default)s, 47 classes)")
     pf.add_argument("--timeout", type=float, default=60.0,
-                    help="seconds to wait for the network before giving up (default: %(default)s)")
+                    help="seconds to wait for the network's next byte before giving up; a whole "
+                         "file must also arrive at 32 KB/s on average (default: %(default)s)")
     return p
 
 

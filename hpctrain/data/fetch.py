@@ -11,7 +11,10 @@ are extracted, only regular files, each to a name chosen here (never the
 archive's path), so an archive cannot write outside --out.
 
 A file is renamed into place only after its checksum matches, so --out never
-holds a partial or wrong file under a real name. Network trouble is one
+holds a partial or wrong file under a real name. A download is bounded in
+size (the announced length, never more than MAX_BYTES) and in time (--timeout
+without a byte, and a deadline for the whole file), and its temporary file is
+removed on every way out, SIGTERM and Ctrl-C included. Network trouble is one
 HpctrainError line naming the URL. No MPI here (house rule).
 """
 
@@ -19,9 +22,12 @@ import contextlib
 import hashlib
 import http.client
 import os
+import signal
 import socket
 import tarfile
 import tempfile
+import threading
+import time
 import urllib.error
 import urllib.request
 import zipfile
@@ -76,6 +82,16 @@ MD5 = {
     },
 }
 
+# The most one file of each dataset may be: its largest published file with
+# margin (Fashion-MNIST's training images are 26 MB, EMNIST's zip 536 MB,
+# CIFAR-10's archive 163 MB). A server sending more is not the dataset's: the
+# download stops there, not when the disk is full. A test can swap in its own.
+MAX_BYTES = {"mnist": 64 << 20, "fashion-mnist": 64 << 20, "kmnist": 64 << 20,
+             "emnist": 768 << 20, "cifar-10": 256 << 20}
+# A whole file must arrive at this average rate (bytes/s), on top of --timeout:
+# a server that trickles a byte now and then is never silent for --timeout.
+MIN_RATE = 32 << 10
+
 EMNIST_SPLITS = ("balanced", "byclass", "bymerge", "digits", "letters", "mnist")
 CIFAR10_BATCHES = tuple(f"data_batch_{i}.bin" for i in range(1, 6)) + ("test_batch.bin",)
 # Larger members than these are not what the archives hold: a damaged or
@@ -119,6 +135,14 @@ def fetch(dataset, out, mirror=None, log=print, timeout=60, split="balanced"):
     except OSError as e:
         raise HpctrainError(f"{out}: cannot create directory ({e.strerror})") from None
 
+    with _signals_raise():
+        paths = _fetch_files(dataset, base, out, log, timeout)
+        if members is None:
+            return paths
+        return extract(paths[0], members, out, log)
+
+
+def _fetch_files(dataset, base, out, log, timeout):
     paths = []
     for name, expected in MD5[dataset].items():
         dest = out / name
@@ -131,13 +155,33 @@ def fetch(dataset, out, mirror=None, log=print, timeout=60, split="balanced"):
         url = base + name
         log(f"downloading {url}")
         with _written(dest) as f:
-            got = _download(url, f, timeout)
+            got = _download(url, f, timeout, MAX_BYTES[dataset])
             if got != expected:
                 raise HpctrainError(f"{url}: checksum mismatch (md5 {got}, expected "
                                     f"{expected}); download discarded")
-    if members is None:
-        return paths
-    return extract(paths[0], members, out, log)
+    return paths
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """SIGTERM and SIGINT raise inside the block, so the temporary file of a
+    download cut short is removed (the default SIGTERM ends the process with
+    nothing run); exit 128 + the signal, as shells report it. Only the main
+    thread can set handlers; elsewhere the caller's own handling stands."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(num, frame):
+        raise HpctrainError(f"fetch stopped by {signal.Signals(num).name}; the partial "
+                            f"download was removed", exit_code=128 + num)
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 # ---------------------------------------------------------------------------
@@ -179,9 +223,9 @@ def extract(archive, members, out, log=print):
                     with t.extractfile(m) as src:
                         _write_member(src, out / members[name], archive, m.name)
     except (zipfile.BadZipFile, tarfile.TarError, EOFError, zlib.error) as e:
-        raise HpctrainError(f"{archive}: corrupt archive ({e})") from None
+        raise HpctrainError(f"{archive}: corrupt archive ({_one_line(e)})") from None
     except OSError as e:
-        raise HpctrainError(f"{archive}: cannot extract ({e})") from None
+        raise HpctrainError(f"{archive}: cannot extract ({_one_line(e)})") from None
     paths = [out / members[name] for name in members]
     log(f"{archive}: extracted {', '.join(p.name for p in paths)}")
     return paths
@@ -222,25 +266,58 @@ def _write_member(src, dest, archive, member):
                                     f"{_MAX_MEMBER_BYTES} bytes; not a genuine archive")
 
 
-def _download(url, f, timeout):
+def _download(url, f, timeout, limit):
+    """url's body into f; its MD5. At most the announced length (never more
+    than limit) and by a deadline: --timeout for the first byte and between
+    any two, and the whole at MIN_RATE on top (checked between reads, so it
+    ends by the deadline plus --timeout)."""
     h = hashlib.md5(usedforsecurity=False)
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            for block in iter(lambda: r.read(1 << 20), b""):
+            length = _announced(r, url, limit)
+            seconds = timeout + length / MIN_RATE
+            deadline, got = time.monotonic() + seconds, 0
+            while block := r.read1(1 << 20):
+                got += len(block)
+                if got > length:
+                    raise HpctrainError(f"{url}: more than {length} bytes, more than any file "
+                                        f"of this dataset; download discarded")
+                if time.monotonic() > deadline:
+                    raise HpctrainError(f"{url}: {got} of at most {length} bytes in {seconds:.1f} "
+                                        f"s, slower than {MIN_RATE >> 10} KB/s; download "
+                                        f"discarded (try --mirror URL)")
                 h.update(block)
                 f.write(block)
     except urllib.error.HTTPError as e:
-        raise HpctrainError(f"{url}: HTTP {e.code} {e.reason}") from None
+        raise HpctrainError(f"{url}: HTTP {e.code} {_one_line(e.reason)}") from None
     except urllib.error.URLError as e:
         if isinstance(e.reason, (socket.timeout, TimeoutError)):
             raise _timeout(url, timeout) from None
-        raise HpctrainError(f"{url}: cannot download ({e.reason}); "
+        raise HpctrainError(f"{url}: cannot download ({_one_line(e.reason)}); "
                             f"offline? use --mirror URL") from None
     except (socket.timeout, TimeoutError):
         raise _timeout(url, timeout) from None
     except (OSError, http.client.HTTPException) as e:
-        raise HpctrainError(f"{url}: download failed ({e})") from None
+        raise HpctrainError(f"{url}: download failed ({_one_line(e)})") from None
     return h.hexdigest()
+
+
+def _announced(response, url, limit):
+    """The body's length as the server announces it (Content-Length), or
+    limit when it does not; a length beyond limit is refused before a byte."""
+    length = response.length
+    if length is None:
+        return limit
+    if length > limit:
+        raise HpctrainError(f"{url}: the server announces {length} bytes, more than any "
+                            f"file of this dataset ({limit}); not downloaded")
+    return length
+
+
+def _one_line(text):
+    """An exception's text on one line (urllib's redirect loop and tarfile's
+    "could not be opened" messages span several)."""
+    return " ".join(str(text).split())
 
 
 def _timeout(url, timeout):

@@ -11,6 +11,7 @@ No MPI here (house rule).
 """
 
 import gzip
+import io
 import math
 import os
 import stat
@@ -48,8 +49,12 @@ def read_idx(path, kind=None):
             st = os.fstat(raw.fileno())
             # Only a regular file's length is known up front (not a pipe's).
             length = st.st_size if stat.S_ISREG(st.st_mode) else None
-            compressed = raw.read(2) == _GZIP_MAGIC
-            raw.seek(0)
+            head = _read_exact(raw, 2)
+            compressed = head == _GZIP_MAGIC
+            if length is not None:
+                raw.seek(0)
+            else:   # a FIFO cannot seek back: the two bytes go in front again
+                raw = io.BufferedReader(_Prefixed(head, raw))
             if not compressed:
                 return _parse_idx(raw, path, kind, length=length)
             try:
@@ -65,6 +70,26 @@ def read_idx(path, kind=None):
         raise HpctrainError(f"{path}: is a directory, expected an IDX file") from None
     except PermissionError as e:
         raise HpctrainError(f"{path}: cannot read ({e.strerror})") from None
+    except OSError as e:
+        raise HpctrainError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+class _Prefixed(io.RawIOBase):
+    """A stream that cannot seek (a FIFO), with the bytes already read from it
+    put back in front."""
+
+    def __init__(self, head, f):
+        self._head, self._f = bytes(head), f
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        if self._head:
+            n = min(len(b), len(self._head))
+            b[:n], self._head = self._head[:n], self._head[n:]
+            return n
+        return self._f.readinto(b)
 
 
 def _read_header(f, path, kind):

@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 from pathlib import Path
 
 import h5py
@@ -199,6 +200,35 @@ def _check_fits(splits, num_classes, paths):
                                 f"got {y.dtype} {y.shape}")
 
 
+def _check_classes(source, train_labels, test_labels, num_classes, warn):
+    """Classes are 0..largest label: one class is nothing to learn (an error);
+    a class with no sample below the largest is far more often a corrupt label
+    than a real class (a warning: the model gets an output for each)."""
+    arrays = [train_labels] if test_labels is train_labels else [train_labels, test_labels]
+    counts = sum(np.bincount(y, minlength=num_classes) for y in arrays)
+    present = np.flatnonzero(counts)
+    if len(present) < 2:
+        raise HpctrainError(f"{source}: every label is {present[0] if len(present) else '(none)'}: "
+                            f"one class is nothing to classify (a wrong or damaged source?)")
+    empty = np.flatnonzero(counts == 0)
+    if len(empty):
+        top = num_classes - 1
+        warn(f"{source}: labels run to {top}, but class{'es' if len(empty) > 1 else ''} "
+             f"{_ranges(empty)} ha{'ve' if len(empty) > 1 else 's'} no sample and class {top} "
+             f"has {counts[top]}: a corrupt label? the model gets {num_classes} outputs")
+
+
+def _ranges(numbers):
+    """[3, 4, 5, 9] -> '3-5, 9'."""
+    runs = []
+    for n in map(int, numbers):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def _stratified_deal(labels, index, shards, rng):
     """Deal `index` (positions into labels) to shards, class by class, round-robin.
 
@@ -293,17 +323,20 @@ def _build_manifest(source, layout, paths, seed, test_fraction, splits, entries,
 # ---------------------------------------------------------------------------
 # prepare
 
-def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=print, val_fraction=0.0):
+def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=print, val_fraction=0.0,
+            warn=None):
     """Write class-balanced HDF5 shards and manifest.json from IDX files; return the manifest.
 
     source holds the standard train-/t10k- files or CIFAR-10's batches (their
     split is kept, test_fraction is ignored) or one images/labels pair, which is split here,
     stratified by class. val_fraction > 0 holds out that share of each
-    training class as a "val" part (_hold_out_val). Everything is written
+    training class as a "val" part (_hold_out_val). warn: where a line about
+    doubtful labels goes (default: stderr, `hpctrain: warning: ...`). Everything is written
     to a temporary sibling of out
     and renamed into place, so out is either complete or untouched.
     """
     log = log or (lambda *a: None)
+    warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
     source, out = Path(source), Path(out)
     if out.is_symlink():
         # Keep a data/mnist -> /scratch/... link pointing at the new shards.
@@ -331,6 +364,7 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
                             f"--shards {shards}; use fewer shards")
     num_classes = int(max(train[1].max(initial=0), test[1].max(initial=0))) + 1
     _check_fits(splits, num_classes, paths)
+    _check_classes(source, train[1], test[1], num_classes, warn)
 
     tmp = _make_tmp(out)
     try:

@@ -21,6 +21,11 @@ import pytest
     (["--clip-norm", "0"], "argument --clip-norm: must be > 0, got 0"),
     (["--batch-size", "10000000"], "--batch-size 10000000 needs at least"),
     (["--hidden", "100000,100000"], "--hidden 100000,100000 with --batch-size 32 needs at least"),
+    # An empty path was taken for "not given": the run ended with no file, exit 0.
+    (["--keep-best", "", "--eval-every", "2"], "argument --keep-best: expected a path, got ''"),
+    (["--save", ""], "argument --save: expected a path, got ''"),
+    (["--checkpoint-dir", " "], "argument --checkpoint-dir: expected a path, got ' '"),
+    (["--steps", "10000000000000"], "argument --steps: must be at most 1,000,000,000,000, got 10000000000000"),
 ])
 def test_bad_flag_is_one_line_and_exit_2(job, tmp_path, flags, expect):
     t0 = time.monotonic()
@@ -30,3 +35,30 @@ def test_bad_flag_is_one_line_and_exit_2(job, tmp_path, flags, expect):
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith("hpctrain: error: ") and expect in lines[0], lines
     assert time.monotonic() - t0 < 60 and os.listdir(tmp_path) == []
+
+
+def test_epochs_past_any_meaning_is_one_line(job, tmp_path):
+    # --epochs 1e300 was 7e303 steps, accepted.
+    r = job(2, "--epochs", "1e300", "--save", tmp_path / "p.h5", timeout=60)
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert r.returncode == 2 and lines == [
+        "hpctrain: error: argument --epochs: must be at most 1,000,000 passes over the data, "
+        "got 1e300 (a long run: --steps N) (see --help)"], r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (["--lr-min", "0.001"], "--lr-min 0.001 has no effect without --lr-schedule cosine"),
+    (["--lr-decay-steps", "100"], "--lr-decay-steps 100 has no effect without --lr-schedule step"),
+    (["--lr-schedule", "cosine", "--lr-decay", "0.5"], "--lr-decay 0.5 has no effect without --lr-schedule step"),
+    (["--warmup-steps", "50"], "--warmup-steps 50 is longer than the run (5 steps): the learning rate "
+                               "never reaches --lr 0.0001"),
+    (["--hidden", ""], "--hidden gives no layer widths: the model is linear"),
+])
+def test_doubtful_setting_is_one_warning_and_the_run_goes_on(job, tmp_path, flags, expect):
+    # Each was accepted without a word (or silently ignored).
+    r = job(2, "--steps", "5", "--hidden", "16", *flags, "--save", tmp_path / "p.h5", timeout=60)
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert r.returncode == 0 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("hpctrain: warning: ") and expect in lines[0], lines
+    assert os.listdir(tmp_path) == ["p.h5"]

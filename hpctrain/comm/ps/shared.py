@@ -31,6 +31,7 @@ workers with an error while the servers are done; a worker left behind never
 comes back), so a free there could wait for a rank that has left. A worker's
 model computes in its part until the process ends.
 """
+import math
 import os
 
 import numpy as np
@@ -83,10 +84,17 @@ def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs,
     if not vote[0]:
         return None, "a worker on this node is a GPU worker (device buffers go as messages)"
     if not vote[1]:
-        return None, (f"{SHM_DIR} on this node has too little room for the window ({need / 2**20:,.0f} MB "
-                      f"with headroom; {free / 2**20:,.0f} MB free here)" if free is not None else
+        return None, (too_little_room(need, free) if free is not None else
                       f"{SHM_DIR} on another rank of this node has too little room for the window")
     return SharedExchange(local, mine, sizes[mine.index(cluster.rank)], watchdog), ""
+
+
+def too_little_room(need, free):
+    """The fallback's words for need > free bytes: need rounded up and free
+    down to 0.1 MB, so the need always reads as more than what is free."""
+    up, down = math.ceil(need / 2**20 * 10) / 10, math.floor(free / 2**20 * 10) / 10
+    return (f"{SHM_DIR} on this node has too little room for the window ({up:,.1f} MB "
+            f"with headroom; {down:,.1f} MB free here)")
 
 
 def _waiting(watchdog, what, peer):
