@@ -20,15 +20,17 @@ from mpi4py import MPI
 from . import data as data_mod
 from . import device
 from .errors import HpctrainError
-from .outputs import rescue_path, temp_next_to
+from .outputs import one_line, open_in_place, rescue_path, temp_next_to
 
 
 class Metrics:
     """The --metrics file, JSON Lines, written by the chief alone (the other
     ranks hold Metrics(None), which writes nothing).
 
-    Live: opened for append, every record flushed as it is written, so
-    `tail -f` follows a running job and a killed job keeps what it logged.
+    Live: opened for append, every record written as it comes (one write(2)
+    of whole lines), so `tail -f` follows a running job and a killed job
+    keeps what it logged. Opened without following a symlink at its name
+    (outputs.open_in_place), as check_outputs refused one before.
     `resume_at(step)`, called by the loops once the resume is decided, says
     where this run starts: None (or 0) for a fresh run, whose file starts
     anew; a checkpoint's step for a resumed one, whose file keeps the records
@@ -40,16 +42,16 @@ class Metrics:
 
     def __init__(self, path):
         self.path = path
-        self._file = None
+        self._fd = None
 
     def resume_at(self, step):
-        if not self.path or self._file:
+        if not self.path or self._fd is not None:
             return
         if not step:
-            self._file = open(self.path, "w")
+            self._open(append=False)
             return
         try:
-            with open(self.path) as f:
+            with open(open_in_place(self.path, "r")) as f:
                 lines = f.read().splitlines()
         except FileNotFoundError:
             lines = []
@@ -59,7 +61,13 @@ class Metrics:
         kept = [line for line in lines if _kept(line, step)]
         if len(kept) != len(lines):
             self._rewrite(kept)
-        self._file = open(self.path, "a")
+        self._open(append=True)
+
+    def _open(self, append):
+        try:
+            self._fd = open_in_place(self.path, "a" if append else "w")
+        except OSError as e:
+            raise HpctrainError(f"--metrics {self.path}: cannot open ({one_line(e)})") from None
 
     def _rewrite(self, lines):
         fd, tmp = temp_next_to(self.path)
@@ -79,17 +87,19 @@ class Metrics:
     def write(self, record):
         if not self.path:
             return
-        if self._file is None:
+        if self._fd is None:
             self.resume_at(None)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        data = (json.dumps(record) + "\n").encode()
+        done = 0
+        while done < len(data):
+            done += os.write(self._fd, data[done:])
 
     def close(self, keep=True):
         """Close the file (every record is already in it; `keep` is kept
         for the callers' sake: a live file is never removed)."""
-        if self._file:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def eta_text(seconds):

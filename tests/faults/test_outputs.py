@@ -3,8 +3,11 @@ a result that still fails to be written at the end is kept somewhere named.
 
     .venv/bin/python -m pytest tests/faults/test_outputs.py
 """
+import argparse
 import json
 import os
+import re
+import stat
 import time
 
 import h5py
@@ -77,3 +80,90 @@ def test_save_failing_at_the_end_keeps_the_parameters(job, tmp_path, with_checkp
     final = json.loads(metrics.read_text().splitlines()[-1])
     assert final["event"] == "final" and final["steps"] == 20
     assert sorted(os.listdir(tmp_path)) == sorted(["m.jsonl", "tmp"] + (["ckpt"] if with_checkpoint else []))
+
+
+def not_a_regular_file(tmp_path, kind):
+    """A FIFO, a character device (/dev/null's numbers: root only), or symlinks
+    to them and to a directory, made in tmp_path; returns its path."""
+    path = tmp_path / kind.replace(" ", "-")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "char device":
+        if os.geteuid() != 0:
+            pytest.skip("mknod of a character device needs root")
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    elif kind == "symlink to a fifo":
+        os.mkfifo(tmp_path / "f")
+        path.symlink_to(tmp_path / "f")
+    elif kind == "symlink to a directory":
+        (tmp_path / "d").mkdir()
+        path.symlink_to(tmp_path / "d")
+    return path
+
+
+@pytest.mark.parametrize("flag", ["save", "timeline", "keep_best", "metrics"])
+@pytest.mark.parametrize("kind, says", [("fifo", "exists and is a FIFO, not a regular file; name a file"),
+                                        ("char device", "exists and is a character device, not a regular file; "
+                                                        "name a file"),
+                                        ("symlink to a fifo", None),
+                                        ("symlink to a directory", "is a directory; name a file in it")])
+def test_an_output_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path, flag, kind, says):
+    from hpctrain import outputs
+    from hpctrain.errors import HpctrainError
+    path = not_a_regular_file(tmp_path, kind)
+    before = os.lstat(path)
+    args = argparse.Namespace(save=None, metrics=None, timeline=None, keep_best=None, checkpoint_dir=None)
+    setattr(args, flag, str(path))
+    with pytest.raises(HpctrainError) as e:
+        outputs.check_outputs(args)
+    if kind == "symlink to a fifo" and flag == "metrics":
+        says = ("is a symbolic link (the metrics file is written in place and does not follow links); "
+                "name the file itself")
+    elif kind == "symlink to a fifo":
+        says = "exists and is a FIFO, not a regular file; name a file"
+    assert str(e.value) == f"--{flag.replace('_', '-')} {path}: {says}"
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+
+
+def test_save_naming_a_device_fails_before_training_and_the_device_stays(job, tmp_path):
+    dev = not_a_regular_file(tmp_path, "char device")
+    r = job(2, "--steps", "100000", "--hidden", "64", "--save", dev, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert one_error_line(r) == f"--save {dev}: exists and is a character device, not a regular file; name a file"
+    assert "step " not in r.stdout and stat.S_ISCHR(os.lstat(dev).st_mode)
+
+
+def test_metrics_symlink_planted_in_a_shared_directory_is_refused(job, tmp_path):
+    shared, victim = tmp_path / "shared", tmp_path / "victim"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim.write_text("precious\n")
+    (shared / "run.jsonl").symlink_to(victim)
+    r = job(2, "--steps", "100000", "--hidden", "64", "--metrics", shared / "run.jsonl", timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert one_error_line(r) == (f"--metrics {shared / 'run.jsonl'}: is a symbolic link (the metrics file is "
+                                 f"written in place and does not follow links); name the file itself")
+    assert victim.read_text() == "precious\n" and os.listdir(shared) == ["run.jsonl"]
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_metrics_planted_after_the_check_is_not_followed_nor_blocks(tmp_path, planted):
+    """What check_outputs saw can change before the file is opened: the open
+    itself refuses a symlink (O_NOFOLLOW) and a FIFO (without blocking)."""
+    from hpctrain.errors import HpctrainError
+    from hpctrain.report import Metrics
+    path, victim = tmp_path / "run.jsonl", tmp_path / "victim"
+    victim.write_text("precious\n")
+    if planted == "symlink":
+        path.symlink_to(victim)
+        says = "is a symbolic link (the metrics file is written in place and does not follow links)"
+    else:
+        os.mkfifo(path)
+        says = "is not a regular file; name a file"
+    for resume in (None, 10):
+        with pytest.raises(HpctrainError, match=re.escape(f"--metrics {path}: {says}")):
+            metrics = Metrics(str(path))
+            metrics.resume_at(resume)
+            metrics.write({"step": 1})
+    assert victim.read_text() == "precious\n"
