@@ -12,6 +12,7 @@ The chief writes everything; the loops call these under an explicit
 import json
 import os
 import stat
+import sys
 import time
 
 import numpy as np
@@ -38,14 +39,20 @@ class Metrics:
     checkpoint are dropped: they will be logged again) and then goes on, so
     the file holds every logged step once, in order, and one final record.
     The kept part is rewritten to an exclusive temporary file and renamed
-    into place; a write before resume_at starts the file anew."""
+    into place; a write before resume_at starts the file anew.
+
+    A file that cannot be written any more (a full disk, a file-size limit)
+    costs the records, not the run: one warning line, the file cut back to
+    its last whole record, and training, checkpoints and --save go on."""
 
     def __init__(self, path):
         self.path = path
         self._fd = None
+        self._whole = 0       # bytes of whole records in the file
+        self._failed = False  # a write failed: nothing more is written
 
     def resume_at(self, step):
-        if not self.path or self._fd is not None:
+        if not self.path or self._fd is not None or self._failed:
             return
         if not step:
             self._open(append=False)
@@ -66,6 +73,7 @@ class Metrics:
     def _open(self, append):
         try:
             self._fd = open_in_place(self.path, "a" if append else "w")
+            self._whole = os.fstat(self._fd).st_size
         except OSError as e:
             raise HpctrainError(f"--metrics {self.path}: cannot open ({one_line(e)})") from None
 
@@ -85,14 +93,31 @@ class Metrics:
                 os.unlink(tmp)
 
     def write(self, record):
-        if not self.path:
+        if not self.path or self._failed:
             return
         if self._fd is None:
             self.resume_at(None)
         data = (json.dumps(record) + "\n").encode()
-        done = 0
-        while done < len(data):
-            done += os.write(self._fd, data[done:])
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            self._give_up(record, e)
+            return
+        self._whole += len(data)
+
+    def _give_up(self, record, error):
+        """One line, the half-written record cut off, no more writes."""
+        self._failed = True
+        try:
+            os.ftruncate(self._fd, self._whole)
+        except OSError:
+            pass
+        self.close()
+        at = record.get("step", record.get("steps"))
+        print(f"hpctrain: warning: --metrics {self.path}: cannot write ({one_line(error)}); records from "
+              f"step {at} on are not in it, training goes on", file=sys.stderr, flush=True)
 
     def close(self, keep=True):
         """Close the file (every record is already in it; `keep` is kept

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import stat
+import subprocess
 import time
 
 import h5py
@@ -167,3 +168,40 @@ def test_metrics_planted_after_the_check_is_not_followed_nor_blocks(tmp_path, pl
             metrics.resume_at(resume)
             metrics.write({"step": 1})
     assert victim.read_text() == "precious\n"
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A directory on a real 8 KB file system (tmpfs: root only), unmounted after."""
+    where = tmp_path / "tiny"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(where)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_metrics_on_a_disk_that_fills_mid_run_warns_and_the_run_keeps_its_results(job, tmp_path, tiny_disk):
+    metrics, save, ckpt = tiny_disk / "m.jsonl", tmp_path / "p.h5", tmp_path / "ckpt"
+    # ~90 bytes a record: the 8 KB fill up after about 90 steps of 300.
+    r = job(2, "--steps", "300", "--log-every", "1", "--hidden", "16", "--metrics", metrics, "--save", save,
+            "--checkpoint-dir", ckpt, "--checkpoint-every", "100", timeout=180)
+    assert r.returncode == 0, r.stderr
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert len(lines) == 1 and re.fullmatch(rf"hpctrain: warning: --metrics {re.escape(str(metrics))}: cannot "
+                                            r"write \(No space left on device\); records from step \d+ on are "
+                                            r"not in it, training goes on", lines[0]), r.stderr
+    text = metrics.read_text()
+    assert text.endswith("\n")   # no half record left
+    steps = [json.loads(line)["step"] for line in text.splitlines()]
+    assert 10 < len(steps) < 300 and steps == list(range(1, len(steps) + 1))
+    assert f"records from step {len(steps) + 1} on" in lines[0]
+    assert "test accuracy" in r.stdout
+    with h5py.File(save) as f:
+        assert f.attrs["step"] == 300
+    assert (ckpt / "ckpt-00000300.h5").exists()
