@@ -138,9 +138,14 @@ def _try_write(directory, what):
 
 
 def one_line(error):
-    """An OSError's reason on one line: HDF5's messages span several, and an
-    error line is one line."""
-    return " ".join(str(getattr(error, "strerror", None) or error).split())
+    """An OSError's reason on one line: HDF5's messages span several (an
+    error line is one line) and bury the system's reason in a report of
+    buffers and offsets: where they name an errno, its text is the reason."""
+    text = str(getattr(error, "strerror", None) or error)
+    found = re.search(r"\berrno = (\d+)", text)
+    if found:
+        return os.strerror(int(found.group(1)))
+    return " ".join(text.split())
 
 
 def rescue_path(step):

@@ -87,7 +87,7 @@ class Metrics:
             _same_mode(self.path, tmp)
             os.replace(tmp, self.path)
         except OSError as e:
-            raise HpctrainError(f"--metrics {self.path}: cannot rewrite to resume it ({e.strerror or e})") from None
+            raise HpctrainError(f"--metrics {self.path}: cannot rewrite to resume it ({one_line(e)})") from None
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -141,8 +141,8 @@ def _kept(line, step):
     """Whether a record of the metrics file stays when the run resumes at `step`."""
     try:
         record = json.loads(line)
-    except ValueError:
-        return False   # a line a killed writer left half-written
+    except (ValueError, RecursionError):
+        return False   # a line a killed writer left half-written (or nested past what json parses)
     if not isinstance(record, dict) or record.get("event") == "final":
         return False
     at = record.get("step")
@@ -255,7 +255,7 @@ class Report:
             write_params(self.args.keep_best, model, step, self.args, self.session.cluster.size,
                          attrs={"val_accuracy": float(val_acc)})
         except OSError as e:
-            raise HpctrainError(f"--keep-best {self.args.keep_best}: cannot write ({e.strerror or e})",
+            raise HpctrainError(f"--keep-best {self.args.keep_best}: cannot write ({one_line(e)})",
                                 collective=False) from None
 
     def final_val(self, model, step):
@@ -387,14 +387,14 @@ def save_params(path, model, step, args, world_size, checkpoint_path=None):
         write_params(path, model, step, args, world_size)
         return None
     except OSError as e:
-        failed = f"--save {path}: cannot write ({e.strerror or e})"
+        failed = f"--save {path}: cannot write ({one_line(e)})"
     if checkpoint_path:
         return f"{failed}; the parameters of step {step} are in checkpoint {checkpoint_path}"
     try:
         rescue = rescue_path(step)
         write_params(rescue, model, step, args, world_size)
     except OSError as e:
-        return f"{failed}, nor in the temporary directory ({e.strerror or e}): the parameters are lost"
+        return f"{failed}, nor in the temporary directory ({one_line(e)}): the parameters are lost"
     return f"{failed}; the parameters of step {step} are kept in {rescue}"
 
 

@@ -9,6 +9,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 import time
 
 import h5py
@@ -205,3 +206,38 @@ def test_metrics_on_a_disk_that_fills_mid_run_warns_and_the_run_keeps_its_result
     with h5py.File(save) as f:
         assert f.attrs["step"] == 300
     assert (ckpt / "ckpt-00000300.h5").exists()
+
+
+def test_save_on_a_full_disk_is_one_line_with_the_systems_reason(job, tmp_path, tiny_disk):
+    save, rescue_dir = tiny_disk / "p.h5", tmp_path / "tmp"
+    rescue_dir.mkdir()
+    r = job(2, "--steps", "20", "--hidden", "64", "--save", save, env={"TMPDIR": str(rescue_dir)}, timeout=120)
+    assert r.returncode == 2, r.stderr
+    [kept] = os.listdir(rescue_dir)
+    assert one_error_line(r) == (f"--save {save}: cannot write (No space left on device); the parameters of "
+                                 f"step 20 are kept in {rescue_dir / kept}")
+    assert os.listdir(tiny_disk) == []
+
+
+def test_a_resumed_metrics_file_drops_a_line_nested_past_what_json_parses(tmp_path):
+    from hpctrain.report import Metrics
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n' + "[" * 100000 + "]" * 100000 + '\n{"step": 2}\n{"step": 9}\n')
+    metrics = Metrics(str(path))
+    metrics.resume_at(5)
+    metrics.write({"step": 6})
+    metrics.close()
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 6}\n'
+
+
+def test_checkpoint_command_on_a_file_or_a_missing_directory_is_one_line(tmp_path):
+    (tmp_path / "ckpt-00000010.h5").write_bytes(b"not hdf5")
+    (tmp_path / "empty").mkdir()
+    for target, code, says in [
+            (tmp_path / "ckpt-00000010.h5", 2, f"hpctrain: error: {tmp_path / 'ckpt-00000010.h5'}: is a file; "
+                                               f"give the checkpoint directory (--checkpoint-dir) that holds it"),
+            (tmp_path / "missing", 2, f"hpctrain: error: {tmp_path / 'missing'}: no such directory"),
+            (tmp_path / "empty", 0, f"{tmp_path / 'empty'}: no checkpoints (ckpt-NNNNNNNN.h5) in it")]:
+        r = subprocess.run([sys.executable, "-m", "hpctrain.checkpoint", str(target)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == code and (r.stderr + r.stdout).splitlines() == [says], r.stderr + r.stdout
