@@ -147,8 +147,8 @@ class Timeline:
     def _give_up(self, error):
         self.enabled = False
         self._discard()
-        print(f"hpctrain: warning: --timeline {self.path}: cannot write ({one_line(error)}); the run goes on "
-              f"without a timeline", file=sys.stderr, flush=True)
+        print(f"hpctrain: warning: --timeline {self.path}: cannot write ({one_line(error)}); no timeline is "
+              f"written, the run goes on", file=sys.stderr, flush=True)
 
     def discard(self):
         """Remove the temporary file of a trace that was not written (the run

@@ -241,3 +241,13 @@ def test_checkpoint_command_on_a_file_or_a_missing_directory_is_one_line(tmp_pat
         r = subprocess.run([sys.executable, "-m", "hpctrain.checkpoint", str(target)], capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == code and (r.stderr + r.stdout).splitlines() == [says], r.stderr + r.stdout
+
+
+def test_timeline_on_a_disk_that_fills_mid_run_is_a_warning_and_leaves_nothing(job, tiny_disk):
+    trace = tiny_disk / "t.json"
+    r = job(2, "--steps", "300", "--hidden", "16", "--timeline", trace, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert [s for s in r.stderr.splitlines() if s.strip()] == [
+        f"hpctrain: warning: --timeline {trace}: cannot write (No space left on device); no timeline is written, "
+        f"the run goes on"], r.stderr
+    assert "test accuracy" in r.stdout and os.listdir(tiny_disk) == []
