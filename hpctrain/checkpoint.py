@@ -394,7 +394,8 @@ def _misnamed(path, named, step):
 
 
 def main(argv=None):
-    """List DIR's checkpoints newest first and verify each (exit 1 if any is corrupt)."""
+    """List DIR's checkpoints newest first and verify each (exit 1 if any is
+    corrupt; 2, with one line, if DIR is not a directory)."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m hpctrain.checkpoint",
                                 description="List and verify the checkpoints in a --checkpoint-dir.")
