@@ -394,14 +394,22 @@ def _misnamed(path, named, step):
 
 
 def main(argv=None):
-    """List DIR's checkpoints newest first and verify each (exit 1 if any is corrupt)."""
+    """List DIR's checkpoints newest first and verify each (exit 1 if any is
+    corrupt; 2, with one line, if DIR is not a directory)."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m hpctrain.checkpoint",
                                 description="List and verify the checkpoints in a --checkpoint-dir.")
     p.add_argument("dir", help="checkpoint directory")
     a = p.parse_args(argv)
+    try:
+        found = _cli_listing(a.dir)
+    except HpctrainError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return e.exit_code
+    if not found:
+        print(f"{a.dir}: no checkpoints (ckpt-NNNNNNNN.h5) in it")
     bad = 0
-    for named, path in list_checkpoints(a.dir):
+    for named, path in found:
         try:
             c = read(path)
             if c.step != named:
@@ -412,6 +420,20 @@ def main(argv=None):
             bad += 1
             print(f"{os.path.basename(path)}: corrupt ({e})")
     return 1 if bad else 0
+
+
+def _cli_listing(directory):
+    """list_checkpoints for the CLI, where a missing directory or a file is
+    a mistake to say, not an empty listing."""
+    if os.path.isfile(directory):
+        raise HpctrainError(f"{directory}: is a file; give the checkpoint directory (--checkpoint-dir) "
+                            f"that holds it")
+    if not os.path.isdir(directory):
+        raise HpctrainError(f"{directory}: no such directory")
+    try:
+        return list_checkpoints(directory)
+    except HpctrainError as e:
+        raise HpctrainError(str(e).removeprefix("--checkpoint-dir ")) from None
 
 
 if __name__ == "__main__":

@@ -90,7 +90,10 @@ def train(args, process_note="", flag_error=None):
         from .loop_ring import train_ring as loop
     else:
         from .loop_ps import train_ps as loop
-    record = loop(session)
+    try:
+        record = loop(session)
+    finally:
+        session.timeline.discard()   # a trace that was not written leaves no temporary
     stop_mpi(watchdog)   # shutdown is a wait too
     return record
 

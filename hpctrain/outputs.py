@@ -23,6 +23,7 @@ is checked on this node only.
 
     python -c "from hpctrain.outputs import check_outputs"   # used by session.Session
 """
+import errno
 import os
 import re
 import stat
@@ -49,6 +50,7 @@ def check_outputs(args):
         seen[real] = flag
         if os.path.isdir(real):
             raise HpctrainError(f"--{flag} {path}: is a directory; name a file in it")
+        _check_kind(path, flag)
         parent = os.path.dirname(real)
         if not os.path.isdir(parent):
             raise HpctrainError(f"--{flag} {path}: directory {parent} does not exist")
@@ -70,6 +72,62 @@ def check_outputs(args):
     sweep_stale_temporaries(args)
 
 
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def _check_kind(path, flag):
+    """Refuse a name that holds something other than a regular file: the
+    renamed outputs would replace it (as root, --save /dev/null replaced the
+    system's /dev/null), and --metrics, written in place, must not follow a
+    symlink planted in a shared directory to a file of someone else's."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise HpctrainError(f"--{flag} {path}: cannot look at it ({e.strerror})") from None
+    if flag == "metrics" and stat.S_ISLNK(st.st_mode):
+        raise HpctrainError(f"--metrics {path}: is a symbolic link (the metrics file is written in place "
+                            f"and does not follow links); name the file itself")
+    try:
+        st = os.stat(path)
+    except OSError:
+        return   # a dangling symlink: the rename replaces the link itself
+    kind = next((what for test, what in _KINDS if test(st.st_mode)), None)
+    if kind:
+        raise HpctrainError(f"--{flag} {path}: exists and is {kind}, not a regular file; name a file")
+
+
+def open_in_place(path, mode):
+    """The --metrics file as a raw fd, opened without following a symlink at
+    its name (O_NOFOLLOW) and only if it is a regular file: a FIFO or device
+    put there after check_outputs is refused, not used (O_NONBLOCK: opening a
+    FIFO with no peer does not block). mode "r": read it; "a": append to
+    what it holds; "w": it starts empty. Raises OSError, or HpctrainError for
+    a symlink or something that is not a regular file."""
+    flags = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "w": os.O_WRONLY | os.O_CREAT}[mode]
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise HpctrainError(f"--metrics {path}: is a symbolic link (the metrics file is written in place "
+                                f"and does not follow links); name the file itself") from None
+        if e.errno == errno.ENXIO:   # a FIFO without a reader, a device without its device
+            raise HpctrainError(f"--metrics {path}: is not a regular file; name a file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HpctrainError(f"--metrics {path}: is not a regular file; name a file")
+        os.set_blocking(fd, True)
+        if mode == "w":
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _try_write(directory, what):
     try:
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".hpctrain-probe-")
@@ -77,6 +135,17 @@ def _try_write(directory, what):
         raise HpctrainError(f"{what}: cannot write in {directory} ({e.strerror})") from None
     os.close(fd)
     os.unlink(probe)
+
+
+def one_line(error):
+    """An OSError's reason on one line: HDF5's messages span several (an
+    error line is one line) and bury the system's reason in a report of
+    buffers and offsets: where they name an errno, its text is the reason."""
+    text = str(getattr(error, "strerror", None) or error)
+    found = re.search(r"\berrno = (\d+)", text)
+    if found:
+        return os.strerror(int(found.group(1)))
+    return " ".join(text.split())
 
 
 def rescue_path(step):

@@ -20,6 +20,7 @@ import sys
 import numpy as np
 
 from .errors import EXIT_BAD_INPUT, HpctrainError
+from .outputs import one_line
 
 INSTALL = "plotting needs matplotlib: pip install 'hpctrain[plot]'"
 DPI = 80
@@ -37,8 +38,12 @@ def require():
     return matplotlib
 
 
-def check_output(path, flag):
-    """Refuse an output we could not write before anything long runs."""
+def check_output(path, flag, inputs=()):
+    """Refuse an output we could not write before anything long runs, or
+    that would overwrite one of the inputs."""
+    for given in inputs:
+        if os.path.realpath(given) == os.path.realpath(path):
+            raise HpctrainError(f"{flag} {path}: is one of the input files; name another file for the picture")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise HpctrainError(f"{flag} {path}: no such directory {folder}")
@@ -71,7 +76,7 @@ def _save(fig, path):
     try:
         rgb.quantize(256).save(path, format="png", optimize=True)
     except OSError as e:
-        raise HpctrainError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise HpctrainError(f"{path}: cannot write ({one_line(e)})") from None
 
 
 def _line(drawn, key, ax, x, y, **kw):
@@ -114,7 +119,7 @@ def read_run(path, label=None):
             continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):   # RecursionError: nested deeper than json can parse
             if number == len(lines):   # no newline after it: the writer was killed mid-line
                 continue
             raise HpctrainError(f"{path} line {number}: not JSON (a --metrics file is JSON Lines)") from None
@@ -355,7 +360,7 @@ def main(argv=None):
                                 f"give one per file, or none")
         labels = args.label or [None] * len(args.runs)
         runs = [read_run(path, label) for path, label in zip(args.runs, labels)]
-        check_output(args.output, "-o")
+        check_output(args.output, "-o", inputs=args.runs)
         require()
         plot_runs(runs, args.output)
     except HpctrainError as e:

@@ -12,6 +12,7 @@ The chief writes everything; the loops call these under an explicit
 import json
 import os
 import stat
+import sys
 import time
 
 import numpy as np
@@ -20,15 +21,17 @@ from mpi4py import MPI
 from . import data as data_mod
 from . import device
 from .errors import HpctrainError
-from .outputs import rescue_path, temp_next_to
+from .outputs import one_line, open_in_place, rescue_path, temp_next_to
 
 
 class Metrics:
     """The --metrics file, JSON Lines, written by the chief alone (the other
     ranks hold Metrics(None), which writes nothing).
 
-    Live: opened for append, every record flushed as it is written, so
-    `tail -f` follows a running job and a killed job keeps what it logged.
+    Live: opened for append, every record written as it comes (one write(2)
+    of whole lines), so `tail -f` follows a running job and a killed job
+    keeps what it logged. Opened without following a symlink at its name
+    (outputs.open_in_place), as check_outputs refused one before.
     `resume_at(step)`, called by the loops once the resume is decided, says
     where this run starts: None (or 0) for a fresh run, whose file starts
     anew; a checkpoint's step for a resumed one, whose file keeps the records
@@ -36,20 +39,26 @@ class Metrics:
     checkpoint are dropped: they will be logged again) and then goes on, so
     the file holds every logged step once, in order, and one final record.
     The kept part is rewritten to an exclusive temporary file and renamed
-    into place; a write before resume_at starts the file anew."""
+    into place; a write before resume_at starts the file anew.
+
+    A file that cannot be written any more (a full disk, a file-size limit)
+    costs the records, not the run: one warning line, the file cut back to
+    its last whole record, and training, checkpoints and --save go on."""
 
     def __init__(self, path):
         self.path = path
-        self._file = None
+        self._fd = None
+        self._whole = 0       # bytes of whole records in the file
+        self._failed = False  # a write failed: nothing more is written
 
     def resume_at(self, step):
-        if not self.path or self._file:
+        if not self.path or self._fd is not None or self._failed:
             return
         if not step:
-            self._file = open(self.path, "w")
+            self._open(append=False)
             return
         try:
-            with open(self.path) as f:
+            with open(open_in_place(self.path, "r")) as f:
                 lines = f.read().splitlines()
         except FileNotFoundError:
             lines = []
@@ -59,7 +68,14 @@ class Metrics:
         kept = [line for line in lines if _kept(line, step)]
         if len(kept) != len(lines):
             self._rewrite(kept)
-        self._file = open(self.path, "a")
+        self._open(append=True)
+
+    def _open(self, append):
+        try:
+            self._fd = open_in_place(self.path, "a" if append else "w")
+            self._whole = os.fstat(self._fd).st_size
+        except OSError as e:
+            raise HpctrainError(f"--metrics {self.path}: cannot open ({one_line(e)})") from None
 
     def _rewrite(self, lines):
         fd, tmp = temp_next_to(self.path)
@@ -71,25 +87,44 @@ class Metrics:
             _same_mode(self.path, tmp)
             os.replace(tmp, self.path)
         except OSError as e:
-            raise HpctrainError(f"--metrics {self.path}: cannot rewrite to resume it ({e.strerror or e})") from None
+            raise HpctrainError(f"--metrics {self.path}: cannot rewrite to resume it ({one_line(e)})") from None
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
     def write(self, record):
-        if not self.path:
+        if not self.path or self._failed:
             return
-        if self._file is None:
+        if self._fd is None:
             self.resume_at(None)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        data = (json.dumps(record) + "\n").encode()
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            self._give_up(record, e)
+            return
+        self._whole += len(data)
+
+    def _give_up(self, record, error):
+        """One line, the half-written record cut off, no more writes."""
+        self._failed = True
+        try:
+            os.ftruncate(self._fd, self._whole)
+        except OSError:
+            pass
+        self.close()
+        at = record.get("step", record.get("steps"))
+        print(f"hpctrain: warning: --metrics {self.path}: cannot write ({one_line(error)}); records from "
+              f"step {at} on are not in it, training goes on", file=sys.stderr, flush=True)
 
     def close(self, keep=True):
         """Close the file (every record is already in it; `keep` is kept
         for the callers' sake: a live file is never removed)."""
-        if self._file:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def eta_text(seconds):
@@ -106,8 +141,8 @@ def _kept(line, step):
     """Whether a record of the metrics file stays when the run resumes at `step`."""
     try:
         record = json.loads(line)
-    except ValueError:
-        return False   # a line a killed writer left half-written
+    except (ValueError, RecursionError):
+        return False   # a line a killed writer left half-written (or nested past what json parses)
     if not isinstance(record, dict) or record.get("event") == "final":
         return False
     at = record.get("step")
@@ -220,7 +255,7 @@ class Report:
             write_params(self.args.keep_best, model, step, self.args, self.session.cluster.size,
                          attrs={"val_accuracy": float(val_acc)})
         except OSError as e:
-            raise HpctrainError(f"--keep-best {self.args.keep_best}: cannot write ({e.strerror or e})",
+            raise HpctrainError(f"--keep-best {self.args.keep_best}: cannot write ({one_line(e)})",
                                 collective=False) from None
 
     def final_val(self, model, step):
@@ -352,14 +387,14 @@ def save_params(path, model, step, args, world_size, checkpoint_path=None):
         write_params(path, model, step, args, world_size)
         return None
     except OSError as e:
-        failed = f"--save {path}: cannot write ({e.strerror or e})"
+        failed = f"--save {path}: cannot write ({one_line(e)})"
     if checkpoint_path:
         return f"{failed}; the parameters of step {step} are in checkpoint {checkpoint_path}"
     try:
         rescue = rescue_path(step)
         write_params(rescue, model, step, args, world_size)
     except OSError as e:
-        return f"{failed}, nor in the temporary directory ({e.strerror or e}): the parameters are lost"
+        return f"{failed}, nor in the temporary directory ({one_line(e)}): the parameters are lost"
     return f"{failed}; the parameters of step {step} are kept in {rescue}"
 
 

@@ -5,15 +5,27 @@ Spans are complete events ("ph": "X") with microsecond timestamps, one track
 (tid) per thread, so a communication thread's bucket allreduces show beside
 backprop. Disabled, every call is a no-op costing one attribute lookup.
 
+Streamed: at most FLUSH_EVERY events are held in memory; the rest are in an
+exclusive temporary file next to the trace (outputs.temp_next_to), renamed
+into place whole by write() at the end, so a job of millions of steps holds
+no more than a short one, and the trace is never half-written. A run that
+ends before write() removes the temporary (discard()); a killed one's is
+swept at the next start. A trace that cannot be written (a full disk) is a
+warning: the run goes on without it.
+
     mpirun -n 2 python -m hpctrain.mnist --steps 20 --timeline /tmp/t.json
 """
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 
-from .outputs import temp_next_to
+from .outputs import one_line, temp_next_to
+
+# Events held in memory before they go to the file: ~0.3 MB.
+FLUSH_EVERY = 1000
 
 
 class _Span:
@@ -39,7 +51,10 @@ class Timeline:
     def __init__(self, path=None, process_name="hpctrain"):
         self.path = path
         self.enabled = path is not None
-        self._events = []
+        self._events = []   # not yet in the file
+        self._file = None   # the temporary file, once the first events are in it
+        self._tmp = None
+        self._written = 0   # events in the file
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self._tids = {}
@@ -84,21 +99,75 @@ class Timeline:
         if args:
             event["args"] = args
         with self._lock:
+            if not self.enabled:
+                return   # written, discarded or given up since the check above
             self._events.append(event)
+            if len(self._events) >= FLUSH_EVERY:
+                self._flush()
+
+    def _flush(self):
+        """Under the lock: the events held so far to the temporary file."""
+        events, self._events = self._events, []
+        try:
+            if self._file is None:
+                # Exclusive, unpredictable: no planted symlink followed.
+                fd, self._tmp = temp_next_to(self.path)
+                self._file = os.fdopen(fd, "w")
+                self._file.write('{"traceEvents": [\n')
+            sep = ",\n" if self._written else ""
+            self._file.write(sep + json.dumps(events)[1:-1])   # one encoder call per chunk: no brackets
+            self._written += len(events)
+        except OSError as e:
+            self._give_up(e)
 
     def write(self):
-        """Write the trace atomically (temporary file, then rename)."""
+        """Finish the trace and rename it into place. Nothing is added after."""
         if not self.enabled:
             return
         names = {tid: ("main" if tid == 0 else f"thread {tid}") for tid in self._tids.values()}
         meta = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": self._process_name}}]
         meta += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": n}}
                  for tid, n in names.items()]
-        fd, tmp = temp_next_to(self.path)   # exclusive, unpredictable: no planted symlink followed
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"traceEvents": meta + self._events, "displayTimeUnit": "ms"}, f)
-            os.replace(tmp, self.path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with self._lock:
+            self._events += meta
+            self._flush()
+            if not self.enabled:
+                return   # _flush gave up
+            self.enabled = False
+            try:
+                self._file.write('\n], "displayTimeUnit": "ms"}\n')
+                self._file.close()
+                os.replace(self._tmp, self.path)
+                self._tmp = None
+            except OSError as e:
+                self._give_up(e)
+            finally:
+                self._discard()
+
+    def _give_up(self, error):
+        self.enabled = False
+        self._discard()
+        print(f"hpctrain: warning: --timeline {self.path}: cannot write ({one_line(error)}); no timeline is "
+              f"written, the run goes on", file=sys.stderr, flush=True)
+
+    def discard(self):
+        """Remove the temporary file of a trace that was not written (the run
+        ended otherwise): every exit path calls it; after write() a no-op."""
+        with self._lock:
+            self.enabled = False
+            self._discard()
+
+    def _discard(self):
+        self._events = []
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+        if self._tmp is not None:
+            try:
+                os.unlink(self._tmp)
+            except FileNotFoundError:
+                pass
+            self._tmp = None

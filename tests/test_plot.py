@@ -5,6 +5,7 @@ in one line, and the progress line's ETA.
     .venv/bin/python -m pytest -q tests/test_plot.py
 """
 import json
+import os
 import re
 import subprocess
 import sys
@@ -188,3 +189,22 @@ def test_validation_accuracy_is_drawn_beside_the_test_accuracy(tmp_path):
     assert drawn["val_accuracy/val"][1].tolist() == [0.55, 0.62]
     assert drawn["test_accuracy/val"][1].tolist() == [0.5, 0.6]
     assert_png(tmp_path / "val.png", plot.RUN_SIZE)
+
+
+def test_output_naming_an_input_and_a_deeply_nested_line_are_one_line(tmp_path, capsys):
+    good = tmp_path / "good.jsonl"
+    record = '{"step": 1, "loss": 2.0, "samples_per_s": 1.0, "time_s": 0.1}\n'
+    good.write_text(record)
+    (tmp_path / "link.jsonl").symlink_to(good)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(record + "[" * 100000 + "]" * 100000 + "\n" + record)
+    cases = [([good, "-o", good], f"-o {good}: is one of the input files; name another file for the picture"),
+             ([good, "-o", tmp_path / "link.jsonl"], "link.jsonl: is one of the input files"),
+             ([deep, "-o", tmp_path / "x.png"], f"{deep} line 2: not JSON")]
+    for args, message in cases:
+        code = plot.main([str(a) for a in args])
+        captured = capsys.readouterr()
+        lines = captured.err.splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("hpctrain: error: "), captured.err
+        assert message in lines[0], lines[0]
+    assert good.read_text() == record and sorted(os.listdir(tmp_path)) == ["deep.jsonl", "good.jsonl", "link.jsonl"]
