@@ -105,9 +105,9 @@ def make_dataset(tmp_path, n_train, shards=1):
     rng = np.random.default_rng(0)
     src = tmp_path / "src"
     src.mkdir()
-    n = 2 * n_train  # one class, half of it held out
+    n = 2 * n_train  # two classes (prepare refuses one), half of each held out
     write_idx(src / "images-idx3-ubyte", rng.integers(0, 255, (n, 28, 28), dtype=np.uint8))
-    write_idx(src / "labels-idx1-ubyte", np.zeros(n, np.uint8))
+    write_idx(src / "labels-idx1-ubyte", (np.arange(n) % 2).astype(np.uint8))
     out = tmp_path / "shards"
     data_mod.prepare(src, out, shards=shards, test_fraction=0.5, log=None)
     return out
