@@ -226,16 +226,11 @@ class Session:
         with watchdog.waiting("start-up (communicators)", peer=None):
             self.cluster = cluster = Cluster(self.comm, args.mode, args.num_ps, args.ps_ranks)
         self.chief = cluster.is_chief
-        # The same job everywhere, the same checkpoint directory included: a
-        # rank with another --checkpoint-dir would wait for checkpoints forever.
-        # First, before the roles are used: ranks that disagree on --num-ps or
+        # The same job everywhere, outputs included (settings.py). First,
+        # before the roles are used: ranks that disagree on --num-ps or
         # --ps-ranks disagree on who the chief is (the rank map's root).
-        where = os.path.realpath(args.checkpoint_dir) if args.checkpoint_dir else "-"
-        if len(where) > 60:   # compared as 64-byte records: keep the end, hash the whole
-            where = hashlib.sha256(where.encode()).hexdigest()[:8] + "..." + where[-45:]
         with watchdog.waiting("start-up (same job on every rank)", peer=None):
-            self.agreed(self.comm, check_consistency, self.comm,
-                        dict(settings.same_on_every_rank(args), checkpoint_dir=where))
+            self.agreed(self.comm, check_consistency, self.comm, settings.same_on_every_rank(args))
         with watchdog.waiting("start-up (rank map)", peer=None):
             jobcheck.check_world(cluster, self.chief_says)
         self.t_start = time.perf_counter()
