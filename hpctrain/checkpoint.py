@@ -364,6 +364,26 @@ def check_compatible(ckpt, expected_settings):
                                 f"fresh with another --checkpoint-dir")
 
 
+def check_data(ckpt, digest, data_dir, other_ok=False):
+    """The checkpoint against this run's data (its manifest's digest): None
+    when it was trained on the same data; a line to print when it records no
+    data (an hpctrain before `data_digest`: not checked) or, with other_ok
+    (--resume-other-data), other data; otherwise HpctrainError naming both."""
+    have = ckpt.attrs.get("data_digest")
+    if not have:
+        return (f"{ckpt.name} does not record the data it was trained on (written by an earlier hpctrain): "
+                f"resuming on --data {data_dir} unchecked")
+    if have == digest:
+        return None
+    was = f"{ckpt.attrs.get('data') or '?'} (manifest digest {have})"
+    now = f"--data {data_dir} (manifest digest {digest})"
+    if other_ok:
+        return f"--resume-other-data: {ckpt.name} was trained on {was}; it goes on on {now} from its first epoch"
+    raise HpctrainError(f"{ckpt.path}: checkpoint was trained on other data, {was}; this run has {now}; resume "
+                        f"on the same data, pass --resume-other-data to go on from it on this data "
+                        f"(fine-tuning), or start fresh with another --checkpoint-dir")
+
+
 def load_latest(directory, expected_settings, warn=None):
     """The newest valid checkpoint in DIR (Checkpoint), or None if it holds none.
 

@@ -151,7 +151,21 @@ class Checkpoints:
                                 f"valid (see the warnings above); move them away to start fresh")
         if ckpt is None and args.resume == "yes":
             raise HpctrainError(f"--resume yes, but --checkpoint-dir {d} holds no checkpoint")
+        if ckpt is not None:
+            self._check_data(ckpt)
         return ckpt
+
+    def _check_data(self, ckpt):
+        """A checkpoint of other data is refused, or with --resume-other-data
+        goes on from the new data's first epoch, its samples counted from 0
+        (--epochs: E epochs of the new data)."""
+        session = self.session
+        line = checkpoint.check_data(ckpt, session.data_digest, session.data_dir, session.args.resume_other_data)
+        if line:
+            print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
+        if ckpt.attrs.get("data_digest") not in (None, "", session.data_digest):
+            ckpt.data_positions = np.zeros_like(ckpt.data_positions)
+            ckpt.attrs["samples"] = 0
 
     def resumed_line(self, resume):
         """The chief's line for a resumed run; on another number of workers it
@@ -333,7 +347,8 @@ class Checkpoints:
                                        keep=args.keep_checkpoints,
                                        info=dict(settings.recorded(args, cluster.size, cluster.num_workers,
                                                                    session.model_shape),
-                                                 samples=self.samples_at(step), **self.more_attrs()))
+                                                 samples=self.samples_at(step), data=str(session.data_dir),
+                                                 data_digest=session.data_digest, **self.more_attrs()))
         with session.timeline.span("checkpoint", cat="checkpoint"):
             path = session.agreed(comm, chief_writes if session.chief else lambda: None)
         self.saved_step, self.saved_path = step, path

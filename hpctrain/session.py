@@ -252,9 +252,10 @@ class Session:
             self.chief_says(cluster.servers_line())
         # The same data everywhere (its manifest's content, not its path).
         self.data_dir = ensure_data(args, cluster, watchdog)
-        data, self.model_shape = self.agreed(self.comm, data_identity, self.data_dir)
+        # (the digest is also what checkpoints record of the data: resume.py)
+        self.data_digest, self.model_shape = self.agreed(self.comm, data_identity, self.data_dir)
         with watchdog.waiting("start-up (same data on every rank)", peer=None):
-            self.agreed(self.comm, check_consistency, self.comm, {"data (manifest digest)": data})
+            self.agreed(self.comm, check_consistency, self.comm, {"data (manifest digest)": self.data_digest})
         self.has_val = data_mod.has_val(self.data_dir)
         self.agreed(self.comm, check_val, args, self.has_val, self.data_dir)
         # After the data: --epochs count its training samples (the same on

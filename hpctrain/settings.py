@@ -33,7 +33,7 @@ RANK_FLAGS = ("mode", "batch_size", "steps", "epochs", "lr", "optimizer", "seed"
               "timeout")
 # Flags only the chief acts on (its files and lines), compared like the ones
 # above but not recorded in checkpoints; paths as the files they name.
-OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "save", "metrics", "keep_best", "timeline",
+OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics", "keep_best", "timeline",
                 "eval_every", "log_every")
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline")
 SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "batch_size", "seed", "lr_schedule")

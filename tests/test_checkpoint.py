@@ -418,3 +418,49 @@ def test_resume_yes_without_a_checkpoint_is_a_clear_error(tmp_path):
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert errors(r) == [f"hpctrain: error: --resume yes, but --checkpoint-dir {empty} holds no checkpoint"]
     assert not (tmp_path / "p.h5").exists() and os.listdir(empty) == []
+
+
+def recheck(path, edit):
+    """Edit a checkpoint with h5py and make it valid again: its content
+    checksum and its header recomputed the way checkpoint.py does."""
+    with h5py.File(path, "r+") as f:
+        edit(f)
+        attrs = {k: checkpoint._plain(v) for k, v in f.attrs.items()}
+        names = ["params", "data_positions", *(f"optimizer/{n}" for n in f.get("optimizer", {}))]
+        f.attrs["sha256"] = checkpoint._checksum({n: f[n][()] for n in names}, attrs)
+    checkpoint.stamp(path)
+
+
+@needs_own_jobs
+def test_a_checkpoint_resumes_only_on_the_data_it_was_trained_on(tmp_path):
+    # Other data (here: the same shards under a manifest that says another
+    # seed, so another digest) was resumed at the checkpoint's step, exit 0.
+    import json
+    import shutil
+    from hpctrain import data
+    other = tmp_path / "other"
+    shutil.copytree(data.default_data_dir(), other)
+    manifest = json.loads((other / data.MANIFEST).read_text())
+    (other / data.MANIFEST).write_text(json.dumps(dict(manifest, seed=99)))
+    ckpt_dir = tmp_path / "ckpt"
+    flags = ["--steps", 20, *SMALL, "--checkpoint-dir", ckpt_dir]
+    r = run(2, *flags)
+    assert r.returncode == 0, r.stderr
+    r = run(2, *flags, "--data", other, "--steps", 30)
+    assert r.returncode == 2 and len(errors(r)) == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert re.fullmatch(rf"hpctrain: error: {ckpt_dir / 'ckpt-00000020.h5'}: checkpoint was trained on other "
+                        rf"data, {data.default_data_dir()} \(manifest digest [0-9a-f]{{16}}\); this run has "
+                        rf"--data {other} \(manifest digest [0-9a-f]{{16}}\); resume on the same data, pass "
+                        rf"--resume-other-data to go on .*", errors(r)[0]), errors(r)
+    # Deliberately (fine-tuning): it goes on from the checkpoint, from the new data's first epoch.
+    r = run(2, *flags, "--data", other, "--steps", 30, "--resume-other-data")
+    assert r.returncode == 0 and f"resumed from {ckpt_dir / 'ckpt-00000020.h5'} at step 20" in r.stdout, r.stderr
+    assert "hpctrain: warning: --resume-other-data: ckpt-00000020.h5 was trained on" in r.stderr, r.stderr
+    with h5py.File(ckpt_dir / "ckpt-00000030.h5") as f:
+        assert f.attrs["data"] == str(other) and f.attrs["samples"] == 10 * 2 * 32
+    # A checkpoint from before checkpoints recorded their data still resumes, and says so.
+    recheck(ckpt_dir / "ckpt-00000030.h5", lambda f: [f.attrs.__delitem__(k) for k in ("data", "data_digest")])
+    r = run(2, *flags, "--steps", 40)
+    assert r.returncode == 0 and "at step 30" in r.stdout, r.stderr
+    assert ("hpctrain: warning: ckpt-00000030.h5 does not record the data it was trained on (written by an "
+            "earlier hpctrain): resuming on --data") in r.stderr, r.stderr
