@@ -163,7 +163,8 @@ class Checkpoints:
         line = checkpoint.check_data(ckpt, session.data_digest, session.data_dir, session.args.resume_other_data)
         if line:
             print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
-        if ckpt.attrs.get("data_digest") not in (None, "", session.data_digest):
+        have = ckpt.attrs.get("data_digest")
+        if have and have != session.data_digest:   # --resume-other-data (check_data refused it otherwise)
             ckpt.data_positions = np.zeros_like(ckpt.data_positions)
             ckpt.attrs["samples"] = 0
 

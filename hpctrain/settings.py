@@ -33,8 +33,8 @@ RANK_FLAGS = ("mode", "batch_size", "steps", "epochs", "lr", "optimizer", "seed"
               "timeout")
 # Flags only the chief acts on (its files and lines), compared like the ones
 # above but not recorded in checkpoints; paths as the files they name.
-OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics", "keep_best", "timeline",
-                "eval_every", "log_every")
+OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
+                "keep_best", "timeline", "eval_every", "log_every")
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline")
 SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "batch_size", "seed", "lr_schedule")
 # What a checkpoint written before a setting existed means by it (it is
@@ -71,7 +71,7 @@ def _where(path):
     """A path flag as ranks compare it: the file it names (relative paths
     resolved), within the 64-byte records of cluster.check_consistency: a
     longer one is its end and a hash of the whole."""
-    if path is None:
+    if not path:
         return "-"
     where = os.path.realpath(path)
     if len(where) > 60:
