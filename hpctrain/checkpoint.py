@@ -462,7 +462,8 @@ def check_data(ckpt, digest, data_dir, other_ok=False):
     was = f"{ckpt.attrs.get('data') or '?'} (manifest digest {have})"
     now = f"--data {data_dir} (manifest digest {digest})"
     if other_ok:
-        return f"--resume-other-data: {ckpt.name} was trained on {was}; it goes on on {now} from its first epoch"
+        return (f"--resume-other-data: {ckpt.name} was trained on {was}; this run goes on from it on {now}, "
+                f"from that data's first epoch")
     raise HpctrainError(f"{ckpt.path}: checkpoint was trained on other data, {was}; this run has {now}; resume "
                         f"on the same data, pass --resume-other-data to go on from it on this data "
                         f"(fine-tuning), or start fresh with another --checkpoint-dir")
