@@ -212,6 +212,9 @@ def build_parser():
     g.add_argument("--keep-checkpoints", type=_positive_int, default=3, help="keep the newest K checkpoints (default: %(default)s)")
     g.add_argument("--resume", choices=["auto", "yes", "no"], default="auto",
                    help="auto: resume from the newest valid checkpoint if there is one; yes: require one; no: start fresh")
+    g.add_argument("--resume-other-data", action="store_true", default=False,
+                   help="resume from a checkpoint trained on other data than --data (fine-tuning): the data "
+                        "starts at its first epoch; without it such a resume is refused (default: off)")
     g.add_argument("--save", metavar="FILE.h5", type=_path, default=None, help="write the final parameters to this HDF5 file")
     g.add_argument("--metrics", metavar="FILE.jsonl", type=_path, default=None, help="write metrics as JSON Lines (chief only)")
     g.add_argument("--log-every", type=_positive_int, default=100, help="print a progress line every N steps (default: %(default)s)")

@@ -10,6 +10,7 @@ ps: the world, so the servers share the outcome).
 
     mpirun -n 2 python -m hpctrain.mnist --checkpoint-dir ckpt --checkpoint-every 100
 """
+import math
 import signal
 import sys
 from dataclasses import dataclass
@@ -17,16 +18,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import checkpoint, device, settings
+from .cli import steps_for_epochs
+from .data import load_manifest
 from .errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 
 
 @dataclass
 class Resume:
     """Where a resumed run starts: step and optimizer_t on every rank, the
-    Checkpoint itself (host arrays) on the chief only."""
+    Checkpoint itself (host arrays) on the chief only; samples: the training
+    samples the steps up to it took (at the worker counts that took them)."""
     step: int
     optimizer_t: int
     checkpoint: object = None
+    samples: int = 0
 
 
 def resume_point(positions):
@@ -38,6 +43,26 @@ def resume_point(positions):
     positions = np.asarray(positions, np.int64).reshape(-1, 2)
     epoch = int(positions[:, 0].max())
     return epoch, int(positions[positions[:, 0] == epoch, 1].max())
+
+
+def samples_trained(ckpt, batch_size):
+    """The training samples taken up to a checkpoint: its `samples`; one
+    written before it recorded them counts step x its workers x batch (exact
+    unless it was itself resumed on another number of workers)."""
+    if "samples" in ckpt.attrs:
+        return int(ckpt.attrs["samples"])
+    return ckpt.step * int(ckpt.attrs.get("num_workers", 1)) * int(batch_size)
+
+
+def epochs_end(epochs, train_samples, step, samples, workers, batch_size):
+    """--epochs E resumed at `step` after `samples` training samples: the step
+    at which E x train_samples are taken, the rest at workers x batch_size a
+    step. So a job resized on resume still trains E epochs (within one global
+    batch at the end), not the steps E would be at its new size from step 0."""
+    per_step = int(workers) * int(batch_size)
+    if samples == step * per_step:   # all at this size: the steps of a run through, to the bit
+        return steps_for_epochs(epochs, train_samples, workers, batch_size)
+    return step + max(0, math.ceil((epochs * train_samples - samples) / per_step))
 
 
 def positions_for(point, num_workers):
@@ -53,6 +78,7 @@ class Checkpoints:
         self.enabled = bool(session.args.checkpoint_dir)
         self.saved_step = None   # the step of the newest checkpoint written or resumed from
         self.saved_path = None
+        self._base = (0, 0)      # (step, training samples taken up to it): where this run started
         self._owners = None      # (optimizer, layout): a sharded optimizer's owners, once
         # More attributes for the chief's checkpoints (report.Report.checkpoint_attrs:
         # the best validation so far), set by the loop that has a report.
@@ -71,16 +97,34 @@ class Checkpoints:
         if not self.enabled:
             return None
         ckpt = session.agreed(comm, self._chief_reads_bounded if session.chief else lambda: None)
-        head = np.zeros(3, np.int64)
+        head = np.zeros(4, np.int64)
         if ckpt is not None:
-            head[:] = 1, ckpt.step, ckpt.optimizer_t
+            head[:] = 1, ckpt.step, ckpt.optimizer_t, samples_trained(ckpt, session.args.batch_size)
         with session.watchdog.waiting("checkpoint header broadcast", peer=session.cluster.chief_rank):
             comm.Bcast(head, root=session.chief_in(comm))
         if not head[0]:
             return None
-        self.saved_step = int(head[1])
+        resume = Resume(step=int(head[1]), optimizer_t=int(head[2]), checkpoint=ckpt, samples=int(head[3]))
+        self.saved_step, self._base = resume.step, (resume.step, resume.samples)
         self.saved_path = ckpt.path if ckpt is not None else None
-        return Resume(step=int(head[1]), optimizer_t=int(head[2]), checkpoint=ckpt)
+        self._epochs_go_on(resume)
+        return resume
+
+    def _epochs_go_on(self, resume):
+        """--epochs: the steps the session counted from step 0 at this run's
+        size become the steps to the end of E epochs from the checkpoint's
+        samples on (every rank; the loops and the servers read args.steps
+        after load). With --lr-schedule cosine the steps are part of the
+        schedule that must match, so a resize is refused before this."""
+        args, workers = self.session.args, self.session.cluster.num_workers
+        if args.epochs is not None:
+            train = int(load_manifest(self.session.data_dir)["train"]["num_samples"])
+            args.steps = epochs_end(args.epochs, train, resume.step, resume.samples, workers, args.batch_size)
+
+    def samples_at(self, step):
+        """The training samples taken up to `step` of this run (what its checkpoint records)."""
+        base_step, base_samples = self._base
+        return base_samples + (int(step) - base_step) * self.session.cluster.num_workers * self.session.args.batch_size
 
     def _chief_reads_bounded(self):
         # A file system can hang (a dead NFS server, a FIFO): bounded like any wait.
@@ -107,7 +151,22 @@ class Checkpoints:
                                 f"valid (see the warnings above); move them away to start fresh")
         if ckpt is None and args.resume == "yes":
             raise HpctrainError(f"--resume yes, but --checkpoint-dir {d} holds no checkpoint")
+        if ckpt is not None:
+            self._check_data(ckpt)
         return ckpt
+
+    def _check_data(self, ckpt):
+        """A checkpoint of other data is refused, or with --resume-other-data
+        goes on from the new data's first epoch, its samples counted from 0
+        (--epochs: E epochs of the new data)."""
+        session = self.session
+        line = checkpoint.check_data(ckpt, session.data_digest, session.data_dir, session.args.resume_other_data)
+        if line:
+            print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
+        have = ckpt.attrs.get("data_digest")
+        if have and have != session.data_digest:   # --resume-other-data (check_data refused it otherwise)
+            ckpt.data_positions = np.zeros_like(ckpt.data_positions)
+            ckpt.attrs["samples"] = 0
 
     def resumed_line(self, resume):
         """The chief's line for a resumed run; on another number of workers it
@@ -121,6 +180,9 @@ class Checkpoints:
             epoch, pos = resume_point(resume.checkpoint.data_positions)
             line += (f"; written with {before} workers, this run has {workers}: the rest of epoch "
                      f"{epoch} (from sample {pos}) is dealt over {workers} workers")
+            if session.args.epochs is not None:
+                line += (f"; --epochs {session.args.epochs:g}: {resume.samples} samples taken so far, "
+                         f"the rest at {workers} workers x {session.args.batch_size}: the run ends at step {steps}")
             if session.args.scale_lr:
                 line += (f"; --scale-lr: lr {session.lr(step):g} at step {step} for {workers} "
                          f"workers (was {session.lr(step) * before / workers:g})")
@@ -285,7 +347,9 @@ class Checkpoints:
                                        settings.same_on_resume(args, cluster.num_workers, session.model_shape),
                                        keep=args.keep_checkpoints,
                                        info=dict(settings.recorded(args, cluster.size, cluster.num_workers,
-                                                                   session.model_shape), **self.more_attrs()))
+                                                                   session.model_shape),
+                                                 samples=self.samples_at(step), data=str(session.data_dir),
+                                                 data_digest=session.data_digest, **self.more_attrs()))
         with session.timeline.span("checkpoint", cat="checkpoint"):
             path = session.agreed(comm, chief_writes if session.chief else lambda: None)
         self.saved_step, self.saved_path = step, path

@@ -226,16 +226,11 @@ class Session:
         with watchdog.waiting("start-up (communicators)", peer=None):
             self.cluster = cluster = Cluster(self.comm, args.mode, args.num_ps, args.ps_ranks)
         self.chief = cluster.is_chief
-        # The same job everywhere, the same checkpoint directory included: a
-        # rank with another --checkpoint-dir would wait for checkpoints forever.
-        # First, before the roles are used: ranks that disagree on --num-ps or
+        # The same job everywhere, outputs included (settings.py). First,
+        # before the roles are used: ranks that disagree on --num-ps or
         # --ps-ranks disagree on who the chief is (the rank map's root).
-        where = os.path.realpath(args.checkpoint_dir) if args.checkpoint_dir else "-"
-        if len(where) > 60:   # compared as 64-byte records: keep the end, hash the whole
-            where = hashlib.sha256(where.encode()).hexdigest()[:8] + "..." + where[-45:]
         with watchdog.waiting("start-up (same job on every rank)", peer=None):
-            self.agreed(self.comm, check_consistency, self.comm,
-                        dict(settings.same_on_every_rank(args), checkpoint_dir=where))
+            self.agreed(self.comm, check_consistency, self.comm, settings.same_on_every_rank(args))
         with watchdog.waiting("start-up (rank map)", peer=None):
             jobcheck.check_world(cluster, self.chief_says)
         self.t_start = time.perf_counter()
@@ -257,9 +252,10 @@ class Session:
             self.chief_says(cluster.servers_line())
         # The same data everywhere (its manifest's content, not its path).
         self.data_dir = ensure_data(args, cluster, watchdog)
-        data, self.model_shape = self.agreed(self.comm, data_identity, self.data_dir)
+        # (the digest is also what checkpoints record of the data: resume.py)
+        self.data_digest, self.model_shape = self.agreed(self.comm, data_identity, self.data_dir)
         with watchdog.waiting("start-up (same data on every rank)", peer=None):
-            self.agreed(self.comm, check_consistency, self.comm, {"data (manifest digest)": data})
+            self.agreed(self.comm, check_consistency, self.comm, {"data (manifest digest)": self.data_digest})
         self.has_val = data_mod.has_val(self.data_dir)
         self.agreed(self.comm, check_val, args, self.has_val, self.data_dir)
         # After the data: --epochs count its training samples (the same on

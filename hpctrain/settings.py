@@ -1,7 +1,10 @@
 """What makes two processes the same job: one list of settings, three uses.
 
 - At start-up every rank compares `same_on_every_rank(args)` (session.py):
-  a rank launched with another --lr or --hidden stops the job with one line.
+  a rank launched with another --lr or --hidden stops the job with one line,
+  and so does one with other outputs (--save, --metrics, ...: OUTPUT_FLAGS),
+  which only the chief writes: given to another rank alone they would be
+  ignored without a word.
 - Every checkpoint records `recorded(args, ...)` as attributes (checkpoint.py).
 - On resume the checkpoint's `SAME_ON_RESUME` values must equal this run's:
   the model and its state (mode, hidden, num_params, optimizer), the
@@ -16,6 +19,9 @@
 
     python -c "from hpctrain import cli, settings; print(settings.same_on_every_rank(cli.parse([])))"
 """
+import hashlib
+import os
+
 from . import __version__
 from .model import CLASSES, INPUTS, num_params
 
@@ -25,6 +31,11 @@ RANK_FLAGS = ("mode", "batch_size", "steps", "epochs", "lr", "optimizer", "seed"
               "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "ps_exchange", "sync",
               "replicas_to_aggregate", "backup_workers", "max_staleness", "dc_lambda", "placement", "checkpoint_every",
               "timeout")
+# Flags only the chief acts on (its files and lines), compared like the ones
+# above but not recorded in checkpoints; paths as the files they name.
+OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
+                "keep_best", "timeline", "eval_every", "log_every")
+PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline")
 SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "batch_size", "seed", "lr_schedule")
 # What a checkpoint written before a setting existed means by it (it is
 # missing there): checkpoints from before --lr-schedule were all constant.
@@ -56,10 +67,25 @@ def _job(args, model_shape=(INPUTS, CLASSES)):
     return job
 
 
+def _where(path):
+    """A path flag as ranks compare it: the file it names (relative paths
+    resolved), within the 64-byte records of cluster.check_consistency: a
+    longer one is its end and a hash of the whole."""
+    if not path:
+        return "-"
+    where = os.path.realpath(path)
+    if len(where) > 60:
+        where = hashlib.sha256(where.encode()).hexdigest()[:8] + "..." + where[-45:]
+    return where
+
+
 def same_on_every_rank(args):
     # Before the data is read: --hidden is compared here, the data itself
-    # by its manifest's digest (session.py).
-    return _job(args)
+    # by its manifest's digest (session.py). The same outputs everywhere, the
+    # checkpoint directory included: a rank with another --checkpoint-dir
+    # would wait for checkpoints forever.
+    outputs = {k: _where(getattr(args, k)) if k in PATH_FLAGS else getattr(args, k) for k in OUTPUT_FLAGS}
+    return dict(_job(args), **outputs)
 
 
 def same_on_resume(args, num_workers, model_shape=(INPUTS, CLASSES)):

@@ -294,6 +294,80 @@ def test_a_checkpoint_of_another_job_is_a_clear_error(tmp_path, key, value, have
     assert "\n" not in message
 
 
+def _external_params(tmp_path):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(16, dtype="<f4").tobytes())
+
+    def edit(f):
+        del f["params"]
+        f.create_dataset("params", shape=(16,), dtype="<f4", external=[(str(secret), 0, 64)])
+    return edit
+
+
+def _linked_params(link):
+    def edit(f):
+        f["real"] = f["params"][()]
+        del f["params"]
+        f["params"] = link(f)
+    return edit
+
+
+def _other_file(tmp_path):
+    with h5py.File(tmp_path / "other.h5", "w") as g:
+        g["params"] = np.zeros(16, np.float32)
+    return h5py.ExternalLink(str(tmp_path / "other.h5"), "/params")
+
+
+@pytest.mark.parametrize("craft, reason", [
+    (lambda tmp: lambda f: f["data_positions"].__setitem__((0, 0), 2 ** 63 - 1),
+     "a data position's epoch 9223372036854775807 is out of range (0..9007199254740992)"),
+    (lambda tmp: lambda f: f["data_positions"].__setitem__((1, 1), -3),
+     "a data position -3 is out of range (0..9007199254740992)"),
+    (lambda tmp: lambda f: f.attrs.__setitem__("optimizer_t", -1), "optimizer_t -1 is out of range"),
+    (lambda tmp: lambda f: f.attrs.__setitem__("step", -20), "step -20 is out of range"),
+    (lambda tmp: lambda f: f.attrs.__setitem__("num_workers", 5), "num_workers 5 is out of range (2..2)"),
+    (lambda tmp: lambda f: f.attrs.__setitem__("lr", np.arange(3.0)), "attribute lr is a ndarray"),
+    (lambda tmp: lambda f: f.attrs.__setitem__("lr", np.nan), "attribute lr is nan"),
+    (_external_params, "dataset params is not stored contiguously in the file (chunked, virtual or external"),
+    (lambda tmp: _linked_params(lambda f: h5py.SoftLink("/real")), "params is a soft link, not a dataset stored"),
+    (lambda tmp: _linked_params(lambda f: _other_file(tmp)), "params is an external link, not a dataset stored"),
+])
+def test_a_crafted_checkpoint_with_valid_checksums_is_refused_in_one_line(tmp_path, craft, reason):
+    # Each used to go on: an epoch of 2**63-1 until an OverflowError at the
+    # last checkpoint, a negative optimizer_t to a math domain error, external
+    # storage and links to read whatever file they name.
+    write(tmp_path, 10)
+    path, _, _, _ = write(tmp_path, 20)
+    recheck(path, craft(tmp_path))
+    with pytest.raises(HpctrainError) as e:
+        load(tmp_path)
+    message = str(e.value)
+    assert message.startswith(f"{path}: refused: {reason}") and "\n" not in message, message
+    assert message.endswith("; hpctrain writes no such checkpoint (a crafted file?): move it away to resume "
+                            "from an earlier one"), message
+
+
+def test_a_small_file_claiming_a_huge_params_is_refused_before_it_is_read(tmp_path):
+    # 10**9 chunked float32 in a file of a few KB (unwritten chunks read as
+    # zeros): reading it allocated 4 GB. Refused by its layout, unread: the
+    # reader runs under a 2 GiB address-space limit.
+    write(tmp_path, 10)
+    path, _, _, _ = write(tmp_path, 20)
+    with h5py.File(path, "r+") as f:
+        del f["params"]
+        f.create_dataset("params", shape=(10 ** 9,), dtype="<f4", chunks=(1 << 20,))
+    checkpoint.stamp(path)
+    assert os.path.getsize(path) < 100_000
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
+            "from hpctrain import checkpoint; from hpctrain.errors import HpctrainError\n"
+            "try:\n    checkpoint.load_latest(sys.argv[1], {})\n"
+            "except HpctrainError as e:\n    print(e)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       cwd=REPO)
+    assert r.returncode == 0 and r.stdout.startswith(
+        f"{path}: refused: dataset params is not stored contiguously in the file (chunked"), (r.stdout, r.stderr)
+
+
 # ---------------------------------------------------------------------------
 # real jobs
 
@@ -418,3 +492,67 @@ def test_resume_yes_without_a_checkpoint_is_a_clear_error(tmp_path):
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert errors(r) == [f"hpctrain: error: --resume yes, but --checkpoint-dir {empty} holds no checkpoint"]
     assert not (tmp_path / "p.h5").exists() and os.listdir(empty) == []
+
+
+def recheck(path, edit):
+    """Edit a checkpoint with h5py and make it valid again: its content
+    checksum and its header recomputed the way checkpoint.py does."""
+    with h5py.File(path, "r+") as f:
+        edit(f)
+        attrs = {k: checkpoint._plain(v) for k, v in f.attrs.items()}
+        names = ["params", "data_positions", *(f"optimizer/{n}" for n in f.get("optimizer", {}))]
+        f.attrs["sha256"] = checkpoint._checksum({n: f[n][()] for n in names}, attrs)
+    checkpoint.stamp(path)
+
+
+@needs_own_jobs
+def test_a_checkpoint_resumes_only_on_the_data_it_was_trained_on(tmp_path):
+    # Other data (here: the same shards under a manifest that says another
+    # seed, so another digest) was resumed at the checkpoint's step, exit 0.
+    import json
+    import shutil
+    from hpctrain import data
+    other = tmp_path / "other"
+    shutil.copytree(data.default_data_dir(), other)
+    manifest = json.loads((other / data.MANIFEST).read_text())
+    (other / data.MANIFEST).write_text(json.dumps(dict(manifest, seed=99)))
+    ckpt_dir = tmp_path / "ckpt"
+    flags = ["--steps", 20, *SMALL, "--checkpoint-dir", ckpt_dir]
+    r = run(2, *flags)
+    assert r.returncode == 0, r.stderr
+    r = run(2, *flags, "--data", other, "--steps", 30)
+    assert r.returncode == 2 and len(errors(r)) == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert re.fullmatch(rf"hpctrain: error: {ckpt_dir / 'ckpt-00000020.h5'}: checkpoint was trained on other "
+                        rf"data, {data.default_data_dir()} \(manifest digest [0-9a-f]{{16}}\); this run has "
+                        rf"--data {other} \(manifest digest [0-9a-f]{{16}}\); resume on the same data, pass "
+                        rf"--resume-other-data to go on .*", errors(r)[0]), errors(r)
+    # Deliberately (fine-tuning): it goes on from the checkpoint, from the new data's first epoch.
+    r = run(2, *flags, "--data", other, "--steps", 30, "--resume-other-data")
+    assert r.returncode == 0 and f"resumed from {ckpt_dir / 'ckpt-00000020.h5'} at step 20" in r.stdout, r.stderr
+    assert "hpctrain: warning: --resume-other-data: ckpt-00000020.h5 was trained on" in r.stderr, r.stderr
+    with h5py.File(ckpt_dir / "ckpt-00000030.h5") as f:
+        assert f.attrs["data"] == str(other) and f.attrs["samples"] == 10 * 2 * 32
+    # A checkpoint from before checkpoints recorded their data still resumes, and says so.
+    recheck(ckpt_dir / "ckpt-00000030.h5", lambda f: [f.attrs.__delitem__(k) for k in ("data", "data_digest")])
+    r = run(2, *flags, "--steps", 40)
+    assert r.returncode == 0 and "at step 30" in r.stdout, r.stderr
+    assert ("hpctrain: warning: ckpt-00000030.h5 does not record the data it was trained on (written by an "
+            "earlier hpctrain): resuming on --data") in r.stderr, r.stderr
+
+
+@needs_own_jobs
+def test_a_crafted_checkpoint_stops_the_job_in_one_line(tmp_path):
+    # An epoch of 2**63-1 with valid checksums trained to the end and failed
+    # at the last checkpoint (OverflowError, exit 1).
+    ckpt_dir = tmp_path / "ckpt"
+    flags = [*SMALL, "--checkpoint-dir", ckpt_dir]
+    r = run(2, "--steps", 10, *flags)
+    assert r.returncode == 0, r.stderr
+    path = ckpt_dir / "ckpt-00000010.h5"
+    recheck(path, lambda f: f["data_positions"].__setitem__((0, 0), 2 ** 63 - 1))
+    r = run(2, "--steps", 100, *flags, "--save", tmp_path / "p.h5")   # past the end of that epoch
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"hpctrain: error: {path}: refused: a data position's epoch 9223372036854775807 is out of range "
+        f"(0..9007199254740992); hpctrain writes no such checkpoint (a crafted file?): move it away to resume "
+        f"from an earlier one"], r.stderr
+    assert "step " not in r.stdout and not (tmp_path / "p.h5").exists()

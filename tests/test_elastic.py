@@ -130,3 +130,25 @@ def test_stop_and_go_on_with_more_then_fewer_ranks(tmp_path, mode, sizes, extra)
     through = final(tmp_path / "m0.jsonl")
     assert resized["test_accuracy"] >= 0.92, resized
     assert abs(resized["test_accuracy"] - through["test_accuracy"]) <= 0.02, (resized, through)
+
+
+def test_epochs_resumed_on_more_ranks_are_the_same_epochs(tmp_path):
+    """--epochs 8 started on 2 ranks, stopped after a checkpoint, resumed on 4:
+    the run ends when 8 epochs of samples are taken (within one global batch
+    at the end), not after the steps 8 epochs are at 4 ranks from step 0."""
+    records, ckpt = tmp_path / "samples", tmp_path / "ckpt"
+    records.mkdir()
+    env = {"RECORD_SAMPLES": str(records)}
+    epochs = 8
+    flags = [*COMMON[2:], "--epochs", epochs, "--checkpoint-dir", ckpt, "--checkpoint-every", 20,
+             "--metrics", tmp_path / "m.jsonl"]
+    s1, _ = stop_after_checkpoint(2, flags, ckpt, 0, env)
+    rc, out, err = finish(start(4, flags, env))
+    assert rc == 0, err
+    N = data.ShardReader(data.default_data_dir(), 0, 1, 1, 0).num_samples
+    rest = -(-(epochs * N - s1 * 2 * BATCH) // (4 * BATCH))
+    assert f"--epochs {epochs}: {s1 * 2 * BATCH} samples taken so far, the rest at 4 workers x {BATCH}: " \
+           f"the run ends at step {s1 + rest}" in out, out
+    assert final(tmp_path / "m.jsonl")["steps"] == s1 + rest
+    taken = sum(len(ids) for ids in samples_by_epoch(records).values())
+    assert epochs * N <= taken < epochs * N + 4 * BATCH, (taken, epochs * N)

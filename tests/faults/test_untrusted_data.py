@@ -6,6 +6,7 @@ only files inside --data, and a malformed one is one line and exit 2.
     .venv/bin/python -m pytest tests/faults/test_untrusted_data.py
 """
 import json
+import re
 import shutil
 import time
 
@@ -134,6 +135,25 @@ def test_ranks_on_different_data_or_checkpoint_dirs_are_refused(shards, tmp_path
     r = run(["--data", shards, "--checkpoint-dir", tmp_path / "c0"],
             ["--data", shards, "--checkpoint-dir", tmp_path / "c1"])
     assert r.returncode == 2 and "checkpoint_dir: rank 0 has" in r.stderr, r.stderr
+
+
+def test_output_flags_given_to_one_rank_only_are_refused(shards, tmp_path):
+    # Only the chief writes outputs: --save or --metrics on another rank alone
+    # was ignored (exit 0, no file). Now every rank compares them.
+    import subprocess
+    import sys
+    from conftest import MPIRUN, REPO
+    from hpctrain.cluster import child_env
+    py = [sys.executable, "-m", "hpctrain.mnist", "--data", str(shards), "--steps", "3", "--hidden", "16",
+          "--timeout", "20"]
+    r = subprocess.run([MPIRUN, "-n", "1", *py, ":", "-n", "1", *py, "--save", "s.h5", "--metrics", "m.jsonl"],
+                       capture_output=True, text=True, timeout=120, env=child_env(), cwd=tmp_path)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    # (a long path is compared as its end and a hash of the whole)
+    assert re.fullmatch(r"hpctrain: error: ranks disagree on the job: metrics: rank 0 has -, rank 1 has "
+                        r"\S+/m\.jsonl; save: rank 0 has -, rank 1 has \S+/s\.h5", lines[0]), lines
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_refused_start_leaves_no_checkpoint_directory(shards, tmp_path, job):
