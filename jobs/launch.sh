@@ -35,6 +35,13 @@ HPCTRAIN_NTASKS=${SLURM_NTASKS:-${SLURM_NPROCS:-}}
 [ -n "$HPCTRAIN_NTASKS" ] || die "SLURM_NTASKS is not set: request tasks (--ntasks-per-node) in the job script"
 export HPCTRAIN_EXPECT_WORLD_SIZE=$HPCTRAIN_NTASKS
 
+# Checked before anything runs: a limit that is not a number would make the
+# requeue test below fail (an error, read as false) and requeue without bound.
+MAX_REQUEUES=${HPCTRAIN_MAX_REQUEUES:-10}
+case $MAX_REQUEUES in
+    ''|*[!0-9]*) die "HPCTRAIN_MAX_REQUEUES=$MAX_REQUEUES: expected a whole number of requeues (0: never)" ;;
+esac
+
 # shellcheck source=jobs/env.sh
 . "$HPCTRAIN_HOME/jobs/env.sh"
 
@@ -128,7 +135,7 @@ fi
 # before installing their handler (start-up): requeue too, --resume auto will
 # start from whatever checkpoint exists.
 if [ "$rc" -eq "$EXIT_PREEMPTED" ] || { [ -n "$SIGNALED" ] && [ "$rc" -gt 128 ]; }; then
-    MAX=${HPCTRAIN_MAX_REQUEUES:-10}
+    MAX=$MAX_REQUEUES
     if [ "$RESTARTS" -ge "$MAX" ]; then
         say "stopped (exit $rc), checkpoint in $CKPT_DIR; not requeued: restart $RESTARTS reached HPCTRAIN_MAX_REQUEUES=$MAX." \
             "Resubmit with the same job name to continue."
