@@ -16,6 +16,7 @@ writes meanwhile has the chief's own deadline.
 import json
 import os
 import stat
+import sys
 import time
 
 import numpy as np
@@ -25,6 +26,7 @@ from . import data as data_mod
 from . import device
 from .errors import HpctrainError
 from .outputs import rescue_path, temp_next_to
+from .session import agreed
 
 
 class Metrics:
@@ -304,7 +306,40 @@ class Report:
             self.metrics.close()
         with self._file_wait(f"writing --timeline {args.timeline}"):
             session.timeline.write()
+        if not save_error:
+            session.watchdog.note = results_note(args)   # a line from here on says so
+        with self._file_wait("writing HPCTRAIN_FINISHED_FILE"):
+            mark_finished(record)
         return record, save_error
+
+
+def results_note(args):
+    """What a deadline line says once the results are written (watchdog.note)."""
+    files = ([f"--save {args.save}"] if args.save else []) + \
+        ([f"the final record in --metrics {args.metrics}"] if args.metrics else [])
+    return f"the run finished and its results are written ({', '.join(files) or 'the final line'})"
+
+
+def mark_finished(record):
+    """HPCTRAIN_FINISHED_FILE (jobs/launch.sh sets it): the final record,
+    written by the chief once it has written the results, so the job script
+    can bound its wait for a rank that hangs on its way out where no watchdog
+    sees it (after MPI_Finalize). A failure is a warning: the results are kept."""
+    path = os.environ.get("HPCTRAIN_FINISHED_FILE")
+    if not path:
+        return
+    tmp = None
+    try:
+        fd, tmp = temp_next_to(path)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"hpctrain: warning: HPCTRAIN_FINISHED_FILE {path}: cannot write ({e.strerror or e}); the job "
+              f"script cannot tell that the run finished", file=sys.stderr, flush=True)
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def evaluate(session, model):
@@ -356,7 +391,10 @@ def finish_everywhere(session, report, model, step, t_loop, samples, comm_s, com
     if alone:
         _raise_if(save_error)
         return record
-    session.agreed(session.cluster.worker_comm, _raise_if, save_error)
+    agreed(session.cluster.worker_comm, _raise_if, save_error, watchdog=session.watchdog,
+           what="the chief's final record and --save")
+    # Every worker knows now: a deadline line from here on says so.
+    session.watchdog.note = results_note(session.args)
     return record
 
 

@@ -5,7 +5,9 @@ scheduler (requeue, srun, signals from slurmctld) is in tests/test_slurm.py.
 
     .venv/bin/python -m pytest -q tests/test_launch_script.py
 """
+import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -42,3 +44,39 @@ def test_a_requeue_limit_that_is_not_a_number_is_one_line_before_anything_runs(t
     assert r.stderr.splitlines() == [f"hpctrain-job: error: HPCTRAIN_MAX_REQUEUES={value}: expected a whole "
                                      f"number of requeues (0: never)"], r.stderr
     assert "launch:" not in r.stdout
+
+
+def test_a_rank_that_hangs_after_mpi_finalize_is_ended_by_the_job_script(tmp_path):
+    # Issue 19, 2: rank 1 stops itself after MPI_Finalize (tests/faults/slow_ranks.py),
+    # where no watchdog of the job can see it: rank 0 exits 0 and mpirun waits
+    # for rank 1 forever. launch.sh waits --timeout + 10 s after the chief's
+    # final record (HPCTRAIN_FINISHED_FILE), then ends the launcher, one line, exit 3.
+    python = tmp_path / "python"   # the job's python, running the fault launcher
+    python.write_text(f'#!/bin/sh\n[ "$1 $2" = "-m hpctrain.mnist" ] && shift 2 && set -- -m slow_ranks "$@"\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    pids, metrics = tmp_path / "pids", tmp_path / "m.jsonl"
+    pids.mkdir()
+    env = batch_env(tmp_path, HPCTRAIN_PYTHON=str(python),
+                    HPCTRAIN_MPIRUN=os.path.join(os.path.dirname(sys.executable), "mpirun"),
+                    PYTHONPATH=os.path.join(REPO, "tests", "faults"), FAULT_FINAL_STOP="1", FAULT_PID_DIR=str(pids))
+    proc = subprocess.Popen(["bash", LAUNCH, "--steps", "20", "--hidden", "16", "--timeout", "3",
+                             "--metrics", str(metrics)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids.iterdir():
+            try:
+                os.kill(int(pid.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    assert proc.returncode == 3, (out, err)
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and lines[0].startswith("hpctrain-job: error: hpctrain's chief wrote its final record "
+                                                   "(the results are written)"), err
+    assert "mpirun has not ended: a rank hangs on its way out; killed the job step (--timeout 3 + 10 s)" in lines[0]
+    assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
+    assert not list((tmp_path / "runs" / "fake").glob(".finished-*"))

@@ -5,14 +5,16 @@ only busy (evaluating alone) is not a stall.
 
     .venv/bin/python -m pytest tests/faults/test_stalls.py
 """
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
 
-from conftest import MPIRUN, REPO
+from conftest import MPIRUN, REPO, saved
 from hpctrain.cluster import child_env
 from ranks import Stopped, rank_pid
 
@@ -233,6 +235,27 @@ def with_faults(tmp_path, cmd, timeout=90, **faults):
             except (ProcessLookupError, ValueError):
                 pass
     return proc.returncode, "".join(seen) + out, err, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_that_hangs_after_the_last_step_is_named_and_the_result_is_kept(tmp_path, victim):
+    # Issue 19, 2 and 3.10: rank `victim` stops itself after the run, its
+    # results written, before the shutdown. Before, the job never ended (the
+    # chief stopped), or ended naming nobody (rank 1 stopped): the shutdown
+    # barrier waits under the deadline and its roll call names the rank.
+    metrics, save = tmp_path / "m.jsonl", tmp_path / "p.h5"
+    rc, out, err, took = with_faults(tmp_path, ["--steps", 40, "--hidden", 16, "--log-every", 20, "--timeout", 4,
+                                                "--metrics", metrics, "--save", save],
+                                     FAULT_EXIT_STOP=str(victim))
+    assert rc == 3, err
+    lines = errors(err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"hpctrain: error: rank {victim} stopped responding (no answer to a roll call"), err
+    assert lines[0].endswith(f"giving up (--timeout 4); the run finished and its results are written (--save "
+                             f"{save}, the final record in --metrics {metrics})"), err
+    assert took < 4 + 15, took
+    assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
+    assert saved(save)
 
 
 def test_a_chief_that_evaluates_for_longer_than_the_deadline_is_not_a_stall(tmp_path):
