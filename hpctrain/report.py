@@ -201,7 +201,7 @@ class Report:
         if not crossed:
             return 0.0
         t0 = time.perf_counter()
-        with self.session.watchdog.busy("evaluating"):
+        with self.session.watchdog.busy():
             self._periodic_eval(model, step)
         return time.perf_counter() - t0
 
@@ -247,7 +247,7 @@ class Report:
         when a signal stopped training early: an uninterrupted run would
         never have evaluated that step."""
         if self._final_val is None:
-            with self.session.watchdog.busy("evaluating"):
+            with self.session.watchdog.busy():
                 val_loss, val_acc, _ = self.evaluate_alone(model, "val")
                 self.keep_if_best(model, step, val_acc)
             self._final_val = (val_loss, val_acc)
@@ -276,7 +276,7 @@ class Report:
         """The chief's last line, --save, the final record, the timeline.
         Returns (record, None), or (record, line) when --save could not be
         written; the line then says where the parameters are kept instead."""
-        with self.session.watchdog.busy("writing the results"):
+        with self.session.watchdog.busy():
             return self._final(result, step, t_loop, samples, comm_s, compute_s, extra)
 
     def _final(self, result, step, t_loop, samples, comm_s, compute_s, extra):
@@ -378,7 +378,7 @@ def finish_everywhere(session, report, model, step, t_loop, samples, comm_s, com
     worker exits with the chief's line (no abort: nobody is left waiting).
     alone: the chief by itself, no collective (ps: a worker was left behind)."""
     if alone:
-        with session.watchdog.busy("evaluating"):
+        with session.watchdog.busy():
             test = report.evaluate_alone(model)
     else:
         test = evaluate(session, model)

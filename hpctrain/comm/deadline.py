@@ -23,7 +23,7 @@ MPI_THREAD_MULTIPLE, the thread must not call MPI: the line names the ranks
 waited for and says the culprit could not be determined.
 
 Work that one rank does while the others wait for it (the chief's
-evaluation, its result files) runs under `dog.busy("evaluating")`: that
+evaluation, its result files) runs under `with dog.busy():`: that
 rank then answers a roll call "busy", and a rank whose wait expired waits
 another --timeout instead of giving up, for as long as the answer is busy.
 A busy rank that stops answering is named as any other. `dog.note`, once
@@ -125,9 +125,10 @@ class Watchdog:
         (comm/ps/silence.py): it then answers a roll call "giving up"."""
         self._expired_checks.append(check)
 
-    def busy(self, what):
+    def busy(self):
         """Context manager around work this rank does while others wait for
-        it: their expired waits go on while it answers "busy" (see above)."""
+        it (the chief evaluating alone): their expired waits go on while it
+        answers "busy" (see above)."""
         return _Busy(self)
 
     @property
