@@ -22,6 +22,9 @@ from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, HpctrainError
 LONE_SIGINT_WAIT_S = 2.0
 
 
+_run = {}   # this process's watchdog, once train() started it
+
+
 def main(argv=None):
     signal.signal(signal.SIGINT, _on_sigint)
     seen = {}   # the parsed flags, for the Ctrl-C line
@@ -51,6 +54,12 @@ def _main(argv, seen):
             print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
         if not exc.collective:
             _abort_others(exc.exit_code)
+        elif "watchdog" in _run:
+            # Every rank of a communicator got it; ranks outside it (ps
+            # servers, when --save failed on the chief) end the run as usual:
+            # all leave through the same shutdown barrier.
+            from .comm.start import stop_mpi
+            stop_mpi(_run["watchdog"])
         return exc.exit_code
     except Exception:
         # A bug: show it, and take the other ranks down rather than leave
@@ -70,7 +79,7 @@ def train(args, process_note="", flag_error=None):
     # stalls in it, ends this process (nothing of MPI can be used yet); the
     # launcher takes the rest down.
     timeout = args.timeout if args else cli.DEFAULT_TIMEOUT
-    watchdog = Watchdog(timeout, cluster.launcher_env()[0] or 0, abort=_exit_now)
+    watchdog = _run["watchdog"] = Watchdog(timeout, cluster.launcher_env()[0] or 0, abort=_exit_now)
     from .comm.start import start_mpi, stop_mpi
     MPI = start_mpi(watchdog)   # numpy, BLAS and MPI start here
     if MPI.Query_thread() == MPI.THREAD_MULTIPLE:

@@ -4,7 +4,11 @@ file and the --keep-best one.
 
 The chief writes everything; the loops call these under an explicit
 `if chief:`, except the two collectives that every worker joins
-(`evaluate`, `peak_memory_and_step_medians`).
+(`evaluate`, `peak_memory_and_step_medians`). What the chief does alone
+while the others wait for it (evaluations, --keep-best, the final line and
+files) runs under the watchdog's `busy`: their deadline waits for it as
+long as the chief answers (comm/deadline.py), and each file it reads or
+writes meanwhile has the chief's own deadline.
 
     mpirun -n 2 python -m hpctrain.mnist --steps 300 --metrics m.jsonl --save p.h5
     mpirun -n 2 python -m hpctrain.mnist --data data/mnist-val --eval-every 50 --keep-best best.h5
@@ -22,6 +26,7 @@ from . import data as data_mod
 from . import device
 from .errors import HpctrainError
 from .outputs import one_line, open_in_place, rescue_path, temp_next_to
+from .session import agreed
 
 
 class Metrics:
@@ -230,6 +235,11 @@ class Report:
         if not crossed:
             return 0.0
         t0 = time.perf_counter()
+        with self.session.watchdog.busy():
+            self._periodic_eval(model, step)
+        return time.perf_counter() - t0
+
+    def _periodic_eval(self, model, step):
         test_loss, test_acc, _ = self.evaluate_alone(model)
         record = {"event": "eval", "step": step, "test_accuracy": round(test_acc, 6),
                   "test_loss": round(test_loss, 6)}
@@ -240,8 +250,12 @@ class Report:
             line = f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}  " + line
             self.keep_if_best(model, step, val_acc)
         print(f"step {step:>6}/{self.args.steps}  {line}", flush=True)
-        self.metrics.write(record)
-        return time.perf_counter() - t0
+        with self._file_wait(f"writing --metrics {self.args.metrics}"):
+            self.metrics.write(record)
+
+    def _file_wait(self, what):
+        """The chief's own deadline on a file it reads or writes while busy."""
+        return self.session.watchdog.waiting(what, peer="the file system")
 
     def keep_if_best(self, model, step, val_acc):
         """--keep-best: write the parameters when val_acc beats every earlier
@@ -252,8 +266,9 @@ class Report:
             return
         self.best = (float(val_acc), int(step))
         try:
-            write_params(self.args.keep_best, model, step, self.args, self.session.cluster.size,
-                         attrs={"val_accuracy": float(val_acc)})
+            with self._file_wait(f"writing --keep-best {self.args.keep_best}"):
+                write_params(self.args.keep_best, model, step, self.args, self.session.cluster.size,
+                             attrs={"val_accuracy": float(val_acc)})
         except OSError as e:
             raise HpctrainError(f"--keep-best {self.args.keep_best}: cannot write ({one_line(e)})",
                                 collective=False) from None
@@ -266,8 +281,9 @@ class Report:
         when a signal stopped training early: an uninterrupted run would
         never have evaluated that step."""
         if self._final_val is None:
-            val_loss, val_acc, _ = self.evaluate_alone(model, "val")
-            self.keep_if_best(model, step, val_acc)
+            with self.session.watchdog.busy():
+                val_loss, val_acc, _ = self.evaluate_alone(model, "val")
+                self.keep_if_best(model, step, val_acc)
             self._final_val = (val_loss, val_acc)
         return self._final_val
 
@@ -282,7 +298,8 @@ class Report:
     def evaluate_alone(self, model, split="test"):
         """Loss, accuracy and count on the whole test set (or "val" part), this rank alone."""
         if split not in self._full:
-            self._full[split] = data_mod.load_test(self.session.data_dir, raw=True, split=split)
+            with self._file_wait(f"reading the {split} part of {self.session.data_dir}"):
+                self._full[split] = data_mod.load_test(self.session.data_dir, raw=True, split=split)
         x, y = self._full[split]
         xp = self.session.xp
         loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
@@ -293,6 +310,10 @@ class Report:
         """The chief's last line, --save, the final record, the timeline.
         Returns (record, None), or (record, line) when --save could not be
         written; the line then says where the parameters are kept instead."""
+        with self.session.watchdog.busy():
+            return self._final(result, step, t_loop, samples, comm_s, compute_s, extra)
+
+    def _final(self, result, step, t_loop, samples, comm_s, compute_s, extra):
         session, args, cluster = self.session, self.args, self.session.cluster
         test_loss, test_acc, n_test = result["test"]
         val = {}
@@ -304,7 +325,8 @@ class Report:
         rate = samples / t_loop if t_loop > 0 else 0.0
         print(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
               f"{step} steps, {rate:,.0f} samples/s, {wall:.1f}s)", flush=True)
-        save_error = save_params(args.save, result["model"], step, args, cluster.size, result["checkpoint"])
+        with self._file_wait(f"writing --save {args.save}"):
+            save_error = save_params(args.save, result["model"], step, args, cluster.size, result["checkpoint"])
         record = {"event": "final", "mode": args.mode, "world_size": cluster.size, "workers": cluster.num_workers,
                   "steps": step, "global_batch": args.batch_size * cluster.num_workers,
                   **val, "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
@@ -313,10 +335,45 @@ class Report:
                   "device": session.device_name}
         record.update(result["medians"])
         record.update(extra or {})
-        self.metrics.write(record)
-        self.metrics.close()
-        session.timeline.write()
+        with self._file_wait(f"writing --metrics {args.metrics}"):
+            self.metrics.write(record)
+            self.metrics.close()
+        with self._file_wait(f"writing --timeline {args.timeline}"):
+            session.timeline.write()
+        if not save_error:
+            session.watchdog.note = results_note(args)   # a line from here on says so
+        with self._file_wait("writing HPCTRAIN_FINISHED_FILE"):
+            mark_finished(record)
         return record, save_error
+
+
+def results_note(args):
+    """What a deadline line says once the results are written (watchdog.note)."""
+    files = ([f"--save {args.save}"] if args.save else []) + \
+        ([f"the final record in --metrics {args.metrics}"] if args.metrics else [])
+    return f"the run finished and its results are written ({', '.join(files) or 'the final line'})"
+
+
+def mark_finished(record):
+    """HPCTRAIN_FINISHED_FILE (jobs/launch.sh sets it): the final record,
+    written by the chief once it has written the results, so the job script
+    can bound its wait for a rank that hangs on its way out where no watchdog
+    sees it (after MPI_Finalize). A failure is a warning: the results are kept."""
+    path = os.environ.get("HPCTRAIN_FINISHED_FILE")
+    if not path:
+        return
+    tmp = None
+    try:
+        fd, tmp = temp_next_to(path)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"hpctrain: warning: HPCTRAIN_FINISHED_FILE {path}: cannot write ({e.strerror or e}); the job "
+              f"script cannot tell that the run finished", file=sys.stderr, flush=True)
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def evaluate(session, model):
@@ -354,7 +411,11 @@ def finish_everywhere(session, report, model, step, t_loop, samples, comm_s, com
     statistics, then the chief's final line and files. If --save failed, every
     worker exits with the chief's line (no abort: nobody is left waiting).
     alone: the chief by itself, no collective (ps: a worker was left behind)."""
-    test = report.evaluate_alone(model) if alone else evaluate(session, model)
+    if alone:
+        with session.watchdog.busy():
+            test = report.evaluate_alone(model)
+    else:
+        test = evaluate(session, model)
     result = {"test": test, "medians": peak_memory_and_step_medians(session, alone),
               "model": model,
               "checkpoint": checkpoints.saved_path if checkpoints.saved_step == step else None}
@@ -364,7 +425,10 @@ def finish_everywhere(session, report, model, step, t_loop, samples, comm_s, com
     if alone:
         _raise_if(save_error)
         return record
-    session.agreed(session.cluster.worker_comm, _raise_if, save_error)
+    agreed(session.cluster.worker_comm, _raise_if, save_error, watchdog=session.watchdog,
+           what="the chief's final record and --save")
+    # Every worker knows now: a deadline line from here on says so.
+    session.watchdog.note = results_note(session.args)
     return record
 
 

@@ -10,7 +10,11 @@
 #      --resume auto FLAGS...` under srun (or mpirun), in the background, and
 #      forwards USR1/TERM to it (as USR1: see below),
 #   4. on exit code 75 (stopped by a signal, checkpoint written) requeues the
-#      job with `scontrol requeue`, so it resumes by itself from the checkpoint.
+#      job with `scontrol requeue`, so it resumes by itself from the checkpoint,
+#   5. once hpctrain's chief has written its final record (HPCTRAIN_FINISHED_FILE),
+#      waits at most --timeout + 10 s more for the launcher: a rank that hangs
+#      after MPI_Finalize, where no watchdog of the job sees it, is the only
+#      wait left, and this script ends it (exit 3: the results are written).
 #
 # Exit codes: 0 training finished, or stopped and requeued (the requeued run
 # continues); 75 stopped with a checkpoint but not requeued (requeue limit
@@ -34,6 +38,13 @@ export HPCTRAIN_HOME
 HPCTRAIN_NTASKS=${SLURM_NTASKS:-${SLURM_NPROCS:-}}
 [ -n "$HPCTRAIN_NTASKS" ] || die "SLURM_NTASKS is not set: request tasks (--ntasks-per-node) in the job script"
 export HPCTRAIN_EXPECT_WORLD_SIZE=$HPCTRAIN_NTASKS
+
+# Checked before anything runs: a limit that is not a number would make the
+# requeue test below fail (an error, read as false) and requeue without bound.
+MAX_REQUEUES=${HPCTRAIN_MAX_REQUEUES:-10}
+case $MAX_REQUEUES in
+    ''|*[!0-9]*) die "HPCTRAIN_MAX_REQUEUES=$MAX_REQUEUES: expected a whole number of requeues (0: never)" ;;
+esac
 
 # shellcheck source=jobs/env.sh
 . "$HPCTRAIN_HOME/jobs/env.sh"
@@ -73,6 +84,21 @@ esac
 CMD=("$HPCTRAIN_PYTHON" -m hpctrain.mnist
      --checkpoint-dir "$CKPT_DIR" --checkpoint-every "${HPCTRAIN_CHECKPOINT_EVERY:-500}" --resume auto
      "${TIMEOUT_FLAGS[@]}" "$@")
+# hpctrain's --timeout as the command line gives it (the last one wins), for
+# the wait after the final record; 300: hpctrain/cli.py's default.
+TIMEOUT_S=300
+prev=""
+for arg in "${CMD[@]}"; do
+    case $arg in --timeout=*) TIMEOUT_S=${arg#*=} ;; esac
+    [ "$prev" = --timeout ] && TIMEOUT_S=$arg
+    prev=$arg
+done
+TIMEOUT_S=${TIMEOUT_S%%.*}          # whole seconds are enough here
+case $TIMEOUT_S in ''|*[!0-9]*) TIMEOUT_S=300 ;; esac   # hpctrain itself refuses a bad one
+FINISH_GRACE_S=$((TIMEOUT_S + 10))  # the ranks' own deadlines come first (and name the rank)
+# On the shared file system, where the chief (on whichever node) can write it.
+export HPCTRAIN_FINISHED_FILE="$CKPT_DIR/.finished-${SLURM_JOB_ID}-$RESTARTS"
+rm -f "$HPCTRAIN_FINISHED_FILE"
 # A requeued run must continue even if the first run said --resume no.
 [ "$RESTARTS" -gt 0 ] && CMD+=(--resume auto)
 
@@ -103,6 +129,27 @@ trap 'forward INT' INT
 
 "${HPCTRAIN_LAUNCH[@]}" "${CMD[@]}" &
 LAUNCHER_PID=$!
+# Polled once a second (a trapped signal interrupts the `wait` on the sleep at
+# once): after the chief's final record the launcher gets FINISH_GRACE_S more.
+finished_at=""
+while kill -0 "$LAUNCHER_PID" 2>/dev/null; do
+    if [ -z "$finished_at" ] && [ -e "$HPCTRAIN_FINISHED_FILE" ]; then
+        finished_at=$SECONDS
+    fi
+    if [ -n "$finished_at" ] && [ $((SECONDS - finished_at)) -ge "$FINISH_GRACE_S" ]; then
+        # The ranks still there go with the job when this script ends (SLURM
+        # ends every step of a job whose batch script has exited).
+        kill -KILL "$LAUNCHER_PID" 2>/dev/null
+        wait "$LAUNCHER_PID" 2>/dev/null
+        rm -f "$HPCTRAIN_FINISHED_FILE"
+        echo "hpctrain-job: error: hpctrain's chief wrote its final record (the results are written)" \
+            "$((SECONDS - finished_at)) s ago and ${HPCTRAIN_LAUNCH[0]##*/} has not ended: a rank hangs on" \
+            "its way out; killed the job step (--timeout $TIMEOUT_S + 10 s), exit 3" >&2
+        exit 3
+    fi
+    sleep 1 &
+    wait $! 2>/dev/null
+done
 # `wait` returns early (>128) when a trapped signal arrives: wait again until
 # the launcher has really exited.
 while :; do
@@ -110,6 +157,7 @@ while :; do
     rc=$?
     kill -0 "$LAUNCHER_PID" 2>/dev/null || break
 done
+rm -f "$HPCTRAIN_FINISHED_FILE"
 trap - USR1 TERM INT
 
 # ---- exit code -> requeue or not ------------------------------------------------------
@@ -128,7 +176,7 @@ fi
 # before installing their handler (start-up): requeue too, --resume auto will
 # start from whatever checkpoint exists.
 if [ "$rc" -eq "$EXIT_PREEMPTED" ] || { [ -n "$SIGNALED" ] && [ "$rc" -gt 128 ]; }; then
-    MAX=${HPCTRAIN_MAX_REQUEUES:-10}
+    MAX=$MAX_REQUEUES
     if [ "$RESTARTS" -ge "$MAX" ]; then
         say "stopped (exit $rc), checkpoint in $CKPT_DIR; not requeued: restart $RESTARTS reached HPCTRAIN_MAX_REQUEUES=$MAX." \
             "Resubmit with the same job name to continue."

@@ -21,6 +21,13 @@ the ranks that did not answer, and only the lowest rank that did answer
 prints it (one line per job). Where the library gives less than
 MPI_THREAD_MULTIPLE, the thread must not call MPI: the line names the ranks
 waited for and says the culprit could not be determined.
+
+Work that one rank does while the others wait for it (the chief's
+evaluation, its result files) runs under `with dog.busy():`: that
+rank then answers a roll call "busy", and a rank whose wait expired waits
+another --timeout instead of giving up, for as long as the answer is busy.
+A busy rank that stops answering is named as any other. `dog.note`, once
+set, ends every line (e.g. that the run's results are already written).
 """
 import sys
 import threading
@@ -30,22 +37,47 @@ from ..errors import EXIT_TIMEOUT
 
 ABORT_GRACE_S = 0.5
 ROLL_CALL_S = 2.0      # how long the others have to answer "alive?"
+# A rank still answers "busy" this long after its busy work ended: a roll
+# call held just then by another rank sees what this one saw a moment ago,
+# so the ranks whose waits expired together decide alike.
+BUSY_GRACE_S = 2 * ROLL_CALL_S
 _ASK, _ANSWER = 71, 72  # tags on the roll-call communicator
+ALIVE, GIVING_UP, BUSY = 0, 1, 2   # the answers to "alive?"
 
 
 class _Wait:
-    __slots__ = ("dog", "what", "peer", "key")
+    __slots__ = ("dog", "what", "peer", "key", "began", "since", "active")
 
     def __init__(self, dog, what, peer):
         self.dog, self.what, self.peer = dog, what, peer
 
     def __enter__(self):
         self.key = threading.get_ident()
-        self.dog._waits[self.key] = (time.monotonic(), self.what, self.peer)
+        # since: when the deadline counts from (a busy peer moves it); began: for the line
+        self.began = self.since = time.monotonic()
+        self.active = True
+        self.dog._waits[self.key] = self
         return self
 
     def __exit__(self, *exc):
+        self.active = False
         self.dog._waits.pop(self.key, None)
+        return False
+
+
+class _Busy:
+    __slots__ = ("dog",)
+
+    def __init__(self, dog):
+        self.dog = dog
+
+    def __enter__(self):
+        self.dog._busy += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.dog._busy -= 1
+        self.dog._busy_until = time.monotonic() + BUSY_GRACE_S
         return False
 
 
@@ -62,7 +94,13 @@ class Watchdog:
         self._roll = None    # (communicator, numpy) once roll_call_on() was called
         self.no_roll_call = None   # why there is none, said in the line
         self._watches = []
+        self._expired_checks = []   # more reasons to answer "giving up" (also_expired)
+        self._busy, self._busy_until = 0, 0.0
+        self._giving_up = False
+        self.note = None
         self._lock = threading.Lock()
+        self._asking = threading.Lock()   # one roll call at a time: answers are matched by rank only
+        self._firing = threading.Lock()
         period = min(1.0, max(0.05, self.timeout / 10))
         self._thread = threading.Thread(target=self._run, args=(period,), name="hpctrain-watchdog",
                                         daemon=True)
@@ -80,6 +118,22 @@ class Watchdog:
         returns (line, exit code) the line is printed (by rank 0, or after a
         moment by any rank) and the job aborted with that code."""
         self._watches.append(check)
+
+    def also_expired(self, check):
+        """check() (any thread, a few times a second) returns True while this
+        rank has itself waited past the deadline in a wait of its own making
+        (comm/ps/silence.py): it then answers a roll call "giving up"."""
+        self._expired_checks.append(check)
+
+    def busy(self):
+        """Context manager around work this rank does while others wait for
+        it (the chief evaluating alone): their expired waits go on while it
+        answers "busy" (see above)."""
+        return _Busy(self)
+
+    @property
+    def can_roll_call(self):
+        return self._roll is not None
 
     def roll_call_on(self, comm):
         """Collective over comm: from now on an expired wait holds a roll call
@@ -108,11 +162,12 @@ class Watchdog:
                     self._linger(ABORT_GRACE_S)
                     self.abort(code)
                     return
-            now = time.monotonic()
-            for since, what, peer in list(self._waits.values()):
-                if now - since > self.timeout:
-                    self._fire(what, peer, now - since)
-                    return
+            for wait in list(self._waits.values()):
+                now = time.monotonic()
+                if now - wait.since > self.timeout:
+                    if self.fire(wait.what, wait.peer, now - wait.began, wait=wait):
+                        return
+                    wait.since = time.monotonic()   # a busy rank: another full --timeout
 
     def _answer_roll_calls(self):
         """Reply "alive" to every rank that asked (this thread only)."""
@@ -126,16 +181,25 @@ class Watchdog:
         while comm.Iprobe(tag=_ASK):
             status = _status()
             comm.Recv(asked, source=_any_source(), tag=_ASK, status=status)
-            # The answer says whether this rank's own wait has expired too: of
-            # the ranks that give up, the lowest prints the job's line.
-            now = time.monotonic()
-            expired = any(now - since > self.timeout for since, _, _ in list(self._waits.values()))
-            comm.Send(np.array([int(expired)], np.int64), dest=status.Get_source(), tag=_ANSWER)
+            comm.Send(np.array([self._answer()], np.int64), dest=status.Get_source(), tag=_ANSWER)
+
+    def _answer(self):
+        """Whether this rank gives up too (of the ranks that give up, the
+        lowest prints the job's line), is busy, or is just alive."""
+        now = time.monotonic()
+        if self._giving_up or any(now - w.since > self.timeout for w in list(self._waits.values())) \
+                or any(check() for check in self._expired_checks):
+            return GIVING_UP
+        return BUSY if self._busy or now < self._busy_until else ALIVE
 
     def roll_call(self, grace=ROLL_CALL_S):
-        """(silent, giving_up): the ranks that did not answer "alive?" within
-        grace seconds, and those that answered that they give up too (sorted
-        lists); asking from this thread, answering the others meanwhile."""
+        """(silent, giving_up, busy): the ranks that did not answer "alive?"
+        within grace seconds, those that answered that they give up too, and
+        those busy (sorted lists); answering the others meanwhile."""
+        with self._asking:
+            return self._roll_call(grace)
+
+    def _roll_call(self, grace):
         comm, np = self._roll
         others = [r for r in range(comm.Get_size()) if r != comm.Get_rank()]
         question = np.zeros(1, np.int64)
@@ -149,13 +213,34 @@ class Watchdog:
         # Requests to a stopped rank stay pending: the job is about to be aborted.
         del sends
         silent = sorted(r for r, q in recvs.items() if not q.Test())
-        return silent, sorted(r for r in others if r not in silent and answers[r][0])
+        heard = [r for r in others if r not in silent]
+        return (silent, [r for r in heard if answers[r][0] == GIVING_UP],
+                [r for r in heard if answers[r][0] == BUSY])
 
-    def _fire(self, what, peer, waited):
-        silent, first = None, True
-        if self._roll is not None:
-            silent, giving_up = self.roll_call()
-            first = self.rank < min(giving_up, default=self.rank + 1)
+    def fire(self, what, peer, waited, wait=None, peer_named_alone=False):
+        """This rank waited `waited` s for `peer` (`what`): hold a roll call,
+        then print the job's line (the lowest rank that gives up) and abort.
+        Returns False, without a line, when a rank answered busy or `wait`
+        ended meanwhile (the caller waits on), True once the job is being
+        ended (by this call, or by another thread of this rank).
+        peer_named_alone: when the roll call finds `peer` alone silent, the
+        line is the plain waited line (it names the culprit already)."""
+        with self._firing:
+            if self._giving_up:
+                return True
+            silent, first = None, True
+            if self._roll is not None:
+                silent, giving_up, busy = self.roll_call()
+                if busy or (wait is not None and not wait.active):
+                    return False
+                first = self.rank < min(giving_up, default=self.rank + 1)
+            self._giving_up = True
+        if peer_named_alone and silent == [peer]:
+            silent = None
+        self._end(what, peer, waited, silent, first)
+        return True
+
+    def _end(self, what, peer, waited, silent, first):
         if callable(peer):
             peer = peer()
         if isinstance(peer, (list, tuple, set)) and len(peer) == 1:
@@ -174,12 +259,14 @@ class Watchdog:
             self.fired = (f"rank{'s' if len(silent) > 1 else ''} {culprits} stopped responding "
                           f"(no answer to a roll call in {ROLL_CALL_S:g} s); {waited_line}; "
                           f"giving up (--timeout {self.timeout:g})")
-        elif self._roll is not None:
+        elif self._roll is not None and silent is not None:
             self.fired = (f"{waited_line}; every rank answered a roll call (so a rank is alive but not "
                           f"taking part: stuck outside MPI, or a deadlock); giving up (--timeout {self.timeout:g})")
         else:
             self.fired = (f"{waited_line}" + (f" ({self.no_roll_call})" if self.no_roll_call else "")
                           + f"; giving up (--timeout {self.timeout:g})")
+        if self.note:
+            self.fired += f"; {self.note}"
         if first:
             print(f"hpctrain: error: {self.fired}", file=self._out, flush=True)
         else:

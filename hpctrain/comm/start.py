@@ -39,14 +39,23 @@ def start_mpi(watchdog):
 
 
 def stop_mpi(watchdog):
-    """MPI_Finalize under watchdog (it waits for the other ranks in some
-    libraries), GIL released as in start_mpi. The watchdog's thread stops
-    calling MPI first, and from here on ends only this process."""
+    """A barrier of every rank, then MPI_Finalize, both under watchdog
+    (MPI_Finalize waits for the other ranks in some libraries), GIL released
+    as in start_mpi. The barrier comes first because a rank that leaves is
+    gone for good: one that hangs on its way out after the others left would
+    hold the launcher forever, so no rank leaves before every rank is here,
+    and in the barrier the roll call still names a rank that does not come
+    (the job then ends with exit 3; the results are written before). Then
+    the watchdog's thread stops calling MPI, and from here on ends only this
+    process; what can still hang after MPI_Finalize only the launcher can
+    bound (jobs/launch.sh)."""
     import os
     from mpi4py import MPI
     from .cuda_aware import loaded_libmpi
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
+    with watchdog.waiting("shutdown: every rank before MPI_Finalize", peer=None):
+        MPI.COMM_WORLD.Barrier()
     watchdog.stop_using_mpi(abort=os._exit)
     paths = loaded_libmpi()
     with watchdog.waiting("shutdown (MPI_Finalize)", peer="the other ranks"):

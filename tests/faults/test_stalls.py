@@ -1,13 +1,20 @@
-"""Faults: a rank with bad flags, or one that stalls at start-up, ends the
-whole job with one line, bounded by --timeout, never a silent hang.
+"""Faults: a rank with bad flags, or one that stalls (at start-up, in
+training, in the chief's evaluation, on its way out), ends the whole job with
+one line naming it, bounded by --timeout, never a silent hang; a chief that is
+only busy (evaluating alone) is not a stall.
 
     .venv/bin/python -m pytest tests/faults/test_stalls.py
 """
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
 
-from conftest import MPIRUN, REPO
+import pytest
+
+from conftest import MPIRUN, REPO, saved
 from hpctrain.cluster import child_env
 from ranks import Stopped, rank_pid
 
@@ -195,3 +202,89 @@ def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stdout and "nothing left to train" in again.stdout
     assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
+
+
+FAULTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def with_faults(tmp_path, cmd, timeout=90, **faults):
+    """Run `mpirun -n 2 python -m slow_ranks ...` (tests/faults/slow_ranks.py)
+    with FAULT_* variables; returns (returncode, stdout, stderr, seconds from
+    the chief's final line (or the launch) to the end). The ranks that stopped
+    themselves are killed afterwards (their pid files)."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = child_env()
+    env.update(PYTHONPATH=FAULTS, FAULT_PID_DIR=str(pids), **faults)
+    proc = subprocess.Popen([MPIRUN, "-n", "2", sys.executable, "-m", "slow_ranks", *map(str, cmd)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    t0, seen = time.monotonic(), []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("test accuracy"):
+                t0 = time.monotonic()
+                break
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids.iterdir():
+            try:
+                os.kill(int(pid.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    return proc.returncode, "".join(seen) + out, err, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_that_hangs_after_the_last_step_is_named_and_the_result_is_kept(tmp_path, victim):
+    # Issue 19, 2 and 3.10: rank `victim` stops itself after the run, its
+    # results written, before the shutdown. Before, the job never ended (the
+    # chief stopped), or ended naming nobody (rank 1 stopped): the shutdown
+    # barrier waits under the deadline and its roll call names the rank.
+    metrics, save = tmp_path / "m.jsonl", tmp_path / "p.h5"
+    rc, out, err, took = with_faults(tmp_path, ["--steps", 40, "--hidden", 16, "--log-every", 20, "--timeout", 4,
+                                                "--metrics", metrics, "--save", save],
+                                     FAULT_EXIT_STOP=str(victim))
+    assert rc == 3, err
+    lines = errors(err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"hpctrain: error: rank {victim} stopped responding (no answer to a roll call"), err
+    assert lines[0].endswith(f"giving up (--timeout 4); the run finished and its results are written (--save "
+                             f"{save}, the final record in --metrics {metrics})"), err
+    assert took < 4 + 15, took
+    assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
+    assert saved(save)
+
+
+def test_a_chief_that_evaluates_for_longer_than_the_deadline_is_not_a_stall(tmp_path):
+    # Issue 19, 3.6: the chief's evaluation alone (--eval-every) takes longer
+    # than --timeout while rank 1 waits for it in the next step: the chief
+    # answers the roll call busy, so rank 1 waits on. Before: exit 3.
+    rc, out, err, _ = with_faults(tmp_path, ["--steps", 20, "--hidden", 16, "--eval-every", 10, "--timeout", 3],
+                                  FAULT_EVAL_SLEEP="8")
+    assert rc == 0, err
+    assert not errors(err) and "step     10/20  test accuracy" in out, (out, err)
+
+
+def test_a_chief_stopped_while_it_evaluates_is_named(tmp_path):
+    rc, out, err, took = with_faults(tmp_path, ["--steps", 20, "--hidden", 16, "--eval-every", 10,
+                                                "--timeout", 3], FAULT_EVAL_STOP="1")
+    assert rc == 3, err
+    lines = errors(err)
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: rank 0 stopped responding"), err
+    assert "test accuracy" not in out
+
+
+def test_a_stopped_ps_server_is_named_not_the_worker_that_waits_for_it(job):
+    # Issue 19, 3.7: server 1 (rank 1) stopped; ps 0 (rank 0) sees worker 0
+    # (rank 2) silent, since it waits for server 1. Before, the line named rank 2.
+    rc, out, err, took = stall(4, 1, ["--mode", "ps", "--num-ps", "2", "--steps", "100000", "--hidden", "64",
+                                      "--log-every", "100000", "--timeout", "5"], after_s=3.0)
+    assert rc == 3, err
+    lines = errors(err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith("hpctrain: error: rank 1 stopped responding (no answer to a roll call"), lines
+    assert "rank 2 stopped" not in lines[0] and "rank 3 stopped" not in lines[0]
+    assert took < 40

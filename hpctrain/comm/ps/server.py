@@ -150,7 +150,7 @@ class Server:
         self.aggregation.start()
         # Workers gone silent: ps 0 names them; at the deadline they are left
         # behind if the run is over, else ps 0 ends the job.
-        silence = self.silence = SilenceWatch(self, self.watchdog.timeout) if self.watchdog else None
+        silence = self.silence = SilenceWatch(self, self.watchdog) if self.watchdog else None
         self.heard = silence.heard if silence else lambda w: None
         # Headers, gradients, (sync followers) round decisions and the silence
         # watch, all at once: a worker stopped halfway through sending holds up nobody.

@@ -9,6 +9,12 @@ workers). At the deadline (--timeout of silence):
 
     mpirun -n 4 python -m pytest tests/test_ps.py -k "stopped_worker or never_returns or abandoned"
 
+A worker can be silent because another rank holds it up (a stopped server
+that it waits for), or because it is busy with work of its own (the chief's
+evaluation): before a warning or the end, ps 0 holds the watchdog's roll
+call, so the line names a rank that does not answer (not the worker that
+waits for it), and a worker busy on its own is not silent.
+
 A thread, because the server's own wait (Waitsome) wakes only for messages:
 it wakes the server with a message to itself. It judges only while the
 server is blocked in that wait, when every request that arrived has been
@@ -22,8 +28,6 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ...errors import EXIT_TIMEOUT
-from ..deadline import ABORT_GRACE_S
 from .protocol import TAG_WAKE
 
 
@@ -31,8 +35,8 @@ class SilenceWatch:
     """Warn (ps 0) after timeout/4 of silence from one worker; at timeout,
     leave it behind if the run is over, else (ps 0) end the job."""
 
-    def __init__(self, server, timeout, out=sys.stderr):
-        self.server, self.timeout, self.out = server, float(timeout), out
+    def __init__(self, server, watchdog, out=sys.stderr):
+        self.server, self.watchdog, self.timeout, self.out = server, watchdog, float(watchdog.timeout), out
         self.warn_after = self.timeout / 4
         self.quiet_since = np.full(server.num_workers, time.monotonic())
         self.idle = False          # the server is blocked waiting for requests
@@ -44,6 +48,8 @@ class SilenceWatch:
         self.wake_buf = np.zeros(1, np.int64)
         self.request = self.wake_comm.Recv_init(self.wake_buf, 0, TAG_WAKE)
         self.request.Start()
+        # A roll call while this server is past its deadline: it gives up too.
+        watchdog.also_expired(lambda: not self.stopped and self.idle and bool(self.gone()))
         period = min(1.0, max(0.05, self.timeout / 20))
         threading.Thread(target=self._run, args=(period,), name="hpctrain-ps-silence", daemon=True).start()
 
@@ -89,18 +95,31 @@ class SilenceWatch:
                     self.wake_comm.Send(np.ones(1, np.int64), 0, TAG_WAKE)
                     return
                 if srv.leader:
-                    self._give_up(gone[0], silent[gone[0]])
-                    return
-            for w, quiet in silent.items():
-                if srv.leader and quiet > self.warn_after and w not in self.warned:
-                    self.warned.add(w)
-                    print(f"hpctrain: warning: worker {w} (rank {srv.workers[w]}) has sent nothing for "
-                          f"{quiet:.0f} s; the job ends at --timeout {self.timeout:g} s unless it returns",
-                          file=self.out, flush=True)
+                    w = gone[0]
+                    if self.watchdog.fire(f"requests from worker {w}", srv.workers[w], silent[w],
+                                          peer_named_alone=True):
+                        return
+                    # A rank answered busy (the chief evaluating): another full --timeout.
+                    self.quiet_since[gone] = time.monotonic()
+                    continue
+            if srv.leader:
+                self._warn([w for w, quiet in silent.items() if quiet > self.warn_after and w not in self.warned],
+                           silent)
 
-    def _give_up(self, w, quiet):
-        srv = self.server
-        print(f"hpctrain: error: rank {srv.rank} waited {quiet:.0f} s for rank {srv.workers[w]} (requests from "
-              f"worker {w}); giving up (--timeout {self.timeout:g})", file=self.out, flush=True)
-        time.sleep(ABORT_GRACE_S)     # let the launcher forward the line before the ranks die
-        srv.comm.Abort(EXIT_TIMEOUT)
+    def _warn(self, due, silent):
+        """One line per worker silent for warn_after, unless it is busy on its own."""
+        for w in self._heard_busy(due):
+            self.warned.add(w)
+            print(f"hpctrain: warning: worker {w} (rank {self.server.workers[w]}) has sent nothing for "
+                  f"{silent[w]:.0f} s; the job ends at --timeout {self.timeout:g} s unless it returns",
+                  file=self.out, flush=True)
+
+    def _heard_busy(self, workers):
+        """Workers that answer a roll call busy count as heard; returns the others."""
+        if not workers or not self.watchdog.can_roll_call:
+            return workers
+        _, _, busy = self.watchdog.roll_call()
+        for w in workers:
+            if self.server.workers[w] in busy:
+                self.heard(w)
+        return [w for w in workers if self.server.workers[w] not in busy]

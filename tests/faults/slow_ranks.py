@@ -1,0 +1,82 @@
+"""Run hpctrain.mnist with a rank slowed down or stopped at a given point of
+the run: faults injected from the tests, not from production code.
+
+    FAULT_EVAL_SLEEP=3 PYTHONPATH=tests/faults mpirun -n 2 python -m slow_ranks --steps 20 --eval-every 10
+
+Environment:
+  FAULT_EVAL_SLEEP=S  every evaluation the chief does alone (Report.evaluate_alone:
+                      --eval-every, the val part) first sleeps S seconds
+  FAULT_EVAL_STOP=1   the chief stops itself (SIGSTOP) in its first such evaluation
+  FAULT_EXIT_STOP=R   rank R stops itself (SIGSTOP) on its way out: the run done
+                      and its results written, before the shutdown (comm/start.py stop_mpi)
+  FAULT_FINAL_STOP=R  rank R stops itself after MPI_Finalize, where no watchdog
+                      of the job can see it any more (the launcher's wait)
+  FAULT_PID_DIR=DIR   every rank writes its pid to DIR/rank-<rank>.pid
+
+The patches go in when mnist.train starts, after the process is configured
+(numpy must not load before: it reads the BLAS thread count once).
+"""
+import os
+import signal
+import sys
+import time
+
+from hpctrain import cluster, mnist
+
+_train = mnist.train
+
+
+def stop_here():
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def slow_evaluations():
+    from hpctrain.report import Report
+    evaluate_alone = Report.evaluate_alone
+    sleep = float(os.environ.get("FAULT_EVAL_SLEEP", 0))
+    stop = [os.environ.get("FAULT_EVAL_STOP") == "1"]
+
+    def slow(self, *args, **kwargs):
+        if stop[0]:
+            stop[0] = False
+            stop_here()
+        time.sleep(sleep)
+        return evaluate_alone(self, *args, **kwargs)
+
+    Report.evaluate_alone = slow
+
+
+def stop_at_exit(rank, after_finalize):
+    from hpctrain.comm import start
+    stop_mpi = start.stop_mpi
+
+    def stopping(watchdog):
+        if rank == watchdog.rank and not after_finalize:
+            stop_here()
+        stop_mpi(watchdog)
+        if rank == watchdog.rank and after_finalize:
+            stop_here()
+
+    start.stop_mpi = stopping
+
+
+def train(*args, **kwargs):
+    if os.environ.get("FAULT_EVAL_SLEEP") or os.environ.get("FAULT_EVAL_STOP"):
+        slow_evaluations()
+    for name, after in (("FAULT_EXIT_STOP", False), ("FAULT_FINAL_STOP", True)):
+        if os.environ.get(name):
+            stop_at_exit(int(os.environ[name]), after)
+    return _train(*args, **kwargs)
+
+
+def main():
+    if os.environ.get("FAULT_PID_DIR"):
+        rank = cluster.launcher_env()[0] or 0
+        with open(os.path.join(os.environ["FAULT_PID_DIR"], f"rank-{rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    mnist.train = train
+    sys.exit(mnist.main())
+
+
+if __name__ == "__main__":
+    main()
