@@ -10,6 +10,7 @@ ps: the world, so the servers share the outcome).
 
     mpirun -n 2 python -m hpctrain.mnist --checkpoint-dir ckpt --checkpoint-every 100
 """
+import contextlib
 import math
 import signal
 import sys
@@ -350,7 +351,11 @@ class Checkpoints:
                                                                    session.model_shape),
                                                  samples=self.samples_at(step), data=str(session.data_dir),
                                                  data_digest=session.data_digest, **self.more_attrs()))
-        with session.timeline.span("checkpoint", cat="checkpoint"):
+        # The others wait for the chief's write in the agreement: it answers
+        # their roll calls "busy" meanwhile, so a healthy write longer than
+        # --timeout is no stall (the write itself has its own deadline above).
+        with session.timeline.span("checkpoint", cat="checkpoint"), \
+                (session.watchdog.busy() if session.chief else contextlib.nullcontext()):
             path = session.agreed(comm, chief_writes if session.chief else lambda: None)
         self.saved_step, self.saved_path = step, path
         return path
