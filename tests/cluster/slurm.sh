@@ -61,6 +61,20 @@ start_slurmd() {
     return 1
 }
 
+# MPICH names a job's node-local segment /dev/shm/mpich_shm_<id of the job's
+# PMI name>_<node>, and a rank killed outright leaves it behind. A SLURM
+# started afresh numbers its jobs from 1 again, so a later job with the same
+# number found the dead job's segment and died in MPI_Init ("Out of memory").
+# Remove the ones no running process maps (a live job maps its own).
+sweep_dead_mpich_segments() {
+    local f live
+    live=$(cat /proc/[0-9]*/maps 2>/dev/null | grep -o '/dev/shm/mpich_[a-z]*_[0-9a-f]*_[0-9]*' | sort -u)
+    for f in /dev/shm/mpich_shm_* /dev/shm/mpich_vci_*; do
+        [ -e "$f" ] || continue
+        grep -qxF "$f" <<<"$live" || rm -f "$f"
+    done
+}
+
 up() {
     local n nodes_list nodelines="" t0=$SECONDS
     mapfile -t nodes_list < <(nodes)
@@ -72,6 +86,7 @@ up() {
     fi
     # A clean slate every time: no daemons, job ids or jobs from an earlier session.
     down >/dev/null
+    sweep_dead_mpich_segments
     rm -rf "$S"; mkdir -p "$S/etc" "$S/ctld" "$D/bin"
     if ! [ -n "$(pid_of "$M/munged.pid" "$(munged_exe)")" ]; then
         rm -rf "$M"; install -d -o munge -g munge -m 0755 "$M"
@@ -137,7 +152,7 @@ case ${1:-} in
     up) up ;;
     down) down ;;
     cli) shift; cli "$@" ;;
-    stop-node) kill_node_processes "${2:?stop-node NODE}"; rm -f "$S/$2/slurmd.pid"; echo "slurm.sh: $2 stopped" ;;
+    stop-node) kill_node_processes "${2:?stop-node NODE}"; rm -f "$S/$2/slurmd.pid"; sweep_dead_mpich_segments; echo "slurm.sh: $2 stopped" ;;
     start-node) start_slurmd "${2:?start-node NODE}" && echo "slurm.sh: slurmd on $2 started" ;;
     *) echo "usage: slurm.sh up | down | cli CMD... | stop-node NODE | start-node NODE" >&2; exit 2 ;;
 esac
