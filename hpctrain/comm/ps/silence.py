@@ -11,9 +11,12 @@ workers). At the deadline (--timeout of silence):
 
 A worker can be silent because another rank holds it up (a stopped server
 that it waits for), or because it is busy with work of its own (the chief's
-evaluation): before a warning or the end, ps 0 holds the watchdog's roll
-call, so the line names a rank that does not answer (not the worker that
-waits for it), and a worker busy on its own is not silent.
+evaluation): before it ends the job, ps 0 holds the watchdog's roll call, so
+the line names a rank that does not answer (not the worker that waits for
+it), and a worker that answers busy gets another --timeout. The warning at
+timeout/4 holds no roll call: a roll call that is not followed by the end
+of the job leaves its requests to a stopped rank pending, which MPI then
+finds at MPI_Finalize (and it held the warning back past a short stop).
 
 A thread, because the server's own wait (Waitsome) wakes only for messages:
 it wakes the server with a message to itself. It judges only while the
@@ -107,19 +110,9 @@ class SilenceWatch:
                            silent)
 
     def _warn(self, due, silent):
-        """One line per worker silent for warn_after, unless it is busy on its own."""
-        for w in self._heard_busy(due):
+        """One line per worker silent for warn_after."""
+        for w in due:
             self.warned.add(w)
             print(f"hpctrain: warning: worker {w} (rank {self.server.workers[w]}) has sent nothing for "
                   f"{silent[w]:.0f} s; the job ends at --timeout {self.timeout:g} s unless it returns",
                   file=self.out, flush=True)
-
-    def _heard_busy(self, workers):
-        """Workers that answer a roll call busy count as heard; returns the others."""
-        if not workers or not self.watchdog.can_roll_call:
-            return workers
-        _, _, busy = self.watchdog.roll_call()
-        for w in workers:
-            if self.server.workers[w] in busy:
-                self.heard(w)
-        return [w for w in workers if self.server.workers[w] not in busy]
