@@ -36,8 +36,8 @@ link, not stored contiguously inside the file (chunked, compressed, virtual,
 external storage, which would read any file named), or larger than the
 file; an attribute that is not a plain int, float or str; a step, optimizer
 step, data position or sample count out of range. So a crafted file can
-neither make the reader allocate more than its own size nor read elsewhere.
-Only h5py reads; nothing is unpickled.
+neither make the reader allocate more than its own size nor read elsewhere
+(those rules: checkpoint_trust.py). Only h5py reads; nothing is unpickled.
 
 No MPI here: train.py gathers and broadcasts, this module reads and writes.
 
@@ -53,6 +53,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checkpoint_trust import Corrupt as _Corrupt
+from .checkpoint_trust import Refused as _Refused
+from .checkpoint_trust import check_attr_types, check_ranges, stored_dataset
 from .errors import HpctrainError
 from .outputs import temp_next_to
 from .settings import RESUME_DEFAULTS, SAME_ON_RESUME
@@ -96,20 +99,6 @@ class Checkpoint:
     @property
     def name(self):
         return os.path.basename(self.path)
-
-
-class _Corrupt(Exception):
-    """A checkpoint file that cannot be trusted: skip it for the previous one."""
-
-
-class _Refused(_Corrupt):
-    """A file with a valid header holding what save() never writes (crafted,
-    or another tool's): resuming stops with one line instead of skipping it."""
-
-
-# The largest step, optimizer step, epoch, position or sample count a
-# checkpoint may hold: far above any run, far below int64's overflow.
-MAX_COUNT = 2 ** 53
 
 
 # ---------------------------------------------------------------------------
@@ -328,10 +317,10 @@ def read(path):
                 raise _Corrupt("not an hpctrain checkpoint")
             if "sha256" not in attrs:
                 raise _Corrupt("no content checksum")
-            _check_attr_types(attrs)
+            check_attr_types(attrs)
             names = [n for n in str(attrs.get("optimizer_state", "")).split(",") if n]
             keys = ["params", "data_positions"] + [f"optimizer/{n}" for n in names]
-            found = {key: _stored_dataset(f, key, len(raw)) for key in keys}
+            found = {key: stored_dataset(f, key, len(raw)) for key in keys}
             if sum(obj.nbytes for obj in found.values()) > len(raw):
                 raise _Refused(f"its datasets hold more bytes than the file ({len(raw)})")
             datasets = {key: obj[()] for key, obj in found.items()}
@@ -357,78 +346,10 @@ def read(path):
     for key in ("step", "optimizer_t"):
         if not isinstance(attrs.get(key), int):
             raise _Corrupt(f"attribute {key} missing or not an integer")
-    _check_ranges(attrs, positions)
+    check_ranges(attrs, positions)
     return Checkpoint(path=os.fspath(path), step=attrs["step"], optimizer_t=attrs["optimizer_t"],
                       params=params, optimizer_state=state,
                       data_positions=positions.astype(np.int64, copy=False), attrs=attrs)
-
-
-def _stored_dataset(f, key, file_size):
-    """f[key], unread, once it is stored as save() stores it: hard links all
-    the way (a soft or external link would lead elsewhere), a dataset of
-    float32 (params, optimizer state) or int64 (data_positions), of 1 or 2
-    dimensions, its bytes contiguous inside this file: no chunks (a small
-    file could then claim any size: unwritten chunks read as zeros), filters,
-    virtual sources or external storage (which reads whatever file it names)."""
-    import h5py
-    parts = key.split("/")
-    for i in range(1, len(parts) + 1):
-        name = "/".join(parts[:i])
-        link = f.get(name, getlink=True)
-        if link is None:
-            raise _Corrupt(f"missing dataset {key}")
-        if not isinstance(link, h5py.HardLink):
-            kind = {"SoftLink": "a soft link", "ExternalLink": "an external link"}.get(type(link).__name__, "a link")
-            raise _Refused(f"{name} is {kind}, not a dataset stored in the file")
-    obj = f[key]
-    if not isinstance(obj, h5py.Dataset):
-        raise _Corrupt(f"missing dataset {key}")
-    want = np.dtype("<i8") if key == "data_positions" else np.dtype("<f4")
-    if obj.dtype != want or obj.ndim != (2 if key == "data_positions" else 1):
-        raise _Corrupt(f"dataset {key} is {obj.dtype} {obj.shape}, expected {want.name} with "
-                       f"{2 if key == 'data_positions' else 1} dimension(s)")
-    plist = obj.id.get_create_plist()
-    if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_external_count():
-        raise _Refused(f"dataset {key} is not stored contiguously in the file (chunked, virtual or "
-                       f"external storage)")
-    offset = obj.id.get_offset()
-    if offset is None or obj.id.get_storage_size() != obj.nbytes or offset + obj.nbytes > file_size:
-        raise _Refused(f"dataset {key} claims {obj.nbytes} bytes that the file ({file_size} bytes) does not hold")
-    return obj
-
-
-def _check_attr_types(attrs):
-    """Every attribute a plain int, finite float or str, as save() writes them."""
-    for key, value in attrs.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise _Refused(f"attribute {key} is a {type(value).__name__}, not an int, float or str")
-        if isinstance(value, float) and not np.isfinite(value):
-            raise _Refused(f"attribute {key} is {value}")
-
-
-def _check_ranges(attrs, positions):
-    """The counts a resume computes with, in range: step, optimizer step,
-    samples, workers, each worker's (epoch, position), --keep-best's best."""
-    def within(what, value, lo, hi=MAX_COUNT):
-        if not lo <= value <= hi:
-            raise _Refused(f"{what} {value} is out of range ({lo}..{hi})")
-    within("step", attrs["step"], 0)
-    within("optimizer_t", attrs["optimizer_t"], 0)
-    if positions.shape[0] < 1:
-        raise _Refused("data_positions has no rows")
-    within("a data position's epoch", int(positions[:, 0].min()), 0)
-    within("a data position's epoch", int(positions[:, 0].max()), 0)
-    within("a data position", int(positions[:, 1].min()), 0)
-    within("a data position", int(positions[:, 1].max()), 0)
-    counts = {"num_workers": (positions.shape[0], positions.shape[0]), "samples": (0, MAX_COUNT),
-              "best_val_step": (-1, attrs["step"])}
-    for key, (lo, hi) in counts.items():
-        if key in attrs:
-            if not isinstance(attrs[key], int):
-                raise _Refused(f"attribute {key} is not an integer")
-            within(key, attrs[key], lo, hi)
-    if "best_val_accuracy" in attrs:
-        within("best_val_accuracy", attrs["best_val_accuracy"], -1, 1)
 
 
 def check_compatible(ckpt, expected_settings):
