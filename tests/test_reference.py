@@ -1,9 +1,9 @@
 """Behaviour stays: a fixed set of runs gives bit-identical results with this
 code and with the code of a pinned commit, both run here, now, on this machine.
 
-The restructure of issue 9 moved code, not arithmetic; the pin then moved
-to the commit that deals each epoch's permutation over the workers (issue
-13), which changed the order of the samples on purpose. Reference files made
+The restructures of issues 9 and 20 moved code, not arithmetic; issue 13
+changed the order of the samples on purpose (each epoch's permutation dealt
+over the workers). Reference files made
 on one CPU do not carry to another (BLAS kernels differ), so the pinned
 commit's hpctrain/ is taken from git and run beside the current one. What
 must match bit for bit: the --save parameters and the final record's
@@ -24,10 +24,11 @@ import pytest
 from conftest import REPO
 from hpctrain import data
 
-# The commit that made an epoch one permutation dealt over the workers (issue
-# 13): the samples' order changed there, by design. Before: 3893e7e, the last
-# commit before the restructure of issue 9.
-PINNED = "046779e"
+# main before the restructure of issue 20 (the model spec, the layers, the
+# ring step, the server's round, the loop frame): it must move code, not
+# arithmetic. Before: 046779e, the commit that made an epoch one permutation
+# dealt over the workers (issue 13), which changed the samples' order by design.
+PINNED = "652a37a"
 
 COMMON = ["--steps", "24", "--log-every", "12", "--batch-size", "16", "--hidden", "64,32",
           "--timeout", "120"]
