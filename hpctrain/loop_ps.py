@@ -111,7 +111,7 @@ def train_ps(session):
     # With --checkpoint-dir: every rank learns whether (and from which step)
     # the run resumes; the chief then loads the servers (RESTORE).
     resume = checkpoints.load(cluster.comm)
-    placement = place(session.model(np).tensor_ranges(), cluster.num_ps, args.placement)
+    placement = place(session.spec.tensor_ranges(), cluster.num_ps, args.placement)
     shared, why_not = open_exchange(session, placement)
     if cluster.is_ps:
         result = run_server(session, checkpoints, comm, placement, shared)
@@ -130,7 +130,7 @@ def open_exchange(session, placement):
     args, cluster = session.args, session.cluster
     return open_shared(cluster, enabled=args.ps_exchange == "auto",
                        able=cluster.is_ps or not device.is_gpu(session.xp),
-                       num_params=session.num_params(), server_sizes=[slice_size(r) for r in placement],
+                       num_params=session.spec.num_params, server_sizes=[slice_size(r) for r in placement],
                        reply_bufs=reply_buffers_needed(args.sync, replicas_to_aggregate(args, cluster.num_workers),
                                                        cluster.num_workers),
                        watchdog=session.watchdog)
@@ -181,8 +181,9 @@ def run_worker(session, checkpoints, comm, reader, resume, placement, shared, wh
     W, tl, chief = cluster.num_workers, session.timeline, session.chief
     report = Report(session)
     # In a shared-memory window, backprop writes the gradient where the servers read it.
-    model = session.model(xp) if shared is None else \
-        session.model(xp, grads=shared.worker_grads(cluster.rank, session.num_params()))
+    spec = session.spec
+    model = spec.build(xp) if shared is None else \
+        spec.build(xp, grads=shared.worker_grads(cluster.rank, spec.num_params))
     model.init(args.seed)
     tensor_ranges = model.tensor_ranges()
     reader = prefetch.device_batches(reader, xp)   # GPU: pinned, async, one step ahead

@@ -63,13 +63,13 @@ def train_ring(session):
     report, checkpoints, timeline = Report(session), Checkpoints(session), session.timeline
 
     # --- model, optimizer, data, allreduce ----------------------------------
-    n = session.num_params()   # the data's manifest shapes the model
+    n = session.spec.num_params   # the data's manifest shapes the model (nn/spec.py)
     wire = Wire(n, xp)  # [loss, stop, grads...]: comm/wire.py
     sharded = shard_wanted(args.shard_optimizer, workers, xp, args.allreduce)
     # Sharded: the parameters in a buffer laid out like the wire, so each
     # bucket's allgather carries them; its loss and stop slots get the sums.
     params_wire = Wire(n, xp) if sharded else None
-    model = session.model(xp, params=params_wire.grads if sharded else None, grads=wire.grads)
+    model = session.spec.build(xp, params=params_wire.grads if sharded else None, grads=wire.grads)
     model.init(args.seed)
     # Identical start everywhere: rank 0's parameters.
     device.synchronize(xp)

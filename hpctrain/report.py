@@ -472,12 +472,14 @@ def write_params(path, model, step, args, world_size, attrs=None):
     os.close(fd)
     try:
         with h5py.File(tmp, "w") as f:
-            for name, view in model.tensors():
+            # the non-trainable state (batch-norm statistics) beside the parameters
+            for name, view in model.tensors() + model.state_tensors():
                 f.create_dataset(name, data=device.to_host(view))
             f.attrs["step"] = step
             f.attrs["mode"] = args.mode
             f.attrs["world_size"] = world_size
             f.attrs["hidden"] = ",".join(map(str, args.hidden))
+            f.attrs["model"] = model.spec.identity
             for key, value in (attrs or {}).items():
                 f.attrs[key] = value
         os.replace(tmp, path)

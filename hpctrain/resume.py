@@ -144,7 +144,7 @@ class Checkpoints:
                     f"{found[0][1].rsplit('/', 1)[-1]}); remove them or use another --checkpoint-dir")
             return None
         ckpt = checkpoint.load_latest(d, settings.same_on_resume(args, cluster.num_workers,
-                                                               self.session.model_shape),
+                                                               self.session.spec),
                                       warn=lambda line: print(f"hpctrain: warning: {line}",
                                                               file=sys.stderr, flush=True))
         if ckpt is None and found:
@@ -345,10 +345,10 @@ class Checkpoints:
                 return checkpoint.save(args.checkpoint_dir, step, host,
                                        {k: device.to_host(v) for k, v in optimizer_state.items()},
                                        optimizer_t, positions,
-                                       settings.same_on_resume(args, cluster.num_workers, session.model_shape),
+                                       settings.same_on_resume(args, cluster.num_workers, session.spec),
                                        keep=args.keep_checkpoints,
                                        info=dict(settings.recorded(args, cluster.size, cluster.num_workers,
-                                                                   session.model_shape),
+                                                                   session.spec),
                                                  samples=self.samples_at(step), data=str(session.data_dir),
                                                  data_digest=session.data_digest, **self.more_attrs()))
         # The others wait for the chief's write in the agreement: it answers

@@ -26,7 +26,7 @@ from .cli import steps_for_epochs, validate
 from .cluster import Cluster, check_consistency
 from .comm import allreduce_plan
 from .errors import EXIT_PREEMPTED, HpctrainError
-from .model import CLASSES, INPUTS, MLP, num_params
+from .nn import LayerError, spec_for
 from .optim import learning_rate, schedule_line
 from .outputs import check_outputs
 from .stats import StepStats
@@ -144,10 +144,10 @@ def server_array_module(args):
 
 
 def data_identity(data_dir):
-    """(digest, (inputs, classes)): the data this rank trains on, as a digest
-    of its manifest's content (not its path: two paths may hold the same
-    data, one path on two nodes different data), and the model's input and
-    output sizes, which follow the manifest (model.MLP's inputs, classes)."""
+    """(digest, (image shape, classes)): the data this rank trains on, as a
+    digest of its manifest's content (not its path: two paths may hold the
+    same data, one path on two nodes different data), and the shapes the
+    model is built for."""
     manifest = data_mod.load_manifest(data_dir)
     try:
         shape = data_mod.model_shape(manifest)
@@ -167,18 +167,19 @@ def _nothing(*args):
     return None
 
 
-def memory_needed(args, model_shape=(INPUTS, CLASSES)):
-    """Bytes one rank needs for the model at least: parameters, gradients and
-    the optimizer's state (flat float32 buffers), the training batch (float32
-    and its uint8 copy), and forward and backward activations of every layer.
-    An estimate from below: a rank that cannot hold this cannot train.
-    model_shape: (inputs, classes), from the data's manifest."""
-    inputs, classes = model_shape
-    n = num_params(args.hidden, inputs, classes)
-    states = {"sgd": 0, "momentum": 1, "adam": 2}[args.optimizer]
-    widths = sum(args.hidden) + classes
-    batch = args.batch_size
-    return 4 * n * (2 + states) + batch * inputs * 5 + 2 * 4 * batch * widths
+def model_spec(args, model_shape):
+    """The spec of this run's model for its data (nn/zoo.py); a model that
+    does not fit the data is one line."""
+    try:
+        return spec_for(args, *model_shape)
+    except LayerError as e:
+        raise HpctrainError(f"the model does not fit the data: {e}") from None
+
+
+def memory_needed(args, spec):
+    """Bytes one rank needs for the model at least (nn/spec.py memory_bytes):
+    a rank that cannot hold this cannot train."""
+    return spec.memory_bytes(args.batch_size, {"sgd": 0, "momentum": 1, "adam": 2}[args.optimizer])
 
 
 def memory_available():
@@ -193,10 +194,10 @@ def memory_available():
     return None
 
 
-def check_memory(args, ranks_on_node, model_shape=(INPUTS, CLASSES)):
+def check_memory(args, ranks_on_node, spec):
     """Refuse up front a model or batch that cannot fit (a traceback from deep
     inside NumPy, or the OOM killer, an hour later is worse)."""
-    need = memory_needed(args, model_shape)
+    need = memory_needed(args, spec)
     have = memory_available()
     if have is not None and need * ranks_on_node > have:
         raise HpctrainError(
@@ -261,8 +262,9 @@ class Session:
         # After the data: --epochs count its training samples (the same on
         # every rank: the manifest's digest was compared above).
         self._schedule = self._recipe(data_mod.load_manifest(self.data_dir))
-        # After the data: the model's size follows its manifest.
-        self.agreed(self.comm, check_memory, args, cluster.local_size, self.model_shape)
+        # After the data: the model is shaped by its manifest.
+        self.spec = self.agreed(self.comm, model_spec, args, self.model_shape)
+        self.agreed(self.comm, check_memory, args, cluster.local_size, self.spec)
         # Last before training, so a refusal above leaves nothing behind (this
         # creates --checkpoint-dir): a result that cannot be written would be lost.
         self.agreed(self.comm, check_outputs if self.chief else _nothing, args)
@@ -292,15 +294,6 @@ class Session:
         """A line on standard output from the chief; the other ranks stay quiet."""
         if self.chief:
             print(text, flush=True)
-
-    def model(self, xp, **buffers):
-        """An MLP of --hidden shaped for this run's data (model_shape: the
-        manifest's image values and classes); buffers: params=, grads=."""
-        inputs, classes = self.model_shape
-        return MLP(self.args.hidden, xp, inputs=inputs, classes=classes, **buffers)
-
-    def num_params(self):
-        return num_params(self.args.hidden, *self.model_shape)
 
     def lr(self, step):
         """The learning rate of 0-based `step`: a pure function of it (resume is bit-exact)."""

@@ -7,7 +7,7 @@
   ignored without a word.
 - Every checkpoint records `recorded(args, ...)` as attributes (checkpoint.py).
 - On resume the checkpoint's `SAME_ON_RESUME` values must equal this run's:
-  the model and its state (mode, hidden, num_params, optimizer), the
+  the model and its state (mode, model, hidden, num_params, optimizer), the
   per-worker batch the run was tuned with (batch_size), the shuffle (seed),
   and the learning-rate schedule's shape (`schedule_key`: with cosine,
   --steps too). Everything else may change on resume: the number of
@@ -20,10 +20,10 @@
     python -c "from hpctrain import cli, settings; print(settings.same_on_every_rank(cli.parse([])))"
 """
 import hashlib
+import math
 import os
 
 from . import __version__
-from .model import CLASSES, INPUTS, num_params
 
 # Flags whose value must be identical on every rank of a job.
 RANK_FLAGS = ("mode", "batch_size", "steps", "epochs", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
@@ -36,10 +36,11 @@ RANK_FLAGS = ("mode", "batch_size", "steps", "epochs", "lr", "optimizer", "seed"
 OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
                 "keep_best", "timeline", "eval_every", "log_every")
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline")
-SAME_ON_RESUME = ("mode", "hidden", "num_params", "optimizer", "batch_size", "seed", "lr_schedule")
+SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "batch_size", "seed", "lr_schedule")
 # What a checkpoint written before a setting existed means by it (it is
-# missing there): checkpoints from before --lr-schedule were all constant.
-RESUME_DEFAULTS = {"lr_schedule": "constant"}
+# missing there): checkpoints from before --lr-schedule were all constant,
+# and from before the model spec (issue 20) all the MLP.
+RESUME_DEFAULTS = {"lr_schedule": "constant", "model": "mlp"}
 
 
 def schedule_key(args):
@@ -55,16 +56,20 @@ def schedule_key(args):
     return "constant"
 
 
-def _job(args, model_shape=(INPUTS, CLASSES)):
+def _job(args):
     """The job's settings as str, int and float values (what HDF5 attributes and
-    fixed-width byte records can carry). model_shape: (inputs, classes) from
-    the data's manifest; num_params counts them, so a checkpoint of a model
-    for other data (another image size or class count) is not resumed."""
+    fixed-width byte records can carry)."""
     job = {k: getattr(args, k) for k in RANK_FLAGS}
     job["hidden"] = ",".join(map(str, args.hidden))
-    job["num_params"] = int(num_params(args.hidden, *model_shape))
     job["hpctrain"] = __version__
     return job
+
+
+def _model(spec):
+    """The model as checkpoints record it (nn/spec.py): its identity and
+    size, built for the data's shapes, so a checkpoint of a model for other
+    data (another image size or class count) is not resumed."""
+    return {"model": spec.identity, "num_params": int(spec.num_params)}
 
 
 def _where(path):
@@ -81,19 +86,19 @@ def _where(path):
 
 def same_on_every_rank(args):
     # Before the data is read: --hidden is compared here, the data itself
-    # by its manifest's digest (session.py). The same outputs everywhere, the
+    # by its manifest's digest (session.py); the model follows from both. The same outputs everywhere, the
     # checkpoint directory included: a rank with another --checkpoint-dir
     # would wait for checkpoints forever.
     outputs = {k: _where(getattr(args, k)) if k in PATH_FLAGS else getattr(args, k) for k in OUTPUT_FLAGS}
     return dict(_job(args), **outputs)
 
 
-def same_on_resume(args, num_workers, model_shape=(INPUTS, CLASSES)):
-    job = dict(_job(args, model_shape), num_workers=int(num_workers), lr_schedule=schedule_key(args))
+def same_on_resume(args, num_workers, spec):
+    job = dict(_job(args), **_model(spec), num_workers=int(num_workers), lr_schedule=schedule_key(args))
     return {k: job[k] for k in SAME_ON_RESUME}
 
 
-def recorded(args, world_size, num_workers, model_shape=(INPUTS, CLASSES)):
+def recorded(args, world_size, num_workers, spec):
     """Everything a checkpoint records about the run that wrote it."""
-    return dict(_job(args, model_shape), world_size=int(world_size), num_workers=int(num_workers),
-                inputs=int(model_shape[0]), classes=int(model_shape[1]))
+    return dict(_job(args), **_model(spec), world_size=int(world_size), num_workers=int(num_workers),
+                inputs=int(math.prod(spec.input_shape)), classes=int(spec.classes))

@@ -8,7 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from hpctrain.comm.ring import RingAllreduce
-from hpctrain.model import MLP
+from hpctrain.nn import mlp
 from hpctrain.optim import SGD
 
 
@@ -20,13 +20,13 @@ def test_averaged_update_equals_single_process_over_all_samples():
     x_all = rng.random((size * batch, 784)).astype(np.float32)
     y_all = rng.integers(0, 10, size * batch)
 
-    dist = MLP((32, 16))
+    dist = mlp(hidden=(32, 16)).build()
     dist.init(0)
     dist.forward_backward(x_all[rank * batch:(rank + 1) * batch], y_all[rank * batch:(rank + 1) * batch])
     RingAllreduce(comm).allreduce(dist.grads)
     SGD(dist.num_params).step(dist.params, dist.grads, 0.1, grad_scale=1.0 / size)
 
-    single = MLP((32, 16))
+    single = mlp(hidden=(32, 16)).build()
     single.init(0)
     single.forward_backward(x_all, y_all)
     SGD(single.num_params).step(single.params, single.grads, 0.1)

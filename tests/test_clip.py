@@ -30,7 +30,7 @@ from hpctrain.comm.norm import BucketNorm
 from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.wire import GRADS, Wire
-from hpctrain.model import MLP
+from hpctrain.nn import mlp
 from hpctrain.optim import make_optimizer
 
 
@@ -125,10 +125,10 @@ def clipped_ring_steps(comm, strategy_name, optimizer, sharded, fusion_elems, ov
     until BucketNorm's norm is in, the factor folded into grad_scale. The loss
     slot carries a large number: counted in the norm, it would show."""
     size = comm.size
-    n = MLP(HIDDEN).num_params
+    n = mlp(hidden=HIDDEN).num_params
     wire = Wire(n)
     params_wire = Wire(n) if sharded else None
-    model = MLP(HIDDEN, params=params_wire.grads if sharded else None, grads=wire.grads)
+    model = mlp(hidden=HIDDEN).build(params=params_wire.grads if sharded else None, grads=wire.grads)
     model.init(0)
     strategy = STRATEGIES[strategy_name](comm)
     clip = Clip(c)
@@ -160,7 +160,7 @@ def clipped_ring_steps(comm, strategy_name, optimizer, sharded, fusion_elems, ov
 
 def single_process(size, c, steps=4, lr=0.05):
     """One process over all size*BATCH samples, clipped by the NumPy reference."""
-    model = MLP(HIDDEN)
+    model = mlp(hidden=HIDDEN).build()
     model.init(0)
     norms = []
     for x, y in batches(size, steps):
@@ -222,9 +222,9 @@ def test_a_threshold_never_reached_changes_no_bit():
     comm = MPI.COMM_WORLD
     clipped, _, _ = clipped_ring_steps(comm, "ring", "adam", True, 300, True, c=1e9)
     # the same steps without clipping: each bucket updated as soon as it is summed
-    n = MLP(HIDDEN).num_params
+    n = mlp(hidden=HIDDEN).num_params
     wire = Wire(n)
-    model = MLP(HIDDEN, grads=wire.grads)
+    model = mlp(hidden=HIDDEN).build(grads=wire.grads)
     model.init(0)
     strategy = RingAllreduce(comm)
     fused = FusedAllreduce(strategy, wire.buffer, wire.ready_from(model.layer_ranges), 300, overlap=True,
@@ -330,7 +330,7 @@ def test_async_ps_clips_each_push(job, tmp_path):
               "--log-every", 10, *SMALL]
     ok(job(3, *common, "--clip-norm", c, "--save", tmp_path / "clip.h5", "--metrics", tmp_path / "m.jsonl"))
     ok(job(3, *common, "--save", tmp_path / "free.h5"))
-    start = MLP((64,))
+    start = mlp(hidden=(64,)).build()
     start.init(0)
     p0 = {name: np.asarray(view) for name, view in start.tensors()}
 

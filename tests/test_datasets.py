@@ -89,7 +89,7 @@ def test_cifar10_batches_become_32x32x3_shards(tmp_path):
     assert manifest["source"]["layout"] == "cifar-10"
     assert [f["role"] for f in manifest["source"]["files"]] == ["train_1", "train_2", "test"]
     assert manifest["train"]["num_samples"] == 24 and manifest["test"]["num_samples"] == 10
-    assert data.model_shape(manifest) == (3072, 10)
+    assert data.model_shape(manifest) == ((32, 32, 3), 10)
     x, y = data.load_test(tmp_path / "shards", raw=True)
     with h5py.File(tmp_path / "shards" / "test-00000-of-00001.h5") as f:
         images = f["images"][...]
@@ -127,7 +127,7 @@ def test_emnist_balanced_names_and_47_classes(tmp_path):
     src = idx_quartet(tmp_path / "emnist", 94, 47, classes=47, prefix="emnist-balanced-", test="test")
     manifest = data.prepare(src, tmp_path / "shards", shards=2, log=quiet)
     assert manifest["num_classes"] == 47 and manifest["image_shape"] == [28, 28]
-    assert data.model_shape(manifest) == (784, 47)
+    assert data.model_shape(manifest) == ((28, 28), 47)
     # Two of EMNIST's splits in one directory: which one is meant is not guessed.
     idx_quartet(src, 20, 10, classes=10, prefix="emnist-digits-", test="test")
     with pytest.raises(HpctrainError, match="holds more than one dataset"):

@@ -17,7 +17,7 @@ from hpctrain.comm.fusion import FusedAllreduce, bucket_bounds
 from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.wire import LOSS, STOP, Wire
-from hpctrain.model import MLP
+from hpctrain.nn import mlp
 from hpctrain.optim import Adam
 
 
@@ -38,9 +38,9 @@ def test_buckets_cover_the_buffer_in_ready_order_on_layer_boundaries():
 def train_steps(comm, overlap, fusion_elems, steps=5):
     """A few steps of the real loop's arithmetic: wire = [loss, stop, grads]."""
     rng = np.random.default_rng(comm.rank)
-    n = MLP((64, 32)).num_params
+    n = mlp(hidden=(64, 32)).num_params
     wire = Wire(n)
-    model = MLP((64, 32), grads=wire.grads)
+    model = mlp(hidden=(64, 32)).build(grads=wire.grads)
     model.init(0)
     opt = Adam(n)
     fused = FusedAllreduce(RingAllreduce(comm), wire.buffer, wire.ready_from(model.layer_ranges), fusion_elems,
@@ -92,7 +92,7 @@ def test_every_rank_stops_after_the_same_step_whoever_asked(sharded, staged):
     ring = RingAllreduce(comm)
     # staged: LazyCopier (NaN-filled, lazy copies) standing in for the device; small chunks
     strategy = StagedAllreduce(ring, LazyCopier(), chunk_bytes=256) if staged else ring
-    layers = MLP((64, 32)).layer_ranges
+    layers = mlp(hidden=(64, 32)).layer_ranges
     n = layers[-1][1]
     wire, pwire = Wire(n), Wire(n)
     rng = np.random.default_rng(comm.rank)

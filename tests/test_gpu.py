@@ -25,7 +25,7 @@ from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.topology import Topology
 from hpctrain.errors import HpctrainError
-from hpctrain.model import MLP
+from hpctrain.nn import mlp
 from hpctrain.optim import make_optimizer
 
 cp, WHY = device._cupy_or_reason()
@@ -192,7 +192,7 @@ def test_forward_backward_equals_numpy():
     rng = np.random.default_rng(0)
     x = rng.random((64, 784)).astype(np.float32)
     y = rng.integers(0, 10, 64)
-    cpu, gpu = MLP((500, 500)), MLP((500, 500), cp)
+    cpu, gpu = mlp(hidden=(500, 500)).build(), mlp(hidden=(500, 500)).build(cp)
     cpu.init(3)
     gpu.init(3)
     assert np.array_equal(cpu.params, cp.asnumpy(gpu.params))
@@ -250,7 +250,7 @@ def test_sgd_training_on_gpu_ends_where_cpu_training_ends(shards):
     from hpctrain.data import ShardReader
     out = {}
     for xp in (np, cp):
-        model = MLP((500, 500), xp)
+        model = mlp(hidden=(500, 500)).build(xp)
         model.init(0)
         opt = make_optimizer("sgd", model.num_params, xp)
         batches = prefetch.device_batches(ShardReader(shards, 0, 1, 32, 0), xp)

@@ -1,19 +1,33 @@
-"""The MLP: flat buffers with per-layer views, and backprop against finite differences."""
+"""The MLP (nn/zoo.py's layer list on nn/spec.py's layout): flat buffers with
+per-layer views, and backprop against finite differences."""
 import numpy as np
 
-from hpctrain.model import MLP, num_params
+from hpctrain.nn import mlp
+
+
+def MLP(hidden=(500, 500), dtype=np.float32):
+    return mlp(hidden=hidden).build(dtype=dtype)
+
+
+def weights(m):
+    """The W and b views of each Dense layer, in order."""
+    t = dict(m.tensors())
+    k = len(m.layer_ranges)
+    return [t[f"layer{i}/W"] for i in range(k)], [t[f"layer{i}/b"] for i in range(k)]
 
 
 def test_views_share_one_flat_buffer():
     m = MLP((20, 10))
-    assert m.num_params == num_params((20, 10)) == 784 * 20 + 20 + 20 * 10 + 10 + 10 * 10 + 10
+    assert m.num_params == mlp(hidden=(20, 10)).num_params == 784 * 20 + 20 + 20 * 10 + 10 + 10 * 10 + 10
     m.params[:] = np.arange(m.num_params, dtype=np.float32)
     for name, lo, hi in m.tensor_ranges():
         view = dict(m.tensors())[name]
         assert np.shares_memory(view, m.params)
         assert np.array_equal(view.ravel(), np.arange(lo, hi, dtype=np.float32))
-    for g in m.gW + m.gb:
-        assert np.shares_memory(g, m.grads)
+    for layer in m.layers:
+        for g in getattr(layer, "grads", {}).values():
+            assert np.shares_memory(g, m.grads)
+    assert sum(len(layer.grads) for layer in m.layers) == 6
     assert [n for n, _ in m.tensors()] == ["layer0/W", "layer0/b", "layer1/W", "layer1/b", "layer2/W", "layer2/b"]
 
 
@@ -63,9 +77,10 @@ def test_evaluate_counts_correct_and_loss():
     x = rng.random((2500, 784)).astype(np.float32)
     # The predictions, by an independent forward pass in float64: ReLU between layers.
     a = x.astype(np.float64)
-    for i, (W, b) in enumerate(zip(m.W, m.b)):
+    Ws, bs = weights(m)
+    for i, (W, b) in enumerate(zip(Ws, bs)):
         a = a @ W.astype(np.float64) + b
-        if i < len(m.W) - 1:
+        if i < len(Ws) - 1:
             a = np.maximum(a, 0)
     predicted = a.argmax(axis=1)
     top2 = np.sort(a, axis=1)[:, -2:]
@@ -89,5 +104,6 @@ def test_init_is_deterministic_and_he_scaled():
     a.init(7)
     b.init(7)
     assert np.array_equal(a.params, b.params)
-    assert abs(float(a.W[0].std()) - np.sqrt(2 / 784)) < 0.01 * np.sqrt(2 / 784) * 10
-    assert not np.any(a.b[0])
+    Ws, bs = weights(a)
+    assert abs(float(Ws[0].std()) - np.sqrt(2 / 784)) < 0.01 * np.sqrt(2 / 784) * 10
+    assert not np.any(bs[0])

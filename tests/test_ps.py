@@ -26,14 +26,14 @@ import numpy as np
 import pytest
 
 from hpctrain.comm import ps
-from hpctrain.model import MLP
+from hpctrain.nn import mlp
 
 # ---------------------------------------------------------------------------
 # serial
 
 
 def tensor_ranges(hidden):
-    return MLP(hidden, np).tensor_ranges()
+    return mlp(hidden=hidden).tensor_ranges()
 
 
 @pytest.mark.parametrize("hidden", [(500, 500), (10,), (3, 5, 7)])

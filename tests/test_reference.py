@@ -124,3 +124,19 @@ def test_same_resumed_results_as_the_pinned_commit(job, tmp_path, pinned, shards
     resumed(job, pinned, tmp_path / "pinned", ranks, flags, shards)
     resumed(job, REPO, tmp_path / "now", ranks, flags, shards)
     assert_same(result(tmp_path / "pinned"), result(tmp_path / "now"))
+
+
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_a_checkpoint_of_the_pinned_commit_resumes_here(job, tmp_path, pinned, shards, name):
+    """Checkpoints written by the pinned commit (before the model spec: no
+    `model` attribute) resume with this code, and end where the pinned
+    commit's own resume ends."""
+    ranks, flags = RESUMED[name]
+    resumed(job, pinned, tmp_path / "pinned", ranks, flags, shards)
+    ckpt = [*flags, "--checkpoint-dir", tmp_path / "mixed" / "ckpt", "--checkpoint-every", "8"]
+    train(job, pinned, tmp_path / "mixed", ranks, ckpt, shards)
+    for step in (16, 24):
+        (tmp_path / "mixed" / "ckpt" / f"ckpt-{step:08d}.h5").unlink()
+    r = train(job, REPO, tmp_path / "mixed", ranks, ckpt, shards)
+    assert "resumed from" in r.stdout and "at step 8" in r.stdout, r.stdout
+    assert_same(result(tmp_path / "pinned"), result(tmp_path / "mixed"))

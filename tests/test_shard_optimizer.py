@@ -25,7 +25,7 @@ from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.wire import Wire
-from hpctrain.model import MLP
+from hpctrain.nn import mlp
 from hpctrain.optim import Sharded, make_optimizer, state_bytes
 from hpctrain.resume import Checkpoints
 
@@ -43,11 +43,11 @@ def run_steps(comm, strategy_name, optimizer, sharded, fusion_elems, overlap, st
     fixed random batch per (rank, step). Returns (params, losses, stops) where
     losses and stops are the summed values every rank read after each step."""
     rng = np.random.default_rng(100 + comm.rank)
-    n = MLP(HIDDEN).num_params
+    n = mlp(hidden=HIDDEN).num_params
     wire = Wire(n)
     params_wire = Wire(n) if sharded else None
     summed = params_wire if sharded else wire
-    model = MLP(HIDDEN, params=params_wire.grads if sharded else None, grads=wire.grads)
+    model = mlp(hidden=HIDDEN).build(params=params_wire.grads if sharded else None, grads=wire.grads)
     model.init(0)
     strategy = STRATEGIES[strategy_name](comm)
 

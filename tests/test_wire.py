@@ -7,11 +7,11 @@ import numpy as np
 from hpctrain.comm import wire as wire_mod
 from hpctrain.comm.fusion import bucket_bounds
 from hpctrain.comm.wire import Wire
-from hpctrain.model import MLP
+from hpctrain.nn import mlp
 
 
 def test_views_share_one_buffer_in_front_of_the_gradients():
-    model_grads = MLP((64, 32)).num_params
+    model_grads = mlp(hidden=(64, 32)).num_params
     w = Wire(model_grads)
     assert w.size == w.buffer.size == model_grads + 2 and w.buffer.dtype == np.float32
     w.buffer[:] = np.arange(w.size)
@@ -26,7 +26,7 @@ def test_views_share_one_buffer_in_front_of_the_gradients():
 
 
 def test_ready_from_and_grads_range_are_the_loops_offsets():
-    model = MLP((64, 32))
+    model = mlp(hidden=(64, 32)).build()
     w = Wire(model.num_params)
     ready = w.ready_from(model.layer_ranges)
     assert ready == [0] + [2 + lo for lo, _ in model.layer_ranges[1:]]

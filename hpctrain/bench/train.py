@@ -17,13 +17,14 @@ largest rank's peak RSS above the interpreter with its imports, against
 params + grads + optimizer state + one batch.
 """
 import json
+import math
 import os
 import sys
 import tempfile
 
 import numpy as np
 
-from ..model import CLASSES, INPUTS, num_params
+from ..nn import MNIST_CLASSES, MNIST_SHAPE, mlp
 from ..errors import EXIT_BAD_INPUT, HpctrainError
 from .common import launch, table
 
@@ -59,16 +60,16 @@ def header(what, flags, extra):
             f"batch {flags.batch_size}/worker" + (f", flags: {' '.join(extra)}" if extra else ""))
 
 
-def memory_target_mb(hidden, optimizer, batch, model_shape=(INPUTS, CLASSES)):
-    inputs, classes = model_shape
-    n = num_params(hidden, inputs, classes)
+def memory_target_mb(hidden, optimizer, batch, model_shape=(MNIST_SHAPE, MNIST_CLASSES)):
+    shape, classes = model_shape
+    n, inputs = mlp(shape, classes, hidden).num_params, math.prod(shape)
     return 2 * (4 * n * (2 + STATE_COPIES[optimizer]) + batch * (inputs * 4 + 8)) / 2**20
 
 
 def model_shape(flags):
-    """(inputs, classes) of the benched model: --data's manifest, else MNIST's."""
+    """(image shape, classes) of the benched model: --data's manifest, else MNIST's."""
     if not flags.data:
-        return INPUTS, CLASSES
+        return MNIST_SHAPE, MNIST_CLASSES
     from ..data import load_manifest, model_shape as shape_of
     return shape_of(load_manifest(flags.data))
 

@@ -134,14 +134,15 @@ def _split_problem(part, split):
 
 
 def model_shape(manifest):
-    """(inputs, classes) of the model that trains on this data: the values of
-    one image (channels included) and the manifest's class count. The model
-    is built from these, so the data and the model cannot disagree; labels
-    past the class count are refused by the readers, shard by shard."""
+    """(image shape, classes) of the model that trains on this data: one
+    image's shape as stored (28x28; 32x32x3, channels last) and the
+    manifest's class count. The model is built from these (nn/zoo.spec_for),
+    so the data and the model cannot disagree; labels past the class count
+    are refused by the readers, shard by shard."""
     problem = _manifest_problem(manifest)
     if problem:
         raise HpctrainError(f"bad manifest: {problem}")
-    return math.prod(manifest["image_shape"]), manifest["num_classes"]
+    return tuple(manifest["image_shape"]), manifest["num_classes"]
 
 
 def model_fit_problem(manifest, in_features=784, num_classes=10):

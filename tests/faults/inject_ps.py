@@ -43,9 +43,9 @@ def setting(name, index):
 def inject_worker_faults():
     """Patched in every process; active once a Client says which worker this is."""
     from hpctrain.comm.ps import Client
-    from hpctrain.model import MLP
+    from hpctrain.nn.sequential import Sequential
     worker = {}
-    client_init, forward_backward = Client.__init__, MLP.forward_backward
+    client_init, forward_backward = Client.__init__, Sequential.forward_backward
     progress = os.environ.get("PROBE_PROGRESS")
 
     def init(self, *args, **kwargs):
@@ -76,7 +76,7 @@ def inject_worker_faults():
             os.kill(os.getpid(), signal.SIGSTOP)
         return waiting(self, what, peer)
 
-    Client.__init__, MLP.forward_backward, Client.waiting = init, step, waiting_or_stop
+    Client.__init__, Sequential.forward_backward, Client.waiting = init, step, waiting_or_stop
 
 
 def inject_server_hang():

@@ -1,0 +1,128 @@
+"""A layer list over one flat parameter buffer and one flat gradient buffer:
+the model the loops train. Made by `ModelSpec.build` (nn/spec.py), which
+knows the layout; this runs it: `init`, `forward_backward` (with the hooks
+fusion and the timeline use), `evaluate`.
+
+The head is softmax cross-entropy over the last layer's outputs (the
+logits), averaged over the batch.
+
+    python -m hpctrain.nn               # what a built model holds
+"""
+import numpy as np
+
+
+class SoftmaxCrossEntropy:
+    """Mean cross-entropy of softmax(logits) against integer labels; its
+    gradient (softmax - onehot) / batch, in a buffer kept between steps."""
+
+    def __init__(self, xp):
+        self.xp = xp
+        self._d = None
+
+    def forward_backward(self, logits, y):
+        """(loss as an xp scalar, d loss / d logits)."""
+        xp = self.xp
+        batch = logits.shape[0]
+        if self._d is None or self._d.shape != logits.shape or self._d.dtype != logits.dtype:
+            self._d, self._rows = xp.empty(logits.shape, logits.dtype), xp.arange(batch)
+        d, rows = self._d, self._rows
+        # softmax, stabilised
+        xp.subtract(logits, logits.max(axis=1, keepdims=True), out=d)
+        xp.exp(d, out=d)
+        d /= d.sum(axis=1, keepdims=True)
+        loss = -xp.log(xp.maximum(d[rows, y], 1e-30)).mean()
+        return loss, d
+
+    def gradient(self, d, y):
+        """Turn the softmax in d into the gradient of the mean loss, in place."""
+        d[self._rows, y] -= 1.0
+        d *= 1.0 / d.shape[0]
+        return d
+
+    def sums(self, logits, y):
+        """(sum of cross-entropy, number correct) of one evaluation batch."""
+        xp = self.xp
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        logp = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+        return float(-logp[xp.arange(logits.shape[0]), y].sum()), int((logits.argmax(axis=1) == y).sum())
+
+
+class Sequential:
+    """The built model. Members the loops rely on: params, grads (the flat
+    buffers), state (non-trainable, may be empty), num_params, layer_ranges
+    ((lo, hi) of each layer with parameters, in buffer order; backprop
+    finishes them last first), tensors(), tensor_ranges(), init(seed),
+    forward_backward(...), evaluate(...)."""
+
+    def __init__(self, spec, layers, xp, params, grads, state, dtype):
+        self.spec, self.layers, self.xp, self.dtype = spec, layers, xp, np.dtype(dtype)
+        self.params, self.grads, self.state = params, grads, state
+        self.num_params = spec.num_params
+        self.layer_ranges = spec.layer_ranges
+        self.head = SoftmaxCrossEntropy(xp)
+        # (layer, index of its range in layer_ranges) for layers with parameters
+        self._owner = {i: k for k, i in enumerate(spec.param_layers)}
+        # backprop stops at the first layer with parameters: nothing before it needs a gradient
+        self._first = spec.param_layers[0] if spec.param_layers else len(layers)
+
+    def init(self, seed):
+        """Every layer's initial parameters from `seed` (host RNG, then copied,
+        so CPU and GPU runs start from the same bits)."""
+        rng = np.random.default_rng(seed)
+        host = np.zeros(self.num_params, self.dtype) if self.xp is not np else self.params
+        host[...] = 0
+        for i, layer in enumerate(self.layers):
+            layer.init(rng, self.spec.views(host, i), self.dtype)
+            layer.init_state(self.spec.views(self.state, i, of="state"))
+        if host is not self.params:
+            self.params[...] = self.xp.asarray(host)
+
+    def tensors(self):
+        """(name, view) of each parameter tensor, in buffer order."""
+        return [(name, self.params[lo:hi].reshape(shape)) for name, shape, lo, hi in self.spec.tensors]
+
+    def tensor_ranges(self):
+        """(name, lo, hi) of each parameter tensor in the flat buffer."""
+        return [(name, lo, hi) for name, _, lo, hi in self.spec.tensors]
+
+    def state_tensors(self):
+        """(name, view) of each non-trainable tensor (batch-norm statistics)."""
+        return [(name, self.state[lo:hi].reshape(shape)) for name, shape, lo, hi in self.spec.state]
+
+    def _forward(self, x, train):
+        a = x.reshape(x.shape[0], *self.spec.input_shape)
+        for layer in self.layers:
+            a = layer.forward(a, train)
+        return a   # logits
+
+    def forward_backward(self, x, y, on_layer_done=None, loss_out=None, on_forward_done=None):
+        """Mean cross-entropy over the batch (an xp scalar); writes the gradient of
+        that mean into self.grads. `on_layer_done(k)` is called as soon as
+        layer_ranges[k]'s gradient is final (last first); `loss_out` (a 1-element
+        array) receives the loss before backprop starts; `on_forward_done()` is
+        called then too (for timelines)."""
+        loss, d = self.head.forward_backward(self._forward(x, True), y)
+        if loss_out is not None:
+            loss_out[...] = loss
+        if on_forward_done is not None:
+            on_forward_done()
+        d = self.head.gradient(d, y)
+        for i in range(len(self.layers) - 1, self._first - 1, -1):
+            d = self.layers[i].backward(d, need_dx=i > self._first)
+            if on_layer_done is not None and i in self._owner:
+                on_layer_done(self._owner[i])
+        return loss
+
+    def evaluate(self, x, y, batch=128):
+        """(sum of cross-entropy, number correct) over x, y, as Python numbers.
+        x may be uint8 pixels (scaled by 1/255 a batch at a time) or floats."""
+        total_loss, correct = 0.0, 0
+        for lo in range(0, x.shape[0], batch):
+            xb, yb = x[lo: lo + batch], y[lo: lo + batch]
+            if xb.dtype == np.uint8:
+                xb = xb.astype(self.dtype)
+                xb /= 255
+            loss, right = self.head.sums(self._forward(xb, False), yb)
+            total_loss += loss
+            correct += right
+        return total_loss, correct

@@ -1,0 +1,135 @@
+"""A model is a spec, then buffers.
+
+`ModelSpec(layers, input_shape, classes)` runs each layer's `configure` on
+the shape before it (nn/layers.py: the layer contract) and lays every
+trainable tensor, layer by layer, into one flat buffer. Whoever needs the
+model's size, identity, memory or layout asks the spec, without building
+anything: rank agreement and checkpoints (`identity`, `num_params`), the
+memory check (`memory_bytes`), ps placement (`tensor_ranges`), fusion
+(`layer_ranges`), the pipeline's stage balance (`flops`).
+
+`spec.build(xp, params=, grads=)` then returns the model (nn/sequential.py)
+over buffers the caller owns (the ring's wire, the ps shared-memory window)
+or fresh ones.
+
+Layout: layers in order, layer 0 first; within a layer its tensors in
+`param_shapes()` order. Backprop finishes the last layer first, so the
+finished part of the gradient grows from the end of the buffer towards its
+start, which is what bucket fusion relies on. Names are `layer{k}/{tensor}`,
+k counting the layers that hold tensors (the MLP's `layer0/W`, `layer0/b`,
+..., the `--save` file's datasets). Non-trainable state (batch-norm
+statistics) is laid out the same way in a buffer of its own.
+
+    python -m hpctrain.nn               # the MLP's layers, shapes and buffer layout
+"""
+import copy
+import hashlib
+import math
+
+import numpy as np
+
+from .layers import LayerError
+from .sequential import Sequential
+
+
+class ModelSpec:
+    def __init__(self, layers, input_shape, classes, name="custom"):
+        self.layers, self.name = list(layers), name
+        self.input_shape, self.classes = tuple(int(d) for d in input_shape), int(classes)
+        shape = self.input_shape
+        self.shapes = []   # each layer's output shape
+        for i, layer in enumerate(self.layers):
+            try:
+                shape = tuple(layer.configure(shape))
+            except LayerError as e:
+                raise LayerError(f"layer {i} ({layer.describe()}): {e}") from None
+            self.shapes.append(shape)
+        if shape != (self.classes,):
+            raise LayerError(f"the last layer gives {'x'.join(map(str, shape))} outputs per sample, "
+                             f"the data has {self.classes} classes")
+        self.layer_tensors, self.layer_state = [], []   # per layer: [(name, shape, lo, hi)]
+        self.tensors, self.state = [], []
+        self.param_layers = []   # indices of the layers with parameters
+        n = s = k = 0
+        for i, layer in enumerate(self.layers):
+            params, state = layer.param_shapes(), layer.state_shapes()
+            n = self._lay(params, k, n, self.layer_tensors, self.tensors)
+            s = self._lay(state, k, s, self.layer_state, self.state)
+            if params:
+                self.param_layers.append(i)
+            k += bool(params or state)
+        self.num_params, self.num_state = n, s
+        # (lo, hi) of each layer with parameters, in buffer order
+        self.layer_ranges = [(self.layer_tensors[i][0][2], self.layer_tensors[i][-1][3]) for i in self.param_layers]
+
+    @staticmethod
+    def _lay(shapes, k, offset, per_layer, flat):
+        mine = []
+        for tensor, shape in shapes:
+            size = math.prod(shape)
+            mine.append((f"layer{k}/{tensor}", tuple(shape), offset, offset + size))
+            offset += size
+        per_layer.append(mine)
+        flat.extend(mine)
+        return offset
+
+    # --- what others ask ------------------------------------------------------
+    def tensor_ranges(self):
+        """(name, lo, hi) of each parameter tensor in the flat buffer."""
+        return [(name, lo, hi) for name, _, lo, hi in self.tensors]
+
+    def views(self, buffer, i, of="params"):
+        """Layer i's tensors as views of `buffer`, keyed by the layer's own names."""
+        return {name.split("/", 1)[1]: buffer[lo:hi].reshape(shape)
+                for name, shape, lo, hi in (self.layer_tensors if of == "params" else self.layer_state)[i]}
+
+    @property
+    def identity(self):
+        """What rank agreement, checkpoints and resume compare: the zoo's name,
+        and for anything but the MLP (whose --hidden and parameter count pin it
+        down) a digest of every layer and its shapes."""
+        if self.name == "mlp":
+            return "mlp"
+        text = ";".join(f"{layer.describe()}:{shape}" for layer, shape in zip(self.layers, self.shapes))
+        return f"{self.name} {hashlib.sha256(f'{self.input_shape};{text}'.encode()).hexdigest()[:12]}"
+
+    def flops(self):
+        """Forward multiply-adds per sample, layer by layer."""
+        return [layer.flops() for layer in self.layers]
+
+    def memory_bytes(self, batch, optimizer_states, itemsize=4):
+        """Bytes one rank needs for training at least: parameters, gradients
+        and the optimizer's state (flat buffers), the non-trainable state, the
+        batch (float32 and its uint8 copy), and every layer's activations and
+        input gradients. An estimate from below."""
+        values = math.prod(self.input_shape)
+        acts = sum(layer.train_floats() for layer in self.layers)
+        return (itemsize * self.num_params * (2 + optimizer_states) + itemsize * self.num_state
+                + batch * values * 5 + itemsize * batch * acts)
+
+    def summary(self):
+        """The model, one line per layer (output shape, parameters), and the total."""
+        lines = [f"model {self.name}: input {'x'.join(map(str, self.input_shape))}, {self.classes} classes"]
+        for i, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
+            count = sum(hi - lo for _, _, lo, hi in self.layer_tensors[i])
+            lines.append(f"  {i:>3} {layer.describe():<28} -> {'x'.join(map(str, shape)):<14} {count:>12,}")
+        lines.append(f"  {self.num_params:,} parameters ({self.num_params * 4:,} bytes)"
+                     + (f", {self.num_state:,} non-trainable" if self.num_state else ""))
+        return lines
+
+    # --- buffers --------------------------------------------------------------
+    def build(self, xp=np, params=None, grads=None, state=None, dtype=np.float32):
+        """The model over these flat buffers (each `num_params` long, contiguous,
+        of `dtype`; fresh zeros where not given). Each build has its own copy
+        of the layers: two models of one spec share nothing."""
+        dtype = np.dtype(dtype)
+        params = xp.zeros(self.num_params, dtype) if params is None else params
+        grads = xp.zeros(self.num_params, dtype) if grads is None else grads
+        state = xp.zeros(self.num_state, dtype) if state is None else state
+        for buf, size in ((params, self.num_params), (grads, self.num_params), (state, self.num_state)):
+            assert buf.shape == (size,) and buf.dtype == dtype and buf.flags.c_contiguous
+        layers = copy.deepcopy(self.layers)
+        for i, layer in enumerate(layers):
+            layer.bind(xp, self.views(params, i), self.views(grads, i), self.views(state, i, of="state"))
+        return Sequential(self, layers, xp, params, grads, state, dtype)
+
