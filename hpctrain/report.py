@@ -2,13 +2,16 @@
 (and validation-part) evaluations, the final record, the --save parameters
 file and the --keep-best one.
 
-The chief writes everything; the loops call these under an explicit
-`if chief:`, except the two collectives that every worker joins
-(`evaluate`, `peak_memory_and_step_medians`). What the chief does alone
-while the others wait for it (evaluations, --keep-best, the final line and
-files) runs under the watchdog's `busy`: their deadline waits for it as
-long as the chief answers (comm/deadline.py), and each file it reads or
-writes meanwhile has the chief's own deadline.
+The chief writes everything: records, evaluations' lines, files. The loops
+call these under an explicit `if chief:`, except the two collectives that
+every worker joins (`evaluate`, `peak_memory_and_step_medians`) and, in
+async ps mode, `progress`: every worker prints its own progress lines (its
+records go nowhere: a rank other than the chief holds a Metrics that
+writes nothing). What the chief does alone while the others wait for it
+(evaluations, --keep-best, the final line and files) runs under the
+watchdog's `busy`: their deadline waits for it as long as the chief
+answers (comm/deadline.py), and each file it reads or writes meanwhile has
+the chief's own deadline.
 
     mpirun -n 2 python -m hpctrain.mnist --steps 300 --metrics m.jsonl --save p.h5
     mpirun -n 2 python -m hpctrain.mnist --data data/mnist-val --eval-every 50 --keep-best best.h5

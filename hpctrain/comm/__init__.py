@@ -125,8 +125,9 @@ def _make(name, topology, xp, watchdog, cuda_aware, ring_order):
 def allreduce_plan(name, xp, mode="ring", cuda_aware="auto"):
     """One line for the start-up log: how gradients will move, and why ("" for
     NumPy). Raises HpctrainError where the flags cannot work here (--allreduce
-    nccl without a GPU or without NCCL). Local and collective-free: call it on
-    every rank inside train.collective, before make_allreduce."""
+    nccl without a GPU or without NCCL). Local and collective-free: the session
+    calls it on every rank through `agreed` (one error line for the job), before
+    make_allreduce."""
     from .. import device
     from ..errors import HpctrainError
     gpu = device.is_gpu(xp)
