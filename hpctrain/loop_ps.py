@@ -43,10 +43,11 @@ from .comm.ps import Client, ProtocolError, Server, describe, place, summarize
 from .comm.ps.placement import slice_size
 from .comm.ps.server import reply_buffers_needed
 from .comm.ps.shared import open_shared
+from . import config as run_config
 from .errors import EXIT_TIMEOUT, HpctrainError
+from .frame import Frame, diverged
 from .optim import OnDevice, make_optimizer
-from .loop_ring import diverged
-from .report import Report, finish_everywhere
+from .report import Report
 from .resume import Checkpoints, positions_for, resume_point
 
 
@@ -111,12 +112,13 @@ def train_ps(session):
     # With --checkpoint-dir: every rank learns whether (and from which step)
     # the run resumes; the chief then loads the servers (RESTORE).
     resume = checkpoints.load(cluster.comm)
-    placement = place(session.spec.tensor_ranges(), cluster.num_ps, args.placement)
+    config = run_config.decide(session, resume)
+    placement = place(config.spec.tensor_ranges(), cluster.num_ps, args.placement)
     shared, why_not = open_exchange(session, placement)
     if cluster.is_ps:
-        result = run_server(session, checkpoints, comm, placement, shared)
+        result = run_server(session, config, checkpoints, comm, placement, shared)
     else:
-        result = run_worker(session, checkpoints, comm, reader, resume, placement, shared, why_not)
+        result = run_worker(session, config, checkpoints, comm, reader, resume, placement, shared, why_not)
     if shared is not None:   # MPI_Finalize frees the window (shared.py: why not MPI_Win_free here)
         shared.close()
     return result
@@ -136,7 +138,7 @@ def open_exchange(session, placement):
                        watchdog=session.watchdog)
 
 
-def run_server(session, checkpoints, comm, placement, shared):
+def run_server(session, config, checkpoints, comm, placement, shared):
     args, cluster = session.args, session.cluster
     mine = placement[cluster.ps_index]
     size = sum(hi - lo for lo, hi in mine)
@@ -149,19 +151,19 @@ def run_server(session, checkpoints, comm, placement, shared):
         # server decays its slice as ring mode decays the whole buffer.
         optimizer = make_optimizer(args.optimizer, size, np, momentum=args.momentum,
                                    weight_decay=args.weight_decay)
-    server = Server(comm, mine, cluster.worker_ranks, cluster.ps_ranks, optimizer, session.lr,
-                    steps=args.steps, sync=args.sync,
+    server = Server(comm, mine, cluster.worker_ranks, cluster.ps_ranks, optimizer, config.lr,
+                    steps=config.steps, sync=args.sync,
                     replicas=replicas_to_aggregate(args, cluster.num_workers), max_staleness=args.max_staleness,
                     dc_lambda=args.dc_lambda, watchdog=session.watchdog,
                     stop_requested=lambda: session.stop.received, nap=oversubscribed(cluster),
                     # --clip-norm, sync: on the aggregate (async: each worker clips its own)
                     clip=Clip(args.clip_norm) if args.clip_norm and args.sync else None,
                     servers_comm=cluster.ps_comm, shared=shared)
-    session.stop.phase = "training"   # the server loop takes stop requests from here on
-    server.serve_until_done()
+    with session.stop.training() as phase:   # the server loop takes stop requests from here on
+        server.serve_until_done()
+        phase.stopped = server.preempted
     if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
-        checkpoints.preempted(cluster.comm, server.version)
-    session.stop.phase = "finishing"
+        checkpoints.raise_preempted(cluster.comm, server.version)
     return None
 
 
@@ -176,16 +178,15 @@ def save_cut(session, checkpoints, cut):
     checkpoints.save_on_chief_only(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions)
 
 
-def run_worker(session, checkpoints, comm, reader, resume, placement, shared, why_not=""):
+def run_worker(session, config, checkpoints, comm, reader, resume, placement, shared, why_not=""):
     args, cluster, xp = session.args, session.cluster, session.xp
     W, tl, chief = cluster.num_workers, session.timeline, session.chief
-    report = Report(session)
+    report = Report(session, config)
     # In a shared-memory window, backprop writes the gradient where the servers read it.
-    spec = session.spec
+    spec = config.spec
     model = spec.build(xp) if shared is None else \
         spec.build(xp, grads=shared.worker_grads(cluster.rank, spec.num_params))
     model.init(args.seed)
-    tensor_ranges = model.tensor_ranges()
     reader = prefetch.device_batches(reader, xp)   # GPU: pinned, async, one step ahead
     # What MPI reads and writes: the model's buffers (NumPy; GPU with a
     # CUDA-aware MPI: point-to-point, so no agreement between ranks is needed)
@@ -197,17 +198,11 @@ def run_worker(session, checkpoints, comm, reader, resume, placement, shared, wh
                     sync=args.sync, watchdog=session.watchdog, nap=oversubscribed(cluster), shared=shared)
     state_names = make_optimizer(args.optimizer, 1, np).state_names
     if chief:
-        print(cluster_lines(session, placement, tensor_ranges, exchange_name(client), why_not), flush=True)
-        if resume is not None:
-            ckpt = resume.checkpoint
-            client.restore(resume.step, resume.optimizer_t, ckpt.params,
-                           {name: ckpt.optimizer_state[name] for name in state_names},
-                           positions_for(resume_point(ckpt.data_positions), W))
-        else:
-            client.restore(0, 0, device.to_host(model.params))   # the chief decides the initial parameters
+        print(cluster_lines(session, placement, spec.tensor_ranges(), exchange_name(client), why_not), flush=True)
+        start_servers(client, resume, model, state_names, W)
     if resume is not None:
         checkpoints.seek_readers(reader, resume)
-        session.chief_says(checkpoints.resumed_line(resume))
+        session.chief_says(checkpoints.resumed_line(resume, config))
     report.resume_at(checkpoints.saved_step, resume)   # None: a fresh run, a fresh file
     checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
     pm.recv_buffer()
@@ -217,84 +212,55 @@ def run_worker(session, checkpoints, comm, reader, resume, placement, shared, wh
     R = replicas_to_aggregate(args, W)
     clip = Clip(args.clip_norm) if args.clip_norm and not args.sync else None
     norms = []   # sync --clip-norm: the servers' pre-clip norm of each round
-    per_update = args.batch_size * R
-    start = client.version
-    comm_s = compute_s = 0.0
+    frame = Frame(session, config, report, checkpoints, client.version)
     local = 0
-    losses = []
-    logged = start
-    next_log = (start // args.log_every + 1) * args.log_every
-    every = args.checkpoint_every if (checkpoints.enabled and chief) else 0
-    next_checkpoint = (start // every + 1) * every if every else None
-    t_loop = time.perf_counter()
-    session.stop.phase = "training"   # a stop signal is taken by the next step from here on
-    while not client.stop:
-        with tl.span("data", cat="data"):
-            x, y = reader.next_batch()
-            x, y = xp.asarray(x), xp.asarray(y)
-        t0 = time.perf_counter()
-        with tl.span("forward+backward", cat="compute"):
-            forward_done, layer_done = tl.model_hooks(t0, None)
-            loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done)
-            gm.to_host()        # returns when the gradients are where MPI reads them
-            loss = float(loss)  # after that wait: no second one for the loss
-            if clip:   # async: this worker's own gradient, whole here (sync: the servers clip the aggregate)
-                clip.clip_(grads)
-        local += 1
-        t1 = time.perf_counter()
-        with tl.span("push+pull", cat="comm"):
-            pm.recv_buffer()    # the last copy to the device has read params: MPI may overwrite them
-            client.push_pull(loss, stop_request=session.stop.received is not None, position=reader.position)
-            pm.to_device()      # asynchronous; the next forward waits for it on the device
-        t2 = time.perf_counter()
-        if tl.enabled:
-            # inside push+pull: starting the sends, waiting for the servers' replies, the rest
-            sent, replied, done = client.marks
-            tl.add("push", "comm", t1, sent)
-            tl.add("wait for parameters", "comm", sent, replied)
-            tl.add("sends done+read replies", "comm", replied, done)
-        compute_s += t1 - t0
-        comm_s += t2 - t1
-        # The worker's view: its push+pull wait is communication not hidden
-        # (the servers' optimizer work is inside it).
-        session.stats.record(t2 - t0, t1 - t0, t2 - t1, t2 - t1, 0.0, 0.0)
-        losses.append(client.loss if args.sync else loss)
-        if args.clip_norm and args.sync:
-            norms.append(client.grad_norm)
-        if not math.isfinite(losses[-1]):
-            # Sync: every worker sees the same aggregated loss and the chief says so;
-            # async: the worker whose own loss it is. Not agreed: the job is aborted.
-            error = diverged(client.version, losses[-1], chief or not args.sync)
-            error.collective = False
-            raise error
-        step = client.version
-        if step >= next_log or (client.stop and step != logged):
-            # Sync: the chief's line (the mean loss of the aggregated workers, as
-            # in ring mode). Async: every worker prints its own.
-            loss_mean, samples, elapsed = sum(losses) / len(losses), (step - start) * per_update,\
-                time.perf_counter() - t_loop
-            grad_norm = None
-            if clip:
-                grad_norm = clip.mean_norm()
-            elif args.clip_norm:
-                grad_norm = sum(norms) / len(norms)
-            if not args.sync:
-                report.progress(step, loss_mean, samples, elapsed, worker=cluster.worker_index, local_step=local,
-                                grad_norm=grad_norm)
-            elif chief:
-                report.progress(step, loss_mean, samples, elapsed, grad_norm=grad_norm)
-            losses.clear()
-            norms.clear()
-            logged = step
-            next_log = (step // args.log_every + 1) * args.log_every
-        if chief:
-            t_loop += report.periodic_eval(model, step)
-        if every and step >= next_checkpoint and not client.stop:
-            # The chief alone: the servers' slices and state at one version
-            # (SNAPSHOT), with the data positions the leader recorded for it.
-            save_cut(session, checkpoints, client.snapshot(state_names))
-            next_checkpoint = (step // every + 1) * every
-    t_loop = time.perf_counter() - t_loop
+    with frame.training():
+        while not client.stop:
+            with tl.span("data", cat="data"):
+                x, y = reader.next_batch()
+                x, y = xp.asarray(x), xp.asarray(y)
+            t0 = time.perf_counter()
+            with tl.span("forward+backward", cat="compute"):
+                forward_done, layer_done = tl.model_hooks(t0, None)
+                loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done)
+                gm.to_host()        # returns when the gradients are where MPI reads them
+                loss = float(loss)  # after that wait: no second one for the loss
+                if clip:   # async: this worker's own gradient, whole here (sync: the servers clip the aggregate)
+                    clip.clip_(grads)
+            local += 1
+            t1 = time.perf_counter()
+            with tl.span("push+pull", cat="comm"):
+                pm.recv_buffer()    # the last copy to the device has read params: MPI may overwrite them
+                client.push_pull(loss, stop_request=session.stop.received is not None, position=reader.position)
+                pm.to_device()      # asynchronous; the next forward waits for it on the device
+            t2 = time.perf_counter()
+            if tl.enabled:
+                # inside push+pull: starting the sends, waiting for the servers' replies, the rest
+                sent, replied, done = client.marks
+                tl.add("push", "comm", t1, sent)
+                tl.add("wait for parameters", "comm", sent, replied)
+                tl.add("sends done+read replies", "comm", replied, done)
+            # The worker's view: its push+pull wait is communication not hidden
+            # (the servers' optimizer work is inside it).
+            frame.timed(t0, t1, t2)
+            loss = client.loss if args.sync else loss
+            if args.clip_norm and args.sync:
+                norms.append(client.grad_norm)
+            if not math.isfinite(loss):
+                # Sync: every worker sees the same aggregated loss and the chief says so;
+                # async: the worker whose own loss it is. Not agreed: the job is aborted.
+                raise diverged(client.version, loss, chief or not args.sync, collective=False)
+            frame.log.add(loss)
+            step = client.version
+            if frame.log.due(step, last=client.stop):
+                log_progress(frame, report, step, clip, norms, args, cluster, local, R)
+            frame.after_step(model, step)
+            if chief and not client.stop and frame.checkpoint_due(step):
+                # The chief alone: the servers' slices and state at one version
+                # (SNAPSHOT), with the data positions the leader recorded for it.
+                save_cut(session, checkpoints, client.snapshot(state_names))
+            if client.preempted:
+                frame.stopping(step)
 
     # Every worker ends with the final parameters (the evaluation is shared);
     # the chief also gets the final optimizer state for the last checkpoint.
@@ -310,29 +276,54 @@ def run_worker(session, checkpoints, comm, reader, resume, placement, shared, wh
     if want_state and checkpoints.saved_step != step:
         save_cut(session, checkpoints, client.final_state)
     if client.preempted:
-        if chief:
-            print(f"stopping after step {step}: signal received", flush=True)
-            report.metrics.close(keep=True)
-        checkpoints.preempted(cluster.comm, step)   # raises the exit-75 error on every rank
-    session.stop.phase = "finishing"   # a signal now may find a rank stuck: the watchdog acts on it
+        checkpoints.raise_preempted(cluster.comm, step)   # the exit-75 error on every rank
     extra = summarize(stats, W)
     extra.update({"num_ps": cluster.num_ps, "ps_ranks": args.ps_ranks, "server_ranks": cluster.ps_ranks,
                   "placement": args.placement, "ps_exchange": exchange_name(client), "sync": args.sync,
                   "replicas_to_aggregate": R,
                   "backup_workers": W - R if args.sync else 0, "max_staleness": args.max_staleness,
-                  "dc_lambda": args.dc_lambda, "loop_s": round(t_loop, 4), "local_steps": local,
+                  "dc_lambda": args.dc_lambda, "loop_s": round(frame.loop_s, 4), "local_steps": local,
                   "rejected_pushes": client.rejected})
     if args.clip_norm:
         extra["clip_norm"] = args.clip_norm
         if clip:   # async: this worker's (the chief's) own pushes
             extra.update(clip.totals())
-    result = (model, step, t_loop, (step - start) * per_update, comm_s, compute_s, checkpoints, extra)
     if extra["abandoned_workers"]:
-        return finish_without(session, report, extra["abandoned_workers"], *result)
-    return finish_everywhere(session, report, *result)
+        return finish_without(session, frame, model, step, args.batch_size * R, extra)
+    return frame.finish(model, step, args.batch_size * R, extra)
 
 
-def finish_without(session, report, abandoned, model, step, *rest):
+def start_servers(client, resume, model, state_names, num_workers):
+    """The chief decides the servers' starting point: the checkpoint's
+    parameters, optimizer state and data positions, or its initial parameters."""
+    if resume is None:
+        client.restore(0, 0, device.to_host(model.params))
+        return
+    ckpt = resume.checkpoint
+    client.restore(resume.step, resume.optimizer_t, ckpt.params,
+                   {name: ckpt.optimizer_state[name] for name in state_names},
+                   positions_for(resume_point(ckpt.data_positions), num_workers))
+
+
+def log_progress(frame, report, step, clip, norms, args, cluster, local, replicas):
+    """Sync: the chief's line (the mean loss of the aggregated workers, as in
+    ring mode). Async: every worker prints its own."""
+    loss_mean = frame.log.take(step)
+    samples, elapsed = frame.samples(step, args.batch_size * replicas), frame.elapsed()
+    grad_norm = None
+    if clip:
+        grad_norm = clip.mean_norm()
+    elif args.clip_norm:
+        grad_norm = sum(norms) / len(norms)
+    norms.clear()
+    if not args.sync:
+        report.progress(step, loss_mean, samples, elapsed, worker=cluster.worker_index, local_step=local,
+                        grad_norm=grad_norm)
+    elif frame.session.chief:
+        report.progress(step, loss_mean, samples, elapsed, grad_norm=grad_norm)
+
+
+def finish_without(session, frame, model, step, per_step, extra):
     """The servers left behind workers that went silent and never came back
     after the last step: the chief writes the result by itself (the final
     checkpoint is written; now the evaluation, --save, the final record),
@@ -341,8 +332,8 @@ def finish_without(session, report, abandoned, model, step, *rest):
     cluster = session.cluster
     if not session.chief:
         return None
-    finish_everywhere(session, report, model, step, *rest, alone=True)
-    names = ", ".join(f"worker {w} (rank {cluster.worker_ranks[w]})" for w in abandoned)
+    frame.finish(model, step, per_step, extra, alone=True)
+    names = ", ".join(f"worker {w} (rank {cluster.worker_ranks[w]})" for w in extra["abandoned_workers"])
     raise HpctrainError(f"{names} sent nothing for --timeout {session.args.timeout:g} s and never finished; "
                         f"the result of step {step} is written, the job ends without it", exit_code=EXIT_TIMEOUT)
 

@@ -168,9 +168,10 @@ def _same_mode(path, tmp):
 class Report:
     """The chief's lines and records for one run."""
 
-    def __init__(self, session):
+    def __init__(self, session, config):
         self.session = session
         self.args = session.args
+        self.steps = config.steps   # the run's last step (config.py)
         # Async ps workers print their own progress lines; only the chief writes files.
         self.metrics = Metrics(session.args.metrics if session.chief else None)
         self._full = {}   # split -> the whole split (uint8), read once by the chief
@@ -202,7 +203,7 @@ class Report:
         who = f"worker {worker}: " if worker is not None else ""
         local = f"  (local step {local_step})" if local_step is not None else ""
         norm = f"  grad norm {grad_norm:.4g}" if grad_norm is not None else ""
-        print(f"{who}step {step:>6}/{self.args.steps}  loss {loss:.4f}{norm}  "
+        print(f"{who}step {step:>6}/{self.steps}  loss {loss:.4f}{norm}  "
               f"samples/s {rate:,.0f}  elapsed {elapsed:.1f}s  {self._eta(step)}{local}", flush=True)
         record = {"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
                   "time_s": round(elapsed, 3)}
@@ -217,7 +218,7 @@ class Report:
         now = time.perf_counter()
         last_step, last_t = self._mark or (0, self.session.t_start)
         self._mark = (step, now)
-        left = max(self.args.steps - step, 0)
+        left = max(self.steps - step, 0)
         if not left:
             return "eta 0s"
         if step <= last_step or now <= last_t:
@@ -233,7 +234,7 @@ class Report:
         every = self.args.eval_every
         if self._last_eval is None:  # the first step of this run (or of a resumed one)
             self._last_eval = step - 1
-        crossed = bool(every) and step < self.args.steps and step // every > self._last_eval // every
+        crossed = bool(every) and step < self.steps and step // every > self._last_eval // every
         self._last_eval = step
         if not crossed:
             return 0.0
@@ -252,7 +253,7 @@ class Report:
             record.update(val_accuracy=round(val_acc, 6), val_loss=round(val_loss, 6))
             line = f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}  " + line
             self.keep_if_best(model, step, val_acc)
-        print(f"step {step:>6}/{self.args.steps}  {line}", flush=True)
+        print(f"step {step:>6}/{self.steps}  {line}", flush=True)
         with self._file_wait(f"writing --metrics {self.args.metrics}"):
             self.metrics.write(record)
 

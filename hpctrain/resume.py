@@ -20,7 +20,6 @@ import numpy as np
 
 from . import checkpoint, device, settings
 from .cli import steps_for_epochs
-from .data import load_manifest
 from .errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 
 
@@ -108,19 +107,7 @@ class Checkpoints:
         resume = Resume(step=int(head[1]), optimizer_t=int(head[2]), checkpoint=ckpt, samples=int(head[3]))
         self.saved_step, self._base = resume.step, (resume.step, resume.samples)
         self.saved_path = ckpt.path if ckpt is not None else None
-        self._epochs_go_on(resume)
         return resume
-
-    def _epochs_go_on(self, resume):
-        """--epochs: the steps the session counted from step 0 at this run's
-        size become the steps to the end of E epochs from the checkpoint's
-        samples on (every rank; the loops and the servers read args.steps
-        after load). With --lr-schedule cosine the steps are part of the
-        schedule that must match, so a resize is refused before this."""
-        args, workers = self.session.args, self.session.cluster.num_workers
-        if args.epochs is not None:
-            train = int(load_manifest(self.session.data_dir)["train"]["num_samples"])
-            args.steps = epochs_end(args.epochs, train, resume.step, resume.samples, workers, args.batch_size)
 
     def samples_at(self, step):
         """The training samples taken up to `step` of this run (what its checkpoint records)."""
@@ -143,8 +130,8 @@ class Checkpoints:
                     f"--resume no, but {d} holds checkpoints of an earlier run (newest "
                     f"{found[0][1].rsplit('/', 1)[-1]}); remove them or use another --checkpoint-dir")
             return None
-        ckpt = checkpoint.load_latest(d, settings.same_on_resume(args, cluster.num_workers,
-                                                               self.session.spec),
+        ckpt = checkpoint.load_latest(d, settings.same_on_resume(args, cluster.num_workers, self.session.spec,
+                                                               self.session.schedule["total_steps"]),
                                       warn=lambda line: print(f"hpctrain: warning: {line}",
                                                               file=sys.stderr, flush=True))
         if ckpt is None and found:
@@ -169,11 +156,11 @@ class Checkpoints:
             ckpt.data_positions = np.zeros_like(ckpt.data_positions)
             ckpt.attrs["samples"] = 0
 
-    def resumed_line(self, resume):
+    def resumed_line(self, resume, config):
         """The chief's line for a resumed run; on another number of workers it
         says where the data goes on and what --scale-lr makes of the lr."""
         session, step = self.session, resume.step
-        steps, workers = session.args.steps, session.cluster.num_workers
+        steps, workers = config.steps, session.cluster.num_workers
         note = f" (--steps {steps}: nothing left to train)" if step >= steps else ""
         line = f"resumed from {self.saved_path} at step {step}{note}"
         before = int(resume.checkpoint.attrs.get("num_workers", workers)) if resume.checkpoint else workers
@@ -185,8 +172,8 @@ class Checkpoints:
                 line += (f"; --epochs {session.args.epochs:g}: {resume.samples} samples taken so far, "
                          f"the rest at {workers} workers x {session.args.batch_size}: the run ends at step {steps}")
             if session.args.scale_lr:
-                line += (f"; --scale-lr: lr {session.lr(step):g} at step {step} for {workers} "
-                         f"workers (was {session.lr(step) * before / workers:g})")
+                line += (f"; --scale-lr: lr {config.lr(step):g} at step {step} for {workers} "
+                         f"workers (was {config.lr(step) * before / workers:g})")
         return line
 
     def broadcast_state(self, comm, resume, params, optimizer):
@@ -345,7 +332,8 @@ class Checkpoints:
                 return checkpoint.save(args.checkpoint_dir, step, host,
                                        {k: device.to_host(v) for k, v in optimizer_state.items()},
                                        optimizer_t, positions,
-                                       settings.same_on_resume(args, cluster.num_workers, session.spec),
+                                       settings.same_on_resume(args, cluster.num_workers, session.spec,
+                                                               session.schedule["total_steps"]),
                                        keep=args.keep_checkpoints,
                                        info=dict(settings.recorded(args, cluster.size, cluster.num_workers,
                                                                    session.spec),
@@ -372,7 +360,7 @@ class Checkpoints:
 
     # --- pre-emption ----------------------------------------------------------
 
-    def preempted(self, comm, step):
+    def raise_preempted(self, comm, step):
         """After every rank of comm stopped at `step` (and the checkpoint is
         written): raise the EXIT_PREEMPTED error everywhere, the chief's line
         naming the signal (whichever rank got it) and the checkpoint."""

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import time
+import types
 
 import numpy as np
 from mpi4py import MPI
@@ -27,7 +28,7 @@ from .cluster import Cluster, check_consistency
 from .comm import allreduce_plan
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .nn import LayerError, spec_for
-from .optim import learning_rate, schedule_line
+from .optim import schedule_line
 from .outputs import check_outputs
 from .stats import StepStats
 from .timeline import Timeline
@@ -82,7 +83,7 @@ class StopSignal:
     def __init__(self):
         self.received = None   # the signal's name, e.g. "SIGTERM"
         self.signum = 0
-        self.phase = "start-up"   # the loops set "training", then "finishing"
+        self.phase = "start-up"   # then "training" and "finishing": training() and frame.Frame.training
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
         self.wakeup_fd, write_fd = os.pipe()
@@ -94,6 +95,17 @@ class StopSignal:
     def _handle(self, signum, frame):
         self.received = signal.Signals(signum).name
         self.signum = int(signum)
+
+    @contextlib.contextmanager
+    def training(self):
+        """The server loop's phase (workers: frame.Frame.training): a stop
+        signal is the loop's to take; leaving normally, the run is finishing.
+        Set `.stopped` on the yielded object when the loop ends for a signal."""
+        self.phase = "training"
+        run = types.SimpleNamespace(stopped=False)
+        yield run
+        if not run.stopped:
+            self.phase = "finishing"
 
     def overdue(self):
         """Called by the watchdog's thread: (signal name, phase) when a stop
@@ -260,8 +272,9 @@ class Session:
         self.has_val = data_mod.has_val(self.data_dir)
         self.agreed(self.comm, check_val, args, self.has_val, self.data_dir)
         # After the data: --epochs count its training samples (the same on
-        # every rank: the manifest's digest was compared above).
-        self._schedule = self._recipe(data_mod.load_manifest(self.data_dir))
+        # every rank: the manifest's digest was compared above). The last
+        # step is decided with the resume point (config.decide).
+        self.schedule = self._recipe(data_mod.load_manifest(self.data_dir))
         # After the data: the model is shaped by its manifest.
         self.spec = self.agreed(self.comm, model_spec, args, self.model_shape)
         self.agreed(self.comm, check_memory, args, cluster.local_size, self.spec)
@@ -295,21 +308,18 @@ class Session:
         if self.chief:
             print(text, flush=True)
 
-    def lr(self, step):
-        """The learning rate of 0-based `step`: a pure function of it (resume is bit-exact)."""
-        return learning_rate(step, **self._schedule)
-
     def _recipe(self, manifest):
-        """--epochs as steps, and the lr schedule's arguments; the chief says both."""
-        args, workers = self.args, self.cluster.num_workers
+        """The lr schedule's arguments, its total steps --epochs counted from
+        step 0 (or --steps); the chief says both."""
+        args, workers, steps = self.args, self.cluster.num_workers, self.args.steps
         if args.epochs is not None:
             samples = manifest["train"]["num_samples"]
-            args.steps = steps_for_epochs(args.epochs, samples, workers, args.batch_size)
+            steps = steps_for_epochs(args.epochs, samples, workers, args.batch_size)
             self.chief_says(f"steps: {args.epochs:g} epochs of {samples} samples at {workers} workers x "
-                            f"{args.batch_size} = {args.steps} steps")
+                            f"{args.batch_size} = {steps} steps")
         sched = dict(base_lr=args.lr, workers=workers, scale_lr=args.scale_lr, warmup_steps=args.warmup_steps,
                      schedule=args.lr_schedule, decay=args.lr_decay, decay_steps=args.lr_decay_steps,
-                     lr_min=args.lr_min, total_steps=args.steps)
+                     lr_min=args.lr_min, total_steps=steps)
         if args.lr_schedule != "constant":   # constant: today's output, unchanged
             self.chief_says(schedule_line(**sched))
         return sched

@@ -43,7 +43,7 @@ SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "batch_s
 RESUME_DEFAULTS = {"lr_schedule": "constant", "model": "mlp"}
 
 
-def schedule_key(args):
+def schedule_key(args, total_steps):
     """The --lr-schedule a checkpoint records and a resume must match: the
     schedule and the flags that shape it, and for cosine the last step (its
     curve depends on --steps, so a resume that trains longer would take
@@ -52,7 +52,7 @@ def schedule_key(args):
     if args.lr_schedule == "step":
         return f"step x{args.lr_decay!r} every {args.lr_decay_steps}"
     if args.lr_schedule == "cosine":
-        return f"cosine to {args.lr_min!r} at step {args.steps}"
+        return f"cosine to {args.lr_min!r} at step {total_steps}"
     return "constant"
 
 
@@ -93,8 +93,10 @@ def same_on_every_rank(args):
     return dict(_job(args), **outputs)
 
 
-def same_on_resume(args, num_workers, spec):
-    job = dict(_job(args), **_model(spec), num_workers=int(num_workers), lr_schedule=schedule_key(args))
+def same_on_resume(args, num_workers, spec, total_steps):
+    """total_steps: the lr schedule's (session.schedule), which cosine's curve follows."""
+    job = dict(_job(args), **_model(spec), num_workers=int(num_workers),
+               lr_schedule=schedule_key(args, total_steps))
     return {k: job[k] for k in SAME_ON_RESUME}
 
 

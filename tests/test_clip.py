@@ -24,14 +24,12 @@ from conftest import same_bytes, saved
 from gpu_fakes import LazyCopier
 from hpctrain import device
 from hpctrain.clipping import EPS, Clip, clip_, clip_factor, global_norm, sum_squares
-from hpctrain.comm.fusion import FusedAllreduce
 from hpctrain.comm.mpi import MpiAllreduce
-from hpctrain.comm.norm import BucketNorm
 from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
-from hpctrain.comm.wire import GRADS, Wire
 from hpctrain.nn import mlp
 from hpctrain.optim import make_optimizer
+from hpctrain.ring_step import RingStep
 
 
 # --- units ---------------------------------------------------------------------
@@ -125,35 +123,21 @@ def clipped_ring_steps(comm, strategy_name, optimizer, sharded, fusion_elems, ov
     until BucketNorm's norm is in, the factor folded into grad_scale. The loss
     slot carries a large number: counted in the norm, it would show."""
     size = comm.size
-    n = mlp(hidden=HIDDEN).num_params
-    wire = Wire(n)
-    params_wire = Wire(n) if sharded else None
-    model = mlp(hidden=HIDDEN).build(params=params_wire.grads if sharded else None, grads=wire.grads)
-    model.init(0)
     strategy = STRATEGIES[strategy_name](comm)
     clip = Clip(c)
-
-    def update_owned(lo, hi):
-        wire.pass_head(params_wire, lo, hi)
-        opt.update(model.params, model.grads, *wire.grads_range(lo, hi))
-
-    fused = FusedAllreduce(strategy, wire.buffer, wire.ready_from(model.layer_ranges), fusion_elems,
-                           overlap=overlap, gather=params_wire.buffer if sharded else None,
-                           on_reduced=update_owned if sharded else
-                           lambda lo, hi: opt.update(model.params, model.grads, *wire.grads_range(lo, hi)),
-                           before_updates=lambda: opt.set_grad_scale(clip.scaled(norm.partials(), 1.0 / size)))
-    norm = BucketNorm(strategy, fused.buckets, wire.buffer, skip=GRADS, sharded=sharded, comm=comm)
-    owned = [wire.grads_range(lo, hi) for lo, hi in fused.owned()] if sharded else None
-    opt = make_optimizer(optimizer, n, owned=owned)
+    ring = RingStep(mlp(hidden=HIDDEN), strategy, comm, np, (optimizer, {}), fusion_elems, sharded=sharded,
+                    clip=clip, overlap=overlap)
+    wire, model, fused = ring.wire, ring.model, ring.fused
+    model.init(0)
     norms = []
     for x, y in batches(size, steps):
         rows = slice(comm.rank * BATCH, (comm.rank + 1) * BATCH)
-        opt.begin(lr, 1.0 / size)
+        ring.begin(lr, False)
         wire.loss[0] = 1e4 * (comm.rank + 1)
         model.forward_backward(x[rows], y[rows], on_layer_done=fused.layer_done)
         fused.wait()
         norms.append(clip.norm)
-    fused.close()
+    ring.close()
     getattr(strategy, "inner", strategy).free()
     return model.params.copy(), norms, len(fused.buckets)
 
@@ -222,20 +206,16 @@ def test_a_threshold_never_reached_changes_no_bit():
     comm = MPI.COMM_WORLD
     clipped, _, _ = clipped_ring_steps(comm, "ring", "adam", True, 300, True, c=1e9)
     # the same steps without clipping: each bucket updated as soon as it is summed
-    n = mlp(hidden=HIDDEN).num_params
-    wire = Wire(n)
-    model = mlp(hidden=HIDDEN).build(grads=wire.grads)
-    model.init(0)
     strategy = RingAllreduce(comm)
-    fused = FusedAllreduce(strategy, wire.buffer, wire.ready_from(model.layer_ranges), 300, overlap=True,
-                           on_reduced=lambda lo, hi: opt.update(model.params, model.grads, *wire.grads_range(lo, hi)))
-    opt = make_optimizer("adam", n)
+    ring = RingStep(mlp(hidden=HIDDEN), strategy, comm, np, ("adam", {}), 300, overlap=True)
+    model = ring.model
+    model.init(0)
     for x, y in batches(comm.size, 4):
         rows = slice(comm.rank * BATCH, (comm.rank + 1) * BATCH)
-        opt.begin(0.05, 1.0 / comm.size)
-        model.forward_backward(x[rows], y[rows], on_layer_done=fused.layer_done)
-        fused.wait()
-    fused.close()
+        ring.begin(0.05, False)
+        model.forward_backward(x[rows], y[rows], on_layer_done=ring.layer_done)
+        ring.fused.wait()
+    ring.close()
     strategy.free()
     assert np.array_equal(model.params, clipped)
 

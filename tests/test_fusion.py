@@ -40,12 +40,13 @@ def train_steps(comm, overlap, fusion_elems, steps=5):
     rng = np.random.default_rng(comm.rank)
     n = mlp(hidden=(64, 32)).num_params
     wire = Wire(n)
-    model = mlp(hidden=(64, 32)).build(grads=wire.grads)
+    model = mlp(hidden=(64, 32)).build(grads=wire.body)
     model.init(0)
     opt = Adam(n)
-    fused = FusedAllreduce(RingAllreduce(comm), wire.buffer, wire.ready_from(model.layer_ranges), fusion_elems,
+    ready_from = wire.ready_from(model.layer_ranges)
+    fused = FusedAllreduce(RingAllreduce(comm), wire.buffer, ready_from, bucket_bounds(wire.size, fusion_elems, ready_from),
                            overlap=overlap,
-                           on_reduced=lambda lo, hi: opt.update(model.params, model.grads, *wire.grads_range(lo, hi)))
+                           on_reduced=lambda lo, hi: opt.update(model.params, model.grads, *wire.body_range(lo, hi)))
     for _ in range(steps):
         x = rng.random((16, 784)).astype(np.float32)
         y = rng.integers(0, 10, 16)
@@ -97,7 +98,8 @@ def test_every_rank_stops_after_the_same_step_whoever_asked(sharded, staged):
     wire, pwire = Wire(n), Wire(n)
     rng = np.random.default_rng(comm.rank)
     for who in range(comm.size):
-        fused = FusedAllreduce(strategy, wire.buffer, wire.ready_from(layers), 3000, overlap=True,
+        fused = FusedAllreduce(strategy, wire.buffer, wire.ready_from(layers),
+                               bucket_bounds(wire.size, 3000, wire.ready_from(layers)), overlap=True,
                                on_reduced=(lambda lo, hi: wire.pass_head(pwire, lo, hi)) if sharded else None,
                                gather=pwire.buffer if sharded else None)
         assert len(fused.buckets) > 1
@@ -105,7 +107,7 @@ def test_every_rank_stops_after_the_same_step_whoever_asked(sharded, staged):
         # every step runs on every rank (communicate first, assert after).
         seen = np.zeros(2, np.int64)
         for step in range(1, 6):
-            wire.grads[...] = rng.random(n, dtype=np.float32)
+            wire.body[...] = rng.random(n, dtype=np.float32)
             wire.loss[0] = comm.rank + step
             wire.set_stop(comm.rank == who and step == 3)
             for i in reversed(range(len(layers))):
@@ -160,7 +162,7 @@ def test_events_order_backprop_the_comm_thread_and_the_next_forward(path, thread
     def on_reduced(lo, hi):   # the optimizer's kernel, queued on the comm thread's stream
         launch(cp, lambda: np.subtract(params[lo:hi], buf[lo:hi], out=params[lo:hi]))
 
-    fused = FusedAllreduce(strategy, buf, ready_from, 1, marks=device.CudaMarks(cp), on_reduced=on_reduced)
+    fused = FusedAllreduce(strategy, buf, ready_from, bucket_bounds(buf.size, 1, ready_from), marks=device.CudaMarks(cp), on_reduced=on_reduced)
     assert fused.overlap and len(fused.buckets) == 3
     main = cp.cuda.get_current_stream()
     expect = np.zeros(40, np.float32)

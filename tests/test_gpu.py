@@ -282,7 +282,7 @@ def test_fusion_events_order_a_non_blocking_main_stream_and_the_comm_thread(path
     next forward. The 'backprop' is slow (a chain of matmuls) so a missing
     event shows as stale gradients or parameters."""
     from gpu_fakes import Scale
-    from hpctrain.comm.fusion import FusedAllreduce
+    from hpctrain.comm.fusion import FusedAllreduce, bucket_bounds
 
     class Direct:   # 'MPI' reading and writing device memory once the stream is synchronized
         size, rank, name = 2, 0, "direct"
@@ -301,7 +301,7 @@ def test_fusion_events_order_a_non_blocking_main_stream_and_the_comm_thread(path
     strategy, reduce = (Direct(), lambda v: v * 2 + 1) if path == "direct" else \
         (StagedAllreduce(Scale(), device.copier(cp)), lambda v: v * 3 + 1)
     wire, params = cp.zeros(n, np.float32), cp.zeros(n, np.float32)
-    fused = FusedAllreduce(strategy, wire, cuts, 1 << 20, marks=device.stream_marks(cp),
+    fused = FusedAllreduce(strategy, wire, cuts, bucket_bounds(wire.size, 1 << 20, cuts), marks=device.stream_marks(cp),
                            on_reduced=lambda lo, hi: params.__setitem__(slice(lo, hi), params[lo:hi] - wire[lo:hi]))
     assert fused.overlap and len(fused.buckets) == 3
     a = cp.full((2048, 2048), 1.0 / 2048, np.float32)

@@ -20,13 +20,12 @@ from mpi4py import MPI
 
 from hpctrain import data as data_mod
 from hpctrain import device
-from hpctrain.comm.fusion import FusedAllreduce
 from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
-from hpctrain.comm.wire import Wire
 from hpctrain.nn import mlp
 from hpctrain.optim import Sharded, make_optimizer, state_bytes
+from hpctrain.ring_step import RingStep
 from hpctrain.resume import Checkpoints
 
 HIDDEN = (37, 19)
@@ -43,37 +42,24 @@ def run_steps(comm, strategy_name, optimizer, sharded, fusion_elems, overlap, st
     fixed random batch per (rank, step). Returns (params, losses, stops) where
     losses and stops are the summed values every rank read after each step."""
     rng = np.random.default_rng(100 + comm.rank)
-    n = mlp(hidden=HIDDEN).num_params
-    wire = Wire(n)
-    params_wire = Wire(n) if sharded else None
-    summed = params_wire if sharded else wire
-    model = mlp(hidden=HIDDEN).build(params=params_wire.grads if sharded else None, grads=wire.grads)
-    model.init(0)
     strategy = STRATEGIES[strategy_name](comm)
-
-    def update_owned(lo, hi):
-        wire.pass_head(params_wire, lo, hi)
-        opt.update(model.params, model.grads, *wire.grads_range(lo, hi))
-
-    fused = FusedAllreduce(strategy, wire.buffer, wire.ready_from(model.layer_ranges), fusion_elems,
-                           overlap=overlap, gather=params_wire.buffer if sharded else None,
-                           on_reduced=update_owned if sharded else
-                           lambda lo, hi: opt.update(model.params, model.grads, *wire.grads_range(lo, hi)))
-    owned = [wire.grads_range(lo, hi) for lo, hi in fused.owned()] if sharded else None
-    opt = make_optimizer(optimizer, n, owned=owned)
+    ring = RingStep(mlp(hidden=HIDDEN), strategy, comm, np, (optimizer, {}), fusion_elems, sharded=sharded,
+                    overlap=overlap)
+    wire, model, opt, fused = ring.wire, ring.model, ring.optimizer, ring.fused
+    summed = ring.param_wire if sharded else wire
+    model.init(0)
     losses, stops = [], []
     for step in range(steps):
         x = rng.random((8, 784)).astype(np.float32)
         y = rng.integers(0, 10, 8)
         # only the last rank asks to stop, at step 2
-        wire.set_stop(step == 2 and comm.rank == comm.size - 1)
-        opt.begin(1e-2, 1.0 / comm.size)
+        ring.begin(1e-2, step == 2 and comm.rank == comm.size - 1)
         wire.loss[0] = comm.rank + 1 + step   # a loss whose sum each rank can compute
         model.forward_backward(x, y, on_layer_done=fused.layer_done)
         fused.wait()
         losses.append(float(summed.loss[0]))
         stops.append(summed.stop_requested())
-    fused.close()
+    ring.close()
     getattr(strategy, "inner", strategy).free()
     return model.params.copy(), losses, stops, opt
 

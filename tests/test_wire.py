@@ -16,8 +16,8 @@ def test_views_share_one_buffer_in_front_of_the_gradients():
     assert w.size == w.buffer.size == model_grads + 2 and w.buffer.dtype == np.float32
     w.buffer[:] = np.arange(w.size)
     assert w.loss[0] == wire_mod.LOSS == 0 and w.stop[0] == wire_mod.STOP == 1
-    assert w.grads[0] == wire_mod.GRADS == 2 and w.grads.size == model_grads
-    w.grads[:] = 0
+    assert w.body[0] == wire_mod.GRADS == 2 and w.body.size == model_grads
+    w.body[:] = 0
     assert not w.buffer[2:].any()
     w.set_stop(True)
     assert w.stop_requested() and w.buffer[1] == 1.0
@@ -32,5 +32,5 @@ def test_ready_from_and_grads_range_are_the_loops_offsets():
     assert ready == [0] + [2 + lo for lo, _ in model.layer_ranges[1:]]
     assert ready[0] == 0 and ready == sorted(ready)
     for lo, hi in bucket_bounds(w.size, 100, ready):
-        assert w.grads_range(lo, hi) == (max(lo - 2, 0), hi - 2)
-    assert w.grads_range(0, w.size) == (0, model.num_params)
+        assert w.body_range(lo, hi) == (max(lo - 2, 0), hi - 2)
+    assert w.body_range(0, w.size) == (0, model.num_params)

@@ -78,18 +78,29 @@ def bucket_bounds(n, bucket_elems, cuts=()):
     return bounds
 
 
+def owned_ranges(strategy, buckets):
+    """The ranges [(lo, hi)] of the buffer this rank updates when sharded (one
+    per bucket, possibly empty): its shard of each bucket. Known before the
+    first step: the optimizer's state is sized from them."""
+    out = []
+    for lo, hi in buckets:
+        a, b = strategy.shard(hi - lo)
+        out.append((lo + a, lo + b))
+    return out
+
+
 class FusedAllreduce:
-    """Drive bucketed allreduces of `wire` (a flat buffer; comm/wire.py's
+    """Drive bucketed allreduces of `buffer` (a flat array; comm/wire.py's
     Wire.buffer in training) with `strategy` (comm/__init__.make_allreduce)
     from backprop's layer callbacks.
 
-    ready_from[i]: the lowest wire offset that is final once layer i's gradient
-    is done (layers finish from last to first). Per step: `layer_done(i)` from
+    ready_from[i]: the lowest buffer offset that is final once layer i's gradient
+    is done (layers finish from last to first); buckets: bucket_bounds(...) of
+    the same buffer. Per step: `layer_done(i)` from
     backprop, then `wait()`; `on_reduced(lo, hi)` runs on each reduced bucket.
-    With `gather` (a buffer of wire's length and layout), each bucket is
-    reduce-scattered, `on_reduced` runs on the owned part only (`owned()` lists
-    those ranges, known before the first step), and `gather`'s bucket range is
-    allgathered. `marks`: device.stream_marks(xp), the events that order the
+    With `gather` (a buffer of the same length and layout), each bucket is
+    reduce-scattered, `on_reduced` runs on the owned part only (owned_ranges),
+    and `gather`'s bucket range is allgathered. `marks`: device.stream_marks(xp), the events that order the
     two threads' streams (default: NumPy's, which do nothing). After wait(),
     `head` (a host array of `head` elements) holds the first elements of the
     result: the reduced wire, or `gather` when sharded. With `before_updates`,
@@ -97,18 +108,18 @@ class FusedAllreduce:
     bucket's sum.
     """
 
-    def __init__(self, strategy, wire, ready_from, bucket_elems, marks=None, on_reduced=None,
+    def __init__(self, strategy, buffer, ready_from, buckets, marks=None, on_reduced=None,
                  overlap=True, timeline=None, watchdog=None, gather=None, head=2, before_updates=None):
         self.strategy = strategy
         self.before_updates = before_updates
-        self.wire = wire
-        if gather is not None and (gather.shape != wire.shape or gather.dtype != wire.dtype):
-            raise ValueError("the gathered buffer must have the wire's length and type")
+        self.buffer = buffer
+        if gather is not None and (gather.shape != buffer.shape or gather.dtype != buffer.dtype):
+            raise ValueError("the gathered buffer must have the reduced buffer's length and type")
         self.gather = gather
         self.ready_from = list(ready_from)
-        self.buckets = bucket_bounds(wire.size, bucket_elems, ready_from)
+        self.buckets = list(buckets)
         self.marks = marks or device.HostMarks()
-        self.head = np.zeros(min(head, wire.size), wire.dtype)
+        self.head = np.zeros(min(head, buffer.size), buffer.dtype)
         self.on_reduced = on_reduced
         # One rank has nothing to reduce, one bucket nothing to overlap: no thread.
         self.overlap = overlap and len(self.buckets) > 1 and strategy.size > 1
@@ -167,16 +178,9 @@ class FusedAllreduce:
         self.exposed_comm_s, self.exposed_update_s, self.update_s = comm, update, total_update
         self._spans.clear()
 
-    def owned(self):
-        """The wire ranges [(lo, hi)] this rank updates with `gather` (one per
-        bucket, possibly empty): its shard of each bucket."""
-        out = []
-        for lo, hi in self.buckets:
-            a, b = self.strategy.shard(hi - lo)
-            out.append((lo + a, lo + b))
-        return out
-
     def close(self):
+        """End the communication thread (a second run in one process must not
+        find the first one's thread and communicator still there)."""
         if self.overlap:
             self._todo.put(None)
             self._thread.join(timeout=5)
@@ -216,7 +220,7 @@ class FusedAllreduce:
         """Sum bucket [lo, hi) (all of it, or this rank's part with gather);
         then, unless deferred, its update (and allgather)."""
         t0 = time.perf_counter()
-        buf = self.wire[lo:hi]
+        buf = self.buffer[lo:hi]
         if self.gather is not None:
             a, b = self.strategy.reduce_scatter(buf)
             what = "reduce-scatter"
@@ -227,7 +231,7 @@ class FusedAllreduce:
         t1 = time.perf_counter()
         self._spans.append((t0, t1, False))
         if self.timeline is not None:
-            self.timeline.add(f"{what} [{lo}:{hi})", "comm", t0, t1, {"bytes": (hi - lo) * self.wire.itemsize})
+            self.timeline.add(f"{what} [{lo}:{hi})", "comm", t0, t1, {"bytes": (hi - lo) * self.buffer.itemsize})
         if self.before_updates is None:
             self._update(lo, hi, a, b)
 
@@ -250,7 +254,7 @@ class FusedAllreduce:
             self._spans.append((t2, t3, False))
             if self.timeline is not None:
                 self.timeline.add(f"allgather [{lo}:{hi})", "comm", t2, t3,
-                                  {"bytes": (hi - lo) * self.wire.itemsize})
+                                  {"bytes": (hi - lo) * self.buffer.itemsize})
 
     def _worker(self):
         self.marks.bind_thread()

@@ -7,10 +7,10 @@ agreement to stop cost nothing extra; they sit at the front because layer 0
 finishes last (backprop runs backwards), after the loss and any signal are
 known, so the bucket that holds them (the last to be reduced) is ready no
 earlier than it would be without them. The model's gradients are a view
-into the wire (MLP(grads=wire.grads)), so backprop writes them in place.
+into the wire (spec.build(grads=wire.body)), so backprop writes them in place.
 
 With --shard-optimizer on, a second Wire carries the parameters in its
-gradient part (MLP(params=...)): the allgather half of each bucket moves that
+body (spec.build(params=param_wire.body)): the allgather half of each bucket moves that
 buffer's range instead. The loss and stop slots ride the reduce-scatter as
 always; the rank that owns them copies their sums into the second wire's
 slots (`pass_head`) before its allgather, so every rank reads the summed
@@ -25,13 +25,15 @@ LOSS, STOP, GRADS = 0, 1, 2
 
 class Wire:
     """buffer: the whole flat array (what the strategy reduces); loss, stop,
-    grads: views of it. Offsets in the buffer are 'wire offsets'."""
+    body: views of it. The body is the model's gradient buffer, or in the
+    sharded step's second wire its parameter buffer. Offsets in the buffer
+    are 'wire offsets'."""
 
     def __init__(self, num_grads, xp=np, dtype=np.float32):
         self.buffer = xp.zeros(GRADS + num_grads, dtype)
         self.loss = self.buffer[LOSS:LOSS + 1]
         self.stop = self.buffer[STOP:STOP + 1]
-        self.grads = self.buffer[GRADS:]
+        self.body = self.buffer[GRADS:]
 
     @property
     def size(self):
@@ -45,9 +47,9 @@ class Wire:
         return [0] + [GRADS + lo for lo, _ in layer_ranges[1:]]
 
     @staticmethod
-    def grads_range(lo, hi):
-        """The gradient-buffer range [lo, hi) of wire range [lo, hi) (the loss
-        and stop dropped)."""
+    def body_range(lo, hi):
+        """The body's range (gradient or parameter buffer coordinates) of wire
+        range [lo, hi): the loss and stop dropped."""
         return max(lo - GRADS, 0), hi - GRADS
 
     def pass_head(self, into, lo, hi):

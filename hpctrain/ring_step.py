@@ -1,0 +1,105 @@
+"""One ring-mode step's machinery, built top to bottom, each piece from the
+ones before it:
+
+1. the wire `[loss, stop, grads...]` (comm/wire.py), and with
+   --shard-optimizer a second wire whose body holds the parameters (each
+   bucket's allgather then carries them);
+2. the model over those buffers (backprop writes the gradient into the wire);
+3. the buckets, a pure function of the layer boundaries and --fusion-mb;
+4. the optimizer, its state sized by the ranges this rank owns (sharded:
+   its shard of each bucket, ~1/N; else everything);
+5. with --clip-norm, the norm over the buckets;
+6. the fused allreduce, which sums each bucket as backprop finishes it and
+   then runs the optimizer on it (`BucketUpdate`, in gradient
+   coordinates), as Horovod's hooks start reductions and `step()` waits.
+
+Per step the loop calls `begin(lr, stop)`, the model's
+`forward_backward(..., on_layer_done=step.layer_done, loss_out=step.wire.loss)`,
+`step.fused.wait()`, then reads `summed()`: the loss summed over the ranks and
+whether any rank asked to stop, the same bits everywhere.
+
+    mpirun -n 4 python -m hpctrain.train --steps 200 --shard-optimizer on --clip-norm 1
+"""
+from .comm.fusion import FusedAllreduce, bucket_bounds, owned_ranges
+from .comm.norm import BucketNorm
+from .comm.wire import GRADS, LOSS, STOP, Wire
+from .optim import make_optimizer
+
+
+class BucketUpdate:
+    """What the fused allreduce runs on each summed range of the wire: the
+    optimizer on the same range of the model's buffers. Sharded, the loss and
+    stop slots' sums are first copied into the parameter wire, whose
+    allgather then brings them to every rank (comm/wire.py pass_head)."""
+
+    def __init__(self, optimizer, model, wire, param_wire=None):
+        self.optimizer, self.model, self.wire, self.param_wire = optimizer, model, wire, param_wire
+
+    def __call__(self, lo, hi):
+        if self.param_wire is not None:
+            self.wire.pass_head(self.param_wire, lo, hi)
+        self.optimizer.update(self.model.params, self.model.grads, *self.wire.body_range(lo, hi))
+
+
+class ClipScale:
+    """--clip-norm: once every bucket is summed, the factor from the whole
+    gradient's norm, folded into the optimizer's gradient scale."""
+
+    def __init__(self, optimizer, clip, norm, grad_scale):
+        self.optimizer, self.clip, self.norm, self.grad_scale = optimizer, clip, norm, grad_scale
+
+    def __call__(self):
+        self.optimizer.set_grad_scale(self.clip.scaled(self.norm.partials(), self.grad_scale))
+
+
+class RingStep:
+    """The buffers, model, optimizer and fused allreduce of one ring run.
+
+    spec: the model's spec (nn/spec.py); strategy: the allreduce (comm/);
+    comm: the ranks of the strategy (the sharded norm's parts travel there);
+    optimizer: (name, keyword arguments of optim.make_optimizer);
+    fusion_elems: bucket size in elements (0: one bucket); clip: a
+    clipping.Clip or None; marks, overlap, timeline, watchdog: as
+    FusedAllreduce takes them."""
+
+    def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
+                 marks=None, overlap=True, timeline=None, watchdog=None):
+        n = spec.num_params
+        self.sharded, self.clip, self.grad_scale = sharded, clip, 1.0 / comm.Get_size()
+        self.wire = Wire(n, xp)
+        self.param_wire = Wire(n, xp) if sharded else None
+        self.model = spec.build(xp, params=self.param_wire.body if sharded else None, grads=self.wire.body)
+        ready_from = self.wire.ready_from(self.model.layer_ranges)
+        self.buckets = bucket_bounds(self.wire.size, fusion_elems, ready_from)
+        owned = [self.wire.body_range(lo, hi) for lo, hi in owned_ranges(strategy, self.buckets)] \
+            if sharded else None
+        name, kwargs = optimizer
+        self.optimizer = make_optimizer(name, n, xp, owned=owned, **kwargs)
+        # The norm of the gradient part only (the loss and stop slots ride
+        # along), the same bits sharded or not (comm/norm.py).
+        self.norm = BucketNorm(strategy, self.buckets, self.wire.buffer, skip=GRADS, sharded=sharded, comm=comm,
+                               watchdog=watchdog) if clip else None
+        # Clipping needs the whole summed gradient's norm, so the updates wait
+        # for the last bucket (comm/fusion.py's deferred updates).
+        self.fused = FusedAllreduce(
+            strategy, self.wire.buffer, ready_from, self.buckets, marks=marks,
+            on_reduced=BucketUpdate(self.optimizer, self.model, self.wire, self.param_wire),
+            before_updates=ClipScale(self.optimizer, clip, self.norm, self.grad_scale) if clip else None,
+            overlap=overlap, timeline=timeline, watchdog=watchdog,
+            gather=self.param_wire.buffer if sharded else None)
+        self.layer_done = self.fused.layer_done
+
+    def begin(self, lr, stop):
+        """Before backprop: this step's learning rate, and this rank's wish to stop."""
+        self.wire.set_stop(stop)
+        self.optimizer.begin(lr, self.grad_scale)
+
+    def summed(self):
+        """(loss summed over the ranks, did any rank ask to stop), read from the
+        host copy fused.wait() leaves (comm/fusion.py's `head`), never from the
+        device: the main thread does not wait for the optimizer's kernels."""
+        head = self.fused.head
+        return float(head[LOSS]), bool(head[STOP] > 0)
+
+    def close(self):
+        self.fused.close()
