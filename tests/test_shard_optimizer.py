@@ -27,7 +27,7 @@ from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.wire import Wire
 from hpctrain.model import MLP
 from hpctrain.optim import Sharded, make_optimizer, state_bytes
-from hpctrain.resume import Checkpoints
+from hpctrain.resume import Checkpoints, displacements
 
 HIDDEN = (37, 19)
 STRATEGIES = {"ring": RingAllreduce, "mpi": MpiAllreduce,
@@ -128,6 +128,11 @@ def stub_session(comm):
     return SimpleNamespace(args=SimpleNamespace(checkpoint_dir=None), xp=np,
                            chief_in=lambda c: 0, cluster=SimpleNamespace(chief_rank=0),
                            watchdog=SimpleNamespace(waiting=lambda *a, **k: nullcontext()))
+
+
+def test_displacements_put_the_parts_back_to_back():
+    assert displacements(np.array([3, 0, 2], np.int64)).tolist() == [0, 3, 3]
+    assert displacements(np.array([5], np.int64)).tolist() == [0]
 
 
 @pytest.mark.mpi
