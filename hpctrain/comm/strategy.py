@@ -92,6 +92,23 @@ class FlatStrategy:
             self.comm = None
 
 
+class WrappedStrategy:
+    """Base of a strategy that wraps another, `inner` (staged.py, and
+    device_buffers.BoundToDevice): size, rank and the partition (shard,
+    parts) are the inner's; the subclass gives the three operations."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.size = inner.size
+        self.rank = getattr(inner, "rank", 0)
+
+    def shard(self, n):
+        return self.inner.shard(n)
+
+    def parts(self, n):
+        return self.inner.parts(n)
+
+
 def self_check(strategy, name):
     """A strategy's `python -m` check: allreduce of full(n, rank) gives
     sum(range(size)), and reduce_scatter + allgather gives the same buffer,
