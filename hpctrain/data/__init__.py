@@ -16,6 +16,7 @@ test set (`load_test(dir, split="val")`: the --val-fraction part). No MPI here
 One job per module:
     idx.py       IDX files (raw or gzip) -> uint8 arrays
     cifar.py     CIFAR-10 binary batches -> uint8 arrays
+    files.py     a source file's open/read errors -> one HpctrainError line (idx, cifar)
     prepare.py   IDX or CIFAR-10 -> class-balanced HDF5 shards + manifest.json, atomically
     fetch.py     download the published files, verify their MD5, unpack archives safely
     manifest.py  format constants, paths, load_manifest and its structure check
