@@ -1,6 +1,8 @@
 """Set-ups shared by the allreduce tests (test_ring.py, test_staged.py): the
 communicators they run on, a buffer whose middle view is reduced, and rank
-0's copy of a result (every rank must end with the same bits).
+0's copy of a result (every rank must end with the same bits); and how the
+tests of the ring loop's Wire (test_wire.py, test_shard_optimizer.py) read
+its stop slot after the allreduce.
 """
 import numpy as np
 import pytest
@@ -23,3 +25,9 @@ def rank0_copy(comm, a):
     first = a.copy()
     comm.Bcast(first, root=0)
     return first
+
+
+def stop_requested(wire):
+    """After the allreduce: did any rank ask to stop (a comm.wire.Wire's stop
+    slot summed above 0)? The loop reads the same slot from fusion's head."""
+    return float(wire.stop[0]) > 0

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collectives import stop_requested
 from hpctrain import data as data_mod
 from hpctrain import device
 from hpctrain.comm.fusion import FusedAllreduce
@@ -72,7 +73,7 @@ def run_steps(comm, strategy_name, optimizer, sharded, fusion_elems, overlap, st
         model.forward_backward(x, y, on_layer_done=fused.layer_done)
         fused.wait()
         losses.append(float(summed.loss[0]))
-        stops.append(summed.stop_requested())
+        stops.append(stop_requested(summed))
     fused.close()
     getattr(strategy, "inner", strategy).free()
     return model.params.copy(), losses, stops, opt
