@@ -311,7 +311,7 @@ def run_worker(session, checkpoints, comm, reader, resume, placement, shared, wh
     if client.preempted:
         if chief:
             print(f"stopping after step {step}: signal received", flush=True)
-            report.metrics.close(keep=True)
+            report.metrics.close()
         checkpoints.preempted(cluster.comm, step)   # raises the exit-75 error on every rank
     session.stop.phase = "finishing"   # a signal now may find a rank stuck: the watchdog acts on it
     extra = summarize(stats, W)

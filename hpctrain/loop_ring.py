@@ -196,7 +196,7 @@ def train_ring(session):
         checkpoint_now()
     if stopped and step < args.steps:
         if chief:
-            report.metrics.close(keep=True)
+            report.metrics.close()
         checkpoints.preempted(comm, step)
     # The largest optimizer state any rank holds (sharded: about 1/N of it).
     state = np.array([state_bytes(optimizer)], np.int64)
