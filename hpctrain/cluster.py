@@ -278,11 +278,9 @@ class Cluster:
     ps_rule)`, the same on every rank), the rest workers. Servers are ps task
     0..K-1 in the order of their world ranks (ps_index), workers 0..W-1 in the
     order of theirs (worker_index); the chief is worker 0, the lowest worker
-    rank. servers: an explicit sorted list of world ranks instead of the rule
-    (the tests put servers on ranks that the rule would not, all ranks being
-    on one node there). Collective over comm."""
+    rank. Collective over comm."""
 
-    def __init__(self, comm, mode="ring", num_ps=0, ps_rule="spread", servers=None):
+    def __init__(self, comm, mode="ring", num_ps=0, ps_rule="spread"):
         from mpi4py import MPI
         from .comm.records import allgather_bytes
         from .comm.topology import HOST_BYTES, nodes_of
@@ -300,12 +298,7 @@ class Cluster:
         self.num_nodes = max(self.node_of) + 1
         self.host = socket.gethostname()
         self.hosts = allgather_bytes(comm, self.host, HOST_BYTES)
-        if servers is None or not self.num_ps:
-            servers = server_ranks(self.node_of, self.num_ps, ps_rule)
-        elif sorted(set(servers)) != list(servers) or not set(servers) <= set(range(self.size)) \
-                or len(servers) != min(self.num_ps, self.size):
-            raise ValueError(f"servers {servers}: need {self.num_ps} distinct, sorted ranks of 0..{self.size - 1}")
-        self.ps_ranks = list(servers)
+        self.ps_ranks = list(server_ranks(self.node_of, self.num_ps, ps_rule))
         self._task = {r: k for k, r in enumerate(self.ps_ranks)}   # world rank -> ps task
         self.worker_ranks = [r for r in range(self.size) if r not in self._task]
         self._worker = {r: w for w, r in enumerate(self.worker_ranks)}   # world rank -> worker task

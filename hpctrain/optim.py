@@ -153,7 +153,21 @@ class Adam(SGD):
                 state *= t2
 
 
-class OnDevice:
+class _Wrapper:
+    """Base of the optimizers that drive an inner one (`self.inner`): `t`, the
+    step count Adam's bias correction uses and checkpoints record, is the
+    inner's, read and set through the wrapper."""
+
+    @property
+    def t(self):
+        return self.inner.t
+
+    @t.setter
+    def t(self, value):
+        self.inner.t = value
+
+
+class OnDevice(_Wrapper):
     """An optimizer whose parameters and state live on a device (CuPy), driven
     through host arrays: what a parameter server with --ps-device gpu needs,
     since its messages travel through host buffers. The host `params` and the
@@ -170,14 +184,6 @@ class OnDevice:
         self._grads = self.xp.zeros(size, dtype)
         self._host = {name: np.zeros(size, dtype) for name in inner.state_names}
         self._stale = True  # host parameters (set by the first restore) are the truth
-
-    @property
-    def t(self):
-        return self.inner.t
-
-    @t.setter
-    def t(self, value):
-        self.inner.t = value
 
     def state(self):
         for name, dev in self.inner.state().items():
@@ -210,7 +216,7 @@ def _to_host(dev, host):
         dev.get(out=host)
 
 
-class Sharded:
+class Sharded(_Wrapper):
     """An optimizer that owns only `ranges` [(lo, hi), ...] (disjoint) of a
     flat buffer, its state kept compact: the owned ranges one after another,
     in buffer order, so the state is sum(hi - lo) elements, not the buffer's
@@ -237,14 +243,6 @@ class Sharded:
         self.inner = inner_factory(c)
         self.xp = self.inner.xp
         self.state_names = self.inner.state_names
-
-    @property
-    def t(self):
-        return self.inner.t
-
-    @t.setter
-    def t(self, value):
-        self.inner.t = value
 
     def begin(self, lr, grad_scale=1.0):
         self.inner.begin(lr, grad_scale)

@@ -127,9 +127,9 @@ class Metrics:
         print(f"hpctrain: warning: --metrics {self.path}: cannot write ({one_line(error)}); records from "
               f"step {at} on are not in it, training goes on", file=sys.stderr, flush=True)
 
-    def close(self, keep=True):
-        """Close the file (every record is already in it; `keep` is kept
-        for the callers' sake: a live file is never removed)."""
+    def close(self):
+        """Close the file (every record is already in it: a live file is
+        never removed, so there is nothing to keep or drop)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

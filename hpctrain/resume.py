@@ -65,6 +65,12 @@ def epochs_end(epochs, train_samples, step, samples, workers, batch_size):
     return step + max(0, math.ceil((epochs * train_samples - samples) / per_step))
 
 
+def displacements(counts):
+    """Where each rank's part starts in one Gatherv/Scatterv buffer that holds
+    the parts back to back, counts[r] elements for rank r."""
+    return np.concatenate([[0], np.cumsum(counts)[:-1]])
+
+
 def positions_for(point, num_workers):
     """The (num_workers, 2) positions of workers that all go on from `point`."""
     return np.tile(np.asarray(point, np.int64), (int(num_workers), 1))
@@ -217,14 +223,13 @@ class Checkpoints:
             everyone = None
             if counts is not None:
                 everyone = np.empty((int(counts.sum()), 2), np.int64)
-                displs = np.concatenate([[0], np.cumsum(counts)[:-1]]) * 2
-                comm.Gatherv(mine.ravel(), [everyone.ravel(), (counts * 2, displs)], root=root)
+                starts = displacements(counts)
+                comm.Gatherv(mine.ravel(), [everyone.ravel(), (counts * 2, starts * 2)], root=root)
             else:
                 comm.Gatherv(mine.ravel(), None, root=root)
         layout = None
         if everyone is not None:
-            splits = np.cumsum(counts)[:-1]
-            ranges = np.split(everyone, splits)
+            ranges = np.split(everyone, starts[1:])
             layout = (ranges, np.array([int((r[:, 1] - r[:, 0]).sum()) for r in ranges], np.int64))
         self._owners = (optimizer, layout)
         return layout
@@ -247,7 +252,7 @@ class Checkpoints:
                     continue
                 ranges, sizes = layout
                 parts = np.empty(int(sizes.sum()), host.dtype)
-                displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+                displs = displacements(sizes)
                 comm.Gatherv(host, [parts, (sizes, displs)], root=root)
             full = np.zeros(n, host.dtype)
             for r, (owned, start) in enumerate(zip(ranges, displs)):
@@ -275,8 +280,7 @@ class Checkpoints:
                     full = np.asarray(full_state[name], compact.dtype)
                     parts = np.concatenate([full[lo:hi] for owned in ranges for lo, hi in owned]
                                            or [np.empty(0, compact.dtype)])
-                    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-                    comm.Scatterv([parts, (sizes, displs)], mine, root=root)
+                    comm.Scatterv([parts, (sizes, displacements(sizes))], mine, root=root)
             compact[...] = xp.asarray(mine)
 
     def seek_readers(self, reader, resume):

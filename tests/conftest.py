@@ -65,3 +65,13 @@ def same_bytes(a, b):
     """Whether two --save files hold the same datasets, bit for bit."""
     a, b = saved(a), saved(b)
     return set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+@pytest.fixture(scope="module")
+def bundled_shards(tmp_path_factory):
+    """The bundled MNIST sample prepared as two shards, once per test module
+    (test_gpu.py and test_gpu_on_cpu.py read batches from it)."""
+    from hpctrain import data
+    out = tmp_path_factory.mktemp("shards") / "mnist"
+    data.prepare(data.bundled_sample_dir(), str(out), shards=2, log=lambda *a, **k: None)
+    return str(out)

@@ -707,23 +707,12 @@ def test_prepare_checks_the_arrays_fit_their_manifest(tmp_path):
     assert check(ok, classes=3) == "i, l: train labels must be uint8 below 3, got uint8 (4,)"
 
 
-def test_model_fit_problem(bundled):
-    from hpctrain import model
+def test_model_shape_of_a_bad_manifest_is_one_line(bundled):
+    # (was test_model_fit_problem's last case; model_fit_problem was never called and is gone)
     _, manifest = bundled
-    assert data.model_fit_problem(manifest) is None
-    assert data.model_fit_problem(manifest, model.INPUTS, model.CLASSES) is None
-    wide = dict(manifest, image_shape=[32, 32, 3])
-    assert data.model_fit_problem(wide) == ("images are 32x32x3 = 3072 values, the model takes "
-                                            "784 inputs")
-    assert data.model_fit_problem(wide, in_features=3072) is None
-    many = dict(manifest, num_classes=47)
-    assert data.model_fit_problem(many) == ("47 classes (labels 0..46), the model has 10 "
-                                            "outputs (labels 0..9)")
-    assert data.model_fit_problem(many, num_classes=47) is None
-    assert data.model_fit_problem(dict(manifest, num_classes=2)) is None   # fewer is fine
-    assert data.model_fit_problem(dict(manifest, image_shape=[784])) is None
-    assert data.model_fit_problem(dict(manifest, image_shape=[])) == (
-        "bad manifest: image_shape must be a list of positive integers, got []")
+    with pytest.raises(HpctrainError) as e:
+        data.model_shape(dict(manifest, image_shape=[]))
+    assert str(e.value) == "bad manifest: image_shape must be a list of positive integers, got []"
 
 
 def test_missing_shard_or_manifest(numbered, tmp_path):

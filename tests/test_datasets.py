@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from hpctrain import data
+from hpctrain.data.cifar import read_cifar10
 from hpctrain.errors import HpctrainError
 
 
@@ -121,6 +122,18 @@ def test_bad_cifar10_batch_is_one_line(tmp_path, damage, message):
     with pytest.raises(HpctrainError, match=message) as e:
         data.prepare(src, tmp_path / "shards", shards=2, log=quiet)
     assert "\n" not in str(e.value) and not (tmp_path / "shards").exists()
+
+
+@pytest.mark.parametrize("read, expected", [(data.read_idx, "an IDX file"),
+                                            (read_cifar10, "a CIFAR-10 batch")])
+def test_idx_and_cifar_readers_map_file_errors_alike(tmp_path, read, expected):
+    (tmp_path / "plain").write_bytes(b"x")
+    for path, message in [(tmp_path / "gone", "gone: no such file"),
+                          (tmp_path, f"is a directory, expected {expected}"),
+                          (tmp_path / "plain" / "below", r"below: cannot read \(Not a directory\)")]:
+        with pytest.raises(HpctrainError, match=message) as e:
+            read(path)
+        assert "\n" not in str(e.value)
 
 
 def test_emnist_balanced_names_and_47_classes(tmp_path):

@@ -80,3 +80,16 @@ def test_bound_to_device_passes_every_call_through():
     assert (bound.size, bound.rank, bound.name, bound.path) == (2, 1, "stand", "why")
     assert bound.allreduce(x) is x and bound.reduce_scatter(x) == (0, 1) and bound.allgather(x) is x
     assert bound.shard(10) == (0, 5) and inner.calls == ["allreduce", "reduce_scatter", "allgather"]
+
+
+def test_both_wrapping_strategies_partition_as_the_inner_one():
+    from hpctrain import device
+    from hpctrain.comm.ring import RingAllreduce
+    from hpctrain.comm.staged import StagedAllreduce
+    inner = RingAllreduce(MPI.COMM_WORLD)
+    try:
+        for wrapped in (BoundToDevice(inner, np), StagedAllreduce(inner, device.HostCopier())):
+            assert (wrapped.size, wrapped.rank) == (inner.size, inner.rank)
+            assert wrapped.shard(10) == inner.shard(10) and wrapped.parts(10) == inner.parts(10)
+    finally:
+        inner.free()

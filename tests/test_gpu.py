@@ -219,18 +219,10 @@ def test_optimizer_steps_equal_numpy(name):
     np.testing.assert_allclose(cp.asnumpy(pg), pc, rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from hpctrain import data
-    out = tmp_path_factory.mktemp("shards") / "mnist"
-    data.prepare(data.bundled_sample_dir(), str(out), shards=2, log=lambda *a, **k: None)
-    return str(out)
-
-
-def test_prefetcher_yields_the_readers_batches(shards):
+def test_prefetcher_yields_the_readers_batches(bundled_shards):
     from hpctrain.data import ShardReader
-    plain = ShardReader(shards, 0, 1, 128, 5)
-    fetched = prefetch.device_batches(ShardReader(shards, 0, 1, 128, 5), cp)
+    plain = ShardReader(bundled_shards, 0, 1, 128, 5)
+    fetched = prefetch.device_batches(ShardReader(bundled_shards, 0, 1, 128, 5), cp)
     assert isinstance(fetched, prefetch.Prefetcher)
     for step in range(100):
         x, y = plain.next_batch()
@@ -245,7 +237,7 @@ def test_prefetcher_yields_the_readers_batches(shards):
     np.testing.assert_array_equal(cp.asnumpy(fetched.next_batch()[0]), plain.next_batch()[0])
 
 
-def test_sgd_training_on_gpu_ends_where_cpu_training_ends(shards):
+def test_sgd_training_on_gpu_ends_where_cpu_training_ends(bundled_shards):
     """One rank, 50 SGD steps, the real batches: parameters within 1e-5."""
     from hpctrain.data import ShardReader
     out = {}
@@ -253,7 +245,7 @@ def test_sgd_training_on_gpu_ends_where_cpu_training_ends(shards):
         model = mlp(hidden=(500, 500)).build(xp)
         model.init(0)
         opt = make_optimizer("sgd", model.num_params, xp)
-        batches = prefetch.device_batches(ShardReader(shards, 0, 1, 32, 0), xp)
+        batches = prefetch.device_batches(ShardReader(bundled_shards, 0, 1, 32, 0), xp)
         for _ in range(50):
             x, y = batches.next_batch()
             model.forward_backward(xp.asarray(x), xp.asarray(y))

@@ -39,26 +39,18 @@ def test_cuda_copier_defers_copies_until_waited_for(cudacopier):
 
 # --- prefetching ---------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from hpctrain import data
-    out = tmp_path_factory.mktemp("shards") / "mnist"
-    data.prepare(data.bundled_sample_dir(), str(out), shards=2, log=lambda *a, **k: None)
-    return str(out)
-
-
-def test_numpy_batches_come_straight_from_the_reader(shards):
+def test_numpy_batches_come_straight_from_the_reader(bundled_shards):
     from hpctrain.data import ShardReader
-    reader = ShardReader(shards, 0, 1, 16, 0)
+    reader = ShardReader(bundled_shards, 0, 1, 16, 0)
     assert prefetch.device_batches(reader, np) is reader
 
 
 @pytest.mark.parametrize("copier", ["host", "lazy", "cuda"])
-def test_prefetched_batches_and_positions_equal_the_readers(shards, copier, cudacopier):
+def test_prefetched_batches_and_positions_equal_the_readers(bundled_shards, copier, cudacopier):
     from hpctrain.data import ShardReader
-    plain = ShardReader(shards, 1, 2, 100, 3)
+    plain = ShardReader(bundled_shards, 1, 2, 100, 3)
     c = {"host": device.HostCopier, "lazy": LazyCopier, "cuda": cudacopier}[copier]()
-    fetched = prefetch.device_batches(ShardReader(shards, 1, 2, 100, 3), np, c)
+    fetched = prefetch.device_batches(ShardReader(bundled_shards, 1, 2, 100, 3), np, c)
     assert isinstance(fetched, prefetch.Prefetcher) and fetched.batch_size == 100
     assert fetched.position == plain.position
     for step in range(60):  # several epochs of this worker's ~2250 samples
@@ -76,10 +68,10 @@ def test_prefetched_batches_and_positions_equal_the_readers(shards, copier, cuda
         assert np.array_equal(x, dx) and fetched.position == plain.position
 
 
-def test_prefetcher_seek_right_after_construction_reads_nothing_first(shards):
+def test_prefetcher_seek_right_after_construction_reads_nothing_first(bundled_shards):
     from hpctrain.data import ShardReader
-    plain = ShardReader(shards, 0, 1, 50, 1)
-    fetched = prefetch.Prefetcher(ShardReader(shards, 0, 1, 50, 1), LazyCopier())
+    plain = ShardReader(bundled_shards, 0, 1, 50, 1)
+    fetched = prefetch.Prefetcher(ShardReader(bundled_shards, 0, 1, 50, 1), LazyCopier())
     plain.seek(1, 100)
     fetched.seek(1, 100)
     assert np.array_equal(plain.next_batch()[0], fetched.next_batch()[0])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hpctrain import optim
-from hpctrain.optim import Adam, Momentum, SGD, learning_rate, make_optimizer
+from hpctrain.optim import Adam, Momentum, OnDevice, SGD, Sharded, learning_rate, make_optimizer
 
 
 def reference(name, p, grads, lr, scale):
@@ -114,3 +114,10 @@ def test_on_device_equals_the_inner_optimizer_through_restores(name):
         plain.step(p_plain, g, 1e-2)
         wrapped.step(p_wrapped, g, 1e-2)
     assert np.array_equal(p_plain, p_wrapped) and wrapped.t == plain.t == 14
+
+
+def test_wrapped_optimizers_read_and_set_the_inner_step_count():
+    for wrapped in (OnDevice(make_optimizer("adam", 8), 8),
+                    Sharded(lambda n: make_optimizer("adam", n), [(2, 6)], 8)):
+        wrapped.t = 7
+        assert wrapped.inner.t == 7 and wrapped.t == 7

@@ -92,14 +92,17 @@ def free(c):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_roles_follow_the_server_list():
+def test_roles_follow_the_server_list(monkeypatch):
     from mpi4py import MPI
+    from hpctrain import cluster
     from hpctrain.cluster import Cluster
+    from ps_servers_at import servers_at
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
     servers = list(range(1, size, 2))                 # 2: [1]; 3: [1]; 4: [1, 3]
     workers = [r for r in range(size) if r not in servers]
-    c = Cluster(world, "ps", len(servers), servers=servers)
+    monkeypatch.setattr(cluster, "server_ranks", servers_at(servers))
+    c = Cluster(world, "ps", len(servers))
     assert (c.ps_ranks, c.worker_ranks, c.num_workers) == (servers, workers, len(workers))
     assert c.chief_rank == 0 and c.is_chief == (rank == 0)
     assert c.is_ps == (rank in servers) and c.is_worker == (rank in workers)
@@ -113,8 +116,10 @@ def test_roles_follow_the_server_list():
     assert [c.role_name(r) for r in workers] == [f"/job:worker/task:{w}" for w in range(len(workers))]
     assert c.servers_line().endswith(f"/job:ps/task:{len(servers) - 1} = rank {servers[-1]} on {c.hosts[servers[-1]]}")
     free(c)
+    monkeypatch.setattr(cluster, "server_ranks", servers_at([size]))
     with pytest.raises(ValueError, match="distinct, sorted"):
-        Cluster(world, "ps", 1, servers=[size])
+        Cluster(world, "ps", 1)
+    monkeypatch.undo()
     for rule in PS_RULES:
         c = Cluster(world, "ps", 1, rule)
         assert c.ps_ranks == server_ranks(c.node_of, 1, rule) and c.ps_ranks == [0]   # rank 0 leads node 0

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collectives import COMMS, fives_around_a_view, rank0_copy
 from hpctrain.comm import ring
 from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring import RingAllreduce, chunk_bounds
-
-COMMS = [pytest.param(MPI.COMM_SELF, id="self"), pytest.param(MPI.COMM_WORLD, id="world")]
 
 
 def lengths(size):
@@ -47,17 +46,13 @@ def test_ring_equals_mpi_allreduce_on_random_data(dtype):
         # Different summation orders: equal up to rounding.
         np.testing.assert_allclose(a, b, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-6)
         # Every rank ends with the same bits.
-        first = a.copy()
-        comm.Bcast(first, root=0)
-        assert np.array_equal(a, first)
+        assert np.array_equal(a, rank0_copy(comm, a))
 
 
 @pytest.mark.mpi(min_size=2)
 def test_ring_on_a_view_leaves_the_rest_of_the_buffer_alone():
     comm = MPI.COMM_WORLD
-    buf = np.full(1000, 5.0, np.float32)
-    view = buf[100:900]
-    view[:] = comm.rank + 1
+    buf, view = fives_around_a_view(comm, 1000, 100, 900)
     RingAllreduce(comm).allreduce(view)
     assert np.all(view == sum(range(1, comm.size + 1)))
     assert np.all(buf[:100] == 5) and np.all(buf[900:] == 5)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collectives import stop_requested
 from hpctrain import data as data_mod
 from hpctrain import device
 from hpctrain.comm.mpi import MpiAllreduce
@@ -25,8 +26,8 @@ from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.nn import mlp
 from hpctrain.optim import Sharded, make_optimizer, state_bytes
+from hpctrain.resume import Checkpoints, displacements
 from hpctrain.ring_step import RingStep
-from hpctrain.resume import Checkpoints
 
 HIDDEN = (37, 19)
 STRATEGIES = {"ring": RingAllreduce, "mpi": MpiAllreduce,
@@ -58,7 +59,7 @@ def run_steps(comm, strategy_name, optimizer, sharded, fusion_elems, overlap, st
         model.forward_backward(x, y, on_layer_done=fused.layer_done)
         fused.wait()
         losses.append(float(summed.loss[0]))
-        stops.append(summed.stop_requested())
+        stops.append(stop_requested(summed))
     ring.close()
     getattr(strategy, "inner", strategy).free()
     return model.params.copy(), losses, stops, opt
@@ -114,6 +115,11 @@ def stub_session(comm):
     return SimpleNamespace(args=SimpleNamespace(checkpoint_dir=None), xp=np,
                            chief_in=lambda c: 0, cluster=SimpleNamespace(chief_rank=0),
                            watchdog=SimpleNamespace(waiting=lambda *a, **k: nullcontext()))
+
+
+def test_displacements_put_the_parts_back_to_back():
+    assert displacements(np.array([3, 0, 2], np.int64)).tolist() == [0, 3, 3]
+    assert displacements(np.array([5], np.int64)).tolist() == [0]
 
 
 @pytest.mark.mpi

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collectives import COMMS, fives_around_a_view, rank0_copy
 from gpu_fakes import DevArray, LazyCopier, Scale, cudacopier  # noqa: F401 (a fixture)
 from hpctrain import device
 from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
-
-COMMS = [pytest.param(MPI.COMM_SELF, id="self"), pytest.param(MPI.COMM_WORLD, id="world")]
 
 
 @pytest.mark.parametrize("copier", ["host", "lazy", "cuda"])
@@ -78,17 +77,13 @@ def test_staged_equals_the_ring_per_chunk_bit_for_bit(chunk_elems):
     ring.allreduce(whole)
     assert np.array_equal(staged, per_chunk)
     np.testing.assert_allclose(staged, whole, rtol=1e-5, atol=1e-5)
-    first = staged.copy()
-    comm.Bcast(first, root=0)
-    assert np.array_equal(staged, first)
+    assert np.array_equal(staged, rank0_copy(comm, staged))
 
 
 @pytest.mark.mpi(min_size=2)
 def test_staged_on_a_view_leaves_the_rest_alone():
     comm = MPI.COMM_WORLD
-    buf = np.full(5000, 5.0, np.float32)
-    view = buf[100:4900]
-    view[:] = comm.rank + 1
+    buf, view = fives_around_a_view(comm, 5000, 100, 4900)
     StagedAllreduce(RingAllreduce(comm), LazyCopier(), chunk_bytes=4 * 700).allreduce(view)
     assert np.all(view == sum(range(1, comm.size + 1)))
     assert np.all(buf[:100] == 5) and np.all(buf[4900:] == 5)

@@ -4,6 +4,7 @@
 """
 import numpy as np
 
+from collectives import stop_requested
 from hpctrain.comm import wire as wire_mod
 from hpctrain.comm.fusion import bucket_bounds
 from hpctrain.comm.wire import Wire
@@ -20,9 +21,9 @@ def test_views_share_one_buffer_in_front_of_the_gradients():
     w.body[:] = 0
     assert not w.buffer[2:].any()
     w.set_stop(True)
-    assert w.stop_requested() and w.buffer[1] == 1.0
+    assert stop_requested(w) and w.buffer[1] == 1.0
     w.set_stop(False)
-    assert not w.stop_requested() and w.buffer[1] == 0.0
+    assert not stop_requested(w) and w.buffer[1] == 0.0
 
 
 def test_ready_from_and_grads_range_are_the_loops_offsets():

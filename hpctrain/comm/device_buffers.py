@@ -10,26 +10,20 @@ logic runs on CPU with a stand-in copier, which is how it is tested:
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_device_buffers.py
 """
 from .. import device
+from .strategy import WrappedStrategy
 
 
-class BoundToDevice:
+class BoundToDevice(WrappedStrategy):
     """A strategy whose calls run with this rank's CUDA device current in the
     calling thread (fusion's communication thread starts on device 0). Same
     interface as the strategy it wraps; `path` says how buffers reach MPI."""
 
     def __init__(self, inner, xp, path=""):
-        self.inner, self.xp = inner, xp
+        super().__init__(inner)
+        self.xp = xp
         self.device_id = device.current_device(xp)
-        self.size = inner.size
-        self.rank = getattr(inner, "rank", 0)
         self.name = inner.name
         self.path = path
-
-    def shard(self, n):
-        return self.inner.shard(n)
-
-    def parts(self, n):
-        return self.inner.parts(n)
 
     def allreduce(self, buf):
         device.use_device(self.xp, self.device_id)

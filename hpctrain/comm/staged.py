@@ -19,6 +19,8 @@ arrays the same logic runs on CPU, which is how it is tested:
 """
 import numpy as np
 
+from .strategy import WrappedStrategy
+
 # Buffers up to this size are staged in one piece; larger ones in chunks of
 # it, pipelined. 4 MiB keeps a copy (~0.1-0.2 ms over PCIe/NVLink-C2C) short
 # against the host ring's time for the same chunk, and bounds the pipeline's
@@ -26,7 +28,7 @@ import numpy as np
 STAGING_CHUNK_BYTES = 4 << 20
 
 
-class StagedAllreduce:
+class StagedAllreduce(WrappedStrategy):
     """The strategy `inner` (on host arrays) applied to device buffers through
     pinned host memory. Results of allreduce equal `inner.allreduce` applied
     to each chunk: every rank ends with the same bits; against one direct ring
@@ -34,21 +36,13 @@ class StagedAllreduce:
     order per element), as ring vs mpi do."""
 
     def __init__(self, inner, copier, chunk_bytes=STAGING_CHUNK_BYTES):
-        self.inner = inner
+        super().__init__(inner)
         self.copier = copier
         self.chunk_bytes = int(chunk_bytes)
-        self.size = inner.size
-        self.rank = getattr(inner, "rank", 0)
         self.name = f"{getattr(inner, 'name', 'allreduce')} (staged)"
         self._host = None
         self._back = None   # token of the last copy back (it reads self._host)
         self._last = None   # (buffer, host array holding its result) of the last call
-
-    def shard(self, n):
-        return self.inner.shard(n)
-
-    def parts(self, n):
-        return self.inner.parts(n)
 
     def _host_for(self, buf):
         host = self._host

@@ -15,7 +15,7 @@ A strategy sums contiguous 1-D arrays across the ranks of a communicator:
                          own: comm/norm.py's sum of squares)
 
 reduce_scatter followed by allgather equals allreduce. Parts are near-equal
-(`chunk_bounds`); which rank owns which part is the strategy's own business
+(hpctrain/chunks.py); which rank owns which part is the strategy's own business
 (the ring's rank r owns chunk r+1, MPI's Reduce_scatter gives rank r chunk r),
 so always ask `shard`. Parts may be empty when a buffer is shorter than the
 communicator. Attributes: `name`, `size`, `rank`.
@@ -28,16 +28,7 @@ any of the host ones for device buffers.
 """
 from contextlib import nullcontext
 
-
-def chunk_bounds(n, parts):
-    """Start offsets of `parts` near-equal chunks of n elements (parts+1 values)."""
-    return [i * n // parts for i in range(parts + 1)]
-
-
-def chunk_parts(n, parts):
-    """The (lo, hi) of each of chunk_bounds(n, parts)'s chunks, in order."""
-    bounds = chunk_bounds(n, parts)
-    return list(zip(bounds[:-1], bounds[1:]))
+from ..chunks import chunk_bounds, chunk_parts
 
 
 def waiting(watchdog, what, peer=None):
@@ -99,6 +90,23 @@ class FlatStrategy:
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
+
+
+class WrappedStrategy:
+    """Base of a strategy that wraps another, `inner` (staged.py, and
+    device_buffers.BoundToDevice): size, rank and the partition (shard,
+    parts) are the inner's; the subclass gives the three operations."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.size = inner.size
+        self.rank = getattr(inner, "rank", 0)
+
+    def shard(self, n):
+        return self.inner.shard(n)
+
+    def parts(self, n):
+        return self.inner.parts(n)
 
 
 def self_check(strategy, name):

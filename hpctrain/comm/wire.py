@@ -62,7 +62,3 @@ class Wire:
 
     def set_stop(self, stop):
         self.stop[0] = 1.0 if stop else 0.0
-
-    def stop_requested(self):
-        """After the allreduce: did any rank ask to stop? (Reads the device: a sync.)"""
-        return float(self.stop[0]) > 0

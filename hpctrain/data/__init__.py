@@ -16,6 +16,7 @@ test set (`load_test(dir, split="val")`: the --val-fraction part). No MPI here
 One job per module:
     idx.py       IDX files (raw or gzip) -> uint8 arrays
     cifar.py     CIFAR-10 binary batches -> uint8 arrays
+    files.py     a source file's open/read errors -> one HpctrainError line (idx, cifar)
     prepare.py   IDX or CIFAR-10 -> class-balanced HDF5 shards + manifest.json, atomically
     fetch.py     download the published files, verify their MD5, unpack archives safely
     manifest.py  format constants, paths, load_manifest and its structure check
@@ -26,7 +27,7 @@ One job per module:
 from .fetch import CIFAR10_BATCHES, EMNIST_SPLITS, MD5, MIRRORS, STANDARD_FILES, extract, fetch
 from .idx import read_idx
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, bundled_sample_dir, default_data_dir,
-                       is_prepared, load_manifest, model_fit_problem, model_shape, repo_root,
+                       is_prepared, load_manifest, model_shape, repo_root,
                        shard_name)
 from .prepare import prepare
 from .reader import ShardReader, has_val, load_test
@@ -35,6 +36,6 @@ __all__ = [
     "CIFAR10_BATCHES", "EMNIST_SPLITS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MD5", "MIRRORS",
     "STANDARD_FILES", "extract",
     "ShardReader", "bundled_sample_dir", "default_data_dir", "fetch", "has_val", "is_prepared",
-    "load_manifest", "load_test", "model_fit_problem", "model_shape", "prepare", "read_idx", "repo_root",
+    "load_manifest", "load_test", "model_shape", "prepare", "read_idx", "repo_root",
     "shard_name",
 ]

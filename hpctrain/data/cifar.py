@@ -20,6 +20,8 @@ import numpy as np
 
 from hpctrain.errors import HpctrainError
 
+from .files import file_errors
+
 SIDE, CHANNELS = 32, 3
 PIXELS = SIDE * SIDE * CHANNELS
 CLASSES = 10
@@ -32,7 +34,7 @@ _MAX_RECORDS = 1_000_000
 def read_cifar10(path):
     """(images uint8 (N, 32, 32, 3), labels uint8 (N,)) of one binary batch."""
     path = Path(path)
-    try:
+    with file_errors(path, "a CIFAR-10 batch"):
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
@@ -46,12 +48,6 @@ def read_cifar10(path):
                                     f"{_MAX_RECORDS}; not a CIFAR-10 batch")
             raw = np.empty(size, np.uint8)
             got = f.readinto(memoryview(raw))
-    except FileNotFoundError:
-        raise HpctrainError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise HpctrainError(f"{path}: is a directory, expected a CIFAR-10 batch") from None
-    except PermissionError as e:
-        raise HpctrainError(f"{path}: cannot read ({e.strerror})") from None
     if got != size:   # the file shrank under us
         raise HpctrainError(f"{path}: truncated ({got} of {size} bytes read)")
     records = raw.reshape(-1, RECORD)

@@ -22,6 +22,8 @@ import numpy as np
 
 from hpctrain.errors import HpctrainError
 
+from .files import file_errors
+
 # IDX type codes; only unsigned bytes occur in MNIST and Fashion-MNIST.
 _IDX_UBYTE = 0x08
 _IDX_MAGIC = {"images": 0x00000803, "labels": 0x00000801}
@@ -44,7 +46,7 @@ def read_idx(path, kind=None):
     allocated, so a damaged or lying header is one line, not gigabytes.
     """
     path = Path(path)
-    try:
+    with file_errors(path, "an IDX file"):
         with open(path, "rb") as raw:
             st = os.fstat(raw.fileno())
             # Only a regular file's length is known up front (not a pipe's).
@@ -64,14 +66,6 @@ def read_idx(path, kind=None):
                 # A cut-off download ends the deflate stream early (EOFError);
                 # flipped bytes fail the CRC or the inflater (OSError, zlib.error).
                 raise HpctrainError(f"{path}: corrupt gzip data ({e})") from None
-    except FileNotFoundError:
-        raise HpctrainError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise HpctrainError(f"{path}: is a directory, expected an IDX file") from None
-    except PermissionError as e:
-        raise HpctrainError(f"{path}: cannot read ({e.strerror})") from None
-    except OSError as e:
-        raise HpctrainError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 class _Prefixed(io.RawIOBase):

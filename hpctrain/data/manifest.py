@@ -12,7 +12,6 @@ No MPI here (house rule).
 
 import hashlib
 import json
-import math
 from pathlib import Path
 
 from hpctrain.errors import HpctrainError
@@ -143,25 +142,3 @@ def model_shape(manifest):
     if problem:
         raise HpctrainError(f"bad manifest: {problem}")
     return tuple(manifest["image_shape"]), manifest["num_classes"]
-
-
-def model_fit_problem(manifest, in_features=784, num_classes=10):
-    """Why a model of in_features inputs and num_classes outputs cannot train
-    on this data (one line), or None if it can. The defaults are MNIST's
-    model (model.INPUTS, model.CLASSES). Training builds its model from the
-    manifest (model_shape), so this is for a model made elsewhere: a
-    mismatch is one line, not a shape error or a label that indexes past
-    the logits half-way through."""
-    problem = _manifest_problem(manifest)
-    if problem:
-        return f"bad manifest: {problem}"
-    shape = manifest["image_shape"]
-    features = math.prod(shape)
-    if features != in_features:
-        return (f"images are {'x'.join(map(str, shape))} = {features} values, the model "
-                f"takes {in_features} inputs")
-    classes = manifest["num_classes"]
-    if classes > num_classes:
-        return (f"{classes} classes (labels 0..{classes - 1}), the model has "
-                f"{num_classes} outputs (labels 0..{num_classes - 1})")
-    return None

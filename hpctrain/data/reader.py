@@ -19,6 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from hpctrain.chunks import chunk_parts
 from hpctrain.errors import HpctrainError
 
 from .manifest import MANIFEST, _sha256, load_manifest
@@ -97,11 +98,6 @@ def _describe(obj):
     if isinstance(obj, h5py.Dataset):
         return f"{obj.dtype} {obj.shape}"
     return "nothing" if obj is None else type(obj).__name__
-
-
-def _bounds(n, parts):
-    """Near-equal contiguous split of range(n): part i is [b[i], b[i+1])."""
-    return [(i * n) // parts for i in range(parts + 1)]
 
 
 def _to_float(images, out=None):
@@ -295,8 +291,7 @@ def load_test(data_dir, part=0, parts=1, raw=False, split="test"):
     features = math.prod(shape)
     if split not in manifest:
         raise HpctrainError(f"{data_dir}: no {split} part; prepare again with --val-fraction F")
-    b = _bounds(manifest[split]["num_samples"], parts)
-    lo, hi = b[part], b[part + 1]
+    lo, hi = chunk_parts(manifest[split]["num_samples"], parts)[part]
     xs, ys = [np.empty((0, features), np.uint8 if raw else np.float32)], [np.empty(0, np.int64)]
     at = 0
     for entry in manifest[split]["shards"]:

@@ -230,6 +230,17 @@ def test_a_resumed_metrics_file_drops_a_line_nested_past_what_json_parses(tmp_pa
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 6}\n'
 
 
+def test_closing_a_metrics_file_keeps_it_and_offers_no_choice(tmp_path):
+    from hpctrain.report import Metrics
+    path = tmp_path / "m.jsonl"
+    metrics = Metrics(str(path))
+    metrics.write({"step": 1})
+    metrics.close()
+    assert path.read_text() == '{"step": 1}\n'
+    with pytest.raises(TypeError):   # no keep=: a live metrics file is never removed
+        metrics.close(keep=False)
+
+
 def test_checkpoint_command_on_a_file_or_a_missing_directory_is_one_line(tmp_path):
     (tmp_path / "ckpt-00000010.h5").write_bytes(b"not hdf5")
     (tmp_path / "empty").mkdir()

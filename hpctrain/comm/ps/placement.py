@@ -12,6 +12,7 @@ slice updates bit for bit as the whole buffer would.
 """
 import numpy as np
 
+from ...chunks import chunk_parts
 from ...device import array_module
 
 PLACEMENTS = ("even", "round-robin", "greedy")
@@ -26,8 +27,8 @@ def place(tensor_ranges, num_ps, strategy="even"):
     owned = [[] for _ in range(num_ps)]
     n = tensor_ranges[-1][2] if tensor_ranges else 0
     if strategy == "even":
-        for server in range(num_ps):
-            owned[server].append((server * n // num_ps, (server + 1) * n // num_ps))
+        for server, part in enumerate(chunk_parts(n, num_ps)):
+            owned[server].append(part)
     elif strategy == "round-robin":
         # replica_device_setter: variables to ps tasks in creation order
         for i, (_, lo, hi) in enumerate(tensor_ranges):
