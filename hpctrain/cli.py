@@ -1,10 +1,11 @@
 """The one argparse definition of hpctrain's flags, their defaults and checks.
 
-Used by `python -m hpctrain.mnist`; imports only the standard library so the
+Used by `python -m hpctrain.train` (and `hpctrain.mnist`, its MNIST name);
+imports only the standard library so the
 flags can be parsed before numpy, BLAS or MPI start (they read environment
 variables that we set from the flags and the launcher).
 
-    python -m hpctrain.mnist --help
+    python -m hpctrain.train --help
 """
 import argparse
 import math
@@ -100,11 +101,11 @@ class _Parser(argparse.ArgumentParser):
         raise HpctrainError(f"{message} (see --help)")
 
 
-def build_parser():
+def build_parser(prog="python -m hpctrain.train"):
     p = _Parser(
-        prog="python -m hpctrain.mnist",
-        description="Train an MLP on MNIST data-parallel across MPI ranks "
-                    "(run under mpirun/srun; one process trains alone).")
+        prog=prog,
+        description="Train a model data-parallel across MPI ranks on prepared HDF5 shards (default: "
+                    "the bundled MNIST sample; run under mpirun/srun; one process trains alone).")
     a = p.add_argument
 
     g = p.add_argument_group("training")
@@ -263,10 +264,10 @@ def validate(args, world_size):
         raise HpctrainError("--keep-best needs --eval-every N (N > 0)")
 
 
-def parse(argv=None, quiet=False):
+def parse(argv=None, quiet=False, prog="python -m hpctrain.train"):
     """Parse flags; a bad flag raises HpctrainError. With quiet=True (non-zero
     ranks) --help prints nothing, so the job shows one copy."""
-    parser = build_parser()
+    parser = build_parser(prog)
     parser.quiet = quiet
     args = parser.parse_args(argv)
     if args.steps is None and args.epochs is None:

@@ -4,14 +4,14 @@ asks for the servers' array module, so CPU tests cover that code path
 
     PYTHONPATH=tests mpirun -n 4 python -m numpy_as_gpu --mode ps --num-ps 2 --ps-device gpu
 
-The patch goes in after mnist.main has configured the process: numpy must
+The patch goes in after hpctrain.train.main has configured the process: numpy must
 not load before (it reads the BLAS thread count once, when it loads).
 """
 import sys
 
-from hpctrain import mnist
+from hpctrain import train as entry
 
-_train = mnist.train
+_train = entry.train
 
 
 def train(args, *rest):
@@ -22,5 +22,5 @@ def train(args, *rest):
 
 
 if __name__ == "__main__":
-    mnist.train = train
-    sys.exit(mnist.main())
+    entry.train = train
+    sys.exit(entry.main())

@@ -15,7 +15,8 @@ import sys
 # Nothing that loads numpy or MPI here: hpctrain.mnist configures the process
 # first. Cluster looks cluster.server_ranks up when it is built (after MPI
 # starts), so the function patched now is the one it asks.
-from hpctrain import cluster, mnist
+from hpctrain import cluster
+from hpctrain import train as entry
 
 
 def servers_at(servers):
@@ -37,4 +38,4 @@ def servers_at(servers):
 
 if __name__ == "__main__":
     cluster.server_ranks = servers_at([int(r) for r in os.environ["PS_SERVERS"].split(",")])
-    sys.exit(mnist.main())
+    sys.exit(entry.main())

@@ -13,7 +13,8 @@ import sys
 # The reader's module loads numpy, whose BLAS reads its thread count once:
 # configure the process first, as hpctrain.mnist then does again (it keeps
 # what is set). Unconfigured, 2-4 ranks sharing 2 cores ran 50x slower.
-from hpctrain import cluster, mnist
+from hpctrain import cluster
+from hpctrain import train as entry
 
 cluster.configure_process(device="cpu")
 from hpctrain.data import reader  # noqa: E402
@@ -33,4 +34,4 @@ def recording_next_batch(self):
 
 if __name__ == "__main__":
     reader.ShardReader.next_batch = recording_next_batch
-    sys.exit(mnist.main())
+    sys.exit(entry.main())

@@ -7,15 +7,15 @@ loop_ps.run_worker bit for bit.
 
     PYTHONPATH=tests mpirun -n 4 python -m staged_workers --mode ps --num-ps 2
 
-The patch goes in after mnist.main has configured the process (numpy must
+The patch goes in after hpctrain.train.main has configured the process (numpy must
 not load before: it reads the BLAS thread count once, when it loads).
 """
 import sys
 import types
 
-from hpctrain import mnist
+from hpctrain import train as entry
 
-_train = mnist.train
+_train = entry.train
 
 
 def train(args, *rest):
@@ -31,5 +31,5 @@ def train(args, *rest):
 
 
 if __name__ == "__main__":
-    mnist.train = train
-    sys.exit(mnist.main())
+    entry.train = train
+    sys.exit(entry.main())

@@ -4,16 +4,16 @@ production code.
 
     PYTHONPATH=tests/faults mpirun -n 2 python -m disk_full_on_save --steps 20 --save p.h5
 
-The patch goes in after mnist.main has configured the process: h5py and
+The patch goes in after hpctrain.train.main has configured the process: h5py and
 numpy must not load before (numpy reads the BLAS thread count once).
 """
 import errno
 import os
 import sys
 
-from hpctrain import mnist
+from hpctrain import train as entry
 
-_train = mnist.train
+_train = entry.train
 
 
 def train(args, *rest):
@@ -31,5 +31,5 @@ def train(args, *rest):
 
 
 if __name__ == "__main__":
-    mnist.train = train
-    sys.exit(mnist.main())
+    entry.train = train
+    sys.exit(entry.main())

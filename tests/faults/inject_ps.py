@@ -27,7 +27,8 @@ import time
 
 # Nothing that loads numpy or MPI here: hpctrain.mnist configures the process
 # (BLAS threads, MPI progress) first; the faults go in right after that.
-from hpctrain import cluster, mnist
+from hpctrain import cluster
+from hpctrain import train as entry
 
 
 def setting(name, index):
@@ -137,7 +138,7 @@ def main():
         return note
 
     cluster.configure_process = configure_then_inject
-    sys.exit(mnist.main())
+    sys.exit(entry.main())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Environment:
                       of the job can see it any more (the launcher's wait)
   FAULT_PID_DIR=DIR   every rank writes its pid to DIR/rank-<rank>.pid
 
-The patches go in when mnist.train starts, after the process is configured
+The patches go in when entry.train starts, after the process is configured
 (numpy must not load before: it reads the BLAS thread count once).
 """
 import os
@@ -21,9 +21,10 @@ import signal
 import sys
 import time
 
-from hpctrain import cluster, mnist
+from hpctrain import cluster
+from hpctrain import train as entry
 
-_train = mnist.train
+_train = entry.train
 
 
 def stop_here():
@@ -74,8 +75,8 @@ def main():
         rank = cluster.launcher_env()[0] or 0
         with open(os.path.join(os.environ["FAULT_PID_DIR"], f"rank-{rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
-    mnist.train = train
-    sys.exit(mnist.main())
+    entry.train = train
+    sys.exit(entry.main())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,173 @@
+"""The entry point: train a model data-parallel across MPI ranks.
+
+    mpirun -n 4 python -m hpctrain.train                      # ring allreduce
+    mpirun -n 4 python -m hpctrain.train --mode ps --num-ps 2 # parameter servers
+    python -m hpctrain.train --help                           # every flag
+
+`python -m hpctrain.mnist` is the same program under MNIST's name (the
+bundled sample is the default data). Order matters: flags are parsed and
+the process configured (BLAS threads, MPI progress throttling, GPU binding)
+before numpy and MPI are imported, because they read those settings once,
+when they load. Exit codes: hpctrain/errors.py.
+"""
+import os
+import signal
+import sys
+
+from . import cli, cluster
+from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, HpctrainError
+
+# A rank other than the chief that got Ctrl-C waits this long per rank of
+# distance from the chief (after the abort grace) for the chief's abort,
+# before it speaks itself: on a loaded node the launcher takes a while to end
+# every rank.
+LONE_SIGINT_WAIT_S = 2.0
+
+
+def main(argv=None, prog="python -m hpctrain.train"):
+    signal.signal(signal.SIGINT, _on_sigint)
+    # The parsed flags (for the Ctrl-C line) and, once train() started it,
+    # this process's watchdog (for the way out of an error).
+    seen = {}
+    try:
+        return _main(argv, seen, prog)
+    except KeyboardInterrupt:
+        return _interrupted(seen.get("args"))
+
+
+def _main(argv, seen, prog):
+    rank, _, _, _ = cluster.launcher_env()
+    args = flag_error = None
+    try:
+        args = cli.parse(argv, quiet=bool(rank), prog=prog)
+    except HpctrainError as exc:
+        if not cluster.in_mpi_job():
+            print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
+            return exc.exit_code
+        flag_error = exc   # the other ranks may have good flags: agree first (train)
+    seen["args"] = args
+    try:
+        note = cluster.configure_process(device=args.device if args else "auto")
+        train(args, note, flag_error, seen)
+        return 0
+    except HpctrainError as exc:
+        if exc.report and str(exc):
+            print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
+        if not exc.collective:
+            _abort_others(exc.exit_code)
+        elif "watchdog" in seen:
+            # Every rank of a communicator got it; ranks outside it (ps
+            # servers, when --save failed on the chief) end the run as usual:
+            # all leave through the same shutdown barrier.
+            from .comm.start import stop_mpi
+            stop_mpi(seen["watchdog"])
+        return exc.exit_code
+    except Exception:
+        # A bug: show it, and take the other ranks down rather than leave
+        # them blocked in a collective (what `python -m mpi4py` does).
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        _abort_others(EXIT_FAILURE)
+        return EXIT_FAILURE
+
+
+def train(args, process_note="", flag_error=None, seen=None):
+    """Train as the flags say; returns the final metrics record (chief) or None.
+    flag_error: this rank's flags were bad (args is None); every rank stops.
+    seen: main's dict, which gets the watchdog (its way out of an error)."""
+    from .comm.deadline import Watchdog
+    # Bounded from the first line: a rank that never reaches MPI_Init, or
+    # stalls in it, ends this process (nothing of MPI can be used yet); the
+    # launcher takes the rest down.
+    timeout = args.timeout if args else cli.DEFAULT_TIMEOUT
+    watchdog = Watchdog(timeout, cluster.launcher_env()[0] or 0, abort=_exit_now)
+    if seen is not None:
+        seen["watchdog"] = watchdog
+    from .comm.start import start_mpi, stop_mpi
+    MPI = start_mpi(watchdog)   # numpy, BLAS and MPI start here
+    if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        with watchdog.waiting("start-up (roll-call communicator)", peer=None):
+            watchdog.roll_call_on(MPI.COMM_WORLD)
+    else:
+        # The watchdog's thread must not call MPI then: it names whom it
+        # waited for and ends this process; the launcher takes the rest down.
+        watchdog.no_roll_call = "the culprit could not be determined: MPI gives less than MPI_THREAD_MULTIPLE"
+        watchdog.abort = _exit_now
+    from .session import Session, agreed
+    # The first collective of every rank: a flag bad on some ranks only (an
+    # MPMD launch, a per-rank wrapper) ends every rank with its line, exit 2.
+    agreed(MPI.COMM_WORLD, _raise, flag_error, watchdog=watchdog, what="flags")
+    session = Session(args, process_note, watchdog)
+    if args.mode == "ring":
+        from .loop_ring import train_ring as loop
+    else:
+        from .loop_ps import train_ps as loop
+    try:
+        record = loop(session)
+    finally:
+        session.timeline.discard()   # a trace that was not written leaves no temporary
+    stop_mpi(watchdog)   # shutdown is a wait too
+    return record
+
+
+def _raise(error):
+    if error is not None:
+        raise error
+
+
+def _on_sigint(signum, frame):
+    # The first Ctrl-C interrupts; any more (a terminal sends one to every
+    # process of the job, and Hydra forwards its own) must not interrupt the
+    # way out, or a traceback is printed after all.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _interrupted(args):
+    """Ctrl-C (SIGINT) on this rank: one line for the job, exit 130. Writers
+    have removed their temporary files on the way here (try/finally); what
+    was written before (checkpoints, metrics records) is whole.
+
+    The chief (ring: rank 0; ps: worker 0) says it and aborts the job.
+    Another rank waits for that abort to end it, and speaks (and aborts)
+    itself only if it did not come: the chief did not get the signal, or sits
+    in an MPI call (C code, where no signal reaches Python) waiting for a
+    peer that already stopped. Those waits are staggered by rank, so that
+    one rank speaks."""
+    import time
+    from .comm.deadline import ABORT_GRACE_S
+    mpi = sys.modules.get("mpi4py.MPI")
+    up = mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+    rank = mpi.COMM_WORLD.Get_rank() if up else (cluster.launcher_env()[0] or 0)
+    chief = cluster.known_chief_rank()
+    if chief is None:   # before the roles are known: today's rule's chief, or rank 0
+        chief = args.num_ps if args is not None and args.mode == "ps" else 0
+    if rank != chief:
+        if not up:
+            return EXIT_INTERRUPTED   # before MPI: every rank got it from the launcher
+        after = (rank - chief) % mpi.COMM_WORLD.Get_size()   # 1, 2, ...: one rank at a time
+        time.sleep(ABORT_GRACE_S + LONE_SIGINT_WAIT_S * (1 + min(after, 32)))
+    where = (f"checkpoints already in --checkpoint-dir {args.checkpoint_dir} are whole; run the same "
+             f"command again to resume from the newest" if args is not None and args.checkpoint_dir
+             else "nothing is resumable (no --checkpoint-dir)")
+    print(f"hpctrain: error: interrupted (SIGINT) on rank {rank}; {where}", file=sys.stderr, flush=True)
+    _abort_others(EXIT_INTERRUPTED)
+    return EXIT_INTERRUPTED
+
+
+def _exit_now(code):
+    os._exit(code)
+
+
+def _abort_others(code):
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
+        import time
+        from .comm.deadline import ABORT_GRACE_S
+        time.sleep(ABORT_GRACE_S)  # let the launcher forward our error line first
+        mpi.COMM_WORLD.Abort(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
