@@ -106,8 +106,15 @@ def build_parser(prog="python -m hpctrain.train"):
         prog=prog,
         description="Train a model data-parallel across MPI ranks on prepared HDF5 shards (default: "
                     "the bundled MNIST sample; run under mpirun/srun; one process trains alone).")
-    a = p.add_argument
+    _training_flags(p)
+    _ring_flags(p.add_argument_group("ring mode"))
+    _ps_flags(p.add_argument_group("ps mode"))
+    _output_flags(p.add_argument_group("checkpoints and output"))
+    return p
 
+
+def _training_flags(p):
+    a = p.add_argument
     g = p.add_argument_group("training")
     a("--mode", choices=["ring", "ps"], default="ring",
       help="ring: every rank a peer, gradients averaged by ring allreduce; "
@@ -153,7 +160,8 @@ def build_parser(prog="python -m hpctrain.train"):
     g.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto",
                    help="where arrays live: cpu (NumPy), gpu (CuPy), auto (gpu if CuPy sees one) (default: %(default)s)")
 
-    g = p.add_argument_group("ring mode")
+
+def _ring_flags(g):
     g.add_argument("--allreduce", choices=["auto", "ring", "hier", "mpi", "nccl"], default="auto",
                    help="ring: hpctrain's ring allreduce; hier: reduce-scatter inside each node, ring allreduce "
                         "across nodes, allgather inside each node (equal ranks per node, else the ring); "
@@ -177,7 +185,8 @@ def build_parser(prog="python -m hpctrain.train"):
     g.add_argument("--cuda-aware", choices=["auto", "yes", "no"], default="auto",
                    help="pass GPU buffers straight to MPI (yes), stage through host memory (no), or ask the MPI library (auto)")
 
-    g = p.add_argument_group("ps mode")
+
+def _ps_flags(g):
     g.add_argument("--num-ps", type=_positive_int, default=1,
                    help="N ranks are parameter servers, which ones: --ps-ranks (default: %(default)s)")
     g.add_argument("--ps-ranks", choices=["spread", "first"], default="spread",
@@ -206,7 +215,8 @@ def build_parser(prog="python -m hpctrain.train"):
                         "shared-memory window (only headers are messages; NumPy workers; between nodes, messages); "
                         "mpi: MPI messages only (default: %(default)s)")
 
-    g = p.add_argument_group("checkpoints and output")
+
+def _output_flags(g):
     g.add_argument("--checkpoint-dir", metavar="DIR", type=_path, default=None, help="write checkpoints here (chief only)")
     g.add_argument("--checkpoint-every", type=_nonneg_int, default=0,
                    help="checkpoint every N steps (0: only on SIGTERM/SIGUSR1 and at the end) (default: %(default)s)")
@@ -228,7 +238,6 @@ def build_parser(prog="python -m hpctrain.train"):
     g.add_argument("--timeline", metavar="FILE.json", type=_path, default=None, help="write a Chrome trace of the chief's steps")
     g.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds any rank waits for a peer before it names the peer and aborts the job (default: %(default)s)")
-    return p
 
 
 def validate(args, world_size):

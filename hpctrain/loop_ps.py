@@ -31,6 +31,7 @@ the reader is used as it is: one loop serves both.
 """
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -178,41 +179,65 @@ def save_cut(session, checkpoints, cut):
     checkpoints.save_on_chief_only(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions)
 
 
+@dataclass
+class Worker:
+    """What a worker trains with: the model, the host mirrors MPI reads and
+    writes, the protocol's client, the optimizer's state names (for
+    checkpoints) and async --clip-norm's clip."""
+    model: object
+    pm: HostMirror
+    gm: HostMirror
+    client: Client
+    state_names: tuple
+    clip: object
+
+
 def run_worker(session, config, checkpoints, comm, reader, resume, placement, shared, why_not=""):
-    args, cluster, xp = session.args, session.cluster, session.xp
-    W, tl, chief = cluster.num_workers, session.timeline, session.chief
     report = Report(session, config)
-    # In a shared-memory window, backprop writes the gradient where the servers read it.
-    spec = config.spec
-    model = spec.build(xp) if shared is None else \
-        spec.build(xp, grads=shared.worker_grads(cluster.rank, spec.num_params))
-    model.init(args.seed)
-    reader = prefetch.device_batches(reader, xp)   # GPU: pinned, async, one step ahead
-    # What MPI reads and writes: the model's buffers (NumPy; GPU with a
-    # CUDA-aware MPI: point-to-point, so no agreement between ranks is needed)
-    # or pinned host mirrors of them. Kept for the whole run (see HostMirror).
-    direct = device.is_gpu(xp) and cuda_aware(args.cuda_aware)[0]
-    pm, gm = HostMirror(model.params, direct=direct), HostMirror(model.grads, direct=direct)
-    params, grads = pm.host, gm.host
-    client = Client(comm, cluster.ps_ranks, placement, params, grads, cluster.worker_index, W,
-                    sync=args.sync, watchdog=session.watchdog, nap=oversubscribed(cluster), shared=shared)
-    state_names = make_optimizer(args.optimizer, 1, np).state_names
-    if chief:
-        print(cluster_lines(session, placement, spec.tensor_ranges(), exchange_name(client), why_not), flush=True)
-        start_servers(client, resume, model, state_names, W)
+    reader = prefetch.device_batches(reader, session.xp)   # GPU: pinned, async, one step ahead
+    w = start_worker(session, config, comm, placement, shared, why_not, resume)
     if resume is not None:
         checkpoints.seek_readers(reader, resume)
         session.chief_says(checkpoints.resumed_line(resume, config))
     report.resume_at(checkpoints.saved_step, resume)   # None: a fresh run, a fresh file
     checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
-    pm.recv_buffer()
-    client.pull()
-    pm.to_device()
+    w.pm.recv_buffer()
+    w.client.pull()
+    w.pm.to_device()
+    frame = Frame(session, config, report, checkpoints, w.client.version)
+    local = worker_steps(session, config, frame, w, reader)
+    return end_worker(session, config, frame, w, local)
 
-    R = replicas_to_aggregate(args, W)
+
+def start_worker(session, config, comm, placement, shared, why_not, resume):
+    args, cluster, xp = session.args, session.cluster, session.xp
+    # In a shared-memory window, backprop writes the gradient where the servers read it.
+    spec = config.spec
+    model = spec.build(xp) if shared is None else \
+        spec.build(xp, grads=shared.worker_grads(cluster.rank, spec.num_params))
+    model.init(args.seed)
+    # What MPI reads and writes: the model's buffers (NumPy; GPU with a
+    # CUDA-aware MPI: point-to-point, so no agreement between ranks is needed)
+    # or pinned host mirrors of them. Kept for the whole run (see HostMirror).
+    direct = device.is_gpu(xp) and cuda_aware(args.cuda_aware)[0]
+    pm, gm = HostMirror(model.params, direct=direct), HostMirror(model.grads, direct=direct)
+    client = Client(comm, cluster.ps_ranks, placement, pm.host, gm.host, cluster.worker_index, cluster.num_workers,
+                    sync=args.sync, watchdog=session.watchdog, nap=oversubscribed(cluster), shared=shared)
+    state_names = make_optimizer(args.optimizer, 1, np).state_names
+    if session.chief:
+        print(cluster_lines(session, placement, spec.tensor_ranges(), exchange_name(client), why_not), flush=True)
+        start_servers(client, resume, model, state_names, cluster.num_workers)
+    # async: each worker clips its own gradient (sync: the servers clip the aggregate)
     clip = Clip(args.clip_norm) if args.clip_norm and not args.sync else None
+    return Worker(model, pm, gm, client, state_names, clip)
+
+
+def worker_steps(session, config, frame, w, reader):
+    """The training loop: pull, compute, push, until the servers say stop.
+    Returns the steps this worker computed."""
+    args, xp, tl, chief = session.args, session.xp, session.timeline, session.chief
+    model, client, pm, gm, clip = w.model, w.client, w.pm, w.gm, w.clip
     norms = []   # sync --clip-norm: the servers' pre-clip norm of each round
-    frame = Frame(session, config, report, checkpoints, client.version)
     local = 0
     with frame.training():
         while not client.stop:
@@ -225,8 +250,8 @@ def run_worker(session, config, checkpoints, comm, reader, resume, placement, sh
                 loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done)
                 gm.to_host()        # returns when the gradients are where MPI reads them
                 loss = float(loss)  # after that wait: no second one for the loss
-                if clip:   # async: this worker's own gradient, whole here (sync: the servers clip the aggregate)
-                    clip.clip_(grads)
+                if clip:
+                    clip.clip_(gm.host)
             local += 1
             t1 = time.perf_counter()
             with tl.span("push+pull", cat="comm"):
@@ -253,26 +278,32 @@ def run_worker(session, config, checkpoints, comm, reader, resume, placement, sh
             frame.log.add(loss)
             step = client.version
             if frame.log.due(step, last=client.stop):
-                log_progress(frame, report, step, clip, norms, args, cluster, local, R)
+                log_progress(frame, step, clip, norms, args, session.cluster, local)
             frame.after_step(model, step)
             if chief and not client.stop and frame.checkpoint_due(step):
                 # The chief alone: the servers' slices and state at one version
                 # (SNAPSHOT), with the data positions the leader recorded for it.
-                save_cut(session, checkpoints, client.snapshot(state_names))
+                save_cut(session, frame.checkpoints, client.snapshot(w.state_names))
             if client.preempted:
                 frame.stopping(step)
+    return local
 
-    # Every worker ends with the final parameters (the evaluation is shared);
-    # the chief also gets the final optimizer state for the last checkpoint.
+
+def end_worker(session, config, frame, w, local):
+    """Every worker ends with the final parameters (the evaluation is shared);
+    the chief also gets the final optimizer state for the last checkpoint.
+    Then the pre-emption exit, or the results."""
+    args, cluster, chief, checkpoints, client = session.args, session.cluster, session.chief, frame.checkpoints, w.client
+    W, R = cluster.num_workers, replicas_to_aggregate(args, cluster.num_workers)
     want_state = checkpoints.enabled and chief
-    with tl.span("final pull", cat="comm"):
-        pm.recv_buffer()
-        stats = client.final(state_names if want_state else None)
-    pm.to_device()
-    pm.wait()   # nothing reads the pinned mirror once run_worker returns
+    with session.timeline.span("final pull", cat="comm"):
+        w.pm.recv_buffer()
+        stats = client.final(w.state_names if want_state else None)
+    w.pm.to_device()
+    w.pm.wait()   # nothing reads the pinned mirror once run_worker returns
     step = client.version
     if chief and session.has_val and not client.preempted:
-        report.final_val(model, step)   # before the last checkpoint: it records the best
+        frame.report.final_val(w.model, step)   # before the last checkpoint: it records the best
     if want_state and checkpoints.saved_step != step:
         save_cut(session, checkpoints, client.final_state)
     if client.preempted:
@@ -286,11 +317,11 @@ def run_worker(session, config, checkpoints, comm, reader, resume, placement, sh
                   "rejected_pushes": client.rejected})
     if args.clip_norm:
         extra["clip_norm"] = args.clip_norm
-        if clip:   # async: this worker's (the chief's) own pushes
-            extra.update(clip.totals())
+        if w.clip:   # async: this worker's (the chief's) own pushes
+            extra.update(w.clip.totals())
     if extra["abandoned_workers"]:
-        return finish_without(session, frame, model, step, args.batch_size * R, extra)
-    return frame.finish(model, step, args.batch_size * R, extra)
+        return finish_without(session, frame, w.model, step, args.batch_size * R, extra)
+    return frame.finish(w.model, step, args.batch_size * R, extra)
 
 
 def start_servers(client, resume, model, state_names, num_workers):
@@ -305,10 +336,11 @@ def start_servers(client, resume, model, state_names, num_workers):
                    positions_for(resume_point(ckpt.data_positions), num_workers))
 
 
-def log_progress(frame, report, step, clip, norms, args, cluster, local, replicas):
+def log_progress(frame, step, clip, norms, args, cluster, local):
     """Sync: the chief's line (the mean loss of the aggregated workers, as in
     ring mode). Async: every worker prints its own."""
-    loss_mean = frame.log.take(step)
+    loss_mean, report = frame.log.take(step), frame.report
+    replicas = replicas_to_aggregate(args, cluster.num_workers)
     samples, elapsed = frame.samples(step, args.batch_size * replicas), frame.elapsed()
     grad_norm = None
     if clip:

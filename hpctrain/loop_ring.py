@@ -52,7 +52,7 @@ def shard_wanted(flag, workers=1, xp=np, allreduce="auto"):
 
 def train_ring(session):
     args, cluster, xp = session.args, session.cluster, session.xp
-    chief, comm, workers = session.chief, cluster.worker_comm, cluster.num_workers
+    comm, workers = cluster.worker_comm, cluster.num_workers
     checkpoints, timeline = Checkpoints(session), session.timeline
 
     # --- where the run starts, and its settings from there on ---------------
@@ -69,13 +69,13 @@ def train_ring(session):
         session.chief_says(f"hpctrain: allreduce {strategy.name} ({strategy.choice})")
     sharded = shard_wanted(args.shard_optimizer, workers, xp, args.allreduce)
     clip = Clip(args.clip_norm) if args.clip_norm else None
-    step_parts = RingStep(
+    ring = RingStep(
         config.spec, strategy, comm, xp, (args.optimizer, dict(momentum=args.momentum, weight_decay=args.weight_decay)),
         int(args.fusion_mb * (1 << 20)) // np.dtype(np.float32).itemsize, sharded=sharded, clip=clip,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=overlap_wanted(args.overlap, xp, cluster, session.thread_multiple),
         timeline=timeline if timeline.enabled else None, watchdog=session.watchdog)
-    model, optimizer = step_parts.model, step_parts.optimizer
+    model, optimizer = ring.model, ring.optimizer
     model.init(args.seed)
     # Identical start everywhere: rank 0's parameters.
     device.synchronize(xp)
@@ -93,14 +93,17 @@ def train_ring(session):
     report.resume_at(checkpoints.saved_step, resume)   # None: a fresh run, a fresh file
     checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
 
-    def checkpoint_now():
-        positions = checkpoints.gather_positions(reader)
-        # Sharded: the chief gathers the full-length state (the same file either way).
-        state = checkpoints.gather_state(comm, optimizer) if sharded else optimizer.state()
-        checkpoints.save(comm, step, model.params, state, optimizer.t, positions)
-
-    # --- training -------------------------------------------------------------
+    # --- training, then the end ---------------------------------------------
     frame = Frame(session, config, report, checkpoints, step)
+    step, stopped = train_steps(session, config, frame, ring, reader, step)
+    ring.close()   # the communication thread ends with the loop
+    return finish(session, config, frame, ring, reader, step, preempted=stopped and step < config.steps)
+
+
+def train_steps(session, config, frame, ring, reader, step):
+    """The training loop from `step`: (the last step, whether some rank asked to stop)."""
+    xp, timeline, model, fused = session.xp, session.timeline, ring.model, ring.fused
+    workers, per_step = session.cluster.num_workers, config.args.batch_size * session.cluster.num_workers
     stopped = False   # some rank asked to stop: the summed flag, the same on every rank
     with frame.training():
         while step < config.steps:
@@ -108,54 +111,63 @@ def train_ring(session):
                 x, y = reader.next_batch()
                 x, y = xp.asarray(x), xp.asarray(y)
             t0 = time.perf_counter()
-            step_parts.begin(config.lr(step), session.stop.received)
-            forward_done, layer_done = timeline.model_hooks(t0, step_parts.layer_done)
+            ring.begin(config.lr(step), session.stop.received)
+            forward_done, layer_done = timeline.model_hooks(t0, ring.layer_done)
             model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
-                                   loss_out=step_parts.wire.loss)
+                                   loss_out=ring.wire.loss)
             t1 = time.perf_counter()
             with timeline.span("wait for gradients", cat="comm"):
-                step_parts.fused.wait()
+                fused.wait()
             t2 = time.perf_counter()
             timeline.add("step", "step", t0, t2, {"step": step + 1})
-            fused = step_parts.fused
             frame.timed(t0, t1, t2, fused.exposed_comm_s, fused.exposed_update_s, fused.update_s)
             step += 1
             # The summed loss and stop flag, every step, not every k: the sum
             # is the same bits on every rank, so all stop (or find the loss
             # diverged) after the same step, and a signal is taken at the next
             # step as on the CPU.
-            loss, stopped = step_parts.summed()
+            loss, stopped = ring.summed()
             if not math.isfinite(loss):
-                raise diverged(step, loss / workers, chief)
+                raise diverged(step, loss / workers, session.chief)
             frame.log.add(loss)
             if frame.log.due(step, last=step == config.steps):
                 mean_loss = frame.log.take(step) / workers
-                if chief:
-                    report.progress(step, mean_loss, frame.samples(step, args.batch_size * workers),
-                                    frame.elapsed(), grad_norm=clip.mean_norm() if clip else None)
+                if session.chief:
+                    frame.report.progress(step, mean_loss, frame.samples(step, per_step), frame.elapsed(),
+                                          grad_norm=ring.clip.mean_norm() if ring.clip else None)
             frame.after_step(model, step)
             if stopped:
                 if step < config.steps:
                     frame.stopping(step)
                 break
             if frame.checkpoint_due(step):
-                checkpoint_now()
-    step_parts.close()   # the communication thread ends with the loop
+                save_checkpoint(session, frame.checkpoints, ring, reader, step)
+    return step, stopped
 
-    # --- the end: the last checkpoint (at the end of training, or where a
-    # signal stopped it), then either the pre-emption exit or the results
-    preempted = stopped and step < config.steps
-    if chief and session.has_val and not preempted:
-        report.final_val(model, step)   # before the last checkpoint: it records the best
+
+def save_checkpoint(session, checkpoints, ring, reader, step):
+    comm = session.cluster.worker_comm
+    positions = checkpoints.gather_positions(reader)
+    # Sharded: the chief gathers the full-length state (the same file either way).
+    state = checkpoints.gather_state(comm, ring.optimizer) if ring.sharded else ring.optimizer.state()
+    checkpoints.save(comm, step, ring.model.params, state, ring.optimizer.t, positions)
+
+
+def finish(session, config, frame, ring, reader, step, preempted):
+    """The last checkpoint (at the end of training, or where a signal stopped
+    it), then either the pre-emption exit or the results."""
+    checkpoints, comm = frame.checkpoints, session.cluster.worker_comm
+    if session.chief and session.has_val and not preempted:
+        frame.report.final_val(ring.model, step)   # before the last checkpoint: it records the best
     if checkpoints.enabled and checkpoints.saved_step != step:
-        checkpoint_now()
+        save_checkpoint(session, checkpoints, ring, reader, step)
     if preempted:
         checkpoints.raise_preempted(comm, step)
     # The largest optimizer state any rank holds (sharded: about 1/N of it).
-    state = np.array([state_bytes(optimizer)], np.int64)
+    state = np.array([state_bytes(ring.optimizer)], np.int64)
     with session.watchdog.waiting("optimizer state size allreduce", peer=None):
         comm.Allreduce(MPI.IN_PLACE, state, op=MPI.MAX)
-    extra = {"shard_optimizer": "on" if sharded else "off", "optimizer_state_bytes": int(state[0])}
-    if clip:
-        extra.update(clip.totals())
-    return frame.finish(model, step, args.batch_size * workers, extra)
+    extra = {"shard_optimizer": "on" if ring.sharded else "off", "optimizer_state_bytes": int(state[0])}
+    if ring.clip:
+        extra.update(ring.clip.totals())
+    return frame.finish(ring.model, step, config.args.batch_size * session.cluster.num_workers, extra)

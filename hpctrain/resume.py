@@ -21,6 +21,7 @@ import numpy as np
 from . import checkpoint, device, settings
 from .cli import steps_for_epochs
 from .errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
+from .sharded_state import ShardedState
 
 
 @dataclass
@@ -65,12 +66,6 @@ def epochs_end(epochs, train_samples, step, samples, workers, batch_size):
     return step + max(0, math.ceil((epochs * train_samples - samples) / per_step))
 
 
-def displacements(counts):
-    """Where each rank's part starts in one Gatherv/Scatterv buffer that holds
-    the parts back to back, counts[r] elements for rank r."""
-    return np.concatenate([[0], np.cumsum(counts)[:-1]])
-
-
 def positions_for(point, num_workers):
     """The (num_workers, 2) positions of workers that all go on from `point`."""
     return np.tile(np.asarray(point, np.int64), (int(num_workers), 1))
@@ -85,7 +80,7 @@ class Checkpoints:
         self.saved_step = None   # the step of the newest checkpoint written or resumed from
         self.saved_path = None
         self._base = (0, 0)      # (step, training samples taken up to it): where this run started
-        self._owners = None      # (optimizer, layout): a sharded optimizer's owners, once
+        self._owners = None      # a sharded optimizer's ShardedState, made once
         # More attributes for the chief's checkpoints (report.Report.checkpoint_attrs:
         # the best validation so far), set by the loop that has a report.
         self.more_attrs = dict
@@ -206,82 +201,25 @@ class Checkpoints:
         optimizer.t = resume.optimizer_t
         device.synchronize(session.xp)
 
-    # --- a sharded optimizer's state (--shard-optimizer on) ---------------
+    # --- a sharded optimizer's state (--shard-optimizer on): sharded_state.py
 
-    def _layout(self, comm, optimizer):
-        """Collective over comm, once: on the chief, every rank's owned ranges
-        (a list of int64 (k, 2) arrays, by rank of comm) and their sizes; None
-        elsewhere. Raw int64 buffers (Gather, Gatherv), no pickle."""
-        if self._owners is not None and self._owners[0] is optimizer:
-            return self._owners[1]
-        session = self.session
-        root = session.chief_in(comm)
-        mine = np.array(optimizer.ranges, np.int64).reshape(-1, 2)
-        counts = np.zeros(comm.Get_size(), np.int64) if comm.Get_rank() == root else None
-        with session.watchdog.waiting("optimizer shard layout gather", peer=None):
-            comm.Gather(np.array([mine.shape[0]], np.int64), counts, root=root)
-            everyone = None
-            if counts is not None:
-                everyone = np.empty((int(counts.sum()), 2), np.int64)
-                starts = displacements(counts)
-                comm.Gatherv(mine.ravel(), [everyone.ravel(), (counts * 2, starts * 2)], root=root)
-            else:
-                comm.Gatherv(mine.ravel(), None, root=root)
-        layout = None
-        if everyone is not None:
-            ranges = np.split(everyone, starts[1:])
-            layout = (ranges, np.array([int((r[:, 1] - r[:, 0]).sum()) for r in ranges], np.int64))
-        self._owners = (optimizer, layout)
-        return layout
+    def _sharded(self, comm, optimizer):
+        if self._owners is None or self._owners.optimizer is not optimizer:
+            session = self.session
+            self._owners = ShardedState(comm, optimizer, session.chief_in(comm), session.cluster.chief_rank,
+                                        session.watchdog, session.xp)
+        return self._owners
 
     def gather_state(self, comm, optimizer):
-        """Collective over comm: the state of a sharded optimizer, each rank's
-        owned parts gathered into full-length host arrays on the chief (the
-        same checkpoint as an unsharded run writes); {} elsewhere."""
-        session, xp = self.session, self.session.xp
-        root = session.chief_in(comm)
-        layout = self._layout(comm, optimizer)
-        n = optimizer.full_size
-        device.synchronize(xp)
-        out = {}
-        for name, compact in optimizer.state().items():
-            host = device.to_host(compact)
-            with session.watchdog.waiting(f"checkpoint gather (optimizer state {name})", peer=None):
-                if layout is None:
-                    comm.Gatherv(host, None, root=root)
-                    continue
-                ranges, sizes = layout
-                parts = np.empty(int(sizes.sum()), host.dtype)
-                displs = displacements(sizes)
-                comm.Gatherv(host, [parts, (sizes, displs)], root=root)
-            full = np.zeros(n, host.dtype)
-            for r, (owned, start) in enumerate(zip(ranges, displs)):
-                c = int(start)
-                for lo, hi in owned:
-                    full[lo:hi] = parts[c:c + hi - lo]
-                    c += hi - lo
-            out[name] = full
-        return out
+        """Collective over comm: the state of a sharded optimizer, full-length
+        host arrays on the chief (the same checkpoint as an unsharded run
+        writes); {} elsewhere."""
+        return self._sharded(comm, optimizer).gather()
 
     def scatter_state(self, comm, full_state, optimizer):
         """Collective over comm: full-length state arrays on the chief (from a
-        checkpoint, sharded or not) into each rank's owned parts (Scatterv)."""
-        session, xp = self.session, self.session.xp
-        root = session.chief_in(comm)
-        layout = self._layout(comm, optimizer)
-        for name, compact in optimizer.state().items():
-            mine = np.empty(compact.shape, compact.dtype)
-            with session.watchdog.waiting(f"checkpoint scatter (optimizer state {name})",
-                                          peer=session.cluster.chief_rank):
-                if layout is None:
-                    comm.Scatterv(None, mine, root=root)
-                else:
-                    ranges, sizes = layout
-                    full = np.asarray(full_state[name], compact.dtype)
-                    parts = np.concatenate([full[lo:hi] for owned in ranges for lo, hi in owned]
-                                           or [np.empty(0, compact.dtype)])
-                    comm.Scatterv([parts, (sizes, displacements(sizes))], mine, root=root)
-            compact[...] = xp.asarray(mine)
+        checkpoint, sharded or not) into each rank's owned parts."""
+        self._sharded(comm, optimizer).scatter(full_state)
 
     def seek_readers(self, reader, resume):
         """Every worker: its reader to the checkpoint's `resume_point`, whatever
@@ -302,12 +240,7 @@ class Checkpoints:
                                     f"(was --data changed?)") from None
         session.agreed(cluster.worker_comm, seek)
 
-    # --- while training -----------------------------------------------------
-
-    def due(self, step):
-        """True when --checkpoint-every says this step gets a checkpoint."""
-        every = self.session.args.checkpoint_every
-        return bool(self.enabled and every and step % every == 0 and step != self.saved_step)
+    # --- while training (frame.py says when) --------------------------------
 
     def gather_positions(self, reader):
         """Every worker: (workers, 2) int64 reader positions on the chief, None elsewhere."""

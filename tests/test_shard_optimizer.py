@@ -26,7 +26,8 @@ from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.nn import mlp
 from hpctrain.optim import Sharded, make_optimizer, state_bytes
-from hpctrain.resume import Checkpoints, displacements
+from hpctrain.resume import Checkpoints
+from hpctrain.sharded_state import displacements
 from hpctrain.ring_step import RingStep
 
 HIDDEN = (37, 19)
