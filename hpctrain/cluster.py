@@ -262,16 +262,6 @@ def server_ranks(node_of, num_ps, rule="spread"):
     return sorted(taken)
 
 
-# The chief's world rank once a Cluster is made, for the Ctrl-C line
-# (mnist._interrupted), which must not call MPI to learn it.
-_ROLES = {"chief": None}
-
-
-def known_chief_rank():
-    """The chief's world rank, or None before the roles are known."""
-    return _ROLES["chief"]
-
-
 class Cluster:
     """Roles of every rank. ring: all ranks are workers, rank 0 is the chief.
     ps: num_ps ranks are servers (which ones: `server_ranks(node_of, num_ps,
@@ -310,7 +300,6 @@ class Cluster:
         # No worker (--num-ps >= world size, refused by cli.validate next): no chief.
         self.chief_rank = self.worker_ranks[0] if self.worker_ranks else self.size
         self.is_chief = self.rank == self.chief_rank
-        _ROLES["chief"] = self.chief_rank
         # Workers' own communicator (ring allreduce, evaluation), ordered by
         # world rank, so its rank 0 is the chief: servers get COMM_NULL.
         color = 0 if self.is_worker else MPI.UNDEFINED

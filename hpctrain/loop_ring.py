@@ -14,7 +14,6 @@ from mpi4py import MPI
 from . import config as run_config
 from . import device, prefetch
 from .clipping import Clip
-from .cluster import cores_available
 from .comm import make_allreduce
 from .comm.device_buffers import bcast
 from .comm.topology import Topology
@@ -25,34 +24,9 @@ from .resume import Checkpoints
 from .ring_step import RingStep
 
 
-def overlap_wanted(flag, xp, cluster, thread_multiple=True):
-    """--overlap auto: a communication thread pays only when a core is free to
-    run it while backprop computes: always with a GPU doing the math, on CPUs
-    only when this node has at least two cores per rank. (Measured on 2 cores,
-    2 ranks: the thread's allreduce started only after backprop ended, and with
-    4 ranks the extra thread cost throughput.) Never without
-    MPI_THREAD_MULTIPLE: two threads would call MPI at once."""
-    if not thread_multiple:
-        return False
-    if flag != "auto":
-        return flag == "on"
-    return device.is_gpu(xp) or cores_available() >= 2 * cluster.local_size
-
-def shard_wanted(flag, workers=1, xp=np, allreduce="auto"):
-    """--shard-optimizer auto is a fixed rule, not a measurement: on where
-    `python -m hpctrain.bench train --compare shard-optimizer=off,on` measured
-    it faster (1.20-1.35x at 2 and 4 ranks for 2.6 to 80 MB of gradients, on
-    CPUs) and where it gives the same parameters bit for bit: 2 or more
-    workers, NumPy, and hpctrain's own ring or hierarchical allreduce
-    (`--allreduce auto|ring|hier`; MPI's reduce-scatter sums in another
-    order). Off on GPUs until the device check has compared both there."""
-    if flag != "auto":
-        return flag == "on"
-    return workers >= 2 and xp is np and allreduce in ("auto", "ring", "hier")
-
 def train_ring(session):
     args, cluster, xp = session.args, session.cluster, session.xp
-    comm, workers = cluster.worker_comm, cluster.num_workers
+    comm = cluster.worker_comm
     checkpoints, timeline = Checkpoints(session), session.timeline
 
     # --- where the run starts, and its settings from there on ---------------
@@ -67,13 +41,13 @@ def train_ring(session):
                                       args.ring_order)
     if strategy.choice:   # which algorithm the topology got, and why
         session.chief_says(f"hpctrain: allreduce {strategy.name} ({strategy.choice})")
-    sharded = shard_wanted(args.shard_optimizer, workers, xp, args.allreduce)
+    sharded = config.shard_optimizer
     clip = Clip(args.clip_norm) if args.clip_norm else None
     ring = RingStep(
         config.spec, strategy, comm, xp, (args.optimizer, dict(momentum=args.momentum, weight_decay=args.weight_decay)),
         int(args.fusion_mb * (1 << 20)) // np.dtype(np.float32).itemsize, sharded=sharded, clip=clip,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
-        overlap=overlap_wanted(args.overlap, xp, cluster, session.thread_multiple),
+        overlap=config.overlap,
         timeline=timeline if timeline.enabled else None, watchdog=session.watchdog)
     model, optimizer = ring.model, ring.optimizer
     model.init(args.seed)

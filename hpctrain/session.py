@@ -222,9 +222,11 @@ def check_memory(args, ranks_on_node, spec):
 class Session:
     """Everything a training loop needs that is not the loop itself."""
 
-    def __init__(self, args, process_note, watchdog):
-        """watchdog: started before MPI_Init (mnist.train), aborting through
-        MPI now; every start-up collective below waits under it."""
+    def __init__(self, args, process_note, watchdog, on_roles=None):
+        """watchdog: started before MPI_Init (train.train), aborting through
+        MPI now; every start-up collective below waits under it. on_roles:
+        called with the chief's world rank as soon as the roles are known
+        (train.py's Ctrl-C line must not call MPI to learn it)."""
         # First: a signal during start-up is then kept for the first step
         # (which stops and checkpoints) instead of killing the rank mid-collective.
         self.stop = StopSignal()
@@ -239,6 +241,8 @@ class Session:
         with watchdog.waiting("start-up (communicators)", peer=None):
             self.cluster = cluster = Cluster(self.comm, args.mode, args.num_ps, args.ps_ranks)
         self.chief = cluster.is_chief
+        if on_roles is not None:
+            on_roles(cluster.chief_rank)
         # The same job everywhere, outputs included (settings.py). First,
         # before the roles are used: ranks that disagree on --num-ps or
         # --ps-ranks disagree on who the chief is (the rank map's root).

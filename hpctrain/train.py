@@ -26,13 +26,14 @@ LONE_SIGINT_WAIT_S = 2.0
 
 def main(argv=None, prog="python -m hpctrain.train"):
     signal.signal(signal.SIGINT, _on_sigint)
-    # The parsed flags (for the Ctrl-C line) and, once train() started it,
-    # this process's watchdog (for the way out of an error).
+    # The parsed flags and, once the roles are known, the chief's world rank
+    # (for the Ctrl-C line, which must not call MPI to learn it); once
+    # train() started it, this process's watchdog (for the way out of an error).
     seen = {}
     try:
         return _main(argv, seen, prog)
     except KeyboardInterrupt:
-        return _interrupted(seen.get("args"))
+        return _interrupted(seen.get("args"), seen.get("chief"))
 
 
 def _main(argv, seen, prog):
@@ -98,7 +99,8 @@ def train(args, process_note="", flag_error=None, seen=None):
     # The first collective of every rank: a flag bad on some ranks only (an
     # MPMD launch, a per-rank wrapper) ends every rank with its line, exit 2.
     agreed(MPI.COMM_WORLD, _raise, flag_error, watchdog=watchdog, what="flags")
-    session = Session(args, process_note, watchdog)
+    session = Session(args, process_note, watchdog,
+                      on_roles=(lambda chief: seen.__setitem__("chief", chief)) if seen is not None else None)
     if args.mode == "ring":
         from .loop_ring import train_ring as loop
     else:
@@ -124,7 +126,7 @@ def _on_sigint(signum, frame):
     raise KeyboardInterrupt
 
 
-def _interrupted(args):
+def _interrupted(args, chief=None):
     """Ctrl-C (SIGINT) on this rank: one line for the job, exit 130. Writers
     have removed their temporary files on the way here (try/finally); what
     was written before (checkpoints, metrics records) is whole.
@@ -140,7 +142,6 @@ def _interrupted(args):
     mpi = sys.modules.get("mpi4py.MPI")
     up = mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
     rank = mpi.COMM_WORLD.Get_rank() if up else (cluster.launcher_env()[0] or 0)
-    chief = cluster.known_chief_rank()
     if chief is None:   # before the roles are known: today's rule's chief, or rank 0
         chief = args.num_ps if args is not None and args.mode == "ps" else 0
     if rank != chief:
