@@ -76,6 +76,19 @@ def _nonneg_float(text):
     return value
 
 
+# The zoo's names (hpctrain/nn/zoo.py MODELS; this module imports no numpy).
+MODELS = ("mlp",)
+
+
+def _model(text):
+    if text in MODELS:
+        return text
+    path, _, function = text.rpartition(":")
+    if path.endswith(".py") and function.isidentifier():
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(MODELS)} or FILE.py:FUNCTION, got {text!r}")
+
+
 def _hidden(text):
     try:
         sizes = [int(s) for s in text.split(",") if s.strip()]
@@ -132,8 +145,11 @@ def _training_flags(p):
     g.add_argument("--lr", type=_positive_float, default=1e-4, help="learning rate (default: %(default)s)")
     g.add_argument("--optimizer", choices=["adam", "sgd", "momentum"], default="adam", help="(default: %(default)s)")
     g.add_argument("--momentum", type=_nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
+    g.add_argument("--model", type=_model, default="mlp", metavar="NAME|FILE.py:FUNCTION",
+                   help=f"the network: {', '.join(MODELS)} (docs/models.md), or FUNCTION(input_shape, classes) "
+                        f"of your own FILE.py returning a list of layers (default: %(default)s)")
     g.add_argument("--hidden", type=_hidden, default=[500, 500], metavar="W1,W2,...",
-                   help="hidden layer widths (default: 500,500)")
+                   help="--model mlp's hidden layer widths (default: 500,500)")
     g.add_argument("--seed", type=_nonneg_int, default=0, help="random seed: the initial parameters (rank 0's, broadcast) and each worker's "
                         "each epoch's data shuffle, a function of (seed, epoch) (default: %(default)s)")
     g.add_argument("--scale-lr", action="store_true",
@@ -305,7 +321,9 @@ def doubtful(args, parser):
     if args.steps and args.warmup_steps > args.steps:
         lines.append(f"--warmup-steps {args.warmup_steps} is longer than the run ({args.steps} steps): "
                      f"the learning rate never reaches --lr {args.lr:g}")
-    if not args.hidden:
+    if args.model != "mlp" and args.hidden != default("hidden"):
+        lines.append(f"--hidden has no effect with --model {args.model} (it sizes --model mlp)")
+    if not args.hidden and args.model == "mlp":
         lines.append("--hidden gives no layer widths: the model is linear (inputs straight to the "
                      "classes, no hidden layer)")
     return lines

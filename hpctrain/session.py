@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import time
 import types
 
@@ -28,6 +29,7 @@ from .cluster import Cluster, check_consistency
 from .comm import allreduce_plan
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .nn import LayerError, spec_for
+from .nn.user import UserModelError
 from .optim import schedule_line
 from .outputs import check_outputs
 from .stats import StepStats
@@ -179,13 +181,19 @@ def _nothing(*args):
     return None
 
 
-def model_spec(args, model_shape):
+def model_spec(args, model_shape, chief=False):
     """The spec of this run's model for its data (nn/zoo.py); a model that
-    does not fit the data is one line."""
+    does not fit the data, or a user's model file that fails, is one line
+    (and on the chief, above it, the traceback of the user's own code)."""
     try:
         return spec_for(args, *model_shape)
     except LayerError as e:
-        raise HpctrainError(f"the model does not fit the data: {e}") from None
+        raise HpctrainError(f"--model {args.model} does not fit the data "
+                            f"({'x'.join(map(str, model_shape[0]))}, {model_shape[1]} classes): {e}") from None
+    except UserModelError as e:
+        if chief and e.traceback:
+            print(e.traceback, end="", file=sys.stderr, flush=True)
+        raise HpctrainError(str(e)) from None
 
 
 def memory_needed(args, spec):
@@ -280,7 +288,12 @@ class Session:
         # step is decided with the resume point (config.decide).
         self.schedule = self._recipe(data_mod.load_manifest(self.data_dir))
         # After the data: the model is shaped by its manifest.
-        self.spec = self.agreed(self.comm, model_spec, args, self.model_shape)
+        self.spec = self.agreed(self.comm, model_spec, args, self.model_shape, self.chief)
+        with watchdog.waiting("start-up (same model on every rank)", peer=None):
+            # a user's file may differ between nodes: its layers and shapes are compared
+            self.agreed(self.comm, check_consistency, self.comm, {"model (layers and shapes)": self.spec.identity})
+        if args.model != "mlp":
+            self.chief_says("\n".join(self.spec.summary()))
         self.agreed(self.comm, check_memory, args, cluster.local_size, self.spec)
         # Last before training, so a refusal above leaves nothing behind (this
         # creates --checkpoint-dir): a result that cannot be written would be lost.
