@@ -9,7 +9,6 @@ every rank, never a rank left waiting in a collective.
 
     mpirun -n 4 python -m hpctrain.mnist --steps 200
 """
-import contextlib
 import functools
 import hashlib
 import json
@@ -25,6 +24,7 @@ from . import device, jobcheck, settings
 from .cli import steps_for_epochs, validate
 from .cluster import Cluster, check_consistency
 from .comm import allreduce_plan
+from .comm.deadline import NO_WATCHDOG
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .model import CLASSES, INPUTS, MLP, num_params
 from .optim import learning_rate, schedule_line
@@ -33,7 +33,7 @@ from .stats import StepStats
 from .timeline import Timeline
 
 
-def agreed(comm, fn, *args, watchdog=None, what=None):
+def agreed(comm, fn, *args, watchdog=NO_WATCHDOG, what=None):
     """Run fn(*args) on every rank of comm; if it raises HpctrainError anywhere,
     every rank raises: the lowest failing rank its own message (printed), the
     others a silent error with the same exit code. So a set-up error on one
@@ -51,8 +51,7 @@ def agreed(comm, fn, *args, watchdog=None, what=None):
     # line of its own, so fn may itself agree on a smaller communicator.
     speaks = error is not None and error.report and bool(str(error))
     flag = np.array([error.exit_code if error else 0, size - rank if speaks else 0], np.int64)
-    with watchdog.waiting(f"agreement after {what or getattr(fn, '__name__', 'args step')}", peer=None)\
-            if watchdog else contextlib.nullcontext():
+    with watchdog.waiting(f"agreement after {what or getattr(fn, '__name__', 'args step')}", peer=None):
         comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
     if flag[0]:
         if error is None:

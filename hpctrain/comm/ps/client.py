@@ -18,13 +18,13 @@ MPI may overwrite what kernels still read, and after packing (kernels)
 before MPI reads the packed copies; unpacking is ordered on the stream.
 """
 import time
-from contextlib import nullcontext
 from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from ...device import array_module
+from ..deadline import NO_WATCHDOG
 from .placement import Slice
 from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
                        H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL,
@@ -58,7 +58,7 @@ class Client:
     flat buffers of the model), all servers at once."""
 
     def __init__(self, comm, server_ranks, placement, params, grads, worker, num_workers, *,
-                 sync=True, watchdog=None, nap=False, shared=None):
+                 sync=True, watchdog=NO_WATCHDOG, nap=False, shared=None):
         self.comm = comm
         self.servers = list(server_ranks)
         self.num_servers = len(self.servers)
@@ -121,7 +121,7 @@ class Client:
         self.pushes = self.send_hdr + send_grad
 
     def waiting(self, what, peer=None):
-        return self.watchdog.waiting(what, peer=peer) if self.watchdog else nullcontext()
+        return self.watchdog.waiting(what, peer=peer)
 
     def _exchange(self, op, flags, loss=0.0, grads=False, what="parameters", position=(0, 0)):
         if self._stream is not None:   # kernels (the model's, last unpack) may still read what MPI overwrites

@@ -18,11 +18,11 @@ The server returns when every worker sent OP_FINAL.
 Every blocking wait runs under the watchdog (`--timeout`), naming the peer.
 """
 import time
-from contextlib import nullcontext
 
 import numpy as np
 from mpi4py import MPI
 
+from ..deadline import NO_WATCHDOG
 from .aggregate import AsyncApply, SyncRounds
 from .placement import Slice, slice_size
 from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
@@ -57,7 +57,7 @@ class Server:
     """
 
     def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
-                 sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=None,
+                 sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=NO_WATCHDOG,
                  stop_requested=None, nap=False, clip=None, servers_comm=None, shared=None):
         self.comm, self.rank = comm, comm.Get_rank()
         self.clip, self.servers_comm = clip, servers_comm
@@ -139,7 +139,7 @@ class Server:
                            for w in range(self.num_workers)]
 
     def waiting(self, what, peer=None):
-        return self.watchdog.waiting(what, peer=peer) if self.watchdog else nullcontext()
+        return self.watchdog.waiting(what, peer=peer)
 
     # --- main loop ----------------------------------------------------------
     def serve_until_done(self):
@@ -150,7 +150,7 @@ class Server:
         self.aggregation.start()
         # Workers gone silent: ps 0 names them; at the deadline they are left
         # behind if the run is over, else ps 0 ends the job.
-        silence = self.silence = SilenceWatch(self, self.watchdog) if self.watchdog else None
+        silence = self.silence = SilenceWatch(self, self.watchdog) if self.watchdog.timeout is not None else None
         self.heard = silence.heard if silence else lambda w: None
         # Headers, gradients, (sync followers) round decisions and the silence
         # watch, all at once: a worker stopped halfway through sending holds up nobody.
