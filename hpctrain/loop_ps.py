@@ -159,8 +159,8 @@ def run_server(session, checkpoints, comm, placement, shared):
                     servers_comm=cluster.ps_comm, shared=shared)
     session.stop.phase = "training"   # the server loop takes stop requests from here on
     server.serve_until_done()
-    if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
-        checkpoints.preempted(cluster.comm, server.version)
+    if server.round.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
+        checkpoints.preempted(cluster.comm, server.round.version)
     session.stop.phase = "finishing"
     return None
 

@@ -188,7 +188,7 @@ def test_sync_rounds_sum_in_worker_order_on_every_server(placement, exchange):
     W = len(s.workers)
     if s.is_server:
         server = s.serve(SGD, steps=rounds, lr_fn=lambda v: lr)
-        assert server.version == rounds and server.stats.updates == rounds and server.stats.stale_dropped == 0
+        assert server.round.version == rounds and server.stats.updates == rounds and server.stats.stale_dropped == 0
         s.close()
         return
     index, client = s.client()
