@@ -300,14 +300,14 @@ def run_worker(session, checkpoints, comm, reader, resume, placement, shared, wh
     want_state = checkpoints.enabled and chief
     with tl.span("final pull", cat="comm"):
         pm.recv_buffer()
-        stats = client.final(state_names if want_state else None)
+        stats, final_cut = client.final(state_names if want_state else None)
     pm.to_device()
     pm.wait()   # nothing reads the pinned mirror once run_worker returns
     step = client.version
     if chief and session.has_val and not client.preempted:
         report.final_val(model, step)   # before the last checkpoint: it records the best
     if want_state and checkpoints.saved_step != step:
-        save_cut(session, checkpoints, client.final_state)
+        save_cut(session, checkpoints, final_cut)
     if client.preempted:
         if chief:
             print(f"stopping after step {step}: signal received", flush=True)

@@ -203,7 +203,7 @@ def test_sync_rounds_sum_in_worker_order_on_every_server(placement, exchange):
         client.push_pull(float(index))
         got.append(s.params.copy())
         versions.append(client.version)
-    stats = client.final()
+    stats, _ = client.final()
     s.close()
     # the same arithmetic as the server: sum in worker order, then SGD's params -= g * (lr / W)
     expect = p0.copy()
@@ -252,8 +252,9 @@ def test_snapshot_and_restore_round_trip_parameters_adam_state_and_positions(exc
         p = p0.copy()
         local.step(p, g, 1e-3 * 8, 1.0)
     s.wcomm.Barrier()        # the others finish only after the snapshots: the final state is the same
-    client.final(("m", "v") if index == 0 else None)
+    _, final_cut = client.final(("m", "v") if index == 0 else None)
     s.close()
+    assert (final_cut is None) == (index != 0) and not hasattr(client, "final_state")   # returned, not set aside
     if index != 0:
         return
     versions, ts, params, states, positions = first
@@ -267,7 +268,7 @@ def test_snapshot_and_restore_round_trip_parameters_adam_state_and_positions(exc
     expect_pos = pos0.copy()
     expect_pos[0] = 3, 96    # the chief's push carried its position; the others' are the restored ones
     assert np.array_equal(positions, expect_pos)
-    versions, ts, _, states, positions = client.final_state
+    versions, ts, _, states, positions = final_cut
     assert ts == [6] * len(s.servers) and versions == [8] * len(s.servers) and np.array_equal(states["m"], local.m) and np.array_equal(states["v"], local.v)
     assert np.array_equal(positions, expect_pos) and np.array_equal(s.params, p)
 
@@ -293,7 +294,7 @@ def two_worker_race(s, first, second):
             s.grads[:] = first
             client.push_pull(0.0)
             result = (p0, p1, s.params.copy(), client)
-    stats = client.final()
+    stats, _ = client.final()
     return result, stats
 
 

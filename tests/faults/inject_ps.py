@@ -112,10 +112,10 @@ def probe_cuts(path):
         return cut
 
     def final_recorded(self, state_names=None):
-        stats = final(self, state_names)
-        if state_names is not None:
-            record(self.final_state, "final")
-        return stats
+        stats, cut = final(self, state_names)
+        if cut is not None:
+            record(cut, "final")
+        return stats, cut
 
     Client.snapshot, Client.final = snapshot_recorded, final_recorded
 

@@ -44,7 +44,7 @@ def reply_buffers_needed(sync, replicas, num_workers):
     rather than from the server's params. From params when every round needs
     every worker (sync without backups: no copy); otherwise an update never
     waits for a reply that a stopped or slow worker is not receiving."""
-    return not sync or (replicas or num_workers) < num_workers
+    return not sync or replicas < num_workers
 
 
 class Server:
@@ -73,12 +73,12 @@ class Server:
         self.opt, self.watchdog, self.stop_requested = optimizer, watchdog, stop_requested
         self.waits = Waits(nap)
         self.shared = shared
+        replicas = replicas or W                # default: all workers
+        if sync and not 1 <= replicas <= W:
+            raise ValueError(f"replicas {replicas} must be in 1..{W}")
         self.stats = ServerStats(W)
         self.ex = ex = Exchange(comm, ranges, self.workers, shared, reply_buffers_needed(sync, replicas, W),
                                 self.waits, watchdog, self.stats.times)
-        replicas = replicas or W
-        if sync and not 1 <= replicas <= W:
-            raise ValueError(f"replicas {replicas} must be in 1..{W}")
         coordinated = sync and len(self.servers) > 1
         self.rule = Sync(replicas, self.leader, coordinated) if sync else Async(max_staleness)
         self.link = RoundLink(comm, self.servers, W, self.waits, watchdog) if coordinated else None
