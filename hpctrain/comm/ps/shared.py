@@ -142,10 +142,3 @@ class SharedExchange:
     def close(self):
         """This rank is done with the window (local; MPI_Finalize frees it)."""
         self.win.Unlock_all()
-
-    def free(self):
-        """Free the window now: collective over the node, for callers whose
-        ranks all get here (the tests); nothing may read its parts after."""
-        self._parts.clear()
-        with self.watchdog.waiting("shared-memory exchange: freeing the window", peer=self.ranks):
-            self.win.Free()
