@@ -67,6 +67,11 @@ def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs,
     the node's roles decided). Collective over cluster.local_comm (every rank
     of the node calls it).
 
+    Beyond communicators this takes the run's Cluster (hpctrain/cluster.py):
+    the choice is the node's, so it needs every rank's node (node_of) and
+    role (ps_ranks), the number of workers and the node communicator, which
+    the Cluster holds together.
+
     enabled: --ps-exchange auto (False: mpi); able: this rank can take part
     (a NumPy worker, or a server); server_sizes: each server's slice length;
     reply_bufs: servers keep one reply buffer per worker (async, backups)."""
