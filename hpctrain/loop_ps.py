@@ -162,9 +162,9 @@ def run_server(session, config, checkpoints, comm, placement, shared):
                     servers_comm=cluster.ps_comm, shared=shared)
     with session.stop.training() as phase:   # the server loop takes stop requests from here on
         server.serve_until_done()
-        phase.stopped = server.preempted
-    if server.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
-        checkpoints.raise_preempted(cluster.comm, server.version)
+        phase.stopped = server.round.preempted
+    if server.round.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
+        checkpoints.raise_preempted(cluster.comm, server.round.version)
     return None
 
 
@@ -298,14 +298,14 @@ def end_worker(session, config, frame, w, local):
     want_state = checkpoints.enabled and chief
     with session.timeline.span("final pull", cat="comm"):
         w.pm.recv_buffer()
-        stats = client.final(w.state_names if want_state else None)
+        stats, final_cut = client.final(w.state_names if want_state else None)
     w.pm.to_device()
     w.pm.wait()   # nothing reads the pinned mirror once run_worker returns
     step = client.version
     if chief and session.has_val and not client.preempted:
         frame.report.final_val(w.model, step)   # before the last checkpoint: it records the best
     if want_state and checkpoints.saved_step != step:
-        save_cut(session, checkpoints, client.final_state)
+        save_cut(session, checkpoints, final_cut)
     if client.preempted:
         checkpoints.raise_preempted(cluster.comm, step)   # the exit-75 error on every rank
     extra = summarize(stats, W)

@@ -27,6 +27,7 @@ from . import device, jobcheck, settings
 from .cli import steps_for_epochs, validate
 from .cluster import Cluster, check_consistency
 from .comm import allreduce_plan
+from .comm.deadline import NO_WATCHDOG
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .nn import LayerError, spec_for
 from .nn.user import UserModelError
@@ -36,7 +37,7 @@ from .stats import StepStats
 from .timeline import Timeline
 
 
-def agreed(comm, fn, *args, watchdog=None, what=None):
+def agreed(comm, fn, *args, watchdog=NO_WATCHDOG, what=None):
     """Run fn(*args) on every rank of comm; if it raises HpctrainError anywhere,
     every rank raises: the lowest failing rank its own message (printed), the
     others a silent error with the same exit code. So a set-up error on one
@@ -54,8 +55,7 @@ def agreed(comm, fn, *args, watchdog=None, what=None):
     # line of its own, so fn may itself agree on a smaller communicator.
     speaks = error is not None and error.report and bool(str(error))
     flag = np.array([error.exit_code if error else 0, size - rank if speaks else 0], np.int64)
-    with watchdog.waiting(f"agreement after {what or getattr(fn, '__name__', 'args step')}", peer=None)\
-            if watchdog else contextlib.nullcontext():
+    with watchdog.waiting(f"agreement after {what or getattr(fn, '__name__', 'args step')}", peer=None):
         comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
     if flag[0]:
         if error is None:

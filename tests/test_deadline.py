@@ -36,3 +36,13 @@ def test_peer_list_and_callable():
     with dog.waiting("gradients", peer=lambda: [3, 1]):
         time.sleep(0.8)
     assert "ranks 1,3 (gradients)" in out.getvalue()
+
+
+def test_the_null_watchdog_waits_without_a_deadline():
+    """Code given no watchdog (self-checks, unit tests) waits under NO_WATCHDOG:
+    its waits and busy work are plain blocks, and there is no timeout to watch."""
+    from hpctrain.comm.deadline import NO_WATCHDOG
+    from hpctrain.comm.strategy import waiting
+    with NO_WATCHDOG.waiting("anything", peer=[1, 2]), NO_WATCHDOG.busy(), waiting(None, "x", peer=3):
+        time.sleep(0.01)
+    assert NO_WATCHDOG.timeout is None

@@ -32,6 +32,7 @@ set, ends every line (e.g. that the run's results are already written).
 import sys
 import threading
 import time
+from contextlib import nullcontext
 
 from ..errors import EXIT_TIMEOUT
 
@@ -79,6 +80,23 @@ class _Busy:
         self.dog._busy -= 1
         self.dog._busy_until = time.monotonic() + BUSY_GRACE_S
         return False
+
+
+class NullWatchdog:
+    """The watchdog of code that is given none (self-checks, unit tests): its
+    waits and busy work have no deadline. `timeout` is None: nothing to
+    watch for (a ps server starts no SilenceWatch)."""
+
+    timeout = None
+
+    def waiting(self, what, peer=None):
+        return nullcontext()
+
+    def busy(self):
+        return nullcontext()
+
+
+NO_WATCHDOG = NullWatchdog()
 
 
 class Watchdog:

@@ -14,6 +14,10 @@ bytes) brings everyone the rest. Either way every rank gets the same norm.
 The loss and stop slots at the wire's front (comm/wire.py) are summed with
 the gradient but are not part of it: `skip` leaves them out.
 
+Beyond communicators and arrays this imports hpctrain.clipping.sum_squares:
+the arithmetic of a norm, shared with the ps server (comm/ps/aggregate.py),
+so both modes take a norm by the same reduction.
+
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_clip.py
 """
 import numpy as np

@@ -26,14 +26,15 @@ any of the host ones for device buffers.
 
     python -m pytest -q tests/test_ring.py    # and under mpirun, see there
 """
-from contextlib import nullcontext
+from .deadline import NO_WATCHDOG
 
 from ..chunks import chunk_bounds, chunk_parts
 
 
 def waiting(watchdog, what, peer=None):
-    """The watchdog's deadline around one blocking wait, or nothing without one."""
-    return nullcontext() if watchdog is None else watchdog.waiting(what, peer=peer)
+    """The watchdog's deadline around one blocking wait (None: no deadline,
+    for the callers whose watchdog is optional)."""
+    return (watchdog or NO_WATCHDOG).waiting(what, peer=peer)
 
 
 def world_ranks(comm):
@@ -57,12 +58,12 @@ class FlatStrategy:
 
     name = "?"
 
-    def __init__(self, comm, watchdog=None):
+    def __init__(self, comm, watchdog=NO_WATCHDOG):
         self.comm = comm.Dup()
         self.size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
         self.world_ranks = world_ranks(self.comm)
-        self.watchdog = watchdog
+        self.watchdog = watchdog or NO_WATCHDOG
 
     def owned_chunk(self):
         """Index of the chunk (of chunk_bounds(n, size)) this rank owns."""
@@ -83,7 +84,7 @@ class FlatStrategy:
             peer = self.world_ranks[peer]
         elif isinstance(peer, (list, tuple, set)):
             peer = sorted(self.world_ranks[p] for p in peer)
-        return waiting(self.watchdog, what, peer)
+        return self.watchdog.waiting(what, peer=peer)
 
     def free(self):
         """Release the duplicated communicator (collective)."""

@@ -88,9 +88,9 @@ def inject_server_hang():
 
     def patched(self, w):
         hang_at = setting("FAULT_HANG_PS", self.servers.index(self.rank))
-        if hang_at is not None and self.version >= hang_at:
+        if hang_at is not None and self.round.version >= hang_at:
             print(f"fault: ps task {self.servers.index(self.rank)} (rank {self.rank}) stops answering "
-                  f"at version {self.version}", file=sys.stderr, flush=True)
+                  f"at version {self.round.version}", file=sys.stderr, flush=True)
             while True:
                 time.sleep(3600)
         reply(self, w)
@@ -113,10 +113,10 @@ def probe_cuts(path):
         return cut
 
     def final_recorded(self, state_names=None):
-        stats = final(self, state_names)
-        if state_names is not None:
-            record(self.final_state, "final")
-        return stats
+        stats, cut = final(self, state_names)
+        if cut is not None:
+            record(cut, "final")
+        return stats, cut
 
     Client.snapshot, Client.final = snapshot_recorded, final_recorded
 

@@ -18,13 +18,13 @@ MPI may overwrite what kernels still read, and after packing (kernels)
 before MPI reads the packed copies; unpacking is ordered on the stream.
 """
 import time
-from contextlib import nullcontext
 from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from ...device import array_module
+from ..deadline import NO_WATCHDOG
 from .placement import Slice
 from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
                        H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL,
@@ -58,7 +58,7 @@ class Client:
     flat buffers of the model), all servers at once."""
 
     def __init__(self, comm, server_ranks, placement, params, grads, worker, num_workers, *,
-                 sync=True, watchdog=None, nap=False, shared=None):
+                 sync=True, watchdog=NO_WATCHDOG, nap=False, shared=None):
         self.comm = comm
         self.servers = list(server_ranks)
         self.num_servers = len(self.servers)
@@ -121,7 +121,7 @@ class Client:
         self.pushes = self.send_hdr + send_grad
 
     def waiting(self, what, peer=None):
-        return self.watchdog.waiting(what, peer=peer) if self.watchdog else nullcontext()
+        return self.watchdog.waiting(what, peer=peer)
 
     def _exchange(self, op, flags, loss=0.0, grads=False, what="parameters", position=(0, 0)):
         if self._stream is not None:   # kernels (the model's, last unpack) may still read what MPI overwrites
@@ -197,37 +197,44 @@ class Client:
 
     def final(self, state_names=None):
         """Say done; once every worker is, receive the final parameters and each
-        server's statistics (rows of self.stats, returned). With state_names
-        (the optimizer's, in order), also the final optimizer state and data
-        positions: self.final_state, a Cut (its params: this client's buffer)."""
+        server's statistics. Returns (stats, cut): stats one row per server;
+        with state_names (the optimizer's, in order) cut is the final
+        optimizer state and data positions, a Cut whose params are this
+        client's buffer, else None."""
         reqs = [self.comm.Irecv(self.stats[k], self.servers[k], TAG_BULK) for k in range(self.num_servers)]
         flags = (F_PREEMPTED if self.preempted else 0) | (F_WANT_STATE if state_names is not None else 0)
         self._exchange(OP_FINAL, flags, what="final parameters")
         with self.waiting("final statistics", peer=self.servers):
             MPI.Request.Waitall(reqs)
+        cut = None
         if state_names is not None:
-            states, positions = self._receive_state(state_names, "final state")
-            self.final_state = Cut([int(h[H_VERSION]) for h in self.hdr_in], [int(h[H_T]) for h in self.hdr_in],
-                                   self.params, states, positions)
+            states, positions = self._flat_states(state_names), self._positions()
+            for k, rank in enumerate(self.servers):
+                with self.waiting("final state", peer=rank):
+                    self._receive_slices(k, states.values(), positions)
+            cut = Cut([int(h[H_VERSION]) for h in self.hdr_in], [int(h[H_T]) for h in self.hdr_in],
+                      self.params, states, positions)
         for req in self.pushes + self.recvs:
             req.Free()
-        return self.stats
+        return self.stats, cut
 
-    def _receive_state(self, state_names, what):
-        """Each server's optimizer state slices and data positions (TAG_BULK),
-        assembled into full flat arrays; the positions are the leader's."""
-        n = self.params.size
-        states = {name: np.zeros(n, np.float32) for name in state_names}
-        positions = np.zeros((self.num_workers, 2), np.int64)
-        scratch = np.zeros((self.num_workers, 2), np.int64)
-        for k, rank in enumerate(self.servers):
-            with self.waiting(what, peer=rank):
-                for flat in states.values():
-                    piece = Slice(flat, self.placement[k])
-                    self.comm.Recv(piece.buf, rank, TAG_BULK)
-                    piece.unpack()
-                self.comm.Recv(positions if k == 0 else scratch, rank, TAG_BULK)
-        return states, positions
+    def _flat_states(self, state_names):
+        return {name: np.zeros(self.params.size, np.float32) for name in state_names}
+
+    def _positions(self):
+        """The workers' data positions, W x 2, none yet."""
+        return np.zeros((self.num_workers, 2), np.int64)
+
+    def _receive_slices(self, k, flats, positions):
+        """From server k on TAG_BULK: its slice of each of `flats` (full flat
+        arrays, in order), then the workers' data positions, kept from the
+        leader (k = 0) only."""
+        rank = self.servers[k]
+        for flat in flats:
+            piece = Slice(flat, self.placement[k])
+            self.comm.Recv(piece.buf, rank, TAG_BULK)
+            piece.unpack()
+        self.comm.Recv(positions if k == 0 else self._positions(), rank, TAG_BULK)
 
     # --- checkpoint support (chief) ----------------------------------------
     def restore(self, version, t, params, states=None, positions=None):
@@ -236,7 +243,7 @@ class Client:
         given, of each optimizer state; version, optimizer step t, and the
         workers' data positions (W x 2, default zeros) that go with them."""
         states = states or {}
-        positions = np.zeros((self.num_workers, 2), np.int64) if positions is None else \
+        positions = self._positions() if positions is None else \
             np.ascontiguousarray(positions, np.int64).reshape(self.num_workers, 2)
         for k, rank in enumerate(self.servers):
             header = self.hdr_out[k]
@@ -258,11 +265,8 @@ class Client:
         """A Cut of every server: the leader first (it holds, and its version
         is the cut's), then each other server, sync at that version, async
         held as it is (its version may differ); then every server is released."""
-        n = self.params.size
-        params = np.zeros(n, np.float32)
-        states = {name: np.zeros(n, np.float32) for name in state_names}
-        positions = np.zeros((self.num_workers, 2), np.int64)
-        scratch = np.zeros((self.num_workers, 2), np.int64)
+        params = np.zeros(self.params.size, np.float32)
+        states, positions = self._flat_states(state_names), self._positions()
         versions, ts = [], []
         for k, rank in enumerate(self.servers):
             # sync: followers answer at the leader's version; async: each as it is, held
@@ -274,11 +278,7 @@ class Client:
                 if int(reply[H_NSTATE]) != len(state_names):
                     raise ProtocolError(f"ps rank {rank} sent {int(reply[H_NSTATE])} state arrays, "
                                         f"expected {len(state_names)}")
-                for flat in [params, *states.values()]:
-                    piece = Slice(flat, self.placement[k])
-                    self.comm.Recv(piece.buf, rank, TAG_BULK)
-                    piece.unpack()
-                self.comm.Recv(positions if k == 0 else scratch, rank, TAG_BULK)
+                self._receive_slices(k, [params, *states.values()], positions)
             versions.append(int(reply[H_VERSION]))
             ts.append(int(reply[H_T]))
         for k in range(self.num_servers):

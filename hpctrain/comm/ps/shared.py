@@ -37,6 +37,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
+from ..deadline import NO_WATCHDOG
+
 FLOAT = np.dtype(np.float32).itemsize
 SHM_DIR = "/dev/shm"
 SHM_HEADROOM = 1.25     # room asked of /dev/shm beyond the window itself
@@ -59,11 +61,16 @@ def segment_floats(is_ps, num_params, server_size, num_workers, reply_bufs):
     return server_size * (1 + (num_workers if reply_bufs else 0))
 
 
-def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs, watchdog=None, room=shm_room):
+def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs, watchdog=NO_WATCHDOG, room=shm_room):
     """(the node's SharedExchange or None, why not): where the node uses
     messages, `why` says so in words for the chief's line ("" when the flag or
     the node's roles decided). Collective over cluster.local_comm (every rank
     of the node calls it).
+
+    Beyond communicators this takes the run's Cluster (hpctrain/cluster.py):
+    the choice is the node's, so it needs every rank's node (node_of) and
+    role (ps_ranks), the number of workers and the node communicator, which
+    the Cluster holds together.
 
     enabled: --ps-exchange auto (False: mpi); able: this rank can take part
     (a NumPy worker, or a server); server_sizes: each server's slice length;
@@ -79,7 +86,7 @@ def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs,
              for r in mine]
     need, free = sum(sizes) * FLOAT * SHM_HEADROOM, room()
     vote = np.array([1 if able else 0, 1 if free is None or need <= free else 0], np.int32)
-    with _waiting(watchdog, "shared-memory exchange: agreement on the node", mine):
+    with watchdog.waiting("shared-memory exchange: agreement on the node", peer=mine):
         local.Allreduce(MPI.IN_PLACE, vote, op=MPI.MIN)
     if not vote[0]:
         return None, "a worker on this node is a GPU worker (device buffers go as messages)"
@@ -97,23 +104,16 @@ def too_little_room(need, free):
             f"with headroom; {down:,.1f} MB free here)")
 
 
-def _waiting(watchdog, what, peer):
-    if watchdog is None:
-        from contextlib import nullcontext
-        return nullcontext()
-    return watchdog.waiting(what, peer=peer)
-
-
 class SharedExchange:
     """One node's window. ranks: the node's world ranks, in node-rank order
     (the node communicator is split with key = world rank)."""
 
-    def __init__(self, local_comm, ranks, floats, watchdog=None):
+    def __init__(self, local_comm, ranks, floats, watchdog=NO_WATCHDOG):
         self.ranks = list(ranks)
         self.watchdog = watchdog
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")   # each rank's part page-aligned, on its own NUMA node
-        with _waiting(watchdog, "shared-memory exchange: allocating the window", self.ranks):
+        with watchdog.waiting("shared-memory exchange: allocating the window", peer=self.ranks):
             self.win = MPI.Win.Allocate_shared(max(1, floats) * FLOAT, FLOAT, info=info, comm=local_comm)
         info.Free()
         self.win.Lock_all(MPI.MODE_NOCHECK)    # one passive epoch for the whole run: Win_sync needs one
@@ -147,10 +147,3 @@ class SharedExchange:
     def close(self):
         """This rank is done with the window (local; MPI_Finalize frees it)."""
         self.win.Unlock_all()
-
-    def free(self):
-        """Free the window now: collective over the node, for callers whose
-        ranks all get here (the tests); nothing may read its parts after."""
-        self._parts.clear()
-        with _waiting(self.watchdog, "shared-memory exchange: freeing the window", self.ranks):
-            self.win.Free()

@@ -50,15 +50,15 @@ def send_snapshot(server, w):
     """OP_SNAPSHOT from worker w (the chief): header, slice, state, positions."""
     rank = server.workers[w]
     states = server.opt.state()
-    header = server.bulk_hdr
+    header = server.ex.bulk_hdr
     server.fill_reply(header)
     header[H_NSTATE] = len(states)
-    with server.waiting("snapshot to the chief", peer=rank):
+    with server.watchdog.waiting("snapshot to the chief", peer=rank):
         server.comm.Send(header, rank, TAG_BULK)
-        server.comm.Send(server.params, rank, TAG_BULK)
+        server.comm.Send(server.ex.params, rank, TAG_BULK)
         for array in states.values():
             server.comm.Send(array, rank, TAG_BULK)
-        server.comm.Send(server.positions.at(server.version), rank, TAG_BULK)
+        server.comm.Send(server.positions.at(server.round.version), rank, TAG_BULK)
 
 
 def receive_restore(server, w, header):
@@ -71,8 +71,8 @@ def receive_restore(server, w, header):
         raise ProtocolError(f"ps rank {server.rank}: restore with {nstate} state arrays, "
                             f"the optimizer has {len(states)}")
     server.quiesce()
-    with server.waiting("restore from the chief", peer=rank):
-        server.comm.Recv(server.params, rank, TAG_BULK)
+    with server.watchdog.waiting("restore from the chief", peer=rank):
+        server.comm.Recv(server.ex.params, rank, TAG_BULK)
         for array in states.values():
             if nstate:
                 server.comm.Recv(array, rank, TAG_BULK)
@@ -81,13 +81,14 @@ def receive_restore(server, w, header):
         positions = np.empty((server.num_workers, 2), np.int64)
         server.comm.Recv(positions, rank, TAG_BULK)
     server.opt.t = int(header[H_T])
-    server.version = int(header[H_VERSION])
-    server.positions.reset(server.version, positions)
-    server.aggregation.after_restore()
+    dropped = server.round.restore(int(header[H_VERSION]))   # gradients of the old state mean nothing now
+    server.positions.reset(server.round.version, positions)
+    for v in dropped:
+        server.repost(v)
     server.initialized = True
-    ack = server.bulk_hdr
+    ack = server.ex.bulk_hdr
     server.fill_reply(ack)
-    with server.waiting("restore acknowledgement", peer=rank):
+    with server.watchdog.waiting("restore acknowledgement", peer=rank):
         server.comm.Send(ack, rank, TAG_BULK)
     for v in range(server.num_workers):
         server.reply(v)
@@ -101,30 +102,30 @@ class CutHold:
     def __init__(self, server):
         self.server = server
         self.holding = False
-        self.held = []               # (worker, version, loss) in order of arrival
+        self.held = []               # round.Push, in order of arrival
         self.due = None              # (worker, version): answer once at that version
 
-    def holds(self, w, version, loss):
+    def holds(self, push):
         """Keep this push for later if a cut is being taken."""
         if self.holding:
-            self.held.append((w, version, loss))
+            self.held.append(push)
         return self.holding
 
     def on_snapshot(self, w, version):
         """Hold (where this server must) and send the snapshot now, or once at
         `version` (a sync follower behind the leader's cut); -1: any version."""
         srv = self.server
-        if srv.aggregation.holds_for_snapshot():
+        if srv.holds_for_cut:
             self.holding = True
-        if version > srv.version:
+        if version > srv.round.version:
             self.due = (w, version)
             return
-        if version >= 0 and version != srv.version:
-            raise ProtocolError(f"ps rank {srv.rank}: snapshot of version {version} at version {srv.version}")
+        if version >= 0 and version != srv.round.version:
+            raise ProtocolError(f"ps rank {srv.rank}: snapshot of version {version} at version {srv.round.version}")
         send_snapshot(srv, w)
 
     def answer_if_due(self):
-        if self.due is not None and self.server.version >= self.due[1]:
+        if self.due is not None and self.server.round.version >= self.due[1]:
             w, version = self.due
             self.due = None
             self.on_snapshot(w, version)
