@@ -112,6 +112,12 @@ class Conv2d(Layer):
         super().bind(xp, params, grads, state)
         self.W2, self.dW2 = params["W"].reshape(self.fan_in, -1), grads["W"].reshape(self.fan_in, -1)
 
+    def _ones(self, m, dtype):
+        ones = self._buffers.get("ones")
+        if ones is None or ones.shape != (m,) or ones.dtype != dtype:
+            ones = self._buffers["ones"] = self.xp.ones(m, dtype)
+        return ones
+
     def _columns(self, x):
         """(n*oh*ow, k*k*c): one row per output pixel (a view for a 1x1, stride 1 kernel)."""
         xp, n, (h, w, c), p = self.xp, x.shape[0], self.in_shape, self.pad
@@ -139,8 +145,8 @@ class Conv2d(Layer):
         n = dy.shape[0]
         dy2 = dy.reshape(n * self.oh * self.ow, self.out_channels)
         xp.matmul(self.cols.T, dy2, out=self.dW2)
-        if self.bias:
-            dy2.sum(axis=0, out=self.grads["b"])
+        if self.bias:   # a GEMV: several times faster than dy2.sum(axis=0) here
+            xp.matmul(self._ones(dy2.shape[0], dy.dtype), dy2, out=self.grads["b"])
         if not need_dx:
             return None
         h, w, c = self.in_shape
@@ -148,9 +154,36 @@ class Conv2d(Layer):
             dx = self.buffer("dx", (n * h * w, c), dy.dtype)
             xp.matmul(dy2, self.W2.T, out=dx)
             return dx.reshape(n, h, w, c)
+        if self.stride == 1 and self.pad < self.k and self.out_channels <= 2 * c:
+            return self._transposed(dy)
         dcols = self.buffer("dcols", (n * self.oh * self.ow, self.fan_in), dy.dtype)
         xp.matmul(dy2, self.W2.T, out=dcols)
         return self._col2im(dcols.reshape(n, self.oh, self.ow, self.k, self.k, c))
+
+    def _transposed(self, dy):
+        """Stride 1: the input gradient is dy, padded by k-1-pad, convolved
+        with W turned 180 degrees and its channel axes swapped: im2col of dy
+        and one GEMM straight into dx, (n*h*w, k*k*out) @ (k*k*out, in).
+        Faster than dy @ W.T then col2im unless the layer widens a lot (its
+        columns hold k*k*out values per pixel, col2im's k*k*in): that GEMM's
+        inner dimension is the output channels alone and it writes k*k times
+        dx's size, which col2im reads back in k*k strided passes. Measured
+        here (CPU time, batch 32): 32->32 channels on 32x32, 37 ms against
+        57; 64->32 on 8x8, 3.9 against 4.7; 32->64 even; 3->32, 15 against
+        11 (the rule: out <= 2 * in)."""
+        xp, n, (h, w, c), k, q = self.xp, dy.shape[0], self.in_shape, self.k, self.k - 1 - self.pad
+        o = self.out_channels
+        if q:
+            padded = self.zeroed("dy_padded", (n, self.oh + 2 * q, self.ow + 2 * q, o), dy.dtype)
+            padded[:, q:q + self.oh, q:q + self.ow, :] = dy
+            dy = padded
+        cols = self.buffer("dcols", (n, h, w, k, k, o), dy.dtype)
+        xp.copyto(cols, _window(xp, dy, h, w, k, 1))
+        turned = self.buffer("turned", (k, k, o, c), dy.dtype)
+        xp.copyto(turned, self.params["W"][::-1, ::-1].transpose(0, 1, 3, 2))
+        dx = self.buffer("dx", (n * h * w, c), dy.dtype)
+        xp.matmul(cols.reshape(n * h * w, k * k * o), turned.reshape(k * k * o, c), out=dx)
+        return dx.reshape(n, h, w, c)
 
     def _col2im(self, dcols):
         """Add each kernel offset's column gradient back onto the input pixels
@@ -227,13 +260,15 @@ class MaxPool2d(_Pool):
     """The largest value of each k x k window (stride defaults to k, no
     padding); its gradient goes to the first maximum of the window, as in
     PyTorch. Done one kernel offset at a time: k*k strided passes over the
-    output, and which offset won kept as one byte per output."""
+    output, and which offset won kept as one byte per output (updated by
+    arithmetic, not a masked copy, which is branchy and slow)."""
 
     def forward(self, x, train):
         xp = self.xp
         y = self.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
         won = self.buffer("won", y.shape, np.uint8)
         gt = self.buffer("gt", y.shape, bool)
+        flip = self.buffer("flip", y.shape, np.uint8)
         for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
             window = x[:, rows, cols, :]
             if kh == kw == 0:
@@ -241,7 +276,10 @@ class MaxPool2d(_Pool):
                 won.fill(0)
                 continue
             xp.greater(window, y, out=gt)
-            xp.copyto(won, kh * self.k + kw, where=gt)
+            # won = offset where gt, else won: won ^= (won ^ offset) * gt
+            xp.bitwise_xor(won, np.uint8(kh * self.k + kw), out=flip)
+            xp.multiply(flip, gt, out=flip)
+            xp.bitwise_xor(won, flip, out=won)
             xp.maximum(y, window, out=y)
         return y
 
@@ -254,7 +292,7 @@ class MaxPool2d(_Pool):
         part = self.buffer("part", dy.shape, dy.dtype)
         overlap = self.stride < self.k
         for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
-            xp.equal(won, kh * self.k + kw, out=hit)
+            xp.equal(won, np.uint8(kh * self.k + kw), out=hit)
             if overlap:
                 xp.multiply(dy, hit, out=part)
                 dx[:, rows, cols, :] += part
