@@ -268,7 +268,7 @@ class MaxPool2d(_Pool):
         y = self.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
         won = self.buffer("won", y.shape, np.uint8)
         gt = self.buffer("gt", y.shape, bool)
-        flip = self.buffer("flip", y.shape, np.uint8)
+        offset = self.buffer("offset", y.shape, np.uint8)
         for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
             window = x[:, rows, cols, :]
             if kh == kw == 0:
@@ -276,10 +276,9 @@ class MaxPool2d(_Pool):
                 won.fill(0)
                 continue
             xp.greater(window, y, out=gt)
-            # won = offset where gt, else won: won ^= (won ^ offset) * gt
-            xp.bitwise_xor(won, np.uint8(kh * self.k + kw), out=flip)
-            xp.multiply(flip, gt, out=flip)
-            xp.bitwise_xor(won, flip, out=won)
+            # won = this offset where gt, else won; offsets only grow, so that is a maximum
+            xp.multiply(gt, np.uint8(kh * self.k + kw), out=offset)
+            xp.maximum(won, offset, out=won)
             xp.maximum(y, window, out=y)
         return y
 

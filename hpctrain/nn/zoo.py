@@ -17,8 +17,10 @@ into a spec.
                padding 1): issue 21's benchmark net.
 
 Every function takes (input_shape, classes) and sizes itself from the image
-shape; ReLU after every convolution and hidden dense layer. Convolutional
-nets start with Channels() (the data's images to NHWC, once per batch).
+shape; ReLU after every convolution and hidden dense layer. Where a max
+pool follows, the ReLU goes after the pool: the same numbers (max and ReLU
+commute), on a quarter of the values. Convolutional nets start with
+Channels() (the data's images to NHWC, once per batch).
 `MODELS` names them.
 
     python -m hpctrain.nn               # the MLP's spec
@@ -42,15 +44,15 @@ def mlp(input_shape=MNIST_SHAPE, classes=MNIST_CLASSES, hidden=(500, 500)):
 
 
 def lenet(input_shape=MNIST_SHAPE, classes=MNIST_CLASSES):
-    layers = [Channels(), Conv2d(6, 5, padding=2), ReLU(), MaxPool2d(2), Conv2d(16, 5), ReLU(), MaxPool2d(2),
+    layers = [Channels(), Conv2d(6, 5, padding=2), MaxPool2d(2), ReLU(), Conv2d(16, 5), MaxPool2d(2), ReLU(),
               Flatten(), Dense(120), ReLU(), Dense(84), ReLU(), Dense(classes)]
     return ModelSpec(layers, input_shape, classes, name="lenet")
 
 
 def cnn(input_shape=MNIST_SHAPE, classes=MNIST_CLASSES):
     layers = [Channels(),
-              Conv2d(32, 3, padding=1), ReLU(), Conv2d(32, 3), ReLU(), MaxPool2d(2), Dropout(0.25),
-              Conv2d(64, 3, padding=1), ReLU(), Conv2d(64, 3), ReLU(), MaxPool2d(2), Dropout(0.25),
+              Conv2d(32, 3, padding=1), ReLU(), Conv2d(32, 3), MaxPool2d(2), ReLU(), Dropout(0.25),
+              Conv2d(64, 3, padding=1), ReLU(), Conv2d(64, 3), MaxPool2d(2), ReLU(), Dropout(0.25),
               Flatten(), Dense(512), ReLU(), Dropout(0.5), Dense(classes)]
     return ModelSpec(layers, input_shape, classes, name="cnn")
 
@@ -73,8 +75,8 @@ def resnet(input_shape=MNIST_SHAPE, classes=MNIST_CLASSES, width=16):
 
 
 def small_cnn(input_shape=MNIST_SHAPE, classes=MNIST_CLASSES):
-    layers = [Channels(), Conv2d(32, 3, padding=1), ReLU(), MaxPool2d(2), Conv2d(64, 3, padding=1), ReLU(),
-              MaxPool2d(2), Flatten(), Dense(256), ReLU(), Dense(classes)]
+    layers = [Channels(), Conv2d(32, 3, padding=1), MaxPool2d(2), ReLU(), Conv2d(64, 3, padding=1), MaxPool2d(2),
+              ReLU(), Flatten(), Dense(256), ReLU(), Dense(classes)]
     return ModelSpec(layers, input_shape, classes, name="small_cnn")
 
 
