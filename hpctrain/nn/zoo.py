@@ -25,7 +25,7 @@ Channels() (the data's images to NHWC, once per batch).
 
     python -m hpctrain.nn               # the MLP's spec
 """
-from .conv import AvgPool2d, Channels, Conv2d, GlobalAvgPool, MaxPool2d  # noqa: F401 (AvgPool2d: for users)
+from .conv import Channels, Conv2d, GlobalAvgPool, MaxPool2d
 from .layers import Dense, Dropout, Flatten, ReLU
 from .norm import BatchNorm2d
 from .residual import Residual
