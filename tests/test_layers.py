@@ -102,6 +102,7 @@ def check_gradients(layer, in_shape, batch=4, picks=25, seed=1):
     (lambda: Residual([ReLU(), Conv2d(4, 3, stride=2, padding=1), Dropout(0.2), BatchNorm2d()],
                       projection=[Conv2d(4, 1, stride=2, bias=False), BatchNorm2d()]), (6, 6, 2)),
     (lambda: Residual([Dense(6), ReLU(), Dense(6)]), (6,)),
+    (lambda: Residual([Flatten(), ReLU(), Dense(12)], projection=[Flatten()]), (2, 2, 3)),
 ], ids=lambda v: v().describe() if callable(v) else "x".join(map(str, v)))
 def test_gradients_match_finite_differences(make, shape):
     check_gradients(make(), shape, batch=5 if "Batch" in make().describe() else 3)

@@ -65,6 +65,7 @@ class Channels(Layer):
     """The data boundary of an image model: (h, w) images gain a channel
     axis of 1, (h, w, c) images (CIFAR, stored HWC) are already NHWC. A view:
     the conversion is free and happens once per batch, not per layer."""
+    view = True
 
     def configure(self, in_shape):
         super().configure(in_shape)

@@ -27,7 +27,8 @@ class; a user's own layer subclasses it and overrides what it needs):
    allocates nothing once warm. A layer may work in place on x when nothing
    else reads x later (ReLU does; the layer before it keeps its own input).
    Such a layer says so with `inplace = True` (a container that still
-   needs x copies it first). Before each training forward the model calls
+   needs x copies it first), and a layer whose output is a view of its
+   input (a reshape) with `view = True`. Before each training forward the model calls
    `set_noise(noise)`: `noise` is a `Noise(seed, step, sample_ids, stream)`
    or None; a layer that draws randomness (Dropout) keeps it and derives
    every sample's draws from (seed, step, that sample's id, stream) alone,
@@ -70,6 +71,7 @@ class Noise(NamedTuple):
 class Layer:
     """The base of every layer: no parameters, no state, identity shapes."""
     inplace = False   # forward overwrites its input
+    view = False      # forward returns a view of its input (a reshape)
 
     def configure(self, in_shape):
         self.in_shape = tuple(in_shape)
@@ -136,6 +138,7 @@ def he_normal(rng, shape, fan_in, dtype):
 
 class Flatten(Layer):
     """(batch, *shape) -> (batch, prod(shape)): a view, no copy."""
+    view = True
 
     def configure(self, in_shape):
         super().configure(in_shape)

@@ -20,6 +20,14 @@ def _shape(shape):
     return "x".join(map(str, shape))
 
 
+def _overwrites(layers):
+    """Does the first layer past any reshapes (views) overwrite its input?"""
+    for layer in layers:
+        if not layer.view:
+            return layer.inplace
+    return False
+
+
 class Residual(Layer):
     def __init__(self, block, projection=None):
         self.block = list(block)
@@ -29,6 +37,9 @@ class Residual(Layer):
             raise LayerError("Residual: the block is empty")
         self.inner = [(f"block{j}", layer) for j, layer in enumerate(self.block)] + \
                      [(f"proj{j}", layer) for j, layer in enumerate(self.projection)]
+        # the skip path still needs x (and so may the layer before): a path
+        # whose first layer past any reshapes overwrites its input gets a copy
+        self._copy_x, self._copy_skip = _overwrites(self.block), _overwrites(self.projection)
 
     def configure(self, in_shape):
         super().configure(in_shape)
@@ -78,13 +89,13 @@ class Residual(Layer):
     # --- forward and backward -------------------------------------------------
     def forward(self, x, train):
         a = x
-        if self.block[0].inplace:   # the skip path still needs x, and so may the layer before
+        if self._copy_x:
             a = self.buffer("x", x.shape, x.dtype)
             self.xp.copyto(a, x)
         for layer in self.block:
             a = layer.forward(a, train)
         skip = x
-        if self.projection and self.projection[0].inplace:
+        if self._copy_skip:
             skip = self.buffer("x_skip", x.shape, x.dtype)
             self.xp.copyto(skip, x)
         for layer in self.projection:
@@ -113,7 +124,7 @@ class Residual(Layer):
         return skip
 
     def train_floats(self):
-        copy = math.prod(self.in_shape) * (1 + (not self.projection)) if self.block[0].inplace else 0
+        copy = math.prod(self.in_shape) * (self._copy_x + self._copy_skip + (not self.projection))
         return (sum(layer.train_floats() for _, layer in self.inner) + 2 * math.prod(self.out_shape) + copy)
 
     def flops(self):
