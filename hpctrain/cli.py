@@ -77,7 +77,7 @@ def _nonneg_float(text):
 
 
 # The zoo's names (hpctrain/nn/zoo.py MODELS; this module imports no numpy).
-MODELS = ("mlp",)
+MODELS = ("mlp", "lenet", "cnn", "resnet", "small_cnn")
 
 
 def _model(text):

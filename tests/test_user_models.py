@@ -70,3 +70,9 @@ def test_resume_refuses_a_checkpoint_of_another_model_naming_both(job, tmp_path)
     errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
     assert r.returncode == 2 and len(errors) == 1, r.stderr
     assert "--model mlp" in errors[0] and "custom_model.py:build" in errors[0], errors
+
+
+def test_the_flag_names_every_model_of_the_zoo():
+    from hpctrain import cli
+    from hpctrain.nn import zoo
+    assert list(cli.MODELS) == list(zoo.MODELS)

@@ -1,8 +1,9 @@
-"""python -m hpctrain.bench allreduce|train|model --help  (--plot PNG: allreduce, train)
+"""python -m hpctrain.bench allreduce|train|model|layers --help  (--plot PNG: allreduce, train)
 
 A bad argument is one line (`hpctrain: error: ...`), exit 2, before anything runs."""
 import argparse
 import math
+import os
 import sys
 from contextlib import nullcontext
 
@@ -36,6 +37,17 @@ def _counts(text):
         return [int(r) for r in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: want comma-separated whole numbers, e.g. 1,2,4") from None
+
+
+def _shape(text):
+    """--shape 32,32,3 -> (32, 32, 3)."""
+    try:
+        shape = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want comma-separated whole numbers, e.g. 32,32,3") from None
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every dimension must be at least 1")
+    return shape
 
 
 def _sizes(text):
@@ -118,6 +130,15 @@ def main(argv=None):
     m.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     m.add_argument("--json", action="store_true")
 
+    y = sub.add_parser("layers", help="a model's layers: forward+backward ms and GFLOP/s each, beside SGEMM; images/s")
+    y.add_argument("--model", default="small_cnn", help="a name from hpctrain.nn.MODELS (default: %(default)s)")
+    y.add_argument("--shape", type=_shape, default=(32, 32, 3), help="image shape (default: 32,32,3)")
+    y.add_argument("--classes", type=_POSITIVE, default=10)
+    y.add_argument("--batch", type=_POSITIVE, default=32, help="batch size (default: %(default)s)")
+    y.add_argument("--threads", type=_POSITIVE, default=1, help="BLAS threads (default: %(default)s, one rank's share)")
+    y.add_argument("--seconds", type=_RATE, default=2.0, help="measuring time for the whole step (default: %(default)s)")
+    y.add_argument("--json", action="store_true")
+
     try:
         args = p.parse_args(argv)
         args.argv = argv
@@ -132,6 +153,8 @@ def main(argv=None):
 
 
 def _run(args, extra):
+    if args.what == "layers":
+        return _layers(args)
     counts = args.ranks if isinstance(args.ranks, list) else [args.ranks]
     if args.what == "model":
         check_ranks(counts, args.oversubscribe_ok, least=2, why=" (the fit needs a ring, and a server with a worker)")
@@ -159,6 +182,21 @@ def _run(args, extra):
         from .train import compare
         return compare(args)
     from .model import main as run
+    return run(args)
+
+
+def _layers(args):
+    # BLAS reads its thread count once, when numpy loads: set it first.
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    from ..nn import MODELS, LayerError
+    if args.model not in MODELS:
+        raise HpctrainError(f"--model {args.model}: not one of {', '.join(MODELS)}")
+    try:
+        MODELS[args.model](args.shape, args.classes)
+    except LayerError as e:
+        raise HpctrainError(f"--model {args.model} on {'x'.join(map(str, args.shape))}: {e}") from None
+    from .layers import main as run
     return run(args)
 
 

@@ -5,9 +5,13 @@ by name (zoo.py). Never imports MPI.
 
     python -m hpctrain.nn               # the MLP's layers, shapes and buffer layout
 """
-from .layers import Dense, Flatten, Layer, LayerError, ReLU
+from .conv import AvgPool2d, Channels, Conv2d, GlobalAvgPool, MaxPool2d
+from .layers import Dense, Dropout, Flatten, Layer, LayerError, Noise, ReLU
+from .norm import BatchNorm1d, BatchNorm2d
+from .residual import Residual
 from .spec import ModelSpec
-from .zoo import MNIST_CLASSES, MNIST_SHAPE, mlp, spec_for
+from .zoo import MNIST_CLASSES, MNIST_SHAPE, MODELS, cnn, lenet, mlp, resnet, small_cnn, spec_for
 
-__all__ = ["Dense", "Flatten", "Layer", "LayerError", "MNIST_CLASSES", "MNIST_SHAPE", "ModelSpec", "ReLU", "mlp",
-           "spec_for"]
+__all__ = ["AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Channels", "Conv2d", "Dense", "Dropout", "Flatten",
+           "GlobalAvgPool", "Layer", "LayerError", "MNIST_CLASSES", "MNIST_SHAPE", "MODELS", "MaxPool2d",
+           "ModelSpec", "Noise", "ReLU", "Residual", "cnn", "lenet", "mlp", "resnet", "small_cnn", "spec_for"]

@@ -1,6 +1,8 @@
-"""Layers: what one layer of a model must provide, and the MLP's layers
-(Dense, ReLU, Flatten). A model is a list of these (nn/sequential.py runs
-it; nn/spec.py lays its parameters into the one flat buffer).
+"""Layers: what one layer of a model must provide, and the plain layers
+(Dense, ReLU, Flatten, Dropout). A model is a list of these (nn/sequential.py
+runs it; nn/spec.py lays its parameters into the one flat buffer); the image
+layers are in nn/conv.py, batch norm in nn/norm.py, the residual container
+in nn/residual.py.
 
 The contract, in the order a model uses it (`Layer` below is the base
 class; a user's own layer subclasses it and overrides what it needs):
@@ -24,12 +26,20 @@ class; a user's own layer subclasses it and overrides what it needs):
    needs. Reuse output buffers between calls (`self.buffer(...)`): a step
    allocates nothing once warm. A layer may work in place on x when nothing
    else reads x later (ReLU does; the layer before it keeps its own input).
+   Such a layer says so with `inplace = True` (a container that still
+   needs x copies it first), and a layer whose output is a view of its
+   input (a reshape) with `view = True`. Before each training forward the model calls
+   `set_noise(noise)`: `noise` is a `Noise(seed, step, sample_ids, stream)`
+   or None; a layer that draws randomness (Dropout) keeps it and derives
+   every sample's draws from (seed, step, that sample's id, stream) alone,
+   so the batch split over ranks does not change them.
 6. `backward(dy, need_dx) -> dx`: write this layer's parameter gradients
    (the gradient of the batch-mean loss; the head divides by the batch);
    return the input gradient, or None when need_dx is False (no layer
    before it has parameters: the first Dense skips its largest matmul).
 7. `train_floats()`: floats per sample this layer keeps for a training step
-   (its outputs and its input gradient), and `flops()`: multiply-adds per
+   (its outputs, its input gradient, its scratch such as im2col columns),
+   and `flops()`: multiply-adds per
    sample of its forward pass; the memory check and the pipeline's stage
    balance read these. `describe()`: one short line for the model summary.
 
@@ -38,6 +48,7 @@ Everything runs on NumPy or CuPy (`xp`) with the same code.
     python -m hpctrain.nn               # the MLP's layers, shapes and buffer layout
 """
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,8 +57,21 @@ class LayerError(ValueError):
     """A layer that does not fit its input: one line saying why."""
 
 
+class Noise(NamedTuple):
+    """What a layer that draws randomness gets before a training forward:
+    the run's seed, the global step, one id per row of the batch (the
+    sample's position in the epoch, a 1-D integer array) and a stream number
+    telling two such layers of one model apart (the model sets it)."""
+    seed: int
+    step: int
+    sample_ids: object
+    stream: int = 0
+
+
 class Layer:
     """The base of every layer: no parameters, no state, identity shapes."""
+    inplace = False   # forward overwrites its input
+    view = False      # forward returns a view of its input (a reshape)
 
     def configure(self, in_shape):
         self.in_shape = tuple(in_shape)
@@ -77,6 +101,16 @@ class Layer:
             buf = self._buffers[key] = self.xp.empty(shape, dtype)
         return buf
 
+    def zeroed(self, key, shape, dtype):
+        """Like buffer, zero-filled when made (borders that no call writes stay 0)."""
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self._buffers[key] = self.xp.zeros(shape, dtype)
+        return buf
+
+    def set_noise(self, noise):
+        """Randomness for the next training forward (Noise or None); most layers draw none."""
+
     def forward(self, x, train):
         return x
 
@@ -93,8 +127,18 @@ class Layer:
         return type(self).__name__
 
 
+def he_normal(rng, shape, fan_in, dtype):
+    """He/Kaiming normal for ReLU nets: N(0, 2/fan_in), drawn from `rng` in
+    C order of `shape`. One layer at a time, in the buffer's dtype: no
+    model-sized temporaries."""
+    w = rng.standard_normal(math.prod(shape), dtype=np.float64 if dtype == np.float64 else np.float32)
+    w *= np.sqrt(2.0 / fan_in)
+    return w.astype(dtype, copy=False).reshape(shape)
+
+
 class Flatten(Layer):
     """(batch, *shape) -> (batch, prod(shape)): a view, no copy."""
+    view = True
 
     def configure(self, in_shape):
         super().configure(in_shape)
@@ -111,6 +155,7 @@ class Flatten(Layer):
 class ReLU(Layer):
     """max(x, 0), in place on its input: the layer before keeps its own input,
     so nothing reads x after this (a container that does, copies first)."""
+    inplace = True
 
     def forward(self, x, train):
         self.xp.maximum(x, 0, out=x)
@@ -143,10 +188,7 @@ class Dense(Layer):
         return [("W", (self.fan_in, self.units)), ("b", (self.units,))]
 
     def init(self, rng, params, dtype):
-        # One layer at a time, in the buffer's dtype: no model-sized temporaries.
-        w = rng.standard_normal(self.fan_in * self.units, dtype=np.float64 if dtype == np.float64 else np.float32)
-        w *= np.sqrt(2.0 / self.fan_in)
-        params["W"][...] = w.astype(dtype, copy=False).reshape(self.fan_in, self.units)
+        params["W"][...] = he_normal(rng, params["W"].shape, self.fan_in, dtype)
 
     def forward(self, x, train):
         h = self.buffer(("out", train), (x.shape[0], self.units), self.params["W"].dtype)
@@ -174,3 +216,106 @@ class Dense(Layer):
 
     def describe(self):
         return f"Dense({self.units})"
+
+
+# splitmix64's constants: a counter-based generator, the same bits on NumPy and CuPy
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix(xp, h, tmp):
+    """splitmix64's finaliser on the uint64 array h, in place (tmp: scratch of h's shape)."""
+    for shift, mult in ((30, _MIX1), (27, _MIX2)):
+        xp.right_shift(h, np.uint64(shift), out=tmp)
+        xp.bitwise_xor(h, tmp, out=h)
+        xp.multiply(h, mult, out=h)
+    xp.right_shift(h, np.uint64(31), out=tmp)
+    xp.bitwise_xor(h, tmp, out=h)
+    return h
+
+
+def _mix_host(*words):
+    """splitmix64 over Python ints: the (seed, step, stream) key of one draw."""
+    h = 0
+    for w in words:
+        h = (h ^ (int(w) & 0xFFFFFFFFFFFFFFFF)) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return np.uint64(h)
+
+
+class Dropout(Layer):
+    """Inverted dropout: in training each unit is kept with probability 1-p
+    and scaled by 1/(1-p); in evaluation the identity.
+
+    The mask is a pure function of (seed, step, sample id, stream) (see
+    `Noise`): unit j of sample i is dropped when splitmix64(key(seed, step,
+    stream) + id_i * golden, then xor unit j's own hash) falls below
+    p * 2**64. Computed with xp's uint64 arithmetic, so NumPy and CuPy draw
+    the same bits, and per sample, so N ranks holding the rows of one batch
+    draw what one process does. Training without noise is an error: a mask
+    from anything else would depend on the rank."""
+
+    def __init__(self, p):
+        self.p = float(p)
+        if not 0 <= self.p < 1:
+            raise LayerError(f"Dropout({p}): p must be in [0, 1)")
+        self.noise = None
+
+    def set_noise(self, noise):
+        self.noise = noise
+
+    def _mask(self, x):
+        xp, noise = self.xp, self.noise
+        if noise is None:
+            raise LayerError(f"{self.describe()} in training needs noise=(seed, step, sample_ids): "
+                             f"Sequential.forward_backward(..., noise=...)")
+        batch, units = x.shape[0], x[0].size
+        if len(noise.sample_ids) != batch:
+            raise LayerError(f"{self.describe()}: {len(noise.sample_ids)} sample ids for a batch of {batch}")
+        ids = xp.asarray(noise.sample_ids).astype(np.uint64).reshape(batch, 1)
+        if len(self._unit_hash) != units:
+            j = xp.arange(1, units + 1, dtype=np.uint64)
+            self._unit_hash = _splitmix(xp, j * _GOLDEN, xp.empty_like(j))
+        h = self.buffer("hash", (batch, units), np.uint64)
+        tmp = self.buffer("tmp", (batch, units), np.uint64)
+        keys = _splitmix(xp, ids * _GOLDEN + _mix_host(noise.seed, noise.step, noise.stream), xp.empty_like(ids))
+        xp.bitwise_xor(keys, self._unit_hash, out=h)
+        _splitmix(xp, h, tmp)
+        keep = self.buffer("keep", (batch, units), bool)
+        xp.greater_equal(h, np.uint64(min(int(self.p * 2.0**64), 2**64 - 1)), out=keep)
+        mask = self.buffer("mask", x.shape, x.dtype)
+        xp.multiply(keep.reshape(x.shape), x.dtype.type(1 / (1 - self.p)), out=mask)
+        return mask
+
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        self._unit_hash = ()
+
+    def forward(self, x, train):
+        if not train or self.p == 0:
+            self.mask = None
+            return x
+        self.mask = self._mask(x)
+        y = self.buffer("out", x.shape, x.dtype)
+        self.xp.multiply(x, self.mask, out=y)
+        return y
+
+    def backward(self, dy, need_dx):
+        if not need_dx:
+            return None
+        if self.mask is None:
+            return dy
+        dx = self.buffer("dx", dy.shape, dy.dtype)
+        self.xp.multiply(dy, self.mask, out=dx)
+        return dx
+
+    def train_floats(self):
+        # output, mask and input gradient (the uint64 hashes are scratch of 4 floats a unit)
+        return 7 * math.prod(self.in_shape)
+
+    def flops(self):
+        return math.prod(self.in_shape)
+
+    def describe(self):
+        return f"Dropout({self.p:g})"

@@ -10,6 +10,8 @@ logits), averaged over the batch.
 """
 import numpy as np
 
+from .layers import Noise
+
 
 class SoftmaxCrossEntropy:
     """Mean cross-entropy of softmax(logits) against integer labels; its
@@ -95,12 +97,17 @@ class Sequential:
             a = layer.forward(a, train)
         return a   # logits
 
-    def forward_backward(self, x, y, on_layer_done=None, loss_out=None, on_forward_done=None):
+    def forward_backward(self, x, y, on_layer_done=None, loss_out=None, on_forward_done=None, noise=None):
         """Mean cross-entropy over the batch (an xp scalar); writes the gradient of
         that mean into self.grads. `on_layer_done(k)` is called as soon as
         layer_ranges[k]'s gradient is final (last first); `loss_out` (a 1-element
         array) receives the loss before backprop starts; `on_forward_done()` is
-        called then too (for timelines)."""
+        called then too (for timelines). `noise=(seed, step, sample_ids)`, one id
+        per row of x (its position in the epoch), is what layers drawing
+        randomness (Dropout) need: their draws depend on it alone, never on how
+        the rows are split over ranks."""
+        for i, layer in enumerate(self.layers):
+            layer.set_noise(None if noise is None else Noise(*noise[:3], stream=i))
         loss, d = self.head.forward_backward(self._forward(x, True), y)
         if loss_out is not None:
             loss_out[...] = loss

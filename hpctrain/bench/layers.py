@@ -1,0 +1,133 @@
+"""Where a model's training step spends its time, layer by layer, on this
+machine: each layer's forward+backward milliseconds at a batch size, the
+GFLOP/s of the layers that multiply matrices (Dense, Conv2d, Residual) and
+how much of it is the GEMMs themselves (the rest: im2col, col2im, bias,
+copies), beside this machine's single-thread SGEMM GFLOP/s measured in the
+same run (the ceiling of an im2col design), and images/s for the whole
+forward_backward. One process, --threads BLAS threads (default 1: one rank's
+share); the load average is printed since the machine may be shared.
+
+    python -m hpctrain.bench layers --model small_cnn --shape 32,32,3 --batch 32
+"""
+import json
+import os
+import time
+
+import numpy as np
+
+from ..nn import MODELS, Conv2d, Dense
+from .common import table
+
+
+def _best_ms(fn, seconds, least=5):
+    """(CPU ms, wall ms) of the fastest of repeated calls, repeated for about
+    `seconds`. CPU time (this process's, one BLAS thread) does not count the
+    time other processes on a shared machine take the core away, and the
+    minimum is the call their load disturbed least."""
+    fn()
+    cpu, wall, end = [], [], time.perf_counter() + seconds
+    while len(cpu) < least or time.perf_counter() < end:
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - t)
+    return 1e3 * min(cpu), 1e3 * min(wall)
+
+
+def sgemm_gflops(seconds, n=1024):
+    a, b = np.ones((n, n), np.float32), np.ones((n, n), np.float32)
+    out = np.empty((n, n), np.float32)
+    best, _ = _best_ms(lambda: np.matmul(a, b, out=out), seconds)   # CPU time, as the layers
+    return 2 * n ** 3 / best / 1e6
+
+
+def _gemms(layer, need_dx):
+    """The layer's own GEMMs on its own buffers, as a callable (None if it has none)."""
+    if isinstance(layer, Conv2d):
+        cols, w = layer.cols, layer.W2
+    elif isinstance(layer, Dense):
+        cols, w = layer.x, layer.params["W"]
+    else:
+        return None
+    y, dy = np.empty((cols.shape[0], w.shape[1]), w.dtype), np.ones((cols.shape[0], w.shape[1]), w.dtype)
+    dw, dcols = np.empty(w.shape, w.dtype), np.empty(cols.shape, w.dtype)
+
+    def run():
+        np.matmul(cols, w, out=y)
+        np.matmul(cols.T, dy, out=dw)
+        if need_dx:
+            np.matmul(dy, w.T, out=dcols)
+    return run
+
+
+def profile(model, batch, seconds, seed=0):
+    """Per layer: ms forward+backward, ms of its GEMMs or None, GEMM flops
+    (CPU time); and the whole step's best (CPU ms, wall ms)."""
+    rng = np.random.default_rng(seed)
+    x = rng.random((batch, *model.spec.input_shape)).astype(model.dtype)
+    y = rng.integers(0, model.spec.classes, batch)
+    noise = (seed, 0, np.arange(batch))
+    model.forward_backward(x, y, noise=noise)
+    # Each layer's input and incoming gradient, captured from one step.
+    inputs, grads, a = [], [None] * len(model.layers), x.reshape(batch, *model.spec.input_shape)
+    for layer in model.layers:
+        inputs.append(a.copy())
+        a = layer.forward(a, True)
+    loss, d = model.head.forward_backward(a, y)
+    d = model.head.gradient(d, y)
+    for i in range(len(model.layers) - 1, -1, -1):
+        grads[i] = d.copy()
+        d = model.layers[i].backward(d, need_dx=True)
+    rows = []
+    for i, layer in enumerate(model.layers):
+        need_dx = i > model._first
+        if i < model._first:   # before the first layer with parameters: no backward at all
+            ms = _best_ms(lambda: layer.forward(inputs[i], True), seconds / len(model.layers))
+        else:
+            ms = _best_ms(lambda: (layer.forward(inputs[i], True), layer.backward(grads[i], need_dx)),
+                          seconds / len(model.layers))
+        gemm = _gemms(layer, need_dx)
+        mults = 2 * layer.flops() * (3 if need_dx else 2) * batch if layer.param_shapes() else None
+        rows.append(dict(layer=layer.describe(), out="x".join(map(str, model.spec.shapes[i])), ms=ms[0],
+                         gemm_ms=_best_ms(gemm, 0.1)[0] if gemm else None, flop=mults))
+    step = _best_ms(lambda: model.forward_backward(x, y, noise=noise), seconds)
+    return rows, step
+
+
+def main(args):
+    load = os.getloadavg()
+    spec = MODELS[args.model](args.shape, args.classes)
+    model = spec.build()
+    model.init(0)
+    peak = sgemm_gflops(min(1.0, args.seconds))
+    rows, (step_cpu, step_wall) = profile(model, args.batch, args.seconds)
+    peak = max(peak, sgemm_gflops(min(1.0, args.seconds)))   # before and after: the less disturbed
+    total = sum(r["ms"] for r in rows)
+    for r in rows:
+        r["share"] = 100 * r["ms"] / total
+        if r["flop"]:
+            r["gflops"] = r["flop"] / r["ms"] / 1e6
+            r["of_sgemm"] = 100 * r["gflops"] / peak
+            if r["gemm_ms"] is not None:
+                r["gemm_share"] = 100 * min(r["gemm_ms"], r["ms"]) / r["ms"]
+    flop = sum(r["flop"] or 0 for r in rows)
+    out = dict(bench="layers", model=args.model, shape=list(args.shape), batch=args.batch,
+               threads=os.environ.get("OPENBLAS_NUM_THREADS"), load_before=load, load_after=os.getloadavg(),
+               sgemm_gflops=peak, layers=rows, step_cpu_ms=step_cpu, step_wall_ms=step_wall,
+               images_per_s=args.batch / step_cpu * 1e3, images_per_s_wall=args.batch / step_wall * 1e3,
+               step_gflops=flop / step_cpu / 1e6, step_of_sgemm=100 * flop / step_cpu / 1e6 / peak)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{args.model} on {'x'.join(map(str, args.shape))}, batch {args.batch}, {out['threads']} BLAS thread(s); "
+          f"load average {load[0]:.2f} before, {out['load_after'][0]:.2f} after")
+    print(f"single-thread SGEMM (1024^3, float32): {peak:.1f} GFLOP/s")
+    print(table(rows, [("layer", "layer", "{}"), ("output", "out", "{}"), ("fwd+bwd ms", "ms", "{:.3f}"),
+                       ("share %", "share", "{:.1f}"), ("GFLOP/s", "gflops", "{:.1f}"),
+                       ("% SGEMM", "of_sgemm", "{:.0f}"), ("GEMM % of layer", "gemm_share", "{:.0f}")]))
+    print(f"whole forward_backward: {step_cpu:.2f} ms CPU = {out['images_per_s']:.0f} images/s "
+          f"({step_wall:.2f} ms wall = {out['images_per_s_wall']:.0f} images/s); layers' sum {total:.2f} ms CPU")
+    print(f"the step's matrix products: {flop / args.batch / 1e6:.1f} MFLOP per image, "
+          f"{out['step_gflops']:.1f} GFLOP/s = {out['step_of_sgemm']:.0f}% of SGEMM")
+    print("(fastest call of each, CPU time of this process: other processes' load on a shared machine left out)")
+    return 0

@@ -1,0 +1,359 @@
+"""Image layers on the layer contract (nn/layers.py): Channels (the data
+boundary), Conv2d, MaxPool2d, AvgPool2d, GlobalAvgPool.
+
+Activations are NHWC: (batch, height, width, channels). Why, for an im2col
+design: the columns are (batch*oh*ow, kh*kw*c), one row per output pixel, so
+`columns @ W` (W as (kh*kw*c, out)) is already the next layer's NHWC output,
+and `dy @ W.T` is already the columns' gradient; NCHW would need a transpose
+of the output in forward and of dy in backward around each GEMM (or one
+small GEMM per image). Measured here (batch 32, 3x3 kernels, one thread,
+CPU time), im2col's copy: 2.5 ms NHWC against 2.4 NCHW for 32x32x3 ->32, and
+2.2 against 8.9 ms for 16x16x32 ->64 (NCHW's windows copy runs of 3 floats,
+NHWC's of 3 x channels); NCHW's transposes on top: the output 1.3 and 0.45 ms,
+dy 4.0 and 0.8 ms, per layer and step. The data need nothing either: CIFAR shards are stored HWC, and MNIST-family
+images (no channel axis) gain one of size 1, a view (`Channels`).
+
+Each convolution is one GEMM per batch for the forward pass, one for the
+weight gradient and one for the input gradient; the columns come from a
+strided window view of the (padded) input in one copy, and col2im adds the
+columns' gradient back one kernel offset at a time (kh*kw strided adds,
+never np.add.at). Buffers are kept between calls: a warm step allocates
+only the small temporaries of reductions.
+
+    python -m hpctrain.nn --model small_cnn --shape 32,32,3
+"""
+import math
+
+import numpy as np
+
+from .layers import Layer, LayerError, he_normal
+
+
+def _shape(shape):
+    return "x".join(map(str, shape))
+
+
+def _image(layer, in_shape):
+    if len(in_shape) != 3:
+        raise LayerError(f"{layer.describe()} takes an image (height x width x channels), not {_shape(in_shape)}: "
+                         f"put Channels() first, and nothing that flattens before it")
+    return in_shape
+
+
+def _out_size(layer, size, k, stride, pad):
+    out = (size + 2 * pad - k) // stride + 1
+    if out < 1:
+        raise LayerError(f"{layer.describe()} on {size} pixels gives less than 1x1 (kernel {k}, padding {pad})")
+    return out
+
+
+def _window(xp, x, oh, ow, k, s):
+    """The (n, oh, ow, k, k, c) view of x's k x k windows, stride s."""
+    sn, sh, sw, sc = x.strides
+    return xp.lib.stride_tricks.as_strided(x, (x.shape[0], oh, ow, k, k, x.shape[3]),
+                                           (sn, s * sh, s * sw, sh, sw, sc))
+
+
+def _offset_slices(oh, ow, k, s):
+    """(kh, kw, the slice of x's rows, of its columns) for each kernel offset of a pool."""
+    for kh in range(k):
+        for kw in range(k):
+            yield kh, kw, slice(kh, kh + s * (oh - 1) + 1, s), slice(kw, kw + s * (ow - 1) + 1, s)
+
+
+class Channels(Layer):
+    """The data boundary of an image model: (h, w) images gain a channel
+    axis of 1, (h, w, c) images (CIFAR, stored HWC) are already NHWC. A view:
+    the conversion is free and happens once per batch, not per layer."""
+    view = True
+
+    def configure(self, in_shape):
+        super().configure(in_shape)
+        if len(self.in_shape) == 2:
+            self.out_shape = (*self.in_shape, 1)
+        elif len(self.in_shape) != 3:
+            raise LayerError(f"Channels() takes images (height x width [x channels]), not {_shape(self.in_shape)}")
+        return self.out_shape
+
+    def forward(self, x, train):
+        return x.reshape(x.shape[0], *self.out_shape)
+
+    def backward(self, dy, need_dx):
+        return dy.reshape(dy.shape[0], *self.in_shape) if need_dx else None
+
+
+class Conv2d(Layer):
+    """2-D convolution, NHWC, square kernel: W is (k, k, in_channels,
+    out_channels), b (out_channels,). He/Kaiming normal weights (variance
+    2/fan_in, fan_in = k*k*in_channels), drawn after every earlier layer's
+    from the model's rng; zero bias."""
+
+    def __init__(self, out_channels, kernel, stride=1, padding=0, bias=True):
+        self.out_channels, self.k, self.stride, self.pad = int(out_channels), int(kernel), int(stride), int(padding)
+        self.bias = bool(bias)
+        if min(self.out_channels, self.k, self.stride) < 1 or self.pad < 0:
+            raise LayerError(f"{self.describe()}: channels, kernel and stride must be at least 1, padding at least 0")
+
+    def configure(self, in_shape):
+        h, w, c = _image(self, in_shape)
+        super().configure(in_shape)
+        self.oh = _out_size(self, h, self.k, self.stride, self.pad)
+        self.ow = _out_size(self, w, self.k, self.stride, self.pad)
+        self.fan_in = self.k * self.k * c
+        self.out_shape = (self.oh, self.ow, self.out_channels)
+        return self.out_shape
+
+    def param_shapes(self):
+        shapes = [("W", (self.k, self.k, self.in_shape[2], self.out_channels))]
+        return shapes + [("b", (self.out_channels,))] if self.bias else shapes
+
+    def init(self, rng, params, dtype):
+        params["W"][...] = he_normal(rng, params["W"].shape, self.fan_in, dtype)
+
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        self.W2, self.dW2 = params["W"].reshape(self.fan_in, -1), grads["W"].reshape(self.fan_in, -1)
+
+    def _ones(self, m, dtype):
+        ones = self._buffers.get("ones")
+        if ones is None or ones.shape != (m,) or ones.dtype != dtype:
+            ones = self._buffers["ones"] = self.xp.ones(m, dtype)
+        return ones
+
+    def _columns(self, x):
+        """(n*oh*ow, k*k*c): one row per output pixel (a view for a 1x1, stride 1 kernel)."""
+        xp, n, (h, w, c), p = self.xp, x.shape[0], self.in_shape, self.pad
+        if self.k == 1 and self.stride == 1 and p == 0:
+            return x.reshape(n * h * w, c)
+        if p:
+            padded = self.zeroed("padded", (n, h + 2 * p, w + 2 * p, c), x.dtype)
+            padded[:, p:p + h, p:p + w, :] = x
+            x = padded
+        cols = self.buffer("cols", (n, self.oh, self.ow, self.k, self.k, c), x.dtype)
+        xp.copyto(cols, _window(xp, x, self.oh, self.ow, self.k, self.stride))
+        return cols.reshape(n * self.oh * self.ow, self.fan_in)
+
+    def forward(self, x, train):
+        self.cols = self._columns(x)
+        n = x.shape[0]
+        y = self.buffer(("out", train), (n * self.oh * self.ow, self.out_channels), x.dtype)
+        self.xp.matmul(self.cols, self.W2, out=y)
+        if self.bias:
+            y += self.params["b"]
+        return y.reshape(n, *self.out_shape)
+
+    def backward(self, dy, need_dx):
+        xp = self.xp
+        n = dy.shape[0]
+        dy2 = dy.reshape(n * self.oh * self.ow, self.out_channels)
+        xp.matmul(self.cols.T, dy2, out=self.dW2)
+        if self.bias:   # a GEMV: several times faster than dy2.sum(axis=0) here
+            xp.matmul(self._ones(dy2.shape[0], dy.dtype), dy2, out=self.grads["b"])
+        if not need_dx:
+            return None
+        h, w, c = self.in_shape
+        if self.k == 1 and self.stride == 1 and self.pad == 0:
+            dx = self.buffer("dx", (n * h * w, c), dy.dtype)
+            xp.matmul(dy2, self.W2.T, out=dx)
+            return dx.reshape(n, h, w, c)
+        if self.stride == 1 and self.pad < self.k and self.out_channels <= 2 * c:
+            return self._transposed(dy)
+        dcols = self.buffer("dcols", (n * self.oh * self.ow, self.fan_in), dy.dtype)
+        xp.matmul(dy2, self.W2.T, out=dcols)
+        return self._col2im(dcols.reshape(n, self.oh, self.ow, self.k, self.k, c))
+
+    def _transposed(self, dy):
+        """Stride 1: the input gradient is dy, padded by k-1-pad, convolved
+        with W turned 180 degrees and its channel axes swapped: im2col of dy
+        and one GEMM straight into dx, (n*h*w, k*k*out) @ (k*k*out, in).
+        Faster than dy @ W.T then col2im unless the layer widens a lot (its
+        columns hold k*k*out values per pixel, col2im's k*k*in): that GEMM's
+        inner dimension is the output channels alone and it writes k*k times
+        dx's size, which col2im reads back in k*k strided passes. Measured
+        here (CPU time, batch 32): 32->32 channels on 32x32, 37 ms against
+        57; 64->32 on 8x8, 3.9 against 4.7; 32->64 even; 3->32, 15 against
+        11 (the rule: out <= 2 * in)."""
+        xp, n, (h, w, c), k, q = self.xp, dy.shape[0], self.in_shape, self.k, self.k - 1 - self.pad
+        o = self.out_channels
+        if q:
+            padded = self.zeroed("dy_padded", (n, self.oh + 2 * q, self.ow + 2 * q, o), dy.dtype)
+            padded[:, q:q + self.oh, q:q + self.ow, :] = dy
+            dy = padded
+        cols = self.buffer("dcols", (n, h, w, k, k, o), dy.dtype)
+        xp.copyto(cols, _window(xp, dy, h, w, k, 1))
+        turned = self.buffer("turned", (k, k, o, c), dy.dtype)
+        xp.copyto(turned, self.params["W"][::-1, ::-1].transpose(0, 1, 3, 2))
+        dx = self.buffer("dx", (n * h * w, c), dy.dtype)
+        xp.matmul(cols.reshape(n * h * w, k * k * o), turned.reshape(k * k * o, c), out=dx)
+        return dx.reshape(n, h, w, c)
+
+    def _col2im(self, dcols):
+        """Add each kernel offset's column gradient back onto the input pixels
+        it came from (the padding's share is dropped)."""
+        n, (h, w, c), s, p = dcols.shape[0], self.in_shape, self.stride, self.pad
+        dx = self.buffer("dx", (n, h, w, c), dcols.dtype)
+        dx.fill(0)
+        for kh in range(self.k):
+            rows = self._valid(kh, self.oh, h)
+            for kw in range(self.k):
+                cols = self._valid(kw, self.ow, w)
+                if rows and cols:
+                    (o0, o1, i0, i1), (q0, q1, j0, j1) = rows, cols
+                    dx[:, i0:i1:s, j0:j1:s, :] += dcols[:, o0:o1, q0:q1, kh, kw, :]
+        return dx
+
+    def _valid(self, kk, out, size):
+        """For kernel offset kk: the output range (o0, o1) whose input pixel
+        o*stride + kk - pad lies inside the image, and that pixel range (i0, i1)."""
+        s, p = self.stride, self.pad
+        o0 = max(0, -((kk - p) // s))
+        o1 = min(out, (size - 1 + p - kk) // s + 1)
+        if o1 <= o0:
+            return None
+        return o0, o1, o0 * s + kk - p, (o1 - 1) * s + kk - p + 1
+
+    def train_floats(self):
+        h, w, c = self.in_shape
+        cols = 0 if (self.k == 1 and self.stride == 1 and self.pad == 0) else 2 * self.oh * self.ow * self.fan_in
+        padded = (h + 2 * self.pad) * (w + 2 * self.pad) * c if self.pad else 0
+        return 2 * math.prod(self.out_shape) + h * w * c + cols + padded
+
+    def flops(self):
+        return self.oh * self.ow * self.out_channels * self.fan_in
+
+    def describe(self):
+        extra = (f",s{self.stride}" if self.stride != 1 else "") + (f",p{self.pad}" if self.pad else "")
+        return f"Conv2d({self.out_channels},{self.k}x{self.k}{extra}{'' if self.bias else ',nobias'})"
+
+
+class _Pool(Layer):
+    def __init__(self, k, stride=None):
+        self.k = int(k)
+        self.stride = self.k if stride is None else int(stride)
+        if min(self.k, self.stride) < 1:
+            raise LayerError(f"{self.describe()}: kernel and stride must be at least 1")
+
+    def configure(self, in_shape):
+        h, w, c = _image(self, in_shape)
+        super().configure(in_shape)
+        self.oh, self.ow = _out_size(self, h, self.k, self.stride, 0), _out_size(self, w, self.k, self.stride, 0)
+        self.out_shape = (self.oh, self.ow, c)
+        return self.out_shape
+
+    def _dx(self, dy):
+        """The input gradient's buffer, zeroed where no window writes (or
+        everywhere, when windows overlap and offsets add up)."""
+        dx = self.buffer("dx", (dy.shape[0], *self.in_shape), dy.dtype)
+        if self.stride != self.k or self.oh * self.k != self.in_shape[0] or self.ow * self.k != self.in_shape[1]:
+            dx.fill(0)
+        return dx
+
+    def train_floats(self):
+        return 2 * math.prod(self.out_shape) + math.prod(self.in_shape)
+
+    def flops(self):
+        return math.prod(self.out_shape) * self.k * self.k
+
+    def describe(self):
+        return f"{type(self).__name__}({self.k}{'' if self.stride == self.k else f',s{self.stride}'})"
+
+
+class MaxPool2d(_Pool):
+    """The largest value of each k x k window (stride defaults to k, no
+    padding); its gradient goes to the first maximum of the window, as in
+    PyTorch. Done one kernel offset at a time: k*k strided passes over the
+    output, and which offset won kept as one byte per output (updated by
+    arithmetic, not a masked copy, which is branchy and slow)."""
+
+    def forward(self, x, train):
+        xp = self.xp
+        y = self.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
+        won = self.buffer("won", y.shape, np.uint8)
+        gt = self.buffer("gt", y.shape, bool)
+        offset = self.buffer("offset", y.shape, np.uint8)
+        for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
+            window = x[:, rows, cols, :]
+            if kh == kw == 0:
+                xp.copyto(y, window)
+                won.fill(0)
+                continue
+            xp.greater(window, y, out=gt)
+            # won = this offset where gt, else won; offsets only grow, so that is a maximum
+            xp.multiply(gt, np.uint8(kh * self.k + kw), out=offset)
+            xp.maximum(won, offset, out=won)
+            xp.maximum(y, window, out=y)
+        return y
+
+    def backward(self, dy, need_dx):
+        if not need_dx:
+            return None
+        xp = self.xp
+        dx, won = self._dx(dy), self._buffers["won"]
+        hit = self.buffer("gt", dy.shape, bool)
+        part = self.buffer("part", dy.shape, dy.dtype)
+        overlap = self.stride < self.k
+        for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
+            xp.equal(won, np.uint8(kh * self.k + kw), out=hit)
+            if overlap:
+                xp.multiply(dy, hit, out=part)
+                dx[:, rows, cols, :] += part
+            else:
+                xp.multiply(dy, hit, out=dx[:, rows, cols, :])
+        return dx
+
+
+class AvgPool2d(_Pool):
+    """The mean of each k x k window (stride defaults to k, no padding)."""
+
+    def forward(self, x, train):
+        y = self.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
+        for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
+            if kh == kw == 0:
+                self.xp.copyto(y, x[:, rows, cols, :])
+            else:
+                y += x[:, rows, cols, :]
+        y *= 1.0 / (self.k * self.k)
+        return y
+
+    def backward(self, dy, need_dx):
+        if not need_dx:
+            return None
+        dx = self._dx(dy)
+        share = self.buffer("share", dy.shape, dy.dtype)
+        self.xp.multiply(dy, 1.0 / (self.k * self.k), out=share)
+        for _, _, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
+            if self.stride < self.k:
+                dx[:, rows, cols, :] += share
+            else:
+                dx[:, rows, cols, :] = share
+        return dx
+
+
+class GlobalAvgPool(Layer):
+    """(batch, h, w, c) -> (batch, c): each channel's mean over the image."""
+
+    def configure(self, in_shape):
+        h, w, c = _image(self, in_shape)
+        super().configure(in_shape)
+        self.out_shape = (c,)
+        return self.out_shape
+
+    def forward(self, x, train):
+        y = self.buffer(("out", train), (x.shape[0], x.shape[3]), x.dtype)
+        x.sum(axis=(1, 2), out=y)
+        y *= 1.0 / (x.shape[1] * x.shape[2])
+        return y
+
+    def backward(self, dy, need_dx):
+        if not need_dx:
+            return None
+        h, w, c = self.in_shape
+        dx = self.buffer("dx", (dy.shape[0], h, w, c), dy.dtype)
+        self.xp.multiply(dy.reshape(dy.shape[0], 1, 1, c), 1.0 / (h * w), out=dx)
+        return dx
+
+    def train_floats(self):
+        return 2 * self.out_shape[0] + math.prod(self.in_shape)
+
+    def flops(self):
+        return math.prod(self.in_shape)

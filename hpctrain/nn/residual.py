@@ -1,0 +1,136 @@
+"""The residual container on the layer contract (nn/layers.py):
+`Residual(block, projection=None)` is y = f(x) + skip(x), f the layer list
+`block`, skip the identity or `projection` (a layer or a layer list, e.g.
+a 1x1 strided Conv2d and a BatchNorm2d), so a ResNet is a layer list too.
+
+To the spec it is one layer whose tensors are its inner layers', named
+`block{j}.{name}` and `proj{j}.{name}` (nested containers nest the
+prefixes): ModelSpec lays them out, names them `layer{k}/block0.W`, and
+hands them back through `bind`/`init`/`init_state`, which this splits by
+prefix. Inner layers initialise in order, block first, then projection.
+
+    python -m hpctrain.nn --model resnet --shape 32,32,3
+"""
+import math
+
+from .layers import Layer, LayerError, Noise
+
+
+def _shape(shape):
+    return "x".join(map(str, shape))
+
+
+def _overwrites(layers):
+    """Does the first layer past any reshapes (views) overwrite its input?"""
+    for layer in layers:
+        if not layer.view:
+            return layer.inplace
+    return False
+
+
+class Residual(Layer):
+    def __init__(self, block, projection=None):
+        self.block = list(block)
+        self.projection = [] if projection is None else \
+            list(projection) if isinstance(projection, (list, tuple)) else [projection]
+        if not self.block:
+            raise LayerError("Residual: the block is empty")
+        self.inner = [(f"block{j}", layer) for j, layer in enumerate(self.block)] + \
+                     [(f"proj{j}", layer) for j, layer in enumerate(self.projection)]
+        # the skip path still needs x (and so may the layer before): a path
+        # whose first layer past any reshapes overwrites its input gets a copy
+        self._copy_x, self._copy_skip = _overwrites(self.block), _overwrites(self.projection)
+
+    def configure(self, in_shape):
+        super().configure(in_shape)
+        shape = self.in_shape
+        for layer in self.block:
+            shape = tuple(layer.configure(shape))
+        skip = self.in_shape
+        for layer in self.projection:
+            skip = tuple(layer.configure(skip))
+        if shape != skip:
+            raise LayerError(f"{self.describe()}: the block gives {_shape(shape)}, the skip path {_shape(skip)}"
+                             + ("" if self.projection else ": give a projection"))
+        self.out_shape = shape
+        return shape
+
+    # --- tensors: the inner layers', prefixed ---------------------------------
+    def _prefixed(self, of):
+        return [(f"{prefix}.{name}", shape) for prefix, layer in self.inner for name, shape in getattr(layer, of)()]
+
+    def param_shapes(self):
+        return self._prefixed("param_shapes")
+
+    def state_shapes(self):
+        return self._prefixed("state_shapes")
+
+    @staticmethod
+    def _split(views, prefix):
+        return {name[len(prefix) + 1:]: v for name, v in views.items() if name.split(".", 1)[0] == prefix}
+
+    def init(self, rng, params, dtype):
+        for prefix, layer in self.inner:
+            layer.init(rng, self._split(params, prefix), dtype)
+
+    def init_state(self, state):
+        for prefix, layer in self.inner:
+            layer.init_state(self._split(state, prefix))
+
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        for prefix, layer in self.inner:
+            layer.bind(xp, self._split(params, prefix), self._split(grads, prefix), self._split(state, prefix))
+
+    def set_noise(self, noise):
+        for j, (_, layer) in enumerate(self.inner):
+            layer.set_noise(None if noise is None else Noise(*noise[:3], stream=noise.stream * 64 + j + 1))
+
+    # --- forward and backward -------------------------------------------------
+    def forward(self, x, train):
+        a = x
+        if self._copy_x:
+            a = self.buffer("x", x.shape, x.dtype)
+            self.xp.copyto(a, x)
+        for layer in self.block:
+            a = layer.forward(a, train)
+        skip = x
+        if self._copy_skip:
+            skip = self.buffer("x_skip", x.shape, x.dtype)
+            self.xp.copyto(skip, x)
+        for layer in self.projection:
+            skip = layer.forward(skip, train)
+        y = self.buffer(("out", train), a.shape, a.dtype)
+        self.xp.add(a, skip, out=y)
+        return y
+
+    def backward(self, dy, need_dx):
+        # The skip path first: the block's layers may overwrite dy (ReLU does).
+        skip = dy
+        if any(layer.inplace for layer in self.projection):
+            skip = self.buffer("dy_skip", dy.shape, dy.dtype)
+            self.xp.copyto(skip, dy)
+        for i in range(len(self.projection) - 1, -1, -1):
+            skip = self.projection[i].backward(skip, need_dx)
+        if need_dx and not self.projection:
+            skip = self.buffer("dskip", dy.shape, dy.dtype)
+            self.xp.copyto(skip, dy)
+        d = dy
+        for i in range(len(self.block) - 1, -1, -1):
+            d = self.block[i].backward(d, need_dx or i > 0)
+        if not need_dx:
+            return None
+        skip += d
+        return skip
+
+    def train_floats(self):
+        copy = math.prod(self.in_shape) * (self._copy_x + self._copy_skip + (not self.projection))
+        return (sum(layer.train_floats() for _, layer in self.inner) + 2 * math.prod(self.out_shape) + copy)
+
+    def flops(self):
+        return sum(layer.flops() for _, layer in self.inner) + math.prod(self.out_shape)
+
+    def describe(self):
+        inner = ">".join(layer.describe() for layer in self.block)
+        proj = "|" + ">".join(layer.describe() for layer in self.projection) if self.projection else ""
+        return f"Residual[{inner}{proj}]"
