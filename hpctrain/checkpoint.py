@@ -8,6 +8,8 @@ written by the chief only. It holds everything a bit-exact resume needs:
                            every byte after it, checked before HDF5 parses the file
     params                 float32 (n,)    all parameters, the model's flat buffer
     optimizer/<name>       float32 (n,)    each optimizer state array (Adam: m, v)
+    model_state            float32 (m,)    the model's non-trainable state (batch-norm running
+                                           statistics; the chief's), only when m > 0
     data_positions         int64 (W, 2)    each worker's reader position: epoch, samples of its permutation taken
     attrs                  format, format_version, step, optimizer_t, optimizer_state,
                            the settings that must match on resume (settings.SAME_ON_RESUME),
@@ -15,7 +17,8 @@ written by the chief only. It holds everything a bit-exact resume needs:
                            sha256: over every dataset and every other attribute
 
 No random-number state is stored because there is none to store: each reader's
-shuffle is a pure function of (seed, epoch) and the model has no dropout.
+shuffle is a pure function of (seed, epoch), and a dropout mask of (seed,
+epoch, sample id).
 
 Writing: a hidden temporary name in the same directory, flushed and fsync'd,
 renamed into place, then the directory fsync'd; so a crash leaves either the
@@ -95,6 +98,7 @@ class Checkpoint:
     optimizer_state: dict
     data_positions: np.ndarray
     attrs: dict = field(default_factory=dict)
+    model_state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
     @property
     def name(self):
@@ -105,12 +109,12 @@ class Checkpoint:
 # writing
 
 def save(directory, step, params, optimizer_state, optimizer_t, data_positions, settings, keep=3,
-         info=None):
+         info=None, model_state=None):
     """Write DIR/ckpt-<step>.h5 atomically; keep the newest `keep`; return its path.
 
     params and each optimizer state array: 1-D float32 (host arrays); data_positions:
-    (workers, 2) int64 (epoch, offset); settings: the values that must match on
-    resume (settings.same_on_resume); info:
+    (workers, 2) int64 (epoch, offset); model_state: 1-D float32 or None (none);
+    settings: the values that must match on resume (settings.same_on_resume); info:
     more attributes recorded for people (world size, lr, ...), checked by no one.
     """
     import h5py
@@ -119,13 +123,17 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     positions = np.ascontiguousarray(data_positions, dtype="<i8")
     if positions.ndim != 2 or positions.shape[1] != 2:
         raise ValueError(f"data_positions must be (workers, 2), got {positions.shape}")
+    model_state = _flat32(model_state, "model state") if model_state is not None and len(model_state) else None
     attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step),
-             "optimizer_t": int(optimizer_t), "optimizer_state": ",".join(state)}
+             "optimizer_t": int(optimizer_t), "optimizer_state": ",".join(state),
+             "model_state": 0 if model_state is None else int(model_state.size)}
     for key, value in {**(info or {}), **settings}.items():
         if key not in attrs:
             attrs[key] = _attr_value(key, value)
     datasets = {"params": params, "data_positions": positions,
                 **{f"optimizer/{name}": a for name, a in state.items()}}
+    if model_state is not None:
+        datasets["model_state"] = model_state
     attrs["sha256"] = _checksum(datasets, attrs)
 
     directory = os.fspath(directory)
@@ -320,6 +328,8 @@ def read(path):
             check_attr_types(attrs)
             names = [n for n in str(attrs.get("optimizer_state", "")).split(",") if n]
             keys = ["params", "data_positions"] + [f"optimizer/{n}" for n in names]
+            if attrs.get("model_state", 0):   # written before batch norm: absent, none
+                keys.append("model_state")
             found = {key: stored_dataset(f, key, len(raw)) for key in keys}
             if sum(obj.nbytes for obj in found.values()) > len(raw):
                 raise _Refused(f"its datasets hold more bytes than the file ({len(raw)})")
@@ -346,10 +356,14 @@ def read(path):
     for key in ("step", "optimizer_t"):
         if not isinstance(attrs.get(key), int):
             raise _Corrupt(f"attribute {key} missing or not an integer")
+    model_state = datasets.get("model_state", np.zeros(0, np.float32))
+    if model_state.ndim != 1 or model_state.dtype != np.float32 or model_state.size != attrs.get("model_state", 0):
+        raise _Corrupt(f"model_state is {model_state.dtype} {model_state.shape}, "
+                       f"the attributes say {attrs.get('model_state')!r} floats")
     check_ranges(attrs, positions)
     return Checkpoint(path=os.fspath(path), step=attrs["step"], optimizer_t=attrs["optimizer_t"],
                       params=params, optimizer_state=state,
-                      data_positions=positions.astype(np.int64, copy=False), attrs=attrs)
+                      data_positions=positions.astype(np.int64, copy=False), attrs=attrs, model_state=model_state)
 
 
 def check_compatible(ckpt, expected_settings):

@@ -11,6 +11,8 @@ pipeline loop to come) each own their step; the frame owns the rest.
 import contextlib
 import time
 
+from . import device
+from .comm.device_buffers import bcast
 from .errors import EXIT_DIVERGED, HpctrainError
 from .report import finish_everywhere
 
@@ -111,11 +113,26 @@ class Frame:
             print(f"stopping after step {step}: signal received", flush=True)
             self.report.metrics.close()
 
+    def share_model_state(self, model):
+        """The chief's non-trainable state (batch-norm running statistics) to
+        every worker before the evaluation they share. Each worker's own
+        statistics follow its own batches; the chief's are the model's (what
+        it evaluates alone, checkpoints and saves): DDP's broadcast_buffers,
+        once at the end instead of at every step."""
+        if not model.state.size:
+            return
+        session = self.session
+        device.synchronize(session.xp)
+        with session.watchdog.waiting("model state broadcast", peer=session.cluster.chief_rank):
+            bcast(session.cluster.worker_comm, model.state, root=0)
+
     def samples(self, step, per_step):
         return (step - self.start) * per_step
 
     def finish(self, model, step, per_step, extra, alone=False):
         """The final evaluation, the chief's record and --save, on every worker
         (alone: the chief by itself, ps with a worker left behind)."""
+        if not alone:
+            self.share_model_state(model)
         return finish_everywhere(self.session, self.report, model, step, self.loop_s, self.samples(step, per_step),
                                  self.comm_s, self.compute_s, self.checkpoints, extra=extra, alone=alone)

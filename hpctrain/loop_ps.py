@@ -168,15 +168,16 @@ def run_server(session, config, checkpoints, comm, placement, shared):
     return None
 
 
-def save_cut(session, checkpoints, cut):
-    """A checkpoint of the servers' Cut at ps 0's version and optimizer step.
+def save_cut(session, checkpoints, cut, model_state):
+    """A checkpoint of the servers' Cut at ps 0's version and optimizer step,
+    and the chief's own non-trainable model state (batch-norm statistics).
     Sync: every server is at that version (ps 0's hold makes it so: anything
     else is a bug). Async: each server's slice as it was while held, with
     the updates it applied; the servers' own counts may differ and resume
     from ps 0's (docs/ps.md, "Checkpoints in ps mode")."""
     if session.args.sync and not cut.consistent:
         raise ProtocolError(f"a sync checkpoint cut is not one version: {cut.describe()}")
-    checkpoints.save_on_chief_only(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions)
+    checkpoints.save_on_chief_only(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions, model_state)
 
 
 @dataclass
@@ -198,6 +199,7 @@ def run_worker(session, config, checkpoints, comm, reader, resume, placement, sh
     w = start_worker(session, config, comm, placement, shared, why_not, resume)
     if resume is not None:
         checkpoints.seek_readers(reader, resume)
+        checkpoints.broadcast_model_state(session.cluster.worker_comm, resume, w.model.state)
         session.chief_says(checkpoints.resumed_line(resume, config))
     report.resume_at(checkpoints.saved_step, resume)   # None: a fresh run, a fresh file
     checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
@@ -237,6 +239,7 @@ def worker_steps(session, config, frame, w, reader):
     Returns the steps this worker computed."""
     args, xp, tl, chief = session.args, session.xp, session.timeline, session.chief
     model, client, pm, gm, clip = w.model, w.client, w.pm, w.gm, w.clip
+    noisy, seed = config.spec.draws_noise, args.seed   # dropout: masks of (seed, epoch, sample id)
     norms = []   # sync --clip-norm: the servers' pre-clip norm of each round
     local = 0
     with frame.training():
@@ -247,7 +250,8 @@ def worker_steps(session, config, frame, w, reader):
             t0 = time.perf_counter()
             with tl.span("forward+backward", cat="compute"):
                 forward_done, layer_done = tl.model_hooks(t0, None)
-                loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done)
+                loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
+                                              noise=(seed, *reader.last_draw) if noisy else None)
                 gm.to_host()        # returns when the gradients are where MPI reads them
                 loss = float(loss)  # after that wait: no second one for the loss
                 if clip:
@@ -283,7 +287,7 @@ def worker_steps(session, config, frame, w, reader):
             if chief and not client.stop and frame.checkpoint_due(step):
                 # The chief alone: the servers' slices and state at one version
                 # (SNAPSHOT), with the data positions the leader recorded for it.
-                save_cut(session, frame.checkpoints, client.snapshot(w.state_names))
+                save_cut(session, frame.checkpoints, client.snapshot(w.state_names), model.state)
             if client.preempted:
                 frame.stopping(step)
     return local
@@ -305,7 +309,7 @@ def end_worker(session, config, frame, w, local):
     if chief and session.has_val and not client.preempted:
         frame.report.final_val(w.model, step)   # before the last checkpoint: it records the best
     if want_state and checkpoints.saved_step != step:
-        save_cut(session, checkpoints, final_cut)
+        save_cut(session, checkpoints, final_cut, w.model.state)
     if client.preempted:
         checkpoints.raise_preempted(cluster.comm, step)   # the exit-75 error on every rank
     extra = summarize(stats, W)

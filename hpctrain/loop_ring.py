@@ -61,6 +61,7 @@ def train_ring(session):
     step = 0
     if resume is not None:
         checkpoints.broadcast_state(comm, resume, model.params, optimizer)
+        checkpoints.broadcast_model_state(comm, resume, model.state)
         checkpoints.seek_readers(reader, resume)
         step = resume.step
         session.chief_says(checkpoints.resumed_line(resume, config))
@@ -77,6 +78,7 @@ def train_ring(session):
 def train_steps(session, config, frame, ring, reader, step):
     """The training loop from `step`: (the last step, whether some rank asked to stop)."""
     xp, timeline, model, fused = session.xp, session.timeline, ring.model, ring.fused
+    noisy, seed = config.spec.draws_noise, config.args.seed   # dropout: masks of (seed, epoch, sample id)
     workers, per_step = session.cluster.num_workers, config.args.batch_size * session.cluster.num_workers
     stopped = False   # some rank asked to stop: the summed flag, the same on every rank
     with frame.training():
@@ -88,7 +90,7 @@ def train_steps(session, config, frame, ring, reader, step):
             ring.begin(config.lr(step), session.stop.received)
             forward_done, layer_done = timeline.model_hooks(t0, ring.layer_done)
             model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
-                                   loss_out=ring.wire.loss)
+                                   loss_out=ring.wire.loss, noise=(seed, *reader.last_draw) if noisy else None)
             t1 = time.perf_counter()
             with timeline.span("wait for gradients", cat="comm"):
                 fused.wait()
@@ -124,7 +126,7 @@ def save_checkpoint(session, checkpoints, ring, reader, step):
     positions = checkpoints.gather_positions(reader)
     # Sharded: the chief gathers the full-length state (the same file either way).
     state = checkpoints.gather_state(comm, ring.optimizer) if ring.sharded else ring.optimizer.state()
-    checkpoints.save(comm, step, ring.model.params, state, ring.optimizer.t, positions)
+    checkpoints.save(comm, step, ring.model.params, state, ring.optimizer.t, positions, ring.model.state)
 
 
 def finish(session, config, frame, ring, reader, step, preempted):

@@ -31,7 +31,7 @@ def device_batches(reader, xp, copier=None):
 
 
 class _Slot:
-    __slots__ = ("hx", "hy", "dx", "dy", "copied", "released", "position")
+    __slots__ = ("hx", "hy", "dx", "dy", "copied", "released", "position", "draw")
 
     def __init__(self, copier, x, y):
         self.hx, self.hy = copier.host_empty(x.shape, x.dtype), copier.host_empty(y.shape, y.dtype)
@@ -39,6 +39,7 @@ class _Slot:
         self.copied = None     # token: the copy to the device is done (pinned buffers free again)
         self.released = None   # token: compute is done with dx, dy
         self.position = None   # the reader's position after this batch
+        self.draw = None       # the batch's (epoch, sample ids): the reader's last_draw
 
 
 class Prefetcher:
@@ -52,6 +53,7 @@ class Prefetcher:
         self._ahead = None        # the slot read ahead, not yet handed out
         self._current = None      # the slot handed out last
         self._position = tuple(reader.position) if hasattr(reader, "position") else None
+        self.last_draw = None     # (epoch, sample ids) of the batch handed out last
 
     def __getattr__(self, name):  # batch_size, num_samples, ...: the reader's
         if name == "reader":
@@ -79,6 +81,9 @@ class Prefetcher:
         slot.hx[...] = x
         slot.hy[...] = y
         slot.position = tuple(self.reader.position) if hasattr(self.reader, "position") else None
+        if hasattr(self.reader, "last_draw"):
+            epoch, ids = self.reader.last_draw
+            slot.draw = (epoch, ids.copy())
         # The device arrays may still be read by compute queued earlier.
         c.to_device(slot.hx, slot.dx, after=slot.released)
         slot.copied = c.to_device(slot.hy, slot.dy)   # same stream: after x's copy
@@ -96,6 +101,7 @@ class Prefetcher:
         c.use(slot.copied)        # compute waits for the copy, the host does not
         self._current = slot
         self._position = slot.position
+        self.last_draw = slot.draw
         self._ahead = self._read_ahead()
         return slot.dx, slot.dy
 

@@ -177,6 +177,24 @@ class Checkpoints:
                          f"workers (was {config.lr(step) * before / workers:g})")
         return line
 
+    def broadcast_model_state(self, comm, resume, state):
+        """Collective over comm (the workers'): the checkpoint's non-trainable
+        model state (batch-norm statistics) from the chief into every
+        worker's `state` (nothing when the model has none)."""
+        if not state.size:
+            return
+        session = self.session
+        host = np.zeros(state.shape, state.dtype)
+        ckpt = resume.checkpoint
+        if ckpt is not None:
+            if ckpt.model_state.size != state.size:
+                raise HpctrainError(f"{ckpt.path}: {ckpt.model_state.size} floats of model state, this model has "
+                                    f"{state.size}")   # the model identity was compared: a crafted file
+            host[...] = ckpt.model_state
+        with session.watchdog.waiting("checkpoint broadcast (model state)", peer=session.cluster.chief_rank):
+            comm.Bcast(host, root=session.chief_in(comm))
+        state[...] = session.xp.asarray(host)
+
     def broadcast_state(self, comm, resume, params, optimizer):
         """Collective over comm: the resumed parameters and optimizer state
         from the chief into every rank's params and optimizer (ring mode, where
@@ -251,7 +269,7 @@ class Checkpoints:
             cluster.worker_comm.Gather(mine, everyone, root=0)
         return everyone
 
-    def save(self, comm, step, params, optimizer_state, optimizer_t, positions):
+    def save(self, comm, step, params, optimizer_state, optimizer_t, positions, model_state=None):
         """Collective over comm: the chief writes the checkpoint of `step` from
         the arrays it passes (device or host; the other ranks' arguments are
         ignored) and prunes to --keep-checkpoints. A failure to write stops
@@ -275,7 +293,8 @@ class Checkpoints:
                                        info=dict(settings.recorded(args, cluster.size, cluster.num_workers,
                                                                    session.spec),
                                                  samples=self.samples_at(step), data=str(session.data_dir),
-                                                 data_digest=session.data_digest, **self.more_attrs()))
+                                                 data_digest=session.data_digest, **self.more_attrs()),
+                                       model_state=None if model_state is None else device.to_host(model_state))
         # The others wait for the chief's write in the agreement: it answers
         # their roll calls "busy" meanwhile, so a healthy write longer than
         # --timeout is no stall (the write itself has its own deadline above).
@@ -285,13 +304,13 @@ class Checkpoints:
         self.saved_step, self.saved_path = step, path
         return path
 
-    def save_on_chief_only(self, step, params, states, t, positions):
+    def save_on_chief_only(self, step, params, states, t, positions, model_state=None):
         """ps mode: the chief writes a checkpoint by itself while servers and
         workers keep going. A failure to write is one error line and aborts the
         job (the others are not at a point where they could agree)."""
         from mpi4py import MPI
         try:
-            self.save(MPI.COMM_SELF, step, params, states, t, positions)
+            self.save(MPI.COMM_SELF, step, params, states, t, positions, model_state)
         except HpctrainError as exc:
             raise HpctrainError(str(exc), exit_code=exc.exit_code) from None   # not collective: abort
 

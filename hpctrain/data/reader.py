@@ -222,6 +222,12 @@ class ShardReader:
         B = self.batch_size
         return self._ids[(self._taken - 1) * B: self._taken * B]
 
+    @property
+    def last_draw(self):
+        """(epoch, sample ids) of the last batch: what a dropout mask is a
+        function of (with the seed), whichever worker takes the sample."""
+        return self._epoch, self.last_ids
+
     def _deal(self):
         """This worker's samples of the epoch from the current position, read into memory."""
         while True:

@@ -190,7 +190,7 @@ class Conv2d(Layer):
     def _col2im(self, dcols):
         """Add each kernel offset's column gradient back onto the input pixels
         it came from (the padding's share is dropped)."""
-        n, (h, w, c), s, p = dcols.shape[0], self.in_shape, self.stride, self.pad
+        n, (h, w, c), s = dcols.shape[0], self.in_shape, self.stride
         dx = self.buffer("dx", (n, h, w, c), dcols.dtype)
         dx.fill(0)
         for kh in range(self.k):

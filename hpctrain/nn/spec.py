@@ -29,7 +29,7 @@ import os
 
 import numpy as np
 
-from .layers import LayerError
+from .layers import Dropout, LayerError
 from .sequential import Sequential
 
 
@@ -95,6 +95,14 @@ class ModelSpec:
         digest = hashlib.sha256(f"{self.input_shape};{text}".encode()).hexdigest()[:12]
         name = self.name.replace(os.sep, "/").rsplit("/", 1)[-1]   # a user's FILE.py:FUNCTION, without its folder
         return f"{name[-40:]} {digest}"   # within the 64-byte records ranks compare
+
+    @property
+    def draws_noise(self):
+        """Whether training needs `noise` (a Dropout, inside a container too):
+        the loops pass the batch's sample ids only then."""
+        def draws(layer):
+            return isinstance(layer, Dropout) or any(draws(inner) for _, inner in getattr(layer, "inner", ()))
+        return any(draws(layer) for layer in self.layers)
 
     def flops(self):
         """Forward multiply-adds per sample, layer by layer."""
