@@ -220,8 +220,9 @@ def check_memory(args, ranks_on_node, spec):
     need = memory_needed(args, spec)
     have = memory_available()
     if have is not None and need * ranks_on_node > have:
+        what = f"--hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else f"--model {args.model}"
         raise HpctrainError(
-            f"--hidden {','.join(map(str, args.hidden))} with --batch-size {args.batch_size} needs at "
+            f"{what} with --batch-size {args.batch_size} needs at "
             f"least {need / 2**30:.1f} GiB per rank (parameters, gradients, optimizer state, "
             f"activations); this node has {have / 2**30:.1f} GiB available for {ranks_on_node} "
             f"rank{'s' if ranks_on_node > 1 else ''}")

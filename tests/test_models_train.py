@@ -62,3 +62,30 @@ def test_resume_is_bit_exact_with_dropout_and_batch_norm(job, tmp_path, mode):
     assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
     names = saved(tmp_path / "resumed.h5")
     assert any(k.endswith("running_mean") for k in names)   # the statistics are saved beside the parameters
+
+
+def test_a_cifar_shaped_file_trains_the_cnn_and_a_dense_only_model_is_refused_on_it(job, tmp_path):
+    """CIFAR-10 cannot be downloaded here: a file in its binary format,
+    written by the test, proves the path (32x32x3 HWC shards -> Channels ->
+    the zoo's cnn, sized from the image shape)."""
+    from hpctrain import data
+    from test_datasets import cifar_batches
+    src = cifar_batches(tmp_path / "cifar", per_batch=40, batches=2, test=20)
+    data.prepare(src, tmp_path / "shards", shards=2, log=lambda *a, **k: None)
+    r = ok(job(2, "--model", "cnn", "--data", tmp_path / "shards", "--steps", "4", "--log-every", "2",
+               "--batch-size", "8", "--save", tmp_path / "p.h5"))
+    assert "input 32x32x3" in r.stdout and "test accuracy" in r.stdout, r.stdout
+    mine = tmp_path / "dense.py"
+    mine.write_text("from hpctrain.nn import Dense\n\ndef build(shape, classes):\n    return [Dense(classes)]\n")
+    r = job(2, "--model", f"{mine}:build", "--data", tmp_path / "shards", "--steps", "4", timeout=60)
+    assert r.returncode == 2 and "not 32x32x3: put Flatten()" in r.stderr, r.stderr
+
+
+def test_a_cnn_that_cannot_fit_is_refused_up_front(job, tmp_path):
+    """The memory check counts a convolution's activations and im2col columns
+    (nn/spec.py memory_bytes), not only the parameters."""
+    r = job(2, "--model", "cnn", "--batch-size", "2000000", "--steps", "5", "--save", tmp_path / "p.h5", timeout=60)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr
+    assert "--model cnn with --batch-size 2000000 needs at least" in errors[0], errors
+    assert not (tmp_path / "p.h5").exists()

@@ -17,6 +17,7 @@
 #      (GPU workers against CPU workers, and the path they took), the sharded
 #      optimizer update against the replicated one and per-thread default
 #      streams against the legacy one (bit for bit, 2 ranks)
+#      and a CNN (--model cnn) GPU vs CPU after 20 SGD steps, with its images/s
 #   4. benchmarks: allreduce with CuPy buffers, training GPU vs CPU, default
 #      and wide (--hidden 4096,4096) model
 # and prints one table. Logs go to $OUT (if set) or /tmp/hpctrain-device-check.
@@ -133,6 +134,20 @@ for ranks in 1 4; do
     fi
     [ $g = 0 ] && row "  path, $ranks rank(s)" info "$(grep -o 'gradients: .*' "$LOGS/sgd_gpu_$ranks.txt" | head -1 | cut -c1-150)"
 done
+# A CNN (issue 21): GPU against CPU after 20 SGD steps, then its images/s on the GPU.
+CNN="--model cnn --optimizer sgd --lr 0.05 --steps 20 --log-every 20"
+if time_left "CNN GPU vs CPU params, 2 ranks, 20 SGD"; then
+    train cnn_gpu 2 180 --device gpu $CNN --save "$WORK/cnn_gpu.h5"; g=$?
+    train cnn_cpu 2 180 --device cpu $CNN --save "$WORK/cnn_cpu.h5"; c=$?
+    if [ $g = 0 ] && [ $c = 0 ]; then
+        d=$(maxdiff "$WORK/cnn_gpu.h5" "$WORK/cnn_cpu.h5")
+        ok=$("$PY" -c "print('pass' if float('$d') < 1e-4 else 'FAIL')" 2>/dev/null || echo FAIL)
+        row "CNN GPU vs CPU params, 2 ranks, 20 SGD" "$ok" "max |diff| = $d (pass < 1e-4)"
+        row "  CNN images/s, 2 ranks on the GPU" info "$(final cnn_gpu samples_per_s)"
+    else
+        row "CNN GPU vs CPU params, 2 ranks, 20 SGD" FAIL "rc gpu=$g cpu=$c (logs cnn_*.txt)"
+    fi
+fi
 for ranks in 1 4; do
     time_left "GPU training, $ranks rank(s), Adam 300 steps" || continue
     train "adam_gpu_$ranks" "$ranks" 120 --device gpu --steps 300 --log-every 300; rc=$?
