@@ -158,24 +158,8 @@ class Checkpoints:
             ckpt.attrs["samples"] = 0
 
     def resumed_line(self, resume, config):
-        """The chief's line for a resumed run; on another number of workers it
-        says where the data goes on and what --scale-lr makes of the lr."""
-        session, step = self.session, resume.step
-        steps, workers = config.steps, session.cluster.num_workers
-        note = f" (--steps {steps}: nothing left to train)" if step >= steps else ""
-        line = f"resumed from {self.saved_path} at step {step}{note}"
-        before = int(resume.checkpoint.attrs.get("num_workers", workers)) if resume.checkpoint else workers
-        if before != workers:
-            epoch, pos = resume_point(resume.checkpoint.data_positions)
-            line += (f"; written with {before} workers, this run has {workers}: the rest of epoch "
-                     f"{epoch} (from sample {pos}) is dealt over {workers} workers")
-            if session.args.epochs is not None:
-                line += (f"; --epochs {session.args.epochs:g}: {resume.samples} samples taken so far, "
-                         f"the rest at {workers} workers x {session.args.batch_size}: the run ends at step {steps}")
-            if session.args.scale_lr:
-                line += (f"; --scale-lr: lr {config.lr(step):g} at step {step} for {workers} "
-                         f"workers (was {config.lr(step) * before / workers:g})")
-        return line
+        """The chief's line for a resumed run (resumed_line below)."""
+        return resumed_line(self.session, self.saved_path, resume, config)
 
     def broadcast_model_state(self, comm, resume, state):
         """Collective over comm (the workers'): the checkpoint's non-trainable
@@ -337,3 +321,24 @@ class Checkpoints:
             where = f"no checkpoint of step {step} written, and none before it: a new run starts from step 0"
         raise HpctrainError(f"stopped by {name} after step {step}; {where}",
                             exit_code=EXIT_PREEMPTED, collective=True, report=session.chief)
+
+
+def resumed_line(session, saved_path, resume, config):
+    """The chief's line for a resumed run; on another number of workers it
+    says where the data goes on and what --scale-lr makes of the lr."""
+    step = resume.step
+    steps, workers = config.steps, session.cluster.num_workers
+    note = f" (--steps {steps}: nothing left to train)" if step >= steps else ""
+    line = f"resumed from {saved_path} at step {step}{note}"
+    before = int(resume.checkpoint.attrs.get("num_workers", workers)) if resume.checkpoint else workers
+    if before != workers:
+        epoch, pos = resume_point(resume.checkpoint.data_positions)
+        line += (f"; written with {before} workers, this run has {workers}: the rest of epoch "
+                 f"{epoch} (from sample {pos}) is dealt over {workers} workers")
+        if session.args.epochs is not None:
+            line += (f"; --epochs {session.args.epochs:g}: {resume.samples} samples taken so far, "
+                     f"the rest at {workers} workers x {session.args.batch_size}: the run ends at step {steps}")
+        if session.args.scale_lr:
+            line += (f"; --scale-lr: lr {config.lr(step):g} at step {step} for {workers} "
+                     f"workers (was {config.lr(step) * before / workers:g})")
+    return line

@@ -73,8 +73,21 @@ def main(argv=None):
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     p = _Parser(prog="python -m hpctrain.bench", description=__doc__)
-    sub = p.add_subparsers(dest="what", required=True)
+    _subcommands(p.add_subparsers(dest="what", required=True))
+    try:
+        args = p.parse_args(argv)
+        args.argv = argv
+        # A rank keeps the default handlers: its launcher's SIGTERM must end
+        # it even while it waits inside MPI, where no Python handler runs.
+        launcher = args.what in ("train", "compare") or not is_rank()
+        with stopping_on_signals() if launcher else nullcontext():
+            return _run(args, extra)
+    except HpctrainError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return e.exit_code
 
+
+def _subcommands(sub):
     a = sub.add_parser("allreduce", help="allreduce algorithms side by side (ring, ring-rank, hier, mpi), 4 KiB to 64 MiB")
     a.add_argument("--ranks", type=int, default=2, help="ranks to launch when not already under mpirun (default: %(default)s)")
     a.add_argument("--sizes", type=_sizes, default="4K,16K,64K,256K,1M,4M,16M,64M", help="comma-separated sizes in bytes (K, M suffixes)")
@@ -138,18 +151,6 @@ def main(argv=None):
     y.add_argument("--threads", type=_POSITIVE, default=1, help="BLAS threads (default: %(default)s, one rank's share)")
     y.add_argument("--seconds", type=_RATE, default=2.0, help="measuring time for the whole step (default: %(default)s)")
     y.add_argument("--json", action="store_true")
-
-    try:
-        args = p.parse_args(argv)
-        args.argv = argv
-        # A rank keeps the default handlers: its launcher's SIGTERM must end
-        # it even while it waits inside MPI, where no Python handler runs.
-        launcher = args.what in ("train", "compare") or not is_rank()
-        with stopping_on_signals() if launcher else nullcontext():
-            return _run(args, extra)
-    except HpctrainError as e:
-        print(f"hpctrain: error: {e}", file=sys.stderr)
-        return e.exit_code
 
 
 def _run(args, extra):

@@ -87,19 +87,19 @@ class Residual(Layer):
             layer.set_noise(None if noise is None else Noise(*noise[:3], stream=noise.stream * 64 + j + 1))
 
     # --- forward and backward -------------------------------------------------
-    def forward(self, x, train):
-        a = x
-        if self._copy_x:
-            a = self.buffer("x", x.shape, x.dtype)
+    def _through(self, layers, x, copy, key, train):
+        """x through `layers`, from a copy of x when one of them would overwrite it."""
+        if copy:
+            a = self.buffer(key, x.shape, x.dtype)
             self.xp.copyto(a, x)
-        for layer in self.block:
-            a = layer.forward(a, train)
-        skip = x
-        if self._copy_skip:
-            skip = self.buffer("x_skip", x.shape, x.dtype)
-            self.xp.copyto(skip, x)
-        for layer in self.projection:
-            skip = layer.forward(skip, train)
+            x = a
+        for layer in layers:
+            x = layer.forward(x, train)
+        return x
+
+    def forward(self, x, train):
+        a = self._through(self.block, x, self._copy_x, "x", train)
+        skip = self._through(self.projection, x, self._copy_skip, "x_skip", train)
         y = self.buffer(("out", train), a.shape, a.dtype)
         self.xp.add(a, skip, out=y)
         return y
