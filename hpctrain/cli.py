@@ -143,6 +143,10 @@ def _training_flags(p):
                         help="train for E passes over the training set instead: steps = ceil(E * train samples "
                              "/ (workers * --batch-size)), from the data's manifest at start-up")
     g.add_argument("--lr", type=_positive_float, default=1e-4, help="learning rate (default: %(default)s)")
+    g.add_argument("--accumulate-steps", type=_positive_int, default=1, metavar="K",
+                   help="K micro-batches of --batch-size per optimizer step, one gradient exchange per step "
+                        "(Horovod's backward_passes_per_step, DDP's no_sync): a global batch of workers x K x "
+                        "batch size in the memory of one batch (default: %(default)s)")
     g.add_argument("--optimizer", choices=["adam", "sgd", "momentum"], default="adam", help="(default: %(default)s)")
     g.add_argument("--momentum", type=_nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
     g.add_argument("--model", type=_model, default="mlp", metavar="NAME|FILE.py:FUNCTION",

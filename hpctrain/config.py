@@ -26,6 +26,11 @@ from .nn.spec import ModelSpec
 from .optim import learning_rate
 
 
+def worker_batch(args):
+    """Samples one worker takes per optimizer step: --batch-size x --accumulate-steps."""
+    return args.batch_size * args.accumulate_steps
+
+
 @dataclass(frozen=True)
 class RunConfig:
     args: object         # the flags as parsed: never written after parsing
@@ -34,6 +39,10 @@ class RunConfig:
     schedule: dict       # optim.learning_rate's arguments
     shard_optimizer: bool = False   # ring: optimizer state and updates sharded over the workers
     overlap: bool = False           # ring: a communication thread overlaps the buckets with backprop
+
+    @property
+    def worker_batch(self):
+        return worker_batch(self.args)
 
     def lr(self, step):
         """The learning rate of 0-based `step`: a pure function of it (resume is bit-exact)."""
@@ -48,7 +57,7 @@ def decide(session, resume):
         from .resume import epochs_end
         train = int(load_manifest(session.data_dir)["train"]["num_samples"])
         steps = epochs_end(args.epochs, train, resume.step, resume.samples, session.cluster.num_workers,
-                           args.batch_size)
+                           worker_batch(args))
     ring = args.mode == "ring"
     return RunConfig(args=args, spec=session.spec, steps=steps, schedule=dict(session.schedule),
                      shard_optimizer=ring and shard_wanted(args.shard_optimizer, session.cluster.num_workers,

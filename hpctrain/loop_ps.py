@@ -249,9 +249,19 @@ def worker_steps(session, config, frame, w, reader):
                 x, y = xp.asarray(x), xp.asarray(y)
             t0 = time.perf_counter()
             with tl.span("forward+backward", cat="compute"):
+                # --accumulate-steps K: the first K - 1 micro-batches' gradients summed, nothing pushed
+                acc = accumulated(model, reader, xp, args.accumulate_steps, seed if noisy else None, x, y)
+                if acc is not None:
+                    x, y = reader.next_batch()
+                    x, y = xp.asarray(x), xp.asarray(y)
                 forward_done, layer_done = tl.model_hooks(t0, None)
                 loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
                                               noise=(seed, *reader.last_draw) if noisy else None)
+                if acc is not None:   # the push is the mean gradient (and loss) of the K
+                    grads, acc_grads, acc_loss = model.grads, *acc
+                    grads += acc_grads
+                    grads *= 1.0 / args.accumulate_steps
+                    loss = (acc_loss + loss) * (1.0 / args.accumulate_steps)
                 gm.to_host()        # returns when the gradients are where MPI reads them
                 loss = float(loss)  # after that wait: no second one for the loss
                 if clip:
@@ -293,6 +303,22 @@ def worker_steps(session, config, frame, w, reader):
     return local
 
 
+def accumulated(model, reader, xp, k, seed, x, y):
+    """--accumulate-steps k > 1: forward and backward of (x, y) and the next
+    k - 2 batches, their gradients and losses summed (None for k = 1). The
+    reader then stands at the step's last micro-batch."""
+    if k == 1:
+        return None
+    grads, loss = None, 0.0
+    for i in range(k - 1):
+        if i:
+            x, y = reader.next_batch()
+            x, y = xp.asarray(x), xp.asarray(y)
+        loss = loss + model.forward_backward(x, y, noise=(seed, *reader.last_draw) if seed is not None else None)
+        grads = model.grads.copy() if grads is None else grads.__iadd__(model.grads)
+    return grads, loss
+
+
 def end_worker(session, config, frame, w, local):
     """Every worker ends with the final parameters (the evaluation is shared);
     the chief also gets the final optimizer state for the last checkpoint.
@@ -324,8 +350,8 @@ def end_worker(session, config, frame, w, local):
         if w.clip:   # async: this worker's (the chief's) own pushes
             extra.update(w.clip.totals())
     if extra["abandoned_workers"]:
-        return finish_without(session, frame, w.model, step, args.batch_size * R, extra)
-    return frame.finish(w.model, step, args.batch_size * R, extra)
+        return finish_without(session, frame, w.model, step, config.worker_batch * R, extra)
+    return frame.finish(w.model, step, config.worker_batch * R, extra)
 
 
 def start_servers(client, resume, model, state_names, num_workers):
@@ -345,7 +371,7 @@ def log_progress(frame, step, clip, norms, args, cluster, local):
     ring mode). Async: every worker prints its own."""
     loss_mean, report = frame.log.take(step), frame.report
     replicas = replicas_to_aggregate(args, cluster.num_workers)
-    samples, elapsed = frame.samples(step, args.batch_size * replicas), frame.elapsed()
+    samples, elapsed = frame.samples(step, frame.config.worker_batch * replicas), frame.elapsed()
     grad_norm = None
     if clip:
         grad_norm = clip.mean_norm()

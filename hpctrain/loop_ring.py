@@ -48,7 +48,8 @@ def train_ring(session):
         int(args.fusion_mb * (1 << 20)) // np.dtype(np.float32).itemsize, sharded=sharded, clip=clip,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=config.overlap,
-        timeline=timeline if timeline.enabled else None, watchdog=session.watchdog)
+        timeline=timeline if timeline.enabled else None, watchdog=session.watchdog,
+        accumulate=args.accumulate_steps)
     model, optimizer = ring.model, ring.optimizer
     model.init(args.seed)
     # Identical start everywhere: rank 0's parameters.
@@ -79,7 +80,7 @@ def train_steps(session, config, frame, ring, reader, step):
     """The training loop from `step`: (the last step, whether some rank asked to stop)."""
     xp, timeline, model, fused = session.xp, session.timeline, ring.model, ring.fused
     noisy, seed = config.spec.draws_noise, config.args.seed   # dropout: masks of (seed, epoch, sample id)
-    workers, per_step = session.cluster.num_workers, config.args.batch_size * session.cluster.num_workers
+    workers, per_step = session.cluster.num_workers, config.worker_batch * session.cluster.num_workers
     stopped = False   # some rank asked to stop: the summed flag, the same on every rank
     with frame.training():
         while step < config.steps:
@@ -88,9 +89,14 @@ def train_steps(session, config, frame, ring, reader, step):
                 x, y = xp.asarray(x), xp.asarray(y)
             t0 = time.perf_counter()
             ring.begin(config.lr(step), session.stop.received)
-            forward_done, layer_done = timeline.model_hooks(t0, ring.layer_done)
+            for _ in range(ring.accumulate_steps - 1):   # --accumulate-steps: no exchange for these
+                ring.accumulate(x, y, noise=(seed, *reader.last_draw) if noisy else None)
+                with timeline.span("data", cat="data"):
+                    x, y = reader.next_batch()
+                    x, y = xp.asarray(x), xp.asarray(y)
+            forward_done, layer_done = timeline.model_hooks(t0, ring.layer_done, ring.forward_done)
             model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
-                                   loss_out=ring.wire.loss, noise=(seed, *reader.last_draw) if noisy else None)
+                                   loss_out=ring.loss_out, noise=(seed, *reader.last_draw) if noisy else None)
             t1 = time.perf_counter()
             with timeline.span("wait for gradients", cat="comm"):
                 fused.wait()
@@ -146,4 +152,4 @@ def finish(session, config, frame, ring, reader, step, preempted):
     extra = {"shard_optimizer": "on" if ring.sharded else "off", "optimizer_state_bytes": int(state[0])}
     if ring.clip:
         extra.update(ring.clip.totals())
-    return frame.finish(ring.model, step, config.args.batch_size * session.cluster.num_workers, extra)
+    return frame.finish(ring.model, step, config.worker_batch * session.cluster.num_workers, extra)

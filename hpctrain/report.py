@@ -332,7 +332,7 @@ class Report:
         with self._file_wait(f"writing --save {args.save}"):
             save_error = save_params(args.save, result["model"], step, args, cluster.size, result["checkpoint"])
         record = {"event": "final", "mode": args.mode, "world_size": cluster.size, "workers": cluster.num_workers,
-                  "steps": step, "global_batch": args.batch_size * cluster.num_workers,
+                  "steps": step, "global_batch": args.batch_size * args.accumulate_steps * cluster.num_workers,
                   **val, "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
                   "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
                   "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),

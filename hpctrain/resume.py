@@ -21,6 +21,7 @@ import numpy as np
 from . import checkpoint, device, settings
 from .cli import steps_for_epochs
 from .errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
+from .config import worker_batch
 from .sharded_state import ShardedState
 
 
@@ -100,7 +101,7 @@ class Checkpoints:
         ckpt = session.agreed(comm, self._chief_reads_bounded if session.chief else lambda: None)
         head = np.zeros(4, np.int64)
         if ckpt is not None:
-            head[:] = 1, ckpt.step, ckpt.optimizer_t, samples_trained(ckpt, session.args.batch_size)
+            head[:] = 1, ckpt.step, ckpt.optimizer_t, samples_trained(ckpt, worker_batch(session.args))
         with session.watchdog.waiting("checkpoint header broadcast", peer=session.cluster.chief_rank):
             comm.Bcast(head, root=session.chief_in(comm))
         if not head[0]:
@@ -113,7 +114,7 @@ class Checkpoints:
     def samples_at(self, step):
         """The training samples taken up to `step` of this run (what its checkpoint records)."""
         base_step, base_samples = self._base
-        return base_samples + (int(step) - base_step) * self.session.cluster.num_workers * self.session.args.batch_size
+        return base_samples + (int(step) - base_step) * self.session.cluster.num_workers * worker_batch(self.session.args)
 
     def _chief_reads_bounded(self):
         # A file system can hang (a dead NFS server, a FIFO): bounded like any wait.
@@ -337,7 +338,7 @@ def resumed_line(session, saved_path, resume, config):
                  f"{epoch} (from sample {pos}) is dealt over {workers} workers")
         if session.args.epochs is not None:
             line += (f"; --epochs {session.args.epochs:g}: {resume.samples} samples taken so far, "
-                     f"the rest at {workers} workers x {session.args.batch_size}: the run ends at step {steps}")
+                     f"the rest at {workers} workers x {config.worker_batch}: the run ends at step {steps}")
         if session.args.scale_lr:
             line += (f"; --scale-lr: lr {config.lr(step):g} at step {step} for {workers} "
                      f"workers (was {config.lr(step) * before / workers:g})")

@@ -14,9 +14,17 @@ ones before it:
    coordinates), as Horovod's hooks start reductions and `step()` waits.
 
 Per step the loop calls `begin(lr, stop)`, the model's
-`forward_backward(..., on_layer_done=step.layer_done, loss_out=step.wire.loss)`,
-`step.fused.wait()`, then reads `summed()`: the loss summed over the ranks and
-whether any rank asked to stop, the same bits everywhere.
+`forward_backward(..., on_layer_done=step.layer_done, loss_out=step.loss_out,
+on_forward_done=step.forward_done)`, `step.fused.wait()`, then reads
+`summed()`: the loss summed over the ranks and whether any rank asked to
+stop, the same bits everywhere.
+
+With --accumulate-steps K, the first K - 1 micro-batches of a step go
+through `accumulate(x, y, noise)` (no exchange: Horovod's
+backward_passes_per_step, DDP's no_sync), and the last one as above: as each
+layer's gradient is done its accumulated part is added in before its bucket
+starts, the loss slot gets the mean of the K losses, and the optimizer's
+gradient scale is 1/(workers x K): one step over K x B samples.
 
     mpirun -n 4 python -m hpctrain.train --steps 200 --shard-optimizer on --clip-norm 1
 """
@@ -63,9 +71,10 @@ class RingStep:
     FusedAllreduce takes them."""
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
-                 marks=None, overlap=True, timeline=None, watchdog=None):
+                 marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1):
         n = spec.num_params
-        self.sharded, self.clip, self.grad_scale = sharded, clip, 1.0 / comm.Get_size()
+        self.sharded, self.clip, self.accumulate_steps = sharded, clip, int(accumulate)
+        self.grad_scale = 1.0 / (comm.Get_size() * self.accumulate_steps)
         self.wire = Wire(n, xp)
         self.param_wire = Wire(n, xp) if sharded else None
         self.model = spec.build(xp, params=self.param_wire.body if sharded else None, grads=self.wire.body)
@@ -87,7 +96,34 @@ class RingStep:
             before_updates=ClipScale(self.optimizer, clip, self.norm, self.grad_scale) if clip else None,
             overlap=overlap, timeline=timeline, watchdog=watchdog,
             gather=self.param_wire.buffer if sharded else None)
-        self.layer_done = self.fused.layer_done
+        self.layer_done, self.loss_out, self.forward_done = self.fused.layer_done, self.wire.loss, None
+        if self.accumulate_steps > 1:
+            self.acc = xp.zeros(n, self.wire.dtype)                 # the first K - 1 micro-batches' gradients
+            self.acc_loss, self.loss_out = xp.zeros(1, self.wire.dtype), xp.zeros(1, self.wire.dtype)
+            self.layer_done, self.forward_done = self._layer_done_accumulated, self._forward_done_accumulated
+            self._micro = 0
+
+    def accumulate(self, x, y, noise=None):
+        """One of a step's first K - 1 micro-batches: its gradient and loss
+        added up here, nothing exchanged."""
+        loss = self.model.forward_backward(x, y, noise=noise)
+        if self._micro == 0:
+            self.acc[...] = self.model.grads
+            self.acc_loss[...] = loss
+        else:
+            self.acc += self.model.grads
+            self.acc_loss += loss
+        self._micro += 1
+
+    def _forward_done_accumulated(self):
+        # the last micro-batch's loss is in loss_out: the wire carries the mean of the K
+        self.wire.loss[...] = (self.acc_loss + self.loss_out) * (1.0 / self.accumulate_steps)
+
+    def _layer_done_accumulated(self, k):
+        lo, hi = self.model.layer_ranges[k]
+        self.model.grads[lo:hi] += self.acc[lo:hi]
+        self._micro = 0
+        self.fused.layer_done(k)
 
     def begin(self, lr, stop):
         """Before backprop: this step's learning rate, and this rank's wish to stop."""

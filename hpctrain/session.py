@@ -26,6 +26,7 @@ from . import data as data_mod
 from . import device, jobcheck, settings
 from .cli import steps_for_epochs, validate
 from .cluster import Cluster, check_consistency
+from .config import worker_batch
 from .comm import allreduce_plan
 from .comm.deadline import NO_WATCHDOG
 from .errors import EXIT_PREEMPTED, HpctrainError
@@ -332,9 +333,9 @@ class Session:
         args, workers, steps = self.args, self.cluster.num_workers, self.args.steps
         if args.epochs is not None:
             samples = manifest["train"]["num_samples"]
-            steps = steps_for_epochs(args.epochs, samples, workers, args.batch_size)
+            steps = steps_for_epochs(args.epochs, samples, workers, worker_batch(args))
             self.chief_says(f"steps: {args.epochs:g} epochs of {samples} samples at {workers} workers x "
-                            f"{args.batch_size} = {steps} steps")
+                            f"{worker_batch(args)} = {steps} steps")
         sched = dict(base_lr=args.lr, workers=workers, scale_lr=args.scale_lr, warmup_steps=args.warmup_steps,
                      schedule=args.lr_schedule, decay=args.lr_decay, decay_steps=args.lr_decay_steps,
                      lr_min=args.lr_min, total_steps=steps)

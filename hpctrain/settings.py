@@ -26,7 +26,7 @@ import os
 from . import __version__
 
 # Flags whose value must be identical on every rank of a job.
-RANK_FLAGS = ("mode", "model", "batch_size", "steps", "epochs", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
+RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epochs", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
               "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay", "clip_norm",
               "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "ps_exchange", "sync",
               "replicas_to_aggregate", "backup_workers", "max_staleness", "dc_lambda", "placement", "checkpoint_every",
@@ -36,11 +36,13 @@ RANK_FLAGS = ("mode", "model", "batch_size", "steps", "epochs", "lr", "optimizer
 OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
                 "keep_best", "timeline", "eval_every", "log_every")
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline")
-SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "batch_size", "seed", "lr_schedule")
+SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "batch_size", "accumulate_steps", "seed",
+                  "lr_schedule")
 # What a checkpoint written before a setting existed means by it (it is
 # missing there): checkpoints from before --lr-schedule were all constant,
-# and from before the model spec (issue 20) all the MLP.
-RESUME_DEFAULTS = {"lr_schedule": "constant", "model": "mlp"}
+# from before the model spec (issue 20) all the MLP, and from before
+# --accumulate-steps all one batch per step.
+RESUME_DEFAULTS = {"lr_schedule": "constant", "model": "mlp", "accumulate_steps": 1}
 
 
 def schedule_key(args, total_steps):

@@ -66,18 +66,20 @@ class Timeline:
             return _NO_SPAN
         return _Span(self, name, cat, args or None)
 
-    def model_hooks(self, t_start, on_layer_done):
-        """Callbacks for MLP.forward_backward that record a "forward" span and
-        one "backward layerI" span per layer, then call on_layer_done(i).
-        Disabled: on_layer_done itself and no forward hook (nothing added per step)."""
+    def model_hooks(self, t_start, on_layer_done, on_forward_done=None):
+        """Callbacks for a model's forward_backward that record a "forward" span
+        and one "backward layerI" span per layer, then call on_forward_done()
+        and on_layer_done(i). Disabled: those two themselves (nothing added per step)."""
         if not self.enabled:
-            return None, on_layer_done
+            return on_forward_done, on_layer_done
         last = [t_start]
 
         def forward_done():
             now = time.perf_counter()
             self.add("forward", "compute", last[0], now)
             last[0] = now
+            if on_forward_done is not None:
+                on_forward_done()
 
         def layer_done(i):
             now = time.perf_counter()

@@ -39,6 +39,10 @@ class Wire:
     def size(self):
         return self.buffer.size
 
+    @property
+    def dtype(self):
+        return self.buffer.dtype
+
     def ready_from(self, layer_ranges):
         """For each layer i (ranges (lo, hi) in the gradient buffer): the lowest
         wire offset that is final once layer i's gradient is done. Layers
