@@ -1,0 +1,178 @@
+"""Pipeline schedules as pure data, without MPI, as DeepSpeed tests its
+TrainSchedule: counts, order, pairing across neighbours, the tick model's
+step length and bubble, activation memory; bad arguments refused."""
+import itertools
+from pathlib import Path
+
+import pytest
+
+from hpctrain import pipeline
+from hpctrain.pipeline import (SCHEDULES, Backward, Forward, RecvActivation, RecvGrad, ScheduleError,
+                               SendActivation, SendGrad, bubble_fraction, diagram, gpipe, one_f_one_b,
+                               peak_activations, simulate)
+
+GRID = list(itertools.product(sorted(SCHEDULES), range(1, 6), range(1, 10)))   # schedule, P, M
+
+
+def plans(name, stages, micro_batches):
+    return [SCHEDULES[name](stages, micro_batches, s) for s in range(stages)]
+
+
+def of_kind(actions, kind):
+    return [a.micro for a in actions if isinstance(a, kind)]
+
+
+@pytest.mark.parametrize("name,stages,micro_batches", GRID)
+def test_each_stage_runs_every_micro_batch_forward_then_backward(name, stages, micro_batches):
+    for actions in plans(name, stages, micro_batches):
+        forwards, backwards = of_kind(actions, Forward), of_kind(actions, Backward)
+        assert sorted(forwards) == sorted(backwards) == list(range(micro_batches))
+        # the order --accumulate-steps sums the gradients in
+        assert backwards == list(range(micro_batches))
+        for m in range(micro_batches):
+            assert actions.index(Forward(m)) < actions.index(Backward(m))
+
+
+@pytest.mark.parametrize("name,stages,micro_batches", GRID)
+def test_sends_and_receives_pair_up_across_neighbours(name, stages, micro_batches):
+    every = plans(name, stages, micro_batches)
+    assert not of_kind(every[0], RecvActivation) and not of_kind(every[0], SendGrad)
+    assert not of_kind(every[-1], SendActivation) and not of_kind(every[-1], RecvGrad)
+    for here, there in zip(every, every[1:]):
+        assert of_kind(here, SendActivation) == of_kind(there, RecvActivation) == list(range(micro_batches))
+        assert of_kind(there, SendGrad) == of_kind(here, RecvGrad) == list(range(micro_batches))
+    for actions in every:
+        # a stage sends what it just computed and computes on what it received
+        for m in range(micro_batches):
+            if SendActivation(m) in actions:
+                assert actions.index(SendActivation(m)) == actions.index(Forward(m)) + 1
+            if RecvGrad(m) in actions:
+                assert actions.index(RecvGrad(m)) == actions.index(Backward(m)) - 1
+
+
+@pytest.mark.parametrize("name,stages,micro_batches", GRID)
+def test_step_takes_2_m_plus_p_minus_1_ticks_without_deadlock(name, stages, micro_batches):
+    timeline = simulate(SCHEDULES[name], stages, micro_batches)
+    assert timeline.ticks == 2 * (micro_batches + stages - 1)
+    for spans in timeline.stages:
+        busy = sum(span.end - span.start for span in spans)
+        assert busy == 2 * micro_batches
+        assert (timeline.ticks - busy) / timeline.ticks == pytest.approx(bubble_fraction(stages, micro_batches))
+        assert all(a.end <= b.start for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("forward_ticks,backward_ticks", [(1, 2), (2, 3)])
+def test_uneven_forward_and_backward_costs_keep_the_bubble(name, forward_ticks, backward_ticks):
+    for stages, micro_batches in [(2, 4), (3, 2), (4, 8), (5, 3)]:
+        timeline = simulate(SCHEDULES[name], stages, micro_batches, forward_ticks, backward_ticks)
+        assert timeline.ticks == (micro_batches + stages - 1) * (forward_ticks + backward_ticks)
+
+
+@pytest.mark.parametrize("name,stages,micro_batches", GRID)
+def test_activation_peak_per_stage(name, stages, micro_batches):
+    for s, actions in enumerate(plans(name, stages, micro_batches)):
+        bound = micro_batches if name == "gpipe" else min(stages - s, micro_batches)
+        assert peak_activations(actions) == bound
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(1, 7) == 0
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+
+
+def test_one_stage_is_gradient_accumulation():
+    assert one_f_one_b(1, 3, 0) == (Forward(0), Backward(0), Forward(1), Backward(1), Forward(2), Backward(2))
+    assert gpipe(1, 2, 0) == (Forward(0), Forward(1), Backward(0), Backward(1))
+
+
+def test_fewer_micro_batches_than_stages():
+    # warm-up min(P - s - 1, M): on stages 0 and 1 of 4 it takes both micro-batches
+    assert one_f_one_b(4, 2, 0) == (Forward(0), SendActivation(0), Forward(1), SendActivation(1),
+                                    RecvGrad(0), Backward(0), RecvGrad(1), Backward(1))
+    assert one_f_one_b(4, 2, 3) == (RecvActivation(0), Forward(0), Backward(0), SendGrad(0),
+                                    RecvActivation(1), Forward(1), Backward(1), SendGrad(1))
+
+
+def test_the_documented_diagrams_are_the_simulated_ones():
+    docs = Path(__file__).resolve().parents[1] / "docs" / "pipeline.md"
+    for name, schedule in SCHEDULES.items():
+        indented = "\n".join("    " + line for line in diagram(simulate(schedule, 2, 4)).splitlines())
+        assert f"    {name}\n{indented}\n" in pipeline.schedule.__doc__
+        assert f"    {name}\n{indented}\n" in docs.read_text()
+
+
+def _gpipe_backwards_first(stages, micro_batches, stage):
+    """GPipe with the last stage's micro-batch 0 backprop moved before its forward."""
+    actions = list(gpipe(stages, micro_batches, stage))
+    if stage == stages - 1:
+        actions.remove(Backward(0))
+        actions.insert(0, Backward(0))
+    return tuple(actions)
+
+
+def _receives_before_sending(stages, micro_batches, stage):
+    """1F1B with every stage's first gradient received before its forwards: a cycle."""
+    actions = list(one_f_one_b(stages, micro_batches, stage))
+    if stage < stages - 1:
+        actions.remove(RecvGrad(0))
+        actions.insert(0, RecvGrad(0))
+    return tuple(actions)
+
+
+def _lost_gradient(stages, micro_batches, stage):
+    return tuple(a for a in gpipe(stages, micro_batches, stage) if a != RecvGrad(1))
+
+
+def test_broken_schedules_are_caught():
+    with pytest.raises(ScheduleError, match=r"Backward\(micro=0\) without its forward"):
+        peak_activations(_gpipe_backwards_first(2, 3, 1))
+    with pytest.raises(ScheduleError, match=r"deadlock: stage 0 waits for RecvGrad\(micro=0\), "
+                                            r"stage 1 waits for RecvActivation\(micro=0\)"):
+        simulate(_receives_before_sending, 2, 3)
+    with pytest.raises(ScheduleError, match=r"stage 1's SendGrad\(micro=1\) is never received "
+                                            r"\(no RecvGrad\(micro=1\) on stage 0\)"):
+        simulate(_lost_gradient, 2, 3)
+
+
+def _blocking_sends_finish(every):
+    """The same stages when a send waits for its receive (rendezvous): do they all finish?"""
+    at = [0] * len(every)
+    while True:
+        moved = False
+        for s, actions in enumerate(every):
+            while at[s] < len(actions):
+                action = actions[at[s]]
+                if isinstance(action, (SendActivation, SendGrad, RecvActivation, RecvGrad)):
+                    peer = s + (1 if isinstance(action, (SendActivation, RecvGrad)) else -1)
+                    match = {SendActivation: RecvActivation, RecvActivation: SendActivation,
+                             SendGrad: RecvGrad, RecvGrad: SendGrad}[type(action)](action.micro)
+                    if at[peer] >= len(every[peer]) or every[peer][at[peer]] != match:
+                        break
+                    at[peer] += 1
+                at[s] += 1
+                moved = True
+        if not moved:
+            return all(a == len(actions) for a, actions in zip(at, every))
+
+
+def test_1f1b_needs_sends_that_do_not_wait_for_their_receive():
+    # the module docstring's warning: the loop must Isend (or Sendrecv)
+    assert not _blocking_sends_finish(plans("1f1b", 2, 2))
+    assert _blocking_sends_finish(plans("gpipe", 2, 2))
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: gpipe(0, 4, 0), "pipeline stages must be a positive integer, got 0"),
+    (lambda: one_f_one_b(2, 0, 0), "micro-batches must be a positive integer, got 0"),
+    (lambda: one_f_one_b(2.5, 4, 0), "pipeline stages must be a positive integer, got 2.5"),
+    (lambda: gpipe(2, 4, 2), "stage must be in 0..1 for 2 pipeline stages, got 2"),
+    (lambda: one_f_one_b(3, 4, -1), "stage must be in 0..2 for 3 pipeline stages, got -1"),
+    (lambda: simulate(gpipe, 2, 4, backward_ticks=0), "backward ticks must be a positive integer, got 0"),
+    (lambda: bubble_fraction(2, -1), "micro-batches must be a positive integer, got -1"),
+])
+def test_bad_arguments_are_refused_with_one_line(call, message):
+    with pytest.raises(ValueError) as caught:
+        call()
+    assert str(caught.value) == message
