@@ -24,6 +24,45 @@ def ok(r):
     return r
 
 
+@pytest.mark.parametrize("ranks, stages, micro, schedule, split, model", [
+    (2, 2, 3, "1f1b", "", MLP),
+    (2, 2, 3, "gpipe", "", MLP),
+    (4, 2, 2, "1f1b", "", MLP),              # R = 2 replicas per stage
+    (3, 3, 4, "gpipe", "2,6", MLP),          # uneven: 1, 2 and 1 layers with parameters
+    (3, 3, 2, "1f1b", "4,7", MLP),           # M < P
+    (4, 4, 4, "1f1b", "", MLP),
+    (4, 4, 3, "gpipe", "", MLP),
+    (2, 2, 2, "1f1b", "", ["--model", f"{TINY}:without_batch_norm"]),   # convolutions, dropout
+], ids=["p2-1f1b", "p2-gpipe", "p2r2", "p3-uneven-gpipe", "p3-m<p", "p4-1f1b", "p4-gpipe", "p2-cnn"])
+def test_pipeline_equals_accumulation_on_one_stage(job, tmp_path, ranks, stages, micro, schedule, split, model):
+    flags = [*SHORT, *model]
+    pipe = ["--pipeline-stages", stages, "--micro-batches", micro, "--pipeline-schedule", schedule,
+            *(["--pipeline-split", split] if split else [])]
+    r = ok(job(ranks, *flags, *pipe, "--save", tmp_path / "pipe.h5", "--metrics", tmp_path / "m.jsonl"))
+    ok(job(ranks // stages, *flags, "--accumulate-steps", micro, "--save", tmp_path / "acc.h5"))
+    assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+    final = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    assert (final["pipeline_stages"], final["micro_batches"], final["schedule"], final["replicas"]) == \
+        (stages, micro, schedule, ranks // stages), final
+    assert final["global_batch"] == 8 * micro * (ranks // stages), final
+    assert "step      6/6" in r.stdout, r.stdout
+
+
+def max_diff(a, b):
+    a, b = saved(a), saved(b)
+    assert set(a) == set(b)
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def test_micro_batch_count_changes_nothing_but_rounding(job, tmp_path):
+    flags = [*MLP, "--optimizer", "sgd", "--lr", "0.05", "--steps", "12", "--log-every", "6",
+             "--pipeline-stages", "2"]
+    for m in (1, 2, 4):
+        ok(job(2, *flags, "--micro-batches", m, "--batch-size", 16 // m, "--save", tmp_path / f"m{m}.h5"))
+    assert max_diff(tmp_path / "m1.h5", tmp_path / "m2.h5") < 1e-6
+    assert max_diff(tmp_path / "m1.h5", tmp_path / "m4.h5") < 1e-6
+
+
 @pytest.mark.parametrize("ranks, flags, expect", [
     (3, ["--pipeline-stages", "2"], "--pipeline-stages 2 does not divide the 3 ranks"),
     (3, ["--pipeline-stages", "3", "--hidden", "64"], "the model has 2 layers with parameters"),
