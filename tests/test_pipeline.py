@@ -74,8 +74,10 @@ def test_micro_batch_count_changes_nothing_but_rounding(job, tmp_path):
     (2, ["--pipeline-stages", "2", "--accumulate-steps", "2"], "use --micro-batches M instead"),
     (2, ["--pipeline-stages", "2", "--checkpoint-dir", "CKPT"], "does not work with --checkpoint-dir"),
     (2, ["--micro-batches", "2"], "--micro-batches needs --pipeline-stages P > 1"),
+    (2, ["--pipeline-split", "2"], "--pipeline-split needs --pipeline-stages P > 1"),
 ], ids=["p-not-dividing", "more-stages-than-layers", "cut-out-of-range", "cuts-not-increasing",
-        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "checkpoints", "micro-alone"])
+        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "checkpoints", "micro-alone",
+        "split-alone"])
 def test_bad_pipeline_flags_are_one_line_exit_2(job, tmp_path, ranks, flags, expect):
     flags = [str(tmp_path / "ckpt") if f == "CKPT" else f for f in flags]
     r = job(ranks, *MLP, "--steps", "2", *flags, "--save", tmp_path / "out.h5")

@@ -85,6 +85,8 @@ def plan(args, world, spec):
     if stages == 1:
         if args.micro_batches > 1:
             raise HpctrainError("--micro-batches needs --pipeline-stages P > 1 (one stage: --accumulate-steps)")
+        if args.pipeline_split:
+            raise HpctrainError("--pipeline-split needs --pipeline-stages P > 1")
         return None
     if args.mode == "ps":
         raise HpctrainError("--pipeline-stages is for --mode ring (a pipeline's stages average their "
