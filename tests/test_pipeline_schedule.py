@@ -71,9 +71,9 @@ def test_uneven_forward_and_backward_costs_keep_the_bubble(name, forward_ticks, 
 
 @pytest.mark.parametrize("name,stages,micro_batches", GRID)
 def test_activation_peak_per_stage(name, stages, micro_batches):
-    for s, actions in enumerate(plans(name, stages, micro_batches)):
-        bound = micro_batches if name == "gpipe" else min(stages - s, micro_batches)
-        assert peak_activations(actions) == bound
+    bounds = [micro_batches if name == "gpipe" else min(stages - s, micro_batches) for s in range(stages)]
+    assert [peak_activations(actions) for actions in plans(name, stages, micro_batches)] == bounds
+    assert list(simulate(SCHEDULES[name], stages, micro_batches).activations) == bounds
 
 
 def test_bubble_fraction():
@@ -128,6 +128,8 @@ def _lost_gradient(stages, micro_batches, stage):
 def test_broken_schedules_are_caught():
     with pytest.raises(ScheduleError, match=r"Backward\(micro=0\) without its forward"):
         peak_activations(_gpipe_backwards_first(2, 3, 1))
+    with pytest.raises(ScheduleError, match=r"Backward\(micro=0\) without its forward"):
+        simulate(_gpipe_backwards_first, 2, 3)
     with pytest.raises(ScheduleError, match=r"deadlock: stage 0 waits for RecvGrad\(micro=0\), "
                                             r"stage 1 waits for RecvActivation\(micro=0\)"):
         simulate(_receives_before_sending, 2, 3)

@@ -2,7 +2,7 @@
 both schedules' tick diagrams, step length, activation peaks per stage and bubble."""
 import argparse
 
-from .schedule import SCHEDULES, bubble_fraction, diagram, peak_activations, simulate
+from .schedule import SCHEDULES, bubble_fraction, diagram, simulate
 
 parser = argparse.ArgumentParser(prog="python -m hpctrain.pipeline", description=__doc__)
 parser.add_argument("--stages", type=int, default=2, help="pipeline stages P (default: %(default)s)")
@@ -14,8 +14,8 @@ P, M = args.stages, args.micro_batches
 try:
     for name, schedule in SCHEDULES.items():
         timeline = simulate(schedule, P, M, args.forward_ticks, args.backward_ticks)
-        peaks = [peak_activations(schedule(P, M, s)) for s in range(P)]
-        print(f"{name}\n{diagram(timeline)}\n{timeline.ticks} ticks, activation sets held per stage {peaks}\n")
+        print(f"{name}\n{diagram(timeline)}\n{timeline.ticks} ticks, "
+              f"activation sets held per stage {list(timeline.activations)}\n")
     print(f"bubble (P - 1)/(M + P - 1) = {bubble_fraction(P, M):.3f}")
 except ValueError as e:
     parser.error(str(e))

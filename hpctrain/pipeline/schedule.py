@@ -166,9 +166,10 @@ class Span:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Every stage's spans in order, and the step's length in ticks."""
+    """Every stage's spans in order, the step's length in ticks, and each stage's activation peak."""
     stages: tuple
     ticks: int
+    activations: tuple
 
 
 def _delivery(stage, send):
@@ -201,13 +202,15 @@ def _advance(stage, plan, at, clock, posted, spans, costs):
 def simulate(schedule, stages, micro_batches, forward_ticks=1, backward_ticks=1):
     """Run `schedule`'s lists for every stage together in the tick model (module docstring); a Timeline.
 
-    Raises ScheduleError on a deadlock (naming every stage that waits and for
-    what) or on a message that no stage receives."""
+    Raises ScheduleError on a backward before its forward, on a deadlock
+    (naming every stage that waits and for what) or on a message that no
+    stage receives."""
     _positive("pipeline stages", stages)
     _positive("micro-batches", micro_batches)
     _positive("forward ticks", forward_ticks)
     _positive("backward ticks", backward_ticks)
     plans = [schedule(stages, micro_batches, s) for s in range(stages)]
+    activations = tuple(peak_activations(plan) for plan in plans)
     costs = {Forward: forward_ticks, Backward: backward_ticks}
     at, clock, posted, spans = [0] * stages, [0] * stages, {}, [[] for _ in range(stages)]
     moved = True
@@ -222,7 +225,7 @@ def simulate(schedule, stages, micro_batches, forward_ticks=1, backward_ticks=1)
     if posted:
         (to, receive), (_, sender, send) = next(iter(posted.items()))
         raise ScheduleError(f"stage {sender}'s {send} is never received (no {receive} on stage {to})")
-    return Timeline(tuple(tuple(row) for row in spans), max(clock))
+    return Timeline(tuple(tuple(row) for row in spans), max(clock), activations)
 
 
 def peak_activations(actions):
