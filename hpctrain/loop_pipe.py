@@ -91,6 +91,7 @@ class PipeStep:
         self.in_shape = spec.input_shape if stage.a == 0 else spec.shapes[stage.a - 1]
         self.out_shape = spec.shapes[stage.b - 1]
         self.head = np.zeros(2, np.float64)   # [loss, stop], summed over the world
+        self.schedule_done = None
 
     def run(self, batches, lr):
         """batches: M (x, y, noise); returns (loss summed over the replicas, whether any rank stops)."""
@@ -120,6 +121,7 @@ class PipeStep:
                                                                    for d in (-1, 1) if 0 <= grid.stage + d
                                                                    < grid.stages]):
             MPI.Request.Waitall([request for request, _ in sends])
+        self.schedule_done = time.perf_counter()   # the rest: the replicas' average, the update, [loss, stop]
         self._update()
         self.head[0] = float(self._mean(losses)) if grid.last else 0.0
         self.head[1] = 1.0 if self.session.stop.received else 0.0
@@ -176,7 +178,7 @@ def train_steps(session, config, frame, run, reader):
             t0 = time.perf_counter()
             loss, stopped = run.run(batches, config.lr(step))
             t1 = time.perf_counter()
-            frame.timed(t0, t1, t1)
+            frame.timed(t0, run.schedule_done, t1)
             step += 1
             if not math.isfinite(loss):
                 raise diverged(step, loss / replicas, session.chief)
