@@ -63,6 +63,15 @@ def test_micro_batch_count_changes_nothing_but_rounding(job, tmp_path):
     assert max_diff(tmp_path / "m1.h5", tmp_path / "m4.h5") < 1e-6
 
 
+def test_epochs_count_the_replicas_batches(job, tmp_path):
+    # 4500 training samples at 1 replica x 2 micro-batches x 8 = 16 a step
+    r = ok(job(2, *MLP, "--pipeline-stages", "2", "--micro-batches", "2", "--batch-size", "8", "--epochs", "0.1",
+               "--log-every", "100", "--metrics", tmp_path / "m.jsonl"))
+    assert "1 workers x 16 = 29 steps" in r.stdout, r.stdout
+    final = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    assert final["steps"] == 29 and final["workers"] == 1 and final["global_batch"] == 16, final
+
+
 @pytest.mark.parametrize("ranks, flags, expect", [
     (3, ["--pipeline-stages", "2"], "--pipeline-stages 2 does not divide the 3 ranks"),
     (3, ["--pipeline-stages", "3", "--hidden", "64"], "the model has 2 layers with parameters"),
@@ -73,11 +82,12 @@ def test_micro_batch_count_changes_nothing_but_rounding(job, tmp_path):
     (3, ["--pipeline-stages", "2", "--mode", "ps"], "--pipeline-stages is for --mode ring"),
     (2, ["--pipeline-stages", "2", "--accumulate-steps", "2"], "use --micro-batches M instead"),
     (2, ["--pipeline-stages", "2", "--checkpoint-dir", "CKPT"], "does not work with --checkpoint-dir"),
+    (2, ["--pipeline-stages", "2", "--shard-optimizer", "on"], "does not work with --shard-optimizer on"),
     (2, ["--micro-batches", "2"], "--micro-batches needs --pipeline-stages P > 1"),
     (2, ["--pipeline-split", "2"], "--pipeline-split needs --pipeline-stages P > 1"),
 ], ids=["p-not-dividing", "more-stages-than-layers", "cut-out-of-range", "cuts-not-increasing",
-        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "checkpoints", "micro-alone",
-        "split-alone"])
+        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "checkpoints", "shard-optimizer",
+        "micro-alone", "split-alone"])
 def test_bad_pipeline_flags_are_one_line_exit_2(job, tmp_path, ranks, flags, expect):
     flags = [str(tmp_path / "ckpt") if f == "CKPT" else f for f in flags]
     r = job(ranks, *MLP, "--steps", "2", *flags, "--save", tmp_path / "out.h5")

@@ -99,6 +99,9 @@ def plan(args, world, spec):
     for flag, name in NOT_YET:
         if getattr(args, flag):
             raise HpctrainError(f"--pipeline-stages does not work with {name} yet")
+    if args.shard_optimizer == "on":   # auto: each stage's optimizer holds its slice whole
+        raise HpctrainError("--pipeline-stages does not work with --shard-optimizer on yet (each stage "
+                            "updates its own slice whole)")
     return cut_points(args, spec)
 
 
