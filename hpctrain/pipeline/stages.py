@@ -71,7 +71,7 @@ def cut_points(args, spec):
 
 
 # Flags the pipeline does not carry yet: each refused with the reason.
-NOT_YET = (("checkpoint_dir", "--checkpoint-dir (pipeline checkpoints are not built yet)"),
+NOT_YET = (("checkpoint_dir", "--checkpoint-dir (pipeline checkpoints are not built)"),
            ("eval_every", "--eval-every (the chief holds the whole model only at the end)"),
            ("keep_best", "--keep-best"),
            ("clip_norm", "--clip-norm (the global norm spans the stages)"),
@@ -98,9 +98,9 @@ def plan(args, world, spec):
         raise HpctrainError(f"--pipeline-stages {stages} does not divide the {world} ranks")
     for flag, name in NOT_YET:
         if getattr(args, flag):
-            raise HpctrainError(f"--pipeline-stages does not work with {name} yet")
+            raise HpctrainError(f"--pipeline-stages does not work yet with {name}")
     if args.shard_optimizer == "on":   # auto: each stage's optimizer holds its slice whole
-        raise HpctrainError("--pipeline-stages does not work with --shard-optimizer on yet (each stage "
+        raise HpctrainError("--pipeline-stages does not work yet with --shard-optimizer on (each stage "
                             "updates its own slice whole)")
     return cut_points(args, spec)
 
