@@ -122,6 +122,7 @@ def build_parser(prog="python -m hpctrain.train"):
     _training_flags(p)
     _ring_flags(p.add_argument_group("ring mode"))
     _ps_flags(p.add_argument_group("ps mode"))
+    _pipeline_flags(p.add_argument_group("pipeline (model parallelism, ring mode)"))
     _output_flags(p.add_argument_group("checkpoints and output"))
     return p
 
@@ -204,6 +205,34 @@ def _ring_flags(g):
                         "(default: %(default)s)")
     g.add_argument("--cuda-aware", choices=["auto", "yes", "no"], default="auto",
                    help="pass GPU buffers straight to MPI (yes), stage through host memory (no), or ask the MPI library (auto)")
+
+
+def _cut_points(text):
+    """--pipeline-split: layer indices, comma-separated; kept as the text (a
+    setting ranks compare and checkpoints record), checked against the model
+    once it is known (pipeline/stages.py); "" (the default) balances the stages."""
+    if not text:
+        return ""
+    try:
+        cuts = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices like 2,5, got {text!r}") from None
+    return ",".join(map(str, cuts))
+
+
+def _pipeline_flags(g):
+    g.add_argument("--pipeline-stages", type=_positive_int, default=1, metavar="P",
+                   help="cut the model's layers into P stages on P x R ranks (R = world size / P replicas of each "
+                        "stage, averaging its gradient); 1 = no pipeline (default: %(default)s)")
+    g.add_argument("--micro-batches", type=_positive_int, default=1, metavar="M",
+                   help="with --pipeline-stages: M micro-batches of --batch-size per replica and step, pipelined "
+                        "through the stages (the samples of --accumulate-steps M) (default: %(default)s)")
+    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b"], default="1f1b",
+                   help="gpipe: every forward, then every backward; 1f1b: one forward, one backward, holding "
+                        "fewer activations (default: %(default)s)")
+    g.add_argument("--pipeline-split", type=_cut_points, default="", metavar="I,J,...",
+                   help="the P - 1 layer indices where stages begin (python -m hpctrain.nn lists the layers); "
+                        "default: balance the layers' forward multiply-adds")
 
 
 def _ps_flags(g):

@@ -27,8 +27,14 @@ from .optim import learning_rate
 
 
 def worker_batch(args):
-    """Samples one worker takes per optimizer step: --batch-size x --accumulate-steps."""
-    return args.batch_size * args.accumulate_steps
+    """Samples one worker takes per optimizer step: --batch-size x --accumulate-steps
+    (a pipeline's replica: x --micro-batches, refused with --accumulate-steps)."""
+    return args.batch_size * args.accumulate_steps * args.micro_batches
+
+
+def data_workers(args, num_workers):
+    """The workers that take batches of their own: a pipeline's replicas (world / stages)."""
+    return num_workers // args.pipeline_stages
 
 
 @dataclass(frozen=True)

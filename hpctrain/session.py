@@ -26,13 +26,14 @@ from . import data as data_mod
 from . import device, jobcheck, settings
 from .cli import steps_for_epochs, validate
 from .cluster import Cluster, check_consistency
-from .config import worker_batch
+from .config import data_workers, worker_batch
 from .comm import allreduce_plan
 from .comm.deadline import NO_WATCHDOG
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .nn import LayerError, spec_for
 from .nn.user import UserModelError
 from .optim import schedule_line
+from .pipeline.stages import plan as pipeline_plan
 from .outputs import check_outputs
 from .stats import StepStats
 from .timeline import Timeline
@@ -296,6 +297,8 @@ class Session:
             self.agreed(self.comm, check_consistency, self.comm, {"model (layers and shapes)": self.spec.identity})
         if args.model != "mlp":
             self.chief_says("\n".join(self.spec.summary()))
+        # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
+        self.pipeline_cuts = self.agreed(self.comm, pipeline_plan, args, cluster.size, self.spec)
         self.agreed(self.comm, check_memory, args, cluster.local_size, self.spec)
         # Last before training, so a refusal above leaves nothing behind (this
         # creates --checkpoint-dir): a result that cannot be written would be lost.
@@ -330,7 +333,7 @@ class Session:
     def _recipe(self, manifest):
         """The lr schedule's arguments, its total steps --epochs counted from
         step 0 (or --steps); the chief says both."""
-        args, workers, steps = self.args, self.cluster.num_workers, self.args.steps
+        args, workers, steps = self.args, data_workers(self.args, self.cluster.num_workers), self.args.steps
         if args.epochs is not None:
             samples = manifest["train"]["num_samples"]
             steps = steps_for_epochs(args.epochs, samples, workers, worker_batch(args))

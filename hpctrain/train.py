@@ -101,7 +101,9 @@ def train(args, process_note="", flag_error=None, seen=None):
     agreed(MPI.COMM_WORLD, _raise, flag_error, watchdog=watchdog, what="flags")
     session = Session(args, process_note, watchdog,
                       on_roles=(lambda chief: seen.__setitem__("chief", chief)) if seen is not None else None)
-    if args.mode == "ring":
+    if args.pipeline_stages > 1:
+        from .loop_pipe import train_pipe as loop
+    elif args.mode == "ring":
         from .loop_ring import train_ring as loop
     else:
         from .loop_ps import train_ps as loop

@@ -1,8 +1,10 @@
 """Model parallelism: a model's layer list cut into stages on several ranks,
-micro-batches pipelined through them. So far only the schedules are built
-(schedule.py: pure functions of stages, micro-batches and stage, and a tick
-model that checks and times them); the stage exchange and the training loop
-come later. Never imports MPI.
+micro-batches pipelined through them. schedule.py: the schedules (pure
+functions of stages, micro-batches and stage, and a tick model that checks
+and times them); stages.py: where the layers are cut, which flags a pipeline
+refuses; grid.py: the stage x replica grid's communicators; stage.py: one
+stage's model copies and their gradient sum. The loop that runs them is
+hpctrain/loop_pipe.py. Never imports MPI (grid.py splits a communicator it is given).
 
     python -m hpctrain.pipeline.schedule --stages 2 --micro-batches 4
 """

@@ -1,0 +1,235 @@
+"""The pipeline loop (`--pipeline-stages P`, ring mode), top to bottom: the
+model's layers cut into P stages (pipeline/stages.py) on a stage x replica
+grid (pipeline/grid.py); each step every stage runs its schedule's actions
+(pipeline/schedule.py) over M micro-batches, activations forward and their
+gradients back as raw float32 buffers (Isend/Irecv on the replica's pipe
+communicator); then each stage sums its micro-batches' gradients as
+--accumulate-steps does, averages them over its R replicas (the --allreduce
+strategy on the stage communicator) and updates its parameter slice. So a
+pipeline ends with the parameters of `--accumulate-steps M` on R ranks, bit
+for bit (tests/test_pipeline.py).
+
+The loss lives on the last stage, layer 0 on the first: each step one world
+Allreduce of [loss, stop] (the last stages' mean loss over their micro-batches,
+any rank's stop signal) brings the summed loss to the chief (world rank 0, on
+the first stage) for its line and to every rank the same stop decision, so
+all stop after the same step. At the end every rank gets the whole
+parameter vector (one Allgatherv of each stage's slice from its replica 0)
+and the run finishes as ring mode does (frame.finish: the evaluation, the
+chief's --save and final record).
+
+    mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --hidden 64,32 --steps 20
+"""
+import math
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import config as run_config
+from . import data as data_mod
+from . import device, prefetch
+from .comm import make_allreduce
+from .comm.topology import Topology
+from .frame import Frame, diverged
+from .optim import make_optimizer, state_bytes
+from .pipeline import schedule as sched
+from .pipeline.grid import Grid
+from .pipeline.stage import Stage
+from .report import Report
+from .resume import Checkpoints
+
+
+def train_pipe(session):
+    args, xp, spec = session.args, session.xp, session.spec
+    cuts, stages, micro = session.pipeline_cuts, args.pipeline_stages, args.micro_batches
+    config = run_config.decide(session, None)
+    report, checkpoints = Report(session, config), Checkpoints(session)
+
+    # --- the grid, the stage, its allreduce and optimizer --------------------
+    with session.watchdog.waiting("start-up (pipeline communicators)", peer=None):
+        grid = Grid(session.comm, stages)
+    session.chief_says(f"hpctrain: pipeline of {stages} stages x {grid.replicas} replicas, {micro} micro-batches, "
+                       f"{args.pipeline_schedule}; layers " + " ".join(f"[{a},{b})" for a, b in zip(cuts, cuts[1:])))
+    strategy = None
+    if grid.replicas > 1:
+        with session.watchdog.waiting("start-up (stage allreduce)", peer=None):
+            with Topology(grid.stage_comm) as topology:
+                strategy = make_allreduce(args.allreduce, topology, xp, session.watchdog, args.cuda_aware,
+                                          args.ring_order)
+    stage = Stage(spec, cuts, grid.stage, micro, xp, np.float32)
+    # Every rank builds the initial parameters from the seed (the same bits as
+    # rank 0's broadcast) and keeps its stage's slice.
+    whole = spec.build(np)
+    whole.init(args.seed)
+    stage.params[...] = xp.asarray(whole.params[stage.lo:stage.hi])
+    stage.state[...] = xp.asarray(whole.state[stage.state_lo:stage.state_hi])
+    del whole
+    optimizer = make_optimizer(args.optimizer, stage.hi - stage.lo, xp, momentum=args.momentum,
+                               weight_decay=args.weight_decay)
+    reader = prefetch.device_batches(
+        session.agreed(session.comm, data_mod.ShardReader, session.data_dir, grid.replica, grid.replicas,
+                       args.batch_size, args.seed), xp)
+    session.test_part()
+    report.resume_at(None)
+
+    # --- training, then the end ----------------------------------------------
+    frame = Frame(session, config, report, checkpoints, 0)
+    run = PipeStep(session, grid, stage, strategy, optimizer, sched.SCHEDULES[args.pipeline_schedule])
+    step, stopped = train_steps(session, config, frame, run, reader)
+    return finish(session, frame, run, step, preempted=stopped and step < config.steps)
+
+
+class PipeStep:
+    """One optimizer step of one stage: the schedule's actions, the sum, the average, the update."""
+
+    def __init__(self, session, grid, stage, strategy, optimizer, schedule):
+        self.session, self.grid, self.stage, self.strategy, self.optimizer = session, grid, stage, strategy, optimizer
+        self.xp, self.micro = session.xp, len(stage.models)
+        self.actions = schedule(grid.stages, self.micro, grid.stage)
+        spec = session.spec
+        self.in_shape = spec.input_shape if stage.a == 0 else spec.shapes[stage.a - 1]
+        self.out_shape = spec.shapes[stage.b - 1]
+        self.head = np.zeros(2, np.float64)   # [loss, stop], summed over the world
+        self.schedule_done = None
+
+    def run(self, batches, lr):
+        """batches: M (x, y, noise); returns (loss summed over the replicas, whether any rank stops)."""
+        xp, grid = self.xp, self.grid
+        self.optimizer.begin(lr, 1.0 / (grid.replicas * self.micro))
+        inputs, outputs, grads_in, grads_out, losses, sends = {}, {}, {}, {}, [], []
+        for action in self.actions:
+            m = action.micro
+            x, y, noise = batches[m]
+            if isinstance(action, sched.RecvActivation):
+                inputs[m] = self._receive(grid.stage - 1, (x.shape[0], *self.in_shape), m, "activations")
+            elif isinstance(action, sched.Forward):
+                out = self.stage.models[m].forward(inputs.pop(m, x), y, noise)
+                if grid.last:
+                    losses.append(out)
+                else:
+                    outputs[m] = out
+            elif isinstance(action, sched.SendActivation):
+                sends.append(self._send(outputs.pop(m), grid.stage + 1, m))
+            elif isinstance(action, sched.RecvGrad):
+                grads_in[m] = self._receive(grid.stage + 1, (x.shape[0], *self.out_shape), m, "gradients")
+            elif isinstance(action, sched.Backward):
+                grads_out[m] = self.stage.models[m].backward(grads_in.pop(m, None))
+            else:
+                sends.append(self._send(grads_out.pop(m), grid.stage - 1, m))
+        with self.session.watchdog.waiting("pipeline sends", peer=[self.grid.world_rank(grid.stage + d)
+                                                                   for d in (-1, 1) if 0 <= grid.stage + d
+                                                                   < grid.stages]):
+            MPI.Request.Waitall([request for request, _ in sends])
+        self.schedule_done = time.perf_counter()   # the rest: the replicas' average, the update, [loss, stop]
+        self._update()
+        self.head[0] = float(self._mean(losses)) if grid.last else 0.0
+        self.head[1] = 1.0 if self.session.stop.received else 0.0
+        with self.session.watchdog.waiting("loss and stop allreduce", peer=None):
+            self.session.comm.Allreduce(MPI.IN_PLACE, self.head, op=MPI.SUM)
+        return float(self.head[0]), bool(self.head[1] > 0)
+
+    def _mean(self, losses):
+        # as ring_step.py: the first M - 1 losses summed, plus the last, times 1/M
+        if len(losses) == 1:
+            return losses[0]
+        acc = self.xp.zeros(1, np.float32)
+        acc[...] = losses[0]
+        for loss in losses[1:-1]:
+            acc += loss
+        out = self.xp.zeros(1, np.float32)
+        out[...] = losses[-1]
+        return ((acc + out) * (1.0 / len(losses)))[0]
+
+    def _update(self):
+        grads = self.stage.summed()
+        if self.strategy is not None:
+            device.synchronize(self.xp)
+            self.strategy.allreduce(grads)
+        self.optimizer.update(self.stage.params, grads)
+
+    def _send(self, array, stage, tag):
+        device.synchronize(self.xp)
+        host = np.ascontiguousarray(device.to_host(array), dtype=np.float32)
+        return self.grid.pipe_comm.Isend(host, dest=stage, tag=tag), host   # the buffer lives until the wait
+
+    def _receive(self, stage, shape, tag, what):
+        host = np.empty(shape, np.float32)
+        request = self.grid.pipe_comm.Irecv(host, source=stage, tag=tag)
+        with self.session.watchdog.waiting(f"pipeline {what} of micro-batch {tag} from stage {stage}",
+                                           peer=self.grid.world_rank(stage)):
+            request.Wait()
+        return self.xp.asarray(host)
+
+
+def train_steps(session, config, frame, run, reader):
+    """The training loop: (the last step, whether some rank asked to stop)."""
+    xp, noisy, seed = session.xp, config.spec.draws_noise, config.args.seed
+    replicas = run.grid.replicas
+    per_step = config.worker_batch * replicas
+    step, stopped = 0, False
+    with frame.training():
+        while step < config.steps:
+            batches = []
+            for _ in range(run.micro):
+                x, y = reader.next_batch()   # the reader reuses its arrays: each micro-batch's own copy
+                epoch, ids = reader.last_draw
+                batches.append((xp.array(x), xp.array(y), (seed, epoch, np.array(ids)) if noisy else None))
+            t0 = time.perf_counter()
+            loss, stopped = run.run(batches, config.lr(step))
+            t1 = time.perf_counter()
+            frame.timed(t0, run.schedule_done, t1)
+            step += 1
+            if not math.isfinite(loss):
+                raise diverged(step, loss / replicas, session.chief)
+            frame.log.add(loss)
+            if frame.log.due(step, last=step == config.steps):
+                mean_loss = frame.log.take(step) / replicas
+                if session.chief:
+                    frame.report.progress(step, mean_loss, frame.samples(step, per_step), frame.elapsed())
+            if stopped:
+                if step < config.steps:
+                    frame.stopping(step)
+                break
+    return step, stopped
+
+
+def gathered(session, grid, stage, part, lo, size):
+    """The whole flat buffer on every rank: each stage's slice `part` (at
+    `lo`) from its replica 0, one Allgatherv over the world."""
+    xp = session.xp
+    device.synchronize(xp)
+    mine = device.to_host(part) if grid.replica == 0 else np.zeros(0, np.float32)
+    counts = np.zeros(session.comm.Get_size(), np.int64)
+    displs = np.zeros_like(counts)
+    spans = np.array([mine.size, lo], np.int64)
+    both = np.zeros((session.comm.Get_size(), 2), np.int64)
+    with session.watchdog.waiting("pipeline layout allgather", peer=None):
+        session.comm.Allgather(spans, both)
+    counts[:], displs[:] = both[:, 0], both[:, 1]
+    whole = np.zeros(size, np.float32)
+    with session.watchdog.waiting("pipeline parameter allgather", peer=None):
+        session.comm.Allgatherv(np.ascontiguousarray(mine), [whole, counts, displs, MPI.FLOAT])
+    return xp.asarray(whole)
+
+
+def finish(session, frame, run, step, preempted):
+    """Exit 75 where a signal stopped the run; else the whole model on every
+    rank and ring mode's end (evaluation, the chief's --save and record)."""
+    grid, stage, optimizer = run.grid, run.stage, run.optimizer
+    if preempted:
+        frame.checkpoints.raise_preempted(session.comm, step)
+    spec, args = session.spec, session.args
+    params = gathered(session, grid, stage, stage.params, stage.lo, spec.num_params)
+    state = gathered(session, grid, stage, stage.state, stage.state_lo, spec.num_state)
+    model = spec.build(session.xp, params=params, state=state)
+    most = np.array([state_bytes(optimizer)], np.int64)
+    with session.watchdog.waiting("optimizer state size allreduce", peer=None):
+        session.comm.Allreduce(MPI.IN_PLACE, most, op=MPI.MAX)
+    grid.free()
+    per_step = frame.config.worker_batch * grid.replicas
+    extra = {"workers": grid.replicas, "global_batch": per_step, "pipeline_stages": grid.stages,
+             "micro_batches": args.micro_batches, "schedule": args.pipeline_schedule, "replicas": grid.replicas,
+             "pipeline_split": args.pipeline_split or ",".join(map(str, session.pipeline_cuts[1:-1])),
+             "optimizer_state_bytes": int(most[0])}
+    return frame.finish(model, step, per_step, extra)

@@ -1,0 +1,96 @@
+"""One pipeline stage's model: layers [a, b) of the spec's list over the
+stage's slice of the flat buffers, running the same calls, in the same order,
+as nn/sequential.py's `forward_backward` does for those layers, so that the
+pipeline's arithmetic is that of the whole model. Never imports MPI.
+
+A stage keeps one `StageModel` per micro-batch in flight: layers keep their
+forward's inputs (and buffers) for their backward, so micro-batch m's copy
+holds m's activations until `Backward(m)`. The copies share the stage's
+parameter and state buffers and each has its own gradient buffer; `Stage`
+sums those as `--accumulate-steps` does (ring_step.py): acc = g0,
+acc += g1 ... g_{M-2}, then g_{M-1} + acc.
+
+    python -m pytest -q tests/test_pipeline.py
+"""
+import copy
+
+from ..nn.layers import Noise
+from ..nn.sequential import SoftmaxCrossEntropy
+from .stages import ranges
+
+
+def _views(spec, buffer, i, base, of="params"):
+    per_layer = spec.layer_tensors if of == "params" else spec.layer_state
+    return {name.split("/", 1)[1]: buffer[lo - base:hi - base].reshape(shape) for name, shape, lo, hi in per_layer[i]}
+
+
+class StageModel:
+    """Layers [a, b) bound to params/grads/state, slices starting at the
+    buffers' offsets `base` (params, state) of the full model's."""
+
+    def __init__(self, spec, a, b, xp, params, grads, state, base):
+        self.spec, self.a, self.b, self.xp = spec, a, b, xp
+        self.layers = copy.deepcopy(spec.layers[a:b])
+        for i, layer in zip(range(a, b), self.layers):
+            layer.bind(xp, _views(spec, params, i, base[0]), _views(spec, grads, i, base[0]),
+                       _views(spec, state, i, base[1], of="state"))
+        self.grads = grads
+        self.in_shape = spec.input_shape if a == 0 else spec.shapes[a - 1]
+        self.head = SoftmaxCrossEntropy(xp) if b == len(spec.layers) else None
+        # backprop stops at the model's first layer with parameters
+        self._first = spec.param_layers[0]
+        self._d = None
+
+    def forward(self, x, y=None, noise=None):
+        """The stage's output for x; on the last stage the loss (its gradient kept for backward)."""
+        for i, layer in zip(range(self.a, self.b), self.layers):
+            layer.set_noise(None if noise is None else Noise(*noise[:3], stream=i))
+        out = x.reshape(x.shape[0], *self.in_shape)
+        for layer in self.layers:
+            out = layer.forward(out, True)
+        if self.head is None:
+            return out
+        loss, d = self.head.forward_backward(out, y)
+        self._d = self.head.gradient(d, y)
+        return loss
+
+    def backward(self, dy=None):
+        """Writes this micro-batch's gradient into self.grads; returns the
+        gradient with respect to the stage's input (None on the first stage)."""
+        d = self._d if dy is None else dy
+        for i in range(self.b - 1, max(self.a, self._first) - 1, -1):
+            d = self.layers[i - self.a].backward(d, need_dx=i > self._first)
+        return d if self.a > self._first else None
+
+
+class Stage:
+    """Stage `s` of `cuts`: its parameter slice [lo, hi), its state slice,
+    and one StageModel per micro-batch over them."""
+
+    def __init__(self, spec, cuts, s, micro_batches, xp, dtype):
+        self.a, self.b = cuts[s], cuts[s + 1]
+        (self.lo, self.hi), (self.state_lo, self.state_hi) = ranges(spec, self.a, self.b), \
+            ranges(spec, self.a, self.b, of="state")
+        n = self.hi - self.lo
+        self.params = xp.zeros(n, dtype)
+        self.state = xp.zeros(self.state_hi - self.state_lo, dtype)
+        self.models = [StageModel(spec, self.a, self.b, xp, self.params, xp.zeros(n, dtype), self.state,
+                                  (self.lo, self.state_lo)) for _ in range(micro_batches)]
+        self.grads = xp.zeros(n, dtype)   # the step's summed gradient
+        self.acc = xp.zeros(n, dtype) if micro_batches > 2 else None
+
+    def summed(self):
+        """The micro-batches' gradients summed in --accumulate-steps' order and operations."""
+        g = [m.grads for m in self.models]
+        if len(g) == 1:
+            return g[0]
+        acc = g[0]
+        if len(g) > 2:
+            acc = self.acc
+            acc[...] = g[0]
+            for part in g[1:-1]:
+                acc += part
+        # the last micro-batch's gradient plus the rest (ring_step's grads[lo:hi] += acc[lo:hi])
+        self.grads[...] = g[-1]
+        self.grads += acc
+        return self.grads

@@ -1,0 +1,114 @@
+"""Where the layer list is cut into pipeline stages, and which flags a
+pipeline run refuses. Pure: the spec (nn/spec.py) and the flags in, layer
+indices and parameter ranges out; never imports MPI.
+
+Stage s runs layers [cut[s], cut[s + 1]) with cut[0] = 0 and cut[P] = the
+number of layers; `--pipeline-split i,j,...` gives the inner cut points.
+Without it the cut balances the spec's compute estimate, `spec.flops()`:
+each layer's forward multiply-adds per sample (a Dense's fan-in x units, a
+convolution's per output pixel; activations, pooling and flattening count
+0), backward being about twice the forward for each layer alike. The cut
+minimises the largest stage's sum, every stage holding at least one layer
+with parameters (a stage without any would have nothing to train or average).
+
+Layers lie in the flat buffers in order, so a stage's parameters (and its
+non-trainable state) are one slice: `ranges`.
+
+    python -c "from hpctrain.nn import zoo; from hpctrain.pipeline.stages import balanced; print(balanced(zoo.mlp(), 2))"
+"""
+from ..errors import HpctrainError
+
+
+def balanced(spec, stages):
+    """The cut points [0, ..., len(layers)] that minimise the largest stage's
+    flops, each stage with a layer that has parameters (dynamic programming
+    over the cut positions: layer lists are short)."""
+    flops, n = spec.flops(), len(spec.layers)
+    has = [bool(spec.layer_tensors[i]) for i in range(n)]
+    prefix = [0]
+    for f in flops:
+        prefix.append(prefix[-1] + f)
+    inf = float("inf")
+    # best[s][j]: (largest stage cost, cut points) for layers [0, j) in s stages
+    best = [[(inf, None)] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0, [0])
+    for s in range(1, stages + 1):
+        for j in range(1, n + 1):
+            for i in range(j):
+                cost, cuts = best[s - 1][i]
+                if cuts is None or not any(has[i:j]):
+                    continue
+                worst = max(cost, prefix[j] - prefix[i])
+                if worst < best[s][j][0]:
+                    best[s][j] = (worst, cuts + [j])
+    return best[stages][n][1]
+
+
+def cut_points(args, spec):
+    """This run's cut points [0, ..., len(layers)], or HpctrainError (one line)."""
+    stages, n = args.pipeline_stages, len(spec.layers)
+    with_params = len(spec.param_layers)
+    if stages > with_params:
+        raise HpctrainError(f"--pipeline-stages {stages}: the model has {with_params} layers with parameters, "
+                            f"one stage needs at least one")
+    if not args.pipeline_split:
+        return balanced(spec, stages)
+    inner = [int(t) for t in args.pipeline_split.split(",")]
+    if len(inner) != stages - 1:
+        raise HpctrainError(f"--pipeline-split {args.pipeline_split}: {stages} stages need {stages - 1} cut "
+                            f"points, got {len(inner)}")
+    if any(not 0 < c < n for c in inner):
+        raise HpctrainError(f"--pipeline-split {args.pipeline_split}: cut points must be layer indices in "
+                            f"1..{n - 1} (the model has {n} layers)")
+    cuts = [0, *inner, n]
+    if any(a >= b for a, b in zip(cuts, cuts[1:])):
+        raise HpctrainError(f"--pipeline-split {args.pipeline_split}: cut points must increase")
+    for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        if not any(spec.layer_tensors[i] for i in range(a, b)):
+            raise HpctrainError(f"--pipeline-split {args.pipeline_split}: stage {s} (layers {a}..{b - 1}) "
+                                f"has no layer with parameters")
+    return cuts
+
+
+# Flags the pipeline does not carry yet: each refused with the reason.
+NOT_YET = (("checkpoint_dir", "--checkpoint-dir (pipeline checkpoints are not built)"),
+           ("eval_every", "--eval-every (the chief holds the whole model only at the end)"),
+           ("keep_best", "--keep-best"),
+           ("clip_norm", "--clip-norm (the global norm spans the stages)"),
+           ("timeline", "--timeline"))
+
+
+def plan(args, world, spec):
+    """The cut points of a pipeline run (None without --pipeline-stages), or
+    HpctrainError for flags it cannot run with. Every rank alike (session.py)."""
+    stages = args.pipeline_stages
+    if stages == 1:
+        if args.micro_batches > 1:
+            raise HpctrainError("--micro-batches needs --pipeline-stages P > 1 (one stage: --accumulate-steps)")
+        if args.pipeline_split:
+            raise HpctrainError("--pipeline-split needs --pipeline-stages P > 1")
+        return None
+    if args.mode == "ps":
+        raise HpctrainError("--pipeline-stages is for --mode ring (a pipeline's stages average their "
+                            "gradients over their replicas by allreduce)")
+    if args.accumulate_steps > 1:
+        raise HpctrainError("--pipeline-stages with --accumulate-steps: use --micro-batches M instead "
+                            "(the same samples per step)")
+    if world % stages:
+        raise HpctrainError(f"--pipeline-stages {stages} does not divide the {world} ranks")
+    for flag, name in NOT_YET:
+        if getattr(args, flag):
+            raise HpctrainError(f"--pipeline-stages does not work yet with {name}")
+    if args.shard_optimizer == "on":   # auto: each stage's optimizer holds its slice whole
+        raise HpctrainError("--pipeline-stages does not work yet with --shard-optimizer on (each stage "
+                            "updates its own slice whole)")
+    return cut_points(args, spec)
+
+
+def ranges(spec, a, b, of="params"):
+    """(lo, hi) of layers [a, b)'s slice of the flat parameter (or state) buffer."""
+    tensors = spec.layer_tensors if of == "params" else spec.layer_state
+    before = [t for i in range(a) for t in tensors[i]]
+    inside = [t for i in range(a, b) for t in tensors[i]]
+    lo = before[-1][3] if before else 0
+    return lo, inside[-1][3] if inside else lo

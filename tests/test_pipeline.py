@@ -1,0 +1,96 @@
+"""--pipeline-stages P --micro-batches M: the layers cut into P stages on P x R
+ranks end with the parameters of --accumulate-steps M on R ranks, bit for
+bit (both schedules, even and uneven cuts, R = 1 and 2, an MLP and a CNN with
+dropout); under SGD M = 1, 2, 4 agree within 1e-6; flags a pipeline cannot run
+with are one line, exit 2, on the whole job.
+
+    .venv/bin/python -m pytest -q tests/test_pipeline.py
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import REPO, saved, same_bytes
+
+TINY = os.path.join(REPO, "tests", "models", "tiny_cnn.py")
+MLP = ["--hidden", "64,32,16"]   # Flatten, then Dense/ReLU x 3, Dense: 8 layers, 4 with parameters
+SHORT = ["--steps", "6", "--batch-size", "8", "--log-every", "3"]
+
+
+def ok(r):
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.mark.parametrize("ranks, stages, micro, schedule, split, model", [
+    (2, 2, 3, "1f1b", "", MLP),
+    (2, 2, 3, "gpipe", "", MLP),
+    (4, 2, 2, "1f1b", "", MLP),              # R = 2 replicas per stage
+    (3, 3, 4, "gpipe", "2,6", MLP),          # uneven: 1, 2 and 1 layers with parameters
+    (3, 3, 2, "1f1b", "4,7", MLP),           # M < P
+    (4, 4, 4, "1f1b", "", MLP),
+    (4, 4, 3, "gpipe", "", MLP),
+    (2, 2, 2, "1f1b", "", ["--model", f"{TINY}:without_batch_norm"]),   # convolutions, dropout
+], ids=["p2-1f1b", "p2-gpipe", "p2r2", "p3-uneven-gpipe", "p3-m<p", "p4-1f1b", "p4-gpipe", "p2-cnn"])
+def test_pipeline_equals_accumulation_on_one_stage(job, tmp_path, ranks, stages, micro, schedule, split, model):
+    flags = [*SHORT, *model]
+    pipe = ["--pipeline-stages", stages, "--micro-batches", micro, "--pipeline-schedule", schedule,
+            *(["--pipeline-split", split] if split else [])]
+    r = ok(job(ranks, *flags, *pipe, "--save", tmp_path / "pipe.h5", "--metrics", tmp_path / "m.jsonl"))
+    ok(job(ranks // stages, *flags, "--accumulate-steps", micro, "--save", tmp_path / "acc.h5"))
+    assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+    final = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    assert (final["pipeline_stages"], final["micro_batches"], final["schedule"], final["replicas"]) == \
+        (stages, micro, schedule, ranks // stages), final
+    assert final["global_batch"] == 8 * micro * (ranks // stages), final
+    assert "step      6/6" in r.stdout, r.stdout
+
+
+def max_diff(a, b):
+    a, b = saved(a), saved(b)
+    assert set(a) == set(b)
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def test_micro_batch_count_changes_nothing_but_rounding(job, tmp_path):
+    flags = [*MLP, "--optimizer", "sgd", "--lr", "0.05", "--steps", "12", "--log-every", "6",
+             "--pipeline-stages", "2"]
+    for m in (1, 2, 4):
+        ok(job(2, *flags, "--micro-batches", m, "--batch-size", 16 // m, "--save", tmp_path / f"m{m}.h5"))
+    assert max_diff(tmp_path / "m1.h5", tmp_path / "m2.h5") < 1e-6
+    assert max_diff(tmp_path / "m1.h5", tmp_path / "m4.h5") < 1e-6
+
+
+def test_epochs_count_the_replicas_batches(job, tmp_path):
+    # 4500 training samples at 1 replica x 2 micro-batches x 8 = 16 a step
+    r = ok(job(2, *MLP, "--pipeline-stages", "2", "--micro-batches", "2", "--batch-size", "8", "--epochs", "0.1",
+               "--log-every", "100", "--metrics", tmp_path / "m.jsonl"))
+    assert "1 workers x 16 = 29 steps" in r.stdout, r.stdout
+    final = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    assert final["steps"] == 29 and final["workers"] == 1 and final["global_batch"] == 16, final
+
+
+@pytest.mark.parametrize("ranks, flags, expect", [
+    (3, ["--pipeline-stages", "2"], "--pipeline-stages 2 does not divide the 3 ranks"),
+    (3, ["--pipeline-stages", "3", "--hidden", "64"], "the model has 2 layers with parameters"),
+    (2, ["--pipeline-stages", "2", "--pipeline-split", "9"], "cut points must be layer indices in 1..7"),
+    (3, ["--pipeline-stages", "3", "--pipeline-split", "6,2"], "cut points must increase"),
+    (2, ["--pipeline-stages", "2", "--pipeline-split", "1"], "stage 0 (layers 0..0) has no layer with parameters"),
+    (2, ["--pipeline-stages", "2", "--pipeline-split", "2,4"], "2 stages need 1 cut points, got 2"),
+    (3, ["--pipeline-stages", "2", "--mode", "ps"], "--pipeline-stages is for --mode ring"),
+    (2, ["--pipeline-stages", "2", "--accumulate-steps", "2"], "use --micro-batches M instead"),
+    (2, ["--pipeline-stages", "2", "--checkpoint-dir", "CKPT"], "does not work yet with --checkpoint-dir"),
+    (2, ["--pipeline-stages", "2", "--shard-optimizer", "on"], "does not work yet with --shard-optimizer on"),
+    (2, ["--micro-batches", "2"], "--micro-batches needs --pipeline-stages P > 1"),
+    (2, ["--pipeline-split", "2"], "--pipeline-split needs --pipeline-stages P > 1"),
+], ids=["p-not-dividing", "more-stages-than-layers", "cut-out-of-range", "cuts-not-increasing",
+        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "checkpoints", "shard-optimizer",
+        "micro-alone", "split-alone"])
+def test_bad_pipeline_flags_are_one_line_exit_2(job, tmp_path, ranks, flags, expect):
+    flags = [str(tmp_path / "ckpt") if f == "CKPT" else f for f in flags]
+    r = job(ranks, *MLP, "--steps", "2", *flags, "--save", tmp_path / "out.h5")
+    errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and expect in errors[0], (r.returncode, r.stderr)
+    assert not (tmp_path / "out.h5").exists() and not (tmp_path / "ckpt").exists()
