@@ -95,7 +95,7 @@ class PipeStep:
 
     def run(self, batches, lr):
         """batches: M (x, y, noise); returns (loss summed over the replicas, whether any rank stops)."""
-        xp, grid = self.xp, self.grid
+        grid = self.grid
         self.optimizer.begin(lr, 1.0 / (grid.replicas * self.micro))
         inputs, outputs, grads_in, grads_out, losses, sends = {}, {}, {}, {}, [], []
         for action in self.actions:
