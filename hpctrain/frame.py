@@ -9,6 +9,7 @@ pipeline loop to come) each own their step; the frame owns the rest.
     mpirun -n 4 python -m hpctrain.train --steps 200 --log-every 50 --eval-every 100
 """
 import contextlib
+import math
 import time
 
 from . import device
@@ -91,6 +92,20 @@ class Frame:
         self.session.stats.record(step_s=t2 - t0, compute_s=t1 - t0, wait_s=t2 - t1,
                                   comm_exposed_s=t2 - t1 if exposed_comm_s is None else exposed_comm_s,
                                   optimizer_exposed_s=exposed_update_s, optimizer_total_s=update_s)
+
+    def summed_loss(self, step, loss, ranks, per_step, grad_norm=None):
+        """After a step whose loss was summed over `ranks` (the same bits on
+        every rank, so all find it diverged alike): the divergence check, the
+        mean since the last line, the chief's progress line. grad_norm: a
+        callable, asked only when a line is due (--clip-norm's mean norm)."""
+        if not math.isfinite(loss):
+            raise diverged(step, loss / ranks, self.session.chief)
+        self.log.add(loss)
+        if self.log.due(step, last=step == self.config.steps):
+            mean_loss = self.log.take(step) / ranks
+            if self.session.chief:
+                self.report.progress(step, mean_loss, self.samples(step, per_step), self.elapsed(),
+                                     grad_norm=grad_norm() if grad_norm else None)
 
     def after_step(self, model, step):
         """The chief's periodic evaluation; its time is not training time."""

@@ -20,7 +20,6 @@ chief's --save and final record).
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --hidden 64,32 --steps 20
 """
-import math
 import time
 
 import numpy as np
@@ -31,7 +30,7 @@ from . import data as data_mod
 from . import device, prefetch
 from .comm import make_allreduce
 from .comm.topology import Topology
-from .frame import Frame, diverged
+from .frame import Frame
 from .optim import make_optimizer, state_bytes
 from .pipeline import schedule as sched
 from .pipeline.grid import Grid
@@ -180,13 +179,7 @@ def train_steps(session, config, frame, run, reader):
             t1 = time.perf_counter()
             frame.timed(t0, run.schedule_done, t1)
             step += 1
-            if not math.isfinite(loss):
-                raise diverged(step, loss / replicas, session.chief)
-            frame.log.add(loss)
-            if frame.log.due(step, last=step == config.steps):
-                mean_loss = frame.log.take(step) / replicas
-                if session.chief:
-                    frame.report.progress(step, mean_loss, frame.samples(step, per_step), frame.elapsed())
+            frame.summed_loss(step, loss, replicas, per_step)
             if stopped:
                 if step < config.steps:
                     frame.stopping(step)

@@ -5,7 +5,6 @@ frame.py does what every loop does around its steps).
 
     mpirun -n 4 python -m hpctrain.train --steps 200
 """
-import math
 import time
 
 import numpy as np
@@ -17,7 +16,7 @@ from .clipping import Clip
 from .comm import make_allreduce
 from .comm.device_buffers import bcast
 from .comm.topology import Topology
-from .frame import Frame, diverged
+from .frame import Frame
 from .optim import state_bytes
 from .report import Report
 from .resume import Checkpoints
@@ -109,14 +108,7 @@ def train_steps(session, config, frame, ring, reader, step):
             # diverged) after the same step, and a signal is taken at the next
             # step as on the CPU.
             loss, stopped = ring.summed()
-            if not math.isfinite(loss):
-                raise diverged(step, loss / workers, session.chief)
-            frame.log.add(loss)
-            if frame.log.due(step, last=step == config.steps):
-                mean_loss = frame.log.take(step) / workers
-                if session.chief:
-                    frame.report.progress(step, mean_loss, frame.samples(step, per_step), frame.elapsed(),
-                                          grad_norm=ring.clip.mean_norm() if ring.clip else None)
+            frame.summed_loss(step, loss, workers, per_step, grad_norm=ring.clip.mean_norm if ring.clip else None)
             frame.after_step(model, step)
             if stopped:
                 if step < config.steps:
