@@ -62,7 +62,7 @@ def decide(session, resume):
     if resume is not None and args.epochs is not None:
         from .resume import epochs_end
         train = int(load_manifest(session.data_dir)["train"]["num_samples"])
-        steps = epochs_end(args.epochs, train, resume.step, resume.samples, session.cluster.num_workers,
+        steps = epochs_end(args.epochs, train, resume.step, resume.samples, session.data_workers,
                            worker_batch(args))
     ring = args.mode == "ring"
     return RunConfig(args=args, spec=session.spec, steps=steps, schedule=dict(session.schedule),

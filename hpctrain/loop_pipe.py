@@ -32,7 +32,9 @@ from .comm import make_allreduce
 from .comm.topology import Topology
 from .frame import Frame
 from .optim import make_optimizer, state_bytes
+from .errors import HpctrainError
 from .pipeline import schedule as sched
+from .pipeline import whole
 from .pipeline.grid import Grid
 from .pipeline.stage import Stage
 from .report import Report
@@ -42,8 +44,10 @@ from .resume import Checkpoints
 def train_pipe(session):
     args, xp, spec = session.args, session.xp, session.spec
     cuts, stages, micro = session.pipeline_cuts, args.pipeline_stages, args.micro_batches
-    config = run_config.decide(session, None)
-    report, checkpoints = Report(session, config), Checkpoints(session)
+    checkpoints = Checkpoints(session)
+    resume = checkpoints.load(session.comm)   # the chief reads; the file is ring mode's, whole
+    config = run_config.decide(session, resume)
+    report = Report(session, config)
 
     # --- the grid, the stage, its allreduce and optimizer --------------------
     with session.watchdog.waiting("start-up (pipeline communicators)", peer=None):
@@ -70,20 +74,31 @@ def train_pipe(session):
         session.agreed(session.comm, data_mod.ShardReader, session.data_dir, grid.replica, grid.replicas,
                        args.batch_size, args.seed), xp)
     session.test_part()
-    report.resume_at(None)
+    layouts = Layouts(session.spec, cuts)
+
+    # --- resume: the chief's file, each stage its slice ----------------------
+    step = 0
+    if resume is not None:
+        resume_stage(session, grid, stage, optimizer, layouts, resume)
+        checkpoints.seek_readers(reader, resume)
+        step = resume.step
+        session.chief_says(checkpoints.resumed_line(resume, config))
+    report.resume_at(checkpoints.saved_step, resume)
+    checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
 
     # --- training, then the end ----------------------------------------------
-    frame = Frame(session, config, report, checkpoints, 0)
-    run = PipeStep(session, grid, stage, strategy, optimizer, sched.SCHEDULES[args.pipeline_schedule])
-    step, stopped = train_steps(session, config, frame, run, reader)
-    return finish(session, frame, run, step, preempted=stopped and step < config.steps)
+    frame = Frame(session, config, report, checkpoints, step)
+    run = PipeStep(session, grid, stage, strategy, optimizer, sched.SCHEDULES[args.pipeline_schedule], layouts)
+    step, stopped = train_steps(session, config, frame, run, reader, step)
+    return finish(session, frame, run, reader, step, preempted=stopped and step < config.steps)
 
 
 class PipeStep:
     """One optimizer step of one stage: the schedule's actions, the sum, the average, the update."""
 
-    def __init__(self, session, grid, stage, strategy, optimizer, schedule):
+    def __init__(self, session, grid, stage, strategy, optimizer, schedule, layouts):
         self.session, self.grid, self.stage, self.strategy, self.optimizer = session, grid, stage, strategy, optimizer
+        self.layouts = layouts
         self.xp, self.micro = session.xp, len(stage.models)
         self.actions = schedule(grid.stages, self.micro, grid.stage)
         spec = session.spec
@@ -161,12 +176,12 @@ class PipeStep:
         return self.xp.asarray(host)
 
 
-def train_steps(session, config, frame, run, reader):
-    """The training loop: (the last step, whether some rank asked to stop)."""
+def train_steps(session, config, frame, run, reader, step):
+    """The training loop from `step`: (the last step, whether some rank asked to stop)."""
     xp, noisy, seed = session.xp, config.spec.draws_noise, config.args.seed
     replicas = run.grid.replicas
     per_step = config.worker_batch * replicas
-    step, stopped = 0, False
+    stopped = False
     with frame.training():
         while step < config.steps:
             batches = []
@@ -180,46 +195,103 @@ def train_steps(session, config, frame, run, reader):
             frame.timed(t0, run.schedule_done, t1)
             step += 1
             frame.summed_loss(step, loss, replicas, per_step)
+            if eval_due(config, step):   # the chief evaluates the whole model by itself
+                frame.after_step(whole_on_chief(session, run), step)
             if stopped:
                 if step < config.steps:
                     frame.stopping(step)
                 break
+            if frame.checkpoint_due(step):
+                save_checkpoint(session, frame.checkpoints, run, reader, step)
     return step, stopped
 
 
-def gathered(session, grid, stage, part, lo, size):
-    """The whole flat buffer on every rank: each stage's slice `part` (at
-    `lo`) from its replica 0, one Allgatherv over the world."""
+def eval_due(config, step):
+    """--eval-every N crossed at `step` (before the last, which the final
+    evaluation covers): report.periodic_eval's rule, known on every rank."""
+    every = config.args.eval_every
+    return bool(every) and step < config.steps and step % every == 0
+
+
+class Layouts:
+    """Where each stage's slices lie in the whole flat buffers (whole.py)."""
+
+    def __init__(self, spec, cuts):
+        self.params, self.state = whole.spans(spec, cuts), whole.spans(spec, cuts, of="state")
+
+
+def whole_on_chief(session, run, everyone=False):
+    """The whole model built on the chief (None elsewhere) from every
+    stage's slice; everyone: on every rank (ring mode's end)."""
+    grid, stage, layouts, watchdog = run.grid, run.stage, run.layouts, session.watchdog
+    if everyone:
+        params = whole.to_everyone(session.comm, grid, stage.params, layouts.params, watchdog, "parameters")
+        state = whole.to_everyone(session.comm, grid, stage.state, layouts.state, watchdog, "model state")
+    else:
+        params = whole.to_chief(grid, stage.params, layouts.params, watchdog, "parameters")
+        state = whole.to_chief(grid, stage.state, layouts.state, watchdog, "model state")
+        if not session.chief:
+            return None
     xp = session.xp
+    return session.spec.build(xp, params=xp.asarray(params), state=xp.asarray(state))
+
+
+def save_checkpoint(session, checkpoints, run, reader, step):
+    """The chief writes the whole model's checkpoint, the file ring mode
+    writes: every stage's parameters, model state and optimizer state
+    gathered into full-length buffers, and the replicas' data positions
+    (the first stage's ranks: one per replica)."""
+    grid, stage, layouts, watchdog = run.grid, run.stage, run.layouts, session.watchdog
+    params = whole.to_chief(grid, stage.params, layouts.params, watchdog, "parameters")
+    state = whole.to_chief(grid, stage.state, layouts.state, watchdog, "model state")
+    optimizer = {name: whole.to_chief(grid, array, layouts.params, watchdog, f"optimizer state {name}")
+                 for name, array in sorted(run.optimizer.state().items())}
+    positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first else None
+    checkpoints.save(session.comm, step, params, optimizer, run.optimizer.t, positions, state)   # the chief's
+
+
+def resume_stage(session, grid, stage, optimizer, layouts, resume):
+    """The checkpoint's whole buffers (the chief's) into every stage's
+    slices, the optimizer's step count too: whatever cut and replica count
+    wrote it (a ring mode checkpoint as well)."""
+    ckpt, watchdog, xp = resume.checkpoint, session.watchdog, session.xp
+    if ckpt is not None:
+        for what, have, want in (("parameters", ckpt.params.size, session.spec.num_params),
+                                 ("model state", ckpt.model_state.size, session.spec.num_state)):
+            if have != want:   # the model identity was compared: a crafted file
+                raise HpctrainError(f"{ckpt.path}: {have} floats of {what}, this model has {want}")
+    whole.from_chief(grid, ckpt.params if ckpt else None, stage.params, layouts.params, watchdog, "parameters",
+                     xp)
+    if session.spec.num_state:   # collective: every stage alike, with state of its own or not
+        whole.from_chief(grid, ckpt.model_state if ckpt else None, stage.state, layouts.state, watchdog,
+                         "model state", xp)
+    for name, array in sorted(optimizer.state().items()):
+        whole.from_chief(grid, ckpt.optimizer_state[name] if ckpt else None, array, layouts.params, watchdog,
+                         f"optimizer state {name}", xp)
+    optimizer.t = resume.optimizer_t
     device.synchronize(xp)
-    mine = device.to_host(part) if grid.replica == 0 else np.zeros(0, np.float32)
-    counts = np.zeros(session.comm.Get_size(), np.int64)
-    displs = np.zeros_like(counts)
-    spans = np.array([mine.size, lo], np.int64)
-    both = np.zeros((session.comm.Get_size(), 2), np.int64)
-    with session.watchdog.waiting("pipeline layout allgather", peer=None):
-        session.comm.Allgather(spans, both)
-    counts[:], displs[:] = both[:, 0], both[:, 1]
-    whole = np.zeros(size, np.float32)
-    with session.watchdog.waiting("pipeline parameter allgather", peer=None):
-        session.comm.Allgatherv(np.ascontiguousarray(mine), [whole, counts, displs, MPI.FLOAT])
-    return xp.asarray(whole)
 
 
-def finish(session, frame, run, step, preempted):
-    """Exit 75 where a signal stopped the run; else the whole model on every
-    rank and ring mode's end (evaluation, the chief's --save and record)."""
-    grid, stage, optimizer = run.grid, run.stage, run.optimizer
+def finish(session, frame, run, reader, step, preempted):
+    """As ring mode ends: the chief's final validation, the last checkpoint
+    (at the end of training, or where a signal stopped it), then the
+    pre-emption exit, or the whole model on every rank and the results
+    (evaluation, the chief's --save and record)."""
+    grid, optimizer, checkpoints = run.grid, run.optimizer, frame.checkpoints
+    model = None
+    if not preempted:
+        model = whole_on_chief(session, run, everyone=True)
+        if session.chief and session.has_val:
+            frame.report.final_val(model, step)   # before the last checkpoint: it records the best
+    if checkpoints.enabled and checkpoints.saved_step != step:
+        save_checkpoint(session, checkpoints, run, reader, step)
     if preempted:
-        frame.checkpoints.raise_preempted(session.comm, step)
-    spec, args = session.spec, session.args
-    params = gathered(session, grid, stage, stage.params, stage.lo, spec.num_params)
-    state = gathered(session, grid, stage, stage.state, stage.state_lo, spec.num_state)
-    model = spec.build(session.xp, params=params, state=state)
+        checkpoints.raise_preempted(session.comm, step)
     most = np.array([state_bytes(optimizer)], np.int64)
     with session.watchdog.waiting("optimizer state size allreduce", peer=None):
         session.comm.Allreduce(MPI.IN_PLACE, most, op=MPI.MAX)
     grid.free()
+    args = session.args
     per_step = frame.config.worker_batch * grid.replicas
     extra = {"workers": grid.replicas, "global_batch": per_step, "pipeline_stages": grid.stages,
              "micro_batches": args.micro_batches, "schedule": args.pipeline_schedule, "replicas": grid.replicas,

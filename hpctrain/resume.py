@@ -114,7 +114,7 @@ class Checkpoints:
     def samples_at(self, step):
         """The training samples taken up to `step` of this run (what its checkpoint records)."""
         base_step, base_samples = self._base
-        return base_samples + (int(step) - base_step) * self.session.cluster.num_workers * worker_batch(self.session.args)
+        return base_samples + (int(step) - base_step) * self.session.data_workers * worker_batch(self.session.args)
 
     def _chief_reads_bounded(self):
         # A file system can hang (a dead NFS server, a FIFO): bounded like any wait.
@@ -132,7 +132,7 @@ class Checkpoints:
                     f"--resume no, but {d} holds checkpoints of an earlier run (newest "
                     f"{found[0][1].rsplit('/', 1)[-1]}); remove them or use another --checkpoint-dir")
             return None
-        ckpt = checkpoint.load_latest(d, settings.same_on_resume(args, cluster.num_workers, self.session.spec,
+        ckpt = checkpoint.load_latest(d, settings.same_on_resume(args, self.session.data_workers, self.session.spec,
                                                                self.session.schedule["total_steps"]),
                                       warn=lambda line: print(f"hpctrain: warning: {line}",
                                                               file=sys.stderr, flush=True))
@@ -245,13 +245,16 @@ class Checkpoints:
 
     # --- while training (frame.py says when) --------------------------------
 
-    def gather_positions(self, reader):
-        """Every worker: (workers, 2) int64 reader positions on the chief, None elsewhere."""
+    def gather_positions(self, reader, comm=None):
+        """Every rank of comm (the workers'; a pipeline's first stage, one
+        rank per replica): (ranks, 2) int64 reader positions on the chief,
+        its rank 0; None elsewhere."""
         session, cluster = self.session, self.session.cluster
+        comm = cluster.worker_comm if comm is None else comm
         mine = np.array(reader.position, np.int64)
-        everyone = np.empty((cluster.num_workers, 2), np.int64) if session.chief else None
+        everyone = np.empty((comm.Get_size(), 2), np.int64) if session.chief else None
         with session.watchdog.waiting("checkpoint gather (data positions)", peer=cluster.chief_rank):
-            cluster.worker_comm.Gather(mine, everyone, root=0)
+            comm.Gather(mine, everyone, root=0)
         return everyone
 
     def save(self, comm, step, params, optimizer_state, optimizer_t, positions, model_state=None):
@@ -272,10 +275,10 @@ class Checkpoints:
                 return checkpoint.save(args.checkpoint_dir, step, host,
                                        {k: device.to_host(v) for k, v in optimizer_state.items()},
                                        optimizer_t, positions,
-                                       settings.same_on_resume(args, cluster.num_workers, session.spec,
+                                       settings.same_on_resume(args, session.data_workers, session.spec,
                                                                session.schedule["total_steps"]),
                                        keep=args.keep_checkpoints,
-                                       info=dict(settings.recorded(args, cluster.size, cluster.num_workers,
+                                       info=dict(settings.recorded(args, cluster.size, session.data_workers,
                                                                    session.spec),
                                                  samples=self.samples_at(step), data=str(session.data_dir),
                                                  data_digest=session.data_digest, **self.more_attrs()),
@@ -328,7 +331,7 @@ def resumed_line(session, saved_path, resume, config):
     """The chief's line for a resumed run; on another number of workers it
     says where the data goes on and what --scale-lr makes of the lr."""
     step = resume.step
-    steps, workers = config.steps, session.cluster.num_workers
+    steps, workers = config.steps, session.data_workers
     note = f" (--steps {steps}: nothing left to train)" if step >= steps else ""
     line = f"resumed from {saved_path} at step {step}{note}"
     before = int(resume.checkpoint.attrs.get("num_workers", workers)) if resume.checkpoint else workers

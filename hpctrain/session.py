@@ -299,6 +299,9 @@ class Session:
             self.chief_says("\n".join(self.spec.summary()))
         # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
         self.pipeline_cuts = self.agreed(self.comm, pipeline_plan, args, cluster.size, self.spec)
+        # The workers that take batches of their own (a pipeline's replicas):
+        # what checkpoints count samples and data positions by.
+        self.data_workers = data_workers(args, cluster.num_workers)
         self.agreed(self.comm, check_memory, args, cluster.local_size, self.spec)
         # Last before training, so a refusal above leaves nothing behind (this
         # creates --checkpoint-dir): a result that cannot be written would be lost.

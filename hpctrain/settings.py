@@ -63,6 +63,10 @@ def _job(args):
     fixed-width byte records can carry)."""
     job = {k: getattr(args, k) for k in RANK_FLAGS}
     job["hidden"] = ",".join(map(str, args.hidden))
+    # Batches per optimizer step per worker: a pipeline's --micro-batches M
+    # takes the samples (and gives the bits) of --accumulate-steps M, so its
+    # checkpoints resume in ring mode with --accumulate-steps M, and back.
+    job["accumulate_steps"] = args.accumulate_steps * args.micro_batches
     job["hpctrain"] = __version__
     return job
 

@@ -81,16 +81,14 @@ def test_epochs_count_the_replicas_batches(job, tmp_path):
     (2, ["--pipeline-stages", "2", "--pipeline-split", "2,4"], "2 stages need 1 cut points, got 2"),
     (3, ["--pipeline-stages", "2", "--mode", "ps"], "--pipeline-stages is for --mode ring"),
     (2, ["--pipeline-stages", "2", "--accumulate-steps", "2"], "use --micro-batches M instead"),
-    (2, ["--pipeline-stages", "2", "--checkpoint-dir", "CKPT"], "does not work yet with --checkpoint-dir"),
     (2, ["--pipeline-stages", "2", "--shard-optimizer", "on"], "does not work yet with --shard-optimizer on"),
     (2, ["--micro-batches", "2"], "--micro-batches needs --pipeline-stages P > 1"),
     (2, ["--pipeline-split", "2"], "--pipeline-split needs --pipeline-stages P > 1"),
 ], ids=["p-not-dividing", "more-stages-than-layers", "cut-out-of-range", "cuts-not-increasing",
-        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "checkpoints", "shard-optimizer",
+        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "shard-optimizer",
         "micro-alone", "split-alone"])
 def test_bad_pipeline_flags_are_one_line_exit_2(job, tmp_path, ranks, flags, expect):
-    flags = [str(tmp_path / "ckpt") if f == "CKPT" else f for f in flags]
     r = job(ranks, *MLP, "--steps", "2", *flags, "--save", tmp_path / "out.h5")
     errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
     assert r.returncode == 2 and len(errors) == 1 and expect in errors[0], (r.returncode, r.stderr)
-    assert not (tmp_path / "out.h5").exists() and not (tmp_path / "ckpt").exists()
+    assert not (tmp_path / "out.h5").exists()

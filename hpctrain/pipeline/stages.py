@@ -71,10 +71,7 @@ def cut_points(args, spec):
 
 
 # Flags the pipeline does not carry yet: each refused with the reason.
-NOT_YET = (("checkpoint_dir", "--checkpoint-dir (pipeline checkpoints are not built)"),
-           ("eval_every", "--eval-every (the chief holds the whole model only at the end)"),
-           ("keep_best", "--keep-best"),
-           ("clip_norm", "--clip-norm (the global norm spans the stages)"),
+NOT_YET = (("clip_norm", "--clip-norm (the global norm spans the stages)"),
            ("timeline", "--timeline"))
 
 

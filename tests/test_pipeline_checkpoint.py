@@ -1,0 +1,123 @@
+"""Pipeline checkpoints, evaluation and --keep-best: a pipeline writes ring
+mode's checkpoint file (the chief gathers every stage's slices), resumes from
+it bit for bit, under another cut or replica count, or in ring mode with
+--accumulate-steps M, and back; SIGTERM mid-run stops every rank after the
+same step with exit 75 and the same command goes on to the uninterrupted
+run's bits; --eval-every and --keep-best see the whole model.
+
+    .venv/bin/python -m pytest -q tests/test_pipeline_checkpoint.py
+"""
+import json
+import re
+import shutil
+import signal
+
+import pytest
+
+from conftest import OPEN_MPI, saved, same_bytes
+from hpctrain import checkpoint
+from hpctrain.data import bundled_sample_dir, prepare
+from hpctrain.errors import EXIT_PREEMPTED
+from test_checkpoint import run_and_signal
+from test_pipeline import MLP, TINY, ok
+
+FLAGS = ["--batch-size", "8", "--log-every", "6"]
+
+
+def pipe(stages, micro=3, schedule="1f1b", *split):
+    return ["--pipeline-stages", stages, "--micro-batches", micro, "--pipeline-schedule", schedule,
+            *(["--pipeline-split", split[0]] if split else [])]
+
+
+def datasets(path):
+    ckpt = checkpoint.read(path)
+    return {"params": ckpt.params, "data_positions": ckpt.data_positions, "model_state": ckpt.model_state,
+            **{f"optimizer/{k}": v for k, v in ckpt.optimizer_state.items()}}
+
+
+@pytest.mark.parametrize("ranks, grid, model", [
+    (4, pipe(2), MLP),                                      # R = 2, Adam
+    (2, pipe(2, 2, "gpipe"), ["--model", f"{TINY}:build"]),  # batch norm's state and dropout's masks
+], ids=["p2r2-mlp", "p2-cnn-bn"])
+def test_a_resumed_pipeline_ends_with_the_bits_of_one_run_through(job, tmp_path, ranks, grid, model):
+    flags = [*FLAGS, *model, *grid]
+    ok(job(ranks, *flags, "--steps", 12, "--save", tmp_path / "through.h5"))
+    ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 3]
+    ok(job(ranks, *flags, "--steps", 6, *ck))
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "ck")] == [6, 3]
+    r = ok(job(ranks, *flags, "--steps", 12, *ck, "--save", tmp_path / "resumed.h5"))
+    assert f"resumed from {tmp_path / 'ck' / 'ckpt-00000006.h5'} at step 6" in r.stdout, r.stdout
+    assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
+
+
+def test_one_checkpoint_file_for_every_grid_and_ring_mode(job, tmp_path):
+    """The pipeline's checkpoint holds the datasets ring mode's
+    --accumulate-steps 3 writes at the same step, bit for bit; each resumes
+    under the other (and under other cuts): the same parameters at the end."""
+    ring = ["--accumulate-steps", 3]
+    for name, ranks, how in (("ring", 2, ring), ("pipe", 4, pipe(2))):
+        ok(job(ranks, *FLAGS, *MLP, *how, "--steps", 6, "--checkpoint-dir", tmp_path / name))
+    ring_ck, pipe_ck = (tmp_path / n / "ckpt-00000006.h5" for n in ("ring", "pipe"))
+    a, b = datasets(ring_ck), datasets(pipe_ck)
+    assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a), sorted(a)
+
+    def go_on(source, ranks, how, out):
+        where = tmp_path / f"from-{out}"
+        shutil.copytree(tmp_path / source, where)
+        r = ok(job(ranks, *FLAGS, *MLP, *how, "--steps", 12, "--checkpoint-dir", where, "--save", tmp_path / out))
+        assert "resumed from" in r.stdout, r.stdout
+        return r
+
+    # Same 2 replicas: ring from the pipeline's file, the pipeline (2 and 4 stages) from ring's.
+    go_on("pipe", 2, ring, "ring2.h5")
+    go_on("ring", 4, pipe(2, 3, "gpipe"), "pipe2.h5")
+    assert same_bytes(tmp_path / "ring2.h5", tmp_path / "pipe2.h5")
+    # One replica where two wrote it: the data goes on as a resized ring job's does.
+    r = go_on("pipe", 1, ring, "ring1.h5")
+    assert "written with 2 workers, this run has 1" in r.stdout, r.stdout
+    go_on("pipe", 3, pipe(3, 3, "1f1b", "2,6"), "pipe3.h5")   # uneven cut
+    go_on("ring", 4, pipe(4), "pipe4.h5")
+    assert same_bytes(tmp_path / "ring1.h5", tmp_path / "pipe3.h5")
+    assert same_bytes(tmp_path / "ring1.h5", tmp_path / "pipe4.h5")
+
+
+def test_sigterm_stops_every_stage_after_the_same_step_and_the_same_command_resumes(job, tmp_path):
+    steps = 300   # the signal lands after the first checkpoint (step 10), mid-run at any speed
+    flags = [*FLAGS[:2], *MLP, *pipe(2), "--log-every", 1000, "--steps", steps]
+    ok(job(4, *flags, "--save", tmp_path / "through.h5"))
+    ck = tmp_path / "ck"
+    again = [*flags, "--checkpoint-dir", ck, "--checkpoint-every", 10, "--save", tmp_path / "resumed.h5"]
+    sig = signal.SIGUSR1 if OPEN_MPI else signal.SIGTERM   # Open MPI's mpirun kills on TERM, relays USR1
+    r = run_and_signal(4, sig, ck, 0, *again)
+    assert r.returncode == EXIT_PREEMPTED, (r.returncode, r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert len(lines) == 1, r.stderr
+    m = re.fullmatch(rf"hpctrain: error: stopped by {sig.name} after step (\d+); checkpoint (\S+); "
+                     r"run the same command again to resume", lines[0])
+    assert m and 0 < int(m.group(1)) < steps, lines
+    assert checkpoint.list_checkpoints(ck)[0] == (int(m.group(1)), m.group(2))
+    assert not (tmp_path / "resumed.h5").exists()
+    r = ok(job(4, *again))
+    assert f"at step {m.group(1)}" in r.stdout, r.stdout
+    assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
+
+
+@pytest.fixture(scope="module")
+def val_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "mnist-val"
+    prepare(bundled_sample_dir(), out, shards=4, log=None, val_fraction=0.1)
+    return out
+
+
+def test_eval_every_and_keep_best_see_the_whole_model(job, tmp_path, val_data):
+    flags = [*FLAGS[:2], *MLP, "--data", val_data, "--steps", 24, "--eval-every", 8, "--log-every", 24]
+    records = {}
+    for name, ranks, how in (("ring", 2, ["--accumulate-steps", 3]), ("pipe", 4, pipe(2))):
+        ok(job(ranks, *flags, *how, "--metrics", tmp_path / f"{name}.jsonl", "--keep-best", tmp_path / f"{name}.h5"))
+        records[name] = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
+    keys = ("step", "test_accuracy", "test_loss", "val_accuracy", "val_loss")
+    evals = {n: [{k: m[k] for k in keys} for m in rs if m.get("event") == "eval"] for n, rs in records.items()}
+    assert [m["step"] for m in evals["pipe"]] == [8, 16] and evals["pipe"] == evals["ring"], evals
+    assert records["pipe"][-1]["val_accuracy"] == records["ring"][-1]["val_accuracy"]
+    a, b = saved(tmp_path / "ring.h5"), saved(tmp_path / "pipe.h5")
+    assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
