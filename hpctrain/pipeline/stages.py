@@ -74,8 +74,7 @@ def cut_points(args, spec):
 NOT_YET = (("checkpoint_dir", "--checkpoint-dir (pipeline checkpoints are not built)"),
            ("eval_every", "--eval-every (the chief holds the whole model only at the end)"),
            ("keep_best", "--keep-best"),
-           ("clip_norm", "--clip-norm (the global norm spans the stages)"),
-           ("timeline", "--timeline"))
+           ("clip_norm", "--clip-norm (the global norm spans the stages)"))
 
 
 def plan(args, world, spec):
