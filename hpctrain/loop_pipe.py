@@ -37,6 +37,7 @@ from .pipeline import schedule as sched
 from .pipeline import whole
 from .pipeline.grid import Grid
 from .pipeline.stage import Stage
+from .pipeline.trace import StageTrace
 from .report import Report
 from .resume import Checkpoints
 
@@ -106,41 +107,44 @@ class PipeStep:
         self.out_shape = spec.shapes[stage.b - 1]
         self.head = np.zeros(2, np.float64)   # [loss, stop], summed over the world
         self.schedule_done = None
+        self.trace = StageTrace(session, grid, stage, optimizer)   # --timeline; without it, no-ops
 
     def run(self, batches, lr):
         """batches: M (x, y, noise); returns (loss summed over the replicas, whether any rank stops)."""
-        grid = self.grid
+        grid, trace, start = self.grid, self.trace, time.perf_counter()
         self.optimizer.begin(lr, 1.0 / (grid.replicas * self.micro))
         inputs, outputs, grads_in, grads_out, losses, sends = {}, {}, {}, {}, [], []
         for action in self.actions:
             m = action.micro
             x, y, noise = batches[m]
-            if isinstance(action, sched.RecvActivation):
-                inputs[m] = self._receive(grid.stage - 1, (x.shape[0], *self.in_shape), m, "activations")
-            elif isinstance(action, sched.Forward):
-                out = self.stage.models[m].forward(inputs.pop(m, x), y, noise)
-                if grid.last:
-                    losses.append(out)
+            with trace.action(action):
+                if isinstance(action, sched.RecvActivation):
+                    inputs[m] = self._receive(grid.stage - 1, (x.shape[0], *self.in_shape), m, "activations")
+                elif isinstance(action, sched.Forward):
+                    out = self.stage.models[m].forward(inputs.pop(m, x), y, noise)
+                    if grid.last:
+                        losses.append(out)
+                    else:
+                        outputs[m] = out
+                elif isinstance(action, sched.SendActivation):
+                    sends.append(self._send(outputs.pop(m), grid.stage + 1, m))
+                elif isinstance(action, sched.RecvGrad):
+                    grads_in[m] = self._receive(grid.stage + 1, (x.shape[0], *self.out_shape), m, "gradients")
+                elif isinstance(action, sched.Backward):
+                    grads_out[m] = self.stage.models[m].backward(grads_in.pop(m, None))
                 else:
-                    outputs[m] = out
-            elif isinstance(action, sched.SendActivation):
-                sends.append(self._send(outputs.pop(m), grid.stage + 1, m))
-            elif isinstance(action, sched.RecvGrad):
-                grads_in[m] = self._receive(grid.stage + 1, (x.shape[0], *self.out_shape), m, "gradients")
-            elif isinstance(action, sched.Backward):
-                grads_out[m] = self.stage.models[m].backward(grads_in.pop(m, None))
-            else:
-                sends.append(self._send(grads_out.pop(m), grid.stage - 1, m))
-        with self.session.watchdog.waiting("pipeline sends", peer=[self.grid.world_rank(grid.stage + d)
-                                                                   for d in (-1, 1) if 0 <= grid.stage + d
-                                                                   < grid.stages]):
+                    sends.append(self._send(grads_out.pop(m), grid.stage - 1, m))
+        neighbours = [grid.world_rank(grid.stage + d) for d in (-1, 1) if 0 <= grid.stage + d < grid.stages]
+        with trace.span("wait sends"), self.session.watchdog.waiting("pipeline sends", peer=neighbours):
             MPI.Request.Waitall([request for request, _ in sends])
         self.schedule_done = time.perf_counter()   # the rest: the replicas' average, the update, [loss, stop]
+        trace.add("schedule", start, self.schedule_done)
         self._update()
         self.head[0] = float(self._mean(losses)) if grid.last else 0.0
         self.head[1] = 1.0 if self.session.stop.received else 0.0
-        with self.session.watchdog.waiting("loss and stop allreduce", peer=None):
+        with trace.span("loss and stop"), self.session.watchdog.waiting("loss and stop allreduce", peer=None):
             self.session.comm.Allreduce(MPI.IN_PLACE, self.head, op=MPI.SUM)
+        trace.flush()
         return float(self.head[0]), bool(self.head[1] > 0)
 
     def _mean(self, losses):
@@ -156,11 +160,14 @@ class PipeStep:
         return ((acc + out) * (1.0 / len(losses)))[0]
 
     def _update(self):
-        grads = self.stage.summed()
+        with self.trace.span("sum"):
+            grads = self.stage.summed()
         if self.strategy is not None:
-            device.synchronize(self.xp)
-            self.strategy.allreduce(grads)
-        self.optimizer.update(self.stage.params, grads)
+            with self.trace.span("allreduce"):
+                device.synchronize(self.xp)
+                self.strategy.allreduce(grads)
+        with self.trace.span("update"):
+            self.optimizer.update(self.stage.params, grads)
 
     def _send(self, array, stage, tag):
         device.synchronize(self.xp)

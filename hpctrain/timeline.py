@@ -3,7 +3,9 @@ uses; open the file in https://ui.perfetto.dev or chrome://tracing).
 
 Spans are complete events ("ph": "X") with microsecond timestamps, one track
 (tid) per thread, so a communication thread's bucket allreduces show beside
-backprop. Disabled, every call is a no-op costing one attribute lookup.
+backprop; spans another rank measured (the pipeline's stages,
+pipeline/trace.py) go to a process (pid) of that rank's own, merged into the
+chief's one file. Disabled, every call is a no-op costing one attribute lookup.
 
 Streamed: at most FLUSH_EVERY events are held in memory; the rest are in an
 exclusive temporary file next to the trace (outputs.temp_next_to), renamed
@@ -44,7 +46,7 @@ class _Span:
 
 
 # Disabled: nullcontext is reentrant and shareable, one instance serves every span.
-_NO_SPAN = contextlib.nullcontext()
+NO_SPAN = contextlib.nullcontext()
 
 
 class Timeline:
@@ -58,12 +60,12 @@ class Timeline:
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self._tids = {}
-        self._process_name = process_name
+        self._processes = {0: {"name": process_name}}
 
     def span(self, name, cat="step", **args):
         """with timeline.span("backward", cat="compute"): ..."""
         if not self.enabled:
-            return _NO_SPAN
+            return NO_SPAN
         return _Span(self, name, cat, args or None)
 
     def model_hooks(self, t_start, on_layer_done, on_forward_done=None):
@@ -89,12 +91,13 @@ class Timeline:
                 on_layer_done(i)
         return forward_done, layer_done
 
-    def add(self, name, cat, t_start, t_end, args=None):
-        """Record a span measured elsewhere (perf_counter seconds)."""
+    def add(self, name, cat, t_start, t_end, args=None, pid=0):
+        """Record a span measured elsewhere (perf_counter seconds); `pid`: the
+        process it goes to (another rank's, named by name_process)."""
         if not self.enabled:
             return
         ident = threading.get_ident()
-        event = {"name": name, "cat": cat, "ph": "X", "pid": 0,
+        event = {"name": name, "cat": cat, "ph": "X", "pid": pid,
                  "tid": self._tids.setdefault(ident, len(self._tids)),
                  "ts": round((t_start - self._t0) * 1e6, 1),
                  "dur": round((t_end - t_start) * 1e6, 1)}
@@ -106,6 +109,10 @@ class Timeline:
             self._events.append(event)
             if len(self._events) >= FLUSH_EVERY:
                 self._flush()
+
+    def name_process(self, pid, name, **args):
+        """The name (and any further args) that process `pid`'s metadata event carries."""
+        self._processes[pid] = {"name": name, **args}
 
     def _flush(self):
         """Under the lock: the events held so far to the temporary file."""
@@ -127,7 +134,7 @@ class Timeline:
         if not self.enabled:
             return
         names = {tid: ("main" if tid == 0 else f"thread {tid}") for tid in self._tids.values()}
-        meta = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": self._process_name}}]
+        meta = [{"name": "process_name", "ph": "M", "pid": pid, "args": args} for pid, args in self._processes.items()]
         meta += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": n}}
                  for tid, n in names.items()]
         with self._lock:

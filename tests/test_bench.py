@@ -251,6 +251,8 @@ def test_a_rank_count_this_machine_cannot_run_is_one_line(args, capsys, monkeypa
     ["train", "--ranks", "1", "--steps", "1", "--compare", "shard-optimizer=off,maybe"],
     ["train", "--mode", "ps", "--ranks", "3", "--versus-ring", "--compare", "ps-exchange=mpi,frob", "--",
      "--num-ps", "1"],
+    ["pipeline", "--stages", "1"], ["pipeline", "--schedules", "gpipe,frob"], ["pipeline", "--micro-batches", "4,0"],
+    ["pipeline", "--", "--hidden", "x"],
 ])
 def test_a_bad_bench_argument_is_one_line_before_anything_runs(args, capsys, monkeypatch):
     from hpctrain.bench.__main__ import main
@@ -313,3 +315,24 @@ def test_stopping_the_bench_takes_its_mpirun_and_ranks_down(tmp_path, sig):
         assert proc.returncode == 128 + signal.SIGTERM
         assert err == "hpctrain: error: stopped by SIGTERM; its MPI job was taken down\n"
         assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_bench_pipeline_quick_prints_each_stage_against_its_bounds():
+    out = bench("pipeline", "--quick").splitlines()
+    header = out[2]
+    for column in ("bubble", "(P-1)/(M+P-1)", "act held", "bound", "act MB", "bound MB", "params+opt MB",
+                   "unpipelined MB", "x unpipelined"):
+        assert column in header, header
+    names = [c.strip() for c in header.strip("|").split("|")]
+    rows = [dict(zip(names, (c.strip() for c in line.strip("|").split("|")))) for line in out[4:]]
+    assert [(r["schedule"], r["M"], r["stage"]) for r in rows] == [
+        ("gpipe", "2", "0"), ("gpipe", "2", "1"), ("1f1b", "2", "0"), ("1f1b", "2", "1")]
+    # the bounds: (P - 1)/(M + P - 1) = 1/3; activations GPipe M, 1F1B min(P - s, M)
+    assert [r["(P-1)/(M+P-1)"] for r in rows] == ["0.333"] * 4
+    assert [int(r["bound"]) for r in rows] == [2, 2, 2, 1]
+    # measured from the order the spans ran in, not their lengths
+    assert [int(r["act held"]) for r in rows] == [2, 2, 2, 1]
+    for r in rows:
+        assert 0 <= float(r["bubble"]) < 1
+    # each stage holds its slice of the parameters and the optimizer state: together the whole model's
+    assert abs(float(rows[0]["x unpipelined"]) + float(rows[1]["x unpipelined"]) - 1) < 0.02

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, saved, same_bytes
+from hpctrain.pipeline import schedule as sched
 
 TINY = os.path.join(REPO, "tests", "models", "tiny_cnn.py")
 MLP = ["--hidden", "64,32,16"]   # Flatten, then Dense/ReLU x 3, Dense: 8 layers, 4 with parameters
@@ -92,3 +93,33 @@ def test_bad_pipeline_flags_are_one_line_exit_2(job, tmp_path, ranks, flags, exp
     errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
     assert r.returncode == 2 and len(errors) == 1 and expect in errors[0], (r.returncode, r.stderr)
     assert not (tmp_path / "out.h5").exists()
+
+
+ACTION_NAMES = {sched.Forward: "forward", sched.Backward: "backward", sched.SendActivation: "send activation",
+                sched.RecvActivation: "wait activation", sched.SendGrad: "send gradient",
+                sched.RecvGrad: "wait gradient"}
+
+
+@pytest.mark.parametrize("ranks, schedule", [(2, "gpipe"), (4, "1f1b")], ids=["p2-gpipe", "p2r2-1f1b"])
+def test_timeline_shows_every_stage_running_its_schedule(job, tmp_path, ranks, schedule):
+    """--timeline: every rank's track holds, step by step, exactly its
+    schedule's actions in order (named with the micro-batch), the wait for
+    its sends inside the schedule phase, then the sum, the replicas'
+    allreduce, the update and the loss."""
+    steps, micro = 3, 3
+    ok(job(ranks, *MLP, "--steps", steps, "--batch-size", "8", "--pipeline-stages", "2", "--micro-batches", micro,
+           "--pipeline-schedule", schedule, "--timeline", tmp_path / "t.json"))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {r: f"stage {r // (ranks // 2)}, replica {r % (ranks // 2)} (rank {r})" for r in range(ranks)}
+    spans = sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
+    for rank in range(ranks):
+        plan = sched.SCHEDULES[schedule](2, micro, rank // (ranks // 2))
+        want = [f"{ACTION_NAMES[type(a)]} {a.micro}" for a in plan] + ["wait sends"]
+        after = ["sum", "allreduce", "update", "loss and stop"] if ranks == 4 else ["sum", "update", "loss and stop"]
+        for step in range(1, steps + 1):
+            mine = [e for e in spans if e["pid"] == rank and e["args"]["step"] == step]
+            phase = [e for e in mine if e["name"] == "schedule"]
+            inside = [e["name"] for e in mine if e["name"] != "schedule" and e["ts"] < phase[0]["ts"] + phase[0]["dur"]]
+            assert len(phase) == 1 and inside == want, (rank, step, inside)
+            assert [e["name"] for e in mine][len(want) + 1:] == after

@@ -1,4 +1,4 @@
-"""python -m hpctrain.bench allreduce|train|model|layers --help  (--plot PNG: allreduce, train)
+"""python -m hpctrain.bench allreduce|train|model|layers|pipeline --help  (--plot PNG: allreduce, train)
 
 A bad argument is one line (`hpctrain: error: ...`), exit 2, before anything runs."""
 import argparse
@@ -79,7 +79,7 @@ def main(argv=None):
         args.argv = argv
         # A rank keeps the default handlers: its launcher's SIGTERM must end
         # it even while it waits inside MPI, where no Python handler runs.
-        launcher = args.what in ("train", "compare") or not is_rank()
+        launcher = args.what in ("train", "compare", "pipeline") or not is_rank()
         with stopping_on_signals() if launcher else nullcontext():
             return _run(args, extra)
     except HpctrainError as e:
@@ -152,10 +152,30 @@ def _subcommands(sub):
     y.add_argument("--seconds", type=_RATE, default=2.0, help="measuring time for the whole step (default: %(default)s)")
     y.add_argument("--json", action="store_true")
 
+    q = sub.add_parser("pipeline", help="pipeline stages: measured bubble, activation and parameter memory per "
+                                        "stage against the schedule's bounds (flags after -- go to hpctrain.train)")
+    q.add_argument("--stages", type=_POSITIVE, default=2, help="pipeline stages P, one rank each (default: %(default)s)")
+    q.add_argument("--micro-batches", type=_counts, default=None, help="comma-separated M (default: 4,8)")
+    q.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated (default: %(default)s)")
+    q.add_argument("--hidden", default=None, help="the MLP's widths (default: 512,512: both stages the same "
+                                                  "forward + backward work)")
+    q.add_argument("--batch-size", type=_POSITIVE, default=None, help="samples per micro-batch (default: 64)")
+    q.add_argument("--steps", type=_POSITIVE, default=None, help="steps per run (default: 30)")
+    q.add_argument("--quick", action="store_true", help="M = 2, 4 steps, --hidden 32,32, micro-batch 8 where "
+                                                        "not given: seconds, for a smoke test")
+    q.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
+    q.add_argument("--json", action="store_true")
+
 
 def _run(args, extra):
     if args.what == "layers":
         return _layers(args)
+    if args.what == "pipeline":
+        if args.stages < 2:
+            raise HpctrainError(f"--stages {args.stages}: a pipeline has at least 2 stages")
+        check_ranks([args.stages], args.oversubscribe_ok)
+        from .pipeline import main as run
+        return run(args, extra)
     counts = args.ranks if isinstance(args.ranks, list) else [args.ranks]
     if args.what == "model":
         check_ranks(counts, args.oversubscribe_ok, least=2, why=" (the fit needs a ring, and a server with a worker)")

@@ -164,5 +164,14 @@ def table(rows, columns):
     return "\n".join(lines)
 
 
+def markdown(rows, columns):
+    """The same as a markdown table (numbers right-aligned), to paste into docs."""
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "|".join("---:" for _ in columns) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join("-" if row.get(k) is None else fmt.format(row[k]) for _, k, fmt in columns)
+                     + " |")
+    return "\n".join(lines)
+
+
 def dump(obj):
     print(json.dumps(obj, indent=1))

@@ -71,8 +71,7 @@ def cut_points(args, spec):
 
 
 # Flags the pipeline does not carry yet: each refused with the reason.
-NOT_YET = (("clip_norm", "--clip-norm (the global norm spans the stages)"),
-           ("timeline", "--timeline"))
+NOT_YET = (("clip_norm", "--clip-norm (the global norm spans the stages)"),)
 
 
 def plan(args, world, spec):

@@ -1,0 +1,204 @@
+"""The pipeline measured (issue 22 §4): runs real `--pipeline-stages P` jobs
+through mpirun (P ranks, one replica) for each schedule and micro-batch count,
+with `--timeline`, and reports per stage, from the trace's spans
+(pipeline/trace.py) and its metadata:
+
+- bubble: the idle part of the stage's schedule phase, 1 - (its forward +
+  backward seconds) / (the phase's seconds), the phase running from the
+  step's first action to the end of the Waitall of its sends (sends,
+  receives and their waits count as idle); the median over the steps after
+  the first tenth (warm-up), against the tick model's (P - 1)/(M + P - 1);
+  beside it the best of those steps (on a shared machine, the step that
+  other jobs disturbed least).
+- activations: the most micro-batches whose activations the stage holds at
+  once (a forward's until its backward ends, counted from the spans' order),
+  against the schedule's bound (schedule.peak_activations: GPipe M, 1F1B
+  min(P - s, M)); in bytes, times one micro-batch's kept activations from the
+  shapes (the stage's layers' train_floats(): outputs and their gradients,
+  float32, batch B).
+- parameters + optimizer state on the stage's rank (the bytes its buffers
+  hold), against one unpipelined rank's (--accumulate-steps M, the same
+  model: its parameters and its final record's optimizer_state_bytes);
+  beside them the stage's gradient buffers (one per micro-batch, the sum and
+  the accumulator).
+
+    python -m hpctrain.bench pipeline                      # P = 2, M = 4, 8, gpipe and 1f1b, --hidden 512,512
+    python -m hpctrain.bench pipeline --hidden 774,774 --micro-batches 4,8 --steps 50
+    python -m hpctrain.bench pipeline --quick              # seconds; its figures mean nothing
+
+Flags after `--` go to every job (python -m hpctrain.train), e.g.
+`-- --pipeline-split 3 --optimizer sgd`. The default model, 784-512-512-10,
+gives both stages the same forward + backward multiply-adds per sample
+(802,816 and 801,792: a layer's backward is twice its forward, except the
+model's first layer, which computes no input gradient); `--hidden 774,774`
+gives them the same spec.flops() (forward only, what the default cut
+balances), and stage 1 half as much backward work again as stage 0.
+"""
+import json
+import os
+import statistics
+import tempfile
+
+from ..errors import HpctrainError
+from ..pipeline import schedule as sched
+from .common import launch, markdown
+from .train import model_shape, run_failed
+
+QUICK = {"micro_batches": [2], "steps": 4, "hidden": "32,32", "batch_size": 8}
+DEFAULTS = {"micro_batches": [4, 8], "steps": 30, "hidden": "512,512", "batch_size": 64}
+MB = 2**20
+
+
+def settings(args):
+    """args with the job's settings filled in: --quick's, or the defaults, where not given."""
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if min(args.micro_batches) < 1:
+        raise HpctrainError(f"--micro-batches {','.join(map(str, args.micro_batches))}: each at least 1")
+    schedules = args.schedules.split(",")
+    for name in schedules:
+        if name not in sched.SCHEDULES:
+            raise HpctrainError(f"--schedules {args.schedules}: {name!r} is not one of {', '.join(sched.SCHEDULES)}")
+    return schedules
+
+
+def job_flags(args, extra):
+    return ["--hidden", args.hidden, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+            "--log-every", str(args.steps), *extra]
+
+
+def final_record(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f][-1]
+
+
+def pipeline_job(args, extra, schedule, micro, tmp):
+    """One pipeline run: its trace's events."""
+    trace, metrics = os.path.join(tmp, "t.json"), os.path.join(tmp, "m.jsonl")
+    flags = ["-m", "hpctrain.train", "--pipeline-stages", str(args.stages), "--micro-batches", str(micro),
+             "--pipeline-schedule", schedule, "--timeline", trace, "--metrics", metrics, *job_flags(args, extra)]
+    r = launch(args.stages, flags)
+    if r.returncode != 0:
+        raise run_failed(args.stages, flags, r)
+    with open(trace) as f:
+        return json.load(f)["traceEvents"]
+
+
+def unpipelined_bytes(args, extra, spec, tmp):
+    """Parameters + optimizer state of one rank training the whole model."""
+    metrics = os.path.join(tmp, "one.jsonl")
+    flags = ["-m", "hpctrain.train", "--accumulate-steps", str(max(args.micro_batches)), "--shard-optimizer", "off",
+             "--metrics", metrics, *job_flags(args, extra), "--steps", "2"]   # its buffers, not its speed
+    r = launch(1, flags)
+    if r.returncode != 0:
+        raise run_failed(1, flags, r)
+    return 4 * spec.num_params + final_record(metrics)["optimizer_state_bytes"]
+
+
+def per_step(spans):
+    """{step: [spans in time order]} of one rank."""
+    steps = {}
+    for e in sorted(spans, key=lambda e: e["ts"]):
+        steps.setdefault(e["args"]["step"], []).append(e)
+    return steps
+
+
+def held_at_once(spans):
+    """The most micro-batches between a forward's start and its backward's end."""
+    live, most = set(), 0
+    for e in spans:
+        kind, _, micro = e["name"].rpartition(" ")
+        if kind == "forward":
+            live.add(micro)
+            most = max(most, len(live))
+        elif kind == "backward":
+            live.discard(micro)
+    return most
+
+
+def timing(steps):
+    """The bubble (median and best), forward + backward and schedule ms per step, after the warm-up."""
+    kept = sorted(steps)[max(1, len(steps) // 10):] if len(steps) > 1 else sorted(steps)
+    phase = [sum(e["dur"] for e in steps[n] if e["name"] == "schedule") for n in kept]
+    compute = [sum(e["dur"] for e in steps[n] if e["name"].startswith(("forward ", "backward "))) for n in kept]
+    bubbles = [1 - c / p for c, p in zip(compute, phase)]
+    return {"bubble": statistics.median(bubbles), "bubble_best": min(bubbles),
+            "compute_ms": statistics.median(compute) / 1e3, "schedule_ms": statistics.median(phase) / 1e3}
+
+
+def memory(steps, meta, args, schedule, micro, spec, whole_bytes):
+    """Activations held (measured and the schedule's bound), parameters + optimizer state against unpipelined."""
+    a, b = meta["layers"]
+    act_bytes = 4 * args.batch_size * sum(spec.layers[i].train_floats() for i in range(a, b))
+    bound = sched.peak_activations(sched.SCHEDULES[schedule](args.stages, micro, meta["stage"]))
+    held = max(held_at_once(spans) for spans in steps.values())
+    mine = meta["params_bytes"] + meta["optimizer_state_bytes"]
+    return {"held": held, "held_bound": bound, "act_mb": held * act_bytes / MB, "act_bound_mb": bound * act_bytes / MB,
+            "params_opt_mb": mine / MB, "unpipelined_mb": whole_bytes / MB, "vs_unpipelined": mine / whole_bytes,
+            "grads_mb": meta["grads_bytes"] / MB}
+
+
+def stage_rows(events, args, schedule, micro, spec, whole_bytes):
+    """One row per rank (stage) of one run."""
+    about = {e["pid"]: e["args"] for e in events if e["name"] == "process_name"}
+    rows = []
+    for pid in sorted(about):
+        meta = about[pid]
+        steps = per_step(e for e in events if e["ph"] == "X" and e["pid"] == pid)
+        rows.append({"schedule": schedule, "micro_batches": micro, "stage": meta["stage"],
+                     "layers": "[{},{})".format(*meta["layers"]),
+                     "bubble_bound": sched.bubble_fraction(args.stages, micro), **timing(steps),
+                     **memory(steps, meta, args, schedule, micro, spec, whole_bytes)})
+    return rows
+
+
+def stage_cuts(events):
+    """[0, cut, ..., layers] from the trace's stage metadata."""
+    layers = sorted(tuple(e["args"]["layers"]) for e in events if e["name"] == "process_name")
+    return [0] + sorted({b for _, b in layers})
+
+
+def work_per_stage(spec, cuts):
+    """(spec.flops() per stage, forward + backward multiply-adds per stage) per sample."""
+    flops, first = spec.flops(), spec.param_layers[0]
+    work = [f * (2 if i == first else 3) for i, f in enumerate(flops)]
+    return [sum(flops[a:b]) for a, b in zip(cuts, cuts[1:])], [sum(work[a:b]) for a, b in zip(cuts, cuts[1:])]
+
+
+COLUMNS = [("schedule", "schedule", "{}"), ("M", "micro_batches", "{}"), ("stage", "stage", "{}"),
+           ("layers", "layers", "{}"), ("bubble", "bubble", "{:.3f}"), ("best step", "bubble_best", "{:.3f}"),
+           ("(P-1)/(M+P-1)", "bubble_bound", "{:.3f}"),
+           ("F+B ms/step", "compute_ms", "{:.2f}"), ("schedule ms/step", "schedule_ms", "{:.2f}"),
+           ("act held", "held", "{}"), ("bound", "held_bound", "{}"), ("act MB", "act_mb", "{:.3f}"),
+           ("bound MB", "act_bound_mb", "{:.3f}"), ("params+opt MB", "params_opt_mb", "{:.2f}"),
+           ("unpipelined MB", "unpipelined_mb", "{:.2f}"), ("x unpipelined", "vs_unpipelined", "{:.2f}"),
+           ("grads MB", "grads_mb", "{:.2f}")]
+
+
+def main(args, extra):
+    schedules = settings(args)
+    from ..cli import parse
+    from ..nn import spec_for
+    flags = parse(job_flags(args, extra))
+    spec = spec_for(flags, *model_shape(flags))
+    rows, cuts = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = unpipelined_bytes(args, extra, spec, tmp)
+        for micro in args.micro_batches:
+            for schedule in schedules:
+                events = pipeline_job(args, extra, schedule, micro, tmp)
+                cuts = cuts or stage_cuts(events)
+                rows += stage_rows(events, args, schedule, micro, spec, whole)
+    flops, work = work_per_stage(spec, cuts)
+    if args.json:
+        print(json.dumps({"bench": "pipeline", "stages": args.stages, "steps": args.steps, "hidden": args.hidden,
+                          "batch_size": args.batch_size, "flags": extra, "stage_flops": flops, "stage_work": work,
+                          "rows": rows}))
+        return 0
+    print(f"pipeline, P = {args.stages}, model {spec.name} --hidden {args.hidden}, micro-batch {args.batch_size}, "
+          f"{args.steps} steps (medians after the first tenth)" + (f", flags: {' '.join(extra)}" if extra else ""))
+    print("per sample and stage: spec.flops() " + " / ".join(f"{f:,}" for f in flops)
+          + "; forward + backward multiply-adds " + " / ".join(f"{w:,}" for w in work))
+    print(markdown(rows, COLUMNS))
+    return 0

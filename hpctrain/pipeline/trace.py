@@ -1,0 +1,125 @@
+"""The pipeline's `--timeline`: every rank's step on a track of its own in
+the chief's one Chrome trace (timeline.py), so that a stage's idle time, the
+bubble, shows between its forwards and backwards. Takes communicators; never
+imports MPI itself.
+
+Each rank records, per step: `forward m` and `backward m`; `send activation m`
+and `send gradient m` (posting the Isend: the copy to the host and the post);
+`wait activation m` and `wait gradient m` (a receive, until its data are in);
+`wait sends` (the final Waitall of the step's sends); `schedule` (from the
+step's first action to that Waitall's end: the schedule phase); then `sum` (the
+micro-batches' gradients), `allreduce` (over the stage's replicas, R > 1),
+`update` and `loss and stop`. Every span carries its step. After each step
+the chief gathers every rank's rows of numbers (kind, micro-batch, start,
+end: one Gather of their counts and one Gatherv of float64, no pickle) and
+adds them to its trace as process r (world rank r), named "stage s, replica
+q (rank r)", its metadata holding the stage's layers and the bytes of its
+parameters, gradient buffers and optimizer state.
+
+Clocks: each rank counts from the moment it leaves a world Barrier at
+start-up, and the chief adds its own clock at that moment, so the tracks
+agree within that Barrier's skew, on one node or across nodes. On a GPU a
+span is the host's time (kernels may still run after it ends).
+
+Without --timeline (the same flag on every rank) `span` and `action` return
+timeline.py's shared no-op and `add` and `flush` return at once: no
+collective, nothing recorded.
+
+    mpirun -n 2 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --steps 20 --timeline /tmp/t.json
+"""
+import time
+
+import numpy as np
+
+from ..optim import state_bytes
+from ..timeline import NO_SPAN
+from . import schedule as sched
+
+# A row's kind is its index here; the category is the trace's colour group.
+KINDS = (("forward", "compute"), ("backward", "compute"),
+         ("send activation", "comm"), ("wait activation", "comm"),
+         ("send gradient", "comm"), ("wait gradient", "comm"), ("wait sends", "comm"),
+         ("schedule", "step"), ("sum", "optimizer"), ("allreduce", "comm"), ("update", "optimizer"),
+         ("loss and stop", "comm"))
+CODE = {name: code for code, (name, _) in enumerate(KINDS)}
+ACTION = {sched.Forward: "forward", sched.Backward: "backward",
+          sched.SendActivation: "send activation", sched.RecvActivation: "wait activation",
+          sched.SendGrad: "send gradient", sched.RecvGrad: "wait gradient"}
+
+
+class _Row:
+    __slots__ = ("trace", "code", "micro", "t0")
+
+    def __init__(self, trace, code, micro):
+        self.trace, self.code, self.micro = trace, code, micro
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.trace.rows.append((self.code, self.micro, self.t0, time.perf_counter()))
+        return False
+
+
+class StageTrace:
+    """This rank's spans of one step, handed to the chief's timeline after it."""
+
+    def __init__(self, session, grid, stage, optimizer):
+        self.enabled = session.args.timeline is not None
+        if not self.enabled:
+            return
+        self.session, self.comm, self.timeline = session, session.comm, session.timeline
+        self.rows, self.step = [], 0
+        grads = [m.grads for m in stage.models] + [a for a in (stage.grads, stage.acc) if a is not None]
+        about = np.array([grid.stage, grid.replica, stage.a, stage.b, stage.params.nbytes,
+                          sum(int(g.nbytes) for g in grads), state_bytes(optimizer)], np.int64)
+        every = np.zeros((self.comm.Get_size(), about.size), np.int64) if session.chief else None
+        with session.watchdog.waiting("timeline start-up (pipeline clocks)", peer=None):
+            self.comm.Barrier()
+            self.origin = time.perf_counter()
+            self.comm.Gather(about, every, root=0)
+        if session.chief:
+            for rank, (s, q, a, b, params, grad_bytes, opt) in enumerate(every.tolist()):
+                self.timeline.name_process(rank, f"stage {s}, replica {q} (rank {rank})", stage=s, replica=q,
+                                           layers=[a, b], params_bytes=params, grads_bytes=grad_bytes,
+                                           optimizer_state_bytes=opt)
+
+    def span(self, kind, micro=-1):
+        """with trace.span("update"): ...  (micro: the micro-batch, -1 for none)"""
+        return _Row(self, CODE[kind], micro) if self.enabled else NO_SPAN
+
+    def action(self, action):
+        """The span of one schedule action (schedule.py), named with its micro-batch."""
+        return _Row(self, CODE[ACTION[type(action)]], action.micro) if self.enabled else NO_SPAN
+
+    def add(self, kind, t_start, t_end):
+        """A span measured elsewhere (perf_counter seconds)."""
+        if self.enabled:
+            self.rows.append((CODE[kind], -1, t_start, t_end))
+
+    def flush(self):
+        """After a step, on every rank: the chief adds every rank's rows to its timeline."""
+        if not self.enabled:
+            return
+        self.step += 1
+        mine = np.array(self.rows, np.float64).reshape(-1)
+        mine[2::4] -= self.origin
+        mine[3::4] -= self.origin
+        self.rows = []
+        chief = self.session.chief
+        counts = np.zeros(self.comm.Get_size(), np.int64) if chief else None
+        with self.session.watchdog.waiting("timeline gather (pipeline spans)", peer=None):
+            self.comm.Gather(np.array([mine.size], np.int64), counts, root=0)
+            every = np.empty(int(counts.sum()), np.float64) if chief else None
+            self.comm.Gatherv(mine, [every, counts] if chief else None, root=0)
+        if chief:
+            self._add(every, counts)
+
+    def _add(self, every, counts):
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for rank in range(len(counts)):
+            for code, micro, t0, t1 in every[starts[rank]:starts[rank + 1]].reshape(-1, 4).tolist():
+                name, cat = KINDS[int(code)]
+                self.timeline.add(name if micro < 0 else f"{name} {int(micro)}", cat, self.origin + t0,
+                                  self.origin + t1, {"step": self.step}, pid=rank)
