@@ -61,7 +61,9 @@ def train_pipe(session):
             with Topology(grid.stage_comm) as topology:
                 strategy = make_allreduce(args.allreduce, topology, xp, session.watchdog, args.cuda_aware,
                                           args.ring_order)
-    stage = Stage(spec, cuts, grid.stage, micro, xp, np.float32)
+    plan = sched.SCHEDULES[args.pipeline_schedule](stages, micro, grid.stage)
+    # as many model copies as the schedule holds micro-batches at once: its activation memory
+    stage = Stage(spec, cuts, grid.stage, micro, xp, np.float32, copies=sched.peak_activations(plan))
     # Every rank builds the initial parameters from the seed (the same bits as
     # rank 0's broadcast) and keeps its stage's slice.
     whole = spec.build(np)
@@ -89,7 +91,7 @@ def train_pipe(session):
 
     # --- training, then the end ----------------------------------------------
     frame = Frame(session, config, report, checkpoints, step)
-    run = PipeStep(session, grid, stage, strategy, optimizer, sched.SCHEDULES[args.pipeline_schedule], layouts)
+    run = PipeStep(session, grid, stage, strategy, optimizer, plan, layouts)
     step, stopped = train_steps(session, config, frame, run, reader, step)
     return finish(session, frame, run, reader, step, preempted=stopped and step < config.steps)
 
@@ -97,11 +99,10 @@ def train_pipe(session):
 class PipeStep:
     """One optimizer step of one stage: the schedule's actions, the sum, the average, the update."""
 
-    def __init__(self, session, grid, stage, strategy, optimizer, schedule, layouts):
+    def __init__(self, session, grid, stage, strategy, optimizer, actions, layouts):
         self.session, self.grid, self.stage, self.strategy, self.optimizer = session, grid, stage, strategy, optimizer
         self.layouts = layouts
-        self.xp, self.micro = session.xp, len(stage.models)
-        self.actions = schedule(grid.stages, self.micro, grid.stage)
+        self.xp, self.micro, self.actions = session.xp, stage.micro, actions
         spec = session.spec
         self.in_shape = spec.input_shape if stage.a == 0 else spec.shapes[stage.a - 1]
         self.out_shape = spec.shapes[stage.b - 1]
@@ -121,7 +122,7 @@ class PipeStep:
                 if isinstance(action, sched.RecvActivation):
                     inputs[m] = self._receive(grid.stage - 1, (x.shape[0], *self.in_shape), m, "activations")
                 elif isinstance(action, sched.Forward):
-                    out = self.stage.models[m].forward(inputs.pop(m, x), y, noise)
+                    out = self.stage.forward(m, inputs.pop(m, x), y, noise)
                     if grid.last:
                         losses.append(out)
                     else:
@@ -131,7 +132,7 @@ class PipeStep:
                 elif isinstance(action, sched.RecvGrad):
                     grads_in[m] = self._receive(grid.stage + 1, (x.shape[0], *self.out_shape), m, "gradients")
                 elif isinstance(action, sched.Backward):
-                    grads_out[m] = self.stage.models[m].backward(grads_in.pop(m, None))
+                    grads_out[m] = self.stage.backward(m, grads_in.pop(m, None))
                 else:
                     sends.append(self._send(grads_out.pop(m), grid.stage - 1, m))
         neighbours = [grid.world_rank(grid.stage + d) for d in (-1, 1) if 0 <= grid.stage + d < grid.stages]
@@ -160,8 +161,7 @@ class PipeStep:
         return ((acc + out) * (1.0 / len(losses)))[0]
 
     def _update(self):
-        with self.trace.span("sum"):
-            grads = self.stage.summed()
+        grads = self.stage.grads   # the micro-batches' sum, added up by their backwards
         if self.strategy is not None:
             with self.trace.span("allreduce"):
                 device.synchronize(self.xp)
@@ -171,7 +171,9 @@ class PipeStep:
 
     def _send(self, array, stage, tag):
         device.synchronize(self.xp)
-        host = np.ascontiguousarray(device.to_host(array), dtype=np.float32)
+        # A copy of its own: the model copy whose buffer this is serves its
+        # next micro-batch before the step's Waitall completes this send.
+        host = np.array(device.to_host(array), dtype=np.float32)
         return self.grid.pipe_comm.Isend(host, dest=stage, tag=tag), host   # the buffer lives until the wait
 
     def _receive(self, stage, shape, tag, what):

@@ -332,6 +332,8 @@ def test_bench_pipeline_quick_prints_each_stage_against_its_bounds():
     assert [int(r["bound"]) for r in rows] == [2, 2, 2, 1]
     # measured from the order the spans ran in, not their lengths
     assert [int(r["act held"]) for r in rows] == [2, 2, 2, 1]
+    # and the model copies holding them: 1F1B's stage 1 allocates one activation set, not M
+    assert [int(r["copies"]) for r in rows] == [2, 2, 2, 1]
     for r in rows:
         assert 0 <= float(r["bubble"]) < 1
     # each stage holds its slice of the parameters and the optimizer state: together the whole model's

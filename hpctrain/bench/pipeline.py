@@ -15,12 +15,12 @@ with `--timeline`, and reports per stage, from the trace's spans
   against the schedule's bound (schedule.peak_activations: GPipe M, 1F1B
   min(P - s, M)); in bytes, times one micro-batch's kept activations from the
   shapes (the stage's layers' train_floats(): outputs and their gradients,
-  float32, batch B).
+  float32, batch B); copies: the model copies the stage allocates, each
+  holding one micro-batch's activations (pipeline/stage.py: the bound).
 - parameters + optimizer state on the stage's rank (the bytes its buffers
   hold), against one unpipelined rank's (--accumulate-steps M, the same
   model: its parameters and its final record's optimizer_state_bytes);
-  beside them the stage's gradient buffers (one per micro-batch, the sum and
-  the accumulator).
+  beside them the stage's gradient buffers (one micro-batch's and the sum).
 
     python -m hpctrain.bench pipeline                      # P = 2, M = 4, 8, gpipe and 1f1b, --hidden 512,512
     python -m hpctrain.bench pipeline --hidden 774,774 --micro-batches 4,8 --steps 50
@@ -134,7 +134,7 @@ def memory(steps, meta, args, schedule, micro, spec, whole_bytes):
     bound = sched.peak_activations(sched.SCHEDULES[schedule](args.stages, micro, meta["stage"]))
     held = max(held_at_once(spans) for spans in steps.values())
     mine = meta["params_bytes"] + meta["optimizer_state_bytes"]
-    return {"held": held, "held_bound": bound, "act_mb": held * act_bytes / MB, "act_bound_mb": bound * act_bytes / MB,
+    return {"held": held, "copies": meta["model_copies"], "held_bound": bound, "act_mb": held * act_bytes / MB, "act_bound_mb": bound * act_bytes / MB,
             "params_opt_mb": mine / MB, "unpipelined_mb": whole_bytes / MB, "vs_unpipelined": mine / whole_bytes,
             "grads_mb": meta["grads_bytes"] / MB}
 
@@ -170,7 +170,7 @@ COLUMNS = [("schedule", "schedule", "{}"), ("M", "micro_batches", "{}"), ("stage
            ("layers", "layers", "{}"), ("bubble", "bubble", "{:.3f}"), ("best step", "bubble_best", "{:.3f}"),
            ("(P-1)/(M+P-1)", "bubble_bound", "{:.3f}"),
            ("F+B ms/step", "compute_ms", "{:.2f}"), ("schedule ms/step", "schedule_ms", "{:.2f}"),
-           ("act held", "held", "{}"), ("bound", "held_bound", "{}"), ("act MB", "act_mb", "{:.3f}"),
+           ("act held", "held", "{}"), ("copies", "copies", "{}"), ("bound", "held_bound", "{}"), ("act MB", "act_mb", "{:.3f}"),
            ("bound MB", "act_bound_mb", "{:.3f}"), ("params+opt MB", "params_opt_mb", "{:.2f}"),
            ("unpipelined MB", "unpipelined_mb", "{:.2f}"), ("x unpipelined", "vs_unpipelined", "{:.2f}"),
            ("grads MB", "grads_mb", "{:.2f}")]

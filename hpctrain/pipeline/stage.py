@@ -3,12 +3,16 @@ stage's slice of the flat buffers, running the same calls, in the same order,
 as nn/sequential.py's `forward_backward` does for those layers, so that the
 pipeline's arithmetic is that of the whole model. Never imports MPI.
 
-A stage keeps one `StageModel` per micro-batch in flight: layers keep their
-forward's inputs (and buffers) for their backward, so micro-batch m's copy
-holds m's activations until `Backward(m)`. The copies share the stage's
-parameter and state buffers and each has its own gradient buffer; `Stage`
-sums those as `--accumulate-steps` does (ring_step.py): acc = g0,
-acc += g1 ... g_{M-2}, then g_{M-1} + acc.
+A stage keeps `copies` StageModels, the schedule's peak of micro-batches in
+flight (schedule.peak_activations: GPipe M, 1F1B min(P - s, M)): layers keep
+their forward's inputs and buffers for their backward, so a copy holds one
+micro-batch's activations from `forward(m)` to `backward(m)` and then serves
+the next forward. That bound is the stage's activation memory. The copies
+share the stage's parameter, state and gradient buffers: a copy's backward
+writes micro-batch m's gradient, which is added to the step's sum right away
+(every schedule backprops in micro-batch order 0..M-1) in --accumulate-steps'
+order and operations (ring_step.py): acc = g0, acc += g1 ... g_{M-1} (its
+last addition g_{M-1} + acc, the same bits: IEEE addition commutes).
 
     python -m pytest -q tests/test_pipeline.py
 """
@@ -65,32 +69,36 @@ class StageModel:
 
 class Stage:
     """Stage `s` of `cuts`: its parameter slice [lo, hi), its state slice,
-    and one StageModel per micro-batch over them."""
+    and `copies` StageModels over them for the micro-batches in flight."""
 
-    def __init__(self, spec, cuts, s, micro_batches, xp, dtype):
+    def __init__(self, spec, cuts, s, micro_batches, xp, dtype, copies=None):
         self.a, self.b = cuts[s], cuts[s + 1]
         (self.lo, self.hi), (self.state_lo, self.state_hi) = ranges(spec, self.a, self.b), \
             ranges(spec, self.a, self.b, of="state")
         n = self.hi - self.lo
         self.params = xp.zeros(n, dtype)
         self.state = xp.zeros(self.state_hi - self.state_lo, dtype)
-        self.models = [StageModel(spec, self.a, self.b, xp, self.params, xp.zeros(n, dtype), self.state,
-                                  (self.lo, self.state_lo)) for _ in range(micro_batches)]
-        self.grads = xp.zeros(n, dtype)   # the step's summed gradient
-        self.acc = xp.zeros(n, dtype) if micro_batches > 2 else None
+        self.grad = xp.zeros(n, dtype)   # one micro-batch's, written by every copy's backward
+        self.grads = xp.zeros(n, dtype)  # the step's sum
+        self.micro = micro_batches
+        self.models = [StageModel(spec, self.a, self.b, xp, self.params, self.grad, self.state,
+                                  (self.lo, self.state_lo)) for _ in range(copies or micro_batches)]
+        self._free, self._holding = list(range(len(self.models))), {}
 
-    def summed(self):
-        """The micro-batches' gradients summed in --accumulate-steps' order and operations."""
-        g = [m.grads for m in self.models]
-        if len(g) == 1:
-            return g[0]
-        acc = g[0]
-        if len(g) > 2:
-            acc = self.acc
-            acc[...] = g[0]
-            for part in g[1:-1]:
-                acc += part
-        # the last micro-batch's gradient plus the rest (ring_step's grads[lo:hi] += acc[lo:hi])
-        self.grads[...] = g[-1]
-        self.grads += acc
-        return self.grads
+    def forward(self, m, x, y=None, noise=None):
+        """Micro-batch m's forward on a free copy, which holds it until backward(m)."""
+        copy = self._free.pop(0)   # never empty: there are as many copies as the schedule holds at once
+        self._holding[m] = copy
+        return self.models[copy].forward(x, y, noise)
+
+    def backward(self, m, dy=None):
+        """Micro-batch m's backward: its gradient into the step's sum; the copy freed.
+        Returns the gradient with respect to the stage's input (None on the first stage)."""
+        copy = self._holding.pop(m)
+        dx = self.models[copy].backward(dy)
+        if m == 0:
+            self.grads[...] = self.grad
+        else:
+            self.grads += self.grad
+        self._free.append(copy)
+        return dx

@@ -7,14 +7,15 @@ Each rank records, per step: `forward m` and `backward m`; `send activation m`
 and `send gradient m` (posting the Isend: the copy to the host and the post);
 `wait activation m` and `wait gradient m` (a receive, until its data are in);
 `wait sends` (the final Waitall of the step's sends); `schedule` (from the
-step's first action to that Waitall's end: the schedule phase); then `sum` (the
-micro-batches' gradients), `allreduce` (over the stage's replicas, R > 1),
+step's first action to that Waitall's end: the schedule phase); then
+`allreduce` (of the micro-batches' summed gradient over the stage's replicas, R > 1),
 `update` and `loss and stop`. Every span carries its step. After each step
 the chief gathers every rank's rows of numbers (kind, micro-batch, start,
 end: one Gather of their counts and one Gatherv of float64, no pickle) and
 adds them to its trace as process r (world rank r), named "stage s, replica
 q (rank r)", its metadata holding the stage's layers and the bytes of its
-parameters, gradient buffers and optimizer state.
+parameters, gradient buffers and optimizer state, and its model copies
+(the activation sets it allocates, pipeline/stage.py).
 
 Clocks: each rank counts from the moment it leaves a world Barrier at
 start-up, and the chief adds its own clock at that moment, so the tracks
@@ -39,7 +40,7 @@ from . import schedule as sched
 KINDS = (("forward", "compute"), ("backward", "compute"),
          ("send activation", "comm"), ("wait activation", "comm"),
          ("send gradient", "comm"), ("wait gradient", "comm"), ("wait sends", "comm"),
-         ("schedule", "step"), ("sum", "optimizer"), ("allreduce", "comm"), ("update", "optimizer"),
+         ("schedule", "step"), ("allreduce", "comm"), ("update", "optimizer"),
          ("loss and stop", "comm"))
 CODE = {name: code for code, (name, _) in enumerate(KINDS)}
 ACTION = {sched.Forward: "forward", sched.Backward: "backward",
@@ -71,19 +72,19 @@ class StageTrace:
             return
         self.session, self.comm, self.timeline = session, session.comm, session.timeline
         self.rows, self.step = [], 0
-        grads = [m.grads for m in stage.models] + [a for a in (stage.grads, stage.acc) if a is not None]
+        grads = [stage.grad, stage.grads]
         about = np.array([grid.stage, grid.replica, stage.a, stage.b, stage.params.nbytes,
-                          sum(int(g.nbytes) for g in grads), state_bytes(optimizer)], np.int64)
+                          sum(int(g.nbytes) for g in grads), state_bytes(optimizer), len(stage.models)], np.int64)
         every = np.zeros((self.comm.Get_size(), about.size), np.int64) if session.chief else None
         with session.watchdog.waiting("timeline start-up (pipeline clocks)", peer=None):
             self.comm.Barrier()
             self.origin = time.perf_counter()
             self.comm.Gather(about, every, root=0)
         if session.chief:
-            for rank, (s, q, a, b, params, grad_bytes, opt) in enumerate(every.tolist()):
+            for rank, (s, q, a, b, params, grad_bytes, opt, copies) in enumerate(every.tolist()):
                 self.timeline.name_process(rank, f"stage {s}, replica {q} (rank {rank})", stage=s, replica=q,
                                            layers=[a, b], params_bytes=params, grads_bytes=grad_bytes,
-                                           optimizer_state_bytes=opt)
+                                           optimizer_state_bytes=opt, model_copies=copies)
 
     def span(self, kind, micro=-1):
         """with trace.span("update"): ...  (micro: the micro-batch, -1 for none)"""
