@@ -161,8 +161,7 @@ def stage_cuts(events):
 
 def work_per_stage(spec, cuts):
     """(spec.flops() per stage, forward + backward multiply-adds per stage) per sample."""
-    flops, first = spec.flops(), spec.param_layers[0]
-    work = [f * (2 if i == first else 3) for i, f in enumerate(flops)]
+    flops, work = spec.flops(), spec.train_flops()
     return [sum(flops[a:b]) for a, b in zip(cuts, cuts[1:])], [sum(work[a:b]) for a, b in zip(cuts, cuts[1:])]
 
 

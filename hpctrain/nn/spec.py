@@ -108,6 +108,14 @@ class ModelSpec:
         """Forward multiply-adds per sample, layer by layer."""
         return [layer.flops() for layer in self.layers]
 
+    def train_flops(self):
+        """Forward + backward multiply-adds per sample, layer by layer: a
+        layer's backward computes its weights' gradient and its input's, each
+        about its forward's work, except the model's first layer with
+        parameters, whose input gradient nobody needs (backprop stops there)."""
+        first = self.param_layers[0] if self.param_layers else None
+        return [f * (2 if i == first else 3) for i, f in enumerate(self.flops())]
+
     def memory_bytes(self, batch, optimizer_states, itemsize=4):
         """Bytes one rank needs for training at least: parameters, gradients
         and the optimizer's state (flat buffers), the non-trainable state, the

@@ -4,12 +4,14 @@ indices and parameter ranges out; never imports MPI.
 
 Stage s runs layers [cut[s], cut[s + 1]) with cut[0] = 0 and cut[P] = the
 number of layers; `--pipeline-split i,j,...` gives the inner cut points.
-Without it the cut balances the spec's compute estimate, `spec.flops()`:
-each layer's forward multiply-adds per sample (a Dense's fan-in x units, a
-convolution's per output pixel; activations, pooling and flattening count
-0), backward being about twice the forward for each layer alike. The cut
-minimises the largest stage's sum, every stage holding at least one layer
-with parameters (a stage without any would have nothing to train or average).
+Without it the cut balances the spec's compute estimate,
+`spec.train_flops()`: each layer's forward multiply-adds per sample (a
+Dense's fan-in x units, a convolution's per output pixel; activations,
+pooling and flattening count 0) times 3, forward plus a backward of twice
+the forward (weights' and input's gradients), times 2 for the model's first
+layer with parameters (no input gradient). The cut minimises the largest
+stage's sum, every stage holding at least one layer with parameters (a stage
+without any would have nothing to train or average).
 
 Layers lie in the flat buffers in order, so a stage's parameters (and its
 non-trainable state) are one slice: `ranges`.
@@ -21,9 +23,9 @@ from ..errors import HpctrainError
 
 def balanced(spec, stages):
     """The cut points [0, ..., len(layers)] that minimise the largest stage's
-    flops, each stage with a layer that has parameters (dynamic programming
+    training multiply-adds, each stage with a layer that has parameters (dynamic programming
     over the cut positions: layer lists are short)."""
-    flops, n = spec.flops(), len(spec.layers)
+    flops, n = spec.train_flops(), len(spec.layers)
     has = [bool(spec.layer_tensors[i]) for i in range(n)]
     prefix = [0]
     for f in flops:
