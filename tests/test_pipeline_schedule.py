@@ -178,3 +178,41 @@ def test_bad_arguments_are_refused_with_one_line(call, message):
     with pytest.raises(ValueError) as caught:
         call()
     assert str(caught.value) == message
+
+
+# ---------------------------------------------------------------------------
+# where the layer list is cut (pipeline/stages.py)
+
+def _mlp(hidden):
+    from hpctrain import cli
+    from hpctrain.nn import spec_for
+    return spec_for(cli.parse(["--hidden", hidden]), (28, 28), 10)
+
+
+@pytest.mark.parametrize("hidden, stages", [("16,16,1024", 2), ("64,32,16", 3), ("512,512", 2), ("100,200,300", 4)])
+def test_the_default_cut_minimises_the_largest_stages_training_work(hidden, stages):
+    """Against every cut by brute force: the largest stage's forward +
+    backward multiply-adds (spec.train_flops) is the least possible, and
+    every stage holds a layer with parameters."""
+    from hpctrain.pipeline.stages import balanced
+    spec = _mlp(hidden)
+    work, n = spec.train_flops(), len(spec.layers)
+
+    def cost(cuts):
+        stages_ = list(zip(cuts, cuts[1:]))
+        if not all(any(spec.layer_tensors[i] for i in range(a, b)) for a, b in stages_):
+            return None
+        return max(sum(work[a:b]) for a, b in stages_)
+
+    best = min(c for inner in itertools.combinations(range(1, n), stages - 1)
+               if (c := cost([0, *inner, n])) is not None)
+    assert cost(balanced(spec, stages)) == best
+
+
+def test_the_cut_counts_the_backward_the_first_layer_skips():
+    # 784-16-16-1024-10: by forward work alone the cut falls after the second
+    # Dense; counting the backward (3x, the first Dense 2x) after the third.
+    from hpctrain.pipeline.stages import balanced
+    spec = _mlp("16,16,1024")
+    assert spec.train_flops()[1] == 2 * spec.flops()[1] and spec.train_flops()[3] == 3 * spec.flops()[3]
+    assert balanced(spec, 2) == [0, 6, 8]
