@@ -66,7 +66,7 @@ def decide(session, resume):
                            worker_batch(args))
     ring = args.mode == "ring"
     return RunConfig(args=args, spec=session.spec, steps=steps, schedule=dict(session.schedule),
-                     shard_optimizer=ring and shard_wanted(args.shard_optimizer, session.cluster.num_workers,
+                     shard_optimizer=ring and shard_wanted(args.shard_optimizer, session.data_workers,
                                                            session.xp, args.allreduce),
                      overlap=ring and overlap_wanted(args.overlap, session.xp, session.cluster,
                                                      session.thread_multiple))

@@ -40,6 +40,7 @@ from .pipeline.stage import Stage
 from .pipeline.trace import StageTrace
 from .report import Report
 from .resume import Checkpoints
+from .sharded_state import ShardedState
 
 
 def train_pipe(session):
@@ -71,8 +72,12 @@ def train_pipe(session):
     stage.params[...] = xp.asarray(whole.params[stage.lo:stage.hi])
     stage.state[...] = xp.asarray(whole.state[stage.state_lo:stage.state_hi])
     del whole
+    # --shard-optimizer (auto: ring mode's rule, over the stage's R replicas):
+    # each replica keeps the optimizer state of its part of the stage's slice.
+    sharded = config.shard_optimizer and strategy is not None
     optimizer = make_optimizer(args.optimizer, stage.hi - stage.lo, xp, momentum=args.momentum,
-                               weight_decay=args.weight_decay)
+                               weight_decay=args.weight_decay,
+                               owned=[strategy.shard(stage.hi - stage.lo)] if sharded else None)
     reader = prefetch.device_batches(
         session.agreed(session.comm, data_mod.ShardReader, session.data_dir, grid.replica, grid.replicas,
                        args.batch_size, args.seed), xp)
@@ -102,6 +107,7 @@ class PipeStep:
     def __init__(self, session, grid, stage, strategy, optimizer, actions, layouts):
         self.session, self.grid, self.stage, self.strategy, self.optimizer = session, grid, stage, strategy, optimizer
         self.layouts = layouts
+        self.sharded = getattr(optimizer, "ranges", None) is not None
         self.xp, self.micro, self.actions = session.xp, stage.micro, actions
         spec = session.spec
         self.in_shape = spec.input_shape if stage.a == 0 else spec.shapes[stage.a - 1]
@@ -161,13 +167,22 @@ class PipeStep:
         return ((acc + out) * (1.0 / len(losses)))[0]
 
     def _update(self):
-        grads = self.stage.grads   # the micro-batches' sum, added up by their backwards
+        grads, params = self.stage.grads, self.stage.params   # the micro-batches' sum, added up by their backwards
+        device.synchronize(self.xp)
+        if self.sharded:   # ZeRO-1 over the replicas: the same bits as allreduce + the whole update
+            with self.trace.span("reduce-scatter"):
+                lo, hi = self.strategy.reduce_scatter(grads)
+            with self.trace.span("update"):
+                self.optimizer.update(params, grads, lo, hi)
+            with self.trace.span("allgather"):
+                device.synchronize(self.xp)
+                self.strategy.allgather(params)
+            return
         if self.strategy is not None:
             with self.trace.span("allreduce"):
-                device.synchronize(self.xp)
                 self.strategy.allreduce(grads)
         with self.trace.span("update"):
-            self.optimizer.update(self.stage.params, grads)
+            self.optimizer.update(params, grads)
 
     def _send(self, array, stage, tag):
         device.synchronize(self.xp)
@@ -254,9 +269,23 @@ def save_checkpoint(session, checkpoints, run, reader, step):
     params = whole.to_chief(grid, stage.params, layouts.params, watchdog, "parameters")
     state = whole.to_chief(grid, stage.state, layouts.state, watchdog, "model state")
     optimizer = {name: whole.to_chief(grid, array, layouts.params, watchdog, f"optimizer state {name}")
-                 for name, array in sorted(run.optimizer.state().items())}
+                 for name, array in sorted(stage_optimizer_state(session, grid, run.optimizer).items())}
     positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first else None
     checkpoints.save(session.comm, step, params, optimizer, run.optimizer.t, positions, state)   # the chief's
+
+
+def replicas_state(session, grid, optimizer):
+    """A sharded optimizer's parts over the stage's replicas (sharded_state.py), replica 0 their root."""
+    return ShardedState(grid.stage_comm, optimizer, 0, grid.world_rank(grid.stage, 0), session.watchdog, session.xp)
+
+
+def stage_optimizer_state(session, grid, optimizer):
+    """name -> the stage's whole optimizer state on its replica 0 (a sharded
+    optimizer's parts gathered there; unsharded: every replica's own)."""
+    if getattr(optimizer, "ranges", None) is None:
+        return optimizer.state()
+    full = replicas_state(session, grid, optimizer).gather()   # {} on the other replicas
+    return {name: full.get(name) for name in optimizer.state()}
 
 
 def resume_stage(session, grid, stage, optimizer, layouts, resume):
@@ -274,9 +303,17 @@ def resume_stage(session, grid, stage, optimizer, layouts, resume):
     if session.spec.num_state:   # collective: every stage alike, with state of its own or not
         whole.from_chief(grid, ckpt.model_state if ckpt else None, stage.state, layouts.state, watchdog,
                          "model state", xp)
+    sharded = getattr(optimizer, "ranges", None) is not None
+    stage_state = {}
     for name, array in sorted(optimizer.state().items()):
-        whole.from_chief(grid, ckpt.optimizer_state[name] if ckpt else None, array, layouts.params, watchdog,
-                         f"optimizer state {name}", xp)
+        source = ckpt.optimizer_state[name] if ckpt else None
+        if sharded:   # the stage's whole state on its replica 0, then each replica its part
+            stage_state[name] = whole.to_stages(grid, source, stage.hi - stage.lo, layouts.params, watchdog,
+                                                f"optimizer state {name}")
+        else:
+            whole.from_chief(grid, source, array, layouts.params, watchdog, f"optimizer state {name}", xp)
+    if sharded:
+        replicas_state(session, grid, optimizer).scatter(stage_state)
     optimizer.t = resume.optimizer_t
     device.synchronize(xp)
 
@@ -305,5 +342,5 @@ def finish(session, frame, run, reader, step, preempted):
     extra = {"workers": grid.replicas, "global_batch": per_step, "pipeline_stages": grid.stages,
              "micro_batches": args.micro_batches, "schedule": args.pipeline_schedule, "replicas": grid.replicas,
              "pipeline_split": args.pipeline_split or ",".join(map(str, session.pipeline_cuts[1:-1])),
-             "optimizer_state_bytes": int(most[0])}
+             "shard_optimizer": "on" if run.sharded else "off", "optimizer_state_bytes": int(most[0])}
     return frame.finish(model, step, per_step, extra)

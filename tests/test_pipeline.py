@@ -82,11 +82,10 @@ def test_epochs_count_the_replicas_batches(job, tmp_path):
     (2, ["--pipeline-stages", "2", "--pipeline-split", "2,4"], "2 stages need 1 cut points, got 2"),
     (3, ["--pipeline-stages", "2", "--mode", "ps"], "--pipeline-stages is for --mode ring"),
     (2, ["--pipeline-stages", "2", "--accumulate-steps", "2"], "use --micro-batches M instead"),
-    (2, ["--pipeline-stages", "2", "--shard-optimizer", "on"], "does not work yet with --shard-optimizer on"),
     (2, ["--micro-batches", "2"], "--micro-batches needs --pipeline-stages P > 1"),
     (2, ["--pipeline-split", "2"], "--pipeline-split needs --pipeline-stages P > 1"),
 ], ids=["p-not-dividing", "more-stages-than-layers", "cut-out-of-range", "cuts-not-increasing",
-        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "shard-optimizer",
+        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate",
         "micro-alone", "split-alone"])
 def test_bad_pipeline_flags_are_one_line_exit_2(job, tmp_path, ranks, flags, expect):
     r = job(ranks, *MLP, "--steps", "2", *flags, "--save", tmp_path / "out.h5")
@@ -116,7 +115,8 @@ def test_timeline_shows_every_stage_running_its_schedule(job, tmp_path, ranks, s
     for rank in range(ranks):
         plan = sched.SCHEDULES[schedule](2, micro, rank // (ranks // 2))
         want = [f"{ACTION_NAMES[type(a)]} {a.micro}" for a in plan] + ["wait sends"]
-        after = ["allreduce", "update", "loss and stop"] if ranks == 4 else ["update", "loss and stop"]
+        # 2 replicas: --shard-optimizer auto shards the stage's update over them
+        after = ["reduce-scatter", "update", "allgather", "loss and stop"] if ranks == 4 else ["update", "loss and stop"]
         for step in range(1, steps + 1):
             mine = [e for e in spans if e["pid"] == rank and e["args"]["step"] == step]
             phase = [e for e in mine if e["name"] == "schedule"]

@@ -121,3 +121,26 @@ def test_eval_every_and_keep_best_see_the_whole_model(job, tmp_path, val_data):
     assert records["pipe"][-1]["val_accuracy"] == records["ring"][-1]["val_accuracy"]
     a, b = saved(tmp_path / "ring.h5"), saved(tmp_path / "pipe.h5")
     assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_a_sharded_stage_optimizer_gives_the_same_bits_in_half_the_state(job, tmp_path):
+    """--shard-optimizer on over a stage's 2 replicas (ZeRO-1: reduce-scatter,
+    each replica updates its part, allgather): the parameters of off, each
+    rank holding half its stage's optimizer state; its checkpoint is the
+    unsharded one and resumes unsharded."""
+    flags = [*FLAGS, *MLP, *pipe(2)]
+    finals = {}
+    for shard in ("on", "off"):
+        ok(job(4, *flags, "--steps", 6, "--shard-optimizer", shard, "--checkpoint-dir", tmp_path / shard,
+               "--save", tmp_path / f"{shard}.h5", "--metrics", tmp_path / f"{shard}.jsonl"))
+        finals[shard] = json.loads((tmp_path / f"{shard}.jsonl").read_text().splitlines()[-1])
+    assert same_bytes(tmp_path / "on.h5", tmp_path / "off.h5")
+    assert (finals["on"]["shard_optimizer"], finals["off"]["shard_optimizer"]) == ("on", "off")
+    assert 2 * finals["on"]["optimizer_state_bytes"] in range(finals["off"]["optimizer_state_bytes"] - 64,
+                                                              finals["off"]["optimizer_state_bytes"] + 65)
+    a, b = (datasets(tmp_path / s / "ckpt-00000006.h5") for s in ("on", "off"))
+    assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    for shard, other in (("on", "off"), ("off", "on")):   # each resumes the other's file
+        ok(job(4, *flags, "--steps", 12, "--shard-optimizer", other, "--checkpoint-dir", tmp_path / shard,
+               "--save", tmp_path / f"{shard}-then-{other}.h5"))
+    assert same_bytes(tmp_path / "on-then-off.h5", tmp_path / "off-then-on.h5")

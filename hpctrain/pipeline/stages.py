@@ -97,9 +97,6 @@ def plan(args, world, spec):
     for flag, name in NOT_YET:
         if getattr(args, flag):
             raise HpctrainError(f"--pipeline-stages does not work yet with {name}")
-    if args.shard_optimizer == "on":   # auto: each stage's optimizer holds its slice whole
-        raise HpctrainError("--pipeline-stages does not work yet with --shard-optimizer on (each stage "
-                            "updates its own slice whole)")
     return cut_points(args, spec)
 
 

@@ -9,7 +9,8 @@ and `send gradient m` (posting the Isend: the copy to the host and the post);
 `wait sends` (the final Waitall of the step's sends); `schedule` (from the
 step's first action to that Waitall's end: the schedule phase); then
 `allreduce` (of the micro-batches' summed gradient over the stage's replicas, R > 1),
-`update` and `loss and stop`. Every span carries its step. After each step
+`update` and `loss and stop` (with a sharded optimizer `reduce-scatter`,
+`update` of this replica's part, `allgather` of the parameters). Every span carries its step. After each step
 the chief gathers every rank's rows of numbers (kind, micro-batch, start,
 end: one Gather of their counts and one Gatherv of float64, no pickle) and
 adds them to its trace as process r (world rank r), named "stage s, replica
@@ -41,6 +42,7 @@ KINDS = (("forward", "compute"), ("backward", "compute"),
          ("send activation", "comm"), ("wait activation", "comm"),
          ("send gradient", "comm"), ("wait gradient", "comm"), ("wait sends", "comm"),
          ("schedule", "step"), ("allreduce", "comm"), ("update", "optimizer"),
+         ("reduce-scatter", "comm"), ("allgather", "comm"),
          ("loss and stop", "comm"))
 CODE = {name: code for code, (name, _) in enumerate(KINDS)}
 ACTION = {sched.Forward: "forward", sched.Backward: "backward",

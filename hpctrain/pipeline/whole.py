@@ -10,9 +10,9 @@ stage its slice back. Takes the grid's communicators; never imports MPI.
 - `to_everyone`: the whole buffer on every rank (Allgatherv over the world of
   each stage's replica 0's slice): ring mode's end, where every worker holds
   the model for the shared test evaluation.
-- `from_chief`: the reverse of `to_chief` (a Scatterv along replica 0's pipe
-  communicator, then a Bcast from replica 0 to the stage's other replicas):
-  resume.
+- `to_stages`: the reverse of `to_chief` (a Scatterv along replica 0's pipe
+  communicator): each stage's slice on its replica 0; `from_chief` then
+  Bcasts it to the stage's other replicas: resume.
 
 The slices' sizes follow from the spec and the cut points, the same on every
 rank, so nothing about the layout travels; mpi4py takes the MPI type from
@@ -60,16 +60,25 @@ def to_everyone(comm, grid, part, layout, watchdog, what):
     return whole
 
 
+def to_stages(grid, whole, n, layout, watchdog, what):
+    """Every stage's slice (n floats) of `whole` (host, on world rank 0;
+    ignored elsewhere) on its replica 0 (host); None on the other replicas."""
+    if grid.replica != 0:
+        return None
+    counts, displs = layout
+    host = np.zeros(n, np.float32)
+    send = [np.ascontiguousarray(whole, np.float32), (counts, displs)] if grid.first else None
+    with watchdog.waiting(f"pipeline scatter from the chief ({what})", peer=None if grid.first else grid.world_rank(0)):
+        grid.pipe_comm.Scatterv(send, host, root=0)
+    return host
+
+
 def from_chief(grid, whole, part, layout, watchdog, what, xp):
     """Every stage's slice of `whole` (host, on world rank 0; ignored
     elsewhere) into `part` on all its replicas."""
-    counts, displs = layout
-    host = np.zeros(part.shape, np.float32)
-    if grid.replica == 0:
-        send = [np.ascontiguousarray(whole, np.float32), (counts, displs)] if grid.first else None
-        with watchdog.waiting(f"pipeline scatter from the chief ({what})",
-                              peer=None if grid.first else grid.world_rank(0)):
-            grid.pipe_comm.Scatterv(send, host, root=0)
+    host = to_stages(grid, whole, part.size, layout, watchdog, what)
+    if host is None:
+        host = np.zeros(part.shape, np.float32)
     with watchdog.waiting(f"pipeline broadcast to the stage's replicas ({what})",
                           peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
         grid.stage_comm.Bcast(host, root=0)
