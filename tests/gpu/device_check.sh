@@ -233,6 +233,19 @@ if time_left "ring 2 ranks: per-thread default streams"; then
     fi
 fi
 
+if time_left "pipeline 2 stages on the GPU == --accumulate-steps 4"; then
+    # Stages exchange activations and their gradients through host buffers;
+    # the sums follow --accumulate-steps' order, so the same bits as one stage.
+    PIPE="--optimizer adam --steps 60 --log-every 60 --hidden 256,128"
+    train pipe_gpu 2 120 --device gpu $PIPE --pipeline-stages 2 --micro-batches 4 --save "$WORK/pipe_gpu.h5"; a=$?
+    train pipe_acc 1 120 --device gpu $PIPE --accumulate-steps 4 --save "$WORK/pipe_acc.h5"; b=$?
+    if [ $a = 0 ] && [ $b = 0 ]; then
+        same_bits "pipeline 2 stages on the GPU == --accumulate-steps 4" pipe_acc pipe_gpu
+    else
+        row "pipeline 2 stages on the GPU == --accumulate-steps 4" FAIL "rc pipe=$a acc=$b (logs pipe_*.txt)"
+    fi
+fi
+
 # --- 4. benchmarks (the bench module may be missing or older: failures are reported, not fatal) ---
 if time_left "bench allreduce, 2 ranks, CuPy buffers"; then
     timeout 120 "$PY" -m hpctrain.bench allreduce --ranks 2 --device gpu --sizes 64K,1M,16M,64M --json \
