@@ -186,9 +186,11 @@ class PipeStep:
 
     def _send(self, array, stage, tag):
         device.synchronize(self.xp)
-        # A copy of its own: the model copy whose buffer this is serves its
-        # next micro-batch before the step's Waitall completes this send.
-        host = np.array(device.to_host(array), dtype=np.float32)
+        # A buffer of its own: the model copy whose buffer this is serves its
+        # next micro-batch before the step's Waitall completes this send
+        # (from a GPU, the host copy is already one).
+        host = device.to_host(array)
+        host = np.ascontiguousarray(host if device.is_gpu(self.xp) else host.copy(), dtype=np.float32)
         return self.grid.pipe_comm.Isend(host, dest=stage, tag=tag), host   # the buffer lives until the wait
 
     def _receive(self, stage, shape, tag, what):
