@@ -26,6 +26,7 @@ LONE_SIGINT_WAIT_S = 2.0
 
 def main(argv=None, prog="python -m hpctrain.train"):
     signal.signal(signal.SIGINT, _on_sigint)
+    sys.unraisablehook = _unraisable(sys.unraisablehook)
     # The parsed flags and, once the roles are known, the chief's world rank
     # (for the Ctrl-C line, which must not call MPI to learn it); once
     # train() started it, this process's watchdog (for the way out of an error).
@@ -126,6 +127,28 @@ def _on_sigint(signum, frame):
     # way out, or a traceback is printed after all.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def _unraisable(hook):
+    """sys.unraisablehook: a Ctrl-C whose KeyboardInterrupt was raised inside
+    a finaliser or weakref callback (the garbage collector runs them at any
+    moment), where Python can only print it and go on, is delivered again to
+    the main flow, quietly: the handler back, and the signal simulated from
+    another thread 50 ms later, once this callback has returned (simulated
+    at once, it is raised inside this hook and swallowed again); anything
+    else goes to `hook`."""
+    import _thread
+    import threading
+
+    def on_unraisable(unraisable):
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            signal.signal(signal.SIGINT, _on_sigint)
+            later = threading.Timer(0.05, _thread.interrupt_main, args=(signal.SIGINT,))
+            later.daemon = True
+            later.start()
+            return
+        hook(unraisable)
+    return on_unraisable
 
 
 def _interrupted(args, chief=None):
