@@ -20,6 +20,7 @@ chief's --save and final record).
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --hidden 64,32 --steps 20
 """
+import functools
 import time
 
 import numpy as np
@@ -79,8 +80,8 @@ def train_pipe(session):
                                weight_decay=args.weight_decay,
                                owned=[strategy.shard(stage.hi - stage.lo)] if sharded else None)
     reader = prefetch.device_batches(
-        session.agreed(session.comm, data_mod.ShardReader, session.data_dir, grid.replica, grid.replicas,
-                       args.batch_size, args.seed), xp)
+        session.agreed(session.comm, functools.partial(data_mod.ShardReader, arrays=stage_arrays(grid)),
+                       session.data_dir, grid.replica, grid.replicas, args.batch_size, args.seed), xp)
     session.test_part()
     layouts = Layouts(session.spec, cuts)
 
@@ -101,6 +102,13 @@ def train_pipe(session):
     return finish(session, frame, run, reader, step, preempted=stopped and step < config.steps)
 
 
+def stage_arrays(grid):
+    """What of the training data this stage reads: the first stage the images,
+    the last the labels, the stages between neither (they still deal the same
+    batches, for their size, the dropout draws and the position)."""
+    return ("images",) if grid.first else ("labels",) if grid.last else ()
+
+
 class PipeStep:
     """One optimizer step of one stage: the schedule's actions, the sum, the average, the update."""
 
@@ -112,6 +120,7 @@ class PipeStep:
         spec = session.spec
         self.in_shape = spec.input_shape if stage.a == 0 else spec.shapes[stage.a - 1]
         self.out_shape = spec.shapes[stage.b - 1]
+        self.batch = session.args.batch_size   # a micro-batch's samples, whatever this stage reads
         self.head = np.zeros(2, np.float64)   # [loss, stop], summed over the world
         self.schedule_done = None
         self.trace = StageTrace(session, grid, stage, optimizer)   # --timeline; without it, no-ops
@@ -126,7 +135,7 @@ class PipeStep:
             x, y, noise = batches[m]
             with trace.action(action):
                 if isinstance(action, sched.RecvActivation):
-                    inputs[m] = self._receive(grid.stage - 1, (x.shape[0], *self.in_shape), m, "activations")
+                    inputs[m] = self._receive(grid.stage - 1, (self.batch, *self.in_shape), m, "activations")
                 elif isinstance(action, sched.Forward):
                     out = self.stage.forward(m, inputs.pop(m, x), y, noise)
                     if grid.last:
@@ -136,7 +145,7 @@ class PipeStep:
                 elif isinstance(action, sched.SendActivation):
                     sends.append(self._send(outputs.pop(m), grid.stage + 1, m))
                 elif isinstance(action, sched.RecvGrad):
-                    grads_in[m] = self._receive(grid.stage + 1, (x.shape[0], *self.out_shape), m, "gradients")
+                    grads_in[m] = self._receive(grid.stage + 1, (self.batch, *self.out_shape), m, "gradients")
                 elif isinstance(action, sched.Backward):
                     grads_out[m] = self.stage.backward(m, grads_in.pop(m, None))
                 else:
@@ -214,7 +223,7 @@ def train_steps(session, config, frame, run, reader, step):
             for _ in range(run.micro):
                 x, y = reader.next_batch()   # the reader reuses its arrays: each micro-batch's own copy
                 epoch, ids = reader.last_draw
-                batches.append((xp.array(x), xp.array(y), (seed, epoch, np.array(ids)) if noisy else None))
+                batches.append((_own(xp, x), _own(xp, y), (seed, epoch, np.array(ids)) if noisy else None))
             t0 = time.perf_counter()
             loss, stopped = run.run(batches, config.lr(step))
             t1 = time.perf_counter()
@@ -230,6 +239,11 @@ def train_steps(session, config, frame, run, reader, step):
             if frame.checkpoint_due(step):
                 save_checkpoint(session, frame.checkpoints, run, reader, step)
     return step, stopped
+
+
+def _own(xp, array):
+    # None: what this stage's reader does not read
+    return None if array is None else xp.array(array)
 
 
 def eval_due(config, step):

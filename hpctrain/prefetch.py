@@ -34,8 +34,9 @@ class _Slot:
     __slots__ = ("hx", "hy", "dx", "dy", "copied", "released", "position", "draw")
 
     def __init__(self, copier, x, y):
-        self.hx, self.hy = copier.host_empty(x.shape, x.dtype), copier.host_empty(y.shape, y.dtype)
-        self.dx, self.dy = copier.device_empty(x.shape, x.dtype), copier.device_empty(y.shape, y.dtype)
+        # None where the reader does not read that array (a pipeline's stages: data/reader.py)
+        self.hx, self.hy = (None if a is None else copier.host_empty(a.shape, a.dtype) for a in (x, y))
+        self.dx, self.dy = (None if a is None else copier.device_empty(a.shape, a.dtype) for a in (x, y))
         self.copied = None     # token: the copy to the device is done (pinned buffers free again)
         self.released = None   # token: compute is done with dx, dy
         self.position = None   # the reader's position after this batch
@@ -78,15 +79,17 @@ class Prefetcher:
         slot = self._slots[1 if self._current is self._slots[0] else 0]
         c = self.copier
         c.wait(slot.copied)       # its last copy has finished reading the pinned buffers
-        slot.hx[...] = x
-        slot.hy[...] = y
         slot.position = tuple(self.reader.position) if hasattr(self.reader, "position") else None
         if hasattr(self.reader, "last_draw"):
             epoch, ids = self.reader.last_draw
             slot.draw = (epoch, ids.copy())
-        # The device arrays may still be read by compute queued earlier.
-        c.to_device(slot.hx, slot.dx, after=slot.released)
-        slot.copied = c.to_device(slot.hy, slot.dy)   # same stream: after x's copy
+        # The device arrays may still be read by compute queued earlier; the
+        # copies share a stream, so the last one's token covers both.
+        after, slot.copied = slot.released, None
+        for host, dev, batch in ((slot.hx, slot.dx, x), (slot.hy, slot.dy, y)):
+            if batch is not None:
+                host[...] = batch
+                slot.copied, after = c.to_device(host, dev, after=after), None
         slot.released = None
         return slot
 

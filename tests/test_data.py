@@ -599,6 +599,38 @@ def test_position_and_seek_resume_the_same_batches(numbered):
         fresh.seek(0, 901)
 
 
+@pytest.mark.parametrize("resident", [True, False])
+def test_a_reader_of_some_arrays_holds_only_those_and_deals_alike(numbered, tmp_path, resident):
+    """arrays=("images",) (a pipeline's first stage), ("labels",) (its last),
+    () (the stages between): each holds and hands out only what it names,
+    None for the rest, and deals, positions, seeks and draws as a reader of
+    both does; a reader of neither opens no shard (here: none is left)."""
+    budget = data.reader.RESIDENT_BYTES if resident else 0
+    kinds = {"both": ("images", "labels"), "images": ("images",), "labels": ("labels",), "none": ()}
+    readers = {k: data.ShardReader(numbered, 1, 3, 50, seed=7, resident_bytes=budget, arrays=a)
+               for k, a in kinds.items()}
+    bare = tmp_path / "manifest-only"
+    bare.mkdir()
+    shutil.copy(numbered / "manifest.json", bare)
+    readers["bare"] = data.ShardReader(bare, 1, 3, 50, seed=7, resident_bytes=budget, arrays=())
+    for step in range(8):   # 6 steps an epoch: across its end, then seek back
+        if step == 7:
+            for r in readers.values():
+                r.seek(0, 150)
+        got = {k: r.next_batch() for k, r in readers.items()}
+        x, y = got["both"]
+        assert np.array_equal(got["images"][0], x) and got["images"][1] is None
+        assert got["labels"][0] is None and np.array_equal(got["labels"][1], y)
+        assert got["none"] == (None, None) and got["bare"] == (None, None)
+        for r in readers.values():
+            assert r.position == readers["both"].position and r.last_draw[0] == readers["both"].last_draw[0]
+            assert np.array_equal(r.last_draw[1], readers["both"].last_draw[1])
+    assert readers["images"].labels is None and readers["labels"].images is None
+    assert all(readers[k].images is None and readers[k].labels is None for k in ("none", "bare"))
+    with pytest.raises(HpctrainError, match="missing shard"):
+        data.ShardReader(bare, 1, 3, 50, seed=7, arrays=("labels",))
+
+
 def copy_shards(src, dst):
     shutil.copytree(src, dst)
     return dst

@@ -68,6 +68,20 @@ def test_prefetched_batches_and_positions_equal_the_readers(bundled_shards, copi
         assert np.array_equal(x, dx) and fetched.position == plain.position
 
 
+@pytest.mark.parametrize("arrays", [("images",), ("labels",), ()])
+def test_prefetched_batches_of_a_pipeline_stage_are_what_its_reader_reads(bundled_shards, arrays):
+    """A reader of some arrays (a pipeline stage's, data/reader.py): the
+    prefetcher hands out None for the rest and the same positions and draws."""
+    from hpctrain.data import ShardReader
+    plain = ShardReader(bundled_shards, 0, 2, 100, 3, arrays=arrays)
+    fetched = prefetch.Prefetcher(ShardReader(bundled_shards, 0, 2, 100, 3, arrays=arrays), LazyCopier())
+    for step in range(30):   # across an epoch's end
+        got, want = fetched.next_batch(), plain.next_batch()
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or np.array_equal(a, b), step
+        assert fetched.position == plain.position and np.array_equal(fetched.last_draw[1], plain.last_draw[1])
+
+
 def test_prefetcher_seek_right_after_construction_reads_nothing_first(bundled_shards):
     from hpctrain.data import ShardReader
     plain = ShardReader(bundled_shards, 0, 1, 50, 1)

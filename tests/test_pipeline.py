@@ -49,6 +49,22 @@ def test_pipeline_equals_accumulation_on_one_stage(job, tmp_path, ranks, stages,
     assert "step      6/6" in r.stdout, r.stdout
 
 
+def test_each_stage_reads_only_what_it_uses(job, tmp_path):
+    """From the training shards the first stage reads the images alone, the
+    last the labels alone, the middle one nothing (h5py's reads, recorded per
+    rank by tests/record_reads.py); the test set is every rank's, for the
+    evaluation of the whole model at the end."""
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    ok(job(3, *SHORT, *MLP, "--pipeline-stages", 3, "--micro-batches", 2, module="record_reads",
+           env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)), "RECORD_READS": str(reads)}))
+    train = {}
+    for rank in range(3):
+        lines = (reads / f"{rank}.txt").read_text().split("\n") if (reads / f"{rank}.txt").exists() else []
+        train[rank] = {line.split()[1] for line in lines if line.startswith("train-")}
+    assert train == {0: {"images"}, 1: set(), 2: {"labels"}}, train
+
+
 def max_diff(a, b):
     a, b = saved(a), saved(b)
     assert set(a) == set(b)

@@ -2,6 +2,7 @@
 
     reader = ShardReader("data/mnist", worker, num_workers, batch_size, seed)
     x, y = reader.next_batch()          # float32 (B, 784) in [0, 1], int64 (B,)
+    ShardReader(..., arrays=("labels",)).next_batch()   # (None, y): the images never read
     x, y = load_test("data/mnist", part, parts)
 
 Each epoch is one permutation of the whole training set, dealt over the
@@ -34,6 +35,9 @@ def _open_h5(path):
         return h5py.File(path, "r")
 
 
+ARRAYS = ("images", "labels")   # a shard's datasets
+
+
 def _verify_shard(data_dir, entry, image_shape):
     """The shard's path, once it matches the manifest: present, its sha256,
     uint8 images and labels of the listed shapes. Nothing is allocated before
@@ -62,14 +66,16 @@ def _verify_shard(data_dir, entry, image_shape):
     return path
 
 
-def _read_rows(path, start, stop, num_classes):
-    """Rows [start, stop) of a verified shard, its labels checked."""
+def _read_rows(path, start, stop, num_classes, arrays=ARRAYS):
+    """Rows [start, stop) of a verified shard, (images, labels), each None
+    unless named in `arrays`; the labels checked."""
     try:
         with _open_h5(path) as f:
-            x, y = f["images"][start:stop], f["labels"][start:stop]
+            x, y = (f[name][start:stop] if name in arrays else None for name in ARRAYS)
     except OSError as e:
         raise _unreadable(path, e) from None
-    _check_labels(path, y, num_classes, start)
+    if y is not None:
+        _check_labels(path, y, num_classes, start)
     return x, y
 
 
@@ -148,9 +154,16 @@ class ShardReader:
     read from every shard at the epoch's start (see RESIDENT_BYTES). Each shard
     is checked against the manifest first. next_batch() returns arrays that
     the next call overwrites: copy them if they must outlive the step.
+
+    `arrays` names what it reads and holds, a part of ("images", "labels"):
+    a pipeline's first stage takes the images, its last the labels, the
+    stages between neither (then no shard is opened at all). What it does not
+    read is None, in `images`/`labels` and in next_batch()'s pair; the
+    dealing, `position`, `seek` and `last_draw` are the same whatever it reads.
     """
 
-    def __init__(self, data_dir, worker, num_workers, batch_size, seed, resident_bytes=RESIDENT_BYTES):
+    def __init__(self, data_dir, worker, num_workers, batch_size, seed, resident_bytes=RESIDENT_BYTES,
+                 arrays=ARRAYS):
         if not (isinstance(num_workers, (int, np.integer)) and num_workers >= 1):
             raise HpctrainError(f"num_workers must be a positive integer, got {num_workers!r}")
         if not (isinstance(worker, (int, np.integer)) and 0 <= worker < num_workers):
@@ -160,6 +173,7 @@ class ShardReader:
         self.data_dir = Path(data_dir)
         self.worker, self.num_workers = int(worker), int(num_workers)
         self.batch_size, self.seed = int(batch_size), int(seed)
+        self.arrays = tuple(name for name in ARRAYS if name in arrays)
 
         manifest = load_manifest(self.data_dir)
         shape = tuple(manifest["image_shape"])
@@ -173,8 +187,10 @@ class ShardReader:
                                 f"step takes ({self.num_workers} workers x --batch-size "
                                 f"{self.batch_size} = {per_step}); use a smaller --batch-size or "
                                 f"fewer workers")
-        # Every shard matches the manifest before any of its sizes is used.
-        self._shards = [(_verify_shard(self.data_dir, e, shape), int(e["num_samples"])) for e in shards]
+        # Every shard matches the manifest before any of its sizes is used;
+        # a reader of neither array opens none.
+        self._shards = [(_verify_shard(self.data_dir, e, shape) if self.arrays else None, int(e["num_samples"]))
+                        for e in shards]
         self._first = np.cumsum([0] + [n for _, n in self._shards])   # global id of each shard's row 0
 
         self._epoch, self._start = 0, 0     # the epoch dealt, from which position
@@ -184,21 +200,28 @@ class ShardReader:
         self.images = self.labels = None    # the samples held: all, or the epoch's own
         self._rows = None                   # the rows of images that _ids are
         self.resident = self.num_samples * self.num_features <= resident_bytes
-        if self.resident:
+        if self.resident and self.arrays:
             self._allocate(self.num_samples, "the training set", "use fewer ranks per node")
             for (path, n), first in zip(self._shards, self._first):
-                x, y = _read_rows(path, 0, n, self.num_classes)
-                self.images[first:first + n] = x.reshape(n, -1)
-                self.labels[first:first + n] = y
-                del x, y
-        self._ubuf = np.empty((self.batch_size, self.num_features), np.uint8)
-        self._x = np.empty((self.batch_size, self.num_features), np.float32)
-        self._y = np.empty(self.batch_size, np.int64)
+                self._store(slice(first, first + n), *_read_rows(path, 0, n, self.num_classes, self.arrays))
+        images, labels = "images" in self.arrays, "labels" in self.arrays
+        self._ubuf = np.empty((self.batch_size, self.num_features), np.uint8) if images else None
+        self._x = np.empty((self.batch_size, self.num_features), np.float32) if images else None
+        self._y = np.empty(self.batch_size, np.int64) if labels else None
+
+    def _store(self, at, x, y, rows=slice(None)):
+        """Rows `rows` of a shard's read (x, y) into the held arrays at `at`."""
+        if x is not None:
+            self.images[at] = x.reshape(len(x), -1)[rows]
+        if y is not None:
+            self.labels[at] = y[rows]
 
     def _allocate(self, count, what, hint):
         try:
-            self.images = np.empty((count, self.num_features), np.uint8)
-            self.labels = np.empty(count, np.int64)
+            if "images" in self.arrays:
+                self.images = np.empty((count, self.num_features), np.uint8)
+            if "labels" in self.arrays:
+                self.labels = np.empty(count, np.int64)
         except (MemoryError, ValueError):
             raise HpctrainError(f"{self.data_dir}: worker {self.worker}'s copy of {what} ({count} "
                                 f"samples of {self.num_features} values) does not fit in memory; "
@@ -243,7 +266,10 @@ class ShardReader:
             self._rows = self._ids
             return
         self._rows = np.arange(count)
-        if self.images is None or len(self.images) < count:
+        if not self.arrays:
+            return
+        held = self.images if self.images is not None else self.labels
+        if held is None or len(held) < count:
             self._allocate(count, "an epoch's part", "use more workers")
         # Shard by shard, slab by slab, in row order; each row lands at its
         # place in this worker's order of the epoch.
@@ -256,13 +282,12 @@ class ShardReader:
                 i, j = np.searchsorted(ids, [first + a, first + b])
                 if i == j:
                     continue
-                x, y = _read_rows(path, a, b, self.num_classes)
-                rows = ids[i:j] - first - a
-                self.images[order[i:j]] = x.reshape(len(x), -1)[rows]
-                self.labels[order[i:j]] = y[rows]
+                self._store(order[i:j], *_read_rows(path, a, b, self.num_classes, self.arrays),
+                            rows=ids[i:j] - first - a)
 
     def next_batch(self):
-        """(x float32 (B, features) in [0, 1], y int64 (B,)); both reused by the next call."""
+        """(x float32 (B, features) in [0, 1], y int64 (B,)); both reused by
+        the next call; either None where the reader does not read it."""
         if self._steps is None or self._taken == self._steps:
             if self._steps is not None:   # the epoch is done: the next one from its start
                 self._epoch, self._start = self._epoch + 1, 0
@@ -270,9 +295,11 @@ class ShardReader:
         B, k = self.batch_size, self._taken
         self._taken += 1
         rows = self._rows[k * B:(k + 1) * B]
-        np.take(self.images, rows, axis=0, out=self._ubuf, mode="clip")
-        _to_float(self._ubuf, out=self._x)
-        np.take(self.labels, rows, out=self._y, mode="clip")
+        if self._x is not None:
+            np.take(self.images, rows, axis=0, out=self._ubuf, mode="clip")
+            _to_float(self._ubuf, out=self._x)
+        if self._y is not None:
+            np.take(self.labels, rows, out=self._y, mode="clip")
         return self._x, self._y
 
 
