@@ -55,6 +55,7 @@ def train_pipe(session):
     # --- the grid, the stage, its allreduce and optimizer --------------------
     with session.watchdog.waiting("start-up (pipeline communicators)", peer=None):
         grid = Grid(session.comm, stages)
+    session.watchdog.roles = grid.role   # a stalled rank is named with its stage and replica
     session.chief_says(f"hpctrain: pipeline of {stages} stages x {grid.replicas} replicas, {micro} micro-batches, "
                        f"{args.pipeline_schedule}; layers " + " ".join(f"[{a},{b})" for a, b in zip(cuts, cuts[1:])))
     strategy = None

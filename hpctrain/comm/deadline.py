@@ -27,7 +27,9 @@ evaluation, its result files) runs under `with dog.busy():`: that
 rank then answers a roll call "busy", and a rank whose wait expired waits
 another --timeout instead of giving up, for as long as the answer is busy.
 A busy rank that stops answering is named as any other. `dog.note`, once
-set, ends every line (e.g. that the run's results are already written).
+set, ends every line (e.g. that the run's results are already written);
+`dog.roles`, once set, says each rank's part after its number ("rank 2
+(stage 1, replica 0)", the pipeline's grid).
 """
 import sys
 import threading
@@ -116,6 +118,7 @@ class Watchdog:
         self._busy, self._busy_until = 0, 0.0
         self._giving_up = False
         self.note = None
+        self.roles = None   # callable: a world rank -> its part in words, said after its number
         self._lock = threading.Lock()
         self._asking = threading.Lock()   # one roll call at a time: answers are matched by rank only
         self._firing = threading.Lock()
@@ -266,14 +269,14 @@ class Watchdog:
         if peer is None:
             whom = "its peers"
         elif isinstance(peer, (list, tuple, set)):
-            whom = "ranks " + ",".join(str(p) for p in sorted(peer))
+            whom = "ranks " + (", " if self.roles else ",").join(self._named(p) for p in sorted(peer))
         elif isinstance(peer, int):
-            whom = f"rank {peer}"
+            whom = f"rank {self._named(peer)}"
         else:
             whom = str(peer)
-        waited_line = f"rank {self.rank} waited {waited:.0f} s for {whom} ({what})"
+        waited_line = f"rank {self._named(self.rank)} waited {waited:.0f} s for {whom} ({what})"
         if silent:
-            culprits = ", ".join(map(str, silent))
+            culprits = ", ".join(map(self._named, silent))
             self.fired = (f"rank{'s' if len(silent) > 1 else ''} {culprits} stopped responding "
                           f"(no answer to a roll call in {ROLL_CALL_S:g} s); {waited_line}; "
                           f"giving up (--timeout {self.timeout:g})")
@@ -295,6 +298,9 @@ class Watchdog:
         # in the pipe to the launcher can be lost with them: give it a moment.
         self._linger(ABORT_GRACE_S)
         self.abort(EXIT_TIMEOUT)
+
+    def _named(self, rank):
+        return f"{rank} ({self.roles(rank)})" if self.roles else str(rank)
 
     def _linger(self, seconds):
         """Sleep, still answering roll calls (a rank that fired is not stalled)."""

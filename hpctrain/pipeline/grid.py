@@ -27,6 +27,11 @@ class Grid:
         self.stage_comm = comm.Split(self.stage, self.replica)
         self.pipe_comm = comm.Split(self.replica, self.stage)
 
+    def role(self, world_rank):
+        """A world rank's place on the grid in words, for the watchdog's lines."""
+        stage, replica = divmod(world_rank, self.replicas)
+        return f"stage {stage}, replica {replica}"
+
     def world_rank(self, stage, replica=None):
         """The world rank of (stage, replica), this rank's replica by default."""
         return stage * self.replicas + (self.replica if replica is None else replica)
