@@ -29,6 +29,8 @@ from mpi4py import MPI
 from . import config as run_config
 from . import data as data_mod
 from . import device, prefetch
+from .chunks import chunk_parts
+from .clipping import Clip
 from .comm import make_allreduce
 from .comm.topology import Topology
 from .frame import Frame
@@ -37,6 +39,7 @@ from .errors import HpctrainError
 from .pipeline import schedule as sched
 from .pipeline import whole
 from .pipeline.grid import Grid
+from .pipeline.norm import StageNorm, ring_ranges
 from .pipeline.stage import Stage
 from .pipeline.trace import StageTrace
 from .report import Report
@@ -125,11 +128,24 @@ class PipeStep:
         self.head = np.zeros(2, np.float64)   # [loss, stop], summed over the world
         self.schedule_done = None
         self.trace = StageTrace(session, grid, stage, optimizer)   # --timeline; without it, no-ops
+        self.grad_scale = 1.0 / (grid.replicas * self.micro)
+        self.clip, self.norm = (Clip(session.args.clip_norm), self._norm()) if session.args.clip_norm else (None, None)
+
+    def _norm(self):
+        # --clip-norm: the sums of squares of ring mode's parts (its buckets
+        # and its strategy's cut; one rank's strategy is one part), over the
+        # stages; each replica sums what it holds reduced (sharded: its part)
+        args, grid, stage = self.session.args, self.grid, self.stage
+        parts = self.strategy.parts if self.strategy is not None else (lambda n: chunk_parts(n, 1))
+        ranges = ring_ranges(self.session.spec, int(args.fusion_mb * (1 << 20)) // np.dtype(np.float32).itemsize,
+                             parts)
+        owned = self.optimizer.ranges if self.sharded else [(0, stage.hi - stage.lo)] if grid.replica == 0 else []
+        return StageNorm(ranges, stage.lo, owned, grid, self.session.comm, self.session.watchdog)
 
     def run(self, batches, lr):
         """batches: M (x, y, noise); returns (loss summed over the replicas, whether any rank stops)."""
         grid, trace, start = self.grid, self.trace, time.perf_counter()
-        self.optimizer.begin(lr, 1.0 / (grid.replicas * self.micro))
+        self.optimizer.begin(lr, self.grad_scale)
         inputs, outputs, grads_in, grads_out, losses, sends = {}, {}, {}, {}, [], []
         for action in self.actions:
             m = action.micro
@@ -183,6 +199,7 @@ class PipeStep:
             with self.trace.span("reduce-scatter"):
                 lo, hi = self.strategy.reduce_scatter(grads)
             with self.trace.span("update"):
+                self._clip(grads)
                 self.optimizer.update(params, grads, lo, hi)
             with self.trace.span("allgather"):
                 device.synchronize(self.xp)
@@ -192,7 +209,13 @@ class PipeStep:
             with self.trace.span("allreduce"):
                 self.strategy.allreduce(grads)
         with self.trace.span("update"):
+            self._clip(grads)
             self.optimizer.update(params, grads)
+
+    def _clip(self, grads):
+        # --clip-norm: the norm over the stages (and the replicas' parts), in the update's span
+        if self.clip is not None:
+            self.optimizer.set_grad_scale(self.clip.scaled(self.norm.partials(grads), self.grad_scale))
 
     def _send(self, array, stage, tag):
         device.synchronize(self.xp)
@@ -230,7 +253,7 @@ def train_steps(session, config, frame, run, reader, step):
             t1 = time.perf_counter()
             frame.timed(t0, run.schedule_done, t1)
             step += 1
-            frame.summed_loss(step, loss, replicas, per_step)
+            frame.summed_loss(step, loss, replicas, per_step, grad_norm=run.clip.mean_norm if run.clip else None)
             if eval_due(config, step):   # the chief evaluates the whole model by itself
                 frame.after_step(whole_on_chief(session, run), step)
             if stopped:
@@ -359,5 +382,6 @@ def finish(session, frame, run, reader, step, preempted):
     extra = {"workers": grid.replicas, "global_batch": per_step, "pipeline_stages": grid.stages,
              "micro_batches": args.micro_batches, "schedule": args.pipeline_schedule, "replicas": grid.replicas,
              "pipeline_split": args.pipeline_split or ",".join(map(str, session.pipeline_cuts[1:-1])),
-             "shard_optimizer": "on" if run.sharded else "off", "optimizer_state_bytes": int(most[0])}
+             "shard_optimizer": "on" if run.sharded else "off", "optimizer_state_bytes": int(most[0]),
+             **(run.clip.totals() if run.clip else {})}
     return frame.finish(model, step, per_step, extra)

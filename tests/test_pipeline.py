@@ -80,6 +80,37 @@ def test_micro_batch_count_changes_nothing_but_rounding(job, tmp_path):
     assert max_diff(tmp_path / "m1.h5", tmp_path / "m4.h5") < 1e-6
 
 
+@pytest.mark.parametrize("ranks, fusion, optimizer", [
+    (4, ["--fusion-mb", "0.0001"], []),                                   # one layer a bucket: bit for bit
+    (4, ["--fusion-mb", "0.0001", "--shard-optimizer", "off"], []),      # (auto: sharded over the R = 2)
+    (2, [], ["--optimizer", "sgd", "--lr", "0.05"]),                      # one bucket across the cut
+], ids=["per-layer-buckets-r2-sharded", "per-layer-buckets-r2-unsharded", "one-bucket"])
+def test_clip_norm_spans_the_stages_as_accumulation_clips(job, tmp_path, ranks, fusion, optimizer):
+    """--clip-norm: the norm of the whole averaged gradient, from each stage's
+    sums of squares over ring mode's parts (pipeline/norm.py). With buckets of
+    one layer no part crosses the cut, the sums are ring mode's own and the
+    parameters bit-identical to --accumulate-steps 3 --clip-norm 0.3. With one
+    bucket across the cut (the default --fusion-mb here) a part is summed in
+    two pieces: the float64 norm moves by ~1e-15 relative (a pairwise sum of
+    exact float32 squares), which reaches the float32 grad scale the optimizer
+    multiplies by only at a rounding boundary, and then by one ulp (6e-8
+    relative). Under SGD a step moves a parameter by at most lr x 0.3 = 0.015,
+    so 6 steps differ by ~6 x 0.015 x 6e-8 = 5e-9 at most: held to 1e-7."""
+    flags = [*SHORT, *MLP, *fusion, *optimizer, "--clip-norm", "0.3"]
+    ok(job(ranks, *flags, "--pipeline-stages", 2, "--micro-batches", 3, "--save", tmp_path / "pipe.h5",
+           "--metrics", tmp_path / "pipe.jsonl"))
+    ok(job(ranks // 2, *flags, "--accumulate-steps", 3, "--save", tmp_path / "acc.h5",
+           "--metrics", tmp_path / "acc.jsonl"))
+    pipe, acc = ([json.loads(line) for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
+                 for n in ("pipe", "acc"))
+    assert pipe[-1]["clipped_steps"] == acc[-1]["clipped_steps"] == 6, pipe[-1]   # the clip acted
+    np.testing.assert_allclose([r["grad_norm"] for r in pipe[:-1]], [r["grad_norm"] for r in acc[:-1]], rtol=1e-12)
+    if fusion:
+        assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+    else:
+        assert max_diff(tmp_path / "pipe.h5", tmp_path / "acc.h5") < 1e-7
+
+
 def test_epochs_count_the_replicas_batches(job, tmp_path):
     # 4500 training samples at 1 replica x 2 micro-batches x 8 = 16 a step
     r = ok(job(2, *MLP, "--pipeline-stages", "2", "--micro-batches", "2", "--batch-size", "8", "--epochs", "0.1",

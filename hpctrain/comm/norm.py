@@ -26,6 +26,17 @@ from ..clipping import sum_squares
 from .strategy import waiting
 
 
+def part_ranges(buckets, parts, skip=0):
+    """The ranges a norm's sums of squares are taken over: each bucket
+    (lo, hi) cut by parts(hi - lo) (-> [(a, b)]), the first `skip` elements
+    of the buffer left out; empty ranges kept (the pipeline's --clip-norm
+    cuts ring mode's alike: pipeline/norm.py)."""
+    out = []
+    for lo, hi in buckets:
+        out += [(max(lo + a, skip), max(lo + b, skip)) for a, b in parts(hi - lo)]
+    return out
+
+
 class BucketNorm:
     """sum_of_squares() of buffer[skip:] once FusedAllreduce has summed
     every bucket of `buckets` ([(lo, hi)] of the buffer) with `strategy`.
@@ -34,11 +45,8 @@ class BucketNorm:
 
     def __init__(self, strategy, buckets, buffer, skip=0, sharded=False, comm=None, watchdog=None):
         self.buffer, self.sharded, self.comm, self.watchdog = buffer, sharded, comm, watchdog
-        self.ranges = []
-        for lo, hi in buckets:
-            parts = [strategy.shard(hi - lo)] if sharded else strategy.parts(hi - lo)
-            # Empty ranges stay: sharded, every rank sends one value per bucket.
-            self.ranges += [(max(lo + a, skip), max(lo + b, skip)) for a, b in parts]
+        # Empty ranges stay: sharded, every rank sends one value per bucket.
+        self.ranges = part_ranges(buckets, (lambda n: [strategy.shard(n)]) if sharded else strategy.parts, skip)
         if sharded:
             if comm is None:
                 raise ValueError("a sharded norm needs the communicator of the ranks holding the parts")

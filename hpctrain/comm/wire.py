@@ -43,7 +43,8 @@ class Wire:
     def dtype(self):
         return self.buffer.dtype
 
-    def ready_from(self, layer_ranges):
+    @staticmethod
+    def ready_from(layer_ranges):
         """For each layer i (ranges (lo, hi) in the gradient buffer): the lowest
         wire offset that is final once layer i's gradient is done. Layers
         finish from last to first; layer 0 finishes last, and with it the

@@ -72,10 +72,6 @@ def cut_points(args, spec):
     return cuts
 
 
-# Flags the pipeline does not carry yet: each refused with the reason.
-NOT_YET = (("clip_norm", "--clip-norm (the global norm spans the stages)"),)
-
-
 def plan(args, world, spec):
     """The cut points of a pipeline run (None without --pipeline-stages), or
     HpctrainError for flags it cannot run with. Every rank alike (session.py)."""
@@ -94,9 +90,6 @@ def plan(args, world, spec):
                             "(the same samples per step)")
     if world % stages:
         raise HpctrainError(f"--pipeline-stages {stages} does not divide the {world} ranks")
-    for flag, name in NOT_YET:
-        if getattr(args, flag):
-            raise HpctrainError(f"--pipeline-stages does not work yet with {name}")
     return cut_points(args, spec)
 
 
