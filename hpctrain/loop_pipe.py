@@ -5,9 +5,10 @@ grid (pipeline/grid.py); each step every stage runs its schedule's actions
 gradients back as raw float32 buffers (Isend/Irecv on the replica's pipe
 communicator); then each stage sums its micro-batches' gradients as
 --accumulate-steps does, averages them over its R replicas (the --allreduce
-strategy on the stage communicator) and updates its parameter slice. So a
-pipeline ends with the parameters of `--accumulate-steps M` on R ranks, bit
-for bit (tests/test_pipeline.py).
+strategy on the stage communicator, over ring mode's buckets: stages.pieces)
+and updates its parameter slice. So a pipeline ends with the parameters of
+`--accumulate-steps M` on R ranks, bit for bit (tests/test_pipeline.py; for
+R > 2 where no bucket crosses a cut).
 
 The loss lives on the last stage, layer 0 on the first: each step one world
 Allreduce of [loss, stop] (the last stages' mean loss over their micro-batches,
@@ -40,6 +41,7 @@ from .pipeline import schedule as sched
 from .pipeline import whole
 from .pipeline.grid import Grid
 from .pipeline.norm import StageNorm, ring_ranges
+from .pipeline.stages import body_range, owned_pieces, stage_pieces
 from .pipeline.stage import Stage
 from .pipeline.trace import StageTrace
 from .report import Report
@@ -82,7 +84,8 @@ def train_pipe(session):
     sharded = config.shard_optimizer and strategy is not None
     optimizer = make_optimizer(args.optimizer, stage.hi - stage.lo, xp, momentum=args.momentum,
                                weight_decay=args.weight_decay,
-                               owned=[strategy.shard(stage.hi - stage.lo)] if sharded else None)
+                               owned=owned_pieces(stage_pieces(spec, fusion_elems(args), stage), strategy.shard,
+                                                  stage.body_at) if sharded else None)
     reader = prefetch.device_batches(
         session.agreed(session.comm, functools.partial(data_mod.ShardReader, arrays=stage_arrays(grid)),
                        session.data_dir, grid.replica, grid.replicas, args.batch_size, args.seed), xp)
@@ -104,6 +107,11 @@ def train_pipe(session):
     run = PipeStep(session, grid, stage, strategy, optimizer, plan, layouts)
     step, stopped = train_steps(session, config, frame, run, reader, step)
     return finish(session, frame, run, reader, step, preempted=stopped and step < config.steps)
+
+
+def fusion_elems(args):
+    """--fusion-mb in float32 elements, as ring mode counts its buckets."""
+    return int(args.fusion_mb * (1 << 20)) // np.dtype(np.float32).itemsize
 
 
 def stage_arrays(grid):
@@ -129,16 +137,18 @@ class PipeStep:
         self.schedule_done = None
         self.trace = StageTrace(session, grid, stage, optimizer)   # --timeline; without it, no-ops
         self.grad_scale = 1.0 / (grid.replicas * self.micro)
-        self.clip, self.norm = (Clip(session.args.clip_norm), self._norm()) if session.args.clip_norm else (None, None)
+        # ring mode's buckets over this stage's part of its wire: averaged bucket by bucket as there
+        self.pieces = stage_pieces(spec, fusion_elems(session.args), stage)
+        self.clip, self.norm = (Clip(session.args.clip_norm), self._norm(fusion_elems(session.args))) \
+            if session.args.clip_norm else (None, None)
 
-    def _norm(self):
+    def _norm(self, elems):
         # --clip-norm: the sums of squares of ring mode's parts (its buckets
         # and its strategy's cut; one rank's strategy is one part), over the
         # stages; each replica sums what it holds reduced (sharded: its part)
-        args, grid, stage = self.session.args, self.grid, self.stage
+        grid, stage = self.grid, self.stage
         parts = self.strategy.parts if self.strategy is not None else (lambda n: chunk_parts(n, 1))
-        ranges = ring_ranges(self.session.spec, int(args.fusion_mb * (1 << 20)) // np.dtype(np.float32).itemsize,
-                             parts)
+        ranges = ring_ranges(self.session.spec, elems, parts)
         owned = self.optimizer.ranges if self.sharded else [(0, stage.hi - stage.lo)] if grid.replica == 0 else []
         return StageNorm(ranges, stage.lo, owned, grid, self.session.comm, self.session.watchdog)
 
@@ -195,19 +205,27 @@ class PipeStep:
     def _update(self):
         grads, params = self.stage.grads, self.stage.params   # the micro-batches' sum, added up by their backwards
         device.synchronize(self.xp)
-        if self.sharded:   # ZeRO-1 over the replicas: the same bits as allreduce + the whole update
+        stage = self.stage
+        if self.sharded:   # ZeRO-1 over the replicas, bucket by bucket: the same bits as allreduce + the whole update
             with self.trace.span("reduce-scatter"):
-                lo, hi = self.strategy.reduce_scatter(grads)
+                mine = []
+                for a, b in self.pieces:
+                    lo, hi = self.strategy.reduce_scatter(stage.wire[a:b])
+                    mine.append(body_range(a + lo, a + hi, stage.body_at))
             with self.trace.span("update"):
                 self._clip(grads)
-                self.optimizer.update(params, grads, lo, hi)
+                for lo, hi in mine:
+                    if lo < hi:
+                        self.optimizer.update(params, grads, lo, hi)
             with self.trace.span("allgather"):
                 device.synchronize(self.xp)
-                self.strategy.allgather(params)
+                for a, b in self.pieces:
+                    self.strategy.allgather(stage.param_wire[a:b])
             return
         if self.strategy is not None:
             with self.trace.span("allreduce"):
-                self.strategy.allreduce(grads)
+                for a, b in self.pieces:   # ring mode's buckets, in its order of sums
+                    self.strategy.allreduce(self.stage.wire[a:b])
         with self.trace.span("update"):
             self._clip(grads)
             self.optimizer.update(params, grads)

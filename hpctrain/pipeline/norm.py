@@ -24,17 +24,16 @@ Takes a communicator; never imports MPI itself.
 import numpy as np
 
 from ..clipping import sum_squares
-from ..comm.fusion import bucket_bounds
 from ..comm.norm import part_ranges
-from ..comm.wire import GRADS, Wire
+from ..comm.wire import GRADS
+from .stages import ring_buckets
 
 
 def ring_ranges(spec, fusion_elems, parts):
     """The gradient ranges [(lo, hi)] whose sums of squares ring mode's
     --clip-norm adds (ring_step.py: the wire's buckets, its loss and stop
     slots left out), in gradient-buffer coordinates."""
-    buckets = bucket_bounds(GRADS + spec.num_params, fusion_elems, Wire.ready_from(spec.layer_ranges))
-    return [(a - GRADS, b - GRADS) for a, b in part_ranges(buckets, parts, skip=GRADS)]
+    return [(a - GRADS, b - GRADS) for a, b in part_ranges(ring_buckets(spec, fusion_elems), parts, skip=GRADS)]
 
 
 class StageNorm:

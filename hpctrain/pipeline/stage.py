@@ -18,6 +18,7 @@ last addition g_{M-1} + acc, the same bits: IEEE addition commutes).
 """
 import copy
 
+from ..comm.wire import GRADS
 from ..nn.layers import Noise
 from ..nn.sequential import SoftmaxCrossEntropy
 from .stages import ranges
@@ -76,10 +77,19 @@ class Stage:
         (self.lo, self.hi), (self.state_lo, self.state_hi) = ranges(spec, self.a, self.b), \
             ranges(spec, self.a, self.b, of="state")
         n = self.hi - self.lo
-        self.params = xp.zeros(n, dtype)
+        # The parameters and the step's gradient sum, each as this stage's part
+        # [wire_lo, GRADS + hi) of ring mode's wire [loss, stop, body...]
+        # (comm/wire.py; the first stage's part holds the two head slots, zeros
+        # here): the replicas average (or reduce-scatter, then allgather) ring
+        # mode's buckets of them (stages.pieces), so their sums run in its order.
+        self.wire_lo = 0 if s == 0 else GRADS + self.lo
+        self.body_at = GRADS + self.lo - self.wire_lo   # where the slice starts in the part
+        self.param_wire = xp.zeros(GRADS + self.hi - self.wire_lo, dtype)
+        self.params = self.param_wire[self.body_at:]
         self.state = xp.zeros(self.state_hi - self.state_lo, dtype)
         self.grad = xp.zeros(n, dtype)   # one micro-batch's, written by every copy's backward
-        self.grads = xp.zeros(n, dtype)  # the step's sum
+        self.wire = xp.zeros_like(self.param_wire)
+        self.grads = self.wire[self.body_at:]   # the step's sum
         self.micro = micro_batches
         self.models = [StageModel(spec, self.a, self.b, xp, self.params, self.grad, self.state,
                                   (self.lo, self.state_lo)) for _ in range(copies or micro_batches)]
