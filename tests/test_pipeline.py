@@ -70,6 +70,17 @@ def test_each_stage_reads_only_what_it_uses(job, tmp_path):
     assert train == {0: {"images"}, 1: set(), 2: {"labels"}}, train
 
 
+def test_batches_through_the_gpu_prefetcher_change_no_bit(job, tmp_path):
+    """The GPU batch path on NumPy (tests/prefetched_batches.py: the
+    prefetcher over deferred, NaN-fresh stand-in copies): every stage's
+    batches, positions and dropout draws as the plain run's, bit for bit."""
+    flags = [*SHORT, "--model", f"{TINY}:without_batch_norm", "--pipeline-stages", 3, "--micro-batches", 2]
+    ok(job(3, *flags, "--save", tmp_path / "plain.h5"))
+    ok(job(3, *flags, "--save", tmp_path / "prefetched.h5", module="prefetched_batches",
+           env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}))
+    assert same_bytes(tmp_path / "plain.h5", tmp_path / "prefetched.h5")
+
+
 def max_diff(a, b):
     a, b = saved(a), saved(b)
     assert set(a) == set(b)
