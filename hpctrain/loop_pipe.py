@@ -36,7 +36,6 @@ from .comm import make_allreduce
 from .comm.topology import Topology
 from .frame import Frame
 from .optim import make_optimizer, state_bytes
-from .errors import HpctrainError
 from .pipeline import schedule as sched
 from .pipeline import whole
 from .pipeline.grid import Grid
@@ -46,7 +45,6 @@ from .pipeline.stage import Stage
 from .pipeline.trace import StageTrace
 from .report import Report
 from .resume import Checkpoints
-from .sharded_state import ShardedState
 
 
 def train_pipe(session):
@@ -74,11 +72,11 @@ def train_pipe(session):
     stage = Stage(spec, cuts, grid.stage, micro, xp, np.float32, copies=sched.peak_activations(plan))
     # Every rank builds the initial parameters from the seed (the same bits as
     # rank 0's broadcast) and keeps its stage's slice.
-    whole = spec.build(np)
-    whole.init(args.seed)
-    stage.params[...] = xp.asarray(whole.params[stage.lo:stage.hi])
-    stage.state[...] = xp.asarray(whole.state[stage.state_lo:stage.state_hi])
-    del whole
+    initial = spec.build(np)
+    initial.init(args.seed)
+    stage.params[...] = xp.asarray(initial.params[stage.lo:stage.hi])
+    stage.state[...] = xp.asarray(initial.state[stage.state_lo:stage.state_hi])
+    del initial
     # --shard-optimizer (auto: ring mode's rule, over the stage's R replicas):
     # each replica keeps the optimizer state of its part of the stage's slice.
     sharded = config.shard_optimizer and strategy is not None
@@ -90,12 +88,12 @@ def train_pipe(session):
         session.agreed(session.comm, functools.partial(data_mod.ShardReader, arrays=stage_arrays(grid)),
                        session.data_dir, grid.replica, grid.replicas, args.batch_size, args.seed), xp)
     session.test_part()
-    layouts = Layouts(session.spec, cuts)
+    layouts = whole.Layouts(session.spec, cuts)
 
     # --- resume: the chief's file, each stage its slice ----------------------
     step = 0
     if resume is not None:
-        resume_stage(session, grid, stage, optimizer, layouts, resume)
+        whole.resume_stage(session, grid, stage, optimizer, layouts, resume)
         checkpoints.seek_readers(reader, resume)
         step = resume.step
         session.chief_says(checkpoints.resumed_line(resume, config))
@@ -273,13 +271,13 @@ def train_steps(session, config, frame, run, reader, step):
             step += 1
             frame.summed_loss(step, loss, replicas, per_step, grad_norm=run.clip.mean_norm if run.clip else None)
             if eval_due(config, step):   # the chief evaluates the whole model by itself
-                frame.after_step(whole_on_chief(session, run), step)
+                frame.after_step(whole.model_on_chief(session, run), step)
             if stopped:
                 if step < config.steps:
                     frame.stopping(step)
                 break
             if frame.checkpoint_due(step):
-                save_checkpoint(session, frame.checkpoints, run, reader, step)
+                whole.save_checkpoint(session, frame.checkpoints, run, reader, step)
     return step, stopped
 
 
@@ -295,87 +293,6 @@ def eval_due(config, step):
     return bool(every) and step < config.steps and step % every == 0
 
 
-class Layouts:
-    """Where each stage's slices lie in the whole flat buffers (whole.py)."""
-
-    def __init__(self, spec, cuts):
-        self.params, self.state = whole.spans(spec, cuts), whole.spans(spec, cuts, of="state")
-
-
-def whole_on_chief(session, run, everyone=False):
-    """The whole model built on the chief (None elsewhere) from every
-    stage's slice; everyone: on every rank (ring mode's end)."""
-    grid, stage, layouts, watchdog = run.grid, run.stage, run.layouts, session.watchdog
-    if everyone:
-        params = whole.to_everyone(session.comm, grid, stage.params, layouts.params, watchdog, "parameters")
-        state = whole.to_everyone(session.comm, grid, stage.state, layouts.state, watchdog, "model state")
-    else:
-        params = whole.to_chief(grid, stage.params, layouts.params, watchdog, "parameters")
-        state = whole.to_chief(grid, stage.state, layouts.state, watchdog, "model state")
-        if not session.chief:
-            return None
-    xp = session.xp
-    return session.spec.build(xp, params=xp.asarray(params), state=xp.asarray(state))
-
-
-def save_checkpoint(session, checkpoints, run, reader, step):
-    """The chief writes the whole model's checkpoint, the file ring mode
-    writes: every stage's parameters, model state and optimizer state
-    gathered into full-length buffers, and the replicas' data positions
-    (the first stage's ranks: one per replica)."""
-    grid, stage, layouts, watchdog = run.grid, run.stage, run.layouts, session.watchdog
-    params = whole.to_chief(grid, stage.params, layouts.params, watchdog, "parameters")
-    state = whole.to_chief(grid, stage.state, layouts.state, watchdog, "model state")
-    optimizer = {name: whole.to_chief(grid, array, layouts.params, watchdog, f"optimizer state {name}")
-                 for name, array in sorted(stage_optimizer_state(session, grid, run.optimizer).items())}
-    positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first else None
-    checkpoints.save(session.comm, step, params, optimizer, run.optimizer.t, positions, state)   # the chief's
-
-
-def replicas_state(session, grid, optimizer):
-    """A sharded optimizer's parts over the stage's replicas (sharded_state.py), replica 0 their root."""
-    return ShardedState(grid.stage_comm, optimizer, 0, grid.world_rank(grid.stage, 0), session.watchdog, session.xp)
-
-
-def stage_optimizer_state(session, grid, optimizer):
-    """name -> the stage's whole optimizer state on its replica 0 (a sharded
-    optimizer's parts gathered there; unsharded: every replica's own)."""
-    if getattr(optimizer, "ranges", None) is None:
-        return optimizer.state()
-    full = replicas_state(session, grid, optimizer).gather()   # {} on the other replicas
-    return {name: full.get(name) for name in optimizer.state()}
-
-
-def resume_stage(session, grid, stage, optimizer, layouts, resume):
-    """The checkpoint's whole buffers (the chief's) into every stage's
-    slices, the optimizer's step count too: whatever cut and replica count
-    wrote it (a ring mode checkpoint as well)."""
-    ckpt, watchdog, xp = resume.checkpoint, session.watchdog, session.xp
-    if ckpt is not None:
-        for what, have, want in (("parameters", ckpt.params.size, session.spec.num_params),
-                                 ("model state", ckpt.model_state.size, session.spec.num_state)):
-            if have != want:   # the model identity was compared: a crafted file
-                raise HpctrainError(f"{ckpt.path}: {have} floats of {what}, this model has {want}")
-    whole.from_chief(grid, ckpt.params if ckpt else None, stage.params, layouts.params, watchdog, "parameters",
-                     xp)
-    if session.spec.num_state:   # collective: every stage alike, with state of its own or not
-        whole.from_chief(grid, ckpt.model_state if ckpt else None, stage.state, layouts.state, watchdog,
-                         "model state", xp)
-    sharded = getattr(optimizer, "ranges", None) is not None
-    stage_state = {}
-    for name, array in sorted(optimizer.state().items()):
-        source = ckpt.optimizer_state[name] if ckpt else None
-        if sharded:   # the stage's whole state on its replica 0, then each replica its part
-            stage_state[name] = whole.to_stages(grid, source, stage.hi - stage.lo, layouts.params, watchdog,
-                                                f"optimizer state {name}")
-        else:
-            whole.from_chief(grid, source, array, layouts.params, watchdog, f"optimizer state {name}", xp)
-    if sharded:
-        replicas_state(session, grid, optimizer).scatter(stage_state)
-    optimizer.t = resume.optimizer_t
-    device.synchronize(xp)
-
-
 def finish(session, frame, run, reader, step, preempted):
     """As ring mode ends: the chief's final validation, the last checkpoint
     (at the end of training, or where a signal stopped it), then the
@@ -384,11 +301,11 @@ def finish(session, frame, run, reader, step, preempted):
     grid, optimizer, checkpoints = run.grid, run.optimizer, frame.checkpoints
     model = None
     if not preempted:
-        model = whole_on_chief(session, run, everyone=True)
+        model = whole.model_on_chief(session, run, everyone=True)
         if session.chief and session.has_val:
             frame.report.final_val(model, step)   # before the last checkpoint: it records the best
     if checkpoints.enabled and checkpoints.saved_step != step:
-        save_checkpoint(session, checkpoints, run, reader, step)
+        whole.save_checkpoint(session, checkpoints, run, reader, step)
     if preempted:
         checkpoints.raise_preempted(session.comm, step)
     most = np.array([state_bytes(optimizer)], np.int64)

@@ -123,7 +123,7 @@ class Checkpoints:
             return self._chief_reads()
 
     def _chief_reads(self):
-        args, cluster = self.session.args, self.session.cluster
+        args = self.session.args
         d = args.checkpoint_dir  # created and tried by check_outputs at start-up
         found = checkpoint.list_checkpoints(d)
         if args.resume == "no":
