@@ -15,7 +15,9 @@ this machine cannot create network namespaces.
 
 What is checked: mpirun across nodes (Hydra with an ssh stand-in) with block
 and round-robin placement, the rank map in the first log line, the bytes on
-each node's link against what the algorithm must send; `sbatch -N 2` of the
+each node's link against what the algorithm must send; a pipeline with one
+stage per node (only activations and their gradients cross, and it trains
+as --accumulate-steps on one node, bit for bit); `sbatch -N 2` of the
 real jobs/ring.slurm and jobs/ps.slurm against the same training on one
 node; kill-and-requeue across nodes (bit-exact); and a node failure: the
 second compute node dies mid-job (its slurmd and every process in it), SLURM
@@ -281,6 +283,35 @@ def test_hier_equals_the_flat_ring_across_nodes(cluster, tmp_path):
         proc, _ = cluster.mpirun(BLOCK, 4, *common, "--allreduce", name, "--save", tmp_path / f"{name}.h5")
         assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_same_params(tmp_path / "ring.h5", tmp_path / "hier.h5", rtol=1e-5)
+
+
+# A pipeline across the nodes: stage 0 (ranks 0, 1) on hpt-n1, stage 1 (ranks
+# 2, 3) on hpt-n2, each stage's 2 replicas inside its node. The cut [0,2) [2,6)
+# (the balanced one) sends Dense0's output, PIPE_WIDTH floats per sample.
+PIPE_STEPS, PIPE_MICRO, PIPE_BATCH, PIPE_WIDTH, PIPE_REPLICAS = 60, 4, 128, 128, 2
+PIPE_FLAGS = ("--optimizer", "sgd", "--lr", "0.05", "--hidden", f"{PIPE_WIDTH},{PIPE_WIDTH}",
+              "--batch-size", PIPE_BATCH, "--steps", PIPE_STEPS, "--log-every", PIPE_STEPS)
+
+
+def test_pipeline_across_nodes_sends_only_activations(cluster, tmp_path):
+    proc, moved = cluster.mpirun(BLOCK, 4, *PIPE_FLAGS, "--pipeline-stages", 2, "--pipeline-split", 2,
+                                 "--micro-batches", PIPE_MICRO, "--save", tmp_path / "pipe.h5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert rank_hosts(proc.stdout) == PLACED[BLOCK]
+    assert "pipeline of 2 stages x 2 replicas" in proc.stdout, proc.stdout
+    # Each replica's micro-batch crosses once each way: its activations out of
+    # hpt-n1, their gradients back into it (B x width float32 each). The
+    # stages' gradients are averaged inside the nodes: a gradient allreduce
+    # across them would add at least the 0.47 MB of gradients per step (+45%).
+    # Beside it: [loss, stop] per step, start-up, and the final gather of the
+    # other stage's parameters (2 x 0.40 MB out of hpt-n1: about 1.3%).
+    per_step = PIPE_REPLICAS * PIPE_MICRO * PIPE_BATCH * PIPE_WIDTH * 4
+    assert_bytes(moved, PIPE_STEPS * per_step, "--pipeline-stages 2 on 2 nodes")
+    # The same training as --accumulate-steps M on R = 2 ranks of one host, bit for bit.
+    single = _run(MPIRUN, "-n", PIPE_REPLICAS, PYTHON, "-m", "hpctrain.mnist", *PIPE_FLAGS,
+                  "--accumulate-steps", PIPE_MICRO, "--save", tmp_path / "acc.h5", timeout=240, env=child_env())
+    assert ACCURACY.search(single.stdout), single.stdout
+    assert_same_params(tmp_path / "pipe.h5", tmp_path / "acc.h5")
 
 
 SERVERS = re.compile(r"^(?:hpctrain: )?ps servers \(--ps-ranks \w+, 2 nodes\): (.*)$", re.M)
