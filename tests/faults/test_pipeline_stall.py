@@ -1,8 +1,8 @@
 """Faults in a pipeline: a stage that stops mid-training ends the whole job
 within --timeout with one line naming its rank, stage and replica (exit 3),
 never a hang of the stages waiting for its activations or gradients; SIGTERM
-on one stage's rank stops every rank after the same step (exit 75; no
-checkpoints yet).
+on one stage's rank stops every rank after the same step (exit 75; with a
+checkpoint and its resume: tests/test_pipeline_checkpoint.py).
 
     .venv/bin/python -m pytest -q tests/faults/test_pipeline_stall.py
 """
@@ -10,35 +10,13 @@ import os
 import re
 import signal
 import subprocess
-import time
 
 import pytest
 
 from conftest import MPIRUN, REPO
 from hpctrain.cluster import child_env
-from ranks import Stopped, rank_pid
-from test_stalls import PY, errors
-
-
-def stall_in_training(ranks, victim, flags):
-    """Start a job, SIGSTOP rank `victim` once training has begun (its first
-    step line: start-up on shared cores takes a while), and return
-    (returncode, stdout, stderr, seconds from the stop to the end)."""
-    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), *PY, *flags, "--log-every", "1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
-    try:
-        pid = rank_pid(proc, victim)
-        assert pid, f"rank {victim} not found"
-        while not proc.stdout.readline().startswith("step "):
-            assert proc.poll() is None, proc.stderr.read()
-        with Stopped(pid):
-            t0 = time.monotonic()
-            out, err = proc.communicate(timeout=90)
-            took = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, out, err, took
+from ranks import rank_pid
+from test_stalls import PY, errors, stall
 
 
 @pytest.mark.parametrize("ranks, stages, victim, role", [
@@ -46,9 +24,9 @@ def stall_in_training(ranks, victim, flags):
     (4, "2", 3, "stage 1, replica 1"),   # R = 2: world rank 3 is stage 1's second replica
 ], ids=["p3-middle", "p2r2-last"])
 def test_a_stopped_stage_is_named_within_the_deadline(job, ranks, stages, victim, role):
-    rc, out, err, took = stall_in_training(ranks, victim, ["--pipeline-stages", stages, "--micro-batches", "2",
-                                                           "--hidden", "64,32", "--steps", "1000000",
-                                                           "--timeout", "4"])
+    rc, out, err, took = stall(ranks, victim, ["--pipeline-stages", stages, "--micro-batches", "2", "--hidden", "64,32",
+                                               "--steps", "1000000", "--timeout", "4", "--log-every", "1"],
+                               in_training=True)
     assert rc == 3, err
     lines = errors(err)
     assert len(lines) == 1, err

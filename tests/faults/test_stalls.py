@@ -58,15 +58,21 @@ def test_a_rank_stopped_at_start_up_ends_the_job(job):
     assert took < 30 and "step " not in out
 
 
-def stall(ranks, victim, flags, after_s=1.0):
-    """Start a job, SIGSTOP rank `victim` after_s seconds after it appears,
-    and return (returncode, stdout, stderr, seconds from the stop to the end)."""
+def stall(ranks, victim, flags, after_s=1.0, in_training=False):
+    """Start a job, SIGSTOP rank `victim` after_s seconds after it appears
+    (in_training: once the chief printed its first step line instead: a
+    start-up on shared cores takes a while), and return (returncode, stdout,
+    stderr, seconds from the stop to the end)."""
     proc = subprocess.Popen([MPIRUN, "-n", str(ranks), *PY, *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
     try:
         pid = rank_pid(proc, victim)
         assert pid, f"rank {victim} not found"
-        time.sleep(after_s)
+        if in_training:
+            while not proc.stdout.readline().startswith("step "):
+                assert proc.poll() is None, proc.stderr.read()
+        else:
+            time.sleep(after_s)
         with Stopped(pid):
             t0 = time.monotonic()
             out, err = proc.communicate(timeout=90)
