@@ -157,10 +157,11 @@ def test_epochs_count_the_replicas_batches(job, tmp_path):
     (2, ["--pipeline-stages", "2", "--pipeline-split", "2,4"], "2 stages need 1 cut points, got 2"),
     (3, ["--pipeline-stages", "2", "--mode", "ps"], "--pipeline-stages is for --mode ring"),
     (2, ["--pipeline-stages", "2", "--accumulate-steps", "2"], "use --micro-batches M instead"),
+    (2, ["--pipeline-stages", "2", "--overlap", "on"], "with --overlap on: a stage averages its gradient after"),
     (2, ["--micro-batches", "2"], "--micro-batches needs --pipeline-stages P > 1"),
     (2, ["--pipeline-split", "2"], "--pipeline-split needs --pipeline-stages P > 1"),
 ], ids=["p-not-dividing", "more-stages-than-layers", "cut-out-of-range", "cuts-not-increasing",
-        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate",
+        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "overlap",
         "micro-alone", "split-alone"])
 def test_bad_pipeline_flags_are_one_line_exit_2(job, tmp_path, ranks, flags, expect):
     r = job(ranks, *MLP, "--steps", "2", *flags, "--save", tmp_path / "out.h5")

@@ -95,6 +95,9 @@ def plan(args, world, spec):
                             "(the same samples per step)")
     if world % stages:
         raise HpctrainError(f"--pipeline-stages {stages} does not divide the {world} ranks")
+    if args.overlap == "on":   # auto: a pipeline runs without the thread
+        raise HpctrainError("--pipeline-stages with --overlap on: a stage averages its gradient after its "
+                            "last micro-batch's backward, with no communication thread to overlap it")
     return cut_points(args, spec)
 
 
