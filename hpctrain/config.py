@@ -32,6 +32,11 @@ def worker_batch(args):
     return args.batch_size * args.accumulate_steps * args.micro_batches
 
 
+def fusion_elems(args):
+    """--fusion-mb in float32 elements: the gradient buckets' size (0: one bucket)."""
+    return int(args.fusion_mb * (1 << 20)) // 4
+
+
 def data_workers(args, num_workers):
     """The workers that take batches of their own: a pipeline's replicas (world / stages)."""
     return num_workers // args.pipeline_stages

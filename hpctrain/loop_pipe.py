@@ -80,10 +80,11 @@ def train_pipe(session):
     # --shard-optimizer (auto: ring mode's rule, over the stage's R replicas):
     # each replica keeps the optimizer state of its part of the stage's slice.
     sharded = config.shard_optimizer and strategy is not None
+    # ring mode's buckets over this stage's part of its wire: averaged (and owned) bucket by bucket as there
+    pieces = stage_pieces(spec, run_config.fusion_elems(args), stage)
     optimizer = make_optimizer(args.optimizer, stage.hi - stage.lo, xp, momentum=args.momentum,
                                weight_decay=args.weight_decay,
-                               owned=owned_pieces(stage_pieces(spec, fusion_elems(args), stage), strategy.shard,
-                                                  stage.body_at) if sharded else None)
+                               owned=owned_pieces(pieces, strategy.shard, stage.body_at) if sharded else None)
     reader = prefetch.device_batches(
         session.agreed(session.comm, functools.partial(data_mod.ShardReader, arrays=stage_arrays(grid)),
                        session.data_dir, grid.replica, grid.replicas, args.batch_size, args.seed), xp)
@@ -102,14 +103,9 @@ def train_pipe(session):
 
     # --- training, then the end ----------------------------------------------
     frame = Frame(session, config, report, checkpoints, step)
-    run = PipeStep(session, grid, stage, strategy, optimizer, plan, layouts)
+    run = PipeStep(session, grid, stage, strategy, optimizer, plan, pieces, layouts)
     step, stopped = train_steps(session, config, frame, run, reader, step)
     return finish(session, frame, run, reader, step, preempted=stopped and step < config.steps)
-
-
-def fusion_elems(args):
-    """--fusion-mb in float32 elements, as ring mode counts its buckets."""
-    return int(args.fusion_mb * (1 << 20)) // np.dtype(np.float32).itemsize
 
 
 def stage_arrays(grid):
@@ -122,7 +118,7 @@ def stage_arrays(grid):
 class PipeStep:
     """One optimizer step of one stage: the schedule's actions, the sum, the average, the update."""
 
-    def __init__(self, session, grid, stage, strategy, optimizer, actions, layouts):
+    def __init__(self, session, grid, stage, strategy, optimizer, actions, pieces, layouts):
         self.session, self.grid, self.stage, self.strategy, self.optimizer = session, grid, stage, strategy, optimizer
         self.layouts = layouts
         self.sharded = getattr(optimizer, "ranges", None) is not None
@@ -135,10 +131,11 @@ class PipeStep:
         self.schedule_done = None
         self.trace = StageTrace(session, grid, stage, optimizer)   # --timeline; without it, no-ops
         self.grad_scale = 1.0 / (grid.replicas * self.micro)
-        # ring mode's buckets over this stage's part of its wire: averaged bucket by bucket as there
-        self.pieces = stage_pieces(spec, fusion_elems(session.args), stage)
-        self.clip, self.norm = (Clip(session.args.clip_norm), self._norm(fusion_elems(session.args))) \
+        self.pieces = pieces
+        self.clip, self.norm = (Clip(session.args.clip_norm), self._norm(run_config.fusion_elems(session.args))) \
             if session.args.clip_norm else (None, None)
+        # the sends' neighbours, named if the step's Waitall stalls
+        self.neighbours = [grid.world_rank(grid.stage + d) for d in (-1, 1) if 0 <= grid.stage + d < grid.stages]
 
     def _norm(self, elems):
         # --clip-norm: the sums of squares of ring mode's parts (its buckets
@@ -175,8 +172,7 @@ class PipeStep:
                     grads_out[m] = self.stage.backward(m, grads_in.pop(m, None))
                 else:
                     sends.append(self._send(grads_out.pop(m), grid.stage - 1, m))
-        neighbours = [grid.world_rank(grid.stage + d) for d in (-1, 1) if 0 <= grid.stage + d < grid.stages]
-        with trace.span("wait sends"), self.session.watchdog.waiting("pipeline sends", peer=neighbours):
+        with trace.span("wait sends"), self.session.watchdog.waiting("pipeline sends", peer=self.neighbours):
             MPI.Request.Waitall([request for request, _ in sends])
         self.schedule_done = time.perf_counter()   # the rest: the replicas' average, the update, [loss, stop]
         trace.add("schedule", start, self.schedule_done)
@@ -189,21 +185,18 @@ class PipeStep:
         return float(self.head[0]), bool(self.head[1] > 0)
 
     def _mean(self, losses):
-        # as ring_step.py: the first M - 1 losses summed, plus the last, times 1/M
-        if len(losses) == 1:
-            return losses[0]
+        # ring_step.py's float32 sums: the losses added in order, times 1/M
+        # (its last addition, the last loss + the sum, is the same bits: addition commutes)
         acc = self.xp.zeros(1, np.float32)
         acc[...] = losses[0]
-        for loss in losses[1:-1]:
+        for loss in losses[1:]:
             acc += loss
-        out = self.xp.zeros(1, np.float32)
-        out[...] = losses[-1]
-        return ((acc + out) * (1.0 / len(losses)))[0]
+        return (acc * (1.0 / len(losses)))[0]
 
     def _update(self):
-        grads, params = self.stage.grads, self.stage.params   # the micro-batches' sum, added up by their backwards
-        device.synchronize(self.xp)
         stage = self.stage
+        grads, params = stage.grads, stage.params   # the micro-batches' sum, added up by their backwards
+        device.synchronize(self.xp)
         if self.sharded:   # ZeRO-1 over the replicas, bucket by bucket: the same bits as allreduce + the whole update
             with self.trace.span("reduce-scatter"):
                 mine = []
@@ -223,7 +216,7 @@ class PipeStep:
         if self.strategy is not None:
             with self.trace.span("allreduce"):
                 for a, b in self.pieces:   # ring mode's buckets, in its order of sums
-                    self.strategy.allreduce(self.stage.wire[a:b])
+                    self.strategy.allreduce(stage.wire[a:b])
         with self.trace.span("update"):
             self._clip(grads)
             self.optimizer.update(params, grads)

@@ -44,7 +44,7 @@ def train_ring(session):
     clip = Clip(args.clip_norm) if args.clip_norm else None
     ring = RingStep(
         config.spec, strategy, comm, xp, (args.optimizer, dict(momentum=args.momentum, weight_decay=args.weight_decay)),
-        int(args.fusion_mb * (1 << 20)) // np.dtype(np.float32).itemsize, sharded=sharded, clip=clip,
+        run_config.fusion_elems(args), sharded=sharded, clip=clip,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=config.overlap,
         timeline=timeline if timeline.enabled else None, watchdog=session.watchdog,
