@@ -37,9 +37,14 @@ class HpctrainError(Exception):
     # report: this rank prints the message (one line per job, not per rank).
     report = True
 
-    def __init__(self, message, exit_code=None, collective=False, report=True):
+    # detail: text the reporting rank prints above the line (a user's own
+    # traceback, when their model file raised), or None.
+    detail = None
+
+    def __init__(self, message, exit_code=None, collective=False, report=True, detail=None):
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
         self.collective = collective
         self.report = report
+        self.detail = detail

@@ -54,6 +54,8 @@ def _main(argv, seen, prog):
         return 0
     except HpctrainError as exc:
         if exc.report and str(exc):
+            if exc.detail:   # the user's own traceback, above the line
+                print(exc.detail, end="" if exc.detail.endswith("\n") else "\n", file=sys.stderr)
             print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
         if not exc.collective:
             _abort_others(exc.exit_code)
@@ -62,7 +64,7 @@ def _main(argv, seen, prog):
             # servers, when --save failed on the chief) end the run as usual:
             # all leave through the same shutdown barrier.
             from .comm.start import stop_mpi
-            stop_mpi(seen["watchdog"])
+            stop_mpi(seen["watchdog"], seen.get("guard"))
         return exc.exit_code
     except Exception:
         # A bug: show it, and take the other ranks down rather than leave
@@ -72,20 +74,34 @@ def _main(argv, seen, prog):
         sys.stderr.flush()
         _abort_others(EXIT_FAILURE)
         return EXIT_FAILURE
+    except SystemExit as exc:
+        # hpctrain never calls sys.exit inside training: the model's code did.
+        # A run that ends before its final record did not succeed, whatever
+        # the status it asked for (0 would end the job "done", with no result).
+        import traceback
+        traceback.print_exc()
+        print(f"hpctrain: error: sys.exit({exc.code!r}) was called during the run (by the model's code?), before "
+              f"it finished: no result; exit {EXIT_FAILURE}", file=sys.stderr, flush=True)
+        _abort_others(EXIT_FAILURE)
+        return EXIT_FAILURE
 
 
 def train(args, process_note="", flag_error=None, seen=None):
     """Train as the flags say; returns the final metrics record (chief) or None.
     flag_error: this rank's flags were bad (args is None); every rank stops.
     seen: main's dict, which gets the watchdog (its way out of an error)."""
+    from .comm import exit_guard
     from .comm.deadline import Watchdog
     # Bounded from the first line: a rank that never reaches MPI_Init, or
     # stalls in it, ends this process (nothing of MPI can be used yet); the
-    # launcher takes the rest down.
+    # launcher takes the rest down. Its way out is bounded from outside it
+    # too, by a watcher started now, before MPI_Init (exit_guard.py).
     timeout = args.timeout if args else cli.DEFAULT_TIMEOUT
-    watchdog = Watchdog(timeout, cluster.launcher_env()[0] or 0, abort=_exit_now)
+    rank = cluster.launcher_env()[0] or 0
+    guard = exit_guard.start(rank, timeout)
+    watchdog = Watchdog(timeout, rank, abort=_exit_now, heartbeat=guard.heartbeat)
     if seen is not None:
-        seen["watchdog"] = watchdog
+        seen["watchdog"], seen["guard"] = watchdog, guard
     from .comm.start import start_mpi, stop_mpi
     MPI = start_mpi(watchdog)   # numpy, BLAS and MPI start here
     if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
@@ -112,7 +128,7 @@ def train(args, process_note="", flag_error=None, seen=None):
         record = loop(session)
     finally:
         session.timeline.discard()   # a trace that was not written leaves no temporary
-    stop_mpi(watchdog)   # shutdown is a wait too
+    stop_mpi(watchdog, guard)   # shutdown is a wait too
     return record
 
 

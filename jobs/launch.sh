@@ -13,8 +13,10 @@
 #      job with `scontrol requeue`, so it resumes by itself from the checkpoint,
 #   5. once hpctrain's chief has written its final record (HPCTRAIN_FINISHED_FILE),
 #      waits at most --timeout + 10 s more for the launcher: a rank that hangs
-#      after MPI_Finalize, where no watchdog of the job sees it, is the only
-#      wait left, and this script ends it (exit 3: the results are written).
+#      after MPI_Finalize is ended by its own watcher first (hpctrain/comm/
+#      exit_guard.py; the launcher then exits 9, and this script 3), and if
+#      that did not happen this script ends it (exit 3: the results are written);
+#      a launcher that exits 0 without that record is a failure (exit 1).
 #
 # Exit codes: 0 training finished, or stopped and requeued (the requeued run
 # continues); 75 stopped with a checkpoint but not requeued (requeue limit
@@ -157,6 +159,8 @@ while :; do
     rc=$?
     kill -0 "$LAUNCHER_PID" 2>/dev/null || break
 done
+# (the launcher may have ended within the second after the record was written)
+[ -z "$finished_at" ] && [ -e "$HPCTRAIN_FINISHED_FILE" ] && finished_at=$SECONDS
 rm -f "$HPCTRAIN_FINISHED_FILE"
 trap - USR1 TERM INT
 
@@ -167,9 +171,26 @@ if [ "$rc" -eq 0 ] && [ -n "$SIGNALED" ]; then
     say "the launcher exited 0 after SIG$SIGNALED (job step cancelled by SLURM?); checkpoints stay in $CKPT_DIR"
     exit 0
 fi
+if [ "$rc" -eq 0 ] && [ -z "$finished_at" ]; then
+    # Every rank ended with status 0, but the chief never wrote its final
+    # record: a process ended without finishing (os._exit(0) in a model
+    # file; MPICH's mpirun then kills the other ranks and reports 0). Not
+    # requeued: the same code would end the same way.
+    echo "hpctrain-job: error: ${HPCTRAIN_LAUNCH[0]##*/} exited 0, but hpctrain's chief wrote no final record: a" \
+        "rank ended the process before the run finished (os._exit or sys.exit in the model's code?); no result," \
+        "exit 1" >&2
+    exit 1
+fi
 if [ "$rc" -eq 0 ]; then
     say "finished"
     exit 0
+fi
+if [ -n "$finished_at" ] && { [ "$rc" -eq 9 ] || [ "$rc" -eq 137 ]; }; then
+    # A rank stood still on its way out, after the results were written, and
+    # its watcher killed it (hpctrain/comm/exit_guard.py said so above): the
+    # results are whole; exit 3, as for any rank that passed --timeout.
+    say "the results are written; a rank that hung on its way out was killed (exit $rc), exit 3"
+    exit 3
 fi
 # 75: hpctrain stopped after a signal and wrote its checkpoint. A launcher
 # killed by a signal (>128) right after we were signalled means the ranks died

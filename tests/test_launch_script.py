@@ -46,22 +46,19 @@ def test_a_requeue_limit_that_is_not_a_number_is_one_line_before_anything_runs(t
     assert "launch:" not in r.stdout
 
 
-def test_a_rank_that_hangs_after_mpi_finalize_is_ended_by_the_job_script(tmp_path):
-    # Issue 19, 2: rank 1 stops itself after MPI_Finalize (tests/faults/slow_ranks.py),
-    # where no watchdog of the job can see it: rank 0 exits 0 and mpirun waits
-    # for rank 1 forever. launch.sh waits --timeout + 10 s after the chief's
-    # final record (HPCTRAIN_FINISHED_FILE), then ends the launcher, one line, exit 3.
+def fault_launch(tmp_path, flags, **faults):
+    """launch.sh over mpirun -n 2 with the fault launcher (tests/faults/slow_ranks.py):
+    (returncode, stdout, stderr, the error lines)."""
     python = tmp_path / "python"   # the job's python, running the fault launcher
     python.write_text(f'#!/bin/sh\n[ "$1 $2" = "-m hpctrain.mnist" ] && shift 2 && set -- -m slow_ranks "$@"\n'
                       f'exec {sys.executable} "$@"\n')
     python.chmod(0o755)
-    pids, metrics = tmp_path / "pids", tmp_path / "m.jsonl"
+    pids = tmp_path / "pids"
     pids.mkdir()
     env = batch_env(tmp_path, HPCTRAIN_PYTHON=str(python),
                     HPCTRAIN_MPIRUN=os.path.join(os.path.dirname(sys.executable), "mpirun"),
-                    PYTHONPATH=os.path.join(REPO, "tests", "faults"), FAULT_FINAL_STOP="1", FAULT_PID_DIR=str(pids))
-    proc = subprocess.Popen(["bash", LAUNCH, "--steps", "20", "--hidden", "16", "--timeout", "3",
-                             "--metrics", str(metrics)],
+                    PYTHONPATH=os.path.join(REPO, "tests", "faults"), FAULT_PID_DIR=str(pids), **faults)
+    proc = subprocess.Popen(["bash", LAUNCH, *map(str, flags)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         out, err = proc.communicate(timeout=120)
@@ -73,10 +70,54 @@ def test_a_rank_that_hangs_after_mpi_finalize_is_ended_by_the_job_script(tmp_pat
                 os.kill(int(pid.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
-    assert proc.returncode == 3, (out, err)
-    lines = [line for line in err.splitlines() if "error:" in line]
+    return proc.returncode, out, err, [line for line in err.splitlines() if "error:" in line]
+
+
+def test_a_rank_that_hangs_after_mpi_finalize_is_ended_by_the_job_script(tmp_path):
+    # Issue 19, 2: rank 1 stops itself after MPI_Finalize (tests/faults/slow_ranks.py),
+    # where no watchdog of the job can see it, and (issue 27, 7: its exit
+    # watcher is what ends it now) without its watcher: rank 0 exits 0 and
+    # mpirun waits for rank 1 forever. launch.sh waits --timeout + 10 s after
+    # the chief's final record (HPCTRAIN_FINISHED_FILE), then ends the
+    # launcher, one line, exit 3.
+    metrics = tmp_path / "m.jsonl"
+    rc, out, err, lines = fault_launch(tmp_path, ["--steps", "20", "--hidden", "16", "--timeout", "3",
+                                                  "--metrics", metrics], FAULT_FINAL_STOP="1", FAULT_NO_GUARD="1")
+    assert rc == 3, (out, err)
     assert len(lines) == 1 and lines[0].startswith("hpctrain-job: error: hpctrain's chief wrote its final record "
                                                    "(the results are written)"), err
     assert "mpirun has not ended: a rank hangs on its way out; killed the job step (--timeout 3 + 10 s)" in lines[0]
     assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
     assert not list((tmp_path / "runs" / "fake").glob(".finished-*"))
+
+
+def test_a_rank_killed_by_its_watcher_after_the_results_is_exit_3(tmp_path):
+    # Issue 27, 7: with its watcher, the rank stopped after MPI_Finalize is
+    # killed --timeout after it last moved; mpirun exits 9 (the kill), and
+    # the job script, the final record written, says exit 3.
+    metrics = tmp_path / "m.jsonl"
+    rc, out, err, lines = fault_launch(tmp_path, ["--steps", "20", "--hidden", "16", "--timeout", "3",
+                                                  "--metrics", metrics], FAULT_FINAL_STOP="1")
+    assert rc == 3, (out, err)
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: rank 1 (pid "), err
+    assert "a rank that hung on its way out was killed (exit 9), exit 3" in out
+    assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
+
+
+def test_a_launcher_that_exits_0_without_the_final_record_is_a_failure(tmp_path):
+    # Issue 27, 6: a model file's os._exit(0) in training, on every rank (on
+    # one rank alone MPICH's mpirun kills the others and exits 0 or 9, as the
+    # race goes): mpirun exits 0, with no result. The job script knows the
+    # run did not finish (no final record): one line, exit 1, no requeue.
+    model = tmp_path / "quits.py"
+    model.write_text("import os\nfrom hpctrain.nn import Dense, Flatten, Layer\n\n\n"
+                     "class Quits(Layer):\n    keeps_output = False\n    calls = 0\n\n"
+                     "    def forward(self, x, train):\n        Quits.calls += 1\n"
+                     "        if Quits.calls > 12:\n            os._exit(0)\n"
+                     "        return x * 1\n\n    def backward(self, dy, need_dx):\n        return dy\n\n\n"
+                     "def build(shape, classes):\n    return [Flatten(), Dense(16), Quits(), Dense(classes)]\n")
+    rc, out, err, lines = fault_launch(tmp_path, ["--steps", "200", "--model", f"{model}:build", "--timeout", "20"])
+    assert rc == 1, (out, err)
+    assert lines == ["hpctrain-job: error: mpirun exited 0, but hpctrain's chief wrote no final record: a rank "
+                     "ended the process before the run finished (os._exit or sys.exit in the model's code?); "
+                     "no result, exit 1"], err

@@ -104,8 +104,11 @@ NO_WATCHDOG = NullWatchdog()
 class Watchdog:
     """Aborts the job when any thread of this rank waits longer than `timeout` s."""
 
-    def __init__(self, timeout, rank, abort, out=sys.stderr):
+    def __init__(self, timeout, rank, abort, out=sys.stderr, heartbeat=None):
+        """heartbeat: called by this thread a few times a second, for as long
+        as the process moves (exit_guard.py's watcher listens)."""
         self.timeout = float(timeout)
+        self._heartbeat = heartbeat
         self.rank = rank
         self.abort = abort   # MPI_Abort once MPI is up; before, os._exit
         self._out = out
@@ -170,6 +173,8 @@ class Watchdog:
     def _run(self, period):
         while True:
             time.sleep(period)
+            if self._heartbeat is not None:
+                self._heartbeat()
             self._answer_roll_calls()
             for check in self._watches:
                 verdict = check()

@@ -38,7 +38,7 @@ def start_mpi(watchdog):
     return MPI
 
 
-def stop_mpi(watchdog):
+def stop_mpi(watchdog, guard=None):
     """A barrier of every rank, then MPI_Finalize, both under watchdog
     (MPI_Finalize waits for the other ranks in some libraries), GIL released
     as in start_mpi. The barrier comes first because a rank that leaves is
@@ -47,8 +47,9 @@ def stop_mpi(watchdog):
     and in the barrier the roll call still names a rank that does not come
     (the job then ends with exit 3; the results are written before). Then
     the watchdog's thread stops calling MPI, and from here on ends only this
-    process; what can still hang after MPI_Finalize only the launcher can
-    bound (jobs/launch.sh)."""
+    process; a process that stands still altogether (stopped, stuck in the
+    kernel) is ended by `guard`, the watcher outside it (exit_guard.py),
+    armed right after the barrier."""
     import os
     from mpi4py import MPI
     from .cuda_aware import loaded_libmpi
@@ -56,6 +57,8 @@ def stop_mpi(watchdog):
         return
     with watchdog.waiting("shutdown: every rank before MPI_Finalize", peer=None):
         MPI.COMM_WORLD.Barrier()
+    if guard is not None:   # from here on, a process that stops moving is ended from outside (exit_guard.py)
+        guard.arm(finished=watchdog.note is not None)
     watchdog.stop_using_mpi(abort=os._exit)
     paths = loaded_libmpi()
     with watchdog.waiting("shutdown (MPI_Finalize)", peer="the other ranks"):

@@ -12,6 +12,8 @@ Environment:
   FAULT_FINAL_STOP=R  rank R stops itself after MPI_Finalize, where no watchdog
                       of the job can see it any more (the launcher's wait)
   FAULT_PID_DIR=DIR   every rank writes its pid to DIR/rank-<rank>.pid
+  FAULT_NO_GUARD=1    no rank starts its exit watcher (comm/exit_guard.py): what
+                      is left to bound a hang on the way out is the job script
 
 The patches go in when entry.train starts, after the process is configured
 (numpy must not load before: it reads the BLAS thread count once).
@@ -51,10 +53,10 @@ def stop_at_exit(rank, after_finalize):
     from hpctrain.comm import start
     stop_mpi = start.stop_mpi
 
-    def stopping(watchdog):
+    def stopping(watchdog, guard=None):
         if rank == watchdog.rank and not after_finalize:
             stop_here()
-        stop_mpi(watchdog)
+        stop_mpi(watchdog, guard)
         if rank == watchdog.rank and after_finalize:
             stop_here()
 
@@ -62,6 +64,9 @@ def stop_at_exit(rank, after_finalize):
 
 
 def train(*args, **kwargs):
+    if os.environ.get("FAULT_NO_GUARD") == "1":
+        from hpctrain.comm import exit_guard
+        exit_guard.start = lambda rank, timeout: exit_guard.NoGuard()
     if os.environ.get("FAULT_EVAL_SLEEP") or os.environ.get("FAULT_EVAL_STOP"):
         slow_evaluations()
     for name, after in (("FAULT_EXIT_STOP", False), ("FAULT_FINAL_STOP", True)):
