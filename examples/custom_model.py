@@ -10,13 +10,21 @@ from hpctrain.nn import Dense, Flatten, Layer
 
 
 class LeakyReLU(Layer):
-    """max(x, slope * x), in place (the layer before keeps its own input)."""
+    """max(x, slope * x), in place on its input: it says so (inplace), and
+    hpctrain hands it a copy wherever the input is still read (a Residual's
+    skip path, a layer before it that keeps its output). Its backward reads
+    its own mask, not its output (keeps_output = False: no copy needed after
+    a Dense, which keeps its input). hpctrain checks both claims once, when
+    the model is built (docs/models.md)."""
+    inplace = True
+    keeps_output = False
 
     def __init__(self, slope=0.1):
         self.slope = float(slope)
 
     def forward(self, x, train):
-        self.negative = x < 0
+        self.negative = self.buffer("negative", x.shape, bool)
+        self.xp.less(x, 0, out=self.negative)
         x[self.negative] *= self.slope
         return x
 

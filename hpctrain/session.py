@@ -31,6 +31,7 @@ from .comm import allreduce_plan
 from .comm.deadline import NO_WATCHDOG
 from .errors import EXIT_PREEMPTED, HpctrainError
 from .nn import LayerError, spec_for
+from .nn.layers import LayerCodeError
 from .nn.user import UserModelError
 from .optim import schedule_line
 from .pipeline.stages import plan as pipeline_plan
@@ -183,19 +184,26 @@ def _nothing(*args):
     return None
 
 
-def model_spec(args, model_shape, chief=False):
+def model_spec(args, model_shape):
     """The spec of this run's model for its data (nn/zoo.py); a model that
-    does not fit the data, or a user's model file that fails, is one line
-    (and on the chief, above it, the traceback of the user's own code)."""
+    does not fit the data, or a user's model file or layer that fails, is
+    one line (and above it, from the rank that says it, the traceback of the
+    user's own code)."""
     try:
-        return spec_for(args, *model_shape)
+        spec = spec_for(args, *model_shape)
+    except LayerCodeError as e:
+        raise HpctrainError(f"--model {args.model}: {e}", detail=e.traceback) from None
     except LayerError as e:
         raise HpctrainError(f"--model {args.model} does not fit the data "
                             f"({'x'.join(map(str, model_shape[0]))}, {model_shape[1]} classes): {e}") from None
     except UserModelError as e:
-        if chief and e.traceback:
-            print(e.traceback, end="", file=sys.stderr, flush=True)
-        raise HpctrainError(str(e)) from None
+        raise HpctrainError(str(e), detail=e.traceback) from None
+    if args.batch_size < spec.min_batch:
+        # BatchNorm1d over one sample normalises every feature to 0: it would train a constant
+        raise HpctrainError(f"--model {args.model} needs at least {spec.min_batch} samples per rank and step "
+                            f"(batch norm over a flat input of one sample is 0 everywhere), not --batch-size "
+                            f"{args.batch_size}")
+    return spec
 
 
 def memory_needed(args, spec):
@@ -291,10 +299,12 @@ class Session:
         # step is decided with the resume point (config.decide).
         self.schedule = self._recipe(data_mod.load_manifest(self.data_dir))
         # After the data: the model is shaped by its manifest.
-        self.spec = self.agreed(self.comm, model_spec, args, self.model_shape, self.chief)
+        self.spec = self.agreed(self.comm, model_spec, args, self.model_shape)
         with watchdog.waiting("start-up (same model on every rank)", peer=None):
-            # a user's file may differ between nodes: its layers and shapes are compared
-            self.agreed(self.comm, check_consistency, self.comm, {"model (layers and shapes)": self.spec.identity})
+            # a user's file may differ between nodes: its code, layers and tensors are compared
+            self.agreed(self.comm, check_consistency, self.comm,
+                        {"model (layers, tensors and their shapes)": self.spec.fingerprint,
+                         "model code (the file and the modules it imports beside it)": self.spec.code or "-"})
         if args.model != "mlp":
             self.chief_says("\n".join(self.spec.summary()))
         # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags

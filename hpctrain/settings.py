@@ -96,7 +96,13 @@ def same_on_every_rank(args):
     # checkpoint directory included: a rank with another --checkpoint-dir
     # would wait for checkpoints forever.
     outputs = {k: _where(getattr(args, k)) if k in PATH_FLAGS else getattr(args, k) for k in OUTPUT_FLAGS}
-    return dict(_job(args), **outputs)
+    job = dict(_job(args), **outputs)
+    if ":" in args.model:
+        # FILE.py:FUNCTION: not the path (relative on one rank, absolute on
+        # another, or a copy per node), but what it names: the function here,
+        # the file's code and the model it builds in session.py.
+        job["model"] = f"FILE.py:{args.model.rpartition(':')[2]}"
+    return job
 
 
 def same_on_resume(args, num_workers, spec, total_steps):

@@ -87,6 +87,7 @@ class Conv2d(Layer):
     out_channels), b (out_channels,). He/Kaiming normal weights (variance
     2/fan_in, fan_in = k*k*in_channels), drawn after every earlier layer's
     from the model's rng; zero bias."""
+    keeps_output = False   # its backward reads its input's columns
 
     def __init__(self, out_channels, kernel, stride=1, padding=0, bias=True):
         self.out_channels, self.k, self.stride, self.pad = int(out_channels), int(kernel), int(stride), int(padding)
@@ -227,6 +228,8 @@ class Conv2d(Layer):
 
 
 class _Pool(Layer):
+    keeps_output = False   # the backward reads the winners (max) or nothing (mean)
+
     def __init__(self, k, stride=None):
         self.k = int(k)
         self.stride = self.k if stride is None else int(stride)
@@ -263,14 +266,20 @@ class MaxPool2d(_Pool):
     padding); its gradient goes to the first maximum of the window, as in
     PyTorch. Done one kernel offset at a time: k*k strided passes over the
     output, and which offset won kept as one byte per output (updated by
-    arithmetic, not a masked copy, which is branchy and slow)."""
+    arithmetic, not a masked copy, which is branchy and slow): a byte up to
+    16 x 16 windows, two bytes above."""
+
+    def configure(self, in_shape):
+        out = super().configure(in_shape)
+        self.offsets = np.uint8 if self.k * self.k <= 256 else np.uint16 if self.k * self.k <= 65536 else np.uint32
+        return out
 
     def forward(self, x, train):
         xp = self.xp
         y = self.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
-        won = self.buffer("won", y.shape, np.uint8)
+        won = self.buffer("won", y.shape, self.offsets)
         gt = self.buffer("gt", y.shape, bool)
-        offset = self.buffer("offset", y.shape, np.uint8)
+        offset = self.buffer("offset", y.shape, self.offsets)
         for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
             window = x[:, rows, cols, :]
             if kh == kw == 0:
@@ -279,7 +288,7 @@ class MaxPool2d(_Pool):
                 continue
             xp.greater(window, y, out=gt)
             # won = this offset where gt, else won; offsets only grow, so that is a maximum
-            xp.multiply(gt, np.uint8(kh * self.k + kw), out=offset)
+            xp.multiply(gt, self.offsets(kh * self.k + kw), out=offset)
             xp.maximum(won, offset, out=won)
             xp.maximum(y, window, out=y)
         return y
@@ -293,7 +302,7 @@ class MaxPool2d(_Pool):
         part = self.buffer("part", dy.shape, dy.dtype)
         overlap = self.stride < self.k
         for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
-            xp.equal(won, np.uint8(kh * self.k + kw), out=hit)
+            xp.equal(won, self.offsets(kh * self.k + kw), out=hit)
             if overlap:
                 xp.multiply(dy, hit, out=part)
                 dx[:, rows, cols, :] += part
@@ -331,6 +340,7 @@ class AvgPool2d(_Pool):
 
 class GlobalAvgPool(Layer):
     """(batch, h, w, c) -> (batch, c): each channel's mean over the image."""
+    keeps_output = False
 
     def configure(self, in_shape):
         h, w, c = _image(self, in_shape)

@@ -25,10 +25,19 @@ class; a user's own layer subclasses it and overrides what it needs):
 5. `forward(x, train) -> y`: x is (batch, *in_shape). Keep what backward
    needs. Reuse output buffers between calls (`self.buffer(...)`): a step
    allocates nothing once warm. A layer may work in place on x when nothing
-   else reads x later (ReLU does; the layer before it keeps its own input).
-   Such a layer says so with `inplace = True` (a container that still
-   needs x copies it first), and a layer whose output is a view of its
-   input (a reshape) with `view = True`. Before each training forward the model calls
+   else reads x later (ReLU does). Such a layer says so with
+   `inplace = True`, and a layer whose output is a view of its input (a
+   reshape) with `view = True`. The runner then hands an in-place layer a
+   copy of its input wherever something still reads it: the skip path of a
+   Residual, or a layer before it (past any views) whose backward reads its
+   own output. A layer declares `keeps_output = False` when its backward
+   does not read its forward's output (Dense keeps its input, ReLU its
+   output); the default, True, is the safe one: an in-place layer after it
+   gets a copy. A user's model is checked once when its spec is made
+   (nn/check.py): a layer that writes into its input without declaring
+   `inplace`, returns a view of it without declaring `view`, or says
+   `keeps_output = False` and reads it after all, is refused with one line.
+   Before each training forward the model calls
    `set_noise(noise)`: `noise` is a `Noise(seed, step, sample_ids, stream)`
    or None; a layer that draws randomness (Dropout) keeps it and derives
    every sample's draws from (seed, step, that sample's id, stream) alone,
@@ -57,6 +66,26 @@ class LayerError(ValueError):
     """A layer that does not fit its input: one line saying why."""
 
 
+class LayerCodeError(LayerError):
+    """A layer that breaks the contract: its own code raised, returned
+    something that is not what the contract asks, or wrote where it must not
+    (nn/spec.py, nn/check.py). One line naming the layer; `traceback`: the
+    traceback of the layer's own code when it raised, else None."""
+
+    def __init__(self, line, traceback=None):
+        super().__init__(line)
+        self.traceback = traceback
+
+
+def describe(layer):
+    """layer.describe(), or its class name where a user's describe() fails."""
+    try:
+        text = layer.describe()
+        return text if isinstance(text, str) else type(layer).__name__
+    except Exception:
+        return type(layer).__name__
+
+
 class Noise(NamedTuple):
     """What a layer that draws randomness gets before a training forward:
     the run's seed, the global step, one id per row of the batch (the
@@ -70,8 +99,10 @@ class Noise(NamedTuple):
 
 class Layer:
     """The base of every layer: no parameters, no state, identity shapes."""
-    inplace = False   # forward overwrites its input
-    view = False      # forward returns a view of its input (a reshape)
+    inplace = False       # forward overwrites its input
+    view = False          # forward returns a view of its input (a reshape)
+    keeps_output = True   # backward reads forward's output: an in-place layer after it gets a copy
+    min_batch = 1         # the smallest batch a training forward makes sense of (BatchNorm1d: 2)
 
     def configure(self, in_shape):
         self.in_shape = tuple(in_shape)
@@ -171,6 +202,7 @@ class ReLU(Layer):
 class Dense(Layer):
     """y = x W + b on a flat input (batch, fan_in); W is (fan_in, units).
     He-normal weights (for ReLU nets: variance 2/fan_in), zero bias."""
+    keeps_output = False   # its backward reads its input
 
     def __init__(self, units):
         self.units = int(units)
@@ -255,6 +287,11 @@ class Dropout(Layer):
     the same bits, and per sample, so N ranks holding the rows of one batch
     draw what one process does. Training without noise is an error: a mask
     from anything else would depend on the rank."""
+    keeps_output = False   # its backward reads its mask
+
+    @property
+    def view(self):
+        return self.p == 0   # p = 0 hands its input on as it is
 
     def __init__(self, p):
         self.p = float(p)

@@ -24,6 +24,7 @@ EPS = 1e-5
 
 class _BatchNorm(Layer):
     rank = None   # the input's rank per sample: 3 (h, w, c) or 1 (features)
+    keeps_output = False   # its backward reads its normalised input, a buffer of its own
 
     def configure(self, in_shape):
         if len(in_shape) != self.rank:
@@ -110,5 +111,8 @@ class BatchNorm2d(_BatchNorm):
 
 
 class BatchNorm1d(_BatchNorm):
-    """Batch norm per feature of a flat (batch, features) input."""
+    """Batch norm per feature of a flat (batch, features) input. A batch of
+    one sample would normalise every feature to 0 (a constant: PyTorch
+    refuses it too), so it needs two samples per rank."""
     rank = 1
+    min_batch = 2

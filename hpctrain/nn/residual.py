@@ -13,6 +13,7 @@ prefix. Inner layers initialise in order, block first, then projection.
 """
 import math
 
+from .chain import Chain, input_copies
 from .layers import Layer, LayerError, Noise
 
 
@@ -20,15 +21,9 @@ def _shape(shape):
     return "x".join(map(str, shape))
 
 
-def _overwrites(layers):
-    """Does the first layer past any reshapes (views) overwrite its input?"""
-    for layer in layers:
-        if not layer.view:
-            return layer.inplace
-    return False
-
-
 class Residual(Layer):
+    keeps_output = False   # its backward reads its inner layers' own buffers
+
     def __init__(self, block, projection=None):
         self.block = list(block)
         self.projection = [] if projection is None else \
@@ -37,9 +32,9 @@ class Residual(Layer):
             raise LayerError("Residual: the block is empty")
         self.inner = [(f"block{j}", layer) for j, layer in enumerate(self.block)] + \
                      [(f"proj{j}", layer) for j, layer in enumerate(self.projection)]
-        # the skip path still needs x (and so may the layer before): a path
-        # whose first layer past any reshapes overwrites its input gets a copy
-        self._copy_x, self._copy_skip = _overwrites(self.block), _overwrites(self.projection)
+        # each path runs while the other still needs x (and so may the layer
+        # before): an in-place layer that would overwrite it gets a copy (nn/chain.py)
+        self._chains = None
 
     def configure(self, in_shape):
         super().configure(in_shape)
@@ -81,25 +76,21 @@ class Residual(Layer):
         super().bind(xp, params, grads, state)
         for prefix, layer in self.inner:
             layer.bind(xp, self._split(params, prefix), self._split(grads, prefix), self._split(state, prefix))
+        self._chains = Chain(self.block, xp, input_kept=True), Chain(self.projection, xp, input_kept=True)
+
+    @property
+    def min_batch(self):
+        return max(layer.min_batch for _, layer in self.inner)
 
     def set_noise(self, noise):
         for j, (_, layer) in enumerate(self.inner):
             layer.set_noise(None if noise is None else Noise(*noise[:3], stream=noise.stream * 64 + j + 1))
 
     # --- forward and backward -------------------------------------------------
-    def _through(self, layers, x, copy, key, train):
-        """x through `layers`, from a copy of x when one of them would overwrite it."""
-        if copy:
-            a = self.buffer(key, x.shape, x.dtype)
-            self.xp.copyto(a, x)
-            x = a
-        for layer in layers:
-            x = layer.forward(x, train)
-        return x
-
     def forward(self, x, train):
-        a = self._through(self.block, x, self._copy_x, "x", train)
-        skip = self._through(self.projection, x, self._copy_skip, "x_skip", train)
+        block, projection = self._chains
+        a = block.forward(x, train)
+        skip = projection.forward(x, train)
         y = self.buffer(("out", train), a.shape, a.dtype)
         self.xp.add(a, skip, out=y)
         return y
@@ -124,7 +115,8 @@ class Residual(Layer):
         return skip
 
     def train_floats(self):
-        copy = math.prod(self.in_shape) * (self._copy_x + self._copy_skip + (not self.projection))
+        copies = sum(input_copies(self.block, True)) + sum(input_copies(self.projection, True))
+        copy = math.prod(self.in_shape) * (copies + (not self.projection))
         return (sum(layer.train_floats() for _, layer in self.inner) + 2 * math.prod(self.out_shape) + copy)
 
     def flops(self):

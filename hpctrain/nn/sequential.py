@@ -10,6 +10,7 @@ logits), averaged over the batch.
 """
 import numpy as np
 
+from .chain import Chain
 from .layers import Noise
 
 
@@ -62,6 +63,7 @@ class Sequential:
         self.num_params = spec.num_params
         self.layer_ranges = spec.layer_ranges
         self.head = SoftmaxCrossEntropy(xp)
+        self.chain = Chain(layers, xp)   # the forward, with the in-place rule's copies
         # (layer, index of its range in layer_ranges) for layers with parameters
         self._owner = {i: k for k, i in enumerate(spec.param_layers)}
         # backprop stops at the first layer with parameters: nothing before it needs a gradient
@@ -92,10 +94,7 @@ class Sequential:
         return [(name, self.state[lo:hi].reshape(shape)) for name, shape, lo, hi in self.spec.state]
 
     def _forward(self, x, train):
-        a = x.reshape(x.shape[0], *self.spec.input_shape)
-        for layer in self.layers:
-            a = layer.forward(a, train)
-        return a   # logits
+        return self.chain.forward(x.reshape(x.shape[0], *self.spec.input_shape), train)   # logits
 
     def forward_backward(self, x, y, on_layer_done=None, loss_out=None, on_forward_done=None, noise=None):
         """Mean cross-entropy over the batch (an xp scalar); writes the gradient of

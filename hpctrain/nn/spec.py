@@ -26,24 +26,99 @@ import copy
 import hashlib
 import math
 import os
+import traceback
 
 import numpy as np
 
-from .layers import Dropout, LayerError
+from .layers import Dropout, LayerCodeError, LayerError, describe
 from .sequential import Sequential
 
 
+def _call(i, layer, what, fn, *args):
+    """fn(*args), a layer's own method: a LayerError is its one line about
+    the input; anything else it raises is its code's, named."""
+    try:
+        return fn(*args)
+    except LayerCodeError:
+        raise
+    except LayerError as e:
+        raise LayerError(f"layer {i} ({describe(layer)}): {e}") from None
+    except (Exception, SystemExit) as e:
+        did = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+        raise LayerCodeError(f"layer {i} ({describe(layer)}): {what} {did}", traceback.format_exc()) from None
+
+
+def _dims(value, empty_ok):
+    """value as a tuple of positive ints, or None when it is not one."""
+    try:
+        dims = tuple(value)
+    except TypeError:
+        return None
+    if not dims and not empty_ok:
+        return None
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and d >= 1 for d in dims):
+        return None
+    return tuple(int(d) for d in dims)
+
+
+def _tensors(i, layer, what, value, taken):
+    """A layer's [(name, shape), ...] checked: names unique within the layer
+    (params and state share its group in --save), shapes of positive ints."""
+    where = f"layer {i} ({describe(layer)}): {what}"
+    if not isinstance(value, (list, tuple)):
+        raise LayerCodeError(f"{where} returned {type(value).__name__}, not a list of (name, shape)")
+    out = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise LayerCodeError(f"{where} returned {item!r} in its list, not a (name, shape) pair")
+        name, shape = item
+        if not isinstance(name, str) or not name or "/" in name:
+            raise LayerCodeError(f"{where}: tensor name {name!r} is not a non-empty string without '/'")
+        if name in taken:
+            raise LayerCodeError(f"{where}: tensor name {name!r} is used twice in the layer (each names one "
+                                 f"dataset of --save)")
+        dims = _dims(shape, empty_ok=True)
+        if dims is None:
+            raise LayerCodeError(f"{where}: tensor {name!r} has shape {shape!r}, not a tuple of positive whole "
+                                 f"numbers")
+        taken.add(name)
+        out.append((name, dims))
+    return out
+
+
+def _reused(layers):
+    """Refuse a layer object that appears twice (a reused ReLU(), d = Dense(64)
+    listed twice for tied weights): each place binds its own views and keeps
+    its own activations, and one object would hold the last place's only."""
+    seen = {}
+
+    def walk(layer, where):
+        first = seen.setdefault(id(layer), where)
+        if first != where:
+            raise LayerCodeError(f"{where} ({describe(layer)}) is the same object as {first}: every place in the "
+                             f"list needs a layer of its own (make a new one, e.g. {type(layer).__name__}(...), "
+                             f"for each); tied weights are not supported")
+        for prefix, inner in getattr(layer, "inner", ()):
+            walk(inner, f"{where}.{prefix}")
+    for i, layer in enumerate(layers):
+        walk(layer, f"layer {i}")
+
+
 class ModelSpec:
-    def __init__(self, layers, input_shape, classes, name="custom"):
-        self.layers, self.name = list(layers), name
+    def __init__(self, layers, input_shape, classes, name="custom", code=None):
+        """code: a digest of the code that made the layers (a user's model
+        file and what it imports beside it, nn/user.py), which ranks compare."""
+        self.layers, self.name, self.code = list(layers), name, code
         self.input_shape, self.classes = tuple(int(d) for d in input_shape), int(classes)
+        _reused(self.layers)
         shape = self.input_shape
         self.shapes = []   # each layer's output shape
         for i, layer in enumerate(self.layers):
-            try:
-                shape = tuple(layer.configure(shape))
-            except LayerError as e:
-                raise LayerError(f"layer {i} ({layer.describe()}): {e}") from None
+            given = _call(i, layer, "configure", layer.configure, shape)
+            shape = _dims(given, empty_ok=False)
+            if shape is None:
+                raise LayerCodeError(f"layer {i} ({describe(layer)}): configure returned {given!r}, not an "
+                                     f"output shape (a tuple of positive whole numbers)")
             self.shapes.append(shape)
         if shape != (self.classes,):
             raise LayerError(f"the last layer gives {'x'.join(map(str, shape))} outputs per sample, "
@@ -53,7 +128,9 @@ class ModelSpec:
         self.param_layers = []   # indices of the layers with parameters
         n = s = k = 0
         for i, layer in enumerate(self.layers):
-            params, state = layer.param_shapes(), layer.state_shapes()
+            taken = set()
+            params = _tensors(i, layer, "param_shapes()", _call(i, layer, "param_shapes", layer.param_shapes), taken)
+            state = _tensors(i, layer, "state_shapes()", _call(i, layer, "state_shapes", layer.state_shapes), taken)
             n = self._lay(params, k, n, self.layer_tensors, self.tensors)
             s = self._lay(state, k, s, self.layer_state, self.state)
             if params:
@@ -91,10 +168,24 @@ class ModelSpec:
         down) a digest of every layer and its shapes."""
         if self.name == "mlp":
             return "mlp"
-        text = ";".join(f"{layer.describe()}:{shape}" for layer, shape in zip(self.layers, self.shapes))
+        text = ";".join(f"{describe(layer)}:{shape}" for layer, shape in zip(self.layers, self.shapes))
         digest = hashlib.sha256(f"{self.input_shape};{text}".encode()).hexdigest()[:12]
         name = self.name.replace(os.sep, "/").rsplit("/", 1)[-1]   # a user's FILE.py:FUNCTION, without its folder
         return f"{name[-40:]} {digest}"   # within the 64-byte records ranks compare
+
+    @property
+    def fingerprint(self):
+        """What ranks compare at start-up (session.py), beyond the identity
+        checkpoints record: every tensor's name and shape, the state's too,
+        so two copies of a user's file that differ where describe() does not
+        look (a constant, a parameter shape) are not one model."""
+        text = ";".join(f"{name}{shape}" for name, shape, _, _ in self.tensors + self.state)
+        return hashlib.sha256(f"{self.identity};{text}".encode()).hexdigest()[:16]
+
+    @property
+    def min_batch(self):
+        """The smallest per-rank batch every layer can train on (BatchNorm1d: 2)."""
+        return max((int(getattr(layer, "min_batch", 1)) for layer in self.layers), default=1)
 
     @property
     def draws_noise(self):

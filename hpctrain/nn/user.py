@@ -14,6 +14,7 @@ user's traceback for the chief to print above it.
 
     mpirun -n 2 python -m hpctrain.train --model examples/small_cnn.py:build --data DIR
 """
+import hashlib
 import importlib.util
 import os
 import sys
@@ -36,35 +37,77 @@ def split(value):
     return path, function
 
 
+def _failed(value, what, error):
+    """The one line for an exception the user's code raised (inside the
+    except block that caught it: the traceback is the user's). sys.exit
+    too: a model file has no business ending the job, least of all with 0."""
+    if isinstance(error, SystemExit):
+        return UserModelError(f"--model {value}: {what} called sys.exit({error.code!r}): a model file must not "
+                              f"end the process", tb.format_exc())
+    return UserModelError(f"--model {value}: {what} raised {type(error).__name__}: {error}", tb.format_exc())
+
+
+def code_digest(path, modules):
+    """sha256 of the model file's bytes and of every module imported from its
+    folder (or below) while it loaded: what ranks compare, so two copies that
+    differ anywhere in the user's code are not taken for one model."""
+    home = os.path.dirname(os.path.realpath(path)) + os.sep
+    files = {os.path.realpath(path)}
+    for module in modules:
+        where = getattr(module, "__file__", None)
+        where = where and os.path.realpath(where)
+        if where and where.startswith(home) and not any(part in where for part in ("site-packages", "dist-packages")):
+            files.add(where)
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(os.path.relpath(name, home).encode() + b"\0")
+        try:
+            with open(name, "rb") as f:
+                digest.update(f.read())
+        except OSError:
+            digest.update(b"(unreadable)")
+    return digest.hexdigest()[:16]
+
+
 def load(value, input_shape, classes):
-    """The layer list FUNCTION(input_shape, classes) returns, checked."""
+    """(the layer list FUNCTION(input_shape, classes) returns, checked; the
+    digest of its code). The file's folder is on the import path while it
+    loads and builds, so it can import modules beside it (a `layers.py`
+    next to `model.py`); they are compared across ranks with it."""
     path, function = split(value)
     if not os.path.isfile(path):
         raise UserModelError(f"--model {value}: {path} is not a file")
     name = f"hpctrain_user_model_{abs(hash(os.path.realpath(path)))}"
+    folder = os.path.dirname(os.path.realpath(path))
+    before = set(sys.modules)
+    sys.path.insert(0, folder)
     try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module   # dataclasses and pickling-free helpers look themselves up here
-        spec.loader.exec_module(module)
-    except OSError as e:
-        raise UserModelError(f"--model {value}: cannot read {path} ({e.strerror or e})") from None
-    except Exception as e:
-        raise UserModelError(f"--model {value}: importing {path} raised {type(e).__name__}: {e}",
-                             tb.format_exc()) from None
-    make = getattr(module, function, None)
-    if not callable(make):
-        raise UserModelError(f"--model {value}: {path} defines no function {function!r}")
-    try:
-        layers = make(tuple(input_shape), int(classes))
-    except Exception as e:
-        raise UserModelError(f"--model {value}: {function}{(tuple(input_shape), int(classes))} raised "
-                             f"{type(e).__name__}: {e}", tb.format_exc()) from None
-    if not isinstance(layers, (list, tuple)) or not layers:
-        raise UserModelError(f"--model {value}: {function} returned {type(layers).__name__}, not a non-empty "
-                             f"list of layers")
+        try:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module   # dataclasses and pickling-free helpers look themselves up here
+            spec.loader.exec_module(module)
+        except OSError as e:
+            raise UserModelError(f"--model {value}: cannot read {path} ({e.strerror or e})") from None
+        except (Exception, SystemExit) as e:
+            raise _failed(value, f"importing {path}", e) from None
+        make = getattr(module, function, None)
+        if not callable(make):
+            raise UserModelError(f"--model {value}: {path} defines no function {function!r}")
+        try:
+            layers = make(tuple(input_shape), int(classes))
+        except (Exception, SystemExit) as e:
+            raise _failed(value, f"{function}{(tuple(input_shape), int(classes))}", e) from None
+    finally:
+        if sys.path and sys.path[0] == folder:
+            sys.path.pop(0)
+    if not isinstance(layers, (list, tuple)):
+        raise UserModelError(f"--model {value}: {function} returned {type(layers).__name__}, not a list of layers")
+    if not layers:
+        raise UserModelError(f"--model {value}: {function} returned an empty list: a model needs at least one layer")
     for i, layer in enumerate(layers):
         if not isinstance(layer, Layer):
             raise UserModelError(f"--model {value}: {function} returned a list whose item {i} is a "
                                  f"{type(layer).__name__}, not a layer (subclass hpctrain.nn.Layer)")
-    return list(layers)
+    new = [sys.modules[key] for key in set(sys.modules) - before if key in sys.modules]
+    return list(layers), code_digest(path, new)

@@ -26,6 +26,7 @@ Channels() (the data's images to NHWC, once per batch).
     python -m hpctrain.nn               # the MLP's spec
 """
 from . import user
+from .check import check_layers
 from .conv import Channels, Conv2d, GlobalAvgPool, MaxPool2d
 from .layers import Dense, Dropout, Flatten, ReLU
 from .norm import BatchNorm2d
@@ -88,10 +89,14 @@ MODELS = {"mlp": mlp, "lenet": lenet, "cnn": cnn, "resnet": resnet, "small_cnn":
 def spec_for(args, image_shape, classes):
     """The spec of the model this run trains (--model), shaped for its data
     (the manifest's image shape and class count). A layer that does not fit
-    raises LayerError, a user's file UserModelError."""
+    raises LayerError, one that breaks the contract LayerCodeError, a user's
+    file UserModelError."""
     name = args.model
     if name == "mlp":
         return mlp(image_shape, classes, args.hidden)
     if ":" in name:
-        return ModelSpec(user.load(name, image_shape, classes), image_shape, classes, name=name)
+        layers, code = user.load(name, image_shape, classes)
+        spec = ModelSpec(layers, image_shape, classes, name=name, code=code)
+        check_layers(spec)   # a user's layers, run once: what they can silently get wrong (nn/check.py)
+        return spec
     return MODELS[name](image_shape, classes)

@@ -1,0 +1,48 @@
+"""A list of layers run forward one after another, with the copies the
+in-place rule needs (nn/layers.py): a layer that overwrites its input
+(`inplace = True`) gets a copy of it wherever something still reads that
+input, namely when the input is kept by whoever made it (a Residual's skip
+path needs x after the block has run) or when the nearest layer before it
+that is not a view keeps its output for its own backward (`keeps_output`:
+a user's Tanh that saves y). Everywhere else it works on the array it is
+handed, as ReLU after Dense does: the zoo's models make no copy at all.
+
+The copies are decided once, from the layers' declarations, and their
+buffers are kept between calls: a step allocates nothing once warm.
+
+    python -m pytest -q tests/test_layers.py -k in_place
+"""
+
+
+def input_copies(layers, input_kept=False):
+    """Per layer, whether it gets a copy of its input. input_kept: the
+    chain's own input is read again after the chain (a Residual's paths)."""
+    copies, kept = [], bool(input_kept)
+    for layer in layers:
+        copies.append(bool(layer.inplace and kept))
+        if not layer.view:   # a view hands its input on: whoever keeps that still does
+            kept = bool(layer.keeps_output)
+    return copies
+
+
+class Chain:
+    """layers[0], layers[1], ... forward over x (xp: NumPy or CuPy)."""
+
+    def __init__(self, layers, xp, input_kept=False):
+        self.layers, self.xp = list(layers), xp
+        self.copies = input_copies(self.layers, input_kept)
+        self._buffers = {}
+
+    def forward(self, x, train):
+        for k, layer in enumerate(self.layers):
+            if self.copies[k]:
+                x = self._copy(k, x)
+            x = layer.forward(x, train)
+        return x
+
+    def _copy(self, k, x):
+        buf = self._buffers.get(k)
+        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+            buf = self._buffers[k] = self.xp.empty(x.shape, x.dtype)
+        self.xp.copyto(buf, x)
+        return buf

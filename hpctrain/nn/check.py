@@ -1,0 +1,172 @@
+"""A user's layers, run once on a small batch when their spec is made: what
+their code can silently get wrong is refused with one line naming the layer,
+before any rank trains (docs/models.md, "The contract, as it is checked").
+
+A user's layer is trusted to run, not to be right. ModelSpec already checks
+what the spec itself reads (output shapes, tensor names and shapes, one
+object per place). `check_layers(spec)` then runs every layer by itself, as
+training does, on host NumPy in float32 with a batch of a few random
+samples, and refuses it when:
+
+- `init`, `init_state`, `bind`, `forward` or `backward` raises (the line
+  says which, the user's traceback goes with it), or `init` leaves values
+  that are not finite;
+- `forward` returns something other than a float32 array of
+  (batch, *out_shape) (a float64 output would be upcast silently, 2.5x
+  slower, and break the pipeline's bit-identity), or `backward` an input
+  gradient other than a float32 array of the input's shape;
+- `forward` writes into its input without declaring `inplace = True` (the
+  layer before may keep it: a Residual's skip path read it, giving
+  2 x f(h)), or returns its input or a view of it without declaring
+  `view = True` or `inplace = True` (the runner's in-place rule,
+  nn/chain.py, would not know the buffer is shared);
+- it declares `keeps_output = False` but its backward reads its forward's
+  output after all (an in-place layer after it would then overwrite what it
+  reads), or it rebinds its views (`self.grads["W"] = ...` instead of
+  writing into them: the gradient would never reach the flat buffer).
+
+Layers of hpctrain's own (nn/) are tested against finite differences and
+skipped here. What the check does not do: compare a backward against finite
+differences (a wrong derivative is the user's bug to find; tests/test_layers.py
+shows how).
+
+    python -m hpctrain.nn --model examples/custom_model.py:build    # the summary, after the check
+"""
+import copy
+import traceback
+
+import numpy as np
+
+from .layers import LayerCodeError, Noise, describe
+
+BATCH = 3   # samples per check: more than one (batch norm), few (big layers are cheap to run)
+
+
+def _ours(layer):
+    """hpctrain's own layer class, holding (a container) only layers of its own."""
+    return type(layer).__module__.startswith("hpctrain.nn.") and \
+        all(_ours(inner) for _, inner in getattr(layer, "inner", ()))
+
+
+def _views(entries, buffer):
+    """{name: view} of `entries` [(name, shape, lo, hi)] over `buffer`, which starts at the first lo."""
+    base = entries[0][2] if entries else 0
+    return {name.split("/", 1)[1]: buffer[lo - base:hi - base].reshape(shape) for name, shape, lo, hi in entries}
+
+
+def _size(entries):
+    return entries[-1][3] - entries[0][2] if entries else 0
+
+
+class _Probe:
+    """One layer (a deep copy of the spec's) bound to buffers of its own."""
+
+    def __init__(self, spec, i, seed):
+        self.i, self.layer = i, copy.deepcopy(spec.layers[i])
+        self.name = f"layer {i} ({describe(self.layer)})"
+        self.in_shape = spec.input_shape if i == 0 else spec.shapes[i - 1]
+        self.out_shape = spec.shapes[i]
+        self.batch = max(BATCH, spec.min_batch)
+        self.rng = np.random.default_rng(seed)
+        tensors, state = spec.layer_tensors[i], spec.layer_state[i]
+        self.params, self.grads = np.zeros(_size(tensors), np.float32), np.zeros(_size(tensors), np.float32)
+        self.state = np.zeros(_size(state), np.float32)
+        self.pv, self.gv, self.sv = _views(tensors, self.params), _views(tensors, self.grads), _views(state, self.state)
+
+    def call(self, what, fn, *args):
+        try:
+            return fn(*args)
+        except (Exception, SystemExit) as e:
+            did = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+            raise LayerCodeError(f"{self.name}: {what} {did}", traceback.format_exc()) from None
+
+    def refuse(self, why):
+        raise LayerCodeError(f"{self.name}: {why}")
+
+    def start(self):
+        layer = self.layer
+        self.call("init", layer.init, np.random.default_rng(0), self.pv, np.float32)
+        bad = [name for name, view in self.pv.items() if not np.isfinite(view).all()]
+        if bad:
+            self.refuse(f"init left values that are not finite in {', '.join(bad)}")
+        self.call("init_state", layer.init_state, self.sv)
+        # (dicts of its own: what it does to them is held against ours)
+        self.call("bind", layer.bind, np, dict(self.pv), dict(self.gv), dict(self.sv))
+
+    def forward(self, x, train=True):
+        self.call("set_noise", self.layer.set_noise, Noise(0, 0, np.arange(self.batch), stream=self.i))
+        y = self.call("forward", self.layer.forward, x, train)
+        want = (self.batch, *self.out_shape)
+        if not isinstance(y, np.ndarray) or y.shape != want:
+            got = f"shape {'x'.join(map(str, y.shape))}" if isinstance(y, np.ndarray) else type(y).__name__
+            self.refuse(f"forward returned {got}, but configure said {'x'.join(map(str, want))} "
+                        f"(batch x output shape)")
+        if y.dtype != np.float32:
+            self.refuse(f"forward returned {y.dtype} for a float32 input: the model trains in float32 "
+                        f"(make its arrays with x.dtype, e.g. self.buffer(key, shape, x.dtype))")
+        return y
+
+    def backward(self, dy):
+        dx = self.call("backward", self.layer.backward, dy, True)
+        want = (self.batch, *self.in_shape)
+        if not isinstance(dx, np.ndarray) or dx.shape != want:
+            got = f"shape {'x'.join(map(str, dx.shape))}" if isinstance(dx, np.ndarray) else type(dx).__name__
+            self.refuse(f"backward returned {got} as the input gradient, the input is "
+                        f"{'x'.join(map(str, want))}")
+        if dx.dtype != np.float32:
+            self.refuse(f"backward returned a {dx.dtype} input gradient for float32 arrays")
+        return dx
+
+    def sample(self, shape):
+        return self.rng.standard_normal((self.batch, *shape)).astype(np.float32)
+
+
+def _same(a, b):
+    return a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
+
+
+def check_layer(spec, i, seed=0):
+    """Run layer i of spec by itself; raise LayerCodeError for what the module docstring lists."""
+    probe = _Probe(spec, i, seed)
+    layer = probe.layer
+    probe.start()
+    x = probe.sample(probe.in_shape)
+    dy = probe.sample(probe.out_shape)
+    before = x.copy()
+    y = probe.forward(x)
+    if not layer.inplace and not _same(x, before):
+        probe.refuse("forward wrote into its input but the layer does not declare inplace = True (whatever "
+                     "still reads that input, such as a Residual's skip path, would see the change): declare "
+                     "it, or write into a buffer of its own (self.buffer(key, shape, x.dtype))")
+    if np.shares_memory(y, x) and not (layer.inplace or layer.view):
+        probe.refuse("forward returns its input (or a view of it) but declares neither view = True (a "
+                     "reshape) nor inplace = True")
+    probe.backward(dy.copy())
+    if getattr(layer, "grads", None) is not None and isinstance(layer.grads, dict) and \
+            any(layer.grads.get(name) is not view for name, view in probe.gv.items()):
+        probe.refuse("its gradient views were replaced (write into self.grads[name][...] in place, never "
+                     "assign self.grads[name]): the gradient would not reach the model's buffer")
+    if not layer.keeps_output:
+        # Says its backward does not read its output: run again with the
+        # output scribbled over; the same gradients, or it does read it.
+        # (Twice intact first: a layer that draws randomness of its own
+        # gives other gradients anyway, and cannot be judged so.)
+        runs = []
+        for scribble in (False, False, True):
+            out = probe.forward(before.copy())
+            if scribble:
+                out[...] = probe.sample(probe.out_shape)
+            d = probe.backward(dy.copy()).copy()
+            runs.append((d, probe.grads.copy()))
+        repeatable = _same(runs[0][0], runs[1][0]) and _same(runs[0][1], runs[1][1])
+        if repeatable and not (_same(runs[2][0], runs[0][0]) and _same(runs[2][1], runs[0][1])):
+            probe.refuse("declares keeps_output = False, but its backward reads its forward's output (an in-place "
+                         "layer after it would overwrite that): remove the declaration")
+    probe.forward(probe.sample(probe.in_shape), train=False)
+
+
+def check_layers(spec, seed=0):
+    """check_layer for every layer of the spec that is not hpctrain's own."""
+    for i, layer in enumerate(spec.layers):
+        if not _ours(layer):
+            check_layer(spec, i, seed)
