@@ -19,6 +19,7 @@ last addition g_{M-1} + acc, the same bits: IEEE addition commutes).
 import copy
 
 from ..comm.wire import GRADS
+from ..nn.chain import Chain
 from ..nn.layers import Noise
 from ..nn.sequential import SoftmaxCrossEntropy
 from .stages import ranges
@@ -40,6 +41,7 @@ class StageModel:
             layer.bind(xp, _views(spec, params, i, base[0]), _views(spec, grads, i, base[0]),
                        _views(spec, state, i, base[1], of="state"))
         self.grads = grads
+        self.chain = Chain(self.layers, xp)   # the stage's input is its own: a received or batch buffer
         self.in_shape = spec.input_shape if a == 0 else spec.shapes[a - 1]
         self.head = SoftmaxCrossEntropy(xp) if b == len(spec.layers) else None
         # backprop stops at the model's first layer with parameters
@@ -50,9 +52,7 @@ class StageModel:
         """The stage's output for x; on the last stage the loss (its gradient kept for backward)."""
         for i, layer in zip(range(self.a, self.b), self.layers):
             layer.set_noise(None if noise is None else Noise(*noise[:3], stream=i))
-        out = x.reshape(x.shape[0], *self.in_shape)
-        for layer in self.layers:
-            out = layer.forward(out, True)
+        out = self.chain.forward(x.reshape(x.shape[0], *self.in_shape), True)
         if self.head is None:
             return out
         loss, d = self.head.forward_backward(out, y)
