@@ -76,6 +76,14 @@ def to_host(array):
     return array.get()
 
 
+def all_finite(array):
+    """Whether every value of an array (NumPy or CuPy) is finite: its min and
+    max (a NaN wins both), no array of its size made."""
+    if not array.size:
+        return True
+    return bool(np.isfinite(float(array.min())) and np.isfinite(float(array.max())))
+
+
 def current_device(xp):
     """The CUDA device id this thread computes on (None for NumPy)."""
     return None if xp is np else xp.cuda.runtime.getDevice()

@@ -146,7 +146,14 @@ class Frame:
 
     def finish(self, model, step, per_step, extra, alone=False):
         """The final evaluation, the chief's record and --save, on every worker
-        (alone: the chief by itself, ps with a worker left behind)."""
+        (alone: the chief by itself, ps with a worker left behind). Parameters
+        that are not finite (a NaN gradient in the last step: the loss, read
+        before the update, was finite) are no result: exit 4, nothing saved.
+        Every worker holds the same parameters here, so all find it alike."""
+        if not device.all_finite(model.params):
+            raise HpctrainError(f"the parameters after step {step} are not finite: training diverged in its last "
+                                f"step (try a lower --lr or --warmup-steps); no --save, no final record",
+                                exit_code=EXIT_DIVERGED, collective=not alone, report=self.session.chief)
         if not alone:
             self.share_model_state(model)
         return finish_everywhere(self.session, self.report, model, step, self.loop_s, self.samples(step, per_step),

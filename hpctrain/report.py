@@ -268,6 +268,8 @@ class Report:
         best would be worse than none."""
         if not self.args.keep_best or (self.best is not None and val_acc <= self.best[0]):
             return
+        if not device.all_finite(model.params):
+            return   # a diverged step is no candidate: the next step's loss, or the end, stops the run (exit 4)
         self.best = (float(val_acc), int(step))
         try:
             with self._file_wait(f"writing --keep-best {self.args.keep_best}"):

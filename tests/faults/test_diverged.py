@@ -26,3 +26,49 @@ def test_a_diverging_run_stops_with_one_line_and_exit_4(job, tmp_path, ranks, mo
         with h5py.File(ckpt / name) as f:
             assert np.isfinite(f["params"][()]).all(), name
     assert not (tmp_path / "p.h5").exists()
+
+
+# A layer whose gradient is NaN from its {first}-th training forward on (the
+# spec check runs it once first): with one forward per step, the last step's
+# loss (computed before its update) is finite, the parameters after it not.
+NAN_AT = ("import numpy as np\nfrom hpctrain.nn import Dense, Flatten, Layer\n\nCALLS = [0]\n\n\n"
+          "class NaNAt(Layer):\n    def forward(self, x, train):\n        CALLS[0] += train\n"
+          "        return x * 1\n\n    def backward(self, dy, need_dx):\n"
+          "        return dy * np.float32('nan') if CALLS[0] >= {first} else dy\n\n\n"
+          "def build(shape, classes):\n    return [Flatten(), Dense(16), NaNAt(), Dense(classes)]\n")
+
+
+@pytest.mark.parametrize("flags", [["--mode", "ring"], ["--pipeline-stages", "2"], ["--mode", "ps"]],
+                         ids=["ring", "pipeline", "ps"])
+def test_a_nan_gradient_in_the_last_step_is_no_result(job, tmp_path, flags):
+    # Issue 27, 2: the divergence check read the loss, and the parameters were
+    # checked only for a checkpoint: --save was all NaN, "test loss nan", rc 0.
+    # (The pipeline, one micro-batch a step: stage 0 holds the layer.)
+    model = tmp_path / "m.py"
+    model.write_text(NAN_AT.format(first=1 + 8))
+    ranks = 3 if "ps" in flags else 2
+    r = job(ranks, *flags, "--model", f"{model}:build", "--steps", "8", "--log-every", "4", "--optimizer", "sgd",
+            "--save", tmp_path / "p.h5", "--metrics", tmp_path / "m.jsonl", timeout=120)
+    assert r.returncode == EXIT_DIVERGED, r.stderr
+    lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
+    assert lines == ["hpctrain: error: the parameters after step 8 are not finite: training diverged in its last "
+                     "step (try a lower --lr or --warmup-steps); no --save, no final record"], r.stderr
+    assert not (tmp_path / "p.h5").exists()
+    assert '"final"' not in (tmp_path / "m.jsonl").read_text()
+
+
+def test_a_nan_step_is_never_the_best(job, tmp_path):
+    # --keep-best at the step whose update made the parameters NaN: not written
+    data = tmp_path / "data"
+    from hpctrain import data as data_mod
+    data_mod.prepare(data_mod.bundled_sample_dir(), data, val_fraction=0.1, log=None)
+    model = tmp_path / "m.py"
+    model.write_text(NAN_AT.format(first=1 + 4))
+    r = job(2, "--model", f"{model}:build", "--data", data, "--steps", "5", "--eval-every", "4", "--optimizer",
+            "sgd", "--keep-best", tmp_path / "best.h5", timeout=120)
+    assert r.returncode == EXIT_DIVERGED and "training diverged" in r.stderr, r.stderr
+    if (tmp_path / "best.h5").exists():
+        import h5py
+        import numpy as np
+        with h5py.File(tmp_path / "best.h5") as f:
+            assert all(np.isfinite(f[g][k][()]).all() for g in f for k in f[g])
