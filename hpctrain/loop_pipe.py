@@ -33,6 +33,7 @@ from . import device, prefetch
 from .chunks import chunk_parts
 from .clipping import Clip
 from .comm import make_allreduce
+from .comm.device_buffers import bcast
 from .comm.topology import Topology
 from .frame import Frame
 from .optim import make_optimizer, state_bytes
@@ -77,6 +78,16 @@ def train_pipe(session):
     stage.params[...] = xp.asarray(initial.params[stage.lo:stage.hi])
     stage.state[...] = xp.asarray(initial.state[stage.state_lo:stage.state_hi])
     del initial
+    # ... and its replicas start from replica 0's, as ring mode's ranks from
+    # rank 0's: a user's init that ignores its generator (an unseeded one,
+    # the time, the pid) would otherwise give each replica weights of its own,
+    # trained apart for the whole run without --shard-optimizer.
+    if grid.replicas > 1:
+        device.synchronize(xp)
+        for what, buffer in (("parameters", stage.params), ("model state", stage.state)):
+            with session.watchdog.waiting(f"initial {what} broadcast over the stage's replicas",
+                                          peer=grid.world_rank(grid.stage, 0) if grid.replica else None):
+                bcast(grid.stage_comm, buffer, root=0)
     # --shard-optimizer (auto: ring mode's rule, over the stage's R replicas):
     # each replica keeps the optimizer state of its part of the stage's slice.
     sharded = config.shard_optimizer and strategy is not None

@@ -199,3 +199,52 @@ def test_timeline_shows_every_stage_running_its_schedule(job, tmp_path, ranks, s
             inside = [e["name"] for e in mine if e["name"] != "schedule" and e["ts"] < phase[0]["ts"] + phase[0]["dur"]]
             assert len(phase) == 1 and inside == want, (rank, step, inside)
             assert [e["name"] for e in mine][len(want) + 1:] == after
+
+
+UNSEEDED = '''import hashlib, os
+import numpy as np
+from hpctrain.nn import Dense, Flatten, Layer, ReLU
+
+
+class Scale(Layer):
+    """y = x * w, w drawn from an unseeded generator: every process its own."""
+    keeps_output = False
+
+    def param_shapes(self):
+        return [("w", self.in_shape)]
+
+    def init(self, rng, params, dtype):
+        params["w"][...] = 1 + 0.1 * np.random.default_rng().standard_normal(params["w"].shape)
+
+    def forward(self, x, train):
+        if train:
+            self.n = getattr(self, "n", 0) + 1
+            with open(os.path.join(os.environ["DIGESTS"], f"{os.getpid()}.txt"), "w") as f:
+                f.write(f"{self.n} {hashlib.sha256(self.params['w'].tobytes()).hexdigest()}")
+        self.x = x
+        return x * self.params["w"]
+
+    def backward(self, dy, need_dx):
+        self.grads["w"][...] = (dy * self.x).sum(axis=0)
+        return dy * self.params["w"]
+
+
+def build(shape, classes):
+    return [Flatten(), Scale(), Dense(32), ReLU(), Dense(classes)]
+'''
+
+
+def test_a_stages_replicas_start_from_one_set_of_parameters(job, tmp_path):
+    # Issue 27, 5: each rank built its stage's initial slice itself, so an
+    # init that ignores its generator gave each replica its own weights,
+    # trained apart all run long without --shard-optimizer. Now replica 0's
+    # go to the stage's other replicas, as rank 0's to all in ring mode.
+    (tmp_path / "m.py").write_text(UNSEEDED)
+    digests = tmp_path / "digests"
+    digests.mkdir()
+    r = job(4, "--pipeline-stages", "2", "--model", f"{tmp_path / 'm.py'}:build", "--steps", "6", "--log-every",
+            "6", "--shard-optimizer", "off", "--pipeline-split", "3", env={"DIGESTS": str(digests)}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    seen = [f.read_text().split() for f in digests.iterdir()]
+    trained = [digest for count, digest in seen if int(count) > 4]   # stage 0's replicas (the spec check: 4 forwards)
+    assert len(trained) == 2 and trained[0] == trained[1], seen
