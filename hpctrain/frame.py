@@ -72,7 +72,7 @@ class Frame:
         """The training loop: its clock runs, and a stop signal is the loop's
         to take (the next step carries it to every rank). Leaving it normally,
         the run is finishing: a signal then may find a rank stuck, and the
-        watchdog acts on it (session.StopSignal). Leaving it for a signal (the
+        watchdog acts on it (stop_signal.StopSignal). Leaving it for a signal (the
         loop returns True from `stopping`), the loop's own end follows:
         the checkpoint and exit 75 together."""
         self._t0 = time.perf_counter()

@@ -9,15 +9,11 @@ every rank, never a rank left waiting in a collective.
 
     mpirun -n 4 python -m hpctrain.mnist --steps 200
 """
-import contextlib
 import functools
 import hashlib
 import json
-import os
-import signal
 import sys
 import time
-import types
 
 import numpy as np
 from mpi4py import MPI
@@ -67,65 +63,6 @@ def agreed(comm, fn, *args, watchdog=NO_WATCHDOG, what=None):
         error.report = speaks and size - rank == flag[1]
         raise error
     return result
-
-
-class StopSignal:
-    """SIGTERM/SIGUSR1 (SLURM's pre-emption and time-limit warnings) set a flag
-    that the next step carries to every rank, so all ranks stop after the same
-    step.
-
-    Python runs a signal handler only when the main thread gets back to Python
-    code, so a rank blocked inside MPI during start-up would never see it. The
-    signal's number is therefore also written to a pipe (set_wakeup_fd, done
-    in C at delivery), which the watchdog's thread reads. During training the
-    loops take the signal (checkpoint, exit 75 together). Outside training (start-up, or
-    after the last step while the results are written) a signal that the
-    process has not acted on within GRACE_S ends the job (exit 75) from that
-    thread: a rank stuck there must not keep a pre-empted job alive."""
-
-    GRACE_S = 5.0
-
-    def __init__(self):
-        self.received = None   # the signal's name, e.g. "SIGTERM"
-        self.signum = 0
-        self.phase = "start-up"   # then "training" and "finishing": training() and frame.Frame.training
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-        self.wakeup_fd, write_fd = os.pipe()
-        os.set_blocking(self.wakeup_fd, False)
-        os.set_blocking(write_fd, False)
-        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        self._arrived = None
-
-    def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-        self.signum = int(signum)
-
-    @contextlib.contextmanager
-    def training(self):
-        """The server loop's phase (workers: frame.Frame.training): a stop
-        signal is the loop's to take; leaving normally, the run is finishing.
-        Set `.stopped` on the yielded object when the loop ends for a signal."""
-        self.phase = "training"
-        run = types.SimpleNamespace(stopped=False)
-        yield run
-        if not run.stopped:
-            self.phase = "finishing"
-
-    def overdue(self):
-        """Called by the watchdog's thread: (signal name, phase) when a stop
-        signal arrived outside training and GRACE_S have passed since."""
-        try:
-            data = os.read(self.wakeup_fd, 64)
-        except BlockingIOError:
-            data = b""
-        for num in data:
-            # A signal read during training is the loop's to act on.
-            if num in (signal.SIGTERM, signal.SIGUSR1) and self._arrived is None and self.phase != "training":
-                self._arrived = (time.monotonic(), signal.Signals(num).name, self.phase)
-        if self._arrived and self.phase != "training" and time.monotonic() - self._arrived[0] > self.GRACE_S:
-            return self._arrived[1:]
-        return None
 
 
 def ensure_data(args, cluster, watchdog):
@@ -241,14 +178,13 @@ def check_memory(args, ranks_on_node, spec):
 class Session:
     """Everything a training loop needs that is not the loop itself."""
 
-    def __init__(self, args, process_note, watchdog, on_roles=None):
+    def __init__(self, args, process_note, watchdog, stop, on_roles=None):
         """watchdog: started before MPI_Init (train.train), aborting through
-        MPI now; every start-up collective below waits under it. on_roles:
-        called with the chief's world rank as soon as the roles are known
-        (train.py's Ctrl-C line must not call MPI to learn it)."""
-        # First: a signal during start-up is then kept for the first step
-        # (which stops and checkpoints) instead of killing the rank mid-collective.
-        self.stop = StopSignal()
+        MPI now; every start-up collective below waits under it. stop: the
+        stop_signal.StopSignal made before it. on_roles: called with the
+        chief's world rank as soon as the roles are known (train.py's Ctrl-C
+        line must not call MPI to learn it)."""
+        self.stop = stop
         watchdog.also_watch(self._stopped_outside_training)
         self.stats = StepStats()
         # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
@@ -299,7 +235,7 @@ class Session:
         # step is decided with the resume point (config.decide).
         self.schedule = self._recipe(data_mod.load_manifest(self.data_dir))
         # After the data: the model is shaped by its manifest.
-        self.spec = self.agreed(self.comm, model_spec, args, self.model_shape)
+        self.spec = self.agreed(self.comm, self._model_spec, what="building the model")
         with watchdog.waiting("start-up (same model on every rank)", peer=None):
             # a user's file may differ between nodes: its code, layers and tensors are compared
             self.agreed(self.comm, check_consistency, self.comm,
@@ -318,9 +254,19 @@ class Session:
         self.agreed(self.comm, check_outputs if self.chief else _nothing, args)
         self._test = None
 
-    def agreed(self, comm, fn, *args):
+    def _model_spec(self):
+        """model_spec, a user's code under a deadline of its own: a model file
+        that does not return (its import, its function, a layer under the
+        checks) is named as this rank's own work, not a peer's."""
+        if ":" not in self.args.model:
+            return model_spec(self.args, self.model_shape)
+        with self.watchdog.waiting(f"--model {self.args.model}: its import, its function and the layer checks",
+                                   peer="its own model code", own=True):
+            return model_spec(self.args, self.model_shape)
+
+    def agreed(self, comm, fn, *args, what=None):
         """agreed() under this session's watchdog."""
-        return agreed(comm, fn, *args, watchdog=self.watchdog)
+        return agreed(comm, fn, *args, watchdog=self.watchdog, what=what)
 
     def _stopped_outside_training(self):
         """For the watchdog's thread: the line and exit code when a stop signal

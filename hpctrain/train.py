@@ -96,10 +96,16 @@ def train(args, process_note="", flag_error=None, seen=None):
     # stalls in it, ends this process (nothing of MPI can be used yet); the
     # launcher takes the rest down. Its way out is bounded from outside it
     # too, by a watcher started now, before MPI_Init (exit_guard.py).
+    from .stop_signal import StopSignal
+    # First: a stop signal during start-up is kept for the first step (which
+    # stops and checkpoints) instead of killing the rank mid-collective, and
+    # a deadline that passes after one ends the job as a pre-emption (75).
+    stop = StopSignal()
     timeout = args.timeout if args else cli.DEFAULT_TIMEOUT
     rank = cluster.launcher_env()[0] or 0
     guard = exit_guard.start(rank, timeout)
-    watchdog = Watchdog(timeout, rank, abort=_exit_now, heartbeat=guard.heartbeat)
+    watchdog = Watchdog(timeout, rank, abort=_exit_now, heartbeat=guard.heartbeat,
+                        preempted=lambda: stop.preempted_line(args.checkpoint_dir if args else None))
     if seen is not None:
         seen["watchdog"], seen["guard"] = watchdog, guard
     from .comm.start import start_mpi, stop_mpi
@@ -116,7 +122,7 @@ def train(args, process_note="", flag_error=None, seen=None):
     # The first collective of every rank: a flag bad on some ranks only (an
     # MPMD launch, a per-rank wrapper) ends every rank with its line, exit 2.
     agreed(MPI.COMM_WORLD, _raise, flag_error, watchdog=watchdog, what="flags")
-    session = Session(args, process_note, watchdog,
+    session = Session(args, process_note, watchdog, stop,
                       on_roles=(lambda chief: seen.__setitem__("chief", chief)) if seen is not None else None)
     if args.pipeline_stages > 1:
         from .loop_pipe import train_pipe as loop

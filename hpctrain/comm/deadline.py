@@ -36,7 +36,7 @@ import threading
 import time
 from contextlib import nullcontext
 
-from ..errors import EXIT_TIMEOUT
+from ..errors import EXIT_PREEMPTED, EXIT_TIMEOUT
 
 ABORT_GRACE_S = 0.5
 ROLL_CALL_S = 2.0      # how long the others have to answer "alive?"
@@ -45,14 +45,16 @@ ROLL_CALL_S = 2.0      # how long the others have to answer "alive?"
 # so the ranks whose waits expired together decide alike.
 BUSY_GRACE_S = 2 * ROLL_CALL_S
 _ASK, _ANSWER = 71, 72  # tags on the roll-call communicator
-ALIVE, GIVING_UP, BUSY = 0, 1, 2   # the answers to "alive?"
+# The answers to "alive?"; OWN: inside work of its own that is not MPI (a
+# user's model code), OWN_GIVING_UP: the same, past the deadline.
+ALIVE, GIVING_UP, BUSY, OWN, OWN_GIVING_UP = 0, 1, 2, 3, 4
 
 
 class _Wait:
-    __slots__ = ("dog", "what", "peer", "key", "began", "since", "active")
+    __slots__ = ("dog", "what", "peer", "key", "began", "since", "active", "own")
 
-    def __init__(self, dog, what, peer):
-        self.dog, self.what, self.peer = dog, what, peer
+    def __init__(self, dog, what, peer, own=False):
+        self.dog, self.what, self.peer, self.own = dog, what, peer, own
 
     def __enter__(self):
         self.key = threading.get_ident()
@@ -91,7 +93,7 @@ class NullWatchdog:
 
     timeout = None
 
-    def waiting(self, what, peer=None):
+    def waiting(self, what, peer=None, own=False):
         return nullcontext()
 
     def busy(self):
@@ -104,11 +106,15 @@ NO_WATCHDOG = NullWatchdog()
 class Watchdog:
     """Aborts the job when any thread of this rank waits longer than `timeout` s."""
 
-    def __init__(self, timeout, rank, abort, out=sys.stderr, heartbeat=None):
+    def __init__(self, timeout, rank, abort, out=sys.stderr, heartbeat=None, preempted=None):
         """heartbeat: called by this thread a few times a second, for as long
-        as the process moves (exit_guard.py's watcher listens)."""
+        as the process moves (exit_guard.py's watcher listens). preempted:
+        called when a wait expires; the words to end the line with when a
+        stop signal (SIGTERM, SIGUSR1) had come to this rank, else None: the
+        job then ends with exit 75, as a pre-emption does (a rank stuck in
+        its step must not turn a pre-emption into a failure), else 3."""
         self.timeout = float(timeout)
-        self._heartbeat = heartbeat
+        self._heartbeat, self._preempted = heartbeat, preempted
         self.rank = rank
         self.abort = abort   # MPI_Abort once MPI is up; before, os._exit
         self._out = out
@@ -165,10 +171,12 @@ class Watchdog:
         import numpy as np
         self._roll = (comm.Dup(), np)
 
-    def waiting(self, what, peer=None):
+    def waiting(self, what, peer=None, own=False):
         """Context manager around one blocking wait. `peer`: a rank, a list of
-        ranks, a string, or a callable returning one (evaluated only on timeout)."""
-        return _Wait(self, what, peer)
+        ranks, a string, or a callable returning one (evaluated only on timeout).
+        own: the wait is for work of this rank's own, outside MPI (a user's
+        model code): a roll call then names this rank as the one stuck in it."""
+        return _Wait(self, what, peer, own)
 
     def _run(self, period):
         while True:
@@ -213,15 +221,20 @@ class Watchdog:
         """Whether this rank gives up too (of the ranks that give up, the
         lowest prints the job's line), is busy, or is just alive."""
         now = time.monotonic()
-        if self._giving_up or any(now - w.since > self.timeout for w in list(self._waits.values())) \
+        waits = list(self._waits.values())
+        own = any(w.own for w in waits)
+        if self._giving_up or any(now - w.since > self.timeout for w in waits) \
                 or any(check() for check in self._expired_checks):
-            return GIVING_UP
+            return OWN_GIVING_UP if own else GIVING_UP
+        if own:
+            return OWN
         return BUSY if self._busy or now < self._busy_until else ALIVE
 
     def roll_call(self, grace=ROLL_CALL_S):
-        """(silent, giving_up, busy): the ranks that did not answer "alive?"
-        within grace seconds, those that answered that they give up too, and
-        those busy (sorted lists); answering the others meanwhile."""
+        """(silent, giving_up, busy, own): the ranks that did not answer
+        "alive?" within grace seconds, those that answered that they give up
+        too, those busy, and those inside work of their own (sorted lists);
+        answering the others meanwhile."""
         with self._asking:
             return self._roll_call(grace)
 
@@ -240,8 +253,9 @@ class Watchdog:
         del sends
         silent = sorted(r for r, q in recvs.items() if not q.Test())
         heard = [r for r in others if r not in silent]
-        return (silent, [r for r in heard if answers[r][0] == GIVING_UP],
-                [r for r in heard if answers[r][0] == BUSY])
+        said = {r: int(answers[r][0]) for r in heard}
+        return (silent, [r for r in heard if said[r] in (GIVING_UP, OWN_GIVING_UP)],
+                [r for r in heard if said[r] == BUSY], [r for r in heard if said[r] in (OWN, OWN_GIVING_UP)])
 
     def fire(self, what, peer, waited, wait=None, peer_named_alone=False):
         """This rank waited `waited` s for `peer` (`what`): hold a roll call,
@@ -254,19 +268,19 @@ class Watchdog:
         with self._firing:
             if self._giving_up:
                 return True
-            silent, first = None, True
+            silent, own, first = None, [], True
             if self._roll is not None:
-                silent, giving_up, busy = self.roll_call()
+                silent, giving_up, busy, own = self.roll_call()
                 if busy or (wait is not None and not wait.active):
                     return False
                 first = self.rank < min(giving_up, default=self.rank + 1)
             self._giving_up = True
-        if peer_named_alone and silent == [peer]:
-            silent = None
-        self._end(what, peer, waited, silent, first)
+        if (peer_named_alone and silent == [peer]) or (wait is not None and wait.own):
+            silent = None   # the waited line names the rank already (a wait of its own: this one)
+        self._end(what, peer, waited, silent, first, own)
         return True
 
-    def _end(self, what, peer, waited, silent, first):
+    def _end(self, what, peer, waited, silent, first, own=()):
         if callable(peer):
             peer = peer()
         if isinstance(peer, (list, tuple, set)) and len(peer) == 1:
@@ -285,12 +299,22 @@ class Watchdog:
             self.fired = (f"rank{'s' if len(silent) > 1 else ''} {culprits} stopped responding "
                           f"(no answer to a roll call in {ROLL_CALL_S:g} s); {waited_line}; "
                           f"giving up (--timeout {self.timeout:g})")
+        elif own:
+            names = ", ".join(map(self._named, own))
+            self.fired = (f"rank{'s' if len(own) > 1 else ''} {names} {'are' if len(own) > 1 else 'is'} stuck in "
+                          f"its own work, outside MPI (the model file's code: its import, its function or a layer "
+                          f"check that does not return); {waited_line}; giving up (--timeout {self.timeout:g})")
         elif self._roll is not None and silent is not None:
             self.fired = (f"{waited_line}; every rank answered a roll call (so a rank is alive but not "
                           f"taking part: stuck outside MPI, or a deadlock); giving up (--timeout {self.timeout:g})")
         else:
             self.fired = (f"{waited_line}" + (f" ({self.no_roll_call})" if self.no_roll_call else "")
                           + f"; giving up (--timeout {self.timeout:g})")
+        code = EXIT_TIMEOUT
+        stopped = self._preempted() if self._preempted is not None else None
+        if stopped:
+            self.fired += f"; {stopped}"
+            code = EXIT_PREEMPTED
         if self.note:
             self.fired += f"; {self.note}"
         if first:
@@ -302,7 +326,7 @@ class Watchdog:
         # MPI_Abort makes the launcher kill every rank at once, and a line still
         # in the pipe to the launcher can be lost with them: give it a moment.
         self._linger(ABORT_GRACE_S)
-        self.abort(EXIT_TIMEOUT)
+        self.abort(code)
 
     def _named(self, rank):
         return f"{rank} ({self.roles(rank)})" if self.roles else str(rank)

@@ -320,3 +320,79 @@ def test_a_stopped_ps_server_is_named_not_the_worker_that_waits_for_it(job):
     assert lines[0].startswith("hpctrain: error: rank 1 stopped responding (no answer to a roll call"), lines
     assert "rank 2 stopped" not in lines[0] and "rank 3 stopped" not in lines[0]
     assert took < 40
+
+
+STUCK_IN_FORWARD = """import os, time
+from hpctrain.nn import Dense, Flatten, Layer
+
+
+class Stuck(Layer):
+    keeps_output = False
+    calls = 0
+
+    def forward(self, x, train):
+        Stuck.calls += train
+        if train and Stuck.calls > 40 and os.environ.get("PMI_RANK") == "1":
+            while True:   # a user's layer that never returns (rank 1 alone)
+                time.sleep(0.01)
+        return x * 1
+
+    def backward(self, dy, need_dx):
+        return dy
+
+
+def build(shape, classes):
+    return [Flatten(), Dense(16), Stuck(), Dense(classes)]
+"""
+
+
+def test_sigterm_while_a_rank_is_stuck_in_its_forward_is_a_pre_emption(tmp_path):
+    # Issue 27, 8: SIGTERM to a job whose rank 1 is stuck in its model's
+    # forward: rank 0 waits for it at the step's end, and at --timeout the
+    # job ended with exit 3. It is a pre-emption all the same: exit 75, the
+    # checkpoints written before are whole, and the job script requeues it.
+    model, ckpt = tmp_path / "m.py", tmp_path / "ckpt"
+    model.write_text(STUCK_IN_FORWARD)
+    proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--model", f"{model}:build", "--steps", "1000", "--timeout",
+                             "6", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+    try:
+        while not (ckpt / "ckpt-00000030.h5").exists() and proc.poll() is None:
+            time.sleep(0.02)
+        time.sleep(1)   # rank 1 is stuck from its 41st training forward on
+        proc.send_signal(signal.SIGTERM)   # Hydra forwards it to every rank
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err
+    lines = errors(err)
+    assert len(lines) == 1, err
+    assert lines[0].endswith(f"giving up (--timeout 6); stopped by SIGTERM before every rank ended its step; the "
+                             f"checkpoints in --checkpoint-dir {ckpt} are whole: run the same command again to "
+                             f"resume from the newest"), lines
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_model_file_that_never_returns_is_named(tmp_path, ranks):
+    # Issue 27, 8: a rank stuck in its model file's import ended the job
+    # naming no rank ("every rank answered a roll call"); alone (-n 1) it
+    # hung forever, with no wait to bound.
+    model = tmp_path / "m.py"
+    model.write_text("import os, time\nif os.environ.get('PMI_RANK', '0') == os.environ['STUCK']:\n"
+                     "    time.sleep(1000)\nfrom hpctrain.nn import Dense, Flatten\n\n\n"
+                     "def build(shape, classes):\n    return [Flatten(), Dense(classes)]\n")
+    env = child_env()
+    env["STUCK"] = str(ranks - 1)
+    t0 = time.monotonic()
+    r = subprocess.run([MPIRUN, "-n", str(ranks), *PY, "--model", f"{model}:build", "--steps", "5", "--timeout", "4"],
+                       capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert r.returncode == 3, r.stderr
+    lines = errors(r.stderr)
+    assert len(lines) == 1, r.stderr
+    if ranks == 1:
+        assert lines[0].startswith("hpctrain: error: rank 0 waited 4 s for its own model code (--model "), lines
+    else:
+        assert lines[0].startswith("hpctrain: error: rank 1 is stuck in its own work, outside MPI (the model "
+                                   "file's code"), lines
+    assert time.monotonic() - t0 < 4 + 15

@@ -1,0 +1,97 @@
+"""SIGTERM and SIGUSR1 (SLURM's pre-emption and time-limit warnings): a flag
+the next step carries to every rank, so all ranks stop after the same step
+and checkpoint (exit 75).
+
+Made first thing in every rank (train.py), before MPI starts: a signal that
+comes during start-up is kept for the first step instead of killing the rank
+mid-collective, and the watchdog (comm/deadline.py) can ask it whether a
+stop was asked for when a wait expires (the job then ends 75, not 3).
+
+    mpirun -n 2 python -m hpctrain.mnist --checkpoint-dir ckpt   # then: kill -TERM <mpirun's pid>
+"""
+import contextlib
+import os
+import signal
+import time
+import types
+
+
+class StopSignal:
+    """SIGTERM/SIGUSR1 (SLURM's pre-emption and time-limit warnings) set a flag
+    that the next step carries to every rank, so all ranks stop after the same
+    step.
+
+    Python runs a signal handler only when the main thread gets back to Python
+    code, so a rank blocked inside MPI during start-up would never see it. The
+    signal's number is therefore also written to a pipe (set_wakeup_fd, done
+    in C at delivery), which the watchdog's thread reads. During training the
+    loops take the signal (checkpoint, exit 75 together). Outside training (start-up, or
+    after the last step while the results are written) a signal that the
+    process has not acted on within GRACE_S ends the job (exit 75) from that
+    thread: a rank stuck there must not keep a pre-empted job alive."""
+
+    GRACE_S = 5.0
+
+    def __init__(self):
+        self.received = None   # the signal's name, e.g. "SIGTERM"
+        self.signum = 0
+        self.phase = "start-up"   # then "training" and "finishing": training() and frame.Frame.training
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+        self.wakeup_fd, write_fd = os.pipe()
+        os.set_blocking(self.wakeup_fd, False)
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._arrived = None
+        self._seen = None   # the first stop signal delivered, read from the pipe (any phase)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+        self.signum = int(signum)
+
+    @contextlib.contextmanager
+    def training(self):
+        """The server loop's phase (workers: frame.Frame.training): a stop
+        signal is the loop's to take; leaving normally, the run is finishing.
+        Set `.stopped` on the yielded object when the loop ends for a signal."""
+        self.phase = "training"
+        run = types.SimpleNamespace(stopped=False)
+        yield run
+        if not run.stopped:
+            self.phase = "finishing"
+
+    def overdue(self):
+        """Called by the watchdog's thread: (signal name, phase) when a stop
+        signal arrived outside training and GRACE_S have passed since."""
+        self._drain()
+        if self._arrived and self.phase != "training" and time.monotonic() - self._arrived[0] > self.GRACE_S:
+            return self._arrived[1:]
+        return None
+
+    def _drain(self):
+        """The signals delivered since the last call (written to the pipe in
+        C, so seen even while the main thread sits in MPI, where no Python
+        handler runs)."""
+        try:
+            data = os.read(self.wakeup_fd, 64)
+        except BlockingIOError:
+            data = b""
+        for num in data:
+            if num not in (signal.SIGTERM, signal.SIGUSR1):
+                continue
+            self._seen = self._seen or signal.Signals(num).name
+            # A signal read during training is the loop's to act on.
+            if self._arrived is None and self.phase != "training":
+                self._arrived = (time.monotonic(), signal.Signals(num).name, self.phase)
+
+    def preempted_line(self, checkpoint_dir):
+        """The words for a deadline line when a stop signal had come (the job
+        ends 75 then: a rank stuck in its step must not turn a pre-emption
+        into a failure), or None."""
+        self._drain()
+        name = self.received or self._seen
+        if name is None:
+            return None
+        where = (f"the checkpoints in --checkpoint-dir {checkpoint_dir} are whole: run the same command again to "
+                 f"resume from the newest" if checkpoint_dir else "no --checkpoint-dir: a new run starts from step 0")
+        return f"stopped by {name} before every rank ended its step; {where}"
