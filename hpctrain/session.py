@@ -21,7 +21,7 @@ from mpi4py import MPI
 from . import data as data_mod
 from . import device, jobcheck, settings
 from .cli import steps_for_epochs, validate
-from .cluster import Cluster, check_consistency
+from .cluster import Cluster, check_consistency, memory_available
 from .config import data_workers, worker_batch
 from .comm import allreduce_plan
 from .comm.deadline import NO_WATCHDOG
@@ -147,18 +147,6 @@ def memory_needed(args, spec):
     """Bytes one rank needs for the model at least (nn/spec.py memory_bytes):
     a rank that cannot hold this cannot train."""
     return spec.memory_bytes(args.batch_size, {"sgd": 0, "momentum": 1, "adam": 2}[args.optimizer])
-
-
-def memory_available():
-    """Bytes this node can still give (MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def check_memory(args, ranks_on_node, spec):

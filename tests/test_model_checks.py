@@ -250,3 +250,62 @@ def test_a_model_that_does_not_fit_is_still_a_layer_error_not_a_code_error():
     with pytest.raises(LayerError) as caught:
         ModelSpec([Dense(4)], (6, 6), 4)
     assert not isinstance(caught.value, LayerCodeError)
+
+
+# --- python -m hpctrain.nn: the spec tool, and --check (issue 27, 11; issue 32, 5) ---------
+
+def nn_tool(*args):
+    import subprocess
+    return subprocess.run([sys.executable, "-m", "hpctrain.nn", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--shape", "abc"], "argument --shape: expected comma-separated whole numbers"),
+    (["--hidden", "abc"], "argument --hidden: expected comma-separated whole numbers"),
+    (["--shape", "0,0"], "argument --shape: the image shape must be >= 1 each"),
+    (["--classes", "0"], "argument --classes: must be >= 1, got 0"),
+    (["--hidden", "-5"], "argument --hidden: --hidden must be >= 1 each"),
+    (["--model", "lenet", "--shape", "28"], "--model lenet on 28, 10 classes: layer 0 (Channels)"),
+    (["--model", "nowhere.py:build"], "nowhere.py is not a file"),
+])
+def test_the_spec_tools_bad_arguments_are_one_line_and_exit_2(args, expect):
+    r = nn_tool(*args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and expect in r.stderr, r.stderr
+    assert r.stderr.startswith("hpctrain: error: ") and not r.stdout
+
+
+def test_the_spec_tool_checks_a_users_model_layer_by_layer(tmp_path):
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                           "custom_model.py")
+    r = nn_tool("--model", f"{example}:build", "--check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("passed: gradients within") == 6 and "model passed" in r.stdout
+    # a backward off by a factor: that layer's line says so, exit 1
+    (tmp_path / "m.py").write_text(
+        "from hpctrain.nn import Dense, Flatten, Layer\n\n\nclass Twice(Layer):\n    keeps_output = False\n\n"
+        "    def forward(self, x, train):\n        return x * 2\n\n    def backward(self, dy, need_dx):\n"
+        "        return dy * 3\n\n\ndef build(shape, classes):\n    return [Flatten(), Dense(8), Twice(), Dense(classes)]\n")
+    r = nn_tool("--model", f"{tmp_path / 'm.py'}:build", "--check", "--shape", "6")
+    assert r.returncode == 1, r.stdout + r.stderr
+    bad = [line for line in r.stdout.splitlines() if "FAILED" in line]
+    assert len(bad) == 1 and bad[0].startswith("layer   2 Twice") and "the backward does not match" in bad[0], bad
+    # ... and one that breaks the contract (writes into its input) is named with it
+    (tmp_path / "w.py").write_text(
+        "from hpctrain.nn import Dense, Flatten, Layer\n\n\nclass Half(Layer):\n    keeps_output = False\n\n"
+        "    def forward(self, x, train):\n        x *= 0.5\n        return x\n\n    def backward(self, dy, need_dx):\n"
+        "        return dy * 0.5\n\n\ndef build(shape, classes):\n    return [Flatten(), Dense(8), Half(), Dense(classes)]\n")
+    r = nn_tool("--model", f"{tmp_path / 'w.py'}:build", "--shape", "6")
+    assert r.returncode == 2 and "layer 2 (Half): forward wrote into its input" in r.stderr, r.stderr
+    r = nn_tool("--model", f"{tmp_path / 'w.py'}:build", "--shape", "6", "--check")
+    bad = [line for line in r.stdout.splitlines() if "FAILED" in line]
+    assert r.returncode == 1 and len(bad) == 1 and bad[0].startswith("layer   2 Half"), r.stdout + r.stderr
+    assert "forward wrote into its input but the layer does not declare inplace = True" in bad[0], bad
+
+
+def test_bench_layers_refuses_a_batch_that_cannot_fit():
+    import subprocess
+    r = subprocess.run([sys.executable, "-m", "hpctrain.bench", "layers", "--batch", "1000000000"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--model small_cnn at --batch 1000000000 needs at least" in r.stderr and "GiB available" in r.stderr
