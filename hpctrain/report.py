@@ -484,7 +484,8 @@ def write_params(path, model, step, args, world_size, attrs=None):
             f.attrs["step"] = step
             f.attrs["mode"] = args.mode
             f.attrs["world_size"] = world_size
-            f.attrs["hidden"] = ",".join(map(str, args.hidden))
+            if args.model == "mlp":   # what sizes it; another model's identity says it all
+                f.attrs["hidden"] = ",".join(map(str, args.hidden))
             f.attrs["model"] = model.spec.identity
             for key, value in (attrs or {}).items():
                 f.attrs[key] = value

@@ -106,13 +106,18 @@ def same_on_every_rank(args):
 
 
 def same_on_resume(args, num_workers, spec, total_steps):
-    """total_steps: the lr schedule's (session.schedule), which cosine's curve follows."""
+    """total_steps: the lr schedule's (session.schedule), which cosine's curve
+    follows. --hidden only for the MLP, which it sizes (another model's
+    identity pins it down, and --hidden has no effect on it)."""
     job = dict(_job(args), **_model(spec), num_workers=int(num_workers),
                lr_schedule=schedule_key(args, total_steps))
-    return {k: job[k] for k in SAME_ON_RESUME}
+    return {k: job[k] for k in SAME_ON_RESUME if k != "hidden" or args.model == "mlp"}
 
 
 def recorded(args, world_size, num_workers, spec):
-    """Everything a checkpoint records about the run that wrote it."""
-    return dict(_job(args), **_model(spec), world_size=int(world_size), num_workers=int(num_workers),
-                inputs=int(math.prod(spec.input_shape)), classes=int(spec.classes))
+    """Everything a checkpoint records about the run that wrote it (--hidden: the MLP's)."""
+    job = dict(_job(args), **_model(spec), world_size=int(world_size), num_workers=int(num_workers),
+               inputs=int(math.prod(spec.input_shape)), classes=int(spec.classes))
+    if args.model != "mlp":
+        del job["hidden"]
+    return job

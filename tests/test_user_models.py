@@ -219,3 +219,15 @@ def test_batch_norm_over_one_sample_is_refused(job, tmp_path):
     assert "needs at least 2 samples per rank and step" in errors[0] and "--batch-size 1" in errors[0], errors
     assert job(2, "--model", f"{tmp_path / 'm.py'}:build", "--steps", "5", "--batch-size", "2",
                timeout=60).returncode == 0
+
+
+def test_hidden_does_not_pin_a_model_it_does_not_size(job, tmp_path):
+    # issue 27, 12: a lenet checkpoint was refused over --hidden ("written with
+    # --hidden 500,500, this run has --hidden 64"), which has no effect on it;
+    # its --save recorded a hidden it does not have
+    ckpt = ["--model", "lenet", "--checkpoint-dir", tmp_path / "ckpt", "--log-every", "4", "--batch-size", "8"]
+    assert job(2, "--steps", "4", *ckpt, "--save", tmp_path / "p.h5").returncode == 0
+    r = job(2, "--steps", "8", *ckpt, "--hidden", "64", timeout=120)
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr
+    with h5py.File(tmp_path / "p.h5", "r") as f:
+        assert "hidden" not in f.attrs and f.attrs["model"].startswith("lenet ")
