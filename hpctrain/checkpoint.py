@@ -81,6 +81,9 @@ def _describe(key, value):
     """A setting as the user knows it: "--hidden 64", "1000 parameters"."""
     if key == "num_params":
         return f"{value} parameters"
+    if key == "accumulate_steps":   # --accumulate-steps K or a pipeline's --micro-batches M: batches a step
+        return f"{value} batch{'es' if str(value) != '1' else ''} per step and worker (--accumulate-steps, or a " \
+               f"pipeline's --micro-batches)"
     return f"--{key.replace('_', '-')} {value}"
 
 

@@ -144,3 +144,14 @@ def test_a_sharded_stage_optimizer_gives_the_same_bits_in_half_the_state(job, tm
         ok(job(4, *flags, "--steps", 12, "--shard-optimizer", other, "--checkpoint-dir", tmp_path / shard,
                "--save", tmp_path / f"{shard}-then-{other}.h5"))
     assert same_bytes(tmp_path / "on-then-off.h5", tmp_path / "off-then-on.h5")
+
+
+def test_a_resume_with_other_micro_batches_says_so(job, tmp_path):
+    # issue 27, 13: it was told it had changed --accumulate-steps, a flag it never gave
+    ck = ["--checkpoint-dir", tmp_path / "ck", *FLAGS, *MLP]
+    ok(job(2, *ck, *pipe(2, 3), "--steps", 3))
+    r = job(2, *ck, *pipe(2, 2), "--steps", 6)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr
+    assert ("checkpoint was written with 3 batches per step and worker (--accumulate-steps, or a pipeline's "
+            "--micro-batches), this run has 2 batches per step") in errors[0], errors
