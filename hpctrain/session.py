@@ -163,6 +163,20 @@ def check_memory(args, ranks_on_node, spec):
             f"rank{'s' if ranks_on_node > 1 else ''}")
 
 
+def check_step_size(args, workers, manifest, data_dir):
+    """A step takes no more samples than an epoch holds: beyond it the step
+    would deal the same samples twice (in silence, for minutes: --accumulate-steps
+    1000000 --steps 1 was 7,111 epochs in one step)."""
+    train = int(manifest["train"]["num_samples"])
+    per_step = workers * worker_batch(args)
+    if per_step > train:
+        parts = [f"{workers} worker{'s' if workers > 1 else ''}", f"--batch-size {args.batch_size}"]
+        parts += [f"--accumulate-steps {args.accumulate_steps}"] if args.accumulate_steps > 1 else []
+        parts += [f"--micro-batches {args.micro_batches}"] if args.micro_batches > 1 else []
+        raise HpctrainError(f"a step takes {per_step:,} samples ({' x '.join(parts)}), more than the {train:,} "
+                            f"training samples of {data_dir}: it would take samples twice; make the step smaller")
+
+
 class Session:
     """Everything a training loop needs that is not the loop itself."""
 
@@ -237,6 +251,8 @@ class Session:
         # what checkpoints count samples and data positions by.
         self.data_workers = data_workers(args, cluster.num_workers)
         self.agreed(self.comm, check_memory, args, cluster.local_size, self.spec)
+        self.agreed(self.comm, check_step_size, args, self.data_workers, data_mod.load_manifest(self.data_dir),
+                    self.data_dir)
         # Last before training, so a refusal above leaves nothing behind (this
         # creates --checkpoint-dir): a result that cannot be written would be lost.
         self.agreed(self.comm, check_outputs if self.chief else _nothing, args)

@@ -26,6 +26,11 @@ import pytest
     (["--save", ""], "argument --save: expected a path, got ''"),
     (["--checkpoint-dir", " "], "argument --checkpoint-dir: expected a path, got ' '"),
     (["--steps", "10000000000000"], "argument --steps: must be at most 1,000,000,000,000, got 10000000000000"),
+    # issue 27, 14: a step bigger than an epoch dealt the samples over and over, in silence
+    (["--accumulate-steps", "1000000", "--steps", "1"], "a step takes 64,000,000 samples (2 workers x --batch-size "
+                                                        "32 x --accumulate-steps 1000000), more than the 4,500"),
+    (["--pipeline-stages", "2", "--micro-batches", "5", "--batch-size", "1000"],
+     "a step takes 5,000 samples (1 worker x --batch-size 1000 x --micro-batches 5), more than the 4,500"),
 ])
 def test_bad_flag_is_one_line_and_exit_2(job, tmp_path, flags, expect):
     t0 = time.monotonic()
