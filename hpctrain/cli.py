@@ -285,6 +285,10 @@ def _output_flags(g):
                    help="write the parameters of the best validation accuracy so far to this HDF5 file "
                         "(needs --eval-every and data prepared with --val-fraction)")
     g.add_argument("--timeline", metavar="FILE.json", type=_path, default=None, help="write a Chrome trace of the chief's steps")
+    g.add_argument("--timeline-steps", type=_nonneg_int, default=100, metavar="N",
+                   help="--timeline records the first N steps of the run (a pipeline's every rank: about 3 KB a "
+                        "step; a trace viewer slows down past a few hundred thousand spans); 0: every step "
+                        "(default: %(default)s)")
     g.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds any rank waits for a peer before it names the peer and aborts the job (default: %(default)s)")
 

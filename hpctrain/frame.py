@@ -89,6 +89,7 @@ class Frame:
         """One step's accounting: compute from t0 to t1, then communication to t2."""
         self.compute_s += t1 - t0
         self.comm_s += t2 - t1
+        self.session.timeline.step_ended()
         self.session.stats.record(step_s=t2 - t0, compute_s=t1 - t0, wait_s=t2 - t1,
                                   comm_exposed_s=t2 - t1 if exposed_comm_s is None else exposed_comm_s,
                                   optimizer_exposed_s=exposed_update_s, optimizer_total_s=update_s)

@@ -218,7 +218,7 @@ class Session:
         self.thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         if not self.thread_multiple:
             device_note += "; MPI gives less than MPI_THREAD_MULTIPLE: no communication thread (--overlap off)"
-        self.timeline = Timeline(args.timeline if self.chief else None)
+        self.timeline = Timeline(args.timeline if self.chief else None, steps=args.timeline_steps)
         self.chief_says(f"hpctrain: {args.mode} mode, world size {cluster.size} "
                         f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {self.device_name} "
                         f"({device_note})" + (f"; {process_note}" if process_note else ""))

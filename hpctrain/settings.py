@@ -34,7 +34,7 @@ RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epoch
 # Flags only the chief acts on (its files and lines), compared like the ones
 # above but not recorded in checkpoints; paths as the files they name.
 OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
-                "keep_best", "timeline", "eval_every", "log_every")
+                "keep_best", "timeline", "timeline_steps", "eval_every", "log_every")
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline")
 SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "batch_size", "accumulate_steps", "seed",
                   "lr_schedule")

@@ -5,7 +5,8 @@ Spans are complete events ("ph": "X") with microsecond timestamps, one track
 (tid) per thread, so a communication thread's bucket allreduces show beside
 backprop; spans another rank measured (the pipeline's stages,
 pipeline/trace.py) go to a process (pid) of that rank's own, merged into the
-chief's one file. Disabled, every call is a no-op costing one attribute lookup.
+chief's one file. Disabled, every call is a no-op costing one attribute lookup;
+past --timeline-steps steps too (the trace of the steps before is written).
 
 Streamed: at most FLUSH_EVERY events are held in memory; the rest are in an
 exclusive temporary file next to the trace (outputs.temp_next_to), renamed
@@ -50,9 +51,13 @@ NO_SPAN = contextlib.nullcontext()
 
 
 class Timeline:
-    def __init__(self, path=None, process_name="hpctrain"):
+    def __init__(self, path=None, process_name="hpctrain", steps=0):
+        """steps: the steps it records (--timeline-steps; 0: every one); the
+        trace of those is written at the end all the same."""
         self.path = path
-        self.enabled = path is not None
+        self.enabled = path is not None   # a trace is written at the end
+        self.recording = self.enabled     # spans are added: until `steps` steps have ended
+        self._steps, self._done = int(steps), 0
         self._events = []   # not yet in the file
         self._file = None   # the temporary file, once the first events are in it
         self._tmp = None
@@ -62,9 +67,16 @@ class Timeline:
         self._tids = {}
         self._processes = {0: {"name": process_name}}
 
+    def step_ended(self):
+        """One more step of the run has ended (frame.Frame.timed): past
+        --timeline-steps, nothing more is recorded."""
+        self._done += 1
+        if self._steps and self._done >= self._steps:
+            self.recording = False
+
     def span(self, name, cat="step", **args):
         """with timeline.span("backward", cat="compute"): ..."""
-        if not self.enabled:
+        if not self.recording:
             return NO_SPAN
         return _Span(self, name, cat, args or None)
 
@@ -72,7 +84,7 @@ class Timeline:
         """Callbacks for a model's forward_backward that record a "forward" span
         and one "backward layerI" span per layer, then call on_forward_done()
         and on_layer_done(i). Disabled: those two themselves (nothing added per step)."""
-        if not self.enabled:
+        if not self.recording:
             return on_forward_done, on_layer_done
         last = [t_start]
 
@@ -94,7 +106,7 @@ class Timeline:
     def add(self, name, cat, t_start, t_end, args=None, pid=0):
         """Record a span measured elsewhere (perf_counter seconds); `pid`: the
         process it goes to (another rank's, named by name_process)."""
-        if not self.enabled:
+        if not self.recording:
             return
         ident = threading.get_ident()
         event = {"name": name, "cat": cat, "ph": "X", "pid": pid,
@@ -104,7 +116,7 @@ class Timeline:
         if args:
             event["args"] = args
         with self._lock:
-            if not self.enabled:
+            if not self.recording:
                 return   # written, discarded or given up since the check above
             self._events.append(event)
             if len(self._events) >= FLUSH_EVERY:
@@ -142,7 +154,7 @@ class Timeline:
             self._flush()
             if not self.enabled:
                 return   # _flush gave up
-            self.enabled = False
+            self.enabled = self.recording = False
             try:
                 self._file.write('\n], "displayTimeUnit": "ms"}\n')
                 self._file.close()
@@ -154,7 +166,7 @@ class Timeline:
                 self._discard()
 
     def _give_up(self, error):
-        self.enabled = False
+        self.enabled = self.recording = False
         self._discard()
         print(f"hpctrain: warning: --timeline {self.path}: cannot write ({one_line(error)}); no timeline is "
               f"written, the run goes on", file=sys.stderr, flush=True)
@@ -163,7 +175,7 @@ class Timeline:
         """Remove the temporary file of a trace that was not written (the run
         ended otherwise): every exit path calls it; after write() a no-op."""
         with self._lock:
-            self.enabled = False
+            self.enabled = self.recording = False
             self._discard()
 
     def _discard(self):

@@ -248,3 +248,16 @@ def test_a_stages_replicas_start_from_one_set_of_parameters(job, tmp_path):
     seen = [f.read_text().split() for f in digests.iterdir()]
     trained = [digest for count, digest in seen if int(count) > 4]   # stage 0's replicas (the spec check: 4 forwards)
     assert len(trained) == 2 and trained[0] == trained[1], seen
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipeline", "ring"])
+def test_timeline_records_its_first_steps_only(job, tmp_path, pipeline):
+    # Issue 27, 14: the pipeline's trace grew 3 KB a step with no bound (92 MB
+    # at 30,000 steps): --timeline-steps N (default 100) records the first N
+    # steps; the pipeline's ranks stop gathering their spans together.
+    flags = ["--pipeline-stages", "2", "--micro-batches", "2"] if pipeline else []
+    ok(job(2, *MLP, "--steps", 9, "--batch-size", "8", *flags, "--timeline", tmp_path / "t.json",
+           "--timeline-steps", 4))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    steps = {e["args"]["step"] for e in events if e["ph"] == "X" and "step" in e.get("args", {})}
+    assert steps == {1, 2, 3, 4}, steps

@@ -77,7 +77,8 @@ def pipeline_job(args, extra, schedule, micro, tmp):
     """One pipeline run: its trace's events."""
     trace, metrics = os.path.join(tmp, "t.json"), os.path.join(tmp, "m.jsonl")
     flags = ["-m", "hpctrain.train", "--pipeline-stages", str(args.stages), "--micro-batches", str(micro),
-             "--pipeline-schedule", schedule, "--timeline", trace, "--metrics", metrics, *job_flags(args, extra)]
+             "--pipeline-schedule", schedule, "--timeline", trace, "--timeline-steps", "0", "--metrics", metrics,
+             *job_flags(args, extra)]
     r = launch(args.stages, flags)
     if r.returncode != 0:
         raise run_failed(args.stages, flags, r)

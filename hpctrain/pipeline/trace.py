@@ -70,6 +70,7 @@ class StageTrace:
 
     def __init__(self, session, grid, stage, optimizer):
         self.enabled = session.args.timeline is not None
+        self.limit = session.args.timeline_steps   # then no more spans, and no more gathers, on every rank alike
         if not self.enabled:
             return
         self.session, self.comm, self.timeline = session, session.comm, session.timeline
@@ -106,6 +107,8 @@ class StageTrace:
         if not self.enabled:
             return
         self.step += 1
+        if self.limit and self.step >= self.limit:
+            self.enabled = False   # this was the last step recorded (--timeline-steps), on every rank
         mine = np.array(self.rows, np.float64).reshape(-1)
         mine[2::4] -= self.origin
         mine[3::4] -= self.origin
