@@ -171,10 +171,13 @@ def check_step_size(args, workers, manifest, data_dir):
     per_step = workers * worker_batch(args)
     if per_step > train:
         parts = [f"{workers} worker{'s' if workers > 1 else ''}", f"--batch-size {args.batch_size}"]
-        parts += [f"--accumulate-steps {args.accumulate_steps}"] if args.accumulate_steps > 1 else []
-        parts += [f"--micro-batches {args.micro_batches}"] if args.micro_batches > 1 else []
-        raise HpctrainError(f"a step takes {per_step:,} samples ({' x '.join(parts)}), more than the {train:,} "
-                            f"training samples of {data_dir}: it would take samples twice; make the step smaller")
+        flags = ["--batch-size"]
+        for flag, value in (("--accumulate-steps", args.accumulate_steps), ("--micro-batches", args.micro_batches)):
+            if value > 1:
+                parts.append(f"{flag} {value}")
+                flags.append(flag)
+        raise HpctrainError(f"{data_dir}: {train:,} training samples, fewer than one step takes "
+                            f"({' x '.join(parts)} = {per_step:,}); use a smaller {', '.join(flags)} or fewer workers")
 
 
 class Session:
