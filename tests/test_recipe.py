@@ -12,7 +12,7 @@ import pytest
 
 from conftest import same_bytes, saved
 from hpctrain.cli import steps_for_epochs
-from hpctrain.optim import learning_rate, make_optimizer, schedule_line
+from hpctrain.optim.optimizers import learning_rate, make_optimizer, schedule_line
 
 SMALL = ["--hidden", "64", "--log-every", "1000"]
 

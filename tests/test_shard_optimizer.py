@@ -25,10 +25,10 @@ from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.nn import mlp
-from hpctrain.optim import Sharded, make_optimizer, state_bytes
-from hpctrain.resume import Checkpoints
-from hpctrain.sharded_state import displacements
-from hpctrain.ring_step import RingStep
+from hpctrain.optim.optimizers import Sharded, make_optimizer, state_bytes
+from hpctrain.checkpoints.resume import Checkpoints
+from hpctrain.checkpoints.sharded import displacements
+from hpctrain.loops.ring_step import RingStep
 
 HIDDEN = (37, 19)
 STRATEGIES = {"ring": RingAllreduce, "mpi": MpiAllreduce,

@@ -33,8 +33,8 @@ import time
 
 import numpy as np
 
-from ..optim import state_bytes
-from ..timeline import NO_SPAN
+from ..optim.optimizers import state_bytes
+from ..report.timeline import NO_SPAN
 from . import schedule as sched
 
 # A row's kind is its index here; the category is the trace's colour group.

@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import device
 from ..errors import HpctrainError
-from ..sharded_state import ShardedState
+from ..checkpoints.sharded import ShardedState
 from .stages import ranges
 
 

@@ -27,10 +27,11 @@ import pytest
     (["--checkpoint-dir", " "], "argument --checkpoint-dir: expected a path, got ' '"),
     (["--steps", "10000000000000"], "argument --steps: must be at most 1,000,000,000,000, got 10000000000000"),
     # issue 27, 14: a step bigger than an epoch dealt the samples over and over, in silence
-    (["--accumulate-steps", "1000000", "--steps", "1"], "a step takes 64,000,000 samples (2 workers x --batch-size "
-                                                        "32 x --accumulate-steps 1000000), more than the 4,500"),
+    (["--accumulate-steps", "1000000", "--steps", "1"], "4,500 training samples, fewer than one step takes (2 "
+                                                        "workers x --batch-size 32 x --accumulate-steps 1000000 = "
+                                                        "64,000,000); use a smaller --batch-size, --accumulate-steps"),
     (["--pipeline-stages", "2", "--micro-batches", "5", "--batch-size", "1000"],
-     "a step takes 5,000 samples (1 worker x --batch-size 1000 x --micro-batches 5), more than the 4,500"),
+     "4,500 training samples, fewer than one step takes (1 worker x --batch-size 1000 x --micro-batches 5 = 5,000)"),
 ])
 def test_bad_flag_is_one_line_and_exit_2(job, tmp_path, flags, expect):
     t0 = time.monotonic()

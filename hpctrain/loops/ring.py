@@ -10,16 +10,16 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import config as run_config
-from . import device, prefetch
-from .clipping import Clip
-from .comm import make_allreduce
-from .comm.device_buffers import bcast
-from .comm.topology import Topology
+from ..run import plan as run_config
+from .. import device, prefetch
+from ..optim.clipping import Clip
+from ..comm import make_allreduce
+from ..comm.device_buffers import bcast
+from ..comm.topology import Topology
 from .frame import Frame
-from .optim import state_bytes
-from .report import Report
-from .resume import Checkpoints
+from ..optim.optimizers import state_bytes
+from ..report.report import Report
+from ..checkpoints.resume import Checkpoints
 from .ring_step import RingStep
 
 

@@ -28,10 +28,10 @@ gradient scale is 1/(workers x K): one step over K x B samples.
 
     mpirun -n 4 python -m hpctrain.train --steps 200 --shard-optimizer on --clip-norm 1
 """
-from .comm.fusion import FusedAllreduce, bucket_bounds, owned_ranges
-from .comm.norm import BucketNorm
-from .comm.wire import GRADS, LOSS, STOP, Wire
-from .optim import make_optimizer
+from ..comm.fusion import FusedAllreduce, bucket_bounds, owned_ranges
+from ..comm.grad_norm import BucketNorm
+from ..comm.wire import GRADS, LOSS, STOP, Wire
+from ..optim.optimizers import make_optimizer
 
 
 class BucketUpdate:

@@ -25,11 +25,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import data as data_mod
-from . import device
-from .errors import HpctrainError
-from .outputs import one_line, open_in_place, rescue_path, temp_next_to
-from .session import agreed
+from .. import data as data_mod
+from .. import device
+from ..errors import HpctrainError
+from ..run.outputs import one_line, open_in_place, rescue_path, temp_next_to
+from ..run.startup import agreed
 
 
 class Metrics:

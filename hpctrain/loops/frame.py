@@ -12,10 +12,10 @@ import contextlib
 import math
 import time
 
-from . import device
-from .comm.device_buffers import bcast
-from .errors import EXIT_DIVERGED, HpctrainError
-from .report import finish_everywhere
+from .. import device
+from ..comm.device_buffers import bcast
+from ..errors import EXIT_DIVERGED, HpctrainError
+from ..report.report import finish_everywhere
 
 
 def diverged(step, loss, speaks, collective=True):

@@ -19,7 +19,7 @@ Two halves, because some settings must be made before MPI (and BLAS) start:
 import os
 import socket
 
-from .errors import HpctrainError
+from ..errors import HpctrainError
 
 # (rank, size, local rank, local size) variables, per launcher, in the order we trust them.
 _LAUNCHER_VARS = [
@@ -284,8 +284,8 @@ class Cluster:
 
     def __init__(self, comm, mode="ring", num_ps=0, ps_rule="spread"):
         from mpi4py import MPI
-        from .comm.records import allgather_bytes
-        from .comm.topology import HOST_BYTES, nodes_of
+        from ..comm.records import allgather_bytes
+        from ..comm.topology import HOST_BYTES, nodes_of
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -381,7 +381,7 @@ def check_consistency(comm, settings):
     same names on all ranks) with an Allgather of fixed-size byte records (no
     pickle). A mismatch raises the same one-line HpctrainError on every rank,
     naming the setting and the ranks that differ from rank 0."""
-    from .comm.records import allgather_bytes
+    from ..comm.records import allgather_bytes
     width = 64
     names = sorted(settings)
     everyone = allgather_bytes(comm, [str(settings[name]).encode() for name in names], width)

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import checkpoint, device, settings
-from .cli import steps_for_epochs
-from .errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
-from .config import worker_batch
-from .sharded_state import ShardedState
+from . import file as checkpoint
+from .. import device
+from ..run import identity as settings
+from ..cli import steps_for_epochs
+from ..errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
+from ..run.plan import worker_batch
+from .sharded import ShardedState
 
 
 @dataclass

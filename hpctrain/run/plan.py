@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import device
+from .. import device
 from .cluster import cores_available
-from .data import load_manifest
-from .nn.spec import ModelSpec
-from .optim import learning_rate
+from ..data import load_manifest
+from ..nn.spec import ModelSpec
+from ..optim.optimizers import learning_rate
 
 
 def worker_batch(args):
@@ -65,7 +65,7 @@ def decide(session, resume):
     None) is known on every rank."""
     args, steps = session.args, session.schedule["total_steps"]
     if resume is not None and args.epochs is not None:
-        from .resume import epochs_end
+        from ..checkpoints.resume import epochs_end
         train = int(load_manifest(session.data_dir)["train"]["num_samples"])
         steps = epochs_end(args.epochs, train, resume.step, resume.samples, session.data_workers,
                            worker_batch(args))

@@ -12,28 +12,28 @@ every rank, never a rank left waiting in a collective.
 import functools
 import hashlib
 import json
-import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from . import data as data_mod
-from . import device, jobcheck, settings
-from .cli import steps_for_epochs, validate
+from .. import data as data_mod
+from .. import device
+from . import jobcheck, identity as settings
+from ..cli import steps_for_epochs, validate
 from .cluster import Cluster, check_consistency, memory_available
-from .config import data_workers, worker_batch
-from .comm import allreduce_plan
-from .comm.deadline import NO_WATCHDOG
-from .errors import EXIT_PREEMPTED, HpctrainError
-from .nn import LayerError, spec_for
-from .nn.layers import LayerCodeError
-from .nn.user import UserModelError
-from .optim import schedule_line
-from .pipeline.stages import plan as pipeline_plan
+from .plan import data_workers, worker_batch
+from ..comm import allreduce_plan
+from ..comm.deadline import NO_WATCHDOG
+from ..errors import EXIT_PREEMPTED, HpctrainError
+from ..nn import LayerError, spec_for
+from ..nn.layers import LayerCodeError
+from ..nn.user import UserModelError
+from ..optim.optimizers import schedule_line
+from ..pipeline.stages import plan as pipeline_plan
 from .outputs import check_outputs
-from .stats import StepStats
-from .timeline import Timeline
+from ..report.step_stats import StepStats
+from ..report.timeline import Timeline
 
 
 def agreed(comm, fn, *args, watchdog=NO_WATCHDOG, what=None):
@@ -171,10 +171,13 @@ def check_step_size(args, workers, manifest, data_dir):
     per_step = workers * worker_batch(args)
     if per_step > train:
         parts = [f"{workers} worker{'s' if workers > 1 else ''}", f"--batch-size {args.batch_size}"]
-        parts += [f"--accumulate-steps {args.accumulate_steps}"] if args.accumulate_steps > 1 else []
-        parts += [f"--micro-batches {args.micro_batches}"] if args.micro_batches > 1 else []
-        raise HpctrainError(f"a step takes {per_step:,} samples ({' x '.join(parts)}), more than the {train:,} "
-                            f"training samples of {data_dir}: it would take samples twice; make the step smaller")
+        flags = ["--batch-size"]
+        for flag, value in (("--accumulate-steps", args.accumulate_steps), ("--micro-batches", args.micro_batches)):
+            if value > 1:
+                parts.append(f"{flag} {value}")
+                flags.append(flag)
+        raise HpctrainError(f"{data_dir}: {train:,} training samples, fewer than one step takes "
+                            f"({' x '.join(parts)} = {per_step:,}); use a smaller {', '.join(flags)} or fewer workers")
 
 
 class Session:

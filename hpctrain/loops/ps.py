@@ -35,21 +35,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import device, prefetch
-from .clipping import Clip
-from .cluster import cores_available
-from .comm.cuda_aware import cuda_aware
-from .comm.device_buffers import HostMirror
-from .comm.ps import Client, ProtocolError, Server, describe, place, summarize
-from .comm.ps.placement import slice_size
-from .comm.ps.server import reply_buffers_needed
-from .comm.ps.shared import open_shared
-from . import config as run_config
-from .errors import EXIT_TIMEOUT, HpctrainError
+from .. import device, prefetch
+from ..optim.clipping import Clip
+from ..run.cluster import cores_available
+from ..comm.cuda_aware import cuda_aware
+from ..comm.device_buffers import HostMirror
+from ..comm.ps import Client, ProtocolError, Server, describe, place, summarize
+from ..comm.ps.placement import slice_size
+from ..comm.ps.server import reply_buffers_needed
+from ..comm.ps.shared import open_shared
+from ..run import plan as run_config
+from ..errors import EXIT_TIMEOUT, HpctrainError
 from .frame import Frame, diverged
-from .optim import OnDevice, make_optimizer
-from .report import Report
-from .resume import Checkpoints, positions_for, resume_point
+from ..optim.optimizers import OnDevice, make_optimizer
+from ..report.report import Report
+from ..checkpoints.resume import Checkpoints, positions_for, resume_point
 
 
 def replicas_to_aggregate(args, num_workers):

@@ -27,25 +27,25 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import config as run_config
-from . import data as data_mod
-from . import device, prefetch
-from .chunks import chunk_parts
-from .clipping import Clip
-from .comm import make_allreduce
-from .comm.device_buffers import bcast
-from .comm.topology import Topology
+from ..run import plan as run_config
+from .. import data as data_mod
+from .. import device, prefetch
+from ..chunks import chunk_parts
+from ..optim.clipping import Clip
+from ..comm import make_allreduce
+from ..comm.device_buffers import bcast
+from ..comm.topology import Topology
 from .frame import Frame
-from .optim import make_optimizer, state_bytes
-from .pipeline import schedule as sched
-from .pipeline import whole
-from .pipeline.grid import Grid
-from .pipeline.norm import StageNorm, ring_ranges
-from .pipeline.stages import body_range, owned_pieces, stage_pieces
-from .pipeline.stage import Stage
-from .pipeline.trace import StageTrace
-from .report import Report
-from .resume import Checkpoints
+from ..optim.optimizers import make_optimizer, state_bytes
+from ..pipeline import schedule as sched
+from ..pipeline import whole
+from ..pipeline.grid import Grid
+from ..pipeline.grad_norm import StageNorm, ring_ranges
+from ..pipeline.stages import body_range, owned_pieces, stage_pieces
+from ..pipeline.stage import Stage
+from ..pipeline.trace import StageTrace
+from ..report.report import Report
+from ..checkpoints.resume import Checkpoints
 
 
 def train_pipe(session):
