@@ -1,17 +1,14 @@
-"""The MPI world of one run: roles, device, watchdog, the start-up checks
-(flags that need the world size, the same job on every rank, outputs that can
-be written, data that is there), and what both loops read from it.
-
-`Session(args)` is built by every rank before either loop; the loops
-(loop_ring.py, loop_ps.py) read it top to bottom. Errors during start-up go
-through `agreed()`, so a problem on any rank is one line and a clean exit on
-every rank, never a rank left waiting in a collective.
+"""A run's start-up, in the order its checks must come: every rank builds
+the run's world (run/world.py: the roles, the device, the clock) and its
+plan (run/plan.py: the model, the data, the settings), checking on the way
+that every rank runs the same job (flags, data, model), that the flags fit
+the world, the model the data, the step the memory and the data, and
+(last, since it creates --checkpoint-dir) that the outputs can be written.
+A problem on any rank is one line and a clean exit on every rank
+(comm/agree.py), never a rank left waiting in a collective.
 
     mpirun -n 4 python -m hpctrain.mnist --steps 200
 """
-import functools
-import hashlib
-import json
 import time
 
 import numpy as np
@@ -19,70 +16,136 @@ from mpi4py import MPI
 
 from .. import data as data_mod
 from .. import device
-from . import jobcheck, identity as settings
-from ..cli import steps_for_epochs, validate
-from .cluster import Cluster, check_consistency, memory_available
-from .plan import data_workers, worker_batch
+from ..cli import validate
 from ..comm import allreduce_plan
-from ..comm.deadline import NO_WATCHDOG
+from ..comm.agree import agreed, check_consistency
 from ..errors import EXIT_PREEMPTED, HpctrainError
 from ..nn import LayerError, spec_for
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
-from ..optim.optimizers import schedule_line
-from ..pipeline.stages import plan as pipeline_plan
+from ..pipeline.stages import cuts_for
+from . import identity, jobcheck
+from .cluster import Cluster, memory_available
+from .inputs import Inputs, data_identity, ensure_data
 from .outputs import check_outputs
-from ..report.step_stats import StepStats
-from ..report.timeline import Timeline
+from .plan import data_plan, make_plan, schedule_plan
+from .world import World
 
 
-def agreed(comm, fn, *args, watchdog=NO_WATCHDOG, what=None):
-    """Run fn(*args) on every rank of comm; if it raises HpctrainError anywhere,
-    every rank raises: the lowest failing rank its own message (printed), the
-    others a silent error with the same exit code. So a set-up error on one
-    rank never leaves the rest waiting in a collective, and the job prints one
-    line. The agreement waits under `watchdog` (a rank that never arrives is
-    named), labelled `what`."""
-    error = None
-    try:
-        result = fn(*args)
-    except HpctrainError as exc:
-        error, result = exc, None
-    size, rank = comm.Get_size(), comm.Get_rank()
-    # [exit code, size - rank of a rank with a line to print]: the lowest such
-    # rank prints. An error that an inner agreement already silenced has no
-    # line of its own, so fn may itself agree on a smaller communicator.
-    speaks = error is not None and error.report and bool(str(error))
-    flag = np.array([error.exit_code if error else 0, size - rank if speaks else 0], np.int64)
-    with watchdog.waiting(f"agreement after {what or getattr(fn, '__name__', 'args step')}", peer=None):
-        comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
-    if flag[0]:
-        if error is None:
-            error = HpctrainError("", exit_code=int(flag[0]))
-        error.collective = True
-        error.report = speaks and size - rank == flag[1]
-        raise error
-    return result
+def start(args, process_note, watchdog, stop, on_roles=None):
+    """(World, Plan, Inputs) of this run, the same on every rank. watchdog:
+    started before MPI_Init (train.train), aborting through MPI now; every
+    start-up collective below waits under it. stop: the StopSignal made
+    before it. on_roles: called with the chief's world rank as soon as the
+    roles are known (train.py's Ctrl-C line must not call MPI to learn it)."""
+    watchdog.also_watch(lambda: stopped_outside_training(stop, args.checkpoint_dir))
+    # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
+    # NumPy's warnings on every rank.
+    np.seterr(over="ignore", invalid="ignore", divide="ignore")
+    comm = MPI.COMM_WORLD
+    with watchdog.waiting("start-up (communicators)", peer=None):
+        cluster = Cluster(comm, args.mode, args.num_ps, args.ps_ranks)
+    if on_roles is not None:
+        on_roles(cluster.chief_rank)
+
+    def say(text):
+        if cluster.is_chief:
+            print(text, flush=True)
+
+    def agree(fn, *fn_args, what=None):
+        return agreed(comm, fn, *fn_args, watchdog=watchdog, what=what)
+    # The same job everywhere, outputs included (identity.py). First,
+    # before the roles are used: ranks that disagree on --num-ps or
+    # --ps-ranks disagree on who the chief is (the rank map's root).
+    with watchdog.waiting("start-up (same job on every rank)", peer=None):
+        agree(check_consistency, comm, identity.same_on_every_rank(args))
+    with watchdog.waiting("start-up (rank map)", peer=None):
+        jobcheck.check_world(cluster, say)
+    t_start = time.perf_counter()
+    agree(validate, args, cluster.size)
+
+    # --- the device and the world ---------------------------------------------
+    with watchdog.waiting("start-up (GPU binding)", peer=None):
+        gpu_note = cluster.confirm_gpu_binding(args.device)  # MPI's node-local rank has the last word
+    xp, device_name, device_note = agree(device.select, args.device)
+    allreduce = agree(allreduce_plan, args.allreduce, xp, args.mode, args.cuda_aware)
+    device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(xp) else "", allreduce]))
+    server_xp = agree(server_array_module, args)
+    thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    if not thread_multiple:
+        device_note += "; MPI gives less than MPI_THREAD_MULTIPLE: no communication thread (--overlap off)"
+    world = World(comm=comm, cluster=cluster, watchdog=watchdog, stop=stop, xp=xp, device_name=device_name,
+                  server_xp=server_xp, thread_multiple=thread_multiple, t_start=t_start)
+    say(f"hpctrain: {args.mode} mode, world size {cluster.size} "
+        f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {device_name} "
+        f"({device_note})" + (f"; {process_note}" if process_note else ""))
+    if cluster.num_ps:
+        say(cluster.servers_line())
+
+    # --- the data: the same everywhere (its manifest's content, not its path) --
+    data_dir = ensure_data(args.data, cluster, watchdog)
+    # (the digest is also what checkpoints record of the data: checkpoints/resume.py)
+    digest, model_shape, manifest = agree(data_identity, data_dir)
+    with watchdog.waiting("start-up (same data on every rank)", peer=None):
+        agree(check_consistency, comm, {"data (manifest digest)": digest})
+    has_val = data_mod.has_val(data_dir)
+    agree(check_val, args, has_val, data_dir)
+    data = data_plan(args, cluster, data_dir, digest, manifest, has_val)
+    # --epochs count its training samples (the same on every rank: the
+    # manifest's digest was compared above); the last step is decided with
+    # the resume point (Plan.last_step).
+    schedule = schedule_plan(args, data)
+    if args.epochs is not None:
+        say(f"steps: {args.epochs:g} epochs of {data.train_samples} samples at {data.workers} workers x "
+            f"{data.per_worker} = {schedule.total_steps} steps")
+    if args.lr_schedule != "constant":   # constant: today's output, unchanged
+        say(schedule.line())
+
+    # --- the model, shaped by the data's manifest --------------------------------
+    spec = agree(_model_spec, args, model_shape, watchdog, what="building the model")
+    with watchdog.waiting("start-up (same model on every rank)", peer=None):
+        # a user's file may differ between nodes: its code, layers and tensors are compared
+        agree(check_consistency, comm, {"model (layers, tensors and their shapes)": spec.fingerprint,
+                                        "model code (the file and the modules it imports beside it)":
+                                            spec.code or "-"})
+    if args.model != "mlp":
+        say("\n".join(spec.summary()))
+    # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
+    cuts = agree(cuts_for, args, cluster.size, spec)
+    agree(check_memory, args, cluster.local_size, spec)
+    agree(check_step_size, args, data.workers, manifest, data_dir)
+    # Last before training, so a refusal above leaves nothing behind (this
+    # creates --checkpoint-dir): a result that cannot be written would be lost.
+    agree(check_outputs if cluster.is_chief else _nothing, args)
+    return world, make_plan(args, world, spec, data, schedule, cuts), Inputs(world, data)
 
 
-def ensure_data(args, cluster, watchdog):
-    """The shard directory to train from. Without --data: data/mnist, prepared
-    from the bundled sample on first use by rank 0 while the others wait."""
-    if args.data:
-        return args.data
-    path = data_mod.default_data_dir()
+def _model_spec(args, model_shape, watchdog):
+    """model_spec, a user's code under a deadline of its own: a model file
+    that does not return (its import, its function, a layer under the
+    checks) is named as this rank's own work, not a peer's."""
+    if ":" not in args.model:
+        return model_spec(args, model_shape)
+    with watchdog.waiting(f"--model {args.model}: its import, its function and the layer checks",
+                          peer="its own model code", own=True):
+        return model_spec(args, model_shape)
 
-    def prepare_once():
-        if cluster.rank == 0 and not data_mod.is_prepared(path):
-            print(f"preparing {path} from the bundled MNIST sample "
-                  f"({data_mod.bundled_sample_dir()}), first use only", flush=True)
-            try:
-                data_mod.prepare(data_mod.bundled_sample_dir(), path, log=None)
-            except HpctrainError:
-                if not data_mod.is_prepared(path):  # another job may have won the race
-                    raise
-    agreed(cluster.comm, prepare_once, watchdog=watchdog, what="preparing the bundled sample")
-    return path
+
+def stopped_outside_training(stop, checkpoint_dir):
+    """For the watchdog's thread: the line and exit code when a stop signal
+    came outside training (start-up, or writing the results) and the
+    process has not ended within the grace (a rank is stuck there)."""
+    overdue = stop.overdue()
+    if overdue is None:
+        return None
+    name, phase = overdue
+    if phase == "start-up":
+        return (f"stopped by {name} during start-up, before the first step (a rank is stuck there); "
+                f"no new checkpoint: run the same command again to resume from the last one", EXIT_PREEMPTED)
+    where = (f"the final checkpoint in {checkpoint_dir} is whole: run the same command again "
+             f"to write the results" if checkpoint_dir else "no --checkpoint-dir: the results are lost")
+    return (f"stopped by {name} after the last step, while the results were written (a rank is stuck "
+            f"there); {where}", EXIT_PREEMPTED)
 
 
 def server_array_module(args):
@@ -95,19 +158,6 @@ def server_array_module(args):
     except HpctrainError as exc:
         raise HpctrainError(str(exc).replace("--device gpu", "--ps-device gpu")) from None
     return xp
-
-
-def data_identity(data_dir):
-    """(digest, (image shape, classes)): the data this rank trains on, as a
-    digest of its manifest's content (not its path: two paths may hold the
-    same data, one path on two nodes different data), and the shapes the
-    model is built for."""
-    manifest = data_mod.load_manifest(data_dir)
-    try:
-        shape = data_mod.model_shape(manifest)
-    except HpctrainError as e:
-        raise HpctrainError(f"{data_dir}: {e}") from None
-    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16], shape
 
 
 def check_val(args, has_val, data_dir):
@@ -168,7 +218,7 @@ def check_step_size(args, workers, manifest, data_dir):
     would deal the same samples twice (in silence, for minutes: --accumulate-steps
     1000000 --steps 1 was 7,111 epochs in one step)."""
     train = int(manifest["train"]["num_samples"])
-    per_step = workers * worker_batch(args)
+    per_step = workers * args.batch_size * args.accumulate_steps * args.micro_batches
     if per_step > train:
         parts = [f"{workers} worker{'s' if workers > 1 else ''}", f"--batch-size {args.batch_size}"]
         flags = ["--batch-size"]
@@ -178,162 +228,3 @@ def check_step_size(args, workers, manifest, data_dir):
                 flags.append(flag)
         raise HpctrainError(f"{data_dir}: {train:,} training samples, fewer than one step takes "
                             f"({' x '.join(parts)} = {per_step:,}); use a smaller {', '.join(flags)} or fewer workers")
-
-
-class Session:
-    """Everything a training loop needs that is not the loop itself."""
-
-    def __init__(self, args, process_note, watchdog, stop, on_roles=None):
-        """watchdog: started before MPI_Init (train.train), aborting through
-        MPI now; every start-up collective below waits under it. stop: the
-        stop_signal.StopSignal made before it. on_roles: called with the
-        chief's world rank as soon as the roles are known (train.py's Ctrl-C
-        line must not call MPI to learn it)."""
-        self.stop = stop
-        watchdog.also_watch(self._stopped_outside_training)
-        self.stats = StepStats()
-        # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
-        # NumPy's warnings on every rank.
-        np.seterr(over="ignore", invalid="ignore", divide="ignore")
-        self.args = args
-        self.comm = MPI.COMM_WORLD
-        self.watchdog = watchdog
-        with watchdog.waiting("start-up (communicators)", peer=None):
-            self.cluster = cluster = Cluster(self.comm, args.mode, args.num_ps, args.ps_ranks)
-        self.chief = cluster.is_chief
-        if on_roles is not None:
-            on_roles(cluster.chief_rank)
-        # The same job everywhere, outputs included (settings.py). First,
-        # before the roles are used: ranks that disagree on --num-ps or
-        # --ps-ranks disagree on who the chief is (the rank map's root).
-        with watchdog.waiting("start-up (same job on every rank)", peer=None):
-            self.agreed(self.comm, check_consistency, self.comm, settings.same_on_every_rank(args))
-        with watchdog.waiting("start-up (rank map)", peer=None):
-            jobcheck.check_world(cluster, self.chief_says)
-        self.t_start = time.perf_counter()
-        self.agreed(self.comm, validate, args, cluster.size)
-        with watchdog.waiting("start-up (GPU binding)", peer=None):
-            gpu_note = cluster.confirm_gpu_binding(args.device)  # MPI's node-local rank has the last word
-        self.xp, self.device_name, device_note = self.agreed(self.comm, device.select, args.device)
-        plan = self.agreed(self.comm, allreduce_plan, args.allreduce, self.xp, args.mode, args.cuda_aware)
-        device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(self.xp) else "", plan]))
-        self.server_xp = self.agreed(self.comm, server_array_module, args)
-        self.thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        if not self.thread_multiple:
-            device_note += "; MPI gives less than MPI_THREAD_MULTIPLE: no communication thread (--overlap off)"
-        self.timeline = Timeline(args.timeline if self.chief else None, steps=args.timeline_steps)
-        self.chief_says(f"hpctrain: {args.mode} mode, world size {cluster.size} "
-                        f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {self.device_name} "
-                        f"({device_note})" + (f"; {process_note}" if process_note else ""))
-        if cluster.num_ps:
-            self.chief_says(cluster.servers_line())
-        # The same data everywhere (its manifest's content, not its path).
-        self.data_dir = ensure_data(args, cluster, watchdog)
-        # (the digest is also what checkpoints record of the data: resume.py)
-        self.data_digest, self.model_shape = self.agreed(self.comm, data_identity, self.data_dir)
-        with watchdog.waiting("start-up (same data on every rank)", peer=None):
-            self.agreed(self.comm, check_consistency, self.comm, {"data (manifest digest)": self.data_digest})
-        self.has_val = data_mod.has_val(self.data_dir)
-        self.agreed(self.comm, check_val, args, self.has_val, self.data_dir)
-        # After the data: --epochs count its training samples (the same on
-        # every rank: the manifest's digest was compared above). The last
-        # step is decided with the resume point (config.decide).
-        self.schedule = self._recipe(data_mod.load_manifest(self.data_dir))
-        # After the data: the model is shaped by its manifest.
-        self.spec = self.agreed(self.comm, self._model_spec, what="building the model")
-        with watchdog.waiting("start-up (same model on every rank)", peer=None):
-            # a user's file may differ between nodes: its code, layers and tensors are compared
-            self.agreed(self.comm, check_consistency, self.comm,
-                        {"model (layers, tensors and their shapes)": self.spec.fingerprint,
-                         "model code (the file and the modules it imports beside it)": self.spec.code or "-"})
-        if args.model != "mlp":
-            self.chief_says("\n".join(self.spec.summary()))
-        # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
-        self.pipeline_cuts = self.agreed(self.comm, pipeline_plan, args, cluster.size, self.spec)
-        # The workers that take batches of their own (a pipeline's replicas):
-        # what checkpoints count samples and data positions by.
-        self.data_workers = data_workers(args, cluster.num_workers)
-        self.agreed(self.comm, check_memory, args, cluster.local_size, self.spec)
-        self.agreed(self.comm, check_step_size, args, self.data_workers, data_mod.load_manifest(self.data_dir),
-                    self.data_dir)
-        # Last before training, so a refusal above leaves nothing behind (this
-        # creates --checkpoint-dir): a result that cannot be written would be lost.
-        self.agreed(self.comm, check_outputs if self.chief else _nothing, args)
-        self._test = None
-
-    def _model_spec(self):
-        """model_spec, a user's code under a deadline of its own: a model file
-        that does not return (its import, its function, a layer under the
-        checks) is named as this rank's own work, not a peer's."""
-        if ":" not in self.args.model:
-            return model_spec(self.args, self.model_shape)
-        with self.watchdog.waiting(f"--model {self.args.model}: its import, its function and the layer checks",
-                                   peer="its own model code", own=True):
-            return model_spec(self.args, self.model_shape)
-
-    def agreed(self, comm, fn, *args, what=None):
-        """agreed() under this session's watchdog."""
-        return agreed(comm, fn, *args, watchdog=self.watchdog, what=what)
-
-    def _stopped_outside_training(self):
-        """For the watchdog's thread: the line and exit code when a stop signal
-        came outside training (start-up, or writing the results) and the
-        process has not ended within the grace (a rank is stuck there)."""
-        overdue = self.stop.overdue()
-        if overdue is None:
-            return None
-        name, phase = overdue
-        if phase == "start-up":
-            return (f"stopped by {name} during start-up, before the first step (a rank is stuck there); "
-                    f"no new checkpoint: run the same command again to resume from the last one", EXIT_PREEMPTED)
-        where = (f"the final checkpoint in {self.args.checkpoint_dir} is whole: run the same command again "
-                 f"to write the results" if self.args.checkpoint_dir else "no --checkpoint-dir: the results are lost")
-        return (f"stopped by {name} after the last step, while the results were written (a rank is stuck "
-                f"there); {where}", EXIT_PREEMPTED)
-
-    def chief_says(self, text):
-        """A line on standard output from the chief; the other ranks stay quiet."""
-        if self.chief:
-            print(text, flush=True)
-
-    def _recipe(self, manifest):
-        """The lr schedule's arguments, its total steps --epochs counted from
-        step 0 (or --steps); the chief says both."""
-        args, workers, steps = self.args, data_workers(self.args, self.cluster.num_workers), self.args.steps
-        if args.epochs is not None:
-            samples = manifest["train"]["num_samples"]
-            steps = steps_for_epochs(args.epochs, samples, workers, worker_batch(args))
-            self.chief_says(f"steps: {args.epochs:g} epochs of {samples} samples at {workers} workers x "
-                            f"{worker_batch(args)} = {steps} steps")
-        sched = dict(base_lr=args.lr, workers=workers, scale_lr=args.scale_lr, warmup_steps=args.warmup_steps,
-                     schedule=args.lr_schedule, decay=args.lr_decay, decay_steps=args.lr_decay_steps,
-                     lr_min=args.lr_min, total_steps=steps)
-        if args.lr_schedule != "constant":   # constant: today's output, unchanged
-            self.chief_says(schedule_line(**sched))
-        return sched
-
-    def open_reader(self):
-        """This worker's training-batch reader (and its test part, loaded now)."""
-        args, cluster = self.args, self.cluster
-        reader = self.agreed(cluster.worker_comm, data_mod.ShardReader, self.data_dir, cluster.worker_index,
-                             cluster.num_workers, args.batch_size, args.seed)
-        self.test_part()
-        return reader
-
-    def test_part(self):
-        """This worker's part of the test set (uint8 pixels), read once: at
-        start-up, before training memory is touched, not at every evaluation."""
-        if self._test is None:
-            cluster = self.cluster
-            self._test = self.agreed(cluster.worker_comm, functools.partial(data_mod.load_test, raw=True),
-                                     self.data_dir, cluster.worker_index, cluster.num_workers)
-        return self._test
-
-    def chief_in(self, comm):
-        """The chief's rank in comm (a communicator that contains it)."""
-        world, group = self.comm.Get_group(), comm.Get_group()
-        try:
-            return MPI.Group.Translate_ranks(world, [self.cluster.chief_rank], group)[0]
-        finally:
-            world.Free()
-            group.Free()
