@@ -335,8 +335,8 @@ def parse(argv=None, quiet=False, prog="python -m hpctrain.train"):
     if args.steps is None and args.epochs is None:
         args.steps = DEFAULT_STEPS
     elif args.steps is None:
-        # --epochs: the session turns them into steps once the data's manifest
-        # and the worker count are known (steps_for_epochs); 0 until then.
+        # --epochs: the plan turns them into steps once the data's manifest
+        # and the worker count are known (run/plan.py); 0 until then.
         args.steps = 0
     if not quiet:   # rank 0 warns for the job (the others parse the same flags)
         for line in doubtful(args, parser):
@@ -364,13 +364,6 @@ def doubtful(args, parser):
         lines.append("--hidden gives no layer widths: the model is linear (inputs straight to the "
                      "classes, no hidden layer)")
     return lines
-
-
-def steps_for_epochs(epochs, train_samples, workers, batch_size):
-    """--epochs E as global steps: ceil(E * samples / (workers * batch size)),
-    at least 1. Exact for a whole E and integer arithmetic where E*4 is whole,
-    so 1 epoch of 4500 samples at 2 x 32 is 71 steps, not 70 or 72."""
-    return max(1, math.ceil(epochs * train_samples / (workers * batch_size)))
 
 
 DEFAULT_TIMEOUT = build_parser().get_default("timeout")

@@ -20,7 +20,7 @@ import sys
 import numpy as np
 
 from .errors import EXIT_BAD_INPUT, HpctrainError
-from .outputs import one_line
+from .run.outputs import one_line
 
 INSTALL = "plotting needs matplotlib: pip install 'hpctrain[plot]'"
 DPI = 80

@@ -8,13 +8,16 @@
 bundled sample is the default data). Order matters: flags are parsed and
 the process configured (BLAS threads, MPI progress throttling, GPU binding)
 before numpy and MPI are imported, because they read those settings once,
-when they load. Exit codes: hpctrain/errors.py.
+when they load; then MPI starts under a deadline, the run's world and plan
+are made (run/startup.py), one of the three loops trains (loops/), and
+every rank leaves through one shutdown barrier. Exit codes: hpctrain/errors.py.
 """
 import os
 import signal
 import sys
 
-from . import cli, cluster
+from . import cli
+from .run import cluster
 from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, HpctrainError
 
 # A rank other than the chief that got Ctrl-C waits this long per rank of
@@ -96,7 +99,7 @@ def train(args, process_note="", flag_error=None, seen=None):
     # stalls in it, ends this process (nothing of MPI can be used yet); the
     # launcher takes the rest down. Its way out is bounded from outside it
     # too, by a watcher started now, before MPI_Init (exit_guard.py).
-    from .stop_signal import StopSignal
+    from .run.stop_signal import StopSignal
     # First: a stop signal during start-up is kept for the first step (which
     # stops and checkpoints) instead of killing the rank mid-collective, and
     # a deadline that passes after one ends the job as a pre-emption (75).
@@ -116,24 +119,29 @@ def train(args, process_note="", flag_error=None, seen=None):
     else:
         # The watchdog's thread must not call MPI then: it names whom it
         # waited for and ends this process; the launcher takes the rest down.
-        watchdog.no_roll_call = "the culprit could not be determined: MPI gives less than MPI_THREAD_MULTIPLE"
-        watchdog.abort = _exit_now
-    from .session import Session, agreed
+        watchdog.without_roll_call("the culprit could not be determined: MPI gives less than MPI_THREAD_MULTIPLE",
+                                   abort=_exit_now)
+    from .comm.agree import agreed
+    from .report.timeline import Timeline
+    from .run.startup import start
     # The first collective of every rank: a flag bad on some ranks only (an
     # MPMD launch, a per-rank wrapper) ends every rank with its line, exit 2.
     agreed(MPI.COMM_WORLD, _raise, flag_error, watchdog=watchdog, what="flags")
-    session = Session(args, process_note, watchdog, stop,
-                      on_roles=(lambda chief: seen.__setitem__("chief", chief)) if seen is not None else None)
-    if args.pipeline_stages > 1:
-        from .loop_pipe import train_pipe as loop
-    elif args.mode == "ring":
-        from .loop_ring import train_ring as loop
+    world, plan, inputs = start(args, process_note, watchdog, stop,
+                                on_roles=(lambda chief: seen.__setitem__("chief", chief)) if seen is not None
+                                else None)
+    if plan.pipelined:
+        from .loops.pipe import train_pipe as loop
+    elif plan.mode == "ring":
+        from .loops.ring import train_ring as loop
     else:
-        from .loop_ps import train_ps as loop
+        from .loops.ps import train_ps as loop
+    # the chief's trace; the other ranks' record nothing
+    timeline = Timeline(plan.outputs.timeline if world.chief else None, steps=plan.outputs.timeline_steps)
     try:
-        record = loop(session)
+        record = loop(world, plan, inputs, timeline)
     finally:
-        session.timeline.discard()   # a trace that was not written leaves no temporary
+        timeline.discard()   # a trace that was not written leaves no temporary
     stop_mpi(watchdog, guard)   # shutdown is a wait too
     return record
 

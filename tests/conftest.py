@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hpctrain.cluster import child_env, in_mpi_job
+from hpctrain.run.cluster import child_env, in_mpi_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")

@@ -16,7 +16,7 @@ _train = entry.train
 
 def train(args, *rest):
     import numpy as np
-    from hpctrain import session
+    from hpctrain.run import startup as session
     session.server_array_module = lambda args: np
     return _train(args, *rest)
 

@@ -15,7 +15,7 @@ import sys
 # Nothing that loads numpy or MPI here: hpctrain.mnist configures the process
 # first. Cluster looks cluster.server_ranks up when it is built (after MPI
 # starts), so the function patched now is the one it asks.
-from hpctrain import cluster
+from hpctrain.run import cluster
 from hpctrain import train as entry
 
 

@@ -9,7 +9,7 @@ here (as tests/record_samples.py does), not in production code.
 import os
 import sys
 
-from hpctrain import cluster
+from hpctrain.run import cluster
 from hpctrain import train as entry
 
 cluster.configure_process(device="cpu")   # before numpy's BLAS starts (tests/record_samples.py)

@@ -13,7 +13,7 @@ import sys
 # The reader's module loads numpy, whose BLAS reads its thread count once:
 # configure the process first, as hpctrain.mnist then does again (it keeps
 # what is set). Unconfigured, 2-4 ranks sharing 2 cores ran 50x slower.
-from hpctrain import cluster
+from hpctrain.run import cluster
 from hpctrain import train as entry
 
 cluster.configure_process(device="cpu")

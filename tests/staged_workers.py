@@ -20,7 +20,8 @@ _train = entry.train
 
 def train(args, *rest):
     from gpu_fakes import LazyCopier
-    from hpctrain import loop_ps, prefetch
+    from hpctrain.loops import ps as loop_ps
+    from hpctrain import prefetch
     from hpctrain.comm.device_buffers import HostMirror
     loop_ps.HostMirror = lambda array, direct=False: HostMirror(array, copier=LazyCopier())
     loop_ps.prefetch = types.SimpleNamespace(

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from conftest import MPIRUN, OPEN_MPI, REPO, under_mpirun
-from hpctrain.cluster import child_env
-from hpctrain import checkpoint
+from hpctrain.run.cluster import child_env
+from hpctrain import checkpoint as checkpoint_command
+from hpctrain.checkpoints import file as checkpoint
 from hpctrain.errors import EXIT_PREEMPTED, HpctrainError
 
 SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",
@@ -106,7 +107,7 @@ def a_dead_pid():
 
 def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path):
     from argparse import Namespace
-    from hpctrain import outputs
+    from hpctrain.run import outputs
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     ckpt.mkdir()
     out.mkdir()
@@ -146,7 +147,7 @@ def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path
 
 
 def test_temporary_names_are_exclusive_unpredictable_and_carry_the_pid(tmp_path):
-    from hpctrain import outputs
+    from hpctrain.run import outputs
     names = set()
     for _ in range(3):
         fd, tmp = outputs.temp_next_to(tmp_path / "p.h5")
@@ -179,7 +180,7 @@ def test_a_file_whose_name_lies_about_its_step_is_skipped_and_never_pins_pruning
     ckpt, warnings = load(tmp_path)
     assert ckpt.step == 20 and len(warnings) == 2
     assert warnings[1].startswith("ckpt-00000025.h5: its name says step 25 but it holds step 30 ")
-    assert checkpoint.main([str(tmp_path)]) == 1
+    assert checkpoint_command.main([str(tmp_path)]) == 1
 
 
 def test_truncated_newest_falls_back_to_the_previous_one_with_a_warning(tmp_path):
@@ -359,7 +360,7 @@ def test_a_small_file_claiming_a_huge_params_is_refused_before_it_is_read(tmp_pa
     checkpoint.stamp(path)
     assert os.path.getsize(path) < 100_000
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
-            "from hpctrain import checkpoint; from hpctrain.errors import HpctrainError\n"
+            "from hpctrain.checkpoints import file as checkpoint; from hpctrain.errors import HpctrainError\n"
             "try:\n    checkpoint.load_latest(sys.argv[1], {})\n"
             "except HpctrainError as e:\n    print(e)")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,

@@ -25,7 +25,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hpctrain import checkpoint  # noqa: E402
+from hpctrain.checkpoints import file as checkpoint
 from hpctrain.errors import HpctrainError  # noqa: E402
 
 SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",

@@ -23,13 +23,13 @@ from mpi4py import MPI
 from conftest import same_bytes, saved
 from gpu_fakes import LazyCopier
 from hpctrain import device
-from hpctrain.clipping import EPS, Clip, clip_, clip_factor, global_norm, sum_squares
+from hpctrain.optim.clipping import EPS, Clip, clip_, clip_factor, global_norm, sum_squares
 from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.nn import mlp
-from hpctrain.optim import make_optimizer
-from hpctrain.ring_step import RingStep
+from hpctrain.optim.optimizers import make_optimizer
+from hpctrain.loops.ring_step import RingStep
 
 
 # --- units ---------------------------------------------------------------------

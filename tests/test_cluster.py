@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, under_mpirun
-from hpctrain.cluster import child_env
+from hpctrain.run.cluster import child_env
 
 pytestmark = pytest.mark.cluster
 

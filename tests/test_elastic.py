@@ -18,8 +18,9 @@ from collections import defaultdict
 import pytest
 
 from conftest import MPIRUN, OPEN_MPI, REPO, under_mpirun, without_launcher_banners
-from hpctrain import checkpoint, data
-from hpctrain.cluster import child_env
+from hpctrain.checkpoints import file as checkpoint
+from hpctrain import data
+from hpctrain.run.cluster import child_env
 from hpctrain.errors import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun jobs: runs in the plain pytest pass")

@@ -18,7 +18,7 @@ from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.wire import LOSS, STOP, Wire
 from hpctrain.nn import mlp
-from hpctrain.optim import Adam
+from hpctrain.optim.optimizers import Adam
 
 
 def test_buckets_cover_the_buffer_in_ready_order_on_layer_boundaries():

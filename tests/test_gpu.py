@@ -26,7 +26,7 @@ from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.topology import Topology
 from hpctrain.errors import HpctrainError
 from hpctrain.nn import mlp
-from hpctrain.optim import make_optimizer
+from hpctrain.optim.optimizers import make_optimizer
 
 cp, WHY = device._cupy_or_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cp is None, reason=f"needs CuPy and a CUDA GPU: {WHY}")]

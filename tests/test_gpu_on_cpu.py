@@ -15,7 +15,8 @@ import pytest
 from mpi4py import MPI
 
 from gpu_fakes import DevArray, LazyCopier, cudacopier  # noqa: F401 (a fixture)
-from hpctrain import cluster, device, prefetch
+from hpctrain.run import cluster
+from hpctrain import device, prefetch
 
 NO_GPU = device._cupy_or_reason()[0] is None
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import REPO, under_mpirun
-from hpctrain.cluster import child_env
+from hpctrain.run.cluster import child_env
 
 LAUNCH = os.path.join(REPO, "jobs", "launch.sh")
 

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from hpctrain import optim
-from hpctrain.optim import Adam, Momentum, OnDevice, SGD, Sharded, learning_rate, make_optimizer
+from hpctrain.optim import optimizers as optim
+from hpctrain.optim.optimizers import Adam, Momentum, OnDevice, SGD, Sharded, learning_rate, make_optimizer
 
 
 def reference(name, p, grads, lr, scale):
@@ -89,7 +89,7 @@ def test_state_names():
 def test_on_device_equals_the_inner_optimizer_through_restores(name):
     """optim.OnDevice (a server's --ps-device gpu optimizer; NumPy stands in for
     CuPy here) keeps host parameters and state authoritative across restores."""
-    from hpctrain.optim import OnDevice
+    from hpctrain.optim.optimizers import OnDevice
     rng = np.random.default_rng(3)
     n = 5000
     grads = [rng.standard_normal(n).astype(np.float32) for _ in range(8)]

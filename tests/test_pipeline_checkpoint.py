@@ -15,7 +15,7 @@ import signal
 import pytest
 
 from conftest import OPEN_MPI, saved, same_bytes
-from hpctrain import checkpoint
+from hpctrain.checkpoints import file as checkpoint
 from hpctrain.data import bundled_sample_dir, prepare
 from hpctrain.errors import EXIT_PREEMPTED
 from test_checkpoint import run_and_signal

@@ -19,7 +19,7 @@ pytest.importorskip("matplotlib", reason="the plot extra: pip install -e '.[plot
 from matplotlib.image import imread  # noqa: E402
 
 from hpctrain import plot  # noqa: E402
-from hpctrain.report import eta_text  # noqa: E402
+from hpctrain.report.report import eta_text
 
 pytestmark = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun jobs")
 

@@ -190,7 +190,7 @@ EXCHANGES = ["mpi", "shared"]
 @pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("placement", ["even", "round-robin"])
 def test_sync_rounds_sum_in_worker_order_on_every_server(placement, exchange):
-    from hpctrain.optim import SGD
+    from hpctrain.optim.optimizers import SGD
     s = Setup(placement, exchange)
     rounds, lr = 4, 0.5
     W = len(s.workers)
@@ -233,7 +233,7 @@ def test_sync_rounds_sum_in_worker_order_on_every_server(placement, exchange):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_snapshot_and_restore_round_trip_parameters_adam_state_and_positions(exchange):
-    from hpctrain.optim import Adam
+    from hpctrain.optim.optimizers import Adam
     s = Setup("round-robin", exchange, sync=False)
     W = len(s.workers)
     if s.is_server:
@@ -310,7 +310,7 @@ def two_worker_race(s, first, second):
 @pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("lam", [0.0, 2.0])
 def test_dc_asgd_update_matches_a_direct_computation(lam, exchange):
-    from hpctrain.optim import SGD
+    from hpctrain.optim.optimizers import SGD
     s = Setup("round-robin", exchange, sync=False)
     g0, g1 = gradient(0, 1), gradient(1, 1)
     if s.is_server:
@@ -338,7 +338,7 @@ def test_dc_asgd_update_matches_a_direct_computation(lam, exchange):
 @pytest.mark.mpi(min_size=3)
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_a_push_beyond_max_staleness_is_not_applied_and_brings_fresh_parameters(exchange):
-    from hpctrain.optim import SGD
+    from hpctrain.optim.optimizers import SGD
     s = Setup("even", exchange, sync=False)
     g0, g1 = gradient(0, 2), gradient(1, 2)
     if s.is_server:
@@ -417,7 +417,7 @@ def test_a_rank_with_another_ps_exchange_is_one_line_not_a_hang(tmp_path):
     """open_shared is collective on the node: a rank launched with another
     --ps-exchange must stop the job at the start-up comparison."""
     from conftest import MPIRUN, REPO
-    from hpctrain.cluster import child_env
+    from hpctrain.run.cluster import child_env
     py = [sys.executable, "-m", "hpctrain.mnist", "--mode", "ps", "--steps", "3", "--hidden", "16", "--timeout", "20"]
     r = subprocess.run([MPIRUN, "-n", "2", *py, ":", "-n", "1", *py, "--ps-exchange", "mpi"],
                        capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
@@ -432,7 +432,7 @@ def test_a_node_shares_memory_only_when_every_rank_can():
     rank's part; not with --ps-exchange mpi, not when one rank cannot (a GPU
     worker), not when /dev/shm has no room; every rank decides the same."""
     from mpi4py import MPI
-    from hpctrain.cluster import Cluster
+    from hpctrain.run.cluster import Cluster
     from hpctrain.comm.ps.shared import open_shared
     world = MPI.COMM_WORLD
     c = Cluster(world, "ps", 1)

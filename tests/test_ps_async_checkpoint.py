@@ -19,7 +19,7 @@ import time
 import pytest
 
 from conftest import MPIRUN, OPEN_MPI, REPO, under_mpirun
-from hpctrain.cluster import child_env
+from hpctrain.run.cluster import child_env
 from hpctrain.errors import EXIT_PREEMPTED
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")

@@ -20,7 +20,7 @@ import shutil
 import numpy as np
 import pytest
 
-from hpctrain.cluster import PS_RULES, server_ranks
+from hpctrain.run.cluster import PS_RULES, server_ranks
 
 # ---------------------------------------------------------------------------
 # serial: the rule
@@ -94,8 +94,8 @@ def free(c):
 @pytest.mark.mpi(min_size=2)
 def test_roles_follow_the_server_list(monkeypatch):
     from mpi4py import MPI
-    from hpctrain import cluster
-    from hpctrain.cluster import Cluster
+    from hpctrain.run import cluster
+    from hpctrain.run.cluster import Cluster
     from ps_servers_at import servers_at
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import same_bytes, saved
-from hpctrain.cli import steps_for_epochs
-from hpctrain.optim import learning_rate, make_optimizer, schedule_line
+from hpctrain.run.plan import steps_for_epochs
+from hpctrain.optim.optimizers import learning_rate, make_optimizer, schedule_line
 
 SMALL = ["--hidden", "64", "--log-every", "1000"]
 

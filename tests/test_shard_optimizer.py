@@ -25,10 +25,10 @@ from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.nn import mlp
-from hpctrain.optim import Sharded, make_optimizer, state_bytes
-from hpctrain.resume import Checkpoints
-from hpctrain.sharded_state import displacements
-from hpctrain.ring_step import RingStep
+from hpctrain.optim.optimizers import Sharded, make_optimizer, state_bytes
+from hpctrain.checkpoints.resume import Checkpoints
+from hpctrain.checkpoints.sharded import displacements
+from hpctrain.loops.ring_step import RingStep
 
 HIDDEN = (37, 19)
 STRATEGIES = {"ring": RingAllreduce, "mpi": MpiAllreduce,
@@ -112,10 +112,11 @@ def test_sharded_update_on_mpi_collectives_is_within_1e_6_under_sgd(fusion_elems
     assert losses[0] == float(sum(r + 1 for r in range(comm.size)))
 
 
-def stub_session(comm):
-    return SimpleNamespace(args=SimpleNamespace(checkpoint_dir=None), xp=np,
-                           chief_in=lambda c: 0, cluster=SimpleNamespace(chief_rank=0),
-                           watchdog=SimpleNamespace(waiting=lambda *a, **k: nullcontext()))
+def stub_checkpoints():
+    """Checkpoints over what gather_state and scatter_state read of the world and plan."""
+    world = SimpleNamespace(xp=np, chief_in=lambda c: 0, cluster=SimpleNamespace(chief_rank=0),
+                            watchdog=SimpleNamespace(waiting=lambda *a, **k: nullcontext()))
+    return Checkpoints(world, SimpleNamespace(outputs=SimpleNamespace(checkpoint_dir=None), data=None), None, None)
 
 
 def test_displacements_put_the_parts_back_to_back():
@@ -139,7 +140,7 @@ def test_state_gathers_full_length_on_the_chief_and_scatters_back_to_the_owners(
     for name, compact in opt.state().items():
         full = np.arange(n, dtype=np.float32) * (2 if name == "v" else -1)
         opt.compact(full, compact)
-    checkpoints = Checkpoints(stub_session(comm))
+    checkpoints = stub_checkpoints()
     gathered = checkpoints.gather_state(comm, opt)
     if comm.rank == 0:
         assert np.array_equal(gathered["m"], -np.arange(n, dtype=np.float32))

@@ -65,7 +65,7 @@ from typing import NamedTuple
 import pytest
 
 from conftest import under_mpirun
-from hpctrain.cluster import child_env
+from hpctrain.run.cluster import child_env
 
 pytestmark = pytest.mark.slurm
 

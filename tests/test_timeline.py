@@ -10,8 +10,8 @@ import threading
 import time
 import tracemalloc
 
-from hpctrain import timeline
-from hpctrain.timeline import Timeline
+from hpctrain.report import timeline
+from hpctrain.report.timeline import Timeline
 
 
 def spans(tl, n, name="step"):

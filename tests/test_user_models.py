@@ -114,7 +114,7 @@ def mpmd(folders, value, *flags, timeout=60):
     from conftest import MPIRUN, REPO
     import subprocess
     import sys
-    from hpctrain.cluster import child_env
+    from hpctrain.run.cluster import child_env
     cmd = [MPIRUN]
     for i, folder in enumerate(folders):
         cmd += ([":"] if i else []) + ["-n", "1", "-wdir", str(folder), sys.executable, "-m", "hpctrain.mnist",
@@ -172,7 +172,7 @@ def test_a_relative_and_an_absolute_path_to_one_file_are_one_model(job, tmp_path
     from conftest import MPIRUN, REPO
     import subprocess
     import sys
-    from hpctrain.cluster import child_env
+    from hpctrain.run.cluster import child_env
     base = [sys.executable, "-m", "hpctrain.mnist", "--steps", "5", "--log-every", "5", "--timeout", "20"]
     env = child_env()
     env["PYTHONPATH"] = REPO

@@ -177,7 +177,7 @@ def main(args):
         sys.stdout.write(r.stdout)
         sys.stderr.write(r.stderr)
         return r.returncode
-    from ..cluster import configure_process
+    from ..run.cluster import configure_process
     configure_process()
     from mpi4py import MPI
     comm = MPI.COMM_WORLD

@@ -12,7 +12,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from ..cluster import child_env, in_mpi_job
+from ..run.cluster import child_env, in_mpi_job
 from ..errors import EXIT_TIMEOUT, HpctrainError
 
 # Set by the bench for the jobs it launches, to a value of its own: a rank

@@ -80,8 +80,8 @@ def profile(model, batch, seconds, seed=0):
         d = model.layers[i].backward(d, need_dx=True)
     rows = []
     for i, layer in enumerate(model.layers):
-        need_dx = i > model._first
-        if i < model._first:   # before the first layer with parameters: no backward at all
+        need_dx = i > model.run.first
+        if i < model.run.first:   # before the first layer with parameters: no backward at all
             ms = _best_ms(lambda: layer.forward(inputs[i], True), seconds / len(model.layers))
         else:
             ms = _best_ms(lambda: (layer.forward(inputs[i], True), layer.backward(grads[i], need_dx)),

@@ -65,7 +65,7 @@ def fit(xs, ys):
 def measure(ranks, sizes="4K,64K,1M,4M,16M"):
     """alpha/beta for ring and ps from measurements at `ranks` ranks on this machine."""
     from .allreduce import measure as allreduce_measure
-    from ..cluster import configure_process
+    from ..run.cluster import configure_process
     configure_process()
     from mpi4py import MPI
     comm = MPI.COMM_WORLD

@@ -26,10 +26,10 @@ Work that one rank does while the others wait for it (the chief's
 evaluation, its result files) runs under `with dog.busy():`: that
 rank then answers a roll call "busy", and a rank whose wait expired waits
 another --timeout instead of giving up, for as long as the answer is busy.
-A busy rank that stops answering is named as any other. `dog.note`, once
-set, ends every line (e.g. that the run's results are already written);
-`dog.roles`, once set, says each rank's part after its number ("rank 2
-(stage 1, replica 0)", the pipeline's grid).
+A busy rank that stops answering is named as any other. Once
+`results_written(note)` is called, `note` ends every line (that the run's
+results are already written); once `name_roles(fn)` is, each rank's part
+follows its number ("rank 2 (stage 1, replica 0)", the pipeline's grid).
 """
 import sys
 import threading
@@ -136,6 +136,25 @@ class Watchdog:
                                         daemon=True)
         self._thread.start()
 
+    def mpi_started(self, rank, abort):
+        """MPI is up: this rank's number in the world, and MPI_Abort to end the job."""
+        self.rank, self.abort = rank, abort
+
+    def results_written(self, note):
+        """The run's results are written: every line from here on ends with `note`."""
+        self.note = note
+
+    def name_roles(self, roles):
+        """roles: a world rank -> its part in words ("stage 1, replica 0"),
+        said after its number in every line from here on (the pipeline's grid)."""
+        self.roles = roles
+
+    def without_roll_call(self, reason, abort):
+        """MPI gives less than MPI_THREAD_MULTIPLE: this thread must not call
+        MPI; a line names whom it waited for, says `reason`, and `abort` ends
+        this process (the launcher takes the rest down)."""
+        self.no_roll_call, self.abort = reason, abort
+
     def stop_using_mpi(self, abort):
         """Before MPI_Finalize: no more roll calls (this thread's MPI calls
         would race the finalization), and `abort` (os._exit) instead of MPI."""
@@ -160,10 +179,6 @@ class Watchdog:
         it (the chief evaluating alone): their expired waits go on while it
         answers "busy" (see above)."""
         return _Busy(self)
-
-    @property
-    def can_roll_call(self):
-        return self._roll is not None
 
     def roll_call_on(self, comm):
         """Collective over comm: from now on an expired wait holds a roll call

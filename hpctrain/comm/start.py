@@ -33,8 +33,7 @@ def start_mpi(watchdog):
                     raise RuntimeError("MPI_Init_thread failed")
             else:
                 MPI.Init_thread(MPI.THREAD_MULTIPLE)
-    watchdog.rank = MPI.COMM_WORLD.Get_rank()
-    watchdog.abort = MPI.COMM_WORLD.Abort
+    watchdog.mpi_started(MPI.COMM_WORLD.Get_rank(), abort=MPI.COMM_WORLD.Abort)
     return MPI
 
 

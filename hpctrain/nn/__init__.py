@@ -7,7 +7,7 @@ by name (zoo.py). Never imports MPI.
 """
 from .conv import AvgPool2d, Channels, Conv2d, GlobalAvgPool, MaxPool2d
 from .layers import Dense, Dropout, Flatten, Layer, LayerError, Noise, ReLU
-from .norm import BatchNorm1d, BatchNorm2d
+from .batchnorm import BatchNorm1d, BatchNorm2d
 from .residual import Residual
 from .spec import ModelSpec
 from .zoo import MNIST_CLASSES, MNIST_SHAPE, MODELS, cnn, lenet, mlp, resnet, small_cnn, spec_for

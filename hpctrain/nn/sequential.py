@@ -1,13 +1,17 @@
 """A layer list over one flat parameter buffer and one flat gradient buffer:
 the model the loops train. Made by `ModelSpec.build` (nn/spec.py), which
-knows the layout; this runs it: `init`, `forward_backward` (with the hooks
-fusion and the timeline use), `evaluate`.
+knows the layout; this runs it: `LayerRange`, the one runner of a range of
+layers (the whole model, or a pipeline stage), and `Sequential`, the model
+over all of them: `init`, `forward_backward` (with the hooks fusion and the
+timeline use), `evaluate`.
 
 The head is softmax cross-entropy over the last layer's outputs (the
 logits), averaged over the batch.
 
     python -m hpctrain.nn               # what a built model holds
 """
+import copy
+
 import numpy as np
 
 from .chain import Chain
@@ -50,24 +54,67 @@ class SoftmaxCrossEntropy:
         return float(-logp[xp.arange(logits.shape[0]), y].sum()), int((logits.argmax(axis=1) == y).sum())
 
 
+class LayerRange:
+    """The one runner of layers: layers [a, b) of a spec, each bound to its
+    views of flat buffers (params, grads, state: the whole model's, or a
+    pipeline stage's slices starting at the model's offsets `base`), run
+    forward (nn/chain.py: with the in-place rule's copies) and backward in
+    the order training needs, with the loss head when b is the last layer.
+    The whole model is the range [0, n) (Sequential below); a pipeline stage
+    one range of it (pipeline/stage.py), so a stage computes what the model
+    computes for those layers, call for call."""
+
+    def __init__(self, spec, a, b, xp, params, grads, state, base=(0, 0)):
+        self.spec, self.a, self.b, self.xp = spec, a, b, xp
+        self.layers = copy.deepcopy(spec.layers[a:b])   # every build its own: two models of a spec share nothing
+        for i, layer in zip(range(a, b), self.layers):
+            layer.bind(xp, spec.views(params, i, base=base[0]), spec.views(grads, i, base=base[0]),
+                       spec.views(state, i, of="state", base=base[1]))
+        self.chain = Chain(self.layers, xp)   # the range's input is its own: the batch, or a received buffer
+        self.in_shape = spec.input_shape if a == 0 else spec.shapes[a - 1]
+        self.head = SoftmaxCrossEntropy(xp) if b == len(spec.layers) else None
+        # (layer, index of its range in layer_ranges) for layers with parameters
+        self.owner = {i: k for k, i in enumerate(spec.param_layers)}
+        # backprop stops at the model's first layer with parameters: nothing before it needs a gradient
+        self.first = spec.param_layers[0] if spec.param_layers else len(spec.layers)
+
+    def set_noise(self, noise):
+        """`noise=(seed, step, sample_ids)`, or None: each layer's Noise, stream = its index in the model."""
+        for i, layer in zip(range(self.a, self.b), self.layers):
+            layer.set_noise(None if noise is None else Noise(*noise[:3], stream=i))
+
+    def forward(self, x, train):
+        """The range's output for x (the last range: the logits)."""
+        return self.chain.forward(x.reshape(x.shape[0], *self.in_shape), train)
+
+    def backward(self, d, on_layer_done=None):
+        """Backprop d (the gradient of the range's output) through the range,
+        last layer first, writing each layer's parameter gradients; calls
+        on_layer_done(k) as soon as layer_ranges[k]'s gradient is final.
+        Returns the gradient of the range's input, or None where no layer
+        before it has parameters (the model's first range)."""
+        for i in range(self.b - 1, max(self.a, self.first) - 1, -1):
+            d = self.layers[i - self.a].backward(d, need_dx=i > self.first)
+            if on_layer_done is not None and i in self.owner:
+                on_layer_done(self.owner[i])
+        return d if self.a > self.first else None
+
+
 class Sequential:
-    """The built model. Members the loops rely on: params, grads (the flat
-    buffers), state (non-trainable, may be empty), num_params, layer_ranges
-    ((lo, hi) of each layer with parameters, in buffer order; backprop
-    finishes them last first), tensors(), tensor_ranges(), init(seed),
+    """The built model: the range of all its layers over the model's flat
+    buffers. Members the loops rely on: params, grads (the flat buffers),
+    state (non-trainable, may be empty), num_params, layer_ranges ((lo, hi)
+    of each layer with parameters, in buffer order; backprop finishes them
+    last first), tensors(), tensor_ranges(), init(seed),
     forward_backward(...), evaluate(...)."""
 
-    def __init__(self, spec, layers, xp, params, grads, state, dtype):
-        self.spec, self.layers, self.xp, self.dtype = spec, layers, xp, np.dtype(dtype)
+    def __init__(self, spec, xp, params, grads, state, dtype):
+        self.spec, self.xp, self.dtype = spec, xp, np.dtype(dtype)
         self.params, self.grads, self.state = params, grads, state
         self.num_params = spec.num_params
         self.layer_ranges = spec.layer_ranges
-        self.head = SoftmaxCrossEntropy(xp)
-        self.chain = Chain(layers, xp)   # the forward, with the in-place rule's copies
-        # (layer, index of its range in layer_ranges) for layers with parameters
-        self._owner = {i: k for k, i in enumerate(spec.param_layers)}
-        # backprop stops at the first layer with parameters: nothing before it needs a gradient
-        self._first = spec.param_layers[0] if spec.param_layers else len(layers)
+        self.run = LayerRange(spec, 0, len(spec.layers), xp, params, grads, state)
+        self.layers, self.head, self.chain = self.run.layers, self.run.head, self.run.chain
 
     def init(self, seed):
         """Every layer's initial parameters from `seed` (host RNG, then copied,
@@ -93,9 +140,6 @@ class Sequential:
         """(name, view) of each non-trainable tensor (batch-norm statistics)."""
         return [(name, self.state[lo:hi].reshape(shape)) for name, shape, lo, hi in self.spec.state]
 
-    def _forward(self, x, train):
-        return self.chain.forward(x.reshape(x.shape[0], *self.spec.input_shape), train)   # logits
-
     def forward_backward(self, x, y, on_layer_done=None, loss_out=None, on_forward_done=None, noise=None):
         """Mean cross-entropy over the batch (an xp scalar); writes the gradient of
         that mean into self.grads. `on_layer_done(k)` is called as soon as
@@ -105,18 +149,14 @@ class Sequential:
         per row of x (its position in the epoch), is what layers drawing
         randomness (Dropout) need: their draws depend on it alone, never on how
         the rows are split over ranks."""
-        for i, layer in enumerate(self.layers):
-            layer.set_noise(None if noise is None else Noise(*noise[:3], stream=i))
-        loss, d = self.head.forward_backward(self._forward(x, True), y)
+        run = self.run
+        run.set_noise(noise)
+        loss, d = self.head.forward_backward(run.forward(x, True), y)
         if loss_out is not None:
             loss_out[...] = loss
         if on_forward_done is not None:
             on_forward_done()
-        d = self.head.gradient(d, y)
-        for i in range(len(self.layers) - 1, self._first - 1, -1):
-            d = self.layers[i].backward(d, need_dx=i > self._first)
-            if on_layer_done is not None and i in self._owner:
-                on_layer_done(self._owner[i])
+        run.backward(self.head.gradient(d, y), on_layer_done)
         return loss
 
     def evaluate(self, x, y, batch=128):
@@ -128,7 +168,7 @@ class Sequential:
             if xb.dtype == np.uint8:
                 xb = xb.astype(self.dtype)
                 xb /= 255
-            loss, right = self.head.sums(self._forward(xb, False), yb)
+            loss, right = self.head.sums(self.run.forward(xb, False), yb)
             total_loss += loss
             correct += right
         return total_loss, correct

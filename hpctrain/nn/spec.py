@@ -22,7 +22,6 @@ statistics) is laid out the same way in a buffer of its own.
 
     python -m hpctrain.nn               # the MLP's layers, shapes and buffer layout
 """
-import copy
 import hashlib
 import math
 import os
@@ -156,9 +155,10 @@ class ModelSpec:
         """(name, lo, hi) of each parameter tensor in the flat buffer."""
         return [(name, lo, hi) for name, _, lo, hi in self.tensors]
 
-    def views(self, buffer, i, of="params"):
-        """Layer i's tensors as views of `buffer`, keyed by the layer's own names."""
-        return {name.split("/", 1)[1]: buffer[lo:hi].reshape(shape)
+    def views(self, buffer, i, of="params", base=0):
+        """Layer i's tensors as views of `buffer`, keyed by the layer's own
+        names; base: the model's offset where `buffer` starts (a slice)."""
+        return {name.split("/", 1)[1]: buffer[lo - base:hi - base].reshape(shape)
                 for name, shape, lo, hi in (self.layer_tensors if of == "params" else self.layer_state)[i]}
 
     @property
@@ -238,8 +238,5 @@ class ModelSpec:
         state = xp.zeros(self.num_state, dtype) if state is None else state
         for buf, size in ((params, self.num_params), (grads, self.num_params), (state, self.num_state)):
             assert buf.shape == (size,) and buf.dtype == dtype and buf.flags.c_contiguous
-        layers = copy.deepcopy(self.layers)
-        for i, layer in enumerate(layers):
-            layer.bind(xp, self.views(params, i), self.views(grads, i), self.views(state, i, of="state"))
-        return Sequential(self, layers, xp, params, grads, state, dtype)
+        return Sequential(self, xp, params, grads, state, dtype)
 

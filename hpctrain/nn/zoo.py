@@ -29,7 +29,7 @@ from . import user
 from .check import check_layers
 from .conv import Channels, Conv2d, GlobalAvgPool, MaxPool2d
 from .layers import Dense, Dropout, Flatten, ReLU
-from .norm import BatchNorm2d
+from .batchnorm import BatchNorm2d
 from .residual import Residual
 from .spec import ModelSpec
 

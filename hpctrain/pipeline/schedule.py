@@ -165,7 +165,7 @@ class Span:
 
 
 @dataclass(frozen=True)
-class Timeline:
+class Ticks:
     """Every stage's spans in order, the step's length in ticks, and each stage's activation peak."""
     stages: tuple
     ticks: int
@@ -200,7 +200,7 @@ def _advance(stage, plan, at, clock, posted, spans, costs):
 
 
 def simulate(schedule, stages, micro_batches, forward_ticks=1, backward_ticks=1):
-    """Run `schedule`'s lists for every stage together in the tick model (module docstring); a Timeline.
+    """Run `schedule`'s lists for every stage together in the tick model (module docstring); a Ticks.
 
     Raises ScheduleError on a backward before its forward, on a deadlock
     (naming every stage that waits and for what) or on a message that no
@@ -225,7 +225,7 @@ def simulate(schedule, stages, micro_batches, forward_ticks=1, backward_ticks=1)
     if posted:
         (to, receive), (_, sender, send) = next(iter(posted.items()))
         raise ScheduleError(f"stage {sender}'s {send} is never received (no {receive} on stage {to})")
-    return Timeline(tuple(tuple(row) for row in spans), max(clock), activations)
+    return Ticks(tuple(tuple(row) for row in spans), max(clock), activations)
 
 
 def peak_activations(actions):

@@ -1,7 +1,7 @@
 """One pipeline stage's model: layers [a, b) of the spec's list over the
-stage's slice of the flat buffers, running the same calls, in the same order,
-as nn/sequential.py's `forward_backward` does for those layers, so that the
-pipeline's arithmetic is that of the whole model. Never imports MPI.
+stage's slice of the flat buffers, run by the model's own runner
+(nn/sequential.LayerRange), so that the pipeline's arithmetic is that of the
+whole model, call for call. Never imports MPI.
 
 A stage keeps `copies` StageModels, the schedule's peak of micro-batches in
 flight (schedule.peak_activations: GPipe M, 1F1B min(P - s, M)): layers keep
@@ -10,62 +10,43 @@ micro-batch's activations from `forward(m)` to `backward(m)` and then serves
 the next forward. That bound is the stage's activation memory. The copies
 share the stage's parameter, state and gradient buffers: a copy's backward
 writes micro-batch m's gradient, which is added to the step's sum right away
-(every schedule backprops in micro-batch order 0..M-1) in --accumulate-steps'
-order and operations (ring_step.py): acc = g0, acc += g1 ... g_{M-1} (its
-last addition g_{M-1} + acc, the same bits: IEEE addition commutes).
+(every schedule backprops in micro-batch order 0..M-1) by the one
+accumulation of every loop (nn/accumulate.py): g0, += g1 ... g_{M-1}.
 
     python -m pytest -q tests/test_pipeline.py
 """
-import copy
-
 from ..comm.wire import GRADS
-from ..nn.chain import Chain
-from ..nn.layers import Noise
-from ..nn.sequential import SoftmaxCrossEntropy
+from ..nn.accumulate import Accumulation
+from ..nn.sequential import LayerRange
 from .stages import ranges
-
-
-def _views(spec, buffer, i, base, of="params"):
-    per_layer = spec.layer_tensors if of == "params" else spec.layer_state
-    return {name.split("/", 1)[1]: buffer[lo - base:hi - base].reshape(shape) for name, shape, lo, hi in per_layer[i]}
 
 
 class StageModel:
     """Layers [a, b) bound to params/grads/state, slices starting at the
-    buffers' offsets `base` (params, state) of the full model's."""
+    buffers' offsets `base` (params, state) of the full model's: the model's
+    one runner (nn/sequential.LayerRange) over the stage's range, and on the
+    last stage the loss, whose gradient backward starts from."""
 
     def __init__(self, spec, a, b, xp, params, grads, state, base):
-        self.spec, self.a, self.b, self.xp = spec, a, b, xp
-        self.layers = copy.deepcopy(spec.layers[a:b])
-        for i, layer in zip(range(a, b), self.layers):
-            layer.bind(xp, _views(spec, params, i, base[0]), _views(spec, grads, i, base[0]),
-                       _views(spec, state, i, base[1], of="state"))
-        self.grads = grads
-        self.chain = Chain(self.layers, xp)   # the stage's input is its own: a received or batch buffer
-        self.in_shape = spec.input_shape if a == 0 else spec.shapes[a - 1]
-        self.head = SoftmaxCrossEntropy(xp) if b == len(spec.layers) else None
-        # backprop stops at the model's first layer with parameters
-        self._first = spec.param_layers[0]
+        self.run = LayerRange(spec, a, b, xp, params, grads, state, base)
+        self.a, self.b = a, b
         self._d = None
 
     def forward(self, x, y=None, noise=None):
         """The stage's output for x; on the last stage the loss (its gradient kept for backward)."""
-        for i, layer in zip(range(self.a, self.b), self.layers):
-            layer.set_noise(None if noise is None else Noise(*noise[:3], stream=i))
-        out = self.chain.forward(x.reshape(x.shape[0], *self.in_shape), True)
-        if self.head is None:
+        run = self.run
+        run.set_noise(noise)
+        out = run.forward(x, True)
+        if run.head is None:
             return out
-        loss, d = self.head.forward_backward(out, y)
-        self._d = self.head.gradient(d, y)
+        loss, d = run.head.forward_backward(out, y)
+        self._d = run.head.gradient(d, y)
         return loss
 
     def backward(self, dy=None):
-        """Writes this micro-batch's gradient into self.grads; returns the
-        gradient with respect to the stage's input (None on the first stage)."""
-        d = self._d if dy is None else dy
-        for i in range(self.b - 1, max(self.a, self._first) - 1, -1):
-            d = self.layers[i - self.a].backward(d, need_dx=i > self._first)
-        return d if self.a > self._first else None
+        """Writes this micro-batch's gradient into the stage's gradient buffer;
+        returns the gradient with respect to the stage's input (None on the first stage)."""
+        return self.run.backward(self._d if dy is None else dy)
 
 
 class Stage:
@@ -94,6 +75,7 @@ class Stage:
         self.models = [StageModel(spec, self.a, self.b, xp, self.params, self.grad, self.state,
                                   (self.lo, self.state_lo)) for _ in range(copies or micro_batches)]
         self._free, self._holding = list(range(len(self.models))), {}
+        self.sum = Accumulation(self.grads)   # the step's micro-batches, in --accumulate-steps' order
 
     def forward(self, m, x, y=None, noise=None):
         """Micro-batch m's forward on a free copy, which holds it until backward(m)."""
@@ -106,9 +88,8 @@ class Stage:
         Returns the gradient with respect to the stage's input (None on the first stage)."""
         copy = self._holding.pop(m)
         dx = self.models[copy].backward(dy)
-        if m == 0:
-            self.grads[...] = self.grad
-        else:
-            self.grads += self.grad
+        if m == 0:   # every schedule backprops in micro-batch order 0..M-1
+            self.sum.restart()
+        self.sum.add(self.grad)
         self._free.append(copy)
         return dx

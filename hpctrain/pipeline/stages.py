@@ -77,7 +77,7 @@ def cut_points(args, spec):
     return cuts
 
 
-def plan(args, world, spec):
+def cuts_for(args, world, spec):
     """The cut points of a pipeline run (None without --pipeline-stages), or
     HpctrainError for flags it cannot run with. Every rank alike (session.py)."""
     stages = args.pipeline_stages

@@ -33,8 +33,8 @@ import time
 
 import numpy as np
 
-from ..optim import state_bytes
-from ..timeline import NO_SPAN
+from ..optim.optimizers import state_bytes
+from ..report.timeline import NO_SPAN
 from . import schedule as sched
 
 # A row's kind is its index here; the category is the trace's colour group.
@@ -68,22 +68,24 @@ class _Row:
 class StageTrace:
     """This rank's spans of one step, handed to the chief's timeline after it."""
 
-    def __init__(self, session, grid, stage, optimizer):
-        self.enabled = session.args.timeline is not None
-        self.limit = session.args.timeline_steps   # then no more spans, and no more gathers, on every rank alike
+    def __init__(self, world, outputs, timeline, grid, stage, optimizer):
+        """world: run/world.World; outputs: the plan's (--timeline, the same on
+        every rank, and --timeline-steps); timeline: the chief's trace."""
+        self.enabled = outputs.timeline is not None
+        self.limit = outputs.timeline_steps   # then no more spans, and no more gathers, on every rank alike
         if not self.enabled:
             return
-        self.session, self.comm, self.timeline = session, session.comm, session.timeline
+        self.world, self.comm, self.timeline = world, world.comm, timeline
         self.rows, self.step = [], 0
         grads = [stage.grad, stage.grads]
         about = np.array([grid.stage, grid.replica, stage.a, stage.b, stage.params.nbytes,
                           sum(int(g.nbytes) for g in grads), state_bytes(optimizer), len(stage.models)], np.int64)
-        every = np.zeros((self.comm.Get_size(), about.size), np.int64) if session.chief else None
-        with session.watchdog.waiting("timeline start-up (pipeline clocks)", peer=None):
+        every = np.zeros((self.comm.Get_size(), about.size), np.int64) if world.chief else None
+        with world.waiting("timeline start-up (pipeline clocks)", peer=None):
             self.comm.Barrier()
             self.origin = time.perf_counter()
             self.comm.Gather(about, every, root=0)
-        if session.chief:
+        if world.chief:
             for rank, (s, q, a, b, params, grad_bytes, opt, copies) in enumerate(every.tolist()):
                 self.timeline.name_process(rank, f"stage {s}, replica {q} (rank {rank})", stage=s, replica=q,
                                            layers=[a, b], params_bytes=params, grads_bytes=grad_bytes,
@@ -113,9 +115,9 @@ class StageTrace:
         mine[2::4] -= self.origin
         mine[3::4] -= self.origin
         self.rows = []
-        chief = self.session.chief
+        chief = self.world.chief
         counts = np.zeros(self.comm.Get_size(), np.int64) if chief else None
-        with self.session.watchdog.waiting("timeline gather (pipeline spans)", peer=None):
+        with self.world.waiting("timeline gather (pipeline spans)", peer=None):
             self.comm.Gather(np.array([mine.size], np.int64), counts, root=0)
             every = np.empty(int(counts.sum()), np.float64) if chief else None
             self.comm.Gatherv(mine, [every, counts] if chief else None, root=0)

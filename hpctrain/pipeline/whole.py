@@ -14,7 +14,7 @@ stage its slice back. Takes the grid's communicators; never imports MPI.
   communicator): each stage's slice on its replica 0; `from_chief` then
   Bcasts it to the stage's other replicas: resume.
 
-On top of them, what the pipeline loop (loop_pipe.py) calls: `model_on_chief`
+On top of them, what the pipeline loop (loops/pipe.py) calls: `model_on_chief`
 (the whole model built on the chief for an evaluation, or on everyone at the
 end), `save_checkpoint` (ring mode's file: parameters, model state, the
 optimizer state, a sharded one's parts gathered over the stage's replicas
@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import device
 from ..errors import HpctrainError
-from ..sharded_state import ShardedState
+from ..checkpoints.sharded import ShardedState
 from .stages import ranges
 
 
@@ -103,75 +103,74 @@ class Layouts:
         self.params, self.state = spans(spec, cuts), spans(spec, cuts, of="state")
 
 
-def model_on_chief(session, run, everyone=False):
+def model_on_chief(world, spec, engine, layouts, everyone=False):
     """The whole model built on the chief (None elsewhere) from every
-    stage's slice; everyone: on every rank (ring mode's end)."""
-    grid, stage, layouts, watchdog = run.grid, run.stage, run.layouts, session.watchdog
+    stage's slice (engine: this rank's engine.Engine); everyone: on every
+    rank (ring mode's end)."""
+    grid, stage, watchdog = engine.grid, engine.stage, world.watchdog
     if everyone:
-        params = to_everyone(session.comm, grid, stage.params, layouts.params, watchdog, "parameters")
-        state = to_everyone(session.comm, grid, stage.state, layouts.state, watchdog, "model state")
+        params = to_everyone(world.comm, grid, stage.params, layouts.params, watchdog, "parameters")
+        state = to_everyone(world.comm, grid, stage.state, layouts.state, watchdog, "model state")
     else:
         params = to_chief(grid, stage.params, layouts.params, watchdog, "parameters")
         state = to_chief(grid, stage.state, layouts.state, watchdog, "model state")
-        if not session.chief:
+        if not world.chief:
             return None
-    xp = session.xp
-    return session.spec.build(xp, params=xp.asarray(params), state=xp.asarray(state))
+    xp = world.xp
+    return spec.build(xp, params=xp.asarray(params), state=xp.asarray(state))
 
 
-def save_checkpoint(session, checkpoints, run, reader, step):
+def save_checkpoint(world, checkpoints, engine, layouts, reader, step):
     """The chief writes the whole model's checkpoint, the file ring mode
     writes: every stage's parameters, model state and optimizer state
     gathered into full-length buffers, and the replicas' data positions
     (the first stage's ranks: one per replica)."""
-    grid, stage, layouts, watchdog = run.grid, run.stage, run.layouts, session.watchdog
+    grid, stage, watchdog = engine.grid, engine.stage, world.watchdog
     params = to_chief(grid, stage.params, layouts.params, watchdog, "parameters")
     state = to_chief(grid, stage.state, layouts.state, watchdog, "model state")
     optimizer = {name: to_chief(grid, array, layouts.params, watchdog, f"optimizer state {name}")
-                 for name, array in sorted(stage_optimizer_state(session, grid, run.optimizer).items())}
+                 for name, array in sorted(stage_optimizer_state(world, grid, engine.optimizer).items())}
     positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first else None
-    checkpoints.save(session.comm, step, params, optimizer, run.optimizer.t, positions, state)   # the chief's
+    checkpoints.save(world.comm, step, params, optimizer, engine.optimizer.t, positions, state)   # the chief's
 
 
-def replicas_state(session, grid, optimizer):
-    """A sharded optimizer's parts over the stage's replicas (sharded_state.py), replica 0 their root."""
-    return ShardedState(grid.stage_comm, optimizer, 0, grid.world_rank(grid.stage, 0), session.watchdog, session.xp)
+def replicas_state(world, grid, optimizer):
+    """A sharded optimizer's parts over the stage's replicas (checkpoints/sharded.py), replica 0 their root."""
+    return ShardedState(grid.stage_comm, optimizer, 0, grid.world_rank(grid.stage, 0), world.watchdog, world.xp)
 
 
-def stage_optimizer_state(session, grid, optimizer):
+def stage_optimizer_state(world, grid, optimizer):
     """name -> the stage's whole optimizer state on its replica 0 (a sharded
     optimizer's parts gathered there; unsharded: every replica's own)."""
     if getattr(optimizer, "ranges", None) is None:
         return optimizer.state()
-    full = replicas_state(session, grid, optimizer).gather()   # {} on the other replicas
+    full = replicas_state(world, grid, optimizer).gather()   # {} on the other replicas
     return {name: full.get(name) for name in optimizer.state()}
 
 
-def resume_stage(session, grid, stage, optimizer, layouts, resume):
+def resume_stage(world, spec, grid, stage, optimizer, layouts, resume):
     """The checkpoint's whole buffers (the chief's) into every stage's
     slices, the optimizer's step count too: whatever cut and replica count
     wrote it (a ring mode checkpoint as well)."""
-    ckpt, watchdog, xp = resume.checkpoint, session.watchdog, session.xp
+    ckpt, watchdog, xp = resume.checkpoint, world.watchdog, world.xp
     if ckpt is not None:
-        for what, have, want in (("parameters", ckpt.params.size, session.spec.num_params),
-                                 ("model state", ckpt.model_state.size, session.spec.num_state)):
+        for what, have, want in (("parameters", ckpt.params.size, spec.num_params),
+                                 ("model state", ckpt.model_state.size, spec.num_state)):
             if have != want:   # the model identity was compared: a crafted file
                 raise HpctrainError(f"{ckpt.path}: {have} floats of {what}, this model has {want}")
-    from_chief(grid, ckpt.params if ckpt else None, stage.params, layouts.params, watchdog, "parameters",
-                     xp)
-    if session.spec.num_state:   # collective: every stage alike, with state of its own or not
-        from_chief(grid, ckpt.model_state if ckpt else None, stage.state, layouts.state, watchdog,
-                         "model state", xp)
+    from_chief(grid, ckpt.params if ckpt else None, stage.params, layouts.params, watchdog, "parameters", xp)
+    if spec.num_state:   # collective: every stage alike, with state of its own or not
+        from_chief(grid, ckpt.model_state if ckpt else None, stage.state, layouts.state, watchdog, "model state", xp)
     sharded = getattr(optimizer, "ranges", None) is not None
     stage_state = {}
     for name, array in sorted(optimizer.state().items()):
         source = ckpt.optimizer_state[name] if ckpt else None
         if sharded:   # the stage's whole state on its replica 0, then each replica its part
             stage_state[name] = to_stages(grid, source, stage.hi - stage.lo, layouts.params, watchdog,
-                                                f"optimizer state {name}")
+                                          f"optimizer state {name}")
         else:
             from_chief(grid, source, array, layouts.params, watchdog, f"optimizer state {name}", xp)
     if sharded:
-        replicas_state(session, grid, optimizer).scatter(stage_state)
+        replicas_state(world, grid, optimizer).scatter(stage_state)
     optimizer.t = resume.optimizer_t
     device.synchronize(xp)

@@ -27,7 +27,7 @@ import time
 
 # Nothing that loads numpy or MPI here: hpctrain.mnist configures the process
 # (BLAS threads, MPI progress) first; the faults go in right after that.
-from hpctrain import cluster
+from hpctrain.run import cluster
 from hpctrain import train as entry
 
 

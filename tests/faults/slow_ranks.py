@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-from hpctrain import cluster
+from hpctrain.run import cluster
 from hpctrain import train as entry
 
 _train = entry.train
@@ -34,7 +34,7 @@ def stop_here():
 
 
 def slow_evaluations():
-    from hpctrain.report import Report
+    from hpctrain.report.report import Report
     evaluate_alone = Report.evaluate_alone
     sleep = float(os.environ.get("FAULT_EVAL_SLEEP", 0))
     stop = [os.environ.get("FAULT_EVAL_STOP") == "1"]

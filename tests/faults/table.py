@@ -36,7 +36,7 @@ REPO = os.path.dirname(TESTS)
 sys.path[:0] = [FAULTS, TESTS, REPO]
 
 from hpctrain import data  # noqa: E402
-from hpctrain.cluster import child_env  # noqa: E402
+from hpctrain.run.cluster import child_env
 from ranks import Stopped, rank_pid  # noqa: E402
 
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")

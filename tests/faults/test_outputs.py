@@ -110,7 +110,7 @@ def not_a_regular_file(tmp_path, kind):
                                         ("symlink to a fifo", None),
                                         ("symlink to a directory", "is a directory; name a file in it")])
 def test_an_output_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path, flag, kind, says):
-    from hpctrain import outputs
+    from hpctrain.run import outputs
     from hpctrain.errors import HpctrainError
     path = not_a_regular_file(tmp_path, kind)
     before = os.lstat(path)
@@ -154,7 +154,7 @@ def test_metrics_planted_after_the_check_is_not_followed_nor_blocks(tmp_path, pl
     """What check_outputs saw can change before the file is opened: the open
     itself refuses a symlink (O_NOFOLLOW) and a FIFO (without blocking)."""
     from hpctrain.errors import HpctrainError
-    from hpctrain.report import Metrics
+    from hpctrain.report.report import Metrics
     path, victim = tmp_path / "run.jsonl", tmp_path / "victim"
     victim.write_text("precious\n")
     if planted == "symlink":
@@ -220,7 +220,7 @@ def test_save_on_a_full_disk_is_one_line_with_the_systems_reason(job, tmp_path, 
 
 
 def test_a_resumed_metrics_file_drops_a_line_nested_past_what_json_parses(tmp_path):
-    from hpctrain.report import Metrics
+    from hpctrain.report.report import Metrics
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 1}\n' + "[" * 100000 + "]" * 100000 + '\n{"step": 2}\n{"step": 9}\n')
     metrics = Metrics(str(path))
@@ -231,7 +231,7 @@ def test_a_resumed_metrics_file_drops_a_line_nested_past_what_json_parses(tmp_pa
 
 
 def test_closing_a_metrics_file_keeps_it_and_offers_no_choice(tmp_path):
-    from hpctrain.report import Metrics
+    from hpctrain.report.report import Metrics
     path = tmp_path / "m.jsonl"
     metrics = Metrics(str(path))
     metrics.write({"step": 1})

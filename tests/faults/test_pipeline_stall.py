@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from conftest import MPIRUN, REPO
-from hpctrain.cluster import child_env
+from hpctrain.run.cluster import child_env
 from ranks import rank_pid
 from test_stalls import PY, errors, stall
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import MPIRUN, REPO
-from hpctrain.cluster import child_env
+from hpctrain.run.cluster import child_env
 from hpctrain.errors import EXIT_INTERRUPTED
 from ranks import rank_pid
 

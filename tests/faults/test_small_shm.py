@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import MPIRUN, REPO
-from hpctrain.cluster import child_env, mpich_shm_mb
+from hpctrain.run.cluster import child_env, mpich_shm_mb
 
 
 def in_small_shm(size, command):

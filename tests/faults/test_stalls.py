@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import MPIRUN, REPO, saved
-from hpctrain.cluster import child_env
+from hpctrain.run.cluster import child_env
 from ranks import Stopped, rank_pid
 
 PY = [sys.executable, "-m", "hpctrain.mnist"]

@@ -119,7 +119,7 @@ def test_ranks_on_different_data_or_checkpoint_dirs_are_refused(shards, tmp_path
     import subprocess
     import sys
     from conftest import MPIRUN, REPO
-    from hpctrain.cluster import child_env
+    from hpctrain.run.cluster import child_env
     copy = tmp_path / "copy"
     shutil.copytree(shards, copy)
     other = edited(shards, tmp_path / "other", lambda m: m.update(seed=99))
@@ -143,7 +143,7 @@ def test_output_flags_given_to_one_rank_only_are_refused(shards, tmp_path):
     import subprocess
     import sys
     from conftest import MPIRUN, REPO
-    from hpctrain.cluster import child_env
+    from hpctrain.run.cluster import child_env
     py = [sys.executable, "-m", "hpctrain.mnist", "--data", str(shards), "--steps", "3", "--hidden", "16",
           "--timeout", "20"]
     r = subprocess.run([MPIRUN, "-n", "1", *py, ":", "-n", "1", *py, "--save", "s.h5", "--metrics", "m.jsonl"],

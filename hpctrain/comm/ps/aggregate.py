@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from ...clipping import sum_squares
+from ...optim.clipping import sum_squares
 from ..deadline import NO_WATCHDOG
 
 BLOCK = 32768        # elements per block in the DC-ASGD pass (cache-sized)

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from .outputs import one_line, temp_next_to
+from ..run.outputs import one_line, temp_next_to
 
 # Events held in memory before they go to the file: ~0.3 MB.
 FLUSH_EVERY = 1000

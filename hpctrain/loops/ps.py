@@ -1,8 +1,9 @@
-"""The parameter-server loop (`--mode ps`), top to bottom: `train_ps(session)`
-turns the ranks of a Session into servers and workers and trains,
+"""The parameter-server loop (`--mode ps`), top to bottom: `train_ps(world,
+plan, inputs, timeline)` turns the world's ranks into servers and workers and trains,
 synchronously (the default) or asynchronously. The protocol itself is
 hpctrain/comm/ps/; this file wires it to the model, optimizer, data,
-reports and checkpoints, as loop_ring.py does for the ring.
+reports and checkpoints (through the frame, loops/frame.py), as loops/ring.py
+does for the ring.
 
     mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2            # sync, 2 ps + 2 workers
     mpirun -n 4 python -m hpctrain.mnist --mode ps --num-ps 2 --async    # async
@@ -35,27 +36,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import device, prefetch
-from .clipping import Clip
-from .cluster import cores_available
-from .comm.cuda_aware import cuda_aware
-from .comm.device_buffers import HostMirror
-from .comm.ps import Client, ProtocolError, Server, describe, place, summarize
-from .comm.ps.placement import slice_size
-from .comm.ps.server import reply_buffers_needed
-from .comm.ps.shared import open_shared
-from . import config as run_config
-from .errors import EXIT_TIMEOUT, HpctrainError
+from .. import device, prefetch
+from ..comm.cuda_aware import cuda_aware
+from ..comm.device_buffers import HostMirror
+from ..comm.ps import Client, ProtocolError, Server, describe, place, summarize
+from ..comm.ps.placement import slice_size
+from ..comm.ps.server import reply_buffers_needed
+from ..comm.ps.shared import open_shared
+from ..errors import EXIT_TIMEOUT, HpctrainError
+from ..nn.accumulate import Accumulation
+from ..optim.clipping import Clip
+from ..optim.optimizers import OnDevice, make_optimizer
+from ..run.cluster import cores_available
 from .frame import Frame, diverged
-from .optim import OnDevice, make_optimizer
-from .report import Report
-from .resume import Checkpoints, positions_for, resume_point
-
-
-def replicas_to_aggregate(args, num_workers):
-    if not args.sync:
-        return 1
-    return args.replicas_to_aggregate or num_workers - args.backup_workers
 
 
 def oversubscribed(cluster):
@@ -75,107 +68,104 @@ EXCHANGE_LINES = {"mpi": "MPI messages",
                   "shared+mpi": "shared memory with the servers on its node, MPI messages with the others"}
 
 
-def cluster_lines(session, placement, tensor_ranges, exchange="mpi", why_not=""):
+def cluster_lines(world, plan, placement, exchange="mpi", why_not=""):
     """The chief's start-up picture: roles in TensorFlow's naming, placement."""
-    args, cluster = session.args, session.cluster
+    cluster, ps = world.cluster, plan.ps
+    tensor_ranges = plan.spec.tensor_ranges()
     n = tensor_ranges[-1][2]
     lines = ["cluster:"]
     for r in range(cluster.size):
         lines.append(f"  {cluster.role_name(r)} = rank {r}" + ("  (chief)" if r == cluster.chief_rank else ""))
-    lines.append(f"placement {args.placement}: {n:,} parameters ({4 * n:,} bytes) on {cluster.num_ps} ps")
+    lines.append(f"placement {ps.placement}: {n:,} parameters ({4 * n:,} bytes) on {cluster.num_ps} ps")
     for k, (count, parts) in enumerate(describe(placement, tensor_ranges)):
         lines.append(f"  /job:ps/task:{k}: {count:,} parameters, {4 * count:,} bytes: {', '.join(parts) or '-'}")
-    lines.append(f"exchange (--ps-exchange {args.ps_exchange}): the chief uses {EXCHANGE_LINES[exchange]}"
+    lines.append(f"exchange (--ps-exchange {ps.exchange}): the chief uses {EXCHANGE_LINES[exchange]}"
                  + (f": {why_not}" if why_not else ""))
-    if args.sync:
-        R = replicas_to_aggregate(args, cluster.num_workers)
+    if ps.sync:
+        R = ps.replicas
         lines.append(f"sync: each update aggregates {R} of {cluster.num_workers} workers' gradients"
                      + (f" ({cluster.num_workers - R} backup)" if R < cluster.num_workers else "")
                      + ("; --max-staleness/--dc-lambda apply to --async only"
-                        if args.max_staleness is not None or args.dc_lambda else ""))
+                        if ps.max_staleness is not None or ps.dc_lambda else ""))
     else:
         lines.append("async: each gradient applied on arrival"
-                     + (f"; max staleness {args.max_staleness}" if args.max_staleness is not None else "")
-                     + (f"; DC-ASGD lambda {args.dc_lambda:g}" if args.dc_lambda else ""))
+                     + (f"; max staleness {ps.max_staleness}" if ps.max_staleness is not None else "")
+                     + (f"; DC-ASGD lambda {ps.dc_lambda:g}" if ps.dc_lambda else ""))
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------
 
-def train_ps(session):
-    args, cluster = session.args, session.cluster
-    checkpoints = Checkpoints(session)
+def train_ps(world, plan, inputs, timeline):
+    cluster = world.cluster
     # The protocol's own communicator: its tags never meet anyone else's messages.
     comm = cluster.comm.Dup()
     # Workers open their data; the servers learn whether that worked, so a bad
     # data directory never leaves them waiting for workers that have exited.
-    reader = session.agreed(cluster.comm, session.open_reader if cluster.is_worker else lambda: None)
+    reader = world.agreed(cluster.comm, (lambda: inputs.reader(cluster.worker_comm, cluster.worker_index,
+                                                               cluster.num_workers)) if cluster.is_worker
+                          else lambda: None)
     # With --checkpoint-dir: every rank learns whether (and from which step)
     # the run resumes; the chief then loads the servers (RESTORE).
-    resume = checkpoints.load(cluster.comm)
-    config = run_config.decide(session, resume)
-    placement = place(config.spec.tensor_ranges(), cluster.num_ps, args.placement)
-    shared, why_not = open_exchange(session, placement)
+    frame = Frame(world, plan, inputs, timeline, cluster.comm)
+    placement = place(plan.spec.tensor_ranges(), cluster.num_ps, plan.ps.placement)
+    shared, why_not = open_exchange(world, plan, placement)
     if cluster.is_ps:
-        result = run_server(session, config, checkpoints, comm, placement, shared)
+        result = run_server(world, plan, frame, comm, placement, shared)
     else:
-        result = run_worker(session, config, checkpoints, comm, reader, resume, placement, shared, why_not)
+        result = run_worker(world, plan, frame, comm, reader, placement, shared, why_not)
     if shared is not None:   # MPI_Finalize frees the window (shared.py: why not MPI_Win_free here)
         shared.close()
     return result
 
 
-def open_exchange(session, placement):
+def open_exchange(world, plan, placement):
     """(this node's shared-memory window for the ps exchange (comm/ps/shared.py)
     or None, why not in words): None with --ps-exchange mpi, a node without
     both roles, a GPU worker on it, or /dev/shm too small. Collective over
     the node's ranks."""
-    args, cluster = session.args, session.cluster
-    return open_shared(cluster, enabled=args.ps_exchange == "auto",
-                       able=cluster.is_ps or not device.is_gpu(session.xp),
-                       num_params=session.spec.num_params, server_sizes=[slice_size(r) for r in placement],
-                       reply_bufs=reply_buffers_needed(args.sync, replicas_to_aggregate(args, cluster.num_workers),
-                                                       cluster.num_workers),
-                       watchdog=session.watchdog)
+    cluster = world.cluster
+    return open_shared(cluster, enabled=plan.ps.exchange == "auto",
+                       able=cluster.is_ps or not device.is_gpu(world.xp),
+                       num_params=plan.spec.num_params, server_sizes=[slice_size(r) for r in placement],
+                       reply_bufs=reply_buffers_needed(plan.ps.sync, plan.ps.replicas, cluster.num_workers),
+                       watchdog=world.watchdog)
 
 
-def run_server(session, config, checkpoints, comm, placement, shared):
-    args, cluster = session.args, session.cluster
+def run_server(world, plan, frame, comm, placement, shared):
+    cluster, ps, opt = world.cluster, plan.ps, plan.optimizer
     mine = placement[cluster.ps_index]
     size = sum(hi - lo for lo, hi in mine)
-    if args.ps_device == "gpu":
+    if ps.device == "gpu":
         # The slice and its optimizer state on this rank's GPU; messages stay on the host.
-        optimizer = OnDevice(make_optimizer(args.optimizer, size, session.server_xp, momentum=args.momentum,
-                                            weight_decay=args.weight_decay), size)
+        optimizer = OnDevice(make_optimizer(opt.name, size, world.server_xp, **opt.kwargs), size)
     else:
         # --weight-decay is the optimizer's own (decoupled, per element): each
         # server decays its slice as ring mode decays the whole buffer.
-        optimizer = make_optimizer(args.optimizer, size, np, momentum=args.momentum,
-                                   weight_decay=args.weight_decay)
-    server = Server(comm, mine, cluster.worker_ranks, cluster.ps_ranks, optimizer, config.lr,
-                    steps=config.steps, sync=args.sync,
-                    replicas=replicas_to_aggregate(args, cluster.num_workers), max_staleness=args.max_staleness,
-                    dc_lambda=args.dc_lambda, watchdog=session.watchdog,
-                    stop_requested=lambda: session.stop.received, nap=oversubscribed(cluster),
+        optimizer = make_optimizer(opt.name, size, np, **opt.kwargs)
+    server = Server(comm, mine, cluster.worker_ranks, cluster.ps_ranks, optimizer, plan.lr,
+                    steps=frame.steps, sync=ps.sync, replicas=ps.replicas, max_staleness=ps.max_staleness,
+                    dc_lambda=ps.dc_lambda, watchdog=world.watchdog,
+                    stop_requested=lambda: world.stop.received, nap=oversubscribed(cluster),
                     # --clip-norm, sync: on the aggregate (async: each worker clips its own)
-                    clip=Clip(args.clip_norm) if args.clip_norm and args.sync else None,
+                    clip=Clip(opt.clip_norm) if opt.clip_norm and ps.sync else None,
                     servers_comm=cluster.ps_comm, shared=shared)
-    with session.stop.training() as phase:   # the server loop takes stop requests from here on
+    with world.stop.training() as phase:   # the server loop takes stop requests from here on
         server.serve_until_done()
         phase.stopped = server.round.preempted
     if server.round.preempted:   # every rank agrees (the leader's flag reached all): exit 75 together
-        checkpoints.raise_preempted(cluster.comm, server.round.version)
+        frame.checkpoints.raise_preempted(cluster.comm, server.round.version)
     return None
 
 
-def save_cut(session, checkpoints, cut, model_state):
+def save_cut(plan, checkpoints, cut, model_state):
     """A checkpoint of the servers' Cut at ps 0's version and optimizer step,
     and the chief's own non-trainable model state (batch-norm statistics).
     Sync: every server is at that version (ps 0's hold makes it so: anything
     else is a bug). Async: each server's slice as it was while held, with
     the updates it applied; the servers' own counts may differ and resume
     from ps 0's (docs/ps.md, "Checkpoints in ps mode")."""
-    if session.args.sync and not cut.consistent:
+    if plan.ps.sync and not cut.consistent:
         raise ProtocolError(f"a sync checkpoint cut is not one version: {cut.describe()}")
     checkpoints.save_on_chief_only(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions, model_state)
 
@@ -184,84 +174,84 @@ def save_cut(session, checkpoints, cut, model_state):
 class Worker:
     """What a worker trains with: the model, the host mirrors MPI reads and
     writes, the protocol's client, the optimizer's state names (for
-    checkpoints) and async --clip-norm's clip."""
+    checkpoints), async --clip-norm's clip, and --accumulate-steps' sums."""
     model: object
     pm: HostMirror
     gm: HostMirror
     client: Client
     state_names: tuple
     clip: object
+    acc: object        # the first K - 1 micro-batches' gradients (nn/accumulate.py), or None
+    acc_loss: object
 
 
-def run_worker(session, config, checkpoints, comm, reader, resume, placement, shared, why_not=""):
-    report = Report(session, config)
-    reader = prefetch.device_batches(reader, session.xp)   # GPU: pinned, async, one step ahead
-    w = start_worker(session, config, comm, placement, shared, why_not, resume)
-    if resume is not None:
-        checkpoints.seek_readers(reader, resume)
-        checkpoints.broadcast_model_state(session.cluster.worker_comm, resume, w.model.state)
-        session.chief_says(checkpoints.resumed_line(resume, config))
-    report.resume_at(checkpoints.saved_step, resume)   # None: a fresh run, a fresh file
-    checkpoints.more_attrs = report.checkpoint_attrs   # --keep-best's best so far
+def run_worker(world, plan, frame, comm, reader, placement, shared, why_not=""):
+    reader = prefetch.device_batches(reader, world.xp)   # GPU: pinned, async, one step ahead
+    w = start_worker(world, plan, frame, comm, placement, shared, why_not)
+    frame.resumed(reader, lambda resume: frame.checkpoints.broadcast_model_state(world.cluster.worker_comm, resume,
+                                                                                 w.model.state))
     w.pm.recv_buffer()
     w.client.pull()
     w.pm.to_device()
-    frame = Frame(session, config, report, checkpoints, w.client.version)
-    local = worker_steps(session, config, frame, w, reader)
-    return end_worker(session, config, frame, w, local)
+    local = worker_steps(world, plan, frame, w, reader)
+    return end_worker(world, plan, frame, w, local)
 
 
-def start_worker(session, config, comm, placement, shared, why_not, resume):
-    args, cluster, xp = session.args, session.cluster, session.xp
+def start_worker(world, plan, frame, comm, placement, shared, why_not):
+    cluster, xp, spec = world.cluster, world.xp, plan.spec
     # In a shared-memory window, backprop writes the gradient where the servers read it.
-    spec = config.spec
     model = spec.build(xp) if shared is None else \
         spec.build(xp, grads=shared.worker_grads(cluster.rank, spec.num_params))
-    model.init(args.seed)
+    model.init(plan.data.seed)
     # What MPI reads and writes: the model's buffers (NumPy; GPU with a
     # CUDA-aware MPI: point-to-point, so no agreement between ranks is needed)
     # or pinned host mirrors of them. Kept for the whole run (see HostMirror).
-    direct = device.is_gpu(xp) and cuda_aware(args.cuda_aware)[0]
+    direct = device.is_gpu(xp) and cuda_aware(plan.ring.cuda_aware)[0]
     pm, gm = HostMirror(model.params, direct=direct), HostMirror(model.grads, direct=direct)
     client = Client(comm, cluster.ps_ranks, placement, pm.host, gm.host, cluster.worker_index, cluster.num_workers,
-                    sync=args.sync, watchdog=session.watchdog, nap=oversubscribed(cluster), shared=shared)
-    state_names = make_optimizer(args.optimizer, 1, np).state_names
-    if session.chief:
-        print(cluster_lines(session, placement, spec.tensor_ranges(), exchange_name(client), why_not), flush=True)
-        start_servers(client, resume, model, state_names, cluster.num_workers)
+                    sync=plan.ps.sync, watchdog=world.watchdog, nap=oversubscribed(cluster), shared=shared)
+    state_names = make_optimizer(plan.optimizer.name, 1, np).state_names
+    if world.chief:
+        print(cluster_lines(world, plan, placement, exchange_name(client), why_not), flush=True)
+        start_servers(client, frame.resume, model, state_names, cluster.num_workers)
     # async: each worker clips its own gradient (sync: the servers clip the aggregate)
-    clip = Clip(args.clip_norm) if args.clip_norm and not args.sync else None
-    return Worker(model, pm, gm, client, state_names, clip)
+    clip = Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm and not plan.ps.sync else None
+    acc = acc_loss = None
+    if plan.ring.accumulate_steps > 1:
+        acc = Accumulation(xp.zeros(spec.num_params, model.grads.dtype))
+        acc_loss = Accumulation(xp.zeros(1, model.grads.dtype))
+    return Worker(model, pm, gm, client, state_names, clip, acc, acc_loss)
 
 
-def worker_steps(session, config, frame, w, reader):
+def worker_steps(world, plan, frame, w, reader):
     """The training loop: pull, compute, push, until the servers say stop.
     Returns the steps this worker computed."""
-    args, xp, tl, chief = session.args, session.xp, session.timeline, session.chief
+    tl, chief, sync, k = frame.timeline, world.chief, plan.ps.sync, plan.ring.accumulate_steps
     model, client, pm, gm, clip = w.model, w.client, w.pm, w.gm, w.clip
-    noisy, seed = config.spec.draws_noise, args.seed   # dropout: masks of (seed, epoch, sample id)
     norms = []   # sync --clip-norm: the servers' pre-clip norm of each round
     local = 0
     with frame.training():
         while not client.stop:
             with tl.span("data", cat="data"):
-                x, y = reader.next_batch()
-                x, y = xp.asarray(x), xp.asarray(y)
+                x, y, noise = frame.batch(reader)
             t0 = time.perf_counter()
             with tl.span("forward+backward", cat="compute"):
                 # --accumulate-steps K: the first K - 1 micro-batches' gradients summed, nothing pushed
-                acc = accumulated(model, reader, xp, args.accumulate_steps, seed if noisy else None, x, y)
-                if acc is not None:
-                    x, y = reader.next_batch()
-                    x, y = xp.asarray(x), xp.asarray(y)
+                if k > 1:
+                    w.acc.restart()
+                    w.acc_loss.restart()
+                    for _ in range(k - 1):
+                        w.acc_loss.add(model.forward_backward(x, y, noise=noise))
+                        w.acc.add(model.grads)
+                        x, y, noise = frame.batch(reader)
                 forward_done, layer_done = tl.model_hooks(t0, None)
                 loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
-                                              noise=(seed, *reader.last_draw) if noisy else None)
-                if acc is not None:   # the push is the mean gradient (and loss) of the K
-                    grads, acc_grads, acc_loss = model.grads, *acc
-                    grads += acc_grads
-                    grads *= 1.0 / args.accumulate_steps
-                    loss = (acc_loss + loss) * (1.0 / args.accumulate_steps)
+                                              noise=noise)
+                if k > 1:   # the push is the mean gradient (and loss) of the K
+                    w.acc.into(model.grads)
+                    model.grads *= 1.0 / k
+                    w.acc_loss.add(loss)
+                    loss = w.acc_loss.mean()[0]
                 gm.to_host()        # returns when the gradients are where MPI reads them
                 loss = float(loss)  # after that wait: no second one for the loss
                 if clip:
@@ -270,10 +260,10 @@ def worker_steps(session, config, frame, w, reader):
             t1 = time.perf_counter()
             with tl.span("push+pull", cat="comm"):
                 pm.recv_buffer()    # the last copy to the device has read params: MPI may overwrite them
-                client.push_pull(loss, stop_request=session.stop.received is not None, position=reader.position)
+                client.push_pull(loss, stop_request=world.stop.received is not None, position=reader.position)
                 pm.to_device()      # asynchronous; the next forward waits for it on the device
             t2 = time.perf_counter()
-            if tl.enabled:
+            if tl.recording:
                 # inside push+pull: starting the sends, waiting for the servers' replies, the rest
                 sent, replied, done = client.marks
                 tl.add("push", "comm", t1, sent)
@@ -282,81 +272,64 @@ def worker_steps(session, config, frame, w, reader):
             # The worker's view: its push+pull wait is communication not hidden
             # (the servers' optimizer work is inside it).
             frame.timed(t0, t1, t2)
-            loss = client.loss if args.sync else loss
-            if args.clip_norm and args.sync:
+            loss = client.loss if sync else loss
+            if plan.optimizer.clip_norm and sync:
                 norms.append(client.grad_norm)
             if not math.isfinite(loss):
                 # Sync: every worker sees the same aggregated loss and the chief says so;
                 # async: the worker whose own loss it is. Not agreed: the job is aborted.
-                raise diverged(client.version, loss, chief or not args.sync, collective=False)
+                raise diverged(client.version, loss, chief or not sync, collective=False)
             frame.log.add(loss)
             step = client.version
             if frame.log.due(step, last=client.stop):
-                log_progress(frame, step, clip, norms, args, session.cluster, local)
+                log_progress(world, plan, frame, step, clip, norms, local)
             frame.after_step(model, step)
             if chief and not client.stop and frame.checkpoint_due(step):
                 # The chief alone: the servers' slices and state at one version
                 # (SNAPSHOT), with the data positions the leader recorded for it.
-                save_cut(session, frame.checkpoints, client.snapshot(w.state_names), model.state)
+                save_cut(plan, frame.checkpoints, client.snapshot(w.state_names), model.state)
             if client.preempted:
                 frame.stopping(step)
     return local
 
 
-def accumulated(model, reader, xp, k, seed, x, y):
-    """--accumulate-steps k > 1: forward and backward of (x, y) and the next
-    k - 2 batches, their gradients and losses summed (None for k = 1). The
-    reader then stands at the step's last micro-batch."""
-    if k == 1:
-        return None
-    grads, loss = None, 0.0
-    for i in range(k - 1):
-        if i:
-            x, y = reader.next_batch()
-            x, y = xp.asarray(x), xp.asarray(y)
-        loss = loss + model.forward_backward(x, y, noise=(seed, *reader.last_draw) if seed is not None else None)
-        grads = model.grads.copy() if grads is None else grads.__iadd__(model.grads)
-    return grads, loss
-
-
-def end_worker(session, config, frame, w, local):
+def end_worker(world, plan, frame, w, local):
     """Every worker ends with the final parameters (the evaluation is shared);
     the chief also gets the final optimizer state for the last checkpoint.
     Then the pre-emption exit, or the results."""
-    args, cluster, chief, checkpoints, client = session.args, session.cluster, session.chief, frame.checkpoints, w.client
-    W, R = cluster.num_workers, replicas_to_aggregate(args, cluster.num_workers)
+    cluster, chief, checkpoints, client, ps = world.cluster, world.chief, frame.checkpoints, w.client, plan.ps
+    W, R = cluster.num_workers, ps.replicas
     want_state = checkpoints.enabled and chief
-    with session.timeline.span("final pull", cat="comm"):
+    with frame.timeline.span("final pull", cat="comm"):
         w.pm.recv_buffer()
         stats, final_cut = client.final(w.state_names if want_state else None)
     w.pm.to_device()
     w.pm.wait()   # nothing reads the pinned mirror once run_worker returns
     step = client.version
-    if chief and session.has_val and not client.preempted:
-        frame.report.final_val(w.model, step)   # before the last checkpoint: it records the best
-    if want_state and checkpoints.saved_step != step:
-        save_cut(session, checkpoints, final_cut, w.model.state)
-    if client.preempted:
-        checkpoints.raise_preempted(cluster.comm, step)   # the exit-75 error on every rank
     extra = summarize(stats, W)
-    extra.update({"num_ps": cluster.num_ps, "ps_ranks": args.ps_ranks, "server_ranks": cluster.ps_ranks,
-                  "placement": args.placement, "ps_exchange": exchange_name(client), "sync": args.sync,
+    extra.update({"num_ps": cluster.num_ps, "ps_ranks": ps.ps_ranks, "server_ranks": cluster.ps_ranks,
+                  "placement": ps.placement, "ps_exchange": exchange_name(client), "sync": ps.sync,
                   "replicas_to_aggregate": R,
-                  "backup_workers": W - R if args.sync else 0, "max_staleness": args.max_staleness,
-                  "dc_lambda": args.dc_lambda, "loop_s": round(frame.loop_s, 4), "local_steps": local,
+                  "backup_workers": W - R if ps.sync else 0, "max_staleness": ps.max_staleness,
+                  "dc_lambda": ps.dc_lambda, "loop_s": round(frame.loop_s, 4), "local_steps": local,
                   "rejected_pushes": client.rejected})
-    if args.clip_norm:
-        extra["clip_norm"] = args.clip_norm
+    if plan.optimizer.clip_norm:
+        extra["clip_norm"] = plan.optimizer.clip_norm
         if w.clip:   # async: this worker's (the chief's) own pushes
             extra.update(w.clip.totals())
-    if extra["abandoned_workers"]:
-        return finish_without(session, frame, w.model, step, config.worker_batch * R, extra)
-    return frame.finish(w.model, step, config.worker_batch * R, extra)
+    alone = bool(extra["abandoned_workers"])
+    record = frame.end(step, client.preempted, cluster.comm, w.model,
+                       save=(lambda at: save_cut(plan, checkpoints, final_cut, w.model.state)) if want_state else None,
+                       extra=extra, alone=alone)
+    if alone:
+        finish_without(world, plan, step, extra)
+    return record
 
 
 def start_servers(client, resume, model, state_names, num_workers):
     """The chief decides the servers' starting point: the checkpoint's
     parameters, optimizer state and data positions, or its initial parameters."""
+    from ..checkpoints.resume import positions_for, resume_point
     if resume is None:
         client.restore(0, 0, device.to_host(model.params))
         return
@@ -366,36 +339,33 @@ def start_servers(client, resume, model, state_names, num_workers):
                    positions_for(resume_point(ckpt.data_positions), num_workers))
 
 
-def log_progress(frame, step, clip, norms, args, cluster, local):
+def log_progress(world, plan, frame, step, clip, norms, local):
     """Sync: the chief's line (the mean loss of the aggregated workers, as in
     ring mode). Async: every worker prints its own."""
     loss_mean, report = frame.log.take(step), frame.report
-    replicas = replicas_to_aggregate(args, cluster.num_workers)
-    samples, elapsed = frame.samples(step, frame.config.worker_batch * replicas), frame.elapsed()
+    samples, elapsed = frame.samples(step), frame.elapsed()
     grad_norm = None
     if clip:
         grad_norm = clip.mean_norm()
-    elif args.clip_norm:
+    elif plan.optimizer.clip_norm:
         grad_norm = sum(norms) / len(norms)
     norms.clear()
-    if not args.sync:
-        report.progress(step, loss_mean, samples, elapsed, worker=cluster.worker_index, local_step=local,
+    if not plan.ps.sync:
+        report.progress(step, loss_mean, samples, elapsed, worker=world.cluster.worker_index, local_step=local,
                         grad_norm=grad_norm)
-    elif frame.session.chief:
+    elif world.chief:
         report.progress(step, loss_mean, samples, elapsed, grad_norm=grad_norm)
 
 
-def finish_without(session, frame, model, step, per_step, extra):
+def finish_without(world, plan, step, extra):
     """The servers left behind workers that went silent and never came back
-    after the last step: the chief writes the result by itself (the final
-    checkpoint is written; now the evaluation, --save, the final record),
-    then the job ends with exit 3 and a line naming them (they can never
+    after the last step: the chief has written the result by itself (the
+    final checkpoint, the evaluation, --save, the final record: frame.end
+    alone); the job ends with exit 3 and a line naming them (they can never
     join MPI_Finalize). The other ranks wait for that end."""
-    cluster = session.cluster
-    if not session.chief:
-        return None
-    frame.finish(model, step, per_step, extra, alone=True)
+    cluster = world.cluster
+    if not world.chief:
+        return
     names = ", ".join(f"worker {w} (rank {cluster.worker_ranks[w]})" for w in extra["abandoned_workers"])
-    raise HpctrainError(f"{names} sent nothing for --timeout {session.args.timeout:g} s and never finished; "
+    raise HpctrainError(f"{names} sent nothing for --timeout {plan.timeout:g} s and never finished; "
                         f"the result of step {step} is written, the job ends without it", exit_code=EXIT_TIMEOUT)
-

@@ -19,7 +19,7 @@ Two halves, because some settings must be made before MPI (and BLAS) start:
 import os
 import socket
 
-from .errors import HpctrainError
+from ..errors import HpctrainError
 
 # (rank, size, local rank, local size) variables, per launcher, in the order we trust them.
 _LAUNCHER_VARS = [
@@ -284,8 +284,8 @@ class Cluster:
 
     def __init__(self, comm, mode="ring", num_ps=0, ps_rule="spread"):
         from mpi4py import MPI
-        from .comm.records import allgather_bytes
-        from .comm.topology import HOST_BYTES, nodes_of
+        from ..comm.records import allgather_bytes
+        from ..comm.topology import HOST_BYTES, nodes_of
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -374,28 +374,6 @@ class Cluster:
         more = f", ... ({len(self.ps_ranks) - 16} more)" if len(self.ps_ranks) > 16 else ""
         nodes = f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''}"
         return f"ps servers (--ps-ranks {self.ps_rule}, {nodes}): " + ", ".join(shown) + more
-
-
-def check_consistency(comm, settings):
-    """Every rank must run the same job: compare `settings` (name -> value,
-    same names on all ranks) with an Allgather of fixed-size byte records (no
-    pickle). A mismatch raises the same one-line HpctrainError on every rank,
-    naming the setting and the ranks that differ from rank 0."""
-    from .comm.records import allgather_bytes
-    width = 64
-    names = sorted(settings)
-    everyone = allgather_bytes(comm, [str(settings[name]).encode() for name in names], width)
-    problems = []
-    for i, name in enumerate(names):
-        odd = [r for r in range(comm.Get_size()) if everyone[r][i] != everyone[0][i]]
-        if odd:
-            def show(r):
-                return everyone[r][i].decode(errors="replace")
-            problems.append(f"{name}: rank 0 has {show(0)}, "
-                            + ", ".join(f"rank {r} has {show(r)}" for r in odd[:4])
-                            + (" ..." if len(odd) > 4 else ""))
-    if problems:
-        raise HpctrainError("ranks disagree on the job: " + "; ".join(problems))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ so both modes take a norm by the same reduction.
 """
 import numpy as np
 
-from ..clipping import sum_squares
+from ..optim.clipping import sum_squares
 from .strategy import waiting
 
 

@@ -23,8 +23,8 @@ Takes a communicator; never imports MPI itself.
 """
 import numpy as np
 
-from ..clipping import sum_squares
-from ..comm.norm import part_ranges
+from ..optim.clipping import sum_squares
+from ..comm.grad_norm import part_ranges
 from ..comm.wire import GRADS
 from .stages import ring_buckets
 

@@ -23,7 +23,7 @@ import hashlib
 import math
 import os
 
-from . import __version__
+from .. import __version__
 
 # Flags whose value must be identical on every rank of a job.
 RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epochs", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",

@@ -11,18 +11,16 @@ ps: the world, so the servers share the outcome).
     mpirun -n 2 python -m hpctrain.mnist --checkpoint-dir ckpt --checkpoint-every 100
 """
 import contextlib
-import math
 import signal
 import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import checkpoint, device, settings
-from .cli import steps_for_epochs
-from .errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
-from .config import worker_batch
-from .sharded_state import ShardedState
+from . import file as checkpoint
+from .. import device
+from ..errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
+from .sharded import ShardedState
 
 
 @dataclass
@@ -56,35 +54,28 @@ def samples_trained(ckpt, batch_size):
     return ckpt.step * int(ckpt.attrs.get("num_workers", 1)) * int(batch_size)
 
 
-def epochs_end(epochs, train_samples, step, samples, workers, batch_size):
-    """--epochs E resumed at `step` after `samples` training samples: the step
-    at which E x train_samples are taken, the rest at workers x batch_size a
-    step. So a job resized on resume still trains E epochs (within one global
-    batch at the end), not the steps E would be at its new size from step 0."""
-    per_step = int(workers) * int(batch_size)
-    if samples == step * per_step:   # all at this size: the steps of a run through, to the bit
-        return steps_for_epochs(epochs, train_samples, workers, batch_size)
-    return step + max(0, math.ceil((epochs * train_samples - samples) / per_step))
-
-
 def positions_for(point, num_workers):
     """The (num_workers, 2) positions of workers that all go on from `point`."""
     return np.tile(np.asarray(point, np.int64), (int(num_workers), 1))
 
 
 class Checkpoints:
-    """--checkpoint-dir for one run: what was last written or resumed from."""
+    """--checkpoint-dir for one run: what was last written or resumed from.
 
-    def __init__(self, session):
-        self.session = session
-        self.enabled = bool(session.args.checkpoint_dir)
+    world: run/world.World; plan: run/plan.Plan; timeline: the chief's
+    report/timeline.Timeline (a checkpoint is a span in it); best: the
+    report/best.Best whose record every checkpoint carries (--keep-best's
+    best validation so far, so that a resumed run keeps the file an
+    uninterrupted run keeps)."""
+
+    def __init__(self, world, plan, timeline, best):
+        self.world, self.plan, self.timeline, self.best = world, plan, timeline, best
+        self.outputs, self.data = plan.outputs, plan.data
+        self.enabled = bool(self.outputs.checkpoint_dir)
         self.saved_step = None   # the step of the newest checkpoint written or resumed from
         self.saved_path = None
         self._base = (0, 0)      # (step, training samples taken up to it): where this run started
         self._owners = None      # a sharded optimizer's ShardedState, made once
-        # More attributes for the chief's checkpoints (report.Report.checkpoint_attrs:
-        # the best validation so far), set by the loop that has a report.
-        self.more_attrs = dict
 
     # --- resume -----------------------------------------------------------
 
@@ -95,15 +86,15 @@ class Checkpoints:
         every rank and the Checkpoint (host arrays) on the chief only.
         A problem (--resume yes and nothing to resume, a checkpoint of another
         job) is one error line and a clean exit on every rank of comm."""
-        session = self.session
+        world = self.world
         if not self.enabled:
             return None
-        ckpt = session.agreed(comm, self._chief_reads_bounded if session.chief else lambda: None)
+        ckpt = world.agreed(comm, self._chief_reads_bounded if world.chief else lambda: None)
         head = np.zeros(4, np.int64)
         if ckpt is not None:
-            head[:] = 1, ckpt.step, ckpt.optimizer_t, samples_trained(ckpt, worker_batch(session.args))
-        with session.watchdog.waiting("checkpoint header broadcast", peer=session.cluster.chief_rank):
-            comm.Bcast(head, root=session.chief_in(comm))
+            head[:] = 1, ckpt.step, ckpt.optimizer_t, samples_trained(ckpt, self.data.per_worker)
+        with world.waiting("checkpoint header broadcast", peer=world.cluster.chief_rank):
+            comm.Bcast(head, root=world.chief_in(comm))
         if not head[0]:
             return None
         resume = Resume(step=int(head[1]), optimizer_t=int(head[2]), checkpoint=ckpt, samples=int(head[3]))
@@ -114,32 +105,30 @@ class Checkpoints:
     def samples_at(self, step):
         """The training samples taken up to `step` of this run (what its checkpoint records)."""
         base_step, base_samples = self._base
-        return base_samples + (int(step) - base_step) * self.session.data_workers * worker_batch(self.session.args)
+        return base_samples + (int(step) - base_step) * self.data.workers * self.data.per_worker
 
     def _chief_reads_bounded(self):
         # A file system can hang (a dead NFS server, a FIFO): bounded like any wait.
-        with self.session.watchdog.waiting(f"reading checkpoints in {self.session.args.checkpoint_dir}",
-                                           peer="the file system"):
+        with self.world.waiting(f"reading checkpoints in {self.outputs.checkpoint_dir}", peer="the file system"):
             return self._chief_reads()
 
     def _chief_reads(self):
-        args = self.session.args
-        d = args.checkpoint_dir  # created and tried by check_outputs at start-up
+        outputs = self.outputs
+        d = outputs.checkpoint_dir  # created and tried by check_outputs at start-up
         found = checkpoint.list_checkpoints(d)
-        if args.resume == "no":
+        if outputs.resume == "no":
             if found:
                 raise HpctrainError(
                     f"--resume no, but {d} holds checkpoints of an earlier run (newest "
                     f"{found[0][1].rsplit('/', 1)[-1]}); remove them or use another --checkpoint-dir")
             return None
-        ckpt = checkpoint.load_latest(d, settings.same_on_resume(args, self.session.data_workers, self.session.spec,
-                                                               self.session.schedule["total_steps"]),
+        ckpt = checkpoint.load_latest(d, self.plan.resume_key,
                                       warn=lambda line: print(f"hpctrain: warning: {line}",
                                                               file=sys.stderr, flush=True))
         if ckpt is None and found:
             raise HpctrainError(f"--checkpoint-dir {d}: none of its {len(found)} checkpoints is "
                                 f"valid (see the warnings above); move them away to start fresh")
-        if ckpt is None and args.resume == "yes":
+        if ckpt is None and outputs.resume == "yes":
             raise HpctrainError(f"--resume yes, but --checkpoint-dir {d} holds no checkpoint")
         if ckpt is not None:
             self._check_data(ckpt)
@@ -149,18 +138,18 @@ class Checkpoints:
         """A checkpoint of other data is refused, or with --resume-other-data
         goes on from the new data's first epoch, its samples counted from 0
         (--epochs: E epochs of the new data)."""
-        session = self.session
-        line = checkpoint.check_data(ckpt, session.data_digest, session.data_dir, session.args.resume_other_data)
+        data = self.data
+        line = checkpoint.check_data(ckpt, data.digest, data.dir, self.outputs.resume_other_data)
         if line:
             print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
         have = ckpt.attrs.get("data_digest")
-        if have and have != session.data_digest:   # --resume-other-data (check_data refused it otherwise)
+        if have and have != data.digest:   # --resume-other-data (check_data refused it otherwise)
             ckpt.data_positions = np.zeros_like(ckpt.data_positions)
             ckpt.attrs["samples"] = 0
 
-    def resumed_line(self, resume, config):
-        """The chief's line for a resumed run (resumed_line below)."""
-        return resumed_line(self.session, self.saved_path, resume, config)
+    def resumed_line(self, resume, steps):
+        """The chief's line for a resumed run whose last step is `steps` (resumed_line below)."""
+        return resumed_line(self.plan, self.saved_path, resume, steps)
 
     def broadcast_model_state(self, comm, resume, state):
         """Collective over comm (the workers'): the checkpoint's non-trainable
@@ -168,7 +157,7 @@ class Checkpoints:
         worker's `state` (nothing when the model has none)."""
         if not state.size:
             return
-        session = self.session
+        world = self.world
         host = np.zeros(state.shape, state.dtype)
         ckpt = resume.checkpoint
         if ckpt is not None:
@@ -176,17 +165,17 @@ class Checkpoints:
                 raise HpctrainError(f"{ckpt.path}: {ckpt.model_state.size} floats of model state, this model has "
                                     f"{state.size}")   # the model identity was compared: a crafted file
             host[...] = ckpt.model_state
-        with session.watchdog.waiting("checkpoint broadcast (model state)", peer=session.cluster.chief_rank):
-            comm.Bcast(host, root=session.chief_in(comm))
-        state[...] = session.xp.asarray(host)
+        with world.waiting("checkpoint broadcast (model state)", peer=world.cluster.chief_rank):
+            comm.Bcast(host, root=world.chief_in(comm))
+        state[...] = world.xp.asarray(host)
 
     def broadcast_state(self, comm, resume, params, optimizer):
         """Collective over comm: the resumed parameters and optimizer state
         from the chief into every rank's params and optimizer (ring mode, where
         every rank holds all of them; a sharded optimizer gets its owned parts
         of the state, scattered: `scatter_state`); optimizer.t restored too."""
-        session = self.session
-        root = session.chief_in(comm)
+        world = self.world
+        root = world.chief_in(comm)
         ckpt = resume.checkpoint
         targets = [("params", params, ckpt.params if ckpt else None)]
         if getattr(optimizer, "ranges", None) is not None:
@@ -198,19 +187,19 @@ class Checkpoints:
             host = np.empty(target.shape, target.dtype)
             if source is not None:
                 host[...] = source
-            with session.watchdog.waiting(f"checkpoint broadcast ({what})", peer=session.cluster.chief_rank):
+            with world.waiting(f"checkpoint broadcast ({what})", peer=world.cluster.chief_rank):
                 comm.Bcast(host, root=root)
-            target[...] = session.xp.asarray(host)
+            target[...] = world.xp.asarray(host)
         optimizer.t = resume.optimizer_t
-        device.synchronize(session.xp)
+        device.synchronize(world.xp)
 
     # --- a sharded optimizer's state (--shard-optimizer on): sharded_state.py
 
     def _sharded(self, comm, optimizer):
         if self._owners is None or self._owners.optimizer is not optimizer:
-            session = self.session
-            self._owners = ShardedState(comm, optimizer, session.chief_in(comm), session.cluster.chief_rank,
-                                        session.watchdog, session.xp)
+            world = self.world
+            self._owners = ShardedState(comm, optimizer, world.chief_in(comm), world.cluster.chief_rank,
+                                        world.watchdog, world.xp)
         return self._owners
 
     def gather_state(self, comm, optimizer):
@@ -227,11 +216,11 @@ class Checkpoints:
     def seek_readers(self, reader, resume):
         """Every worker: its reader to the checkpoint's `resume_point`, whatever
         number of workers wrote it."""
-        session, cluster = self.session, self.session.cluster
+        world, cluster = self.world, self.world.cluster
         point = np.zeros(2, np.int64)
         if resume.checkpoint is not None:
             point[:] = resume_point(resume.checkpoint.data_positions)
-        with session.watchdog.waiting("checkpoint broadcast (data positions)", peer=cluster.chief_rank):
+        with world.waiting("checkpoint broadcast (data positions)", peer=cluster.chief_rank):
             cluster.worker_comm.Bcast(point, root=0)
         epoch, pos = (int(v) for v in point)
 
@@ -241,7 +230,7 @@ class Checkpoints:
             except HpctrainError as e:
                 raise HpctrainError(f"{e}: the checkpoint's data position does not fit this data "
                                     f"(was --data changed?)") from None
-        session.agreed(cluster.worker_comm, seek)
+        world.agreed(cluster.worker_comm, seek)
 
     # --- while training (frame.py says when) --------------------------------
 
@@ -249,11 +238,11 @@ class Checkpoints:
         """Every rank of comm (the workers'; a pipeline's first stage, one
         rank per replica): (ranks, 2) int64 reader positions on the chief,
         its rank 0; None elsewhere."""
-        session, cluster = self.session, self.session.cluster
+        world, cluster = self.world, self.world.cluster
         comm = cluster.worker_comm if comm is None else comm
         mine = np.array(reader.position, np.int64)
-        everyone = np.empty((comm.Get_size(), 2), np.int64) if session.chief else None
-        with session.watchdog.waiting("checkpoint gather (data positions)", peer=cluster.chief_rank):
+        everyone = np.empty((comm.Get_size(), 2), np.int64) if world.chief else None
+        with world.waiting("checkpoint gather (data positions)", peer=cluster.chief_rank):
             comm.Gather(mine, everyone, root=0)
         return everyone
 
@@ -262,33 +251,28 @@ class Checkpoints:
         the arrays it passes (device or host; the other ranks' arguments are
         ignored) and prunes to --keep-checkpoints. A failure to write stops
         every rank of comm with one error line. Returns the path on the chief."""
-        session = self.session
-        args, cluster = session.args, session.cluster
+        world, outputs, data = self.world, self.outputs, self.data
 
         def chief_writes():
-            device.synchronize(session.xp)
+            device.synchronize(world.xp)
             host = device.to_host(params)
             if not np.isfinite(host).all():   # a checkpoint to resume from must be worth resuming
                 raise HpctrainError(f"the parameters of step {step} are not finite: training diverged "
                                     f"(try a lower --lr); no checkpoint written", exit_code=EXIT_DIVERGED)
-            with session.watchdog.waiting(f"writing a checkpoint in {args.checkpoint_dir}", peer="the file system"):
-                return checkpoint.save(args.checkpoint_dir, step, host,
+            with world.waiting(f"writing a checkpoint in {outputs.checkpoint_dir}", peer="the file system"):
+                return checkpoint.save(outputs.checkpoint_dir, step, host,
                                        {k: device.to_host(v) for k, v in optimizer_state.items()},
-                                       optimizer_t, positions,
-                                       settings.same_on_resume(args, session.data_workers, session.spec,
-                                                               session.schedule["total_steps"]),
-                                       keep=args.keep_checkpoints,
-                                       info=dict(settings.recorded(args, cluster.size, session.data_workers,
-                                                                   session.spec),
-                                                 samples=self.samples_at(step), data=str(session.data_dir),
-                                                 data_digest=session.data_digest, **self.more_attrs()),
+                                       optimizer_t, positions, self.plan.resume_key,
+                                       keep=outputs.keep_checkpoints,
+                                       info=dict(self.plan.recorded, samples=self.samples_at(step), data=data.dir,
+                                                 data_digest=data.digest, **self.best.checkpoint_attrs()),
                                        model_state=None if model_state is None else device.to_host(model_state))
         # The others wait for the chief's write in the agreement: it answers
         # their roll calls "busy" meanwhile, so a healthy write longer than
         # --timeout is no stall (the write itself has its own deadline above).
-        with session.timeline.span("checkpoint", cat="checkpoint"), \
-                (session.watchdog.busy() if session.chief else contextlib.nullcontext()):
-            path = session.agreed(comm, chief_writes if session.chief else lambda: None)
+        with self.timeline.span("checkpoint", cat="checkpoint"), \
+                (world.watchdog.busy() if world.chief else contextlib.nullcontext()):
+            path = world.agreed(comm, chief_writes if world.chief else lambda: None)
         self.saved_step, self.saved_path = step, path
         return path
 
@@ -309,9 +293,9 @@ class Checkpoints:
         written): raise the EXIT_PREEMPTED error everywhere, the chief's line
         naming the signal (whichever rank got it) and the checkpoint."""
         from mpi4py import MPI
-        session = self.session
-        sig = np.array([session.stop.signum], np.int64)
-        with session.watchdog.waiting("stop agreement", peer=None):
+        world = self.world
+        sig = np.array([world.stop.signum], np.int64)
+        with world.waiting("stop agreement", peer=None):
             comm.Allreduce(MPI.IN_PLACE, sig, op=MPI.MAX)
         name = signal.Signals(int(sig[0])).name if sig[0] else "a signal"
         if self.saved_path and self.saved_step == step:
@@ -324,14 +308,13 @@ class Checkpoints:
         else:
             where = f"no checkpoint of step {step} written, and none before it: a new run starts from step 0"
         raise HpctrainError(f"stopped by {name} after step {step}; {where}",
-                            exit_code=EXIT_PREEMPTED, collective=True, report=session.chief)
+                            exit_code=EXIT_PREEMPTED, collective=True, report=world.chief)
 
 
-def resumed_line(session, saved_path, resume, config):
+def resumed_line(plan, saved_path, resume, steps):
     """The chief's line for a resumed run; on another number of workers it
     says where the data goes on and what --scale-lr makes of the lr."""
-    step = resume.step
-    steps, workers = config.steps, session.data_workers
+    step, workers = resume.step, plan.data.workers
     note = f" (--steps {steps}: nothing left to train)" if step >= steps else ""
     line = f"resumed from {saved_path} at step {step}{note}"
     before = int(resume.checkpoint.attrs.get("num_workers", workers)) if resume.checkpoint else workers
@@ -339,10 +322,10 @@ def resumed_line(session, saved_path, resume, config):
         epoch, pos = resume_point(resume.checkpoint.data_positions)
         line += (f"; written with {before} workers, this run has {workers}: the rest of epoch "
                  f"{epoch} (from sample {pos}) is dealt over {workers} workers")
-        if session.args.epochs is not None:
-            line += (f"; --epochs {session.args.epochs:g}: {resume.samples} samples taken so far, "
-                     f"the rest at {workers} workers x {config.worker_batch}: the run ends at step {steps}")
-        if session.args.scale_lr:
-            line += (f"; --scale-lr: lr {config.lr(step):g} at step {step} for {workers} "
-                     f"workers (was {config.lr(step) * before / workers:g})")
+        if plan.epochs is not None:
+            line += (f"; --epochs {plan.epochs:g}: {resume.samples} samples taken so far, "
+                     f"the rest at {workers} workers x {plan.data.per_worker}: the run ends at step {steps}")
+        if plan.schedule.scale_lr:
+            line += (f"; --scale-lr: lr {plan.lr(step):g} at step {step} for {workers} "
+                     f"workers (was {plan.lr(step) * before / workers:g})")
     return line

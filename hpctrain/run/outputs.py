@@ -30,7 +30,7 @@ import stat
 import tempfile
 import time
 
-from .errors import HpctrainError
+from ..errors import HpctrainError
 
 FILE_FLAGS = ("save", "metrics", "timeline", "keep_best")
 

@@ -21,8 +21,8 @@ import os
 
 import numpy as np
 
-from .comm.records import gather_bytes
-from .errors import HpctrainError
+from ..comm.records import gather_bytes
+from ..errors import HpctrainError
 
 ENV_EXPECT = "HPCTRAIN_EXPECT_WORLD_SIZE"
 HOST_BYTES = 64

@@ -9,7 +9,7 @@ Gather(v)/Scatterv, no pickle; every wait under the watchdog.
 """
 import numpy as np
 
-from . import device
+from .. import device
 
 
 def displacements(counts):

@@ -28,10 +28,11 @@ gradient scale is 1/(workers x K): one step over K x B samples.
 
     mpirun -n 4 python -m hpctrain.train --steps 200 --shard-optimizer on --clip-norm 1
 """
-from .comm.fusion import FusedAllreduce, bucket_bounds, owned_ranges
-from .comm.norm import BucketNorm
-from .comm.wire import GRADS, LOSS, STOP, Wire
-from .optim import make_optimizer
+from ..comm.fusion import FusedAllreduce, bucket_bounds, owned_ranges
+from ..comm.grad_norm import BucketNorm
+from ..comm.wire import GRADS, LOSS, STOP, Wire
+from ..nn.accumulate import Accumulation
+from ..optim.optimizers import make_optimizer
 
 
 class BucketUpdate:
@@ -98,37 +99,35 @@ class RingStep:
             gather=self.param_wire.buffer if sharded else None)
         self.layer_done, self.loss_out, self.forward_done = self.fused.layer_done, self.wire.loss, None
         if self.accumulate_steps > 1:
-            self.acc = xp.zeros(n, self.wire.dtype)                 # the first K - 1 micro-batches' gradients
-            self.acc_loss, self.loss_out = xp.zeros(1, self.wire.dtype), xp.zeros(1, self.wire.dtype)
+            # the first K - 1 micro-batches' gradients and losses (nn/accumulate.py)
+            self.acc = Accumulation(xp.zeros(n, self.wire.dtype))
+            self.acc_loss, self.loss_out = Accumulation(xp.zeros(1, self.wire.dtype)), xp.zeros(1, self.wire.dtype)
             self.layer_done, self.forward_done = self._layer_done_accumulated, self._forward_done_accumulated
-            self._micro = 0
 
     def accumulate(self, x, y, noise=None):
         """One of a step's first K - 1 micro-batches: its gradient and loss
         added up here, nothing exchanged."""
         loss = self.model.forward_backward(x, y, noise=noise)
-        if self._micro == 0:
-            self.acc[...] = self.model.grads
-            self.acc_loss[...] = loss
-        else:
-            self.acc += self.model.grads
-            self.acc_loss += loss
-        self._micro += 1
+        self.acc.add(self.model.grads)
+        self.acc_loss.add(loss)
 
     def _forward_done_accumulated(self):
         # the last micro-batch's loss is in loss_out: the wire carries the mean of the K
-        self.wire.loss[...] = (self.acc_loss + self.loss_out) * (1.0 / self.accumulate_steps)
+        self.acc_loss.add(self.loss_out)
+        self.wire.loss[...] = self.acc_loss.mean()
 
     def _layer_done_accumulated(self, k):
         lo, hi = self.model.layer_ranges[k]
-        self.model.grads[lo:hi] += self.acc[lo:hi]
-        self._micro = 0
+        self.acc.into(self.model.grads, lo, hi)
         self.fused.layer_done(k)
 
     def begin(self, lr, stop):
         """Before backprop: this step's learning rate, and this rank's wish to stop."""
         self.wire.set_stop(stop)
         self.optimizer.begin(lr, self.grad_scale)
+        if self.accumulate_steps > 1:
+            self.acc.restart()
+            self.acc_loss.restart()
 
     def summed(self):
         """(loss summed over the ranks, did any rank ask to stop), read from the

@@ -1,0 +1,134 @@
+"""The pipeline loop (`--pipeline-stages P`, ring mode), top to bottom: the
+model's layers cut into P stages (pipeline/stages.py, decided in the plan)
+on a stage x replica grid (pipeline/grid.py); each step every stage runs its
+schedule's actions (pipeline/schedule.py) through its engine
+(pipeline/engine.py): micro-batches through the stages, the sum, the
+average over the stage's replicas, the update. So a pipeline ends with the
+parameters of `--accumulate-steps M` on R ranks, bit for bit
+(tests/test_pipeline.py). The frame (frame.py) does what every loop does:
+the start, the batches, the accounting, the end; the whole model is
+gathered only where it is evaluated or saved (pipeline/whole.py).
+
+    mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --hidden 64,32 --steps 20
+"""
+import time
+
+import numpy as np
+
+from .. import device, prefetch
+from ..comm import make_allreduce
+from ..comm.device_buffers import bcast
+from ..comm.topology import Topology
+from ..optim.optimizers import make_optimizer, state_bytes
+from ..pipeline import schedule as sched
+from ..pipeline import whole
+from ..pipeline.engine import Engine
+from ..pipeline.grid import Grid
+from ..pipeline.stage import Stage
+from ..pipeline.stages import owned_pieces, stage_pieces
+from ..pipeline.trace import StageTrace
+from .frame import Frame
+
+
+def train_pipe(world, plan, inputs, timeline):
+    xp, spec, pipe = world.xp, plan.spec, plan.pipe
+    cuts, stages, micro = list(pipe.cuts), pipe.stages, pipe.micro_batches
+    frame = Frame(world, plan, inputs, timeline, world.comm)   # the chief reads; the file is ring mode's, whole
+
+    # --- the grid, the stage, its allreduce and optimizer --------------------
+    with world.waiting("start-up (pipeline communicators)", peer=None):
+        grid = Grid(world.comm, stages)
+    world.watchdog.name_roles(grid.role)   # a stalled rank is named with its stage and replica
+    world.say(f"hpctrain: pipeline of {stages} stages x {grid.replicas} replicas, {micro} micro-batches, "
+              f"{pipe.schedule}; layers " + " ".join(f"[{a},{b})" for a, b in zip(cuts, cuts[1:])))
+    strategy = None
+    if grid.replicas > 1:
+        with world.waiting("start-up (stage allreduce)", peer=None):
+            with Topology(grid.stage_comm) as topology:
+                strategy = make_allreduce(plan.ring.allreduce, topology, xp, world.watchdog, plan.ring.cuda_aware,
+                                          plan.ring.ring_order)
+    actions = sched.SCHEDULES[pipe.schedule](stages, micro, grid.stage)
+    # as many model copies as the schedule holds micro-batches at once: its activation memory
+    stage = Stage(spec, cuts, grid.stage, micro, xp, np.float32, copies=sched.peak_activations(actions))
+    initial_parameters(world, spec, grid, stage, plan.data.seed)
+    # --shard-optimizer (auto: ring mode's rule, over the stage's R replicas):
+    # each replica keeps the optimizer state of its part of the stage's slice.
+    sharded = plan.ring.shard_optimizer and strategy is not None
+    # ring mode's buckets over this stage's part of its wire: averaged (and owned) bucket by bucket as there
+    pieces = stage_pieces(spec, plan.ring.fusion_elems, stage)
+    optimizer = make_optimizer(plan.optimizer.name, stage.hi - stage.lo, xp, **plan.optimizer.kwargs,
+                               owned=owned_pieces(pieces, strategy.shard, stage.body_at) if sharded else None)
+    reader = prefetch.device_batches(inputs.reader(world.comm, grid.replica, grid.replicas, stage_arrays(grid)), xp)
+    layouts = whole.Layouts(spec, cuts)
+
+    # --- resume: the chief's file, each stage its slice ----------------------
+    frame.resumed(reader, lambda resume: whole.resume_stage(world, spec, grid, stage, optimizer, layouts, resume))
+
+    # --- training, then the end ----------------------------------------------
+    engine = Engine(world, spec, grid, stage, strategy, optimizer, actions, pieces, plan.data.batch_size,
+                    plan.optimizer.clip_norm, plan.ring.fusion_elems,
+                    StageTrace(world, plan.outputs, timeline, grid, stage, optimizer))
+    step, stopped = train_steps(world, frame, engine, layouts, reader)
+    extra = {"workers": grid.replicas, "global_batch": plan.per_step, "pipeline_stages": grid.stages,
+             "micro_batches": micro, "schedule": pipe.schedule, "replicas": grid.replicas,
+             "pipeline_split": pipe.split, "shard_optimizer": "on" if engine.sharded else "off",
+             **(engine.clip.totals() if engine.clip else {})}
+    record = frame.end(step, stopped and step < frame.steps, world.comm,
+                       lambda: whole.model_on_chief(world, spec, engine, layouts, everyone=True),
+                       save=lambda at: whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at),
+                       extra=extra, state_bytes=state_bytes(optimizer))
+    grid.free()
+    return record
+
+
+def initial_parameters(world, spec, grid, stage, seed):
+    """The stage's slice of the initial parameters and state: every rank
+    builds them from the seed (the same bits as rank 0's broadcast in ring
+    mode), and the stage's replicas then take replica 0's: a user's init that
+    ignores its generator (an unseeded one, the time, the pid) would
+    otherwise give each replica weights of its own, trained apart for the
+    whole run without --shard-optimizer."""
+    xp = world.xp
+    initial = spec.build(np)
+    initial.init(seed)
+    stage.params[...] = xp.asarray(initial.params[stage.lo:stage.hi])
+    stage.state[...] = xp.asarray(initial.state[stage.state_lo:stage.state_hi])
+    del initial
+    if grid.replicas > 1:
+        device.synchronize(xp)
+        for what, buffer in (("parameters", stage.params), ("model state", stage.state)):
+            with world.waiting(f"initial {what} broadcast over the stage's replicas",
+                               peer=grid.world_rank(grid.stage, 0) if grid.replica else None):
+                bcast(grid.stage_comm, buffer, root=0)
+
+
+def stage_arrays(grid):
+    """What of the training data this stage reads: the first stage the images,
+    the last the labels, the stages between neither (they still deal the same
+    batches, for their size, the dropout draws and the position)."""
+    return ("images",) if grid.first else ("labels",) if grid.last else ()
+
+
+def train_steps(world, frame, engine, layouts, reader):
+    """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
+    replicas = engine.grid.replicas
+    step, stopped = frame.start, False
+    with frame.training():
+        while step < frame.steps:
+            # the reader reuses its arrays: each micro-batch's own copy
+            batches = [frame.batch(reader, own=True) for _ in range(engine.micro)]
+            t0 = time.perf_counter()
+            loss, stopped = engine.run(batches, frame.plan.lr(step))
+            t1 = time.perf_counter()
+            frame.timed(t0, engine.schedule_done, t1)
+            step += 1
+            frame.summed_loss(step, loss, replicas, grad_norm=engine.clip.mean_norm if engine.clip else None)
+            # the chief evaluates the whole model by itself, gathered only at the steps that evaluate
+            frame.after_step(lambda: whole.model_on_chief(world, frame.plan.spec, engine, layouts), step)
+            if stopped:
+                if step < frame.steps:
+                    frame.stopping(step)
+                break
+            if frame.checkpoint_due(step):
+                whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, step)
+    return step, stopped

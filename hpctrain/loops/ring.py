@@ -1,0 +1,108 @@
+"""The ring loop (`--mode ring`), top to bottom: every rank a peer, gradients
+averaged by allreduce in fused buckets that overlap backprop, each reduced
+bucket's parameters updated right away (ring_step.py builds that machinery;
+frame.py does what every loop does around its steps: the start, the
+batches, the accounting, the end).
+
+    mpirun -n 4 python -m hpctrain.train --steps 200
+"""
+import time
+
+from .. import device, prefetch
+from ..comm import make_allreduce
+from ..comm.device_buffers import bcast
+from ..comm.topology import Topology
+from ..optim.clipping import Clip
+from ..optim.optimizers import state_bytes
+from .frame import Frame
+from .ring_step import RingStep
+
+
+def train_ring(world, plan, inputs, timeline):
+    cluster, xp, ring_plan = world.cluster, world.xp, plan.ring
+    comm = cluster.worker_comm
+    frame = Frame(world, plan, inputs, timeline, comm)   # where the run starts, and its last step
+
+    # --- the allreduce, then the step's buffers, model and optimizer --------
+    with world.waiting("start-up (allreduce communicators)", peer=None):
+        with Topology(comm) as topology:  # the strategy keeps its own duplicate of comm
+            strategy = make_allreduce(ring_plan.allreduce, topology, xp, world.watchdog, ring_plan.cuda_aware,
+                                      ring_plan.ring_order)
+    if strategy.choice:   # which algorithm the topology got, and why
+        world.say(f"hpctrain: allreduce {strategy.name} ({strategy.choice})")
+    ring = RingStep(
+        plan.spec, strategy, comm, xp, (plan.optimizer.name, plan.optimizer.kwargs), ring_plan.fusion_elems,
+        sharded=ring_plan.shard_optimizer, clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
+        marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
+        overlap=ring_plan.overlap, timeline=timeline if timeline.enabled else None, watchdog=world.watchdog,
+        accumulate=ring_plan.accumulate_steps)
+    model = ring.model
+    model.init(plan.data.seed)
+    # Identical start everywhere: rank 0's parameters.
+    device.synchronize(xp)
+    with world.waiting("initial parameter broadcast", peer=0 if cluster.rank else None):
+        bcast(comm, model.params, root=0)
+    # GPU: pinned, async, one step ahead
+    reader = prefetch.device_batches(inputs.reader(comm, cluster.worker_index, cluster.num_workers), xp)
+
+    def restore(resume):
+        # every rank holds the whole state: the chief's copy goes to all
+        frame.checkpoints.broadcast_state(comm, resume, model.params, ring.optimizer)
+        frame.checkpoints.broadcast_model_state(comm, resume, model.state)
+    frame.resumed(reader, restore)
+
+    # --- training, then the end ---------------------------------------------
+    step, stopped = train_steps(world, frame, ring, reader)
+    ring.close()   # the communication thread ends with the loop
+    extra = {"shard_optimizer": "on" if ring.sharded else "off", **(ring.clip.totals() if ring.clip else {})}
+    return frame.end(step, stopped and step < frame.steps, comm, model,
+                     save=lambda at: save_checkpoint(frame.checkpoints, comm, ring, reader, at),
+                     extra=extra, state_bytes=state_bytes(ring.optimizer))
+
+
+def train_steps(world, frame, ring, reader):
+    """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
+    timeline, model, fused = frame.timeline, ring.model, ring.fused
+    workers = world.cluster.num_workers
+    step, stopped = frame.start, False   # stopped: some rank asked to stop (the summed flag, the same everywhere)
+    with frame.training():
+        while step < frame.steps:
+            with timeline.span("data", cat="data"):
+                x, y, noise = frame.batch(reader)
+            t0 = time.perf_counter()
+            ring.begin(frame.plan.lr(step), world.stop.received)
+            for _ in range(ring.accumulate_steps - 1):   # --accumulate-steps: no exchange for these
+                ring.accumulate(x, y, noise=noise)
+                with timeline.span("data", cat="data"):
+                    x, y, noise = frame.batch(reader)
+            forward_done, layer_done = timeline.model_hooks(t0, ring.layer_done, ring.forward_done)
+            model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
+                                   loss_out=ring.loss_out, noise=noise)
+            t1 = time.perf_counter()
+            with timeline.span("wait for gradients", cat="comm"):
+                fused.wait()
+            t2 = time.perf_counter()
+            timeline.add("step", "step", t0, t2, {"step": step + 1})
+            frame.timed(t0, t1, t2, fused.exposed_comm_s, fused.exposed_update_s, fused.update_s)
+            step += 1
+            # The summed loss and stop flag, every step, not every k: the sum
+            # is the same bits on every rank, so all stop (or find the loss
+            # diverged) after the same step, and a signal is taken at the next
+            # step as on the CPU.
+            loss, stopped = ring.summed()
+            frame.summed_loss(step, loss, workers, grad_norm=ring.clip.mean_norm if ring.clip else None)
+            frame.after_step(model, step)
+            if stopped:
+                if step < frame.steps:
+                    frame.stopping(step)
+                break
+            if frame.checkpoint_due(step):
+                save_checkpoint(frame.checkpoints, world.cluster.worker_comm, ring, reader, step)
+    return step, stopped
+
+
+def save_checkpoint(checkpoints, comm, ring, reader, step):
+    positions = checkpoints.gather_positions(reader)
+    # Sharded: the chief gathers the full-length state (the same file either way).
+    state = checkpoints.gather_state(comm, ring.optimizer) if ring.sharded else ring.optimizer.state()
+    checkpoints.save(comm, step, ring.model.params, state, ring.optimizer.t, positions, ring.model.state)

@@ -1,0 +1,42 @@
+"""Gradient accumulation, written once for every loop: a step's micro-batches
+summed in one order, a_0, then += a_1, += a_2, ..., so --accumulate-steps K
+in ring and ps mode and a pipeline's --micro-batches M give the same bits
+(IEEE addition commutes: the last addition, g + sum or sum + g, is one value).
+
+Ring mode adds the first K - 1 micro-batches' gradients here and then this
+sum into the last one's, layer by layer as backprop finishes it (`into`),
+so each bucket can start its allreduce at once; ps mode the same, at once;
+a pipeline stage adds every micro-batch's gradient right after its
+backward, into the buffer its replicas average. Losses the same way, one
+float per micro-batch, and their mean times 1/K.
+
+    python -m pytest -q tests/test_accumulate.py
+"""
+
+
+class Accumulation:
+    """The running sum of arrays of one shape, into `out` (owned by the caller)."""
+
+    def __init__(self, out):
+        self.out = out
+        self.count = 0
+
+    def add(self, array):
+        """The next one: the first is copied, every other added in order."""
+        if self.count:
+            self.out += array
+        else:
+            self.out[...] = array
+        self.count += 1
+
+    def into(self, target, lo=None, hi=None):
+        """target[lo:hi] += the sum's [lo:hi] (all of it without lo, hi)."""
+        target[lo:hi] += self.out[lo:hi]
+
+    def mean(self):
+        """The sum times 1 / count (a new array)."""
+        return self.out * (1.0 / self.count)
+
+    def restart(self):
+        """The next add starts a new sum (the buffer is kept)."""
+        self.count = 0

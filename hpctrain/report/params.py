@@ -1,0 +1,61 @@
+"""The parameters file (--save, --keep-best): HDF5, one float32 dataset per
+tensor (`layer0/W`, ...) and the non-trainable state beside them, with the
+attributes `step`, `mode`, `world_size`, `model` (the identity checkpoints
+compare) and, for the MLP, `hidden`; written to an exclusive temporary name
+and renamed, so it is never half-written.
+
+    python -c "import h5py; f = h5py.File('p.h5'); print(dict(f.attrs), list(f))"
+"""
+import os
+
+from .. import device
+from ..run.outputs import one_line, rescue_path, temp_next_to
+
+
+def save_params(path, model, step, plan, checkpoint_path=None):
+    """--save. Returns None, or (when the file cannot be written, e.g. the disk
+    filled up during training) the one-line error that says where the
+    parameters are kept instead: the checkpoint of this step if there is one,
+    else a file in the temporary directory."""
+    if not path:
+        return None
+    try:
+        write_params(path, model, step, plan)
+        return None
+    except OSError as e:
+        failed = f"--save {path}: cannot write ({one_line(e)})"
+    if checkpoint_path:
+        return f"{failed}; the parameters of step {step} are in checkpoint {checkpoint_path}"
+    try:
+        rescue = rescue_path(step)
+        write_params(rescue, model, step, plan)
+    except OSError as e:
+        return f"{failed}, nor in the temporary directory ({one_line(e)}): the parameters are lost"
+    return f"{failed}; the parameters of step {step} are kept in {rescue}"
+
+
+def write_params(path, model, step, plan, attrs=None):
+    """One float32 dataset per tensor, attributes step/mode/world_size/model
+    (/hidden: the MLP's; and attrs: --keep-best's val_accuracy); written to a
+    temporary name and renamed, so it is never half-written."""
+    import h5py
+    # Exclusive and unpredictable: a planted symlink is never followed.
+    fd, tmp = temp_next_to(path)
+    os.close(fd)
+    try:
+        with h5py.File(tmp, "w") as f:
+            # the non-trainable state (batch-norm statistics) beside the parameters
+            for name, view in model.tensors() + model.state_tensors():
+                f.create_dataset(name, data=device.to_host(view))
+            f.attrs["step"] = step
+            f.attrs["mode"] = plan.mode
+            f.attrs["world_size"] = plan.world_size
+            if plan.model == "mlp":   # what sizes it; another model's identity says it all
+                f.attrs["hidden"] = ",".join(map(str, plan.hidden))
+            f.attrs["model"] = model.spec.identity
+            for key, value in (attrs or {}).items():
+                f.attrs[key] = value
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

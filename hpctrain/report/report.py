@@ -1,0 +1,278 @@
+"""What a run tells its user: progress lines, the --metrics records
+(report/metrics.py keeps the file), test-set (and validation-part)
+evaluations, the final record, the --save parameters file and the
+--keep-best one (report/params.py writes them; report/best.py keeps the
+best so far).
+
+The chief writes everything: records, evaluations' lines, files. The loops
+call these under an explicit `if chief:`, except the two collectives that
+every worker joins (`evaluate`, `peak_memory_and_step_medians`) and, in
+async ps mode, `progress`: every worker prints its own progress lines (its
+records go nowhere: a rank other than the chief holds a Metrics that
+writes nothing). What the chief does alone while the others wait for it
+(evaluations, --keep-best, the final line and files) runs under the
+watchdog's `busy`: their deadline waits for it as long as the chief
+answers (comm/deadline.py), and each file it reads or writes meanwhile has
+the chief's own deadline.
+
+    mpirun -n 2 python -m hpctrain.mnist --steps 300 --metrics m.jsonl --save p.h5
+    mpirun -n 2 python -m hpctrain.mnist --data data/mnist-val --eval-every 50 --keep-best best.h5
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import data as data_mod
+from .. import device
+from ..errors import HpctrainError
+from ..run.outputs import one_line, temp_next_to
+from .metrics import Metrics
+from .params import save_params, write_params
+
+
+def eta_text(seconds):
+    """42s, 1m23s, 2h05m: short enough for a progress line."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Report:
+    """The chief's lines and records for one run: world (run/world.World),
+    plan (run/plan.Plan), steps (its last step), timeline (written with the
+    final record), best (report/best.Best: --keep-best's record)."""
+
+    def __init__(self, world, plan, steps, timeline, best):
+        self.world, self.plan, self.outputs, self.steps = world, plan, plan.outputs, steps
+        self.timeline, self.best = timeline, best
+        # Async ps workers print their own progress lines; only the chief writes files.
+        self.metrics = Metrics(self.outputs.metrics if world.chief else None)
+        self._full = {}   # split -> the whole split (uint8), read once by the chief
+        self._last_eval = None
+        self._final_val = None   # (loss, accuracy) on the val part at the end (final_val)
+        self._mark = None   # (step, wall time) of the last progress line, for the ETA
+
+    def resume_at(self, step, resume=None):
+        """Where this run starts (None: step 0): the metrics file keeps the
+        records up to it, and the first ETA counts the steps from it. The
+        chief takes the best validation so far from resume's checkpoint."""
+        self.best.resumed(getattr(resume, "checkpoint", None))
+        self.metrics.resume_at(step)
+        self._mark = (step or 0, time.perf_counter())
+
+    def progress(self, step, loss, samples, t_loop, worker=None, local_step=None, grad_norm=None):
+        """A progress line and (on the chief) a metrics record. Async ps
+        workers each print their own line, as in the tutorial: `worker` and
+        `local_step` say whose it is. grad_norm (--clip-norm): the mean
+        pre-clip gradient norm since the last line."""
+        elapsed = time.perf_counter() - self.world.t_start
+        rate = samples / t_loop if t_loop > 0 else 0.0
+        who = f"worker {worker}: " if worker is not None else ""
+        local = f"  (local step {local_step})" if local_step is not None else ""
+        norm = f"  grad norm {grad_norm:.4g}" if grad_norm is not None else ""
+        print(f"{who}step {step:>6}/{self.steps}  loss {loss:.4f}{norm}  "
+              f"samples/s {rate:,.0f}  elapsed {elapsed:.1f}s  {self._eta(step)}{local}", flush=True)
+        record = {"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
+                  "time_s": round(elapsed, 3)}
+        if grad_norm is not None:
+            record["grad_norm"] = round(float(grad_norm), 6)
+        self.metrics.write(record)
+
+    def _eta(self, step):
+        """`eta 1m23s`: the steps left at the rate since the last line (wall
+        time, so evaluations and checkpoints count: they are part of the wait).
+        Not in the metrics records: it is a guess, derived from them."""
+        now = time.perf_counter()
+        last_step, last_t = self._mark or (0, self.world.t_start)
+        self._mark = (step, now)
+        left = max(self.steps - step, 0)
+        if not left:
+            return "eta 0s"
+        if step <= last_step or now <= last_t:
+            return "eta ?"
+        return "eta " + eta_text(left * (now - last_t) / (step - last_step))
+
+    def periodic_eval(self, model, step):
+        """--eval-every N: when `step` reaches a multiple of N (before the last
+        step, which the final evaluation covers), the chief evaluates its
+        parameters on the whole test set by itself (no collective: in async ps
+        mode workers are never at the same step) and logs and records it.
+        Returns the seconds spent, which the caller keeps out of samples/s."""
+        every = self.outputs.eval_every
+        if self._last_eval is None:  # the first step of this run (or of a resumed one)
+            self._last_eval = step - 1
+        crossed = bool(every) and step < self.steps and step // every > self._last_eval // every
+        self._last_eval = step
+        if not crossed:
+            return 0.0
+        t0 = time.perf_counter()
+        with self.world.watchdog.busy():
+            self._periodic_eval(model, step)
+        return time.perf_counter() - t0
+
+    def _periodic_eval(self, model, step):
+        test_loss, test_acc, _ = self.evaluate_alone(model)
+        record = {"event": "eval", "step": step, "test_accuracy": round(test_acc, 6),
+                  "test_loss": round(test_loss, 6)}
+        line = f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}"
+        if self.plan.data.has_val:
+            val_loss, val_acc, _ = self.evaluate_alone(model, "val")
+            record.update(val_accuracy=round(val_acc, 6), val_loss=round(val_loss, 6))
+            line = f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}  " + line
+            self.keep_if_best(model, step, val_acc)
+        print(f"step {step:>6}/{self.steps}  {line}", flush=True)
+        with self._file_wait(f"writing --metrics {self.outputs.metrics}"):
+            self.metrics.write(record)
+
+    def _file_wait(self, what):
+        """The chief's own deadline on a file it reads or writes while busy."""
+        return self.world.waiting(what, peer="the file system")
+
+    def keep_if_best(self, model, step, val_acc):
+        """--keep-best: write the parameters when val_acc beats every earlier
+        validation (strictly: a tie keeps the earlier, smaller step). A failed
+        write ends the run: a best file that silently stopped following the
+        best would be worse than none."""
+        if not self.best.beats(val_acc):
+            return
+        if not device.all_finite(model.params):
+            return   # a diverged step is no candidate: the next step's loss, or the end, stops the run (exit 4)
+        self.best.take(val_acc, step)
+        path = self.best.path
+        try:
+            with self._file_wait(f"writing --keep-best {path}"):
+                write_params(path, model, step, self.plan, attrs={"val_accuracy": float(val_acc)})
+        except OSError as e:
+            raise HpctrainError(f"--keep-best {path}: cannot write ({one_line(e)})", collective=False) from None
+
+    def final_val(self, model, step):
+        """The chief alone (as periodic_eval; the val part is small): val loss
+        and accuracy of the final parameters, once, and a --keep-best
+        candidate. The loops call it before the final checkpoint, so that
+        checkpoint's best includes it (resume keeps the same best) -- but not
+        when a signal stopped training early: an uninterrupted run would
+        never have evaluated that step."""
+        if self._final_val is None:
+            with self.world.watchdog.busy():
+                val_loss, val_acc, _ = self.evaluate_alone(model, "val")
+                self.keep_if_best(model, step, val_acc)
+            self._final_val = (val_loss, val_acc)
+        return self._final_val
+
+    def evaluate_alone(self, model, split="test"):
+        """Loss, accuracy and count on the whole test set (or "val" part), this rank alone."""
+        if split not in self._full:
+            data_dir = self.plan.data.dir
+            with self._file_wait(f"reading the {split} part of {data_dir}"):
+                self._full[split] = data_mod.load_test(data_dir, raw=True, split=split)
+        x, y = self._full[split]
+        xp = self.world.xp
+        loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
+        n = max(len(y), 1)
+        return loss_sum / n, correct / n, len(y)
+
+    def final(self, result, step, t_loop, samples, comm_s, compute_s, extra):
+        """The chief's last line, --save, the final record, the timeline.
+        Returns (record, None), or (record, line) when --save could not be
+        written; the line then says where the parameters are kept instead."""
+        with self.world.watchdog.busy():
+            return self._final(result, step, t_loop, samples, comm_s, compute_s, extra)
+
+    def _final(self, result, step, t_loop, samples, comm_s, compute_s, extra):
+        world, plan, outputs, cluster = self.world, self.plan, self.outputs, self.world.cluster
+        test_loss, test_acc, n_test = result["test"]
+        val = {}
+        if plan.data.has_val:
+            val_loss, val_acc = self.final_val(result["model"], step)
+            val = {"val_accuracy": round(val_acc, 6), "val_loss": round(val_loss, 6)}
+            print(f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}", flush=True)
+        wall = time.perf_counter() - world.t_start
+        rate = samples / t_loop if t_loop > 0 else 0.0
+        print(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
+              f"{step} steps, {rate:,.0f} samples/s, {wall:.1f}s)", flush=True)
+        with self._file_wait(f"writing --save {outputs.save}"):
+            save_error = save_params(outputs.save, result["model"], step, plan, result["checkpoint"])
+        record = {"event": "final", "mode": plan.mode, "world_size": cluster.size, "workers": cluster.num_workers,
+                  "steps": step,
+                  "global_batch": plan.data.batch_size * plan.ring.accumulate_steps * cluster.num_workers,
+                  **val, "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
+                  "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
+                  "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
+                  "device": world.device_name}
+        record.update(result["medians"])
+        record.update(extra or {})
+        with self._file_wait(f"writing --metrics {outputs.metrics}"):
+            self.metrics.write(record)
+            self.metrics.close()
+        with self._file_wait(f"writing --timeline {outputs.timeline}"):
+            self.timeline.write()
+        if not save_error:
+            world.watchdog.results_written(results_note(outputs))   # a line from here on says so
+        with self._file_wait("writing HPCTRAIN_FINISHED_FILE"):
+            mark_finished(record)
+        return record, save_error
+
+
+def results_note(outputs):
+    """What a deadline line says once the results are written (Watchdog.results_written)."""
+    files = ([f"--save {outputs.save}"] if outputs.save else []) + \
+        ([f"the final record in --metrics {outputs.metrics}"] if outputs.metrics else [])
+    return f"the run finished and its results are written ({', '.join(files) or 'the final line'})"
+
+
+def mark_finished(record):
+    """HPCTRAIN_FINISHED_FILE (jobs/launch.sh sets it): the final record,
+    written by the chief once it has written the results, so the job script
+    can bound its wait for a rank that hangs on its way out where no watchdog
+    sees it (after MPI_Finalize). A failure is a warning: the results are kept."""
+    path = os.environ.get("HPCTRAIN_FINISHED_FILE")
+    if not path:
+        return
+    tmp = None
+    try:
+        fd, tmp = temp_next_to(path)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(record) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"hpctrain: warning: HPCTRAIN_FINISHED_FILE {path}: cannot write ({e.strerror or e}); the job "
+              f"script cannot tell that the run finished", file=sys.stderr, flush=True)
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def evaluate(world, inputs, model):
+    """Every worker: test loss, accuracy and count, each worker evaluating its
+    part of the test set (run/inputs.Inputs.test_part; one Allreduce of the sums)."""
+    cluster, xp = world.cluster, world.xp
+    x, y = inputs.test_part()
+    loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
+    totals = np.array([loss_sum, correct, len(y)], np.float64)
+    with world.waiting("evaluation allreduce", peer=None):
+        cluster.worker_comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+    n = max(totals[2], 1)
+    return totals[0] / n, totals[1] / n, int(totals[2])
+
+
+def peak_memory_and_step_medians(world, stats, alone=False):
+    """Every worker (or, alone, this one): the median step split from
+    stats (report/step_stats.StepStats), and peak memory: the largest of any
+    worker (bytes above the interpreter with its imports, and in all)."""
+    summary = stats.summary()
+    peak = summary.pop("peak_rss_bytes")
+    mem = np.array([peak, peak - summary.pop("base_rss_bytes")], np.float64)
+    if not alone:
+        with world.waiting("memory statistics allreduce", peer=None):
+            world.cluster.worker_comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
+    summary = {k: round(v, 7) for k, v in summary.items()}
+    summary["peak_rss_mb"] = round(mem[0] / 2**20, 1)
+    summary["peak_rss_above_base_mb"] = round(mem[1] / 2**20, 1)
+    return summary

@@ -1,0 +1,288 @@
+"""Everything the flags, the world and the data decide, made once at start-up
+(run/startup.py) into typed, frozen values that the loops, the report and
+the checkpoints read instead of the parsed flags; and all of the run's step
+and batch arithmetic.
+
+Two decisions, each by every rank alike:
+- `make_plan` at start-up, once the world and the data are known: the
+  model's spec (the data's image shape and class count), the data workers (a
+  pipeline's replicas), the samples per step, the ps replicas to aggregate,
+  the fusion size, the rules for --shard-optimizer auto and --overlap auto,
+  the pipeline's cuts, and the learning-rate schedule, whose total steps are
+  --steps or --epochs counted over the data from step 0;
+- `Plan.last_step(resume)`, once the resume point is known: with --epochs,
+  a run resized on resume still trains E epochs from the checkpoint's
+  samples on (`epochs_end`), not the steps E would be at its new size from
+  step 0. The schedule keeps its start-up total: with --lr-schedule cosine a
+  resize is refused before (identity.schedule_key).
+
+    python -c "from hpctrain.run.plan import steps_for_epochs; print(steps_for_epochs(1, 4500, 2, 32))"
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import device
+from ..nn.spec import ModelSpec
+from ..optim.optimizers import learning_rate, schedule_line
+from . import identity
+from .cluster import cores_available
+
+# --- the arithmetic ------------------------------------------------------------
+
+
+def steps_for_epochs(epochs, train_samples, workers, batch_size):
+    """--epochs E as global steps: ceil(E * samples / (workers * batch size)),
+    at least 1. Exact for a whole E and integer arithmetic where E*4 is whole,
+    so 1 epoch of 4500 samples at 2 x 32 is 71 steps, not 70 or 72."""
+    return max(1, math.ceil(epochs * train_samples / (workers * batch_size)))
+
+
+def epochs_end(epochs, train_samples, step, samples, workers, batch_size):
+    """--epochs E resumed at `step` after `samples` training samples: the step
+    at which E x train_samples are taken, the rest at workers x batch_size a
+    step. So a job resized on resume still trains E epochs (within one global
+    batch at the end), not the steps E would be at its new size from step 0."""
+    per_step = int(workers) * int(batch_size)
+    if samples == step * per_step:   # all at this size: the steps of a run through, to the bit
+        return steps_for_epochs(epochs, train_samples, workers, batch_size)
+    return step + max(0, math.ceil((epochs * train_samples - samples) / per_step))
+
+
+def replicas_to_aggregate(sync, given, workers, backup_workers):
+    """ps mode: the gradients each update aggregates (sync: --replicas-to-aggregate
+    or every worker but the backups; async: each one alone)."""
+    if not sync:
+        return 1
+    return given or workers - backup_workers
+
+
+def overlap_wanted(flag, xp, local_size, thread_multiple=True):
+    """--overlap auto: a communication thread pays only when a core is free to
+    run it while backprop computes: always with a GPU doing the math, on CPUs
+    only when this node has at least two cores per rank. (Measured on 2 cores,
+    2 ranks: the thread's allreduce started only after backprop ended, and with
+    4 ranks the extra thread cost throughput.) Never without
+    MPI_THREAD_MULTIPLE: two threads would call MPI at once."""
+    if not thread_multiple:
+        return False
+    if flag != "auto":
+        return flag == "on"
+    return device.is_gpu(xp) or cores_available() >= 2 * local_size
+
+
+def shard_wanted(flag, workers=1, xp=np, allreduce="auto"):
+    """--shard-optimizer auto is a fixed rule, not a measurement: on where
+    `python -m hpctrain.bench train --compare shard-optimizer=off,on` measured
+    it faster (1.20-1.35x at 2 and 4 ranks for 2.6 to 80 MB of gradients, on
+    CPUs) and where it gives the same parameters bit for bit: 2 or more
+    workers, NumPy, and hpctrain's own ring or hierarchical allreduce
+    (`--allreduce auto|ring|hier`; MPI's reduce-scatter sums in another
+    order). Off on GPUs until the device check has compared both there."""
+    if flag != "auto":
+        return flag == "on"
+    return workers >= 2 and xp is np and allreduce in ("auto", "ring", "hier")
+
+
+# --- the plan ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Data:
+    """The data and how it is dealt: `workers` take batches of their own (a
+    pipeline's replicas; ps: the workers), each `batches` of `batch_size` a
+    step (--accumulate-steps K, or a pipeline's --micro-batches M)."""
+    dir: str
+    digest: str          # the manifest's (what ranks and checkpoints compare)
+    train_samples: int
+    has_val: bool
+    workers: int
+    batch_size: int
+    batches: int
+    seed: int
+
+    @property
+    def per_worker(self):
+        """Samples one worker takes per optimizer step."""
+        return self.batch_size * self.batches
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str            # adam, sgd, momentum
+    momentum: float
+    weight_decay: float
+    clip_norm: float     # None: no clipping
+
+    @property
+    def kwargs(self):
+        """optimizers.make_optimizer's keyword arguments."""
+        return dict(momentum=self.momentum, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """optimizers.learning_rate's arguments; total_steps: --steps, or --epochs counted from step 0."""
+    base_lr: float
+    workers: int
+    scale_lr: bool
+    warmup_steps: int
+    schedule: str
+    decay: float
+    decay_steps: int
+    lr_min: float
+    total_steps: int
+
+    def lr(self, step):
+        """The learning rate of 0-based `step`: a pure function of it (resume is bit-exact)."""
+        return learning_rate(step, **self.__dict__)
+
+    def line(self):
+        return schedule_line(**self.__dict__)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Ring mode (and a pipeline stage's replicas): the allreduce and its buckets."""
+    allreduce: str
+    cuda_aware: str
+    ring_order: str
+    fusion_elems: int       # --fusion-mb in float32 elements (0: one bucket)
+    shard_optimizer: bool   # optimizer state and updates sharded over the workers (ZeRO-1)
+    overlap: bool           # a communication thread overlaps the buckets with backprop
+    accumulate_steps: int
+
+
+@dataclass(frozen=True)
+class Ps:
+    num_ps: int
+    ps_ranks: str
+    sync: bool
+    replicas: int           # gradients per update (replicas_to_aggregate)
+    backup_workers: int
+    max_staleness: int      # None: unbounded
+    dc_lambda: float
+    placement: str
+    exchange: str           # auto (shared memory where it can) or mpi
+    device: str             # where servers keep their slice: cpu or gpu
+
+
+@dataclass(frozen=True)
+class Pipe:
+    stages: int
+    micro_batches: int
+    schedule: str           # gpipe, 1f1b
+    cuts: tuple             # layer indices [0, ..., len(layers)]; () without a pipeline
+
+    @property
+    def split(self):
+        """The inner cut points as --pipeline-split writes them."""
+        return ",".join(map(str, self.cuts[1:-1]))
+
+
+@dataclass(frozen=True)
+class Outputs:
+    checkpoint_dir: str
+    checkpoint_every: int
+    keep_checkpoints: int
+    resume: str
+    resume_other_data: bool
+    save: str
+    metrics: str
+    keep_best: str
+    timeline: str
+    timeline_steps: int
+    eval_every: int
+    log_every: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str               # ring or ps (a pipeline is ring mode with pipe.stages > 1)
+    model: str              # --model as given
+    hidden: tuple           # the MLP's widths
+    spec: ModelSpec
+    data: Data
+    optimizer: Optimizer
+    schedule: Schedule
+    ring: Ring
+    ps: Ps
+    pipe: Pipe
+    outputs: Outputs
+    epochs: float           # None: --steps
+    timeout: float
+    world_size: int
+    recorded: dict          # what a checkpoint records of the job (identity.recorded)
+    resume_key: dict        # what a resume must match (identity.same_on_resume)
+
+    @property
+    def pipelined(self):
+        return self.pipe.stages > 1
+
+    @property
+    def per_step(self):
+        """Training samples one optimizer step takes, globally (ps: of the aggregated workers)."""
+        workers = self.ps.replicas if self.mode == "ps" else self.data.workers
+        return workers * self.data.per_worker
+
+    def lr(self, step):
+        return self.schedule.lr(step)
+
+    def last_step(self, resume):
+        """The run's last step, once `resume` (a checkpoints.resume.Resume or None)
+        is known on every rank."""
+        if resume is None or self.epochs is None:
+            return self.schedule.total_steps
+        return epochs_end(self.epochs, self.data.train_samples, resume.step, resume.samples, self.data.workers,
+                          self.data.per_worker)
+
+
+def data_plan(args, cluster, data_dir, digest, manifest, has_val):
+    """How the data is dealt: the workers that take batches of their own (a
+    pipeline's replicas, world / stages) and their samples per step."""
+    return Data(dir=str(data_dir), digest=digest, train_samples=int(manifest["train"]["num_samples"]),
+                has_val=bool(has_val), workers=cluster.num_workers // args.pipeline_stages,
+                batch_size=args.batch_size, batches=args.accumulate_steps * args.micro_batches, seed=args.seed)
+
+
+def schedule_plan(args, data):
+    """The learning-rate schedule; its total: --steps, or --epochs counted over the data from step 0."""
+    steps = args.steps
+    if args.epochs is not None:
+        steps = steps_for_epochs(args.epochs, data.train_samples, data.workers, data.per_worker)
+    return Schedule(base_lr=args.lr, workers=data.workers, scale_lr=args.scale_lr, warmup_steps=args.warmup_steps,
+                    schedule=args.lr_schedule, decay=args.lr_decay, decay_steps=args.lr_decay_steps,
+                    lr_min=args.lr_min, total_steps=steps)
+
+
+def make_plan(args, world, spec, data, schedule, cuts):
+    """The plan of a run: `args` the flags, `world` the run/world.World, the
+    spec of the model for the data, the data and schedule plans above, the
+    pipeline's cut points (None without one). Every rank alike."""
+    cluster, workers = world.cluster, data.workers
+    ring = args.mode == "ring"
+    return Plan(
+        mode=args.mode, model=args.model, hidden=tuple(args.hidden), spec=spec, data=data,
+        optimizer=Optimizer(args.optimizer, args.momentum, args.weight_decay, args.clip_norm),
+        schedule=schedule,
+        ring=Ring(allreduce=args.allreduce, cuda_aware=args.cuda_aware, ring_order=args.ring_order,
+                  fusion_elems=int(args.fusion_mb * (1 << 20)) // 4,
+                  shard_optimizer=ring and shard_wanted(args.shard_optimizer, workers, world.xp, args.allreduce),
+                  overlap=ring and overlap_wanted(args.overlap, world.xp, cluster.local_size,
+                                                  world.thread_multiple),
+                  accumulate_steps=args.accumulate_steps),
+        ps=Ps(num_ps=cluster.num_ps, ps_ranks=args.ps_ranks, sync=args.sync,
+              replicas=replicas_to_aggregate(args.sync, args.replicas_to_aggregate, cluster.num_workers,
+                                             args.backup_workers),
+              backup_workers=args.backup_workers, max_staleness=args.max_staleness, dc_lambda=args.dc_lambda,
+              placement=args.placement, exchange=args.ps_exchange, device=args.ps_device),
+        pipe=Pipe(stages=args.pipeline_stages, micro_batches=args.micro_batches, schedule=args.pipeline_schedule,
+                  cuts=tuple(cuts or ())),
+        outputs=Outputs(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                        keep_checkpoints=args.keep_checkpoints, resume=args.resume,
+                        resume_other_data=args.resume_other_data, save=args.save, metrics=args.metrics,
+                        keep_best=args.keep_best, timeline=args.timeline, timeline_steps=args.timeline_steps,
+                        eval_every=args.eval_every, log_every=args.log_every),
+        epochs=args.epochs, timeout=args.timeout, world_size=cluster.size,
+        recorded=identity.recorded(args, cluster.size, workers, spec),
+        resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps))

@@ -1,0 +1,230 @@
+"""A run's start-up, in the order its checks must come: every rank builds
+the run's world (run/world.py: the roles, the device, the clock) and its
+plan (run/plan.py: the model, the data, the settings), checking on the way
+that every rank runs the same job (flags, data, model), that the flags fit
+the world, the model the data, the step the memory and the data, and
+(last, since it creates --checkpoint-dir) that the outputs can be written.
+A problem on any rank is one line and a clean exit on every rank
+(comm/agree.py), never a rank left waiting in a collective.
+
+    mpirun -n 4 python -m hpctrain.mnist --steps 200
+"""
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import data as data_mod
+from .. import device
+from ..cli import validate
+from ..comm import allreduce_plan
+from ..comm.agree import agreed, check_consistency
+from ..errors import EXIT_PREEMPTED, HpctrainError
+from ..nn import LayerError, spec_for
+from ..nn.layers import LayerCodeError
+from ..nn.user import UserModelError
+from ..pipeline.stages import cuts_for
+from . import identity, jobcheck
+from .cluster import Cluster, memory_available
+from .inputs import Inputs, data_identity, ensure_data
+from .outputs import check_outputs
+from .plan import data_plan, make_plan, schedule_plan
+from .world import World
+
+
+def start(args, process_note, watchdog, stop, on_roles=None):
+    """(World, Plan, Inputs) of this run, the same on every rank. watchdog:
+    started before MPI_Init (train.train), aborting through MPI now; every
+    start-up collective below waits under it. stop: the StopSignal made
+    before it. on_roles: called with the chief's world rank as soon as the
+    roles are known (train.py's Ctrl-C line must not call MPI to learn it)."""
+    watchdog.also_watch(lambda: stopped_outside_training(stop, args.checkpoint_dir))
+    # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
+    # NumPy's warnings on every rank.
+    np.seterr(over="ignore", invalid="ignore", divide="ignore")
+    comm = MPI.COMM_WORLD
+    with watchdog.waiting("start-up (communicators)", peer=None):
+        cluster = Cluster(comm, args.mode, args.num_ps, args.ps_ranks)
+    if on_roles is not None:
+        on_roles(cluster.chief_rank)
+
+    def say(text):
+        if cluster.is_chief:
+            print(text, flush=True)
+
+    def agree(fn, *fn_args, what=None):
+        return agreed(comm, fn, *fn_args, watchdog=watchdog, what=what)
+    # The same job everywhere, outputs included (identity.py). First,
+    # before the roles are used: ranks that disagree on --num-ps or
+    # --ps-ranks disagree on who the chief is (the rank map's root).
+    with watchdog.waiting("start-up (same job on every rank)", peer=None):
+        agree(check_consistency, comm, identity.same_on_every_rank(args))
+    with watchdog.waiting("start-up (rank map)", peer=None):
+        jobcheck.check_world(cluster, say)
+    t_start = time.perf_counter()
+    agree(validate, args, cluster.size)
+
+    # --- the device and the world ---------------------------------------------
+    with watchdog.waiting("start-up (GPU binding)", peer=None):
+        gpu_note = cluster.confirm_gpu_binding(args.device)  # MPI's node-local rank has the last word
+    xp, device_name, device_note = agree(device.select, args.device)
+    allreduce = agree(allreduce_plan, args.allreduce, xp, args.mode, args.cuda_aware)
+    device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(xp) else "", allreduce]))
+    server_xp = agree(server_array_module, args)
+    thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    if not thread_multiple:
+        device_note += "; MPI gives less than MPI_THREAD_MULTIPLE: no communication thread (--overlap off)"
+    world = World(comm=comm, cluster=cluster, watchdog=watchdog, stop=stop, xp=xp, device_name=device_name,
+                  server_xp=server_xp, thread_multiple=thread_multiple, t_start=t_start)
+    say(f"hpctrain: {args.mode} mode, world size {cluster.size} "
+        f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {device_name} "
+        f"({device_note})" + (f"; {process_note}" if process_note else ""))
+    if cluster.num_ps:
+        say(cluster.servers_line())
+
+    # --- the data: the same everywhere (its manifest's content, not its path) --
+    data_dir = ensure_data(args.data, cluster, watchdog)
+    # (the digest is also what checkpoints record of the data: checkpoints/resume.py)
+    digest, model_shape, manifest = agree(data_identity, data_dir)
+    with watchdog.waiting("start-up (same data on every rank)", peer=None):
+        agree(check_consistency, comm, {"data (manifest digest)": digest})
+    has_val = data_mod.has_val(data_dir)
+    agree(check_val, args, has_val, data_dir)
+    data = data_plan(args, cluster, data_dir, digest, manifest, has_val)
+    # --epochs count its training samples (the same on every rank: the
+    # manifest's digest was compared above); the last step is decided with
+    # the resume point (Plan.last_step).
+    schedule = schedule_plan(args, data)
+    if args.epochs is not None:
+        say(f"steps: {args.epochs:g} epochs of {data.train_samples} samples at {data.workers} workers x "
+            f"{data.per_worker} = {schedule.total_steps} steps")
+    if args.lr_schedule != "constant":   # constant: today's output, unchanged
+        say(schedule.line())
+
+    # --- the model, shaped by the data's manifest --------------------------------
+    spec = agree(_model_spec, args, model_shape, watchdog, what="building the model")
+    with watchdog.waiting("start-up (same model on every rank)", peer=None):
+        # a user's file may differ between nodes: its code, layers and tensors are compared
+        agree(check_consistency, comm, {"model (layers, tensors and their shapes)": spec.fingerprint,
+                                        "model code (the file and the modules it imports beside it)":
+                                            spec.code or "-"})
+    if args.model != "mlp":
+        say("\n".join(spec.summary()))
+    # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
+    cuts = agree(cuts_for, args, cluster.size, spec)
+    agree(check_memory, args, cluster.local_size, spec)
+    agree(check_step_size, args, data.workers, manifest, data_dir)
+    # Last before training, so a refusal above leaves nothing behind (this
+    # creates --checkpoint-dir): a result that cannot be written would be lost.
+    agree(check_outputs if cluster.is_chief else _nothing, args)
+    return world, make_plan(args, world, spec, data, schedule, cuts), Inputs(world, data)
+
+
+def _model_spec(args, model_shape, watchdog):
+    """model_spec, a user's code under a deadline of its own: a model file
+    that does not return (its import, its function, a layer under the
+    checks) is named as this rank's own work, not a peer's."""
+    if ":" not in args.model:
+        return model_spec(args, model_shape)
+    with watchdog.waiting(f"--model {args.model}: its import, its function and the layer checks",
+                          peer="its own model code", own=True):
+        return model_spec(args, model_shape)
+
+
+def stopped_outside_training(stop, checkpoint_dir):
+    """For the watchdog's thread: the line and exit code when a stop signal
+    came outside training (start-up, or writing the results) and the
+    process has not ended within the grace (a rank is stuck there)."""
+    overdue = stop.overdue()
+    if overdue is None:
+        return None
+    name, phase = overdue
+    if phase == "start-up":
+        return (f"stopped by {name} during start-up, before the first step (a rank is stuck there); "
+                f"no new checkpoint: run the same command again to resume from the last one", EXIT_PREEMPTED)
+    where = (f"the final checkpoint in {checkpoint_dir} is whole: run the same command again "
+             f"to write the results" if checkpoint_dir else "no --checkpoint-dir: the results are lost")
+    return (f"stopped by {name} after the last step, while the results were written (a rank is stuck "
+            f"there); {where}", EXIT_PREEMPTED)
+
+
+def server_array_module(args):
+    """ps mode: where servers keep their slice (--ps-device). numpy, or cupy
+    when asked for and a GPU is there (else one clear error on every rank)."""
+    if args.mode != "ps" or args.ps_device != "gpu":
+        return np
+    try:
+        xp, _, _ = device.select("gpu")
+    except HpctrainError as exc:
+        raise HpctrainError(str(exc).replace("--device gpu", "--ps-device gpu")) from None
+    return xp
+
+
+def check_val(args, has_val, data_dir):
+    """--keep-best chooses by validation accuracy: the data must have a val part."""
+    if args.keep_best and not has_val:
+        raise HpctrainError(f"--keep-best needs a validation part, and {data_dir} has none; prepare "
+                            f"it with: python -m hpctrain.data prepare --val-fraction F --out DIR")
+
+
+def _nothing(*args):
+    return None
+
+
+def model_spec(args, model_shape):
+    """The spec of this run's model for its data (nn/zoo.py); a model that
+    does not fit the data, or a user's model file or layer that fails, is
+    one line (and above it, from the rank that says it, the traceback of the
+    user's own code)."""
+    try:
+        spec = spec_for(args, *model_shape)
+    except LayerCodeError as e:
+        raise HpctrainError(f"--model {args.model}: {e}", detail=e.traceback) from None
+    except LayerError as e:
+        raise HpctrainError(f"--model {args.model} does not fit the data "
+                            f"({'x'.join(map(str, model_shape[0]))}, {model_shape[1]} classes): {e}") from None
+    except UserModelError as e:
+        raise HpctrainError(str(e), detail=e.traceback) from None
+    if args.batch_size < spec.min_batch:
+        # BatchNorm1d over one sample normalises every feature to 0: it would train a constant
+        raise HpctrainError(f"--model {args.model} needs at least {spec.min_batch} samples per rank and step "
+                            f"(batch norm over a flat input of one sample is 0 everywhere), not --batch-size "
+                            f"{args.batch_size}")
+    return spec
+
+
+def memory_needed(args, spec):
+    """Bytes one rank needs for the model at least (nn/spec.py memory_bytes):
+    a rank that cannot hold this cannot train."""
+    return spec.memory_bytes(args.batch_size, {"sgd": 0, "momentum": 1, "adam": 2}[args.optimizer])
+
+
+def check_memory(args, ranks_on_node, spec):
+    """Refuse up front a model or batch that cannot fit (a traceback from deep
+    inside NumPy, or the OOM killer, an hour later is worse)."""
+    need = memory_needed(args, spec)
+    have = memory_available()
+    if have is not None and need * ranks_on_node > have:
+        what = f"--hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else f"--model {args.model}"
+        raise HpctrainError(
+            f"{what} with --batch-size {args.batch_size} needs at "
+            f"least {need / 2**30:.1f} GiB per rank (parameters, gradients, optimizer state, "
+            f"activations); this node has {have / 2**30:.1f} GiB available for {ranks_on_node} "
+            f"rank{'s' if ranks_on_node > 1 else ''}")
+
+
+def check_step_size(args, workers, manifest, data_dir):
+    """A step takes no more samples than an epoch holds: beyond it the step
+    would deal the same samples twice (in silence, for minutes: --accumulate-steps
+    1000000 --steps 1 was 7,111 epochs in one step)."""
+    train = int(manifest["train"]["num_samples"])
+    per_step = workers * args.batch_size * args.accumulate_steps * args.micro_batches
+    if per_step > train:
+        parts = [f"{workers} worker{'s' if workers > 1 else ''}", f"--batch-size {args.batch_size}"]
+        flags = ["--batch-size"]
+        for flag, value in (("--accumulate-steps", args.accumulate_steps), ("--micro-batches", args.micro_batches)):
+            if value > 1:
+                parts.append(f"{flag} {value}")
+                flags.append(flag)
+        raise HpctrainError(f"{data_dir}: {train:,} training samples, fewer than one step takes "
+                            f"({' x '.join(parts)} = {per_step:,}); use a smaller {', '.join(flags)} or fewer workers")

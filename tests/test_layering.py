@@ -1,0 +1,135 @@
+"""The house's layering, held against the code's imports (docs/architecture.md,
+"Layers"): each part of hpctrain imports only parts below it or beside it,
+and no modules import each other in a circle, at any level.
+
+    .venv/bin/python -m pytest -q tests/test_layering.py
+"""
+import ast
+import os
+
+from conftest import REPO
+
+PACKAGE = os.path.join(REPO, "hpctrain")
+
+# Top to bottom. A part may import its own level and below; a command
+# (COMMANDS) anything.
+LEVELS = [
+    {"loops"},
+    {"run", "checkpoints", "report", "pipeline"},
+    {"comm", "optim"},
+    {"nn", "data", "device", "prefetch"},
+    {"errors", "chunks", "cli", "__init__"},
+]
+# What users run: they sit on top of everything.
+COMMANDS = {"train", "mnist", "checkpoint", "plot", "bench"}
+MAINS = "__main__"   # python -m hpctrain.<package>: a package's own command
+
+
+def modules():
+    """{module name: path} of every module of the package."""
+    found = {}
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                rel = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+                found[rel[:-9] if rel.endswith(".__init__") else rel] = path
+    return found
+
+
+def imports(module, path, known):
+    """The hpctrain modules `module` imports (relative ones resolved), at any depth in the file."""
+    tree = ast.parse(open(path).read())
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("hpctrain"):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.add(sub if sub in known else target)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("hpctrain")}
+    return {m for m in out if m in known and m != module}
+
+
+def part(module):
+    """hpctrain.comm.ps.server -> comm; hpctrain.train -> train."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def level(name):
+    for i, names in enumerate(LEVELS):
+        if name in names:
+            return i
+    raise AssertionError(f"hpctrain.{name} has no place in LEVELS (tests/test_layering.py): give it one")
+
+
+def test_every_part_imports_only_its_level_and_below():
+    known = modules()
+    wrong = []
+    for module, path in sorted(known.items()):
+        here = part(module)
+        if here in COMMANDS or module.endswith(MAINS):
+            continue
+        for target in imports(module, path, known):
+            there = part(target)
+            if there in COMMANDS:
+                wrong.append(f"{module} imports the command {target}")
+            elif level(there) < level(here):
+                wrong.append(f"{module} ({here}) imports {target} ({there}), a part above it")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    known = modules()
+    graph = {m: imports(m, p, known) for m, p in known.items()}
+    # Tarjan's strongly connected components
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    # a package's __init__ that hands on its modules' names is no circle of
+    # code: leave out the edges from a package to its own modules
+    real = []
+    for group in circles:
+        inner = {m: {t for t in graph[m] & set(group) if not t.startswith(m + ".")} for m in group}
+        if any(inner.values()):
+            real.append(group)
+    assert not real, real
+
+
+def test_the_layering_names_every_part():
+    for module in modules():
+        here = part(module)
+        if here not in COMMANDS and not module.endswith(MAINS):
+            level(here)
