@@ -26,7 +26,7 @@ run: $(VENV)/.installed
 test: test-serial test-mpi
 
 test-serial: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 test-mpi: $(VENV)/.installed
 	@set -e; for n in 2 3 4; do \

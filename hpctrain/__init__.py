@@ -1,4 +1,5 @@
-"""hpctrain: data-parallel training on MPI (ring allreduce or parameter servers).
+"""hpctrain: neural-network training across MPI ranks: data parallelism (ring
+allreduce or parameter servers) and model parallelism (pipeline stages).
 
 Run:  mpirun -n 4 python -m hpctrain.mnist [--mode ring|ps] [--help]
 """

@@ -232,7 +232,7 @@ def _pipeline_flags(g):
                         "fewer activations (default: %(default)s)")
     g.add_argument("--pipeline-split", type=_cut_points, default="", metavar="I,J,...",
                    help="the P - 1 layer indices where stages begin (python -m hpctrain.nn lists the layers); "
-                        "default: balance the layers' forward multiply-adds")
+                        "default: balance the layers' forward and backward multiply-adds")
 
 
 def _ps_flags(g):

@@ -40,7 +40,7 @@ external storage, which would read any file named), or larger than the
 file; an attribute that is not a plain int, float or str; a step, optimizer
 step, data position or sample count out of range. So a crafted file can
 neither make the reader allocate more than its own size nor read elsewhere
-(those rules: checkpoint_trust.py). Only h5py reads; nothing is unpickled.
+(those rules: checkpoints/trust.py). Only h5py reads; nothing is unpickled.
 
 No MPI here: the loops gather and broadcast (checkpoints/resume.py), this
 module reads and writes; hpctrain/checkpoint.py is the command that lists

@@ -1,12 +1,14 @@
-"""Checkpoint orchestration for both loops, on top of checkpoint.py's files:
-which checkpoint a run resumes from, the state and data positions sent to
-every rank, the checkpoints written while training, and the exit after a
-pre-emption signal.
+"""Checkpoint orchestration for the three loops, on top of
+checkpoints/file.py's files: which checkpoint a run resumes from, the state
+and data positions sent to every rank, the checkpoints written while
+training, and the exit after a pre-emption signal (loops/frame.py makes one
+Checkpoints per run and says when).
 
 The chief alone reads and writes the files. The data positions travel over
-the workers' communicator, whose rank 0 is the chief in either mode;
+the workers' communicator, whose rank 0 is the chief in every mode;
 everything else over the communicator the caller passes (ring: the workers';
-ps: the world, so the servers share the outcome).
+ps and a pipeline: the world, so the servers and every stage share the
+outcome).
 
     mpirun -n 2 python -m hpctrain.mnist --checkpoint-dir ckpt --checkpoint-every 100
 """
@@ -193,7 +195,7 @@ class Checkpoints:
         optimizer.t = resume.optimizer_t
         device.synchronize(world.xp)
 
-    # --- a sharded optimizer's state (--shard-optimizer on): sharded_state.py
+    # --- a sharded optimizer's state (--shard-optimizer on): checkpoints/sharded.py
 
     def _sharded(self, comm, optimizer):
         if self._owners is None or self._owners.optimizer is not optimizer:
@@ -232,7 +234,7 @@ class Checkpoints:
                                     f"(was --data changed?)") from None
         world.agreed(cluster.worker_comm, seek)
 
-    # --- while training (frame.py says when) --------------------------------
+    # --- while training (loops/frame.py says when) --------------------------------
 
     def gather_positions(self, reader, comm=None):
         """Every rank of comm (the workers'; a pipeline's first stage, one

@@ -24,7 +24,7 @@ the launcher's order. On one node the two are the same communicator order.
 nodes with equal ranks per node; the node-ordered ring otherwise.
 
 Imports are deferred to the calls: hpctrain.comm is a package that
-cluster.py and mnist.py reach before the process is configured (BLAS
+run/cluster.py and mnist.py reach before the process is configured (BLAS
 threads, GPU binding), and NumPy and mpi4py must not load before that.
 """
 
@@ -125,7 +125,7 @@ def _make(name, topology, xp, watchdog, cuda_aware, ring_order):
 def allreduce_plan(name, xp, mode="ring", cuda_aware="auto"):
     """One line for the start-up log: how gradients will move, and why ("" for
     NumPy). Raises HpctrainError where the flags cannot work here (--allreduce
-    nccl without a GPU or without NCCL). Local and collective-free: the session
+    nccl without a GPU or without NCCL). Local and collective-free: the start-up
     calls it on every rank through `agreed` (one error line for the job), before
     make_allreduce."""
     from .. import device
@@ -145,7 +145,7 @@ def allreduce_plan(name, xp, mode="ring", cuda_aware="auto"):
         return ""
     from .cuda_aware import cuda_aware as ask
     direct, why = ask(cuda_aware)
-    if mode == "ps":  # point-to-point: each worker on its own (loop_ps.run_worker)
+    if mode == "ps":  # point-to-point: each worker on its own (loops/ps.run_worker)
         how = "the model's device buffers straight to MPI" if direct else "through pinned host mirrors"
         return f"ps workers: {how} ({why})"
     path = "device buffers straight to MPI" if direct else "staged through pinned host memory"

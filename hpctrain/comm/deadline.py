@@ -4,7 +4,7 @@ which rank stalled, names it, and aborts the whole job instead of hanging.
 MPI's blocking calls cannot time out, and polling non-blocking ones costs CPU
 that oversubscribed ranks need. So the waiting thread just records what it is
 waiting for (two dict writes), and one daemon thread checks the records a few
-times a second. Used by the comm strategies, comm/ps and the session:
+times a second. Used by the comm strategies, comm/ps and the run's start-up:
 
     dog = Watchdog(timeout=300, rank=comm.rank, abort=comm.Abort)
     dog.roll_call_on(comm)          # once MPI is up (needs MPI_THREAD_MULTIPLE)

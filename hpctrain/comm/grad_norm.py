@@ -30,7 +30,7 @@ def part_ranges(buckets, parts, skip=0):
     """The ranges a norm's sums of squares are taken over: each bucket
     (lo, hi) cut by parts(hi - lo) (-> [(a, b)]), the first `skip` elements
     of the buffer left out; empty ranges kept (the pipeline's --clip-norm
-    cuts ring mode's alike: pipeline/norm.py)."""
+    cuts ring mode's alike: pipeline/grad_norm.py)."""
     out = []
     for lo, hi in buckets:
         out += [(max(lo + a, skip), max(lo + b, skip)) for a, b in parts(hi - lo)]

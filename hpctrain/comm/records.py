@@ -5,9 +5,8 @@ others must see. Lowercase `allgather` would pickle them; the house rule is
 no pickle on the wire, so each text is zero-padded (or cut) to `width`
 bytes and the records move with one buffer-form Allgather (or Gather).
 
-Used by cluster.check_consistency, jobcheck.gather_layout, comm/nccl.py and
-comm/topology.py. No MPI import here (and NumPy only when called): cluster.py
-imports this lazily, after the process is configured.
+Used by comm/agree.check_consistency, run/jobcheck.gather_layout, comm/nccl.py
+and comm/topology.py. No MPI import here (and NumPy only when called).
 
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_records.py
 """

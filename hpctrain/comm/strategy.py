@@ -12,7 +12,7 @@ A strategy sums contiguous 1-D arrays across the ranks of a communicator:
     parts(n)             -> [(lo, hi)] every rank's shard(n), in buffer order:
                          the partition itself (a rank holding the whole sum
                          computes per part what each owner computes on its
-                         own: comm/norm.py's sum of squares)
+                         own: comm/grad_norm.py's sum of squares)
 
 reduce_scatter followed by allgather equals allreduce. Parts are near-equal
 (hpctrain/chunks.py); which rank owns which part is the strategy's own business

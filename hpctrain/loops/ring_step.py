@@ -86,7 +86,7 @@ class RingStep:
         name, kwargs = optimizer
         self.optimizer = make_optimizer(name, n, xp, owned=owned, **kwargs)
         # The norm of the gradient part only (the loss and stop slots ride
-        # along), the same bits sharded or not (comm/norm.py).
+        # along), the same bits sharded or not (comm/grad_norm.py).
         self.norm = BucketNorm(strategy, self.buckets, self.wire.buffer, skip=GRADS, sharded=sharded, comm=comm,
                                watchdog=watchdog) if clip else None
         # Clipping needs the whole summed gradient's norm, so the updates wait

@@ -175,7 +175,7 @@ class ModelSpec:
 
     @property
     def fingerprint(self):
-        """What ranks compare at start-up (session.py), beyond the identity
+        """What ranks compare at start-up (run/startup.py), beyond the identity
         checkpoints record: every tensor's name and shape, the state's too,
         so two copies of a user's file that differ where describe() does not
         look (a constant, a parameter shape) are not one model."""

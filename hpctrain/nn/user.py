@@ -6,7 +6,7 @@ of layers (hpctrain's, or the user's own classes on the layer contract of
 nn/layers.py). The file's folder is on the import path while it loads and
 builds (a module beside it can be imported). Ranks compare its code (the
 file's bytes and the modules imported from beside it: `code_digest`) and
-the spec made from the list (session.py), so a file that differs between
+the spec made from the list (run/startup.py), so a file that differs between
 nodes is one line too; nn/check.py then runs its layers once.
 
 What goes wrong is one line naming the file and the problem (UserModelError,

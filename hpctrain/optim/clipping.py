@@ -5,7 +5,7 @@
 as PyTorch's clip_grad_norm_ does it. Where the gradient is spread over
 ranks (a sharded ring, several parameter servers) each holds sums of squares
 of its parts (`sum_squares`), the parts are brought together
-(comm/norm.py, the ps servers' communicator), and `global_norm` adds them
+(comm/grad_norm.py, the ps servers' communicator), and `global_norm` adds them
 with math.fsum: correctly rounded, so the order the parts arrive in (MPI's
 reduction order, rank order) cannot change a bit, and every rank computes
 the same factor.

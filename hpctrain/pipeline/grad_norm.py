@@ -1,11 +1,11 @@
 """--clip-norm in a pipeline: the global norm of the whole model's averaged
 gradient, which no stage holds whole, taken from the very sums of squares
-that ring mode's norm takes (comm/norm.py), so that the pipeline clips as
+that ring mode's norm takes (comm/grad_norm.py), so that the pipeline clips as
 `--accumulate-steps M --clip-norm C` on the same replicas does.
 
 Ring mode sums squares over parts of its fused buckets (buckets ending on
 layer starts, up to --fusion-mb; each cut into the strategy's R parts) and
-adds the parts with math.fsum (clipping.py), correctly rounded and so blind
+adds the parts with math.fsum (optim/clipping.py), correctly rounded and so blind
 to their order. Here every stage cuts the same parts (`ring_ranges`: the same
 bucket_bounds, the same `parts`) and sums the squares of its piece of each
 (with --shard-optimizer each replica of its own part, the only one it holds
@@ -31,7 +31,7 @@ from .stages import ring_buckets
 
 def ring_ranges(spec, fusion_elems, parts):
     """The gradient ranges [(lo, hi)] whose sums of squares ring mode's
-    --clip-norm adds (ring_step.py: the wire's buckets, its loss and stop
+    --clip-norm adds (loops/ring_step.py: the wire's buckets, its loss and stop
     slots left out), in gradient-buffer coordinates."""
     return [(a - GRADS, b - GRADS) for a, b in part_ranges(ring_buckets(spec, fusion_elems), parts, skip=GRADS)]
 

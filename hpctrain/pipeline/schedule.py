@@ -1,13 +1,13 @@
 """Pipeline schedules as data: what one stage does during one optimizer step.
 
 A schedule is a pure function `(stages, micro_batches, stage) -> actions`:
-stage s's actions in the order it runs them. The pipeline loop (to build)
-executes the list; nothing else decides the order. `simulate` runs every
+stage s's actions in the order it runs them. The stage's engine
+(pipeline/engine.py) executes the list; nothing else decides the order. `simulate` runs every
 stage's list together in a tick model, which checks that the sends and
 receives pair up without a deadlock and gives the step's length;
 `peak_activations` gives a stage's activation memory. Never imports MPI.
 
-    python -m hpctrain.pipeline --stages 2 --micro-batches 4    # both tick diagrams
+    python -m hpctrain.pipeline --stages 2 --micro-batches 4    # both tick diagrams (main below)
 
 Actions. `Forward(m)` runs micro-batch m through the stage's layers and keeps
 its activations until `Backward(m)`, which adds m's gradient to the stage's
@@ -262,3 +262,25 @@ def diagram(timeline):
     lines = ["tick    " + "".join(f"{t:>{width}}" for t in range(timeline.ticks))]
     lines += [f"stage {s:<2}" + "".join(f"{cell:>{width}}" for cell in row) for s, row in enumerate(rows)]
     return "\n".join(lines)
+
+
+def main(argv=None):
+    """Both schedules' tick diagrams, step length, activation peaks per stage and the bubble."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.pipeline", description=main.__doc__)
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages P (default: %(default)s)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches M (default: %(default)s)")
+    parser.add_argument("--forward-ticks", type=int, default=1, help="ticks a forward takes (default: %(default)s)")
+    parser.add_argument("--backward-ticks", type=int, default=1, help="ticks a backward takes (default: %(default)s)")
+    args = parser.parse_args(argv)
+    P, M = args.stages, args.micro_batches
+    try:
+        for name, schedule in SCHEDULES.items():
+            ticks = simulate(schedule, P, M, args.forward_ticks, args.backward_ticks)
+            print(f"{name}\n{diagram(ticks)}\n{ticks.ticks} ticks, "
+                  f"activation sets held per stage {list(ticks.activations)}\n")
+        print(f"bubble (P - 1)/(M + P - 1) = {bubble_fraction(P, M):.3f}")
+    except ValueError as e:
+        parser.error(str(e))
+    return 0
+

@@ -79,7 +79,7 @@ def cut_points(args, spec):
 
 def cuts_for(args, world, spec):
     """The cut points of a pipeline run (None without --pipeline-stages), or
-    HpctrainError for flags it cannot run with. Every rank alike (session.py)."""
+    HpctrainError for flags it cannot run with. Every rank alike (run/startup.py)."""
     stages = args.pipeline_stages
     if stages == 1:
         if args.micro_batches > 1:
@@ -111,7 +111,7 @@ def ranges(spec, a, b, of="params"):
 
 
 def ring_buckets(spec, fusion_elems):
-    """Ring mode's buckets [(lo, hi)] in wire offsets (ring_step.py: ending on
+    """Ring mode's buckets [(lo, hi)] in wire offsets (loops/ring_step.py: ending on
     layer starts, fused up to fusion_elems)."""
     return bucket_bounds(GRADS + spec.num_params, fusion_elems, Wire.ready_from(spec.layer_ranges))
 

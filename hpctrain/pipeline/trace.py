@@ -1,5 +1,5 @@
 """The pipeline's `--timeline`: every rank's step on a track of its own in
-the chief's one Chrome trace (timeline.py), so that a stage's idle time, the
+the chief's one Chrome trace (report/timeline.py), so that a stage's idle time, the
 bubble, shows between its forwards and backwards. Takes communicators; never
 imports MPI itself.
 
@@ -24,7 +24,7 @@ agree within that Barrier's skew, on one node or across nodes. On a GPU a
 span is the host's time (kernels may still run after it ends).
 
 Without --timeline (the same flag on every rank) `span` and `action` return
-timeline.py's shared no-op and `add` and `flush` return at once: no
+report/timeline.py's shared no-op and `add` and `flush` return at once: no
 collective, nothing recorded.
 
     mpirun -n 2 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --steps 20 --timeline /tmp/t.json

@@ -1,5 +1,5 @@
 """The MPI world turned into roles: parameter servers, workers, the chief;
-node-local ranks; and the start-up check that every rank runs the same job.
+node-local ranks; and this node's facts (cores, memory, /dev/shm).
 
 Two halves, because some settings must be made before MPI (and BLAS) start:
 - `launcher_env()` / `configure_process()`: read the launcher's variables
@@ -10,11 +10,10 @@ Two halves, because some settings must be made before MPI (and BLAS) start:
   (`check_shm_room`). Standard library only, apart from CuPy for the GPU.
 - `Cluster(comm, mode, num_ps, ps_rule)`: after MPI_Init, the roles and
   communicators; which ranks serve (`server_ranks`: --ps-ranks first|spread);
-  `check_consistency(...)` compares the flags that must match on all ranks;
   `Cluster.confirm_gpu_binding()` checks the GPU choice against MPI's own
   node-local rank.
 
-    mpirun -n 4 python -m hpctrain.cluster --mode ps --num-ps 2 --ps-ranks spread   # prints the layout
+    mpirun -n 4 python -m hpctrain.run.cluster --mode ps --num-ps 2 --ps-ranks spread   # prints the layout
 """
 import os
 import socket

@@ -1,6 +1,6 @@
 """What makes two processes the same job: one list of settings, three uses.
 
-- At start-up every rank compares `same_on_every_rank(args)` (session.py):
+- At start-up every rank compares `same_on_every_rank(args)` (run/startup.py):
   a rank launched with another --lr or --hidden stops the job with one line,
   and so does one with other outputs (--save, --metrics, ...: OUTPUT_FLAGS),
   which only the chief writes: given to another rank alone they would be
@@ -80,7 +80,7 @@ def _model(spec):
 
 def _where(path):
     """A path flag as ranks compare it: the file it names (relative paths
-    resolved), within the 64-byte records of cluster.check_consistency: a
+    resolved), within the 64-byte records of comm/agree.check_consistency: a
     longer one is its end and a hash of the whole."""
     if not path:
         return "-"
@@ -92,7 +92,7 @@ def _where(path):
 
 def same_on_every_rank(args):
     # Before the data is read: --hidden is compared here, the data itself
-    # by its manifest's digest (session.py); the model follows from both. The same outputs everywhere, the
+    # by its manifest's digest (run/startup.py); the model follows from both. The same outputs everywhere, the
     # checkpoint directory included: a rank with another --checkpoint-dir
     # would wait for checkpoints forever.
     outputs = {k: _where(getattr(args, k)) if k in PATH_FLAGS else getattr(args, k) for k in OUTPUT_FLAGS}
@@ -100,13 +100,13 @@ def same_on_every_rank(args):
     if ":" in args.model:
         # FILE.py:FUNCTION: not the path (relative on one rank, absolute on
         # another, or a copy per node), but what it names: the function here,
-        # the file's code and the model it builds in session.py.
+        # the file's code and the model it builds in run/startup.py.
         job["model"] = f"FILE.py:{args.model.rpartition(':')[2]}"
     return job
 
 
 def same_on_resume(args, num_workers, spec, total_steps):
-    """total_steps: the lr schedule's (session.schedule), which cosine's curve
+    """total_steps: the lr schedule's (Plan.schedule), which cosine's curve
     follows. --hidden only for the MLP, which it sizes (another model's
     identity pins it down, and --hidden has no effect on it)."""
     job = dict(_job(args), **_model(spec), num_workers=int(num_workers),

@@ -21,7 +21,7 @@ longer running (names without a pid, from older versions: when untouched for
 an hour). One job per output file and checkpoint directory, as always; a pid
 is checked on this node only.
 
-    python -c "from hpctrain.outputs import check_outputs"   # used by session.Session
+    python -c "from hpctrain.run.outputs import check_outputs"   # used by run/startup.py
 """
 import errno
 import os

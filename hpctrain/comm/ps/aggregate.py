@@ -10,7 +10,7 @@ function and a hpctrain.clipping.Clip: the server owns the parameters'
 slice and its optimizer state, so the update happens here (the exception
 to comm/'s rule that DESIGN.md names). It imports
 hpctrain.clipping.sum_squares, the arithmetic the ring mode's norm
-(comm/norm.py) shares, so both take a norm by the same reduction.
+(comm/grad_norm.py) shares, so both take a norm by the same reduction.
 
 DC-ASGD (`dc_lambda` L > 0): the server keeps, per worker, the parameters it
 last sent that worker (w_bak) and applies g + L*g*g*(w - w_bak); w_bak is

@@ -67,7 +67,7 @@ def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs,
     the node's roles decided). Collective over cluster.local_comm (every rank
     of the node calls it).
 
-    Beyond communicators this takes the run's Cluster (hpctrain/cluster.py):
+    Beyond communicators this takes the run's Cluster (hpctrain/run/cluster.py):
     the choice is the node's, so it needs every rank's node (node_of) and
     role (ps_ranks), the number of workers and the node communicator, which
     the Cluster holds together.
