@@ -289,6 +289,10 @@ def _output_flags(g):
                    help="--timeline records the first N steps of the run (a pipeline's every rank: about 3 KB a "
                         "step; a trace viewer slows down past a few hundred thousand spans); 0: every step "
                         "(default: %(default)s)")
+    g.add_argument("--memory-budget", type=_positive_float, default=None, metavar="GIB",
+                   help="memory one rank may use, in GiB, as SLURM's --mem-per-cpu gives it (default: this node's "
+                        "available memory shared among its ranks); a model or batch that does not fit it is "
+                        "refused at start-up, naming the pipeline (--pipeline-stages) that would fit")
     g.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds any rank waits for a peer before it names the peer and aborts the job (default: %(default)s)")
 

@@ -21,6 +21,11 @@ with `--timeline`, and reports per stage, from the trace's spans
   hold), against one unpipelined rank's (--accumulate-steps M, the same
   model: its parameters and its final record's optimizer_state_bytes);
   beside them the stage's gradient buffers (one micro-batch's and the sum).
+- peak resident memory of the stage's rank (the kernel's high-water mark,
+  its final record's), in all and above the interpreter with its imports,
+  against the unpipelined rank's (issue 29: a stage's rank at 1/P + 10% of
+  it is the target); for a model whose parameters and Adam state dominate:
+  `--hidden 4096,4096,4096,4096 --steps 6 --micro-batches 4 --stages 4`.
 
     python -m hpctrain.bench pipeline                      # P = 2, M = 4, 8, gpipe and 1f1b, --hidden 512,512
     python -m hpctrain.bench pipeline --hidden 774,774 --micro-batches 4,8 --steps 50
@@ -74,7 +79,7 @@ def final_record(path):
 
 
 def pipeline_job(args, extra, schedule, micro, tmp):
-    """One pipeline run: its trace's events."""
+    """One pipeline run: (its trace's events, its final record)."""
     trace, metrics = os.path.join(tmp, "t.json"), os.path.join(tmp, "m.jsonl")
     flags = ["-m", "hpctrain.train", "--pipeline-stages", str(args.stages), "--micro-batches", str(micro),
              "--pipeline-schedule", schedule, "--timeline", trace, "--timeline-steps", "0", "--metrics", metrics,
@@ -83,18 +88,19 @@ def pipeline_job(args, extra, schedule, micro, tmp):
     if r.returncode != 0:
         raise run_failed(args.stages, flags, r)
     with open(trace) as f:
-        return json.load(f)["traceEvents"]
+        return json.load(f)["traceEvents"], final_record(metrics)
 
 
-def unpipelined_bytes(args, extra, spec, tmp):
-    """Parameters + optimizer state of one rank training the whole model."""
+def unpipelined(args, extra, spec, tmp):
+    """One rank training the whole model: (parameters + optimizer state bytes, its final record)."""
     metrics = os.path.join(tmp, "one.jsonl")
     flags = ["-m", "hpctrain.train", "--accumulate-steps", str(max(args.micro_batches)), "--shard-optimizer", "off",
              "--metrics", metrics, *job_flags(args, extra), "--steps", "2"]   # its buffers, not its speed
     r = launch(1, flags)
     if r.returncode != 0:
         raise run_failed(1, flags, r)
-    return 4 * spec.num_params + final_record(metrics)["optimizer_state_bytes"]
+    record = final_record(metrics)
+    return 4 * spec.num_params + record["optimizer_state_bytes"], record
 
 
 def per_step(spans):
@@ -140,17 +146,24 @@ def memory(steps, meta, args, schedule, micro, spec, whole_bytes):
             "grads_mb": meta["grads_bytes"] / MB}
 
 
-def stage_rows(events, args, schedule, micro, spec, whole_bytes):
-    """One row per rank (stage) of one run."""
+def stage_rows(events, record, args, schedule, micro, spec, whole_bytes, whole_record):
+    """One row per rank (stage) of one run; its peak resident memory (the
+    kernel's high-water mark, from its final record), in all and above the
+    interpreter with its imports, against the unpipelined rank's."""
     about = {e["pid"]: e["args"] for e in events if e["name"] == "process_name"}
     rows = []
     for pid in sorted(about):
         meta = about[pid]
         steps = per_step(e for e in events if e["ph"] == "X" and e["pid"] == pid)
+        peak, above = record["peak_rss_mb_by_worker"][pid], record["peak_rss_above_base_mb_by_worker"][pid]
         rows.append({"schedule": schedule, "micro_batches": micro, "stage": meta["stage"],
                      "layers": "[{},{})".format(*meta["layers"]),
                      "bubble_bound": sched.bubble_fraction(args.stages, micro), **timing(steps),
-                     **memory(steps, meta, args, schedule, micro, spec, whole_bytes)})
+                     **memory(steps, meta, args, schedule, micro, spec, whole_bytes),
+                     "peak_mb": peak, "peak_above_mb": above,
+                     "vs_unpipelined_peak": above / max(whole_record["peak_rss_above_base_mb"], 1e-9),
+                     "unpipelined_peak_mb": whole_record["peak_rss_mb"],
+                     "unpipelined_peak_above_mb": whole_record["peak_rss_above_base_mb"]})
     return rows
 
 
@@ -173,7 +186,10 @@ COLUMNS = [("schedule", "schedule", "{}"), ("M", "micro_batches", "{}"), ("stage
            ("act held", "held", "{}"), ("copies", "copies", "{}"), ("bound", "held_bound", "{}"), ("act MB", "act_mb", "{:.3f}"),
            ("bound MB", "act_bound_mb", "{:.3f}"), ("params+opt MB", "params_opt_mb", "{:.2f}"),
            ("unpipelined MB", "unpipelined_mb", "{:.2f}"), ("x unpipelined", "vs_unpipelined", "{:.2f}"),
-           ("grads MB", "grads_mb", "{:.2f}")]
+           ("grads MB", "grads_mb", "{:.2f}"), ("peak MB", "peak_mb", "{:.1f}"),
+           ("above base MB", "peak_above_mb", "{:.1f}"), ("unpipelined peak MB", "unpipelined_peak_mb", "{:.1f}"),
+           ("its above base MB", "unpipelined_peak_above_mb", "{:.1f}"),
+           ("x unpipelined (above base)", "vs_unpipelined_peak", "{:.2f}")]
 
 
 def main(args, extra):
@@ -184,12 +200,12 @@ def main(args, extra):
     spec = spec_for(flags, *model_shape(flags))
     rows, cuts = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        whole = unpipelined_bytes(args, extra, spec, tmp)
+        whole, whole_record = unpipelined(args, extra, spec, tmp)
         for micro in args.micro_batches:
             for schedule in schedules:
-                events = pipeline_job(args, extra, schedule, micro, tmp)
+                events, record = pipeline_job(args, extra, schedule, micro, tmp)
                 cuts = cuts or stage_cuts(events)
-                rows += stage_rows(events, args, schedule, micro, spec, whole)
+                rows += stage_rows(events, record, args, schedule, micro, spec, whole, whole_record)
     flops, work = work_per_stage(spec, cuts)
     if args.json:
         print(json.dumps({"bench": "pipeline", "stages": args.stages, "steps": args.steps, "hidden": args.hidden,

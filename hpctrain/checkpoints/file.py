@@ -95,19 +95,49 @@ def checkpoint_name(step):
 
 @dataclass
 class Checkpoint:
-    """One checkpoint read back and verified; arrays are NumPy, on the host."""
+    """One checkpoint read back and verified; arrays are NumPy, on the host
+    (read lazily: params and the optimizer state are `OnDisk`, read a slice
+    at a time; close() when done)."""
     path: str
     step: int
     optimizer_t: int
-    params: np.ndarray
+    params: object
     optimizer_state: dict
     data_positions: np.ndarray
     attrs: dict = field(default_factory=dict)
     model_state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    source: object = None   # the open file of a lazy read
 
     @property
     def name(self):
         return os.path.basename(self.path)
+
+    def close(self):
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+
+
+class OnDisk:
+    """A flat float32 dataset of a verified checkpoint, left in the file:
+    `read(lo, hi)` its slice (a pipeline's resume hands each stage its part,
+    and no rank holds the whole)."""
+
+    def __init__(self, dataset):
+        self._dataset = dataset
+        self.size, self.shape, self.dtype = int(dataset.size), tuple(dataset.shape), np.dtype(np.float32)
+
+    def read(self, lo, hi):
+        return np.asarray(self._dataset[lo:hi], dtype=np.float32)
+
+
+@dataclass
+class Pieces:
+    """A flat float32 dataset handed to save() in pieces, in order: a
+    pipeline's chief writes each stage's slice as it arrives, holding one at
+    a time. pieces: an iterable of 1-D arrays whose sizes add up to size."""
+    size: int
+    pieces: object
 
 
 # ---------------------------------------------------------------------------
@@ -123,12 +153,16 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     more attributes recorded for people (world size, lr, ...), checked by no one.
     """
     import h5py
-    params = _flat32(params, "params")
-    state = {name: _flat32(a, f"optimizer state {name}") for name, a in optimizer_state.items()}
+    params = params if isinstance(params, Pieces) else _flat32(params, "params")
+    state = {name: a if isinstance(a, Pieces) else _flat32(a, f"optimizer state {name}")
+             for name, a in optimizer_state.items()}
     positions = np.ascontiguousarray(data_positions, dtype="<i8")
     if positions.ndim != 2 or positions.shape[1] != 2:
         raise ValueError(f"data_positions must be (workers, 2), got {positions.shape}")
-    model_state = _flat32(model_state, "model state") if model_state is not None and len(model_state) else None
+    if isinstance(model_state, Pieces):
+        model_state = model_state if model_state.size else None
+    else:
+        model_state = _flat32(model_state, "model state") if model_state is not None and len(model_state) else None
     attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step),
              "optimizer_t": int(optimizer_t), "optimizer_state": ",".join(state),
              "model_state": 0 if model_state is None else int(model_state.size)}
@@ -139,7 +173,6 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
                 **{f"optimizer/{name}": a for name, a in state.items()}}
     if model_state is not None:
         datasets["model_state"] = model_state
-    attrs["sha256"] = _checksum(datasets, attrs)
 
     directory = os.fspath(directory)
     try:
@@ -157,8 +190,10 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
         # No HDF5 file lock: it fails on some parallel filesystems, and the
         # temporary name is this process's alone.
         with h5py.File(tmp, "w", userblock_size=USERBLOCK, locking=False) as f:
-            for key, array in datasets.items():
-                f.create_dataset(key, data=array)
+            content = hashlib.sha256()   # _checksum's, as the datasets are written
+            for key in sorted(datasets):
+                _write_dataset(f, key, datasets[key], content)
+            attrs["sha256"] = _checksum({}, attrs, content)
             for key, value in attrs.items():
                 f.attrs[key] = value
         # h5py has flushed and closed the file: hash it, write the header and
@@ -173,6 +208,30 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
             os.unlink(tmp)
     _prune(directory, keep, mine=path)
     return path
+
+
+def _write_dataset(f, key, value, content):
+    """One dataset into the open file, its name, type, shape and bytes into
+    the content hash (_checksum's order: datasets by name, each in order)."""
+    if not isinstance(value, Pieces):
+        a = np.ascontiguousarray(value)
+        a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+        f.create_dataset(key, data=a)
+        content.update(f"dataset {key} {a.dtype.str} {a.shape}\n".encode())
+        content.update(memoryview(a).cast("B"))
+        return
+    dataset = f.create_dataset(key, shape=(value.size,), dtype="<f4")
+    content.update(f"dataset {key} <f4 {(value.size,)}\n".encode())
+    at = 0
+    for piece in value.pieces:
+        piece = _flat32(piece, key)
+        if at + piece.size > value.size:
+            raise ValueError(f"{key}: the pieces hold more than its {value.size} values")
+        dataset[at:at + piece.size] = piece
+        content.update(memoryview(piece).cast("B"))
+        at += piece.size
+    if at != value.size:
+        raise ValueError(f"{key}: the pieces hold {at} of its {value.size} values")
 
 
 def _hasher(version):
@@ -266,10 +325,11 @@ def _unlink_quietly(path):
 # ---------------------------------------------------------------------------
 # checksum
 
-def _checksum(datasets, attrs):
+def _checksum(datasets, attrs, h=None):
     """sha256 over every dataset (name, dtype, shape, bytes) and every attribute
-    but the checksum itself, in name order: any changed bit is caught."""
-    h = hashlib.sha256()
+    but the checksum itself, in name order: any changed bit is caught. h: a
+    hash the datasets are already in (written, or read, a piece at a time)."""
+    h = hashlib.sha256() if h is None else h
     for key in sorted(datasets):
         a = np.ascontiguousarray(datasets[key])
         a = a.astype(a.dtype.newbyteorder("<"), copy=False)
@@ -313,18 +373,59 @@ def _check_header(path, raw):
                             f"version {FORMAT_VERSION}; start fresh with another --checkpoint-dir")
 
 
-def read(path):
-    """One checkpoint, verified (Checkpoint), or _Corrupt with the reason."""
-    import h5py
+# A lazy read hashes the file and its datasets this many bytes at a time.
+BLOCK_BYTES = 1 << 22
+
+
+def _check_header_streamed(path):
+    """_check_header, reading the file a block at a time (a lazy read holds
+    no more than a block of it): its size, or _Corrupt."""
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            head = f.read(USERBLOCK)
+            if len(head) < USERBLOCK:
+                raise _Corrupt(f"truncated ({len(head)} bytes)")
+            fields = head.split(b"\n", 1)[0].split(b" ")
+            if len(fields) != 4 or fields[0] != FORMAT.encode() or fields[2] != b"sha256":
+                raise _Corrupt("no hpctrain checkpoint header")
+            version = fields[1].decode(errors="replace")
+            h = _hasher(version)
+            size = USERBLOCK
+            for block in iter(lambda: f.read(BLOCK_BYTES), b""):
+                h.update(block)
+                size += len(block)
     except OSError as e:
         raise _Corrupt(f"cannot read: {e.strerror}") from None
-    _check_header(path, raw)
+    if head != _header(version, h.hexdigest()):
+        raise _Corrupt("checksum mismatch")
+    if version != str(FORMAT_VERSION):
+        raise HpctrainError(f"{path}: checkpoint format version {version}, this hpctrain reads "
+                            f"version {FORMAT_VERSION}; start fresh with another --checkpoint-dir")
+    return size
+
+
+def read(path, lazy=False):
+    """One checkpoint, verified (Checkpoint), or _Corrupt with the reason.
+    lazy: the file is hashed a block at a time, its datasets too, and params
+    and the optimizer state stay in it (OnDisk, read by slices until close()):
+    no more than a block of it in memory."""
+    import h5py
+    source = None
     try:
-        # From memory: the bytes just verified are the bytes parsed.
-        with h5py.File(io.BytesIO(raw), "r") as f:
+        if lazy:
+            size = _check_header_streamed(path)
+            opened = path
+        else:
+            try:
+                with open(path, "rb") as f:
+                    raw = f.read()
+            except OSError as e:
+                raise _Corrupt(f"cannot read: {e.strerror}") from None
+            _check_header(path, raw)
+            size = len(raw)
+            opened = io.BytesIO(raw)   # from memory: the bytes just verified are the bytes parsed
+        try:
+            f = source = h5py.File(opened, "r", locking=False) if lazy else h5py.File(opened, "r")
             attrs = {k: _plain(v) for k, v in f.attrs.items()}
             if attrs.get("format") != FORMAT:
                 raise _Corrupt("not an hpctrain checkpoint")
@@ -335,40 +436,69 @@ def read(path):
             keys = ["params", "data_positions"] + [f"optimizer/{n}" for n in names]
             if attrs.get("model_state", 0):   # written before batch norm: absent, none
                 keys.append("model_state")
-            found = {key: stored_dataset(f, key, len(raw)) for key in keys}
-            if sum(obj.nbytes for obj in found.values()) > len(raw):
-                raise _Refused(f"its datasets hold more bytes than the file ({len(raw)})")
-            datasets = {key: obj[()] for key, obj in found.items()}
-    except (OSError, KeyError, ValueError, RuntimeError, TypeError, OverflowError) as e:
-        # Whatever damaged bytes make HDF5 raise, the file cannot be trusted.
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise _Corrupt(f"unreadable HDF5: {first}") from None
-    try:
-        matches = _checksum(datasets, attrs) == attrs["sha256"]
-    except (TypeError, ValueError, KeyError) as e:   # damaged attribute names or values
-        raise _Corrupt(f"unreadable attributes ({type(e).__name__})") from None
-    if not matches:
-        raise _Corrupt("content checksum mismatch")
-    params, positions = datasets["params"], datasets["data_positions"]
-    if params.ndim != 1 or params.dtype != np.float32:
-        raise _Corrupt(f"params is {params.dtype} {params.shape}, expected flat float32")
-    if positions.ndim != 2 or positions.shape[1] != 2:
-        raise _Corrupt(f"data_positions has shape {positions.shape}, expected (workers, 2)")
-    state = {n: datasets[f"optimizer/{n}"] for n in names}
-    for n, a in state.items():
-        if a.shape != params.shape or a.dtype != np.float32:
-            raise _Corrupt(f"optimizer state {n} is {a.dtype} {a.shape}, params are {params.shape}")
-    for key in ("step", "optimizer_t"):
-        if not isinstance(attrs.get(key), int):
-            raise _Corrupt(f"attribute {key} missing or not an integer")
-    model_state = datasets.get("model_state", np.zeros(0, np.float32))
-    if model_state.ndim != 1 or model_state.dtype != np.float32 or model_state.size != attrs.get("model_state", 0):
-        raise _Corrupt(f"model_state is {model_state.dtype} {model_state.shape}, "
-                       f"the attributes say {attrs.get('model_state')!r} floats")
-    check_ranges(attrs, positions)
-    return Checkpoint(path=os.fspath(path), step=attrs["step"], optimizer_t=attrs["optimizer_t"],
-                      params=params, optimizer_state=state,
-                      data_positions=positions.astype(np.int64, copy=False), attrs=attrs, model_state=model_state)
+            found = {key: stored_dataset(f, key, size) for key in keys}
+            if sum(obj.nbytes for obj in found.values()) > size:
+                raise _Refused(f"its datasets hold more bytes than the file ({size})")
+            big = {"params", *(f"optimizer/{n}" for n in names)} if lazy else set()
+            datasets = {key: obj[()] for key, obj in found.items() if key not in big}
+            content = hashlib.sha256()
+            for key in sorted(found):
+                if key in big:
+                    _hash_on_disk(found[key], key, content)
+                else:
+                    _checksum({key: datasets[key]}, {}, content)
+        except (OSError, KeyError, ValueError, RuntimeError, TypeError, OverflowError) as e:
+            # Whatever damaged bytes make HDF5 raise, the file cannot be trusted.
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise _Corrupt(f"unreadable HDF5: {first}") from None
+        try:
+            matches = _checksum({}, attrs, content) == attrs["sha256"]
+        except (TypeError, ValueError, KeyError) as e:   # damaged attribute names or values
+            raise _Corrupt(f"unreadable attributes ({type(e).__name__})") from None
+        if not matches:
+            raise _Corrupt("content checksum mismatch")
+        if lazy:
+            params = OnDisk(found["params"])
+            state = {n: OnDisk(found[f"optimizer/{n}"]) for n in names}
+        else:
+            params, state = datasets["params"], {n: datasets[f"optimizer/{n}"] for n in names}
+        positions = datasets["data_positions"]
+        if len(params.shape) != 1 or params.dtype != np.float32:
+            raise _Corrupt(f"params is {params.dtype} {params.shape}, expected flat float32")
+        if positions.ndim != 2 or positions.shape[1] != 2:
+            raise _Corrupt(f"data_positions has shape {positions.shape}, expected (workers, 2)")
+        for n, a in state.items():
+            if a.shape != params.shape or a.dtype != np.float32:
+                raise _Corrupt(f"optimizer state {n} is {a.dtype} {a.shape}, params are {params.shape}")
+        for key in ("step", "optimizer_t"):
+            if not isinstance(attrs.get(key), int):
+                raise _Corrupt(f"attribute {key} missing or not an integer")
+        model_state = datasets.get("model_state", np.zeros(0, np.float32))
+        if model_state.ndim != 1 or model_state.dtype != np.float32 or \
+                model_state.size != attrs.get("model_state", 0):
+            raise _Corrupt(f"model_state is {model_state.dtype} {model_state.shape}, "
+                           f"the attributes say {attrs.get('model_state')!r} floats")
+        check_ranges(attrs, positions)
+        ckpt = Checkpoint(path=os.fspath(path), step=attrs["step"], optimizer_t=attrs["optimizer_t"],
+                          params=params, optimizer_state=state,
+                          data_positions=positions.astype(np.int64, copy=False), attrs=attrs,
+                          model_state=model_state, source=source if lazy else None)
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
+    if not lazy and source is not None:
+        source.close()
+    return ckpt
+
+
+def _hash_on_disk(dataset, key, content):
+    """_checksum of one flat float32 dataset read from the file a block at a time."""
+    content.update(f"dataset {key} <f4 {(int(dataset.size),)}\n".encode())
+    step = BLOCK_BYTES // 4
+    for lo in range(0, int(dataset.size), step):
+        block = np.ascontiguousarray(dataset[lo:lo + step], dtype="<f4")
+        content.update(memoryview(block).cast("B"))
 
 
 def check_compatible(ckpt, expected_settings):
@@ -409,19 +539,19 @@ def check_data(ckpt, digest, data_dir, other_ok=False):
                         f"(fine-tuning), or start fresh with another --checkpoint-dir")
 
 
-def load_latest(directory, expected_settings, warn=None):
+def load_latest(directory, expected_settings, warn=None, lazy=False):
     """The newest valid checkpoint in DIR (Checkpoint), or None if it holds none.
 
     The newest is the one with the highest step stored inside it: a file whose
     name says another step than its content (a renamed copy) is reported
     through warn(line) and skipped, as corrupt files are, so a copy named
     `ckpt-99999999.h5` cannot pin every later run to an old step. A valid file
-    that does not match expected_settings raises HpctrainError.
+    that does not match expected_settings raises HpctrainError. lazy: read()'s.
     """
     warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
     for named, path in list_checkpoints(directory):
         try:
-            ckpt = read(path)
+            ckpt = read(path, lazy=lazy)
         except _Refused as e:
             raise HpctrainError(f"{path}: refused: {e}; hpctrain writes no such checkpoint (a crafted file?): "
                                 f"move it away to resume from an earlier one") from None
@@ -429,9 +559,14 @@ def load_latest(directory, expected_settings, warn=None):
             warn(f"{os.path.basename(path)}: corrupt ({e}), trying the previous one")
             continue
         if ckpt.step != named:
+            ckpt.close()
             warn(_misnamed(path, named, ckpt.step))
             continue
-        check_compatible(ckpt, expected_settings)
+        try:
+            check_compatible(ckpt, expected_settings)
+        except HpctrainError:
+            ckpt.close()
+            raise
         return ckpt
     return None
 

@@ -124,7 +124,8 @@ class Checkpoints:
                     f"--resume no, but {d} holds checkpoints of an earlier run (newest "
                     f"{found[0][1].rsplit('/', 1)[-1]}); remove them or use another --checkpoint-dir")
             return None
-        ckpt = checkpoint.load_latest(d, self.plan.resume_key,
+        # a pipeline's chief hands each stage its slice of the file, holding none whole (lazy)
+        ckpt = checkpoint.load_latest(d, self.plan.resume_key, lazy=self.plan.pipelined,
                                       warn=lambda line: print(f"hpctrain: warning: {line}",
                                                               file=sys.stderr, flush=True))
         if ckpt is None and found:
@@ -248,33 +249,46 @@ class Checkpoints:
             comm.Gather(mine, everyone, root=0)
         return everyone
 
-    def save(self, comm, step, params, optimizer_state, optimizer_t, positions, model_state=None):
+    def save(self, comm, step, params, optimizer_state, optimizer_t, positions, model_state=None, senders=None,
+             on_failure=None):
         """Collective over comm: the chief writes the checkpoint of `step` from
-        the arrays it passes (device or host; the other ranks' arguments are
-        ignored) and prunes to --keep-checkpoints. A failure to write stops
-        every rank of comm with one error line. Returns the path on the chief."""
+        the arrays it passes (device or host, or checkpoints/file.Pieces that
+        the other ranks send as the file takes them: `senders`, run by them
+        meanwhile, and `on_failure`, run by the chief when its write fails,
+        so that no sender is left waiting) and prunes to
+        --keep-checkpoints. A failure to write stops every rank of comm with
+        one error line. Returns the path on the chief."""
         world, outputs, data = self.world, self.outputs, self.data
+
+        def host(array):
+            return array if isinstance(array, checkpoint.Pieces) or array is None else device.to_host(array)
 
         def chief_writes():
             device.synchronize(world.xp)
-            host = device.to_host(params)
-            if not np.isfinite(host).all():   # a checkpoint to resume from must be worth resuming
-                raise HpctrainError(f"the parameters of step {step} are not finite: training diverged "
-                                    f"(try a lower --lr); no checkpoint written", exit_code=EXIT_DIVERGED)
-            with world.waiting(f"writing a checkpoint in {outputs.checkpoint_dir}", peer="the file system"):
-                return checkpoint.save(outputs.checkpoint_dir, step, host,
-                                       {k: device.to_host(v) for k, v in optimizer_state.items()},
-                                       optimizer_t, positions, self.plan.resume_key,
-                                       keep=outputs.keep_checkpoints,
-                                       info=dict(self.plan.recorded, samples=self.samples_at(step), data=data.dir,
-                                                 data_digest=data.digest, **self.best.checkpoint_attrs()),
-                                       model_state=None if model_state is None else device.to_host(model_state))
+            try:
+                if not isinstance(params, checkpoint.Pieces) and not np.isfinite(host(params)).all():
+                    # a checkpoint to resume from must be worth resuming (Pieces: the caller checked)
+                    raise HpctrainError(f"the parameters of step {step} are not finite: training diverged "
+                                        f"(try a lower --lr); no checkpoint written", exit_code=EXIT_DIVERGED)
+                with world.waiting(f"writing a checkpoint in {outputs.checkpoint_dir}", peer="the file system"):
+                    return checkpoint.save(outputs.checkpoint_dir, step, host(params),
+                                           {k: host(v) for k, v in optimizer_state.items()},
+                                           optimizer_t, positions, self.plan.resume_key,
+                                           keep=outputs.keep_checkpoints,
+                                           info=dict(self.plan.recorded, samples=self.samples_at(step),
+                                                     data=data.dir, data_digest=data.digest,
+                                                     **self.best.checkpoint_attrs()),
+                                           model_state=host(model_state))
+            except BaseException:
+                if on_failure is not None:
+                    on_failure()
+                raise
         # The others wait for the chief's write in the agreement: it answers
         # their roll calls "busy" meanwhile, so a healthy write longer than
         # --timeout is no stall (the write itself has its own deadline above).
         with self.timeline.span("checkpoint", cat="checkpoint"), \
                 (world.watchdog.busy() if world.chief else contextlib.nullcontext()):
-            path = world.agreed(comm, chief_writes if world.chief else lambda: None)
+            path = world.agreed(comm, chief_writes if world.chief else (senders or (lambda: None)))
         self.saved_step, self.saved_path = step, path
         return path
 

@@ -20,12 +20,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import device
 from ..checkpoints.resume import Checkpoints
-from ..comm.device_buffers import bcast
 from ..errors import EXIT_DIVERGED, HpctrainError
 from ..report.best import Best
-from ..report.report import Report, evaluate, peak_memory_and_step_medians, results_note
+from ..report.params import save_params
+from ..report.report import Report, peak_memory_and_step_medians, results_note
 from ..report.step_stats import StepStats
 
 
@@ -166,13 +165,9 @@ class Frame:
 
     def after_step(self, model, step):
         """The chief's periodic evaluation; its time is not training time.
-        model: the model, or a callable that makes it (a pipeline gathers
-        its stages to the chief: only at the steps that evaluate)."""
-        if callable(model):
-            if not self.eval_due(step):
-                return
-            model = model()
-        if self.world.chief:
+        model: report/evaluated.py's (a collective one, a pipeline's, is
+        evaluated by every rank together)."""
+        if model.collective or self.world.chief:
             self._t0 += self.report.periodic_eval(model, step)
 
     def eval_due(self, step):
@@ -210,13 +205,10 @@ class Frame:
         the loop's own, unless this step is saved already), then the
         pre-emption exit (75 everywhere), or the results: the largest
         optimizer state any rank holds (state_bytes: this rank's) and the
-        final evaluation and record (`finish`). model: the model, or a
-        callable that makes it (a pipeline builds it whole, only when it is
-        needed)."""
+        final evaluation and record (`finish`). model: report/evaluated.py's
+        (a collective one, a pipeline's, is evaluated by every rank together)."""
         world, checkpoints = self.world, self.checkpoints
-        if not preempted and callable(model):
-            model = model()
-        if world.chief and self.plan.data.has_val and not preempted:
+        if (world.chief or model.collective) and self.plan.data.has_val and not preempted:
             self.report.final_val(model, step)
         if save is not None and checkpoints.enabled and checkpoints.saved_step != step:
             save(step)
@@ -230,44 +222,40 @@ class Frame:
             extra["optimizer_state_bytes"] = int(most[0])
         return self.finish(model, step, extra, alone)
 
-    def share_model_state(self, model):
-        """The chief's non-trainable state (batch-norm running statistics) to
-        every worker before the evaluation they share. Each worker's own
-        statistics follow its own batches; the chief's are the model's (what
-        it evaluates alone, checkpoints and saves): DDP's broadcast_buffers,
-        once at the end instead of at every step."""
-        if not model.state.size:
-            return
-        world = self.world
-        device.synchronize(world.xp)
-        with world.waiting("model state broadcast", peer=world.cluster.chief_rank):
-            bcast(world.cluster.worker_comm, model.state, root=0)
-
     def finish(self, model, step, extra, alone=False):
-        """The final evaluation, the chief's record and --save, on every worker
+        """The final evaluation, --save, the chief's record, on every worker
         (alone: the chief by itself, ps with a worker left behind; the
-        others return None). Parameters
-        that are not finite (a NaN gradient in the last step: the loss, read
-        before the update, was finite) are no result: exit 4, nothing saved.
-        Every worker holds the same parameters here, so all find it alike.
+        others return None). Parameters that are not finite (a NaN gradient
+        in the last step: the loss, read before the update, was finite) are
+        no result: exit 4, nothing saved. Every worker holds the same
+        parameters here (or a collective model agrees), so all find it alike.
         If --save failed, every worker exits with the chief's line (no abort:
         nobody is left waiting)."""
-        world, report, checkpoints = self.world, self.report, self.checkpoints
+        world, report, checkpoints, outputs = self.world, self.report, self.checkpoints, self.plan.outputs
         if alone and not world.chief:
             return None
-        if not device.all_finite(model.params):
+        if not model.finite():
             raise HpctrainError(f"the parameters after step {step} are not finite: training diverged in its last "
                                 f"step (try a lower --lr or --warmup-steps); no --save, no final record",
                                 exit_code=EXIT_DIVERGED, collective=not alone, report=world.chief)
         if alone:
             with world.watchdog.busy():
-                test = report.evaluate_alone(model)
+                test = model.evaluate("test")
         else:
-            self.share_model_state(model)
-            test = evaluate(world, self.inputs, model)
+            model.share_state()
+            test = model.evaluate_parts(self.inputs)
+        n = max(test[2], 1)
+        test = (test[0] / n, test[1] / n, test[2])
+        checkpoint = checkpoints.saved_path if checkpoints.saved_step == step else None
+        save_error = None
+        if model.collective:
+            save_error = save_params(outputs.save, model, step, checkpoint, agree=model.agree, chief=world.chief)
+        elif world.chief:
+            with world.watchdog.busy(), world.waiting(f"writing --save {outputs.save}", peer="the file system"):
+                save_error = save_params(outputs.save, model, step, checkpoint)
         result = {"test": test, "medians": peak_memory_and_step_medians(world, self.stats, alone), "model": model,
-                  "checkpoint": checkpoints.saved_path if checkpoints.saved_step == step else None}
-        record, save_error = None, None
+                  "save_error": save_error}
+        record = None
         if world.chief:
             record, save_error = report.final(result, step, self.loop_s, self.samples(step), self.comm_s,
                                               self.compute_s, extra)

@@ -6,8 +6,9 @@ schedule's actions (pipeline/schedule.py) through its engine
 average over the stage's replicas, the update. So a pipeline ends with the
 parameters of `--accumulate-steps M` on R ranks, bit for bit
 (tests/test_pipeline.py). The frame (frame.py) does what every loop does:
-the start, the batches, the accounting, the end; the whole model is
-gathered only where it is evaluated or saved (pipeline/whole.py).
+the start, the batches, the accounting, the end; no rank holds the whole
+model: evaluations run through the stages, checkpoints and --save are
+written a stage at a time (pipeline/whole.py).
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --hidden 64,32 --steps 20
 """
@@ -68,13 +69,13 @@ def train_pipe(world, plan, inputs, timeline):
     engine = Engine(world, spec, grid, stage, strategy, optimizer, actions, pieces, plan.data.batch_size,
                     plan.optimizer.clip_norm, plan.ring.fusion_elems,
                     StageTrace(world, plan.outputs, timeline, grid, stage, optimizer))
-    step, stopped = train_steps(world, frame, engine, layouts, reader)
+    model = whole.Pipelined(world, plan, engine, layouts)   # what the frame evaluates and saves, stage by stage
+    step, stopped = train_steps(world, frame, engine, layouts, reader, model)
     extra = {"workers": grid.replicas, "global_batch": plan.per_step, "pipeline_stages": grid.stages,
              "micro_batches": micro, "schedule": pipe.schedule, "replicas": grid.replicas,
              "pipeline_split": pipe.split, "shard_optimizer": "on" if engine.sharded else "off",
              **(engine.clip.totals() if engine.clip else {})}
-    record = frame.end(step, stopped and step < frame.steps, world.comm,
-                       lambda: whole.model_on_chief(world, spec, engine, layouts, everyone=True),
+    record = frame.end(step, stopped and step < frame.steps, world.comm, model,
                        save=lambda at: whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at),
                        extra=extra, state_bytes=state_bytes(optimizer))
     grid.free()
@@ -82,18 +83,15 @@ def train_pipe(world, plan, inputs, timeline):
 
 
 def initial_parameters(world, spec, grid, stage, seed):
-    """The stage's slice of the initial parameters and state: every rank
-    builds them from the seed (the same bits as rank 0's broadcast in ring
-    mode), and the stage's replicas then take replica 0's: a user's init that
-    ignores its generator (an unseeded one, the time, the pid) would
-    otherwise give each replica weights of its own, trained apart for the
-    whole run without --shard-optimizer."""
+    """The stage's slice of the initial parameters and state: each stage
+    draws its own layers (each layer from (seed, its index): the bits a
+    whole-model build gets, with no other stage's layers allocated), and
+    the stage's replicas then take replica 0's: a user's init that ignores
+    its generator (an unseeded one, the time, the pid) would otherwise give
+    each replica weights of its own, trained apart for the whole run
+    without --shard-optimizer."""
     xp = world.xp
-    initial = spec.build(np)
-    initial.init(seed)
-    stage.params[...] = xp.asarray(initial.params[stage.lo:stage.hi])
-    stage.state[...] = xp.asarray(initial.state[stage.state_lo:stage.state_hi])
-    del initial
+    stage.init(seed)
     if grid.replicas > 1:
         device.synchronize(xp)
         for what, buffer in (("parameters", stage.params), ("model state", stage.state)):
@@ -109,7 +107,7 @@ def stage_arrays(grid):
     return ("images",) if grid.first else ("labels",) if grid.last else ()
 
 
-def train_steps(world, frame, engine, layouts, reader):
+def train_steps(world, frame, engine, layouts, reader, model):
     """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
     replicas = engine.grid.replicas
     step, stopped = frame.start, False
@@ -123,8 +121,8 @@ def train_steps(world, frame, engine, layouts, reader):
             frame.timed(t0, engine.schedule_done, t1)
             step += 1
             frame.summed_loss(step, loss, replicas, grad_norm=engine.clip.mean_norm if engine.clip else None)
-            # the chief evaluates the whole model by itself, gathered only at the steps that evaluate
-            frame.after_step(lambda: whole.model_on_chief(world, frame.plan.spec, engine, layouts), step)
+            # every rank evaluates, through the stages
+            frame.after_step(model, step)
             if stopped:
                 if step < frame.steps:
                     frame.stopping(step)

@@ -47,6 +47,7 @@ from ..errors import EXIT_TIMEOUT, HpctrainError
 from ..nn.accumulate import Accumulation
 from ..optim.clipping import Clip
 from ..optim.optimizers import OnDevice, make_optimizer
+from ..report.evaluated import WholeModel
 from ..run.cluster import cores_available
 from .frame import Frame, diverged
 
@@ -183,6 +184,7 @@ class Worker:
     clip: object
     acc: object        # the first K - 1 micro-batches' gradients (nn/accumulate.py), or None
     acc_loss: object
+    evaluated: object  # report/evaluated.WholeModel: what the chief evaluates and saves
 
 
 def run_worker(world, plan, frame, comm, reader, placement, shared, why_not=""):
@@ -220,14 +222,14 @@ def start_worker(world, plan, frame, comm, placement, shared, why_not):
     if plan.ring.accumulate_steps > 1:
         acc = Accumulation(xp.zeros(spec.num_params, model.grads.dtype))
         acc_loss = Accumulation(xp.zeros(1, model.grads.dtype))
-    return Worker(model, pm, gm, client, state_names, clip, acc, acc_loss)
+    return Worker(model, pm, gm, client, state_names, clip, acc, acc_loss, WholeModel(world, plan, model))
 
 
 def worker_steps(world, plan, frame, w, reader):
     """The training loop: pull, compute, push, until the servers say stop.
     Returns the steps this worker computed."""
     tl, chief, sync, k = frame.timeline, world.chief, plan.ps.sync, plan.ring.accumulate_steps
-    model, client, pm, gm, clip = w.model, w.client, w.pm, w.gm, w.clip
+    model, client, pm, gm, clip, evaluated = w.model, w.client, w.pm, w.gm, w.clip, w.evaluated
     norms = []   # sync --clip-norm: the servers' pre-clip norm of each round
     local = 0
     with frame.training():
@@ -283,7 +285,7 @@ def worker_steps(world, plan, frame, w, reader):
             step = client.version
             if frame.log.due(step, last=client.stop):
                 log_progress(world, plan, frame, step, clip, norms, local)
-            frame.after_step(model, step)
+            frame.after_step(evaluated, step)
             if chief and not client.stop and frame.checkpoint_due(step):
                 # The chief alone: the servers' slices and state at one version
                 # (SNAPSHOT), with the data positions the leader recorded for it.
@@ -318,7 +320,7 @@ def end_worker(world, plan, frame, w, local):
         if w.clip:   # async: this worker's (the chief's) own pushes
             extra.update(w.clip.totals())
     alone = bool(extra["abandoned_workers"])
-    record = frame.end(step, client.preempted, cluster.comm, w.model,
+    record = frame.end(step, client.preempted, cluster.comm, w.evaluated,
                        save=(lambda at: save_cut(plan, checkpoints, final_cut, w.model.state)) if want_state else None,
                        extra=extra, alone=alone)
     if alone:

@@ -14,6 +14,7 @@ from ..comm.device_buffers import bcast
 from ..comm.topology import Topology
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
+from ..report.evaluated import WholeModel
 from .frame import Frame
 from .ring_step import RingStep
 
@@ -52,15 +53,16 @@ def train_ring(world, plan, inputs, timeline):
     frame.resumed(reader, restore)
 
     # --- training, then the end ---------------------------------------------
-    step, stopped = train_steps(world, frame, ring, reader)
+    evaluated = WholeModel(world, plan, model)   # what the chief evaluates and saves
+    step, stopped = train_steps(world, frame, ring, reader, evaluated)
     ring.close()   # the communication thread ends with the loop
     extra = {"shard_optimizer": "on" if ring.sharded else "off", **(ring.clip.totals() if ring.clip else {})}
-    return frame.end(step, stopped and step < frame.steps, comm, model,
+    return frame.end(step, stopped and step < frame.steps, comm, evaluated,
                      save=lambda at: save_checkpoint(frame.checkpoints, comm, ring, reader, at),
                      extra=extra, state_bytes=state_bytes(ring.optimizer))
 
 
-def train_steps(world, frame, ring, reader):
+def train_steps(world, frame, ring, reader, evaluated):
     """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
     timeline, model, fused = frame.timeline, ring.model, ring.fused
     workers = world.cluster.num_workers
@@ -91,7 +93,7 @@ def train_steps(world, frame, ring, reader):
             # step as on the CPU.
             loss, stopped = ring.summed()
             frame.summed_loss(step, loss, workers, grad_norm=ring.clip.mean_norm if ring.clip else None)
-            frame.after_step(model, step)
+            frame.after_step(evaluated, step)
             if stopped:
                 if step < frame.steps:
                     frame.stopping(step)

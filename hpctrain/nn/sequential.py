@@ -54,6 +54,12 @@ class SoftmaxCrossEntropy:
         return float(-logp[xp.arange(logits.shape[0]), y].sum()), int((logits.argmax(axis=1) == y).sum())
 
 
+# How initial parameters are drawn: 1, one generator of --seed for every
+# layer in list order (up to issue 29); 2, a generator of (seed, layer index)
+# for each layer. Recorded in checkpoints and --save (a resume does not draw).
+INIT_VERSION = 2
+
+
 class LayerRange:
     """The one runner of layers: layers [a, b) of a spec, each bound to its
     views of flat buffers (params, grads, state: the whole model's, or a
@@ -65,7 +71,7 @@ class LayerRange:
     computes for those layers, call for call."""
 
     def __init__(self, spec, a, b, xp, params, grads, state, base=(0, 0)):
-        self.spec, self.a, self.b, self.xp = spec, a, b, xp
+        self.spec, self.a, self.b, self.xp, self.base = spec, a, b, xp, base
         self.layers = copy.deepcopy(spec.layers[a:b])   # every build its own: two models of a spec share nothing
         for i, layer in zip(range(a, b), self.layers):
             layer.bind(xp, spec.views(params, i, base=base[0]), spec.views(grads, i, base=base[0]),
@@ -77,6 +83,22 @@ class LayerRange:
         self.owner = {i: k for k, i in enumerate(spec.param_layers)}
         # backprop stops at the model's first layer with parameters: nothing before it needs a gradient
         self.first = spec.param_layers[0] if spec.param_layers else len(spec.layers)
+
+    def init(self, seed, params, state):
+        """Layers [a, b)'s initial parameters into `params` and their state's
+        starting values into `state` (the buffers this range was built over),
+        each layer from a stream of its own, (seed, its index in the model):
+        a pure function of them, whatever else the model holds, so a pipeline
+        stage initialises its layers alone to the bits the whole model gets
+        (INIT_VERSION 2; before, one stream drew every layer in list order).
+        Host RNG, then copied: CPU and GPU runs start from the same bits."""
+        host = np.zeros(params.size, params.dtype) if self.xp is not np else params
+        host[...] = 0
+        for i, layer in zip(range(self.a, self.b), self.layers):
+            layer.init(np.random.default_rng([seed, i]), self.spec.views(host, i, base=self.base[0]), host.dtype)
+            layer.init_state(self.spec.views(state, i, of="state", base=self.base[1]))
+        if host is not params:
+            params[...] = self.xp.asarray(host)
 
     def set_noise(self, noise):
         """`noise=(seed, step, sample_ids)`, or None: each layer's Noise, stream = its index in the model."""
@@ -117,16 +139,8 @@ class Sequential:
         self.layers, self.head, self.chain = self.run.layers, self.run.head, self.run.chain
 
     def init(self, seed):
-        """Every layer's initial parameters from `seed` (host RNG, then copied,
-        so CPU and GPU runs start from the same bits)."""
-        rng = np.random.default_rng(seed)
-        host = np.zeros(self.num_params, self.dtype) if self.xp is not np else self.params
-        host[...] = 0
-        for i, layer in enumerate(self.layers):
-            layer.init(rng, self.spec.views(host, i), self.dtype)
-            layer.init_state(self.spec.views(self.state, i, of="state"))
-        if host is not self.params:
-            self.params[...] = self.xp.asarray(host)
+        """Every layer's initial parameters from (seed, its index) (LayerRange.init)."""
+        self.run.init(seed, self.params, self.state)
 
     def tensors(self):
         """(name, view) of each parameter tensor, in buffer order."""

@@ -31,6 +31,9 @@ from ..optim.clipping import Clip
 from . import schedule as sched
 from .grad_norm import StageNorm, ring_ranges
 from .stages import body_range
+from .transfers import Receives, Sends
+
+EVAL_TAG = 31001   # evaluation activations, on the pipe communicator (training's tags: micro-batch indices)
 
 
 class _Step:
@@ -78,6 +81,19 @@ class Engine:
         self.losses = Accumulation(self.xp.zeros(1, np.float32))
         # the sends' neighbours, named if the step's Waitall stalls
         self.neighbours = [grid.world_rank(grid.stage + d) for d in (-1, 1) if 0 <= grid.stage + d < grid.stages]
+        # transfers.py: sends bounded by the stage's model copies, receives posted ahead, pooled buffers
+        copies, comm, dog = len(stage.models), grid.pipe_comm, world.watchdog
+        before, after = grid.stage - 1, grid.stage + 1
+        self.to_next = Sends(comm, after, (batch, *self.out_shape), copies, dog, "activation",
+                             grid.world_rank(after)) if not grid.last else None
+        self.to_before = Sends(comm, before, (batch, *self.in_shape), copies, dog, "gradient",
+                               grid.world_rank(before)) if not grid.first else None
+        self.from_before = Receives(comm, before, (batch, *self.in_shape),
+                                    [a.micro for a in actions if isinstance(a, sched.RecvActivation)], 2, dog,
+                                    "activations", grid.world_rank(before)) if not grid.first else None
+        self.from_next = Receives(comm, after, (batch, *self.out_shape),
+                                  [a.micro for a in actions if isinstance(a, sched.RecvGrad)], 2, dog,
+                                  "gradients", grid.world_rank(after)) if not grid.last else None
 
     def _norm(self, elems):
         # --clip-norm: the sums of squares of ring mode's parts (its buckets
@@ -95,11 +111,17 @@ class Engine:
         self.optimizer.begin(lr, self.grad_scale)
         self.losses.restart()
         self._step = _Step(batches)
+        for receives in (self.from_before, self.from_next):
+            if receives is not None:
+                receives.start()
         for action in self.actions:
             with trace.action(action):
                 ACTIONS[type(action)](self, action.micro)
+        sends = [s for s in (self.to_next, self.to_before) if s is not None]
         with trace.span("wait sends"), self.world.waiting("pipeline sends", peer=self.neighbours):
-            MPI.Request.Waitall([request for request, _ in self._step.sends])
+            MPI.Request.Waitall([request for s in sends for request in s.requests()])
+        for s in sends:
+            s.done()
         self._step = None
         self.schedule_done = time.perf_counter()   # the rest: the replicas' average, the update, [loss, stop]
         trace.add("schedule", start, self.schedule_done)
@@ -112,32 +134,72 @@ class Engine:
         trace.flush()
         return float(self.head[0]), bool(self.head[1] > 0)
 
+    def evaluate(self, x, y, count, batch=128):
+        """Forward only, in evaluation mode, batches of `batch` through the
+        stages (Sequential.evaluate's batches, scaled the same way): x this
+        replica's part of the images on the first stage, y its labels on the
+        last (None elsewhere), count its samples (known everywhere). Returns
+        (loss sum, correct) on the last stage, (0.0, 0) elsewhere. Sends wait
+        two batches behind (no more than two activation buffers in flight)."""
+        grid, run = self.grid, self.stage.models[0].run
+        loss, correct, sends = 0.0, 0, []
+        for lo in range(0, count, batch):
+            n = min(batch, count - lo)
+            if grid.first:
+                a = x[lo:lo + n]
+                a = self.xp.asarray(a)
+                if a.dtype == np.uint8:
+                    a = a.astype(np.float32)
+                    a /= 255
+            else:
+                a = self._receive(grid.stage - 1, (n, *self.in_shape), EVAL_TAG, "evaluation activations")
+            out = run.forward(a, False)
+            if grid.last:
+                part_loss, part_correct = run.head.sums(out, self.xp.asarray(y[lo:lo + n]))
+                loss += part_loss
+                correct += part_correct
+                continue
+            sends.append(self._send(out, grid.stage + 1, EVAL_TAG))
+            if len(sends) > 2:
+                with self.world.waiting("pipeline evaluation sends", peer=self.neighbours):
+                    sends.pop(0)[0].Wait()
+        with self.world.waiting("pipeline evaluation sends", peer=self.neighbours):
+            MPI.Request.Waitall([request for request, _ in sends])
+        return loss, correct
+
     # --- the actions (schedule.py), one method each ---------------------------------
 
     def _recv_activation(self, m):
-        self._step.inputs[m] = self._receive(self.grid.stage - 1, (self.batch, *self.in_shape), m, "activations")
+        self._step.inputs[m] = self.from_before.get(m)   # held (the first layer keeps its input) until backward m
 
     def _forward(self, m):
         step = self._step
         x, y, noise = step.batches[m]
-        out = self.stage.forward(m, step.inputs.pop(m, x), y, noise)
+        held = step.inputs.get(m)
+        out = self.stage.forward(m, x if held is None else self.xp.asarray(held), y, noise)
         if self.grid.last:
             self.losses.add(out)
         else:
             step.outputs[m] = out
 
     def _send_activation(self, m):
-        self._step.sends.append(self._send(self._step.outputs.pop(m), self.grid.stage + 1, m))
+        self.to_next.send(self._step.outputs.pop(m), m, self.xp)
 
     def _recv_grad(self, m):
-        self._step.grads_in[m] = self._receive(self.grid.stage + 1, (self.batch, *self.out_shape), m, "gradients")
+        self._step.grads_in[m] = self.from_next.get(m)
 
     def _backward(self, m):
         step = self._step
-        step.grads_out[m] = self.stage.backward(m, step.grads_in.pop(m, None))
+        dy = step.grads_in.pop(m, None)
+        step.grads_out[m] = self.stage.backward(m, None if dy is None else self.xp.asarray(dy))
+        if dy is not None:
+            self.from_next.release(dy)
+        held = step.inputs.pop(m, None)
+        if held is not None:
+            self.from_before.release(held)
 
     def _send_grad(self, m):
-        self._step.sends.append(self._send(self._step.grads_out.pop(m), self.grid.stage - 1, m))
+        self.to_before.send(self._step.grads_out.pop(m), m, self.xp)
 
     def _update(self):
         stage = self.stage

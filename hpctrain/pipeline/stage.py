@@ -77,6 +77,11 @@ class Stage:
         self._free, self._holding = list(range(len(self.models))), {}
         self.sum = Accumulation(self.grads)   # the step's micro-batches, in --accumulate-steps' order
 
+    def init(self, seed):
+        """The stage's layers' initial parameters and state, drawn by the stage
+        alone (nn/sequential.LayerRange.init: the whole model's bits for them)."""
+        self.models[0].run.init(seed, self.params, self.state)
+
     def forward(self, m, x, y=None, noise=None):
         """Micro-batch m's forward on a free copy, which holds it until backward(m)."""
         copy = self._free.pop(0)   # never empty: there are as many copies as the schedule holds at once

@@ -1,38 +1,53 @@
-"""A pipeline's flat buffers, whole: each stage holds its slice of the
-parameters, the model state and the optimizer state (the stages' slices lie
-in stage order, pipeline/stages.py `ranges`); the chief's checkpoints,
-evaluations and final record want them whole, and a resumed run gives each
-stage its slice back. Takes the grid's communicators; never imports MPI.
+"""A pipeline's model as the run's outputs see it, held by no rank whole: each
+stage holds its slice of the parameters, the model state and the optimizer
+state (the stages' slices lie in stage order, pipeline/stages.py `ranges`).
+What needs the whole model goes a stage at a time:
 
-- `to_chief`: the stages' replica 0 send their slices to the chief (world
-  rank 0, stage 0's replica 0) along replica 0's pipe communicator, one
-  Gatherv; the whole buffer on the chief, None elsewhere.
-- `to_everyone`: the whole buffer on every rank (Allgatherv over the world of
-  each stage's replica 0's slice): ring mode's end, where every worker holds
-  the model for the shared test evaluation.
-- `to_stages`: the reverse of `to_chief` (a Scatterv along replica 0's pipe
-  communicator): each stage's slice on its replica 0; `from_chief` then
-  Bcasts it to the stage's other replicas: resume.
+- checkpoints (`save_checkpoint`): ring mode's one file, written by the
+  chief a dataset at a time and each dataset a stage at a time (stage 0's
+  slice its own, then each stage's from its replica 0, received as the file
+  takes it: checkpoints/file.Pieces), so the chief holds one stage's slice
+  of one buffer at once; a sharded optimizer's parts are first gathered on
+  the stage's replica 0;
+- a resume (`resume_stage`): the checkpoint read lazily (its datasets stay
+  in the file: checkpoints/file.OnDisk), each stage's slice read and sent
+  to its replica 0, then to the stage's replicas; whatever cut, P or R
+  wrote it (a ring mode checkpoint as well);
+- --save and --keep-best (`Pipelined.write`): the parameters file, a
+  stage's tensors at a time;
+- evaluations (`Pipelined.evaluate`): forward-only batches through the
+  stages, each replica its part of the test set (or val part), the last
+  stage counting loss and accuracy, one world Allreduce of the sums.
 
-On top of them, what the pipeline loop (loops/pipe.py) calls: `model_on_chief`
-(the whole model built on the chief for an evaluation, or on everyone at the
-end), `save_checkpoint` (ring mode's file: parameters, model state, the
-optimizer state, a sharded one's parts gathered over the stage's replicas
-first, and the replicas' data positions) and `resume_stage` (a checkpoint's
-whole buffers back into every stage's slices, whatever cut, P or R wrote it).
-
-The slices' sizes follow from the spec and the cut points, the same on every
-rank, so nothing about the layout travels; mpi4py takes the MPI type from
-the float32 buffers.
+Transfers to and from the chief go along replica 0's pipe communicator
+(the chief is world rank 0: stage 0, replica 0), blocking sends and receives
+in one fixed order that both ends follow, each under the watchdog; a chief
+that fails to write still takes every piece (`drain`), so no sender is left
+waiting. Takes the grid's communicators; never imports MPI itself.
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --checkpoint-dir ckpt --steps 20
 """
+import os
+
 import numpy as np
 
 from .. import device
-from ..errors import HpctrainError
+from ..checkpoints.file import Pieces
 from ..checkpoints.sharded import ShardedState
+from ..errors import HpctrainError
+from ..nn.sequential import INIT_VERSION
+from ..run.outputs import temp_next_to
 from .stages import ranges
+
+TAG = 31000          # checkpoint, --save and resume pieces, on the pipe communicator (engine.py: 31001)
+NOTE_BYTES = 1024    # the chief's outcome of a collective write, as UTF-8
+
+
+class Layouts:
+    """Where each stage's slices lie in the whole flat buffers: (counts, displacements)."""
+
+    def __init__(self, spec, cuts):
+        self.params, self.state = spans(spec, cuts), spans(spec, cuts, of="state")
 
 
 def spans(spec, cuts, of="params"):
@@ -41,97 +56,98 @@ def spans(spec, cuts, of="params"):
     return [hi - lo for lo, hi in lohi], [lo for lo, _ in lohi]
 
 
-def to_chief(grid, part, layout, watchdog, what):
-    """The whole buffer (host float32) on world rank 0 from every stage's
-    `part` (device or host); None on every other rank."""
-    counts, displs = layout
-    if grid.replica != 0:
-        return None
-    mine = np.ascontiguousarray(device.to_host(part), dtype=np.float32)
-    whole = np.zeros(sum(counts), np.float32) if grid.first else None
-    with watchdog.waiting(f"pipeline gather to the chief ({what})", peer=None if grid.first else grid.world_rank(0)):
-        grid.pipe_comm.Gatherv(mine, [whole, (counts, displs)] if grid.first else None, root=0)
-    return whole
+# --- the stages' slices to the chief, one at a time ------------------------------
+
+class ToChief:
+    """Flat buffers whose slices the stages hold, to the chief stage by stage,
+    in the order of `names` (the order its file takes them). parts: name ->
+    (layout (counts, displacements), this stage's slice or None where this
+    rank sends nothing: every replica but 0). The chief asks `pieces(name)`;
+    every stage's replica 0 but the chief's `send()`s."""
+
+    def __init__(self, grid, watchdog, names, parts):
+        self.grid, self.watchdog, self.names, self.parts = grid, watchdog, list(names), parts
+        self._taken = set()   # (name, stage) the chief has received
+
+    def pieces(self, name):
+        """The chief: stage 0's slice of `name`, then each other stage's as it arrives."""
+        grid = self.grid
+        counts, _ = self.parts[name][0]
+        for s in range(grid.stages):
+            if s == 0:
+                piece = np.ascontiguousarray(device.to_host(self.parts[name][1]), dtype=np.float32)
+            else:
+                piece = self._receive(name, s, counts[s])
+            self._taken.add((name, s))
+            yield piece
+
+    def _receive(self, name, s, count):
+        piece = np.empty(count, np.float32)
+        with self.watchdog.waiting(f"pipeline {name} from stage {s} to the chief", peer=self.grid.world_rank(s, 0)):
+            self.grid.pipe_comm.Recv(piece, source=s, tag=TAG)
+        return piece
+
+    def drain(self):
+        """The chief, after a failed write: receive what is still to come (discarded)."""
+        for name in self.names:
+            counts, _ = self.parts[name][0]
+            for s in range(1, self.grid.stages):
+                if (name, s) not in self._taken:
+                    self._receive(name, s, counts[s])
+                    self._taken.add((name, s))
+
+    def send(self):
+        """A stage's replica 0 (not the chief's stage): its slices, in order."""
+        grid = self.grid
+        if grid.first or grid.replica != 0:
+            return
+        for name in self.names:
+            part = np.ascontiguousarray(device.to_host(self.parts[name][1]), dtype=np.float32)
+            with self.watchdog.waiting(f"pipeline {name} from stage {grid.stage} to the chief",
+                                       peer=grid.world_rank(0, 0)):
+                grid.pipe_comm.Send(part, dest=0, tag=TAG)
 
 
-def to_everyone(comm, grid, part, layout, watchdog, what):
-    """The whole buffer (host float32) on every rank of the world `comm`."""
-    counts, displs = layout
-    mine = np.ascontiguousarray(device.to_host(part), dtype=np.float32) if grid.replica == 0 \
-        else np.zeros(0, np.float32)
-    world = comm.Get_size()
-    # Rank r of the world sends its stage's slice if it is replica 0, else nothing.
-    send_counts = [counts[r // grid.replicas] if r % grid.replicas == 0 else 0 for r in range(world)]
-    send_displs = [displs[r // grid.replicas] for r in range(world)]
-    whole = np.zeros(sum(counts), np.float32)
-    with watchdog.waiting(f"pipeline allgather ({what})", peer=None):
-        comm.Allgatherv(mine, [whole, (send_counts, send_displs)])
-    return whole
+def all_finite(world, grid, part):
+    """Every stage's `part` finite, known on every rank (one world Allreduce)."""
+    from mpi4py import MPI
+    ok = np.array([1 if device.all_finite(part) else 0], np.int64)
+    with world.waiting("pipeline finiteness allreduce", peer=None):
+        world.comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
+    return bool(ok[0])
 
 
-def to_stages(grid, whole, n, layout, watchdog, what):
-    """Every stage's slice (n floats) of `whole` (host, on world rank 0;
-    ignored elsewhere) on its replica 0 (host); None on the other replicas."""
-    if grid.replica != 0:
-        return None
-    counts, displs = layout
-    host = np.zeros(n, np.float32)
-    send = [np.ascontiguousarray(whole, np.float32), (counts, displs)] if grid.first else None
-    with watchdog.waiting(f"pipeline scatter from the chief ({what})", peer=None if grid.first else grid.world_rank(0)):
-        grid.pipe_comm.Scatterv(send, host, root=0)
-    return host
-
-
-def from_chief(grid, whole, part, layout, watchdog, what, xp):
-    """Every stage's slice of `whole` (host, on world rank 0; ignored
-    elsewhere) into `part` on all its replicas."""
-    host = to_stages(grid, whole, part.size, layout, watchdog, what)
-    if host is None:
-        host = np.zeros(part.shape, np.float32)
-    with watchdog.waiting(f"pipeline broadcast to the stage's replicas ({what})",
-                          peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
-        grid.stage_comm.Bcast(host, root=0)
-    part[...] = xp.asarray(host)
-
-
-# --- the model whole: the chief's evaluations and checkpoints, a resume ----------
-
-class Layouts:
-    """Where each stage's slices lie in the whole flat buffers (py)."""
-
-    def __init__(self, spec, cuts):
-        self.params, self.state = spans(spec, cuts), spans(spec, cuts, of="state")
-
-
-def model_on_chief(world, spec, engine, layouts, everyone=False):
-    """The whole model built on the chief (None elsewhere) from every
-    stage's slice (engine: this rank's engine.Engine); everyone: on every
-    rank (ring mode's end)."""
-    grid, stage, watchdog = engine.grid, engine.stage, world.watchdog
-    if everyone:
-        params = to_everyone(world.comm, grid, stage.params, layouts.params, watchdog, "parameters")
-        state = to_everyone(world.comm, grid, stage.state, layouts.state, watchdog, "model state")
-    else:
-        params = to_chief(grid, stage.params, layouts.params, watchdog, "parameters")
-        state = to_chief(grid, stage.state, layouts.state, watchdog, "model state")
-        if not world.chief:
-            return None
-    xp = world.xp
-    return spec.build(xp, params=xp.asarray(params), state=xp.asarray(state))
-
+# --- checkpoints ----------------------------------------------------------------------
 
 def save_checkpoint(world, checkpoints, engine, layouts, reader, step):
     """The chief writes the whole model's checkpoint, the file ring mode
-    writes: every stage's parameters, model state and optimizer state
-    gathered into full-length buffers, and the replicas' data positions
-    (the first stage's ranks: one per replica)."""
-    grid, stage, watchdog = engine.grid, engine.stage, world.watchdog
-    params = to_chief(grid, stage.params, layouts.params, watchdog, "parameters")
-    state = to_chief(grid, stage.state, layouts.state, watchdog, "model state")
-    optimizer = {name: to_chief(grid, array, layouts.params, watchdog, f"optimizer state {name}")
-                 for name, array in sorted(stage_optimizer_state(world, grid, engine.optimizer).items())}
+    writes (every stage's parameters, model state and optimizer state, the
+    replicas' data positions: the first stage's ranks, one per replica),
+    receiving each stage's slice of each buffer as the file takes it."""
+    grid, stage, optimizer = engine.grid, engine.stage, engine.optimizer
+    if not all_finite(world, grid, stage.params):   # before any piece moves: every rank stops alike
+        from ..errors import EXIT_DIVERGED
+        raise HpctrainError(f"the parameters of step {step} are not finite: training diverged (try a lower --lr); "
+                            f"no checkpoint written", exit_code=EXIT_DIVERGED, collective=True, report=world.chief)
+    states = stage_optimizer_state(world, grid, optimizer)   # the stage's whole state on its replica 0
+    mine = replica0 = grid.replica == 0
+    parts = {"params": (layouts.params, stage.params if mine else None)}
+    parts.update({f"optimizer/{name}": (layouts.params, states[name] if replica0 else None) for name in states})
+    spec_state = sum(layouts.state[0])
+    if spec_state:
+        parts["model_state"] = (layouts.state, stage.state if mine else None)
+    stream = ToChief(grid, world.watchdog, sorted(parts), parts)   # the file's order: checkpoints/file.py
     positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first else None
-    checkpoints.save(world.comm, step, params, optimizer, engine.optimizer.t, positions, state)   # the chief's
+    n = sum(layouts.params[0])
+    optimizer_state = {name: Pieces(n, _lazy(stream, f"optimizer/{name}")) for name in sorted(states)}
+    model_state = Pieces(spec_state, _lazy(stream, "model_state")) if spec_state else None
+    checkpoints.save(world.comm, step, Pieces(n, _lazy(stream, "params")), optimizer_state, optimizer.t, positions,
+                     model_state, senders=stream.send, on_failure=stream.drain)
+
+
+def _lazy(stream, name):
+    """stream.pieces(name), started only when the file asks for it."""
+    yield from stream.pieces(name)
 
 
 def replicas_state(world, grid, optimizer):
@@ -148,29 +164,205 @@ def stage_optimizer_state(world, grid, optimizer):
     return {name: full.get(name) for name in optimizer.state()}
 
 
+# --- resume ---------------------------------------------------------------------------
+
+def to_stages(world, grid, source, layout, n, what):
+    """Every stage's slice (n floats) of `source` (the chief's lazily read
+    checkpoint dataset: checkpoints/file.OnDisk; ignored elsewhere), read and
+    sent a stage at a time, on the stage's replica 0 (host); None elsewhere."""
+    if grid.replica != 0:
+        return None
+    counts, displs = layout
+    watchdog = world.watchdog
+    if not grid.first:
+        host = np.empty(n, np.float32)
+        with watchdog.waiting(f"pipeline resume ({what}) from the chief", peer=grid.world_rank(0, 0)):
+            grid.pipe_comm.Recv(host, source=0, tag=TAG)
+        return host
+    mine = None
+    for s in range(grid.stages):
+        piece = source.read(displs[s], displs[s] + counts[s]) if counts[s] else np.zeros(0, np.float32)
+        if s == 0:
+            mine = piece
+            continue
+        with watchdog.waiting(f"pipeline resume ({what}) to stage {s}", peer=grid.world_rank(s, 0)):
+            grid.pipe_comm.Send(piece, dest=s, tag=TAG)
+    return mine
+
+
+def from_chief(world, grid, source, part, layout, what):
+    """Every stage's slice of `source` into `part` on all its replicas."""
+    host = to_stages(world, grid, source, layout, part.size, what)
+    if host is None:
+        host = np.zeros(part.shape, np.float32)
+    with world.waiting(f"pipeline broadcast to the stage's replicas ({what})",
+                       peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
+        grid.stage_comm.Bcast(host, root=0)
+    part[...] = world.xp.asarray(host)
+
+
+class _InMemory:
+    """A dataset already in memory (a small one: the model state), read by slices as OnDisk is."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def read(self, lo, hi):
+        return np.ascontiguousarray(self.array[lo:hi], dtype=np.float32)
+
+
 def resume_stage(world, spec, grid, stage, optimizer, layouts, resume):
-    """The checkpoint's whole buffers (the chief's) into every stage's
+    """The checkpoint's buffers (the chief's, read lazily) into every stage's
     slices, the optimizer's step count too: whatever cut and replica count
-    wrote it (a ring mode checkpoint as well)."""
-    ckpt, watchdog, xp = resume.checkpoint, world.watchdog, world.xp
+    wrote it (a ring mode checkpoint as well). No rank holds more than its
+    stage's slices; the chief one stage's slice of one buffer at a time."""
+    ckpt = resume.checkpoint
     if ckpt is not None:
         for what, have, want in (("parameters", ckpt.params.size, spec.num_params),
                                  ("model state", ckpt.model_state.size, spec.num_state)):
             if have != want:   # the model identity was compared: a crafted file
                 raise HpctrainError(f"{ckpt.path}: {have} floats of {what}, this model has {want}")
-    from_chief(grid, ckpt.params if ckpt else None, stage.params, layouts.params, watchdog, "parameters", xp)
-    if spec.num_state:   # collective: every stage alike, with state of its own or not
-        from_chief(grid, ckpt.model_state if ckpt else None, stage.state, layouts.state, watchdog, "model state", xp)
-    sharded = getattr(optimizer, "ranges", None) is not None
-    stage_state = {}
-    for name, array in sorted(optimizer.state().items()):
-        source = ckpt.optimizer_state[name] if ckpt else None
-        if sharded:   # the stage's whole state on its replica 0, then each replica its part
-            stage_state[name] = to_stages(grid, source, stage.hi - stage.lo, layouts.params, watchdog,
-                                          f"optimizer state {name}")
-        else:
-            from_chief(grid, source, array, layouts.params, watchdog, f"optimizer state {name}", xp)
-    if sharded:
-        replicas_state(world, grid, optimizer).scatter(stage_state)
+    try:
+        from_chief(world, grid, ckpt.params if ckpt else None, stage.params, layouts.params, "parameters")
+        if spec.num_state:   # collective: every stage alike, with state of its own or not
+            from_chief(world, grid, _InMemory(ckpt.model_state) if ckpt else None, stage.state, layouts.state,
+                       "model state")
+        sharded = getattr(optimizer, "ranges", None) is not None
+        stage_state = {}
+        for name, array in sorted(optimizer.state().items()):
+            source = ckpt.optimizer_state[name] if ckpt else None
+            if sharded:   # the stage's whole state on its replica 0, then each replica its part
+                stage_state[name] = to_stages(world, grid, source, layouts.params, stage.hi - stage.lo,
+                                              f"optimizer state {name}")
+            else:
+                from_chief(world, grid, source, array, layouts.params, f"optimizer state {name}")
+        if sharded:
+            replicas_state(world, grid, optimizer).scatter(stage_state)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
     optimizer.t = resume.optimizer_t
-    device.synchronize(xp)
+    device.synchronize(world.xp)
+
+
+# --- the model as the report sees it ----------------------------------------------------
+
+class Pipelined:
+    """The pipeline's model for the report and the frame (report/evaluated.py's
+    interface), collective: every rank takes part in each call. engine:
+    this rank's pipeline/engine.Engine; layouts: Layouts; plan: run/plan.Plan."""
+    collective = True
+
+    def __init__(self, world, plan, engine, layouts):
+        self.world, self.plan, self.engine, self.layouts = world, plan, engine, layouts
+        self.grid, self.stage, self.spec = engine.grid, engine.stage, plan.spec
+        self._parts = {}   # split -> this replica's part (images on the first stage, labels on the last)
+
+    def finite(self):
+        return all_finite(self.world, self.grid, self.stage.params)
+
+    def share_state(self):
+        """Nothing to share: each evaluation runs with its stage's replica 0's state (evaluate)."""
+
+    def agree(self, text):
+        """The chief's text (None: nothing to say) on every rank, as fixed-size bytes (no pickle)."""
+        buf = np.zeros(NOTE_BYTES, np.uint8)
+        if self.world.chief and text is not None:
+            raw = ("1" + text).encode()[:NOTE_BYTES]
+            buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+        with self.world.waiting("the chief's outcome broadcast", peer=0):
+            self.world.comm.Bcast(buf, root=0)
+        said = bytes(buf).rstrip(b"\0").decode(errors="replace")
+        return said[1:] if said else None
+
+    def _part(self, split):
+        """This replica's part of `split`: (x or None, y or None, count)."""
+        if split not in self._parts:
+            from .. import data as data_mod
+            from ..chunks import chunk_parts
+            grid, data_dir = self.grid, self.plan.data.dir
+            manifest = data_mod.load_manifest(data_dir)
+            lo, hi = chunk_parts(manifest[split]["num_samples"], grid.replicas)[grid.replica]
+            x = y = None
+            if grid.first or grid.last:
+                with self.world.waiting(f"reading the {split} part of {data_dir}", peer="the file system"):
+                    x, y = data_mod.load_test(data_dir, grid.replica, grid.replicas, raw=True, split=split)
+                x, y = (x if grid.first else None), (y if grid.last else None)
+            self._parts[split] = (x, y, hi - lo)
+        return self._parts[split]
+
+    def evaluate(self, split="test"):
+        """(loss sum, correct, count) over the whole split: each replica its
+        part, forward only through the stages, with each stage's replica 0's
+        non-trainable state (a replica's own is kept and put back)."""
+        from mpi4py import MPI
+        world, grid, stage = self.world, self.grid, self.stage
+        x, y, count = self._part(split)
+        own = None
+        if stage.state.size and grid.replicas > 1:
+            own = stage.state.copy()
+            device.synchronize(world.xp)
+            with world.waiting("model state broadcast over the stage's replicas (evaluation)",
+                               peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
+                from ..comm.device_buffers import bcast
+                bcast(grid.stage_comm, stage.state, root=0)
+        loss, correct = self.engine.evaluate(x, y, count)
+        if own is not None:
+            stage.state[...] = own
+        totals = np.array([loss, correct, count], np.float64) if grid.last else np.zeros(3, np.float64)
+        with world.waiting("evaluation allreduce", peer=None):
+            world.comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+        return totals[0], totals[1], int(totals[2])
+
+    def evaluate_parts(self, inputs):
+        return self.evaluate("test")
+
+    def write(self, path, step, attrs=None):
+        """--save, --keep-best: report/params.py's file (one float32 dataset per
+        tensor, the state beside), written by the chief a stage's tensors at
+        a time. OSError on the chief when it cannot (the others learn it
+        from `agree`)."""
+        grid, stage, layouts, spec = self.grid, self.stage, self.layouts, self.spec
+        parts = {"params": (layouts.params, stage.params if grid.replica == 0 else None)}
+        if spec.num_state:
+            parts["state"] = (layouts.state, stage.state if grid.replica == 0 else None)
+        stream = ToChief(grid, self.world.watchdog, list(parts), parts)
+        if not self.world.chief:
+            stream.send()
+            return
+        try:
+            self._write(path, step, attrs, stream)
+        except BaseException:
+            stream.drain()
+            raise
+
+    def _write(self, path, step, attrs, stream):
+        import h5py
+        spec, plan = self.spec, self.plan
+        fd, tmp = temp_next_to(path)
+        os.close(fd)
+        try:
+            with h5py.File(tmp, "w") as f:
+                # the stages' tensors in buffer order, each stage's slice as it arrives
+                for piece, (count, base) in zip(stream.pieces("params"), zip(*self.layouts.params)):
+                    for name, shape, lo, hi in spec.tensors:
+                        if base <= lo and hi <= base + count:
+                            f.create_dataset(name, data=piece[lo - base:hi - base].reshape(shape))
+                if spec.num_state:
+                    for piece, (count, base) in zip(stream.pieces("state"), zip(*self.layouts.state)):
+                        for name, shape, lo, hi in spec.state:
+                            if base <= lo and hi <= base + count:
+                                f.create_dataset(name, data=piece[lo - base:hi - base].reshape(shape))
+                f.attrs["step"] = step
+                f.attrs["mode"] = plan.mode
+                f.attrs["world_size"] = plan.world_size
+                if plan.model == "mlp":
+                    f.attrs["hidden"] = ",".join(map(str, plan.hidden))
+                f.attrs["model"] = spec.identity
+                f.attrs["init_version"] = INIT_VERSION
+                for key, value in (attrs or {}).items():
+                    f.attrs[key] = value
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)

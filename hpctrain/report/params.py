@@ -9,28 +9,38 @@ and renamed, so it is never half-written.
 import os
 
 from .. import device
+from ..nn.sequential import INIT_VERSION
 from ..run.outputs import one_line, rescue_path, temp_next_to
 
 
-def save_params(path, model, step, plan, checkpoint_path=None):
-    """--save. Returns None, or (when the file cannot be written, e.g. the disk
-    filled up during training) the one-line error that says where the
-    parameters are kept instead: the checkpoint of this step if there is one,
-    else a file in the temporary directory."""
+def save_params(path, model, step, checkpoint_path=None, agree=None, chief=True):
+    """--save of `model` (report/evaluated.py: model.write; the chief's, or
+    with a collective model every rank's call). Returns None, or (when the
+    file cannot be written, e.g. the disk filled up during training) the
+    one-line error that says where the parameters are kept instead: the
+    checkpoint of this step if there is one, else a file in the temporary
+    directory. agree(text or None): the chief's outcome on every rank (a
+    collective model's ranks go on together; chief: this rank names the rescue file)."""
     if not path:
         return None
-    try:
-        write_params(path, model, step, plan)
+    agree = agree or (lambda text: text)
+
+    def attempt(where):
+        try:
+            model.write(where, step)
+            return None
+        except OSError as e:
+            return one_line(e)
+    error = agree(attempt(path))
+    if not error:
         return None
-    except OSError as e:
-        failed = f"--save {path}: cannot write ({one_line(e)})"
+    failed = f"--save {path}: cannot write ({error})"
     if checkpoint_path:
         return f"{failed}; the parameters of step {step} are in checkpoint {checkpoint_path}"
-    try:
-        rescue = rescue_path(step)
-        write_params(rescue, model, step, plan)
-    except OSError as e:
-        return f"{failed}, nor in the temporary directory ({one_line(e)}): the parameters are lost"
+    rescue = agree(rescue_path(step) if chief else None)   # the chief's name, on every rank
+    error = agree(attempt(rescue))
+    if error:
+        return f"{failed}, nor in the temporary directory ({error}): the parameters are lost"
     return f"{failed}; the parameters of step {step} are kept in {rescue}"
 
 
@@ -53,6 +63,7 @@ def write_params(path, model, step, plan, attrs=None):
             if plan.model == "mlp":   # what sizes it; another model's identity says it all
                 f.attrs["hidden"] = ",".join(map(str, plan.hidden))
             f.attrs["model"] = model.spec.identity
+            f.attrs["init_version"] = INIT_VERSION   # how the run's initial parameters were drawn
             for key, value in (attrs or {}).items():
                 f.attrs[key] = value
         os.replace(tmp, path)

@@ -5,11 +5,11 @@ evaluations, the final record, the --save parameters file and the
 best so far).
 
 The chief writes everything: records, evaluations' lines, files. The loops
-call these under an explicit `if chief:`, except the two collectives that
-every worker joins (`evaluate`, `peak_memory_and_step_medians`) and, in
-async ps mode, `progress`: every worker prints its own progress lines (its
-records go nowhere: a rank other than the chief holds a Metrics that
-writes nothing). What the chief does alone while the others wait for it
+call these under an explicit `if chief:`, except what every worker joins
+(`peak_memory_and_step_medians`; the evaluations of a collective model,
+report/evaluated.py: a pipeline's) and, in async ps mode, `progress`: every
+worker prints its own progress lines (its records go nowhere: a rank other
+than the chief holds a Metrics that writes nothing). What the chief does alone while the others wait for it
 (evaluations, --keep-best, the final line and files) runs under the
 watchdog's `busy`: their deadline waits for it as long as the chief
 answers (comm/deadline.py), and each file it reads or writes meanwhile has
@@ -26,12 +26,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import data as data_mod
-from .. import device
 from ..errors import HpctrainError
 from ..run.outputs import one_line, temp_next_to
 from .metrics import Metrics
-from .params import save_params, write_params
 
 
 def eta_text(seconds):
@@ -54,7 +51,6 @@ class Report:
         self.timeline, self.best = timeline, best
         # Async ps workers print their own progress lines; only the chief writes files.
         self.metrics = Metrics(self.outputs.metrics if world.chief else None)
-        self._full = {}   # split -> the whole split (uint8), read once by the chief
         self._last_eval = None
         self._final_val = None   # (loss, accuracy) on the val part at the end (final_val)
         self._mark = None   # (step, wall time) of the last progress line, for the ETA
@@ -103,8 +99,10 @@ class Report:
         """--eval-every N: when `step` reaches a multiple of N (before the last
         step, which the final evaluation covers), the chief evaluates its
         parameters on the whole test set by itself (no collective: in async ps
-        mode workers are never at the same step) and logs and records it.
-        Returns the seconds spent, which the caller keeps out of samples/s."""
+        mode workers are never at the same step) and logs and records it; a
+        collective model (report/evaluated.py: a pipeline's) is evaluated by
+        every rank, the chief saying it. Returns the seconds spent, which
+        the caller keeps out of samples/s."""
         every = self.outputs.eval_every
         if self._last_eval is None:  # the first step of this run (or of a resumed one)
             self._last_eval = step - 1
@@ -118,18 +116,19 @@ class Report:
         return time.perf_counter() - t0
 
     def _periodic_eval(self, model, step):
-        test_loss, test_acc, _ = self.evaluate_alone(model)
+        test_loss, test_acc, _ = self.evaluate_split(model)
         record = {"event": "eval", "step": step, "test_accuracy": round(test_acc, 6),
                   "test_loss": round(test_loss, 6)}
         line = f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}"
         if self.plan.data.has_val:
-            val_loss, val_acc, _ = self.evaluate_alone(model, "val")
+            val_loss, val_acc, _ = self.evaluate_split(model, "val")
             record.update(val_accuracy=round(val_acc, 6), val_loss=round(val_loss, 6))
             line = f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}  " + line
             self.keep_if_best(model, step, val_acc)
-        print(f"step {step:>6}/{self.steps}  {line}", flush=True)
-        with self._file_wait(f"writing --metrics {self.outputs.metrics}"):
-            self.metrics.write(record)
+        if self.world.chief:
+            print(f"step {step:>6}/{self.steps}  {line}", flush=True)
+            with self._file_wait(f"writing --metrics {self.outputs.metrics}"):
+                self.metrics.write(record)
 
     def _file_wait(self, what):
         """The chief's own deadline on a file it reads or writes while busy."""
@@ -142,18 +141,19 @@ class Report:
         best would be worse than none."""
         if not self.best.beats(val_acc):
             return
-        if not device.all_finite(model.params):
+        if not model.finite():
             return   # a diverged step is no candidate: the next step's loss, or the end, stops the run (exit 4)
         self.best.take(val_acc, step)
         path = self.best.path
         try:
             with self._file_wait(f"writing --keep-best {path}"):
-                write_params(path, model, step, self.plan, attrs={"val_accuracy": float(val_acc)})
-        except OSError as e:
+                model.write(path, step, attrs={"val_accuracy": float(val_acc)})
+        except OSError as e:   # (the chief's: the others are not told, the job is aborted)
             raise HpctrainError(f"--keep-best {path}: cannot write ({one_line(e)})", collective=False) from None
 
     def final_val(self, model, step):
-        """The chief alone (as periodic_eval; the val part is small): val loss
+        """The chief alone (as periodic_eval; the val part is small; a
+        collective model: every rank): val loss
         and accuracy of the final parameters, once, and a --keep-best
         candidate. The loops call it before the final checkpoint, so that
         checkpoint's best includes it (resume keeps the same best) -- but not
@@ -161,27 +161,22 @@ class Report:
         never have evaluated that step."""
         if self._final_val is None:
             with self.world.watchdog.busy():
-                val_loss, val_acc, _ = self.evaluate_alone(model, "val")
+                val_loss, val_acc, _ = self.evaluate_split(model, "val")
                 self.keep_if_best(model, step, val_acc)
             self._final_val = (val_loss, val_acc)
         return self._final_val
 
-    def evaluate_alone(self, model, split="test"):
-        """Loss, accuracy and count on the whole test set (or "val" part), this rank alone."""
-        if split not in self._full:
-            data_dir = self.plan.data.dir
-            with self._file_wait(f"reading the {split} part of {data_dir}"):
-                self._full[split] = data_mod.load_test(data_dir, raw=True, split=split)
-        x, y = self._full[split]
-        xp = self.world.xp
-        loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
-        n = max(len(y), 1)
-        return loss_sum / n, correct / n, len(y)
+    def evaluate_split(self, model, split="test"):
+        """Loss, accuracy and count on the whole test set (or "val" part)
+        (report/evaluated.py: the chief alone, or a collective model's every rank)."""
+        loss_sum, correct, count = model.evaluate(split)
+        n = max(count, 1)
+        return loss_sum / n, correct / n, count
 
     def final(self, result, step, t_loop, samples, comm_s, compute_s, extra):
-        """The chief's last line, --save, the final record, the timeline.
-        Returns (record, None), or (record, line) when --save could not be
-        written; the line then says where the parameters are kept instead."""
+        """The chief's last line, the final record, the timeline (--save was
+        written before: result["save_error"], None or the line that says
+        where the parameters are kept instead). Returns (record, that line)."""
         with self.world.watchdog.busy():
             return self._final(result, step, t_loop, samples, comm_s, compute_s, extra)
 
@@ -197,8 +192,7 @@ class Report:
         rate = samples / t_loop if t_loop > 0 else 0.0
         print(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
               f"{step} steps, {rate:,.0f} samples/s, {wall:.1f}s)", flush=True)
-        with self._file_wait(f"writing --save {outputs.save}"):
-            save_error = save_params(outputs.save, result["model"], step, plan, result["checkpoint"])
+        save_error = result["save_error"]
         record = {"event": "final", "mode": plan.mode, "world_size": cluster.size, "workers": cluster.num_workers,
                   "steps": step,
                   "global_batch": plan.data.batch_size * plan.ring.accumulate_steps * cluster.num_workers,
@@ -249,30 +243,25 @@ def mark_finished(record):
             os.unlink(tmp)
 
 
-def evaluate(world, inputs, model):
-    """Every worker: test loss, accuracy and count, each worker evaluating its
-    part of the test set (run/inputs.Inputs.test_part; one Allreduce of the sums)."""
-    cluster, xp = world.cluster, world.xp
-    x, y = inputs.test_part()
-    loss_sum, correct = model.evaluate(xp.asarray(x), xp.asarray(y))
-    totals = np.array([loss_sum, correct, len(y)], np.float64)
-    with world.waiting("evaluation allreduce", peer=None):
-        cluster.worker_comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
-    n = max(totals[2], 1)
-    return totals[0] / n, totals[1] / n, int(totals[2])
-
-
 def peak_memory_and_step_medians(world, stats, alone=False):
     """Every worker (or, alone, this one): the median step split from
     stats (report/step_stats.StepStats), and peak memory: the largest of any
-    worker (bytes above the interpreter with its imports, and in all)."""
+    worker (bytes above the interpreter with its imports, and in all), and
+    on the chief every worker's (by worker rank: a pipeline's stages)."""
     summary = stats.summary()
     peak = summary.pop("peak_rss_bytes")
-    mem = np.array([peak, peak - summary.pop("base_rss_bytes")], np.float64)
+    mine = np.array([peak, peak - summary.pop("base_rss_bytes")], np.float64)
+    mem, each = mine.copy(), mine.reshape(1, 2)
     if not alone:
+        comm = world.cluster.worker_comm
+        each = np.zeros((comm.Get_size(), 2), np.float64) if world.chief else None
         with world.waiting("memory statistics allreduce", peer=None):
-            world.cluster.worker_comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
+            comm.Allreduce(MPI.IN_PLACE, mem, op=MPI.MAX)
+            comm.Gather(mine, each, root=0)   # every worker's, for the chief's record (a pipeline's stages differ)
     summary = {k: round(v, 7) for k, v in summary.items()}
     summary["peak_rss_mb"] = round(mem[0] / 2**20, 1)
     summary["peak_rss_above_base_mb"] = round(mem[1] / 2**20, 1)
+    if each is not None:
+        summary["peak_rss_mb_by_worker"] = [round(v / 2**20, 1) for v in each[:, 0]]
+        summary["peak_rss_above_base_mb_by_worker"] = [round(v / 2**20, 1) for v in each[:, 1]]
     return summary

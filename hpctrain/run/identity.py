@@ -24,6 +24,7 @@ import math
 import os
 
 from .. import __version__
+from ..nn.sequential import INIT_VERSION
 
 # Flags whose value must be identical on every rank of a job.
 RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epochs", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
@@ -34,7 +35,7 @@ RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epoch
 # Flags only the chief acts on (its files and lines), compared like the ones
 # above but not recorded in checkpoints; paths as the files they name.
 OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
-                "keep_best", "timeline", "timeline_steps", "eval_every", "log_every")
+                "keep_best", "timeline", "timeline_steps", "eval_every", "log_every", "memory_budget")
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline")
 SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "batch_size", "accumulate_steps", "seed",
                   "lr_schedule")
@@ -115,9 +116,10 @@ def same_on_resume(args, num_workers, spec, total_steps):
 
 
 def recorded(args, world_size, num_workers, spec):
-    """Everything a checkpoint records about the run that wrote it (--hidden: the MLP's)."""
+    """Everything a checkpoint records about the run that wrote it (--hidden:
+    the MLP's; init_version: how its initial parameters were drawn)."""
     job = dict(_job(args), **_model(spec), world_size=int(world_size), num_workers=int(num_workers),
-               inputs=int(math.prod(spec.input_shape)), classes=int(spec.classes))
+               inputs=int(math.prod(spec.input_shape)), classes=int(spec.classes), init_version=INIT_VERSION)
     if args.model != "mlp":
         del job["hidden"]
     return job

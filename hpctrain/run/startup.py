@@ -28,7 +28,7 @@ from . import identity, jobcheck
 from .cluster import Cluster, memory_available
 from .inputs import Inputs, data_identity, ensure_data
 from .outputs import check_outputs
-from .plan import data_plan, make_plan, schedule_plan
+from .plan import data_plan, make_plan, schedule_plan, shard_wanted
 from .world import World
 
 
@@ -112,7 +112,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         say("\n".join(spec.summary()))
     # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
     cuts = agree(cuts_for, args, cluster.size, spec)
-    agree(check_memory, args, cluster.local_size, spec)
+    replicas = cluster.size // args.pipeline_stages
+    agree(check_memory, args, cluster.local_size, spec, cuts, replicas,
+          shard_wanted(args.shard_optimizer, replicas, xp, args.allreduce) and replicas > 1)
     agree(check_step_size, args, data.workers, manifest, data_dir)
     # Last before training, so a refusal above leaves nothing behind (this
     # creates --checkpoint-dir): a result that cannot be written would be lost.
@@ -193,24 +195,74 @@ def model_spec(args, model_shape):
     return spec
 
 
-def memory_needed(args, spec):
-    """Bytes one rank needs for the model at least (nn/spec.py memory_bytes):
-    a rank that cannot hold this cannot train."""
-    return spec.memory_bytes(args.batch_size, {"sgd": 0, "momentum": 1, "adam": 2}[args.optimizer])
+STATES = {"sgd": 0, "momentum": 1, "adam": 2}   # optimizer state buffers per parameter
 
 
-def check_memory(args, ranks_on_node, spec):
+def stage_needs(args, spec, cuts, replicas=1, sharded=False):
+    """Bytes each stage of a pipeline cut at `cuts` needs at least (nn/spec.py
+    memory_bytes: its layers' three flat buffers and optimizer state, 1/R of
+    it sharded over R replicas, and the schedule's micro-batches in flight:
+    pipeline/schedule.py peak_activations)."""
+    from ..pipeline.schedule import SCHEDULES, peak_activations
+    stages = len(cuts) - 1
+    states = STATES[args.optimizer] / (replicas if sharded else 1)
+    return [spec.memory_bytes(args.batch_size, states, a=a, b=b, buffers=3,
+                              copies=peak_activations(SCHEDULES[args.pipeline_schedule](stages, args.micro_batches, s)))
+            for s, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+
+
+def fitting_pipeline(args, spec, budget, base):
+    """(P, bytes of its heaviest stage) for the fewest balanced pipeline stages
+    whose heaviest stage fits `budget` beside `base`, or None."""
+    from ..pipeline.stages import balanced
+    for stages in range(2, len(spec.param_layers) + 1):
+        heaviest = max(stage_needs(args, spec, balanced(spec, stages)))
+        if base + heaviest <= budget:
+            return stages, heaviest
+    return None
+
+
+def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded):
     """Refuse up front a model or batch that cannot fit (a traceback from deep
-    inside NumPy, or the OOM killer, an hour later is worse)."""
-    need = memory_needed(args, spec)
-    have = memory_available()
-    if have is not None and need * ranks_on_node > have:
-        what = f"--hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else f"--model {args.model}"
-        raise HpctrainError(
-            f"{what} with --batch-size {args.batch_size} needs at "
-            f"least {need / 2**30:.1f} GiB per rank (parameters, gradients, optimizer state, "
-            f"activations); this node has {have / 2**30:.1f} GiB available for {ranks_on_node} "
-            f"rank{'s' if ranks_on_node > 1 else ''}")
+    inside NumPy, or the OOM killer, an hour later is worse): what this rank
+    holds already (the interpreter and its imports) and what it will (the
+    model, or its pipeline stage's part: the heaviest) against its budget,
+    --memory-budget or this node's available memory shared among its ranks.
+    A refusal names the pipeline that would fit."""
+    from ..report.step_stats import rss_bytes
+    base = rss_bytes()
+    if cuts:
+        needs = stage_needs(args, spec, cuts, replicas, sharded)
+        heaviest = max(range(len(needs)), key=needs.__getitem__)
+        model = needs[heaviest]
+    else:
+        model = spec.memory_bytes(args.batch_size, STATES[args.optimizer])
+    need = base + model
+    if args.memory_budget is not None:
+        budget = args.memory_budget * 2**30
+        where = f"--memory-budget {args.memory_budget:g} GiB per rank"
+    else:
+        have = memory_available()
+        if have is None:
+            return
+        budget = have / ranks_on_node
+        where = (f"this node has {have / 2**30:.1f} GiB available for {ranks_on_node} "
+                 f"rank{'s' if ranks_on_node > 1 else ''}")
+    if need <= budget:
+        return
+    what = f"--hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else f"--model {args.model}"
+    part = (f" for its heaviest stage ({heaviest}: layers [{cuts[heaviest]},{cuts[heaviest + 1]}))"
+            if cuts else "")
+    line = (f"{what} with --batch-size {args.batch_size} needs at least {need / 2**30:.2f} GiB per rank{part} "
+            f"(parameters, gradients, optimizer state, activations, and {base / 2**30:.2f} GiB this process "
+            f"holds already); {where}")
+    fits = fitting_pipeline(args, spec, budget, base)
+    if fits and fits[0] > (len(cuts) - 1 if cuts else 1):
+        line += (f"; --pipeline-stages {fits[0]} would fit (its heaviest stage needs "
+                 f"{(base + fits[1]) / 2**30:.2f} GiB)")
+    elif not fits:
+        line += "; no pipeline of this model fits either (one layer with parameters per stage at most)"
+    raise HpctrainError(line)
 
 
 def check_step_size(args, workers, manifest, data_dir):

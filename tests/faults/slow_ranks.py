@@ -4,7 +4,7 @@ the run: faults injected from the tests, not from production code.
     FAULT_EVAL_SLEEP=3 PYTHONPATH=tests/faults mpirun -n 2 python -m slow_ranks --steps 20 --eval-every 10
 
 Environment:
-  FAULT_EVAL_SLEEP=S  every evaluation the chief does alone (Report.evaluate_alone:
+  FAULT_EVAL_SLEEP=S  every evaluation the chief does alone (Report.evaluate_split:
                       --eval-every, the val part) first sleeps S seconds
   FAULT_EVAL_STOP=1   the chief stops itself (SIGSTOP) in its first such evaluation
   FAULT_EXIT_STOP=R   rank R stops itself (SIGSTOP) on its way out: the run done
@@ -12,6 +12,9 @@ Environment:
   FAULT_FINAL_STOP=R  rank R stops itself after MPI_Finalize, where no watchdog
                       of the job can see it any more (the launcher's wait)
   FAULT_PID_DIR=DIR   every rank writes its pid to DIR/rank-<rank>.pid
+  FAULT_STAGE_STOP=R:WHERE  rank R of a pipeline stops itself (SIGSTOP) at its
+                      first pipelined evaluation (WHERE=eval) or as it sends its
+                      stage's slices for the first checkpoint (WHERE=checkpoint)
   FAULT_NO_GUARD=1    no rank starts its exit watcher (comm/exit_guard.py): what
                       is left to bound a hang on the way out is the job script
 
@@ -35,7 +38,7 @@ def stop_here():
 
 def slow_evaluations():
     from hpctrain.report.report import Report
-    evaluate_alone = Report.evaluate_alone
+    evaluate_split = Report.evaluate_split
     sleep = float(os.environ.get("FAULT_EVAL_SLEEP", 0))
     stop = [os.environ.get("FAULT_EVAL_STOP") == "1"]
 
@@ -44,9 +47,9 @@ def slow_evaluations():
             stop[0] = False
             stop_here()
         time.sleep(sleep)
-        return evaluate_alone(self, *args, **kwargs)
+        return evaluate_split(self, *args, **kwargs)
 
-    Report.evaluate_alone = slow
+    Report.evaluate_split = slow
 
 
 def stop_at_exit(rank, after_finalize):
@@ -63,7 +66,26 @@ def stop_at_exit(rank, after_finalize):
     start.stop_mpi = stopping
 
 
+def stop_a_stage(rank, where):
+    from hpctrain.pipeline import engine, whole
+    if where == "eval":
+        cls, name = engine.Engine, "evaluate"
+    else:
+        cls, name = whole.ToChief, "send"
+    original = getattr(cls, name)
+
+    def stopping(self, *args, **kwargs):
+        if cluster.launcher_env()[0] == rank:
+            stop_here()
+        return original(self, *args, **kwargs)
+
+    setattr(cls, name, stopping)
+
+
 def train(*args, **kwargs):
+    if os.environ.get("FAULT_STAGE_STOP"):
+        rank, where = os.environ["FAULT_STAGE_STOP"].split(":")
+        stop_a_stage(int(rank), where)
     if os.environ.get("FAULT_NO_GUARD") == "1":
         from hpctrain.comm import exit_guard
         exit_guard.start = lambda rank, timeout: exit_guard.NoGuard()

@@ -53,3 +53,22 @@ def test_sigterm_on_one_stage_stops_every_stage_after_the_same_step(job):
     lines = errors(err)
     assert len(lines) == 1 and "SIGTERM" in lines[0] and "no checkpoint written" in lines[0], err
     assert "stopping after step" in out, out
+
+
+@pytest.mark.parametrize("where, flags", [
+    ("eval", ["--eval-every", "3"]),
+    ("checkpoint", ["--checkpoint-dir", None, "--checkpoint-every", "3"]),
+], ids=["evaluation", "checkpoint"])
+def test_a_stage_stopped_in_a_pipelined_evaluation_or_checkpoint_is_named(tmp_path, where, flags):
+    # Issue 29, 5: evaluations run through the stages and checkpoints go a
+    # stage at a time: a stage that stops there is named within the deadline.
+    from test_stalls import with_faults
+    flags = [str(tmp_path / "ckpt") if f is None else f for f in flags]
+    rc, out, err, took = with_faults(tmp_path, ["--pipeline-stages", "2", "--micro-batches", "2", "--hidden", "32",
+                                                "--steps", "30", "--timeout", "4", *flags],
+                                     FAULT_STAGE_STOP=f"1:{where}")
+    assert rc == 3, err
+    lines = errors(err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith("hpctrain: error: rank 1 (stage 1, replica 0) stopped responding"), lines
+    assert took < 40

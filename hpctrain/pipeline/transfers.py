@@ -1,0 +1,103 @@
+"""A stage's transfers to one neighbour, as the engine (engine.py) makes them
+each step: sends bounded and receives posted early, all from pools of host
+buffers allocated once warm (Megatron batches its isend/irecv the same way).
+
+- `Sends`: each send a copy into a pooled buffer (the model copy whose
+  output it is serves its next micro-batch before the send completes), at
+  most `cap` in flight: beyond, the oldest is waited for and its buffer
+  reused. cap is the stage's model copies (the schedule's activations in
+  flight): micro-batch m + cap's forward comes after m's backward, which
+  waited for what the neighbour sent after receiving m, so the wait finds
+  that send done.
+- `Receives`: the step's receives in the schedule's order, up to `ahead` of
+  them posted before their action asks (so a transfer overlaps the compute
+  before it), each into a free buffer; a buffer comes back (`release`) when
+  the micro-batch's backward no longer reads it (the stage's first layer
+  keeps its input).
+
+Takes a communicator (the grid's pipe communicator) and the watchdog;
+never imports MPI itself.
+
+    mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 8 --steps 20 --timeline t.json
+"""
+from collections import deque
+
+import numpy as np
+
+from .. import device
+
+
+class Pool:
+    """Host float32 buffers of one shape, taken and given back."""
+
+    def __init__(self, shape):
+        self.shape, self.free, self.made = tuple(shape), [], 0
+
+    def take(self):
+        if self.free:
+            return self.free.pop()
+        self.made += 1
+        return np.empty(self.shape, np.float32)
+
+    def give(self, buffer):
+        self.free.append(buffer)
+
+
+class Sends:
+    def __init__(self, comm, dest, shape, cap, watchdog, what, peer):
+        self.comm, self.dest, self.cap, self.watchdog, self.what, self.peer = comm, dest, max(1, cap), watchdog, what, peer
+        self.pool, self.flight = Pool(shape), deque()
+
+    def send(self, array, tag, xp):
+        if len(self.flight) >= self.cap:
+            request, buffer = self.flight.popleft()
+            with self.watchdog.waiting(f"pipeline {self.what} send before micro-batch {tag}", peer=self.peer):
+                request.Wait()
+            self.pool.give(buffer)
+        device.synchronize(xp)
+        host = self.pool.take()
+        np.copyto(host, device.to_host(array), casting="same_kind")
+        self.flight.append((self.comm.Isend(host, dest=self.dest, tag=tag), host))
+
+    def requests(self):
+        return [request for request, _ in self.flight]
+
+    def done(self):
+        """After the step's Waitall: every buffer back in the pool."""
+        while self.flight:
+            self.pool.give(self.flight.popleft()[1])
+
+
+class Receives:
+    def __init__(self, comm, source, shape, tags, ahead, watchdog, what, peer):
+        self.comm, self.source, self.tags, self.ahead = comm, source, list(tags), max(1, ahead)
+        self.watchdog, self.what, self.peer = watchdog, what, peer
+        self.pool = Pool(shape)
+        self.pending, self.posted = deque(), {}
+
+    def start(self):
+        """A step begins: its receives, in order, the first ones posted now."""
+        self.pending = deque(self.tags)
+        self._post()
+
+    def _post(self):
+        while self.pending and len(self.posted) < self.ahead:
+            tag = self.pending.popleft()
+            buffer = self.pool.take()
+            self.posted[tag] = (self.comm.Irecv(buffer, source=self.source, tag=tag), buffer)
+
+    def get(self, tag):
+        """Micro-batch `tag`'s buffer, once its data are in."""
+        if tag not in self.posted:   # (ahead of what the order says: post the rest first)
+            self._post()
+        request, buffer = self.posted.pop(tag)
+        with self.watchdog.waiting(f"pipeline {self.what} of micro-batch {tag} from stage {self.source}",
+                                   peer=self.peer):
+            request.Wait()
+        self._post()
+        return buffer
+
+    def release(self, buffer):
+        """The buffer is read no more: back to the pool, and the next receive posted."""
+        self.pool.give(buffer)
+        self._post()

@@ -1,0 +1,68 @@
+"""A pipeline that holds a model bigger than one rank (issue 29): a stage
+builds and initialises only its layers, to the bits of the whole model's.
+
+    .venv/bin/python -m pytest -q tests/test_pipeline_memory.py
+"""
+import numpy as np
+import pytest
+
+from hpctrain.nn import MODELS, mlp
+from hpctrain.pipeline.stage import Stage
+from hpctrain.pipeline.stages import balanced
+
+
+@pytest.mark.parametrize("spec", [
+    lambda: mlp((28, 28), 10, (64, 32, 16)),
+    lambda: MODELS["resnet"]((12, 12, 3), 10),   # batch-norm state, residual containers
+    lambda: MODELS["cnn"]((12, 12, 3), 10),
+], ids=["mlp", "resnet", "cnn"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_stage_initialises_its_layers_alone_to_the_whole_models_bits(spec, stages):
+    spec = spec()
+    whole = spec.build()
+    whole.init(7)
+    cuts = balanced(spec, stages)
+    for s in range(stages):
+        stage = Stage(spec, cuts, s, 1, np, np.float32, copies=1)
+        stage.init(7)
+        assert stage.params.tobytes() == whole.params[stage.lo:stage.hi].tobytes(), s
+        assert stage.state.tobytes() == whole.state[stage.state_lo:stage.state_hi].tobytes(), s
+
+
+def test_each_layer_draws_from_a_stream_of_its_own():
+    # a layer's initial values depend on (seed, its index), not on the layers before it
+    a, b = mlp((28, 28), 10, (64, 32)).build(), mlp((28, 28), 10, (48, 32)).build()
+    a.init(3)
+    b.init(3)
+    last_a, last_b = dict(a.tensors())["layer2/W"], dict(b.tensors())["layer2/W"]
+    assert last_a.shape == last_b.shape and np.array_equal(last_a, last_b)
+
+
+BIG = ["--hidden", "2048,2048,2048,2048", "--steps", "4", "--log-every", "4", "--batch-size", "16"]
+
+
+def test_a_model_too_big_for_one_rank_trains_on_four_stages_under_the_same_budget(job, tmp_path):
+    # Issue 29, 3: --memory-budget (GiB per rank) refuses the model on one
+    # rank, naming the pipeline that fits; on 4 stages it trains, and every
+    # rank's measured peak (the kernel's high-water mark) stays under it.
+    budget = 0.25
+    r = job(1, *BIG, "--memory-budget", budget, timeout=120)
+    lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "needs at least" in lines[0] and f"--memory-budget {budget:g} GiB per rank" in lines[0], lines
+    assert "--pipeline-stages" in lines[0] and "would fit" in lines[0], lines
+    metrics = tmp_path / "m.jsonl"
+    r = job(4, *BIG, "--memory-budget", budget, "--pipeline-stages", 4, "--micro-batches", 2, "--metrics", metrics,
+            timeout=300)
+    assert r.returncode == 0, r.stderr
+    import json
+    final = json.loads(metrics.read_text().splitlines()[-1])
+    assert final["peak_rss_mb"] < budget * 1024, final["peak_rss_mb"]   # the largest of any rank
+
+
+def test_a_pipeline_whose_heaviest_stage_does_not_fit_names_one_that_does(job):
+    r = job(2, *BIG, "--memory-budget", 0.2, "--pipeline-stages", 2, timeout=120)
+    lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "for its heaviest stage (" in lines[0], lines
+    assert "--pipeline-stages 3 would fit" in lines[0] or "--pipeline-stages 4 would fit" in lines[0], lines
