@@ -86,7 +86,7 @@ def train_pipe(session):
                                weight_decay=args.weight_decay,
                                owned=owned_pieces(pieces, strategy.shard, stage.body_at) if sharded else None)
     reader = prefetch.device_batches(
-        session.agreed(session.comm, functools.partial(data_mod.ShardReader, arrays=stage_arrays(grid)),
+        session.agreed(session.comm, functools.partial(data_mod.ShardReader, arrays=stage_arrays(grid), augment=args.augment),
                        session.data_dir, grid.replica, grid.replicas, args.batch_size, args.seed), xp)
     session.test_part()
     layouts = whole.Layouts(session.spec, cuts)

@@ -286,6 +286,7 @@ class Session:
             self.agreed(self.comm, check_consistency, self.comm, {"data (manifest digest)": self.data_digest})
         self.has_val = data_mod.has_val(self.data_dir)
         self.agreed(self.comm, check_val, args, self.has_val, self.data_dir)
+        self.agreed(self.comm, data_mod.check_augment, args.augment, self.data_dir)   # --augment flip on --no-flip data
         # After the data: --epochs count its training samples (the same on
         # every rank: the manifest's digest was compared above). The last
         # step is decided with the resume point (config.decide).
@@ -352,8 +353,8 @@ class Session:
     def open_reader(self):
         """This worker's training-batch reader (and its test part, loaded now)."""
         args, cluster = self.args, self.cluster
-        reader = self.agreed(cluster.worker_comm, data_mod.ShardReader, self.data_dir, cluster.worker_index,
-                             cluster.num_workers, args.batch_size, args.seed)
+        reader = self.agreed(cluster.worker_comm, functools.partial(data_mod.ShardReader, augment=args.augment),
+                             self.data_dir, cluster.worker_index, cluster.num_workers, args.batch_size, args.seed)
         self.test_part()
         return reader
 
