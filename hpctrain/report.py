@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import data as data_mod
-from . import device
+from . import device, trained
 from .errors import HpctrainError
 from .outputs import one_line, open_in_place, rescue_path, temp_next_to
 from .session import agreed
@@ -484,7 +484,8 @@ def write_params(path, model, step, args, world_size, attrs=None):
             f.attrs["world_size"] = world_size
             f.attrs["hidden"] = ",".join(map(str, args.hidden))
             f.attrs["model"] = model.spec.identity
-            for key, value in (attrs or {}).items():
+            # how to rebuild the model and prepare its inputs (predict, evaluate)
+            for key, value in {**trained.record(model.spec, args), **(attrs or {})}.items():
                 f.attrs[key] = value
         os.replace(tmp, path)
     finally:

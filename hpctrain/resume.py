@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import checkpoint, device, settings
+from . import checkpoint, device, settings, trained
 from .cli import steps_for_epochs
 from .errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 from .config import worker_batch
@@ -281,7 +281,8 @@ class Checkpoints:
                                        info=dict(settings.recorded(args, cluster.size, session.data_workers,
                                                                    session.spec),
                                                  samples=self.samples_at(step), data=str(session.data_dir),
-                                                 data_digest=session.data_digest, **self.more_attrs()),
+                                                 data_digest=session.data_digest, **self.more_attrs(),
+                                                 **trained.record(session.spec, args, session.data_dir)),
                                        model_state=None if model_state is None else device.to_host(model_state))
         # The others wait for the chief's write in the agreement: it answers
         # their roll calls "busy" meanwhile, so a healthy write longer than
