@@ -147,8 +147,7 @@ def _record_of(attrs, source, data_dir, model):
         shape, classes = data_mod.model_shape(manifest)
         hidden = [int(w) for w in str(attrs.get("hidden", "")).split(",") if w]
         rec = {"model": name, "hidden": hidden, "identity": identity, "input_shape": list(shape),
-               "classes": classes, "class_names": manifest.get("class_names"),
-               "preprocess": manifest.get("preprocess")}
+               "classes": classes, "class_names": manifest.get("class_names")}
     if model is not None:
         rec["model"] = model
     return rec

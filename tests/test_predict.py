@@ -52,11 +52,11 @@ def photos(tmp_path_factory):
     return src, out
 
 
-def train(tmp_path, shards, n=1, *flags):
+def train(tmp_path, shards, n=1, *flags, cwd=None):
     save = tmp_path / f"p{n}.h5"
     r = run_job(n, "--data", shards, "--hidden", "32", "--steps", "60", "--batch-size", str(16 // n), "--lr", "3e-3",
                 "--log-every", "30", "--save", save, "--metrics", tmp_path / f"m{n}.jsonl",
-                "--checkpoint-dir", tmp_path / f"ckpt{n}", *flags, module="hpctrain.train", timeout=180)
+                "--checkpoint-dir", tmp_path / f"ckpt{n}", *flags, module="hpctrain.train", timeout=180, cwd=cwd)
     assert r.returncode == 0, r.stderr
     final = json.loads((tmp_path / f"m{n}.jsonl").read_text().splitlines()[-1])
     assert final["event"] == "final"
@@ -105,6 +105,14 @@ def test_evaluate_gives_the_final_records_numbers_for_the_same_file(trained_once
     assert "confusion matrix (rows: true class, columns: predicted class)" in r.stdout
     with Image.open(tmp / "confusion.png") as im:
         assert im.format == "PNG" and im.size[0] > 200
+    # predict's probabilities come from the logits evaluate's loss is made of.
+    from hpctrain import trained
+    model = trained.load(params=save)
+    x, y = data.load_test(photos[1], raw=True)
+    logits = model.logits(x).astype(np.float64)
+    logp = logits - logits.max(axis=1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+    assert -logp[np.arange(len(y)), y].mean() == pytest.approx(final["test_loss"], abs=2e-6)
 
 
 def test_evaluate_on_two_ranks_records_the_same_accuracy(photos, tmp_path):
@@ -168,7 +176,8 @@ def test_the_files_record_how_to_rebuild_the_model(trained_once, photos):
 def test_a_users_model_file_is_recorded_and_can_be_pointed_at_when_moved(photos, tmp_path):
     model = tmp_path / "mine.py"
     shutil.copy(TINY, model)
-    save, final = train(tmp_path, photos[1], 1, "--model", f"{model}:without_batch_norm", "--hidden", "500,500")
+    # A relative path, as users type it: the record makes it absolute.
+    save, final = train(tmp_path, photos[1], 1, "--model", "mine.py:without_batch_norm", cwd=tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     r = tool("evaluate", "--params", save, "--data", photos[1], "--json", cwd=elsewhere)
