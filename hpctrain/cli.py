@@ -296,6 +296,9 @@ def _output_flags(g):
                         "starts at its first epoch; without it such a resume is refused (default: off)")
     g.add_argument("--save", metavar="FILE.h5", type=_path, default=None, help="write the final parameters to this HDF5 file")
     g.add_argument("--metrics", metavar="FILE.jsonl", type=_path, default=None, help="write metrics as JSON Lines (chief only)")
+    g.add_argument("--tensorboard", metavar="DIR", type=_path, default=None,
+                   help="write the loss, lr, samples/s, gradient norm and evaluations as TensorBoard scalars into "
+                        "DIR (chief only; needs tensorboardX: pip install 'hpctrain[tensorboard]')")
     g.add_argument("--log-every", type=_positive_int, default=100, help="print a progress line every N steps (default: %(default)s)")
     g.add_argument("--eval-every", type=_nonneg_int, default=0,
                    help="evaluate on the test set (and the validation part, if the data has one) every N steps "

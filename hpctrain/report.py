@@ -30,6 +30,7 @@ from . import device, trained
 from .errors import HpctrainError
 from .outputs import one_line, open_in_place, rescue_path, temp_next_to
 from .session import agreed
+from .tensorboard import Board
 
 
 class Metrics:
@@ -174,6 +175,8 @@ class Report:
         self.steps = config.steps   # the run's last step (config.py)
         # Async ps workers print their own progress lines; only the chief writes files.
         self.metrics = Metrics(session.args.metrics if session.chief else None)
+        # --tensorboard: the same records as TensorBoard scalars (tensorboard.py), the chief's
+        self.board = Board(session.args.tensorboard if session.chief else None, lr=config.lr)
         self._full = {}   # split -> the whole split (uint8), read once by the chief
         self._last_eval = None
         # --keep-best: (val accuracy, step) of the best validation so far. It
@@ -191,6 +194,7 @@ class Report:
         if ckpt is not None and ckpt.attrs.get("best_val_step", -1) >= 0:
             self.best = (float(ckpt.attrs["best_val_accuracy"]), int(ckpt.attrs["best_val_step"]))
         self.metrics.resume_at(step)
+        self.board.resume_at(step)
         self._mark = (step or 0, time.perf_counter())
 
     def progress(self, step, loss, samples, t_loop, worker=None, local_step=None, grad_norm=None):
@@ -210,6 +214,7 @@ class Report:
         if grad_norm is not None:
             record["grad_norm"] = round(float(grad_norm), 6)
         self.metrics.write(record)
+        self.board.write(record)
 
     def _eta(self, step):
         """`eta 1m23s`: the steps left at the rate since the last line (wall
@@ -256,6 +261,7 @@ class Report:
         print(f"step {step:>6}/{self.steps}  {line}", flush=True)
         with self._file_wait(f"writing --metrics {self.args.metrics}"):
             self.metrics.write(record)
+            self.board.write(record)
 
     def _file_wait(self, what):
         """The chief's own deadline on a file it reads or writes while busy."""
@@ -342,6 +348,8 @@ class Report:
         with self._file_wait(f"writing --metrics {args.metrics}"):
             self.metrics.write(record)
             self.metrics.close()
+            self.board.write(record)
+            self.board.close()
         with self._file_wait(f"writing --timeline {args.timeline}"):
             session.timeline.write()
         if not save_error:

@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import data as data_mod
-from . import device, jobcheck, settings
+from . import device, jobcheck, settings, tensorboard
 from .cli import steps_for_epochs, validate
 from .cluster import Cluster, check_consistency
 from .config import data_workers, worker_batch
@@ -287,6 +287,7 @@ class Session:
         self.has_val = data_mod.has_val(self.data_dir)
         self.agreed(self.comm, check_val, args, self.has_val, self.data_dir)
         self.agreed(self.comm, data_mod.check_augment, args.augment, self.data_dir)   # --augment flip on --no-flip data
+        self.agreed(self.comm, tensorboard.check, args)   # tensorboardX installed, DIR writable
         # After the data: --epochs count its training samples (the same on
         # every rank: the manifest's digest was compared above). The last
         # step is decided with the resume point (config.decide).

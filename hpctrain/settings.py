@@ -34,8 +34,8 @@ RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epoch
 # Flags only the chief acts on (its files and lines), compared like the ones
 # above but not recorded in checkpoints; paths as the files they name.
 OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
-                "keep_best", "timeline", "eval_every", "log_every")
-PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline")
+                "keep_best", "timeline", "eval_every", "log_every", "tensorboard")
+PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline", "tensorboard")
 SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "batch_size", "accumulate_steps", "seed",
                   "lr_schedule")
 # What a checkpoint written before a setting existed means by it (it is
