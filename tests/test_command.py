@@ -62,3 +62,12 @@ def test_a_job_through_the_command_is_the_same_program(tmp_path):
     assert r.returncode == 0 and r.stdout.startswith("test accuracy "), r.stderr
     r = run(SCRIPT, "train", "--steps", "0")
     assert r.returncode == 2 and "hpctrain: error: argument --steps: must be >= 1, got 0" in r.stderr
+
+
+def test_the_data_predict_evaluate_and_tensorboard_modules_never_import_mpi():
+    # House rule: data never imports MPI; predict and evaluate are one process.
+    code = ("import sys, hpctrain.data, hpctrain.data.images, hpctrain.data.arrays, hpctrain.data.augment, "
+            "hpctrain.predict, hpctrain.evaluate, hpctrain.trained, hpctrain.tensorboard, hpctrain.command, "
+            "hpctrain.checkpoint\nprint(sorted(m for m in sys.modules if m.startswith('mpi4py')))")
+    r = run(sys.executable, "-c", code)
+    assert r.returncode == 0 and r.stdout == "[]\n", (r.stdout, r.stderr)

@@ -397,3 +397,5 @@ def test_image_options_on_idx_sources_are_refused(tmp_path):
             "--image-size and --grayscale are for image folders")
     refused(run_cli("prepare", "--source", data.bundled_sample_dir(), "--out", out, "--image-size", "0,3"), out,
             "--image-size expects H,W")
+    refused(run_cli("prepare", "--source", tmp_path / "nowhere", "--out", out, "--image-size", "8,8"), out,
+            "nowhere: no such directory")

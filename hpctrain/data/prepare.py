@@ -481,7 +481,9 @@ def _load_user_source(source, images, labels, image_size, grayscale):
     if images is not None or labels is not None:
         raise HpctrainError(f"--images/--labels name arrays in an .npz or HDF5 --source, or two .npy files "
                             f"without --source; {source} is a directory")
-    if source.is_dir() and not _looks_like_idx_or_cifar(source) and images_mod.has_class_folders(source):
+    if not source.is_dir():
+        return None   # _find_source_files says what is wrong with it
+    if not _looks_like_idx_or_cifar(source) and images_mod.has_class_folders(source):
         return images_mod.load_folder(source, image_size, grayscale)
     if image_size is not None or grayscale:
         raise HpctrainError(f"--image-size and --grayscale are for image folders (and --image-size for flat "
