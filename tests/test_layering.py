@@ -15,13 +15,13 @@ PACKAGE = os.path.join(REPO, "hpctrain")
 # (COMMANDS) anything.
 LEVELS = [
     {"loops"},
-    {"run", "checkpoints", "report", "pipeline"},
+    {"run", "checkpoints", "report", "pipeline", "trained"},
     {"comm", "optim"},
     {"nn", "data", "device", "prefetch"},
     {"errors", "chunks", "cli", "__init__"},
 ]
 # What users run: they sit on top of everything.
-COMMANDS = {"train", "mnist", "checkpoint", "plot", "bench"}
+COMMANDS = {"train", "mnist", "checkpoint", "plot", "bench", "predict", "evaluate", "command", "__main__"}
 MAINS = "__main__"   # python -m hpctrain.<package>: a package's own command
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import file as checkpoint
-from .. import device
+from .. import device, trained
 from ..errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 from .sharded import ShardedState
 
@@ -277,7 +277,8 @@ class Checkpoints:
                                            keep=outputs.keep_checkpoints,
                                            info=dict(self.plan.recorded, samples=self.samples_at(step),
                                                      data=data.dir, data_digest=data.digest,
-                                                     **self.best.checkpoint_attrs()),
+                                                     **self.best.checkpoint_attrs(),
+                                                     **trained.record(self.plan.spec, self.plan)),
                                            model_state=host(model_state))
             except BaseException:
                 if on_failure is not None:

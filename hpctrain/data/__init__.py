@@ -1,5 +1,6 @@
-"""Image data for hpctrain (MNIST, Fashion-MNIST, KMNIST, EMNIST, CIFAR-10): IDX and
-CIFAR-10 readers, HDF5 shard writer, the workers' shard reader.
+"""Image data for hpctrain (MNIST, Fashion-MNIST, KMNIST, EMNIST, CIFAR-10, and a
+user's own images and arrays): readers of each source, HDF5 shard writer, the
+workers' shard reader and its augmentation.
 
 Turn IDX files into class-balanced HDF5 shards once, then let the workers
 take their batches of each epoch's permutation of the training set from them:
@@ -17,13 +18,17 @@ One job per module:
     idx.py       IDX files (raw or gzip) -> uint8 arrays
     cifar.py     CIFAR-10 binary batches -> uint8 arrays
     files.py     a source file's open/read errors -> one HpctrainError line (idx, cifar)
-    prepare.py   IDX or CIFAR-10 -> class-balanced HDF5 shards + manifest.json, atomically
+    images.py    a folder of class folders of images (Pillow) -> uint8 arrays; one image -> a model input
+    arrays.py    .npz, .npy, HDF5 and CSV sources -> uint8 arrays; the memory check before reading
+    prepare.py   any of the sources -> class-balanced HDF5 shards + manifest.json, atomically
+    augment.py   --augment crop,flip: per sample, from (seed, epoch, sample id)
     fetch.py     download the published files, verify their MD5, unpack archives safely
     manifest.py  format constants, paths, load_manifest and its structure check
     reader.py    ShardReader (training batches), load_test (test or val set parts)
     __main__.py  the command line (python -m hpctrain.data prepare|fetch)
 """
 
+from .augment import check_dir as check_augment
 from .fetch import CIFAR10_BATCHES, EMNIST_SPLITS, MD5, MIRRORS, STANDARD_FILES, extract, fetch
 from .idx import read_idx
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, bundled_sample_dir, default_data_dir,
@@ -35,7 +40,7 @@ from .reader import ShardReader, has_val, load_test
 __all__ = [
     "CIFAR10_BATCHES", "EMNIST_SPLITS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MD5", "MIRRORS",
     "STANDARD_FILES", "extract",
-    "ShardReader", "bundled_sample_dir", "default_data_dir", "fetch", "has_val", "is_prepared",
+    "ShardReader", "bundled_sample_dir", "check_augment", "default_data_dir", "fetch", "has_val", "is_prepared",
     "load_manifest", "load_test", "model_shape", "prepare", "read_idx", "repo_root",
     "shard_name",
 ]

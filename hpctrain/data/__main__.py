@@ -1,4 +1,5 @@
-"""The data command line: prepare shards from IDX or CIFAR-10 files, or download a dataset.
+"""The data command line: prepare shards from IDX, CIFAR-10, image folders,
+NumPy, HDF5 or CSV files, or download a dataset.
 
     python -m hpctrain.data prepare --source data/mnist-5k --out data/mnist --shards 8
     python -m hpctrain.data fetch --dataset mnist --out data/raw/mnist
@@ -6,6 +7,11 @@
     python -m hpctrain.data prepare --out data/mnist-val --val-fraction 0.1
     python -m hpctrain.data fetch --dataset emnist --split balanced --out data/raw/emnist
     python -m hpctrain.data fetch --dataset cifar-10 --out data/raw/cifar-10
+    python -m hpctrain.data prepare --source photos --image-size 32,32 --out data/photos
+    python -m hpctrain.data prepare --source mnist.npz --out data/mine --no-flip
+    python -m hpctrain.data prepare --images x.npy --labels y.npy --out data/mine
+    python -m hpctrain.data prepare --source set.h5 --images X --labels Y --out data/mine
+    python -m hpctrain.data prepare --source mnist_train.csv --out data/mine
 
 Bad input is one line on stderr (`hpctrain: error: ...`) and exit 2; no
 command prints the help and exits 2. No MPI here (house rule).
@@ -21,10 +27,11 @@ from .manifest import bundled_sample_dir, default_data_dir
 from .prepare import prepare
 
 
-def build_parser():
+def build_parser(prog="python -m hpctrain.data"):
     p = argparse.ArgumentParser(
-        prog="python -m hpctrain.data",
-        description="Prepare HDF5 training shards from IDX or CIFAR-10 binary files, or download "
+        prog=prog,
+        description="Prepare HDF5 training shards from IDX or CIFAR-10 binary files, image folders, "
+                    "NumPy, HDF5 or CSV files, or download "
                     "MNIST, Fashion-MNIST, KMNIST, EMNIST or CIFAR-10.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -32,11 +39,27 @@ def build_parser():
                                         "manifest.json",
                         description="Write train-0000i-of-0000S.h5, test-00000-of-00001.h5 and "
                                     "manifest.json into --out, atomically.")
-    pp.add_argument("--source", metavar="DIR", default=str(bundled_sample_dir()),
+    pp.add_argument("--source", metavar="DIR|FILE", default=None,
                     help="directory with train-/t10k-*-idx?-ubyte[.gz] files (EMNIST's "
                          "emnist-SPLIT-train-/test- too), CIFAR-10's data_batch_1..5.bin + "
-                         "test_batch.bin, or one *images*idx3* + *labels*idx1* pair "
-                         "(default: the bundled 5k sample)")
+                         "test_batch.bin, or one *images*idx3* + *labels*idx1* pair; or a folder "
+                         "of images, one subfolder per class (train/CLASS/*.png, optionally "
+                         "test/CLASS/...; PNG, JPEG); or an .npz (x, y; or x_train, y_train, x_test, "
+                         "y_test), .h5 or .csv (label, pixels...) file (default: the bundled 5k "
+                         f"sample, {bundled_sample_dir()})")
+    pp.add_argument("--images", metavar="NAME|A.npy", default=None,
+                    help="the images' array in an .npz or HDF5 --source; without --source, a .npy file")
+    pp.add_argument("--labels", metavar="NAME|B.npy", default=None,
+                    help="the labels' array in an .npz or HDF5 --source; without --source, a .npy file")
+    pp.add_argument("--image-size", metavar="H,W", default=None,
+                    help="image folders: resize every image to H x W (bilinear); flat rows (CSV, "
+                         "(N, pixels) arrays): their shape (default: folders' images must share one size, "
+                         "rows are square)")
+    pp.add_argument("--grayscale", action="store_true",
+                    help="image folders: convert to grayscale (default: grayscale only if every image is)")
+    pp.add_argument("--no-flip", action="store_true",
+                    help="record that flipping changes these images' classes (digits, letters): training "
+                         "refuses --augment flip on them")
     pp.add_argument("--out", metavar="DIR", default=str(default_data_dir()),
                     help="output directory (default: data/mnist in the repository)")
     pp.add_argument("--shards", type=int, default=8,
@@ -73,13 +96,15 @@ def build_parser():
     return p
 
 
-def main(argv=None):
-    parser = build_parser()
+def main(argv=None, prog="python -m hpctrain.data"):
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
             prepare(args.source, args.out, shards=args.shards, test_fraction=args.test_fraction,
-                    seed=args.seed, force=args.force, val_fraction=args.val_fraction)
+                    seed=args.seed, force=args.force, val_fraction=args.val_fraction, images=args.images,
+                    labels=args.labels, image_size=args.image_size, grayscale=args.grayscale,
+                    no_flip=args.no_flip)
         elif args.command == "fetch":
             fetch(args.dataset, args.out, mirror=args.mirror, timeout=args.timeout,
                   split=args.split)

@@ -1,4 +1,4 @@
-"""IDX or CIFAR-10 files -> class-balanced HDF5 shards + manifest.json, written atomically.
+"""IDX, CIFAR-10, image folders, NumPy, HDF5 or CSV -> class-balanced HDF5 shards + manifest.json, atomically.
 
     python -m hpctrain.data prepare --source data/mnist-5k --out data/mnist --shards 8
 
@@ -6,7 +6,14 @@ or in code `prepare(source, out, shards=8)`, which returns the manifest. The
 source is the standard train-/t10k- IDX quartet (MNIST, Fashion-MNIST,
 KMNIST; EMNIST's emnist-SPLIT-train-/test- quartet too) or CIFAR-10's binary
 batches (data_batch_1..5.bin + test_batch.bin); their split is kept. Or it is
-one IDX images/labels pair, split here, stratified by class. The manifest
+one IDX images/labels pair, split here, stratified by class. Or it is what
+users bring: a folder of class folders of images (images.py: an optional
+test/ beside train/ is kept), an .npz (x/y, or Keras' x_train/y_train/
+x_test/y_test, kept), two .npy files, an HDF5 file with two named datasets,
+or a CSV of label + pixels (arrays.py); those without a test set are split
+here as the single pair is, and their manifests add `preprocess` (how the
+pixels were made), image folders' `class_names`. `--no-flip` adds
+`"no_flip": true` (training then refuses --augment flip). The manifest
 records the image shape (rows, cols[, channels]) and the class count (the
 largest label + 1), from which training builds its model. Every shard gets every
 class (the stratified deal), and everything is written to a temporary sibling
@@ -31,9 +38,11 @@ import numpy as np
 
 from hpctrain.errors import HpctrainError
 
+from . import arrays
+from . import images as images_mod
 from .cifar import read_batches
 from .idx import read_idx
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, shard_name
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, bundled_sample_dir, shard_name
 
 # Rows per HDF5 chunk: ~800 KB of 28x28 images, under HDF5's 1 MiB default
 # chunk cache, and small enough that a worker's hyperslab reads little extra.
@@ -128,23 +137,33 @@ def _read_pair(images_path, labels_path):
 def _load_split(layout, paths, shards, test_fraction, seed, val_fraction=0.0):
     """((train_x, train_y, train_parts), (test_x, test_y, test_parts)): the
     arrays of each split and, per shard, the positions into them it gets."""
-    if layout in ("standard", "cifar-10"):
-        if layout == "standard":
-            train_x, train_y = _read_pair(paths["train_images"], paths["train_labels"])
-            test_x, test_y = _read_pair(paths["test_images"], paths["test_labels"])
-        else:
-            train_x, train_y = read_batches([p for role, p in paths.items() if role != "test"])
-            test_x, test_y = read_batches([paths["test"]])
+    if layout == "standard":
+        train = _read_pair(paths["train_images"], paths["train_labels"])
+        test = _read_pair(paths["test_images"], paths["test_labels"])
+        return _split(train, test, shards, test_fraction, seed, val_fraction, paths["test_images"])
+    if layout == "cifar-10":
+        train = read_batches([p for role, p in paths.items() if role != "test"])
+        return _split(train, read_batches([paths["test"]]), shards, test_fraction, seed, val_fraction, paths["test"])
+    return _split(_read_pair(paths["images"], paths["labels"]), None, shards, test_fraction, seed, val_fraction)
+
+
+def _split(train, test, shards, test_fraction, seed, val_fraction=0.0, test_name=None):
+    """The splits of (images, labels) arrays: test given, it is kept (train is
+    dealt to the shards); None, test_fraction of each class of train is split
+    off as the test set, stratified."""
+    if test is not None:
+        train_x, train_y = train
+        test_x, test_y = test
         if train_x.shape[1:] != test_x.shape[1:]:
-            raise HpctrainError(f"{paths['test_images']}: images are {test_x.shape[1:]}, "
-                                f"training images are {train_x.shape[1:]}")
+            raise HpctrainError(f"{test_name}: images are {test_x.shape[1:]}, training images are "
+                                f"{train_x.shape[1:]}")
         rng = np.random.default_rng(seed)
         train_idx, val = _val_split((train_x, train_y), np.arange(len(train_y)), val_fraction)
         train_parts = _stratified_deal(train_y, train_idx, shards, rng)
         test_parts = [np.arange(len(test_y))]
         return (train_x, train_y, train_parts), (test_x, test_y, test_parts), val
 
-    images, labels = _read_pair(paths["images"], paths["labels"])
+    images, labels = train
     rng = np.random.default_rng(seed)
     train_idx, test_idx = [], []
     for c in np.unique(labels):
@@ -152,7 +171,8 @@ def _load_split(layout, paths, shards, test_fraction, seed, val_fraction=0.0):
         k = int(np.floor(len(idx) * test_fraction + 0.5))
         test_idx.append(idx[:k])
         train_idx.append(idx[k:])
-    train_idx, test_idx = np.concatenate(train_idx), np.concatenate(test_idx)
+    train_idx = np.concatenate(train_idx) if train_idx else np.empty(0, np.intp)
+    test_idx = np.concatenate(test_idx) if test_idx else np.empty(0, np.intp)
     train_idx, val = _val_split((images, labels), train_idx, val_fraction)
     # All splits index the same arrays; the parts keep them apart.
     train_parts = _stratified_deal(labels, train_idx, shards, rng)
@@ -182,12 +202,14 @@ def _hold_out_val(train, val_fraction):
     return index[keep], (x, y, [index[~keep]])
 
 
-def _check_fits(splits, num_classes, paths):
+def _check_fits(splits, num_classes, source):
     """The arrays fit the manifest they will be written with: uint8 images
     of one 2-D or 3-D shape (rows, cols[, channels]) in both splits, uint8
-    labels below num_classes. The readers trust the manifest for all of it."""
+    labels below num_classes. The readers trust the manifest for all of it.
+    source: the source files' names for the message (or their {role: path})."""
     shape = splits["train"][0].shape[1:]
-    source = ", ".join(p.name for p in paths.values())
+    if not isinstance(source, str):
+        source = ", ".join(p.name for p in source.values())
     for split, (x, y, _) in splits.items():
         if x.dtype != np.uint8 or not 2 <= x.ndim - 1 <= 3 or 0 in x.shape[1:]:
             raise HpctrainError(f"{source}: {split} images must be uint8 of 2 or 3 "
@@ -291,23 +313,34 @@ def _write_shards(tmp, splits, num_classes):
     return entries
 
 
-def _build_manifest(source, layout, paths, seed, test_fraction, splits, entries, num_classes,
-                    val_fraction=0.0):
+def _source_files(paths):
+    """The manifest's record of IDX or CIFAR-10 source files."""
+    return [{"role": role, "name": p.name, "bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for role, p in paths.items()]
+
+
+def _build_manifest(source, layout, files, seed, test_fraction, splits, entries, num_classes,
+                    val_fraction=0.0, split_here=None, extra=None):
+    """split_here: whether the test set was split off here (default: the
+    single-pair IDX layout). extra: keys only some sources have (class_names,
+    preprocess, no_flip): absent otherwise, so manifests of IDX and CIFAR-10
+    sources stay as they were."""
+    split_here = layout == "single" if split_here is None else split_here
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "source": {
             "dir": str(source),
             "layout": layout,
-            "files": [{"role": role, "name": p.name, "bytes": p.stat().st_size,
-                       "sha256": _sha256(p)} for role, p in paths.items()],
+            "files": files,
         },
         "seed": int(seed),
-        "test_fraction": float(test_fraction) if layout == "single" else None,
+        "test_fraction": float(test_fraction) if split_here else None,
         "image_shape": [int(d) for d in splits["train"][0].shape[1:]],
         "dtype": "uint8",
         "num_classes": num_classes,
     }
+    manifest.update(extra or {})
     if "val" in splits:   # absent without a val part: manifests stay as they were
         manifest["val_fraction"] = float(val_fraction)
     for split, (_, y, parts) in splits.items():
@@ -324,12 +357,21 @@ def _build_manifest(source, layout, paths, seed, test_fraction, splits, entries,
 # prepare
 
 def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=print, val_fraction=0.0,
-            warn=None):
-    """Write class-balanced HDF5 shards and manifest.json from IDX files; return the manifest.
+            warn=None, images=None, labels=None, image_size=None, grayscale=False, no_flip=False):
+    """Write class-balanced HDF5 shards and manifest.json; return the manifest.
 
     source holds the standard train-/t10k- files or CIFAR-10's batches (their
     split is kept, test_fraction is ignored) or one images/labels pair, which is split here,
-    stratified by class. val_fraction > 0 holds out that share of each
+    stratified by class. Or source is a folder of class folders of images
+    (images.py; a test/ folder beside train/ is kept as the test set), an
+    .npz, HDF5 or CSV file (arrays.py; images/labels name the arrays in an
+    .npz or HDF5 file); or source is None and images/labels are two .npy
+    files. Sources without a test set of their own are split as the single
+    pair is. image_size (H, W): image folders are resized to it, flat rows
+    shaped by it; grayscale: image folders in grayscale. no_flip: the
+    manifest says that flipping changes these images' classes (digits,
+    letters): training refuses --augment flip on them.
+    val_fraction > 0 holds out that share of each
     training class as a "val" part (_hold_out_val). warn: where a line about
     doubtful labels goes (default: stderr, `hpctrain: warning: ...`). Everything is written
     to a temporary sibling of out
@@ -337,7 +379,9 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
     """
     log = log or (lambda *a: None)
     warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
-    source, out = Path(source), Path(out)
+    if source is None and images is None:
+        source = bundled_sample_dir()
+    source, out = (Path(source) if source is not None else None), Path(out)
     if out.is_symlink():
         # Keep a data/mnist -> /scratch/... link pointing at the new shards.
         out = out.resolve()
@@ -347,11 +391,28 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         raise HpctrainError(f"--test-fraction must be in [0, 1), got {test_fraction}")
     if not 0 <= val_fraction < 1:
         raise HpctrainError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    _check_not_input(source, out)
+    if image_size is not None and not isinstance(image_size, tuple):
+        image_size = arrays.parse_size(image_size)
+    inputs = [source] if source is not None else [Path(images), Path(labels or images)]
+    for path in inputs:
+        _check_not_input(path, out)
     _check_out(out, force)
 
-    layout, paths = _find_source_files(source)
-    train, test, val = _load_split(layout, paths, shards, test_fraction, seed, val_fraction)
+    loaded = _load_user_source(source, images, labels, image_size, grayscale)
+    extra = {"no_flip": True} if no_flip else {}
+    if loaded is None:
+        layout, paths = _find_source_files(source)
+        train, test, val = _load_split(layout, paths, shards, test_fraction, seed, val_fraction)
+        files, split_here, names = _source_files(paths), None, ", ".join(p.name for p in paths.values())
+    else:
+        layout, files, split_here = loaded.layout, loaded.files, loaded.test is None
+        train, test, val = _split(loaded.train, loaded.test, shards, test_fraction, seed, val_fraction,
+                                  f"{source} (test)")
+        names = str(source) if source is not None else f"{images}, {labels}"
+        extra.update(preprocess=loaded.preprocess)
+        if loaded.class_names is not None:
+            extra.update(class_names=loaded.class_names)
+        source = source if source is not None else Path(images).parent
     splits = {"train": train, "test": test}
     if val is not None:
         if not len(val[2][0]):
@@ -363,14 +424,16 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         raise HpctrainError(f"{source}: {n_train} training samples, fewer than "
                             f"--shards {shards}; use fewer shards")
     num_classes = int(max(train[1].max(initial=0), test[1].max(initial=0))) + 1
-    _check_fits(splits, num_classes, paths)
+    if loaded is not None and loaded.class_names is not None:
+        num_classes = len(loaded.class_names)   # a class may be missing from a split, never from the names
+    _check_fits(splits, num_classes, names)
     _check_classes(source, train[1], test[1], num_classes, warn)
 
     tmp = _make_tmp(out)
     try:
         entries = _write_shards(tmp, splits, num_classes)
-        manifest = _build_manifest(source, layout, paths, seed, test_fraction, splits, entries,
-                                   num_classes, val_fraction)
+        manifest = _build_manifest(source, layout, files, seed, test_fraction, splits, entries,
+                                   num_classes, val_fraction, split_here, extra)
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
@@ -388,6 +451,54 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         f"({min(sizes)}-{max(sizes)} each), {held}{manifest['test']['num_samples']} test samples, "
         f"{num_classes} classes, from {layout} layout in {source}")
     return manifest
+
+
+_ARRAY_FILES = {".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".csv": "csv"}
+
+
+def _load_user_source(source, images, labels, image_size, grayscale):
+    """The arrays of a source that is not IDX or CIFAR-10 (arrays.Loaded), or
+    None for those (the directory's files say which)."""
+    if source is None:
+        if labels is None:
+            raise HpctrainError("--images A.npy needs --labels B.npy (or give --source FILE)")
+        return arrays.load_npy(images, labels, image_size)
+    kind = _ARRAY_FILES.get(source.suffix.lower())
+    if source.is_file() or (kind and not source.is_dir()):
+        if kind is None:
+            raise HpctrainError(f"{source}: a file, expected a directory (IDX files, CIFAR-10 batches or class "
+                                f"folders of images) or an .npz, .h5 or .csv file")
+        if grayscale:
+            raise HpctrainError(f"--grayscale converts image folders; {source} holds arrays (give them 2-D images)")
+        if kind == "npz":
+            return arrays.load_npz(source, images, labels, image_size)
+        if kind == "hdf5":
+            return arrays.load_hdf5(source, images, labels, image_size)
+        if images is not None or labels is not None:
+            raise HpctrainError(f"--images/--labels name arrays in an .npz or HDF5 file; {source} is a CSV file "
+                                f"(label first, then pixels)")
+        return arrays.load_csv(source, image_size)
+    if images is not None or labels is not None:
+        raise HpctrainError(f"--images/--labels name arrays in an .npz or HDF5 --source, or two .npy files "
+                            f"without --source; {source} is a directory")
+    if not source.is_dir():
+        return None   # _find_source_files says what is wrong with it
+    if not _looks_like_idx_or_cifar(source) and images_mod.has_class_folders(source):
+        return images_mod.load_folder(source, image_size, grayscale)
+    if image_size is not None or grayscale:
+        raise HpctrainError(f"--image-size and --grayscale are for image folders (and --image-size for flat "
+                            f"rows); {source} holds IDX or CIFAR-10 files, taken as they are")
+    return None
+
+
+def _looks_like_idx_or_cifar(source):
+    """Whether a directory holds the files _find_source_files looks for."""
+    try:
+        names = [p.name for p in source.iterdir()]
+    except OSError:
+        return False
+    return any("idx1" in n or "idx3" in n or _CIFAR_TRAIN_RE.match(n) or n in (_CIFAR_TEST, _CIFAR_DIR)
+               for n in names)
 
 
 # ---------------------------------------------------------------------------

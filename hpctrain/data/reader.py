@@ -23,6 +23,7 @@ import numpy as np
 from hpctrain.chunks import chunk_parts
 from hpctrain.errors import HpctrainError
 
+from . import augment as augment_mod
 from .manifest import MANIFEST, _sha256, load_manifest
 
 
@@ -160,10 +161,13 @@ class ShardReader:
     stages between neither (then no shard is opened at all). What it does not
     read is None, in `images`/`labels` and in next_batch()'s pair; the
     dealing, `position`, `seek` and `last_draw` are the same whatever it reads.
+
+    augment ("crop,flip", augment.py; None or "": none) transforms each
+    training batch's images in place, per sample from (seed, epoch, sample id).
     """
 
     def __init__(self, data_dir, worker, num_workers, batch_size, seed, resident_bytes=RESIDENT_BYTES,
-                 arrays=ARRAYS):
+                 arrays=ARRAYS, augment=None):
         if not (isinstance(num_workers, (int, np.integer)) and num_workers >= 1):
             raise HpctrainError(f"num_workers must be a positive integer, got {num_workers!r}")
         if not (isinstance(worker, (int, np.integer)) and 0 <= worker < num_workers):
@@ -178,6 +182,10 @@ class ShardReader:
         manifest = load_manifest(self.data_dir)
         shape = tuple(manifest["image_shape"])
         self.num_features = math.prod(shape)
+        self.augment = None
+        if augment:
+            augment_mod.check(augment, manifest, self.data_dir)
+            self.augment = augment_mod.Augment(augment, shape, self.seed)
         self.num_classes = int(manifest["num_classes"])
         shards = manifest["train"]["shards"]
         self.num_samples = int(manifest["train"]["num_samples"])   # the whole training set
@@ -297,6 +305,8 @@ class ShardReader:
         rows = self._rows[k * B:(k + 1) * B]
         if self._x is not None:
             np.take(self.images, rows, axis=0, out=self._ubuf, mode="clip")
+            if self.augment is not None:
+                self.augment.apply(self._ubuf, self._epoch, self.last_ids)
             _to_float(self._ubuf, out=self._x)
         if self._y is not None:
             np.take(self.labels, rows, out=self._y, mode="clip")

@@ -31,7 +31,7 @@ import os
 
 import numpy as np
 
-from .. import device
+from .. import device, trained
 from ..checkpoints.file import Pieces
 from ..checkpoints.sharded import ShardedState
 from ..errors import HpctrainError
@@ -360,7 +360,8 @@ class Pipelined:
                     f.attrs["hidden"] = ",".join(map(str, plan.hidden))
                 f.attrs["model"] = spec.identity
                 f.attrs["init_version"] = INIT_VERSION
-                for key, value in (attrs or {}).items():
+                # how to rebuild the model and prepare its inputs (predict, evaluate)
+                for key, value in {**trained.record(spec, plan), **(attrs or {})}.items():
                     f.attrs[key] = value
             os.replace(tmp, path)
         finally:

@@ -8,7 +8,7 @@ and renamed, so it is never half-written.
 """
 import os
 
-from .. import device
+from .. import device, trained
 from ..nn.sequential import INIT_VERSION
 from ..run.outputs import one_line, rescue_path, temp_next_to
 
@@ -64,7 +64,8 @@ def write_params(path, model, step, plan, attrs=None):
                 f.attrs["hidden"] = ",".join(map(str, plan.hidden))
             f.attrs["model"] = model.spec.identity
             f.attrs["init_version"] = INIT_VERSION   # how the run's initial parameters were drawn
-            for key, value in (attrs or {}).items():
+            # how to rebuild the model and prepare its inputs (predict, evaluate)
+            for key, value in {**trained.record(model.spec, plan), **(attrs or {})}.items():
                 f.attrs[key] = value
         os.replace(tmp, path)
     finally:

@@ -29,6 +29,7 @@ from mpi4py import MPI
 from ..errors import HpctrainError
 from ..run.outputs import one_line, temp_next_to
 from .metrics import Metrics
+from .tensorboard import Board
 
 
 def eta_text(seconds):
@@ -51,6 +52,8 @@ class Report:
         self.timeline, self.best = timeline, best
         # Async ps workers print their own progress lines; only the chief writes files.
         self.metrics = Metrics(self.outputs.metrics if world.chief else None)
+        # --tensorboard: the same records as TensorBoard scalars (report/tensorboard.py), the chief's
+        self.board = Board(self.outputs.tensorboard if world.chief else None, lr=plan.lr)
         self._last_eval = None
         self._final_val = None   # (loss, accuracy) on the val part at the end (final_val)
         self._mark = None   # (step, wall time) of the last progress line, for the ETA
@@ -61,6 +64,7 @@ class Report:
         chief takes the best validation so far from resume's checkpoint."""
         self.best.resumed(getattr(resume, "checkpoint", None))
         self.metrics.resume_at(step)
+        self.board.resume_at(step)
         self._mark = (step or 0, time.perf_counter())
 
     def progress(self, step, loss, samples, t_loop, worker=None, local_step=None, grad_norm=None):
@@ -80,6 +84,7 @@ class Report:
         if grad_norm is not None:
             record["grad_norm"] = round(float(grad_norm), 6)
         self.metrics.write(record)
+        self.board.write(record)
 
     def _eta(self, step):
         """`eta 1m23s`: the steps left at the rate since the last line (wall
@@ -129,6 +134,7 @@ class Report:
             print(f"step {step:>6}/{self.steps}  {line}", flush=True)
             with self._file_wait(f"writing --metrics {self.outputs.metrics}"):
                 self.metrics.write(record)
+                self.board.write(record)
 
     def _file_wait(self, what):
         """The chief's own deadline on a file it reads or writes while busy."""
@@ -205,6 +211,8 @@ class Report:
         with self._file_wait(f"writing --metrics {outputs.metrics}"):
             self.metrics.write(record)
             self.metrics.close()
+            self.board.write(record)
+            self.board.close()
         with self._file_wait(f"writing --timeline {outputs.timeline}"):
             self.timeline.write()
         if not save_error:

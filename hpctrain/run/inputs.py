@@ -64,7 +64,8 @@ class Inputs:
         then this worker's test part is read too, before training memory is
         touched."""
         data = self.data
-        read = data_mod.ShardReader if arrays is None else functools.partial(data_mod.ShardReader, arrays=arrays)
+        read = functools.partial(data_mod.ShardReader, augment=data.augment or None,
+                                 **({} if arrays is None else {"arrays": arrays}))
         reader = self.world.agreed(comm, read, data.dir, index, count, data.batch_size, data.seed)
         self.test_part()
         return reader

@@ -100,6 +100,7 @@ class Data:
     batch_size: int
     batches: int
     seed: int
+    augment: str         # --augment: "crop,flip" and the like, "" for none (data/augment.py)
 
     @property
     def per_worker(self):
@@ -194,6 +195,7 @@ class Outputs:
     timeline_steps: int
     eval_every: int
     log_every: int
+    tensorboard: str
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,8 @@ def data_plan(args, cluster, data_dir, digest, manifest, has_val):
     pipeline's replicas, world / stages) and their samples per step."""
     return Data(dir=str(data_dir), digest=digest, train_samples=int(manifest["train"]["num_samples"]),
                 has_val=bool(has_val), workers=cluster.num_workers // args.pipeline_stages,
-                batch_size=args.batch_size, batches=args.accumulate_steps * args.micro_batches, seed=args.seed)
+                batch_size=args.batch_size, batches=args.accumulate_steps * args.micro_batches, seed=args.seed,
+                augment=args.augment)
 
 
 def schedule_plan(args, data):
@@ -282,7 +285,7 @@ def make_plan(args, world, spec, data, schedule, cuts):
                         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
                         resume_other_data=args.resume_other_data, save=args.save, metrics=args.metrics,
                         keep_best=args.keep_best, timeline=args.timeline, timeline_steps=args.timeline_steps,
-                        eval_every=args.eval_every, log_every=args.log_every),
+                        eval_every=args.eval_every, log_every=args.log_every, tensorboard=args.tensorboard),
         epochs=args.epochs, timeout=args.timeout, world_size=cluster.size,
         recorded=identity.recorded(args, cluster.size, workers, spec),
         resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps))

@@ -24,6 +24,7 @@ from ..nn import LayerError, spec_for
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
+from ..report import tensorboard
 from . import identity, jobcheck
 from .cluster import Cluster, memory_available
 from .inputs import Inputs, data_identity, ensure_data
@@ -90,6 +91,8 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         agree(check_consistency, comm, {"data (manifest digest)": digest})
     has_val = data_mod.has_val(data_dir)
     agree(check_val, args, has_val, data_dir)
+    agree(data_mod.check_augment, args.augment, data_dir)   # --augment flip on --no-flip data
+    agree(tensorboard.check, args)   # tensorboardX installed, DIR writable
     data = data_plan(args, cluster, data_dir, digest, manifest, has_val)
     # --epochs count its training samples (the same on every rank: the
     # manifest's digest was compared above); the last step is decided with

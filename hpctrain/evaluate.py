@@ -1,0 +1,134 @@
+"""A trained model on a prepared test set: accuracy, loss, per-class accuracy
+and the confusion matrix (a PNG with --plot).
+
+    python -m hpctrain.evaluate --params model.h5 --data data/photos
+    python -m hpctrain.evaluate --checkpoint ckpt/ --data data/photos --plot confusion.png
+    python -m hpctrain.evaluate --params model.h5 --data data/photos --json     # one JSON object
+    hpctrain evaluate --params model.h5 --data data/photos --split val
+
+The loss and accuracy are computed as the training run's final evaluation
+computes them (the whole split through Sequential.evaluate, 128 images at a
+time, the chief's way: report.Report.evaluate_alone), so for the --save file
+of a run `accuracy` and `loss` are the final record's `test_accuracy` and
+`test_loss` (with --split val, `val_accuracy` and `val_loss`), to the
+digits it records (bit for bit where that run had one worker; with more, each
+worker summed its own part, and the loss may differ in the 7th digit). A
+model file and data that do not match (another image shape or class count,
+other class names) is one line, exit 2.
+
+No MPI here: one process.
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from .errors import HpctrainError
+
+
+def evaluate(model, x, y):
+    """{accuracy, loss, num_samples, per_class_accuracy, confusion, ...}: the
+    loss and accuracy from Sequential.evaluate, the rest from the same logits."""
+    loss_sum, correct = model.model.evaluate(x, y)
+    n = max(len(y), 1)
+    k = model.spec.classes
+    predicted = model.logits(x).argmax(axis=1)
+    confusion = np.zeros((k, k), np.int64)
+    np.add.at(confusion, (y, predicted), 1)
+    counts = confusion.sum(axis=1)
+    per_class = {name: (round(float(confusion[c, c] / counts[c]), 6) if counts[c] else None)
+                 for c, name in enumerate(model.class_names)}
+    return {"accuracy": round(correct / n, 6), "loss": round(loss_sum / n, 6), "num_samples": len(y),
+            "class_names": model.class_names, "per_class_accuracy": per_class,
+            "per_class_count": {name: int(counts[c]) for c, name in enumerate(model.class_names)},
+            "confusion": confusion.tolist(), "step": model.step, "source": model.source}
+
+
+def lines(result, split):
+    names = result["class_names"]
+    width = max(8, *(len(n) for n in names))
+    out = [f"{split} accuracy {result['accuracy']:.4f}  {split} loss {result['loss']:.4f}  "
+           f"({result['num_samples']} images; {result['source']}, step {result['step']})",
+           "", f"{'class':<{width}}  accuracy  images"]
+    for name in names:
+        acc = result["per_class_accuracy"][name]
+        out.append(f"{name:<{width}}  {'-' if acc is None else f'{acc:.4f}':>8}  {result['per_class_count'][name]:>6}")
+    out += ["", "confusion matrix (rows: true class, columns: predicted class)"]
+    cell = max(5, len(str(max(max(r) for r in result["confusion"]))) + 1)
+    out.append(" " * width + "".join(f"{str(i):>{cell}}" for i in range(len(names))))
+    for i, (name, row) in enumerate(zip(names, result["confusion"])):
+        out.append(f"{name:<{width}}" + "".join(f"{v:>{cell}}" for v in row) + f"   ({i})")
+    return out
+
+
+def plot_confusion(result, path, title):
+    """The confusion matrix as a PNG, each row normalised to the true class's count."""
+    from . import plot
+    confusion = np.asarray(result["confusion"], float)
+    rates = confusion / np.maximum(confusion.sum(axis=1, keepdims=True), 1)
+    k = len(rates)
+    side = min(14, 3 + 0.45 * k)
+    fig, axes = plot._figure((side + 1.5, side), left=0.22, bottom=0.2, right=0.95, top=0.9)
+    ax = axes[0][0]
+    image = ax.imshow(rates, cmap="Blues", vmin=0, vmax=1)
+    names = result["class_names"]
+    ax.set_xticks(range(k), names, rotation=90 if k > 6 else 0)
+    ax.set_yticks(range(k), names)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title)
+    if k <= 20:
+        for i in range(k):
+            for j in range(k):
+                if confusion[i, j]:
+                    ax.text(j, i, int(confusion[i, j]), ha="center", va="center", fontsize=8,
+                            color="white" if rates[i, j] > 0.5 else "black")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    plot._save(fig, path)
+    return rates
+
+
+def build_parser(prog="python -m hpctrain.evaluate"):
+    p = argparse.ArgumentParser(prog=prog, description="Accuracy, loss, per-class accuracy and the confusion "
+                                "matrix of a model trained by hpctrain, on a prepared data directory.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", metavar="FILE.h5", help="a --save (or --keep-best) file")
+    src.add_argument("--checkpoint", metavar="DIR|FILE", help="a checkpoint file, or the newest valid one in DIR")
+    p.add_argument("--data", metavar="DIR", required=True, help="a prepared shard directory")
+    p.add_argument("--split", choices=["test", "val"], default="test", help="(default: %(default)s)")
+    p.add_argument("--model", metavar="NAME|FILE.py:FUNCTION", default=None,
+                   help="rebuild the model with this instead of what the file records")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the confusion matrix")
+    return p
+
+
+def main(argv=None, prog="python -m hpctrain.evaluate"):
+    args = build_parser(prog).parse_args(argv)
+    try:
+        from . import data, trained
+        if args.plot:
+            from . import plot
+            plot.require()
+            plot.check_output(args.plot, "--plot")
+        model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
+        manifest = model.check_data(args.data)
+        if args.split not in manifest:
+            raise HpctrainError(f"{args.data}: no {args.split} part (prepare --val-fraction F holds one out)")
+        x, y = data.load_test(args.data, raw=True, split=args.split)
+        result = dict(evaluate(model, x, y), split=args.split)
+        if args.plot:
+            plot_confusion(result, args.plot, f"{args.data} ({args.split}): accuracy {result['accuracy']:.4f}")
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print("\n".join(lines(result, args.split)))
+    except HpctrainError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

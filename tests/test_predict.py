@@ -1,0 +1,248 @@
+"""A trained model used: a folder of real images prepared, trained on,
+evaluated (the final record's numbers for the same file) and predicted on
+(new image files brought to the model's input as prepare made the training
+images); the --save file and checkpoints record how to rebuild the model;
+mismatched file and data, or a bad image, is one line and exit 2.
+
+    .venv/bin/python -m pytest -q tests/test_predict.py
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import REPO, run_job
+from hpctrain import data
+from hpctrain.checkpoints import file as checkpoint
+
+TINY = os.path.join(REPO, "tests", "models", "tiny_cnn.py")
+COLOURS = {"blue": (30, 60, 220), "green": (40, 200, 60), "red": (220, 40, 40)}
+
+
+def quiet(*args):
+    pass
+
+
+def photo(colour, i, size=(20, 16)):
+    """A noisy picture of mostly one colour: learnable in a few steps."""
+    rng = np.random.default_rng(i * 7 + sum(colour))
+    a = np.clip(rng.normal(colour, 45, (*size, 3)), 0, 255).astype(np.uint8)
+    return Image.fromarray(a)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """photos/train/{blue,green,red}/*.png (and .jpg), photos/test/...: 20x16 images,
+    prepared at 10x8 (resized)."""
+    base = tmp_path_factory.mktemp("photos")
+    src = base / "photos"
+    for split, n in (("train", 40), ("test", 8)):
+        for name, colour in COLOURS.items():
+            (src / split / name).mkdir(parents=True)
+            for i in range(n):
+                photo(colour, i + (1000 if split == "test" else 0)).save(
+                    src / split / name / f"{i:03d}.{'jpg' if i % 4 == 0 else 'png'}")
+    out = base / "shards"
+    data.prepare(src, out, shards=2, image_size=(10, 8), log=quiet)
+    return src, out
+
+
+def train(tmp_path, shards, n=1, *flags, cwd=None):
+    save = tmp_path / f"p{n}.h5"
+    r = run_job(n, "--data", shards, "--hidden", "32", "--steps", "60", "--batch-size", str(16 // n), "--lr", "3e-3",
+                "--log-every", "30", "--save", save, "--metrics", tmp_path / f"m{n}.jsonl",
+                "--checkpoint-dir", tmp_path / f"ckpt{n}", *flags, module="hpctrain.train", timeout=180, cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    final = json.loads((tmp_path / f"m{n}.jsonl").read_text().splitlines()[-1])
+    assert final["event"] == "final"
+    return save, final
+
+
+def tool(name, *args, cwd=REPO):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", f"hpctrain.{name}", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=120)
+
+
+def one_line(r):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: "), r.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained_once(photos, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run")
+    return (tmp, *train(tmp, photos[1], 1))
+
+
+def test_evaluate_gives_the_final_records_numbers_for_the_same_file(trained_once, photos):
+    tmp, save, final = trained_once
+    r = tool("evaluate", "--params", save, "--data", photos[1], "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert (got["accuracy"], got["loss"]) == (final["test_accuracy"], final["test_loss"])
+    assert got["accuracy"] > 0.9 and got["num_samples"] == 24 and got["step"] == 60
+    confusion = np.array(got["confusion"])
+    assert confusion.sum() == 24 and np.trace(confusion) / 24 == pytest.approx(got["accuracy"], abs=1e-6)
+    assert got["class_names"] == ["blue", "green", "red"]
+    for c, name in enumerate(got["class_names"]):
+        assert got["per_class_accuracy"][name] == round(confusion[c, c] / confusion[c].sum(), 6)
+    # The final checkpoint holds the same model: the same numbers.
+    r = tool("evaluate", "--checkpoint", tmp / "ckpt1", "--data", photos[1], "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["loss"] == final["test_loss"]
+    # The table, and the confusion matrix as a picture.
+    r = tool("evaluate", "--params", save, "--data", photos[1], "--plot", tmp / "confusion.png")
+    assert r.returncode == 0, r.stderr
+    assert f"test accuracy {final['test_accuracy']:.4f}  test loss {final['test_loss']:.4f}" in r.stdout
+    assert "confusion matrix (rows: true class, columns: predicted class)" in r.stdout
+    with Image.open(tmp / "confusion.png") as im:
+        assert im.format == "PNG" and im.size[0] > 200
+    # predict's probabilities come from the logits evaluate's loss is made of.
+    from hpctrain import trained
+    model = trained.load(params=save)
+    x, y = data.load_test(photos[1], raw=True)
+    logits = model.logits(x).astype(np.float64)
+    logp = logits - logits.max(axis=1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+    assert -logp[np.arange(len(y)), y].mean() == pytest.approx(final["test_loss"], abs=2e-6)
+
+
+def test_evaluate_on_two_ranks_records_the_same_accuracy(photos, tmp_path):
+    save, final = train(tmp_path, photos[1], 2)
+    got = json.loads(tool("evaluate", "--params", save, "--data", photos[1], "--json").stdout)
+    assert got["accuracy"] == final["test_accuracy"]
+    assert got["loss"] == pytest.approx(final["test_loss"], abs=2e-6)   # two workers summed two parts
+
+
+def test_predict_brings_image_files_to_the_input_as_prepare_did(trained_once, photos):
+    tmp, save, _ = trained_once
+    src, shards = photos
+    files = [src / "test" / name / f"{i:03d}.{'jpg' if i % 4 == 0 else 'png'}" for name in COLOURS for i in range(8)]
+    r = tool("predict", "--params", save, *files, "--format", "jsonl")
+    assert r.returncode == 0, r.stderr
+    from_files = [json.loads(line) for line in r.stdout.splitlines()]
+    r = tool("predict", "--params", save, "--data", shards, "--format", "jsonl")
+    assert r.returncode == 0, r.stderr
+    from_data = [json.loads(line) for line in r.stdout.splitlines()]
+    # prepare kept the test folder's order: the same images, resized alike, the same probabilities.
+    assert [(a["class"], a["probability"]) for a in from_files] == [(b["class"], b["probability"]) for b in from_data]
+    assert [a["input"] for a in from_files] == list(map(str, files))
+    assert [b["label"] for b in from_data] == [name for name in COLOURS for _ in range(8)]
+    right = sum(a["class"] == b["label"] for a, b in zip(from_files, from_data))
+    assert right >= 22
+    # CSV, --top, --out written whole; a checkpoint predicts the same.
+    out = tmp / "pred.csv"
+    r = tool("predict", "--checkpoint", tmp / "ckpt1", files[0], files[-1], "--top", "2", "--out", out)
+    assert r.returncode == 0 and r.stdout == "", r.stderr
+    lines = out.read_text().splitlines()
+    assert lines[0] == "input,class,probability,class_2,probability_2"
+    first = lines[1].split(",")
+    assert first[:3] == [str(files[0]), from_files[0]["class"], f"{from_files[0]['probability']:.6f}"]
+    assert float(first[2]) + float(first[4]) <= 1 + 1e-6
+
+
+def test_a_new_image_of_another_size_and_mode_is_resized_and_converted(trained_once, photos, tmp_path):
+    _, save, _ = trained_once
+    big = tmp_path / "big.jpg"
+    photo(COLOURS["green"], 5, size=(60, 48)).convert("L").convert("RGB").save(big)   # 60x48, gray-ish
+    rgba = tmp_path / "red.png"
+    photo(COLOURS["red"], 6, size=(30, 24)).convert("RGBA").save(rgba)
+    r = tool("predict", "--params", save, rgba, "--format", "jsonl")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["class"] == "red"
+    assert tool("predict", "--params", save, big).returncode == 0
+
+
+def test_the_files_record_how_to_rebuild_the_model(trained_once, photos):
+    tmp, save, _ = trained_once
+    with h5py.File(save) as f:
+        rec = json.loads(f.attrs["inference"])
+    assert rec["model"] == "mlp" and rec["hidden"] == [32] and rec["input_shape"] == [10, 8, 3]
+    assert rec["class_names"] == ["blue", "green", "red"] and rec["classes"] == 3
+    assert rec["preprocess"]["resize"] == [10, 8] and rec["preprocess"]["mode"] == "RGB"
+    assert rec["data"] == str(photos[1]) and len(rec["data_digest"]) == 16
+    ckpt = checkpoint.read(checkpoint.list_checkpoints(tmp / "ckpt1")[0][1])
+    assert json.loads(ckpt.attrs["inference"]) == rec
+
+
+def test_a_users_model_file_is_recorded_and_can_be_pointed_at_when_moved(photos, tmp_path):
+    model = tmp_path / "mine.py"
+    shutil.copy(TINY, model)
+    # A relative path, as users type it: the record makes it absolute.
+    save, final = train(tmp_path, photos[1], 1, "--model", "mine.py:without_batch_norm", cwd=tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = tool("evaluate", "--params", save, "--data", photos[1], "--json", cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["loss"] == final["test_loss"]
+    moved = tmp_path / "moved.py"
+    model.rename(moved)
+    line = one_line(tool("evaluate", "--params", save, "--data", photos[1]))
+    assert "cannot rebuild model" in line and "mine.py is not a file" in line
+    r = tool("evaluate", "--params", save, "--data", photos[1], "--json", "--model", f"{moved}:without_batch_norm")
+    assert r.returncode == 0 and json.loads(r.stdout)["loss"] == final["test_loss"]
+    line = one_line(tool("evaluate", "--params", save, "--data", photos[1], "--model", f"{moved}:build"))
+    assert "was saved from model" in line
+
+
+def test_mismatched_file_and_data_are_one_line_exit_2(trained_once, photos, tmp_path):
+    tmp, save, _ = trained_once
+    src, shards = photos
+    # The same images at another size; four classes; other class names.
+    data.prepare(src, tmp_path / "small", shards=2, image_size=(8, 8), log=quiet)
+    line = one_line(tool("evaluate", "--params", save, "--data", tmp_path / "small"))
+    assert "8x8x3 images of 3 classes, but the model in" in line and "takes 10x8x3 images of 3 classes" in line
+    four = tmp_path / "four"
+    shutil.copytree(src, four)
+    for split in ("train", "test"):
+        shutil.copytree(four / split / "red", four / split / "yellow")
+    data.prepare(four, tmp_path / "four-shards", shards=2, image_size=(10, 8), log=quiet)
+    assert "of 4 classes, but the model" in one_line(tool("predict", "--params", save, "--data",
+                                                          tmp_path / "four-shards"))
+    renamed = tmp_path / "renamed"
+    shutil.copytree(src, renamed)
+    for split in ("train", "test"):
+        (renamed / split / "red").rename(renamed / split / "scarlet")
+    data.prepare(renamed, tmp_path / "renamed-shards", shards=2, image_size=(10, 8), log=quiet)
+    line = one_line(tool("evaluate", "--params", save, "--data", tmp_path / "renamed-shards"))
+    assert "classes blue, green, scarlet, but the model in" in line
+    # A file of another model's parameters; not a parameters file at all; a missing image.
+    other = tmp_path / "other.h5"
+    shutil.copy(save, other)
+    with h5py.File(other, "a") as f:
+        del f["layer0/W"]
+        f["layer0/W"] = np.zeros((5, 32), np.float32)
+    assert "layer0/W is (5, 32), model mlp needs (240, 32)" in one_line(tool("predict", "--params", other,
+                                                                             src / "test/red/001.png"))
+    (tmp_path / "junk.h5").write_bytes(b"not hdf5")
+    assert "junk.h5: not a readable --save file" in one_line(tool("predict", "--params", tmp_path / "junk.h5",
+                                                                  src / "test/red/001.png"))
+    out = tmp_path / "never.csv"
+    broken = tmp_path / "broken.png"
+    broken.write_bytes((src / "test/red/001.png").read_bytes()[:-30])
+    line = one_line(tool("predict", "--params", save, src / "test/red/001.png", broken, "--out", out))
+    assert "broken.png: unreadable image" in line and not out.exists()
+    assert "no such file" in one_line(tool("predict", "--params", save, tmp_path / "nothing.png"))
+    assert "give IMAGE files or --data DIR" in one_line(tool("predict", "--params", save))
+
+
+def test_a_file_from_before_the_record_loads_with_its_data(trained_once, photos, tmp_path):
+    _, save, _ = trained_once
+    old = tmp_path / "old.h5"
+    shutil.copy(save, old)
+    with h5py.File(old, "a") as f:
+        del f.attrs["inference"]
+    line = one_line(tool("predict", "--params", old, photos[0] / "test/red/001.png"))
+    assert "did not record how to rebuild the model; give --data DIR" in line
+    r = tool("evaluate", "--params", old, "--data", photos[1], "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["class_names"] == ["blue", "green", "red"]

@@ -1,0 +1,401 @@
+"""prepare from what users bring: folders of images (real PNG and JPEG files
+written here with Pillow, one of them corrupt), NumPy arrays (.npz, a .npy
+pair), HDF5 files with two named datasets, and CSV files of label + pixels.
+
+Serial, no MPI; every bad input is checked through the command line: one
+line `hpctrain: error: ...`, exit 2, nothing written.
+
+    .venv/bin/python -m pytest tests/test_user_data.py
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from PIL import Image
+
+from hpctrain import data
+from hpctrain.data import __main__ as data_cli
+from hpctrain.data import arrays as arrays_mod
+from hpctrain.errors import HpctrainError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def quiet(*args):
+    pass
+
+
+def run_cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "hpctrain.data", *map(str, args)],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+
+
+def picture(label, i, size=(12, 10), rgb=True):
+    """An image that says its class and number: pixel (0, 0) is the label,
+    (0, 1) the number, the rest a gradient of both."""
+    h, w = size
+    a = np.zeros((h, w, 3), np.uint8)
+    a[..., 0] = (np.arange(h)[:, None] * 7 + label * 40) % 256
+    a[..., 1] = (np.arange(w)[None, :] * 11 + i * 3) % 256
+    a[..., 2] = 200 - label * 30
+    a[0, 0], a[0, 1] = label, i
+    return a if rgb else a[..., 0]
+
+
+def image_folder(root, classes=("cat", "dog", "emu"), train=6, test=2, size=(12, 10), rgb=True, fmt="png"):
+    """root/train/CLASS/NNN.png (and test/ when test > 0): real image files."""
+    written = {}
+    for split, n in (("train", train), ("test", test)):
+        for c, name in enumerate(classes):
+            if not n:
+                continue
+            d = root / split / name
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                path = d / f"{i:03d}.{fmt}"
+                Image.fromarray(picture(c, i, size, rgb)).save(path)
+                written[path] = (c, i)
+    return root
+
+
+def shard_arrays(out, split="train"):
+    manifest = json.loads((out / "manifest.json").read_text())
+    xs, ys = [], []
+    for entry in manifest[split]["shards"]:
+        with h5py.File(out / entry["file"], "r") as f:
+            xs.append(f["images"][()])
+            ys.append(f["labels"][()])
+    return np.concatenate(xs), np.concatenate(ys), manifest
+
+
+def refused(r, out, *fragments):
+    """One error line naming the fragments, exit 2, and no output directory."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: "), r.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert not Path(out).exists()
+    assert not any(p.name.startswith(f".{Path(out).name}.tmp") for p in Path(out).parent.iterdir())
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------
+# Image folders
+
+def test_image_folder_with_train_and_test_becomes_shards(tmp_path):
+    src = image_folder(tmp_path / "photos", train=6, test=2)
+    out = tmp_path / "out"
+    r = run_cli("prepare", "--source", src, "--out", out, "--shards", 2)
+    assert r.returncode == 0, r.stderr
+    x, y, manifest = shard_arrays(out)
+    assert manifest["class_names"] == ["cat", "dog", "emu"]
+    assert manifest["image_shape"] == [12, 10, 3] and manifest["num_classes"] == 3
+    assert manifest["source"]["layout"] == "image-folder"
+    assert manifest["preprocess"] == {"kind": "image-folder", "mode": "RGB", "image_shape": [12, 10, 3],
+                                      "resize": None, "resample": "bilinear", "exif_transpose": True}
+    assert [f["count"] for f in manifest["source"]["files"]] == [18, 6]
+    assert manifest["train"]["num_samples"] == 18 and manifest["test"]["num_samples"] == 6
+    # PNG is lossless: every stored image is the picture of its class and number, once.
+    seen = set()
+    for image, label in zip(x, y):
+        c, i = int(image[0, 0, 0]), int(image[0, 1, 0])
+        assert c == label
+        np.testing.assert_array_equal(image, picture(c, i))
+        seen.add((c, i))
+    assert seen == {(c, i) for c in range(3) for i in range(6)}
+    tx, ty, _ = shard_arrays(out, "test")
+    assert sorted(ty.tolist()) == [0, 0, 1, 1, 2, 2]
+    # Every shard has every class (the stratified deal).
+    for entry in manifest["train"]["shards"]:
+        assert all(n == 3 for n in entry["per_class"].values())
+
+
+def test_class_names_are_sorted_and_without_test_a_fraction_is_split(tmp_path):
+    src = tmp_path / "flat"
+    for c, name in enumerate(["zebra", "Apple", "mango"]):
+        (src / name).mkdir(parents=True)
+        for i in range(10):
+            Image.fromarray(picture(c, i)).save(src / name / f"{i}.png")
+    (src / "zebra" / "notes.txt").write_text("not an image: skipped")
+    (src / "mango" / ".hidden.png").write_bytes(b"skipped too")
+    m = data.prepare(src, tmp_path / "out", shards=2, test_fraction=0.2, log=quiet)
+    assert m["class_names"] == ["Apple", "mango", "zebra"]   # sorted, as ImageFolder does
+    assert m["train"]["num_samples"] == 24 and m["test"]["num_samples"] == 6
+    assert m["test_fraction"] == 0.2
+    x, y, _ = shard_arrays(tmp_path / "out")
+    # Folder "zebra" was drawn as class 0: it is label 2 now.
+    names = ["zebra", "Apple", "mango"]
+    for image, label in zip(x, y):
+        assert m["class_names"][label] == names[image[0, 0, 0]]
+
+
+def test_jpeg_grayscale_and_resize(tmp_path):
+    src = image_folder(tmp_path / "photos", train=4, test=0, size=(16, 12), fmt="jpg")
+    out = tmp_path / "out"
+    r = run_cli("prepare", "--source", src, "--out", out, "--shards", 2, "--image-size", "8,6",
+                "--grayscale", "--test-fraction", "0.25")
+    assert r.returncode == 0, r.stderr
+    x, y, m = shard_arrays(out)
+    assert x.shape[1:] == (8, 6) and m["image_shape"] == [8, 6]
+    assert m["preprocess"]["mode"] == "L" and m["preprocess"]["resize"] == [8, 6]
+    # What prepare stores is what decode() makes of the file (predict uses it).
+    one = sorted((src / "train" / "cat").iterdir())[0]
+    expected = np.asarray(Image.open(one).convert("L").resize((6, 8), Image.Resampling.BILINEAR))
+    assert any(np.array_equal(image, expected) for image in x)
+    # A folder whose images are all grayscale stays 2-D without --grayscale.
+    gray = image_folder(tmp_path / "gray", train=3, test=1, rgb=False)
+    m = data.prepare(gray, tmp_path / "out2", shards=1, log=quiet)
+    assert m["image_shape"] == [12, 10] and m["preprocess"]["mode"] == "L"
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    src = image_folder(tmp_path / "photos", train=2, test=0, size=(12, 10), fmt="jpg")
+    # One more image, stored 10x12 but tagged "rotate 90": seen as 12x10, as the others.
+    im = Image.fromarray(picture(0, 9, (10, 12)))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    im.save(src / "train" / "cat" / "rotated.jpg", exif=exif)
+    m = data.prepare(src, tmp_path / "out", shards=1, test_fraction=0, log=quiet)
+    assert m["image_shape"] == [12, 10, 3] and m["train"]["num_samples"] == 7
+
+
+def folder_refusals(tmp_path):
+    """(name, source folder, extra flags, fragments of the one line)."""
+    cases = []
+
+    def case(name, *flags, fragments, make):
+        src = tmp_path / name
+        image_folder(src, train=3, test=1)
+        make(src)
+        cases.append((name, src, list(flags), fragments))
+
+    def truncate(src):
+        path = src / "train" / "dog" / "001.png"
+        path.write_bytes(path.read_bytes()[:-40])   # the header whole, the pixels cut off
+    case("truncated", fragments=["train/dog/001.png: unreadable image"], make=truncate)
+
+    def garbage(src):
+        (src / "train" / "cat" / "000.png").write_bytes(b"\x89PNG but not really" * 4)
+    case("garbage", fragments=["train/cat/000.png: unreadable image"], make=garbage)
+
+    def mixed(src):
+        Image.fromarray(picture(1, 7, (14, 10))).save(src / "train" / "dog" / "big.png")
+    case("mixed", fragments=["images of different sizes", "dog/big.png is 14x10", "--image-size H,W"], make=mixed)
+
+    def empty(src):
+        (src / "train" / "fox").mkdir()
+        (src / "train" / "fox" / "readme.txt").write_text("no images")
+    case("empty", fragments=["train/fox: an empty class"], make=empty)
+
+    def one_class(src):
+        import shutil
+        for split in ("train", "test"):
+            for name in ("dog", "emu"):
+                shutil.rmtree(src / split / name)
+    case("one", fragments=["one class folder (cat)", "at least two classes"], make=one_class)
+
+    def outside(src):
+        elsewhere = tmp_path / "elsewhere.png"
+        Image.fromarray(picture(0, 5)).save(elsewhere)
+        (src / "train" / "cat" / "005.png").symlink_to(elsewhere)
+    case("outside", fragments=["train/cat/005.png: a symbolic link to", "outside the source folder"], make=outside)
+
+    def stray_test_class(src):
+        image_folder(src, classes=("cat", "dog", "emu", "gnu"), train=0, test=1)
+    case("strayclass", fragments=["test/gnu: a test class that the training folder does not have"],
+         make=stray_test_class)
+    return cases
+
+
+def test_bad_image_folders_are_one_line_exit_2_nothing_written(tmp_path):
+    for name, src, flags, fragments in folder_refusals(tmp_path):
+        out = tmp_path / f"out-{name}"
+        refused(run_cli("prepare", "--source", src, "--out", out, *flags), out, *fragments)
+
+
+def test_links_inside_the_folder_are_followed(tmp_path):
+    src = image_folder(tmp_path / "photos", train=3, test=0)
+    (src / "train" / "cat" / "again.png").symlink_to(src / "train" / "dog" / "000.png")
+    # Subfolders of a class folder are the class's too; a link back up is no loop.
+    (src / "train" / "emu" / "more").mkdir()
+    Image.fromarray(picture(2, 8)).save(src / "train" / "emu" / "more" / "x.png")
+    (src / "train" / "emu" / "more" / "loop").symlink_to(src / "train" / "emu")
+    m = data.prepare(src, tmp_path / "out", shards=1, test_fraction=0, log=quiet)
+    assert m["train"]["num_samples"] == 11 and m["train"]["per_class"] == {"0": 4, "1": 3, "2": 4}
+
+
+# ---------------------------------------------------------------------------
+# NumPy, HDF5, CSV
+
+def digits(n=60, classes=4, shape=(6, 6), seed=0):
+    rng = np.random.default_rng(seed)
+    y = np.arange(n) % classes
+    x = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
+    x.reshape(n, -1)[:, 0] = y   # the first pixel says the class
+    return x, y
+
+
+def test_npz_x_y_and_float_images_in_0_1(tmp_path):
+    x, y = digits()
+    np.savez(tmp_path / "a.npz", x=x.astype(np.float32) / 255, y=y.astype(np.int64))
+    m = data.prepare(tmp_path / "a.npz", tmp_path / "out", shards=2, test_fraction=0.25, log=quiet)
+    assert m["source"]["layout"] == "npz" and m["image_shape"] == [6, 6] and m["num_classes"] == 4
+    assert m["preprocess"] == {"kind": "arrays", "pixel_scale": 1, "image_shape": [6, 6]}
+    sx, sy, _ = shard_arrays(tmp_path / "out")
+    tx, ty, _ = shard_arrays(tmp_path / "out", "test")
+    got = np.concatenate([sx, tx])
+    # Every image comes back as it was (x / 255 * 255, rounded), none twice.
+    assert sorted(map(bytes, got)) == sorted(map(bytes, x))
+    assert len(ty) == 16 and "class_names" not in m   # round(15 x 0.25) of each of 4 classes
+
+
+def test_npz_with_keras_names_keeps_its_test_split(tmp_path):
+    x, y = digits(80)
+    np.savez_compressed(tmp_path / "mnist.npz", x_train=x[:60], y_train=y[:60].astype(np.uint8),
+                        x_test=x[60:], y_test=y[60:].astype(np.uint8))
+    m = data.prepare(tmp_path / "mnist.npz", tmp_path / "out", shards=3, log=quiet)
+    assert m["train"]["num_samples"] == 60 and m["test"]["num_samples"] == 20 and m["test_fraction"] is None
+    tx, ty, _ = shard_arrays(tmp_path / "out", "test")
+    np.testing.assert_array_equal(tx, x[60:])
+    np.testing.assert_array_equal(ty, y[60:])
+
+
+def test_npy_pair_with_channels_first_and_channel_axis(tmp_path):
+    x, y = digits(40, shape=(3, 5, 7))   # (N, C, H, W): PyTorch's layout
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y.astype(np.int32))
+    r = run_cli("prepare", "--images", tmp_path / "x.npy", "--labels", tmp_path / "y.npy", "--out",
+                tmp_path / "out", "--shards", 2)
+    assert r.returncode == 0, r.stderr
+    sx, _, m = shard_arrays(tmp_path / "out")
+    assert m["image_shape"] == [5, 7, 3] and m["source"]["layout"] == "npy"
+    tx, _, _ = shard_arrays(tmp_path / "out", "test")
+    assert sorted(map(bytes, np.concatenate([sx, tx]))) == sorted(map(bytes, x.transpose(0, 2, 3, 1).copy()))
+    # A channel axis of 1 is dropped: 2-D images, as MNIST's.
+    np.save(tmp_path / "x1.npy", x[:, :1, :, :].transpose(0, 2, 3, 1))
+    m = data.prepare(None, tmp_path / "out1", shards=2, images=tmp_path / "x1.npy", labels=tmp_path / "y.npy",
+                     log=quiet)
+    assert m["image_shape"] == [5, 7]
+
+
+def test_hdf5_with_two_named_datasets(tmp_path):
+    x, y = digits(50, shape=(8, 8, 3))
+    with h5py.File(tmp_path / "set.h5", "w") as f:
+        f["group/pixels"] = x
+        f["group/classes"] = y.astype(np.int16)
+        f["other"] = np.zeros(3)
+    r = run_cli("prepare", "--source", tmp_path / "set.h5", "--images", "group/pixels", "--labels",
+                "group/classes", "--out", tmp_path / "out", "--shards", 2)
+    assert r.returncode == 0, r.stderr
+    _, _, m = shard_arrays(tmp_path / "out")
+    assert m["image_shape"] == [8, 8, 3] and m["source"]["layout"] == "hdf5"
+    out = tmp_path / "out2"
+    line = refused(run_cli("prepare", "--source", tmp_path / "set.h5", "--out", out), out)
+    assert "group/classes, group/pixels, other" in line and "--images NAME --labels NAME" in line
+
+
+@pytest.mark.parametrize("header", [True, False])
+def test_csv_of_label_and_pixels(tmp_path, header):
+    x, y = digits(40, shape=(4, 4))
+    rows = np.c_[y, x.reshape(40, -1)]
+    head = "label," + ",".join(f"pixel{i}" for i in range(16)) if header else ""
+    np.savetxt(tmp_path / "t.csv", rows, fmt="%d", delimiter=",", header=head, comments="")
+    m = data.prepare(tmp_path / "t.csv", tmp_path / "out", shards=2, log=quiet)
+    assert m["image_shape"] == [4, 4] and m["num_classes"] == 4 and m["preprocess"]["header"] is header
+    sx, sy, _ = shard_arrays(tmp_path / "out")
+    tx, ty, _ = shard_arrays(tmp_path / "out", "test")
+    assert sorted(map(bytes, np.concatenate([sx, tx]))) == sorted(map(bytes, x))
+    # Rows that are not square need --image-size.
+    np.savetxt(tmp_path / "r.csv", np.c_[y, x.reshape(40, -1)[:, :12]], fmt="%d", delimiter=",")
+    m = data.prepare(tmp_path / "r.csv", tmp_path / "out2", shards=2, image_size=(3, 4), log=quiet)
+    assert m["image_shape"] == [3, 4]
+
+
+def array_refusals(tmp_path):
+    x, y = digits(30)
+    cases = []
+
+    def npz(name, **arrays):
+        np.savez(tmp_path / f"{name}.npz", **arrays)
+        return tmp_path / f"{name}.npz"
+    cases.append((["--source", npz("range", x=x, y=np.r_[y[:-1], 300])], ["label 300 in row 29 is out of range"]))
+    cases.append((["--source", npz("neg", x=x, y=np.r_[-1, y[1:]])], ["label -1 in row 0 is out of range"]))
+    cases.append((["--source", npz("frac", x=x, y=np.r_[y[:5], 0.5, y[6:]])], ["label 0.5 in row 5 is not an integer"]))
+    cases.append((["--source", npz("short", x=x, y=y[:-2])], ["30 images but", "has 28 labels"]))
+    cases.append((["--source", npz("one", x=x, y=np.zeros(30, int))], ["one class is nothing to classify"]))
+    cases.append((["--source", npz("pickled", x=x, y=np.array([str(v) for v in y], object))],
+                  ["hpctrain loads no pickled data"]))
+    cases.append((["--source", npz("bright", x=x.astype(np.float32) * 2, y=y)], ["pixel values run from 0 to 510"]))
+    cases.append((["--source", npz("onehot", x=x, y=np.eye(4)[y])], ["one-hot?"]))
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y[:20])
+    cases.append((["--images", tmp_path / "x.npy", "--labels", tmp_path / "y.npy"], ["30 images but", "has 20 labels"]))
+    (tmp_path / "ragged.csv").write_text("1,2,3,4,5\n0,1,2,3\n")
+    cases.append((["--source", tmp_path / "ragged.csv"], ["ragged.csv: not a CSV of numbers"]))
+    (tmp_path / "odd.csv").write_text("1," + ",".join(["7"] * 10) + "\n0," + ",".join(["9"] * 10) + "\n")
+    cases.append((["--source", tmp_path / "odd.csv"], ["10 pixels per image is neither a square image",
+                                                       "give --image-size H,W"]))
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "range.npz").read_bytes()[:200])
+    cases.append((["--source", tmp_path / "cut.npz"], ["cut.npz: not an .npz file"]))
+    (tmp_path / "notes.txt").write_text("hello")
+    cases.append((["--source", tmp_path / "notes.txt"], ["notes.txt: a file, expected a directory"]))
+    return cases
+
+
+def test_bad_arrays_are_one_line_exit_2_nothing_written(tmp_path):
+    for i, (flags, fragments) in enumerate(array_refusals(tmp_path)):
+        out = tmp_path / f"out{i}"
+        refused(run_cli("prepare", *flags, "--out", out, "--shards", 2), out, *fragments)
+
+
+def test_a_source_bigger_than_memory_is_refused_before_it_is_read(tmp_path, monkeypatch, capsys):
+    x, y = digits(40, shape=(8, 8, 3))
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    np.savez(tmp_path / "a.npz", x=x, y=y)
+    with h5py.File(tmp_path / "a.h5", "w") as f:
+        f["images"], f["labels"] = x, y
+    src = image_folder(tmp_path / "photos", train=3, test=1)
+    monkeypatch.setattr(arrays_mod, "memory_available", lambda: 1000)
+
+    def never(*args, **kwargs):
+        raise AssertionError("read before the memory was checked")
+    monkeypatch.setattr(np, "load", never)
+    monkeypatch.setattr(np, "loadtxt", never)
+    monkeypatch.setattr(data.images, "decode", never)
+    np.savetxt(tmp_path / "a.csv", np.c_[y, x.reshape(40, -1)], fmt="%d", delimiter=",")
+    for flags in (["--images", tmp_path / "x.npy", "--labels", tmp_path / "y.npy"], ["--source", tmp_path / "a.npz"],
+                  ["--source", tmp_path / "a.h5"], ["--source", tmp_path / "a.csv"], ["--source", src]):
+        out = tmp_path / "out"
+        assert data_cli.main(["prepare", *map(str, flags), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "of memory to prepare, this machine has 0.0 GiB available" in err, err
+        assert not out.exists()
+
+
+def test_no_flip_is_recorded_only_when_asked(tmp_path):
+    x, y = digits(40)
+    np.savez(tmp_path / "a.npz", x=x, y=y)
+    assert "no_flip" not in data.prepare(tmp_path / "a.npz", tmp_path / "o1", shards=2, log=quiet)
+    assert data.prepare(tmp_path / "a.npz", tmp_path / "o2", shards=2, no_flip=True, log=quiet)["no_flip"] is True
+    # IDX sources too (digits are the case for it), and their manifests are otherwise unchanged.
+    plain = data.prepare(data.bundled_sample_dir(), tmp_path / "o3", shards=2, log=quiet)
+    flipless = data.prepare(data.bundled_sample_dir(), tmp_path / "o4", shards=2, no_flip=True, log=quiet)
+    assert {k: v for k, v in flipless.items() if k != "no_flip"} == plain and "preprocess" not in plain
+
+
+def test_image_options_on_idx_sources_are_refused(tmp_path):
+    out = tmp_path / "out"
+    refused(run_cli("prepare", "--source", data.bundled_sample_dir(), "--out", out, "--grayscale"), out,
+            "--image-size and --grayscale are for image folders")
+    refused(run_cli("prepare", "--source", data.bundled_sample_dir(), "--out", out, "--image-size", "0,3"), out,
+            "--image-size expects H,W")
+    refused(run_cli("prepare", "--source", tmp_path / "nowhere", "--out", out, "--image-size", "8,8"), out,
+            "nowhere: no such directory")
