@@ -55,10 +55,11 @@ def build(spec, layers=None):
 
     copies = []
 
-    def walk(layers, in_shape):
+    def walk(layers, in_shape, per_layer=None):
         mods, shape, flat = [], tuple(in_shape), None
         for layer in layers:
             out = tuple(layer.out_shape)
+            before = len(mods)
             if isinstance(layer, Channels):
                 mods.append(tnn.Identity())
             elif isinstance(layer, Conv2d):
@@ -92,10 +93,14 @@ def build(spec, layers=None):
                 mods.append(Sum(block, skip))
             else:
                 raise ValueError(f"no torch twin for {layer.describe()}")
+            if per_layer is not None:
+                per_layer.append(tnn.Sequential(*mods[before:]))
             shape = out
         return tnn.Sequential(*mods), shape
 
-    module, _ = walk(spec.layers if layers is None else layers, spec.input_shape)
+    per_layer = []
+    module, _ = walk(spec.layers if layers is None else layers, spec.input_shape, per_layer)
+    module.per_layer = per_layer   # the twin of each of hpctrain's layers (views of the same modules)
     return module, copies
 
 
