@@ -209,6 +209,24 @@ def test_pooling_equals_a_direct_loop(kind, k, s, shape):
     assert np.allclose(y, want, atol=1e-12) and np.allclose(dx, want_dx, atol=1e-12)
 
 
+def test_a_warm_relu_backward_allocates_nothing():
+    import tracemalloc
+    relu, _, _ = bound(ReLU(), (50, 40), dtype=np.float32)
+    x = np.random.default_rng(2).standard_normal((64, 50, 40)).astype(np.float32)
+    dy = np.ones_like(x)
+    relu.backward(relu.forward(x.copy(), True), True)   # warm
+    y = relu.forward(x.copy(), True)
+    tracemalloc.start()
+    try:
+        relu.backward(dy, True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # the mask alone would be 128 kB; NumPy's cast buffer for bool * float32 is 32 kB whatever the size
+    assert peak < 64 * 1024, peak
+    assert np.array_equal(dy, (y > 0).astype(np.float32))
+
+
 # --- dropout ------------------------------------------------------------------------
 
 def test_dropout_masks_are_per_sample_whatever_the_batch_split():
