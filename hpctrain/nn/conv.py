@@ -29,6 +29,13 @@ import numpy as np
 from .layers import Layer, LayerError, he_normal
 
 
+# Floats of im2col columns per block (1 MB of float32): a block's columns and
+# its GEMM's output stay in this machine's caches (512 KB L2 a core, 16 MB L3);
+# 2**18 was the best or near it from 1 to 16 images for 32x32x3 -> 32 and
+# 16x16x32 -> 64 (bench layers).
+BLOCK_FLOATS = 1 << 18
+
+
 def _shape(shape):
     return "x".join(map(str, shape))
 
@@ -120,26 +127,40 @@ class Conv2d(Layer):
             ones = self._buffers["ones"] = self.xp.ones(m, dtype)
         return ones
 
-    def _columns(self, x):
-        """(n*oh*ow, k*k*c): one row per output pixel (a view for a 1x1, stride 1 kernel)."""
+    def _per_block(self, n, floats_per_image):
+        """Images per block of columns: about BLOCK_FLOATS floats, so a block's
+        columns are still in cache when its GEMM reads them (NumPy; a GPU
+        takes the whole batch in one GEMM)."""
+        if self.xp is not np:
+            return n
+        return max(1, min(n, BLOCK_FLOATS // floats_per_image))
+
+    def forward(self, x, train):
         xp, n, (h, w, c), p = self.xp, x.shape[0], self.in_shape, self.pad
-        if self.k == 1 and self.stride == 1 and p == 0:
-            return x.reshape(n * h * w, c)
+        y = self.buffer(("out", train), (n * self.oh * self.ow, self.out_channels), x.dtype)
+        if self.k == 1 and self.stride == 1 and p == 0:   # the columns are x itself
+            self.cols = x.reshape(n * h * w, c)
+            xp.matmul(self.cols, self.W2, out=y)
+            if self.bias:
+                y += self.params["b"]
+            return y.reshape(n, *self.out_shape)
         if p:
             padded = self.zeroed("padded", (n, h + 2 * p, w + 2 * p, c), x.dtype)
             padded[:, p:p + h, p:p + w, :] = x
             x = padded
+        # The columns, one row per output pixel, kept whole for the weight
+        # gradient; written and multiplied a block of images at a time.
         cols = self.buffer("cols", (n, self.oh, self.ow, self.k, self.k, c), x.dtype)
-        xp.copyto(cols, _window(xp, x, self.oh, self.ow, self.k, self.stride))
-        return cols.reshape(n * self.oh * self.ow, self.fan_in)
-
-    def forward(self, x, train):
-        self.cols = self._columns(x)
-        n = x.shape[0]
-        y = self.buffer(("out", train), (n * self.oh * self.ow, self.out_channels), x.dtype)
-        self.xp.matmul(self.cols, self.W2, out=y)
-        if self.bias:
-            y += self.params["b"]
+        windows = _window(xp, x, self.oh, self.ow, self.k, self.stride)
+        rows, per = self.oh * self.ow, self._per_block(n, self.oh * self.ow * self.fan_in)
+        for lo in range(0, n, per):
+            hi = min(lo + per, n)
+            xp.copyto(cols[lo:hi], windows[lo:hi])
+            out = y[lo * rows:hi * rows]
+            xp.matmul(cols[lo:hi].reshape((hi - lo) * rows, self.fan_in), self.W2, out=out)
+            if self.bias:
+                out += self.params["b"]
+        self.cols = cols.reshape(n * rows, self.fan_in)
         return y.reshape(n, *self.out_shape)
 
     def backward(self, dy, need_dx):
@@ -179,12 +200,21 @@ class Conv2d(Layer):
             padded = self.zeroed("dy_padded", (n, self.oh + 2 * q, self.ow + 2 * q, o), dy.dtype)
             padded[:, q:q + self.oh, q:q + self.ow, :] = dy
             dy = padded
-        cols = self.buffer("dcols", (n, h, w, k, k, o), dy.dtype)
-        xp.copyto(cols, _window(xp, dy, h, w, k, 1))
         turned = self.buffer("turned", (k, k, o, c), dy.dtype)
         xp.copyto(turned, self.params["W"][::-1, ::-1].transpose(0, 1, 3, 2))
+        turned = turned.reshape(k * k * o, c)
         dx = self.buffer("dx", (n * h * w, c), dy.dtype)
-        xp.matmul(cols.reshape(n * h * w, k * k * o), turned.reshape(k * k * o, c), out=dx)
+        # dy's columns a block of images at a time, each multiplied while in
+        # cache (measured: 12.0 ms whole, 7.3 in blocks of one image, for
+        # 16x16, 64 -> 32 channels, batch 32); no batch-sized column buffer.
+        per = self._per_block(n, h * w * k * k * o)
+        cols = self.buffer("dcols", (per, h, w, k, k, o), dy.dtype)
+        windows = _window(xp, dy, h, w, k, 1)
+        for lo in range(0, n, per):
+            hi = min(lo + per, n)
+            block = cols[:hi - lo]
+            xp.copyto(block, windows[lo:hi])
+            xp.matmul(block.reshape((hi - lo) * h * w, k * k * o), turned, out=dx[lo * h * w:hi * h * w])
         return dx.reshape(n, h, w, c)
 
     def _col2im(self, dcols):
