@@ -18,7 +18,7 @@ parameters, gradient, moments and one scratch block stay in cache across the
 ~13 passes an Adam step makes. Measured here (648k parameters, one core):
 numba's pass 0.4-0.7 ms an Adam step against 2.3-2.8 ms for the NumPy
 blocks; numexpr (three expressions) took 8.4 ms. Below FUSE_FROM elements
-the NumPy blocks run (numba's start-up would not pay for itself).
+the NumPy blocks run on NumPy (numba's start-up would not pay for itself).
 Adam's moments of weights that never see a gradient (MNIST's border pixels)
 decay towards subnormal floats, which are ~100x slower to compute with; every
 FLUSH_EVERY steps such values are flushed to zero.
@@ -26,7 +26,8 @@ FLUSH_EVERY steps such values are flushed to zero.
 Weight decay is decoupled (AdamW, Loshchilov & Hutter): p *= 1 - lr * wd
 before the gradient step, in the same block pass, for every optimizer (for
 SGD and momentum it is plain L2 decay with the lr folded in). At wd = 0 the
-multiply is skipped, so results stay bit for bit what they were without it.
+NumPy blocks skip the multiply and the single pass multiplies by 1.0, which
+changes no bit: results stay what they were without decay.
 
     python -m hpctrain.optim       # times one Adam step over 650k parameters, both paths
 """
