@@ -165,7 +165,9 @@ def direct_conv_grads(x, W, dy, s, p):
 
 
 @pytest.mark.parametrize("k, s, p, shape", [(3, 1, 0, (6, 5, 2)), (3, 2, 1, (7, 8, 3)), (5, 2, 2, (9, 9, 1)),
-                                            (2, 3, 1, (8, 7, 2)), (1, 2, 0, (5, 5, 4))])
+                                            (2, 3, 1, (8, 7, 2)), (1, 2, 0, (5, 5, 4)),
+                                            # k*k*in >= conv.AGAIN_FROM: columns written again for dW
+                                            (3, 1, 1, (5, 6, 8)), (3, 2, 1, (7, 7, 8))])
 @pytest.mark.parametrize("blocks", ["one", "of 1 image", "of 2 images, the last 1"])
 def test_conv2d_forward_and_gradients_equal_a_direct_loop(k, s, p, shape, blocks, monkeypatch):
     from hpctrain.nn import conv as conv_module

@@ -46,7 +46,7 @@ def sgemm_gflops(seconds, n=1024):
 def _gemms(layer, need_dx):
     """The layer's own GEMMs on its own buffers, as a callable (None if it has none)."""
     if isinstance(layer, Conv2d):
-        cols, w = layer.cols, layer.W2
+        cols, w = layer.columns(), layer.W2
     elif isinstance(layer, Dense):
         cols, w = layer.x, layer.params["W"]
     else:

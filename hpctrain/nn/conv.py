@@ -34,6 +34,11 @@ from .layers import Layer, LayerError, he_normal
 # 2**18 was the best or near it from 1 to 16 images for 32x32x3 -> 32 and
 # 16x16x32 -> 64 (bench layers).
 BLOCK_FLOATS = 1 << 18
+# From this many columns per output pixel (k*k*in) the forward pass keeps no
+# batch of columns: the weight gradient writes them again, a block at a time
+# (measured, 16x16x32 -> 64, batch 32: 8.2 ms against 10.4 for one GEMM over
+# the kept columns; for 32x32x3 -> 32, K = 27, the kept columns were faster).
+AGAIN_FROM = 64
 
 
 def _shape(shape):
@@ -148,26 +153,56 @@ class Conv2d(Layer):
             padded = self.zeroed("padded", (n, h + 2 * p, w + 2 * p, c), x.dtype)
             padded[:, p:p + h, p:p + w, :] = x
             x = padded
-        # The columns, one row per output pixel, kept whole for the weight
-        # gradient; written and multiplied a block of images at a time.
-        cols = self.buffer("cols", (n, self.oh, self.ow, self.k, self.k, c), x.dtype)
+        # The columns, one row per output pixel, written and multiplied a
+        # block of images at a time; kept whole for the weight gradient, or
+        # (wide layers, more than one block) written again there block by
+        # block: no batch-sized column buffer.
         windows = _window(xp, x, self.oh, self.ow, self.k, self.stride)
         rows, per = self.oh * self.ow, self._per_block(n, self.oh * self.ow * self.fan_in)
+        again = per < n and self.fan_in >= AGAIN_FROM
+        cols = self.buffer("cols", (per if again else n, self.oh, self.ow, self.k, self.k, c), x.dtype)
         for lo in range(0, n, per):
             hi = min(lo + per, n)
-            xp.copyto(cols[lo:hi], windows[lo:hi])
+            block = cols[:hi - lo] if again else cols[lo:hi]
+            xp.copyto(block, windows[lo:hi])
             out = y[lo * rows:hi * rows]
-            xp.matmul(cols[lo:hi].reshape((hi - lo) * rows, self.fan_in), self.W2, out=out)
+            xp.matmul(block.reshape((hi - lo) * rows, self.fan_in), self.W2, out=out)
             if self.bias:
                 out += self.params["b"]
-        self.cols = cols.reshape(n * rows, self.fan_in)
+        self.cols = None if again else cols.reshape(n * rows, self.fan_in)
+        self._windows, self._per = windows, per
         return y.reshape(n, *self.out_shape)
+
+    def columns(self):
+        """The last forward's whole im2col matrix (n*oh*ow, k*k*c), built
+        anew where the forward did not keep it (bench layers times its GEMMs)."""
+        if self.cols is not None:
+            return self.cols
+        cols = self.xp.empty(self._windows.shape, self._windows.dtype)
+        self.xp.copyto(cols, self._windows)
+        return cols.reshape(-1, self.fan_in)
+
+    def _weight_gradient(self, dy2):
+        if self.cols is not None:
+            self.xp.matmul(self.cols.T, dy2, out=self.dW2)
+            return
+        xp, n, per, rows = self.xp, self._windows.shape[0], self._per, self.oh * self.ow
+        cols = self._buffers["cols"]
+        part = self.buffer("dW_part", self.dW2.shape, dy2.dtype)
+        for lo in range(0, n, per):
+            hi = min(lo + per, n)
+            block = cols[:hi - lo]
+            xp.copyto(block, self._windows[lo:hi])
+            xp.matmul(block.reshape((hi - lo) * rows, self.fan_in).T, dy2[lo * rows:hi * rows],
+                      out=self.dW2 if lo == 0 else part)
+            if lo:
+                self.dW2 += part
 
     def backward(self, dy, need_dx):
         xp = self.xp
         n = dy.shape[0]
         dy2 = dy.reshape(n * self.oh * self.ow, self.out_channels)
-        xp.matmul(self.cols.T, dy2, out=self.dW2)
+        self._weight_gradient(dy2)
         if self.bias:   # a GEMV: several times faster than dy2.sum(axis=0) here
             xp.matmul(self._ones(dy2.shape[0], dy.dtype), dy2, out=self.grads["b"])
         if not need_dx:
@@ -244,7 +279,13 @@ class Conv2d(Layer):
 
     def train_floats(self):
         h, w, c = self.in_shape
-        cols = 0 if (self.k == 1 and self.stride == 1 and self.pad == 0) else 2 * self.oh * self.ow * self.fan_in
+        # Batch-sized columns: the forward's where kept, col2im's dcols where the
+        # layer takes that path (a block's buffers are per step, not per sample).
+        one_by_one = self.k == 1 and self.stride == 1 and self.pad == 0
+        transposed = self.stride == 1 and self.pad < self.k and self.out_channels <= 2 * c
+        per_col = self.oh * self.ow * self.fan_in
+        cols = (per_col if not one_by_one and self.fan_in < AGAIN_FROM else 0) + \
+            (per_col if not (one_by_one or transposed) else 0)
         padded = (h + 2 * self.pad) * (w + 2 * self.pad) * c if self.pad else 0
         return 2 * math.prod(self.out_shape) + h * w * c + cols + padded
 
