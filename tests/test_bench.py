@@ -252,7 +252,7 @@ def test_a_rank_count_this_machine_cannot_run_is_one_line(args, capsys, monkeypa
     ["train", "--mode", "ps", "--ranks", "3", "--versus-ring", "--compare", "ps-exchange=mpi,frob", "--",
      "--num-ps", "1"],
     ["pipeline", "--stages", "1"], ["pipeline", "--schedules", "gpipe,frob"], ["pipeline", "--micro-batches", "4,0"],
-    ["pipeline", "--", "--hidden", "x"],
+    ["pipeline", "--", "--hidden", "x"], ["compare", "--model", "frob", "--ranks", "1"],
 ])
 def test_a_bad_bench_argument_is_one_line_before_anything_runs(args, capsys, monkeypatch):
     from hpctrain.bench.__main__ import main
@@ -338,3 +338,15 @@ def test_bench_pipeline_quick_prints_each_stage_against_its_bounds():
         assert 0 <= float(r["bubble"]) < 1
     # each stage holds its slice of the parameters and the optimizer state: together the whole model's
     assert abs(float(rows[0]["x unpipelined"]) + float(rows[1]["x unpipelined"]) - 1) < 0.02
+
+
+@pytest.mark.parametrize("name", ["lenet", "cnn", "resnet", "small_cnn"])
+def test_the_torch_twin_of_a_zoo_model_is_the_same_network(name):
+    """bench compare --model's yardstick (torch, a benchmark-only dependency:
+    skipped without it): the same parameter count and, on the same weights,
+    the same logits."""
+    pytest.importorskip("torch")
+    from hpctrain.bench.torch_models import same_model
+    r = same_model(name)
+    assert r["hpctrain_params"] == r["torch_params"]
+    assert r["max_logit_diff"] < 1e-4 * max(1.0, r["max_logit"]), r

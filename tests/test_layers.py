@@ -165,12 +165,18 @@ def direct_conv_grads(x, W, dy, s, p):
 
 
 @pytest.mark.parametrize("k, s, p, shape", [(3, 1, 0, (6, 5, 2)), (3, 2, 1, (7, 8, 3)), (5, 2, 2, (9, 9, 1)),
-                                            (2, 3, 1, (8, 7, 2)), (1, 2, 0, (5, 5, 4))])
-def test_conv2d_forward_and_gradients_equal_a_direct_loop(k, s, p, shape):
+                                            (2, 3, 1, (8, 7, 2)), (1, 2, 0, (5, 5, 4)),
+                                            # k*k*in >= conv.AGAIN_FROM: columns written again for dW
+                                            (3, 1, 1, (5, 6, 8)), (3, 2, 1, (7, 7, 8))])
+@pytest.mark.parametrize("blocks", ["one", "of 1 image", "of 2 images, the last 1"])
+def test_conv2d_forward_and_gradients_equal_a_direct_loop(k, s, p, shape, blocks, monkeypatch):
+    from hpctrain.nn import conv as conv_module
     conv, params, grads = bound(Conv2d(3, k, stride=s, padding=p), shape)
+    per_image = max(conv.oh * conv.ow * conv.fan_in, shape[0] * shape[1] * k * k * 3)   # forward's, dx's columns
+    monkeypatch.setattr(conv_module, "BLOCK_FLOATS", {"one": 1 << 62, "of 1 image": 1}.get(blocks, 2 * per_image))
     conv.params["b"][...] = np.arange(3) * 0.5
     rng = np.random.default_rng(4)
-    x = rng.standard_normal((2, *shape))
+    x = rng.standard_normal((5, *shape))
     y = conv.forward(x, True)
     W, b = conv.params["W"], conv.params["b"]
     assert np.allclose(y, direct_conv(x, W, b, s, p), rtol=1e-12, atol=1e-12)
@@ -207,6 +213,24 @@ def test_pooling_equals_a_direct_loop(kind, k, s, shape):
                     a, bb = np.unravel_index(np.argmax(win[n, :, :, c]), (k, k))
                     want_dx[n, i * s + a, j * s + bb, c] += dy[n, i, j, c]
     assert np.allclose(y, want, atol=1e-12) and np.allclose(dx, want_dx, atol=1e-12)
+
+
+def test_a_warm_relu_backward_allocates_nothing():
+    import tracemalloc
+    relu, _, _ = bound(ReLU(), (50, 40), dtype=np.float32)
+    x = np.random.default_rng(2).standard_normal((64, 50, 40)).astype(np.float32)
+    dy = np.ones_like(x)
+    relu.backward(relu.forward(x.copy(), True), True)   # warm
+    y = relu.forward(x.copy(), True)
+    tracemalloc.start()
+    try:
+        relu.backward(dy, True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # the mask alone would be 128 kB; NumPy's cast buffer for bool * float32 is 32 kB whatever the size
+    assert peak < 64 * 1024, peak
+    assert np.array_equal(dy, (y > 0).astype(np.float32))
 
 
 # --- dropout ------------------------------------------------------------------------
@@ -389,7 +413,12 @@ def _all_kinds(shape, classes):
 @pytest.mark.parametrize("make, shape", [(_all_kinds, (12, 12)), (MODELS["resnet"], (16, 16, 3)),
                                          (MODELS["cnn"], (20, 20, 3)), (MODELS["lenet"], (28, 28))],
                          ids=["every-kind", "resnet", "cnn", "lenet"])
-def test_cupy_path_on_a_stand_in_equals_numpy(make, shape):
+def test_cupy_path_on_a_stand_in_equals_numpy(make, shape, monkeypatch):
+    # NumPy multiplies im2col columns a block of images at a time, a GPU the
+    # whole batch at once; BLAS may round a block's rows differently, so here
+    # NumPy takes the whole batch too (the blocks: test_conv2d_..._direct_loop).
+    from hpctrain.nn import conv
+    monkeypatch.setattr(conv, "BLOCK_FLOATS", 1 << 62)
     spec = make(shape, 5)
     xp = StandInCupy()
     host, dev = spec.build(dtype=np.float64), spec.build(xp, dtype=np.float64)

@@ -121,3 +121,94 @@ def test_wrapped_optimizers_read_and_set_the_inner_step_count():
                     Sharded(lambda n: make_optimizer("adam", n), [(2, 6)], 8)):
         wrapped.t = 7
         assert wrapped.inner.t == 7 and wrapped.t == 7
+
+
+# --- the single pass (numba on NumPy, one CuPy kernel per range) against the NumPy blocks ---
+
+def _bits(a):
+    return a.view(np.uint32 if a.dtype == np.float32 else np.uint64)
+
+
+def _same_steps(fast, slow, n, dtype, rng, pieces):
+    """Step both optimizers alike, past Adam's flush, over ranges cut at
+    `pieces`, with a clip-style grad_scale change after begin(); the moments
+    get tiny values of both signs planted before the flushing step. The
+    parameters and state must have the same bits after every step (a
+    checkpoint may be written after any; a flushed -0.0 is +0.0 a step later)."""
+    p0 = rng.standard_normal(n).astype(dtype)
+    pf, ps = p0.copy(), p0.copy()
+    cuts = [0, *pieces, n]
+    for step in range(1, optim.FLUSH_EVERY + 3):
+        g = (rng.standard_normal(n) * (1e-3 if step % 7 else 1e-32)).astype(dtype)
+        g[: n // 10] = 0                      # parameters that never see a gradient
+        if step == optim.FLUSH_EVERY:
+            tiny = np.array([3e-31, -3e-31, 5e-40, -5e-40, 1e-29], dtype)[np.arange(n // 20) % 5]
+            for opt in (fast, slow):
+                for key, state in opt.state().items():
+                    state[: n // 20] = np.abs(tiny) if key == "v" else tiny   # v, a variance, is >= 0
+        for opt, p in ((fast, pf), (slow, ps)):
+            opt.begin(1e-2 / step, 0.5)
+            if step % 3 == 0:
+                opt.set_grad_scale(0.5 * 0.37)
+            for lo, hi in zip(cuts, cuts[1:]):
+                opt.update(p, g, lo, hi)
+        assert np.array_equal(_bits(pf), _bits(ps)), step
+        for k, v in slow.state().items():
+            assert np.array_equal(_bits(fast.state()[k]), _bits(v)), (step, k)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
+def test_single_pass_gives_the_numpy_blocks_bits(name, weight_decay, dtype):
+    pytest.importorskip("numba")
+    n = optim.BLOCK + 4_321
+    fast = make_optimizer(name, n, dtype=dtype, weight_decay=weight_decay, fused=True)
+    slow = make_optimizer(name, n, dtype=dtype, weight_decay=weight_decay, fused=False)
+    assert fast._kernel is not None and slow._kernel is None
+    _same_steps(fast, slow, n, dtype, np.random.default_rng(7), [1, 999, optim.BLOCK + 5])
+
+
+def test_the_single_pass_runs_from_fuse_from_elements_where_numba_is():
+    pytest.importorskip("numba")
+    assert Adam(optim.FUSE_FROM)._kernel is not None
+    assert Adam(optim.FUSE_FROM - 1)._kernel is None
+    sharded = make_optimizer("sgd", 2 * optim.FUSE_FROM, owned=[(0, optim.FUSE_FROM)])
+    assert sharded.inner._kernel is not None
+
+
+class _FakeElementwiseKernel:
+    """cupy.ElementwiseKernel on NumPy: the arguments bound to the declared
+    names, then the optimizer's Python loop (its parameters bear the same
+    names) runs on them: a wrong order of arguments shows as wrong bits."""
+    launches = []
+    options = []
+
+    def __init__(self, in_params, out_params, operation, name, options=()):
+        self.names = [p.split()[-1] for p in f"{in_params}, {out_params}".split(",")]
+        self.name = name
+        _FakeElementwiseKernel.options.append(options)
+
+    def __call__(self, *args):
+        assert len(args) == len(self.names)
+        _FakeElementwiseKernel.launches.append((self.name, args[self.names.index("p")].size))
+        bound = dict(zip(self.names, args))
+        assert all(np.ndim(v) == 0 or v.shape == bound["p"].shape for v in args)
+        optim._LOOPS[self.name[len("hpctrain_"):]](**bound)
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
+def test_gpu_kernel_is_one_launch_per_range_with_the_numpy_blocks_bits(name, monkeypatch):
+    import types
+    fake = types.SimpleNamespace(__name__="cupy", ElementwiseKernel=_FakeElementwiseKernel,
+                                 zeros=np.zeros, empty=np.empty)
+    monkeypatch.setattr(optim, "_compiled", {})
+    monkeypatch.setattr(_FakeElementwiseKernel, "launches", [])
+    monkeypatch.setattr(_FakeElementwiseKernel, "options", [])
+    n = 2_000   # the loops run in Python here
+    fast = make_optimizer(name, n, xp=fake, weight_decay=0.01)
+    slow = make_optimizer(name, n, weight_decay=0.01, fused=False)
+    assert _FakeElementwiseKernel.options == [("--fmad=false",)]   # no a * b + c in one rounding
+    _same_steps(fast, slow, n, np.float32, np.random.default_rng(8), [700, 701])
+    assert _FakeElementwiseKernel.launches == [(f"hpctrain_{name}", size) for _ in range(optim.FLUSH_EVERY + 2)
+                                               for size in (700, 1, n - 701)]

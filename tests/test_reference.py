@@ -40,6 +40,10 @@ RUNS = {
     "ring adam 2": (2, []),
     "ring adam 3": (3, []),
     "ring adam 4": (4, []),
+    # wide enough for the optimizer's single pass (optim.FUSE_FROM): unsharded, then sharded
+    "ring adam 1 wide": (1, ["--hidden", "512,256"]),
+    "ring adam 2 wide": (2, ["--hidden", "512,256"]),
+    "ring momentum 2 wide": (2, ["--optimizer", "momentum", "--lr", "0.01", "--hidden", "512,256"]),
     "ring sgd 2": (2, ["--optimizer", "sgd", "--lr", "0.05"]),
     "ring sgd 4 fused": (4, ["--optimizer", "sgd", "--lr", "0.05", "--fusion-mb", "0.004"]),
     "ring momentum 3": (3, ["--optimizer", "momentum", "--lr", "0.01", "--scale-lr", "--warmup-steps", "5"]),

@@ -120,7 +120,10 @@ def _subcommands(sub):
                    help="also draw samples/s against ranks and the step split "
                         "(needs matplotlib: pip install 'hpctrain[plot]')")
 
-    c = sub.add_parser("compare", help="hpctrain ring vs a plain NumPy loop and PyTorch DDP, in one run")
+    c = sub.add_parser("compare", help="hpctrain ring vs a plain NumPy loop and PyTorch DDP, in one run "
+                                       "(--model NAME: a zoo model against its PyTorch twin)")
+    c.add_argument("--model", default="mlp", help="mlp (the 784-500-500-10 MLP, default) or a zoo model: "
+                                                  "lenet, cnn, resnet, small_cnn (needs torch)")
     c.add_argument("--ranks", type=_counts, default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
     c.add_argument("--steps", type=_POSITIVE, default=1000, help="steps per run (default: %(default)s)")
     c.add_argument("--repeats", type=_POSITIVE, default=3, help="hpctrain runs per configuration (median)")
@@ -200,6 +203,9 @@ def _run(args, extra):
         from .train import main as run
         return run(args, extra)
     if args.what == "compare":
+        from ..nn import MODELS
+        if args.model not in MODELS:
+            raise HpctrainError(f"--model {args.model}: not one of {', '.join(MODELS)}")
         from .train import compare
         return compare(args)
     from .model import main as run

@@ -5,7 +5,9 @@ how much of it is the GEMMs themselves (the rest: im2col, col2im, bias,
 copies), beside this machine's single-thread SGEMM GFLOP/s measured in the
 same run (the ceiling of an im2col design), and images/s for the whole
 forward_backward. One process, --threads BLAS threads (default 1: one rank's
-share); the load average is printed since the machine may be shared.
+share); the load average is printed since the machine may be shared. With
+torch installed, beside each layer the same layer in torch (its twin from
+bench/torch_models.py, the same threads): which layers are behind, by how much.
 
     python -m hpctrain.bench layers --model small_cnn --shape 32,32,3 --batch 32
 """
@@ -44,7 +46,7 @@ def sgemm_gflops(seconds, n=1024):
 def _gemms(layer, need_dx):
     """The layer's own GEMMs on its own buffers, as a callable (None if it has none)."""
     if isinstance(layer, Conv2d):
-        cols, w = layer.cols, layer.W2
+        cols, w = layer.columns(), layer.W2
     elif isinstance(layer, Dense):
         cols, w = layer.x, layer.params["W"]
     else:
@@ -94,6 +96,56 @@ def profile(model, batch, seconds, seed=0):
     return rows, step
 
 
+def torch_profile(model, batch, seconds, threads, seed=0):
+    """The same per layer for the torch twin (bench/torch_models.py) at
+    `threads` threads: ([ms forward+backward of each layer, None for a
+    view], whole forward+backward ms), CPU time; None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    from ..nn.layers import ReLU
+    from . import torch_models
+    torch.set_num_threads(threads)
+    spec = model.spec
+    twin, copies = torch_models.build(spec, model.layers)
+    torch_models.copy_parameters(copies)
+    twin.train()
+    rng = np.random.default_rng(seed)
+    x = rng.random((batch, *spec.input_shape)).astype(np.float32)
+    a = torch.from_numpy(np.ascontiguousarray(torch_models.to_torch_batch(spec, x)))
+    out = []
+    for i, (layer, mod) in enumerate(zip(model.layers, twin.per_layer)):
+        if isinstance(layer, ReLU):
+            mod = torch.nn.ReLU()   # not in place: its input is a leaf that needs a gradient here
+        with torch.no_grad():
+            y = mod(a)
+        if layer.view:
+            out.append(None)
+        else:
+            leaf = a.detach().requires_grad_(i > model._first)
+            dy = torch.ones_like(y)
+            if i < model._first:
+                def run():
+                    with torch.no_grad():
+                        mod(leaf)
+            else:
+                def run():
+                    mod.zero_grad(set_to_none=True)
+                    leaf.grad = None
+                    mod(leaf).backward(dy)
+            out.append(_best_ms(run, seconds / len(model.layers))[0])
+        a = y.detach()
+    target = torch.from_numpy(rng.integers(0, spec.classes, batch))
+    xs = torch.from_numpy(np.ascontiguousarray(torch_models.to_torch_batch(spec, x)))
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        twin.zero_grad(set_to_none=True)
+        loss_fn(twin(xs), target).backward()
+    return out, _best_ms(step, seconds)[0]
+
+
 def main(args):
     load = os.getloadavg()
     spec = MODELS[args.model](args.shape, args.classes)
@@ -101,6 +153,11 @@ def main(args):
     model.init(0)
     peak = sgemm_gflops(min(1.0, args.seconds))
     rows, (step_cpu, step_wall) = profile(model, args.batch, args.seconds)
+    theirs = torch_profile(model, args.batch, args.seconds, args.threads)
+    if theirs is not None:
+        for r, ms in zip(rows, theirs[0]):
+            r["torch_ms"] = ms
+            r["x_torch"] = ms / r["ms"] if ms and r["ms"] > 0.01 else None
     peak = max(peak, sgemm_gflops(min(1.0, args.seconds)))   # before and after: the less disturbed
     total = sum(r["ms"] for r in rows)
     for r in rows:
@@ -114,6 +171,7 @@ def main(args):
     out = dict(bench="layers", model=args.model, shape=list(args.shape), batch=args.batch,
                threads=os.environ.get("OPENBLAS_NUM_THREADS"), load_before=load, load_after=os.getloadavg(),
                sgemm_gflops=peak, layers=rows, step_cpu_ms=step_cpu, step_wall_ms=step_wall,
+               torch_step_cpu_ms=theirs[1] if theirs else None,
                images_per_s=args.batch / step_cpu * 1e3, images_per_s_wall=args.batch / step_wall * 1e3,
                step_gflops=flop / step_cpu / 1e6, step_of_sgemm=100 * flop / step_cpu / 1e6 / peak)
     if args.json:
@@ -124,9 +182,15 @@ def main(args):
     print(f"single-thread SGEMM (1024^3, float32): {peak:.1f} GFLOP/s")
     print(table(rows, [("layer", "layer", "{}"), ("output", "out", "{}"), ("fwd+bwd ms", "ms", "{:.3f}"),
                        ("share %", "share", "{:.1f}"), ("GFLOP/s", "gflops", "{:.1f}"),
-                       ("% SGEMM", "of_sgemm", "{:.0f}"), ("GEMM % of layer", "gemm_share", "{:.0f}")]))
+                       ("% SGEMM", "of_sgemm", "{:.0f}"), ("GEMM % of layer", "gemm_share", "{:.0f}"),
+                       ("torch ms", "torch_ms", "{:.3f}"), ("torch ms / ours", "x_torch", "{:.2f}")]))
     print(f"whole forward_backward: {step_cpu:.2f} ms CPU = {out['images_per_s']:.0f} images/s "
           f"({step_wall:.2f} ms wall = {out['images_per_s_wall']:.0f} images/s); layers' sum {total:.2f} ms CPU")
+    if theirs is not None:
+        print(f"torch (the same layers, {args.threads} thread(s)): {theirs[1]:.2f} ms CPU = "
+              f"{args.batch / theirs[1] * 1e3:.0f} images/s; torch ms / ours {theirs[1] / step_cpu:.2f}")
+    else:
+        print("(torch is not installed: pip install torch for its column)")
     print(f"the step's matrix products: {flop / args.batch / 1e6:.1f} MFLOP per image, "
           f"{out['step_gflops']:.1f} GFLOP/s = {out['step_of_sgemm']:.0f}% of SGEMM")
     print("(fastest call of each, CPU time of this process: other processes' load on a shared machine left out)")

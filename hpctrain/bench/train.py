@@ -113,7 +113,10 @@ def summarise(mode, ranks, runs, flags):
 
 
 def compare(args):
-    """hpctrain ring mode vs the NumPy loop (1 rank) and DDP (each rank count)."""
+    """hpctrain ring mode vs the NumPy loop (1 rank) and DDP (each rank count);
+    --model NAME (not the MLP): compare_model."""
+    if args.model != "mlp":
+        return compare_model(args)
     from . import reference
     args.mode = "ring"
     rows, _ = measure(args, [])
@@ -139,6 +142,68 @@ def compare(args):
                       ("comm not hidden %", "comm_pct", "{:.1f}"),
                       ("mem above base MB", "above_base_mb", "{:.1f}"), ("2x state MB", "mem_target_mb", "{:.1f}")]))
     return 0
+
+
+def compare_model(args):
+    """A zoo model (--model NAME) in hpctrain's ring against its torch twin
+    (bench/torch_models.py: checked to be the same network first, parameter
+    counts and one forward on the same weights), both Adam 1e-4, batch 32 per
+    rank, on MNIST's shape; per rank count the repeats interleaved (hpctrain,
+    torch, hpctrain, torch, ...), medians and ranges. Both get the same BLAS
+    or torch threads per rank: the cores shared out (configure_process)."""
+    from . import torch_models
+    try:
+        check = torch_models.same_model(args.model)
+    except ImportError:
+        raise HpctrainError("compare --model needs torch (a benchmark-only dependency): pip install torch") from None
+    if check["hpctrain_params"] != check["torch_params"] or check["max_logit_diff"] > 1e-3 * max(1.0, check["max_logit"]):
+        raise HpctrainError(f"the torch twin of {args.model} is not the same network: {check}")
+    from ..cluster import cores_available
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            threads = max(1, cores_available() // ranks)
+            ours, theirs = [], []
+            for _ in range(args.repeats):
+                ours.append(one_run(ranks, "ring", args.steps, ["--model", args.model], tmp))
+                theirs.append(torch_models.rate(args.model, ranks, args.steps, threads=threads))
+            from ..cli import parse
+            row = summarise("ring", ranks, ours, parse(["--model", args.model]))
+            rates = [row_rate(r) for r in ours]
+            rows.append({"ranks": ranks, "threads": threads, "hpctrain": float(np.median(rates)),
+                         "hpctrain_min": min(rates), "hpctrain_max": max(rates),
+                         "torch": float(np.median(theirs)), "torch_min": min(theirs), "torch_max": max(theirs),
+                         "ratio": float(np.median(rates)) / float(np.median(theirs)),
+                         "ratios": [a / b for a, b in zip(rates, theirs)],
+                         "step_ms": row["step_ms"], "compute_ms": row["compute_ms"], "comm_ms": row["comm_ms"],
+                         "optimizer_ms": row["optimizer_total_ms"]})
+    load = os.getloadavg()
+    if args.json:
+        print(json.dumps({"bench": "compare", "model": args.model, "steps": args.steps, "repeats": args.repeats,
+                          "check": check, "load_after": load, "rows": rows}))
+        return 0
+    print(f"samples/s, {args.model} on {'x'.join(map(str, MNIST_SHAPE))}, Adam 1e-4, batch 32 per rank, "
+          f"{args.steps} steps, {args.repeats} interleaved repeats (medians; hpctrain ring against torch "
+          f"{'DDP over gloo' if max(args.ranks) > 1 else ''}, the same threads per rank); load average "
+          f"{load[0]:.2f} after")
+    print(f"same network: parameters {check['hpctrain_params']:,} = {check['torch_params']:,}; one forward on the "
+          f"same weights, max |logit diff| {check['max_logit_diff']:.1e}")
+    for r in rows:
+        r["h_range"] = f"{r['hpctrain_min']:,.0f}-{r['hpctrain_max']:,.0f}"
+        r["t_range"] = f"{r['torch_min']:,.0f}-{r['torch_max']:,.0f}"
+    print(table(rows, [("ranks", "ranks", "{}"), ("threads/rank", "threads", "{}"),
+                       ("hpctrain", "hpctrain", "{:,.0f}"), ("range", "h_range", "{}"),
+                       ("PyTorch", "torch", "{:,.0f}"), ("range", "t_range", "{}"),
+                       ("hpctrain/PyTorch", "ratio", "{:.2f}"), ("step ms", "step_ms", "{:.2f}"),
+                       ("compute ms", "compute_ms", "{:.2f}"), ("comm not hidden ms", "comm_ms", "{:.2f}"),
+                       ("optimizer ms", "optimizer_ms", "{:.2f}")]))
+    return 0
+
+
+def row_rate(run):
+    """samples/s of one run's final record: global batch over its median step."""
+    step = run.get("step_median_s")
+    return run["global_batch"] / step if step else run["samples_per_s"]
 
 
 def compare_settings(args, extra):

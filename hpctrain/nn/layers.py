@@ -194,8 +194,11 @@ class ReLU(Layer):
         return x
 
     def backward(self, dy, need_dx):
-        # pass the gradient where the unit was active
-        self.xp.multiply(dy, self.y > 0, out=dy)
+        # pass the gradient where the unit was active (the mask's buffer kept:
+        # a warm step allocates nothing)
+        active = self.buffer("active", dy.shape, bool)
+        self.xp.greater(self.y, 0, out=active)
+        self.xp.multiply(dy, active, out=dy)
         return dy
 
 

@@ -17,7 +17,8 @@
 #      (GPU workers against CPU workers, and the path they took), the sharded
 #      optimizer update against the replicated one and per-thread default
 #      streams against the legacy one (bit for bit, 2 ranks)
-#      and a CNN (--model cnn) GPU vs CPU after 20 SGD steps, with its images/s
+#      and a CNN (--model cnn) GPU vs CPU after 20 SGD steps, with its images/s on each
+#      (the optimizers' one CuPy kernel per range is held to NumPy's bits in step 2)
 #   4. benchmarks: allreduce with CuPy buffers, training GPU vs CPU, default
 #      and wide (--hidden 4096,4096) model
 # and prints one table. Logs go to $OUT (if set) or /tmp/hpctrain-device-check.
@@ -143,7 +144,9 @@ if time_left "CNN GPU vs CPU params, 2 ranks, 20 SGD"; then
         d=$(maxdiff "$WORK/cnn_gpu.h5" "$WORK/cnn_cpu.h5")
         ok=$("$PY" -c "print('pass' if float('$d') < 1e-4 else 'FAIL')" 2>/dev/null || echo FAIL)
         row "CNN GPU vs CPU params, 2 ranks, 20 SGD" "$ok" "max |diff| = $d (pass < 1e-4)"
-        row "  CNN images/s, 2 ranks on the GPU" info "$(final cnn_gpu samples_per_s)"
+        g_rate=$(final cnn_gpu samples_per_s); c_rate=$(final cnn_cpu samples_per_s)
+        row "  CNN images/s, 2 ranks: GPU vs CPU" info "GPU $g_rate | CPU $c_rate | $("$PY" -c \
+            "print(f'GPU/CPU {float(\"$g_rate\") / float(\"$c_rate\"):.1f}x')" 2>/dev/null || echo '?')"
     else
         row "CNN GPU vs CPU params, 2 ranks, 20 SGD" FAIL "rc gpu=$g cpu=$c (logs cnn_*.txt)"
     fi
