@@ -123,9 +123,9 @@ def torch_profile(model, batch, seconds, threads, seed=0):
         if layer.view:
             out.append(None)
         else:
-            leaf = a.detach().requires_grad_(i > model._first)
+            leaf = a.detach().requires_grad_(i > model.run.first)
             dy = torch.ones_like(y)
-            if i < model._first:
+            if i < model.run.first:
                 def run():
                     with torch.no_grad():
                         mod(leaf)

@@ -29,7 +29,7 @@ SGD and momentum it is plain L2 decay with the lr folded in). At wd = 0 the
 NumPy blocks skip the multiply and the single pass multiplies by 1.0, which
 changes no bit: results stay what they were without decay.
 
-    python -m hpctrain.optim       # times one Adam step over 650k parameters, both paths
+    python -m hpctrain.optim       # times one Adam step over 650k parameters, both paths (__main__.py)
 """
 import math
 
@@ -103,6 +103,14 @@ def fused_kernel(xp, name, dtype):
     if key not in _compiled:
         _compiled[key] = _compile(xp, name, np.dtype(dtype))
     return _compiled[key]
+
+
+def prepare(name, size, xp=np, dtype=np.float32):
+    """Load now what an optimizer `name` over `size` elements will use (numba
+    and its compiled pass, from FUSE_FROM elements on NumPy): the start-up
+    memory check then counts it (about 110 MB) in what the process holds."""
+    if xp is np and size >= FUSE_FROM and name in OPTIMIZERS:
+        fused_kernel(np, OPTIMIZERS[name].kernel, dtype)
 
 
 def _compile(xp, name, dtype):
@@ -471,21 +479,3 @@ def schedule_line(base_lr, workers=1, scale_lr=False, warmup_steps=0, schedule="
     if schedule == "cosine":
         return f"lr: cosine from {lr:g}{warm} to {lr_min:g} at step {total_steps}"
     return f"lr: constant {lr:g}{warm}"
-
-
-if __name__ == "__main__":
-    import time
-    n = 784 * 500 + 500 + 500 * 500 + 500 + 500 * 10 + 10   # MNIST's default model
-    p = np.zeros(n, np.float32)
-    g = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    for fused, what in ((False, "NumPy blocks"), (True, "single pass")):
-        opt = Adam(n, fused=fused)
-        if fused and opt._kernel is None:
-            print("single pass: numba is not installed (pip install 'hpctrain[fast]')")
-            continue
-        for _ in range(10):
-            opt.step(p, g, 1e-4)
-        t0 = time.perf_counter()
-        for _ in range(200):
-            opt.step(p, g, 1e-4)
-        print(f"Adam step over {n} parameters, {what}: {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms")

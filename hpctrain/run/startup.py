@@ -232,14 +232,19 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded):
     model, or its pipeline stage's part: the heaviest) against its budget,
     --memory-budget or this node's available memory shared among its ranks.
     A refusal names the pipeline that would fit."""
+    from ..optim.optimizers import prepare
+    from ..pipeline.stages import ranges
     from ..report.step_stats import rss_bytes
-    base = rss_bytes()
     if cuts:
         needs = stage_needs(args, spec, cuts, replicas, sharded)
         heaviest = max(range(len(needs)), key=needs.__getitem__)
         model = needs[heaviest]
+        lo, hi = ranges(spec, cuts[heaviest], cuts[heaviest + 1])
+        prepare(args.optimizer, hi - lo)
     else:
         model = spec.memory_bytes(args.batch_size, STATES[args.optimizer])
+        prepare(args.optimizer, spec.num_params)
+    base = rss_bytes()   # the interpreter, its imports, and what the optimizer will load (prepare)
     need = base + model
     if args.memory_budget is not None:
         budget = args.memory_budget * 2**30
