@@ -164,6 +164,11 @@ def _training_flags(p):
                         "(Horovod's backward_passes_per_step, DDP's no_sync): a global batch of workers x K x "
                         "batch size in the memory of one batch (default: %(default)s)")
     g.add_argument("--optimizer", choices=["adam", "sgd", "momentum"], default="adam", help="(default: %(default)s)")
+    g.add_argument("--single-pass", choices=["auto", "on", "off"], default="auto",
+                   help="the optimizer's update as one compiled pass over each range (numba on NumPy, one kernel "
+                        "on CuPy) or NumPy's blocks: the same bits; auto: on a GPU, and on NumPy where numba "
+                        "(pip install 'hpctrain[fast]') pays back its ~1 s and ~110 MB start-up within the run: "
+                        "from 131,072 parameters and 3.6e8 parameter-steps (default: %(default)s)")
     g.add_argument("--momentum", type=_nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
     g.add_argument("--model", type=_model, default="mlp", metavar="NAME|FILE.py:FUNCTION",
                    help=f"the network: {', '.join(MODELS)} (docs/models.md), or FUNCTION(input_shape, classes) "

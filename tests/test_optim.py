@@ -177,6 +177,19 @@ def test_the_single_pass_runs_from_fuse_from_elements_where_numba_is():
     assert sharded.inner._kernel is not None
 
 
+def test_the_single_pass_runs_where_it_pays_back_numbas_start_up_within_the_run():
+    pytest.importorskip("numba")
+    size = 2 * optim.FUSE_FROM
+    pays = -(-optim.FUSE_WORK // size)   # the fewest steps over which it does
+    assert make_optimizer("adam", size, steps=pays)._kernel is not None
+    assert make_optimizer("adam", size, steps=pays - 1)._kernel is None
+    assert make_optimizer("adam", size, steps=pays - 1, fused=True)._kernel is not None   # --single-pass on
+    assert make_optimizer("adam", optim.FUSE_FROM - 1, steps=10**9)._kernel is None
+    assert make_optimizer("adam", size)._kernel is not None   # steps not known: size alone
+    sharded = make_optimizer("sgd", 2 * size, owned=[(0, size)], steps=pays)
+    assert sharded.inner._kernel is not None
+
+
 class _FakeElementwiseKernel:
     """cupy.ElementwiseKernel on NumPy: the arguments bound to the declared
     names, then the optimizer's Python loop (its parameters bear the same

@@ -38,9 +38,13 @@ import numpy as np
 BLOCK = 32768
 # numba costs a process about 1 s of CPU (its import and type registries, even
 # with the kernel cached on disk) and 110 MB; the pass saves ~2.8 ns per
-# element of an Adam step. From 2**17 elements (0.35 ms a step) it pays off
-# within a few thousand steps; below, the NumPy blocks run.
+# element of an Adam step. It runs where it pays back that second within the
+# run: from 2**17 elements (0.35 ms a step) and FUSE_WORK = 1 s / 2.8 ns
+# element-steps (the default MLP's 648K parameters: from 556 steps); short
+# runs (most of the test suite's jobs) keep the NumPy blocks and start 1 s
+# sooner. The same bits either way.
 FUSE_FROM = 1 << 17
+FUSE_WORK = 360_000_000
 FLUSH_EVERY = 50
 # float32 subnormals start below 1.2e-38; m decays by beta1=0.9 per step, so
 # from 1e-30 it needs ~170 steps to get there: flushing every 50 steps is enough.
@@ -105,11 +109,23 @@ def fused_kernel(xp, name, dtype):
     return _compiled[key]
 
 
-def prepare(name, size, xp=np, dtype=np.float32):
-    """Load now what an optimizer `name` over `size` elements will use (numba
-    and its compiled pass, from FUSE_FROM elements on NumPy): the start-up
-    memory check then counts it (about 110 MB) in what the process holds."""
-    if xp is np and size >= FUSE_FROM and name in OPTIMIZERS:
+def fuse_pays(xp, size, steps=None):
+    """Whether fused="auto" takes the single pass for `size` elements over a
+    run of `steps` (None: not known, size alone decides): CuPy always (one
+    kernel, no start-up to pay back); NumPy from FUSE_FROM elements and
+    FUSE_WORK element-steps (numba's start-up, above)."""
+    if xp is not np:
+        return True
+    return size >= FUSE_FROM and (steps is None or size * steps >= FUSE_WORK)
+
+
+def prepare(name, size, steps=None, single_pass="auto", xp=np, dtype=np.float32):
+    """Load now what an optimizer `name` over `size` elements for `steps`
+    steps will use (numba and its compiled pass with --single-pass on, or
+    auto where fuse_pays): the start-up memory check then counts it (about
+    110 MB) in what the process holds."""
+    wanted = single_pass == "on" or (single_pass == "auto" and fuse_pays(xp, size, steps))
+    if xp is np and wanted and name in OPTIMIZERS:
         fused_kernel(np, OPTIMIZERS[name].kernel, dtype)
 
 
@@ -158,11 +174,12 @@ class SGD:
         self.weight_decay = weight_decay
         self.keep = 1.0
         self.dtype = np.dtype(dtype)
-        # fused: True where a kernel exists, "auto" (the default) on NumPy
-        # only from FUSE_FROM elements (CuPy always), False: the NumPy blocks
-        # below on any array module (the tests hold the pass to their bits).
+        # fused: True where a kernel exists, "auto" (the default) where
+        # fuse_pays (make_optimizer decides it with the run's steps), False:
+        # the NumPy blocks below on any array module (the tests hold the
+        # pass to their bits).
         if fused == "auto":
-            fused = xp is not np or size >= FUSE_FROM
+            fused = fuse_pays(xp, size)
         self._kernel = fused_kernel(xp, self.kernel, self.dtype) if fused else None
         if self._kernel is None:
             self._tmp = xp.empty(min(BLOCK, max(size, 1)), dtype)
@@ -429,15 +446,19 @@ def state_bytes(optimizer):
 OPTIMIZERS = {"sgd": SGD, "momentum": Momentum, "adam": Adam}
 
 
-def make_optimizer(name, size, xp=np, dtype=np.float32, momentum=0.9, owned=None, weight_decay=0.0, fused="auto"):
+def make_optimizer(name, size, xp=np, dtype=np.float32, momentum=0.9, owned=None, weight_decay=0.0, fused="auto",
+                   steps=None):
     """The optimizer `name` for a flat buffer of `size` elements; with `owned`
     (a list of (lo, hi)), a Sharded one keeping state for those ranges only.
     weight_decay: decoupled (p *= 1 - lr * wd each step), per element, so a
     slice or a shard decays exactly as the whole buffer would. fused: see SGD
-    (the same bits either way)."""
+    (the same bits either way); "auto" decides by fuse_pays with `steps`, the
+    run's optimizer steps."""
     if owned is not None:
         return Sharded(lambda n: make_optimizer(name, n, xp, dtype, momentum, weight_decay=weight_decay,
-                                                fused=fused), owned, size)
+                                                fused=fused, steps=steps), owned, size)
+    if fused == "auto":
+        fused = fuse_pays(xp, size, steps)
     if name == "momentum":
         return Momentum(size, xp, dtype, momentum=momentum, weight_decay=weight_decay, fused=fused)
     return OPTIMIZERS[name](size, xp, dtype, weight_decay=weight_decay, fused=fused)

@@ -27,7 +27,7 @@ from .. import __version__
 from ..nn.sequential import INIT_VERSION
 
 # Flags whose value must be identical on every rank of a job.
-RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epochs", "lr", "optimizer", "seed", "scale_lr", "warmup_steps",
+RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epochs", "lr", "optimizer", "single_pass", "seed", "scale_lr", "warmup_steps",
               "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay", "clip_norm",
               "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "ps_exchange", "sync",
               "replicas_to_aggregate", "backup_workers", "max_staleness", "dc_lambda", "placement", "checkpoint_every",

@@ -114,11 +114,17 @@ class Optimizer:
     momentum: float
     weight_decay: float
     clip_norm: float     # None: no clipping
+    steps: int           # the run's optimizer steps (whether numba's pass pays: optimizers.fuse_pays)
+    single_pass: str     # --single-pass auto|on|off
+
+    @property
+    def fused(self):
+        return {"auto": "auto", "on": True, "off": False}[self.single_pass]
 
     @property
     def kwargs(self):
         """optimizers.make_optimizer's keyword arguments."""
-        return dict(momentum=self.momentum, weight_decay=self.weight_decay)
+        return dict(momentum=self.momentum, weight_decay=self.weight_decay, steps=self.steps, fused=self.fused)
 
 
 @dataclass(frozen=True)
@@ -266,7 +272,8 @@ def make_plan(args, world, spec, data, schedule, cuts):
     ring = args.mode == "ring"
     return Plan(
         mode=args.mode, model=args.model, hidden=tuple(args.hidden), spec=spec, data=data,
-        optimizer=Optimizer(args.optimizer, args.momentum, args.weight_decay, args.clip_norm),
+        optimizer=Optimizer(args.optimizer, args.momentum, args.weight_decay, args.clip_norm, schedule.total_steps,
+                            args.single_pass),
         schedule=schedule,
         ring=Ring(allreduce=args.allreduce, cuda_aware=args.cuda_aware, ring_order=args.ring_order,
                   fusion_elems=int(args.fusion_mb * (1 << 20)) // 4,

@@ -93,6 +93,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     agree(check_val, args, has_val, data_dir)
     agree(data_mod.check_augment, args.augment, data_dir)   # --augment flip on --no-flip data
     agree(tensorboard.check, args)   # tensorboardX installed, DIR writable
+    agree(check_single_pass, args, xp)   # --single-pass on: numba there (NumPy)
     data = data_plan(args, cluster, data_dir, digest, manifest, has_val)
     # --epochs count its training samples (the same on every rank: the
     # manifest's digest was compared above); the last step is decided with
@@ -117,7 +118,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     cuts = agree(cuts_for, args, cluster.size, spec)
     replicas = cluster.size // args.pipeline_stages
     agree(check_memory, args, cluster.local_size, spec, cuts, replicas,
-          shard_wanted(args.shard_optimizer, replicas, xp, args.allreduce) and replicas > 1)
+          shard_wanted(args.shard_optimizer, replicas, xp, args.allreduce) and replicas > 1, schedule.total_steps)
     agree(check_step_size, args, data.workers, manifest, data_dir)
     # Last before training, so a refusal above leaves nothing behind (this
     # creates --checkpoint-dir): a result that cannot be written would be lost.
@@ -225,7 +226,19 @@ def fitting_pipeline(args, spec, budget, base):
     return None
 
 
-def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded):
+def check_single_pass(args, xp):
+    """--single-pass on where the pass cannot run is refused, not ignored:
+    on NumPy it is numba's."""
+    if args.single_pass != "on" or xp is not np:
+        return
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        raise HpctrainError("--single-pass on: numba is not installed (pip install 'hpctrain[fast]'), "
+                            "or use --single-pass auto") from None
+
+
+def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None):
     """Refuse up front a model or batch that cannot fit (a traceback from deep
     inside NumPy, or the OOM killer, an hour later is worse): what this rank
     holds already (the interpreter and its imports) and what it will (the
@@ -240,10 +253,10 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded):
         heaviest = max(range(len(needs)), key=needs.__getitem__)
         model = needs[heaviest]
         lo, hi = ranges(spec, cuts[heaviest], cuts[heaviest + 1])
-        prepare(args.optimizer, hi - lo)
+        prepare(args.optimizer, hi - lo, steps, args.single_pass)
     else:
         model = spec.memory_bytes(args.batch_size, STATES[args.optimizer])
-        prepare(args.optimizer, spec.num_params)
+        prepare(args.optimizer, spec.num_params, steps, args.single_pass)
     base = rss_bytes()   # the interpreter, its imports, and what the optimizer will load (prepare)
     need = base + model
     if args.memory_budget is not None:
