@@ -8,8 +8,9 @@ Two decisions, each by every rank alike:
   model's spec (the data's image shape and class count), the data workers (a
   pipeline's replicas), the samples per step, the ps replicas to aggregate,
   the fusion size, the rules for --shard-optimizer auto and --overlap auto,
-  the pipeline's cuts, and the learning-rate schedule, whose total steps are
-  --steps or --epochs counted over the data from step 0;
+  the pipeline's cuts, the gradient compression, and the learning-rate
+  schedule, whose total steps are --steps or --epochs counted over the data
+  from step 0;
 - `Plan.last_step(resume)`, once the resume point is known: with --epochs,
   a run resized on resume still trains E epochs from the checkpoint's
   samples on (`epochs_end`), not the steps E would be at its new size from
@@ -72,17 +73,20 @@ def overlap_wanted(flag, xp, local_size, thread_multiple=True):
     return device.is_gpu(xp) or cores_available() >= 2 * local_size
 
 
-def shard_wanted(flag, workers=1, xp=np, allreduce="auto"):
+def shard_wanted(flag, workers=1, xp=np, allreduce="auto", compression="none"):
     """--shard-optimizer auto is a fixed rule, not a measurement: on where
     `python -m hpctrain.bench train --compare shard-optimizer=off,on` measured
     it faster (1.20-1.35x at 2 and 4 ranks for 2.6 to 80 MB of gradients, on
     CPUs) and where it gives the same parameters bit for bit: 2 or more
     workers, NumPy, and hpctrain's own ring or hierarchical allreduce
     (`--allreduce auto|ring|hier`; MPI's reduce-scatter sums in another
-    order). Off on GPUs until the device check has compared both there."""
+    order). Off on GPUs until the device check has compared both there.
+    Off with --compression: the sharded allgather carries float32
+    parameters, so compression would shrink only the reduce-scatter's half
+    of the bytes (fp16: 3/4 of them instead of 1/2)."""
     if flag != "auto":
         return flag == "on"
-    return workers >= 2 and xp is np and allreduce in ("auto", "ring", "hier")
+    return workers >= 2 and xp is np and allreduce in ("auto", "ring", "hier") and compression == "none"
 
 
 # --- the plan ---------------------------------------------------------------------
@@ -154,6 +158,34 @@ class Ring:
 
 
 @dataclass(frozen=True)
+class Compression:
+    """--compression and PowerSGD's settings (comm/compress.py): what ring
+    mode's buckets and a pipeline stage's replicas exchange."""
+    kind: str = "none"          # none, fp16, bf16, powersgd
+    rank: int = 4               # --powersgd-rank
+    start: int = 0              # --powersgd-start: float32 before this step
+    min_rate: float = 2.0       # --powersgd-min-rate
+    warm_start: bool = True     # --powersgd-warm-start
+    epsilon: float = 0.0        # --powersgd-epsilon
+    error_feedback: bool = True  # --powersgd-error-feedback
+    seed: int = 0               # --seed: the initial Qs' draw
+
+    @property
+    def stateful(self):
+        """Whether it keeps state from step to step (error feedback, Q) that checkpoints carry."""
+        return self.kind == "powersgd"
+
+
+def compression_plan(args):
+    if args.compression != "powersgd":
+        return Compression(kind=args.compression, seed=args.seed)
+    return Compression(kind="powersgd", rank=args.powersgd_rank, start=args.powersgd_start,
+                       min_rate=args.powersgd_min_rate, warm_start=args.powersgd_warm_start == "on",
+                       epsilon=args.powersgd_epsilon, error_feedback=args.powersgd_error_feedback == "on",
+                       seed=args.seed)
+
+
+@dataclass(frozen=True)
 class Ps:
     num_ps: int
     ps_ranks: str
@@ -214,6 +246,7 @@ class Plan:
     world_size: int
     recorded: dict          # what a checkpoint records of the job (identity.recorded)
     resume_key: dict        # what a resume must match (identity.same_on_resume)
+    compression: Compression = Compression()   # --compression (ring mode, a pipeline's replicas)
 
     @property
     def pipelined(self):
@@ -267,7 +300,8 @@ def make_plan(args, world, spec, data, schedule, cuts):
         schedule=schedule,
         ring=Ring(allreduce=args.allreduce, cuda_aware=args.cuda_aware, ring_order=args.ring_order,
                   fusion_elems=int(args.fusion_mb * (1 << 20)) // 4,
-                  shard_optimizer=ring and shard_wanted(args.shard_optimizer, workers, world.xp, args.allreduce),
+                  shard_optimizer=ring and shard_wanted(args.shard_optimizer, workers, world.xp, args.allreduce,
+                                                        args.compression),
                   overlap=ring and overlap_wanted(args.overlap, world.xp, cluster.local_size,
                                                   world.thread_multiple),
                   accumulate_steps=args.accumulate_steps),
@@ -285,4 +319,5 @@ def make_plan(args, world, spec, data, schedule, cuts):
                         eval_every=args.eval_every, log_every=args.log_every),
         epochs=args.epochs, timeout=args.timeout, world_size=cluster.size,
         recorded=identity.recorded(args, cluster.size, workers, spec),
-        resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps))
+        resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps),
+        compression=compression_plan(args))
