@@ -246,11 +246,14 @@ class Checkpoints:
             comm.Gather(mine, everyone, root=0)
         return everyone
 
-    def save(self, comm, step, params, optimizer_state, optimizer_t, positions, model_state=None):
+    def save(self, comm, step, params, optimizer_state, optimizer_t, positions, model_state=None, compression=None):
         """Collective over comm: the chief writes the checkpoint of `step` from
         the arrays it passes (device or host; the other ranks' arguments are
-        ignored) and prunes to --keep-checkpoints. A failure to write stops
-        every rank of comm with one error line. Returns the path on the chief."""
+        ignored) and prunes to --keep-checkpoints. compression: (state
+        arrays, attributes) of --compression powersgd (checkpoints/compression.py)
+        or None. A failure to write stops every rank of comm with one error
+        line. Returns the path on the chief."""
+        arrays, more = compression or ({}, {})
         world, outputs, data = self.world, self.outputs, self.data
 
         def chief_writes():
@@ -265,8 +268,9 @@ class Checkpoints:
                                        optimizer_t, positions, self.plan.resume_key,
                                        keep=outputs.keep_checkpoints,
                                        info=dict(self.plan.recorded, samples=self.samples_at(step), data=data.dir,
-                                                 data_digest=data.digest, **self.best.checkpoint_attrs()),
-                                       model_state=None if model_state is None else device.to_host(model_state))
+                                                 data_digest=data.digest, **self.best.checkpoint_attrs(), **more),
+                                       model_state=None if model_state is None else device.to_host(model_state),
+                                       compression_state=arrays or None)
         # The others wait for the chief's write in the agreement: it answers
         # their roll calls "busy" meanwhile, so a healthy write longer than
         # --timeout is no stall (the write itself has its own deadline above).
