@@ -32,6 +32,7 @@ import numpy as np
 from .. import device
 from ..errors import HpctrainError
 from ..checkpoints.sharded import ShardedState
+from . import compression as pipeline_compression
 from .stages import ranges
 
 
@@ -131,7 +132,10 @@ def save_checkpoint(world, checkpoints, engine, layouts, reader, step):
     optimizer = {name: to_chief(grid, array, layouts.params, watchdog, f"optimizer state {name}")
                  for name, array in sorted(stage_optimizer_state(world, grid, engine.optimizer).items())}
     positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first else None
-    checkpoints.save(world.comm, step, params, optimizer, engine.optimizer.t, positions, state)   # the chief's
+    compressed = pipeline_compression.gather(world, grid, engine.compression, layouts) \
+        if engine.compression is not None else None   # --compression powersgd's state, whole
+    checkpoints.save(world.comm, step, params, optimizer, engine.optimizer.t, positions, state,
+                     compression=compressed)   # the chief's
 
 
 def replicas_state(world, grid, optimizer):
