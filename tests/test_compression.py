@@ -14,12 +14,12 @@ import pytest
 from mpi4py import MPI
 
 from gpu_fakes import LazyCopier
-from hpctrain.comm.compress import HalfExchange, PowerSgd, half_strategy
+from hpctrain.comm.compress import HalfExchange, HalfRing, PowerSgd
 from hpctrain.comm.hier import HierAllreduce
 from hpctrain.comm.ring import SEGMENT_BYTES, RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.topology import Topology
-from hpctrain.optim.compression import (Half, compressed_rank, from_bf16, initial_q, matrix_shape, orthogonalise,
+from hpctrain.optim.compression import (Half, compressed_rank, from_bf16, from_fp16, initial_q, matrix_shape, orthogonalise,
                                         powersgd_layout, roundtrip, to_bf16, to_fp16)
 
 # Every float32 class: zeros, subnormals, normals around 1, fp16's edge
@@ -49,6 +49,12 @@ def test_fp16_words_are_numpys_cast_both_ways():
     back = roundtrip("fp16", x)
     assert np.array_equal(back, want.astype(np.float32), equal_nan=True)
     assert back.dtype == np.float32
+    every = np.arange(2 ** 16, dtype=np.uint16)   # and every word back: NumPy's values, bit for bit
+    values = from_fp16(every, np.empty(every.size, np.float32))
+    numpys = every.view(np.float16).astype(np.float32)
+    number = ~np.isnan(numpys)
+    assert np.array_equal(values.view(np.uint32)[number], numpys.view(np.uint32)[number])
+    assert np.isnan(values[~number]).all()
 
 
 def nearest_bf16(x):
@@ -58,8 +64,8 @@ def nearest_bf16(x):
     down = (u & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
     up_bits = (u & np.uint32(0xFFFF0000)) + np.uint32(0x10000)
     up = up_bits.view(np.float32).astype(np.float64)   # the next word away from zero (may be inf)
-    xd = x.astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
+        xd = x.astype(np.float64)
         d_down, d_up = np.abs(xd - down), np.abs(up - xd)
         # the first bf16 past the largest one is inf: it is where float32's
         # next exponent would start, 2**128, as IEEE rounding says
@@ -118,9 +124,9 @@ def test_decode_add_adds_the_words_values_in_float32():
     for kind in ("fp16", "bf16"):
         codec = Half(kind)
         x, acc = rng.standard_normal(1000).astype(np.float32), rng.standard_normal(1000).astype(np.float32)
-        words = codec.encode(x, np.empty(1000, np.uint16), np.empty(1000, np.uint32))
+        words = codec.encode(x, np.empty(1000, np.uint16))
         want = acc + roundtrip(kind, x)
-        got = codec.decode_add(words, acc.copy(), np.empty(1000, np.float32))
+        got = codec.decode_add(words, acc.copy())
         assert np.array_equal(got, want), kind
 
 
@@ -271,7 +277,7 @@ def test_fp16_divides_before_the_sum_so_a_sum_past_65504_does_not_overflow():
     value = np.float32(40000.0)   # one rank's gradient: fine in fp16; W of them summed: not
     assert np.isinf(roundtrip("fp16", np.array([value * comm.size], np.float32)))[0]
     undivided = np.full(1000, value, np.float32)
-    half_strategy(ring, Half("fp16")).allreduce(undivided)    # 16-bit partial sums, no division
+    HalfRing(ring, Half("fp16"), ranks=1).allreduce(undivided)   # 16-bit partial sums, nothing divided
     assert np.isinf(undivided).all()
     buf = np.full(1002, value, np.float32)
     HalfExchange(ring, buf, "fp16", exact=2).allreduce(0, buf.size)
@@ -348,3 +354,61 @@ def test_error_feedback_loses_nothing_on_every_rank(sharded):
             lo, hi = m.lo + 2, m.hi + 2
             np.testing.assert_allclose(buf[lo:hi], total[lo:hi], rtol=0, atol=1e-4 * np.abs(total[lo:hi]).max())
         assert np.abs(exchange.error).max() > 0   # full-rank gradients: something is always left
+
+
+def ring_steps(comm, strategy, kind, sharded, fusion_elems, overlap, clip=None, steps=4):
+    """The ring loop's arithmetic (loops/ring_step.RingStep) for a few steps
+    with --compression `kind`: the parameters and every step's summed loss."""
+    from hpctrain.nn import mlp
+    from hpctrain.optim.clipping import Clip
+    from hpctrain.run.plan import Compression
+    from hpctrain.loops.ring_step import RingStep
+    rng = np.random.default_rng(200 + comm.rank)
+    ring = RingStep(mlp(hidden=(37, 19)), strategy, comm, np, ("adam", {}), fusion_elems, sharded=sharded,
+                    overlap=overlap, clip=Clip(clip) if clip else None, compression=Compression(kind=kind, start=1))
+    model, fused = ring.model, ring.fused
+    model.init(0)
+    losses = []
+    for step in range(steps):
+        x, y = rng.random((8, 784)).astype(np.float32), rng.integers(0, 10, 8)
+        ring.begin(1e-2, False, step)
+        ring.wire.loss[0] = comm.rank + 1 + step
+        model.forward_backward(x, y, on_layer_done=fused.layer_done)
+        fused.wait()
+        losses.append(ring.summed()[0])
+    ring.close()
+    return model.params.copy(), losses
+
+
+def hier_on_two_nodes(comm):
+    """hier over a fake split: 2 ranks a node where the size allows, else 1."""
+    node = comm.rank // 2 if comm.size % 2 == 0 else comm.rank
+    with Topology(comm, node_comm=comm.Split(node, comm.rank)) as topology:
+        return HierAllreduce(topology)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["fp16", "bf16", "powersgd"])
+@pytest.mark.parametrize("fusion_elems, overlap", [(0, False), (300, True)])
+def test_sharded_compressed_steps_are_unsharded_bit_for_bit_on_ring_and_across_nodes(kind, fusion_elems, overlap):
+    """Sharded with compression on hier across nodes, each rank owns its
+    node chunk (comm/compress.NodeShards): the same bits as unsharded, on
+    every rank; on the flat ring, the ring's own shards, the same too."""
+    comm = MPI.COMM_WORLD
+    for make in (RingAllreduce, hier_on_two_nodes):
+        plain, plain_losses = ring_steps(comm, make(comm), kind, False, fusion_elems, overlap)
+        shard, losses = ring_steps(comm, make(comm), kind, True, fusion_elems, overlap)
+        assert np.array_equal(plain, shard), make.__name__
+        assert same_everywhere(comm, shard) and losses == plain_losses
+        assert losses[0] == float(sum(r + 1 for r in range(comm.size)))   # the loss slot: float32, exact
+
+
+@pytest.mark.mpi(min_size=2)
+def test_clipped_sharded_compression_across_nodes_counts_each_node_chunk_once():
+    """--clip-norm with node shards: the norm's parts travel over the node's
+    ring, so no chunk counts once per node (the clip would be too strong)."""
+    comm = MPI.COMM_WORLD
+    plain, _ = ring_steps(comm, hier_on_two_nodes(comm), "bf16", False, 300, False, clip=0.05)
+    shard, _ = ring_steps(comm, hier_on_two_nodes(comm), "bf16", True, 300, False, clip=0.05)
+    assert same_everywhere(comm, shard)
+    np.testing.assert_allclose(shard, plain, rtol=0, atol=1e-6)

@@ -13,10 +13,12 @@ adds it to its float32 partial sum and encodes that for the next hop. The
 rank that owns a chunk at the end of the reduce-scatter rounds the sum once
 to 16 bits and the allgather passes those words on unchanged, so every rank
 decodes the same bits. `HalfHier` is the hierarchical allreduce (comm/hier.py)
-built of two such rings: the inter-node ring's owner rounds. fp16 divides
-each rank's bucket by the number of ranks before the sum and multiplies the
-result back after it (Horovod's and DDP's fp16 compression divide before
-the sum): no partial sum can then exceed the largest gradient element of a
+with its inter-node ring a HalfRing: 16 bits where the bytes cross nodes,
+float32 inside a node (shared memory: no bytes to save, conversions to
+spare); the inter-node ring's owner rounds. fp16 divides what it puts on
+the wire by the number of ranks before the sum and multiplies the result
+back after it (Horovod's and DDP's fp16 compression divide before the
+sum): no partial sum can then exceed the largest gradient element of a
 single rank, where an undivided sum of W gradients near 65504 / W
 overflows to inf (tests/test_compression.py shows both). bf16 has
 float32's range and is not divided. The first `exact` elements of the
@@ -44,9 +46,13 @@ are plain float32 allreduces.
 
 Sharded (--shard-optimizer on): reduce_scatter(lo, hi) leaves this rank's
 part summed, as a strategy's does; fp16/bf16 compress the reduce-scatter
-(its part rounded as unsharded, so the same bits), and the parameters'
-allgather stays float32 (comm/fusion.py): 3/4 of the bytes instead of 1/2.
-PowerSGD exchanges the whole bucket as above and returns this rank's part.
+(its part rounded as unsharded, so the same bits), PowerSGD exchanges the
+whole bucket as above and returns this rank's part, and the parameters'
+allgather stays float32 (comm/fusion.py). On hier across several nodes the
+shards are the node ring's (`NodeShards`): the compressed sum crosses the
+nodes, the parameters' allgather stays inside them. A flat ring across
+nodes allgathers float32 parameters over the links: fp16 sends 3/4 of
+the bytes there, PowerSGD about half of them (docs/ring.md).
 
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_compression.py
 """
@@ -70,14 +76,18 @@ SEGMENT_WORDS = SEGMENT_BYTES // 2
 class HalfRing:
     """The ring of `ring` (a RingAllreduce: its communicator, neighbours,
     watchdog and chunks; no new communicator) on float32 buffers with
-    16-bit messages of `codec` (optim/compression.Half). Same interface as
-    a strategy; `sum_scatter` is the reduce-scatter without the owner's
-    rounding (hier's intra-node half)."""
+    16-bit messages of `codec` (optim/compression.Half). `ranks`: how many
+    gradients the sum adds up (fp16 divides by it before the sum and
+    multiplies the result back: hier's inter-node ring sums node sums of
+    all the ranks). allreduce and reduce_scatter as a strategy's; no
+    allgather: nothing allgathers 16-bit words (a sharded step allgathers
+    its parameters in float32, comm/fusion.py)."""
 
-    def __init__(self, ring, codec):
+    def __init__(self, ring, codec, ranks=None):
         self.ring, self.codec = ring, codec
         self.size, self.rank = ring.size, ring.rank
         self.name = f"{ring.name} ({codec.kind})"
+        self.scale = int(ranks or ring.size) if codec.prescale else 1
         self._scratch = {}
 
     def shard(self, n):
@@ -96,42 +106,35 @@ class HalfRing:
     def _words(self, xp, n):
         return self._buf("words", xp, np.uint16, n)
 
-    def _round(self, buf, words, lo, hi, xp):
+    def _round(self, buf, words, lo, hi):
         """The owner's sum rounded to 16 bits: what every rank will decode."""
-        self.codec.round_(buf[lo:hi], words[lo:hi], self._buf("u32", xp, np.uint32, hi - lo))
+        self.codec.round_(buf[lo:hi], words[lo:hi])
+
+    def _down(self, buf):
+        if self.scale > 1:   # fp16: the mean on the wire, no partial sum past one rank's largest value
+            buf *= buf.dtype.type(1.0 / self.scale)
+
+    def _up(self, buf):
+        if self.scale > 1:
+            buf *= buf.dtype.type(self.scale)
 
     def _waiting(self, what):
         return self.ring._waiting(f"{self.ring.label} {what} ({self.codec.kind})")
 
-    def sum_scatter(self, buf):
-        """The reduce-scatter, float32 sums and 16-bit messages; this rank's part left unrounded."""
-        if self.size > 1 and buf.size > 0:
-            xp, sync = _device_sync(buf)
+    def reduce_scatter(self, buf):
+        lo, hi = self.shard(buf.size)
+        if buf.size == 0:
+            return lo, hi
+        xp, sync = _device_sync(buf)
+        self._down(buf)
+        if self.size > 1:
             with self._waiting("reduce-scatter"):
                 self._reduce_scatter(buf, xp, sync)
-        return self.shard(buf.size)
-
-    def reduce_scatter(self, buf):
-        lo, hi = self.sum_scatter(buf)
-        if buf.size:
-            xp, sync = _device_sync(buf)
-            self._round(buf, self._words(xp, buf.size), lo, hi, xp)
-            if sync is not None:
-                sync()
+        self._round(buf, self._words(xp, buf.size), lo, hi)
+        self._up(buf[lo:hi])
+        if sync is not None:
+            sync()
         return lo, hi
-
-    def allgather(self, buf):
-        """Every rank's part, as 16-bit words: exact for parts already rounded (reduce_scatter's)."""
-        if self.size > 1 and buf.size > 0:
-            xp, sync = _device_sync(buf)
-            words = self._words(xp, buf.size)
-            lo, hi = self.shard(buf.size)
-            self.codec.encode(buf[lo:hi], words[lo:hi], self._buf("u32", xp, np.uint32, hi - lo))
-            if sync is not None:
-                sync()
-            with self._waiting("allgather"):
-                self._allgather(buf, words, sync)
-        return buf
 
     def allreduce(self, buf):
         if buf.size == 0:
@@ -139,14 +142,18 @@ class HalfRing:
         xp, sync = _device_sync(buf)
         words = self._words(xp, buf.size)
         lo, hi = self.shard(buf.size)
+        self._down(buf)
         with self._waiting("allreduce"):
             if self.size > 1:
                 self._reduce_scatter(buf, xp, sync)
-            self._round(buf, words, lo, hi, xp)   # one rank alone: rounded all the same
+            self._round(buf, words, lo, hi)   # one rank alone: rounded all the same
             if sync is not None:
                 sync()
             if self.size > 1:
                 self._allgather(buf, words, sync)
+        self._up(buf)
+        if sync is not None:
+            sync()
         return buf
 
     def _reduce_scatter(self, buf, xp, sync):
@@ -156,15 +163,13 @@ class HalfRing:
         longest = max(bounds[i + 1] - bounds[i] for i in range(size))
         send = self._buf("send", xp, np.uint16, longest)
         recv = self._buf("recv", xp, np.uint16, longest)
-        u32 = self._buf("u32", xp, np.uint32, longest)
-        f32 = self._buf("f32", xp, np.float32, min(SEGMENT_WORDS, longest))
         comm, right, left, seg = ring.comm, ring.right, ring.left, SEGMENT_WORDS
         # As ring.py: after step s, chunk (rank - s - 1) holds s+2 ranks' sum.
         for step in range(size - 1):
             s, r = (rank - step) % size, (rank - step - 1) % size
             s_lo, s_hi, r_lo, r_hi = bounds[s], bounds[s + 1], bounds[r], bounds[r + 1]
             ns, nr = s_hi - s_lo, r_hi - r_lo
-            codec.encode(buf[s_lo:s_hi], send[:ns], u32[:ns])
+            codec.encode(buf[s_lo:s_hi], send[:ns])
             if sync is not None:
                 sync()   # MPI reads the words the kernel wrote
             # Message counts follow from a chunk's length, the same on both neighbours.
@@ -174,7 +179,7 @@ class HalfRing:
             for request, a in zip(recvs, starts):
                 request.Wait()
                 b = min(a + seg, nr)
-                codec.decode_add(recv[a:b], buf[r_lo + a:r_lo + b], f32[:b - a])
+                codec.decode_add(recv[a:b], buf[r_lo + a:r_lo + b])
             if sync is not None:
                 sync()   # the adds read `recv` before the next step receives into it
             MPI.Request.Waitall(sends)
@@ -193,16 +198,19 @@ class HalfRing:
 
 
 class HalfHier:
-    """comm/hier.py's two levels of rings, each a HalfRing: the node's
-    reduce-scatter in float32 sums and 16-bit messages, the inter-node
-    ring's allreduce of the node chunk (its owner rounds), the node's
-    allgather of the rounded words. No new communicator."""
+    """comm/hier.py's two levels with 16-bit messages where they cross nodes:
+    the node's reduce-scatter in float32 (its ring is shared memory, where
+    16 bits would save nothing and cost the conversions), the inter-node
+    ring's allreduce of the node chunk as a HalfRing (its owner rounds;
+    fp16 divides by all the ranks), the node's allgather of the rounded
+    values in float32. Every rank ends with the same bits; no new
+    communicator."""
 
     def __init__(self, hier, codec):
         self.hier = hier
-        self.intra, self.inter = HalfRing(hier.intra, codec), HalfRing(hier.inter, codec)
+        self.intra, self.inter = hier.intra, HalfRing(hier.inter, codec, ranks=hier.size)
         self.size, self.rank = hier.size, hier.rank
-        self.name = f"{hier.name} ({codec.kind})"
+        self.name = f"{hier.name} ({codec.kind} across nodes)"
 
     def shard(self, n):
         return self.hier.shard(n)
@@ -213,24 +221,82 @@ class HalfHier:
     def allreduce(self, buf):
         if buf.size == 0:
             return buf
-        a, b = self.intra.sum_scatter(buf)
-        self.inter.allreduce(buf[a:b])
+        a, b = self.intra.reduce_scatter(buf)
+        self.inter.allreduce(buf[a:b])   # one node: rounded in place
         self.intra.allgather(buf)
         return buf
 
     def reduce_scatter(self, buf):
         if buf.size == 0:
             return self.shard(0)
-        a, b = self.intra.sum_scatter(buf)
+        a, b = self.intra.reduce_scatter(buf)
         c, d = self.inter.reduce_scatter(buf[a:b])
         return a + c, a + d
 
-    def allgather(self, buf):
+
+class NodeShards:
+    """hier (a HierAllreduce on several nodes) sharded by its node's ring
+    only: each rank owns the node chunk the node's reduce-scatter leaves it,
+    summed over every rank by the inter-node allreduce; ranks with the same
+    local rank on every node own the same chunk and update it alike (the same
+    sums, the same elementwise update, the same bits), and the allgather of
+    the parameters stays inside the node. What --shard-optimizer on becomes
+    with --compression on several nodes: only the compressed sum crosses
+    them (hier's own sharding would allgather float32 parameters across
+    them too), the optimizer's work and state 1/L. `shard_comm`: the node's
+    communicator, where the shards' norm parts travel (comm/grad_norm.py)."""
+
+    def __init__(self, hier):
+        self.hier, self.intra, self.inter = hier, hier.intra, hier.inter
+        self.size, self.rank, self.name = hier.size, hier.rank, hier.name
+        self.shard_comm = hier.intra.comm
+
+    def shard(self, n):
+        return self.intra.shard(n)
+
+    def parts(self, n):
+        return self.intra.parts(n)
+
+    def allreduce(self, buf):
+        return self.hier.allreduce(buf)
+
+    def reduce_scatter(self, buf):
+        a, b = self.intra.reduce_scatter(buf) if buf.size else self.shard(0)
         if buf.size:
-            a, b = self.intra.shard(buf.size)
-            self.inter.allgather(buf[a:b])
-            self.intra.allgather(buf)
-        return buf
+            self.inter.allreduce(buf[a:b])
+        return a, b
+
+    def allgather(self, buf):
+        return self.intra.allgather(buf)
+
+
+class HalfNodeShards(HalfHier):
+    """NodeShards with the inter-node allreduce in 16 bits (HalfHier's)."""
+
+    def __init__(self, shards, codec):
+        super().__init__(shards.hier, codec)
+
+    def shard(self, n):
+        return self.intra.shard(n)
+
+    def parts(self, n):
+        return self.intra.parts(n)
+
+    def reduce_scatter(self, buf):
+        if buf.size == 0:
+            return self.shard(0)
+        a, b = self.intra.reduce_scatter(buf)
+        self.inter.allreduce(buf[a:b])
+        return a, b
+
+
+def sharding_for(strategy, compression):
+    """The strategy a sharded ring step shards with: `strategy` itself, or
+    with --compression on hier across several nodes (host buffers) NodeShards."""
+    if compression is not None and compression.kind != "none" and isinstance(strategy, HierAllreduce) \
+            and strategy.num_nodes > 1:
+        return NodeShards(strategy)
+    return strategy
 
 
 def half_strategy(strategy, codec):
@@ -243,6 +309,8 @@ def half_strategy(strategy, codec):
         return BoundToDevice(half_strategy(strategy.inner, codec), strategy.xp, strategy.path)
     if isinstance(strategy, StagedAllreduce):
         return StagedAllreduce(half_strategy(strategy.inner, codec), strategy.copier, strategy.chunk_bytes)
+    if isinstance(strategy, NodeShards):
+        return HalfNodeShards(strategy, codec)
     if isinstance(strategy, RingAllreduce):
         return HalfRing(strategy, codec)
     if isinstance(strategy, HierAllreduce):
@@ -279,16 +347,10 @@ class HalfExchange:
             head = self._head[:k]
             head[...] = buf[:k]
             self.strategy.allreduce(head)   # the loss and stop: float32, today's sum
-        scale = self.codec.prescale and self.size > 1
-        if scale:   # fp16: the mean on the wire, never a partial sum past a single rank's largest value
-            buf *= buf.dtype.type(1.0 / self.size)
         done = op(buf)
-        a, b = (0, buf.size) if done is buf else done
-        if scale:
-            buf[a:b] *= buf.dtype.type(self.size)
         if k:
             buf[:k] = head
-        return a, b
+        return (0, buf.size) if done is buf else done
 
     def sent_bytes(self, lo, hi):
         """Bytes of this bucket each rank hands its strategy per step (the
@@ -473,8 +535,10 @@ def summary(exchange, buckets, sharded=False):
                 f"allreduce, summed in float32" + (f", divided by the {exchange.size} ranks first"
                                                    if exchange.codec.prescale and exchange.size > 1 else ""))
     line = f"hpctrain: {what}; {sent / full:.2%} of the float32 bytes"
-    if sharded:
+    if sharded and isinstance(exchange.strategy, NodeShards):
+        line += " (--shard-optimizer on: shards of each node, the parameters' allgather inside the nodes)"
+    elif sharded:
         # the reduce-scatter is compressed, the parameters' allgather (comm/fusion.py) is not
-        line += (f" (--shard-optimizer on: the reduce-scatter compressed, the parameters' allgather float32, "
-                 f"{(sent + full) / (2 * full):.2%} of the bytes in all)")
+        line += (f" (--shard-optimizer on: the parameters' allgather float32, {(sent + full) / (2 * full):.2%} "
+                 f"of the bytes in all)")
     return line

@@ -34,7 +34,7 @@ the decompressed sum as they see today's.
     mpirun -n 4 python -m hpctrain.train --steps 200 --shard-optimizer on --clip-norm 1
     mpirun -n 4 python -m hpctrain.train --steps 200 --compression powersgd --powersgd-start 20
 """
-from ..comm.compress import make_exchange
+from ..comm.compress import make_exchange, sharding_for
 from ..comm.fusion import FusedAllreduce, bucket_bounds, owned_ranges
 from ..comm.grad_norm import BucketNorm
 from ..comm.wire import GRADS, LOSS, STOP, Wire
@@ -90,13 +90,17 @@ class RingStep:
         self.model = spec.build(xp, params=self.param_wire.body if sharded else None, grads=self.wire.body)
         ready_from = self.wire.ready_from(self.model.layer_ranges)
         self.buckets = bucket_bounds(self.wire.size, fusion_elems, ready_from)
+        # sharded with --compression on several nodes: hier's node shards (comm/compress.py)
+        strategy = sharding_for(strategy, compression) if sharded else strategy
+        self.strategy = strategy
         owned = [self.wire.body_range(lo, hi) for lo, hi in owned_ranges(strategy, self.buckets)] \
             if sharded else None
         name, kwargs = optimizer
         self.optimizer = make_optimizer(name, n, xp, owned=owned, **kwargs)
         # The norm of the gradient part only (the loss and stop slots ride
         # along), the same bits sharded or not (comm/norm.py).
-        self.norm = BucketNorm(strategy, self.buckets, self.wire.buffer, skip=GRADS, sharded=sharded, comm=comm,
+        self.norm = BucketNorm(strategy, self.buckets, self.wire.buffer, skip=GRADS, sharded=sharded,
+                               comm=getattr(strategy, "shard_comm", comm),
                                watchdog=watchdog) if clip else None
         # --compression: the buckets' exchange; PowerSGD's matrices in wire
         # offsets (GRADS on), fp16/bf16's float32 loss and stop slots.
