@@ -73,6 +73,11 @@ def _blocks(xp, n):
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
+# Typed constants: a Python int beside a uint32 array is uint32 under NumPy 2's
+# rules, and may not be under another array module's.
+U = np.uint32
+
+
 def _select(xp, mask, a, b, tmp):
     """b = a where mask else b, in place, uint32 (a: an array or a constant),
     branch-free: b + mask * (a - b), wrapping."""
@@ -84,37 +89,37 @@ def _select(xp, mask, a, b, tmp):
 def _bf16_block(xp, x, out, w):
     u = x.view(xp.uint32)
     t, n = w("t", xp.uint32), w("n", xp.uint32)
-    xp.right_shift(u, 16, out=t)
-    xp.bitwise_and(t, 1, out=t)
-    xp.add(t, 0x7FFF, out=t)
+    xp.right_shift(u, U(16), out=t)
+    xp.bitwise_and(t, U(1), out=t)
+    xp.add(t, U(0x7FFF), out=t)
     xp.add(t, u, out=t)          # wraps only for NaN patterns, replaced below
-    xp.right_shift(t, 16, out=t)
+    xp.right_shift(t, U(16), out=t)
     # a NaN whose rounding carried (into inf, or past the sign) is BF16_NAN
     xp.copyto(n, xp.isnan(x), casting="unsafe")
-    _select(xp, n, BF16_NAN, t, w("d", xp.uint32))
+    _select(xp, n, U(BF16_NAN), t, w("d", xp.uint32))
     xp.copyto(out, t, casting="unsafe")
 
 
 def _fp16_block(xp, x, out, w):
     u = x.view(xp.uint32)
     v, s, m, f, d = (w(k, xp.uint32) for k in ("v", "s", "m", "f", "d"))
-    xp.bitwise_and(u, 0x7FFFFFFF, out=v)                     # |x|
-    xp.right_shift(v, 13, out=s)                             # normal: rebias, round to nearest even
-    xp.bitwise_and(s, 1, out=s)
+    xp.bitwise_and(u, U(0x7FFFFFFF), out=v)                     # |x|
+    xp.right_shift(v, U(13), out=s)                             # normal: rebias, round to nearest even
+    xp.bitwise_and(s, U(1), out=s)
     xp.add(s, v, out=s)
-    xp.add(s, _F16_BIAS, out=s)
-    xp.right_shift(s, 13, out=s)
+    xp.add(s, U(_F16_BIAS), out=s)
+    xp.right_shift(s, U(13), out=s)
     fv = f.view(xp.float32)                                  # subnormal: the float add rounds it
-    xp.add(v.view(xp.float32), xp.uint32(_F16_DENORM).view(xp.float32), out=fv)
-    xp.subtract(f, _F16_DENORM, out=f)
-    xp.less(v, _F16_MIN_NORMAL, out=m, casting="unsafe")
+    xp.add(v.view(xp.float32), U(_F16_DENORM).view(xp.float32), out=fv)
+    xp.subtract(f, U(_F16_DENORM), out=f)
+    xp.less(v, U(_F16_MIN_NORMAL), out=m, casting="unsafe")
     _select(xp, m, f, s, d)
-    xp.minimum(s, _F16_INF, out=s)                           # past 65504 (and inf): inf
-    xp.greater(v, _F32_INF, out=m, casting="unsafe")         # NaN: inf's word and the quiet bit
-    xp.left_shift(m, 9, out=m)
+    xp.minimum(s, U(_F16_INF), out=s)                           # past 65504 (and inf): inf
+    xp.greater(v, U(_F32_INF), out=m, casting="unsafe")         # NaN: inf's word and the quiet bit
+    xp.left_shift(m, U(9), out=m)
     xp.bitwise_or(s, m, out=s)
-    xp.right_shift(u, 16, out=v)
-    xp.bitwise_and(v, 0x8000, out=v)
+    xp.right_shift(u, U(16), out=v)
+    xp.bitwise_and(v, U(0x8000), out=v)
     xp.bitwise_or(s, v, out=s)
     xp.copyto(out, s, casting="unsafe")
 
@@ -122,25 +127,25 @@ def _fp16_block(xp, x, out, w):
 def _from_fp16_block(xp, words, out, w):
     o = out.view(xp.uint32)
     e, m, f, d = (w(k, xp.uint32) for k in ("e", "m", "f", "d"))
-    xp.left_shift(words, 13, out=o, dtype=xp.uint32)
-    xp.bitwise_and(o, 0x0FFFE000, out=o)                     # exponent and mantissa, in float32's place
-    xp.add(o, (127 - 15) << 23, out=o)                       # normal: rebias
-    xp.bitwise_and(words, 0x7C00, out=e, dtype=xp.uint32)
-    xp.copyto(m, e == 0x7C00, casting="unsafe")              # inf, NaN: the exponent all ones
-    xp.multiply(m, (128 - 16) << 23, out=m)
+    xp.left_shift(words, U(13), out=o, dtype=xp.uint32)
+    xp.bitwise_and(o, U(0x0FFFE000), out=o)                     # exponent and mantissa, in float32's place
+    xp.add(o, U((127 - 15) << 23), out=o)                       # normal: rebias
+    xp.bitwise_and(words, U(0x7C00), out=e, dtype=xp.uint32)
+    xp.copyto(m, e == U(0x7C00), casting="unsafe")              # inf, NaN: the exponent all ones
+    xp.multiply(m, U((128 - 16) << 23), out=m)
     xp.add(o, m, out=o)
-    xp.bitwise_and(words, 0x3FF, out=f, dtype=xp.uint32)     # zero, subnormal: mantissa x 2**-24, exact
+    xp.bitwise_and(words, U(0x3FF), out=f, dtype=xp.uint32)     # zero, subnormal: mantissa x 2**-24, exact
     fv = f.view(xp.float32)
     xp.multiply(f, xp.float32(2.0 ** -24), out=fv, dtype=xp.float32)
-    xp.copyto(m, e == 0, casting="unsafe")
+    xp.copyto(m, e == U(0), casting="unsafe")
     _select(xp, m, f, o, d)
-    xp.bitwise_and(words, 0x8000, out=e, dtype=xp.uint32)
-    xp.left_shift(e, 16, out=e)
+    xp.bitwise_and(words, U(0x8000), out=e, dtype=xp.uint32)
+    xp.left_shift(e, U(16), out=e)
     xp.bitwise_or(o, e, out=o)
 
 
 def _from_bf16_block(xp, words, out, w):
-    xp.left_shift(words, 16, out=out.view(xp.uint32), dtype=xp.uint32)
+    xp.left_shift(words, U(16), out=out.view(xp.uint32), dtype=xp.uint32)
 
 
 class Half:
