@@ -51,19 +51,23 @@ START = ["--powersgd-start", "5"]
 FP16, BF16, POWERSGD = ["--compression", "fp16"], ["--compression", "bf16"], ["--compression", "powersgd", *START]
 SHARDED_OVERLAPPED = ["--shard-optimizer", "on", "--overlap", "on", "--fusion-mb", "0.01"]
 PIPELINE = ["--pipeline-stages", "2", "--micro-batches", "2"]
+# Unsharded, every rank applies its own sum: a rank whose sum differed would
+# hold other parameters (sharded, the owner's part is allgathered: equal anyway)
+OFF = ["--shard-optimizer", "off"]
 # name: (ranks, the run's flags, its compression's)
 CASES = {
-    "fp16": (3, [], FP16),
-    "bf16": (3, [], BF16),
-    "powersgd": (3, [], POWERSGD),
+    "fp16": (3, OFF, FP16),
+    "bf16": (3, OFF, BF16),
+    "powersgd": (3, OFF, POWERSGD),
     "fp16 sharded overlapped": (2, SHARDED_OVERLAPPED, FP16),
     "powersgd sharded overlapped": (2, SHARDED_OVERLAPPED, POWERSGD),
-    "bf16 hier": (4, ["--allreduce", "hier"], BF16),
+    "bf16 hier": (4, ["--allreduce", "hier", *OFF], BF16),
     "powersgd mpi clipped accumulated": (3, ["--allreduce", "mpi", "--clip-norm", "0.5", "--accumulate-steps", "2"],
                                          POWERSGD),
-    "powersgd no warm start rank 1": (2, [], [*POWERSGD, "--powersgd-warm-start", "off", "--powersgd-rank", "1"]),
-    "fp16 pipeline": (4, PIPELINE, FP16),
-    "powersgd pipeline sharded": (4, [*PIPELINE, "--shard-optimizer", "on"], POWERSGD),
+    "powersgd no warm start rank 1": (2, OFF, [*POWERSGD, "--powersgd-warm-start", "off", "--powersgd-rank", "1"]),
+    "fp16 pipeline": (4, [*PIPELINE, *OFF], FP16),
+    "powersgd pipeline": (4, [*PIPELINE, *OFF], POWERSGD),
+    "bf16 pipeline sharded": (4, [*PIPELINE, "--shard-optimizer", "on"], BF16),
 }
 
 
