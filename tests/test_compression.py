@@ -14,6 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from gpu_fakes import LazyCopier
+from test_hier import fake_gpu  # noqa: F401 (a fixture)
 from hpctrain.comm.compress import HalfExchange, HalfRing, PowerSgd
 from hpctrain.comm.hier import HierAllreduce
 from hpctrain.comm.ring import SEGMENT_BYTES, RingAllreduce
@@ -412,3 +413,42 @@ def test_clipped_sharded_compression_across_nodes_counts_each_node_chunk_once():
     shard, _ = ring_steps(comm, hier_on_two_nodes(comm), "bf16", True, 300, False, clip=0.05)
     assert same_everywhere(comm, shard)
     np.testing.assert_allclose(shard, plain, rtol=0, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["ring", "hier"])
+def test_device_wrapped_strategies_compress_as_the_host_ones(fake_gpu, name):
+    """The GPU's wiring on NumPy stand-ins (the factory's BoundToDevice, and
+    StagedAllreduce with a lazy copier): the 16-bit exchange maps through
+    the wrappers (half_strategy) and gives the host strategy's bits;
+    PowerSGD's factors go through them as float32 sums."""
+    from hpctrain.comm import make_allreduce
+    from hpctrain.comm.device_buffers import BoundToDevice
+    from test_hier import fake_topology
+    comm = MPI.COMM_WORLD
+    with fake_topology("blocks of 2" if comm.size % 2 == 0 else "one per node") as topology:
+        host = make_allreduce(name, topology, np)
+        staged = make_allreduce(name, topology, fake_gpu, cuda_aware="no")
+        direct = make_allreduce(name, topology, fake_gpu, cuda_aware="yes")
+    assert isinstance(staged, BoundToDevice) and isinstance(staged.inner, StagedAllreduce)
+    rng = np.random.default_rng([comm.rank, 8])
+    x = rng.standard_normal(20_003).astype(np.float32)
+    for kind in ("fp16", "bf16"):
+        want = x.copy()
+        HalfExchange(host, want, kind, exact=2).allreduce(0, want.size)
+        for strategy in (staged, direct):
+            got = x.copy()
+            HalfExchange(strategy, got, kind, exact=2).allreduce(0, got.size)
+            assert np.array_equal(got, want), (kind, strategy.path)
+    exchange, _ = power_sgd(comm, [(90, 60), (60,)], rank=4)
+    results = []
+    for strategy in (host, staged, direct):
+        exchange.strategy = strategy
+        exchange.buffer[:] = x[:exchange.buffer.size]
+        exchange.error[:] = 0
+        exchange.draw_q()
+        exchange.begin(0)
+        exchange.allreduce(0, exchange.buffer.size)
+        results.append(exchange.buffer.copy())
+    assert np.array_equal(results[0], results[1]) and np.array_equal(results[0], results[2])
+    assert same_everywhere(comm, results[0])
