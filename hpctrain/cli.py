@@ -136,6 +136,8 @@ def build_parser(prog="python -m hpctrain.train"):
                     "the bundled MNIST sample; run under mpirun/srun; one process trains alone).")
     _training_flags(p)
     _ring_flags(p.add_argument_group("ring mode"))
+    _compression_flags(p.add_argument_group("gradient compression (ring mode and a pipeline's replicas; "
+                                            "docs/ring.md)"))
     _ps_flags(p.add_argument_group("ps mode"))
     _pipeline_flags(p.add_argument_group("pipeline (model parallelism, ring mode)"))
     _output_flags(p.add_argument_group("checkpoints and output"))
@@ -229,6 +231,55 @@ def _ring_flags(g):
                         "(default: %(default)s)")
     g.add_argument("--cuda-aware", choices=["auto", "yes", "no"], default="auto",
                    help="pass GPU buffers straight to MPI (yes), stage through host memory (no), or ask the MPI library (auto)")
+
+
+def _on_off(text):
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text
+
+
+def _rate(text):
+    value = _finite_float(text)
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (a compression rate), got {text}")
+    return value
+
+
+def _compression_flags(g):
+    g.add_argument("--compression", choices=["none", "fp16", "bf16", "powersgd"], default="none",
+                   help="what each rank sends of its gradient: none: float32 (the bits of a run without the "
+                        "flag); fp16, bf16: every bucket as 16-bit floats, half the bytes, summed in float32 at "
+                        "each hop (fp16 divides by the number of ranks before the sum against its 65504 ceiling; "
+                        "bf16 keeps float32's range with 8 bits of mantissa); powersgd: each weight matrix as two "
+                        "rank-R factors with error feedback (Vogels et al. 2019, DDP's powerSGD_hook), 1-D tensors "
+                        "and small matrices as float32 (default: %(default)s)")
+    g.add_argument("--powersgd-rank", type=_positive_int, default=4, metavar="R",
+                   help="PowerSGD's rank: a rows x cols matrix goes as (rows + cols) x R floats. Vogels et al. "
+                        "needed 2 for ResNet-18 on CIFAR-10 and 4 for an LSTM to match full accuracy; DDP's "
+                        "default 1 loses accuracy on harder models (default: %(default)s)")
+    g.add_argument("--powersgd-start", type=_nonneg_int, default=100, metavar="K",
+                   help="the first K steps exchange float32 gradients (DDP's start_powerSGD_iter): early in "
+                        "training the gradient changes fast and the warm-started Q has not found its subspace, "
+                        "and compressing from step 0 costs accuracy; DDP suggests about 10%% of training "
+                        "(default: %(default)s)")
+    g.add_argument("--powersgd-min-rate", type=_rate, default=2.0, metavar="RATE",
+                   help="compress a matrix only if rows x cols > RATE x (rows + cols) x R (DDP's "
+                        "min_compression_rate): below that the two factors and four thin matrix products cost "
+                        "more than the bytes they save; such matrices go as float32 (default: %(default)s)")
+    g.add_argument("--powersgd-warm-start", type=_on_off, default="on", metavar="on|off",
+                   help="carry each matrix's Q from step to step (Vogels et al.'s warm start: each step one "
+                        "more power iteration on a slowly changing gradient); off: a fresh random Q every step, "
+                        "a worse approximation for the same bytes (default: %(default)s)")
+    g.add_argument("--powersgd-epsilon", type=_nonneg_float, default=0.0, metavar="EPS",
+                   help="added to each column's norm when P is orthogonalised (DDP's orthogonalization_epsilon). "
+                        "0 keeps P orthonormal at any scale (with a warm start P grows with the gradient's "
+                        "square, so a fixed EPS distorts small gradients); a zero column stays zero, never NaN "
+                        "(default: %(default)s)")
+    g.add_argument("--powersgd-error-feedback", type=_on_off, default="on", metavar="on|off",
+                   help="add what a rank did not send to its next step's gradient (DDP's use_error_feedback); "
+                        "off drops it, for comparison only: PowerSGD without it converges worse "
+                        "(default: %(default)s)")
 
 
 def _cut_points(text):
@@ -344,6 +395,8 @@ def validate(args, world_size):
     if args.shard_optimizer == "on" and args.mode == "ps":
         raise HpctrainError("--shard-optimizer on is for --mode ring (in ps mode the servers "
                             "already hold the optimizer state in shards)")
+    if args.compression != "none":
+        _check_compression(args)
     if args.lr_schedule == "step" and not args.lr_decay_steps:
         raise HpctrainError("--lr-schedule step needs --lr-decay-steps N (N > 0)")
     if args.lr_schedule == "cosine" and args.lr_min > args.lr:
@@ -355,6 +408,20 @@ def validate(args, world_size):
     if args.keep_best and not args.eval_every:
         # Best of what? Only the periodic validations (and the final one) choose.
         raise HpctrainError("--keep-best needs --eval-every N (N > 0)")
+
+
+def _check_compression(args):
+    """--compression where it cannot work: one line each, the reason in it."""
+    kind = args.compression
+    if args.mode == "ps":
+        raise HpctrainError(f"--compression {kind} is for --mode ring (and a pipeline's replicas): in ps mode each "
+                            f"worker pushes its gradient to the servers point to point, and PowerSGD's two sums "
+                            f"per step (P, then Q) have no place in a ps round; use --mode ring")
+    if kind in ("fp16", "bf16") and args.allreduce in ("mpi", "nccl"):
+        what = "MPI has no 16-bit float sum" if args.allreduce == "mpi" else "NCCL sums 16-bit floats in 16 bits"
+        raise HpctrainError(f"--compression {kind} with --allreduce {args.allreduce}: {what}, and hpctrain's "
+                            f"16-bit exchange sums in float32 over its own rings; use --allreduce auto, ring or "
+                            f"hier (--compression powersgd works with {args.allreduce}: its factors are float32 sums)")
 
 
 def parse(argv=None, quiet=False, prog="python -m hpctrain.train"):
@@ -391,6 +458,14 @@ def doubtful(args, parser):
                      f"the learning rate never reaches --lr {args.lr:g}")
     if args.model != "mlp" and args.hidden != default("hidden"):
         lines.append(f"--hidden has no effect with --model {args.model} (it sizes --model mlp)")
+    powersgd = [flag for flag in ("powersgd_rank", "powersgd_start", "powersgd_min_rate", "powersgd_warm_start",
+                                  "powersgd_epsilon", "powersgd_error_feedback") if getattr(args, flag) != default(flag)]
+    if powersgd and args.compression != "powersgd":
+        lines.append(f"{', '.join('--' + f.replace('_', '-') for f in powersgd)} ha{'ve' if len(powersgd) > 1 else 's'} "
+                     f"no effect without --compression powersgd")
+    elif args.compression == "powersgd" and args.steps and args.powersgd_start >= args.steps:
+        lines.append(f"--powersgd-start {args.powersgd_start} is not before the last step ({args.steps}): "
+                     f"nothing is compressed")
     if not args.hidden and args.model == "mlp":
         lines.append("--hidden gives no layer widths: the model is linear (inputs straight to the "
                      "classes, no hidden layer)")

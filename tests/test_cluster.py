@@ -19,7 +19,8 @@ each node's link against what the algorithm must send; a pipeline with one
 stage per node (only activations and their gradients cross, and it trains
 as --accumulate-steps on one node, bit for bit); `sbatch -N 2` of the
 real jobs/ring.slurm and jobs/ps.slurm against the same training on one
-node; kill-and-requeue across nodes (bit-exact); and a node failure: the
+node; --compression fp16/bf16 (half the bytes cross) and PowerSGD (its
+factors) on hier across the nodes; kill-and-requeue across nodes (bit-exact); and a node failure: the
 second compute node dies mid-job (its slurmd and every process in it), SLURM
 marks it down after SlurmdTimeout and requeues the job (--requeue), the node
 comes back, and the job resumes from its checkpoint (bit-exact).
@@ -275,6 +276,38 @@ def test_mpirun_across_nodes_sends_what_the_algorithm_must(cluster, tmp_path, ho
     assert rank_hosts(proc.stdout) == PLACED[hosts]
     assert ACCURACY.search(proc.stdout), proc.stdout
     assert_bytes(moved, STEPS_FOR_BYTES * per_step * GRAD_BYTES, f"{' '.join(flags)} on {hosts}")
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_16_bit_compression_across_nodes_sends_half_the_bytes(cluster, tmp_path, kind):
+    """--compression fp16/bf16 on hier: 16-bit words cross the nodes (the
+    loss and stop slots float32, 8 bytes), float32 inside them; sharded by
+    the node's ring, so the parameters' allgather crosses nothing."""
+    metrics = tmp_path / "m.jsonl"
+    proc, moved = cluster.mpirun(BLOCK, 4, "--allreduce", "hier", "--compression", kind, "--hidden", "500,500",
+                                 "--steps", STEPS_FOR_BYTES, "--log-every", STEPS_FOR_BYTES, "--metrics", metrics)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ACCURACY.search(proc.stdout) and f"compression {kind}" in proc.stdout, proc.stdout
+    assert "shards of each node" in proc.stdout, proc.stdout
+    assert_bytes(moved, STEPS_FOR_BYTES * (GRAD_BYTES // 2 + 2 * 2 + 8), f"hier --compression {kind}")
+
+
+def test_powersgd_across_nodes_sends_its_factors(cluster, tmp_path):
+    """PowerSGD from step 0 on hier across nodes: per step the factors and
+    the uncompressed tensors (the final record's sent_bytes_per_step), a few
+    percent of the float32 gradient; start-up's parameter broadcast and the
+    end's evaluation add about one gradient's bytes."""
+    metrics = tmp_path / "m.jsonl"
+    proc, moved = cluster.mpirun(BLOCK, 4, "--allreduce", "hier", "--compression", "powersgd", "--powersgd-start",
+                                 0, "--hidden", "500,500", "--steps", STEPS_FOR_BYTES, "--log-every",
+                                 STEPS_FOR_BYTES, "--metrics", metrics)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ACCURACY.search(proc.stdout), proc.stdout
+    sent = json.loads(metrics.read_text().splitlines()[-1])["sent_bytes_per_step"]
+    assert sent < 0.05 * GRAD_BYTES
+    for node, (out, into) in moved.items():
+        for value in (out, into):
+            assert STEPS_FOR_BYTES * sent <= value <= STEPS_FOR_BYTES * sent + 3 * GRAD_BYTES, (node, moved, sent)
 
 
 def test_hier_equals_the_flat_ring_across_nodes(cluster, tmp_path):

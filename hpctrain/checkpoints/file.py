@@ -11,6 +11,9 @@ written by the chief only. It holds everything a bit-exact resume needs:
     model_state            float32 (m,)    the model's non-trainable state (batch-norm running
                                            statistics; the chief's), only when m > 0
     data_positions         int64 (W, 2)    each worker's reader position: epoch, samples of its permutation taken
+    compression/<name>     float32         --compression powersgd's state, only when it has some
+                                           (checkpoints/compression.py: each worker's error feedback,
+                                           W x n; the Qs); older files have none and load as before
     attrs                  format, format_version, step, optimizer_t, optimizer_state,
                            the settings that must match on resume (settings.SAME_ON_RESUME),
                            run information (world_size, num_ps, steps, lr, ...),
@@ -107,6 +110,7 @@ class Checkpoint:
     attrs: dict = field(default_factory=dict)
     model_state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     source: object = None   # the open file of a lazy read
+    compression_state: dict = field(default_factory=dict)   # name -> flat float32 (compression/<name>)
 
     @property
     def name(self):
@@ -144,13 +148,14 @@ class Pieces:
 # writing
 
 def save(directory, step, params, optimizer_state, optimizer_t, data_positions, settings, keep=3,
-         info=None, model_state=None):
+         info=None, model_state=None, compression_state=None):
     """Write DIR/ckpt-<step>.h5 atomically; keep the newest `keep`; return its path.
 
     params and each optimizer state array: 1-D float32 (host arrays); data_positions:
     (workers, 2) int64 (epoch, offset); model_state: 1-D float32 or None (none);
     settings: the values that must match on resume (settings.same_on_resume); info:
-    more attributes recorded for people (world size, lr, ...), checked by no one.
+    more attributes recorded for people (world size, lr, ...), checked by no one;
+    compression_state: {name: 1-D float32} or None (checkpoints/compression.py).
     """
     import h5py
     params = params if isinstance(params, Pieces) else _flat32(params, "params")
@@ -163,14 +168,18 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
         model_state = model_state if model_state.size else None
     else:
         model_state = _flat32(model_state, "model state") if model_state is not None and len(model_state) else None
+    compressed = {name: _flat32(a, f"compression state {name}") for name, a in (compression_state or {}).items()}
     attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step),
              "optimizer_t": int(optimizer_t), "optimizer_state": ",".join(state),
              "model_state": 0 if model_state is None else int(model_state.size)}
+    if compressed:   # absent otherwise: the attributes of a run without it stay as they were
+        attrs["compression_state"] = ",".join(compressed)
     for key, value in {**(info or {}), **settings}.items():
         if key not in attrs:
             attrs[key] = _attr_value(key, value)
     datasets = {"params": params, "data_positions": positions,
-                **{f"optimizer/{name}": a for name, a in state.items()}}
+                **{f"optimizer/{name}": a for name, a in state.items()},
+                **{f"compression/{name}": a for name, a in compressed.items()}}
     if model_state is not None:
         datasets["model_state"] = model_state
 
@@ -436,6 +445,8 @@ def read(path, lazy=False):
             keys = ["params", "data_positions"] + [f"optimizer/{n}" for n in names]
             if attrs.get("model_state", 0):   # written before batch norm: absent, none
                 keys.append("model_state")
+            compressed = [n for n in str(attrs.get("compression_state", "")).split(",") if n]
+            keys += [f"compression/{n}" for n in compressed]   # written before --compression: none
             found = {key: stored_dataset(f, key, size) for key in keys}
             if sum(obj.nbytes for obj in found.values()) > size:
                 raise _Refused(f"its datasets hold more bytes than the file ({size})")
@@ -482,7 +493,8 @@ def read(path, lazy=False):
         ckpt = Checkpoint(path=os.fspath(path), step=attrs["step"], optimizer_t=attrs["optimizer_t"],
                           params=params, optimizer_state=state,
                           data_positions=positions.astype(np.int64, copy=False), attrs=attrs,
-                          model_state=model_state, source=source if lazy else None)
+                          model_state=model_state, source=source if lazy else None,
+                          compression_state={n: datasets[f"compression/{n}"] for n in compressed})
     except BaseException:
         if source is not None:
             source.close()

@@ -250,14 +250,17 @@ class Checkpoints:
         return everyone
 
     def save(self, comm, step, params, optimizer_state, optimizer_t, positions, model_state=None, senders=None,
-             on_failure=None):
+             on_failure=None, compression=None):
         """Collective over comm: the chief writes the checkpoint of `step` from
         the arrays it passes (device or host, or checkpoints/file.Pieces that
         the other ranks send as the file takes them: `senders`, run by them
         meanwhile, and `on_failure`, run by the chief when its write fails,
         so that no sender is left waiting) and prunes to
-        --keep-checkpoints. A failure to write stops every rank of comm with
-        one error line. Returns the path on the chief."""
+        --keep-checkpoints. compression: (state arrays, attributes) of
+        --compression powersgd (checkpoints/compression.py) or None. A
+        failure to write stops every rank of comm with one error line.
+        Returns the path on the chief."""
+        arrays, more = compression or ({}, {})
         world, outputs, data = self.world, self.outputs, self.data
 
         def host(array):
@@ -278,8 +281,8 @@ class Checkpoints:
                                            info=dict(self.plan.recorded, samples=self.samples_at(step),
                                                      data=data.dir, data_digest=data.digest,
                                                      **self.best.checkpoint_attrs(),
-                                                     **trained.record(self.plan.spec, self.plan)),
-                                           model_state=host(model_state))
+                                                     **trained.record(self.plan.spec, self.plan), **more),
+                                           model_state=host(model_state), compression_state=arrays or None)
             except BaseException:
                 if on_failure is not None:
                     on_failure()

@@ -46,6 +46,11 @@ reduced: from the strategy's own host copy where it has one (staged), else
 with a small copy by whichever thread reduced the bucket, right after the
 strategy synchronized its stream. The training loop reads the stop flag and
 the loss there every step without a device synchronization of its own.
+
+Compressed (`exchange=` comm/compress.py's, --compression): a bucket's sum
+(sharded: its reduce-scatter) is the exchange's `allreduce(lo, hi)`
+(`reduce_scatter(lo, hi)`) of the buffer instead of the strategy's; the
+rest is as above, the sharded allgather of the parameters (float32) included.
 """
 import queue
 import threading
@@ -109,8 +114,10 @@ class FusedAllreduce:
     """
 
     def __init__(self, strategy, buffer, ready_from, buckets, marks=None, on_reduced=None,
-                 overlap=True, timeline=None, watchdog=None, gather=None, head=2, before_updates=None):
+                 overlap=True, timeline=None, watchdog=None, gather=None, head=2, before_updates=None,
+                 exchange=None):
         self.strategy = strategy
+        self.exchange = exchange
         self.before_updates = before_updates
         self.buffer = buffer
         if gather is not None and (gather.shape != buffer.shape or gather.dtype != buffer.dtype):
@@ -220,18 +227,22 @@ class FusedAllreduce:
         """Sum bucket [lo, hi) (all of it, or this rank's part with gather);
         then, unless deferred, its update (and allgather)."""
         t0 = time.perf_counter()
-        buf = self.buffer[lo:hi]
+        buf, exchange = self.buffer[lo:hi], self.exchange
         if self.gather is not None:
-            a, b = self.strategy.reduce_scatter(buf)
+            a, b = exchange.reduce_scatter(lo, hi) if exchange else self.strategy.reduce_scatter(buf)
             what = "reduce-scatter"
         else:
-            self.strategy.allreduce(buf)
+            if exchange:
+                exchange.allreduce(lo, hi)
+            else:
+                self.strategy.allreduce(buf)
             self._copy_head(lo, buf)
             a, b, what = 0, hi - lo, "allreduce"
         t1 = time.perf_counter()
         self._spans.append((t0, t1, False))
         if self.timeline is not None:
-            self.timeline.add(f"{what} [{lo}:{hi})", "comm", t0, t1, {"bytes": (hi - lo) * self.buffer.itemsize})
+            sent = exchange.sent_bytes(lo, hi) if exchange else (hi - lo) * self.buffer.itemsize
+            self.timeline.add(f"{what} [{lo}:{hi})", "comm", t0, t1, {"bytes": sent})
         if self.before_updates is None:
             self._update(lo, hi, a, b)
 

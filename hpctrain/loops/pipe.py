@@ -21,9 +21,12 @@ from ..comm import make_allreduce
 from ..comm.device_buffers import bcast
 from ..comm.topology import Topology
 from ..optim.optimizers import make_optimizer, state_bytes
+from ..comm.compress import summary
+from ..pipeline import compression as pipeline_compression
 from ..pipeline import schedule as sched
 from ..pipeline import whole
 from ..pipeline.engine import Engine
+from ..pipeline.compression import StageCompression
 from ..pipeline.grid import Grid
 from ..pipeline.stage import Stage
 from ..pipeline.stages import owned_pieces, stage_pieces
@@ -61,20 +64,30 @@ def train_pipe(world, plan, inputs, timeline):
                                owned=owned_pieces(pieces, strategy.shard, stage.body_at) if sharded else None)
     reader = prefetch.device_batches(inputs.reader(world.comm, grid.replica, grid.replicas, stage_arrays(grid)), xp)
     layouts = whole.Layouts(spec, cuts)
+    # --compression: the stage's replicas average through its exchange (none with one replica)
+    compression = StageCompression(plan.compression, spec, cuts, stage, strategy)
+    if compression.exchange is not None:
+        world.say(summary(compression.exchange, pieces, sharded).replace("hpctrain: ", "hpctrain: stage 0's "))
+    elif plan.compression.kind != "none":
+        world.say(f"hpctrain: --compression {plan.compression.kind}: one replica a stage, nothing is exchanged "
+                  f"and nothing compressed")
 
     # --- resume: the chief's file, each stage its slice ----------------------
-    frame.resumed(reader, lambda resume: whole.resume_stage(world, spec, grid, stage, optimizer, layouts, resume))
+    def restore(resume):
+        whole.resume_stage(world, spec, grid, stage, optimizer, layouts, resume)
+        pipeline_compression.restore(world, grid, compression, layouts, resume)
+    frame.resumed(reader, restore)
 
     # --- training, then the end ----------------------------------------------
     engine = Engine(world, spec, grid, stage, strategy, optimizer, actions, pieces, plan.data.batch_size,
                     plan.optimizer.clip_norm, plan.ring.fusion_elems,
-                    StageTrace(world, plan.outputs, timeline, grid, stage, optimizer))
+                    StageTrace(world, plan.outputs, timeline, grid, stage, optimizer), compression=compression)
     model = whole.Pipelined(world, plan, engine, layouts)   # what the frame evaluates and saves, stage by stage
     step, stopped = train_steps(world, frame, engine, layouts, reader, model)
     extra = {"workers": grid.replicas, "global_batch": plan.per_step, "pipeline_stages": grid.stages,
              "micro_batches": micro, "schedule": pipe.schedule, "replicas": grid.replicas,
              "pipeline_split": pipe.split, "shard_optimizer": "on" if engine.sharded else "off",
-             **(engine.clip.totals() if engine.clip else {})}
+             **(engine.clip.totals() if engine.clip else {}), "compression": plan.compression.kind}
     record = frame.end(step, stopped and step < frame.steps, world.comm, model,
                        save=lambda at: whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at),
                        extra=extra, state_bytes=state_bytes(optimizer))
@@ -116,7 +129,7 @@ def train_steps(world, frame, engine, layouts, reader, model):
             # the reader reuses its arrays: each micro-batch's own copy
             batches = [frame.batch(reader, own=True) for _ in range(engine.micro)]
             t0 = time.perf_counter()
-            loss, stopped = engine.run(batches, frame.plan.lr(step))
+            loss, stopped = engine.run(batches, frame.plan.lr(step), step)
             t1 = time.perf_counter()
             frame.timed(t0, engine.schedule_done, t1)
             step += 1

@@ -9,7 +9,9 @@ batches, the accounting, the end).
 import time
 
 from .. import device, prefetch
+from ..checkpoints import compression as compression_state
 from ..comm import make_allreduce
+from ..comm.compress import summary
 from ..comm.device_buffers import bcast
 from ..comm.topology import Topology
 from ..optim.clipping import Clip
@@ -36,7 +38,9 @@ def train_ring(world, plan, inputs, timeline):
         sharded=ring_plan.shard_optimizer, clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=ring_plan.overlap, timeline=timeline if timeline.enabled else None, watchdog=world.watchdog,
-        accumulate=ring_plan.accumulate_steps)
+        accumulate=ring_plan.accumulate_steps, compression=plan.compression)
+    if ring.exchange is not None:
+        world.say(summary(ring.exchange, ring.buckets, ring.sharded))
     model = ring.model
     model.init(plan.data.seed)
     # Identical start everywhere: rank 0's parameters.
@@ -50,13 +54,19 @@ def train_ring(world, plan, inputs, timeline):
         # every rank holds the whole state: the chief's copy goes to all
         frame.checkpoints.broadcast_state(comm, resume, model.params, ring.optimizer)
         frame.checkpoints.broadcast_model_state(comm, resume, model.state)
+        # --compression powersgd: each worker its own error feedback, every rank the Qs
+        compression_state.restore(world, comm, resume, ring.exchange, ring.error, ring.layout_key,
+                                  plan.compression.kind)
     frame.resumed(reader, restore)
 
     # --- training, then the end ---------------------------------------------
     evaluated = WholeModel(world, plan, model)   # what the chief evaluates and saves
     step, stopped = train_steps(world, frame, ring, reader, evaluated)
     ring.close()   # the communication thread ends with the loop
-    extra = {"shard_optimizer": "on" if ring.sharded else "off", **(ring.clip.totals() if ring.clip else {})}
+    extra = {"shard_optimizer": "on" if ring.sharded else "off", **(ring.clip.totals() if ring.clip else {}),
+             "compression": plan.compression.kind}
+    if ring.exchange is not None:
+        extra["sent_bytes_per_step"] = ring.sent_bytes()   # what each rank hands its allreduce, compressed
     return frame.end(step, stopped and step < frame.steps, comm, evaluated,
                      save=lambda at: save_checkpoint(frame.checkpoints, comm, ring, reader, at),
                      extra=extra, state_bytes=state_bytes(ring.optimizer))
@@ -72,7 +82,7 @@ def train_steps(world, frame, ring, reader, evaluated):
             with timeline.span("data", cat="data"):
                 x, y, noise = frame.batch(reader)
             t0 = time.perf_counter()
-            ring.begin(frame.plan.lr(step), world.stop.received)
+            ring.begin(frame.plan.lr(step), world.stop.received, step)
             for _ in range(ring.accumulate_steps - 1):   # --accumulate-steps: no exchange for these
                 ring.accumulate(x, y, noise=noise)
                 with timeline.span("data", cat="data"):
@@ -107,4 +117,6 @@ def save_checkpoint(checkpoints, comm, ring, reader, step):
     positions = checkpoints.gather_positions(reader)
     # Sharded: the chief gathers the full-length state (the same file either way).
     state = checkpoints.gather_state(comm, ring.optimizer) if ring.sharded else ring.optimizer.state()
-    checkpoints.save(comm, step, ring.model.params, state, ring.optimizer.t, positions, ring.model.state)
+    compression = compression_state.gather(checkpoints.world, comm, ring.exchange, ring.error, ring.layout_key)
+    checkpoints.save(comm, step, ring.model.params, state, ring.optimizer.t, positions, ring.model.state,
+                     compression=compression)

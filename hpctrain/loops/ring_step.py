@@ -26,12 +26,20 @@ layer's gradient is done its accumulated part is added in before its bucket
 starts, the loss slot gets the mean of the K losses, and the optimizer's
 gradient scale is 1/(workers x K): one step over K x B samples.
 
+With --compression (comm/compress.py) each bucket is exchanged compressed
+(`exchange`): fp16/bf16 as 16-bit words, PowerSGD as low-rank factors with
+this rank's error feedback; the optimizer, the norm and the stop flag see
+the decompressed sum as they see today's.
+
     mpirun -n 4 python -m hpctrain.train --steps 200 --shard-optimizer on --clip-norm 1
+    mpirun -n 4 python -m hpctrain.train --steps 200 --compression powersgd --powersgd-start 20
 """
+from ..comm.compress import make_exchange, sharding_for
 from ..comm.fusion import FusedAllreduce, bucket_bounds, owned_ranges
 from ..comm.grad_norm import BucketNorm
 from ..comm.wire import GRADS, LOSS, STOP, Wire
 from ..nn.accumulate import Accumulation
+from ..optim.compression import powersgd_layout
 from ..optim.optimizers import make_optimizer
 
 
@@ -69,10 +77,11 @@ class RingStep:
     optimizer: (name, keyword arguments of optim.make_optimizer);
     fusion_elems: bucket size in elements (0: one bucket); clip: a
     clipping.Clip or None; marks, overlap, timeline, watchdog: as
-    FusedAllreduce takes them."""
+    FusedAllreduce takes them; compression: a run/plan.Compression or None
+    (the buckets' exchange, comm/compress.py; `exchange` is None without)."""
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
-                 marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1):
+                 marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None):
         n = spec.num_params
         self.sharded, self.clip, self.accumulate_steps = sharded, clip, int(accumulate)
         self.grad_scale = 1.0 / (comm.Get_size() * self.accumulate_steps)
@@ -81,14 +90,24 @@ class RingStep:
         self.model = spec.build(xp, params=self.param_wire.body if sharded else None, grads=self.wire.body)
         ready_from = self.wire.ready_from(self.model.layer_ranges)
         self.buckets = bucket_bounds(self.wire.size, fusion_elems, ready_from)
+        # sharded with --compression on several nodes: hier's node shards (comm/compress.py)
+        strategy = sharding_for(strategy, compression) if sharded else strategy
+        self.strategy = strategy
         owned = [self.wire.body_range(lo, hi) for lo, hi in owned_ranges(strategy, self.buckets)] \
             if sharded else None
         name, kwargs = optimizer
         self.optimizer = make_optimizer(name, n, xp, owned=owned, **kwargs)
         # The norm of the gradient part only (the loss and stop slots ride
         # along), the same bits sharded or not (comm/grad_norm.py).
-        self.norm = BucketNorm(strategy, self.buckets, self.wire.buffer, skip=GRADS, sharded=sharded, comm=comm,
+        self.norm = BucketNorm(strategy, self.buckets, self.wire.buffer, skip=GRADS, sharded=sharded,
+                               comm=getattr(strategy, "shard_comm", comm),
                                watchdog=watchdog) if clip else None
+        # --compression: the buckets' exchange; PowerSGD's matrices in wire
+        # offsets (GRADS on), fp16/bf16's float32 loss and stop slots.
+        self.matrices, self.layout_key = powersgd_layout(spec.tensors, compression.rank, compression.min_rate) \
+            if compression is not None and compression.kind == "powersgd" else ([], "")
+        self.exchange = make_exchange(compression, strategy, self.wire.buffer, self.matrices, offset=GRADS,
+                                      exact=GRADS) if compression is not None else None
         # Clipping needs the whole summed gradient's norm, so the updates wait
         # for the last bucket (comm/fusion.py's deferred updates).
         self.fused = FusedAllreduce(
@@ -96,7 +115,7 @@ class RingStep:
             on_reduced=BucketUpdate(self.optimizer, self.model, self.wire, self.param_wire),
             before_updates=ClipScale(self.optimizer, clip, self.norm, self.grad_scale) if clip else None,
             overlap=overlap, timeline=timeline, watchdog=watchdog,
-            gather=self.param_wire.buffer if sharded else None)
+            gather=self.param_wire.buffer if sharded else None, exchange=self.exchange)
         self.layer_done, self.loss_out, self.forward_done = self.fused.layer_done, self.wire.loss, None
         if self.accumulate_steps > 1:
             # the first K - 1 micro-batches' gradients and losses (nn/accumulate.py)
@@ -121,13 +140,28 @@ class RingStep:
         self.acc.into(self.model.grads, lo, hi)
         self.fused.layer_done(k)
 
-    def begin(self, lr, stop):
-        """Before backprop: this step's learning rate, and this rank's wish to stop."""
+    def begin(self, lr, stop, step=0):
+        """Before backprop of 0-based `step`: its learning rate, this rank's
+        wish to stop, and (--compression powersgd) whether it is compressed."""
         self.wire.set_stop(stop)
+        if self.exchange is not None:
+            self.exchange.begin(step)
         self.optimizer.begin(lr, self.grad_scale)
         if self.accumulate_steps > 1:
             self.acc.restart()
             self.acc_loss.restart()
+
+    @property
+    def error(self):
+        """This rank's PowerSGD error feedback over the model's parameters (a view), or None."""
+        error = getattr(self.exchange, "error", None)
+        return None if error is None else error[GRADS:]
+
+    def sent_bytes(self):
+        """Bytes this rank hands its strategy per step (compressed), or None."""
+        if self.exchange is None:
+            return None
+        return sum(self.exchange.sent_bytes(lo, hi) for lo, hi in self.buckets)
 
     def summed(self):
         """(loss summed over the ranks, did any rank ask to stop), read from the

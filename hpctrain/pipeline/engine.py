@@ -8,7 +8,8 @@ communicator); then the stage's micro-batches' gradient, summed as
 (the --allreduce strategy on the stage communicator, over ring mode's
 buckets) and the update (sharded: reduce-scatter, each replica its part,
 allgather). So a pipeline ends with the parameters of `--accumulate-steps
-M` on R ranks, bit for bit (tests/test_pipeline.py).
+M` on R ranks, bit for bit (tests/test_pipeline.py). With --compression the
+pieces go through the stage's exchange (pipeline/compression.py) instead.
 
 The loss lives on the last stage, layer 0 on the first: each step one world
 Allreduce of [loss, stop] (the last stages' mean loss over their
@@ -57,11 +58,15 @@ class Engine:
     stage's schedule (schedule.py); pieces: ring mode's buckets of the
     stage's wire (stages.stage_pieces); batch: a micro-batch's samples;
     clip_norm: --clip-norm or None; fusion_elems: the buckets' size, for the
-    norm's parts; trace: its --timeline spans (trace.StageTrace)."""
+    norm's parts; trace: its --timeline spans (trace.StageTrace);
+    compression: the stage's pipeline/compression.StageCompression or None
+    (--compression: the pieces through its exchange instead of the strategy)."""
 
     def __init__(self, world, spec, grid, stage, strategy, optimizer, actions, pieces, batch, clip_norm,
-                 fusion_elems, trace):
+                 fusion_elems, trace, compression=None):
         self.world, self.grid, self.stage, self.strategy, self.optimizer = world, grid, stage, strategy, optimizer
+        self.compression = compression
+        self.exchange = compression.exchange if compression is not None else None
         self.spec = spec
         self.sharded = getattr(optimizer, "ranges", None) is not None
         self.xp, self.micro, self.actions = world.xp, stage.micro, actions
@@ -105,10 +110,13 @@ class Engine:
         owned = self.optimizer.ranges if self.sharded else [(0, stage.hi - stage.lo)] if grid.replica == 0 else []
         return StageNorm(ranges, stage.lo, owned, grid, self.world.comm, self.world.watchdog)
 
-    def run(self, batches, lr):
-        """batches: M (x, y, noise); returns (loss summed over the replicas, whether any rank stops)."""
+    def run(self, batches, lr, step=0):
+        """batches: M (x, y, noise) of 0-based `step`; returns (loss summed over the replicas, whether any
+        rank stops)."""
         trace, start = self.trace, time.perf_counter()
         self.optimizer.begin(lr, self.grad_scale)
+        if self.exchange is not None:
+            self.exchange.begin(step)
         self.losses.restart()
         self._step = _Step(batches)
         for receives in (self.from_before, self.from_next):
@@ -209,7 +217,8 @@ class Engine:
             with self.trace.span("reduce-scatter"):
                 mine = []
                 for a, b in self.pieces:
-                    lo, hi = self.strategy.reduce_scatter(stage.wire[a:b])
+                    lo, hi = self.exchange.reduce_scatter(a, b) if self.exchange else \
+                        self.strategy.reduce_scatter(stage.wire[a:b])
                     mine.append(body_range(a + lo, a + hi, stage.body_at))
             with self.trace.span("update"):
                 self._clip(grads)
@@ -224,7 +233,10 @@ class Engine:
         if self.strategy is not None:
             with self.trace.span("allreduce"):
                 for a, b in self.pieces:   # ring mode's buckets, in its order of sums
-                    self.strategy.allreduce(stage.wire[a:b])
+                    if self.exchange is not None:
+                        self.exchange.allreduce(a, b)
+                    else:
+                        self.strategy.allreduce(stage.wire[a:b])
         with self.trace.span("update"):
             self._clip(grads)
             self.optimizer.update(params, grads)

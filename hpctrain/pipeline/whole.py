@@ -37,6 +37,7 @@ from ..checkpoints.sharded import ShardedState
 from ..errors import HpctrainError
 from ..nn.sequential import INIT_VERSION
 from ..run.outputs import temp_next_to
+from . import compression as pipeline_compression
 from .stages import ranges
 
 TAG = 31000          # checkpoint, --save and resume pieces, on the pipe communicator (engine.py: 31001)
@@ -138,11 +139,13 @@ def save_checkpoint(world, checkpoints, engine, layouts, reader, step):
         parts["model_state"] = (layouts.state, stage.state if mine else None)
     stream = ToChief(grid, world.watchdog, sorted(parts), parts)   # the file's order: checkpoints/file.py
     positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first else None
+    compressed = pipeline_compression.gather(world, grid, engine.compression, layouts) \
+        if engine.compression is not None else None   # --compression powersgd's state, whole on the chief
     n = sum(layouts.params[0])
     optimizer_state = {name: Pieces(n, _lazy(stream, f"optimizer/{name}")) for name in sorted(states)}
     model_state = Pieces(spec_state, _lazy(stream, "model_state")) if spec_state else None
     checkpoints.save(world.comm, step, Pieces(n, _lazy(stream, "params")), optimizer_state, optimizer.t, positions,
-                     model_state, senders=stream.send, on_failure=stream.drain)
+                     model_state, senders=stream.send, on_failure=stream.drain, compression=compressed)
 
 
 def _lazy(stream, name):

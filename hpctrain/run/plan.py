@@ -8,8 +8,9 @@ Two decisions, each by every rank alike:
   model's spec (the data's image shape and class count), the data workers (a
   pipeline's replicas), the samples per step, the ps replicas to aggregate,
   the fusion size, the rules for --shard-optimizer auto and --overlap auto,
-  the pipeline's cuts, and the learning-rate schedule, whose total steps are
-  --steps or --epochs counted over the data from step 0;
+  the pipeline's cuts, the gradient compression, and the learning-rate
+  schedule, whose total steps are --steps or --epochs counted over the data
+  from step 0;
 - `Plan.last_step(resume)`, once the resume point is known: with --epochs,
   a run resized on resume still trains E epochs from the checkpoint's
   samples on (`epochs_end`), not the steps E would be at its new size from
@@ -79,7 +80,11 @@ def shard_wanted(flag, workers=1, xp=np, allreduce="auto"):
     CPUs) and where it gives the same parameters bit for bit: 2 or more
     workers, NumPy, and hpctrain's own ring or hierarchical allreduce
     (`--allreduce auto|ring|hier`; MPI's reduce-scatter sums in another
-    order). Off on GPUs until the device check has compared both there."""
+    order). Off on GPUs until the device check has compared both there.
+    With --compression too: on several nodes hier then shards by the node's
+    ring (comm/compress.py NodeShards), so only the compressed sum crosses
+    the nodes; measured on one node, where the unsharded optimizer cost the
+    compressed runs more than compression did (docs/ring.md)."""
     if flag != "auto":
         return flag == "on"
     return workers >= 2 and xp is np and allreduce in ("auto", "ring", "hier")
@@ -161,6 +166,34 @@ class Ring:
 
 
 @dataclass(frozen=True)
+class Compression:
+    """--compression and PowerSGD's settings (comm/compress.py): what ring
+    mode's buckets and a pipeline stage's replicas exchange."""
+    kind: str = "none"          # none, fp16, bf16, powersgd
+    rank: int = 4               # --powersgd-rank
+    start: int = 0              # --powersgd-start: float32 before this step
+    min_rate: float = 2.0       # --powersgd-min-rate
+    warm_start: bool = True     # --powersgd-warm-start
+    epsilon: float = 0.0        # --powersgd-epsilon
+    error_feedback: bool = True  # --powersgd-error-feedback
+    seed: int = 0               # --seed: the initial Qs' draw
+
+    @property
+    def stateful(self):
+        """Whether it keeps state from step to step (error feedback, Q) that checkpoints carry."""
+        return self.kind == "powersgd"
+
+
+def compression_plan(args):
+    if args.compression != "powersgd":
+        return Compression(kind=args.compression, seed=args.seed)
+    return Compression(kind="powersgd", rank=args.powersgd_rank, start=args.powersgd_start,
+                       min_rate=args.powersgd_min_rate, warm_start=args.powersgd_warm_start == "on",
+                       epsilon=args.powersgd_epsilon, error_feedback=args.powersgd_error_feedback == "on",
+                       seed=args.seed)
+
+
+@dataclass(frozen=True)
 class Ps:
     num_ps: int
     ps_ranks: str
@@ -222,6 +255,7 @@ class Plan:
     world_size: int
     recorded: dict          # what a checkpoint records of the job (identity.recorded)
     resume_key: dict        # what a resume must match (identity.same_on_resume)
+    compression: Compression = Compression()   # --compression (ring mode, a pipeline's replicas)
 
     @property
     def pipelined(self):
@@ -295,4 +329,5 @@ def make_plan(args, world, spec, data, schedule, cuts):
                         eval_every=args.eval_every, log_every=args.log_every, tensorboard=args.tensorboard),
         epochs=args.epochs, timeout=args.timeout, world_size=cluster.size,
         recorded=identity.recorded(args, cluster.size, workers, spec),
-        resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps))
+        resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps),
+        compression=compression_plan(args))

@@ -18,7 +18,9 @@
 #      optimizer update against the replicated one and per-thread default
 #      streams against the legacy one (bit for bit, 2 ranks)
 #      and a CNN (--model cnn) GPU vs CPU after 20 SGD steps, with its images/s on each
-#      (the optimizers' one CuPy kernel per range is held to NumPy's bits in step 2)
+#      (the optimizers' one CuPy kernel per range is held to NumPy's bits in step 2);
+#      --compression: the codecs' words on the device against the CPU's, and
+#      fp16, bf16, PowerSGD trained on the GPU against the CPU (2 ranks)
 #   4. benchmarks: allreduce with CuPy buffers, training GPU vs CPU, default
 #      and wide (--hidden 4096,4096) model
 # and prints one table. Logs go to $OUT (if set) or /tmp/hpctrain-device-check.
@@ -248,6 +250,58 @@ if time_left "pipeline 2 stages on the GPU == --accumulate-steps 4"; then
         row "pipeline 2 stages on the GPU == --accumulate-steps 4" FAIL "rc pipe=$a acc=$b (logs pipe_*.txt)"
     fi
 fi
+
+# --compression (issue 31): the codecs on the device give the CPU's words (the same
+# ufuncs, one block a kernel), PowerSGD is exact there for a low-rank matrix, and each
+# compression trains on the GPU to the CPU's parameters after the same SGD steps
+# (16-bit sums: a tie rounded apart, a last bit, may move them a little more than float32's).
+if time_left "compression codecs on the GPU == CPU words"; then
+    timeout 90 "$PY" - > "$LOGS/compression_codecs.txt" 2>&1 <<'EOF'
+import numpy as np, cupy as cp
+from hpctrain.optim.compression import Half, initial_q, orthogonalise
+rng = np.random.default_rng(0)
+x = np.concatenate([rng.standard_normal(1 << 20).astype(np.float32) * np.float32(1e-4),
+                    rng.integers(0, 2 ** 32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+bad = []
+for kind in ("fp16", "bf16"):
+    codec = Half(kind)
+    cpu = codec.encode(x, np.empty(x.size, np.uint16))
+    gpu = codec.encode(cp.asarray(x), cp.empty(x.size, cp.uint16)).get()
+    if not np.array_equal(cpu, gpu):
+        bad.append(f"{kind} encode: {int((cpu != gpu).sum())} words differ")
+    back_cpu = codec.decode(cpu, np.empty(x.size, np.float32))
+    back_gpu = codec.decode(cp.asarray(cpu), cp.empty(x.size, cp.float32)).get()
+    if not np.array_equal(back_cpu.view(np.uint32), back_gpu.view(np.uint32)):
+        bad.append(f"{kind} decode: values differ")
+m = cp.asarray(rng.standard_normal((512, 3)) @ rng.standard_normal((3, 256))).astype(cp.float32)
+p = orthogonalise(m @ cp.asarray(initial_q(0, 0, 256, 4)))
+err = float(cp.abs(p @ (m.T @ p).T - m).max() / cp.abs(m).max())
+if err > 1e-5:
+    bad.append(f"PowerSGD of a rank-3 matrix: relative error {err:.1e}")
+print("; ".join(bad) or f"fp16 and bf16 words and values identical; PowerSGD rank 3 of 4: error {err:.1e}")
+raise SystemExit(1 if bad else 0)
+EOF
+    rc=$?
+    row "compression codecs on the GPU == CPU words" "$([ $rc = 0 ] && echo pass || echo FAIL)" \
+        "$(tail -1 "$LOGS/compression_codecs.txt" | cut -c1-150)"
+fi
+for kind in fp16 bf16 powersgd; do
+    time_left "--compression $kind, 2 ranks: GPU vs CPU params" || continue
+    COMP="--compression $kind $SGD"
+    [ $kind = powersgd ] && COMP="$COMP --powersgd-start 10"
+    train "comp_${kind}_gpu" 2 120 --device gpu $COMP --save "$WORK/comp_${kind}_gpu.h5"; g=$?
+    train "comp_${kind}_cpu" 2 120 --device cpu $COMP --save "$WORK/comp_${kind}_cpu.h5"; c=$?
+    if [ $g = 0 ] && [ $c = 0 ]; then
+        d=$(maxdiff "$WORK/comp_${kind}_gpu.h5" "$WORK/comp_${kind}_cpu.h5")
+        ok=$("$PY" -c "print('pass' if float('$d') < 1e-3 else 'FAIL')" 2>/dev/null || echo FAIL)
+        row "--compression $kind, 2 ranks: GPU vs CPU params" "$ok" \
+            "max |diff| = $d (pass < 1e-3), test accuracy $(final "comp_${kind}_gpu" test_accuracy) (CPU $(final "comp_${kind}_cpu" test_accuracy))"
+        row "  compression path, $kind" info "$(grep -o 'compression [a-z0-9]*: .*' "$LOGS/comp_${kind}_gpu.txt" | head -1 | cut -c1-150)"
+    else
+        row "--compression $kind, 2 ranks: GPU vs CPU params" FAIL \
+            "rc gpu=$g cpu=$c $(grep -m1 'hpctrain: error' "$LOGS/comp_${kind}_gpu.txt")"
+    fi
+done
 
 # --- 4. benchmarks (the bench module may be missing or older: failures are reported, not fatal) ---
 if time_left "bench allreduce, 2 ranks, CuPy buffers"; then
