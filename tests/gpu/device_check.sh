@@ -19,6 +19,8 @@
 #      streams against the legacy one (bit for bit, 2 ranks)
 #      and a CNN (--model cnn) GPU vs CPU after 20 SGD steps, with its images/s on each
 #      (the optimizers' one CuPy kernel per range is held to NumPy's bits in step 2);
+#      a pipeline of 2 stages against --accumulate-steps 4 (bit for bit), its
+#      evaluations through the stages on the device against one rank's;
 #      --compression: the codecs' words on the device against the CPU's, and
 #      fp16, bf16, PowerSGD trained on the GPU against the CPU (2 ranks)
 #   4. benchmarks: allreduce with CuPy buffers, training GPU vs CPU, default
@@ -241,11 +243,20 @@ fi
 if time_left "pipeline 2 stages on the GPU == --accumulate-steps 4"; then
     # Stages exchange activations and their gradients through host buffers;
     # the sums follow --accumulate-steps' order, so the same bits as one stage.
-    PIPE="--optimizer adam --steps 60 --log-every 60 --hidden 256,128"
+    # --eval-every 30: an evaluation mid-run and the final test, both through the
+    # stages on the device (pipeline/whole.Pipelined: no rank holds the whole model).
+    PIPE="--optimizer adam --steps 60 --log-every 60 --eval-every 30 --hidden 256,128"
     train pipe_gpu 2 120 --device gpu $PIPE --pipeline-stages 2 --micro-batches 4 --save "$WORK/pipe_gpu.h5"; a=$?
     train pipe_acc 1 120 --device gpu $PIPE --accumulate-steps 4 --save "$WORK/pipe_acc.h5"; b=$?
     if [ $a = 0 ] && [ $b = 0 ]; then
         same_bits "pipeline 2 stages on the GPU == --accumulate-steps 4" pipe_acc pipe_gpu
+        # the same parameters evaluated through the stages and whole: the same loss
+        # up to the order of the loss sum over micro-batches (float64 totals)
+        l1=$(final pipe_gpu test_loss); l2=$(final pipe_acc test_loss)
+        ok=$("$PY" -c "print('pass' if abs(float('$l1') - float('$l2')) <= 1e-5 * abs(float('$l2')) else 'FAIL')" \
+             2>/dev/null || echo FAIL)
+        row "  ... pipelined evaluation on the GPU == whole" "$ok" \
+            "test loss $l1 (pipelined) vs $l2 (one rank), accuracy $(final pipe_gpu test_accuracy) vs $(final pipe_acc test_accuracy) (pass: within 1e-5 relative)"
     else
         row "pipeline 2 stages on the GPU == --accumulate-steps 4" FAIL "rc pipe=$a acc=$b (logs pipe_*.txt)"
     fi
