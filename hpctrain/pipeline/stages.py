@@ -96,7 +96,7 @@ def cut_points(args, spec):
         raise HpctrainError(f"--pipeline-split {args.pipeline_split}: cut points must increase")
     for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
         if not any(spec.layer_tensors[i] for i in range(a, b)):
-            what = f"chunk {s} (stage {s % stages}'s chunk {s // stages}" if virtual > 1 else f"stage {s} ("
+            what = f"chunk {s} (stage {s % stages}'s chunk {s // stages}, " if virtual > 1 else f"stage {s} ("
             raise HpctrainError(f"--pipeline-split {args.pipeline_split}: {what}layers {a}..{b - 1}) "
                                 f"has no layer with parameters")
     return cuts
@@ -136,8 +136,8 @@ def cuts_for(args, world, spec):
                             f"than {MAX_TAGS // 2} micro-batch chunks a step")
     if virtual_stages(args) > 1 and args.clip_norm:
         # the norm's parts (grad_norm.py) follow one contiguous slice per stage
-        raise HpctrainError(f"--virtual-stages {virtual_stages(args)} with --clip-norm: the gradient norm over "
-                            f"a stage's chunks is not built (use --pipeline-schedule 1f1b)")
+        raise HpctrainError(f"--pipeline-schedule interleaved with --clip-norm: the gradient norm over a stage's "
+                            f"{virtual_stages(args)} chunks is not built (use --pipeline-schedule 1f1b or gpipe)")
     if args.overlap == "on":   # auto: a pipeline runs without the thread
         raise HpctrainError("--pipeline-stages with --overlap on: a stage averages its gradient after its "
                             "last micro-batch's backward, with no communication thread to overlap it")

@@ -68,7 +68,7 @@ class _Row:
 class StageTrace:
     """This rank's spans of one step, handed to the chief's timeline after it."""
 
-    def __init__(self, world, outputs, timeline, grid, stage, optimizer):
+    def __init__(self, world, outputs, timeline, grid, chunks, optimizers):
         """world: run/world.World; outputs: the plan's (--timeline, the same on
         every rank, and --timeline-steps); timeline: the chief's trace."""
         self.enabled = outputs.timeline is not None
@@ -77,9 +77,11 @@ class StageTrace:
             return
         self.world, self.comm, self.timeline = world, world.comm, timeline
         self.rows, self.step = [], 0
-        grads = [stage.grad, stage.grads]
-        about = np.array([grid.stage, grid.replica, stage.a, stage.b, stage.params.nbytes,
-                          sum(int(g.nbytes) for g in grads), state_bytes(optimizer), len(stage.models)], np.int64)
+        # with V chunks a stage: its first chunk's first layer to its last chunk's end, their sums
+        grads = [g for c in chunks for g in (c.grad, c.grads)]
+        about = np.array([grid.stage, grid.replica, chunks[0].a, chunks[-1].b, sum(c.params.nbytes for c in chunks),
+                          sum(int(g.nbytes) for g in grads), sum(state_bytes(o) for o in optimizers),
+                          sum(len(c.models) for c in chunks)], np.int64)
         every = np.zeros((self.comm.Get_size(), about.size), np.int64) if world.chief else None
         with world.waiting("timeline start-up (pipeline clocks)", peer=None):
             self.comm.Barrier()
