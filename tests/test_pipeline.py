@@ -258,6 +258,26 @@ def test_timeline_shows_every_stage_running_its_schedule(job, tmp_path, ranks, s
             assert [e["name"] for e in mine][len(want) + 1:] == after
 
 
+def test_timeline_names_each_action_with_its_chunk(job, tmp_path):
+    """--timeline with the interleaved schedule: each rank's track holds its
+    schedule's actions in order, each named with its micro-batch and local
+    chunk (`forward 1b`: chunk 1), then each chunk's update."""
+    steps, micro = 2, 4
+    ok(job(2, *MLP, "--steps", steps, "--batch-size", "8", *INTERLEAVED, "--micro-batches", micro,
+           "--timeline", tmp_path / "t.json"))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    spans = sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
+    for rank in range(2):
+        plan = sched.interleaved(2, micro, rank, 2)
+        want = [f"{ACTION_NAMES[type(a)]} {a.micro}{'ab'[a.chunk]}" for a in plan] + ["wait sends"]
+        for step in range(1, steps + 1):
+            mine = [e for e in spans if e["pid"] == rank and e["args"]["step"] == step]
+            phase = [e for e in mine if e["name"] == "schedule"]
+            inside = [e["name"] for e in mine if e["name"] != "schedule" and e["ts"] < phase[0]["ts"] + phase[0]["dur"]]
+            assert len(phase) == 1 and inside == want, (rank, step, inside)
+            assert [e["name"] for e in mine][len(want) + 1:] == ["update", "update", "loss and stop"]
+
+
 UNSEEDED = '''import hashlib, os
 import numpy as np
 from hpctrain.nn import Dense, Flatten, Layer, ReLU
