@@ -227,6 +227,8 @@ def fitting_pipeline(args, spec, budget, base):
     from ..pipeline.stages import balanced, virtual_stages
     virtual = virtual_stages(args)
     for stages in range(2, len(spec.param_layers) // virtual + 1):
+        if args.pipeline_schedule == "interleaved" and args.micro_batches % stages:
+            continue   # its micro-batches go in groups of P (pipeline/stages.py refuses the others)
         heaviest = max(stage_needs(args, spec, balanced(spec, stages * virtual)))
         if base + heaviest <= budget:
             return stages, heaviest
@@ -253,7 +255,7 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
     --memory-budget or this node's available memory shared among its ranks.
     A refusal names the pipeline that would fit."""
     from ..optim.optimizers import prepare
-    from ..pipeline.stages import ranges, stage_chunks
+    from ..pipeline.stages import ranges, stage_chunks, virtual_stages
     from ..report.step_stats import rss_bytes
     if cuts:
         needs = stage_needs(args, spec, cuts, replicas, sharded)
@@ -290,7 +292,10 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
         line += (f"; --pipeline-stages {fits[0]} would fit (its heaviest stage needs "
                  f"{(base + fits[1]) / 2**30:.2f} GiB)")
     elif not fits:
-        line += "; no pipeline of this model fits either (one layer with parameters per stage at most)"
+        line += ("; no pipeline of this model fits either (one layer with parameters per stage at most)"
+                 if virtual_stages(args) == 1 else f"; no interleaved pipeline of this model with --virtual-stages "
+                 f"{virtual_stages(args)} and --micro-batches {args.micro_batches} fits either (one layer with "
+                 f"parameters per chunk at most, P dividing M)")
     raise HpctrainError(line)
 
 
