@@ -10,6 +10,14 @@ buckets) and the update (sharded: reduce-scatter, each replica its part,
 allgather). So a pipeline ends with the parameters of `--accumulate-steps
 M` on R ranks, bit for bit (tests/test_pipeline.py).
 
+With the interleaved schedule a stage holds V chunks (one Stage each, its
+own transfers, optimizer and buckets) and every action names its local
+chunk: the engine keys what actions hand each other by (micro-batch,
+chunk), sends chunk c's output to chunk c + 1 on stage (s + 1) mod P and
+its input gradient to chunk c - 1 on stage (s - 1) mod P, and updates
+chunk by chunk; each chunk backprops 0..M-1, so the bits are still those of
+--accumulate-steps M.
+
 The loss lives on the last stage, layer 0 on the first: each step one world
 Allreduce of [loss, stop] (the last stages' mean loss over their
 micro-batches, any rank's stop signal) brings the summed loss to the chief
@@ -18,6 +26,8 @@ decision, so all stop after the same step. Takes communicators (the grid's);
 loops/pipe.py makes it.
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --hidden 64,32 --steps 20
+    mpirun -n 2 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --hidden 64,32,16 --steps 20 \
+        --pipeline-schedule interleaved --virtual-stages 2
 """
 import time
 
