@@ -252,6 +252,7 @@ def test_a_rank_count_this_machine_cannot_run_is_one_line(args, capsys, monkeypa
     ["train", "--mode", "ps", "--ranks", "3", "--versus-ring", "--compare", "ps-exchange=mpi,frob", "--",
      "--num-ps", "1"],
     ["pipeline", "--stages", "1"], ["pipeline", "--schedules", "gpipe,frob"], ["pipeline", "--micro-batches", "4,0"],
+    ["pipeline", "--schedules", "1f1b,interleaved"],
     ["pipeline", "--", "--hidden", "x"], ["compare", "--model", "frob", "--ranks", "1"],
 ])
 def test_a_bad_bench_argument_is_one_line_before_anything_runs(args, capsys, monkeypatch):
