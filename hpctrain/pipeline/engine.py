@@ -69,8 +69,8 @@ class Engine:
     (sharded: its part); actions: this stage's schedule (schedule.py);
     pieces: per chunk, ring mode's buckets of its wire
     (stages.stage_pieces); batch: a micro-batch's samples; clip_norm:
-    --clip-norm or None (one chunk only: stages.cuts_for refuses it with
-    more); fusion_elems: the buckets' size, for the norm's parts; trace: its
+    --clip-norm or None (the norm over every stage's chunks: grad_norm.py);
+    fusion_elems: the buckets' size, for the norm's parts; trace: its
     --timeline spans (trace.StageTrace).
 
     Messages: chunk c's activations go to chunk c + 1 (stage (s + 1) mod P),
@@ -146,12 +146,15 @@ class Engine:
     def _norm(self, elems):
         # --clip-norm: the sums of squares of ring mode's parts (its buckets
         # and its strategy's cut; one rank's strategy is one part), over the
-        # stages; each replica sums what it holds reduced (sharded: its part)
-        grid, stage = self.grid, self.stage
+        # stages' chunks; each replica sums what it holds reduced (sharded: its part)
+        grid = self.grid
         parts = self.strategy.parts if self.strategy is not None else (lambda n: chunk_parts(n, 1))
         ranges = ring_ranges(self.spec, elems, parts)
-        owned = self.optimizer.ranges if self.sharded else [(0, stage.hi - stage.lo)] if grid.replica == 0 else []
-        return StageNorm(ranges, stage.lo, owned, grid, self.world.comm, self.world.watchdog)
+        slices = []
+        for k, (chunk, optimizer) in enumerate(zip(self.chunks, self.optimizers)):
+            owned = optimizer.ranges if self.sharded else [(0, chunk.hi - chunk.lo)] if grid.replica == 0 else []
+            slices.append((sched.chunk_index(grid.stages, grid.stage, k), chunk.lo, owned))
+        return StageNorm(ranges, slices, grid.stages * self.virtual, grid, self.world.comm, self.world.watchdog)
 
     def run(self, batches, lr):
         """batches: M (x, y, noise); returns (loss summed over the replicas, whether any rank stops)."""
@@ -174,8 +177,7 @@ class Engine:
         self._step = None
         self.schedule_done = time.perf_counter()   # the rest: the replicas' average, the update, [loss, stop]
         trace.add("schedule", start, self.schedule_done)
-        for k in range(self.virtual):
-            self._update(k)
+        self._update()
         # ring mode's float32 sums (nn/accumulate.py): the losses added in order, times 1/M
         self.head[0] = float(self.losses.mean()[0]) if self.grid.last else 0.0
         self.head[1] = 1.0 if self.world.stop.received else 0.0
@@ -257,38 +259,47 @@ class Engine:
     def _send_grad(self, m, k):
         self.to_before[k].send(self._step.grads_out.pop((m, k)), (self.virtual + k) * self.micro + m, self.xp)
 
-    def _update(self, k):
-        stage, optimizer, pieces = self.chunks[k], self.optimizers[k], self.pieces[k]
-        grads, params = stage.grads, stage.params   # the micro-batches' sum, added up by their backwards
+    def _update(self):
+        # every chunk's gradient averaged (or reduce-scattered), then the one
+        # clip factor over them all (--clip-norm), then each chunk's update
+        chunks, optimizers, pieces = self.chunks, self.optimizers, self.pieces
         device.synchronize(self.xp)
         if self.sharded:   # ZeRO-1 over the replicas, bucket by bucket: the same bits as allreduce + the whole update
             with self.trace.span("reduce-scatter"):
                 mine = []
-                for a, b in pieces:
-                    lo, hi = self.strategy.reduce_scatter(stage.wire[a:b])
-                    mine.append(body_range(a + lo, a + hi, stage.body_at))
+                for stage, chunk_pieces in zip(chunks, pieces):
+                    mine.append([])
+                    for a, b in chunk_pieces:
+                        lo, hi = self.strategy.reduce_scatter(stage.wire[a:b])
+                        mine[-1].append(body_range(a + lo, a + hi, stage.body_at))
             with self.trace.span("update"):
-                self._clip(grads)
-                for lo, hi in mine:
-                    if lo < hi:
-                        optimizer.update(params, grads, lo, hi)
+                self._clip()
+                for stage, optimizer, ranges in zip(chunks, optimizers, mine):
+                    for lo, hi in ranges:
+                        if lo < hi:
+                            optimizer.update(stage.params, stage.grads, lo, hi)
             with self.trace.span("allgather"):
                 device.synchronize(self.xp)
-                for a, b in pieces:
-                    self.strategy.allgather(stage.param_wire[a:b])
+                for stage, chunk_pieces in zip(chunks, pieces):
+                    for a, b in chunk_pieces:
+                        self.strategy.allgather(stage.param_wire[a:b])
             return
         if self.strategy is not None:
             with self.trace.span("allreduce"):
-                for a, b in pieces:   # ring mode's buckets, in its order of sums
-                    self.strategy.allreduce(stage.wire[a:b])
+                for stage, chunk_pieces in zip(chunks, pieces):
+                    for a, b in chunk_pieces:   # ring mode's buckets, in its order of sums
+                        self.strategy.allreduce(stage.wire[a:b])
         with self.trace.span("update"):
-            self._clip(grads)
-            optimizer.update(params, grads)
+            self._clip()
+            for stage, optimizer in zip(chunks, optimizers):   # the micro-batches' sum, added up by the backwards
+                optimizer.update(stage.params, stage.grads)
 
-    def _clip(self, grads):
-        # --clip-norm: the norm over the stages (and the replicas' parts), in the update's span
+    def _clip(self):
+        # --clip-norm: the norm over the stages' chunks (and the replicas' parts), in the update's span
         if self.clip is not None:
-            self.optimizer.set_grad_scale(self.clip.scaled(self.norm.partials(grads), self.grad_scale))
+            scale = self.clip.scaled(self.norm.partials([c.grads for c in self.chunks]), self.grad_scale)
+            for optimizer in self.optimizers:
+                optimizer.set_grad_scale(scale)
 
     def _send(self, array, stage, tag):
         device.synchronize(self.xp)

@@ -134,10 +134,6 @@ def cuts_for(args, world, spec):
     if 2 * virtual_stages(args) * args.micro_batches > MAX_TAGS:   # engine.py: a tag per message of a step
         raise HpctrainError(f"--virtual-stages {virtual_stages(args)} x --micro-batches {args.micro_batches}: more "
                             f"than {MAX_TAGS // 2} micro-batch chunks a step")
-    if virtual_stages(args) > 1 and args.clip_norm:
-        # the norm's parts (grad_norm.py) follow one contiguous slice per stage
-        raise HpctrainError(f"--pipeline-schedule interleaved with --clip-norm: the gradient norm over a stage's "
-                            f"{virtual_stages(args)} chunks is not built (use --pipeline-schedule 1f1b or gpipe)")
     if args.overlap == "on":   # auto: a pipeline runs without the thread
         raise HpctrainError("--pipeline-stages with --overlap on: a stage averages its gradient after its "
                             "last micro-batch's backward, with no communication thread to overlap it")
