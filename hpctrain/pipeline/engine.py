@@ -82,7 +82,6 @@ class Engine:
     def __init__(self, world, spec, grid, chunks, strategy, optimizers, actions, pieces, batch, clip_norm,
                  fusion_elems, trace):
         self.world, self.grid, self.chunks, self.strategy, self.optimizers = world, grid, chunks, strategy, optimizers
-        self.stage, self.optimizer = chunks[0], optimizers[0]   # one chunk per stage: the stage itself
         self.spec = spec
         self.sharded = getattr(optimizers[0], "ranges", None) is not None
         self.xp, self.micro, self.actions = world.xp, chunks[0].micro, actions
@@ -93,7 +92,6 @@ class Engine:
         self.virtual = V
         self.in_shapes = [spec.input_shape if c.a == 0 else spec.shapes[c.a - 1] for c in chunks]
         self.out_shapes = [spec.shapes[c.b - 1] for c in chunks]
-        self.in_shape, self.out_shape = self.in_shapes[0], self.out_shapes[-1]
         # the model's first chunk (its input the batch) and last (its output the loss)
         self.first = [s == 0 and k == 0 for k in range(V)]
         self.last = [s == P - 1 and k == V - 1 for k in range(V)]
@@ -108,7 +106,6 @@ class Engine:
         self.losses = Accumulation(self.xp.zeros(1, np.float32))
         # the neighbours: chunk to chunk round the stages (one chunk per stage: no wrap)
         before, after = (s - 1) % P, (s + 1) % P
-        self.before, self.after = before, after
         self.neighbours = sorted({grid.world_rank(before), grid.world_rank(after)} - {grid.world_rank(s)}) \
             if V > 1 else [grid.world_rank(s + d) for d in (-1, 1) if 0 <= s + d < P]
         # transfers.py, per local chunk: sends bounded by the chunk's model copies, receives posted ahead,
