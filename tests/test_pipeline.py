@@ -2,7 +2,7 @@
 ranks end with the parameters of --accumulate-steps M on R ranks, bit for
 bit (every schedule, even and uneven cuts, R = 1, 2 and 3, an MLP and a CNN
 with dropout, with --clip-norm; the interleaved one with V = 1, 2 and 3 chunks
-a stage at P = 2 and 3, R = 1 and 2, with batch norm); under SGD M = 1, 2, 4, 8 agree within 1e-6; flags a pipeline cannot run
+a stage at P = 2, 3 and 4, R = 1, 2 and 3, with batch norm); under SGD M = 1, 2, 4, 8 agree within 1e-6; flags a pipeline cannot run
 with are one line, exit 2, on the whole job.
 
     .venv/bin/python -m pytest -q tests/test_pipeline.py
@@ -68,10 +68,11 @@ DEEP = ["--hidden", "64,32,16,16,16"]   # 12 layers, 6 with parameters: P x V = 
     (3, 3, 2, 3, DEEP),                     # P = 3: chunk 2 on stage 2 hands on to stage 0's second chunk
     (2, 2, 1, 2, MLP),                      # V = 1: the interleaved order over one chunk a stage
     (4, 4, 2, 4, ["--hidden", "64,32,16,16,16,16,16"]),      # P = 4: 8 chunks
+    (6, 2, 2, 2, [*MLP, "--fusion-mb", "0.0001"]),           # R = 3: ring mode's one-layer buckets, in its order
     # 256 KB activations a message, past MPI's eager limit: each send waits for its receive
     (2, 2, 2, 4, ["--hidden", "1024,1024,1024", "--batch-size", "64", "--steps", "2"]),
 ], ids=["p2v2", "p2v2-cnn", "p2v2-cnn-bn", "p2v2r2", "p2v2r2-unsharded", "p2v3", "p3v2", "p2v1", "p4v2",
-        "p2v2-large-messages"])
+        "p2v2r3", "p2v2-large-messages"])
 def test_interleaved_equals_accumulation_on_one_stage(job, tmp_path, ranks, stages, virtual, micro, model):
     """--pipeline-schedule interleaved --virtual-stages V: each stage holds V
     chunks of the layers (chunk c on stage c mod P), activations go chunk to
