@@ -30,6 +30,12 @@ with `--timeline`, and reports per stage, from the trace's spans
     python -m hpctrain.bench pipeline                      # P = 2, M = 4, 8, gpipe and 1f1b, --hidden 512,512
     python -m hpctrain.bench pipeline --hidden 774,774 --micro-batches 4,8 --steps 50
     python -m hpctrain.bench pipeline --quick              # seconds; its figures mean nothing
+    python -m hpctrain.bench pipeline --schedules 1f1b,interleaved --hidden 512,512,512   # V = 2 chunks a stage
+
+With the interleaved schedule (--virtual-stages V) a stage's row names its
+chunks' layers, its activation sets are counted per chunk and summed (the
+bound: schedule.chunk_peaks, each chunk's sets at its layers' bytes), and
+the tick model's bubble is (P - 1)/(VM + P - 1) (column V beside it).
 
 Flags after `--` go to every job (python -m hpctrain.train), e.g.
 `-- --pipeline-split 3 --optimizer sgd`. The default model, 784-512-512-10,
