@@ -302,12 +302,18 @@ def _pipeline_flags(g):
     g.add_argument("--micro-batches", type=_positive_int, default=1, metavar="M",
                    help="with --pipeline-stages: M micro-batches of --batch-size per replica and step, pipelined "
                         "through the stages (the samples of --accumulate-steps M) (default: %(default)s)")
-    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b"], default="1f1b",
+    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b",
                    help="gpipe: every forward, then every backward; 1f1b: one forward, one backward, holding "
-                        "fewer activations (default: %(default)s)")
+                        "fewer activations; interleaved: 1F1B over --virtual-stages V chunks per stage "
+                        "(Megatron's), the bubble V times smaller for V times the messages; needs M a multiple "
+                        "of P (default: %(default)s)")
+    g.add_argument("--virtual-stages", type=_positive_int, default=None, metavar="V",
+                   help="with --pipeline-schedule interleaved: the layers cut into P x V chunks, stage s holding "
+                        "chunks s, s + P, ... (default: 2 with interleaved)")
     g.add_argument("--pipeline-split", type=_cut_points, default="", metavar="I,J,...",
-                   help="the P - 1 layer indices where stages begin (python -m hpctrain.nn lists the layers); "
-                        "default: balance the layers' forward and backward multiply-adds")
+                   help="the P - 1 layer indices where stages begin (interleaved: the P x V - 1 where chunks "
+                        "begin; python -m hpctrain.nn lists the layers); default: balance the layers' forward "
+                        "and backward multiply-adds")
 
 
 def _ps_flags(g):

@@ -41,7 +41,7 @@ def train(args, *rest):
             # A pipeline (pipeline/whole.Pipelined): each stage's replicas
             # compared, on every stage; no rank holds the whole model.
             engine = model.engine
-            same = np.array([agree(engine.grid.stage_comm, engine.stage.params)], np.int64)
+            same = np.array([all(agree(engine.grid.stage_comm, c.params) for c in engine.chunks)], np.int64)
             world.comm.Allreduce(MPI.IN_PLACE, same, op=MPI.MIN)
             if world.chief:
                 print(f"stage parameters on {engine.grid.replicas} replicas of each stage: "

@@ -252,6 +252,7 @@ def test_a_rank_count_this_machine_cannot_run_is_one_line(args, capsys, monkeypa
     ["train", "--mode", "ps", "--ranks", "3", "--versus-ring", "--compare", "ps-exchange=mpi,frob", "--",
      "--num-ps", "1"],
     ["pipeline", "--stages", "1"], ["pipeline", "--schedules", "gpipe,frob"], ["pipeline", "--micro-batches", "4,0"],
+    ["pipeline", "--schedules", "1f1b,interleaved", "--micro-batches", "3"],
     ["pipeline", "--", "--hidden", "x"], ["compare", "--model", "frob", "--ranks", "1"],
 ])
 def test_a_bad_bench_argument_is_one_line_before_anything_runs(args, capsys, monkeypatch):
@@ -337,6 +338,20 @@ def test_bench_pipeline_quick_prints_each_stage_against_its_bounds():
     for r in rows:
         assert 0 <= float(r["bubble"]) < 1
     # each stage holds its slice of the parameters and the optimizer state: together the whole model's
+    assert abs(float(rows[0]["x unpipelined"]) + float(rows[1]["x unpipelined"]) - 1) < 0.02
+
+
+def test_bench_pipeline_measures_the_interleaved_chunks_against_their_bounds():
+    out = bench("pipeline", "--quick", "--schedules", "interleaved", "--hidden", "32,32,32").splitlines()
+    names = [c.strip() for c in out[2].strip("|").split("|")]
+    rows = [dict(zip(names, (c.strip() for c in line.strip("|").split("|")))) for line in out[4:]]
+    # P = 2, V = 2: stage s holds chunks s and s + 2 of the 4; the tick model's bubble (P - 1)/(VM + P - 1) = 1/5
+    assert [(r["schedule"], r["stage"], r["layers"], r["V"]) for r in rows] == [
+        ("interleaved", "0", "[0,2) [4,6)", "2"), ("interleaved", "1", "[2,4) [6,8)", "2")]
+    assert [r["(P-1)/(VM+P-1)"] for r in rows] == ["0.200"] * 2
+    # chunk activation sets, summed over a stage's chunks: min(2(P - s - 1) + (V - 1)P + 1, VM) at M = 2
+    assert [int(r["bound"]) for r in rows] == [int(r["act held"]) for r in rows] == [4, 3]
+    assert [int(r["copies"]) for r in rows] == [4, 3]
     assert abs(float(rows[0]["x unpipelined"]) + float(rows[1]["x unpipelined"]) - 1) < 0.02
 
 

@@ -1,7 +1,8 @@
 """--pipeline-stages P --micro-batches M: the layers cut into P stages on P x R
 ranks end with the parameters of --accumulate-steps M on R ranks, bit for
-bit (both schedules, even and uneven cuts, R = 1, 2 and 3, an MLP and a CNN
-with dropout, with --clip-norm); under SGD M = 1, 2, 4, 8 agree within 1e-6; flags a pipeline cannot run
+bit (every schedule, even and uneven cuts, R = 1, 2 and 3, an MLP and a CNN
+with dropout, with --clip-norm; the interleaved one with V = 1, 2 and 3 chunks
+a stage at P = 2, 3 and 4, R = 1, 2 and 3, with batch norm); under SGD M = 1, 2, 4, 8 agree within 1e-6; flags a pipeline cannot run
 with are one line, exit 2, on the whole job.
 
     .venv/bin/python -m pytest -q tests/test_pipeline.py
@@ -52,6 +53,47 @@ def test_pipeline_equals_accumulation_on_one_stage(job, tmp_path, ranks, stages,
         (stages, micro, schedule, ranks // stages), final
     assert final["global_batch"] == 8 * micro * (ranks // stages), final
     assert "step      6/6" in r.stdout, r.stdout
+
+
+DEEP = ["--hidden", "64,32,16,16,16"]   # 12 layers, 6 with parameters: P x V = 6 chunks
+
+
+@pytest.mark.parametrize("ranks, stages, virtual, micro, model", [
+    (2, 2, 2, 4, MLP),                      # 4 chunks of one layer with parameters each, round the 2 stages
+    (2, 2, 2, 2, ["--model", f"{TINY}:without_batch_norm"]),   # convolutions, dropout
+    (2, 2, 2, 2, ["--model", f"{TINY}:build"]),               # batch norm's state
+    (4, 2, 2, 4, MLP),                      # R = 2 replicas per stage (auto: --shard-optimizer on)
+    (4, 2, 2, 2, [*MLP, "--shard-optimizer", "off", "--optimizer", "momentum"]),
+    (2, 2, 3, 2, DEEP),                     # V = 3
+    (3, 3, 2, 3, DEEP),                     # P = 3: chunk 2 on stage 2 hands on to stage 0's second chunk
+    (2, 2, 1, 2, MLP),                      # V = 1: the interleaved order over one chunk a stage
+    (4, 4, 2, 4, ["--hidden", "64,32,16,16,16,16,16"]),      # P = 4: 8 chunks
+    (6, 2, 2, 2, [*MLP, "--fusion-mb", "0.0001"]),           # R = 3: ring mode's one-layer buckets, in its order
+    # 256 KB activations a message, past MPI's eager limit: each send waits for its receive
+    (2, 2, 2, 4, ["--hidden", "1024,1024,1024", "--batch-size", "64", "--steps", "2"]),
+], ids=["p2v2", "p2v2-cnn", "p2v2-cnn-bn", "p2v2r2", "p2v2r2-unsharded", "p2v3", "p3v2", "p2v1", "p4v2",
+        "p2v2r3", "p2v2-large-messages"])
+def test_interleaved_equals_accumulation_on_one_stage(job, tmp_path, ranks, stages, virtual, micro, model):
+    """--pipeline-schedule interleaved --virtual-stages V: each stage holds V
+    chunks of the layers (chunk c on stage c mod P), activations go chunk to
+    chunk round the stages; the parameters end bit-identical to
+    --accumulate-steps M on R ranks, and the evaluation through the chunks
+    gives the one-stage run's test loss and accuracy."""
+    flags = [*SHORT, *model]
+    pipe = ["--pipeline-stages", stages, "--micro-batches", micro, "--pipeline-schedule", "interleaved",
+            "--virtual-stages", virtual]
+    # one BLAS thread on both sides: a 1024-wide product split over threads sums in another order
+    one = {var: "1" for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    r = ok(job(ranks, *flags, *pipe, "--save", tmp_path / "pipe.h5", "--metrics", tmp_path / "m.jsonl", env=one))
+    ok(job(ranks // stages, *flags, "--accumulate-steps", micro, "--save", tmp_path / "acc.h5",
+           "--metrics", tmp_path / "acc.jsonl", env=one))
+    assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+    final = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    alone = json.loads((tmp_path / "acc.jsonl").read_text().splitlines()[-1])
+    assert (final["pipeline_stages"], final["micro_batches"], final["schedule"], final["virtual_stages"],
+            final["replicas"]) == (stages, micro, "interleaved", virtual, ranks // stages), final
+    assert (final["test_loss"], final["test_accuracy"]) == (alone["test_loss"], alone["test_accuracy"])
+    assert f"interleaved, {virtual} chunks a stage" in r.stdout or virtual == 1, r.stdout
 
 
 def test_each_stage_reads_only_what_it_uses(job, tmp_path):
@@ -139,6 +181,29 @@ def test_clip_norm_spans_the_stages_as_accumulation_clips(job, tmp_path, ranks, 
         assert max_diff(tmp_path / "pipe.h5", tmp_path / "acc.h5") < 1e-7
 
 
+@pytest.mark.parametrize("ranks, flags", [
+    (2, ["--fusion-mb", "0.0001"]),                                    # one layer a bucket: bit for bit
+    (4, ["--fusion-mb", "0.0001"]),                                    # R = 2 (auto: sharded)
+    (4, ["--fusion-mb", "0.0001", "--shard-optimizer", "off"]),
+], ids=["p2v2", "p2v2r2-sharded", "p2v2r2-unsharded"])
+def test_clip_norm_spans_the_chunks_as_accumulation_clips(job, tmp_path, ranks, flags):
+    """--clip-norm with the interleaved schedule: each stage sums the squares
+    of its chunks' pieces of ring mode's parts, one slot a (part, chunk,
+    replica), and every chunk's update takes the one clip factor: with
+    buckets of one layer the parameters of --accumulate-steps 2 --clip-norm
+    0.3, bit for bit, the same norm every step."""
+    flags = [*SHORT, *MLP, *flags, "--clip-norm", "0.3"]
+    ok(job(ranks, *flags, *INTERLEAVED, "--micro-batches", 2, "--save", tmp_path / "pipe.h5",
+           "--metrics", tmp_path / "pipe.jsonl"))
+    ok(job(ranks // 2, *flags, "--accumulate-steps", 2, "--save", tmp_path / "acc.h5",
+           "--metrics", tmp_path / "acc.jsonl"))
+    pipe, acc = ([json.loads(line) for line in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
+                 for n in ("pipe", "acc"))
+    assert pipe[-1]["clipped_steps"] == acc[-1]["clipped_steps"] == 6, pipe[-1]   # the clip acted
+    assert [r["grad_norm"] for r in pipe[:-1]] == [r["grad_norm"] for r in acc[:-1]]
+    assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+
+
 def test_epochs_count_the_replicas_batches(job, tmp_path):
     # 4500 training samples at 1 replica x 2 micro-batches x 8 = 16 a step
     r = ok(job(2, *MLP, "--pipeline-stages", "2", "--micro-batches", "2", "--batch-size", "8", "--epochs", "0.1",
@@ -146,6 +211,9 @@ def test_epochs_count_the_replicas_batches(job, tmp_path):
     assert "1 workers x 16 = 29 steps" in r.stdout, r.stdout
     final = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     assert final["steps"] == 29 and final["workers"] == 1 and final["global_batch"] == 16, final
+
+
+INTERLEAVED = ["--pipeline-stages", "2", "--pipeline-schedule", "interleaved"]
 
 
 @pytest.mark.parametrize("ranks, flags, expect", [
@@ -160,9 +228,28 @@ def test_epochs_count_the_replicas_batches(job, tmp_path):
     (2, ["--pipeline-stages", "2", "--overlap", "on"], "with --overlap on: a stage averages its gradient after"),
     (2, ["--micro-batches", "2"], "--micro-batches needs --pipeline-stages P > 1"),
     (2, ["--pipeline-split", "2"], "--pipeline-split needs --pipeline-stages P > 1"),
+    (2, ["--pipeline-stages", "2", "--virtual-stages", "2"],
+     "--virtual-stages 2 needs --pipeline-schedule interleaved (the 1f1b schedule runs one chunk per stage)"),
+    (2, ["--pipeline-stages", "2", "--pipeline-schedule", "gpipe", "--virtual-stages", "1"],
+     "--virtual-stages 1 needs --pipeline-schedule interleaved"),
+    (1, ["--pipeline-schedule", "interleaved"], "--pipeline-schedule interleaved needs --pipeline-stages P > 1"),
+    (2, [*INTERLEAVED, "--micro-batches", "3"], "needs --micro-batches a multiple of --pipeline-stages "
+                                                  "(got --micro-batches 3, --pipeline-stages 2)"),
+    (2, [*INTERLEAVED, "--micro-batches", "2", "--virtual-stages", "3"],
+     "--pipeline-stages 2 --virtual-stages 3: 6 chunks, but the model has 4 layers with parameters"),
+    (2, [*INTERLEAVED, "--micro-batches", "2", "--pipeline-split", "4"],
+     "2 stages x 2 virtual stages = 4 chunks need 3 cut points, got 1"),
+    (2, [*INTERLEAVED, "--micro-batches", "2", "--pipeline-split", "1,4,6"],
+     "chunk 0 (stage 0's chunk 0, layers 0..0) has no layer with parameters"),
+    (2, [*INTERLEAVED, "--micro-batches", "7502"], "--virtual-stages 2 x --micro-batches 7502: more than 15000"),
+    (2, [*INTERLEAVED, "--micro-batches", "2", "--virtual-stages", "0"], "argument --virtual-stages: must be >= 1"),
+    (4, [*INTERLEAVED, "--micro-batches", "2", "--compression", "bf16"],
+     "--compression bf16 with --pipeline-schedule interleaved --virtual-stages 2: not built"),
 ], ids=["p-not-dividing", "more-stages-than-layers", "cut-out-of-range", "cuts-not-increasing",
         "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "overlap",
-        "micro-alone", "split-alone"])
+        "micro-alone", "split-alone", "virtual-without-interleaved", "virtual-1-gpipe", "interleaved-one-stage",
+        "interleaved-m-not-multiple", "more-chunks-than-layers", "chunk-cuts-count", "chunk-without-parameters",
+        "interleaved-too-many-tags", "virtual-0", "interleaved-compressed"])
 def test_bad_pipeline_flags_are_one_line_exit_2(job, tmp_path, ranks, flags, expect):
     r = job(ranks, *MLP, "--steps", "2", *flags, "--save", tmp_path / "out.h5")
     errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
@@ -199,6 +286,26 @@ def test_timeline_shows_every_stage_running_its_schedule(job, tmp_path, ranks, s
             inside = [e["name"] for e in mine if e["name"] != "schedule" and e["ts"] < phase[0]["ts"] + phase[0]["dur"]]
             assert len(phase) == 1 and inside == want, (rank, step, inside)
             assert [e["name"] for e in mine][len(want) + 1:] == after
+
+
+def test_timeline_names_each_action_with_its_chunk(job, tmp_path):
+    """--timeline with the interleaved schedule: each rank's track holds its
+    schedule's actions in order, each named with its micro-batch and local
+    chunk (`forward 1b`: chunk 1), then one update of them all."""
+    steps, micro = 2, 4
+    ok(job(2, *MLP, "--steps", steps, "--batch-size", "8", *INTERLEAVED, "--micro-batches", micro,
+           "--timeline", tmp_path / "t.json"))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    spans = sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
+    for rank in range(2):
+        plan = sched.interleaved(2, micro, rank, 2)
+        want = [f"{ACTION_NAMES[type(a)]} {a.micro}{'ab'[a.chunk]}" for a in plan] + ["wait sends"]
+        for step in range(1, steps + 1):
+            mine = [e for e in spans if e["pid"] == rank and e["args"]["step"] == step]
+            phase = [e for e in mine if e["name"] == "schedule"]
+            inside = [e["name"] for e in mine if e["name"] != "schedule" and e["ts"] < phase[0]["ts"] + phase[0]["dur"]]
+            assert len(phase) == 1 and inside == want, (rank, step, inside)
+            assert [e["name"] for e in mine][len(want) + 1:] == ["update", "loss and stop"]
 
 
 UNSEEDED = '''import hashlib, os

@@ -3,7 +3,8 @@ mode's checkpoint file (the chief gathers every stage's slices), resumes from
 it bit for bit, under another cut or replica count, or in ring mode with
 --accumulate-steps M, and back; SIGTERM mid-run stops every rank after the
 same step with exit 75 and the same command goes on to the uninterrupted
-run's bits; --eval-every and --keep-best see the whole model.
+run's bits; --eval-every and --keep-best see the whole model; the interleaved
+schedule's chunks checkpoint, resume and evaluate as ring mode does.
 
     .venv/bin/python -m pytest -q tests/test_pipeline_checkpoint.py
 """
@@ -155,3 +156,39 @@ def test_a_resume_with_other_micro_batches_says_so(job, tmp_path):
     assert r.returncode == 2 and len(errors) == 1, r.stderr
     assert ("checkpoint was written with 3 batches per step and worker (--accumulate-steps, or a pipeline's "
             "--micro-batches), this run has 2 batches per step") in errors[0], errors
+
+
+@pytest.mark.parametrize("ranks, model", [
+    (2, MLP),                              # Adam
+    (4, ["--model", f"{TINY}:build"]),     # R = 2 (auto: --shard-optimizer on), batch norm's state
+], ids=["p2v2-mlp", "p2v2r2-cnn-bn"])
+def test_interleaved_chunks_checkpoint_resume_and_evaluate_as_ring_mode(job, tmp_path, ranks, model):
+    """--pipeline-schedule interleaved --virtual-stages 2: the chief gathers
+    the stages' chunks, in the model's order, into ring mode's file (the
+    datasets of --accumulate-steps 2 at the same step, bit for bit); it
+    resumes from its own file, ring mode from it and it from ring mode's,
+    each ending with the bits of one run through; --eval-every through the
+    chunks gives ring mode's records."""
+    replicas = ranks // 2
+    flags = [*FLAGS, *model]
+    inter, ring = pipe(2, 2, "interleaved") + ["--virtual-stages", 2], ["--accumulate-steps", 2]
+    evals = {}
+    for name, n, how in (("inter", ranks, inter), ("ring", replicas, ring)):
+        ok(job(n, *flags, *how, "--steps", 12, "--eval-every", 4, "--metrics", tmp_path / f"{name}.jsonl",
+               "--save", tmp_path / f"{name}.h5"))
+        records = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
+        evals[name] = [{k: m.get(k) for k in ("event", "step", "test_loss", "test_accuracy")} for m in records
+                       if m.get("event") in ("eval", "final")]
+    assert same_bytes(tmp_path / "inter.h5", tmp_path / "ring.h5")
+    assert [e["step"] for e in evals["inter"]] == [4, 8, None] and evals["inter"] == evals["ring"], evals
+    for name, n, how in (("inter-ck", ranks, inter), ("ring-ck", replicas, ring)):
+        ok(job(n, *flags, *how, "--steps", 6, "--checkpoint-dir", tmp_path / name, "--checkpoint-every", 3))
+    a, b = (datasets(tmp_path / name / "ckpt-00000006.h5") for name in ("inter-ck", "ring-ck"))
+    assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a), sorted(a)
+    for source, n, how, out in (("inter-ck", ranks, inter, "inter-inter"), ("inter-ck", replicas, ring, "inter-ring"),
+                                ("ring-ck", ranks, inter, "ring-inter")):
+        where = tmp_path / out
+        shutil.copytree(tmp_path / source, where)
+        r = ok(job(n, *flags, *how, "--steps", 12, "--checkpoint-dir", where, "--save", tmp_path / f"{out}.h5"))
+        assert f"resumed from {where / 'ckpt-00000006.h5'} at step 6" in r.stdout, r.stdout
+        assert same_bytes(tmp_path / "inter.h5", tmp_path / f"{out}.h5"), out

@@ -68,3 +68,19 @@ def test_a_pipeline_whose_heaviest_stage_does_not_fit_names_one_that_does(job):
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "for its heaviest stage (" in lines[0], lines
     assert "--pipeline-stages 3 would fit" in lines[0] or "--pipeline-stages 4 would fit" in lines[0], lines
+
+
+WIDE = ["--hidden", "2048,2048,2048,2048,2048,2048,2048", "--steps", "2", "--batch-size", "16"]
+
+
+@pytest.mark.parametrize("micro, expect", [
+    (4, "--pipeline-stages 4 would fit"),
+    # P = 3 would hold the chunks, but the interleaved schedule takes groups of P micro-batches
+    (2, "no interleaved pipeline of this model with --virtual-stages 2 and --micro-batches 2 fits either"),
+])
+def test_an_interleaved_stage_counts_its_chunks_and_names_a_pipeline_that_fits(job, micro, expect):
+    r = job(2, *WIDE, "--memory-budget", 0.25, "--pipeline-stages", 2, "--micro-batches", micro,
+            "--pipeline-schedule", "interleaved", timeout=120)
+    lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "for its heaviest stage (0: layers [0,4) [8,12))" in lines[0] and expect in lines[0], lines

@@ -159,7 +159,10 @@ def _subcommands(sub):
                                         "stage against the schedule's bounds (flags after -- go to hpctrain.train)")
     q.add_argument("--stages", type=_POSITIVE, default=2, help="pipeline stages P, one rank each (default: %(default)s)")
     q.add_argument("--micro-batches", type=_counts, default=None, help="comma-separated M (default: 4,8)")
-    q.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated (default: %(default)s)")
+    q.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated, of gpipe, 1f1b, interleaved "
+                                                             "(default: %(default)s)")
+    q.add_argument("--virtual-stages", type=_POSITIVE, default=2, metavar="V",
+                   help="chunks a stage of the interleaved schedule (default: %(default)s)")
     q.add_argument("--hidden", default=None, help="the MLP's widths (default: 512,512: both stages the same "
                                                   "forward + backward work)")
     q.add_argument("--batch-size", type=_POSITIVE, default=None, help="samples per micro-batch (default: 64)")

@@ -30,6 +30,12 @@ with `--timeline`, and reports per stage, from the trace's spans
     python -m hpctrain.bench pipeline                      # P = 2, M = 4, 8, gpipe and 1f1b, --hidden 512,512
     python -m hpctrain.bench pipeline --hidden 774,774 --micro-batches 4,8 --steps 50
     python -m hpctrain.bench pipeline --quick              # seconds; its figures mean nothing
+    python -m hpctrain.bench pipeline --schedules 1f1b,interleaved --hidden 512,512,512   # V = 2 chunks a stage
+
+With the interleaved schedule (--virtual-stages V) a stage's row names its
+chunks' layers, its activation sets are counted per chunk and summed (the
+bound: schedule.chunk_peaks, each chunk's sets at its layers' bytes), and
+the tick model's bubble is (P - 1)/(VM + P - 1) (column V beside it).
 
 Flags after `--` go to every job (python -m hpctrain.train), e.g.
 `-- --pipeline-split 3 --optimizer sgd`. The default model, 784-512-512-10,
@@ -46,6 +52,7 @@ import tempfile
 
 from ..errors import HpctrainError
 from ..pipeline import schedule as sched
+from ..pipeline.stages import balanced, stage_chunks
 from .common import launch, markdown
 from .train import model_shape, run_failed
 
@@ -65,6 +72,11 @@ def settings(args):
     for name in schedules:
         if name not in sched.SCHEDULES:
             raise HpctrainError(f"--schedules {args.schedules}: {name!r} is not one of {', '.join(sched.SCHEDULES)}")
+    if "interleaved" in schedules:
+        odd = [m for m in args.micro_batches if m % args.stages]
+        if odd:   # its micro-batches go through the chunks in groups of P
+            raise HpctrainError(f"--schedules {args.schedules}: the interleaved schedule needs --micro-batches "
+                                f"multiples of --stages {args.stages}, not {','.join(map(str, odd))}")
     return schedules
 
 
@@ -78,12 +90,18 @@ def final_record(path):
         return [json.loads(line) for line in f][-1]
 
 
+def virtual(args, schedule):
+    """V, the chunks a stage: --virtual-stages with the interleaved schedule, 1 with the others."""
+    return args.virtual_stages if schedule == "interleaved" else 1
+
+
 def pipeline_job(args, extra, schedule, micro, tmp):
     """One pipeline run: (its trace's events, its final record)."""
     trace, metrics = os.path.join(tmp, "t.json"), os.path.join(tmp, "m.jsonl")
+    chunks = ["--virtual-stages", str(args.virtual_stages)] if schedule == "interleaved" else []
     flags = ["-m", "hpctrain.train", "--pipeline-stages", str(args.stages), "--micro-batches", str(micro),
-             "--pipeline-schedule", schedule, "--timeline", trace, "--timeline-steps", "0", "--metrics", metrics,
-             *job_flags(args, extra)]
+             "--pipeline-schedule", schedule, *chunks, "--timeline", trace, "--timeline-steps", "0",
+             "--metrics", metrics, *job_flags(args, extra)]
     r = launch(args.stages, flags)
     if r.returncode != 0:
         raise run_failed(args.stages, flags, r)
@@ -111,17 +129,32 @@ def per_step(spans):
     return steps
 
 
-def held_at_once(spans):
-    """The most micro-batches between a forward's start and its backward's end."""
+def held_at_once(spans, chunk=None):
+    """The most micro-batches between a forward's start and its backward's end
+    (chunk: of that local chunk only, its spans named `forward 3b`)."""
     live, most = set(), 0
     for e in spans:
         kind, _, micro = e["name"].rpartition(" ")
+        if chunk is not None and kind in ("forward", "backward") and _chunk_of(micro) != chunk:
+            continue
         if kind == "forward":
             live.add(micro)
             most = max(most, len(live))
         elif kind == "backward":
             live.discard(micro)
     return most
+
+
+def _chunk_of(micro):
+    """The local chunk of a span's micro-batch as trace.py names it: `3` chunk 0, `3b` chunk 1."""
+    return ord(micro[-1]) - ord("a") if micro[-1].isalpha() else 0
+
+
+def stage_ranges(spec, record, args, schedule, stage):
+    """The layer ranges [(a, b)] of `stage`'s chunks (one without chunks), from the run's cut."""
+    split = record.get("pipeline_split") or ""
+    cuts = [0, *(int(c) for c in split.split(",") if c), len(spec.layers)]
+    return stage_chunks(cuts, args.stages, stage)
 
 
 def timing(steps):
@@ -134,14 +167,18 @@ def timing(steps):
             "compute_ms": statistics.median(compute) / 1e3, "schedule_ms": statistics.median(phase) / 1e3}
 
 
-def memory(steps, meta, args, schedule, micro, spec, whole_bytes):
-    """Activations held (measured and the schedule's bound), parameters + optimizer state against unpipelined."""
-    a, b = meta["layers"]
-    act_bytes = 4 * args.batch_size * sum(spec.layers[i].train_floats() for i in range(a, b))
-    bound = sched.peak_activations(sched.SCHEDULES[schedule](args.stages, micro, meta["stage"]))
-    held = max(held_at_once(spans) for spans in steps.values())
+def memory(steps, meta, args, schedule, micro, spec, whole_bytes, chunks):
+    """Activations held (measured and the schedule's bound), parameters + optimizer state against unpipelined.
+    With V chunks a stage each chunk's (its sets, its layers' bytes), summed over the stage's chunks."""
+    v = virtual(args, schedule)
+    act_bytes = [4 * args.batch_size * sum(spec.layers[i].train_floats() for i in range(a, b)) for a, b in chunks]
+    bounds = sched.chunk_peaks(sched.actions_for(schedule, args.stages, micro, meta["stage"], v), v)
+    helds = [max(held_at_once(spans, k if v > 1 else None) for spans in steps.values()) for k in range(v)]
+    held, bound = sum(helds), sum(bounds)
+    act_mb = sum(h * n for h, n in zip(helds, act_bytes)) / MB
+    bound_mb = sum(h * n for h, n in zip(bounds, act_bytes)) / MB
     mine = meta["params_bytes"] + meta["optimizer_state_bytes"]
-    return {"held": held, "copies": meta["model_copies"], "held_bound": bound, "act_mb": held * act_bytes / MB, "act_bound_mb": bound * act_bytes / MB,
+    return {"held": held, "copies": meta["model_copies"], "held_bound": bound, "act_mb": act_mb, "act_bound_mb": bound_mb,
             "params_opt_mb": mine / MB, "unpipelined_mb": whole_bytes / MB, "vs_unpipelined": mine / whole_bytes,
             "grads_mb": meta["grads_bytes"] / MB}
 
@@ -156,10 +193,12 @@ def stage_rows(events, record, args, schedule, micro, spec, whole_bytes, whole_r
         meta = about[pid]
         steps = per_step(e for e in events if e["ph"] == "X" and e["pid"] == pid)
         peak, above = record["peak_rss_mb_by_worker"][pid], record["peak_rss_above_base_mb_by_worker"][pid]
+        chunks, v = stage_ranges(spec, record, args, schedule, meta["stage"]), virtual(args, schedule)
         rows.append({"schedule": schedule, "micro_batches": micro, "stage": meta["stage"],
-                     "layers": "[{},{})".format(*meta["layers"]),
-                     "bubble_bound": sched.bubble_fraction(args.stages, micro), **timing(steps),
-                     **memory(steps, meta, args, schedule, micro, spec, whole_bytes),
+                     "layers": " ".join("[{},{})".format(a, b) for a, b in chunks), "virtual_stages": v,
+                     "bubble_bound": sched.bubble_fraction(args.stages, micro),
+                     "bubble_bound_v": sched.bubble_fraction(args.stages, micro, v), **timing(steps),
+                     **memory(steps, meta, args, schedule, micro, spec, whole_bytes, chunks),
                      "peak_mb": peak, "peak_above_mb": above,
                      "vs_unpipelined_peak": above / max(whole_record["peak_rss_above_base_mb"], 1e-9),
                      "unpipelined_peak_mb": whole_record["peak_rss_mb"],
@@ -181,7 +220,8 @@ def work_per_stage(spec, cuts):
 
 COLUMNS = [("schedule", "schedule", "{}"), ("M", "micro_batches", "{}"), ("stage", "stage", "{}"),
            ("layers", "layers", "{}"), ("bubble", "bubble", "{:.3f}"), ("best step", "bubble_best", "{:.3f}"),
-           ("(P-1)/(M+P-1)", "bubble_bound", "{:.3f}"),
+           ("(P-1)/(M+P-1)", "bubble_bound", "{:.3f}"), ("V", "virtual_stages", "{}"),
+           ("(P-1)/(VM+P-1)", "bubble_bound_v", "{:.3f}"),
            ("F+B ms/step", "compute_ms", "{:.2f}"), ("schedule ms/step", "schedule_ms", "{:.2f}"),
            ("act held", "held", "{}"), ("copies", "copies", "{}"), ("bound", "held_bound", "{}"), ("act MB", "act_mb", "{:.3f}"),
            ("bound MB", "act_bound_mb", "{:.3f}"), ("params+opt MB", "params_opt_mb", "{:.2f}"),
@@ -204,9 +244,10 @@ def main(args, extra):
         for micro in args.micro_batches:
             for schedule in schedules:
                 events, record = pipeline_job(args, extra, schedule, micro, tmp)
-                cuts = cuts or stage_cuts(events)
+                if schedule != "interleaved":   # its tracks' layers span chunks of other stages
+                    cuts = cuts or stage_cuts(events)
                 rows += stage_rows(events, record, args, schedule, micro, spec, whole, whole_record)
-    flops, work = work_per_stage(spec, cuts)
+    flops, work = work_per_stage(spec, cuts or balanced(spec, args.stages))
     if args.json:
         print(json.dumps({"bench": "pipeline", "stages": args.stages, "steps": args.steps, "hidden": args.hidden,
                           "batch_size": args.batch_size, "flags": extra, "stage_flops": flops, "stage_work": work,

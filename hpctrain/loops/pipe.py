@@ -3,7 +3,9 @@ model's layers cut into P stages (pipeline/stages.py, decided in the plan)
 on a stage x replica grid (pipeline/grid.py); each step every stage runs its
 schedule's actions (pipeline/schedule.py) through its engine
 (pipeline/engine.py): micro-batches through the stages, the sum, the
-average over the stage's replicas, the update. So a pipeline ends with the
+average over the stage's replicas, the update. With --pipeline-schedule
+interleaved each stage holds --virtual-stages V chunks (stage s the model's
+chunks s, s + P, ...), each a Stage with its own optimizer. So a pipeline ends with the
 parameters of `--accumulate-steps M` on R ranks, bit for bit
 (tests/test_pipeline.py). The frame (frame.py) does what every loop does:
 the start, the batches, the accounting, the end; no rank holds the whole
@@ -43,60 +45,69 @@ def train_pipe(world, plan, inputs, timeline):
     with world.waiting("start-up (pipeline communicators)", peer=None):
         grid = Grid(world.comm, stages)
     world.watchdog.name_roles(grid.role)   # a stalled rank is named with its stage and replica
+    virtual = pipe.virtual_stages
+    chunk_text = f", {virtual} chunks a stage" if virtual > 1 else ""
     world.say(f"hpctrain: pipeline of {stages} stages x {grid.replicas} replicas, {micro} micro-batches, "
-              f"{pipe.schedule}; layers " + " ".join(f"[{a},{b})" for a, b in zip(cuts, cuts[1:])))
+              f"{pipe.schedule}{chunk_text}; layers " + " ".join(f"[{a},{b})" for a, b in zip(cuts, cuts[1:])))
     strategy = None
     if grid.replicas > 1:
         with world.waiting("start-up (stage allreduce)", peer=None):
             with Topology(grid.stage_comm) as topology:
                 strategy = make_allreduce(plan.ring.allreduce, topology, xp, world.watchdog, plan.ring.cuda_aware,
                                           plan.ring.ring_order)
-    actions = sched.SCHEDULES[pipe.schedule](stages, micro, grid.stage)
-    # as many model copies as the schedule holds micro-batches at once: its activation memory
-    stage = Stage(spec, cuts, grid.stage, micro, xp, np.float32, copies=sched.peak_activations(actions))
-    initial_parameters(world, spec, grid, stage, plan.data.seed)
+    actions = sched.actions_for(pipe.schedule, stages, micro, grid.stage, virtual)
+    # the stage's chunks (one, or V: local chunk k the model's chunk kP + s), each with as many model
+    # copies as the schedule holds its micro-batches at once: its activation memory
+    copies = sched.chunk_peaks(actions, virtual)
+    chunks = [Stage(spec, cuts, sched.chunk_index(stages, grid.stage, k), micro, xp, np.float32, copies=copies[k])
+              for k in range(virtual)]
+    for chunk in chunks:
+        initial_parameters(world, spec, grid, chunk, plan.data.seed)
     # --shard-optimizer (auto: ring mode's rule, over the stage's R replicas):
-    # each replica keeps the optimizer state of its part of the stage's slice.
+    # each replica keeps the optimizer state of its part of each chunk's slice.
     sharded = plan.ring.shard_optimizer and strategy is not None
-    # ring mode's buckets over this stage's part of its wire: averaged (and owned) bucket by bucket as there
-    pieces = stage_pieces(spec, plan.ring.fusion_elems, stage)
-    optimizer = make_optimizer(plan.optimizer.name, stage.hi - stage.lo, xp, **plan.optimizer.kwargs,
-                               owned=owned_pieces(pieces, strategy.shard, stage.body_at) if sharded else None)
+    # ring mode's buckets over each chunk's part of its wire: averaged (and owned) bucket by bucket as there
+    pieces = [stage_pieces(spec, plan.ring.fusion_elems, chunk) for chunk in chunks]
+    optimizers = [make_optimizer(plan.optimizer.name, chunk.hi - chunk.lo, xp, **plan.optimizer.kwargs,
+                                 owned=owned_pieces(p, strategy.shard, chunk.body_at) if sharded else None)
+                  for chunk, p in zip(chunks, pieces)]
     reader = prefetch.device_batches(inputs.reader(world.comm, grid.replica, grid.replicas, stage_arrays(grid)), xp)
     layouts = whole.Layouts(spec, cuts)
     # --compression: the stage's replicas average through its exchange (none with one replica)
-    compression = StageCompression(plan.compression, spec, cuts, stage, strategy)
-    if compression.exchange is not None:
-        world.say(summary(compression.exchange, pieces, sharded).replace("hpctrain: ", "hpctrain: stage 0's "))
-    elif plan.compression.kind != "none":
+    # (one chunk a stage: stages.cuts_for refuses --compression with --virtual-stages V > 1)
+    compression = StageCompression(plan.compression, spec, cuts, chunks[0], strategy) if virtual == 1 else None
+    if compression is not None and compression.exchange is not None:
+        world.say(summary(compression.exchange, pieces[0], sharded).replace("hpctrain: ", "hpctrain: stage 0's "))
+    elif compression is not None and plan.compression.kind != "none":
         world.say(f"hpctrain: --compression {plan.compression.kind}: one replica a stage, nothing is exchanged "
                   f"and nothing compressed")
 
-    # --- resume: the chief's file, each stage its slice ----------------------
+    # --- resume: the chief's file, each stage its chunks' slices -------------
     def restore(resume):
-        whole.resume_stage(world, spec, grid, stage, optimizer, layouts, resume)
-        pipeline_compression.restore(world, grid, compression, layouts, resume)
+        whole.resume_stage(world, spec, grid, chunks, optimizers, layouts, resume)
+        if compression is not None:
+            pipeline_compression.restore(world, grid, compression, layouts, resume)
     frame.resumed(reader, restore)
 
     # --- training, then the end ----------------------------------------------
-    engine = Engine(world, spec, grid, stage, strategy, optimizer, actions, pieces, plan.data.batch_size,
+    engine = Engine(world, spec, grid, chunks, strategy, optimizers, actions, pieces, plan.data.batch_size,
                     plan.optimizer.clip_norm, plan.ring.fusion_elems,
-                    StageTrace(world, plan.outputs, timeline, grid, stage, optimizer), compression=compression)
+                    StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), compression=compression)
     model = whole.Pipelined(world, plan, engine, layouts)   # what the frame evaluates and saves, stage by stage
     step, stopped = train_steps(world, frame, engine, layouts, reader, model)
     extra = {"workers": grid.replicas, "global_batch": plan.per_step, "pipeline_stages": grid.stages,
-             "micro_batches": micro, "schedule": pipe.schedule, "replicas": grid.replicas,
+             "micro_batches": micro, "schedule": pipe.schedule, "virtual_stages": virtual, "replicas": grid.replicas,
              "pipeline_split": pipe.split, "shard_optimizer": "on" if engine.sharded else "off",
              **(engine.clip.totals() if engine.clip else {}), "compression": plan.compression.kind}
     record = frame.end(step, stopped and step < frame.steps, world.comm, model,
                        save=lambda at: whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at),
-                       extra=extra, state_bytes=state_bytes(optimizer))
+                       extra=extra, state_bytes=sum(state_bytes(o) for o in optimizers))
     grid.free()
     return record
 
 
 def initial_parameters(world, spec, grid, stage, seed):
-    """The stage's slice of the initial parameters and state: each stage
+    """The stage's (or chunk's) slice of the initial parameters and state: each stage
     draws its own layers (each layer from (seed, its index): the bits a
     whole-model build gets, with no other stage's layers allocated), and
     the stage's replicas then take replica 0's: a user's init that ignores

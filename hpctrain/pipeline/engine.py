@@ -11,6 +11,14 @@ allgather). So a pipeline ends with the parameters of `--accumulate-steps
 M` on R ranks, bit for bit (tests/test_pipeline.py). With --compression the
 pieces go through the stage's exchange (pipeline/compression.py) instead.
 
+With the interleaved schedule a stage holds V chunks (one Stage each, its
+own transfers, optimizer and buckets) and every action names its local
+chunk: the engine keys what actions hand each other by (micro-batch,
+chunk), sends chunk c's output to chunk c + 1 on stage (s + 1) mod P and
+its input gradient to chunk c - 1 on stage (s - 1) mod P, and updates
+chunk by chunk; each chunk backprops 0..M-1, so the bits are still those of
+--accumulate-steps M.
+
 The loss lives on the last stage, layer 0 on the first: each step one world
 Allreduce of [loss, stop] (the last stages' mean loss over their
 micro-batches, any rank's stop signal) brings the summed loss to the chief
@@ -19,6 +27,8 @@ decision, so all stop after the same step. Takes communicators (the grid's);
 loops/pipe.py makes it.
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --hidden 64,32 --steps 20
+    mpirun -n 2 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --hidden 64,32,16 --steps 20 \
+        --pipeline-schedule interleaved --virtual-stages 2
 """
 import time
 
@@ -34,16 +44,17 @@ from .grad_norm import StageNorm, ring_ranges
 from .stages import body_range
 from .transfers import Receives, Sends
 
-EVAL_TAG = 31001   # evaluation activations, on the pipe communicator (training's tags: micro-batch indices)
+EVAL_TAG = 31001   # + the sender's local chunk: evaluation activations, on the pipe communicator
+#                    (training's tags: below stages.MAX_TAGS)
 
 
 class _Step:
-    """What one step's actions hand each other, by micro-batch."""
-    __slots__ = ("batches", "inputs", "outputs", "grads_in", "grads_out", "sends")
+    """What one step's actions hand each other, by (micro-batch, local chunk)."""
+    __slots__ = ("batches", "inputs", "outputs", "grads_in", "grads_out")
 
     def __init__(self, batches):
         self.batches = batches
-        self.inputs, self.outputs, self.grads_in, self.grads_out, self.sends = {}, {}, {}, {}, []
+        self.inputs, self.outputs, self.grads_in, self.grads_out = {}, {}, {}, {}
 
 
 class Engine:
@@ -52,29 +63,46 @@ class Engine:
     the update.
 
     world: run/world.World (its comm, watchdog, stop signal, array module);
-    spec: the model's; grid, stage: this rank's (grid.py, stage.py);
-    strategy: the stage's allreduce over its replicas (None for one);
-    optimizer: over the stage's slice (sharded: its part); actions: this
-    stage's schedule (schedule.py); pieces: ring mode's buckets of the
-    stage's wire (stages.stage_pieces); batch: a micro-batch's samples;
-    clip_norm: --clip-norm or None; fusion_elems: the buckets' size, for the
-    norm's parts; trace: its --timeline spans (trace.StageTrace);
-    compression: the stage's pipeline/compression.StageCompression or None
-    (--compression: the pieces through its exchange instead of the strategy)."""
+    spec: the model's; grid: this rank's (grid.py); chunks: this stage's
+    chunks (stage.py Stage each: one, or V with --virtual-stages, local
+    chunk k the model's chunk kP + s); strategy: the stage's allreduce over
+    its replicas (None for one); optimizers: one per chunk, over its slice
+    (sharded: its part); actions: this stage's schedule (schedule.py);
+    pieces: per chunk, ring mode's buckets of its wire
+    (stages.stage_pieces); batch: a micro-batch's samples; clip_norm:
+    --clip-norm or None (the norm over every stage's chunks: grad_norm.py);
+    fusion_elems: the buckets' size, for the norm's parts; trace: its
+    --timeline spans (trace.StageTrace); compression: the stage's
+    pipeline/compression.StageCompression or None (--compression: the
+    pieces through its exchange instead of the strategy; one chunk a stage
+    only, stages.cuts_for refuses it with --virtual-stages V > 1).
 
-    def __init__(self, world, spec, grid, stage, strategy, optimizer, actions, pieces, batch, clip_norm,
+    Messages: chunk c's activations go to chunk c + 1 (stage (s + 1) mod P),
+    its input gradients to chunk c - 1 (stage (s - 1) mod P), on the pipe
+    communicator; a message's tag is its sender's (local chunk, micro-batch):
+    kM + m for an activation, VM + kM + m for a gradient, so that two
+    stages that trade both ways (P = 2) never confuse two messages."""
+
+    def __init__(self, world, spec, grid, chunks, strategy, optimizers, actions, pieces, batch, clip_norm,
                  fusion_elems, trace, compression=None):
-        self.world, self.grid, self.stage, self.strategy, self.optimizer = world, grid, stage, strategy, optimizer
+        self.world, self.grid, self.chunks, self.strategy, self.optimizers = world, grid, chunks, strategy, optimizers
         self.compression = compression
         self.exchange = compression.exchange if compression is not None else None
+        if self.exchange is not None and len(chunks) > 1:
+            raise ValueError("--compression with --virtual-stages V > 1 (stages.cuts_for refuses it)")
         self.spec = spec
-        self.sharded = getattr(optimizer, "ranges", None) is not None
-        self.xp, self.micro, self.actions = world.xp, stage.micro, actions
+        self.sharded = getattr(optimizers[0], "ranges", None) is not None
+        self.xp, self.micro, self.actions = world.xp, chunks[0].micro, actions
         unknown = {type(a).__name__ for a in actions} - {t.__name__ for t in ACTIONS}
         if unknown:
             raise ValueError(f"the schedule has actions the engine does not know: {', '.join(sorted(unknown))}")
-        self.in_shape = spec.input_shape if stage.a == 0 else spec.shapes[stage.a - 1]
-        self.out_shape = spec.shapes[stage.b - 1]
+        P, V, s = grid.stages, len(chunks), grid.stage
+        self.virtual = V
+        self.in_shapes = [spec.input_shape if c.a == 0 else spec.shapes[c.a - 1] for c in chunks]
+        self.out_shapes = [spec.shapes[c.b - 1] for c in chunks]
+        # the model's first chunk (its input the batch) and last (its output the loss)
+        self.first = [s == 0 and k == 0 for k in range(V)]
+        self.last = [s == P - 1 and k == V - 1 for k in range(V)]
         self.batch = batch   # a micro-batch's samples, whatever this stage reads
         self.head = np.zeros(2, np.float64)   # [loss, stop], summed over the world
         self.schedule_done = None
@@ -82,50 +110,74 @@ class Engine:
         self.grad_scale = 1.0 / (grid.replicas * self.micro)
         self.pieces = pieces
         self.clip, self.norm = (Clip(clip_norm), self._norm(fusion_elems)) if clip_norm else (None, None)
-        # the micro-batches' losses (the last stage's), summed as --accumulate-steps sums them
+        # the micro-batches' losses (the last chunk's), summed as --accumulate-steps sums them
         self.losses = Accumulation(self.xp.zeros(1, np.float32))
-        # the sends' neighbours, named if the step's Waitall stalls
-        self.neighbours = [grid.world_rank(grid.stage + d) for d in (-1, 1) if 0 <= grid.stage + d < grid.stages]
-        # transfers.py: sends bounded by the stage's model copies, receives posted ahead, pooled buffers
-        copies, comm, dog = len(stage.models), grid.pipe_comm, world.watchdog
-        before, after = grid.stage - 1, grid.stage + 1
-        self.to_next = Sends(comm, after, (batch, *self.out_shape), copies, dog, "activation",
-                             grid.world_rank(after)) if not grid.last else None
-        self.to_before = Sends(comm, before, (batch, *self.in_shape), copies, dog, "gradient",
-                               grid.world_rank(before)) if not grid.first else None
-        self.from_before = Receives(comm, before, (batch, *self.in_shape),
-                                    [a.micro for a in actions if isinstance(a, sched.RecvActivation)], 2, dog,
-                                    "activations", grid.world_rank(before)) if not grid.first else None
-        self.from_next = Receives(comm, after, (batch, *self.out_shape),
-                                  [a.micro for a in actions if isinstance(a, sched.RecvGrad)], 2, dog,
-                                  "gradients", grid.world_rank(after)) if not grid.last else None
+        # the neighbours: chunk to chunk round the stages (one chunk per stage: no wrap)
+        before, after = (s - 1) % P, (s + 1) % P
+        self.neighbours = sorted({grid.world_rank(before), grid.world_rank(after)} - {grid.world_rank(s)}) \
+            if V > 1 else [grid.world_rank(s + d) for d in (-1, 1) if 0 <= s + d < P]
+        # transfers.py, per local chunk: sends bounded by the chunk's model copies, receives posted ahead,
+        # pooled buffers
+        comm, dog, M = grid.pipe_comm, world.watchdog, self.micro
+
+        def label(tag):   # a tag in words: the micro-batch, and with chunks the sender's chunk
+            return f"micro-batch {tag % M}" + (f" (stage's chunk {(tag // M) % V})" if V > 1 else "")
+        self.to_next, self.to_before, self.from_before, self.from_next = [], [], [], []
+        for k, chunk in enumerate(chunks):
+            copies, inp, out = len(chunk.models), (batch, *self.in_shapes[k]), (batch, *self.out_shapes[k])
+            self.to_next.append(None if self.last[k] else Sends(comm, after, out, copies, dog, "activation",
+                                                                 grid.world_rank(after), label))
+            self.to_before.append(None if self.first[k] else Sends(comm, before, inp, copies, dog, "gradient",
+                                                                    grid.world_rank(before), label))
+            self.from_before.append(None if self.first[k] else Receives(
+                comm, before, inp, [self._activation_tag(a.micro, a.chunk) for a in actions
+                                    if isinstance(a, sched.RecvActivation) and a.chunk == k],
+                2, dog, "activations", grid.world_rank(before), label))
+            self.from_next.append(None if self.last[k] else Receives(
+                comm, after, out, [self._grad_tag(a.micro, a.chunk) for a in actions
+                                   if isinstance(a, sched.RecvGrad) and a.chunk == k],
+                2, dog, "gradients", grid.world_rank(after), label))
+
+    def _activation_tag(self, m, k):
+        """The tag of the activation local chunk k receives for micro-batch m: its sender's (the chunk before)."""
+        sender = k - 1 if self.grid.stage == 0 and self.virtual > 1 else k
+        return sender * self.micro + m
+
+    def _grad_tag(self, m, k):
+        """The tag of the gradient local chunk k receives for micro-batch m: its sender's (the chunk after)."""
+        sender = k + 1 if self.grid.stage == self.grid.stages - 1 and self.virtual > 1 else k
+        return (self.virtual + sender) * self.micro + m
 
     def _norm(self, elems):
         # --clip-norm: the sums of squares of ring mode's parts (its buckets
         # and its strategy's cut; one rank's strategy is one part), over the
-        # stages; each replica sums what it holds reduced (sharded: its part)
-        grid, stage = self.grid, self.stage
+        # stages' chunks; each replica sums what it holds reduced (sharded: its part)
+        grid = self.grid
         parts = self.strategy.parts if self.strategy is not None else (lambda n: chunk_parts(n, 1))
         ranges = ring_ranges(self.spec, elems, parts)
-        owned = self.optimizer.ranges if self.sharded else [(0, stage.hi - stage.lo)] if grid.replica == 0 else []
-        return StageNorm(ranges, stage.lo, owned, grid, self.world.comm, self.world.watchdog)
+        slices = []
+        for k, (chunk, optimizer) in enumerate(zip(self.chunks, self.optimizers)):
+            owned = optimizer.ranges if self.sharded else [(0, chunk.hi - chunk.lo)] if grid.replica == 0 else []
+            slices.append((sched.chunk_index(grid.stages, grid.stage, k), chunk.lo, owned))
+        return StageNorm(ranges, slices, grid.stages * self.virtual, grid, self.world.comm, self.world.watchdog)
 
     def run(self, batches, lr, step=0):
         """batches: M (x, y, noise) of 0-based `step`; returns (loss summed over the replicas, whether any
         rank stops)."""
         trace, start = self.trace, time.perf_counter()
-        self.optimizer.begin(lr, self.grad_scale)
+        for optimizer in self.optimizers:
+            optimizer.begin(lr, self.grad_scale)
         if self.exchange is not None:
             self.exchange.begin(step)
         self.losses.restart()
         self._step = _Step(batches)
-        for receives in (self.from_before, self.from_next):
+        for receives in self.from_before + self.from_next:
             if receives is not None:
                 receives.start()
         for action in self.actions:
             with trace.action(action):
-                ACTIONS[type(action)](self, action.micro)
-        sends = [s for s in (self.to_next, self.to_before) if s is not None]
+                ACTIONS[type(action)](self, action.micro, action.chunk)
+        sends = [s for s in self.to_next + self.to_before if s is not None]
         with trace.span("wait sends"), self.world.waiting("pipeline sends", peer=self.neighbours):
             MPI.Request.Waitall([request for s in sends for request in s.requests()])
         for s in sends:
@@ -144,107 +196,122 @@ class Engine:
 
     def evaluate(self, x, y, count, batch=128):
         """Forward only, in evaluation mode, batches of `batch` through the
-        stages (Sequential.evaluate's batches, scaled the same way): x this
-        replica's part of the images on the first stage, y its labels on the
-        last (None elsewhere), count its samples (known everywhere). Returns
-        (loss sum, correct) on the last stage, (0.0, 0) elsewhere. Sends wait
-        two batches behind (no more than two activation buffers in flight)."""
-        grid, run = self.grid, self.stage.models[0].run
+        stages (Sequential.evaluate's batches, scaled the same way), each
+        batch through this stage's chunks in turn: x this replica's part of
+        the images on the first stage, y its labels on the last (None
+        elsewhere), count its samples (known everywhere). Returns (loss sum,
+        correct) on the last stage, (0.0, 0) elsewhere. Sends wait two
+        batches behind (no more than two activation buffers a chunk in flight)."""
+        grid, P = self.grid, self.grid.stages
         loss, correct, sends = 0.0, 0, []
         for lo in range(0, count, batch):
             n = min(batch, count - lo)
-            if grid.first:
-                a = x[lo:lo + n]
-                a = self.xp.asarray(a)
-                if a.dtype == np.uint8:
-                    a = a.astype(np.float32)
-                    a /= 255
-            else:
-                a = self._receive(grid.stage - 1, (n, *self.in_shape), EVAL_TAG, "evaluation activations")
-            out = run.forward(a, False)
-            if grid.last:
-                part_loss, part_correct = run.head.sums(out, self.xp.asarray(y[lo:lo + n]))
-                loss += part_loss
-                correct += part_correct
-                continue
-            sends.append(self._send(out, grid.stage + 1, EVAL_TAG))
-            if len(sends) > 2:
-                with self.world.waiting("pipeline evaluation sends", peer=self.neighbours):
-                    sends.pop(0)[0].Wait()
+            for k, chunk in enumerate(self.chunks):
+                if self.first[k]:
+                    a = x[lo:lo + n]
+                    a = self.xp.asarray(a)
+                    if a.dtype == np.uint8:
+                        a = a.astype(np.float32)
+                        a /= 255
+                else:
+                    sender = k - 1 if grid.stage == 0 else k   # the chunk before's local index on its stage
+                    a = self._receive((grid.stage - 1) % P, (n, *self.in_shapes[k]), EVAL_TAG + sender,
+                                      "evaluation activations")
+                run = chunk.models[0].run
+                out = run.forward(a, False)
+                if self.last[k]:
+                    part_loss, part_correct = run.head.sums(out, self.xp.asarray(y[lo:lo + n]))
+                    loss += part_loss
+                    correct += part_correct
+                    continue
+                sends.append(self._send(out, (grid.stage + 1) % P, EVAL_TAG + k))
+                if len(sends) > 2 * self.virtual:
+                    with self.world.waiting("pipeline evaluation sends", peer=self.neighbours):
+                        sends.pop(0)[0].Wait()
         with self.world.waiting("pipeline evaluation sends", peer=self.neighbours):
             MPI.Request.Waitall([request for request, _ in sends])
         return loss, correct
 
-    # --- the actions (schedule.py), one method each ---------------------------------
+    # --- the actions (schedule.py), one method each: micro-batch m, local chunk k ---------
 
-    def _recv_activation(self, m):
-        self._step.inputs[m] = self.from_before.get(m)   # held (the first layer keeps its input) until backward m
+    def _recv_activation(self, m, k):
+        # held (the first layer keeps its input) until backward m
+        self._step.inputs[m, k] = self.from_before[k].get(self._activation_tag(m, k))
 
-    def _forward(self, m):
+    def _forward(self, m, k):
         step = self._step
         x, y, noise = step.batches[m]
-        held = step.inputs.get(m)
-        out = self.stage.forward(m, x if held is None else self.xp.asarray(held), y, noise)
-        if self.grid.last:
+        held = step.inputs.get((m, k))
+        out = self.chunks[k].forward(m, x if held is None else self.xp.asarray(held), y, noise)
+        if self.last[k]:
             self.losses.add(out)
         else:
-            step.outputs[m] = out
+            step.outputs[m, k] = out
 
-    def _send_activation(self, m):
-        self.to_next.send(self._step.outputs.pop(m), m, self.xp)
+    def _send_activation(self, m, k):
+        self.to_next[k].send(self._step.outputs.pop((m, k)), k * self.micro + m, self.xp)
 
-    def _recv_grad(self, m):
-        self._step.grads_in[m] = self.from_next.get(m)
+    def _recv_grad(self, m, k):
+        self._step.grads_in[m, k] = self.from_next[k].get(self._grad_tag(m, k))
 
-    def _backward(self, m):
+    def _backward(self, m, k):
         step = self._step
-        dy = step.grads_in.pop(m, None)
-        step.grads_out[m] = self.stage.backward(m, None if dy is None else self.xp.asarray(dy))
+        dy = step.grads_in.pop((m, k), None)
+        step.grads_out[m, k] = self.chunks[k].backward(m, None if dy is None else self.xp.asarray(dy))
         if dy is not None:
-            self.from_next.release(dy)
-        held = step.inputs.pop(m, None)
+            self.from_next[k].release(dy)
+        held = step.inputs.pop((m, k), None)
         if held is not None:
-            self.from_before.release(held)
+            self.from_before[k].release(held)
 
-    def _send_grad(self, m):
-        self.to_before.send(self._step.grads_out.pop(m), m, self.xp)
+    def _send_grad(self, m, k):
+        self.to_before[k].send(self._step.grads_out.pop((m, k)), (self.virtual + k) * self.micro + m, self.xp)
 
     def _update(self):
-        stage = self.stage
-        grads, params = stage.grads, stage.params   # the micro-batches' sum, added up by their backwards
+        # every chunk's gradient averaged (or reduce-scattered), then the one
+        # clip factor over them all (--clip-norm), then each chunk's update
+        chunks, optimizers, pieces = self.chunks, self.optimizers, self.pieces
         device.synchronize(self.xp)
         if self.sharded:   # ZeRO-1 over the replicas, bucket by bucket: the same bits as allreduce + the whole update
             with self.trace.span("reduce-scatter"):
                 mine = []
-                for a, b in self.pieces:
-                    lo, hi = self.exchange.reduce_scatter(a, b) if self.exchange else \
-                        self.strategy.reduce_scatter(stage.wire[a:b])
-                    mine.append(body_range(a + lo, a + hi, stage.body_at))
+                for stage, chunk_pieces in zip(chunks, pieces):
+                    mine.append([])
+                    for a, b in chunk_pieces:   # the exchange: one chunk a stage (see __init__)
+                        lo, hi = self.exchange.reduce_scatter(a, b) if self.exchange else \
+                            self.strategy.reduce_scatter(stage.wire[a:b])
+                        mine[-1].append(body_range(a + lo, a + hi, stage.body_at))
             with self.trace.span("update"):
-                self._clip(grads)
-                for lo, hi in mine:
-                    if lo < hi:
-                        self.optimizer.update(params, grads, lo, hi)
+                self._clip()
+                for stage, optimizer, ranges in zip(chunks, optimizers, mine):
+                    for lo, hi in ranges:
+                        if lo < hi:
+                            optimizer.update(stage.params, stage.grads, lo, hi)
             with self.trace.span("allgather"):
                 device.synchronize(self.xp)
-                for a, b in self.pieces:
-                    self.strategy.allgather(stage.param_wire[a:b])
+                for stage, chunk_pieces in zip(chunks, pieces):
+                    for a, b in chunk_pieces:
+                        self.strategy.allgather(stage.param_wire[a:b])
             return
         if self.strategy is not None:
             with self.trace.span("allreduce"):
-                for a, b in self.pieces:   # ring mode's buckets, in its order of sums
-                    if self.exchange is not None:
-                        self.exchange.allreduce(a, b)
-                    else:
+                for stage, chunk_pieces in zip(chunks, pieces):
+                    for a, b in chunk_pieces:   # ring mode's buckets, in its order of sums
+                        if self.exchange is not None:
+                            self.exchange.allreduce(a, b)
+                            continue
                         self.strategy.allreduce(stage.wire[a:b])
         with self.trace.span("update"):
-            self._clip(grads)
-            self.optimizer.update(params, grads)
+            self._clip()
+            for stage, optimizer in zip(chunks, optimizers):   # the micro-batches' sum, added up by the backwards
+                optimizer.update(stage.params, stage.grads)
 
-    def _clip(self, grads):
-        # --clip-norm: the norm over the stages (and the replicas' parts), in the update's span
+    def _clip(self):
+        # --clip-norm: the norm over the stages' chunks (and the replicas' parts), in the update's span
         if self.clip is not None:
-            self.optimizer.set_grad_scale(self.clip.scaled(self.norm.partials(grads), self.grad_scale))
+            scale = self.clip.scaled(self.norm.partials([c.grads for c in self.chunks]), self.grad_scale)
+            for optimizer in self.optimizers:
+                optimizer.set_grad_scale(scale)
 
     def _send(self, array, stage, tag):
         device.synchronize(self.xp)
@@ -258,7 +325,7 @@ class Engine:
     def _receive(self, stage, shape, tag, what):
         host = np.empty(shape, np.float32)
         request = self.grid.pipe_comm.Irecv(host, source=stage, tag=tag)
-        with self.world.waiting(f"pipeline {what} of micro-batch {tag} from stage {stage}",
+        with self.world.waiting(f"pipeline {what} from stage {stage}",
                                 peer=self.grid.world_rank(stage)):
             request.Wait()
         return self.xp.asarray(host)

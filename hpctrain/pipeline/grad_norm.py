@@ -15,7 +15,8 @@ in any reduction order and every rank gets the same partials, hence the
 same factor.
 Where no part crosses a stage's boundary (buckets of one layer each: a small
 --fusion-mb), the partials are ring mode's, bit for bit, and so are the
-parameters; a part that does cross is summed in two pieces, and the norm
+parameters; a part that does cross (or a chunk's boundary, with the
+interleaved schedule's chunks) is summed in two pieces, and the norm
 differs from ring mode's by float64 rounding (tests/test_pipeline.py).
 Takes a communicator; never imports MPI itself.
 
@@ -39,26 +40,30 @@ def ring_ranges(spec, fusion_elems, parts):
 class StageNorm:
     """partials(grads): the sums of squares of the whole model's summed
     gradient over `ranges` (ring mode's parts, gradient coordinates), on every
-    rank of `comm` (the world). Each rank sums its stage's slice (starting at
-    `lo`) where `owned` says (slice coordinates): a replica's part when the
-    update is sharded (only that part is summed over the replicas), the whole
-    slice on replica 0 otherwise. Part i's piece on stage s, replica q has slot
-    (i P + s) R + q, so every slot has one contributor."""
+    rank of `comm` (the world). slices: per local chunk (one with one chunk a
+    stage) (c, lo, owned): the model's chunk c (the stage itself with one),
+    its slice starting at `lo`, summed where `owned` says (slice
+    coordinates): a replica's part when the update is sharded (only that
+    part is summed over the replicas), the whole slice on replica 0
+    otherwise; chunks: how many the model is cut into (P, or PV). Part i's
+    piece on chunk c, replica q has slot (i C + c) R + q, so every slot has
+    one contributor. grads: per local chunk, its gradient slice."""
 
-    def __init__(self, ranges, lo, owned, grid, comm, watchdog):
+    def __init__(self, ranges, slices, chunks, grid, comm, watchdog):
         self.comm, self.watchdog = comm, watchdog
-        P, R = grid.stages, grid.replicas
-        self._mine = [((i * P + grid.stage) * R + grid.replica, max(a - lo, o_lo), min(b - lo, o_hi))
+        R = grid.replicas
+        self._mine = [((i * chunks + c) * R + grid.replica, k, max(a - lo, o_lo), min(b - lo, o_hi))
+                      for k, (c, lo, owned) in enumerate(slices)
                       for i, (a, b) in enumerate(ranges) for o_lo, o_hi in owned
                       if max(a - lo, o_lo) < min(b - lo, o_hi)]
-        self._slots = np.array([k for k, _, _ in self._mine], np.int64)
-        self._pieces = np.zeros(len(ranges) * P * R, np.float64)
+        self._slots = np.array([slot for slot, _, _, _ in self._mine], np.int64)
+        self._pieces = np.zeros(len(ranges) * chunks * R, np.float64)
         self._all = np.zeros_like(self._pieces)
 
     def partials(self, grads):
         self._pieces[...] = 0
         # a part may meet two owned ranges of one rank: its pieces add up there, in one order
-        np.add.at(self._pieces, self._slots, sum_squares([grads[a:b] for _, a, b in self._mine]))
+        np.add.at(self._pieces, self._slots, sum_squares([grads[k][a:b] for _, k, a, b in self._mine]))
         with self.watchdog.waiting("clip norm: sums of squares over the stages", peer=None):
             self.comm.Allreduce(self._pieces, self._all)   # the default op: a sum
         return self._all

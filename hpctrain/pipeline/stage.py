@@ -1,10 +1,13 @@
-"""One pipeline stage's model: layers [a, b) of the spec's list over the
+"""One pipeline stage's model (or, with --virtual-stages V, one of its V
+chunks: loops/pipe.py makes a Stage per chunk, `s` then the model's chunk
+index in the PV + 1 cuts): layers [a, b) of the spec's list over the
 stage's slice of the flat buffers, run by the model's own runner
 (nn/sequential.LayerRange), so that the pipeline's arithmetic is that of the
 whole model, call for call. Never imports MPI.
 
 A stage keeps `copies` StageModels, the schedule's peak of micro-batches in
-flight (schedule.peak_activations: GPipe M, 1F1B min(P - s, M)): layers keep
+flight (schedule.peak_activations: GPipe M, 1F1B min(P - s, M); a chunk's:
+schedule.chunk_peaks): layers keep
 their forward's inputs and buffers for their backward, so a copy holds one
 micro-batch's activations from `forward(m)` to `backward(m)` and then serves
 the next forward. That bound is the stage's activation memory. The copies

@@ -25,6 +25,8 @@ from ..comm.fusion import bucket_bounds
 from ..comm.wire import GRADS, Wire
 from ..errors import HpctrainError
 
+MAX_TAGS = 30000   # message tags a step's transfers use, below the checkpoints' (pipeline/whole.py: 31000)
+
 
 def balanced(spec, stages):
     """The cut points [0, ..., len(layers)] that minimise the largest stage's
@@ -51,18 +53,40 @@ def balanced(spec, stages):
     return best[stages][n][1]
 
 
+def virtual_stages(args):
+    """V, the chunks per stage: --virtual-stages, 2 by default with the
+    interleaved schedule, 1 with the others."""
+    if args.virtual_stages is not None:
+        return args.virtual_stages
+    return 2 if args.pipeline_schedule == "interleaved" else 1
+
+
+def stage_chunks(cuts, stages, s):
+    """Stage s's chunks as layer ranges [(a, b)], its local chunk k being the
+    model's chunk kP + s (cuts: the PV + 1 cut points; one chunk for V = 1)."""
+    chunks = len(cuts) - 1
+    return [(cuts[c], cuts[c + 1]) for c in range(s, chunks, stages)]
+
+
 def cut_points(args, spec):
-    """This run's cut points [0, ..., len(layers)], or HpctrainError (one line)."""
-    stages, n = args.pipeline_stages, len(spec.layers)
+    """This run's cut points [0, ..., len(layers)] (P + 1 of them, or PV + 1
+    with V virtual stages: chunk c is layers [cut[c], cut[c + 1])), or
+    HpctrainError (one line)."""
+    stages, n, virtual = args.pipeline_stages, len(spec.layers), virtual_stages(args)
+    chunks = stages * virtual
     with_params = len(spec.param_layers)
+    if virtual > 1 and chunks > with_params:
+        raise HpctrainError(f"--pipeline-stages {stages} --virtual-stages {virtual}: {chunks} chunks, but the model "
+                            f"has {with_params} layers with parameters, one chunk needs at least one")
     if stages > with_params:
         raise HpctrainError(f"--pipeline-stages {stages}: the model has {with_params} layers with parameters, "
                             f"one stage needs at least one")
     if not args.pipeline_split:
-        return balanced(spec, stages)
+        return balanced(spec, chunks)
     inner = [int(t) for t in args.pipeline_split.split(",")]
-    if len(inner) != stages - 1:
-        raise HpctrainError(f"--pipeline-split {args.pipeline_split}: {stages} stages need {stages - 1} cut "
+    if len(inner) != chunks - 1:
+        what = f"{stages} stages x {virtual} virtual stages = {chunks} chunks" if virtual > 1 else f"{stages} stages"
+        raise HpctrainError(f"--pipeline-split {args.pipeline_split}: {what} need {chunks - 1} cut "
                             f"points, got {len(inner)}")
     if any(not 0 < c < n for c in inner):
         raise HpctrainError(f"--pipeline-split {args.pipeline_split}: cut points must be layer indices in "
@@ -72,7 +96,8 @@ def cut_points(args, spec):
         raise HpctrainError(f"--pipeline-split {args.pipeline_split}: cut points must increase")
     for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
         if not any(spec.layer_tensors[i] for i in range(a, b)):
-            raise HpctrainError(f"--pipeline-split {args.pipeline_split}: stage {s} (layers {a}..{b - 1}) "
+            what = f"chunk {s} (stage {s % stages}'s chunk {s // stages}, " if virtual > 1 else f"stage {s} ("
+            raise HpctrainError(f"--pipeline-split {args.pipeline_split}: {what}layers {a}..{b - 1}) "
                                 f"has no layer with parameters")
     return cuts
 
@@ -81,6 +106,17 @@ def cuts_for(args, world, spec):
     """The cut points of a pipeline run (None without --pipeline-stages), or
     HpctrainError for flags it cannot run with. Every rank alike (run/startup.py)."""
     stages = args.pipeline_stages
+    interleaved = args.pipeline_schedule == "interleaved"
+    if args.virtual_stages is not None and not interleaved:
+        raise HpctrainError(f"--virtual-stages {args.virtual_stages} needs --pipeline-schedule interleaved "
+                            f"(the {args.pipeline_schedule} schedule runs one chunk per stage)")
+    if interleaved and stages == 1:
+        raise HpctrainError("--pipeline-schedule interleaved needs --pipeline-stages P > 1")
+    if interleaved and virtual_stages(args) > 1 and getattr(args, "compression", "none") != "none":
+        # a stage's replicas exchange one chunk's part of the wire compressed (pipeline/compression.py)
+        raise HpctrainError(f"--compression {args.compression} with --pipeline-schedule interleaved "
+                            f"--virtual-stages {virtual_stages(args)}: not built (compression takes one chunk a "
+                            f"stage; use 1f1b or gpipe, or --compression none)")
     if stages == 1:
         if args.micro_batches > 1:
             raise HpctrainError("--micro-batches needs --pipeline-stages P > 1 (one stage: --accumulate-steps)")
@@ -95,6 +131,14 @@ def cuts_for(args, world, spec):
                             "(the same samples per step)")
     if world % stages:
         raise HpctrainError(f"--pipeline-stages {stages} does not divide the {world} ranks")
+    if interleaved and args.micro_batches % stages:
+        # Megatron's rule: groups of P micro-batches go through a stage's chunks in turn
+        raise HpctrainError(f"--pipeline-schedule interleaved needs --micro-batches a multiple of "
+                            f"--pipeline-stages (got --micro-batches {args.micro_batches}, --pipeline-stages "
+                            f"{stages})")
+    if 2 * virtual_stages(args) * args.micro_batches > MAX_TAGS:   # engine.py: a tag per message of a step
+        raise HpctrainError(f"--virtual-stages {virtual_stages(args)} x --micro-batches {args.micro_batches}: more "
+                            f"than {MAX_TAGS // 2} micro-batch chunks a step")
     if args.overlap == "on":   # auto: a pipeline runs without the thread
         raise HpctrainError("--pipeline-stages with --overlap on: a stage averages its gradient after its "
                             "last micro-batch's backward, with no communication thread to overlap it")

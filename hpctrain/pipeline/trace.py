@@ -3,7 +3,8 @@ the chief's one Chrome trace (report/timeline.py), so that a stage's idle time, 
 bubble, shows between its forwards and backwards. Takes communicators; never
 imports MPI itself.
 
-Each rank records, per step: `forward m` and `backward m`; `send activation m`
+Each rank records, per step: `forward m` and `backward m` (with
+--virtual-stages V the stage's local chunk as a letter, `forward 3b`: chunk 1); `send activation m`
 and `send gradient m` (posting the Isend: the copy to the host and the post);
 `wait activation m` and `wait gradient m` (a receive, until its data are in);
 `wait sends` (the final Waitall of the step's sends); `schedule` (from the
@@ -68,18 +69,21 @@ class _Row:
 class StageTrace:
     """This rank's spans of one step, handed to the chief's timeline after it."""
 
-    def __init__(self, world, outputs, timeline, grid, stage, optimizer):
+    def __init__(self, world, outputs, timeline, grid, chunks, optimizers):
         """world: run/world.World; outputs: the plan's (--timeline, the same on
         every rank, and --timeline-steps); timeline: the chief's trace."""
         self.enabled = outputs.timeline is not None
+        self.virtual = len(chunks)   # V > 1: an action's micro-batch is recorded as mV + its local chunk
         self.limit = outputs.timeline_steps   # then no more spans, and no more gathers, on every rank alike
         if not self.enabled:
             return
         self.world, self.comm, self.timeline = world, world.comm, timeline
         self.rows, self.step = [], 0
-        grads = [stage.grad, stage.grads]
-        about = np.array([grid.stage, grid.replica, stage.a, stage.b, stage.params.nbytes,
-                          sum(int(g.nbytes) for g in grads), state_bytes(optimizer), len(stage.models)], np.int64)
+        # with V chunks a stage: its first chunk's first layer to its last chunk's end, their sums
+        grads = [g for c in chunks for g in (c.grad, c.grads)]
+        about = np.array([grid.stage, grid.replica, chunks[0].a, chunks[-1].b, sum(c.params.nbytes for c in chunks),
+                          sum(int(g.nbytes) for g in grads), sum(state_bytes(o) for o in optimizers),
+                          sum(len(c.models) for c in chunks)], np.int64)
         every = np.zeros((self.comm.Get_size(), about.size), np.int64) if world.chief else None
         with world.waiting("timeline start-up (pipeline clocks)", peer=None):
             self.comm.Barrier()
@@ -97,7 +101,8 @@ class StageTrace:
 
     def action(self, action):
         """The span of one schedule action (schedule.py), named with its micro-batch."""
-        return _Row(self, CODE[ACTION[type(action)]], action.micro) if self.enabled else NO_SPAN
+        micro = action.micro * self.virtual + action.chunk if self.virtual > 1 else action.micro
+        return _Row(self, CODE[ACTION[type(action)]], micro) if self.enabled else NO_SPAN
 
     def add(self, kind, t_start, t_end):
         """A span measured elsewhere (perf_counter seconds)."""
@@ -124,10 +129,17 @@ class StageTrace:
         if chief:
             self._add(every, counts)
 
+    def _micro(self, micro):
+        """A span's micro-batch as its name says it: `3`, or with chunks `3b` (schedule.diagram's letters)."""
+        if self.virtual == 1:
+            return str(micro)
+        m, chunk = divmod(micro, self.virtual)
+        return f"{m}{'abcdefghijklmnopqrstuvwxyz'[chunk % 26]}"
+
     def _add(self, every, counts):
         starts = np.concatenate([[0], np.cumsum(counts)])
         for rank in range(len(counts)):
             for code, micro, t0, t1 in every[starts[rank]:starts[rank + 1]].reshape(-1, 4).tolist():
                 name, cat = KINDS[int(code)]
-                self.timeline.add(name if micro < 0 else f"{name} {int(micro)}", cat, self.origin + t0,
+                self.timeline.add(name if micro < 0 else f"{name} {self._micro(int(micro))}", cat, self.origin + t0,
                                   self.origin + t1, {"step": self.step}, pid=rank)

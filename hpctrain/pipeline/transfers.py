@@ -43,15 +43,20 @@ class Pool:
         self.free.append(buffer)
 
 
+def micro_batch(tag):
+    return f"micro-batch {tag}"
+
+
 class Sends:
-    def __init__(self, comm, dest, shape, cap, watchdog, what, peer):
+    def __init__(self, comm, dest, shape, cap, watchdog, what, peer, label=micro_batch):
         self.comm, self.dest, self.cap, self.watchdog, self.what, self.peer = comm, dest, max(1, cap), watchdog, what, peer
+        self.label = label   # a tag in words
         self.pool, self.flight = Pool(shape), deque()
 
     def send(self, array, tag, xp):
         if len(self.flight) >= self.cap:
             request, buffer = self.flight.popleft()
-            with self.watchdog.waiting(f"pipeline {self.what} send before micro-batch {tag}", peer=self.peer):
+            with self.watchdog.waiting(f"pipeline {self.what} send before {self.label(tag)}", peer=self.peer):
                 request.Wait()
             self.pool.give(buffer)
         device.synchronize(xp)
@@ -69,8 +74,9 @@ class Sends:
 
 
 class Receives:
-    def __init__(self, comm, source, shape, tags, ahead, watchdog, what, peer):
+    def __init__(self, comm, source, shape, tags, ahead, watchdog, what, peer, label=micro_batch):
         self.comm, self.source, self.tags, self.ahead = comm, source, list(tags), max(1, ahead)
+        self.label = label
         self.watchdog, self.what, self.peer = watchdog, what, peer
         self.pool = Pool(shape)
         self.pending, self.posted = deque(), {}
@@ -91,7 +97,7 @@ class Receives:
         if tag not in self.posted:   # (ahead of what the order says: post the rest first)
             self._post()
         request, buffer = self.posted.pop(tag)
-        with self.watchdog.waiting(f"pipeline {self.what} of micro-batch {tag} from stage {self.source}",
+        with self.watchdog.waiting(f"pipeline {self.what} of {self.label(tag)} from stage {self.source}",
                                    peer=self.peer):
             request.Wait()
         self._post()

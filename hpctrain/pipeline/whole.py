@@ -60,26 +60,30 @@ def spans(spec, cuts, of="params"):
 # --- the stages' slices to the chief, one at a time ------------------------------
 
 class ToChief:
-    """Flat buffers whose slices the stages hold, to the chief stage by stage,
-    in the order of `names` (the order its file takes them). parts: name ->
-    (layout (counts, displacements), this stage's slice or None where this
-    rank sends nothing: every replica but 0). The chief asks `pieces(name)`;
-    every stage's replica 0 but the chief's `send()`s."""
+    """Flat buffers whose slices the stages hold, to the chief chunk by chunk
+    (a stage's slice is its chunk's with one chunk a stage; with V, chunk c
+    is stage c mod P's local chunk c // P), in the order of `names` (the
+    order its file takes them). parts: name -> (layout (counts,
+    displacements) over the chunks, this stage's chunks' slices [one per
+    local chunk], or None where this rank sends nothing: every replica but
+    0). The chief asks `pieces(name)`; every stage's replica 0 but the
+    chief's `send()`s."""
 
     def __init__(self, grid, watchdog, names, parts):
         self.grid, self.watchdog, self.names, self.parts = grid, watchdog, list(names), parts
-        self._taken = set()   # (name, stage) the chief has received
+        self._taken = set()   # (name, chunk) the chief has received
 
     def pieces(self, name):
-        """The chief: stage 0's slice of `name`, then each other stage's as it arrives."""
-        grid = self.grid
+        """The chief: chunk 0's slice of `name`, then each other chunk's, its own or as it arrives."""
+        P = self.grid.stages
         counts, _ = self.parts[name][0]
-        for s in range(grid.stages):
+        for c in range(len(counts)):
+            s, k = c % P, c // P
             if s == 0:
-                piece = np.ascontiguousarray(device.to_host(self.parts[name][1]), dtype=np.float32)
+                piece = np.ascontiguousarray(device.to_host(self.parts[name][1][k]), dtype=np.float32)
             else:
-                piece = self._receive(name, s, counts[s])
-            self._taken.add((name, s))
+                piece = self._receive(name, s, counts[c])
+            self._taken.add((name, c))
             yield piece
 
     def _receive(self, name, s, count):
@@ -90,29 +94,31 @@ class ToChief:
 
     def drain(self):
         """The chief, after a failed write: receive what is still to come (discarded)."""
+        P = self.grid.stages
         for name in self.names:
             counts, _ = self.parts[name][0]
-            for s in range(1, self.grid.stages):
-                if (name, s) not in self._taken:
-                    self._receive(name, s, counts[s])
-                    self._taken.add((name, s))
+            for c in range(len(counts)):
+                if c % P and (name, c) not in self._taken:
+                    self._receive(name, c % P, counts[c])
+                    self._taken.add((name, c))
 
     def send(self):
-        """A stage's replica 0 (not the chief's stage): its slices, in order."""
+        """A stage's replica 0 (not the chief's stage): its chunks' slices, in order."""
         grid = self.grid
         if grid.first or grid.replica != 0:
             return
         for name in self.names:
-            part = np.ascontiguousarray(device.to_host(self.parts[name][1]), dtype=np.float32)
-            with self.watchdog.waiting(f"pipeline {name} from stage {grid.stage} to the chief",
-                                       peer=grid.world_rank(0, 0)):
-                grid.pipe_comm.Send(part, dest=0, tag=TAG)
+            for slice_ in self.parts[name][1]:
+                part = np.ascontiguousarray(device.to_host(slice_), dtype=np.float32)
+                with self.watchdog.waiting(f"pipeline {name} from stage {grid.stage} to the chief",
+                                           peer=grid.world_rank(0, 0)):
+                    grid.pipe_comm.Send(part, dest=0, tag=TAG)
 
 
-def all_finite(world, grid, part):
-    """Every stage's `part` finite, known on every rank (one world Allreduce)."""
+def all_finite(world, grid, parts):
+    """Every stage's `parts` (its chunks' slices) finite, known on every rank (one world Allreduce)."""
     from mpi4py import MPI
-    ok = np.array([1 if device.all_finite(part) else 0], np.int64)
+    ok = np.array([1 if all(device.all_finite(part) for part in parts) else 0], np.int64)
     with world.waiting("pipeline finiteness allreduce", peer=None):
         world.comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
     return bool(ok[0])
@@ -125,26 +131,28 @@ def save_checkpoint(world, checkpoints, engine, layouts, reader, step):
     writes (every stage's parameters, model state and optimizer state, the
     replicas' data positions: the first stage's ranks, one per replica),
     receiving each stage's slice of each buffer as the file takes it."""
-    grid, stage, optimizer = engine.grid, engine.stage, engine.optimizer
-    if not all_finite(world, grid, stage.params):   # before any piece moves: every rank stops alike
+    grid, chunks, optimizers = engine.grid, engine.chunks, engine.optimizers
+    if not all_finite(world, grid, [c.params for c in chunks]):   # before any piece moves: every rank stops alike
         from ..errors import EXIT_DIVERGED
         raise HpctrainError(f"the parameters of step {step} are not finite: training diverged (try a lower --lr); "
                             f"no checkpoint written", exit_code=EXIT_DIVERGED, collective=True, report=world.chief)
-    states = stage_optimizer_state(world, grid, optimizer)   # the stage's whole state on its replica 0
+    # each chunk's whole optimizer state on the stage's replica 0
+    states = [stage_optimizer_state(world, grid, optimizer) for optimizer in optimizers]
     mine = replica0 = grid.replica == 0
-    parts = {"params": (layouts.params, stage.params if mine else None)}
-    parts.update({f"optimizer/{name}": (layouts.params, states[name] if replica0 else None) for name in states})
+    parts = {"params": (layouts.params, [c.params for c in chunks] if mine else None)}
+    parts.update({f"optimizer/{name}": (layouts.params, [st[name] for st in states] if replica0 else None)
+                  for name in states[0]})
     spec_state = sum(layouts.state[0])
     if spec_state:
-        parts["model_state"] = (layouts.state, stage.state if mine else None)
+        parts["model_state"] = (layouts.state, [c.state for c in chunks] if mine else None)
     stream = ToChief(grid, world.watchdog, sorted(parts), parts)   # the file's order: checkpoints/file.py
     positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first else None
     compressed = pipeline_compression.gather(world, grid, engine.compression, layouts) \
         if engine.compression is not None else None   # --compression powersgd's state, whole on the chief
     n = sum(layouts.params[0])
-    optimizer_state = {name: Pieces(n, _lazy(stream, f"optimizer/{name}")) for name in sorted(states)}
+    optimizer_state = {name: Pieces(n, _lazy(stream, f"optimizer/{name}")) for name in sorted(states[0])}
     model_state = Pieces(spec_state, _lazy(stream, "model_state")) if spec_state else None
-    checkpoints.save(world.comm, step, Pieces(n, _lazy(stream, "params")), optimizer_state, optimizer.t, positions,
+    checkpoints.save(world.comm, step, Pieces(n, _lazy(stream, "params")), optimizer_state, optimizers[0].t, positions,
                      model_state, senders=stream.send, on_failure=stream.drain, compression=compressed)
 
 
@@ -169,39 +177,44 @@ def stage_optimizer_state(world, grid, optimizer):
 
 # --- resume ---------------------------------------------------------------------------
 
-def to_stages(world, grid, source, layout, n, what):
-    """Every stage's slice (n floats) of `source` (the chief's lazily read
-    checkpoint dataset: checkpoints/file.OnDisk; ignored elsewhere), read and
-    sent a stage at a time, on the stage's replica 0 (host); None elsewhere."""
+def to_stages(world, grid, source, layout, sizes, what):
+    """Every chunk's slice of `source` (the chief's lazily read checkpoint
+    dataset: checkpoints/file.OnDisk; ignored elsewhere), read and sent a
+    chunk at a time to its stage's replica 0 (host): there the list of this
+    stage's chunks' slices (`sizes` floats each); None elsewhere."""
     if grid.replica != 0:
         return None
     counts, displs = layout
-    watchdog = world.watchdog
+    watchdog, P = world.watchdog, grid.stages
     if not grid.first:
-        host = np.empty(n, np.float32)
-        with watchdog.waiting(f"pipeline resume ({what}) from the chief", peer=grid.world_rank(0, 0)):
-            grid.pipe_comm.Recv(host, source=0, tag=TAG)
-        return host
-    mine = None
-    for s in range(grid.stages):
-        piece = source.read(displs[s], displs[s] + counts[s]) if counts[s] else np.zeros(0, np.float32)
-        if s == 0:
-            mine = piece
+        mine = []
+        for n in sizes:
+            host = np.empty(n, np.float32)
+            with watchdog.waiting(f"pipeline resume ({what}) from the chief", peer=grid.world_rank(0, 0)):
+                grid.pipe_comm.Recv(host, source=0, tag=TAG)
+            mine.append(host)
+        return mine
+    mine = []
+    for c in range(len(counts)):
+        piece = source.read(displs[c], displs[c] + counts[c]) if counts[c] else np.zeros(0, np.float32)
+        if c % P == 0:
+            mine.append(piece)
             continue
-        with watchdog.waiting(f"pipeline resume ({what}) to stage {s}", peer=grid.world_rank(s, 0)):
-            grid.pipe_comm.Send(piece, dest=s, tag=TAG)
+        with watchdog.waiting(f"pipeline resume ({what}) to stage {c % P}", peer=grid.world_rank(c % P, 0)):
+            grid.pipe_comm.Send(piece, dest=c % P, tag=TAG)
     return mine
 
 
-def from_chief(world, grid, source, part, layout, what):
-    """Every stage's slice of `source` into `part` on all its replicas."""
-    host = to_stages(world, grid, source, layout, part.size, what)
-    if host is None:
-        host = np.zeros(part.shape, np.float32)
-    with world.waiting(f"pipeline broadcast to the stage's replicas ({what})",
-                       peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
-        grid.stage_comm.Bcast(host, root=0)
-    part[...] = world.xp.asarray(host)
+def from_chief(world, grid, source, parts, layout, what):
+    """Every chunk's slice of `source` into `parts` (this stage's chunks') on all its replicas."""
+    hosts = to_stages(world, grid, source, layout, [part.size for part in parts], what)
+    if hosts is None:
+        hosts = [np.zeros(part.shape, np.float32) for part in parts]
+    for host, part in zip(hosts, parts):
+        with world.waiting(f"pipeline broadcast to the stage's replicas ({what})",
+                           peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
+            grid.stage_comm.Bcast(host, root=0)
+        part[...] = world.xp.asarray(host)
 
 
 class _InMemory:
@@ -214,11 +227,12 @@ class _InMemory:
         return np.ascontiguousarray(self.array[lo:hi], dtype=np.float32)
 
 
-def resume_stage(world, spec, grid, stage, optimizer, layouts, resume):
+def resume_stage(world, spec, grid, chunks, optimizers, layouts, resume):
     """The checkpoint's buffers (the chief's, read lazily) into every stage's
-    slices, the optimizer's step count too: whatever cut and replica count
-    wrote it (a ring mode checkpoint as well). No rank holds more than its
-    stage's slices; the chief one stage's slice of one buffer at a time."""
+    chunks' slices, the optimizers' step count too: whatever cut, chunks
+    and replica count wrote it (a ring mode checkpoint as well). No rank
+    holds more than its stage's slices; the chief one chunk's slice of one
+    buffer at a time."""
     ckpt = resume.checkpoint
     if ckpt is not None:
         for what, have, want in (("parameters", ckpt.params.size, spec.num_params),
@@ -226,25 +240,30 @@ def resume_stage(world, spec, grid, stage, optimizer, layouts, resume):
             if have != want:   # the model identity was compared: a crafted file
                 raise HpctrainError(f"{ckpt.path}: {have} floats of {what}, this model has {want}")
     try:
-        from_chief(world, grid, ckpt.params if ckpt else None, stage.params, layouts.params, "parameters")
+        from_chief(world, grid, ckpt.params if ckpt else None, [c.params for c in chunks], layouts.params,
+                   "parameters")
         if spec.num_state:   # collective: every stage alike, with state of its own or not
-            from_chief(world, grid, _InMemory(ckpt.model_state) if ckpt else None, stage.state, layouts.state,
-                       "model state")
-        sharded = getattr(optimizer, "ranges", None) is not None
+            from_chief(world, grid, _InMemory(ckpt.model_state) if ckpt else None, [c.state for c in chunks],
+                       layouts.state, "model state")
+        sharded = getattr(optimizers[0], "ranges", None) is not None
         stage_state = {}
-        for name, array in sorted(optimizer.state().items()):
+        for name in sorted(optimizers[0].state()):
             source = ckpt.optimizer_state[name] if ckpt else None
-            if sharded:   # the stage's whole state on its replica 0, then each replica its part
-                stage_state[name] = to_stages(world, grid, source, layouts.params, stage.hi - stage.lo,
+            if sharded:   # each chunk's whole state on the stage's replica 0, then each replica its part
+                stage_state[name] = to_stages(world, grid, source, layouts.params, [c.hi - c.lo for c in chunks],
                                               f"optimizer state {name}")
             else:
-                from_chief(world, grid, source, array, layouts.params, f"optimizer state {name}")
+                from_chief(world, grid, source, [o.state()[name] for o in optimizers], layouts.params,
+                           f"optimizer state {name}")
         if sharded:
-            replicas_state(world, grid, optimizer).scatter(stage_state)
+            for k, optimizer in enumerate(optimizers):
+                replicas_state(world, grid, optimizer).scatter(
+                    {name: None if full is None else full[k] for name, full in stage_state.items()})
     finally:
         if ckpt is not None:
             ckpt.close()
-    optimizer.t = resume.optimizer_t
+    for optimizer in optimizers:
+        optimizer.t = resume.optimizer_t
     device.synchronize(world.xp)
 
 
@@ -258,11 +277,11 @@ class Pipelined:
 
     def __init__(self, world, plan, engine, layouts):
         self.world, self.plan, self.engine, self.layouts = world, plan, engine, layouts
-        self.grid, self.stage, self.spec = engine.grid, engine.stage, plan.spec
+        self.grid, self.chunks, self.spec = engine.grid, engine.chunks, plan.spec
         self._parts = {}   # split -> this replica's part (images on the first stage, labels on the last)
 
     def finite(self):
-        return all_finite(self.world, self.grid, self.stage.params)
+        return all_finite(self.world, self.grid, [c.params for c in self.chunks])
 
     def share_state(self):
         """Nothing to share: each evaluation runs with its stage's replica 0's state (evaluate)."""
@@ -299,19 +318,20 @@ class Pipelined:
         part, forward only through the stages, with each stage's replica 0's
         non-trainable state (a replica's own is kept and put back)."""
         from mpi4py import MPI
-        world, grid, stage = self.world, self.grid, self.stage
+        from ..comm.device_buffers import bcast
+        world, grid = self.world, self.grid
         x, y, count = self._part(split)
-        own = None
-        if stage.state.size and grid.replicas > 1:
-            own = stage.state.copy()
-            device.synchronize(world.xp)
-            with world.waiting("model state broadcast over the stage's replicas (evaluation)",
-                               peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
-                from ..comm.device_buffers import bcast
-                bcast(grid.stage_comm, stage.state, root=0)
+        own = {}
+        for k, stage in enumerate(self.chunks):
+            if stage.state.size and grid.replicas > 1:
+                own[k] = stage.state.copy()
+                device.synchronize(world.xp)
+                with world.waiting("model state broadcast over the stage's replicas (evaluation)",
+                                   peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
+                    bcast(grid.stage_comm, stage.state, root=0)
         loss, correct = self.engine.evaluate(x, y, count)
-        if own is not None:
-            stage.state[...] = own
+        for k, state in own.items():
+            self.chunks[k].state[...] = state
         totals = np.array([loss, correct, count], np.float64) if grid.last else np.zeros(3, np.float64)
         with world.waiting("evaluation allreduce", peer=None):
             world.comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
@@ -325,10 +345,10 @@ class Pipelined:
         tensor, the state beside), written by the chief a stage's tensors at
         a time. OSError on the chief when it cannot (the others learn it
         from `agree`)."""
-        grid, stage, layouts, spec = self.grid, self.stage, self.layouts, self.spec
-        parts = {"params": (layouts.params, stage.params if grid.replica == 0 else None)}
+        grid, chunks, layouts, spec = self.grid, self.chunks, self.layouts, self.spec
+        parts = {"params": (layouts.params, [c.params for c in chunks] if grid.replica == 0 else None)}
         if spec.num_state:
-            parts["state"] = (layouts.state, stage.state if grid.replica == 0 else None)
+            parts["state"] = (layouts.state, [c.state for c in chunks] if grid.replica == 0 else None)
         stream = ToChief(grid, self.world.watchdog, list(parts), parts)
         if not self.world.chief:
             stream.send()
@@ -346,7 +366,7 @@ class Pipelined:
         os.close(fd)
         try:
             with h5py.File(tmp, "w") as f:
-                # the stages' tensors in buffer order, each stage's slice as it arrives
+                # the chunks' tensors in buffer order, each chunk's slice as it arrives
                 for piece, (count, base) in zip(stream.pieces("params"), zip(*self.layouts.params)):
                     for name, shape, lo, hi in spec.tensors:
                         if base <= lo and hi <= base + count:

@@ -31,8 +31,8 @@ RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epoch
               "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay", "clip_norm",
               "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "ps_exchange", "sync",
               "replicas_to_aggregate", "backup_workers", "max_staleness", "dc_lambda", "placement", "checkpoint_every",
-              "timeout", "pipeline_stages", "micro_batches", "pipeline_schedule", "pipeline_split", "augment",
-              "compression", "powersgd_rank", "powersgd_start", "powersgd_min_rate", "powersgd_warm_start",
+              "timeout", "pipeline_stages", "micro_batches", "pipeline_schedule", "virtual_stages", "pipeline_split",
+              "augment", "compression", "powersgd_rank", "powersgd_start", "powersgd_min_rate", "powersgd_warm_start",
               "powersgd_epsilon", "powersgd_error_feedback")
 # Flags only the chief acts on (its files and lines), compared like the ones
 # above but not recorded in checkpoints; paths as the files they name.

@@ -27,6 +27,7 @@ import numpy as np
 from .. import device
 from ..nn.spec import ModelSpec
 from ..optim.optimizers import learning_rate, schedule_line
+from ..pipeline.stages import virtual_stages
 from . import identity
 from .cluster import cores_available
 
@@ -211,8 +212,9 @@ class Ps:
 class Pipe:
     stages: int
     micro_batches: int
-    schedule: str           # gpipe, 1f1b
-    cuts: tuple             # layer indices [0, ..., len(layers)]; () without a pipeline
+    schedule: str           # gpipe, 1f1b, interleaved
+    cuts: tuple             # layer indices [0, ..., len(layers)]: P + 1, or PV + 1 (chunks); () without a pipeline
+    virtual_stages: int = 1   # V chunks per stage (the interleaved schedule)
 
     @property
     def split(self):
@@ -321,7 +323,7 @@ def make_plan(args, world, spec, data, schedule, cuts):
               backup_workers=args.backup_workers, max_staleness=args.max_staleness, dc_lambda=args.dc_lambda,
               placement=args.placement, exchange=args.ps_exchange, device=args.ps_device),
         pipe=Pipe(stages=args.pipeline_stages, micro_batches=args.micro_batches, schedule=args.pipeline_schedule,
-                  cuts=tuple(cuts or ())),
+                  cuts=tuple(cuts or ()), virtual_stages=virtual_stages(args)),
         outputs=Outputs(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
                         resume_other_data=args.resume_other_data, save=args.save, metrics=args.metrics,

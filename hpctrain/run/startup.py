@@ -206,21 +206,30 @@ def stage_needs(args, spec, cuts, replicas=1, sharded=False):
     """Bytes each stage of a pipeline cut at `cuts` needs at least (nn/spec.py
     memory_bytes: its layers' three flat buffers and optimizer state, 1/R of
     it sharded over R replicas, and the schedule's micro-batches in flight:
-    pipeline/schedule.py peak_activations)."""
-    from ..pipeline.schedule import SCHEDULES, peak_activations
-    stages = len(cuts) - 1
+    pipeline/schedule.py chunk_peaks; with --virtual-stages V, `cuts` the
+    PV + 1 of the chunks, a stage's its chunks' sum)."""
+    from ..pipeline.schedule import actions_for, chunk_peaks
+    from ..pipeline.stages import stage_chunks, virtual_stages
+    virtual = virtual_stages(args)
+    stages = (len(cuts) - 1) // virtual
     states = STATES[args.optimizer] / (replicas if sharded else 1)
-    return [spec.memory_bytes(args.batch_size, states, a=a, b=b, buffers=3,
-                              copies=peak_activations(SCHEDULES[args.pipeline_schedule](stages, args.micro_batches, s)))
-            for s, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    needs = []
+    for s in range(stages):
+        copies = chunk_peaks(actions_for(args.pipeline_schedule, stages, args.micro_batches, s, virtual), virtual)
+        needs.append(sum(spec.memory_bytes(args.batch_size, states, a=a, b=b, buffers=3, copies=n)
+                         for (a, b), n in zip(stage_chunks(cuts, stages, s), copies)))
+    return needs
 
 
 def fitting_pipeline(args, spec, budget, base):
     """(P, bytes of its heaviest stage) for the fewest balanced pipeline stages
     whose heaviest stage fits `budget` beside `base`, or None."""
-    from ..pipeline.stages import balanced
-    for stages in range(2, len(spec.param_layers) + 1):
-        heaviest = max(stage_needs(args, spec, balanced(spec, stages)))
+    from ..pipeline.stages import balanced, virtual_stages
+    virtual = virtual_stages(args)
+    for stages in range(2, len(spec.param_layers) // virtual + 1):
+        if args.pipeline_schedule == "interleaved" and args.micro_batches % stages:
+            continue   # its micro-batches go in groups of P (pipeline/stages.py refuses the others)
+        heaviest = max(stage_needs(args, spec, balanced(spec, stages * virtual)))
         if base + heaviest <= budget:
             return stages, heaviest
     return None
@@ -246,13 +255,14 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
     --memory-budget or this node's available memory shared among its ranks.
     A refusal names the pipeline that would fit."""
     from ..optim.optimizers import prepare
-    from ..pipeline.stages import ranges
+    from ..pipeline.stages import ranges, stage_chunks, virtual_stages
     from ..report.step_stats import rss_bytes
     if cuts:
         needs = stage_needs(args, spec, cuts, replicas, sharded)
         heaviest = max(range(len(needs)), key=needs.__getitem__)
         model = needs[heaviest]
-        lo, hi = ranges(spec, cuts[heaviest], cuts[heaviest + 1])
+        stages = len(needs)
+        lo, hi = ranges(spec, cuts[heaviest], cuts[heaviest + 1])   # its first chunk (the optimizers' size)
         prepare(args.optimizer, hi - lo, steps, args.single_pass)
     else:
         model = spec.memory_bytes(args.batch_size, STATES[args.optimizer])
@@ -272,17 +282,20 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
     if need <= budget:
         return
     what = f"--hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else f"--model {args.model}"
-    part = (f" for its heaviest stage ({heaviest}: layers [{cuts[heaviest]},{cuts[heaviest + 1]}))"
-            if cuts else "")
+    part = (f" for its heaviest stage ({heaviest}: layers "
+            + " ".join(f"[{a},{b})" for a, b in stage_chunks(cuts, stages, heaviest)) + ")" if cuts else "")
     line = (f"{what} with --batch-size {args.batch_size} needs at least {need / 2**30:.2f} GiB per rank{part} "
             f"(parameters, gradients, optimizer state, activations, and {base / 2**30:.2f} GiB this process "
             f"holds already); {where}")
     fits = fitting_pipeline(args, spec, budget, base)
-    if fits and fits[0] > (len(cuts) - 1 if cuts else 1):
+    if fits and fits[0] > (stages if cuts else 1):
         line += (f"; --pipeline-stages {fits[0]} would fit (its heaviest stage needs "
                  f"{(base + fits[1]) / 2**30:.2f} GiB)")
     elif not fits:
-        line += "; no pipeline of this model fits either (one layer with parameters per stage at most)"
+        line += ("; no pipeline of this model fits either (one layer with parameters per stage at most)"
+                 if virtual_stages(args) == 1 else f"; no interleaved pipeline of this model with --virtual-stages "
+                 f"{virtual_stages(args)} and --micro-batches {args.micro_batches} fits either (one layer with "
+                 f"parameters per chunk at most, P dividing M)")
     raise HpctrainError(line)
 
 

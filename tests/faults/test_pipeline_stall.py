@@ -2,7 +2,8 @@
 within --timeout with one line naming its rank, stage and replica (exit 3),
 never a hang of the stages waiting for its activations or gradients; SIGTERM
 on one stage's rank stops every rank after the same step (exit 75; with a
-checkpoint and its resume: tests/test_pipeline_checkpoint.py).
+checkpoint and its resume: tests/test_pipeline_checkpoint.py); the same with
+the interleaved schedule's chunks.
 
     .venv/bin/python -m pytest -q tests/faults/test_pipeline_stall.py
 """
@@ -19,13 +20,17 @@ from ranks import rank_pid
 from test_stalls import PY, errors, stall
 
 
-@pytest.mark.parametrize("ranks, stages, victim, role", [
-    (3, "3", 1, "stage 1, replica 0"),
-    (4, "2", 3, "stage 1, replica 1"),   # R = 2: world rank 3 is stage 1's second replica
-], ids=["p3-middle", "p2r2-last"])
-def test_a_stopped_stage_is_named_within_the_deadline(job, ranks, stages, victim, role):
+INTERLEAVED = ["--pipeline-schedule", "interleaved", "--hidden", "64,32,16"]   # 2 chunks a stage
+
+
+@pytest.mark.parametrize("ranks, stages, victim, role, extra", [
+    (3, "3", 1, "stage 1, replica 0", []),
+    (4, "2", 3, "stage 1, replica 1", []),   # R = 2: world rank 3 is stage 1's second replica
+    (2, "2", 1, "stage 1, replica 0", INTERLEAVED),   # stage 0's second chunk waits for stage 1's first
+], ids=["p3-middle", "p2r2-last", "p2-interleaved"])
+def test_a_stopped_stage_is_named_within_the_deadline(job, ranks, stages, victim, role, extra):
     rc, out, err, took = stall(ranks, victim, ["--pipeline-stages", stages, "--micro-batches", "2", "--hidden", "64,32",
-                                               "--steps", "1000000", "--timeout", "4", "--log-every", "1"],
+                                               "--steps", "1000000", "--timeout", "4", "--log-every", "1", *extra],
                                in_training=True)
     assert rc == 3, err
     lines = errors(err)
@@ -58,7 +63,9 @@ def test_sigterm_on_one_stage_stops_every_stage_after_the_same_step(job):
 @pytest.mark.parametrize("where, flags", [
     ("eval", ["--eval-every", "3"]),
     ("checkpoint", ["--checkpoint-dir", None, "--checkpoint-every", "3"]),
-], ids=["evaluation", "checkpoint"])
+    ("eval", ["--eval-every", "3", *INTERLEAVED]),
+    ("checkpoint", ["--checkpoint-dir", None, "--checkpoint-every", "3", *INTERLEAVED]),
+], ids=["evaluation", "checkpoint", "interleaved-evaluation", "interleaved-checkpoint"])
 def test_a_stage_stopped_in_a_pipelined_evaluation_or_checkpoint_is_named(tmp_path, where, flags):
     # Issue 29, 5: evaluations run through the stages and checkpoints go a
     # stage at a time: a stage that stops there is named within the deadline.
