@@ -133,3 +133,30 @@ def test_the_layering_names_every_part():
         here = part(module)
         if here not in COMMANDS and not module.endswith(MAINS):
             level(here)
+
+
+def test_every_import_of_hpctrain_names_a_module_that_exists():
+    """An import of a module that was renamed or removed fails only when its
+    line runs; imports inside functions (the optional ones: torch's models,
+    numba, the GPU's) may not run in any test here. So every `from
+    hpctrain.X import ...` and `import hpctrain.X`, at any depth, must name
+    a module or package of the package."""
+    known = modules()
+    missing = []
+    for module, path in sorted(known.items()):
+        tree = ast.parse(open(path).read())
+        package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                names = [target] if target.startswith("hpctrain") else []
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("hpctrain")]
+            else:
+                continue
+            missing += [f"{path}:{node.lineno}: {name}" for name in names if name not in known]
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)

@@ -19,7 +19,7 @@ import numpy as np
 from ..nn import MODELS, MNIST_CLASSES, MNIST_SHAPE
 from ..nn.conv import AvgPool2d, Channels, Conv2d, GlobalAvgPool, MaxPool2d
 from ..nn.layers import Dense, Dropout, Flatten, ReLU
-from ..nn.norm import EPS, MOMENTUM, BatchNorm1d, BatchNorm2d
+from ..nn.batchnorm import EPS, MOMENTUM, BatchNorm1d, BatchNorm2d
 from ..nn.residual import Residual
 
 
@@ -142,7 +142,7 @@ def same_model(name, input_shape=MNIST_SHAPE, classes=MNIST_CLASSES, batch=8, se
     copy_parameters(copies)
     twin.eval()
     x = np.random.default_rng(seed).random((batch, *spec.input_shape)).astype(np.float32)
-    ours = model._forward(x, False)
+    ours = model.run.forward(x, False)
     with torch.no_grad():
         theirs = twin(torch.from_numpy(np.ascontiguousarray(to_torch_batch(spec, x)))).numpy()
     return {"model": name, "hpctrain_params": int(model.num_params), "torch_params": parameter_count(twin),

@@ -158,7 +158,7 @@ def compare_model(args):
         raise HpctrainError("compare --model needs torch (a benchmark-only dependency): pip install torch") from None
     if check["hpctrain_params"] != check["torch_params"] or check["max_logit_diff"] > 1e-3 * max(1.0, check["max_logit"]):
         raise HpctrainError(f"the torch twin of {args.model} is not the same network: {check}")
-    from ..cluster import cores_available
+    from ..run.cluster import cores_available
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
