@@ -226,7 +226,7 @@ def _layers(args):
         spec = MODELS[args.model](args.shape, args.classes)
     except LayerError as e:
         raise HpctrainError(f"--model {args.model} on {'x'.join(map(str, args.shape))}: {e}") from None
-    from ..run.cluster import memory_available
+    from ..data.arrays import memory_available
     need, have = spec.memory_bytes(args.batch, 2), memory_available()
     if have is not None and need > have:   # the step's arrays, refused before they are made
         raise HpctrainError(f"--model {args.model} at --batch {args.batch} needs at least {need / 2**30:.1f} GiB "

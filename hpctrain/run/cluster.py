@@ -106,18 +106,6 @@ def child_env(env=None, also=()):
     return env
 
 
-def memory_available():
-    """Bytes this node can still give (MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def cores_available():
     try:
         return len(os.sched_getaffinity(0))

@@ -19,6 +19,7 @@ from .. import device
 from ..cli import validate
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
+from ..data.arrays import memory_available
 from ..errors import EXIT_PREEMPTED, HpctrainError
 from ..nn import LayerError, spec_for
 from ..nn.layers import LayerCodeError
@@ -26,7 +27,7 @@ from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
 from ..report import tensorboard
 from . import identity, jobcheck
-from .cluster import Cluster, memory_available
+from .cluster import Cluster
 from .inputs import Inputs, data_identity, ensure_data
 from .outputs import check_outputs
 from .plan import data_plan, make_plan, schedule_plan, shard_wanted
