@@ -20,6 +20,9 @@ from .layers import Layer, LayerError
 
 MOMENTUM = 0.1
 EPS = 1e-5
+# Floats in a row of the tiled per-channel passes (_rows): long enough to
+# vectorise, short enough that the tiled operands stay in L1.
+TILE_FLOATS = 2048
 
 
 class _BatchNorm(Layer):
@@ -32,6 +35,9 @@ class _BatchNorm(Layer):
             raise LayerError(f"{self.describe()} takes {want}, not {'x'.join(map(str, in_shape))}")
         super().configure(in_shape)
         self.channels = self.in_shape[-1]
+        per_sample = math.prod(self.in_shape[:-1])
+        self.tile = max(d for d in range(1, per_sample + 1)
+                        if per_sample % d == 0 and (d == 1 or d * self.channels <= TILE_FLOATS))
         return self.out_shape
 
     def param_shapes(self):
@@ -47,27 +53,52 @@ class _BatchNorm(Layer):
         state["running_mean"][...] = 0
         state["running_var"][...] = 1
 
+    # --- passes over (m, c) with c narrow ---------------------------------------
+    # NumPy runs an (m, c) array's per-channel work slowly when c is narrow
+    # (16 channels: the inner loop is 16 floats long): x2.sum(axis=0) took
+    # 0.71 ms on 32768 x 16 where the GEMV ones @ x2 took 0.03, and x2 - mean
+    # 0.28 ms where a same-shape subtract took 0.06. So the sums are GEMVs
+    # (what Conv2d's bias gradient does) and the per-channel operands are
+    # tiled along rows of r pixels (r * c floats a row): the same float
+    # operation on every element, in long vectorised loops.
+    def _rows(self, m):
+        """(rows, width) to view an (m, c) array as: rows of `tile` whole
+        pixels (a divisor of a sample's pixels, so rows never split one)."""
+        return m // self.tile, self.tile * self.channels
+
+    def _tiled(self, v, width):
+        return self.xp.tile(v, width // self.channels)
+
+    def _ones(self, m, dtype):
+        ones = self._buffers.get("ones")
+        if ones is None or ones.shape != (m,) or ones.dtype != dtype:
+            ones = self._buffers["ones"] = self.xp.ones(m, dtype)
+        return ones
+
     def forward(self, x, train):
         xp, c = self.xp, self.channels
-        x2 = x.reshape(-1, c)
-        y = self.buffer(("out", train), x2.shape, x.dtype)
+        m = x.size // c
+        shape = self._rows(m)
+        xw = x.reshape(shape)
+        y = self.buffer(("out", train), shape, x.dtype)
         if not train:
             scale = self.params["gamma"] / xp.sqrt(self.state["running_var"] + EPS)
-            xp.multiply(x2 - self.state["running_mean"], scale, out=y)
-            y += self.params["beta"]
+            xp.subtract(xw, self._tiled(self.state["running_mean"], shape[1]), out=y)
+            y *= self._tiled(scale, shape[1])
+            y += self._tiled(self.params["beta"], shape[1])
             return y.reshape(x.shape)
-        m = x2.shape[0]
-        mean = x2.mean(axis=0)
-        xhat = self.buffer("xhat", x2.shape, x.dtype)
-        xp.subtract(x2, mean, out=xhat)
-        prod = self.buffer("prod", x2.shape, x.dtype)
+        ones = self._ones(m, x.dtype)
+        mean = xp.matmul(ones, x.reshape(m, c)) / m
+        xhat = self.buffer("xhat", shape, x.dtype)
+        xp.subtract(xw, self._tiled(mean, shape[1]), out=xhat)
+        prod = self.buffer("prod", shape, x.dtype)
         xp.multiply(xhat, xhat, out=prod)
-        var = prod.mean(axis=0)
+        var = xp.matmul(ones, prod.reshape(m, c)) / m
         self.inv_std = 1 / xp.sqrt(var + EPS)
-        xhat *= self.inv_std
+        xhat *= self._tiled(self.inv_std, shape[1])
         self.xhat = xhat
-        xp.multiply(xhat, self.params["gamma"], out=y)
-        y += self.params["beta"]
+        xp.multiply(xhat, self._tiled(self.params["gamma"], shape[1]), out=y)
+        y += self._tiled(self.params["beta"], shape[1])
         run_mean, run_var = self.state["running_mean"], self.state["running_var"]
         run_mean *= 1 - MOMENTUM
         run_mean += MOMENTUM * mean
@@ -76,22 +107,23 @@ class _BatchNorm(Layer):
         return y.reshape(x.shape)
 
     def backward(self, dy, need_dx):
-        xp = self.xp
-        dy2 = dy.reshape(-1, self.channels)
-        m = dy2.shape[0]
+        xp, c = self.xp, self.channels
+        m = dy.size // c
+        shape = self.xhat.shape
+        ones = self._ones(m, dy.dtype)
         g_gamma, g_beta = self.grads["gamma"], self.grads["beta"]
-        dy2.sum(axis=0, out=g_beta)
-        prod = self.buffer("prod", dy2.shape, dy.dtype)
-        xp.multiply(dy2, self.xhat, out=prod)
-        prod.sum(axis=0, out=g_gamma)
+        xp.matmul(ones, dy.reshape(m, c), out=g_beta)
+        prod = self.buffer("prod", shape, dy.dtype)
+        xp.multiply(dy.reshape(shape), self.xhat, out=prod)
+        xp.matmul(ones, prod.reshape(m, c), out=g_gamma)
         if not need_dx:
             return None
         # dx = gamma/std * (dy - mean(dy) - xhat * mean(dy * xhat))
-        dx = self.buffer("dx", dy2.shape, dy.dtype)
-        xp.multiply(self.xhat, g_gamma / m, out=dx)
-        dx += g_beta / m
-        xp.subtract(dy2, dx, out=dx)
-        dx *= self.params["gamma"] * self.inv_std
+        dx = self.buffer("dx", shape, dy.dtype)
+        xp.multiply(self.xhat, self._tiled(g_gamma / m, shape[1]), out=dx)
+        dx += self._tiled(g_beta / m, shape[1])
+        xp.subtract(dy.reshape(shape), dx, out=dx)
+        dx *= self._tiled(self.params["gamma"] * self.inv_std, shape[1])
         return dx.reshape(dy.shape)
 
     def train_floats(self):
