@@ -206,6 +206,10 @@ def _training_flags(p):
                         "half the time); refused for data prepared with --no-flip (default: off)")
     g.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto",
                    help="where arrays live: cpu (NumPy), gpu (CuPy), auto (gpu if CuPy sees one) (default: %(default)s)")
+    g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+                   help="compute threads per rank on the CPU: convolutions and batch norm split their images "
+                        "over them, each thread's BLAS at one thread (the same bits on any N); 1: none "
+                        "(default: the cores this rank gets, as for BLAS's threads: one rank on 2 cores, 2)")
 
 
 def _ring_flags(g):

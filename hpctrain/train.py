@@ -52,7 +52,7 @@ def _main(argv, seen, prog):
         flag_error = exc   # the other ranks may have good flags: agree first (train)
     seen["args"] = args
     try:
-        note = cluster.configure_process(device=args.device if args else "auto")
+        note = cluster.configure_process(device=args.device if args else "auto", threads=args.threads if args else None)
         train(args, note, flag_error, seen)
         return 0
     except HpctrainError as exc:

@@ -16,6 +16,7 @@ gamma starts at 1, beta at 0.
 """
 import math
 
+from . import threads
 from .layers import Layer, LayerError
 
 MOMENTUM = 0.1
@@ -81,24 +82,40 @@ class _BatchNorm(Layer):
         shape = self._rows(m)
         xw = x.reshape(shape)
         y = self.buffer(("out", train), shape, x.dtype)
+        # The sums whole, here; the elementwise passes over row ranges on
+        # the compute threads (Layer.split): the same bits on any number.
         if not train:
             scale = self.params["gamma"] / xp.sqrt(self.state["running_var"] + EPS)
-            xp.subtract(xw, self._tiled(self.state["running_mean"], shape[1]), out=y)
-            y *= self._tiled(scale, shape[1])
-            y += self._tiled(self.params["beta"], shape[1])
+            mean, scale, beta = (self._tiled(v, shape[1]) for v in (self.state["running_mean"], scale,
+                                                                       self.params["beta"]))
+
+            def evaluate(t, lo, hi):
+                xp.subtract(xw[lo:hi], mean, out=y[lo:hi])
+                y[lo:hi] *= scale
+                y[lo:hi] += beta
+            self.split(shape[0], evaluate, most=threads.most(floats=x.size))
             return y.reshape(x.shape)
         ones = self._ones(m, x.dtype)
         mean = xp.matmul(ones, x.reshape(m, c)) / m
         xhat = self.buffer("xhat", shape, x.dtype)
-        xp.subtract(xw, self._tiled(mean, shape[1]), out=xhat)
         prod = self.buffer("prod", shape, x.dtype)
-        xp.multiply(xhat, xhat, out=prod)
+        tiled = self._tiled(mean, shape[1])
+
+        def centre(t, lo, hi):
+            xp.subtract(xw[lo:hi], tiled, out=xhat[lo:hi])
+            xp.multiply(xhat[lo:hi], xhat[lo:hi], out=prod[lo:hi])
+        self.split(shape[0], centre, most=threads.most(floats=x.size))
         var = xp.matmul(ones, prod.reshape(m, c)) / m
         self.inv_std = 1 / xp.sqrt(var + EPS)
-        xhat *= self._tiled(self.inv_std, shape[1])
+        inv_std, gamma, beta = (self._tiled(v, shape[1]) for v in (self.inv_std, self.params["gamma"],
+                                                                    self.params["beta"]))
+
+        def normalise(t, lo, hi):
+            xhat[lo:hi] *= inv_std
+            xp.multiply(xhat[lo:hi], gamma, out=y[lo:hi])
+            y[lo:hi] += beta
+        self.split(shape[0], normalise, most=threads.most(floats=x.size))
         self.xhat = xhat
-        xp.multiply(xhat, self._tiled(self.params["gamma"], shape[1]), out=y)
-        y += self._tiled(self.params["beta"], shape[1])
         run_mean, run_var = self.state["running_mean"], self.state["running_var"]
         run_mean *= 1 - MOMENTUM
         run_mean += MOMENTUM * mean
@@ -110,20 +127,27 @@ class _BatchNorm(Layer):
         xp, c = self.xp, self.channels
         m = dy.size // c
         shape = self.xhat.shape
+        dyw = dy.reshape(shape)
         ones = self._ones(m, dy.dtype)
         g_gamma, g_beta = self.grads["gamma"], self.grads["beta"]
         xp.matmul(ones, dy.reshape(m, c), out=g_beta)
         prod = self.buffer("prod", shape, dy.dtype)
-        xp.multiply(dy.reshape(shape), self.xhat, out=prod)
+        self.split(shape[0], lambda t, lo, hi: xp.multiply(dyw[lo:hi], self.xhat[lo:hi], out=prod[lo:hi]),
+                   most=threads.most(floats=dy.size))
         xp.matmul(ones, prod.reshape(m, c), out=g_gamma)
         if not need_dx:
             return None
         # dx = gamma/std * (dy - mean(dy) - xhat * mean(dy * xhat))
         dx = self.buffer("dx", shape, dy.dtype)
-        xp.multiply(self.xhat, self._tiled(g_gamma / m, shape[1]), out=dx)
-        dx += self._tiled(g_beta / m, shape[1])
-        xp.subtract(dy.reshape(shape), dx, out=dx)
-        dx *= self._tiled(self.params["gamma"] * self.inv_std, shape[1])
+        a, b, scale = (self._tiled(v, shape[1]) for v in (g_gamma / m, g_beta / m,
+                                                           self.params["gamma"] * self.inv_std))
+
+        def rows(t, lo, hi):
+            xp.multiply(self.xhat[lo:hi], a, out=dx[lo:hi])
+            dx[lo:hi] += b
+            xp.subtract(dyw[lo:hi], dx[lo:hi], out=dx[lo:hi])
+            dx[lo:hi] *= scale
+        self.split(shape[0], rows, most=threads.most(floats=dy.size))
         return dx.reshape(dy.shape)
 
     def train_floats(self):

@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from . import threads
 from .layers import Layer, LayerError, he_normal
 
 
@@ -146,14 +147,17 @@ class Conv2d(Layer):
         y = self.buffer(("out", train), (n * self.oh * self.ow, self.out_channels), x.dtype)
         if self.k == 1 and self.stride == 1 and p == 0:   # the columns are x itself
             self.cols = x.reshape(n * h * w, c)
-            xp.matmul(self.cols, self.W2, out=y)
-            if self.bias:
-                y += self.params["b"]
+
+            def product(t, lo, hi):
+                out = y[lo * h * w:hi * h * w]
+                xp.matmul(self.cols[lo * h * w:hi * h * w], self.W2, out=out)
+                if self.bias:
+                    out += self.params["b"]
+            self.split(n, product, most=threads.most(macs=n * h * w * c * self.out_channels))
             return y.reshape(n, *self.out_shape)
+        source = x
         if p:
-            padded = self.zeroed("padded", (n, h + 2 * p, w + 2 * p, c), x.dtype)
-            padded[:, p:p + h, p:p + w, :] = x
-            x = padded
+            x = self.zeroed("padded", (n, h + 2 * p, w + 2 * p, c), x.dtype)
         # The columns, one row per output pixel, written and multiplied a
         # block of images at a time; kept whole for the weight gradient, or
         # (wide layers, more than one block) written again there block by
@@ -161,16 +165,23 @@ class Conv2d(Layer):
         windows = _window(xp, x, self.oh, self.ow, self.k, self.stride)
         rows, per = self.oh * self.ow, self._per_block(n, self.oh * self.ow * self.fan_in)
         again = per < n and self.fan_in >= AGAIN_FROM
-        cols = self.buffer("cols", (per if again else n, self.oh, self.ow, self.k, self.k, c), x.dtype)
-        for lo in range(0, n, per):
-            hi = min(lo + per, n)
-            block = cols[:hi - lo] if again else cols[lo:hi]
-            xp.copyto(block, windows[lo:hi])
-            out = y[lo * rows:hi * rows]
-            xp.matmul(block.reshape((hi - lo) * rows, self.fan_in), self.W2, out=out)
-            if self.bias:
-                out += self.params["b"]
-        self.cols = None if again else cols.reshape(n * rows, self.fan_in)
+        shape = (self.oh, self.ow, self.k, self.k, c)
+        kept = None if again else self.buffer("cols", (n, *shape), x.dtype)
+
+        def blocks(t, lo0, hi0):
+            if p:
+                x[lo0:hi0, p:p + h, p:p + w, :] = source[lo0:hi0]
+            cols = self.buffer(("cols", t), (per, *shape), x.dtype) if again else None
+            for lo in range(lo0, hi0, per):
+                hi = min(lo + per, hi0)
+                block = cols[:hi - lo] if again else kept[lo:hi]
+                xp.copyto(block, windows[lo:hi])
+                out = y[lo * rows:hi * rows]
+                xp.matmul(block.reshape((hi - lo) * rows, self.fan_in), self.W2, out=out)
+                if self.bias:
+                    out += self.params["b"]
+        self.split(n, blocks, unit=per)
+        self.cols = None if again else kept.reshape(n * rows, self.fan_in)
         self._windows, self._per = windows, per
         return y.reshape(n, *self.out_shape)
 
@@ -188,16 +199,22 @@ class Conv2d(Layer):
             self.xp.matmul(self.cols.T, dy2, out=self.dW2)
             return
         xp, n, per, rows = self.xp, self._windows.shape[0], self._per, self.oh * self.ow
-        cols = self._buffers["cols"]
-        part = self.buffer("dW_part", self.dW2.shape, dy2.dtype)
-        for lo in range(0, n, per):
-            hi = min(lo + per, n)
-            block = cols[:hi - lo]
-            xp.copyto(block, self._windows[lo:hi])
-            xp.matmul(block.reshape((hi - lo) * rows, self.fan_in).T, dy2[lo * rows:hi * rows],
-                      out=self.dW2 if lo == 0 else part)
-            if lo:
-                self.dW2 += part
+        # Each block's product, then their sum in block order: what one
+        # thread adds up, whichever thread computed which block.
+        products = self.buffer("dW_blocks", (-(-n // per), *self.dW2.shape), dy2.dtype)
+
+        def blocks(t, lo0, hi0):
+            cols = self.buffer(("cols", t), (per, *self._windows.shape[1:]), dy2.dtype)
+            for lo in range(lo0, hi0, per):
+                hi = min(lo + per, hi0)
+                block = cols[:hi - lo]
+                xp.copyto(block, self._windows[lo:hi])
+                xp.matmul(block.reshape((hi - lo) * rows, self.fan_in).T, dy2[lo * rows:hi * rows],
+                          out=products[lo // per])
+        self.split(n, blocks, unit=per)
+        xp.copyto(self.dW2, products[0])
+        for part in products[1:]:
+            self.dW2 += part
 
     def backward(self, dy, need_dx):
         xp = self.xp
@@ -211,13 +228,22 @@ class Conv2d(Layer):
         h, w, c = self.in_shape
         if self.k == 1 and self.stride == 1 and self.pad == 0:
             dx = self.buffer("dx", (n * h * w, c), dy.dtype)
-            xp.matmul(dy2, self.W2.T, out=dx)
+            self.split(n, lambda t, lo, hi: xp.matmul(dy2[lo * h * w:hi * h * w], self.W2.T,
+                                                          out=dx[lo * h * w:hi * h * w]),
+                       most=threads.most(macs=n * h * w * c * self.out_channels))
             return dx.reshape(n, h, w, c)
         if self.stride == 1 and self.pad < self.k and self.out_channels <= 2 * c:
             return self._transposed(dy)
-        dcols = self.buffer("dcols", (n * self.oh * self.ow, self.fan_in), dy.dtype)
-        xp.matmul(dy2, self.W2.T, out=dcols)
-        return self._col2im(dcols.reshape(n, self.oh, self.ow, self.k, self.k, c))
+        rows = self.oh * self.ow
+        dcols = self.buffer("dcols", (n * rows, self.fan_in), dy.dtype)
+        dx = self.buffer("dx", (n, h, w, c), dy.dtype)
+
+        def images(t, lo, hi):
+            xp.matmul(dy2[lo * rows:hi * rows], self.W2.T, out=dcols[lo * rows:hi * rows])
+            self._col2im(dcols[lo * rows:hi * rows].reshape(hi - lo, self.oh, self.ow, self.k, self.k, c),
+                         dx[lo:hi])
+        self.split(n, images, most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
+        return dx
 
     def _transposed(self, dy):
         """Stride 1: the input gradient is dy, padded by k-1-pad, convolved
@@ -232,10 +258,9 @@ class Conv2d(Layer):
         11 (the rule: out <= 2 * in)."""
         xp, n, (h, w, c), k, q = self.xp, dy.shape[0], self.in_shape, self.k, self.k - 1 - self.pad
         o = self.out_channels
+        source = dy
         if q:
-            padded = self.zeroed("dy_padded", (n, self.oh + 2 * q, self.ow + 2 * q, o), dy.dtype)
-            padded[:, q:q + self.oh, q:q + self.ow, :] = dy
-            dy = padded
+            dy = self.zeroed("dy_padded", (n, self.oh + 2 * q, self.ow + 2 * q, o), dy.dtype)
         turned = self.buffer("turned", (k, k, o, c), dy.dtype)
         xp.copyto(turned, self.params["W"][::-1, ::-1].transpose(0, 1, 3, 2))
         turned = turned.reshape(k * k * o, c)
@@ -244,20 +269,24 @@ class Conv2d(Layer):
         # cache (measured: 12.0 ms whole, 7.3 in blocks of one image, for
         # 16x16, 64 -> 32 channels, batch 32); no batch-sized column buffer.
         per = self._per_block(n, h * w * k * k * o)
-        cols = self.buffer("dcols", (per, h, w, k, k, o), dy.dtype)
         windows = _window(xp, dy, h, w, k, 1)
-        for lo in range(0, n, per):
-            hi = min(lo + per, n)
-            block = cols[:hi - lo]
-            xp.copyto(block, windows[lo:hi])
-            xp.matmul(block.reshape((hi - lo) * h * w, k * k * o), turned, out=dx[lo * h * w:hi * h * w])
+
+        def blocks(t, lo0, hi0):
+            if q:
+                dy[lo0:hi0, q:q + self.oh, q:q + self.ow, :] = source[lo0:hi0]
+            cols = self.buffer(("dcols", t), (per, h, w, k, k, o), dy.dtype)
+            for lo in range(lo0, hi0, per):
+                hi = min(lo + per, hi0)
+                block = cols[:hi - lo]
+                xp.copyto(block, windows[lo:hi])
+                xp.matmul(block.reshape((hi - lo) * h * w, k * k * o), turned, out=dx[lo * h * w:hi * h * w])
+        self.split(n, blocks, unit=per)
         return dx.reshape(n, h, w, c)
 
-    def _col2im(self, dcols):
+    def _col2im(self, dcols, dx):
         """Add each kernel offset's column gradient back onto the input pixels
-        it came from (the padding's share is dropped)."""
-        n, (h, w, c), s = dcols.shape[0], self.in_shape, self.stride
-        dx = self.buffer("dx", (n, h, w, c), dcols.dtype)
+        it came from (the padding's share is dropped), into dx (these images)."""
+        (h, w, c), s = self.in_shape, self.stride
         dx.fill(0)
         for kh in range(self.k):
             rows = self._valid(kh, self.oh, h)

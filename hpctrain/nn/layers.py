@@ -61,6 +61,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import threads
+
 
 class LayerError(ValueError):
     """A layer that does not fit its input: one line saying why."""
@@ -124,6 +126,14 @@ class Layer:
     def bind(self, xp, params, grads, state):
         self.xp, self.params, self.grads, self.state = xp, params, grads, state
         self._buffers = {}
+
+    def split(self, n, work, unit=1, most=None):
+        """work(thread, lo, hi) over rows [lo, hi) of n, on the rank's compute
+        threads (nn/threads.py) when the arrays are NumPy's, in at most
+        `most` parts (threads.most: what the work is worth). Each range's
+        result must not depend on the others (elementwise work, or its own
+        rows or columns of a product), so the bits do not depend on the threads."""
+        threads.split(n, work, unit, most, on=self.xp is np)
 
     def buffer(self, key, shape, dtype):
         """An array of `shape` kept under `key` for the next call of the same shape."""
@@ -189,7 +199,8 @@ class ReLU(Layer):
     inplace = True
 
     def forward(self, x, train):
-        self.xp.maximum(x, 0, out=x)
+        self.split(x.shape[0], lambda t, lo, hi: self.xp.maximum(x[lo:hi], 0, out=x[lo:hi]),
+                   most=threads.most(floats=x.size))
         self.y = x
         return x
 
@@ -197,8 +208,11 @@ class ReLU(Layer):
         # pass the gradient where the unit was active (the mask's buffer kept:
         # a warm step allocates nothing)
         active = self.buffer("active", dy.shape, bool)
-        self.xp.greater(self.y, 0, out=active)
-        self.xp.multiply(dy, active, out=dy)
+
+        def rows(t, lo, hi):
+            self.xp.greater(self.y[lo:hi], 0, out=active[lo:hi])
+            self.xp.multiply(dy[lo:hi], active[lo:hi], out=dy[lo:hi])
+        self.split(dy.shape[0], rows, most=threads.most(floats=dy.size))
         return dy
 
 
@@ -226,21 +240,33 @@ class Dense(Layer):
         params["W"][...] = he_normal(rng, params["W"].shape, self.fan_in, dtype)
 
     def forward(self, x, train):
-        h = self.buffer(("out", train), (x.shape[0], self.units), self.params["W"].dtype)
-        self.xp.matmul(x, self.params["W"], out=h)
-        h += self.params["b"]
+        xp, W, b = self.xp, self.params["W"], self.params["b"]
+        h = self.buffer(("out", train), (x.shape[0], self.units), W.dtype)
+
+        def columns(t, lo, hi):
+            xp.matmul(x, W[:, lo:hi], out=h[:, lo:hi])
+            h[:, lo:hi] += b[lo:hi]
+        self._split_columns(self.units, columns, x.shape[0])
         self.x = x
         return h
 
     def backward(self, dy, need_dx):
-        xp = self.xp
-        xp.matmul(self.x.T, dy, out=self.grads["W"])
+        xp, x, W, dW = self.xp, self.x, self.params["W"], self.grads["W"]
+        self._split_columns(self.units, lambda t, lo, hi: xp.matmul(x.T, dy[:, lo:hi], out=dW[:, lo:hi]),
+                            dy.shape[0])
         dy.sum(axis=0, out=self.grads["b"])
         if not need_dx:
             return None
         dx = self.buffer("dx", (dy.shape[0], self.fan_in), dy.dtype)
-        xp.matmul(dy, self.params["W"].T, out=dx)
+        self._split_columns(self.fan_in, lambda t, lo, hi: xp.matmul(dy, W[lo:hi].T, out=dx[:, lo:hi]),
+                            dy.shape[0])
         return dx
+
+    def _split_columns(self, n, work, rows):
+        """A product over column ranges of its output (64 columns at a time:
+        whole SIMD tiles), on the compute threads where it is large enough:
+        each output column is the one dot product it is in one GEMM."""
+        self.split(n, work, unit=64, most=threads.most(macs=rows * self.fan_in * self.units))
 
     def train_floats(self):
         # its output, and the gradient the next layer hands back (the same size)

@@ -113,10 +113,22 @@ def cores_available():
         return os.cpu_count() or 1
 
 
-def configure_process(env=None, device="auto"):
+def threads_per_rank(env=None):
+    """The cores one rank of this node gets: a launcher that binds ranks to
+    cores leaves each rank fewer cores than the node has, and then those
+    cores are all its own; otherwise the node's cores shared out."""
+    _, _, _, local_size = launcher_env(os.environ if env is None else env)
+    cores = cores_available()
+    bound = cores < (os.cpu_count() or cores)
+    return cores if bound else max(1, cores // (local_size or 1))
+
+
+def configure_process(env=None, device="auto", threads=None):
     """Before numpy and MPI load: when more ranks than cores share this node,
     make idle MPI ranks yield instead of busy-polling the cores that the
-    computing ranks need, give each rank its share of BLAS threads, keep
+    computing ranks need, give each rank's cores to its compute threads
+    (`threads`, --threads: nn/threads.py) with BLAS at one thread, or where
+    there is one (or --threads 1) to BLAS's threads, keep
     Open MPI's osc/ucx out of the way, refuse a /dev/shm too small for
     MPICH (check_shm_room: HpctrainError), and (--device gpu|auto) bind this
     rank's GPU. A variable the user set is left alone. Returns a note for the log."""
@@ -129,12 +141,14 @@ def configure_process(env=None, device="auto"):
         for var in ("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "OMPI_MCA_mpi_yield_when_idle"):
             env.setdefault(var, "1")
         notes.append(f"{local_size} ranks on {cores} cores: MPI progress throttled")
-    # A launcher that binds ranks to cores leaves each rank fewer cores than
-    # the node has; then those cores are all its own.
-    bound = cores < (os.cpu_count() or cores)
-    threads = cores if bound else max(1, cores // local_size)
+    # Two BLAS threads on the small GEMMs of a convolution gained nothing or
+    # lost (their helper spinning beside our threads: resnet at one rank,
+    # 568-651 samples/s against 764-856 with BLAS at one thread); the MLP
+    # ran the same either way, its wide Dense layers split by our threads.
+    per_rank = threads_per_rank(env)
+    blas = 1 if (threads or per_rank) > 1 else per_rank
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.setdefault(var, str(threads))
+        env.setdefault(var, str(blas))
     notes.append(f"BLAS threads per rank: {env['OPENBLAS_NUM_THREADS']}")
     # Our one RMA window is ps's node-local shared memory (comm/ps/shared.py),
     # Open MPI's osc/sm; osc/ucx, queried first, prints an "Error" line per

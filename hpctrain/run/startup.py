@@ -21,11 +21,12 @@ from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
 from ..data.arrays import memory_available
 from ..errors import EXIT_PREEMPTED, HpctrainError
-from ..nn import LayerError, spec_for
+from ..nn import LayerError, spec_for, threads
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
 from ..report import tensorboard
+from . import cluster as cluster_mod
 from . import identity, jobcheck
 from .cluster import Cluster
 from .inputs import Inputs, data_identity, ensure_data
@@ -44,6 +45,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
     # NumPy's warnings on every rank.
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
+    # The cores this rank gets, as compute threads (nn/threads.py); on a GPU
+    # the layers run as CuPy kernels and never split.
+    compute_threads = threads.configure(args.threads or cluster_mod.threads_per_rank())
     comm = MPI.COMM_WORLD
     with watchdog.waiting("start-up (communicators)", peer=None):
         cluster = Cluster(comm, args.mode, args.num_ps, args.ps_ranks)
@@ -71,7 +75,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         gpu_note = cluster.confirm_gpu_binding(args.device)  # MPI's node-local rank has the last word
     xp, device_name, device_note = agree(device.select, args.device)
     allreduce = agree(allreduce_plan, args.allreduce, xp, args.mode, args.cuda_aware)
-    device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(xp) else "", allreduce]))
+    device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(xp) else "", allreduce,
+                                          f"compute threads per rank: {compute_threads}"
+                                          if compute_threads > 1 and not device.is_gpu(xp) else ""]))
     server_xp = agree(server_array_module, args)
     thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
     if not thread_multiple:
