@@ -116,9 +116,17 @@ def test_eval_every_and_keep_best_see_the_whole_model(job, tmp_path, val_data):
     for name, ranks, how in (("ring", 2, ["--accumulate-steps", 3]), ("pipe", 4, pipe(2))):
         ok(job(ranks, *flags, *how, "--metrics", tmp_path / f"{name}.jsonl", "--keep-best", tmp_path / f"{name}.h5"))
         records[name] = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
-    keys = ("step", "test_accuracy", "test_loss", "val_accuracy", "val_loss")
-    evals = {n: [{k: m[k] for k in keys} for m in rs if m.get("event") == "eval"] for n, rs in records.items()}
-    assert [m["step"] for m in evals["pipe"]] == [8, 16] and evals["pipe"] == evals["ring"], evals
+    # Ring mode's chief evaluates the whole split alone, in batches of 128;
+    # the pipeline each replica its half, in batches of 128: other batches,
+    # so the float32 loss sums group otherwise (and products below
+    # OpenBLAS's small-matrix bound, 128 x 500 x 10, round a row by the
+    # batch's shape): the losses agree to rounding, seen to differ in the
+    # sixth decimal (2.259601 against 2.2596 on an AVX-512 machine).
+    exact, close = ("step", "test_accuracy", "val_accuracy"), ("test_loss", "val_loss")
+    evals = {n: [m for m in rs if m.get("event") == "eval"] for n, rs in records.items()}
+    assert [m["step"] for m in evals["pipe"]] == [8, 16] == [m["step"] for m in evals["ring"]], evals
+    for p, r in zip(evals["pipe"], evals["ring"]):
+        assert all(p[k] == r[k] for k in exact) and all(abs(p[k] - r[k]) <= 2e-6 for k in close), evals
     assert records["pipe"][-1]["val_accuracy"] == records["ring"][-1]["val_accuracy"]
     a, b = saved(tmp_path / "ring.h5"), saved(tmp_path / "pipe.h5")
     assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)

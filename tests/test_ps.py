@@ -385,13 +385,16 @@ def with_faults(**faults):
 
 @pytest.mark.parametrize("ranks, num_ps, placement", [(3, 1, "even"), (5, 2, "round-robin")])
 def test_sync_ps_equals_ring_under_sgd(job, tmp_path, ranks, num_ps, placement):
-    common = ["--optimizer", "sgd", "--lr", "0.05", "--steps", "50", "--log-every", "25"]
+    """The same sum in other orders: rounding, compared after 20 steps, before
+    a unit crossing ReLU's kink amplifies the last bit (test_train.py's ring
+    against mpi: 3e-8 after 20 steps, 1.5e-4 after 50 at 3 workers)."""
+    common = ["--optimizer", "sgd", "--lr", "0.05", "--steps", "20", "--log-every", "10"]
     ok(job(ranks, "--mode", "ps", "--num-ps", num_ps, "--placement", placement, "--sync", *common,
            "--save", tmp_path / "ps.h5"))
     ok(job(ranks - num_ps, "--mode", "ring", *common, "--save", tmp_path / "ring.h5"))
     a, attrs = saved(tmp_path / "ps.h5")
     b, _ = saved(tmp_path / "ring.h5")
-    assert set(a) == set(b) and attrs["mode"] == "ps" and attrs["step"] == 50
+    assert set(a) == set(b) and attrs["mode"] == "ps" and attrs["step"] == 20
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 1e-5
 
 

@@ -63,6 +63,12 @@ RUNS = {
     "pipeline 2 x 2 1f1b": (4, ["--pipeline-stages", "2", "--micro-batches", "3", "--clip-norm", "0.5"]),
     "pipeline 2 gpipe": (2, ["--pipeline-stages", "2", "--micro-batches", "2", "--pipeline-schedule", "gpipe"]),
 }
+# BLAS at one thread on both sides: the code's arithmetic is compared, not
+# OpenBLAS's threads (which sum some products in another order). A rank
+# with two cores, as one rank here has, gave them to BLAS at the pinned
+# commit and to hpctrain's compute threads (nn/threads.py) today, with
+# BLAS at one thread: so the threads are on in today's one-rank runs.
+ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # Flags today's code takes on top (the pinned commit's has no --single-pass).
 NOW_FLAGS = {"ring adam 2 wide": ["--single-pass", "on"], "ring momentum 2 wide": ["--single-pass", "on"]}
 RESUMED = {
@@ -109,7 +115,7 @@ def train(job, code, out, ranks, flags, data_dir):
     working directory first on sys.path, so cwd chooses the code."""
     out.mkdir(parents=True, exist_ok=True)
     r = job(ranks, *COMMON, *flags, "--data", data_dir, "--save", out / "p.h5",
-            "--metrics", out / "m.jsonl", cwd=code, timeout=180)
+            "--metrics", out / "m.jsonl", cwd=code, timeout=180, env=ONE_BLAS_THREAD)
     assert r.returncode == 0, r.stderr
     return r
 

@@ -27,7 +27,13 @@ def max_diff(a, b):
 
 @pytest.mark.parametrize("ranks", [3, 4])
 def test_ring_and_mpi_allreduce_train_to_the_same_parameters(job, tmp_path, ranks):
-    common = ["--optimizer", "sgd", "--lr", "0.05", "--steps", "50", "--log-every", "25"]
+    """Two orders of one sum, under SGD: they differ by rounding. 20 steps:
+    at 3 ranks on the AVX-512 development machine (2026-12-02) the largest
+    difference was 7e-9 after 1 step and 3e-8 after 20, then 1.5e-4 after
+    50 (a unit crossing ReLU's kink between 20 and 50 amplifies the last
+    bit; the ring alone gives the same bits run after run). A wrong sum is
+    off from the first step."""
+    common = ["--optimizer", "sgd", "--lr", "0.05", "--steps", "20", "--log-every", "10"]
     out = {}
     for algo in ("ring", "mpi"):
         path = tmp_path / f"{algo}.h5"
@@ -35,7 +41,7 @@ def test_ring_and_mpi_allreduce_train_to_the_same_parameters(job, tmp_path, rank
         assert r.returncode == 0, r.stderr
         out[algo], attrs = params(path)
     assert max_diff(out["ring"], out["mpi"]) < 1e-5
-    assert attrs["step"] == 50 and attrs["mode"] == "ring" and attrs["world_size"] == ranks
+    assert attrs["step"] == 20 and attrs["mode"] == "ring" and attrs["world_size"] == ranks
     assert set(out["ring"]) == {"layer0/W", "layer0/b", "layer1/W", "layer1/b", "layer2/W", "layer2/b"}
     assert out["ring"]["layer0/W"].shape == (784, 500) and out["ring"]["layer0/W"].dtype == np.float32
 
