@@ -18,7 +18,10 @@ weight gradient and one for the input gradient; the columns come from a
 strided window view of the (padded) input in one copy, and col2im adds the
 columns' gradient back one kernel offset at a time (kh*kw strided adds,
 never np.add.at). Buffers are kept between calls: a warm step allocates
-only the small temporaries of reductions.
+only the small temporaries of reductions. Where a rank has several cores
+(nn/threads.py, --threads), the blocks of images are shared out over its
+compute threads, each block the GEMM one thread would do, the weight
+gradient's blocks summed in block order: the same bits on any number.
 
     python -m hpctrain.nn --model small_cnn --shape 32,32,3
 """
