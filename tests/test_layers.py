@@ -462,8 +462,15 @@ def test_bench_layers_reports_every_layer_and_refuses_an_unknown_model():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [row["layer"] for row in out["layers"]] == [layer.describe() for layer in MODELS["lenet"]().layers]
-    assert out["threads"] == "1" and out["sgemm_gflops"] > 0 and out["images_per_s"] > 0
+    assert out["threads"] == 1 and out["clock"] == "cpu" and out["sgemm_gflops"] > 0 and out["images_per_s"] > 0
     assert all(row["gflops"] > 0 for row in out["layers"] if row["layer"].startswith(("Conv2d", "Dense")))
+    # as a rank with 2 cores trains: 2 compute threads, wall time
+    r = subprocess.run([*run, "--seconds", "0.01", "--json", "--threads", "2"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    two = json.loads(r.stdout)
+    assert two["threads"] == 2 and two["clock"] == "wall" and len(two["layers"]) == len(out["layers"])
+    assert two["images_per_s"] > 0
     for bad, says in ((["--model", "vgg"], "--model vgg: not one of mlp"),
                       (["--model", "cnn", "--shape", "4,4"], "--model cnn on 4x4: layer")):
         r = subprocess.run([*run, *bad], capture_output=True, text=True, timeout=120)

@@ -151,7 +151,9 @@ def _subcommands(sub):
     y.add_argument("--shape", type=_shape, default=(32, 32, 3), help="image shape (default: 32,32,3)")
     y.add_argument("--classes", type=_POSITIVE, default=10)
     y.add_argument("--batch", type=_POSITIVE, default=32, help="batch size (default: %(default)s)")
-    y.add_argument("--threads", type=_POSITIVE, default=1, help="BLAS threads (default: %(default)s, one rank's share)")
+    y.add_argument("--threads", type=_POSITIVE, default=1,
+                   help="compute threads, as a rank with that many cores trains (BLAS at one thread each; "
+                        "torch at as many); above 1, wall time (default: %(default)s, one rank's share)")
     y.add_argument("--seconds", type=_RATE, default=2.0, help="measuring time for the whole step (default: %(default)s)")
     y.add_argument("--json", action="store_true")
 
@@ -216,10 +218,14 @@ def _run(args, extra):
 
 
 def _layers(args):
-    # BLAS reads its thread count once, when numpy loads: set it first.
+    # BLAS reads its thread count once, when numpy loads: set it first. At
+    # one thread, as a training rank's with compute threads (nn/threads.py).
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(args.threads)
-    from ..nn import MODELS, LayerError
+        os.environ[var] = "1"
+    from ..nn import MODELS, LayerError, threads
+    if threads.configure(args.threads) != args.threads:
+        raise HpctrainError(f"--threads {args.threads}: this NumPy's BLAS cannot be held to one thread per "
+                            f"compute thread (needs OpenBLAS 0.3.27 or later)")
     if args.model not in MODELS:
         raise HpctrainError(f"--model {args.model}: not one of {', '.join(MODELS)}")
     try:

@@ -62,9 +62,10 @@ def _gemms(layer, need_dx):
     return run
 
 
-def profile(model, batch, seconds, seed=0):
+def profile(model, batch, seconds, seed=0, clock=0):
     """Per layer: ms forward+backward, ms of its GEMMs or None, GEMM flops
-    (CPU time); and the whole step's best (CPU ms, wall ms)."""
+    (CPU time, or wall time where clock is 1: several threads); and the
+    whole step's best (CPU ms, wall ms)."""
     rng = np.random.default_rng(seed)
     x = rng.random((batch, *model.spec.input_shape)).astype(model.dtype)
     y = rng.integers(0, model.spec.classes, batch)
@@ -88,18 +89,20 @@ def profile(model, batch, seconds, seed=0):
         else:
             ms = _best_ms(lambda: (layer.forward(inputs[i], True), layer.backward(grads[i], need_dx)),
                           seconds / len(model.layers))
-        gemm = _gemms(layer, need_dx)
+        # the GEMMs alone run on this thread: their share says nothing of a threaded layer
+        gemm = None if clock else _gemms(layer, need_dx)
         mults = 2 * layer.flops() * (3 if need_dx else 2) * batch if layer.param_shapes() else None
-        rows.append(dict(layer=layer.describe(), out="x".join(map(str, model.spec.shapes[i])), ms=ms[0],
+        rows.append(dict(layer=layer.describe(), out="x".join(map(str, model.spec.shapes[i])), ms=ms[clock],
                          gemm_ms=_best_ms(gemm, 0.1)[0] if gemm else None, flop=mults))
     step = _best_ms(lambda: model.forward_backward(x, y, noise=noise), seconds)
     return rows, step
 
 
-def torch_profile(model, batch, seconds, threads, seed=0):
+def torch_profile(model, batch, seconds, threads, seed=0, clock=0):
     """The same per layer for the torch twin (bench/torch_models.py) at
     `threads` threads: ([ms forward+backward of each layer, None for a
-    view], whole forward+backward ms), CPU time; None without torch."""
+    view], whole forward+backward ms), CPU time (wall where clock is 1);
+    None without torch."""
     try:
         import torch
     except ImportError:
@@ -134,7 +137,7 @@ def torch_profile(model, batch, seconds, threads, seed=0):
                     mod.zero_grad(set_to_none=True)
                     leaf.grad = None
                     mod(leaf).backward(dy)
-            out.append(_best_ms(run, seconds / len(model.layers))[0])
+            out.append(_best_ms(run, seconds / len(model.layers))[clock])
         a = y.detach()
     target = torch.from_numpy(rng.integers(0, spec.classes, batch))
     xs = torch.from_numpy(np.ascontiguousarray(torch_models.to_torch_batch(spec, x)))
@@ -143,7 +146,7 @@ def torch_profile(model, batch, seconds, threads, seed=0):
     def step():
         twin.zero_grad(set_to_none=True)
         loss_fn(twin(xs), target).backward()
-    return out, _best_ms(step, seconds)[0]
+    return out, _best_ms(step, seconds)[clock]
 
 
 def main(args):
@@ -151,14 +154,20 @@ def main(args):
     spec = MODELS[args.model](args.shape, args.classes)
     model = spec.build()
     model.init(0)
+    # One thread: CPU time (what other processes take is left out). Several
+    # (hpctrain's compute threads, nn/threads.py, as a rank with that many
+    # cores trains; torch at as many): wall time, CPU time adding every
+    # thread's; the peak then N single-thread SGEMMs.
+    clock = 1 if args.threads > 1 else 0
     peak = sgemm_gflops(min(1.0, args.seconds))
-    rows, (step_cpu, step_wall) = profile(model, args.batch, args.seconds)
-    theirs = torch_profile(model, args.batch, args.seconds, args.threads)
+    rows, (step_cpu, step_wall) = profile(model, args.batch, args.seconds, clock=clock)
+    step_cpu = (step_cpu, step_wall)[clock]
+    theirs = torch_profile(model, args.batch, args.seconds, args.threads, clock=clock)
     if theirs is not None:
         for r, ms in zip(rows, theirs[0]):
             r["torch_ms"] = ms
             r["x_torch"] = ms / r["ms"] if ms and r["ms"] > 0.01 else None
-    peak = max(peak, sgemm_gflops(min(1.0, args.seconds)))   # before and after: the less disturbed
+    peak = max(peak, sgemm_gflops(min(1.0, args.seconds))) * args.threads   # before and after: the less disturbed
     total = sum(r["ms"] for r in rows)
     for r in rows:
         r["share"] = 100 * r["ms"] / total
@@ -169,7 +178,7 @@ def main(args):
                 r["gemm_share"] = 100 * min(r["gemm_ms"], r["ms"]) / r["ms"]
     flop = sum(r["flop"] or 0 for r in rows)
     out = dict(bench="layers", model=args.model, shape=list(args.shape), batch=args.batch,
-               threads=os.environ.get("OPENBLAS_NUM_THREADS"), load_before=load, load_after=os.getloadavg(),
+               threads=args.threads, clock=("cpu", "wall")[clock], load_before=load, load_after=os.getloadavg(),
                sgemm_gflops=peak, layers=rows, step_cpu_ms=step_cpu, step_wall_ms=step_wall,
                torch_step_cpu_ms=theirs[1] if theirs else None,
                images_per_s=args.batch / step_cpu * 1e3, images_per_s_wall=args.batch / step_wall * 1e3,
@@ -177,21 +186,25 @@ def main(args):
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{args.model} on {'x'.join(map(str, args.shape))}, batch {args.batch}, {out['threads']} BLAS thread(s); "
-          f"load average {load[0]:.2f} before, {out['load_after'][0]:.2f} after")
-    print(f"single-thread SGEMM (1024^3, float32): {peak:.1f} GFLOP/s")
+    print(f"{args.model} on {'x'.join(map(str, args.shape))}, batch {args.batch}, "
+          + (f"{args.threads} compute threads (BLAS at one each), wall time; " if clock else "one thread, CPU time; ")
+          + f"load average {load[0]:.2f} before, {out['load_after'][0]:.2f} after")
+    print(f"single-thread SGEMM (1024^3, float32){f' x {args.threads}' if clock else ''}: {peak:.1f} GFLOP/s")
     print(table(rows, [("layer", "layer", "{}"), ("output", "out", "{}"), ("fwd+bwd ms", "ms", "{:.3f}"),
                        ("share %", "share", "{:.1f}"), ("GFLOP/s", "gflops", "{:.1f}"),
                        ("% SGEMM", "of_sgemm", "{:.0f}"), ("GEMM % of layer", "gemm_share", "{:.0f}"),
                        ("torch ms", "torch_ms", "{:.3f}"), ("torch ms / ours", "x_torch", "{:.2f}")]))
-    print(f"whole forward_backward: {step_cpu:.2f} ms CPU = {out['images_per_s']:.0f} images/s "
-          f"({step_wall:.2f} ms wall = {out['images_per_s_wall']:.0f} images/s); layers' sum {total:.2f} ms CPU")
+    unit = ("CPU", "wall")[clock]
+    print(f"whole forward_backward: {step_cpu:.2f} ms {unit} = {out['images_per_s']:.0f} images/s"
+          + ("" if clock else f" ({step_wall:.2f} ms wall = {out['images_per_s_wall']:.0f} images/s)")
+          + f"; layers' sum {total:.2f} ms {unit}")
     if theirs is not None:
-        print(f"torch (the same layers, {args.threads} thread(s)): {theirs[1]:.2f} ms CPU = "
+        print(f"torch (the same layers, {args.threads} thread(s)): {theirs[1]:.2f} ms {unit} = "
               f"{args.batch / theirs[1] * 1e3:.0f} images/s; torch ms / ours {theirs[1] / step_cpu:.2f}")
     else:
         print("(torch is not installed: pip install torch for its column)")
     print(f"the step's matrix products: {flop / args.batch / 1e6:.1f} MFLOP per image, "
           f"{out['step_gflops']:.1f} GFLOP/s = {out['step_of_sgemm']:.0f}% of SGEMM")
-    print("(fastest call of each, CPU time of this process: other processes' load on a shared machine left out)")
+    print("(fastest call of each, " + ("wall time: run it on a quiet machine)" if clock else
+                                       "CPU time of this process: other processes' load on a shared machine left out)"))
     return 0
