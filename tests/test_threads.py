@@ -181,3 +181,37 @@ def test_threads_flag_refuses_zero(job):
     r = job(1, "--threads", "0", "--steps", "1")
     assert r.returncode == 2
     assert "--threads" in r.stderr and r.stderr.count("error") == 1
+
+
+def _convs(layers):
+    for layer in layers:
+        if isinstance(layer, Residual):
+            yield from _convs(layer.block + layer.projection)
+        elif isinstance(layer, Conv2d):
+            yield layer
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet"])
+def test_the_memory_check_counts_every_threads_blocks(name):
+    """What a compute thread holds in each convolution (its blocks of
+    columns, buffers keyed by thread) is within scratch_floats, which
+    memory_bytes counts once per thread."""
+    spec = MODELS[name]((28, 28), 10)
+    rng = np.random.default_rng(5)
+    x = rng.random((32, 28, 28), dtype=np.float32)
+    try:
+        _step(spec, 2, x, rng.integers(0, 10, 32))
+        model = spec.build(np)
+        model.init(0)
+        model.forward_backward(x, rng.integers(0, 10, 32), noise=(0, 0, np.arange(32)))
+    finally:
+        threads.configure(1)
+    def thread_1(key):   # ("cols", 1), not ("out", True): True == 1
+        return isinstance(key, tuple) and type(key[1]) is int and key[1] == 1
+    held = {id(conv): sum(buf.nbytes for key, buf in conv._buffers.items() if thread_1(key))
+            for conv in _convs(model.layers)}
+    assert sum(held.values()) > 0   # the second thread did hold blocks
+    for conv in _convs(model.layers):
+        assert held[id(conv)] <= 4 * conv.scratch_floats(), conv.describe()
+    scratch = sum(layer.scratch_floats() for layer in spec.layers)
+    assert spec.memory_bytes(32, 2, threads=3) - spec.memory_bytes(32, 2, threads=1) == 2 * 4 * scratch

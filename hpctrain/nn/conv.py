@@ -322,6 +322,20 @@ class Conv2d(Layer):
         padded = (h + 2 * self.pad) * (w + 2 * self.pad) * c if self.pad else 0
         return 2 * math.prod(self.out_shape) + h * w * c + cols + padded
 
+    def scratch_floats(self):
+        # A thread's block of columns (forward, and dW where rewritten) and
+        # of dy's columns (the transposed input gradient); the kept whole
+        # columns are train_floats'. A bound: blocks are about BLOCK_FLOATS,
+        # or one image where that is larger.
+        h, w, c = self.in_shape
+        k, o = self.k, self.out_channels
+        one_by_one = k == 1 and self.stride == 1 and self.pad == 0
+        transposed = self.stride == 1 and self.pad < k and o <= 2 * c
+        per_image = self.oh * self.ow * self.fan_in
+        cols = 0 if one_by_one or self.fan_in < AGAIN_FROM else max(1, BLOCK_FLOATS // per_image) * per_image
+        dy_cols = h * w * k * k * o
+        return cols + (max(1, BLOCK_FLOATS // dy_cols) * dy_cols if transposed and not one_by_one else 0)
+
     def flops(self):
         return self.oh * self.ow * self.out_channels * self.fan_in
 

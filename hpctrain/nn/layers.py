@@ -127,6 +127,12 @@ class Layer:
         self.xp, self.params, self.grads, self.state = xp, params, grads, state
         self._buffers = {}
 
+    def scratch_floats(self):
+        """Floats this layer keeps per compute thread whatever the batch (a
+        convolution's block of columns): the memory check counts them once
+        per thread (nn/spec.py memory_bytes)."""
+        return 0
+
     def split(self, n, work, unit=1, most=None):
         """work(thread, lo, hi) over rows [lo, hi) of n, on the rank's compute
         threads (nn/threads.py) when the arrays are NumPy's, in at most

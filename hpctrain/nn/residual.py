@@ -119,6 +119,9 @@ class Residual(Layer):
         copy = math.prod(self.in_shape) * (copies + (not self.projection))
         return (sum(layer.train_floats() for _, layer in self.inner) + 2 * math.prod(self.out_shape) + copy)
 
+    def scratch_floats(self):
+        return sum(layer.scratch_floats() for _, layer in self.inner)
+
     def flops(self):
         return sum(layer.flops() for _, layer in self.inner) + math.prod(self.out_shape)
 

@@ -207,24 +207,26 @@ class ModelSpec:
         first = self.param_layers[0] if self.param_layers else None
         return [f * (2 if i == first else 3) for i, f in enumerate(self.flops())]
 
-    def memory_bytes(self, batch, optimizer_states, itemsize=4, a=0, b=None, copies=1, buffers=2):
+    def memory_bytes(self, batch, optimizer_states, itemsize=4, a=0, b=None, copies=1, buffers=2, threads=1):
         """Bytes one rank needs for training layers [a, b) (all of them by
         default) at least: `buffers` flat buffers of their parameters
         (parameters and gradients: 2; a pipeline stage keeps 3, a
         micro-batch's gradient beside the step's sum) and `optimizer_states`
         more (Adam: 2), their non-trainable state, their input (the batch:
         float32 and its uint8 copy; a later stage: the activations it
-        receives) and `copies` sets of every layer's activations and input
+        receives), `copies` sets of every layer's activations and input
         gradients (a pipeline stage holds the schedule's micro-batches in
-        flight). An estimate from below."""
+        flight) and each of the rank's `threads` compute threads' scratch
+        (nn/threads.py: a convolution's blocks). An estimate from below."""
         b = len(self.layers) if b is None else b
         params = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_tensors[i])
         state = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_state[i])
         acts = sum(layer.train_floats() for layer in self.layers[a:b])
         given = batch * math.prod(self.input_shape) * 5 if a == 0 else \
             itemsize * batch * math.prod(self.shapes[a - 1]) * copies
+        scratch = sum(layer.scratch_floats() for layer in self.layers[a:b])
         return (itemsize * params * (buffers + optimizer_states) + itemsize * state + given
-                + itemsize * batch * acts * copies)
+                + itemsize * batch * acts * copies + itemsize * threads * scratch)
 
     def summary(self):
         """The model, one line per layer (output shape, parameters), and the total."""

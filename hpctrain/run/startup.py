@@ -223,7 +223,8 @@ def stage_needs(args, spec, cuts, replicas=1, sharded=False):
     needs = []
     for s in range(stages):
         copies = chunk_peaks(actions_for(args.pipeline_schedule, stages, args.micro_batches, s, virtual), virtual)
-        needs.append(sum(spec.memory_bytes(args.batch_size, states, a=a, b=b, buffers=3, copies=n)
+        needs.append(sum(spec.memory_bytes(args.batch_size, states, a=a, b=b, buffers=3, copies=n,
+                                           threads=threads.count())
                          for (a, b), n in zip(stage_chunks(cuts, stages, s), copies)))
     return needs
 
@@ -272,7 +273,7 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
         lo, hi = ranges(spec, cuts[heaviest], cuts[heaviest + 1])   # its first chunk (the optimizers' size)
         prepare(args.optimizer, hi - lo, steps, args.single_pass)
     else:
-        model = spec.memory_bytes(args.batch_size, STATES[args.optimizer])
+        model = spec.memory_bytes(args.batch_size, STATES[args.optimizer], threads=threads.count())
         prepare(args.optimizer, spec.num_params, steps, args.single_pass)
     base = rss_bytes()   # the interpreter, its imports, and what the optimizer will load (prepare)
     need = base + model
