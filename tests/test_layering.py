@@ -37,11 +37,12 @@ def modules():
     return found
 
 
-def imports(module, path, known):
-    """The hpctrain modules `module` imports (relative ones resolved), at any depth in the file."""
+def import_targets(module, path):
+    """(node, names) for every import of hpctrain in the file, at any depth:
+    `import hpctrain.X` gives its names, `from T import ...` (relative ones
+    resolved) gives [T]."""
     tree = ast.parse(open(path).read())
     package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
-    out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -49,13 +50,24 @@ def imports(module, path, known):
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if not target.startswith("hpctrain"):
-                continue
-            for alias in node.names:
-                sub = f"{target}.{alias.name}"
-                out.add(sub if sub in known else target)
+            if target.startswith("hpctrain"):
+                yield node, [target]
         elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("hpctrain")}
+            names = [a.name for a in node.names if a.name.startswith("hpctrain")]
+            if names:
+                yield node, names
+
+
+def imports(module, path, known):
+    """The hpctrain modules `module` imports (relative ones resolved), at any depth in the file."""
+    out = set()
+    for node, names in import_targets(module, path):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                sub = f"{names[0]}.{alias.name}"
+                out.add(sub if sub in known else names[0])
+        else:
+            out |= set(names)
     return {m for m in out if m in known and m != module}
 
 
@@ -144,19 +156,6 @@ def test_every_import_of_hpctrain_names_a_module_that_exists():
     known = modules()
     missing = []
     for module, path in sorted(known.items()):
-        tree = ast.parse(open(path).read())
-        package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                names = [target] if target.startswith("hpctrain") else []
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names if a.name.startswith("hpctrain")]
-            else:
-                continue
+        for node, names in import_targets(module, path):
             missing += [f"{path}:{node.lineno}: {name}" for name in names if name not in known]
     assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)

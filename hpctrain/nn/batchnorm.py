@@ -70,12 +70,6 @@ class _BatchNorm(Layer):
     def _tiled(self, v, width):
         return self.xp.tile(v, width // self.channels)
 
-    def _ones(self, m, dtype):
-        ones = self._buffers.get("ones")
-        if ones is None or ones.shape != (m,) or ones.dtype != dtype:
-            ones = self._buffers["ones"] = self.xp.ones(m, dtype)
-        return ones
-
     def forward(self, x, train):
         xp, c = self.xp, self.channels
         m = x.size // c
@@ -95,7 +89,7 @@ class _BatchNorm(Layer):
                 y[lo:hi] += beta
             self.split(shape[0], evaluate, most=threads.most(floats=x.size))
             return y.reshape(x.shape)
-        ones = self._ones(m, x.dtype)
+        ones = self.ones(m, x.dtype)
         mean = xp.matmul(ones, x.reshape(m, c)) / m
         xhat = self.buffer("xhat", shape, x.dtype)
         prod = self.buffer("prod", shape, x.dtype)
@@ -128,7 +122,7 @@ class _BatchNorm(Layer):
         m = dy.size // c
         shape = self.xhat.shape
         dyw = dy.reshape(shape)
-        ones = self._ones(m, dy.dtype)
+        ones = self.ones(m, dy.dtype)
         g_gamma, g_beta = self.grads["gamma"], self.grads["beta"]
         xp.matmul(ones, dy.reshape(m, c), out=g_beta)
         prod = self.buffer("prod", shape, dy.dtype)

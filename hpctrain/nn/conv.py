@@ -131,12 +131,6 @@ class Conv2d(Layer):
         super().bind(xp, params, grads, state)
         self.W2, self.dW2 = params["W"].reshape(self.fan_in, -1), grads["W"].reshape(self.fan_in, -1)
 
-    def _ones(self, m, dtype):
-        ones = self._buffers.get("ones")
-        if ones is None or ones.shape != (m,) or ones.dtype != dtype:
-            ones = self._buffers["ones"] = self.xp.ones(m, dtype)
-        return ones
-
     def _per_block(self, n, floats_per_image):
         """Images per block of columns: about BLOCK_FLOATS floats, so a block's
         columns are still in cache when its GEMM reads them (NumPy; a GPU
@@ -225,7 +219,7 @@ class Conv2d(Layer):
         dy2 = dy.reshape(n * self.oh * self.ow, self.out_channels)
         self._weight_gradient(dy2)
         if self.bias:   # a GEMV: several times faster than dy2.sum(axis=0) here
-            xp.matmul(self._ones(dy2.shape[0], dy.dtype), dy2, out=self.grads["b"])
+            xp.matmul(self.ones(dy2.shape[0], dy.dtype), dy2, out=self.grads["b"])
         if not need_dx:
             return None
         h, w, c = self.in_shape

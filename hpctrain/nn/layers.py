@@ -127,6 +127,14 @@ class Layer:
         self.xp, self.params, self.grads, self.state = xp, params, grads, state
         self._buffers = {}
 
+    def ones(self, n, dtype):
+        """A kept vector of n ones: per-channel sums as GEMVs (ones @ x),
+        several times faster than x.sum(axis=0) over few channels."""
+        ones = self._buffers.get("ones")
+        if ones is None or ones.shape != (n,) or ones.dtype != dtype:
+            ones = self._buffers["ones"] = self.xp.ones(n, dtype)
+        return ones
+
     def scratch_floats(self):
         """Floats this layer keeps per compute thread whatever the batch (a
         convolution's block of columns): the memory check counts them once

@@ -167,5 +167,8 @@ def split(n, work, unit=1, most=None, on=True):
     """work(thread, lo, hi) over range(n) in ranges of whole `unit`s, one per
     compute thread (at most `most`), where `on` (NumPy arrays: CuPy's
     kernels have the GPU); otherwise work(0, 0, n) here."""
-    parts = count() if on and _workers else 1
-    run(work, ranges(n, parts if most is None else min(parts, most), unit))
+    parts = min(count(), most or count()) if on and _workers else 1
+    if parts == 1:   # a one-core rank, or small work: no ranges to make (every step's path)
+        work(0, 0, n)
+        return
+    run(work, ranges(n, parts, unit))
