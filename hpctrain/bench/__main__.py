@@ -154,6 +154,8 @@ def _subcommands(sub):
     y.add_argument("--threads", type=_POSITIVE, default=1,
                    help="compute threads, as a rank with that many cores trains (BLAS at one thread each; "
                         "torch at as many); above 1, wall time (default: %(default)s, one rank's share)")
+    y.add_argument("--conv", choices=["im2col", "direct"], default="im2col",
+                   help="hpctrain's convolution kernels, as training's --conv (direct: numba's) (default: %(default)s)")
     y.add_argument("--seconds", type=_RATE, default=2.0, help="measuring time for the whole step (default: %(default)s)")
     y.add_argument("--json", action="store_true")
 
@@ -222,7 +224,10 @@ def _layers(args):
     # one thread, as a training rank's with compute threads (nn/threads.py).
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
-    from ..nn import MODELS, LayerError, threads
+    from ..nn import MODELS, LayerError, conv, direct, threads
+    if args.conv == "direct" and not direct.available():
+        raise HpctrainError("--conv direct: numba is not installed (pip install 'hpctrain[fast]')")
+    conv.use_kernel(args.conv)
     if threads.configure(args.threads) != args.threads:
         raise HpctrainError(f"--threads {args.threads}: this NumPy's BLAS cannot be held to one thread per "
                             f"compute thread (needs OpenBLAS 0.3.27 or later)")

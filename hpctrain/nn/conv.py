@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from . import threads
+from . import direct, threads
 from .layers import Layer, LayerError, he_normal
 
 
@@ -43,6 +43,24 @@ BLOCK_FLOATS = 1 << 18
 # (measured, 16x16x32 -> 64, batch 32: 8.2 ms against 10.4 for one GEMM over
 # the kept columns; for 32x32x3 -> 32, K = 27, the kept columns were faster).
 AGAIN_FROM = 64
+# How convolutions run on NumPy: "im2col" (columns and BLAS) or "direct"
+# (nn/direct.py's compiled kernels, for 16, 32 or 64 output channels; the
+# others stay im2col). Set once per process before the model is built
+# (use_kernel: run/startup.py from --conv); a layer reads it in bind.
+_kernel = "im2col"
+
+
+def use_kernel(kind):
+    """Make the layers bound from now on run `kind` ("im2col" or "direct")."""
+    global _kernel
+    if kind not in ("im2col", "direct"):
+        raise ValueError(f"no convolution kernel {kind!r}")
+    _kernel = kind
+
+
+def kernel():
+    """The convolution kernel layers bound now will use."""
+    return _kernel
 
 
 def _shape(shape):
@@ -130,6 +148,22 @@ class Conv2d(Layer):
     def bind(self, xp, params, grads, state):
         super().bind(xp, params, grads, state)
         self.W2, self.dW2 = params["W"].reshape(self.fan_in, -1), grads["W"].reshape(self.fan_in, -1)
+        self.direct = self._direct_fits(_kernel, xp)
+        if self.direct:   # compiled now (or loaded from numba's cache), not in the first step
+            direct.prepare(self.k, self.stride, self.in_shape[2], self.out_channels, params["W"].dtype,
+                           input_gradient=self._direct_dx())
+
+    def _direct_fits(self, kind, xp=np):
+        """Whether this layer runs nn/direct.py's kernels under `kind`: on
+        NumPy, 16, 32 or 64 outputs, and not a 1x1 stride-1 layer unpadded
+        (its columns are its input: one GEMM, nothing copied)."""
+        return kind == "direct" and xp is np and direct.fits(self.out_channels) and \
+            not (self.k == 1 and self.stride == 1 and self.pad == 0)
+
+    def _direct_dx(self):
+        """Whether the input gradient runs direct too: stride 1 (dy padded
+        and convolved with W turned round) and a fitting input width."""
+        return self.stride == 1 and self.pad < self.k and direct.fits(self.in_shape[2])
 
     def _per_block(self, n, floats_per_image):
         """Images per block of columns: about BLOCK_FLOATS floats, so a block's
@@ -155,6 +189,8 @@ class Conv2d(Layer):
         source = x
         if p:
             x = self.zeroed("padded", (n, h + 2 * p, w + 2 * p, c), x.dtype)
+        if self.direct:
+            return self._direct_forward(source, x, y)
         # The columns, one row per output pixel, written and multiplied a
         # block of images at a time; kept whole for the weight gradient, or
         # (wide layers, more than one block) written again there block by
@@ -182,16 +218,38 @@ class Conv2d(Layer):
         self._windows, self._per = windows, per
         return y.reshape(n, *self.out_shape)
 
+    def _direct_forward(self, source, x, y):
+        """nn/direct.py's forward, images shared over the compute threads
+        (each output pixel's sum is the same whoever computes it); x is the
+        padded buffer where the layer pads, else the input itself."""
+        (h, w, _), p, n = self.in_shape, self.pad, source.shape[0]
+        x = x if p else np.ascontiguousarray(source)
+        y4 = y.reshape(n, *self.out_shape)
+
+        def images(t, lo, hi):
+            if p:
+                x[lo:hi, p:p + h, p:p + w, :] = source[lo:hi]
+            direct.forward(x[lo:hi], self.params["W"], y4[lo:hi], self.stride)
+            if self.bias:
+                y4[lo:hi] += self.params["b"]
+        self.split(n, images, most=threads.most(macs=n * self.flops()))
+        self.cols, self._input = None, x
+        return y4
+
     def columns(self):
         """The last forward's whole im2col matrix (n*oh*ow, k*k*c), built
         anew where the forward did not keep it (bench layers times its GEMMs)."""
         if self.cols is not None:
             return self.cols
+        if self.direct:
+            self._windows = _window(self.xp, self._input, self.oh, self.ow, self.k, self.stride)
         cols = self.xp.empty(self._windows.shape, self._windows.dtype)
         self.xp.copyto(cols, self._windows)
         return cols.reshape(-1, self.fan_in)
 
     def _weight_gradient(self, dy2):
+        if self.direct:
+            return self._direct_weight_gradient(dy2)
         if self.cols is not None:
             self.xp.matmul(self.cols.T, dy2, out=self.dW2)
             return
@@ -213,6 +271,25 @@ class Conv2d(Layer):
         for part in products[1:]:
             self.dW2 += part
 
+    def _direct_weight_gradient(self, dy2):
+        """nn/direct.py's weight gradient of each block of images (the
+        im2col path's blocks, a fixed function of the shape), then their
+        sum in block order: the same bits on any number of threads."""
+        x, n = self._input, self._input.shape[0]
+        dy = np.ascontiguousarray(dy2.reshape(n, *self.out_shape))
+        per = self._per_block(n, self.oh * self.ow * self.fan_in)
+        products = self.buffer("dW_blocks", (-(-n // per), *self.params["W"].shape), dy.dtype)
+
+        def blocks(t, lo0, hi0):
+            for lo in range(lo0, hi0, per):
+                hi = min(lo + per, hi0)
+                direct.weight_gradient(x[lo:hi], dy[lo:hi], products[lo // per], self.stride)
+        self.split(n, blocks, unit=per)
+        dW = self.grads["W"]
+        self.xp.copyto(dW, products[0])
+        for part in products[1:]:
+            dW += part
+
     def backward(self, dy, need_dx):
         xp = self.xp
         n = dy.shape[0]
@@ -229,6 +306,8 @@ class Conv2d(Layer):
                                                           out=dx[lo * h * w:hi * h * w]),
                        most=threads.most(macs=n * h * w * c * self.out_channels))
             return dx.reshape(n, h, w, c)
+        if self.direct and self._direct_dx():
+            return self._transposed(dy, direct_kernel=True)
         if self.stride == 1 and self.pad < self.k and self.out_channels <= 2 * c:
             return self._transposed(dy)
         rows = self.oh * self.ow
@@ -242,7 +321,7 @@ class Conv2d(Layer):
         self.split(n, images, most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
         return dx
 
-    def _transposed(self, dy):
+    def _transposed(self, dy, direct_kernel=False):
         """Stride 1: the input gradient is dy, padded by k-1-pad, convolved
         with W turned 180 degrees and its channel axes swapped: im2col of dy
         and one GEMM straight into dx, (n*h*w, k*k*out) @ (k*k*out, in).
@@ -252,7 +331,9 @@ class Conv2d(Layer):
         dx's size, which col2im reads back in k*k strided passes. Measured
         here (CPU time, batch 32): 32->32 channels on 32x32, 37 ms against
         57; 64->32 on 8x8, 3.9 against 4.7; 32->64 even; 3->32, 15 against
-        11 (the rule: out <= 2 * in)."""
+        11 (the rule: out <= 2 * in). With direct_kernel: the same
+        convolution by nn/direct.py's forward kernel, images shared over the
+        compute threads, no columns."""
         xp, n, (h, w, c), k, q = self.xp, dy.shape[0], self.in_shape, self.k, self.k - 1 - self.pad
         o = self.out_channels
         source = dy
@@ -260,8 +341,17 @@ class Conv2d(Layer):
             dy = self.zeroed("dy_padded", (n, self.oh + 2 * q, self.ow + 2 * q, o), dy.dtype)
         turned = self.buffer("turned", (k, k, o, c), dy.dtype)
         xp.copyto(turned, self.params["W"][::-1, ::-1].transpose(0, 1, 3, 2))
-        turned = turned.reshape(k * k * o, c)
         dx = self.buffer("dx", (n * h * w, c), dy.dtype)
+        if direct_kernel:
+            dx4, padded = dx.reshape(n, h, w, c), dy if q else np.ascontiguousarray(source)
+
+            def images(t, lo, hi):
+                if q:
+                    padded[lo:hi, q:q + self.oh, q:q + self.ow, :] = source[lo:hi]
+                direct.forward(padded[lo:hi], turned, dx4[lo:hi], 1)
+            self.split(n, images, most=threads.most(macs=n * h * w * k * k * o * c))
+            return dx4
+        turned = turned.reshape(k * k * o, c)
         # dy's columns a block of images at a time, each multiplied while in
         # cache (measured: 12.0 ms whole, 7.3 in blocks of one image, for
         # 16x16, 64 -> 32 channels, batch 32); no batch-sized column buffer.
@@ -306,6 +396,14 @@ class Conv2d(Layer):
 
     def train_floats(self):
         h, w, c = self.in_shape
+        padded = (h + 2 * self.pad) * (w + 2 * self.pad) * c if self.pad else 0
+        if self._direct_fits(_kernel):
+            # No columns: dy padded for the turned kernel where dx is direct,
+            # else the col2im path's batch-sized dcols.
+            q = self.k - 1 - self.pad
+            dx_scratch = ((self.oh + 2 * q) * (self.ow + 2 * q) * self.out_channels if q else 0) \
+                if self._direct_dx() else self.oh * self.ow * self.fan_in
+            return 2 * math.prod(self.out_shape) + h * w * c + padded + dx_scratch
         # Batch-sized columns: the forward's where kept, col2im's dcols where the
         # layer takes that path (a block's buffers are per step, not per sample).
         one_by_one = self.k == 1 and self.stride == 1 and self.pad == 0
@@ -313,14 +411,15 @@ class Conv2d(Layer):
         per_col = self.oh * self.ow * self.fan_in
         cols = (per_col if not one_by_one and self.fan_in < AGAIN_FROM else 0) + \
             (per_col if not (one_by_one or transposed) else 0)
-        padded = (h + 2 * self.pad) * (w + 2 * self.pad) * c if self.pad else 0
         return 2 * math.prod(self.out_shape) + h * w * c + cols + padded
 
     def scratch_floats(self):
         # A thread's block of columns (forward, and dW where rewritten) and
         # of dy's columns (the transposed input gradient); the kept whole
         # columns are train_floats'. A bound: blocks are about BLOCK_FLOATS,
-        # or one image where that is larger.
+        # or one image where that is larger. The direct kernels keep none.
+        if self._direct_fits(_kernel):
+            return 0
         h, w, c = self.in_shape
         k, o = self.k, self.out_channels
         one_by_one = k == 1 and self.stride == 1 and self.pad == 0

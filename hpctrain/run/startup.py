@@ -21,7 +21,7 @@ from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
 from ..data.arrays import memory_available
 from ..errors import EXIT_PREEMPTED, HpctrainError
-from ..nn import LayerError, spec_for, threads
+from ..nn import LayerError, conv, direct, spec_for, threads
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
@@ -111,6 +111,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
             f"{data.per_worker} = {schedule.total_steps} steps")
     if args.lr_schedule != "constant":   # constant: today's output, unchanged
         say(schedule.line())
+    conv.use_kernel(agree(conv_kernel, args, xp, schedule.total_steps))   # before any layer is bound
 
     # --- the model, shaped by the data's manifest --------------------------------
     spec = agree(_model_spec, args, model_shape, watchdog, what="building the model")
@@ -121,6 +122,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
                                             spec.code or "-"})
     if args.model != "mlp":
         say("\n".join(spec.summary()))
+        if xp is np:
+            say(f"convolutions: {conv.kernel()}" + (" (nn/direct.py, for 16, 32 and 64 output channels)"
+                                                     if conv.kernel() == "direct" else ""))
     # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
     cuts = agree(cuts_for, args, cluster.size, spec)
     replicas = cluster.size // args.pipeline_stages
@@ -241,6 +245,27 @@ def fitting_pipeline(args, spec, budget, base):
         if base + heaviest <= budget:
             return stages, heaviest
     return None
+
+
+# --conv auto takes nn/direct.py's kernels from this many steps: numba's
+# start-up (about 1 s, its kernels loaded from its cache; a first run on a
+# machine compiles them, about 0.5 s each) against the milliseconds a
+# convolutional step saves (bench layers --conv).
+CONV_DIRECT_FROM = 200
+
+
+def conv_kernel(args, xp, steps):
+    """How this run's convolutions run (nn/conv.py use_kernel): --conv, or for
+    auto, direct on NumPy where numba is installed and the run is long
+    enough to pay for it; --conv direct where it cannot run is refused."""
+    if xp is not np:
+        return "im2col"   # CuPy: one GEMM per layer and batch
+    if args.conv == "direct" and not direct.available():
+        raise HpctrainError("--conv direct: numba is not installed (pip install 'hpctrain[fast]'), "
+                            "or use --conv auto") from None
+    if args.conv == "auto":
+        return "direct" if steps >= CONV_DIRECT_FROM and direct.available() else "im2col"
+    return args.conv
 
 
 def check_single_pass(args, xp):

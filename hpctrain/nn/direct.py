@@ -1,0 +1,204 @@
+"""Direct convolution kernels, compiled by numba (`pip install 'hpctrain[fast]'`):
+a convolution's forward pass, its weight gradient and (stride 1) its input
+gradient without im2col, for layers whose output channels are a multiple of
+16 up to 64 (nn/conv.py chooses; `--conv`).
+
+Why: with 16 to 64 output channels im2col's GEMM is a poor shape for a BLAS
+(N = 16 columns: each value of the 9x larger column matrix is used 16
+times, and OpenBLAS packs it first). Measured here (one thread, batch 32,
+28x28, 16 -> 16 channels, 3x3): the columns' GEMM ran at 32 GFLOP/s, a
+third of this machine's SGEMM, and im2col's copy came on top; this forward
+kernel ran at 108. It keeps a block of PIXELS output pixels x all output
+channels in vector registers (PIXELS x O/16 AVX-512 registers), and for each
+input value of the window broadcasts it and adds it times one row of W into
+each pixel's accumulators: the input is read in place, the weights stay in
+L1, nothing is copied. The weight gradient is the same idea turned round:
+CHANNELS input channels x O output channels of one kernel offset held in
+registers while every pixel of the block of images goes by.
+
+Each output sums its window in the order (kh, kw, c), each term a fused
+multiply-add (fastmath "contract" only: no reassociation), so a value does
+not depend on which block or thread computed it. numba's SLP vectorizer
+(off by default, NUMBA_SLP_VECTORIZE) is switched on while these kernels
+compile: it is what turns the unrolled channel loop into vector FMAs. The
+kernels are compiled per shape and dtype on first use and cached on disk
+where numba can write.
+
+    python -m pytest -q tests/test_direct.py
+"""
+import numpy as np
+
+# Output pixels per register block, by output channels: PIXELS x O/16
+# accumulators within AVX-512's 32 registers, with room for W's row and the
+# broadcast value (measured on 28x28: 4 pixels at O = 16 ran at 108 GFLOP/s,
+# 7 and 14 fell apart as the compiler spilled).
+PIXELS = {16: 4, 32: 4, 64: 3}
+# Input channels per register block of the weight gradient: CHANNELS x O/16
+# accumulators (16 registers); fewer where the layer has fewer.
+CHANNELS = {16: 16, 32: 8, 64: 4}
+# Whether LLVM's loop vectorizer runs as well as the SLP one. Measured:
+# without it, 16 and 32 channels ran at 93-115 GFLOP/s and 64 at 6-7 (its
+# unrolled block too big for the SLP vectorizer alone); with it, 64 ran at
+# 97-114 and 16 and 32 at 2-3 (it vectorized the wrong loop).
+LOOP_VECTORIZE = {16: False, 32: False, 64: True}
+
+_kernels = {}
+
+
+def available():
+    """Whether numba can be imported (the direct kernels exist)."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fits(out_channels):
+    """Whether a layer with `out_channels` outputs has direct kernels (16,
+    32 or 64: the ones measured; other widths are fair shapes for a BLAS)."""
+    return out_channels in PIXELS
+
+
+def _compile(make, key, dtype, ndim_args, out):
+    import numba
+    from numba.core import config
+    fn = make(*key[1:], np.dtype(dtype).type)
+    array = numba.from_dtype(np.dtype(dtype))[(slice(None),) * 3 + (slice(None, None, 1),)]
+    sig = numba.void(*[array] * ndim_args)
+    options = dict(nogil=True, boundscheck=False, fastmath={"contract"}, error_model="numpy")
+    slp, loop = config.SLP_VECTORIZE, config.LOOP_VECTORIZE
+    config.SLP_VECTORIZE, config.LOOP_VECTORIZE = 1, int(LOOP_VECTORIZE[out])
+    try:
+        try:
+            return numba.njit(sig, cache=True, **options)(fn)
+        except RuntimeError:   # no cache directory it can write: compile in memory
+            return numba.njit(sig, **options)(fn)
+    finally:
+        config.SLP_VECTORIZE, config.LOOP_VECTORIZE = slp, loop
+
+
+def _kernel(name, make, key, dtype):
+    full = (name, *key, np.dtype(dtype).str)
+    if full not in _kernels:
+        _kernels[full] = _compile(make, (name, *key), dtype, 3, key[0])
+    return _kernels[full]
+
+
+def _stack(size):
+    """An intrinsic: stack(dtype) is a pointer to `size` items on the stack
+    (a constant size, in the function's entry), which LLVM keeps in
+    registers once the loops over it are unrolled."""
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def stack(typingctx, dtype):
+        item = dtype.dtype
+
+        def codegen(context, builder, sig, args):
+            return cgutils.alloca_once(builder, context.get_value_type(item),
+                                       size=context.get_constant(types.intp, size))
+        return types.CPointer(item)(dtype), codegen
+    return stack
+
+
+def _make_forward(O, K, S, dtype):
+    import numba
+    PB = PIXELS[O]
+    stack = _stack(PB * O)
+
+    def forward(xp, w, y):
+        """y[b, i, j, :] = sum over (kh, kw, c) of xp[b, i*S+kh, j*S+kw, c] * w[kh, kw, c, :]."""
+        n, oh, ow = y.shape[0], y.shape[1], y.shape[2]
+        C = xp.shape[3]
+        acc = numba.carray(stack(dtype), (PB, O))
+        for b in range(n):
+            for i in range(oh):
+                j0 = 0
+                while j0 < ow:
+                    if j0 + PB <= ow:
+                        for p in range(PB):
+                            for q in range(O):
+                                acc[p, q] = 0
+                        for kh in range(K):
+                            for kw in range(K):
+                                for c in range(C):
+                                    for p in range(PB):
+                                        v = xp[b, i * S + kh, (j0 + p) * S + kw, c]
+                                        for q in range(O):
+                                            acc[p, q] += v * w[kh, kw, c, q]
+                        for p in range(PB):
+                            for q in range(O):
+                                y[b, i, j0 + p, q] = acc[p, q]
+                        j0 += PB
+                    else:   # the row's last pixels, one at a time
+                        for q in range(O):
+                            acc[0, q] = 0
+                        for kh in range(K):
+                            for kw in range(K):
+                                for c in range(C):
+                                    v = xp[b, i * S + kh, j0 * S + kw, c]
+                                    for q in range(O):
+                                        acc[0, q] += v * w[kh, kw, c, q]
+                        for q in range(O):
+                            y[b, i, j0, q] = acc[0, q]
+                        j0 += 1
+    return forward
+
+
+def _make_weight_gradient(O, K, S, C, dtype):
+    import numba
+    CB = min(CHANNELS[O], C)
+    stack = _stack(CB * O)
+
+    def weight_gradient(xp, dy, dw):
+        """dw[kh, kw, c, :] = sum over (b, i, j) of xp[b, i*S+kh, j*S+kw, c] * dy[b, i, j, :]."""
+        n, oh, ow = dy.shape[0], dy.shape[1], dy.shape[2]
+        acc = numba.carray(stack(dtype), (CB, O))
+        for kh in range(K):
+            for kw in range(K):
+                c0 = 0
+                while c0 < C:
+                    block = CB if c0 + CB <= C else 1
+                    for r in range(CB):
+                        for q in range(O):
+                            acc[r, q] = 0
+                    for b in range(n):
+                        for i in range(oh):
+                            for j in range(ow):
+                                if block == CB:
+                                    for r in range(CB):
+                                        v = xp[b, i * S + kh, j * S + kw, c0 + r]
+                                        for q in range(O):
+                                            acc[r, q] += v * dy[b, i, j, q]
+                                else:
+                                    v = xp[b, i * S + kh, j * S + kw, c0]
+                                    for q in range(O):
+                                        acc[0, q] += v * dy[b, i, j, q]
+                    for r in range(block):
+                        for q in range(O):
+                            dw[kh, kw, c0 + r, q] = acc[r, q]
+                    c0 += block
+    return weight_gradient
+
+
+def forward(xp, w, y, stride):
+    """y (n, oh, ow, O) from the padded input xp (n, H, W, C) and w (k, k, C, O), all C-contiguous."""
+    k, out = w.shape[0], w.shape[3]
+    _kernel("forward", _make_forward, (out, k, stride), y.dtype)(xp, w, y)
+
+
+def weight_gradient(xp, dy, dw, stride):
+    """dw (k, k, C, O) of the padded input xp (n, H, W, C) and dy (n, oh, ow, O): the sum over these images."""
+    k, c, out = dw.shape[0], dw.shape[2], dw.shape[3]
+    _kernel("weight_gradient", _make_weight_gradient, (out, k, stride, c), dy.dtype)(xp, dy, dw)
+
+
+def prepare(k, stride, in_channels, out_channels, dtype, input_gradient):
+    """Compile (or load from numba's cache) a layer's kernels before its first step."""
+    _kernel("forward", _make_forward, (out_channels, k, stride), dtype)
+    _kernel("weight_gradient", _make_weight_gradient, (out_channels, k, stride, in_channels), dtype)
+    if input_gradient:
+        _kernel("forward", _make_forward, (in_channels, k, 1), dtype)
