@@ -206,10 +206,11 @@ def _training_flags(p):
                         "half the time); refused for data prepared with --no-flip (default: off)")
     g.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto",
                    help="where arrays live: cpu (NumPy), gpu (CuPy), auto (gpu if CuPy sees one) (default: %(default)s)")
-    g.add_argument("--conv", choices=["auto", "direct", "im2col"], default="auto",
-                   help="how convolutions with 16, 32 or 64 output channels run on the CPU: direct (compiled "
-                        "kernels, numba: pip install 'hpctrain[fast]') or im2col (columns and BLAS); the others "
-                        "are im2col; auto: direct where numba is installed, from 200 steps (default: %(default)s)")
+    g.add_argument("--compiled-layers", choices=["auto", "on", "off"], default="auto",
+                   help="on the CPU, layer kernels compiled by numba (pip install 'hpctrain[fast]'): direct "
+                        "convolutions with 16, 32 or 64 output channels (the others im2col) and batch norm's "
+                        "passes; off: NumPy and BLAS alone (im2col); auto: on where numba is installed, from 200 "
+                        "steps (default: %(default)s)")
     g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="compute threads per rank on the CPU: convolutions and batch norm split their images "
                         "over them, each thread's BLAS at one thread (the same bits on any N); 1: none "

@@ -127,6 +127,8 @@ def _subcommands(sub):
     c.add_argument("--ranks", type=_counts, default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
     c.add_argument("--steps", type=_POSITIVE, default=1000, help="steps per run (default: %(default)s)")
     c.add_argument("--repeats", type=_POSITIVE, default=3, help="hpctrain runs per configuration (median)")
+    c.add_argument("--compiled-layers", choices=["auto", "on", "off"], default="auto",
+                   help="--model NAME: hpctrain's --compiled-layers (auto: on from 200 steps where numba is installed)")
     c.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     c.add_argument("--json", action="store_true")
 
@@ -154,8 +156,9 @@ def _subcommands(sub):
     y.add_argument("--threads", type=_POSITIVE, default=1,
                    help="compute threads, as a rank with that many cores trains (BLAS at one thread each; "
                         "torch at as many); above 1, wall time (default: %(default)s, one rank's share)")
-    y.add_argument("--conv", choices=["im2col", "direct"], default="im2col",
-                   help="hpctrain's convolution kernels, as training's --conv (direct: numba's) (default: %(default)s)")
+    y.add_argument("--compiled-layers", choices=["on", "off"], default=None,
+                   help="hpctrain's layers as training's --compiled-layers (numba's kernels) "
+                        "(default: on where numba is installed)")
     y.add_argument("--seconds", type=_RATE, default=2.0, help="measuring time for the whole step (default: %(default)s)")
     y.add_argument("--json", action="store_true")
 
@@ -224,10 +227,12 @@ def _layers(args):
     # one thread, as a training rank's with compute threads (nn/threads.py).
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
-    from ..nn import MODELS, LayerError, conv, direct, threads
-    if args.conv == "direct" and not direct.available():
-        raise HpctrainError("--conv direct: numba is not installed (pip install 'hpctrain[fast]')")
-    conv.use_kernel(args.conv)
+    from ..nn import MODELS, LayerError, compiled, threads
+    if args.compiled_layers == "on" and not compiled.available():
+        raise HpctrainError("--compiled-layers on: numba is not installed (pip install 'hpctrain[fast]')")
+    if args.compiled_layers is None:
+        args.compiled_layers = "on" if compiled.available() else "off"
+    compiled.use(args.compiled_layers == "on")
     if threads.configure(args.threads) != args.threads:
         raise HpctrainError(f"--threads {args.threads}: this NumPy's BLAS cannot be held to one thread per "
                             f"compute thread (needs OpenBLAS 0.3.27 or later)")

@@ -178,7 +178,7 @@ def main(args):
                 r["gemm_share"] = 100 * min(r["gemm_ms"], r["ms"]) / r["ms"]
     flop = sum(r["flop"] or 0 for r in rows)
     out = dict(bench="layers", model=args.model, shape=list(args.shape), batch=args.batch,
-               threads=args.threads, conv=args.conv, clock=("cpu", "wall")[clock], load_before=load, load_after=os.getloadavg(),
+               threads=args.threads, compiled_layers=args.compiled_layers, clock=("cpu", "wall")[clock], load_before=load, load_after=os.getloadavg(),
                sgemm_gflops=peak, layers=rows, step_cpu_ms=step_cpu, step_wall_ms=step_wall,
                torch_step_cpu_ms=theirs[1] if theirs else None,
                images_per_s=args.batch / step_cpu * 1e3, images_per_s_wall=args.batch / step_wall * 1e3,
@@ -187,7 +187,7 @@ def main(args):
         print(json.dumps(out))
         return 0
     print(f"{args.model} on {'x'.join(map(str, args.shape))}, batch {args.batch}, "
-          + f"{args.conv} convolutions, "
+          + f"compiled layers {args.compiled_layers}, "
           + (f"{args.threads} compute threads (BLAS at one each), wall time; " if clock else "one thread, CPU time; ")
           + f"load average {load[0]:.2f} before, {out['load_after'][0]:.2f} after")
     print(f"single-thread SGEMM (1024^3, float32){f' x {args.threads}' if clock else ''}: {peak:.1f} GFLOP/s")

@@ -165,7 +165,7 @@ def compare_model(args):
             threads = max(1, cores_available() // ranks)
             ours, theirs = [], []
             for _ in range(args.repeats):
-                ours.append(one_run(ranks, "ring", args.steps, ["--model", args.model], tmp))
+                ours.append(one_run(ranks, "ring", args.steps, ["--model", args.model, "--compiled-layers", args.compiled_layers], tmp))
                 theirs.append(torch_models.rate(args.model, ranks, args.steps, threads=threads))
             from ..cli import parse
             row = summarise("ring", ranks, ours, parse(["--model", args.model]))
@@ -180,10 +180,10 @@ def compare_model(args):
     load = os.getloadavg()
     if args.json:
         print(json.dumps({"bench": "compare", "model": args.model, "steps": args.steps, "repeats": args.repeats,
-                          "check": check, "load_after": load, "rows": rows}))
+                          "compiled_layers": args.compiled_layers, "check": check, "load_after": load, "rows": rows}))
         return 0
     print(f"samples/s, {args.model} on {'x'.join(map(str, MNIST_SHAPE))}, Adam 1e-4, batch 32 per rank, "
-          f"{args.steps} steps, {args.repeats} interleaved repeats (medians; hpctrain ring against torch "
+          f"{args.steps} steps, --compiled-layers {args.compiled_layers}, {args.repeats} interleaved repeats (medians; hpctrain ring against torch "
           f"{'DDP over gloo' if max(args.ranks) > 1 else ''}, the same threads per rank); load average "
           f"{load[0]:.2f} after")
     print(f"same network: parameters {check['hpctrain_params']:,} = {check['torch_params']:,}; one forward on the "

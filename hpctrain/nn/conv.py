@@ -29,7 +29,7 @@ import math
 
 import numpy as np
 
-from . import direct, threads
+from . import compiled, threads
 from .layers import Layer, LayerError, he_normal
 
 
@@ -43,24 +43,6 @@ BLOCK_FLOATS = 1 << 18
 # (measured, 16x16x32 -> 64, batch 32: 8.2 ms against 10.4 for one GEMM over
 # the kept columns; for 32x32x3 -> 32, K = 27, the kept columns were faster).
 AGAIN_FROM = 64
-# How convolutions run on NumPy: "im2col" (columns and BLAS) or "direct"
-# (nn/direct.py's compiled kernels, for 16, 32 or 64 output channels; the
-# others stay im2col). Set once per process before the model is built
-# (use_kernel: run/startup.py from --conv); a layer reads it in bind.
-_kernel = "im2col"
-
-
-def use_kernel(kind):
-    """Make the layers bound from now on run `kind` ("im2col" or "direct")."""
-    global _kernel
-    if kind not in ("im2col", "direct"):
-        raise ValueError(f"no convolution kernel {kind!r}")
-    _kernel = kind
-
-
-def kernel():
-    """The convolution kernel layers bound now will use."""
-    return _kernel
 
 
 def _shape(shape):
@@ -148,22 +130,22 @@ class Conv2d(Layer):
     def bind(self, xp, params, grads, state):
         super().bind(xp, params, grads, state)
         self.W2, self.dW2 = params["W"].reshape(self.fan_in, -1), grads["W"].reshape(self.fan_in, -1)
-        self.direct = self._direct_fits(_kernel, xp)
+        self.direct = self._direct_fits(xp)
         if self.direct:   # compiled now (or loaded from numba's cache), not in the first step
-            direct.prepare(self.k, self.stride, self.in_shape[2], self.out_channels, params["W"].dtype,
+            compiled.prepare_conv(self.k, self.stride, self.in_shape[2], self.out_channels, params["W"].dtype,
                            input_gradient=self._direct_dx())
 
-    def _direct_fits(self, kind, xp=np):
-        """Whether this layer runs nn/direct.py's kernels under `kind`: on
-        NumPy, 16, 32 or 64 outputs, and not a 1x1 stride-1 layer unpadded
-        (its columns are its input: one GEMM, nothing copied)."""
-        return kind == "direct" and xp is np and direct.fits(self.out_channels) and \
+    def _direct_fits(self, xp=np):
+        """Whether this layer runs nn/compiled.py's direct kernels: compiled
+        layers on, NumPy, 16, 32 or 64 outputs, and not a 1x1 stride-1 layer
+        unpadded (its columns are its input: one GEMM, nothing copied)."""
+        return compiled.on() and xp is np and compiled.fits(self.out_channels) and \
             not (self.k == 1 and self.stride == 1 and self.pad == 0)
 
     def _direct_dx(self):
         """Whether the input gradient runs direct too: stride 1 (dy padded
         and convolved with W turned round) and a fitting input width."""
-        return self.stride == 1 and self.pad < self.k and direct.fits(self.in_shape[2])
+        return self.stride == 1 and self.pad < self.k and compiled.fits(self.in_shape[2])
 
     def _per_block(self, n, floats_per_image):
         """Images per block of columns: about BLOCK_FLOATS floats, so a block's
@@ -219,7 +201,7 @@ class Conv2d(Layer):
         return y.reshape(n, *self.out_shape)
 
     def _direct_forward(self, source, x, y):
-        """nn/direct.py's forward, images shared over the compute threads
+        """nn/compiled.py's direct forward, images shared over the compute threads
         (each output pixel's sum is the same whoever computes it); x is the
         padded buffer where the layer pads, else the input itself."""
         (h, w, _), p, n = self.in_shape, self.pad, source.shape[0]
@@ -229,7 +211,7 @@ class Conv2d(Layer):
         def images(t, lo, hi):
             if p:
                 x[lo:hi, p:p + h, p:p + w, :] = source[lo:hi]
-            direct.forward(x[lo:hi], self.params["W"], y4[lo:hi], self.stride)
+            compiled.forward(x[lo:hi], self.params["W"], y4[lo:hi], self.stride)
             if self.bias:
                 y4[lo:hi] += self.params["b"]
         self.split(n, images, most=threads.most(macs=n * self.flops()))
@@ -272,7 +254,7 @@ class Conv2d(Layer):
             self.dW2 += part
 
     def _direct_weight_gradient(self, dy2):
-        """nn/direct.py's weight gradient of each block of images (the
+        """nn/compiled.py's weight gradient of each block of images (the
         im2col path's blocks, a fixed function of the shape), then their
         sum in block order: the same bits on any number of threads."""
         x, n = self._input, self._input.shape[0]
@@ -283,7 +265,7 @@ class Conv2d(Layer):
         def blocks(t, lo0, hi0):
             for lo in range(lo0, hi0, per):
                 hi = min(lo + per, hi0)
-                direct.weight_gradient(x[lo:hi], dy[lo:hi], products[lo // per], self.stride)
+                compiled.weight_gradient(x[lo:hi], dy[lo:hi], products[lo // per], self.stride)
         self.split(n, blocks, unit=per)
         dW = self.grads["W"]
         self.xp.copyto(dW, products[0])
@@ -332,7 +314,7 @@ class Conv2d(Layer):
         here (CPU time, batch 32): 32->32 channels on 32x32, 37 ms against
         57; 64->32 on 8x8, 3.9 against 4.7; 32->64 even; 3->32, 15 against
         11 (the rule: out <= 2 * in). With direct_kernel: the same
-        convolution by nn/direct.py's forward kernel, images shared over the
+        convolution by nn/compiled.py's forward kernel, images shared over the
         compute threads, no columns."""
         xp, n, (h, w, c), k, q = self.xp, dy.shape[0], self.in_shape, self.k, self.k - 1 - self.pad
         o = self.out_channels
@@ -348,7 +330,7 @@ class Conv2d(Layer):
             def images(t, lo, hi):
                 if q:
                     padded[lo:hi, q:q + self.oh, q:q + self.ow, :] = source[lo:hi]
-                direct.forward(padded[lo:hi], turned, dx4[lo:hi], 1)
+                compiled.forward(padded[lo:hi], turned, dx4[lo:hi], 1)
             self.split(n, images, most=threads.most(macs=n * h * w * k * k * o * c))
             return dx4
         turned = turned.reshape(k * k * o, c)
@@ -397,7 +379,7 @@ class Conv2d(Layer):
     def train_floats(self):
         h, w, c = self.in_shape
         padded = (h + 2 * self.pad) * (w + 2 * self.pad) * c if self.pad else 0
-        if self._direct_fits(_kernel):
+        if self._direct_fits():
             # No columns: dy padded for the turned kernel where dx is direct,
             # else the col2im path's batch-sized dcols.
             q = self.k - 1 - self.pad
@@ -418,7 +400,7 @@ class Conv2d(Layer):
         # of dy's columns (the transposed input gradient); the kept whole
         # columns are train_floats'. A bound: blocks are about BLOCK_FLOATS,
         # or one image where that is larger. The direct kernels keep none.
-        if self._direct_fits(_kernel):
+        if self._direct_fits():
             return 0
         h, w, c = self.in_shape
         k, o = self.k, self.out_channels

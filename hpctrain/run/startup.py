@@ -21,7 +21,7 @@ from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
 from ..data.arrays import memory_available
 from ..errors import EXIT_PREEMPTED, HpctrainError
-from ..nn import LayerError, conv, direct, spec_for, threads
+from ..nn import LayerError, compiled, spec_for, threads
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
@@ -111,7 +111,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
             f"{data.per_worker} = {schedule.total_steps} steps")
     if args.lr_schedule != "constant":   # constant: today's output, unchanged
         say(schedule.line())
-    conv.use_kernel(agree(conv_kernel, args, xp, schedule.total_steps))   # before any layer is bound
+    compiled.use(agree(compiled_layers, args, xp, schedule.total_steps))   # before any layer is bound
 
     # --- the model, shaped by the data's manifest --------------------------------
     spec = agree(_model_spec, args, model_shape, watchdog, what="building the model")
@@ -123,8 +123,8 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     if args.model != "mlp":
         say("\n".join(spec.summary()))
         if xp is np:
-            say(f"convolutions: {conv.kernel()}" + (" (nn/direct.py, for 16, 32 and 64 output channels)"
-                                                     if conv.kernel() == "direct" else ""))
+            say("layers: compiled (nn/compiled.py: direct convolutions with 16, 32 or 64 output channels, "
+                "batch norm)" if compiled.on() else "layers: NumPy (convolutions by im2col)")
     # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
     cuts = agree(cuts_for, args, cluster.size, spec)
     replicas = cluster.size // args.pipeline_stages
@@ -247,25 +247,25 @@ def fitting_pipeline(args, spec, budget, base):
     return None
 
 
-# --conv auto takes nn/direct.py's kernels from this many steps: numba's
-# start-up (about 1 s, its kernels loaded from its cache; a first run on a
-# machine compiles them, about 0.5 s each) against the milliseconds a
-# convolutional step saves (bench layers --conv).
-CONV_DIRECT_FROM = 200
+# --compiled-layers auto takes nn/compiled.py's kernels from this many
+# steps: numba's start-up (about 1 s, the kernels loaded from its disk
+# cache; a first run on a machine compiles them, about 0.5 s each) against
+# the milliseconds a convolutional step saves (bench layers --compiled-layers).
+COMPILED_FROM = 200
 
 
-def conv_kernel(args, xp, steps):
-    """How this run's convolutions run (nn/conv.py use_kernel): --conv, or for
-    auto, direct on NumPy where numba is installed and the run is long
-    enough to pay for it; --conv direct where it cannot run is refused."""
+def compiled_layers(args, xp, steps):
+    """Whether this run's layers run nn/compiled.py's kernels: --compiled-layers
+    on or off, or for auto, on NumPy where numba is installed and the run is
+    long enough to pay for it; on where they cannot run is refused."""
     if xp is not np:
-        return "im2col"   # CuPy: one GEMM per layer and batch
-    if args.conv == "direct" and not direct.available():
-        raise HpctrainError("--conv direct: numba is not installed (pip install 'hpctrain[fast]'), "
-                            "or use --conv auto") from None
-    if args.conv == "auto":
-        return "direct" if steps >= CONV_DIRECT_FROM and direct.available() else "im2col"
-    return args.conv
+        return False   # CuPy: one GEMM per layer and batch, CuPy's own kernels
+    if args.compiled_layers == "on" and not compiled.available():
+        raise HpctrainError("--compiled-layers on: numba is not installed (pip install 'hpctrain[fast]'), "
+                            "or use --compiled-layers auto") from None
+    if args.compiled_layers == "auto":
+        return steps >= COMPILED_FROM and compiled.available()
+    return args.compiled_layers == "on"
 
 
 def check_single_pass(args, xp):

@@ -1,7 +1,8 @@
-"""Direct convolution kernels, compiled by numba (`pip install 'hpctrain[fast]'`):
-a convolution's forward pass, its weight gradient and (stride 1) its input
-gradient without im2col, for layers whose output channels are a multiple of
-16 up to 64 (nn/conv.py chooses; `--conv`).
+"""Layer kernels compiled by numba (`pip install 'hpctrain[fast]'`), on
+when `--compiled-layers` says so (use(); run/startup.py): a convolution's
+forward pass, weight gradient and (stride 1) input gradient without im2col
+for layers with 16, 32 or 64 output channels (nn/conv.py), and batch
+norm's passes (nn/batchnorm.py). Off, the layers run NumPy and BLAS alone.
 
 Why: with 16 to 64 output channels im2col's GEMM is a poor shape for a BLAS
 (N = 16 columns: each value of the 9x larger column matrix is used 16
@@ -24,7 +25,7 @@ compile: it is what turns the unrolled channel loop into vector FMAs. The
 kernels are compiled per shape and dtype on first use and cached on disk
 where numba can write.
 
-    python -m pytest -q tests/test_direct.py
+    python -m pytest -q tests/test_compiled.py
 """
 import numpy as np
 
@@ -43,6 +44,19 @@ CHANNELS = {16: 16, 32: 8, 64: 4}
 LOOP_VECTORIZE = {16: False, 32: False, 64: True}
 
 _kernels = {}
+_on = False
+
+
+def use(on):
+    """Make the layers bound from now on run these kernels (on) or NumPy's
+    code (off): once per process, before the model is built."""
+    global _on
+    _on = bool(on)
+
+
+def on():
+    """Whether layers bound now run these kernels."""
+    return _on
 
 
 def available():
@@ -63,6 +77,9 @@ def fits(out_channels):
 def _compile(make, key, dtype, ndim_args, out):
     import numba
     from numba.core import config
+    global _stack
+    if _stack is None:
+        _stack = _make_stack()
     fn = make(*key[1:], np.dtype(dtype).type)
     array = numba.from_dtype(np.dtype(dtype))[(slice(None),) * 3 + (slice(None, None, 1),)]
     sig = numba.void(*[array] * ndim_args)
@@ -85,10 +102,17 @@ def _kernel(name, make, key, dtype):
     return _kernels[full]
 
 
-def _stack(size):
-    """An intrinsic: stack(dtype) is a pointer to `size` items on the stack
-    (a constant size, in the function's entry), which LLVM keeps in
-    registers once the loops over it are unrolled."""
+STACK_ITEMS = 256   # the most accumulators a kernel holds (CHANNELS x O, PIXELS x O)
+_stack = None
+
+
+def _make_stack():
+    """An intrinsic: stack(dtype) is a pointer to STACK_ITEMS items on the
+    stack (in the function's entry), which LLVM keeps in registers once the
+    loops over them are unrolled. Module-level and one size: a kernel's
+    closure holds only numbers and a dtype, which is what numba's disk
+    cache hashes to find it again (a new object there would miss every
+    time and add an entry)."""
     from numba import types
     from numba.core import cgutils
     from numba.extending import intrinsic
@@ -99,7 +123,7 @@ def _stack(size):
 
         def codegen(context, builder, sig, args):
             return cgutils.alloca_once(builder, context.get_value_type(item),
-                                       size=context.get_constant(types.intp, size))
+                                       size=context.get_constant(types.intp, STACK_ITEMS))
         return types.CPointer(item)(dtype), codegen
     return stack
 
@@ -107,13 +131,12 @@ def _stack(size):
 def _make_forward(O, K, S, dtype):
     import numba
     PB = PIXELS[O]
-    stack = _stack(PB * O)
 
     def forward(xp, w, y):
         """y[b, i, j, :] = sum over (kh, kw, c) of xp[b, i*S+kh, j*S+kw, c] * w[kh, kw, c, :]."""
         n, oh, ow = y.shape[0], y.shape[1], y.shape[2]
         C = xp.shape[3]
-        acc = numba.carray(stack(dtype), (PB, O))
+        acc = numba.carray(_stack(dtype), (PB, O))
         for b in range(n):
             for i in range(oh):
                 j0 = 0
@@ -151,12 +174,11 @@ def _make_forward(O, K, S, dtype):
 def _make_weight_gradient(O, K, S, C, dtype):
     import numba
     CB = min(CHANNELS[O], C)
-    stack = _stack(CB * O)
 
     def weight_gradient(xp, dy, dw):
         """dw[kh, kw, c, :] = sum over (b, i, j) of xp[b, i*S+kh, j*S+kw, c] * dy[b, i, j, :]."""
         n, oh, ow = dy.shape[0], dy.shape[1], dy.shape[2]
-        acc = numba.carray(stack(dtype), (CB, O))
+        acc = numba.carray(_stack(dtype), (CB, O))
         for kh in range(K):
             for kw in range(K):
                 c0 = 0
@@ -196,8 +218,8 @@ def weight_gradient(xp, dy, dw, stride):
     _kernel("weight_gradient", _make_weight_gradient, (out, k, stride, c), dy.dtype)(xp, dy, dw)
 
 
-def prepare(k, stride, in_channels, out_channels, dtype, input_gradient):
-    """Compile (or load from numba's cache) a layer's kernels before its first step."""
+def prepare_conv(k, stride, in_channels, out_channels, dtype, input_gradient):
+    """Compile (or load from numba's cache) a convolution's kernels before its first step."""
     _kernel("forward", _make_forward, (out_channels, k, stride), dtype)
     _kernel("weight_gradient", _make_weight_gradient, (out_channels, k, stride, in_channels), dtype)
     if input_gradient:
