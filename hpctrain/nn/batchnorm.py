@@ -12,11 +12,17 @@ follow its own batches, so the loops make them agree before evaluation,
 checkpoint and --save (docs/models.md: who averages them).
 gamma starts at 1, beta at 0.
 
+With compiled layers on (--compiled-layers, nn/compiled.py) training runs
+numba's kernels: the statistics and the gradient's sums in float64, the
+elementwise passes fused (the same float32 operations per element).
+
     python -m hpctrain.nn --model resnet --shape 32,32,3
 """
 import math
 
-from . import threads
+import numpy as np
+
+from . import compiled, threads
 from .layers import Layer, LayerError
 
 MOMENTUM = 0.1
@@ -54,6 +60,12 @@ class _BatchNorm(Layer):
         state["running_mean"][...] = 0
         state["running_var"][...] = 1
 
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        self.compiled = compiled.on() and xp is np
+        if self.compiled:   # compiled now (or loaded from numba's cache), not in the first step
+            compiled.prepare_batchnorm(params["gamma"].dtype)
+
     # --- passes over (m, c) with c narrow ---------------------------------------
     # NumPy runs an (m, c) array's per-channel work slowly when c is narrow
     # (16 channels: the inner loop is 16 floats long): x2.sum(axis=0) took
@@ -89,6 +101,37 @@ class _BatchNorm(Layer):
                 y[lo:hi] += beta
             self.split(shape[0], evaluate, most=threads.most(floats=x.size))
             return y.reshape(x.shape)
+        if self.compiled:
+            mean, var = self._compiled_forward(x.reshape(m, c), y.reshape(m, c))
+        else:
+            mean, var = self._numpy_forward(x, y, shape)
+        run_mean, run_var = self.state["running_mean"], self.state["running_var"]
+        run_mean *= 1 - MOMENTUM
+        run_mean += MOMENTUM * mean
+        run_var *= 1 - MOMENTUM
+        run_var += (MOMENTUM * m / max(m - 1, 1)) * var
+        return y.reshape(x.shape)
+
+    def _compiled_forward(self, x2, y2):
+        """nn/compiled.py's statistics (float64, on this thread) and one
+        normalising pass over row ranges: (mean, variance) in x's dtype."""
+        (m, c), dtype = x2.shape, x2.dtype
+        x2 = np.ascontiguousarray(x2)
+        mean64, var64 = compiled.bn_statistics(x2)
+        mean, var = mean64.astype(dtype), var64.astype(dtype)
+        self.inv_std = (1 / np.sqrt(var64 + EPS)).astype(dtype)
+        xhat = self.xhat = self.buffer("xhat", (m, c), dtype)
+        gamma, beta = self.params["gamma"], self.params["beta"]
+        self.split(m, lambda t, lo, hi: compiled.bn_normalise(x2[lo:hi], mean, self.inv_std, gamma, beta,
+                                                              xhat[lo:hi], y2[lo:hi]),
+                   most=threads.most(floats=x2.size))
+        return mean, var
+
+    def _numpy_forward(self, x, y, shape):
+        """GEMV sums and tiled passes: (mean, variance)."""
+        xp, c = self.xp, self.channels
+        m = x.size // c
+        xw = x.reshape(shape)
         ones = self.ones(m, x.dtype)
         mean = xp.matmul(ones, x.reshape(m, c)) / m
         xhat = self.buffer("xhat", shape, x.dtype)
@@ -110,16 +153,13 @@ class _BatchNorm(Layer):
             y[lo:hi] += beta
         self.split(shape[0], normalise, most=threads.most(floats=x.size))
         self.xhat = xhat
-        run_mean, run_var = self.state["running_mean"], self.state["running_var"]
-        run_mean *= 1 - MOMENTUM
-        run_mean += MOMENTUM * mean
-        run_var *= 1 - MOMENTUM
-        run_var += (MOMENTUM * m / max(m - 1, 1)) * var
-        return y.reshape(x.shape)
+        return mean, var
 
     def backward(self, dy, need_dx):
         xp, c = self.xp, self.channels
         m = dy.size // c
+        if self.compiled:
+            return self._compiled_backward(dy, need_dx)
         shape = self.xhat.shape
         dyw = dy.reshape(shape)
         ones = self.ones(m, dy.dtype)
@@ -142,6 +182,24 @@ class _BatchNorm(Layer):
             xp.subtract(dyw[lo:hi], dx[lo:hi], out=dx[lo:hi])
             dx[lo:hi] *= scale
         self.split(shape[0], rows, most=threads.most(floats=dy.size))
+        return dx.reshape(dy.shape)
+
+    def _compiled_backward(self, dy, need_dx):
+        """nn/compiled.py's sums (float64, on this thread) and one pass for
+        dx over row ranges, the NumPy path's formula."""
+        m, c = self.xhat.shape
+        dy2 = np.ascontiguousarray(dy.reshape(m, c))
+        sums = compiled.bn_gradient_sums(dy2, self.xhat)
+        g_gamma, g_beta = self.grads["gamma"], self.grads["beta"]
+        g_beta[...] = sums[0]
+        g_gamma[...] = sums[1]
+        if not need_dx:
+            return None
+        dx = self.buffer("dx", (m, c), dy.dtype)
+        a, b, scale = g_gamma / m, g_beta / m, self.params["gamma"] * self.inv_std
+        self.split(m, lambda t, lo, hi: compiled.bn_input_gradient(dy2[lo:hi], self.xhat[lo:hi], a, b, scale,
+                                                                   dx[lo:hi]),
+                   most=threads.most(floats=dy.size))
         return dx.reshape(dy.shape)
 
     def train_floats(self):
