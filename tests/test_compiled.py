@@ -92,31 +92,28 @@ def _train_step(spec, x, y, dtype=np.float32, params=None):
     return np.float64(loss), model.grads.copy(), model.evaluate(x.astype(dtype), y)
 
 
+@pytest.mark.parametrize("on", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("name", ["small_cnn", "resnet"])
-def test_zoo_models_step_as_in_float64(name):
-    """float32, against the same step in float64 (NumPy's layers, the same
-    weights): compiled layers' loss and gradients within 1e-5 of it
-    (measured: small_cnn 1.7e-7, as NumPy's float32 layers; resnet 1.1e-6,
-    where NumPy's float32 layers are 1.2e-3 away: batch norm's statistics
-    and gradient sums in float64 against float32 GEMVs)."""
+def test_zoo_models_step_as_in_float64(name, on):
+    """A float32 step against the same step in float64 (NumPy's layers, the
+    same weights): loss and gradients within 1e-5. Measured, gradients:
+    small_cnn 1.7e-7 either way; resnet 1.1e-6 compiled, 6.9e-7 NumPy
+    (1.2e-3 while batch norm's NumPy sums were single float32 GEMVs over
+    the whole batch)."""
     spec = MODELS[name]((28, 28), 10)
     rng = np.random.default_rng(2)
     x, y = rng.random((32, 28, 28), dtype=np.float32), rng.integers(0, 10, 32)
     reference = spec.build(np)
     reference.init(3)
     exact = _train_step(spec, x, y, np.float64, reference.params)
-    numpy_layers = _train_step(spec, x, y, params=reference.params)   # for the message
-    compiled.use(True)
+    compiled.use(on)
     try:
-        assert any(getattr(layer, "direct", False) for layer in spec.build(np).layers)
+        assert any(getattr(layer, "direct", False) for layer in spec.build(np).layers) == on
         ours = _train_step(spec, x, y, params=reference.params)
     finally:
         compiled.use(False)
-
-    def error(result):
-        return np.linalg.norm(result[1] - exact[1]) / np.linalg.norm(exact[1])
     assert abs(ours[0] - exact[0]) < 1e-5 * abs(exact[0])
-    assert error(ours) < 1e-5, (error(ours), error(numpy_layers))
+    assert np.linalg.norm(ours[1] - exact[1]) < 1e-5 * np.linalg.norm(exact[1])
 
 
 @pytest.mark.parametrize("name", ["small_cnn", "resnet"])
