@@ -30,8 +30,12 @@ def compiled_layers():
     (16, 3, 1, 1, (6, 7, 16)),     # every path direct, rows of 7: a block of 4 and a tail of 3
     (32, 3, 1, 1, (5, 5, 3)),      # first-layer width in: the input gradient by the turned GEMM
     (64, 3, 1, 1, (4, 6, 64)),
-    (32, 3, 2, 1, (7, 8, 16)),     # stride 2: forward and dW direct, dx by col2im
-    (16, 1, 2, 0, (5, 5, 16)),     # a 1x1 projection
+    (32, 3, 2, 1, (7, 8, 16)),     # stride 2: dx gathered, odd and even columns, blocks and edges
+    (32, 3, 2, 1, (13, 14, 16)),   # wider: full blocks of 4 pixels 2 apart
+    (64, 3, 2, 1, (10, 12, 32)),
+    (16, 3, 2, 1, (7, 7, 5)),      # 5 channels in: dx by col2im
+    (16, 1, 2, 0, (5, 5, 16)),     # a 1x1 projection, dx gathered
+    (16, 5, 3, 2, (11, 13, 16)),   # stride 3, 5x5
     (16, 5, 1, 2, (6, 6, 1)),      # 5x5, one input channel
     (64, 3, 1, 0, (6, 9, 32)),     # unpadded: the kernels read the input itself
 ])

@@ -206,6 +206,76 @@ def _make_weight_gradient(O, K, S, C, dtype):
     return weight_gradient
 
 
+def _make_input_gradient(C, K, S, P, dtype):
+    import numba
+    PB = PIXELS[C]
+
+    def input_gradient(dy, wt, dx):
+        """dx[b, y, x, :] = the sum over (kh, kw, o), where y + P - kh = i * S
+        and x + P - kw = j * S land on an output (i, j), of dy[b, i, j, o] *
+        wt[kh, kw, o, :]: a strided layer's input gradient, gathered. A
+        block is PB pixels of one row S apart (x, x + S, ...): the same kh
+        and kw reach all of them, at consecutive outputs j."""
+        n, h, w = dx.shape[0], dx.shape[1], dx.shape[2]
+        oh, ow, O = dy.shape[1], dy.shape[2], dy.shape[3]
+        acc = numba.carray(_stack(dtype), (PB, C))
+        for b in range(n):
+            for y in range(h):
+                Y = y + P
+                for first in range(S):
+                    x = first
+                    while x < w:
+                        X = x + P
+                        block = x + (PB - 1) * S < w
+                        for kw in range(K):   # every pixel of the block reaches an output through kw
+                            if block and (X - kw) % S == 0:
+                                j = (X - kw) // S
+                                block = j >= 0 and j + PB - 1 < ow
+                        if block:
+                            for t in range(PB):
+                                for c in range(C):
+                                    acc[t, c] = 0
+                            for kh in range(K):
+                                i = (Y - kh) // S
+                                if (Y - kh) % S == 0 and 0 <= i < oh:
+                                    for kw in range(K):
+                                        if (X - kw) % S == 0:
+                                            j = (X - kw) // S
+                                            for o in range(O):
+                                                for t in range(PB):
+                                                    v = dy[b, i, j + t, o]
+                                                    for c in range(C):
+                                                        acc[t, c] += v * wt[kh, kw, o, c]
+                            for t in range(PB):
+                                for c in range(C):
+                                    dx[b, y, x + t * S, c] = acc[t, c]
+                            x += PB * S
+                        else:   # one pixel, each output checked
+                            for c in range(C):
+                                acc[0, c] = 0
+                            for kh in range(K):
+                                i = (Y - kh) // S
+                                if (Y - kh) % S == 0 and 0 <= i < oh:
+                                    for kw in range(K):
+                                        j = (X - kw) // S
+                                        if (X - kw) % S == 0 and 0 <= j < ow:
+                                            for o in range(O):
+                                                v = dy[b, i, j, o]
+                                                for c in range(C):
+                                                    acc[0, c] += v * wt[kh, kw, o, c]
+                            for c in range(C):
+                                dx[b, y, x, c] = acc[0, c]
+                            x += S
+    return input_gradient
+
+
+def input_gradient(dy, wt, dx, stride, pad):
+    """dx (n, h, w, C) of dy (n, oh, ow, O) and wt (k, k, O, C): W with its
+    channel axes swapped; any stride, the unpadded input's gradient."""
+    k, c = wt.shape[0], wt.shape[3]
+    _kernel("input_gradient", _make_input_gradient, (c, k, stride, pad), dy.dtype)(dy, wt, dx)
+
+
 def forward(xp, w, y, stride):
     """y (n, oh, ow, O) from the padded input xp (n, H, W, C) and w (k, k, C, O), all C-contiguous."""
     k, out = w.shape[0], w.shape[3]
@@ -218,12 +288,16 @@ def weight_gradient(xp, dy, dw, stride):
     _kernel("weight_gradient", _make_weight_gradient, (out, k, stride, c), dy.dtype)(xp, dy, dw)
 
 
-def prepare_conv(k, stride, in_channels, out_channels, dtype, input_gradient):
-    """Compile (or load from numba's cache) a convolution's kernels before its first step."""
+def prepare_conv(k, stride, pad, in_channels, out_channels, dtype, input_gradient):
+    """Compile (or load from numba's cache) a convolution's kernels before
+    its first step; input_gradient: "turned" (stride 1: the forward kernel
+    over dy padded), "gathered" (input_gradient) or None (im2col's)."""
     _kernel("forward", _make_forward, (out_channels, k, stride), dtype)
     _kernel("weight_gradient", _make_weight_gradient, (out_channels, k, stride, in_channels), dtype)
-    if input_gradient:
+    if input_gradient == "turned":
         _kernel("forward", _make_forward, (in_channels, k, 1), dtype)
+    elif input_gradient == "gathered":
+        _kernel("input_gradient", _make_input_gradient, (in_channels, k, stride, pad), dtype)
 
 
 # ---- batch norm ----------------------------------------------------------------

@@ -132,8 +132,8 @@ class Conv2d(Layer):
         self.W2, self.dW2 = params["W"].reshape(self.fan_in, -1), grads["W"].reshape(self.fan_in, -1)
         self.direct = self._direct_fits(xp)
         if self.direct:   # compiled now (or loaded from numba's cache), not in the first step
-            compiled.prepare_conv(self.k, self.stride, self.in_shape[2], self.out_channels, params["W"].dtype,
-                           input_gradient=self._direct_dx())
+            compiled.prepare_conv(self.k, self.stride, self.pad, self.in_shape[2], self.out_channels,
+                                  params["W"].dtype, input_gradient=self._direct_dx())
 
     def _direct_fits(self, xp=np):
         """Whether this layer runs nn/compiled.py's direct kernels: compiled
@@ -143,9 +143,13 @@ class Conv2d(Layer):
             not (self.k == 1 and self.stride == 1 and self.pad == 0)
 
     def _direct_dx(self):
-        """Whether the input gradient runs direct too: stride 1 (dy padded
-        and convolved with W turned round) and a fitting input width."""
-        return self.stride == 1 and self.pad < self.k and compiled.fits(self.in_shape[2])
+        """How the input gradient runs direct, where the input's width fits:
+        "turned" (stride 1: dy padded and convolved with W turned round, the
+        forward kernel), "gathered" (strided: compiled.input_gradient), or
+        None (im2col's: dy @ W.T and col2im)."""
+        if not compiled.fits(self.in_shape[2]):
+            return None
+        return "turned" if self.stride == 1 and self.pad < self.k else "gathered"
 
     def _per_block(self, n, floats_per_image):
         """Images per block of columns: about BLOCK_FLOATS floats, so a block's
@@ -288,8 +292,11 @@ class Conv2d(Layer):
                                                           out=dx[lo * h * w:hi * h * w]),
                        most=threads.most(macs=n * h * w * c * self.out_channels))
             return dx.reshape(n, h, w, c)
-        if self.direct and self._direct_dx():
+        how = self.direct and self._direct_dx()
+        if how == "turned":
             return self._transposed(dy, direct_kernel=True)
+        if how == "gathered":
+            return self._gathered(dy)
         if self.stride == 1 and self.pad < self.k and self.out_channels <= 2 * c:
             return self._transposed(dy)
         rows = self.oh * self.ow
@@ -352,6 +359,20 @@ class Conv2d(Layer):
         self.split(n, blocks, unit=per)
         return dx.reshape(n, h, w, c)
 
+    def _gathered(self, dy):
+        """A strided layer's input gradient by nn/compiled.py's gathering
+        kernel (each input pixel sums what reached it), images shared over
+        the compute threads; no columns."""
+        n, (h, w, c), o = dy.shape[0], self.in_shape, self.out_channels
+        swapped = self.buffer("swapped", (self.k, self.k, o, c), dy.dtype)
+        self.xp.copyto(swapped, self.params["W"].transpose(0, 1, 3, 2))
+        dy4 = np.ascontiguousarray(dy.reshape(n, self.oh, self.ow, o))
+        dx = self.buffer("dx", (n, h, w, c), dy.dtype)
+        self.split(n, lambda t, lo, hi: compiled.input_gradient(dy4[lo:hi], swapped, dx[lo:hi], self.stride,
+                                                                self.pad),
+                   most=threads.most(macs=n * self.flops()))
+        return dx
+
     def _col2im(self, dcols, dx):
         """Add each kernel offset's column gradient back onto the input pixels
         it came from (the padding's share is dropped), into dx (these images)."""
@@ -380,11 +401,11 @@ class Conv2d(Layer):
         h, w, c = self.in_shape
         padded = (h + 2 * self.pad) * (w + 2 * self.pad) * c if self.pad else 0
         if self._direct_fits():
-            # No columns: dy padded for the turned kernel where dx is direct,
-            # else the col2im path's batch-sized dcols.
-            q = self.k - 1 - self.pad
-            dx_scratch = ((self.oh + 2 * q) * (self.ow + 2 * q) * self.out_channels if q else 0) \
-                if self._direct_dx() else self.oh * self.ow * self.fan_in
+            # No columns: dy padded for the turned kernel, nothing for the
+            # gathering one, else the col2im path's batch-sized dcols.
+            q, how = self.k - 1 - self.pad, self._direct_dx()
+            dx_scratch = {"turned": (self.oh + 2 * q) * (self.ow + 2 * q) * self.out_channels if q else 0,
+                          "gathered": 0}.get(how, self.oh * self.ow * self.fan_in)
             return 2 * math.prod(self.out_shape) + h * w * c + padded + dx_scratch
         # Batch-sized columns: the forward's where kept, col2im's dcols where the
         # layer takes that path (a block's buffers are per step, not per sample).
