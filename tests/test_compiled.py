@@ -183,3 +183,29 @@ def test_compiled_layers_auto_takes_them_where_they_pay():
     assert compiled_layers(flag("off"), np, 10 ** 6) is False
     assert compiled_layers(flag("on"), np, 1) is True
     assert compiled_layers(flag("on"), object(), 1) is False   # not NumPy: CuPy's own kernels
+
+
+def _layers(layers):
+    for layer in layers:
+        yield layer
+        yield from _layers(getattr(layer, "block", []) + getattr(layer, "projection", []))
+
+
+def test_the_memory_check_counts_what_compiled_layers_hold(compiled_layers):
+    """Every buffer a compiled layer keeps after a training step (padded
+    input, padded dy, batch norm's xhat, ...) is within what the memory
+    check counts for it (train_floats per sample; nn/spec.py memory_bytes)."""
+    spec = MODELS["resnet"]((28, 28), 10)
+    model = spec.build(np)
+    model.init(0)
+    rng = np.random.default_rng(5)
+    n = 16
+    model.forward_backward(rng.random((n, 28, 28), dtype=np.float32), rng.integers(0, 10, n),
+                           noise=(0, 0, np.arange(n)))
+    checked = 0
+    for layer in _layers(model.layers):
+        if isinstance(layer, (Conv2d, BatchNorm2d)):
+            held = sum(buf.nbytes for buf in layer._buffers.values())
+            assert 0 < held <= 4 * (n * layer.train_floats() + layer.scratch_floats()), layer.describe()
+            checked += 1
+    assert checked == 18   # resnet's 9 convolutions and 9 batch norms

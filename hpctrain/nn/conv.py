@@ -397,9 +397,21 @@ class Conv2d(Layer):
             return None
         return o0, o1, o0 * s + kk - p, (o1 - 1) * s + kk - p + 1
 
+    def _weight_blocks(self):
+        """(floats per sample, floats whatever the batch) of the weight
+        gradient's per-block products, where it keeps them (direct kernels,
+        or im2col's columns written again): ceil(n / per) blocks of W's size."""
+        one_by_one = self.k == 1 and self.stride == 1 and self.pad == 0
+        if not self._direct_fits() and (one_by_one or self.fan_in < AGAIN_FROM):
+            return 0, 0
+        size = self.fan_in * self.out_channels
+        per = max(1, BLOCK_FLOATS // (self.oh * self.ow * self.fan_in))
+        return math.ceil(size / per), size
+
     def train_floats(self):
         h, w, c = self.in_shape
         padded = (h + 2 * self.pad) * (w + 2 * self.pad) * c if self.pad else 0
+        padded += self._weight_blocks()[0]
         if self._direct_fits():
             # No columns: dy padded for the turned kernel, nothing for the
             # gathering one, else the col2im path's batch-sized dcols.
@@ -421,8 +433,10 @@ class Conv2d(Layer):
         # of dy's columns (the transposed input gradient); the kept whole
         # columns are train_floats'. A bound: blocks are about BLOCK_FLOATS,
         # or one image where that is larger. The direct kernels keep none.
+        # Plus one block of the weight gradient's products (the last,
+        # whatever the batch: train_floats counts the rest per sample).
         if self._direct_fits():
-            return 0
+            return self._weight_blocks()[1]
         h, w, c = self.in_shape
         k, o = self.k, self.out_channels
         one_by_one = k == 1 and self.stride == 1 and self.pad == 0
@@ -430,7 +444,8 @@ class Conv2d(Layer):
         per_image = self.oh * self.ow * self.fan_in
         cols = 0 if one_by_one or self.fan_in < AGAIN_FROM else max(1, BLOCK_FLOATS // per_image) * per_image
         dy_cols = h * w * k * k * o
-        return cols + (max(1, BLOCK_FLOATS // dy_cols) * dy_cols if transposed and not one_by_one else 0)
+        return cols + (max(1, BLOCK_FLOATS // dy_cols) * dy_cols if transposed and not one_by_one else 0) + \
+            self._weight_blocks()[1]
 
     def flops(self):
         return self.oh * self.ow * self.out_channels * self.fan_in
