@@ -1,47 +1,82 @@
 """Layer kernels compiled by numba (`pip install 'hpctrain[fast]'`), on
 when `--compiled-layers` says so (use(); run/startup.py): a convolution's
-forward pass, weight gradient and (stride 1) input gradient without im2col
-for layers with 16, 32 or 64 output channels (nn/conv.py), and batch
-norm's passes (nn/batchnorm.py). Off, the layers run NumPy and BLAS alone.
+forward pass, weight gradient and input gradient without im2col for layers
+with 16, 32 or 64 output channels (16 or 32 where the CPU has AVX2 but not
+AVX-512; nn/conv.py), and batch norm's passes (nn/batchnorm.py). Off, the
+layers run NumPy and BLAS alone.
 
 Why: with 16 to 64 output channels im2col's GEMM is a poor shape for a BLAS
 (N = 16 columns: each value of the 9x larger column matrix is used 16
 times, and OpenBLAS packs it first). Measured here (one thread, batch 32,
 28x28, 16 -> 16 channels, 3x3): the columns' GEMM ran at 32 GFLOP/s, a
 third of this machine's SGEMM, and im2col's copy came on top; this forward
-kernel ran at 108. It keeps a block of PIXELS output pixels x all output
-channels in vector registers (PIXELS x O/16 AVX-512 registers), and for each
+kernel ran at 108. It keeps a block of output pixels x all output
+channels in vector registers (BLOCKS: 4 x 16 floats, four AVX-512
+registers, at 16 channels), and for each
 input value of the window broadcasts it and adds it times one row of W into
 each pixel's accumulators: the input is read in place, the weights stay in
-L1, nothing is copied. The weight gradient is the same idea turned round:
-CHANNELS input channels x O output channels of one kernel offset held in
-registers while every pixel of the block of images goes by.
+L1, nothing is copied. The weight gradient is the same idea turned round: a
+block of input channels x the output channels of one kernel offset held in
+registers while every pixel of the block of images goes by. The input
+gradient is the forward kernel over dy padded with W turned round (stride
+1), or a gathering kernel (input_gradient: larger strides).
 
 Each output sums its window in the order (kh, kw, c), each term a fused
 multiply-add (fastmath "contract" only: no reassociation), so a value does
 not depend on which block or thread computed it. numba's SLP vectorizer
 (off by default, NUMBA_SLP_VECTORIZE) is switched on while these kernels
 compile: it is what turns the unrolled channel loop into vector FMAs. The
-kernels are compiled per shape and dtype on first use and cached on disk
-where numba can write.
+kernels are compiled per shape and dtype when a layer is bound and cached
+on disk where numba can write (their closures hold only numbers and a
+dtype: what the cache hashes to find them again).
 
     python -m pytest -q tests/test_compiled.py
 """
 import numpy as np
 
-# Output pixels per register block, by output channels: PIXELS x O/16
-# accumulators within AVX-512's 32 registers, with room for W's row and the
-# broadcast value (measured on 28x28: 4 pixels at O = 16 ran at 108 GFLOP/s,
-# 7 and 14 fell apart as the compiler spilled).
-PIXELS = {16: 4, 32: 4, 64: 3}
-# Input channels per register block of the weight gradient: CHANNELS x O/16
-# accumulators (16 registers); fewer where the layer has fewer.
-CHANNELS = {16: 16, 32: 8, 64: 4}
-# Whether LLVM's loop vectorizer runs as well as the SLP one. Measured:
-# without it, 16 and 32 channels ran at 93-115 GFLOP/s and 64 at 6-7 (its
-# unrolled block too big for the SLP vectorizer alone); with it, 64 ran at
-# 97-114 and 16 and 32 at 2-3 (it vectorized the wrong loop).
-LOOP_VECTORIZE = {16: False, 32: False, 64: True}
+# The register blocks, by the vector instructions numba compiles for and
+# the output channels O. PIXELS: output pixels per block of the forward
+# kernel (PIXELS x O/V accumulators, V floats a register); CHANNELS: input
+# channels per block of the weight gradient (CHANNELS x O/V, fewer where
+# the layer has fewer); LOOP_VECTORIZE: whether LLVM's loop vectorizer runs
+# beside the SLP one. Measured here (one thread, batch 32; AVX2 with numba
+# told the CPU has no AVX-512, NUMBA_CPU_FEATURES):
+# - AVX-512 (32 registers of 16 floats): 4 pixels at O = 16 ran at 108
+#   GFLOP/s, 7 and 14 fell apart as the compiler spilled. Without the loop
+#   vectorizer 16 and 32 channels ran at 93-115 GFLOP/s and 64 at 6-7 (its
+#   unrolled block too big for the SLP vectorizer alone); with it, 64 ran
+#   at 97-114 and 16 and 32 at 2-3 (it vectorized the wrong loop).
+# - AVX2 (16 registers of 8 floats): O = 16 at 4 pixels 106, 4 channels 90
+#   (16: 34, spilled); O = 32 at 2 pixels 95 (4: 40), 2 channels 54; O = 64
+#   at most 58 whatever the blocks, so 64 channels stay im2col there.
+BLOCKS = {
+    "avx512": {"PIXELS": {16: 4, 32: 4, 64: 3}, "CHANNELS": {16: 16, 32: 8, 64: 4},
+               "LOOP_VECTORIZE": {16: False, 32: False, 64: True}},
+    "avx2": {"PIXELS": {16: 4, 32: 2}, "CHANNELS": {16: 4, 32: 2},
+             "LOOP_VECTORIZE": {16: False, 32: False}},
+}
+_isa = []
+
+
+def isa():
+    """"avx512", "avx2" or None: the vector instructions numba compiles for
+    (its NUMBA_CPU_FEATURES where set, else this CPU's)."""
+    if not _isa:
+        try:
+            from numba.core import config
+            import llvmlite.binding as llvm
+            features = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+        except ImportError:
+            features = ""
+        features = set(features.split(","))
+        _isa.append("avx512" if "+avx512f" in features else
+                    "avx2" if {"+avx2", "+fma"} <= features else None)
+    return _isa[0]
+
+
+def _blocks(table):
+    return BLOCKS[isa()][table] if isa() else {}
+
 
 _kernels = {}
 _on = False
@@ -69,9 +104,10 @@ def available():
 
 
 def fits(out_channels):
-    """Whether a layer with `out_channels` outputs has direct kernels (16,
-    32 or 64: the ones measured; other widths are fair shapes for a BLAS)."""
-    return out_channels in PIXELS
+    """Whether a layer with `out_channels` outputs has direct kernels here:
+    16, 32 or 64 with AVX-512, 16 or 32 with AVX2 (the ones measured;
+    other widths are fair shapes for a BLAS), none without either."""
+    return out_channels in _blocks("PIXELS")
 
 
 def _compile(make, key, dtype, ndim_args, out):
@@ -85,7 +121,7 @@ def _compile(make, key, dtype, ndim_args, out):
     sig = numba.void(*[array] * ndim_args)
     options = dict(nogil=True, boundscheck=False, fastmath={"contract"}, error_model="numpy")
     slp, loop = config.SLP_VECTORIZE, config.LOOP_VECTORIZE
-    config.SLP_VECTORIZE, config.LOOP_VECTORIZE = 1, int(LOOP_VECTORIZE[out])
+    config.SLP_VECTORIZE, config.LOOP_VECTORIZE = 1, int(_blocks("LOOP_VECTORIZE")[out])
     try:
         try:
             return numba.njit(sig, cache=True, **options)(fn)
@@ -130,7 +166,7 @@ def _make_stack():
 
 def _make_forward(O, K, S, dtype):
     import numba
-    PB = PIXELS[O]
+    PB = _blocks("PIXELS")[O]
 
     def forward(xp, w, y):
         """y[b, i, j, :] = sum over (kh, kw, c) of xp[b, i*S+kh, j*S+kw, c] * w[kh, kw, c, :]."""
@@ -173,7 +209,7 @@ def _make_forward(O, K, S, dtype):
 
 def _make_weight_gradient(O, K, S, C, dtype):
     import numba
-    CB = min(CHANNELS[O], C)
+    CB = min(_blocks("CHANNELS")[O], C)
 
     def weight_gradient(xp, dy, dw):
         """dw[kh, kw, c, :] = sum over (b, i, j) of xp[b, i*S+kh, j*S+kw, c] * dy[b, i, j, :]."""
@@ -208,7 +244,7 @@ def _make_weight_gradient(O, K, S, C, dtype):
 
 def _make_input_gradient(C, K, S, P, dtype):
     import numba
-    PB = PIXELS[C]
+    PB = _blocks("PIXELS")[C]
 
     def input_gradient(dy, wt, dx):
         """dx[b, y, x, :] = the sum over (kh, kw, o), where y + P - kh = i * S
