@@ -110,32 +110,34 @@ def fits(out_channels):
     return out_channels in _blocks("PIXELS")
 
 
-def _compile(make, key, dtype, ndim_args, out):
+def _kernel(name, make, key, dtype):
+    """The kernel make(*key, dtype) compiled for three C-contiguous 4-D
+    arrays of dtype, once per process; key[0] is the channel count its
+    register blocks run over (BLOCKS' key)."""
+    full = (name, *key, np.dtype(dtype).str)
+    if full not in _kernels:
+        _kernels[full] = _compile(make, key, dtype, _blocks("LOOP_VECTORIZE")[key[0]])
+    return _kernels[full]
+
+
+def _compile(make, key, dtype, loop_vectorize):
     import numba
     from numba.core import config
     global _stack
-    if _stack is None:
+    if _stack is None:   # before the kernel compiles: it calls it
         _stack = _make_stack()
-    fn = make(*key[1:], np.dtype(dtype).type)
-    array = numba.from_dtype(np.dtype(dtype))[(slice(None),) * 3 + (slice(None, None, 1),)]
-    sig = numba.void(*[array] * ndim_args)
+    array = numba.from_dtype(np.dtype(dtype))[:, :, :, ::1]
     options = dict(nogil=True, boundscheck=False, fastmath={"contract"}, error_model="numpy")
     slp, loop = config.SLP_VECTORIZE, config.LOOP_VECTORIZE
-    config.SLP_VECTORIZE, config.LOOP_VECTORIZE = 1, int(_blocks("LOOP_VECTORIZE")[out])
+    config.SLP_VECTORIZE, config.LOOP_VECTORIZE = 1, int(loop_vectorize)
     try:
+        fn = make(*key, np.dtype(dtype).type)
         try:
-            return numba.njit(sig, cache=True, **options)(fn)
+            return numba.njit(numba.void(array, array, array), cache=True, **options)(fn)
         except RuntimeError:   # no cache directory it can write: compile in memory
-            return numba.njit(sig, **options)(fn)
+            return numba.njit(numba.void(array, array, array), **options)(fn)
     finally:
         config.SLP_VECTORIZE, config.LOOP_VECTORIZE = slp, loop
-
-
-def _kernel(name, make, key, dtype):
-    full = (name, *key, np.dtype(dtype).str)
-    if full not in _kernels:
-        _kernels[full] = _compile(make, (name, *key), dtype, 3, key[0])
-    return _kernels[full]
 
 
 STACK_ITEMS = 256   # the most accumulators a kernel holds (CHANNELS x O, PIXELS x O)

@@ -22,6 +22,9 @@ only the small temporaries of reductions. Where a rank has several cores
 (nn/threads.py, --threads), the blocks of images are shared out over its
 compute threads, each block the GEMM one thread would do, the weight
 gradient's blocks summed in block order: the same bits on any number.
+With compiled layers on (--compiled-layers, nn/compiled.py) layers with 16,
+32 or 64 output channels run direct kernels instead: no columns, the
+input read in place; the rest of this module stays as it is.
 
     python -m hpctrain.nn --model small_cnn --shape 32,32,3
 """
@@ -137,8 +140,9 @@ class Conv2d(Layer):
 
     def _direct_fits(self, xp=np):
         """Whether this layer runs nn/compiled.py's direct kernels: compiled
-        layers on, NumPy, 16, 32 or 64 outputs, and not a 1x1 stride-1 layer
-        unpadded (its columns are its input: one GEMM, nothing copied)."""
+        layers on, NumPy, outputs the kernels have blocks for here
+        (compiled.fits: 16, 32, 64), and not a 1x1 stride-1 layer unpadded
+        (its columns are its input: one GEMM, nothing copied)."""
         return compiled.on() and xp is np and compiled.fits(self.out_channels) and \
             not (self.k == 1 and self.stride == 1 and self.pad == 0)
 
@@ -411,14 +415,14 @@ class Conv2d(Layer):
     def train_floats(self):
         h, w, c = self.in_shape
         padded = (h + 2 * self.pad) * (w + 2 * self.pad) * c if self.pad else 0
-        padded += self._weight_blocks()[0]
+        kept = 2 * math.prod(self.out_shape) + h * w * c + padded + self._weight_blocks()[0]
         if self._direct_fits():
             # No columns: dy padded for the turned kernel, nothing for the
             # gathering one, else the col2im path's batch-sized dcols.
             q, how = self.k - 1 - self.pad, self._direct_dx()
             dx_scratch = {"turned": (self.oh + 2 * q) * (self.ow + 2 * q) * self.out_channels if q else 0,
                           "gathered": 0}.get(how, self.oh * self.ow * self.fan_in)
-            return 2 * math.prod(self.out_shape) + h * w * c + padded + dx_scratch
+            return kept + dx_scratch
         # Batch-sized columns: the forward's where kept, col2im's dcols where the
         # layer takes that path (a block's buffers are per step, not per sample).
         one_by_one = self.k == 1 and self.stride == 1 and self.pad == 0
@@ -426,7 +430,7 @@ class Conv2d(Layer):
         per_col = self.oh * self.ow * self.fan_in
         cols = (per_col if not one_by_one and self.fan_in < AGAIN_FROM else 0) + \
             (per_col if not (one_by_one or transposed) else 0)
-        return 2 * math.prod(self.out_shape) + h * w * c + cols + padded
+        return kept + cols
 
     def scratch_floats(self):
         # A thread's block of columns (forward, and dW where rewritten) and
