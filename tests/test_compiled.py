@@ -13,7 +13,8 @@ import pytest
 
 from conftest import same_bytes
 from test_layers import bound, check_against_loops, check_gradients
-from hpctrain.nn import MODELS, BatchNorm1d, BatchNorm2d, Conv2d, ReLU, Residual, compiled, conv, threads
+from hpctrain.nn import (MODELS, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d, MaxPool2d, ReLU, Residual,
+                         compiled, conv, threads)
 
 pytest.importorskip("numba")
 
@@ -85,6 +86,42 @@ def test_batch_norm_trains_as_numpys_to_float32_rounding(layer, shape):
         dy = rng.standard_normal(x.shape).astype(np.float32)
     for numpy_value, compiled_value in zip(*results):
         assert np.allclose(compiled_value, numpy_value, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("k, shape", [(2, (8, 6, 5)), (2, (7, 9, 3)), (3, (9, 7, 2))])
+def test_max_pool_and_relu_give_numpys_bits(k, shape, dtype):
+    """Ties (the first maximum wins), a NaN in a window, rows and columns
+    past the last window (their gradient 0), negative and NaN gradients
+    where ReLU is inactive (-0.0, NaN): bit for bit the NumPy path's."""
+    rng = np.random.default_rng(7)
+    x = rng.integers(-3, 4, (4, *shape)).astype(dtype)   # many ties
+    x[1, 0, 0, 0] = x[1, 1, 1, 1] = np.nan   # the first offset, and a later one
+    dy_relu = rng.standard_normal(x.shape).astype(dtype)
+    dy_relu[2, 1, 1, 1] = np.nan
+    results = []
+    for on in (False, True):
+        compiled.use(on)
+        try:
+            pool, _, _ = bound(MaxPool2d(k), shape, dtype=dtype)
+            relu, _, _ = bound(ReLU(), shape, dtype=dtype)
+        finally:
+            compiled.use(False)
+        assert pool.compiled == relu.compiled == on
+        y = pool.forward(x, True).copy()
+        dy = np.random.default_rng(8).standard_normal(y.shape).astype(dtype)
+        dx = pool.backward(dy, True).copy()
+        r = relu.forward(x.copy(), True).copy()
+        dr = relu.backward(dy_relu.copy(), True).copy()
+        results.append((y, dx, r, dr))
+    for numpy_value, compiled_value in zip(*results):
+        assert numpy_value.tobytes() == compiled_value.tobytes()
+
+
+def test_pools_keep_numpy_where_windows_overlap(compiled_layers):
+    assert bound(MaxPool2d(2), (6, 6, 2))[0].compiled
+    assert not bound(MaxPool2d(3, 2), (7, 7, 2))[0].compiled   # overlapping windows: the NumPy passes
+    assert not hasattr(bound(AvgPool2d(2), (6, 6, 2))[0], "compiled")
 
 
 def _train_step(spec, x, y, dtype=np.float32, params=None):

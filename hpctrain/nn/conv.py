@@ -506,10 +506,24 @@ class MaxPool2d(_Pool):
         self.offsets = np.uint8 if self.k * self.k <= 256 else np.uint16 if self.k * self.k <= 65536 else np.uint32
         return out
 
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        # Compiled layers on: windows k apart (the zoo's) in one pass each
+        # way, the same bits (nn/compiled.py); the rest as below.
+        self.compiled = compiled.on() and xp is np and self.stride == self.k and self.offsets is np.uint8
+        if self.compiled:
+            compiled.prepare(("max_pool_forward", "max_pool_backward"), np.float32)
+
     def forward(self, x, train):
         xp = self.xp
         y = self.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
         won = self.buffer("won", y.shape, self.offsets)
+        if self.compiled:
+            x = np.ascontiguousarray(x)
+            self.split(x.shape[0], lambda t, lo, hi: compiled.max_pool_forward(x[lo:hi], y[lo:hi], won[lo:hi],
+                                                                               self.k),
+                       most=threads.most(floats=x.size))
+            return y
         gt = self.buffer("gt", y.shape, bool)
         offset = self.buffer("offset", y.shape, self.offsets)
         for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
@@ -530,6 +544,12 @@ class MaxPool2d(_Pool):
             return None
         xp = self.xp
         dx, won = self._dx(dy), self._buffers["won"]
+        if self.compiled:
+            dy = np.ascontiguousarray(dy)
+            self.split(dy.shape[0], lambda t, lo, hi: compiled.max_pool_backward(dy[lo:hi], won[lo:hi], dx[lo:hi],
+                                                                                 self.k),
+                       most=threads.most(floats=dx.size))
+            return dx
         hit = self.buffer("gt", dy.shape, bool)
         part = self.buffer("part", dy.shape, dy.dtype)
         overlap = self.stride < self.k

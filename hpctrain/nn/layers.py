@@ -61,7 +61,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import threads
+from . import compiled, threads
 
 
 class LayerError(ValueError):
@@ -212,6 +212,13 @@ class ReLU(Layer):
     so nothing reads x after this (a container that does, copies first)."""
     inplace = True
 
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        # Compiled layers on: the gradient in one pass, the same bits (nn/compiled.py).
+        self.compiled = compiled.on() and xp is np
+        if self.compiled:
+            compiled.prepare(("relu_backward",), np.float32)
+
     def forward(self, x, train):
         self.split(x.shape[0], lambda t, lo, hi: self.xp.maximum(x[lo:hi], 0, out=x[lo:hi]),
                    most=threads.most(floats=x.size))
@@ -221,6 +228,12 @@ class ReLU(Layer):
     def backward(self, dy, need_dx):
         # pass the gradient where the unit was active (the mask's buffer kept:
         # a warm step allocates nothing)
+        if self.compiled and dy.flags.c_contiguous and self.y.flags.c_contiguous:
+            y, flat = self.y.reshape(len(dy), -1), dy.reshape(len(dy), -1)
+            self.split(len(dy), lambda t, lo, hi: compiled.relu_backward(y[lo:hi].reshape(-1),
+                                                                         flat[lo:hi].reshape(-1)),
+                       most=threads.most(floats=dy.size))
+            return dy
         active = self.buffer("active", dy.shape, bool)
 
         def rows(t, lo, hi):
