@@ -208,9 +208,9 @@ def _training_flags(p):
                    help="where arrays live: cpu (NumPy), gpu (CuPy), auto (gpu if CuPy sees one) (default: %(default)s)")
     g.add_argument("--compiled-layers", choices=["auto", "on", "off"], default="auto",
                    help="on the CPU, layer kernels compiled by numba (pip install 'hpctrain[fast]'): direct "
-                        "convolutions with 16, 32 or 64 output channels (the others im2col) and batch norm's "
-                        "passes; off: NumPy and BLAS alone (im2col); auto: on where numba is installed, from 200 "
-                        "steps (default: %(default)s)")
+                        "convolutions with 16, 32 or 64 output channels (the others im2col), batch norm's "
+                        "passes, max pooling and ReLU's gradient; off: NumPy and BLAS alone (im2col); auto: on "
+                        "where numba is installed, from 200 steps (default: %(default)s)")
     g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                    help="compute threads per rank on the CPU: convolutions and batch norm split their images "
                         "over them, each thread's BLAS at one thread (the same bits on any N); 1: none "

@@ -2,7 +2,8 @@
 when `--compiled-layers` says so (use(); run/startup.py): a convolution's
 forward pass, weight gradient and input gradient without im2col for layers
 with 16, 32 or 64 output channels (16 or 32 where the CPU has AVX2 but not
-AVX-512; nn/conv.py), and batch norm's passes (nn/batchnorm.py). Off, the
+AVX-512; nn/conv.py), batch norm's passes (nn/batchnorm.py), max pooling
+with windows k apart and ReLU's gradient (the NumPy path's bits). Off, the
 layers run NumPy and BLAS alone.
 
 Why: with 16 to 64 output channels im2col's GEMM is a poor shape for a BLAS

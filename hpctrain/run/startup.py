@@ -124,7 +124,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         say("\n".join(spec.summary()))
         if xp is np:
             say("layers: compiled (nn/compiled.py: direct convolutions with 16, 32 or 64 output channels, "
-                "batch norm)" if compiled.on() else "layers: NumPy (convolutions by im2col)")
+                "batch norm, max pooling, ReLU)" if compiled.on() else "layers: NumPy (convolutions by im2col)")
     # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
     cuts = agree(cuts_for, args, cluster.size, spec)
     replicas = cluster.size // args.pipeline_stages
