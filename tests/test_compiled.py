@@ -211,6 +211,7 @@ def test_compiled_layers_on_without_numba_is_one_line(job, tmp_path):
 
 def test_compiled_layers_auto_takes_them_where_they_pay():
     from types import SimpleNamespace
+    from hpctrain.errors import HpctrainError
     from hpctrain.run.startup import COMPILED_FROM, compiled_layers
 
     def flag(value):
@@ -219,7 +220,9 @@ def test_compiled_layers_auto_takes_them_where_they_pay():
     assert compiled_layers(flag("auto"), np, COMPILED_FROM - 1) is False
     assert compiled_layers(flag("off"), np, 10 ** 6) is False
     assert compiled_layers(flag("on"), np, 1) is True
-    assert compiled_layers(flag("on"), object(), 1) is False   # not NumPy: CuPy's own kernels
+    assert compiled_layers(flag("auto"), object(), 10 ** 6) is False   # not NumPy: CuPy's own kernels
+    with pytest.raises(HpctrainError, match="--compiled-layers on: the compiled layers are the CPU's"):
+        compiled_layers(flag("on"), object(), 1)
 
 
 def _layers(layers):

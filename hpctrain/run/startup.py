@@ -259,7 +259,10 @@ def compiled_layers(args, xp, steps):
     on or off, or for auto, on NumPy where numba is installed and the run is
     long enough to pay for it; on where they cannot run is refused."""
     if xp is not np:
-        return False   # CuPy: one GEMM per layer and batch, CuPy's own kernels
+        if args.compiled_layers == "on":
+            raise HpctrainError("--compiled-layers on: the compiled layers are the CPU's; on a GPU the layers run "
+                                "CuPy's kernels (use --compiled-layers auto or off, or --device cpu)")
+        return False
     if args.compiled_layers == "on" and not compiled.available():
         raise HpctrainError("--compiled-layers on: numba is not installed (pip install 'hpctrain[fast]'), "
                             "or use --compiled-layers auto") from None
