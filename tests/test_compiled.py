@@ -281,3 +281,22 @@ def test_the_avx2_blocks_compute_the_same(tmp_path):
                PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests)]))
     r = subprocess.run([sys.executable, "-c", AVX2_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "avx2 ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_auto_takes_compiled_layers_only_where_every_rank_has_numba(tmp_path):
+    """Rank 1 without numba, the chief with it: auto runs NumPy's layers on
+    both (one rank's compiled layers would round differently)."""
+    import subprocess
+    import sys
+    from conftest import MPIRUN, OPEN_MPI, REPO, child_env, under_mpirun
+    if under_mpirun() or OPEN_MPI:
+        pytest.skip("its own MPICH job, one rank's environment of its own (hydra's -env)")
+    hidden = tmp_path / "numba"
+    hidden.mkdir()
+    (hidden / "__init__.py").write_text("raise ImportError('No module named numba')\n")
+    run = [sys.executable, "-m", "hpctrain.mnist", "--model", "small_cnn", "--steps", "200", "--batch-size", "4",
+           "--log-every", "200", "--threads", "1"]
+    r = subprocess.run([MPIRUN, "-n", "1", *run, ":", "-n", "1", "-env", "PYTHONPATH", str(tmp_path), *run],
+                       capture_output=True, text=True, timeout=240, env=child_env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "layers: NumPy" in r.stdout, r.stdout

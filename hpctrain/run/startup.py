@@ -111,7 +111,12 @@ def start(args, process_note, watchdog, stop, on_roles=None):
             f"{data.per_worker} = {schedule.total_steps} steps")
     if args.lr_schedule != "constant":   # constant: today's output, unchanged
         say(schedule.line())
-    compiled.use(agree(compiled_layers, args, xp, schedule.total_steps))   # before any layer is bound
+    # Before any layer is bound; every rank the same way (auto: only where
+    # every rank has numba), so no two ranks' layers round differently.
+    wanted = np.array([agree(compiled_layers, args, xp, schedule.total_steps)], np.int64)
+    with watchdog.waiting("start-up (compiled layers on every rank)", peer=None):
+        comm.Allreduce(MPI.IN_PLACE, wanted, op=MPI.MIN)
+    compiled.use(bool(wanted[0]))
 
     # --- the model, shaped by the data's manifest --------------------------------
     spec = agree(_model_spec, args, model_shape, watchdog, what="building the model")
