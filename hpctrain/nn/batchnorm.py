@@ -13,7 +13,7 @@ checkpoint and --save (docs/models.md: who averages them).
 gamma starts at 1, beta at 0.
 
 With compiled layers on (--compiled-layers, nn/compiled.py) training runs
-numba's kernels: the statistics and the gradient's sums in float64, the
+numba's kernels (nn/passes.py): the statistics and the gradient's sums in float64, the
 elementwise passes fused (the same float32 operations per element).
 
     python -m hpctrain.nn --model resnet --shape 32,32,3
@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from . import compiled, threads
+from . import compiled, passes, threads
 from .layers import Layer, LayerError
 
 MOMENTUM = 0.1
@@ -64,7 +64,7 @@ class _BatchNorm(Layer):
         super().bind(xp, params, grads, state)
         self.compiled = compiled.on() and xp is np
         if self.compiled:   # compiled now (or loaded from numba's cache), not in the first step
-            compiled.prepare(compiled.BATCHNORM, params["gamma"].dtype)
+            passes.prepare(passes.BATCHNORM, params["gamma"].dtype)
 
     # --- passes over (m, c) with c narrow ---------------------------------------
     # NumPy runs an (m, c) array's per-channel work slowly when c is narrow
@@ -124,16 +124,16 @@ class _BatchNorm(Layer):
         return y.reshape(x.shape)
 
     def _compiled_forward(self, x2, y2):
-        """nn/compiled.py's statistics (float64, on this thread) and one
+        """nn/passes.py's statistics (float64, on this thread) and one
         normalising pass over row ranges: (mean, variance) in x's dtype."""
         (m, c), dtype = x2.shape, x2.dtype
         x2 = np.ascontiguousarray(x2)
-        mean64, var64 = compiled.bn_statistics(x2)
+        mean64, var64 = passes.bn_statistics(x2)
         mean, var = mean64.astype(dtype), var64.astype(dtype)
         self.inv_std = (1 / np.sqrt(var64 + EPS)).astype(dtype)
         xhat = self.xhat = self.buffer("xhat", (m, c), dtype)
         gamma, beta = self.params["gamma"], self.params["beta"]
-        self.split(m, lambda t, lo, hi: compiled.bn_normalise(x2[lo:hi], mean, self.inv_std, gamma, beta,
+        self.split(m, lambda t, lo, hi: passes.bn_normalise(x2[lo:hi], mean, self.inv_std, gamma, beta,
                                                               xhat[lo:hi], y2[lo:hi]),
                    most=threads.most(floats=x2.size))
         return mean, var
@@ -194,11 +194,11 @@ class _BatchNorm(Layer):
         return dx.reshape(dy.shape)
 
     def _compiled_backward(self, dy, need_dx):
-        """nn/compiled.py's sums (float64, on this thread) and one pass for
+        """nn/passes.py's sums (float64, on this thread) and one pass for
         dx over row ranges, the NumPy path's formula."""
         m, c = self.xhat.shape
         dy2 = np.ascontiguousarray(dy.reshape(m, c))
-        sums = compiled.bn_gradient_sums(dy2, self.xhat)
+        sums = passes.bn_gradient_sums(dy2, self.xhat)
         g_gamma, g_beta = self.grads["gamma"], self.grads["beta"]
         g_beta[...] = sums[0]
         g_gamma[...] = sums[1]
@@ -206,7 +206,7 @@ class _BatchNorm(Layer):
             return None
         dx = self.buffer("dx", (m, c), dy.dtype)
         a, b, scale = g_gamma / m, g_beta / m, self.params["gamma"] * self.inv_std
-        self.split(m, lambda t, lo, hi: compiled.bn_input_gradient(dy2[lo:hi], self.xhat[lo:hi], a, b, scale,
+        self.split(m, lambda t, lo, hi: passes.bn_input_gradient(dy2[lo:hi], self.xhat[lo:hi], a, b, scale,
                                                                    dx[lo:hi]),
                    most=threads.most(floats=dy.size))
         return dx.reshape(dy.shape)

@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from . import compiled, threads
+from . import compiled, passes, threads
 from .layers import Layer, LayerError, he_normal
 
 
@@ -509,10 +509,10 @@ class MaxPool2d(_Pool):
     def bind(self, xp, params, grads, state):
         super().bind(xp, params, grads, state)
         # Compiled layers on: windows k apart (the zoo's) in one pass each
-        # way, the same bits (nn/compiled.py); the rest as below.
+        # way, the same bits (nn/passes.py); the rest as below.
         self.compiled = compiled.on() and xp is np and self.stride == self.k and self.offsets is np.uint8
         if self.compiled:
-            compiled.prepare(("max_pool_forward", "max_pool_backward"), np.float32)
+            passes.prepare(("max_pool_forward", "max_pool_backward"), np.float32)
 
     def forward(self, x, train):
         xp = self.xp
@@ -520,7 +520,7 @@ class MaxPool2d(_Pool):
         won = self.buffer("won", y.shape, self.offsets)
         if self.compiled:
             x = np.ascontiguousarray(x)
-            self.split(x.shape[0], lambda t, lo, hi: compiled.max_pool_forward(x[lo:hi], y[lo:hi], won[lo:hi],
+            self.split(x.shape[0], lambda t, lo, hi: passes.max_pool_forward(x[lo:hi], y[lo:hi], won[lo:hi],
                                                                                self.k),
                        most=threads.most(floats=x.size))
             return y
@@ -546,7 +546,7 @@ class MaxPool2d(_Pool):
         dx, won = self._dx(dy), self._buffers["won"]
         if self.compiled:
             dy = np.ascontiguousarray(dy)
-            self.split(dy.shape[0], lambda t, lo, hi: compiled.max_pool_backward(dy[lo:hi], won[lo:hi], dx[lo:hi],
+            self.split(dy.shape[0], lambda t, lo, hi: passes.max_pool_backward(dy[lo:hi], won[lo:hi], dx[lo:hi],
                                                                                  self.k),
                        most=threads.most(floats=dx.size))
             return dx

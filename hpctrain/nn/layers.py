@@ -61,7 +61,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import compiled, threads
+from . import compiled, passes, threads
 
 
 class LayerError(ValueError):
@@ -214,10 +214,10 @@ class ReLU(Layer):
 
     def bind(self, xp, params, grads, state):
         super().bind(xp, params, grads, state)
-        # Compiled layers on: the gradient in one pass, the same bits (nn/compiled.py).
+        # Compiled layers on: the gradient in one pass, the same bits (nn/passes.py).
         self.compiled = compiled.on() and xp is np
         if self.compiled:
-            compiled.prepare(("relu_backward",), np.float32)
+            passes.prepare(("relu_backward",), np.float32)
 
     def forward(self, x, train):
         self.split(x.shape[0], lambda t, lo, hi: self.xp.maximum(x[lo:hi], 0, out=x[lo:hi]),
@@ -230,7 +230,7 @@ class ReLU(Layer):
         # a warm step allocates nothing)
         if self.compiled and dy.flags.c_contiguous and self.y.flags.c_contiguous:
             y, flat = self.y.reshape(len(dy), -1), dy.reshape(len(dy), -1)
-            self.split(len(dy), lambda t, lo, hi: compiled.relu_backward(y[lo:hi].reshape(-1),
+            self.split(len(dy), lambda t, lo, hi: passes.relu_backward(y[lo:hi].reshape(-1),
                                                                          flat[lo:hi].reshape(-1)),
                        most=threads.most(floats=dy.size))
             return dy
