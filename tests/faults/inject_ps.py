@@ -63,8 +63,11 @@ def inject_worker_faults():
                 time.sleep(worker["slow"])
             worker["steps"] += 1
             if progress and worker["steps"] % 10 == 0:
-                with open(os.path.join(progress, f"worker-{worker['index']}.steps"), "w") as f:
+                # written aside and renamed: a reader never sees the file truncated and empty
+                path = os.path.join(progress, f"worker-{worker['index']}.steps")
+                with open(path + ".part", "w") as f:
                     f.write(str(worker["steps"]))
+                os.replace(path + ".part", path)
             if worker["signal_at"] == worker["steps"]:
                 signal.raise_signal(signal.SIGUSR1)
         return loss

@@ -41,11 +41,13 @@ def test_a_rank_stopped_at_start_up_ends_the_job(job):
     # SIGSTOP rank 1 as soon as it exists (before or inside MPI_Init, or in the
     # first collectives): the others' deadline ends the job, exit 3.
     t0 = time.monotonic()
-    proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--steps", "300", "--timeout", "5"],
+    # 100000 steps: a job that ran on because rank 1 was found late cannot end
+    # before it is found (with 300 it once did, on loaded cores)
+    proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--steps", "100000", "--timeout", "5"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
     try:
         pid = rank_pid(proc, 1, poll=0.005)
-        assert pid, "rank 1 not found"
+        assert pid, ("rank 1 not found", proc.poll())
         with Stopped(pid):
             out, err = proc.communicate(timeout=60)
     finally:
