@@ -1,4 +1,4 @@
-"""The layers beyond the MLP (nn/conv.py, nn/norm.py, nn/residual.py,
+"""The layers beyond the MLP (nn/conv.py, nn/pool.py, nn/batchnorm.py, nn/residual.py,
 Dropout in nn/layers.py) and the zoo (nn/zoo.py): finite differences in
 float64 for every layer kind and for the residual container, Conv2d and
 pooling against direct loops, dropout's masks against the batch split, batch

@@ -17,7 +17,8 @@ import sys
 import numpy as np
 
 from ..nn import MODELS, MNIST_CLASSES, MNIST_SHAPE
-from ..nn.conv import AvgPool2d, Channels, Conv2d, GlobalAvgPool, MaxPool2d
+from ..nn.conv import Channels, Conv2d
+from ..nn.pool import AvgPool2d, GlobalAvgPool, MaxPool2d
 from ..nn.layers import Dense, Dropout, Flatten, ReLU
 from ..nn.batchnorm import EPS, MOMENTUM, BatchNorm1d, BatchNorm2d
 from ..nn.residual import Residual

@@ -5,7 +5,8 @@ by name (zoo.py). Never imports MPI.
 
     python -m hpctrain.nn               # the MLP's layers, shapes and buffer layout
 """
-from .conv import AvgPool2d, Channels, Conv2d, GlobalAvgPool, MaxPool2d
+from .conv import Channels, Conv2d
+from .pool import AvgPool2d, GlobalAvgPool, MaxPool2d
 from .layers import Dense, Dropout, Flatten, Layer, LayerError, Noise, ReLU
 from .batchnorm import BatchNorm1d, BatchNorm2d
 from .residual import Residual

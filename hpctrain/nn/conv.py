@@ -1,5 +1,5 @@
 """Image layers on the layer contract (nn/layers.py): Channels (the data
-boundary), Conv2d, MaxPool2d, AvgPool2d, GlobalAvgPool.
+boundary) and Conv2d; the pooling layers are in nn/pool.py.
 
 Activations are NHWC: (batch, height, width, channels). Why, for an im2col
 design: the columns are (batch*oh*ow, kh*kw*c), one row per output pixel, so
@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from . import compiled, passes, threads
+from . import compiled, threads
 from .layers import Layer, LayerError, he_normal
 
 
@@ -71,13 +71,6 @@ def _window(xp, x, oh, ow, k, s):
     sn, sh, sw, sc = x.strides
     return xp.lib.stride_tricks.as_strided(x, (x.shape[0], oh, ow, k, k, x.shape[3]),
                                            (sn, s * sh, s * sw, sh, sw, sc))
-
-
-def _offset_slices(oh, ow, k, s):
-    """(kh, kw, the slice of x's rows, of its columns) for each kernel offset of a pool."""
-    for kh in range(k):
-        for kw in range(k):
-            yield kh, kw, slice(kh, kh + s * (oh - 1) + 1, s), slice(kw, kw + s * (ow - 1) + 1, s)
 
 
 class Channels(Layer):
@@ -380,7 +373,7 @@ class Conv2d(Layer):
     def _col2im(self, dcols, dx):
         """Add each kernel offset's column gradient back onto the input pixels
         it came from (the padding's share is dropped), into dx (these images)."""
-        (h, w, c), s = self.in_shape, self.stride
+        (h, w, _), s = self.in_shape, self.stride
         dx.fill(0)
         for kh in range(self.k):
             rows = self._valid(kh, self.oh, h)
@@ -457,165 +450,3 @@ class Conv2d(Layer):
     def describe(self):
         extra = (f",s{self.stride}" if self.stride != 1 else "") + (f",p{self.pad}" if self.pad else "")
         return f"Conv2d({self.out_channels},{self.k}x{self.k}{extra}{'' if self.bias else ',nobias'})"
-
-
-class _Pool(Layer):
-    keeps_output = False   # the backward reads the winners (max) or nothing (mean)
-
-    def __init__(self, k, stride=None):
-        self.k = int(k)
-        self.stride = self.k if stride is None else int(stride)
-        if min(self.k, self.stride) < 1:
-            raise LayerError(f"{self.describe()}: kernel and stride must be at least 1")
-
-    def configure(self, in_shape):
-        h, w, c = _image(self, in_shape)
-        super().configure(in_shape)
-        self.oh, self.ow = _out_size(self, h, self.k, self.stride, 0), _out_size(self, w, self.k, self.stride, 0)
-        self.out_shape = (self.oh, self.ow, c)
-        return self.out_shape
-
-    def _dx(self, dy):
-        """The input gradient's buffer, zeroed where no window writes (or
-        everywhere, when windows overlap and offsets add up)."""
-        dx = self.buffer("dx", (dy.shape[0], *self.in_shape), dy.dtype)
-        if self.stride != self.k or self.oh * self.k != self.in_shape[0] or self.ow * self.k != self.in_shape[1]:
-            dx.fill(0)
-        return dx
-
-    def train_floats(self):
-        return 2 * math.prod(self.out_shape) + math.prod(self.in_shape)
-
-    def flops(self):
-        return math.prod(self.out_shape) * self.k * self.k
-
-    def describe(self):
-        return f"{type(self).__name__}({self.k}{'' if self.stride == self.k else f',s{self.stride}'})"
-
-
-class MaxPool2d(_Pool):
-    """The largest value of each k x k window (stride defaults to k, no
-    padding); its gradient goes to the first maximum of the window, as in
-    PyTorch. Done one kernel offset at a time: k*k strided passes over the
-    output, and which offset won kept as one byte per output (updated by
-    arithmetic, not a masked copy, which is branchy and slow): a byte up to
-    16 x 16 windows, two bytes above."""
-
-    def configure(self, in_shape):
-        out = super().configure(in_shape)
-        self.offsets = np.uint8 if self.k * self.k <= 256 else np.uint16 if self.k * self.k <= 65536 else np.uint32
-        return out
-
-    def bind(self, xp, params, grads, state):
-        super().bind(xp, params, grads, state)
-        # Compiled layers on: windows k apart (the zoo's) in one pass each
-        # way, the same bits (nn/passes.py); the rest as below.
-        self.compiled = compiled.on() and xp is np and self.stride == self.k and self.offsets is np.uint8
-        if self.compiled:
-            passes.prepare(("max_pool_forward", "max_pool_backward"), np.float32)
-
-    def forward(self, x, train):
-        xp = self.xp
-        y = self.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
-        won = self.buffer("won", y.shape, self.offsets)
-        if self.compiled:
-            x = np.ascontiguousarray(x)
-            self.split(x.shape[0], lambda t, lo, hi: passes.max_pool_forward(x[lo:hi], y[lo:hi], won[lo:hi],
-                                                                               self.k),
-                       most=threads.most(floats=x.size))
-            return y
-        gt = self.buffer("gt", y.shape, bool)
-        offset = self.buffer("offset", y.shape, self.offsets)
-        for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
-            window = x[:, rows, cols, :]
-            if kh == kw == 0:
-                xp.copyto(y, window)
-                won.fill(0)
-                continue
-            xp.greater(window, y, out=gt)
-            # won = this offset where gt, else won; offsets only grow, so that is a maximum
-            xp.multiply(gt, self.offsets(kh * self.k + kw), out=offset)
-            xp.maximum(won, offset, out=won)
-            xp.maximum(y, window, out=y)
-        return y
-
-    def backward(self, dy, need_dx):
-        if not need_dx:
-            return None
-        xp = self.xp
-        dx, won = self._dx(dy), self._buffers["won"]
-        if self.compiled:
-            dy = np.ascontiguousarray(dy)
-            self.split(dy.shape[0], lambda t, lo, hi: passes.max_pool_backward(dy[lo:hi], won[lo:hi], dx[lo:hi],
-                                                                                 self.k),
-                       most=threads.most(floats=dx.size))
-            return dx
-        hit = self.buffer("gt", dy.shape, bool)
-        part = self.buffer("part", dy.shape, dy.dtype)
-        overlap = self.stride < self.k
-        for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
-            xp.equal(won, self.offsets(kh * self.k + kw), out=hit)
-            if overlap:
-                xp.multiply(dy, hit, out=part)
-                dx[:, rows, cols, :] += part
-            else:
-                xp.multiply(dy, hit, out=dx[:, rows, cols, :])
-        return dx
-
-
-class AvgPool2d(_Pool):
-    """The mean of each k x k window (stride defaults to k, no padding)."""
-
-    def forward(self, x, train):
-        y = self.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
-        for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
-            if kh == kw == 0:
-                self.xp.copyto(y, x[:, rows, cols, :])
-            else:
-                y += x[:, rows, cols, :]
-        y *= 1.0 / (self.k * self.k)
-        return y
-
-    def backward(self, dy, need_dx):
-        if not need_dx:
-            return None
-        dx = self._dx(dy)
-        share = self.buffer("share", dy.shape, dy.dtype)
-        self.xp.multiply(dy, 1.0 / (self.k * self.k), out=share)
-        for _, _, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
-            if self.stride < self.k:
-                dx[:, rows, cols, :] += share
-            else:
-                dx[:, rows, cols, :] = share
-        return dx
-
-
-class GlobalAvgPool(Layer):
-    """(batch, h, w, c) -> (batch, c): each channel's mean over the image."""
-    keeps_output = False
-
-    def configure(self, in_shape):
-        h, w, c = _image(self, in_shape)
-        super().configure(in_shape)
-        self.out_shape = (c,)
-        return self.out_shape
-
-    def forward(self, x, train):
-        y = self.buffer(("out", train), (x.shape[0], x.shape[3]), x.dtype)
-        x.sum(axis=(1, 2), out=y)
-        y *= 1.0 / (x.shape[1] * x.shape[2])
-        return y
-
-    def backward(self, dy, need_dx):
-        if not need_dx:
-            return None
-        h, w, c = self.in_shape
-        dx = self.buffer("dx", (dy.shape[0], h, w, c), dy.dtype)
-        self.xp.multiply(dy.reshape(dy.shape[0], 1, 1, c), 1.0 / (h * w), out=dx)
-        return dx
-
-    def train_floats(self):
-        return 2 * self.out_shape[0] + math.prod(self.in_shape)
-
-    def flops(self):
-        return math.prod(self.in_shape)

@@ -1,7 +1,7 @@
 """Layers: what one layer of a model must provide, and the plain layers
 (Dense, ReLU, Flatten, Dropout). A model is a list of these (nn/sequential.py
 runs it; nn/spec.py lays its parameters into the one flat buffer); the image
-layers are in nn/conv.py, batch norm in nn/batchnorm.py, the residual container
+layers are in nn/conv.py and nn/pool.py, batch norm in nn/batchnorm.py, the residual container
 in nn/residual.py.
 
 The contract, in the order a model uses it (`Layer` below is the base

@@ -1,7 +1,7 @@
 """One-pass layer kernels compiled by numba, run where compiled layers are
 on (nn/compiled.py use/on, --compiled-layers): batch norm's statistics,
 normalising, gradient sums and input gradient (nn/batchnorm.py), max
-pooling with windows k apart (nn/conv.py) and ReLU's gradient
+pooling with windows k apart (nn/pool.py) and ReLU's gradient
 (nn/layers.py). Plain loops, no fastmath: each element gets the NumPy
 path's float operations (batch norm's sums in float64).
 
@@ -72,7 +72,7 @@ def _bn_input_gradient(dy, xhat, a, b, scale, dx):
 
 
 # ---- max pooling and ReLU's gradient --------------------------------------------
-# Each the NumPy path's result bit for bit (nn/conv.py MaxPool2d, nn/layers.py
+# Each the NumPy path's result bit for bit (nn/pool.py MaxPool2d, nn/layers.py
 # ReLU), in one pass where NumPy makes several: max pooling's k*k strided
 # passes of compare, select and maximum over the output, ReLU's compare and
 # multiply.

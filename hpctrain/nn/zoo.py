@@ -27,7 +27,8 @@ Channels() (the data's images to NHWC, once per batch).
 """
 from . import user
 from .check import check_layers
-from .conv import Channels, Conv2d, GlobalAvgPool, MaxPool2d
+from .conv import Channels, Conv2d
+from .pool import GlobalAvgPool, MaxPool2d
 from .layers import Dense, Dropout, Flatten, ReLU
 from .batchnorm import BatchNorm2d
 from .residual import Residual
