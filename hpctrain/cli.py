@@ -215,6 +215,12 @@ def _training_flags(p):
                    help="compute threads per rank on the CPU: convolutions and batch norm split their images "
                         "over them, each thread's BLAS at one thread (the same bits on any N); 1: none "
                         "(default: the cores this rank gets, as for BLAS's threads: one rank on 2 cores, 2)")
+    g.add_argument("--wait-mode", choices=["auto", "nap", "spin"], default="auto",
+                   help="how a rank waits for the others in a pipeline's transfers, its loss-and-stop sum and a "
+                        "ps round: spin (MPI's blocking calls: the lowest latency, for a core per rank), nap (poll, "
+                        "then sleep 20-160 us between polls: a waiting rank leaves shared cores to the ranks that "
+                        "compute), auto: nap where this node's ranks outnumber its cores. The ring's exchanges "
+                        "always spin (default: %(default)s)")
 
 
 def _ring_flags(g):

@@ -766,7 +766,7 @@ def test_ps_device_gpu_path_equals_host_servers_and_resumes(job, tmp_path):
 def test_waits_some_and_all_complete_with_or_without_naps(nap):
     from mpi4py import MPI
 
-    from hpctrain.comm.ps.waits import Waits
+    from hpctrain.comm.waits import Waits
     comm = MPI.COMM_SELF
     waits = Waits(nap)
     got = np.zeros(3, np.int64)

@@ -48,14 +48,7 @@ from ..nn.accumulate import Accumulation
 from ..optim.clipping import Clip
 from ..optim.optimizers import OnDevice, make_optimizer
 from ..report.evaluated import WholeModel
-from ..run.cluster import cores_available
 from .frame import Frame, diverged
-
-
-def oversubscribed(cluster):
-    """More ranks than cores on this node: waiting ranks must not busy-poll
-    (comm/ps/waits.py), or they take the cores the computing ranks need."""
-    return cluster.local_size > cores_available()
 
 
 def exchange_name(client):
@@ -147,7 +140,7 @@ def run_server(world, plan, frame, comm, placement, shared):
     server = Server(comm, mine, cluster.worker_ranks, cluster.ps_ranks, optimizer, plan.lr,
                     steps=frame.steps, sync=ps.sync, replicas=ps.replicas, max_staleness=ps.max_staleness,
                     dc_lambda=ps.dc_lambda, watchdog=world.watchdog,
-                    stop_requested=lambda: world.stop.received, nap=oversubscribed(cluster),
+                    stop_requested=lambda: world.stop.received, nap=world.waits.nap,
                     # --clip-norm, sync: on the aggregate (async: each worker clips its own)
                     clip=Clip(opt.clip_norm) if opt.clip_norm and ps.sync else None,
                     servers_comm=cluster.ps_comm, shared=shared)
@@ -211,7 +204,7 @@ def start_worker(world, plan, frame, comm, placement, shared, why_not):
     direct = device.is_gpu(xp) and cuda_aware(plan.ring.cuda_aware)[0]
     pm, gm = HostMirror(model.params, direct=direct), HostMirror(model.grads, direct=direct)
     client = Client(comm, cluster.ps_ranks, placement, pm.host, gm.host, cluster.worker_index, cluster.num_workers,
-                    sync=plan.ps.sync, watchdog=world.watchdog, nap=oversubscribed(cluster), shared=shared)
+                    sync=plan.ps.sync, watchdog=world.watchdog, nap=world.waits.nap, shared=shared)
     state_names = make_optimizer(plan.optimizer.name, 1, np).state_names
     if world.chief:
         print(cluster_lines(world, plan, placement, exchange_name(client), why_not), flush=True)

@@ -118,7 +118,7 @@ class Engine:
             if V > 1 else [grid.world_rank(s + d) for d in (-1, 1) if 0 <= s + d < P]
         # transfers.py, per local chunk: sends bounded by the chunk's model copies, receives posted ahead,
         # pooled buffers
-        comm, dog, M = grid.pipe_comm, world.watchdog, self.micro
+        comm, dog, M, waits = grid.pipe_comm, world.watchdog, self.micro, world.waits
 
         def label(tag):   # a tag in words: the micro-batch, and with chunks the sender's chunk
             return f"micro-batch {tag % M}" + (f" (stage's chunk {(tag // M) % V})" if V > 1 else "")
@@ -126,17 +126,17 @@ class Engine:
         for k, chunk in enumerate(chunks):
             copies, inp, out = len(chunk.models), (batch, *self.in_shapes[k]), (batch, *self.out_shapes[k])
             self.to_next.append(None if self.last[k] else Sends(comm, after, out, copies, dog, "activation",
-                                                                 grid.world_rank(after), label))
+                                                                 grid.world_rank(after), label, waits))
             self.to_before.append(None if self.first[k] else Sends(comm, before, inp, copies, dog, "gradient",
-                                                                    grid.world_rank(before), label))
+                                                                    grid.world_rank(before), label, waits))
             self.from_before.append(None if self.first[k] else Receives(
                 comm, before, inp, [self._activation_tag(a.micro, a.chunk) for a in actions
                                     if isinstance(a, sched.RecvActivation) and a.chunk == k],
-                2, dog, "activations", grid.world_rank(before), label))
+                2, dog, "activations", grid.world_rank(before), label, waits))
             self.from_next.append(None if self.last[k] else Receives(
                 comm, after, out, [self._grad_tag(a.micro, a.chunk) for a in actions
                                    if isinstance(a, sched.RecvGrad) and a.chunk == k],
-                2, dog, "gradients", grid.world_rank(after), label))
+                2, dog, "gradients", grid.world_rank(after), label, waits))
 
     def _activation_tag(self, m, k):
         """The tag of the activation local chunk k receives for micro-batch m: its sender's (the chunk before)."""
@@ -179,7 +179,7 @@ class Engine:
                 ACTIONS[type(action)](self, action.micro, action.chunk)
         sends = [s for s in self.to_next + self.to_before if s is not None]
         with trace.span("wait sends"), self.world.waiting("pipeline sends", peer=self.neighbours):
-            MPI.Request.Waitall([request for s in sends for request in s.requests()])
+            self.world.waits.all([request for s in sends for request in s.requests()])
         for s in sends:
             s.done()
         self._step = None
@@ -190,7 +190,7 @@ class Engine:
         self.head[0] = float(self.losses.mean()[0]) if self.grid.last else 0.0
         self.head[1] = 1.0 if self.world.stop.received else 0.0
         with trace.span("loss and stop"), self.world.waiting("loss and stop allreduce", peer=None):
-            self.world.comm.Allreduce(MPI.IN_PLACE, self.head, op=MPI.SUM)
+            self.world.waits.allreduce(self.world.comm, self.head, MPI.SUM)
         trace.flush()
         return float(self.head[0]), bool(self.head[1] > 0)
 
@@ -227,9 +227,9 @@ class Engine:
                 sends.append(self._send(out, (grid.stage + 1) % P, EVAL_TAG + k))
                 if len(sends) > 2 * self.virtual:
                     with self.world.waiting("pipeline evaluation sends", peer=self.neighbours):
-                        sends.pop(0)[0].Wait()
+                        self.world.waits.one(sends.pop(0)[0])
         with self.world.waiting("pipeline evaluation sends", peer=self.neighbours):
-            MPI.Request.Waitall([request for request, _ in sends])
+            self.world.waits.all([request for request, _ in sends])
         return loss, correct
 
     # --- the actions (schedule.py), one method each: micro-batch m, local chunk k ---------
@@ -327,7 +327,7 @@ class Engine:
         request = self.grid.pipe_comm.Irecv(host, source=stage, tag=tag)
         with self.world.waiting(f"pipeline {what} from stage {stage}",
                                 peer=self.grid.world_rank(stage)):
-            request.Wait()
+            self.world.waits.one(request)
         return self.xp.asarray(host)
 
 

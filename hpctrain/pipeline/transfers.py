@@ -15,8 +15,10 @@ buffers allocated once warm (Megatron batches its isend/irecv the same way).
   the micro-batch's backward no longer reads it (the stage's first layer
   keeps its input).
 
-Takes a communicator (the grid's pipe communicator) and the watchdog;
-never imports MPI itself.
+Takes a communicator (the grid's pipe communicator), the watchdog and the
+world's waits (comm/waits.py: napping where ranks outnumber cores, so a
+stage that waits leaves the cores to the one that computes); never imports
+MPI itself.
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 8 --steps 20 --timeline t.json
 """
@@ -25,6 +27,7 @@ from collections import deque
 import numpy as np
 
 from .. import device
+from ..comm.waits import Waits
 
 
 class Pool:
@@ -48,8 +51,9 @@ def micro_batch(tag):
 
 
 class Sends:
-    def __init__(self, comm, dest, shape, cap, watchdog, what, peer, label=micro_batch):
+    def __init__(self, comm, dest, shape, cap, watchdog, what, peer, label=micro_batch, waits=None):
         self.comm, self.dest, self.cap, self.watchdog, self.what, self.peer = comm, dest, max(1, cap), watchdog, what, peer
+        self.waits = waits or Waits(False)
         self.label = label   # a tag in words
         self.pool, self.flight = Pool(shape), deque()
 
@@ -57,7 +61,7 @@ class Sends:
         if len(self.flight) >= self.cap:
             request, buffer = self.flight.popleft()
             with self.watchdog.waiting(f"pipeline {self.what} send before {self.label(tag)}", peer=self.peer):
-                request.Wait()
+                self.waits.one(request)
             self.pool.give(buffer)
         device.synchronize(xp)
         host = self.pool.take()
@@ -74,8 +78,9 @@ class Sends:
 
 
 class Receives:
-    def __init__(self, comm, source, shape, tags, ahead, watchdog, what, peer, label=micro_batch):
+    def __init__(self, comm, source, shape, tags, ahead, watchdog, what, peer, label=micro_batch, waits=None):
         self.comm, self.source, self.tags, self.ahead = comm, source, list(tags), max(1, ahead)
+        self.waits = waits or Waits(False)
         self.label = label
         self.watchdog, self.what, self.peer = watchdog, what, peer
         self.pool = Pool(shape)
@@ -99,7 +104,7 @@ class Receives:
         request, buffer = self.posted.pop(tag)
         with self.watchdog.waiting(f"pipeline {self.what} of {self.label(tag)} from stage {self.source}",
                                    peer=self.peer):
-            request.Wait()
+            self.waits.one(request)
         self._post()
         return buffer
 

@@ -113,6 +113,12 @@ def cores_available():
         return os.cpu_count() or 1
 
 
+def oversubscribed(local_size):
+    """More ranks on this node than cores: a rank that waits must not
+    busy-poll the cores the computing ranks need (comm/waits.py)."""
+    return (local_size or 1) > cores_available()
+
+
 def threads_per_rank(env=None):
     """The cores one rank of this node gets: a launcher that binds ranks to
     cores leaves each rank fewer cores than the node has, and then those
@@ -137,7 +143,7 @@ def configure_process(env=None, device="auto", threads=None):
     local_size = local_size or 1
     cores = cores_available()
     notes = []
-    if local_size > cores:
+    if oversubscribed(local_size):
         for var in ("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "OMPI_MCA_mpi_yield_when_idle"):
             env.setdefault(var, "1")
         notes.append(f"{local_size} ranks on {cores} cores: MPI progress throttled")

@@ -19,6 +19,7 @@ from .. import device
 from ..cli import validate
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
+from ..comm.waits import Waits
 from ..data.arrays import memory_available
 from ..errors import EXIT_PREEMPTED, HpctrainError
 from ..nn import LayerError, compiled, spec_for, threads
@@ -75,15 +76,19 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         gpu_note = cluster.confirm_gpu_binding(args.device)  # MPI's node-local rank has the last word
     xp, device_name, device_note = agree(device.select, args.device)
     allreduce = agree(allreduce_plan, args.allreduce, xp, args.mode, args.cuda_aware)
+    # How this rank waits (comm/waits.py): napping where its node's ranks outnumber its cores
+    waits = Waits(args.wait_mode == "nap" or
+                  (args.wait_mode == "auto" and cluster_mod.oversubscribed(cluster.local_size)))
     device_note = "; ".join(filter(None, [device_note, gpu_note if device.is_gpu(xp) else "", allreduce,
                                           f"compute threads per rank: {compute_threads}"
-                                          if compute_threads > 1 and not device.is_gpu(xp) else ""]))
+                                          if compute_threads > 1 and not device.is_gpu(xp) else "",
+                                          "waiting ranks nap" if waits.nap else ""]))
     server_xp = agree(server_array_module, args)
     thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
     if not thread_multiple:
         device_note += "; MPI gives less than MPI_THREAD_MULTIPLE: no communication thread (--overlap off)"
     world = World(comm=comm, cluster=cluster, watchdog=watchdog, stop=stop, xp=xp, device_name=device_name,
-                  server_xp=server_xp, thread_multiple=thread_multiple, t_start=t_start)
+                  server_xp=server_xp, thread_multiple=thread_multiple, waits=waits, t_start=t_start)
     say(f"hpctrain: {args.mode} mode, world size {cluster.size} "
         f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {device_name} "
         f"({device_note})" + (f"; {process_note}" if process_note else ""))

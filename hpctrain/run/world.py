@@ -23,6 +23,7 @@ class World:
     device_name: str
     server_xp: object       # ps mode: where servers keep their slice
     thread_multiple: bool   # MPI gives MPI_THREAD_MULTIPLE (a communication thread may call it)
+    waits: object           # comm/waits.Waits: how this rank waits (naps where ranks outnumber cores)
     t_start: float          # perf_counter at start-up, after the checks that need no data
 
     @property

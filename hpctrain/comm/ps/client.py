@@ -30,7 +30,7 @@ from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQ
                        H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL,
                        OP_PULL, OP_PUSH, OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS,
                        TAG_REPLY, ProtocolError, loss_field, stats_length)
-from .waits import Waits
+from ..waits import Waits
 
 
 class Cut(NamedTuple):
@@ -65,7 +65,7 @@ class Client:
         self.worker, self.num_workers = worker, num_workers
         self.sync = sync
         self.watchdog = watchdog
-        self.waits = Waits(nap)     # more ranks than cores: wait without busy-polling (waits.py)
+        self.waits = Waits(nap)     # more ranks than cores: wait without busy-polling (comm/waits.py)
         self.placement = [list(r) for r in placement]
         self.params, self.grads = params, grads
         self.p_slices = [Slice(params, r) for r in self.placement]

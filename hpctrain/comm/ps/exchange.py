@@ -24,7 +24,7 @@ class Exchange:
     """comm: the protocol's communicator; ranges: this server's (lo, hi);
     workers: their ranks; shared: the node's SharedExchange or None;
     own_replies: a reply buffer per worker; waits, watchdog: how to wait
-    (waits.py) and under which deadline; times: the server's seconds per
+    (comm/waits.py) and under which deadline; times: the server's seconds per
     activity (stats.py)."""
 
     def __init__(self, comm, ranges, workers, shared, own_replies, waits, watchdog, times):

@@ -36,7 +36,7 @@ from .round import Async, Push, Round, Sync
 from .silence import SilenceWatch
 from .snapshot import CutHold, DataPositions, receive_restore
 from .stats import ServerStats
-from .waits import Waits
+from ..waits import Waits
 
 
 def reply_buffers_needed(sync, replicas, num_workers):
@@ -58,7 +58,7 @@ class Server:
     and `stop_requested` (polled: a stop signal arrived). ranges: this
     server's (lo, hi); worker_ranks / server_ranks: ranks in `comm`
     (server_ranks[0] leads); steps: the step budget; nap: wait without
-    busy-polling (waits.py); servers_comm: the servers' communicator, where
+    busy-polling (comm/waits.py); servers_comm: the servers' communicator, where
     the slices' sums of squares meet (clip, several servers); shared: the
     node's SharedExchange (shared.py) or None.
     """
