@@ -28,15 +28,18 @@ Run as root from the repository root after `make test-serial`:
 Brings up 3 nodes (hpt-n0 login, hpt-n1, hpt-n2), shapes hpt-n1/2's links,
 and takes both down at the end. Env: BENCH_STEPS (30), BENCH_WARM (5),
 BENCH_REPEATS (3), BENCH_BATCH (32), BENCH_ONE_NODE (1; 0 leaves out the
-one-node runs). About 10 minutes on 2 cores.
+one-node runs), BENCH_WAIT_MODE (auto; --wait-mode for both runs). About
+10 minutes on 2 cores.
 
 Each simulated node believes it has the machine's 2 cores for its 2 ranks,
 so hpctrain does not throttle MPI's progress there (cluster.configure_process
 does when ranks outnumber cores), and a rank waiting for a neighbour stage
 busy-polls the cores the computing ranks need, which a real node's own cores
 would not suffer. MPIR_CVAR_CH4_PROGRESS_THROTTLE=1 in the environment (it
-reaches every rank) makes waiting ranks yield as on one node; the header
-says which was run.
+reaches every rank) makes waiting ranks yield as on one node, and
+BENCH_WAIT_MODE=nap makes the pipeline's waiting stage nap as hpctrain's
+auto does on one node (docs/usage.md; the ring's exchanges spin in either
+mode); the header says which was run.
 """
 import json
 import os
@@ -57,7 +60,9 @@ STEPS = int(os.environ.get("BENCH_STEPS", "30"))
 WARM = int(os.environ.get("BENCH_WARM", "5"))
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
 BATCH = int(os.environ.get("BENCH_BATCH", "32"))
-COMMON = ("--hidden", f"{HIDDEN},{HIDDEN}", "--batch-size", str(BATCH), "--steps", str(STEPS), "--log-every", "1")
+WAIT_MODE = os.environ.get("BENCH_WAIT_MODE", "auto")
+COMMON = ("--hidden", f"{HIDDEN},{HIDDEN}", "--batch-size", str(BATCH), "--steps", str(STEPS), "--log-every", "1",
+          "--wait-mode", WAIT_MODE)
 CASES = {
     "hier": (("--allreduce", "hier", "--accumulate-steps", "2"), 4 * 2 * BATCH, 4 * PARAMS),
     "pipe": (("--pipeline-stages", "2", "--micro-batches", str(MICRO)), REPLICAS * MICRO * BATCH,
@@ -115,7 +120,7 @@ def bench(across, what):
     throttle = os.environ.get("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "unset")
     print(f"\n== {what}: {STEPS} steps, steady state over steps {WARM}..{STEPS}, "
           f"{REPEATS} interleaved repeats, --hidden {HIDDEN},{HIDDEN}, batch {BATCH}, "
-          f"MPIR_CVAR_CH4_PROGRESS_THROTTLE {throttle}")
+          f"MPIR_CVAR_CH4_PROGRESS_THROTTLE {throttle}, --wait-mode {WAIT_MODE}")
     for name, (flags, per_step, must) in CASES.items():
         print(f"   {name}: {' '.join(flags)} ({per_step} samples/step"
               + (f"; must send {must / 1e6:.2f} MB per step each way per link)" if across else ")"))
