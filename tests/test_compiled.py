@@ -300,3 +300,52 @@ def test_auto_takes_compiled_layers_only_where_every_rank_has_numba(tmp_path):
                        capture_output=True, text=True, timeout=240, env=child_env(), cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "layers: NumPy" in r.stdout, r.stdout
+
+
+VECTORS_SCRIPT = """
+import os, sys
+import numpy as np
+from hpctrain.run import vector_width
+note = vector_width.configure(os.environ) if sys.argv[1] == "512" else ""
+from hpctrain.nn import compiled
+rng = np.random.default_rng(3)
+x = rng.standard_normal((4, 10, 11, 16), dtype=np.float32)   # padded input
+w = rng.standard_normal((3, 3, 16, 32), dtype=np.float32)
+dy = rng.standard_normal((4, 8, 9, 32), dtype=np.float32)
+y, dw = np.empty_like(dy), np.empty_like(w)
+forward = compiled._kernel("forward", compiled._make_forward, (32, 3, 1), np.float32)
+gradient = compiled._kernel("weight_gradient", compiled._make_weight_gradient, (32, 3, 1, 16), np.float32)
+forward(x, w, y)
+gradient(x, dy, dw)
+np.save(sys.argv[2], np.concatenate([y.ravel(), dw.ravel()]))
+asm = "".join(forward.inspect_asm().values()) + "".join(gradient.inspect_asm().values())
+print(note or "-", asm.count("zmm"))
+"""
+
+
+def test_512_bit_vectors_on_avx512_cpus_give_the_same_bits(tmp_path):
+    """run/vector_width.py: on an AVX-512 CPU the kernels compile to 512-bit
+    registers (LLVM's tuning for Intel's asks for 256), with the bits of
+    LLVM's own choice; elsewhere nothing is set."""
+    import os
+    import subprocess
+    import sys
+    from hpctrain.run import vector_width
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
+    mine = dict(env, NUMBA_CPU_FEATURES="+avx2")
+    assert vector_width.configure(mine) == "" and mine["NUMBA_CPU_FEATURES"] == "+avx2"   # the user's, kept
+    probe = dict(env)
+    note = vector_width.configure(probe)
+    if not note:
+        assert "NUMBA_CPU_FEATURES" not in probe
+        pytest.skip("no AVX-512 on this CPU: numba's defaults")
+    assert probe["NUMBA_CPU_FEATURES"].endswith(",-prefer-256-bit") and "+avx512f" in probe["NUMBA_CPU_FEATURES"]
+    runs = {}
+    for width in ("default", "512"):
+        run_env = dict(env, NUMBA_CACHE_DIR=str(tmp_path / f"cache-{width}"))   # compiled afresh: its code inspected
+        r = subprocess.run([sys.executable, "-c", VECTORS_SCRIPT, width, str(tmp_path / f"{width}.npy")],
+                           capture_output=True, text=True, env=run_env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[width] = r.stdout.split()[-1]
+    assert int(runs["512"]) > 0, runs   # 512-bit registers in the kernels
+    assert np.array_equal(np.load(tmp_path / "default.npy"), np.load(tmp_path / "512.npy"))

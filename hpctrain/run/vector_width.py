@@ -1,0 +1,37 @@
+"""The vector registers numba compiles the compiled layers for (nn/compiled.py).
+
+LLVM tunes Intel's AVX-512 CPUs (Skylake-SP to Sapphire Rapids, its
+"prefer-256-bit") to vectorize with 256-bit registers even where 512-bit
+ones exist, so numba's kernels for the compiled layers used ymm registers
+only: half their width, and twice the instructions. Measured on an Intel
+Xeon with AVX-512 (LLVM names it rocketlake), one thread, batch 32, GFLOP/s
+of the 3x3 kernels, 256-bit (LLVM's choice) -> 512-bit: weight gradient
+16->16 channels 81 -> 115, 32->32 77 -> 124, 64->32 55 -> 81, 32->64 56
+-> 70; forward 16->16 100 -> 112, 32->32 101 -> 115 (32->64 unchanged,
+about 87). AMD's Zen 4 is not tuned that way: nothing changes there. So,
+before numba loads, where the CPU has AVX-512 and NUMBA_CPU_FEATURES is not
+set, it is set to the CPU's own features with -prefer-256-bit. The bits do
+not change: each output channel is its own vector lane, summed in the same
+order at any width. A variable you set yourself is left alone.
+
+    python -c "import os; from hpctrain.run import vector_width as v; print(v.configure(dict(os.environ)))"
+"""
+import importlib.util
+
+FEATURES = "NUMBA_CPU_FEATURES"
+
+
+def configure(env):
+    """Set env's NUMBA_CPU_FEATURES as above (call before numba is
+    imported: it reads it once). Returns a note for the log, or ""."""
+    if FEATURES in env or importlib.util.find_spec("llvmlite") is None:
+        return ""
+    try:
+        import llvmlite.binding as llvm   # LLVM itself, ~50 ms; no NumPy
+        features = llvm.get_host_cpu_features().flatten()
+    except Exception:   # a host LLVM cannot describe: numba's own defaults
+        return ""
+    if "+avx512f" not in features.split(","):
+        return ""
+    env[FEATURES] = features + ",-prefer-256-bit"
+    return "compiled layers: 512-bit vectors"
