@@ -313,7 +313,7 @@ x = rng.standard_normal((4, 10, 11, 16), dtype=np.float32)   # padded input
 w = rng.standard_normal((3, 3, 16, 32), dtype=np.float32)
 dy = rng.standard_normal((4, 8, 9, 32), dtype=np.float32)
 y, dw = np.empty_like(dy), np.empty_like(w)
-forward = compiled._forward_kernel(32, 3, 1, np.float32)
+forward = compiled._forward_kernel(32, 3, 1, np.float32, 9)
 gradient = compiled._kernel("weight_gradient", compiled._make_weight_gradient, (32, 3, 1, 16), np.float32)
 forward(x, w, y)
 gradient(x, dy, dw)

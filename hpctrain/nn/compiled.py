@@ -59,11 +59,16 @@ BLOCKS = {
 # Intel's AVX-512 CPUs (512-bit vectors: run/vector_width.py) run the
 # forward kernel at 64 output channels in two passes of 32 (W's columns for
 # one pass, 37 KB at 32 input channels, stay in L1; 74 KB did not, and the
-# kernel waited on L2), 6 pixels a block, without the loop vectorizer:
-# measured (one thread, 20 images) 64->64 channels 88 -> 128 GFLOP/s, 32->64
-# 88 -> 91. FORWARD: {O: (pixels, output channels a pass, loop vectorizer)}.
-# AMD's Zen 4, where the table above was measured, keeps it.
-INTEL_AVX512_FORWARD = {64: (6, 32, False)}
+# kernel waited on L2), all without the loop vectorizer, and with 4 to 7
+# pixels a block as the row's width is cut best (its last block overlaps the
+# one before: 14 pixels as 7 + 7, 11 as 6 + 6). Measured (one thread, 20
+# images, GFLOP/s) against the table above: 32->64 channels, 14 wide, 95 ->
+# 132 (7 pixels); 64->64, 11 wide, 94 -> 118-149 (6); 64->32, 14 wide, 127-135
+# -> 150-166 (7); 16->16, 28 wide, 111-114 -> 129-138 (7). INTEL_AVX512_FORWARD:
+# {O: (output channels a pass, loop vectorizer)}. AMD's Zen 4, where the
+# table above was measured, keeps it.
+INTEL_AVX512_FORWARD = {16: (16, False), 32: (32, False), 64: (32, False)}
+INTEL_PIXELS = (7, 6, 5, 4)
 _isa = []
 
 
@@ -84,8 +89,6 @@ def isa():
 
 
 def _blocks(table):
-    if table == "FORWARD" and isa() == "avx512" and _intel():
-        return INTEL_AVX512_FORWARD
     return BLOCKS[isa()][table] if isa() else {}
 
 
@@ -144,13 +147,20 @@ def _kernel(name, make, key, dtype, loop_vectorize=None):
     return _kernels[full]
 
 
-def _forward_blocks(out):
-    """(pixels a block, output channels a pass, loop vectorizer) of the forward kernel."""
-    return _blocks("FORWARD").get(out, (_blocks("PIXELS")[out], out, _blocks("LOOP_VECTORIZE")[out]))
+def _forward_blocks(out, width):
+    """(pixels a block, output channels a pass, loop vectorizer) of the
+    forward kernel for `out` channels and rows `width` pixels wide."""
+    if isa() == "avx512" and _intel():
+        channels, loop = INTEL_AVX512_FORWARD[out]
+        # the fewest pixels computed, a row's last block overlapping (ties: the larger block)
+        pixels = min(INTEL_PIXELS, key=lambda p: -(-width // p) * p if width >= p else 10 ** 6)
+        return pixels, channels, loop
+    return _blocks("PIXELS")[out], out, _blocks("LOOP_VECTORIZE")[out]
 
 
-def _forward_kernel(out, k, stride, dtype):
-    return _kernel("forward", _make_forward, (out, k, stride), dtype, _forward_blocks(out)[2])
+def _forward_kernel(out, k, stride, dtype, width):
+    pixels, channels, loop = _forward_blocks(out, width)
+    return _kernel("forward", _make_forward, (out, k, stride, pixels, channels, loop), dtype, loop)
 
 
 def _compile(make, key, dtype, loop_vectorize):
@@ -199,18 +209,17 @@ def _make_stack():
     return stack
 
 
-def _make_forward(O, K, S, dtype):
+def _make_forward(O, K, S, PB, OB, LOOP, dtype):
+    """PB pixels a block, OB output channels a pass (W's columns for them
+    stay in L1); LOOP, the loop vectorizer's setting, is in the closure too,
+    which numba's disk cache hashes."""
     import numba
-    # pixels a block, output channels a pass (W's columns for them stay in L1), and the
-    # loop vectorizer's setting: all three in the closure, which numba's disk cache hashes
-    BLOCK = _forward_blocks(O)
-    PB, OB = BLOCK[0], BLOCK[1]
 
     def forward(xp, w, y):
         """y[b, i, j, :] = sum over (kh, kw, c) of xp[b, i*S+kh, j*S+kw, c] * w[kh, kw, c, :]."""
         n, oh, ow = y.shape[0], y.shape[1], y.shape[2]
         C = xp.shape[3]
-        if BLOCK[2] is None:   # (never: BLOCK is in the closure for the cache's key)
+        if LOOP is None:   # (never: LOOP is in the closure for the cache's key)
             return
         acc = numba.carray(_stack(dtype), (PB, OB))
         for b in range(n):
@@ -218,6 +227,10 @@ def _make_forward(O, K, S, dtype):
                 for q0 in range(0, O, OB):
                     j0 = 0
                     while j0 < ow:
+                        if ow >= PB and j0 + PB > ow:
+                            # the row's last block overlaps the one before: those
+                            # pixels again, the same sums (no narrow tail)
+                            j0 = ow - PB
                         if j0 + PB <= ow:
                             for p in range(PB):
                                 for q in range(OB):
@@ -233,7 +246,7 @@ def _make_forward(O, K, S, dtype):
                                 for q in range(OB):
                                     y[b, i, j0 + p, q0 + q] = acc[p, q]
                             j0 += PB
-                        else:   # the row's last pixels, one at a time
+                        else:   # a row narrower than a block: one pixel at a time
                             for q in range(OB):
                                 acc[0, q] = 0
                             for kh in range(K):
@@ -366,7 +379,7 @@ def input_gradient(dy, wt, dx, stride, pad):
 def forward(xp, w, y, stride):
     """y (n, oh, ow, O) from the padded input xp (n, H, W, C) and w (k, k, C, O), all C-contiguous."""
     k, out = w.shape[0], w.shape[3]
-    _forward_kernel(out, k, stride, y.dtype)(xp, w, y)
+    _forward_kernel(out, k, stride, y.dtype, y.shape[2])(xp, w, y)
 
 
 def weight_gradient(xp, dy, dw, stride):
@@ -375,13 +388,14 @@ def weight_gradient(xp, dy, dw, stride):
     _kernel("weight_gradient", _make_weight_gradient, (out, k, stride, c), dy.dtype)(xp, dy, dw)
 
 
-def prepare_conv(k, stride, pad, in_channels, out_channels, dtype, input_gradient):
+def prepare_conv(k, stride, pad, in_channels, out_channels, dtype, input_gradient, in_width, out_width):
     """Compile (or load from numba's cache) a convolution's kernels before
     its first step; input_gradient: "turned" (stride 1: the forward kernel
-    over dy padded), "gathered" (input_gradient) or None (im2col's)."""
-    _forward_kernel(out_channels, k, stride, dtype)
+    over dy padded), "gathered" (input_gradient) or None (im2col's); the
+    input's and output's widths in pixels."""
+    _forward_kernel(out_channels, k, stride, dtype, out_width)
     _kernel("weight_gradient", _make_weight_gradient, (out_channels, k, stride, in_channels), dtype)
     if input_gradient == "turned":
-        _forward_kernel(in_channels, k, 1, dtype)
+        _forward_kernel(in_channels, k, 1, dtype, in_width)
     elif input_gradient == "gathered":
         _kernel("input_gradient", _make_input_gradient, (in_channels, k, stride, pad), dtype)

@@ -129,7 +129,7 @@ class Conv2d(Layer):
         self.direct = self._direct_fits(xp)
         if self.direct:   # compiled now (or loaded from numba's cache), not in the first step
             compiled.prepare_conv(self.k, self.stride, self.pad, self.in_shape[2], self.out_channels,
-                                  params["W"].dtype, input_gradient=self._direct_dx())
+                                  params["W"].dtype, self._direct_dx(), self.in_shape[1], self.ow)
 
     def _direct_fits(self, xp=np):
         """Whether this layer runs nn/compiled.py's direct kernels: compiled
