@@ -93,14 +93,19 @@ def _blocks(table):
 
 
 def _intel():
-    """Whether LLVM names this CPU an Intel one (AMD's are znver*)."""
-    try:
-        from numba.core import config
-        import llvmlite.binding as llvm
-        name = config.CPU_NAME or llvm.get_host_cpu_name()
-    except ImportError:
-        return False
-    return not name.startswith(("znver", "amdfam", "generic"))
+    """Whether LLVM names this CPU an Intel one (AMD's are znver*); asked once."""
+    if not _vendor:
+        try:
+            from numba.core import config
+            import llvmlite.binding as llvm
+            name = config.CPU_NAME or llvm.get_host_cpu_name()
+        except ImportError:
+            name = "generic"
+        _vendor.append(not name.startswith(("znver", "amdfam", "generic")))
+    return _vendor[0]
+
+
+_vendor = []
 
 
 _kernels = {}
@@ -378,8 +383,14 @@ def input_gradient(dy, wt, dx, stride, pad):
 
 def forward(xp, w, y, stride):
     """y (n, oh, ow, O) from the padded input xp (n, H, W, C) and w (k, k, C, O), all C-contiguous."""
-    k, out = w.shape[0], w.shape[3]
-    _forward_kernel(out, k, stride, y.dtype, y.shape[2])(xp, w, y)
+    k, out, width = w.shape[0], w.shape[3], y.shape[2]
+    kernel = _by_width.get((out, k, stride, y.dtype, width))
+    if kernel is None:
+        kernel = _by_width[out, k, stride, y.dtype, width] = _forward_kernel(out, k, stride, y.dtype, width)
+    kernel(xp, w, y)
+
+
+_by_width = {}   # forward's kernels by (out, k, stride, dtype, width): the step's lookups, one dict
 
 
 def weight_gradient(xp, dy, dw, stride):
