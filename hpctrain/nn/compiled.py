@@ -52,9 +52,9 @@ import numpy as np
 #   at most 58 whatever the blocks, so 64 channels stay im2col there.
 BLOCKS = {
     "avx512": {"PIXELS": {16: 4, 32: 4, 64: 3}, "CHANNELS": {16: 16, 32: 8, 64: 4},
-               "LOOP_VECTORIZE": {16: False, 32: False, 64: True}, "FORWARD": {}},
+               "LOOP_VECTORIZE": {16: False, 32: False, 64: True}},
     "avx2": {"PIXELS": {16: 4, 32: 2}, "CHANNELS": {16: 4, 32: 2},
-             "LOOP_VECTORIZE": {16: False, 32: False}, "FORWARD": {}},
+             "LOOP_VECTORIZE": {16: False, 32: False}},
 }
 # Intel's AVX-512 CPUs (512-bit vectors: run/vector_width.py) run the
 # forward kernel at 64 output channels in two passes of 32 (W's columns for
@@ -92,6 +92,9 @@ def _blocks(table):
     return BLOCKS[isa()][table] if isa() else {}
 
 
+_vendor = []
+
+
 def _intel():
     """Whether LLVM names this CPU an Intel one (AMD's are znver*); asked once."""
     if not _vendor:
@@ -103,9 +106,6 @@ def _intel():
             name = "generic"
         _vendor.append(not name.startswith(("znver", "amdfam", "generic")))
     return _vendor[0]
-
-
-_vendor = []
 
 
 _kernels = {}
