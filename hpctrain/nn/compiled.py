@@ -35,6 +35,8 @@ dtype: what the cache hashes to find them again).
 """
 import numpy as np
 
+from .. import vector_width
+
 # The register blocks, by the vector instructions numba compiles for and
 # the output channels O. PIXELS: output pixels per block of the forward
 # kernel (PIXELS x O/V accumulators, V floats a register); CHANNELS: input
@@ -56,7 +58,7 @@ BLOCKS = {
     "avx2": {"PIXELS": {16: 4, 32: 2}, "CHANNELS": {16: 4, 32: 2},
              "LOOP_VECTORIZE": {16: False, 32: False}},
 }
-# Intel's AVX-512 CPUs (512-bit vectors: run/vector_width.py) run the
+# Intel's AVX-512 CPUs (512-bit vectors: hpctrain/vector_width.py) run the
 # forward kernel at 64 output channels in two passes of 32 (W's columns for
 # one pass, 37 KB at 32 input channels, stay in L1; 74 KB did not, and the
 # kernel waited on L2), all without the loop vectorizer, and with 4 to 7
@@ -77,6 +79,7 @@ def isa():
     (its NUMBA_CPU_FEATURES where set, else this CPU's)."""
     if not _isa:
         try:
+            vector_width.load()
             from numba.core import config
             import llvmlite.binding as llvm
             features = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
@@ -99,6 +102,7 @@ def _intel():
     """Whether LLVM names this CPU an Intel one (AMD's are znver*); asked once."""
     if not _vendor:
         try:
+            vector_width.load()
             from numba.core import config
             import llvmlite.binding as llvm
             name = config.CPU_NAME or llvm.get_host_cpu_name()
@@ -127,7 +131,7 @@ def on():
 def available():
     """Whether numba can be imported (the direct kernels exist)."""
     try:
-        import numba  # noqa: F401
+        vector_width.load()
     except ImportError:
         return False
     return True
@@ -169,7 +173,7 @@ def _forward_kernel(out, k, stride, dtype, width):
 
 
 def _compile(make, key, dtype, loop_vectorize):
-    import numba
+    numba = vector_width.load()
     from numba.core import config
     global _stack
     if _stack is None:   # before the kernel compiles: it calls it

@@ -9,6 +9,8 @@ path's float operations (batch norm's sums in float64).
 """
 import numpy as np
 
+from .. import vector_width
+
 _kernels = {}
 
 
@@ -135,7 +137,7 @@ def _plain(name, dtype):
     as they are: no fastmath, its default vectorizers)."""
     full = (name, np.dtype(dtype).str)
     if full not in _kernels:
-        import numba
+        numba = vector_width.load()
         fn, args = _PLAIN[name]
         item = numba.from_dtype(np.dtype(dtype))
         kinds = {"m": item[:, ::1], "v": item[::1], "o": numba.float64[:, ::1], "i": item[:, :, :, ::1],

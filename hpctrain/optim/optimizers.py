@@ -35,6 +35,8 @@ import math
 
 import numpy as np
 
+from .. import vector_width
+
 BLOCK = 32768
 # numba costs a process about 1 s of CPU (its import and type registries, even
 # with the kernel cached on disk) and 110 MB; the pass saves ~2.8 ns per
@@ -132,7 +134,7 @@ def prepare(name, size, steps=None, single_pass="auto", xp=np, dtype=np.float32)
 def _compile(xp, name, dtype):
     if xp is np:
         try:
-            import numba
+            numba = vector_width.load()
         except ImportError:
             return None
         options = dict(nogil=True, error_model="numpy", boundscheck=False)   # "numpy": no zero check per divide

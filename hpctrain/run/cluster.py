@@ -19,7 +19,6 @@ import os
 import socket
 
 from ..errors import HpctrainError
-from . import vector_width
 
 # (rank, size, local rank, local size) variables, per launcher, in the order we trust them.
 _LAUNCHER_VARS = [
@@ -161,13 +160,11 @@ def configure_process(env=None, device="auto", threads=None):
     # Open MPI's osc/sm; osc/ucx, queried first, prints an "Error" line per
     # rank where UCX has no RMA transport (a node without InfiniBand).
     env.setdefault("OMPI_MCA_osc", "^ucx")
-    # numba's kernels on an Intel AVX-512 CPU: 512-bit registers, not LLVM's 256 (run/vector_width.py)
-    notes.append(vector_width.configure(env))
     check_shm_room(env)
     gpu = bind_gpu(device, env)
     if gpu:
         notes.append(gpu)
-    return "; ".join(filter(None, notes))
+    return "; ".join(notes)
 
 
 SHM_DIR = "/dev/shm"

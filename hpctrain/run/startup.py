@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import data as data_mod
-from .. import device
+from .. import device, vector_width
 from ..cli import validate
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
@@ -134,7 +134,8 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         say("\n".join(spec.summary()))
         if xp is np:
             say("layers: compiled (nn/compiled.py: direct convolutions with 16, 32 or 64 output channels, "
-                "batch norm, max pooling, ReLU)" if compiled.on() else "layers: NumPy (convolutions by im2col)")
+                "batch norm, max pooling, ReLU" + ("; 512-bit vectors" if vector_width.wide() else "") + ")"
+                if compiled.on() else "layers: NumPy (convolutions by im2col)")
     # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
     cuts = agree(cuts_for, args, cluster.size, spec)
     replicas = cluster.size // args.pipeline_stages
@@ -287,7 +288,7 @@ def check_single_pass(args, xp):
     if args.single_pass != "on" or xp is not np:
         return
     try:
-        import numba  # noqa: F401
+        vector_width.load()
     except ImportError:
         raise HpctrainError("--single-pass on: numba is not installed (pip install 'hpctrain[fast]'), "
                             "or use --single-pass auto") from None

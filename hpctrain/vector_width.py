@@ -9,14 +9,22 @@ of the 3x3 kernels, 256-bit (LLVM's choice) -> 512-bit: weight gradient
 16->16 channels 81 -> 115, 32->32 77 -> 124, 64->32 55 -> 81, 32->64 56
 -> 70; forward 16->16 100 -> 112, 32->32 101 -> 115 (32->64 unchanged,
 about 87). AMD's Zen 4 is not tuned that way: nothing changes there. So,
-before numba loads, where the CPU has AVX-512 and NUMBA_CPU_FEATURES is not
-set, it is set to the CPU's own features with -prefer-256-bit. The bits do
-not change: each output channel is its own vector lane, summed in the same
-order at any width. A variable you set yourself is left alone.
+as numba loads (it reads the variable then), where the CPU has AVX-512 and
+NUMBA_CPU_FEATURES is not set, it is set to the CPU's own features with
+-prefer-256-bit. The bits do not change: each output channel is its own
+vector lane, summed in the same order at any width. A variable you set
+yourself is left alone.
 
-    python -c "import os; from hpctrain.run import vector_width as v; print(v.configure(dict(os.environ)))"
+Every place in hpctrain that imports numba does it through load(), so
+LLVM's library (about 44 MB resident) is loaded only in a process that
+loads numba anyway: not at start-up, where the memory check counts what a
+rank holds before its model.
+
+    python -c "import os; from hpctrain import vector_width as v; print(v.configure(dict(os.environ)))"
 """
 import importlib.util
+import os
+import sys
 
 FEATURES = "NUMBA_CPU_FEATURES"
 
@@ -35,3 +43,17 @@ def configure(env):
         return ""
     env[FEATURES] = features + ",-prefer-256-bit"
     return "compiled layers: 512-bit vectors"
+
+
+def load():
+    """numba, imported after configure(os.environ) (ImportError where it is
+    not installed)."""
+    if "numba" not in sys.modules:
+        configure(os.environ)
+    import numba
+    return numba
+
+
+def wide():
+    """Whether this process set the 512-bit vectors (for the start-up line)."""
+    return os.environ.get(FEATURES, "").endswith(",-prefer-256-bit")
