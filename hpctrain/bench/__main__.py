@@ -227,8 +227,6 @@ def _layers(args):
     # one thread, as a training rank's with compute threads (nn/threads.py).
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
-    from .. import vector_width
-    vector_width.configure(os.environ)   # numba's vectors as a training rank's (before numba loads)
     from ..nn import MODELS, LayerError, compiled, threads
     if args.compiled_layers == "on" and not compiled.available():
         raise HpctrainError("--compiled-layers on: numba is not installed (pip install 'hpctrain[fast]')")
