@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from hpctrain.optim import optimizers as optim
-from hpctrain.optim.optimizers import Adam, Momentum, OnDevice, SGD, Sharded, learning_rate, make_optimizer
+from hpctrain.optim.optimizers import Adam, Momentum, OnDevice, SGD, Sharded, make_optimizer
+from hpctrain.optim.schedule import learning_rate
 
 
 def reference(name, p, grads, lr, scale):

@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import device
 from ..nn.spec import ModelSpec
-from ..optim.optimizers import learning_rate, schedule_line
+from ..optim.schedule import learning_rate, schedule_line
 from ..pipeline.stages import virtual_stages
 from . import identity
 from .cluster import cores_available
@@ -135,7 +135,7 @@ class Optimizer:
 
 @dataclass(frozen=True)
 class Schedule:
-    """optimizers.learning_rate's arguments; total_steps: --steps, or --epochs counted from step 0."""
+    """schedule.learning_rate's arguments; total_steps: --steps, or --epochs counted from step 0."""
     base_lr: float
     workers: int
     scale_lr: bool
