@@ -15,7 +15,8 @@ from mpi4py import MPI
 
 from gpu_fakes import LazyCopier
 from test_hier import fake_gpu  # noqa: F401 (a fixture)
-from hpctrain.comm.compress import HalfExchange, HalfRing, PowerSgd
+from hpctrain.comm.compress import HalfExchange, HalfRing
+from hpctrain.comm.powersgd import PowerSgd
 from hpctrain.comm.hier import HierAllreduce
 from hpctrain.comm.ring import SEGMENT_BYTES, RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
