@@ -1,12 +1,14 @@
 """The checkpoint command: list a --checkpoint-dir's checkpoints, newest
-first, and verify each (the format: checkpoints/file.py).
+first, and verify each (the format: checkpoints/file.py; the checks:
+checkpoints/reader.py).
 
     python -m hpctrain.checkpoint DIR      # exit 1 if one is corrupt, 2 if DIR is not a directory
 """
 import os
 import sys
 
-from .checkpoints.file import list_checkpoints, read
+from .checkpoints.file import list_checkpoints
+from .checkpoints.reader import read
 from .checkpoints.trust import Corrupt
 from .errors import HpctrainError
 from .run.identity import SAME_ON_RESUME

@@ -201,16 +201,16 @@ def load_params(path, data_dir=None, model=None):
 
 def load_checkpoint(path, data_dir=None, model=None):
     """The model in a checkpoint file, or the newest valid one of a --checkpoint-dir."""
-    from .checkpoints import file as checkpoint
+    from .checkpoints import reader
     path = str(path)
     if os.path.isdir(path):
-        ckpt = checkpoint.load_latest(path, {})
+        ckpt = reader.load_latest(path, {})
         if ckpt is None:
             raise HpctrainError(f"{path}: no checkpoint (ckpt-NNNNNNNN.h5) in it")
     elif os.path.isfile(path):
         try:
-            ckpt = checkpoint.read(path)
-        except checkpoint._Corrupt as e:
+            ckpt = reader.read(path)
+        except reader._Corrupt as e:
             raise HpctrainError(f"{path}: not a valid checkpoint ({e})") from None
     else:
         raise HpctrainError(f"{path}: no such file or directory")

@@ -23,6 +23,7 @@ from conftest import MPIRUN, OPEN_MPI, REPO, under_mpirun
 from hpctrain.run.cluster import child_env
 from hpctrain import checkpoint as checkpoint_command
 from hpctrain.checkpoints import file as checkpoint
+from hpctrain.checkpoints import reader
 from hpctrain.errors import EXIT_PREEMPTED, HpctrainError
 
 SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",
@@ -41,7 +42,7 @@ def write(directory, step, n=16, keep=3, settings=None, seed=None):
 
 def load(directory, settings=None):
     warnings = []
-    ckpt = checkpoint.load_latest(directory, settings or SETTINGS, warn=warnings.append)
+    ckpt = reader.load_latest(directory, settings or SETTINGS, warn=warnings.append)
     return ckpt, warnings
 
 
@@ -360,8 +361,8 @@ def test_a_small_file_claiming_a_huge_params_is_refused_before_it_is_read(tmp_pa
     checkpoint.stamp(path)
     assert os.path.getsize(path) < 100_000
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
-            "from hpctrain.checkpoints import file as checkpoint; from hpctrain.errors import HpctrainError\n"
-            "try:\n    checkpoint.load_latest(sys.argv[1], {})\n"
+            "from hpctrain.checkpoints import reader; from hpctrain.errors import HpctrainError\n"
+            "try:\n    reader.load_latest(sys.argv[1], {})\n"
             "except HpctrainError as e:\n    print(e)")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
                        cwd=REPO)
@@ -500,7 +501,7 @@ def recheck(path, edit):
     checksum and its header recomputed the way checkpoint.py does."""
     with h5py.File(path, "r+") as f:
         edit(f)
-        attrs = {k: checkpoint._plain(v) for k, v in f.attrs.items()}
+        attrs = {k: reader._plain(v) for k, v in f.attrs.items()}
         names = ["params", "data_positions", *(f"optimizer/{n}" for n in f.get("optimizer", {}))]
         f.attrs["sha256"] = checkpoint._checksum({n: f[n][()] for n in names}, attrs)
     checkpoint.stamp(path)

@@ -1,9 +1,9 @@
 """Property-based tests for the checkpoint reader (issue 10, section 5).
 
 A valid checkpoint written by checkpoint.save, then a copy of it truncated at
-any length and/or with 1-8 bytes xor'ed at any offsets: checkpoint.read
+any length and/or with 1-8 bytes xor'ed at any offsets: reader.read
 returns a Checkpoint bit-identical to the original (only when the mutation
-changed nothing) or raises checkpoint._Corrupt or HpctrainError with a
+changed nothing) or raises reader._Corrupt or HpctrainError with a
 one-line message, never another exception and never a hang. load_latest over
 a directory holding the mutated file (newest) and an older valid one returns
 the older one with one warning naming the mutated file, or the mutated one
@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hpctrain.checkpoints import file as checkpoint
+from hpctrain.checkpoints import reader
 from hpctrain.errors import HpctrainError  # noqa: E402
 
 SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",
@@ -52,7 +53,7 @@ def original(tmp_path_factory):
     path = write(d / "newest", 20)
     with open(path, "rb") as f:
         raw = f.read()
-    return path, raw, checkpoint.read(path), older
+    return path, raw, reader.read(path), older
 
 
 def same(a, b):
@@ -104,8 +105,8 @@ def test_read_of_a_mutated_checkpoint_is_the_original_or_one_line(original, muta
         with open(copy, "wb") as f:
             f.write(damaged)
         try:
-            got = checkpoint.read(copy)
-        except (checkpoint._Corrupt, HpctrainError) as e:
+            got = reader.read(copy)
+        except (reader._Corrupt, HpctrainError) as e:
             one_line(e)
             assert damaged != raw, f"an unchanged file refused: {e}"
             return
@@ -124,7 +125,7 @@ def test_load_latest_falls_back_to_the_older_valid_checkpoint(original, mutation
             f.write(damaged)
         warnings = []
         try:
-            got = checkpoint.load_latest(d, SETTINGS, warn=warnings.append)
+            got = reader.load_latest(d, SETTINGS, warn=warnings.append)
         except HpctrainError as e:
             one_line(e)
             return

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import OPEN_MPI, saved, same_bytes
 from hpctrain.checkpoints import file as checkpoint
+from hpctrain.checkpoints import reader
 from hpctrain.data import bundled_sample_dir, prepare
 from hpctrain.errors import EXIT_PREEMPTED
 from test_checkpoint import run_and_signal
@@ -31,7 +32,7 @@ def pipe(stages, micro=3, schedule="1f1b", *split):
 
 
 def datasets(path):
-    ckpt = checkpoint.read(path)
+    ckpt = reader.read(path)
     return {"params": ckpt.params, "data_positions": ckpt.data_positions, "model_state": ckpt.model_state,
             **{f"optimizer/{k}": v for k, v in ckpt.optimizer_state.items()}}
 

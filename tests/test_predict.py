@@ -20,6 +20,7 @@ from PIL import Image
 from conftest import REPO, run_job
 from hpctrain import data
 from hpctrain.checkpoints import file as checkpoint
+from hpctrain.checkpoints import reader
 
 TINY = os.path.join(REPO, "tests", "models", "tiny_cnn.py")
 COLOURS = {"blue": (30, 60, 220), "green": (40, 200, 60), "red": (220, 40, 40)}
@@ -170,7 +171,7 @@ def test_the_files_record_how_to_rebuild_the_model(trained_once, photos):
     assert rec["class_names"] == ["blue", "green", "red"] and rec["classes"] == 3
     assert rec["preprocess"]["resize"] == [10, 8] and rec["preprocess"]["mode"] == "RGB"
     assert rec["data"] == str(photos[1]) and len(rec["data_digest"]) == 16
-    ckpt = checkpoint.read(checkpoint.list_checkpoints(tmp / "ckpt1")[0][1])
+    ckpt = reader.read(checkpoint.list_checkpoints(tmp / "ckpt1")[0][1])
     assert json.loads(ckpt.attrs["inference"]) == rec
 
 

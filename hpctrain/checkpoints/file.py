@@ -1,5 +1,5 @@
-"""Atomic HDF5 checkpoints and resume: what a pre-empted job needs to continue
-exactly where it stopped.
+"""Atomic HDF5 checkpoints, their format and their writing: what a pre-empted
+job needs to continue exactly where it stopped.
 
 One file per checkpoint, `DIR/ckpt-00000123.h5` (the global step, 8 digits),
 written by the chief only. It holds everything a bit-exact resume needs:
@@ -31,42 +31,25 @@ name above it is never pruned: it may lie), older ones removed. Temporary
 files that killed writers left are swept at the next start
 (outputs.sweep_stale_temporaries); one job per checkpoint directory.
 
-Reading: newest first; a file that is unreadable, truncated, incomplete,
-fails a checksum or holds another step than its name says (a renamed copy)
-is reported through `warn` and skipped for the previous one. A valid
-checkpoint of a different job (another model, mode, optimizer, worker count,
-batch size or seed) is an error naming the setting, never silently skipped.
-A file with a valid header that save() could not have written is refused
-with one line (never read, never skipped): a dataset that is not a hard
-link, not stored contiguously inside the file (chunked, compressed, virtual,
-external storage, which would read any file named), or larger than the
-file; an attribute that is not a plain int, float or str; a step, optimizer
-step, data position or sample count out of range. So a crafted file can
-neither make the reader allocate more than its own size nor read elsewhere
-(those rules: checkpoints/trust.py). Only h5py reads; nothing is unpickled.
+Reading a file back, checking it and choosing the newest valid one is
+checkpoints/reader.py's.
 
 No MPI here: the loops gather and broadcast (checkpoints/resume.py), this
-module reads and writes; hpctrain/checkpoint.py is the command that lists
-and checks a directory's files.
+module writes (and lists a directory's files); hpctrain/checkpoint.py is the
+command that lists and checks them.
 
     python -m hpctrain.checkpoint DIR      # lists DIR's checkpoints and checks each
 """
 import errno
 import hashlib
-import io
 import os
 import re
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from .trust import Corrupt as _Corrupt
-from .trust import Refused as _Refused
-from .trust import check_attr_types, check_ranges, stored_dataset
 from ..errors import HpctrainError
 from ..run.outputs import temp_next_to
-from ..run.identity import RESUME_DEFAULTS
 
 FORMAT = "hpctrain-checkpoint"
 # 2: data_positions are (epoch, position in the epoch's permutation of the
@@ -82,57 +65,8 @@ USERBLOCK = 512
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 
 
-def _describe(key, value):
-    """A setting as the user knows it: "--hidden 64", "1000 parameters"."""
-    if key == "num_params":
-        return f"{value} parameters"
-    if key == "accumulate_steps":   # --accumulate-steps K or a pipeline's --micro-batches M: batches a step
-        return f"{value} batch{'es' if str(value) != '1' else ''} per step and worker (--accumulate-steps, or a " \
-               f"pipeline's --micro-batches)"
-    return f"--{key.replace('_', '-')} {value}"
-
-
 def checkpoint_name(step):
     return f"ckpt-{int(step):08d}.h5"
-
-
-@dataclass
-class Checkpoint:
-    """One checkpoint read back and verified; arrays are NumPy, on the host
-    (read lazily: params and the optimizer state are `OnDisk`, read a slice
-    at a time; close() when done)."""
-    path: str
-    step: int
-    optimizer_t: int
-    params: object
-    optimizer_state: dict
-    data_positions: np.ndarray
-    attrs: dict = field(default_factory=dict)
-    model_state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    source: object = None   # the open file of a lazy read
-    compression_state: dict = field(default_factory=dict)   # name -> flat float32 (compression/<name>)
-
-    @property
-    def name(self):
-        return os.path.basename(self.path)
-
-    def close(self):
-        if self.source is not None:
-            self.source.close()
-            self.source = None
-
-
-class OnDisk:
-    """A flat float32 dataset of a verified checkpoint, left in the file:
-    `read(lo, hi)` its slice (a pipeline's resume hands each stage its part,
-    and no rank holds the whole)."""
-
-    def __init__(self, dataset):
-        self._dataset = dataset
-        self.size, self.shape, self.dtype = int(dataset.size), tuple(dataset.shape), np.dtype(np.float32)
-
-    def read(self, lo, hi):
-        return np.asarray(self._dataset[lo:hi], dtype=np.float32)
 
 
 @dataclass
@@ -349,240 +283,3 @@ def _checksum(datasets, attrs, h=None):
             value = attrs[key]
             h.update(f"attr {key} {type(value).__name__} {value!r}\n".encode())
     return h.hexdigest()
-
-
-def _plain(value):
-    """An attribute as read by h5py -> the Python value it was written as."""
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray) and value.shape == ():
-        return value.item()
-    return value
-
-
-# ---------------------------------------------------------------------------
-# reading
-
-def _check_header(path, raw):
-    """The file's bytes against its header: _Corrupt unless they match."""
-    if len(raw) < USERBLOCK:
-        raise _Corrupt(f"truncated ({len(raw)} bytes)")
-    fields = raw[:USERBLOCK].split(b"\n", 1)[0].split(b" ")
-    if len(fields) != 4 or fields[0] != FORMAT.encode() or fields[2] != b"sha256":
-        raise _Corrupt("no hpctrain checkpoint header")
-    version = fields[1].decode(errors="replace")
-    h = _hasher(version)
-    h.update(memoryview(raw)[USERBLOCK:])
-    if raw[:USERBLOCK] != _header(version, h.hexdigest()):
-        raise _Corrupt("checksum mismatch")
-    if version != str(FORMAT_VERSION):
-        raise HpctrainError(f"{path}: checkpoint format version {version}, this hpctrain reads "
-                            f"version {FORMAT_VERSION}; start fresh with another --checkpoint-dir")
-
-
-# A lazy read hashes the file and its datasets this many bytes at a time.
-BLOCK_BYTES = 1 << 22
-
-
-def _check_header_streamed(path):
-    """_check_header, reading the file a block at a time (a lazy read holds
-    no more than a block of it): its size, or _Corrupt."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(USERBLOCK)
-            if len(head) < USERBLOCK:
-                raise _Corrupt(f"truncated ({len(head)} bytes)")
-            fields = head.split(b"\n", 1)[0].split(b" ")
-            if len(fields) != 4 or fields[0] != FORMAT.encode() or fields[2] != b"sha256":
-                raise _Corrupt("no hpctrain checkpoint header")
-            version = fields[1].decode(errors="replace")
-            h = _hasher(version)
-            size = USERBLOCK
-            for block in iter(lambda: f.read(BLOCK_BYTES), b""):
-                h.update(block)
-                size += len(block)
-    except OSError as e:
-        raise _Corrupt(f"cannot read: {e.strerror}") from None
-    if head != _header(version, h.hexdigest()):
-        raise _Corrupt("checksum mismatch")
-    if version != str(FORMAT_VERSION):
-        raise HpctrainError(f"{path}: checkpoint format version {version}, this hpctrain reads "
-                            f"version {FORMAT_VERSION}; start fresh with another --checkpoint-dir")
-    return size
-
-
-def read(path, lazy=False):
-    """One checkpoint, verified (Checkpoint), or _Corrupt with the reason.
-    lazy: the file is hashed a block at a time, its datasets too, and params
-    and the optimizer state stay in it (OnDisk, read by slices until close()):
-    no more than a block of it in memory."""
-    import h5py
-    source = None
-    try:
-        if lazy:
-            size = _check_header_streamed(path)
-            opened = path
-        else:
-            try:
-                with open(path, "rb") as f:
-                    raw = f.read()
-            except OSError as e:
-                raise _Corrupt(f"cannot read: {e.strerror}") from None
-            _check_header(path, raw)
-            size = len(raw)
-            opened = io.BytesIO(raw)   # from memory: the bytes just verified are the bytes parsed
-        try:
-            f = source = h5py.File(opened, "r", locking=False) if lazy else h5py.File(opened, "r")
-            attrs = {k: _plain(v) for k, v in f.attrs.items()}
-            if attrs.get("format") != FORMAT:
-                raise _Corrupt("not an hpctrain checkpoint")
-            if "sha256" not in attrs:
-                raise _Corrupt("no content checksum")
-            check_attr_types(attrs)
-            names = [n for n in str(attrs.get("optimizer_state", "")).split(",") if n]
-            keys = ["params", "data_positions"] + [f"optimizer/{n}" for n in names]
-            if attrs.get("model_state", 0):   # written before batch norm: absent, none
-                keys.append("model_state")
-            compressed = [n for n in str(attrs.get("compression_state", "")).split(",") if n]
-            keys += [f"compression/{n}" for n in compressed]   # written before --compression: none
-            found = {key: stored_dataset(f, key, size) for key in keys}
-            if sum(obj.nbytes for obj in found.values()) > size:
-                raise _Refused(f"its datasets hold more bytes than the file ({size})")
-            big = {"params", *(f"optimizer/{n}" for n in names)} if lazy else set()
-            datasets = {key: obj[()] for key, obj in found.items() if key not in big}
-            content = hashlib.sha256()
-            for key in sorted(found):
-                if key in big:
-                    _hash_on_disk(found[key], key, content)
-                else:
-                    _checksum({key: datasets[key]}, {}, content)
-        except (OSError, KeyError, ValueError, RuntimeError, TypeError, OverflowError) as e:
-            # Whatever damaged bytes make HDF5 raise, the file cannot be trusted.
-            first = (str(e).splitlines() or [type(e).__name__])[0]
-            raise _Corrupt(f"unreadable HDF5: {first}") from None
-        try:
-            matches = _checksum({}, attrs, content) == attrs["sha256"]
-        except (TypeError, ValueError, KeyError) as e:   # damaged attribute names or values
-            raise _Corrupt(f"unreadable attributes ({type(e).__name__})") from None
-        if not matches:
-            raise _Corrupt("content checksum mismatch")
-        if lazy:
-            params = OnDisk(found["params"])
-            state = {n: OnDisk(found[f"optimizer/{n}"]) for n in names}
-        else:
-            params, state = datasets["params"], {n: datasets[f"optimizer/{n}"] for n in names}
-        positions = datasets["data_positions"]
-        if len(params.shape) != 1 or params.dtype != np.float32:
-            raise _Corrupt(f"params is {params.dtype} {params.shape}, expected flat float32")
-        if positions.ndim != 2 or positions.shape[1] != 2:
-            raise _Corrupt(f"data_positions has shape {positions.shape}, expected (workers, 2)")
-        for n, a in state.items():
-            if a.shape != params.shape or a.dtype != np.float32:
-                raise _Corrupt(f"optimizer state {n} is {a.dtype} {a.shape}, params are {params.shape}")
-        for key in ("step", "optimizer_t"):
-            if not isinstance(attrs.get(key), int):
-                raise _Corrupt(f"attribute {key} missing or not an integer")
-        model_state = datasets.get("model_state", np.zeros(0, np.float32))
-        if model_state.ndim != 1 or model_state.dtype != np.float32 or \
-                model_state.size != attrs.get("model_state", 0):
-            raise _Corrupt(f"model_state is {model_state.dtype} {model_state.shape}, "
-                           f"the attributes say {attrs.get('model_state')!r} floats")
-        check_ranges(attrs, positions)
-        ckpt = Checkpoint(path=os.fspath(path), step=attrs["step"], optimizer_t=attrs["optimizer_t"],
-                          params=params, optimizer_state=state,
-                          data_positions=positions.astype(np.int64, copy=False), attrs=attrs,
-                          model_state=model_state, source=source if lazy else None,
-                          compression_state={n: datasets[f"compression/{n}"] for n in compressed})
-    except BaseException:
-        if source is not None:
-            source.close()
-        raise
-    if not lazy and source is not None:
-        source.close()
-    return ckpt
-
-
-def _hash_on_disk(dataset, key, content):
-    """_checksum of one flat float32 dataset read from the file a block at a time."""
-    content.update(f"dataset {key} <f4 {(int(dataset.size),)}\n".encode())
-    step = BLOCK_BYTES // 4
-    for lo in range(0, int(dataset.size), step):
-        block = np.ascontiguousarray(dataset[lo:lo + step], dtype="<f4")
-        content.update(memoryview(block).cast("B"))
-
-
-def check_compatible(ckpt, expected_settings):
-    """HpctrainError naming the first setting that differs between the checkpoint and this run."""
-    version = ckpt.attrs.get("format_version")
-    if version != FORMAT_VERSION:
-        raise HpctrainError(f"{ckpt.path}: checkpoint format version {version}, this hpctrain reads "
-                            f"version {FORMAT_VERSION}; use --resume no with a new --checkpoint-dir")
-    for key, want in expected_settings.items():
-        have = ckpt.attrs.get(key, RESUME_DEFAULTS.get(key))
-        if have is None:
-            raise HpctrainError(f"{ckpt.path}: checkpoint does not record {key}; cannot resume "
-                                f"from it (use a new --checkpoint-dir or --resume no)")
-        if str(have) != str(want):
-            raise HpctrainError(f"{ckpt.path}: checkpoint was written with {_describe(key, have)}, this "
-                                f"run has {_describe(key, want)}; resume with the same setting, or start "
-                                f"fresh with another --checkpoint-dir")
-
-
-def check_data(ckpt, digest, data_dir, other_ok=False):
-    """The checkpoint against this run's data (its manifest's digest): None
-    when it was trained on the same data; a line to print when it records no
-    data (an hpctrain before `data_digest`: not checked) or, with other_ok
-    (--resume-other-data), other data; otherwise HpctrainError naming both."""
-    have = ckpt.attrs.get("data_digest")
-    if not have:
-        return (f"{ckpt.name} does not record the data it was trained on (written by an earlier hpctrain): "
-                f"resuming on --data {data_dir} unchecked")
-    if have == digest:
-        return None
-    was = f"{ckpt.attrs.get('data') or '?'} (manifest digest {have})"
-    now = f"--data {data_dir} (manifest digest {digest})"
-    if other_ok:
-        return (f"--resume-other-data: {ckpt.name} was trained on {was}; this run goes on from it on {now}, "
-                f"from that data's first epoch")
-    raise HpctrainError(f"{ckpt.path}: checkpoint was trained on other data, {was}; this run has {now}; resume "
-                        f"on the same data, pass --resume-other-data to go on from it on this data "
-                        f"(fine-tuning), or start fresh with another --checkpoint-dir")
-
-
-def load_latest(directory, expected_settings, warn=None, lazy=False):
-    """The newest valid checkpoint in DIR (Checkpoint), or None if it holds none.
-
-    The newest is the one with the highest step stored inside it: a file whose
-    name says another step than its content (a renamed copy) is reported
-    through warn(line) and skipped, as corrupt files are, so a copy named
-    `ckpt-99999999.h5` cannot pin every later run to an old step. A valid file
-    that does not match expected_settings raises HpctrainError. lazy: read()'s.
-    """
-    warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
-    for named, path in list_checkpoints(directory):
-        try:
-            ckpt = read(path, lazy=lazy)
-        except _Refused as e:
-            raise HpctrainError(f"{path}: refused: {e}; hpctrain writes no such checkpoint (a crafted file?): "
-                                f"move it away to resume from an earlier one") from None
-        except _Corrupt as e:
-            warn(f"{os.path.basename(path)}: corrupt ({e}), trying the previous one")
-            continue
-        if ckpt.step != named:
-            ckpt.close()
-            warn(_misnamed(path, named, ckpt.step))
-            continue
-        try:
-            check_compatible(ckpt, expected_settings)
-        except HpctrainError:
-            ckpt.close()
-            raise
-        return ckpt
-    return None
-
-
-def _misnamed(path, named, step):
-    return (f"{os.path.basename(path)}: its name says step {named} but it holds step {step} (a renamed "
-            f"copy?), skipped; trying the previous one")

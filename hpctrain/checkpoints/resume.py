@@ -1,8 +1,9 @@
 """Checkpoint orchestration for the three loops, on top of
-checkpoints/file.py's files: which checkpoint a run resumes from, the state
-and data positions sent to every rank, the checkpoints written while
-training, and the exit after a pre-emption signal (loops/frame.py makes one
-Checkpoints per run and says when).
+checkpoints/file.py's files (written there, read back by checkpoints/reader.py):
+which checkpoint a run resumes from, the state and data positions sent to
+every rank, the checkpoints written while training, and the exit after a
+pre-emption signal (loops/frame.py makes one Checkpoints per run and says
+when).
 
 The chief alone reads and writes the files. The data positions travel over
 the workers' communicator, whose rank 0 is the chief in every mode;
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import file as checkpoint
+from .reader import check_data, load_latest
 from .. import device, trained
 from ..errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 from .sharded import ShardedState
@@ -125,9 +127,8 @@ class Checkpoints:
                     f"{found[0][1].rsplit('/', 1)[-1]}); remove them or use another --checkpoint-dir")
             return None
         # a pipeline's chief hands each stage its slice of the file, holding none whole (lazy)
-        ckpt = checkpoint.load_latest(d, self.plan.resume_key, lazy=self.plan.pipelined,
-                                      warn=lambda line: print(f"hpctrain: warning: {line}",
-                                                              file=sys.stderr, flush=True))
+        ckpt = load_latest(d, self.plan.resume_key, lazy=self.plan.pipelined,
+                           warn=lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
         if ckpt is None and found:
             raise HpctrainError(f"--checkpoint-dir {d}: none of its {len(found)} checkpoints is "
                                 f"valid (see the warnings above); move them away to start fresh")
@@ -142,7 +143,7 @@ class Checkpoints:
         goes on from the new data's first epoch, its samples counted from 0
         (--epochs: E epochs of the new data)."""
         data = self.data
-        line = checkpoint.check_data(ckpt, data.digest, data.dir, self.outputs.resume_other_data)
+        line = check_data(ckpt, data.digest, data.dir, self.outputs.resume_other_data)
         if line:
             print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
         have = ckpt.attrs.get("data_digest")
