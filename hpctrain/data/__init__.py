@@ -20,6 +20,7 @@ One job per module:
     files.py     a source file's open/read errors -> one HpctrainError line (idx, cifar)
     images.py    a folder of class folders of images (Pillow) -> uint8 arrays; one image -> a model input
     arrays.py    .npz, .npy, HDF5 and CSV sources -> uint8 arrays; the memory check before reading
+    sources.py   which source a --source is (IDX, CIFAR-10, a user's files or folders) and its arrays
     prepare.py   any of the sources -> class-balanced HDF5 shards + manifest.json, atomically
     augment.py   --augment crop,flip: per sample, from (seed, epoch, sample id)
     fetch.py     download the published files, verify their MD5, unpack archives safely
