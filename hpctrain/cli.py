@@ -233,10 +233,8 @@ def _ring_flags(g):
                    help="order of the ring's ranks: node (ranks of one node adjacent, whatever the launcher's "
                         "placement: each node boundary crossed once per direction) or rank (the launcher's "
                         "order); the same on one node (default: %(default)s)")
-    # 4 MiB, not the 1 MiB it was: the 2.6 MB MLP as one bucket instead of
-    # three trained 1.07x faster at 2 ranks and 1.14x at 4 on 2 cores (one
-    # ring of 2(N-1) exchanges a step, not three; docs/ring.md); an 80 MB
-    # model ran the same with 1, 4 or 16. DDP's buckets are 25 MB.
+    # 4 MiB, not 1: the MLP as one bucket (one ring a step, not three) trained
+    # 1.07x faster at 2 ranks, 1.14x at 4 on 2 cores (docs/ring.md); DDP's are 25 MB.
     g.add_argument("--fusion-mb", type=_nonneg_float, default=4.0,
                    help="bucket size in MiB for fused, overlapped gradient allreduce; 0 = one allreduce after backprop (default: %(default)s)")
     g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
