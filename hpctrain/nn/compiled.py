@@ -71,45 +71,41 @@ BLOCKS = {
 # table above was measured, keeps it.
 INTEL_AVX512_FORWARD = {16: (16, False), 32: (32, False), 64: (32, False)}
 INTEL_PIXELS = (7, 6, 5, 4)
-_isa = []
+_target = []
 
 
-def isa():
-    """"avx512", "avx2" or None: the vector instructions numba compiles for
-    (its NUMBA_CPU_FEATURES where set, else this CPU's)."""
-    if not _isa:
+def _cpu():
+    """(vector instructions, Intel or not) of what numba compiles for, asked
+    of LLVM once: its NUMBA_CPU_FEATURES and NUMBA_CPU_NAME where set, else
+    this CPU's."""
+    if not _target:
         try:
             vector_width.load()
             from numba.core import config
             import llvmlite.binding as llvm
             features = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+            name = config.CPU_NAME or llvm.get_host_cpu_name()
         except ImportError:
-            features = ""
+            features, name = "", "generic"
         features = set(features.split(","))
-        _isa.append("avx512" if "+avx512f" in features else
-                    "avx2" if {"+avx2", "+fma"} <= features else None)
-    return _isa[0]
+        _target.append(("avx512" if "+avx512f" in features else
+                        "avx2" if {"+avx2", "+fma"} <= features else None,
+                        not name.startswith(("znver", "amdfam", "generic"))))   # AMD's are znver*
+    return _target[0]
+
+
+def isa():
+    """"avx512", "avx2" or None: the vector instructions numba compiles for."""
+    return _cpu()[0]
+
+
+def _intel():
+    """Whether LLVM names the CPU an Intel one."""
+    return _cpu()[1]
 
 
 def _blocks(table):
     return BLOCKS[isa()][table] if isa() else {}
-
-
-_vendor = []
-
-
-def _intel():
-    """Whether LLVM names this CPU an Intel one (AMD's are znver*); asked once."""
-    if not _vendor:
-        try:
-            vector_width.load()
-            from numba.core import config
-            import llvmlite.binding as llvm
-            name = config.CPU_NAME or llvm.get_host_cpu_name()
-        except ImportError:
-            name = "generic"
-        _vendor.append(not name.startswith(("znver", "amdfam", "generic")))
-    return _vendor[0]
 
 
 _kernels = {}
