@@ -14,7 +14,7 @@ import pytest
 from conftest import same_bytes
 from test_layers import bound, check_against_loops, check_gradients
 from hpctrain.nn import (MODELS, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d, MaxPool2d, ReLU, Residual,
-                         compiled, conv, threads)
+                         compiled, conv, passes, threads)
 
 pytest.importorskip("numba")
 
@@ -86,6 +86,22 @@ def test_batch_norm_trains_as_numpys_to_float32_rounding(layer, shape):
         dy = rng.standard_normal(x.shape).astype(np.float32)
     for numpy_value, compiled_value in zip(*results):
         assert np.allclose(compiled_value, numpy_value, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("c", [5, 16, 64, 65])
+def test_batch_norm_sums_made_per_channel_count_give_the_plain_loops_bits(c, dtype):
+    """nn/passes.py's statistics and gradient sums made for c channels (their
+    float64 sums in registers; 65 is past SUMS_CHANNELS: the plain loop)
+    against the plain loops: the same bits."""
+    rng = np.random.default_rng(8)
+    x = (5 + 3 * rng.standard_normal((1000, c))).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    plain = np.empty((2, c)), np.empty((2, c))
+    passes._plain("bn_statistics", dtype)(x, plain[0])
+    passes._plain("bn_gradient_sums", dtype)(dy, x, plain[1])
+    assert passes.bn_statistics(x).tobytes() == plain[0].tobytes()
+    assert passes.bn_gradient_sums(dy, x).tobytes() == plain[1].tobytes()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -64,7 +64,7 @@ class _BatchNorm(Layer):
         super().bind(xp, params, grads, state)
         self.compiled = compiled.on() and xp is np
         if self.compiled:   # compiled now (or loaded from numba's cache), not in the first step
-            passes.prepare(passes.BATCHNORM, params["gamma"].dtype)
+            passes.prepare_batchnorm(self.channels, params["gamma"].dtype)
 
     # --- passes over (m, c) with c narrow ---------------------------------------
     # NumPy runs an (m, c) array's per-channel work slowly when c is narrow

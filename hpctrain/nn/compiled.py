@@ -171,9 +171,7 @@ def _forward_kernel(out, k, stride, dtype, width):
 def _compile(make, key, dtype, loop_vectorize):
     numba = vector_width.load()
     from numba.core import config
-    global _stack
-    if _stack is None:   # before the kernel compiles: it calls it
-        _stack = _make_stack()
+    stack()   # before the kernel compiles: it calls it
     array = numba.from_dtype(np.dtype(dtype))[:, :, :, ::1]
     options = dict(nogil=True, boundscheck=False, fastmath={"contract"}, error_model="numpy")
     slp, loop = config.SLP_VECTORIZE, config.LOOP_VECTORIZE
@@ -190,6 +188,14 @@ def _compile(make, key, dtype, loop_vectorize):
 
 STACK_ITEMS = 256   # the most accumulators a kernel holds (CHANNELS x O, PIXELS x O)
 _stack = None
+
+
+def stack():
+    """The stack intrinsic (_make_stack), made once (it imports numba)."""
+    global _stack
+    if _stack is None:
+        _stack = _make_stack()
+    return _stack
 
 
 def _make_stack():
