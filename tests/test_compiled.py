@@ -37,7 +37,9 @@ def compiled_layers():
     (16, 3, 2, 1, (7, 7, 5)),      # 5 channels in: dx by col2im
     (16, 1, 2, 0, (5, 5, 16)),     # a 1x1 projection, dx gathered
     (16, 5, 3, 2, (11, 13, 16)),   # stride 3, 5x5
-    (16, 5, 1, 2, (6, 6, 1)),      # 5x5, one input channel
+    (16, 5, 1, 2, (6, 6, 1)),      # 5x5, one input channel: dW in blocks of 5 kernel offsets
+    (16, 3, 1, 1, (7, 6, 1)),      # one input channel: dW in one block of all 9 offsets
+    (32, 3, 2, 1, (9, 8, 1)),      # one input channel, stride 2: dW in blocks of 3 offsets
     (64, 3, 1, 0, (6, 9, 32)),     # unpadded: the kernels read the input itself
 ])
 @pytest.mark.parametrize("blocks", ["one", "of 1 image"])
