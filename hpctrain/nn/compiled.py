@@ -22,7 +22,8 @@ registers while every pixel of the block of images goes by. The input
 gradient is the forward kernel over dy padded with W turned round (stride
 1), or a gathering kernel (input_gradient: larger strides).
 
-Each output sums its window in the order (kh, kw, c), each term a fused
+Each output sums its window in the order (kh, kw, c) (on Intel's AVX-512
+CPUs at stride 1, (kh, c, kw): FORWARD_REUSE), each term a fused
 multiply-add (fastmath "contract" only: no reassociation), so a value does
 not depend on which block or thread computed it. numba's SLP vectorizer
 (off by default, NUMBA_SLP_VECTORIZE) is switched on while these kernels
@@ -71,6 +72,18 @@ BLOCKS = {
 # table above was measured, keeps it.
 INTEL_AVX512_FORWARD = {16: (16, False), 32: (32, False), 64: (32, False)}
 INTEL_PIXELS = (7, 6, 5, 4)
+# FORWARD_REUSE: there too, at stride 1, the forward kernel loads each input
+# value of a block's row once for the k kernel offsets that read it (PB + 2
+# broadcasts and 3 rows of W per (kh, c) for 3 * PB FMAs, where the order
+# (kh, kw, c) made one broadcast per FMA: at 16 channels, one register of
+# outputs a pixel, the loads were the limit). Measured (one thread, batch
+# 32, ms, interleaved medians; the (kh, kw, c) kernel -> this): 28x28, 16 ->
+# 16 channels 1.95 -> 1.32; 1 -> 16 0.18 -> 0.10; 1 -> 32 0.33 -> 0.22;
+# 14x14, 32 -> 64 2.28 -> 1.95; 7x7, 64 -> 64 1.10 -> 0.91; 13x13, 32 -> 64
+# 2.10 -> 1.79; 32 -> 32 and 64 -> 32 1.01-1.05x; none slower. At stride 2
+# the same reordering was 1.3-8x slower (its offsets do not fold away).
+# Each output's sum then goes in the order (kh, c, kw): other float32
+# rounding than (kh, kw, c), the same on any block or thread.
 _target = []
 
 
@@ -165,7 +178,8 @@ def _forward_blocks(out, width):
 
 def _forward_kernel(out, k, stride, dtype, width):
     pixels, channels, loop = _forward_blocks(out, width)
-    return _kernel("forward", _make_forward, (out, k, stride, pixels, channels, loop), dtype, loop)
+    reuse = stride == 1 and isa() == "avx512" and _intel()   # FORWARD_REUSE above
+    return _kernel("forward", _make_forward, (out, k, stride, pixels, channels, loop, reuse), dtype, loop)
 
 
 def _compile(make, key, dtype, loop_vectorize):
@@ -220,11 +234,14 @@ def _make_stack():
     return stack
 
 
-def _make_forward(O, K, S, PB, OB, LOOP, dtype):
+def _make_forward(O, K, S, PB, OB, LOOP, REUSE, dtype):
     """PB pixels a block, OB output channels a pass (W's columns for them
     stay in L1); LOOP, the loop vectorizer's setting, is in the closure too,
-    which numba's disk cache hashes."""
+    which numba's disk cache hashes. REUSE (stride 1): each input value of
+    a block's row is loaded once for the K kernel offsets that read it, its
+    window terms then summed in the order (kh, c, kw), not (kh, kw, c)."""
     import numba
+    T = PB + K - 1   # REUSE: the input pixels a block's row reads
 
     def forward(xp, w, y):
         """y[b, i, j, :] = sum over (kh, kw, c) of xp[b, i*S+kh, j*S+kw, c] * w[kh, kw, c, :]."""
@@ -246,26 +263,44 @@ def _make_forward(O, K, S, PB, OB, LOOP, dtype):
                             for p in range(PB):
                                 for q in range(OB):
                                     acc[p, q] = 0
-                            for kh in range(K):
-                                for kw in range(K):
+                            if REUSE:
+                                for kh in range(K):
                                     for c in range(C):
-                                        for p in range(PB):
-                                            v = xp[b, i * S + kh, (j0 + p) * S + kw, c]
-                                            for q in range(OB):
-                                                acc[p, q] += v * w[kh, kw, c, q0 + q]
+                                        for t in range(T):
+                                            v = xp[b, i + kh, j0 + t, c]
+                                            for kw in range(K):
+                                                if 0 <= t - kw < PB:
+                                                    for q in range(OB):
+                                                        acc[t - kw, q] += v * w[kh, kw, c, q0 + q]
+                            else:
+                                for kh in range(K):
+                                    for kw in range(K):
+                                        for c in range(C):
+                                            for p in range(PB):
+                                                v = xp[b, i * S + kh, (j0 + p) * S + kw, c]
+                                                for q in range(OB):
+                                                    acc[p, q] += v * w[kh, kw, c, q0 + q]
                             for p in range(PB):
                                 for q in range(OB):
                                     y[b, i, j0 + p, q0 + q] = acc[p, q]
                             j0 += PB
-                        else:   # a row narrower than a block: one pixel at a time
+                        else:   # a row narrower than a block: one pixel at a time, the same order
                             for q in range(OB):
                                 acc[0, q] = 0
-                            for kh in range(K):
-                                for kw in range(K):
+                            if REUSE:
+                                for kh in range(K):
                                     for c in range(C):
-                                        v = xp[b, i * S + kh, j0 * S + kw, c]
-                                        for q in range(OB):
-                                            acc[0, q] += v * w[kh, kw, c, q0 + q]
+                                        for kw in range(K):
+                                            v = xp[b, i + kh, j0 + kw, c]
+                                            for q in range(OB):
+                                                acc[0, q] += v * w[kh, kw, c, q0 + q]
+                            else:
+                                for kh in range(K):
+                                    for kw in range(K):
+                                        for c in range(C):
+                                            v = xp[b, i * S + kh, j0 * S + kw, c]
+                                            for q in range(OB):
+                                                acc[0, q] += v * w[kh, kw, c, q0 + q]
                             for q in range(OB):
                                 y[b, i, j0, q0 + q] = acc[0, q]
                             j0 += 1
