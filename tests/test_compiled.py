@@ -100,11 +100,12 @@ def test_batch_norm_sums_made_per_channel_count_give_the_plain_loops_bits(c, dty
     rng = np.random.default_rng(8)
     x = (5 + 3 * rng.standard_normal((1000, c))).astype(dtype)
     dy = rng.standard_normal(x.shape).astype(dtype)
+    mean, inv_std = (rng.standard_normal(c) + 5).astype(dtype), rng.random(c).astype(dtype) + 0.5
     plain = np.empty((2, c)), np.empty((2, c))
     passes._plain("bn_statistics", dtype)(x, plain[0])
-    passes._plain("bn_gradient_sums", dtype)(dy, x, plain[1])
+    passes._plain("bn_gradient_sums", dtype)(dy, x, mean, inv_std, plain[1])
     assert passes.bn_statistics(x).tobytes() == plain[0].tobytes()
-    assert passes.bn_gradient_sums(dy, x).tobytes() == plain[1].tobytes()
+    assert passes.bn_gradient_sums(dy, x, mean, inv_std).tobytes() == plain[1].tobytes()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -75,25 +75,25 @@ def _make_bn_statistics(C):
     return bn_statistics
 
 
-def _bn_normalise(x, mean, inv_std, gamma, beta, xhat, y):
-    """xhat = (x - mean) * inv_std, y = xhat * gamma + beta, per column."""
+def _bn_normalise(x, mean, inv_std, gamma, beta, y):
+    """y = xhat * gamma + beta, per column, xhat = (x - mean) * inv_std."""
     m, c = x.shape
     for i in range(m):
         for j in range(c):
             h = (x[i, j] - mean[j]) * inv_std[j]
-            xhat[i, j] = h
             y[i, j] = h * gamma[j] + beta[j]
 
 
-def _bn_gradient_sums(dy, xhat, out):
-    """out[0] = the sum of each column of dy, out[1] = of dy * xhat (float64)."""
+def _bn_gradient_sums(dy, x, mean, inv_std, out):
+    """out[0] = the sum of each column of dy, out[1] = of dy * xhat (float64),
+    xhat = (x - mean) * inv_std in x's dtype (_bn_normalise's)."""
     m, c = dy.shape
     beta = np.zeros(c)
     gamma = np.zeros(c)
     for i in range(m):
         for j in range(c):
             beta[j] += dy[i, j]
-            gamma[j] += np.float64(dy[i, j]) * xhat[i, j]
+            gamma[j] += np.float64(dy[i, j]) * ((x[i, j] - mean[j]) * inv_std[j])
     for j in range(c):
         out[0, j] = beta[j]
         out[1, j] = gamma[j]
@@ -101,7 +101,7 @@ def _bn_gradient_sums(dy, xhat, out):
 
 def _make_bn_gradient_sums(C):
     """_bn_gradient_sums for C columns, its sums in registers."""
-    def bn_gradient_sums(dy, xhat, out):
+    def bn_gradient_sums(dy, x, mean, inv_std, out):
         m = dy.shape[0]
         beta, gamma = _stack(np.float64), _stack(np.float64)
         for j in range(C):
@@ -110,19 +110,20 @@ def _make_bn_gradient_sums(C):
         for i in range(m):
             for j in range(C):
                 beta[j] += dy[i, j]
-                gamma[j] += np.float64(dy[i, j]) * xhat[i, j]
+                gamma[j] += np.float64(dy[i, j]) * ((x[i, j] - mean[j]) * inv_std[j])
         for j in range(C):
             out[0, j] = beta[j]
             out[1, j] = gamma[j]
     return bn_gradient_sums
 
 
-def _bn_input_gradient(dy, xhat, a, b, scale, dx):
-    """dx = (dy - (xhat * a + b)) * scale, per column."""
+def _bn_input_gradient(dy, x, mean, inv_std, a, b, scale, dx):
+    """dx = (dy - (xhat * a + b)) * scale, per column, xhat as _bn_normalise's."""
     m, c = dy.shape
     for i in range(m):
         for j in range(c):
-            dx[i, j] = (dy[i, j] - (xhat[i, j] * a[j] + b[j])) * scale[j]
+            h = (x[i, j] - mean[j]) * inv_std[j]
+            dx[i, j] = (dy[i, j] - (h * a[j] + b[j])) * scale[j]
 
 
 # ---- max pooling and ReLU's gradient --------------------------------------------
@@ -178,11 +179,11 @@ def _relu_backward(y, dy):
 # name: (function, its arguments: m an (rows, c) array of the dtype, v a (c,)
 # vector, o (2, c) float64, i a 4-D array of the dtype, u 4-D uint8, f a flat
 # array of the dtype, k an integer)
-_PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalise, "mvvvvmm"),
-          "bn_gradient_sums": (_bn_gradient_sums, "mmo"), "bn_input_gradient": (_bn_input_gradient, "mmvvvm"),
+_PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalise, "mvvvvm"),
+          "bn_gradient_sums": (_bn_gradient_sums, "mmvvo"), "bn_input_gradient": (_bn_input_gradient, "mmvvvvvm"),
           "max_pool_forward": (_max_pool_forward, "iiuk"), "max_pool_backward": (_max_pool_backward, "iuik"),
           "relu_backward": (_relu_backward, "ff")}
-_SUMS = {"bn_statistics": (_make_bn_statistics, "mo"), "bn_gradient_sums": (_make_bn_gradient_sums, "mmo")}
+_SUMS = {"bn_statistics": (_make_bn_statistics, "mo"), "bn_gradient_sums": (_make_bn_gradient_sums, "mmvvo")}
 
 
 def _signature(numba, args, dtype):
@@ -264,16 +265,16 @@ def bn_statistics(x):
     return out
 
 
-def bn_normalise(x, mean, inv_std, gamma, beta, xhat, y):
-    _plain("bn_normalise", x.dtype)(x, mean, inv_std, gamma, beta, xhat, y)
+def bn_normalise(x, mean, inv_std, gamma, beta, y):
+    _plain("bn_normalise", x.dtype)(x, mean, inv_std, gamma, beta, y)
 
 
-def bn_gradient_sums(dy, xhat):
+def bn_gradient_sums(dy, x, mean, inv_std):
     """(the sum of each column of dy, of dy * xhat), float64."""
     out = np.empty((2, dy.shape[1]))
-    _sums("bn_gradient_sums", dy.shape[1], dy.dtype)(dy, xhat, out)
+    _sums("bn_gradient_sums", dy.shape[1], dy.dtype)(dy, x, mean, inv_std, out)
     return out
 
 
-def bn_input_gradient(dy, xhat, a, b, scale, dx):
-    _plain("bn_input_gradient", dy.dtype)(dy, xhat, a, b, scale, dx)
+def bn_input_gradient(dy, x, mean, inv_std, a, b, scale, dx):
+    _plain("bn_input_gradient", dy.dtype)(dy, x, mean, inv_std, a, b, scale, dx)
