@@ -126,7 +126,7 @@ class _BatchNorm(Layer):
     def _compiled_forward(self, x2, y2):
         """nn/passes.py's statistics (float64, on this thread) and one
         normalising pass over row ranges: (mean, variance) in x's dtype."""
-        (m, c), dtype = x2.shape, x2.dtype
+        m, dtype = x2.shape[0], x2.dtype
         x2 = np.ascontiguousarray(x2)
         mean64, var64 = passes.bn_statistics(x2)
         mean, var = mean64.astype(dtype), var64.astype(dtype)

@@ -18,7 +18,8 @@ input value of the window broadcasts it and adds it times one row of W into
 each pixel's accumulators: the input is read in place, the weights stay in
 L1, nothing is copied. The weight gradient is the same idea turned round: a
 block of input channels x the output channels of one kernel offset held in
-registers while every pixel of the block of images goes by. The input
+registers while every pixel of the block of images goes by (a layer with
+one input channel: a block of kernel offsets). The input
 gradient is the forward kernel over dy padded with W turned round (stride
 1), or a gathering kernel (input_gradient: larger strides).
 
@@ -241,6 +242,7 @@ def _make_forward(O, K, S, PB, OB, LOOP, REUSE, dtype):
     a block's row is loaded once for the K kernel offsets that read it, its
     window terms then summed in the order (kh, c, kw), not (kh, kw, c)."""
     import numba
+    assert S == 1 or not REUSE
     T = PB + K - 1   # REUSE: the input pixels a block's row reads
 
     def forward(xp, w, y):
