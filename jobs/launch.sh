@@ -203,8 +203,13 @@ if [ "$rc" -eq "$EXIT_PREEMPTED" ] || { [ -n "$SIGNALED" ] && [ "$rc" -gt 128 ];
             "Resubmit with the same job name to continue."
         exit "$EXIT_PREEMPTED"
     fi
+    # Said before asking: a successful `scontrol requeue` makes SLURM end this
+    # script at once ("CANCELLED ... DUE TO JOB REQUEUE"), often before a line
+    # after it is written (CI lost it so). TERM is ignored from here on, so
+    # the failure line below is not cut off either.
+    say "stopped (exit $rc), checkpoint in $CKPT_DIR; requeueing job $SLURM_JOB_ID (restart $((RESTARTS + 1)) of at most $MAX): it resumes from the checkpoint"
+    trap '' TERM
     if out=$(scontrol requeue "$SLURM_JOB_ID" 2>&1); then
-        say "stopped (exit $rc), checkpoint in $CKPT_DIR; requeued job $SLURM_JOB_ID (restart $((RESTARTS + 1)) of at most $MAX): it resumes from the checkpoint"
         exit 0
     fi
     say "stopped (exit $rc), checkpoint in $CKPT_DIR; scontrol requeue failed: $out." \

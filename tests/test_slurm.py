@@ -491,7 +491,7 @@ def _kill_and_resume(slurm, tmp_path, tmp_path_factory, mode, how):
         assert up.returncode == 0, up.stderr
         rc, out = _wait_until_ended(slurm, job_id, out_file, restarts=1, timeout=180)
         assert rc == 0, out
-        assert f"requeued job {job_id} (restart 1 of at most 10)" in out, out
+        assert f"requeueing job {job_id} (restart 1 of at most 10)" in out, out
         assert f"job {job_id} '{name}' run 2 (restart 1)" in out, out
         step = _check_stopped_and_resumed(out, "SIGTERM", ckpt)
         assert out.count("hpctrain-job: finished") == 1, out
