@@ -92,8 +92,11 @@ def cluster_lines(world, plan, placement, exchange="mpi", why_not=""):
 
 def train_ps(world, plan, inputs, timeline):
     cluster = world.cluster
-    # The protocol's own communicator: its tags never meet anyone else's messages.
-    comm = cluster.comm.Dup()
+    # The protocol's own communicator: its tags never meet anyone else's
+    # messages. MPI_Comm_dup is a collective: a rank that never comes must
+    # not hold the others in it past --timeout (CI saw it wait for ever).
+    with world.waiting("start-up (ps communicator)", peer=None):
+        comm = cluster.comm.Dup()
     # Workers open their data; the servers learn whether that worked, so a bad
     # data directory never leaves them waiting for workers that have exited.
     reader = world.agreed(cluster.comm, (lambda: inputs.reader(cluster.worker_comm, cluster.worker_index,

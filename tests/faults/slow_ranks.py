@@ -15,6 +15,9 @@ Environment:
   FAULT_STAGE_STOP=R:WHERE  rank R of a pipeline stops itself (SIGSTOP) at its
                       first pipelined evaluation (WHERE=eval) or as it sends its
                       stage's slices for the first checkpoint (WHERE=checkpoint)
+  FAULT_LOOP_STOP=R:MODE  rank R stops itself (SIGSTOP) as the training loop
+                      of MODE (ring, ps or pipe) starts, before its first collective
+                      (the loop's own communicators)
   FAULT_NO_GUARD=1    no rank starts its exit watcher (comm/exit_guard.py): what
                       is left to bound a hang on the way out is the job script
 
@@ -82,7 +85,24 @@ def stop_a_stage(rank, where):
     setattr(cls, name, stopping)
 
 
+def stop_at_loop_start(rank, mode):
+    import importlib
+    module = importlib.import_module(f"hpctrain.loops.{mode}")
+    name = f"train_{mode}"
+    loop = getattr(module, name)
+
+    def stopping(world, *args, **kwargs):
+        if world.cluster.rank == rank:
+            stop_here()
+        return loop(world, *args, **kwargs)
+
+    setattr(module, name, stopping)
+
+
 def train(*args, **kwargs):
+    if os.environ.get("FAULT_LOOP_STOP"):
+        rank, mode = os.environ["FAULT_LOOP_STOP"].split(":")
+        stop_at_loop_start(int(rank), mode)
     if os.environ.get("FAULT_STAGE_STOP"):
         rank, where = os.environ["FAULT_STAGE_STOP"].split(":")
         stop_a_stage(int(rank), where)

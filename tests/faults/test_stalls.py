@@ -7,9 +7,12 @@ only busy (evaluating alone) is not a stall.
 """
 import json
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -218,25 +221,49 @@ def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
 FAULTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def with_faults(tmp_path, cmd, timeout=90, **faults):
-    """Run `mpirun -n 2 python -m slow_ranks ...` (tests/faults/slow_ranks.py)
+def _read_lines(stream, into):
+    """Every line of `stream` into the queue with the time it came, then None."""
+    for line in stream:
+        into.put((time.monotonic(), line))
+    into.put((time.monotonic(), None))
+
+
+def with_faults(tmp_path, cmd, timeout=90, ranks=2, **faults):
+    """Run `mpirun -n RANKS python -m slow_ranks ...` (tests/faults/slow_ranks.py)
     with FAULT_* variables; returns (returncode, stdout, stderr, seconds from
-    the chief's final line (or the launch) to the end). The ranks that stopped
-    themselves are killed afterwards (their pid files)."""
+    the chief's final line (or the launch) to the end). The whole run is
+    bounded by `timeout` (a job that hangs fails the test, it does not hang
+    the suite). The ranks that stopped themselves are killed afterwards
+    (their pid files)."""
     pids = tmp_path / "pids"
     pids.mkdir()
     env = child_env()
     env.update(PYTHONPATH=FAULTS, FAULT_PID_DIR=str(pids), **faults)
-    proc = subprocess.Popen([MPIRUN, "-n", "2", sys.executable, "-m", "slow_ranks", *map(str, cmd)],
+    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", *map(str, cmd)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-    t0, seen = time.monotonic(), []
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    out, err = queue.Queue(), queue.Queue()
+    for stream, into in ((proc.stdout, out), (proc.stderr, err)):
+        threading.Thread(target=_read_lines, args=(stream, into), daemon=True).start()
+    seen, errs = [], []
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("test accuracy"):
-                t0 = time.monotonic()
-                break
-        out, err = proc.communicate(timeout=timeout)
+        for into, lines in ((out, seen), (err, errs)):
+            while True:
+                try:
+                    at, line = into.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    for q, got in ((out, seen), (err, errs)):   # what came so far, for the message
+                        while not q.empty():
+                            got.append(q.get_nowait()[1] or "")
+                    raise AssertionError(f"the job had not ended after {timeout} s; its output so far:\n"
+                                         + "".join(seen) + "".join(errs)) from None
+                if line is None:
+                    break
+                lines.append(line)
+                if line.startswith("test accuracy") and into is out:
+                    t0 = at
+        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -245,7 +272,7 @@ def with_faults(tmp_path, cmd, timeout=90, **faults):
                 os.kill(int(pid.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
-    return proc.returncode, "".join(seen) + out, err, time.monotonic() - t0
+    return proc.returncode, "".join(seen), "".join(errs), time.monotonic() - t0
 
 
 @pytest.mark.parametrize("victim", [1, 0])
@@ -322,6 +349,28 @@ def test_a_stopped_ps_server_is_named_not_the_worker_that_waits_for_it(job):
     assert lines[0].startswith("hpctrain: error: rank 1 stopped responding (no answer to a roll call"), lines
     assert "rank 2 stopped" not in lines[0] and "rank 3 stopped" not in lines[0]
     assert took < 40
+
+
+@pytest.mark.parametrize("mode, victim, flags", [
+    ("ps", 1, ["--mode", "ps", "--num-ps", "2"]),
+    ("ring", 1, []),
+    ("pipe", 1, ["--pipeline-stages", "2"]),
+])
+def test_a_rank_stopped_as_its_training_loop_starts_is_named(tmp_path, mode, victim, flags):
+    # Rank 1 stops before the loop's first collective (ps: duplicating its
+    # protocol communicator). CI once saw a ps job with --timeout 5 still
+    # waiting after 90 s: the others sat in an MPI_Comm_dup outside any
+    # deadline. Every collective of the loop's start-up now waits under one.
+    rc, out, err, took = with_faults(tmp_path, [*flags, "--steps", 100000, "--hidden", 64, "--log-every", 100000,
+                                                "--timeout", 5], ranks=4, timeout=90,
+                                     FAULT_LOOP_STOP=f"{victim}:{mode}")
+    assert rc == 3, err
+    lines = errors(err)
+    assert len(lines) == 1, err
+    # (a pipeline's line adds the rank's place: "rank 1 (stage 0, replica 1)")
+    assert re.match(rf"hpctrain: error: rank {victim}( \([^)]*\))? stopped responding \(no answer to a roll call",
+                    lines[0]), lines
+    assert "step " not in out and took < 40
 
 
 STUCK_IN_FORWARD = """import os, time
