@@ -28,7 +28,7 @@ def compiled_layers():
 
 
 @pytest.mark.parametrize("out, k, s, p, shape", [
-    (16, 3, 1, 1, (6, 7, 16)),     # every path direct, rows of 7: a block of 4 and a tail of 3
+    (16, 3, 1, 1, (6, 7, 16)),     # every path direct, rows of 7: one block (AVX-512), a block of 4 and a tail of 3 (AVX2)
     (16, 3, 1, 1, (4, 3, 16)),     # rows of 3, narrower than any block: a pixel at a time
     (32, 3, 1, 1, (5, 5, 3)),      # first-layer width in: the input gradient by the turned GEMM
     (64, 3, 1, 1, (4, 6, 64)),
@@ -104,6 +104,8 @@ def test_batch_norm_sums_made_per_channel_count_give_the_plain_loops_bits(c, dty
     plain = np.empty((2, c)), np.empty((2, c))
     passes._plain("bn_statistics", dtype)(x, plain[0])
     passes._plain("bn_gradient_sums", dtype)(dy, x, mean, inv_std, plain[1])
+    for name in ("bn_statistics", "bn_gradient_sums"):   # the kernel made for c, where one is made
+        assert (passes._sums(name, c, dtype) is passes._plain(name, dtype)) == (c > passes.SUMS_CHANNELS)
     assert passes.bn_statistics(x).tobytes() == plain[0].tobytes()
     assert passes.bn_gradient_sums(dy, x, mean, inv_std).tobytes() == plain[1].tobytes()
 
@@ -257,7 +259,7 @@ def _layers(layers):
 
 def test_the_memory_check_counts_what_compiled_layers_hold(compiled_layers):
     """Every buffer a compiled layer keeps after a training step (padded
-    input, padded dy, batch norm's xhat, ...) is within what the memory
+    input, padded dy, batch norm's output and input gradient, ...) is within what the memory
     check counts for it (train_floats per sample; nn/spec.py memory_bytes)."""
     spec = MODELS["resnet"]((28, 28), 10)
     model = spec.build(np)

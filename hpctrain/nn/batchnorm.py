@@ -217,7 +217,8 @@ class _BatchNorm(Layer):
         return dx.reshape(dy.shape)
 
     def train_floats(self):
-        # output, normalised input, scratch, input gradient
+        # NumPy's: output, normalised input, scratch, input gradient (compiled
+        # layers hold fewer: output and input gradient; the check counts the most)
         return 4 * math.prod(self.in_shape)
 
     def flops(self):

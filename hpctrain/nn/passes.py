@@ -21,8 +21,7 @@ _stack = None   # nn/compiled.py's stack intrinsic, set before a _SUMS kernel co
 # (nn/batchnorm.py: GEMVs for the sums, tiled rows for the passes: 7 passes
 # forward, 5 backward). Here: the statistics in two passes (the sum, then
 # the centred squares: no cancellation) accumulated in float64, and one
-# pass for what is elementwise. Measured (25,088 x 16, one thread): 0.09 ms
-# a statistics pass, 0.16 ms the normalising pass. Each float32 operation of
+# pass for what is elementwise (figures below). Each float32 operation of
 # the elementwise passes is NumPy code's, in its order (no fastmath).
 # The two sums' kernels are also made per channel count (_make_*, up to
 # SUMS_CHANNELS; _sums): the channel loop unrolled, the float64 sums on the
