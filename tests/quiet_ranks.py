@@ -38,6 +38,10 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
+    _give_back_stdout()
+
+
+def _give_back_stdout():
     if "stdout" in _report:
         sys.stdout = _report.pop("stdout")
 
@@ -49,12 +53,14 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     # After the terminal summary (written when the session finishes).
+    _give_back_stdout()  # still ours if pytest stopped before its session began
     log = _report.pop("file", None)
     if log is None:
         return
-    if _report.get("status", 0) != 0:
+    status = _report.pop("status", None)  # None: it stopped before its session ended
+    if status != 0:
         log.seek(0)
-        sys.stderr.write(f"==== rank {_report['rank']}: pytest exited {_report['status']}; "
-                         f"its report ====\n{log.read()}")
+        how = f"exited {status}" if status is not None else "stopped before its session ended"
+        sys.stderr.write(f"==== rank {_report['rank']}: pytest {how}; its report ====\n{log.read()}")
         sys.stderr.flush()
     log.close()
