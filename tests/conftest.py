@@ -12,6 +12,9 @@ import sys
 import pytest
 
 from hpctrain.run.cluster import child_env, in_mpi_job
+# The MPI pass: only rank 0's report on the terminal, other ranks' on failure.
+from quiet_ranks import (pytest_configure, pytest_sessionfinish, pytest_sessionstart,  # noqa: F401
+                         pytest_unconfigure)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")

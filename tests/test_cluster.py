@@ -4,9 +4,10 @@ Run: ``.venv/bin/python -m pytest -q tests/test_cluster.py`` (as root; about
 3 minutes on 2 idle cores; the first run may install SLURM with apt-get).
 
 The module fixture ``cluster`` brings up the cluster of tests/cluster/ (see
-its README): three network namespaces hpt-n0 (login node: slurmctld,
-mpirun), hpt-n1 and hpt-n2 (compute nodes: one slurmd each), each with its
-own host name, address and boot_id, joined by veth pairs on a bridge, so
+its README): three nodes, each a network namespace of this checkout's
+(tests/cluster/names.sh), hpt-n0 (login node: slurmctld, mpirun), hpt-n1 and
+hpt-n2 (compute nodes: one slurmd each), each with its own host name,
+address and boot_id, joined by veth pairs on a bridge, so
 every byte between "nodes" crosses a veth over TCP and is counted there. It
 tears down exactly what it created at the end, whether tests pass or fail.
 Skipped, with the reason, when not root, under an MPI launcher (``make test``
@@ -46,7 +47,6 @@ pytestmark = pytest.mark.cluster
 HERE = Path(REPO) / "tests" / "cluster"
 PYTHON = Path(sys.executable)
 MPIRUN = PYTHON.parent / "mpirun"
-STATE = Path(os.environ.get("HPT_CLUSTER_DIR", "/tmp/hpctrain-cluster"))
 NODES = ("hpt-n1", "hpt-n2")
 # The default model: 784-500-500-10, float32 gradients.
 GRAD_BYTES = 4 * (784 * 500 + 500 + 500 * 500 + 500 + 500 * 10 + 10)
@@ -72,6 +72,17 @@ if _reason:
     pytest.skip(_reason, allow_module_level=True)
 
 
+def _names(*argv):
+    """What tests/cluster/names.sh says: this checkout's cluster has names of
+    its own (namespaces, veths, state directory), its nodes the usual hpt-nI."""
+    return subprocess.run([str(HERE / "names.sh"), *argv], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+STATE = Path(dict(line.split("=", 1) for line in _names().splitlines())["HPT_CLUSTER_DIR"])
+VETHS = {node: _names("veth", node) for node in NODES}
+
+
 def _run(*argv, timeout=60, check=True, env=None):
     proc = subprocess.run([str(a) for a in argv], capture_output=True, text=True,
                           timeout=timeout, env=env)
@@ -94,7 +105,7 @@ class Cluster:
         the veths (a host end transmits what the node receives)."""
         out = {}
         for node in NODES:
-            stats = Path(f"/sys/class/net/hpt-v{node[-1]}/statistics")
+            stats = Path(f"/sys/class/net/{VETHS[node]}/statistics")
             out[node] = (int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text()))
         return out
 

@@ -1,5 +1,6 @@
 """pyproject.toml and environment.yml name the same packages; the README
-shows the two commands a user starts with; CI runs the README's test command."""
+shows the two commands a user starts with; CI runs the README's test command;
+the quick tier names tests that exist."""
 import os
 import re
 import tomllib
@@ -36,3 +37,23 @@ def test_readme_quick_start_and_ci():
     commands = re.findall(r"^\s*(make \w+)\s*$", quick, re.M)
     assert commands[:2] == ["make run", "make test"]
     assert "make test" in open(os.path.join(REPO, ".ci", "run")).read()
+
+
+def _make_list(makefile, name):
+    """The words of `NAME := ...` in the Makefile (continuation lines joined)."""
+    text = makefile.replace("\\\n", " ")
+    value = re.search(rf"^{name}\s*:=(.*)$", text, re.M).group(1)
+    return [word.strip('"') for word in value.split()]
+
+
+def test_quick_tier_names_tests_that_exist_and_leaves_make_test_alone():
+    makefile = open(os.path.join(REPO, "Makefile")).read()
+    quick = _make_list(makefile, "QUICK_TESTS") + _make_list(makefile, "QUICK_MPI_TESTS")
+    assert quick
+    for entry in quick:
+        path, _, test = entry.partition("::")
+        source = open(os.path.join(REPO, path)).read()
+        assert not test or re.search(rf"^def {test}\(", source, re.M), entry
+    assert re.search(r"^test: test-serial test-mpi$", makefile, re.M)
+    assert re.search(r"^test-quick: ", makefile, re.M)
+    assert "make test-quick" in open(os.path.join(REPO, "README.md")).read()

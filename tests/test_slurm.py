@@ -5,7 +5,11 @@ run installs slurmctld/slurmd/slurm-client/munge with apt-get, ~10 s).
 
 The module-scoped fixture ``slurm`` runs ``tests/slurm/slurm_up.sh`` once and,
 if it was the one that started SLURM, ``tests/slurm/slurm_down.sh`` at the end
-(``HPCTRAIN_SLURM_KEEP=1`` leaves it running for the next session). The whole
+(``HPCTRAIN_SLURM_KEEP=1`` leaves it running for the next session). That
+SLURM is one per machine (one ``/etc/slurm``, SLURM's ports on this host), so
+test sessions of two checkouts take turns on it: the fixture holds a lock
+(``/tmp/hpctrain-slurm.lock``) from before ``slurm_up.sh`` to after
+``slurm_down.sh``, and waits up to 30 minutes for another session's. The whole
 module is skipped, with the reason, when: ``HPCTRAIN_SKIP_SLURM=1``; not root;
 neither ``sbatch`` nor ``apt-get`` exists; it runs under an MPI launcher
 (``make test`` runs it in the plain pytest pass only); or ``slurm_up.sh`` could
@@ -66,6 +70,7 @@ import pytest
 
 from conftest import under_mpirun
 from hpctrain.run.cluster import child_env
+from machine_lock import take_turn
 
 pytestmark = pytest.mark.slurm
 
@@ -80,6 +85,10 @@ STATEDIR = Path(os.environ.get("HPCTRAIN_SLURM_STATE", "/tmp/hpctrain-slurm"))
 # Fresh machine: apt-get update + install can take minutes on a slow mirror.
 UP_TIMEOUT = 900
 DOWN_TIMEOUT = 60
+# The single-node SLURM is one per machine: sessions of other checkouts take
+# turns on it (tests/machine_lock.py), waiting up to this long for theirs.
+MACHINE_LOCK = Path("/tmp/hpctrain-slurm.lock")
+TURN_WAIT = 1800
 
 
 def _skip_reason():
@@ -155,6 +164,14 @@ class Slurm:
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
+    turn = take_turn(MACHINE_LOCK, TURN_WAIT, what="this machine's single-node SLURM")
+    try:
+        yield from _slurm_up_and_down(tmp_path_factory)
+    finally:
+        os.close(turn)
+
+
+def _slurm_up_and_down(tmp_path_factory):
     up = subprocess.run([str(SLURM_DIR / "slurm_up.sh"), str(STATEDIR)],
                         capture_output=True, text=True, timeout=UP_TIMEOUT)
     said = (up.stdout + up.stderr).strip()

@@ -55,6 +55,9 @@ REPO = HERE.parent.parent
 PYTHON = Path(os.environ.get("HPCTRAIN_PYTHON", REPO / ".venv" / "bin" / "python"))
 MPIRUN = PYTHON.parent / "mpirun"
 NODES = ("hpt-n1", "hpt-n2")
+# The host ends of the nodes' veths: names of this checkout's (names.sh).
+VETHS = {node: subprocess.run([str(HERE / "names.sh"), "veth", node], capture_output=True, text=True,
+                              check=True).stdout.strip() for node in NODES}
 HIDDEN, PARAMS, MICRO, REPLICAS = 4096, 20_037_642, 4, 2
 STEPS = int(os.environ.get("BENCH_STEPS", "30"))
 WARM = int(os.environ.get("BENCH_WARM", "5"))
@@ -75,7 +78,7 @@ def link_bytes():
     of a veth receives what its node sends."""
     out = []
     for node in NODES:
-        stats = Path(f"/sys/class/net/hpt-v{node[-1]}/statistics")
+        stats = Path(f"/sys/class/net/{VETHS[node]}/statistics")
         out += [int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())]
     return out
 

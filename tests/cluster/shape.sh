@@ -7,8 +7,9 @@
 set -euo pipefail
 export PATH=$PATH:/usr/sbin:/sbin
 rate=${1:?usage: shape.sh RATE | off}
-for ns in $(ls /run/netns | grep -E '^hpt-n[1-9][0-9]*$' | sort -V); do
-    veth=hpt-v${ns#hpt-n}
+. "$(dirname "$(readlink -f "$0")")/names.sh"
+for node in $(hpt_nodes | grep -vx hpt-n0); do
+    ns=$(hpt_netns "$node"); veth=$(hpt_veth "$node")
     tc qdisc del dev "$veth" root 2>/dev/null || true
     ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null || true
     if [ "$rate" != off ]; then

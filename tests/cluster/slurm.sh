@@ -5,6 +5,10 @@
 #              (a unix socket is a path, so every netns reaches it)
 #   slurmctld  in hpt-n0, the login node; slurmd in hpt-n1.. (each via on.sh,
 #              so it has the node's name, address and boot_id)
+# Everything under $HPT_CLUSTER_DIR (names.sh: one per checkout), job ids from
+# $HPT_FIRST_JOB_ID; the ports are the usual 6817/6818, each in the cluster's
+# own namespaces, so clusters of two checkouts and tests/slurm's SLURM (root
+# namespace) do not clash.
 # The daemons run through symlinks named hpt-slurmctld/hpt-slurmd, so nobody
 # else's `pgrep -x slurmd` mistakes them for its own, and they are stopped by
 # the pids in our own pid files (checked against /proc/PID/exe), never by name.
@@ -21,12 +25,13 @@
 set -uo pipefail
 export PATH=$PATH:/usr/sbin:/sbin
 here=$(dirname "$(readlink -f "$0")")
-D=${HPT_CLUSTER_DIR:-/tmp/hpctrain-cluster}
+. "$here/names.sh"
+D=$HPT_CLUSTER_DIR
 S=$D/slurm
 CONF=$S/etc/slurm.conf
 M=$D/munge
 
-nodes() { ls /run/netns 2>/dev/null | grep -E '^hpt-n[0-9]+$' | grep -vx hpt-n0 | sort -V; }
+nodes() { hpt_nodes | grep -vx hpt-n0; }
 cli() { "$here/on.sh" hpt-n0 env SLURM_CONF="$CONF" "$@"; }
 alive() {  # alive PID: running and not a zombie waiting for its reaper
     [ -n "$1" ] && [ -r "/proc/$1/stat" ] || return 1
@@ -66,7 +71,7 @@ start_slurmd() {
 up() {
     local n nodes_list nodelines="" t0=$SECONDS
     mapfile -t nodes_list < <(nodes)
-    [ -e /run/netns/hpt-n0 ] && [ ${#nodes_list[@]} -ge 1 ] || { echo "slurm.sh: run netns.sh up 3 first" >&2; exit 1; }
+    [ -e "/run/netns/$(hpt_netns hpt-n0)" ] && [ ${#nodes_list[@]} -ge 1 ] || { echo "slurm.sh: run netns.sh up 3 first" >&2; exit 1; }
     if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
         [ -d /var/lib/apt/lists ] && ls /var/lib/apt/lists | grep -q Packages || apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
@@ -86,11 +91,12 @@ up() {
         for _ in $(seq 50); do [ -S "$M/munge.socket.2" ] && break; sleep 0.1; done
     fi
     for n in "${nodes_list[@]}"; do
-        nodelines+="NodeName=$n NodeAddr=$(awk -v n="$n" '$2==n {print $1}' "/etc/netns/$n/hosts") CPUs=2 State=UNKNOWN"$'\n'
+        nodelines+="NodeName=$n NodeAddr=$(awk -v n="$n" '$2==n {print $1}' "/etc/netns/$(hpt_netns "$n")/hosts") CPUs=2 State=UNKNOWN"$'\n'
     done
     awk -v dir="$D" -v nodes="${nodelines%$'\n'}" -v nl="$(IFS=,; echo "${nodes_list[*]}")" \
-        -v to="${HPT_SLURMD_TIMEOUT:-10}" \
-        '{ gsub(/@DIR@/, dir); gsub(/@NODELIST@/, nl); gsub(/@SLURMD_TIMEOUT@/, to); if ($0 == "@NODES@") $0 = nodes; print }' \
+        -v to="${HPT_SLURMD_TIMEOUT:-10}" -v first="$HPT_FIRST_JOB_ID" \
+        '{ gsub(/@DIR@/, dir); gsub(/@NODELIST@/, nl); gsub(/@SLURMD_TIMEOUT@/, to); gsub(/@FIRST_JOB_ID@/, first)
+           if ($0 == "@NODES@") $0 = nodes; print }' \
         "$here/slurm.conf.in" > "$CONF"
     : > "$S/etc/plugstack.conf"
     # ip netns exec mounts a fresh /sys without cgroups; slurmd 22.05 dies at
@@ -122,18 +128,19 @@ down() {
     stop_pid slurmctld "$S/ctld/slurmctld.pid" "$(ctld_exe)"
     stop_pid munged "$M/munged.pid" "$(munged_exe)"
     # What is left in our nodes (job steps, ranks) goes too: netns.sh down kills nothing.
-    for n in $(ls /run/netns 2>/dev/null | grep -E '^hpt-n[0-9]+$'); do
+    for n in $(hpt_nodes); do
         kill_node_processes "$n"
     done
     echo "slurm.sh: down"
 }
 
-kill_node_processes() {
-    local pids
-    pids=$(ip netns pids "$1" 2>/dev/null | tr '\n' ' ')
+kill_node_processes() {  # kill_node_processes NODE
+    local ns pids
+    ns=$(hpt_netns "$1")
+    pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ')
     # shellcheck disable=SC2086
     [ -z "$pids" ] || kill -KILL $pids 2>/dev/null
-    for _ in $(seq 50); do [ -z "$(ip netns pids "$1" 2>/dev/null)" ] && return 0; sleep 0.1; done
+    for _ in $(seq 50); do [ -z "$(ip netns pids "$ns" 2>/dev/null)" ] && return 0; sleep 0.1; done
 }
 
 case ${1:-} in
