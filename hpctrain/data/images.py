@@ -12,15 +12,22 @@ files that are not PNG or JPEG are skipped. Each image goes through Pillow:
 EXIF orientation applied, converted to grayscale ("L", 2-D images; with
 --grayscale, or when every image is grayscale) or RGB (alpha dropped), then
 resized to --image-size H,W (bilinear) if given; without it every image
-must already have one size. The manifest records how (`preprocess`), the
+must already have one size. 16-bit grayscale (PNG's deepest) is scaled to
+0..255 (to_8bit), not clipped. Paths are taken as given, relative ones from
+the working directory. An image over Pillow's decompression-bomb size is one
+warning line (large_images), past twice that an error. The manifest records how (`preprocess`), the
 --save file and checkpoints carry that record, and predict applies it to new
 images (`to_input`).
 
 Refused with one line, before anything is written: an image Pillow cannot
 read or that is truncated, mixed sizes without --image-size, an empty class
 folder, one class only, more than 256 classes, a test class that training
-does not have, a symbolic link that leads out of the source folder, and a
-set larger than the memory it needs (said after reading the headers, before
+does not have, test/ or val/ beside class folders without train/ (it
+would be a class), a class folder name that is not UTF-8, a symbolic link
+that leads out of the source folder, to nothing, round in a loop, or (a
+folder link) back up to its class folder or above it, or into or above
+another class folder (images taken again, or in two classes), and a set
+larger than the memory it needs (said after reading the headers, before
 decoding). Pillow is an optional dependency: pip install 'hpctrain[images]'.
 
 No MPI here (house rule).
