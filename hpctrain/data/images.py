@@ -138,14 +138,15 @@ def large_images(paths, sizes):
             f"megapixels): decoding each takes about {pixels * 4 / 2**30:.1f} GiB of memory")
 
 
-def to_8bit(im, path):
+def to_8bit(im, path, file_format):
     """A 16-bit grayscale image (Pillow's "I;16" modes, and "I" from a PNG,
     whose deepest grayscale is 16 bits) scaled from 0..65535 to 0..255 as
     8-bit "L"; Pillow's own convert clips it instead (every value above 255
     becomes white). Other images as they are; a 32-bit integer or a float
-    image, whose range the file does not say, is refused."""
+    image, whose range the file does not say, is refused. file_format:
+    the file's (Pillow's im.format), which a transposed copy has lost."""
     Image, _ = pillow()
-    if im.mode.startswith("I;16") or (im.mode == "I" and im.format == "PNG"):
+    if im.mode.startswith("I;16") or (im.mode == "I" and file_format == "PNG"):
         wide = np.asarray(im).astype(np.uint32)
         return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
     if im.mode in ("I", "F"):
@@ -162,8 +163,9 @@ def decode(path, mode, size=None):
     different. prepare and predict both make their pixels here."""
     Image, ImageOps = pillow()
     with _opened(path) as im:
+        file_format = im.format
         im = ImageOps.exif_transpose(im)
-        im = to_8bit(im, path).convert(mode)   # decodes the whole file: a truncated one raises here
+        im = to_8bit(im, path, file_format).convert(mode)   # decodes the whole file: a truncated one raises here
         if size is not None and im.size != (size[1], size[0]):
             im = im.resize((size[1], size[0]), Image.Resampling.BILINEAR)
         return np.asarray(im, np.uint8)
