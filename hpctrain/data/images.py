@@ -15,9 +15,9 @@ resized to --image-size H,W (bilinear) if given; without it every image
 must already have one size. 16-bit grayscale (PNG's deepest) is scaled to
 0..255 (to_8bit), not clipped. Paths are taken as given, relative ones from
 the working directory. An image over Pillow's decompression-bomb size is one
-warning line (large_images), past twice that an error. The manifest records how (`preprocess`), the
---save file and checkpoints carry that record, and predict applies it to new
-images (`to_input`).
+warning line (large_images), past twice that an error. The manifest records
+how (`preprocess`), the --save file and checkpoints carry that record, and
+predict applies it to new images (`to_input`).
 
 Refused with one line, before anything is written: an image Pillow cannot
 read or that is truncated, mixed sizes without --image-size, an empty class
