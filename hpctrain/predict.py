@@ -9,8 +9,9 @@ The model comes from a --save file (--params) or a checkpoint (--checkpoint:
 a file, or the newest valid one in a directory); both record how to rebuild
 it and how its training images were prepared (trained.py), and images are
 brought to its input the same way (grayscale or RGB after its channels,
-EXIF orientation applied, resized bilinearly to its height and width:
-data/images.py to_input). Output: CSV (input,class,probability[,label],
+EXIF orientation applied, 16-bit grayscale scaled to 0..255, resized
+bilinearly to its height and width: data/images.py to_input; an image over
+Pillow's decompression-bomb size is one warning line). Output: CSV (input,class,probability[,label],
 with --top K the next K-1 classes and probabilities after them) or JSON
 Lines, on standard output or into --out (written whole or not at all).
 Every image is read before anything is written: an unreadable one, a file

@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 
 from conftest import REPO, run_job
+from hpctrain.run.cluster import child_env
 from hpctrain import data
 from hpctrain.checkpoints import file as checkpoint
 from hpctrain.checkpoints import reader
@@ -247,3 +248,57 @@ def test_a_file_from_before_the_record_loads_with_its_data(trained_once, photos,
     r = tool("evaluate", "--params", old, "--data", photos[1], "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["class_names"] == ["blue", "green", "red"]
+
+
+def readme_image_commands():
+    """README's image-folder commands, as written there (one shell script)."""
+    lines = open(os.path.join(REPO, "README.md")).read().splitlines()
+    start = lines.index("    hpctrain data prepare --source photos --image-size 32,32 --out data/photos")
+    end = lines.index("", start)
+    return "\n".join(line[4:] for line in lines[start:end])
+
+
+def test_readmes_image_folder_commands_run_as_written_from_another_directory(photos, tmp_path):
+    # Relative paths from a working directory of the user's (before, prepare
+    # failed on every relative --source: "... is not in the subpath of ...").
+    # Only the length of the run and its rank count are changed.
+    script = readme_image_commands()
+    assert script.count("\n") == 4 and "--epochs 10" in script and "mpirun -n 4" in script
+    script = script.replace("--epochs 10", "--steps 2").replace("mpirun -n 4", "mpirun -n 1")
+    shutil.copytree(photos[0], tmp_path / "photos")
+    shutil.copy(photos[0] / "test" / "red" / "000.jpg", tmp_path / "my-cat.jpg")
+    env = child_env()
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    r = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "data" / "photos" / "manifest.json").is_file() and (tmp_path / "confusion.png").is_file()
+    assert r.stdout.splitlines()[-2:][0] == "input,class,probability"
+    assert r.stdout.splitlines()[-1].startswith("my-cat.jpg,")
+
+
+def test_16_bit_images_are_scaled_as_prepare_scales_them(trained_once, tmp_path):
+    # A 0..65535 ramp predicts as its 8-bit equal (before: clipped to white).
+    _, save, _ = trained_once
+    values = np.linspace(0, 65535, 20 * 16).round().astype(np.uint16).reshape(20, 16)
+    Image.fromarray(values).save(tmp_path / "ramp16.png")
+    Image.fromarray(np.rint(values * (255 / 65535)).astype(np.uint8)).save(tmp_path / "ramp8.png")
+    r = tool("predict", "--params", save, tmp_path / "ramp16.png", tmp_path / "ramp8.png", "--format", "jsonl",
+             "--top", "3")
+    assert r.returncode == 0, r.stderr
+    sixteen, eight = [json.loads(line) for line in r.stdout.splitlines()]
+    assert sixteen["top"] == eight["top"]
+    # A float image (TIFF) says nothing of its range: one line.
+    Image.fromarray(values.astype(np.float32)).save(tmp_path / "float.tif")
+    line = one_line(tool("predict", "--params", save, tmp_path / "float.tif"))
+    assert "float.tif: a floating-point image, whose range of values the file does not say" in line
+
+
+def test_an_image_past_pillows_bomb_size_is_one_warning_line(trained_once, tmp_path):
+    _, save, _ = trained_once
+    Image.new("L", (9500, 9500)).save(tmp_path / "big.png")
+    r = tool("predict", "--params", save, tmp_path / "big.png")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [f"hpctrain: warning: 1 image over 89 megapixels, where Pillow warns of "
+                                     f"decompression bombs (the largest: {tmp_path}/big.png, 9500x9500, 90 "
+                                     f"megapixels): decoding each takes about 0.3 GiB of memory"]

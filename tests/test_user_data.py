@@ -30,10 +30,10 @@ def quiet(*args):
     pass
 
 
-def run_cli(*args):
+def run_cli(*args, cwd=REPO):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "hpctrain.data", *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
 
 
 def picture(label, i, size=(12, 10), rgb=True):
@@ -207,6 +207,52 @@ def folder_refusals(tmp_path):
         (src / "train" / "cat" / "005.png").symlink_to(elsewhere)
     case("outside", fragments=["train/cat/005.png: a symbolic link to", "outside the source folder"], make=outside)
 
+    def link_up(src):
+        (src / "train" / "cat" / "up").symlink_to("..")
+    case("linkup", fragments=["train/cat/up: a symbolic link back up to", "(above this class folder)", "as cat"],
+         make=link_up)
+
+    def link_to_itself(src):
+        (src / "train" / "emu" / "more").mkdir()
+        (src / "train" / "emu" / "more" / "loop").symlink_to(src / "train" / "emu")
+    case("linkself", fragments=["emu/more/loop: a symbolic link back up to", "(this class folder)"],
+         make=link_to_itself)
+
+    def link_across(src):
+        (src / "train" / "cat" / "dogs").symlink_to("../dog")
+    case("linkacross", fragments=["train/cat/dogs: a symbolic link to", "the class folder", "train/dog",
+                                  "in two classes"], make=link_across)
+
+    def class_folder_link(src):
+        (src / "train" / "hound").symlink_to("dog")
+    case("classlink", fragments=["train/dog and", "train/hound: one folder", "in two classes"],
+         make=class_folder_link)
+
+    def link_loop(src):
+        (src / "train" / "cat" / "x").symlink_to("y")
+        (src / "train" / "cat" / "y").symlink_to("x")
+    case("linkloop", fragments=["train/cat/x: a symbolic link loop", "remove it"], make=link_loop)
+
+    def dead_link(src):
+        (src / "train" / "cat" / "gone.png").symlink_to("nowhere.png")
+    case("deadlink", fragments=["train/cat/gone.png: a symbolic link to nowhere.png, which does not exist"],
+         make=dead_link)
+
+    def latin1(src):
+        for split in ("train", "test"):
+            os.rename(src / split / "dog", os.fsdecode(bytes(src / split) + b"/caf\xe9"))
+    case("latin1", fragments=["train/caf\\xe9: a class folder whose name is not UTF-8", "rename it"], make=latin1)
+
+    def flat(src, split):
+        for folder in (src / "train").iterdir():
+            folder.rename(src / folder.name)
+        (src / "train").rmdir()
+        (src / "test").rename(src / split)
+    case("testbeside", fragments=["holds test/ beside class folders but no train/", "test/ would be taken as a class"],
+         make=lambda src: flat(src, "test"))
+    case("valbeside", fragments=["holds val/ beside class folders but no train/", "--val-fraction"],
+         make=lambda src: flat(src, "val"))
+
     def stray_test_class(src):
         image_folder(src, classes=("cat", "dog", "emu", "gnu"), train=0, test=1)
     case("strayclass", fragments=["test/gnu: a test class that the training folder does not have"],
@@ -223,12 +269,111 @@ def test_bad_image_folders_are_one_line_exit_2_nothing_written(tmp_path):
 def test_links_inside_the_folder_are_followed(tmp_path):
     src = image_folder(tmp_path / "photos", train=3, test=0)
     (src / "train" / "cat" / "again.png").symlink_to(src / "train" / "dog" / "000.png")
-    # Subfolders of a class folder are the class's too; a link back up is no loop.
+    # Subfolders of a class folder are the class's too; a folder link to a
+    # hidden folder (no class's) is followed. Links back up or into a class
+    # folder are refused (folder_refusals).
     (src / "train" / "emu" / "more").mkdir()
     Image.fromarray(picture(2, 8)).save(src / "train" / "emu" / "more" / "x.png")
-    (src / "train" / "emu" / "more" / "loop").symlink_to(src / "train" / "emu")
+    (src / ".extra").mkdir()
+    Image.fromarray(picture(2, 9)).save(src / ".extra" / "y.png")
+    (src / "train" / "emu" / "extra").symlink_to("../../.extra")
     m = data.prepare(src, tmp_path / "out", shards=1, test_fraction=0, log=quiet)
-    assert m["train"]["num_samples"] == 11 and m["train"]["per_class"] == {"0": 4, "1": 3, "2": 4}
+    assert m["train"]["num_samples"] == 12 and m["train"]["per_class"] == {"0": 4, "1": 3, "2": 5}
+
+
+def test_relative_paths_from_another_working_directory(tmp_path):
+    # Every spelling of one folder prepares the same shards and the same
+    # source digest (before, a relative --source failed after decoding
+    # everything: "... is not in the subpath of ...").
+    src = image_folder(tmp_path / "photos", train=3, test=1)
+    (tmp_path / "data").mkdir()
+    os.rename(src, tmp_path / "data" / "photos")
+    (tmp_path / "link").symlink_to("data/photos")
+    runs = [(tmp_path, "data/photos", "out1"), (tmp_path, "./data/photos", "./out2"),
+            (tmp_path / "data", "photos", "../out3"), (tmp_path / "data" / "photos" / "test", "..", "../../../out4"),
+            (tmp_path, "link", "out5")]
+    digests = set()
+    for cwd, source, out in runs:
+        r = run_cli("prepare", "--source", source, "--out", out, "--shards", 2, cwd=cwd)
+        assert r.returncode == 0, (source, r.stderr)
+        x, y, m = shard_arrays(cwd / out)
+        assert m["class_names"] == ["cat", "dog", "emu"] and len(y) == 9
+        digests.add(json.dumps(m["source"]["files"]))
+    assert len(digests) == 1 and '"name": "test"' in digests.pop()
+
+
+def ramp16(path, shape=(4, 256)):
+    """A 16-bit grayscale PNG (Pillow's "I;16") running 0..65535; returns its values."""
+    values = np.linspace(0, 65535, np.prod(shape)).round().astype(np.uint16).reshape(shape)
+    Image.fromarray(values).save(path)
+    assert Image.open(path).mode == "I;16"
+    return values
+
+
+def test_16_bit_images_are_scaled_not_clipped(tmp_path):
+    # Before, 0..65535 became 0, 255, 255, ...: Pillow's convert clips.
+    src = tmp_path / "flat"
+    for c in ("a", "b"):
+        (src / c).mkdir(parents=True)
+    values = [ramp16(src / c / f"{i}.png") for c in ("a", "b") for i in range(2)]
+    m = data.prepare(src, tmp_path / "out", shards=1, test_fraction=0, log=quiet)
+    x, _, _ = shard_arrays(tmp_path / "out")
+    assert m["preprocess"]["mode"] == "L"
+    expected = np.rint(values[0] * (255 / 65535)).astype(np.uint8)
+    assert expected[0, 1] == 0 and expected[-1, -1] == 255 and len(np.unique(expected)) == 256
+    for image in x:
+        np.testing.assert_array_equal(image, expected)
+    # Beside an RGB image, each channel of the ramp is scaled alike.
+    Image.fromarray(np.zeros((4, 256, 3), np.uint8)).save(src / "b" / "rgb.png")
+    m = data.prepare(src, tmp_path / "rgb", shards=1, test_fraction=0, log=quiet)
+    x, y, _ = shard_arrays(tmp_path / "rgb")
+    assert m["preprocess"]["mode"] == "RGB"
+    ramps = [image for image in x if image.any()]
+    assert len(ramps) == 4 and all(np.array_equal(image, np.stack([expected] * 3, -1)) for image in ramps)
+
+
+def test_images_past_pillows_bomb_size_are_one_line(tmp_path):
+    # A warning line of our own in place of Pillow's two (file:line and
+    # "warnings.warn("); past twice that size, Pillow's error as one line.
+    src = image_folder(tmp_path / "photos", train=2, test=0, rgb=False)
+    Image.new("L", (9500, 9500)).save(src / "train" / "cat" / "big.png")   # 90 megapixels
+    out = tmp_path / "out"
+    r = run_cli("prepare", "--source", src, "--out", out, "--shards", 1, "--image-size", "8,8", "--test-fraction", 0)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [f"hpctrain: warning: 1 image over 89 megapixels, where Pillow warns of "
+                                     f"decompression bombs (the largest: {src}/train/cat/big.png, 9500x9500, 90 "
+                                     f"megapixels): decoding each takes about 0.3 GiB of memory"]
+    Image.new("1", (13500, 13500)).save(src / "train" / "cat" / "big.png")   # 182 megapixels
+    refused(run_cli("prepare", "--source", src, "--out", out.with_name("out2"), "--image-size", "8,8"),
+            out.with_name("out2"), "train/cat/big.png: too large to decode safely",
+            "exceeds limit of 178956970 pixels", "shrink the image")
+
+
+def test_out_inside_the_image_folder_is_refused(tmp_path):
+    # Before, it was written there, and every later prepare of the folder
+    # found an empty class (the shards' folder).
+    src = image_folder(tmp_path / "photos", train=3, test=0)
+    for out in (src / "prepared", src / "train" / "cat" / "prepared"):
+        refused(run_cli("prepare", "--source", src, "--out", out), out,
+                f"--out {out} is inside the image folder --source {src}", "write them elsewhere")
+    assert run_cli("prepare", "--source", src, "--out", tmp_path / "prepared", "--shards", 1).returncode == 0
+
+
+def test_force_replaces_only_a_prepared_dataset_or_an_empty_folder(tmp_path):
+    src = image_folder(tmp_path / "photos", train=3, test=0)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    r = run_cli("prepare", "--source", src, "--out", mine, "--force")
+    assert r.returncode == 2 and r.stderr == (f"hpctrain: error: {mine}: holds files but no manifest.json, so it "
+                                              f"is not a prepared dataset; --force replaces only a prepared dataset "
+                                              f"or an empty folder: choose another --out\n")
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"]
+    out = tmp_path / "out"
+    for shards in (1, 2):   # the second replaces the first
+        r = run_cli("prepare", "--source", src, "--out", out, "--shards", shards, "--force")
+        assert r.returncode == 0, r.stderr
+    assert len(json.loads((out / "manifest.json").read_text())["train"]["shards"]) == 2
 
 
 # ---------------------------------------------------------------------------

@@ -75,7 +75,8 @@ def build_parser(prog="python -m hpctrain.data"):
     pp.add_argument("--seed", type=int, default=0,
                     help="seed of the split and the shuffles (default: %(default)s)")
     pp.add_argument("--force", action="store_true",
-                    help="replace --out if it already holds files")
+                    help="replace --out if it holds a prepared dataset (its manifest.json); a folder of other "
+                         "files is never replaced")
 
     pf = sub.add_parser("fetch", help="download a dataset and verify its MD5 checksums",
                         description="Download the dataset's published files into --out (EMNIST, "

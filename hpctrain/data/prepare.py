@@ -40,8 +40,8 @@ from hpctrain.errors import HpctrainError
 
 from . import arrays
 from .cifar import read_batches
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, bundled_sample_dir, shard_name
-from .sources import _find_source_files, _load_user_source, _read_pair
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, bundled_sample_dir, is_prepared, shard_name
+from .sources import _find_source_files, _load_user_source, _read_pair, is_image_folder
 
 # Rows per HDF5 chunk: ~800 KB of 28x28 images, under HDF5's 1 MiB default
 # chunk cache, and small enough that a worker's hyperslab reads little extra.
@@ -317,7 +317,7 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         _check_not_input(path, out)
     _check_out(out, force)
 
-    loaded = _load_user_source(source, images, labels, image_size, grayscale)
+    loaded = _load_user_source(source, images, labels, image_size, grayscale, warn)
     extra = {"no_flip": True} if no_flip else {}
     if loaded is None:
         layout, paths = _find_source_files(source)
@@ -377,18 +377,30 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
 
 def _check_not_input(source, out):
     """--out must not be, or contain, --source: installing the shards replaces
-    out as a whole, and with --force that would delete the IDX files."""
+    out as a whole, and with --force that would delete the IDX files. Nor may
+    it lie inside an image folder: its shards' folder would be taken as a
+    class by every later prepare of that folder."""
     src, dst = source.resolve(), out.resolve()
     if dst == src or dst in src.parents:
         raise HpctrainError(f"--out {out} {'is' if dst == src else 'contains'} --source {source}: "
                             f"preparing would replace the input files; write the shards elsewhere")
+    if src in dst.parents and is_image_folder(source):
+        raise HpctrainError(f"--out {out} is inside the image folder --source {source}: the shards' folder would "
+                            f"be taken as a class the next time; write them elsewhere")
 
 
 def _check_out(out, force):
+    """out: absent, an empty folder, or (with --force) a prepared dataset.
+    --force replaces nothing else: a mistyped --out must not delete a
+    folder of the user's own files."""
     if out.exists() and not out.is_dir():
         raise HpctrainError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise HpctrainError(f"{out}: already exists (use --force to overwrite)")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise HpctrainError(f"{out}: already exists (use --force to overwrite)")
+        if not is_prepared(out):
+            raise HpctrainError(f"{out}: holds files but no {MANIFEST}, so it is not a prepared dataset; --force "
+                                f"replaces only a prepared dataset or an empty folder: choose another --out")
 
 
 def _make_tmp(out):

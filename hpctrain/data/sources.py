@@ -99,9 +99,10 @@ def _read_pair(images_path, labels_path):
 _ARRAY_FILES = {".npz": "npz", ".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".csv": "csv"}
 
 
-def _load_user_source(source, images, labels, image_size, grayscale):
+def _load_user_source(source, images, labels, image_size, grayscale, warn=images_mod.stderr_warning):
     """The arrays of a source that is not IDX or CIFAR-10 (arrays.Loaded), or
-    None for those (the directory's files say which)."""
+    None for those (the directory's files say which). warn: where a line
+    about images too large for comfort goes."""
     if source is None:
         if labels is None:
             raise HpctrainError("--images A.npy needs --labels B.npy (or give --source FILE)")
@@ -126,12 +127,17 @@ def _load_user_source(source, images, labels, image_size, grayscale):
                             f"without --source; {source} is a directory")
     if not source.is_dir():
         return None   # _find_source_files says what is wrong with it
-    if not _looks_like_idx_or_cifar(source) and images_mod.has_class_folders(source):
-        return images_mod.load_folder(source, image_size, grayscale)
+    if is_image_folder(source):
+        return images_mod.load_folder(source, image_size, grayscale, warn)
     if image_size is not None or grayscale:
         raise HpctrainError(f"--image-size and --grayscale are for image folders (and --image-size for flat "
                             f"rows); {source} holds IDX or CIFAR-10 files, taken as they are")
     return None
+
+
+def is_image_folder(source):
+    """Whether source is read as a folder of class folders of images."""
+    return source.is_dir() and not _looks_like_idx_or_cifar(source) and images_mod.has_class_folders(source)
 
 
 def _looks_like_idx_or_cifar(source):
