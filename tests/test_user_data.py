@@ -318,6 +318,24 @@ def test_csv_of_label_and_pixels(tmp_path, header):
     assert m["image_shape"] == [3, 4]
 
 
+def test_csv_with_a_byte_order_mark_keeps_its_first_row(tmp_path):
+    # Excel's "CSV UTF-8" starts with EF BB BF: the first row once read as a header and was lost.
+    x, y = digits(40, shape=(4, 4))
+    lines = "\n".join(",".join(map(str, row)) for row in np.c_[y, x.reshape(40, -1)])
+    (tmp_path / "excel.csv").write_bytes(b"\xef\xbb\xbf" + lines.encode() + b"\n")
+    m = data.prepare(tmp_path / "excel.csv", tmp_path / "out", shards=2, log=quiet)
+    assert m["preprocess"]["header"] is False
+    assert m["train"]["num_samples"] + m["test"]["num_samples"] == 40
+    sx, _, _ = shard_arrays(tmp_path / "out")
+    tx, _, _ = shard_arrays(tmp_path / "out", "test")
+    assert sorted(map(bytes, np.concatenate([sx, tx]))) == sorted(map(bytes, x))
+    # With a header after the mark, the header alone is skipped.
+    (tmp_path / "head.csv").write_bytes(b"\xef\xbb\xbflabel," + ",".join(f"p{i}" for i in range(16)).encode()
+                                        + b"\n" + lines.encode() + b"\n")
+    m = data.prepare(tmp_path / "head.csv", tmp_path / "out2", shards=2, log=quiet)
+    assert m["preprocess"]["header"] is True and m["train"]["num_samples"] + m["test"]["num_samples"] == 40
+
+
 def array_refusals(tmp_path):
     x, y = digits(30)
     cases = []
@@ -342,6 +360,8 @@ def array_refusals(tmp_path):
     (tmp_path / "odd.csv").write_text("1," + ",".join(["7"] * 10) + "\n0," + ",".join(["9"] * 10) + "\n")
     cases.append((["--source", tmp_path / "odd.csv"], ["10 pixels per image is neither a square image",
                                                        "give --image-size H,W"]))
+    (tmp_path / "header.csv").write_text("label,p1,p2,p3,p4\n")   # numpy's warning printed above the line
+    cases.append((["--source", tmp_path / "header.csv"], ["header.csv: a header line and no rows"]))
     (tmp_path / "cut.npz").write_bytes((tmp_path / "range.npz").read_bytes()[:200])
     cases.append((["--source", tmp_path / "cut.npz"], ["cut.npz: not an .npz file"]))
     (tmp_path / "notes.txt").write_text("hello")

@@ -23,6 +23,7 @@ No MPI here (house rule).
 
 import math
 import os
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -322,7 +323,9 @@ def load_csv(path, size=None):
         with open(path, "rb") as f:
             first = f.readline()
             length = os.fstat(f.fileno()).st_size
-    fields = first.decode("utf-8", "replace").strip().split(",")
+    # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which
+    # would make the first label no number and the first row a "header".
+    fields = first.decode("utf-8-sig", "replace").strip().split(",")
     if len(fields) < 2:
         raise HpctrainError(f"{path}: expected lines of label,pixel,pixel,...; the first line has "
                             f"{len(fields)} field{'s' if len(fields) != 1 else ''}")
@@ -330,9 +333,15 @@ def load_csv(path, size=None):
     # Each value takes at least 2 characters ("0,"); parsed as float64, 8 bytes.
     check_memory(path, length // 2 * 9)
     try:
-        table = np.loadtxt(path, delimiter=",", dtype=np.float64, skiprows=int(header), ndmin=2, encoding="utf-8")
+        with warnings.catch_warnings():
+            # A header and no rows: numpy's warning would print above our line.
+            warnings.filterwarnings("ignore", "loadtxt: input contained no data", UserWarning)
+            table = np.loadtxt(path, delimiter=",", dtype=np.float64, skiprows=int(header), ndmin=2,
+                               encoding="utf-8-sig")
     except ValueError as e:
         raise HpctrainError(f"{path}: not a CSV of numbers, label then pixels ({str(e).splitlines()[0]})") from None
+    if not len(table):   # (a first line of numbers is a row: only a header can leave none)
+        raise HpctrainError(f"{path}: a header line and no rows of label,pixel,pixel,...")
     if table.shape[1] != len(fields):
         raise HpctrainError(f"{path}: {table.shape[1]} values per line, the first line has {len(fields)}")
     x, y, scale = pair(table[:, 1:], table[:, 0], path, f"{path} (column 1)", size)
