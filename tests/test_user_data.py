@@ -313,9 +313,10 @@ def test_csv_of_label_and_pixels(tmp_path, header):
     tx, ty, _ = shard_arrays(tmp_path / "out", "test")
     assert sorted(map(bytes, np.concatenate([sx, tx]))) == sorted(map(bytes, x))
     # Rows that are not square need --image-size.
-    np.savetxt(tmp_path / "r.csv", np.c_[y, x.reshape(40, -1)[:, :12]], fmt="%d", delimiter=",")
-    m = data.prepare(tmp_path / "r.csv", tmp_path / "out2", shards=2, image_size=(3, 4), log=quiet)
-    assert m["image_shape"] == [3, 4]
+    wide = np.c_[x.reshape(40, -1), x.reshape(40, -1)[:, :4]]
+    np.savetxt(tmp_path / "r.csv", np.c_[y, wide], fmt="%d", delimiter=",")
+    m = data.prepare(tmp_path / "r.csv", tmp_path / "out2", shards=2, image_size=(4, 5), log=quiet)
+    assert m["image_shape"] == [4, 5]
 
 
 def test_csv_with_a_byte_order_mark_keeps_its_first_row(tmp_path):
@@ -362,6 +363,12 @@ def array_refusals(tmp_path):
                                                        "give --image-size H,W"]))
     (tmp_path / "header.csv").write_text("label,p1,p2,p3,p4\n")   # numpy's warning printed above the line
     cases.append((["--source", tmp_path / "header.csv"], ["header.csv: a header line and no rows"]))
+    np.savetxt(tmp_path / "flat.csv", np.c_[y, x.reshape(30, -1)], fmt="%d", delimiter=",")
+    # A size that starts with '-' once got argparse's 'expected one argument'; 1,1 was accepted.
+    cases.append((["--source", tmp_path / "flat.csv", "--image-size", "-5,5"],
+                  ["--image-size expects H,W (two positive integers), got '-5,5'"]))
+    cases.append((["--source", tmp_path / "flat.csv", "--image-size", "1,36"],
+                  ["--image-size 1,36: too small to train on; each side must be at least 4 pixels"]))
     (tmp_path / "cut.npz").write_bytes((tmp_path / "range.npz").read_bytes()[:200])
     cases.append((["--source", tmp_path / "cut.npz"], ["cut.npz: not an .npz file"]))
     (tmp_path / "notes.txt").write_text("hello")

@@ -96,7 +96,21 @@ def build_parser(prog="python -m hpctrain.data"):
     return p
 
 
+def _attach_dashed_values(argv, flags=("--image-size",)):
+    """`--image-size -5,5` as `--image-size=-5,5`: argparse takes a value that
+    starts with '-' (and is no plain negative number) for a flag, and would
+    answer 'expected one argument' instead of our line about the size."""
+    out = []
+    for arg in argv:
+        if out and out[-1] in flags and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv=None, prog="python -m hpctrain.data"):
+    argv = _attach_dashed_values(sys.argv[1:] if argv is None else list(map(str, argv)))
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:

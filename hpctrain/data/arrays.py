@@ -87,14 +87,23 @@ def _need(shape, dtype):
 # ---------------------------------------------------------------------------
 # Arrays -> prepare's images and labels
 
+# The smallest --image-size side: the default convolutional model
+# (small_cnn) pools 2x2 twice, which leaves no pixel of a smaller image, and
+# an image of 1 to 3 pixels a side keeps little more than its average colour.
+MIN_SIDE = 4
+
+
 def parse_size(text):
-    """'H,W' -> (H, W), positive integers, or HpctrainError."""
+    """'H,W' (or an (H, W) tuple) -> (H, W), integers of at least MIN_SIDE, or HpctrainError."""
     try:
-        h, w = (int(t) for t in str(text).split(","))
+        h, w = (int(t) for t in (text if isinstance(text, tuple) else str(text).split(",")))
     except ValueError:
         raise HpctrainError(f"--image-size expects H,W (two positive integers), got {text!r}") from None
     if h < 1 or w < 1 or h * w > 1 << 26:
         raise HpctrainError(f"--image-size expects H,W (two positive integers), got {text!r}")
+    if min(h, w) < MIN_SIDE:
+        raise HpctrainError(f"--image-size {h},{w}: too small to train on; each side must be at least {MIN_SIDE} "
+                            f"pixels (small_cnn pools 2x2 twice)")
     return h, w
 
 

@@ -310,7 +310,7 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         raise HpctrainError(f"--test-fraction must be in [0, 1), got {test_fraction}")
     if not 0 <= val_fraction < 1:
         raise HpctrainError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    if image_size is not None and not isinstance(image_size, tuple):
+    if image_size is not None:
         image_size = arrays.parse_size(image_size)
     inputs = [source] if source is not None else [Path(images), Path(labels or images)]
     for path in inputs:
