@@ -369,6 +369,22 @@ def array_refusals(tmp_path):
                   ["--image-size expects H,W (two positive integers), got '-5,5'"]))
     cases.append((["--source", tmp_path / "flat.csv", "--image-size", "1,36"],
                   ["--image-size 1,36: too small to train on; each side must be at least 4 pixels"]))
+    np.save(tmp_path / "scalar.npy", np.array(7))   # 0-d arrays: a TypeError from len() once
+    cases.append((["--images", tmp_path / "scalar.npy", "--labels", tmp_path / "y.npy"],
+                  ["scalar.npy: a single number (a 0-d array), not one image per sample"]))
+    with h5py.File(tmp_path / "scalar.h5", "w") as f:
+        f["images"], f["labels"] = x, np.int64(3)
+    cases.append((["--source", tmp_path / "scalar.h5"], ["scalar.h5[labels]: a single number (a 0-d array)"]))
+    # A link named images was once reported missing ("none of images/labels"), not as a link.
+    with h5py.File(tmp_path / "soft.h5", "w") as f:
+        f["pixels"], f["labels"] = x, y
+        f["images"] = h5py.SoftLink("/pixels")
+    cases.append((["--source", tmp_path / "soft.h5"], ["soft.h5[images]: a soft link (to /pixels), not a dataset"]))
+    with h5py.File(tmp_path / "external.h5", "w") as f:
+        f["labels"] = y
+        f["images"] = h5py.ExternalLink("soft.h5", "/pixels")
+    cases.append((["--source", tmp_path / "external.h5"],
+                  ["external.h5[images]: an external link (to soft.h5:/pixels), not a dataset stored in this file"]))
     (tmp_path / "cut.npz").write_bytes((tmp_path / "range.npz").read_bytes()[:200])
     cases.append((["--source", tmp_path / "cut.npz"], ["cut.npz: not an .npz file"]))
     (tmp_path / "notes.txt").write_text("hello")

@@ -187,6 +187,9 @@ def to_labels(y, what):
 
 def pair(x, y, what_x, what_y, size=None):
     """(images, labels, pixel scale) of one split, checked against each other."""
+    for a, what, one in ((x, what_x, "image"), (y, what_y, "label")):
+        if np.ndim(a) == 0:
+            raise HpctrainError(f"{what}: a single number (a 0-d array), not one {one} per sample")
     if len(x) != len(y):
         raise HpctrainError(f"{what_x}: {len(x)} images but {what_y} has {len(y)} labels")
     labels = to_labels(y, what_y)
@@ -305,15 +308,10 @@ def load_hdf5(path, images=None, labels=None, size=None):
                 raise
             raise HpctrainError(f"{path}: not a readable HDF5 file ({str(e).splitlines()[0]})") from None
     with f:
-        names = {}
-        f.visititems(lambda name, obj: names.__setitem__(name, obj) if isinstance(obj, h5py.Dataset) else None)
+        names = _hdf5_datasets(f)
         keys = _choose(path, names, images, labels, [("images", "labels"), ("x", "y"), ("x_train", "y_train")])
         for key in keys:
-            link = f.get(key, getlink=True)
-            ds = names[key]
-            if not isinstance(link, h5py.HardLink) or ds.is_virtual or ds.external:
-                raise HpctrainError(f"{path}[{key}]: a link to, or storage in, another file; copy the data into "
-                                    f"this file")
+            _check_stored_here(path, key, names[key])
         check_memory(path, sum(_need(names[k].shape, names[k].dtype) for k in keys))
         try:
             x, y = (names[k][()] for k in keys)
@@ -321,6 +319,43 @@ def load_hdf5(path, images=None, labels=None, size=None):
             raise HpctrainError(f"{path}: cannot read {keys[0]}/{keys[1]} ({str(e).splitlines()[0]})") from None
     x, y, scale = pair(x, y, f"{path}[{keys[0]}]", f"{path}[{keys[1]}]", size)
     return Loaded("hdf5", [file_entry("arrays", path)], (x, y), preprocess=_preprocess("arrays", scale, x.shape[1:]))
+
+
+def _hdf5_datasets(f):
+    """{path: dataset, or the link itself for a soft or external link} of every
+    dataset in f, links not followed: a link named `images` is then refused
+    as a link, not reported missing (visititems skips links)."""
+    import h5py
+    found, seen = {}, set()
+
+    def walk(group, prefix):
+        for key in group:
+            name, link = prefix + key, group.get(key, getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                found[name] = link
+                continue
+            obj = group[key]
+            if isinstance(obj, h5py.Group) and obj.id not in seen:   # a hard link back up is no loop
+                seen.add(obj.id)
+                walk(obj, name + "/")
+            elif isinstance(obj, h5py.Dataset):
+                found[name] = obj
+    walk(f, "")
+    return found
+
+
+def _check_stored_here(path, key, entry):
+    """Refuse a link (soft: elsewhere in the file; external: another file)
+    and a dataset whose data lies in other files, as checkpoints do."""
+    import h5py
+    if isinstance(entry, h5py.SoftLink):
+        raise HpctrainError(f"{path}[{key}]: a soft link (to {entry.path}), not a dataset; name the dataset "
+                            f"itself (--images/--labels)")
+    if isinstance(entry, h5py.ExternalLink):
+        raise HpctrainError(f"{path}[{key}]: an external link (to {entry.filename}:{entry.path}), not a dataset "
+                            f"stored in this file; copy the data into this file")
+    if entry.is_virtual or entry.external:
+        raise HpctrainError(f"{path}[{key}]: its data is stored in other files; copy the data into this file")
 
 
 # ---------------------------------------------------------------------------
