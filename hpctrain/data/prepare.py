@@ -12,7 +12,8 @@ test/ beside train/ is kept), an .npz (x/y, or Keras' x_train/y_train/
 x_test/y_test, kept), two .npy files, an HDF5 file with two named datasets,
 or a CSV of label + pixels (arrays.py); those without a test set are split
 here as the single pair is, and their manifests add `preprocess` (how the
-pixels were made), image folders' `class_names`. `--no-flip` adds
+pixels were made), image folders' `class_names`; so do the datasets fetch
+knows (known.py: MNIST, Fashion-MNIST, KMNIST, EMNIST, CIFAR-10). `--no-flip` adds
 `"no_flip": true` (training then refuses --augment flip). The manifest
 records the image shape (rows, cols[, channels]) and the class count (the
 largest label + 1), from which training builds its model. Every shard gets every
@@ -38,7 +39,7 @@ import numpy as np
 
 from hpctrain.errors import HpctrainError
 
-from . import arrays
+from . import arrays, known
 from .cifar import read_batches
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, bundled_sample_dir, shard_name
 from .sources import _find_source_files, _load_user_source, _read_pair
@@ -345,6 +346,10 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
     num_classes = int(max(train[1].max(initial=0), test[1].max(initial=0))) + 1
     if loaded is not None and loaded.class_names is not None:
         num_classes = len(loaded.class_names)   # a class may be missing from a split, never from the names
+    if loaded is None:
+        known_names = known.class_names(layout, paths, num_classes)   # MNIST, Fashion-MNIST, ...: their names
+        if known_names is not None:
+            extra.update(class_names=known_names)
     _check_fits(splits, num_classes, names)
     _check_classes(source, train[1], test[1], num_classes, warn)
 
