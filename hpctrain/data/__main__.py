@@ -53,8 +53,8 @@ def build_parser(prog="python -m hpctrain.data"):
                     help="the labels' array in an .npz or HDF5 --source; without --source, a .npy file")
     pp.add_argument("--image-size", metavar="H,W", default=None,
                     help="image folders: resize every image to H x W (bilinear); flat rows (CSV, "
-                         "(N, pixels) arrays): their shape (default: folders' images must share one size, "
-                         "rows are square)")
+                         "(N, pixels) arrays): their shape; each side at least 4 (default: folders' images "
+                         "must share one size, rows are square)")
     pp.add_argument("--grayscale", action="store_true",
                     help="image folders: convert to grayscale (default: grayscale only if every image is)")
     pp.add_argument("--no-flip", action="store_true",
