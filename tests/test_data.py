@@ -486,6 +486,19 @@ def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, code):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy", "y.npy"]
 
 
+def test_a_stop_while_the_shards_are_renamed_into_place_changes_nothing():
+    # A stop between moving the old --out aside and renaming the new one in would leave neither in place.
+    code = ("import os, signal\n"
+            "from hpctrain.data.stopping import signals_held\n"
+            "with signals_held():\n"
+            "    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):\n"
+            "        os.kill(os.getpid(), sig)\n"
+            "print('installed')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert (r.returncode, r.stdout, r.stderr) == (0, "installed\n", "")
+
+
 def test_prepare_sweeps_the_temporary_folders_of_killed_prepares(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import stat
+import threading
 
 from hpctrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, HpctrainError
 from hpctrain.temporaries import abandoned, process_start_time
@@ -69,17 +70,22 @@ def sweep_stale_tmps(out, log):
 @contextlib.contextmanager
 def signals_held():
     """Installing is a few renames that must not be cut in two (out moved
-    aside, the new one not yet in place): the stop signals wait until they
-    are done, and are then dropped, as training drops a stop after its last
-    step: the shards are in place, there is nothing left to stop."""
-    if not hasattr(signal, "sigtimedwait"):   # macOS: the renames go unprotected, as before
+    aside, the new one not yet in place): a stop signal that comes while
+    they run is dropped, as training drops a stop after its last step: the
+    shards are then in place, there is nothing left to stop. (Not by
+    blocking the signals: that is per thread, and numpy's BLAS threads would
+    still take SIGTERM's default action.) Only the main thread can set
+    handlers; elsewhere the caller's own handling stands."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signals = set(STOP_SIGNALS)
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    before = {sig: signal.signal(sig, _dropped) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        while signal.sigtimedwait(signals - before, 0) is not None:
-            pass
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _dropped(num, frame):
+    pass
