@@ -123,6 +123,30 @@ def test_flip_is_refused_for_data_prepared_with_no_flip(tmp_path):
     assert r.returncode == 2 and "--augment: expected crop, crop=P (P >= 1 pixels) and/or flip" in r.stderr
 
 
+def test_a_crop_past_the_image_is_refused_at_start_up_and_a_wide_one_warned(tmp_path):
+    # crop=P past the image once crashed at the first batch, allocating terabytes for the padded batch.
+    data.prepare(make_single_source(tmp_path / "src", n=100), tmp_path / "digits", shards=2, log=quiet)
+    with pytest.raises(HpctrainError, match=r"--augment crop=28: the padding must be smaller than the images' "
+                                            r"smaller side \(28x28 in .*digits: at most 27\)"):
+        data.ShardReader(tmp_path / "digits", 0, 1, 8, 0, augment="crop=28")
+    assert data.check_augment("crop=7", tmp_path / "digits") is None   # a quarter of 28: no warning
+    env = child_env()
+    common = [sys.executable, "-m", "hpctrain.train", "--data", tmp_path / "digits", "--steps", "1",
+              "--batch-size", "8"]
+    r = subprocess.run([MPIRUN, "-n", "2", *common, "--augment", "crop=100000", "--checkpoint-dir", tmp_path / "ckpt"],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("hpctrain:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("hpctrain: error: --augment crop=100000: the padding must be smaller"), lines
+    assert not (tmp_path / "ckpt").exists()   # refused before the outputs are made
+    r = subprocess.run([*common, "--augment", "crop=8"], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=REPO)
+    warnings = [line for line in r.stderr.splitlines() if "warning" in line]
+    assert r.returncode == 0, r.stderr
+    assert warnings == ["hpctrain: warning: --augment crop=8: more than a quarter of the images' smaller side "
+                        "(28x28); windows may lose much of the image (the default is 3)"], r.stderr
+
+
 # ---------------------------------------------------------------------------
 # Real jobs
 

@@ -109,6 +109,7 @@ def a_dead_pid():
 def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path):
     from argparse import Namespace
     from hpctrain.run import outputs
+    from hpctrain.temporaries import STALE_AFTER_S
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     ckpt.mkdir()
     out.mkdir()
@@ -125,7 +126,7 @@ def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path
             out / ".p.h5.tmp-recent00",                            # no pid, recent
             out / f".other.h5.tmp-{dead}-abcdefgh",                # not one of this run's outputs
             out / "notes.txt", ckpt / "ckpt-00000010.h5"]
-    hour_ago = time.time() - 2 * outputs.STALE_AFTER_S
+    hour_ago = time.time() - 2 * STALE_AFTER_S
     for path in stale + kept:
         path.write_bytes(b"half")
         if path.name != ".p.h5.tmp-recent00":
@@ -149,6 +150,7 @@ def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path
 
 def test_temporary_names_are_exclusive_unpredictable_and_carry_the_pid(tmp_path):
     from hpctrain.run import outputs
+    from hpctrain.temporaries import STALE_AFTER_S
     names = set()
     for _ in range(3):
         fd, tmp = outputs.temp_next_to(tmp_path / "p.h5")

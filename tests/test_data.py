@@ -14,11 +14,13 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -451,6 +453,75 @@ def test_failed_prepare_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(HpctrainError, match="out: cannot write shards .*No space left"):
         data.prepare(good, out, shards=4, log=quiet)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "src"]
+
+
+def temporaries_beside(out):
+    return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-")]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, code):
+    # Before: SIGTERM's default action ended prepare with its .out.tmp-PID-XXXX folder left for ever.
+    rng = np.random.default_rng(0)
+    # Random pixels compress slowly: writing the shards takes seconds, time to stop it half-way.
+    np.save(tmp_path / "x.npy", rng.integers(0, 256, (30000, 28, 28), dtype=np.uint8))
+    np.save(tmp_path / "y.npy", np.arange(30000) % 10)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "hpctrain.data", "prepare", "--images", tmp_path / "x.npy",
+                             "--labels", tmp_path / "y.npy", "--out", out, "--shards", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not temporaries_beside(out) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert temporaries_beside(out) and proc.poll() is None, "prepare never began writing its shards"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert err == (f"hpctrain: error: prepare stopped by {sig.name}: nothing written (--out as it was, the "
+                   f"temporary folder removed); run the same command again\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy", "y.npy"]
+
+
+def test_a_stop_while_the_shards_are_renamed_into_place_changes_nothing():
+    # A stop between moving the old --out aside and renaming the new one in would leave neither in place.
+    code = ("import os, signal\n"
+            "from hpctrain.data.stopping import signals_held\n"
+            "with signals_held():\n"
+            "    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):\n"
+            "        os.kill(os.getpid(), sig)\n"
+            "print('installed')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert (r.returncode, r.stdout, r.stderr) == (0, "installed\n", "")
+
+
+def test_prepare_sweeps_the_temporary_folders_of_killed_prepares(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        hour_ago = time.time() - 3600
+        left = {name: tmp_path / name for name in (f".out.tmp-{dead.pid}-0123abcd", f".out.tmp-{running.pid}-0123abcd",
+                                                   f".other.tmp-{dead.pid}-0123abcd")}
+        for path in left.values():
+            path.mkdir()
+            (path / "train-00000-of-00002.h5").write_bytes(b"half")
+            os.utime(path, (hour_ago, hour_ago))
+        fresh = tmp_path / f".out.tmp-{dead.pid}-89abcdef"   # written after this process began: maybe another node's
+        fresh.mkdir()
+        lines = []
+        data.prepare(make_single_source(tmp_path / "src", n=100), tmp_path / "out", shards=2, log=lines.append)
+    finally:
+        running.kill()
+    assert not left[f".out.tmp-{dead.pid}-0123abcd"].exists()
+    assert left[f".out.tmp-{running.pid}-0123abcd"].exists() and left[f".other.tmp-{dead.pid}-0123abcd"].exists()
+    assert fresh.exists()
+    assert lines[0] == (f"removed {tmp_path}/.out.tmp-{dead.pid}-0123abcd: left by an earlier prepare "
+                        f"(process {dead.pid}, gone)")
 
 
 def test_prepare_bad_arguments(tmp_path):

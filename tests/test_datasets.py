@@ -141,10 +141,25 @@ def test_emnist_balanced_names_and_47_classes(tmp_path):
     manifest = data.prepare(src, tmp_path / "shards", shards=2, log=quiet)
     assert manifest["num_classes"] == 47 and manifest["image_shape"] == [28, 28]
     assert data.model_shape(manifest) == ((28, 28), 47)
+    assert manifest["class_names"][:3] == ["0", "1", "2"] and manifest["class_names"][36:] == list("abdefghnqrt")
     # Two of EMNIST's splits in one directory: which one is meant is not guessed.
     idx_quartet(src, 20, 10, classes=10, prefix="emnist-digits-", test="test")
     with pytest.raises(HpctrainError, match="holds more than one dataset"):
         data.prepare(src, tmp_path / "shards2", shards=2, log=quiet)
+
+
+def test_known_idx_sets_get_their_class_names_by_their_labels_checksums(tmp_path, monkeypatch):
+    # Fashion-MNIST prepared from IDX once had no class names: predict printed 7 for a sneaker.
+    src = idx_quartet(tmp_path / "fashion", 40, 20, classes=10)
+    monkeypatch.setitem(data.MD5, "fashion-mnist", md5s(*src.iterdir()))
+    manifest = data.prepare(src, tmp_path / "shards", shards=2, log=quiet)
+    assert manifest["class_names"][7] == "Sneaker" and len(manifest["class_names"]) == 10
+    # Other labels under the same names are not Fashion-MNIST: no names, as before.
+    write_idx(src / "t10k-labels-idx1-ubyte.gz", np.arange(20)[::-1] % 10)
+    assert "class_names" not in data.prepare(src, tmp_path / "other", shards=2, log=quiet)
+    # CIFAR-10's layout is CIFAR-10.
+    manifest = data.prepare(cifar_batches(tmp_path / "cifar"), tmp_path / "cifar-shards", shards=2, log=quiet)
+    assert manifest["class_names"][0] == "airplane" and manifest["class_names"][9] == "truck"
 
 
 # ---------------------------------------------------------------------------

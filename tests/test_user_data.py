@@ -458,9 +458,28 @@ def test_csv_of_label_and_pixels(tmp_path, header):
     tx, ty, _ = shard_arrays(tmp_path / "out", "test")
     assert sorted(map(bytes, np.concatenate([sx, tx]))) == sorted(map(bytes, x))
     # Rows that are not square need --image-size.
-    np.savetxt(tmp_path / "r.csv", np.c_[y, x.reshape(40, -1)[:, :12]], fmt="%d", delimiter=",")
-    m = data.prepare(tmp_path / "r.csv", tmp_path / "out2", shards=2, image_size=(3, 4), log=quiet)
-    assert m["image_shape"] == [3, 4]
+    wide = np.c_[x.reshape(40, -1), x.reshape(40, -1)[:, :4]]
+    np.savetxt(tmp_path / "r.csv", np.c_[y, wide], fmt="%d", delimiter=",")
+    m = data.prepare(tmp_path / "r.csv", tmp_path / "out2", shards=2, image_size=(4, 5), log=quiet)
+    assert m["image_shape"] == [4, 5]
+
+
+def test_csv_with_a_byte_order_mark_keeps_its_first_row(tmp_path):
+    # Excel's "CSV UTF-8" starts with EF BB BF: the first row once read as a header and was lost.
+    x, y = digits(40, shape=(4, 4))
+    lines = "\n".join(",".join(map(str, row)) for row in np.c_[y, x.reshape(40, -1)])
+    (tmp_path / "excel.csv").write_bytes(b"\xef\xbb\xbf" + lines.encode() + b"\n")
+    m = data.prepare(tmp_path / "excel.csv", tmp_path / "out", shards=2, log=quiet)
+    assert m["preprocess"]["header"] is False
+    assert m["train"]["num_samples"] + m["test"]["num_samples"] == 40
+    sx, _, _ = shard_arrays(tmp_path / "out")
+    tx, _, _ = shard_arrays(tmp_path / "out", "test")
+    assert sorted(map(bytes, np.concatenate([sx, tx]))) == sorted(map(bytes, x))
+    # With a header after the mark, the header alone is skipped.
+    (tmp_path / "head.csv").write_bytes(b"\xef\xbb\xbflabel," + ",".join(f"p{i}" for i in range(16)).encode()
+                                        + b"\n" + lines.encode() + b"\n")
+    m = data.prepare(tmp_path / "head.csv", tmp_path / "out2", shards=2, log=quiet)
+    assert m["preprocess"]["header"] is True and m["train"]["num_samples"] + m["test"]["num_samples"] == 40
 
 
 def array_refusals(tmp_path):
@@ -487,6 +506,30 @@ def array_refusals(tmp_path):
     (tmp_path / "odd.csv").write_text("1," + ",".join(["7"] * 10) + "\n0," + ",".join(["9"] * 10) + "\n")
     cases.append((["--source", tmp_path / "odd.csv"], ["10 pixels per image is neither a square image",
                                                        "give --image-size H,W"]))
+    (tmp_path / "header.csv").write_text("label,p1,p2,p3,p4\n")   # numpy's warning printed above the line
+    cases.append((["--source", tmp_path / "header.csv"], ["header.csv: a header line and no rows"]))
+    np.savetxt(tmp_path / "flat.csv", np.c_[y, x.reshape(30, -1)], fmt="%d", delimiter=",")
+    # A size that starts with '-' once got argparse's 'expected one argument'; 1,1 was accepted.
+    cases.append((["--source", tmp_path / "flat.csv", "--image-size", "-5,5"],
+                  ["--image-size expects H,W (two positive integers), got '-5,5'"]))
+    cases.append((["--source", tmp_path / "flat.csv", "--image-size", "1,36"],
+                  ["--image-size 1,36: too small to train on; each side must be at least 4 pixels"]))
+    np.save(tmp_path / "scalar.npy", np.array(7))   # 0-d arrays: a TypeError from len() once
+    cases.append((["--images", tmp_path / "scalar.npy", "--labels", tmp_path / "y.npy"],
+                  ["scalar.npy: a single number (a 0-d array), not one image per sample"]))
+    with h5py.File(tmp_path / "scalar.h5", "w") as f:
+        f["images"], f["labels"] = x, np.int64(3)
+    cases.append((["--source", tmp_path / "scalar.h5"], ["scalar.h5[labels]: a single number (a 0-d array)"]))
+    # A link named images was once reported missing ("none of images/labels"), not as a link.
+    with h5py.File(tmp_path / "soft.h5", "w") as f:
+        f["pixels"], f["labels"] = x, y
+        f["images"] = h5py.SoftLink("/pixels")
+    cases.append((["--source", tmp_path / "soft.h5"], ["soft.h5[images]: a soft link (to /pixels), not a dataset"]))
+    with h5py.File(tmp_path / "external.h5", "w") as f:
+        f["labels"] = y
+        f["images"] = h5py.ExternalLink("soft.h5", "/pixels")
+    cases.append((["--source", tmp_path / "external.h5"],
+                  ["external.h5[images]: an external link (to soft.h5:/pixels), not a dataset stored in this file"]))
     (tmp_path / "cut.npz").write_bytes((tmp_path / "range.npz").read_bytes()[:200])
     cases.append((["--source", tmp_path / "cut.npz"], ["cut.npz: not an .npz file"]))
     (tmp_path / "notes.txt").write_text("hello")

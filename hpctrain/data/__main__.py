@@ -53,8 +53,8 @@ def build_parser(prog="python -m hpctrain.data"):
                     help="the labels' array in an .npz or HDF5 --source; without --source, a .npy file")
     pp.add_argument("--image-size", metavar="H,W", default=None,
                     help="image folders: resize every image to H x W (bilinear); flat rows (CSV, "
-                         "(N, pixels) arrays): their shape (default: folders' images must share one size, "
-                         "rows are square)")
+                         "(N, pixels) arrays): their shape; each side at least 4 (default: folders' images "
+                         "must share one size, rows are square)")
     pp.add_argument("--grayscale", action="store_true",
                     help="image folders: convert to grayscale (default: grayscale only if every image is)")
     pp.add_argument("--no-flip", action="store_true",
@@ -97,7 +97,21 @@ def build_parser(prog="python -m hpctrain.data"):
     return p
 
 
+def _attach_dashed_values(argv, flags=("--image-size",)):
+    """`--image-size -5,5` as `--image-size=-5,5`: argparse takes a value that
+    starts with '-' (and is no plain negative number) for a flag, and would
+    answer 'expected one argument' instead of our line about the size."""
+    out = []
+    for arg in argv:
+        if out and out[-1] in flags and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv=None, prog="python -m hpctrain.data"):
+    argv = _attach_dashed_values(sys.argv[1:] if argv is None else list(map(str, argv)))
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:

@@ -23,6 +23,7 @@ No MPI here (house rule).
 
 import math
 import os
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,14 +87,23 @@ def _need(shape, dtype):
 # ---------------------------------------------------------------------------
 # Arrays -> prepare's images and labels
 
+# The smallest --image-size side: the default convolutional model
+# (small_cnn) pools 2x2 twice, which leaves no pixel of a smaller image, and
+# an image of 1 to 3 pixels a side keeps little more than its average colour.
+MIN_SIDE = 4
+
+
 def parse_size(text):
-    """'H,W' -> (H, W), positive integers, or HpctrainError."""
+    """'H,W' (or an (H, W) tuple) -> (H, W), integers of at least MIN_SIDE, or HpctrainError."""
     try:
-        h, w = (int(t) for t in str(text).split(","))
+        h, w = (int(t) for t in (text if isinstance(text, tuple) else str(text).split(",")))
     except ValueError:
         raise HpctrainError(f"--image-size expects H,W (two positive integers), got {text!r}") from None
     if h < 1 or w < 1 or h * w > 1 << 26:
         raise HpctrainError(f"--image-size expects H,W (two positive integers), got {text!r}")
+    if min(h, w) < MIN_SIDE:
+        raise HpctrainError(f"--image-size {h},{w}: too small to train on; each side must be at least {MIN_SIDE} "
+                            f"pixels (small_cnn pools 2x2 twice)")
     return h, w
 
 
@@ -177,6 +187,9 @@ def to_labels(y, what):
 
 def pair(x, y, what_x, what_y, size=None):
     """(images, labels, pixel scale) of one split, checked against each other."""
+    for a, what, one in ((x, what_x, "image"), (y, what_y, "label")):
+        if np.ndim(a) == 0:
+            raise HpctrainError(f"{what}: a single number (a 0-d array), not one {one} per sample")
     if len(x) != len(y):
         raise HpctrainError(f"{what_x}: {len(x)} images but {what_y} has {len(y)} labels")
     labels = to_labels(y, what_y)
@@ -295,15 +308,10 @@ def load_hdf5(path, images=None, labels=None, size=None):
                 raise
             raise HpctrainError(f"{path}: not a readable HDF5 file ({str(e).splitlines()[0]})") from None
     with f:
-        names = {}
-        f.visititems(lambda name, obj: names.__setitem__(name, obj) if isinstance(obj, h5py.Dataset) else None)
+        names = _hdf5_datasets(f)
         keys = _choose(path, names, images, labels, [("images", "labels"), ("x", "y"), ("x_train", "y_train")])
         for key in keys:
-            link = f.get(key, getlink=True)
-            ds = names[key]
-            if not isinstance(link, h5py.HardLink) or ds.is_virtual or ds.external:
-                raise HpctrainError(f"{path}[{key}]: a link to, or storage in, another file; copy the data into "
-                                    f"this file")
+            _check_stored_here(path, key, names[key])
         check_memory(path, sum(_need(names[k].shape, names[k].dtype) for k in keys))
         try:
             x, y = (names[k][()] for k in keys)
@@ -311,6 +319,43 @@ def load_hdf5(path, images=None, labels=None, size=None):
             raise HpctrainError(f"{path}: cannot read {keys[0]}/{keys[1]} ({str(e).splitlines()[0]})") from None
     x, y, scale = pair(x, y, f"{path}[{keys[0]}]", f"{path}[{keys[1]}]", size)
     return Loaded("hdf5", [file_entry("arrays", path)], (x, y), preprocess=_preprocess("arrays", scale, x.shape[1:]))
+
+
+def _hdf5_datasets(f):
+    """{path: dataset, or the link itself for a soft or external link} of every
+    dataset in f, links not followed: a link named `images` is then refused
+    as a link, not reported missing (visititems skips links)."""
+    import h5py
+    found, seen = {}, set()
+
+    def walk(group, prefix):
+        for key in group:
+            name, link = prefix + key, group.get(key, getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                found[name] = link
+                continue
+            obj = group[key]
+            if isinstance(obj, h5py.Group) and obj.id not in seen:   # a hard link back up is no loop
+                seen.add(obj.id)
+                walk(obj, name + "/")
+            elif isinstance(obj, h5py.Dataset):
+                found[name] = obj
+    walk(f, "")
+    return found
+
+
+def _check_stored_here(path, key, entry):
+    """Refuse a link (soft: elsewhere in the file; external: another file)
+    and a dataset whose data lies in other files, as checkpoints do."""
+    import h5py
+    if isinstance(entry, h5py.SoftLink):
+        raise HpctrainError(f"{path}[{key}]: a soft link (to {entry.path}), not a dataset; name the dataset "
+                            f"itself (--images/--labels)")
+    if isinstance(entry, h5py.ExternalLink):
+        raise HpctrainError(f"{path}[{key}]: an external link (to {entry.filename}:{entry.path}), not a dataset "
+                            f"stored in this file; copy the data into this file")
+    if entry.is_virtual or entry.external:
+        raise HpctrainError(f"{path}[{key}]: its data is stored in other files; copy the data into this file")
 
 
 # ---------------------------------------------------------------------------
@@ -322,7 +367,9 @@ def load_csv(path, size=None):
         with open(path, "rb") as f:
             first = f.readline()
             length = os.fstat(f.fileno()).st_size
-    fields = first.decode("utf-8", "replace").strip().split(",")
+    # utf-8-sig: Excel's "CSV UTF-8" starts with a byte-order mark, which
+    # would make the first label no number and the first row a "header".
+    fields = first.decode("utf-8-sig", "replace").strip().split(",")
     if len(fields) < 2:
         raise HpctrainError(f"{path}: expected lines of label,pixel,pixel,...; the first line has "
                             f"{len(fields)} field{'s' if len(fields) != 1 else ''}")
@@ -330,9 +377,15 @@ def load_csv(path, size=None):
     # Each value takes at least 2 characters ("0,"); parsed as float64, 8 bytes.
     check_memory(path, length // 2 * 9)
     try:
-        table = np.loadtxt(path, delimiter=",", dtype=np.float64, skiprows=int(header), ndmin=2, encoding="utf-8")
+        with warnings.catch_warnings():
+            # A header and no rows: numpy's warning would print above our line.
+            warnings.filterwarnings("ignore", "loadtxt: input contained no data", UserWarning)
+            table = np.loadtxt(path, delimiter=",", dtype=np.float64, skiprows=int(header), ndmin=2,
+                               encoding="utf-8-sig")
     except ValueError as e:
         raise HpctrainError(f"{path}: not a CSV of numbers, label then pixels ({str(e).splitlines()[0]})") from None
+    if not len(table):   # (a first line of numbers is a row: only a header can leave none)
+        raise HpctrainError(f"{path}: a header line and no rows of label,pixel,pixel,...")
     if table.shape[1] != len(fields):
         raise HpctrainError(f"{path}: {table.shape[1]} values per line, the first line has {len(fields)}")
     x, y, scale = pair(table[:, 1:], table[:, 0], path, f"{path} (column 1)", size)

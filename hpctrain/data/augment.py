@@ -5,8 +5,8 @@
 
 crop: the image padded with zeros by P pixels on every side (P = 1/8 of its
 smaller side, at least 1: 3 for 28x28, 4 for 32x32, as the CIFAR recipe;
-`crop=P` sets it), then an H x W window of it at a random offset in
-0..2P on each axis. flip: a horizontal (left-right) flip with probability
+`crop=P` sets it: below the smaller side, `check`), then an H x W window
+of it at a random offset in 0..2P on each axis. flip: a horizontal (left-right) flip with probability
 1/2. Each sample's draws are one 64-bit hash of (seed, epoch, its global id
 in the training set), never of the rank, the worker or the batch: N workers
 see the samples one process sees, transformed alike, and a resumed run
@@ -63,19 +63,41 @@ def _splitmix(z):
 
 
 def check(text, manifest, data_dir):
-    """The one line refusing --augment for this data, or nothing."""
+    """Raise the one line refusing --augment for this data; return a warning
+    line about it (a crop padding past a quarter of the image), or None."""
     kinds = parse(text)
     if "flip" in kinds and manifest.get("no_flip"):
         raise HpctrainError(f"--augment flip: {data_dir} was prepared with --no-flip (a mirrored image is "
                             f"another class there, or none); use --augment crop")
     if kinds and len(manifest["image_shape"]) not in (2, 3):
         raise HpctrainError(f"--augment: {data_dir} holds {manifest['image_shape']} samples, not images")
+    return _check_pad(kinds.get("crop"), manifest["image_shape"], data_dir)
+
+
+def _check_pad(pad, image_shape, data_dir):
+    """crop=P: P at least the image's smaller side lets a window hold no pixel
+    of the image (a black sample with a label), and a batch padded by it
+    can need terabytes; past a quarter of the side, most windows lose much
+    of the image (a warning)."""
+    if pad is None:
+        return None
+    h, w = (int(d) for d in image_shape[:2])
+    side = min(h, w)
+    if pad >= side:
+        raise HpctrainError(f"--augment crop={pad}: the padding must be smaller than the images' smaller side "
+                            f"({h}x{w} in {data_dir}: at most {side - 1}); a window could hold none of the image")
+    if pad > side / 4:
+        return (f"--augment crop={pad}: more than a quarter of the images' smaller side ({h}x{w}); windows may "
+                f"lose much of the image (the default is {max(1, side // 8)})")
+    return None
 
 
 def check_dir(text, data_dir):
-    """check() against data_dir's manifest (start-up, before any reader opens)."""
+    """check() against data_dir's manifest (start-up, before any reader
+    opens): its warning line, or None."""
     if text:
-        check(text, load_manifest(data_dir), data_dir)
+        return check(text, load_manifest(data_dir), data_dir)
+    return None
 
 
 class Augment:

@@ -26,7 +26,6 @@ import signal
 import socket
 import tarfile
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +34,8 @@ import zlib
 from pathlib import Path
 
 from hpctrain.errors import HpctrainError
+
+from .files import signals_raise
 
 STANDARD_FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
@@ -135,7 +136,7 @@ def fetch(dataset, out, mirror=None, log=print, timeout=60, split="balanced"):
     except OSError as e:
         raise HpctrainError(f"{out}: cannot create directory ({e.strerror})") from None
 
-    with _signals_raise():
+    with signals_raise(_stopped):
         paths = _fetch_files(dataset, base, out, log, timeout)
         if members is None:
             return paths
@@ -162,26 +163,10 @@ def _fetch_files(dataset, base, out, log, timeout):
     return paths
 
 
-@contextlib.contextmanager
-def _signals_raise():
-    """SIGTERM and SIGINT raise inside the block, so the temporary file of a
-    download cut short is removed (the default SIGTERM ends the process with
-    nothing run); exit 128 + the signal, as shells report it. Only the main
-    thread can set handlers; elsewhere the caller's own handling stands."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(num, frame):
-        raise HpctrainError(f"fetch stopped by {signal.Signals(num).name}; the partial "
-                            f"download was removed", exit_code=128 + num)
-
-    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
+def _stopped(num):
+    # exit 128 + the signal, as shells report it
+    return HpctrainError(f"fetch stopped by {signal.Signals(num).name}; the partial download was removed",
+                         exit_code=128 + num)
 
 
 # ---------------------------------------------------------------------------

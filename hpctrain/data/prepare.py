@@ -12,12 +12,15 @@ test/ beside train/ is kept), an .npz (x/y, or Keras' x_train/y_train/
 x_test/y_test, kept), two .npy files, an HDF5 file with two named datasets,
 or a CSV of label + pixels (arrays.py); those without a test set are split
 here as the single pair is, and their manifests add `preprocess` (how the
-pixels were made), image folders' `class_names`. `--no-flip` adds
+pixels were made), image folders' `class_names`; so do the datasets fetch
+knows (known.py: MNIST, Fashion-MNIST, KMNIST, EMNIST, CIFAR-10). `--no-flip` adds
 `"no_flip": true` (training then refuses --augment flip). The manifest
 records the image shape (rows, cols[, channels]) and the class count (the
 largest label + 1), from which training builds its model. Every shard gets every
 class (the stratified deal), and everything is written to a temporary sibling
-of --out and renamed into place, so --out is either complete or untouched.
+of --out and renamed into place, so --out is either complete or untouched;
+a stop signal removes the temporary folder (exit 75, Ctrl-C 130), and the
+folders of killed prepares are swept when their process is gone.
 --val-fraction F holds out a validation part (val-00000-of-00001.h5, the
 manifest's "val"): of each class, the last round(F * its count) training
 images in the deterministic order above; training shards exclude them. F 0
@@ -38,10 +41,11 @@ import numpy as np
 
 from hpctrain.errors import HpctrainError
 
-from . import arrays
+from . import arrays, known
 from .cifar import read_batches
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, bundled_sample_dir, is_prepared, shard_name
 from .sources import _find_source_files, _load_user_source, _read_pair, is_image_folder
+from .stopping import signals_held, stops_cleanly, sweep_stale_tmps
 
 # Rows per HDF5 chunk: ~800 KB of 28x28 images, under HDF5's 1 MiB default
 # chunk cache, and small enough that a worker's hyperslab reads little extra.
@@ -275,6 +279,7 @@ def _build_manifest(source, layout, files, seed, test_fraction, splits, entries,
 # ---------------------------------------------------------------------------
 # prepare
 
+@stops_cleanly
 def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=print, val_fraction=0.0,
             warn=None, images=None, labels=None, image_size=None, grayscale=False, no_flip=False):
     """Write class-balanced HDF5 shards and manifest.json; return the manifest.
@@ -310,7 +315,7 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         raise HpctrainError(f"--test-fraction must be in [0, 1), got {test_fraction}")
     if not 0 <= val_fraction < 1:
         raise HpctrainError(f"--val-fraction must be in [0, 1), got {val_fraction}")
-    if image_size is not None and not isinstance(image_size, tuple):
+    if image_size is not None:
         image_size = arrays.parse_size(image_size)
     inputs = [source] if source is not None else [Path(images), Path(labels or images)]
     for path in inputs:
@@ -345,10 +350,15 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
     num_classes = int(max(train[1].max(initial=0), test[1].max(initial=0))) + 1
     if loaded is not None and loaded.class_names is not None:
         num_classes = len(loaded.class_names)   # a class may be missing from a split, never from the names
+    if loaded is None:
+        known_names = known.class_names(layout, paths, num_classes)   # MNIST, Fashion-MNIST, ...: their names
+        if known_names is not None:
+            extra.update(class_names=known_names)
     _check_fits(splits, num_classes, names)
     _check_classes(source, train[1], test[1], num_classes, warn)
 
-    tmp = _make_tmp(out)
+    sweep_stale_tmps(out, log)
+    tmp = _make_tmp(out)   # (stopping.py's pattern knows its names)
     try:
         entries = _write_shards(tmp, splits, num_classes)
         manifest = _build_manifest(source, layout, files, seed, test_fraction, splits, entries,
@@ -356,7 +366,8 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
-        _install(tmp, out, force)
+        with signals_held():
+            _install(tmp, out, force)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise HpctrainError(f"{out}: cannot write shards ({e})") from None

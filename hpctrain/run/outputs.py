@@ -28,9 +28,9 @@ import os
 import re
 import stat
 import tempfile
-import time
 
 from ..errors import HpctrainError
+from ..temporaries import abandoned, process_start_time
 
 FILE_FLAGS = ("save", "metrics", "timeline", "keep_best")
 
@@ -163,8 +163,6 @@ def rescue_path(step):
 # wrote: "<pid>" (checkpoints, metrics, timeline) or mkstemp's "<random>" (--save).
 _TMP_SUFFIX = r"\.tmp-(?:(?P<pid>\d+)(?:-[a-z0-9_]{8})?|[a-z0-9_]{8})"
 _CKPT_TMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5" + _TMP_SUFFIX + "$")
-# Names without a pid are swept only when untouched this long.
-STALE_AFTER_S = 3600.0
 
 
 def temp_next_to(path):
@@ -222,51 +220,10 @@ def sweep_stale_temporaries(args):
                 continue
             path = os.path.join(directory, name)
             pid = int(m.group("pid")) if m.group("pid") else None
-            if _stale(path, pid, started):
+            if abandoned(path, pid, started):
                 try:
                     os.unlink(path)
                     removed.append(path)
                 except OSError:
                     pass
     return removed
-
-
-def _stale(path, pid, started):
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    if not stat.S_ISREG(st.st_mode) or st.st_mtime >= started:
-        return False   # written since this process started: maybe a running job's
-    if pid is not None:
-        return pid == os.getpid() or not pid_running(pid)
-    return time.time() - st.st_mtime > STALE_AFTER_S
-
-
-def pid_running(pid):
-    """True if a process with this pid exists on this node."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True   # someone else's process
-    except (OverflowError, ValueError, OSError):
-        return False
-    return True
-
-
-def process_start_time():
-    """When this process started (seconds since the epoch, to the second at
-    worst); now where /proc cannot tell."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])   # field 22, starttime, in clock ticks after boot
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        # btime is whole seconds: a second earlier, so that nothing written
-        # after this process started can look older than it.
-        return boot + ticks / os.sysconf("SC_CLK_TCK") - 1.0
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()

@@ -9,6 +9,7 @@ A problem on any rank is one line and a clean exit on every rank
 
     mpirun -n 4 python -m hpctrain.mnist --steps 200
 """
+import sys
 import time
 
 import numpy as np
@@ -103,7 +104,10 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         agree(check_consistency, comm, {"data (manifest digest)": digest})
     has_val = data_mod.has_val(data_dir)
     agree(check_val, args, has_val, data_dir)
-    agree(data_mod.check_augment, args.augment, data_dir)   # --augment flip on --no-flip data
+    # --augment flip on --no-flip data, crop=P past the image: refused; a wide crop: a warning
+    augment_warning = agree(data_mod.check_augment, args.augment, data_dir)
+    if augment_warning and cluster.is_chief:
+        print(f"hpctrain: warning: {augment_warning}", file=sys.stderr, flush=True)
     agree(tensorboard.check, args)   # tensorboardX installed, DIR writable
     agree(check_single_pass, args, xp)   # --single-pass on: numba there (NumPy)
     data = data_plan(args, cluster, data_dir, digest, manifest, has_val)

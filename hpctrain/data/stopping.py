@@ -1,0 +1,91 @@
+"""A `prepare` stopped by a signal, or killed: a stop signal raised as a
+one-line stop inside prepare (its `except` then removes the temporary
+folder), the renames that install the shards held from stops, and the
+temporary folders of killed prepares (SIGKILL, a crashed node) swept once
+their process is gone, as training sweeps its files (hpctrain/temporaries.py).
+
+    python -c "from hpctrain.data.stopping import stops_cleanly"
+
+No MPI here (house rule).
+"""
+import contextlib
+import functools
+import os
+import re
+import shutil
+import signal
+import stat
+import threading
+
+from hpctrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, HpctrainError
+from hpctrain.temporaries import abandoned, process_start_time
+
+from .files import signals_raise
+
+# SLURM's pre-emption and time-limit signals, and Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def _stopped(num):
+    """A stopped prepare's line; its exit code as errors.py gives it (130
+    for Ctrl-C; 75 for SLURM's stops: requeued, the same command redoes it)."""
+    return HpctrainError(f"prepare stopped by {signal.Signals(num).name}: nothing written (--out as it was, "
+                         f"the temporary folder removed); run the same command again",
+                         exit_code=EXIT_INTERRUPTED if num == signal.SIGINT else EXIT_PREEMPTED)
+
+
+def stops_cleanly(prepare):
+    """prepare, a stop signal raising _stopped inside it (files.signals_raise),
+    so that its `except` removes the temporary folder (SIGTERM's default
+    action left it for ever)."""
+    @functools.wraps(prepare)
+    def stoppable(*args, **kwargs):
+        with signals_raise(_stopped, STOP_SIGNALS):
+            return prepare(*args, **kwargs)
+    return stoppable
+
+
+def _tmp_pattern(out):
+    """prepare._make_tmp's names for out: .NAME.tmp-PID-RANDOM (the pid: whose it is)."""
+    return re.compile(rf"^\.{re.escape(out.name)}\.tmp-(?P<pid>\d+)-[0-9a-f]{{8}}$")
+
+
+def sweep_stale_tmps(out, log):
+    """Remove the temporary folders that killed prepares of out left beside
+    it (SIGKILL, a node's crash): only folders of prepare's names, last
+    changed before this process started, whose process is gone
+    (temporaries.abandoned, as training sweeps its files)."""
+    pattern, started = _tmp_pattern(out), process_start_time()
+    try:
+        names = os.listdir(out.parent)
+    except OSError:
+        return
+    for name in names:
+        m = pattern.match(name)
+        if m and abandoned(out.parent / name, int(m.group("pid")), started, kind=stat.S_ISDIR):
+            shutil.rmtree(out.parent / name, ignore_errors=True)
+            log(f"removed {out.parent / name}: left by an earlier prepare (process {m.group('pid')}, gone)")
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Installing is a few renames that must not be cut in two (out moved
+    aside, the new one not yet in place): a stop signal that comes while
+    they run is dropped, as training drops a stop after its last step: the
+    shards are then in place, there is nothing left to stop. (Not by
+    blocking the signals: that is per thread, and numpy's BLAS threads would
+    still take SIGTERM's default action.) Only the main thread can set
+    handlers; elsewhere the caller's own handling stands."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, _dropped) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _dropped(num, frame):
+    pass
