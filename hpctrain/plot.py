@@ -12,13 +12,13 @@ Every plotting function returns the series it drew, {name: (x, y)}, read
 back from the figure's own artists, so tests compare the picture's data with
 the records it came from rather than trusting the code that drew it.
 """
-import argparse
 import json
 import os
 import sys
 
 import numpy as np
 
+from .arguments import Parser
 from .errors import EXIT_BAD_INPUT, HpctrainError
 from .run.outputs import one_line
 
@@ -345,16 +345,16 @@ def plot_train(rows, path, title="train"):
 # ---------------------------------------------------------------------------
 # python -m hpctrain.plot
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m hpctrain.plot",
+def main(argv=None, prog="python -m hpctrain.plot"):
+    p = Parser(prog=prog,
                                 description="Loss, test accuracy, samples/s (and async ps staleness) of "
                                             "--metrics files, overlaid, as one PNG.")
     p.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="--metrics files of hpctrain.mnist runs")
     p.add_argument("-o", "--output", required=True, metavar="PNG", help="the picture to write")
     p.add_argument("--label", action="append", default=None,
                    help="a run's name in the legend, once per file in order (default: the file name's stem)")
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)
         if args.label is not None and len(args.label) != len(args.runs):
             raise HpctrainError(f"--label given {len(args.label)} times for {len(args.runs)} files: "
                                 f"give one per file, or none")
