@@ -130,3 +130,16 @@ def test_train_help_is_a_screenful_and_help_all_every_flag():
     assert flags == set(re.findall(r"^ +(?:-h, )?(--[a-z-]+)", full.stdout, re.M))
     for group in ("training", "ring mode", "ps mode", "checkpoints and output"):
         assert re.search(rf"^  {group}.* \(\d+ flags\)$", short.stdout, re.M), short.stdout
+
+
+def test_numbas_memory_is_one_figure_in_help_docs_and_code():
+    # issue 41, 32: --help said ~110 MB, docs/usage.md and docs/models.md ~140 MB
+    # (measured again: resident 30 -> 138 MB across loading numba and the Adam pass).
+    from hpctrain import cli
+    texts = {"--help": cli.build_parser().format_help()}
+    for name in ("docs/usage.md", "docs/models.md", "hpctrain/optim/optimizers.py"):
+        texts[name] = Path(REPO, name).read_text()
+    # the first memory figure after each mention of numba's cost
+    figures = {name: re.search(r"numba[^.]{0,200}?(\d+) MB", re.sub(r"\s+", " ", text))[1]
+               for name, text in texts.items()}
+    assert set(figures.values()) == {"110"}, figures
