@@ -12,16 +12,20 @@ What it changes from argparse's:
 - no prefix matching (allow_abbrev=False): `--epoch 3` would silently be
   `--epochs 3`, and any unique prefix another flag; a misspelt flag is
   refused with the closest real one ("did you mean --epochs?");
-- `quiet`: --help prints nothing (non-zero ranks: one copy per job).
+- `quiet`: --help prints nothing (non-zero ranks: one copy per job);
+- ShortHelp: a --help of a few common flags and the groups, for a parser
+  whose full help is long (train's: `--help-all`).
 
 Standard library only: training parses its flags before numpy, BLAS or MPI load.
 """
 import argparse
 import difflib
+import sys
 
 from .errors import HpctrainError
 
 _UNRECOGNIZED = "unrecognized arguments: "
+_REQUIRED = ("the following arguments are required", "one of the arguments")   # argparse's words
 
 
 class Parser(argparse.ArgumentParser):
@@ -32,7 +36,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
-        self._argv = [] if args is None else list(args)
+        self._argv = sys.argv[1:] if args is None else list(args)
         return super().parse_known_args(args, namespace)
 
     def print_help(self, file=None):
@@ -41,7 +45,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         known = self._known_flags()
-        if not message.startswith(_UNRECOGNIZED):
+        if message.startswith(_REQUIRED):
             # A misspelt flag is the mistake to name, not the "required" flag it was meant to be.
             unknown = [w for w in _flags_given(getattr(self, "_argv", [])) if w.partition("=")[0] not in known]
             if unknown:
@@ -78,3 +82,30 @@ def _did_you_mean(words, flags):
             if close:
                 return f"; did you mean {close[0]}?"
     return ""
+
+
+class ShortHelp(argparse.Action):
+    """--help as the flags `common` names and the groups with their flag
+    counts, a screenful; the parser's "--help-all" (action="help") prints all."""
+
+    def __init__(self, option_strings, common, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+        self.common = common
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not parser.quiet:
+            print(self.text(parser))
+        parser.exit()
+
+    def text(self, parser):
+        formatter = parser._get_formatter()
+        formatter.add_usage(f"{parser.prog} [FLAGS]   (--help-all: every flag)", None, [], prefix="usage: ")
+        formatter.add_text(parser.description)
+        by_flag = {o: a for a in parser._actions for o in a.option_strings}
+        formatter.start_section("the flags most runs use")
+        formatter.add_arguments([by_flag[flag] for flag in self.common])
+        formatter.end_section()
+        groups = [(g.title, sum(not isinstance(a, (argparse._HelpAction, ShortHelp)) for a in g._group_actions))
+                  for g in parser._action_groups]
+        listing = "\n".join(f"  {title} ({count} flags)" for title, count in groups if count)
+        return f"{formatter.format_help().rstrip()}\n\ngroups (--help-all lists every flag of each):\n{listing}"

@@ -11,7 +11,7 @@ import argparse
 import math
 import sys
 
-from .arguments import Parser
+from .arguments import Parser, ShortHelp
 from .errors import HpctrainError
 
 DEFAULT_STEPS = 2000
@@ -128,7 +128,7 @@ def build_parser(prog="python -m hpctrain.train"):
         prog=prog, add_help=False,
         description="Train a model data-parallel across MPI ranks on prepared HDF5 shards (default: "
                     "the bundled MNIST sample; run under mpirun/srun; one process trains alone).")
-    p.add_argument("-h", "--help", action=_ShortHelp, help="the flags most runs use, and the groups")
+    p.add_argument("-h", "--help", action=ShortHelp, common=COMMON_FLAGS, help="the flags most runs use, and the groups")
     p.add_argument("--help-all", action="help", help="every flag, group by group")
     _training_flags(p)
     _ring_flags(p.add_argument_group("ring mode"))
@@ -138,32 +138,6 @@ def build_parser(prog="python -m hpctrain.train"):
     _pipeline_flags(p.add_argument_group("pipeline (model parallelism, ring mode)"))
     _output_flags(p.add_argument_group("checkpoints and output"))
     return p
-
-
-class _ShortHelp(argparse.Action):
-    """--help: the common flags and the groups, a screenful; --help-all: all of them."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if not parser.quiet:
-            print(short_help(parser))
-        parser.exit()
-
-
-def short_help(parser):
-    formatter = parser._get_formatter()
-    formatter.add_usage(f"{parser.prog} [FLAGS]   (--help-all: every flag)", None, [], prefix="usage: ")
-    formatter.add_text(parser.description)
-    by_flag = {o: a for a in parser._actions for o in a.option_strings}
-    formatter.start_section("the flags most runs use")
-    formatter.add_arguments([by_flag[flag] for flag in COMMON_FLAGS])
-    formatter.end_section()
-    groups = [(g.title, sum(not isinstance(a, (argparse._HelpAction, _ShortHelp)) for a in g._group_actions))
-              for g in parser._action_groups]
-    listing = "\n".join(f"  {title} ({count} flags)" for title, count in groups if count)
-    return f"{formatter.format_help().rstrip()}\n\ngroups (--help-all lists every flag of each):\n{listing}"
 
 
 def _training_flags(p):
