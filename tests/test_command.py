@@ -103,7 +103,8 @@ def test_a_prefix_or_a_misspelt_flag_is_one_line_with_the_flag_it_resembles(tmp_
 
 @pytest.mark.parametrize("module, args", [("hpctrain.plot", []), ("hpctrain.plot", ["m.jsonl"]),
                                           ("hpctrain.checkpoint", []), ("hpctrain.checkpoint", ["a", "b"]),
-                                          ("hpctrain.nn", ["--shape", "x"]), ("hpctrain.pipeline", ["--stage", "3"])])
+                                          ("hpctrain.nn", ["--shape", "x"]), ("hpctrain.pipeline", ["--stage", "3"]),
+                                          ("hpctrain.data", ["prepar", "--source", "x"])])
 def test_every_entry_points_bad_arguments_are_one_line(tmp_path, module, args):
     r = run(sys.executable, "-m", module, *args, cwd=tmp_path)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith("hpctrain: error: "), r.stderr
