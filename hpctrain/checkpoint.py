@@ -10,19 +10,18 @@ import sys
 from .checkpoints.file import list_checkpoints
 from .checkpoints.reader import read
 from .checkpoints.trust import Corrupt
+from .arguments import Parser
 from .errors import HpctrainError
 from .run.identity import SAME_ON_RESUME
 
 
-def main(argv=None):
+def main(argv=None, prog="python -m hpctrain.checkpoint"):
     """List DIR's checkpoints newest first and verify each (exit 1 if any is
     corrupt; 2, with one line, if DIR is not a directory)."""
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m hpctrain.checkpoint",
-                                description="List and verify the checkpoints in a --checkpoint-dir.")
+    p = Parser(prog=prog, description="List and verify the checkpoints in a --checkpoint-dir.")
     p.add_argument("dir", help="checkpoint directory")
-    a = p.parse_args(argv)
     try:
+        a = p.parse_args(argv)
         found = _cli_listing(a.dir)
     except HpctrainError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)

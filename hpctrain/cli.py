@@ -11,6 +11,7 @@ import argparse
 import math
 import sys
 
+from .arguments import Parser, ShortHelp
 from .errors import HpctrainError
 
 DEFAULT_STEPS = 2000
@@ -114,26 +115,21 @@ def _augment(text):
     return ",".join(found[k] for k in ("crop", "flip") if k in found)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose bad flag is an HpctrainError (one line), not an exit:
-    under MPI the ranks must first agree on it (a flag bad on one rank only,
-    as in an MPMD launch, must still end every rank)."""
-
-    quiet = False
-
-    def print_help(self, file=None):
-        if not self.quiet:   # --help under mpirun: one copy, not one per rank
-            super().print_help(file)
-
-    def error(self, message):
-        raise HpctrainError(f"{message} (see --help)")
+# The flags most runs use, shown by --help (--help-all: every flag): the ten
+# that README's and docs/'s training commands give most often, counted, with
+# --num-ps and --compression (one mode's, listed under their groups) replaced
+# by --batch-size and --save, which every run has a value for.
+COMMON_FLAGS = ("--data", "--model", "--steps", "--epochs", "--batch-size", "--lr", "--mode",
+                "--checkpoint-dir", "--save", "--metrics")
 
 
 def build_parser(prog="python -m hpctrain.train"):
-    p = _Parser(
-        prog=prog,
+    p = Parser(
+        prog=prog, add_help=False,
         description="Train a model data-parallel across MPI ranks on prepared HDF5 shards (default: "
                     "the bundled MNIST sample; run under mpirun/srun; one process trains alone).")
+    p.add_argument("-h", "--help", action=ShortHelp, common=COMMON_FLAGS, help="the flags most runs use, and the groups")
+    p.add_argument("--help-all", action="help", help="every flag, group by group")
     _training_flags(p)
     _ring_flags(p.add_argument_group("ring mode"))
     _compression_flags(p.add_argument_group("gradient compression (ring mode and a pipeline's replicas; "
@@ -145,12 +141,11 @@ def build_parser(prog="python -m hpctrain.train"):
 
 
 def _training_flags(p):
-    a = p.add_argument
     g = p.add_argument_group("training")
-    a("--mode", choices=["ring", "ps"], default="ring",
+    g.add_argument("--mode", choices=["ring", "ps"], default="ring",
       help="ring: every rank a peer, gradients averaged by ring allreduce; "
            "ps: parameter servers + workers (default: %(default)s)")
-    a("--data", metavar="DIR", type=_path, default=None,
+    g.add_argument("--data", metavar="DIR", type=_path, default=None,
       help="directory of prepared HDF5 shards (default: data/mnist, prepared from "
            "the bundled 5k sample on first use)")
     g.add_argument("--batch-size", type=_positive_int, default=32, help="samples per worker per step (default: %(default)s)")

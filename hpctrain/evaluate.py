@@ -18,12 +18,12 @@ other class names) is one line, exit 2.
 
 No MPI here: one process.
 """
-import argparse
 import json
 import sys
 
 import numpy as np
 
+from .arguments import Parser
 from .errors import HpctrainError
 
 
@@ -90,7 +90,7 @@ def plot_confusion(result, path, title):
 
 
 def build_parser(prog="python -m hpctrain.evaluate"):
-    p = argparse.ArgumentParser(prog=prog, description="Accuracy, loss, per-class accuracy and the confusion "
+    p = Parser(prog=prog, description="Accuracy, loss, per-class accuracy and the confusion "
                                 "matrix of a model trained by hpctrain, on a prepared data directory.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", metavar="FILE.h5", help="a --save (or --keep-best) file")
@@ -105,8 +105,8 @@ def build_parser(prog="python -m hpctrain.evaluate"):
 
 
 def main(argv=None, prog="python -m hpctrain.evaluate"):
-    args = build_parser(prog).parse_args(argv)
     try:
+        args = build_parser(prog).parse_args(argv)
         from . import data, trained
         if args.plot:
             from . import plot

@@ -12,13 +12,14 @@ Every plotting function returns the series it drew, {name: (x, y)}, read
 back from the figure's own artists, so tests compare the picture's data with
 the records it came from rather than trusting the code that drew it.
 """
-import argparse
 import json
 import os
 import sys
+import textwrap
 
 import numpy as np
 
+from .arguments import Parser
 from .errors import EXIT_BAD_INPUT, HpctrainError
 from .run.outputs import one_line
 
@@ -80,6 +81,8 @@ def _save(fig, path):
 
 
 def _line(drawn, key, ax, x, y, **kw):
+    if len(x) == 1:   # a line through one point draws nothing: a run that logged once
+        kw.setdefault("marker", "o")
     (artist,) = ax.plot(x, y, **kw)
     drawn[key] = (np.asarray(artist.get_xdata(), float), np.asarray(artist.get_ydata(), float))
 
@@ -181,9 +184,17 @@ def staleness(run):
 
 
 def plot_runs(runs, path):
+    """draw_runs, written to path as a PNG. Returns {"panel/label": (x, y)}."""
+    fig, drawn = draw_runs(runs)
+    _save(fig, path)
+    return drawn
+
+
+def draw_runs(runs):
     """Loss, test accuracy and samples/s against steps, loss and samples/s
-    against wall time, one line per run; the staleness of async ps runs.
-    Returns {"panel/label": (x, y)}."""
+    against wall time, one line per run; the sixth panel: the staleness of
+    async ps runs where one recorded its histogram, else where each run's
+    time went. Returns (the figure, {"panel/label": (x, y)})."""
     fig, axes = _figure(RUN_SIZE, 2, 3, left=0.05, top=0.88, bottom=0.09)
     drawn = {}
     colors = [f"C{i % 10}" for i in range(len(runs))]
@@ -207,7 +218,9 @@ def plot_runs(runs, path):
         _line(drawn, f"samples_per_s_vs_time/{label}", axes[1][1], t, rate, color=color, label=label)
     # samples/s in a record is the mean over the loop so far, not the rate of the last interval.
     rate_title = "samples/s (loop mean so far)"
-    titles = [("loss", "step"), ("test accuracy (validation dashed)", "step"), (rate_title, "step"),
+    accuracy_title = "test accuracy" + (" (validation dashed)" if any(k.startswith("val_accuracy/") for k in drawn)
+                                        else "")
+    titles = [("loss", "step"), (accuracy_title, "step"), (rate_title, "step"),
               ("loss", "wall time (s)"), (rate_title, "wall time (s)")]
     for ax, (title, xlabel) in zip([axes[0][0], axes[0][1], axes[0][2], axes[1][0], axes[1][1]], titles):
         ax.set_title(title)
@@ -218,42 +231,98 @@ def plot_runs(runs, path):
                frameon=False)
     if not axes[0][1].lines:
         _note(axes[0][1], "no test evaluations recorded")
-    _plot_staleness(drawn, axes[1][2], runs, colors)
-    _save(fig, path)
-    return drawn
+    if any((staleness(run) or ("",))[0] == "histogram" for run in runs):
+        _plot_staleness(drawn, axes[1][2], runs, colors)
+    else:
+        _plot_time_split(drawn, axes[1][2], runs, colors)
+    return fig, drawn
+
+
+TIME_PARTS = ("compute", "comm", "other")
+
+
+def time_split(run):
+    """(compute_s, comm_s, the rest of wall_s) from the final record, or None
+    (a run stopped before its end has none)."""
+    final = run["final"] or {}
+    if not all(_number(final.get(k)) for k in ("wall_s", "compute_s", "comm_s")):
+        return None
+    compute, comm = float(final["compute_s"]), float(final["comm_s"])
+    return compute, comm, max(float(final["wall_s"]) - compute - comm, 0.0)
+
+
+def _plot_time_split(drawn, ax, runs, colors):
+    """One stacked bar per run, in its colour: its wall time as compute,
+    communication and the rest (start-up, evaluation, checkpoints), from the
+    final record, which every finished run writes."""
+    from matplotlib.patches import Patch
+    ax.set_title("where the time went (final record)")
+    shades = dict(zip(TIME_PARTS, (1.0, 0.55, 0.2)))
+    notes = []
+    for i, (run, color) in enumerate(zip(runs, colors)):
+        parts = time_split(run)
+        if parts is None:
+            notes.append(f"{run['label']}: no final record")
+            continue
+        bottoms = np.cumsum((0.0,) + parts[:-1])
+        bars = [ax.bar(i, height, bottom=bottom, color=color, alpha=shades[part], width=0.6)[0]
+                for part, height, bottom in zip(TIME_PARTS, parts, bottoms)]
+        drawn[f"time/{run['label']}"] = (list(TIME_PARTS), np.array([b.get_height() for b in bars], float))
+    # Older async ps files hold only a staleness summary: say it here.
+    notes += [f"{run['label']}: staleness mean {s[1]}, max {s[2]}" for run in runs
+              for s in [staleness(run)] if s and s[0] == "summary"]
+    if len(notes) == len(runs) and not any(k.startswith("time/") for k in drawn):
+        _note(ax, _fit(notes))
+        return
+    ax.set_xticks([])
+    ax.set_xlim(-0.5, len(runs) - 0.5)
+    ax.set_ylabel("seconds")
+    ax.grid(alpha=0.3, axis="y")
+    text = _fit(notes)
+    # room above the bars for the legend and the notes under it
+    ax.set_ylim(0, ax.get_ylim()[1] * (1.35 + 0.1 * (text.count("\n") + 1 if notes else 0)))
+    ax.legend(handles=[Patch(color="0.3", alpha=shades[p], label=p) for p in TIME_PARTS],
+              fontsize="small", loc="upper left", ncol=3)
+    if notes:
+        ax.text(0.03, 0.86, text, transform=ax.transAxes, ha="left", va="top", fontsize="small")
+
+
+def _fit(lines, width=42):
+    """Lines wrapped to a panel's width in the small font (a long run name spilled past the figure)."""
+    return "\n".join(textwrap.fill(line, width, subsequent_indent="  ") for line in lines)
 
 
 def _plot_staleness(drawn, ax, runs, colors):
     """Side-by-side bars per async run: updates applied at each staleness
-    (the servers count 0..30, the last bin 31 and more)."""
+    (the servers count 0..30, the last bin 31 and more); plot_runs draws
+    this panel where at least one run recorded the histogram."""
     ax.set_title("async ps: staleness of applied updates")
     found = [(run, color, staleness(run)) for run, color in zip(runs, colors)]
     hists = [(run, color, s[1]) for run, color, s in found if s and s[0] == "histogram"]
     summaries = [(run, s) for run, _, s in found if s and s[0] == "summary"]
-    width = 0.8 / max(len(hists), 1)
+    width = 0.8 / len(hists)
     for i, (run, color, counts) in enumerate(hists):
         bins = np.arange(len(counts))
         final = run["final"]
         label = f"mean {final.get('staleness_mean', 0):.2f}, max {final.get('staleness_max', '?')}"
         _bars(drawn, f"staleness/{run['label']}", ax, bins - 0.4 + width * (i + 0.5), counts, bins,
               width=width, color=color, label=label)
-    if hists:
-        ax.set_xlabel("staleness (versions behind; last bin 31+)")
-        ax.set_ylabel("updates")
-        ax.set_ylim(0, max(max(c) for _, _, c in hists) * 1.3 or 1)   # room for the legend
-        ax.legend(fontsize="small", loc="upper right")
-        ax.grid(alpha=0.3, axis="y")
+    ax.set_xlabel("staleness (versions behind; last bin 31+)")
+    ax.set_ylabel("updates")
     # Older files hold only the summary: say what there is instead of a histogram.
-    lines = [f"{run['label']}: mean {s[1]}, max {s[2]} (no histogram recorded)" for run, s in summaries]
-    if not hists:
-        lines = lines or ["no async ps run: only those record staleness"]
-        _note(ax, "\n".join(lines))
-    elif lines:
-        ax.text(0.98, 0.6, "\n".join(lines), transform=ax.transAxes, ha="right", fontsize="small")
+    text = _fit([f"{run['label']}: mean {s[1]}, max {s[2]} (no histogram recorded)" for run, s in summaries])
+    rows = text.count("\n") + 1 if text else 0
+    # room above the bars for the legend and the notes under it
+    ax.set_ylim(0, max(max(c) for _, _, c in hists) * (1.3 + 0.12 * (len(hists) + rows)) or 1)
+    ax.legend(fontsize="small", loc="upper right")
+    ax.grid(alpha=0.3, axis="y")
+    if text:
+        ax.text(0.98, 0.9 - 0.08 * len(hists), text, transform=ax.transAxes, ha="right", va="top",
+                fontsize="small")
 
 
 def _note(ax, text):
-    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="0.4")
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="0.4", fontsize="small")
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -345,16 +414,16 @@ def plot_train(rows, path, title="train"):
 # ---------------------------------------------------------------------------
 # python -m hpctrain.plot
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m hpctrain.plot",
+def main(argv=None, prog="python -m hpctrain.plot"):
+    p = Parser(prog=prog,
                                 description="Loss, test accuracy, samples/s (and async ps staleness) of "
                                             "--metrics files, overlaid, as one PNG.")
     p.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="--metrics files of hpctrain.mnist runs")
     p.add_argument("-o", "--output", required=True, metavar="PNG", help="the picture to write")
     p.add_argument("--label", action="append", default=None,
                    help="a run's name in the legend, once per file in order (default: the file name's stem)")
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)
         if args.label is not None and len(args.label) != len(args.runs):
             raise HpctrainError(f"--label given {len(args.label)} times for {len(args.runs)} files: "
                                 f"give one per file, or none")

@@ -20,7 +20,6 @@ exit 2.
 
 No MPI here: one process.
 """
-import argparse
 import csv
 import io
 import json
@@ -29,6 +28,7 @@ import sys
 
 import numpy as np
 
+from .arguments import Parser
 from .errors import HpctrainError
 from .run.outputs import one_line, temp_next_to
 
@@ -122,7 +122,7 @@ def check_out(path):
 
 
 def build_parser(prog="python -m hpctrain.predict"):
-    p = argparse.ArgumentParser(prog=prog, description="Classify images with a model trained by hpctrain: each "
+    p = Parser(prog=prog, description="Classify images with a model trained by hpctrain: each "
                                 "input's class name and probability, as CSV or JSON Lines.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", metavar="FILE.h5", help="a --save (or --keep-best) file")
@@ -141,8 +141,8 @@ def build_parser(prog="python -m hpctrain.predict"):
 
 def main(argv=None, prog="python -m hpctrain.predict"):
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         if bool(args.images) == bool(args.data):
             raise HpctrainError("give IMAGE files or --data DIR (one of them)")
         if args.top < 1:

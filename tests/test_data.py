@@ -13,6 +13,7 @@ import http.server
 import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -824,12 +825,18 @@ def test_missing_shard_or_manifest(numbered, tmp_path):
     with pytest.raises(HpctrainError, match="train-00005-of-00008.h5: missing shard"):
         data.ShardReader(out, 2, 3, 16, seed=0)
     (out / "manifest.json").unlink()
-    with pytest.raises(HpctrainError, match="manifest.json: missing.*python -m hpctrain.data "
-                                            "prepare"):
+    # issue 41, 30: the hint was MNIST's command (--source data/mnist-5k) whatever the data
+    with pytest.raises(HpctrainError, match=f"manifest.json: missing.*: hpctrain data prepare --source SOURCE "
+                                            f"--out {re.escape(str(out))} "):
         data.ShardReader(out, 0, 1, 16, seed=0)
-    with pytest.raises(HpctrainError, match="nowhere: no such directory.*python -m "
-                                            "hpctrain.data prepare"):
+    with pytest.raises(HpctrainError, match="nowhere: no such directory.*: hpctrain data prepare --source SOURCE"):
         data.load_test(tmp_path / "nowhere")
+    with pytest.raises(HpctrainError) as e:
+        data.load_manifest(tmp_path / "nowhere")
+    assert "mnist" not in str(e.value)
+    from hpctrain.data.manifest import _prepare_hint
+    assert _prepare_hint(data.default_data_dir()) == f"hpctrain data prepare --out {data.default_data_dir()} " \
+                                                     f"(the bundled MNIST sample)"
 
 
 def test_more_workers_than_samples(tmp_path):

@@ -188,6 +188,7 @@ def test_validation_accuracy_is_drawn_beside_the_test_accuracy(tmp_path):
     drawn = plot.plot_runs([run], tmp_path / "val.png")
     assert drawn["val_accuracy/val"][1].tolist() == [0.55, 0.62]
     assert drawn["test_accuracy/val"][1].tolist() == [0.5, 0.6]
+    assert plot.draw_runs([run])[0].axes[1].get_title() == "test accuracy (validation dashed)"
     assert_png(tmp_path / "val.png", plot.RUN_SIZE)
 
 
@@ -208,3 +209,44 @@ def test_output_naming_an_input_and_a_deeply_nested_line_are_one_line(tmp_path, 
         assert code == 2 and len(lines) == 1 and lines[0].startswith("hpctrain: error: "), captured.err
         assert message in lines[0], lines[0]
     assert good.read_text() == record and sorted(os.listdir(tmp_path)) == ["deep.jsonl", "good.jsonl", "link.jsonl"]
+
+
+def finished(path, steps, **final):
+    """A --metrics file of these step records and a final record (its times: wall 10 s, 6 compute, 3 comm)."""
+    final = {"event": "final", "mode": "ring", "steps": steps[-1]["step"], "test_accuracy": 0.5, "wall_s": 10.0,
+             "compute_s": 6.0, "comm_s": 3.0, **final}
+    path.write_text("".join(json.dumps(r) + "\n" for r in steps + [final]))
+    return plot.read_run(path)
+
+
+def test_a_run_of_one_record_shows_as_markers(tmp_path):
+    # issue 41, 27: a line through one point drew nothing in every panel
+    run = finished(tmp_path / "one.jsonl", [{"step": 1, "loss": 2.0, "samples_per_s": 100.0, "time_s": 0.5}])
+    fig, drawn = plot.draw_runs([run])
+    panels = fig.axes[:5]
+    assert all(len(ax.lines) == 1 and ax.lines[0].get_marker() not in (None, "", "None", " ") for ax in panels)
+    assert drawn["loss/one"][1].tolist() == [2.0]
+
+
+def test_the_sixth_panel_is_every_runs_time_and_its_text_fits(tmp_path):
+    # issue 41, 27: the panel was empty unless async ps, its note ran past the
+    # figure's edge, and the accuracy panel said "(validation dashed)" with none.
+    steps = [{"step": s, "loss": 2.0 / s, "samples_per_s": 100.0, "time_s": s / 10} for s in (10, 20)]
+    ring = finished(tmp_path / "ring.jsonl", steps)
+    old = finished(tmp_path / "an-older-async-ps-run-with-a-long-name.jsonl", steps, mode="ps", sync=False,
+                   staleness_mean=1.5, staleness_max=4)
+    stopped = tmp_path / "stopped.jsonl"
+    stopped.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    fig, drawn = plot.draw_runs([ring, old, plot.read_run(stopped)])
+    assert drawn["time/ring"][0] == ["compute", "comm", "other"] and drawn["time/ring"][1].tolist() == [6, 3, 1]
+    assert "time/stopped" not in drawn and not any(k.startswith("staleness/") for k in drawn)
+    sixth = fig.axes[5]
+    assert sixth.get_title() == "where the time went (final record)"
+    note = " ".join(t.get_text() for t in sixth.texts)
+    assert "stopped: no final record" in note and "staleness mean 1.5, max 4" in note.replace("\n  ", " ")
+    assert fig.axes[1].get_title() == "test accuracy"
+    fig.canvas.draw()
+    inside = fig.bbox
+    for text in [t for ax in fig.axes for t in ax.texts] + [ax.title for ax in fig.axes]:
+        box = text.get_window_extent()
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1, text.get_text()

@@ -150,3 +150,16 @@ def test_without_tensorboardx_or_with_a_file_for_dir_it_is_one_line_at_start(job
     (tmp_path / "file").write_text("")
     r = job(2, "--steps", "2", "--tensorboard", tmp_path / "file")
     assert r.returncode == 2 and f"--tensorboard {tmp_path / 'file'}: exists and is not a directory" in r.stderr
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o755])
+def test_a_dir_under_a_file_is_one_line_at_start_whatever_the_files_mode(job, tmp_path, mode):
+    # issue 41, 23: under an executable FILE, FILE/sub passed the start-up check
+    # (os.access X_OK) and became a warning at the first write; otherwise an error.
+    (tmp_path / "file").write_text("")
+    os.chmod(tmp_path / "file", mode)
+    r = job(2, "--steps", "2", "--tensorboard", tmp_path / "file" / "sub", "--save", tmp_path / "p.h5")
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert r.returncode == 2 and lines == [f"hpctrain: error: --tensorboard {tmp_path / 'file' / 'sub'}: is under "
+                                           f"{tmp_path / 'file'}, which is a file, not a directory"], r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["file"]

@@ -146,6 +146,8 @@ def test_missing_and_corrupt_shards_are_clear_errors(job, tmp_path):
     r = job(2, "--data", tmp_path / "nowhere", "--steps", "5", timeout=60)
     errors = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 2 and len(errors) == 1 and "nowhere" in errors[0], r.stderr
+    # issue 41, 30: the hint was MNIST's command whatever the data
+    assert f"hpctrain data prepare --source SOURCE --out {tmp_path / 'nowhere'} " in errors[0], errors
 
 
 @pytest.mark.parametrize("ranks, mode", [(2, "ring"), (3, "ps")])

@@ -7,15 +7,9 @@ import os
 import sys
 from contextlib import nullcontext
 
+from ..arguments import Parser
 from ..errors import HpctrainError
 from .common import RANKS_PER_CORE, check_ranks, is_rank, parse_size, stopping_on_signals
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose bad argument is one error line, not a usage block."""
-
-    def error(self, message):
-        raise HpctrainError(f"{message} (see --help)")
 
 
 def _number(kind, low, high=None, low_ok=False):
@@ -66,13 +60,13 @@ OVERSUBSCRIBE = ("--oversubscribe-ok", dict(action="store_true", help=f"run more
                                             "core here (ranks spread over several hosts by HPCTRAIN_MPIRUN_ARGS)"))
 
 
-def main(argv=None):
+def main(argv=None, prog="python -m hpctrain.bench"):
     argv = sys.argv[1:] if argv is None else argv
     extra = []
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = _Parser(prog="python -m hpctrain.bench", description=__doc__)
+    p = Parser(prog=prog, description=__doc__)
     _subcommands(p.add_subparsers(dest="what", required=True))
     try:
         args = p.parse_args(argv)

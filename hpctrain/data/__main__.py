@@ -17,9 +17,9 @@ Bad input is one line on stderr (`hpctrain: error: ...`) and exit 2; no
 command prints the help and exits 2. No MPI here (house rule).
 """
 
-import argparse
 import sys
 
+from hpctrain.arguments import Parser
 from hpctrain.errors import HpctrainError
 
 from .fetch import EMNIST_SPLITS, MD5, fetch
@@ -28,7 +28,7 @@ from .prepare import prepare
 
 
 def build_parser(prog="python -m hpctrain.data"):
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         description="Prepare HDF5 training shards from IDX or CIFAR-10 binary files, image folders, "
                     "NumPy, HDF5 or CSV files, or download "
@@ -113,8 +113,8 @@ def _attach_dashed_values(argv, flags=("--image-size",)):
 def main(argv=None, prog="python -m hpctrain.data"):
     argv = _attach_dashed_values(sys.argv[1:] if argv is None else list(map(str, argv)))
     parser = build_parser(prog)
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         if args.command == "prepare":
             prepare(args.source, args.out, shards=args.shards, test_fraction=args.test_fraction,
                     seed=args.seed, force=args.force, val_fraction=args.val_fraction, images=args.images,

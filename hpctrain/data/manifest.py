@@ -12,6 +12,7 @@ No MPI here (house rule).
 
 import hashlib
 import json
+import shlex
 from pathlib import Path
 
 from hpctrain.errors import HpctrainError
@@ -20,7 +21,6 @@ FORMAT = "hpctrain-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
-_PREPARE_HINT = "python -m hpctrain.data prepare --source data/mnist-5k --out DIR"
 
 
 # ---------------------------------------------------------------------------
@@ -49,6 +49,16 @@ def shard_name(split, index, count):
     return f"{split}-{index:05d}-of-{count:05d}.h5"
 
 
+def _prepare_hint(data_dir):
+    """The command that prepares data_dir: MNIST's only for MNIST's default
+    place (whatever else the directory was meant to hold, MNIST is a wrong guess)."""
+    out = shlex.quote(str(data_dir))
+    if Path(data_dir).resolve() == default_data_dir().resolve():
+        return f"hpctrain data prepare --out {out} (the bundled MNIST sample)"
+    return (f"hpctrain data prepare --source SOURCE --out {out} (SOURCE: your image folder, arrays or "
+            f"downloaded files; hpctrain data prepare --help)")
+
+
 def _sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -66,10 +76,10 @@ def load_manifest(data_dir):
     path = data_dir / MANIFEST
     if not data_dir.is_dir():
         raise HpctrainError(f"{data_dir}: no such directory; prepare shards first: "
-                            f"{_PREPARE_HINT}")
+                            f"{_prepare_hint(data_dir)}")
     if not path.is_file():
         raise HpctrainError(f"{path}: missing, {data_dir} is not a prepared shard directory; "
-                            f"prepare it: {_PREPARE_HINT}")
+                            f"prepare it: {_prepare_hint(data_dir)}")
     try:
         with open(path) as f:
             manifest = json.load(f)

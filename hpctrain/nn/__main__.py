@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from ..arguments import Parser
 from ..errors import HpctrainError
 from .check import check_layer
 from .layers import LayerCodeError, LayerError, Noise, describe
@@ -62,13 +63,8 @@ def _model(text):
     return text
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise HpctrainError(f"{message} (see --help)")
-
-
 def parser():
-    p = _Parser(prog="python -m hpctrain.nn", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="python -m hpctrain.nn", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=_model, default="mlp", metavar="NAME|FILE.py:FUNCTION",
                    help=f"{', '.join(sorted(MODELS))}, or a model file (default: mlp)")

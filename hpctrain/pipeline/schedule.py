@@ -404,17 +404,19 @@ def diagram(timeline):
 
 def main(argv=None):
     """Every schedule's tick diagram, step length, activation peaks per stage and the bubble."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m hpctrain.pipeline", description=main.__doc__)
+    import sys
+    from ..arguments import Parser
+    from ..errors import HpctrainError
+    parser = Parser(prog="python -m hpctrain.pipeline", description=main.__doc__)
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages P (default: %(default)s)")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches M (default: %(default)s)")
     parser.add_argument("--virtual-stages", type=int, default=2,
                         help="chunks V per stage of the interleaved schedule (default: %(default)s)")
     parser.add_argument("--forward-ticks", type=int, default=1, help="ticks a forward takes (default: %(default)s)")
     parser.add_argument("--backward-ticks", type=int, default=1, help="ticks a backward takes (default: %(default)s)")
-    args = parser.parse_args(argv)
-    P, M, V = args.stages, args.micro_batches, args.virtual_stages
     try:
+        args = parser.parse_args(argv)
+        P, M, V = args.stages, args.micro_batches, args.virtual_stages
         for name, schedule in SCHEDULES.items():
             v = V if name == "interleaved" else 1
             if name == "interleaved" and M % P:
@@ -427,5 +429,9 @@ def main(argv=None):
         print(f"bubble (P - 1)/(M + P - 1) = {bubble_fraction(P, M):.3f}; interleaved "
               f"(P - 1)/(VM + P - 1) = {bubble_fraction(P, M, V):.3f}")
     except ValueError as e:
-        parser.error(str(e))
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return 2
+    except HpctrainError as e:
+        print(f"hpctrain: error: {e}", file=sys.stderr)
+        return e.exit_code
     return 0

@@ -384,8 +384,8 @@ class Cluster:
 
 
 if __name__ == "__main__":
-    import argparse
-    p = argparse.ArgumentParser()
+    from ..arguments import Parser
+    p = Parser()
     p.add_argument("--mode", default="ring")
     p.add_argument("--num-ps", type=int, default=1)
     p.add_argument("--ps-ranks", choices=PS_RULES, default="spread")

@@ -26,6 +26,8 @@ import pytest
     (["--save", ""], "argument --save: expected a path, got ''"),
     (["--checkpoint-dir", " "], "argument --checkpoint-dir: expected a path, got ' '"),
     (["--steps", "10000000000000"], "argument --steps: must be at most 1,000,000,000,000, got 10000000000000"),
+    # issue 41, 30: prefix matching took it as --epochs 3 (here "not allowed with --steps"; alone, 3 epochs)
+    (["--epoch", "3"], "unrecognized arguments: --epoch 3; did you mean --epochs? (see --help)"),
     # issue 27, 14: a step bigger than an epoch dealt the samples over and over, in silence
     (["--accumulate-steps", "1000000", "--steps", "1"], "4,500 training samples, fewer than one step takes (2 "
                                                         "workers x --batch-size 32 x --accumulate-steps 1000000 = "
