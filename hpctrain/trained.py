@@ -122,6 +122,22 @@ class Trained:
         return manifest
 
 
+def input_paths(params=None, checkpoint=None, model=None):
+    """(files, folders) a model is read from: the --params file, the
+    --checkpoint file or folder, a --model FILE.py: what predict's and
+    evaluate's outputs must not replace."""
+    files, folders = [params], []
+    if checkpoint:
+        (folders if os.path.isdir(checkpoint) else files).append(checkpoint)
+    if model and _is_user_model(model):
+        files.append(model.rpartition(":")[0])
+    return [f for f in files if f], folders
+
+
+def _is_user_model(name):
+    return ":" in name and name not in _ZOO
+
+
 def _plain(value):
     if isinstance(value, bytes):
         return value.decode()

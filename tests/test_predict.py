@@ -105,6 +105,7 @@ def test_evaluate_gives_the_final_records_numbers_for_the_same_file(trained_once
     assert r.returncode == 0, r.stderr
     assert f"test accuracy {final['test_accuracy']:.4f}  test loss {final['test_loss']:.4f}" in r.stdout
     assert "confusion matrix (rows: true class, columns: predicted class)" in r.stdout
+    assert r.stdout.endswith(f"   (2)\nwrote the confusion matrix to {tmp / 'confusion.png'}\n")
     with Image.open(tmp / "confusion.png") as im:
         assert im.format == "PNG" and im.size[0] > 200
     # predict's probabilities come from the logits evaluate's loss is made of.
@@ -143,7 +144,7 @@ def test_predict_brings_image_files_to_the_input_as_prepare_did(trained_once, ph
     # CSV, --top, --out written whole; a checkpoint predicts the same.
     out = tmp / "pred.csv"
     r = tool("predict", "--checkpoint", tmp / "ckpt1", files[0], files[-1], "--top", "2", "--out", out)
-    assert r.returncode == 0 and r.stdout == "", r.stderr
+    assert r.returncode == 0 and r.stdout == f"wrote 2 predictions to {out}\n", r.stderr
     lines = out.read_text().splitlines()
     assert lines[0] == "input,class,probability,class_2,probability_2"
     first = lines[1].split(",")
