@@ -147,7 +147,7 @@ def input_paths(params=None, checkpoint=None, model=None):
 
 def _plain(value):
     if isinstance(value, bytes):
-        return value.decode()
+        return value.decode(errors="replace")   # damaged bytes: a record that does not parse
     return value.item() if isinstance(value, np.generic) else value
 
 
@@ -157,10 +157,10 @@ def _record_of(attrs, source, data_dir, model):
     the model it names. A user's model file is run only where --model names
     it: the path a record holds is anyone's who wrote the file."""
     text = attrs.get(ATTR)
-    if text:
+    if text is not None:
         try:
-            rec = _checked(json.loads(text), source)
-        except ValueError:
+            rec = _checked(json.loads(text if isinstance(text, str) else ""), source)
+        except (ValueError, RecursionError):   # RecursionError: arrays nested past what json parses
             raise HpctrainError(f"{source}: damaged '{ATTR}' attribute; save the model again") from None
         if model is None and _is_user_model(rec["model"]):
             raise HpctrainError(f"{source}: was trained from a user's model file, {printable(rec['model'])}; "
@@ -225,7 +225,7 @@ def _whole_numbers(values, lo, hi):
 
 def _short(value):
     """A value of a damaged record, in a line: its JSON, cut short."""
-    text = printable(json.dumps(value))
+    text = printable(json.dumps(value, default=str))
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -300,7 +300,7 @@ def _stored(f, name, shape, spec, path):
     except Corrupt:
         stored = None
     if stored is None or stored.shape != tuple(shape):
-        found = "nothing" if stored is None else stored.shape
+        found = stored.shape if stored is not None else "not a dataset" if name in f else "nothing"
         raise HpctrainError(f"{path}: {name} is {found}, model {spec.name} needs {tuple(shape)}: not the "
                             f"parameters of this model")
     if stored.dtype.kind != "f":

@@ -6,6 +6,7 @@ mismatched file and data, or a bad image, is one line and exit 2.
 
     .venv/bin/python -m pytest -q tests/test_predict.py
 """
+import importlib
 import json
 import os
 import shutil
@@ -69,6 +70,14 @@ def tool(name, *args, cwd=REPO):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", f"hpctrain.{name}", *map(str, args)], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=120)
+
+
+def in_process(capsys, name, *args):
+    """`hpctrain name args` run in this process (a new one per case takes
+    seconds): (exit code, its standard output, its standard error)."""
+    code = importlib.import_module(f"hpctrain.{name}").main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def one_line(r):
@@ -323,6 +332,15 @@ DAMAGED = {
                          "layer0/W is an external link, not a dataset stored in the file; hpctrain writes no such "
                          "--save file"),
     "a soft link": (replace_tensor(soft_link), "layer0/W is a soft link, not a dataset stored in the file"),
+    "a record of bytes that are not UTF-8": (lambda f: f.attrs.__setitem__("inference", np.bytes_(b"\xff{")),
+                                             "damaged 'inference' attribute; save the model again"),
+    "a record nested past what json parses": (lambda f: f.attrs.__setitem__("inference", "[" * 10**5 + "]" * 10**5),
+                                              "damaged 'inference' attribute; save the model again"),
+    "step an array": (lambda f: f.attrs.__setitem__("step", np.arange(3)), "attribute step is \"[0 1 2]\", not a "
+                                                                           "step number"),
+    "a chunked tensor": (replace_tensor(lambda f: h5py.Dataset(f.create_dataset(
+        "chunked", data=np.zeros((240, 32), np.float32), chunks=(10, 32)).id)),
+        "dataset layer0/W is not stored contiguously in the file (chunked, virtual or external storage)"),
     "a model larger than the file": (set_record(input_shape=[16384, 16384, 1]),
                                      "model mlp of 16384x16384x1 inputs has 8,589,934,723 parameters, more than "
                                      "the file's"),
@@ -335,13 +353,14 @@ DAMAGED = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGED))
-def test_a_damaged_save_file_is_one_line_for_predict_and_evaluate(trained_once, photos, tmp_path, damage):
+def test_a_damaged_save_file_is_one_line_for_predict_and_evaluate(trained_once, photos, tmp_path, capsys, damage):
     _, save, _ = trained_once
     change, says = DAMAGED[damage]
     path = damaged_copy(save, tmp_path, "damaged", change)
     for name, *args in (("predict", photos[0] / "test/red/001.png"), ("evaluate", "--data", photos[1], "--json")):
-        r = tool(name, "--params", path, *args)
-        assert says in one_line(r) and r.stdout == "", (name, r.stdout)
+        code, out, err = in_process(capsys, name, "--params", path, *args)
+        assert code == 2 and out == "" and err.startswith(f"hpctrain: error: {path}: ") and says in err, (name, err)
+        assert err.count("\n") == 1
 
 
 def test_a_model_too_large_for_memory_is_refused_before_it_is_built(trained_once, tmp_path):

@@ -7,14 +7,13 @@ that says what was written.
     .venv/bin/python -m pytest -q tests/test_predict_outputs.py
 """
 import hashlib
-import importlib
 import os
 import shutil
 import stat
 
 import pytest
 
-from test_predict import one_line, photos, tool, trained_once   # noqa: F401 (fixtures)
+from test_predict import in_process, one_line, photos, tool, trained_once   # noqa: F401 (fixtures)
 
 
 def snapshot(folder):
@@ -46,13 +45,6 @@ def inputs(trained_once, photos, tmp_path):   # noqa: F811
     return tmp_path
 
 
-def in_process(capsys, name, *args):
-    """`hpctrain name args` run in this process (a new one per case takes
-    seconds): (exit code, its standard error)."""
-    code = importlib.import_module(f"hpctrain.{name}").main([str(a) for a in args])
-    return code, capsys.readouterr().err
-
-
 def test_an_output_that_is_one_of_the_inputs_is_refused_however_it_is_spelt(inputs, capsys, monkeypatch):
     ckpt = os.path.basename(sorted(os.listdir(inputs / "ckpt"))[-1])
     evaluate = ("evaluate", "--params", "p.h5", "--data", "data", "--plot")
@@ -75,7 +67,7 @@ def test_an_output_that_is_one_of_the_inputs_is_refused_however_it_is_spelt(inpu
     monkeypatch.chdir(inputs)
     before = snapshot(inputs)
     for (name, *args, flag), out, says in cases:
-        assert in_process(capsys, name, *args, flag, out) == (2, f"hpctrain: error: {flag} {out}: {says}\n")
+        assert in_process(capsys, name, *args, flag, out) == (2, "", f"hpctrain: error: {flag} {out}: {says}\n")
         assert snapshot(inputs) == before, (name, out)   # nothing replaced, nothing left behind
 
 
