@@ -14,7 +14,10 @@ of a run `accuracy` and `loss` are the final record's `test_accuracy` and
 digits it records (bit for bit where that run had one worker; with more, each
 worker summed its own part, and the loss may differ in the 7th digit). A
 model file and data that do not match (another image shape or class count,
-other class names) is one line, exit 2.
+other class names) is one line, exit 2; so is a --plot that is one of the
+inputs (the model's file, anything in --data), a device or FIFO, or in a
+folder that takes no file, refused before the model is read. Each file
+written ends with a line that names it.
 
 No MPI here: one process.
 """

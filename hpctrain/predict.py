@@ -12,10 +12,13 @@ brought to its input the same way (grayscale or RGB after its channels,
 EXIF orientation applied, resized bilinearly to its height and width:
 data/images.py to_input). Output: CSV (input,class,probability[,label],
 with --top K the next K-1 classes and probabilities after them) or JSON
-Lines, on standard output or into --out (written whole or not at all).
-Every image is read before anything is written: an unreadable one, a file
-and data that do not match (another shape or class count) is one line,
-exit 2.
+Lines, on standard output or into --out (written whole or not at all, then
+one line `wrote N predictions to FILE`; an --out that is one of the inputs,
+a device or FIFO, or in a folder that takes no file is refused before the
+model is read: run/outputs.check_output_file). Every image is read before
+anything is written: an unreadable one, a file and data that do not match
+(another shape or class count) is one line, exit 2. A model trained from a
+user's FILE.py is rebuilt only with --model naming it (trained.py).
 
 No MPI here: one process.
 """
