@@ -16,8 +16,8 @@ worker summed its own part, and the loss may differ in the 7th digit). A
 model file and data that do not match (another image shape or class count,
 other class names) is one line, exit 2; so is a --plot that is one of the
 inputs (the model's file, anything in --data), a device or FIFO, or in a
-folder that takes no file, refused before the model is read. Each file
-written ends with a line that names it.
+folder that takes no file, refused before the model is read. The picture
+written adds a line that names it.
 
 No MPI here: one process.
 """
