@@ -14,7 +14,10 @@ of a run `accuracy` and `loss` are the final record's `test_accuracy` and
 digits it records (bit for bit where that run had one worker; with more, each
 worker summed its own part, and the loss may differ in the 7th digit). A
 model file and data that do not match (another image shape or class count,
-other class names) is one line, exit 2.
+other class names) is one line, exit 2; so is a --plot that is one of the
+inputs (the model's file, anything in --data), a device or FIFO, or in a
+folder that takes no file, refused before the model is read. The picture
+written adds a line that names it.
 
 No MPI here: one process.
 """
@@ -25,6 +28,7 @@ import numpy as np
 
 from .arguments import Parser
 from .errors import HpctrainError
+from .run.outputs import check_output_file, printable
 
 
 def evaluate(model, x, y):
@@ -46,14 +50,15 @@ def evaluate(model, x, y):
 
 
 def lines(result, split):
-    names = result["class_names"]
+    # control characters escaped: a class named with a newline stays on its row
+    names = [printable(n) for n in result["class_names"]]
     width = max(8, *(len(n) for n in names))
     out = [f"{split} accuracy {result['accuracy']:.4f}  {split} loss {result['loss']:.4f}  "
            f"({result['num_samples']} images; {result['source']}, step {result['step']})",
            "", f"{'class':<{width}}  accuracy  images"]
-    for name in names:
-        acc = result["per_class_accuracy"][name]
-        out.append(f"{name:<{width}}  {'-' if acc is None else f'{acc:.4f}':>8}  {result['per_class_count'][name]:>6}")
+    for key, name in zip(result["class_names"], names):
+        acc = result["per_class_accuracy"][key]
+        out.append(f"{name:<{width}}  {'-' if acc is None else f'{acc:.4f}':>8}  {result['per_class_count'][key]:>6}")
     out += ["", "confusion matrix (rows: true class, columns: predicted class)"]
     cell = max(5, len(str(max(max(r) for r in result["confusion"]))) + 1)
     out.append(" " * width + "".join(f"{str(i):>{cell}}" for i in range(len(names))))
@@ -98,7 +103,9 @@ def build_parser(prog="python -m hpctrain.evaluate"):
     p.add_argument("--data", metavar="DIR", required=True, help="a prepared shard directory")
     p.add_argument("--split", choices=["test", "val"], default="test", help="(default: %(default)s)")
     p.add_argument("--model", metavar="NAME|FILE.py:FUNCTION", default=None,
-                   help="rebuild the model with this instead of what the file records")
+                   help="rebuild the model with this instead of what the file records; a model trained from "
+                        "a user's FILE.py is rebuilt only from the file named here, never from a path inside "
+                        "the saved file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the confusion matrix")
     return p
@@ -111,7 +118,8 @@ def main(argv=None, prog="python -m hpctrain.evaluate"):
         if args.plot:
             from . import plot
             plot.require()
-            plot.check_output(args.plot, "--plot")
+            files, folders = trained.input_paths(args.params, args.checkpoint, args.model)
+            check_output_file(args.plot, "--plot", inputs=files, input_folders=[args.data, *folders])
         model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
         manifest = model.check_data(args.data)
         if args.split not in manifest:
@@ -124,6 +132,8 @@ def main(argv=None, prog="python -m hpctrain.evaluate"):
             print(json.dumps(result))
         else:
             print("\n".join(lines(result, args.split)))
+        if args.plot:   # after the table; beside --json's one object, on standard error
+            print(f"wrote the confusion matrix to {args.plot}", file=sys.stderr if args.json else sys.stdout)
     except HpctrainError as e:
         print(f"hpctrain: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -21,7 +21,7 @@ import numpy as np
 
 from .arguments import Parser
 from .errors import EXIT_BAD_INPUT, HpctrainError
-from .run.outputs import one_line
+from .run.outputs import check_output_file, one_line, write_atomically
 
 INSTALL = "plotting needs matplotlib: pip install 'hpctrain[plot]'"
 DPI = 80
@@ -41,15 +41,12 @@ def require():
 
 def check_output(path, flag, inputs=()):
     """Refuse an output we could not write before anything long runs, or
-    that would overwrite one of the inputs."""
+    that would overwrite one of the inputs (run/outputs.check_output_file:
+    a device or FIFO at its name included, which the rename would replace)."""
     for given in inputs:
         if os.path.realpath(given) == os.path.realpath(path):
             raise HpctrainError(f"{flag} {path}: is one of the input files; name another file for the picture")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise HpctrainError(f"{flag} {path}: no such directory {folder}")
-    if not os.access(folder, os.W_OK):
-        raise HpctrainError(f"{flag} {path}: cannot write in {folder}")
+    check_output_file(path, flag, inputs=inputs)
 
 
 def _figure(size, rows=1, cols=1, **margins):
@@ -74,8 +71,10 @@ def _save(fig, path):
     from PIL import Image
     fig.canvas.draw()
     rgb = Image.frombuffer("RGBA", fig.canvas.get_width_height(), fig.canvas.buffer_rgba()).convert("RGB")
+    image = rgb.quantize(256)
     try:
-        rgb.quantize(256).save(path, format="png", optimize=True)
+        # whole or not at all: never a half-written picture, nor one written through a link into an input
+        write_atomically(path, lambda f: image.save(f, format="png", optimize=True), binary=True)
     except OSError as e:
         raise HpctrainError(f"{path}: cannot write ({one_line(e)})") from None
 

@@ -13,10 +13,13 @@ EXIF orientation applied, 16-bit grayscale scaled to 0..255, resized
 bilinearly to its height and width: data/images.py to_input; an image over
 Pillow's decompression-bomb size is one warning line). Output: CSV (input,class,probability[,label],
 with --top K the next K-1 classes and probabilities after them) or JSON
-Lines, on standard output or into --out (written whole or not at all).
-Every image is read before anything is written: an unreadable one, a file
-and data that do not match (another shape or class count) is one line,
-exit 2.
+Lines, on standard output or into --out (written whole or not at all, then
+one line `wrote N predictions to FILE`; an --out that is one of the inputs,
+a device or FIFO, or in a folder that takes no file is refused before the
+model is read: run/outputs.check_output_file). Every image is read before
+anything is written: an unreadable one, a file and data that do not match
+(another shape or class count) is one line, exit 2. A model trained from a
+user's FILE.py is rebuilt only with --model naming it (trained.py).
 
 No MPI here: one process.
 """
@@ -30,7 +33,7 @@ import numpy as np
 
 from .arguments import Parser
 from .errors import HpctrainError
-from .run.outputs import one_line, temp_next_to
+from .run.outputs import check_output_file, one_line, write_atomically
 
 
 def softmax(logits):
@@ -78,20 +81,6 @@ def render(table, fmt, top):
     return buf.getvalue()
 
 
-def write_whole(path, text, flag="--out"):
-    """text into path, atomically: a temporary file beside it, renamed."""
-    fd, tmp = temp_next_to(path)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise HpctrainError(f"{flag} {path}: cannot write ({one_line(e)})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def inputs_from_images(model, paths):
     from .data.images import to_input
     x = np.empty((len(paths), *model.input_shape), np.uint8)
@@ -111,14 +100,20 @@ def inputs_from_data(model, data_dir, split):
     return x, [f"{split}:{i}" for i in range(len(y))], y
 
 
-def check_out(path):
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise HpctrainError(f"--out {path}: no such directory {folder}")
-    if os.path.isdir(path):
-        raise HpctrainError(f"--out {path}: is a directory")
+def check_out(args):
+    """--out, before the model is read: a file that can be written and is
+    none of the inputs (the model's file, an image, anything under --data)."""
+    from .trained import input_paths
+    if args.out is not None:
+        files, folders = input_paths(args.params, args.checkpoint, args.model)
+        check_output_file(args.out, "--out", inputs=[*files, *args.images], input_folders=[args.data, *folders])
+
+
+def write_out(path, text):
+    try:
+        write_atomically(path, lambda f: f.write(text))
+    except OSError as e:
+        raise HpctrainError(f"--out {path}: cannot write ({one_line(e)})") from None
 
 
 def build_parser(prog="python -m hpctrain.predict"):
@@ -132,7 +127,9 @@ def build_parser(prog="python -m hpctrain.predict"):
     p.add_argument("--split", choices=["test", "val"], default="test",
                    help="with --data: which part (default: %(default)s)")
     p.add_argument("--model", metavar="NAME|FILE.py:FUNCTION", default=None,
-                   help="rebuild the model with this instead of what the file records (a user's model file moved)")
+                   help="rebuild the model with this instead of what the file records; a model trained from "
+                        "a user's FILE.py is rebuilt only from the file named here, never from a path inside "
+                        "the saved file")
     p.add_argument("--format", choices=["csv", "jsonl"], default="csv", help="(default: %(default)s)")
     p.add_argument("--top", type=int, default=1, metavar="K", help="the K most probable classes (default: 1)")
     p.add_argument("--out", metavar="FILE", default=None, help="write here instead of standard output")
@@ -147,7 +144,7 @@ def main(argv=None, prog="python -m hpctrain.predict"):
             raise HpctrainError("give IMAGE files or --data DIR (one of them)")
         if args.top < 1:
             raise HpctrainError(f"--top must be at least 1, got {args.top}")
-        check_out(args.out)
+        check_out(args)
         from . import trained
         model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
         top = min(args.top, model.spec.classes)
@@ -157,7 +154,8 @@ def main(argv=None, prog="python -m hpctrain.predict"):
             (x, names), labels = inputs_from_images(model, args.images), None
         text = render(rows(model, x, names, top, labels), args.format, top)
         if args.out:
-            write_whole(args.out, text)
+            write_out(args.out, text)
+            print(f"wrote {len(names)} predictions to {args.out}")
         else:
             sys.stdout.write(text)
     except HpctrainError as e:

@@ -17,7 +17,9 @@ No MPI here: predict and evaluate are one process.
 import functools
 import hashlib
 import json
+import math
 import os
+import sys
 import types
 from dataclasses import dataclass
 
@@ -25,14 +27,23 @@ import numpy as np
 
 from . import data as data_mod
 from .errors import HpctrainError
+from .data.arrays import memory_available
+from .checkpoints.trust import Corrupt, Refused, hard_linked, stored_inside
 from .nn import LayerError, spec_for
 from .nn.user import UserModelError
+from .nn.zoo import MODELS
+from .run.outputs import printable
 
 ATTR = "inference"
 # HDF5 keeps an attribute in the object header, 64 KiB at most: a record
 # larger than this leaves its class names out (predict then prints numbers).
 _MAX_RECORD = 60_000
-_ZOO = ("mlp", "lenet", "cnn", "resnet", "small_cnn")
+_ZOO = tuple(MODELS)
+# The largest input (values per sample: 16384 x 16384 pixels of one channel)
+# and class count a record may name: far above any image classifier's, far
+# below what the arithmetic of a model's shapes could not hold.
+MAX_INPUT = 2 ** 28
+MAX_CLASSES = 2 ** 20
 
 
 # ---------------------------------------------------------------------------
@@ -117,26 +128,45 @@ class Trained:
                 f"classes: another model's file, or other data")
         names = manifest.get("class_names")
         if names and names != self.class_names and self.class_names != [str(i) for i in range(classes)]:
-            raise HpctrainError(f"{data_dir}: classes {', '.join(names)}, but the model in {self.source} was "
-                                f"trained on {', '.join(self.class_names)}")
+            raise HpctrainError(f"{data_dir}: classes {', '.join(map(printable, names))}, but the model in "
+                                f"{self.source} was trained on {', '.join(map(printable, self.class_names))}")
         return manifest
+
+
+def input_paths(params=None, checkpoint=None, model=None):
+    """(files, folders) a model is read from: the --params file, the
+    --checkpoint file or folder, a --model FILE.py: what predict's and
+    evaluate's outputs must not replace."""
+    files, folders = [params], []
+    if checkpoint:
+        (folders if os.path.isdir(checkpoint) else files).append(checkpoint)
+    if model and _is_user_model(model):
+        files.append(model.rpartition(":")[0])
+    return [f for f in files if f], folders
 
 
 def _plain(value):
     if isinstance(value, bytes):
-        return value.decode()
+        return value.decode(errors="replace")   # damaged bytes: a record that does not parse
     return value.item() if isinstance(value, np.generic) else value
 
 
 def _record_of(attrs, source, data_dir, model):
     """The inference record: the file's, or for a file from before it, what
-    --data and the file's own attributes say."""
+    --data and the file's own attributes say; `model` (--model) in place of
+    the model it names. A user's model file is run only where --model names
+    it: the path a record holds is anyone's who wrote the file."""
     text = attrs.get(ATTR)
-    if text:
+    if text is not None:
         try:
-            rec = json.loads(text)
-        except ValueError:
+            rec = _checked(json.loads(text if isinstance(text, str) else ""), source)
+        except (ValueError, RecursionError):   # RecursionError: arrays nested past what json parses
             raise HpctrainError(f"{source}: damaged '{ATTR}' attribute; save the model again") from None
+        if model is None and _is_user_model(rec["model"]):
+            raise HpctrainError(f"{source}: was trained from a user's model file, {printable(rec['model'])}; "
+                                f"predict and evaluate run no code that a saved file names: pass --model "
+                                f"{printable(rec['model'])} to rebuild it with that file (it runs as Python: "
+                                f"a file you trust)")
     else:
         identity = str(attrs.get("model", "mlp"))
         name = identity.split(" ", 1)[0]
@@ -146,25 +176,82 @@ def _record_of(attrs, source, data_dir, model):
                                 + ("" if name in _ZOO else " and --model FILE.py:FUNCTION"))
         manifest = data_mod.load_manifest(data_dir)
         shape, classes = data_mod.model_shape(manifest)
-        hidden = [int(w) for w in str(attrs.get("hidden", "")).split(",") if w]
+        hidden = [int(w) for w in str(attrs.get("hidden", "")).split(",") if w.strip().isdigit()]
         rec = {"model": name, "hidden": hidden, "identity": identity, "input_shape": list(shape),
                "classes": classes, "class_names": manifest.get("class_names")}
     if model is not None:
+        if model not in _ZOO and not _is_user_model(model):
+            raise HpctrainError(f"--model {model}: not a model of the zoo ({', '.join(_ZOO)}) nor FILE.py:FUNCTION")
         rec["model"] = model
     return rec
 
 
-def _build(rec, source):
+def _is_user_model(name):
+    return ":" in name and name not in _ZOO
+
+
+def _checked(rec, source):
+    """The record, once its fields have the types and ranges record() writes
+    (a damaged or crafted one would otherwise end in a traceback, or in an
+    attempt to allocate terabytes), or one line naming the first that has not."""
+    def damaged(what):
+        return HpctrainError(f"{source}: damaged '{ATTR}' record ({what}); save the model again")
+    if not isinstance(rec, dict):
+        raise damaged(f"a JSON {type(rec).__name__}, not an object")
+    name = rec.get("model")
+    if not isinstance(name, str) or not (name in _ZOO or _is_user_model(name)):
+        raise damaged(f"'model' is {_short(name)}, not a model of the zoo nor FILE.py:FUNCTION")
+    if not _whole_numbers(rec.get("hidden") or [], 1, MAX_INPUT):
+        raise damaged(f"'hidden' is {_short(rec.get('hidden'))}, not a list of layer widths")
+    shape = rec.get("input_shape")
+    if not (isinstance(shape, list) and 1 <= len(shape) <= 3 and _whole_numbers(shape, 1, MAX_INPUT)
+            and math.prod(shape) <= MAX_INPUT):
+        raise damaged(f"'input_shape' is {_short(shape)}, not the shape of an image (up to {MAX_INPUT} values)")
+    if not _whole_numbers([rec.get("classes")], 1, MAX_CLASSES):
+        raise damaged(f"'classes' is {_short(rec.get('classes'))}, not a class count (1..{MAX_CLASSES})")
+    names = rec.get("class_names")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise damaged("'class_names' is not a list of names")
+    for key, kind in (("identity", str), ("preprocess", dict)):
+        if rec.get(key) is not None and not isinstance(rec[key], kind):
+            raise damaged(f"'{key}' is {_short(rec[key])}")
+    return rec
+
+
+def _whole_numbers(values, lo, hi):
+    return isinstance(values, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi for v in values)
+
+
+def _short(value):
+    """A value of a damaged record, in a line: its JSON, cut short."""
+    text = printable(json.dumps(value, default=str))
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _build(rec, source, stored_bytes):
+    """The model's spec, once what building it allocates fits in the file
+    it comes from (4 bytes a parameter) and in memory."""
     args = types.SimpleNamespace(model=rec["model"], hidden=rec.get("hidden") or [])
     try:
-        spec = spec_for(args, tuple(rec["input_shape"]), int(rec["classes"]))
+        spec = spec_for(args, tuple(rec["input_shape"]), rec["classes"])
     except (LayerError, UserModelError) as e:
-        raise HpctrainError(f"{source}: cannot rebuild model {rec['model']}: {e}") from None
+        raise HpctrainError(f"{source}: cannot rebuild model {printable(rec['model'])}: {e}") from None
     want = rec.get("identity")
     # The digest of the layers and shapes, not the file's name: a moved model file is the same model.
     if want and spec.identity.split(" ")[-1] != want.split(" ")[-1]:
-        raise HpctrainError(f"{source}: was saved from model {want!r}; {rec['model']} now builds {spec.identity!r} "
-                            f"(the model file changed? give --model FILE.py:FUNCTION of the one it was trained with)")
+        raise HpctrainError(f"{source}: was saved from model {printable(want)!r}; {printable(rec['model'])} now "
+                            f"builds {spec.identity!r} (the model file changed? give --model FILE.py:FUNCTION of "
+                            f"the one it was trained with)")
+    values = spec.num_params + spec.num_state
+    if 4 * values > stored_bytes:
+        raise HpctrainError(f"{source}: model {spec.name} of {'x'.join(map(str, spec.input_shape))} inputs has "
+                            f"{values:,} parameters, more than the file's {stored_bytes:,} bytes hold: not the "
+                            f"parameters of this model (a damaged record?)")
+    need, have = 4 * (2 * spec.num_params + spec.num_state), memory_available()   # build(): params, grads, state
+    if have is not None and need > have:
+        raise HpctrainError(f"{source}: model {spec.name} needs {need / 2**30:.1f} GiB of memory to rebuild, this "
+                            f"machine has {have / 2**30:.1f} GiB available")
     return spec
 
 
@@ -176,7 +263,8 @@ def _trained(spec, model, source, step, rec):
 
 
 def load_params(path, data_dir=None, model=None):
-    """The model in a --save (or --keep-best) file."""
+    """The model in a --save (or --keep-best) file: its record and tensors
+    checked before anything of their size is allocated (_build, _stored)."""
     import h5py
     path = str(path)
     if not os.path.isfile(path):
@@ -185,18 +273,53 @@ def load_params(path, data_dir=None, model=None):
         with h5py.File(path, "r", locking=False) as f:
             attrs = {k: _plain(v) for k, v in f.attrs.items()}
             rec = _record_of(attrs, path, data_dir, model)
-            spec = _build(rec, path)
+            step = attrs.get("step", 0)
+            if not _whole_numbers([step], 0, 2 ** 53):
+                raise HpctrainError(f"{path}: attribute step is {_short(step)}, not a step number; save the model "
+                                    f"again")
+            spec = _build(rec, path, os.path.getsize(path))
+            stored = {name: _stored(f, name, shape, spec, path) for name, shape, _, _ in spec.tensors + spec.state}
             built = spec.build(np)
             for name, view in built.tensors() + built.state_tensors():
-                stored = f.get(name)
-                if not isinstance(stored, h5py.Dataset) or stored.shape != view.shape:
-                    found = "nothing" if stored is None else getattr(stored, "shape", type(stored).__name__)
-                    raise HpctrainError(f"{path}: {name} is {found}, model {spec.name} needs {view.shape}: not the "
-                                        f"parameters of this model")
-                view[...] = stored[()]
+                view[...] = stored[name][()]
     except OSError as e:
         raise HpctrainError(f"{path}: not a readable --save file ({str(e).splitlines()[0]})") from None
-    return _trained(spec, built, path, int(attrs.get("step", 0)), rec)
+    _check_finite(built, path)
+    return _trained(spec, built, path, step, rec)
+
+
+def _stored(f, name, shape, spec, path):
+    """The dataset `name` of a --save file, unread, once it is stored as
+    write_params stores it: through hard links only (a soft or external link
+    would read another place or file), of the tensor's shape, floating-point,
+    its bytes inside the file (checkpoints/trust.py's rules)."""
+    try:
+        stored = hard_linked(f, name)
+    except Refused as e:
+        raise HpctrainError(f"{path}: {e}; hpctrain writes no such --save file (a crafted one?)") from None
+    except Corrupt:
+        stored = None
+    if stored is None or stored.shape != tuple(shape):
+        found = stored.shape if stored is not None else "not a dataset" if name in f else "nothing"
+        raise HpctrainError(f"{path}: {name} is {found}, model {spec.name} needs {tuple(shape)}: not the "
+                            f"parameters of this model")
+    if stored.dtype.kind != "f":
+        raise HpctrainError(f"{path}: {name} holds {stored.dtype} values, not floating-point numbers: not "
+                            f"parameters hpctrain saved")
+    try:
+        return stored_inside(stored, name, os.path.getsize(path))
+    except Refused as e:
+        raise HpctrainError(f"{path}: {e}; hpctrain writes no such --save file (a crafted one?)") from None
+
+
+def _check_finite(built, source):
+    """One line for parameters a diverged run (or damage) left nan or inf:
+    they would predict nan for every image, and evaluate's loss would be nan."""
+    bad = int(np.count_nonzero(~np.isfinite(built.params))) + int(np.count_nonzero(~np.isfinite(built.state)))
+    if bad:
+        raise HpctrainError(f"{source}: {bad:,} of its {built.params.size + built.state.size:,} parameters are not "
+                            f"finite (nan or inf): saved from a run that diverged, or damaged; use an earlier "
+                            f"checkpoint or --keep-best file")
 
 
 def load_checkpoint(path, data_dir=None, model=None):
@@ -204,9 +327,7 @@ def load_checkpoint(path, data_dir=None, model=None):
     from .checkpoints import reader
     path = str(path)
     if os.path.isdir(path):
-        ckpt = reader.load_latest(path, {})
-        if ckpt is None:
-            raise HpctrainError(f"{path}: no checkpoint (ckpt-NNNNNNNN.h5) in it")
+        ckpt = _newest_checkpoint(path)
     elif os.path.isfile(path):
         try:
             ckpt = reader.read(path)
@@ -215,13 +336,34 @@ def load_checkpoint(path, data_dir=None, model=None):
     else:
         raise HpctrainError(f"{path}: no such file or directory")
     rec = _record_of(ckpt.attrs, ckpt.path, data_dir, model)
-    spec = _build(rec, ckpt.path)
+    spec = _build(rec, ckpt.path, os.path.getsize(ckpt.path))
     if ckpt.params.size != spec.num_params or ckpt.model_state.size != spec.num_state:
         raise HpctrainError(f"{ckpt.path}: {ckpt.params.size} parameters, model {spec.name} has {spec.num_params}")
     built = spec.build(np, params=ckpt.params.copy())
     if spec.num_state:
         built.state[...] = ckpt.model_state
+    _check_finite(built, ckpt.path)
     return _trained(spec, built, ckpt.path, ckpt.step, rec)
+
+
+def _newest_checkpoint(folder):
+    """The newest valid checkpoint in folder; the files skipped on the way
+    are warned about once one is found, and where none is, the one line
+    says why each was skipped (not that there was none)."""
+    from .checkpoints import file, reader
+    skipped = []
+    ckpt = reader.load_latest(folder, {}, warn=skipped.append)
+    if ckpt is None:
+        found = file.list_checkpoints(folder)
+        if not found:
+            raise HpctrainError(f"{folder}: no checkpoint (ckpt-NNNNNNNN.h5) in it")
+        why = [line.removesuffix(", trying the previous one").removesuffix("; trying the previous one")
+               for line in skipped]
+        raise HpctrainError(f"{folder}: none of its {len(found)} checkpoint file{'s' if len(found) > 1 else ''} "
+                            f"is valid: {'; '.join(why)}")
+    for line in skipped:
+        print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
+    return ckpt
 
 
 def load(params=None, checkpoint=None, data_dir=None, model=None):

@@ -6,6 +6,7 @@ mismatched file and data, or a bad image, is one line and exit 2.
 
     .venv/bin/python -m pytest -q tests/test_predict.py
 """
+import importlib
 import json
 import os
 import shutil
@@ -72,6 +73,14 @@ def tool(name, *args, cwd=REPO):
                           text=True, cwd=cwd, env=env, timeout=120)
 
 
+def in_process(capsys, name, *args):
+    """`hpctrain name args` run in this process (a new one per case takes
+    seconds): (exit code, its standard output, its standard error)."""
+    code = importlib.import_module(f"hpctrain.{name}").main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def one_line(r):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.splitlines()
@@ -106,6 +115,7 @@ def test_evaluate_gives_the_final_records_numbers_for_the_same_file(trained_once
     assert r.returncode == 0, r.stderr
     assert f"test accuracy {final['test_accuracy']:.4f}  test loss {final['test_loss']:.4f}" in r.stdout
     assert "confusion matrix (rows: true class, columns: predicted class)" in r.stdout
+    assert r.stdout.endswith(f"   (2)\nwrote the confusion matrix to {tmp / 'confusion.png'}\n")
     with Image.open(tmp / "confusion.png") as im:
         assert im.format == "PNG" and im.size[0] > 200
     # predict's probabilities come from the logits evaluate's loss is made of.
@@ -144,7 +154,7 @@ def test_predict_brings_image_files_to_the_input_as_prepare_did(trained_once, ph
     # CSV, --top, --out written whole; a checkpoint predicts the same.
     out = tmp / "pred.csv"
     r = tool("predict", "--checkpoint", tmp / "ckpt1", files[0], files[-1], "--top", "2", "--out", out)
-    assert r.returncode == 0 and r.stdout == "", r.stderr
+    assert r.returncode == 0 and r.stdout == f"wrote 2 predictions to {out}\n", r.stderr
     lines = out.read_text().splitlines()
     assert lines[0] == "input,class,probability,class_2,probability_2"
     first = lines[1].split(",")
@@ -176,24 +186,43 @@ def test_the_files_record_how_to_rebuild_the_model(trained_once, photos):
     assert json.loads(ckpt.attrs["inference"]) == rec
 
 
-def test_a_users_model_file_is_recorded_and_can_be_pointed_at_when_moved(photos, tmp_path):
+def test_a_users_model_file_is_run_only_where_the_command_line_names_it(photos, tmp_path):
     model = tmp_path / "mine.py"
     shutil.copy(TINY, model)
     # A relative path, as users type it: the record makes it absolute.
     save, final = train(tmp_path, photos[1], 1, "--model", "mine.py:without_batch_norm", cwd=tmp_path)
+    with h5py.File(save) as f:
+        assert json.loads(f.attrs["inference"])["model"] == f"{model}:without_batch_norm"
+    # A shared --save file can name any file: one that marks its import is never run on the record's word.
+    planted = tmp_path / "planted.py"
+    planted.write_text("open(__file__ + '.ran', 'w').close()\n" + model.read_text())
+    shared = tmp_path / "shared.h5"
+    shutil.copy(save, shared)
+    with h5py.File(shared, "a") as f:
+        rec = json.loads(f.attrs["inference"])
+        f.attrs["inference"] = json.dumps(dict(rec, model=f"{planted}:without_batch_norm"))
+    image = photos[0] / "test/red/001.png"
+    for name, *args in (("evaluate", "--data", photos[1]), ("predict", image)):
+        line = one_line(tool(name, "--params", shared, *args))
+        assert line == (f"hpctrain: error: {shared}: was trained from a user's model file, {planted}:without_batch_"
+                        f"norm; predict and evaluate run no code that a saved file names: pass --model {planted}:"
+                        f"without_batch_norm to rebuild it with that file (it runs as Python: a file you trust)")
+    assert not (tmp_path / "planted.py.ran").exists()
+    # Named on the command line, relative to another folder: the final record's numbers.
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    r = tool("evaluate", "--params", save, "--data", photos[1], "--json", cwd=elsewhere)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["loss"] == final["test_loss"]
+    r = tool("evaluate", "--params", save, "--data", photos[1], "--json", "--model", "../mine.py:without_batch_norm",
+             cwd=elsewhere)
+    assert r.returncode == 0 and json.loads(r.stdout)["loss"] == final["test_loss"], r.stderr
     moved = tmp_path / "moved.py"
     model.rename(moved)
-    line = one_line(tool("evaluate", "--params", save, "--data", photos[1]))
-    assert "cannot rebuild model" in line and "mine.py is not a file" in line
     r = tool("evaluate", "--params", save, "--data", photos[1], "--json", "--model", f"{moved}:without_batch_norm")
     assert r.returncode == 0 and json.loads(r.stdout)["loss"] == final["test_loss"]
     line = one_line(tool("evaluate", "--params", save, "--data", photos[1], "--model", f"{moved}:build"))
     assert "was saved from model" in line
+    line = one_line(tool("predict", "--params", save, image, "--model", "vgg"))
+    assert line == "hpctrain: error: --model vgg: not a model of the zoo (mlp, lenet, cnn, resnet, small_cnn) nor " \
+                   "FILE.py:FUNCTION"
 
 
 def test_mismatched_file_and_data_are_one_line_exit_2(trained_once, photos, tmp_path):
@@ -302,3 +331,135 @@ def test_an_image_past_pillows_bomb_size_is_one_warning_line(trained_once, tmp_p
     assert r.stderr.splitlines() == [f"hpctrain: warning: 1 image over 89 megapixels, where Pillow warns of "
                                      f"decompression bombs (the largest: {tmp_path}/big.png, 9500x9500, 90 "
                                      f"megapixels): decoding each takes about 0.3 GiB of memory"]
+
+
+def damaged_copy(save, tmp_path, name, change):
+    """A copy of save, change(h5py file) applied to it."""
+    path = tmp_path / f"{name}.h5"
+    shutil.copy(save, path)
+    with h5py.File(path, "a") as f:
+        change(f)
+    return path
+
+
+def set_record(**fields):
+    def change(f):
+        rec = json.loads(f.attrs["inference"])
+        f.attrs["inference"] = json.dumps(dict(rec, **fields) if fields.get("_whole") is None else fields["_whole"])
+    return change
+
+
+def replace_tensor(make):
+    def change(f):
+        new = make(f)
+        del f["layer0/W"]
+        f["layer0/W"] = new
+    return change
+
+
+def without_shape(f):
+    rec = json.loads(f.attrs["inference"])
+    del rec["input_shape"]
+    f.attrs["inference"] = json.dumps(rec)
+
+
+def soft_link(f):
+    f["elsewhere"] = f["layer0/W"][()]
+    return h5py.SoftLink("/elsewhere")
+
+
+DAMAGED = {
+    "a list": (set_record(_whole=[1, 2]), "damaged 'inference' record (a JSON list, not an object)"),
+    "no input_shape": (without_shape, "damaged 'inference' record ('input_shape' is null, not the shape of an image"),
+    "an absurd input_shape": (set_record(input_shape=[100000, 100000, 3]),
+                              "('input_shape' is [100000, 100000, 3], not the shape of an image"),
+    "a negative input_shape": (set_record(input_shape=[-10, 8, 3]), "('input_shape' is [-10, 8, 3], not the shape"),
+    "classes as text": (set_record(classes="three"), "('classes' is \"three\", not a class count"),
+    "classes a fraction": (set_record(classes=3.5), "('classes' is 3.5, not a class count"),
+    "hidden as text": (set_record(hidden="32"), "('hidden' is \"32\", not a list of layer widths)"),
+    "a model that is a number": (set_record(model=5), "('model' is 5, not a model of the zoo nor FILE.py:FUNCTION)"),
+    "an unknown model": (set_record(model="vgg"), "('model' is \"vgg\", not a model of the zoo"),
+    "class names not text": (set_record(class_names=[1, 2, 3]), "('class_names' is not a list of names)"),
+    "step as text": (lambda f: f.attrs.__setitem__("step", "sixty"), "attribute step is \"sixty\", not a step number"),
+    "a tensor of strings": (replace_tensor(lambda f: np.full((240, 32), "x", dtype="S1")),
+                            "layer0/W holds |S1 values, not floating-point numbers"),
+    "an external link": (replace_tensor(lambda f: h5py.ExternalLink(f.filename + ".other", "layer0/W")),
+                         "layer0/W is an external link, not a dataset stored in the file; hpctrain writes no such "
+                         "--save file"),
+    "a soft link": (replace_tensor(soft_link), "layer0/W is a soft link, not a dataset stored in the file"),
+    "a record of bytes that are not UTF-8": (lambda f: f.attrs.__setitem__("inference", np.bytes_(b"\xff{")),
+                                             "damaged 'inference' attribute; save the model again"),
+    "a record nested past what json parses": (lambda f: f.attrs.__setitem__("inference", "[" * 10**5 + "]" * 10**5),
+                                              "damaged 'inference' attribute; save the model again"),
+    "step an array": (lambda f: f.attrs.__setitem__("step", np.arange(3)), "attribute step is \"[0 1 2]\", not a "
+                                                                           "step number"),
+    "a chunked tensor": (replace_tensor(lambda f: h5py.Dataset(f.create_dataset(
+        "chunked", data=np.zeros((240, 32), np.float32), chunks=(10, 32)).id)),
+        "dataset layer0/W is not stored contiguously in the file (chunked, virtual or external storage)"),
+    "a model larger than the file": (set_record(input_shape=[16384, 16384, 1]),
+                                     "model mlp of 16384x16384x1 inputs has 8,589,934,723 parameters, more than "
+                                     "the file's"),
+    "a non-finite parameter": (lambda f: f["layer0/W"].__setitem__((0, 0), np.nan),
+                               "1 of its 7,811 parameters are not finite (nan or inf): saved from a run that "
+                               "diverged, or damaged"),
+    "an infinite parameter": (lambda f: f["layer1/b"].__setitem__(1, -np.inf), "1 of its 7,811 parameters are "
+                                                                               "not finite"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED))
+def test_a_damaged_save_file_is_one_line_for_predict_and_evaluate(trained_once, photos, tmp_path, capsys, damage):
+    _, save, _ = trained_once
+    change, says = DAMAGED[damage]
+    path = damaged_copy(save, tmp_path, "damaged", change)
+    for name, *args in (("predict", photos[0] / "test/red/001.png"), ("evaluate", "--data", photos[1], "--json")):
+        code, out, err = in_process(capsys, name, "--params", path, *args)
+        assert code == 2 and out == "" and err.startswith(f"hpctrain: error: {path}: ") and says in err, (name, err)
+        assert err.count("\n") == 1
+
+
+def test_a_model_too_large_for_memory_is_refused_before_it_is_built(trained_once, tmp_path):
+    _, save, _ = trained_once
+    # 2^40 parameters in a (sparse) file that could hold them: 8 TiB to build, more than any test machine has.
+    path = damaged_copy(save, tmp_path, "huge", set_record(input_shape=[16384, 16384, 1], hidden=[4096]))
+    try:
+        os.truncate(path, 2 ** 42 + 2 ** 30)
+    except OSError as e:
+        pytest.skip(f"this file system takes no sparse 4 TiB file ({e.strerror})")
+    line = one_line(tool("predict", "--params", path, tmp_path / "any.png"))
+    assert "model mlp needs 8192.0 GiB of memory to rebuild, this machine has" in line
+
+
+def test_a_class_name_with_control_characters_keeps_the_table_one_row_per_class(trained_once, photos):
+    from hpctrain import evaluate, trained
+    _, save, _ = trained_once
+    model = trained.load(params=save)
+    model.class_names = ["blue", "gre\nen", "red\x1b[0m"]
+    x, y = data.load_test(photos[1], raw=True)
+    table = evaluate.lines(dict(evaluate.evaluate(model, x, y), split="test"), "test")
+    assert len(table) == 12 and all(line.isprintable() for line in table)
+    assert table[4].startswith("gre\\nen  ") and table[-1].startswith("red\\x1b[0m") and table[-1].endswith("(2)")
+
+
+def test_a_checkpoint_folder_of_corrupt_files_says_why_each_was_skipped(trained_once, photos, tmp_path):
+    tmp, _, final = trained_once
+    (name, newest), = [(os.path.basename(p), p) for _, p in checkpoint.list_checkpoints(tmp / "ckpt1")][:1]
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    shutil.copy(newest, folder / name)
+    older = folder / "ckpt-00000030.h5"
+    shutil.copy(newest, older)   # a renamed copy, skipped
+    with open(folder / name, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\0" * 10)
+    line = one_line(tool("evaluate", "--checkpoint", folder, "--data", photos[1]))
+    assert line == (f"hpctrain: error: {folder}: none of its 2 checkpoint files is valid: {name}: corrupt (checksum "
+                    f"mismatch); ckpt-00000030.h5: its name says step 30 but it holds step 60 (a renamed copy?), "
+                    f"skipped")
+    # With a valid one behind the corrupt one: a warning, and the valid one evaluated.
+    older.unlink()
+    (folder / name).rename(folder / "ckpt-00000090.h5")
+    shutil.copy(newest, folder / name)
+    r = tool("evaluate", "--checkpoint", folder, "--data", photos[1], "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["loss"] == final["test_loss"]
+    assert r.stderr == "hpctrain: warning: ckpt-00000090.h5: corrupt (checksum mismatch), trying the previous one\n"

@@ -5,7 +5,9 @@ read other files, or hand resume counts it cannot compute with.
 
 A file that breaks them is Refused (resume stops with one line: it is never
 skipped for an older one); one that is merely damaged is Corrupt (skipped).
-Used by checkpoint.read only; tested in tests/test_checkpoint.py:
+Used by checkpoint.read, and for a --save file's tensors by trained.py
+(hard_linked, stored_inside); tested in tests/test_checkpoint.py and
+tests/test_predict.py:
 
     .venv/bin/python -m pytest -q tests/test_checkpoint.py -k crafted
 """
@@ -33,6 +35,19 @@ def stored_dataset(f, key, file_size):
     dimensions, its bytes contiguous inside this file: no chunks (a small
     file could then claim any size: unwritten chunks read as zeros), filters,
     virtual sources or external storage (which reads whatever file it names)."""
+    obj = hard_linked(f, key)
+    want = np.dtype("<i8") if key == "data_positions" else np.dtype("<f4")
+    if obj.dtype != want or obj.ndim != (2 if key == "data_positions" else 1):
+        raise Corrupt(f"dataset {key} is {obj.dtype} {obj.shape}, expected {want.name} with "
+                       f"{2 if key == 'data_positions' else 1} dimension(s)")
+    return stored_inside(obj, key, file_size)
+
+
+def hard_linked(f, key):
+    """The dataset f[key], unread, reached through hard links only: Refused
+    for a soft or external link on the way (it would lead to another place
+    or file), Corrupt where there is no dataset. Also the rule for the
+    tensors of a --save file (trained.py)."""
     import h5py
     parts = key.split("/")
     for i in range(1, len(parts) + 1):
@@ -46,10 +61,14 @@ def stored_dataset(f, key, file_size):
     obj = f[key]
     if not isinstance(obj, h5py.Dataset):
         raise Corrupt(f"missing dataset {key}")
-    want = np.dtype("<i8") if key == "data_positions" else np.dtype("<f4")
-    if obj.dtype != want or obj.ndim != (2 if key == "data_positions" else 1):
-        raise Corrupt(f"dataset {key} is {obj.dtype} {obj.shape}, expected {want.name} with "
-                       f"{2 if key == 'data_positions' else 1} dimension(s)")
+    return obj
+
+
+def stored_inside(obj, key, file_size):
+    """obj (the dataset `key`), once its bytes lie contiguous inside a file
+    of file_size bytes: Refused for chunks, filters, virtual or external
+    storage, or more bytes than the file holds."""
+    import h5py
     plist = obj.id.get_create_plist()
     if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_external_count():
         raise Refused(f"dataset {key} is not stored contiguously in the file (chunked, virtual or "

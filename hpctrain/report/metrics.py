@@ -6,11 +6,10 @@ the records; this keeps the file).
 """
 import json
 import os
-import stat
 import sys
 
 from ..errors import HpctrainError
-from ..run.outputs import one_line, open_in_place, temp_next_to
+from ..run.outputs import one_line, open_in_place, write_atomically
 
 
 class Metrics:
@@ -67,19 +66,10 @@ class Metrics:
             raise HpctrainError(f"--metrics {self.path}: cannot open ({one_line(e)})") from None
 
     def _rewrite(self, lines):
-        fd, tmp = temp_next_to(self.path)
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write("".join(line + "\n" for line in lines))
-                f.flush()
-                os.fsync(f.fileno())
-            _same_mode(self.path, tmp)
-            os.replace(tmp, self.path)
+            write_atomically(self.path, lambda f: f.write("".join(line + "\n" for line in lines)))
         except OSError as e:
             raise HpctrainError(f"--metrics {self.path}: cannot rewrite to resume it ({one_line(e)})") from None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
     def write(self, record):
         if not self.path or self._failed:
@@ -126,11 +116,3 @@ def _kept(line, step):
         return False
     at = record.get("step")
     return isinstance(at, int) and at <= step
-
-
-def _same_mode(path, tmp):
-    """The rewritten file keeps the permissions of the one it replaces."""
-    try:
-        os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
-    except FileNotFoundError:
-        pass

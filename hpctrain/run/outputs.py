@@ -21,6 +21,11 @@ longer running (names without a pid, from older versions: when untouched for
 an hour). One job per output file and checkpoint directory, as always; a pid
 is checked on this node only.
 
+The one-process commands' outputs (predict's --out, evaluate's and plot's
+pictures) are checked the same way by `check_output_file`, which also
+refuses an output that is one of the command's inputs however the path is
+spelt, and written whole by `write_atomically` (a temporary file renamed).
+
     python -c "from hpctrain.run.outputs import check_outputs"   # used by run/startup.py
 """
 import errno
@@ -48,15 +53,7 @@ def check_outputs(args):
         if real in seen:
             raise HpctrainError(f"--{flag} and --{seen[real]} both name {path}: give each its own file")
         seen[real] = flag
-        if os.path.isdir(real):
-            raise HpctrainError(f"--{flag} {path}: is a directory; name a file in it")
-        _check_kind(path, flag)
-        parent = os.path.dirname(real)
-        if not os.path.isdir(parent):
-            raise HpctrainError(f"--{flag} {path}: directory {parent} does not exist")
-        _try_write(parent, f"--{flag} {path}")
-        if os.path.exists(real) and not os.access(real, os.W_OK):
-            raise HpctrainError(f"--{flag} {path}: exists and is not writable")
+        _check_writable(path, f"--{flag}")
     if args.checkpoint_dir:
         d = args.checkpoint_dir
         real = os.path.realpath(d)
@@ -70,6 +67,21 @@ def check_outputs(args):
             raise HpctrainError(f"--checkpoint-dir {d}: cannot create ({e.strerror})") from None
         _try_write(real, f"--checkpoint-dir {d}")
     sweep_stale_temporaries(args)
+
+
+def _check_writable(path, flag):
+    """path can take a file renamed into place: not a directory, nor a
+    device or FIFO, in a directory that exists and takes a new file."""
+    real = os.path.realpath(path)
+    if os.path.isdir(real):
+        raise HpctrainError(f"{flag} {path}: is a directory; name a file in it")
+    _check_kind(path, flag)
+    parent = os.path.dirname(real)
+    if not os.path.isdir(parent):
+        raise HpctrainError(f"{flag} {path}: directory {parent} does not exist")
+    _try_write(parent, f"{flag} {path}")
+    if os.path.exists(real) and not os.access(real, os.W_OK):
+        raise HpctrainError(f"{flag} {path}: exists and is not writable")
 
 
 _KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
@@ -86,8 +98,8 @@ def _check_kind(path, flag):
     except FileNotFoundError:
         return
     except OSError as e:
-        raise HpctrainError(f"--{flag} {path}: cannot look at it ({e.strerror})") from None
-    if flag == "metrics" and stat.S_ISLNK(st.st_mode):
+        raise HpctrainError(f"{flag} {path}: cannot look at it ({e.strerror})") from None
+    if flag == "--metrics" and stat.S_ISLNK(st.st_mode):
         raise HpctrainError(f"--metrics {path}: is a symbolic link (the metrics file is written in place "
                             f"and does not follow links); name the file itself")
     try:
@@ -96,7 +108,7 @@ def _check_kind(path, flag):
         return   # a dangling symlink: the rename replaces the link itself
     kind = next((what for test, what in _KINDS if test(st.st_mode)), None)
     if kind:
-        raise HpctrainError(f"--{flag} {path}: exists and is {kind}, not a regular file; name a file")
+        raise HpctrainError(f"{flag} {path}: exists and is {kind}, not a regular file; name a file")
 
 
 def open_in_place(path, mode):
@@ -135,6 +147,103 @@ def _try_write(directory, what):
         raise HpctrainError(f"{what}: cannot write in {directory} ({e.strerror})") from None
     os.close(fd)
     os.unlink(probe)
+
+
+def check_output_file(path, flag, inputs=(), input_folders=()):
+    """Raise HpctrainError (one line naming the flag) unless `path` can take
+    a file written whole by write_atomically (predict's --out, evaluate's and
+    plot's pictures), checked before anything is read or computed: its
+    directory exists and takes a new file, the name holds nothing but a
+    regular file (as root, a renamed file would replace a device node such
+    as /dev/null), and it is none of the command's inputs: one of `inputs`
+    (files) or anything inside `input_folders` (--data, a checkpoint folder),
+    however the path is spelt (relative, `..`, through symbolic links, or a
+    hard link of an input's file)."""
+    real = os.path.realpath(path)
+    if not os.path.isdir(os.path.dirname(real)):
+        raise HpctrainError(f"{flag} {path}: no such directory {os.path.dirname(real)}")
+    for given in filter(None, inputs):
+        if _same_file(path, given):
+            raise HpctrainError(f"{flag} {path}: is the input file {given}, which writing it would destroy; "
+                                f"name another file")
+    for folder in filter(None, input_folders):
+        if _inside(real, folder):
+            raise HpctrainError(f"{flag} {path}: is inside the input folder {folder}; name a file elsewhere")
+        if _linked_from(path, folder):
+            raise HpctrainError(f"{flag} {path}: is a hard link of a file in the input folder {folder}; name "
+                                f"another file")
+    _check_writable(path, flag)
+
+
+def _same_file(a, b):
+    """a and b name one file: the same real path, or the same inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _inside(real, folder):
+    top = os.path.realpath(folder)
+    return os.path.commonpath([real, top]) == top
+
+
+def _linked_from(path, folder):
+    """path is an existing file with a hard link inside folder."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if st.st_nlink < 2:
+        return False
+    for top, _, names in os.walk(folder):
+        for name in names:
+            try:
+                other = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                return True
+    return False
+
+
+def write_atomically(path, write, binary=False):
+    """path written whole or not at all: write(f) fills a new temporary file
+    beside it (temp_next_to), which is flushed to disk, given the mode of the
+    file it replaces and renamed onto path. Raises OSError (a directory that
+    takes no file, a full disk), the temporary removed and path as it was."""
+    fd, tmp = temp_next_to(path)
+    try:
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        _keep_mode(path, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _keep_mode(path, tmp):
+    """The new file keeps the permissions of the one it replaces."""
+    try:
+        os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+    except FileNotFoundError:
+        pass
+
+
+def printable(text):
+    """text for a line of a table or an error: control characters (a class
+    folder named with a newline) escaped as Python writes them, so one name
+    stays on one line; letters of any script left as they are."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def one_line(error):
