@@ -21,8 +21,10 @@ from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
 from ..comm.waits import Waits
 from ..data.arrays import memory_available
+from ..data.augment import Augment
 from ..errors import EXIT_PREEMPTED, HpctrainError
-from ..nn import LayerError, compiled, spec_for, threads
+from ..nn import (BatchNorm1d, BatchNorm2d, Conv2d, LayerError, MaxPool2d, ReLU, Residual, compiled, spec_for,
+                  threads)
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
@@ -89,8 +91,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         device_note += "; MPI gives less than MPI_THREAD_MULTIPLE: no communication thread (--overlap off)"
     world = World(comm=comm, cluster=cluster, watchdog=watchdog, stop=stop, xp=xp, device_name=device_name,
                   server_xp=server_xp, thread_multiple=thread_multiple, waits=waits, t_start=t_start)
+    workers = counted(cluster.num_workers, "worker")
     say(f"hpctrain: {args.mode} mode, world size {cluster.size} "
-        f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {device_name} "
+        f"({f'{cluster.num_ps} ps + {workers}' if cluster.num_ps else workers}), device {device_name} "
         f"({device_note})" + (f"; {process_note}" if process_note else ""))
     if cluster.num_ps:
         say(cluster.servers_line())
@@ -112,10 +115,16 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # the resume point (Plan.last_step).
     schedule = schedule_plan(args, data)
     if args.epochs is not None:
-        say(f"steps: {args.epochs:g} epochs of {data.train_samples} samples at {data.workers} workers x "
+        say(f"steps: {counted(args.epochs, 'epoch')} of {data.train_samples} samples at "
+            f"{counted(data.workers, 'worker')} x "
             f"{data.per_worker} = {schedule.total_steps} steps")
     if args.lr_schedule != "constant":   # constant: today's output, unchanged
         say(schedule.line())
+    if args.augment:
+        say(augment_line(args.augment, manifest["image_shape"], args.seed))
+    if args.tensorboard:
+        say(f"tensorboard: the --metrics records as scalars in {args.tensorboard} "
+            f"(tensorboard --logdir {args.tensorboard})")
     # Before any layer is bound; every rank the same way (auto: only where
     # every rank has numba), so no two ranks' layers round differently.
     wanted = np.array([agree(compiled_layers, args, xp, schedule.total_steps)], np.int64)
@@ -133,9 +142,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     if args.model != "mlp":
         say("\n".join(spec.summary()))
         if xp is np:
-            say("layers: compiled (nn/compiled.py: direct convolutions with 16, 32 or 64 output channels, "
-                "batch norm, max pooling, ReLU" + ("; 512-bit vectors" if vector_width.wide() else "") + ")"
-                if compiled.on() else "layers: NumPy (convolutions by im2col)")
+            say(layers_line(spec))
     # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
     cuts = agree(cuts_for, args, cluster.size, spec)
     replicas = cluster.size // args.pipeline_stages
@@ -146,6 +153,57 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # creates --checkpoint-dir): a result that cannot be written would be lost.
     agree(check_outputs if cluster.is_chief else _nothing, args)
     return world, make_plan(args, world, spec, data, schedule, cuts), Inputs(world, data)
+
+
+def augment_line(text, image_shape, seed):
+    """The start-up line saying that --augment is on, and what it does."""
+    augment = Augment(text, image_shape, seed)
+    h, w = augment.shape[:2]
+    kinds = ([f"random {h}x{w} crops of the image padded by {augment.pad} px"] if augment.crop else []) + \
+        (["left-right flips of half the images"] if augment.flip else [])
+    return f"augment: {', '.join(kinds)}; training batches only (test and val sets as they are)"
+
+
+def counted(n, noun):
+    """ "1 worker", "2 workers", "0.5 epochs" (n a number of them)."""
+    return f"{n:g} {noun}" + ("" if n == 1 else "s")
+
+
+def layers_line(spec):
+    """The start-up line saying how the layers of a CPU run compute: the
+    compiled kernels this model's layers run (nn/compiled.py), none it has
+    no layer for; or NumPy's (im2col, where it has convolutions)."""
+    kinds = set(_layer_kinds(spec.layers))
+    if compiled.on():
+        used = [text for kind, text in _COMPILED if kind in kinds]
+        if used:
+            return ("layers: compiled (nn/compiled.py: " + ", ".join(used)
+                    + ("; 512-bit vectors" if vector_width.wide() else "") + ")")
+    if "conv" in kinds or "direct conv" in kinds:
+        return "layers: NumPy (convolutions by im2col)"
+    return "layers: NumPy" + (" (no layer of this model has a compiled kernel)" if compiled.on() else "")
+
+
+# nn/compiled.py's kernels, by the kind of layer that runs them (_layer_kinds)
+_COMPILED = (("direct conv", "direct convolutions with 16, 32 or 64 output channels"),
+             ("batch norm", "batch norm"), ("max pool", "max pooling"), ("relu", "ReLU"))
+
+
+def _layer_kinds(layers):
+    """The kinds of layer among `layers` and the layers inside them (a
+    Residual's) that _COMPILED names, and "conv" for a convolution that
+    runs im2col with compiled layers on (too few or many output channels)."""
+    for layer in layers:
+        if isinstance(layer, Residual):
+            yield from _layer_kinds(inner for _, inner in layer.inner)
+        elif isinstance(layer, Conv2d):
+            yield "direct conv" if layer.direct_fits() else "conv"
+        elif isinstance(layer, (BatchNorm1d, BatchNorm2d)):
+            yield "batch norm"
+        elif isinstance(layer, MaxPool2d) and layer.compiled_fits():
+            yield "max pool"
+        elif isinstance(layer, ReLU):
+            yield "relu"
 
 
 def _model_spec(args, model_shape, watchdog):
