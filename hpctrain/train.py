@@ -29,6 +29,7 @@ LONE_SIGINT_WAIT_S = 2.0
 
 def main(argv=None, prog="python -m hpctrain.train"):
     signal.signal(signal.SIGINT, _on_sigint)
+    _whole_lines()
     sys.unraisablehook = _unraisable(sys.unraisablehook)
     # The parsed flags and, once the roles are known, the chief's world rank
     # (for the Ctrl-C line, which must not call MPI to learn it); once
@@ -38,6 +39,18 @@ def main(argv=None, prog="python -m hpctrain.train"):
         return _main(argv, seen, prog)
     except KeyboardInterrupt:
         return _interrupted(seen.get("args"), seen.get("chief"))
+
+
+def _whole_lines():
+    """Each line of this rank's one write(2). Unbuffered (PYTHONUNBUFFERED,
+    python -u: many container images and job scripts set it), print writes
+    a line's text and its newline apart, and the launcher, which merges
+    every rank's output, can put another rank's line between the two (async
+    ps workers' progress lines ran together on one line). Line-buffered,
+    the text waits for its newline and goes out with it."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=False, line_buffering=True)
 
 
 def _main(argv, seen, prog):

@@ -87,3 +87,19 @@ def test_a_run_without_output_files_names_none(job):
     r = job(2, "--steps", "2", "--log-every", "2")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1].startswith("test accuracy"), r.stdout
+
+
+def test_async_workers_progress_lines_stay_whole_unbuffered(job):
+    """Two async ps workers print their own progress lines; unbuffered
+    (PYTHONUNBUFFERED, which many images set) a line's text and newline went
+    out in two writes and the launcher put the other worker's line between
+    them. Every line is whole: one worker's, ending where it should."""
+    r = job(3, "--mode", "ps", "--num-ps", "1", "--async", "--steps", "400", "--log-every", "1",
+            "--batch-size", "8", "--hidden", "32", env={"PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, r.stderr
+    progress = [line for line in r.stdout.splitlines() if "step " in line and "loss" in line
+                and not line.startswith("test accuracy")]
+    assert len(progress) > 300, r.stdout
+    broken = [line for line in progress
+              if not re.fullmatch(r"worker [01]: step +\d+/400  loss [^w]*\(local step \d+\)", line)]
+    assert not broken, broken[:3]
