@@ -211,6 +211,7 @@ def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
     assert proc.returncode == 75, err
     lines = errors(err)
     assert len(lines) == 1 and lines[0].startswith("hpctrain: error: stopped by SIGTERM after the last step"), err
+    assert "(rank 1 did not answer a roll call)" in lines[0], err
     assert took < 20
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
     assert again.returncode == 0, again.stderr
