@@ -21,12 +21,17 @@ import numpy as np
 from .errors import HpctrainError
 
 
+CUPY_MISSING = "CuPy is not installed"
+# Said only where a GPU was asked for: a CPU run (auto) needs no CuPy.
+CUPY_HINT = " (pip install cupy-cuda12x, or the cupy-cuda1Xx matching your CUDA)"
+
+
 def _cupy_or_reason():
     """(cupy module, None) when a CUDA GPU is usable, else (None, why not)."""
     try:
         import cupy
     except ImportError:
-        return None, "CuPy is not installed (pip install cupy-cuda12x, or the cupy-cuda1Xx matching your CUDA)"
+        return None, CUPY_MISSING
     except Exception as exc:  # a broken CUDA install raises all sorts
         return None, f"CuPy failed to import: {exc}"
     try:
@@ -46,8 +51,8 @@ def select(device):
     if cupy is not None:
         return cupy, "gpu", f"CUDA device {cupy.cuda.runtime.getDevice()}"
     if device == "gpu":
-        raise HpctrainError(f"--device gpu: {why}")
-    return np, "cpu", f"--device auto fell back to CPU: {why}"
+        raise HpctrainError(f"--device gpu: {why}" + (CUPY_HINT if why == CUPY_MISSING else ""))
+    return np, "cpu", f"--device auto: {why}"
 
 
 def is_gpu(xp):

@@ -29,6 +29,7 @@ LONE_SIGINT_WAIT_S = 2.0
 
 def main(argv=None, prog="python -m hpctrain.train"):
     signal.signal(signal.SIGINT, _on_sigint)
+    _whole_lines()
     sys.unraisablehook = _unraisable(sys.unraisablehook)
     # The parsed flags and, once the roles are known, the chief's world rank
     # (for the Ctrl-C line, which must not call MPI to learn it); once
@@ -38,6 +39,18 @@ def main(argv=None, prog="python -m hpctrain.train"):
         return _main(argv, seen, prog)
     except KeyboardInterrupt:
         return _interrupted(seen.get("args"), seen.get("chief"))
+
+
+def _whole_lines():
+    """Each line of this rank's one write(2). Unbuffered (PYTHONUNBUFFERED,
+    python -u: many container images and job scripts set it), print writes
+    a line's text and its newline apart, and the launcher, which merges
+    every rank's output, can put another rank's line between the two (async
+    ps workers' progress lines ran together on one line). Line-buffered,
+    the text waits for its newline and goes out with it."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=False, line_buffering=True)
 
 
 def _main(argv, seen, prog):
@@ -186,12 +199,13 @@ def _interrupted(args, chief=None):
     have removed their temporary files on the way here (try/finally); what
     was written before (checkpoints, metrics records) is whole.
 
-    The chief (ring: rank 0; ps: worker 0) says it and aborts the job.
-    Another rank waits for that abort to end it, and speaks (and aborts)
-    itself only if it did not come: the chief did not get the signal, or sits
-    in an MPI call (C code, where no signal reaches Python) waiting for a
+    The chief (ring: rank 0; ps: worker 0) says it and ends the job
+    (_end_job_quietly). Another rank waits for that to end it, and speaks
+    (and ends the job) itself only if it did not come: the chief did not
+    get the signal, or sits in an MPI call (C code, where no signal reaches Python) waiting for a
     peer that already stopped. Those waits are staggered by rank, so that
-    one rank speaks."""
+    one rank speaks. On one rank alone (no MPI, or a world of one) it
+    returns the code for main to exit with."""
     import time
     from .comm.deadline import ABORT_GRACE_S
     mpi = sys.modules.get("mpi4py.MPI")
@@ -208,8 +222,28 @@ def _interrupted(args, chief=None):
              f"command again to resume from the newest" if args is not None and args.checkpoint_dir
              else "nothing is resumable (no --checkpoint-dir)")
     print(f"hpctrain: error: interrupted (SIGINT) on rank {rank}; {where}", file=sys.stderr, flush=True)
-    _abort_others(EXIT_INTERRUPTED)
+    if up and mpi.COMM_WORLD.Get_size() > 1:
+        _end_job_quietly(EXIT_INTERRUPTED)
     return EXIT_INTERRUPTED
+
+
+def _end_job_quietly(code):
+    """End the job with `code` from this rank: MPI_Abort, whose launcher
+    ends every rank with that code at once (this rank's line said what
+    happened), but without MPICH's own 'Abort(130) ... MPI_Abort' line,
+    which reads as a crash beside the one line Ctrl-C deserves: standard
+    error goes to /dev/null first. Not os._exit: Hydra then SIGKILLs the
+    other ranks, and one killed before this rank's exit is reported as a
+    'BAD TERMINATION' banner and exit 9 (one run in two of a 3-rank ps job);
+    not MPI_Finalize: it waits for ranks still inside a collective."""
+    import time
+    from .comm.deadline import ABORT_GRACE_S
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_S)   # let the launcher forward this rank's line first
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
 
 
 def _exit_now(code):

@@ -188,5 +188,5 @@ def test_auto_nccl_on_the_cpu_is_one_line_and_auto_falls_back(job, tmp_path):
     assert len(lines) == 1 and "--allreduce nccl needs a GPU" in lines[0], r.stderr
     r = job(2, "--device", "auto", "--steps", "3", "--log-every", "3")
     assert r.returncode == 0, r.stderr
-    assert "device cpu (--device auto fell back to CPU: " in r.stdout
+    assert "device cpu (--device auto: " in r.stdout and "pip install" not in r.stdout
 

@@ -157,8 +157,9 @@ class Watchdog:
 
     def stop_using_mpi(self, abort):
         """Before MPI_Finalize: no more roll calls (this thread's MPI calls
-        would race the finalization), and `abort` (os._exit) instead of MPI."""
-        with self._lock:
+        would race the finalization: one under way ends first), and `abort`
+        (os._exit) instead of MPI."""
+        with self._asking, self._lock:
             self._roll = None
             self.abort = abort
 
@@ -271,6 +272,13 @@ class Watchdog:
         said = {r: int(answers[r][0]) for r in heard}
         return (silent, [r for r in heard if said[r] in (GIVING_UP, OWN_GIVING_UP)],
                 [r for r in heard if said[r] == BUSY], [r for r in heard if said[r] in (OWN, OWN_GIVING_UP)])
+
+    def silent_ranks(self):
+        """The ranks that do not answer a roll call now (sorted; [] when every
+        rank answers), or None where no roll call can be held (no
+        MPI_THREAD_MULTIPLE, not yet, or no longer: stop_using_mpi)."""
+        with self._asking:
+            return None if self._roll is None else self._roll_call(ROLL_CALL_S)[0]
 
     def fire(self, what, peer, waited, wait=None, peer_named_alone=False):
         """This rank waited `waited` s for `peer` (`what`): hold a roll call,

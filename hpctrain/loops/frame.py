@@ -254,7 +254,8 @@ class Frame:
             with world.watchdog.busy(), world.waiting(f"writing --save {outputs.save}", peer="the file system"):
                 save_error = save_params(outputs.save, model, step, checkpoint)
         result = {"test": test, "medians": peak_memory_and_step_medians(world, self.stats, alone), "model": model,
-                  "save_error": save_error}
+                  "save_error": save_error,
+                  "checkpoint": (checkpoints.saved_path, checkpoints.saved_step) if checkpoints.saved_path else None}
         record = None
         if world.chief:
             record, save_error = report.final(result, step, self.loop_s, self.samples(step), self.comm_s,

@@ -126,12 +126,12 @@ class Conv2d(Layer):
     def bind(self, xp, params, grads, state):
         super().bind(xp, params, grads, state)
         self.W2, self.dW2 = params["W"].reshape(self.fan_in, -1), grads["W"].reshape(self.fan_in, -1)
-        self.direct = self._direct_fits(xp)
+        self.direct = self.direct_fits(xp)
         if self.direct:   # compiled now (or loaded from numba's cache), not in the first step
             compiled.prepare_conv(self.k, self.stride, self.pad, self.in_shape[2], self.out_channels,
                                   params["W"].dtype, self._direct_dx(), self.in_shape[1], self.ow)
 
-    def _direct_fits(self, xp=np):
+    def direct_fits(self, xp=np):
         """Whether this layer runs nn/compiled.py's direct kernels: compiled
         layers on, NumPy, outputs the kernels have blocks for here
         (compiled.fits: 16, 32, 64), and not a 1x1 stride-1 layer unpadded
@@ -399,7 +399,7 @@ class Conv2d(Layer):
         gradient's per-block products, where it keeps them (direct kernels,
         or im2col's columns written again): ceil(n / per) blocks of W's size."""
         one_by_one = self.k == 1 and self.stride == 1 and self.pad == 0
-        if not self._direct_fits() and (one_by_one or self.fan_in < AGAIN_FROM):
+        if not self.direct_fits() and (one_by_one or self.fan_in < AGAIN_FROM):
             return 0, 0
         size = self.fan_in * self.out_channels
         per = max(1, BLOCK_FLOATS // (self.oh * self.ow * self.fan_in))
@@ -409,7 +409,7 @@ class Conv2d(Layer):
         h, w, c = self.in_shape
         padded = (h + 2 * self.pad) * (w + 2 * self.pad) * c if self.pad else 0
         kept = 2 * math.prod(self.out_shape) + h * w * c + padded + self._weight_blocks()[0]
-        if self._direct_fits():
+        if self.direct_fits():
             # No columns: dy padded for the turned kernel, nothing for the
             # gathering one, else the col2im path's batch-sized dcols.
             q, how = self.k - 1 - self.pad, self._direct_dx()
@@ -432,7 +432,7 @@ class Conv2d(Layer):
         # or one image where that is larger. The direct kernels keep none.
         # Plus one block of the weight gradient's products (the last,
         # whatever the batch: train_floats counts the rest per sample).
-        if self._direct_fits():
+        if self.direct_fits():
             return self._weight_blocks()[1]
         h, w, c = self.in_shape
         k, o = self.k, self.out_channels

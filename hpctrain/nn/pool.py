@@ -71,11 +71,15 @@ class MaxPool2d(_Pool):
         self.offsets = np.uint8 if self.k * self.k <= 256 else np.uint16 if self.k * self.k <= 65536 else np.uint32
         return out
 
+    def compiled_fits(self, xp=np):
+        """Whether this layer runs nn/passes.py's compiled passes (configured)."""
+        return compiled.on() and xp is np and self.stride == self.k and self.offsets is np.uint8
+
     def bind(self, xp, params, grads, state):
         super().bind(xp, params, grads, state)
         # Compiled layers on: windows k apart (the zoo's) in one pass each
         # way, the same bits (nn/passes.py); the rest as below.
-        self.compiled = compiled.on() and xp is np and self.stride == self.k and self.offsets is np.uint8
+        self.compiled = self.compiled_fits(xp)
         if self.compiled:
             passes.prepare(("max_pool_forward", "max_pool_backward"), np.float32)
 

@@ -39,6 +39,10 @@ class Metrics:
         self._whole = 0       # bytes of whole records in the file
         self._failed = False  # a write failed: nothing more is written
 
+    def whole(self):
+        """Whether this rank keeps the file and every record reached it."""
+        return bool(self.path) and not self._failed
+
     def resume_at(self, step):
         if not self.path or self._fd is not None or self._failed:
             return

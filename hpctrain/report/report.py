@@ -217,9 +217,32 @@ class Report:
             self.timeline.write()
         if not save_error:
             world.watchdog.results_written(results_note(outputs))   # a line from here on says so
+        for line in self.written_lines(step, save_error, result.get("checkpoint")):
+            print(line, flush=True)
         with self._file_wait("writing HPCTRAIN_FINISHED_FILE"):
             mark_finished(record)
         return record, save_error
+
+
+    def written_lines(self, step, save_error, checkpoint):
+        """The run's last lines: one per file it wrote (or kept), so the user
+        knows what is where. checkpoint: (path, step) of the newest checkpoint."""
+        outputs, lines = self.outputs, []
+        if outputs.save and not save_error:
+            lines.append(f"wrote --save {outputs.save} (the parameters after step {step})")
+        if self.best.path and self.best.value is not None:
+            acc, best_step = self.best.value
+            lines.append(f"wrote --keep-best {self.best.path} (the parameters after step {best_step}: "
+                         f"the best val accuracy, {acc:.4f})")
+        if checkpoint is not None:
+            lines.append(f"last checkpoint {checkpoint[0]} (step {checkpoint[1]})")
+        if self.metrics.whole():
+            lines.append(f"wrote --metrics {outputs.metrics} (the final record last)")
+        if self.board.whole():
+            lines.append(f"wrote --tensorboard {outputs.tensorboard} (tensorboard --logdir {outputs.tensorboard})")
+        if self.timeline.written:
+            lines.append(f"wrote --timeline {outputs.timeline}")
+        return lines
 
 
 def results_note(outputs):

@@ -72,6 +72,10 @@ class Board:
         self._writer = None
         self._failed = False
 
+    def whole(self):
+        """Whether this rank keeps the event file and every write reached it."""
+        return bool(self.path) and not self._failed
+
     def resume_at(self, step):
         """Open this run's event file; a resumed run (step > 0) marks the restart."""
         if not self.path or self._writer is not None or self._failed:

@@ -62,6 +62,7 @@ class Timeline:
         self._file = None   # the temporary file, once the first events are in it
         self._tmp = None
         self._written = 0   # events in the file
+        self.written = False   # the trace is in place at path (write)
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self._tids = {}
@@ -160,6 +161,7 @@ class Timeline:
                 self._file.close()
                 os.replace(self._tmp, self.path)
                 self._tmp = None
+                self.written = True
             except OSError as e:
                 self._give_up(e)
             finally:

@@ -22,8 +22,10 @@ from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
 from ..comm.waits import Waits
 from ..data.arrays import memory_available
+from ..data.augment import Augment
 from ..errors import EXIT_PREEMPTED, HpctrainError
-from ..nn import LayerError, compiled, spec_for, threads
+from ..nn import (BatchNorm1d, BatchNorm2d, Conv2d, LayerError, MaxPool2d, ReLU, Residual, compiled, spec_for,
+                  threads)
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
@@ -43,7 +45,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     start-up collective below waits under it. stop: the StopSignal made
     before it. on_roles: called with the chief's world rank as soon as the
     roles are known (train.py's Ctrl-C line must not call MPI to learn it)."""
-    watchdog.also_watch(lambda: stopped_outside_training(stop, args.checkpoint_dir))
+    watchdog.also_watch(lambda: stopped_outside_training(stop, args.checkpoint_dir, watchdog))
     # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
     # NumPy's warnings on every rank.
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
@@ -90,8 +92,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         device_note += "; MPI gives less than MPI_THREAD_MULTIPLE: no communication thread (--overlap off)"
     world = World(comm=comm, cluster=cluster, watchdog=watchdog, stop=stop, xp=xp, device_name=device_name,
                   server_xp=server_xp, thread_multiple=thread_multiple, waits=waits, t_start=t_start)
+    workers = counted(cluster.num_workers, "worker")
     say(f"hpctrain: {args.mode} mode, world size {cluster.size} "
-        f"({cluster.num_ps} ps + {cluster.num_workers} workers), device {device_name} "
+        f"({f'{cluster.num_ps} ps + {workers}' if cluster.num_ps else workers}), device {device_name} "
         f"({device_note})" + (f"; {process_note}" if process_note else ""))
     if cluster.num_ps:
         say(cluster.servers_line())
@@ -116,10 +119,16 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # the resume point (Plan.last_step).
     schedule = schedule_plan(args, data)
     if args.epochs is not None:
-        say(f"steps: {args.epochs:g} epochs of {data.train_samples} samples at {data.workers} workers x "
+        say(f"steps: {counted(args.epochs, 'epoch')} of {data.train_samples} samples at "
+            f"{counted(data.workers, 'worker')} x "
             f"{data.per_worker} = {schedule.total_steps} steps")
     if args.lr_schedule != "constant":   # constant: today's output, unchanged
         say(schedule.line())
+    if args.augment:
+        say(augment_line(args.augment, manifest["image_shape"], args.seed))
+    if args.tensorboard:
+        say(f"tensorboard: the --metrics records as scalars in {args.tensorboard} "
+            f"(tensorboard --logdir {args.tensorboard})")
     # Before any layer is bound; every rank the same way (auto: only where
     # every rank has numba), so no two ranks' layers round differently.
     wanted = np.array([agree(compiled_layers, args, xp, schedule.total_steps)], np.int64)
@@ -137,9 +146,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     if args.model != "mlp":
         say("\n".join(spec.summary()))
         if xp is np:
-            say("layers: compiled (nn/compiled.py: direct convolutions with 16, 32 or 64 output channels, "
-                "batch norm, max pooling, ReLU" + ("; 512-bit vectors" if vector_width.wide() else "") + ")"
-                if compiled.on() else "layers: NumPy (convolutions by im2col)")
+            say(layers_line(spec))
     # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
     cuts = agree(cuts_for, args, cluster.size, spec)
     replicas = cluster.size // args.pipeline_stages
@@ -150,6 +157,57 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # creates --checkpoint-dir): a result that cannot be written would be lost.
     agree(check_outputs if cluster.is_chief else _nothing, args)
     return world, make_plan(args, world, spec, data, schedule, cuts), Inputs(world, data)
+
+
+def augment_line(text, image_shape, seed):
+    """The start-up line saying that --augment is on, and what it does."""
+    augment = Augment(text, image_shape, seed)
+    h, w = augment.shape[:2]
+    kinds = ([f"random {h}x{w} crops of the image padded by {augment.pad} px"] if augment.crop else []) + \
+        (["left-right flips of half the images"] if augment.flip else [])
+    return f"augment: {', '.join(kinds)}; training batches only (test and val sets as they are)"
+
+
+def counted(n, noun):
+    """ "1 worker", "2 workers", "0.5 epochs" (n a number of them)."""
+    return f"{n:g} {noun}" + ("" if n == 1 else "s")
+
+
+def layers_line(spec):
+    """The start-up line saying how the layers of a CPU run compute: the
+    compiled kernels this model's layers run (nn/compiled.py), none it has
+    no layer for; or NumPy's (im2col, where it has convolutions)."""
+    kinds = set(_layer_kinds(spec.layers))
+    if compiled.on():
+        used = [text for kind, text in _COMPILED if kind in kinds]
+        if used:
+            return ("layers: compiled (nn/compiled.py: " + ", ".join(used)
+                    + ("; 512-bit vectors" if vector_width.wide() else "") + ")")
+    if "conv" in kinds or "direct conv" in kinds:
+        return "layers: NumPy (convolutions by im2col)"
+    return "layers: NumPy" + (" (no layer of this model has a compiled kernel)" if compiled.on() else "")
+
+
+# nn/compiled.py's kernels, by the kind of layer that runs them (_layer_kinds)
+_COMPILED = (("direct conv", "direct convolutions with 16, 32 or 64 output channels"),
+             ("batch norm", "batch norm"), ("max pool", "max pooling"), ("relu", "ReLU"))
+
+
+def _layer_kinds(layers):
+    """The kinds of layer among `layers` and the layers inside them (a
+    Residual's) that _COMPILED names, and "conv" for a convolution that
+    runs im2col with compiled layers on (too few or many output channels)."""
+    for layer in layers:
+        if isinstance(layer, Residual):
+            yield from _layer_kinds(inner for _, inner in layer.inner)
+        elif isinstance(layer, Conv2d):
+            yield "direct conv" if layer.direct_fits() else "conv"
+        elif isinstance(layer, (BatchNorm1d, BatchNorm2d)):
+            yield "batch norm"
+        elif isinstance(layer, MaxPool2d) and layer.compiled_fits():
+            yield "max pool"
+        elif isinstance(layer, ReLU):
+            yield "relu"
 
 
 def _model_spec(args, model_shape, watchdog):
@@ -163,10 +221,15 @@ def _model_spec(args, model_shape, watchdog):
         return model_spec(args, model_shape)
 
 
-def stopped_outside_training(stop, checkpoint_dir):
+def stopped_outside_training(stop, checkpoint_dir, watchdog):
     """For the watchdog's thread: the line and exit code when a stop signal
     came outside training (start-up, or writing the results) and the
-    process has not ended within the grace (a rank is stuck there)."""
+    process has not ended within the grace (a rank is stuck there). After
+    the last step a roll call decides: when every rank answers, the ranks
+    are working (a final evaluation longer than the grace: SLURM's
+    --signal=USR1@60 with a large test set), and the run goes on to write
+    its results (asked again a grace later); the ranks that do not are the
+    stuck ones. Where no roll call can be held, as at start-up, the grace decides."""
     overdue = stop.overdue()
     if overdue is None:
         return None
@@ -174,10 +237,16 @@ def stopped_outside_training(stop, checkpoint_dir):
     if phase == "start-up":
         return (f"stopped by {name} during start-up, before the first step (a rank is stuck there); "
                 f"no new checkpoint: run the same command again to resume from the last one", EXIT_PREEMPTED)
+    silent = watchdog.silent_ranks()
+    if silent == []:
+        stop.postpone()
+        return None
+    stuck = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer a roll call"
+             if silent else "a rank is stuck there")
     where = (f"the final checkpoint in {checkpoint_dir} is whole: run the same command again "
              f"to write the results" if checkpoint_dir else "no --checkpoint-dir: the results are lost")
-    return (f"stopped by {name} after the last step, while the results were written (a rank is stuck "
-            f"there); {where}", EXIT_PREEMPTED)
+    return f"stopped by {name} after the last step, while the results were written ({stuck}); {where}", \
+        EXIT_PREEMPTED
 
 
 def server_array_module(args):

@@ -28,7 +28,10 @@ class StopSignal:
     loops take the signal (checkpoint, exit 75 together). Outside training (start-up, or
     after the last step while the results are written) a signal that the
     process has not acted on within GRACE_S ends the job (exit 75) from that
-    thread: a rank stuck there must not keep a pre-empted job alive."""
+    thread: a rank stuck there must not keep a pre-empted job alive. After
+    the last step, only if a rank is stuck: while every rank answers a roll
+    call (a long final evaluation, the result files) the run goes on to
+    write its results and exit 0 (run/startup.stopped_outside_training)."""
 
     GRACE_S = 5.0
 
@@ -67,6 +70,13 @@ class StopSignal:
         if self._arrived and self.phase != "training" and time.monotonic() - self._arrived[0] > self.GRACE_S:
             return self._arrived[1:]
         return None
+
+    def postpone(self):
+        """The process acted on an overdue signal by going on (every rank
+        answered a roll call: working, not stuck): overdue() asks again
+        GRACE_S from now."""
+        if self._arrived is not None:
+            self._arrived = (time.monotonic(), *self._arrived[1:])
 
     def _drain(self):
         """The signals delivered since the last call (written to the pipe in

@@ -7,6 +7,8 @@ Environment:
   FAULT_EVAL_SLEEP=S  every evaluation the chief does alone (Report.evaluate_split:
                       --eval-every, the val part) first sleeps S seconds
   FAULT_EVAL_STOP=1   the chief stops itself (SIGSTOP) in its first such evaluation
+  FAULT_FINAL_EVAL_SLEEP=S  the final evaluation (every worker's part of the
+                      test set, report/evaluated.py) first sleeps S seconds on every rank
   FAULT_EXIT_STOP=R   rank R stops itself (SIGSTOP) on its way out: the run done
                       and its results written, before the shutdown (comm/start.py stop_mpi)
   FAULT_FINAL_STOP=R  rank R stops itself after MPI_Finalize, where no watchdog
@@ -53,6 +55,17 @@ def slow_evaluations():
         return evaluate_split(self, *args, **kwargs)
 
     Report.evaluate_split = slow
+
+
+def slow_final_evaluation(seconds):
+    from hpctrain.report.evaluated import WholeModel
+    evaluate_parts = WholeModel.evaluate_parts
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return evaluate_parts(self, *args, **kwargs)
+
+    WholeModel.evaluate_parts = slow
 
 
 def stop_at_exit(rank, after_finalize):
@@ -111,6 +124,8 @@ def train(*args, **kwargs):
         exit_guard.start = lambda rank, timeout: exit_guard.NoGuard()
     if os.environ.get("FAULT_EVAL_SLEEP") or os.environ.get("FAULT_EVAL_STOP"):
         slow_evaluations()
+    if os.environ.get("FAULT_FINAL_EVAL_SLEEP"):
+        slow_final_evaluation(float(os.environ["FAULT_FINAL_EVAL_SLEEP"]))
     for name, after in (("FAULT_EXIT_STOP", False), ("FAULT_FINAL_STOP", True)):
         if os.environ.get(name):
             stop_at_exit(int(os.environ[name]), after)

@@ -211,6 +211,7 @@ def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
     assert proc.returncode == 75, err
     lines = errors(err)
     assert len(lines) == 1 and lines[0].startswith("hpctrain: error: stopped by SIGTERM after the last step"), err
+    assert "(rank 1 did not answer a roll call)" in lines[0], err
     assert took < 20
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
     assert again.returncode == 0, again.stderr
@@ -219,6 +220,36 @@ def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
 
 
 FAULTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("sig, ranks, flags", [("SIGUSR1", 2, []), ("SIGTERM", 3, ["--mode", "ps"])])
+def test_a_signal_during_a_long_final_evaluation_changes_nothing(tmp_path, sig, ranks, flags):
+    # Issue 41, 11: the signal comes after the last step, during a final
+    # evaluation longer than the stop signal's 5 s grace (SLURM's
+    # --signal=USR1@60 with a large test set). Every rank answers the roll
+    # call: working, not stuck. The results are written and the run exits 0,
+    # as docs/checkpoints.md promises; before, exit 75 and nothing written.
+    ckpt, metrics, save = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "p.h5"
+    env = child_env()
+    env.update(PYTHONPATH=FAULTS, FAULT_FINAL_EVAL_SLEEP="9")
+    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", "--steps", "20",
+                             "--hidden", "16", "--log-every", "20", "--timeout", "60", "--checkpoint-dir", ckpt,
+                             "--metrics", metrics, "--save", save, *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step     20/20"):
+                break
+        time.sleep(1)   # the final checkpoint written, every rank in the slow evaluation
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert not errors(err) and "test accuracy" in out, (out, err)
+    assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
+    assert saved(save)["layer0/W"].shape == (784, 16)
 
 
 def _read_lines(stream, into):
