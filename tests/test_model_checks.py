@@ -179,6 +179,9 @@ BAD = {
                                        "issue 42"),
     "activations kept on the layer": (lambda: [KeepsOnSelf()], "layer 1 (KeepsOnSelf): forward set self.y: a layer "
                                                                "keeps nothing of a call on itself"),
+    "activations kept on a layer in a Residual": (lambda: [Residual([Dense(6), KeepsOnSelf()])],
+                                                  "layer 1 (Residual[Dense(6)>KeepsOnSelf]): forward set "
+                                                  "self.block1.y: a layer keeps nothing of a call on itself"),
 }
 
 

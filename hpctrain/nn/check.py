@@ -113,7 +113,8 @@ class _Probe:
         if changed:
             self.refuse(f"{what} set self.{changed[0]}: a layer keeps nothing of a call on itself (several "
                         f"micro-batches run through one layer); keep it on the call's context instead "
-                        f"(ctx.{changed[0].lstrip('_')} = ..., buffers from ctx.buffer(key, shape, dtype))")
+                        f"(ctx.{changed[0].rsplit('.', 1)[-1].lstrip('_')} = ..., buffers from "
+                        f"ctx.buffer(key, shape, dtype))")
 
     def forward(self, x, train=True):
         self.call("set_noise", self.layer.set_noise, self.ctx, Noise(0, 0, np.arange(self.batch), stream=self.i))
@@ -148,9 +149,13 @@ class _Probe:
 _MISSING = object()
 
 
-def _attributes(layer):
-    """The layer's own attributes, name -> object (what a call must leave as it is)."""
-    return dict(vars(layer))
+def _attributes(layer, prefix=""):
+    """The layer's own attributes and its inner layers' (a container's),
+    "block1.name" -> object: what a call must leave as it is."""
+    out = {f"{prefix}{name}": value for name, value in vars(layer).items()}
+    for inner_prefix, inner in getattr(layer, "inner", ()):
+        out.update(_attributes(inner, f"{prefix}{inner_prefix}."))
+    return out
 
 
 # The methods whose arguments changed with issue 42: (name, the new arguments after self)
