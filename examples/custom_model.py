@@ -22,14 +22,17 @@ class LeakyReLU(Layer):
     def __init__(self, slope=0.1):
         self.slope = float(slope)
 
-    def forward(self, x, train):
-        self.negative = self.buffer("negative", x.shape, bool)
-        self.xp.less(x, 0, out=self.negative)
-        x[self.negative] *= self.slope
+    def forward(self, ctx, x, train):
+        # what backward needs goes on ctx, the runner's per-call context
+        # (one per micro-batch in flight), never on self; its buffers are
+        # kept between calls: a warm step allocates nothing
+        ctx.negative = ctx.buffer("negative", x.shape, bool)
+        self.xp.less(x, 0, out=ctx.negative)
+        x[ctx.negative] *= self.slope
         return x
 
-    def backward(self, dy, need_dx):
-        dy[self.negative] *= self.slope
+    def backward(self, ctx, dy, need_dx):
+        dy[ctx.negative] *= self.slope
         return dy
 
     def describe(self):

@@ -107,10 +107,7 @@ class Trained:
             if a.dtype == np.uint8:
                 a = a.astype(np.float32)
                 a /= 255
-            a = a.reshape(len(a), *self.spec.input_shape)
-            for layer in self.model.layers:
-                a = layer.forward(a, False)
-            out[lo:lo + batch] = a
+            out[lo:lo + batch] = self.model.run.forward(a, False)
         return out
 
     def describe(self):

@@ -251,10 +251,13 @@ def test_compiled_layers_auto_takes_them_where_they_pay():
         compiled_layers(flag("on"), object(), 1)
 
 
-def _layers(layers):
-    for layer in layers:
-        yield layer
-        yield from _layers(getattr(layer, "block", []) + getattr(layer, "projection", []))
+def _layers(layers, contexts):
+    """(layer, its context) of every layer, a Residual's inner ones too (its
+    context's inner: the block's chain, then the projection's)."""
+    for layer, ctx in zip(layers, contexts):
+        yield layer, ctx
+        if isinstance(layer, Residual):
+            yield from _layers(layer.block + layer.projection, ctx.inner[0].inner + ctx.inner[1].inner)
 
 
 def test_the_memory_check_counts_what_compiled_layers_hold(compiled_layers):
@@ -269,9 +272,9 @@ def test_the_memory_check_counts_what_compiled_layers_hold(compiled_layers):
     model.forward_backward(rng.random((n, 28, 28), dtype=np.float32), rng.integers(0, 10, n),
                            noise=(0, 0, np.arange(n)))
     checked = 0
-    for layer in _layers(model.layers):
+    for layer, ctx in _layers(model.layers, model.ctx.inner):
         if isinstance(layer, (Conv2d, BatchNorm2d)):
-            held = sum(buf.nbytes for buf in layer._buffers.values())
+            held = ctx.held_bytes()
             assert 0 < held <= 4 * (n * layer.train_floats() + layer.scratch_floats()), layer.describe()
             checked += 1
     assert checked == 18   # resnet's 9 convolutions and 9 batch norms

@@ -112,9 +112,9 @@ def test_a_launcher_that_exits_0_without_the_final_record_is_a_failure(tmp_path)
     model = tmp_path / "quits.py"
     model.write_text("import os\nfrom hpctrain.nn import Dense, Flatten, Layer\n\n\n"
                      "class Quits(Layer):\n    keeps_output = False\n    calls = 0\n\n"
-                     "    def forward(self, x, train):\n        Quits.calls += 1\n"
+                     "    def forward(self, ctx, x, train):\n        Quits.calls += 1\n"
                      "        if Quits.calls > 12:\n            os._exit(0)\n"
-                     "        return x * 1\n\n    def backward(self, dy, need_dx):\n        return dy\n\n\n"
+                     "        return x * 1\n\n    def backward(self, ctx, dy, need_dx):\n        return dy\n\n\n"
                      "def build(shape, classes):\n    return [Flatten(), Dense(16), Quits(), Dense(classes)]\n")
     rc, out, err, lines = fault_launch(tmp_path, ["--steps", "200", "--model", f"{model}:build", "--timeout", "20"])
     assert rc == 1, (out, err)

@@ -18,9 +18,30 @@ from hpctrain.nn import (MODELS, AvgPool2d, BatchNorm1d, BatchNorm2d, Channels, 
 NOISE = Noise(seed=7, step=3, sample_ids=np.arange(100, 104))
 
 
+class Slot:
+    """A bound layer with one context, as a runner holds it: forward(x,
+    train), backward(dy, need_dx) and set_noise(noise) pass the context
+    (`ctx`); anything else is the layer's."""
+
+    def __init__(self, layer):
+        self.layer, self.ctx = layer, layer.context()
+
+    def forward(self, x, train):
+        return self.layer.forward(self.ctx, x, train)
+
+    def backward(self, dy, need_dx):
+        return self.layer.backward(self.ctx, dy, need_dx)
+
+    def set_noise(self, noise):
+        self.layer.set_noise(self.ctx, noise)
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+
 def bound(layer, in_shape, xp=np, dtype=np.float64, seed=0):
     """The layer configured for in_shape and bound to fresh flat buffers, as
-    ModelSpec does it: returns (layer, params, grads) (the flat buffers)."""
+    ModelSpec does it: returns (a Slot of the layer, params, grads) (the flat buffers)."""
     layer.configure(in_shape)
     shapes, states = layer.param_shapes(), layer.state_shapes()
     n = sum(int(np.prod(s)) for _, s in shapes)
@@ -39,8 +60,9 @@ def bound(layer, in_shape, xp=np, dtype=np.float64, seed=0):
     params[...] = xp.asarray(host)
     layer.bind(xp, views(params, shapes), views(grads, shapes), views(state, states))
     layer.init_state(views(state, states))
-    layer.set_noise(NOISE)
-    return layer, params, grads
+    slot = Slot(layer)
+    slot.set_noise(NOISE)
+    return slot, params, grads
 
 
 def rel_error(a, b):
@@ -276,7 +298,7 @@ def test_dropout_in_a_model_equals_across_batch_splits_and_layers_draw_apart():
     assert np.allclose((2 * first + 4 * m.grads) / 6, whole, rtol=1e-12, atol=1e-15)
     # two dropout layers of one model draw apart (the model gives each its stream)
     m.forward_backward(x, y, noise=(9, 2, ids))
-    assert not np.array_equal(m.layers[1].mask.reshape(6, -1)[:, :8], m.layers[3].mask)
+    assert not np.array_equal(m.ctx.inner[1].mask.reshape(6, -1)[:, :8], m.ctx.inner[3].mask)
 
 
 # --- batch norm -----------------------------------------------------------------------
@@ -300,7 +322,7 @@ def test_batchnorm_running_statistics_update_in_training_and_serve_evaluation():
     m.forward_backward(x, y)
     assert np.allclose(state["layer1/running_mean"], 0.19 * mean)
     # evaluation normalises with the running statistics, not the batch's
-    out = bn.forward(conv_out.reshape(5, 4, 4, 3).copy(), False).reshape(-1, 3)
+    out = bn.forward(m.ctx.inner[2], conv_out.reshape(5, 4, 4, 3).copy(), False).reshape(-1, 3)
     want = (conv_out - state["layer1/running_mean"]) / np.sqrt(state["layer1/running_var"] + 1e-5)
     assert np.allclose(out, want * bn.params["gamma"] + bn.params["beta"])
     before = m.state.copy()
@@ -434,7 +456,8 @@ def test_cupy_path_on_a_stand_in_equals_numpy(make, shape, monkeypatch):
     for _ in range(2):   # the second step runs on warm buffers
         lh = host.forward_backward(x, y, noise=(1, 2, ids))
         ld = dev.forward_backward(xp.asarray(x), xp.asarray(y), noise=(1, 2, ids))
-        assert isinstance(dev.grads, Dev) and isinstance(dev.layers[-1].buffer(("out", True), (6, 5), np.float64), Dev)
+        assert isinstance(dev.grads, Dev)
+        assert isinstance(dev.ctx.inner[-1].buffer(("out", True), (6, 5), np.float64), Dev)
         assert float(lh) == float(ld)
         assert np.array_equal(host.grads, dev.grads.view(np.ndarray)), "the stand-in's gradients differ"
         assert np.array_equal(host.state, dev.state.view(np.ndarray))

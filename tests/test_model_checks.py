@@ -25,56 +25,78 @@ from custom_model import LeakyReLU  # noqa: E402  (the example, as users copy it
 class Tanh(Layer):
     """A textbook tanh: keeps its output y for its backward (1 - y^2)."""
 
+    def forward(self, ctx, x, train):
+        ctx.y = ctx.buffer(("out", train), x.shape, x.dtype)
+        np.tanh(x, out=ctx.y)
+        return ctx.y
+
+    def backward(self, ctx, dy, need_dx):
+        return dy * (1 - ctx.y * ctx.y)
+
+
+class UndeclaredLeaky(Layer):
+    """examples/custom_model.py's LeakyReLU before issue 27: in place, undeclared."""
+
+    def forward(self, ctx, x, train):
+        ctx.negative = x < 0
+        x[ctx.negative] *= 0.1
+        return x
+
+    def backward(self, ctx, dy, need_dx):
+        dy[ctx.negative] *= 0.1
+        return dy
+
+
+class Identity(Layer):
+    def backward(self, ctx, dy, need_dx):
+        return dy
+
+
+class ClaimsNoOutput(Tanh):
+    keeps_output = False   # but its backward reads ctx.y
+
+
+class Wide(Layer):
+    def forward(self, ctx, x, train):
+        return np.zeros((x.shape[0], 3), x.dtype)
+
+
+class Doubles(Layer):
+    def forward(self, ctx, x, train):
+        return x.astype(np.float64) * 2
+
+    def backward(self, ctx, dy, need_dx):
+        return dy * 2
+
+
+class BadGradient(Layer):
+    def forward(self, ctx, x, train):
+        return x * 2
+
+    def backward(self, ctx, dy, need_dx):
+        return dy[:, :1]
+
+
+class OldTanh(Layer):
+    """Tanh written to the contract before issue 42: its output kept on the layer."""
+
     def forward(self, x, train):
-        self.y = self.buffer(("out", train), x.shape, x.dtype)
-        np.tanh(x, out=self.y)
+        self.y = np.tanh(x)
         return self.y
 
     def backward(self, dy, need_dx):
         return dy * (1 - self.y * self.y)
 
 
-class UndeclaredLeaky(Layer):
-    """examples/custom_model.py's LeakyReLU before issue 27: in place, undeclared."""
+class KeepsOnSelf(Layer):
+    """The new arguments, but the output still kept on the layer."""
 
-    def forward(self, x, train):
-        self.negative = x < 0
-        x[self.negative] *= 0.1
-        return x
+    def forward(self, ctx, x, train):
+        self.y = np.tanh(x)
+        return self.y
 
-    def backward(self, dy, need_dx):
-        dy[self.negative] *= 0.1
-        return dy
-
-
-class Identity(Layer):
-    def backward(self, dy, need_dx):
-        return dy
-
-
-class ClaimsNoOutput(Tanh):
-    keeps_output = False   # but its backward reads self.y
-
-
-class Wide(Layer):
-    def forward(self, x, train):
-        return np.zeros((x.shape[0], 3), x.dtype)
-
-
-class Doubles(Layer):
-    def forward(self, x, train):
-        return x.astype(np.float64) * 2
-
-    def backward(self, dy, need_dx):
-        return dy * 2
-
-
-class BadGradient(Layer):
-    def forward(self, x, train):
-        return x * 2
-
-    def backward(self, dy, need_dx):
-        return dy[:, :1]
+    def backward(self, ctx, dy, need_dx):
+        return dy * (1 - self.y * self.y)
 
 
 class Rebinds(Layer):
@@ -86,12 +108,12 @@ class Rebinds(Layer):
     def param_shapes(self):
         return [("w", self.in_shape)]
 
-    def forward(self, x, train):
-        self.x = x
+    def forward(self, ctx, x, train):
+        ctx.x = x
         return x * self.params["w"]
 
-    def backward(self, dy, need_dx):
-        self.grads["w"] = (dy * self.x).sum(axis=0)
+    def backward(self, ctx, dy, need_dx):
+        self.grads["w"] = (dy * ctx.x).sum(axis=0)
         return dy * self.params["w"]
 
 
@@ -114,7 +136,7 @@ class NaNInit(Layer):
 
 
 class Quits(Layer):
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         sys.exit(0)
 
 
@@ -149,6 +171,17 @@ BAD = {
     "an undeclared in-place write in a Residual": (lambda: [Residual([UndeclaredLeaky(), Dense(6)])],
                                                    "layer 1 (Residual[UndeclaredLeaky>Dense(6)]): forward wrote "
                                                    "into its input"),
+    # issue 42, 1: a call's activations travel in its context, not on the layer
+    "the contract before issue 42": (lambda: [OldTanh()], "layer 1 (OldTanh): forward(x, train) is the layer "
+                                                          "contract before issue 42: it is now forward(ctx, x, train)"),
+    "the old contract in a Residual": (lambda: [Residual([Dense(6), OldTanh()])],
+                                       "layer 1.block1 (OldTanh): forward(x, train) is the layer contract before "
+                                       "issue 42"),
+    "activations kept on the layer": (lambda: [KeepsOnSelf()], "layer 1 (KeepsOnSelf): forward set self.y: a layer "
+                                                               "keeps nothing of a call on itself"),
+    "activations kept on a layer in a Residual": (lambda: [Residual([Dense(6), KeepsOnSelf()])],
+                                                  "layer 1 (Residual[Dense(6)>KeepsOnSelf]): forward set "
+                                                  "self.block1.y: a layer keeps nothing of a call on itself"),
 }
 
 
@@ -230,11 +263,12 @@ def test_max_pooling_over_windows_wider_than_16():
     pool.configure((34, 34, 2))
     pool.bind(np, {}, {}, {})
     x = np.random.default_rng(0).standard_normal((2, 34, 34, 2)).astype(np.float32)
-    y = pool.forward(x, True)
+    ctx = pool.context()
+    y = pool.forward(ctx, x, True)
     windows = x.reshape(2, 2, 17, 2, 17, 2)
     assert np.array_equal(y, windows.max(axis=(2, 4)))
     dy = np.ones_like(y)
-    dx = pool.backward(dy, True)
+    dx = pool.backward(ctx, dy, True)
     assert dx.sum() == y.size and np.array_equal(dx * x, np.where(dx > 0, x, 0))
     assert np.array_equal((dx * x).reshape(2, 2, 17, 2, 17, 2).sum(axis=(2, 4)), y)
 
@@ -284,7 +318,7 @@ def test_the_spec_tool_checks_a_users_model_layer_by_layer(tmp_path):
     # a backward off by a factor: that layer's line says so, exit 1
     (tmp_path / "m.py").write_text(
         "from hpctrain.nn import Dense, Flatten, Layer\n\n\nclass Twice(Layer):\n    keeps_output = False\n\n"
-        "    def forward(self, x, train):\n        return x * 2\n\n    def backward(self, dy, need_dx):\n"
+        "    def forward(self, ctx, x, train):\n        return x * 2\n\n    def backward(self, ctx, dy, need_dx):\n"
         "        return dy * 3\n\n\ndef build(shape, classes):\n    return [Flatten(), Dense(8), Twice(), Dense(classes)]\n")
     r = nn_tool("--model", f"{tmp_path / 'm.py'}:build", "--check", "--shape", "6")
     assert r.returncode == 1, r.stdout + r.stderr
@@ -293,7 +327,8 @@ def test_the_spec_tool_checks_a_users_model_layer_by_layer(tmp_path):
     # ... and one that breaks the contract (writes into its input) is named with it
     (tmp_path / "w.py").write_text(
         "from hpctrain.nn import Dense, Flatten, Layer\n\n\nclass Half(Layer):\n    keeps_output = False\n\n"
-        "    def forward(self, x, train):\n        x *= 0.5\n        return x\n\n    def backward(self, dy, need_dx):\n"
+        "    def forward(self, ctx, x, train):\n        x *= 0.5\n        return x\n\n"
+        "    def backward(self, ctx, dy, need_dx):\n"
         "        return dy * 0.5\n\n\ndef build(shape, classes):\n    return [Flatten(), Dense(8), Half(), Dense(classes)]\n")
     r = nn_tool("--model", f"{tmp_path / 'w.py'}:build", "--shape", "6")
     assert r.returncode == 2 and "layer 2 (Half): forward wrote into its input" in r.stderr, r.stderr

@@ -29,6 +29,71 @@ def test_a_stage_initialises_its_layers_alone_to_the_whole_models_bits(spec, sta
         assert stage.state.tobytes() == whole.state[stage.state_lo:stage.state_hi].tobytes(), s
 
 
+def _tiny_cnn():
+    """Every kind of per-call state: batch norm (running statistics), dropout
+    (noise), max pooling, convolutions, ReLU in place (tests/models/tiny_cnn.py)."""
+    from hpctrain.nn import ModelSpec
+    from models.tiny_cnn import build
+    return ModelSpec(build((8, 8, 3), 5), (8, 8, 3), 5)
+
+
+def _micro_batches(spec, m, batch=4):
+    rng = np.random.default_rng(3)
+    return [(rng.random((batch, *spec.input_shape), dtype=np.float32), rng.integers(0, spec.classes, batch),
+             (11, 2, np.arange(k * batch, (k + 1) * batch))) for k in range(m)]
+
+
+def test_a_stage_holds_one_set_of_layers_and_a_slot_per_micro_batch():
+    # issue 42, 1: a stage deep-copied its layers per micro-batch in flight;
+    # now one LayerRange, M contexts. GPipe's order (every forward, then every
+    # backward) keeps all 8 in flight at once: the stage's gradient sum and
+    # batch-norm statistics are the whole model's, micro-batch by micro-batch.
+    spec = _tiny_cnn()
+    batches = _micro_batches(spec, 8)
+    whole = spec.build()
+    whole.init(5)
+    step = np.zeros_like(whole.grads)
+    from hpctrain.nn.accumulate import Accumulation
+    total = Accumulation(step)
+    for x, y, noise in batches:
+        whole.forward_backward(x, y, noise=noise)
+        total.add(whole.grads)
+    stage = Stage(spec, [0, len(spec.layers)], 0, 8, np, np.float32)
+    stage.init(5)
+    run = stage.model.run
+    assert stage.slots == 8 and len(run.slots) == 8 and len(run.layers) == len(spec.layers)
+    for m, (x, y, noise) in enumerate(batches):
+        stage.forward(m, x, y, noise)
+    for m in range(8):
+        assert stage.backward(m) is None
+    assert stage.grads.tobytes() == step.tobytes()
+    assert stage.state.tobytes() == whole.state.tobytes()
+
+
+def test_a_range_dropped_after_forward_and_recomputed_gives_the_same_bits():
+    # The seam for recomputation (issue 42, 1): a slot's contexts dropped
+    # after forward, the forward run again into them before backward.
+    from hpctrain.nn.sequential import LayerRange
+    spec = _tiny_cnn()
+    (x, y, noise), = _micro_batches(spec, 1)
+    results = []
+    for recompute in (False, True):
+        n, s = spec.num_params, spec.num_state
+        params, grads, state = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(s, np.float32)
+        run = LayerRange(spec, 0, len(spec.layers), np, params, grads, state, keep_input=True)
+        run.init(5, params, state)
+        run.set_noise(noise)
+        loss, d = run.head.forward_backward(run.forward(x.copy(), True), y)
+        d = run.head.gradient(d, y)
+        if recompute:
+            run.drop(0)
+            assert run.slots[0].held_bytes() == 0
+            run.recompute(0)
+        run.backward(d)
+        results.append((float(loss), grads.tobytes(), state.tobytes()))
+    assert results[0] == results[1]
+
+
 def test_each_layer_draws_from_a_stream_of_its_own():
     # a layer's initial values depend on (seed, its index), not on the layers before it
     a, b = mlp((28, 28), 10, (64, 32)).build(), mlp((28, 28), 10, (48, 32)).build()

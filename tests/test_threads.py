@@ -129,7 +129,8 @@ def test_batch_norm_evaluation_splits_to_the_same_bits(split_everything):
         model = spec.build(np)
         model.init(0)
         model.forward_backward(x, np.zeros(9, int))   # the running statistics move
-        outs.append(model.layers[2].forward(model.layers[1].forward(x, False), False).copy())
+        conv, bn = model.layers[1:3]
+        outs.append(bn.forward(model.ctx.inner[2], conv.forward(model.ctx.inner[1], x, False), False).copy())
     assert outs[0].tobytes() == outs[1].tobytes()
 
 
@@ -183,12 +184,13 @@ def test_threads_flag_refuses_zero(job):
     assert "--threads" in r.stderr and r.stderr.count("error") == 1
 
 
-def _convs(layers):
-    for layer in layers:
+def _convs(layers, contexts):
+    """(convolution, its context), a Residual's inner ones too."""
+    for layer, ctx in zip(layers, contexts):
         if isinstance(layer, Residual):
-            yield from _convs(layer.block + layer.projection)
+            yield from _convs(layer.block + layer.projection, ctx.inner[0].inner + ctx.inner[1].inner)
         elif isinstance(layer, Conv2d):
-            yield layer
+            yield layer, ctx
 
 
 @pytest.mark.parametrize("name", ["cnn", "resnet"])
@@ -208,10 +210,10 @@ def test_the_memory_check_counts_every_threads_blocks(name):
         threads.configure(1)
     def thread_1(key):   # ("cols", 1), not ("out", True): True == 1
         return isinstance(key, tuple) and type(key[1]) is int and key[1] == 1
-    held = {id(conv): sum(buf.nbytes for key, buf in conv._buffers.items() if thread_1(key))
-            for conv in _convs(model.layers)}
+    held = {id(conv): sum(buf.nbytes for key, buf in ctx._buffers.items() if thread_1(key))
+            for conv, ctx in _convs(model.layers, model.ctx.inner)}
     assert sum(held.values()) > 0   # the second thread did hold blocks
-    for conv in _convs(model.layers):
+    for conv, _ in _convs(model.layers, model.ctx.inner):
         assert held[id(conv)] <= 4 * conv.scratch_floats(), conv.describe()
     scratch = sum(layer.scratch_floats() for layer in spec.layers)
     assert spec.memory_bytes(32, 2, threads=3) - spec.memory_bytes(32, 2, threads=1) == 2 * 4 * scratch

@@ -39,7 +39,7 @@ BAD = {
                                    "called sys.exit(2): a model file must not end the process"),
     "a layer that writes into its input undeclared": (
         "from hpctrain.nn import Dense, Flatten, Layer\n\n\nclass Leaky(Layer):\n"
-        "    def forward(self, x, train):\n        x *= 0.5\n        return x\n\n\n"
+        "    def forward(self, ctx, x, train):\n        x *= 0.5\n        return x\n\n\n"
         "def build(shape, classes):\n    return [Flatten(), Dense(8), Leaky(), Dense(classes)]\n", None,
         "layer 2 (Leaky): forward wrote into its input but the layer does not declare inplace = True"),
     "a layer whose init raises": (
@@ -104,8 +104,8 @@ def test_the_flag_names_every_model_of_the_zoo():
 MODEL = ("from hpctrain.nn import Dense, Flatten, ReLU\n\n\ndef build(shape, classes):\n"
          "    return [Flatten(), Dense({width}), ReLU(), Dense(classes)]\n")
 SCALED = ("import numpy as np\nfrom hpctrain.nn import Dense, Flatten, Layer\n\n\nclass Scale(Layer):\n"
-          "    keeps_output = False\n\n    def forward(self, x, train):\n        return x * np.float32({k})\n\n"
-          "    def backward(self, dy, need_dx):\n        return dy * np.float32({k})\n\n\n"
+          "    keeps_output = False\n\n    def forward(self, ctx, x, train):\n        return x * np.float32({k})\n\n"
+          "    def backward(self, ctx, dy, need_dx):\n        return dy * np.float32({k})\n\n\n"
           "def build(shape, classes):\n    return [Flatten(), Dense(16), Scale(), Dense(classes)]\n")
 
 
@@ -197,9 +197,9 @@ def test_sys_exit_in_training_is_a_failure_not_a_finished_run(job, tmp_path):
     # issue 27, 6: SystemExit passes `except Exception`: every rank ended 0, no result
     (tmp_path / "m.py").write_text(
         "import sys\nfrom hpctrain.nn import Dense, Flatten, Layer\n\n\nclass Quits(Layer):\n"
-        "    keeps_output = False\n    calls = 0\n\n    def forward(self, x, train):\n        Quits.calls += 1\n"
+        "    keeps_output = False\n    calls = 0\n\n    def forward(self, ctx, x, train):\n        Quits.calls += 1\n"
         "        if Quits.calls > 30:\n            sys.exit(0)\n        return x * 1\n\n"
-        "    def backward(self, dy, need_dx):\n        return dy\n\n\n"
+        "    def backward(self, ctx, dy, need_dx):\n        return dy\n\n\n"
         "def build(shape, classes):\n    return [Flatten(), Dense(16), Quits(), Dense(classes)]\n")
     r = job(2, "--model", f"{tmp_path / 'm.py'}:build", "--steps", "100", "--save", tmp_path / "p.h5", timeout=60)
     assert r.returncode == 1, r.stderr

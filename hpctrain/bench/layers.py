@@ -43,12 +43,12 @@ def sgemm_gflops(seconds, n=1024):
     return 2 * n ** 3 / best / 1e6
 
 
-def _gemms(layer, need_dx):
-    """The layer's own GEMMs on its own buffers, as a callable (None if it has none)."""
+def _gemms(layer, ctx, need_dx):
+    """The layer's own GEMMs on its own buffers (its context's), as a callable (None if it has none)."""
     if isinstance(layer, Conv2d):
-        cols, w = layer.columns(), layer.W2
+        cols, w = layer.columns(ctx), layer.W2
     elif isinstance(layer, Dense):
-        cols, w = layer.x, layer.params["W"]
+        cols, w = ctx.x, layer.params["W"]
     else:
         return None
     y, dy = np.empty((cols.shape[0], w.shape[1]), w.dtype), np.ones((cols.shape[0], w.shape[1]), w.dtype)
@@ -70,27 +70,28 @@ def profile(model, batch, seconds, seed=0, clock=0):
     x = rng.random((batch, *model.spec.input_shape)).astype(model.dtype)
     y = rng.integers(0, model.spec.classes, batch)
     noise = (seed, 0, np.arange(batch))
-    model.forward_backward(x, y, noise=noise)
+    model.forward_backward(x, y, noise=noise)   # (each layer's context keeps the noise)
+    ctxs = model.ctx.inner
     # Each layer's input and incoming gradient, captured from one step.
     inputs, grads, a = [], [None] * len(model.layers), x.reshape(batch, *model.spec.input_shape)
-    for layer in model.layers:
+    for layer, ctx in zip(model.layers, ctxs):
         inputs.append(a.copy())
-        a = layer.forward(a, True)
+        a = layer.forward(ctx, a, True)
     loss, d = model.head.forward_backward(a, y)
     d = model.head.gradient(d, y)
     for i in range(len(model.layers) - 1, -1, -1):
         grads[i] = d.copy()
-        d = model.layers[i].backward(d, need_dx=True)
+        d = model.layers[i].backward(ctxs[i], d, need_dx=True)
     rows = []
-    for i, layer in enumerate(model.layers):
+    for i, (layer, ctx) in enumerate(zip(model.layers, ctxs)):
         need_dx = i > model.run.first
         if i < model.run.first:   # before the first layer with parameters: no backward at all
-            ms = _best_ms(lambda: layer.forward(inputs[i], True), seconds / len(model.layers))
+            ms = _best_ms(lambda: layer.forward(ctx, inputs[i], True), seconds / len(model.layers))
         else:
-            ms = _best_ms(lambda: (layer.forward(inputs[i], True), layer.backward(grads[i], need_dx)),
+            ms = _best_ms(lambda: (layer.forward(ctx, inputs[i], True), layer.backward(ctx, grads[i], need_dx)),
                           seconds / len(model.layers))
         # the GEMMs alone run on this thread: their share says nothing of a threaded layer
-        gemm = None if clock else _gemms(layer, need_dx)
+        gemm = None if clock else _gemms(layer, ctx, need_dx)
         mults = 2 * layer.flops() * (3 if need_dx else 2) * batch if layer.param_shapes() else None
         rows.append(dict(layer=layer.describe(), out="x".join(map(str, model.spec.shapes[i])), ms=ms[clock],
                          gemm_ms=_best_ms(gemm, 0.1)[0] if gemm else None, flop=mults))

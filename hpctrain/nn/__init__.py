@@ -7,12 +7,12 @@ by name (zoo.py). Never imports MPI.
 """
 from .conv import Channels, Conv2d
 from .pool import AvgPool2d, GlobalAvgPool, MaxPool2d
-from .layers import Dense, Dropout, Flatten, Layer, LayerError, Noise, ReLU
+from .layers import Context, Dense, Dropout, Flatten, Layer, LayerError, Noise, ReLU
 from .batchnorm import BatchNorm1d, BatchNorm2d
 from .residual import Residual
 from .spec import ModelSpec
 from .zoo import MNIST_CLASSES, MNIST_SHAPE, MODELS, cnn, lenet, mlp, resnet, small_cnn, spec_for
 
 __all__ = ["AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Channels", "Conv2d", "Dense", "Dropout", "Flatten",
-           "GlobalAvgPool", "Layer", "LayerError", "MNIST_CLASSES", "MNIST_SHAPE", "MODELS", "MaxPool2d",
+           "Context", "GlobalAvgPool", "Layer", "LayerError", "MNIST_CLASSES", "MNIST_SHAPE", "MODELS", "MaxPool2d",
            "ModelSpec", "Noise", "ReLU", "Residual", "cnn", "lenet", "mlp", "resnet", "small_cnn", "spec_for"]

@@ -99,7 +99,7 @@ def _rel(a, b):
 
 
 def _float64_layer(spec, i):
-    """Layer i alone over float64 buffers of its own: (layer, params, grads)."""
+    """Layer i alone over float64 buffers of its own: (layer, its context, params, grads)."""
     import copy
     from .check import _views, _size
     layer = copy.deepcopy(spec.layers[i])
@@ -109,28 +109,28 @@ def _float64_layer(spec, i):
     layer.init(np.random.default_rng(1), _views(tensors, params), np.float64)
     layer.init_state(_views(state, states))
     layer.bind(np, _views(tensors, params), _views(tensors, grads), _views(state, states))
-    return layer, params, grads
+    return layer, layer.context(), params, grads
 
 
 def check_gradients(spec, i, rng, picks=24):
     """The largest relative error of layer i's parameter and input gradients
     (loss = sum(y * R), float64) against central differences."""
-    layer, params, grads = _float64_layer(spec, i)
+    layer, ctx, params, grads = _float64_layer(spec, i)
     in_shape = spec.input_shape if i == 0 else spec.shapes[i - 1]
     x = rng.standard_normal((BATCH, *in_shape))
     r = rng.standard_normal((BATCH, *spec.shapes[i]))
     noise = Noise(0, 0, np.arange(BATCH), stream=i)
 
     def loss(inputs):
-        layer.set_noise(noise)
-        y = layer.forward(inputs.copy(), True)
+        layer.set_noise(ctx, noise)
+        y = layer.forward(ctx, inputs.copy(), True)
         if y.dtype != np.float64:
             raise LayerCodeError(f"forward returned {y.dtype} for a float64 input: it cannot be checked in float64 "
                                  f"(make its arrays with x.dtype)")
         return float((y * r).sum())
 
     loss(x)
-    dx = layer.backward(r.copy(), True)
+    dx = layer.backward(ctx, r.copy(), True)
     analytic = grads.copy()
     worst = 0.0
     eps = 1e-6

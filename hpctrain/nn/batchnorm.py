@@ -93,12 +93,12 @@ class _BatchNorm(Layer):
     def _tiled(self, v, width):
         return self.xp.tile(v, width // self.channels)
 
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         xp, c = self.xp, self.channels
         m = x.size // c
         shape = self._rows(m)
         xw = x.reshape(shape)
-        y = self.buffer(("out", train), shape, x.dtype)
+        y = ctx.buffer(("out", train), shape, x.dtype)
         # The sums whole, here; the elementwise passes over row ranges on
         # the compute threads (Layer.split): the same bits on any number.
         if not train:
@@ -113,9 +113,9 @@ class _BatchNorm(Layer):
             self.split(shape[0], evaluate, most=threads.most(floats=x.size))
             return y.reshape(x.shape)
         if self.compiled:
-            mean, var = self._compiled_forward(x.reshape(m, c), y.reshape(m, c))
+            mean, var = self._compiled_forward(ctx, x.reshape(m, c), y.reshape(m, c))
         else:
-            mean, var = self._numpy_forward(x, y, shape)
+            mean, var = self._numpy_forward(ctx, x, y, shape)
         run_mean, run_var = self.state["running_mean"], self.state["running_var"]
         run_mean *= 1 - MOMENTUM
         run_mean += MOMENTUM * mean
@@ -123,33 +123,33 @@ class _BatchNorm(Layer):
         run_var += (MOMENTUM * m / max(m - 1, 1)) * var
         return y.reshape(x.shape)
 
-    def _compiled_forward(self, x2, y2):
+    def _compiled_forward(self, ctx, x2, y2):
         """nn/passes.py's statistics (float64, on this thread) and one
         normalising pass over row ranges: (mean, variance) in x's dtype."""
         m, dtype = x2.shape[0], x2.dtype
         x2 = np.ascontiguousarray(x2)
         mean64, var64 = passes.bn_statistics(x2)
         mean, var = mean64.astype(dtype), var64.astype(dtype)
-        self.inv_std = (1 / np.sqrt(var64 + EPS)).astype(dtype)
+        ctx.inv_std = inv_std = (1 / np.sqrt(var64 + EPS)).astype(dtype)
         # x, not xhat, kept for the backward, which computes xhat again
         # with the same float32 operations (the same bits): one write fewer
         # a pass, one buffer fewer (a Conv2d keeps its input so too).
         # Measured in resnet's step (one thread, batch 32, the best of four
         # interleaved runs of 40 steps): its 9 layers' passes 7.5 -> 5.7 ms.
-        self.x2, self.mean = x2, mean
+        ctx.x2, ctx.mean = x2, mean
         gamma, beta = self.params["gamma"], self.params["beta"]
-        self.split(m, lambda t, lo, hi: passes.bn_normalise(x2[lo:hi], mean, self.inv_std, gamma, beta, y2[lo:hi]),
+        self.split(m, lambda t, lo, hi: passes.bn_normalise(x2[lo:hi], mean, inv_std, gamma, beta, y2[lo:hi]),
                    most=threads.most(floats=x2.size))
         return mean, var
 
-    def _numpy_forward(self, x, y, shape):
+    def _numpy_forward(self, ctx, x, y, shape):
         """GEMV sums and tiled passes: (mean, variance)."""
         xp, c = self.xp, self.channels
         m = x.size // c
         xw = x.reshape(shape)
         mean = self._column_sums(x.reshape(m, c)) / m
-        xhat = self.buffer("xhat", shape, x.dtype)
-        prod = self.buffer("prod", shape, x.dtype)
+        xhat = ctx.buffer("xhat", shape, x.dtype)
+        prod = ctx.buffer("prod", shape, x.dtype)
         tiled = self._tiled(mean, shape[1])
 
         def centre(t, lo, hi):
@@ -157,8 +157,8 @@ class _BatchNorm(Layer):
             xp.multiply(xhat[lo:hi], xhat[lo:hi], out=prod[lo:hi])
         self.split(shape[0], centre, most=threads.most(floats=x.size))
         var = self._column_sums(prod.reshape(m, c)) / m
-        self.inv_std = 1 / xp.sqrt(var + EPS)
-        inv_std, gamma, beta = (self._tiled(v, shape[1]) for v in (self.inv_std, self.params["gamma"],
+        ctx.inv_std = 1 / xp.sqrt(var + EPS)
+        inv_std, gamma, beta = (self._tiled(v, shape[1]) for v in (ctx.inv_std, self.params["gamma"],
                                                                     self.params["beta"]))
 
         def normalise(t, lo, hi):
@@ -166,41 +166,42 @@ class _BatchNorm(Layer):
             xp.multiply(xhat[lo:hi], gamma, out=y[lo:hi])
             y[lo:hi] += beta
         self.split(shape[0], normalise, most=threads.most(floats=x.size))
-        self.xhat = xhat
+        ctx.xhat = xhat
         return mean, var
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         xp, c = self.xp, self.channels
         m = dy.size // c
         if self.compiled:
-            return self._compiled_backward(dy, need_dx)
-        shape = self.xhat.shape
+            return self._compiled_backward(ctx, dy, need_dx)
+        xhat = ctx.xhat
+        shape = xhat.shape
         dyw = dy.reshape(shape)
         g_gamma, g_beta = self.grads["gamma"], self.grads["beta"]
         g_beta[...] = self._column_sums(dy.reshape(m, c))
-        prod = self.buffer("prod", shape, dy.dtype)
-        self.split(shape[0], lambda t, lo, hi: xp.multiply(dyw[lo:hi], self.xhat[lo:hi], out=prod[lo:hi]),
+        prod = ctx.buffer("prod", shape, dy.dtype)
+        self.split(shape[0], lambda t, lo, hi: xp.multiply(dyw[lo:hi], xhat[lo:hi], out=prod[lo:hi]),
                    most=threads.most(floats=dy.size))
         g_gamma[...] = self._column_sums(prod.reshape(m, c))
         if not need_dx:
             return None
         # dx = gamma/std * (dy - mean(dy) - xhat * mean(dy * xhat))
-        dx = self.buffer("dx", shape, dy.dtype)
+        dx = ctx.buffer("dx", shape, dy.dtype)
         a, b, scale = (self._tiled(v, shape[1]) for v in (g_gamma / m, g_beta / m,
-                                                           self.params["gamma"] * self.inv_std))
+                                                           self.params["gamma"] * ctx.inv_std))
 
         def rows(t, lo, hi):
-            xp.multiply(self.xhat[lo:hi], a, out=dx[lo:hi])
+            xp.multiply(xhat[lo:hi], a, out=dx[lo:hi])
             dx[lo:hi] += b
             xp.subtract(dyw[lo:hi], dx[lo:hi], out=dx[lo:hi])
             dx[lo:hi] *= scale
         self.split(shape[0], rows, most=threads.most(floats=dy.size))
         return dx.reshape(dy.shape)
 
-    def _compiled_backward(self, dy, need_dx):
+    def _compiled_backward(self, ctx, dy, need_dx):
         """nn/passes.py's sums (float64, on this thread) and one pass for
         dx over row ranges, the NumPy path's formula."""
-        x2, mean, inv_std = self.x2, self.mean, self.inv_std
+        x2, mean, inv_std = ctx.x2, ctx.mean, ctx.inv_std
         m, c = x2.shape
         dy2 = np.ascontiguousarray(dy.reshape(m, c))
         sums = passes.bn_gradient_sums(dy2, x2, mean, inv_std)
@@ -209,8 +210,8 @@ class _BatchNorm(Layer):
         g_gamma[...] = sums[1]
         if not need_dx:
             return None
-        dx = self.buffer("dx", (m, c), dy.dtype)
-        a, b, scale = g_gamma / m, g_beta / m, self.params["gamma"] * self.inv_std
+        dx = ctx.buffer("dx", (m, c), dy.dtype)
+        a, b, scale = g_gamma / m, g_beta / m, self.params["gamma"] * inv_std
         self.split(m, lambda t, lo, hi: passes.bn_input_gradient(dy2[lo:hi], x2[lo:hi], mean, inv_std, a, b,
                                                                    scale, dx[lo:hi]),
                    most=threads.most(floats=dy.size))

@@ -8,10 +8,12 @@ a user's Tanh that saves y). Everywhere else it works on the array it is
 handed, as ReLU after Dense does: the zoo's models make no copy at all.
 
 The copies are decided once, from the layers' declarations, and their
-buffers are kept between calls: a step allocates nothing once warm.
+buffers are kept between calls, in the slot's context (nn/layers.py
+Context): a step allocates nothing once warm.
 
     python -m pytest -q tests/test_layers.py -k in_place
 """
+from .layers import Context
 
 
 def input_copies(layers, input_kept=False):
@@ -26,23 +28,25 @@ def input_copies(layers, input_kept=False):
 
 
 class Chain:
-    """layers[0], layers[1], ... forward over x (xp: NumPy or CuPy)."""
+    """layers[0], layers[1], ... forward over x (xp: NumPy or CuPy). The
+    copies' buffers are per slot, like the layers' own: `context()` is a
+    Context whose `inner` holds each layer's, and the copies go in it."""
 
     def __init__(self, layers, xp, input_kept=False):
         self.layers, self.xp = list(layers), xp
         self.copies = input_copies(self.layers, input_kept)
-        self._buffers = {}
 
-    def forward(self, x, train):
+    def context(self):
+        return Context(self.xp, [layer.context() for layer in self.layers])
+
+    def forward(self, ctx, x, train):
         for k, layer in enumerate(self.layers):
             if self.copies[k]:
-                x = self._copy(k, x)
-            x = layer.forward(x, train)
+                x = self._copy(ctx, k, x)
+            x = layer.forward(ctx.inner[k], x, train)
         return x
 
-    def _copy(self, k, x):
-        buf = self._buffers.get(k)
-        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-            buf = self._buffers[k] = self.xp.empty(x.shape, x.dtype)
+    def _copy(self, ctx, k, x):
+        buf = ctx.buffer(("copy", k), x.shape, x.dtype)
         self.xp.copyto(buf, x)
         return buf

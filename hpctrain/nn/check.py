@@ -8,7 +8,10 @@ object per place). `check_layers(spec)` then runs every layer by itself, as
 training does, on host NumPy in float32 with a batch of a few random
 samples, and refuses it when:
 
-- `init`, `init_state`, `bind`, `forward` or `backward` raises (the line
+- it is written to the layer contract before issue 42 (`forward(x, train)`,
+  `backward(dy, need_dx)`, `set_noise(noise)`: activations kept on the
+  layer): one line saying what changed, before anything runs;
+- `init`, `init_state`, `bind`, `context`, `forward` or `backward` raises (the line
   says which, the user's traceback goes with it), or `init` leaves values
   that are not finite;
 - `forward` returns something other than a float32 array of
@@ -23,7 +26,11 @@ samples, and refuses it when:
 - it declares `keeps_output = False` but its backward reads its forward's
   output after all (an in-place layer after it would then overwrite what it
   reads), or it rebinds its views (`self.grads["W"] = ...` instead of
-  writing into them: the gradient would never reach the flat buffer).
+  writing into them: the gradient would never reach the flat buffer);
+- `forward` or `backward` sets or replaces an attribute of the layer (a
+  call's activations kept on `self`, not on its ctx: a pipeline stage runs
+  several micro-batches through the one layer, and the last forward's would
+  reach every backward).
 
 Layers of hpctrain's own (nn/) are tested against finite differences and
 skipped here. What the check does not do: compare a backward against finite
@@ -33,11 +40,12 @@ shows how).
     python -m hpctrain.nn --model examples/custom_model.py:build    # the summary, after the check
 """
 import copy
+import inspect
 import traceback
 
 import numpy as np
 
-from .layers import LayerCodeError, Noise, describe
+from .layers import Context, Layer, LayerCodeError, Noise, describe
 
 BATCH = 3   # samples per check: more than one (batch norm), few (big layers are cheap to run)
 
@@ -92,10 +100,26 @@ class _Probe:
         self.call("init_state", layer.init_state, self.sv)
         # (dicts of its own: what it does to them is held against ours)
         self.call("bind", layer.bind, np, dict(self.pv), dict(self.gv), dict(self.sv))
+        self.ctx = self.call("context", layer.context)
+        if not isinstance(self.ctx, Context):
+            self.refuse(f"context() returned {type(self.ctx).__name__}, not a Context (leave context() to "
+                        f"hpctrain.nn.Layer, or return Context(self.xp))")
+        self.attributes = _attributes(layer)
+
+    def kept_nothing(self, what):
+        """Refuse a layer whose `what` set or replaced an attribute of its own."""
+        changed = sorted(name for name, value in _attributes(self.layer).items()
+                         if self.attributes.get(name, _MISSING) is not value)
+        if changed:
+            self.refuse(f"{what} set self.{changed[0]}: a layer keeps nothing of a call on itself (several "
+                        f"micro-batches run through one layer); keep it on the call's context instead "
+                        f"(ctx.{changed[0].rsplit('.', 1)[-1].lstrip('_')} = ..., buffers from "
+                        f"ctx.buffer(key, shape, dtype))")
 
     def forward(self, x, train=True):
-        self.call("set_noise", self.layer.set_noise, Noise(0, 0, np.arange(self.batch), stream=self.i))
-        y = self.call("forward", self.layer.forward, x, train)
+        self.call("set_noise", self.layer.set_noise, self.ctx, Noise(0, 0, np.arange(self.batch), stream=self.i))
+        y = self.call("forward", self.layer.forward, self.ctx, x, train)
+        self.kept_nothing("forward")
         want = (self.batch, *self.out_shape)
         if not isinstance(y, np.ndarray) or y.shape != want:
             got = f"shape {'x'.join(map(str, y.shape))}" if isinstance(y, np.ndarray) else type(y).__name__
@@ -103,11 +127,12 @@ class _Probe:
                         f"(batch x output shape)")
         if y.dtype != np.float32:
             self.refuse(f"forward returned {y.dtype} for a float32 input: the model trains in float32 "
-                        f"(make its arrays with x.dtype, e.g. self.buffer(key, shape, x.dtype))")
+                        f"(make its arrays with x.dtype, e.g. ctx.buffer(key, shape, x.dtype))")
         return y
 
     def backward(self, dy):
-        dx = self.call("backward", self.layer.backward, dy, True)
+        dx = self.call("backward", self.layer.backward, self.ctx, dy, True)
+        self.kept_nothing("backward")
         want = (self.batch, *self.in_shape)
         if not isinstance(dx, np.ndarray) or dx.shape != want:
             got = f"shape {'x'.join(map(str, dx.shape))}" if isinstance(dx, np.ndarray) else type(dx).__name__
@@ -121,12 +146,56 @@ class _Probe:
         return self.rng.standard_normal((self.batch, *shape)).astype(np.float32)
 
 
+_MISSING = object()
+
+
+def _attributes(layer, prefix=""):
+    """The layer's own attributes and its inner layers' (a container's),
+    "block1.name" -> object: what a call must leave as it is."""
+    out = {f"{prefix}{name}": value for name, value in vars(layer).items()}
+    for inner_prefix, inner in getattr(layer, "inner", ()):
+        out.update(_attributes(inner, f"{prefix}{inner_prefix}."))
+    return out
+
+
+# The methods whose arguments changed with issue 42: (name, the new arguments after self)
+CONTRACT = (("forward", ("ctx", "x", "train")), ("backward", ("ctx", "dy", "need_dx")),
+            ("set_noise", ("ctx", "noise")))
+
+
+def old_contract(layer, where):
+    """One line for a layer (or a container's inner layer) whose class
+    overrides forward, backward or set_noise with the arguments of the
+    contract before issue 42, or None."""
+    for name, new in CONTRACT:
+        method = getattr(type(layer), name, None)
+        if method is None or method is getattr(Layer, name):
+            continue
+        try:
+            positional = [p for p in list(inspect.signature(method).parameters.values())[1:]
+                          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            continue
+        if len(positional) == len(new) - 1:
+            return (f"{where} ({describe(layer)}): {name}({', '.join(p.name for p in positional)}) is the layer "
+                    f"contract before issue 42: it is now {name}({', '.join(new)}), what backward needs kept on "
+                    f"ctx (ctx.x = x), not on self, and buffers from ctx.buffer(key, shape, dtype) (docs/models.md)")
+    for prefix, inner in getattr(layer, "inner", ()):
+        line = old_contract(inner, f"{where}.{prefix}")
+        if line:
+            return line
+    return None
+
+
 def _same(a, b):
     return a.shape == b.shape and np.array_equal(a, b, equal_nan=True)
 
 
 def check_layer(spec, i, seed=0):
     """Run layer i of spec by itself; raise LayerCodeError for what the module docstring lists."""
+    line = old_contract(spec.layers[i], f"layer {i}")
+    if line:
+        raise LayerCodeError(line)
     probe = _Probe(spec, i, seed)
     layer = probe.layer
     probe.start()
@@ -137,7 +206,7 @@ def check_layer(spec, i, seed=0):
     if not layer.inplace and not _same(x, before):
         probe.refuse("forward wrote into its input but the layer does not declare inplace = True (whatever "
                      "still reads that input, such as a Residual's skip path, would see the change): declare "
-                     "it, or write into a buffer of its own (self.buffer(key, shape, x.dtype))")
+                     "it, or write into a buffer of its own (ctx.buffer(key, shape, x.dtype))")
     if np.shares_memory(y, x) and not (layer.inplace or layer.view):
         probe.refuse("forward returns its input (or a view of it) but declares neither view = True (a "
                      "reshape) nor inplace = True")

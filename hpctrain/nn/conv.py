@@ -87,10 +87,10 @@ class Channels(Layer):
             raise LayerError(f"Channels() takes images (height x width [x channels]), not {_shape(self.in_shape)}")
         return self.out_shape
 
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         return x.reshape(x.shape[0], *self.out_shape)
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         return dy.reshape(dy.shape[0], *self.in_shape) if need_dx else None
 
 
@@ -156,24 +156,24 @@ class Conv2d(Layer):
             return n
         return max(1, min(n, BLOCK_FLOATS // floats_per_image))
 
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         xp, n, (h, w, c), p = self.xp, x.shape[0], self.in_shape, self.pad
-        y = self.buffer(("out", train), (n * self.oh * self.ow, self.out_channels), x.dtype)
+        y = ctx.buffer(("out", train), (n * self.oh * self.ow, self.out_channels), x.dtype)
         if self.k == 1 and self.stride == 1 and p == 0:   # the columns are x itself
-            self.cols = x.reshape(n * h * w, c)
+            ctx.cols = cols = x.reshape(n * h * w, c)
 
             def product(t, lo, hi):
                 out = y[lo * h * w:hi * h * w]
-                xp.matmul(self.cols[lo * h * w:hi * h * w], self.W2, out=out)
+                xp.matmul(cols[lo * h * w:hi * h * w], self.W2, out=out)
                 if self.bias:
                     out += self.params["b"]
             self.split(n, product, most=threads.most(macs=n * h * w * c * self.out_channels))
             return y.reshape(n, *self.out_shape)
         source = x
         if p:
-            x = self.zeroed("padded", (n, h + 2 * p, w + 2 * p, c), x.dtype)
+            x = ctx.zeroed("padded", (n, h + 2 * p, w + 2 * p, c), x.dtype)
         if self.direct:
-            return self._direct_forward(source, x, y)
+            return self._direct_forward(ctx, source, x, y)
         # The columns, one row per output pixel, written and multiplied a
         # block of images at a time; kept whole for the weight gradient, or
         # (wide layers, more than one block) written again there block by
@@ -182,12 +182,12 @@ class Conv2d(Layer):
         rows, per = self.oh * self.ow, self._per_block(n, self.oh * self.ow * self.fan_in)
         again = per < n and self.fan_in >= AGAIN_FROM
         shape = (self.oh, self.ow, self.k, self.k, c)
-        kept = None if again else self.buffer("cols", (n, *shape), x.dtype)
+        kept = None if again else ctx.buffer("cols", (n, *shape), x.dtype)
 
         def blocks(t, lo0, hi0):
             if p:
                 x[lo0:hi0, p:p + h, p:p + w, :] = source[lo0:hi0]
-            cols = self.buffer(("cols", t), (per, *shape), x.dtype) if again else None
+            cols = ctx.buffer(("cols", t), (per, *shape), x.dtype) if again else None
             for lo in range(lo0, hi0, per):
                 hi = min(lo + per, hi0)
                 block = cols[:hi - lo] if again else kept[lo:hi]
@@ -197,11 +197,11 @@ class Conv2d(Layer):
                 if self.bias:
                     out += self.params["b"]
         self.split(n, blocks, unit=per)
-        self.cols = None if again else kept.reshape(n * rows, self.fan_in)
-        self._windows, self._per = windows, per
+        ctx.cols = None if again else kept.reshape(n * rows, self.fan_in)
+        ctx.windows, ctx.per = windows, per
         return y.reshape(n, *self.out_shape)
 
-    def _direct_forward(self, source, x, y):
+    def _direct_forward(self, ctx, source, x, y):
         """nn/compiled.py's direct forward, images shared over the compute threads
         (each output pixel's sum is the same whoever computes it); x is the
         padded buffer where the layer pads, else the input itself."""
@@ -216,37 +216,38 @@ class Conv2d(Layer):
             if self.bias:
                 y4[lo:hi] += self.params["b"]
         self.split(n, images, most=threads.most(macs=n * self.flops()))
-        self.cols, self._input = None, x
+        ctx.cols, ctx.input = None, x
         return y4
 
-    def columns(self):
-        """The last forward's whole im2col matrix (n*oh*ow, k*k*c), built
+    def columns(self, ctx):
+        """The slot's last forward's whole im2col matrix (n*oh*ow, k*k*c), built
         anew where the forward did not keep it (bench layers times its GEMMs)."""
-        if self.cols is not None:
-            return self.cols
-        if self.direct:
-            self._windows = _window(self.xp, self._input, self.oh, self.ow, self.k, self.stride)
-        cols = self.xp.empty(self._windows.shape, self._windows.dtype)
-        self.xp.copyto(cols, self._windows)
+        if ctx.cols is not None:
+            return ctx.cols
+        windows = _window(self.xp, ctx.input, self.oh, self.ow, self.k, self.stride) if self.direct else \
+            ctx.windows
+        cols = self.xp.empty(windows.shape, windows.dtype)
+        self.xp.copyto(cols, windows)
         return cols.reshape(-1, self.fan_in)
 
-    def _weight_gradient(self, dy2):
+    def _weight_gradient(self, ctx, dy2):
         if self.direct:
-            return self._direct_weight_gradient(dy2)
-        if self.cols is not None:
-            self.xp.matmul(self.cols.T, dy2, out=self.dW2)
+            return self._direct_weight_gradient(ctx, dy2)
+        if ctx.cols is not None:
+            self.xp.matmul(ctx.cols.T, dy2, out=self.dW2)
             return
-        xp, n, per, rows = self.xp, self._windows.shape[0], self._per, self.oh * self.ow
+        xp, windows, per, rows = self.xp, ctx.windows, ctx.per, self.oh * self.ow
+        n = windows.shape[0]
         # Each block's product, then their sum in block order: what one
         # thread adds up, whichever thread computed which block.
-        products = self.buffer("dW_blocks", (-(-n // per), *self.dW2.shape), dy2.dtype)
+        products = ctx.buffer("dW_blocks", (-(-n // per), *self.dW2.shape), dy2.dtype)
 
         def blocks(t, lo0, hi0):
-            cols = self.buffer(("cols", t), (per, *self._windows.shape[1:]), dy2.dtype)
+            cols = ctx.buffer(("cols", t), (per, *windows.shape[1:]), dy2.dtype)
             for lo in range(lo0, hi0, per):
                 hi = min(lo + per, hi0)
                 block = cols[:hi - lo]
-                xp.copyto(block, self._windows[lo:hi])
+                xp.copyto(block, windows[lo:hi])
                 xp.matmul(block.reshape((hi - lo) * rows, self.fan_in).T, dy2[lo * rows:hi * rows],
                           out=products[lo // per])
         self.split(n, blocks, unit=per)
@@ -254,14 +255,14 @@ class Conv2d(Layer):
         for part in products[1:]:
             self.dW2 += part
 
-    def _direct_weight_gradient(self, dy2):
+    def _direct_weight_gradient(self, ctx, dy2):
         """nn/compiled.py's weight gradient of each block of images (the
         im2col path's blocks, a fixed function of the shape), then their
         sum in block order: the same bits on any number of threads."""
-        x, n = self._input, self._input.shape[0]
+        x, n = ctx.input, ctx.input.shape[0]
         dy = np.ascontiguousarray(dy2.reshape(n, *self.out_shape))
         per = self._per_block(n, self.oh * self.ow * self.fan_in)
-        products = self.buffer("dW_blocks", (-(-n // per), *self.params["W"].shape), dy.dtype)
+        products = ctx.buffer("dW_blocks", (-(-n // per), *self.params["W"].shape), dy.dtype)
 
         def blocks(t, lo0, hi0):
             for lo in range(lo0, hi0, per):
@@ -273,32 +274,32 @@ class Conv2d(Layer):
         for part in products[1:]:
             dW += part
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         xp = self.xp
         n = dy.shape[0]
         dy2 = dy.reshape(n * self.oh * self.ow, self.out_channels)
-        self._weight_gradient(dy2)
+        self._weight_gradient(ctx, dy2)
         if self.bias:   # a GEMV: several times faster than dy2.sum(axis=0) here
             xp.matmul(self.ones(dy2.shape[0], dy.dtype), dy2, out=self.grads["b"])
         if not need_dx:
             return None
         h, w, c = self.in_shape
         if self.k == 1 and self.stride == 1 and self.pad == 0:
-            dx = self.buffer("dx", (n * h * w, c), dy.dtype)
+            dx = ctx.buffer("dx", (n * h * w, c), dy.dtype)
             self.split(n, lambda t, lo, hi: xp.matmul(dy2[lo * h * w:hi * h * w], self.W2.T,
                                                           out=dx[lo * h * w:hi * h * w]),
                        most=threads.most(macs=n * h * w * c * self.out_channels))
             return dx.reshape(n, h, w, c)
         how = self.direct and self._direct_dx()
         if how == "turned":
-            return self._transposed(dy, direct_kernel=True)
+            return self._transposed(ctx, dy, direct_kernel=True)
         if how == "gathered":
-            return self._gathered(dy)
+            return self._gathered(ctx, dy)
         if self.stride == 1 and self.pad < self.k and self.out_channels <= 2 * c:
-            return self._transposed(dy)
+            return self._transposed(ctx, dy)
         rows = self.oh * self.ow
-        dcols = self.buffer("dcols", (n * rows, self.fan_in), dy.dtype)
-        dx = self.buffer("dx", (n, h, w, c), dy.dtype)
+        dcols = ctx.buffer("dcols", (n * rows, self.fan_in), dy.dtype)
+        dx = ctx.buffer("dx", (n, h, w, c), dy.dtype)
 
         def images(t, lo, hi):
             xp.matmul(dy2[lo * rows:hi * rows], self.W2.T, out=dcols[lo * rows:hi * rows])
@@ -307,7 +308,7 @@ class Conv2d(Layer):
         self.split(n, images, most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
         return dx
 
-    def _transposed(self, dy, direct_kernel=False):
+    def _transposed(self, ctx, dy, direct_kernel=False):
         """Stride 1: the input gradient is dy, padded by k-1-pad, convolved
         with W turned 180 degrees and its channel axes swapped: im2col of dy
         and one GEMM straight into dx, (n*h*w, k*k*out) @ (k*k*out, in).
@@ -324,10 +325,10 @@ class Conv2d(Layer):
         o = self.out_channels
         source = dy
         if q:
-            dy = self.zeroed("dy_padded", (n, self.oh + 2 * q, self.ow + 2 * q, o), dy.dtype)
-        turned = self.buffer("turned", (k, k, o, c), dy.dtype)
+            dy = ctx.zeroed("dy_padded", (n, self.oh + 2 * q, self.ow + 2 * q, o), dy.dtype)
+        turned = ctx.buffer("turned", (k, k, o, c), dy.dtype)
         xp.copyto(turned, self.params["W"][::-1, ::-1].transpose(0, 1, 3, 2))
-        dx = self.buffer("dx", (n * h * w, c), dy.dtype)
+        dx = ctx.buffer("dx", (n * h * w, c), dy.dtype)
         if direct_kernel:
             dx4, padded = dx.reshape(n, h, w, c), dy if q else np.ascontiguousarray(source)
 
@@ -347,7 +348,7 @@ class Conv2d(Layer):
         def blocks(t, lo0, hi0):
             if q:
                 dy[lo0:hi0, q:q + self.oh, q:q + self.ow, :] = source[lo0:hi0]
-            cols = self.buffer(("dcols", t), (per, h, w, k, k, o), dy.dtype)
+            cols = ctx.buffer(("dcols", t), (per, h, w, k, k, o), dy.dtype)
             for lo in range(lo0, hi0, per):
                 hi = min(lo + per, hi0)
                 block = cols[:hi - lo]
@@ -356,15 +357,15 @@ class Conv2d(Layer):
         self.split(n, blocks, unit=per)
         return dx.reshape(n, h, w, c)
 
-    def _gathered(self, dy):
+    def _gathered(self, ctx, dy):
         """A strided layer's input gradient by nn/compiled.py's gathering
         kernel (each input pixel sums what reached it), images shared over
         the compute threads; no columns."""
         n, (h, w, c), o = dy.shape[0], self.in_shape, self.out_channels
-        swapped = self.buffer("swapped", (self.k, self.k, o, c), dy.dtype)
+        swapped = ctx.buffer("swapped", (self.k, self.k, o, c), dy.dtype)
         self.xp.copyto(swapped, self.params["W"].transpose(0, 1, 3, 2))
         dy4 = np.ascontiguousarray(dy.reshape(n, self.oh, self.ow, o))
-        dx = self.buffer("dx", (n, h, w, c), dy.dtype)
+        dx = ctx.buffer("dx", (n, h, w, c), dy.dtype)
         self.split(n, lambda t, lo, hi: compiled.input_gradient(dy4[lo:hi], swapped, dx[lo:hi], self.stride,
                                                                 self.pad),
                    most=threads.most(macs=n * self.flops()))

@@ -21,10 +21,20 @@ class; a user's own layer subclasses it and overrides what it needs):
    non-trainable tensors' starting values (running variance 1, ...).
 4. `bind(xp, params, grads, state)`: the layer's views into the flat
    buffers (dicts name -> array on the model's device). Keep them; write
-   gradients into `grads[...]` in place, never rebind.
-5. `forward(x, train) -> y`: x is (batch, *in_shape). Keep what backward
-   needs. Reuse output buffers between calls (`self.buffer(...)`): a step
-   allocates nothing once warm. A layer may work in place on x when nothing
+   gradients into `grads[...]` in place, never rebind. Parameters,
+   gradients, state views and constants (`self.ones(...)`) are all a layer
+   keeps on itself: it holds nothing of a call between calls.
+5. `context() -> ctx`: a `Context` for one slot of calls (the runner asks
+   once per slot: the whole model has one, a pipeline stage one per
+   micro-batch in flight, all over the one set of layers). What a forward
+   leaves for its backward goes on ctx (`ctx.x = x`), and so do the
+   buffers it reuses between calls (`ctx.buffer(key, shape, dtype)`): a
+   step allocates nothing once warm. A container returns a Context whose
+   `inner` holds its layers' contexts. The runner may `ctx.drop()` a slot
+   after forward and run forward into it again before backward
+   (recomputation, nn/sequential.LayerRange.recompute).
+6. `forward(ctx, x, train) -> y`: x is (batch, *in_shape). A layer may
+   work in place on x when nothing
    else reads x later (ReLU does). Such a layer says so with
    `inplace = True`, and a layer whose output is a view of its input (a
    reshape) with `view = True`. The runner then hands an in-place layer a
@@ -35,18 +45,22 @@ class; a user's own layer subclasses it and overrides what it needs):
    output); the default, True, is the safe one: an in-place layer after it
    gets a copy. A user's model is checked once when its spec is made
    (nn/check.py): a layer that writes into its input without declaring
-   `inplace`, returns a view of it without declaring `view`, or says
-   `keeps_output = False` and reads it after all, is refused with one line.
-   Before each training forward the model calls
-   `set_noise(noise)`: `noise` is a `Noise(seed, step, sample_ids, stream)`
-   or None; a layer that draws randomness (Dropout) keeps it and derives
-   every sample's draws from (seed, step, that sample's id, stream) alone,
-   so the batch split over ranks does not change them.
-6. `backward(dy, need_dx) -> dx`: write this layer's parameter gradients
+   `inplace`, returns a view of it without declaring `view`, says
+   `keeps_output = False` and reads it after all, or keeps anything of a
+   call on itself, is refused with one line; so is a layer still written to
+   the contract before issue 42 (`forward(x, train)`).
+   Before each training forward the runner calls
+   `set_noise(ctx, noise)`: `noise` is a `Noise(seed, step, sample_ids, stream)`
+   or None, kept on ctx (`ctx.noise`, the default); a layer that draws
+   randomness (Dropout) derives every sample's draws from (seed, step,
+   that sample's id, stream) alone, so the batch split over ranks does not
+   change them, and a recomputed forward draws the same.
+7. `backward(ctx, dy, need_dx) -> dx`: the slot's ctx, as its forward left
+   it. Write this layer's parameter gradients
    (the gradient of the batch-mean loss; the head divides by the batch);
    return the input gradient, or None when need_dx is False (no layer
    before it has parameters: the first Dense skips its largest matmul).
-7. `train_floats()`: floats per sample this layer keeps for a training step
+8. `train_floats()`: floats per sample this layer keeps for a training step
    (its outputs, its input gradient, its scratch such as im2col columns),
    and `flops()`: multiply-adds per
    sample of its forward pass; the memory check and the pipeline's stage
@@ -99,6 +113,45 @@ class Noise(NamedTuple):
     stream: int = 0
 
 
+class Context:
+    """One slot of a layer's calls: what its forward leaves for its
+    backward (attributes the layer sets: `ctx.x = x`), the buffers it reuses
+    between calls of the slot (`buffer`, `zeroed`), the noise of the slot's
+    training forward (`noise`) and, for a container, its layers' contexts
+    (`inner`). Owned by the runner (nn/sequential.LayerRange), not the layer."""
+
+    def __init__(self, xp, inner=()):
+        self.xp, self.noise, self.inner = xp, None, list(inner)
+        self._buffers = {}
+
+    def buffer(self, key, shape, dtype):
+        """An array of `shape` kept under `key` for the next call of the same shape."""
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self._buffers[key] = self.xp.empty(shape, dtype)
+        return buf
+
+    def zeroed(self, key, shape, dtype):
+        """Like buffer, zero-filled when made (borders that no call writes stay 0)."""
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self._buffers[key] = self.xp.zeros(shape, dtype)
+        return buf
+
+    def drop(self):
+        """Forget what the forward kept and every buffer, inner contexts'
+        too (the slot's noise stays: a forward run again draws the same)."""
+        for inner in self.inner:
+            inner.drop()
+        kept = {"xp": self.xp, "noise": self.noise, "inner": self.inner}
+        self.__dict__.clear()
+        self.__dict__.update(kept, _buffers={})
+
+    def held_bytes(self):
+        """Bytes of the buffers this slot holds, inner contexts' included."""
+        return sum(buf.nbytes for buf in self._buffers.values()) + sum(c.held_bytes() for c in self.inner)
+
+
 class Layer:
     """The base of every layer: no parameters, no state, identity shapes."""
     inplace = False       # forward overwrites its input
@@ -125,14 +178,19 @@ class Layer:
 
     def bind(self, xp, params, grads, state):
         self.xp, self.params, self.grads, self.state = xp, params, grads, state
-        self._buffers = {}
+        self._constants = {}
+
+    def context(self):
+        """A Context for one slot of calls (after bind)."""
+        return Context(self.xp)
 
     def ones(self, n, dtype):
-        """A kept vector of n ones: per-channel sums as GEMVs (ones @ x),
-        several times faster than x.sum(axis=0) over few channels."""
-        ones = self._buffers.get("ones")
+        """A vector of n ones, kept on the layer (a constant, the same for
+        every slot): per-channel sums as GEMVs (ones @ x), several times
+        faster than x.sum(axis=0) over few channels."""
+        ones = self._constants.get("ones")
         if ones is None or ones.shape != (n,) or ones.dtype != dtype:
-            ones = self._buffers["ones"] = self.xp.ones(n, dtype)
+            ones = self._constants["ones"] = self.xp.ones(n, dtype)
         return ones
 
     def scratch_floats(self):
@@ -149,27 +207,14 @@ class Layer:
         rows or columns of a product), so the bits do not depend on the threads."""
         threads.split(n, work, unit, most, on=self.xp is np)
 
-    def buffer(self, key, shape, dtype):
-        """An array of `shape` kept under `key` for the next call of the same shape."""
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != shape or buf.dtype != dtype:
-            buf = self._buffers[key] = self.xp.empty(shape, dtype)
-        return buf
+    def set_noise(self, ctx, noise):
+        """Randomness for the slot's next training forward (Noise or None), kept on ctx."""
+        ctx.noise = noise
 
-    def zeroed(self, key, shape, dtype):
-        """Like buffer, zero-filled when made (borders that no call writes stay 0)."""
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != shape or buf.dtype != dtype:
-            buf = self._buffers[key] = self.xp.zeros(shape, dtype)
-        return buf
-
-    def set_noise(self, noise):
-        """Randomness for the next training forward (Noise or None); most layers draw none."""
-
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         return x
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         return dy if need_dx else None
 
     def train_floats(self):
@@ -200,10 +245,10 @@ class Flatten(Layer):
         self.out_shape = (math.prod(self.in_shape),)
         return self.out_shape
 
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         return x.reshape(x.shape[0], -1)
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         return dy.reshape(dy.shape[0], *self.in_shape) if need_dx else None
 
 
@@ -219,25 +264,25 @@ class ReLU(Layer):
         if self.compiled:
             passes.prepare(("relu_backward",), np.float32)
 
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         self.split(x.shape[0], lambda t, lo, hi: self.xp.maximum(x[lo:hi], 0, out=x[lo:hi]),
                    most=threads.most(floats=x.size))
-        self.y = x
+        ctx.y = x
         return x
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         # pass the gradient where the unit was active (the mask's buffer kept:
         # a warm step allocates nothing)
-        if self.compiled and dy.flags.c_contiguous and self.y.flags.c_contiguous:
-            y, flat = self.y.reshape(len(dy), -1), dy.reshape(len(dy), -1)
+        if self.compiled and dy.flags.c_contiguous and ctx.y.flags.c_contiguous:
+            y, flat = ctx.y.reshape(len(dy), -1), dy.reshape(len(dy), -1)
             self.split(len(dy), lambda t, lo, hi: passes.relu_backward(y[lo:hi].reshape(-1),
                                                                          flat[lo:hi].reshape(-1)),
                        most=threads.most(floats=dy.size))
             return dy
-        active = self.buffer("active", dy.shape, bool)
+        active = ctx.buffer("active", dy.shape, bool)
 
         def rows(t, lo, hi):
-            self.xp.greater(self.y[lo:hi], 0, out=active[lo:hi])
+            self.xp.greater(ctx.y[lo:hi], 0, out=active[lo:hi])
             self.xp.multiply(dy[lo:hi], active[lo:hi], out=dy[lo:hi])
         self.split(dy.shape[0], rows, most=threads.most(floats=dy.size))
         return dy
@@ -266,25 +311,25 @@ class Dense(Layer):
     def init(self, rng, params, dtype):
         params["W"][...] = he_normal(rng, params["W"].shape, self.fan_in, dtype)
 
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         xp, W, b = self.xp, self.params["W"], self.params["b"]
-        h = self.buffer(("out", train), (x.shape[0], self.units), W.dtype)
+        h = ctx.buffer(("out", train), (x.shape[0], self.units), W.dtype)
 
         def columns(t, lo, hi):
             xp.matmul(x, W[:, lo:hi], out=h[:, lo:hi])
             h[:, lo:hi] += b[lo:hi]
         self._split_columns(self.units, columns, x.shape[0])
-        self.x = x
+        ctx.x = x
         return h
 
-    def backward(self, dy, need_dx):
-        xp, x, W, dW = self.xp, self.x, self.params["W"], self.grads["W"]
+    def backward(self, ctx, dy, need_dx):
+        xp, x, W, dW = self.xp, ctx.x, self.params["W"], self.grads["W"]
         self._split_columns(self.units, lambda t, lo, hi: xp.matmul(x.T, dy[:, lo:hi], out=dW[:, lo:hi]),
                             dy.shape[0])
         dy.sum(axis=0, out=self.grads["b"])
         if not need_dx:
             return None
-        dx = self.buffer("dx", (dy.shape[0], self.fan_in), dy.dtype)
+        dx = ctx.buffer("dx", (dy.shape[0], self.fan_in), dy.dtype)
         self._split_columns(self.fan_in, lambda t, lo, hi: xp.matmul(dy, W[lo:hi].T, out=dx[:, lo:hi]),
                             dy.shape[0])
         return dx
@@ -353,13 +398,9 @@ class Dropout(Layer):
         self.p = float(p)
         if not 0 <= self.p < 1:
             raise LayerError(f"Dropout({p}): p must be in [0, 1)")
-        self.noise = None
 
-    def set_noise(self, noise):
-        self.noise = noise
-
-    def _mask(self, x):
-        xp, noise = self.xp, self.noise
+    def _mask(self, ctx, x):
+        xp, noise = self.xp, ctx.noise
         if noise is None:
             raise LayerError(f"{self.describe()} in training needs noise=(seed, step, sample_ids): "
                              f"Sequential.forward_backward(..., noise=...)")
@@ -367,40 +408,37 @@ class Dropout(Layer):
         if len(noise.sample_ids) != batch:
             raise LayerError(f"{self.describe()}: {len(noise.sample_ids)} sample ids for a batch of {batch}")
         ids = xp.asarray(noise.sample_ids).astype(np.uint64).reshape(batch, 1)
-        if len(self._unit_hash) != units:
+        unit_hash = self._constants.get("unit_hash")
+        if unit_hash is None or len(unit_hash) != units:   # a constant of the layer: each unit's own hash
             j = xp.arange(1, units + 1, dtype=np.uint64)
-            self._unit_hash = _splitmix(xp, j * _GOLDEN, xp.empty_like(j))
-        h = self.buffer("hash", (batch, units), np.uint64)
-        tmp = self.buffer("tmp", (batch, units), np.uint64)
+            unit_hash = self._constants["unit_hash"] = _splitmix(xp, j * _GOLDEN, xp.empty_like(j))
+        h = ctx.buffer("hash", (batch, units), np.uint64)
+        tmp = ctx.buffer("tmp", (batch, units), np.uint64)
         keys = _splitmix(xp, ids * _GOLDEN + _mix_host(noise.seed, noise.step, noise.stream), xp.empty_like(ids))
-        xp.bitwise_xor(keys, self._unit_hash, out=h)
+        xp.bitwise_xor(keys, unit_hash, out=h)
         _splitmix(xp, h, tmp)
-        keep = self.buffer("keep", (batch, units), bool)
+        keep = ctx.buffer("keep", (batch, units), bool)
         xp.greater_equal(h, np.uint64(min(int(self.p * 2.0**64), 2**64 - 1)), out=keep)
-        mask = self.buffer("mask", x.shape, x.dtype)
+        mask = ctx.buffer("mask", x.shape, x.dtype)
         xp.multiply(keep.reshape(x.shape), x.dtype.type(1 / (1 - self.p)), out=mask)
         return mask
 
-    def bind(self, xp, params, grads, state):
-        super().bind(xp, params, grads, state)
-        self._unit_hash = ()
-
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         if not train or self.p == 0:
-            self.mask = None
+            ctx.mask = None
             return x
-        self.mask = self._mask(x)
-        y = self.buffer("out", x.shape, x.dtype)
-        self.xp.multiply(x, self.mask, out=y)
+        ctx.mask = self._mask(ctx, x)
+        y = ctx.buffer("out", x.shape, x.dtype)
+        self.xp.multiply(x, ctx.mask, out=y)
         return y
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         if not need_dx:
             return None
-        if self.mask is None:
+        if ctx.mask is None:
             return dy
-        dx = self.buffer("dx", dy.shape, dy.dtype)
-        self.xp.multiply(dy, self.mask, out=dx)
+        dx = ctx.buffer("dx", dy.shape, dy.dtype)
+        self.xp.multiply(dy, ctx.mask, out=dx)
         return dx
 
     def train_floats(self):

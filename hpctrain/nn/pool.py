@@ -40,10 +40,10 @@ class _Pool(Layer):
         self.out_shape = (self.oh, self.ow, c)
         return self.out_shape
 
-    def _dx(self, dy):
+    def _dx(self, ctx, dy):
         """The input gradient's buffer, zeroed where no window writes (or
         everywhere, when windows overlap and offsets add up)."""
-        dx = self.buffer("dx", (dy.shape[0], *self.in_shape), dy.dtype)
+        dx = ctx.buffer("dx", (dy.shape[0], *self.in_shape), dy.dtype)
         if self.stride != self.k or self.oh * self.k != self.in_shape[0] or self.ow * self.k != self.in_shape[1]:
             dx.fill(0)
         return dx
@@ -83,18 +83,18 @@ class MaxPool2d(_Pool):
         if self.compiled:
             passes.prepare(("max_pool_forward", "max_pool_backward"), np.float32)
 
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         xp = self.xp
-        y = self.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
-        won = self.buffer("won", y.shape, self.offsets)
+        y = ctx.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
+        won = ctx.won = ctx.buffer("won", y.shape, self.offsets)
         if self.compiled:
             x = np.ascontiguousarray(x)
             self.split(x.shape[0], lambda t, lo, hi: passes.max_pool_forward(x[lo:hi], y[lo:hi], won[lo:hi],
                                                                                self.k),
                        most=threads.most(floats=x.size))
             return y
-        gt = self.buffer("gt", y.shape, bool)
-        offset = self.buffer("offset", y.shape, self.offsets)
+        gt = ctx.buffer("gt", y.shape, bool)
+        offset = ctx.buffer("offset", y.shape, self.offsets)
         for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
             window = x[:, rows, cols, :]
             if kh == kw == 0:
@@ -108,19 +108,19 @@ class MaxPool2d(_Pool):
             xp.maximum(y, window, out=y)
         return y
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         if not need_dx:
             return None
         xp = self.xp
-        dx, won = self._dx(dy), self._buffers["won"]
+        dx, won = self._dx(ctx, dy), ctx.won
         if self.compiled:
             dy = np.ascontiguousarray(dy)
             self.split(dy.shape[0], lambda t, lo, hi: passes.max_pool_backward(dy[lo:hi], won[lo:hi], dx[lo:hi],
                                                                                  self.k),
                        most=threads.most(floats=dx.size))
             return dx
-        hit = self.buffer("gt", dy.shape, bool)
-        part = self.buffer("part", dy.shape, dy.dtype)
+        hit = ctx.buffer("gt", dy.shape, bool)
+        part = ctx.buffer("part", dy.shape, dy.dtype)
         overlap = self.stride < self.k
         for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
             xp.equal(won, self.offsets(kh * self.k + kw), out=hit)
@@ -135,8 +135,8 @@ class MaxPool2d(_Pool):
 class AvgPool2d(_Pool):
     """The mean of each k x k window (stride defaults to k, no padding)."""
 
-    def forward(self, x, train):
-        y = self.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
+    def forward(self, ctx, x, train):
+        y = ctx.buffer(("out", train), (x.shape[0], *self.out_shape), x.dtype)
         for kh, kw, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
             if kh == kw == 0:
                 self.xp.copyto(y, x[:, rows, cols, :])
@@ -145,11 +145,11 @@ class AvgPool2d(_Pool):
         y *= 1.0 / (self.k * self.k)
         return y
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         if not need_dx:
             return None
-        dx = self._dx(dy)
-        share = self.buffer("share", dy.shape, dy.dtype)
+        dx = self._dx(ctx, dy)
+        share = ctx.buffer("share", dy.shape, dy.dtype)
         self.xp.multiply(dy, 1.0 / (self.k * self.k), out=share)
         for _, _, rows, cols in _offset_slices(self.oh, self.ow, self.k, self.stride):
             if self.stride < self.k:
@@ -169,17 +169,17 @@ class GlobalAvgPool(Layer):
         self.out_shape = (c,)
         return self.out_shape
 
-    def forward(self, x, train):
-        y = self.buffer(("out", train), (x.shape[0], x.shape[3]), x.dtype)
+    def forward(self, ctx, x, train):
+        y = ctx.buffer(("out", train), (x.shape[0], x.shape[3]), x.dtype)
         x.sum(axis=(1, 2), out=y)
         y *= 1.0 / (x.shape[1] * x.shape[2])
         return y
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         if not need_dx:
             return None
         h, w, c = self.in_shape
-        dx = self.buffer("dx", (dy.shape[0], h, w, c), dy.dtype)
+        dx = ctx.buffer("dx", (dy.shape[0], h, w, c), dy.dtype)
         self.xp.multiply(dy.reshape(dy.shape[0], 1, 1, c), 1.0 / (h * w), out=dx)
         return dx
 

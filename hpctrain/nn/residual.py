@@ -14,7 +14,7 @@ prefix. Inner layers initialise in order, block first, then projection.
 import math
 
 from .chain import Chain, input_copies
-from .layers import Layer, LayerError, Noise
+from .layers import Context, Layer, LayerError, Noise
 
 
 def _shape(shape):
@@ -82,33 +82,45 @@ class Residual(Layer):
     def min_batch(self):
         return max(layer.min_batch for _, layer in self.inner)
 
-    def set_noise(self, noise):
-        for j, (_, layer) in enumerate(self.inner):
-            layer.set_noise(None if noise is None else Noise(*noise[:3], stream=noise.stream * 64 + j + 1))
+    def context(self):
+        """The block's chain context and the projection's, as `inner`."""
+        block, projection = self._chains
+        return Context(self.xp, [block.context(), projection.context()])
+
+    def _inner_contexts(self, ctx):
+        """(inner layer, its context), in `inner`'s order: block, then projection."""
+        block, projection = ctx.inner
+        return zip((layer for _, layer in self.inner), block.inner + projection.inner)
+
+    def set_noise(self, ctx, noise):
+        ctx.noise = noise
+        for j, (layer, inner) in enumerate(self._inner_contexts(ctx)):
+            layer.set_noise(inner, None if noise is None else Noise(*noise[:3], stream=noise.stream * 64 + j + 1))
 
     # --- forward and backward -------------------------------------------------
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         block, projection = self._chains
-        a = block.forward(x, train)
-        skip = projection.forward(x, train)
-        y = self.buffer(("out", train), a.shape, a.dtype)
+        a = block.forward(ctx.inner[0], x, train)
+        skip = projection.forward(ctx.inner[1], x, train)
+        y = ctx.buffer(("out", train), a.shape, a.dtype)
         self.xp.add(a, skip, out=y)
         return y
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
+        block, projection = (c.inner for c in ctx.inner)
         # The skip path first: the block's layers may overwrite dy (ReLU does).
         skip = dy
         if any(layer.inplace for layer in self.projection):
-            skip = self.buffer("dy_skip", dy.shape, dy.dtype)
+            skip = ctx.buffer("dy_skip", dy.shape, dy.dtype)
             self.xp.copyto(skip, dy)
         for i in range(len(self.projection) - 1, -1, -1):
-            skip = self.projection[i].backward(skip, need_dx)
+            skip = self.projection[i].backward(projection[i], skip, need_dx)
         if need_dx and not self.projection:
-            skip = self.buffer("dskip", dy.shape, dy.dtype)
+            skip = ctx.buffer("dskip", dy.shape, dy.dtype)
             self.xp.copyto(skip, dy)
         d = dy
         for i in range(len(self.block) - 1, -1, -1):
-            d = self.block[i].backward(d, need_dx or i > 0)
+            d = self.block[i].backward(block[i], d, need_dx or i > 0)
         if not need_dx:
             return None
         skip += d

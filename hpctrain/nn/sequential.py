@@ -68,17 +68,32 @@ class LayerRange:
     the order training needs, with the loss head when b is the last layer.
     The whole model is the range [0, n) (Sequential below); a pipeline stage
     one range of it (pipeline/stage.py), so a stage computes what the model
-    computes for those layers, call for call."""
+    computes for those layers, call for call.
 
-    def __init__(self, spec, a, b, xp, params, grads, state, base=(0, 0)):
+    One set of layers, `slots` contexts (nn/layers.py Context): a slot holds
+    one call's activations from its forward to its backward, so a pipeline
+    stage keeps a slot per micro-batch in flight, not a copy of its layers.
+    `drop(slot)` forgets a slot's activations after its forward and
+    `recompute(slot)` runs that forward again into it before the backward,
+    to the same bits: the seam recomputation will use (the range's input
+    must then stay intact until backward: `keep_input=True` copies it before
+    an in-place first layer)."""
+
+    def __init__(self, spec, a, b, xp, params, grads, state, base=(0, 0), slots=1, keep_input=False):
         self.spec, self.a, self.b, self.xp, self.base = spec, a, b, xp, base
         self.layers = copy.deepcopy(spec.layers[a:b])   # every build its own: two models of a spec share nothing
         for i, layer in zip(range(a, b), self.layers):
             layer.bind(xp, spec.views(params, i, base=base[0]), spec.views(grads, i, base=base[0]),
                        spec.views(state, i, of="state", base=base[1]))
-        self.chain = Chain(self.layers, xp)   # the range's input is its own: the batch, or a received buffer
+        self.state = state
+        # the range's input is its own (the batch, or a received buffer) unless it is kept for a recompute
+        self.chain = Chain(self.layers, xp, input_kept=keep_input)
+        self.slots = [self.chain.context() for _ in range(slots)]
+        self._inputs = [None] * slots   # each slot's last training input, for a recompute
         self.in_shape = spec.input_shape if a == 0 else spec.shapes[a - 1]
-        self.head = SoftmaxCrossEntropy(xp) if b == len(spec.layers) else None
+        # the loss head where the range ends the model, one per slot (its gradient buffer is a call's)
+        self.heads = [SoftmaxCrossEntropy(xp) for _ in range(slots)] if b == len(spec.layers) else None
+        self.head = self.heads[0] if self.heads else None
         # (layer, index of its range in layer_ranges) for layers with parameters
         self.owner = {i: k for k, i in enumerate(spec.param_layers)}
         # backprop stops at the model's first layer with parameters: nothing before it needs a gradient
@@ -100,26 +115,51 @@ class LayerRange:
         if host is not params:
             params[...] = self.xp.asarray(host)
 
-    def set_noise(self, noise):
-        """`noise=(seed, step, sample_ids)`, or None: each layer's Noise, stream = its index in the model."""
-        for i, layer in zip(range(self.a, self.b), self.layers):
-            layer.set_noise(None if noise is None else Noise(*noise[:3], stream=i))
+    def set_noise(self, noise, slot=0):
+        """`noise=(seed, step, sample_ids)`, or None, for the slot's next
+        training forward: each layer's Noise, stream = its index in the model."""
+        ctx = self.slots[slot]
+        for i, layer, inner in zip(range(self.a, self.b), self.layers, ctx.inner):
+            layer.set_noise(inner, None if noise is None else Noise(*noise[:3], stream=i))
 
-    def forward(self, x, train):
-        """The range's output for x (the last range: the logits)."""
-        return self.chain.forward(x.reshape(x.shape[0], *self.in_shape), train)
+    def forward(self, x, train, slot=0):
+        """The range's output for x (the last range: the logits), its
+        activations held in the slot until its backward."""
+        x = x.reshape(x.shape[0], *self.in_shape)
+        if train:
+            self._inputs[slot] = x
+        return self.chain.forward(self.slots[slot], x, train)
 
-    def backward(self, d, on_layer_done=None):
+    def backward(self, d, on_layer_done=None, slot=0):
         """Backprop d (the gradient of the range's output) through the range,
-        last layer first, writing each layer's parameter gradients; calls
-        on_layer_done(k) as soon as layer_ranges[k]'s gradient is final.
-        Returns the gradient of the range's input, or None where no layer
-        before it has parameters (the model's first range)."""
+        last layer first, from the slot's activations, writing each layer's
+        parameter gradients; calls on_layer_done(k) as soon as
+        layer_ranges[k]'s gradient is final. Returns the gradient of the
+        range's input, or None where no layer before it has parameters (the
+        model's first range)."""
+        inner = self.slots[slot].inner
         for i in range(self.b - 1, max(self.a, self.first) - 1, -1):
-            d = self.layers[i - self.a].backward(d, need_dx=i > self.first)
+            d = self.layers[i - self.a].backward(inner[i - self.a], d, need_dx=i > self.first)
             if on_layer_done is not None and i in self.owner:
                 on_layer_done(self.owner[i])
+        self._inputs[slot] = None
         return d if self.a > self.first else None
+
+    def drop(self, slot):
+        """Forget the slot's activations after its training forward (its
+        buffers released; its input and noise kept for `recompute`)."""
+        self.slots[slot].drop()
+
+    def recompute(self, slot):
+        """Run the slot's training forward again, from its kept input and
+        noise, into its contexts: the activations its backward needs, the
+        same bits as the first time. The range's non-trainable state is put
+        back after it: batch norm's running statistics move once a forward."""
+        x = self._inputs[slot]
+        saved = self.slots[slot].buffer("state_before_recompute", self.state.shape, self.state.dtype)
+        self.xp.copyto(saved, self.state)
+        self.chain.forward(self.slots[slot], x, True)
+        self.xp.copyto(self.state, saved)
 
 
 class Sequential:
@@ -136,6 +176,7 @@ class Sequential:
         self.num_params = spec.num_params
         self.layer_ranges = spec.layer_ranges
         self.run = LayerRange(spec, 0, len(spec.layers), xp, params, grads, state)
+        self.ctx = self.run.slots[0]   # the one slot: each layer's context in .inner, in list order
         self.layers, self.head, self.chain = self.run.layers, self.run.head, self.run.chain
 
     def init(self, seed):

@@ -87,8 +87,8 @@ def _tensors(i, layer, what, value, taken):
 
 def _reused(layers):
     """Refuse a layer object that appears twice (a reused ReLU(), d = Dense(64)
-    listed twice for tied weights): each place binds its own views and keeps
-    its own activations, and one object would hold the last place's only."""
+    listed twice for tied weights): each place binds its own views, and one
+    object would hold the last place's only."""
     seen = {}
 
     def walk(layer, where):
@@ -215,8 +215,8 @@ class ModelSpec:
         more (Adam: 2), their non-trainable state, their input (the batch:
         float32 and its uint8 copy; a later stage: the activations it
         receives), `copies` sets of every layer's activations and input
-        gradients (a pipeline stage holds the schedule's micro-batches in
-        flight) and each of the rank's `threads` compute threads' scratch
+        gradients (a pipeline stage's slots: the schedule's micro-batches in
+        flight, each a context per layer) and each of the rank's `threads` compute threads' scratch
         (nn/threads.py: a convolution's blocks). An estimate from below."""
         b = len(self.layers) if b is None else b
         params = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_tensors[i])

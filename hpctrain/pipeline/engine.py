@@ -124,7 +124,7 @@ class Engine:
             return f"micro-batch {tag % M}" + (f" (stage's chunk {(tag // M) % V})" if V > 1 else "")
         self.to_next, self.to_before, self.from_before, self.from_next = [], [], [], []
         for k, chunk in enumerate(chunks):
-            copies, inp, out = len(chunk.models), (batch, *self.in_shapes[k]), (batch, *self.out_shapes[k])
+            copies, inp, out = chunk.slots, (batch, *self.in_shapes[k]), (batch, *self.out_shapes[k])
             self.to_next.append(None if self.last[k] else Sends(comm, after, out, copies, dog, "activation",
                                                                  grid.world_rank(after), label, waits))
             self.to_before.append(None if self.first[k] else Sends(comm, before, inp, copies, dog, "gradient",
@@ -217,7 +217,7 @@ class Engine:
                     sender = k - 1 if grid.stage == 0 else k   # the chunk before's local index on its stage
                     a = self._receive((grid.stage - 1) % P, (n, *self.in_shapes[k]), EVAL_TAG + sender,
                                       "evaluation activations")
-                run = chunk.models[0].run
+                run = chunk.model.run
                 out = run.forward(a, False)
                 if self.last[k]:
                     part_loss, part_correct = run.head.sums(out, self.xp.asarray(y[lo:lo + n]))

@@ -5,13 +5,14 @@ stage's slice of the flat buffers, run by the model's own runner
 (nn/sequential.LayerRange), so that the pipeline's arithmetic is that of the
 whole model, call for call. Never imports MPI.
 
-A stage keeps `copies` StageModels, the schedule's peak of micro-batches in
+A stage keeps one set of layers (one StageModel) and `copies` slots of
+contexts (nn/layers.py Context), the schedule's peak of micro-batches in
 flight (schedule.peak_activations: GPipe M, 1F1B min(P - s, M); a chunk's:
-schedule.chunk_peaks): layers keep
-their forward's inputs and buffers for their backward, so a copy holds one
-micro-batch's activations from `forward(m)` to `backward(m)` and then serves
-the next forward. That bound is the stage's activation memory. The copies
-share the stage's parameter, state and gradient buffers: a copy's backward
+schedule.chunk_peaks): a layer's forward leaves in its slot's context what
+its backward needs, so a slot holds one micro-batch's activations from
+`forward(m)` to `backward(m)` and then serves the next forward. That bound
+is the stage's activation memory. The slots share the stage's layers,
+parameter, state and gradient buffers: a slot's backward
 writes micro-batch m's gradient, which is added to the step's sum right away
 (every schedule backprops in micro-batch order 0..M-1) by the one
 accumulation of every loop (nn/accumulate.py): g0, += g1 ... g_{M-1}.
@@ -27,34 +28,38 @@ from .stages import ranges
 class StageModel:
     """Layers [a, b) bound to params/grads/state, slices starting at the
     buffers' offsets `base` (params, state) of the full model's: the model's
-    one runner (nn/sequential.LayerRange) over the stage's range, and on the
-    last stage the loss, whose gradient backward starts from."""
+    one runner (nn/sequential.LayerRange) over the stage's range, with a
+    slot per micro-batch in flight, and on the last stage the loss, whose
+    gradient backward starts from (one per slot)."""
 
-    def __init__(self, spec, a, b, xp, params, grads, state, base):
-        self.run = LayerRange(spec, a, b, xp, params, grads, state, base)
+    def __init__(self, spec, a, b, xp, params, grads, state, base, slots):
+        self.run = LayerRange(spec, a, b, xp, params, grads, state, base, slots=slots)
         self.a, self.b = a, b
-        self._d = None
+        self._d = [None] * slots
 
-    def forward(self, x, y=None, noise=None):
-        """The stage's output for x; on the last stage the loss (its gradient kept for backward)."""
+    def forward(self, slot, x, y=None, noise=None):
+        """The stage's output for x in the slot; on the last stage the loss (its gradient kept for backward)."""
         run = self.run
-        run.set_noise(noise)
-        out = run.forward(x, True)
-        if run.head is None:
+        run.set_noise(noise, slot)
+        out = run.forward(x, True, slot)
+        if run.heads is None:
             return out
-        loss, d = run.head.forward_backward(out, y)
-        self._d = run.head.gradient(d, y)
+        head = run.heads[slot]
+        loss, d = head.forward_backward(out, y)
+        self._d[slot] = head.gradient(d, y)
         return loss
 
-    def backward(self, dy=None):
-        """Writes this micro-batch's gradient into the stage's gradient buffer;
+    def backward(self, slot, dy=None):
+        """Writes the slot's micro-batch's gradient into the stage's gradient buffer;
         returns the gradient with respect to the stage's input (None on the first stage)."""
-        return self.run.backward(self._d if dy is None else dy)
+        d, self._d[slot] = (self._d[slot] if dy is None else dy), None
+        return self.run.backward(d, slot=slot)
 
 
 class Stage:
     """Stage `s` of `cuts`: its parameter slice [lo, hi), its state slice,
-    and `copies` StageModels over them for the micro-batches in flight."""
+    and one StageModel over them with `copies` slots for the micro-batches
+    in flight."""
 
     def __init__(self, spec, cuts, s, micro_batches, xp, dtype, copies=None):
         self.a, self.b = cuts[s], cuts[s + 1]
@@ -71,33 +76,34 @@ class Stage:
         self.param_wire = xp.zeros(GRADS + self.hi - self.wire_lo, dtype)
         self.params = self.param_wire[self.body_at:]
         self.state = xp.zeros(self.state_hi - self.state_lo, dtype)
-        self.grad = xp.zeros(n, dtype)   # one micro-batch's, written by every copy's backward
+        self.grad = xp.zeros(n, dtype)   # one micro-batch's, written by every slot's backward
         self.wire = xp.zeros_like(self.param_wire)
         self.grads = self.wire[self.body_at:]   # the step's sum
         self.micro = micro_batches
-        self.models = [StageModel(spec, self.a, self.b, xp, self.params, self.grad, self.state,
-                                  (self.lo, self.state_lo)) for _ in range(copies or micro_batches)]
-        self._free, self._holding = list(range(len(self.models))), {}
+        self.slots = copies or micro_batches
+        self.model = StageModel(spec, self.a, self.b, xp, self.params, self.grad, self.state,
+                                (self.lo, self.state_lo), self.slots)
+        self._free, self._holding = list(range(self.slots)), {}
         self.sum = Accumulation(self.grads)   # the step's micro-batches, in --accumulate-steps' order
 
     def init(self, seed):
         """The stage's layers' initial parameters and state, drawn by the stage
         alone (nn/sequential.LayerRange.init: the whole model's bits for them)."""
-        self.models[0].run.init(seed, self.params, self.state)
+        self.model.run.init(seed, self.params, self.state)
 
     def forward(self, m, x, y=None, noise=None):
-        """Micro-batch m's forward on a free copy, which holds it until backward(m)."""
-        copy = self._free.pop(0)   # never empty: there are as many copies as the schedule holds at once
-        self._holding[m] = copy
-        return self.models[copy].forward(x, y, noise)
+        """Micro-batch m's forward in a free slot, which holds it until backward(m)."""
+        slot = self._free.pop(0)   # never empty: there are as many slots as the schedule holds at once
+        self._holding[m] = slot
+        return self.model.forward(slot, x, y, noise)
 
     def backward(self, m, dy=None):
-        """Micro-batch m's backward: its gradient into the step's sum; the copy freed.
+        """Micro-batch m's backward: its gradient into the step's sum; the slot freed.
         Returns the gradient with respect to the stage's input (None on the first stage)."""
-        copy = self._holding.pop(m)
-        dx = self.models[copy].backward(dy)
+        slot = self._holding.pop(m)
+        dx = self.model.backward(slot, dy)
         if m == 0:   # every schedule backprops in micro-batch order 0..M-1
             self.sum.restart()
         self.sum.add(self.grad)
-        self._free.append(copy)
+        self._free.append(slot)
         return dx

@@ -83,7 +83,7 @@ class StageTrace:
         grads = [g for c in chunks for g in (c.grad, c.grads)]
         about = np.array([grid.stage, grid.replica, chunks[0].a, chunks[-1].b, sum(c.params.nbytes for c in chunks),
                           sum(int(g.nbytes) for g in grads), sum(state_bytes(o) for o in optimizers),
-                          sum(len(c.models) for c in chunks)], np.int64)
+                          sum(c.slots for c in chunks)], np.int64)
         every = np.zeros((self.comm.Get_size(), about.size), np.int64) if world.chief else None
         with world.waiting("timeline start-up (pipeline clocks)", peer=None):
             self.comm.Barrier()

@@ -32,8 +32,8 @@ def test_a_diverging_run_stops_with_one_line_and_exit_4(job, tmp_path, ranks, mo
 # spec check runs it once first): with one forward per step, the last step's
 # loss (computed before its update) is finite, the parameters after it not.
 NAN_AT = ("import numpy as np\nfrom hpctrain.nn import Dense, Flatten, Layer\n\nCALLS = [0]\n\n\n"
-          "class NaNAt(Layer):\n    def forward(self, x, train):\n        CALLS[0] += train\n"
-          "        return x * 1\n\n    def backward(self, dy, need_dx):\n"
+          "class NaNAt(Layer):\n    def forward(self, ctx, x, train):\n        CALLS[0] += train\n"
+          "        return x * 1\n\n    def backward(self, ctx, dy, need_dx):\n"
           "        return dy * np.float32('nan') if CALLS[0] >= {first} else dy\n\n\n"
           "def build(shape, classes):\n    return [Flatten(), Dense(16), NaNAt(), Dense(classes)]\n")
 

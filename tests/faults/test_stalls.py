@@ -412,14 +412,14 @@ class Stuck(Layer):
     keeps_output = False
     calls = 0
 
-    def forward(self, x, train):
+    def forward(self, ctx, x, train):
         Stuck.calls += train
         if train and Stuck.calls > 40 and os.environ.get("PMI_RANK") == "1":
             while True:   # a user's layer that never returns (rank 1 alone)
                 time.sleep(0.01)
         return x * 1
 
-    def backward(self, dy, need_dx):
+    def backward(self, ctx, dy, need_dx):
         return dy
 
 
