@@ -95,7 +95,7 @@ def train_pipe(world, plan, inputs, timeline):
                     StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), compression=compression)
     model = whole.Pipelined(world, plan, engine, layouts)   # what the frame evaluates and saves, stage by stage
     step, stopped = train_steps(world, frame, engine, layouts, reader, model)
-    extra = {"workers": grid.replicas, "global_batch": plan.per_step, "pipeline_stages": grid.stages,
+    extra = {"workers": grid.replicas, "pipeline_stages": grid.stages,
              "micro_batches": micro, "schedule": pipe.schedule, "virtual_stages": virtual, "replicas": grid.replicas,
              "pipeline_split": pipe.split, "shard_optimizer": "on" if engine.sharded else "off",
              **(engine.clip.totals() if engine.clip else {}), "compression": plan.compression.kind}
