@@ -374,10 +374,15 @@ def summary(exchange, buckets, sharded=False):
     full = 4 * sum(hi - lo for lo, hi in buckets)
     sent = sum(exchange.sent_bytes(lo, hi) for lo, hi in buckets)
     via = getattr(exchange.strategy, "name", "?")
-    if exchange.kind == "powersgd":
+    if exchange.kind == "powersgd" and not exchange.matrices:
+        # a rank at or past a matrix's smaller side (where it is capped) never pays
+        what = ("compression powersgd compresses no matrix: at --powersgd-rank R (at most a matrix's smaller "
+                "side) no rows x cols matrix is --powersgd-min-rate times the (rows + cols) x R floats of its "
+                "factors, so every bucket goes as float32, as with --compression none")
+    elif exchange.kind == "powersgd":
         n = sum(m.hi - m.lo for m in exchange.matrices)
         ranks = sorted({m.rank for m in exchange.matrices})
-        what = (f"compression powersgd rank {'/'.join(map(str, ranks)) or '-'} from step {exchange.start}"
+        what = (f"compression powersgd rank {'/'.join(map(str, ranks))} from step {exchange.start}"
                 f"{'' if exchange.warm_start else ', no warm start'}"
                 f"{'' if exchange.error is not None else ', no error feedback'}: {len(exchange.matrices)} "
                 f"matri{'x' if len(exchange.matrices) == 1 else 'ces'} as factors ({n:,} of {full // 4:,} floats), "
