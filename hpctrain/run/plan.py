@@ -34,18 +34,18 @@ from .cluster import cores_available
 # --- the arithmetic ------------------------------------------------------------
 
 
-def aggregated_workers(args, workers, ps_workers):
-    """The workers whose samples one optimizer step (update) takes: with the
-    per-worker batch (Data.per_update) the one definition that --epochs, the
-    samples a checkpoint records, samples/s and the final record's
-    global_batch all count by. Ring mode (a pipeline's replicas too): every
-    one of `workers`; ps mode: the gradients an update aggregates of the
-    `ps_workers` (sync: --replicas-to-aggregate, every worker but the
-    backups, whose late gradients are dropped; async: one worker's, applied
-    alone)."""
+def aggregated_workers(args, workers):
+    """Of the `workers` that take batches of their own, those whose samples
+    one optimizer step (update) takes: with the per-worker batch
+    (Data.per_update) the one definition that --epochs, the samples a
+    checkpoint records, samples/s and the final record's global_batch all
+    count by. Ring mode (a pipeline's replicas too): all of them; ps mode:
+    the gradients an update aggregates (sync: --replicas-to-aggregate, every
+    worker but the backups, whose late gradients are dropped; async: one
+    worker's, applied alone)."""
     if args.mode != "ps":
         return workers
-    return replicas_to_aggregate(args.sync, args.replicas_to_aggregate, ps_workers, args.backup_workers)
+    return replicas_to_aggregate(args.sync, args.replicas_to_aggregate, workers, args.backup_workers)
 
 
 def steps_for_epochs(epochs, train_samples, per_update):
@@ -112,7 +112,7 @@ class Data:
     """The data and how it is dealt: `workers` take batches of their own (a
     pipeline's replicas; ps: the workers), each `batches` of `batch_size` a
     step (--accumulate-steps K, or a pipeline's --micro-batches M);
-    the batches of `aggregated` of them make one optimizer step (samples_per_update)."""
+    the batches of `aggregated` of them make one optimizer step (aggregated_workers)."""
     dir: str
     digest: str          # the manifest's (what ranks and checkpoints compare)
     train_samples: int
@@ -131,7 +131,7 @@ class Data:
 
     @property
     def per_update(self):
-        """Training samples one optimizer step takes, globally (samples_per_update)."""
+        """Training samples one optimizer step takes, globally (aggregated_workers)."""
         return self.aggregated * self.per_worker
 
     def per_update_line(self):
@@ -293,7 +293,7 @@ class Plan:
 
     @property
     def per_step(self):
-        """Training samples one optimizer step takes, globally (samples_per_update)."""
+        """Training samples one optimizer step takes, globally (Data.per_update)."""
         return self.data.per_update
 
     def lr(self, step):
@@ -315,7 +315,7 @@ def data_plan(args, cluster, data_dir, digest, manifest, has_val):
     return Data(dir=str(data_dir), digest=digest, train_samples=int(manifest["train"]["num_samples"]),
                 has_val=bool(has_val), workers=workers, batch_size=args.batch_size,
                 batches=args.accumulate_steps * args.micro_batches, seed=args.seed, augment=args.augment,
-                aggregated=aggregated_workers(args, workers, cluster.num_workers))
+                aggregated=aggregated_workers(args, workers))
 
 
 def schedule_plan(args, data):
