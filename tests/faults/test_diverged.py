@@ -75,26 +75,30 @@ def test_a_nan_step_is_never_the_best(job, tmp_path):
             assert all(np.isfinite(f[g][k][()]).all() for g in f for k in f[g])
 
 
-# A layer that multiplies its gradient by 1e9 on rank 1 from its third
-# training forward (the spec check runs it once first), so that rank's
-# first-layer gradient holds values far past fp16's 65504 (x 2 ranks), all
-# finite in float32; a learning rate that keeps the parameters finite there.
-BOOST_ON_RANK_1 = ("import os\nfrom hpctrain.nn import Dense, Flatten, Layer\n\nCALLS = [0]\n\n\n"
+# A layer that multiplies its gradient by 1e9 on rank {rank} from its third
+# training forward (the spec check runs it once first), so that the
+# first layer's gradient there holds values far past fp16's 65504 (x 2
+# ranks), all finite in float32; a learning rate that keeps the parameters
+# finite there.
+BOOST_ON_RANK = ("import os\nfrom hpctrain.nn import Dense, Flatten, Layer\n\nCALLS = [0]\n\n\n"
                    "class Boost(Layer):\n    def forward(self, x, train):\n        CALLS[0] += train\n"
                    "        return x * 1\n\n    def backward(self, dy, need_dx):\n"
-                   "        big = CALLS[0] >= 3 and os.environ.get('PMI_RANK') == '1'\n"
+                   "        big = CALLS[0] >= 3 and os.environ.get('PMI_RANK') == '{rank}'\n"
                    "        return dy * 1e9 if big else dy\n\n\n"
                    "def build(shape, classes):\n    return [Flatten(), Dense(16), Boost(), Dense(classes)]\n")
 
 
-@pytest.mark.parametrize("shard", ["on", "off"])
-def test_an_fp16_wire_overflow_is_named_as_such_not_as_divergence(job, tmp_path, shard):
+@pytest.mark.parametrize("ranks, boost, layout", [
+    (2, 1, ["--shard-optimizer", "on"]), (2, 1, ["--shard-optimizer", "off"]),
+    (4, 3, ["--pipeline-stages", "2"]),   # the layer on stage 1 (ranks 2, 3): rank 1's gradient, stage 0's wire
+], ids=["sharded", "unsharded", "pipeline"])
+def test_an_fp16_wire_overflow_is_named_as_such_not_as_divergence(job, tmp_path, ranks, boost, layout):
     # Issue 41, 21: it said "training diverged (try a lower --lr)" where bf16 and none train.
     model = tmp_path / "m.py"
-    model.write_text(BOOST_ON_RANK_1)
+    model.write_text(BOOST_ON_RANK.format(rank=boost))
     flags = ["--model", f"{model}:build", "--steps", "5", "--log-every", "5", "--optimizer", "sgd", "--lr", "1e-12",
-             "--shard-optimizer", shard, "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "1"]
-    r = job(2, *flags, "--compression", "fp16", "--save", tmp_path / "p.h5", timeout=120)
+             *layout, "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "1"]
+    r = job(ranks, *flags, "--compression", "fp16", "--save", tmp_path / "p.h5", timeout=120)
     assert r.returncode == EXIT_DIVERGED, r.stderr
     lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
     assert lines == ["hpctrain: error: the gradients' sum at step 2 overflowed the 16-bit wire of --compression "
@@ -102,5 +106,5 @@ def test_an_fp16_wire_overflow_is_named_as_such_not_as_divergence(job, tmp_path,
                      "gradient was finite: use --compression bf16 (float32's range, the same bytes) or none; no "
                      "checkpoint of these parameters is written"], r.stderr
     assert not (tmp_path / "p.h5").exists() and not (tmp_path / "ckpt" / "ckpt-00000002.h5").exists()
-    r = job(2, *flags[:-4], "--compression", "bf16", "--save", tmp_path / "p.h5", timeout=120)
+    r = job(ranks, *flags[:-4], "--compression", "bf16", "--save", tmp_path / "p.h5", timeout=120)
     assert r.returncode == 0, r.stderr
