@@ -169,3 +169,15 @@ def test_refused_combinations_are_one_line_and_exit_2(job, tmp_path, flags, expe
 def test_powersgd_flags_without_powersgd_are_a_warning(job, tmp_path, shards):
     r, _ = run(job, tmp_path, shards, 2, ["--powersgd-rank", "2", "--compression", "fp16"], "w")
     assert "hpctrain: warning: --powersgd-rank has no effect without --compression powersgd" in r.stderr, r.stderr
+
+
+def test_a_powersgd_rank_too_large_for_every_matrix_says_nothing_is_compressed(job, tmp_path, shards):
+    # Issue 41, 23: --powersgd-rank 100000 printed "compression powersgd rank - ... 0 matrices as factors"
+    r, _ = run(job, tmp_path, shards, 2, ["--compression", "powersgd", "--powersgd-rank", "100000",
+                                          "--powersgd-start", "0", "--steps", "2"], "big")
+    line = next(s for s in r.stdout.splitlines() if "compression powersgd" in s)
+    assert line.startswith("hpctrain: compression powersgd compresses no matrix: at --powersgd-rank R (at most a "
+                           "matrix's smaller side) no rows x cols matrix is --powersgd-min-rate times the "
+                           "(rows + cols) x R floats of its factors, so every bucket goes as float32, as with "
+                           "--compression none; "), line
+    assert "powersgd rank -" not in r.stdout

@@ -208,7 +208,7 @@ def test_epochs_count_the_replicas_batches(job, tmp_path):
     # 4500 training samples at 1 replica x 2 micro-batches x 8 = 16 a step
     r = ok(job(2, *MLP, "--pipeline-stages", "2", "--micro-batches", "2", "--batch-size", "8", "--epochs", "0.1",
                "--log-every", "100", "--metrics", tmp_path / "m.jsonl"))
-    assert "1 workers x 16 = 29 steps" in r.stdout, r.stdout
+    assert "1 worker x 16 = 29 steps" in r.stdout, r.stdout
     final = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     assert final["steps"] == 29 and final["workers"] == 1 and final["global_batch"] == 16, final
 

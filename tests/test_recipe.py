@@ -56,10 +56,10 @@ def test_schedule_line_names_the_key_points():
 
 
 def test_epochs_round_up_to_whole_steps():
-    assert steps_for_epochs(1, 4500, 2, 32) == 71          # 70.3 -> 71
-    assert steps_for_epochs(0.5, 4500, 2, 32) == 36
-    assert steps_for_epochs(2, 64, 2, 32) == 2
-    assert steps_for_epochs(1e-9, 4500, 2, 32) == 1
+    assert steps_for_epochs(1, 4500, 2 * 32) == 71          # 70.3 -> 71
+    assert steps_for_epochs(0.5, 4500, 2 * 32) == 36
+    assert steps_for_epochs(2, 64, 2 * 32) == 2
+    assert steps_for_epochs(1e-9, 4500, 2 * 32) == 1
 
 
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])

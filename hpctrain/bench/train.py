@@ -93,7 +93,7 @@ def summarise(mode, ranks, runs, flags):
     return {
         "mode": mode, "ranks": ranks, "workers": int(med["workers"]),
         "global_batch": int(med["global_batch"]),
-        "samples_per_s": med["global_batch"] / step if step else med["samples_per_s"],
+        "samples_per_s": row_rate(dict(runs[0], **med)),
         "loop_samples_per_s": med["samples_per_s"],
         "step_ms": step * 1e3 if step else None,
         "compute_ms": med.get("compute_median_s", 0) * 1e3,
@@ -201,9 +201,12 @@ def compare_model(args):
 
 
 def row_rate(run):
-    """samples/s of one run's final record: global batch over its median step."""
+    """samples/s of one run's final record: the samples its updates take
+    (global_batch, an update's) over its median step, a worker's. Async ps:
+    each worker's step is an update of its own, so W updates a step."""
     step = run.get("step_median_s")
-    return run["global_batch"] / step if step else run["samples_per_s"]
+    updates = run["workers"] if run.get("sync") is False else 1
+    return run["global_batch"] * updates / step if step else run["samples_per_s"]
 
 
 def compare_settings(args, extra):

@@ -32,7 +32,7 @@ from .trust import Corrupt as _Corrupt
 from .trust import Refused as _Refused
 from .trust import check_attr_types, check_ranges, stored_dataset
 from ..errors import HpctrainError
-from ..run.identity import RESUME_DEFAULTS
+from ..run.identity import RESUME_DEFAULTS, UNRECORDED_BEFORE
 
 
 def _describe(key, value):
@@ -250,6 +250,8 @@ def check_compatible(ckpt, expected_settings):
         raise HpctrainError(f"{ckpt.path}: checkpoint format version {version}, this hpctrain reads "
                             f"version {FORMAT_VERSION}; use --resume no with a new --checkpoint-dir")
     for key, want in expected_settings.items():
+        if key in UNRECORDED_BEFORE and key not in ckpt.attrs:
+            continue
         have = ckpt.attrs.get(key, RESUME_DEFAULTS.get(key))
         if have is None:
             raise HpctrainError(f"{ckpt.path}: checkpoint does not record {key}; cannot resume "

@@ -109,7 +109,7 @@ class Checkpoints:
     def samples_at(self, step):
         """The training samples taken up to `step` of this run (what its checkpoint records)."""
         base_step, base_samples = self._base
-        return base_samples + (int(step) - base_step) * self.data.workers * self.data.per_worker
+        return base_samples + (int(step) - base_step) * self.plan.per_step
 
     def _chief_reads_bounded(self):
         # A file system can hang (a dead NFS server, a FIFO): bounded like any wait.
@@ -345,7 +345,7 @@ def resumed_line(plan, saved_path, resume, steps):
                  f"{epoch} (from sample {pos}) is dealt over {workers} workers")
         if plan.epochs is not None:
             line += (f"; --epochs {plan.epochs:g}: {resume.samples} samples taken so far, "
-                     f"the rest at {workers} workers x {plan.data.per_worker}: the run ends at step {steps}")
+                     f"the rest at {plan.data.per_update_line()}: the run ends at step {steps}")
         if plan.schedule.scale_lr:
             line += (f"; --scale-lr: lr {plan.lr(step):g} at step {step} for {workers} "
                      f"workers (was {plan.lr(step) * before / workers:g})")

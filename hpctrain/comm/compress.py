@@ -47,7 +47,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..chunks import chunk_bounds
-from ..device import array_module
+from ..device import all_finite, array_module
 from ..optim.compression import HALF_KINDS, Half
 from .device_buffers import BoundToDevice
 from .hier import HierAllreduce
@@ -309,7 +309,10 @@ def half_strategy(strategy, codec):
 class HalfExchange:
     """--compression fp16|bf16 over `buffer` (the wire, or a pipeline
     stage's part of it): each bucket through half_strategy(strategy); its
-    first `exact` elements summed in float32 by `strategy` itself."""
+    first `exact` elements summed in float32 by `strategy` itself.
+    fp16: `sent_finite` says whether every value this rank put on the wire
+    this step was finite, so that a sum that is not can be told from an
+    overflow of the 16-bit words (loops/ring.py)."""
 
     def __init__(self, strategy, buffer, kind, exact=0):
         self.kind, self.codec = kind, Half(kind)
@@ -317,9 +320,11 @@ class HalfExchange:
         self.half = half_strategy(strategy, self.codec)
         self.size = strategy.size
         self._head = array_module(buffer).zeros(max(self.exact, 1), buffer.dtype)
+        self.sent_finite = True
 
     def begin(self, step):
-        """Nothing to decide per step: every bucket of every step is compressed."""
+        """Every bucket of every step is compressed: only the finiteness check starts anew."""
+        self.sent_finite = True
 
     def allreduce(self, lo, hi):
         self._run(lo, hi, self.half.allreduce)
@@ -335,6 +340,8 @@ class HalfExchange:
             head = self._head[:k]
             head[...] = buf[:k]
             self.strategy.allreduce(head)   # the loss and stop: float32, today's sum
+        if self.codec.prescale and self.sent_finite:   # fp16 (one scan, beside the encode's passes)
+            self.sent_finite = all_finite(buf[k:])
         done = op(buf)
         if k:
             buf[:k] = head
@@ -367,10 +374,15 @@ def summary(exchange, buckets, sharded=False):
     full = 4 * sum(hi - lo for lo, hi in buckets)
     sent = sum(exchange.sent_bytes(lo, hi) for lo, hi in buckets)
     via = getattr(exchange.strategy, "name", "?")
-    if exchange.kind == "powersgd":
+    if exchange.kind == "powersgd" and not exchange.matrices:
+        # a rank at or past a matrix's smaller side (where it is capped) never pays
+        what = ("compression powersgd compresses no matrix: at --powersgd-rank R (at most a matrix's smaller "
+                "side) no rows x cols matrix is --powersgd-min-rate times the (rows + cols) x R floats of its "
+                "factors, so every bucket goes as float32, as with --compression none")
+    elif exchange.kind == "powersgd":
         n = sum(m.hi - m.lo for m in exchange.matrices)
         ranks = sorted({m.rank for m in exchange.matrices})
-        what = (f"compression powersgd rank {'/'.join(map(str, ranks)) or '-'} from step {exchange.start}"
+        what = (f"compression powersgd rank {'/'.join(map(str, ranks))} from step {exchange.start}"
                 f"{'' if exchange.warm_start else ', no warm start'}"
                 f"{'' if exchange.error is not None else ', no error feedback'}: {len(exchange.matrices)} "
                 f"matri{'x' if len(exchange.matrices) == 1 else 'ces'} as factors ({n:,} of {full // 4:,} floats), "

@@ -37,6 +37,17 @@ def diverged(step, loss, speaks, collective=True):
                          exit_code=EXIT_DIVERGED, collective=collective, report=speaks)
 
 
+def wire_overflow(step, speaks):
+    """The exit-4 error of a step whose fp16 exchange overflowed: every
+    gradient was finite, their sum in 16 bits was not (loops/ring_step.py
+    wire_overflowed), so a lower lr is not the cure: a wider wire is."""
+    return HpctrainError(f"the gradients' sum at step {step} overflowed the 16-bit wire of --compression fp16 "
+                         f"(a value past fp16's largest, 65504, after dividing by the ranks) though every rank's "
+                         f"gradient was finite: use --compression bf16 (float32's range, the same bytes) or none; "
+                         f"no checkpoint of these parameters is written",
+                         exit_code=EXIT_DIVERGED, collective=True, report=speaks)
+
+
 class LossLog:
     """The progress line's cadence and the mean loss since the last one: a
     line when the step crossed a multiple of --log-every (an async ps worker's

@@ -33,7 +33,7 @@ from ..pipeline.grid import Grid
 from ..pipeline.stage import Stage
 from ..pipeline.stages import owned_pieces, stage_pieces
 from ..pipeline.trace import StageTrace
-from .frame import Frame
+from .frame import Frame, wire_overflow
 
 
 def train_pipe(world, plan, inputs, timeline):
@@ -95,7 +95,7 @@ def train_pipe(world, plan, inputs, timeline):
                     StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), compression=compression)
     model = whole.Pipelined(world, plan, engine, layouts)   # what the frame evaluates and saves, stage by stage
     step, stopped = train_steps(world, frame, engine, layouts, reader, model)
-    extra = {"workers": grid.replicas, "global_batch": plan.per_step, "pipeline_stages": grid.stages,
+    extra = {"workers": grid.replicas, "pipeline_stages": grid.stages,
              "micro_batches": micro, "schedule": pipe.schedule, "virtual_stages": virtual, "replicas": grid.replicas,
              "pipeline_split": pipe.split, "shard_optimizer": "on" if engine.sharded else "off",
              **(engine.clip.totals() if engine.clip else {}), "compression": plan.compression.kind}
@@ -145,6 +145,8 @@ def train_steps(world, frame, engine, layouts, reader, model):
             frame.timed(t0, engine.schedule_done, t1)
             step += 1
             frame.summed_loss(step, loss, replicas, grad_norm=engine.clip.mean_norm if engine.clip else None)
+            if engine.wire_overflowed:
+                raise wire_overflow(step, world.chief)
             # every rank evaluates, through the stages
             frame.after_step(model, step)
             if stopped:

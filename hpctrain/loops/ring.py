@@ -17,7 +17,7 @@ from ..comm.topology import Topology
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
 from ..report.evaluated import WholeModel
-from .frame import Frame
+from .frame import Frame, wire_overflow
 from .ring_step import RingStep
 
 
@@ -103,6 +103,8 @@ def train_steps(world, frame, ring, reader, evaluated):
             # step as on the CPU.
             loss, stopped = ring.summed()
             frame.summed_loss(step, loss, workers, grad_norm=ring.clip.mean_norm if ring.clip else None)
+            if ring.wire_overflowed(world.cluster.worker_comm, world.waiting):
+                raise wire_overflow(step, world.chief)
             frame.after_step(evaluated, step)
             if stopped:
                 if step < frame.steps:

@@ -34,10 +34,14 @@ the decompressed sum as they see today's.
     mpirun -n 4 python -m hpctrain.train --steps 200 --shard-optimizer on --clip-norm 1
     mpirun -n 4 python -m hpctrain.train --steps 200 --compression powersgd --powersgd-start 20
 """
+import numpy as np
+from mpi4py import MPI
+
 from ..comm.compress import make_exchange, sharding_for
 from ..comm.fusion import FusedAllreduce, bucket_bounds, owned_ranges
 from ..comm.grad_norm import BucketNorm
 from ..comm.wire import GRADS, LOSS, STOP, Wire
+from ..device import all_finite
 from ..nn.accumulate import Accumulation
 from ..optim.compression import powersgd_layout
 from ..optim.optimizers import make_optimizer
@@ -162,6 +166,20 @@ class RingStep:
         if self.exchange is None:
             return None
         return sum(self.exchange.sent_bytes(lo, hi) for lo, hi in self.buckets)
+
+    def wire_overflowed(self, comm, waiting):
+        """--compression fp16, after a step whose summed loss was finite:
+        whether its parameters are not (the same bits on every rank) though
+        every rank's gradient was finite as it went on the wire, i.e. a sum
+        past fp16's 65504 became inf in 16 bits. Collective over comm (the
+        workers) only when the parameters are not finite; `waiting`: the
+        world's deadline for it."""
+        if self.exchange is None or self.exchange.kind != "fp16" or all_finite(self.model.params):
+            return False
+        everyone = np.array([self.exchange.sent_finite], np.int64)
+        with waiting("fp16 overflow check (allreduce)"):
+            comm.Allreduce(MPI.IN_PLACE, everyone, op=MPI.MIN)
+        return bool(everyone[0])
 
     def summed(self):
         """(loss summed over the ranks, did any rank ask to stop), read from the

@@ -23,7 +23,9 @@ The loss lives on the last stage, layer 0 on the first: each step one world
 Allreduce of [loss, stop] (the last stages' mean loss over their
 micro-batches, any rank's stop signal) brings the summed loss to the chief
 (world rank 0, on the first stage) and to every rank the same stop
-decision, so all stop after the same step. Takes communicators (the grid's);
+decision, so all stop after the same step (with --compression fp16 it also
+carries what tells a 16-bit overflow from divergence: `wire_overflowed`).
+Takes communicators (the grid's);
 loops/pipe.py makes it.
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --hidden 64,32 --steps 20
@@ -104,7 +106,10 @@ class Engine:
         self.first = [s == 0 and k == 0 for k in range(V)]
         self.last = [s == P - 1 and k == V - 1 for k in range(V)]
         self.batch = batch   # a micro-batch's samples, whatever this stage reads
-        self.head = np.zeros(2, np.float64)   # [loss, stop], summed over the world
+        # [loss, stop, ranks whose parameters are not finite, ranks that put a value that is not on
+        # the fp16 wire], summed over the world (the last two: wire_overflowed; 0 without fp16)
+        self.head = np.zeros(4, np.float64)
+        self.wire_overflowed = False
         self.schedule_done = None
         self.trace = trace   # --timeline; without it, no-ops
         self.grad_scale = 1.0 / (grid.replicas * self.micro)
@@ -189,10 +194,22 @@ class Engine:
         # ring mode's float32 sums (nn/accumulate.py): the losses added in order, times 1/M
         self.head[0] = float(self.losses.mean()[0]) if self.grid.last else 0.0
         self.head[1] = 1.0 if self.world.stop.received else 0.0
+        self.head[2:] = self._fp16_notes()
         with trace.span("loss and stop"), self.world.waiting("loss and stop allreduce", peer=None):
             self.world.waits.allreduce(self.world.comm, self.head, MPI.SUM)
+        # --compression fp16: some stage's parameters are not finite though every gradient on the
+        # wire was: the 16-bit sum overflowed (loops/pipe.py names it, as loops/ring.py does)
+        self.wire_overflowed = bool(self.head[2] > 0 and self.head[3] == 0)
         trace.flush()
         return float(self.head[0]), bool(self.head[1] > 0)
+
+    def _fp16_notes(self):
+        """(this rank's chunks' parameters not finite, this rank put a value that is not finite on the
+        fp16 wire) as 0/1; (0, 0) without fp16 (no scan)."""
+        if self.exchange is None or self.exchange.kind != "fp16":
+            return 0.0, 0.0
+        finite = all(device.all_finite(chunk.params) for chunk in self.chunks)
+        return float(not finite), float(not self.exchange.sent_finite)
 
     def evaluate(self, x, y, count, batch=128):
         """Forward only, in evaluation mode, batches of `batch` through the

@@ -201,7 +201,7 @@ class Report:
         save_error = result["save_error"]
         record = {"event": "final", "mode": plan.mode, "world_size": cluster.size, "workers": cluster.num_workers,
                   "steps": step,
-                  "global_batch": plan.data.batch_size * plan.ring.accumulate_steps * cluster.num_workers,
+                  "global_batch": plan.per_step,
                   **val, "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
                   "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
                   "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),

@@ -7,7 +7,9 @@
   ignored without a word.
 - Every checkpoint records `recorded(args, ...)` as attributes (checkpoint.py).
 - On resume the checkpoint's `SAME_ON_RESUME` values must equal this run's:
-  the model and its state (mode, model, hidden, num_params, optimizer), the
+  the model and its state (mode, model, hidden, num_params, optimizer, and
+  --momentum for --optimizer momentum: its velocity is a sum of gradients
+  decayed by that factor, so another value changes what the state means), the
   per-worker batch the run was tuned with (batch_size), the shuffle (seed),
   and the learning-rate schedule's shape (`schedule_key`: with cosine,
   --steps too). Everything else may change on resume: the number of
@@ -17,7 +19,7 @@
   change, like --lr); the result is bit-identical to an
   uninterrupted run only when nothing else changed either.
 
-    python -c "from hpctrain import cli, settings; print(settings.same_on_every_rank(cli.parse([])))"
+    python -c "from hpctrain import cli; from hpctrain.run import identity; print(identity.same_on_every_rank(cli.parse([])))"
 """
 import hashlib
 import math
@@ -27,7 +29,8 @@ from .. import __version__
 from ..nn.sequential import INIT_VERSION
 
 # Flags whose value must be identical on every rank of a job.
-RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epochs", "lr", "optimizer", "single_pass", "seed", "scale_lr", "warmup_steps",
+RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epochs", "lr", "optimizer", "momentum",
+              "single_pass", "seed", "scale_lr", "warmup_steps",
               "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay", "clip_norm",
               "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "ps_exchange", "sync",
               "replicas_to_aggregate", "backup_workers", "max_staleness", "dc_lambda", "placement", "checkpoint_every",
@@ -39,13 +42,17 @@ RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epoch
 OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
                 "keep_best", "timeline", "timeline_steps", "eval_every", "log_every", "memory_budget", "tensorboard")
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline", "tensorboard")
-SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "batch_size", "accumulate_steps", "seed",
-                  "lr_schedule")
+SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "momentum", "batch_size",
+                  "accumulate_steps", "seed", "lr_schedule")
 # What a checkpoint written before a setting existed means by it (it is
 # missing there): checkpoints from before --lr-schedule were all constant,
 # from before the model spec (issue 20) all the MLP, and from before
 # --accumulate-steps all one batch per step.
 RESUME_DEFAULTS = {"lr_schedule": "constant", "model": "mlp", "accumulate_steps": 1}
+# Settings that checkpoints began to record late (--momentum: issue 41), so a
+# checkpoint without one may have been written with any value: resumed
+# unchecked, as before, rather than refused or judged against a guess.
+UNRECORDED_BEFORE = ("momentum",)
 
 
 def schedule_key(args, total_steps):
@@ -111,10 +118,12 @@ def same_on_every_rank(args):
 def same_on_resume(args, num_workers, spec, total_steps):
     """total_steps: the lr schedule's (Plan.schedule), which cosine's curve
     follows. --hidden only for the MLP, which it sizes (another model's
-    identity pins it down, and --hidden has no effect on it)."""
+    identity pins it down, and --hidden has no effect on it); --momentum
+    only for --optimizer momentum, the one that uses it."""
     job = dict(_job(args), **_model(spec), num_workers=int(num_workers),
                lr_schedule=schedule_key(args, total_steps))
-    return {k: job[k] for k in SAME_ON_RESUME if k != "hidden" or args.model == "mlp"}
+    unused = {"hidden": args.model != "mlp", "momentum": args.optimizer != "momentum"}
+    return {k: job[k] for k in SAME_ON_RESUME if not unused.get(k)}
 
 
 def recorded(args, world_size, num_workers, spec):

@@ -17,7 +17,7 @@ Two decisions, each by every rank alike:
   step 0. The schedule keeps its start-up total: with --lr-schedule cosine a
   resize is refused before (identity.schedule_key).
 
-    python -c "from hpctrain.run.plan import steps_for_epochs; print(steps_for_epochs(1, 4500, 2, 32))"
+    python -c "from hpctrain.run.plan import steps_for_epochs; print(steps_for_epochs(1, 4500, 2 * 32))"
 """
 import math
 from dataclasses import dataclass
@@ -34,22 +34,36 @@ from .cluster import cores_available
 # --- the arithmetic ------------------------------------------------------------
 
 
-def steps_for_epochs(epochs, train_samples, workers, batch_size):
-    """--epochs E as global steps: ceil(E * samples / (workers * batch size)),
+def aggregated_workers(args, workers):
+    """Of the `workers` that take batches of their own, those whose samples
+    one optimizer step (update) takes: with the per-worker batch
+    (Data.per_update) the one definition that --epochs, the samples a
+    checkpoint records, samples/s and the final record's global_batch all
+    count by. Ring mode (a pipeline's replicas too): all of them; ps mode:
+    the gradients an update aggregates (sync: --replicas-to-aggregate, every
+    worker but the backups, whose late gradients are dropped; async: one
+    worker's, applied alone)."""
+    if args.mode != "ps":
+        return workers
+    return replicas_to_aggregate(args.sync, args.replicas_to_aggregate, workers, args.backup_workers)
+
+
+def steps_for_epochs(epochs, train_samples, per_update):
+    """--epochs E as global steps: ceil(E * samples / samples per update),
     at least 1. Exact for a whole E and integer arithmetic where E*4 is whole,
     so 1 epoch of 4500 samples at 2 x 32 is 71 steps, not 70 or 72."""
-    return max(1, math.ceil(epochs * train_samples / (workers * batch_size)))
+    return max(1, math.ceil(epochs * train_samples / per_update))
 
 
-def epochs_end(epochs, train_samples, step, samples, workers, batch_size):
+def epochs_end(epochs, train_samples, step, samples, per_update):
     """--epochs E resumed at `step` after `samples` training samples: the step
-    at which E x train_samples are taken, the rest at workers x batch_size a
-    step. So a job resized on resume still trains E epochs (within one global
-    batch at the end), not the steps E would be at its new size from step 0."""
-    per_step = int(workers) * int(batch_size)
-    if samples == step * per_step:   # all at this size: the steps of a run through, to the bit
-        return steps_for_epochs(epochs, train_samples, workers, batch_size)
-    return step + max(0, math.ceil((epochs * train_samples - samples) / per_step))
+    at which E x train_samples are taken, the rest at per_update a step. So
+    a job resized on resume still trains E epochs (within one global batch
+    at the end), not the steps E would be at its new size from step 0."""
+    per_update = int(per_update)
+    if samples == step * per_update:   # all at this size: the steps of a run through, to the bit
+        return steps_for_epochs(epochs, train_samples, per_update)
+    return step + max(0, math.ceil((epochs * train_samples - samples) / per_update))
 
 
 def replicas_to_aggregate(sync, given, workers, backup_workers):
@@ -97,7 +111,8 @@ def shard_wanted(flag, workers=1, xp=np, allreduce="auto"):
 class Data:
     """The data and how it is dealt: `workers` take batches of their own (a
     pipeline's replicas; ps: the workers), each `batches` of `batch_size` a
-    step (--accumulate-steps K, or a pipeline's --micro-batches M)."""
+    step (--accumulate-steps K, or a pipeline's --micro-batches M);
+    the batches of `aggregated` of them make one optimizer step (aggregated_workers)."""
     dir: str
     digest: str          # the manifest's (what ranks and checkpoints compare)
     train_samples: int
@@ -107,11 +122,24 @@ class Data:
     batches: int
     seed: int
     augment: str         # --augment: "crop,flip" and the like, "" for none (data/augment.py)
+    aggregated: int      # the workers whose batches one optimizer step takes (ps: the gradients it aggregates)
 
     @property
     def per_worker(self):
         """Samples one worker takes per optimizer step."""
         return self.batch_size * self.batches
+
+    @property
+    def per_update(self):
+        """Training samples one optimizer step takes, globally (aggregated_workers)."""
+        return self.aggregated * self.per_worker
+
+    def per_update_line(self):
+        """per_update in words: "2 workers x 32", "1 of 2 workers x 32 (...)"."""
+        if self.aggregated == self.workers:
+            return f"{self.workers} worker{'s' if self.workers != 1 else ''} x {self.per_worker}"
+        return (f"{self.aggregated} of {self.workers} workers x {self.per_worker} (the gradients an update "
+                f"aggregates)")
 
 
 @dataclass(frozen=True)
@@ -199,7 +227,7 @@ class Ps:
     num_ps: int
     ps_ranks: str
     sync: bool
-    replicas: int           # gradients per update (replicas_to_aggregate)
+    replicas: int           # gradients per update (aggregated_workers: Data.aggregated)
     backup_workers: int
     max_staleness: int      # None: unbounded
     dc_lambda: float
@@ -265,9 +293,8 @@ class Plan:
 
     @property
     def per_step(self):
-        """Training samples one optimizer step takes, globally (ps: of the aggregated workers)."""
-        workers = self.ps.replicas if self.mode == "ps" else self.data.workers
-        return workers * self.data.per_worker
+        """Training samples one optimizer step takes, globally (Data.per_update)."""
+        return self.data.per_update
 
     def lr(self, step):
         return self.schedule.lr(step)
@@ -277,24 +304,25 @@ class Plan:
         is known on every rank."""
         if resume is None or self.epochs is None:
             return self.schedule.total_steps
-        return epochs_end(self.epochs, self.data.train_samples, resume.step, resume.samples, self.data.workers,
-                          self.data.per_worker)
+        return epochs_end(self.epochs, self.data.train_samples, resume.step, resume.samples, self.per_step)
 
 
 def data_plan(args, cluster, data_dir, digest, manifest, has_val):
     """How the data is dealt: the workers that take batches of their own (a
-    pipeline's replicas, world / stages) and their samples per step."""
+    pipeline's replicas, world / stages), their samples per step, and the
+    samples an update takes."""
+    workers = cluster.num_workers // args.pipeline_stages
     return Data(dir=str(data_dir), digest=digest, train_samples=int(manifest["train"]["num_samples"]),
-                has_val=bool(has_val), workers=cluster.num_workers // args.pipeline_stages,
-                batch_size=args.batch_size, batches=args.accumulate_steps * args.micro_batches, seed=args.seed,
-                augment=args.augment)
+                has_val=bool(has_val), workers=workers, batch_size=args.batch_size,
+                batches=args.accumulate_steps * args.micro_batches, seed=args.seed, augment=args.augment,
+                aggregated=aggregated_workers(args, workers))
 
 
 def schedule_plan(args, data):
     """The learning-rate schedule; its total: --steps, or --epochs counted over the data from step 0."""
     steps = args.steps
     if args.epochs is not None:
-        steps = steps_for_epochs(args.epochs, data.train_samples, data.workers, data.per_worker)
+        steps = steps_for_epochs(args.epochs, data.train_samples, data.per_update)
     return Schedule(base_lr=args.lr, workers=data.workers, scale_lr=args.scale_lr, warmup_steps=args.warmup_steps,
                     schedule=args.lr_schedule, decay=args.lr_decay, decay_steps=args.lr_decay_steps,
                     lr_min=args.lr_min, total_steps=steps)
@@ -318,8 +346,7 @@ def make_plan(args, world, spec, data, schedule, cuts):
                                                   world.thread_multiple),
                   accumulate_steps=args.accumulate_steps),
         ps=Ps(num_ps=cluster.num_ps, ps_ranks=args.ps_ranks, sync=args.sync,
-              replicas=replicas_to_aggregate(args.sync, args.replicas_to_aggregate, cluster.num_workers,
-                                             args.backup_workers),
+              replicas=data.aggregated,
               backup_workers=args.backup_workers, max_staleness=args.max_staleness, dc_lambda=args.dc_lambda,
               placement=args.placement, exchange=args.ps_exchange, device=args.ps_device),
         pipe=Pipe(stages=args.pipeline_stages, micro_batches=args.micro_batches, schedule=args.pipeline_schedule,

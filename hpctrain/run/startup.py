@@ -119,9 +119,8 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # the resume point (Plan.last_step).
     schedule = schedule_plan(args, data)
     if args.epochs is not None:
-        say(f"steps: {counted(args.epochs, 'epoch')} of {data.train_samples} samples at "
-            f"{counted(data.workers, 'worker')} x "
-            f"{data.per_worker} = {schedule.total_steps} steps")
+        say(f"steps: {counted(args.epochs, 'epoch')} of {data.train_samples} samples at {data.per_update_line()} = "
+            f"{schedule.total_steps} steps")
     if args.lr_schedule != "constant":   # constant: today's output, unchanged
         say(schedule.line())
     if args.augment:

@@ -38,8 +38,9 @@ NAN_AT = ("import numpy as np\nfrom hpctrain.nn import Dense, Flatten, Layer\n\n
           "def build(shape, classes):\n    return [Flatten(), Dense(16), NaNAt(), Dense(classes)]\n")
 
 
-@pytest.mark.parametrize("flags", [["--mode", "ring"], ["--pipeline-stages", "2"], ["--mode", "ps"]],
-                         ids=["ring", "pipeline", "ps"])
+@pytest.mark.parametrize("flags", [["--mode", "ring"], ["--pipeline-stages", "2"], ["--mode", "ps"],
+                                   ["--compression", "fp16"]],   # a NaN gradient is no fp16 overflow
+                         ids=["ring", "pipeline", "ps", "ring-fp16"])
 def test_a_nan_gradient_in_the_last_step_is_no_result(job, tmp_path, flags):
     # Issue 27, 2: the divergence check read the loss, and the parameters were
     # checked only for a checkpoint: --save was all NaN, "test loss nan", rc 0.
@@ -72,3 +73,38 @@ def test_a_nan_step_is_never_the_best(job, tmp_path):
         import numpy as np
         with h5py.File(tmp_path / "best.h5") as f:
             assert all(np.isfinite(f[g][k][()]).all() for g in f for k in f[g])
+
+
+# A layer that multiplies its gradient by 1e9 on rank {rank} from its third
+# training forward (the spec check runs it once first), so that the
+# first layer's gradient there holds values far past fp16's 65504 (x 2
+# ranks), all finite in float32; a learning rate that keeps the parameters
+# finite there.
+BOOST_ON_RANK = ("import os\nfrom hpctrain.nn import Dense, Flatten, Layer\n\nCALLS = [0]\n\n\n"
+                   "class Boost(Layer):\n    def forward(self, x, train):\n        CALLS[0] += train\n"
+                   "        return x * 1\n\n    def backward(self, dy, need_dx):\n"
+                   "        big = CALLS[0] >= 3 and os.environ.get('PMI_RANK') == '{rank}'\n"
+                   "        return dy * 1e9 if big else dy\n\n\n"
+                   "def build(shape, classes):\n    return [Flatten(), Dense(16), Boost(), Dense(classes)]\n")
+
+
+@pytest.mark.parametrize("ranks, boost, layout", [
+    (2, 1, ["--shard-optimizer", "on"]), (2, 1, ["--shard-optimizer", "off"]),
+    (4, 3, ["--pipeline-stages", "2"]),   # the layer on stage 1 (ranks 2, 3): rank 1's gradient, stage 0's wire
+], ids=["sharded", "unsharded", "pipeline"])
+def test_an_fp16_wire_overflow_is_named_as_such_not_as_divergence(job, tmp_path, ranks, boost, layout):
+    # Issue 41, 21: it said "training diverged (try a lower --lr)" where bf16 and none train.
+    model = tmp_path / "m.py"
+    model.write_text(BOOST_ON_RANK.format(rank=boost))
+    flags = ["--model", f"{model}:build", "--steps", "5", "--log-every", "5", "--optimizer", "sgd", "--lr", "1e-12",
+             *layout, "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "1"]
+    r = job(ranks, *flags, "--compression", "fp16", "--save", tmp_path / "p.h5", timeout=120)
+    assert r.returncode == EXIT_DIVERGED, r.stderr
+    lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
+    assert lines == ["hpctrain: error: the gradients' sum at step 2 overflowed the 16-bit wire of --compression "
+                     "fp16 (a value past fp16's largest, 65504, after dividing by the ranks) though every rank's "
+                     "gradient was finite: use --compression bf16 (float32's range, the same bytes) or none; no "
+                     "checkpoint of these parameters is written"], r.stderr
+    assert not (tmp_path / "p.h5").exists() and not (tmp_path / "ckpt" / "ckpt-00000002.h5").exists()
+    r = job(ranks, *flags[:-4], "--compression", "bf16", "--save", tmp_path / "p.h5", timeout=120)
+    assert r.returncode == 0, r.stderr
