@@ -145,6 +145,13 @@ def vendor_of(cpu_name):
     return "generic" if cpu_name.startswith("generic") else "intel"
 
 
+def rounding(label):
+    """The key part of a label "isa/vendor: key" (nn/compiled.py
+    tuning_key; "NumPy" is its own): two CPUs whose labels differ only in
+    isa or vendor but share a row's key give the same bits."""
+    return label.partition(": ")[2] or label
+
+
 def tuning_for(isa, vendor):
     """The row for (isa, vendor): its own, else its isa's "*" row (isa
     None, or one without a row: no AVX2 or AVX-512, no direct convolutions)."""

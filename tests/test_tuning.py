@@ -223,6 +223,7 @@ def test_the_verdict_names_the_ranks_that_differ():
     from hpctrain.errors import HpctrainError
     from hpctrain.run.startup import tuning_verdict
     hosts = ["a", "a", "b", "b"]
+    assert tuning_verdict({0: "avx512/amd: k", 1: "avx512/generic: k"}, hosts, 2) is None   # the same bits
     assert tuning_verdict({0: "k", 1: "k", 3: "k"}, hosts, 2) is None   # rank 2 a ps server: not compared
     note = tuning_verdict({0: "k", 1: "k", 2: "j", 3: "j"}, hosts, 1)
     assert note.startswith("compiled layers: the ranks' CPUs round apart (rank 0 (a): k; rank 2 (b): j; rank 3 (b): j)")

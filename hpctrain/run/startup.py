@@ -28,6 +28,7 @@ from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
 from ..report import tensorboard
+from ..tuning import rounding
 from . import cluster as cluster_mod
 from . import identity, jobcheck
 from .cluster import Cluster
@@ -304,7 +305,9 @@ def check_tuning(comm, cluster, stages):
 
 
 def tuning_verdict(keys, hosts, stages):
-    """keys: {worker rank: its tuning key}; hosts: each rank's host name.
+    """keys: {worker rank: its tuning label, "isa/vendor: key"}; hosts: each
+    rank's host name. Compared by their keys (tuning.rounding): the part
+    that decides the bits.
     Where the ranks' CPUs take rows of hpctrain/tuning.py that round apart
     (another sum order, another set of layers run direct):
     - data-parallel replicas (ring, ps, a stage's replicas) still hold the
@@ -315,8 +318,8 @@ def tuning_verdict(keys, hosts, stages):
       same micro-batches in turn (--accumulate-steps): each sample's
       forward and backward cross its stages' ranks, so with keys apart it
       computes what no single CPU would. Refused, in one line."""
-    first = keys[min(keys)]
-    odd = [r for r in sorted(keys) if keys[r] != first]
+    first = rounding(keys[min(keys)])
+    odd = [r for r in sorted(keys) if rounding(keys[r]) != first]
     if not odd:
         return None
 
