@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from hpctrain import tuning
-from test_layers import bound, check_against_loops, direct_conv, direct_conv_grads
+from test_layers import bound, direct_conv, direct_conv_grads
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SSE = "+64bit,+sse,+sse2,+sse3,+ssse3,+sse4.1,+sse4.2,+popcnt,+cx16"
@@ -91,17 +91,15 @@ def shapes_for(row):
 ROW_SCRIPT = """
 import sys
 import numpy as np
-from test_layers import bound
+from test_layers import bound, check_against_loops
 from test_tuning import check_float32_kernels, shapes_for
-from hpctrain import tuning
-from hpctrain.nn import BatchNorm2d, Conv2d, compiled, passes
+from hpctrain.nn import Conv2d, compiled, passes
 isa, vendor = sys.argv[1] if sys.argv[1] != "None" else None, sys.argv[2]
 row = compiled.tuning()
 assert (row.isa, row.vendor) == (isa, vendor), (row, compiled._cpu())
 compiled.use(True)
 for out in (16, 32, 64, 128):
     assert bound(Conv2d(out, 3, padding=1), (4, 5, 16))[0].direct == row.fits(out), out
-from test_layers import check_against_loops
 for out, k, s, p, shape in shapes_for(row):
     layer, _, _ = bound(Conv2d(out, k, stride=s, padding=p), shape)
     check_against_loops(layer, shape, s, p)
@@ -205,7 +203,7 @@ def test_a_pipeline_on_cpus_that_round_apart_is_refused_in_one_line(tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "--pipeline-stages 2 with compiled layers on CPUs whose kernels round apart" in \
-        lines[0] and f"rank 0 (" in lines[0] and "rank 1 (" in lines[0] and "none/" in lines[0], r.stderr
+        lines[0] and "rank 0 (" in lines[0] and "rank 1 (" in lines[0] and "none/" in lines[0], r.stderr
 
 
 def test_data_parallel_replicas_on_cpus_that_round_apart_go_on_with_a_note(tmp_path):
