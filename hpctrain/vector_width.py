@@ -9,7 +9,8 @@ of the 3x3 kernels, 256-bit (LLVM's choice) -> 512-bit: weight gradient
 16->16 channels 81 -> 115, 32->32 77 -> 124, 64->32 55 -> 81, 32->64 56
 -> 70; forward 16->16 100 -> 112, 32->32 101 -> 115 (32->64 unchanged,
 about 87). AMD's Zen 4 is not tuned that way: nothing changes there. So,
-as numba loads (it reads the variable then), where the CPU has AVX-512 and
+as numba loads (it reads the variable then), where the CPU has AVX-512, its
+row of hpctrain/tuning.py says `wide_vectors` (every AVX-512 row does) and
 NUMBA_CPU_FEATURES is not set, it is set to the CPU's own features with
 -prefer-256-bit. The bits do not change: each output channel is its own
 vector lane, summed in the same order at any width. A variable you set
@@ -26,6 +27,8 @@ import importlib.util
 import os
 import sys
 
+from .tuning import tuning_for, vendor_of
+
 FEATURES = "NUMBA_CPU_FEATURES"
 
 
@@ -36,10 +39,10 @@ def configure(env):
         return ""
     try:
         import llvmlite.binding as llvm   # LLVM itself, ~50 ms; no NumPy
-        features = llvm.get_host_cpu_features().flatten()
+        features, name = llvm.get_host_cpu_features().flatten(), llvm.get_host_cpu_name()
     except Exception:   # a host LLVM cannot describe: numba's own defaults
         return ""
-    if "+avx512f" not in features.split(","):
+    if "+avx512f" not in features.split(",") or not tuning_for("avx512", vendor_of(name)).wide_vectors:
         return ""
     env[FEATURES] = features + ",-prefer-256-bit"
     return "compiled layers: 512-bit vectors"

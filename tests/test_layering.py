@@ -18,7 +18,7 @@ LEVELS = [
     {"run", "checkpoints", "report", "pipeline", "trained"},
     {"comm", "optim"},
     {"nn", "data", "device", "prefetch"},
-    {"errors", "chunks", "cli", "arguments", "vector_width", "temporaries", "__init__"},
+    {"errors", "chunks", "cli", "arguments", "vector_width", "temporaries", "tuning", "__init__"},
 ]
 # What users run: they sit on top of everything.
 COMMANDS = {"train", "mnist", "checkpoint", "plot", "bench", "predict", "evaluate", "command", "__main__"}

@@ -24,6 +24,7 @@ from . import file as checkpoint
 from .reader import check_data, load_latest
 from .. import device, trained
 from ..errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
+from ..tuning import rounding
 from .sharded import ShardedState
 
 
@@ -136,6 +137,9 @@ class Checkpoints:
             raise HpctrainError(f"--resume yes, but --checkpoint-dir {d} holds no checkpoint")
         if ckpt is not None:
             self._check_data(ckpt)
+            line = tuning_line(ckpt.attrs.get("tuning"), self.plan.recorded["tuning"])
+            if line:
+                print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
         return ckpt
 
     def _check_data(self, ckpt):
@@ -350,3 +354,16 @@ def resumed_line(plan, saved_path, resume, steps):
             line += (f"; --scale-lr: lr {plan.lr(step):g} at step {step} for {workers} "
                      f"workers (was {plan.lr(step) * before / workers:g})")
     return line
+
+
+def tuning_line(saved, now):
+    """The warning for a resume whose layers round otherwise than the run
+    that wrote the checkpoint (its recorded `tuning`: "NumPy" or the compiled
+    layers' label, run/identity.py; compared by its key, tuning.rounding),
+    or None. Not a refusal: the run goes on as the arithmetic says, but
+    not bit-exact with the uninterrupted run.
+    A checkpoint from before the key was recorded says nothing."""
+    if saved is None or rounding(str(saved)) == rounding(now):
+        return None
+    return (f"the checkpoint's layers rounded as {saved}, this run's as {now} (another CPU type or "
+            f"--compiled-layers): the resumed run's bits will differ from an uninterrupted one's")

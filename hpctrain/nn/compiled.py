@@ -12,8 +12,8 @@ times, and OpenBLAS packs it first). Measured here (one thread, batch 32,
 28x28, 16 -> 16 channels, 3x3): the columns' GEMM ran at 32 GFLOP/s, a
 third of this machine's SGEMM, and im2col's copy came on top; this forward
 kernel ran at 108. It keeps a block of output pixels x all output
-channels in vector registers (BLOCKS: 4 x 16 floats, four AVX-512
-registers, at 16 channels), and for each
+channels in vector registers (hpctrain/tuning.py: 4 x 16 floats, four
+AVX-512 registers, at 16 channels), and for each
 input value of the window broadcasts it and adds it times one row of W into
 each pixel's accumulators: the input is read in place, the weights stay in
 L1, nothing is copied. The weight gradient is the same idea turned round: a
@@ -24,7 +24,7 @@ gradient is the forward kernel over dy padded with W turned round (stride
 1), or a gathering kernel (input_gradient: larger strides).
 
 Each output sums its window in the order (kh, kw, c) (on Intel's AVX-512
-CPUs at stride 1, (kh, c, kw): FORWARD_REUSE), each term a fused
+CPUs at stride 1, (kh, c, kw): the tuning row's `reuse`), each term a fused
 multiply-add (fastmath "contract" only: no reassociation), so a value does
 not depend on which block or thread computed it. numba's SLP vectorizer
 (off by default, NUMBA_SLP_VECTORIZE) is switched on while these kernels
@@ -38,59 +38,14 @@ dtype: what the cache hashes to find them again).
 import numpy as np
 
 from .. import vector_width
+from ..tuning import STACK_ITEMS, tuning_for, vendor_of
 
-# The register blocks, by the vector instructions numba compiles for and
-# the output channels O. PIXELS: output pixels per block of the forward
-# kernel (PIXELS x O/V accumulators, V floats a register); CHANNELS: input
-# channels per block of the weight gradient (CHANNELS x O/V, fewer where
-# the layer has fewer); LOOP_VECTORIZE: whether LLVM's loop vectorizer runs
-# beside the SLP one. Measured here (one thread, batch 32; AVX2 with numba
-# told the CPU has no AVX-512, NUMBA_CPU_FEATURES):
-# - AVX-512 (32 registers of 16 floats): 4 pixels at O = 16 ran at 108
-#   GFLOP/s, 7 and 14 fell apart as the compiler spilled. Without the loop
-#   vectorizer 16 and 32 channels ran at 93-115 GFLOP/s and 64 at 6-7 (its
-#   unrolled block too big for the SLP vectorizer alone); with it, 64 ran
-#   at 97-114 and 16 and 32 at 2-3 (it vectorized the wrong loop).
-# - AVX2 (16 registers of 8 floats): O = 16 at 4 pixels 106, 4 channels 90
-#   (16: 34, spilled); O = 32 at 2 pixels 95 (4: 40), 2 channels 54; O = 64
-#   at most 58 whatever the blocks, so 64 channels stay im2col there.
-BLOCKS = {
-    "avx512": {"PIXELS": {16: 4, 32: 4, 64: 3}, "CHANNELS": {16: 16, 32: 8, 64: 4},
-               "LOOP_VECTORIZE": {16: False, 32: False, 64: True}},
-    "avx2": {"PIXELS": {16: 4, 32: 2}, "CHANNELS": {16: 4, 32: 2},
-             "LOOP_VECTORIZE": {16: False, 32: False}},
-}
-# Intel's AVX-512 CPUs (512-bit vectors: hpctrain/vector_width.py) run the
-# forward kernel at 64 output channels in two passes of 32 (W's columns for
-# one pass, 37 KB at 32 input channels, stay in L1; 74 KB did not, and the
-# kernel waited on L2), all without the loop vectorizer, and with 4 to 7
-# pixels a block as the row's width is cut best (its last block overlaps the
-# one before: 14 pixels as 7 + 7, 11 as 6 + 6). Measured (one thread, 20
-# images, GFLOP/s) against the table above: 32->64 channels, 14 wide, 95 ->
-# 132 (7 pixels); 64->64, 11 wide, 94 -> 118-149 (6); 64->32, 14 wide, 127-135
-# -> 150-166 (7); 16->16, 28 wide, 111-114 -> 129-138 (7). INTEL_AVX512_FORWARD:
-# {O: (output channels a pass, loop vectorizer)}. AMD's Zen 4, where the
-# table above was measured, keeps it.
-INTEL_AVX512_FORWARD = {16: (16, False), 32: (32, False), 64: (32, False)}
-INTEL_PIXELS = (7, 6, 5, 4)
-# FORWARD_REUSE: there too, at stride 1, the forward kernel loads each input
-# value of a block's row once for the k kernel offsets that read it (PB + 2
-# broadcasts and 3 rows of W per (kh, c) for 3 * PB FMAs, where the order
-# (kh, kw, c) made one broadcast per FMA: at 16 channels, one register of
-# outputs a pixel, the loads were the limit). Measured (one thread, batch
-# 32, ms, interleaved medians; the (kh, kw, c) kernel -> this): 28x28, 16 ->
-# 16 channels 1.95 -> 1.32; 1 -> 16 0.18 -> 0.10; 1 -> 32 0.33 -> 0.22;
-# 14x14, 32 -> 64 2.28 -> 1.95; 7x7, 64 -> 64 1.10 -> 0.91; 13x13, 32 -> 64
-# 2.10 -> 1.79; 32 -> 32 and 64 -> 32 1.01-1.05x; none slower. At stride 2
-# the same reordering was 1.3-8x slower (its offsets do not fold away).
-# Each output's sum then goes in the order (kh, c, kw): other float32
-# rounding than (kh, kw, c), the same on any block or thread.
 _target = []
 
 
 def _cpu():
-    """(vector instructions, Intel or not) of what numba compiles for, asked
-    of LLVM once: its NUMBA_CPU_FEATURES and NUMBA_CPU_NAME where set, else
+    """(vector instructions, vendor) of what numba compiles for, asked of
+    LLVM once: its NUMBA_CPU_FEATURES and NUMBA_CPU_NAME where set, else
     this CPU's."""
     if not _target:
         try:
@@ -103,8 +58,7 @@ def _cpu():
             features, name = "", "generic"
         features = set(features.split(","))
         _target.append(("avx512" if "+avx512f" in features else
-                        "avx2" if {"+avx2", "+fma"} <= features else None,
-                        not name.startswith(("znver", "amdfam", "generic"))))   # AMD's are znver*
+                        "avx2" if {"+avx2", "+fma"} <= features else None, vendor_of(name)))
     return _target[0]
 
 
@@ -113,13 +67,16 @@ def isa():
     return _cpu()[0]
 
 
-def _intel():
-    """Whether LLVM names the CPU an Intel one."""
-    return _cpu()[1]
+def tuning():
+    """hpctrain/tuning.py's row for what numba compiles for."""
+    return tuning_for(*_cpu())
 
 
-def _blocks(table):
-    return BLOCKS[isa()][table] if isa() else {}
+def tuning_key():
+    """"isa/vendor: the row's key", what decides the kernels' bits here
+    (isa "none": no AVX2 or AVX-512). Ranks and checkpoints compare it."""
+    isa_name, vendor = _cpu()
+    return f"{isa_name or 'none'}/{vendor}: {tuning().key}"
 
 
 _kernels = {}
@@ -151,35 +108,25 @@ def fits(out_channels):
     """Whether a layer with `out_channels` outputs has direct kernels here:
     16, 32 or 64 with AVX-512, 16 or 32 with AVX2 (the ones measured;
     other widths are fair shapes for a BLAS), none without either."""
-    return out_channels in _blocks("PIXELS")
+    return tuning().fits(out_channels)
 
 
 def _kernel(name, make, key, dtype, loop_vectorize=None):
     """The kernel make(*key, dtype) compiled for three C-contiguous 4-D
     arrays of dtype, once per process; key[0] is the channel count its
-    register blocks run over (BLOCKS' key)."""
+    register blocks run over (what the tuning row's tables are keyed by)."""
     full = (name, *key, np.dtype(dtype).str)
     if full not in _kernels:
         if loop_vectorize is None:
-            loop_vectorize = _blocks("LOOP_VECTORIZE")[key[0]]
+            loop_vectorize = tuning().loop_vectorize[key[0]]
         _kernels[full] = _compile(make, key, dtype, loop_vectorize)
     return _kernels[full]
 
 
-def _forward_blocks(out, width):
-    """(pixels a block, output channels a pass, loop vectorizer) of the
-    forward kernel for `out` channels and rows `width` pixels wide."""
-    if isa() == "avx512" and _intel():
-        channels, loop = INTEL_AVX512_FORWARD[out]
-        # the fewest pixels computed, a row's last block overlapping (ties: the larger block)
-        pixels = min(INTEL_PIXELS, key=lambda p: -(-width // p) * p if width >= p else 10 ** 6)
-        return pixels, channels, loop
-    return _blocks("PIXELS")[out], out, _blocks("LOOP_VECTORIZE")[out]
-
-
 def _forward_kernel(out, k, stride, dtype, width):
-    pixels, channels, loop = _forward_blocks(out, width)
-    reuse = stride == 1 and isa() == "avx512" and _intel()   # FORWARD_REUSE above
+    row = tuning()
+    pixels, channels, loop = row.forward_blocks(out, width)
+    reuse = stride == 1 and row.reuse
     return _kernel("forward", _make_forward, (out, k, stride, pixels, channels, loop, reuse), dtype, loop)
 
 
@@ -201,7 +148,6 @@ def _compile(make, key, dtype, loop_vectorize):
         config.SLP_VECTORIZE, config.LOOP_VECTORIZE = slp, loop
 
 
-STACK_ITEMS = 256   # the most accumulators a kernel holds (CHANNELS x O, PIXELS x O)
 _stack = None
 
 
@@ -242,7 +188,8 @@ def _make_forward(O, K, S, PB, OB, LOOP, REUSE, dtype):
     a block's row is loaded once for the K kernel offsets that read it, its
     window terms then summed in the order (kh, c, kw), not (kh, kw, c)."""
     import numba
-    assert S == 1 or not REUSE
+    if REUSE and S != 1:
+        raise ValueError(f"the forward kernel reuses a row's input values at stride 1 only, not {S}")
     T = PB + K - 1   # REUSE: the input pixels a block's row reads
 
     def forward(xp, w, y):
@@ -313,7 +260,7 @@ def _make_weight_gradient(O, K, S, C, dtype):
     import numba
     if C == 1:
         return _make_weight_gradient_rows(O, K, S, C, dtype)
-    CB = min(_blocks("CHANNELS")[O], C)
+    CB = min(tuning().channels[O], C)
 
     def weight_gradient(xp, dy, dw):
         """dw[kh, kw, c, :] = sum over (b, i, j) of xp[b, i*S+kh, j*S+kw, c] * dy[b, i, j, :].
@@ -369,7 +316,7 @@ def _make_weight_gradient_rows(O, K, S, C, dtype):
     3 -> 32 and 64 nothing, and 5 -> 16 lost 1.5-6x (R = 5 to 15: a block
     across offsets whose start is not a constant)."""
     import numba
-    R = max(r for r in range(1, _blocks("CHANNELS")[O] + 1) if (K * K * C) % r == 0)
+    R = max(r for r in range(1, tuning().channels[O] + 1) if (K * K * C) % r == 0)
 
     def weight_gradient(xp, dy, dw):
         n, oh, ow = dy.shape[0], dy.shape[1], dy.shape[2]
@@ -396,7 +343,7 @@ def _make_weight_gradient_rows(O, K, S, C, dtype):
 
 def _make_input_gradient(C, K, S, P, dtype):
     import numba
-    PB = _blocks("PIXELS")[C]
+    PB = tuning().pixels[C]
 
     def input_gradient(dy, wt, dx):
         """dx[b, y, x, :] = the sum over (kh, kw, o), where y + P - kh = i * S

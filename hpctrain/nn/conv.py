@@ -32,20 +32,15 @@ import math
 
 import numpy as np
 
+from .. import tuning
 from . import compiled, threads
 from .layers import Layer, LayerError, he_normal
 
 
-# Floats of im2col columns per block (1 MB of float32): a block's columns and
-# its GEMM's output stay in this machine's caches (512 KB L2 a core, 16 MB L3);
-# 2**18 was the best or near it from 1 to 16 images for 32x32x3 -> 32 and
-# 16x16x32 -> 64 (bench layers).
-BLOCK_FLOATS = 1 << 18
-# From this many columns per output pixel (k*k*in) the forward pass keeps no
-# batch of columns: the weight gradient writes them again, a block at a time
-# (measured, 16x16x32 -> 64, batch 32: 8.2 ms against 10.4 for one GEMM over
-# the kept columns; for 32x32x3 -> 32, K = 27, the kept columns were faster).
-AGAIN_FROM = 64
+# im2col's blocks of images (BLOCK_FLOATS) and when the weight gradient
+# writes its columns again (AGAIN_FROM): measured in hpctrain/tuning.py, one
+# value on every CPU (they decide the order the weight gradient sums in).
+BLOCK_FLOATS, AGAIN_FROM = tuning.BLOCK_FLOATS, tuning.AGAIN_FROM
 
 
 def _shape(shape):

@@ -10,6 +10,7 @@ path's float operations (batch norm's sums in float64).
 import numpy as np
 
 from .. import vector_width
+from ..tuning import SUMS_CHANNELS
 from . import compiled
 
 _kernels = {}
@@ -21,17 +22,13 @@ _stack = None   # nn/compiled.py's stack intrinsic, set before a _SUMS kernel co
 # (nn/batchnorm.py: GEMVs for the sums, tiled rows for the passes: 7 passes
 # forward, 5 backward). Here: the statistics in two passes (the sum, then
 # the centred squares: no cancellation) accumulated in float64, and one
-# pass for what is elementwise (figures below). Each float32 operation of
+# pass for what is elementwise. Each float32 operation of
 # the elementwise passes is NumPy code's, in its order (no fastmath).
 # The two sums' kernels are also made per channel count (_make_*, up to
 # SUMS_CHANNELS; _sums): the channel loop unrolled, the float64 sums on the
 # stack, which LLVM keeps in registers, the same additions in the same
-# order (the same bits). Measured on Intel (one thread, float32, ms, the
-# plain loop -> per channel count): 25,088 x 16, statistics 0.36 -> 0.13,
-# gradient sums 0.16 -> 0.13; 6,272 x 32, 0.094 -> 0.049 and 0.061 -> 0.040;
-# 1,568 x 64, 0.044 -> 0.027 and 0.032 -> 0.022. The plain loop keeps its
-# sums in memory: a store and a load per element.
-SUMS_CHANNELS = 64
+# order (the same bits); measured in hpctrain/tuning.py. The plain loop
+# keeps its sums in memory: a store and a load per element.
 
 def _bn_statistics(x, out):
     """out[0] = the mean of each column of x (m, c), out[1] = its biased variance (float64)."""

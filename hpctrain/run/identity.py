@@ -126,11 +126,14 @@ def same_on_resume(args, num_workers, spec, total_steps):
     return {k: job[k] for k in SAME_ON_RESUME if not unused.get(k)}
 
 
-def recorded(args, world_size, num_workers, spec):
+def recorded(args, world_size, num_workers, spec, layers_key="NumPy"):
     """Everything a checkpoint records about the run that wrote it (--hidden:
-    the MLP's; init_version: how its initial parameters were drawn)."""
+    the MLP's; init_version: how its initial parameters were drawn; tuning:
+    how its layers round, "NumPy" or the compiled layers' tuning key, which
+    a resume compares: checkpoints/resume.py)."""
     job = dict(_job(args), **_model(spec), world_size=int(world_size), num_workers=int(num_workers),
-               inputs=int(math.prod(spec.input_shape)), classes=int(spec.classes), init_version=INIT_VERSION)
+               inputs=int(math.prod(spec.input_shape)), classes=int(spec.classes), init_version=INIT_VERSION,
+               tuning=str(layers_key))
     if args.model != "mlp":
         del job["hidden"]
     return job

@@ -328,10 +328,11 @@ def schedule_plan(args, data):
                     lr_min=args.lr_min, total_steps=steps)
 
 
-def make_plan(args, world, spec, data, schedule, cuts):
+def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
     """The plan of a run: `args` the flags, `world` the run/world.World, the
     spec of the model for the data, the data and schedule plans above, the
-    pipeline's cut points (None without one). Every rank alike."""
+    pipeline's cut points (None without one), how its layers round (the
+    chief's compiled-layer tuning key, or "NumPy"). Every rank alike."""
     cluster, workers = world.cluster, data.workers
     ring = args.mode == "ring"
     return Plan(
@@ -357,6 +358,6 @@ def make_plan(args, world, spec, data, schedule, cuts):
                         keep_best=args.keep_best, timeline=args.timeline, timeline_steps=args.timeline_steps,
                         eval_every=args.eval_every, log_every=args.log_every, tensorboard=args.tensorboard),
         epochs=args.epochs, timeout=args.timeout, world_size=cluster.size,
-        recorded=identity.recorded(args, cluster.size, workers, spec),
+        recorded=identity.recorded(args, cluster.size, workers, spec, layers_key),
         resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps),
         compression=compression_plan(args))

@@ -20,6 +20,7 @@ from .. import device, vector_width
 from ..cli import validate
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
+from ..comm.records import allgather_bytes
 from ..comm.waits import Waits
 from ..data.arrays import memory_available
 from ..data.augment import Augment
@@ -30,6 +31,7 @@ from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
 from ..report import tensorboard
+from ..tuning import rounding
 from . import cluster as cluster_mod
 from . import identity, jobcheck
 from .cluster import Cluster
@@ -134,6 +136,12 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     with watchdog.waiting("start-up (compiled layers on every rank)", peer=None):
         comm.Allreduce(MPI.IN_PLACE, wanted, op=MPI.MIN)
     compiled.use(bool(wanted[0]))
+    layers_key = "NumPy"   # what checkpoints record of how the layers round (the chief's)
+    if compiled.on():
+        with watchdog.waiting("start-up (compiled layers' CPU tuning on every rank)", peer=None):
+            layers_key, note = agree(check_tuning, comm, cluster, args.pipeline_stages)
+        if note:
+            say(note)
 
     # --- the model, shaped by the data's manifest --------------------------------
     spec = agree(_model_spec, args, model_shape, watchdog, what="building the model")
@@ -155,7 +163,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # Last before training, so a refusal above leaves nothing behind (this
     # creates --checkpoint-dir): a result that cannot be written would be lost.
     agree(check_outputs if cluster.is_chief else _nothing, args)
-    return world, make_plan(args, world, spec, data, schedule, cuts), Inputs(world, data)
+    return world, make_plan(args, world, spec, data, schedule, cuts, layers_key), Inputs(world, data)
 
 
 def augment_line(text, image_shape, seed):
@@ -352,6 +360,50 @@ def compiled_layers(args, xp, steps):
     if args.compiled_layers == "auto":
         return steps >= COMPILED_FROM and compiled.available()
     return args.compiled_layers == "on"
+
+
+TUNING_BYTES = 128   # an "isa/vendor: key" of nn/compiled.py's tuning_key, with room
+
+
+def check_tuning(comm, cluster, stages):
+    """Collective: every worker's compiled-layer tuning key (nn/compiled.py
+    tuning_key; hpctrain/tuning.py), compared. Returns (the chief's key,
+    a note for the log or None); raises where the keys differ in a
+    pipeline (tuning_verdict)."""
+    key = compiled.tuning_key() if cluster.is_worker else ""   # servers run no layers (nor load numba)
+    everyone = allgather_bytes(comm, key, TUNING_BYTES)
+    keys = {r: everyone[r] for r in cluster.worker_ranks}
+    return keys[cluster.chief_rank], tuning_verdict(keys, cluster.hosts, stages)
+
+
+def tuning_verdict(keys, hosts, stages):
+    """keys: {worker rank: its tuning label, "isa/vendor: key"}; hosts: each
+    rank's host name. Compared by their keys (tuning.rounding): the part
+    that decides the bits.
+    Where the ranks' CPUs take rows of hpctrain/tuning.py that round apart
+    (another sum order, another set of layers run direct):
+    - data-parallel replicas (ring, ps, a stage's replicas) still hold the
+      same parameters: each rank's gradient is only ever summed with the
+      others' and every rank applies the sum. The run goes on, with a note
+      that its bits are not those of a run on one CPU type;
+    - a pipeline (stages > 1) promises the bits of one process taking the
+      same micro-batches in turn (--accumulate-steps): each sample's
+      forward and backward cross its stages' ranks, so with keys apart it
+      computes what no single CPU would. Refused, in one line."""
+    first = rounding(keys[min(keys)])
+    odd = [r for r in sorted(keys) if rounding(keys[r]) != first]
+    if not odd:
+        return None
+
+    def who(r):
+        return f"rank {r} ({hosts[r]}): {keys[r]}"
+    ranks = f"{who(min(keys))}; " + "; ".join(who(r) for r in odd[:3]) + (" ..." if len(odd) > 3 else "")
+    if stages > 1:
+        raise HpctrainError(f"--pipeline-stages {stages} with compiled layers on CPUs whose kernels round apart "
+                            f"({ranks}): a pipeline promises the bits of --accumulate-steps on one CPU; "
+                            f"use --compiled-layers off, or nodes of one CPU type")
+    return (f"compiled layers: the ranks' CPUs round apart ({ranks}); the replicas stay identical (their "
+            f"gradients are summed), but the bits are not those of a run on one CPU type")
 
 
 def check_single_pass(args, xp):
