@@ -247,7 +247,11 @@ class ModelSpec:
         params = xp.zeros(self.num_params, dtype) if params is None else params
         grads = xp.zeros(self.num_params, dtype) if grads is None else grads
         state = xp.zeros(self.num_state, dtype) if state is None else state
-        for buf, size in ((params, self.num_params), (grads, self.num_params), (state, self.num_state)):
-            assert buf.shape == (size,) and buf.dtype == dtype and buf.flags.c_contiguous
+        for what, buf, size in (("params", params, self.num_params), ("grads", grads, self.num_params),
+                                ("state", state, self.num_state)):
+            if buf.shape != (size,) or buf.dtype != dtype or not buf.flags.c_contiguous:
+                raise ValueError(f"build's {what} must be one contiguous {dtype} buffer of {size} elements, "
+                                 f"got shape {buf.shape}, {buf.dtype}" + ("" if buf.flags.c_contiguous else
+                                                                          ", not contiguous"))
         return Sequential(self, xp, params, grads, state, dtype)
 
