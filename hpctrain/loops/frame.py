@@ -170,12 +170,6 @@ class Frame:
         if model.collective or self.world.chief:
             self._t0 += self.report.periodic_eval(model, step)
 
-    def eval_due(self, step):
-        """--eval-every N crossed at `step` (before the last, which the final
-        evaluation covers): report.periodic_eval's rule, known on every rank."""
-        every = self.plan.outputs.eval_every
-        return bool(every) and step < self.steps and step % every == 0
-
     def checkpoint_due(self, step):
         """True once per --checkpoint-every crossing (not again at a step
         already saved, such as the one a run resumed from)."""
