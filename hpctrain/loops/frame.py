@@ -186,6 +186,22 @@ class Frame:
             print(f"stopping after step {step}: signal received", flush=True)
             self.report.metrics.close()
 
+    def step_ended(self, step, loss, ranks, clip, model, stopped, save):
+        """The ring's and the pipeline's tail of a step, once its loss and stop
+        flag are summed (the same bits on every rank): the loss line
+        (summed_loss, clip: --clip-norm's Clip or None), the periodic
+        evaluation of `model`, then True to leave the loop (some rank asked to
+        stop) or, when due, the checkpoint (save(step)) and False."""
+        self.summed_loss(step, loss, ranks, grad_norm=clip.mean_norm if clip else None)
+        self.after_step(model, step)
+        if stopped:
+            if step < self.steps:
+                self.stopping(step)
+            return True
+        if self.checkpoint_due(step):
+            save(step)
+        return False
+
     def samples(self, step):
         """Training samples this run took up to `step`, globally."""
         return (step - self.start) * self.plan.per_step
