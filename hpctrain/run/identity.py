@@ -5,8 +5,8 @@
   and so does one with other outputs (--save, --metrics, ...: OUTPUT_FLAGS),
   which only the chief writes: given to another rank alone they would be
   ignored without a word.
-- Every checkpoint records `recorded(args, ...)` as attributes (checkpoint.py).
-- On resume the checkpoint's `SAME_ON_RESUME` values must equal this run's:
+- Every checkpoint records `recorded(args, ...)` as attributes (checkpoints/file.py).
+- On resume the checkpoint's `same_on_resume(...)` values must equal this run's:
   the model and its state (mode, model, hidden, num_params, optimizer), the
   per-worker batch the run was tuned with (batch_size), the shuffle (seed),
   and the learning-rate schedule's shape (`schedule_key`: with cosine,
@@ -17,7 +17,7 @@
   change, like --lr); the result is bit-identical to an
   uninterrupted run only when nothing else changed either.
 
-    python -c "from hpctrain import cli, settings; print(settings.same_on_every_rank(cli.parse([])))"
+    python -c "from hpctrain import cli; from hpctrain.run import identity; print(identity.same_on_every_rank(cli.parse([])))"
 """
 import hashlib
 import math
