@@ -109,3 +109,15 @@ class ShortHelp(argparse.Action):
                   for g in parser._action_groups]
         listing = "\n".join(f"  {title} ({count} flags)" for title, count in groups if count)
         return f"{formatter.format_help().rstrip()}\n\ngroups (--help-all lists every flag of each):\n{listing}"
+
+
+def positive_ints(text, what):
+    """'64,32' -> (64, 32): whole numbers >= 1, comma-separated (empty items
+    skipped), for a flag's type=; an ArgumentTypeError naming `what` otherwise."""
+    try:
+        numbers = tuple(int(d) for d in text.split(",") if d.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers for {what}, got {text!r}")
+    if any(d < 1 for d in numbers):
+        raise argparse.ArgumentTypeError(f"{what} must be >= 1 each, got {text!r}")
+    return numbers

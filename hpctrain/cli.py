@@ -11,7 +11,7 @@ import argparse
 import math
 import sys
 
-from .arguments import Parser, ShortHelp
+from .arguments import Parser, ShortHelp, positive_ints
 from .errors import HpctrainError
 
 DEFAULT_STEPS = 2000
@@ -91,13 +91,7 @@ def _model(text):
 
 
 def _hidden(text):
-    try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer widths, got {text!r}")
-    if any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"layer widths must be >= 1, got {text!r}")
-    return sizes
+    return list(positive_ints(text, "layer widths"))
 
 
 def _augment(text):

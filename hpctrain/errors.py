@@ -17,8 +17,9 @@ traceback; its exit code tells a job script what happened:
          checkpoint; the checkpoints and metrics records written before are
          whole, temporary files removed (128 + SIGINT, as shells report it)
 """
+import functools
+import sys
 
-EXIT_OK = 0
 EXIT_FAILURE = 1      # a bug: uncaught exception, traceback printed
 EXIT_BAD_INPUT = 2    # bad flag, file, data or cluster layout
 EXIT_TIMEOUT = 3      # a blocking wait passed --timeout; the message names the peer
@@ -48,3 +49,18 @@ class HpctrainError(Exception):
         self.collective = collective
         self.report = report
         self.detail = detail
+
+
+def one_line_errors(main):
+    """A command's main(argv, ...) that returns its exit code, with a
+    HpctrainError it raises printed as its one line (`hpctrain: error: ...`,
+    on standard error) and its exit code returned: the single-process
+    commands' error tail, written once (train has its own: ranks agree)."""
+    @functools.wraps(main)
+    def command(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except HpctrainError as e:
+            print(f"hpctrain: error: {e}", file=sys.stderr)
+            return e.exit_code
+    return command

@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 from .arguments import Parser
-from .errors import HpctrainError
+from .errors import HpctrainError, one_line_errors
 from .run.outputs import check_output_file, printable
 
 
@@ -111,32 +111,29 @@ def build_parser(prog="python -m hpctrain.evaluate"):
     return p
 
 
+@one_line_errors
 def main(argv=None, prog="python -m hpctrain.evaluate"):
-    try:
-        args = build_parser(prog).parse_args(argv)
-        from . import data, trained
-        if args.plot:
-            from . import plot
-            plot.require()
-            files, folders = trained.input_paths(args.params, args.checkpoint, args.model)
-            check_output_file(args.plot, "--plot", inputs=files, input_folders=[args.data, *folders])
-        model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
-        manifest = model.check_data(args.data)
-        if args.split not in manifest:
-            raise HpctrainError(f"{args.data}: no {args.split} part (prepare --val-fraction F holds one out)")
-        x, y = data.load_test(args.data, raw=True, split=args.split)
-        result = dict(evaluate(model, x, y), split=args.split)
-        if args.plot:
-            plot_confusion(result, args.plot, f"{args.data} ({args.split}): accuracy {result['accuracy']:.4f}")
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print("\n".join(lines(result, args.split)))
-        if args.plot:   # after the table; beside --json's one object, on standard error
-            print(f"wrote the confusion matrix to {args.plot}", file=sys.stderr if args.json else sys.stdout)
-    except HpctrainError as e:
-        print(f"hpctrain: error: {e}", file=sys.stderr)
-        return e.exit_code
+    args = build_parser(prog).parse_args(argv)
+    from . import data, trained
+    if args.plot:
+        from . import plot
+        plot.require()
+        files, folders = trained.input_paths(args.params, args.checkpoint, args.model)
+        check_output_file(args.plot, "--plot", inputs=files, input_folders=[args.data, *folders])
+    model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
+    manifest = model.check_data(args.data)
+    if args.split not in manifest:
+        raise HpctrainError(f"{args.data}: no {args.split} part (prepare --val-fraction F holds one out)")
+    x, y = data.load_test(args.data, raw=True, split=args.split)
+    result = dict(evaluate(model, x, y), split=args.split)
+    if args.plot:
+        plot_confusion(result, args.plot, f"{args.data} ({args.split}): accuracy {result['accuracy']:.4f}")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print("\n".join(lines(result, args.split)))
+    if args.plot:   # after the table; beside --json's one object, on standard error
+        print(f"wrote the confusion matrix to {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

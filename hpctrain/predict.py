@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 from .arguments import Parser
-from .errors import HpctrainError
+from .errors import HpctrainError, one_line_errors
 from .run.outputs import check_output_file, one_line, write_atomically
 
 
@@ -136,31 +136,28 @@ def build_parser(prog="python -m hpctrain.predict"):
     return p
 
 
+@one_line_errors
 def main(argv=None, prog="python -m hpctrain.predict"):
     parser = build_parser(prog)
-    try:
-        args = parser.parse_args(argv)
-        if bool(args.images) == bool(args.data):
-            raise HpctrainError("give IMAGE files or --data DIR (one of them)")
-        if args.top < 1:
-            raise HpctrainError(f"--top must be at least 1, got {args.top}")
-        check_out(args)
-        from . import trained
-        model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
-        top = min(args.top, model.spec.classes)
-        if args.data:
-            x, names, labels = inputs_from_data(model, args.data, args.split)
-        else:
-            (x, names), labels = inputs_from_images(model, args.images), None
-        text = render(rows(model, x, names, top, labels), args.format, top)
-        if args.out:
-            write_out(args.out, text)
-            print(f"wrote {len(names)} predictions to {args.out}")
-        else:
-            sys.stdout.write(text)
-    except HpctrainError as e:
-        print(f"hpctrain: error: {e}", file=sys.stderr)
-        return e.exit_code
+    args = parser.parse_args(argv)
+    if bool(args.images) == bool(args.data):
+        raise HpctrainError("give IMAGE files or --data DIR (one of them)")
+    if args.top < 1:
+        raise HpctrainError(f"--top must be at least 1, got {args.top}")
+    check_out(args)
+    from . import trained
+    model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
+    top = min(args.top, model.spec.classes)
+    if args.data:
+        x, names, labels = inputs_from_data(model, args.data, args.split)
+    else:
+        (x, names), labels = inputs_from_images(model, args.images), None
+    text = render(rows(model, x, names, top, labels), args.format, top)
+    if args.out:
+        write_out(args.out, text)
+        print(f"wrote {len(names)} predictions to {args.out}")
+    else:
+        sys.stdout.write(text)
     return 0
 
 

@@ -23,11 +23,9 @@ where the training really is; `seek()` drops the batch read ahead.
 from . import device
 
 
-def device_batches(reader, xp, copier=None):
+def device_batches(reader, xp):
     """The batch source for arrays of module xp: the reader (NumPy) or a Prefetcher (CuPy)."""
-    if not device.is_gpu(xp) and copier is None:
-        return reader
-    return Prefetcher(reader, copier or device.copier(xp))
+    return Prefetcher(reader, device.copier(xp)) if device.is_gpu(xp) else reader
 
 
 class _Slot:
@@ -118,7 +116,7 @@ if __name__ == "__main__":
     if not data.is_prepared(path):
         data.prepare(data.bundled_sample_dir(), path, log=lambda *a, **k: None)
     plain = data.ShardReader(path, 0, 1, 64, 0)
-    fetched = device_batches(data.ShardReader(path, 0, 1, 64, 0), xp, device.copier(xp))
+    fetched = Prefetcher(data.ShardReader(path, 0, 1, 64, 0), device.copier(xp))   # on the CPU too
     for _ in range(200):
         x, y = plain.next_batch()
         dx, dy = fetched.next_batch()

@@ -1,4 +1,4 @@
-"""The entry point: train a model data-parallel across MPI ranks.
+"""The entry point: train a model across MPI ranks (data-parallel, parameter servers or a pipeline).
 
     mpirun -n 4 python -m hpctrain.train                      # ring allreduce
     mpirun -n 4 python -m hpctrain.train --mode ps --num-ps 2 # parameter servers

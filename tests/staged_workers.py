@@ -25,7 +25,7 @@ def train(args, *rest):
     from hpctrain.comm.device_buffers import HostMirror
     loop_ps.HostMirror = lambda array, direct=False: HostMirror(array, copier=LazyCopier())
     loop_ps.prefetch = types.SimpleNamespace(
-        device_batches=lambda reader, xp: prefetch.device_batches(reader, xp, LazyCopier()))
+        device_batches=lambda reader, xp: prefetch.Prefetcher(reader, LazyCopier()))
     # A GPU worker exchanges by messages (loop_ps.open_exchange: its buffers are device memory).
     args.ps_exchange = "mpi"
     return _train(args, *rest)

@@ -144,3 +144,19 @@ def test_numbas_memory_is_one_figure_in_help_docs_and_code():
     figures = {name: re.search(r"numba[^.]{0,200}?(\d+) MB", re.sub(r"\s+", " ", text))[1]
                for name, text in texts.items()}
     assert set(figures.values()) == {"110"}, figures
+
+
+@pytest.mark.parametrize("text, message", [
+    ("500,x", "argument --hidden: expected comma-separated whole numbers for layer widths, got '500,x'"),
+    ("64,0", "argument --hidden: layer widths must be >= 1 each, got '64,0'"),
+])
+def test_train_and_the_layer_check_parse_comma_separated_numbers_alike(text, message):
+    """One parser of comma-separated whole numbers (arguments.positive_ints)
+    for train's --hidden and python -m hpctrain.nn's --hidden and --shape."""
+    from hpctrain import cli
+    from hpctrain.errors import HpctrainError
+    from hpctrain.nn.__main__ import parser
+    assert cli.parse(["--hidden", "64,,32"]).hidden == [64, 32]
+    with pytest.raises(HpctrainError, match=re.escape(message)):
+        cli.parse(["--hidden", text], quiet=True)
+    assert parser().parse_args(["--hidden", "64,,32", "--shape", "8,8,3"]).shape == (8, 8, 3)

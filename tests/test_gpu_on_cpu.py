@@ -51,7 +51,7 @@ def test_prefetched_batches_and_positions_equal_the_readers(bundled_shards, copi
     from hpctrain.data import ShardReader
     plain = ShardReader(bundled_shards, 1, 2, 100, 3)
     c = {"host": device.HostCopier, "lazy": LazyCopier, "cuda": cudacopier}[copier]()
-    fetched = prefetch.device_batches(ShardReader(bundled_shards, 1, 2, 100, 3), np, c)
+    fetched = prefetch.Prefetcher(ShardReader(bundled_shards, 1, 2, 100, 3), c)
     assert isinstance(fetched, prefetch.Prefetcher) and fetched.batch_size == 100
     assert fetched.position == plain.position
     for step in range(60):  # several epochs of this worker's ~2250 samples

@@ -1,6 +1,7 @@
 """The MLP (nn/zoo.py's layer list on nn/spec.py's layout): flat buffers with
 per-layer views, and backprop against finite differences."""
 import numpy as np
+import pytest
 
 from hpctrain.nn import mlp
 
@@ -107,3 +108,15 @@ def test_init_is_deterministic_and_he_scaled():
     Ws, bs = weights(a)
     assert abs(float(Ws[0].std()) - np.sqrt(2 / 784)) < 0.01 * np.sqrt(2 / 784) * 10
     assert not np.any(bs[0])
+
+
+def test_build_refuses_a_buffer_of_the_wrong_size_or_type_with_a_real_check():
+    """build's buffers are checked by a raise, not an assert that python -O would drop."""
+    spec = mlp(hidden=(8,))
+    with pytest.raises(ValueError, match=rf"build's grads must be one contiguous float32 buffer of "
+                                         rf"{spec.num_params} elements, got shape \(3,\), float32"):
+        spec.build(grads=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"build's params .* got shape .*, float64"):
+        spec.build(params=np.zeros(spec.num_params))
+    with pytest.raises(ValueError, match=r"not contiguous"):
+        spec.build(params=np.zeros(2 * spec.num_params, np.float32)[::2])

@@ -320,3 +320,17 @@ def test_the_cut_counts_the_backward_the_first_layer_skips():
     spec = _mlp("16,16,1024")
     assert spec.train_flops()[1] == 2 * spec.flops()[1] and spec.train_flops()[3] == 3 * spec.flops()[3]
     assert balanced(spec, 2) == [0, 6, 8]
+
+
+def test_a_backward_out_of_micro_batch_order_is_refused():
+    """A stage's gradient sum restarts at micro-batch 0 and adds in --accumulate-steps' order:
+    a schedule whose Backwards come in another order (here gpipe's, last first) is refused
+    with the order it has, not run with a micro-batch's gradient dropped or carried over."""
+    reordered = [a for a in gpipe(2, 3, 1) if not isinstance(a, Backward)] + [Backward(m) for m in (2, 1, 0)]
+    with pytest.raises(ScheduleError, match=r"the reordered schedule backprops chunk 0's micro-batches in the "
+                                            r"order 2, 1, 0; the gradient sum needs 0\.\.2"):
+        pipeline.schedule.backward_order("reordered", reordered, 3, 1)
+    for name in SCHEDULES:   # every schedule it ships passes
+        for P, V, M in ((2, 1 if name in ONE_CHUNK else 2, 4), (3, 1 if name in ONE_CHUNK else 3, 6)):
+            for s in range(P):
+                pipeline.actions_for(name, P, M, s, V)

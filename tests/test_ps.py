@@ -802,3 +802,9 @@ def test_ps_gpu_worker_path_equals_the_cpu_one_and_resumes(job, tmp_path):
            module="staged_workers"))
     resumed, _ = saved(tmp_path / "resumed.h5")
     assert all(np.array_equal(host[k], resumed[k]) for k in host)
+
+
+def test_the_protocol_self_check_on_one_rank_says_it_needs_two():
+    """A raise with one line and exit 2, not an assert that python -O drops."""
+    r = subprocess.run([sys.executable, "-O", "-m", "hpctrain.comm.ps"], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (2, "hpctrain: error: the ps self-check runs on at least 2 ranks, got 1\n")

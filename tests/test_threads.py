@@ -162,6 +162,8 @@ def test_an_error_in_a_part_is_raised_after_every_part_finished():
         assert sorted(finished) == [1, 2]
         threads.run(lambda t, lo, hi: finished.append(10 + t), [(0, 1), (1, 2), (2, 3)])   # still serving
         assert sorted(finished) == [1, 2, 10, 11, 12]
+        with pytest.raises(ValueError, match=r"4 parts for 3 threads"):   # a real check, kept under python -O
+            threads.run(work, [(0, 1), (1, 2), (2, 3), (3, 4)])
     finally:
         threads.configure(1)
 

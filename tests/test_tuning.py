@@ -255,10 +255,10 @@ def test_a_resume_with_other_rounding_says_so_in_one_warning(job, tmp_path):
 def test_build_refuses_buffers_its_layers_cannot_view():
     from hpctrain.nn import MODELS
     spec = MODELS["small_cnn"]((28, 28), 10)
-    with pytest.raises(ValueError, match=r"build: params must be one contiguous float32 buffer of \d+ values, "
-                                         r"not float64"):
+    with pytest.raises(ValueError, match=r"build.s params must be one contiguous float32 buffer of \d+ elements, "
+                                         r"got shape .*, float64"):
         spec.build(np, params=np.zeros(spec.num_params))
-    with pytest.raises(ValueError, match="build: grads .*, strided"):
+    with pytest.raises(ValueError, match="build.s grads .*, not contiguous"):
         spec.build(np, grads=np.zeros(2 * spec.num_params, np.float32)[::2])
 
 

@@ -30,7 +30,6 @@ import numpy as np
 
 from .common import is_rank, launch, parse_size, table
 
-DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 # name on the command line -> (strategy, ring order)
 ALGORITHMS = {"ring": ("ring", "node"), "ring-rank": ("ring", "rank"), "hier": ("hier", "node"),
               "mpi": ("mpi", "node")}

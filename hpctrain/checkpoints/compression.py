@@ -31,8 +31,6 @@ import numpy as np
 
 from .. import device
 
-ATTRS = ("compression_workers", "compression_layout")
-
 
 def gather(world, comm, exchange, error, layout):
     """Collective over comm (the workers, the chief its rank world.chief_in):

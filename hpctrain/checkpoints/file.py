@@ -15,7 +15,7 @@ written by the chief only. It holds everything a bit-exact resume needs:
                                            (checkpoints/compression.py: each worker's error feedback,
                                            W x n; the Qs); older files have none and load as before
     attrs                  format, format_version, step, optimizer_t, optimizer_state,
-                           the settings that must match on resume (settings.SAME_ON_RESUME),
+                           the settings that must match on resume (run/identity.same_on_resume),
                            run information (world_size, num_ps, steps, lr, ...),
                            sha256: over every dataset and every other attribute
 
@@ -87,7 +87,7 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
 
     params and each optimizer state array: 1-D float32 (host arrays); data_positions:
     (workers, 2) int64 (epoch, offset); model_state: 1-D float32 or None (none);
-    settings: the values that must match on resume (settings.same_on_resume); info:
+    settings: the values that must match on resume (run/identity.same_on_resume); info:
     more attributes recorded for people (world size, lr, ...), checked by no one;
     compression_state: {name: 1-D float32} or None (checkpoints/compression.py).
     """

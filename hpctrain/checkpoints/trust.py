@@ -1,11 +1,11 @@
 """What a checkpoint file may hold before its datasets are read: the rules
 that keep a file with a valid header but crafted contents (or another
-tool's) from making checkpoint.read allocate more than the file's own size,
+tool's) from making checkpoints/reader.read allocate more than the file's own size,
 read other files, or hand resume counts it cannot compute with.
 
 A file that breaks them is Refused (resume stops with one line: it is never
 skipped for an older one); one that is merely damaged is Corrupt (skipped).
-Used by checkpoint.read, and for a --save file's tensors by trained.py
+Used by checkpoints/reader.read, and for a --save file's tensors by trained.py
 (hard_linked, stored_inside); tested in tests/test_checkpoint.py and
 tests/test_predict.py:
 

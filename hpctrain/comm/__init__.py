@@ -2,8 +2,9 @@
 parameter-server protocol.
 
 Everything here takes an MPI communicator (or a Topology built from one) and
-contiguous 1-D arrays, nothing else (no model, no optimizer), so each piece
-can be tested on its own:
+contiguous 1-D arrays (and where buckets are updated as they arrive, the
+optimizer object it is handed: fusion.py, ps/aggregate.py), never a model
+or a layer, so each piece can be tested on its own:
 
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_ring.py tests/test_strategies.py
 

@@ -82,13 +82,6 @@ class PowerSgd:
     def _at(self, m):
         return m.lo + self.offset, m.hi + self.offset
 
-    def factors(self, m):
-        """(P, Q) of matrix m as the last exchange left them: P orthonormal,
-        Q summed over the ranks (what the tests check the identities with)."""
-        bucket = next(b for b in self._buckets.values() if m in b.matrices)
-        at = bucket.p_at[bucket.matrices.index(m)]
-        return bucket.flat[at:at + m.p_size].reshape(m.rows, m.rank), self._q(m)
-
     # --- the exchange ---------------------------------------------------------------
 
     def _bucket(self, lo, hi):

@@ -20,7 +20,7 @@ command prints the help and exits 2. No MPI here (house rule).
 import sys
 
 from hpctrain.arguments import Parser
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import one_line_errors
 
 from .fetch import EMNIST_SPLITS, MD5, fetch
 from .manifest import bundled_sample_dir, default_data_dir
@@ -110,25 +110,22 @@ def _attach_dashed_values(argv, flags=("--image-size",)):
     return out
 
 
+@one_line_errors
 def main(argv=None, prog="python -m hpctrain.data"):
     argv = _attach_dashed_values(sys.argv[1:] if argv is None else list(map(str, argv)))
     parser = build_parser(prog)
-    try:
-        args = parser.parse_args(argv)
-        if args.command == "prepare":
-            prepare(args.source, args.out, shards=args.shards, test_fraction=args.test_fraction,
-                    seed=args.seed, force=args.force, val_fraction=args.val_fraction, images=args.images,
-                    labels=args.labels, image_size=args.image_size, grayscale=args.grayscale,
-                    no_flip=args.no_flip)
-        elif args.command == "fetch":
-            fetch(args.dataset, args.out, mirror=args.mirror, timeout=args.timeout,
-                  split=args.split)
-        else:
-            parser.print_help(sys.stderr)
-            return 2
-    except HpctrainError as e:
-        print(f"hpctrain: error: {e}", file=sys.stderr)
-        return e.exit_code
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        prepare(args.source, args.out, shards=args.shards, test_fraction=args.test_fraction,
+                seed=args.seed, force=args.force, val_fraction=args.val_fraction, images=args.images,
+                labels=args.labels, image_size=args.image_size, grayscale=args.grayscale,
+                no_flip=args.no_flip)
+    elif args.command == "fetch":
+        fetch(args.dataset, args.out, mirror=args.mirror, timeout=args.timeout,
+              split=args.split)
+    else:
+        parser.print_help(sys.stderr)
+        return 2
     return 0
 
 

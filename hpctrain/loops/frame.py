@@ -181,12 +181,6 @@ class Frame:
         if model.collective or self.world.chief:
             self._t0 += self.report.periodic_eval(model, step)
 
-    def eval_due(self, step):
-        """--eval-every N crossed at `step` (before the last, which the final
-        evaluation covers): report.periodic_eval's rule, known on every rank."""
-        every = self.plan.outputs.eval_every
-        return bool(every) and step < self.steps and step % every == 0
-
     def checkpoint_due(self, step):
         """True once per --checkpoint-every crossing (not again at a step
         already saved, such as the one a run resumed from)."""
@@ -202,6 +196,26 @@ class Frame:
         if self.world.chief:
             print(f"stopping after step {step}: signal received", flush=True)
             self.report.metrics.close()
+
+    def step_ended(self, step, loss, ranks, clip, model, stopped, save, overflowed=None):
+        """The ring's and the pipeline's tail of a step, once its loss and stop
+        flag are summed (the same bits on every rank): the loss line
+        (summed_loss, clip: --clip-norm's Clip or None), the fp16 wire's
+        overflow (overflowed(): True where the parameters went non-finite
+        though every gradient sent was finite; the same answer on every rank),
+        the periodic evaluation of `model`, then True to leave the loop (some
+        rank asked to stop) or, when due, the checkpoint (save(step)) and False."""
+        self.summed_loss(step, loss, ranks, grad_norm=clip.mean_norm if clip else None)
+        if overflowed is not None and overflowed():
+            raise wire_overflow(step, self.world.chief)
+        self.after_step(model, step)
+        if stopped:
+            if step < self.steps:
+                self.stopping(step)
+            return True
+        if self.checkpoint_due(step):
+            save(step)
+        return False
 
     def samples(self, step):
         """Training samples this run took up to `step`, globally."""

@@ -33,7 +33,7 @@ from ..pipeline.grid import Grid
 from ..pipeline.stage import Stage
 from ..pipeline.stages import owned_pieces, stage_pieces
 from ..pipeline.trace import StageTrace
-from .frame import Frame, wire_overflow
+from .frame import Frame
 
 
 def train_pipe(world, plan, inputs, timeline):
@@ -135,6 +135,9 @@ def train_steps(world, frame, engine, layouts, reader, model):
     """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
     replicas = engine.grid.replicas
     step, stopped = frame.start, False
+
+    def save(at):
+        whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at)
     with frame.training():
         while step < frame.steps:
             # the reader reuses its arrays: each micro-batch's own copy
@@ -144,15 +147,8 @@ def train_steps(world, frame, engine, layouts, reader, model):
             t1 = time.perf_counter()
             frame.timed(t0, engine.schedule_done, t1)
             step += 1
-            frame.summed_loss(step, loss, replicas, grad_norm=engine.clip.mean_norm if engine.clip else None)
-            if engine.wire_overflowed:
-                raise wire_overflow(step, world.chief)
-            # every rank evaluates, through the stages
-            frame.after_step(model, step)
-            if stopped:
-                if step < frame.steps:
-                    frame.stopping(step)
+            # every rank evaluates the model, through the stages
+            if frame.step_ended(step, loss, replicas, engine.clip, model, stopped, save,
+                                overflowed=lambda: engine.wire_overflowed):
                 break
-            if frame.checkpoint_due(step):
-                whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, step)
     return step, stopped

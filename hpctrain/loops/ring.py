@@ -17,7 +17,7 @@ from ..comm.topology import Topology
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
 from ..report.evaluated import WholeModel
-from .frame import Frame, wire_overflow
+from .frame import Frame
 from .ring_step import RingStep
 
 
@@ -77,6 +77,9 @@ def train_steps(world, frame, ring, reader, evaluated):
     timeline, model, fused = frame.timeline, ring.model, ring.fused
     workers = world.cluster.num_workers
     step, stopped = frame.start, False   # stopped: some rank asked to stop (the summed flag, the same everywhere)
+
+    def save(at):
+        save_checkpoint(frame.checkpoints, world.cluster.worker_comm, ring, reader, at)
     with frame.training():
         while step < frame.steps:
             with timeline.span("data", cat="data"):
@@ -102,16 +105,10 @@ def train_steps(world, frame, ring, reader, evaluated):
             # diverged) after the same step, and a signal is taken at the next
             # step as on the CPU.
             loss, stopped = ring.summed()
-            frame.summed_loss(step, loss, workers, grad_norm=ring.clip.mean_norm if ring.clip else None)
-            if ring.wire_overflowed(world.cluster.worker_comm, world.waiting):
-                raise wire_overflow(step, world.chief)
-            frame.after_step(evaluated, step)
-            if stopped:
-                if step < frame.steps:
-                    frame.stopping(step)
+            if frame.step_ended(step, loss, workers, ring.clip, evaluated, stopped, save,
+                                overflowed=lambda: ring.wire_overflowed(world.cluster.worker_comm,
+                                                                        world.waiting)):
                 break
-            if frame.checkpoint_due(step):
-                save_checkpoint(frame.checkpoints, world.cluster.worker_comm, ring, reader, step)
     return step, stopped
 
 

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from ..arguments import Parser
+from ..arguments import Parser, positive_ints
 from ..errors import HpctrainError
 from .check import check_layer
 from .layers import LayerCodeError, LayerError, Noise, describe
@@ -29,18 +29,8 @@ TOLERANCE = 1e-6   # relative error of a float64 gradient against central differ
 BATCH = 3
 
 
-def _dims(text, what):
-    try:
-        dims = tuple(int(d) for d in text.split(",") if d.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers for {what}, got {text!r}")
-    if any(d < 1 for d in dims):
-        raise argparse.ArgumentTypeError(f"{what} must be >= 1 each, got {text!r}")
-    return dims
-
-
 def _shape(text):
-    dims = _dims(text, "the image shape")
+    dims = positive_ints(text, "the image shape")
     if not dims:
         raise argparse.ArgumentTypeError("the image shape is empty")
     return dims
@@ -70,7 +60,7 @@ def parser():
                    help=f"{', '.join(sorted(MODELS))}, or a model file (default: mlp)")
     p.add_argument("--shape", type=_shape, default=(28, 28), help="the image shape, e.g. 32,32,3 (default: 28,28)")
     p.add_argument("--classes", type=_positive, default=10, help="(default: %(default)s)")
-    p.add_argument("--hidden", type=lambda t: _dims(t, "--hidden"), default=(500, 500),
+    p.add_argument("--hidden", type=lambda t: positive_ints(t, "--hidden"), default=(500, 500),
                    help="the mlp's widths (default: 500,500)")
     p.add_argument("--check", action="store_true", help="every layer and the model against finite differences")
     return p

@@ -92,8 +92,8 @@ class Channels(Layer):
 class Conv2d(Layer):
     """2-D convolution, NHWC, square kernel: W is (k, k, in_channels,
     out_channels), b (out_channels,). He/Kaiming normal weights (variance
-    2/fan_in, fan_in = k*k*in_channels), drawn after every earlier layer's
-    from the model's rng; zero bias."""
+    2/fan_in, fan_in = k*k*in_channels), drawn from the rng init is given
+    (the layer's own stream, (seed, its index): nn/sequential.py); zero bias."""
     keeps_output = False   # its backward reads its input's columns
 
     def __init__(self, out_channels, kernel, stride=1, padding=0, bias=True):

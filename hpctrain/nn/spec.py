@@ -247,13 +247,11 @@ class ModelSpec:
         params = xp.zeros(self.num_params, dtype) if params is None else params
         grads = xp.zeros(self.num_params, dtype) if grads is None else grads
         state = xp.zeros(self.num_state, dtype) if state is None else state
-        for name, buf, size in (("params", params, self.num_params), ("grads", grads, self.num_params),
+        for what, buf, size in (("params", params, self.num_params), ("grads", grads, self.num_params),
                                 ("state", state, self.num_state)):
-            # the layers' views into them would read past or beside the
-            # buffer (a check that stays under python -O, unlike an assert)
             if buf.shape != (size,) or buf.dtype != dtype or not buf.flags.c_contiguous:
-                raise ValueError(f"build: {name} must be one contiguous {dtype} buffer of {size} values, "
-                                 f"not {buf.dtype} of shape {buf.shape}"
-                                 + ("" if buf.flags.c_contiguous else ", strided"))
+                raise ValueError(f"build's {what} must be one contiguous {dtype} buffer of {size} elements, "
+                                 f"got shape {buf.shape}, {buf.dtype}" + ("" if buf.flags.c_contiguous else
+                                                                          ", not contiguous"))
         return Sequential(self, xp, params, grads, state, dtype)
 

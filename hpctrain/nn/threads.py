@@ -139,7 +139,8 @@ def run(fn, parts):
         for i, part in enumerate(parts):
             fn(i, *part)
         return
-    assert len(parts) <= len(_workers) + 1
+    if len(parts) > len(_workers) + 1:
+        raise ValueError(f"{len(parts)} parts for {len(_workers) + 1} threads (split them with ranges())")
     started = []
     try:
         for i, part in enumerate(parts[:-1]):

@@ -15,7 +15,7 @@ something that is not a layer list. An exception inside the user's own
 code is their bug to fix: the line names it, and `traceback` carries the
 user's traceback for the chief to print above it.
 
-    mpirun -n 2 python -m hpctrain.train --model examples/small_cnn.py:build --data DIR
+    mpirun -n 2 python -m hpctrain.train --model examples/custom_model.py:build --data DIR
 """
 import hashlib
 import importlib.util

@@ -199,35 +199,6 @@ class Half:
         return self.decode(words, x)
 
 
-def to_bf16(x, out):
-    """out (uint16) = the bfloat16 words of x (float32), rounded to nearest
-    even: add 0x7FFF plus the lowest kept bit, keep the top 16 bits. A NaN
-    (whose rounding could carry into inf or past the sign) is BF16_NAN."""
-    return Half("bf16").encode(x, out)
-
-
-def from_bf16(words, out):
-    """out (float32) = the bfloat16 words as float32 (exact: their low 16 bits zero)."""
-    return Half("bf16").decode(words, out)
-
-
-def to_fp16(x, out):
-    """out (uint16) = the binary16 words of x: NumPy's cast, word for word
-    (nearest even, subnormals, inf past 65504, NaN a NaN)."""
-    return Half("fp16").encode(x, out)
-
-
-def from_fp16(words, out):
-    return Half("fp16").decode(words, out)
-
-
-def roundtrip(kind, x):
-    """x (float32) through the 16-bit format and back, as a new array (tests, measurements)."""
-    xp = array_module(x)
-    x = xp.ascontiguousarray(x, dtype=xp.float32)
-    return Half(kind).round_(x.copy(), xp.empty(x.shape, xp.uint16))
-
-
 # --- PowerSGD ------------------------------------------------------------------------
 
 def matrix_shape(shape):

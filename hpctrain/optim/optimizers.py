@@ -433,12 +433,6 @@ class Sharded(_Wrapper):
             out[c:c + hi - lo] = full[lo:hi]
         return out
 
-    def expand(self, compact, out):
-        """out (full-length) [owned ranges] <- compact; the rest untouched."""
-        for (lo, hi), c in zip(self.ranges, self.offsets):
-            out[lo:hi] = compact[c:c + hi - lo]
-        return out
-
 
 def state_bytes(optimizer):
     """Bytes of optimizer state this process holds (sharded or not)."""

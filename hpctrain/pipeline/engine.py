@@ -16,8 +16,8 @@ own transfers, optimizer and buckets) and every action names its local
 chunk: the engine keys what actions hand each other by (micro-batch,
 chunk), sends chunk c's output to chunk c + 1 on stage (s + 1) mod P and
 its input gradient to chunk c - 1 on stage (s - 1) mod P, and updates
-chunk by chunk; each chunk backprops 0..M-1, so the bits are still those of
---accumulate-steps M.
+chunk by chunk; each chunk backprops 0..M-1 (schedule.actions_for refuses
+a schedule that does not), so the bits are still those of --accumulate-steps M.
 
 The loss lives on the last stage, layer 0 on the first: each step one world
 Allreduce of [loss, stop] (the last stages' mean loss over their

@@ -245,8 +245,22 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
 
 
 def actions_for(name, stages, micro_batches, stage, virtual_stages=1):
-    """Stage `stage`'s actions under schedule `name` (SCHEDULES), with V chunks for the interleaved one."""
-    return SCHEDULES[name](stages, micro_batches, stage, virtual_stages)
+    """Stage `stage`'s actions under schedule `name` (SCHEDULES), with V chunks for the interleaved one;
+    refused (backward_order) unless each chunk backprops micro-batches 0..M-1 in order."""
+    actions = SCHEDULES[name](stages, micro_batches, stage, virtual_stages)
+    backward_order(name, actions, micro_batches, virtual_stages)
+    return actions
+
+
+def backward_order(name, actions, micro_batches, virtual_stages):
+    """Refuses a schedule in which a chunk's Backwards are not micro-batches 0..M-1 in order:
+    a stage's gradient sum (stage.py) restarts at micro-batch 0 and adds as --accumulate-steps
+    does, so another order would drop, carry over or reorder micro-batches' gradients silently."""
+    for chunk in range(virtual_stages):
+        order = [a.micro for a in actions if isinstance(a, Backward) and a.chunk == chunk]
+        if order != list(range(micro_batches)):
+            raise ScheduleError(f"the {name} schedule backprops chunk {chunk}'s micro-batches in the order "
+                                f"{', '.join(map(str, order))}; the gradient sum needs 0..{micro_batches - 1}")
 
 
 def chunk_index(stages, stage, chunk):

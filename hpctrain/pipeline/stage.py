@@ -102,7 +102,7 @@ class Stage:
         Returns the gradient with respect to the stage's input (None on the first stage)."""
         slot = self._holding.pop(m)
         dx = self.model.backward(slot, dy)
-        if m == 0:   # every schedule backprops in micro-batch order 0..M-1
+        if m == 0:   # every schedule backprops 0..M-1 in order (schedule.backward_order refuses others)
             self.sum.restart()
         self.sum.add(self.grad)
         self._free.append(slot)

@@ -23,7 +23,8 @@ Transfers to and from the chief go along replica 0's pipe communicator
 (the chief is world rank 0: stage 0, replica 0), blocking sends and receives
 in one fixed order that both ends follow, each under the watchdog; a chief
 that fails to write still takes every piece (`drain`), so no sender is left
-waiting. Takes the grid's communicators; never imports MPI itself.
+waiting. Takes the grid's communicators; imports mpi4py only for the
+constants of its two world Allreduces (IN_PLACE, MIN and SUM).
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --checkpoint-dir ckpt --steps 20
 """

@@ -5,8 +5,8 @@
   and so does one with other outputs (--save, --metrics, ...: OUTPUT_FLAGS),
   which only the chief writes: given to another rank alone they would be
   ignored without a word.
-- Every checkpoint records `recorded(args, ...)` as attributes (checkpoint.py).
-- On resume the checkpoint's `SAME_ON_RESUME` values must equal this run's:
+- Every checkpoint records `recorded(args, ...)` as attributes (checkpoints/file.py).
+- On resume the checkpoint's `same_on_resume(...)` values must equal this run's:
   the model and its state (mode, model, hidden, num_params, optimizer, and
   --momentum for --optimizer momentum: its velocity is a sum of gradients
   decayed by that factor, so another value changes what the state means), the

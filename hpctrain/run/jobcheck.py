@@ -14,7 +14,7 @@ The GPU column is the device a rank binds to, `local_rank % gpus_on_node`
 CuPy is not installed or sees no GPU. No pickle: the map is gathered as
 fixed-size byte records.
 
-    HPCTRAIN_EXPECT_WORLD_SIZE=4 mpirun -n 4 python -m hpctrain.jobcheck
+    HPCTRAIN_EXPECT_WORLD_SIZE=4 mpirun -n 4 python -m hpctrain.run.jobcheck
 """
 import importlib.util
 import os

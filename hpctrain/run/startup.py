@@ -131,7 +131,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         say(f"tensorboard: the --metrics records as scalars in {args.tensorboard} "
             f"(tensorboard --logdir {args.tensorboard})")
     # Before any layer is bound; every rank the same way (auto: only where
-    # every rank has numba), so no two ranks' layers round differently.
+    # every rank has numba), so no two ranks mix compiled and NumPy layers.
+    # (The compiled kernels' sum order still depends on the CPU: ranks on
+    # different CPU models may round differently; nn/compiled.py.)
     wanted = np.array([agree(compiled_layers, args, xp, schedule.total_steps)], np.int64)
     with watchdog.waiting("start-up (compiled layers on every rank)", peer=None):
         comm.Allreduce(MPI.IN_PLACE, wanted, op=MPI.MIN)

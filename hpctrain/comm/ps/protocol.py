@@ -2,7 +2,7 @@
 op codes, flags, tags, the final statistics' layout, and the loss that rides
 in an int64 header field. Nothing here sends or receives.
 
-    python -c "import hpctrain.comm.ps.protocol as p; print(p.HEADER, p.OP_NAMES)"
+    python -c "import hpctrain.comm.ps.protocol as p; print(p.HEADER, p.OP_PULL, p.OP_RELEASE)"
 
 Every request and reply starts with one int64 header of HEADER fields
 (buffer-form Send/Recv, nothing pickled), followed by raw float32 buffers:
@@ -48,8 +48,6 @@ HEADER = 11
 H_OP, H_VERSION, H_WORKER, H_FLAGS, H_STOP, H_T, H_NSTATE, H_LOSS, H_EPOCH, H_OFFSET, H_NORM = range(HEADER)
 
 OP_PULL, OP_PUSH, OP_FINAL, OP_SNAPSHOT, OP_RESTORE, OP_REPLY, OP_ROUND, OP_RELEASE = 1, 2, 3, 4, 5, 6, 7, 8
-OP_NAMES = {OP_PULL: "PULL", OP_PUSH: "PUSH", OP_FINAL: "FINAL", OP_SNAPSHOT: "SNAPSHOT",
-            OP_RESTORE: "RESTORE", OP_REPLY: "REPLY", OP_ROUND: "ROUND", OP_RELEASE: "RELEASE"}
 
 F_STOP_REQUEST = 1   # a stop signal was seen: please stop soon
 F_STOP = 2           # reply: the leader's version reached its stop version: stop now
