@@ -34,7 +34,8 @@ from .run.outputs import check_output_file, printable
 def evaluate(model, x, y):
     """{accuracy, loss, num_samples, per_class_accuracy, confusion, ...}: the
     loss and accuracy from Sequential.evaluate, the rest from the same logits."""
-    loss_sum, correct = model.model.evaluate(x, y)
+    sums = model.model.evaluate(x, y)
+    loss_sum, correct = sums["loss"], sums["correct"]
     n = max(len(y), 1)
     k = model.spec.classes
     predicted = model.logits(x).argmax(axis=1)
