@@ -223,8 +223,8 @@ class ModelSpec:
         so two copies of a user's file that differ where describe() does not
         look (a constant, a parameter shape) are not one model."""
         text = ";".join(f"{name}{shape}" for name, shape, _, _ in self.tensors + self.state)
-        text += f";loss {type(self.loss).__module__}.{type(self.loss).__qualname__} {_loss_name(self.loss)}" \
-                f";input {self.input_kind}"
+        # the loss's class by name alone: a user's module is named per process (nn/user.py)
+        text += f";loss {type(self.loss).__qualname__} {_loss_name(self.loss)};input {self.input_kind}"
         return hashlib.sha256(f"{self.identity};{text}".encode()).hexdigest()[:16]
 
     @property
