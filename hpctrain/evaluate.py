@@ -33,8 +33,10 @@ from .run.outputs import check_output_file, printable
 
 def evaluate(model, x, y):
     """{accuracy, loss, num_samples, per_class_accuracy, confusion, ...}: the
-    loss and accuracy from Sequential.evaluate, the rest from the same logits."""
-    loss_sum, correct = model.model.evaluate(x, y)
+    loss and accuracy from the model's loss's sums (Sequential.evaluate:
+    the loss per item it counts), the rest from the same logits."""
+    sums = model.model.evaluate(x, y)
+    loss_sum, correct = sums["loss"], sums["correct"]
     n = max(len(y), 1)
     k = model.spec.classes
     predicted = model.logits(x).argmax(axis=1)
@@ -43,7 +45,7 @@ def evaluate(model, x, y):
     counts = confusion.sum(axis=1)
     per_class = {name: (round(float(confusion[c, c] / counts[c]), 6) if counts[c] else None)
                  for c, name in enumerate(model.class_names)}
-    return {"accuracy": round(correct / n, 6), "loss": round(loss_sum / n, 6), "num_samples": len(y),
+    return {"accuracy": round(correct / n, 6), "loss": round(loss_sum / max(sums["count"], 1), 6), "num_samples": len(y),
             "class_names": model.class_names, "per_class_accuracy": per_class,
             "per_class_count": {name: int(counts[c]) for c, name in enumerate(model.class_names)},
             "confusion": confusion.tolist(), "step": model.step, "source": model.source}

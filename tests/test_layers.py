@@ -344,8 +344,8 @@ def test_every_zoo_model_builds_trains_a_step_and_prints_its_summary(name, shape
     x, y = rng.random((4, *shape)).astype(np.float32), np.arange(4)
     loss = float(m.forward_backward(x, y, noise=(0, 0, np.arange(4))))
     assert np.isfinite(loss) and np.isfinite(m.grads).all() and np.abs(m.grads).max() > 0
-    total, right = m.evaluate(x, y)
-    assert np.isfinite(total) and 0 <= right <= 4
+    sums = m.evaluate(x, y)
+    assert np.isfinite(sums["loss"]) and 0 <= sums["correct"] <= 4 and sums["count"] == 4
     assert spec.flops() and all(f >= 0 for f in spec.flops()) and spec.memory_bytes(32, 0) > 0
 
 

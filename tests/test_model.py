@@ -3,7 +3,7 @@ per-layer views, and backprop against finite differences."""
 import numpy as np
 import pytest
 
-from hpctrain.nn import mlp
+from hpctrain.nn import ClassCrossEntropy, Dense, Flatten, ModelSpec, mlp
 
 
 def MLP(hidden=(500, 500), dtype=np.float32):
@@ -90,14 +90,46 @@ def test_evaluate_counts_correct_and_loss():
     right = rng.permutation(2500)[:1234]
     y = (predicted + 1 + rng.integers(0, 9, 2500)) % 10
     y[right] = predicted[right]
-    loss_sum, correct = m.evaluate(x, y, batch=1000)
+    sums = m.evaluate(x, y, batch=1000)
+    loss_sum, correct = sums["loss"], sums["correct"]
+    assert sums["count"] == 2500
     loss = float(m.forward_backward(x, y))
     assert abs(loss_sum / 2500 - loss) < 1e-4
     assert correct == 1234
     # uint8 pixels are scaled the same way as the floats they stand for.
     pixels = rng.integers(0, 256, (300, 784), dtype=np.uint8)
-    assert m.evaluate(pixels, y[:300], batch=128)[1] == m.evaluate(
-        (pixels / np.float32(255)).astype(np.float32), y[:300], batch=128)[1]
+    assert m.evaluate(pixels, y[:300], batch=128)["correct"] == m.evaluate(
+        (pixels / np.float32(255)).astype(np.float32), y[:300], batch=128)["correct"]
+
+
+class Scaled(ClassCrossEntropy):
+    """The default loss, its gradient scaled by 0.5 and its loss sum by 3."""
+
+    def forward_backward(self, ctx, logits, targets):
+        loss, d = super().forward_backward(ctx, logits, targets)
+        d *= np.float32(0.5)
+        return loss, d
+
+    def sums(self, ctx, logits, targets):
+        sums = super().sums(ctx, logits, targets)
+        return dict(sums, loss=3 * sums["loss"])
+
+
+def test_the_specs_loss_is_what_training_and_evaluation_use():
+    """The loss is the spec's, not the runner's: its gradient is what backprop
+    starts from (halved here: a linear model's gradient halves, bit for bit,
+    the halving being exact) and its sums are what evaluate adds."""
+    rng = np.random.default_rng(0)
+    x, y = rng.random((6, 4, 5), dtype=np.float32), rng.integers(0, 3, 6)
+    models = []
+    for loss in (None, Scaled()):
+        m = ModelSpec([Flatten(), Dense(3)], (4, 5), 3, loss=loss).build()
+        m.init(1)
+        models.append((float(m.forward_backward(x, y)), m.grads.copy(), m.evaluate(x, y)))
+    (plain_loss, plain_grads, plain_sums), (loss, grads, sums) = models
+    assert loss == plain_loss
+    assert np.array_equal(grads, plain_grads * np.float32(0.5))
+    assert sums == dict(plain_sums, loss=3 * plain_sums["loss"]) and sums["count"] == 6
 
 
 def test_init_is_deterministic_and_he_scaled():

@@ -83,8 +83,7 @@ def test_a_range_dropped_after_forward_and_recomputed_gives_the_same_bits():
         run = LayerRange(spec, 0, len(spec.layers), np, params, grads, state, keep_input=True)
         run.init(5, params, state)
         run.set_noise(noise)
-        loss, d = run.head.forward_backward(run.forward(x.copy(), True), y)
-        d = run.head.gradient(d, y)
+        loss, d = run.loss_forward_backward(run.forward(x.copy(), True), y)
         if recompute:
             run.drop(0)
             assert run.slots[0].held_bytes() == 0

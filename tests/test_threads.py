@@ -59,7 +59,7 @@ def _run(spec, x, y):
     noise = (0, 0, np.arange(len(x)))
     loss = model.forward_backward(x, y, noise=noise)
     evaluated = model.evaluate(x, y)
-    return (np.float64(loss), np.asarray(evaluated, dtype=np.float64), model.grads.copy(),
+    return (np.float64(loss), np.asarray(list(evaluated.values()), dtype=np.float64), model.grads.copy(),
             model.state.copy() if model.state is not None else None)
 
 

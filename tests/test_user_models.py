@@ -5,6 +5,7 @@ checkpoint of another model with one line naming both.
 
     .venv/bin/python -m pytest -q tests/test_user_models.py
 """
+import json
 import os
 
 import h5py
@@ -52,6 +53,18 @@ BAD = {
                             "    return [Dense(classes)]\n", None, "takes a flat input, not 28x28: put Flatten()"),
     "the wrong class count": ("from hpctrain.nn import Dense, Flatten\n\ndef build(shape, classes):\n"
                               "    return [Flatten(), Dense(7)]\n", None, "gives 7 outputs per sample, the data has 10"),
+    "a loss that is not a loss": ("from hpctrain.nn import Dense, Flatten\n\ndef build(shape, classes):\n"
+                                  "    return [Flatten(), Dense(classes)], 'mse'\n", None,
+                                  "build returned (layers, str): the second item is not a loss"),
+    "a loss whose forward_backward raises": (
+        "from hpctrain.nn import ClassCrossEntropy, Dense, Flatten\n\n\nclass Mine(ClassCrossEntropy):\n"
+        "    def forward_backward(self, ctx, logits, targets):\n        raise ValueError('no loss')\n\n\n"
+        "def build(shape, classes):\n    return [Flatten(), Dense(classes)], Mine()\n", None,
+        "the loss (Mine): forward_backward raised ValueError: no loss"),
+    "a first layer that takes tokens": (
+        "from hpctrain.nn import Dense, Flatten\n\n\nclass Tokens(Flatten):\n    input_kind = 'tokens'\n\n\n"
+        "def build(shape, classes):\n    return [Tokens(), Dense(classes)]\n", None,
+        "takes tokens inputs (its first layer's input_kind), the data in"),
 }
 
 
@@ -77,6 +90,36 @@ def test_a_bad_user_model_is_one_line_and_exit_2(job, tmp_path, case):
         assert "in helper" in r.stderr or "in init" in r.stderr, r.stderr
     # outputs are checked (and made) only once the model is: nothing is left behind
     assert not (tmp_path / "m.jsonl").exists() and not (tmp_path / "ckpt").exists()
+
+
+LOSS_MODEL = ("from hpctrain.nn import ClassCrossEntropy, Dense, Flatten, ReLU\n\n\n"
+              "class Doubled(ClassCrossEntropy):\n"
+              "    def sums(self, ctx, logits, targets):\n"
+              "        sums = super().sums(ctx, logits, targets)\n"
+              "        return dict(sums, loss=2 * sums['loss'])\n\n"
+              "    def describe(self):\n        return 'doubled cross-entropy'\n\n\n"
+              "def build(shape, classes):\n    return [Flatten(), Dense(16), ReLU(), Dense(classes)]{loss}\n")
+
+
+def test_a_model_file_naming_its_loss_trains_and_evaluates_with_it(job, tmp_path):
+    """(layers, loss) from FUNCTION: the loss is the model's, shown in the
+    summary; its training arithmetic (inherited) is the default's to the bit,
+    and evaluation reports its own sums (here the loss doubled)."""
+    finals = {}
+    for name, loss in (("plain", ""), ("own", ", Doubled()")):
+        (tmp_path / f"{name}.py").write_text(LOSS_MODEL.format(loss=loss))
+        r = job(2, "--model", f"{tmp_path / name}.py:build", "--steps", "12", "--save", tmp_path / f"{name}.h5",
+                "--metrics", tmp_path / f"{name}.jsonl")
+        assert r.returncode == 0, r.stderr
+        assert ("loss doubled cross-entropy" in r.stdout) == (name == "own"), r.stdout
+        with open(tmp_path / f"{name}.jsonl") as f:
+            finals[name] = [json.loads(line) for line in f if '"final"' in line][-1]
+    with h5py.File(tmp_path / "plain.h5", "r") as a, h5py.File(tmp_path / "own.h5", "r") as b:
+        for group in a:
+            for tensor in a[group]:
+                assert a[group][tensor][()].tobytes() == b[group][tensor][()].tobytes(), (group, tensor)
+    assert finals["own"]["test_accuracy"] == finals["plain"]["test_accuracy"]
+    assert finals["own"]["test_loss"] == pytest.approx(2 * finals["plain"]["test_loss"], rel=1e-6)
 
 
 def test_a_bad_model_name_is_a_flag_error(job):

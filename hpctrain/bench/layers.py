@@ -77,8 +77,7 @@ def profile(model, batch, seconds, seed=0, clock=0):
     for layer, ctx in zip(model.layers, ctxs):
         inputs.append(a.copy())
         a = layer.forward(ctx, a, True)
-    loss, d = model.head.forward_backward(a, y)
-    d = model.head.gradient(d, y)
+    loss, d = model.run.loss_forward_backward(a, y)
     for i in range(len(model.layers) - 1, -1, -1):
         grads[i] = d.copy()
         d = model.layers[i].backward(ctxs[i], d, need_dx=True)

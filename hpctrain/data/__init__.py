@@ -33,7 +33,7 @@ from .augment import check_dir as check_augment
 from .fetch import CIFAR10_BATCHES, EMNIST_SPLITS, MD5, MIRRORS, STANDARD_FILES, extract, fetch
 from .idx import read_idx
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, bundled_sample_dir, default_data_dir,
-                       is_prepared, load_manifest, model_shape, repo_root,
+                       input_kind, is_prepared, load_manifest, model_shape, repo_root,
                        shard_name)
 from .prepare import prepare
 from .reader import ShardReader, has_val, load_test
@@ -42,6 +42,6 @@ __all__ = [
     "CIFAR10_BATCHES", "EMNIST_SPLITS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "MD5", "MIRRORS",
     "STANDARD_FILES", "extract",
     "ShardReader", "bundled_sample_dir", "check_augment", "default_data_dir", "fetch", "has_val", "is_prepared",
-    "load_manifest", "load_test", "model_shape", "prepare", "read_idx", "repo_root",
+    "input_kind", "load_manifest", "load_test", "model_shape", "prepare", "read_idx", "repo_root",
     "shard_name",
 ]

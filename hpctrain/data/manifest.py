@@ -142,6 +142,15 @@ def _split_problem(part, split):
     return None
 
 
+def input_kind(manifest):
+    """What the readers give a model's first layer from this data
+    (nn/spec.INPUT_KINDS): "image", uint8 pixels read as float32 in [0, 1],
+    the kind of every data set `prepare` writes today (a token data set and
+    its reader come with the transformer issue). The model's spec must take
+    the same (run/startup.py)."""
+    return "image"
+
+
 def model_shape(manifest):
     """(image shape, classes) of the model that trains on this data: one
     image's shape as stored (28x28; 32x32x3, channels last) and the

@@ -153,7 +153,7 @@ def check_gradients(spec, i, rng, picks=24):
 
 
 def check_model(spec, rng, picks=32):
-    """The whole model's parameter gradient (softmax cross-entropy, float64,
+    """The whole model's parameter gradient (the model's loss, float64,
     the in-place rule's copies included) against central differences."""
     model = spec.build(dtype=np.float64)
     model.init(1)

@@ -32,6 +32,13 @@ samples, and refuses it when:
   several micro-batches through the one layer, and the last forward's would
   reach every backward).
 
+A user's own loss (nn/losses.py) is run once too (`check_loss`), on random
+logits of the last layer's output and the integer class targets the
+readers give, and refused when a method raises, when `forward_backward`
+writes into the logits or returns other than (a finite scalar, a float32
+gradient of the logits' shape), or when `sums` returns other than a dict
+with numbers under "loss" and "count".
+
 Layers of hpctrain's own (nn/) are tested against finite differences and
 skipped here. What the check does not do: compare a backward against finite
 differences (a wrong derivative is the user's bug to find; tests/test_layers.py
@@ -235,7 +242,43 @@ def check_layer(spec, i, seed=0):
 
 
 def check_layers(spec, seed=0):
-    """check_layer for every layer of the spec that is not hpctrain's own."""
+    """check_layer for every layer of the spec that is not hpctrain's own, then check_loss."""
     for i, layer in enumerate(spec.layers):
         if not _ours(layer):
             check_layer(spec, i, seed)
+    check_loss(spec, seed)
+
+
+def check_loss(spec, seed=0):
+    """A user's loss, run once on random float32 logits (BATCH, *last
+    output) against integer class targets; hpctrain's own is skipped."""
+    loss = spec.loss
+    if type(loss).__module__.startswith("hpctrain.nn."):
+        return
+    rng = np.random.default_rng(seed)
+    name = f"the loss ({type(loss).__name__})"
+    logits = rng.standard_normal((BATCH, *spec.shapes[-1])).astype(np.float32)
+    targets = rng.integers(0, spec.classes, BATCH)
+    given = logits.copy()
+
+    def call(what, fn, *args):
+        try:
+            return fn(*args)
+        except (Exception, SystemExit) as e:
+            raise LayerCodeError(f"{name}: {what} raised {type(e).__name__}: {e}", traceback.format_exc()) from None
+    out = call("forward_backward", loss.forward_backward, Context(np), logits, targets)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise LayerCodeError(f"{name}: forward_backward returned {type(out).__name__}, not (loss, dlogits)")
+    value, d = out
+    if not np.array_equal(logits, given):
+        raise LayerCodeError(f"{name}: forward_backward wrote into the logits (the last layer's output, which its "
+                             f"backward may read)")
+    if np.ndim(value) != 0 or not np.isfinite(float(value)):
+        raise LayerCodeError(f"{name}: forward_backward's loss is {value!r}, not a finite scalar")
+    if not (isinstance(d, np.ndarray) and d.dtype == np.float32 and d.shape == logits.shape):
+        got = f"{d.dtype} {d.shape}" if isinstance(d, np.ndarray) else type(d).__name__
+        raise LayerCodeError(f"{name}: forward_backward's gradient is {got}, not float32 {logits.shape} "
+                             f"(the logits' shape)")
+    sums = call("sums", loss.sums, Context(np), logits, targets)
+    if not (isinstance(sums, dict) and all(isinstance(sums.get(k), (int, float)) for k in ("loss", "count"))):
+        raise LayerCodeError(f"{name}: sums returned {sums!r}, not a dict with numbers under \"loss\" and \"count\"")

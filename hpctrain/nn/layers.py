@@ -158,6 +158,7 @@ class Layer:
     view = False          # forward returns a view of its input (a reshape)
     keeps_output = True   # backward reads forward's output: an in-place layer after it gets a copy
     min_batch = 1         # the smallest batch a training forward makes sense of (BatchNorm1d: 2)
+    input_kind = "image"  # what it takes as a model's first layer (nn/spec.INPUT_KINDS): the reader must give it
 
     def configure(self, in_shape):
         self.in_shape = tuple(in_shape)

@@ -5,8 +5,9 @@ layers (the whole model, or a pipeline stage), and `Sequential`, the model
 over all of them: `init`, `forward_backward` (with the hooks fusion and the
 timeline use), `evaluate`.
 
-The head is softmax cross-entropy over the last layer's outputs (the
-logits), averaged over the batch.
+The loss is the spec's (nn/losses.py: today softmax cross-entropy over
+classes), scoring the last layer's outputs (the logits) against the
+batch's targets.
 
     python -m hpctrain.nn               # what a built model holds
 """
@@ -15,43 +16,8 @@ import copy
 import numpy as np
 
 from .chain import Chain
-from .layers import Noise
-
-
-class SoftmaxCrossEntropy:
-    """Mean cross-entropy of softmax(logits) against integer labels; its
-    gradient (softmax - onehot) / batch, in a buffer kept between steps."""
-
-    def __init__(self, xp):
-        self.xp = xp
-        self._d = None
-
-    def forward_backward(self, logits, y):
-        """(loss as an xp scalar, d loss / d logits)."""
-        xp = self.xp
-        batch = logits.shape[0]
-        if self._d is None or self._d.shape != logits.shape or self._d.dtype != logits.dtype:
-            self._d, self._rows = xp.empty(logits.shape, logits.dtype), xp.arange(batch)
-        d, rows = self._d, self._rows
-        # softmax, stabilised
-        xp.subtract(logits, logits.max(axis=1, keepdims=True), out=d)
-        xp.exp(d, out=d)
-        d /= d.sum(axis=1, keepdims=True)
-        loss = -xp.log(xp.maximum(d[rows, y], 1e-30)).mean()
-        return loss, d
-
-    def gradient(self, d, y):
-        """Turn the softmax in d into the gradient of the mean loss, in place."""
-        d[self._rows, y] -= 1.0
-        d *= 1.0 / d.shape[0]
-        return d
-
-    def sums(self, logits, y):
-        """(sum of cross-entropy, number correct) of one evaluation batch."""
-        xp = self.xp
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        logp = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
-        return float(-logp[xp.arange(logits.shape[0]), y].sum()), int((logits.argmax(axis=1) == y).sum())
+from .layers import Context, Noise
+from .losses import add_sums
 
 
 # How initial parameters are drawn: 1, one generator of --seed for every
@@ -65,7 +31,7 @@ class LayerRange:
     views of flat buffers (params, grads, state: the whole model's, or a
     pipeline stage's slices starting at the model's offsets `base`), run
     forward (nn/chain.py: with the in-place rule's copies) and backward in
-    the order training needs, with the loss head when b is the last layer.
+    the order training needs, with the spec's loss when b is the last layer.
     The whole model is the range [0, n) (Sequential below); a pipeline stage
     one range of it (pipeline/stage.py), so a stage computes what the model
     computes for those layers, call for call.
@@ -91,9 +57,10 @@ class LayerRange:
         self.slots = [self.chain.context() for _ in range(slots)]
         self._inputs = [None] * slots   # each slot's last training input, for a recompute
         self.in_shape = spec.input_shape if a == 0 else spec.shapes[a - 1]
-        # the loss head where the range ends the model, one per slot (its gradient buffer is a call's)
-        self.heads = [SoftmaxCrossEntropy(xp) for _ in range(slots)] if b == len(spec.layers) else None
-        self.head = self.heads[0] if self.heads else None
+        # the model's loss where the range ends the model, and a context per slot
+        # for it (its gradient buffer is a call's, kept until that slot's backward)
+        self.loss = spec.loss if b == len(spec.layers) else None
+        self.loss_slots = [Context(xp) for _ in range(slots)] if self.loss is not None else None
         # (layer, index of its range in layer_ranges) for layers with parameters
         self.owner = {i: k for k, i in enumerate(spec.param_layers)}
         # backprop stops at the model's first layer with parameters: nothing before it needs a gradient
@@ -129,6 +96,15 @@ class LayerRange:
         if train:
             self._inputs[slot] = x
         return self.chain.forward(self.slots[slot], x, train)
+
+    def loss_forward_backward(self, logits, targets, slot=0):
+        """(mean loss, its gradient with respect to the logits) of a training
+        batch, the gradient in the slot's buffer until its backward."""
+        return self.loss.forward_backward(self.loss_slots[slot], logits, targets)
+
+    def sums(self, logits, targets):
+        """The loss's evaluation sums of one batch (nn/losses.py)."""
+        return self.loss.sums(self.loss_slots[0], logits, targets)
 
     def backward(self, d, on_layer_done=None, slot=0):
         """Backprop d (the gradient of the range's output) through the range,
@@ -177,7 +153,7 @@ class Sequential:
         self.layer_ranges = spec.layer_ranges
         self.run = LayerRange(spec, 0, len(spec.layers), xp, params, grads, state)
         self.ctx = self.run.slots[0]   # the one slot: each layer's context in .inner, in list order
-        self.layers, self.head, self.chain = self.run.layers, self.run.head, self.run.chain
+        self.layers, self.loss, self.chain = self.run.layers, self.run.loss, self.run.chain
 
     def init(self, seed):
         """Every layer's initial parameters from (seed, its index) (LayerRange.init)."""
@@ -196,8 +172,8 @@ class Sequential:
         return [(name, self.state[lo:hi].reshape(shape)) for name, shape, lo, hi in self.spec.state]
 
     def forward_backward(self, x, y, on_layer_done=None, loss_out=None, on_forward_done=None, noise=None):
-        """Mean cross-entropy over the batch (an xp scalar); writes the gradient of
-        that mean into self.grads. `on_layer_done(k)` is called as soon as
+        """The model's mean loss over the batch, x scored against the targets
+        y (an xp scalar); writes the gradient of that mean into self.grads. `on_layer_done(k)` is called as soon as
         layer_ranges[k]'s gradient is final (last first); `loss_out` (a 1-element
         array) receives the loss before backprop starts; `on_forward_done()` is
         called then too (for timelines). `noise=(seed, step, sample_ids)`, one id
@@ -206,24 +182,23 @@ class Sequential:
         the rows are split over ranks."""
         run = self.run
         run.set_noise(noise)
-        loss, d = self.head.forward_backward(run.forward(x, True), y)
+        loss, d = run.loss_forward_backward(run.forward(x, True), y)
         if loss_out is not None:
             loss_out[...] = loss
         if on_forward_done is not None:
             on_forward_done()
-        run.backward(self.head.gradient(d, y), on_layer_done)
+        run.backward(d, on_layer_done)
         return loss
 
     def evaluate(self, x, y, batch=128):
-        """(sum of cross-entropy, number correct) over x, y, as Python numbers.
-        x may be uint8 pixels (scaled by 1/255 a batch at a time) or floats."""
-        total_loss, correct = 0.0, 0
+        """The loss's sums over x, y (nn/losses.py: {"loss": sum, "count",
+        "correct"}, Python numbers), added batch by batch in order. x may be
+        uint8 pixels (scaled by 1/255 a batch at a time) or floats."""
+        total = self.loss.zero_sums()
         for lo in range(0, x.shape[0], batch):
             xb, yb = x[lo: lo + batch], y[lo: lo + batch]
             if xb.dtype == np.uint8:
                 xb = xb.astype(self.dtype)
                 xb /= 255
-            loss, right = self.head.sums(self.run.forward(xb, False), yb)
-            total_loss += loss
-            correct += right
-        return total_loss, correct
+            add_sums(total, self.run.sums(self.run.forward(xb, False), yb))
+        return total

@@ -1,8 +1,15 @@
 """A model is a spec, then buffers.
 
-`ModelSpec(layers, input_shape, classes)` runs each layer's `configure` on
-the shape before it (nn/layers.py: the layer contract) and lays every
-trainable tensor, layer by layer, into one flat buffer. Whoever needs the
+`ModelSpec(layers, input_shape, classes, loss=, input_kind=)` runs each
+layer's `configure` on the shape before it (nn/layers.py: the layer
+contract), has the loss (nn/losses.py; softmax cross-entropy over classes
+by default) check the last layer's output, and lays every trainable
+tensor, layer by layer, into one flat buffer. `input_kind` says what the
+first layer takes (its `input_kind`, nn/layers.py), which the data's reader
+must give (run/startup.py checks it against data.input_kind): "image"
+(float32 pixels in [0, 1], what every reader gives today) or "tokens"
+(integer ids, for the embedding and the token reader the transformer issue
+adds). Whoever needs the
 model's size, identity, memory or layout asks the spec, without building
 anything: rank agreement and checkpoints (`identity`, `num_params`), the
 memory check (`memory_bytes`), ps placement (`tensor_ranges`), fusion
@@ -30,6 +37,7 @@ import traceback
 import numpy as np
 
 from .layers import Dropout, LayerCodeError, LayerError, describe
+from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
 
 
@@ -45,6 +53,27 @@ def _call(i, layer, what, fn, *args):
     except (Exception, SystemExit) as e:
         did = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
         raise LayerCodeError(f"layer {i} ({describe(layer)}): {what} {did}", traceback.format_exc()) from None
+
+
+def _call_loss(loss, what, fn, *args):
+    """fn(*args), a method of the model's loss, like _call for a layer."""
+    name = _loss_name(loss)
+    try:
+        return fn(*args)
+    except LayerError:   # its one line about the last layer's output
+        raise
+    except (Exception, SystemExit) as e:
+        did = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+        raise LayerCodeError(f"the loss ({name}): {what} {did}", traceback.format_exc()) from None
+
+
+def _loss_name(loss):
+    """loss.describe(), or its class name where a user's describe() fails."""
+    try:
+        text = loss.describe()
+        return text if isinstance(text, str) else type(loss).__name__
+    except Exception:
+        return type(loss).__name__
 
 
 def _dims(value, empty_ok):
@@ -103,12 +132,28 @@ def _reused(layers):
         walk(layer, f"layer {i}")
 
 
+# What a model's first layer may take (input_kind), each a kind of data a reader gives.
+INPUT_KINDS = ("image", "tokens")
+
+
 class ModelSpec:
-    def __init__(self, layers, input_shape, classes, name="custom", code=None):
+    def __init__(self, layers, input_shape, classes, name="custom", code=None, loss=None, input_kind=None):
         """code: a digest of the code that made the layers (a user's model
-        file and what it imports beside it, nn/user.py), which ranks compare."""
+        file and what it imports beside it, nn/user.py), which ranks compare.
+        loss: a nn/losses.Loss (None: softmax cross-entropy over classes).
+        input_kind: what the model takes (INPUT_KINDS; None: its first layer's)."""
         self.layers, self.name, self.code = list(layers), name, code
         self.input_shape, self.classes = tuple(int(d) for d in input_shape), int(classes)
+        self.loss = ClassCrossEntropy() if loss is None else loss
+        if not isinstance(self.loss, Loss):
+            raise LayerCodeError(f"the model's loss is a {type(self.loss).__name__}, not a loss "
+                                 f"(subclass hpctrain.nn.Loss)")
+        if input_kind is None and self.layers:
+            input_kind = getattr(self.layers[0], "input_kind", "image")
+        if input_kind not in INPUT_KINDS:
+            raise LayerCodeError(f"the model's input kind {input_kind!r} (its first layer's input_kind) is none of "
+                                 f"{', '.join(INPUT_KINDS)}")
+        self.input_kind = input_kind
         _reused(self.layers)
         shape = self.input_shape
         self.shapes = []   # each layer's output shape
@@ -119,9 +164,7 @@ class ModelSpec:
                 raise LayerCodeError(f"layer {i} ({describe(layer)}): configure returned {given!r}, not an "
                                      f"output shape (a tuple of positive whole numbers)")
             self.shapes.append(shape)
-        if shape != (self.classes,):
-            raise LayerError(f"the last layer gives {'x'.join(map(str, shape))} outputs per sample, "
-                             f"the data has {self.classes} classes")
+        _call_loss(self.loss, "check", self.loss.check, shape, self.classes)
         self.layer_tensors, self.layer_state = [], []   # per layer: [(name, shape, lo, hi)]
         self.tensors, self.state = [], []
         self.param_layers = []   # indices of the layers with parameters
@@ -180,6 +223,8 @@ class ModelSpec:
         so two copies of a user's file that differ where describe() does not
         look (a constant, a parameter shape) are not one model."""
         text = ";".join(f"{name}{shape}" for name, shape, _, _ in self.tensors + self.state)
+        # the loss's class by name alone: a user's module is named per process (nn/user.py)
+        text += f";loss {type(self.loss).__qualname__} {_loss_name(self.loss)};input {self.input_kind}"
         return hashlib.sha256(f"{self.identity};{text}".encode()).hexdigest()[:16]
 
     @property
@@ -230,7 +275,8 @@ class ModelSpec:
 
     def summary(self):
         """The model, one line per layer (output shape, parameters), and the total."""
-        lines = [f"model {self.name}: input {'x'.join(map(str, self.input_shape))}, {self.classes} classes"]
+        lines = [f"model {self.name}: input {'x'.join(map(str, self.input_shape))} ({self.input_kind}), "
+                 f"{self.classes} classes, loss {_loss_name(self.loss)}"]
         for i, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
             count = sum(hi - lo for _, _, lo, hi in self.layer_tensors[i])
             lines.append(f"  {i:>3} {layer.describe():<28} -> {'x'.join(map(str, shape)):<14} {count:>12,}")

@@ -3,7 +3,9 @@
 The file is the user's code: every rank imports it itself (nothing is
 pickled or sent), calls FUNCTION(input_shape, classes) and gets back a list
 of layers (hpctrain's, or the user's own classes on the layer contract of
-nn/layers.py). The file's folder is on the import path while it loads and
+nn/layers.py), or a pair (that list, a loss): the loss the model is trained
+and evaluated with (nn/losses.py; softmax cross-entropy over classes when
+the function returns layers alone), checked when the spec is made. The file's folder is on the import path while it loads and
 builds (a module beside it can be imported). Ranks compare its code (the
 file's bytes and the modules imported from beside it: `code_digest`) and
 the spec made from the list (run/startup.py), so a file that differs between
@@ -24,6 +26,7 @@ import sys
 import traceback as tb
 
 from .layers import Layer
+from .losses import Loss
 
 
 class UserModelError(ValueError):
@@ -73,8 +76,8 @@ def code_digest(path, modules):
 
 
 def load(value, input_shape, classes):
-    """(the layer list FUNCTION(input_shape, classes) returns, checked; the
-    digest of its code). The file's folder is on the import path while it
+    """(the layer list FUNCTION(input_shape, classes) returns, checked; its
+    loss, or None where it returns layers alone; the digest of its code). The file's folder is on the import path while it
     loads and builds, so it can import modules beside it (a `layers.py`
     next to `model.py`); they are compared across ranks with it."""
     path, function = split(value)
@@ -104,6 +107,10 @@ def load(value, input_shape, classes):
     finally:
         if sys.path and sys.path[0] == folder:
             sys.path.pop(0)
+    layers, loss = _layers_and_loss(layers)
+    if loss is not None and not isinstance(loss, Loss):
+        raise UserModelError(f"--model {value}: {function} returned (layers, {type(loss).__name__}): the second "
+                             f"item is not a loss (subclass hpctrain.nn.Loss)")
     if not isinstance(layers, (list, tuple)):
         raise UserModelError(f"--model {value}: {function} returned {type(layers).__name__}, not a list of layers")
     if not layers:
@@ -113,4 +120,14 @@ def load(value, input_shape, classes):
             raise UserModelError(f"--model {value}: {function} returned a list whose item {i} is a "
                                  f"{type(layer).__name__}, not a layer (subclass hpctrain.nn.Layer)")
     new = [sys.modules[key] for key in set(sys.modules) - before if key in sys.modules]
-    return list(layers), code_digest(path, new)
+    return list(layers), loss, code_digest(path, new)
+
+
+def _layers_and_loss(returned):
+    """(layers, loss) from what FUNCTION returned: a pair (list, loss) is a
+    model with its own loss; anything else is the layers alone (loss None).
+    A pair whose second item is neither a layer nor a loss is a wrong loss."""
+    if (isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[0], (list, tuple))
+            and not isinstance(returned[1], Layer)):
+        return returned
+    return returned, None

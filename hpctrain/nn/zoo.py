@@ -17,7 +17,8 @@ into a spec.
                padding 1): issue 21's benchmark net.
 
 Every function takes (input_shape, classes) and sizes itself from the image
-shape; ReLU after every convolution and hidden dense layer. Where a max
+shape; each model is scored by the spec's default loss, softmax
+cross-entropy over the classes (nn/losses.py); ReLU after every convolution and hidden dense layer. Where a max
 pool follows, the ReLU goes after the pool: the same numbers (max and ReLU
 commute), on a quarter of the values. Convolutional nets start with
 Channels() (the data's images to NHWC, once per batch).
@@ -97,8 +98,8 @@ def spec_for(args, image_shape, classes, check=True):
     if name == "mlp":
         return mlp(image_shape, classes, args.hidden)
     if ":" in name:
-        layers, code = user.load(name, image_shape, classes)
-        spec = ModelSpec(layers, image_shape, classes, name=name, code=code)
+        layers, loss, code = user.load(name, image_shape, classes)
+        spec = ModelSpec(layers, image_shape, classes, name=name, code=code, loss=loss)
         if check:   # a user's layers, run once: what they can silently get wrong (nn/check.py)
             check_layers(spec)
         return spec

@@ -40,6 +40,7 @@ from mpi4py import MPI
 from .. import device
 from ..chunks import chunk_parts
 from ..nn.accumulate import Accumulation
+from ..nn.losses import add_sums
 from ..optim.clipping import Clip
 from . import schedule as sched
 from .grad_norm import StageNorm, ring_ranges
@@ -216,11 +217,12 @@ class Engine:
         stages (Sequential.evaluate's batches, scaled the same way), each
         batch through this stage's chunks in turn: x this replica's part of
         the images on the first stage, y its labels on the last (None
-        elsewhere), count its samples (known everywhere). Returns (loss sum,
-        correct) on the last stage, (0.0, 0) elsewhere. Sends wait two
+        elsewhere), count its samples (known everywhere). Returns the loss's
+        sums (nn/losses.py: loss, count, correct) on the last stage, its zero
+        sums elsewhere. Sends wait two
         batches behind (no more than two activation buffers a chunk in flight)."""
         grid, P = self.grid, self.grid.stages
-        loss, correct, sends = 0.0, 0, []
+        sums, sends = self.spec.loss.zero_sums(), []
         for lo in range(0, count, batch):
             n = min(batch, count - lo)
             for k, chunk in enumerate(self.chunks):
@@ -237,9 +239,7 @@ class Engine:
                 run = chunk.model.run
                 out = run.forward(a, False)
                 if self.last[k]:
-                    part_loss, part_correct = run.head.sums(out, self.xp.asarray(y[lo:lo + n]))
-                    loss += part_loss
-                    correct += part_correct
+                    add_sums(sums, run.sums(out, self.xp.asarray(y[lo:lo + n])))
                     continue
                 sends.append(self._send(out, (grid.stage + 1) % P, EVAL_TAG + k))
                 if len(sends) > 2 * self.virtual:
@@ -247,7 +247,7 @@ class Engine:
                         self.world.waits.one(sends.pop(0)[0])
         with self.world.waiting("pipeline evaluation sends", peer=self.neighbours):
             self.world.waits.all([request for request, _ in sends])
-        return loss, correct
+        return sums
 
     # --- the actions (schedule.py), one method each: micro-batch m, local chunk k ---------
 

@@ -29,8 +29,8 @@ class StageModel:
     """Layers [a, b) bound to params/grads/state, slices starting at the
     buffers' offsets `base` (params, state) of the full model's: the model's
     one runner (nn/sequential.LayerRange) over the stage's range, with a
-    slot per micro-batch in flight, and on the last stage the loss, whose
-    gradient backward starts from (one per slot)."""
+    slot per micro-batch in flight, and on the last stage the model's loss,
+    whose gradient (one buffer per slot) backward starts from."""
 
     def __init__(self, spec, a, b, xp, params, grads, state, base, slots):
         self.run = LayerRange(spec, a, b, xp, params, grads, state, base, slots=slots)
@@ -42,11 +42,9 @@ class StageModel:
         run = self.run
         run.set_noise(noise, slot)
         out = run.forward(x, True, slot)
-        if run.heads is None:
+        if run.loss is None:
             return out
-        head = run.heads[slot]
-        loss, d = head.forward_backward(out, y)
-        self._d[slot] = head.gradient(d, y)
+        loss, self._d[slot] = run.loss_forward_backward(out, y, slot)
         return loss
 
     def backward(self, slot, dy=None):

@@ -330,10 +330,11 @@ class Pipelined:
                 with world.waiting("model state broadcast over the stage's replicas (evaluation)",
                                    peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
                     bcast(grid.stage_comm, stage.state, root=0)
-        loss, correct = self.engine.evaluate(x, y, count)
+        sums = self.engine.evaluate(x, y, count)
         for k, state in own.items():
             self.chunks[k].state[...] = state
-        totals = np.array([loss, correct, count], np.float64) if grid.last else np.zeros(3, np.float64)
+        totals = np.array([sums["loss"], sums.get("correct", 0), sums["count"]], np.float64) if grid.last \
+            else np.zeros(3, np.float64)
         with world.waiting("evaluation allreduce", peer=None):
             world.comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
         return totals[0], totals[1], int(totals[2])

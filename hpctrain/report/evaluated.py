@@ -55,15 +55,15 @@ class WholeModel:
                 self._full[split] = data_mod.load_test(data_dir, raw=True, split=split)
         x, y = self._full[split]
         xp = self.world.xp
-        loss_sum, correct = self.model.evaluate(xp.asarray(x), xp.asarray(y))
-        return loss_sum, correct, len(y)
+        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y))
+        return sums["loss"], sums.get("correct", 0), sums["count"]
 
     def evaluate_parts(self, inputs):
         """Every worker its part of the test set (run/inputs.Inputs.test_part), one Allreduce of the sums."""
         world, xp = self.world, self.world.xp
         x, y = inputs.test_part()
-        loss_sum, correct = self.model.evaluate(xp.asarray(x), xp.asarray(y))
-        totals = np.array([loss_sum, correct, len(y)], np.float64)
+        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y))
+        totals = np.array([sums["loss"], sums.get("correct", 0), sums["count"]], np.float64)
         with world.waiting("evaluation allreduce", peer=None):
             world.cluster.worker_comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
         return totals[0], totals[1], int(totals[2])

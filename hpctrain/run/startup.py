@@ -147,6 +147,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
 
     # --- the model, shaped by the data's manifest --------------------------------
     spec = agree(_model_spec, args, model_shape, watchdog, what="building the model")
+    agree(check_input_kind, args, spec, manifest, data_dir)
     with watchdog.waiting("start-up (same model on every rank)", peer=None):
         # a user's file may differ between nodes: its code, layers and tensors are compared
         agree(check_consistency, comm, {"model (layers, tensors and their shapes)": spec.fingerprint,
@@ -279,6 +280,15 @@ def check_val(args, has_val, data_dir):
 
 def _nothing(*args):
     return None
+
+
+def check_input_kind(args, spec, manifest, data_dir):
+    """The model takes what the data's reader gives (nn/spec.py input_kind,
+    data.input_kind): image pixels, or token ids."""
+    given = data_mod.input_kind(manifest)
+    if spec.input_kind != given:
+        raise HpctrainError(f"--model {args.model} takes {spec.input_kind} inputs (its first layer's input_kind), "
+                            f"the data in {data_dir} gives {given} inputs")
 
 
 def model_spec(args, model_shape):

@@ -1,0 +1,106 @@
+"""The loss: what a model's output is scored against, a part of the model
+(ModelSpec's `loss`), not of the runner.
+
+The contract (`Loss` below; a user's model file may return its own beside
+its layers, nn/user.py):
+
+- `check(out_shape, classes)`: called once when the spec is made, with the
+  last layer's output shape per sample (no batch axis); raise `LayerError`
+  with one line when the loss cannot score it.
+- `forward_backward(ctx, logits, targets) -> (loss, dlogits)`: the mean loss
+  of a training batch (an xp scalar) and its gradient with respect to the
+  logits, written into a buffer the slot's `ctx` (nn/layers.Context, one per
+  slot of the runner) keeps between calls: a step allocates nothing once
+  warm. dlogits is what the last layer's backward starts from, and stays
+  untouched until that backward has run.
+- `sums(ctx, logits, targets) -> dict`: what evaluation adds up over batches, as
+  Python numbers: "loss" (the sum of the per-item losses), "count" (the items
+  scored: the mean loss is loss / count) and "correct" (items predicted
+  right) where accuracy means something; a loss without it leaves "correct"
+  out; `zero_sums()` the same keys at 0, the sums of no batch.
+- `describe()`: one short line (the model summary, rank agreement).
+
+Shapes: nothing here assumes one target per sample. `ClassCrossEntropy`
+scores logits (N, C) against integer targets (N,). A per-token loss over a
+sequence (the transformer issue's) scores logits (N, T, V) against integer
+targets (N, T), skipping the targets equal to an ignored index: its
+forward_backward averages over the counted tokens, writes zeros into
+dlogits at the ignored ones, and its sums' "count" is the tokens counted,
+not N. The readers hand the targets to the loss as they are; only the loss
+reads them.
+
+    python -m hpctrain.nn               # the model's summary names its loss
+"""
+from .layers import LayerError
+
+
+class Loss:
+    """The base of every loss."""
+
+    def check(self, out_shape, classes):
+        """Raise LayerError when the last layer's output (per sample) cannot be scored."""
+
+    def forward_backward(self, ctx, logits, targets):
+        raise NotImplementedError
+
+    def sums(self, ctx, logits, targets):
+        raise NotImplementedError
+
+    def zero_sums(self):
+        return {"loss": 0.0, "count": 0}
+
+    def describe(self):
+        return type(self).__name__
+
+
+class ClassCrossEntropy(Loss):
+    """Mean cross-entropy of softmax(logits) against one integer class per
+    sample: logits (N, C), targets (N,). Its gradient (softmax - onehot) / N."""
+
+    def check(self, out_shape, classes):
+        if tuple(out_shape) != (classes,):
+            raise LayerError(f"the last layer gives {'x'.join(map(str, out_shape))} outputs per sample, "
+                             f"the data has {classes} classes")
+
+    def forward_backward(self, ctx, logits, targets):
+        xp = ctx.xp
+        d = ctx.buffer("dlogits", logits.shape, logits.dtype)
+        rows = self._rows(ctx, logits.shape[0])
+        # softmax, stabilised
+        xp.subtract(logits, logits.max(axis=1, keepdims=True), out=d)
+        xp.exp(d, out=d)
+        d /= d.sum(axis=1, keepdims=True)
+        loss = -xp.log(xp.maximum(d[rows, targets], 1e-30)).mean()
+        # the softmax in d becomes the gradient of the mean loss, in place
+        d[rows, targets] -= 1.0
+        d *= 1.0 / d.shape[0]
+        return loss, d
+
+    @staticmethod
+    def _rows(ctx, n):
+        """0..n-1 on the model's device, kept on the slot's context."""
+        rows = getattr(ctx, "rows", None)
+        if rows is None or rows.shape[0] != n:
+            rows = ctx.rows = ctx.xp.arange(n)
+        return rows
+
+    def sums(self, ctx, logits, targets):
+        xp = ctx.xp
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        logp = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+        n = logits.shape[0]
+        return {"loss": float(-logp[xp.arange(n), targets].sum()), "count": int(n),
+                "correct": int((logits.argmax(axis=1) == targets).sum())}
+
+    def zero_sums(self):
+        return {"loss": 0.0, "count": 0, "correct": 0}
+
+    def describe(self):
+        return "softmax cross-entropy over classes"
+
+
+def add_sums(total, part):
+    """total += part, key by key (evaluation's batches, in order)."""
+    for key, value in part.items():
+        total[key] += value
+    return total
