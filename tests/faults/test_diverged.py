@@ -81,8 +81,8 @@ def test_a_nan_step_is_never_the_best(job, tmp_path):
 # ranks), all finite in float32; a learning rate that keeps the parameters
 # finite there.
 BOOST_ON_RANK = ("import os\nfrom hpctrain.nn import Dense, Flatten, Layer\n\nCALLS = [0]\n\n\n"
-                   "class Boost(Layer):\n    def forward(self, x, train):\n        CALLS[0] += train\n"
-                   "        return x * 1\n\n    def backward(self, dy, need_dx):\n"
+                   "class Boost(Layer):\n    def forward(self, ctx, x, train):\n        CALLS[0] += train\n"
+                   "        return x * 1\n\n    def backward(self, ctx, dy, need_dx):\n"
                    "        big = CALLS[0] >= 3 and os.environ.get('PMI_RANK') == '{rank}'\n"
                    "        return dy * 1e9 if big else dy\n\n\n"
                    "def build(shape, classes):\n    return [Flatten(), Dense(16), Boost(), Dense(classes)]\n")
