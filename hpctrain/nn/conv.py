@@ -167,7 +167,8 @@ class Conv2d(Layer):
                 xp.matmul(cols[lo * h * w:hi * h * w], self.W2, out=out)
                 if self.bias:
                     out += self.params["b"]
-            self.split(n, product, most=threads.most(macs=n * h * w * c * self.out_channels))
+            self.split(n, product, unit=threads.row_unit(h * w),
+                       most=threads.most(macs=n * h * w * c * self.out_channels))
             return y.reshape(n, *self.out_shape)
         source = x
         if p:
@@ -288,7 +289,7 @@ class Conv2d(Layer):
             dx = ctx.buffer("dx", (n * h * w, c), dy.dtype)
             self.split(n, lambda t, lo, hi: xp.matmul(dy2[lo * h * w:hi * h * w], self.W2.T,
                                                           out=dx[lo * h * w:hi * h * w]),
-                       most=threads.most(macs=n * h * w * c * self.out_channels))
+                       unit=threads.row_unit(h * w), most=threads.most(macs=n * h * w * c * self.out_channels))
             return dx.reshape(n, h, w, c)
         how = self.direct and self._direct_dx()
         if how == "turned":
@@ -305,7 +306,8 @@ class Conv2d(Layer):
             xp.matmul(dy2[lo * rows:hi * rows], self.W2.T, out=dcols[lo * rows:hi * rows])
             self._col2im(dcols[lo * rows:hi * rows].reshape(hi - lo, self.oh, self.ow, self.k, self.k, c),
                          dx[lo:hi])
-        self.split(n, images, most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
+        self.split(n, images, unit=threads.row_unit(rows),
+                   most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
         return dx
 
     def _transposed(self, ctx, dy, direct_kernel=False):
