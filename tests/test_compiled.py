@@ -45,6 +45,8 @@ def compiled_layers():
 ])
 @pytest.mark.parametrize("blocks", ["one", "of 1 image"])
 def test_direct_layers_equal_the_plain_loops(out, k, s, p, shape, blocks, compiled_layers, monkeypatch):
+    if not compiled.fits(out):
+        pytest.skip(f"{out} output channels run direct only with AVX-512 (this CPU: {compiled.isa()})")
     layer, _, _ = bound(Conv2d(out, k, stride=s, padding=p), shape)
     assert layer.direct
     monkeypatch.setattr(conv, "BLOCK_FLOATS", 1 << 62 if blocks == "one" else 1)
@@ -185,21 +187,28 @@ def test_zoo_models_step_as_in_float64(name, on):
 
 @pytest.mark.parametrize("name", ["small_cnn", "resnet"])
 def test_compiled_layers_give_the_same_bits_on_two_threads(name, compiled_layers):
+    """This thread's BLAS held to one thread on both sides, as a worker's is:
+    OpenBLAS's own threads (--threads 1 on a multi-core rank) cut a product
+    where they like, and on AVX2's row tiles of 12 that gives other bits."""
     shape = (28, 28)
     rng = np.random.default_rng(2)
     x, y = rng.random((32, *shape), dtype=np.float32), rng.integers(0, 10, 32)
     results = []
+    hold = threads._blas_local_threads()
+    hold(1)
     try:
         for count in (1, 2):
             assert threads.configure(count) == count
             results.append(_train_step(MODELS[name](shape, 10), x, y))
     finally:
+        hold(0)
         threads.configure(1)
     assert results[0][0] == results[1][0] and results[0][1].tobytes() == results[1][1].tobytes()
 
 
 def test_only_fitting_layers_run_direct(compiled_layers):
-    assert compiled.fits(16) and compiled.fits(64) and not compiled.fits(10) and not compiled.fits(128)
+    assert compiled.fits(16) and compiled.fits(32) and not compiled.fits(10) and not compiled.fits(128)
+    assert compiled.fits(64) == (compiled.isa() == "avx512")   # 64 channels: im2col under AVX2
     assert not bound(Conv2d(10, 3), (5, 5, 3))[0].direct        # 10 outputs: im2col
     assert not bound(Conv2d(16, 1), (5, 5, 3))[0].direct        # 1x1 stride 1: one GEMM already
     assert bound(Conv2d(16, 3), (5, 5, 3), dtype=np.float32)[0].direct

@@ -162,7 +162,8 @@ class Conv2d(Layer):
                 xp.matmul(cols[lo * h * w:hi * h * w], self.W2, out=out)
                 if self.bias:
                     out += self.params["b"]
-            self.split(n, product, most=threads.most(macs=n * h * w * c * self.out_channels))
+            self.split(n, product, unit=threads.row_unit(h * w),
+                       most=threads.most(macs=n * h * w * c * self.out_channels))
             return y.reshape(n, *self.out_shape)
         source = x
         if p:
@@ -283,7 +284,7 @@ class Conv2d(Layer):
             dx = ctx.buffer("dx", (n * h * w, c), dy.dtype)
             self.split(n, lambda t, lo, hi: xp.matmul(dy2[lo * h * w:hi * h * w], self.W2.T,
                                                           out=dx[lo * h * w:hi * h * w]),
-                       most=threads.most(macs=n * h * w * c * self.out_channels))
+                       unit=threads.row_unit(h * w), most=threads.most(macs=n * h * w * c * self.out_channels))
             return dx.reshape(n, h, w, c)
         how = self.direct and self._direct_dx()
         if how == "turned":
@@ -300,7 +301,8 @@ class Conv2d(Layer):
             xp.matmul(dy2[lo * rows:hi * rows], self.W2.T, out=dcols[lo * rows:hi * rows])
             self._col2im(dcols[lo * rows:hi * rows].reshape(hi - lo, self.oh, self.ow, self.k, self.k, c),
                          dx[lo:hi])
-        self.split(n, images, most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
+        self.split(n, images, unit=threads.row_unit(rows),
+                   most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
         return dx
 
     def _transposed(self, ctx, dy, direct_kernel=False):
@@ -419,7 +421,9 @@ class Conv2d(Layer):
         per_col = self.oh * self.ow * self.fan_in
         cols = (per_col if not one_by_one and self.fan_in < AGAIN_FROM else 0) + \
             (per_col if not (one_by_one or transposed) else 0)
-        return kept + cols
+        q = self.k - 1 - self.pad   # the transposed input gradient pads dy by q
+        dy_padded = (self.oh + 2 * q) * (self.ow + 2 * q) * self.out_channels if transposed and q else 0
+        return kept + cols + (0 if one_by_one else dy_padded)
 
     def scratch_floats(self):
         # A thread's block of columns (forward, and dW where rewritten) and
@@ -428,8 +432,10 @@ class Conv2d(Layer):
         # or one image where that is larger. The direct kernels keep none.
         # Plus one block of the weight gradient's products (the last,
         # whatever the batch: train_floats counts the rest per sample).
+        # W turned round (or its channel axes swapped) for the input gradient.
+        turned = self.k * self.k * self.out_channels * self.in_shape[2]
         if self.direct_fits():
-            return self._weight_blocks()[1]
+            return self._weight_blocks()[1] + (turned if self._direct_dx() else 0)
         h, w, c = self.in_shape
         k, o = self.k, self.out_channels
         one_by_one = k == 1 and self.stride == 1 and self.pad == 0
@@ -437,7 +443,7 @@ class Conv2d(Layer):
         per_image = self.oh * self.ow * self.fan_in
         cols = 0 if one_by_one or self.fan_in < AGAIN_FROM else max(1, BLOCK_FLOATS // per_image) * per_image
         dy_cols = h * w * k * k * o
-        return cols + (max(1, BLOCK_FLOATS // dy_cols) * dy_cols if transposed and not one_by_one else 0) + \
+        return cols + (max(1, BLOCK_FLOATS // dy_cols) * dy_cols + turned if transposed and not one_by_one else 0) + \
             self._weight_blocks()[1]
 
     def flops(self):

@@ -316,30 +316,29 @@ class Dense(Layer):
         xp, W, b = self.xp, self.params["W"], self.params["b"]
         h = ctx.buffer(("out", train), (x.shape[0], self.units), W.dtype)
 
-        def columns(t, lo, hi):
-            xp.matmul(x, W[:, lo:hi], out=h[:, lo:hi])
-            h[:, lo:hi] += b[lo:hi]
-        self._split_columns(self.units, columns, x.shape[0])
+        def rows(t, lo, hi):
+            xp.matmul(x[lo:hi], W, out=h[lo:hi])
+            h[lo:hi] += b
+        self._split_rows(x.shape[0], rows, x.shape[0])
         ctx.x = x
         return h
 
     def backward(self, ctx, dy, need_dx):
         xp, x, W, dW = self.xp, ctx.x, self.params["W"], self.grads["W"]
-        self._split_columns(self.units, lambda t, lo, hi: xp.matmul(x.T, dy[:, lo:hi], out=dW[:, lo:hi]),
-                            dy.shape[0])
+        self._split_rows(self.fan_in, lambda t, lo, hi: xp.matmul(x[:, lo:hi].T, dy, out=dW[lo:hi]), dy.shape[0])
         dy.sum(axis=0, out=self.grads["b"])
         if not need_dx:
             return None
         dx = ctx.buffer("dx", (dy.shape[0], self.fan_in), dy.dtype)
-        self._split_columns(self.fan_in, lambda t, lo, hi: xp.matmul(dy, W[lo:hi].T, out=dx[:, lo:hi]),
-                            dy.shape[0])
+        self._split_rows(dy.shape[0], lambda t, lo, hi: xp.matmul(dy[lo:hi], W.T, out=dx[lo:hi]), dy.shape[0])
         return dx
 
-    def _split_columns(self, n, work, rows):
-        """A product over column ranges of its output (64 columns at a time:
-        whole SIMD tiles), on the compute threads where it is large enough:
-        each output column is the one dot product it is in one GEMM."""
-        self.split(n, work, unit=64, most=threads.most(macs=rows * self.fan_in * self.units))
+    def _split_rows(self, n, work, batch):
+        """A product over ranges of its output's rows (whole BLAS row tiles:
+        threads.ROW_TILE), on the compute threads where it is large enough:
+        each output row is the one it is in one GEMM. Not by columns: BLAS
+        sums a column in other bits when it is cut off from its neighbours."""
+        self.split(n, work, unit=threads.row_unit(1), most=threads.most(macs=batch * self.fan_in * self.units))
 
     def train_floats(self):
         # its output, and the gradient the next layer hands back (the same size)

@@ -24,6 +24,7 @@ are the same on any number of threads (tests/test_threads.py).
     python -m pytest -q tests/test_threads.py
 """
 import ctypes
+import math
 import threading
 
 # The least work worth a part of its own: handing a part to a worker and
@@ -35,6 +36,17 @@ import threading
 # column 64 gave other bits, products above them split exactly.
 MIN_FLOATS = 1 << 17
 MIN_MACS = 1 << 22
+
+# A product is split only along its output's rows, each part starting at a
+# multiple of ROW_TILE rows. Why: OpenBLAS's SGEMM groups a row-major
+# output's rows into tiles (the kernel's N unroll: 12 on the Haswell/Zen
+# kernel), and a row's sum comes out in other bits when it falls in another
+# tile shape (measured on an AMD EPYC, OpenBLAS 0.3.31 'Haswell' core:
+# (6144 x 32) @ (32 x 64) cut every 4, 8, 16 or 256 rows gave other bits,
+# every 12, 24 or 48 the same). Columns are worse: cut anywhere but a half,
+# columns either side of the cut changed. 48 is a multiple of every x86
+# SGEMM row tile (4, 8, 12, 16, 24), so the same rule holds on AVX-512 too.
+ROW_TILE = 48
 
 _workers = []
 _set_local = None
@@ -162,6 +174,12 @@ def most(floats=0, macs=0):
     """The most parts work of `floats` elementwise floats or a product of
     `macs` multiply-adds is worth splitting into."""
     return max(1, floats // MIN_FLOATS, macs // MIN_MACS)
+
+
+def row_unit(rows_per_item):
+    """The fewest items (images, samples) whose output rows make a whole
+    number of ROW_TILEs: the unit a product splits in."""
+    return ROW_TILE // math.gcd(ROW_TILE, int(rows_per_item))
 
 
 def split(n, work, unit=1, most=None, on=True):
