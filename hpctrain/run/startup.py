@@ -10,6 +10,7 @@ A problem on any rank is one line and a clean exit on every rank
     mpirun -n 4 python -m hpctrain.mnist --steps 200
 """
 import time
+from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
@@ -31,6 +32,7 @@ from . import cluster as cluster_mod
 from . import identity, jobcheck
 from .cluster import Cluster
 from .inputs import Inputs, data_identity, ensure_data
+from .mesh import Mesh
 from .outputs import check_outputs
 from .plan import data_plan, make_plan, schedule_plan, shard_wanted
 from .world import World
@@ -138,7 +140,8 @@ def start(args, process_note, watchdog, stop, on_roles=None):
                 if compiled.on() else "layers: NumPy (convolutions by im2col)")
     # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
     cuts = agree(cuts_for, args, cluster.size, spec)
-    replicas = cluster.size // args.pipeline_stages
+    world = with_mesh(world, args)
+    replicas = world.mesh.size("data") if world.mesh else cluster.num_workers
     agree(check_memory, args, cluster.local_size, spec, cuts, replicas,
           shard_wanted(args.shard_optimizer, replicas, xp, args.allreduce) and replicas > 1, schedule.total_steps)
     agree(check_step_size, args, data.workers, manifest, data_dir)
@@ -146,6 +149,20 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # creates --checkpoint-dir): a result that cannot be written would be lost.
     agree(check_outputs if cluster.is_chief else _nothing, args)
     return world, make_plan(args, world, spec, data, schedule, cuts), Inputs(world, data)
+
+
+def with_mesh(world, args):
+    """The world with its mesh of process groups (run/mesh.py), ring and
+    pipeline modes, made once the plan's cut is known (cuts_for refused a
+    stage count that does not divide the world); from here on the watchdog
+    names a rank by its coordinates. ps mode: the world as it is (servers
+    are not on a mesh; its lines keep plain rank numbers)."""
+    if args.mode == "ps":
+        return world
+    with world.watchdog.waiting("start-up (mesh communicators)", peer=None):
+        mesh = Mesh(world.comm, pipeline=args.pipeline_stages)
+    world.watchdog.name_roles(mesh.describe)
+    return replace(world, mesh=mesh)
 
 
 def _model_spec(args, model_shape, watchdog):
