@@ -28,37 +28,49 @@ def members(comm):
     return comm.allgather(WORLD.Get_rank())
 
 
-@pytest.mark.mpi(min_size=2)
-def test_coordinates_count_tensor_fastest_then_data_then_pipeline():
-    size = WORLD.Get_size()
-    for pipeline, tensor in layouts(size):
+def on_every_layout(size, look, layouts_of=None):
+    """look(mesh) on a mesh of every layout, each freed after: what it saw,
+    by layout. Every rank makes every mesh and runs every collective before
+    a test asserts anything, so a rank whose assertion fails leaves no other
+    waiting in a collective."""
+    seen = {}
+    for pipeline, tensor in (layouts_of or layouts)(size):
         mesh = Mesh(WORLD, pipeline, tensor)
         try:
-            data = size // (pipeline * tensor)
-            assert tuple(mesh.shape) == (pipeline, data, tensor)
-            assert [mesh.size(a) for a in AXES] == [pipeline, data, tensor]
-            every = list(itertools.product(range(pipeline), range(data), range(tensor)))
-            assert [tuple(mesh.coordinates(r)) for r in range(size)] == every   # rank order = this count
-            assert [mesh.rank_of(pipeline=p, data=d, tensor=t) for p, d, t in every] == list(range(size))
-            assert mesh.coords == mesh.coordinates(WORLD.Get_rank())
-            assert mesh.rank_of() == WORLD.Get_rank()
+            seen[pipeline, tensor] = look(mesh)
         finally:
             mesh.free()
+    return seen
+
+
+@pytest.mark.mpi(min_size=2)
+def test_coordinates_count_tensor_fastest_then_data_then_pipeline():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    seen = on_every_layout(size, lambda mesh: (
+        tuple(mesh.shape), [mesh.size(a) for a in AXES], [tuple(mesh.coordinates(r)) for r in range(size)],
+        [mesh.rank_of(pipeline=p, data=d, tensor=t) for p, d, t in map(mesh.coordinates, range(size))],
+        mesh.coords, mesh.rank_of()))
+    for (pipeline, tensor), (shape, sizes, coords, ranks, mine, me) in seen.items():
+        data = size // (pipeline * tensor)
+        assert shape == (pipeline, data, tensor) and sizes == [pipeline, data, tensor]
+        # the rank order is this count: tensor fastest, then data, then pipeline
+        assert coords == list(itertools.product(range(pipeline), range(data), range(tensor)))
+        assert ranks == list(range(size))
+        assert mine == coords[rank] and me == rank
 
 
 @pytest.mark.mpi(min_size=2)
 def test_each_axis_communicator_holds_the_line_through_this_rank_in_coordinate_order():
     size, rank = WORLD.Get_size(), WORLD.Get_rank()
-    for pipeline, tensor in layouts(size):
-        mesh = Mesh(WORLD, pipeline, tensor)
-        try:
-            for axis in AXES:
-                comm = mesh.comm(axis)
-                assert comm.Get_size() == mesh.size(axis) and comm.Get_rank() == getattr(mesh.coords, axis)
-                line = [mesh.rank_of(**{axis: i}) for i in range(mesh.size(axis))]
-                assert members(comm) == line and rank in line, (pipeline, tensor, axis)
-        finally:
-            mesh.free()
+
+    def look(mesh):
+        return {axis: (mesh.comm(axis).Get_size(), mesh.comm(axis).Get_rank(), members(mesh.comm(axis)),
+                       mesh.size(axis), getattr(mesh.coords, axis),
+                       [mesh.rank_of(**{axis: i}) for i in range(mesh.size(axis))]) for axis in AXES}
+    for layout, axes in on_every_layout(size, look).items():
+        for axis, (comm_size, comm_rank, held, axis_size, coordinate, line) in axes.items():
+            assert (comm_size, comm_rank) == (axis_size, coordinate), (layout, axis)
+            assert held == line and rank in line, (layout, axis)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -66,20 +78,24 @@ def test_the_pipeline_grid_is_a_view_with_todays_placement():
     # Before the mesh, grid.py split the world itself: stage s = world ranks
     # [s R, (s + 1) R), replica = rank mod R. The view keeps that placement.
     size, rank = WORLD.Get_size(), WORLD.Get_rank()
-    for stages in [p for p in range(1, size + 1) if size % p == 0]:
-        mesh = Mesh(WORLD, pipeline=stages)
-        try:
-            grid, replicas = Grid(mesh), size // stages
-            assert (grid.stages, grid.replicas) == (stages, replicas)
-            assert (grid.stage, grid.replica) == divmod(rank, replicas)
-            assert (grid.first, grid.last) == (grid.stage == 0, grid.stage == stages - 1)
-            assert grid.stage_comm is mesh.comm("data") and grid.pipe_comm is mesh.comm("pipeline")
-            assert members(grid.stage_comm) == list(range(grid.stage * replicas, (grid.stage + 1) * replicas))
-            assert members(grid.pipe_comm) == [s * replicas + grid.replica for s in range(stages)]
-            assert all(grid.world_rank(s, r) == s * replicas + r for s in range(stages) for r in range(replicas))
-            assert grid.world_rank(stages - 1) == (stages - 1) * replicas + grid.replica
-        finally:
-            mesh.free()
+
+    def look(mesh):
+        grid = Grid(mesh)
+        return (grid.stages, grid.replicas, grid.stage, grid.replica, grid.first, grid.last,
+                grid.stage_comm is mesh.comm("data"), grid.pipe_comm is mesh.comm("pipeline"),
+                members(grid.stage_comm), members(grid.pipe_comm),
+                [[grid.world_rank(s, r) for r in range(grid.replicas)] for s in range(grid.stages)],
+                grid.world_rank(grid.stages - 1))
+    pipelines = on_every_layout(size, look, lambda n: [(p, 1) for p in range(1, n + 1) if n % p == 0])
+    for (stages, _), (P, R, stage, replica, first, last, data_axis, pipe_axis, stage_members, pipe_members,
+                      world_ranks, last_mine) in pipelines.items():
+        replicas = size // stages
+        assert (P, R) == (stages, replicas) and (stage, replica) == divmod(rank, replicas)
+        assert (first, last) == (stage == 0, stage == stages - 1) and data_axis and pipe_axis
+        assert stage_members == list(range(stage * replicas, (stage + 1) * replicas))
+        assert pipe_members == [s * replicas + replica for s in range(stages)]
+        assert world_ranks == [[s * replicas + r for r in range(replicas)] for s in range(stages)]
+        assert last_mine == (stages - 1) * replicas + replica
 
 
 @pytest.mark.mpi(min_size=2)
