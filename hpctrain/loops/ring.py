@@ -74,7 +74,7 @@ def train_ring(world, plan, inputs, timeline):
 
 def train_steps(world, frame, ring, reader, evaluated):
     """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
-    timeline, model, fused = frame.timeline, ring.model, ring.fused
+    timeline, model, fused, comm = frame.timeline, ring.model, ring.fused, world.mesh.comm("data")
     workers = world.mesh.size("data")   # the losses summed: one a replica
     step, stopped = frame.start, False   # stopped: some rank asked to stop (the summed flag, the same everywhere)
     with frame.training():
