@@ -1,10 +1,10 @@
 """The pipeline loop (`--pipeline-stages P`, ring mode), top to bottom: the
 model's layers cut into P stages (pipeline/stages.py, decided in the plan)
 on a stage x replica grid (pipeline/grid.py: a view of the run's mesh,
-run/mesh.py); each step every stage runs its
-schedule's actions (pipeline/schedule.py) through its engine
-(pipeline/engine.py): micro-batches through the stages, the sum, the
-average over the stage's replicas, the update. With --pipeline-schedule
+run/mesh.py); each step every stage runs its schedule's actions
+(pipeline/schedule.py) through its engine (pipeline/engine.py):
+micro-batches through the stages, the sum, the average over the stage's
+replicas, the update. With --pipeline-schedule
 interleaved each stage holds --virtual-stages V chunks (stage s the model's
 chunks s, s + P, ...), each a Stage with its own optimizer. So a pipeline ends with the
 parameters of `--accumulate-steps M` on R ranks, bit for bit
