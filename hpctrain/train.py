@@ -155,6 +155,8 @@ def train(args, process_note="", flag_error=None, seen=None):
         record = loop(world, plan, inputs, timeline)
     finally:
         timeline.discard()   # a trace that was not written leaves no temporary
+    if world.mesh is not None:
+        world.mesh.free()   # its communicators, made once at start-up
     stop_mpi(watchdog, guard)   # shutdown is a wait too
     return record
 

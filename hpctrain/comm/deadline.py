@@ -29,7 +29,8 @@ another --timeout instead of giving up, for as long as the answer is busy.
 A busy rank that stops answering is named as any other. Once
 `results_written(note)` is called, `note` ends every line (that the run's
 results are already written); once `name_roles(fn)` is, each rank's part
-follows its number ("rank 2 (stage 1, replica 0)", the pipeline's grid).
+follows its number ("rank 3 (pipeline 1, data 1, tensor 0)": its
+coordinates on the mesh, run/mesh.py, in ring and pipeline modes).
 """
 import sys
 import threading
@@ -145,8 +146,8 @@ class Watchdog:
         self.note = note
 
     def name_roles(self, roles):
-        """roles: a world rank -> its part in words ("stage 1, replica 0"),
-        said after its number in every line from here on (the pipeline's grid)."""
+        """roles: a world rank -> its part in words ("pipeline 1, data 0, tensor 0"),
+        said after its number in every line from here on (run/mesh.Mesh.describe)."""
         self.roles = roles
 
     def without_roll_call(self, reason, abort):

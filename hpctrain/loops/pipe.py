@@ -1,9 +1,10 @@
 """The pipeline loop (`--pipeline-stages P`, ring mode), top to bottom: the
 model's layers cut into P stages (pipeline/stages.py, decided in the plan)
-on a stage x replica grid (pipeline/grid.py); each step every stage runs its
-schedule's actions (pipeline/schedule.py) through its engine
-(pipeline/engine.py): micro-batches through the stages, the sum, the
-average over the stage's replicas, the update. With --pipeline-schedule
+on a stage x replica grid (pipeline/grid.py: a view of the run's mesh,
+run/mesh.py); each step every stage runs its schedule's actions
+(pipeline/schedule.py) through its engine (pipeline/engine.py):
+micro-batches through the stages, the sum, the average over the stage's
+replicas, the update. With --pipeline-schedule
 interleaved each stage holds --virtual-stages V chunks (stage s the model's
 chunks s, s + P, ...), each a Stage with its own optimizer. So a pipeline ends with the
 parameters of `--accumulate-steps M` on R ranks, bit for bit
@@ -42,9 +43,7 @@ def train_pipe(world, plan, inputs, timeline):
     frame = Frame(world, plan, inputs, timeline, world.comm)   # the chief reads; the file is ring mode's, whole
 
     # --- the grid, the stage, its allreduce and optimizer --------------------
-    with world.waiting("start-up (pipeline communicators)", peer=None):
-        grid = Grid(world.comm, stages)
-    world.watchdog.name_roles(grid.role)   # a stalled rank is named with its stage and replica
+    grid = Grid(world.mesh)   # the mesh's communicators, made at start-up
     virtual = pipe.virtual_stages
     chunk_text = f", {virtual} chunks a stage" if virtual > 1 else ""
     world.say(f"hpctrain: pipeline of {stages} stages x {grid.replicas} replicas, {micro} micro-batches, "
@@ -102,7 +101,6 @@ def train_pipe(world, plan, inputs, timeline):
     record = frame.end(step, stopped and step < frame.steps, world.comm, model,
                        save=lambda at: whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at),
                        extra=extra, state_bytes=sum(state_bytes(o) for o in optimizers))
-    grid.free()
     return record
 
 

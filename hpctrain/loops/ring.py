@@ -22,8 +22,8 @@ from .ring_step import RingStep
 
 
 def train_ring(world, plan, inputs, timeline):
-    cluster, xp, ring_plan = world.cluster, world.xp, plan.ring
-    comm = cluster.worker_comm
+    xp, ring_plan, mesh = world.xp, plan.ring, world.mesh
+    comm = mesh.comm("data")   # the replicas: every rank, in world order (one stage, no tensor split)
     frame = Frame(world, plan, inputs, timeline, comm)   # where the run starts, and its last step
 
     # --- the allreduce, then the step's buffers, model and optimizer --------
@@ -45,10 +45,10 @@ def train_ring(world, plan, inputs, timeline):
     model.init(plan.data.seed)
     # Identical start everywhere: rank 0's parameters.
     device.synchronize(xp)
-    with world.waiting("initial parameter broadcast", peer=0 if cluster.rank else None):
+    with world.waiting("initial parameter broadcast", peer=mesh.rank_of(data=0) if mesh.coords.data else None):
         bcast(comm, model.params, root=0)
     # GPU: pinned, async, one step ahead
-    reader = prefetch.device_batches(inputs.reader(comm, cluster.worker_index, cluster.num_workers), xp)
+    reader = prefetch.device_batches(inputs.reader(comm, mesh.coords.data, mesh.size("data")), xp)
 
     def restore(resume):
         # every rank holds the whole state: the chief's copy goes to all
@@ -74,12 +74,12 @@ def train_ring(world, plan, inputs, timeline):
 
 def train_steps(world, frame, ring, reader, evaluated):
     """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
-    timeline, model, fused = frame.timeline, ring.model, ring.fused
-    workers = world.cluster.num_workers
+    timeline, model, fused, comm = frame.timeline, ring.model, ring.fused, world.mesh.comm("data")
+    workers = world.mesh.size("data")   # the losses summed: one a replica
     step, stopped = frame.start, False   # stopped: some rank asked to stop (the summed flag, the same everywhere)
 
     def save(at):
-        save_checkpoint(frame.checkpoints, world.cluster.worker_comm, ring, reader, at)
+        save_checkpoint(frame.checkpoints, comm, ring, reader, at)
     with frame.training():
         while step < frame.steps:
             with timeline.span("data", cat="data"):
@@ -106,8 +106,7 @@ def train_steps(world, frame, ring, reader, evaluated):
             # step as on the CPU.
             loss, stopped = ring.summed()
             if frame.step_ended(step, loss, workers, ring.clip, evaluated, stopped, save,
-                                overflowed=lambda: ring.wire_overflowed(world.cluster.worker_comm,
-                                                                        world.waiting)):
+                                overflowed=lambda: ring.wire_overflowed(comm, world.waiting)):
                 break
     return step, stopped
 

@@ -11,6 +11,7 @@ A problem on any rank is one line and a clean exit on every rank
 """
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
@@ -36,6 +37,7 @@ from . import cluster as cluster_mod
 from . import identity, jobcheck
 from .cluster import Cluster
 from .inputs import Inputs, data_identity, ensure_data
+from .mesh import Mesh
 from .outputs import check_outputs
 from .plan import data_plan, make_plan, schedule_plan, shard_wanted
 from .world import World
@@ -159,7 +161,8 @@ def start(args, process_note, watchdog, stop, on_roles=None):
             say(layers_line(spec))
     # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
     cuts = agree(cuts_for, args, cluster.size, spec)
-    replicas = cluster.size // args.pipeline_stages
+    world = with_mesh(world, args)
+    replicas = world.mesh.size("data") if world.mesh else cluster.num_workers
     agree(check_memory, args, cluster.local_size, spec, cuts, replicas,
           shard_wanted(args.shard_optimizer, replicas, xp, args.allreduce) and replicas > 1, schedule.total_steps)
     agree(check_step_size, args, data.workers, manifest, data_dir)
@@ -218,6 +221,20 @@ def _layer_kinds(layers):
             yield "max pool"
         elif isinstance(layer, ReLU):
             yield "relu"
+
+
+def with_mesh(world, args):
+    """The world with its mesh of process groups (run/mesh.py), ring and
+    pipeline modes, made once the plan's cut is known (cuts_for refused a
+    stage count that does not divide the world); from here on the watchdog
+    names a rank by its coordinates. ps mode: the world as it is (servers
+    are not on a mesh; its lines keep plain rank numbers)."""
+    if args.mode == "ps":
+        return world
+    with world.watchdog.waiting("start-up (mesh communicators)", peer=None):
+        mesh = Mesh(world.comm, pipeline=args.pipeline_stages)
+    world.watchdog.name_roles(mesh.describe)
+    return replace(world, mesh=mesh)
 
 
 def _model_spec(args, model_shape, watchdog):

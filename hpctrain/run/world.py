@@ -1,5 +1,6 @@
 """The MPI world one run lives in, as run/startup.py finds it: the
-communicator and the cluster's roles, the chief, the watchdog every wait
+communicator and the cluster's roles, the mesh of process groups (ring
+and pipeline modes: run/mesh.py), the chief, the watchdog every wait
 runs under, the stop signal, the array module and device, and the clock.
 What the flags and data decide is the plan (run/plan.py); this is what the
 ranks are.
@@ -25,6 +26,7 @@ class World:
     thread_multiple: bool   # MPI gives MPI_THREAD_MULTIPLE (a communication thread may call it)
     waits: object           # comm/waits.Waits: how this rank waits (naps where ranks outnumber cores)
     t_start: float          # perf_counter at start-up, after the checks that need no data
+    mesh: object = None     # run/mesh.Mesh: ring and pipeline modes' process groups (ps mode: none)
 
     @property
     def chief(self):

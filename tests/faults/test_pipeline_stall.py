@@ -1,5 +1,6 @@
 """Faults in a pipeline: a stage that stops mid-training ends the whole job
-within --timeout with one line naming its rank, stage and replica (exit 3),
+within --timeout with one line naming its rank and its coordinates on the
+mesh, "rank 3 (pipeline 1, data 1, tensor 0)" (exit 3),
 never a hang of the stages waiting for its activations or gradients; SIGTERM
 on one stage's rank stops every rank after the same step (exit 75; with a
 checkpoint and its resume: tests/test_pipeline_checkpoint.py); the same with
@@ -24,9 +25,9 @@ INTERLEAVED = ["--pipeline-schedule", "interleaved", "--hidden", "64,32,16"]   #
 
 
 @pytest.mark.parametrize("ranks, stages, victim, role, extra", [
-    (3, "3", 1, "stage 1, replica 0", []),
-    (4, "2", 3, "stage 1, replica 1", []),   # R = 2: world rank 3 is stage 1's second replica
-    (2, "2", 1, "stage 1, replica 0", INTERLEAVED),   # stage 0's second chunk waits for stage 1's first
+    (3, "3", 1, "pipeline 1, data 0, tensor 0", []),
+    (4, "2", 3, "pipeline 1, data 1, tensor 0", []),   # R = 2: world rank 3 is stage 1's second replica
+    (2, "2", 1, "pipeline 1, data 0, tensor 0", INTERLEAVED),   # stage 0's second chunk waits for stage 1's first
 ], ids=["p3-middle", "p2r2-last", "p2-interleaved"])
 def test_a_stopped_stage_is_named_within_the_deadline(job, ranks, stages, victim, role, extra):
     rc, out, err, took = stall(ranks, victim, ["--pipeline-stages", stages, "--micro-batches", "2", "--hidden", "64,32",
@@ -36,7 +37,7 @@ def test_a_stopped_stage_is_named_within_the_deadline(job, ranks, stages, victim
     lines = errors(err)
     assert len(lines) == 1, err
     assert lines[0].startswith(f"hpctrain: error: rank {victim} ({role}) stopped responding"), lines
-    assert re.search(r"; rank \d \(stage \d, replica \d\) waited \d+ s for ", lines[0]), lines   # so is the waiter
+    assert re.search(r"; rank \d \(pipeline \d, data \d, tensor 0\) waited \d+ s for ", lines[0]), lines   # so is the waiter
     assert took < 40
 
 
@@ -77,5 +78,5 @@ def test_a_stage_stopped_in_a_pipelined_evaluation_or_checkpoint_is_named(tmp_pa
     assert rc == 3, err
     lines = errors(err)
     assert len(lines) == 1, err
-    assert lines[0].startswith("hpctrain: error: rank 1 (stage 1, replica 0) stopped responding"), lines
+    assert lines[0].startswith("hpctrain: error: rank 1 (pipeline 1, data 0, tensor 0) stopped responding"), lines
     assert took < 40

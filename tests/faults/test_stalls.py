@@ -91,13 +91,18 @@ def stall(ranks, victim, flags, after_s=1.0, in_training=False):
 def test_a_rank_stopped_mid_training_is_named_and_no_other(job):
     # At 3 ranks every survivor ends up waiting for an innocent neighbour too;
     # the roll call finds the one rank that does not answer. One line per job.
-    rc, out, err, took = stall(3, 2, ["--steps", "1000000", "--log-every", "1000000", "--hidden", "64",
-                                      "--timeout", "4"], after_s=3.0)
+    # Stopped once training runs (its line names the rank on the mesh, made at
+    # the end of start-up; 3 s after launch, on shared cores, was still start-up).
+    rc, out, err, took = stall(3, 2, ["--steps", "1000000", "--log-every", "1", "--hidden", "64",
+                                      "--timeout", "4"], in_training=True)
     assert rc == 3, err
     lines = errors(err)
     assert len(lines) == 1, err
-    assert lines[0].startswith("hpctrain: error: rank 2 stopped responding (no answer to a roll call"), lines
-    assert "--timeout 4" in lines[0] and "rank 0 stopped" not in lines[0] and "rank 1 stopped" not in lines[0]
+    # named by its coordinates on the mesh (ring mode: every rank a replica on the data axis)
+    assert lines[0].startswith("hpctrain: error: rank 2 (pipeline 0, data 2, tensor 0) stopped responding (no answer "
+                               "to a roll call"), lines
+    assert "--timeout 4" in lines[0] and "rank 0 (pipeline 0, data 0, tensor 0) stopped" not in lines[0]
+    assert "rank 1 (pipeline 0, data 1, tensor 0) stopped" not in lines[0]
     assert took < 40
 
 
@@ -174,7 +179,7 @@ def test_a_rank_stopped_at_shutdown_ends_the_job_and_the_result_is_kept(tmp_path
         # Named by the roll call, or (in MPI_Finalize, where MPI can no longer be
         # used for one) the wait itself, or by the watcher.
         assert len(lines) == 1, err
-        assert (lines[0].startswith("hpctrain: error: rank 1 stopped responding")
+        assert (lines[0].startswith("hpctrain: error: rank 1 (pipeline 0, data 1, tensor 0) stopped responding")
                 or "waited 4 s for the other ranks (shutdown (MPI_Finalize))" in lines[0]
                 or lines[0].startswith("hpctrain: error: rank 1 (pid ")), err
     assert took < 30
@@ -319,7 +324,8 @@ def test_a_rank_that_hangs_after_the_last_step_is_named_and_the_result_is_kept(t
     assert rc == 3, err
     lines = errors(err)
     assert len(lines) == 1, err
-    assert lines[0].startswith(f"hpctrain: error: rank {victim} stopped responding (no answer to a roll call"), err
+    assert lines[0].startswith(f"hpctrain: error: rank {victim} (pipeline 0, data {victim}, tensor 0) stopped "
+                               f"responding (no answer to a roll call"), err
     assert lines[0].endswith(f"giving up (--timeout 4); the run finished and its results are written (--save "
                              f"{save}, the final record in --metrics {metrics})"), err
     assert took < 4 + 15, took
@@ -365,7 +371,8 @@ def test_a_chief_stopped_while_it_evaluates_is_named(tmp_path):
                                                 "--timeout", 3], FAULT_EVAL_STOP="1")
     assert rc == 3, err
     lines = errors(err)
-    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: rank 0 stopped responding"), err
+    assert len(lines) == 1 and lines[0].startswith("hpctrain: error: rank 0 (pipeline 0, data 0, tensor 0) stopped "
+                                                   "responding"), err
     assert "test accuracy" not in out
 
 
@@ -398,7 +405,7 @@ def test_a_rank_stopped_as_its_training_loop_starts_is_named(tmp_path, mode, vic
     assert rc == 3, err
     lines = errors(err)
     assert len(lines) == 1, err
-    # (a pipeline's line adds the rank's place: "rank 1 (stage 0, replica 1)")
+    # (ring and pipeline lines add the rank's place on the mesh: "rank 1 (pipeline 0, data 1, tensor 0)")
     assert re.match(rf"hpctrain: error: rank {victim}( \([^)]*\))? stopped responding \(no answer to a roll call",
                     lines[0]), lines
     assert "step " not in out and took < 40
