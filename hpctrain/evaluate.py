@@ -28,7 +28,8 @@ import numpy as np
 
 from .arguments import Parser
 from .errors import HpctrainError
-from .run.outputs import check_output_file, printable
+from .run.outputs import check_output_file
+from .files import printable
 
 
 def evaluate(model, x, y):

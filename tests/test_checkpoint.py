@@ -109,7 +109,7 @@ def a_dead_pid():
 def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path):
     from argparse import Namespace
     from hpctrain.run import outputs
-    from hpctrain.temporaries import STALE_AFTER_S
+    from hpctrain.files import STALE_AFTER_S
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     ckpt.mkdir()
     out.mkdir()
@@ -149,11 +149,10 @@ def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path
 
 
 def test_temporary_names_are_exclusive_unpredictable_and_carry_the_pid(tmp_path):
-    from hpctrain.run import outputs
-    from hpctrain.temporaries import STALE_AFTER_S
+    from hpctrain import files
     names = set()
     for _ in range(3):
-        fd, tmp = outputs.temp_next_to(tmp_path / "p.h5")
+        fd, tmp = files.temp_next_to(tmp_path / "p.h5")
         os.close(fd)
         umask = os.umask(0o022)
         os.umask(umask)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import HpctrainError
-from ..run.outputs import temp_next_to
+from ..files import temp_next_to
 
 FORMAT = "hpctrain-checkpoint"
 # 2: data_positions are (epoch, position in the epoch's permutation of the
@@ -126,7 +126,7 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     path = os.path.join(directory, name)
     tmp = None
     try:
-        # Exclusive, unpredictable, with this pid (outputs.temp_next_to):
+        # Exclusive, unpredictable, with this pid (files.temp_next_to):
         # removed below on every way out, or at the next start if killed.
         fd, tmp = temp_next_to(path)
         os.close(fd)

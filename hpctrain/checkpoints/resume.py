@@ -22,7 +22,8 @@ import numpy as np
 
 from . import file as checkpoint
 from .reader import check_data, load_latest
-from .. import device, trained
+from .model_record import record as model_record
+from .. import device
 from ..errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 from .sharded import ShardedState
 
@@ -282,7 +283,7 @@ class Checkpoints:
                                            info=dict(self.plan.recorded, samples=self.samples_at(step),
                                                      data=data.dir, data_digest=data.digest,
                                                      **self.best.checkpoint_attrs(),
-                                                     **trained.record(self.plan.spec, self.plan), **more),
+                                                     **model_record(self.plan.spec, self.plan), **more),
                                            model_state=host(model_state), compression_state=arrays or None)
             except BaseException:
                 if on_failure is not None:

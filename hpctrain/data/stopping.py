@@ -18,7 +18,7 @@ import stat
 import threading
 
 from hpctrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, HpctrainError
-from hpctrain.temporaries import abandoned, process_start_time
+from hpctrain.files import abandoned, process_start_time
 
 from .files import signals_raise
 

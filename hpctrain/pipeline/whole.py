@@ -31,12 +31,13 @@ import os
 
 import numpy as np
 
-from .. import device, trained
+from .. import device
+from ..checkpoints.model_record import record as model_record
 from ..checkpoints.file import Pieces
 from ..checkpoints.sharded import ShardedState
 from ..errors import HpctrainError
 from ..nn.sequential import INIT_VERSION
-from ..run.outputs import temp_next_to
+from ..files import temp_next_to
 from . import compression as pipeline_compression
 from .stages import ranges
 
@@ -384,7 +385,7 @@ class Pipelined:
                 f.attrs["model"] = spec.identity
                 f.attrs["init_version"] = INIT_VERSION
                 # how to rebuild the model and prepare its inputs (predict, evaluate)
-                for key, value in {**trained.record(spec, plan), **(attrs or {})}.items():
+                for key, value in {**model_record(spec, plan), **(attrs or {})}.items():
                     f.attrs[key] = value
             os.replace(tmp, path)
         finally:

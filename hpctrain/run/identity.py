@@ -41,11 +41,6 @@ OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_da
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline", "tensorboard")
 SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "batch_size", "accumulate_steps", "seed",
                   "lr_schedule")
-# What a checkpoint written before a setting existed means by it (it is
-# missing there): checkpoints from before --lr-schedule were all constant,
-# from before the model spec (issue 20) all the MLP, and from before
-# --accumulate-steps all one batch per step.
-RESUME_DEFAULTS = {"lr_schedule": "constant", "model": "mlp", "accumulate_steps": 1}
 
 
 def schedule_key(args, total_steps):
