@@ -273,7 +273,7 @@ def _check_finite(built, source):
 
 def load_checkpoint(path, data_dir=None, model=None):
     """The model in a checkpoint file, or the newest valid one of a --checkpoint-dir."""
-    from .checkpoints import reader
+    from .checkpoints import read_back as reader
     path = str(path)
     if os.path.isdir(path):
         ckpt = _newest_checkpoint(path)
@@ -299,7 +299,7 @@ def _newest_checkpoint(folder):
     """The newest valid checkpoint in folder; the files skipped on the way
     are warned about once one is found, and where none is, the one line
     says why each was skipped (not that there was none)."""
-    from .checkpoints import file, reader
+    from .checkpoints import file, read_back as reader
     skipped = []
     ckpt = reader.load_latest(folder, {}, warn=skipped.append)
     if ckpt is None:

@@ -23,7 +23,7 @@ from conftest import MPIRUN, OPEN_MPI, REPO, under_mpirun
 from hpctrain.run.cluster import child_env
 from hpctrain import checkpoint as checkpoint_command
 from hpctrain.checkpoints import file as checkpoint
-from hpctrain.checkpoints import reader
+from hpctrain.checkpoints import read_back as reader
 from hpctrain.errors import EXIT_PREEMPTED, HpctrainError
 
 SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",
@@ -362,7 +362,7 @@ def test_a_small_file_claiming_a_huge_params_is_refused_before_it_is_read(tmp_pa
     checkpoint.stamp(path)
     assert os.path.getsize(path) < 100_000
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
-            "from hpctrain.checkpoints import reader; from hpctrain.errors import HpctrainError\n"
+            "from hpctrain.checkpoints import read_back as reader; from hpctrain.errors import HpctrainError\n"
             "try:\n    reader.load_latest(sys.argv[1], {})\n"
             "except HpctrainError as e:\n    print(e)")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,

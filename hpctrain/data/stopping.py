@@ -20,7 +20,7 @@ import threading
 from hpctrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, HpctrainError
 from hpctrain.files import abandoned, process_start_time
 
-from .files import signals_raise
+from .file_errors import signals_raise
 
 # SLURM's pre-emption and time-limit signals, and Ctrl-C
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)

@@ -17,7 +17,7 @@
   change, like --lr); the result is bit-identical to an
   uninterrupted run only when nothing else changed either.
 - What a checkpoint from before a setting existed means by it is the
-  reader's (checkpoints/reader.RESUME_DEFAULTS).
+  reader's (checkpoints/read_back.RESUME_DEFAULTS).
 
     python -c "from hpctrain import cli, settings; print(settings.same_on_every_rank(cli.parse([])))"
 """
