@@ -1,6 +1,6 @@
 """The checkpoint command: list a --checkpoint-dir's checkpoints, newest
 first, and verify each (the format: checkpoints/file.py; the checks:
-checkpoints/reader.py).
+checkpoints/read_back.py).
 
     python -m hpctrain.checkpoint DIR      # exit 1 if one is corrupt, 2 if DIR is not a directory
 """
@@ -8,7 +8,7 @@ import os
 import sys
 
 from .checkpoints.file import list_checkpoints
-from .checkpoints.reader import read
+from .checkpoints.read_back import read
 from .checkpoints.trust import Corrupt
 from .arguments import Parser
 from .errors import HpctrainError

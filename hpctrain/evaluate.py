@@ -28,7 +28,8 @@ import numpy as np
 
 from .arguments import Parser
 from .errors import HpctrainError, one_line_errors
-from .run.outputs import check_output_file, printable
+from .files import printable
+from .run.outputs import check_output_file
 
 
 def evaluate(model, x, y):

@@ -21,7 +21,8 @@ import numpy as np
 
 from .arguments import Parser
 from .errors import EXIT_BAD_INPUT, HpctrainError
-from .run.outputs import check_output_file, one_line, write_atomically
+from .run.outputs import check_output_file
+from .files import one_line, write_atomically
 
 INSTALL = "plotting needs matplotlib: pip install 'hpctrain[plot]'"
 DPI = 80

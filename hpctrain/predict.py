@@ -33,7 +33,8 @@ import numpy as np
 
 from .arguments import Parser
 from .errors import HpctrainError, one_line_errors
-from .run.outputs import check_output_file, one_line, write_atomically
+from .files import one_line, write_atomically
+from .run.outputs import check_output_file
 
 
 def softmax(logits):

@@ -1,21 +1,14 @@
-"""A trained model outside training: what the --save file and checkpoints
-record so that it can be rebuilt and fed new images (`record`), and the
-model loaded back from either (`load`), for predict.py and evaluate.py.
-
-The record is one attribute, `inference`, a JSON object: the model as the
-flags named it (`model`: a zoo name, or a user's FILE.py:FUNCTION made
-absolute; `hidden`), the input shape and class count it was built for, and
-from the data's manifest the class names (image folders), the record of how
-the images were prepared (`preprocess`), `no_flip`, where the data was and
-its manifest digest. Files written before it existed still load where the
-data names the shapes (`--data DIR`: an MLP's, or a zoo model's).
+"""A trained model outside training: the model loaded back from a --save
+file or a checkpoint (`load`), for predict.py and evaluate.py, rebuilt from
+the record training wrote beside its parameters (checkpoints/model_record.py:
+the model as named, its shapes, the data's class names and preparation).
+Files written before the record existed still load where the data names the
+shapes (`--data DIR`: an MLP's, or a zoo model's).
 
     python -c "from hpctrain import trained; m = trained.load(params='p.h5'); print(m.describe())"
 
 No MPI here: predict and evaluate are one process.
 """
-import functools
-import hashlib
 import json
 import math
 import os
@@ -32,12 +25,9 @@ from .checkpoints.trust import Corrupt, Refused, hard_linked, stored_inside
 from .nn import LayerError, spec_for
 from .nn.user import UserModelError
 from .nn.zoo import MODELS
-from .run.outputs import printable
+from .checkpoints.model_record import ATTR
+from .files import printable
 
-ATTR = "inference"
-# HDF5 keeps an attribute in the object header, 64 KiB at most: a record
-# larger than this leaves its class names out (predict then prints numbers).
-_MAX_RECORD = 60_000
 _ZOO = tuple(MODELS)
 # The largest input (values per sample: 16384 x 16384 pixels of one channel)
 # and class count a record may name: far above any image classifier's, far
@@ -45,44 +35,6 @@ _ZOO = tuple(MODELS)
 MAX_INPUT = 2 ** 28
 MAX_CLASSES = 2 ** 20
 
-
-# ---------------------------------------------------------------------------
-# Writing: the chief, at --save, --keep-best and every checkpoint
-
-@functools.lru_cache(maxsize=8)
-def _from_manifest(data_dir):
-    """What the record takes from a data directory's manifest (read once)."""
-    manifest = data_mod.load_manifest(data_dir)
-    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
-    return json.dumps({"class_names": manifest.get("class_names"), "preprocess": manifest.get("preprocess"),
-                       "no_flip": bool(manifest.get("no_flip", False)), "data": str(data_dir),
-                       "data_digest": digest})
-
-
-def record(spec, plan):
-    """{"inference": JSON} for the file that holds spec's parameters (plan:
-    run/plan.Plan: the model as named, --hidden, the data). Never raises for
-    the data: a manifest gone since start-up leaves its part out."""
-    model = plan.model
-    if ":" in model and model not in _ZOO:
-        path, _, function = model.rpartition(":")
-        model = f"{os.path.abspath(path)}:{function}"
-    out = {"model": model, "hidden": [int(w) for w in plan.hidden], "identity": spec.identity,
-           "input_shape": list(spec.input_shape), "classes": int(spec.classes)}
-    data_dir = str(plan.data.dir)
-    try:
-        out.update(json.loads(_from_manifest(data_dir)))
-    except HpctrainError:
-        pass
-    text = json.dumps(out)
-    if len(text) > _MAX_RECORD:
-        out["class_names"] = None
-        text = json.dumps(out)
-    return {ATTR: text}
-
-
-# ---------------------------------------------------------------------------
-# Reading: predict and evaluate
 
 @dataclass
 class Trained:
@@ -321,7 +273,7 @@ def _check_finite(built, source):
 
 def load_checkpoint(path, data_dir=None, model=None):
     """The model in a checkpoint file, or the newest valid one of a --checkpoint-dir."""
-    from .checkpoints import reader
+    from .checkpoints import read_back as reader
     path = str(path)
     if os.path.isdir(path):
         ckpt = _newest_checkpoint(path)
@@ -347,7 +299,7 @@ def _newest_checkpoint(folder):
     """The newest valid checkpoint in folder; the files skipped on the way
     are warned about once one is found, and where none is, the one line
     says why each was skipped (not that there was none)."""
-    from .checkpoints import file, reader
+    from .checkpoints import file, read_back as reader
     skipped = []
     ckpt = reader.load_latest(folder, {}, warn=skipped.append)
     if ckpt is None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpctrain.comm.ring import RingAllreduce
+from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.nn import mlp
 from hpctrain.optim.optimizers import SGD
 

@@ -23,7 +23,7 @@ from conftest import MPIRUN, OPEN_MPI, REPO, under_mpirun
 from hpctrain.run.cluster import child_env
 from hpctrain import checkpoint as checkpoint_command
 from hpctrain.checkpoints import file as checkpoint
-from hpctrain.checkpoints import reader
+from hpctrain.checkpoints import read_back as reader
 from hpctrain.errors import EXIT_PREEMPTED, HpctrainError
 
 SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",
@@ -109,7 +109,7 @@ def a_dead_pid():
 def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path):
     from argparse import Namespace
     from hpctrain.run import outputs
-    from hpctrain.temporaries import STALE_AFTER_S
+    from hpctrain.files import STALE_AFTER_S
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     ckpt.mkdir()
     out.mkdir()
@@ -149,11 +149,10 @@ def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path
 
 
 def test_temporary_names_are_exclusive_unpredictable_and_carry_the_pid(tmp_path):
-    from hpctrain.run import outputs
-    from hpctrain.temporaries import STALE_AFTER_S
+    from hpctrain import files
     names = set()
     for _ in range(3):
-        fd, tmp = outputs.temp_next_to(tmp_path / "p.h5")
+        fd, tmp = files.temp_next_to(tmp_path / "p.h5")
         os.close(fd)
         umask = os.umask(0o022)
         os.umask(umask)
@@ -363,7 +362,7 @@ def test_a_small_file_claiming_a_huge_params_is_refused_before_it_is_read(tmp_pa
     checkpoint.stamp(path)
     assert os.path.getsize(path) < 100_000
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
-            "from hpctrain.checkpoints import reader; from hpctrain.errors import HpctrainError\n"
+            "from hpctrain.checkpoints import read_back as reader; from hpctrain.errors import HpctrainError\n"
             "try:\n    reader.load_latest(sys.argv[1], {})\n"
             "except HpctrainError as e:\n    print(e)")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,

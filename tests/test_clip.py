@@ -25,7 +25,7 @@ from gpu_fakes import LazyCopier
 from hpctrain import device
 from hpctrain.optim.clipping import EPS, Clip, clip_, clip_factor, global_norm, sum_squares
 from hpctrain.comm.mpi import MpiAllreduce
-from hpctrain.comm.ring import RingAllreduce
+from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.nn import mlp
 from hpctrain.optim.optimizers import make_optimizer

@@ -15,14 +15,14 @@ from mpi4py import MPI
 
 from gpu_fakes import LazyCopier
 from test_hier import fake_gpu  # noqa: F401 (a fixture)
-from hpctrain.comm.compress import HalfExchange, HalfRing
+from hpctrain.comm.compressed_exchange import HalfExchange, HalfRing
 from hpctrain.comm.powersgd import PowerSgd
 from hpctrain.comm.hier import HierAllreduce
-from hpctrain.comm.ring import SEGMENT_BYTES, RingAllreduce
+from hpctrain.comm.ring_allreduce import SEGMENT_BYTES, RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.topology import Topology
 from hpctrain.device import array_module
-from hpctrain.optim.compression import Half, compressed_rank, initial_q, matrix_shape, orthogonalise, powersgd_layout
+from hpctrain.optim.compression_math import Half, compressed_rank, initial_q, matrix_shape, orthogonalise, powersgd_layout
 
 
 # The codec's two directions, one format each, over whole arrays: what these tests check word by word.
@@ -433,7 +433,7 @@ def hier_on_two_nodes(comm):
 @pytest.mark.parametrize("fusion_elems, overlap", [(0, False), (300, True)])
 def test_sharded_compressed_steps_are_unsharded_bit_for_bit_on_ring_and_across_nodes(kind, fusion_elems, overlap):
     """Sharded with compression on hier across nodes, each rank owns its
-    node chunk (comm/compress.NodeShards): the same bits as unsharded, on
+    node chunk (comm/compressed_exchange.NodeShards): the same bits as unsharded, on
     every rank; on the flat ring, the ring's own shards, the same too."""
     comm = MPI.COMM_WORLD
     for make in (RingAllreduce, hier_on_two_nodes):

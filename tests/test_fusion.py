@@ -14,7 +14,7 @@ from mpi4py import MPI
 from gpu_fakes import DevArray, LazyCopier, Scale, launch, threadstreams  # noqa: F401 (a fixture)
 from hpctrain import device
 from hpctrain.comm.fusion import FusedAllreduce, bucket_bounds
-from hpctrain.comm.ring import RingAllreduce
+from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.wire import LOSS, STOP, Wire
 from hpctrain.nn import mlp

@@ -21,7 +21,7 @@ from hpctrain.comm.cuda_aware import cuda_aware
 from hpctrain.comm.device_buffers import HostMirror, bcast
 from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.records import allgather_bytes
-from hpctrain.comm.ring import RingAllreduce
+from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.topology import Topology
 from hpctrain.errors import HpctrainError

@@ -22,7 +22,7 @@ from hpctrain.comm import choose, make_allreduce
 from hpctrain.comm.device_buffers import BoundToDevice
 from hpctrain.comm.hier import HierAllreduce
 from hpctrain.comm.mpi import MpiAllreduce
-from hpctrain.comm.ring import SEGMENT_BYTES, RingAllreduce
+from hpctrain.comm.ring_allreduce import SEGMENT_BYTES, RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.topology import Topology
 

@@ -1,6 +1,9 @@
 """The house's layering, held against the code's imports (docs/architecture.md,
 "Layers"): each part of hpctrain imports only parts below it or beside it,
-and no modules import each other in a circle, at any level.
+no modules import each other in a circle, at any level, and no parts
+either: of two parts of one level, one imports the other, never both ways
+(run/ -> pipeline/ -> checkpoints/, not back), so each level has an order of
+its own too.
 
     .venv/bin/python -m pytest -q tests/test_layering.py
 """
@@ -18,7 +21,7 @@ LEVELS = [
     {"run", "checkpoints", "report", "pipeline", "trained"},
     {"comm", "optim"},
     {"nn", "data", "device", "prefetch"},
-    {"errors", "chunks", "cli", "arguments", "vector_width", "temporaries", "tuning", "__init__"},
+    {"errors", "chunks", "cli", "arguments", "vector_width", "files", "tuning", "__init__"},
 ]
 # What users run: they sit on top of everything.
 COMMANDS = {"train", "mnist", "checkpoint", "plot", "bench", "predict", "evaluate", "command", "__main__"}
@@ -138,6 +141,45 @@ def test_no_modules_import_each_other_in_a_circle():
         if any(inner.values()):
             real.append(group)
     assert not real, real
+
+
+def part_imports(known):
+    """{part: the other parts it imports} (commands and packages' own
+    commands left out: they sit on top and import anything)."""
+    graph = {}
+    for module, path in known.items():
+        here = part(module)
+        if here in COMMANDS or module.endswith(MAINS):
+            continue
+        there = {part(t) for t in imports(module, path, known)} - COMMANDS - {here}
+        graph.setdefault(here, set()).update(there)
+    return graph
+
+
+def test_no_parts_import_each_other_in_a_circle():
+    """Package level: a circle of parts (checkpoints/ importing run/ for a
+    temporary file while run/ imports pipeline/, which imports checkpoints/)
+    is named with the imports that make each of its steps."""
+    known = modules()
+    graph = part_imports(known)
+
+    def reaches(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    circles = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            if a in reaches(b):
+                which = sorted(f"{m} -> {t}" for m, p in known.items() if part(m) == a and not m.endswith(MAINS)
+                               for t in imports(m, p, known) if part(t) == b)
+                circles.append(f"{a} imports {b}, which leads back to {a}: " + ", ".join(which))
+    assert not circles, "parts that import each other in a circle:\n" + "\n".join(circles)
 
 
 def test_the_layering_names_every_part():

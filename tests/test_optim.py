@@ -6,7 +6,7 @@ import pytest
 
 from hpctrain.optim import optimizers as optim
 from hpctrain.optim.optimizers import Adam, Momentum, OnDevice, SGD, Sharded, make_optimizer
-from hpctrain.optim.schedule import learning_rate
+from hpctrain.optim.lr_schedule import learning_rate
 
 
 def reference(name, p, grads, lr, scale):

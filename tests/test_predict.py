@@ -22,7 +22,7 @@ from conftest import REPO, run_job
 from hpctrain.run.cluster import child_env
 from hpctrain import data
 from hpctrain.checkpoints import file as checkpoint
-from hpctrain.checkpoints import reader
+from hpctrain.checkpoints import read_back as reader
 
 TINY = os.path.join(REPO, "tests", "models", "tiny_cnn.py")
 COLOURS = {"blue": (30, 60, 220), "green": (40, 200, 60), "red": (220, 40, 40)}

@@ -13,7 +13,7 @@ import pytest
 from conftest import same_bytes, saved
 from hpctrain.run.plan import steps_for_epochs
 from hpctrain.optim.optimizers import make_optimizer
-from hpctrain.optim.schedule import learning_rate, schedule_line
+from hpctrain.optim.lr_schedule import learning_rate, schedule_line
 
 SMALL = ["--hidden", "64", "--log-every", "1000"]
 

@@ -10,9 +10,9 @@ import pytest
 from mpi4py import MPI
 
 from collectives import COMMS, fives_around_a_view, rank0_copy
-from hpctrain.comm import ring
+from hpctrain.comm import ring_allreduce as ring
 from hpctrain.comm.mpi import MpiAllreduce
-from hpctrain.comm.ring import RingAllreduce, chunk_bounds
+from hpctrain.comm.ring_allreduce import RingAllreduce, chunk_bounds
 
 
 def lengths(size):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpctrain.comm.ring import RingAllreduce
+from hpctrain.comm.ring_allreduce import RingAllreduce
 
 try:
     from hypothesis import given, settings, strategies as st

@@ -22,7 +22,7 @@ from collectives import stop_requested
 from hpctrain import data as data_mod
 from hpctrain import device
 from hpctrain.comm.mpi import MpiAllreduce
-from hpctrain.comm.ring import RingAllreduce
+from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.nn import mlp
 from hpctrain.optim.optimizers import Sharded, make_optimizer, state_bytes

@@ -19,7 +19,7 @@ from hpctrain import device
 from hpctrain.comm import allreduce_plan, make_allreduce, nccl
 from hpctrain.comm.device_buffers import BoundToDevice
 from hpctrain.comm.mpi import MpiAllreduce
-from hpctrain.comm.ring import SEGMENT_BYTES, RingAllreduce
+from hpctrain.comm.ring_allreduce import SEGMENT_BYTES, RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.topology import Topology
 from hpctrain.errors import HpctrainError

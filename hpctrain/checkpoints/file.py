@@ -12,7 +12,7 @@ written by the chief only. It holds everything a bit-exact resume needs:
                                            statistics; the chief's), only when m > 0
     data_positions         int64 (W, 2)    each worker's reader position: epoch, samples of its permutation taken
     compression/<name>     float32         --compression powersgd's state, only when it has some
-                                           (checkpoints/compression.py: each worker's error feedback,
+                                           (checkpoints/powersgd_state.py: each worker's error feedback,
                                            W x n; the Qs); older files have none and load as before
     attrs                  format, format_version, step, optimizer_t, optimizer_state,
                            the settings that must match on resume (run/identity.same_on_resume),
@@ -32,7 +32,7 @@ files that killed writers left are swept at the next start
 (outputs.sweep_stale_temporaries); one job per checkpoint directory.
 
 Reading a file back, checking it and choosing the newest valid one is
-checkpoints/reader.py's.
+checkpoints/read_back.py's.
 
 No MPI here: the loops gather and broadcast (checkpoints/resume.py), this
 module writes (and lists a directory's files); hpctrain/checkpoint.py is the
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import HpctrainError
-from ..run.outputs import temp_next_to
+from ..files import temp_next_to
 
 FORMAT = "hpctrain-checkpoint"
 # 2: data_positions are (epoch, position in the epoch's permutation of the
@@ -89,7 +89,7 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     (workers, 2) int64 (epoch, offset); model_state: 1-D float32 or None (none);
     settings: the values that must match on resume (run/identity.same_on_resume); info:
     more attributes recorded for people (world size, lr, ...), checked by no one;
-    compression_state: {name: 1-D float32} or None (checkpoints/compression.py).
+    compression_state: {name: 1-D float32} or None (checkpoints/powersgd_state.py).
     """
     import h5py
     params = params if isinstance(params, Pieces) else _flat32(params, "params")
@@ -126,7 +126,7 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     path = os.path.join(directory, name)
     tmp = None
     try:
-        # Exclusive, unpredictable, with this pid (outputs.temp_next_to):
+        # Exclusive, unpredictable, with this pid (files.temp_next_to):
         # removed below on every way out, or at the next start if killed.
         fd, tmp = temp_next_to(path)
         os.close(fd)

@@ -1,5 +1,5 @@
 """Checkpoint orchestration for the three loops, on top of
-checkpoints/file.py's files (written there, read back by checkpoints/reader.py):
+checkpoints/file.py's files (written there, read back by checkpoints/read_back.py):
 which checkpoint a run resumes from, the state and data positions sent to
 every rank, the checkpoints written while training, and the exit after a
 pre-emption signal (loops/frame.py makes one Checkpoints per run and says
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import file as checkpoint
-from .reader import check_data, load_latest
-from .. import device, trained
+from .read_back import check_data, load_latest
+from .model_record import record as model_record
+from .. import device
 from ..errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 from ..tuning import rounding
 from .sharded import ShardedState
@@ -262,7 +263,7 @@ class Checkpoints:
         meanwhile, and `on_failure`, run by the chief when its write fails,
         so that no sender is left waiting) and prunes to
         --keep-checkpoints. compression: (state arrays, attributes) of
-        --compression powersgd (checkpoints/compression.py) or None. A
+        --compression powersgd (checkpoints/powersgd_state.py) or None. A
         failure to write stops every rank of comm with one error line.
         Returns the path on the chief."""
         arrays, more = compression or ({}, {})
@@ -286,7 +287,7 @@ class Checkpoints:
                                            info=dict(self.plan.recorded, samples=self.samples_at(step),
                                                      data=data.dir, data_digest=data.digest,
                                                      **self.best.checkpoint_attrs(),
-                                                     **trained.record(self.plan.spec, self.plan), **more),
+                                                     **model_record(self.plan.spec, self.plan), **more),
                                            model_state=host(model_state), compression_state=arrays or None)
             except BaseException:
                 if on_failure is not None:

@@ -8,7 +8,7 @@ or a layer, so each piece can be tested on its own:
 
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_ring.py tests/test_strategies.py
 
-Strategies (one module each, one interface: comm/strategy.py): ring.py
+Strategies (one module each, one interface: comm/strategy.py): ring_allreduce.py
 (hpctrain's ring), hier.py (a ring inside each node, then a ring across
 nodes), mpi.py (MPI's collectives), nccl.py (NCCL on GPUs); staged.py wraps
 a host strategy for device buffers when MPI is not CUDA-aware (cuda_aware.py
@@ -100,7 +100,7 @@ def _make(name, topology, xp, watchdog, cuda_aware, ring_order):
         return NcclAllreduce(comm, xp, watchdog)
     name = choose(name, topology, ring_order)[0]
     if name == "ring":
-        from .ring import RingAllreduce
+        from .ring_allreduce import RingAllreduce
         ring_comm, to_free = _ring_comm(topology, ring_order)
         strategy = RingAllreduce(ring_comm, watchdog)
         if to_free is not None:

@@ -47,7 +47,7 @@ with a small copy by whichever thread reduced the bucket, right after the
 strategy synchronized its stream. The training loop reads the stop flag and
 the loss there every step without a device synchronization of its own.
 
-Compressed (`exchange=` comm/compress.py's, --compression): a bucket's sum
+Compressed (`exchange=` comm/compressed_exchange.py's, --compression): a bucket's sum
 (sharded: its reduce-scatter) is the exchange's `allreduce(lo, hi)`
 (`reduce_scatter(lo, hi)`) of the buffer instead of the strategy's; the
 rest is as above, the sharded allgather of the parameters (float32) included.

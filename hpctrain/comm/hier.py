@@ -31,7 +31,7 @@ do the device syncs); the factory wraps it for CuPy exactly as it wraps the ring
 
     mpirun -n 4 python -m hpctrain.comm.hier       # self-check on a fake 2-node split
 """
-from .ring import RingAllreduce
+from .ring_allreduce import RingAllreduce
 
 
 class HierAllreduce:

@@ -1,9 +1,9 @@
 """--compression powersgd's exchange of a bucket, behind the same two calls
-as comm/compress.py's 16-bit one (allreduce(lo, hi), reduce_scatter(lo, hi)).
+as comm/compressed_exchange.py's 16-bit one (allreduce(lo, hi), reduce_scatter(lo, hi)).
 
 PowerSGD (`PowerSgd`, Vogels et al. 2019, Algorithm 1 with error feedback;
 DDP's powerSGD_hook), per bucket: every matrix it compresses
-(optim/compression.powersgd_layout) gets this rank's error added (M = grad +
+(optim/compression_math.powersgd_layout) gets this rank's error added (M = grad +
 error), then P = M Q (Q warm-started: the last step's), one float32
 allreduce of every P of the bucket together with the bucket's uncompressed
 tensors (1-D, small matrices, the loss and stop slots) packed beside them;
@@ -20,16 +20,16 @@ are plain float32 allreduces.
 
 Sharded (--shard-optimizer on): reduce_scatter(lo, hi) exchanges the whole
 bucket as above and returns this rank's part; the parameters' allgather
-stays float32 (comm/fusion.py). make_exchange and summary (comm/compress.py)
+stays float32 (comm/fusion.py). make_exchange and summary (comm/compressed_exchange.py)
 choose it and describe it; the arithmetic (which tensors, the Qs' draw,
-orthogonalisation) is optim/compression.py's, this module moves the bytes.
+orthogonalisation) is optim/compression_math.py's, this module moves the bytes.
 
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_compression.py
 """
 import numpy as np
 
 from ..device import array_module
-from ..optim.compression import initial_q, orthogonalise
+from ..optim.compression_math import initial_q, orthogonalise
 
 
 class _Bucket:
@@ -40,7 +40,7 @@ class _Bucket:
 
 class PowerSgd:
     """--compression powersgd over `buffer`. matrices: the Matrix list
-    (optim/compression.powersgd_layout) of the tensors it compresses, in
+    (optim/compression_math.powersgd_layout) of the tensors it compresses, in
     model (body) coordinates, each at buffer offset lo + `offset`; the Qs of
     matrices[0] ... lie in one flat buffer `q`. start, warm_start, eps,
     error_feedback, seed: --powersgd-start, -warm-start, -epsilon,

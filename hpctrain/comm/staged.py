@@ -125,7 +125,7 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     from .. import device
-    from .ring import RingAllreduce
+    from .ring_allreduce import RingAllreduce
     world = MPI.COMM_WORLD
     staged = StagedAllreduce(RingAllreduce(world), device.HostCopier(), chunk_bytes=4096)
     for n in (1, 7, 1000, 100_003):

@@ -20,7 +20,7 @@ for 1 us of slack (prctl PR_SET_TIMERSLACK, once per thread; elsewhere the
 naps are longer). Without `nap` (a core per rank), MPI's plain blocking
 calls: the lowest latency, and the same messages either way.
 
-Not for the ring's exchanges (comm/ring.py): many short waits for a
+Not for the ring's exchanges (comm/ring_allreduce.py): many short waits for a
 neighbour that is exchanging too, latency-bound; napping there took the
 MLP from 23k to 13k samples/s at 4 ranks on 2 cores.
 

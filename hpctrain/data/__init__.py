@@ -17,7 +17,7 @@ test set (`load_test(dir, split="val")`: the --val-fraction part). No MPI here
 One job per module:
     idx.py       IDX files (raw or gzip) -> uint8 arrays
     cifar.py     CIFAR-10 binary batches -> uint8 arrays
-    files.py     a source file's open/read errors -> one HpctrainError line (idx, cifar)
+    file_errors.py a source file's open/read errors -> one HpctrainError line (idx, cifar)
     images.py    a folder of class folders of images (Pillow) -> uint8 arrays; one image -> a model input
     arrays.py    .npz, .npy, HDF5 and CSV sources -> uint8 arrays; the memory check before reading
     sources.py   which source a --source is (IDX, CIFAR-10, a user's files or folders) and its arrays

@@ -32,7 +32,7 @@ import numpy as np
 
 from hpctrain.errors import HpctrainError
 
-from .files import file_errors
+from .file_errors import file_errors
 from .manifest import _sha256
 
 MAX_CLASSES = 256   # labels are stored as uint8

@@ -20,7 +20,7 @@ import numpy as np
 
 from hpctrain.errors import HpctrainError
 
-from .files import file_errors
+from .file_errors import file_errors
 
 SIDE, CHANNELS = 32, 3
 PIXELS = SIDE * SIDE * CHANNELS

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from hpctrain.errors import HpctrainError
 
-from .files import signals_raise
+from .file_errors import signals_raise
 
 STANDARD_FILES = {
     "train_images": "train-images-idx3-ubyte.gz",

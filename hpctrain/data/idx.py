@@ -22,7 +22,7 @@ import numpy as np
 
 from hpctrain.errors import HpctrainError
 
-from .files import file_errors
+from .file_errors import file_errors
 
 # IDX type codes; only unsigned bytes occur in MNIST and Fashion-MNIST.
 _IDX_UBYTE = 0x08

@@ -2,7 +2,7 @@
 one-line stop inside prepare (its `except` then removes the temporary
 folder), the renames that install the shards held from stops, and the
 temporary folders of killed prepares (SIGKILL, a crashed node) swept once
-their process is gone, as training sweeps its files (hpctrain/temporaries.py).
+their process is gone, as training sweeps its files (hpctrain/files.py).
 
     python -c "from hpctrain.data.stopping import stops_cleanly"
 
@@ -18,9 +18,9 @@ import stat
 import threading
 
 from hpctrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, HpctrainError
-from hpctrain.temporaries import abandoned, process_start_time
+from hpctrain.files import abandoned, process_start_time
 
-from .files import signals_raise
+from .file_errors import signals_raise
 
 # SLURM's pre-emption and time-limit signals, and Ctrl-C
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -54,7 +54,7 @@ def sweep_stale_tmps(out, log):
     """Remove the temporary folders that killed prepares of out left beside
     it (SIGKILL, a node's crash): only folders of prepare's names, last
     changed before this process started, whose process is gone
-    (temporaries.abandoned, as training sweeps its files)."""
+    (files.abandoned, as training sweeps its files)."""
     pattern, started = _tmp_pattern(out), process_start_time()
     try:
         names = os.listdir(out.parent)

@@ -24,12 +24,12 @@ from ..comm import make_allreduce
 from ..comm.device_buffers import bcast
 from ..comm.topology import Topology
 from ..optim.optimizers import make_optimizer, state_bytes
-from ..comm.compress import summary
-from ..pipeline import compression as pipeline_compression
+from ..comm.compressed_exchange import summary
+from ..pipeline import stage_compression as pipeline_compression
 from ..pipeline import schedule as sched
 from ..pipeline import whole
 from ..pipeline.engine import Engine
-from ..pipeline.compression import StageCompression
+from ..pipeline.stage_compression import StageCompression
 from ..pipeline.grid import Grid
 from ..pipeline.stage import Stage
 from ..pipeline.stages import owned_pieces, stage_pieces

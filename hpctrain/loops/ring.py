@@ -9,9 +9,9 @@ batches, the accounting, the end).
 import time
 
 from .. import device, prefetch
-from ..checkpoints import compression as compression_state
+from ..checkpoints import powersgd_state as compression_state
 from ..comm import make_allreduce
-from ..comm.compress import summary
+from ..comm.compressed_exchange import summary
 from ..comm.device_buffers import bcast
 from ..comm.topology import Topology
 from ..optim.clipping import Clip

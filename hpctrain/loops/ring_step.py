@@ -26,7 +26,7 @@ layer's gradient is done its accumulated part is added in before its bucket
 starts, the loss slot gets the mean of the K losses, and the optimizer's
 gradient scale is 1/(workers x K): one step over K x B samples.
 
-With --compression (comm/compress.py) each bucket is exchanged compressed
+With --compression (comm/compressed_exchange.py) each bucket is exchanged compressed
 (`exchange`): fp16/bf16 as 16-bit words, PowerSGD as low-rank factors with
 this rank's error feedback; the optimizer, the norm and the stop flag see
 the decompressed sum as they see today's.
@@ -37,13 +37,13 @@ the decompressed sum as they see today's.
 import numpy as np
 from mpi4py import MPI
 
-from ..comm.compress import make_exchange, sharding_for
+from ..comm.compressed_exchange import make_exchange, sharding_for
 from ..comm.fusion import FusedAllreduce, bucket_bounds, owned_ranges
 from ..comm.grad_norm import BucketNorm
 from ..comm.wire import GRADS, LOSS, STOP, Wire
 from ..device import all_finite
 from ..nn.accumulate import Accumulation
-from ..optim.compression import powersgd_layout
+from ..optim.compression_math import powersgd_layout
 from ..optim.optimizers import make_optimizer
 
 
@@ -82,7 +82,7 @@ class RingStep:
     fusion_elems: bucket size in elements (0: one bucket); clip: a
     clipping.Clip or None; marks, overlap, timeline, watchdog: as
     FusedAllreduce takes them; compression: a run/plan.Compression or None
-    (the buckets' exchange, comm/compress.py; `exchange` is None without)."""
+    (the buckets' exchange, comm/compressed_exchange.py; `exchange` is None without)."""
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
                  marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None):
@@ -94,7 +94,7 @@ class RingStep:
         self.model = spec.build(xp, params=self.param_wire.body if sharded else None, grads=self.wire.body)
         ready_from = self.wire.ready_from(self.model.layer_ranges)
         self.buckets = bucket_bounds(self.wire.size, fusion_elems, ready_from)
-        # sharded with --compression on several nodes: hier's node shards (comm/compress.py)
+        # sharded with --compression on several nodes: hier's node shards (comm/compressed_exchange.py)
         strategy = sharding_for(strategy, compression) if sharded else strategy
         self.strategy = strategy
         owned = [self.wire.body_range(lo, hi) for lo, hi in owned_ranges(strategy, self.buckets)] \

@@ -1,6 +1,6 @@
 """Optimizers over flat buffers and ranges of them (optimizers.py: SGD,
 momentum, Adam(W), sharded, on a device), the learning-rate schedule
-(schedule.py), and gradient clipping by the global norm (clipping.py). Never
+(lr_schedule.py), and gradient clipping by the global norm (clipping.py). Never
 imports MPI.
 
     python -m pytest -q tests/test_optim.py

@@ -1,5 +1,5 @@
 """SGD, momentum and Adam on flat arrays, and decoupled weight decay (the
-learning-rate schedules, which give each step's lr, are in schedule.py).
+learning-rate schedules, which give each step's lr, are in lr_schedule.py).
 
 An optimizer owns its state for one contiguous range of parameters (the whole
 model in ring mode, one server's slice in ps mode, the parts of the buckets a

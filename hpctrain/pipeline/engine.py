@@ -9,7 +9,7 @@ communicator); then the stage's micro-batches' gradient, summed as
 buckets) and the update (sharded: reduce-scatter, each replica its part,
 allgather). So a pipeline ends with the parameters of `--accumulate-steps
 M` on R ranks, bit for bit (tests/test_pipeline.py). With --compression the
-pieces go through the stage's exchange (pipeline/compression.py) instead.
+pieces go through the stage's exchange (pipeline/stage_compression.py) instead.
 
 With the interleaved schedule a stage holds V chunks (one Stage each, its
 own transfers, optimizer and buckets) and every action names its local
@@ -76,7 +76,7 @@ class Engine:
     --clip-norm or None (the norm over every stage's chunks: grad_norm.py);
     fusion_elems: the buckets' size, for the norm's parts; trace: its
     --timeline spans (trace.StageTrace); compression: the stage's
-    pipeline/compression.StageCompression or None (--compression: the
+    pipeline/stage_compression.StageCompression or None (--compression: the
     pieces through its exchange instead of the strategy; one chunk a stage
     only, stages.cuts_for refuses it with --virtual-stages V > 1).
 

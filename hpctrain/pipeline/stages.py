@@ -113,7 +113,7 @@ def cuts_for(args, world, spec):
     if interleaved and stages == 1:
         raise HpctrainError("--pipeline-schedule interleaved needs --pipeline-stages P > 1")
     if interleaved and virtual_stages(args) > 1 and getattr(args, "compression", "none") != "none":
-        # a stage's replicas exchange one chunk's part of the wire compressed (pipeline/compression.py)
+        # a stage's replicas exchange one chunk's part of the wire compressed (pipeline/stage_compression.py)
         raise HpctrainError(f"--compression {args.compression} with --pipeline-schedule interleaved "
                             f"--virtual-stages {virtual_stages(args)}: not built (compression takes one chunk a "
                             f"stage; use 1f1b or gpipe, or --compression none)")

@@ -10,7 +10,7 @@ What needs the whole model goes a stage at a time:
   of one buffer at once; a sharded optimizer's parts are first gathered on
   the stage's replica 0;
 - a resume (`resume_stage`): the checkpoint read lazily (its datasets stay
-  in the file: checkpoints/reader.OnDisk), each stage's slice read and sent
+  in the file: checkpoints/read_back.OnDisk), each stage's slice read and sent
   to its replica 0, then to the stage's replicas; whatever cut, P or R
   wrote it (a ring mode checkpoint as well);
 - --save and --keep-best (`Pipelined.write`): the parameters file, a
@@ -32,13 +32,14 @@ import os
 
 import numpy as np
 
-from .. import device, trained
+from .. import device
+from ..checkpoints.model_record import record as model_record
 from ..checkpoints.file import Pieces
 from ..checkpoints.sharded import ShardedState
 from ..errors import HpctrainError
 from ..nn.sequential import INIT_VERSION
-from ..run.outputs import temp_next_to
-from . import compression as pipeline_compression
+from ..files import temp_next_to
+from . import stage_compression as pipeline_compression
 from .stages import ranges
 
 TAG = 31000          # checkpoint, --save and resume pieces, on the pipe communicator (engine.py: 31001)
@@ -180,7 +181,7 @@ def stage_optimizer_state(world, grid, optimizer):
 
 def to_stages(world, grid, source, layout, sizes, what):
     """Every chunk's slice of `source` (the chief's lazily read checkpoint
-    dataset: checkpoints/reader.OnDisk; ignored elsewhere), read and sent a
+    dataset: checkpoints/read_back.OnDisk; ignored elsewhere), read and sent a
     chunk at a time to its stage's replica 0 (host): there the list of this
     stage's chunks' slices (`sizes` floats each); None elsewhere."""
     if grid.replica != 0:
@@ -386,7 +387,7 @@ class Pipelined:
                 f.attrs["model"] = spec.identity
                 f.attrs["init_version"] = INIT_VERSION
                 # how to rebuild the model and prepare its inputs (predict, evaluate)
-                for key, value in {**trained.record(spec, plan), **(attrs or {})}.items():
+                for key, value in {**model_record(spec, plan), **(attrs or {})}.items():
                     f.attrs[key] = value
             os.replace(tmp, path)
         finally:

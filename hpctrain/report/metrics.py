@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import HpctrainError
-from ..run.outputs import one_line, open_in_place, write_atomically
+from ..files import one_line, open_in_place, write_atomically
 
 
 class Metrics:
@@ -19,7 +19,7 @@ class Metrics:
     Live: opened for append, every record written as it comes (one write(2)
     of whole lines), so `tail -f` follows a running job and a killed job
     keeps what it logged. Opened without following a symlink at its name
-    (outputs.open_in_place), as check_outputs refused one before.
+    (files.open_in_place), as check_outputs refused one before.
     `resume_at(step)`, called by the loops once the resume is decided, says
     where this run starts: None (or 0) for a fresh run, whose file starts
     anew; a checkpoint's step for a resumed one, whose file keeps the records

@@ -8,9 +8,10 @@ and renamed, so it is never half-written.
 """
 import os
 
-from .. import device, trained
+from .. import device
+from ..checkpoints.model_record import record as model_record
 from ..nn.sequential import INIT_VERSION
-from ..run.outputs import one_line, rescue_path, temp_next_to
+from ..files import one_line, rescue_path, temp_next_to
 
 
 def save_params(path, model, step, checkpoint_path=None, agree=None, chief=True):
@@ -65,7 +66,7 @@ def write_params(path, model, step, plan, attrs=None):
             f.attrs["model"] = model.spec.identity
             f.attrs["init_version"] = INIT_VERSION   # how the run's initial parameters were drawn
             # how to rebuild the model and prepare its inputs (predict, evaluate)
-            for key, value in {**trained.record(model.spec, plan), **(attrs or {})}.items():
+            for key, value in {**model_record(model.spec, plan), **(attrs or {})}.items():
                 f.attrs[key] = value
         os.replace(tmp, path)
     finally:

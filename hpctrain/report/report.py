@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import HpctrainError
-from ..run.outputs import one_line, temp_next_to
+from ..files import one_line, temp_next_to
 from .metrics import Metrics
 from .tensorboard import Board
 

@@ -29,7 +29,7 @@ import sys
 import time
 
 from ..errors import HpctrainError
-from ..run.outputs import one_line
+from ..files import one_line
 
 INSTALL = "--tensorboard needs tensorboardX, an optional dependency: pip install 'hpctrain[tensorboard]'"
 TRAIN_TAGS = {"loss": "train/loss", "samples_per_s": "train/samples_per_s", "grad_norm": "train/grad_norm"}

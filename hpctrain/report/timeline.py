@@ -9,7 +9,7 @@ chief's one file. Disabled, every call is a no-op costing one attribute lookup;
 past --timeline-steps steps too (the trace of the steps before is written).
 
 Streamed: at most FLUSH_EVERY events are held in memory; the rest are in an
-exclusive temporary file next to the trace (outputs.temp_next_to), renamed
+exclusive temporary file next to the trace (files.temp_next_to), renamed
 into place whole by write() at the end, so a job of millions of steps holds
 no more than a short one, and the trace is never half-written. A run that
 ends before write() removes the temporary (discard()); a killed one's is
@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from ..run.outputs import one_line, temp_next_to
+from ..files import one_line, temp_next_to
 
 # Events held in memory before they go to the file: ~0.3 MB.
 FLUSH_EVERY = 1000

@@ -18,6 +18,8 @@
   --clip-norm (each scales updates, none shapes the state: a deliberate
   change, like --lr); the result is bit-identical to an
   uninterrupted run only when nothing else changed either.
+- What a checkpoint from before a setting existed means by it is the
+  reader's (checkpoints/read_back.RESUME_DEFAULTS).
 
     python -c "from hpctrain import cli; from hpctrain.run import identity; print(identity.same_on_every_rank(cli.parse([])))"
 """
@@ -44,15 +46,6 @@ OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_da
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline", "tensorboard")
 SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "momentum", "batch_size",
                   "accumulate_steps", "seed", "lr_schedule")
-# What a checkpoint written before a setting existed means by it (it is
-# missing there): checkpoints from before --lr-schedule were all constant,
-# from before the model spec (issue 20) all the MLP, and from before
-# --accumulate-steps all one batch per step.
-RESUME_DEFAULTS = {"lr_schedule": "constant", "model": "mlp", "accumulate_steps": 1}
-# Settings that checkpoints began to record late (--momentum: issue 41), so a
-# checkpoint without one may have been written with any value: resumed
-# unchecked, as before, rather than refused or judged against a guess.
-UNRECORDED_BEFORE = ("momentum",)
 
 
 def schedule_key(args, total_steps):

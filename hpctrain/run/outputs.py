@@ -8,7 +8,7 @@ root on a read-only mount's files), it is not a directory, and no two flags
 name the same file.
 
 Temporary files (the parameters file, a checkpoint, the metrics file being
-rewritten on resume) are made by `temp_next_to`: created exclusively (O_EXCL)
+rewritten on resume) are made by files.temp_next_to: created exclusively (O_EXCL)
 in the target's own directory, so the rename into place stays on
 one filesystem, named `.<name>.tmp-<pid>-<random>`: nobody can predict the
 name (a planted symlink is never followed) and the pid tells the next start
@@ -24,18 +24,17 @@ is checked on this node only.
 The one-process commands' outputs (predict's --out, evaluate's and plot's
 pictures) are checked the same way by `check_output_file`, which also
 refuses an output that is one of the command's inputs however the path is
-spelt, and written whole by `write_atomically` (a temporary file renamed).
+spelt, and written whole by files.write_atomically (a temporary file renamed).
 
     python -c "from hpctrain.run.outputs import check_outputs"   # used by run/startup.py
 """
-import errno
 import os
 import re
 import stat
 import tempfile
 
 from ..errors import HpctrainError
-from ..temporaries import abandoned, process_start_time
+from ..files import abandoned, process_start_time
 
 FILE_FLAGS = ("save", "metrics", "timeline", "keep_best")
 
@@ -111,35 +110,6 @@ def _check_kind(path, flag):
         raise HpctrainError(f"{flag} {path}: exists and is {kind}, not a regular file; name a file")
 
 
-def open_in_place(path, mode):
-    """The --metrics file as a raw fd, opened without following a symlink at
-    its name (O_NOFOLLOW) and only if it is a regular file: a FIFO or device
-    put there after check_outputs is refused, not used (O_NONBLOCK: opening a
-    FIFO with no peer does not block). mode "r": read it; "a": append to
-    what it holds; "w": it starts empty. Raises OSError, or HpctrainError for
-    a symlink or something that is not a regular file."""
-    flags = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND, "w": os.O_WRONLY | os.O_CREAT}[mode]
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise HpctrainError(f"--metrics {path}: is a symbolic link (the metrics file is written in place "
-                                f"and does not follow links); name the file itself") from None
-        if e.errno == errno.ENXIO:   # a FIFO without a reader, a device without its device
-            raise HpctrainError(f"--metrics {path}: is not a regular file; name a file") from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise HpctrainError(f"--metrics {path}: is not a regular file; name a file")
-        os.set_blocking(fd, True)
-        if mode == "w":
-            os.ftruncate(fd, 0)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _try_write(directory, what):
     try:
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".hpctrain-probe-")
@@ -210,61 +180,6 @@ def _linked_from(path, folder):
     return False
 
 
-def write_atomically(path, write, binary=False):
-    """path written whole or not at all: write(f) fills a new temporary file
-    beside it (temp_next_to), which is flushed to disk, given the mode of the
-    file it replaces and renamed onto path. Raises OSError (a directory that
-    takes no file, a full disk), the temporary removed and path as it was."""
-    fd, tmp = temp_next_to(path)
-    try:
-        with os.fdopen(fd, "wb" if binary else "w") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        _keep_mode(path, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-
-
-def _keep_mode(path, tmp):
-    """The new file keeps the permissions of the one it replaces."""
-    try:
-        os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
-    except FileNotFoundError:
-        pass
-
-
-def printable(text):
-    """text for a line of a table or an error: control characters (a class
-    folder named with a newline) escaped as Python writes them, so one name
-    stays on one line; letters of any script left as they are."""
-    text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def one_line(error):
-    """An OSError's reason on one line: HDF5's messages span several (an
-    error line is one line) and bury the system's reason in a report of
-    buffers and offsets: where they name an errno, its text is the reason."""
-    text = str(getattr(error, "strerror", None) or error)
-    found = re.search(r"\berrno = (\d+)", text)
-    if found:
-        return os.strerror(int(found.group(1)))
-    return " ".join(text.split())
-
-
-def rescue_path(step):
-    """Where parameters go when --save fails at the end and no checkpoint holds
-    them: the system's temporary directory (TMPDIR), a name no one else has."""
-    fd, path = tempfile.mkstemp(prefix=f"hpctrain-params-step{step}-", suffix=".h5")
-    os.close(fd)
-    return path
-
-
 # ---------------------------------------------------------------------------
 # temporary files
 
@@ -272,34 +187,6 @@ def rescue_path(step):
 # wrote: "<pid>" (checkpoints, metrics, timeline) or mkstemp's "<random>" (--save).
 _TMP_SUFFIX = r"\.tmp-(?:(?P<pid>\d+)(?:-[a-z0-9_]{8})?|[a-z0-9_]{8})"
 _CKPT_TMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5" + _TMP_SUFFIX + "$")
-
-
-def temp_next_to(path):
-    """(fd, tmp): a new, empty file for `path`'s content, created exclusively
-    in its directory under an unpredictable name that carries this pid. The
-    caller closes fd, renames tmp into place, and removes it in a finally."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=f".{os.path.basename(path)}.tmp-{os.getpid()}-")
-    try:
-        # mkstemp's 0600 is for secrets; the renamed file gets the mode a
-        # plain open() would have given it.
-        os.fchmod(fd, 0o666 & ~_umask())
-    except OSError:
-        pass
-    return fd, tmp
-
-
-def _umask():
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def sweep_stale_temporaries(args):

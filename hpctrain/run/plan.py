@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import device
 from ..nn.spec import ModelSpec
-from ..optim.schedule import learning_rate, schedule_line
+from ..optim.lr_schedule import learning_rate, schedule_line
 from ..pipeline.stages import virtual_stages
 from . import identity
 from .cluster import cores_available
@@ -97,7 +97,7 @@ def shard_wanted(flag, workers=1, xp=np, allreduce="auto"):
     (`--allreduce auto|ring|hier`; MPI's reduce-scatter sums in another
     order). Off on GPUs until the device check has compared both there.
     With --compression too: on several nodes hier then shards by the node's
-    ring (comm/compress.py NodeShards), so only the compressed sum crosses
+    ring (comm/compressed_exchange.py NodeShards), so only the compressed sum crosses
     the nodes; measured on one node, where the unsharded optimizer cost the
     compressed runs more than compression did (docs/ring.md)."""
     if flag != "auto":
@@ -196,7 +196,7 @@ class Ring:
 
 @dataclass(frozen=True)
 class Compression:
-    """--compression and PowerSGD's settings (comm/compress.py): what ring
+    """--compression and PowerSGD's settings (comm/compressed_exchange.py): what ring
     mode's buckets and a pipeline stage's replicas exchange."""
     kind: str = "none"          # none, fp16, bf16, powersgd
     rank: int = 4               # --powersgd-rank

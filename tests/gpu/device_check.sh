@@ -269,7 +269,7 @@ fi
 if time_left "compression codecs on the GPU == CPU words"; then
     timeout 90 "$PY" - > "$LOGS/compression_codecs.txt" 2>&1 <<'EOF'
 import numpy as np, cupy as cp
-from hpctrain.optim.compression import Half, initial_q, orthogonalise
+from hpctrain.optim.compression_math import Half, initial_q, orthogonalise
 rng = np.random.default_rng(0)
 x = np.concatenate([rng.standard_normal(1 << 20).astype(np.float32) * np.float32(1e-4),
                     rng.integers(0, 2 ** 32, 1 << 16, dtype=np.uint64).astype(np.uint32).view(np.float32)])

@@ -1,7 +1,7 @@
 """Gradient compression's arithmetic (--compression), with no MPI: the 16-bit
 codecs that fp16 and bf16 put on the wire, and PowerSGD's pieces (which
 tensors it compresses, its orthogonalisation, its initial Q). The exchanges
-that use them are comm/compress.py's and comm/powersgd.py's; the loops never
+that use them are comm/compressed_exchange.py's and comm/powersgd.py's; the loops never
 see either.
 
 fp16 and bf16 travel as 16-bit words (uint16 arrays, which MPI moves as

@@ -16,7 +16,7 @@ decides, and stages through host memory otherwise, comm/staged.py). For CuPy
 the scratch lives on the device, the adds are kernels, and the stream is
 synchronized before MPI touches anything a kernel wrote.
 
-    mpirun -n 3 python -m hpctrain.comm.ring      # self-check: full(n, rank) sums
+    mpirun -n 3 python -m hpctrain.comm.ring_allreduce      # self-check: full(n, rank) sums
 """
 import numpy as np
 from mpi4py import MPI

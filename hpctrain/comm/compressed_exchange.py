@@ -4,11 +4,11 @@ makes for a bucket [lo, hi) of its buffer, `allreduce(lo, hi)` and
 `reduce_scatter(lo, hi)` (comm/fusion.py; a pipeline stage's replicas,
 pipeline/engine.py). Like DDP's communication hooks: the engine around it
 does not know. The arithmetic (codecs, orthogonalisation, which tensors)
-is optim/compression.py's; this module (and comm/powersgd.py, PowerSGD's
+is optim/compression_math.py's; this module (and comm/powersgd.py, PowerSGD's
 exchange) moves the bytes.
 
 fp16 / bf16 (`HalfExchange`): each bucket crosses the wire as 16-bit words,
-half the bytes, and is summed in float32: hpctrain's ring (comm/ring.py)
+half the bytes, and is summed in float32: hpctrain's ring (comm/ring_allreduce.py)
 with 16-bit messages (`HalfRing`), where a rank decodes what it receives,
 adds it to its float32 partial sum and encodes that for the next hop. The
 rank that owns a chunk at the end of the reduce-scatter rounds the sum once
@@ -48,11 +48,11 @@ from mpi4py import MPI
 
 from ..chunks import chunk_bounds
 from ..device import all_finite, array_module
-from ..optim.compression import HALF_KINDS, Half
+from ..optim.compression_math import HALF_KINDS, Half
 from .device_buffers import BoundToDevice
 from .hier import HierAllreduce
 from .powersgd import PowerSgd
-from .ring import SEGMENT_BYTES, RingAllreduce, _device_sync
+from .ring_allreduce import SEGMENT_BYTES, RingAllreduce, _device_sync
 from .staged import StagedAllreduce
 
 # A reduce-scatter chunk travels in messages of this many 16-bit words, so
@@ -64,7 +64,7 @@ SEGMENT_WORDS = SEGMENT_BYTES // 2
 class HalfRing:
     """The ring of `ring` (a RingAllreduce: its communicator, neighbours,
     watchdog and chunks; no new communicator) on float32 buffers with
-    16-bit messages of `codec` (optim/compression.Half). `ranks`: how many
+    16-bit messages of `codec` (optim/compression_math.Half). `ranks`: how many
     gradients the sum adds up (fp16 divides by it before the sum and
     multiplies the result back: hier's inter-node ring sums node sums of
     all the ranks). allreduce and reduce_scatter as a strategy's; no

@@ -7,7 +7,7 @@ In the file (checkpoints/file.py): `compression/error` (float32, W rows of
 the model's num_params, worker order), `compression/q` (float32, every
 compressed matrix's Q in model order), and the attributes
 `compression_workers` (W) and `compression_layout` (which matrices at which
-rank: optim/compression.powersgd_layout's key). A checkpoint without them (an
+rank: optim/compression_math.powersgd_layout's key). A checkpoint without them (an
 older one, or one of another --compression) loads as before.
 
 On resume the chief decides, in one line when anything is not carried over:

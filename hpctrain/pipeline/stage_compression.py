@@ -1,7 +1,7 @@
 """--compression on a pipeline: a stage's replicas average its gradient
-through ring mode's exchange (comm/compress.py) over the stage's part of
+through ring mode's exchange (comm/compressed_exchange.py) over the stage's part of
 the wire, bucket by bucket (pipeline/engine.py); and PowerSGD's state in the
-one checkpoint file ring mode writes (checkpoints/compression.py), whole:
+one checkpoint file ring mode writes (checkpoints/powersgd_state.py), whole:
 each replica's error feedback over the whole model (its stages' slices, in
 stage order: replica r's row is what worker r's is in ring mode) and the
 Qs of every compressed matrix. So a pipeline's checkpoint resumes in ring
@@ -16,9 +16,9 @@ import sys
 import numpy as np
 
 from .. import device
-from ..checkpoints.compression import decide
-from ..comm.compress import make_exchange
-from ..optim.compression import powersgd_layout
+from ..checkpoints.powersgd_state import decide
+from ..comm.compressed_exchange import make_exchange
+from ..optim.compression_math import powersgd_layout
 from .stages import ranges
 
 
@@ -93,7 +93,7 @@ def gather(world, grid, mine, layouts):
 
 def restore(world, grid, mine, layouts, resume):
     """Collective over the world: the chief's checkpoint state back into
-    every stage's exchange, as checkpoints/compression.decide says (one line
+    every stage's exchange, as checkpoints/powersgd_state.decide says (one line
     when anything is not carried over)."""
     watchdog, xp, ckpt = world.watchdog, world.xp, resume.checkpoint
     counts, displs = layouts.params

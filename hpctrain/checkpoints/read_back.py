@@ -32,7 +32,16 @@ from .trust import Corrupt as _Corrupt
 from .trust import Refused as _Refused
 from .trust import check_attr_types, check_ranges, stored_dataset
 from ..errors import HpctrainError
-from ..run.identity import RESUME_DEFAULTS, UNRECORDED_BEFORE
+
+# What a checkpoint written before a setting existed means by it (it is
+# missing there): checkpoints from before --lr-schedule were all constant,
+# from before the model spec (issue 20) all the MLP, and from before
+# --accumulate-steps all one batch per step.
+RESUME_DEFAULTS = {"lr_schedule": "constant", "model": "mlp", "accumulate_steps": 1}
+# Settings that checkpoints began to record late (--momentum: issue 41), so a
+# checkpoint without one may have been written with any value: resumed
+# unchecked, as before, rather than refused or judged against a guess.
+UNRECORDED_BEFORE = ("momentum",)
 
 
 def _describe(key, value):

@@ -1,0 +1,62 @@
+"""What the --save file and every checkpoint record beside the parameters so
+that the trained model can be rebuilt and fed new images outside training
+(trained.load, for predict and evaluate): written by the chief at --save,
+--keep-best and every checkpoint (report/params.py, pipeline/whole.py,
+checkpoints/resume.py). Apart from the loader, so that the writers need not
+import what reads a model back (trained.py imports checkpoints/).
+
+The record is one attribute, `inference`, a JSON object: the model as the
+flags named it (`model`: a zoo name, or a user's FILE.py:FUNCTION made
+absolute; `hidden`), the input shape and class count it was built for, and
+from the data's manifest the class names (image folders), the record of how
+the images were prepared (`preprocess`), `no_flip`, where the data was and
+its manifest digest.
+
+    python -c "import h5py; print(h5py.File('p.h5').attrs['inference'])"
+"""
+import functools
+import hashlib
+import json
+import os
+
+from .. import data as data_mod
+from ..errors import HpctrainError
+from ..nn.zoo import MODELS
+
+ATTR = "inference"
+# HDF5 keeps an attribute in the object header, 64 KiB at most: a record
+# larger than this leaves its class names out (predict then prints numbers).
+_MAX_RECORD = 60_000
+_ZOO = tuple(MODELS)
+
+
+@functools.lru_cache(maxsize=8)
+def _from_manifest(data_dir):
+    """What the record takes from a data directory's manifest (read once)."""
+    manifest = data_mod.load_manifest(data_dir)
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+    return json.dumps({"class_names": manifest.get("class_names"), "preprocess": manifest.get("preprocess"),
+                       "no_flip": bool(manifest.get("no_flip", False)), "data": str(data_dir),
+                       "data_digest": digest})
+
+
+def record(spec, plan):
+    """{"inference": JSON} for the file that holds spec's parameters (plan:
+    run/plan.Plan: the model as named, --hidden, the data). Never raises for
+    the data: a manifest gone since start-up leaves its part out."""
+    model = plan.model
+    if ":" in model and model not in _ZOO:
+        path, _, function = model.rpartition(":")
+        model = f"{os.path.abspath(path)}:{function}"
+    out = {"model": model, "hidden": [int(w) for w in plan.hidden], "identity": spec.identity,
+           "input_shape": list(spec.input_shape), "classes": int(spec.classes)}
+    data_dir = str(plan.data.dir)
+    try:
+        out.update(json.loads(_from_manifest(data_dir)))
+    except HpctrainError:
+        pass
+    text = json.dumps(out)
+    if len(text) > _MAX_RECORD:
+        out["class_names"] = None
+        text = json.dumps(out)
+    return {ATTR: text}
