@@ -11,7 +11,7 @@ import pytest
 
 from conftest import MPIRUN, REPO
 from hpctrain import cli
-from hpctrain.checkpoints import reader
+from hpctrain.checkpoints import read_back as reader
 from hpctrain.nn.zoo import spec_for
 from hpctrain.run import identity
 from hpctrain.run.cluster import child_env
@@ -57,7 +57,7 @@ def test_momentum_must_match_on_resume_with_the_momentum_optimizer_only():
 
 
 def test_a_checkpoint_from_before_momentum_was_recorded_resumes_unchecked(tmp_path):
-    from hpctrain.checkpoints.reader import Checkpoint
+    from hpctrain.checkpoints.read_back import Checkpoint
     old = Checkpoint(path=str(tmp_path / "ckpt-00000010.h5"), step=10, optimizer_t=10, params=None,
                      optimizer_state={}, data_positions=None,
                      attrs={"format_version": reader.FORMAT_VERSION, "optimizer": "momentum"})
