@@ -45,7 +45,8 @@ MIN_MACS = 1 << 22
 # (6144 x 32) @ (32 x 64) cut every 4, 8, 16 or 256 rows gave other bits,
 # every 12, 24 or 48 the same). Columns are worse: cut anywhere but a half,
 # columns either side of the cut changed. 48 is a multiple of every x86
-# SGEMM row tile (4, 8, 12, 16, 24), so the same rule holds on AVX-512 too.
+# SGEMM row tile we know of (4, 8, 12, 16, 24), so the same rule should hold
+# on AVX-512 kernels too (not yet run on one: the AMD machine found it).
 ROW_TILE = 48
 
 _workers = []

@@ -58,6 +58,10 @@ def check(args):
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        # Checked by kind, not by access: os.access(FILE, X_OK) is true for an
+        # executable file, which let FILE/sub through to a warning at the first write.
+        raise HpctrainError(f"--tensorboard {path}: is under {parent}, which is a file, not a directory")
     target = path if os.path.isdir(path) else parent
     if not os.access(target, os.W_OK | os.X_OK):
         raise HpctrainError(f"--tensorboard {path}: cannot write in {target}")

@@ -104,9 +104,10 @@ class Mesh:
 
 
 if __name__ == "__main__":
-    import argparse
     from mpi4py import MPI
-    p = argparse.ArgumentParser()
+
+    from ..arguments import Parser
+    p = Parser(prog="python -m hpctrain.run.mesh")
     p.add_argument("--pipeline", type=int, default=1)
     p.add_argument("--tensor", type=int, default=1)
     a = p.parse_args()
