@@ -32,10 +32,10 @@ class LayerRange:
     are views of the whole model's flat buffers, or of a pipeline stage's
     slices), run forward (nn/chain.py: with the in-place rule's copies) and
     backward in the order training needs, with the spec's loss when b is the
-    last layer. The store hears of every call: before a forward (training,
-    evaluation, recompute) and before a backward, so that the views hold the
-    parameters then, after the forward, and of each layer's gradient as it
-    becomes final; the runner reads parameters nowhere else.
+    last layer. The store hears of every call (nn/store.py's hooks): before
+    a forward (training, evaluation, recompute) and after it, before a
+    backward, and as each layer's gradient becomes final; the layers read
+    parameters only between a before-hook and the hook that ends that call.
     The whole model is the range [0, n) (Sequential below); a pipeline stage
     one range of it (pipeline/stage.py), so a stage computes what the model
     computes for those layers, call for call.
