@@ -74,14 +74,15 @@ def test_a_range_dropped_after_forward_and_recomputed_gives_the_same_bits():
     # The seam for recomputation (issue 42, 1): a slot's contexts dropped
     # after forward, the forward run again into them before backward.
     from hpctrain.nn.sequential import LayerRange
+    from hpctrain.nn.store import PlainStore
     spec = _tiny_cnn()
     (x, y, noise), = _micro_batches(spec, 1)
     results = []
     for recompute in (False, True):
         n, s = spec.num_params, spec.num_state
         params, grads, state = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(s, np.float32)
-        run = LayerRange(spec, 0, len(spec.layers), np, params, grads, state, keep_input=True)
-        run.init(5, params, state)
+        run = LayerRange(spec, 0, len(spec.layers), np, PlainStore(spec, params, grads, state), keep_input=True)
+        run.init(5)
         run.set_noise(noise)
         loss, d = run.loss_forward_backward(run.forward(x.copy(), True), y)
         if recompute:

@@ -19,11 +19,15 @@ class; a user's own layer subclasses it and overrides what it needs):
    views, pre-zeroed) from the NumPy Generator `rng`, drawing in a fixed
    order: the seed alone decides the model. `init_state(state)` sets the
    non-trainable tensors' starting values (running variance 1, ...).
-4. `bind(xp, params, grads, state)`: the layer's views into the flat
-   buffers (dicts name -> array on the model's device). Keep them; write
-   gradients into `grads[...]` in place, never rebind. Parameters,
-   gradients, state views and constants (`self.ones(...)`) are all a layer
-   keeps on itself: it holds nothing of a call between calls.
+4. `bind(xp, params, grads, state)`: the layer's views (dicts name ->
+   array on the model's device), handed out once by the model's parameter
+   store (nn/store.py: views of the flat buffers, or of a working buffer a
+   store fills). Keep them; write gradients into `grads[...]` in place,
+   never rebind. The parameter views hold the parameters during forward and
+   backward only (a store may fill them just before and wipe them after):
+   read their values there, not at bind time. Parameters, gradients, state
+   views and constants (`self.ones(...)`) are all a layer keeps on itself:
+   it holds nothing of a call between calls.
 5. `context() -> ctx`: a `Context` for one slot of calls (the runner asks
    once per slot: the whole model has one, a pipeline stage one per
    micro-batch in flight, all over the one set of layers). What a forward

@@ -27,11 +27,15 @@ INIT_VERSION = 2
 
 
 class LayerRange:
-    """The one runner of layers: layers [a, b) of a spec, each bound to its
-    views of flat buffers (params, grads, state: the whole model's, or a
-    pipeline stage's slices starting at the model's offsets `base`), run
-    forward (nn/chain.py: with the in-place rule's copies) and backward in
-    the order training needs, with the spec's loss when b is the last layer.
+    """The one runner of layers: layers [a, b) of a spec, each bound once to
+    the views its parameter store hands out (nn/store.py: the plain store's
+    are views of the whole model's flat buffers, or of a pipeline stage's
+    slices), run forward (nn/chain.py: with the in-place rule's copies) and
+    backward in the order training needs, with the spec's loss when b is the
+    last layer. The store hears of every call (nn/store.py's hooks): before
+    a forward (training, evaluation, recompute) and after it, before a
+    backward, and as each layer's gradient becomes final; the layers read
+    parameters only between a before-hook and the hook that ends that call.
     The whole model is the range [0, n) (Sequential below); a pipeline stage
     one range of it (pipeline/stage.py), so a stage computes what the model
     computes for those layers, call for call.
@@ -45,13 +49,12 @@ class LayerRange:
     must then stay intact until backward: `keep_input=True` copies it before
     an in-place first layer)."""
 
-    def __init__(self, spec, a, b, xp, params, grads, state, base=(0, 0), slots=1, keep_input=False):
-        self.spec, self.a, self.b, self.xp, self.base = spec, a, b, xp, base
+    def __init__(self, spec, a, b, xp, store, slots=1, keep_input=False):
+        self.spec, self.a, self.b, self.xp, self.store = spec, a, b, xp, store
         self.layers = copy.deepcopy(spec.layers[a:b])   # every build its own: two models of a spec share nothing
         for i, layer in zip(range(a, b), self.layers):
-            layer.bind(xp, spec.views(params, i, base=base[0]), spec.views(grads, i, base=base[0]),
-                       spec.views(state, i, of="state", base=base[1]))
-        self.state = state
+            layer.bind(xp, *store.views(i))
+        self.state = store.state
         # the range's input is its own (the batch, or a received buffer) unless it is kept for a recompute
         self.chain = Chain(self.layers, xp, input_kept=keep_input)
         self.slots = [self.chain.context() for _ in range(slots)]
@@ -66,19 +69,20 @@ class LayerRange:
         # backprop stops at the model's first layer with parameters: nothing before it needs a gradient
         self.first = spec.param_layers[0] if spec.param_layers else len(spec.layers)
 
-    def init(self, seed, params, state):
-        """Layers [a, b)'s initial parameters into `params` and their state's
-        starting values into `state` (the buffers this range was built over),
-        each layer from a stream of its own, (seed, its index in the model):
+    def init(self, seed):
+        """Layers [a, b)'s initial parameters and their state's starting
+        values into the store's share (its params and state), each layer
+        from a stream of its own, (seed, its index in the model):
         a pure function of them, whatever else the model holds, so a pipeline
         stage initialises its layers alone to the bits the whole model gets
         (INIT_VERSION 2; before, one stream drew every layer in list order).
         Host RNG, then copied: CPU and GPU runs start from the same bits."""
+        params, state, (base, state_base) = self.store.params, self.store.state, self.store.base
         host = np.zeros(params.size, params.dtype) if self.xp is not np else params
         host[...] = 0
         for i, layer in zip(range(self.a, self.b), self.layers):
-            layer.init(np.random.default_rng([seed, i]), self.spec.views(host, i, base=self.base[0]), host.dtype)
-            layer.init_state(self.spec.views(state, i, of="state", base=self.base[1]))
+            layer.init(np.random.default_rng([seed, i]), self.spec.views(host, i, base=base), host.dtype)
+            layer.init_state(self.spec.views(state, i, of="state", base=state_base))
         if host is not params:
             params[...] = self.xp.asarray(host)
 
@@ -95,7 +99,10 @@ class LayerRange:
         x = x.reshape(x.shape[0], *self.in_shape)
         if train:
             self._inputs[slot] = x
-        return self.chain.forward(self.slots[slot], x, train)
+        self.store.before_forward(self.a, self.b)
+        y = self.chain.forward(self.slots[slot], x, train)
+        self.store.after_forward(self.a, self.b)
+        return y
 
     def loss_forward_backward(self, logits, targets, slot=0):
         """(mean loss, its gradient with respect to the logits) of a training
@@ -109,15 +116,19 @@ class LayerRange:
     def backward(self, d, on_layer_done=None, slot=0):
         """Backprop d (the gradient of the range's output) through the range,
         last layer first, from the slot's activations, writing each layer's
-        parameter gradients; calls on_layer_done(k) as soon as
-        layer_ranges[k]'s gradient is final. Returns the gradient of the
-        range's input, or None where no layer before it has parameters (the
-        model's first range)."""
-        inner = self.slots[slot].inner
+        parameter gradients; as soon as layer i's gradient is final, tells
+        the store (grads_done(i, i + 1)), then calls on_layer_done(k), k its
+        index in layer_ranges. Returns the gradient of the range's input, or
+        None where no layer before it has parameters (the model's first
+        range)."""
+        inner, store = self.slots[slot].inner, self.store
+        store.before_backward(self.a, self.b)
         for i in range(self.b - 1, max(self.a, self.first) - 1, -1):
             d = self.layers[i - self.a].backward(inner[i - self.a], d, need_dx=i > self.first)
-            if on_layer_done is not None and i in self.owner:
-                on_layer_done(self.owner[i])
+            if i in self.owner:
+                store.grads_done(i, i + 1)
+                if on_layer_done is not None:
+                    on_layer_done(self.owner[i])
         self._inputs[slot] = None
         return d if self.a > self.first else None
 
@@ -134,30 +145,33 @@ class LayerRange:
         x = self._inputs[slot]
         saved = self.slots[slot].buffer("state_before_recompute", self.state.shape, self.state.dtype)
         self.xp.copyto(saved, self.state)
+        self.store.before_forward(self.a, self.b)
         self.chain.forward(self.slots[slot], x, True)
+        self.store.after_forward(self.a, self.b)
         self.xp.copyto(self.state, saved)
 
 
 class Sequential:
-    """The built model: the range of all its layers over the model's flat
-    buffers. Members the loops rely on: params, grads (the flat buffers),
-    state (non-trainable, may be empty), num_params, layer_ranges ((lo, hi)
-    of each layer with parameters, in buffer order; backprop finishes them
-    last first), tensors(), tensor_ranges(), init(seed),
-    forward_backward(...), evaluate(...)."""
+    """The built model: the range of all its layers over a parameter store
+    (nn/store.py; `ModelSpec.build` makes the plain one over the model's flat
+    buffers). Members the loops rely on: params, grads (the store's flat
+    buffers: the rank's share), state (non-trainable, may be empty),
+    num_params, layer_ranges ((lo, hi) of each layer with parameters, in
+    buffer order; backprop finishes them last first), tensors(),
+    tensor_ranges(), init(seed), forward_backward(...), evaluate(...)."""
 
-    def __init__(self, spec, xp, params, grads, state, dtype):
+    def __init__(self, spec, xp, store, dtype):
         self.spec, self.xp, self.dtype = spec, xp, np.dtype(dtype)
-        self.params, self.grads, self.state = params, grads, state
+        self.params, self.grads, self.state = store.params, store.grads, store.state
         self.num_params = spec.num_params
         self.layer_ranges = spec.layer_ranges
-        self.run = LayerRange(spec, 0, len(spec.layers), xp, params, grads, state)
+        self.run = LayerRange(spec, 0, len(spec.layers), xp, store)
         self.ctx = self.run.slots[0]   # the one slot: each layer's context in .inner, in list order
         self.layers, self.loss, self.chain = self.run.layers, self.run.loss, self.run.chain
 
     def init(self, seed):
         """Every layer's initial parameters from (seed, its index) (LayerRange.init)."""
-        self.run.init(seed, self.params, self.state)
+        self.run.init(seed)
 
     def tensors(self):
         """(name, view) of each parameter tensor, in buffer order."""

@@ -17,7 +17,7 @@ memory check (`memory_bytes`), ps placement (`tensor_ranges`), fusion
 
 `spec.build(xp, params=, grads=)` then returns the model (nn/sequential.py)
 over buffers the caller owns (the ring's wire, the ps shared-memory window)
-or fresh ones.
+or fresh ones, through the plain parameter store (nn/store.py).
 
 Layout: layers in order, layer 0 first; within a layer its tensors in
 `param_shapes()` order. Backprop finishes the last layer first, so the
@@ -39,6 +39,7 @@ import numpy as np
 from .layers import Dropout, LayerCodeError, LayerError, describe
 from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
+from .store import PlainStore
 
 
 def _call(i, layer, what, fn, *args):
@@ -299,5 +300,5 @@ class ModelSpec:
                 raise ValueError(f"build's {what} must be one contiguous {dtype} buffer of {size} elements, "
                                  f"got shape {buf.shape}, {buf.dtype}" + ("" if buf.flags.c_contiguous else
                                                                           ", not contiguous"))
-        return Sequential(self, xp, params, grads, state, dtype)
+        return Sequential(self, xp, PlainStore(self, params, grads, state), dtype)
 

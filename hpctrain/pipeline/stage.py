@@ -22,18 +22,19 @@ accumulation of every loop (nn/accumulate.py): g0, += g1 ... g_{M-1}.
 from ..comm.wire import GRADS
 from ..nn.accumulate import Accumulation
 from ..nn.sequential import LayerRange
+from ..nn.store import PlainStore
 from .stages import ranges
 
 
 class StageModel:
-    """Layers [a, b) bound to params/grads/state, slices starting at the
-    buffers' offsets `base` (params, state) of the full model's: the model's
-    one runner (nn/sequential.LayerRange) over the stage's range, with a
-    slot per micro-batch in flight, and on the last stage the model's loss,
-    whose gradient (one buffer per slot) backward starts from."""
+    """Layers [a, b) over a parameter store (nn/store.py; the stage's is the
+    plain store over its slices of the model's buffers): the model's one
+    runner (nn/sequential.LayerRange) over the stage's range, with a slot
+    per micro-batch in flight, and on the last stage the model's loss, whose
+    gradient (one buffer per slot) backward starts from."""
 
-    def __init__(self, spec, a, b, xp, params, grads, state, base, slots):
-        self.run = LayerRange(spec, a, b, xp, params, grads, state, base, slots=slots)
+    def __init__(self, spec, a, b, xp, store, slots):
+        self.run = LayerRange(spec, a, b, xp, store, slots=slots)
         self.a, self.b = a, b
         self._d = [None] * slots
 
@@ -79,15 +80,15 @@ class Stage:
         self.grads = self.wire[self.body_at:]   # the step's sum
         self.micro = micro_batches
         self.slots = copies or micro_batches
-        self.model = StageModel(spec, self.a, self.b, xp, self.params, self.grad, self.state,
-                                (self.lo, self.state_lo), self.slots)
+        store = PlainStore(spec, self.params, self.grad, self.state, (self.lo, self.state_lo))
+        self.model = StageModel(spec, self.a, self.b, xp, store, self.slots)
         self._free, self._holding = list(range(self.slots)), {}
         self.sum = Accumulation(self.grads)   # the step's micro-batches, in --accumulate-steps' order
 
     def init(self, seed):
         """The stage's layers' initial parameters and state, drawn by the stage
         alone (nn/sequential.LayerRange.init: the whole model's bits for them)."""
-        self.model.run.init(seed, self.params, self.state)
+        self.model.run.init(seed)
 
     def forward(self, m, x, y=None, noise=None):
         """Micro-batch m's forward in a free slot, which holds it until backward(m)."""
