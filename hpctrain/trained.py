@@ -51,13 +51,14 @@ class Trained:
         return self.spec.input_shape
 
     def logits(self, x, batch=128):
-        """float32 logits of images x (uint8 pixels, scaled by 1/255 as in
-        training, or floats), batch by batch as Sequential.evaluate runs them."""
-        out = np.empty((len(x), self.spec.classes), np.float32)
+        """Logits of images x (uint8 pixels, scaled by 1/255 as in training,
+        or floats) in the model's dtype, batch by batch as
+        Sequential.evaluate runs them."""
+        out = np.empty((len(x), self.spec.classes), self.model.dtype)
         for lo in range(0, len(x), batch):
             a = x[lo:lo + batch]
             if a.dtype == np.uint8:
-                a = a.astype(np.float32)
+                a = a.astype(self.model.dtype)
                 a /= 255
             out[lo:lo + batch] = self.model.run.forward(a, False)
         return out

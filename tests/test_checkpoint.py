@@ -258,6 +258,27 @@ def test_files_with_a_valid_header_but_wrong_content_are_skipped(tmp_path, damag
     assert ckpt.step == 10 and warnings == [f"ckpt-00000020.h5: corrupt ({reason}), trying the previous one"]
 
 
+def test_the_writer_writes_the_runs_precision_and_the_reader_refuses_one_it_does_not_run(tmp_path):
+    # The datasets take the dtype handed down from the plan's precision
+    # (hpctrain/precision.py), not a float32 of the writer's own: written as
+    # float64, every float dataset is float64 and the content hash covers
+    # it; this code runs float32 only, so the reader refuses the file in one
+    # line rather than convert it (a resume promises the same bits).
+    rng = np.random.default_rng(0)
+    params = rng.standard_normal(16)
+    state = {"m": rng.standard_normal(16), "v": rng.random(16)}
+    write(tmp_path, 10)
+    path = checkpoint.save(tmp_path, 20, params, state, 20, np.zeros((2, 2), np.int64), SETTINGS,
+                           model_state=np.ones(3), dtype=np.float64)
+    with h5py.File(path, "r") as f:
+        assert {f[k].dtype.str for k in ("params", "optimizer/m", "optimizer/v", "model_state")} == {"<f8"}
+        assert np.array_equal(f["params"][...], params)
+    ckpt, warnings = load(tmp_path)
+    assert ckpt.step == 10 and warnings == [
+        "ckpt-00000020.h5: corrupt (dataset params is float64 (16,), expected float32 with 1 dimension(s)), "
+        "trying the previous one"]
+
+
 def test_a_checkpoint_of_another_format_version_is_a_clear_error(tmp_path):
     path, _, _, _ = write(tmp_path, 10)
     raw = open(path, "rb").read()

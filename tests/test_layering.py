@@ -21,7 +21,7 @@ LEVELS = [
     {"run", "checkpoints", "report", "pipeline", "trained"},
     {"comm", "optim"},
     {"nn", "data", "device", "prefetch"},
-    {"errors", "chunks", "cli", "arguments", "vector_width", "files", "tuning", "__init__"},
+    {"errors", "chunks", "cli", "arguments", "vector_width", "files", "tuning", "precision", "__init__"},
 ]
 # What users run: they sit on top of everything.
 COMMANDS = {"train", "mnist", "checkpoint", "plot", "bench", "predict", "evaluate", "command", "__main__"}

@@ -143,7 +143,7 @@ class Setup:
             assert node.size == world.size
             size = ps.placement.slice_size(self.layout[self.rank]) if self.is_server else 0
             floats = segment_floats(self.is_server, N, size, len(self.workers), reply_bufs=not sync)
-            self.shared = SharedExchange(node, list(range(world.size)), floats, self.dog)
+            self.shared = SharedExchange(node, list(range(world.size)), floats, np.float32, self.dog)
             node.Free()
 
     def serve(self, optimizer_cls, **kw):
@@ -439,7 +439,7 @@ def test_a_node_shares_memory_only_when_every_rank_can():
     from hpctrain.comm.ps.shared import open_shared
     world = MPI.COMM_WORLD
     c = Cluster(world, "ps", 1)
-    sizes = dict(num_params=N, server_sizes=[N], reply_bufs=True)
+    sizes = dict(num_params=N, server_sizes=[N], reply_bufs=True, dtype=np.float32)
     shared, why = open_shared(c, enabled=True, able=True, **sizes)
     assert shared is not None and why == "" and shared.ranks == list(range(world.size))
     # a part may be longer than asked (Open MPI rounds it up to whole pages)

@@ -6,18 +6,22 @@ written by the chief only. It holds everything a bit-exact resume needs:
 
     user block (512 B)     "hpctrain-checkpoint 2 sha256 <hex>\n": a hash of
                            every byte after it, checked before HDF5 parses the file
-    params                 float32 (n,)    all parameters, the model's flat buffer
-    optimizer/<name>       float32 (n,)    each optimizer state array (Adam: m, v)
-    model_state            float32 (m,)    the model's non-trainable state (batch-norm running
+    params                 P (n,)          all parameters, the model's flat buffer
+    optimizer/<name>       P (n,)          each optimizer state array (Adam: m, v)
+    model_state            P (m,)          the model's non-trainable state (batch-norm running
                                            statistics; the chief's), only when m > 0
     data_positions         int64 (W, 2)    each worker's reader position: epoch, samples of its permutation taken
-    compression/<name>     float32         --compression powersgd's state, only when it has some
+    compression/<name>     P               --compression powersgd's state, only when it has some
                                            (checkpoints/powersgd_state.py: each worker's error feedback,
                                            W x n; the Qs); older files have none and load as before
     attrs                  format, format_version, step, optimizer_t, optimizer_state,
                            the settings that must match on resume (run/identity.same_on_resume),
                            run information (world_size, num_ps, steps, lr, ...),
                            sha256: over every dataset and every other attribute
+
+P is the run's parameter dtype (hpctrain/precision.py, the plan's
+`precision.params`: little-endian float32 today); the reader takes the
+file's and resume refuses one that is not the run's.
 
 No random-number state is stored because there is none to store: each reader's
 shuffle is a pure function of (seed, epoch), and a dropout mask of (seed,
@@ -50,6 +54,7 @@ import numpy as np
 
 from ..errors import HpctrainError
 from ..files import temp_next_to
+from ..precision import FLOAT32, file_dtype
 
 FORMAT = "hpctrain-checkpoint"
 # 2: data_positions are (epoch, position in the epoch's permutation of the
@@ -71,7 +76,7 @@ def checkpoint_name(step):
 
 @dataclass
 class Pieces:
-    """A flat float32 dataset handed to save() in pieces, in order: a
+    """A flat dataset of the run's parameter dtype handed to save() in pieces, in order: a
     pipeline's chief writes each stage's slice as it arrives, holding one at
     a time. pieces: an iterable of 1-D arrays whose sizes add up to size."""
     size: int
@@ -82,18 +87,19 @@ class Pieces:
 # writing
 
 def save(directory, step, params, optimizer_state, optimizer_t, data_positions, settings, keep=3,
-         info=None, model_state=None, compression_state=None):
+         info=None, model_state=None, compression_state=None, dtype=FLOAT32.params):
     """Write DIR/ckpt-<step>.h5 atomically; keep the newest `keep`; return its path.
 
-    params and each optimizer state array: 1-D float32 (host arrays); data_positions:
-    (workers, 2) int64 (epoch, offset); model_state: 1-D float32 or None (none);
+    params and each optimizer state array: 1-D host arrays, written as `dtype`
+    (the run's precision.params, run/plan.py); data_positions:
+    (workers, 2) int64 (epoch, offset); model_state: 1-D, `dtype`, or None (none);
     settings: the values that must match on resume (run/identity.same_on_resume); info:
     more attributes recorded for people (world size, lr, ...), checked by no one;
-    compression_state: {name: 1-D float32} or None (checkpoints/powersgd_state.py).
+    compression_state: {name: 1-D, `dtype`} or None (checkpoints/powersgd_state.py).
     """
     import h5py
-    params = params if isinstance(params, Pieces) else _flat32(params, "params")
-    state = {name: a if isinstance(a, Pieces) else _flat32(a, f"optimizer state {name}")
+    params = params if isinstance(params, Pieces) else _flat(params, "params", dtype)
+    state = {name: a if isinstance(a, Pieces) else _flat(a, f"optimizer state {name}", dtype)
              for name, a in optimizer_state.items()}
     positions = np.ascontiguousarray(data_positions, dtype="<i8")
     if positions.ndim != 2 or positions.shape[1] != 2:
@@ -101,8 +107,8 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     if isinstance(model_state, Pieces):
         model_state = model_state if model_state.size else None
     else:
-        model_state = _flat32(model_state, "model state") if model_state is not None and len(model_state) else None
-    compressed = {name: _flat32(a, f"compression state {name}") for name, a in (compression_state or {}).items()}
+        model_state = _flat(model_state, "model state", dtype) if model_state is not None and len(model_state) else None
+    compressed = {name: _flat(a, f"compression state {name}", dtype) for name, a in (compression_state or {}).items()}
     attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step),
              "optimizer_t": int(optimizer_t), "optimizer_state": ",".join(state),
              "model_state": 0 if model_state is None else int(model_state.size)}
@@ -135,7 +141,7 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
         with h5py.File(tmp, "w", userblock_size=USERBLOCK, locking=False) as f:
             content = hashlib.sha256()   # _checksum's, as the datasets are written
             for key in sorted(datasets):
-                _write_dataset(f, key, datasets[key], content)
+                _write_dataset(f, key, datasets[key], content, dtype)
             attrs["sha256"] = _checksum({}, attrs, content)
             for key, value in attrs.items():
                 f.attrs[key] = value
@@ -153,7 +159,7 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     return path
 
 
-def _write_dataset(f, key, value, content):
+def _write_dataset(f, key, value, content, dtype):
     """One dataset into the open file, its name, type, shape and bytes into
     the content hash (_checksum's order: datasets by name, each in order)."""
     if not isinstance(value, Pieces):
@@ -163,11 +169,12 @@ def _write_dataset(f, key, value, content):
         content.update(f"dataset {key} {a.dtype.str} {a.shape}\n".encode())
         content.update(memoryview(a).cast("B"))
         return
-    dataset = f.create_dataset(key, shape=(value.size,), dtype="<f4")
-    content.update(f"dataset {key} <f4 {(value.size,)}\n".encode())
+    on_disk = file_dtype(dtype)
+    dataset = f.create_dataset(key, shape=(value.size,), dtype=on_disk)
+    content.update(f"dataset {key} {on_disk.str} {(value.size,)}\n".encode())
     at = 0
     for piece in value.pieces:
-        piece = _flat32(piece, key)
+        piece = _flat(piece, key, dtype)
         if at + piece.size > value.size:
             raise ValueError(f"{key}: the pieces hold more than its {value.size} values")
         dataset[at:at + piece.size] = piece
@@ -199,8 +206,8 @@ def stamp(path, durable=False):
             os.fsync(f.fileno())
 
 
-def _flat32(array, what):
-    a = np.ascontiguousarray(array, dtype="<f4")
+def _flat(array, what, dtype):
+    a = np.ascontiguousarray(array, dtype=file_dtype(dtype))
     if a.ndim != 1:
         raise ValueError(f"{what} must be a flat 1-D array, got shape {a.shape}")
     return a

@@ -32,6 +32,7 @@ from .trust import Corrupt as _Corrupt
 from .trust import Refused as _Refused
 from .trust import check_attr_types, check_ranges, stored_dataset
 from ..errors import HpctrainError
+from ..precision import FLOAT32
 
 # What a checkpoint written before a setting existed means by it (it is
 # missing there): checkpoints from before --lr-schedule were all constant,
@@ -66,9 +67,9 @@ class Checkpoint:
     optimizer_state: dict
     data_positions: np.ndarray
     attrs: dict = field(default_factory=dict)
-    model_state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    model_state: np.ndarray = field(default_factory=lambda: np.zeros(0, FLOAT32.params))
     source: object = None   # the open file of a lazy read
-    compression_state: dict = field(default_factory=dict)   # name -> flat float32 (compression/<name>)
+    compression_state: dict = field(default_factory=dict)   # name -> flat, the params' dtype (compression/<name>)
 
     @property
     def name(self):
@@ -81,16 +82,17 @@ class Checkpoint:
 
 
 class OnDisk:
-    """A flat float32 dataset of a verified checkpoint, left in the file:
+    """A flat dataset (the params' dtype) of a verified checkpoint, left in the file:
     `read(lo, hi)` its slice (a pipeline's resume hands each stage its part,
     and no rank holds the whole)."""
 
     def __init__(self, dataset):
         self._dataset = dataset
-        self.size, self.shape, self.dtype = int(dataset.size), tuple(dataset.shape), np.dtype(np.float32)
+        self.size, self.shape = int(dataset.size), tuple(dataset.shape)
+        self.dtype = np.dtype(dataset.dtype).newbyteorder("=")
 
     def read(self, lo, hi):
-        return np.asarray(self._dataset[lo:hi], dtype=np.float32)
+        return np.asarray(self._dataset[lo:hi], dtype=self.dtype)
 
 
 def _plain(value):
@@ -213,18 +215,18 @@ def read(path, lazy=False):
         else:
             params, state = datasets["params"], {n: datasets[f"optimizer/{n}"] for n in names}
         positions = datasets["data_positions"]
-        if len(params.shape) != 1 or params.dtype != np.float32:
-            raise _Corrupt(f"params is {params.dtype} {params.shape}, expected flat float32")
+        if len(params.shape) != 1:   # its dtype is one of precision.FLOATS (trust.stored_dataset)
+            raise _Corrupt(f"params is {params.dtype} {params.shape}, expected a flat array")
         if positions.ndim != 2 or positions.shape[1] != 2:
             raise _Corrupt(f"data_positions has shape {positions.shape}, expected (workers, 2)")
         for n, a in state.items():
-            if a.shape != params.shape or a.dtype != np.float32:
+            if a.shape != params.shape or a.dtype != params.dtype:
                 raise _Corrupt(f"optimizer state {n} is {a.dtype} {a.shape}, params are {params.shape}")
         for key in ("step", "optimizer_t"):
             if not isinstance(attrs.get(key), int):
                 raise _Corrupt(f"attribute {key} missing or not an integer")
-        model_state = datasets.get("model_state", np.zeros(0, np.float32))
-        if model_state.ndim != 1 or model_state.dtype != np.float32 or \
+        model_state = datasets.get("model_state", np.zeros(0, params.dtype))
+        if model_state.ndim != 1 or model_state.dtype != params.dtype or \
                 model_state.size != attrs.get("model_state", 0):
             raise _Corrupt(f"model_state is {model_state.dtype} {model_state.shape}, "
                            f"the attributes say {attrs.get('model_state')!r} floats")
@@ -244,7 +246,7 @@ def read(path, lazy=False):
 
 
 def _hash_on_disk(dataset, key, content):
-    """_checksum of one flat float32 dataset read from the file a block at a time."""
+    """_checksum of one flat float dataset read from the file a block at a time."""
     content.update(f"dataset {key} <f4 {(int(dataset.size),)}\n".encode())
     step = BLOCK_BYTES // 4
     for lo in range(0, int(dataset.size), step):

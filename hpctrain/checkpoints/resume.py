@@ -288,7 +288,8 @@ class Checkpoints:
                                                      data=data.dir, data_digest=data.digest,
                                                      **self.best.checkpoint_attrs(),
                                                      **model_record(self.plan.spec, self.plan), **more),
-                                           model_state=host(model_state), compression_state=arrays or None)
+                                           model_state=host(model_state), compression_state=arrays or None,
+                                           dtype=self.plan.precision.params)
             except BaseException:
                 if on_failure is not None:
                     on_failure()

@@ -13,6 +13,8 @@ tests/test_predict.py:
 """
 import numpy as np
 
+from ..precision import FLOATS, file_dtype
+
 
 class Corrupt(Exception):
     """A checkpoint file that cannot be trusted: skip it for the previous one."""
@@ -31,14 +33,16 @@ MAX_COUNT = 2 ** 53
 def stored_dataset(f, key, file_size):
     """f[key], unread, once it is stored as save() stores it: hard links all
     the way (a soft or external link would lead elsewhere), a dataset of
-    float32 (params, optimizer state) or int64 (data_positions), of 1 or 2
+    a precision's float (params, optimizer state: hpctrain/precision.py's
+    FLOATS, a dtype this code does not run is refused, never converted) or
+    int64 (data_positions), of 1 or 2
     dimensions, its bytes contiguous inside this file: no chunks (a small
     file could then claim any size: unwritten chunks read as zeros), filters,
     virtual sources or external storage (which reads whatever file it names)."""
     obj = hard_linked(f, key)
-    want = np.dtype("<i8") if key == "data_positions" else np.dtype("<f4")
-    if obj.dtype != want or obj.ndim != (2 if key == "data_positions" else 1):
-        raise Corrupt(f"dataset {key} is {obj.dtype} {obj.shape}, expected {want.name} with "
+    want = [np.dtype("<i8")] if key == "data_positions" else [file_dtype(d) for d in FLOATS]
+    if obj.dtype not in want or obj.ndim != (2 if key == "data_positions" else 1):
+        raise Corrupt(f"dataset {key} is {obj.dtype} {obj.shape}, expected {' or '.join(w.name for w in want)} with "
                        f"{2 if key == 'data_positions' else 1} dimension(s)")
     return stored_inside(obj, key, file_size)
 

@@ -126,7 +126,7 @@ def open_exchange(world, plan, placement):
                        able=cluster.is_ps or not device.is_gpu(world.xp),
                        num_params=plan.spec.num_params, server_sizes=[slice_size(r) for r in placement],
                        reply_bufs=reply_buffers_needed(plan.ps.sync, plan.ps.replicas, cluster.num_workers),
-                       watchdog=world.watchdog)
+                       dtype=plan.precision.params, watchdog=world.watchdog)
 
 
 def run_server(world, plan, frame, comm, placement, shared):
@@ -146,7 +146,7 @@ def run_server(world, plan, frame, comm, placement, shared):
                     stop_requested=lambda: world.stop.received, nap=world.waits.nap,
                     # --clip-norm, sync: on the aggregate (async: each worker clips its own)
                     clip=Clip(opt.clip_norm) if opt.clip_norm and ps.sync else None,
-                    servers_comm=cluster.ps_comm, shared=shared)
+                    servers_comm=cluster.ps_comm, shared=shared, dtype=plan.precision.params)
     with world.stop.training() as phase:   # the server loop takes stop requests from here on
         server.serve_until_done()
         phase.stopped = server.round.preempted

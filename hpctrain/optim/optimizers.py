@@ -36,6 +36,7 @@ import math
 import numpy as np
 
 from .. import vector_width
+from ..precision import FLOAT32
 
 BLOCK = 32768
 # numba costs a process about 1 s of CPU (its import and type registries, even
@@ -121,7 +122,7 @@ def fuse_pays(xp, size, steps=None):
     return size >= FUSE_FROM and (steps is None or size * steps >= FUSE_WORK)
 
 
-def prepare(name, size, steps=None, single_pass="auto", xp=np, dtype=np.float32):
+def prepare(name, size, steps=None, single_pass="auto", xp=np, dtype=FLOAT32.optimizer):
     """Load now what an optimizer `name` over `size` elements for `steps`
     steps will use (numba and its compiled pass with --single-pass on, or
     auto where fuse_pays): the start-up memory check then counts it (about
@@ -171,7 +172,7 @@ class SGD:
 
     kernel = "sgd"   # the name of its single-pass kernel (fused_kernel)
 
-    def __init__(self, size, xp=np, dtype=np.float32, weight_decay=0.0, fused="auto"):
+    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, weight_decay=0.0, fused="auto"):
         self.xp, self.size, self.t = xp, size, 0
         self.weight_decay = weight_decay
         self.keep = 1.0
@@ -240,7 +241,7 @@ class Momentum(SGD):
     state_names = ("velocity",)
     kernel = "momentum"
 
-    def __init__(self, size, xp=np, dtype=np.float32, momentum=0.9, weight_decay=0.0, fused="auto"):
+    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, momentum=0.9, weight_decay=0.0, fused="auto"):
         super().__init__(size, xp, dtype, weight_decay, fused)
         self.mu = momentum
         self.velocity = xp.zeros(size, dtype)
@@ -263,7 +264,7 @@ class Adam(SGD):
     state_names = ("m", "v")
     kernel = "adam"
 
-    def __init__(self, size, xp=np, dtype=np.float32, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                  fused="auto"):
         super().__init__(size, xp, dtype, weight_decay, fused)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
@@ -337,7 +338,7 @@ class OnDevice(_Wrapper):
     pushes host parameters and state back: the update is always the inner
     optimizer's, on the device, whatever happened on the host in between."""
 
-    def __init__(self, inner, size, dtype=np.float32):
+    def __init__(self, inner, size, dtype=FLOAT32.optimizer):
         self.inner, self.xp = inner, inner.xp
         self._params = self.xp.zeros(size, dtype)
         self._grads = self.xp.zeros(size, dtype)
@@ -442,7 +443,7 @@ def state_bytes(optimizer):
 OPTIMIZERS = {"sgd": SGD, "momentum": Momentum, "adam": Adam}
 
 
-def make_optimizer(name, size, xp=np, dtype=np.float32, momentum=0.9, owned=None, weight_decay=0.0, fused="auto",
+def make_optimizer(name, size, xp=np, dtype=FLOAT32.optimizer, momentum=0.9, owned=None, weight_decay=0.0, fused="auto",
                    steps=None):
     """The optimizer `name` for a flat buffer of `size` elements; with `owned`
     (a list of (lo, hi)), a Sharded one keeping state for those ranges only.

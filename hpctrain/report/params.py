@@ -46,7 +46,7 @@ def save_params(path, model, step, checkpoint_path=None, agree=None, chief=True)
 
 
 def write_params(path, model, step, plan, attrs=None):
-    """One float32 dataset per tensor, attributes step/mode/world_size/model
+    """One dataset per tensor (the run's parameter dtype), attributes step/mode/world_size/model
     (/hidden: the MLP's; and attrs: --keep-best's val_accuracy); written to a
     temporary name and renamed, so it is never half-written."""
     import h5py

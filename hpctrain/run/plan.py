@@ -26,6 +26,7 @@ import numpy as np
 
 from .. import device
 from ..nn.spec import ModelSpec
+from ..precision import FLOAT32, Precision
 from ..optim.lr_schedule import learning_rate, schedule_line
 from ..pipeline.stages import virtual_stages
 from . import identity
@@ -150,6 +151,7 @@ class Optimizer:
     clip_norm: float     # None: no clipping
     steps: int           # the run's optimizer steps (whether numba's pass pays: optimizers.fuse_pays)
     single_pass: str     # --single-pass auto|on|off
+    dtype: np.dtype = FLOAT32.optimizer   # its state's (the plan's precision.optimizer)
 
     @property
     def fused(self):
@@ -158,7 +160,8 @@ class Optimizer:
     @property
     def kwargs(self):
         """optimizers.make_optimizer's keyword arguments."""
-        return dict(momentum=self.momentum, weight_decay=self.weight_decay, steps=self.steps, fused=self.fused)
+        return dict(momentum=self.momentum, weight_decay=self.weight_decay, steps=self.steps, fused=self.fused,
+                    dtype=self.dtype)
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,7 @@ class Ring:
     allreduce: str
     cuda_aware: str
     ring_order: str
-    fusion_elems: int       # --fusion-mb in float32 elements (0: one bucket)
+    fusion_elems: int       # --fusion-mb in gradient elements (precision.grads; 0: one bucket)
     shard_optimizer: bool   # optimizer state and updates sharded over the workers (ZeRO-1)
     overlap: bool           # a communication thread overlaps the buckets with backprop
     accumulate_steps: int
@@ -286,6 +289,7 @@ class Plan:
     recorded: dict          # what a checkpoint records of the job (identity.recorded)
     resume_key: dict        # what a resume must match (identity.same_on_resume)
     compression: Compression = Compression()   # --compression (ring mode, a pipeline's replicas)
+    precision: Precision = FLOAT32   # hpctrain/precision.py: the dtypes of parameters, gradients, optimizer state, compute
 
     @property
     def pipelined(self):
@@ -335,13 +339,14 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
     chief's compiled-layer tuning key, or "NumPy"). Every rank alike."""
     cluster, workers = world.cluster, data.workers
     ring = args.mode == "ring"
+    precision = FLOAT32   # the one precision a run takes today (hpctrain/precision.py)
     return Plan(
         mode=args.mode, model=args.model, hidden=tuple(args.hidden), spec=spec, data=data,
         optimizer=Optimizer(args.optimizer, args.momentum, args.weight_decay, args.clip_norm, schedule.total_steps,
-                            args.single_pass),
+                            args.single_pass, precision.optimizer),
         schedule=schedule,
         ring=Ring(allreduce=args.allreduce, cuda_aware=args.cuda_aware, ring_order=args.ring_order,
-                  fusion_elems=int(args.fusion_mb * (1 << 20)) // 4,
+                  fusion_elems=int(args.fusion_mb * (1 << 20)) // precision.grads.itemsize,
                   shard_optimizer=ring and shard_wanted(args.shard_optimizer, workers, world.xp, args.allreduce),
                   overlap=ring and overlap_wanted(args.overlap, world.xp, cluster.local_size,
                                                   world.thread_multiple),
@@ -360,4 +365,4 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
         epochs=args.epochs, timeout=args.timeout, world_size=cluster.size,
         recorded=identity.recorded(args, cluster.size, workers, spec, layers_key),
         resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps),
-        compression=compression_plan(args))
+        compression=compression_plan(args), precision=precision)

@@ -52,11 +52,11 @@ class Update:
     def __init__(self, optimizer, lr_fn, params, grads, times, *, many=False, clip=None, servers_comm=None,
                  peers=(), dc_lambda=0.0, w_bak=None, watchdog=NO_WATCHDOG):
         self.opt, self.lr_fn, self.params, self.grads, self.times = optimizer, lr_fn, params, grads, times
-        self.acc = np.zeros(params.size, np.float32) if many else None
+        self.acc = np.zeros(params.size, params.dtype) if many else None
         self.clip, self.servers_comm, self.peers, self.watchdog = clip, servers_comm, list(peers), watchdog
         self.dc_lambda = float(dc_lambda)
         self.w_bak = w_bak if self.dc_lambda > 0 else None
-        self.scratch = np.empty(max(1, min(BLOCK, params.size)), np.float32) if self.w_bak is not None else None
+        self.scratch = np.empty(max(1, min(BLOCK, params.size)), params.dtype) if self.w_bak is not None else None
 
     def apply(self, members, version):
         """The update of `version` from `members`' gradients (worker order);

@@ -219,7 +219,7 @@ class Client:
         return self.stats, cut
 
     def _flat_states(self, state_names):
-        return {name: np.zeros(self.params.size, np.float32) for name in state_names}
+        return {name: np.zeros(self.params.size, self.params.dtype) for name in state_names}
 
     def _positions(self):
         """The workers' data positions, W x 2, none yet."""
@@ -253,7 +253,7 @@ class Client:
             with self.waiting("restore servers", peer=rank):
                 self.comm.Send(header, rank, TAG_HEADER)
                 for flat in [params, *states.values()]:
-                    piece = Slice(np.ascontiguousarray(flat, np.float32), self.placement[k])
+                    piece = Slice(np.ascontiguousarray(flat, self.params.dtype), self.placement[k])
                     piece.pack()
                     self.comm.Send(piece.buf, rank, TAG_BULK)
                 self.comm.Send(positions, rank, TAG_BULK)
@@ -265,7 +265,7 @@ class Client:
         """A Cut of every server: the leader first (it holds, and its version
         is the cut's), then each other server, sync at that version, async
         held as it is (its version may differ); then every server is released."""
-        params = np.zeros(self.params.size, np.float32)
+        params = np.zeros(self.params.size, self.params.dtype)
         states, positions = self._flat_states(state_names), self._positions()
         versions, ts = [], []
         for k, rank in enumerate(self.servers):

@@ -25,9 +25,10 @@ class Exchange:
     workers: their ranks; shared: the node's SharedExchange or None;
     own_replies: a reply buffer per worker; waits, watchdog: how to wait
     (comm/waits.py) and under which deadline; times: the server's seconds per
-    activity (stats.py)."""
+    activity (stats.py); dtype: the parameters' and gradients' (the run's
+    precision.params), what the protocol's raw buffers hold."""
 
-    def __init__(self, comm, ranges, workers, shared, own_replies, waits, watchdog, times):
+    def __init__(self, comm, ranges, workers, shared, own_replies, waits, watchdog, times, dtype):
         self.comm, self.workers, self.shared = comm, list(workers), shared
         self.waits, self.watchdog, self.times = waits, watchdog, times
         self.size = slice_size(list(ranges))
@@ -37,12 +38,12 @@ class Exchange:
             self.params[...] = 0
             self.reply_bufs = shared.server_reply_bufs(comm.Get_rank(), self.size, W) if own_replies else None
         else:
-            self.params = np.zeros(self.size, np.float32)
-            self.reply_bufs = np.zeros((W, self.size), np.float32) if own_replies else None
+            self.params = np.zeros(self.size, dtype)
+            self.reply_bufs = np.zeros((W, self.size), dtype) if own_replies else None
         self.in_window = np.array([shared is not None and shared.on_node(r) for r in self.workers], bool)
         self.grad_views = [Slice(shared.part(r), list(ranges)) if self.in_window[w]
                            else None for w, r in enumerate(self.workers)]
-        self.grads = [view.buf if view is not None else np.zeros(self.size, np.float32) for view in self.grad_views]
+        self.grads = [view.buf if view is not None else np.zeros(self.size, dtype) for view in self.grad_views]
         self.grad_posted = np.zeros(W, bool)     # a gradient receive is active
         self.grad_arrived = np.zeros(W, bool)    # ... and completed, its header not yet here
         self.push_pending = [None] * W           # a push header whose gradient is still coming

@@ -26,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..deadline import NO_WATCHDOG
+from ...precision import FLOAT32
 from .aggregate import Update
 from .exchange import Exchange
 from .leader import RoundLink
@@ -65,7 +66,7 @@ class Server:
 
     def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
                  sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=NO_WATCHDOG,
-                 stop_requested=None, nap=False, clip=None, servers_comm=None, shared=None):
+                 stop_requested=None, nap=False, clip=None, servers_comm=None, shared=None, dtype=FLOAT32.params):
         self.comm, self.rank = comm, comm.Get_rank()
         self.workers, self.servers = list(worker_ranks), list(server_ranks)
         self.leader = self.rank == self.servers[0]
@@ -78,7 +79,7 @@ class Server:
             raise ValueError(f"replicas {replicas} must be in 1..{W}")
         self.stats = ServerStats(W)
         self.ex = ex = Exchange(comm, ranges, self.workers, shared, reply_buffers_needed(sync, replicas, W),
-                                self.waits, watchdog, self.stats.times)
+                                self.waits, watchdog, self.stats.times, dtype)
         coordinated = sync and len(self.servers) > 1
         self.rule = Sync(replicas, self.leader, coordinated) if sync else Async(max_staleness)
         self.link = RoundLink(comm, self.servers, W, self.waits, watchdog) if coordinated else None

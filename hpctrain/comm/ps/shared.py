@@ -39,7 +39,6 @@ from mpi4py import MPI
 
 from ..deadline import NO_WATCHDOG
 
-FLOAT = np.dtype(np.float32).itemsize
 SHM_DIR = "/dev/shm"
 SHM_HEADROOM = 1.25     # room asked of /dev/shm beyond the window itself
 
@@ -61,7 +60,8 @@ def segment_floats(is_ps, num_params, server_size, num_workers, reply_bufs):
     return server_size * (1 + (num_workers if reply_bufs else 0))
 
 
-def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs, watchdog=NO_WATCHDOG, room=shm_room):
+def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs, dtype, watchdog=NO_WATCHDOG,
+                room=shm_room):
     """(the node's SharedExchange or None, why not): where the node uses
     messages, `why` says so in words for the chief's line ("" when the flag or
     the node's roles decided). Collective over cluster.local_comm (every rank
@@ -84,7 +84,7 @@ def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs,
     sizes = [segment_floats(r in cluster.ps_ranks, num_params,
                             server_sizes[cluster.ps_ranks.index(r)] if r in cluster.ps_ranks else 0, W, reply_bufs)
              for r in mine]
-    need, free = sum(sizes) * FLOAT * SHM_HEADROOM, room()
+    need, free = sum(sizes) * np.dtype(dtype).itemsize * SHM_HEADROOM, room()
     vote = np.array([1 if able else 0, 1 if free is None or need <= free else 0], np.int32)
     with watchdog.waiting("shared-memory exchange: agreement on the node", peer=mine):
         local.Allreduce(MPI.IN_PLACE, vote, op=MPI.MIN)
@@ -93,7 +93,7 @@ def open_shared(cluster, *, enabled, able, num_params, server_sizes, reply_bufs,
     if not vote[1]:
         return None, (too_little_room(need, free) if free is not None else
                       f"{SHM_DIR} on another rank of this node has too little room for the window")
-    return SharedExchange(local, mine, sizes[mine.index(cluster.rank)], watchdog), ""
+    return SharedExchange(local, mine, sizes[mine.index(cluster.rank)], dtype, watchdog), ""
 
 
 def too_little_room(need, free):
@@ -106,15 +106,17 @@ def too_little_room(need, free):
 
 class SharedExchange:
     """One node's window. ranks: the node's world ranks, in node-rank order
-    (the node communicator is split with key = world rank)."""
+    (the node communicator is split with key = world rank); floats: this
+    rank's part, in elements of dtype (the run's precision.params)."""
 
-    def __init__(self, local_comm, ranks, floats, watchdog=NO_WATCHDOG):
-        self.ranks = list(ranks)
+    def __init__(self, local_comm, ranks, floats, dtype, watchdog=NO_WATCHDOG):
+        self.ranks, self.dtype = list(ranks), np.dtype(dtype)
+        item = self.dtype.itemsize
         self.watchdog = watchdog
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")   # each rank's part page-aligned, on its own NUMA node
         with watchdog.waiting("shared-memory exchange: allocating the window", peer=self.ranks):
-            self.win = MPI.Win.Allocate_shared(max(1, floats) * FLOAT, FLOAT, info=info, comm=local_comm)
+            self.win = MPI.Win.Allocate_shared(max(1, floats) * item, item, info=info, comm=local_comm)
         info.Free()
         self.win.Lock_all(MPI.MODE_NOCHECK)    # one passive epoch for the whole run: Win_sync needs one
         self._parts = {}
@@ -123,10 +125,10 @@ class SharedExchange:
         return rank in self.ranks
 
     def part(self, rank):
-        """The whole segment of world rank `rank` (on this node), as float32."""
+        """The whole segment of world rank `rank` (on this node), as the window's dtype."""
         if rank not in self._parts:
             mem, _ = self.win.Shared_query(self.ranks.index(rank))
-            self._parts[rank] = np.frombuffer(mem, np.float32)
+            self._parts[rank] = np.frombuffer(mem, self.dtype)
         return self._parts[rank]
 
     def worker_grads(self, rank, num_params):
