@@ -214,6 +214,12 @@ class Sequential:
         run.backward(d, on_layer_done, combine=combine)
         return loss
 
+    def combine(self):
+        """Every tied tensor's gradient += its later uses' parts (self.extra),
+        after a step's micro-batches were summed apart (combine=False)."""
+        for i in range(len(self.layers) - 1, -1, -1):
+            self.run.combine(i, self.grads, self.extra)
+
     def evaluate(self, x, y, batch=128):
         """The loss's sums over x, y (nn/losses.py: {"loss": sum, "count",
         "correct"}, Python numbers), added batch by batch in order. x may be
