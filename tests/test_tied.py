@@ -1,0 +1,193 @@
+"""Tied tensors (nn/tied.py, pipeline/tied.py) and the Embedding
+(nn/embedding.py): finite differences in float64 through a tied
+embedding/head pair; bad ties refused at build with one line; a tied model
+(examples/tied_model.py) in ring mode on 2 ranks equal to one process over
+the same samples (SGD, within rounding), across a 2-stage cut equal to
+--accumulate-steps M on one rank bit for bit, the copies of the tied
+tensor bit-identical after training and the saved file holding it once.
+
+    .venv/bin/python -m pytest -q tests/test_tied.py
+"""
+import os
+
+import numpy as np
+import pytest
+
+from conftest import REPO, saved, same_bytes
+from hpctrain.nn import Dense, Embedding, Flatten, LayerError, ModelSpec, ReLU
+from hpctrain.nn.layers import LayerCodeError
+from test_layers import check_gradients, rel_error
+
+TIED = os.path.join(REPO, "examples", "tied_model.py")
+SHORT = ["--steps", "6", "--batch-size", "8", "--log-every", "3"]
+
+
+def ok(r):
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def tied_layers(vocab=10, dim=4):
+    emb = Embedding(vocab, dim)
+    return [emb, Flatten(), Dense(6), ReLU(), Dense(dim), Dense(vocab).tie("W", emb, "E", transposed=True)]
+
+
+def test_embedding_gradient_matches_finite_differences():
+    """The matrix's gradient (a token repeated in a sample adds up); the ids get none."""
+    layer, params, grads = check_gradients_of_embedding()
+    assert np.abs(grads).max() > 0
+
+
+def check_gradients_of_embedding():
+    from test_layers import bound
+    slot, params, grads = bound(Embedding(5, 3), (4,))
+    rng = np.random.default_rng(0)
+    x = np.array([[0, 1, 1, 4], [2, 2, 2, 3], [4, 0, 0, 0]])
+    r = rng.standard_normal((3, 4, 3))
+
+    def loss():
+        return float((slot.forward(x, True) * r).sum())
+    loss()
+    assert not np.abs(slot.backward(r.copy(), True)).any()
+    analytic = grads.copy()
+    numeric = np.empty(params.size)
+    for k in range(params.size):
+        old = params[k]
+        params[k] = old + 1e-6
+        up = loss()
+        params[k] = old - 1e-6
+        down = loss()
+        params[k] = old
+        numeric[k] = (up - down) / 2e-6
+    assert rel_error(numeric, analytic) < 1e-8
+    return slot, params, grads
+
+
+def test_embedding_takes_whole_numbers_as_floats_and_refuses_ids_out_of_range():
+    from test_layers import bound
+    slot, _, _ = bound(Embedding(5, 3), (2,))
+    assert np.array_equal(slot.forward(np.array([[1.0, 4.0]]), False), slot.forward(np.array([[1, 4]]), False))
+    with pytest.raises(LayerError, match=r"token id 5 is outside \[0, 5\)"):
+        slot.forward(np.array([[1, 5]]), False)
+    assert ModelSpec([Embedding(5, 3), Flatten(), Dense(5)], (2,), 5).input_kind == "tokens"
+
+
+def test_a_dense_with_a_tied_weight_passes_the_layer_gradient_check():
+    check_gradients(Dense(5), (7,))   # the head's own arithmetic, untied; tied below, in a spec
+
+
+def test_tied_pair_in_a_spec_matches_finite_differences_and_lies_once():
+    """Both uses' gradients summed into the one tensor: the whole model's
+    gradient against central differences, float64."""
+    spec = ModelSpec(tied_layers(), (5,), 10)
+    assert [name for name, *_ in spec.tensors] == ["layer0/E", "layer1/W", "layer1/b", "layer2/W", "layer2/b",
+                                                   "layer3/b"]
+    m = spec.build(dtype=np.float64)
+    m.init(3)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 10, (7, 5)), rng.integers(0, 10, 7)
+    m.forward_backward(x, y)
+    analytic = m.grads.copy()
+    numeric = np.empty(spec.num_params)
+    for k in range(spec.num_params):
+        old = m.params[k]
+        m.params[k] = old + 1e-6
+        up = float(m.forward_backward(x, y))
+        m.params[k] = old - 1e-6
+        down = float(m.forward_backward(x, y))
+        m.params[k] = old
+        numeric[k] = (up - down) / 2e-6
+    assert rel_error(numeric, analytic) < 1e-7
+    # the head's use alone would leave the embedding's rows of unseen tokens at 0
+    E = slice(0, 40)
+    assert rel_error(numeric[E], analytic[E]) < 1e-7
+
+
+def test_the_owners_range_is_reported_once_both_uses_are_in():
+    """on_layer_done for the embedding's range comes after the head's backward and carries the sum."""
+    spec = ModelSpec(tied_layers(), (5,), 10)
+    m = spec.build()
+    m.init(1)
+    x, y = np.random.default_rng(1).integers(0, 10, (4, 5)), np.arange(4)
+    seen = []
+    m.forward_backward(x, y, on_layer_done=lambda k: seen.append((k, m.grads[0:40].copy())))
+    assert [k for k, _ in seen] == [3, 2, 1, 0]
+    m.forward_backward(x, y, combine=False)
+    assert not np.array_equal(seen[-1][1], m.grads[0:40])   # the head's use alone
+    assert np.array_equal(seen[-1][1], m.grads[0:40] + m.extra)
+
+
+def _bad(layers, shape=(5,)):
+    with pytest.raises(LayerCodeError) as e:
+        ModelSpec(layers, shape, 10)
+    return str(e.value)
+
+
+def test_bad_ties_are_refused_with_one_line():
+    emb = Embedding(10, 4)
+    assert "the owner (Embedding(10, 4)) is not a layer of the model's list" in \
+        _bad([Embedding(10, 4), Flatten(), Dense(4), Dense(10).tie("W", emb, "E", transposed=True)])
+    emb = Embedding(10, 4)
+    assert "its 'W' is 4x10, layer 0's 'E' is 10x4" in \
+        _bad([emb, Flatten(), Dense(4), Dense(10).tie("W", emb, "E")])
+    emb = Embedding(10, 4)
+    assert "layer 0 has no tensor 'F' of its own (its tensors: E)" in \
+        _bad([emb, Flatten(), Dense(4), Dense(10).tie("W", emb, "F", transposed=True)])
+    emb = Embedding(10, 4)
+    assert "it has no tensor 'V'" in _bad([emb, Flatten(), Dense(4), Dense(10).tie("V", emb, "E")])
+    head = Dense(10)
+    assert "comes after it" in _bad([Flatten(), Dense(10).tie("W", head, "W"), head], shape=(2, 5))
+    head = Dense(10)
+    assert "to itself" in _bad([Flatten(), head.tie("b", head, "b")], shape=(2, 5))
+    emb = Embedding(10, 4)
+    assert "'W' is tied twice" in _bad([emb, Flatten(), Dense(4), Dense(10).tie("W", emb, "E", True)
+                                        .tie("W", emb, "E", True)])
+    # one layer object twice is still refused, and says how to share a tensor
+    d = Dense(10)
+    assert "tie it" in _bad([Flatten(), d, d], shape=(2, 5))
+
+
+@pytest.mark.parametrize("flags", [[], ["--optimizer", "adam", "--accumulate-steps", "2"]], ids=["sgd", "adam-acc2"])
+def test_tied_model_trains_in_ring_mode_and_two_ranks_equal_one(job, tmp_path, flags):
+    """Two ranks x 8 samples equal one process over 16 (SGD: within
+    rounding, as tests/test_averaging.py holds every model to); the saved
+    file holds the tied tensor once."""
+    model = ["--model", f"{TIED}:build", "--optimizer", "sgd", "--lr", "0.05", *SHORT]
+    if flags:
+        model = ["--model", f"{TIED}:build", *SHORT, *flags]
+    ok(job(2, *model, "--save", tmp_path / "two.h5"))
+    one = ["--batch-size", "16"] if not flags else ["--batch-size", "8", "--accumulate-steps", "4"]
+    ok(job(1, *[f for f in model if f not in ("--batch-size", "8", "--accumulate-steps", "2")], *one,
+           "--save", tmp_path / "one.h5"))
+    a, b = saved(tmp_path / "two.h5"), saved(tmp_path / "one.h5")
+    assert sorted(a) == ["layer0/E", "layer1/W", "layer1/b", "layer2/W", "layer2/b", "layer3/b"]
+    for name in a:
+        assert np.allclose(a[name], b[name], rtol=1e-4, atol=1e-5), name
+
+
+@pytest.mark.parametrize("ranks, micro, schedule", [(2, 3, "1f1b"), (2, 2, "gpipe"), (4, 2, "1f1b")],
+                         ids=["p2-1f1b", "p2-gpipe", "p2r2"])
+def test_a_cut_between_the_uses_equals_accumulation_and_keeps_the_copies_identical(job, tmp_path, ranks, micro,
+                                                                                 schedule):
+    """--pipeline-split 3 puts the embedding on stage 0 and the tied head on
+    stage 1: the parameters equal --accumulate-steps M on R ranks bit for
+    bit, and after training stage 1's copy of the embedding's matrix is
+    stage 0's, bit for bit (on every replica)."""
+    flags = ["--model", f"{TIED}:build", "--optimizer", "adam", *SHORT]
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    ok(job(ranks, *flags, "--pipeline-stages", 2, "--pipeline-split", 3, "--micro-batches", micro,
+           "--pipeline-schedule", schedule, "--save", tmp_path / "pipe.h5", module="tied_copies",
+           env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)), "TIED_COPIES": str(copies)}))
+    ok(job(ranks // 2, *flags, "--accumulate-steps", micro, "--save", tmp_path / "acc.h5"))
+    assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+    bits = {rank: np.load(copies / f"{rank}.npy") for rank in range(ranks)}
+    assert all(b.tobytes() == bits[0].tobytes() for b in bits.values()), {r: b.ravel()[:3] for r, b in bits.items()}
+    assert bits[0].tobytes() == saved(tmp_path / "acc.h5")["layer0/E"].astype(np.float32).tobytes()
+
+
+def test_virtual_stages_that_cut_a_tie_apart_are_one_line(job, tmp_path):
+    r = job(2, "--model", f"{TIED}:build", *SHORT, "--pipeline-stages", 2, "--pipeline-schedule", "interleaved",
+            "--virtual-stages", 2, "--micro-batches", 2, "--pipeline-split", "2,4,6")
+    assert r.returncode == 2, r.stderr
+    assert "the cut at layer 2 separates layer 6's tied 'W' from its owner, layer 1" in r.stderr, r.stderr
