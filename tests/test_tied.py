@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, saved, same_bytes
 from hpctrain.nn import Dense, Embedding, Flatten, LayerError, ModelSpec, ReLU
 from hpctrain.nn.layers import LayerCodeError
-from test_layers import check_gradients, rel_error
+from test_layers import bound, rel_error
 
 TIED = os.path.join(REPO, "examples", "tied_model.py")
 SHORT = ["--steps", "6", "--batch-size", "8", "--log-every", "3"]
@@ -33,17 +33,11 @@ def tied_layers(vocab=10, dim=4):
 
 
 def test_embedding_gradient_matches_finite_differences():
-    """The matrix's gradient (a token repeated in a sample adds up); the ids get none."""
-    layer, params, grads = check_gradients_of_embedding()
-    assert np.abs(grads).max() > 0
-
-
-def check_gradients_of_embedding():
-    from test_layers import bound
+    """The matrix's gradient against central differences (a token repeated
+    in a sample adds up); the ids get none."""
     slot, params, grads = bound(Embedding(5, 3), (4,))
-    rng = np.random.default_rng(0)
     x = np.array([[0, 1, 1, 4], [2, 2, 2, 3], [4, 0, 0, 0]])
-    r = rng.standard_normal((3, 4, 3))
+    r = np.random.default_rng(0).standard_normal((3, 4, 3))
 
     def loss():
         return float((slot.forward(x, True) * r).sum())
@@ -59,21 +53,15 @@ def check_gradients_of_embedding():
         down = loss()
         params[k] = old
         numeric[k] = (up - down) / 2e-6
-    assert rel_error(numeric, analytic) < 1e-8
-    return slot, params, grads
+    assert rel_error(numeric, analytic) < 1e-8 and np.abs(analytic).max() > 0
 
 
 def test_embedding_takes_whole_numbers_as_floats_and_refuses_ids_out_of_range():
-    from test_layers import bound
     slot, _, _ = bound(Embedding(5, 3), (2,))
     assert np.array_equal(slot.forward(np.array([[1.0, 4.0]]), False), slot.forward(np.array([[1, 4]]), False))
     with pytest.raises(LayerError, match=r"token id 5 is outside \[0, 5\)"):
         slot.forward(np.array([[1, 5]]), False)
     assert ModelSpec([Embedding(5, 3), Flatten(), Dense(5)], (2,), 5).input_kind == "tokens"
-
-
-def test_a_dense_with_a_tied_weight_passes_the_layer_gradient_check():
-    check_gradients(Dense(5), (7,))   # the head's own arithmetic, untied; tied below, in a spec
 
 
 def test_tied_pair_in_a_spec_matches_finite_differences_and_lies_once():
@@ -98,9 +86,6 @@ def test_tied_pair_in_a_spec_matches_finite_differences_and_lies_once():
         m.params[k] = old
         numeric[k] = (up - down) / 2e-6
     assert rel_error(numeric, analytic) < 1e-7
-    # the head's use alone would leave the embedding's rows of unseen tokens at 0
-    E = slice(0, 40)
-    assert rel_error(numeric[E], analytic[E]) < 1e-7
 
 
 def test_the_owners_range_is_reported_once_both_uses_are_in():
@@ -147,22 +132,23 @@ def test_bad_ties_are_refused_with_one_line():
     assert "tie it" in _bad([Flatten(), d, d], shape=(2, 5))
 
 
-@pytest.mark.parametrize("flags", [[], ["--optimizer", "adam", "--accumulate-steps", "2"]], ids=["sgd", "adam-acc2"])
-def test_tied_model_trains_in_ring_mode_and_two_ranks_equal_one(job, tmp_path, flags):
-    """Two ranks x 8 samples equal one process over 16 (SGD: within
-    rounding, as tests/test_averaging.py holds every model to); the saved
-    file holds the tied tensor once."""
-    model = ["--model", f"{TIED}:build", "--optimizer", "sgd", "--lr", "0.05", *SHORT]
-    if flags:
-        model = ["--model", f"{TIED}:build", *SHORT, *flags]
-    ok(job(2, *model, "--save", tmp_path / "two.h5"))
-    one = ["--batch-size", "16"] if not flags else ["--batch-size", "8", "--accumulate-steps", "4"]
-    ok(job(1, *[f for f in model if f not in ("--batch-size", "8", "--accumulate-steps", "2")], *one,
-           "--save", tmp_path / "one.h5"))
+@pytest.mark.parametrize("two, one", [
+    (["--batch-size", 8], ["--batch-size", 16]),
+    (["--batch-size", 8, "--accumulate-steps", 2], ["--batch-size", 8, "--accumulate-steps", 4]),
+], ids=["2x8=16", "2x8x2=8x4"])
+def test_tied_model_trains_in_ring_mode_and_two_ranks_equal_one(job, tmp_path, two, one):
+    """Two ranks equal one process over the same samples (SGD: within
+    float32 rounding: the embedding's gradient adds 784 positions a sample,
+    and the batch split changes the order), with
+    --accumulate-steps too (each use summed over the micro-batches apart);
+    the saved file holds the tied tensor once."""
+    flags = ["--model", f"{TIED}:build", "--optimizer", "sgd", "--lr", "0.05", "--steps", 6]
+    ok(job(2, *flags, *two, "--save", tmp_path / "two.h5"))
+    ok(job(1, *flags, *one, "--save", tmp_path / "one.h5"))
     a, b = saved(tmp_path / "two.h5"), saved(tmp_path / "one.h5")
     assert sorted(a) == ["layer0/E", "layer1/W", "layer1/b", "layer2/W", "layer2/b", "layer3/b"]
     for name in a:
-        assert np.allclose(a[name], b[name], rtol=1e-4, atol=1e-5), name
+        np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("ranks, micro, schedule", [(2, 3, "1f1b"), (2, 2, "gpipe"), (4, 2, "1f1b")],
