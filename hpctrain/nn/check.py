@@ -87,6 +87,11 @@ class _Probe:
         self.params, self.grads = np.zeros(_size(tensors), np.float32), np.zeros(_size(tensors), np.float32)
         self.state = np.zeros(_size(state), np.float32)
         self.pv, self.gv, self.sv = _views(tensors, self.params), _views(tensors, self.grads), _views(state, self.state)
+        for t in spec.ties:   # a tied tensor (nn/tied.py): buffers of its own here, filled like init's
+            if t.user == i:
+                shape = tuple(reversed(t.shape)) if t.transposed else t.shape
+                self.pv[t.name] = self.rng.standard_normal(shape).astype(np.float32)
+                self.gv[t.name] = np.zeros(shape, np.float32)
 
     def call(self, what, fn, *args):
         try:
