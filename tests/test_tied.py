@@ -9,6 +9,8 @@ tensor bit-identical after training and the saved file holding it once.
     .venv/bin/python -m pytest -q tests/test_tied.py
 """
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -177,3 +179,13 @@ def test_virtual_stages_that_cut_a_tie_apart_are_one_line(job, tmp_path):
             "--virtual-stages", 2, "--micro-batches", 2, "--pipeline-split", "2,4,6")
     assert r.returncode == 2, r.stderr
     assert "the cut at layer 2 separates layer 6's tied 'W' from its owner, layer 1" in r.stderr, r.stderr
+
+
+def test_the_spec_tool_checks_the_tied_model_layer_by_layer():
+    """python -m hpctrain.nn --check: the embedding on token ids, the head
+    with its tied weight as a tensor of its own, and the whole model."""
+    r = subprocess.run([sys.executable, "-m", "hpctrain.nn", "--model", f"{TIED}:build", "--check"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("passed: gradients within") == 7 and "model passed" in r.stdout, r.stdout
+    assert "W is layer 1's E transposed (tied)" in r.stdout
