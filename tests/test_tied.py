@@ -9,6 +9,7 @@ tensor bit-identical after training and the saved file holding it once.
     .venv/bin/python -m pytest -q tests/test_tied.py
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -189,3 +190,22 @@ def test_the_spec_tool_checks_the_tied_model_layer_by_layer():
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("passed: gradients within") == 7 and "model passed" in r.stdout, r.stdout
     assert "W is layer 1's E transposed (tied)" in r.stdout
+
+
+def test_a_resumed_cut_ends_with_the_bits_of_one_run_through(job, tmp_path):
+    """The checkpoint holds the tied tensor once (the owner's stage's slice);
+    on resume the head's stage takes its copy from it: the same bits as a
+    run through, and as a ring run resumed from the same file."""
+    flags = ["--model", f"{TIED}:build", "--batch-size", 8, "--log-every", 6, "--pipeline-stages", 2,
+             "--pipeline-split", 3, "--micro-batches", 2]
+    ok(job(2, *flags, "--steps", 8, "--save", tmp_path / "through.h5"))
+    ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 4]
+    ok(job(2, *flags, "--steps", 4, *ck))
+    shutil.copytree(tmp_path / "ck", tmp_path / "ck-ring")
+    r = ok(job(2, *flags, "--steps", 8, *ck, "--save", tmp_path / "resumed.h5"))
+    assert "resumed from" in r.stdout, r.stdout
+    assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
+    ring = ["--model", f"{TIED}:build", "--batch-size", 8, "--log-every", 6, "--accumulate-steps", 2]
+    ok(job(1, *ring, "--steps", 8, "--checkpoint-dir", tmp_path / "ck-ring", "--checkpoint-every", 4,
+           "--save", tmp_path / "ring.h5"))
+    assert same_bytes(tmp_path / "through.h5", tmp_path / "ring.h5")
