@@ -168,9 +168,6 @@ class RangeTies:
             self.groups.append(group)
         self.copy_size, self.extra_size = copies, extra
 
-    def __bool__(self):
-        return bool(self.groups)
-
     def home(self, group, buffer, extra, base):
         """The group's tensor (owner's shape) in `buffer` (params or grads at
         model offset `base`) or, for a copy, in `extra` (its copy's range there)."""
@@ -215,6 +212,9 @@ class RangeTies:
             at = entries[0][2]
             host = np.zeros(entries[-1][3] - at, copy_params.dtype)
             views = {name.split("/", 1)[1]: host[lo - at:hi - at].reshape(shape) for name, shape, lo, hi in entries}
+            for t in spec.ties:   # the owner's own tied tensors, if it reads another's: scratch, as init_views
+                if t.user == group.owner:
+                    views[t.name] = np.zeros(tuple(reversed(t.shape)) if t.transposed else t.shape, host.dtype)
             spec.layers[group.owner].init(np.random.default_rng([seed, group.owner]), views, host.dtype)
             tensor = views[group.tensor].reshape(-1)
             lo, hi = group.copy

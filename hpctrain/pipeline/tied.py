@@ -56,7 +56,8 @@ class TiedStages:
             if len(stages) == 1:
                 continue   # inside one stage: its runner sums the uses
             here = grid.stage in stages
-            comm = grid.pipe_comm.Split(0 if here else MPI.UNDEFINED, grid.stage)
+            with world.waiting("start-up (a tied tensor's communicator)", peer=None):
+                comm = grid.pipe_comm.Split(0 if here else MPI.UNDEFINED, grid.stage)
             if here:
                 self.spanning.append(_Spanning(ties[0], stages, comm, stage_of[owner]))
         run = chunk.model.run
