@@ -213,3 +213,16 @@ def test_a_resumed_cut_ends_with_the_bits_of_one_run_through(job, tmp_path):
     ok(job(1, *ring, "--steps", 8, "--checkpoint-dir", tmp_path / "ck-ring", "--checkpoint-every", 4,
            "--save", tmp_path / "ring.h5"))
     assert same_bytes(tmp_path / "through.h5", tmp_path / "ring.h5")
+
+
+def test_sync_ps_trains_the_tied_model_as_the_ring_does(job, tmp_path):
+    """A ps worker sums a tied tensor's uses over --accumulate-steps apart
+    too: its parameters are ring mode's within rounding (SGD)."""
+    flags = ["--model", f"{TIED}:build", "--optimizer", "sgd", "--lr", "0.05", "--steps", 6, "--batch-size", 8,
+             "--accumulate-steps", 2]
+    ok(job(3, "--mode", "ps", *flags, "--save", tmp_path / "ps.h5"))
+    ok(job(2, *flags, "--save", tmp_path / "ring.h5"))
+    a, b = saved(tmp_path / "ps.h5"), saved(tmp_path / "ring.h5")
+    assert set(a) == set(b)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5, err_msg=name)
