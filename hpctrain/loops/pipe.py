@@ -33,6 +33,7 @@ from ..pipeline.stage_compression import StageCompression
 from ..pipeline.grid import Grid
 from ..pipeline.stage import Stage
 from ..pipeline.stages import owned_pieces, stage_pieces
+from ..pipeline.tied import TiedStages
 from ..pipeline.trace import StageTrace
 from .frame import Frame
 
@@ -87,11 +88,17 @@ def train_pipe(world, plan, inputs, timeline):
         if compression is not None:
             pipeline_compression.restore(world, grid, compression, layouts, resume)
     frame.resumed(reader, restore)
+    # tied tensors across the cut (one chunk a stage: stages.cuts_for keeps them inside a chunk otherwise):
+    # the copies start as the owner's tensor, initialised or resumed
+    tied = TiedStages(world, grid, spec, cuts, chunks[0]) if virtual == 1 and spec.ties else None
+    if tied is not None:
+        tied.share_parameters()
 
     # --- training, then the end ----------------------------------------------
     engine = Engine(world, spec, grid, chunks, strategy, optimizers, actions, pieces, plan.data.batch_size,
                     plan.optimizer.clip_norm, plan.ring.fusion_elems,
-                    StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), compression=compression)
+                    StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), compression=compression,
+                    tied=tied)
     model = whole.Pipelined(world, plan, engine, layouts)   # what the frame evaluates and saves, stage by stage
     step, stopped = train_steps(world, frame, engine, layouts, reader, model)
     extra = {"workers": grid.replicas, "pipeline_stages": grid.stages,
@@ -101,6 +108,8 @@ def train_pipe(world, plan, inputs, timeline):
     record = frame.end(step, stopped and step < frame.steps, world.comm, model,
                        save=lambda at: whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at),
                        extra=extra, state_bytes=sum(state_bytes(o) for o in optimizers))
+    if tied is not None:
+        tied.free()
     return record
 
 

@@ -180,6 +180,7 @@ class Worker:
     clip: object
     acc: object        # the first K - 1 micro-batches' gradients (nn/accumulate.py), or None
     acc_loss: object
+    acc_extra: object  # their tied tensors' later uses' gradients (nn/tied.py), or None
     evaluated: object  # report/evaluated.WholeModel: what the chief evaluates and saves
 
 
@@ -214,11 +215,12 @@ def start_worker(world, plan, frame, comm, placement, shared, why_not):
         start_servers(client, frame.resume, model, state_names, cluster.num_workers)
     # async: each worker clips its own gradient (sync: the servers clip the aggregate)
     clip = Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm and not plan.ps.sync else None
-    acc = acc_loss = None
+    acc = acc_loss = acc_extra = None
     if plan.ring.accumulate_steps > 1:
         acc = Accumulation(xp.zeros(spec.num_params, model.grads.dtype))
         acc_loss = Accumulation(xp.zeros(1, model.grads.dtype))
-    return Worker(model, pm, gm, client, state_names, clip, acc, acc_loss, WholeModel(world, plan, model))
+        acc_extra = Accumulation(xp.zeros_like(model.extra))
+    return Worker(model, pm, gm, client, state_names, clip, acc, acc_loss, acc_extra, WholeModel(world, plan, model))
 
 
 def worker_steps(world, plan, frame, w, reader):
@@ -238,15 +240,19 @@ def worker_steps(world, plan, frame, w, reader):
                 if k > 1:
                     w.acc.restart()
                     w.acc_loss.restart()
-                    for _ in range(k - 1):
-                        w.acc_loss.add(model.forward_backward(x, y, noise=noise))
+                    w.acc_extra.restart()
+                    for _ in range(k - 1):   # a tied tensor's uses summed apart (nn/tied.py), as ring mode does
+                        w.acc_loss.add(model.forward_backward(x, y, noise=noise, combine=False))
                         w.acc.add(model.grads)
+                        w.acc_extra.add(model.extra)
                         x, y, noise = frame.batch(reader)
                 forward_done, layer_done = tl.model_hooks(t0, None)
                 loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
-                                              noise=noise)
+                                              noise=noise, combine=k == 1)
                 if k > 1:   # the push is the mean gradient (and loss) of the K
                     w.acc.into(model.grads)
+                    w.acc_extra.into(model.extra)
+                    model.combine()
                     model.grads *= 1.0 / k
                     w.acc_loss.add(loss)
                     loss = w.acc_loss.mean()[0]

@@ -92,7 +92,7 @@ def train_steps(world, frame, ring, reader, evaluated):
                     x, y, noise = frame.batch(reader)
             forward_done, layer_done = timeline.model_hooks(t0, ring.layer_done, ring.forward_done)
             model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
-                                   loss_out=ring.loss_out, noise=noise)
+                                   loss_out=ring.loss_out, noise=noise, combine=ring.combine)
             t1 = time.perf_counter()
             with timeline.span("wait for gradients", cat="comm"):
                 fused.wait()

@@ -15,7 +15,7 @@ ones before it:
 
 Per step the loop calls `begin(lr, stop)`, the model's
 `forward_backward(..., on_layer_done=step.layer_done, loss_out=step.loss_out,
-on_forward_done=step.forward_done)`, `step.fused.wait()`, then reads
+on_forward_done=step.forward_done, combine=step.combine)`, `step.fused.wait()`, then reads
 `summed()`: the loss summed over the ranks and whether any rank asked to
 stop, the same bits everywhere.
 
@@ -121,17 +121,22 @@ class RingStep:
             overlap=overlap, timeline=timeline, watchdog=watchdog,
             gather=self.param_wire.buffer if sharded else None, exchange=self.exchange)
         self.layer_done, self.loss_out, self.forward_done = self.fused.layer_done, self.wire.loss, None
+        # the model sums a tied tensor's uses itself, but for accumulated steps: layer_done does
+        self.combine = self.accumulate_steps == 1
         if self.accumulate_steps > 1:
             # the first K - 1 micro-batches' gradients and losses (nn/accumulate.py)
             self.acc = Accumulation(xp.zeros(n, self.wire.dtype))
+            # a tied tensor's later uses, summed apart and combined at the end (nn/tied.py)
+            self.acc_extra = Accumulation(xp.zeros_like(self.model.extra))
             self.acc_loss, self.loss_out = Accumulation(xp.zeros(1, self.wire.dtype)), xp.zeros(1, self.wire.dtype)
             self.layer_done, self.forward_done = self._layer_done_accumulated, self._forward_done_accumulated
 
     def accumulate(self, x, y, noise=None):
         """One of a step's first K - 1 micro-batches: its gradient and loss
         added up here, nothing exchanged."""
-        loss = self.model.forward_backward(x, y, noise=noise)
+        loss = self.model.forward_backward(x, y, noise=noise, combine=False)
         self.acc.add(self.model.grads)
+        self.acc_extra.add(self.model.extra)
         self.acc_loss.add(loss)
 
     def _forward_done_accumulated(self):
@@ -140,8 +145,15 @@ class RingStep:
         self.wire.loss[...] = self.acc_loss.mean()
 
     def _layer_done_accumulated(self, k):
-        lo, hi = self.model.layer_ranges[k]
-        self.acc.into(self.model.grads, lo, hi)
+        model = self.model
+        lo, hi = model.layer_ranges[k]
+        self.acc.into(model.grads, lo, hi)
+        # the last micro-batch ran with combine=False: a tied tensor owned here
+        # gets its uses' sums over the step, then their sum (nn/tied.py)
+        i = model.spec.param_layers[k]
+        for group in model.run.ties.done_by(i):
+            self.acc_extra.into(model.extra, *model.run.ties.extra_range(group))
+        model.run.combine(i, model.grads, model.extra)
         self.fused.layer_done(k)
 
     def begin(self, lr, stop, step=0):
@@ -153,6 +165,7 @@ class RingStep:
         self.optimizer.begin(lr, self.grad_scale)
         if self.accumulate_steps > 1:
             self.acc.restart()
+            self.acc_extra.restart()
             self.acc_loss.restart()
 
     @property

@@ -1,12 +1,13 @@
 """The model contract and everything behind it: layers (layers.py: what a
 layer must provide), a spec of the model's tensors and buffers (spec.py),
 the layer list that runs over them (sequential.py), the loss that scores
-its output (losses.py), and the models known
+its output (losses.py), tensors shared by layers (tied.py), and the models known
 by name (zoo.py). Never imports MPI.
 
     python -m hpctrain.nn               # the MLP's layers, shapes and buffer layout
 """
 from .conv import Channels, Conv2d
+from .embedding import Embedding
 from .pool import AvgPool2d, GlobalAvgPool, MaxPool2d
 from .layers import Context, Dense, Dropout, Flatten, Layer, LayerError, Noise, ReLU
 from .losses import ClassCrossEntropy, Loss
@@ -16,5 +17,5 @@ from .spec import ModelSpec
 from .zoo import MNIST_CLASSES, MNIST_SHAPE, MODELS, cnn, lenet, mlp, resnet, small_cnn, spec_for
 
 __all__ = ["AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Channels", "ClassCrossEntropy", "Conv2d", "Dense",
-           "Dropout", "Flatten", "Loss", "Context", "GlobalAvgPool", "Layer", "LayerError", "MNIST_CLASSES", "MNIST_SHAPE", "MODELS", "MaxPool2d",
+           "Dropout", "Embedding", "Flatten", "Loss", "Context", "GlobalAvgPool", "Layer", "LayerError", "MNIST_CLASSES", "MNIST_SHAPE", "MODELS", "MaxPool2d",
            "ModelSpec", "Noise", "ReLU", "Residual", "cnn", "lenet", "mlp", "resnet", "small_cnn", "spec_for"]

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..arguments import Parser, positive_ints
 from ..errors import HpctrainError
-from .check import check_layer
+from .check import check_layer, sample_inputs, takes_tokens
 from .layers import LayerCodeError, LayerError, Noise, describe
 from .user import UserModelError
 from .zoo import MODELS, mlp, spec_for
@@ -94,6 +94,13 @@ def _float64_layer(spec, i):
     from .check import _views, _size
     layer = copy.deepcopy(spec.layers[i])
     tensors, state = spec.layer_tensors[i], spec.layer_state[i]
+    # its tied tensors (nn/tied.py) as tensors of its own after them, checked like them
+    at = _size(tensors) + (tensors[0][2] if tensors else 0)
+    for t in spec.ties:
+        if t.user == i:
+            shape = tuple(reversed(t.shape)) if t.transposed else t.shape
+            tensors = [*tensors, (f"tied/{t.name}", shape, at, at + t.hi - t.lo)]
+            at += t.hi - t.lo
     params, grads = np.zeros(_size(tensors)), np.zeros(_size(tensors))
     states = np.zeros(_size(state))
     layer.init(np.random.default_rng(1), _views(tensors, params), np.float64)
@@ -107,7 +114,7 @@ def check_gradients(spec, i, rng, picks=24):
     (loss = sum(y * R), float64) against central differences."""
     layer, ctx, params, grads = _float64_layer(spec, i)
     in_shape = spec.input_shape if i == 0 else spec.shapes[i - 1]
-    x = rng.standard_normal((BATCH, *in_shape))
+    x = sample_inputs(layer, rng, (BATCH, *in_shape), np.float64)
     r = rng.standard_normal((BATCH, *spec.shapes[i]))
     noise = Noise(0, 0, np.arange(BATCH), stream=i)
 
@@ -136,7 +143,7 @@ def check_gradients(spec, i, rng, picks=24):
             params[k] = old
             numeric.append((up - down) / (2 * eps))
         worst = max(worst, _rel(analytic[ks], np.array(numeric)))
-    if dx is not None:
+    if dx is not None and not takes_tokens(layer):   # token ids get no gradient
         flat = x.reshape(-1)
         ks = rng.choice(flat.size, min(picks, flat.size), replace=False)
         numeric = []
@@ -157,7 +164,7 @@ def check_model(spec, rng, picks=32):
     the in-place rule's copies included) against central differences."""
     model = spec.build(dtype=np.float64)
     model.init(1)
-    x = rng.standard_normal((BATCH, *spec.input_shape))
+    x = sample_inputs(spec.layers[0], rng, (BATCH, *spec.input_shape), np.float64)
     y = rng.integers(0, spec.classes, BATCH)
     noise = (0, 0, np.arange(BATCH))
     model.forward_backward(x.copy(), y, noise=noise)

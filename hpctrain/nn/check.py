@@ -87,6 +87,11 @@ class _Probe:
         self.params, self.grads = np.zeros(_size(tensors), np.float32), np.zeros(_size(tensors), np.float32)
         self.state = np.zeros(_size(state), np.float32)
         self.pv, self.gv, self.sv = _views(tensors, self.params), _views(tensors, self.grads), _views(state, self.state)
+        for t in spec.ties:   # a tied tensor (nn/tied.py): buffers of its own here, filled like init's
+            if t.user == i:
+                shape = tuple(reversed(t.shape)) if t.transposed else t.shape
+                self.pv[t.name] = self.rng.standard_normal(shape).astype(np.float32)
+                self.gv[t.name] = np.zeros(shape, np.float32)
 
     def call(self, what, fn, *args):
         try:
@@ -152,6 +157,23 @@ class _Probe:
     def sample(self, shape):
         return self.rng.standard_normal((self.batch, *shape)).astype(np.float32)
 
+    def inputs(self):
+        """A batch of the layer's input (token ids where it takes tokens: sample_inputs)."""
+        return sample_inputs(self.layer, self.rng, (self.batch, *self.in_shape), np.float32)
+
+
+def takes_tokens(layer):
+    """Whether the layer takes token ids (an Embedding): no gradient reaches them."""
+    return getattr(layer, "input_kind", "image") == "tokens"
+
+
+def sample_inputs(layer, rng, shape, dtype):
+    """Random inputs of `shape` for a layer: standard normal values, or
+    whole-number ids below its `vocab` (2 without one) where it takes tokens."""
+    if takes_tokens(layer):
+        return rng.integers(0, int(getattr(layer, "vocab", 2)), shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
 
 _MISSING = object()
 
@@ -206,7 +228,7 @@ def check_layer(spec, i, seed=0):
     probe = _Probe(spec, i, seed)
     layer = probe.layer
     probe.start()
-    x = probe.sample(probe.in_shape)
+    x = probe.inputs()
     dy = probe.sample(probe.out_shape)
     before = x.copy()
     y = probe.forward(x)
@@ -238,7 +260,7 @@ def check_layer(spec, i, seed=0):
         if repeatable and not (_same(runs[2][0], runs[0][0]) and _same(runs[2][1], runs[0][1])):
             probe.refuse("declares keeps_output = False, but its backward reads its forward's output (an in-place "
                          "layer after it would overwrite that): remove the declaration")
-    probe.forward(probe.sample(probe.in_shape), train=False)
+    probe.forward(probe.inputs(), train=False)
 
 
 def check_layers(spec, seed=0):

@@ -13,6 +13,9 @@ class; a user's own layer subclasses it and overrides what it needs):
 2. `param_shapes()`: the trainable tensors, `[(name, shape), ...]`, in the
    order they sit in the flat buffer (`[]` for a layer without parameters:
    ReLU, pooling). Any number, any shapes: not one W and one b.
+   `layer.tie(name, owner, tensor, transposed)` makes one of them another
+   layer's tensor (an output head reading the embedding's matrix): it then
+   takes no room of its own and its gradient is summed (nn/tied.py).
    `state_shapes()`: non-trainable tensors (batch-norm running statistics),
    kept in a buffer of their own, outside the gradient.
 3. `init(rng, params, dtype)`: fill this layer's parameters (host NumPy
@@ -163,6 +166,7 @@ class Layer:
     keeps_output = True   # backward reads forward's output: an in-place layer after it gets a copy
     min_batch = 1         # the smallest batch a training forward makes sense of (BatchNorm1d: 2)
     input_kind = "image"  # what it takes as a model's first layer (nn/spec.INPUT_KINDS): the reader must give it
+    ties = ()             # (name, owner layer, its tensor, transposed): tensors read from another layer (tie)
 
     def configure(self, in_shape):
         self.in_shape = tuple(in_shape)
@@ -184,6 +188,14 @@ class Layer:
     def bind(self, xp, params, grads, state):
         self.xp, self.params, self.grads, self.state = xp, params, grads, state
         self._constants = {}
+
+    def tie(self, name, owner, tensor, transposed=False):
+        """Use `owner`'s tensor `tensor` (transposed=True: its 2-D transpose)
+        as this layer's tensor `name`: one tensor of the model, read by both
+        (nn/tied.py), e.g. `Dense(vocab).tie("W", embedding, "E",
+        transposed=True)`. Returns the layer. Checked when the spec is made."""
+        self.ties = (*self.ties, (name, owner, tensor, bool(transposed)))
+        return self
 
     def context(self):
         """A Context for one slot of calls (after bind)."""

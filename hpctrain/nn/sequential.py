@@ -18,6 +18,7 @@ import numpy as np
 from .chain import Chain
 from .layers import Context, Noise
 from .losses import add_sums
+from .tied import RangeTies
 
 
 # How initial parameters are drawn: 1, one generator of --seed for every
@@ -51,10 +52,21 @@ class LayerRange:
 
     def __init__(self, spec, a, b, xp, store, slots=1, keep_input=False):
         self.spec, self.a, self.b, self.xp, self.store = spec, a, b, xp, store
+        self.base = store.base
         self.layers = copy.deepcopy(spec.layers[a:b])   # every build its own: two models of a spec share nothing
+        # tied tensors (nn/tied.py): a copy of those owned before the range, the
+        # later writers' parts; empty without ties. A reader's tied views are
+        # rebound onto the owner's range of the share (or the copy): a store
+        # that moves parameters (tests/test_store.py) sees ties as the plain one.
+        params, grads = store.params, store.grads
+        self.ties = RangeTies(spec, a, b)
+        self.copies = xp.zeros(self.ties.copy_size, params.dtype)
+        self.extra = xp.zeros(self.ties.extra_size, params.dtype)
         for i, layer in zip(range(a, b), self.layers):
-            layer.bind(xp, *store.views(i))
-        self.state = store.state
+            pv, gv, sv = store.views(i)
+            self.ties.bind_views(i, params, grads, pv, gv, self.copies, self.extra, self.base[0])
+            layer.bind(xp, pv, gv, sv)
+        self.state, self.grads = store.state, grads
         # the range's input is its own (the batch, or a received buffer) unless it is kept for a recompute
         self.chain = Chain(self.layers, xp, input_kept=keep_input)
         self.slots = [self.chain.context() for _ in range(slots)]
@@ -81,10 +93,12 @@ class LayerRange:
         host = np.zeros(params.size, params.dtype) if self.xp is not np else params
         host[...] = 0
         for i, layer in zip(range(self.a, self.b), self.layers):
-            layer.init(np.random.default_rng([seed, i]), self.spec.views(host, i, base=base), host.dtype)
+            views = self.ties.init_views(i, self.spec.views(host, i, base=base), host.dtype)
+            layer.init(np.random.default_rng([seed, i]), views, host.dtype)
             layer.init_state(self.spec.views(state, i, of="state", base=state_base))
         if host is not params:
             params[...] = self.xp.asarray(host)
+        self.ties.init_copies(self.spec, seed, self.copies, self.xp)
 
     def set_noise(self, noise, slot=0):
         """`noise=(seed, step, sample_ids)`, or None, for the slot's next
@@ -113,24 +127,36 @@ class LayerRange:
         """The loss's evaluation sums of one batch (nn/losses.py)."""
         return self.loss.sums(self.loss_slots[0], logits, targets)
 
-    def backward(self, d, on_layer_done=None, slot=0):
+    def backward(self, d, on_layer_done=None, slot=0, combine=True):
         """Backprop d (the gradient of the range's output) through the range,
         last layer first, from the slot's activations, writing each layer's
-        parameter gradients; as soon as layer i's gradient is final, tells
-        the store (grads_done(i, i + 1)), then calls on_layer_done(k), k its
-        index in layer_ranges. Returns the gradient of the range's input, or
-        None where no layer before it has parameters (the model's first
-        range)."""
+        parameter gradients. A tied tensor's later writers write parts of
+        their own (self.extra), added into its gradient once its last writer
+        is done (combine=False: left apart, for a caller that sums
+        micro-batches first and then calls `combine`). As soon as layer i's
+        gradient is final, tells the store (grads_done(i, i + 1)), then calls
+        on_layer_done(k), k its index in layer_ranges. Returns the gradient of
+        the range's input, or None where no layer before it has parameters
+        (the model's first range)."""
         inner, store = self.slots[slot].inner, self.store
         store.before_backward(self.a, self.b)
         for i in range(self.b - 1, max(self.a, self.first) - 1, -1):
             d = self.layers[i - self.a].backward(inner[i - self.a], d, need_dx=i > self.first)
+            if combine:
+                self.combine(i, self.grads, self.extra)
             if i in self.owner:
                 store.grads_done(i, i + 1)
                 if on_layer_done is not None:
                     on_layer_done(self.owner[i])
         self._inputs[slot] = None
         return d if self.a > self.first else None
+
+    def combine(self, i, grads, extra):
+        """The tied tensors whose last writer is layer i: each one's gradient
+        in `grads` (the range's layout) += its parts in `extra`, in backprop
+        order (nn/tied.py)."""
+        for group in self.ties.done_by(i):
+            self.ties.combine(group, grads, extra, self.base[0])
 
     def drop(self, slot):
         """Forget the slot's activations after its training forward (its
@@ -168,6 +194,7 @@ class Sequential:
         self.run = LayerRange(spec, 0, len(spec.layers), xp, store)
         self.ctx = self.run.slots[0]   # the one slot: each layer's context in .inner, in list order
         self.layers, self.loss, self.chain = self.run.layers, self.run.loss, self.run.chain
+        self.extra = self.run.extra   # tied tensors' later uses' gradients (nn/tied.py); empty without ties
 
     def init(self, seed):
         """Every layer's initial parameters from (seed, its index) (LayerRange.init)."""
@@ -185,7 +212,8 @@ class Sequential:
         """(name, view) of each non-trainable tensor (batch-norm statistics)."""
         return [(name, self.state[lo:hi].reshape(shape)) for name, shape, lo, hi in self.spec.state]
 
-    def forward_backward(self, x, y, on_layer_done=None, loss_out=None, on_forward_done=None, noise=None):
+    def forward_backward(self, x, y, on_layer_done=None, loss_out=None, on_forward_done=None, noise=None,
+                         combine=True):
         """The model's mean loss over the batch, x scored against the targets
         y (an xp scalar); writes the gradient of that mean into self.grads. `on_layer_done(k)` is called as soon as
         layer_ranges[k]'s gradient is final (last first); `loss_out` (a 1-element
@@ -193,7 +221,8 @@ class Sequential:
         called then too (for timelines). `noise=(seed, step, sample_ids)`, one id
         per row of x (its position in the epoch), is what layers drawing
         randomness (Dropout) need: their draws depend on it alone, never on how
-        the rows are split over ranks."""
+        the rows are split over ranks. combine=False: a tied tensor's later
+        uses' gradients are left apart in self.extra (LayerRange.backward)."""
         run = self.run
         run.set_noise(noise)
         loss, d = run.loss_forward_backward(run.forward(x, True), y)
@@ -201,8 +230,14 @@ class Sequential:
             loss_out[...] = loss
         if on_forward_done is not None:
             on_forward_done()
-        run.backward(d, on_layer_done)
+        run.backward(d, on_layer_done, combine=combine)
         return loss
+
+    def combine(self):
+        """Every tied tensor's gradient += its later uses' parts (self.extra),
+        after a step's micro-batches were summed apart (combine=False)."""
+        for i in range(len(self.layers) - 1, -1, -1):
+            self.run.combine(i, self.grads, self.extra)
 
     def evaluate(self, x, y, batch=128):
         """The loss's sums over x, y (nn/losses.py: {"loss": sum, "count",

@@ -22,7 +22,8 @@ or fresh ones, through the plain parameter store (nn/store.py).
 Layout: layers in order, layer 0 first; within a layer its tensors in
 `param_shapes()` order. Backprop finishes the last layer first, so the
 finished part of the gradient grows from the end of the buffer towards its
-start, which is what bucket fusion relies on. Names are `layer{k}/{tensor}`,
+start, which is what bucket fusion relies on. A tied tensor (nn/tied.py)
+lies once, in the layer that owns it (`ties`). Names are `layer{k}/{tensor}`,
 k counting the layers that hold tensors (the MLP's `layer0/W`, `layer0/b`,
 ..., the `--save` file's datasets). Non-trainable state (batch-norm
 statistics) is laid out the same way in a buffer of its own.
@@ -40,6 +41,7 @@ from .layers import Dropout, LayerCodeError, LayerError, describe
 from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
 from .store import PlainStore
+from .tied import declared, resolve
 
 
 def _call(i, layer, what, fn, *args):
@@ -126,7 +128,8 @@ def _reused(layers):
         if first != where:
             raise LayerCodeError(f"{where} ({describe(layer)}) is the same object as {first}: every place in the "
                              f"list needs a layer of its own (make a new one, e.g. {type(layer).__name__}(...), "
-                             f"for each); tied weights are not supported")
+                             f"for each); to share a tensor between layers, tie it: layer.tie(name, owner, tensor) "
+                             f"(docs/models.md)")
         for prefix, inner in getattr(layer, "inner", ()):
             walk(inner, f"{where}.{prefix}")
     for i, layer in enumerate(layers):
@@ -168,11 +171,16 @@ class ModelSpec:
         _call_loss(self.loss, "check", self.loss.check, shape, self.classes)
         self.layer_tensors, self.layer_state = [], []   # per layer: [(name, shape, lo, hi)]
         self.tensors, self.state = [], []
-        self.param_layers = []   # indices of the layers with parameters
+        self.param_layers = []   # indices of the layers with parameters (of their own, laid out)
+        self.ties = []   # nn/tied.Tie: a layer's tensor that is an earlier layer's
+        ties = declared(self.layers)
         n = s = k = 0
         for i, layer in enumerate(self.layers):
             taken = set()
             params = _tensors(i, layer, "param_shapes()", _call(i, layer, "param_shapes", layer.param_shapes), taken)
+            if i in ties:   # a tied tensor takes no room: it is its owner's
+                params, mine = resolve(i, layer, params, ties[i], lambda j: self.layer_tensors[j])
+                self.ties.extend(mine)
             state = _tensors(i, layer, "state_shapes()", _call(i, layer, "state_shapes", layer.state_shapes), taken)
             n = self._lay(params, k, n, self.layer_tensors, self.tensors)
             s = self._lay(state, k, s, self.layer_state, self.state)
@@ -213,6 +221,7 @@ class ModelSpec:
         if self.name == "mlp":
             return "mlp"
         text = ";".join(f"{describe(layer)}:{shape}" for layer, shape in zip(self.layers, self.shapes))
+        text += "".join(f";tie {t.user}.{t.name}={t.owner}.{t.tensor}{'T' if t.transposed else ''}" for t in self.ties)
         digest = hashlib.sha256(f"{self.input_shape};{text}".encode()).hexdigest()[:12]
         name = self.name.replace(os.sep, "/").rsplit("/", 1)[-1]   # a user's FILE.py:FUNCTION, without its folder
         return f"{name[-40:]} {digest}"   # within the 64-byte records ranks compare
@@ -281,6 +290,8 @@ class ModelSpec:
         for i, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
             count = sum(hi - lo for _, _, lo, hi in self.layer_tensors[i])
             lines.append(f"  {i:>3} {layer.describe():<28} -> {'x'.join(map(str, shape)):<14} {count:>12,}")
+            lines.extend(f"        {t.name} is layer {t.owner}'s {t.tensor}{' transposed' if t.transposed else ''} "
+                         f"(tied)" for t in self.ties if t.user == i)
         lines.append(f"  {self.num_params:,} parameters ({self.num_params * 4:,} bytes)"
                      + (f", {self.num_state:,} non-trainable" if self.num_state else ""))
         return lines

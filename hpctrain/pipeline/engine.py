@@ -78,7 +78,9 @@ class Engine:
     --timeline spans (trace.StageTrace); compression: the stage's
     pipeline/stage_compression.StageCompression or None (--compression: the
     pieces through its exchange instead of the strategy; one chunk a stage
-    only, stages.cuts_for refuses it with --virtual-stages V > 1).
+    only, stages.cuts_for refuses it with --virtual-stages V > 1); tied:
+    pipeline/tied.TiedStages (tied tensors across the cut: their gradients
+    summed before the average, the owner's tensor shared after the update) or None.
 
     Messages: chunk c's activations go to chunk c + 1 (stage (s + 1) mod P),
     its input gradients to chunk c - 1 (stage (s - 1) mod P), on the pipe
@@ -87,7 +89,8 @@ class Engine:
     stages that trade both ways (P = 2) never confuse two messages."""
 
     def __init__(self, world, spec, grid, chunks, strategy, optimizers, actions, pieces, batch, clip_norm,
-                 fusion_elems, trace, compression=None):
+                 fusion_elems, trace, compression=None, tied=None):
+        self.tied = tied   # pipeline/tied.TiedStages: tied tensors across the cut, or None
         self.world, self.grid, self.chunks, self.strategy, self.optimizers = world, grid, chunks, strategy, optimizers
         self.compression = compression
         self.exchange = compression.exchange if compression is not None else None
@@ -191,7 +194,15 @@ class Engine:
         self._step = None
         self.schedule_done = time.perf_counter()   # the rest: the replicas' average, the update, [loss, stop]
         trace.add("schedule", start, self.schedule_done)
+        for chunk in self.chunks:
+            chunk.combine_tied()
+        if self.tied is not None:
+            with trace.span("tied gradients"):
+                self.tied.sum_gradients()
         self._update()
+        if self.tied is not None:
+            with trace.span("tied parameters"):
+                self.tied.share_parameters()
         # ring mode's float32 sums (nn/accumulate.py): the losses added in order, times 1/M
         self.head[0] = float(self.losses.mean()[0]) if self.grid.last else 0.0
         self.head[1] = 1.0 if self.world.stop.received else 0.0

@@ -82,7 +82,7 @@ def cut_points(args, spec):
         raise HpctrainError(f"--pipeline-stages {stages}: the model has {with_params} layers with parameters, "
                             f"one stage needs at least one")
     if not args.pipeline_split:
-        return balanced(spec, chunks)
+        return tied_in_chunks(balanced(spec, chunks), spec, virtual)
     inner = [int(t) for t in args.pipeline_split.split(",")]
     if len(inner) != chunks - 1:
         what = f"{stages} stages x {virtual} virtual stages = {chunks} chunks" if virtual > 1 else f"{stages} stages"
@@ -99,6 +99,22 @@ def cut_points(args, spec):
             what = f"chunk {s} (stage {s % stages}'s chunk {s // stages}, " if virtual > 1 else f"stage {s} ("
             raise HpctrainError(f"--pipeline-split {args.pipeline_split}: {what}layers {a}..{b - 1}) "
                                 f"has no layer with parameters")
+    return tied_in_chunks(cuts, spec, virtual)
+
+
+def tied_in_chunks(cuts, spec, virtual):
+    """cuts, or HpctrainError where --virtual-stages V > 1 cuts a tied
+    tensor's uses apart (pipeline/tied.py sums them across stages with one
+    chunk a stage only)."""
+    if virtual == 1:
+        return cuts
+    for t in spec.ties:
+        apart = [c for c in cuts[1:-1] if t.owner < c <= t.user]
+        if apart:
+            raise HpctrainError(f"--virtual-stages {virtual}: the cut at layer {apart[0]} separates layer {t.user}'s "
+                                f"tied {t.name!r} from its owner, layer {t.owner}; across chunks a tied tensor "
+                                f"needs one chunk a stage (--virtual-stages 1, or --pipeline-split keeping them "
+                                f"together)")
     return cuts
 
 

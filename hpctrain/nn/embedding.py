@@ -1,0 +1,76 @@
+"""Token layers: `Embedding`, integer token ids in, vectors out (its matrix
+E, vocab x dim, row t the vector of token t), the first layer of a model
+whose input kind is "tokens" (nn/spec.py INPUT_KINDS: the reader gives
+integer ids). Its matrix is the tensor a language model's output head
+reads again, transposed (`Dense(vocab).tie("W", embedding, "E",
+transposed=True)`, nn/tied.py).
+
+    python -m pytest -q tests/test_tied.py -k embedding
+"""
+import math
+
+import numpy as np
+
+from .layers import Layer, LayerError
+
+
+class Embedding(Layer):
+    """(batch, *shape) token ids -> (batch, *shape, dim): row x of E for each
+    id x. The ids may come as integers (a token reader) or as floats holding
+    whole numbers (a layer before it that makes tokens, a pipeline stage's
+    received activations); an id outside [0, vocab) is one line.
+    Normal(0, 1/dim) weights (the scale nanoGPT's std 0.02 gives at dim
+    ~2500; here the logits of a tied head start near unit variance). No
+    gradient reaches the ids: its input gradient is zeros."""
+    input_kind = "tokens"
+    keeps_output = False   # its backward reads the ids, not its output
+
+    def __init__(self, vocab, dim):
+        self.vocab, self.dim = int(vocab), int(dim)
+        if self.vocab < 1 or self.dim < 1:
+            raise LayerError(f"Embedding({vocab}, {dim}): the vocabulary and the width must be at least 1")
+
+    def configure(self, in_shape):
+        super().configure(in_shape)
+        self.out_shape = (*self.in_shape, self.dim)
+        return self.out_shape
+
+    def param_shapes(self):
+        return [("E", (self.vocab, self.dim))]
+
+    def init(self, rng, params, dtype):
+        E = rng.standard_normal(self.vocab * self.dim, dtype=np.float64 if dtype == np.float64 else np.float32)
+        E *= np.sqrt(1.0 / self.dim)
+        params["E"][...] = E.astype(dtype, copy=False).reshape(self.vocab, self.dim)
+
+    def forward(self, ctx, x, train):
+        xp = self.xp
+        ids = ctx.buffer("ids", x.shape, np.intp)
+        ids[...] = x   # whole numbers as floats: exact below 2**24
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.vocab:
+            raise LayerError(f"{self.describe()}: token id {low if low < 0 else high} is outside [0, {self.vocab})")
+        y = ctx.buffer(("out", train), (*x.shape, self.dim), self.params["E"].dtype)
+        xp.take(self.params["E"], ids.reshape(-1), axis=0, out=y.reshape(-1, self.dim))
+        ctx.ids = ids
+        return y
+
+    def backward(self, ctx, dy, need_dx):
+        # each id's row gets the sum of its positions' gradients, in the
+        # order of the positions (np.add.at: unbuffered, one add at a time)
+        dE = self.grads["E"]
+        dE[...] = 0
+        self.xp.add.at(dE, ctx.ids.reshape(-1), dy.reshape(-1, self.dim))
+        if not need_dx:
+            return None
+        return self.xp.zeros(ctx.ids.shape, dy.dtype)
+
+    def train_floats(self):
+        # its output and the gradient handed back (the ids: one word a position)
+        return 2 * math.prod(self.out_shape) + math.prod(self.in_shape)
+
+    def flops(self):
+        return math.prod(self.out_shape)   # a copy of each row
+
+    def describe(self):
+        return f"Embedding({self.vocab}, {self.dim})"

@@ -1,0 +1,113 @@
+"""Tied tensors across a pipeline's cut (nn/tied.py): where the cut puts a
+tied tensor's owner (the embedding, say) and a user (the output head) on
+different stages, the user's stage holds a copy of the tensor, and every
+step, after the micro-batches and before the replicas' average:
+
+1. each user stage's rank hands its copy's gradient (its uses' sums over
+   the micro-batches, nn/tied.py) to the owner's stage rank of the same
+   replica, which adds them, the last stage's first, into the tensor's
+   gradient: the sum one rank takes over the same uses (so a pipeline
+   still ends with --accumulate-steps M's bits, for a tensor used by two
+   layers; with more uses over more stages the sums' order differs);
+2. the owner's stage averages and updates it with the rest of its slice,
+   as ring mode does (the one copy in the checkpoint, the optimizer state,
+   the clip norm's count);
+3. the owner's stage rank hands the updated tensor to the users' stages:
+   the copies are the owner's bits, whatever the optimizer or sharding.
+
+One communicator per tied tensor that spans stages: the stages that use it,
+of one replica (a Split of the grid's pipe communicator, made once; the
+owner's stage, the first, is rank 0 there). With --virtual-stages V > 1 a
+tied tensor must stay inside one chunk (stages.cuts_for refuses a cut
+across it).
+
+    mpirun -n 2 python -m hpctrain.mnist --model examples/tied_model.py:build --pipeline-stages 2
+"""
+import numpy as np
+from mpi4py import MPI
+
+from .. import device
+
+
+class _Spanning:
+    """One tied tensor spanning stages, as this rank sees it."""
+
+    def __init__(self, tie, stages, comm, owner_stage):
+        self.key, self.lo, self.hi = (tie.owner, tie.tensor), tie.lo, tie.hi   # the owner's tensor in the model
+        self.stages, self.comm = stages, comm
+        self.owner_here = comm.Get_rank() == 0
+        self.owner_stage = owner_stage
+
+
+class TiedStages:
+    """The tied tensors of the model that span stages, and their per-step
+    exchanges for this rank's stage (one chunk: `chunk`, a stage.Stage)."""
+
+    def __init__(self, world, grid, spec, cuts, chunk):
+        self.world, self.grid, self.chunk = world, grid, chunk
+        stage_of = {i: s for s, (a, b) in enumerate(zip(cuts, cuts[1:])) for i in range(a, b)}
+        by_tensor = {}
+        for t in spec.ties:
+            by_tensor.setdefault((t.owner, t.tensor), []).append(t)
+        self.spanning = []
+        for ties in by_tensor.values():   # every rank in the same order: a Split each
+            owner = ties[0].owner
+            stages = sorted({stage_of[t.user] for t in ties} | {stage_of[owner]})
+            if len(stages) == 1:
+                continue   # inside one stage: its runner sums the uses
+            here = grid.stage in stages
+            with world.waiting("start-up (a tied tensor's communicator)", peer=None):
+                comm = grid.pipe_comm.Split(0 if here else MPI.UNDEFINED, grid.stage)
+            if here:
+                self.spanning.append(_Spanning(ties[0], stages, comm, stage_of[owner]))
+        run = chunk.model.run
+        self._groups = {(g.owner, g.tensor): g for g in run.ties.groups}
+
+    def _tensor(self, span, of):
+        """The tensor of `span` in this stage's buffers: `of` "params" or
+        "grads" (the step's sums); the owner's slice, or the copy."""
+        chunk = self.chunk
+        if span.owner_here:
+            buffer = chunk.params if of == "params" else chunk.grads
+            return buffer[span.lo - chunk.lo:span.hi - chunk.lo]
+        group = self._groups[span.key]
+        if of == "params":
+            return chunk.model.run.copies[group.copy[0]:group.copy[1]]
+        return chunk.extra_sum.out[group.copy_extra[0]:group.copy_extra[1]]
+
+    def sum_gradients(self):
+        """Step 1: the users' stages' gradients into the owner's."""
+        xp = self.world.xp
+        device.synchronize(xp)
+        for span in self.spanning:
+            mine = self._tensor(span, "grads")
+            send = np.ascontiguousarray(device.to_host(mine), dtype=np.float32)
+            got = np.empty((len(span.stages), mine.size), np.float32) if span.owner_here else None
+            peer = None if span.owner_here else self.grid.world_rank(span.owner_stage)
+            with self.world.waiting("tied tensor's gradient to the owner's stage", peer=peer):
+                self.world.waits.one(span.comm.Igather(send, got, root=0))
+            if span.owner_here:
+                total = got[-1].copy()   # the last stage's uses first: backprop's order
+                for row in got[-2:0:-1]:
+                    total += row
+                mine += xp.asarray(total)
+
+    def share_parameters(self):
+        """Step 3 (and at the start, after initialisation or a resume): the
+        owner's tensor onto the copies."""
+        xp = self.world.xp
+        device.synchronize(xp)
+        for span in self.spanning:
+            tensor = self._tensor(span, "params")
+            host = np.ascontiguousarray(device.to_host(tensor), dtype=np.float32) if span.owner_here else \
+                np.empty(tensor.size, np.float32)
+            peer = None if span.owner_here else self.grid.world_rank(span.owner_stage)
+            with self.world.waiting("tied tensor from the owner's stage", peer=peer):
+                self.world.waits.one(span.comm.Ibcast(host, root=0))
+            if not span.owner_here:
+                tensor[...] = xp.asarray(host)
+
+    def free(self):
+        for span in self.spanning:
+            span.comm.Free()
+        self.spanning = []
