@@ -17,8 +17,6 @@ written a stage at a time (pipeline/whole.py).
 """
 import time
 
-import numpy as np
-
 from .. import device, prefetch
 from ..comm import make_allreduce
 from ..comm.device_buffers import bcast
@@ -59,8 +57,8 @@ def train_pipe(world, plan, inputs, timeline):
     # the stage's chunks (one, or V: local chunk k the model's chunk kP + s), each with as many model
     # copies as the schedule holds its micro-batches at once: its activation memory
     copies = sched.chunk_peaks(actions, virtual)
-    chunks = [Stage(spec, cuts, sched.chunk_index(stages, grid.stage, k), micro, xp, np.float32, copies=copies[k])
-              for k in range(virtual)]
+    chunks = [Stage(spec, cuts, sched.chunk_index(stages, grid.stage, k), micro, xp, plan.precision.params,
+                    copies=copies[k]) for k in range(virtual)]
     for chunk in chunks:
         initial_parameters(world, spec, grid, chunk, plan.data.seed)
     # --shard-optimizer (auto: ring mode's rule, over the stage's R replicas):

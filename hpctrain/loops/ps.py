@@ -199,8 +199,8 @@ def run_worker(world, plan, frame, comm, reader, placement, shared, why_not=""):
 def start_worker(world, plan, frame, comm, placement, shared, why_not):
     cluster, xp, spec = world.cluster, world.xp, plan.spec
     # In a shared-memory window, backprop writes the gradient where the servers read it.
-    model = spec.build(xp) if shared is None else \
-        spec.build(xp, grads=shared.worker_grads(cluster.rank, spec.num_params))
+    model = spec.build(xp, dtype=plan.precision.params) if shared is None else \
+        spec.build(xp, grads=shared.worker_grads(cluster.rank, spec.num_params), dtype=plan.precision.params)
     model.init(plan.data.seed)
     # What MPI reads and writes: the model's buffers (NumPy; GPU with a
     # CUDA-aware MPI: point-to-point, so no agreement between ranks is needed)

@@ -41,6 +41,7 @@ from .layers import Dropout, LayerCodeError, LayerError, describe
 from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
 from .store import PlainStore
+from ..precision import FLOAT32
 from .tied import declared, resolve
 
 
@@ -297,9 +298,10 @@ class ModelSpec:
         return lines
 
     # --- buffers --------------------------------------------------------------
-    def build(self, xp=np, params=None, grads=None, state=None, dtype=np.float32):
+    def build(self, xp=np, params=None, grads=None, state=None, dtype=FLOAT32.params):
         """The model over these flat buffers (each `num_params` long, contiguous,
-        of `dtype`; fresh zeros where not given). Each build has its own copy
+        of `dtype`, the run's precision.params (hpctrain/precision.py); fresh
+        zeros where not given). Each build has its own copy
         of the layers: two models of one spec share nothing."""
         dtype = np.dtype(dtype)
         params = xp.zeros(self.num_params, dtype) if params is None else params
