@@ -15,7 +15,6 @@ order (backup workers, async) are left out.
 import json
 import os
 import shutil
-import subprocess
 
 import h5py
 import numpy as np
@@ -23,6 +22,8 @@ import pytest
 
 from conftest import REPO
 from hpctrain import data
+from hpctrain.bench.against import extract
+from hpctrain.errors import HpctrainError
 
 # main before issue 42's restructure (layers that hold nothing between calls,
 # the loss in the spec, the mesh, the house in order): code moved, not
@@ -104,12 +105,10 @@ def pinned(tmp_path_factory):
     missing = pytest.fail if os.environ.get("HPCTRAIN_CI") else pytest.skip
     if shutil.which("git") is None or not os.path.exists(os.path.join(REPO, ".git")):
         missing("needs git and the repository's history (a git clone)")
-    where = tmp_path_factory.mktemp("pinned")
-    archive = subprocess.run(["git", "-C", REPO, "archive", PINNED, "hpctrain"], capture_output=True)
-    if archive.returncode:
-        missing(f"commit {PINNED} is not in this clone (a shallow clone?): {archive.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
-    return str(where)
+    try:
+        return extract(PINNED, tmp_path_factory.mktemp("pinned"), REPO)
+    except HpctrainError as e:
+        missing(str(e))
 
 
 @pytest.fixture(scope="module")
