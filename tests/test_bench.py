@@ -127,6 +127,25 @@ def test_bench_train_compare_two_settings_in_one_run():
     assert first["optimizer_ratio"] == 1.0 and second["optimizer_ratio"] > 0
 
 
+@pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".git")), reason="needs the repository's history")
+def test_bench_train_against_a_commit_runs_both_codes_interleaved():
+    out = json.loads(bench("train", "--ranks", "2", "--steps", "20", "--repeats", "1", "--against", "HEAD~1",
+                           "--json", "--", "--hidden", "32"))
+    old, new = out["rows"]
+    assert (old["code"], new["code"]) == ("HEAD~1", "this") and old["ranks"] == new["ranks"] == 2
+    assert new["x_commit"] == new["samples_per_s"] / old["samples_per_s"] > 0
+    assert new["ratio_min"] == new["ratio_max"] == pytest.approx(new["x_commit"])
+    table = bench("train", "--ranks", "1", "--steps", "20", "--repeats", "1", "--against", "HEAD", "--", "--hidden", "32")
+    assert "this/commit" in table and len(table.splitlines()) == 5, table
+
+
+def test_bench_train_against_no_such_commit_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "hpctrain.bench", "train", "--ranks", "1", "--against", "no-such-commit"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("hpctrain: error: --against no-such-commit: not a commit") and r.stderr.count("\n") == 1
+
+
 def test_bench_train_ps_versus_ring_in_one_run():
     out = json.loads(bench("train", "--mode", "ps", "--ranks", "3", "--steps", "30", "--repeats", "1",
                            "--versus-ring", "--json", "--", "--hidden", "64", "--num-ps", "1"))

@@ -1,11 +1,11 @@
 """Behaviour stays: a fixed set of runs gives bit-identical results with this
 code and with the code of a pinned commit, both run here, now, on this machine.
 
-The restructures of issues 9 and 20 moved code, not arithmetic; issue 13
-changed the order of the samples on purpose (each epoch's permutation dealt
-over the workers). Reference files made
-on one CPU do not carry to another (BLAS kernels differ), so the pinned
-commit's hpctrain/ is taken from git and run beside the current one. What
+The restructures of issues 9, 20, 28 and 42 moved code, not arithmetic;
+issues 13 and 29 changed the samples' order and the initial parameters on
+purpose (PINNED's comment). Reference files made on one CPU do not carry
+to another (BLAS kernels differ), so the pinned commit's hpctrain/ is taken
+from git and run beside the current one. What
 must match bit for bit: the --save parameters and the final record's
 test_accuracy, test_loss and steps. Runs whose result depends on arrival
 order (backup workers, async) are left out.
@@ -15,7 +15,6 @@ order (backup workers, async) are left out.
 import json
 import os
 import shutil
-import subprocess
 
 import h5py
 import numpy as np
@@ -23,18 +22,23 @@ import pytest
 
 from conftest import REPO
 from hpctrain import data
+from hpctrain.bench.against import extract
+from hpctrain.errors import HpctrainError
 
-# The commit that changed how initial parameters are drawn (issue 29: each
-# layer from (seed, its index), so a pipeline stage draws its own layers
-# alone): every run's numbers moved by design there; since, code moves, not
-# arithmetic. Before: 5258ba4 (main before issue 28's restructure, which
-# moved code only, checked against it), 652a37a (issue 20's restructure), and
-# 046779e, the commit that made an epoch one permutation dealt over the
-# workers (issue 13).
-PINNED = "a218478"
+# main before issue 42's restructure (layers that hold nothing between calls,
+# the loss in the spec, the mesh, the house in order): code moved, not
+# arithmetic, and the runs its "Done when" names (the CNNs, batch norm, a
+# CNN's pipeline by 1F1B and interleaved, the compressed wires) are here. The
+# arithmetic last moved by design at a218478 (issue 29: each layer's initial
+# parameters from (seed, its index)); before it the pins were 5258ba4 (issue
+# 28's restructure), 652a37a (issue 20's) and 046779e (issue 13: an epoch one
+# permutation dealt over the workers).
+PINNED = "b4056b6"
 
 COMMON = ["--steps", "24", "--log-every", "12", "--batch-size", "16", "--hidden", "64,32",
           "--timeout", "120"]
+# A convolutional run: few steps of a small batch (a CNN's step costs tens of MLP steps).
+CNN = ["--steps", "8", "--log-every", "4", "--batch-size", "16"]
 RUNS = {
     "ring adam 1": (1, []),
     "ring adam 2": (2, []),
@@ -57,11 +61,24 @@ RUNS = {
     "mpi allreduce 3": (3, ["--allreduce", "mpi"]),
     "ps 1 server": (3, ["--mode", "ps"]),
     "ps 1 server accumulate clipped": (3, ["--mode", "ps", "--accumulate-steps", "2", "--clip-norm", "0.5"]),
+    # ps is synchronous unless --async
     "ps 2 servers even": (4, ["--mode", "ps", "--num-ps", "2", "--placement", "even"]),
     "ps 2 servers round-robin": (4, ["--mode", "ps", "--num-ps", "2", "--placement", "round-robin"]),
     "ps 2 servers greedy": (4, ["--mode", "ps", "--num-ps", "2", "--placement", "greedy"]),
     "pipeline 2 x 2 1f1b": (4, ["--pipeline-stages", "2", "--micro-batches", "3", "--clip-norm", "0.5"]),
     "pipeline 2 gpipe": (2, ["--pipeline-stages", "2", "--micro-batches", "2", "--pipeline-schedule", "gpipe"]),
+    # issue 42's list: the convolutions, batch norm, a CNN's pipeline by both
+    # of its 1F1B schedules, the compressed wires (powersgd from step 4 of 24)
+    "ring small_cnn 2": (2, [*CNN, "--model", "small_cnn"]),
+    "ring resnet 2": (2, [*CNN, "--model", "resnet"]),
+    "pipeline 2 small_cnn 1f1b": (2, [*CNN, "--model", "small_cnn", "--pipeline-stages", "2", "--micro-batches", "2",
+                                      "--pipeline-schedule", "1f1b"]),
+    "pipeline 2 small_cnn interleaved": (2, [*CNN, "--model", "small_cnn", "--pipeline-stages", "2",
+                                             "--micro-batches", "2", "--pipeline-schedule", "interleaved",
+                                             "--virtual-stages", "2"]),
+    "ring bf16 2": (2, ["--compression", "bf16"]),
+    "ring powersgd 2": (2, ["--compression", "powersgd", "--powersgd-start", "4"]),
+    "ring accumulate 2": (2, ["--accumulate-steps", "3", "--shard-optimizer", "off"]),
 }
 # BLAS at one thread on both sides: the code's arithmetic is compared, not
 # OpenBLAS's threads (which sum some products in another order). A rank
@@ -88,12 +105,10 @@ def pinned(tmp_path_factory):
     missing = pytest.fail if os.environ.get("HPCTRAIN_CI") else pytest.skip
     if shutil.which("git") is None or not os.path.exists(os.path.join(REPO, ".git")):
         missing("needs git and the repository's history (a git clone)")
-    where = tmp_path_factory.mktemp("pinned")
-    archive = subprocess.run(["git", "-C", REPO, "archive", PINNED, "hpctrain"], capture_output=True)
-    if archive.returncode:
-        missing(f"commit {PINNED} is not in this clone (a shallow clone?): {archive.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
-    return str(where)
+    try:
+        return extract(PINNED, tmp_path_factory.mktemp("pinned"), REPO)
+    except HpctrainError as e:
+        missing(str(e))
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +173,8 @@ def test_same_resumed_results_as_the_pinned_commit(job, tmp_path, pinned, shards
 
 @pytest.mark.parametrize("name", list(RESUMED))
 def test_a_checkpoint_of_the_pinned_commit_resumes_here(job, tmp_path, pinned, shards, name):
-    """Checkpoints written by the pinned commit (before the model spec: no
-    `model` attribute) resume with this code, and end where the pinned
-    commit's own resume ends."""
+    """Checkpoints written by the pinned commit resume with this code, and
+    end where the pinned commit's own resume ends."""
     ranks, flags = RESUMED[name]
     resumed(job, pinned, tmp_path / "pinned", ranks, flags, shards)
     ckpt = [*flags, "--checkpoint-dir", tmp_path / "mixed" / "ckpt", "--checkpoint-every", "8"]

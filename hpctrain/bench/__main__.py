@@ -108,6 +108,9 @@ def _subcommands(sub):
                    help="ps only: for each rank count N, interleave ring with N - num_ps ranks, ps --sync and "
                         "ps --async with N ranks; medians, ratios to the ring, the servers' time per update; "
                         "with --compare, ps sync and async with each value")
+    t.add_argument("--against", metavar="COMMIT", default=None,
+                   help="also run that git commit's hpctrain/ (taken from this repository's history), each "
+                        "repeat the commit's code then this code; medians per code, samples/s this/commit")
     t.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     t.add_argument("--json", action="store_true")
     t.add_argument("--plot", metavar="PNG", default=None,
@@ -198,6 +201,9 @@ def _run(args, extra):
         from .allreduce import main as run
         return run(args)
     if args.what == "train":
+        if args.against:
+            from .against import against
+            return against(args, extra)
         if args.versus_ring:
             from .train import versus_ring
             return versus_ring(args, extra)

@@ -92,18 +92,19 @@ def _die_with_parent_setup():
     return lambda: prctl(1, signal.SIGTERM)   # 1: PR_SET_PDEATHSIG
 
 
-def launch(ranks, args, timeout=1800):
+def launch(ranks, args, timeout=1800, cwd=None):
     """Run `mpirun -n ranks $HPCTRAIN_MPIRUN_ARGS python args...`; returns
     CompletedProcess (text). HPCTRAIN_MPIRUN_ARGS (the variable jobs/env.sh
     reads too) places the ranks, e.g. on several hosts:
     "-launcher ssh -hosts n1:2,n2:2" (docs/clusters.md). However this call
     ends (done, an exception, a signal, its timeout), no process of the job
-    is left on this machine."""
+    is left on this machine. cwd: the job's working directory (python -m
+    imports the hpctrain/ found there first)."""
     more = shlex.split(os.environ.get("HPCTRAIN_MPIRUN_ARGS", ""))
     cmd = [mpirun_path(), "-n", str(ranks), *more, sys.executable, *args]
     tag = f"{os.getpid()}.{next(_launches)}.{time.time_ns()}"
     env = dict(child_env(), **{CHILD: tag})
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
                           start_new_session=True, preexec_fn=_die_with_parent_setup()) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)

@@ -6,6 +6,7 @@ rank count, repeats each, and reports the median of the repeats.
     python -m hpctrain.bench train --ranks 2,4 --compare shard-optimizer=off,on
     python -m hpctrain.bench train --ranks 1,2 --plot train.png   # and a picture (hpctrain.plot)
     python -m hpctrain.bench train --mode ps --ranks 4 --versus-ring -- --num-ps 2
+    python -m hpctrain.bench train --ranks 1,2 --against b4056b6   # that commit's code interleaved (bench/against.py)
 
 Every configuration does equal work per worker (the same steps of the same
 batch per worker). Steady-state figures come from the run's own per-step
@@ -31,11 +32,12 @@ from .common import launch, table
 STATE_COPIES = {"adam": 2, "momentum": 1, "sgd": 0}
 
 
-def one_run(ranks, mode, steps, extra, tmp):
+def one_run(ranks, mode, steps, extra, tmp, cwd=None):
+    """One job's final record; cwd: a folder holding another hpctrain/ to run (bench/against.py)."""
     metrics = os.path.join(tmp, f"m-{mode}-{ranks}.jsonl")
     args = ["-m", "hpctrain.mnist", "--mode", mode, "--steps", str(steps), "--log-every", str(steps),
             "--metrics", metrics, *extra]
-    r = launch(ranks, args)
+    r = launch(ranks, args, cwd=cwd)
     if r.returncode != 0:
         raise run_failed(ranks, args, r)
     with open(metrics) as f:
