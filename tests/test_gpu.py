@@ -334,7 +334,6 @@ def test_fusion_events_order_a_non_blocking_main_stream_and_the_comm_thread(path
             seen = cp.asnumpy(params)   # the next 'forward' reads the parameters on this stream
             summed = reduce(grads)
             expect -= summed
-            assert np.array_equal(fused.head, summed[:2]), step
             assert np.array_equal(seen, expect), step
     fused.close()
 

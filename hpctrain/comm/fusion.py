@@ -16,9 +16,9 @@ those of reducing the same buckets one after another.
     mpirun -n 2 python -m hpctrain.mnist --fusion-mb 1      # overlapped buckets
     mpirun -n 2 python -m hpctrain.mnist --fusion-mb 0      # one allreduce after backprop
 
-Sharded (`gather=` a second buffer laid out like the wire, ZeRO stage 1): a
-bucket is reduce-scattered instead, `on_reduced` runs on the part this rank
-owns (its wire range), and the allgather then carries the same range of
+Sharded (`gather=` a second buffer of the same length, the parameters, ZeRO
+stage 1): a bucket is reduce-scattered instead, `on_reduced` runs on the
+part this rank owns, and the allgather then carries the same range of
 `gather` (the updated parameters) to every rank. Same bytes on the wire,
 1/N of the update work.
 
@@ -40,13 +40,6 @@ wait() has seen every sum and called before_updates(); the updates and
 allgathers then run in wait(), bucket by bucket, in the main thread. The
 sums still hide behind backprop; the update no longer does.
 
-`head`: the first elements of the reduced buffer (the wire's summed loss and
-stop) as a host array, filled as soon as the bucket that holds them is
-reduced: from the strategy's own host copy where it has one (staged), else
-with a small copy by whichever thread reduced the bucket, right after the
-strategy synchronized its stream. The training loop reads the stop flag and
-the loss there every step without a device synchronization of its own.
-
 Compressed (`exchange=` comm/compressed_exchange.py's, --compression): a bucket's sum
 (sharded: its reduce-scatter) is the exchange's `allreduce(lo, hi)`
 (`reduce_scatter(lo, hi)`) of the buffer instead of the strategy's; the
@@ -55,8 +48,6 @@ rest is as above, the sharded allgather of the parameters (float32) included.
 import queue
 import threading
 import time
-
-import numpy as np
 
 from .. import device
 from .strategy import waiting
@@ -83,6 +74,13 @@ def bucket_bounds(n, bucket_elems, cuts=()):
     return bounds
 
 
+def ready_from(layer_ranges):
+    """For each layer i (its range (lo, hi) in the gradient buffer): the lowest
+    offset that is final once layer i's gradient is done. Layers finish from
+    last to first, so that is layer i's start (0 for layer 0, whatever it holds)."""
+    return [0] + [lo for lo, _ in layer_ranges[1:]]
+
+
 def owned_ranges(strategy, buckets):
     """The ranges [(lo, hi)] of the buffer this rank updates when sharded (one
     per bucket, possibly empty): its shard of each bucket. Known before the
@@ -95,8 +93,8 @@ def owned_ranges(strategy, buckets):
 
 
 class FusedAllreduce:
-    """Drive bucketed allreduces of `buffer` (a flat array; comm/wire.py's
-    Wire.buffer in training) with `strategy` (comm/__init__.make_allreduce)
+    """Drive bucketed allreduces of `buffer` (a flat array: the model's
+    gradient buffer in training) with `strategy` (comm/__init__.make_allreduce)
     from backprop's layer callbacks.
 
     ready_from[i]: the lowest buffer offset that is final once layer i's gradient
@@ -106,15 +104,13 @@ class FusedAllreduce:
     With `gather` (a buffer of the same length and layout), each bucket is
     reduce-scattered, `on_reduced` runs on the owned part only (owned_ranges),
     and `gather`'s bucket range is allgathered. `marks`: device.stream_marks(xp), the events that order the
-    two threads' streams (default: NumPy's, which do nothing). After wait(),
-    `head` (a host array of `head` elements) holds the first elements of the
-    result: the reduced wire, or `gather` when sharded. With `before_updates`,
+    two threads' streams (default: NumPy's, which do nothing). With `before_updates`,
     every on_reduced (and allgather) waits for it, in wait(), after the last
     bucket's sum.
     """
 
     def __init__(self, strategy, buffer, ready_from, buckets, marks=None, on_reduced=None,
-                 overlap=True, timeline=None, watchdog=None, gather=None, head=2, before_updates=None,
+                 overlap=True, timeline=None, watchdog=None, gather=None, before_updates=None,
                  exchange=None):
         self.strategy = strategy
         self.exchange = exchange
@@ -126,7 +122,6 @@ class FusedAllreduce:
         self.ready_from = list(ready_from)
         self.buckets = list(buckets)
         self.marks = marks or device.HostMarks()
-        self.head = np.zeros(min(head, buffer.size), buffer.dtype)
         self.on_reduced = on_reduced
         # One rank has nothing to reduce, one bucket nothing to overlap: no thread.
         self.overlap = overlap and len(self.buckets) > 1 and strategy.size > 1
@@ -209,16 +204,6 @@ class FusedAllreduce:
                 self._reduce(*self.buckets[self._next])
             self._next += 1
 
-    def _copy_head(self, lo, buf):
-        """After the bucket [lo, ...) that holds the head was reduced into buf."""
-        if lo != 0 or not self.head.size:
-            return
-        host = getattr(self.strategy, "host_copy", None)
-        src = host(buf) if host is not None else None
-        if src is None:   # no host copy: the strategy left the stream synchronized, the copy is short
-            src = device.to_host(buf[: self.head.size])
-        self.head[...] = src[: self.head.size]
-
     def _owned_part(self, lo, hi):
         """The range of bucket [lo, hi) that on_reduced gets, relative to lo."""
         return self.strategy.shard(hi - lo) if self.gather is not None else (0, hi - lo)
@@ -236,7 +221,6 @@ class FusedAllreduce:
                 exchange.allreduce(lo, hi)
             else:
                 self.strategy.allreduce(buf)
-            self._copy_head(lo, buf)
             a, b, what = 0, hi - lo, "allreduce"
         t1 = time.perf_counter()
         self._spans.append((t0, t1, False))
@@ -260,7 +244,6 @@ class FusedAllreduce:
             t2 = time.perf_counter()
             buf = self.gather[lo:hi]
             self.strategy.allgather(buf)
-            self._copy_head(lo, buf)
             t3 = time.perf_counter()
             self._spans.append((t2, t3, False))
             if self.timeline is not None:

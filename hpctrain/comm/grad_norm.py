@@ -11,9 +11,6 @@ every part and computes them all: no message. Sharded, it holds one part
 per bucket; one Allgather of a float64 per bucket and rank (a few dozen
 bytes) brings everyone the rest. Either way every rank gets the same norm.
 
-The loss and stop slots at the wire's front (comm/wire.py) are summed with
-the gradient but are not part of it: `skip` leaves them out.
-
 Beyond communicators and arrays this imports hpctrain.clipping.sum_squares:
 the arithmetic of a norm, shared with the ps server (comm/ps/aggregate.py),
 so both modes take a norm by the same reduction.
@@ -26,27 +23,23 @@ from ..optim.clipping import sum_squares
 from .strategy import waiting
 
 
-def part_ranges(buckets, parts, skip=0):
+def part_ranges(buckets, parts):
     """The ranges a norm's sums of squares are taken over: each bucket
-    (lo, hi) cut by parts(hi - lo) (-> [(a, b)]), the first `skip` elements
-    of the buffer left out; empty ranges kept (the pipeline's --clip-norm
-    cuts ring mode's alike: pipeline/grad_norm.py)."""
-    out = []
-    for lo, hi in buckets:
-        out += [(max(lo + a, skip), max(lo + b, skip)) for a, b in parts(hi - lo)]
-    return out
+    (lo, hi) cut by parts(hi - lo) (-> [(a, b)]); empty ranges kept (the
+    pipeline's --clip-norm cuts ring mode's alike: pipeline/grad_norm.py)."""
+    return [(lo + a, lo + b) for lo, hi in buckets for a, b in parts(hi - lo)]
 
 
 class BucketNorm:
-    """sum_of_squares() of buffer[skip:] once FusedAllreduce has summed
+    """partials() of buffer once FusedAllreduce has summed
     every bucket of `buckets` ([(lo, hi)] of the buffer) with `strategy`.
     sharded: this rank holds only strategy.shard of each bucket, and
     `comm` (every rank of the strategy's) carries the parts under `watchdog`."""
 
-    def __init__(self, strategy, buckets, buffer, skip=0, sharded=False, comm=None, watchdog=None):
+    def __init__(self, strategy, buckets, buffer, sharded=False, comm=None, watchdog=None):
         self.buffer, self.sharded, self.comm, self.watchdog = buffer, sharded, comm, watchdog
         # Empty ranges stay: sharded, every rank sends one value per bucket.
-        self.ranges = part_ranges(buckets, (lambda n: [strategy.shard(n)]) if sharded else strategy.parts, skip)
+        self.ranges = part_ranges(buckets, (lambda n: [strategy.shard(n)]) if sharded else strategy.parts)
         if sharded:
             if comm is None:
                 raise ValueError("a sharded norm needs the communicator of the ranks holding the parts")

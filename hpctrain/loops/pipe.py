@@ -65,10 +65,10 @@ def train_pipe(world, plan, inputs, timeline):
     # --shard-optimizer (auto: ring mode's rule, over the stage's R replicas):
     # each replica keeps the optimizer state of its part of each chunk's slice.
     sharded = plan.ring.shard_optimizer and strategy is not None
-    # ring mode's buckets over each chunk's part of its wire: averaged (and owned) bucket by bucket as there
+    # ring mode's buckets over each chunk's slice: averaged (and owned) bucket by bucket as there
     pieces = [stage_pieces(spec, plan.ring.fusion_elems, chunk) for chunk in chunks]
     optimizers = [make_optimizer(plan.optimizer.name, chunk.hi - chunk.lo, xp, **plan.optimizer.kwargs,
-                                 owned=owned_pieces(p, strategy.shard, chunk.body_at) if sharded else None)
+                                 owned=owned_pieces(p, strategy.shard) if sharded else None)
                   for chunk, p in zip(chunks, pieces)]
     reader = prefetch.device_batches(inputs.reader(world.comm, grid.replica, grid.replicas, stage_arrays(grid)), xp)
     layouts = whole.Layouts(spec, cuts)

@@ -16,7 +16,7 @@ memory check (`memory_bytes`), ps placement (`tensor_ranges`), fusion
 (`layer_ranges`), the pipeline's stage balance (`flops`).
 
 `spec.build(xp, params=, grads=)` then returns the model (nn/sequential.py)
-over buffers the caller owns (the ring's wire, the ps shared-memory window)
+over buffers the caller owns (the ps shared-memory window)
 or fresh ones.
 
 Layout: layers in order, layer 0 first; within a layer its tensors in

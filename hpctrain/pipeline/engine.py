@@ -44,7 +44,6 @@ from ..nn.losses import add_sums
 from ..optim.clipping import Clip
 from . import schedule as sched
 from .grad_norm import StageNorm, ring_ranges
-from .stages import body_range
 from .transfers import Receives, Sends
 
 EVAL_TAG = 31001   # + the sender's local chunk: evaluation activations, on the pipe communicator
@@ -71,7 +70,7 @@ class Engine:
     chunk k the model's chunk kP + s); strategy: the stage's allreduce over
     its replicas (None for one); optimizers: one per chunk, over its slice
     (sharded: its part); actions: this stage's schedule (schedule.py);
-    pieces: per chunk, ring mode's buckets of its wire
+    pieces: per chunk, ring mode's buckets of its slice
     (stages.stage_pieces); batch: a micro-batch's samples; clip_norm:
     --clip-norm or None (the norm over every stage's chunks: grad_norm.py);
     fusion_elems: the buckets' size, for the norm's parts; trace: its
@@ -296,8 +295,8 @@ class Engine:
                     mine.append([])
                     for a, b in chunk_pieces:   # the exchange: one chunk a stage (see __init__)
                         lo, hi = self.exchange.reduce_scatter(a, b) if self.exchange else \
-                            self.strategy.reduce_scatter(stage.wire[a:b])
-                        mine[-1].append(body_range(a + lo, a + hi, stage.body_at))
+                            self.strategy.reduce_scatter(stage.grads[a:b])
+                        mine[-1].append((a + lo, a + hi))
             with self.trace.span("update"):
                 self._clip()
                 for stage, optimizer, ranges in zip(chunks, optimizers, mine):
@@ -308,7 +307,7 @@ class Engine:
                 device.synchronize(self.xp)
                 for stage, chunk_pieces in zip(chunks, pieces):
                     for a, b in chunk_pieces:
-                        self.strategy.allgather(stage.param_wire[a:b])
+                        self.strategy.allgather(stage.params[a:b])
             return
         if self.strategy is not None:
             with self.trace.span("allreduce"):
@@ -317,7 +316,7 @@ class Engine:
                         if self.exchange is not None:
                             self.exchange.allreduce(a, b)
                             continue
-                        self.strategy.allreduce(stage.wire[a:b])
+                        self.strategy.allreduce(stage.grads[a:b])
         with self.trace.span("update"):
             self._clip()
             for stage, optimizer in zip(chunks, optimizers):   # the micro-batches' sum, added up by the backwards

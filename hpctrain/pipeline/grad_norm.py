@@ -26,15 +26,13 @@ import numpy as np
 
 from ..optim.clipping import sum_squares
 from ..comm.grad_norm import part_ranges
-from ..comm.wire import GRADS
 from .stages import ring_buckets
 
 
 def ring_ranges(spec, fusion_elems, parts):
     """The gradient ranges [(lo, hi)] whose sums of squares ring mode's
-    --clip-norm adds (loops/ring_step.py: the wire's buckets, its loss and stop
-    slots left out), in gradient-buffer coordinates."""
-    return [(a - GRADS, b - GRADS) for a, b in part_ranges(ring_buckets(spec, fusion_elems), parts, skip=GRADS)]
+    --clip-norm adds (loops/ring_step.py: its buckets, each cut into parts)."""
+    return part_ranges(ring_buckets(spec, fusion_elems), parts)
 
 
 class StageNorm:

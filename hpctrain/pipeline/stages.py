@@ -15,14 +15,12 @@ without any would have nothing to train or average).
 
 Layers lie in the flat buffers in order, so a stage's parameters (and its
 non-trainable state) are one slice: `ranges`. Ring mode's fused buckets
-(`ring_buckets`, over its wire [loss, stop, grads...]) cut a stage's part of
-the wire into `pieces`: the replicas average those as ring mode averages
+(`ring_buckets`, over its gradient buffer) cut a stage's slice into `pieces`: the replicas average those as ring mode averages
 its buckets, so that with R > 2 the sums are taken in the same order.
 
     python -c "from hpctrain.nn import zoo; from hpctrain.pipeline.stages import balanced; print(balanced(zoo.mlp(), 2))"
 """
-from ..comm.fusion import bucket_bounds
-from ..comm.wire import GRADS, Wire
+from ..comm.fusion import bucket_bounds, ready_from
 from ..errors import HpctrainError
 
 MAX_TAGS = 30000   # message tags a step's transfers use, below the checkpoints' (pipeline/whole.py: 31000)
@@ -155,31 +153,26 @@ def ranges(spec, a, b, of="params"):
 
 
 def ring_buckets(spec, fusion_elems):
-    """Ring mode's buckets [(lo, hi)] in wire offsets (loops/ring_step.py: ending on
+    """Ring mode's buckets [(lo, hi)] of the gradient buffer (loops/ring_step.py: ending on
     layer starts, fused up to fusion_elems)."""
-    return bucket_bounds(GRADS + spec.num_params, fusion_elems, Wire.ready_from(spec.layer_ranges))
+    return bucket_bounds(spec.num_params, fusion_elems, ready_from(spec.layer_ranges))
 
 
 def pieces(buckets, lo, hi):
-    """Each bucket's part inside wire range [lo, hi), relative to lo; empty ones left out."""
+    """Each bucket's part inside range [lo, hi), relative to lo; empty ones left out."""
     return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in buckets if max(a, lo) < min(b, hi)]
 
 
 def stage_pieces(spec, fusion_elems, stage):
-    """Ring mode's buckets over a stage's part of its wire (pipeline/stage.py), in that part's offsets."""
-    return pieces(ring_buckets(spec, fusion_elems), stage.wire_lo, stage.wire_lo + stage.wire.size)
+    """Ring mode's buckets over a stage's slice (pipeline/stage.py), in the slice's offsets."""
+    return pieces(ring_buckets(spec, fusion_elems), stage.lo, stage.hi)
 
 
-def body_range(a, b, body_at):
-    """Range [a, b) of a stage's wire part in its slice's offsets (the head slots left out)."""
-    return max(a - body_at, 0), max(b - body_at, 0)
-
-
-def owned_pieces(pieces, shard, body_at):
+def owned_pieces(pieces, shard):
     """What one replica updates with --shard-optimizer: its shard(n) of each
     piece, in the slice's offsets, as ring mode's comm/fusion.owned_ranges."""
     out = []
     for a, b in pieces:
         x, y = shard(b - a)
-        out.append(body_range(a + x, a + y, body_at))
+        out.append((a + x, a + y))
     return out
