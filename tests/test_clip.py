@@ -2,7 +2,7 @@
 
 Units against NumPy (the clip, the norm of parts in any order, the factor
 folded into an optimizer step already begun); under mpirun, the ring loop's
-arithmetic (fused buckets, deferred updates, BucketNorm) against one process
+arithmetic (fused buckets, deferred updates, the one GradNorm) against one process
 over all the samples, and sharded against unsharded bit for bit, on the
 ring, MPI's collectives and the staged (GPU without CUDA-aware MPI) path;
 then real jobs: sharded == unsharded, sync ps == ring, async ps clips each
@@ -121,7 +121,7 @@ def batches(size, steps):
 
 def clipped_ring_steps(comm, strategy_name, optimizer, sharded, fusion_elems, overlap, c, steps=4, lr=0.05):
     """loop_ring.py's step with --clip-norm c: fused buckets, updates deferred
-    until BucketNorm's norm is in, the factor folded into grad_scale."""
+    until the GradNorm is in, the factor folded into grad_scale."""
     size = comm.size
     strategy = STRATEGIES[strategy_name](comm)
     clip = Clip(c)

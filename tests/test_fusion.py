@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from gpu_fakes import DevArray, Scale, launch, threadstreams  # noqa: F401 (a fixture)
+from gpu_fakes import DevArray, KernelUpdate, Scale, launch, threadstreams  # noqa: F401 (a fixture)
 from hpctrain import device
+from hpctrain.comm.data_parallel import DataParallelUpdate, Part, model_buckets
 from hpctrain.comm.fusion import FusedAllreduce, bucket_bounds, ready_from
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.nn import mlp
-from hpctrain.optim.optimizers import Adam
 
 
 def test_buckets_cover_the_buffer_in_ready_order_on_layer_boundaries():
@@ -38,16 +38,15 @@ def train_steps(comm, overlap, fusion_elems, steps=5):
     rng = np.random.default_rng(comm.rank)
     model = mlp(hidden=(64, 32)).build()
     model.init(0)
-    opt = Adam(model.num_params)
-    starts = ready_from(model.layer_ranges)
-    fused = FusedAllreduce(RingAllreduce(comm), model.grads, starts,
-                           bucket_bounds(model.num_params, fusion_elems, starts), overlap=overlap,
-                           on_reduced=lambda lo, hi: opt.update(model.params, model.grads, lo, hi))
+    update = DataParallelUpdate([Part(model.params, model.grads)],
+                                model_buckets(model.layer_ranges, model.num_params, fusion_elems),
+                                RingAllreduce(comm), ("adam", {}), np, 1.0 / comm.size)
+    fused = FusedAllreduce(update, ready_from(model.layer_ranges), overlap=overlap)
     loss = np.zeros(1, np.float32)
     for _ in range(steps):
         x = rng.random((16, 784)).astype(np.float32)
         y = rng.integers(0, 10, 16)
-        opt.begin(1e-3, 1.0 / comm.size)
+        update.begin(1e-3)
         model.forward_backward(x, y, on_layer_done=fused.layer_done, loss_out=loss)
         fused.wait()
     fused.close()
@@ -117,8 +116,8 @@ def test_events_order_backprop_the_comm_thread_and_the_next_forward(path, thread
     def on_reduced(lo, hi):   # the optimizer's kernel, queued on the comm thread's stream
         launch(cp, lambda: np.subtract(params[lo:hi], buf[lo:hi], out=params[lo:hi]))
 
-    fused = FusedAllreduce(strategy, buf, starts, bucket_bounds(buf.size, 1, starts), marks=device.CudaMarks(cp),
-                           on_reduced=on_reduced)
+    fused = FusedAllreduce(KernelUpdate(strategy, buf, bucket_bounds(buf.size, 1, starts), on_reduced), starts,
+                           marks=device.CudaMarks(cp))
     assert fused.overlap and len(fused.buckets) == 3
     main = cp.cuda.get_current_stream()
     expect = np.zeros(40, np.float32)

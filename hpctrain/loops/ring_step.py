@@ -1,17 +1,20 @@
 """One ring-mode step's machinery, built top to bottom, each piece from the
 ones before it:
 
-1. the model, over its gradient buffer (what the buckets exchange: the
-   gradients only) and, with --shard-optimizer, its parameter buffer (what
-   each bucket's allgather carries);
+1. the model, over its flat parameter and gradient buffers (the buckets
+   exchange the gradients only; sharded, each bucket's allgather carries
+   the parameters);
 2. the loss and stop flag's own small allreduce (comm/loss_and_stop.py);
-3. the buckets, a pure function of the layer boundaries and --fusion-mb;
-4. the optimizer, its state sized by the ranges this rank owns (sharded:
-   its shard of each bucket, ~1/N; else everything);
-5. with --clip-norm, the norm over the buckets;
-6. the fused allreduce, which sums each bucket as backprop finishes it and
-   then runs the optimizer on it (`BucketUpdate`, in gradient
-   coordinates), as Horovod's hooks start reductions and `step()` waits.
+3. with --compression, the buckets' exchange (comm/compressed_exchange.py);
+4. the data-parallel update (comm/data_parallel.py), the one a pipeline
+   stage runs too: ring mode's buckets (a pure function of the layer
+   boundaries and --fusion-mb), the strategy's allreduce (sharded:
+   reduce-scatter, this rank's part updated, allgather), the optimizer
+   (its state sized by what this rank updates: sharded ~1/N), the one
+   gradient norm and clip factor with --clip-norm;
+5. the fused allreduce (comm/fusion.py), which sums each bucket as
+   backprop finishes it and then runs the update on it, as Horovod's hooks
+   start reductions and `step()` waits.
 
 Per step the loop calls `begin(lr, stop)`, the model's
 `forward_backward(..., on_layer_done=step.layer_done, loss_out=step.loss_out,
@@ -39,81 +42,54 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm.compressed_exchange import make_exchange, sharding_for
-from ..comm.fusion import FusedAllreduce, bucket_bounds, owned_ranges, ready_from
-from ..comm.grad_norm import BucketNorm
+from ..comm.data_parallel import DataParallelUpdate, NormScope, Part, model_buckets
+from ..comm.fusion import FusedAllreduce, ready_from
 from ..comm.loss_and_stop import LossAndStop
 from .. import device
 from ..device import all_finite
 from ..nn.accumulate import Accumulation
 from ..optim.compression_math import powersgd_layout
-from ..optim.optimizers import make_optimizer
-
-
-class BucketUpdate:
-    """What the fused allreduce runs on each summed range of the gradient
-    buffer: the optimizer on the same range of the model's buffers."""
-
-    def __init__(self, optimizer, model):
-        self.optimizer, self.model = optimizer, model
-
-    def __call__(self, lo, hi):
-        self.optimizer.update(self.model.params, self.model.grads, lo, hi)
-
-
-class ClipScale:
-    """--clip-norm: once every bucket is summed, the factor from the whole
-    gradient's norm, folded into the optimizer's gradient scale."""
-
-    def __init__(self, optimizer, clip, norm, grad_scale):
-        self.optimizer, self.clip, self.norm, self.grad_scale = optimizer, clip, norm, grad_scale
-
-    def __call__(self):
-        self.optimizer.set_grad_scale(self.clip.scaled(self.norm.partials(), self.grad_scale))
 
 
 class RingStep:
-    """The buffers, model, optimizer and fused allreduce of one ring run.
+    """The model, loss and stop, update and fused allreduce of one ring run.
 
     spec: the model's spec (nn/spec.py); strategy: the allreduce (comm/);
-    comm: the ranks of the strategy (the sharded norm's parts travel there);
+    comm: the ranks of the strategy (the loss and stop flag's allreduce, and
+    the sharded norm's pieces, travel there);
     optimizer: (name, keyword arguments of optim.make_optimizer);
     fusion_elems: bucket size in elements (0: one bucket); clip: a
     clipping.Clip or None; marks, overlap, timeline, watchdog: as
-    FusedAllreduce takes them; compression: a run/plan.Compression or None
-    (the buckets' exchange, comm/compressed_exchange.py; `exchange` is None without)."""
+    FusedAllreduce takes them (the watchdog: the collectives' deadline);
+    compression: a run/plan.Compression or None (the buckets' exchange,
+    comm/compressed_exchange.py; `exchange` is None without)."""
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
                  marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None):
         n = spec.num_params
         self.sharded, self.clip, self.accumulate_steps = sharded, clip, int(accumulate)
-        self.grad_scale = 1.0 / (comm.Get_size() * self.accumulate_steps)
         self.model = spec.build(xp)
         grads = self.model.grads   # the buckets' buffer: the gradients only
         self.loss_and_stop = LossAndStop(comm, device.copier(xp), watchdog)
-        starts = ready_from(self.model.layer_ranges)
-        self.buckets = bucket_bounds(n, fusion_elems, starts)
         # sharded with --compression on several nodes: hier's node shards (comm/compressed_exchange.py)
         strategy = sharding_for(strategy, compression) if sharded else strategy
         self.strategy = strategy
-        owned = owned_ranges(strategy, self.buckets) if sharded else None
-        name, kwargs = optimizer
-        self.optimizer = make_optimizer(name, n, xp, owned=owned, **kwargs)
-        # the same bits sharded or not (comm/grad_norm.py)
-        self.norm = BucketNorm(strategy, self.buckets, grads, sharded=sharded,
-                               comm=getattr(strategy, "shard_comm", comm), watchdog=watchdog) if clip else None
         # --compression: the buckets' exchange; PowerSGD's matrices in gradient offsets
         self.matrices, self.layout_key = powersgd_layout(spec.tensors, compression.rank, compression.min_rate) \
             if compression is not None and compression.kind == "powersgd" else ([], "")
         self.exchange = make_exchange(compression, strategy, grads, self.matrices) \
             if compression is not None else None
-        # Clipping needs the whole summed gradient's norm, so the updates wait
-        # for the last bucket (comm/fusion.py's deferred updates).
-        self.fused = FusedAllreduce(
-            strategy, grads, starts, self.buckets, marks=marks,
-            on_reduced=BucketUpdate(self.optimizer, self.model),
-            before_updates=ClipScale(self.optimizer, clip, self.norm, self.grad_scale) if clip else None,
-            overlap=overlap, timeline=timeline, watchdog=watchdog,
-            gather=self.model.params if sharded else None, exchange=self.exchange)
+        # sharded, the norm's pieces are every rank's part: summed over the ranks holding them
+        shards = getattr(strategy, "shard_comm", comm)
+        scope = NormScope(shards, replicas=shards.Get_size(), replica=shards.Get_rank(), watchdog=watchdog) \
+            if sharded else NormScope()
+        self.update = DataParallelUpdate(
+            [Part(self.model.params, grads, exchange=self.exchange)],
+            model_buckets(self.model.layer_ranges, n, fusion_elems), strategy, optimizer, xp,
+            1.0 / (comm.Get_size() * self.accumulate_steps), sharded=sharded, clip=clip, scope=scope)
+        self.optimizer, self.buckets = self.update.parts[0].optimizer, self.update.parts[0].buckets
+        self.fused = FusedAllreduce(self.update, ready_from(self.model.layer_ranges), marks=marks, overlap=overlap,
+                                    timeline=timeline, watchdog=watchdog)
         self.layer_done, self.forward_done = self.fused.layer_done, self._forward_done
         self.loss_out = xp.zeros(1, grads.dtype)   # forward_backward writes the loss there
         if self.accumulate_steps > 1:
@@ -147,9 +123,7 @@ class RingStep:
         """Before backprop of 0-based `step`: its learning rate, this rank's
         wish to stop, and (--compression powersgd) whether it is compressed."""
         self.loss_and_stop.begin(stop)
-        if self.exchange is not None:
-            self.exchange.begin(step)
-        self.optimizer.begin(lr, self.grad_scale)
+        self.update.begin(lr, step)
         if self.accumulate_steps > 1:
             self.acc.restart()
             self.acc_loss.restart()

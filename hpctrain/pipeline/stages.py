@@ -14,13 +14,13 @@ stage's sum, every stage holding at least one layer with parameters (a stage
 without any would have nothing to train or average).
 
 Layers lie in the flat buffers in order, so a stage's parameters (and its
-non-trainable state) are one slice: `ranges`. Ring mode's fused buckets
-(`ring_buckets`, over its gradient buffer) cut a stage's slice into `pieces`: the replicas average those as ring mode averages
-its buckets, so that with R > 2 the sums are taken in the same order.
+non-trainable state) are one slice: `ranges`. Ring mode's fused buckets,
+cut to a stage's slice (comm/data_parallel.py), are what the replicas
+average, as ring mode averages them, so that with R > 2 the sums are taken
+in the same order.
 
     python -c "from hpctrain.nn import zoo; from hpctrain.pipeline.stages import balanced; print(balanced(zoo.mlp(), 2))"
 """
-from ..comm.fusion import bucket_bounds, ready_from
 from ..errors import HpctrainError
 
 MAX_TAGS = 30000   # message tags a step's transfers use, below the checkpoints' (pipeline/whole.py: 31000)
@@ -150,29 +150,3 @@ def ranges(spec, a, b, of="params"):
     inside = [t for i in range(a, b) for t in tensors[i]]
     lo = before[-1][3] if before else 0
     return lo, inside[-1][3] if inside else lo
-
-
-def ring_buckets(spec, fusion_elems):
-    """Ring mode's buckets [(lo, hi)] of the gradient buffer (loops/ring_step.py: ending on
-    layer starts, fused up to fusion_elems)."""
-    return bucket_bounds(spec.num_params, fusion_elems, ready_from(spec.layer_ranges))
-
-
-def pieces(buckets, lo, hi):
-    """Each bucket's part inside range [lo, hi), relative to lo; empty ones left out."""
-    return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in buckets if max(a, lo) < min(b, hi)]
-
-
-def stage_pieces(spec, fusion_elems, stage):
-    """Ring mode's buckets over a stage's slice (pipeline/stage.py), in the slice's offsets."""
-    return pieces(ring_buckets(spec, fusion_elems), stage.lo, stage.hi)
-
-
-def owned_pieces(pieces, shard):
-    """What one replica updates with --shard-optimizer: its shard(n) of each
-    piece, in the slice's offsets, as ring mode's comm/fusion.owned_ranges."""
-    out = []
-    for a, b in pieces:
-        x, y = shard(b - a)
-        out.append((a + x, a + y))
-    return out
