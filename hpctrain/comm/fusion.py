@@ -7,9 +7,8 @@ end of the buffer towards its start; buckets are cut from the end so they
 become ready in order. A communication thread runs the allreduces one after
 another (MPI needs someone to drive progress: the thread blocks inside MPI
 with the GIL released, and NumPy's matrix products release it too), and right
-after a bucket's allreduce it may run a callback on it (the optimizer update
-of those elements), so the main thread's wait at the end covers only what is
-not yet done. Bucket boundaries do not depend on timing, and each bucket is
+after a bucket's allreduce it runs the update of those elements, so the main
+thread's wait at the end covers only what is not yet done. Bucket boundaries do not depend on timing, and each bucket is
 reduced by the same algorithm as without overlap: results are bit-for-bit
 those of reducing the same buckets one after another.
 
