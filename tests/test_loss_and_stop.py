@@ -23,7 +23,8 @@ from hpctrain.nn import mlp
 def test_the_buckets_exchange_the_gradients_only():
     spec = mlp(hidden=(64, 32))
     ring = RingStep(spec, RingAllreduce(MPI.COMM_SELF), MPI.COMM_SELF, np, ("adam", {}), 3000)
-    assert ring.fused.buffer is ring.model.grads and ring.fused.buffer.size == spec.num_params
+    part = ring.update.parts[0]   # the buckets' one buffer: the model's gradient, nothing in front
+    assert part.grads is ring.model.grads and part.grads.size == spec.num_params
     assert ring.buckets[0][1] == spec.num_params and ring.buckets[-1][0] == 0
     assert {lo for lo, _ in ring.buckets} <= {lo for lo, _ in ring.model.layer_ranges}
     ring.close()
