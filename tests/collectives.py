@@ -27,7 +27,17 @@ def rank0_copy(comm, a):
     return first
 
 
-def stop_requested(wire):
-    """After the allreduce: did any rank ask to stop (a comm.wire.Wire's stop
-    slot summed above 0)? The loop reads the same slot from fusion's head."""
-    return float(wire.stop[0]) > 0
+def ring_step(ring, x, y, loss):
+    """One step of the ring loop (loops/ring.py) on a loops/ring_step.RingStep
+    after ring.begin(...): forward and backward of (x, y) with the buckets
+    exchanged as backprop finishes them, this rank's loss replaced by `loss`
+    (a value whose sum over the ranks the test knows) before it goes out.
+    Returns ring.summed(): (the loss summed over the ranks, whether any rank
+    asked to stop)."""
+    def forward_done():
+        ring.loss_out[0] = loss
+        ring.forward_done()
+    ring.model.forward_backward(x, y, on_layer_done=ring.layer_done, loss_out=ring.loss_out,
+                                on_forward_done=forward_done)
+    ring.fused.wait()
+    return ring.summed()

@@ -14,7 +14,9 @@ CuPy does with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1: "kernels" that a test
 queues there (`launch`) run only when that stream is synchronized or an
 event behind them is waited for, so work on two threads is ordered only by
 the events hpctrain hands between them (comm/fusion.py). Every stream
-records which threads synchronized it (`synced_by`).
+records which threads synchronized it (`synced_by`). KernelUpdate is the
+data-parallel update as comm/fusion.FusedAllreduce drives it, with the
+update a kernel of the test's own.
 """
 import ctypes
 import sys
@@ -25,6 +27,30 @@ import numpy as np
 import pytest
 
 from hpctrain import device
+
+
+class KernelUpdate:
+    """What comm/fusion.FusedAllreduce asks of comm/data_parallel.DataParallelUpdate,
+    over one buffer `grads` cut into `buckets`: each bucket summed by
+    `strategy` (a stand-in's allreduce), then `kernel(lo, hi)` in place of
+    the optimizer (a test queues it on the calling thread's stream).
+    Neither sharded nor deferred."""
+    sharded = deferred = False
+
+    def __init__(self, strategy, grads, buckets, kernel):
+        self.strategy, self.kernel = strategy, kernel
+        self.parts = [types.SimpleNamespace(grads=grads, params=grads, buckets=buckets, owned=buckets)]
+
+    def reduce(self, k, i):
+        lo, hi = self.parts[k].buckets[i]
+        self.strategy.allreduce(self.parts[k].grads[lo:hi])
+
+    def update(self, k, i):
+        self.kernel(*self.parts[k].buckets[i])
+
+    def sent_bytes(self, k, i):
+        lo, hi = self.parts[k].buckets[i]
+        return (hi - lo) * self.parts[k].grads.itemsize
 
 
 class LazyCopier(device.HostCopier):

@@ -2,7 +2,7 @@
 
 Units against NumPy (the clip, the norm of parts in any order, the factor
 folded into an optimizer step already begun); under mpirun, the ring loop's
-arithmetic (fused buckets, deferred updates, BucketNorm) against one process
+arithmetic (fused buckets, deferred updates, the one GradNorm) against one process
 over all the samples, and sharded against unsharded bit for bit, on the
 ring, MPI's collectives and the staged (GPU without CUDA-aware MPI) path;
 then real jobs: sharded == unsharded, sync ps == ring, async ps clips each
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collectives import ring_step
 from conftest import same_bytes, saved
 from gpu_fakes import LazyCopier
 from hpctrain import device
@@ -120,22 +121,19 @@ def batches(size, steps):
 
 def clipped_ring_steps(comm, strategy_name, optimizer, sharded, fusion_elems, overlap, c, steps=4, lr=0.05):
     """loop_ring.py's step with --clip-norm c: fused buckets, updates deferred
-    until BucketNorm's norm is in, the factor folded into grad_scale. The loss
-    slot carries a large number: counted in the norm, it would show."""
+    until the GradNorm is in, the factor folded into grad_scale."""
     size = comm.size
     strategy = STRATEGIES[strategy_name](comm)
     clip = Clip(c)
     ring = RingStep(mlp(hidden=HIDDEN), strategy, comm, np, (optimizer, {}), fusion_elems, sharded=sharded,
                     clip=clip, overlap=overlap)
-    wire, model, fused = ring.wire, ring.model, ring.fused
+    model, fused = ring.model, ring.fused
     model.init(0)
     norms = []
     for x, y in batches(size, steps):
         rows = slice(comm.rank * BATCH, (comm.rank + 1) * BATCH)
         ring.begin(lr, False)
-        wire.loss[0] = 1e4 * (comm.rank + 1)
-        model.forward_backward(x[rows], y[rows], on_layer_done=fused.layer_done)
-        fused.wait()
+        ring_step(ring, x[rows], y[rows], 1.0)
         norms.append(clip.norm)
     ring.close()
     getattr(strategy, "inner", strategy).free()

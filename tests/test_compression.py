@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collectives import ring_step
 from gpu_fakes import LazyCopier
 from test_hier import fake_gpu  # noqa: F401 (a fixture)
 from hpctrain.comm.compressed_exchange import HalfExchange, HalfRing
@@ -283,24 +284,21 @@ def test_16_bit_buckets_give_every_rank_the_same_bits_near_the_float32_sum(kind)
     for name, strategy in strategies(comm).items():
         for n in lengths:
             rng = np.random.default_rng([comm.rank, n])
-            x = rng.standard_normal(n + 2).astype(np.float32)
-            exact = np.zeros(n + 2, np.float64)
+            x = rng.standard_normal(n).astype(np.float32)
+            exact = np.zeros(n, np.float64)
             comm.Allreduce(x.astype(np.float64), exact)
             plain, shard = x.copy(), x.copy()
-            HalfExchange(strategy, plain, kind, exact=2).allreduce(0, n + 2)
-            a, b = HalfExchange(strategy, shard, kind, exact=2).reduce_scatter(0, n + 2)
+            HalfExchange(strategy, plain, kind).allreduce(0, n)
+            a, b = HalfExchange(strategy, shard, kind).reduce_scatter(0, n)
             assert same_everywhere(comm, plain), (name, n)
             if not name.startswith("staged"):   # staged: allreduce by chunks, another order of sums
                 assert np.array_equal(shard[a:b], plain[a:b]), (name, n)   # sharded: unsharded's bits
-            head = x[:2].copy()
-            strategy.allreduce(head)
-            assert np.array_equal(plain[:2], head), (name, n)          # loss and stop: float32, as today
             # each hop rounds a partial sum once, the owner once more: a few units of the last place
             ulp = 2.0 ** -10 if kind == "fp16" else 2.0 ** -7
-            err = np.abs(plain[2:] - exact[2:]).max() / np.abs(exact[2:]).max()
+            err = np.abs(plain - exact).max() / np.abs(exact).max()
             assert err < comm.size * ulp, (name, n, err)
             if kind == "bf16":   # every value is one the words can carry: rounded once, by its owner
-                assert np.array_equal(roundtrip(kind, plain[2:]), plain[2:]), (name, n)
+                assert np.array_equal(roundtrip(kind, plain), plain), (name, n)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -313,7 +311,7 @@ def test_fp16_divides_before_the_sum_so_a_sum_past_65504_does_not_overflow():
     HalfRing(ring, Half("fp16"), ranks=1).allreduce(undivided)   # 16-bit partial sums, nothing divided
     assert np.isinf(undivided).all()
     buf = np.full(1002, value, np.float32)
-    HalfExchange(ring, buf, "fp16", exact=2).allreduce(0, buf.size)
+    HalfExchange(ring, buf, "fp16").allreduce(0, buf.size)
     assert np.isfinite(buf).all()
     np.testing.assert_allclose(buf, value * comm.size, rtol=2.0 ** -10)
     assert same_everywhere(comm, buf)
@@ -407,16 +405,13 @@ def ring_steps(comm, strategy, kind, sharded, fusion_elems, overlap, clip=None, 
     rng = np.random.default_rng(200 + comm.rank)
     ring = RingStep(mlp(hidden=(37, 19)), strategy, comm, np, ("adam", {}), fusion_elems, sharded=sharded,
                     overlap=overlap, clip=Clip(clip) if clip else None, compression=Compression(kind=kind, start=1))
-    model, fused = ring.model, ring.fused
+    model = ring.model
     model.init(0)
     losses = []
     for step in range(steps):
         x, y = rng.random((8, 784)).astype(np.float32), rng.integers(0, 10, 8)
         ring.begin(1e-2, False, step)
-        ring.wire.loss[0] = comm.rank + 1 + step
-        model.forward_backward(x, y, on_layer_done=fused.layer_done)
-        fused.wait()
-        losses.append(ring.summed()[0])
+        losses.append(ring_step(ring, x, y, comm.rank + 1 + step)[0])
     ring.close()
     return model.params.copy(), losses
 
@@ -475,10 +470,10 @@ def test_device_wrapped_strategies_compress_as_the_host_ones(fake_gpu, name):
     x = rng.standard_normal(20_003).astype(np.float32)
     for kind in ("fp16", "bf16"):
         want = x.copy()
-        HalfExchange(host, want, kind, exact=2).allreduce(0, want.size)
+        HalfExchange(host, want, kind).allreduce(0, want.size)
         for strategy in (staged, direct):
             got = x.copy()
-            HalfExchange(strategy, got, kind, exact=2).allreduce(0, got.size)
+            HalfExchange(strategy, got, kind).allreduce(0, got.size)
             assert np.array_equal(got, want), (kind, strategy.path)
     exchange, _ = power_sgd(comm, [(90, 60), (60,)], rank=4)
     results = []

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from collectives import stop_requested
+from collectives import ring_step
 from hpctrain import data as data_mod
 from hpctrain import device
 from hpctrain.comm.mpi import MpiAllreduce
@@ -47,8 +47,7 @@ def run_steps(comm, strategy_name, optimizer, sharded, fusion_elems, overlap, st
     strategy = STRATEGIES[strategy_name](comm)
     ring = RingStep(mlp(hidden=HIDDEN), strategy, comm, np, (optimizer, {}), fusion_elems, sharded=sharded,
                     overlap=overlap)
-    wire, model, opt, fused = ring.wire, ring.model, ring.optimizer, ring.fused
-    summed = ring.param_wire if sharded else wire
+    model, opt = ring.model, ring.optimizer
     model.init(0)
     losses, stops = [], []
     for step in range(steps):
@@ -56,11 +55,9 @@ def run_steps(comm, strategy_name, optimizer, sharded, fusion_elems, overlap, st
         y = rng.integers(0, 10, 8)
         # only the last rank asks to stop, at step 2
         ring.begin(1e-2, step == 2 and comm.rank == comm.size - 1)
-        wire.loss[0] = comm.rank + 1 + step   # a loss whose sum each rank can compute
-        model.forward_backward(x, y, on_layer_done=fused.layer_done)
-        fused.wait()
-        losses.append(float(summed.loss[0]))
-        stops.append(stop_requested(summed))
+        loss, stop = ring_step(ring, x, y, comm.rank + 1 + step)   # a loss whose sum each rank can compute
+        losses.append(loss)
+        stops.append(stop)
     ring.close()
     getattr(strategy, "inner", strategy).free()
     return model.params.copy(), losses, stops, opt
@@ -79,7 +76,7 @@ def test_sharded_bucket_update_is_bit_identical_on_the_ring(optimizer, fusion_el
     everyone = np.empty((size, shard.size), shard.dtype)
     comm.Allgather(shard, everyone)
     assert all(np.array_equal(row, shard) for row in everyone)
-    # the summed loss and the stop flag reach every rank through the allgather
+    # the summed loss and the stop flag reach every rank
     expect = [float(sum(r + 1 + step for r in range(size))) for step in range(4)]
     assert losses == plain_losses == expect
     assert stops == plain_stops == [False, False, True, False]

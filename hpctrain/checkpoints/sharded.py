@@ -1,6 +1,6 @@
 """A sharded optimizer's state (--shard-optimizer on) in and out of the one
 full-length checkpoint: each rank owns some ranges of the flat buffer
-(comm/fusion.owned_ranges), and the chief gathers the owned parts into
+(comm/data_parallel.py: its shard of each bucket), and the chief gathers the owned parts into
 full-length arrays (the same file an unsharded run writes) or scatters a
 checkpoint's arrays back into them. Raw int64 and float buffers through
 Gather(v)/Scatterv, no pickle; every wait under the watchdog.

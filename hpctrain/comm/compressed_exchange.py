@@ -22,10 +22,8 @@ back after it (Horovod's and DDP's fp16 compression divide before the
 sum): no partial sum can then exceed the largest gradient element of a
 single rank, where an undivided sum of W gradients near 65504 / W
 overflows to inf (tests/test_compression.py shows both). bf16 has
-float32's range and is not divided. The first `exact` elements of the
-buffer (the wire's loss and stop, comm/wire.py) go as float32, in an
-allreduce of their own, so the loss is today's sum and the stop flag exact.
-MPI's and NCCL's collectives have no 16-bit sum in float32: --allreduce mpi
+float32's range and is not divided. The buffer is gradients only: the
+loss and the stop flag are summed apart (comm/loss_and_stop.py). MPI's and NCCL's collectives have no 16-bit sum in float32: --allreduce mpi
 and nccl are refused with fp16 and bf16 (cli.validate).
 
 PowerSGD (`PowerSgd`: rank-R factors with error feedback, Vogels et al.
@@ -47,7 +45,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..chunks import chunk_bounds
-from ..device import all_finite, array_module
+from ..device import all_finite
 from ..optim.compression_math import HALF_KINDS, Half
 from .device_buffers import BoundToDevice
 from .hier import HierAllreduce
@@ -307,19 +305,17 @@ def half_strategy(strategy, codec):
 
 
 class HalfExchange:
-    """--compression fp16|bf16 over `buffer` (the wire, or a pipeline
-    stage's part of it): each bucket through half_strategy(strategy); its
-    first `exact` elements summed in float32 by `strategy` itself.
+    """--compression fp16|bf16 over `buffer` (the gradient buffer, or a
+    pipeline stage's slice of it): each bucket through half_strategy(strategy).
     fp16: `sent_finite` says whether every value this rank put on the wire
     this step was finite, so that a sum that is not can be told from an
     overflow of the 16-bit words (loops/ring.py)."""
 
-    def __init__(self, strategy, buffer, kind, exact=0):
+    def __init__(self, strategy, buffer, kind):
         self.kind, self.codec = kind, Half(kind)
-        self.strategy, self.buffer, self.exact = strategy, buffer, int(exact)
+        self.strategy, self.buffer = strategy, buffer
         self.half = half_strategy(strategy, self.codec)
         self.size = strategy.size
-        self._head = array_module(buffer).zeros(max(self.exact, 1), buffer.dtype)
         self.sent_finite = True
 
     def begin(self, step):
@@ -335,34 +331,26 @@ class HalfExchange:
 
     def _run(self, lo, hi, op):
         buf = self.buffer[lo:hi]
-        k = max(0, min(hi, self.exact) - lo)
-        if k:
-            head = self._head[:k]
-            head[...] = buf[:k]
-            self.strategy.allreduce(head)   # the loss and stop: float32, today's sum
         if self.codec.prescale and self.sent_finite:   # fp16 (one scan, beside the encode's passes)
-            self.sent_finite = all_finite(buf[k:])
+            self.sent_finite = all_finite(buf)
         done = op(buf)
-        if k:
-            buf[:k] = head
         return (0, buf.size) if done is buf else done
 
     def sent_bytes(self, lo, hi):
         """Bytes of this bucket each rank hands its strategy per step (the
         ring sends 2(N-1)/N of them)."""
-        k = max(0, min(hi, self.exact) - lo)
-        return 2 * (hi - lo) + 4 * k
+        return 2 * (hi - lo)
 
 
-def make_exchange(compression, strategy, buffer, matrices=(), offset=0, exact=0):
+def make_exchange(compression, strategy, buffer, matrices=(), offset=0):
     """The exchange for run/plan.Compression `compression` over `buffer`,
     or None for --compression none (the strategy as today). matrices and
-    offset: PowerSGD's (PowerSgd); exact: fp16/bf16's float32 head (HalfExchange)."""
+    offset: PowerSGD's (PowerSgd)."""
     kind = compression.kind
     if kind == "none":
         return None
     if kind in HALF_KINDS:
-        return HalfExchange(strategy, buffer, kind, exact)
+        return HalfExchange(strategy, buffer, kind)
     return PowerSgd(strategy, buffer, matrices, offset, start=compression.start,
                     warm_start=compression.warm_start, eps=compression.epsilon,
                     error_feedback=compression.error_feedback, seed=compression.seed)

@@ -37,11 +37,6 @@ class BoundToDevice(WrappedStrategy):
         device.use_device(self.xp, self.device_id)
         return self.inner.allgather(buf)
 
-    def host_copy(self, buf):
-        """The inner strategy's host copy of buf's result (staged), or None."""
-        inner = getattr(self.inner, "host_copy", None)
-        return inner(buf) if inner is not None else None
-
 
 class HostMirror:
     """What MPI should read and write for one (contiguous) array.

@@ -7,20 +7,19 @@ end of the buffer towards its start; buckets are cut from the end so they
 become ready in order. A communication thread runs the allreduces one after
 another (MPI needs someone to drive progress: the thread blocks inside MPI
 with the GIL released, and NumPy's matrix products release it too), and right
-after a bucket's allreduce it may run a callback on it (the optimizer update
-of those elements), so the main thread's wait at the end covers only what is
-not yet done. Bucket boundaries do not depend on timing, and each bucket is
+after a bucket's allreduce it runs the update of those elements, so the main
+thread's wait at the end covers only what is not yet done. Bucket boundaries do not depend on timing, and each bucket is
 reduced by the same algorithm as without overlap: results are bit-for-bit
 those of reducing the same buckets one after another.
 
     mpirun -n 2 python -m hpctrain.mnist --fusion-mb 1      # overlapped buckets
     mpirun -n 2 python -m hpctrain.mnist --fusion-mb 0      # one allreduce after backprop
 
-Sharded (`gather=` a second buffer laid out like the wire, ZeRO stage 1): a
-bucket is reduce-scattered instead, `on_reduced` runs on the part this rank
-owns (its wire range), and the allgather then carries the same range of
-`gather` (the updated parameters) to every rank. Same bytes on the wire,
-1/N of the update work.
+What a bucket's sum and update are is the data-parallel update's
+(comm/data_parallel.py: allreduce, or with --shard-optimizer reduce-scatter,
+this rank's part updated, the parameters allgathered; through the
+compression exchange with --compression); this module only decides when,
+and on which thread.
 
 On a GPU, the two threads may compute on two streams (CuPy's per-thread
 default streams, or any stream a thread makes current), so nothing but
@@ -32,31 +31,17 @@ which `wait()` makes the main stream wait for, so the next forward reads
 updated parameters. Neither host thread blocks for the other's kernels (the
 main thread used to synchronize its whole stream in `layer_done`).
 
-Deferred updates (`before_updates=` a callable, --clip-norm): the clip
-factor needs the norm of the whole summed gradient, known only after the
-last bucket. Then the buckets are summed as above (overlapped with
-backprop), but no bucket's update (nor, sharded, its allgather) runs until
-wait() has seen every sum and called before_updates(); the updates and
-allgathers then run in wait(), bucket by bucket, in the main thread. The
-sums still hide behind backprop; the update no longer does.
-
-`head`: the first elements of the reduced buffer (the wire's summed loss and
-stop) as a host array, filled as soon as the bucket that holds them is
-reduced: from the strategy's own host copy where it has one (staged), else
-with a small copy by whichever thread reduced the bucket, right after the
-strategy synchronized its stream. The training loop reads the stop flag and
-the loss there every step without a device synchronization of its own.
-
-Compressed (`exchange=` comm/compressed_exchange.py's, --compression): a bucket's sum
-(sharded: its reduce-scatter) is the exchange's `allreduce(lo, hi)`
-(`reduce_scatter(lo, hi)`) of the buffer instead of the strategy's; the
-rest is as above, the sharded allgather of the parameters (float32) included.
+Deferred updates (--clip-norm): the clip factor needs the norm of the
+whole summed gradient, known only after the last bucket. Then the buckets
+are summed as above (overlapped with backprop), but no bucket's update (nor,
+sharded, its allgather) runs until wait() has seen every sum and called the
+update's clip_scale(); the updates and allgathers then run in wait(), bucket
+by bucket, in the main thread. The sums still hide behind backprop; the
+update no longer does.
 """
 import queue
 import threading
 import time
-
-import numpy as np
 
 from .. import device
 from .strategy import waiting
@@ -83,57 +68,41 @@ def bucket_bounds(n, bucket_elems, cuts=()):
     return bounds
 
 
-def owned_ranges(strategy, buckets):
-    """The ranges [(lo, hi)] of the buffer this rank updates when sharded (one
-    per bucket, possibly empty): its shard of each bucket. Known before the
-    first step: the optimizer's state is sized from them."""
-    out = []
-    for lo, hi in buckets:
-        a, b = strategy.shard(hi - lo)
-        out.append((lo + a, lo + b))
-    return out
+def ready_from(layer_ranges):
+    """For each layer i (its range (lo, hi) in the gradient buffer): the lowest
+    offset that is final once layer i's gradient is done. Layers finish from
+    last to first, so that is layer i's start (0 for layer 0, whatever it holds)."""
+    return [0] + [lo for lo, _ in layer_ranges[1:]]
 
 
 class FusedAllreduce:
-    """Drive bucketed allreduces of `buffer` (a flat array; comm/wire.py's
-    Wire.buffer in training) with `strategy` (comm/__init__.make_allreduce)
-    from backprop's layer callbacks.
+    """Drive the buckets of one part of a data-parallel update (`update`:
+    comm/data_parallel.DataParallelUpdate, its part `part`: in training the
+    whole model's gradient buffer) from backprop's layer callbacks: each
+    bucket's sum (`update.reduce`), then, unless the update is deferred
+    (--clip-norm), its update and, sharded, its allgather (`update.update`,
+    `update.gather`).
 
     ready_from[i]: the lowest buffer offset that is final once layer i's gradient
-    is done (layers finish from last to first); buckets: bucket_bounds(...) of
-    the same buffer. Per step: `layer_done(i)` from
-    backprop, then `wait()`; `on_reduced(lo, hi)` runs on each reduced bucket.
-    With `gather` (a buffer of the same length and layout), each bucket is
-    reduce-scattered, `on_reduced` runs on the owned part only (owned_ranges),
-    and `gather`'s bucket range is allgathered. `marks`: device.stream_marks(xp), the events that order the
-    two threads' streams (default: NumPy's, which do nothing). After wait(),
-    `head` (a host array of `head` elements) holds the first elements of the
-    result: the reduced wire, or `gather` when sharded. With `before_updates`,
-    every on_reduced (and allgather) waits for it, in wait(), after the last
-    bucket's sum.
+    is done (layers finish from last to first); the part's buckets are
+    bucket_bounds(...) of the same buffer. Per step: `layer_done(i)` from
+    backprop, then `wait()`. `marks`: device.stream_marks(xp), the events
+    that order the two threads' streams (default: NumPy's, which do
+    nothing). Deferred, every update (and allgather) waits, in wait(), for
+    the last bucket's sum and update.clip_scale().
     """
 
-    def __init__(self, strategy, buffer, ready_from, buckets, marks=None, on_reduced=None,
-                 overlap=True, timeline=None, watchdog=None, gather=None, head=2, before_updates=None,
-                 exchange=None):
-        self.strategy = strategy
-        self.exchange = exchange
-        self.before_updates = before_updates
-        self.buffer = buffer
-        if gather is not None and (gather.shape != buffer.shape or gather.dtype != buffer.dtype):
-            raise ValueError("the gathered buffer must have the reduced buffer's length and type")
-        self.gather = gather
+    def __init__(self, update, ready_from, marks=None, overlap=True, timeline=None, watchdog=None, part=0):
+        self.update, self.part = update, part
         self.ready_from = list(ready_from)
-        self.buckets = list(buckets)
+        self.buckets = list(update.parts[part].buckets)
         self.marks = marks or device.HostMarks()
-        self.head = np.zeros(min(head, buffer.size), buffer.dtype)
-        self.on_reduced = on_reduced
         # One rank has nothing to reduce, one bucket nothing to overlap: no thread.
-        self.overlap = overlap and len(self.buckets) > 1 and strategy.size > 1
+        self.overlap = overlap and len(self.buckets) > 1 and update.strategy is not None and \
+            update.strategy.size > 1
         self.timeline = timeline
         self.watchdog = watchdog
         self._next = 0          # index of the next bucket to launch
-        self._error = None
         # Last step's accounting (seconds): the main thread's wait in wait(), and
         # how much of it was allreduce and how much optimizer update (the rest of
         # their time was hidden behind backprop); update_s is all update time.
@@ -167,10 +136,10 @@ class FusedAllreduce:
                 if isinstance(item, BaseException):
                     raise item
                 self.marks.use(item)   # the next forward waits for this bucket's update
-        if self.before_updates is not None:
-            self.before_updates()   # every sum is in: e.g. the clip norm
-            for lo, hi in self.buckets:
-                self._update(lo, hi, *self._owned_part(lo, hi))
+        if self.update.deferred:
+            self.update.clip_scale()   # every sum is in: the clip norm
+            for i in range(len(self.buckets)):
+                self._update(i)
         self._next = 0
         t1 = time.perf_counter()
         self.wait_s = t1 - t0
@@ -204,68 +173,43 @@ class FusedAllreduce:
         backprop = self.marks.mark() if self.overlap else None
         while self._next < len(self.buckets) and ready(self.buckets[self._next][0]):
             if self.overlap:
-                self._todo.put((self.buckets[self._next], backprop))
+                self._todo.put((self._next, backprop))
             else:
-                self._reduce(*self.buckets[self._next])
+                self._reduce(self._next)
             self._next += 1
 
-    def _copy_head(self, lo, buf):
-        """After the bucket [lo, ...) that holds the head was reduced into buf."""
-        if lo != 0 or not self.head.size:
-            return
-        host = getattr(self.strategy, "host_copy", None)
-        src = host(buf) if host is not None else None
-        if src is None:   # no host copy: the strategy left the stream synchronized, the copy is short
-            src = device.to_host(buf[: self.head.size])
-        self.head[...] = src[: self.head.size]
-
-    def _owned_part(self, lo, hi):
-        """The range of bucket [lo, hi) that on_reduced gets, relative to lo."""
-        return self.strategy.shard(hi - lo) if self.gather is not None else (0, hi - lo)
-
-    def _reduce(self, lo, hi):
-        """Sum bucket [lo, hi) (all of it, or this rank's part with gather);
-        then, unless deferred, its update (and allgather)."""
+    def _reduce(self, i):
+        """Sum bucket i (all of it, or this rank's part when sharded); then,
+        unless deferred, its update (and allgather)."""
+        (lo, hi), update = self.buckets[i], self.update
         t0 = time.perf_counter()
-        buf, exchange = self.buffer[lo:hi], self.exchange
-        if self.gather is not None:
-            a, b = exchange.reduce_scatter(lo, hi) if exchange else self.strategy.reduce_scatter(buf)
-            what = "reduce-scatter"
-        else:
-            if exchange:
-                exchange.allreduce(lo, hi)
-            else:
-                self.strategy.allreduce(buf)
-            self._copy_head(lo, buf)
-            a, b, what = 0, hi - lo, "allreduce"
+        update.reduce(self.part, i)
         t1 = time.perf_counter()
         self._spans.append((t0, t1, False))
         if self.timeline is not None:
-            sent = exchange.sent_bytes(lo, hi) if exchange else (hi - lo) * self.buffer.itemsize
-            self.timeline.add(f"{what} [{lo}:{hi})", "comm", t0, t1, {"bytes": sent})
-        if self.before_updates is None:
-            self._update(lo, hi, a, b)
+            what = "reduce-scatter" if update.sharded else "allreduce"
+            self.timeline.add(f"{what} [{lo}:{hi})", "comm", t0, t1, {"bytes": update.sent_bytes(self.part, i)})
+        if not update.deferred:
+            self._update(i)
 
-    def _update(self, lo, hi, a, b):
-        """on_reduced on the summed part [lo + a, lo + b) of bucket [lo, hi);
-        with gather, then the allgather of gather's bucket range."""
+    def _update(self, i):
+        """The update of this rank's summed part of bucket i; sharded, then the
+        allgather of the bucket's parameters."""
+        (lo, hi), update = self.buckets[i], self.update
         t1 = time.perf_counter()
-        if self.on_reduced is not None:
-            self.on_reduced(lo + a, lo + b)
-            t2 = time.perf_counter()
-            self._spans.append((t1, t2, True))
-            if self.timeline is not None:
-                self.timeline.add(f"optimizer [{lo + a}:{lo + b})", "optimizer", t1, t2)
-        if self.gather is not None:
-            t2 = time.perf_counter()
-            buf = self.gather[lo:hi]
-            self.strategy.allgather(buf)
-            self._copy_head(lo, buf)
+        update.update(self.part, i)
+        t2 = time.perf_counter()
+        self._spans.append((t1, t2, True))
+        if self.timeline is not None:
+            a, b = update.parts[self.part].owned[i]
+            self.timeline.add(f"optimizer [{a}:{b})", "optimizer", t1, t2)
+        if update.sharded:
+            update.gather(self.part, i)
             t3 = time.perf_counter()
             self._spans.append((t2, t3, False))
             if self.timeline is not None:
-                self.timeline.add(f"allgather [{lo}:{hi})", "comm", t2, t3,
-                                  {"bytes": (hi - lo) * self.buffer.itemsize})
+                itemsize = update.parts[self.part].params.itemsize
+                self.timeline.add(f"allgather [{lo}:{hi})", "comm", t2, t3, {"bytes": (hi - lo) * itemsize})
 
     def _worker(self):
         self.marks.bind_thread()
@@ -276,7 +220,7 @@ class FusedAllreduce:
             bucket, backprop = item
             try:
                 self.marks.use(backprop)   # MPI and copies read the bucket after backprop wrote it
-                self._reduce(*bucket)
+                self._reduce(bucket)
                 self._done.put(self.marks.mark())   # the next forward runs after this bucket's update
             except BaseException as exc:  # surface in the main thread
                 self._done.put(exc)

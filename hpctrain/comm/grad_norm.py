@@ -1,22 +1,27 @@
-"""The sum of squares of the fused, summed gradient buffer, for --clip-norm in
-ring mode: the same bits whether each rank holds every bucket's sum
-(allreduce) or only its own part of each (--shard-optimizer on, reduce-scatter).
+"""The one gradient norm of a data-parallel update (--clip-norm; ring mode
+and every pipeline stage alike, comm/data_parallel.py): the same bits
+whether a rank holds the whole summed gradient (allreduce), only its part
+of each bucket (--shard-optimizer on, reduce-scatter) or only a pipeline
+stage's slice of it.
 
-Float sums depend on how they are split, so both ways split alike: every
-bucket is cut into the strategy's parts (`strategy.parts`, the shards of
-all the ranks), each part's sum of squares is taken on its own
-(clipping.sum_squares), and the parts are added with math.fsum, which is
-correctly rounded and so blind to their order. Unsharded, a rank holds
-every part and computes them all: no message. Sharded, it holds one part
-per bucket; one Allgather of a float64 per bucket and rank (a few dozen
-bytes) brings everyone the rest. Either way every rank gets the same norm.
+Float sums depend on how they are split, so every way splits alike: the
+whole model's gradient is cut into ring mode's buckets, each bucket into
+the strategy's parts (`part_ranges`: the shards of all the ranks), each
+part's sum of squares is taken on its own (clipping.sum_squares) and the
+parts are added with math.fsum (optim/clipping.py), correctly rounded and
+so blind to their order. A rank sums the squares of its piece of each part
+(what it holds summed: everything, its shard, a stage's slice) into a slot
+of its own, (part, chunk, replica); one Allreduce of the slots brings every
+piece to every rank, and as each slot has one contributor the sum is exact
+in any reduction order: every rank gets the same partials, hence the same
+factor. Where a rank holds every part (the ring unsharded) there is no
+message at all. Where a part crosses a pipeline stage's (or chunk's) cut it
+is summed in two pieces, and the norm differs from ring mode's by float64
+rounding (tests/test_pipeline.py).
 
-The loss and stop slots at the wire's front (comm/wire.py) are summed with
-the gradient but are not part of it: `skip` leaves them out.
-
-Beyond communicators and arrays this imports hpctrain.clipping.sum_squares:
+Beyond communicators and arrays this imports optim.clipping.sum_squares:
 the arithmetic of a norm, shared with the ps server (comm/ps/aggregate.py),
-so both modes take a norm by the same reduction.
+so every mode takes a norm by the same reduction.
 
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_clip.py
 """
@@ -26,41 +31,42 @@ from ..optim.clipping import sum_squares
 from .strategy import waiting
 
 
-def part_ranges(buckets, parts, skip=0):
+def part_ranges(buckets, parts):
     """The ranges a norm's sums of squares are taken over: each bucket
-    (lo, hi) cut by parts(hi - lo) (-> [(a, b)]), the first `skip` elements
-    of the buffer left out; empty ranges kept (the pipeline's --clip-norm
-    cuts ring mode's alike: pipeline/grad_norm.py)."""
-    out = []
-    for lo, hi in buckets:
-        out += [(max(lo + a, skip), max(lo + b, skip)) for a, b in parts(hi - lo)]
-    return out
+    (lo, hi) cut by parts(hi - lo) (-> [(a, b)]); empty ranges kept."""
+    return [(lo + a, lo + b) for lo, hi in buckets for a, b in parts(hi - lo)]
 
 
-class BucketNorm:
-    """sum_of_squares() of buffer[skip:] once FusedAllreduce has summed
-    every bucket of `buckets` ([(lo, hi)] of the buffer) with `strategy`.
-    sharded: this rank holds only strategy.shard of each bucket, and
-    `comm` (every rank of the strategy's) carries the parts under `watchdog`."""
+class GradNorm:
+    """partials(grads): the sums of squares of the whole model's summed
+    gradient over `ranges` (part_ranges, model coordinates), on every rank
+    of `comm` (None: this rank holds every part, nothing is sent).
 
-    def __init__(self, strategy, buckets, buffer, skip=0, sharded=False, comm=None, watchdog=None):
-        self.buffer, self.sharded, self.comm, self.watchdog = buffer, sharded, comm, watchdog
-        # Empty ranges stay: sharded, every rank sends one value per bucket.
-        self.ranges = part_ranges(buckets, (lambda n: [strategy.shard(n)]) if sharded else strategy.parts, skip)
-        if sharded:
-            if comm is None:
-                raise ValueError("a sharded norm needs the communicator of the ranks holding the parts")
-            self._mine = np.zeros(len(self.ranges), np.float64)
-            self._everyone = np.zeros(len(self.ranges) * comm.Get_size(), np.float64)
+    held: per local buffer k (the model's, or a pipeline stage's chunks)
+    (c, lo, ranges): the model's chunk c (0 in ring mode), the buffer's
+    offset lo in the model, and the ranges of it (buffer coordinates) this
+    rank holds summed. chunks: how many the model is cut into (1, P or PV);
+    replicas, replica: how many ranks hold pieces of one chunk's parts, and
+    this rank's index among them. Part i's piece on chunk c, replica q has
+    slot (i C + c) R + q; grads: per local buffer, its gradient."""
 
-    def partials(self):
-        """The sums of squares of every part of the buffer (sharded: of every
-        rank's part, after a collective over comm)."""
-        mine = sum_squares([self.buffer[a:b] for a, b in self.ranges])
-        if not self.sharded:
-            return mine
-        self._mine[...] = mine
-        with waiting(self.watchdog, "clip norm: sums of squares allgather"):
-            self.comm.Allgather(self._mine, self._everyone)
-        return self._everyone
+    def __init__(self, ranges, held, chunks=1, replicas=1, replica=0, comm=None, watchdog=None):
+        self.comm, self.watchdog = comm, watchdog
+        R = replicas
+        self._mine = [((i * chunks + c) * R + replica, k, max(a - lo, o_lo), min(b - lo, o_hi))
+                      for k, (c, lo, owned) in enumerate(held)
+                      for i, (a, b) in enumerate(ranges) for o_lo, o_hi in owned
+                      if max(a - lo, o_lo) < min(b - lo, o_hi)]
+        self._slots = np.array([slot for slot, _, _, _ in self._mine], np.int64)
+        self._pieces = np.zeros(len(ranges) * chunks * R, np.float64)
+        self._all = np.zeros_like(self._pieces)
 
+    def partials(self, grads):
+        self._pieces[...] = 0
+        # a part may meet two held ranges of one rank: its pieces add up there, in one order
+        np.add.at(self._pieces, self._slots, sum_squares([grads[k][a:b] for _, k, a, b in self._mine]))
+        if self.comm is None:
+            return self._pieces
+        with waiting(self.watchdog, "clip norm: sums of squares allreduce"):
+            self.comm.Allreduce(self._pieces, self._all)   # the default op: a sum
+        return self._all

@@ -7,9 +7,7 @@ k-1's copy back run on the copy engines while the host strategy reduces chunk
 k. reduce_scatter and allgather stage the whole buffer at once (the owned
 part is a range of the whole buffer, not of a chunk) and copy back only what
 changed. The host buffer is pinned, allocated once, and grows only for a
-larger buffer. After an allreduce or allgather it holds the result, which
-`host_copy(buf)` hands out: comm/fusion.py reads the summed loss and stop
-flag there, so the training loop needs no device synchronization for them.
+larger buffer.
 
 `copier` (device.copier(xp)) does the copies; with device.HostCopier and NumPy
 arrays the same logic runs on CPU, which is how it is tested:
@@ -42,7 +40,6 @@ class StagedAllreduce(WrappedStrategy):
         self.name = f"{getattr(inner, 'name', 'allreduce')} (staged)"
         self._host = None
         self._back = None   # token of the last copy back (it reads self._host)
-        self._last = None   # (buffer, host array holding its result) of the last call
 
     def _host_for(self, buf):
         host = self._host
@@ -55,16 +52,8 @@ class StagedAllreduce(WrappedStrategy):
         # stream, and the next copy to it waits for that stream (after=mark()).
         return host[: buf.size]
 
-    def host_copy(self, buf):
-        """A host array equal to `buf` as the last call left it, if that call
-        was an allreduce or allgather of this very array object; else None.
-        Valid until the next call (on the host: no device work to wait for)."""
-        last = self._last
-        return last[1] if last is not None and last[0] is buf else None
-
     def allreduce(self, buf):
         n = buf.size
-        self._last = None
         if self.size == 1 or n == 0:
             return buf
         copier = self.copier
@@ -86,7 +75,6 @@ class StagedAllreduce(WrappedStrategy):
             back = copier.to_device(host[lo:hi], buf[lo:hi])
         copier.use(back)  # compute that reads buf runs after the last copy back (copies in order)
         self._back = back
-        self._last = (buf, host)
         return buf
 
     def _stage(self, buf, lo, hi, run):
@@ -102,13 +90,11 @@ class StagedAllreduce(WrappedStrategy):
         return lo, hi
 
     def reduce_scatter(self, buf):
-        self._last = None
         if self.size == 1 or buf.size == 0:
             return self.shard(buf.size)
         return self._stage(buf, 0, buf.size, self.inner.reduce_scatter)
 
     def allgather(self, buf):
-        self._last = None
         if self.size == 1 or buf.size == 0:
             return buf
         lo, hi = self.shard(buf.size)
@@ -117,7 +103,6 @@ class StagedAllreduce(WrappedStrategy):
             self.inner.allgather(host)
             return 0, buf.size
         self._stage(buf, lo, hi, gather)
-        self._last = (buf, self._host[: buf.size])
         return buf
 
 

@@ -21,8 +21,10 @@ from .. import device, prefetch
 from ..comm import make_allreduce
 from ..comm.device_buffers import bcast
 from ..comm.topology import Topology
-from ..optim.optimizers import make_optimizer, state_bytes
 from ..comm.compressed_exchange import summary
+from ..comm.data_parallel import DataParallelUpdate, NormScope, Part, model_buckets
+from ..optim.clipping import Clip
+from ..optim.optimizers import state_bytes
 from ..pipeline import stage_compression as pipeline_compression
 from ..pipeline import schedule as sched
 from ..pipeline import whole
@@ -30,7 +32,6 @@ from ..pipeline.engine import Engine
 from ..pipeline.stage_compression import StageCompression
 from ..pipeline.grid import Grid
 from ..pipeline.stage import Stage
-from ..pipeline.stages import owned_pieces, stage_pieces
 from ..pipeline.tied import TiedStages
 from ..pipeline.trace import StageTrace
 from .frame import Frame
@@ -61,21 +62,26 @@ def train_pipe(world, plan, inputs, timeline):
                     copies=copies[k]) for k in range(virtual)]
     for chunk in chunks:
         initial_parameters(world, spec, grid, chunk, plan.data.seed)
-    # --shard-optimizer (auto: ring mode's rule, over the stage's R replicas):
-    # each replica keeps the optimizer state of its part of each chunk's slice.
-    sharded = plan.ring.shard_optimizer and strategy is not None
-    # ring mode's buckets over each chunk's part of its wire: averaged (and owned) bucket by bucket as there
-    pieces = [stage_pieces(spec, plan.ring.fusion_elems, chunk) for chunk in chunks]
-    optimizers = [make_optimizer(plan.optimizer.name, chunk.hi - chunk.lo, xp, **plan.optimizer.kwargs,
-                                 owned=owned_pieces(p, strategy.shard, chunk.body_at) if sharded else None)
-                  for chunk, p in zip(chunks, pieces)]
     reader = prefetch.device_batches(inputs.reader(world.comm, grid.replica, grid.replicas, stage_arrays(grid)), xp)
     layouts = whole.Layouts(spec, cuts)
     # --compression: the stage's replicas average through its exchange (none with one replica)
     # (one chunk a stage: stages.cuts_for refuses --compression with --virtual-stages V > 1)
     compression = StageCompression(plan.compression, spec, cuts, chunks[0], strategy) if virtual == 1 else None
+    # ring mode's data-parallel update over the stage's chunks (comm/data_parallel.py): ring mode's
+    # buckets cut to each chunk's slice, averaged (and, --shard-optimizer: auto is ring mode's rule,
+    # over the stage's R replicas, owned) bucket by bucket as there; --clip-norm's one norm over
+    # every stage's chunks, summed over the world
+    update = DataParallelUpdate(
+        [Part(chunk.params, chunk.grads, chunk.lo, sched.chunk_index(stages, grid.stage, k),
+              compression.exchange if compression is not None else None) for k, chunk in enumerate(chunks)],
+        model_buckets(spec.layer_ranges, spec.num_params, plan.ring.fusion_elems), strategy,
+        (plan.optimizer.name, plan.optimizer.kwargs), xp, 1.0 / (grid.replicas * micro),
+        sharded=plan.ring.shard_optimizer, clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
+        scope=NormScope(world.comm, stages * virtual, grid.replicas, grid.replica, world.watchdog))
+    optimizers = update.optimizers
     if compression is not None and compression.exchange is not None:
-        world.say(summary(compression.exchange, pieces[0], sharded).replace("hpctrain: ", "hpctrain: stage 0's "))
+        world.say(summary(compression.exchange, update.parts[0].buckets, update.sharded)
+                  .replace("hpctrain: ", "hpctrain: stage 0's "))
     elif compression is not None and plan.compression.kind != "none":
         world.say(f"hpctrain: --compression {plan.compression.kind}: one replica a stage, nothing is exchanged "
                   f"and nothing compressed")
@@ -93,8 +99,7 @@ def train_pipe(world, plan, inputs, timeline):
         tied.share_parameters()
 
     # --- training, then the end ----------------------------------------------
-    engine = Engine(world, spec, grid, chunks, strategy, optimizers, actions, pieces, plan.data.batch_size,
-                    plan.optimizer.clip_norm, plan.ring.fusion_elems,
+    engine = Engine(world, spec, grid, chunks, update, actions, plan.data.batch_size,
                     StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), compression=compression,
                     tied=tied)
     model = whole.Pipelined(world, plan, engine, layouts)   # what the frame evaluates and saves, stage by stage

@@ -16,8 +16,8 @@ memory check (`memory_bytes`), ps placement (`tensor_ranges`), fusion
 (`layer_ranges`), the pipeline's stage balance (`flops`).
 
 `spec.build(xp, params=, grads=)` then returns the model (nn/sequential.py)
-over buffers the caller owns (the ring's wire, the ps shared-memory window)
-or fresh ones, through the plain parameter store (nn/store.py).
+over buffers the caller owns (the ring's gradient buffer, the ps shared-memory
+window) or fresh ones, through the plain parameter store (nn/store.py).
 
 Layout: layers in order, layer 0 first; within a layer its tensors in
 `param_shapes()` order. Backprop finishes the last layer first, so the

@@ -5,18 +5,20 @@ engine is made, not taken for another), activations forward and their
 gradients back as raw float32 buffers (Isend/Irecv on the replica's pipe
 communicator); then the stage's micro-batches' gradient, summed as
 --accumulate-steps sums it (stage.py), averaged over the stage's R replicas
-(the --allreduce strategy on the stage communicator, over ring mode's
-buckets) and the update (sharded: reduce-scatter, each replica its part,
-allgather). So a pipeline ends with the parameters of `--accumulate-steps
-M` on R ranks, bit for bit (tests/test_pipeline.py). With --compression the
-pieces go through the stage's exchange (pipeline/stage_compression.py) instead.
+and the update: ring mode's data-parallel update (comm/data_parallel.py,
+over its buckets cut to each chunk's slice, the --allreduce strategy on the
+stage communicator; sharded: reduce-scatter, each replica its part,
+allgather; --clip-norm: the one norm over every stage's chunks; with
+--compression through the stage's exchange, pipeline/stage_compression.py),
+run after the last backward. So a pipeline ends with the parameters of
+`--accumulate-steps M` on R ranks, bit for bit (tests/test_pipeline.py).
 
 With the interleaved schedule a stage holds V chunks (one Stage each, its
 own transfers, optimizer and buckets) and every action names its local
 chunk: the engine keys what actions hand each other by (micro-batch,
 chunk), sends chunk c's output to chunk c + 1 on stage (s + 1) mod P and
 its input gradient to chunk c - 1 on stage (s - 1) mod P, and updates
-chunk by chunk; each chunk backprops 0..M-1 (schedule.actions_for refuses
+every chunk in one update; each chunk backprops 0..M-1 (schedule.actions_for refuses
 a schedule that does not), so the bits are still those of --accumulate-steps M.
 
 The loss lives on the last stage, layer 0 on the first: each step one world
@@ -38,13 +40,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import device
-from ..chunks import chunk_parts
 from ..nn.accumulate import Accumulation
 from ..nn.losses import add_sums
-from ..optim.clipping import Clip
 from . import schedule as sched
-from .grad_norm import StageNorm, ring_ranges
-from .stages import body_range
 from .transfers import Receives, Sends
 
 EVAL_TAG = 31001   # + the sender's local chunk: evaluation activations, on the pipe communicator
@@ -68,19 +66,16 @@ class Engine:
     world: run/world.World (its comm, watchdog, stop signal, array module);
     spec: the model's; grid: this rank's (grid.py); chunks: this stage's
     chunks (stage.py Stage each: one, or V with --virtual-stages, local
-    chunk k the model's chunk kP + s); strategy: the stage's allreduce over
-    its replicas (None for one); optimizers: one per chunk, over its slice
-    (sharded: its part); actions: this stage's schedule (schedule.py);
-    pieces: per chunk, ring mode's buckets of its wire
-    (stages.stage_pieces); batch: a micro-batch's samples; clip_norm:
-    --clip-norm or None (the norm over every stage's chunks: grad_norm.py);
-    fusion_elems: the buckets' size, for the norm's parts; trace: its
-    --timeline spans (trace.StageTrace); compression: the stage's
-    pipeline/stage_compression.StageCompression or None (--compression: the
-    pieces through its exchange instead of the strategy; one chunk a stage
-    only, stages.cuts_for refuses it with --virtual-stages V > 1); tied:
-    pipeline/tied.TiedStages (tied tensors across the cut: their gradients
-    summed before the average, the owner's tensor shared after the update) or None.
+    chunk k the model's chunk kP + s); update: the data-parallel update
+    over them (comm/data_parallel.py: a part per chunk, its optimizer,
+    --clip-norm's one norm, --compression's exchange); actions: this
+    stage's schedule (schedule.py); batch: a micro-batch's samples; trace:
+    its --timeline spans (trace.StageTrace); compression: the stage's
+    pipeline/stage_compression.StageCompression or None (its checkpoint
+    state; one chunk a stage only, stages.cuts_for refuses it with
+    --virtual-stages V > 1); tied: pipeline/tied.TiedStages (tied tensors
+    across the cut: their gradients summed before the average, the owner's
+    tensor shared after the update) or None.
 
     Messages: chunk c's activations go to chunk c + 1 (stage (s + 1) mod P),
     its input gradients to chunk c - 1 (stage (s - 1) mod P), on the pipe
@@ -88,16 +83,13 @@ class Engine:
     kM + m for an activation, VM + kM + m for a gradient, so that two
     stages that trade both ways (P = 2) never confuse two messages."""
 
-    def __init__(self, world, spec, grid, chunks, strategy, optimizers, actions, pieces, batch, clip_norm,
-                 fusion_elems, trace, compression=None, tied=None):
+    def __init__(self, world, spec, grid, chunks, update, actions, batch, trace, compression=None, tied=None):
         self.tied = tied   # pipeline/tied.TiedStages: tied tensors across the cut, or None
-        self.world, self.grid, self.chunks, self.strategy, self.optimizers = world, grid, chunks, strategy, optimizers
+        self.world, self.grid, self.chunks, self.update = world, grid, chunks, update
+        self.optimizers, self.sharded, self.clip = update.optimizers, update.sharded, update.clip
         self.compression = compression
         self.exchange = compression.exchange if compression is not None else None
-        if self.exchange is not None and len(chunks) > 1:
-            raise ValueError("--compression with --virtual-stages V > 1 (stages.cuts_for refuses it)")
         self.spec = spec
-        self.sharded = getattr(optimizers[0], "ranges", None) is not None
         self.xp, self.micro, self.actions = world.xp, chunks[0].micro, actions
         unknown = {type(a).__name__ for a in actions} - {t.__name__ for t in ACTIONS}
         if unknown:
@@ -116,9 +108,6 @@ class Engine:
         self.wire_overflowed = False
         self.schedule_done = None
         self.trace = trace   # --timeline; without it, no-ops
-        self.grad_scale = 1.0 / (grid.replicas * self.micro)
-        self.pieces = pieces
-        self.clip, self.norm = (Clip(clip_norm), self._norm(fusion_elems)) if clip_norm else (None, None)
         # the micro-batches' losses (the last chunk's), summed as --accumulate-steps sums them
         self.losses = Accumulation(self.xp.zeros(1, np.float32))
         # the neighbours: chunk to chunk round the stages (one chunk per stage: no wrap)
@@ -157,27 +146,11 @@ class Engine:
         sender = k + 1 if self.grid.stage == self.grid.stages - 1 and self.virtual > 1 else k
         return (self.virtual + sender) * self.micro + m
 
-    def _norm(self, elems):
-        # --clip-norm: the sums of squares of ring mode's parts (its buckets
-        # and its strategy's cut; one rank's strategy is one part), over the
-        # stages' chunks; each replica sums what it holds reduced (sharded: its part)
-        grid = self.grid
-        parts = self.strategy.parts if self.strategy is not None else (lambda n: chunk_parts(n, 1))
-        ranges = ring_ranges(self.spec, elems, parts)
-        slices = []
-        for k, (chunk, optimizer) in enumerate(zip(self.chunks, self.optimizers)):
-            owned = optimizer.ranges if self.sharded else [(0, chunk.hi - chunk.lo)] if grid.replica == 0 else []
-            slices.append((sched.chunk_index(grid.stages, grid.stage, k), chunk.lo, owned))
-        return StageNorm(ranges, slices, grid.stages * self.virtual, grid, self.world.comm, self.world.watchdog)
-
     def run(self, batches, lr, step=0):
         """batches: M (x, y, noise) of 0-based `step`; returns (loss summed over the replicas, whether any
         rank stops)."""
         trace, start = self.trace, time.perf_counter()
-        for optimizer in self.optimizers:
-            optimizer.begin(lr, self.grad_scale)
-        if self.exchange is not None:
-            self.exchange.begin(step)
+        self.update.begin(lr, step)
         self.losses.restart()
         self._step = _Step(batches)
         for receives in self.from_before + self.from_next:
@@ -296,50 +269,20 @@ class Engine:
         self.to_before[k].send(self._step.grads_out.pop((m, k)), (self.virtual + k) * self.micro + m, self.xp)
 
     def _update(self):
-        # every chunk's gradient averaged (or reduce-scattered), then the one
-        # clip factor over them all (--clip-norm), then each chunk's update
-        chunks, optimizers, pieces = self.chunks, self.optimizers, self.pieces
+        # every chunk's gradient averaged (sharded: reduce-scattered), then the
+        # one clip factor over them all (--clip-norm) and each chunk's update,
+        # then (sharded) the parameters allgathered: comm/data_parallel.py
+        update = self.update
         device.synchronize(self.xp)
-        if self.sharded:   # ZeRO-1 over the replicas, bucket by bucket: the same bits as allreduce + the whole update
-            with self.trace.span("reduce-scatter"):
-                mine = []
-                for stage, chunk_pieces in zip(chunks, pieces):
-                    mine.append([])
-                    for a, b in chunk_pieces:   # the exchange: one chunk a stage (see __init__)
-                        lo, hi = self.exchange.reduce_scatter(a, b) if self.exchange else \
-                            self.strategy.reduce_scatter(stage.wire[a:b])
-                        mine[-1].append(body_range(a + lo, a + hi, stage.body_at))
-            with self.trace.span("update"):
-                self._clip()
-                for stage, optimizer, ranges in zip(chunks, optimizers, mine):
-                    for lo, hi in ranges:
-                        if lo < hi:
-                            optimizer.update(stage.params, stage.grads, lo, hi)
+        if update.strategy is not None:
+            with self.trace.span("reduce-scatter" if update.sharded else "allreduce"):
+                update.reduce_all()
+        with self.trace.span("update"):
+            update.update_all()
+        if update.sharded:
             with self.trace.span("allgather"):
                 device.synchronize(self.xp)
-                for stage, chunk_pieces in zip(chunks, pieces):
-                    for a, b in chunk_pieces:
-                        self.strategy.allgather(stage.param_wire[a:b])
-            return
-        if self.strategy is not None:
-            with self.trace.span("allreduce"):
-                for stage, chunk_pieces in zip(chunks, pieces):
-                    for a, b in chunk_pieces:   # ring mode's buckets, in its order of sums
-                        if self.exchange is not None:
-                            self.exchange.allreduce(a, b)
-                            continue
-                        self.strategy.allreduce(stage.wire[a:b])
-        with self.trace.span("update"):
-            self._clip()
-            for stage, optimizer in zip(chunks, optimizers):   # the micro-batches' sum, added up by the backwards
-                optimizer.update(stage.params, stage.grads)
-
-    def _clip(self):
-        # --clip-norm: the norm over the stages' chunks (and the replicas' parts), in the update's span
-        if self.clip is not None:
-            scale = self.clip.scaled(self.norm.partials([c.grads for c in self.chunks]), self.grad_scale)
-            for optimizer in self.optimizers:
-                optimizer.set_grad_scale(scale)
+                update.gather_all()
 
     def _send(self, array, stage, tag):
         device.synchronize(self.xp)

@@ -22,7 +22,6 @@ sums a tensor whose uses lie on several stages.
 
     python -m pytest -q tests/test_pipeline.py
 """
-from ..comm.wire import GRADS
 from ..nn.accumulate import Accumulation
 from ..nn.sequential import LayerRange
 from ..nn.store import PlainStore
@@ -69,19 +68,14 @@ class Stage:
         (self.lo, self.hi), (self.state_lo, self.state_hi) = ranges(spec, self.a, self.b), \
             ranges(spec, self.a, self.b, of="state")
         n = self.hi - self.lo
-        # The parameters and the step's gradient sum, each as this stage's part
-        # [wire_lo, GRADS + hi) of ring mode's wire [loss, stop, body...]
-        # (comm/wire.py; the first stage's part holds the two head slots, zeros
-        # here): the replicas average (or reduce-scatter, then allgather) ring
-        # mode's buckets of them (stages.pieces), so their sums run in its order.
-        self.wire_lo = 0 if s == 0 else GRADS + self.lo
-        self.body_at = GRADS + self.lo - self.wire_lo   # where the slice starts in the part
-        self.param_wire = xp.zeros(GRADS + self.hi - self.wire_lo, dtype)
-        self.params = self.param_wire[self.body_at:]
+        # The parameters and the step's gradient sum, each the stage's slice of
+        # ring mode's buffers: the replicas average (or reduce-scatter, then
+        # allgather) ring mode's buckets of them (comm/data_parallel.py), so their sums
+        # run in its order.
+        self.params = xp.zeros(n, dtype)
         self.state = xp.zeros(self.state_hi - self.state_lo, dtype)
         self.grad = xp.zeros(n, dtype)   # one micro-batch's, written by every slot's backward
-        self.wire = xp.zeros_like(self.param_wire)
-        self.grads = self.wire[self.body_at:]   # the step's sum
+        self.grads = xp.zeros(n, dtype)   # the step's sum
         self.micro = micro_batches
         self.slots = copies or micro_batches
         store = PlainStore(spec, self.params, self.grad, self.state, (self.lo, self.state_lo))

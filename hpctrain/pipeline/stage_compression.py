@@ -1,6 +1,6 @@
 """--compression on a pipeline: a stage's replicas average its gradient
 through ring mode's exchange (comm/compressed_exchange.py) over the stage's part of
-the wire, bucket by bucket (pipeline/engine.py); and PowerSGD's state in the
+its gradient slice, bucket by bucket (pipeline/engine.py); and PowerSGD's state in the
 one checkpoint file ring mode writes (checkpoints/powersgd_state.py), whole:
 each replica's error feedback over the whole model (its stages' slices, in
 stage order: replica r's row is what worker r's is in ring mode) and the
@@ -36,12 +36,9 @@ class StageCompression:
         mine = [m for m in matrices if stage.lo <= m.lo and m.hi <= stage.hi]
         self.exchange = None
         if strategy is not None and compression.kind != "none":
-            # the stage's part of the wire: body element j at j - lo + body_at; the
-            # first stage's part holds the head slots (zeros here), kept float32
-            self.exchange = make_exchange(compression, strategy, stage.wire, mine, offset=stage.body_at - stage.lo,
-                                          exact=stage.body_at if stage.wire_lo == 0 else 0)
-        error = getattr(self.exchange, "error", None)
-        self.error = None if error is None else error[stage.body_at:]
+            # the stage's slice of the gradient: the model's element j at j - lo
+            self.exchange = make_exchange(compression, strategy, stage.grads, mine, offset=-stage.lo)
+        self.error = getattr(self.exchange, "error", None)
         self.stateful = getattr(self.exchange, "kind", None) == "powersgd"
 
 

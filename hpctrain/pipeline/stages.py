@@ -14,15 +14,13 @@ stage's sum, every stage holding at least one layer with parameters (a stage
 without any would have nothing to train or average).
 
 Layers lie in the flat buffers in order, so a stage's parameters (and its
-non-trainable state) are one slice: `ranges`. Ring mode's fused buckets
-(`ring_buckets`, over its wire [loss, stop, grads...]) cut a stage's part of
-the wire into `pieces`: the replicas average those as ring mode averages
-its buckets, so that with R > 2 the sums are taken in the same order.
+non-trainable state) are one slice: `ranges`. Ring mode's fused buckets,
+cut to a stage's slice (comm/data_parallel.py), are what the replicas
+average, as ring mode averages them, so that with R > 2 the sums are taken
+in the same order.
 
     python -c "from hpctrain.nn import zoo; from hpctrain.pipeline.stages import balanced; print(balanced(zoo.mlp(), 2))"
 """
-from ..comm.fusion import bucket_bounds
-from ..comm.wire import GRADS, Wire
 from ..errors import HpctrainError
 
 MAX_TAGS = 30000   # message tags a step's transfers use, below the checkpoints' (pipeline/whole.py: 31000)
@@ -168,34 +166,3 @@ def ranges(spec, a, b, of="params"):
     inside = [t for i in range(a, b) for t in tensors[i]]
     lo = before[-1][3] if before else 0
     return lo, inside[-1][3] if inside else lo
-
-
-def ring_buckets(spec, fusion_elems):
-    """Ring mode's buckets [(lo, hi)] in wire offsets (loops/ring_step.py: ending on
-    layer starts, fused up to fusion_elems)."""
-    return bucket_bounds(GRADS + spec.num_params, fusion_elems, Wire.ready_from(spec.layer_ranges))
-
-
-def pieces(buckets, lo, hi):
-    """Each bucket's part inside wire range [lo, hi), relative to lo; empty ones left out."""
-    return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in buckets if max(a, lo) < min(b, hi)]
-
-
-def stage_pieces(spec, fusion_elems, stage):
-    """Ring mode's buckets over a stage's part of its wire (pipeline/stage.py), in that part's offsets."""
-    return pieces(ring_buckets(spec, fusion_elems), stage.wire_lo, stage.wire_lo + stage.wire.size)
-
-
-def body_range(a, b, body_at):
-    """Range [a, b) of a stage's wire part in its slice's offsets (the head slots left out)."""
-    return max(a - body_at, 0), max(b - body_at, 0)
-
-
-def owned_pieces(pieces, shard, body_at):
-    """What one replica updates with --shard-optimizer: its shard(n) of each
-    piece, in the slice's offsets, as ring mode's comm/fusion.owned_ranges."""
-    out = []
-    for a, b in pieces:
-        x, y = shard(b - a)
-        out.append(body_range(a + x, a + y, body_at))
-    return out
