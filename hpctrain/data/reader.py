@@ -22,6 +22,7 @@ import numpy as np
 
 from hpctrain.chunks import chunk_parts
 from hpctrain.errors import HpctrainError
+from hpctrain.precision import FLOAT32
 
 from . import augment as augment_mod
 from .manifest import MANIFEST, _sha256, load_manifest
@@ -107,10 +108,10 @@ def _describe(obj):
     return "nothing" if obj is None else type(obj).__name__
 
 
-def _to_float(images, out=None):
-    # Divide in float32 (not multiply by 1/255) so training batches and the
-    # test set see bit-identical pixel values.
-    return np.divide(images, 255, out=out, dtype=np.float32)
+def _to_float(images, out=None, dtype=FLOAT32.compute):
+    # Divide in the compute dtype (not multiply by 1/255) so training batches
+    # and the test set see bit-identical pixel values.
+    return np.divide(images, 255, out=out, dtype=dtype)
 
 
 # A training set up to this size is read once and held whole by every worker
@@ -167,7 +168,7 @@ class ShardReader:
     """
 
     def __init__(self, data_dir, worker, num_workers, batch_size, seed, resident_bytes=RESIDENT_BYTES,
-                 arrays=ARRAYS, augment=None):
+                 arrays=ARRAYS, augment=None, dtype=FLOAT32.compute):
         if not (isinstance(num_workers, (int, np.integer)) and num_workers >= 1):
             raise HpctrainError(f"num_workers must be a positive integer, got {num_workers!r}")
         if not (isinstance(worker, (int, np.integer)) and 0 <= worker < num_workers):
@@ -214,7 +215,8 @@ class ShardReader:
                 self._store(slice(first, first + n), *_read_rows(path, 0, n, self.num_classes, self.arrays))
         images, labels = "images" in self.arrays, "labels" in self.arrays
         self._ubuf = np.empty((self.batch_size, self.num_features), np.uint8) if images else None
-        self._x = np.empty((self.batch_size, self.num_features), np.float32) if images else None
+        # the batches' pixels in the run's compute dtype (hpctrain/precision.py)
+        self._x = np.empty((self.batch_size, self.num_features), dtype) if images else None
         self._y = np.empty(self.batch_size, np.int64) if labels else None
 
     def _store(self, at, x, y, rows=slice(None)):
@@ -307,7 +309,7 @@ class ShardReader:
             np.take(self.images, rows, axis=0, out=self._ubuf, mode="clip")
             if self.augment is not None:
                 self.augment.apply(self._ubuf, self._epoch, self.last_ids)
-            _to_float(self._ubuf, out=self._x)
+            _to_float(self._ubuf, out=self._x, dtype=self._x.dtype)
         if self._y is not None:
             np.take(self.labels, rows, out=self._y, mode="clip")
         return self._x, self._y
@@ -335,7 +337,7 @@ def load_test(data_dir, part=0, parts=1, raw=False, split="test"):
     if split not in manifest:
         raise HpctrainError(f"{data_dir}: no {split} part; prepare again with --val-fraction F")
     lo, hi = chunk_parts(manifest[split]["num_samples"], parts)[part]
-    xs, ys = [np.empty((0, features), np.uint8 if raw else np.float32)], [np.empty(0, np.int64)]
+    xs, ys = [np.empty((0, features), np.uint8 if raw else FLOAT32.compute)], [np.empty(0, np.int64)]
     at = 0
     for entry in manifest[split]["shards"]:
         n = entry["num_samples"]

@@ -101,7 +101,7 @@ def train_pipe(world, plan, inputs, timeline):
     # --- training, then the end ----------------------------------------------
     engine = Engine(world, spec, grid, chunks, update, actions, plan.data.batch_size,
                     StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), compression=compression,
-                    tied=tied)
+                    tied=tied, compute=plan.precision.compute)
     model = whole.Pipelined(world, plan, engine, layouts)   # what the frame evaluates and saves, stage by stage
     step, stopped = train_steps(world, frame, engine, layouts, reader, model)
     extra = {"workers": grid.replicas, "pipeline_stages": grid.stages,

@@ -38,7 +38,7 @@ def train_ring(world, plan, inputs, timeline):
         sharded=ring_plan.shard_optimizer, clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=ring_plan.overlap, timeline=timeline if timeline.enabled else None, watchdog=world.watchdog,
-        accumulate=ring_plan.accumulate_steps, compression=plan.compression)
+        accumulate=ring_plan.accumulate_steps, compression=plan.compression, dtype=plan.precision.params)
     if ring.exchange is not None:
         world.say(summary(ring.exchange, ring.buckets, ring.sharded))
     model = ring.model

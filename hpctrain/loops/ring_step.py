@@ -49,6 +49,7 @@ from .. import device
 from ..device import all_finite
 from ..nn.accumulate import Accumulation
 from ..optim.compression_math import powersgd_layout
+from ..precision import FLOAT32
 
 
 class RingStep:
@@ -62,13 +63,15 @@ class RingStep:
     clipping.Clip or None; marks, overlap, timeline, watchdog: as
     FusedAllreduce takes them (the watchdog: the collectives' deadline);
     compression: a run/plan.Compression or None (the buckets' exchange,
-    comm/compressed_exchange.py; `exchange` is None without)."""
+    comm/compressed_exchange.py; `exchange` is None without); dtype: the
+    model's buffers' (the plan's precision.params)."""
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
-                 marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None):
+                 marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None,
+                 dtype=FLOAT32.params):
         n = spec.num_params
         self.sharded, self.clip, self.accumulate_steps = sharded, clip, int(accumulate)
-        self.model = spec.build(xp)
+        self.model = spec.build(xp, dtype=dtype)
         grads = self.model.grads   # the buckets' buffer: the gradients only
         self.loss_and_stop = LossAndStop(comm, device.copier(xp), watchdog)
         # sharded with --compression on several nodes: hier's node shards (comm/compressed_exchange.py)

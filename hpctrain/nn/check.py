@@ -5,7 +5,7 @@ before any rank trains (docs/models.md, "The contract, as it is checked").
 A user's layer is trusted to run, not to be right. ModelSpec already checks
 what the spec itself reads (output shapes, tensor names and shapes, one
 object per place). `check_layers(spec)` then runs every layer by itself, as
-training does, on host NumPy in float32 with a batch of a few random
+training does, on host NumPy in the run's precision (float32) with a batch of a few random
 samples, and refuses it when:
 
 - it is written to the layer contract before issue 42 (`forward(x, train)`,
@@ -53,7 +53,11 @@ import traceback
 import numpy as np
 
 from .layers import Context, Layer, LayerCodeError, Noise, describe
+from ..precision import FLOAT32
 
+# The probe runs a layer in the precision a run takes (hpctrain/precision.py):
+# parameters in .params, activations and gradients in .compute.
+PROBE = FLOAT32
 BATCH = 3   # samples per check: more than one (batch norm), few (big layers are cheap to run)
 
 
@@ -84,14 +88,14 @@ class _Probe:
         self.batch = max(BATCH, spec.min_batch)
         self.rng = np.random.default_rng(seed)
         tensors, state = spec.layer_tensors[i], spec.layer_state[i]
-        self.params, self.grads = np.zeros(_size(tensors), np.float32), np.zeros(_size(tensors), np.float32)
-        self.state = np.zeros(_size(state), np.float32)
+        self.params, self.grads = np.zeros(_size(tensors), PROBE.params), np.zeros(_size(tensors), PROBE.params)
+        self.state = np.zeros(_size(state), PROBE.params)
         self.pv, self.gv, self.sv = _views(tensors, self.params), _views(tensors, self.grads), _views(state, self.state)
         for t in spec.ties:   # a tied tensor (nn/tied.py): buffers of its own here, filled like init's
             if t.user == i:
                 shape = tuple(reversed(t.shape)) if t.transposed else t.shape
-                self.pv[t.name] = self.rng.standard_normal(shape).astype(np.float32)
-                self.gv[t.name] = np.zeros(shape, np.float32)
+                self.pv[t.name] = self.rng.standard_normal(shape).astype(PROBE.params)
+                self.gv[t.name] = np.zeros(shape, PROBE.params)
 
     def call(self, what, fn, *args):
         try:
@@ -105,7 +109,7 @@ class _Probe:
 
     def start(self):
         layer = self.layer
-        self.call("init", layer.init, np.random.default_rng(0), self.pv, np.float32)
+        self.call("init", layer.init, np.random.default_rng(0), self.pv, PROBE.params)
         bad = [name for name, view in self.pv.items() if not np.isfinite(view).all()]
         if bad:
             self.refuse(f"init left values that are not finite in {', '.join(bad)}")
@@ -137,8 +141,8 @@ class _Probe:
             got = f"shape {'x'.join(map(str, y.shape))}" if isinstance(y, np.ndarray) else type(y).__name__
             self.refuse(f"forward returned {got}, but configure said {'x'.join(map(str, want))} "
                         f"(batch x output shape)")
-        if y.dtype != np.float32:
-            self.refuse(f"forward returned {y.dtype} for a float32 input: the model trains in float32 "
+        if y.dtype != PROBE.compute:
+            self.refuse(f"forward returned {y.dtype} for a {PROBE.compute} input: the model trains in {PROBE.compute} "
                         f"(make its arrays with x.dtype, e.g. ctx.buffer(key, shape, x.dtype))")
         return y
 
@@ -150,16 +154,16 @@ class _Probe:
             got = f"shape {'x'.join(map(str, dx.shape))}" if isinstance(dx, np.ndarray) else type(dx).__name__
             self.refuse(f"backward returned {got} as the input gradient, the input is "
                         f"{'x'.join(map(str, want))}")
-        if dx.dtype != np.float32:
-            self.refuse(f"backward returned a {dx.dtype} input gradient for float32 arrays")
+        if dx.dtype != PROBE.compute:
+            self.refuse(f"backward returned a {dx.dtype} input gradient for {PROBE.compute} arrays")
         return dx
 
     def sample(self, shape):
-        return self.rng.standard_normal((self.batch, *shape)).astype(np.float32)
+        return self.rng.standard_normal((self.batch, *shape)).astype(PROBE.compute)
 
     def inputs(self):
         """A batch of the layer's input (token ids where it takes tokens: sample_inputs)."""
-        return sample_inputs(self.layer, self.rng, (self.batch, *self.in_shape), np.float32)
+        return sample_inputs(self.layer, self.rng, (self.batch, *self.in_shape), PROBE.compute)
 
 
 def takes_tokens(layer):
@@ -279,7 +283,7 @@ def check_loss(spec, seed=0):
         return
     rng = np.random.default_rng(seed)
     name = f"the loss ({type(loss).__name__})"
-    logits = rng.standard_normal((BATCH, *spec.shapes[-1])).astype(np.float32)
+    logits = rng.standard_normal((BATCH, *spec.shapes[-1])).astype(PROBE.compute)
     targets = rng.integers(0, spec.classes, BATCH)
     given = logits.copy()
 
@@ -297,9 +301,9 @@ def check_loss(spec, seed=0):
                              f"backward may read)")
     if np.ndim(value) != 0 or not np.isfinite(float(value)):
         raise LayerCodeError(f"{name}: forward_backward's loss is {value!r}, not a finite scalar")
-    if not (isinstance(d, np.ndarray) and d.dtype == np.float32 and d.shape == logits.shape):
+    if not (isinstance(d, np.ndarray) and d.dtype == PROBE.compute and d.shape == logits.shape):
         got = f"{d.dtype} {d.shape}" if isinstance(d, np.ndarray) else type(d).__name__
-        raise LayerCodeError(f"{name}: forward_backward's gradient is {got}, not float32 {logits.shape} "
+        raise LayerCodeError(f"{name}: forward_backward's gradient is {got}, not {PROBE.compute} {logits.shape} "
                              f"(the logits' shape)")
     sums = call("sums", loss.sums, Context(np), logits, targets)
     if not (isinstance(sums, dict) and all(isinstance(sums.get(k), (int, float)) for k in ("loss", "count"))):

@@ -401,7 +401,7 @@ class Sharded(_Wrapper):
             c += hi - lo
         self.size = c
         self.inner = inner_factory(c)
-        self.xp = self.inner.xp
+        self.xp, self.dtype = self.inner.xp, self.inner.dtype
         self.state_names = self.inner.state_names
 
     def begin(self, lr, grad_scale=1.0):

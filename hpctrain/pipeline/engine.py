@@ -2,7 +2,7 @@
 (schedule.py: data, per stage) executed in order, each action type by its
 own method (`ACTIONS`; an action it does not know is refused when the
 engine is made, not taken for another), activations forward and their
-gradients back as raw float32 buffers (Isend/Irecv on the replica's pipe
+gradients back as raw buffers of the run's precision.compute (Isend/Irecv on the replica's pipe
 communicator); then the stage's micro-batches' gradient, summed as
 --accumulate-steps sums it (stage.py), averaged over the stage's R replicas
 and the update: ring mode's data-parallel update (comm/data_parallel.py,
@@ -42,6 +42,7 @@ from mpi4py import MPI
 from .. import device
 from ..nn.accumulate import Accumulation
 from ..nn.losses import add_sums
+from ..precision import FLOAT32
 from . import schedule as sched
 from .transfers import Receives, Sends
 
@@ -83,8 +84,10 @@ class Engine:
     kM + m for an activation, VM + kM + m for a gradient, so that two
     stages that trade both ways (P = 2) never confuse two messages."""
 
-    def __init__(self, world, spec, grid, chunks, update, actions, batch, trace, compression=None, tied=None):
+    def __init__(self, world, spec, grid, chunks, update, actions, batch, trace, compression=None, tied=None,
+                 compute=FLOAT32.compute):
         self.tied = tied   # pipeline/tied.TiedStages: tied tensors across the cut, or None
+        self.compute = np.dtype(compute)   # the activations' and their gradients' dtype, on the wire too
         self.world, self.grid, self.chunks, self.update = world, grid, chunks, update
         self.optimizers, self.sharded, self.clip = update.optimizers, update.sharded, update.clip
         self.compression = compression
@@ -109,7 +112,7 @@ class Engine:
         self.schedule_done = None
         self.trace = trace   # --timeline; without it, no-ops
         # the micro-batches' losses (the last chunk's), summed as --accumulate-steps sums them
-        self.losses = Accumulation(self.xp.zeros(1, np.float32))
+        self.losses = Accumulation(self.xp.zeros(1, self.compute))
         # the neighbours: chunk to chunk round the stages (one chunk per stage: no wrap)
         before, after = (s - 1) % P, (s + 1) % P
         self.neighbours = sorted({grid.world_rank(before), grid.world_rank(after)} - {grid.world_rank(s)}) \
@@ -124,17 +127,17 @@ class Engine:
         for k, chunk in enumerate(chunks):
             copies, inp, out = chunk.slots, (batch, *self.in_shapes[k]), (batch, *self.out_shapes[k])
             self.to_next.append(None if self.last[k] else Sends(comm, after, out, copies, dog, "activation",
-                                                                 grid.world_rank(after), label, waits))
+                                                                 grid.world_rank(after), label, waits, compute))
             self.to_before.append(None if self.first[k] else Sends(comm, before, inp, copies, dog, "gradient",
-                                                                    grid.world_rank(before), label, waits))
+                                                                    grid.world_rank(before), label, waits, compute))
             self.from_before.append(None if self.first[k] else Receives(
                 comm, before, inp, [self._activation_tag(a.micro, a.chunk) for a in actions
                                     if isinstance(a, sched.RecvActivation) and a.chunk == k],
-                2, dog, "activations", grid.world_rank(before), label, waits))
+                2, dog, "activations", grid.world_rank(before), label, waits, compute))
             self.from_next.append(None if self.last[k] else Receives(
                 comm, after, out, [self._grad_tag(a.micro, a.chunk) for a in actions
                                    if isinstance(a, sched.RecvGrad) and a.chunk == k],
-                2, dog, "gradients", grid.world_rank(after), label, waits))
+                2, dog, "gradients", grid.world_rank(after), label, waits, compute))
 
     def _activation_tag(self, m, k):
         """The tag of the activation local chunk k receives for micro-batch m: its sender's (the chunk before)."""
@@ -214,7 +217,7 @@ class Engine:
                     a = x[lo:lo + n]
                     a = self.xp.asarray(a)
                     if a.dtype == np.uint8:
-                        a = a.astype(np.float32)
+                        a = a.astype(self.compute)
                         a /= 255
                 else:
                     sender = k - 1 if grid.stage == 0 else k   # the chunk before's local index on its stage
@@ -290,11 +293,11 @@ class Engine:
         # next micro-batch before the step's Waitall completes this send
         # (from a GPU, the host copy is already one).
         host = device.to_host(array)
-        host = np.ascontiguousarray(host if device.is_gpu(self.xp) else host.copy(), dtype=np.float32)
+        host = np.ascontiguousarray(host if device.is_gpu(self.xp) else host.copy(), dtype=self.compute)
         return self.grid.pipe_comm.Isend(host, dest=stage, tag=tag), host   # the buffer lives until the wait
 
     def _receive(self, stage, shape, tag, what):
-        host = np.empty(shape, np.float32)
+        host = np.empty(shape, self.compute)
         request = self.grid.pipe_comm.Irecv(host, source=stage, tag=tag)
         with self.world.waiting(f"pipeline {what} from stage {stage}",
                                 peer=self.grid.world_rank(stage)):

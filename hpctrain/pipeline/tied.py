@@ -81,8 +81,8 @@ class TiedStages:
         device.synchronize(xp)
         for span in self.spanning:
             mine = self._tensor(span, "grads")
-            send = np.ascontiguousarray(device.to_host(mine), dtype=np.float32)
-            got = np.empty((len(span.stages), mine.size), np.float32) if span.owner_here else None
+            send = np.ascontiguousarray(device.to_host(mine))
+            got = np.empty((len(span.stages), mine.size), send.dtype) if span.owner_here else None
             peer = None if span.owner_here else self.grid.world_rank(span.owner_stage)
             with self.world.waiting("tied tensor's gradient to the owner's stage", peer=peer):
                 self.world.waits.one(span.comm.Igather(send, got, root=0))
@@ -99,8 +99,8 @@ class TiedStages:
         device.synchronize(xp)
         for span in self.spanning:
             tensor = self._tensor(span, "params")
-            host = np.ascontiguousarray(device.to_host(tensor), dtype=np.float32) if span.owner_here else \
-                np.empty(tensor.size, np.float32)
+            host = np.ascontiguousarray(device.to_host(tensor)) if span.owner_here else \
+                np.empty(tensor.size, tensor.dtype)
             peer = None if span.owner_here else self.grid.world_rank(span.owner_stage)
             with self.world.waiting("tied tensor from the owner's stage", peer=peer):
                 self.world.waits.one(span.comm.Ibcast(host, root=0))

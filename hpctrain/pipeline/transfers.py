@@ -28,19 +28,21 @@ import numpy as np
 
 from .. import device
 from ..comm.waits import Waits
+from ..precision import FLOAT32
 
 
 class Pool:
-    """Host float32 buffers of one shape, taken and given back."""
+    """Host buffers of one shape and dtype (the run's precision.compute),
+    taken and given back."""
 
-    def __init__(self, shape):
-        self.shape, self.free, self.made = tuple(shape), [], 0
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, self.free, self.made = tuple(shape), np.dtype(dtype), [], 0
 
     def take(self):
         if self.free:
             return self.free.pop()
         self.made += 1
-        return np.empty(self.shape, np.float32)
+        return np.empty(self.shape, self.dtype)
 
     def give(self, buffer):
         self.free.append(buffer)
@@ -51,11 +53,12 @@ def micro_batch(tag):
 
 
 class Sends:
-    def __init__(self, comm, dest, shape, cap, watchdog, what, peer, label=micro_batch, waits=None):
+    def __init__(self, comm, dest, shape, cap, watchdog, what, peer, label=micro_batch, waits=None,
+                 dtype=FLOAT32.compute):
         self.comm, self.dest, self.cap, self.watchdog, self.what, self.peer = comm, dest, max(1, cap), watchdog, what, peer
         self.waits = waits or Waits(False)
         self.label = label   # a tag in words
-        self.pool, self.flight = Pool(shape), deque()
+        self.pool, self.flight = Pool(shape, dtype), deque()
 
     def send(self, array, tag, xp):
         if len(self.flight) >= self.cap:
@@ -78,12 +81,13 @@ class Sends:
 
 
 class Receives:
-    def __init__(self, comm, source, shape, tags, ahead, watchdog, what, peer, label=micro_batch, waits=None):
+    def __init__(self, comm, source, shape, tags, ahead, watchdog, what, peer, label=micro_batch, waits=None,
+                 dtype=FLOAT32.compute):
         self.comm, self.source, self.tags, self.ahead = comm, source, list(tags), max(1, ahead)
         self.waits = waits or Waits(False)
         self.label = label
         self.watchdog, self.what, self.peer = watchdog, what, peer
-        self.pool = Pool(shape)
+        self.pool = Pool(shape, dtype)
         self.pending, self.posted = deque(), {}
 
     def start(self):

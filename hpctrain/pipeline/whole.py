@@ -69,10 +69,12 @@ class ToChief:
     displacements) over the chunks, this stage's chunks' slices [one per
     local chunk], or None where this rank sends nothing: every replica but
     0). The chief asks `pieces(name)`; every stage's replica 0 but the
-    chief's `send()`s."""
+    chief's `send()`s. dtype: the stages' buffers' (the run's
+    precision.params), what goes between the ranks."""
 
-    def __init__(self, grid, watchdog, names, parts):
+    def __init__(self, grid, watchdog, names, parts, dtype):
         self.grid, self.watchdog, self.names, self.parts = grid, watchdog, list(names), parts
+        self.dtype = np.dtype(dtype)
         self._taken = set()   # (name, chunk) the chief has received
 
     def pieces(self, name):
@@ -82,14 +84,14 @@ class ToChief:
         for c in range(len(counts)):
             s, k = c % P, c // P
             if s == 0:
-                piece = np.ascontiguousarray(device.to_host(self.parts[name][1][k]), dtype=np.float32)
+                piece = np.ascontiguousarray(device.to_host(self.parts[name][1][k]), dtype=self.dtype)
             else:
                 piece = self._receive(name, s, counts[c])
             self._taken.add((name, c))
             yield piece
 
     def _receive(self, name, s, count):
-        piece = np.empty(count, np.float32)
+        piece = np.empty(count, self.dtype)
         with self.watchdog.waiting(f"pipeline {name} from stage {s} to the chief", peer=self.grid.world_rank(s, 0)):
             self.grid.pipe_comm.Recv(piece, source=s, tag=TAG)
         return piece
@@ -111,7 +113,7 @@ class ToChief:
             return
         for name in self.names:
             for slice_ in self.parts[name][1]:
-                part = np.ascontiguousarray(device.to_host(slice_), dtype=np.float32)
+                part = np.ascontiguousarray(device.to_host(slice_), dtype=self.dtype)
                 with self.watchdog.waiting(f"pipeline {name} from stage {grid.stage} to the chief",
                                            peer=grid.world_rank(0, 0)):
                     grid.pipe_comm.Send(part, dest=0, tag=TAG)
@@ -147,7 +149,8 @@ def save_checkpoint(world, checkpoints, engine, layouts, reader, step):
     spec_state = sum(layouts.state[0])
     if spec_state:
         parts["model_state"] = (layouts.state, [c.state for c in chunks] if mine else None)
-    stream = ToChief(grid, world.watchdog, sorted(parts), parts)   # the file's order: checkpoints/file.py
+    stream = ToChief(grid, world.watchdog, sorted(parts), parts,   # the file's order: checkpoints/file.py
+                     chunks[0].params.dtype)
     positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first else None
     compressed = pipeline_compression.gather(world, grid, engine.compression, layouts) \
         if engine.compression is not None else None   # --compression powersgd's state, whole on the chief
@@ -179,11 +182,12 @@ def stage_optimizer_state(world, grid, optimizer):
 
 # --- resume ---------------------------------------------------------------------------
 
-def to_stages(world, grid, source, layout, sizes, what):
+def to_stages(world, grid, source, layout, sizes, what, dtype):
     """Every chunk's slice of `source` (the chief's lazily read checkpoint
     dataset: checkpoints/read_back.OnDisk; ignored elsewhere), read and sent a
     chunk at a time to its stage's replica 0 (host): there the list of this
-    stage's chunks' slices (`sizes` floats each); None elsewhere."""
+    stage's chunks' slices (`sizes` elements of `dtype` each, the stages'
+    buffers'); None elsewhere."""
     if grid.replica != 0:
         return None
     counts, displs = layout
@@ -191,14 +195,14 @@ def to_stages(world, grid, source, layout, sizes, what):
     if not grid.first:
         mine = []
         for n in sizes:
-            host = np.empty(n, np.float32)
+            host = np.empty(n, dtype)
             with watchdog.waiting(f"pipeline resume ({what}) from the chief", peer=grid.world_rank(0, 0)):
                 grid.pipe_comm.Recv(host, source=0, tag=TAG)
             mine.append(host)
         return mine
     mine = []
     for c in range(len(counts)):
-        piece = source.read(displs[c], displs[c] + counts[c]) if counts[c] else np.zeros(0, np.float32)
+        piece = source.read(displs[c], displs[c] + counts[c]) if counts[c] else np.zeros(0, dtype)
         if c % P == 0:
             mine.append(piece)
             continue
@@ -209,9 +213,10 @@ def to_stages(world, grid, source, layout, sizes, what):
 
 def from_chief(world, grid, source, parts, layout, what):
     """Every chunk's slice of `source` into `parts` (this stage's chunks') on all its replicas."""
-    hosts = to_stages(world, grid, source, layout, [part.size for part in parts], what)
+    dtype = parts[0].dtype
+    hosts = to_stages(world, grid, source, layout, [part.size for part in parts], what, dtype)
     if hosts is None:
-        hosts = [np.zeros(part.shape, np.float32) for part in parts]
+        hosts = [np.zeros(part.shape, dtype) for part in parts]
     for host, part in zip(hosts, parts):
         with world.waiting(f"pipeline broadcast to the stage's replicas ({what})",
                            peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
@@ -226,7 +231,7 @@ class _InMemory:
         self.array = array
 
     def read(self, lo, hi):
-        return np.ascontiguousarray(self.array[lo:hi], dtype=np.float32)
+        return np.ascontiguousarray(self.array[lo:hi])
 
 
 def resume_stage(world, spec, grid, chunks, optimizers, layouts, resume):
@@ -253,7 +258,7 @@ def resume_stage(world, spec, grid, chunks, optimizers, layouts, resume):
             source = ckpt.optimizer_state[name] if ckpt else None
             if sharded:   # each chunk's whole state on the stage's replica 0, then each replica its part
                 stage_state[name] = to_stages(world, grid, source, layouts.params, [c.hi - c.lo for c in chunks],
-                                              f"optimizer state {name}")
+                                              f"optimizer state {name}", optimizers[0].dtype)
             else:
                 from_chief(world, grid, source, [o.state()[name] for o in optimizers], layouts.params,
                            f"optimizer state {name}")
@@ -344,7 +349,7 @@ class Pipelined:
         return self.evaluate("test")
 
     def write(self, path, step, attrs=None):
-        """--save, --keep-best: report/params.py's file (one float32 dataset per
+        """--save, --keep-best: report/params.py's file (one dataset per
         tensor, the state beside), written by the chief a stage's tensors at
         a time. OSError on the chief when it cannot (the others learn it
         from `agree`)."""
@@ -352,7 +357,7 @@ class Pipelined:
         parts = {"params": (layouts.params, [c.params for c in chunks] if grid.replica == 0 else None)}
         if spec.num_state:
             parts["state"] = (layouts.state, [c.state for c in chunks] if grid.replica == 0 else None)
-        stream = ToChief(grid, self.world.watchdog, list(parts), parts)
+        stream = ToChief(grid, self.world.watchdog, list(parts), parts, chunks[0].params.dtype)
         if not self.world.chief:
             stream.send()
             return

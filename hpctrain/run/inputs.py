@@ -54,8 +54,8 @@ class Inputs:
     """The training reader and the test part of one run (world: run/world.World;
     data: run/plan.Data)."""
 
-    def __init__(self, world, data):
-        self.world, self.data = world, data
+    def __init__(self, world, data, compute):
+        self.world, self.data, self.compute = world, data, compute   # compute: the batches' dtype (plan.precision)
         self._test = None
 
     def reader(self, comm, index, count, arrays=None):
@@ -64,7 +64,7 @@ class Inputs:
         then this worker's test part is read too, before training memory is
         touched."""
         data = self.data
-        read = functools.partial(data_mod.ShardReader, augment=data.augment or None,
+        read = functools.partial(data_mod.ShardReader, augment=data.augment or None, dtype=self.compute,
                                  **({} if arrays is None else {"arrays": arrays}))
         reader = self.world.agreed(comm, read, data.dir, index, count, data.batch_size, data.seed)
         self.test_part()

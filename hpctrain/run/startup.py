@@ -169,7 +169,8 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # Last before training, so a refusal above leaves nothing behind (this
     # creates --checkpoint-dir): a result that cannot be written would be lost.
     agree(check_outputs if cluster.is_chief else _nothing, args)
-    return world, make_plan(args, world, spec, data, schedule, cuts, layers_key), Inputs(world, data)
+    plan = make_plan(args, world, spec, data, schedule, cuts, layers_key)
+    return world, plan, Inputs(world, data, plan.precision.compute)
 
 
 def augment_line(text, image_shape, seed):
