@@ -32,6 +32,7 @@ results are already written); once `name_roles(fn)` is, each rank's part
 follows its number ("rank 3 (pipeline 1, data 1, tensor 0)": its
 coordinates on the mesh, run/mesh.py, in ring and pipeline modes).
 """
+import contextlib
 import sys
 import threading
 import time
@@ -129,6 +130,8 @@ class Watchdog:
         self._giving_up = False
         self.note = None
         self.roles = None   # callable: a world rank -> its part in words, said after its number
+        self._in_last_barrier = False
+        self._past_last_barrier = threading.Event()
         self._lock = threading.Lock()
         self._asking = threading.Lock()   # one roll call at a time: answers are matched by rank only
         self._firing = threading.Lock()
@@ -155,6 +158,27 @@ class Watchdog:
         MPI; a line names whom it waited for, says `reason`, and `abort` ends
         this process (the launcher takes the rest down)."""
         self.no_roll_call, self.abort = reason, abort
+
+    @contextlib.contextmanager
+    def last_barrier(self):
+        """Around the shutdown barrier (comm/start.stop_mpi), every rank's
+        last collective. A rank past it stops answering roll calls
+        (stop_using_mpi), while a rank whose main thread has not yet returned
+        from the same barrier may still hold one: the silence of the ranks
+        that left must not read as ranks stuck (past_last_barrier)."""
+        self._in_last_barrier = True
+        yield
+        self._past_last_barrier.set()
+
+    def past_last_barrier(self, wait=0.0):
+        """Whether this rank is past the shutdown barrier: every rank got
+        there, nothing is stuck before it. While this rank is in the barrier,
+        waits up to `wait` s for it to return: a roll call that found ranks
+        silent then may have found ranks that left (their barrier returned
+        first), and then this rank's returns a moment later."""
+        if wait and self._in_last_barrier:
+            return self._past_last_barrier.wait(wait)
+        return self._past_last_barrier.is_set()
 
     def stop_using_mpi(self, abort):
         """Before MPI_Finalize: no more roll calls (this thread's MPI calls

@@ -54,7 +54,7 @@ def stop_mpi(watchdog, guard=None):
     from .cuda_aware import loaded_libmpi
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
-    with watchdog.waiting("shutdown: every rank before MPI_Finalize", peer=None):
+    with watchdog.last_barrier(), watchdog.waiting("shutdown: every rank before MPI_Finalize", peer=None):
         MPI.COMM_WORLD.Barrier()
     if guard is not None:   # from here on, a process that stops moving is ended from outside (exit_guard.py)
         guard.arm(finished=watchdog.note is not None)

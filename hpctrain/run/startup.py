@@ -265,10 +265,14 @@ def stopped_outside_training(stop, checkpoint_dir, watchdog):
     if phase == "start-up":
         return (f"stopped by {name} during start-up, before the first step (a rank is stuck there); "
                 f"no new checkpoint: run the same command again to resume from the last one", EXIT_PREEMPTED)
+    if watchdog.past_last_barrier():
+        return None   # every rank wrote its results and got to the shutdown barrier: nothing is stuck
     silent = watchdog.silent_ranks()
     if silent == []:
         stop.postpone()
         return None
+    if watchdog.past_last_barrier(wait=stop.GRACE_S):
+        return None   # the silent ranks had left the shutdown barrier: this rank's returned as well
     stuck = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer a roll call"
              if silent else "a rank is stuck there")
     where = (f"the final checkpoint in {checkpoint_dir} is whole: run the same command again "

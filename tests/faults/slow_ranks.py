@@ -11,6 +11,9 @@ Environment:
                       test set, report/evaluated.py) first sleeps S seconds on every rank
   FAULT_EXIT_STOP=R   rank R stops itself (SIGSTOP) on its way out: the run done
                       and its results written, before the shutdown (comm/start.py stop_mpi)
+  FAULT_EXIT_LINGER=R:S  rank R sleeps S seconds right after the shutdown barrier,
+                      its watchdog still holding roll calls while the others
+                      leave (comm/start.py stop_mpi, deadline.Watchdog.stop_using_mpi)
   FAULT_FINAL_STOP=R  rank R stops itself after MPI_Finalize, where no watchdog
                       of the job can see it any more (the launcher's wait)
   FAULT_PID_DIR=DIR   every rank writes its pid to DIR/rank-<rank>.pid
@@ -82,6 +85,18 @@ def stop_at_exit(rank, after_finalize):
     start.stop_mpi = stopping
 
 
+def linger_after_the_barrier(rank, seconds):
+    from hpctrain.comm.deadline import Watchdog
+    stop_using_mpi = Watchdog.stop_using_mpi
+
+    def lingering(self, *args, **kwargs):
+        if self.rank == rank:
+            time.sleep(seconds)
+        return stop_using_mpi(self, *args, **kwargs)
+
+    Watchdog.stop_using_mpi = lingering
+
+
 def stop_a_stage(rank, where):
     from hpctrain.pipeline import engine, whole
     if where == "eval":
@@ -126,6 +141,9 @@ def train(*args, **kwargs):
         slow_evaluations()
     if os.environ.get("FAULT_FINAL_EVAL_SLEEP"):
         slow_final_evaluation(float(os.environ["FAULT_FINAL_EVAL_SLEEP"]))
+    if os.environ.get("FAULT_EXIT_LINGER"):
+        rank, seconds = os.environ["FAULT_EXIT_LINGER"].split(":")
+        linger_after_the_barrier(int(rank), float(seconds))
     for name, after in (("FAULT_EXIT_STOP", False), ("FAULT_FINAL_STOP", True)):
         if os.environ.get(name):
             stop_at_exit(int(os.environ[name]), after)

@@ -257,6 +257,35 @@ def test_a_signal_during_a_long_final_evaluation_changes_nothing(tmp_path, sig, 
     assert saved(save)["layer0/W"].shape == (784, 16)
 
 
+@pytest.mark.parametrize("ranks, flags", [(3, ["--mode", "ps"]), (2, [])])
+def test_a_signal_overdue_while_the_ranks_leave_changes_nothing(tmp_path, ranks, flags):
+    # The stop signal comes as the results are written, and its grace runs
+    # out while rank 0 is past the shutdown barrier, its watchdog still up,
+    # and the others have left it (they answer no roll call any more). Their
+    # silence is not a rank stuck in the results: exit 0 and no line. Before,
+    # the roll call named them ("ranks 1, 2 did not answer a roll call") and
+    # the job ended 75, or 0 with an error line, by which thread won.
+    metrics, save = tmp_path / "m.jsonl", tmp_path / "p.h5"
+    env = child_env()
+    env.update(PYTHONPATH=FAULTS, FAULT_EXIT_LINGER="0:9")
+    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", "--steps", "20",
+                             "--hidden", "16", "--log-every", "20", "--timeout", "60", "--metrics", metrics,
+                             "--save", save, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO)
+    try:
+        for line in proc.stdout:
+            if line.startswith("test accuracy"):
+                break   # the results written: the ranks are on their way to the barrier
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and not errors(err), err
+    assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
+    assert saved(save)["layer0/W"].shape == (784, 16)
+
+
 def _read_lines(stream, into):
     """Every line of `stream` into the queue with the time it came, then None."""
     for line in stream:
