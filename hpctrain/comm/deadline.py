@@ -36,7 +36,6 @@ import contextlib
 import sys
 import threading
 import time
-from contextlib import nullcontext
 
 from ..errors import EXIT_PREEMPTED, EXIT_TIMEOUT
 
@@ -96,10 +95,10 @@ class NullWatchdog:
     timeout = None
 
     def waiting(self, what, peer=None, own=False):
-        return nullcontext()
+        return contextlib.nullcontext()
 
     def busy(self):
-        return nullcontext()
+        return contextlib.nullcontext()
 
 
 NO_WATCHDOG = NullWatchdog()

@@ -25,7 +25,7 @@ from ..comm.records import allgather_bytes
 from ..comm.waits import Waits
 from ..data.arrays import memory_available
 from ..data.augment import Augment
-from ..errors import EXIT_PREEMPTED, HpctrainError
+from ..errors import HpctrainError
 from ..nn import (BatchNorm1d, BatchNorm2d, Conv2d, LayerError, MaxPool2d, ReLU, Residual, compiled, spec_for,
                   threads)
 from ..nn.layers import LayerCodeError
@@ -34,7 +34,7 @@ from ..pipeline.stages import cuts_for
 from ..report import tensorboard
 from ..tuning import rounding
 from . import cluster as cluster_mod
-from . import identity, jobcheck
+from . import identity, jobcheck, stop_signal
 from .cluster import Cluster
 from .inputs import Inputs, data_identity, ensure_data
 from .mesh import Mesh
@@ -49,7 +49,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     start-up collective below waits under it. stop: the StopSignal made
     before it. on_roles: called with the chief's world rank as soon as the
     roles are known (train.py's Ctrl-C line must not call MPI to learn it)."""
-    watchdog.also_watch(lambda: stopped_outside_training(stop, args.checkpoint_dir, watchdog))
+    watchdog.also_watch(lambda: stop_signal.stopped_outside_training(stop, args.checkpoint_dir, watchdog))
     # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
     # NumPy's warnings on every rank.
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
@@ -247,38 +247,6 @@ def _model_spec(args, model_shape, watchdog):
     with watchdog.waiting(f"--model {args.model}: its import, its function and the layer checks",
                           peer="its own model code", own=True):
         return model_spec(args, model_shape)
-
-
-def stopped_outside_training(stop, checkpoint_dir, watchdog):
-    """For the watchdog's thread: the line and exit code when a stop signal
-    came outside training (start-up, or writing the results) and the
-    process has not ended within the grace (a rank is stuck there). After
-    the last step a roll call decides: when every rank answers, the ranks
-    are working (a final evaluation longer than the grace: SLURM's
-    --signal=USR1@60 with a large test set), and the run goes on to write
-    its results (asked again a grace later); the ranks that do not are the
-    stuck ones. Where no roll call can be held, as at start-up, the grace decides."""
-    overdue = stop.overdue()
-    if overdue is None:
-        return None
-    name, phase = overdue
-    if phase == "start-up":
-        return (f"stopped by {name} during start-up, before the first step (a rank is stuck there); "
-                f"no new checkpoint: run the same command again to resume from the last one", EXIT_PREEMPTED)
-    if watchdog.past_last_barrier():
-        return None   # every rank wrote its results and got to the shutdown barrier: nothing is stuck
-    silent = watchdog.silent_ranks()
-    if silent == []:
-        stop.postpone()
-        return None
-    if watchdog.past_last_barrier(wait=stop.GRACE_S):
-        return None   # the silent ranks had left the shutdown barrier: this rank's returned as well
-    stuck = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer a roll call"
-             if silent else "a rank is stuck there")
-    where = (f"the final checkpoint in {checkpoint_dir} is whole: run the same command again "
-             f"to write the results" if checkpoint_dir else "no --checkpoint-dir: the results are lost")
-    return f"stopped by {name} after the last step, while the results were written ({stuck}); {where}", \
-        EXIT_PREEMPTED
 
 
 def server_array_module(args):

@@ -15,6 +15,8 @@ import signal
 import time
 import types
 
+from ..errors import EXIT_PREEMPTED
+
 
 class StopSignal:
     """SIGTERM/SIGUSR1 (SLURM's pre-emption and time-limit warnings) set a flag
@@ -31,7 +33,7 @@ class StopSignal:
     thread: a rank stuck there must not keep a pre-empted job alive. After
     the last step, only if a rank is stuck: while every rank answers a roll
     call (a long final evaluation, the result files) the run goes on to
-    write its results and exit 0 (run/startup.stopped_outside_training)."""
+    write its results and exit 0 (stopped_outside_training below)."""
 
     GRACE_S = 5.0
 
@@ -105,3 +107,35 @@ class StopSignal:
         where = (f"the checkpoints in --checkpoint-dir {checkpoint_dir} are whole: run the same command again to "
                  f"resume from the newest" if checkpoint_dir else "no --checkpoint-dir: a new run starts from step 0")
         return f"stopped by {name} before every rank ended its step; {where}"
+
+
+def stopped_outside_training(stop, checkpoint_dir, watchdog):
+    """For the watchdog's thread: the line and exit code when a stop signal
+    came outside training (start-up, or writing the results) and the
+    process has not ended within the grace (a rank is stuck there). After
+    the last step a roll call decides: when every rank answers, the ranks
+    are working (a final evaluation longer than the grace: SLURM's
+    --signal=USR1@60 with a large test set), and the run goes on to write
+    its results (asked again a grace later); the ranks that do not are the
+    stuck ones. Where no roll call can be held, as at start-up, the grace decides."""
+    overdue = stop.overdue()
+    if overdue is None:
+        return None
+    name, phase = overdue
+    if phase == "start-up":
+        return (f"stopped by {name} during start-up, before the first step (a rank is stuck there); "
+                f"no new checkpoint: run the same command again to resume from the last one", EXIT_PREEMPTED)
+    if watchdog.past_last_barrier():
+        return None   # every rank wrote its results and got to the shutdown barrier: nothing is stuck
+    silent = watchdog.silent_ranks()
+    if silent == []:
+        stop.postpone()
+        return None
+    if watchdog.past_last_barrier(wait=stop.GRACE_S):
+        return None   # the silent ranks had left the shutdown barrier: this rank's returned as well
+    stuck = (f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer a roll call"
+             if silent else "a rank is stuck there")
+    where = (f"the final checkpoint in {checkpoint_dir} is whole: run the same command again "
+             f"to write the results" if checkpoint_dir else "no --checkpoint-dir: the results are lost")
+    return f"stopped by {name} after the last step, while the results were written ({stuck}); {where}", \
+        EXIT_PREEMPTED
