@@ -17,6 +17,9 @@ is erfc(|z|)/2, not (1 + erf)/2: no cancellation in the left tail.
 """
 import math
 
+import numpy as np
+
+from . import threads
 from .layers import Layer
 
 # CALERF's coefficients, highest index the leading one as Cody lists them
@@ -34,7 +37,6 @@ _Q = (2.56852019228982242e00, 1.87295284992346047e00, 5.27905102951428412e-1, 6.
       2.33520497626869185e-3)
 _SQRPI = 5.6418958354775628695e-1   # 1 / sqrt(pi)
 _SMALL, _MIDDLE = 0.46875, 4.0       # the intervals' bounds
-_BIG = 26.543                        # erfc is 0 in float64 above it
 
 
 def _ratio(num, den, lead_num, last_num, last_den, t):
@@ -46,26 +48,49 @@ def _ratio(num, den, lead_num, last_num, last_den, t):
     return (xnum + last_num) / (xden + last_den)
 
 
+def _gauss(xp, a):
+    """exp(-a^2) as exp(-s^2) exp(-(a - s)(a + s)), s = a to 1/16: a^2
+    rounded whole would lose a^2 ulps of it (CALERF's way)."""
+    s = xp.trunc(a * 16.0) / 16.0
+    return xp.exp(-s * s) * xp.exp(-(a - s) * (a + s))
+
+
 def erfc_abs(xp, a):
-    """erfc(a) for a >= 0 (an xp array), CALERF's three intervals."""
+    """erfc(a) for a >= 0 (an xp array): each interval's formula evaluated
+    everywhere (no masks: no gathers, nothing for a GPU to wait on) and
+    each element's own taken. Past a ~ 26.5 the result underflows to 0."""
     small = 1.0 - a * _ratio(_A[:3], _B[:3], _A[4], _A[3], _B[3], a * a)
     middle = _ratio(_C[:7], _D[:7], _C[8], _C[7], _D[7], a)
     safe = xp.maximum(a, _MIDDLE)   # the third interval's 1/a^2, finite everywhere
     inv = 1.0 / (safe * safe)
     tail = (_SQRPI - inv * _ratio(_P[:4], _Q[:4], _P[5], _P[4], _Q[4], inv)) / safe
-    # exp(-a^2) as exp(-s^2) exp(-(a - s)(a + s)), s = a to 1/16: a^2 rounded
-    # whole would lose a^2 ulps of it
-    s = xp.trunc(a * 16.0) / 16.0
-    gauss = xp.exp(-s * s) * xp.exp(-(a - s) * (a + s))
-    far = xp.where(a < _MIDDLE, middle, tail) * gauss
-    return xp.where(a <= _SMALL, small, xp.where(a < _BIG, far, 0.0))
+    return xp.where(a <= _SMALL, small, xp.where(a < _MIDDLE, middle, tail) * _gauss(xp, a))
 
 
-def normal_cdf(xp, x):
-    """Phi(x) = erfc(-x / sqrt 2) / 2, elementwise, in x's dtype."""
-    z = x * x.dtype.type(1 / math.sqrt(2))
-    half = 0.5 * erfc_abs(xp, xp.abs(z))
-    return xp.where(z < 0, half, 1.0 - half).astype(x.dtype, copy=False)
+# Elements per pass of normal_cdf on the host: erfc's dozens of temporaries
+# then stay small (64 KB in float64: below malloc's mmap threshold, in the
+# cache), instead of each a fresh, page-faulted array of the whole input.
+# A GPU takes the whole array at once.
+CHUNK = 8192
+
+
+def normal_cdf(xp, x, out=None, split=None):
+    """Phi(x) = erfc(-x / sqrt 2) / 2, elementwise, in x's dtype, into `out`
+    (x's shape) or a new array; `split(n, work)`: a layer's thread split
+    (nn/layers.py Layer.split) of the n chunks, None: one after another."""
+    out = xp.empty_like(x) if out is None else out
+    flat, dst = x.reshape(-1), out.reshape(-1)
+    chunk = CHUNK if xp is np else max(flat.size, 1)
+    scale, dtype = x.dtype.type(1 / math.sqrt(2)), x.dtype
+
+    def chunks(t, first, last):
+        for lo in range(first * chunk, min(last * chunk, flat.size), chunk):
+            z = flat[lo:lo + chunk] * scale
+            half = 0.5 * erfc_abs(xp, xp.abs(z))
+            dst[lo:lo + chunk] = xp.where(z < 0, half, 1.0 - half).astype(dtype, copy=False)
+    n = -(-flat.size // chunk)
+    (split or (lambda n, work: work(0, 0, n)))(n, chunks)
+    return out
 
 
 class GELU(Layer):
@@ -74,8 +99,8 @@ class GELU(Layer):
     keeps_output = False   # its backward reads its input and Phi
 
     def forward(self, ctx, x, train):
-        cdf = ctx.buffer("cdf", x.shape, x.dtype)
-        cdf[...] = normal_cdf(self.xp, x)
+        cdf = normal_cdf(self.xp, x, ctx.buffer("cdf", x.shape, x.dtype),
+                         lambda n, work: self.split(n, work, most=threads.most(floats=30 * x.size)))
         y = ctx.buffer(("out", train), x.shape, x.dtype)
         self.xp.multiply(x, cdf, out=y)
         ctx.x, ctx.cdf = x, cdf
