@@ -69,6 +69,15 @@ def test_the_layernorm_weight_and_bias_start_at_one_and_zero():
     assert np.array_equal(layer.params["gamma"], np.ones(WIDTH)) and not layer.params["beta"].any()
 
 
+def test_a_position_embedding_takes_a_shorter_sequence():
+    layer, _, grads = bound(PositionEmbedding(std=0.5), (T, WIDTH))
+    x, dy = np.zeros((BATCH, 3, WIDTH)), np.random.default_rng(0).standard_normal((BATCH, 3, WIDTH))
+    grads[...] = 1
+    assert np.array_equal(layer.forward(x, True), np.broadcast_to(layer.params["P"][:3], x.shape))
+    assert layer.backward(dy, True) is dy
+    assert np.array_equal(layer.grads["P"][:3], dy.sum(axis=0)) and not layer.grads["P"][3:].any()
+
+
 def _logits_and_targets(seed=0, ignored=((0, 1), (2, 4))):
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((BATCH, T, VOCAB)) * 2
@@ -323,6 +332,9 @@ def test_an_earlier_logit_does_not_see_a_later_token():
     after = model.run.forward(later, False)
     assert np.array_equal(before[:, :3], after[:, :3])
     assert not np.allclose(before[:, 3:], after[:, 3:])
+    # a prefix alone (3 of the 5 positions, the layers called directly) gives the same first logits
+    prefix = model.chain.forward(model.ctx, ids[:, :3], False)
+    assert prefix.shape == (BATCH, 3, VOCAB) and rel_error(prefix, before[:, :3]) < 1e-14
 
 
 def test_dropout_in_the_gpt_is_per_sample_whatever_the_batch_split():

@@ -27,7 +27,9 @@ from .norm import LayerNorm
 
 class PositionEmbedding(Layer):
     """(batch, T, E) -> the same plus P[t] at position t; P (T, E), T the
-    input's positions (the block size), N(0, std) weights."""
+    input's positions (the block size), N(0, std) weights. A shorter
+    sequence (t < T positions: a prompt, called outside a spec) gets P's
+    first t rows, and the other rows' gradient is 0."""
     keeps_output = False   # its backward reads nothing
 
     def __init__(self, std=0.02):
@@ -47,11 +49,13 @@ class PositionEmbedding(Layer):
 
     def forward(self, ctx, x, train):
         y = ctx.buffer(("out", train), x.shape, x.dtype)
-        self.xp.add(x, self.params["P"], out=y)
+        self.xp.add(x, self.params["P"][:x.shape[1]], out=y)
         return y
 
     def backward(self, ctx, dy, need_dx):
-        dy.sum(axis=0, out=self.grads["P"])
+        t, dP = dy.shape[1], self.grads["P"]
+        dP[t:] = 0
+        dy.sum(axis=0, out=dP[:t])
         return dy if need_dx else None
 
     def train_floats(self):
