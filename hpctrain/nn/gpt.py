@@ -15,7 +15,12 @@ The dropout layers are there at p = 0 too (identities), so the layer
 indices, and with them the initial parameters ((seed, layer index),
 nn/sequential.py), do not depend on p.
 
-    python -c "from hpctrain.nn.gpt import gpt; print(gpt(65, 64, 4, 4, 128).summary())"
+A model file (`--model FILE.py:build`, nn/user.py) returns the pair:
+
+    def build(input_shape, classes):    # (T,) token ids, the vocabulary
+        return gpt_layers(classes, input_shape[0], layers=4, heads=4, width=128)
+
+    python -c "from hpctrain.nn.gpt import gpt; print(*gpt(65, 64, 4, 4, 128).summary(), sep='\\n')"
 """
 import math
 
