@@ -2,7 +2,8 @@
 splits its work over them gives the same bits on 1, 2 or 3 threads, on
 every path it takes (Conv2d's kept and rewritten columns, its transposed and
 col2im input gradients, 1x1; batch norm in training and evaluation; ReLU;
-Dense by columns), and so do whole models and a training job.
+Dense by columns; the GPT's GELU and Linear), and so do whole models and a
+training job.
 
 The thresholds below which work stays in the calling thread are lowered
 here, so that small shapes split too.
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import same_bytes
-from hpctrain.nn import (MODELS, BatchNorm2d, Channels, Conv2d, Dense, Flatten, ModelSpec, ReLU, Residual,
+from hpctrain.nn import (MODELS, BatchNorm2d, Channels, Conv2d, Dense, Flatten, ModelSpec, ReLU, Residual, gpt,
                          threads)
 from hpctrain.nn import conv
 
@@ -95,6 +96,15 @@ def test_layers_give_the_same_bits_on_any_number_of_threads(name, split_everythi
     x = rng.standard_normal((batch, *shape)).astype(np.float32)
     y = rng.integers(0, 10, batch)
     results = [_step(ModelSpec(list(layers), shape, 10), count, x, y) for count in (1, 2, 3)]
+    assert split_everything, "nothing split: the test would prove nothing"
+    assert _same(results[0], results[1]) and _same(results[0], results[2])
+
+
+def test_the_gpt_gives_the_same_bits_on_any_number_of_threads(split_everything):
+    """GELU's chunks and the Linear projections split (nn/gelu.py, nn/linear.py), dropout on."""
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, 65, (24, 16)), rng.integers(0, 65, (24, 16))
+    results = [_step(gpt(65, 16, 2, 4, 64, dropout=0.1), count, x, y) for count in (1, 2, 3)]
     assert split_everything, "nothing split: the test would prove nothing"
     assert _same(results[0], results[1]) and _same(results[0], results[2])
 

@@ -20,13 +20,15 @@ class Embedding(Layer):
     whole numbers (a layer before it that makes tokens, a pipeline stage's
     received activations); an id outside [0, vocab) is one line.
     Normal(0, 1/dim) weights (the scale nanoGPT's std 0.02 gives at dim
-    ~2500; here the logits of a tied head start near unit variance). No
+    ~2500; here the logits of a tied head start near unit variance), or
+    Normal(0, std^2) where `std` is given (nn/gpt.py: nanoGPT's 0.02). No
     gradient reaches the ids: its input gradient is zeros."""
     input_kind = "tokens"
     keeps_output = False   # its backward reads the ids, not its output
 
-    def __init__(self, vocab, dim):
+    def __init__(self, vocab, dim, std=None):
         self.vocab, self.dim = int(vocab), int(dim)
+        self.std = None if std is None else float(std)
         if self.vocab < 1 or self.dim < 1:
             raise LayerError(f"Embedding({vocab}, {dim}): the vocabulary and the width must be at least 1")
 
@@ -40,7 +42,7 @@ class Embedding(Layer):
 
     def init(self, rng, params, dtype):
         E = rng.standard_normal(self.vocab * self.dim, dtype=np.float64 if dtype == np.float64 else np.float32)
-        E *= np.sqrt(1.0 / self.dim)
+        E *= np.sqrt(1.0 / self.dim) if self.std is None else self.std
         params["E"][...] = E.astype(dtype, copy=False).reshape(self.vocab, self.dim)
 
     def forward(self, ctx, x, train):

@@ -99,6 +99,73 @@ class ClassCrossEntropy(Loss):
         return "softmax cross-entropy over classes"
 
 
+class TokenCrossEntropy(Loss):
+    """Mean cross-entropy of softmax(logits) over a vocabulary at every
+    position: logits (N, T, V), integer targets (N, T) (a language model's
+    next tokens). A target equal to `ignore_index` (default -1: padding) is
+    not scored: the loss is the mean over the counted tokens (0 where none
+    is), and dlogits is (softmax - onehot) / counted there, zero at the
+    ignored ones. sums: "loss" the sum of the counted tokens' losses (nats),
+    "count" the tokens counted, "correct" those whose most likely token is
+    the target (next-token top-1 accuracy: a measure people report for
+    language models, so evaluation's accuracy stays meaningful).
+
+    The mean is this batch's: ranks that split a batch each average their
+    own tokens, which is the global mean when each counts as many tokens
+    (no ignored targets, or as many on each)."""
+
+    def __init__(self, ignore_index=-1):
+        self.ignore_index = int(ignore_index)
+
+    def check(self, out_shape, classes):
+        if len(out_shape) != 2 or out_shape[1] != classes:
+            raise LayerError(f"the last layer gives {'x'.join(map(str, out_shape))} outputs per sample, a "
+                             f"per-token loss needs (positions, {classes}): one score per token of the vocabulary")
+
+    def _scored(self, ctx, logits, targets):
+        """(logits as (N T, V) rows, targets as N T ids with the ignored
+        ones at 0, which rows count (as 0/1 of the logits' dtype))."""
+        xp = ctx.xp
+        rows = logits.reshape(-1, logits.shape[-1])
+        ids = targets.reshape(-1).astype(xp.int64)
+        counted = ids != self.ignore_index
+        return rows, xp.where(counted, ids, 0), counted.astype(logits.dtype)
+
+    def forward_backward(self, ctx, logits, targets):
+        xp = ctx.xp
+        rows, ids, counted = self._scored(ctx, logits, targets)
+        index = ClassCrossEntropy._rows(ctx, rows.shape[0])
+        d = ctx.buffer("dlogits", rows.shape, rows.dtype)
+        # the loss as log(sum exp(shifted)) - shifted[target]: no log of a
+        # rounded probability, and the softmax in d from the same exp
+        xp.subtract(rows, rows.max(axis=1, keepdims=True), out=d)
+        picked = d[index, ids]
+        xp.exp(d, out=d)
+        total = d.sum(axis=1)
+        d /= total[:, None]
+        count = xp.maximum(counted.sum(), 1)
+        loss = ((xp.log(total) - picked) * counted).sum() / count
+        d[index, ids] -= 1.0
+        d *= (counted / count)[:, None]
+        return loss, d.reshape(logits.shape)
+
+    def sums(self, ctx, logits, targets):
+        xp = ctx.xp
+        rows, ids, counted = self._scored(ctx, logits, targets)
+        shifted = rows - rows.max(axis=1, keepdims=True)
+        index = xp.arange(rows.shape[0])
+        losses = xp.log(xp.exp(shifted).sum(axis=1)) - shifted[index, ids]
+        right = (rows.argmax(axis=1) == ids) * counted
+        return {"loss": float((losses * counted).sum()), "count": int(counted.sum()), "correct": int(right.sum())}
+
+    def zero_sums(self):
+        return {"loss": 0.0, "count": 0, "correct": 0}
+
+    def describe(self):
+        ignored = "" if self.ignore_index == -1 else f", ignoring {self.ignore_index}"
+        return f"softmax cross-entropy per token{ignored}"
+
+
 def add_sums(total, part):
     """total += part, key by key (evaluation's batches, in order)."""
     for key, value in part.items():

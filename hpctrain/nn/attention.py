@@ -1,0 +1,158 @@
+"""Causal multi-head self-attention on the layer contract (nn/layers.py),
+nanoGPT's CausalSelfAttention: on (batch, T, E),
+
+    q, k, v = split(x Wqkv + bqkv)           one fused projection E -> 3E
+    per head h (E / heads wide):  A = softmax(q k^T / sqrt(head width) + mask)
+    y = concat_h(dropout(A) v) Wo + bo       the output projection E -> E
+
+the mask -inf above the diagonal (position t sees positions <= t), the
+softmax with each row's maximum subtracted first. The attention dropout
+(on A, as nanoGPT's attn_dropout) is a Dropout held inside (`inner`), its
+draws per sample as every Dropout's; the dropout after the output
+projection is the Block's (nn/transformer.py). Weights N(0, 0.02), the
+output projection N(0, out_std) (nanoGPT: 0.02 / sqrt(2 layers)), biases 0.
+Plain xp arithmetic: batched matmuls over (batch, heads), the same code on
+NumPy and CuPy. Scores are computed in full (T x T) and masked; the
+per-sample memory is O(heads T^2) (train_floats counts it).
+
+    python -m pytest -q tests/test_transformer_layers.py -k attention
+"""
+import math
+
+import numpy as np
+
+from .layers import Context, Dropout, Layer, LayerError, Noise
+from .linear import normal
+
+
+class CausalSelfAttention(Layer):
+    keeps_output = False   # its backward reads q, k, v, the attention and the heads' outputs
+
+    def __init__(self, heads, dropout=0.0, std=0.02, out_std=0.02):
+        self.heads, self.std, self.out_std = int(heads), float(std), float(out_std)
+        if self.heads < 1:
+            raise LayerError(f"CausalSelfAttention({heads}): at least one head")
+        self.drop = Dropout(dropout)
+        self.inner = [("drop", self.drop)]
+
+    def configure(self, in_shape):
+        if len(in_shape) != 2:
+            raise LayerError(f"{self.describe()} takes (positions, width) per sample, not "
+                             f"{'x'.join(map(str, in_shape))}")
+        super().configure(in_shape)
+        self.T, self.width = self.in_shape
+        if self.width % self.heads:
+            raise LayerError(f"{self.describe()}: the width {self.width} is not a multiple of the heads")
+        self.head_width = self.width // self.heads
+        self.drop.configure((self.heads, self.T, self.T))
+        return self.out_shape
+
+    def param_shapes(self):
+        e = self.width
+        return [("Wqkv", (e, 3 * e)), ("bqkv", (3 * e,)), ("Wo", (e, e)), ("bo", (e,))]
+
+    def init(self, rng, params, dtype):
+        params["Wqkv"][...] = normal(rng, params["Wqkv"].shape, self.std, dtype)
+        params["Wo"][...] = normal(rng, params["Wo"].shape, self.out_std, dtype)
+
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        self.drop.bind(xp, {}, {}, {})
+
+    def context(self):
+        return Context(self.xp, [self.drop.context()])
+
+    def set_noise(self, ctx, noise):
+        ctx.noise = noise
+        self.drop.set_noise(ctx.inner[0], None if noise is None else Noise(*noise[:3], stream=noise.stream * 64 + 1))
+
+    def _mask(self, t, dtype):
+        """(t, t): 0 on and below the diagonal, -inf above; a constant of the layer."""
+        mask = self._constants.get("mask")
+        if mask is None or mask.shape != (t, t) or mask.dtype != dtype:
+            xp = self.xp
+            above = xp.arange(t).reshape(1, t) > xp.arange(t).reshape(t, 1)
+            mask = self._constants["mask"] = xp.where(above, -np.inf, 0).astype(dtype)
+        return mask
+
+    def _heads(self, a, n, t, which):
+        """Part `which` (0 q, 1 k, 2 v) of a (n t, 3E) array as (n, heads, t, head width), a view."""
+        return a.reshape(n, t, 3, self.heads, self.head_width)[:, :, which].transpose(0, 2, 1, 3)
+
+    def forward(self, ctx, x, train):
+        xp, W, b = self.xp, self.params["Wqkv"], self.params["bqkv"]
+        n, t, e = x.shape
+        rows = x.reshape(n * t, e)
+        qkv = ctx.buffer("qkv", (n * t, 3 * e), W.dtype)
+        xp.matmul(rows, W, out=qkv)
+        qkv += b
+        q, k, v = (self._heads(qkv, n, t, j) for j in range(3))
+        att = ctx.buffer("att", (n, self.heads, t, t), W.dtype)
+        xp.matmul(q, k.transpose(0, 1, 3, 2), out=att)
+        att *= W.dtype.type(1 / math.sqrt(self.head_width))
+        att += self._mask(t, W.dtype)
+        att -= att.max(axis=-1, keepdims=True)
+        xp.exp(att, out=att)
+        att /= att.sum(axis=-1, keepdims=True)
+        dropped = self.drop.forward(ctx.inner[0], att, train)
+        heads = ctx.buffer("heads", (n, self.heads, t, self.head_width), W.dtype)
+        xp.matmul(dropped, v, out=heads)
+        merged = ctx.buffer("merged", (n, t, self.heads, self.head_width), W.dtype)
+        xp.copyto(merged, heads.transpose(0, 2, 1, 3))
+        merged = merged.reshape(n * t, e)
+        y = ctx.buffer(("out", train), (n * t, e), W.dtype)
+        xp.matmul(merged, self.params["Wo"], out=y)
+        y += self.params["bo"]
+        ctx.rows, ctx.qkv, ctx.att, ctx.dropped, ctx.merged = rows, qkv, att, dropped, merged
+        return y.reshape(n, t, e)
+
+    def backward(self, ctx, dy, need_dx):
+        xp, Wo = self.xp, self.params["Wo"]
+        n, t, e = dy.shape
+        d = dy.reshape(n * t, e)
+        xp.matmul(ctx.merged.T, d, out=self.grads["Wo"])
+        d.sum(axis=0, out=self.grads["bo"])
+        dmerged = ctx.buffer("dmerged", (n * t, e), dy.dtype)
+        xp.matmul(d, Wo.T, out=dmerged)
+        dheads = ctx.buffer("dheads", (n, self.heads, t, self.head_width), dy.dtype)
+        xp.copyto(dheads, dmerged.reshape(n, t, self.heads, self.head_width).transpose(0, 2, 1, 3))
+        q, k, v = (self._heads(ctx.qkv, n, t, j) for j in range(3))
+        dqkv = ctx.buffer("dqkv", (n * t, 3 * e), dy.dtype)
+        part = ctx.buffer("part", (n, self.heads, t, self.head_width), dy.dtype)
+        xp.matmul(ctx.dropped.transpose(0, 1, 3, 2), dheads, out=part)
+        xp.copyto(self._heads(dqkv, n, t, 2), part)                            # dv
+        datt = ctx.buffer("datt", (n, self.heads, t, t), dy.dtype)
+        xp.matmul(dheads, v.transpose(0, 1, 3, 2), out=datt)
+        datt = self.drop.backward(ctx.inner[0], datt, True)
+        # the softmax's backward: A (dA - rowsum(dA A)); 0 where masked (A is)
+        att = ctx.att
+        weighted = ctx.buffer("weighted", att.shape, dy.dtype)
+        xp.multiply(datt, att, out=weighted)
+        datt -= weighted.sum(axis=-1, keepdims=True)
+        datt *= att
+        datt *= dy.dtype.type(1 / math.sqrt(self.head_width))
+        xp.matmul(datt, k, out=part)
+        xp.copyto(self._heads(dqkv, n, t, 0), part)                            # dq
+        xp.matmul(datt.transpose(0, 1, 3, 2), q, out=part)
+        xp.copyto(self._heads(dqkv, n, t, 1), part)                            # dk
+        xp.matmul(ctx.rows.T, dqkv, out=self.grads["Wqkv"])
+        dqkv.sum(axis=0, out=self.grads["bqkv"])
+        if not need_dx:
+            return None
+        dx = ctx.buffer("dx", (n * t, e), dy.dtype)
+        xp.matmul(dqkv, self.params["Wqkv"].T, out=dx)
+        return dx.reshape(n, t, e)
+
+    def train_floats(self):
+        t, e, h = self.T, self.width, self.heads
+        # forward: qkv (3), heads, merged, out; backward: dmerged, dheads, part, dqkv (3), dx;
+        # the attention, its gradient and the softmax's scratch (heads t^2 each), the dropout's
+        return 14 * t * e + 3 * h * t * t + (self.drop.train_floats() if self.drop.p else 0)
+
+    def flops(self):
+        t, e = self.T, self.width
+        return 4 * t * e * e + 2 * t * t * e   # the two projections; scores and A v in full (the mask after)
+
+    def describe(self):
+        drop = f", dropout={self.drop.p:g}" if self.drop.p else ""
+        return f"CausalSelfAttention({self.heads}{drop})"

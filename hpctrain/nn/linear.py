@@ -1,0 +1,87 @@
+"""Linear: y = x W (+ b) over the last axis of an input of any shape, each
+position by itself: a transformer's projections on (batch, T, E). Dense
+(nn/layers.py) stays the flat layer of the MLPs and CNNs, which refuses a
+spatial input with a hint to flatten it; this one is for token vectors.
+Weights N(0, std) (nanoGPT's 0.02, `normal`), the bias zero or absent
+(`bias=False`: a tied output head, `Linear(vocab, bias=False).tie("W",
+embedding, "E", transposed=True)`).
+
+    python -m pytest -q tests/test_transformer_layers.py -k Linear
+"""
+import math
+
+import numpy as np
+
+from . import threads
+from .layers import Layer, LayerError
+
+
+def normal(rng, shape, std, dtype):
+    """N(0, std^2) in C order of `shape`, drawn from `rng` as he_normal draws
+    (nn/layers.py): float32 draws for float32 buffers, float64 for float64."""
+    w = rng.standard_normal(math.prod(shape), dtype=np.float64 if dtype == np.float64 else np.float32)
+    w *= std
+    return w.astype(dtype, copy=False).reshape(shape)
+
+
+class Linear(Layer):
+    """(batch, ..., fan_in) -> (batch, ..., units); W is (fan_in, units)."""
+    keeps_output = False   # its backward reads its input
+
+    def __init__(self, units, bias=True, std=0.02):
+        self.units, self.bias, self.std = int(units), bool(bias), float(std)
+        if self.units < 1:
+            raise LayerError(f"Linear({units}): at least one unit")
+
+    def configure(self, in_shape):
+        super().configure(in_shape)
+        self.fan_in = self.in_shape[-1]
+        self.out_shape = (*self.in_shape[:-1], self.units)
+        return self.out_shape
+
+    def param_shapes(self):
+        return [("W", (self.fan_in, self.units))] + ([("b", (self.units,))] if self.bias else [])
+
+    def init(self, rng, params, dtype):
+        params["W"][...] = normal(rng, params["W"].shape, self.std, dtype)
+
+    def forward(self, ctx, x, train):
+        xp, W = self.xp, self.params["W"]
+        rows = x.reshape(-1, self.fan_in)
+        h = ctx.buffer(("out", train), (rows.shape[0], self.units), W.dtype)
+
+        def part(t, lo, hi):
+            xp.matmul(rows[lo:hi], W, out=h[lo:hi])
+            if self.bias:
+                h[lo:hi] += self.params["b"]
+        self._split_rows(rows.shape[0], part, rows.shape[0])
+        ctx.rows = rows
+        return h.reshape(*x.shape[:-1], self.units)
+
+    def backward(self, ctx, dy, need_dx):
+        xp, rows, W, dW = self.xp, ctx.rows, self.params["W"], self.grads["W"]
+        d = dy.reshape(-1, self.units)
+        self._split_rows(self.fan_in, lambda t, lo, hi: xp.matmul(rows[:, lo:hi].T, d, out=dW[lo:hi]), d.shape[0])
+        if self.bias:
+            d.sum(axis=0, out=self.grads["b"])
+        if not need_dx:
+            return None
+        dx = ctx.buffer("dx", rows.shape, dy.dtype)
+        self._split_rows(d.shape[0], lambda t, lo, hi: xp.matmul(d[lo:hi], W.T, out=dx[lo:hi]), d.shape[0])
+        return dx.reshape(*dy.shape[:-1], self.fan_in)
+
+    def _split_rows(self, n, work, rows):
+        """Dense's rule (nn/layers.py Dense._split_rows): a product over
+        ranges of its output's rows, whole BLAS row tiles, so the bits do not
+        depend on the threads."""
+        self.split(n, work, unit=threads.row_unit(1), most=threads.most(macs=rows * self.fan_in * self.units))
+
+    def train_floats(self):
+        # its output and the gradient handed back
+        return 2 * math.prod(self.out_shape)
+
+    def flops(self):
+        return math.prod(self.in_shape[:-1]) * self.fan_in * self.units
+
+    def describe(self):
+        return f"Linear({self.units}{'' if self.bias else ', bias=False'})"

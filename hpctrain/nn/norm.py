@@ -1,0 +1,83 @@
+"""LayerNorm on the layer contract (nn/layers.py): each position's vector
+normalised over its last axis (mean 0, variance 1, the biased variance as
+PyTorch's nn.LayerNorm), then scaled and shifted per feature: gamma
+(starts at 1) and beta (starts at 0); eps 1e-5. Any leading shape: a
+transformer's (batch, T, E), a flat (batch, E).
+
+    python -m pytest -q tests/test_transformer_layers.py -k LayerNorm
+"""
+import math
+
+from .layers import Layer
+
+EPS = 1e-5
+
+
+class LayerNorm(Layer):
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last axis."""
+    keeps_output = False   # its backward reads the normalised input and 1/std
+
+    def __init__(self, eps=EPS):
+        self.eps = float(eps)
+
+    def configure(self, in_shape):
+        super().configure(in_shape)
+        self.width = self.in_shape[-1]
+        return self.out_shape
+
+    def param_shapes(self):
+        return [("gamma", (self.width,)), ("beta", (self.width,))]
+
+    def init(self, rng, params, dtype):
+        params["gamma"][...] = 1
+
+    def forward(self, ctx, x, train):
+        xp, gamma, beta = self.xp, self.params["gamma"], self.params["beta"]
+        rows = x.reshape(-1, self.width)
+        xhat = ctx.buffer("xhat", rows.shape, x.dtype)
+        xp.subtract(rows, rows.mean(axis=1, keepdims=True), out=xhat)
+        rstd = ctx.buffer("rstd", (rows.shape[0], 1), x.dtype)
+        scratch = ctx.buffer("scratch", rows.shape, x.dtype)
+        xp.multiply(xhat, xhat, out=scratch)
+        scratch.mean(axis=1, keepdims=True, out=rstd)
+        rstd += x.dtype.type(self.eps)
+        xp.sqrt(rstd, out=rstd)
+        xp.divide(1, rstd, out=rstd)
+        xhat *= rstd
+        y = ctx.buffer(("out", train), rows.shape, x.dtype)
+        xp.multiply(xhat, gamma, out=y)
+        y += beta
+        ctx.xhat, ctx.rstd = xhat, rstd
+        return y.reshape(x.shape)
+
+    def backward(self, ctx, dy, need_dx):
+        xp, xhat, rstd = self.xp, ctx.xhat, ctx.rstd
+        d = dy.reshape(-1, self.width)
+        scratch = ctx.buffer("scratch", d.shape, dy.dtype)
+        xp.multiply(d, xhat, out=scratch)
+        scratch.sum(axis=0, out=self.grads["gamma"])
+        d.sum(axis=0, out=self.grads["beta"])
+        if not need_dx:
+            return None
+        # dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma
+        g = ctx.buffer("dx", d.shape, dy.dtype)
+        xp.multiply(d, self.params["gamma"], out=g)
+        xp.multiply(g, xhat, out=scratch)
+        m2 = scratch.mean(axis=1, keepdims=True)
+        m1 = g.mean(axis=1, keepdims=True)
+        xp.multiply(xhat, m2, out=scratch)
+        g -= m1
+        g -= scratch
+        g *= rstd
+        return g.reshape(dy.shape)
+
+    def train_floats(self):
+        # its output, the normalised input, scratch, the input gradient
+        return 4 * math.prod(self.in_shape) + math.prod(self.in_shape[:-1])
+
+    def flops(self):
+        return 4 * math.prod(self.in_shape)
+
+    def describe(self):
+        return "LayerNorm" if self.eps == EPS else f"LayerNorm(eps={self.eps:g})"
+

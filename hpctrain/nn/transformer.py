@@ -1,0 +1,167 @@
+"""The transformer's own layers on the layer contract (nn/layers.py):
+`PositionEmbedding` (a learned (T, E) table added to each sample's token
+vectors) and `Block`, nanoGPT's pre-LayerNorm residual block:
+
+    x = x + dropout(attn(ln1(x)))                  attn: nn/attention.py
+    x = x + dropout(proj(gelu(fc(ln2(x)))))        fc: E -> 4E, proj: 4E -> E (nn/linear.py, nn/gelu.py)
+
+One layer to the spec, holding its inner layers as a Residual does
+(nn/residual.py): their tensors named `ln1.gamma`, `attn.Wqkv`,
+`fc.W`, `proj.b`, ...; their contexts in its context's `inner` (the
+attention path's chain, then the MLP path's); each inner layer's noise
+stream `stream * 64 + j + 1`, j its place in `inner`. The two
+projections into the residual stream (attn.Wo, proj.W) start N(0,
+out_std), nanoGPT's 0.02 / sqrt(2 layers) (nn/gpt.py passes it).
+
+    python -m pytest -q tests/test_transformer_layers.py
+"""
+import math
+
+from .attention import CausalSelfAttention
+from .chain import Chain
+from .gelu import GELU
+from .layers import Context, Dropout, Layer, LayerError, Noise
+from .linear import Linear, normal
+from .norm import LayerNorm
+
+
+class PositionEmbedding(Layer):
+    """(batch, T, E) -> the same plus P[t] at position t; P (T, E), T the
+    input's positions (the block size), N(0, std) weights. A shorter
+    sequence (t < T positions: a prompt, called outside a spec) gets P's
+    first t rows, and the other rows' gradient is 0."""
+    keeps_output = False   # its backward reads nothing
+
+    def __init__(self, std=0.02):
+        self.std = float(std)
+
+    def configure(self, in_shape):
+        if len(in_shape) != 2:
+            raise LayerError(f"PositionEmbedding takes (positions, width) per sample, not "
+                             f"{'x'.join(map(str, in_shape))}")
+        return super().configure(in_shape)
+
+    def param_shapes(self):
+        return [("P", self.in_shape)]
+
+    def init(self, rng, params, dtype):
+        params["P"][...] = normal(rng, params["P"].shape, self.std, dtype)
+
+    def forward(self, ctx, x, train):
+        y = ctx.buffer(("out", train), x.shape, x.dtype)
+        self.xp.add(x, self.params["P"][:x.shape[1]], out=y)
+        return y
+
+    def backward(self, ctx, dy, need_dx):
+        t, dP = dy.shape[1], self.grads["P"]
+        dP[t:] = 0
+        dy.sum(axis=0, out=dP[:t])
+        return dy if need_dx else None
+
+    def train_floats(self):
+        return math.prod(self.in_shape)   # its output (the gradient passes through)
+
+    def flops(self):
+        return math.prod(self.in_shape)
+
+    def describe(self):
+        return "PositionEmbedding"
+
+
+class Block(Layer):
+    """A pre-LN transformer block of `width` (the input's last axis),
+    `heads` attention heads, dropout p on the attention and on both
+    residual branches."""
+    keeps_output = False   # its backward reads its inner layers' own buffers
+
+    def __init__(self, width, heads, dropout=0.0, std=0.02, out_std=0.02):
+        self.width = int(width)
+        self.attn_path = [LayerNorm(), CausalSelfAttention(heads, dropout, std, out_std), Dropout(dropout)]
+        self.mlp_path = [LayerNorm(), Linear(4 * self.width, std=std), GELU(), Linear(self.width, std=out_std),
+                         Dropout(dropout)]
+        self.inner = list(zip(("ln1", "attn", "drop1"), self.attn_path)) + \
+            list(zip(("ln2", "fc", "gelu", "proj", "drop2"), self.mlp_path))
+        self._chains = None
+
+    def configure(self, in_shape):
+        if len(in_shape) != 2 or in_shape[-1] != self.width:
+            raise LayerError(f"{self.describe()} takes (positions, {self.width}) per sample, not "
+                             f"{'x'.join(map(str, in_shape))}")
+        super().configure(in_shape)
+        for path in (self.attn_path, self.mlp_path):
+            shape = self.in_shape
+            for layer in path:
+                shape = tuple(layer.configure(shape))
+        return self.out_shape
+
+    # --- tensors: the inner layers', prefixed (as Residual's) -----------------
+    def _prefixed(self, of):
+        return [(f"{prefix}.{name}", shape) for prefix, layer in self.inner for name, shape in getattr(layer, of)()]
+
+    def param_shapes(self):
+        return self._prefixed("param_shapes")
+
+    @staticmethod
+    def _split(views, prefix):
+        return {name[len(prefix) + 1:]: v for name, v in views.items() if name.split(".", 1)[0] == prefix}
+
+    def init(self, rng, params, dtype):
+        for prefix, layer in self.inner:
+            layer.init(rng, self._split(params, prefix), dtype)
+
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        for prefix, layer in self.inner:
+            layer.bind(xp, self._split(params, prefix), self._split(grads, prefix), self._split(state, prefix))
+        # each path's input is read again by the residual sum: an in-place layer gets a copy (nn/chain.py)
+        self._chains = Chain(self.attn_path, xp, input_kept=True), Chain(self.mlp_path, xp, input_kept=True)
+
+    def context(self):
+        return Context(self.xp, [chain.context() for chain in self._chains])
+
+    def set_noise(self, ctx, noise):
+        ctx.noise = noise
+        contexts = ctx.inner[0].inner + ctx.inner[1].inner
+        for j, ((_, layer), inner) in enumerate(zip(self.inner, contexts)):
+            layer.set_noise(inner, None if noise is None else Noise(*noise[:3], stream=noise.stream * 64 + j + 1))
+
+    # --- forward and backward -------------------------------------------------
+    def forward(self, ctx, x, train):
+        xp, (attn, mlp) = self.xp, self._chains
+        h = ctx.buffer(("h", train), x.shape, x.dtype)
+        xp.add(x, attn.forward(ctx.inner[0], x, train), out=h)
+        y = ctx.buffer(("out", train), x.shape, x.dtype)
+        xp.add(h, mlp.forward(ctx.inner[1], h, train), out=y)
+        return y
+
+    def backward(self, ctx, dy, need_dx):
+        xp = self.xp
+        d = self._back(self.mlp_path, ctx.inner[1].inner, dy, True)
+        dh = ctx.buffer("dh", dy.shape, dy.dtype)
+        xp.add(dy, d, out=dh)
+        d = self._back(self.attn_path, ctx.inner[0].inner, dh, need_dx)
+        if not need_dx:
+            return None
+        dx = ctx.buffer("dx", dy.shape, dy.dtype)
+        xp.add(dh, d, out=dx)
+        return dx
+
+    @staticmethod
+    def _back(path, contexts, d, need_dx):
+        """Backprop d through a path, last layer first (its first layer's
+        input gradient only where need_dx)."""
+        for i in range(len(path) - 1, -1, -1):
+            d = path[i].backward(contexts[i], d, need_dx or i > 0)
+        return d
+
+    def train_floats(self):
+        # the inner layers', the residual sums h and out, dh and dx
+        return sum(layer.train_floats() for _, layer in self.inner) + 4 * math.prod(self.in_shape)
+
+    def flops(self):
+        return sum(layer.flops() for _, layer in self.inner) + 2 * math.prod(self.in_shape)
+
+    def describe(self):
+        attn = self.attn_path[1]
+        drop = f", dropout={self.attn_path[2].p:g}" if self.attn_path[2].p else ""
+        return f"Block({self.width}, heads={attn.heads}{drop})"
