@@ -305,10 +305,7 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
     warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
     if source is None and images is None:
         source = bundled_sample_dir()
-    source, out = (Path(source) if source is not None else None), Path(out)
-    if out.is_symlink():
-        # Keep a data/mnist -> /scratch/... link pointing at the new shards.
-        out = out.resolve()
+    source, out = (Path(source) if source is not None else None), _resolve_out(out)
     if not isinstance(shards, (int, np.integer)) or shards < 1:
         raise HpctrainError(f"--shards must be a positive integer, got {shards!r}")
     if not 0 <= test_fraction < 1:
@@ -385,6 +382,13 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
 
 # ---------------------------------------------------------------------------
 # The output directory: checked first, replaced last
+
+def _resolve_out(out):
+    """--out as a Path; a link's target, to keep a data/mnist -> /scratch/...
+    link pointing at the new shards."""
+    out = Path(out)
+    return out.resolve() if out.is_symlink() else out
+
 
 def _check_not_input(source, out):
     """--out must not be, or contain, --source: installing the shards replaces
