@@ -35,14 +35,15 @@ def build_parser(prog="python -m hpctrain.data"):
     p = Parser(
         prog=prog,
         description="Prepare HDF5 training shards from IDX or CIFAR-10 binary files, image folders, "
-                    "NumPy, HDF5 or CSV files, or download "
+                    "NumPy, HDF5 or CSV files, token shards from text (--text), or download "
                     "MNIST, Fashion-MNIST, KMNIST, EMNIST or CIFAR-10.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     pp = sub.add_parser("prepare", help="IDX or CIFAR-10 files -> class-balanced HDF5 shards + "
-                                        "manifest.json",
+                                        "manifest.json; --text: text -> token shards",
                         description="Write train-0000i-of-0000S.h5, test-00000-of-00001.h5 and "
-                                    "manifest.json into --out, atomically.")
+                                    "manifest.json into --out, atomically; with --text, token shards of a "
+                                    "text (its last --val-fraction held out).")
     pp.add_argument("--source", metavar="DIR|FILE", default=None,
                     help="directory with train-/t10k-*-idx?-ubyte[.gz] files (EMNIST's "
                          "emnist-SPLIT-train-/test- too), CIFAR-10's data_batch_1..5.bin + "
