@@ -272,3 +272,11 @@ def test_cli_prepares_the_bundled_shakespeare_by_default(tmp_path):
     manifest = data.load_manifest(tmp_path / "shakespeare")
     assert manifest["source"]["files"][0]["sha256"] == \
         "a8b05f68ed1ac577ad7908b3c2c04dd0eea7952ba486a9b1f6828f1dd8d46653"
+
+
+def test_token_data_is_refused_by_the_image_readers(chars_dir):
+    for read in (lambda: data.ShardReader(chars_dir, 0, 1, 2, 0), lambda: data.load_test(chars_dir),
+                 lambda: data.model_shape(data.load_manifest(chars_dir)),
+                 lambda: data.check_augment("flip", chars_dir)):
+        with pytest.raises(HpctrainError, match="holds text as tokens"):
+            read()
