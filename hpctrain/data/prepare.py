@@ -355,8 +355,9 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
     _check_classes(source, train[1], test[1], num_classes, warn)
 
     sweep_stale_tmps(out, log)
-    tmp = _make_tmp(out)   # (stopping.py's pattern knows its names)
+    tmp = _tmp_name(out)   # (stopping.py's pattern knows its names)
     try:
+        _make_tmp(tmp, out)   # in the try: a stop right after the mkdir removes it too
         entries = _write_shards(tmp, splits, num_classes)
         manifest = _build_manifest(source, layout, files, seed, test_fraction, splits, entries,
                                    num_classes, val_fraction, split_here, extra)
@@ -418,16 +419,19 @@ def _check_out(out, force):
                                 f"replaces only a prepared dataset or an empty folder: choose another --out")
 
 
-def _make_tmp(out):
+def _tmp_name(out):
+    """A temporary sibling of out, this process's own: .NAME.tmp-PID-RANDOM."""
+    return out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _make_tmp(tmp, out):
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         # Not mkdtemp: its mode 0700 would survive the rename and hide the
         # shards from other users; mkdir honours the umask.
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
     except OSError as e:
         raise HpctrainError(f"{out}: cannot create output directory ({e})") from None
-    return tmp
 
 
 def _install(tmp, out, force):

@@ -28,7 +28,7 @@ import numpy as np
 from hpctrain.errors import HpctrainError
 
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, shard_name, token_dtype
-from .prepare import _check_not_input, _check_out, _install, _make_tmp, _resolve_out
+from .prepare import _check_not_input, _check_out, _install, _make_tmp, _resolve_out, _tmp_name
 from .stopping import signals_held, stops_cleanly, sweep_stale_tmps
 from .text import decode_utf8, read_corpus
 from .vocab import TOKENIZER, parse_text, train_vocabulary
@@ -126,8 +126,9 @@ def prepare_text(source, out, text="chars", val_fraction=0.1, force=False, log=p
     train, test = _split_tail(ids, val_fraction, source)
 
     sweep_stale_tmps(out, log)
-    tmp = _make_tmp(out)
+    tmp = _tmp_name(out)
     try:
+        _make_tmp(tmp, out)   # in the try: a stop right after the mkdir removes it too
         entries = _write(tmp, vocab, train, test, dtype)
         manifest = _build_manifest(source, files, vocab, dtype, val_fraction, entries)
         with open(tmp / MANIFEST, "w") as f:
