@@ -10,15 +10,17 @@ the command line in a subprocess:
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hpctrain import data
-from hpctrain.data.vocab import Bytes, load_vocabulary
+from hpctrain.data.vocab import load_vocabulary
 from hpctrain.errors import HpctrainError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -280,3 +282,27 @@ def test_token_data_is_refused_by_the_image_readers(chars_dir):
                  lambda: data.check_augment("flip", chars_dir)):
         with pytest.raises(HpctrainError, match="holds text as tokens"):
             read()
+
+
+def test_a_stopped_text_prepare_removes_its_temporary_folder(tmp_path):
+    # Random bytes (no NUL) compress slowly: writing the shards takes a while, time to stop it half-way.
+    corpus = np.random.default_rng(0).integers(1, 256, 24 << 20, dtype=np.uint8)
+    (tmp_path / "in.txt").write_bytes(corpus.tobytes())
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "hpctrain.data", "prepare", "--source", tmp_path / "in.txt",
+                             "--out", out, "--text", "bytes"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert proc.poll() is None, "prepare ended before it could be stopped"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err
+    assert err == ("hpctrain: error: prepare stopped by SIGTERM: nothing written (--out as it was, the "
+                   "temporary folder removed); run the same command again\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
