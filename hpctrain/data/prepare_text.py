@@ -33,7 +33,7 @@ from .stopping import signals_held, stops_cleanly, sweep_stale_tmps
 from .text import decode_utf8, read_corpus
 from .vocab import TOKENIZER, parse_text, train_vocabulary
 
-# Tokens per HDF5 chunk: 1 MB of uint8 ids, under HDF5's 1 MiB default chunk cache.
+# Tokens per HDF5 chunk (1 or 2 MB): the readers read a split whole, one pass over its chunks.
 _CHUNK_TOKENS = 1 << 20
 
 
