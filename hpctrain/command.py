@@ -20,7 +20,7 @@ import sys
 # subcommand -> (module whose main() runs it, what it does)
 COMMANDS = {
     "train": ("hpctrain.train", "train a model across MPI ranks (run under mpirun/srun)"),
-    "data": ("hpctrain.data.__main__", "prepare shards (IDX, CIFAR-10, image folders, NumPy, HDF5, CSV) or fetch a dataset"),
+    "data": ("hpctrain.data.__main__", "prepare shards (IDX, CIFAR-10, image folders, NumPy, HDF5, CSV; text as tokens) or fetch a dataset"),
     "predict": ("hpctrain.predict", "classify images with a trained model"),
     "evaluate": ("hpctrain.evaluate", "accuracy, loss, per-class accuracy and confusion matrix on a test set"),
     "bench": ("hpctrain.bench.__main__", "allreduce, training and layer benchmarks"),

@@ -487,6 +487,28 @@ def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, code):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy", "y.npy"]
 
 
+def test_a_stop_raised_where_python_swallows_it_still_stops_prepare():
+    # Before: a SIGTERM whose handler ran inside a __del__ or weakref callback (h5py's, while shards are
+    # written) had its exception printed as "Exception ignored" and prepare went on to install (exit 0).
+    code = ("import os, signal, sys\n"
+            "from hpctrain.data.stopping import signals_held, stops_cleanly\n"
+            "from hpctrain.errors import one_line_errors\n"
+            "class Stops:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "@stops_cleanly\n"
+            "def prepare():\n"
+            "    Stops()\n"
+            "    with signals_held():\n"
+            "        print('installed')\n"
+            "sys.exit(one_line_errors(lambda: prepare() or 0)())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert (r.returncode, r.stdout) == (75, "")
+    assert r.stderr == ("hpctrain: error: prepare stopped by SIGTERM: nothing written (--out as it was, the "
+                        "temporary folder removed); run the same command again\n")
+
+
 def test_a_stop_while_the_shards_are_renamed_into_place_changes_nothing():
     # A stop between moving the old --out aside and renaming the new one in would leave neither in place.
     code = ("import os, signal\n"

@@ -1,5 +1,5 @@
 """The data command line: prepare shards from IDX, CIFAR-10, image folders,
-NumPy, HDF5 or CSV files, or download a dataset.
+NumPy, HDF5 or CSV files, token shards from text, or download a dataset.
 
     python -m hpctrain.data prepare --source data/mnist-5k --out data/mnist --shards 8
     python -m hpctrain.data fetch --dataset mnist --out data/raw/mnist
@@ -12,6 +12,8 @@ NumPy, HDF5 or CSV files, or download a dataset.
     python -m hpctrain.data prepare --images x.npy --labels y.npy --out data/mine
     python -m hpctrain.data prepare --source set.h5 --images X --labels Y --out data/mine
     python -m hpctrain.data prepare --source mnist_train.csv --out data/mine
+    python -m hpctrain.data prepare --source data/shakespeare/input.txt --out data/shakespeare-chars --text chars
+    python -m hpctrain.data prepare --source corpus/ --out data/corpus-bpe --text bpe:4096 --val-fraction 0.05
 
 Bad input is one line on stderr (`hpctrain: error: ...`) and exit 2; no
 command prints the help and exits 2. No MPI here (house rule).
@@ -20,25 +22,28 @@ command prints the help and exits 2. No MPI here (house rule).
 import sys
 
 from hpctrain.arguments import Parser
-from hpctrain.errors import one_line_errors
+from hpctrain.errors import HpctrainError, one_line_errors
 
 from .fetch import EMNIST_SPLITS, MD5, fetch
 from .manifest import bundled_sample_dir, default_data_dir
+from .manifest import bundled_text_path
 from .prepare import prepare
+from .prepare_text import prepare_text
 
 
 def build_parser(prog="python -m hpctrain.data"):
     p = Parser(
         prog=prog,
         description="Prepare HDF5 training shards from IDX or CIFAR-10 binary files, image folders, "
-                    "NumPy, HDF5 or CSV files, or download "
+                    "NumPy, HDF5 or CSV files, token shards from text (--text), or download "
                     "MNIST, Fashion-MNIST, KMNIST, EMNIST or CIFAR-10.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     pp = sub.add_parser("prepare", help="IDX or CIFAR-10 files -> class-balanced HDF5 shards + "
-                                        "manifest.json",
+                                        "manifest.json; --text: text -> token shards",
                         description="Write train-0000i-of-0000S.h5, test-00000-of-00001.h5 and "
-                                    "manifest.json into --out, atomically.")
+                                    "manifest.json into --out, atomically; with --text, token shards of a "
+                                    "text (its last --val-fraction held out).")
     pp.add_argument("--source", metavar="DIR|FILE", default=None,
                     help="directory with train-/t10k-*-idx?-ubyte[.gz] files (EMNIST's "
                          "emnist-SPLIT-train-/test- too), CIFAR-10's data_batch_1..5.bin + "
@@ -46,7 +51,13 @@ def build_parser(prog="python -m hpctrain.data"):
                          "of images, one subfolder per class (train/CLASS/*.png, optionally "
                          "test/CLASS/...; PNG, JPEG); or an .npz (x, y; or x_train, y_train, x_test, "
                          "y_test), .h5 or .csv (label, pixels...) file (default: the bundled 5k "
-                         f"sample, {bundled_sample_dir()})")
+                         f"sample, {bundled_sample_dir()}); with --text, a text file or a folder of "
+                         f".txt files (default: the bundled Shakespeare, {bundled_text_path()})")
+    pp.add_argument("--text", metavar="chars|bytes|bpe:N", default=None,
+                    help="prepare text as token shards instead of images: its characters as the "
+                         "vocabulary, the 256 byte values, or a byte-level BPE of N tokens trained on it "
+                         "(saved as tokenizer.json beside the shards); the held-out split is the last "
+                         "--val-fraction of the tokens")
     pp.add_argument("--images", metavar="NAME|A.npy", default=None,
                     help="the images' array in an .npz or HDF5 --source; without --source, a .npy file")
     pp.add_argument("--labels", metavar="NAME|B.npy", default=None,
@@ -60,20 +71,21 @@ def build_parser(prog="python -m hpctrain.data"):
     pp.add_argument("--no-flip", action="store_true",
                     help="record that flipping changes these images' classes (digits, letters): training "
                          "refuses --augment flip on them")
-    pp.add_argument("--out", metavar="DIR", default=str(default_data_dir()),
-                    help="output directory (default: data/mnist in the repository)")
-    pp.add_argument("--shards", type=int, default=8,
+    pp.add_argument("--out", metavar="DIR", default=None,
+                    help="output directory (default: data/mnist in the repository; --text: required)")
+    pp.add_argument("--shards", type=int, default=None,
                     help="number of training shards; at least the number of workers reads "
-                         "whole shards (default: %(default)s)")
-    pp.add_argument("--test-fraction", type=float, default=0.1,
+                         f"whole shards (default: {IMAGE_DEFAULTS['shards']})")
+    pp.add_argument("--test-fraction", type=float, default=None,
                     help="test share when splitting a single images/labels pair, stratified by "
-                         "class; ignored for train/t10k sources (default: %(default)s)")
-    pp.add_argument("--val-fraction", type=float, default=0.0,
+                         f"class; ignored for train/t10k sources (default: {IMAGE_DEFAULTS['test_fraction']})")
+    pp.add_argument("--val-fraction", type=float, default=None,
                     help="hold out this share of each training class as a validation part "
                          "(val-00000-of-00001.h5), used by training's --eval-every and "
-                         "--keep-best (default: %(default)s: none)")
-    pp.add_argument("--seed", type=int, default=0,
-                    help="seed of the split and the shuffles (default: %(default)s)")
+                         f"--keep-best (default: {IMAGE_DEFAULTS['val_fraction']}: none); with --text, "
+                         f"the last share of the tokens, the held-out split (default: {TEXT_VAL_FRACTION})")
+    pp.add_argument("--seed", type=int, default=None,
+                    help=f"seed of the split and the shuffles (default: {IMAGE_DEFAULTS['seed']})")
     pp.add_argument("--force", action="store_true",
                     help="replace --out if it holds a prepared dataset (its manifest.json); a folder of other "
                          "files is never replaced")
@@ -97,6 +109,31 @@ def build_parser(prog="python -m hpctrain.data"):
     return p
 
 
+# The image options' defaults; None in the parser, so that --text can refuse them when given.
+IMAGE_DEFAULTS = {"shards": 8, "test_fraction": 0.1, "val_fraction": 0.0, "seed": 0}
+IMAGE_ONLY = ("images", "labels", "image_size", "grayscale", "no_flip", "shards", "test_fraction", "seed")
+TEXT_VAL_FRACTION = 0.1
+
+
+def _prepare_text(args):
+    given = [f"--{name.replace('_', '-')}" for name in IMAGE_ONLY if getattr(args, name) not in (None, False)]
+    if given:
+        raise HpctrainError(f"{', '.join(given)}: for images, not --text")
+    if args.out is None:
+        raise HpctrainError("--text needs --out DIR (where the token shards go)")
+    prepare_text(args.source if args.source is not None else bundled_text_path(), args.out, text=args.text,
+                 val_fraction=TEXT_VAL_FRACTION if args.val_fraction is None else args.val_fraction,
+                 force=args.force)
+
+
+def _prepare_images(args):
+    options = {name: IMAGE_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+               for name in IMAGE_DEFAULTS}
+    out = default_data_dir() if args.out is None else args.out
+    prepare(args.source, out, force=args.force, images=args.images, labels=args.labels,
+            image_size=args.image_size, grayscale=args.grayscale, no_flip=args.no_flip, **options)
+
+
 def _attach_dashed_values(argv, flags=("--image-size",)):
     """`--image-size -5,5` as `--image-size=-5,5`: argparse takes a value that
     starts with '-' (and is no plain negative number) for a flag, and would
@@ -115,11 +152,10 @@ def main(argv=None, prog="python -m hpctrain.data"):
     argv = _attach_dashed_values(sys.argv[1:] if argv is None else list(map(str, argv)))
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if args.command == "prepare":
-        prepare(args.source, args.out, shards=args.shards, test_fraction=args.test_fraction,
-                seed=args.seed, force=args.force, val_fraction=args.val_fraction, images=args.images,
-                labels=args.labels, image_size=args.image_size, grayscale=args.grayscale,
-                no_flip=args.no_flip)
+    if args.command == "prepare" and args.text is not None:
+        _prepare_text(args)
+    elif args.command == "prepare":
+        _prepare_images(args)
     elif args.command == "fetch":
         fetch(args.dataset, args.out, mirror=args.mirror, timeout=args.timeout,
               split=args.split)

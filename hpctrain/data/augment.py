@@ -69,6 +69,8 @@ def check(text, manifest, data_dir):
     if "flip" in kinds and manifest.get("no_flip"):
         raise HpctrainError(f"--augment flip: {data_dir} was prepared with --no-flip (a mirrored image is "
                             f"another class there, or none); use --augment crop")
+    if kinds and manifest.get("kind") == "tokens":
+        raise HpctrainError(f"--augment: {data_dir} holds text as tokens, not images")
     if kinds and len(manifest["image_shape"]) not in (2, 3):
         raise HpctrainError(f"--augment: {data_dir} holds {manifest['image_shape']} samples, not images")
     return _check_pad(kinds.get("crop"), manifest["image_shape"], data_dir)

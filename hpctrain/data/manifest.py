@@ -1,7 +1,8 @@
 """The shard directory's contract: where it lives, what manifest.json must hold.
 
-prepare.py writes a directory of HDF5 shards plus manifest.json; reader.py
-opens it. This module is what both agree on: the format constants, the paths
+prepare.py (images) and prepare_text.py (tokens, `"kind": "tokens"`) write a
+directory of HDF5 shards plus manifest.json; reader.py and tokens.py open
+it. This module is what they agree on: the format constants, the paths
 (default_data_dir, bundled_sample_dir, shard_name), and load_manifest, which
 checks the manifest's structure before any file it names is opened.
 
@@ -20,7 +21,9 @@ from hpctrain.errors import HpctrainError
 FORMAT = "hpctrain-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-
+# Token ids are stored as uint16 at most: a larger vocabulary is refused.
+MAX_VOCAB = 1 << 16
+TEXT_KINDS = ("chars", "bytes", "bpe")
 
 
 # ---------------------------------------------------------------------------
@@ -39,6 +42,11 @@ def default_data_dir():
 def bundled_sample_dir():
     """The real 5,000-image MNIST sample shipped with the repository."""
     return repo_root() / "data" / "mnist-5k"
+
+
+def bundled_text_path():
+    """The 1 MB of Shakespeare shipped with the repository (data/shakespeare/README.md)."""
+    return repo_root() / "data" / "shakespeare" / "input.txt"
 
 
 def is_prepared(data_dir):
@@ -105,6 +113,11 @@ def _manifest_problem(manifest):
     and types the readers use, and shard names confined to the data
     directory. The manifest is input like any other file: a name such as
     ../../etc/passwd or /scratch/other/train.h5 must never be opened."""
+    kind = manifest.get("kind", "images")   # image manifests predate the key
+    if kind == "tokens":
+        return _tokens_problem(manifest)
+    if kind != "images":
+        return f"kind must be 'images' or 'tokens', got {kind!r}"
     shape = manifest.get("image_shape")
     if not (isinstance(shape, list) and shape and all(_is_count(d) and d > 0 for d in shape)):
         return f"image_shape must be a list of positive integers, got {shape!r}"
@@ -119,8 +132,49 @@ def _manifest_problem(manifest):
     return None
 
 
-def _split_problem(part, split):
-    """What is wrong with manifest[split] (None if nothing)."""
+def _tokens_problem(manifest):
+    """What is wrong with a token manifest (prepare_text.py; None if nothing):
+    the vocabulary its ids index, their dtype, the tokenizer, the splits."""
+    size, text = manifest.get("vocab_size"), manifest.get("text")
+    if not (_is_count(size) and 0 < size <= MAX_VOCAB):
+        return f"vocab_size must be an integer in 1..{MAX_VOCAB}, got {size!r}"
+    if manifest.get("dtype") != token_dtype(size):
+        return f"dtype must be {token_dtype(size)} for {size} tokens, got {manifest.get('dtype')!r}"
+    if text not in TEXT_KINDS:
+        return f"text must be one of {', '.join(TEXT_KINDS)}, got {text!r}"
+    vocabulary = manifest.get("vocabulary")
+    if text == "chars" and not (isinstance(vocabulary, list) and len(vocabulary) == size
+                                and all(isinstance(c, str) and len(c) == 1 for c in vocabulary)
+                                and vocabulary == sorted(set(vocabulary))):
+        return f"vocabulary must list {size} distinct characters in code point order"
+    if text == "bytes" and size != 256:
+        return f"a byte vocabulary has 256 tokens, not {size}"
+    if text == "bpe":
+        entry = manifest.get("tokenizer")
+        if not (isinstance(entry, dict) and _plain_name(entry.get("file"))
+                and isinstance(entry.get("sha256"), str)):
+            return "tokenizer must name its file in the data directory and its sha256"
+    for split in ("train", "test") + (("val",) if "val" in manifest else ()):
+        problem = _split_problem(manifest.get(split), split, count="num_tokens")
+        if problem:
+            return problem
+    return None
+
+
+def token_dtype(vocab_size):
+    """The narrowest dtype that holds ids below vocab_size (<= MAX_VOCAB)."""
+    return "uint8" if vocab_size <= 256 else "uint16"
+
+
+def _plain_name(name):
+    """A plain file name in the data directory: no path, nothing that leaves it."""
+    return (isinstance(name, str) and name != "" and name not in (".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name)
+
+
+def _split_problem(part, split, count="num_samples"):
+    """What is wrong with manifest[split] (None if nothing); count: the key
+    of a shard's size (samples of images, or tokens)."""
     if not isinstance(part, dict) or not isinstance(part.get("shards"), list):
         return f"'{split}' must hold a list of shards"
     if split == "train" and not part["shards"]:
@@ -129,26 +183,24 @@ def _split_problem(part, split):
         if not isinstance(entry, dict):
             return f"a {split} shard entry is {type(entry).__name__}, not an object"
         name = entry.get("file")
-        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name \
-                or "\\" in name or "\0" in name:
+        if not _plain_name(name):
             return f"shard file {name!r} is not a plain file name in the data directory"
-        if not _is_count(entry.get("num_samples")):
-            return f"{name}: num_samples must be a non-negative integer"
+        if not _is_count(entry.get(count)):
+            return f"{name}: {count} must be a non-negative integer"
         if not isinstance(entry.get("sha256"), str):
             return f"{name}: sha256 missing"
-    total = sum(e["num_samples"] for e in part["shards"])
-    if part.get("num_samples") != total:
-        return f"{split} num_samples {part.get('num_samples')!r}, its shards hold {total}"
+    total = sum(e[count] for e in part["shards"])
+    if part.get(count) != total:
+        return f"{split} {count} {part.get(count)!r}, its shards hold {total}"
     return None
 
 
 def input_kind(manifest):
     """What the readers give a model's first layer from this data
-    (nn/spec.INPUT_KINDS): "image", uint8 pixels read as float32 in [0, 1],
-    the kind of every data set `prepare` writes today (a token data set and
-    its reader come with the transformer issue). The model's spec must take
-    the same (run/startup.py)."""
-    return "image"
+    (nn/spec.INPUT_KINDS): "image", uint8 pixels read as float32 in [0, 1]
+    (reader.py), or "tokens", integer ids below vocab_size (`prepare --text`,
+    tokens.py). The model's spec must take the same (run/startup.py)."""
+    return "tokens" if manifest.get("kind") == "tokens" else "image"
 
 
 def model_shape(manifest):
@@ -160,4 +212,7 @@ def model_shape(manifest):
     problem = _manifest_problem(manifest)
     if problem:
         raise HpctrainError(f"bad manifest: {problem}")
+    if manifest.get("kind") == "tokens":
+        raise HpctrainError(f"holds text as tokens ({manifest['vocab_size']} of them, prepare --text), "
+                            f"not images: it needs a token model and reader (data/tokens.py)")
     return tuple(manifest["image_shape"]), manifest["num_classes"]

@@ -305,10 +305,7 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
     warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
     if source is None and images is None:
         source = bundled_sample_dir()
-    source, out = (Path(source) if source is not None else None), Path(out)
-    if out.is_symlink():
-        # Keep a data/mnist -> /scratch/... link pointing at the new shards.
-        out = out.resolve()
+    source, out = (Path(source) if source is not None else None), _resolve_out(out)
     if not isinstance(shards, (int, np.integer)) or shards < 1:
         raise HpctrainError(f"--shards must be a positive integer, got {shards!r}")
     if not 0 <= test_fraction < 1:
@@ -358,8 +355,9 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
     _check_classes(source, train[1], test[1], num_classes, warn)
 
     sweep_stale_tmps(out, log)
-    tmp = _make_tmp(out)   # (stopping.py's pattern knows its names)
+    tmp = _tmp_name(out)   # (stopping.py's pattern knows its names)
     try:
+        _make_tmp(tmp, out)   # in the try: a stop right after the mkdir removes it too
         entries = _write_shards(tmp, splits, num_classes)
         manifest = _build_manifest(source, layout, files, seed, test_fraction, splits, entries,
                                    num_classes, val_fraction, split_here, extra)
@@ -385,6 +383,13 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
 
 # ---------------------------------------------------------------------------
 # The output directory: checked first, replaced last
+
+def _resolve_out(out):
+    """--out as a Path; a link's target, to keep a data/mnist -> /scratch/...
+    link pointing at the new shards."""
+    out = Path(out)
+    return out.resolve() if out.is_symlink() else out
+
 
 def _check_not_input(source, out):
     """--out must not be, or contain, --source: installing the shards replaces
@@ -414,16 +419,19 @@ def _check_out(out, force):
                                 f"replaces only a prepared dataset or an empty folder: choose another --out")
 
 
-def _make_tmp(out):
+def _tmp_name(out):
+    """A temporary sibling of out, this process's own: .NAME.tmp-PID-RANDOM."""
+    return out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _make_tmp(tmp, out):
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         # Not mkdtemp: its mode 0700 would survive the rename and hide the
         # shards from other users; mkdir honours the umask.
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
     except OSError as e:
         raise HpctrainError(f"{out}: cannot create output directory ({e})") from None
-    return tmp
 
 
 def _install(tmp, out, force):

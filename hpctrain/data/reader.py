@@ -40,6 +40,16 @@ def _open_h5(path):
 ARRAYS = ("images", "labels")   # a shard's datasets
 
 
+def _image_manifest(data_dir):
+    """The manifest of a directory of image shards; token shards (prepare
+    --text) are one line: their reader is tokens.py."""
+    manifest = load_manifest(data_dir)
+    if manifest.get("kind") == "tokens":
+        raise HpctrainError(f"{data_dir}: holds text as tokens (prepare --text), not images; "
+                            f"read it with data.TokenReader and data.load_test_windows")
+    return manifest
+
+
 def _verify_shard(data_dir, entry, image_shape):
     """The shard's path, once it matches the manifest: present, its sha256,
     uint8 images and labels of the listed shapes. Nothing is allocated before
@@ -180,7 +190,7 @@ class ShardReader:
         self.batch_size, self.seed = int(batch_size), int(seed)
         self.arrays = tuple(name for name in ARRAYS if name in arrays)
 
-        manifest = load_manifest(self.data_dir)
+        manifest = _image_manifest(self.data_dir)
         shape = tuple(manifest["image_shape"])
         self.num_features = math.prod(shape)
         self.augment = None
@@ -331,7 +341,7 @@ def load_test(data_dir, part=0, parts=1, raw=False, split="test"):
     if not (isinstance(parts, (int, np.integer)) and parts >= 1 and 0 <= part < parts):
         raise HpctrainError(f"load_test: part must be in 0..parts-1 with parts >= 1, "
                             f"got part={part!r}, parts={parts!r}")
-    manifest = load_manifest(data_dir)
+    manifest = _image_manifest(data_dir)
     shape = tuple(manifest["image_shape"])
     features = math.prod(shape)
     if split not in manifest:

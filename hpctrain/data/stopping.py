@@ -9,12 +9,14 @@ their process is gone, as training sweeps its files (hpctrain/files.py).
 No MPI here (house rule).
 """
 import contextlib
+import contextvars
 import functools
 import os
 import re
 import shutil
 import signal
 import stat
+import sys
 import threading
 
 from hpctrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, HpctrainError
@@ -34,19 +36,43 @@ def _stopped(num):
                          exit_code=EXIT_INTERRUPTED if num == signal.SIGINT else EXIT_PREEMPTED)
 
 
+# The stops a running prepare raised (stops_cleanly), for signals_held to see.
+_STOPS = contextvars.ContextVar("hpctrain_prepare_stops", default=())
+
+
 def stops_cleanly(prepare):
     """prepare, a stop signal raising _stopped inside it (files.signals_raise),
     so that its `except` removes the temporary folder (SIGTERM's default
-    action left it for ever)."""
+    action left it for ever). A handler that runs inside a __del__ or a
+    weakref callback (h5py's, while shards are written) raises where Python
+    only reports the exception and goes on: that report is kept quiet (the
+    stop stays one line), and signals_held raises the stop again before
+    anything is installed."""
     @functools.wraps(prepare)
     def stoppable(*args, **kwargs):
-        with signals_raise(_stopped, STOP_SIGNALS):
-            return prepare(*args, **kwargs)
+        stops = []
+
+        def stopped(num):
+            stops.append(_stopped(num))
+            return stops[-1]
+
+        previous = sys.unraisablehook
+
+        def unraisable(what):
+            if not any(what.exc_value is e for e in stops):
+                previous(what)
+        token, sys.unraisablehook = _STOPS.set(stops), unraisable
+        try:
+            with signals_raise(stopped, STOP_SIGNALS):
+                return prepare(*args, **kwargs)
+        finally:
+            _STOPS.reset(token)
+            sys.unraisablehook = previous
     return stoppable
 
 
 def _tmp_pattern(out):
-    """prepare._make_tmp's names for out: .NAME.tmp-PID-RANDOM (the pid: whose it is)."""
+    """prepare._tmp_name's names for out: .NAME.tmp-PID-RANDOM (the pid: whose it is)."""
     return re.compile(rf"^\.{re.escape(out.name)}\.tmp-(?P<pid>\d+)-[0-9a-f]{{8}}$")
 
 
@@ -76,6 +102,9 @@ def signals_held():
     blocking the signals: that is per thread, and numpy's BLAS threads would
     still take SIGTERM's default action.) Only the main thread can set
     handlers; elsewhere the caller's own handling stands."""
+    stops = _STOPS.get()
+    if stops:   # a stop whose exception Python swallowed (stops_cleanly): install nothing
+        raise stops[0]
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -1,0 +1,193 @@
+"""Reading prepared text (`prepare --text`): a worker's training windows and
+a rank's part of the held-out windows.
+
+    reader = TokenReader("data/shakespeare-chars", worker, num_workers, batch_size, seed, block_size=64)
+    x, y = reader.next_batch()          # int64 (B, T) token ids, int64 (B, T) the next tokens
+    x, y = load_test_windows("data/shakespeare-chars", 64, part, parts)
+
+A training sample is a window of T+1 tokens of the training split starting
+at any offset (x its first T, y its last T); an epoch is one permutation of
+every window offset, a pure function of (seed, epoch), dealt over the
+workers step by step exactly as reader.py deals images (`deal`): any number
+of workers sees the same windows, and the W batches of a step, in worker
+order, are the one batch of W*B a single worker would take. The held-out
+split is read as consecutive non-overlapping windows (every token predicted
+once), cut into contiguous parts like load_test's. Every shard is checked
+against the manifest (sha256, dtype, length, ids below vocab_size) first.
+No MPI here (house rule): callers pass worker numbers, not ranks.
+
+    python -c "from hpctrain.data.tokens import TokenReader as R; print(R('data/shakespeare-chars', 0, 1, 12, 0, 64).num_samples)"
+"""
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hpctrain.chunks import chunk_parts
+from hpctrain.errors import HpctrainError
+
+from .manifest import MANIFEST, _sha256, load_manifest
+from .reader import ARRAYS, _describe, _open_h5, _unreadable, deal
+
+
+def _token_manifest(data_dir):
+    manifest = load_manifest(data_dir)
+    if manifest.get("kind") != "tokens":
+        raise HpctrainError(f"{data_dir}: holds images, not text; prepare text with: "
+                            f"hpctrain data prepare --source FILE.txt --out DIR --text chars")
+    return manifest
+
+
+def _read_shard(data_dir, entry, manifest):
+    """One token shard's ids, once it matches the manifest: its sha256, a 1-D
+    `tokens` dataset of the listed length and dtype, every id below vocab_size."""
+    path = Path(data_dir) / entry["file"]
+    if not path.is_file():
+        raise HpctrainError(f"{path}: missing shard (listed in {MANIFEST}); prepare again with --force")
+    got = _sha256(path)
+    if got != entry["sha256"]:
+        raise HpctrainError(f"{path}: corrupt shard (sha256 {got[:12]}..., manifest says "
+                            f"{entry['sha256'][:12]}...); prepare again with --force")
+    n, dtype = entry["num_tokens"], np.dtype(manifest["dtype"])
+    try:
+        with _open_h5(path) as f:
+            tokens = f.get("tokens")
+            if not (isinstance(tokens, h5py.Dataset) and tokens.shape == (n,) and tokens.dtype == dtype):
+                raise HpctrainError(f"{path}: bad shard: expected {dtype} tokens ({n},), found {_describe(tokens)}")
+            ids = tokens[:]
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    # An id past the vocabulary would index past the embedding (or its
+    # negative twin, silently, through NumPy).
+    bad = np.flatnonzero(ids >= manifest["vocab_size"])
+    if len(bad):
+        raise HpctrainError(f"{path}: token {int(ids[bad[0]])} at {int(bad[0])} is not below the manifest's "
+                            f"vocab_size {manifest['vocab_size']}; prepare again with --force")
+    return ids
+
+
+def read_tokens(data_dir, split="train", manifest=None):
+    """The whole token stream of a split (its shards in order), checked."""
+    manifest = _token_manifest(data_dir) if manifest is None else manifest
+    if split not in manifest:
+        raise HpctrainError(f"{data_dir}: no {split} split")
+    parts = [_read_shard(data_dir, e, manifest) for e in manifest[split]["shards"]]
+    return np.concatenate(parts) if parts else np.empty(0, manifest["dtype"])
+
+
+def _windows(tokens, offsets, block_size, x, y):
+    """Windows of T+1 tokens at offsets: x their first T, y their last T."""
+    at = offsets[:, None] + np.arange(block_size)
+    if x is not None:
+        x[...] = tokens[at]
+    if y is not None:
+        y[...] = tokens[at + 1]
+
+
+class TokenReader:
+    """Training windows for one of W workers: ShardReader's dealing (reader.py
+    `deal`) over the window offsets 0 .. n - T - 1 of the n training tokens,
+    so position, seek and resuming on another number of workers mean what
+    they mean for images. The training tokens are held whole (1 or 2 bytes
+    each). `arrays` names what next_batch gives, a part of reader.ARRAYS:
+    "images" the inputs x, "labels" the targets y (a pipeline's first and
+    last stage); what it does not give is None. next_batch() returns arrays
+    that the next call overwrites: copy them if they must outlive the step."""
+
+    def __init__(self, data_dir, worker, num_workers, batch_size, seed, block_size, arrays=ARRAYS):
+        if not (isinstance(num_workers, (int, np.integer)) and num_workers >= 1):
+            raise HpctrainError(f"num_workers must be a positive integer, got {num_workers!r}")
+        if not (isinstance(worker, (int, np.integer)) and 0 <= worker < num_workers):
+            raise HpctrainError(f"worker must be in 0..{num_workers - 1}, got {worker!r}")
+        for name, value in (("--batch-size", batch_size), ("--block-size", block_size)):
+            if not (isinstance(value, (int, np.integer)) and value >= 1):
+                raise HpctrainError(f"{name} must be a positive integer, got {value!r}")
+        self.data_dir = Path(data_dir)
+        self.worker, self.num_workers = int(worker), int(num_workers)
+        self.batch_size, self.seed, self.block_size = int(batch_size), int(seed), int(block_size)
+        manifest = _token_manifest(self.data_dir)
+        self.vocab_size = int(manifest["vocab_size"])
+        self.tokens = read_tokens(self.data_dir, "train", manifest)
+        self.num_samples = max(0, len(self.tokens) - self.block_size)   # window offsets: the training set
+        per_step = self.num_workers * self.batch_size
+        if self.num_samples < per_step:
+            raise HpctrainError(f"{self.data_dir}: {len(self.tokens)} training tokens hold {self.num_samples} "
+                                f"windows of --block-size {self.block_size} + 1, fewer than one step takes "
+                                f"({self.num_workers} workers x --batch-size {self.batch_size} = {per_step}); "
+                                f"use a smaller --block-size or --batch-size, or fewer workers")
+        self._epoch, self._start = 0, 0     # the epoch dealt, from which position
+        self._taken = 0                     # batches of it handed out
+        self._steps = None                  # steps in it; None: not dealt yet
+        self._ids = None                    # this worker's window offsets of the epoch, in order
+        shape = (self.batch_size, self.block_size)
+        self._x = np.empty(shape, np.int64) if "images" in arrays else None
+        self._y = np.empty(shape, np.int64) if "labels" in arrays else None
+
+    @property
+    def position(self):
+        """(epoch, pos) of the next batch; pass it to seek() to resume there (any W)."""
+        return self._epoch, self._start + self._taken * self.num_workers * self.batch_size
+
+    def seek(self, epoch, pos):
+        if not (0 <= epoch and 0 <= pos <= self.num_samples):
+            raise HpctrainError(f"{self.data_dir}: cannot seek to epoch {epoch}, position {pos} "
+                                f"({self.num_samples} training windows)")
+        if (int(epoch), int(pos)) != self.position:
+            self._epoch, self._start, self._taken, self._steps = int(epoch), int(pos), 0, None
+
+    @property
+    def last_ids(self):
+        """The window offsets (first token's place in the training split) of the last batch."""
+        B = self.batch_size
+        return self._ids[(self._taken - 1) * B: self._taken * B]
+
+    @property
+    def last_draw(self):
+        """(epoch, window offsets) of the last batch: what a dropout mask is a
+        function of (with the seed), whichever worker takes the window."""
+        return self._epoch, self.last_ids
+
+    def _deal(self):
+        while True:
+            blocks = deal(self.num_samples, self.num_workers, self.batch_size, self.seed,
+                          self._epoch, self._start)
+            if len(blocks):
+                break
+            self._epoch, self._start = self._epoch + 1, 0   # nothing left to deal: the next epoch
+        self._steps, self._taken = len(blocks), 0
+        self._ids = np.ascontiguousarray(blocks[:, self.worker, :]).reshape(-1)
+
+    def next_batch(self):
+        """(x int64 (B, T), y int64 (B, T)): windows' tokens and the tokens
+        after them; both reused by the next call; either None where the
+        reader does not give it."""
+        if self._steps is None or self._taken == self._steps:
+            if self._steps is not None:   # the epoch is done: the next one from its start
+                self._epoch, self._start = self._epoch + 1, 0
+            self._deal()
+        self._taken += 1
+        _windows(self.tokens, self.last_ids, self.block_size, self._x, self._y)
+        return self._x, self._y
+
+
+def load_test_windows(data_dir, block_size, part=0, parts=1, split="test"):
+    """Contiguous part `part` of `parts` of the held-out split's consecutive
+    non-overlapping windows: (x int64 (n, T), y int64 (n, T)), window k
+    being tokens kT .. kT+T. Together the parts cover every window once; a
+    part is empty when parts exceeds them."""
+    if not (isinstance(parts, (int, np.integer)) and parts >= 1 and 0 <= part < parts):
+        raise HpctrainError(f"load_test_windows: part must be in 0..parts-1 with parts >= 1, "
+                            f"got part={part!r}, parts={parts!r}")
+    if not (isinstance(block_size, (int, np.integer)) and block_size >= 1):
+        raise HpctrainError(f"--block-size must be a positive integer, got {block_size!r}")
+    tokens = read_tokens(data_dir, split)
+    count = (len(tokens) - 1) // block_size
+    if count == 0:
+        raise HpctrainError(f"{data_dir}: the {split} split's {len(tokens)} tokens hold no window of "
+                            f"--block-size {block_size} + 1; prepare with a larger --val-fraction")
+    lo, hi = chunk_parts(count, parts)[part]
+    x = np.empty((hi - lo, block_size), np.int64)
+    y = np.empty_like(x)
+    _windows(tokens, np.arange(lo, hi) * block_size, block_size, x, y)
+    return x, y

@@ -1,0 +1,184 @@
+"""The vocabularies of `prepare --text`: what turns text into token ids and
+back, the same for training, evaluation and generation.
+
+    chars   the sorted set of the corpus's characters; id i is the i-th
+            (the manifest's "vocabulary" lists them)
+    bytes   the 256 byte values; id b is byte b (any bytes, UTF-8 or not)
+    bpe:N   a byte-level BPE of N tokens (GPT-2's pre-tokenization) trained
+            on the corpus with Hugging Face `tokenizers`, offline, saved as
+            tokenizer.json beside the shards
+
+    from hpctrain.data.vocab import load_vocabulary
+    vocab = load_vocabulary("data/shakespeare-chars")
+    ids = vocab.encode("To be, or not to be")      # int64 ids
+    vocab.decode(ids)                               # the text again
+
+Every vocabulary round-trips: decode(encode(text)) == text for any text
+it was trained on (chars: of its characters; bytes and bpe: any UTF-8).
+No MPI here (house rule).
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from hpctrain.errors import HpctrainError
+
+from .manifest import MANIFEST, MAX_VOCAB, TEXT_KINDS, _sha256, load_manifest
+
+TOKENIZER = "tokenizer.json"   # a BPE's file in the data directory
+BYTE_ALPHABET = 256            # a byte-level BPE starts from the 256 byte symbols
+
+
+def parse_text(spec):
+    """("chars" | "bytes" | "bpe", N or None) of a --text value."""
+    kind, _, size = str(spec).partition(":")
+    if kind not in TEXT_KINDS or (kind == "bpe") != bool(size):
+        raise HpctrainError(f"--text must be chars, bytes or bpe:N (N tokens), got {spec!r}")
+    if kind != "bpe":
+        return kind, None
+    try:
+        n = int(size)
+    except ValueError:
+        raise HpctrainError(f"--text bpe:N needs a whole number of tokens, got {spec!r}") from None
+    if not BYTE_ALPHABET <= n <= MAX_VOCAB:
+        raise HpctrainError(f"--text bpe:{n}: N must be in {BYTE_ALPHABET}..{MAX_VOCAB} (the 256 bytes "
+                            f"at least; token ids are stored as uint16)")
+    return kind, n
+
+
+class Chars:
+    """Id i is vocabulary[i]; text with a character outside it is refused."""
+    kind = "chars"
+
+    def __init__(self, vocabulary):
+        self.vocabulary = list(vocabulary)
+        self.vocab_size = len(self.vocabulary)
+        # code points in vocabulary order (sorted, as train makes it): encoding is a search
+        self._points = np.array([ord(c) for c in self.vocabulary], np.int64)
+
+    @classmethod
+    def train(cls, text):
+        vocabulary = sorted(set(text))
+        if len(vocabulary) > MAX_VOCAB:
+            raise HpctrainError(f"{len(vocabulary)} distinct characters, more than {MAX_VOCAB} token ids "
+                                f"(uint16) hold; use --text bytes or --text bpe:N")
+        return cls(vocabulary)
+
+    def encode(self, text):
+        points = np.frombuffer(text.encode("utf-32-le"), np.uint32).astype(np.int64)
+        ids = np.minimum(np.searchsorted(self._points, points), self.vocab_size - 1)
+        unknown = np.flatnonzero(self._points[ids] != points)
+        if len(unknown):
+            raise HpctrainError(f"the character {text[unknown[0]]!r} is not in this {self.vocab_size}-character "
+                                f"vocabulary")
+        return ids
+
+    def decode(self, ids):
+        return "".join(self.vocabulary[i] for i in np.asarray(ids).tolist())
+
+    def manifest_entry(self):
+        return {"vocabulary": self.vocabulary}
+
+
+class Bytes:
+    """Id b is byte b. Text is encoded as UTF-8; decode replaces what is not
+    UTF-8 (a sampled sequence may end mid-character)."""
+    kind = "bytes"
+    vocab_size = 256
+
+    def encode(self, text):
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        return np.frombuffer(data, np.uint8).astype(np.int64)
+
+    def decode(self, ids):
+        return np.asarray(ids, np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def manifest_entry(self):
+        return {}
+
+
+def _tokenizers():
+    # Imported only for a BPE: every rank imports hpctrain.data, few need this.
+    try:
+        import tokenizers
+    except ImportError:
+        raise HpctrainError("--text bpe:N needs Hugging Face tokenizers: pip install tokenizers") from None
+    return tokenizers
+
+
+class Bpe:
+    """A byte-level BPE (tokenizers.Tokenizer): GPT-2's pre-tokenization, no
+    prefix space, no special tokens, so decode(encode(text)) == text."""
+    kind = "bpe"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    @classmethod
+    def train(cls, text, size):
+        tk = _tokenizers()
+        tokenizer = tk.Tokenizer(tk.models.BPE())
+        tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = tk.decoders.ByteLevel()
+        trainer = tk.trainers.BpeTrainer(vocab_size=size, show_progress=False,
+                                         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+        tokenizer.train_from_iterator([text], trainer=trainer)
+        return cls(tokenizer)
+
+    @classmethod
+    def load(cls, path):
+        tk = _tokenizers()
+        try:
+            return cls(tk.Tokenizer.from_file(str(path)))
+        except Exception as e:   # tokenizers raises plain Exceptions for a bad file
+            raise HpctrainError(f"{path}: not a tokenizers JSON file ({e}); prepare again with --force") from None
+
+    def encode(self, text):
+        return np.asarray(self.tokenizer.encode(text).ids, np.int64)
+
+    def decode(self, ids):
+        return self.tokenizer.decode(np.asarray(ids).tolist())
+
+    def save(self, path):
+        self.tokenizer.save(str(path))
+
+    def manifest_entry(self):
+        return {}
+
+
+def train_vocabulary(kind, size, text):
+    """The vocabulary of --text kind[:size] for the corpus (str; bytes for kind "bytes")."""
+    if kind == "chars":
+        return Chars.train(text)
+    if kind == "bytes":
+        return Bytes()
+    return Bpe.train(text, size)
+
+
+def load_vocabulary(data_dir, manifest=None):
+    """The vocabulary a prepared text directory was encoded with; a BPE's
+    tokenizer.json checked against the manifest's sha256 first."""
+    manifest = load_manifest(data_dir) if manifest is None else manifest
+    if manifest.get("kind") != "tokens":
+        raise HpctrainError(f"{data_dir}: holds images, not text (prepare --text)")
+    if manifest["text"] == "chars":
+        return Chars(manifest["vocabulary"])
+    if manifest["text"] == "bytes":
+        return Bytes()
+    entry = manifest["tokenizer"]
+    path = Path(data_dir) / entry["file"]
+    try:
+        got = _sha256(path)
+    except OSError as e:
+        raise HpctrainError(f"{path}: missing or unreadable tokenizer ({e.strerror or e}; listed in "
+                            f"{MANIFEST}); prepare again with --force") from None
+    if got != entry["sha256"]:
+        raise HpctrainError(f"{path}: corrupt tokenizer (sha256 {got[:12]}..., manifest says "
+                            f"{entry['sha256'][:12]}...); prepare again with --force")
+    vocab = Bpe.load(path)
+    if vocab.vocab_size != manifest["vocab_size"]:
+        raise HpctrainError(f"{path}: {vocab.vocab_size} tokens, the manifest says {manifest['vocab_size']}; "
+                            f"prepare again with --force")
+    return vocab
