@@ -81,13 +81,64 @@ def _nonneg_float(text):
 MODELS = ("mlp", "lenet", "cnn", "resnet", "small_cnn")
 
 
+# --model gpt:KEY=VALUE,...: nanoGPT's model (nn/gpt.py); each key's type, and whether it must be given.
+GPT_KEYS = {"layers": (int, True), "heads": (int, True), "width": (int, True), "dropout": (float, False)}
+
+
+def is_model_file(name):
+    """--model FILE.py:FUNCTION, a user's own model (nn/user.py)."""
+    path, _, function = name.rpartition(":")
+    return path.endswith(".py") and function.isidentifier()
+
+
+def gpt_options(name):
+    """--model gpt:layers=L,heads=H,width=E[,dropout=P] -> {"layers": L, ...,
+    "dropout": P (0 when not given)}; None for a name that is not gpt:;
+    ValueError naming the problem for one that is and does not parse."""
+    kind, colon, options = name.partition(":")
+    if kind != "gpt" or not colon:
+        return None
+    given = {}
+    for item in options.split(","):
+        key, eq, value = item.strip().partition("=")
+        if key not in GPT_KEYS or not eq:
+            raise ValueError(f"{item.strip()!r} is not one of {', '.join(k + '=' for k in GPT_KEYS)}")
+        if key in given:
+            raise ValueError(f"{key}= is given twice")
+        kind_of = GPT_KEYS[key][0]
+        try:
+            given[key] = kind_of(value)
+        except ValueError:
+            raise ValueError(f"{key}={value!r} is not a{'' if kind_of is int else ' real'} number") from None
+    missing = [k for k, (_, needed) in GPT_KEYS.items() if needed and k not in given]
+    if missing:
+        raise ValueError(f"{', '.join(k + '=' for k in missing)} missing")
+    if any(given[k] < 1 for k in ("layers", "heads", "width")):
+        raise ValueError("layers, heads and width must be at least 1 each")
+    if given["width"] % given["heads"]:
+        raise ValueError(f"the width {given['width']} is not a multiple of the heads ({given['heads']})")
+    if not 0 <= given.setdefault("dropout", 0.0) < 1:
+        raise ValueError(f"dropout={given['dropout']:g} is not in [0, 1)")
+    return given
+
+
+def gpt_name(options):
+    """The canonical --model text of gpt_options' dict (what ranks compare and files record)."""
+    text = f"gpt:layers={options['layers']},heads={options['heads']},width={options['width']}"
+    return text + (f",dropout={options['dropout']:g}" if options["dropout"] else "")
+
+
 def _model(text):
-    if text in MODELS:
+    if text in MODELS or is_model_file(text):
         return text
-    path, _, function = text.rpartition(":")
-    if path.endswith(".py") and function.isidentifier():
-        return text
-    raise argparse.ArgumentTypeError(f"expected one of {', '.join(MODELS)} or FILE.py:FUNCTION, got {text!r}")
+    try:
+        options = gpt_options(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--model gpt:layers=L,heads=H,width=E[,dropout=P]: {e}") from None
+    if options is not None:
+        return gpt_name(options)
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(MODELS)}, "
+                                     f"gpt:layers=L,heads=H,width=E[,dropout=P] or FILE.py:FUNCTION, got {text!r}")
 
 
 def _hidden(text):
@@ -162,8 +213,12 @@ def _training_flags(p):
                         "from 131,072 parameters and 3.6e8 parameter-steps (default: %(default)s)")
     g.add_argument("--momentum", type=_nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
     g.add_argument("--model", type=_model, default="mlp", metavar="NAME|FILE.py:FUNCTION",
-                   help=f"the network: {', '.join(MODELS)} (docs/models.md), or FUNCTION(input_shape, classes) "
+                   help=f"the network: {', '.join(MODELS)}, gpt:layers=L,heads=H,width=E[,dropout=P] (nanoGPT's, on text "
+                        f"data) (docs/models.md), or FUNCTION(input_shape, classes) "
                         f"of your own FILE.py returning a list of layers (default: %(default)s)")
+    g.add_argument("--block-size", type=_positive_int, default=256, metavar="T",
+                   help="text data (prepare --text): the tokens a sample holds, the model's context length "
+                        "(default: %(default)s)")
     g.add_argument("--hidden", type=_hidden, default=[500, 500], metavar="W1,W2,...",
                    help="--model mlp's hidden layer widths (default: 500,500)")
     g.add_argument("--seed", type=_nonneg_int, default=0, help="random seed: the initial parameters (rank 0's, broadcast) and each worker's "

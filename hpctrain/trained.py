@@ -24,6 +24,7 @@ from .data.arrays import memory_available
 from .checkpoints.trust import Corrupt, Refused, hard_linked, stored_inside
 from .nn import LayerError, spec_for
 from .nn.user import UserModelError
+from .cli import gpt_options, is_model_file
 from .nn.zoo import MODELS
 from .checkpoints.model_record import ATTR
 from .files import printable
@@ -90,7 +91,7 @@ def input_paths(params=None, checkpoint=None, model=None):
     files, folders = [params], []
     if checkpoint:
         (folders if os.path.isdir(checkpoint) else files).append(checkpoint)
-    if model and _is_user_model(model):
+    if model and is_model_file(model):
         files.append(model.rpartition(":")[0])
     return [f for f in files if f], folders
 
@@ -112,7 +113,7 @@ def _record_of(attrs, source, data_dir, model):
             rec = _checked(json.loads(text if isinstance(text, str) else ""), source)
         except (ValueError, RecursionError):   # RecursionError: arrays nested past what json parses
             raise HpctrainError(f"{source}: damaged '{ATTR}' attribute; save the model again") from None
-        if model is None and _is_user_model(rec["model"]):
+        if model is None and is_model_file(rec["model"]):
             raise HpctrainError(f"{source}: was trained from a user's model file, {printable(rec['model'])}; "
                                 f"predict and evaluate run no code that a saved file names: pass --model "
                                 f"{printable(rec['model'])} to rebuild it with that file (it runs as Python: "
@@ -120,24 +121,28 @@ def _record_of(attrs, source, data_dir, model):
     else:
         identity = str(attrs.get("model", "mlp"))
         name = identity.split(" ", 1)[0]
-        if data_dir is None or (name not in _ZOO and model is None):
+        if data_dir is None or (not _in_zoo(name) and model is None):
             raise HpctrainError(f"{source}: written by an hpctrain that did not record how to rebuild the model; "
                                 f"give --data DIR (the data it was trained on)"
-                                + ("" if name in _ZOO else " and --model FILE.py:FUNCTION"))
+                                + ("" if _in_zoo(name) else " and --model FILE.py:FUNCTION"))
         manifest = data_mod.load_manifest(data_dir)
         shape, classes = data_mod.model_shape(manifest)
         hidden = [int(w) for w in str(attrs.get("hidden", "")).split(",") if w.strip().isdigit()]
         rec = {"model": name, "hidden": hidden, "identity": identity, "input_shape": list(shape),
                "classes": classes, "class_names": manifest.get("class_names")}
     if model is not None:
-        if model not in _ZOO and not _is_user_model(model):
+        if not (_in_zoo(model) or is_model_file(model)):
             raise HpctrainError(f"--model {model}: not a model of the zoo ({', '.join(_ZOO)}) nor FILE.py:FUNCTION")
         rec["model"] = model
     return rec
 
 
-def _is_user_model(name):
-    return ":" in name and name not in _ZOO
+def _in_zoo(name):
+    """A model hpctrain builds by name: the zoo's, or gpt:... with its options."""
+    try:
+        return name in _ZOO or gpt_options(name) is not None
+    except ValueError:
+        return False
 
 
 def _checked(rec, source):
@@ -149,7 +154,7 @@ def _checked(rec, source):
     if not isinstance(rec, dict):
         raise damaged(f"a JSON {type(rec).__name__}, not an object")
     name = rec.get("model")
-    if not isinstance(name, str) or not (name in _ZOO or _is_user_model(name)):
+    if not isinstance(name, str) or not (_in_zoo(name) or is_model_file(name)):
         raise damaged(f"'model' is {_short(name)}, not a model of the zoo nor FILE.py:FUNCTION")
     if not _whole_numbers(rec.get("hidden") or [], 1, MAX_INPUT):
         raise damaged(f"'hidden' is {_short(rec.get('hidden'))}, not a list of layer widths")

@@ -21,13 +21,12 @@ import os
 
 from .. import data as data_mod
 from ..errors import HpctrainError
-from ..nn.zoo import MODELS
+from ..cli import is_model_file
 
 ATTR = "inference"
 # HDF5 keeps an attribute in the object header, 64 KiB at most: a record
 # larger than this leaves its class names out (predict then prints numbers).
 _MAX_RECORD = 60_000
-_ZOO = tuple(MODELS)
 
 
 @functools.lru_cache(maxsize=8)
@@ -45,7 +44,7 @@ def record(spec, plan):
     run/plan.Plan: the model as named, --hidden, the data). Never raises for
     the data: a manifest gone since start-up leaves its part out."""
     model = plan.model
-    if ":" in model and model not in _ZOO:
+    if is_model_file(model):
         path, _, function = model.rpartition(":")
         model = f"{os.path.abspath(path)}:{function}"
     out = {"model": model, "hidden": [int(w) for w in plan.hidden], "identity": spec.identity,

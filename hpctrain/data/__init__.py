@@ -29,6 +29,7 @@ One job per module:
     vocab.py     the text vocabularies (chars, bytes, a byte-level BPE with tokenizers): encode, decode
     prepare_text.py  text -> token shards (its last --val-fraction held out) + manifest.json, atomically
     tokens.py    TokenReader (training windows), load_test_windows (the held-out windows)
+    splits.py    the reader a directory takes (images or tokens): training batches, held-out parts
     augment.py   --augment crop,flip: per sample, from (seed, epoch, sample id)
     fetch.py     download the published files, verify their MD5, unpack archives safely
     manifest.py  format constants, paths, load_manifest and its structure check
@@ -41,7 +42,7 @@ from .fetch import CIFAR10_BATCHES, EMNIST_SPLITS, MD5, MIRRORS, STANDARD_FILES,
 from .idx import read_idx
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, bundled_sample_dir, bundled_text_path, default_data_dir,
                        input_kind, is_prepared, load_manifest, model_shape, repo_root,
-                       shard_name)
+                       shard_name, train_samples)
 from .prepare import prepare
 from .prepare_text import prepare_text
 from .reader import ShardReader, has_val, load_test
@@ -53,5 +54,5 @@ __all__ = [
     "STANDARD_FILES", "extract",
     "ShardReader", "TokenReader", "bundled_sample_dir", "bundled_text_path", "check_augment", "default_data_dir", "fetch", "has_val", "is_prepared",
     "input_kind", "load_manifest", "load_test", "load_test_windows", "load_vocabulary", "model_shape", "prepare",
-    "prepare_text", "read_idx", "read_tokens", "repo_root", "shard_name",
+    "prepare_text", "read_idx", "read_tokens", "repo_root", "shard_name", "train_samples",
 ]

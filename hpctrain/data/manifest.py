@@ -203,16 +203,27 @@ def input_kind(manifest):
     return "tokens" if manifest.get("kind") == "tokens" else "image"
 
 
-def model_shape(manifest):
-    """(image shape, classes) of the model that trains on this data: one
+def model_shape(manifest, block_size=None):
+    """(input shape, classes) of the model that trains on this data: one
     image's shape as stored (28x28; 32x32x3, channels last) and the
-    manifest's class count. The model is built from these (nn/zoo.spec_for),
+    manifest's class count; for text, (block_size,) token ids (--block-size)
+    and the vocabulary. The model is built from these (nn/zoo.spec_for),
     so the data and the model cannot disagree; labels past the class count
     are refused by the readers, shard by shard."""
     problem = _manifest_problem(manifest)
     if problem:
         raise HpctrainError(f"bad manifest: {problem}")
     if manifest.get("kind") == "tokens":
-        raise HpctrainError(f"holds text as tokens ({manifest['vocab_size']} of them, prepare --text), "
-                            f"not images: it needs a token model and reader (data/tokens.py)")
+        if block_size is None:
+            raise HpctrainError(f"holds text as tokens ({manifest['vocab_size']} of them, prepare --text), "
+                                f"not images: a model reads it through --block-size (training's)")
+        return (int(block_size),), int(manifest["vocab_size"])
     return tuple(manifest["image_shape"]), manifest["num_classes"]
+
+
+def train_samples(manifest, block_size):
+    """The training set's samples: its images, or for text the windows of
+    block_size + 1 tokens it holds (one per starting offset, data/tokens.py)."""
+    if manifest.get("kind") == "tokens":
+        return max(0, int(manifest["train"]["num_tokens"]) - int(block_size))
+    return int(manifest["train"]["num_samples"])

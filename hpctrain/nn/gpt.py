@@ -52,8 +52,8 @@ def gpt_layers(vocab, block_size, layers, heads, width, dropout=0.0):
     return model, TokenCrossEntropy()
 
 
-def gpt(vocab, block_size, layers, heads, width, dropout=0.0):
+def gpt(vocab, block_size, layers, heads, width, dropout=0.0, name="gpt"):
     """nanoGPT's model as a spec: input (block_size,) token ids, logits
     (block_size, vocab)."""
     model, loss = gpt_layers(vocab, block_size, layers, heads, width, dropout)
-    return ModelSpec(model, (int(block_size),), int(vocab), name="gpt", loss=loss)
+    return ModelSpec(model, (int(block_size),), int(vocab), name=name, loss=loss)

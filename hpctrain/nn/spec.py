@@ -286,8 +286,10 @@ class ModelSpec:
 
     def summary(self):
         """The model, one line per layer (output shape, parameters), and the total."""
+        tokens = self.input_kind == "tokens"
         lines = [f"model {self.name}: input {'x'.join(map(str, self.input_shape))} ({self.input_kind}), "
-                 f"{self.classes} classes, loss {_loss_name(self.loss)}"]
+                 f"{f'a vocabulary of {self.classes}' if tokens else f'{self.classes} classes'}, "
+                 f"loss {_loss_name(self.loss)}"]
         for i, (layer, shape) in enumerate(zip(self.layers, self.shapes)):
             count = sum(hi - lo for _, _, lo, hi in self.layer_tensors[i])
             lines.append(f"  {i:>3} {layer.describe():<28} -> {'x'.join(map(str, shape)):<14} {count:>12,}")
@@ -295,6 +297,10 @@ class ModelSpec:
                          f"(tied)" for t in self.ties if t.user == i)
         lines.append(f"  {self.num_params:,} parameters ({self.num_params * 4:,} bytes)"
                      + (f", {self.num_state:,} non-trainable" if self.num_state else ""))
+        if tokens:   # a language model's cost, as its papers give it: per token, a multiply-add 2 FLOPs
+            per_token = 2 * sum(self.flops()) / self.input_shape[0]
+            lines.append(f"  {per_token / 1e6:,.2f} MFLOPs per token forward, "
+                         f"{2 * sum(self.train_flops()) / self.input_shape[0] / 1e6:,.2f} training")
         return lines
 
     # --- buffers --------------------------------------------------------------

@@ -15,6 +15,9 @@ into a spec.
                average pooling, dense.
     small_cnn: conv32 - pool - conv64 - pool - dense256 - dense (3x3 convolutions,
                padding 1): issue 21's benchmark net.
+    gpt:layers=L,heads=H,width=E[,dropout=P]: nanoGPT's model on text data
+               (nn/gpt.py), its context --block-size tokens, its head the
+               vocabulary, scored per token.
 
 Every function takes (input_shape, classes) and sizes itself from the image
 shape; each model is scored by the spec's default loss, softmax
@@ -26,6 +29,7 @@ Channels() (the data's images to NHWC, once per batch).
 
     python -m hpctrain.nn               # the MLP's spec
 """
+from ..cli import gpt_options, is_model_file
 from . import user
 from .check import check_layers
 from .conv import Channels, Conv2d
@@ -33,6 +37,7 @@ from .pool import GlobalAvgPool, MaxPool2d
 from .layers import Dense, Dropout, Flatten, ReLU
 from .batchnorm import BatchNorm2d
 from .residual import Residual
+from .gpt import gpt
 from .spec import ModelSpec
 
 # MNIST's shape: the defaults where no data is at hand (demos, tests, benches).
@@ -97,7 +102,10 @@ def spec_for(args, image_shape, classes, check=True):
     name = args.model
     if name == "mlp":
         return mlp(image_shape, classes, args.hidden)
-    if ":" in name:
+    options = gpt_options(name)
+    if options is not None:   # token data: image_shape is (--block-size,), classes the vocabulary
+        return gpt(classes, image_shape[0], **options, name=name)
+    if is_model_file(name):
         layers, loss, code = user.load(name, image_shape, classes)
         spec = ModelSpec(layers, image_shape, classes, name=name, code=code, loss=loss)
         if check:   # a user's layers, run once: what they can silently get wrong (nn/check.py)

@@ -308,16 +308,15 @@ class Pipelined:
         """This replica's part of `split`: (x or None, y or None, count)."""
         if split not in self._parts:
             from .. import data as data_mod
-            from ..chunks import chunk_parts
-            grid, data_dir = self.grid, self.plan.data.dir
-            manifest = data_mod.load_manifest(data_dir)
-            lo, hi = chunk_parts(manifest[split]["num_samples"], grid.replicas)[grid.replica]
+            from ..data.splits import held_out, held_out_count
+            grid, data_dir, block_size = self.grid, self.plan.data.dir, self.plan.data.block_size
+            count = held_out_count(data_mod.load_manifest(data_dir), grid.replica, grid.replicas, block_size, split)
             x = y = None
             if grid.first or grid.last:
                 with self.world.waiting(f"reading the {split} part of {data_dir}", peer="the file system"):
-                    x, y = data_mod.load_test(data_dir, grid.replica, grid.replicas, raw=True, split=split)
+                    x, y = held_out(data_dir, grid.replica, grid.replicas, block_size, split)
                 x, y = (x if grid.first else None), (y if grid.last else None)
-            self._parts[split] = (x, y, hi - lo)
+            self._parts[split] = (x, y, count)
         return self._parts[split]
 
     def evaluate(self, split="test"):

@@ -17,8 +17,8 @@ worker its part, summed over all); `write(path, step, attrs)` (--save,
 import numpy as np
 from mpi4py import MPI
 
-from .. import data as data_mod
 from .. import device
+from ..data.splits import held_out
 from ..comm.device_buffers import bcast
 from .params import write_params
 
@@ -52,7 +52,7 @@ class WholeModel:
         if split not in self._full:
             data_dir = self.plan.data.dir
             with self.world.waiting(f"reading the {split} part of {data_dir}", peer="the file system"):
-                self._full[split] = data_mod.load_test(data_dir, raw=True, split=split)
+                self._full[split] = held_out(data_dir, 0, 1, self.plan.data.block_size, split=split)
         x, y = self._full[split]
         xp = self.world.xp
         sums = self.model.evaluate(xp.asarray(x), xp.asarray(y))

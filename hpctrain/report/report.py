@@ -77,9 +77,12 @@ class Report:
         who = f"worker {worker}: " if worker is not None else ""
         local = f"  (local step {local_step})" if local_step is not None else ""
         norm = f"  grad norm {grad_norm:.4g}" if grad_norm is not None else ""
+        per_token = self.plan.data.tokens_per_sample
+        speed = f"tokens/s {rate * per_token:,.0f}" if per_token else f"samples/s {rate:,.0f}"
         print(f"{who}step {step:>6}/{self.steps}  loss {loss:.4f}{norm}  "
-              f"samples/s {rate:,.0f}  elapsed {elapsed:.1f}s  {self._eta(step)}{local}", flush=True)
+              f"{speed}  elapsed {elapsed:.1f}s  {self._eta(step)}{local}", flush=True)
         record = {"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
+                  **({"tokens_per_s": round(rate * per_token, 1)} if per_token else {}),
                   "time_s": round(elapsed, 3)}
         if grad_norm is not None:
             record["grad_norm"] = round(float(grad_norm), 6)
@@ -196,14 +199,20 @@ class Report:
             print(f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}", flush=True)
         wall = time.perf_counter() - world.t_start
         rate = samples / t_loop if t_loop > 0 else 0.0
-        print(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
-              f"{step} steps, {rate:,.0f} samples/s, {wall:.1f}s)", flush=True)
+        per_token = plan.data.tokens_per_sample
+        if per_token:   # a language model: the loss per held-out token, next-token accuracy
+            print(f"test loss {test_loss:.4f} per token  test accuracy {test_acc:.4f}  ({n_test:,} tokens, "
+                  f"{step} steps, {rate * per_token:,.0f} tokens/s, {wall:.1f}s)", flush=True)
+        else:
+            print(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
+                  f"{step} steps, {rate:,.0f} samples/s, {wall:.1f}s)", flush=True)
         save_error = result["save_error"]
         record = {"event": "final", "mode": plan.mode, "world_size": cluster.size, "workers": cluster.num_workers,
                   "steps": step,
                   "global_batch": plan.per_step,
                   **val, "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
                   "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
+                  **({"tokens_per_s": round(rate * per_token, 1)} if per_token else {}),
                   "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
                   "device": world.device_name}
         record.update(result["medians"])

@@ -32,7 +32,8 @@ from ..errors import HpctrainError
 from ..files import one_line
 
 INSTALL = "--tensorboard needs tensorboardX, an optional dependency: pip install 'hpctrain[tensorboard]'"
-TRAIN_TAGS = {"loss": "train/loss", "samples_per_s": "train/samples_per_s", "grad_norm": "train/grad_norm"}
+TRAIN_TAGS = {"loss": "train/loss", "samples_per_s": "train/samples_per_s", "tokens_per_s": "train/tokens_per_s",
+              "grad_norm": "train/grad_norm"}
 EVAL_TAGS = {"test_accuracy": "eval/test_accuracy", "test_loss": "eval/test_loss",
              "val_accuracy": "eval/val_accuracy", "val_loss": "eval/val_loss"}
 

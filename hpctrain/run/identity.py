@@ -28,6 +28,7 @@ import math
 import os
 
 from .. import __version__
+from ..cli import is_model_file
 from ..nn.sequential import INIT_VERSION
 
 # Flags whose value must be identical on every rank of a job.
@@ -38,7 +39,7 @@ RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epoch
               "replicas_to_aggregate", "backup_workers", "max_staleness", "dc_lambda", "placement", "checkpoint_every",
               "timeout", "pipeline_stages", "micro_batches", "pipeline_schedule", "virtual_stages", "pipeline_split",
               "augment", "compression", "powersgd_rank", "powersgd_start", "powersgd_min_rate", "powersgd_warm_start",
-              "powersgd_epsilon", "powersgd_error_feedback")
+              "powersgd_epsilon", "powersgd_error_feedback", "block_size")
 # Flags only the chief acts on (its files and lines), compared like the ones
 # above but not recorded in checkpoints; paths as the files they name.
 OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
@@ -100,7 +101,7 @@ def same_on_every_rank(args):
     # would wait for checkpoints forever.
     outputs = {k: _where(getattr(args, k)) if k in PATH_FLAGS else getattr(args, k) for k in OUTPUT_FLAGS}
     job = dict(_job(args), **outputs)
-    if ":" in args.model:
+    if is_model_file(args.model):
         # FILE.py:FUNCTION: not the path (relative on one rank, absolute on
         # another, or a copy per node), but what it names: the function here,
         # the file's code and the model it builds in run/startup.py.
@@ -121,7 +122,7 @@ def same_on_resume(args, num_workers, spec, total_steps):
 
 def recorded(args, world_size, num_workers, spec, layers_key="NumPy"):
     """Everything a checkpoint records about the run that wrote it (--hidden:
-    the MLP's; init_version: how its initial parameters were drawn; tuning:
+    the MLP's; --block-size: a text model's; init_version: how its initial parameters were drawn; tuning:
     how its layers round, "NumPy" or the compiled layers' tuning key, which
     a resume compares: checkpoints/resume.py)."""
     job = dict(_job(args), **_model(spec), world_size=int(world_size), num_workers=int(num_workers),
@@ -129,4 +130,6 @@ def recorded(args, world_size, num_workers, spec, layers_key="NumPy"):
                tuning=str(layers_key))
     if args.model != "mlp":
         del job["hidden"]
+    if spec.input_kind != "tokens":   # --block-size sizes a text model's samples only
+        del job["block_size"]
     return job

@@ -13,6 +13,7 @@ import json
 
 from .. import data as data_mod
 from ..comm.agree import agreed
+from ..data.splits import held_out, training_reader
 from ..errors import HpctrainError
 
 
@@ -37,14 +38,14 @@ def ensure_data(given, cluster, watchdog):
     return path
 
 
-def data_identity(data_dir):
-    """(digest, (image shape, classes), manifest): the data this rank trains
+def data_identity(data_dir, block_size):
+    """(digest, (input shape, classes), manifest): the data this rank trains
     on, as a digest of its manifest's content (not its path: two paths may
     hold the same data, one path on two nodes different data), and the
-    shapes the model is built for."""
+    shapes the model is built for (text: block_size tokens, --block-size)."""
     manifest = data_mod.load_manifest(data_dir)
     try:
-        shape = data_mod.model_shape(manifest)
+        shape = data_mod.model_shape(manifest, block_size)
     except HpctrainError as e:
         raise HpctrainError(f"{data_dir}: {e}") from None
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16], shape, manifest
@@ -59,21 +60,21 @@ class Inputs:
         self._test = None
 
     def reader(self, comm, index, count, arrays=None):
-        """Worker `index` of `count`'s training-batch reader (data/reader.py;
-        arrays: the shard datasets it reads, None for all), agreed over comm;
-        then this worker's test part is read too, before training memory is
-        touched."""
+        """Worker `index` of `count`'s training-batch reader (data/splits.py:
+        images or token windows; arrays: the shard datasets it reads, None
+        for all), agreed over comm; then this worker's test part is read too,
+        before training memory is touched."""
         data = self.data
-        read = functools.partial(data_mod.ShardReader, augment=data.augment or None, dtype=self.compute,
+        read = functools.partial(training_reader, augment=data.augment or None, dtype=self.compute,
                                  **({} if arrays is None else {"arrays": arrays}))
-        reader = self.world.agreed(comm, read, data.dir, index, count, data.batch_size, data.seed)
+        reader = self.world.agreed(comm, read, data.dir, index, count, data.batch_size, data.seed, data.block_size)
         self.test_part()
         return reader
 
     def test_part(self):
-        """This worker's part of the test set (uint8 pixels), read once."""
+        """This worker's part of the test set (uint8 pixels, or token windows), read once."""
         if self._test is None:
             cluster = self.world.cluster
-            self._test = self.world.agreed(cluster.worker_comm, functools.partial(data_mod.load_test, raw=True),
-                                           self.data.dir, cluster.worker_index, cluster.num_workers)
+            self._test = self.world.agreed(cluster.worker_comm, held_out, self.data.dir, cluster.worker_index,
+                                           cluster.num_workers, self.data.block_size)
         return self._test

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import device
+from ..data.manifest import train_samples
 from ..nn.spec import ModelSpec
 from ..precision import FLOAT32, Precision
 from ..optim.lr_schedule import learning_rate, schedule_line
@@ -123,7 +124,14 @@ class Data:
     batches: int
     seed: int
     augment: str         # --augment: "crop,flip" and the like, "" for none (data/augment.py)
+    block_size: int      # --block-size: a text sample's tokens (data/tokens.py); images ignore it
+    text: bool           # token windows (prepare --text), not images
     aggregated: int      # the workers whose batches one optimizer step takes (ps: the gradients it aggregates)
+
+    @property
+    def tokens_per_sample(self):
+        """What a rate counts per sample in a line of text data's (tokens/s); 0 for images."""
+        return self.block_size if self.text else 0
 
     @property
     def per_worker(self):
@@ -316,9 +324,10 @@ def data_plan(args, cluster, data_dir, digest, manifest, has_val):
     pipeline's replicas, world / stages), their samples per step, and the
     samples an update takes."""
     workers = cluster.num_workers // args.pipeline_stages
-    return Data(dir=str(data_dir), digest=digest, train_samples=int(manifest["train"]["num_samples"]),
+    return Data(dir=str(data_dir), digest=digest, train_samples=train_samples(manifest, args.block_size),
                 has_val=bool(has_val), workers=workers, batch_size=args.batch_size,
                 batches=args.accumulate_steps * args.micro_batches, seed=args.seed, augment=args.augment,
+                block_size=args.block_size, text=manifest.get("kind") == "tokens",
                 aggregated=aggregated_workers(args, workers))
 
 

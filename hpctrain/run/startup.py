@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from .. import data as data_mod
 from .. import device, vector_width
-from ..cli import validate
+from ..cli import is_model_file, validate
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
 from ..comm.records import allgather_bytes
@@ -106,7 +106,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # --- the data: the same everywhere (its manifest's content, not its path) --
     data_dir = ensure_data(args.data, cluster, watchdog)
     # (the digest is also what checkpoints record of the data: checkpoints/resume.py)
-    digest, model_shape, manifest = agree(data_identity, data_dir)
+    digest, model_shape, manifest = agree(data_identity, data_dir, args.block_size)
     with watchdog.waiting("start-up (same data on every rank)", peer=None):
         agree(check_consistency, comm, {"data (manifest digest)": digest})
     has_val = data_mod.has_val(data_dir)
@@ -242,7 +242,7 @@ def _model_spec(args, model_shape, watchdog):
     """model_spec, a user's code under a deadline of its own: a model file
     that does not return (its import, its function, a layer under the
     checks) is named as this rank's own work, not a peer's."""
-    if ":" not in args.model:
+    if not is_model_file(args.model):
         return model_spec(args, model_shape)
     with watchdog.waiting(f"--model {args.model}: its import, its function and the layer checks",
                           peer="its own model code", own=True):
@@ -476,7 +476,7 @@ def check_step_size(args, workers, manifest, data_dir):
     """A step takes no more samples than an epoch holds: beyond it the step
     would deal the same samples twice (in silence, for minutes: --accumulate-steps
     1000000 --steps 1 was 7,111 epochs in one step)."""
-    train = int(manifest["train"]["num_samples"])
+    train = data_mod.train_samples(manifest, args.block_size)
     per_step = workers * args.batch_size * args.accumulate_steps * args.micro_batches
     if per_step > train:
         parts = [f"{workers} worker{'s' if workers > 1 else ''}", f"--batch-size {args.batch_size}"]
@@ -485,5 +485,9 @@ def check_step_size(args, workers, manifest, data_dir):
             if value > 1:
                 parts.append(f"{flag} {value}")
                 flags.append(flag)
-        raise HpctrainError(f"{data_dir}: {train:,} training samples, fewer than one step takes "
+        what = "training samples"
+        if manifest.get("kind") == "tokens":   # a text's samples are its windows (data/tokens.py)
+            what = f"training windows of --block-size {args.block_size} + 1 tokens"
+            flags.insert(0, "--block-size")
+        raise HpctrainError(f"{data_dir}: {train:,} {what}, fewer than one step takes "
                             f"({' x '.join(parts)} = {per_step:,}); use a smaller {', '.join(flags)} or fewer workers")

@@ -1,0 +1,117 @@
+"""Training nanoGPT's model (`--model gpt:...`, nn/gpt.py) on prepared text
+(`prepare --text`, data/splits.py) through the runner: every distributed
+path against a simpler one on the same windows (2 ranks against one process
+with --accumulate-steps, a pipeline cut between the tied embedding and head
+against accumulation bit for bit, sync ps against ring), resume bit for
+bit, tokens/s and the per-token held-out loss in the lines and the record,
+and bad flags or mismatched data refused in one line.
+
+    .venv/bin/python -m pytest -q tests/test_gpt_training.py
+"""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import saved, same_bytes
+from hpctrain import data
+
+GPT = "gpt:layers=2,heads=2,width=16"
+FLAGS = ["--model", GPT, "--block-size", 16, "--batch-size", 4, "--steps", 6, "--log-every", 3, "--lr", 1e-3]
+
+
+def ok(r):
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    """The first 40,000 characters of the bundled plays, prepared as characters."""
+    root = tmp_path_factory.mktemp("text")
+    source = root / "plays.txt"
+    source.write_bytes(open(data.bundled_text_path(), "rb").read()[:40_000])
+    out = root / "chars"
+    data.prepare_text(str(source), str(out), "chars", log=lambda *a, **k: None)
+    return str(out)
+
+
+def close(a, b, rtol):
+    a, b = saved(a), saved(b)
+    assert set(a) == set(b)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=rtol * 1e-2, err_msg=k)
+
+
+def test_two_ranks_train_the_gpt_of_one_process_with_accumulation(job, text_dir, tmp_path):
+    """The same windows (dealt as images are dealt) on 2 ranks and on 1 with
+    --accumulate-steps 2: the same parameters within float32 rounding (the
+    embedding's gradient sums over tokens in another order); the line gives
+    tokens/s and the final record the per-token test loss and tokens_per_s.
+    SGD: Adam would turn the rounding in the keys' bias (its gradient is 0
+    but for rounding: softmax ignores a constant added to every key) into
+    steps of lr."""
+    metrics = tmp_path / "m.jsonl"
+    flags = [*FLAGS, "--optimizer", "sgd", "--lr", 0.1]
+    r = ok(job(2, "--data", text_dir, *flags, "--save", tmp_path / "two.h5", "--metrics", metrics))
+    assert "tokens/s" in r.stdout and "samples/s" not in r.stdout, r.stdout
+    assert "a vocabulary of" in r.stdout and "MFLOPs per token" in r.stdout, r.stdout
+    final = json.loads(metrics.read_text().splitlines()[-1])
+    assert final["tokens_per_s"] == pytest.approx(final["samples_per_s"] * 16, rel=1e-3)
+    assert 2.5 < final["test_loss"] < 5, final   # ln(vocabulary) ~ 4 at the start, per token
+    ok(job(1, "--data", text_dir, *flags, "--accumulate-steps", 2, "--save", tmp_path / "one.h5"))
+    close(tmp_path / "two.h5", tmp_path / "one.h5", 1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_a_pipeline_cut_between_embedding_and_head_equals_accumulation(job, text_dir, tmp_path, schedule):
+    """2 stages, the token embedding on the first and the head tied to it on
+    the second (the tied tensor's gradient summed across the cut): the bits
+    of --accumulate-steps 2 on one rank, dropout on in every block."""
+    flags = [*FLAGS[:1], GPT + ",dropout=0.1", *FLAGS[2:]]
+    ok(job(2, "--data", text_dir, *flags, "--pipeline-stages", 2, "--micro-batches", 2,
+           "--pipeline-schedule", schedule, "--save", tmp_path / "pipe.h5"))
+    ok(job(1, "--data", text_dir, *flags, "--accumulate-steps", 2, "--save", tmp_path / "acc.h5"))
+    assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+
+
+def test_sync_ps_trains_the_gpt_as_the_ring_does(job, text_dir, tmp_path):
+    flags = ["--data", text_dir, *FLAGS, "--optimizer", "sgd", "--lr", 0.1]
+    ok(job(3, "--mode", "ps", *flags, "--save", tmp_path / "ps.h5"))
+    ok(job(2, *flags, "--save", tmp_path / "ring.h5"))
+    close(tmp_path / "ps.h5", tmp_path / "ring.h5", 1e-5)
+
+
+def test_a_resumed_gpt_run_ends_with_the_bits_of_one_run_through(job, text_dir, tmp_path):
+    flags = ["--data", text_dir, *FLAGS[:-4], "--lr", 1e-3, "--log-every", 4]
+    ok(job(2, *flags, "--steps", 8, "--save", tmp_path / "through.h5"))
+    ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 4]
+    ok(job(2, *flags, "--steps", 4, *ck))
+    r = ok(job(2, *flags, "--steps", 8, *ck, "--save", tmp_path / "resumed.h5"))
+    assert "resumed from" in r.stdout, r.stdout
+    assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--model", "gpt:layers=2,heads=3,width=16"],
+     "argument --model: --model gpt:layers=L,heads=H,width=E[,dropout=P]: the width 16 is not a multiple of the "
+     "heads (3)"),
+    (["--model", "gpt:layers=2,width=16"], "heads= missing"),
+    (["--model", "gpt:layers=2,heads=2,width=16,depth=3"], "'depth=3' is not one of layers=, heads=, width="),
+    (["--model", "gpt:layers=2,heads=2,width=16,dropout=1"], "dropout=1 is not in [0, 1)"),
+    (["--model", "mlp"], "--model mlp takes image inputs (its first layer's input_kind), the data in"),
+    (["--model", GPT, "--block-size", 16, "--batch-size", 20_000],
+     "35,984 training windows of --block-size 16 + 1 tokens, fewer than one step takes (2 workers x --batch-size "
+     "20000 = 40,000); use a smaller --block-size, --batch-size or fewer workers"),
+])
+def test_bad_gpt_flags_and_models_that_do_not_take_text_are_one_line(job, text_dir, flags, line):
+    r = job(2, "--data", text_dir, "--steps", 2, *flags)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert line in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_gpt_on_images_is_one_line(job):
+    r = job(1, "--model", GPT, "--steps", 2)
+    assert r.returncode == 2, r.stderr
+    assert f"--model {GPT} takes tokens inputs (its first layer's input_kind), the data in" in r.stderr, r.stderr
