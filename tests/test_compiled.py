@@ -391,3 +391,37 @@ def test_512_bit_vectors_on_avx512_cpus_give_the_same_bits(tmp_path):
         runs[width] = r.stdout.split()[-1]
     assert int(runs["512"]) > 0, runs   # 512-bit registers in the kernels
     assert np.array_equal(np.load(tmp_path / "default.npy"), np.load(tmp_path / "512.npy"))
+
+
+@pytest.mark.parametrize("dtype, ulps", [(np.float32, 4), (np.float64, 64)])
+def test_gelus_compiled_passes_match_numpys(dtype, ulps):
+    """GELU's one-pass kernels (nn/passes.py: the C library's erfc in
+    float64) against the NumPy path (Cody's ratios in the dtype), forward
+    and input gradient, both tails included, within a few units of the
+    last place of what each sums (or 1e-30 where a value underflows); and
+    a gradient that the finite differences accept."""
+    from hpctrain.nn import compiled
+    from hpctrain.nn.gelu import GELU
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal((6, 50)) * 3, np.linspace(-12, 12, 300).reshape(6, 50)], 1)
+    x, dy = x.astype(dtype), rng.standard_normal(x.shape).astype(dtype)
+    out = {}
+    for on in (False, True):
+        compiled.use(on)
+        try:
+            slot, _, _ = bound(GELU(), x.shape[1:], dtype=dtype)
+        finally:
+            compiled.use(False)
+        assert slot.layer.compiled == on
+        out[on] = (slot.forward(x.copy(), True).copy(), slot.backward(dy.copy(), True).copy())
+    # the scale of what each sums: x Phi's |x|; dy (Phi + x phi)'s |dy| (1 + |x|), whose terms cancel
+    # near x = -0.75, where the gradient crosses 0
+    scales = (np.abs(x), np.abs(dy) * (1 + np.abs(x)))
+    for numpy_path, kernel, scale in zip(out[False], out[True], scales):
+        error = np.abs(kernel - numpy_path)
+        assert (error <= ulps * np.finfo(dtype).eps * scale + 1e-30).all(), (error / scale).max()
+    compiled.use(True)
+    try:
+        check_gradients(GELU(), (7,))
+    finally:
+        compiled.use(False)

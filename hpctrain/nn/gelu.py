@@ -13,7 +13,10 @@ relative, both tails), elementwise xp arithmetic only, so NumPy and CuPy
 run the same code. Phi(x) for x < 0 is erfc(|z|)/2, not (1 + erf)/2: no
 cancellation in the left tail. The price: some fifty elementwise passes
 (all three intervals evaluated, each element's taken), the slowest layer of
-a small GPT on NumPy; a one-pass kernel is the compiled-layer switch's to add.
+a small GPT on NumPy (half its step at width 128). With compiled layers on
+(--compiled-layers, numba) each direction is one pass instead
+(nn/passes.py: the C library's erfc in float64), within a few float32 ulps
+of this path, not its bits.
 
     python -m pytest -q tests/test_transformer_layers.py -k gelu
 """
@@ -21,7 +24,7 @@ import math
 
 import numpy as np
 
-from . import threads
+from . import compiled, passes, threads
 from .layers import Layer
 
 # CALERF's coefficients, highest index the leading one as Cody lists them
@@ -100,11 +103,27 @@ class GELU(Layer):
     phi the normal density. Keeps its input and Phi(x) for the backward."""
     keeps_output = False   # its backward reads its input and Phi
 
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        self.compiled = compiled.on() and xp is np   # one pass each way (nn/passes.py)
+        if self.compiled:
+            passes.prepare(("gelu_forward", "gelu_backward"), np.float32)
+
+    def _rows(self, fn, *arrays):
+        """fn over the flat arrays, split into rows over the compute threads."""
+        n = len(arrays[0])
+        flat = [a.reshape(n, -1) for a in arrays]
+        self.split(n, lambda t, lo, hi: fn(*(a[lo:hi].reshape(-1) for a in flat)),
+                   most=threads.most(floats=4 * arrays[0].size))
+
     def forward(self, ctx, x, train):
-        cdf = normal_cdf(self.xp, x, ctx.buffer("cdf", x.shape, x.dtype),
-                         lambda n, work: self.split(n, work, most=threads.most(floats=30 * x.size)))
+        cdf = ctx.buffer("cdf", x.shape, x.dtype)
         y = ctx.buffer(("out", train), x.shape, x.dtype)
-        self.xp.multiply(x, cdf, out=y)
+        if self.compiled and x.flags.c_contiguous:
+            self._rows(passes.gelu_forward, x, y, cdf)
+        else:
+            normal_cdf(self.xp, x, cdf, lambda n, work: self.split(n, work, most=threads.most(floats=30 * x.size)))
+            self.xp.multiply(x, cdf, out=y)
         ctx.x, ctx.cdf = x, cdf
         return y
 
@@ -113,6 +132,9 @@ class GELU(Layer):
             return None
         xp, x = self.xp, ctx.x
         dx = ctx.buffer("dx", dy.shape, dy.dtype)
+        if self.compiled and x.flags.c_contiguous and dy.flags.c_contiguous:
+            self._rows(passes.gelu_backward, x, ctx.cdf, dy, dx)
+            return dx
         # phi(x) = exp(-x^2 / 2) / sqrt(2 pi), into dx, then x phi + Phi, times dy
         xp.multiply(x, x, out=dx)
         dx *= x.dtype.type(-0.5)

@@ -1,12 +1,18 @@
 """One-pass layer kernels compiled by numba, run where compiled layers are
 on (nn/compiled.py use/on, --compiled-layers): batch norm's statistics,
 normalising, gradient sums and input gradient (nn/batchnorm.py), max
-pooling with windows k apart (nn/pool.py) and ReLU's gradient
-(nn/layers.py). Plain loops, no fastmath: each element gets the NumPy
-path's float operations (batch norm's sums in float64).
+pooling with windows k apart (nn/pool.py), ReLU's gradient
+(nn/layers.py) and GELU's two passes (nn/gelu.py). Plain loops, no
+fastmath: each element gets the NumPy path's float operations (batch
+norm's sums in float64), except GELU's, whose erfc is the C library's in
+float64 (NumPy has none: its path evaluates Cody's ratios in the input's
+dtype), each result rounded once: within a few units of the last place
+of the NumPy path, not its bits.
 
     python -m pytest -q tests/test_compiled.py
 """
+import math
+
 import numpy as np
 
 from .. import vector_width
@@ -172,13 +178,34 @@ def _relu_backward(y, dy):
         dy[i] = dy[i] * (1.0 if y[i] > 0 else 0.0)
 
 
+_INV_SQRT2 = 1 / math.sqrt(2)
+_INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
+
+
+def _gelu_forward(x, y, cdf):
+    """cdf = Phi(x) = erfc(-x / sqrt 2) / 2 (float64, rounded once), y = x
+    cdf in the dtype (NumPy's multiply), on flat arrays."""
+    for i in range(x.shape[0]):
+        cdf[i] = 0.5 * math.erfc(-float(x[i]) * _INV_SQRT2)
+        y[i] = x[i] * cdf[i]
+
+
+def _gelu_backward(x, cdf, dy, dx):
+    """dx = dy (Phi(x) + x phi(x)), phi the normal density, in float64 and
+    rounded once, on flat arrays."""
+    for i in range(x.shape[0]):
+        v = float(x[i])
+        dx[i] = float(dy[i]) * (float(cdf[i]) + v * math.exp(-0.5 * v * v) * _INV_SQRT_2PI)
+
+
 # name: (function, its arguments: m an (rows, c) array of the dtype, v a (c,)
 # vector, o (2, c) float64, i a 4-D array of the dtype, u 4-D uint8, f a flat
 # array of the dtype, k an integer)
 _PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalise, "mvvvvm"),
           "bn_gradient_sums": (_bn_gradient_sums, "mmvvo"), "bn_input_gradient": (_bn_input_gradient, "mmvvvvvm"),
           "max_pool_forward": (_max_pool_forward, "iiuk"), "max_pool_backward": (_max_pool_backward, "iuik"),
-          "relu_backward": (_relu_backward, "ff")}
+          "relu_backward": (_relu_backward, "ff"), "gelu_forward": (_gelu_forward, "fff"),
+          "gelu_backward": (_gelu_backward, "ffff")}
 _SUMS = {"bn_statistics": (_make_bn_statistics, "mo"), "bn_gradient_sums": (_make_bn_gradient_sums, "mmvvo")}
 
 
@@ -252,6 +279,14 @@ def max_pool_backward(dy, won, dx, k):
 
 def relu_backward(y, dy):
     _plain("relu_backward", dy.dtype)(y, dy)
+
+
+def gelu_forward(x, y, cdf):
+    _plain("gelu_forward", x.dtype)(x, y, cdf)
+
+
+def gelu_backward(x, cdf, dy, dx):
+    _plain("gelu_backward", x.dtype)(x, cdf, dy, dx)
 
 
 def bn_statistics(x):
