@@ -428,7 +428,8 @@ def _output_flags(g):
                         "(0: only at the end) (default: %(default)s)")
     g.add_argument("--keep-best", metavar="FILE.h5", type=_path, default=None,
                    help="write the parameters of the best validation accuracy so far to this HDF5 file "
-                        "(needs --eval-every and data prepared with --val-fraction)")
+                        "(text data: the lowest validation loss) (needs --eval-every and data prepared with "
+                        "--val-fraction)")
     g.add_argument("--timeline", metavar="FILE.json", type=_path, default=None, help="write a Chrome trace of the chief's steps")
     g.add_argument("--timeline-steps", type=_nonneg_int, default=100, metavar="N",
                    help="--timeline records the first N steps of the run (a pipeline's every rank: about 3 KB a "

@@ -115,3 +115,22 @@ def test_the_gpt_on_images_is_one_line(job):
     r = job(1, "--model", GPT, "--steps", 2)
     assert r.returncode == 2, r.stderr
     assert f"--model {GPT} takes tokens inputs (its first layer's input_kind), the data in" in r.stderr, r.stderr
+
+
+def test_keep_best_keeps_the_lowest_val_loss_and_resumes_it(job, text_dir, tmp_path):
+    """A language model's best is its lowest validation loss (nanoGPT's
+    rule), not its next-token accuracy: at lr 0.1 the accuracy peaks first
+    at step 4, the loss is lowest at step 10. A checkpoint records it and a
+    resumed run keeps the file an uninterrupted run keeps."""
+    import h5py
+    flags = ["--data", text_dir, *FLAGS[:-6], "--lr", 0.1, "--log-every", 4, "--eval-every", 2]
+    r = ok(job(2, *flags, "--steps", 12, "--keep-best", tmp_path / "through.h5"))
+    losses = [float(line.split("val loss ")[1].split()[0]) for line in r.stdout.splitlines() if "val accuracy" in line]
+    assert len(losses) == 6, r.stdout
+    assert f"(the parameters after step {2 * (losses.index(min(losses)) + 1)}: the best val loss, " in r.stdout
+    with h5py.File(tmp_path / "through.h5") as f:
+        assert abs(float(f.attrs["val_loss"]) - min(losses)) < 1e-4, (dict(f.attrs), losses)
+    ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 6, "--keep-best", tmp_path / "resumed.h5"]
+    ok(job(2, *flags, "--steps", 6, *ck))
+    ok(job(2, *flags, "--steps", 12, *ck))
+    assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")

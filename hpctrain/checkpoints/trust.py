@@ -115,3 +115,5 @@ def check_ranges(attrs, positions):
             within(key, attrs[key], lo, hi)
     if "best_val_accuracy" in attrs:
         within("best_val_accuracy", attrs["best_val_accuracy"], -1, 1)
+    if "best_val_loss" in attrs:
+        within("best_val_loss", attrs["best_val_loss"], -1)

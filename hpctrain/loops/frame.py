@@ -82,7 +82,7 @@ class Frame:
 
     def __init__(self, world, plan, inputs, timeline, comm):
         self.world, self.plan, self.inputs, self.timeline = world, plan, inputs, timeline
-        best = Best(plan.outputs.keep_best)
+        best = Best(plan.outputs.keep_best, by_loss=plan.data.text)
         self.checkpoints = Checkpoints(world, plan, timeline, best)
         self.resume = self.checkpoints.load(comm)   # None: a fresh run
         self.steps = plan.last_step(self.resume)     # the run's last step

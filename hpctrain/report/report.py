@@ -132,7 +132,7 @@ class Report:
             val_loss, val_acc, _ = self.evaluate_split(model, "val")
             record.update(val_accuracy=round(val_acc, 6), val_loss=round(val_loss, 6))
             line = f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}  " + line
-            self.keep_if_best(model, step, val_acc)
+            self.keep_if_best(model, step, val_loss, val_acc)
         if self.world.chief:
             print(f"step {step:>6}/{self.steps}  {line}", flush=True)
             with self._file_wait(f"writing --metrics {self.outputs.metrics}"):
@@ -143,20 +143,21 @@ class Report:
         """The chief's own deadline on a file it reads or writes while busy."""
         return self.world.waiting(what, peer="the file system")
 
-    def keep_if_best(self, model, step, val_acc):
-        """--keep-best: write the parameters when val_acc beats every earlier
-        validation (strictly: a tie keeps the earlier, smaller step). A failed
+    def keep_if_best(self, model, step, val_loss, val_acc):
+        """--keep-best: write the parameters when this validation beats every
+        earlier one (report/best.py: by accuracy, or for text by loss;
+        strictly: a tie keeps the earlier, smaller step). A failed
         write ends the run: a best file that silently stopped following the
         best would be worse than none."""
-        if not self.best.beats(val_acc):
+        if not self.best.beats(val_loss, val_acc):
             return
         if not model.finite():
             return   # a diverged step is no candidate: the next step's loss, or the end, stops the run (exit 4)
-        self.best.take(val_acc, step)
+        self.best.take(val_loss, val_acc, step)
         path = self.best.path
         try:
             with self._file_wait(f"writing --keep-best {path}"):
-                model.write(path, step, attrs={"val_accuracy": float(val_acc)})
+                model.write(path, step, attrs={"val_accuracy": float(val_acc), "val_loss": float(val_loss)})
         except OSError as e:   # (the chief's: the others are not told, the job is aborted)
             raise HpctrainError(f"--keep-best {path}: cannot write ({one_line(e)})", collective=False) from None
 
@@ -171,7 +172,7 @@ class Report:
         if self._final_val is None:
             with self.world.watchdog.busy():
                 val_loss, val_acc, _ = self.evaluate_split(model, "val")
-                self.keep_if_best(model, step, val_acc)
+                self.keep_if_best(model, step, val_loss, val_acc)
             self._final_val = (val_loss, val_acc)
         return self._final_val
 
@@ -240,9 +241,9 @@ class Report:
         if outputs.save and not save_error:
             lines.append(f"wrote --save {outputs.save} (the parameters after step {step})")
         if self.best.path and self.best.value is not None:
-            acc, best_step = self.best.value
+            value, best_step = self.best.value
             lines.append(f"wrote --keep-best {self.best.path} (the parameters after step {best_step}: "
-                         f"the best val accuracy, {acc:.4f})")
+                         f"the best {self.best.measure}, {value:.4f})")
         if checkpoint is not None:
             lines.append(f"last checkpoint {checkpoint[0]} (step {checkpoint[1]})")
         if self.metrics.whole():
