@@ -63,16 +63,41 @@ def test_two_ranks_train_the_gpt_of_one_process_with_accumulation(job, text_dir,
     close(tmp_path / "two.h5", tmp_path / "one.h5", 1e-5)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_a_pipeline_cut_between_embedding_and_head_equals_accumulation(job, text_dir, tmp_path, schedule):
+@pytest.mark.parametrize("schedule, micro, virtual", [("1f1b", 2, []), ("gpipe", 2, []),
+                                                      ("interleaved", 4, ["--virtual-stages", 2])])
+def test_a_pipeline_cut_between_embedding_and_head_equals_accumulation(job, text_dir, tmp_path, schedule, micro,
+                                                                       virtual):
     """2 stages, the token embedding on the first and the head tied to it on
-    the second (the tied tensor's gradient summed across the cut): the bits
-    of --accumulate-steps 2 on one rank, dropout on in every block."""
+    the second (the tied tensor's gradient summed across the cut; with
+    --virtual-stages 2 between the first chunk and the last): the bits of
+    --accumulate-steps M on one rank, dropout on in every block."""
     flags = [*FLAGS[:1], GPT + ",dropout=0.1", *FLAGS[2:]]
-    ok(job(2, "--data", text_dir, *flags, "--pipeline-stages", 2, "--micro-batches", 2,
-           "--pipeline-schedule", schedule, "--save", tmp_path / "pipe.h5"))
-    ok(job(1, "--data", text_dir, *flags, "--accumulate-steps", 2, "--save", tmp_path / "acc.h5"))
+    r = ok(job(2, "--data", text_dir, *flags, "--pipeline-stages", 2, "--micro-batches", micro,
+               "--pipeline-schedule", schedule, *virtual, "--save", tmp_path / "pipe.h5"))
+    assert "Traceback" not in r.stderr
+    ok(job(1, "--data", text_dir, *flags, "--accumulate-steps", micro, "--save", tmp_path / "acc.h5"))
     assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+
+
+def test_two_chunks_of_one_stage_using_a_tied_tensor_are_one_line(job, text_dir, tmp_path):
+    """--virtual-stages 2 on 2 stages with a tied use in chunk 2, on the
+    owner's stage (chunk 0's): refused before the first step. (The GPT's
+    head is its last layer, on the last stage: it cannot be cut so.)"""
+    model = tmp_path / "mid_tie.py"
+    model.write_text(
+        "from hpctrain.nn import Embedding\n"
+        "from hpctrain.nn.linear import Linear\n"
+        "from hpctrain.nn.losses import TokenCrossEntropy\n"
+        "from hpctrain.nn.norm import LayerNorm\n\n\n"
+        "def build(input_shape, vocab):\n"
+        "    emb = Embedding(vocab, 4)\n"
+        "    return [emb, Linear(4), Linear(vocab, bias=False).tie('W', emb, 'E', transposed=True), LayerNorm(),\n"
+        "            Linear(8), Linear(vocab)], TokenCrossEntropy()\n")
+    r = job(2, "--data", text_dir, "--model", f"{model}:build", *FLAGS[2:], "--pipeline-stages", 2,
+            "--micro-batches", 4, "--pipeline-schedule", "interleaved", "--virtual-stages", 2,
+            "--pipeline-split", "1,2,4")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "chunks 0 and 2, both on stage 0, use layer 0's tied 'E'" in r.stderr, r.stderr
 
 
 def test_sync_ps_trains_the_gpt_as_the_ring_does(job, text_dir, tmp_path):

@@ -92,9 +92,9 @@ def train_pipe(world, plan, inputs, timeline):
         if compression is not None:
             pipeline_compression.restore(world, grid, compression, layouts, resume)
     frame.resumed(reader, restore)
-    # tied tensors across the cut (one chunk a stage: stages.cuts_for keeps them inside a chunk otherwise):
+    # tied tensors across the cut, between stages (one chunk of each: stages.tied_in_chunks):
     # the copies start as the owner's tensor, initialised or resumed
-    tied = TiedStages(world, grid, spec, cuts, chunks[0]) if virtual == 1 and spec.ties else None
+    tied = TiedStages(world, grid, spec, cuts, chunks) if spec.ties else None
     if tied is not None:
         tied.share_parameters()
 

@@ -101,18 +101,27 @@ def cut_points(args, spec):
 
 
 def tied_in_chunks(cuts, spec, virtual):
-    """cuts, or HpctrainError where --virtual-stages V > 1 cuts a tied
-    tensor's uses apart (pipeline/tied.py sums them across stages with one
-    chunk a stage only)."""
+    """cuts, or HpctrainError where --virtual-stages V > 1 puts two chunks
+    that use one tied tensor on the same stage (pipeline/tied.py sums a
+    tied tensor's uses between stages, one chunk of each: the GPT's
+    embedding on the first chunk and its head on the last are on the first
+    and last stage, whatever V)."""
     if virtual == 1:
         return cuts
+    stages = (len(cuts) - 1) // virtual
+    chunk_of = {i: c for c, (a, b) in enumerate(zip(cuts, cuts[1:])) for i in range(a, b)}
+    by_tensor = {}
     for t in spec.ties:
-        apart = [c for c in cuts[1:-1] if t.owner < c <= t.user]
-        if apart:
-            raise HpctrainError(f"--virtual-stages {virtual}: the cut at layer {apart[0]} separates layer {t.user}'s "
-                                f"tied {t.name!r} from its owner, layer {t.owner}; across chunks a tied tensor "
-                                f"needs one chunk a stage (--virtual-stages 1, or --pipeline-split keeping them "
-                                f"together)")
+        by_tensor.setdefault((t.owner, t.tensor), {chunk_of[t.owner]}).add(chunk_of[t.user])
+    for (owner, tensor), chunks in by_tensor.items():
+        on_stage = {}
+        for c in sorted(chunks):
+            if c % stages in on_stage:
+                raise HpctrainError(f"--virtual-stages {virtual}: chunks {on_stage[c % stages]} and {c}, both on "
+                                    f"stage {c % stages}, use layer {owner}'s tied {tensor!r}; a tied tensor's "
+                                    f"uses need one chunk a stage (another --virtual-stages, or --pipeline-split "
+                                    f"keeping them together)")
+            on_stage[c % stages] = c
     return cuts
 
 

@@ -17,9 +17,10 @@ step, after the micro-batches and before the replicas' average:
 
 One communicator per tied tensor that spans stages: the stages that use it,
 of one replica (a Split of the grid's pipe communicator, made once; the
-owner's stage, the first, is rank 0 there). With --virtual-stages V > 1 a
-tied tensor must stay inside one chunk (stages.cuts_for refuses a cut
-across it).
+owner's stage, the first, is rank 0 there). With --virtual-stages V > 1
+the same between chunks: each stage holds one chunk that uses the tensor
+at most (stages.tied_in_chunks refuses a layout with two), e.g. the GPT's
+embedding on chunk 0 (stage 0) and its head on the last chunk (stage P-1).
 
     mpirun -n 2 python -m hpctrain.mnist --model examples/tied_model.py:build --pipeline-stages 2
 """
@@ -32,45 +33,49 @@ from .. import device
 class _Spanning:
     """One tied tensor spanning stages, as this rank sees it."""
 
-    def __init__(self, tie, stages, comm, owner_stage):
+    def __init__(self, tie, stages, comm, owner_stage, chunk):
         self.key, self.lo, self.hi = (tie.owner, tie.tensor), tie.lo, tie.hi   # the owner's tensor in the model
         self.stages, self.comm = stages, comm
         self.owner_here = comm.Get_rank() == 0
         self.owner_stage = owner_stage
+        self.chunk = chunk   # this stage's chunk (stage.Stage) that holds the owner or the use
 
 
 class TiedStages:
     """The tied tensors of the model that span stages, and their per-step
-    exchanges for this rank's stage (one chunk: `chunk`, a stage.Stage)."""
+    exchanges for this rank's stage (`chunks`: its stage.Stage chunks, local
+    chunk k the model's chunk kP + stage)."""
 
-    def __init__(self, world, grid, spec, cuts, chunk):
-        self.world, self.grid, self.chunk = world, grid, chunk
-        stage_of = {i: s for s, (a, b) in enumerate(zip(cuts, cuts[1:])) for i in range(a, b)}
+    def __init__(self, world, grid, spec, cuts, chunks):
+        self.world, self.grid = world, grid
+        chunk_of = {i: c for c, (a, b) in enumerate(zip(cuts, cuts[1:])) for i in range(a, b)}
+        stages = grid.stages
         by_tensor = {}
         for t in spec.ties:
             by_tensor.setdefault((t.owner, t.tensor), []).append(t)
         self.spanning = []
         for ties in by_tensor.values():   # every rank in the same order: a Split each
             owner = ties[0].owner
-            stages = sorted({stage_of[t.user] for t in ties} | {stage_of[owner]})
-            if len(stages) == 1:
-                continue   # inside one stage: its runner sums the uses
-            here = grid.stage in stages
+            used = {chunk_of[t.user] for t in ties} | {chunk_of[owner]}   # one a stage at most (tied_in_chunks)
+            span = sorted({c % stages for c in used})
+            if len(used) == 1:
+                continue   # inside one chunk: its runner sums the uses
+            here = grid.stage in span
             with world.waiting("start-up (a tied tensor's communicator)", peer=None):
                 comm = grid.pipe_comm.Split(0 if here else MPI.UNDEFINED, grid.stage)
             if here:
-                self.spanning.append(_Spanning(ties[0], stages, comm, stage_of[owner]))
-        run = chunk.model.run
-        self._groups = {(g.owner, g.tensor): g for g in run.ties.groups}
+                mine = next(c for c in used if c % stages == grid.stage)
+                self.spanning.append(_Spanning(ties[0], span, comm, chunk_of[owner] % stages,
+                                               chunks[mine // stages]))
 
     def _tensor(self, span, of):
         """The tensor of `span` in this stage's buffers: `of` "params" or
         "grads" (the step's sums); the owner's slice, or the copy."""
-        chunk = self.chunk
+        chunk = span.chunk
         if span.owner_here:
             buffer = chunk.params if of == "params" else chunk.grads
             return buffer[span.lo - chunk.lo:span.hi - chunk.lo]
-        group = self._groups[span.key]
+        group = next(g for g in chunk.model.run.ties.groups if (g.owner, g.tensor) == span.key)
         if of == "params":
             return chunk.model.run.copies[group.copy[0]:group.copy[1]]
         return chunk.extra_sum.out[group.copy_extra[0]:group.copy_extra[1]]
