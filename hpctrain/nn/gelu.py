@@ -15,8 +15,9 @@ cancellation in the left tail. The price: some fifty elementwise passes
 (all three intervals evaluated, each element's taken), the slowest layer of
 a small GPT on NumPy (half its step at width 128). With compiled layers on
 (--compiled-layers, numba) each direction is one pass instead
-(nn/passes.py: the C library's erfc in float64), within a few float32 ulps
-of this path, not its bits.
+(nn/passes.py: Cody's erfc element by element in float64, its interval
+only; forward keeps the density for the gradient), within a few float32
+ulps of this path, not its bits.
 
     python -m pytest -q tests/test_transformer_layers.py -k gelu
 """
@@ -25,52 +26,8 @@ import math
 import numpy as np
 
 from . import compiled, passes, threads
+from .erfc import erfc_abs
 from .layers import Layer
-
-# CALERF's coefficients, highest index the leading one as Cody lists them
-_A = (3.16112374387056560e00, 1.13864154151050156e02, 3.77485237685302021e02, 3.20937758913846947e03,
-      1.85777706184603153e-1)
-_B = (2.36012909523441209e01, 2.44024637934444173e02, 1.28261652607737228e03, 2.84423683343917062e03)
-_C = (5.64188496988670089e-1, 8.88314979438837594e00, 6.61191906371416295e01, 2.98635138197400131e02,
-      8.81952221241769090e02, 1.71204761263407058e03, 2.05107837782607147e03, 1.23033935479799725e03,
-      2.15311535474403846e-8)
-_D = (1.57449261107098347e01, 1.17693950891312499e02, 5.37181101862009858e02, 1.62138957456669019e03,
-      3.29079923573345963e03, 4.36261909014324716e03, 3.43936767414372164e03, 1.23033935480374942e03)
-_P = (3.05326634961232344e-1, 3.60344899949804439e-1, 1.25781726111229246e-1, 1.60837851487422766e-2,
-      6.58749161529837803e-4, 1.63153871373020978e-2)
-_Q = (2.56852019228982242e00, 1.87295284992346047e00, 5.27905102951428412e-1, 6.05183413124413191e-2,
-      2.33520497626869185e-3)
-_SQRPI = 5.6418958354775628695e-1   # 1 / sqrt(pi)
-_SMALL, _MIDDLE = 0.46875, 4.0       # the intervals' bounds
-
-
-def _ratio(num, den, lead_num, last_num, last_den, t):
-    """Cody's evaluation: ((lead_num t + num[0]) t + ... ) / ((t + den[0]) t + ...)."""
-    xnum, xden = lead_num * t, t
-    for a, b in zip(num, den):
-        xnum = (xnum + a) * t
-        xden = (xden + b) * t
-    return (xnum + last_num) / (xden + last_den)
-
-
-def _gauss(xp, a):
-    """exp(-a^2) as exp(-s^2) exp(-(a - s)(a + s)), s = a to 1/16: a^2
-    rounded whole would lose a^2 ulps of it (CALERF's way)."""
-    s = xp.trunc(a * 16.0) / 16.0
-    return xp.exp(-s * s) * xp.exp(-(a - s) * (a + s))
-
-
-def erfc_abs(xp, a):
-    """erfc(a) for a >= 0 (an xp array): each interval's formula evaluated
-    everywhere (no masks: no gathers, nothing for a GPU to wait on) and
-    each element's own taken. Past a ~ 26.5 the result underflows to 0."""
-    small = 1.0 - a * _ratio(_A[:3], _B[:3], _A[4], _A[3], _B[3], a * a)
-    middle = _ratio(_C[:7], _D[:7], _C[8], _C[7], _D[7], a)
-    safe = xp.maximum(a, _MIDDLE)   # the third interval's 1/a^2, finite everywhere
-    inv = 1.0 / (safe * safe)
-    tail = (_SQRPI - inv * _ratio(_P[:4], _Q[:4], _P[5], _P[4], _Q[4], inv)) / safe
-    return xp.where(a <= _SMALL, small, xp.where(a < _MIDDLE, middle, tail) * _gauss(xp, a))
-
 
 # Elements per pass of normal_cdf on the host: erfc's dozens of temporaries
 # then stay small (64 KB in float64: below malloc's mmap threshold, in the
@@ -119,8 +76,9 @@ class GELU(Layer):
     def forward(self, ctx, x, train):
         cdf = ctx.buffer("cdf", x.shape, x.dtype)
         y = ctx.buffer(("out", train), x.shape, x.dtype)
-        if self.compiled and x.flags.c_contiguous:
-            self._rows(passes.gelu_forward, x, y, cdf)
+        if self.compiled and x.flags.c_contiguous:   # the density too, for the gradient
+            ctx.phi = ctx.buffer("phi", x.shape, x.dtype)
+            self._rows(passes.gelu_forward, x, y, cdf, ctx.phi)
         else:
             normal_cdf(self.xp, x, cdf, lambda n, work: self.split(n, work, most=threads.most(floats=30 * x.size)))
             self.xp.multiply(x, cdf, out=y)
@@ -133,7 +91,7 @@ class GELU(Layer):
         xp, x = self.xp, ctx.x
         dx = ctx.buffer("dx", dy.shape, dy.dtype)
         if self.compiled and x.flags.c_contiguous and dy.flags.c_contiguous:
-            self._rows(passes.gelu_backward, x, ctx.cdf, dy, dx)
+            self._rows(passes.gelu_backward, x, ctx.cdf, ctx.phi, dy, dx)
             return dx
         # phi(x) = exp(-x^2 / 2) / sqrt(2 pi), into dx, then x phi + Phi, times dy
         xp.multiply(x, x, out=dx)
@@ -146,8 +104,9 @@ class GELU(Layer):
         return dx
 
     def train_floats(self):
-        # its output, Phi, the input gradient (and erfc's temporaries, a few per unit while it runs)
-        return 3 * math.prod(self.in_shape)
+        # its output, Phi, the input gradient, with compiled layers the density (and on NumPy erfc's
+        # temporaries, a few per unit while it runs)
+        return 4 * math.prod(self.in_shape)
 
     def flops(self):
         return 30 * math.prod(self.in_shape)   # Cody's ratios and two exps, in multiply-adds roughly

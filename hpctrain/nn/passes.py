@@ -4,10 +4,11 @@ normalising, gradient sums and input gradient (nn/batchnorm.py), max
 pooling with windows k apart (nn/pool.py), ReLU's gradient
 (nn/layers.py) and GELU's two passes (nn/gelu.py). Plain loops, no
 fastmath: each element gets the NumPy path's float operations (batch
-norm's sums in float64), except GELU's, whose erfc is the C library's in
-float64 (NumPy has none: its path evaluates Cody's ratios in the input's
-dtype), each result rounded once: within a few units of the last place
-of the NumPy path, not its bits.
+norm's sums in float64), except GELU's, which evaluates Cody's erfc
+(nn/erfc.py) one element at a time in float64, only the interval the
+element is in (the NumPy path evaluates all three in the input's dtype),
+each result rounded once: within a few units of the last place of the
+NumPy path, not its bits.
 
     python -m pytest -q tests/test_compiled.py
 """
@@ -18,6 +19,7 @@ import numpy as np
 from .. import vector_width
 from ..tuning import SUMS_CHANNELS
 from . import compiled
+from .erfc import A, B, C, D, MIDDLE, P, Q, SMALL, SQRPI
 
 _kernels = {}
 _stack = None   # nn/compiled.py's stack intrinsic, set before a _SUMS kernel compiles
@@ -182,20 +184,44 @@ _INV_SQRT2 = 1 / math.sqrt(2)
 _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 
 
-def _gelu_forward(x, y, cdf):
-    """cdf = Phi(x) = erfc(-x / sqrt 2) / 2 (float64, rounded once), y = x
-    cdf in the dtype (NumPy's multiply), on flat arrays."""
+def _gelu_forward(x, y, cdf, phi):
+    """cdf = Phi(x) = erfc(|x| / sqrt 2) / 2 or 1 - that (Cody's erfc,
+    nn/erfc.py, its own interval only, in float64), phi = the normal
+    density (for the gradient: exp(-x^2 / 2), which the erfc takes anyway),
+    each rounded once; y = x cdf in the dtype (NumPy's multiply); flat arrays."""
     for i in range(x.shape[0]):
-        cdf[i] = 0.5 * math.erfc(-float(x[i]) * _INV_SQRT2)
+        v = float(x[i])
+        a = abs(v) * _INV_SQRT2
+        gauss = math.exp(-a * a)
+        if a <= SMALL:
+            t = a * a
+            xnum, xden = A[4] * t, t
+            for j in range(3):
+                xnum = (xnum + A[j]) * t
+                xden = (xden + B[j]) * t
+            erfc = 1.0 - a * (xnum + A[3]) / (xden + B[3])
+        elif a < MIDDLE:
+            xnum, xden = C[8] * a, a
+            for j in range(7):
+                xnum = (xnum + C[j]) * a
+                xden = (xden + D[j]) * a
+            erfc = (xnum + C[7]) / (xden + D[7]) * gauss
+        else:
+            inv = 1.0 / (a * a)
+            xnum, xden = P[5] * inv, inv
+            for j in range(4):
+                xnum = (xnum + P[j]) * inv
+                xden = (xden + Q[j]) * inv
+            erfc = (SQRPI - inv * (xnum + P[4]) / (xden + Q[4])) / a * gauss
+        cdf[i] = 0.5 * erfc if v < 0 else 1.0 - 0.5 * erfc
+        phi[i] = gauss * _INV_SQRT_2PI
         y[i] = x[i] * cdf[i]
 
 
-def _gelu_backward(x, cdf, dy, dx):
-    """dx = dy (Phi(x) + x phi(x)), phi the normal density, in float64 and
-    rounded once, on flat arrays."""
+def _gelu_backward(x, cdf, phi, dy, dx):
+    """dx = dy (Phi(x) + x phi(x)) in float64, rounded once; flat arrays."""
     for i in range(x.shape[0]):
-        v = float(x[i])
-        dx[i] = float(dy[i]) * (float(cdf[i]) + v * math.exp(-0.5 * v * v) * _INV_SQRT_2PI)
+        dx[i] = float(dy[i]) * (float(cdf[i]) + float(x[i]) * float(phi[i]))
 
 
 # name: (function, its arguments: m an (rows, c) array of the dtype, v a (c,)
@@ -204,8 +230,8 @@ def _gelu_backward(x, cdf, dy, dx):
 _PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalise, "mvvvvm"),
           "bn_gradient_sums": (_bn_gradient_sums, "mmvvo"), "bn_input_gradient": (_bn_input_gradient, "mmvvvvvm"),
           "max_pool_forward": (_max_pool_forward, "iiuk"), "max_pool_backward": (_max_pool_backward, "iuik"),
-          "relu_backward": (_relu_backward, "ff"), "gelu_forward": (_gelu_forward, "fff"),
-          "gelu_backward": (_gelu_backward, "ffff")}
+          "relu_backward": (_relu_backward, "ff"), "gelu_forward": (_gelu_forward, "ffff"),
+          "gelu_backward": (_gelu_backward, "fffff")}
 _SUMS = {"bn_statistics": (_make_bn_statistics, "mo"), "bn_gradient_sums": (_make_bn_gradient_sums, "mmvvo")}
 
 
@@ -281,12 +307,12 @@ def relu_backward(y, dy):
     _plain("relu_backward", dy.dtype)(y, dy)
 
 
-def gelu_forward(x, y, cdf):
-    _plain("gelu_forward", x.dtype)(x, y, cdf)
+def gelu_forward(x, y, cdf, phi):
+    _plain("gelu_forward", x.dtype)(x, y, cdf, phi)
 
 
-def gelu_backward(x, cdf, dy, dx):
-    _plain("gelu_backward", x.dtype)(x, cdf, dy, dx)
+def gelu_backward(x, cdf, phi, dy, dx):
+    _plain("gelu_backward", x.dtype)(x, cdf, phi, dy, dx)
 
 
 def bn_statistics(x):
