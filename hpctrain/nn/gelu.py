@@ -55,6 +55,15 @@ def normal_cdf(xp, x, out=None, split=None):
     return out
 
 
+def _gauss_then_kernel(x, y, cdf, phi):
+    """exp(-x^2 / 2) by NumPy (its exp runs in SIMD lanes, the kernel's would
+    be a call per element: most of its time), then the compiled pass."""
+    np.multiply(x, x, out=phi)
+    phi *= x.dtype.type(-0.5)
+    np.exp(phi, out=phi)
+    passes.gelu_forward(x, y, cdf, phi)
+
+
 class GELU(Layer):
     """y = x Phi(x), the exact (erf) form; its derivative Phi(x) + x phi(x),
     phi the normal density. Keeps its input and Phi(x) for the backward."""
@@ -77,8 +86,8 @@ class GELU(Layer):
         cdf = ctx.buffer("cdf", x.shape, x.dtype)
         y = ctx.buffer(("out", train), x.shape, x.dtype)
         if self.compiled and x.flags.c_contiguous:   # the density too, for the gradient
-            ctx.phi = ctx.buffer("phi", x.shape, x.dtype)
-            self._rows(passes.gelu_forward, x, y, cdf, ctx.phi)
+            phi = ctx.phi = ctx.buffer("phi", x.shape, x.dtype)
+            self._rows(_gauss_then_kernel, x, y, cdf, phi)
         else:
             normal_cdf(self.xp, x, cdf, lambda n, work: self.split(n, work, most=threads.most(floats=30 * x.size)))
             self.xp.multiply(x, cdf, out=y)

@@ -186,13 +186,14 @@ _INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 
 def _gelu_forward(x, y, cdf, phi):
     """cdf = Phi(x) = erfc(|x| / sqrt 2) / 2 or 1 - that (Cody's erfc,
-    nn/erfc.py, its own interval only, in float64), phi = the normal
-    density (for the gradient: exp(-x^2 / 2), which the erfc takes anyway),
-    each rounded once; y = x cdf in the dtype (NumPy's multiply); flat arrays."""
+    nn/erfc.py, its own interval only, in float64), given phi = exp(-x^2 / 2)
+    (NumPy's exp, vectorised, in the dtype), which the erfc needs and
+    turns into the normal density for the gradient; each rounded once;
+    y = x cdf in the dtype (NumPy's multiply); flat arrays."""
     for i in range(x.shape[0]):
         v = float(x[i])
         a = abs(v) * _INV_SQRT2
-        gauss = math.exp(-a * a)
+        gauss = float(phi[i])
         if a <= SMALL:
             t = a * a
             xnum, xden = A[4] * t, t
