@@ -425,3 +425,31 @@ def test_gelus_compiled_passes_match_numpys(dtype, ulps):
         check_gradients(GELU(), (7,))
     finally:
         compiled.use(False)
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-6), (np.float64, 1e-13)])
+def test_attentions_compiled_softmax_matches_numpys(dtype, tol):
+    """CausalSelfAttention with the compiled softmax (one pass a row over the
+    unmasked part, nn/passes.py) against NumPy's masked passes: output and
+    every gradient within rounding; finite differences through it."""
+    from hpctrain.nn import compiled
+    from hpctrain.nn.attention import CausalSelfAttention
+    rng = np.random.default_rng(3)
+    x, dy = (rng.standard_normal((3, 7, 8)).astype(dtype) for _ in range(2))
+    out = {}
+    for on in (False, True):
+        compiled.use(on)
+        try:
+            slot, _, grads = bound(CausalSelfAttention(2), (7, 8), dtype=dtype, seed=5)
+        finally:
+            compiled.use(False)
+        assert slot.layer.compiled == on
+        y = slot.forward(x.copy(), True).copy()
+        out[on] = (y, slot.backward(dy.copy(), True).copy(), grads.copy())
+    for numpy_path, kernel in zip(out[False], out[True]):
+        assert np.abs(kernel - numpy_path).max() <= tol * max(1.0, np.abs(numpy_path).max())
+    compiled.use(True)
+    try:
+        check_gradients(CausalSelfAttention(2), (5, 4))
+    finally:
+        compiled.use(False)

@@ -13,7 +13,9 @@ projection is the Block's (nn/transformer.py). Weights N(0, 0.02), the
 output projection N(0, out_std) (nanoGPT: 0.02 / sqrt(2 layers)), biases 0.
 Plain xp arithmetic: batched matmuls over (batch, heads), the same code on
 NumPy and CuPy. Scores are computed in full (T x T) and masked; the
-per-sample memory is O(heads T^2) (train_floats counts it).
+per-sample memory is O(heads T^2) (train_floats counts it). With compiled
+layers on (numba) the softmax and its backward are one pass a row over
+the unmasked part (nn/passes.py), within float32 rounding of this path.
 
     python -m pytest -q tests/test_transformer_layers.py -k attention
 """
@@ -21,6 +23,7 @@ import math
 
 import numpy as np
 
+from . import compiled, passes, threads
 from .layers import Context, Dropout, Layer, LayerError, Noise
 from .linear import normal
 
@@ -58,6 +61,17 @@ class CausalSelfAttention(Layer):
     def bind(self, xp, params, grads, state):
         super().bind(xp, params, grads, state)
         self.drop.bind(xp, {}, {}, {})
+        # compiled layers: the softmax and its backward in one pass a row, the masked half skipped
+        self.compiled = compiled.on() and xp is np
+        if self.compiled:
+            passes.prepare(("causal_softmax", "causal_softmax_backward"), np.float32)
+
+    def _rows(self, fn, *arrays):
+        """fn over the (batch, heads, t, t) arrays as (rows, t, t), split by sample over the threads."""
+        n, t = arrays[0].shape[0], arrays[0].shape[-1]
+        self.split(n, lambda _, lo, hi: fn(*(a[lo:hi].reshape(-1, t, t) for a in arrays),
+                                           1 / math.sqrt(self.head_width)),
+                   most=threads.most(floats=4 * arrays[0].size))
 
     def context(self):
         return Context(self.xp, [self.drop.context()])
@@ -89,11 +103,14 @@ class CausalSelfAttention(Layer):
         q, k, v = (self._heads(qkv, n, t, j) for j in range(3))
         att = ctx.buffer("att", (n, self.heads, t, t), W.dtype)
         xp.matmul(q, k.transpose(0, 1, 3, 2), out=att)
-        att *= W.dtype.type(1 / math.sqrt(self.head_width))
-        att += self._mask(t, W.dtype)
-        att -= att.max(axis=-1, keepdims=True)
-        xp.exp(att, out=att)
-        att /= att.sum(axis=-1, keepdims=True)
+        if self.compiled:
+            self._rows(passes.causal_softmax, att)
+        else:
+            att *= W.dtype.type(1 / math.sqrt(self.head_width))
+            att += self._mask(t, W.dtype)
+            att -= att.max(axis=-1, keepdims=True)
+            xp.exp(att, out=att)
+            att /= att.sum(axis=-1, keepdims=True)
         dropped = self.drop.forward(ctx.inner[0], att, train)
         heads = ctx.buffer("heads", (n, self.heads, t, self.head_width), W.dtype)
         xp.matmul(dropped, v, out=heads)
@@ -126,11 +143,14 @@ class CausalSelfAttention(Layer):
         datt = self.drop.backward(ctx.inner[0], datt, True)
         # the softmax's backward: A (dA - rowsum(dA A)); 0 where masked (A is)
         att = ctx.att
-        weighted = ctx.buffer("weighted", att.shape, dy.dtype)
-        xp.multiply(datt, att, out=weighted)
-        datt -= weighted.sum(axis=-1, keepdims=True)
-        datt *= att
-        datt *= dy.dtype.type(1 / math.sqrt(self.head_width))
+        if self.compiled and datt.flags.c_contiguous:
+            self._rows(passes.causal_softmax_backward, att, datt)
+        else:
+            weighted = ctx.buffer("weighted", att.shape, dy.dtype)
+            xp.multiply(datt, att, out=weighted)
+            datt -= weighted.sum(axis=-1, keepdims=True)
+            datt *= att
+            datt *= dy.dtype.type(1 / math.sqrt(self.head_width))
         xp.matmul(datt, k, out=part)
         xp.copyto(self._heads(dqkv, n, t, 0), part)                            # dq
         xp.matmul(datt.transpose(0, 1, 3, 2), q, out=part)

@@ -2,7 +2,9 @@
 on (nn/compiled.py use/on, --compiled-layers): batch norm's statistics,
 normalising, gradient sums and input gradient (nn/batchnorm.py), max
 pooling with windows k apart (nn/pool.py), ReLU's gradient
-(nn/layers.py) and GELU's two passes (nn/gelu.py). Plain loops, no
+(nn/layers.py), GELU's two passes (nn/gelu.py) and attention's causal
+softmax, forward and backward, over each row's unmasked part only
+(nn/attention.py). Plain loops, no
 fastmath: each element gets the NumPy path's float operations (batch
 norm's sums in float64), except GELU's, which evaluates Cody's erfc
 (nn/erfc.py) one element at a time in float64, only the interval the
@@ -225,21 +227,59 @@ def _gelu_backward(x, cdf, phi, dy, dx):
         dx[i] = float(dy[i]) * (float(cdf[i]) + float(x[i]) * float(phi[i]))
 
 
+def _causal_softmax(att, scale):
+    """Each row i of each (t, t) matrix of scores, in place: the softmax of
+    scale * its first i + 1 entries (the row's maximum subtracted, the sum
+    in float64), 0 beyond (the causal mask: nothing is computed there)."""
+    for b in range(att.shape[0]):
+        for i in range(att.shape[1]):
+            top = -np.inf
+            for j in range(i + 1):
+                top = max(top, float(att[b, i, j]) * scale)
+            total = 0.0
+            for j in range(i + 1):
+                e = math.exp(float(att[b, i, j]) * scale - top)
+                att[b, i, j] = e
+                total += e
+            inv = 1.0 / total
+            for j in range(i + 1):
+                att[b, i, j] = float(att[b, i, j]) * inv
+            for j in range(i + 1, att.shape[2]):
+                att[b, i, j] = 0.0
+
+
+def _causal_softmax_backward(att, datt, scale):
+    """The softmax's backward in place on datt (its output A's gradient):
+    scale * A (dA - sum_j dA A) over each row's first i + 1 entries (the
+    sum in float64), 0 beyond."""
+    for b in range(att.shape[0]):
+        for i in range(att.shape[1]):
+            total = 0.0
+            for j in range(i + 1):
+                total += float(datt[b, i, j]) * float(att[b, i, j])
+            for j in range(i + 1):
+                datt[b, i, j] = float(att[b, i, j]) * (float(datt[b, i, j]) - total) * scale
+            for j in range(i + 1, att.shape[2]):
+                datt[b, i, j] = 0.0
+
+
 # name: (function, its arguments: m an (rows, c) array of the dtype, v a (c,)
 # vector, o (2, c) float64, i a 4-D array of the dtype, u 4-D uint8, f a flat
-# array of the dtype, k an integer)
+# array of the dtype, k an integer, c a 3-D array of the dtype, d a float64)
 _PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalise, "mvvvvm"),
           "bn_gradient_sums": (_bn_gradient_sums, "mmvvo"), "bn_input_gradient": (_bn_input_gradient, "mmvvvvvm"),
           "max_pool_forward": (_max_pool_forward, "iiuk"), "max_pool_backward": (_max_pool_backward, "iuik"),
           "relu_backward": (_relu_backward, "ff"), "gelu_forward": (_gelu_forward, "ffff"),
-          "gelu_backward": (_gelu_backward, "fffff")}
+          "gelu_backward": (_gelu_backward, "fffff"), "causal_softmax": (_causal_softmax, "cd"),
+          "causal_softmax_backward": (_causal_softmax_backward, "ccd")}
 _SUMS = {"bn_statistics": (_make_bn_statistics, "mo"), "bn_gradient_sums": (_make_bn_gradient_sums, "mmvvo")}
 
 
 def _signature(numba, args, dtype):
     item = numba.from_dtype(np.dtype(dtype))
     kinds = {"m": item[:, ::1], "v": item[::1], "o": numba.float64[:, ::1], "i": item[:, :, :, ::1],
-             "u": numba.uint8[:, :, :, ::1], "f": item[::1], "k": numba.int64}
+             "u": numba.uint8[:, :, :, ::1], "f": item[::1], "k": numba.int64, "c": item[:, :, ::1],
+             "d": numba.float64}
     return numba.void(*[kinds[a] for a in args])
 
 
@@ -306,6 +346,14 @@ def max_pool_backward(dy, won, dx, k):
 
 def relu_backward(y, dy):
     _plain("relu_backward", dy.dtype)(y, dy)
+
+
+def causal_softmax(att, scale):
+    _plain("causal_softmax", att.dtype)(att, float(scale))
+
+
+def causal_softmax_backward(att, datt, scale):
+    _plain("causal_softmax_backward", att.dtype)(att, datt, float(scale))
 
 
 def gelu_forward(x, y, cdf, phi):
