@@ -150,13 +150,14 @@ def build_parser(prog="python -m hpctrain.evaluate"):
 def main(argv=None, prog="python -m hpctrain.evaluate"):
     args = build_parser(prog).parse_args(argv)
     from . import data, trained
+    from .data.splits import is_text
     if args.plot:
         from . import plot
         plot.require()
         files, folders = trained.input_paths(args.params, args.checkpoint, args.model)
         check_output_file(args.plot, "--plot", inputs=files, input_folders=[args.data, *folders])
     model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
-    if model.spec.input_kind == "tokens" or data.splits.is_text(data.load_manifest(args.data)):
+    if model.spec.input_kind == "tokens" or is_text(data.load_manifest(args.data)):
         return _text(model, args)
     manifest = model.check_data(args.data)
     if args.split not in manifest:
