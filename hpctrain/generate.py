@@ -70,6 +70,9 @@ def generate(decoder, prompt_ids, tokens, temperature, top_k=None, seed=0, host=
 def vocabulary(model, data_dir):
     """The model's vocabulary: its record's, else --data's."""
     from .data.vocab import from_record, load_vocabulary
+    if model.spec.input_kind != "tokens":
+        raise HpctrainError(f"{model.source}: model {model.spec.name} takes {model.spec.input_kind}s, not token ids: "
+                            f"generate samples a language model (--model gpt:...)")
     vocab = from_record(model.text, model.source)
     if vocab is None and data_dir is None:
         raise HpctrainError(f"{model.source}: records no vocabulary (saved by an older hpctrain, or too large "
@@ -117,6 +120,9 @@ def build_parser(prog="python -m hpctrain.generate"):
     p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default: %(default)s)")
     p.add_argument("--data", metavar="DIR", default=None,
                    help="the prepared text, for the vocabulary of a file that records none")
+    p.add_argument("--model", metavar="NAME|FILE.py:FUNCTION", default=None,
+                   help="rebuild the model with this instead of what the file records (a model trained from a "
+                        "user's FILE.py is rebuilt only from the file named here)")
     p.add_argument("--device", choices=["cpu", "gpu", "auto"], default="cpu", help="(default: %(default)s)")
     return p
 
@@ -126,7 +132,7 @@ def main(argv=None, prog="python -m hpctrain.generate"):
     args = build_parser(prog).parse_args(argv)
     from . import trained
     from .nn.decode import Decoder
-    model = trained.load(args.params, args.checkpoint, data_dir=args.data)
+    model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
     vocab = vocabulary(model, args.data)
     ids = prompt_ids(vocab, args.prompt)
     built, host = on_device(model, args.device)

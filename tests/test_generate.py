@@ -139,6 +139,17 @@ def test_bad_flags_are_one_line(trained_gpt, args, message):
         r.stderr
 
 
+def test_an_image_classifier_is_refused_in_one_line(tmp_path):
+    if under_mpirun():
+        pytest.skip("launches its own mpirun job: runs in the plain pytest pass")
+    r = run_job(1, "--steps", 1, "--hidden", 8, "--save", tmp_path / "mlp.h5")
+    assert r.returncode == 0, r.stderr
+    r = cli("generate", "--params", tmp_path / "mlp.h5")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"hpctrain: error: {tmp_path / 'mlp.h5'}: model mlp takes images, not token ids: generate samples a "
+        f"language model (--model gpt:...)"]
+
+
 def test_evaluate_gives_the_final_records_loss_and_its_perplexity(trained_gpt):
     text_dir, save, final, _ = trained_gpt
     r = cli("evaluate", "--params", save, "--data", text_dir, "--json")
