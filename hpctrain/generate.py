@@ -43,11 +43,10 @@ def sample(logits, rng, temperature, top_k=None):
     logits = np.asarray(logits, np.float64)
     if temperature == 0:
         return int(np.argmax(logits))
-    z = logits / temperature
+    z = (logits - logits.max()) / temperature   # the maximum first: a tiny temperature cannot overflow
     if top_k is not None and top_k < z.size:
         kth = np.partition(z, -top_k)[-top_k]
         z = np.where(z < kth, -np.inf, z)
-    z -= z.max()
     p = np.exp(z)
     p /= p.sum()
     return int(rng.choice(z.size, p=p))
@@ -117,7 +116,7 @@ def build_parser(prog="python -m hpctrain.generate"):
                    help="divides the logits; 0: greedy (default: %(default)s)")
     p.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
                    help="sample among the K most likely tokens only (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default: %(default)s)")
+    p.add_argument("--seed", type=_nonneg_int, default=0, help="the sampler's seed (default: %(default)s)")
     p.add_argument("--data", metavar="DIR", default=None,
                    help="the prepared text, for the vocabulary of a file that records none")
     p.add_argument("--model", metavar="NAME|FILE.py:FUNCTION", default=None,

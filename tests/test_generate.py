@@ -66,6 +66,7 @@ def test_sampling_repeats_for_a_seed_and_greedy_is_top_k_1():
     logits = np.array([0.0, 3.0, 1.0, 2.0])
     draws = {generate.sample(logits, np.random.default_rng(s), 1.0, top_k=2) for s in range(50)}
     assert draws == {1, 3}
+    assert generate.sample(logits, np.random.default_rng(0), 1e-310) == 1   # no overflow to nan
 
 
 def test_every_vocabulary_comes_back_from_its_record_entry():
@@ -129,6 +130,7 @@ def test_the_saved_model_generates_without_its_data_the_same_text_for_a_seed(tra
     (["--params", "nowhere.h5"], "nowhere.h5: no such file"),
     (["--temperature", "-0.5"], "argument --temperature: must be >= 0"),
     (["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["--prompt", "ROMEO\u2603"], "the character '\u2603' is not in this"),
 ])
 def test_bad_flags_are_one_line(trained_gpt, args, message):
