@@ -43,7 +43,8 @@ def sample(logits, rng, temperature, top_k=None):
     logits = np.asarray(logits, np.float64)
     if temperature == 0:
         return int(np.argmax(logits))
-    z = (logits - logits.max()) / temperature   # the maximum first: a tiny temperature cannot overflow
+    with np.errstate(over="ignore"):   # the maximum first: a tiny temperature overflows only to -inf, p = 0
+        z = (logits - logits.max()) / temperature
     if top_k is not None and top_k < z.size:
         kth = np.partition(z, -top_k)[-top_k]
         z = np.where(z < kth, -np.inf, z)
