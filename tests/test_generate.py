@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -87,7 +88,7 @@ def trained_gpt(tmp_path_factory):
         pytest.skip("launches its own mpirun job: runs in the plain pytest pass")
     root = tmp_path_factory.mktemp("generate")
     source = root / "plays.txt"
-    source.write_bytes(open(data.bundled_text_path(), "rb").read()[:40_000])
+    source.write_bytes(Path(data.bundled_text_path()).read_bytes()[:40_000])
     text_dir = root / "chars"
     data.prepare_text(str(source), str(text_dir), "chars", log=lambda *a, **k: None)
     save, metrics, ckpt = root / "gpt.h5", root / "m.jsonl", root / "ckpt"
