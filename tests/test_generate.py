@@ -164,3 +164,25 @@ def test_evaluate_gives_the_final_records_loss_and_its_perplexity(trained_gpt):
     assert line.startswith(f"test loss {final['test_loss']:.4f} per token  perplexity "), line
     model = trained.load(save)
     assert evaluate.evaluate_text(model, text_dir, data.load_manifest(text_dir), "test")["loss"] == final["test_loss"]
+
+
+def test_a_vocabulary_too_large_for_the_record_is_left_out_and_read_from_data(tmp_path):
+    """20,000 distinct characters (JSON escapes them: 120 KB) do not fit the
+    record's attribute: the file leaves them out, and generate takes them
+    from --data, or says so in one line."""
+    if under_mpirun():
+        pytest.skip("launches its own mpirun job: runs in the plain pytest pass")
+    chars = "".join(map(chr, range(0x4E00, 0x4E00 + 20_000)))
+    (tmp_path / "wide.txt").write_text(chars * 3, encoding="utf-8")
+    data.prepare_text(str(tmp_path / "wide.txt"), str(tmp_path / "wide"), "chars", log=lambda *a, **k: None)
+    save = tmp_path / "wide.h5"
+    r = run_job(1, "--data", tmp_path / "wide", "--model", "gpt:layers=1,heads=1,width=8", "--block-size", 8,
+                "--batch-size", 2, "--steps", 1, "--save", save)
+    assert r.returncode == 0, r.stderr
+    with h5py.File(save, "r") as f:
+        rec = json.loads(f.attrs[ATTR])
+    assert rec["text"] is None and rec["classes"] == 20_000
+    r = cli("generate", "--params", save, "--prompt", chars[:3], "--tokens", 4)
+    assert r.returncode == 2 and "records no vocabulary" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = cli("generate", "--params", save, "--prompt", chars[:3], "--tokens", 4, "--data", tmp_path / "wide")
+    assert r.returncode == 0 and r.stdout.startswith(chars[:3]) and len(r.stdout) == 3 + 4 + 1, r.stderr
