@@ -6,6 +6,7 @@ PATH for what `python -m hpctrain.*` runs, as torchrun and horovodrun are.
     hpctrain data prepare --source photos --image-size 32,32 --out data/photos
     hpctrain predict --params model.h5 cat.png
     hpctrain evaluate --params model.h5 --data data/photos
+    hpctrain generate --params gpt.h5 --prompt "ROMEO:" --tokens 200
     hpctrain bench allreduce | hpctrain plot m.jsonl -o run.png | hpctrain checkpoint ckpt/
     python -m hpctrain ...                     # the same, without the script
 
@@ -22,7 +23,8 @@ COMMANDS = {
     "train": ("hpctrain.train", "train a model across MPI ranks (run under mpirun/srun)"),
     "data": ("hpctrain.data.__main__", "prepare shards (IDX, CIFAR-10, image folders, NumPy, HDF5, CSV; text as tokens) or fetch a dataset"),
     "predict": ("hpctrain.predict", "classify images with a trained model"),
-    "evaluate": ("hpctrain.evaluate", "accuracy, loss, per-class accuracy and confusion matrix on a test set"),
+    "evaluate": ("hpctrain.evaluate", "accuracy, loss, per-class accuracy and confusion matrix on a test set; a GPT's perplexity"),
+    "generate": ("hpctrain.generate", "sample text from a trained GPT"),
     "bench": ("hpctrain.bench.__main__", "allreduce, training and layer benchmarks"),
     "plot": ("hpctrain.plot", "pictures of --metrics files"),
     "checkpoint": ("hpctrain.checkpoint", "list and verify a --checkpoint-dir's checkpoints"),

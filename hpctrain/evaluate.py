@@ -1,5 +1,6 @@
 """A trained model on a prepared test set: accuracy, loss, per-class accuracy
-and the confusion matrix (a PNG with --plot).
+and the confusion matrix (a PNG with --plot); for a language model (a GPT
+on text prepared with `prepare --text`), the per-token loss and perplexity.
 
     python -m hpctrain.evaluate --params model.h5 --data data/photos
     python -m hpctrain.evaluate --checkpoint ckpt/ --data data/photos --plot confusion.png
@@ -19,9 +20,16 @@ inputs (the model's file, anything in --data), a device or FIFO, or in a
 folder that takes no file, refused before the model is read. The picture
 written adds a line that names it.
 
+A language model reads the held-out text as training's final evaluation
+does (data/tokens.py load_test_windows: consecutive windows of its
+--block-size, from the record's input shape, each token predicted once):
+`loss` is the mean per-token cross-entropy in nats, the final record's
+`test_loss`, and `perplexity` is exp(loss); --plot does not apply.
+
 No MPI here: one process.
 """
 import json
+import math
 import sys
 
 import numpy as np
@@ -50,6 +58,30 @@ def evaluate(model, x, y):
             "class_names": model.class_names, "per_class_accuracy": per_class,
             "per_class_count": {name: int(counts[c]) for c, name in enumerate(model.class_names)},
             "confusion": confusion.tolist(), "step": model.step, "source": model.source}
+
+
+def evaluate_text(model, data_dir, manifest, split):
+    """{loss, perplexity, accuracy, num_tokens, ...} of a language model on
+    a split of prepared text, windows of its block size."""
+    from . import data
+    if model.spec.input_kind != "tokens" or int(manifest["vocab_size"]) != model.spec.classes:
+        raise HpctrainError(f"{data_dir}: text of {manifest['vocab_size']} tokens, but the model in {model.source} "
+                            f"takes {model.spec.input_kind}s of {model.spec.classes} classes: another model's file, "
+                            f"or other data")
+    block_size = model.input_shape[0]
+    x, y = data.load_test_windows(data_dir, block_size, split=split)
+    sums = model.model.evaluate(x, y)
+    count = max(sums["count"], 1)
+    loss = sums["loss"] / count
+    return {"loss": round(loss, 6), "perplexity": round(math.exp(loss), 6),
+            "accuracy": round(sums["correct"] / count, 6), "num_tokens": sums["count"],
+            "block_size": block_size, "step": model.step, "source": model.source}
+
+
+def text_line(result, split):
+    return (f"{split} loss {result['loss']:.4f} per token  perplexity {result['perplexity']:.4f}  {split} accuracy "
+            f"{result['accuracy']:.4f}  ({result['num_tokens']:,} tokens in windows of {result['block_size']}; "
+            f"{result['source']}, step {result['step']})")
 
 
 def lines(result, split):
@@ -118,12 +150,15 @@ def build_parser(prog="python -m hpctrain.evaluate"):
 def main(argv=None, prog="python -m hpctrain.evaluate"):
     args = build_parser(prog).parse_args(argv)
     from . import data, trained
+    from .data.splits import is_text
     if args.plot:
         from . import plot
         plot.require()
         files, folders = trained.input_paths(args.params, args.checkpoint, args.model)
         check_output_file(args.plot, "--plot", inputs=files, input_folders=[args.data, *folders])
     model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
+    if model.spec.input_kind == "tokens" or is_text(data.load_manifest(args.data)):
+        return _text(model, args)
     manifest = model.check_data(args.data)
     if args.split not in manifest:
         raise HpctrainError(f"{args.data}: no {args.split} part (prepare --val-fraction F holds one out)")
@@ -137,6 +172,18 @@ def main(argv=None, prog="python -m hpctrain.evaluate"):
         print("\n".join(lines(result, args.split)))
     if args.plot:   # after the table; beside --json's one object, on standard error
         print(f"wrote the confusion matrix to {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _text(model, args):
+    from . import data
+    if args.plot:
+        raise HpctrainError("--plot draws a classifier's confusion matrix; a language model has none")
+    manifest = data.load_manifest(args.data)
+    if args.split not in manifest:
+        raise HpctrainError(f"{args.data}: no {args.split} part (prepare --val-fraction F holds one out)")
+    result = dict(evaluate_text(model, args.data, manifest, args.split), split=args.split)
+    print(json.dumps(result) if args.json else text_line(result, args.split))
     return 0
 
 

@@ -46,6 +46,7 @@ class Trained:
     step: int
     class_names: list        # index -> name (the numbers as text when the data had none)
     preprocess: dict         # prepare's record of how the training images were made, or None
+    text: dict = None        # a language model's vocabulary (data/vocab.py record_entry), or None
 
     @property
     def input_shape(self):
@@ -167,7 +168,7 @@ def _checked(rec, source):
     names = rec.get("class_names")
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise damaged("'class_names' is not a list of names")
-    for key, kind in (("identity", str), ("preprocess", dict)):
+    for key, kind in (("identity", str), ("preprocess", dict), ("text", dict)):
         if rec.get(key) is not None and not isinstance(rec[key], kind):
             raise damaged(f"'{key}' is {_short(rec[key])}")
     return rec
@@ -214,7 +215,7 @@ def _trained(spec, model, source, step, rec):
     names = rec.get("class_names") or [str(i) for i in range(spec.classes)]
     if len(names) != spec.classes:
         raise HpctrainError(f"{source}: {len(names)} class names for {spec.classes} classes")
-    return Trained(model, spec, source, step, list(names), rec.get("preprocess"))
+    return Trained(model, spec, source, step, list(names), rec.get("preprocess"), rec.get("text"))
 
 
 def load_params(path, data_dir=None, model=None):

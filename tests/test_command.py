@@ -29,7 +29,7 @@ def test_the_command_is_installed_from_pyproject():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         assert tomllib.load(f)["project"]["scripts"] == {"hpctrain": "hpctrain.command:main"}
     assert SCRIPT.is_file() and os.access(SCRIPT, os.X_OK), "make .venv/.installed installs it"
-    assert set(COMMANDS) == {"train", "data", "predict", "evaluate", "bench", "plot", "checkpoint"}
+    assert set(COMMANDS) == {"train", "data", "predict", "evaluate", "generate", "bench", "plot", "checkpoint"}
 
 
 def test_every_subcommand_answers_help_under_its_own_name(tmp_path):
@@ -47,8 +47,8 @@ def test_every_subcommand_answers_help_under_its_own_name(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("usage: hpctrain COMMAND")
     r = run(SCRIPT, "fly")
     assert r.returncode == 2 and r.stderr.splitlines() == [
-        "hpctrain: error: unknown command 'fly'; one of train, data, predict, evaluate, bench, plot, checkpoint "
-        "(hpctrain --help)"]
+        "hpctrain: error: unknown command 'fly'; one of train, data, predict, evaluate, generate, bench, plot, "
+        "checkpoint (hpctrain --help)"]
     r = run(sys.executable, "-m", "hpctrain", "checkpoint", tmp_path / "none")
     assert r.returncode == 2 and r.stderr == f"hpctrain: error: {tmp_path / 'none'}: no such directory\n"
 
@@ -72,7 +72,8 @@ def test_a_job_through_the_command_is_the_same_program(tmp_path):
 def test_the_data_predict_evaluate_and_tensorboard_modules_never_import_mpi():
     # House rule: data never imports MPI; predict and evaluate are one process.
     code = ("import sys, hpctrain.data, hpctrain.data.images, hpctrain.data.arrays, hpctrain.data.augment, "
-            "hpctrain.predict, hpctrain.evaluate, hpctrain.trained, hpctrain.report.tensorboard, hpctrain.command, "
+            "hpctrain.predict, hpctrain.evaluate, hpctrain.generate, hpctrain.nn.decode, hpctrain.trained, "
+            "hpctrain.report.tensorboard, hpctrain.command, "
             "hpctrain.checkpoint\nprint(sorted(m for m in sys.modules if m.startswith('mpi4py')))")
     r = run(sys.executable, "-c", code)
     assert r.returncode == 0 and r.stdout == "[]\n", (r.stdout, r.stderr)
@@ -89,6 +90,7 @@ def test_the_data_predict_evaluate_and_tensorboard_modules_never_import_mpi():
     # named before argparse's "one of --params --checkpoint is required"
     (["predict", "--param", "p.h5", "a.png"], "--param", "--params"),
     (["evaluate", "--params", "p.h5", "--dat", "d"], "--dat", "--data"),
+    (["generate", "--params", "p.h5", "--top_k", "3"], "--top_k 3", "--top-k"),
     (["bench", "allreduce", "--rank", "3"], "--rank 3", "--ranks"),
     (["plot", "m.jsonl", "-o", "p.png", "--labl", "a"], "--labl a", "--label"),
     (["checkpoint", "ckpt", "--al"], "--al", None),

@@ -24,7 +24,7 @@ LEVELS = [
     {"errors", "chunks", "cli", "arguments", "vector_width", "files", "tuning", "precision", "__init__"},
 ]
 # What users run: they sit on top of everything.
-COMMANDS = {"train", "mnist", "checkpoint", "plot", "bench", "predict", "evaluate", "command", "__main__"}
+COMMANDS = {"train", "mnist", "checkpoint", "plot", "bench", "predict", "evaluate", "generate", "command", "__main__"}
 MAINS = "__main__"   # python -m hpctrain.<package>: a package's own command
 
 

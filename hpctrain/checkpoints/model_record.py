@@ -10,7 +10,9 @@ flags named it (`model`: a zoo name, or a user's FILE.py:FUNCTION made
 absolute; `hidden`), the input shape and class count it was built for, and
 from the data's manifest the class names (image folders), the record of how
 the images were prepared (`preprocess`), `no_flip`, where the data was and
-its manifest digest.
+its manifest digest; for text, the vocabulary (`text`: data/vocab.py's
+record_entry, the characters or the BPE compressed), so that `hpctrain
+generate` needs no data directory.
 
     python -c "import h5py; print(h5py.File('p.h5').attrs['inference'])"
 """
@@ -25,7 +27,8 @@ from ..cli import is_model_file
 
 ATTR = "inference"
 # HDF5 keeps an attribute in the object header, 64 KiB at most: a record
-# larger than this leaves its class names out (predict then prints numbers).
+# larger than this leaves its class names out (predict then prints numbers),
+# then its vocabulary (generate then needs --data).
 _MAX_RECORD = 60_000
 
 
@@ -34,9 +37,11 @@ def _from_manifest(data_dir):
     """What the record takes from a data directory's manifest (read once)."""
     manifest = data_mod.load_manifest(data_dir)
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
-    return json.dumps({"class_names": manifest.get("class_names"), "preprocess": manifest.get("preprocess"),
-                       "no_flip": bool(manifest.get("no_flip", False)), "data": str(data_dir),
-                       "data_digest": digest})
+    out = {"class_names": manifest.get("class_names"), "preprocess": manifest.get("preprocess"),
+           "no_flip": bool(manifest.get("no_flip", False)), "data": str(data_dir), "data_digest": digest}
+    if manifest.get("kind") == "tokens":
+        out["text"] = data_mod.load_vocabulary(data_dir, manifest).record_entry()
+    return json.dumps(out)
 
 
 def record(spec, plan):
@@ -55,7 +60,8 @@ def record(spec, plan):
     except HpctrainError:
         pass
     text = json.dumps(out)
-    if len(text) > _MAX_RECORD:
-        out["class_names"] = None
-        text = json.dumps(out)
+    for dropped in ("class_names", "text"):
+        if len(text) > _MAX_RECORD:
+            out[dropped] = None
+            text = json.dumps(out)
     return {ATTR: text}

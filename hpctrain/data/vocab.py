@@ -15,9 +15,14 @@ back, the same for training, evaluation and generation.
 
 Every vocabulary round-trips: decode(encode(text)) == text for any text
 it was trained on (chars: of its characters; bytes and bpe: any UTF-8).
+A trained model carries its vocabulary (`record_entry()`, read back by
+`from_record`: the characters, or the BPE's tokenizer.json compressed),
+so generation needs no data directory (checkpoints/model_record.py).
 No MPI here (house rule).
 """
 
+import base64
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +85,9 @@ class Chars:
     def manifest_entry(self):
         return {"vocabulary": self.vocabulary}
 
+    def record_entry(self):
+        return {"kind": self.kind, "vocabulary": "".join(self.vocabulary)}
+
 
 class Bytes:
     """Id b is byte b. Text is encoded as UTF-8; decode replaces what is not
@@ -96,6 +104,9 @@ class Bytes:
 
     def manifest_entry(self):
         return {}
+
+    def record_entry(self):
+        return {"kind": self.kind}
 
 
 def _tokenizers():
@@ -147,6 +158,16 @@ class Bpe:
     def manifest_entry(self):
         return {}
 
+    def record_entry(self):
+        # zlib and base64: a 4096-token BPE's JSON (~100 KB) in an attribute of 64 KiB at most
+        packed = base64.b64encode(zlib.compress(self.tokenizer.to_str().encode(), 9)).decode()
+        return {"kind": self.kind, "tokenizer_zlib": packed}
+
+    @classmethod
+    def from_str(cls, text):
+        tk = _tokenizers()
+        return cls(tk.Tokenizer.from_str(text))
+
 
 def train_vocabulary(kind, size, text):
     """The vocabulary of --text kind[:size] for the corpus (str; bytes for kind "bytes")."""
@@ -182,3 +203,22 @@ def load_vocabulary(data_dir, manifest=None):
         raise HpctrainError(f"{path}: {vocab.vocab_size} tokens, the manifest says {manifest['vocab_size']}; "
                             f"prepare again with --force")
     return vocab
+
+
+def from_record(entry, source):
+    """The vocabulary a model's record carries (record_entry's dict), or
+    None where it carries none; a damaged entry is one line naming source."""
+    if entry is None:
+        return None
+    try:
+        if entry["kind"] == "chars" and isinstance(entry["vocabulary"], str) and entry["vocabulary"]:
+            return Chars(entry["vocabulary"])
+        if entry["kind"] == "bytes":
+            return Bytes()
+        if entry["kind"] == "bpe":
+            return Bpe.from_str(zlib.decompress(base64.b64decode(entry["tokenizer_zlib"], validate=True)).decode())
+    except HpctrainError:
+        raise
+    except Exception:   # a wrong type, bad base64 or zlib, a tokenizer JSON that does not parse
+        pass
+    raise HpctrainError(f"{source}: damaged vocabulary in its record; save the model again, or give --data DIR")

@@ -1,0 +1,188 @@
+"""Generation from a GPT (hpctrain/generate.py, nn/decode.py) and a GPT's
+perplexity (hpctrain/evaluate.py): the key/value cache's logits against a
+full forward, inside and past the context length; sampling that repeats
+for a seed; the vocabulary carried by the --save file and checkpoints;
+bad flags in one line; evaluate's perplexity against the training run's
+final record.
+
+    .venv/bin/python -m pytest -q tests/test_generate.py
+"""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from conftest import run_job, under_mpirun
+from hpctrain import data, evaluate, generate, trained
+from hpctrain.checkpoints.model_record import ATTR
+from hpctrain.data.vocab import Bpe, Bytes, Chars, from_record
+from hpctrain.errors import HpctrainError
+from hpctrain.nn.decode import Decoder
+from hpctrain.nn.gpt import gpt
+from hpctrain.run.cluster import child_env
+
+T = 8   # the context length of the seeded models
+
+
+def seeded(dtype, vocab=11, seed=3):
+    model = gpt(vocab, T, layers=2, heads=2, width=16).build(np, dtype=dtype)
+    model.init(seed)
+    return model
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-5), (np.float64, 1e-12)])
+def test_the_cache_gives_a_full_forwards_logits_at_every_position_and_past_the_context(dtype, tol):
+    model = seeded(dtype)
+    seq = np.random.default_rng(0).integers(0, 11, 3 * T)
+    full = model.run.forward(seq[None, :T], False).copy()   # causal: position i's logits are its prefix's
+    decoder = Decoder(model)
+    cached = [decoder.feed(seq[None, :3])] + [decoder.feed(seq[None, i:i + 1]) for i in range(3, T)]
+    np.testing.assert_allclose(np.concatenate(cached, axis=1), full, rtol=0, atol=tol)
+    for i in range(T, 3 * T):   # past T: the logits of the last T tokens
+        window = model.run.forward(seq[None, i - T + 1:i + 1], False)
+        np.testing.assert_allclose(decoder.feed(seq[None, i:i + 1])[0, -1], window[0, -1], rtol=0, atol=tol)
+
+
+def test_a_prompt_longer_than_the_context_keeps_its_last_tokens():
+    model = seeded(np.float64)
+    seq = np.random.default_rng(1).integers(0, 11, T + 5)
+    got = Decoder(model).feed(seq[None])
+    np.testing.assert_allclose(got, model.run.forward(seq[None, -T:], False), rtol=0, atol=1e-12)
+
+
+def test_sampling_repeats_for_a_seed_and_greedy_is_top_k_1():
+    model = seeded(np.float32)
+    def text(**kw):
+        return generate.generate(Decoder(model), [1, 2], 3 * T, **kw)
+    assert text(temperature=1.0, seed=5) == text(temperature=1.0, seed=5)
+    assert text(temperature=1.0, seed=5) != text(temperature=1.0, seed=6)
+    greedy = text(temperature=0)
+    assert greedy == text(temperature=0, seed=9)   # no draw
+    assert text(temperature=1.0, top_k=1, seed=7) == greedy
+    logits = np.array([0.0, 3.0, 1.0, 2.0])
+    draws = {generate.sample(logits, np.random.default_rng(s), 1.0, top_k=2) for s in range(50)}
+    assert draws == {1, 3}
+    assert generate.sample(logits, np.random.default_rng(0), 1e-310) == 1   # no overflow to nan
+
+
+def test_every_vocabulary_comes_back_from_its_record_entry():
+    text = "To be, or not to be: that is the question.\n" * 20
+    for vocab in (Chars.train(text), Bytes(), Bpe.train(text, 260)):
+        back = from_record(json.loads(json.dumps(vocab.record_entry())), "f.h5")
+        assert back.vocab_size == vocab.vocab_size
+        assert back.decode(back.encode(text)) == text and list(back.encode(text)) == list(vocab.encode(text))
+    with pytest.raises(HpctrainError, match="f.h5: damaged vocabulary"):
+        from_record({"kind": "bpe", "tokenizer_zlib": "not base64!"}, "f.h5")
+
+
+@pytest.fixture(scope="module")
+def trained_gpt(tmp_path_factory):
+    """A small GPT trained 6 steps on 40,000 characters of the plays, on one
+    rank: (data dir, --save file, the final record, --checkpoint-dir)."""
+    if under_mpirun():
+        pytest.skip("launches its own mpirun job: runs in the plain pytest pass")
+    root = tmp_path_factory.mktemp("generate")
+    source = root / "plays.txt"
+    source.write_bytes(Path(data.bundled_text_path()).read_bytes()[:40_000])
+    text_dir = root / "chars"
+    data.prepare_text(str(source), str(text_dir), "chars", log=lambda *a, **k: None)
+    save, metrics, ckpt = root / "gpt.h5", root / "m.jsonl", root / "ckpt"
+    r = run_job(1, "--data", text_dir, "--model", "gpt:layers=2,heads=2,width=16", "--block-size", 16,
+                "--batch-size", 4, "--steps", 6, "--lr", 1e-2, "--save", save, "--metrics", metrics,
+                "--checkpoint-dir", ckpt, "--checkpoint-every", 6)
+    assert r.returncode == 0, r.stderr
+    return str(text_dir), str(save), json.loads(metrics.read_text().splitlines()[-1]), str(ckpt)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "hpctrain", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, env=child_env())
+
+
+def test_the_saved_model_generates_without_its_data_the_same_text_for_a_seed(trained_gpt, tmp_path):
+    text_dir, save, _, ckpt = trained_gpt
+    flags = ["--prompt", "ROMEO:", "--tokens", 40, "--top-k", 10]
+    a, b, c = (cli("generate", "--params", save, *flags, "--seed", s) for s in (1, 1, 2))
+    assert a.returncode == 0 and a.stderr == "", a.stderr
+    assert a.stdout.startswith("ROMEO:") and a.stdout == b.stdout != c.stdout
+    assert cli("generate", "--checkpoint", ckpt, *flags, "--seed", 1).stdout == a.stdout
+    # an empty prompt starts from a newline, printed
+    assert cli("generate", "--params", save, "--tokens", 5).stdout.startswith("\n")
+    # a file without its vocabulary (an older hpctrain's) takes --data's, or says so in one line
+    old = tmp_path / "old.h5"
+    with h5py.File(save, "r") as f, h5py.File(old, "w") as g:
+        for name in f:
+            f.copy(name, g)
+        g.attrs.update({k: v for k, v in f.attrs.items() if k != ATTR})
+        g.attrs[ATTR] = json.dumps({**json.loads(f.attrs[ATTR]), "text": None})
+    assert cli("generate", "--params", old, *flags, "--seed", 1, "--data", text_dir).stdout == a.stdout
+    r = cli("generate", "--params", old, *flags)
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"hpctrain: error: {old}: records no vocabulary (saved by an older hpctrain, or too large for its record); "
+        f"give --data DIR, the prepared text it was trained on"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--params", "nowhere.h5"], "nowhere.h5: no such file"),
+    (["--temperature", "-0.5"], "argument --temperature: must be >= 0"),
+    (["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["--prompt", "ROMEO\u2603"], "the character '\u2603' is not in this"),
+])
+def test_bad_flags_are_one_line(trained_gpt, args, message):
+    params = [] if "--params" in args else ["--params", trained_gpt[1]]
+    r = cli("generate", *params, *args)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("hpctrain: error: ") and message in r.stderr, \
+        r.stderr
+
+
+def test_an_image_classifier_is_refused_in_one_line(tmp_path):
+    if under_mpirun():
+        pytest.skip("launches its own mpirun job: runs in the plain pytest pass")
+    r = run_job(1, "--steps", 1, "--hidden", 8, "--save", tmp_path / "mlp.h5")
+    assert r.returncode == 0, r.stderr
+    r = cli("generate", "--params", tmp_path / "mlp.h5")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"hpctrain: error: {tmp_path / 'mlp.h5'}: model mlp takes images, not token ids: generate samples a "
+        f"language model (--model gpt:...)"]
+
+
+def test_evaluate_gives_the_final_records_loss_and_its_perplexity(trained_gpt):
+    text_dir, save, final, _ = trained_gpt
+    r = cli("evaluate", "--params", save, "--data", text_dir, "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["loss"] == final["test_loss"] and result["block_size"] == 16
+    assert result["perplexity"] == pytest.approx(math.exp(final["test_loss"]), rel=1e-5)
+    line = cli("evaluate", "--params", save, "--data", text_dir).stdout
+    assert line.startswith(f"test loss {final['test_loss']:.4f} per token  perplexity "), line
+    model = trained.load(save)
+    assert evaluate.evaluate_text(model, text_dir, data.load_manifest(text_dir), "test")["loss"] == final["test_loss"]
+
+
+def test_a_vocabulary_too_large_for_the_record_is_left_out_and_read_from_data(tmp_path):
+    """20,000 distinct characters (JSON escapes them: 120 KB) do not fit the
+    record's attribute: the file leaves them out, and generate takes them
+    from --data, or says so in one line."""
+    if under_mpirun():
+        pytest.skip("launches its own mpirun job: runs in the plain pytest pass")
+    chars = "".join(map(chr, range(0x4E00, 0x4E00 + 20_000)))
+    (tmp_path / "wide.txt").write_text(chars * 3, encoding="utf-8")
+    data.prepare_text(str(tmp_path / "wide.txt"), str(tmp_path / "wide"), "chars", log=lambda *a, **k: None)
+    save = tmp_path / "wide.h5"
+    r = run_job(1, "--data", tmp_path / "wide", "--model", "gpt:layers=1,heads=1,width=8", "--block-size", 8,
+                "--batch-size", 2, "--steps", 1, "--save", save)
+    assert r.returncode == 0, r.stderr
+    with h5py.File(save, "r") as f:
+        rec = json.loads(f.attrs[ATTR])
+    assert rec["text"] is None and rec["classes"] == 20_000
+    r = cli("generate", "--params", save, "--prompt", chars[:3], "--tokens", 4)
+    assert r.returncode == 2 and "records no vocabulary" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = cli("generate", "--params", save, "--prompt", chars[:3], "--tokens", 4, "--data", tmp_path / "wide")
+    assert r.returncode == 0 and r.stdout.startswith(chars[:3]) and len(r.stdout) == 3 + 4 + 1, r.stderr
