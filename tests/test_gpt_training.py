@@ -9,6 +9,7 @@ and bad flags or mismatched data refused in one line.
     .venv/bin/python -m pytest -q tests/test_gpt_training.py
 """
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ def text_dir(tmp_path_factory):
     """The first 40,000 characters of the bundled plays, prepared as characters."""
     root = tmp_path_factory.mktemp("text")
     source = root / "plays.txt"
-    source.write_bytes(open(data.bundled_text_path(), "rb").read()[:40_000])
+    source.write_bytes(Path(data.bundled_text_path()).read_bytes()[:40_000])
     out = root / "chars"
     data.prepare_text(str(source), str(out), "chars", log=lambda *a, **k: None)
     return str(out)
