@@ -453,3 +453,33 @@ def test_attentions_compiled_softmax_matches_numpys(dtype, tol):
         check_gradients(CausalSelfAttention(2), (5, 4))
     finally:
         compiled.use(False)
+
+
+@pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-6), (np.float64, 1e-13)])
+def test_layer_norms_compiled_passes_match_numpys(dtype, tol):
+    """LayerNorm's compiled passes (a row's float64 statistics, nn/passes.py)
+    against NumPy's, on rows far from mean 0 too: output, input gradient and
+    gamma/beta's gradients within rounding; finite differences through it."""
+    from hpctrain.nn import compiled
+    from hpctrain.nn.norm import LayerNorm
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((5, 6, 12)) * 3 + 2).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    out = {}
+    for on in (False, True):
+        compiled.use(on)
+        try:
+            slot, params, grads = bound(LayerNorm(), (6, 12), dtype=dtype)
+        finally:
+            compiled.use(False)
+        assert slot.layer.compiled == on
+        params[...] = rng.standard_normal(params.size) if not on else out[False][3]
+        y = slot.forward(x.copy(), True).copy()
+        out[on] = (y, slot.backward(dy.copy(), True).copy(), grads.copy(), params.copy())
+    for numpy_path, kernel in zip(out[False][:3], out[True][:3]):
+        assert np.abs(kernel - numpy_path).max() <= tol * max(1.0, np.abs(numpy_path).max())
+    compiled.use(True)
+    try:
+        check_gradients(LayerNorm(), (3, 5))
+    finally:
+        compiled.use(False)

@@ -8,6 +8,9 @@ transformer's (batch, T, E), a flat (batch, E).
 """
 import math
 
+import numpy as np
+
+from . import compiled, passes, threads
 from .layers import Layer
 
 EPS = 1e-5
@@ -31,9 +34,27 @@ class LayerNorm(Layer):
     def init(self, rng, params, dtype):
         params["gamma"][...] = 1
 
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        # compiled layers: a row's statistics and its normalising in one pass each way (nn/passes.py)
+        self.compiled = compiled.on() and xp is np
+        if self.compiled:
+            passes.prepare(("layer_norm", "layer_norm_backward"), np.float32)
+
+    def _rows(self, work, rows):
+        """work(lo, hi) over row ranges [lo, hi) of rows, on the compute threads."""
+        self.split(len(rows), lambda _, lo, hi: work(lo, hi), most=threads.most(floats=4 * rows.size))
+
     def forward(self, ctx, x, train):
         xp, gamma, beta = self.xp, self.params["gamma"], self.params["beta"]
         rows = x.reshape(-1, self.width)
+        if self.compiled and rows.flags.c_contiguous:
+            xhat = ctx.xhat = ctx.buffer("xhat", rows.shape, x.dtype)
+            rstd = ctx.rstd = ctx.buffer("rstd", (rows.shape[0], 1), x.dtype)
+            y = ctx.buffer(("out", train), rows.shape, x.dtype)
+            self._rows(lambda lo, hi: passes.layer_norm(rows[lo:hi], gamma, beta, self.eps, xhat[lo:hi],
+                                                        rstd[lo:hi].reshape(-1), y[lo:hi]), rows)
+            return y.reshape(x.shape)
         xhat = ctx.buffer("xhat", rows.shape, x.dtype)
         xp.subtract(rows, rows.mean(axis=1, keepdims=True), out=xhat)
         rstd = ctx.buffer("rstd", (rows.shape[0], 1), x.dtype)
@@ -61,6 +82,11 @@ class LayerNorm(Layer):
             return None
         # dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma
         g = ctx.buffer("dx", d.shape, dy.dtype)
+        if self.compiled and d.flags.c_contiguous:
+            gamma = self.params["gamma"]
+            self._rows(lambda lo, hi: passes.layer_norm_backward(d[lo:hi], gamma, xhat[lo:hi],
+                                                                 rstd[lo:hi].reshape(-1), g[lo:hi]), d)
+            return g.reshape(dy.shape)
         xp.multiply(d, self.params["gamma"], out=g)
         xp.multiply(g, xhat, out=scratch)
         m2 = scratch.mean(axis=1, keepdims=True)

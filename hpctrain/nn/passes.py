@@ -2,7 +2,7 @@
 on (nn/compiled.py use/on, --compiled-layers): batch norm's statistics,
 normalising, gradient sums and input gradient (nn/batchnorm.py), max
 pooling with windows k apart (nn/pool.py), ReLU's gradient
-(nn/layers.py), GELU's two passes (nn/gelu.py) and attention's causal
+(nn/layers.py), LayerNorm's two (nn/norm.py), GELU's two (nn/gelu.py) and attention's causal
 softmax, forward and backward, over each row's unmasked part only
 (nn/attention.py). Plain loops, no
 fastmath: each element gets the NumPy path's float operations (batch
@@ -227,6 +227,45 @@ def _gelu_backward(x, cdf, phi, dy, dx):
         dx[i] = float(dy[i]) * (float(cdf[i]) + float(x[i]) * float(phi[i]))
 
 
+def _layer_norm(x, gamma, beta, eps, xhat, rstd, y):
+    """Each row of x (m, c): its mean and biased variance in float64 (two
+    passes: no cancellation), xhat = (x - mean) / sqrt(var + eps) rounded
+    once, y = xhat gamma + beta in the dtype (NumPy's multiply and add)."""
+    m, c = x.shape
+    for i in range(m):
+        total = 0.0
+        for j in range(c):
+            total += x[i, j]
+        mean = total / c
+        squares = 0.0
+        for j in range(c):
+            d = x[i, j] - mean
+            squares += d * d
+        r = 1.0 / math.sqrt(squares / c + eps)
+        rstd[i] = r
+        for j in range(c):
+            xhat[i, j] = (x[i, j] - mean) * r
+            y[i, j] = xhat[i, j] * gamma[j] + beta[j]
+
+
+def _layer_norm_backward(dy, gamma, xhat, rstd, dx):
+    """dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma, each row's
+    means in float64, rounded once."""
+    m, c = dy.shape
+    for i in range(m):
+        m1 = 0.0
+        m2 = 0.0
+        for j in range(c):
+            g = float(dy[i, j]) * float(gamma[j])
+            m1 += g
+            m2 += g * xhat[i, j]
+        m1 /= c
+        m2 /= c
+        r = float(rstd[i])
+        for j in range(c):
+            dx[i, j] = r * (float(dy[i, j]) * float(gamma[j]) - m1 - xhat[i, j] * m2)
+
+
 def _causal_softmax(att, scale):
     """Each row i of each (t, t) matrix of scores, in place: the softmax of
     scale * its first i + 1 entries (the row's maximum subtracted, the sum
@@ -271,6 +310,7 @@ _PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalis
           "max_pool_forward": (_max_pool_forward, "iiuk"), "max_pool_backward": (_max_pool_backward, "iuik"),
           "relu_backward": (_relu_backward, "ff"), "gelu_forward": (_gelu_forward, "ffff"),
           "gelu_backward": (_gelu_backward, "fffff"), "causal_softmax": (_causal_softmax, "cd"),
+          "layer_norm": (_layer_norm, "mvvdmfm"), "layer_norm_backward": (_layer_norm_backward, "mvmfm"),
           "causal_softmax_backward": (_causal_softmax_backward, "ccd")}
 _SUMS = {"bn_statistics": (_make_bn_statistics, "mo"), "bn_gradient_sums": (_make_bn_gradient_sums, "mmvvo")}
 
@@ -346,6 +386,14 @@ def max_pool_backward(dy, won, dx, k):
 
 def relu_backward(y, dy):
     _plain("relu_backward", dy.dtype)(y, dy)
+
+
+def layer_norm(x, gamma, beta, eps, xhat, rstd, y):
+    _plain("layer_norm", x.dtype)(x, gamma, beta, float(eps), xhat, rstd, y)
+
+
+def layer_norm_backward(dy, gamma, xhat, rstd, dx):
+    _plain("layer_norm_backward", dy.dtype)(dy, gamma, xhat, rstd, dx)
 
 
 def causal_softmax(att, scale):
