@@ -300,6 +300,11 @@ def model_spec(args, model_shape):
         raise HpctrainError(f"--model {args.model} needs at least {spec.min_batch} samples per rank and step "
                             f"(batch norm over a flat input of one sample is 0 everywhere), not --batch-size "
                             f"{args.batch_size}")
+    if args.recompute:
+        if not spec.recompute_units():   # a flag that would save nothing is a mistake, not a no-op
+            raise HpctrainError(f"--recompute: --model {args.model} has no layer to recompute (a transformer Block, "
+                                f"or a layer that declares recompute_unit = True)")
+        spec.recompute = True
     return spec
 
 
