@@ -70,7 +70,7 @@ def test_a_recomputing_runner_holds_less_and_gives_the_same_gradient():
     one leaves every block's, and its backward the same gradient bits."""
     spec = gpt(30, 32, layers=4, heads=2, width=16, dropout=0.2)
     grads, held = _step(spec, 4)
-    spec.recompute = True
+    spec.use_recompute()
     grads_again, held_recomputing = _step(spec, 4)
     assert np.array_equal(grads, grads_again)
     assert held_recomputing < 0.6 * held, (held_recomputing, held)
@@ -87,7 +87,7 @@ def test_the_memory_estimate_counts_attention_and_only_what_recompute_keeps():
     spec = gpt(30, 32, layers=4, heads=2, width=16)
     plain = spec.memory_bytes(4, 2)
     assert_counts_what_is_held(spec)
-    spec.recompute = True
+    spec.use_recompute()
     acts, once = spec.activation_floats()
     block = spec.layers[3]
     assert once == block.train_floats()
@@ -109,5 +109,5 @@ def assert_counts_what_is_held(spec, batch=4):
 def test_recompute_of_a_model_without_a_block_is_one_line(job, bundled_shards):
     r = job(1, "--data", bundled_shards, "--steps", 1, "--recompute")
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1].startswith("hpctrain: error: --recompute: --model mlp has no layer"), \
+    assert r.stderr.strip().splitlines()[-1].startswith("hpctrain: error: --recompute: --model mlp: it has no layer"), \
         r.stderr

@@ -288,6 +288,15 @@ class ModelSpec:
         return (itemsize * params * (buffers + optimizer_states) + itemsize * state + given
                 + itemsize * batch * (acts * copies + once) + itemsize * threads * scratch)
 
+    def use_recompute(self):
+        """--recompute: the runner recomputes each recompute unit's
+        activations in backward (nn/sequential.LayerRange); LayerError (one
+        line) where the model has no such layer: the flag would save nothing."""
+        if not self.recompute_units():
+            raise LayerError("it has no layer to recompute (a transformer Block, or a layer that declares "
+                             "recompute_unit = True)")
+        self.recompute = True
+
     def recompute_units(self, a=0, b=None):
         """Indices of layers [a, b) that --recompute recomputes (nn/layers.py recompute_unit)."""
         b = len(self.layers) if b is None else b

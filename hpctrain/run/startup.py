@@ -301,10 +301,10 @@ def model_spec(args, model_shape):
                             f"(batch norm over a flat input of one sample is 0 everywhere), not --batch-size "
                             f"{args.batch_size}")
     if args.recompute:
-        if not spec.recompute_units():   # a flag that would save nothing is a mistake, not a no-op
-            raise HpctrainError(f"--recompute: --model {args.model} has no layer to recompute (a transformer Block, "
-                                f"or a layer that declares recompute_unit = True)")
-        spec.recompute = True
+        try:   # a flag that would save nothing is a mistake, not a no-op
+            spec.use_recompute()
+        except LayerError as e:
+            raise HpctrainError(f"--recompute: --model {args.model}: {e}") from None
     return spec
 
 
