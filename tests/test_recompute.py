@@ -76,6 +76,28 @@ def test_a_recomputing_runner_holds_less_and_gives_the_same_gradient():
     assert held_recomputing < 0.6 * held, (held_recomputing, held)
 
 
+def _buffers(ctx):
+    """Every array a context holds, its inner contexts' included."""
+    return list(ctx._buffers.values()) + [buf for inner in ctx.inner for buf in _buffers(inner)]
+
+
+def test_a_warm_recomputing_step_allocates_nothing():
+    """The shared contexts, the slot's copies and the recompute's scratch
+    are made by the first step and reused by every later one."""
+    spec = gpt(30, 16, layers=2, heads=2, width=16, dropout=0.1)
+    spec.use_recompute()
+    model = spec.build()
+    model.init(0)
+    rng = np.random.default_rng(5)
+    held = []
+    for step in range(3):
+        ids, targets = rng.integers(0, 30, (4, 16)), rng.integers(0, 30, (4, 16))
+        model.forward_backward(ids, targets, noise=(0, step, np.arange(4 * step, 4 * step + 4)))
+        run = model.run
+        held.append({id(buf) for ctx in [run.slots[0], run._scratch, *run.shared.values()] for buf in _buffers(ctx)})
+    assert held[1] == held[2] and held[1]
+
+
 def test_the_memory_estimate_counts_attention_and_only_what_recompute_keeps():
     """The memory check's activations (spec.activation_floats): attention's
     grow with T^2 (at 4x the block size a block's grow more than 4x), and
