@@ -83,9 +83,9 @@ class LayerRange:
         self._inputs = [None] * slots   # each slot's last training input, for a recompute
         # --recompute: the units (positions in the range), their shared contexts, each slot's units' inputs
         self.units = {k for k, layer in enumerate(self.layers) if spec.recompute and layer.recompute_unit}
-        self.shared = {}
-        for k in sorted(self.units):
-            self.shared.setdefault(self._kind(k), self.layers[k].context())
+        self.shared = {}   # kind -> context (_kind)
+        self._shared_of = {k: self.shared.setdefault(self._kind(k), self.layers[k].context())
+                           for k in sorted(self.units)}
         self._unit_inputs = [{} for _ in range(slots)]
         self._scratch = Context(xp)   # a unit's output gradient and the state a recompute puts back
         self.in_shape = spec.input_shape if a == 0 else spec.shapes[a - 1]
@@ -156,7 +156,7 @@ class LayerRange:
         into the slot (a training forward's per unit, an evaluation's one),
         its input kept for the recompute (the range's own input copied: its
         sender may reuse the buffer)."""
-        ctx, layer, shared = self.slots[slot], self.layers[k], self.shared[self._kind(k)]
+        ctx, layer, shared = self.slots[slot], self.layers[k], self._shared_of[k]
         if train:
             if k == 0:
                 x = self._copied(ctx, "unit input", x)
@@ -173,7 +173,7 @@ class LayerRange:
         """Unit k's forward run again from its kept input (the non-trainable
         state put back after it), then its backward from d (first copied: d
         may be the shared context's own input gradient buffer)."""
-        layer, shared = self.layers[k], self.shared[self._kind(k)]
+        layer, shared = self.layers[k], self._shared_of[k]
         dy = self._copied(self._scratch, ("dy", d.shape), d)
         layer.set_noise(shared, self.slots[slot].inner[k].noise)
         with self._state_kept(self.a + k):
