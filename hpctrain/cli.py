@@ -219,6 +219,11 @@ def _training_flags(p):
     g.add_argument("--block-size", type=_positive_int, default=256, metavar="T",
                    help="text data (prepare --text): the tokens a sample holds, the model's context length "
                         "(default: %(default)s)")
+    g.add_argument("--recompute", action="store_true",
+                   help="drop each transformer block's activations after its forward and recompute them in its "
+                        "backward (Megatron's full recomputation, one block the grain): the same parameters bit "
+                        "for bit, a rank keeping the blocks' inputs and one block's activations instead of "
+                        "every block's (docs/models.md)")
     g.add_argument("--hidden", type=_hidden, default=[500, 500], metavar="W1,W2,...",
                    help="--model mlp's hidden layer widths (default: 500,500)")
     g.add_argument("--seed", type=_nonneg_int, default=0, help="random seed: the initial parameters (rank 0's, broadcast) and each worker's "

@@ -42,11 +42,12 @@ class Chain:
     def forward(self, ctx, x, train):
         for k, layer in enumerate(self.layers):
             if self.copies[k]:
-                x = self._copy(ctx, k, x)
+                x = self.copy_input(ctx, k, x)
             x = layer.forward(ctx.inner[k], x, train)
         return x
 
-    def _copy(self, ctx, k, x):
+    def copy_input(self, ctx, k, x):
+        """Layer k's input copied into the slot's buffer for it (copies[k])."""
         buf = ctx.buffer(("copy", k), x.shape, x.dtype)
         self.xp.copyto(buf, x)
         return buf

@@ -39,7 +39,11 @@ class; a user's own layer subclasses it and overrides what it needs):
    step allocates nothing once warm. A container returns a Context whose
    `inner` holds its layers' contexts. The runner may `ctx.drop()` a slot
    after forward and run forward into it again before backward
-   (recomputation, nn/sequential.LayerRange.recompute).
+   (nn/sequential.LayerRange.recompute). A container that declares
+   `recompute_unit = True` (the transformer's Block) is what --recompute
+   recomputes: its forward runs in a context shared by the range's units
+   and is run again from its kept input just before its backward
+   (nn/sequential.LayerRange), so it must not depend on which context it gets.
 6. `forward(ctx, x, train) -> y`: x is (batch, *in_shape). A layer may
    work in place on x when nothing
    else reads x later (ReLU does). Such a layer says so with
@@ -167,6 +171,7 @@ class Layer:
     min_batch = 1         # the smallest batch a training forward makes sense of (BatchNorm1d: 2)
     input_kind = "image"  # what it takes as a model's first layer (nn/spec.INPUT_KINDS): the reader must give it
     ties = ()             # (name, owner layer, its tensor, transposed): tensors read from another layer (tie)
+    recompute_unit = False  # --recompute drops its activations after forward and recomputes them in backward
 
     def configure(self, in_shape):
         self.in_shape = tuple(in_shape)

@@ -11,6 +11,7 @@ batch's targets.
 
     python -m hpctrain.nn               # what a built model holds
 """
+import contextlib
 import copy
 
 import numpy as np
@@ -46,9 +47,18 @@ class LayerRange:
     stage keeps a slot per micro-batch in flight, not a copy of its layers.
     `drop(slot)` forgets a slot's activations after its forward and
     `recompute(slot)` runs that forward again into it before the backward,
-    to the same bits: the seam recomputation will use (the range's input
-    must then stay intact until backward: `keep_input=True` copies it before
-    an in-place first layer)."""
+    to the same bits (the range's input must then stay intact until
+    backward: `keep_input=True` copies it before an in-place first layer).
+
+    --recompute (spec.recompute): each layer that declares itself a
+    recompute unit (`recompute_unit`: the transformer's Block; the grain is
+    one such layer) runs forward in a context the range's units share (one
+    per kind of unit, not per slot), its output copied into a buffer of the
+    slot (the next layer's input) and its input kept; its backward first
+    runs that forward again from the kept input, into the shared context,
+    to the same bits (its noise is the slot's, set as without). So a slot
+    holds the units' inputs and the other layers' activations, and the
+    range one unit's activations: what memory_bytes counts (nn/spec.py)."""
 
     def __init__(self, spec, a, b, xp, store, slots=1, keep_input=False):
         self.spec, self.a, self.b, self.xp, self.store = spec, a, b, xp, store
@@ -71,6 +81,13 @@ class LayerRange:
         self.chain = Chain(self.layers, xp, input_kept=keep_input)
         self.slots = [self.chain.context() for _ in range(slots)]
         self._inputs = [None] * slots   # each slot's last training input, for a recompute
+        # --recompute: the units (positions in the range), their shared contexts, each slot's units' inputs
+        self.units = {k for k, layer in enumerate(self.layers) if spec.recompute and layer.recompute_unit}
+        self.shared = {}   # kind -> context (_kind)
+        self._shared_of = {k: self.shared.setdefault(self._kind(k), self.layers[k].context())
+                           for k in sorted(self.units)}
+        self._unit_inputs = [{} for _ in range(slots)]
+        self._scratch = Context(xp)   # a unit's output gradient and the state a recompute puts back
         self.in_shape = spec.input_shape if a == 0 else spec.shapes[a - 1]
         # the model's loss where the range ends the model, and a context per slot
         # for it (its gradient buffer is a call's, kept until that slot's backward)
@@ -114,9 +131,65 @@ class LayerRange:
         if train:
             self._inputs[slot] = x
         self.store.before_forward(self.a, self.b)
-        y = self.chain.forward(self.slots[slot], x, train)
+        y = self._forward(slot, x, train)
         self.store.after_forward(self.a, self.b)
         return y
+
+    def _forward(self, slot, x, train):
+        """The range's layers forward over x into the slot (the units into their shared contexts)."""
+        ctx = self.slots[slot]
+        if not self.units:
+            return self.chain.forward(ctx, x, train)
+        for k, layer in enumerate(self.layers):
+            if self.chain.copies[k]:
+                x = self.chain.copy_input(ctx, k, x)
+            x = self._unit_forward(slot, k, x, train) if k in self.units else layer.forward(ctx.inner[k], x, train)
+        return x
+
+    def _kind(self, k):
+        """Units of one kind share a context: the same class, input shape and description."""
+        layer = self.layers[k]
+        return type(layer), layer.in_shape, layer.describe()
+
+    def _unit_forward(self, slot, k, x, train):
+        """Unit k's forward in its kind's shared context; its output copied
+        into the slot (a training forward's per unit, an evaluation's one),
+        its input kept for the recompute (the range's own input copied: its
+        sender may reuse the buffer)."""
+        ctx, layer, shared = self.slots[slot], self.layers[k], self._shared_of[k]
+        if train:
+            if k == 0:
+                x = self._copied(ctx, "unit input", x)
+            self._unit_inputs[slot][k] = x
+            layer.set_noise(shared, ctx.inner[k].noise)
+        return self._copied(ctx, ("unit output", k if train else None), layer.forward(shared, x, train))
+
+    def _copied(self, ctx, key, x):
+        buf = ctx.buffer(key, x.shape, x.dtype)
+        self.xp.copyto(buf, x)
+        return buf
+
+    def _unit_backward(self, slot, k, d, need_dx):
+        """Unit k's forward run again from its kept input (the non-trainable
+        state put back after it), then its backward from d (first copied: d
+        may be the shared context's own input gradient buffer)."""
+        layer, shared = self.layers[k], self._shared_of[k]
+        dy = self._copied(self._scratch, ("dy", d.shape), d)
+        layer.set_noise(shared, self.slots[slot].inner[k].noise)
+        with self._state_kept(self.a + k):
+            layer.forward(shared, self._unit_inputs[slot].pop(k), True)
+        return layer.backward(shared, dy, need_dx)
+
+    @contextlib.contextmanager
+    def _state_kept(self, i):
+        """Layer i's non-trainable state as it was before the block (batch
+        norm's running statistics move once per forward, not per recompute)."""
+        if not self.spec.layer_state[i]:
+            yield
+            return
+        saved = self._copied(self._scratch, "state", self.state)
+        yield
+        self.xp.copyto(self.state, saved)
 
     def loss_forward_backward(self, logits, targets, slot=0):
         """(mean loss, its gradient with respect to the logits) of a training
@@ -141,7 +214,9 @@ class LayerRange:
         inner, store = self.slots[slot].inner, self.store
         store.before_backward(self.a, self.b)
         for i in range(self.b - 1, max(self.a, self.first) - 1, -1):
-            d = self.layers[i - self.a].backward(inner[i - self.a], d, need_dx=i > self.first)
+            k = i - self.a
+            d = self._unit_backward(slot, k, d, i > self.first) if k in self.units else \
+                self.layers[k].backward(inner[k], d, need_dx=i > self.first)
             if combine:
                 self.combine(i, self.grads, self.extra)
             if i in self.owner:
@@ -172,7 +247,7 @@ class LayerRange:
         saved = self.slots[slot].buffer("state_before_recompute", self.state.shape, self.state.dtype)
         self.xp.copyto(saved, self.state)
         self.store.before_forward(self.a, self.b)
-        self.chain.forward(self.slots[slot], x, True)
+        self._forward(slot, x, True)
         self.store.after_forward(self.a, self.b)
         self.xp.copyto(self.state, saved)
 

@@ -148,6 +148,9 @@ class ModelSpec:
         loss: a nn/losses.Loss (None: softmax cross-entropy over classes).
         input_kind: what the model takes (INPUT_KINDS; None: its first layer's)."""
         self.layers, self.name, self.code = list(layers), name, code
+        # --recompute: the runner recomputes each recompute unit's activations in
+        # backward (nn/sequential.LayerRange); the same bits, less memory
+        self.recompute = False
         self.input_shape, self.classes = tuple(int(d) for d in input_shape), int(classes)
         self.loss = ClassCrossEntropy() if loss is None else loss
         if not isinstance(self.loss, Loss):
@@ -272,17 +275,46 @@ class ModelSpec:
         float32 and its uint8 copy; a later stage: the activations it
         receives), `copies` sets of every layer's activations and input
         gradients (a pipeline stage's slots: the schedule's micro-batches in
-        flight, each a context per layer) and each of the rank's `threads` compute threads' scratch
+        flight, each a context per layer; with --recompute, less:
+        activation_floats) and each of the rank's `threads` compute threads' scratch
         (nn/threads.py: a convolution's blocks). An estimate from below."""
         b = len(self.layers) if b is None else b
         params = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_tensors[i])
         state = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_state[i])
-        acts = sum(layer.train_floats() for layer in self.layers[a:b])
+        acts, once = self.activation_floats(a, b)
         given = batch * math.prod(self.input_shape) * 5 if a == 0 else \
             itemsize * batch * math.prod(self.shapes[a - 1]) * copies
         scratch = sum(layer.scratch_floats() for layer in self.layers[a:b])
         return (itemsize * params * (buffers + optimizer_states) + itemsize * state + given
-                + itemsize * batch * acts * copies + itemsize * threads * scratch)
+                + itemsize * batch * (acts * copies + once) + itemsize * threads * scratch)
+
+    def use_recompute(self):
+        """--recompute: the runner recomputes each recompute unit's
+        activations in backward (nn/sequential.LayerRange); LayerError (one
+        line) where the model has no such layer: the flag would save nothing."""
+        if not self.recompute_units():
+            raise LayerError("it has no layer to recompute (a transformer Block, or a layer that declares "
+                             "recompute_unit = True)")
+        self.recompute = True
+
+    def recompute_units(self, a=0, b=None):
+        """Indices of layers [a, b) that --recompute recomputes (nn/layers.py recompute_unit)."""
+        b = len(self.layers) if b is None else b
+        return [i for i in range(a, b) if self.layers[i].recompute_unit]
+
+    def activation_floats(self, a=0, b=None):
+        """(floats per sample a slot of layers [a, b) keeps for training, and
+        those the range needs once whatever its slots): every layer's
+        train_floats (attention's grow with T^2) in a slot; with
+        --recompute a unit keeps only its output (and the range's first its
+        input) in a slot, and the range one unit's train_floats, the largest,
+        for the unit being recomputed (nn/sequential.LayerRange)."""
+        b = len(self.layers) if b is None else b
+        units = set(self.recompute_units(a, b)) if self.recompute else set()
+        acts = sum(self.layers[i].train_floats() for i in range(a, b) if i not in units)
+        acts += sum(math.prod(self.shapes[i]) for i in units)
+        acts += math.prod(self.layers[a].in_shape) if a in units else 0
+        return acts, max((self.layers[i].train_floats() for i in units), default=0)
 
     def summary(self):
         """The model, one line per layer (output shape, parameters), and the total."""

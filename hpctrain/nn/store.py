@@ -7,7 +7,9 @@ what has finished:
 
 - `before_forward(a, b)`: layers [a, b) (model indices) are about to run
   forward (training, evaluation, or a recompute before backward): when it
-  returns, their parameter views hold their parameters.
+  returns, their parameter views hold their parameters. (--recompute's
+  per-block forward runs inside the range's backward, under
+  `before_backward`, before the block's gradient is done.)
 - `after_forward(a, b)`: that forward is over; until the next
   `before_backward` or `before_forward` of the range the store may put its
   parameters elsewhere (what a sharded store releases between a

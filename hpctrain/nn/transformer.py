@@ -73,6 +73,7 @@ class Block(Layer):
     `heads` attention heads, dropout p on the attention and on both
     residual branches."""
     keeps_output = False   # its backward reads its inner layers' own buffers
+    recompute_unit = True  # --recompute's grain: one block (nn/sequential.LayerRange)
 
     def __init__(self, width, heads, dropout=0.0, std=0.02, out_std=0.02):
         self.width = int(width)

@@ -300,6 +300,11 @@ def model_spec(args, model_shape):
         raise HpctrainError(f"--model {args.model} needs at least {spec.min_batch} samples per rank and step "
                             f"(batch norm over a flat input of one sample is 0 everywhere), not --batch-size "
                             f"{args.batch_size}")
+    if args.recompute:
+        try:   # a flag that would save nothing is a mistake, not a no-op
+            spec.use_recompute()
+        except LayerError as e:
+            raise HpctrainError(f"--recompute: --model {args.model}: {e}") from None
     return spec
 
 
