@@ -38,8 +38,10 @@ def same_parameters(a, b):
     (2, []),                                                   # ring, dropout in every block
     (2, ["--accumulate-steps", 2]),
     (2, ["--pipeline-stages", 2, "--micro-batches", 2]),      # 1F1B: two slots in flight on stage 0
+    (2, ["--pipeline-stages", 2, "--micro-batches", 4, "--pipeline-schedule", "interleaved",
+         "--virtual-stages", 2]),                               # two chunks a stage, the tie between stages
     (3, ["--mode", "ps", "--optimizer", "sgd"]),                # 2 workers, 1 server
-], ids=["ring", "accumulate", "pipeline", "ps"])
+], ids=["ring", "accumulate", "pipeline", "interleaved", "ps"])
 def test_recompute_trains_the_bits_of_a_run_without(job, text_dir, tmp_path, n, flags):
     for name, extra in (("plain", []), ("recompute", ["--recompute"])):
         r = job(n, "--data", text_dir, *FLAGS, *flags, *extra, "--save", tmp_path / f"{name}.h5")
@@ -105,7 +107,7 @@ def test_the_memory_estimate_counts_attention_and_only_what_recompute_keeps():
     block's activations: the estimate under half the plain one, and each
     as close to the bytes the runner holds after a step."""
     small, large = gpt(30, 16, 1, 2, 16), gpt(30, 64, 1, 2, 16)
-    assert large.layers[3].train_floats() > 5 * small.layers[3].train_floats()
+    assert large.layers[3].train_floats() > 4.5 * small.layers[3].train_floats()
     spec = gpt(30, 32, layers=4, heads=2, width=16)
     plain = spec.memory_bytes(4, 2)
     assert_counts_what_is_held(spec)
