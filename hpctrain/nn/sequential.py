@@ -27,6 +27,9 @@ from .tied import RangeTies
 # for each layer. Recorded in checkpoints and --save (a resume does not draw).
 INIT_VERSION = 2
 
+# Tokens a batch of evaluate() takes at most (8192: 128 windows of 64, nanoGPT's CPU context).
+EVAL_TOKENS = 8192
+
 
 class LayerRange:
     """The one runner of layers: layers [a, b) of a spec, each bound once to
@@ -317,7 +320,12 @@ class Sequential:
     def evaluate(self, x, y, batch=128):
         """The loss's sums over x, y (nn/losses.py: {"loss": sum, "count",
         "correct"}, Python numbers), added batch by batch in order. x may be
-        uint8 pixels (scaled by 1/255 a batch at a time) or floats."""
+        uint8 pixels (scaled by 1/255 a batch at a time) or floats. Token
+        windows go EVAL_TOKENS tokens a batch at most: a long context's
+        attention holds heads T^2 values a window in every block, so 128
+        windows of 256 tokens would hold more than training does."""
+        if self.spec.input_kind == "tokens" and x.ndim == 2:
+            batch = max(1, min(batch, EVAL_TOKENS // x.shape[1]))
         total = self.loss.zero_sums()
         for lo in range(0, x.shape[0], batch):
             xb, yb = x[lo: lo + batch], y[lo: lo + batch]
