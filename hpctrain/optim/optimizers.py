@@ -25,13 +25,19 @@ FLUSH_EVERY steps such values are flushed to zero.
 
 Weight decay is decoupled (AdamW, Loshchilov & Hutter): p *= 1 - lr * wd
 before the gradient step, in the same block pass, for every optimizer (for
-SGD and momentum it is plain L2 decay with the lr folded in). At wd = 0 the
-NumPy blocks skip the multiply and the single pass multiplies by 1.0, which
-changes no bit: results stay what they were without decay.
+SGD and momentum it is plain L2 decay with the lr folded in), on the
+elements of `decay_ranges` only (sorted (lo, hi) of the buffer: the
+model's matrices, nn/spec.py decay_ranges; None: every element). The NumPy
+blocks multiply the parts of each block inside those ranges; the single
+pass runs once per piece of a range, with keep = 1 - lr * wd inside them
+and 1.0 outside. Multiplying by 1.0 changes no bit, so an element outside
+the ranges (and every element at wd = 0, where the NumPy blocks skip the
+multiply) gets what it would get without decay.
 
     python -m hpctrain.optim       # times one Adam step over 650k parameters, both paths (__main__.py)
 """
 import math
+from bisect import bisect_right
 
 import numpy as np
 
@@ -160,8 +166,37 @@ def _compile(xp, name, dtype):
     return None
 
 
+def decay_in(ranges, pieces):
+    """`ranges` [(lo, hi)] of the model, as they fall in a buffer made of
+    the model's `pieces` [(lo, hi)] laid one after another (a pipeline
+    stage's slice, a server's slices, a shard's owned ranges): sorted, in
+    the buffer's coordinates. None (decay everywhere) stays None."""
+    if ranges is None:
+        return None
+    out, at = [], 0
+    for lo, hi in pieces:
+        out += [(max(a, lo) - lo + at, min(b, hi) - lo + at) for a, b in ranges if max(a, lo) < min(b, hi)]
+        at += hi - lo
+    return sorted(out)
+
+
+def _checked(ranges, size):
+    """ranges as sorted, disjoint (lo, hi) inside [0, size), touching ones
+    merged (fewer pieces a step), empty ones left out."""
+    out = []
+    for lo, hi in sorted((int(lo), int(hi)) for lo, hi in ranges if hi > lo):
+        if lo < 0 or hi > size or (out and lo < out[-1][1]):
+            raise ValueError(f"decay range {(lo, hi)} overlaps another or leaves [0, {size})")
+        if out and lo == out[-1][1]:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
 class SGD:
-    """params -= lr * grad_scale * grads (after params *= 1 - lr * weight_decay).
+    """params -= lr * grad_scale * grads (after params *= 1 - lr * weight_decay
+    on the elements of decay_ranges, None: all).
 
     A step is `begin(lr, grad_scale)` once, then `update(params, grads, lo, hi)`
     for any ranges covering the buffer (bucket fusion updates each bucket as
@@ -172,9 +207,12 @@ class SGD:
 
     kernel = "sgd"   # the name of its single-pass kernel (fused_kernel)
 
-    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, weight_decay=0.0, fused="auto"):
+    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, weight_decay=0.0, fused="auto", decay_ranges=None):
         self.xp, self.size, self.t = xp, size, 0
         self.weight_decay = weight_decay
+        self.decay_ranges = None if decay_ranges is None else _checked(decay_ranges, size)
+        # where each decayed range ends, for bisect: the first one a range [lo, hi) meets
+        self._decay_ends = None if decay_ranges is None else [hi for _, hi in self.decay_ranges]
         self.keep = 1.0
         self.dtype = np.dtype(dtype)
         # fused: True where a kernel exists, "auto" (the default) where
@@ -216,18 +254,46 @@ class SGD:
         if hi <= lo:
             return
         if self._kernel is not None:
-            self._fused(params[lo:hi], grads[lo:hi], lo, hi, self.dtype.type)
+            for a, b, keep in self._pieces(lo, hi):
+                self._fused(params[a:b], grads[a:b], a, b, self.dtype.type, keep)
             return
         for b_lo in range(lo, hi, BLOCK):
             b_hi = min(b_lo + BLOCK, hi)
             if self.weight_decay:   # skipped at 0: bit-identical to no decay at all
-                params[b_lo:b_hi] *= self.keep
+                for a, b in self._decayed(b_lo, b_hi):
+                    params[a:b] *= self.keep
             self._update_block(params, grads, b_lo, b_hi)
 
-    def _fused(self, p, g, lo, hi, dt):
+    def _decayed(self, lo, hi):
+        """The parts of [lo, hi) that decay, in order."""
+        if self.decay_ranges is None:
+            yield lo, hi
+            return
+        for k in range(bisect_right(self._decay_ends, lo), len(self.decay_ranges)):
+            a, b = self.decay_ranges[k]
+            if a >= hi:
+                return
+            yield max(a, lo), min(b, hi)
+
+    def _pieces(self, lo, hi):
+        """[lo, hi) cut where decay starts and stops: (a, b, keep), keep this
+        step's 1 - lr * wd inside decay_ranges and 1.0 outside."""
+        if not self.weight_decay or self.decay_ranges is None:
+            yield lo, hi, self.keep
+            return
+        at = lo
+        for a, b in self._decayed(lo, hi):
+            if at < a:
+                yield at, a, 1.0
+            yield a, b, self.keep
+            at = b
+        if at < hi:
+            yield at, hi, 1.0
+
+    def _fused(self, p, g, lo, hi, dt, keep):
         # Each scalar rounded to the dtype first, as NumPy does with a Python
         # float beside a float32 array: the same operands, the same bits.
-        self._kernel(p, g, dt(self.keep), dt(self.lr * self.grad_scale))
+        self._kernel(p, g, dt(keep), dt(self.lr * self.grad_scale))
 
     def _update_block(self, params, grads, lo, hi):
         t = self._tmp[: hi - lo]
@@ -241,13 +307,14 @@ class Momentum(SGD):
     state_names = ("velocity",)
     kernel = "momentum"
 
-    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, momentum=0.9, weight_decay=0.0, fused="auto"):
-        super().__init__(size, xp, dtype, weight_decay, fused)
+    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, momentum=0.9, weight_decay=0.0, fused="auto",
+                 decay_ranges=None):
+        super().__init__(size, xp, dtype, weight_decay, fused, decay_ranges)
         self.mu = momentum
         self.velocity = xp.zeros(size, dtype)
 
-    def _fused(self, p, g, lo, hi, dt):
-        self._kernel(p, g, self.velocity[lo:hi], dt(self.keep), dt(self.mu), dt(self.grad_scale), dt(self.lr))
+    def _fused(self, p, g, lo, hi, dt, keep):
+        self._kernel(p, g, self.velocity[lo:hi], dt(keep), dt(self.mu), dt(self.grad_scale), dt(self.lr))
 
     def _update_block(self, params, grads, lo, hi):
         xp, t, vb = self.xp, self._tmp[: hi - lo], self.velocity[lo:hi]
@@ -265,8 +332,8 @@ class Adam(SGD):
     kernel = "adam"
 
     def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                 fused="auto"):
-        super().__init__(size, xp, dtype, weight_decay, fused)
+                 fused="auto", decay_ranges=None):
+        super().__init__(size, xp, dtype, weight_decay, fused, decay_ranges)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.m = xp.zeros(size, dtype)
         self.v = xp.zeros(size, dtype)
@@ -283,8 +350,8 @@ class Adam(SGD):
         self.g_scale_m = (1 - self.beta1) * grad_scale
         self.g_scale_v = (1 - self.beta2) * grad_scale * grad_scale
 
-    def _fused(self, p, g, lo, hi, dt):
-        self._kernel(p, g, self.m[lo:hi], self.v[lo:hi], dt(self.keep), dt(self.beta1), dt(self.g_scale_m),
+    def _fused(self, p, g, lo, hi, dt, keep):
+        self._kernel(p, g, self.m[lo:hi], self.v[lo:hi], dt(keep), dt(self.beta1), dt(self.g_scale_m),
                      dt(self.beta2), dt(self.g_scale_v), dt(self.inv_sqrt_bc2), dt(self.eps), dt(self.step_size),
                      dt(FLUSH_BELOW if self.flush else 0.0))
 
@@ -390,7 +457,10 @@ class Sharded(_Wrapper):
     same on every rank. `state()` is compact; `expand`/`compact` move state
     between that layout and full-length arrays (checkpoints hold full ones)."""
 
-    def __init__(self, inner_factory, ranges, full_size):
+    def __init__(self, inner_factory, ranges, full_size, decay_ranges=None):
+        """inner_factory(n, decay_ranges): the inner optimizer over n compact
+        elements, decaying those of decay_ranges (its coordinates; given
+        here in the full buffer's)."""
         self.full_size = full_size   # the buffer's length (checkpoints hold state this long)
         self.ranges = sorted((int(lo), int(hi)) for lo, hi in ranges if hi > lo)
         self.offsets, c = [], 0
@@ -400,7 +470,7 @@ class Sharded(_Wrapper):
             self.offsets.append(c)
             c += hi - lo
         self.size = c
-        self.inner = inner_factory(c)
+        self.inner = inner_factory(c, decay_in(decay_ranges, self.ranges))
         self.xp, self.dtype = self.inner.xp, self.inner.dtype
         self.state_names = self.inner.state_names
 
@@ -444,19 +514,28 @@ OPTIMIZERS = {"sgd": SGD, "momentum": Momentum, "adam": Adam}
 
 
 def make_optimizer(name, size, xp=np, dtype=FLOAT32.optimizer, momentum=0.9, owned=None, weight_decay=0.0, fused="auto",
-                   steps=None):
+                   steps=None, betas=(0.9, 0.999), decay_ranges=None, at=None):
     """The optimizer `name` for a flat buffer of `size` elements; with `owned`
     (a list of (lo, hi)), a Sharded one keeping state for those ranges only.
-    weight_decay: decoupled (p *= 1 - lr * wd each step), per element, so a
-    slice or a shard decays exactly as the whole buffer would. fused: see SGD
-    (the same bits either way); "auto" decides by fuse_pays with `steps`, the
-    run's optimizer steps."""
+    weight_decay: decoupled (p *= 1 - lr * wd each step), per element, on
+    the elements of decay_ranges, the model's [(lo, hi)] (None: all), so a
+    slice or a shard decays exactly as the whole buffer would; `at`: the
+    model's pieces [(lo, hi)] the buffer holds one after another (None: the
+    model from 0). betas: Adam's (beta1, beta2). fused: see SGD (the same
+    bits either way); "auto" decides by fuse_pays with `steps`, the run's
+    optimizer steps."""
+    ranges = decay_in(decay_ranges, at if at is not None else [(0, size)])
     if owned is not None:
-        return Sharded(lambda n: make_optimizer(name, n, xp, dtype, momentum, weight_decay=weight_decay,
-                                                fused=fused, steps=steps), owned, size)
+        return Sharded(lambda n, inner: make_optimizer(name, n, xp, dtype, momentum, weight_decay=weight_decay,
+                                                       fused=fused, steps=steps, betas=betas, decay_ranges=inner),
+                       owned, size, ranges)
     if fused == "auto":
         fused = fuse_pays(xp, size, steps)
     if name == "momentum":
-        return Momentum(size, xp, dtype, momentum=momentum, weight_decay=weight_decay, fused=fused)
-    return OPTIMIZERS[name](size, xp, dtype, weight_decay=weight_decay, fused=fused)
+        return Momentum(size, xp, dtype, momentum=momentum, weight_decay=weight_decay, fused=fused,
+                        decay_ranges=ranges)
+    if name == "adam":
+        return Adam(size, xp, dtype, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, fused=fused,
+                    decay_ranges=ranges)
+    return OPTIMIZERS[name](size, xp, dtype, weight_decay=weight_decay, fused=fused, decay_ranges=ranges)
 
