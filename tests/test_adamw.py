@@ -162,3 +162,17 @@ def test_bad_betas_are_one_line_and_exit_2(job, tmp_path, value):
     assert lines[0] == f"hpctrain: error: argument --adam-betas: expected B1,B2, each in [0, 1), got {value!r} " \
         "(see --help)", lines[0]
     assert not (tmp_path / "p.h5").exists()
+
+
+def test_betas_must_match_on_resume_with_adam_only():
+    from hpctrain import cli
+    from hpctrain.run import identity
+    spec = mlp((28, 28), 10, [64])
+
+    def key(*flags):
+        return identity.same_on_resume(cli.parse(list(flags)), 2, spec, 100)
+    assert key("--adam-betas", "0.8,0.95")["adam_betas"] == "0.8,0.95"
+    assert key()["adam_betas"] == "0.9,0.999"
+    assert "adam_betas" not in key("--optimizer", "sgd", "--adam-betas", "0.8,0.95")
+    # --weight-decay-on, like --weight-decay, scales updates and shapes no state: it may change
+    assert "weight_decay_on" not in key("--weight-decay-on", "all")
