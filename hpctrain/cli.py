@@ -199,10 +199,9 @@ def _training_flags(p):
                    help="decoupled weight decay (AdamW): p -= lr * WD * p every step, for every --optimizer, "
                         "on the tensors --weight-decay-on names (default: %(default)s)")
     g.add_argument("--weight-decay-on", choices=["matrices", "all"], default="matrices",
-                   help="matrices: the weight matrices of Dense/Linear/Conv2d layers, attention's projections "
-                        "and the token Embedding (what multiplies; a tied head once, as its embedding), not "
-                        "biases, LayerNorm/BatchNorm gains and shifts or the PositionEmbedding table (a layer's "
-                        "`decays`, docs/models.md); all: every parameter (default: %(default)s)")
+                   help="matrices: what multiplies (Dense/Linear/Conv2d weights, attention's projections, the "
+                        "token Embedding), not biases, norms' gains and shifts or the PositionEmbedding table "
+                        "(a layer's `decays`, docs/models.md); all: every parameter (default: %(default)s)")
     g.add_argument("--clip-norm", type=_positive_float, default=None, metavar="C",
                    help="clip the averaged gradient to global 2-norm C: g *= min(1, C / (||g|| + 1e-6)), "
                         "the same factor on every rank (ring: the per-bucket updates then wait for the last "

@@ -37,11 +37,11 @@ multiply) gets what it would get without decay.
     python -m hpctrain.optim       # times one Adam step over 650k parameters, both paths (__main__.py)
 """
 import math
-from bisect import bisect_right
 
 import numpy as np
 
 from .. import vector_width
+from .decay import Decayed, decay_in
 from ..precision import FLOAT32
 
 BLOCK = 32768
@@ -166,34 +166,6 @@ def _compile(xp, name, dtype):
     return None
 
 
-def decay_in(ranges, pieces):
-    """`ranges` [(lo, hi)] of the model, as they fall in a buffer made of
-    the model's `pieces` [(lo, hi)] laid one after another (a pipeline
-    stage's slice, a server's slices, a shard's owned ranges): sorted, in
-    the buffer's coordinates. None (decay everywhere) stays None."""
-    if ranges is None:
-        return None
-    out, at = [], 0
-    for lo, hi in pieces:
-        out += [(max(a, lo) - lo + at, min(b, hi) - lo + at) for a, b in ranges if max(a, lo) < min(b, hi)]
-        at += hi - lo
-    return sorted(out)
-
-
-def _checked(ranges, size):
-    """ranges as sorted, disjoint (lo, hi) inside [0, size), touching ones
-    merged (fewer pieces a step), empty ones left out."""
-    out = []
-    for lo, hi in sorted((int(lo), int(hi)) for lo, hi in ranges if hi > lo):
-        if lo < 0 or hi > size or (out and lo < out[-1][1]):
-            raise ValueError(f"decay range {(lo, hi)} overlaps another or leaves [0, {size})")
-        if out and lo == out[-1][1]:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((lo, hi))
-    return tuple(out)
-
-
 class SGD:
     """params -= lr * grad_scale * grads (after params *= 1 - lr * weight_decay
     on the elements of decay_ranges, None: all).
@@ -210,9 +182,7 @@ class SGD:
     def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, weight_decay=0.0, fused="auto", decay_ranges=None):
         self.xp, self.size, self.t = xp, size, 0
         self.weight_decay = weight_decay
-        self.decay_ranges = None if decay_ranges is None else _checked(decay_ranges, size)
-        # where each decayed range ends, for bisect: the first one a range [lo, hi) meets
-        self._decay_ends = None if decay_ranges is None else [hi for _, hi in self.decay_ranges]
+        self.decayed = Decayed(decay_ranges, size)
         self.keep = 1.0
         self.dtype = np.dtype(dtype)
         # fused: True where a kernel exists, "auto" (the default) where
@@ -254,41 +224,17 @@ class SGD:
         if hi <= lo:
             return
         if self._kernel is not None:
-            for a, b, keep in self._pieces(lo, hi):
+            # at weight decay 0 keep is 1.0 everywhere: one piece
+            pieces = self.decayed.pieces(lo, hi, self.keep) if self.weight_decay else ((lo, hi, self.keep),)
+            for a, b, keep in pieces:
                 self._fused(params[a:b], grads[a:b], a, b, self.dtype.type, keep)
             return
         for b_lo in range(lo, hi, BLOCK):
             b_hi = min(b_lo + BLOCK, hi)
             if self.weight_decay:   # skipped at 0: bit-identical to no decay at all
-                for a, b in self._decayed(b_lo, b_hi):
+                for a, b in self.decayed.within(b_lo, b_hi):
                     params[a:b] *= self.keep
             self._update_block(params, grads, b_lo, b_hi)
-
-    def _decayed(self, lo, hi):
-        """The parts of [lo, hi) that decay, in order."""
-        if self.decay_ranges is None:
-            yield lo, hi
-            return
-        for k in range(bisect_right(self._decay_ends, lo), len(self.decay_ranges)):
-            a, b = self.decay_ranges[k]
-            if a >= hi:
-                return
-            yield max(a, lo), min(b, hi)
-
-    def _pieces(self, lo, hi):
-        """[lo, hi) cut where decay starts and stops: (a, b, keep), keep this
-        step's 1 - lr * wd inside decay_ranges and 1.0 outside."""
-        if not self.weight_decay or self.decay_ranges is None:
-            yield lo, hi, self.keep
-            return
-        at = lo
-        for a, b in self._decayed(lo, hi):
-            if at < a:
-                yield at, a, 1.0
-            yield a, b, self.keep
-            at = b
-        if at < hi:
-            yield at, hi, 1.0
 
     def _fused(self, p, g, lo, hi, dt, keep):
         # Each scalar rounded to the dtype first, as NumPy does with a Python
