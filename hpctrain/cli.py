@@ -77,6 +77,17 @@ def _nonneg_float(text):
     return value
 
 
+def _betas(text):
+    """--adam-betas B1,B2: two numbers, each in [0, 1)."""
+    try:
+        betas = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise argparse.ArgumentTypeError(f"expected B1,B2, each in [0, 1), got {text!r}")
+    return betas
+
+
 # The zoo's names (hpctrain/nn/zoo.py MODELS; this module imports no numpy).
 MODELS = ("mlp", "lenet", "cnn", "resnet", "small_cnn")
 
@@ -212,6 +223,9 @@ def _training_flags(p):
                         "(pip install 'hpctrain[fast]') pays back its ~1 s and ~110 MB start-up within the run: "
                         "from 131,072 parameters and 3.6e8 parameter-steps (default: %(default)s)")
     g.add_argument("--momentum", type=_nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
+    g.add_argument("--adam-betas", type=_betas, default=(0.9, 0.999), metavar="B1,B2",
+                   help="--optimizer adam's decay rates of the gradient's first and second moments, each in "
+                        "[0, 1) (nanoGPT: 0.9,0.99) (default: 0.9,0.999)")
     g.add_argument("--model", type=_model, default="mlp", metavar="NAME|FILE.py:FUNCTION",
                    help=f"the network: {', '.join(MODELS)}, gpt:layers=L,heads=H,width=E[,dropout=P] (nanoGPT's, on text "
                         f"data) (docs/models.md), or FUNCTION(input_shape, classes) "
@@ -242,8 +256,12 @@ def _training_flags(p):
     g.add_argument("--lr-min", type=_nonneg_float, default=0.0,
                    help="--lr-schedule cosine: the lr at the last step (default: %(default)s)")
     g.add_argument("--weight-decay", type=_nonneg_float, default=0.0, metavar="WD",
-                   help="decoupled weight decay (AdamW): p -= lr * WD * p every step, for every --optimizer "
-                        "(default: %(default)s)")
+                   help="decoupled weight decay (AdamW): p -= lr * WD * p every step, for every --optimizer, "
+                        "on the tensors --weight-decay-on names (default: %(default)s)")
+    g.add_argument("--weight-decay-on", choices=["matrices", "all"], default="matrices",
+                   help="matrices: what multiplies (Dense/Linear/Conv2d weights, attention's projections, the "
+                        "token Embedding), not biases, norms' gains and shifts or the PositionEmbedding table "
+                        "(a layer's `decays`, docs/models.md); all: every parameter (default: %(default)s)")
     g.add_argument("--clip-norm", type=_positive_float, default=None, metavar="C",
                    help="clip the averaged gradient to global 2-norm C: g *= min(1, C / (||g|| + 1e-6)), "
                         "the same factor on every rank (ring: the per-bucket updates then wait for the last "

@@ -119,7 +119,7 @@ def test_on_device_equals_the_inner_optimizer_through_restores(name):
 
 def test_wrapped_optimizers_read_and_set_the_inner_step_count():
     for wrapped in (OnDevice(make_optimizer("adam", 8), 8),
-                    Sharded(lambda n: make_optimizer("adam", n), [(2, 6)], 8)):
+                    Sharded(lambda n, _: make_optimizer("adam", n), [(2, 6)], 8)):
         wrapped.t = 7
         assert wrapped.inner.t == 7 and wrapped.t == 7
 
@@ -166,6 +166,19 @@ def test_single_pass_gives_the_numpy_blocks_bits(name, weight_decay, dtype):
     n = optim.BLOCK + 4_321
     fast = make_optimizer(name, n, dtype=dtype, weight_decay=weight_decay, fused=True)
     slow = make_optimizer(name, n, dtype=dtype, weight_decay=weight_decay, fused=False)
+    assert fast._kernel is not None and slow._kernel is None
+    _same_steps(fast, slow, n, dtype, np.random.default_rng(7), [1, 999, optim.BLOCK + 5])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
+def test_single_pass_gives_the_numpy_blocks_bits_with_decay_on_part_of_the_buffer(name, dtype):
+    # decay ranges that cross a block's end and the update's ranges, start at 0, and touch
+    pytest.importorskip("numba")
+    n = optim.BLOCK + 4_321
+    decay = [(0, 500), (500, 700), (900, optim.BLOCK + 10), (optim.BLOCK + 2000, n - 1)]
+    fast = make_optimizer(name, n, dtype=dtype, weight_decay=0.01, fused=True, decay_ranges=decay)
+    slow = make_optimizer(name, n, dtype=dtype, weight_decay=0.01, fused=False, decay_ranges=decay)
     assert fast._kernel is not None and slow._kernel is None
     _same_steps(fast, slow, n, dtype, np.random.default_rng(7), [1, 999, optim.BLOCK + 5])
 

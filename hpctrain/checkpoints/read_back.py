@@ -39,10 +39,11 @@ from ..precision import FLOAT32
 # from before the model spec (issue 20) all the MLP, and from before
 # --accumulate-steps all one batch per step.
 RESUME_DEFAULTS = {"lr_schedule": "constant", "model": "mlp", "accumulate_steps": 1}
-# Settings that checkpoints began to record late (--momentum: issue 41), so a
+# Settings that checkpoints began to record late (--momentum: issue 41,
+# --adam-betas: issue 43), so a
 # checkpoint without one may have been written with any value: resumed
 # unchecked, as before, rather than refused or judged against a guess.
-UNRECORDED_BEFORE = ("momentum",)
+UNRECORDED_BEFORE = ("momentum", "adam_betas")
 
 
 def _describe(key, value):

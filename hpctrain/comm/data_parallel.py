@@ -84,7 +84,9 @@ class DataParallelUpdate:
         for p in parts:
             p.buckets = cut(buckets, p.lo, p.lo + p.grads.size)
             p.owned = [self._owned(lo, hi) for lo, hi in p.buckets]
-            p.optimizer = make_optimizer(name, p.grads.size, xp, owned=p.owned if self.sharded else None, **kwargs)
+            # at: the part's slice of the model, where the model's weight-decay ranges fall in it
+            p.optimizer = make_optimizer(name, p.grads.size, xp, owned=p.owned if self.sharded else None,
+                                         at=[(p.lo, p.lo + p.grads.size)], **kwargs)
         self.clip = clip
         self.norm = self._norm(buckets, scope or NormScope()) if clip is not None else None
 

@@ -135,11 +135,12 @@ def run_server(world, plan, frame, comm, placement, shared):
     size = sum(hi - lo for lo, hi in mine)
     if ps.device == "gpu":
         # The slice and its optimizer state on this rank's GPU; messages stay on the host.
-        optimizer = OnDevice(make_optimizer(opt.name, size, world.server_xp, **opt.kwargs), size)
+        optimizer = OnDevice(make_optimizer(opt.name, size, world.server_xp, at=mine, **opt.kwargs), size)
     else:
-        # --weight-decay is the optimizer's own (decoupled, per element): each
-        # server decays its slice as ring mode decays the whole buffer.
-        optimizer = make_optimizer(opt.name, size, np, **opt.kwargs)
+        # --weight-decay is the optimizer's own (decoupled, per element, on
+        # the model's decay ranges as they fall in this server's slices `at`):
+        # each server decays its slice as ring mode decays the whole buffer.
+        optimizer = make_optimizer(opt.name, size, np, at=mine, **opt.kwargs)
     server = Server(comm, mine, cluster.worker_ranks, cluster.ps_ranks, optimizer, plan.lr,
                     steps=frame.steps, sync=ps.sync, replicas=ps.replicas, max_staleness=ps.max_staleness,
                     dc_lambda=ps.dc_lambda, watchdog=world.watchdog,

@@ -50,6 +50,8 @@ class CausalSelfAttention(Layer):
         self.drop.configure((self.heads, self.T, self.T))
         return self.out_shape
 
+    decays = ("Wqkv", "Wo")
+
     def param_shapes(self):
         e = self.width
         return [("Wqkv", (e, 3 * e)), ("bqkv", (3 * e,)), ("Wo", (e, e)), ("bo", (e,))]

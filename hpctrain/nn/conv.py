@@ -111,6 +111,8 @@ class Conv2d(Layer):
         self.out_shape = (self.oh, self.ow, self.out_channels)
         return self.out_shape
 
+    decays = ("W",)
+
     def param_shapes(self):
         shapes = [("W", (self.k, self.k, self.in_shape[2], self.out_channels))]
         return shapes + [("b", (self.out_channels,))] if self.bias else shapes

@@ -37,6 +37,8 @@ class Embedding(Layer):
         self.out_shape = (*self.in_shape, self.dim)
         return self.out_shape
 
+    decays = ("E",)
+
     def param_shapes(self):
         return [("E", (self.vocab, self.dim))]
 

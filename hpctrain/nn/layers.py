@@ -18,6 +18,12 @@ class; a user's own layer subclasses it and overrides what it needs):
    takes no room of its own and its gradient is summed (nn/tied.py).
    `state_shapes()`: non-trainable tensors (batch-norm running statistics),
    kept in a buffer of their own, outside the gradient.
+   `decays`: the names of its tensors that weight decay applies to (with
+   --weight-decay-on matrices, the default): what multiplies its input (a
+   weight matrix, a convolution's kernel, an embedding table), not biases,
+   norms' gains and shifts or position tables. Default (): none. A
+   container's inner layers (`inner`, (prefix, layer) pairs) add theirs as
+   `prefix.name`.
 3. `init(rng, params, dtype)`: fill this layer's parameters (host NumPy
    views, pre-zeroed) from the NumPy Generator `rng`, drawing in a fixed
    order: the seed alone decides the model. `init_state(state)` sets the
@@ -172,6 +178,7 @@ class Layer:
     input_kind = "image"  # what it takes as a model's first layer (nn/spec.INPUT_KINDS): the reader must give it
     ties = ()             # (name, owner layer, its tensor, transposed): tensors read from another layer (tie)
     recompute_unit = False  # --recompute drops its activations after forward and recomputes them in backward
+    decays = ()           # its tensors weight decay applies to (--weight-decay-on matrices): what multiplies
 
     def configure(self, in_shape):
         self.in_shape = tuple(in_shape)
@@ -326,6 +333,8 @@ class Dense(Layer):
         self.fan_in = self.in_shape[0]
         self.out_shape = (self.units,)
         return self.out_shape
+
+    decays = ("W",)
 
     def param_shapes(self):
         return [("W", (self.fan_in, self.units)), ("b", (self.units,))]

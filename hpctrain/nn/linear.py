@@ -39,6 +39,8 @@ class Linear(Layer):
         self.out_shape = (*self.in_shape[:-1], self.units)
         return self.out_shape
 
+    decays = ("W",)
+
     def param_shapes(self):
         return [("W", (self.fan_in, self.units))] + ([("b", (self.units,))] if self.bias else [])
 

@@ -13,7 +13,8 @@ adds). Whoever needs the
 model's size, identity, memory or layout asks the spec, without building
 anything: rank agreement and checkpoints (`identity`, `num_params`), the
 memory check (`memory_bytes`), ps placement (`tensor_ranges`), fusion
-(`layer_ranges`), the pipeline's stage balance (`flops`).
+(`layer_ranges`), the pipeline's stage balance (`flops`), the optimizer's
+weight decay (`decay_ranges`: where the layers' `decays` tensors lie).
 
 `spec.build(xp, params=, grads=)` then returns the model (nn/sequential.py)
 over buffers the caller owns (the ring's gradient buffer, the ps shared-memory
@@ -118,6 +119,23 @@ def _tensors(i, layer, what, value, taken):
     return out
 
 
+def _decays(i, layer, names):
+    """The names of layer i's tensors that weight decay applies to: its
+    `decays` and its inner layers' (`inner`: (prefix, layer)) as
+    prefix.name, each one of its tensors `names`."""
+    def walk(layer):
+        own = getattr(layer, "decays", ())
+        if isinstance(own, str) or not all(isinstance(n, str) for n in own):
+            raise LayerCodeError(f"layer {i} ({describe(layer)}): decays is {own!r}, not a tuple of tensor names")
+        return [*own, *(f"{prefix}.{n}" for prefix, inner in getattr(layer, "inner", ()) for n in walk(inner))]
+    decays = walk(layer)
+    for name in decays:
+        if name not in names:
+            raise LayerCodeError(f"layer {i} ({describe(layer)}): decays names {name!r}, not one of its tensors "
+                                 f"({', '.join(names) or 'none'})")
+    return set(decays)
+
+
 def _reused(layers):
     """Refuse a layer object that appears twice (a reused ReLU(), d = Dense(64)
     listed twice for tied weights): each place binds its own views, and one
@@ -177,21 +195,25 @@ class ModelSpec:
         self.tensors, self.state = [], []
         self.param_layers = []   # indices of the layers with parameters (of their own, laid out)
         self.ties = []   # nn/tied.Tie: a layer's tensor that is an earlier layer's
+        decayed = []     # (lo, hi) of the tensors weight decay applies to (a tied one: at its owner)
         ties = declared(self.layers)
         n = s = k = 0
         for i, layer in enumerate(self.layers):
             taken = set()
             params = _tensors(i, layer, "param_shapes()", _call(i, layer, "param_shapes", layer.param_shapes), taken)
+            decays = _decays(i, layer, [name for name, _ in params])
             if i in ties:   # a tied tensor takes no room: it is its owner's
                 params, mine = resolve(i, layer, params, ties[i], lambda j: self.layer_tensors[j])
                 self.ties.extend(mine)
             state = _tensors(i, layer, "state_shapes()", _call(i, layer, "state_shapes", layer.state_shapes), taken)
             n = self._lay(params, k, n, self.layer_tensors, self.tensors)
             s = self._lay(state, k, s, self.layer_state, self.state)
+            decayed += [(lo, hi) for name, _, lo, hi in self.layer_tensors[i] if name.split("/", 1)[1] in decays]
             if params:
                 self.param_layers.append(i)
             k += bool(params or state)
         self.num_params, self.num_state = n, s
+        self.decay_ranges = tuple(decayed)   # in buffer order: sorted, disjoint
         # (lo, hi) of each layer with parameters, in buffer order
         self.layer_ranges = [(self.layer_tensors[i][0][2], self.layer_tensors[i][-1][3]) for i in self.param_layers]
 

@@ -25,9 +25,14 @@ FLUSH_EVERY steps such values are flushed to zero.
 
 Weight decay is decoupled (AdamW, Loshchilov & Hutter): p *= 1 - lr * wd
 before the gradient step, in the same block pass, for every optimizer (for
-SGD and momentum it is plain L2 decay with the lr folded in). At wd = 0 the
-NumPy blocks skip the multiply and the single pass multiplies by 1.0, which
-changes no bit: results stay what they were without decay.
+SGD and momentum it is plain L2 decay with the lr folded in), on the
+elements of `decay_ranges` only (sorted (lo, hi) of the buffer: the
+model's matrices, nn/spec.py decay_ranges; None: every element). The NumPy
+blocks multiply the parts of each block inside those ranges; the single
+pass runs once per piece of a range, with keep = 1 - lr * wd inside them
+and 1.0 outside. Multiplying by 1.0 changes no bit, so an element outside
+the ranges (and every element at wd = 0, where the NumPy blocks skip the
+multiply) gets what it would get without decay.
 
     python -m hpctrain.optim       # times one Adam step over 650k parameters, both paths (__main__.py)
 """
@@ -36,6 +41,7 @@ import math
 import numpy as np
 
 from .. import vector_width
+from .decay import Decayed, decay_in
 from ..precision import FLOAT32
 
 BLOCK = 32768
@@ -161,7 +167,8 @@ def _compile(xp, name, dtype):
 
 
 class SGD:
-    """params -= lr * grad_scale * grads (after params *= 1 - lr * weight_decay).
+    """params -= lr * grad_scale * grads (after params *= 1 - lr * weight_decay
+    on the elements of decay_ranges, None: all).
 
     A step is `begin(lr, grad_scale)` once, then `update(params, grads, lo, hi)`
     for any ranges covering the buffer (bucket fusion updates each bucket as
@@ -172,9 +179,10 @@ class SGD:
 
     kernel = "sgd"   # the name of its single-pass kernel (fused_kernel)
 
-    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, weight_decay=0.0, fused="auto"):
+    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, weight_decay=0.0, fused="auto", decay_ranges=None):
         self.xp, self.size, self.t = xp, size, 0
         self.weight_decay = weight_decay
+        self.decayed = Decayed(decay_ranges, size)
         self.keep = 1.0
         self.dtype = np.dtype(dtype)
         # fused: True where a kernel exists, "auto" (the default) where
@@ -216,18 +224,22 @@ class SGD:
         if hi <= lo:
             return
         if self._kernel is not None:
-            self._fused(params[lo:hi], grads[lo:hi], lo, hi, self.dtype.type)
+            # at weight decay 0 keep is 1.0 everywhere: one piece
+            pieces = self.decayed.pieces(lo, hi, self.keep) if self.weight_decay else ((lo, hi, self.keep),)
+            for a, b, keep in pieces:
+                self._fused(params[a:b], grads[a:b], a, b, self.dtype.type, keep)
             return
         for b_lo in range(lo, hi, BLOCK):
             b_hi = min(b_lo + BLOCK, hi)
             if self.weight_decay:   # skipped at 0: bit-identical to no decay at all
-                params[b_lo:b_hi] *= self.keep
+                for a, b in self.decayed.within(b_lo, b_hi):
+                    params[a:b] *= self.keep
             self._update_block(params, grads, b_lo, b_hi)
 
-    def _fused(self, p, g, lo, hi, dt):
+    def _fused(self, p, g, lo, hi, dt, keep):
         # Each scalar rounded to the dtype first, as NumPy does with a Python
         # float beside a float32 array: the same operands, the same bits.
-        self._kernel(p, g, dt(self.keep), dt(self.lr * self.grad_scale))
+        self._kernel(p, g, dt(keep), dt(self.lr * self.grad_scale))
 
     def _update_block(self, params, grads, lo, hi):
         t = self._tmp[: hi - lo]
@@ -241,13 +253,14 @@ class Momentum(SGD):
     state_names = ("velocity",)
     kernel = "momentum"
 
-    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, momentum=0.9, weight_decay=0.0, fused="auto"):
-        super().__init__(size, xp, dtype, weight_decay, fused)
+    def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, momentum=0.9, weight_decay=0.0, fused="auto",
+                 decay_ranges=None):
+        super().__init__(size, xp, dtype, weight_decay, fused, decay_ranges)
         self.mu = momentum
         self.velocity = xp.zeros(size, dtype)
 
-    def _fused(self, p, g, lo, hi, dt):
-        self._kernel(p, g, self.velocity[lo:hi], dt(self.keep), dt(self.mu), dt(self.grad_scale), dt(self.lr))
+    def _fused(self, p, g, lo, hi, dt, keep):
+        self._kernel(p, g, self.velocity[lo:hi], dt(keep), dt(self.mu), dt(self.grad_scale), dt(self.lr))
 
     def _update_block(self, params, grads, lo, hi):
         xp, t, vb = self.xp, self._tmp[: hi - lo], self.velocity[lo:hi]
@@ -265,8 +278,8 @@ class Adam(SGD):
     kernel = "adam"
 
     def __init__(self, size, xp=np, dtype=FLOAT32.optimizer, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                 fused="auto"):
-        super().__init__(size, xp, dtype, weight_decay, fused)
+                 fused="auto", decay_ranges=None):
+        super().__init__(size, xp, dtype, weight_decay, fused, decay_ranges)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.m = xp.zeros(size, dtype)
         self.v = xp.zeros(size, dtype)
@@ -283,8 +296,8 @@ class Adam(SGD):
         self.g_scale_m = (1 - self.beta1) * grad_scale
         self.g_scale_v = (1 - self.beta2) * grad_scale * grad_scale
 
-    def _fused(self, p, g, lo, hi, dt):
-        self._kernel(p, g, self.m[lo:hi], self.v[lo:hi], dt(self.keep), dt(self.beta1), dt(self.g_scale_m),
+    def _fused(self, p, g, lo, hi, dt, keep):
+        self._kernel(p, g, self.m[lo:hi], self.v[lo:hi], dt(keep), dt(self.beta1), dt(self.g_scale_m),
                      dt(self.beta2), dt(self.g_scale_v), dt(self.inv_sqrt_bc2), dt(self.eps), dt(self.step_size),
                      dt(FLUSH_BELOW if self.flush else 0.0))
 
@@ -390,7 +403,10 @@ class Sharded(_Wrapper):
     same on every rank. `state()` is compact; `expand`/`compact` move state
     between that layout and full-length arrays (checkpoints hold full ones)."""
 
-    def __init__(self, inner_factory, ranges, full_size):
+    def __init__(self, inner_factory, ranges, full_size, decay_ranges=None):
+        """inner_factory(n, decay_ranges): the inner optimizer over n compact
+        elements, decaying those of decay_ranges (its coordinates; given
+        here in the full buffer's)."""
         self.full_size = full_size   # the buffer's length (checkpoints hold state this long)
         self.ranges = sorted((int(lo), int(hi)) for lo, hi in ranges if hi > lo)
         self.offsets, c = [], 0
@@ -400,7 +416,7 @@ class Sharded(_Wrapper):
             self.offsets.append(c)
             c += hi - lo
         self.size = c
-        self.inner = inner_factory(c)
+        self.inner = inner_factory(c, decay_in(decay_ranges, self.ranges))
         self.xp, self.dtype = self.inner.xp, self.inner.dtype
         self.state_names = self.inner.state_names
 
@@ -444,19 +460,28 @@ OPTIMIZERS = {"sgd": SGD, "momentum": Momentum, "adam": Adam}
 
 
 def make_optimizer(name, size, xp=np, dtype=FLOAT32.optimizer, momentum=0.9, owned=None, weight_decay=0.0, fused="auto",
-                   steps=None):
+                   steps=None, betas=(0.9, 0.999), decay_ranges=None, at=None):
     """The optimizer `name` for a flat buffer of `size` elements; with `owned`
     (a list of (lo, hi)), a Sharded one keeping state for those ranges only.
-    weight_decay: decoupled (p *= 1 - lr * wd each step), per element, so a
-    slice or a shard decays exactly as the whole buffer would. fused: see SGD
-    (the same bits either way); "auto" decides by fuse_pays with `steps`, the
-    run's optimizer steps."""
+    weight_decay: decoupled (p *= 1 - lr * wd each step), per element, on
+    the elements of decay_ranges, the model's [(lo, hi)] (None: all), so a
+    slice or a shard decays exactly as the whole buffer would; `at`: the
+    model's pieces [(lo, hi)] the buffer holds one after another (None: the
+    model from 0). betas: Adam's (beta1, beta2). fused: see SGD (the same
+    bits either way); "auto" decides by fuse_pays with `steps`, the run's
+    optimizer steps."""
+    ranges = decay_in(decay_ranges, at if at is not None else [(0, size)])
     if owned is not None:
-        return Sharded(lambda n: make_optimizer(name, n, xp, dtype, momentum, weight_decay=weight_decay,
-                                                fused=fused, steps=steps), owned, size)
+        return Sharded(lambda n, inner: make_optimizer(name, n, xp, dtype, momentum, weight_decay=weight_decay,
+                                                       fused=fused, steps=steps, betas=betas, decay_ranges=inner),
+                       owned, size, ranges)
     if fused == "auto":
         fused = fuse_pays(xp, size, steps)
     if name == "momentum":
-        return Momentum(size, xp, dtype, momentum=momentum, weight_decay=weight_decay, fused=fused)
-    return OPTIMIZERS[name](size, xp, dtype, weight_decay=weight_decay, fused=fused)
+        return Momentum(size, xp, dtype, momentum=momentum, weight_decay=weight_decay, fused=fused,
+                        decay_ranges=ranges)
+    if name == "adam":
+        return Adam(size, xp, dtype, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay, fused=fused,
+                    decay_ranges=ranges)
+    return OPTIMIZERS[name](size, xp, dtype, weight_decay=weight_decay, fused=fused, decay_ranges=ranges)
 

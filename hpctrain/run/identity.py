@@ -7,15 +7,16 @@
   ignored without a word.
 - Every checkpoint records `recorded(args, ...)` as attributes (checkpoints/file.py).
 - On resume the checkpoint's `same_on_resume(...)` values must equal this run's:
-  the model and its state (mode, model, hidden, num_params, optimizer, and
+  the model and its state (mode, model, hidden, num_params, optimizer,
   --momentum for --optimizer momentum: its velocity is a sum of gradients
-  decayed by that factor, so another value changes what the state means), the
+  decayed by that factor, so another value changes what the state means,
+  and --adam-betas for --optimizer adam, likewise for its moments), the
   per-worker batch the run was tuned with (batch_size), the shuffle (seed),
   and the learning-rate schedule's shape (`schedule_key`: with cosine,
   --steps too). Everything else may change on resume: the number of
   workers and servers (a resized job goes on: data/reader.py), --steps in
-  particular (a resumed job may train longer), --lr, --weight-decay and
-  --clip-norm (each scales updates, none shapes the state: a deliberate
+  particular (a resumed job may train longer), --lr, --weight-decay (and
+  --weight-decay-on) and --clip-norm (each scales updates, none shapes the state: a deliberate
   change, like --lr); the result is bit-identical to an
   uninterrupted run only when nothing else changed either.
 - What a checkpoint from before a setting existed means by it is the
@@ -33,7 +34,7 @@ from ..nn.sequential import INIT_VERSION
 
 # Flags whose value must be identical on every rank of a job.
 RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epochs", "lr", "optimizer", "momentum",
-              "single_pass", "seed", "scale_lr", "warmup_steps",
+              "adam_betas", "single_pass", "weight_decay_on", "seed", "scale_lr", "warmup_steps",
               "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay", "clip_norm",
               "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "num_ps", "ps_ranks", "ps_exchange", "sync",
               "replicas_to_aggregate", "backup_workers", "max_staleness", "dc_lambda", "placement", "checkpoint_every",
@@ -45,7 +46,7 @@ RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epoch
 OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
                 "keep_best", "timeline", "timeline_steps", "eval_every", "log_every", "memory_budget", "tensorboard")
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline", "tensorboard")
-SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "momentum", "batch_size",
+SAME_ON_RESUME = ("mode", "model", "hidden", "num_params", "optimizer", "momentum", "adam_betas", "batch_size",
                   "accumulate_steps", "seed", "lr_schedule")
 
 
@@ -67,6 +68,7 @@ def _job(args):
     fixed-width byte records can carry)."""
     job = {k: getattr(args, k) for k in RANK_FLAGS}
     job["hidden"] = ",".join(map(str, args.hidden))
+    job["adam_betas"] = ",".join(map(repr, args.adam_betas))
     # Batches per optimizer step per worker: a pipeline's --micro-batches M
     # takes the samples (and gives the bits) of --accumulate-steps M, so its
     # checkpoints resume in ring mode with --accumulate-steps M, and back.
@@ -113,10 +115,12 @@ def same_on_resume(args, num_workers, spec, total_steps):
     """total_steps: the lr schedule's (Plan.schedule), which cosine's curve
     follows. --hidden only for the MLP, which it sizes (another model's
     identity pins it down, and --hidden has no effect on it); --momentum
-    only for --optimizer momentum, the one that uses it."""
+    only for --optimizer momentum and --adam-betas only for --optimizer adam,
+    the ones that use them."""
     job = dict(_job(args), **_model(spec), num_workers=int(num_workers),
                lr_schedule=schedule_key(args, total_steps))
-    unused = {"hidden": args.model != "mlp", "momentum": args.optimizer != "momentum"}
+    unused = {"hidden": args.model != "mlp", "momentum": args.optimizer != "momentum",
+              "adam_betas": args.optimizer != "adam"}
     return {k: job[k] for k in SAME_ON_RESUME if not unused.get(k)}
 
 

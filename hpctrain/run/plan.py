@@ -155,7 +155,9 @@ class Data:
 class Optimizer:
     name: str            # adam, sgd, momentum
     momentum: float
+    betas: tuple         # Adam's (beta1, beta2)
     weight_decay: float
+    decay_ranges: tuple  # the model's (lo, hi) weight decay applies to (None: every element)
     clip_norm: float     # None: no clipping
     steps: int           # the run's optimizer steps (whether numba's pass pays: optimizers.fuse_pays)
     single_pass: str     # --single-pass auto|on|off
@@ -168,8 +170,8 @@ class Optimizer:
     @property
     def kwargs(self):
         """optimizers.make_optimizer's keyword arguments."""
-        return dict(momentum=self.momentum, weight_decay=self.weight_decay, steps=self.steps, fused=self.fused,
-                    dtype=self.dtype)
+        return dict(momentum=self.momentum, betas=self.betas, weight_decay=self.weight_decay,
+                    decay_ranges=self.decay_ranges, steps=self.steps, fused=self.fused, dtype=self.dtype)
 
 
 @dataclass(frozen=True)
@@ -351,8 +353,9 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
     precision = FLOAT32   # the one precision a run takes today (hpctrain/precision.py)
     return Plan(
         mode=args.mode, model=args.model, hidden=tuple(args.hidden), spec=spec, data=data,
-        optimizer=Optimizer(args.optimizer, args.momentum, args.weight_decay, args.clip_norm, schedule.total_steps,
-                            args.single_pass, precision.optimizer),
+        optimizer=Optimizer(args.optimizer, args.momentum, tuple(args.adam_betas), args.weight_decay,
+                            spec.decay_ranges if args.weight_decay_on == "matrices" else None, args.clip_norm,
+                            schedule.total_steps, args.single_pass, precision.optimizer),
         schedule=schedule,
         ring=Ring(allreduce=args.allreduce, cuda_aware=args.cuda_aware, ring_order=args.ring_order,
                   fusion_elems=int(args.fusion_mb * (1 << 20)) // precision.grads.itemsize,
