@@ -178,3 +178,13 @@ def test_betas_must_match_on_resume_with_adam_only():
     assert "adam_betas" not in key("--optimizer", "sgd", "--adam-betas", "0.8,0.95")
     # --weight-decay-on, like --weight-decay, scales updates and shapes no state: it may change
     assert "weight_decay_on" not in key("--weight-decay-on", "all")
+
+
+def test_a_resume_with_other_betas_is_refused_in_one_line(job, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = [*SMALL, "--checkpoint-dir", ckpt, "--checkpoint-every", 2]
+    ok(job(2, "--steps", 4, *flags, "--adam-betas", "0.8,0.95"))
+    r = job(2, "--steps", 6, *flags, "--adam-betas", "0.9,0.99", timeout=60)
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "checkpoint was written with --adam-betas 0.8,0.95, this run has --adam-betas 0.9,0.99" in lines[0]
