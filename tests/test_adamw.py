@@ -4,10 +4,11 @@ decay_ranges).
 
 Units: which tensors of an MLP and of the GPT decay, a user's layer that
 names a tensor it lacks, an update over part of the buffer against a
-float64 reference. Then real mpirun jobs: SGD decays the weights and
-leaves the biases alone, sharded equals unsharded and a pipeline equals
-accumulation with betas and decay, sync ps on two servers equals ring, bad
-betas are one line and exit 2.
+float64 reference, the betas a resume compares. Then real mpirun jobs:
+SGD decays the weights and leaves the biases alone, sharded equals
+unsharded and a pipeline equals accumulation with betas and decay, sync ps
+on two servers equals ring, bad betas and a resume with other betas are one
+line and exit 2.
 
     .venv/bin/python -m pytest -q tests/test_adamw.py
 """
