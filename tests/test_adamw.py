@@ -57,7 +57,8 @@ def test_the_gpt_decays_embedding_and_block_matrices_not_biases_norms_or_positio
 def test_a_layer_that_decays_a_tensor_it_lacks_is_refused_in_one_line():
     class Odd(Dense):
         decays = ("V",)
-    with pytest.raises(LayerCodeError, match=r"^layer 2 \(Dense\(4\)\): decays names 'V', not one of its tensors \(W, b\)$"):
+    with pytest.raises(LayerCodeError,
+                       match=r"^layer 2 \(Dense\(4\)\): decays names 'V', not one of its tensors \(W, b\)$"):
         ModelSpec([Dense(8), ReLU(), Odd(4)], (5,), 4)
 
 
