@@ -4,10 +4,11 @@ decay_ranges).
 
 Units: which tensors of an MLP and of the GPT decay, a user's layer that
 names a tensor it lacks, an update over part of the buffer against a
-float64 reference. Then real mpirun jobs: SGD decays the weights and
-leaves the biases alone, sharded equals unsharded and a pipeline equals
-accumulation with betas and decay, sync ps on two servers equals ring, bad
-betas are one line and exit 2.
+float64 reference, the betas a resume compares. Then real mpirun jobs:
+SGD decays the weights and leaves the biases alone, sharded equals
+unsharded and a pipeline equals accumulation with betas and decay, sync ps
+on two servers equals ring, bad betas and a resume with other betas are one
+line and exit 2.
 
     .venv/bin/python -m pytest -q tests/test_adamw.py
 """
@@ -56,7 +57,8 @@ def test_the_gpt_decays_embedding_and_block_matrices_not_biases_norms_or_positio
 def test_a_layer_that_decays_a_tensor_it_lacks_is_refused_in_one_line():
     class Odd(Dense):
         decays = ("V",)
-    with pytest.raises(LayerCodeError, match=r"^layer 2 \(Dense\(4\)\): decays names 'V', not one of its tensors \(W, b\)$"):
+    with pytest.raises(LayerCodeError,
+                       match=r"^layer 2 \(Dense\(4\)\): decays names 'V', not one of its tensors \(W, b\)$"):
         ModelSpec([Dense(8), ReLU(), Odd(4)], (5,), 4)
 
 
@@ -178,3 +180,13 @@ def test_betas_must_match_on_resume_with_adam_only():
     assert "adam_betas" not in key("--optimizer", "sgd", "--adam-betas", "0.8,0.95")
     # --weight-decay-on, like --weight-decay, scales updates and shapes no state: it may change
     assert "weight_decay_on" not in key("--weight-decay-on", "all")
+
+
+def test_a_resume_with_other_betas_is_refused_in_one_line(job, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = [*SMALL, "--checkpoint-dir", ckpt, "--checkpoint-every", 2]
+    ok(job(2, "--steps", 4, *flags, "--adam-betas", "0.8,0.95"))
+    r = job(2, "--steps", 6, *flags, "--adam-betas", "0.9,0.99", timeout=60)
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "checkpoint was written with --adam-betas 0.8,0.95, this run has --adam-betas 0.9,0.99" in lines[0]

@@ -239,3 +239,20 @@ def test_gpu_kernel_is_one_launch_per_range_with_the_numpy_blocks_bits(name, mon
     _same_steps(fast, slow, n, np.float32, np.random.default_rng(8), [700, 701])
     assert _FakeElementwiseKernel.launches == [(f"hpctrain_{name}", size) for _ in range(optim.FLUSH_EVERY + 2)
                                                for size in (700, 1, n - 701)]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_gpu_kernel_with_decay_on_part_of_the_buffer_is_one_launch_per_piece_with_the_numpy_blocks_bits(
+        name, monkeypatch):
+    # a range update cut where decay starts and stops: keep inside, 1.0 outside
+    import types
+    fake = types.SimpleNamespace(__name__="cupy", ElementwiseKernel=_FakeElementwiseKernel,
+                                 zeros=np.zeros, empty=np.empty)
+    monkeypatch.setattr(optim, "_compiled", {})
+    monkeypatch.setattr(_FakeElementwiseKernel, "launches", [])
+    n, decay = 2_000, [(100, 600), (650, 1500)]
+    fast = make_optimizer(name, n, xp=fake, weight_decay=0.01, decay_ranges=decay)
+    slow = make_optimizer(name, n, weight_decay=0.01, fused=False, decay_ranges=decay)
+    _same_steps(fast, slow, n, np.float32, np.random.default_rng(8), [700])
+    # [0, 700): 0-100, 100-600, 600-650, 650-700; [700, 2000): 700-1500, 1500-2000
+    assert [size for _, size in _FakeElementwiseKernel.launches[:6]] == [100, 500, 50, 50, 800, 500]

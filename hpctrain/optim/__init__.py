@@ -1,5 +1,6 @@
 """Optimizers over flat buffers and ranges of them (optimizers.py: SGD,
-momentum, Adam(W), sharded, on a device), the learning-rate schedule
+momentum, Adam(W), sharded, on a device; decay.py: where weight decay
+applies), the learning-rate schedule
 (lr_schedule.py), and gradient clipping by the global norm (clipping.py). Never
 imports MPI.
 
