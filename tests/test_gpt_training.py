@@ -160,3 +160,16 @@ def test_keep_best_keeps_the_lowest_val_loss_and_resumes_it(job, text_dir, tmp_p
     ok(job(2, *flags, "--steps", 6, *ck))
     ok(job(2, *flags, "--steps", 12, *ck))
     assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
+
+
+def test_the_gpt_with_compiled_layers_says_which_run_compiled(job, text_dir, tmp_path):
+    """--compiled-layers on: the start-up line names the GPT's compiled
+    kernels (found inside its blocks), and it trains to the NumPy layers'
+    parameters within float32 rounding."""
+    pytest.importorskip("numba")
+    flags = ["--data", text_dir, *FLAGS, "--optimizer", "sgd", "--lr", 0.1]
+    r = ok(job(1, *flags, "--compiled-layers", "on", "--save", tmp_path / "on.h5"))
+    layers = [line for line in r.stdout.splitlines() if line.startswith("layers:")]
+    assert layers == ["layers: compiled (nn/compiled.py: attention's causal softmax, LayerNorm, GELU)"], r.stdout
+    ok(job(1, *flags, "--compiled-layers", "off", "--save", tmp_path / "off.h5"))
+    close(tmp_path / "on.h5", tmp_path / "off.h5", 1e-4)

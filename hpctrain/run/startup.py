@@ -26,8 +26,8 @@ from ..comm.waits import Waits
 from ..data.arrays import memory_available
 from ..data.augment import Augment
 from ..errors import HpctrainError
-from ..nn import (BatchNorm1d, BatchNorm2d, Conv2d, LayerError, MaxPool2d, ReLU, Residual, compiled, spec_for,
-                  threads)
+from ..nn import LayerError, compiled, spec_for, threads
+from ..nn.kernels_used import layers_line
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
@@ -185,43 +185,6 @@ def augment_line(text, image_shape, seed):
 def counted(n, noun):
     """ "1 worker", "2 workers", "0.5 epochs" (n a number of them)."""
     return f"{n:g} {noun}" + ("" if n == 1 else "s")
-
-
-def layers_line(spec):
-    """The start-up line saying how the layers of a CPU run compute: the
-    compiled kernels this model's layers run (nn/compiled.py), none it has
-    no layer for; or NumPy's (im2col, where it has convolutions)."""
-    kinds = set(_layer_kinds(spec.layers))
-    if compiled.on():
-        used = [text for kind, text in _COMPILED if kind in kinds]
-        if used:
-            return ("layers: compiled (nn/compiled.py: " + ", ".join(used)
-                    + ("; 512-bit vectors" if vector_width.wide() else "") + ")")
-    if "conv" in kinds or "direct conv" in kinds:
-        return "layers: NumPy (convolutions by im2col)"
-    return "layers: NumPy" + (" (no layer of this model has a compiled kernel)" if compiled.on() else "")
-
-
-# nn/compiled.py's kernels, by the kind of layer that runs them (_layer_kinds)
-_COMPILED = (("direct conv", "direct convolutions with 16, 32 or 64 output channels"),
-             ("batch norm", "batch norm"), ("max pool", "max pooling"), ("relu", "ReLU"))
-
-
-def _layer_kinds(layers):
-    """The kinds of layer among `layers` and the layers inside them (a
-    Residual's) that _COMPILED names, and "conv" for a convolution that
-    runs im2col with compiled layers on (too few or many output channels)."""
-    for layer in layers:
-        if isinstance(layer, Residual):
-            yield from _layer_kinds(inner for _, inner in layer.inner)
-        elif isinstance(layer, Conv2d):
-            yield "direct conv" if layer.direct_fits() else "conv"
-        elif isinstance(layer, (BatchNorm1d, BatchNorm2d)):
-            yield "batch norm"
-        elif isinstance(layer, MaxPool2d) and layer.compiled_fits():
-            yield "max pool"
-        elif isinstance(layer, ReLU):
-            yield "relu"
 
 
 def with_mesh(world, args):
