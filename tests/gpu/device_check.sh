@@ -17,7 +17,8 @@
 #      (GPU workers against CPU workers, and the path they took), the sharded
 #      optimizer update against the replicated one and per-thread default
 #      streams against the legacy one (bit for bit, 2 ranks)
-#      and a CNN (--model cnn) GPU vs CPU after 20 SGD steps, with its images/s on each
+#      and a CNN (--model cnn) GPU vs CPU after 20 SGD steps, with its images/s on each,
+#      and a GPT on the bundled plays the same way, with its tokens/s on each
 #      (the optimizers' one CuPy kernel per range is held to NumPy's bits in step 2);
 #      a pipeline of 2 stages against --accumulate-steps 4 (bit for bit), its
 #      evaluations through the stages on the device against one rank's;
@@ -153,6 +154,27 @@ if time_left "CNN GPU vs CPU params, 2 ranks, 20 SGD"; then
             "print(f'GPU/CPU {float(\"$g_rate\") / float(\"$c_rate\"):.1f}x')" 2>/dev/null || echo '?')"
     else
         row "CNN GPU vs CPU params, 2 ranks, 20 SGD" FAIL "rc gpu=$g cpu=$c (logs cnn_*.txt)"
+    fi
+fi
+# a GPT (issue 43): the first 200 KB of the bundled plays as characters; the same 20 SGD steps on the
+# GPU and the CPU (attention, LayerNorm, GELU, the tied head on CuPy), and the tokens/s of each
+GPT="--model gpt:layers=2,heads=4,width=128,dropout=0.1 --block-size 128 --batch-size 8 --optimizer sgd --lr 0.05"
+GPT="$GPT --steps 20 --log-every 20"
+if time_left "GPT GPU vs CPU params, 2 ranks, 20 SGD"; then
+    head -c 200000 data/shakespeare/input.txt > "$WORK/plays.txt"
+    "$PY" -m hpctrain.data prepare --source "$WORK/plays.txt" --out "$WORK/plays" --text chars \
+        > "$LOGS/gpt_prepare.txt" 2>&1
+    train gpt_gpu 2 180 --device gpu --data "$WORK/plays" $GPT --save "$WORK/gpt_gpu.h5"; g=$?
+    train gpt_cpu 2 180 --device cpu --data "$WORK/plays" $GPT --save "$WORK/gpt_cpu.h5"; c=$?
+    if [ $g = 0 ] && [ $c = 0 ]; then
+        d=$(maxdiff "$WORK/gpt_gpu.h5" "$WORK/gpt_cpu.h5")
+        ok=$("$PY" -c "print('pass' if float('$d') < 1e-4 else 'FAIL')" 2>/dev/null || echo FAIL)
+        row "GPT GPU vs CPU params, 2 ranks, 20 SGD" "$ok" "max |diff| = $d (pass < 1e-4)"
+        g_rate=$(final gpt_gpu tokens_per_s); c_rate=$(final gpt_cpu tokens_per_s)
+        row "  GPT tokens/s, 2 ranks: GPU vs CPU" info "GPU $g_rate | CPU $c_rate | $("$PY" -c \
+            "print(f'GPU/CPU {float(\"$g_rate\") / float(\"$c_rate\"):.1f}x')" 2>/dev/null || echo '?')"
+    else
+        row "GPT GPU vs CPU params, 2 ranks, 20 SGD" FAIL "rc gpu=$g cpu=$c (logs gpt_*.txt)"
     fi
 fi
 for ranks in 1 4; do
