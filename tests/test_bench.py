@@ -273,6 +273,9 @@ def test_a_rank_count_this_machine_cannot_run_is_one_line(args, capsys, monkeypa
     ["pipeline", "--stages", "1"], ["pipeline", "--schedules", "gpipe,frob"], ["pipeline", "--micro-batches", "4,0"],
     ["pipeline", "--schedules", "1f1b,interleaved", "--micro-batches", "3"],
     ["pipeline", "--", "--hidden", "x"], ["compare", "--model", "frob", "--ranks", "1"],
+    ["compare", "--model", "gpt:layers=2", "--ranks", "1"], ["compare", "--model", "gpt:layers=1,heads=3,width=8"],
+    ["compare", "--model", "lenet", "--block-size", "8", "--ranks", "1"], ["compare", "--batch-size", "8"],
+    ["compare", "--model", "gpt:layers=1,heads=2,width=8", "--block-size", "0"],
 ])
 def test_a_bad_bench_argument_is_one_line_before_anything_runs(args, capsys, monkeypatch):
     from hpctrain.bench.__main__ import main
@@ -384,3 +387,27 @@ def test_the_torch_twin_of_a_zoo_model_is_the_same_network(name):
     r = same_model(name)
     assert r["hpctrain_params"] == r["torch_params"]
     assert r["max_logit_diff"] < 1e-4 * max(1.0, r["max_logit"]), r
+
+
+def test_the_torch_twin_of_the_gpt_is_the_same_network():
+    """bench compare --model gpt:...'s yardstick (nanoGPT in torch,
+    bench/torch_gpt.py): the same parameter count with the tied head once,
+    and on the same weights (biases and LayerNorm's moved off 0 and 1) the
+    same logits."""
+    pytest.importorskip("torch")
+    from hpctrain.bench.torch_gpt import same_gpt
+    r = same_gpt({"layers": 2, "heads": 2, "width": 16, "dropout": 0.0}, vocab=11, block_size=8)
+    assert r["hpctrain_params"] == r["torch_params"] == 11 * 16 + 8 * 16 + 2 * (12 * 16 * 16 + 13 * 16) + 2 * 16
+    assert r["max_logit_diff"] < 1e-4 * max(1.0, r["max_logit"]), r
+
+
+def test_bench_compare_gpt_gives_tokens_per_s_of_both():
+    """compare --model gpt:...: both sides run at --block-size and --batch-size, in tokens/s."""
+    pytest.importorskip("torch")
+    out = json.loads(bench("compare", "--model", "gpt:layers=1,heads=2,width=16", "--block-size", "8",
+                           "--batch-size", "3", "--ranks", "1", "--steps", "4", "--repeats", "1", "--json"))
+    assert (out["unit"], out["block_size"], out["batch_size"]) == ("tokens/s", 8, 3)
+    assert out["check"]["hpctrain_params"] == out["check"]["torch_params"]
+    row, = out["rows"]
+    assert row["ranks"] == 1 and row["hpctrain"] > 0 and row["torch"] > 0
+    assert row["hpctrain"] == pytest.approx(3 * 8 / (row["step_ms"] / 1e3))

@@ -118,9 +118,14 @@ def _subcommands(sub):
                         "(needs matplotlib: pip install 'hpctrain[plot]')")
 
     c = sub.add_parser("compare", help="hpctrain ring vs a plain NumPy loop and PyTorch DDP, in one run "
-                                       "(--model NAME: a zoo model against its PyTorch twin)")
-    c.add_argument("--model", default="mlp", help="mlp (the 784-500-500-10 MLP, default) or a zoo model: "
-                                                  "lenet, cnn, resnet, small_cnn (needs torch)")
+                                       "(--model NAME or gpt:...: the model against its PyTorch twin)")
+    c.add_argument("--model", default="mlp", help="mlp (the 784-500-500-10 MLP, default), a zoo model: "
+                                                  "lenet, cnn, resnet, small_cnn, or nanoGPT's: "
+                                                  "gpt:layers=L,heads=H,width=E (tokens/s; needs torch)")
+    c.add_argument("--block-size", type=_POSITIVE, default=None, metavar="T",
+                   help="--model gpt:...: the context length (default: 64)")
+    c.add_argument("--batch-size", type=_POSITIVE, default=None,
+                   help="--model NAME or gpt:...: samples per rank and step (default: 32; the GPT 12)")
     c.add_argument("--ranks", type=_counts, default="1,2,4", help="comma-separated rank counts (default: %(default)s)")
     c.add_argument("--steps", type=_POSITIVE, default=1000, help="steps per run (default: %(default)s)")
     c.add_argument("--repeats", type=_POSITIVE, default=3, help="hpctrain runs per configuration (median)")
@@ -213,13 +218,30 @@ def _run(args, extra):
         from .train import main as run
         return run(args, extra)
     if args.what == "compare":
-        from ..nn import MODELS
-        if args.model not in MODELS:
-            raise HpctrainError(f"--model {args.model}: not one of {', '.join(MODELS)}")
+        _compare_flags(args)
         from .train import compare
         return compare(args)
     from .model import main as run
     return run(args)
+
+
+def _compare_flags(args):
+    """compare's --model and the flags that go with it, checked before
+    anything runs; --block-size's default for the GPT."""
+    from ..cli import gpt_options
+    from ..nn import MODELS
+    try:
+        gpt = gpt_options(args.model)
+    except ValueError as e:
+        raise HpctrainError(f"--model {args.model}: {e}") from None
+    if gpt is None and args.model not in MODELS:
+        raise HpctrainError(f"--model {args.model}: not one of {', '.join(MODELS)}, or gpt:layers=L,heads=H,width=E")
+    if gpt is None and args.block_size is not None:
+        raise HpctrainError(f"--block-size is for --model gpt:..., not {args.model}")
+    if args.model == "mlp" and args.batch_size is not None:
+        raise HpctrainError("--batch-size is for --model NAME or gpt:... (the MLP comparison is at batch 32)")
+    if gpt is not None and args.block_size is None:
+        args.block_size = 64
 
 
 def _layers(args):

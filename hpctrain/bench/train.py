@@ -147,47 +147,36 @@ def compare(args):
 
 
 def compare_model(args):
-    """A zoo model (--model NAME) in hpctrain's ring against its torch twin
-    (bench/torch_models.py: checked to be the same network first, parameter
-    counts and one forward on the same weights), both Adam 1e-4, batch 32 per
-    rank, on MNIST's shape; per rank count the repeats interleaved (hpctrain,
-    torch, hpctrain, torch, ...), medians and ranges. Both get the same BLAS
-    or torch threads per rank: the cores shared out (configure_process)."""
-    from . import torch_models
-    try:
-        check = torch_models.same_model(args.model)
-    except ImportError:
-        raise HpctrainError("compare --model needs torch (a benchmark-only dependency): pip install torch") from None
-    if check["hpctrain_params"] != check["torch_params"] or check["max_logit_diff"] > 1e-3 * max(1.0, check["max_logit"]):
-        raise HpctrainError(f"the torch twin of {args.model} is not the same network: {check}")
-    from ..run.cluster import cores_available
-    rows = []
+    """A zoo model (--model NAME) or nanoGPT's (--model gpt:...) in
+    hpctrain's ring against its torch twin (bench/torch_models.py,
+    bench/torch_gpt.py: checked to be the same network first, parameter
+    counts and one forward on the same weights), both Adam 1e-4; per rank
+    count the repeats interleaved (hpctrain, torch, hpctrain, torch, ...),
+    medians and ranges. Both get the same BLAS or torch threads per rank:
+    the cores shared out (configure_process). A zoo model: samples/s on
+    MNIST's shape, --batch-size per rank (default 32). The GPT: tokens/s on
+    the bundled Shakespeare as characters (prepared into a temporary folder;
+    torch on random tokens of the same vocabulary), --block-size T,
+    --batch-size per rank (default 12: nanoGPT's CPU recipe)."""
+    from ..cli import gpt_options
+    options = gpt_options(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        for ranks in args.ranks:
-            threads = max(1, cores_available() // ranks)
-            ours, theirs = [], []
-            for _ in range(args.repeats):
-                ours.append(one_run(ranks, "ring", args.steps, ["--model", args.model, "--compiled-layers", args.compiled_layers], tmp))
-                theirs.append(torch_models.rate(args.model, ranks, args.steps, threads=threads))
-            from ..cli import parse
-            row = summarise("ring", ranks, ours, parse(["--model", args.model]))
-            rates = [row_rate(r) for r in ours]
-            rows.append({"ranks": ranks, "threads": threads, "hpctrain": float(np.median(rates)),
-                         "hpctrain_min": min(rates), "hpctrain_max": max(rates),
-                         "torch": float(np.median(theirs)), "torch_min": min(theirs), "torch_max": max(theirs),
-                         "ratio": float(np.median(rates)) / float(np.median(theirs)),
-                         "ratios": [a / b for a, b in zip(rates, theirs)],
-                         "step_ms": row["step_ms"], "compute_ms": row["compute_ms"], "comm_ms": row["comm_ms"],
-                         "optimizer_ms": row["optimizer_total_ms"]})
+        if options:
+            bench = gpt_bench(args, options, tmp)
+        else:
+            bench = zoo_bench(args)
+        check = twin_check(args.model, bench["check"])
+        rows = [interleaved(args, ranks, bench, tmp) for ranks in args.ranks]
     load = os.getloadavg()
     if args.json:
         print(json.dumps({"bench": "compare", "model": args.model, "steps": args.steps, "repeats": args.repeats,
+                          "batch_size": bench["batch"], "block_size": bench.get("block_size"), "unit": bench["unit"],
                           "compiled_layers": args.compiled_layers, "check": check, "load_after": load, "rows": rows}))
         return 0
-    print(f"samples/s, {args.model} on {'x'.join(map(str, MNIST_SHAPE))}, Adam 1e-4, batch 32 per rank, "
-          f"{args.steps} steps, --compiled-layers {args.compiled_layers}, {args.repeats} interleaved repeats (medians; hpctrain ring against torch "
-          f"{'DDP over gloo' if max(args.ranks) > 1 else ''}, the same threads per rank); load average "
-          f"{load[0]:.2f} after")
+    print(f"{bench['unit']}, {bench['what']}, Adam 1e-4, batch {bench['batch']} per rank, {args.steps} steps, "
+          f"--compiled-layers {args.compiled_layers}, {args.repeats} interleaved repeats (medians; hpctrain ring "
+          f"against torch{' DDP over gloo' if max(args.ranks) > 1 else ''}, the same threads per rank); load "
+          f"average {load[0]:.2f} after")
     print(f"same network: parameters {check['hpctrain_params']:,} = {check['torch_params']:,}; one forward on the "
           f"same weights, max |logit diff| {check['max_logit_diff']:.1e}")
     for r in rows:
@@ -200,6 +189,66 @@ def compare_model(args):
                        ("compute ms", "compute_ms", "{:.2f}"), ("comm not hidden ms", "comm_ms", "{:.2f}"),
                        ("optimizer ms", "optimizer_ms", "{:.2f}")]))
     return 0
+
+
+def zoo_bench(args):
+    """compare_model's plan for a zoo model: its check, hpctrain's flags and
+    torch's run (samples/s)."""
+    from . import torch_models
+    batch = args.batch_size or 32
+    return {"unit": "samples/s", "what": f"{args.model} on {'x'.join(map(str, MNIST_SHAPE))}", "batch": batch,
+            "per_sample": 1, "check": lambda: torch_models.same_model(args.model),
+            "flags": ["--model", args.model, "--batch-size", str(batch)],
+            "torch": lambda ranks, threads: torch_models.rate(args.model, ranks, args.steps, batch, threads)}
+
+
+def gpt_bench(args, options, tmp):
+    """compare_model's plan for the GPT: the Shakespeare characters prepared
+    into tmp (a small held-out part: the final evaluation is not what is
+    measured), its check, hpctrain's flags and torch's run (tokens/s)."""
+    from . import torch_gpt
+    from ..data import bundled_text_path, load_manifest, prepare_text
+    data = os.path.join(tmp, "shakespeare")
+    prepare_text(bundled_text_path(), data, text="chars", val_fraction=0.002, log=lambda *a: None)
+    vocab, block, batch = load_manifest(data)["vocab_size"], args.block_size, args.batch_size or 12
+    return {"unit": "tokens/s", "what": f"{args.model}, T {block}, vocabulary {vocab} (Shakespeare characters)",
+            "batch": batch, "block_size": block, "per_sample": block,
+            "check": lambda: torch_gpt.same_gpt(options, vocab, block),
+            "flags": ["--model", args.model, "--data", data, "--block-size", str(block), "--batch-size", str(batch)],
+            "torch": lambda ranks, threads: torch_gpt.rate(options, vocab, block, ranks, args.steps, batch, threads)}
+
+
+def twin_check(model, check):
+    """The twin's check run, or one error line: torch missing, or not the same network."""
+    try:
+        result = check()
+    except ImportError:
+        raise HpctrainError("compare --model needs torch (a benchmark-only dependency): pip install torch") from None
+    if result["hpctrain_params"] != result["torch_params"] or \
+            result["max_logit_diff"] > 1e-4 * max(1.0, result["max_logit"]):
+        raise HpctrainError(f"the torch twin of {model} is not the same network: {result}")
+    return result
+
+
+def interleaved(args, ranks, bench, tmp):
+    """One row of compare_model: hpctrain's runs and torch's, interleaved."""
+    from ..run.cluster import cores_available
+    from ..cli import parse
+    threads = max(1, cores_available() // ranks)
+    ours, theirs = [], []
+    for _ in range(args.repeats):
+        ours.append(one_run(ranks, "ring", args.steps, [*bench["flags"], "--compiled-layers", args.compiled_layers],
+                            tmp))
+        theirs.append(bench["torch"](ranks, threads))
+    row = summarise("ring", ranks, ours, parse(["--model", args.model]))
+    rates = [row_rate(r) * bench["per_sample"] for r in ours]
+    return {"ranks": ranks, "threads": threads, "hpctrain": float(np.median(rates)),
+            "hpctrain_min": min(rates), "hpctrain_max": max(rates),
+            "torch": float(np.median(theirs)), "torch_min": min(theirs), "torch_max": max(theirs),
+            "ratio": float(np.median(rates)) / float(np.median(theirs)),
+            "ratios": [a / b for a, b in zip(rates, theirs)],
+            "step_ms": row["step_ms"], "compute_ms": row["compute_ms"], "comm_ms": row["comm_ms"],
+            "optimizer_ms": row["optimizer_total_ms"]}
 
 
 def row_rate(run):
