@@ -68,6 +68,20 @@ class CausalSelfAttention(Layer):
         if self.compiled:
             passes.prepare(("causal_softmax", "causal_softmax_backward"), np.float32)
 
+    def _product(self, a, b, out):
+        """out = a @ b over the compute threads, by ranges of out's rows in
+        whole BLAS row tiles (Dense's rule: the bits do not depend on the
+        threads); a weight's gradient passes its input transposed as `a`."""
+        xp, macs = self.xp, a.shape[0] * a.shape[1] * b.shape[1]
+        self.split(out.shape[0], lambda t, lo, hi: xp.matmul(a[lo:hi], b, out=out[lo:hi]),
+                   unit=threads.row_unit(1), most=threads.most(macs=macs))
+
+    def _batched(self, a, b, out):
+        """out = a @ b, stacked over (batch, heads), split by sample over the threads (each product its own)."""
+        xp = self.xp
+        self.split(out.shape[0], lambda t, lo, hi: xp.matmul(a[lo:hi], b[lo:hi], out=out[lo:hi]),
+                   most=threads.most(macs=out.size * a.shape[-1]))
+
     def _rows(self, fn, *arrays):
         """fn over the (batch, heads, t, t) arrays as (rows, t, t), split by sample over the threads."""
         n, t = arrays[0].shape[0], arrays[0].shape[-1]
@@ -100,11 +114,11 @@ class CausalSelfAttention(Layer):
         n, t, e = x.shape
         rows = x.reshape(n * t, e)
         qkv = ctx.buffer("qkv", (n * t, 3 * e), W.dtype)
-        xp.matmul(rows, W, out=qkv)
+        self._product(rows, W, qkv)
         qkv += b
         q, k, v = (self._heads(qkv, n, t, j) for j in range(3))
         att = ctx.buffer("att", (n, self.heads, t, t), W.dtype)
-        xp.matmul(q, k.transpose(0, 1, 3, 2), out=att)
+        self._batched(q, k.transpose(0, 1, 3, 2), att)
         if self.compiled:
             self._rows(passes.causal_softmax, att)
         else:
@@ -115,12 +129,12 @@ class CausalSelfAttention(Layer):
             att /= att.sum(axis=-1, keepdims=True)
         dropped = self.drop.forward(ctx.inner[0], att, train)
         heads = ctx.buffer("heads", (n, self.heads, t, self.head_width), W.dtype)
-        xp.matmul(dropped, v, out=heads)
+        self._batched(dropped, v, heads)
         merged = ctx.buffer("merged", (n, t, self.heads, self.head_width), W.dtype)
         xp.copyto(merged, heads.transpose(0, 2, 1, 3))
         merged = merged.reshape(n * t, e)
         y = ctx.buffer(("out", train), (n * t, e), W.dtype)
-        xp.matmul(merged, self.params["Wo"], out=y)
+        self._product(merged, self.params["Wo"], y)
         y += self.params["bo"]
         ctx.rows, ctx.qkv, ctx.att, ctx.dropped, ctx.merged = rows, qkv, att, dropped, merged
         return y.reshape(n, t, e)
@@ -129,19 +143,19 @@ class CausalSelfAttention(Layer):
         xp, Wo = self.xp, self.params["Wo"]
         n, t, e = dy.shape
         d = dy.reshape(n * t, e)
-        xp.matmul(ctx.merged.T, d, out=self.grads["Wo"])
+        self._product(ctx.merged.T, d, self.grads["Wo"])
         d.sum(axis=0, out=self.grads["bo"])
         dmerged = ctx.buffer("dmerged", (n * t, e), dy.dtype)
-        xp.matmul(d, Wo.T, out=dmerged)
+        self._product(d, Wo.T, dmerged)
         dheads = ctx.buffer("dheads", (n, self.heads, t, self.head_width), dy.dtype)
         xp.copyto(dheads, dmerged.reshape(n, t, self.heads, self.head_width).transpose(0, 2, 1, 3))
         q, k, v = (self._heads(ctx.qkv, n, t, j) for j in range(3))
         dqkv = ctx.buffer("dqkv", (n * t, 3 * e), dy.dtype)
         part = ctx.buffer("part", (n, self.heads, t, self.head_width), dy.dtype)
-        xp.matmul(ctx.dropped.transpose(0, 1, 3, 2), dheads, out=part)
+        self._batched(ctx.dropped.transpose(0, 1, 3, 2), dheads, part)
         xp.copyto(self._heads(dqkv, n, t, 2), part)                            # dv
         datt = ctx.buffer("datt", (n, self.heads, t, t), dy.dtype)
-        xp.matmul(dheads, v.transpose(0, 1, 3, 2), out=datt)
+        self._batched(dheads, v.transpose(0, 1, 3, 2), datt)
         datt = self.drop.backward(ctx.inner[0], datt, True)
         # the softmax's backward: A (dA - rowsum(dA A)); 0 where masked (A is)
         att = ctx.att
@@ -153,16 +167,16 @@ class CausalSelfAttention(Layer):
             datt -= weighted.sum(axis=-1, keepdims=True)
             datt *= att
             datt *= dy.dtype.type(1 / math.sqrt(self.head_width))
-        xp.matmul(datt, k, out=part)
+        self._batched(datt, k, part)
         xp.copyto(self._heads(dqkv, n, t, 0), part)                            # dq
-        xp.matmul(datt.transpose(0, 1, 3, 2), q, out=part)
+        self._batched(datt.transpose(0, 1, 3, 2), q, part)
         xp.copyto(self._heads(dqkv, n, t, 1), part)                            # dk
-        xp.matmul(ctx.rows.T, dqkv, out=self.grads["Wqkv"])
+        self._product(ctx.rows.T, dqkv, self.grads["Wqkv"])
         dqkv.sum(axis=0, out=self.grads["bqkv"])
         if not need_dx:
             return None
         dx = ctx.buffer("dx", (n * t, e), dy.dtype)
-        xp.matmul(dqkv, self.params["Wqkv"].T, out=dx)
+        self._product(dqkv, self.params["Wqkv"].T, dx)
         return dx.reshape(n, t, e)
 
     def train_floats(self):
