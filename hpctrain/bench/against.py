@@ -20,8 +20,6 @@ import os
 import subprocess
 import tempfile
 
-import numpy as np
-
 from ..errors import HpctrainError
 from .common import table
 from .train import header, one_run, row_rate, summarise
