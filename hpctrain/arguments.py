@@ -20,6 +20,7 @@ Standard library only: training parses its flags before numpy, BLAS or MPI load.
 """
 import argparse
 import difflib
+import math
 import sys
 
 from .errors import HpctrainError
@@ -121,3 +122,40 @@ def positive_ints(text, what):
     if any(d < 1 for d in numbers):
         raise argparse.ArgumentTypeError(f"{what} must be >= 1 each, got {text!r}")
     return numbers
+
+
+# Number types for flags (type=): one ArgumentTypeError line naming the rule.
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def nonneg_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def finite_float(text):
+    value = float(text)
+    if not math.isfinite(value):   # inf and nan parse as floats; neither is a setting
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_float(text):
+    value = finite_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def nonneg_float(text):
+    value = finite_float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value

@@ -8,10 +8,11 @@ variables that we set from the flags and the launcher).
     python -m hpctrain.train --help
 """
 import argparse
-import math
 import sys
 
-from .arguments import Parser, ShortHelp, positive_ints
+from .arguments import (Parser, ShortHelp, finite_float, nonneg_float, nonneg_int, positive_float, positive_int,
+                        positive_ints)
+from .model_names import MODELS, gpt_name, gpt_options, is_model_file
 from .errors import HpctrainError
 
 DEFAULT_STEPS = 2000
@@ -21,29 +22,15 @@ MAX_EPOCHS = 1e6
 MAX_STEPS = 10**12
 
 
-def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _nonneg_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def _steps(text):
-    value = _positive_int(text)
+    value = positive_int(text)
     if value > MAX_STEPS:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_STEPS:,}, got {text}")
     return value
 
 
 def _epochs(text):
-    value = _positive_float(text)
+    value = positive_float(text)
     if value > MAX_EPOCHS:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_EPOCHS:,.0f} passes over the "
                                          f"data, got {text} (a long run: --steps N)")
@@ -56,27 +43,6 @@ def _path(text):
     return text
 
 
-def _finite_float(text):
-    value = float(text)
-    if not math.isfinite(value):   # inf and nan parse as floats; neither is a setting
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def _positive_float(text):
-    value = _finite_float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _nonneg_float(text):
-    value = _finite_float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def _betas(text):
     """--adam-betas B1,B2: two numbers, each in [0, 1)."""
     try:
@@ -86,57 +52,6 @@ def _betas(text):
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise argparse.ArgumentTypeError(f"expected B1,B2, each in [0, 1), got {text!r}")
     return betas
-
-
-# The zoo's names (hpctrain/nn/zoo.py MODELS; this module imports no numpy).
-MODELS = ("mlp", "lenet", "cnn", "resnet", "small_cnn")
-
-
-# --model gpt:KEY=VALUE,...: nanoGPT's model (nn/gpt.py); each key's type, and whether it must be given.
-GPT_KEYS = {"layers": (int, True), "heads": (int, True), "width": (int, True), "dropout": (float, False)}
-
-
-def is_model_file(name):
-    """--model FILE.py:FUNCTION, a user's own model (nn/user.py)."""
-    path, _, function = name.rpartition(":")
-    return path.endswith(".py") and function.isidentifier()
-
-
-def gpt_options(name):
-    """--model gpt:layers=L,heads=H,width=E[,dropout=P] -> {"layers": L, ...,
-    "dropout": P (0 when not given)}; None for a name that is not gpt:;
-    ValueError naming the problem for one that is and does not parse."""
-    kind, colon, options = name.partition(":")
-    if kind != "gpt" or not colon:
-        return None
-    given = {}
-    for item in options.split(","):
-        key, eq, value = item.strip().partition("=")
-        if key not in GPT_KEYS or not eq:
-            raise ValueError(f"{item.strip()!r} is not one of {', '.join(k + '=' for k in GPT_KEYS)}")
-        if key in given:
-            raise ValueError(f"{key}= is given twice")
-        kind_of = GPT_KEYS[key][0]
-        try:
-            given[key] = kind_of(value)
-        except ValueError:
-            raise ValueError(f"{key}={value!r} is not a{'' if kind_of is int else ' real'} number") from None
-    missing = [k for k, (_, needed) in GPT_KEYS.items() if needed and k not in given]
-    if missing:
-        raise ValueError(f"{', '.join(k + '=' for k in missing)} missing")
-    if any(given[k] < 1 for k in ("layers", "heads", "width")):
-        raise ValueError("layers, heads and width must be at least 1 each")
-    if given["width"] % given["heads"]:
-        raise ValueError(f"the width {given['width']} is not a multiple of the heads ({given['heads']})")
-    if not 0 <= given.setdefault("dropout", 0.0) < 1:
-        raise ValueError(f"dropout={given['dropout']:g} is not in [0, 1)")
-    return given
-
-
-def gpt_name(options):
-    """The canonical --model text of gpt_options' dict (what ranks compare and files record)."""
-    text = f"gpt:layers={options['layers']},heads={options['heads']},width={options['width']}"
-    return text + (f",dropout={options['dropout']:g}" if options["dropout"] else "")
 
 
 def _model(text):
@@ -204,15 +119,15 @@ def _training_flags(p):
     g.add_argument("--data", metavar="DIR", type=_path, default=None,
       help="directory of prepared HDF5 shards (default: data/mnist, prepared from "
            "the bundled 5k sample on first use)")
-    g.add_argument("--batch-size", type=_positive_int, default=32, help="samples per worker per step (default: %(default)s)")
+    g.add_argument("--batch-size", type=positive_int, default=32, help="samples per worker per step (default: %(default)s)")
     length = g.add_mutually_exclusive_group()
     length.add_argument("--steps", type=_steps, default=None,
                         help=f"global training steps (default: {DEFAULT_STEPS})")
     length.add_argument("--epochs", type=_epochs, default=None, metavar="E",
                         help="train for E passes over the training set instead: steps = ceil(E * train samples "
                              "/ (workers * --batch-size)), from the data's manifest at start-up")
-    g.add_argument("--lr", type=_positive_float, default=1e-4, help="learning rate (default: %(default)s)")
-    g.add_argument("--accumulate-steps", type=_positive_int, default=1, metavar="K",
+    g.add_argument("--lr", type=positive_float, default=1e-4, help="learning rate (default: %(default)s)")
+    g.add_argument("--accumulate-steps", type=positive_int, default=1, metavar="K",
                    help="K micro-batches of --batch-size per optimizer step, one gradient exchange per step "
                         "(Horovod's backward_passes_per_step, DDP's no_sync): a global batch of workers x K x "
                         "batch size in the memory of one batch (default: %(default)s)")
@@ -222,7 +137,7 @@ def _training_flags(p):
                         "on CuPy) or NumPy's blocks: the same bits; auto: on a GPU, and on NumPy where numba "
                         "(pip install 'hpctrain[fast]') pays back its ~1 s and ~110 MB start-up within the run: "
                         "from 131,072 parameters and 3.6e8 parameter-steps (default: %(default)s)")
-    g.add_argument("--momentum", type=_nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
+    g.add_argument("--momentum", type=nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
     g.add_argument("--adam-betas", type=_betas, default=(0.9, 0.999), metavar="B1,B2",
                    help="--optimizer adam's decay rates of the gradient's first and second moments, each in "
                         "[0, 1) (nanoGPT: 0.9,0.99) (default: 0.9,0.999)")
@@ -230,7 +145,7 @@ def _training_flags(p):
                    help=f"the network: {', '.join(MODELS)}, gpt:layers=L,heads=H,width=E[,dropout=P] (nanoGPT's, on text "
                         f"data) (docs/models.md), or FUNCTION(input_shape, classes) "
                         f"of your own FILE.py returning a list of layers (default: %(default)s)")
-    g.add_argument("--block-size", type=_positive_int, default=256, metavar="T",
+    g.add_argument("--block-size", type=positive_int, default=256, metavar="T",
                    help="text data (prepare --text): the tokens a sample holds, the model's context length "
                         "(default: %(default)s)")
     g.add_argument("--recompute", action="store_true",
@@ -240,29 +155,29 @@ def _training_flags(p):
                         "every block's (docs/models.md)")
     g.add_argument("--hidden", type=_hidden, default=[500, 500], metavar="W1,W2,...",
                    help="--model mlp's hidden layer widths (default: 500,500)")
-    g.add_argument("--seed", type=_nonneg_int, default=0, help="random seed: the initial parameters (rank 0's, broadcast) and each worker's "
+    g.add_argument("--seed", type=nonneg_int, default=0, help="random seed: the initial parameters (rank 0's, broadcast) and each worker's "
                         "each epoch's data shuffle, a function of (seed, epoch) (default: %(default)s)")
     g.add_argument("--scale-lr", action="store_true",
                    help="multiply --lr by the number of workers (linear scaling rule, Goyal et al.)")
-    g.add_argument("--warmup-steps", type=_nonneg_int, default=0,
+    g.add_argument("--warmup-steps", type=nonneg_int, default=0,
                    help="ramp the learning rate up linearly over the first K steps (default: %(default)s)")
     g.add_argument("--lr-schedule", choices=["constant", "step", "cosine"], default="constant",
                    help="constant: --lr throughout; step: times --lr-decay every --lr-decay-steps steps; "
                         "cosine: from --lr after the warm-up down to --lr-min at the last step (default: %(default)s)")
-    g.add_argument("--lr-decay", type=_positive_float, default=0.1,
+    g.add_argument("--lr-decay", type=positive_float, default=0.1,
                    help="--lr-schedule step: the factor applied every --lr-decay-steps steps (default: %(default)s)")
-    g.add_argument("--lr-decay-steps", type=_nonneg_int, default=0,
+    g.add_argument("--lr-decay-steps", type=nonneg_int, default=0,
                    help="--lr-schedule step: decay every N steps (required, > 0)")
-    g.add_argument("--lr-min", type=_nonneg_float, default=0.0,
+    g.add_argument("--lr-min", type=nonneg_float, default=0.0,
                    help="--lr-schedule cosine: the lr at the last step (default: %(default)s)")
-    g.add_argument("--weight-decay", type=_nonneg_float, default=0.0, metavar="WD",
+    g.add_argument("--weight-decay", type=nonneg_float, default=0.0, metavar="WD",
                    help="decoupled weight decay (AdamW): p -= lr * WD * p every step, for every --optimizer, "
                         "on the tensors --weight-decay-on names (default: %(default)s)")
     g.add_argument("--weight-decay-on", choices=["matrices", "all"], default="matrices",
                    help="matrices: what multiplies (Dense/Linear/Conv2d weights, attention's projections, the "
                         "token Embedding), not biases, norms' gains and shifts or the PositionEmbedding table "
                         "(a layer's `decays`, docs/models.md); all: every parameter (default: %(default)s)")
-    g.add_argument("--clip-norm", type=_positive_float, default=None, metavar="C",
+    g.add_argument("--clip-norm", type=positive_float, default=None, metavar="C",
                    help="clip the averaged gradient to global 2-norm C: g *= min(1, C / (||g|| + 1e-6)), "
                         "the same factor on every rank (ring: the per-bucket updates then wait for the last "
                         "bucket; sync ps: on the servers' aggregate; async ps: each worker's own gradient) "
@@ -278,7 +193,7 @@ def _training_flags(p):
                         "convolutions with 16, 32 or 64 output channels (the others im2col), batch norm's "
                         "passes, max pooling and ReLU's gradient; off: NumPy and BLAS alone (im2col); auto: on "
                         "where numba is installed, from 200 steps (default: %(default)s)")
-    g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
+    g.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="compute threads per rank on the CPU: convolutions and batch norm split their images "
                         "over them, each thread's BLAS at one thread (the same bits on any N); 1: none "
                         "(default: the cores this rank gets, as for BLAS's threads: one rank on 2 cores, 2)")
@@ -302,7 +217,7 @@ def _ring_flags(g):
                         "order); the same on one node (default: %(default)s)")
     # 4 MiB, not 1: the MLP as one bucket (one ring a step, not three) trained
     # 1.07x faster at 2 ranks, 1.14x at 4 on 2 cores (docs/ring.md); DDP's are 25 MB.
-    g.add_argument("--fusion-mb", type=_nonneg_float, default=4.0,
+    g.add_argument("--fusion-mb", type=nonneg_float, default=4.0,
                    help="bucket size in MiB for fused, overlapped gradient allreduce; 0 = one allreduce after backprop (default: %(default)s)")
     g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="run bucket allreduces on a communication thread during backprop: on, off, or auto "
@@ -324,7 +239,7 @@ def _on_off(text):
 
 
 def _rate(text):
-    value = _finite_float(text)
+    value = finite_float(text)
     if not value >= 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 (a compression rate), got {text}")
     return value
@@ -338,11 +253,11 @@ def _compression_flags(g):
                         "bf16 keeps float32's range with 8 bits of mantissa); powersgd: each weight matrix as two "
                         "rank-R factors with error feedback (Vogels et al. 2019, DDP's powerSGD_hook), 1-D tensors "
                         "and small matrices as float32 (default: %(default)s)")
-    g.add_argument("--powersgd-rank", type=_positive_int, default=4, metavar="R",
+    g.add_argument("--powersgd-rank", type=positive_int, default=4, metavar="R",
                    help="PowerSGD's rank: a rows x cols matrix goes as (rows + cols) x R floats. Vogels et al. "
                         "needed 2 for ResNet-18 on CIFAR-10 and 4 for an LSTM to match full accuracy; DDP's "
                         "default 1 loses accuracy on harder models (default: %(default)s)")
-    g.add_argument("--powersgd-start", type=_nonneg_int, default=100, metavar="K",
+    g.add_argument("--powersgd-start", type=nonneg_int, default=100, metavar="K",
                    help="the first K steps exchange float32 gradients (DDP's start_powerSGD_iter): early in "
                         "training the gradient changes fast and the warm-started Q has not found its subspace, "
                         "and compressing from step 0 costs accuracy; DDP suggests about 10%% of training "
@@ -355,7 +270,7 @@ def _compression_flags(g):
                    help="carry each matrix's Q from step to step (Vogels et al.'s warm start: each step one "
                         "more power iteration on a slowly changing gradient); off: a fresh random Q every step, "
                         "a worse approximation for the same bytes (default: %(default)s)")
-    g.add_argument("--powersgd-epsilon", type=_nonneg_float, default=0.0, metavar="EPS",
+    g.add_argument("--powersgd-epsilon", type=nonneg_float, default=0.0, metavar="EPS",
                    help="added to each column's norm when P is orthogonalised (DDP's orthogonalization_epsilon). "
                         "0 keeps P orthonormal at any scale (with a warm start P grows with the gradient's "
                         "square, so a fixed EPS distorts small gradients); a zero column stays zero, never NaN "
@@ -380,10 +295,10 @@ def _cut_points(text):
 
 
 def _pipeline_flags(g):
-    g.add_argument("--pipeline-stages", type=_positive_int, default=1, metavar="P",
+    g.add_argument("--pipeline-stages", type=positive_int, default=1, metavar="P",
                    help="cut the model's layers into P stages on P x R ranks (R = world size / P replicas of each "
                         "stage, averaging its gradient); 1 = no pipeline (default: %(default)s)")
-    g.add_argument("--micro-batches", type=_positive_int, default=1, metavar="M",
+    g.add_argument("--micro-batches", type=positive_int, default=1, metavar="M",
                    help="with --pipeline-stages: M micro-batches of --batch-size per replica and step, pipelined "
                         "through the stages (the samples of --accumulate-steps M) (default: %(default)s)")
     g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b",
@@ -391,7 +306,7 @@ def _pipeline_flags(g):
                         "fewer activations; interleaved: 1F1B over --virtual-stages V chunks per stage "
                         "(Megatron's), the bubble V times smaller for V times the messages; needs M a multiple "
                         "of P (default: %(default)s)")
-    g.add_argument("--virtual-stages", type=_positive_int, default=None, metavar="V",
+    g.add_argument("--virtual-stages", type=positive_int, default=None, metavar="V",
                    help="with --pipeline-schedule interleaved: the layers cut into P x V chunks, stage s holding "
                         "chunks s, s + P, ... (default: 2 with interleaved)")
     g.add_argument("--pipeline-split", type=_cut_points, default="", metavar="I,J,...",
@@ -401,7 +316,7 @@ def _pipeline_flags(g):
 
 
 def _ps_flags(g):
-    g.add_argument("--num-ps", type=_positive_int, default=1,
+    g.add_argument("--num-ps", type=positive_int, default=1,
                    help="N ranks are parameter servers, which ones: --ps-ranks (default: %(default)s)")
     g.add_argument("--ps-ranks", choices=["spread", "first"], default="spread",
                    help="which ranks are the servers: spread: server k on node k mod (nodes), the lowest rank "
@@ -412,13 +327,13 @@ def _ps_flags(g):
                       help="synchronous updates: one per version from distinct workers (default)")
     sync.add_argument("--async", dest="sync", action="store_false",
                       help="asynchronous updates: each gradient applied on arrival")
-    g.add_argument("--replicas-to-aggregate", type=_positive_int, default=None,
+    g.add_argument("--replicas-to-aggregate", type=positive_int, default=None,
                    help="sync: gradients (from distinct workers) per update (default: all workers minus --backup-workers)")
-    g.add_argument("--backup-workers", type=_nonneg_int, default=0,
+    g.add_argument("--backup-workers", type=nonneg_int, default=0,
                    help="sync: aggregate the first W-B workers' gradients and drop the rest (default: %(default)s)")
-    g.add_argument("--max-staleness", type=_nonneg_int, default=None,
+    g.add_argument("--max-staleness", type=nonneg_int, default=None,
                    help="async: a worker more than S versions behind pulls again instead of pushing (default: unbounded)")
-    g.add_argument("--dc-lambda", type=_nonneg_float, default=0.0,
+    g.add_argument("--dc-lambda", type=nonneg_float, default=0.0,
                    help="async: DC-ASGD delay compensation strength (0 = plain async) (default: %(default)s)")
     g.add_argument("--placement", choices=["round-robin", "greedy", "even"], default="even",
                    help="how parameters are split over servers (default: %(default)s)")
@@ -432,9 +347,9 @@ def _ps_flags(g):
 
 def _output_flags(g):
     g.add_argument("--checkpoint-dir", metavar="DIR", type=_path, default=None, help="write checkpoints here (chief only)")
-    g.add_argument("--checkpoint-every", type=_nonneg_int, default=0,
+    g.add_argument("--checkpoint-every", type=nonneg_int, default=0,
                    help="checkpoint every N steps (0: only on SIGTERM/SIGUSR1 and at the end) (default: %(default)s)")
-    g.add_argument("--keep-checkpoints", type=_positive_int, default=3, help="keep the newest K checkpoints (default: %(default)s)")
+    g.add_argument("--keep-checkpoints", type=positive_int, default=3, help="keep the newest K checkpoints (default: %(default)s)")
     g.add_argument("--resume", choices=["auto", "yes", "no"], default="auto",
                    help="auto: resume from the newest valid checkpoint if there is one; yes: require one; no: start fresh")
     g.add_argument("--resume-other-data", action="store_true", default=False,
@@ -445,8 +360,8 @@ def _output_flags(g):
     g.add_argument("--tensorboard", metavar="DIR", type=_path, default=None,
                    help="write the loss, lr, samples/s, gradient norm and evaluations as TensorBoard scalars into "
                         "DIR (chief only; needs tensorboardX: pip install 'hpctrain[tensorboard]')")
-    g.add_argument("--log-every", type=_positive_int, default=100, help="print a progress line every N steps (default: %(default)s)")
-    g.add_argument("--eval-every", type=_nonneg_int, default=0,
+    g.add_argument("--log-every", type=positive_int, default=100, help="print a progress line every N steps (default: %(default)s)")
+    g.add_argument("--eval-every", type=nonneg_int, default=0,
                    help="evaluate on the test set (and the validation part, if the data has one) every N steps "
                         "(0: only at the end) (default: %(default)s)")
     g.add_argument("--keep-best", metavar="FILE.h5", type=_path, default=None,
@@ -454,15 +369,15 @@ def _output_flags(g):
                         "(text data: the lowest validation loss) (needs --eval-every and data prepared with "
                         "--val-fraction)")
     g.add_argument("--timeline", metavar="FILE.json", type=_path, default=None, help="write a Chrome trace of the chief's steps")
-    g.add_argument("--timeline-steps", type=_nonneg_int, default=100, metavar="N",
+    g.add_argument("--timeline-steps", type=nonneg_int, default=100, metavar="N",
                    help="--timeline records the first N steps of the run (a pipeline's every rank: about 3 KB a "
                         "step; a trace viewer slows down past a few hundred thousand spans); 0: every step "
                         "(default: %(default)s)")
-    g.add_argument("--memory-budget", type=_positive_float, default=None, metavar="GIB",
+    g.add_argument("--memory-budget", type=positive_float, default=None, metavar="GIB",
                    help="memory one rank may use, in GiB, as SLURM's --mem-per-cpu gives it (default: this node's "
                         "available memory shared among its ranks); a model or batch that does not fit it is "
                         "refused at start-up, naming the pipeline (--pipeline-stages) that would fit")
-    g.add_argument("--timeout", type=_positive_float, default=300.0,
+    g.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds any rank waits for a peer before it names the peer and aborts the job (default: %(default)s)")
 
 

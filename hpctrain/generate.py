@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 from .arguments import Parser
-from .cli import _nonneg_float, _nonneg_int, _positive_int
+from .arguments import nonneg_float, nonneg_int, positive_int
 from .errors import HpctrainError, one_line_errors
 
 
@@ -111,13 +111,13 @@ def build_parser(prog="python -m hpctrain.generate"):
     src.add_argument("--params", metavar="FILE.h5", help="a --save (or --keep-best) file")
     src.add_argument("--checkpoint", metavar="DIR|FILE", help="a checkpoint file, or the newest valid one in DIR")
     p.add_argument("--prompt", default="", help="the text to continue (default: a newline)")
-    p.add_argument("--tokens", type=_nonneg_int, default=200, metavar="N",
+    p.add_argument("--tokens", type=nonneg_int, default=200, metavar="N",
                    help="tokens to sample (default: %(default)s)")
-    p.add_argument("--temperature", type=_nonneg_float, default=1.0, metavar="T",
+    p.add_argument("--temperature", type=nonneg_float, default=1.0, metavar="T",
                    help="divides the logits; 0: greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K",
                    help="sample among the K most likely tokens only (default: all)")
-    p.add_argument("--seed", type=_nonneg_int, default=0, help="the sampler's seed (default: %(default)s)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="the sampler's seed (default: %(default)s)")
     p.add_argument("--data", metavar="DIR", default=None,
                    help="the prepared text, for the vocabulary of a file that records none")
     p.add_argument("--model", metavar="NAME|FILE.py:FUNCTION", default=None,

@@ -24,7 +24,7 @@ from .data.arrays import memory_available
 from .checkpoints.trust import Corrupt, Refused, hard_linked, stored_inside
 from .nn import LayerError, spec_for
 from .nn.user import UserModelError
-from .cli import gpt_options, is_model_file
+from .model_names import gpt_options, is_model_file
 from .nn.zoo import MODELS
 from .checkpoints.model_record import ATTR
 from .files import printable

@@ -228,7 +228,7 @@ def _run(args, extra):
 def _compare_flags(args):
     """compare's --model and the flags that go with it, checked before
     anything runs; --block-size's default for the GPT."""
-    from ..cli import gpt_options
+    from ..model_names import gpt_options
     from ..nn import MODELS
     try:
         gpt = gpt_options(args.model)

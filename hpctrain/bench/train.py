@@ -158,7 +158,7 @@ def compare_model(args):
     the bundled Shakespeare as characters (prepared into a temporary folder;
     torch on random tokens of the same vocabulary), --block-size T,
     --batch-size per rank (default 12: nanoGPT's CPU recipe)."""
-    from ..cli import gpt_options
+    from ..model_names import gpt_options
     options = gpt_options(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         if options:

@@ -23,7 +23,7 @@ import os
 
 from .. import data as data_mod
 from ..errors import HpctrainError
-from ..cli import is_model_file
+from ..model_names import is_model_file
 
 ATTR = "inference"
 # HDF5 keeps an attribute in the object header, 64 KiB at most: a record

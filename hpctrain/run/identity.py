@@ -29,7 +29,7 @@ import math
 import os
 
 from .. import __version__
-from ..cli import is_model_file
+from ..model_names import is_model_file
 from ..nn.sequential import INIT_VERSION
 
 # Flags whose value must be identical on every rank of a job.

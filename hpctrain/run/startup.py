@@ -18,7 +18,8 @@ from mpi4py import MPI
 
 from .. import data as data_mod
 from .. import device, vector_width
-from ..cli import is_model_file, validate
+from ..cli import validate
+from ..model_names import is_model_file
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
 from ..comm.records import allgather_bytes
