@@ -115,37 +115,17 @@ def _rank(rank, world, shape, steps, batch, threads, rendezvous, out):
     Adam 1e-4, random (batch, T) tokens and targets (the speed does not
     depend on their values); rank 0 writes tokens/s from the slowest rank's
     median step (the first fifth of the steps left out as warm-up)."""
-    import time
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
+    from .torch_models import timed_steps
     torch.set_num_threads(threads)
     torch.manual_seed(rank)
     vocab, block_size, options = shape
     module = build(vocab, block_size, options["layers"], options["heads"], options["width"], options["dropout"])
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-        module = torch.nn.parallel.DistributedDataParallel(module)
-    module.train()
-    opt = torch.optim.Adam(module.parameters(), lr=1e-4)
     x = torch.randint(0, vocab, (batch, block_size))
     y = torch.randint(0, vocab, (batch * block_size,))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(module(x).view(-1, vocab), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([float(np.median(times[steps // 5:]))])
-    if world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        with open(out, "w") as f:
-            f.write(str(world * batch * block_size / float(t)))
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    timed_steps(rank, world, module, lambda m: F.cross_entropy(m(x).view(-1, vocab), y), steps,
+                batch * block_size, rendezvous, out)
 
 
 def rate(options, vocab, block_size, ranks, steps, batch, threads=1):

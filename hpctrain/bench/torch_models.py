@@ -154,26 +154,35 @@ def _rank(rank, world, name, steps, batch, threads, rendezvous, out):
     """One process of the torch run: the twin of `name` (DDP over gloo from 2
     ranks), Adam 1e-4, random batches of the model's input shape; rank 0
     writes samples/s from the slowest rank's median step."""
-    import time
     import torch
-    import torch.distributed as dist
     torch.set_num_threads(threads)
     torch.manual_seed(rank)
     spec = MODELS[name](MNIST_SHAPE, MNIST_CLASSES)
     module, _ = build(spec)
+    x = torch.rand(batch, *torch_input_shape(spec))
+    y = torch.randint(0, spec.classes, (batch,))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    timed_steps(rank, world, module, lambda m: loss_fn(m(x), y), steps, batch, rendezvous, out)
+
+
+def timed_steps(rank, world, module, loss, steps, per_step, rendezvous, out):
+    """Train `module` `steps` steps (DDP over gloo from 2 ranks, Adam 1e-4,
+    loss(module) each step); rank 0 writes world x per_step (samples, or
+    tokens) / the slowest rank's median step, the first fifth of the steps
+    left out as warm-up."""
+    import time
+    import torch
+    import torch.distributed as dist
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
         module = torch.nn.parallel.DistributedDataParallel(module)
     module.train()
     opt = torch.optim.Adam(module.parameters(), lr=1e-4)
-    x = torch.rand(batch, *torch_input_shape(spec))
-    y = torch.randint(0, spec.classes, (batch,))
-    loss_fn = torch.nn.CrossEntropyLoss()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss_fn(module(x), y).backward()
+        loss(module).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
     t = torch.tensor([float(np.median(times[steps // 5:]))])
@@ -181,7 +190,7 @@ def _rank(rank, world, name, steps, batch, threads, rendezvous, out):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         with open(out, "w") as f:
-            f.write(str(world * batch / float(t)))
+            f.write(str(world * per_step / float(t)))
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -11,9 +11,50 @@ The copies are decided once, from the layers' declarations, and their
 buffers are kept between calls, in the slot's context (nn/layers.py
 Context): a step allocates nothing once warm.
 
+`Container`: what a layer made of named inner layers (`inner`: (prefix,
+layer) pairs) shares, a Residual's and a transformer Block's: the inner
+tensors under "prefix.name", their initial values, their binding, and
+each inner layer's dropout stream.
+
     python -m pytest -q tests/test_layers.py -k in_place
 """
-from .layers import Context
+from .layers import Context, Layer, Noise
+
+
+class Container(Layer):
+    """A layer whose tensors are its inner layers' (`inner`), prefixed."""
+
+    def _prefixed(self, of):
+        return [(f"{prefix}.{name}", shape) for prefix, layer in self.inner for name, shape in getattr(layer, of)()]
+
+    def param_shapes(self):
+        return self._prefixed("param_shapes")
+
+    def state_shapes(self):
+        return self._prefixed("state_shapes")
+
+    @staticmethod
+    def _split(views, prefix):
+        return {name[len(prefix) + 1:]: v for name, v in views.items() if name.split(".", 1)[0] == prefix}
+
+    def init(self, rng, params, dtype):
+        for prefix, layer in self.inner:
+            layer.init(rng, self._split(params, prefix), dtype)
+
+    def init_state(self, state):
+        for prefix, layer in self.inner:
+            layer.init_state(self._split(state, prefix))
+
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        for prefix, layer in self.inner:
+            layer.bind(xp, self._split(params, prefix), self._split(grads, prefix), self._split(state, prefix))
+
+    def _set_inner_noise(self, ctx, noise, contexts):
+        """Each inner layer's randomness (contexts: theirs, in `inner`'s order), a stream of its own."""
+        ctx.noise = noise
+        for j, ((_, layer), inner) in enumerate(zip(self.inner, contexts)):
+            layer.set_noise(inner, None if noise is None else Noise(*noise[:3], stream=noise.stream * 64 + j + 1))
 
 
 def input_copies(layers, input_kept=False):

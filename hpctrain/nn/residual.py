@@ -13,15 +13,15 @@ prefix. Inner layers initialise in order, block first, then projection.
 """
 import math
 
-from .chain import Chain, input_copies
-from .layers import Context, Layer, LayerError, Noise
+from .chain import Chain, Container, input_copies
+from .layers import Context, LayerError
 
 
 def _shape(shape):
     return "x".join(map(str, shape))
 
 
-class Residual(Layer):
+class Residual(Container):
     keeps_output = False   # its backward reads its inner layers' own buffers
 
     def __init__(self, block, projection=None):
@@ -50,32 +50,8 @@ class Residual(Layer):
         self.out_shape = shape
         return shape
 
-    # --- tensors: the inner layers', prefixed ---------------------------------
-    def _prefixed(self, of):
-        return [(f"{prefix}.{name}", shape) for prefix, layer in self.inner for name, shape in getattr(layer, of)()]
-
-    def param_shapes(self):
-        return self._prefixed("param_shapes")
-
-    def state_shapes(self):
-        return self._prefixed("state_shapes")
-
-    @staticmethod
-    def _split(views, prefix):
-        return {name[len(prefix) + 1:]: v for name, v in views.items() if name.split(".", 1)[0] == prefix}
-
-    def init(self, rng, params, dtype):
-        for prefix, layer in self.inner:
-            layer.init(rng, self._split(params, prefix), dtype)
-
-    def init_state(self, state):
-        for prefix, layer in self.inner:
-            layer.init_state(self._split(state, prefix))
-
     def bind(self, xp, params, grads, state):
-        super().bind(xp, params, grads, state)
-        for prefix, layer in self.inner:
-            layer.bind(xp, self._split(params, prefix), self._split(grads, prefix), self._split(state, prefix))
+        super().bind(xp, params, grads, state)   # the inner layers (nn/chain.Container), prefixed
         self._chains = Chain(self.block, xp, input_kept=True), Chain(self.projection, xp, input_kept=True)
 
     @property
@@ -93,9 +69,7 @@ class Residual(Layer):
         return zip((layer for _, layer in self.inner), block.inner + projection.inner)
 
     def set_noise(self, ctx, noise):
-        ctx.noise = noise
-        for j, (layer, inner) in enumerate(self._inner_contexts(ctx)):
-            layer.set_noise(inner, None if noise is None else Noise(*noise[:3], stream=noise.stream * 64 + j + 1))
+        self._set_inner_noise(ctx, noise, [inner for _, inner in self._inner_contexts(ctx)])
 
     # --- forward and backward -------------------------------------------------
     def forward(self, ctx, x, train):

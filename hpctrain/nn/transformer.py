@@ -18,9 +18,9 @@ out_std), nanoGPT's 0.02 / sqrt(2 layers) (nn/gpt.py passes it).
 import math
 
 from .attention import CausalSelfAttention
-from .chain import Chain
+from .chain import Chain, Container
 from .gelu import GELU
-from .layers import Context, Dropout, Layer, LayerError, Noise
+from .layers import Context, Dropout, Layer, LayerError
 from .linear import Linear, normal
 from .norm import LayerNorm
 
@@ -68,7 +68,7 @@ class PositionEmbedding(Layer):
         return "PositionEmbedding"
 
 
-class Block(Layer):
+class Block(Container):
     """A pre-LN transformer block of `width` (the input's last axis),
     `heads` attention heads, dropout p on the attention and on both
     residual branches."""
@@ -95,25 +95,8 @@ class Block(Layer):
                 shape = tuple(layer.configure(shape))
         return self.out_shape
 
-    # --- tensors: the inner layers', prefixed (as Residual's) -----------------
-    def _prefixed(self, of):
-        return [(f"{prefix}.{name}", shape) for prefix, layer in self.inner for name, shape in getattr(layer, of)()]
-
-    def param_shapes(self):
-        return self._prefixed("param_shapes")
-
-    @staticmethod
-    def _split(views, prefix):
-        return {name[len(prefix) + 1:]: v for name, v in views.items() if name.split(".", 1)[0] == prefix}
-
-    def init(self, rng, params, dtype):
-        for prefix, layer in self.inner:
-            layer.init(rng, self._split(params, prefix), dtype)
-
     def bind(self, xp, params, grads, state):
-        super().bind(xp, params, grads, state)
-        for prefix, layer in self.inner:
-            layer.bind(xp, self._split(params, prefix), self._split(grads, prefix), self._split(state, prefix))
+        super().bind(xp, params, grads, state)   # the inner layers (nn/chain.Container), prefixed
         # each path's input is read again by the residual sum: an in-place layer gets a copy (nn/chain.py)
         self._chains = Chain(self.attn_path, xp, input_kept=True), Chain(self.mlp_path, xp, input_kept=True)
 
@@ -121,10 +104,7 @@ class Block(Layer):
         return Context(self.xp, [chain.context() for chain in self._chains])
 
     def set_noise(self, ctx, noise):
-        ctx.noise = noise
-        contexts = ctx.inner[0].inner + ctx.inner[1].inner
-        for j, ((_, layer), inner) in enumerate(zip(self.inner, contexts)):
-            layer.set_noise(inner, None if noise is None else Noise(*noise[:3], stream=noise.stream * 64 + j + 1))
+        self._set_inner_noise(ctx, noise, ctx.inner[0].inner + ctx.inner[1].inner)
 
     # --- forward and backward -------------------------------------------------
     def forward(self, ctx, x, train):
