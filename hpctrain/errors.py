@@ -8,7 +8,10 @@ traceback; its exit code tells a job script what happened:
     2    bad input: a flag, file, data, output or cluster layout (one line,
          nothing trained or written)
     3    a rank waited longer than --timeout (from before MPI_Init to
-         MPI_Finalize); a roll call names the rank that stopped responding
+         MPI_Finalize); a roll call names the rank that stopped responding.
+         Before MPI is up there is no MPI_Abort: the rank that says it
+         exits 3 and the launcher ends the rest, and MPICH's mpirun may then
+         report 9 (the SIGKILL of the rank it ended) in its place
     4    the loss became inf/nan (diverged): no checkpoint of those
          parameters; job scripts do not requeue it
     75   pre-empted (SIGTERM/SIGUSR1): a checkpoint written after the same

@@ -5,11 +5,11 @@ pictures), and `data prepare`'s temporary folder. Nothing here knows a run:
 it sits at the bottom, so that checkpoints/, report/, pipeline/ and trained.py
 need not import run/ for a temporary file.
 
-- `temp_next_to`: a new file beside its target, created exclusively (O_EXCL)
-  in the target's own directory (the rename into place stays on one
+- `temp_name_next_to`, `create_new`, `remove_temp`: a new file beside its
+  target, in the target's own directory (the rename into place stays on one
   filesystem), named `.<name>.tmp-<pid>-<random>`: nobody can predict the
-  name (a planted symlink is never followed) and the pid tells the next
-  start whether its writer is gone;
+  name, it is created exclusively (O_EXCL: a planted symlink is never
+  followed), and the pid tells the next start whether its writer is gone;
 - `write_atomically`: a file written whole or not at all;
 - `open_in_place`: the --metrics file, written in place, never through a symlink;
 - `abandoned`: whether a temporary file or folder is one a killed writer left
@@ -19,11 +19,12 @@ need not import run/ for a temporary file.
 - `one_line`, `printable`: an OSError's reason, a name, on one line;
 - `rescue_path`: where parameters go when --save fails.
 
-    python -c "from hpctrain.files import temp_next_to, write_atomically, abandoned"
+    python -c "from hpctrain.files import temp_name_next_to, write_atomically, abandoned"
 """
 import errno
 import os
 import re
+import secrets
 import stat
 import tempfile
 import time
@@ -111,20 +112,19 @@ def open_in_place(path, mode):
 
 def write_atomically(path, write, binary=False):
     """path written whole or not at all: write(f) fills a new temporary file
-    beside it (temp_next_to), which is flushed to disk, given the mode of the
+    beside it (temp_name_next_to), which is flushed to disk, given the mode of the
     file it replaces and renamed onto path. Raises OSError (a directory that
     takes no file, a full disk), the temporary removed and path as it was."""
-    fd, tmp = temp_next_to(path)
+    tmp = temp_name_next_to(path)
     try:
-        with os.fdopen(fd, "wb" if binary else "w") as f:
+        with os.fdopen(create_new(tmp), "wb" if binary else "w") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         _keep_mode(path, tmp)
         os.replace(tmp, path)
     finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+        remove_temp(tmp)
 
 
 def _keep_mode(path, tmp):
@@ -164,29 +164,25 @@ def rescue_path(step):
     return path
 
 
-def temp_next_to(path):
-    """(fd, tmp): a new, empty file for `path`'s content, created exclusively
-    in its directory under an unpredictable name that carries this pid. The
-    caller closes fd, renames tmp into place, and removes it in a finally."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                               prefix=f".{os.path.basename(path)}.tmp-{os.getpid()}-")
-    try:
-        # mkstemp's 0600 is for secrets; the renamed file gets the mode a
-        # plain open() would have given it.
-        os.fchmod(fd, 0o666 & ~_umask())
-    except OSError:
-        pass
-    return fd, tmp
+def temp_name_next_to(path):
+    """A name for `path`'s new content in its own directory (the rename into
+    place stays on one filesystem): `.<name>.tmp-<pid>-<random>`, which nobody
+    can predict and whose pid says whose it is. Nothing is created: the
+    caller holds the name first, then makes the file (create_new) inside
+    the try whose finally removes it (remove_temp), so that an interrupt
+    (Ctrl-C raises anywhere a Python function starts) between making the file
+    and holding its name cannot leave it behind."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)),
+                        f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _umask():
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def create_new(tmp):
+    """Create tmp exclusively (O_EXCL: a planted symlink is never followed),
+    with the mode a plain open() gives; return its fd, open for writing."""
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+
+
+def remove_temp(tmp):
+    """A temporary that was not renamed into place, removed (if it exists)."""
+    if tmp is not None and os.path.lexists(tmp):
+        os.unlink(tmp)

@@ -152,14 +152,42 @@ def test_temporary_names_are_exclusive_unpredictable_and_carry_the_pid(tmp_path)
     from hpctrain import files
     names = set()
     for _ in range(3):
-        fd, tmp = files.temp_next_to(tmp_path / "p.h5")
-        os.close(fd)
+        tmp = files.temp_name_next_to(tmp_path / "p.h5")
+        os.close(files.create_new(tmp))
         umask = os.umask(0o022)
         os.umask(umask)
         assert os.path.dirname(tmp) == str(tmp_path) and os.stat(tmp).st_mode & 0o777 == 0o666 & ~umask
         assert re.fullmatch(rf"\.p\.h5\.tmp-{os.getpid()}-[a-z0-9_]{{8}}", os.path.basename(tmp)), tmp
         names.add(tmp)
     assert len(names) == 3
+
+
+def interrupted_at_call(after, directory):
+    """A profile hook that raises KeyboardInterrupt at the `after`-th Python
+    function start once a temporary exists in directory: where a real
+    Ctrl-C lands (CPython runs signal handlers as a function starts)."""
+    seen = [0]
+
+    def hook(frame, event, arg):
+        if event == "call" and any(".tmp-" in n for n in os.listdir(directory)):
+            seen[0] += 1
+            if seen[0] == after:
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+    return hook
+
+
+@pytest.mark.parametrize("after", [1, 2, 3, 5, 8, 13, 40])
+def test_ctrl_c_anywhere_in_a_checkpoint_write_leaves_no_temporary(tmp_path, after):
+    # CI once found a .ckpt-*.h5.tmp-* after Ctrl-C: the interrupt landed
+    # inside mkstemp (after it made the file, before its caller held the name).
+    sys.setprofile(interrupted_at_call(after, tmp_path))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            write(tmp_path, 10)
+    finally:
+        sys.setprofile(None)
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_file_whose_name_lies_about_its_step_is_skipped_and_never_pins_pruning(tmp_path):

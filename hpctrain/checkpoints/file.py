@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import HpctrainError
-from ..files import temp_next_to
+from ..files import create_new, remove_temp, temp_name_next_to
 from ..precision import FLOAT32, file_dtype
 
 FORMAT = "hpctrain-checkpoint"
@@ -130,12 +130,11 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
         raise HpctrainError(f"--checkpoint-dir {directory}: cannot create ({e.strerror})") from None
     name = checkpoint_name(step)
     path = os.path.join(directory, name)
-    tmp = None
+    # Exclusive, unpredictable, with this pid (files.temp_name_next_to):
+    # removed below on every way out, or at the next start if killed.
+    tmp = temp_name_next_to(path)
     try:
-        # Exclusive, unpredictable, with this pid (files.temp_next_to):
-        # removed below on every way out, or at the next start if killed.
-        fd, tmp = temp_next_to(path)
-        os.close(fd)
+        os.close(create_new(tmp))
         # No HDF5 file lock: it fails on some parallel filesystems, and the
         # temporary name is this process's alone.
         with h5py.File(tmp, "w", userblock_size=USERBLOCK, locking=False) as f:
@@ -153,8 +152,7 @@ def save(directory, step, params, optimizer_state, optimizer_t, data_positions, 
     except OSError as e:
         raise HpctrainError(f"{path}: cannot write checkpoint ({e.strerror or e})") from None
     finally:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
+        remove_temp(tmp)
     _prune(directory, keep, mine=path)
     return path
 

@@ -38,7 +38,7 @@ from ..checkpoints.file import Pieces
 from ..checkpoints.sharded import ShardedState
 from ..errors import HpctrainError
 from ..nn.sequential import INIT_VERSION
-from ..files import temp_next_to
+from ..files import create_new, remove_temp, temp_name_next_to
 from . import stage_compression as pipeline_compression
 from .stages import ranges
 
@@ -369,9 +369,9 @@ class Pipelined:
     def _write(self, path, step, attrs, stream):
         import h5py
         spec, plan = self.spec, self.plan
-        fd, tmp = temp_next_to(path)
-        os.close(fd)
+        tmp = temp_name_next_to(path)
         try:
+            os.close(create_new(tmp))
             with h5py.File(tmp, "w") as f:
                 # the chunks' tensors in buffer order, each chunk's slice as it arrives
                 for piece, (count, base) in zip(stream.pieces("params"), zip(*self.layouts.params)):
@@ -395,5 +395,4 @@ class Pipelined:
                     f.attrs[key] = value
             os.replace(tmp, path)
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            remove_temp(tmp)

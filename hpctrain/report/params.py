@@ -11,7 +11,7 @@ import os
 from .. import device
 from ..checkpoints.model_record import record as model_record
 from ..nn.sequential import INIT_VERSION
-from ..files import one_line, rescue_path, temp_next_to
+from ..files import create_new, one_line, remove_temp, rescue_path, temp_name_next_to
 
 
 def save_params(path, model, step, checkpoint_path=None, agree=None, chief=True):
@@ -51,9 +51,9 @@ def write_params(path, model, step, plan, attrs=None):
     temporary name and renamed, so it is never half-written."""
     import h5py
     # Exclusive and unpredictable: a planted symlink is never followed.
-    fd, tmp = temp_next_to(path)
-    os.close(fd)
+    tmp = temp_name_next_to(path)
     try:
+        os.close(create_new(tmp))
         with h5py.File(tmp, "w") as f:
             # the non-trainable state (batch-norm statistics) beside the parameters
             for name, view in model.tensors() + model.state_tensors():
@@ -70,5 +70,4 @@ def write_params(path, model, step, plan, attrs=None):
                 f.attrs[key] = value
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        remove_temp(tmp)

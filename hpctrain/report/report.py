@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import HpctrainError
-from ..files import one_line, temp_next_to
+from ..files import create_new, one_line, remove_temp, temp_name_next_to
 from .metrics import Metrics
 from .tensorboard import Board
 
@@ -270,18 +270,16 @@ def mark_finished(record):
     path = os.environ.get("HPCTRAIN_FINISHED_FILE")
     if not path:
         return
-    tmp = None
+    tmp = temp_name_next_to(path)
     try:
-        fd, tmp = temp_next_to(path)
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(create_new(tmp), "w") as f:
             f.write(json.dumps(record) + "\n")
         os.replace(tmp, path)
     except OSError as e:
         print(f"hpctrain: warning: HPCTRAIN_FINISHED_FILE {path}: cannot write ({e.strerror or e}); the job "
               f"script cannot tell that the run finished", file=sys.stderr, flush=True)
     finally:
-        if tmp and os.path.exists(tmp):
-            os.unlink(tmp)
+        remove_temp(tmp)
 
 
 def peak_memory_and_step_medians(world, stats, alone=False):

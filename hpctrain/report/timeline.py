@@ -9,7 +9,7 @@ chief's one file. Disabled, every call is a no-op costing one attribute lookup;
 past --timeline-steps steps too (the trace of the steps before is written).
 
 Streamed: at most FLUSH_EVERY events are held in memory; the rest are in an
-exclusive temporary file next to the trace (files.temp_next_to), renamed
+exclusive temporary file next to the trace (files.temp_name_next_to), renamed
 into place whole by write() at the end, so a job of millions of steps holds
 no more than a short one, and the trace is never half-written. A run that
 ends before write() removes the temporary (discard()); a killed one's is
@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from ..files import one_line, temp_next_to
+from ..files import create_new, one_line, temp_name_next_to
 
 # Events held in memory before they go to the file: ~0.3 MB.
 FLUSH_EVERY = 1000
@@ -133,8 +133,8 @@ class Timeline:
         try:
             if self._file is None:
                 # Exclusive, unpredictable: no planted symlink followed.
-                fd, self._tmp = temp_next_to(self.path)
-                self._file = os.fdopen(fd, "w")
+                self._tmp = temp_name_next_to(self.path)   # held before the file exists: discard() finds it
+                self._file = os.fdopen(create_new(self._tmp), "w")
                 self._file.write('{"traceEvents": [\n')
             sep = ",\n" if self._written else ""
             self._file.write(sep + json.dumps(events)[1:-1])   # one encoder call per chunk: no brackets

@@ -8,7 +8,7 @@ root on a read-only mount's files), it is not a directory, and no two flags
 name the same file.
 
 Temporary files (the parameters file, a checkpoint, the metrics file being
-rewritten on resume) are made by files.temp_next_to: created exclusively (O_EXCL)
+rewritten on resume) are made by files.temp_name_next_to: created exclusively (O_EXCL)
 in the target's own directory, so the rename into place stays on
 one filesystem, named `.<name>.tmp-<pid>-<random>`: nobody can predict the
 name (a planted symlink is never followed) and the pid tells the next start

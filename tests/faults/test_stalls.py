@@ -57,9 +57,13 @@ def test_a_rank_stopped_at_start_up_ends_the_job(job):
         if proc.poll() is None:
             proc.kill()
     took = time.monotonic() - t0
-    assert proc.returncode == 3, (proc.returncode, err)
     lines = errors(err)
     assert len(lines) == 1 and "giving up (--timeout 5)" in lines[0], err
+    # Stopped before MPI was up (CI once found rank 1 that early), rank 0
+    # has no MPI_Abort: it exits 3 and Hydra SIGKILLs rank 1, and reports
+    # that 9 when it reaps rank 1 first (errors.py). Once MPI is up: 3.
+    before_mpi = "(MPI start-up (MPI_Init))" in lines[0]
+    assert proc.returncode in ((3, 9) if before_mpi else (3,)), (proc.returncode, err)
     assert took < 30 and "step " not in out
 
 
