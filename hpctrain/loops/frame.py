@@ -263,14 +263,20 @@ class Frame:
             raise HpctrainError(f"the parameters after step {step} are not finite: training diverged in its last "
                                 f"step (try a lower --lr or --warmup-steps); no --save, no final record",
                                 exit_code=EXIT_DIVERGED, collective=not alone, report=world.chief)
-        if alone:
-            with world.watchdog.busy():
-                test = model.evaluate("test")
-        else:
+        if not alone:
             model.share_state()
-            test = model.evaluate_parts(self.inputs)
-        n = max(test[2], 1)
-        test = (test[0] / n, test[1] / n, test[2])
+        if self.plan.data.val_is_test:
+            # text: the held-out tail final_val evaluated already (end() ran it on the chief, or on
+            # every rank of a collective model); every rank skips the collective evaluation alike
+            test = report.final_test_from_val() or (0.0, 0.0, 0)
+        else:
+            if alone:
+                with world.watchdog.busy():
+                    test = model.evaluate("test")
+            else:
+                test = model.evaluate_parts(self.inputs)
+            n = max(test[2], 1)
+            test = (test[0] / n, test[1] / n, test[2])
         checkpoint = checkpoints.saved_path if checkpoints.saved_step == step else None
         save_error = None
         if model.collective:

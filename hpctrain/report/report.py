@@ -129,7 +129,9 @@ class Report:
                   "test_loss": round(test_loss, 6)}
         line = f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}"
         if self.plan.data.has_val:
-            val_loss, val_acc, _ = self.evaluate_split(model, "val")
+            # text's val is its test split (one held-out tail): the same figures, evaluated once
+            val_loss, val_acc = (test_loss, test_acc) if self.plan.data.val_is_test else \
+                self.evaluate_split(model, "val")[:2]
             record.update(val_accuracy=round(val_acc, 6), val_loss=round(val_loss, 6))
             line = f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}  " + line
             self.keep_if_best(model, step, val_loss, val_acc)
@@ -171,10 +173,16 @@ class Report:
         never have evaluated that step."""
         if self._final_val is None:
             with self.world.watchdog.busy():
-                val_loss, val_acc, _ = self.evaluate_split(model, "val")
+                val_loss, val_acc, count = self.evaluate_split(model, "val")
                 self.keep_if_best(model, step, val_loss, val_acc)
-            self._final_val = (val_loss, val_acc)
-        return self._final_val
+            self._final_val = (val_loss, val_acc, count)
+        return self._final_val[:2]
+
+    def final_test_from_val(self):
+        """Text's val is its test split: the final evaluation's (loss, accuracy,
+        count) are final_val's, where this rank computed it (the chief, or
+        every rank of a collective model), else None."""
+        return self._final_val if self.plan.data.val_is_test else None
 
     def evaluate_split(self, model, split="test"):
         """Loss, accuracy and count on the whole test set (or "val" part)

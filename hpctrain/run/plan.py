@@ -127,6 +127,7 @@ class Data:
     block_size: int      # --block-size: a text sample's tokens (data/tokens.py); images ignore it
     text: bool           # token windows (prepare --text), not images
     aggregated: int      # the workers whose batches one optimizer step takes (ps: the gradients it aggregates)
+    val_is_test: bool = False   # the val split is the test split's files (text's one held-out tail)
 
     @property
     def tokens_per_sample(self):
@@ -330,7 +331,8 @@ def data_plan(args, cluster, data_dir, digest, manifest, has_val):
                 has_val=bool(has_val), workers=workers, batch_size=args.batch_size,
                 batches=args.accumulate_steps * args.micro_batches, seed=args.seed, augment=args.augment,
                 block_size=args.block_size, text=manifest.get("kind") == "tokens",
-                aggregated=aggregated_workers(args, workers))
+                aggregated=aggregated_workers(args, workers),
+                val_is_test=bool(has_val) and manifest.get("val") == manifest.get("test"))
 
 
 def schedule_plan(args, data):
