@@ -123,11 +123,11 @@ def test_the_memory_estimate_counts_attention_and_only_what_recompute_keeps():
 
 def assert_counts_what_is_held(spec, batch=4):
     """The activations' estimate (float32) at least what the runner holds
-    after a step and at most 40% more (the plain count's own margin: buffers
-    a layer counts and its path does not make, such as a dropout's at p = 0)."""
+    after a step and at most 15% more (buffers a layer counts and its path
+    does not make; a dropout at p = 0 once counted 28% more here)."""
     acts, once = spec.activation_floats()
     _, held = _step(spec, batch)
-    assert held <= 4 * batch * (acts + once) <= 1.4 * held, (held, 4 * batch * (acts + once))
+    assert held <= 4 * batch * (acts + once) <= 1.15 * held, (held, 4 * batch * (acts + once))
 
 
 def test_recompute_of_a_model_without_a_block_is_one_line(job, bundled_shards):

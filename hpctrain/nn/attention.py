@@ -183,7 +183,7 @@ class CausalSelfAttention(Layer):
         t, e, h = self.T, self.width, self.heads
         # forward: qkv (3), heads, merged, out; backward: dmerged, dheads, part, dqkv (3), dx;
         # the attention, its gradient and the softmax's scratch (heads t^2 each), the dropout's
-        return 14 * t * e + 3 * h * t * t + (self.drop.train_floats() if self.drop.p else 0)
+        return 14 * t * e + 3 * h * t * t + self.drop.train_floats()
 
     def flops(self):
         t, e = self.T, self.width

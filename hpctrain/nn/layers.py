@@ -472,8 +472,9 @@ class Dropout(Layer):
         return dx
 
     def train_floats(self):
-        # output, mask and input gradient (the uint64 hashes are scratch of 4 floats a unit)
-        return 7 * math.prod(self.in_shape)
+        # output, mask and input gradient (the uint64 hashes are scratch of 4 floats a unit); p = 0
+        # hands its input and gradient on as they are and holds nothing
+        return 7 * math.prod(self.in_shape) if self.p else 0
 
     def flops(self):
         return math.prod(self.in_shape)
