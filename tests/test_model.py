@@ -4,6 +4,9 @@ import numpy as np
 import pytest
 
 from hpctrain.nn import ClassCrossEntropy, Dense, Flatten, ModelSpec, mlp
+from hpctrain.nn.check import check_loss
+from hpctrain.nn.gpt import gpt
+from hpctrain.nn.losses import TokenCrossEntropy
 
 
 def MLP(hidden=(500, 500), dtype=np.float32):
@@ -130,6 +133,18 @@ def test_the_specs_loss_is_what_training_and_evaluation_use():
     assert loss == plain_loss
     assert np.array_equal(grads, plain_grads * np.float32(0.5))
     assert sums == dict(plain_sums, loss=3 * plain_sums["loss"]) and sums["count"] == 6
+
+
+class TokenLossOfMine(TokenCrossEntropy):
+    """A user's token loss: hpctrain's, from a module of the user's."""
+
+
+def test_a_users_token_loss_passes_the_start_up_check():
+    # The check once fed one target per sample whatever the logits' shape, so
+    # a user's loss over a GPT's (T, vocabulary) logits raised at start-up.
+    spec = gpt(11, 8, 1, 2, 8)
+    spec.loss = TokenLossOfMine()
+    check_loss(spec)
 
 
 def test_init_is_deterministic_and_he_scaled():

@@ -34,7 +34,7 @@ samples, and refuses it when:
 
 A user's own loss (nn/losses.py) is run once too (`check_loss`), on random
 logits of the last layer's output and the integer class targets the
-readers give, and refused when a method raises, when `forward_backward`
+readers give (one a sample for images, one a token for text), and refused when a method raises, when `forward_backward`
 writes into the logits or returns other than (a finite scalar, a float32
 gradient of the logits' shape), or when `sums` returns other than a dict
 with numbers under "loss" and "count".
@@ -277,14 +277,16 @@ def check_layers(spec, seed=0):
 
 def check_loss(spec, seed=0):
     """A user's loss, run once on random float32 logits (BATCH, *last
-    output) against integer class targets; hpctrain's own is skipped."""
+    output) against integer class targets, one per position of the logits
+    but their last axis (an image's one, a text window's one a token);
+    hpctrain's own is skipped."""
     loss = spec.loss
     if type(loss).__module__.startswith("hpctrain.nn."):
         return
     rng = np.random.default_rng(seed)
     name = f"the loss ({type(loss).__name__})"
     logits = rng.standard_normal((BATCH, *spec.shapes[-1])).astype(PROBE.compute)
-    targets = rng.integers(0, spec.classes, BATCH)
+    targets = rng.integers(0, spec.classes, (BATCH, *spec.shapes[-1][:-1]))
     given = logits.copy()
 
     def call(what, fn, *args):
