@@ -223,13 +223,41 @@ def _ring_flags(g):
                    help="run bucket allreduces on a communication thread during backprop: on, off, or auto "
                         "(on for GPUs and when each rank has a spare core; off when ranks share cores, "
                         "where the thread only steals CPU from backprop)")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="ZeRO stage of ring mode: 0 every rank holds everything; 1 each rank updates only its share "
+                        "of every bucket after the reduce-scatter and the allgather carries parameters (optimizer state "
+                        "and work 1/N); 2 the gradient sharded too (each rank keeps its 1/N of the summed gradient and "
+                        "two buckets in flight, no full-length gradient); 3 (parameters sharded) is not built yet. The "
+                        "same parameters bit for bit at every stage. Default: 1 with 2 or more workers on CPUs with "
+                        "--allreduce auto|ring|hier, where it measured faster, else 0")
     g.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",
-                   help="on: each rank updates only its share of every bucket after the reduce-scatter and the allgather "
-                        "carries parameters (ZeRO-1: optimizer state and work 1/N, same parameters); auto = on with 2 or more "
-                        "workers on CPUs with --allreduce auto|ring|hier, where it measured faster and is bit-identical "
-                        "(default: %(default)s)")
+                   help="the old name of --zero 1 (on) and --zero 0 (off); auto: --zero's default (default: %(default)s)")
     g.add_argument("--cuda-aware", choices=["auto", "yes", "no"], default="auto",
                    help="pass GPU buffers straight to MPI (yes), stage through host memory (no), or ask the MPI library (auto)")
+
+
+def _check_zero(args):
+    """--zero and its old name --shard-optimizer: one line for a stage that cannot run."""
+    if args.zero is not None and args.shard_optimizer != "auto":
+        raise HpctrainError(f"--zero {args.zero} and --shard-optimizer {args.shard_optimizer} both given: "
+                            "--shard-optimizer is --zero's old name (on: --zero 1, off: --zero 0); give one")
+    flag = f"--zero {args.zero}" if args.zero is not None else "--shard-optimizer on"
+    stage = args.zero if args.zero is not None else 1 if args.shard_optimizer == "on" else 0
+    if stage == 3:
+        raise HpctrainError("--zero 3 (parameters sharded, gathered before use) is not built yet; --zero 2 shards "
+                            "the gradient and the optimizer state")
+    if stage and args.mode == "ps":
+        raise HpctrainError(f"{flag} is for --mode ring (in ps mode the servers already hold the parameters and "
+                            "the optimizer state in shards)")
+    if stage and args.allreduce == "nccl":
+        raise HpctrainError(f"{flag} does not work with --allreduce nccl yet "
+                            "(its reduce-scatter needs equal parts); use --allreduce auto, ring, hier or mpi")
+    if stage == 2 and args.compression != "none":
+        raise HpctrainError(f"--zero 2 does not work with --compression {args.compression} yet (the compressed "
+                            "exchange reads a full-length gradient); use --zero 1")
+    if stage == 2 and args.pipeline_stages > 1:
+        raise HpctrainError("--zero 2 does not work with --pipeline-stages yet (a stage sums its micro-batches "
+                            "into a full-length gradient); use --zero 1")
 
 
 def _on_off(text):
@@ -395,12 +423,7 @@ def validate(args, world_size):
             raise HpctrainError(f"--replicas-to-aggregate {args.replicas_to_aggregate} is more than the {workers} workers")
     if args.allreduce == "nccl" and args.device == "cpu":
         raise HpctrainError("--allreduce nccl needs --device gpu (or auto on a GPU node)")
-    if args.shard_optimizer == "on" and args.mode == "ring" and args.allreduce == "nccl":
-        raise HpctrainError("--shard-optimizer on does not work with --allreduce nccl yet "
-                            "(its reduce-scatter needs equal parts); use --allreduce auto, ring, hier or mpi")
-    if args.shard_optimizer == "on" and args.mode == "ps":
-        raise HpctrainError("--shard-optimizer on is for --mode ring (in ps mode the servers "
-                            "already hold the optimizer state in shards)")
+    _check_zero(args)
     if args.compression != "none":
         _check_compression(args)
     if args.lr_schedule == "step" and not args.lr_decay_steps:

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,17 @@ def same_bytes(a, b):
     """Whether two --save files hold the same datasets, bit for bit."""
     a, b = saved(a), saved(b)
     return set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def prepared_plays(tmp_path_factory, chars):
+    """The first `chars` characters of the bundled plays, prepared as a
+    character vocabulary (`prepare --text chars`): the directory."""
+    from hpctrain import data
+    root = tmp_path_factory.mktemp("text")
+    source = root / "plays.txt"
+    source.write_bytes(Path(data.bundled_text_path()).read_bytes()[:chars])
+    data.prepare_text(str(source), str(root / "chars"), "chars", log=lambda *a, **k: None)
+    return root / "chars"
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,8 @@ class KernelUpdate:
     over one buffer `grads` cut into `buckets`: each bucket summed by
     `strategy` (a stand-in's allreduce), then `kernel(lo, hi)` in place of
     the optimizer (a test queues it on the calling thread's stream).
-    Neither sharded nor deferred."""
-    sharded = deferred = False
+    Neither sharded (nor its gradient) nor deferred."""
+    sharded = deferred = shard_grads = False
 
     def __init__(self, strategy, grads, buckets, kernel):
         self.strategy, self.kernel = strategy, kernel

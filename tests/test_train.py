@@ -98,6 +98,12 @@ def test_a_rank_with_a_different_model_is_a_clear_error(job, tmp_path):
     (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
     (["--save", "/nonexistent/dir/p.h5"], "does not exist"),
     (["--mode", "ps", "--ps-device", "gpu", "--device", "cpu"], "--ps-device gpu: CuPy is not installed"),
+    # a ZeRO stage that cannot run (tests/test_zero.py)
+    (["--zero", "3"], "--zero 3 (parameters sharded, gathered before use) is not built yet"),
+    (["--zero", "2", "--compression", "bf16"], "--zero 2 does not work with --compression bf16 yet"),
+    (["--zero", "2", "--pipeline-stages", "2"], "--zero 2 does not work with --pipeline-stages yet"),
+    (["--zero", "2", "--mode", "ps"], "--zero 2 is for --mode ring"),
+    (["--zero", "1", "--shard-optimizer", "off"], "--zero 1 and --shard-optimizer off both given"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(job, tmp_path, flags, expect):
     r = job(2, *flags, "--metrics", tmp_path / "m.jsonl", timeout=60)

@@ -7,9 +7,13 @@ What it owns, per step:
 - the buckets: ring mode's, a pure function of the layer boundaries and
   --fusion-mb (`model_buckets`), cut to each part's slice (`cut`), so a
   pipeline stage's replicas sum in ring mode's order;
-- the allreduce strategy: each bucket allreduced, or with --shard-optimizer
-  (ZeRO stage 1) reduce-scattered, this rank's part updated and the
-  parameters allgathered (`reduce`, `update`, `gather`);
+- the allreduce strategy: each bucket allreduced, or with --zero 1
+  (--shard-optimizer on) reduce-scattered, this rank's part updated and the
+  parameters allgathered (`reduce`, `update`, `gather`); with --zero 2 the
+  gradient too is sharded: the buckets live in a few slots
+  (nn/grad_slots.py) and each reduce-scatter leaves this rank's part in
+  its compact gradient shard (`GradShard`), which the optimizer and the
+  norm read: the same sums, the same update, the same bits as stage 1;
 - the compression exchange (comm/compressed_exchange.py), through which a
   bucket is summed instead of the strategy's own allreduce;
 - the optimizer of each part, its state sized by what this rank updates;
@@ -25,7 +29,8 @@ last backward. Either way the sums, the norm and the per-element update
 are the same, so a pipeline ends with `--accumulate-steps M`'s parameters
 and a sharded run with an unsharded one's, bit for bit.
 
-    mpirun -n 4 python -m hpctrain.train --steps 200 --shard-optimizer on --clip-norm 1
+    mpirun -n 4 python -m hpctrain.train --steps 200 --zero 1 --clip-norm 1
+    mpirun -n 4 python -m hpctrain.train --steps 200 --zero 2 --clip-norm 1
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --clip-norm 1 --shard-optimizer on
 """
 from ..chunks import chunk_parts
@@ -50,12 +55,29 @@ class Part:
     """One pair of flat buffers the update runs over, at offset `lo` of the
     model's (0 in ring mode), the model's chunk `chunk` (0 in ring mode):
     its buckets and the ranges of them this rank updates (buffer
-    coordinates), its optimizer and its exchange (None: the strategy)."""
-    __slots__ = ("params", "grads", "lo", "chunk", "buckets", "owned", "optimizer", "exchange")
+    coordinates), its optimizer and its exchange (None: the strategy);
+    with --zero 2 `grads` is the model's nn/grad_slots.GradSlots and
+    `shard` this rank's summed part of it (GradShard)."""
+    __slots__ = ("params", "grads", "lo", "chunk", "buckets", "owned", "optimizer", "exchange", "shard")
 
     def __init__(self, params, grads, lo=0, chunk=0, exchange=None):
         self.params, self.grads, self.lo, self.chunk, self.exchange = params, grads, lo, chunk, exchange
-        self.buckets = self.owned = self.optimizer = None
+        self.buckets = self.owned = self.optimizer = self.shard = None
+
+
+class GradShard:
+    """--zero 2: this rank's part of the summed gradient, in its sharded
+    optimizer's compact layout (the owned ranges one after another, 1/N of
+    the model); `[lo:hi]` of an owned range (buffer coordinates) is its
+    view there, as the norm's pieces read it."""
+
+    def __init__(self, optimizer, xp, dtype):
+        self.optimizer = optimizer
+        self.buf = xp.zeros(optimizer.size, dtype)
+
+    def __getitem__(self, key):
+        c = self.optimizer.compact_offset(key.start, key.stop)
+        return self.buf[c:c + key.stop - key.start]
 
 
 class NormScope:
@@ -73,13 +95,15 @@ class DataParallelUpdate:
     the replicas' allreduce (comm/; None for one replica: nothing to sum);
     optimizer: (name, keyword arguments of optim.make_optimizer); xp: the
     array module; grad_scale: what turns the summed gradient into the mean
-    (1 / (replicas x micro-batches)); sharded: --shard-optimizer on (with a
-    strategy); clip: an optim.clipping.Clip or None; scope: a NormScope
-    (with clip)."""
+    (1 / (replicas x micro-batches)); sharded: --zero 1 (with a strategy);
+    shard_grads: --zero 2 (sharded, each part's grads a GradSlots); clip:
+    an optim.clipping.Clip or None; scope: a NormScope (with clip)."""
 
-    def __init__(self, parts, buckets, strategy, optimizer, xp, grad_scale, sharded=False, clip=None, scope=None):
+    def __init__(self, parts, buckets, strategy, optimizer, xp, grad_scale, sharded=False, clip=None, scope=None,
+                 shard_grads=False):
         self.parts, self.strategy, self.grad_scale = parts, strategy, grad_scale
         self.sharded = bool(sharded) and strategy is not None
+        self.shard_grads = self.sharded and bool(shard_grads)
         name, kwargs = optimizer
         for p in parts:
             p.buckets = cut(buckets, p.lo, p.lo + p.grads.size)
@@ -87,6 +111,8 @@ class DataParallelUpdate:
             # at: the part's slice of the model, where the model's weight-decay ranges fall in it
             p.optimizer = make_optimizer(name, p.grads.size, xp, owned=p.owned if self.sharded else None,
                                          at=[(p.lo, p.lo + p.grads.size)], **kwargs)
+            if self.shard_grads:
+                p.shard = GradShard(p.optimizer, xp, p.grads.dtype)
         self.clip = clip
         self.norm = self._norm(buckets, scope or NormScope()) if clip is not None else None
 
@@ -131,7 +157,13 @@ class DataParallelUpdate:
         lo, hi = p.buckets[i]
         if strategy is None:
             return
-        if self.sharded:
+        if self.shard_grads:
+            # the bucket's slot is free again once its part is in the shard
+            bucket = p.grads[lo:hi]
+            a, b = strategy.reduce_scatter(bucket)
+            if a < b:
+                p.shard[lo + a:lo + b][...] = bucket[a:b]
+        elif self.sharded:
             p.exchange.reduce_scatter(lo, hi) if p.exchange is not None else strategy.reduce_scatter(p.grads[lo:hi])
         elif p.exchange is not None:
             p.exchange.allreduce(lo, hi)
@@ -143,7 +175,10 @@ class DataParallelUpdate:
         p = self.parts[k]
         lo, hi = p.owned[i]
         if lo < hi:
-            p.optimizer.update(p.params, p.grads, lo, hi)
+            if p.shard is not None:
+                p.optimizer.update_compact(p.params, p.shard.buf, lo, hi)
+            else:
+                p.optimizer.update(p.params, p.grads, lo, hi)
 
     def gather(self, k, i):
         """Sharded: every replica's updated part of bucket i of part k to every replica."""
@@ -160,7 +195,8 @@ class DataParallelUpdate:
     def clip_scale(self):
         """--clip-norm, once every bucket of every part is summed: the factor
         of the one norm, folded into every optimizer's gradient scale."""
-        scale = self.clip.scaled(self.norm.partials([p.grads for p in self.parts]), self.grad_scale)
+        held = [p.grads if p.shard is None else p.shard for p in self.parts]
+        scale = self.clip.scaled(self.norm.partials(held), self.grad_scale)
         for p in self.parts:
             p.optimizer.set_grad_scale(scale)
 

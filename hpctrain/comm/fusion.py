@@ -75,6 +75,12 @@ def ready_from(layer_ranges):
     return [0] + [lo for lo, _ in layer_ranges[1:]]
 
 
+def overlaps(overlap, buckets, strategy):
+    """Whether a communication thread sums the buckets (--overlap on): one
+    rank has nothing to reduce, one bucket nothing to overlap."""
+    return bool(overlap) and len(buckets) > 1 and strategy is not None and strategy.size > 1
+
+
 class FusedAllreduce:
     """Drive the buckets of one part of a data-parallel update (`update`:
     comm/data_parallel.DataParallelUpdate, its part `part`: in training the
@@ -97,12 +103,15 @@ class FusedAllreduce:
         self.ready_from = list(ready_from)
         self.buckets = list(update.parts[part].buckets)
         self.marks = marks or device.HostMarks()
-        # One rank has nothing to reduce, one bucket nothing to overlap: no thread.
-        self.overlap = overlap and len(self.buckets) > 1 and update.strategy is not None and \
-            update.strategy.size > 1
+        self.overlap = overlaps(overlap, self.buckets, update.strategy)
         self.timeline = timeline
         self.watchdog = watchdog
+        # --zero 2: the buckets' gradient slots (nn/grad_slots.py); a bucket's
+        # slot is free once the bucket that used it before is summed, so each
+        # bucket is summed as soon as it is done, with overlap or without
+        self.slots = update.parts[part].grads if update.shard_grads else None
         self._next = 0          # index of the next bucket to launch
+        self._received = 0      # buckets the communication thread has handed back this step
         # Last step's accounting (seconds): the main thread's wait in wait(), and
         # how much of it was allreduce and how much optimizer update (the rest of
         # their time was hidden behind backprop); update_s is all update time.
@@ -117,11 +126,17 @@ class FusedAllreduce:
     # --- called by the training loop ---------------------------------------
     def layer_done(self, layer):
         """Launch every bucket that lies wholly in the finished region (with
-        overlap; without, everything waits for wait())."""
-        if not self.overlap:
+        overlap; without, everything waits for wait(), but with --zero 2's
+        slots, where it is summed here). With slots, when the next layer
+        starts a bucket whose slot an earlier bucket holds, wait for that one."""
+        if not self.overlap and self.slots is None:
             return
         finished_from = self.ready_from[layer]
         self._launch_until(lambda lo: lo >= finished_from)
+        if self.slots is not None and layer > 0:
+            before = self.slots.reuses(self.slots.bucket_at(self.ready_from[layer - 1]))
+            if before is not None and self.overlap:
+                self._receive(before + 1)
 
     def wait(self):
         """Launch what is left, then wait until every bucket is reduced (and its
@@ -130,17 +145,12 @@ class FusedAllreduce:
         t0 = time.perf_counter()
         self._launch_until(lambda lo: True)
         if self.overlap:
-            for _ in range(len(self.buckets)):
-                with waiting(self.watchdog, "fused allreduce"):
-                    item = self._done.get()
-                if isinstance(item, BaseException):
-                    raise item
-                self.marks.use(item)   # the next forward waits for this bucket's update
+            self._receive(len(self.buckets))
         if self.update.deferred:
             self.update.clip_scale()   # every sum is in: the clip norm
             for i in range(len(self.buckets)):
                 self._update(i)
-        self._next = 0
+        self._next = self._received = 0
         t1 = time.perf_counter()
         self.wait_s = t1 - t0
         comm = update = total_update = 0.0
@@ -162,6 +172,17 @@ class FusedAllreduce:
             self._thread.join(timeout=5)
 
     # --- internals -----------------------------------------------------------
+    def _receive(self, count):
+        """Wait until the communication thread has handed back the first
+        `count` buckets (summed, and unless deferred updated)."""
+        while self._received < count:
+            with waiting(self.watchdog, "fused allreduce"):
+                item = self._done.get()
+            if isinstance(item, BaseException):
+                raise item
+            self.marks.use(item)   # later kernels (the next forward, a slot's next writer) wait for it
+            self._received += 1
+
     def _launch_until(self, ready):
         """Launch the next buckets while ready(bucket's lo). Without overlap
         they are reduced here, on this thread's stream, which every strategy

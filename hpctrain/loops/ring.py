@@ -35,7 +35,7 @@ def train_ring(world, plan, inputs, timeline):
         world.say(f"hpctrain: allreduce {strategy.name} ({strategy.choice})")
     ring = RingStep(
         plan.spec, strategy, comm, xp, (plan.optimizer.name, plan.optimizer.kwargs), ring_plan.fusion_elems,
-        sharded=ring_plan.shard_optimizer, clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
+        sharded=ring_plan.shard_optimizer, shard_grads=ring_plan.shard_grads, clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=ring_plan.overlap, timeline=timeline if timeline.enabled else None, watchdog=world.watchdog,
         accumulate=ring_plan.accumulate_steps, compression=plan.compression, dtype=plan.precision.params)
@@ -63,7 +63,8 @@ def train_ring(world, plan, inputs, timeline):
     evaluated = WholeModel(world, plan, model)   # what the chief evaluates and saves
     step, stopped = train_steps(world, frame, ring, reader, evaluated)
     ring.close()   # the communication thread ends with the loop
-    extra = {"shard_optimizer": "on" if ring.sharded else "off", **(ring.clip.totals() if ring.clip else {}),
+    extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": 2 if ring.shard_grads else int(ring.sharded),
+             **(ring.clip.totals() if ring.clip else {}),
              "compression": plan.compression.kind}
     if ring.exchange is not None:
         extra["sent_bytes_per_step"] = ring.sent_bytes()   # what each rank hands its allreduce, compressed

@@ -43,11 +43,12 @@ from mpi4py import MPI
 
 from ..comm.compressed_exchange import make_exchange, sharding_for
 from ..comm.data_parallel import DataParallelUpdate, NormScope, Part, model_buckets
-from ..comm.fusion import FusedAllreduce, ready_from
+from ..comm.fusion import FusedAllreduce, overlaps, ready_from
 from ..comm.loss_and_stop import LossAndStop
 from .. import device
 from ..device import all_finite
 from ..nn.accumulate import Accumulation
+from ..nn.grad_slots import OVERLAPPED, GradSlots
 from ..optim.compression_math import powersgd_layout
 from ..precision import FLOAT32
 
@@ -68,10 +69,21 @@ class RingStep:
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
                  marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None,
-                 dtype=FLOAT32.params):
+                 dtype=FLOAT32.params, shard_grads=False):
         n = spec.num_params
         self.sharded, self.clip, self.accumulate_steps = sharded, clip, int(accumulate)
-        self.model = spec.build(xp, dtype=dtype)
+        self.shard_grads = bool(sharded and shard_grads)
+        buckets = model_buckets(spec.layer_ranges, n, fusion_elems)
+        if self.shard_grads:
+            if compression is not None and compression.kind != "none":
+                raise ValueError("--zero 2 does not take --compression")   # cli.py refuses it in one line
+            # --zero 2: no full-length gradient, each bucket's in a slot (nn/grad_slots.py);
+            # a second slot where the communication thread sums one bucket while backprop writes the next
+            shared = OVERLAPPED if overlaps(overlap, buckets, strategy) else 1
+            self.model = spec.build(xp, dtype=dtype, grads=GradSlots(n, buckets, xp, dtype, shared=shared,
+                                                                     homes=[(t.lo, t.hi) for t in spec.ties]))
+        else:
+            self.model = spec.build(xp, dtype=dtype)
         grads = self.model.grads   # the buckets' buffer: the gradients only
         self.loss_and_stop = LossAndStop(comm, device.copier(xp), watchdog)
         # sharded with --compression on several nodes: hier's node shards (comm/compressed_exchange.py)
@@ -88,8 +100,8 @@ class RingStep:
             if sharded else NormScope()
         self.update = DataParallelUpdate(
             [Part(self.model.params, grads, exchange=self.exchange)],
-            model_buckets(self.model.layer_ranges, n, fusion_elems), strategy, optimizer, xp,
-            1.0 / (comm.Get_size() * self.accumulate_steps), sharded=sharded, clip=clip, scope=scope)
+            buckets, strategy, optimizer, xp, 1.0 / (comm.Get_size() * self.accumulate_steps), sharded=sharded,
+            clip=clip, scope=scope, shard_grads=self.shard_grads)
         self.optimizer, self.buckets = self.update.parts[0].optimizer, self.update.parts[0].buckets
         self.fused = FusedAllreduce(self.update, ready_from(self.model.layer_ranges), marks=marks, overlap=overlap,
                                     timeline=timeline, watchdog=watchdog)
@@ -108,10 +120,18 @@ class RingStep:
     def accumulate(self, x, y, noise=None):
         """One of a step's first K - 1 micro-batches: its gradient and loss
         added up here, nothing exchanged."""
-        loss = self.model.forward_backward(x, y, noise=noise, combine=False)
-        self.acc.add(self.model.grads)
+        if self.shard_grads:   # the slots hold a bucket at a time: each layer added as it is done
+            loss = self.model.forward_backward(x, y, noise=noise, combine=False, on_layer_done=self._add_layer)
+            self.acc.counted()
+        else:
+            loss = self.model.forward_backward(x, y, noise=noise, combine=False)
+            self.acc.add(self.model.grads)
         self.acc_extra.add(self.model.extra)
         self.acc_loss.add(loss)
+
+    def _add_layer(self, k):
+        lo, hi = self.model.layer_ranges[k]
+        self.acc.add_range(self.model.grads[lo:hi], lo, hi)
 
     def _forward_done(self):
         self.loss_and_stop.loss_ready(self.loss_out)

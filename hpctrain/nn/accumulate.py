@@ -29,9 +29,23 @@ class Accumulation:
             self.out[...] = array
         self.count += 1
 
+    def add_range(self, part, lo, hi):
+        """As add, for the next one's [lo:hi] only (`part`): the caller adds
+        every range of it, then calls counted() (--zero 2 adds a layer at
+        a time, as backprop finishes each: its slots hold one bucket)."""
+        if self.count:
+            self.out[lo:hi] += part
+        else:
+            self.out[lo:hi] = part
+
+    def counted(self):
+        """Every range of the next one was added (add_range)."""
+        self.count += 1
+
     def into(self, target, lo=None, hi=None):
         """target[lo:hi] += the sum's [lo:hi] (all of it without lo, hi)."""
-        target[lo:hi] += self.out[lo:hi]
+        view = target[lo:hi]   # a view, added into in place (GradSlots has no item assignment)
+        view += self.out[lo:hi]
 
     def mean(self):
         """The sum times 1 / count (a new array)."""

@@ -38,6 +38,7 @@ import traceback
 
 import numpy as np
 
+from .grad_slots import GradSlots
 from .layers import Dropout, LayerCodeError, LayerError, describe
 from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
@@ -361,7 +362,7 @@ class ModelSpec:
     def build(self, xp=np, params=None, grads=None, state=None, dtype=FLOAT32.params):
         """The model over these flat buffers (each `num_params` long, contiguous,
         of `dtype`, the run's precision.params (hpctrain/precision.py); fresh
-        zeros where not given). Each build has its own copy
+        zeros where not given; grads may be nn/grad_slots.GradSlots). Each build has its own copy
         of the layers: two models of one spec share nothing."""
         dtype = np.dtype(dtype)
         params = xp.zeros(self.num_params, dtype) if params is None else params
@@ -369,6 +370,8 @@ class ModelSpec:
         state = xp.zeros(self.num_state, dtype) if state is None else state
         for what, buf, size in (("params", params, self.num_params), ("grads", grads, self.num_params),
                                 ("state", state, self.num_state)):
+            if isinstance(buf, GradSlots) and buf.size == size and buf.dtype == dtype:
+                continue   # --zero 2: the gradient in its buckets' slots (nn/grad_slots.py)
             if buf.shape != (size,) or buf.dtype != dtype or not buf.flags.c_contiguous:
                 raise ValueError(f"build's {what} must be one contiguous {dtype} buffer of {size} elements, "
                                  f"got shape {buf.shape}, {buf.dtype}" + ("" if buf.flags.c_contiguous else

@@ -429,7 +429,8 @@ class Sharded(_Wrapper):
     def state(self):
         return self.inner.state()
 
-    def _find(self, lo, hi):
+    def compact_offset(self, lo, hi):
+        """Where buffer range [lo, hi), inside one owned range, starts in the compact layout."""
         for (r_lo, r_hi), c in zip(self.ranges, self.offsets):
             if r_lo <= lo and hi <= r_hi:
                 return c + (lo - r_lo)
@@ -438,11 +439,19 @@ class Sharded(_Wrapper):
     def update(self, params, grads, lo, hi):
         if hi <= lo:
             return
-        c = self._find(lo, hi)
+        c = self.compact_offset(lo, hi)
         # Shifted views, so the inner optimizer's index c means element lo of
         # the buffers (c <= lo: the compact layout keeps buffer order).
         shift = lo - c
         self.inner.update(params[shift:], grads[shift:], c, c + hi - lo)
+
+    def update_compact(self, params, grads, lo, hi):
+        """update(), the gradient given in the compact layout (--zero 2: the
+        rank's shard of the summed gradient, comm/data_parallel.GradShard)."""
+        if hi <= lo:
+            return
+        c = self.compact_offset(lo, hi)
+        self.inner.update(params[lo - c:], grads, c, c + hi - lo)
 
     def compact(self, full, out):
         """out (compact) <- the owned elements of full (a full-length array)."""

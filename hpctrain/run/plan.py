@@ -107,6 +107,14 @@ def shard_wanted(flag, workers=1, xp=np, allreduce="auto"):
     return workers >= 2 and xp is np and allreduce in ("auto", "ring", "hier")
 
 
+def zero_stage(args, workers=1, xp=np):
+    """The ZeRO stage a run takes: --zero where given (its old name
+    --shard-optimizer on|off: 1|0), else shard_wanted's rule (1 or 0)."""
+    if args.zero is not None:
+        return args.zero
+    return 1 if shard_wanted(args.shard_optimizer, workers, xp, args.allreduce) else 0
+
+
 # --- the plan ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -204,6 +212,7 @@ class Ring:
     ring_order: str
     fusion_elems: int       # --fusion-mb in gradient elements (precision.grads; 0: one bucket)
     shard_optimizer: bool   # optimizer state and updates sharded over the workers (ZeRO-1)
+    shard_grads: bool       # the gradient sharded too (ZeRO-2; nn/grad_slots.py)
     overlap: bool           # a communication thread overlaps the buckets with backprop
     accumulate_steps: int
 
@@ -361,7 +370,8 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
         schedule=schedule,
         ring=Ring(allreduce=args.allreduce, cuda_aware=args.cuda_aware, ring_order=args.ring_order,
                   fusion_elems=int(args.fusion_mb * (1 << 20)) // precision.grads.itemsize,
-                  shard_optimizer=ring and shard_wanted(args.shard_optimizer, workers, world.xp, args.allreduce),
+                  shard_optimizer=ring and zero_stage(args, workers, world.xp) >= 1,
+                  shard_grads=ring and zero_stage(args, workers, world.xp) == 2,
                   overlap=ring and overlap_wanted(args.overlap, world.xp, cluster.local_size,
                                                   world.thread_multiple),
                   accumulate_steps=args.accumulate_steps),

@@ -22,16 +22,19 @@ from ..cli import validate
 from ..model_names import is_model_file
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
+from ..comm.fusion import bucket_bounds, ready_from
 from ..comm.records import allgather_bytes
 from ..comm.waits import Waits
 from ..data.arrays import memory_available
 from ..data.augment import Augment
 from ..errors import HpctrainError
 from ..nn import LayerError, compiled, spec_for, threads
+from ..nn.grad_slots import slot_elements
 from ..nn.kernels_used import layers_line
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
+from ..precision import FLOAT32
 from ..report import tensorboard
 from ..tuning import rounding
 from . import cluster as cluster_mod
@@ -40,7 +43,7 @@ from .cluster import Cluster
 from .inputs import Inputs, data_identity, ensure_data
 from .mesh import Mesh
 from .outputs import check_outputs
-from .plan import data_plan, make_plan, schedule_plan, shard_wanted
+from .plan import data_plan, make_plan, schedule_plan, zero_stage
 from .world import World
 
 
@@ -165,7 +168,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     world = with_mesh(world, args)
     replicas = world.mesh.size("data") if world.mesh else cluster.num_workers
     agree(check_memory, args, cluster.local_size, spec, cuts, replicas,
-          shard_wanted(args.shard_optimizer, replicas, xp, args.allreduce) and replicas > 1, schedule.total_steps)
+          zero_stage(args, replicas, xp) if replicas > 1 else 0, schedule.total_steps)
     agree(check_step_size, args, data.workers, manifest, data_dir)
     # Last before training, so a refusal above leaves nothing behind (this
     # creates --checkpoint-dir): a result that cannot be written would be lost.
@@ -395,7 +398,9 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
     holds already (the interpreter and its imports) and what it will (the
     model, or its pipeline stage's part: the heaviest) against its budget,
     --memory-budget or this node's available memory shared among its ranks.
-    A refusal names the pipeline that would fit."""
+    sharded: the ZeRO stage over the `replicas` (1: the optimizer state 1/R;
+    2: the gradient too, its shard and its slots, nn/grad_slots.py). A
+    refusal names the pipeline that would fit."""
     from ..optim.optimizers import prepare
     from ..pipeline.stages import ranges, stage_chunks, virtual_stages
     from ..report.step_stats import rss_bytes
@@ -407,7 +412,13 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
         lo, hi = ranges(spec, cuts[heaviest], cuts[heaviest + 1])   # its first chunk (the optimizers' size)
         prepare(args.optimizer, hi - lo, steps, args.single_pass)
     else:
-        model = spec.memory_bytes(args.batch_size, STATES[args.optimizer], threads=threads.count())
+        buffers, n = 2, spec.num_params   # the parameters and the gradient
+        if sharded == 2 and n:
+            buckets = bucket_bounds(n, int(args.fusion_mb * (1 << 20)) // FLOAT32.grads.itemsize,
+                                    ready_from(spec.layer_ranges))
+            buffers = 1 + (slot_elements(spec, buckets) + n / replicas) / n
+        model = spec.memory_bytes(args.batch_size, STATES[args.optimizer] / (replicas if sharded else 1),
+                                  buffers=buffers, threads=threads.count())
         prepare(args.optimizer, spec.num_params, steps, args.single_pass)
     base = rss_bytes()   # the interpreter, its imports, and what the optimizer will load (prepare)
     need = base + model

@@ -1,0 +1,179 @@
+"""--zero 2 (ZeRO stage 2 in ring mode): each rank keeps its 1/N shard of
+the summed gradient and a few bucket-sized slots, never a full-length
+gradient, and gets stage 1's parameters bit for bit (the same
+reduce-scatters, the same update on the same shard): with several buckets
+so slots are reused, overlapped or not, --clip-norm's norm from the shards,
+--accumulate-steps, a tied tensor (the GPT's head and embedding), sizes that
+do not divide by the ranks. Jobs: --zero 2 against --zero 1 and 0, and a
+resume across stages (the refusals are in tests/test_train.py).
+
+    mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_zero.py   # the update, at 2, 3, 4 ranks in CI
+    python -m pytest tests/test_zero.py                                     # slots; jobs
+"""
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from collectives import ring_step
+from conftest import prepared_plays, same_bytes
+from hpctrain.comm.ring_allreduce import RingAllreduce
+from hpctrain.comm.data_parallel import model_buckets
+from hpctrain.nn import mlp
+from hpctrain.nn.gpt import gpt
+from hpctrain.nn.grad_slots import GradSlots
+from hpctrain.loops.ring_step import RingStep
+from hpctrain.optim.clipping import Clip
+
+# every layer its own bucket at 200 elements (slots reused), none of them a multiple of the ranks
+MODELS = {"mlp": lambda: mlp((13,), 10, (37, 29, 23, 19)), "gpt": lambda: gpt(13, 8, 4, 2, 12)}
+
+
+def batch(name, rng):
+    if name == "mlp":
+        return rng.random((8, 13)).astype(np.float32), rng.integers(0, 10, 8)
+    return rng.integers(0, 13, (6, 8)), rng.integers(0, 13, (6, 8))
+
+
+def run_steps(comm, name, stage, fusion_elems, overlap, clip=None, accumulate=1, steps=4):
+    """Stage 1 or 2 of ring mode's step for a few steps of a fixed random
+    batch per (rank, step): (params, losses, the step's model)."""
+    rng = np.random.default_rng(100 + comm.rank)
+    strategy = RingAllreduce(comm)
+    ring = RingStep(MODELS[name](), strategy, comm, np, ("adam", {"weight_decay": 0.1}), fusion_elems,
+                    sharded=True, shard_grads=stage == 2, overlap=overlap, clip=Clip(clip) if clip else None,
+                    accumulate=accumulate)
+    ring.model.init(0)
+    losses = []
+    for step in range(steps):
+        ring.begin(1e-2, False)
+        for _ in range(accumulate - 1):
+            ring.accumulate(*batch(name, rng))
+        x, y = batch(name, rng)
+        losses.append(ring_step(ring, x, y, comm.rank + 1 + step)[0])
+    ring.close()
+    strategy.free()
+    return ring.model.params.copy(), losses, ring
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("fusion_elems, overlap", [(0, False), (200, False), (200, True)])
+@pytest.mark.parametrize("clip, accumulate", [(None, 1), (0.5, 1), (0.5, 3)])
+def test_stage_2_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, overlap, clip, accumulate):
+    comm = MPI.COMM_WORLD
+    one, one_losses, _ = run_steps(comm, name, 1, fusion_elems, overlap, clip, accumulate)
+    two, losses, ring = run_steps(comm, name, 2, fusion_elems, overlap, clip, accumulate)
+    assert np.array_equal(one, two) and losses == one_losses
+    assert np.isfinite(two).all() and not np.array_equal(two, MODELS_INIT(name))   # it trained
+    grads, n = ring.model.grads, ring.model.num_params
+    assert isinstance(grads, GradSlots)
+    if fusion_elems:   # several buckets: no full-length gradient anywhere
+        assert len(grads.buckets) > 3
+        assert len(grads.slots) == (2 if overlap else 1) + (name == "gpt")   # the tied embedding's own
+        assert grads.nbytes < n * 4 * (0.75 if overlap else 0.5)
+        assert ring.update.parts[0].shard.buf.size <= n / comm.size + len(grads.buckets)
+
+
+def MODELS_INIT(name):
+    model = MODELS[name]().build(np)
+    model.init(0)
+    return model.params
+
+
+# --- the slots, on one process -----------------------------------------------
+
+def test_buckets_take_the_shared_slots_in_turn_and_a_tied_home_has_its_own():
+    buckets = [(90, 100), (60, 90), (40, 60), (10, 40), (0, 10)]
+    slots = GradSlots(100, buckets, homes=[(2, 8)], shared=2)
+    assert [slots.reuses(i) for i in range(5)] == [None, None, 0, 1, None]
+    assert slots.slot_of[4] not in slots.slot_of[:4]
+    assert [s.size for s in slots.slots] == [20, 30, 10]   # each shared slot as long as its longest bucket
+    slots[12:20][...] = 7
+    assert slots[10:40][2:10].tolist() == [7] * 8 and slots.slots[slots.slot_of[3]][2:10].tolist() == [7] * 8
+    with pytest.raises(ValueError, match="crosses"):
+        slots[35:45]
+    with pytest.raises(ValueError, match="cover"):
+        GradSlots(100, [(50, 100), (0, 40)])
+
+
+def test_a_gpt_built_over_slots_binds_every_gradient_into_them():
+    spec = gpt(13, 8, 2, 2, 12)
+    buckets = model_buckets(spec.layer_ranges, spec.num_params, 200)
+    slots = GradSlots(spec.num_params, buckets, homes=[(t.lo, t.hi) for t in spec.ties])
+    model = spec.build(np, grads=slots)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 13, (4, 8)), rng.integers(0, 13, (4, 8))
+    plain = spec.build(np)
+    plain.init(0)
+    model.params[...] = plain.params
+    plain.forward_backward(x, y)
+    # one bucket at a time (as comm/fusion.py consumes them): each layer's
+    # gradient read from its slot as the layer is done
+    got = np.full(spec.num_params, np.nan, np.float32)
+
+    def done(k):
+        lo, hi = spec.layer_ranges[k]
+        got[lo:hi] = slots[lo:hi]
+    model.forward_backward(x, y, on_layer_done=done)
+    assert np.array_equal(got, plain.grads)
+
+
+# --- jobs ---------------------------------------------------------------------
+
+MLP = ["--hidden", "37,19", "--steps", "12", "--log-every", "6", "--batch-size", "16", "--optimizer", "adam",
+       "--lr", "0.001", "--fusion-mb", "0.003", "--clip-norm", "1", "--timeout", "60"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from hpctrain import data
+    out = tmp_path_factory.mktemp("zero") / "mnist"
+    data.prepare(data.bundled_sample_dir(), out, shards=4, log=None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    return prepared_plays(tmp_path_factory, 20_000)
+
+
+def trained(job, ranks, flags, out, name):
+    r = job(ranks, *flags, "--save", out / f"{name}.h5", "--metrics", out / f"{name}.jsonl", timeout=180)
+    assert r.returncode == 0, r.stderr
+    return json.loads((out / f"{name}.jsonl").read_text().splitlines()[-1])
+
+
+def test_zero_2_trains_the_parameters_of_zero_1_and_0(job, tmp_path, shards):
+    for z in (0, 1, 2):
+        final = trained(job, 3, [*MLP, "--data", shards, "--zero", z], tmp_path, f"z{z}")
+        assert final["zero"] == z
+    assert same_bytes(tmp_path / "z0.h5", tmp_path / "z1.h5") and same_bytes(tmp_path / "z1.h5", tmp_path / "z2.h5")
+
+
+def test_zero_2_trains_the_gpt_of_zero_1_with_accumulation(job, tmp_path, text_dir):
+    """The tied head and embedding, dropout on, 2 micro-batches a step, clipped."""
+    flags = ["--data", text_dir, "--model", "gpt:layers=3,heads=2,width=16,dropout=0.1", "--block-size", 16,
+             "--batch-size", 4, "--steps", 4, "--accumulate-steps", 2, "--clip-norm", 0.5, "--fusion-mb", 0.005,
+             "--lr", 1e-3]
+    for z in (1, 2):
+        trained(job, 2, [*flags, "--zero", z], tmp_path, f"z{z}")
+    assert same_bytes(tmp_path / "z1.h5", tmp_path / "z2.h5")
+
+
+@pytest.mark.parametrize("first, then", [(2, 0), (0, 2)])
+def test_checkpoints_resume_across_stages_bit_exact(job, tmp_path, shards, first, then):
+    """Checkpoints at 4, 8, 12 at one stage, the two newest removed, resumed
+    at step 4 at the other: where an uninterrupted run ends (the file is
+    the same at every stage: full-length state)."""
+    (tmp_path / "whole").mkdir()
+    trained(job, 3, [*MLP, "--data", shards, "--zero", 1], tmp_path / "whole", "p")
+    ckpt, cut = tmp_path / "ckpt", tmp_path / "cut"
+    cut.mkdir()
+    every = ["--checkpoint-dir", ckpt, "--checkpoint-every", 4]
+    trained(job, 3, [*MLP, "--data", shards, *every, "--zero", first], cut, "p")
+    for step in (8, 12):
+        (ckpt / f"ckpt-{step:08d}.h5").unlink()
+    trained(job, 3, [*MLP, "--data", shards, *every, "--zero", then], cut, "p")
+    assert same_bytes(tmp_path / "whole" / "p.h5", cut / "p.h5")
