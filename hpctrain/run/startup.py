@@ -392,6 +392,40 @@ def check_single_pass(args, xp):
                             "or use --single-pass auto") from None
 
 
+def ring_needs(args, spec, replicas, stage):
+    """Bytes one rank of ring mode needs at least (nn/spec.py memory_bytes)
+    at ZeRO stage `stage` over `replicas` ranks: the optimizer state 1/R
+    from stage 1; from stage 2 the gradient as its 1/R shard and its
+    slots (nn/grad_slots.py, one: an estimate from below)."""
+    buffers, n = 2, spec.num_params   # the parameters and the gradient
+    if stage == 2 and n:
+        buckets = bucket_bounds(n, int(args.fusion_mb * (1 << 20)) // FLOAT32.grads.itemsize,
+                                ready_from(spec.layer_ranges))
+        buffers = 1 + (slot_elements(spec, buckets) + n / replicas) / n
+    return spec.memory_bytes(args.batch_size, STATES[args.optimizer] / (replicas if stage else 1),
+                             buffers=buffers, threads=threads.count())
+
+
+MOST_RANKS = 1024   # how far fitting_stage looks for a number of ranks
+
+
+def fitting_stage(args, spec, replicas, stage, budget, base):
+    """What a refusal adds for ring mode: the smallest ZeRO stage above
+    `stage` that fits `budget` per rank on these `replicas`, else the
+    fewest ranks (a power of two) on which --zero 2 does; "" if none."""
+    for higher in range(stage + 1, 3):
+        need = base + ring_needs(args, spec, replicas, higher) if replicas > 1 else None
+        if need is not None and need <= budget:
+            return f"; --zero {higher} would fit ({need / 2**30:.2f} GiB per rank)"
+    ranks = 2
+    while ranks <= MOST_RANKS:
+        need = base + ring_needs(args, spec, ranks, 2)
+        if ranks > replicas and need <= budget:
+            return f"; --zero 2 on {ranks} ranks would fit ({need / 2**30:.2f} GiB per rank)"
+        ranks *= 2
+    return ""
+
+
 def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None):
     """Refuse up front a model or batch that cannot fit (a traceback from deep
     inside NumPy, or the OOM killer, an hour later is worse): what this rank
@@ -412,13 +446,7 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
         lo, hi = ranges(spec, cuts[heaviest], cuts[heaviest + 1])   # its first chunk (the optimizers' size)
         prepare(args.optimizer, hi - lo, steps, args.single_pass)
     else:
-        buffers, n = 2, spec.num_params   # the parameters and the gradient
-        if sharded == 2 and n:
-            buckets = bucket_bounds(n, int(args.fusion_mb * (1 << 20)) // FLOAT32.grads.itemsize,
-                                    ready_from(spec.layer_ranges))
-            buffers = 1 + (slot_elements(spec, buckets) + n / replicas) / n
-        model = spec.memory_bytes(args.batch_size, STATES[args.optimizer] / (replicas if sharded else 1),
-                                  buffers=buffers, threads=threads.count())
+        model = ring_needs(args, spec, replicas, sharded)
         prepare(args.optimizer, spec.num_params, steps, args.single_pass)
     base = rss_bytes()   # the interpreter, its imports, and what the optimizer will load (prepare)
     need = base + model
@@ -440,6 +468,8 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
     line = (f"{what} with --batch-size {args.batch_size} needs at least {need / 2**30:.2f} GiB per rank{part} "
             f"(parameters, gradients, optimizer state, activations, and {base / 2**30:.2f} GiB this process "
             f"holds already); {where}")
+    if not cuts and args.mode == "ring":
+        line += fitting_stage(args, spec, replicas, sharded, budget, base)
     fits = fitting_pipeline(args, spec, budget, base)
     if fits and fits[0] > (stages if cuts else 1):
         line += (f"; --pipeline-stages {fits[0]} would fit (its heaviest stage needs "
