@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from collectives import ring_step
 from conftest import prepared_plays, same_bytes
+from test_hier import hier_on_fake_nodes
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.data_parallel import model_buckets
 from hpctrain.nn import mlp
@@ -36,11 +37,12 @@ def batch(name, rng):
     return rng.integers(0, 13, (6, 8)), rng.integers(0, 13, (6, 8))
 
 
-def run_steps(comm, name, stage, fusion_elems, overlap, clip=None, accumulate=1, steps=4):
+def run_steps(comm, name, stage, fusion_elems, overlap, clip=None, accumulate=1, steps=4, make=RingAllreduce):
     """Stage 1 or 2 of ring mode's step for a few steps of a fixed random
-    batch per (rank, step): (params, losses, the step's model)."""
+    batch per (rank, step), over the strategy make(comm): (params, losses,
+    the step's model)."""
     rng = np.random.default_rng(100 + comm.rank)
-    strategy = RingAllreduce(comm)
+    strategy = make(comm)
     ring = RingStep(MODELS[name](), strategy, comm, np, ("adam", {"weight_decay": 0.1}), fusion_elems,
                     sharded=True, shard_grads=stage == 2, overlap=overlap, clip=Clip(clip) if clip else None,
                     accumulate=accumulate)
@@ -74,6 +76,18 @@ def test_stage_2_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, overl
         assert len(grads.slots) == (2 if overlap else 1) + (name == "gpt")   # the tied embedding's own
         assert grads.nbytes < n * 4 * (0.75 if overlap else 0.5)
         assert ring.update.parts[0].shard.buf.size <= n / comm.size + len(grads.buckets)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("fusion_elems, overlap", [(200, False), (200, True)])
+def test_stage_2_on_nodes_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, overlap):
+    """hier (two ranks a node where the size allows): its shards are a
+    sub-slice of the node's part, as a cluster's are."""
+    comm = MPI.COMM_WORLD
+    one, one_losses, _ = run_steps(comm, name, 1, fusion_elems, overlap, 0.5, make=hier_on_fake_nodes)
+    two, losses, _ = run_steps(comm, name, 2, fusion_elems, overlap, 0.5, make=hier_on_fake_nodes)
+    assert np.array_equal(one, two) and losses == one_losses
 
 
 def MODELS_INIT(name):

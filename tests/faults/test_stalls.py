@@ -92,13 +92,16 @@ def stall(ranks, victim, flags, after_s=1.0, in_training=False):
     return proc.returncode, out, err, took
 
 
-def test_a_rank_stopped_mid_training_is_named_and_no_other(job):
+@pytest.mark.parametrize("flags", [[], ["--zero", "2", "--fusion-mb", "0.01"]], ids=["zero-auto", "zero-2"])
+def test_a_rank_stopped_mid_training_is_named_and_no_other(job, flags):
     # At 3 ranks every survivor ends up waiting for an innocent neighbour too;
     # the roll call finds the one rank that does not answer. One line per job.
     # Stopped once training runs (its line names the rank on the mesh, made at
     # the end of start-up; 3 s after launch, on shared cores, was still start-up).
+    # --zero 2 with small buckets: the survivors wait in a bucket's reduce-scatter
+    # with backprop waiting for its slot.
     rc, out, err, took = stall(3, 2, ["--steps", "1000000", "--log-every", "1", "--hidden", "64",
-                                      "--timeout", "4"], in_training=True)
+                                      "--timeout", "4", *flags], in_training=True)
     assert rc == 3, err
     lines = errors(err)
     assert len(lines) == 1, err
