@@ -334,7 +334,7 @@ def ring_baseline_flags(extra):
     """The ring that ps is measured against: extra without the ps flags, and
     unsharded unless extra says otherwise (--shard-optimizer auto is on for CPUs)."""
     out = ring_flags(extra)
-    if not any(a.split("=", 1)[0] == "--shard-optimizer" for a in out):
+    if not any(a.split("=", 1)[0] in ("--shard-optimizer", "--zero") for a in out):
         out += ["--shard-optimizer", "off"]
     return out
 
