@@ -35,7 +35,7 @@ With --compression (comm/compressed_exchange.py) each bucket is exchanged compre
 this rank's error feedback; the optimizer and the norm see the
 decompressed sum as they see today's.
 
-    mpirun -n 4 python -m hpctrain.train --steps 200 --shard-optimizer on --clip-norm 1
+    mpirun -n 4 python -m hpctrain.train --steps 200 --zero 2 --clip-norm 1
     mpirun -n 4 python -m hpctrain.train --steps 200 --compression powersgd --powersgd-start 20
 """
 import numpy as np
@@ -65,14 +65,18 @@ class RingStep:
     FusedAllreduce takes them (the watchdog: the collectives' deadline);
     compression: a run/plan.Compression or None (the buckets' exchange,
     comm/compressed_exchange.py; `exchange` is None without); dtype: the
-    model's buffers' (the plan's precision.params)."""
+    model's buffers' (the plan's precision.params); sharded: --zero 1 (the
+    optimizer over this rank's part of each bucket); shard_grads: --zero 2
+    (the gradient too: the model built over nn/grad_slots.GradSlots, each
+    bucket summed into this rank's shard as backprop finishes it, and with
+    --accumulate-steps the first micro-batches added a layer at a time)."""
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
                  marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None,
                  dtype=FLOAT32.params, shard_grads=False):
         n = spec.num_params
         self.sharded, self.clip, self.accumulate_steps = sharded, clip, int(accumulate)
-        self.shard_grads = bool(sharded and shard_grads)
+        self.shard_grads = bool(sharded and shard_grads and strategy is not None)   # as the update's sharded
         buckets = model_buckets(spec.layer_ranges, n, fusion_elems)
         if self.shard_grads:
             if compression is not None and compression.kind != "none":
