@@ -252,9 +252,10 @@ def _check_zero(args):
     if stage and args.allreduce == "nccl":
         raise HpctrainError(f"{flag} does not work with --allreduce nccl yet "
                             "(its reduce-scatter needs equal parts); use --allreduce auto, ring, hier or mpi")
-    if stage == 2 and args.compression != "none":
-        raise HpctrainError(f"--zero 2 does not work with --compression {args.compression} yet (the compressed "
-                            "exchange reads a full-length gradient); use --zero 1")
+    if stage == 2 and args.compression == "powersgd":
+        raise HpctrainError("--zero 2 does not take --compression powersgd: its error feedback keeps a "
+                            "full-length gradient on every rank, the memory stage 2 saves; use --zero 1 "
+                            "(or --compression fp16|bf16)")
     if stage == 2 and args.pipeline_stages > 1:
         raise HpctrainError("--zero 2 does not work with --pipeline-stages yet (a stage sums its micro-batches "
                             "into a full-length gradient); use --zero 1")

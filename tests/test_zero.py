@@ -26,6 +26,7 @@ from hpctrain.nn.gpt import gpt
 from hpctrain.nn.grad_slots import GradSlots
 from hpctrain.loops.ring_step import RingStep
 from hpctrain.optim.clipping import Clip
+from hpctrain.run.plan import Compression
 
 # every layer its own bucket at 200 elements (slots reused), none of them a multiple of the ranks
 MODELS = {"mlp": lambda: mlp((13,), 10, (37, 29, 23, 19)), "gpt": lambda: gpt(13, 8, 4, 2, 12)}
@@ -37,7 +38,8 @@ def batch(name, rng):
     return rng.integers(0, 13, (6, 8)), rng.integers(0, 13, (6, 8))
 
 
-def run_steps(comm, name, stage, fusion_elems, overlap, clip=None, accumulate=1, steps=4, make=RingAllreduce):
+def run_steps(comm, name, stage, fusion_elems, overlap, clip=None, accumulate=1, steps=4, make=RingAllreduce,
+              compression=None):
     """Stage 1 or 2 of ring mode's step for a few steps of a fixed random
     batch per (rank, step), over the strategy make(comm): (params, losses,
     the step's model)."""
@@ -45,7 +47,7 @@ def run_steps(comm, name, stage, fusion_elems, overlap, clip=None, accumulate=1,
     strategy = make(comm)
     ring = RingStep(MODELS[name](), strategy, comm, np, ("adam", {"weight_decay": 0.1}), fusion_elems,
                     sharded=True, shard_grads=stage == 2, overlap=overlap, clip=Clip(clip) if clip else None,
-                    accumulate=accumulate)
+                    accumulate=accumulate, compression=Compression(compression) if compression else None)
     ring.model.init(0)
     losses = []
     for step in range(steps):
@@ -81,13 +83,30 @@ def test_stage_2_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, overl
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 @pytest.mark.parametrize("fusion_elems, overlap", [(200, False), (200, True)])
-def test_stage_2_on_nodes_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, overlap):
+@pytest.mark.parametrize("compression", [None, "bf16", "fp16"])
+def test_stage_2_on_nodes_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, overlap, compression):
     """hier (two ranks a node where the size allows): its shards are a
-    sub-slice of the node's part, as a cluster's are."""
+    sub-slice of the node's part, as a cluster's are; compressed, the
+    node ring's (NodeShards) where there are several nodes."""
     comm = MPI.COMM_WORLD
-    one, one_losses, _ = run_steps(comm, name, 1, fusion_elems, overlap, 0.5, make=hier_on_fake_nodes)
-    two, losses, _ = run_steps(comm, name, 2, fusion_elems, overlap, 0.5, make=hier_on_fake_nodes)
+    one, one_losses, _ = run_steps(comm, name, 1, fusion_elems, overlap, 0.5, make=hier_on_fake_nodes,
+                                   compression=compression)
+    two, losses, _ = run_steps(comm, name, 2, fusion_elems, overlap, 0.5, make=hier_on_fake_nodes,
+                               compression=compression)
     assert np.array_equal(one, two) and losses == one_losses
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stage_2_compressed_gives_stage_1s_parameters_bit_for_bit(name, compression, overlap):
+    comm = MPI.COMM_WORLD
+    one, one_losses, _ = run_steps(comm, name, 1, 200, overlap, 0.5, compression=compression)
+    two, losses, _ = run_steps(comm, name, 2, 200, overlap, 0.5, compression=compression)
+    assert np.array_equal(one, two) and losses == one_losses
+    plain, _, _ = run_steps(comm, name, 2, 200, overlap, 0.5)
+    assert not np.array_equal(plain, two)   # compressed: other bits
 
 
 def MODELS_INIT(name):

@@ -160,7 +160,7 @@ class DataParallelUpdate:
         if self.shard_grads:
             # the bucket's slot is free again once its part is in the shard
             bucket = p.grads[lo:hi]
-            a, b = strategy.reduce_scatter(bucket)
+            a, b = p.exchange.reduce_scatter(lo, hi) if p.exchange is not None else strategy.reduce_scatter(bucket)
             if a < b:
                 p.shard[lo + a:lo + b][...] = bucket[a:b]
         elif self.sharded:

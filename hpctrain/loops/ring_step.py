@@ -79,8 +79,8 @@ class RingStep:
         self.shard_grads = bool(sharded and shard_grads and strategy is not None)   # as the update's sharded
         buckets = model_buckets(spec.layer_ranges, n, fusion_elems)
         if self.shard_grads:
-            if compression is not None and compression.kind != "none":
-                raise ValueError("--zero 2 does not take --compression")   # cli.py refuses it in one line
+            if compression is not None and compression.kind == "powersgd":
+                raise ValueError("--zero 2 does not take --compression powersgd")   # cli.py refuses it in one line
             # --zero 2: no full-length gradient, each bucket's in a slot (nn/grad_slots.py);
             # a second slot where the communication thread sums one bucket while backprop writes the next
             shared = OVERLAPPED if overlaps(overlap, buckets, strategy) else 1
