@@ -473,12 +473,14 @@ def assert_bit_identical(a_path, b_path):
 
 
 @needs_own_jobs
-def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path):
+@pytest.mark.parametrize("zero", [[], ["--zero", "2", "--fusion-mb", "0.01"]], ids=["zero-auto", "zero-2"])
+def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, zero):
     # Long enough that a signal sent right after the first checkpoint lands
     # mid-run even on a loaded machine (the signal landed within ~10 steps of
     # the first checkpoint here, at ~7000 steps/s), short enough to be quick.
+    # --zero 2 with small buckets: every rank stops after the same step there too.
     steps = 3000
-    common = ["--steps", steps, *SMALL]  # Adam, the default optimizer
+    common = ["--steps", steps, *SMALL, *zero]  # Adam, the default optimizer
     r = run(2, *common, "--save", tmp_path / "full.h5")
     assert r.returncode == 0, r.stderr
 
