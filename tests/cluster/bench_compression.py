@@ -9,6 +9,8 @@ and each --compression, the same samples per step (4 x B):
   bf16      the same words, bfloat16
   powersgd  rank 4 from step 0 (--powersgd-start 0, so the figures'
             window is compressed)
+  zero2, zero2-bf16  --zero 2 (the gradient sharded too: the same bytes
+            as none), alone and with bf16; not run by default
 
 Bytes each way per link per step, the arithmetic: hier on 2 nodes carries
 2(M-1)/M = 1 x what each rank hands its allreduce per step over each
@@ -66,16 +68,19 @@ ALL = {
     "fp16": ("--compression", "fp16"),
     "bf16": ("--compression", "bf16"),
     "powersgd": ("--compression", "powersgd", "--powersgd-start", "0"),
+    # the ZeRO stages against none (stage 1): the same float32 bytes (issue 44)
+    "zero2": ("--zero", "2"),
+    "zero2-bf16": ("--zero", "2", "--compression", "bf16"),
 }
-CASES = {name: ALL[name] for name in os.environ.get("BENCH_CASES", ",".join(ALL)).split(",")}
+CASES = {name: ALL[name] for name in os.environ.get("BENCH_CASES", "none,fp16,bf16,powersgd").split(",")}
 PER_STEP = 4 * BATCH
 
 
 def must(name, record):
     """Bytes each way per link per step by the arithmetic (hier, 2 nodes)."""
-    if name == "none":
+    if name in ("none", "zero2"):
         return 4 * (PARAMS + 2)
-    if name in ("fp16", "bf16"):
+    if name in ("fp16", "bf16", "zero2-bf16"):
         return 2 * (PARAMS + 2) + 8
     return record["sent_bytes_per_step"]
 
