@@ -35,7 +35,8 @@ def train_ring(world, plan, inputs, timeline):
         world.say(f"hpctrain: allreduce {strategy.name} ({strategy.choice})")
     ring = RingStep(
         plan.spec, strategy, comm, xp, (plan.optimizer.name, plan.optimizer.kwargs), ring_plan.fusion_elems,
-        sharded=ring_plan.shard_optimizer, shard_grads=ring_plan.shard_grads, clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
+        sharded=ring_plan.shard_optimizer, shard_grads=ring_plan.shard_grads,
+        clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=ring_plan.overlap, timeline=timeline if timeline.enabled else None, watchdog=world.watchdog,
         accumulate=ring_plan.accumulate_steps, compression=plan.compression, dtype=plan.precision.params)

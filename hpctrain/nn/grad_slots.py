@@ -14,10 +14,11 @@ order backprop fills them, so bucket i reuses bucket i - shared's slot:
 `reuses(i)` names that bucket, whose sum must be done before any layer of
 bucket i writes (comm/fusion.py waits for it). Two slots where a
 communication thread sums a bucket while backprop writes the next (with
-overlap), one where each bucket is summed before backprop goes on. A bucket that holds the
-home of a tied tensor gets a slot of its own: its first writer (the GPT's
-head, tied to the embedding) writes it long before the bucket's other
-layers finish, while other buckets come and go through the shared slots.
+overlap), one where each bucket is summed before backprop goes on. A
+bucket that holds the home of a tied tensor gets a slot of its own: its
+first writer (the GPT's head, tied to the embedding) writes it long before
+the bucket's other layers finish, while other buckets come and go through
+the shared slots.
 
 Every layer writes (never adds to) its gradient views, every element of a
 bucket is some layer's, so a slot needs no zeroing between buckets: what

@@ -362,8 +362,9 @@ class ModelSpec:
     def build(self, xp=np, params=None, grads=None, state=None, dtype=FLOAT32.params):
         """The model over these flat buffers (each `num_params` long, contiguous,
         of `dtype`, the run's precision.params (hpctrain/precision.py); fresh
-        zeros where not given; grads may be nn/grad_slots.GradSlots). Each build has its own copy
-        of the layers: two models of one spec share nothing."""
+        zeros where not given; grads may be nn/grad_slots.GradSlots). Each
+        build has its own copy of the layers: two models of one spec share
+        nothing."""
         dtype = np.dtype(dtype)
         params = xp.zeros(self.num_params, dtype) if params is None else params
         grads = xp.zeros(self.num_params, dtype) if grads is None else grads

@@ -36,8 +36,8 @@ from ..nn.sequential import INIT_VERSION
 RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epochs", "lr", "optimizer", "momentum",
               "adam_betas", "single_pass", "weight_decay_on", "seed", "scale_lr", "warmup_steps",
               "lr_schedule", "lr_decay", "lr_decay_steps", "lr_min", "weight_decay", "clip_norm",
-              "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "zero", "num_ps", "ps_ranks", "ps_exchange", "sync",
-              "replicas_to_aggregate", "backup_workers", "max_staleness", "dc_lambda", "placement", "checkpoint_every",
+              "allreduce", "ring_order", "fusion_mb", "shard_optimizer", "zero", "num_ps", "ps_ranks", "ps_exchange",
+              "sync", "replicas_to_aggregate", "backup_workers", "max_staleness", "dc_lambda", "placement", "checkpoint_every",
               "timeout", "pipeline_stages", "micro_batches", "pipeline_schedule", "virtual_stages", "pipeline_split",
               "augment", "compression", "powersgd_rank", "powersgd_start", "powersgd_min_rate", "powersgd_warm_start",
               "powersgd_epsilon", "powersgd_error_feedback", "block_size", "recompute")
