@@ -22,6 +22,7 @@ from test_hier import hier_on_fake_nodes
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.data_parallel import model_buckets
 from hpctrain.nn import mlp
+from hpctrain.nn.zoo import resnet, small_cnn
 from hpctrain.nn.gpt import gpt
 from hpctrain.nn.grad_slots import GradSlots
 from hpctrain.loops.ring_step import RingStep
@@ -29,12 +30,15 @@ from hpctrain.optim.clipping import Clip
 from hpctrain.run.plan import Compression
 
 # every layer its own bucket at 200 elements (slots reused), none of them a multiple of the ranks
-MODELS = {"mlp": lambda: mlp((13,), 10, (37, 29, 23, 19)), "gpt": lambda: gpt(13, 8, 4, 2, 12)}
+MODELS = {"mlp": lambda: mlp((13,), 10, (37, 29, 23, 19)), "gpt": lambda: gpt(13, 8, 4, 2, 12),
+          "small_cnn": lambda: small_cnn((12, 12), 10), "resnet": lambda: resnet((12, 12), 10, width=4)}
 
 
 def batch(name, rng):
     if name == "mlp":
         return rng.random((8, 13)).astype(np.float32), rng.integers(0, 10, 8)
+    if name in ("small_cnn", "resnet"):
+        return rng.random((4, 12, 12)).astype(np.float32), rng.integers(0, 10, 4)
     return rng.integers(0, 13, (6, 8)), rng.integers(0, 13, (6, 8))
 
 
@@ -107,6 +111,18 @@ def test_stage_2_compressed_gives_stage_1s_parameters_bit_for_bit(name, compress
     assert np.array_equal(one, two) and losses == one_losses
     plain, _, _ = run_steps(comm, name, 2, 200, overlap, 0.5)
     assert not np.array_equal(plain, two)   # compressed: other bits
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["small_cnn", "resnet"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stage_2_gives_stage_1s_parameters_for_the_cnns(name, overlap):
+    """Convolutions, and batch norm's statistics beside the gradient (resnet)."""
+    comm = MPI.COMM_WORLD
+    one, one_losses, _ = run_steps(comm, name, 1, 300, overlap, 0.5, accumulate=2)
+    two, losses, ring = run_steps(comm, name, 2, 300, overlap, 0.5, accumulate=2)
+    assert np.array_equal(one, two) and losses == one_losses
+    assert len(ring.model.grads.buckets) > 3
 
 
 def MODELS_INIT(name):
