@@ -14,6 +14,7 @@ from .arguments import (Parser, ShortHelp, finite_float, nonneg_float, nonneg_in
                         positive_ints)
 from .model_names import MODELS, gpt_name, gpt_options, is_model_file
 from .errors import HpctrainError
+from .zero_flags import check_zero
 
 DEFAULT_STEPS = 2000
 # Past these a run cannot be meant: a million passes over the data (--steps
@@ -236,31 +237,6 @@ def _ring_flags(g):
                    help="pass GPU buffers straight to MPI (yes), stage through host memory (no), or ask the MPI library (auto)")
 
 
-def _check_zero(args):
-    """--zero and its old name --shard-optimizer: one line for a stage that cannot run."""
-    if args.zero is not None and args.shard_optimizer != "auto":
-        raise HpctrainError(f"--zero {args.zero} and --shard-optimizer {args.shard_optimizer} both given: "
-                            "--shard-optimizer is --zero's old name (on: --zero 1, off: --zero 0); give one")
-    flag = f"--zero {args.zero}" if args.zero is not None else "--shard-optimizer on"
-    stage = args.zero if args.zero is not None else 1 if args.shard_optimizer == "on" else 0
-    if stage == 3:
-        raise HpctrainError("--zero 3 (parameters sharded, gathered before use) is not built yet; --zero 2 shards "
-                            "the gradient and the optimizer state")
-    if stage and args.mode == "ps":
-        raise HpctrainError(f"{flag} is for --mode ring (in ps mode the servers already hold the parameters and "
-                            "the optimizer state in shards)")
-    if stage and args.allreduce == "nccl":
-        raise HpctrainError(f"{flag} does not work with --allreduce nccl yet "
-                            "(its reduce-scatter needs equal parts); use --allreduce auto, ring, hier or mpi")
-    if stage == 2 and args.compression == "powersgd":
-        raise HpctrainError("--zero 2 does not take --compression powersgd: its error feedback keeps a "
-                            "full-length gradient on every rank, the memory stage 2 saves; use --zero 1 "
-                            "(or --compression fp16|bf16)")
-    if stage == 2 and args.pipeline_stages > 1:
-        raise HpctrainError("--zero 2 does not work with --pipeline-stages yet (a stage sums its micro-batches "
-                            "into a full-length gradient); use --zero 1")
-
-
 def _on_off(text):
     if text not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
@@ -424,7 +400,7 @@ def validate(args, world_size):
             raise HpctrainError(f"--replicas-to-aggregate {args.replicas_to_aggregate} is more than the {workers} workers")
     if args.allreduce == "nccl" and args.device == "cpu":
         raise HpctrainError("--allreduce nccl needs --device gpu (or auto on a GPU node)")
-    _check_zero(args)
+    check_zero(args)
     if args.compression != "none":
         _check_compression(args)
     if args.lr_schedule == "step" and not args.lr_decay_steps:

@@ -21,7 +21,8 @@ LEVELS = [
     {"run", "checkpoints", "report", "pipeline", "trained"},
     {"comm", "optim"},
     {"nn", "data", "device", "prefetch"},
-    {"errors", "chunks", "cli", "arguments", "model_names", "vector_width", "files", "tuning", "precision", "__init__"},
+    {"errors", "chunks", "cli", "arguments", "zero_flags", "model_names", "vector_width", "files", "tuning", "precision",
+     "__init__"},
 ]
 # What users run: they sit on top of everything.
 COMMANDS = {"train", "mnist", "checkpoint", "plot", "bench", "predict", "evaluate", "generate", "command", "__main__"}

@@ -361,6 +361,7 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
     chief's compiled-layer tuning key, or "NumPy"). Every rank alike."""
     cluster, workers = world.cluster, data.workers
     ring = args.mode == "ring"
+    stage = zero_stage(args, workers, world.xp)   # --zero, or the default's rule
     precision = FLOAT32   # the one precision a run takes today (hpctrain/precision.py)
     return Plan(
         mode=args.mode, model=args.model, hidden=tuple(args.hidden), spec=spec, data=data,
@@ -370,8 +371,7 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
         schedule=schedule,
         ring=Ring(allreduce=args.allreduce, cuda_aware=args.cuda_aware, ring_order=args.ring_order,
                   fusion_elems=int(args.fusion_mb * (1 << 20)) // precision.grads.itemsize,
-                  shard_optimizer=ring and zero_stage(args, workers, world.xp) >= 1,
-                  shard_grads=ring and zero_stage(args, workers, world.xp) == 2,
+                  shard_optimizer=ring and stage >= 1, shard_grads=ring and stage == 2,
                   overlap=ring and overlap_wanted(args.overlap, world.xp, cluster.local_size,
                                                   world.thread_multiple),
                   accumulate_steps=args.accumulate_steps),
