@@ -99,7 +99,8 @@ def test_a_rank_with_a_different_model_is_a_clear_error(job, tmp_path):
     (["--save", "/nonexistent/dir/p.h5"], "does not exist"),
     (["--mode", "ps", "--ps-device", "gpu", "--device", "cpu"], "--ps-device gpu: CuPy is not installed"),
     # a ZeRO stage that cannot run (tests/test_zero.py)
-    (["--zero", "3"], "--zero 3 (parameters sharded, gathered before use) is not built yet"),
+    (["--zero", "3", "--compression", "powersgd"], "--zero 3 does not take --compression powersgd: its error"),
+    (["--zero", "3", "--pipeline-stages", "2"], "--zero 3 does not work with --pipeline-stages yet"),
     (["--zero", "2", "--compression", "powersgd"], "--zero 2 does not take --compression powersgd: its error"),
     (["--zero", "2", "--pipeline-stages", "2"], "--zero 2 does not work with --pipeline-stages yet"),
     (["--zero", "2", "--mode", "ps"], "--zero 2 is for --mode ring"),

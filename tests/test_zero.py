@@ -44,13 +44,13 @@ def batch(name, rng):
 
 def run_steps(comm, name, stage, fusion_elems, overlap, clip=None, accumulate=1, steps=4, make=RingAllreduce,
               compression=None):
-    """Stage 1 or 2 of ring mode's step for a few steps of a fixed random
+    """Stage 1, 2 or 3 of ring mode's step for a few steps of a fixed random
     batch per (rank, step), over the strategy make(comm): (params, losses,
     the step's model)."""
     rng = np.random.default_rng(100 + comm.rank)
     strategy = make(comm)
     ring = RingStep(MODELS[name](), strategy, comm, np, ("adam", {"weight_decay": 0.1}), fusion_elems,
-                    sharded=True, shard_grads=stage == 2, overlap=overlap, clip=Clip(clip) if clip else None,
+                    sharded=True, shard_grads=stage >= 2, shard_params=stage == 3, overlap=overlap, clip=Clip(clip) if clip else None,
                     accumulate=accumulate, compression=Compression(compression) if compression else None)
     ring.model.init(0)
     losses = []
@@ -60,9 +60,22 @@ def run_steps(comm, name, stage, fusion_elems, overlap, clip=None, accumulate=1,
             ring.accumulate(*batch(name, rng))
         x, y = batch(name, rng)
         losses.append(ring_step(ring, x, y, comm.rank + 1 + step)[0])
+    params = gathered(ring)
     ring.close()
     strategy.free()
-    return ring.model.params.copy(), losses, ring
+    return params, losses, ring
+
+
+def gathered(ring):
+    """The model's parameters: its buffer's copy, or (stage 3) each bucket gathered in turn."""
+    store = ring.store
+    if store is None:
+        return ring.model.params.copy()
+    out = np.zeros(ring.model.num_params, ring.param_shard.buf.dtype)
+    for j, (lo, hi) in enumerate(store.params.buckets):
+        store.ensure(j)
+        out[lo:hi] = store.params[lo:hi]
+    return out
 
 
 @pytest.mark.mpi

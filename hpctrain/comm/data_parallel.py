@@ -57,11 +57,15 @@ class Part:
     its buckets and the ranges of them this rank updates (buffer
     coordinates), its optimizer and its exchange (None: the strategy);
     with --zero 2 `grads` is the model's nn/grad_slots.GradSlots and
-    `shard` this rank's summed part of it (GradShard)."""
-    __slots__ = ("params", "grads", "lo", "chunk", "buckets", "owned", "optimizer", "exchange", "shard")
+    `shard` this rank's summed part of it (GradShard); with --zero 3
+    `param_shard` the parameters' (nn/sharded_store.ParamShard), which the
+    optimizer updates in place, and `params` their slots."""
+    __slots__ = ("params", "grads", "lo", "chunk", "buckets", "owned", "optimizer", "exchange", "shard",
+                 "param_shard")
 
-    def __init__(self, params, grads, lo=0, chunk=0, exchange=None):
+    def __init__(self, params, grads, lo=0, chunk=0, exchange=None, param_shard=None):
         self.params, self.grads, self.lo, self.chunk, self.exchange = params, grads, lo, chunk, exchange
+        self.param_shard = param_shard   # --zero 3: the parameters' ParamShard (params: its slots)
         self.buckets = self.owned = self.optimizer = self.shard = None
 
 
@@ -113,6 +117,8 @@ class DataParallelUpdate:
                                          at=[(p.lo, p.lo + p.grads.size)], **kwargs)
             if self.shard_grads:
                 p.shard = GradShard(p.optimizer, xp, p.grads.dtype)
+            if p.param_shard is not None and p.param_shard.ranges != p.optimizer.ranges:
+                raise ValueError("--zero 3: the parameter shard and the optimizer own different ranges")
         self.clip = clip
         self.norm = self._norm(buckets, scope or NormScope()) if clip is not None else None
 
@@ -175,14 +181,18 @@ class DataParallelUpdate:
         p = self.parts[k]
         lo, hi = p.owned[i]
         if lo < hi:
-            if p.shard is not None:
+            if p.param_shard is not None:
+                p.optimizer.update_shard(p.param_shard.buf, p.shard.buf, lo, hi)
+                p.param_shard.changed(i)   # a slot's gathered copy of bucket i is old now
+            elif p.shard is not None:
                 p.optimizer.update_compact(p.params, p.shard.buf, lo, hi)
             else:
                 p.optimizer.update(p.params, p.grads, lo, hi)
 
     def gather(self, k, i):
-        """Sharded: every replica's updated part of bucket i of part k to every replica."""
-        if self.sharded:
+        """Sharded: every replica's updated part of bucket i of part k to every
+        replica (--zero 3: none; the store gathers a bucket when its layers run)."""
+        if self.sharded and self.parts[k].param_shard is None:
             lo, hi = self.parts[k].buckets[i]
             self.strategy.allgather(self.parts[k].params[lo:hi])
 

@@ -17,6 +17,7 @@ from ..comm.topology import Topology
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
 from ..report.evaluated import WholeModel
+from . import ring_zero3 as zero3
 from .frame import Frame
 from .ring_step import RingStep
 
@@ -35,7 +36,7 @@ def train_ring(world, plan, inputs, timeline):
         world.say(f"hpctrain: allreduce {strategy.name} ({strategy.choice})")
     ring = RingStep(
         plan.spec, strategy, comm, xp, (plan.optimizer.name, plan.optimizer.kwargs), ring_plan.fusion_elems,
-        sharded=ring_plan.shard_optimizer, shard_grads=ring_plan.shard_grads,
+        sharded=ring_plan.shard_optimizer, shard_grads=ring_plan.shard_grads, shard_params=ring_plan.shard_params,
         clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=ring_plan.overlap, timeline=timeline if timeline.enabled else None, watchdog=world.watchdog,
@@ -44,16 +45,21 @@ def train_ring(world, plan, inputs, timeline):
         world.say(summary(ring.exchange, ring.buckets, ring.sharded))
     model = ring.model
     model.init(plan.data.seed)
-    # Identical start everywhere: rank 0's parameters.
+    # Identical start everywhere: rank 0's parameters (--zero 3: each rank drew
+    # its shard from the seed, a pure function of it, and holds nothing else)
     device.synchronize(xp)
-    with world.waiting("initial parameter broadcast", peer=mesh.rank_of(data=0) if mesh.coords.data else None):
-        bcast(comm, model.params, root=0)
+    if ring.param_shard is None:
+        with world.waiting("initial parameter broadcast", peer=mesh.rank_of(data=0) if mesh.coords.data else None):
+            bcast(comm, model.params, root=0)
     # GPU: pinned, async, one step ahead
     reader = prefetch.device_batches(inputs.reader(comm, mesh.coords.data, mesh.size("data")), xp)
 
     def restore(resume):
-        # every rank holds the whole state: the chief's copy goes to all
-        frame.checkpoints.broadcast_state(comm, resume, model.params, ring.optimizer)
+        # every rank holds the whole state: the chief's copy goes to all (--zero 3: each rank its shards)
+        if ring.param_shard is not None:
+            zero3.restore(world, comm, resume, ring)
+        else:
+            frame.checkpoints.broadcast_state(comm, resume, model.params, ring.optimizer)
         frame.checkpoints.broadcast_model_state(comm, resume, model.state)
         # --compression powersgd: each worker its own error feedback, every rank the Qs
         compression_state.restore(world, comm, resume, ring.exchange, ring.error, ring.layout_key,
@@ -61,10 +67,12 @@ def train_ring(world, plan, inputs, timeline):
     frame.resumed(reader, restore)
 
     # --- training, then the end ---------------------------------------------
-    evaluated = WholeModel(world, plan, model)   # what the chief evaluates and saves
+    # what the chief evaluates and saves (--zero 3: every rank together, the parameters a bucket at a time)
+    evaluated = WholeModel(world, plan, model) if ring.param_shard is None else \
+        zero3.ShardedModel(world, plan, model, ring.store, comm)
     step, stopped = train_steps(world, frame, ring, reader, evaluated)
     ring.close()   # the communication thread ends with the loop
-    extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": 2 if ring.shard_grads else int(ring.sharded),
+    extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": 3 if ring.shard_params else 2 if ring.shard_grads else int(ring.sharded),
              **(ring.clip.totals() if ring.clip else {}),
              "compression": plan.compression.kind}
     if ring.exchange is not None:
@@ -114,6 +122,8 @@ def train_steps(world, frame, ring, reader, evaluated):
 
 
 def save_checkpoint(checkpoints, comm, ring, reader, step):
+    if ring.param_shard is not None:
+        return zero3.save_checkpoint(checkpoints, comm, ring, reader, step)
     positions = checkpoints.gather_positions(reader)
     # Sharded: the chief gathers the full-length state (the same file either way).
     state = checkpoints.gather_state(comm, ring.optimizer) if ring.sharded else ring.optimizer.state()

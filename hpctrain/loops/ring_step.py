@@ -48,7 +48,9 @@ from ..comm.loss_and_stop import LossAndStop
 from .. import device
 from ..device import all_finite
 from ..nn.accumulate import Accumulation
+from ..comm.zero3 import Gatherer
 from ..nn.grad_slots import OVERLAPPED, GradSlots
+from ..nn.sharded_store import ParamShard, ShardedStore, param_slots
 from ..optim.compression_math import powersgd_layout
 from ..precision import FLOAT32
 
@@ -73,12 +75,30 @@ class RingStep:
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
                  marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None,
-                 dtype=FLOAT32.params, shard_grads=False):
+                 dtype=FLOAT32.params, shard_grads=False, shard_params=False):
         n = spec.num_params
         self.sharded, self.clip, self.accumulate_steps = sharded, clip, int(accumulate)
         self.shard_grads = bool(sharded and shard_grads and strategy is not None)   # as the update's sharded
+        self.shard_params = self.shard_grads and bool(shard_params)
         buckets = model_buckets(spec.layer_ranges, n, fusion_elems)
-        if self.shard_grads:
+        # sharded with --compression on several nodes: hier's node shards (comm/compressed_exchange.py)
+        strategy = sharding_for(strategy, compression) if sharded else strategy
+        self.strategy, self.store, param_shard = strategy, None, None
+        if self.shard_params:
+            if compression is not None and compression.kind == "powersgd":
+                raise ValueError("--zero 3 does not take --compression powersgd")   # cli.py refuses it in one line
+            # --zero 3: the parameters in shards, each bucket gathered into a slot as its layers run
+            # (nn/sharded_store.py); the gathers and the buckets' sums on one thread, in order
+            overlap = False
+            homes = [(t.lo, t.hi) for t in spec.ties]
+            param_shard = ParamShard(buckets, [_offset(lo, strategy.shard(hi - lo)) for lo, hi in buckets], xp,
+                                     dtype)
+            self.store = ShardedStore(spec, param_slots(n, buckets, xp, dtype, homes),
+                                      GradSlots(n, buckets, xp, dtype, homes=homes, shared=1),
+                                      xp.zeros(spec.num_state, dtype), param_shard,
+                                      Gatherer(strategy, param_shard, xp, timeline))
+            self.model = spec.build_on(self.store, xp, dtype)
+        elif self.shard_grads:
             if compression is not None and compression.kind == "powersgd":
                 raise ValueError("--zero 2 does not take --compression powersgd")   # cli.py refuses it in one line
             # --zero 2: no full-length gradient, each bucket's in a slot (nn/grad_slots.py);
@@ -90,9 +110,6 @@ class RingStep:
             self.model = spec.build(xp, dtype=dtype)
         grads = self.model.grads   # the buckets' buffer: the gradients only
         self.loss_and_stop = LossAndStop(comm, device.copier(xp), watchdog)
-        # sharded with --compression on several nodes: hier's node shards (comm/compressed_exchange.py)
-        strategy = sharding_for(strategy, compression) if sharded else strategy
-        self.strategy = strategy
         # --compression: the buckets' exchange; PowerSGD's matrices in gradient offsets
         self.matrices, self.layout_key = powersgd_layout(spec.tensors, compression.rank, compression.min_rate) \
             if compression is not None and compression.kind == "powersgd" else ([], "")
@@ -103,7 +120,7 @@ class RingStep:
         scope = NormScope(shards, replicas=shards.Get_size(), replica=shards.Get_rank(), watchdog=watchdog) \
             if sharded else NormScope()
         self.update = DataParallelUpdate(
-            [Part(self.model.params, grads, exchange=self.exchange)],
+            [Part(self.model.params, grads, exchange=self.exchange, param_shard=param_shard)],
             buckets, strategy, optimizer, xp, 1.0 / (comm.Get_size() * self.accumulate_steps), sharded=sharded,
             clip=clip, scope=scope, shard_grads=self.shard_grads)
         self.optimizer, self.buckets = self.update.parts[0].optimizer, self.update.parts[0].buckets
@@ -120,6 +137,11 @@ class RingStep:
             self.acc_extra = Accumulation(xp.zeros_like(self.model.extra))
             self.acc_loss = Accumulation(xp.zeros(1, grads.dtype))
             self.layer_done, self.forward_done = self._layer_done_accumulated, self._forward_done_accumulated
+
+    @property
+    def param_shard(self):
+        """--zero 3: this rank's ParamShard (the parameters), else None."""
+        return None if self.store is None else self.store.shard
 
     def accumulate(self, x, y, noise=None):
         """One of a step's first K - 1 micro-batches: its gradient and loss
@@ -186,7 +208,15 @@ class RingStep:
         past fp16's 65504 became inf in 16 bits. Collective over comm (the
         workers) only when the parameters are not finite; `waiting`: the
         world's deadline for it."""
-        if self.exchange is None or self.exchange.kind != "fp16" or all_finite(self.model.params):
+        if self.exchange is None or self.exchange.kind != "fp16":
+            return False
+        if self.store is not None:
+            # --zero 3: each rank sees its shard only; every step, (all finite, every wire finite) over the ranks
+            both = np.array([all_finite(self.store.shard.buf), self.exchange.sent_finite], np.int64)
+            with waiting("fp16 overflow check (allreduce)"):
+                comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
+            return not both[0] and bool(both[1])
+        if all_finite(self.model.params):
             return False
         everyone = np.array([self.exchange.sent_finite], np.int64)
         with waiting("fp16 overflow check (allreduce)"):
@@ -201,3 +231,8 @@ class RingStep:
 
     def close(self):
         self.fused.close()
+
+
+def _offset(lo, part):
+    """A bucket's owned part (a, b) at the bucket's model offset lo."""
+    return lo + part[0], lo + part[1]

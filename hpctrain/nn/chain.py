@@ -80,8 +80,11 @@ class Chain:
     def context(self):
         return Context(self.xp, [layer.context() for layer in self.layers])
 
-    def forward(self, ctx, x, train):
+    def forward(self, ctx, x, train, before=None):
+        """before(k), where given, runs before layer k (a store's per-layer hook)."""
         for k, layer in enumerate(self.layers):
+            if before is not None:
+                before(k)
             if self.copies[k]:
                 x = self.copy_input(ctx, k, x)
             x = layer.forward(ctx.inner[k], x, train)

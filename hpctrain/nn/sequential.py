@@ -66,6 +66,8 @@ class LayerRange:
     def __init__(self, spec, a, b, xp, store, slots=1, keep_input=False):
         self.spec, self.a, self.b, self.xp, self.store = spec, a, b, xp, store
         self.base = store.base
+        # a store that gathers parameters a bucket at a time hears of each layer (nn/sharded_store.py)
+        self.per_layer = getattr(store, "per_layer", False)
         self.layers = copy.deepcopy(spec.layers[a:b])   # every build its own: two models of a spec share nothing
         # tied tensors (nn/tied.py): a copy of those owned before the range, the
         # later writers' parts; empty without ties. A reader's tied views are
@@ -110,15 +112,32 @@ class LayerRange:
         (INIT_VERSION 2; before, one stream drew every layer in list order).
         Host RNG, then copied: CPU and GPU runs start from the same bits."""
         params, state, (base, state_base) = self.store.params, self.store.state, self.store.base
-        host = np.zeros(params.size, params.dtype) if self.xp is not np else params
-        host[...] = 0
         for i, layer in zip(range(self.a, self.b), self.layers):
-            views = self.ties.init_views(i, self.spec.views(host, i, base=base), host.dtype)
-            layer.init(np.random.default_rng([seed, i]), views, host.dtype)
             layer.init_state(self.spec.views(state, i, of="state", base=state_base))
-        if host is not params:
-            params[...] = self.xp.asarray(host)
+        # the draw a piece of the share at a time: the whole share here, a bucket
+        # at a time with a store that keeps no whole copy (nn/sharded_store.py)
+        pieces = self.store.init_pieces(params.dtype) if hasattr(self.store, "init_pieces") else \
+            [self._whole_piece(params, base)]
+        first = True
+        for lo, hi, host, put in pieces:
+            host[...] = 0
+            for i, layer in zip(range(self.a, self.b), self.layers):
+                entries = self.spec.layer_tensors[i]
+                at = entries[0][2] if entries and entries[-1][3] > entries[0][2] else None
+                if not (lo <= at < hi if at is not None else first):
+                    continue
+                views = self.ties.init_views(i, self.spec.views(host, i, base=lo), host.dtype)
+                layer.init(np.random.default_rng([seed, i]), views, host.dtype)
+            put(host)
+            first = False
         self.ties.init_copies(self.spec, seed, self.copies, self.xp)
+
+    def _whole_piece(self, params, base):
+        """The share as one piece: drawn in place on the host, else on the host and copied."""
+        if self.xp is np:
+            return base, base + params.size, params, lambda host: None
+        return base, base + params.size, np.zeros(params.size, params.dtype), \
+            lambda host: params.__setitem__(Ellipsis, self.xp.asarray(host))
 
     def set_noise(self, noise, slot=0):
         """`noise=(seed, step, sample_ids)`, or None, for the slot's next
@@ -133,17 +152,28 @@ class LayerRange:
         x = x.reshape(x.shape[0], *self.in_shape)
         if train:
             self._inputs[slot] = x
-        self.store.before_forward(self.a, self.b)
+        self._before_forward()
         y = self._forward(slot, x, train)
         self.store.after_forward(self.a, self.b)
         return y
 
+    def _before_forward(self):
+        if not self.per_layer:
+            self.store.before_forward(self.a, self.b)
+
+    def _layer_hook(self, k):
+        """A per-layer store's before_forward, for layer k of the range."""
+        self.store.before_forward(self.a + k, self.a + k + 1)
+
     def _forward(self, slot, x, train):
         """The range's layers forward over x into the slot (the units into their shared contexts)."""
         ctx = self.slots[slot]
+        before = self._layer_hook if self.per_layer else None
         if not self.units:
-            return self.chain.forward(ctx, x, train)
+            return self.chain.forward(ctx, x, train, before)
         for k, layer in enumerate(self.layers):
+            if before is not None:
+                before(k)
             if self.chain.copies[k]:
                 x = self.chain.copy_input(ctx, k, x)
             x = self._unit_forward(slot, k, x, train) if k in self.units else layer.forward(ctx.inner[k], x, train)
@@ -215,9 +245,12 @@ class LayerRange:
         the range's input, or None where no layer before it has parameters
         (the model's first range)."""
         inner, store = self.slots[slot].inner, self.store
-        store.before_backward(self.a, self.b)
+        if not self.per_layer:
+            store.before_backward(self.a, self.b)
         for i in range(self.b - 1, max(self.a, self.first) - 1, -1):
             k = i - self.a
+            if self.per_layer:
+                store.before_backward(i, i + 1)
             d = self._unit_backward(slot, k, d, i > self.first) if k in self.units else \
                 self.layers[k].backward(inner[k], d, need_dx=i > self.first)
             if combine:
@@ -249,7 +282,7 @@ class LayerRange:
         x = self._inputs[slot]
         saved = self.slots[slot].buffer("state_before_recompute", self.state.shape, self.state.dtype)
         self.xp.copyto(saved, self.state)
-        self.store.before_forward(self.a, self.b)
+        self._before_forward()
         self._forward(slot, x, True)
         self.store.after_forward(self.a, self.b)
         self.xp.copyto(self.state, saved)

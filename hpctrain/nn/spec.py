@@ -379,3 +379,8 @@ class ModelSpec:
                                                                           ", not contiguous"))
         return Sequential(self, xp, PlainStore(self, params, grads, state), dtype)
 
+    def build_on(self, store, xp=np, dtype=FLOAT32.params):
+        """The model over a parameter store of the caller's (nn/store.py's
+        contract: --zero 3's nn/sharded_store.ShardedStore)."""
+        return Sequential(self, xp, store, np.dtype(dtype))
+

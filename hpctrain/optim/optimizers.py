@@ -453,6 +453,14 @@ class Sharded(_Wrapper):
         c = self.compact_offset(lo, hi)
         self.inner.update(params[lo - c:], grads, c, c + hi - lo)
 
+    def update_shard(self, params, grads, lo, hi):
+        """update(), parameters and gradient both given in the compact layout
+        (--zero 3: the rank's parameter shard, nn/sharded_store.ParamShard)."""
+        if hi <= lo:
+            return
+        c = self.compact_offset(lo, hi)
+        self.inner.update(params, grads, c, c + hi - lo)
+
     def compact(self, full, out):
         """out (compact) <- the owned elements of full (a full-length array)."""
         for (lo, hi), c in zip(self.ranges, self.offsets):

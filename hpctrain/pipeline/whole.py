@@ -33,17 +33,15 @@ import os
 import numpy as np
 
 from .. import device
-from ..checkpoints.model_record import record as model_record
 from ..checkpoints.file import Pieces
 from ..checkpoints.sharded import ShardedState
 from ..errors import HpctrainError
-from ..nn.sequential import INIT_VERSION
+from ..report.params import chief_text, write_attrs
 from ..files import create_new, remove_temp, temp_name_next_to
 from . import stage_compression as pipeline_compression
 from .stages import ranges
 
 TAG = 31000          # checkpoint, --save and resume pieces, on the pipe communicator (engine.py: 31001)
-NOTE_BYTES = 1024    # the chief's outcome of a collective write, as UTF-8
 
 
 class Layouts:
@@ -294,15 +292,8 @@ class Pipelined:
         """Nothing to share: each evaluation runs with its stage's replica 0's state (evaluate)."""
 
     def agree(self, text):
-        """The chief's text (None: nothing to say) on every rank, as fixed-size bytes (no pickle)."""
-        buf = np.zeros(NOTE_BYTES, np.uint8)
-        if self.world.chief and text is not None:
-            raw = ("1" + text).encode()[:NOTE_BYTES]
-            buf[:len(raw)] = np.frombuffer(raw, np.uint8)
-        with self.world.waiting("the chief's outcome broadcast", peer=0):
-            self.world.comm.Bcast(buf, root=0)
-        said = bytes(buf).rstrip(b"\0").decode(errors="replace")
-        return said[1:] if said else None
+        """The chief's text (None: nothing to say) on every rank (report/params.chief_text)."""
+        return chief_text(self.world, text)
 
     def _part(self, split):
         """This replica's part of `split`: (x or None, y or None, count)."""
@@ -383,16 +374,7 @@ class Pipelined:
                         for name, shape, lo, hi in spec.state:
                             if base <= lo and hi <= base + count:
                                 f.create_dataset(name, data=piece[lo - base:hi - base].reshape(shape))
-                f.attrs["step"] = step
-                f.attrs["mode"] = plan.mode
-                f.attrs["world_size"] = plan.world_size
-                if plan.model == "mlp":
-                    f.attrs["hidden"] = ",".join(map(str, plan.hidden))
-                f.attrs["model"] = spec.identity
-                f.attrs["init_version"] = INIT_VERSION
-                # how to rebuild the model and prepare its inputs (predict, evaluate)
-                for key, value in {**model_record(spec, plan), **(attrs or {})}.items():
-                    f.attrs[key] = value
+                write_attrs(f, spec, plan, step, attrs)
             os.replace(tmp, path)
         finally:
             remove_temp(tmp)

@@ -8,6 +8,8 @@ and renamed, so it is never half-written.
 """
 import os
 
+import numpy as np
+
 from .. import device
 from ..checkpoints.model_record import record as model_record
 from ..nn.sequential import INIT_VERSION
@@ -58,16 +60,39 @@ def write_params(path, model, step, plan, attrs=None):
             # the non-trainable state (batch-norm statistics) beside the parameters
             for name, view in model.tensors() + model.state_tensors():
                 f.create_dataset(name, data=device.to_host(view))
-            f.attrs["step"] = step
-            f.attrs["mode"] = plan.mode
-            f.attrs["world_size"] = plan.world_size
-            if plan.model == "mlp":   # what sizes it; another model's identity says it all
-                f.attrs["hidden"] = ",".join(map(str, plan.hidden))
-            f.attrs["model"] = model.spec.identity
-            f.attrs["init_version"] = INIT_VERSION   # how the run's initial parameters were drawn
-            # how to rebuild the model and prepare its inputs (predict, evaluate)
-            for key, value in {**model_record(model.spec, plan), **(attrs or {})}.items():
-                f.attrs[key] = value
+            write_attrs(f, model.spec, plan, step, attrs)
         os.replace(tmp, path)
     finally:
         remove_temp(tmp)
+
+
+def write_attrs(f, spec, plan, step, attrs=None):
+    """The parameters file's attributes (the open h5py file f): step, mode,
+    world_size, the model's identity and record, --keep-best's attrs."""
+    f.attrs["step"] = step
+    f.attrs["mode"] = plan.mode
+    f.attrs["world_size"] = plan.world_size
+    if plan.model == "mlp":   # what sizes it; another model's identity says it all
+        f.attrs["hidden"] = ",".join(map(str, plan.hidden))
+    f.attrs["model"] = spec.identity
+    f.attrs["init_version"] = INIT_VERSION   # how the run's initial parameters were drawn
+    # how to rebuild the model and prepare its inputs (predict, evaluate)
+    for key, value in {**model_record(spec, plan), **(attrs or {})}.items():
+        f.attrs[key] = value
+
+
+NOTE_BYTES = 1024    # the chief's outcome of a collective write, as UTF-8
+
+
+def chief_text(world, text):
+    """Collective over the world: the chief's text (None: nothing to say) on
+    every rank, as fixed-size bytes (no pickle): a collective model's
+    `agree`, the outcome of its write."""
+    buf = np.zeros(NOTE_BYTES, np.uint8)
+    if world.chief and text is not None:
+        raw = ("1" + text).encode()[:NOTE_BYTES]
+        buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+    with world.waiting("the chief's outcome broadcast", peer=0):
+        world.comm.Bcast(buf, root=0)
+    said = bytes(buf).rstrip(b"\0").decode(errors="replace")
+    return said[1:] if said else None

@@ -92,7 +92,8 @@ def stall(ranks, victim, flags, after_s=1.0, in_training=False):
     return proc.returncode, out, err, took
 
 
-@pytest.mark.parametrize("flags", [[], ["--zero", "2", "--fusion-mb", "0.01"]], ids=["zero-auto", "zero-2"])
+@pytest.mark.parametrize("flags", [[], ["--zero", "2", "--fusion-mb", "0.01"], ["--zero", "3", "--fusion-mb", "0.01"]],
+                         ids=["zero-auto", "zero-2", "zero-3"])
 def test_a_rank_stopped_mid_training_is_named_and_no_other(job, flags):
     # At 3 ranks every survivor ends up waiting for an innocent neighbour too;
     # the roll call finds the one rank that does not answer. One line per job.

@@ -1,0 +1,154 @@
+"""The parameter store of --zero 3 (nn/store.py's contract): no rank keeps
+the whole model's parameters. Each rank holds its shard, the part of
+every one of ring mode's buckets its strategy owns (`ParamShard`, in the
+sharded optimizer's compact layout, so the optimizer updates it in
+place); a bucket's parameters are gathered into a bucket-sized slot just
+before its layers run forward, and again before they run backward, and
+the slot is reused by a later bucket when they are done.
+
+The slots are nn/grad_slots.GradSlots' (the same cut: a few slots the
+buckets take in turn, two here, one being read and one being filled; a
+bucket that holds a tied tensor's home a slot of its own, since the
+GPT's head reads the embedding at the other end of the model). Each
+layer is bound once to its bucket's slot; the runner (nn/sequential.py)
+calls the hooks a layer at a time (`per_layer`), and `_need` gathers the
+buckets layer i reads (its own, and the home of a tied tensor it uses)
+unless its slot still holds them: the last buckets of a forward are
+still there for the first of the backward, which is where FSDP too
+skips the gather. A slot's copy is current while the shard's version of
+its bucket is the one it was gathered at (ParamShard.changed: the
+optimizer's update of bucket j; `forget()`: the initial draw, a resume).
+
+Who gathers is the caller's (`gather(j, view)`, comm/zero3.py: this
+rank's part copied in, the strategy's allgather), so this module needs
+no MPI; a `prefetch(j)` where given is told the bucket that comes next,
+so its gather can be posted while the current one computes.
+
+    mpirun -n 2 python -m mpi4py -m pytest --only-mpi tests/test_zero3.py
+"""
+import numpy as np
+
+from .grad_slots import OVERLAPPED, GradSlots
+
+
+class ParamShard:
+    """This rank's parts of the model's parameters: `owned[j]` (lo, hi),
+    model offsets, of bucket j (buckets: ring mode's, [(lo, hi)]), laid
+    one after another in buffer order in `buf` (the sharded optimizer's
+    compact layout: optim/optimizers.Sharded)."""
+
+    def __init__(self, buckets, owned, xp, dtype):
+        self.buckets, self.owned = list(buckets), [(int(a), int(b)) for a, b in owned]
+        order = sorted(range(len(self.owned)), key=lambda j: self.owned[j][0])
+        self.offset, c = [0] * len(self.owned), 0
+        for j in order:
+            self.offset[j] = c
+            c += self.owned[j][1] - self.owned[j][0]
+        self.size = c
+        self.buf = xp.zeros(c, dtype)
+        self.version = [0] * len(self.owned)   # bumped as bucket j's part changes (`changed`)
+
+    def changed(self, j):
+        """Bucket j's part was written (the optimizer's update): gathered copies of it are old."""
+        self.version[j] += 1
+
+    def changed_all(self):
+        for j in range(len(self.version)):
+            self.version[j] += 1
+
+    @property
+    def ranges(self):
+        """The owned ranges, sorted, non-empty (what Sharded takes as `owned`)."""
+        return sorted(r for r in self.owned if r[1] > r[0])
+
+    def part(self, j):
+        """Bucket j's owned part in the shard (a view)."""
+        a, b = self.owned[j]
+        return self.buf[self.offset[j]:self.offset[j] + b - a]
+
+
+class ShardedStore:
+    """Layers bound to `slots` (GradSlots over the parameters: views of the
+    bucket slots), gradients to `grads` (GradSlots, --zero 2's), the state
+    in its own flat buffer; the parameters themselves in `shard`.
+    gather(j, view): fills `view`, bucket j's slot, with its parameters."""
+    per_layer = True   # the runner calls the hooks one layer at a time
+
+    def __init__(self, spec, slots, grads, state, shard, gather, base=(0, 0)):
+        self.spec, self.params, self.grads, self.state, self.shard = spec, slots, grads, state, shard
+        self.gather, self.prefetch, self.base = gather, None, tuple(base)
+        self.resident = [None] * len(slots.slots)   # slot -> the bucket whose current parameters it holds
+        self.gathers = 0   # how many buckets were gathered (tests count them)
+        # layer i -> the buckets it reads: its own, a tied tensor's home
+        self.reads = [[] for _ in spec.layers]
+        for i, entries in enumerate(spec.layer_tensors):
+            if entries and entries[-1][3] > entries[0][2]:
+                self.reads[i].append(slots.bucket_at(entries[0][2]))
+        for t in spec.ties:
+            j = slots.bucket_at(t.lo)
+            if j not in self.reads[t.user]:
+                self.reads[t.user].append(j)
+
+    def views(self, i):
+        spec = self.spec
+        return (spec.views(self.params, i), spec.views(self.grads, i),
+                spec.views(self.state, i, of="state", base=self.base[1]))
+
+    def _need(self, a, b):
+        for i in range(a, b):
+            for j in self.reads[i]:
+                self.ensure(j)
+
+    def ensure(self, j):
+        """Bucket j's parameters in its slot (gathered unless they are there)."""
+        slot, now = self.params.slot_of[j], (j, self.shard.version[j])
+        if self.resident[slot] != now:
+            self.resident[slot] = None   # half-gathered is not there
+            lo, hi = self.params.buckets[j]
+            self.gather(j, self.params.slots[slot][:hi - lo])
+            self.resident[slot] = now
+            self.gathers += 1
+
+    def before_forward(self, a, b):
+        self._need(a, b)
+
+    def after_forward(self, a, b):
+        """Nothing: a slot is reused when a later bucket needs it."""
+
+    def before_backward(self, a, b):
+        self._need(a, b)
+
+    def grads_done(self, a, b):
+        """Nothing: the fused allreduce takes each bucket (comm/fusion.py)."""
+
+    def forget(self):
+        """Every slot stale (the shard was written whole: the initial draw, a resume)."""
+        self.shard.changed_all()
+
+    def init_pieces(self, dtype):
+        """The initial draw a bucket at a time (nn/sequential.LayerRange.init):
+        (lo, hi, a host buffer for model range [lo, hi), put(host)), buffer
+        order; put keeps this rank's part of it."""
+        shard = self.shard
+        for j in sorted(range(len(shard.buckets)), key=lambda j: shard.buckets[j][0]):
+            lo, hi = shard.buckets[j]
+
+            def put(host, j=j, lo=lo):
+                a, b = shard.owned[j]
+                _to(shard.part(j), host[a - lo:b - lo])
+            yield lo, hi, np.zeros(hi - lo, dtype), put
+        self.forget()
+
+
+def _to(target, host):
+    """host copied into target (a NumPy or CuPy view)."""
+    if isinstance(target, np.ndarray):
+        target[...] = host
+    else:
+        target.set(np.ascontiguousarray(host))
+    return target
+
+
+def param_slots(size, buckets, xp, dtype, homes):
+    """The parameters' slots: two shared, one per tied home's bucket."""
+    return GradSlots(size, buckets, xp, dtype, homes=homes, shared=OVERLAPPED)

@@ -1,0 +1,109 @@
+"""--zero 3 (ZeRO stage 3 in ring mode): each rank keeps its 1/N shard of
+the parameters, of the summed gradient and of the optimizer state, each
+bucket's parameters gathered into a slot just before its layers run
+forward and again before backward, and gets stage 1's parameters bit for
+bit: with several buckets so slots are reused, --clip-norm,
+--accumulate-steps, a tied tensor (the GPT's head and embedding), batch
+norm, compression, sizes that do not divide by the ranks. Jobs: --zero 3
+against --zero 1 and 0 (files, the GPT), resumes across stages, the
+memory budget (the refusals are in tests/test_train.py).
+
+    mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_zero3.py   # at 2, 3, 4 ranks in CI
+    python -m pytest tests/test_zero3.py                                     # jobs
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from test_zero import MLP, run_steps, trained, shards, text_dir   # noqa: F401 (fixtures)
+from conftest import same_bytes
+from test_hier import hier_on_fake_nodes
+from hpctrain.nn.sharded_store import ShardedStore
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("fusion_elems", [0, 200])
+@pytest.mark.parametrize("clip, accumulate", [(None, 1), (0.5, 3)])
+def test_stage_3_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, clip, accumulate):
+    comm = MPI.COMM_WORLD
+    one, one_losses, _ = run_steps(comm, name, 1, fusion_elems, True, clip, accumulate)
+    three, losses, ring = run_steps(comm, name, 3, fusion_elems, True, clip, accumulate)
+    assert losses == one_losses and np.array_equal(one, three)
+    store, n = ring.store, ring.model.num_params
+    assert isinstance(store, ShardedStore)
+    assert ring.param_shard.buf.size <= n / comm.size + len(store.params.buckets)
+    if fusion_elems:   # several buckets: no whole model anywhere
+        buckets = len(store.params.buckets)
+        assert buckets > 3
+        assert len(store.params.slots) == 2 + (name == "gpt")   # the tied embedding's own
+        assert store.params.nbytes < n * 4 * 0.75 and store.grads.nbytes < n * 4 * 0.5
+        # a step's first forward gathers every bucket (the update made them old); then each pass
+        # (backward, a micro-batch's next forward) all but those still in the slots from the pass
+        # before: the two shared slots' last, and the GPT's embedding in its own; run_steps gathers
+        # every bucket once more at the end
+        kept = 2 + (name == "gpt")
+        per_step = buckets + (buckets - kept) * (1 + 2 * (accumulate - 1))
+        assert store.gathers == 4 * per_step + buckets
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["small_cnn", "resnet"])
+def test_stage_3_gives_stage_1s_parameters_for_the_cnns(name):
+    """Convolutions, and batch norm's statistics beside the shards (resnet)."""
+    comm = MPI.COMM_WORLD
+    one, one_losses, ring1 = run_steps(comm, name, 1, 300, True, 0.5, accumulate=2)
+    three, losses, ring = run_steps(comm, name, 3, 300, True, 0.5, accumulate=2)
+    assert losses == one_losses and np.array_equal(one, three)
+    assert np.array_equal(ring1.model.state, ring.model.state)
+    assert len(ring.store.params.buckets) > 3
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("compression", [None, "bf16", "fp16"])
+def test_stage_3_on_nodes_and_compressed_gives_stage_1s_parameters(name, compression):
+    """hier on fake nodes of two ranks (its shards a sub-slice of the
+    node's part), compressed or not."""
+    comm = MPI.COMM_WORLD
+    one, one_losses, _ = run_steps(comm, name, 1, 200, True, 0.5, make=hier_on_fake_nodes,
+                                   compression=compression)
+    three, losses, _ = run_steps(comm, name, 3, 200, True, 0.5, make=hier_on_fake_nodes, compression=compression)
+    assert losses == one_losses and np.array_equal(one, three)
+
+
+# --- jobs ------------------------------------------------------------------------
+
+def test_zero_3_trains_the_parameters_of_zero_1_and_0(job, tmp_path, shards):
+    for z in (0, 1, 3):
+        final = trained(job, 3, [*MLP, "--data", shards, "--zero", z], tmp_path, f"z{z}")
+        assert final["zero"] == z
+    assert same_bytes(tmp_path / "z0.h5", tmp_path / "z1.h5") and same_bytes(tmp_path / "z1.h5", tmp_path / "z3.h5")
+
+
+def test_zero_3_trains_the_gpt_of_zero_1_with_accumulation(job, tmp_path, text_dir):
+    """The tied head and embedding, dropout on, 2 micro-batches a step,
+    clipped, evaluated on the held-out tail as it trains."""
+    flags = ["--data", text_dir, "--model", "gpt:layers=3,heads=2,width=16,dropout=0.1", "--block-size", 16,
+             "--batch-size", 4, "--steps", 4, "--accumulate-steps", 2, "--clip-norm", 0.5, "--fusion-mb", 0.005,
+             "--lr", 1e-3, "--eval-every", 2]
+    finals = [trained(job, 2, [*flags, "--zero", z], tmp_path, f"z{z}") for z in (1, 3)]
+    assert same_bytes(tmp_path / "z1.h5", tmp_path / "z3.h5")
+    assert finals[0]["test_loss"] == finals[1]["test_loss"]
+
+
+@pytest.mark.parametrize("first, then, ranks", [(3, 0, 3), (0, 3, 3), (3, 3, 2)])
+def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, tmp_path, shards, first, then, ranks):
+    """Checkpoints at 4, 8, 12 at one stage on 3 ranks, the two newest
+    removed, resumed at step 4 at the other stage (or on 2 ranks): where an
+    uninterrupted run ends."""
+    (tmp_path / "whole").mkdir()
+    trained(job, 3, [*MLP, "--data", shards, "--zero", 1], tmp_path / "whole", "p")
+    ckpt, cut = tmp_path / "ckpt", tmp_path / "cut"
+    cut.mkdir()
+    every = ["--checkpoint-dir", ckpt, "--checkpoint-every", 4]
+    trained(job, 3, [*MLP, "--data", shards, *every, "--zero", first], cut, "p")
+    for step in (8, 12):
+        (ckpt / f"ckpt-{step:08d}.h5").unlink()
+    trained(job, ranks, [*MLP, "--data", shards, *every, "--zero", then], cut, "p")
+    if ranks == 3:
+        assert same_bytes(tmp_path / "whole" / "p.h5", cut / "p.h5")
