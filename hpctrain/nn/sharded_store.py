@@ -6,29 +6,33 @@ place); a bucket's parameters are gathered into a bucket-sized slot just
 before its layers run forward, and again before they run backward, and
 the slot is reused by a later bucket when they are done.
 
-The slots are nn/grad_slots.GradSlots' (the same cut: a few slots the
-buckets take in turn, two here, one being read and one being filled; a
-bucket that holds a tied tensor's home a slot of its own, since the
-GPT's head reads the embedding at the other end of the model). Each
+The slots are nn/grad_slots.GradSlots' (the same cut: the buckets take
+the shared slots in turn, one here, since each gather is done before the
+layers that need it run; a bucket that holds a tied tensor's home a slot
+of its own, since the GPT's head reads the embedding at the other end of
+the model). So a rank holds its shard and two buckets' worth of
+parameters at most (the largest bucket, and a tied home's). Each
 layer is bound once to its bucket's slot; the runner (nn/sequential.py)
 calls the hooks a layer at a time (`per_layer`), and `_need` gathers the
 buckets layer i reads (its own, and the home of a tied tensor it uses)
-unless its slot still holds them: the last buckets of a forward are
-still there for the first of the backward, which is where FSDP too
-skips the gather. A slot's copy is current while the shard's version of
+unless its slot still holds them: the last bucket of a forward is still
+there for the first of the backward, which is where FSDP too skips the
+gather. A slot's copy is current while the shard's version of
 its bucket is the one it was gathered at (ParamShard.changed: the
 optimizer's update of bucket j; `forget()`: the initial draw, a resume).
 
 Who gathers is the caller's (`gather(j, view)`, comm/zero3.py: this
 rank's part copied in, the strategy's allgather), so this module needs
-no MPI; a `prefetch(j)` where given is told the bucket that comes next,
-so its gather can be posted while the current one computes.
+no MPI. Not yet: a prefetch, the next bucket's gather posted while the
+current one computes (FSDP's), which needs a second shared slot and the
+gathers on fusion's communication thread, in order with the buckets'
+reduce-scatters.
 
     mpirun -n 2 python -m mpi4py -m pytest --only-mpi tests/test_zero3.py
 """
 import numpy as np
 
-from .grad_slots import OVERLAPPED, GradSlots
+from .grad_slots import GradSlots
 
 
 class ParamShard:
@@ -76,7 +80,7 @@ class ShardedStore:
 
     def __init__(self, spec, slots, grads, state, shard, gather, base=(0, 0)):
         self.spec, self.params, self.grads, self.state, self.shard = spec, slots, grads, state, shard
-        self.gather, self.prefetch, self.base = gather, None, tuple(base)
+        self.gather, self.base = gather, tuple(base)
         self.resident = [None] * len(slots.slots)   # slot -> the bucket whose current parameters it holds
         self.gathers = 0   # how many buckets were gathered (tests count them)
         # layer i -> the buckets it reads: its own, a tied tensor's home
@@ -149,6 +153,8 @@ def _to(target, host):
     return target
 
 
-def param_slots(size, buckets, xp, dtype, homes):
-    """The parameters' slots: two shared, one per tied home's bucket."""
-    return GradSlots(size, buckets, xp, dtype, homes=homes, shared=OVERLAPPED)
+def param_slots(size, buckets, xp, dtype, homes, shared=1):
+    """The parameters' slots: `shared` the buckets take in turn (one while
+    each gather is done before its layers run; a prefetch needs a second),
+    one per tied home's bucket."""
+    return GradSlots(size, buckets, xp, dtype, homes=homes, shared=shared)

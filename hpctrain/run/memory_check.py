@@ -54,12 +54,14 @@ def ring_needs(args, spec, replicas, stage):
     """Bytes one rank of ring mode needs at least (nn/spec.py memory_bytes)
     at ZeRO stage `stage` over `replicas` ranks: the optimizer state 1/R
     from stage 1; from stage 2 the gradient as its 1/R shard and its
-    slots (nn/grad_slots.py, one: an estimate from below)."""
+    slots (nn/grad_slots.py, one: an estimate from below); at stage 3 the
+    parameters too (nn/sharded_store.py: a shared slot and a tied home's)."""
     buffers, n = 2, spec.num_params   # the parameters and the gradient
-    if stage == 2 and n:
+    if stage >= 2 and n:
         buckets = bucket_bounds(n, int(args.fusion_mb * (1 << 20)) // FLOAT32.grads.itemsize,
                                 ready_from(spec.layer_ranges))
-        buffers = 1 + (slot_elements(spec, buckets) + n / replicas) / n
+        sharded = (slot_elements(spec, buckets) + n / replicas) / n
+        buffers = (1 if stage == 2 else sharded) + sharded
     return spec.memory_bytes(args.batch_size, STATES[args.optimizer] / (replicas if stage else 1),
                              buffers=buffers, threads=threads.count())
 
@@ -70,16 +72,18 @@ MOST_RANKS = 1024   # how far fitting_stage looks for a number of ranks
 def fitting_stage(args, spec, replicas, stage, budget, base):
     """What a refusal adds for ring mode: the smallest ZeRO stage above
     `stage` that fits `budget` per rank on these `replicas`, else the
-    fewest ranks (a power of two) on which --zero 2 does; "" if none."""
-    for higher in range(stage + 1, 3):
+    fewest ranks (a power of two) on which a stage 2 or 3 does, and the
+    smaller of those stages; "" if none."""
+    for higher in range(stage + 1, 4):
         need = base + ring_needs(args, spec, replicas, higher) if replicas > 1 else None
         if need is not None and need <= budget:
             return f"; --zero {higher} would fit ({need / 2**30:.2f} GiB per rank)"
     ranks = 2
     while ranks <= MOST_RANKS:
-        need = base + ring_needs(args, spec, ranks, 2)
-        if ranks > replicas and need <= budget:
-            return f"; --zero 2 on {ranks} ranks would fit ({need / 2**30:.2f} GiB per rank)"
+        for higher in (2, 3):
+            need = base + ring_needs(args, spec, ranks, higher)
+            if ranks > replicas and need <= budget:
+                return f"; --zero {higher} on {ranks} ranks would fit ({need / 2**30:.2f} GiB per rank)"
         ranks *= 2
     return ""
 
@@ -91,7 +95,8 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
     model, or its pipeline stage's part: the heaviest) against its budget,
     --memory-budget or this node's available memory shared among its ranks.
     sharded: the ZeRO stage over the `replicas` (1: the optimizer state 1/R;
-    2: the gradient too, its shard and its slots, nn/grad_slots.py). A
+    2: the gradient too, its shard and its slots, nn/grad_slots.py; 3: the
+    parameters too, nn/sharded_store.py). A
     refusal names the pipeline that would fit."""
     from ..optim.optimizers import prepare
     from ..pipeline.stages import ranges, stage_chunks, virtual_stages
