@@ -24,12 +24,15 @@ from hpctrain.nn.sharded_store import ShardedStore
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
-@pytest.mark.parametrize("fusion_elems", [0, 200])
+@pytest.mark.parametrize("fusion_elems, overlap", [(0, True), (200, False), (200, True)])
 @pytest.mark.parametrize("clip, accumulate", [(None, 1), (0.5, 3)])
-def test_stage_3_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, clip, accumulate):
+def test_stage_3_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, overlap, clip, accumulate):
+    """With overlap the gathers run on the communication thread, each
+    posted one bucket ahead, with two shared slots; without, each right
+    before its layers, with one."""
     comm = MPI.COMM_WORLD
-    one, one_losses, _ = run_steps(comm, name, 1, fusion_elems, True, clip, accumulate)
-    three, losses, ring = run_steps(comm, name, 3, fusion_elems, True, clip, accumulate)
+    one, one_losses, _ = run_steps(comm, name, 1, fusion_elems, overlap, clip, accumulate)
+    three, losses, ring = run_steps(comm, name, 3, fusion_elems, overlap, clip, accumulate)
     assert losses == one_losses and np.array_equal(one, three)
     store, n = ring.store, ring.model.num_params
     assert isinstance(store, ShardedStore)
@@ -37,13 +40,15 @@ def test_stage_3_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, clip,
     if fusion_elems:   # several buckets: no whole model anywhere
         buckets = len(store.params.buckets)
         assert buckets > 3
-        assert len(store.params.slots) == len(store.grads.slots) == 1 + (name == "gpt")   # the embedding's own
-        assert store.params.nbytes < n * 4 * 0.5 and store.grads.nbytes < n * 4 * 0.5
+        shared = 2 if overlap and comm.size > 1 else 1
+        assert len(store.params.slots) == len(store.grads.slots) == shared + (name == "gpt")   # the embedding's own
+        assert store.params.nbytes < n * 4 * 0.75 and store.grads.nbytes < n * 4 * 0.75
+        assert (store.posted > 0) == (shared == 2) and not store.pending
         # a step's first forward gathers every bucket (the update made them old); then each pass
         # (backward, a micro-batch's next forward) all but those still in the slots from the pass
-        # before: the shared slot's last, and the GPT's embedding in its own; run_steps gathers
-        # every bucket once more at the end
-        kept = 1 + (name == "gpt")
+        # before: the shared slots' last, and the GPT's embedding in its own (a prefetch gathers
+        # only what the pass reads next); run_steps gathers every bucket once more at the end
+        kept = shared + (name == "gpt")
         per_step = buckets + (buckets - kept) * (1 + 2 * (accumulate - 1))
         assert store.gathers == 4 * per_step + buckets
 

@@ -120,6 +120,7 @@ class FusedAllreduce:
         if self.overlap:
             self._todo = queue.SimpleQueue()
             self._done = queue.SimpleQueue()
+            self._gathered = queue.SimpleQueue()   # --zero 3: the gathers posted (`post`), in order
             self._thread = threading.Thread(target=self._worker, name="hpctrain-allreduce", daemon=True)
             self._thread.start()
 
@@ -170,6 +171,27 @@ class FusedAllreduce:
         if self.overlap:
             self._todo.put(None)
             self._thread.join(timeout=5)
+
+    # --- --zero 3's gathers, on the same thread ---------------------------------
+    def post(self, j, gather):
+        """Run gather() (bucket j's parameters into their slot) on the
+        communication thread, in order with the buckets' sums: two threads'
+        collectives on one communicator would race. With overlap only."""
+        self._todo.put(_Gather(j, gather, self.marks.mark()))   # the slot's readers so far come first
+
+    def collect(self, j):
+        """Wait for the posted gather of bucket j: the buckets gathered until
+        it (in posting order, j last)."""
+        done = []
+        while not done or done[-1] != j:
+            with waiting(self.watchdog, "parameter gather"):
+                item = self._gathered.get()
+            if isinstance(item, BaseException):
+                raise item
+            k, mark = item
+            self.marks.use(mark)   # the layers read the slot after the gather wrote it
+            done.append(k)
+        return done
 
     # --- internals -----------------------------------------------------------
     def _receive(self, count):
@@ -224,7 +246,7 @@ class FusedAllreduce:
         if self.timeline is not None:
             a, b = update.parts[self.part].owned[i]
             self.timeline.add(f"optimizer [{a}:{b})", "optimizer", t1, t2)
-        if update.sharded:
+        if update.sharded and update.parts[self.part].param_shard is None:   # --zero 3 gathers before use
             update.gather(self.part, i)
             t3 = time.perf_counter()
             self._spans.append((t2, t3, False))
@@ -238,6 +260,14 @@ class FusedAllreduce:
             item = self._todo.get()
             if item is None:
                 return
+            if isinstance(item, _Gather):
+                try:
+                    self.marks.use(item.readers)
+                    item.gather()
+                    self._gathered.put((item.bucket, self.marks.mark()))
+                except BaseException as exc:   # surface in the main thread
+                    self._gathered.put(exc)
+                continue
             bucket, backprop = item
             try:
                 self.marks.use(backprop)   # MPI and copies read the bucket after backprop wrote it
@@ -245,3 +275,12 @@ class FusedAllreduce:
                 self._done.put(self.marks.mark())   # the next forward runs after this bucket's update
             except BaseException as exc:  # surface in the main thread
                 self._done.put(exc)
+
+
+class _Gather:
+    """A --zero 3 gather for the communication thread: bucket index, the
+    call, and the event after which the slot's last readers are done."""
+    __slots__ = ("bucket", "gather", "readers")
+
+    def __init__(self, bucket, gather, readers):
+        self.bucket, self.gather, self.readers = bucket, gather, readers

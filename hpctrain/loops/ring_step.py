@@ -88,13 +88,13 @@ class RingStep:
             if compression is not None and compression.kind == "powersgd":
                 raise ValueError("--zero 3 does not take --compression powersgd")   # cli.py refuses it in one line
             # --zero 3: the parameters in shards, each bucket gathered into a slot as its layers run
-            # (nn/sharded_store.py); the gathers and the buckets' sums on one thread, in order
-            overlap = False
+            # (nn/sharded_store.py); with overlap the gathers go on the buckets' thread, one ahead
+            shared = OVERLAPPED if overlaps(overlap, buckets, strategy) else 1
             homes = [(t.lo, t.hi) for t in spec.ties]
             param_shard = ParamShard(buckets, [_offset(lo, strategy.shard(hi - lo)) for lo, hi in buckets], xp,
                                      dtype)
-            self.store = ShardedStore(spec, param_slots(n, buckets, xp, dtype, homes),
-                                      GradSlots(n, buckets, xp, dtype, homes=homes, shared=1),
+            self.store = ShardedStore(spec, param_slots(n, buckets, xp, dtype, homes, shared),
+                                      GradSlots(n, buckets, xp, dtype, homes=homes, shared=shared),
                                       xp.zeros(spec.num_state, dtype), param_shard,
                                       Gatherer(strategy, param_shard, xp, timeline))
             self.model = spec.build_on(self.store, xp, dtype)
@@ -127,6 +127,8 @@ class RingStep:
         self.fused = FusedAllreduce(self.update, ready_from(self.model.layer_ranges), marks=marks, overlap=overlap,
                                     timeline=timeline, watchdog=watchdog)
         self.layer_done, self.forward_done = self.fused.layer_done, self._forward_done
+        if self.store is not None and self.fused.overlap:
+            self.store.thread = self.fused   # --zero 3: the gathers on the communication thread
         self.loss_out = xp.zeros(1, grads.dtype)   # forward_backward writes the loss there
         # the model sums a tied tensor's uses itself, but for accumulated steps: layer_done does
         self.combine = self.accumulate_steps == 1
@@ -230,6 +232,8 @@ class RingStep:
         return self.loss_and_stop.summed()
 
     def close(self):
+        if self.store is not None:
+            self.store.thread = None   # later gathers (the final evaluation, --save) on this thread
         self.fused.close()
 
 

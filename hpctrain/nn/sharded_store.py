@@ -7,11 +7,10 @@ before its layers run forward, and again before they run backward, and
 the slot is reused by a later bucket when they are done.
 
 The slots are nn/grad_slots.GradSlots' (the same cut: the buckets take
-the shared slots in turn, one here, since each gather is done before the
-layers that need it run; a bucket that holds a tied tensor's home a slot
-of its own, since the GPT's head reads the embedding at the other end of
-the model). So a rank holds its shard and two buckets' worth of
-parameters at most (the largest bucket, and a tied home's). Each
+the shared slots in turn, one where each gather is done right before
+the layers that need it run, two with a prefetch; a bucket that holds a
+tied tensor's home a slot of its own, since the GPT's head reads the
+embedding at the other end of the model). Each
 layer is bound once to its bucket's slot; the runner (nn/sequential.py)
 calls the hooks a layer at a time (`per_layer`), and `_need` gathers the
 buckets layer i reads (its own, and the home of a tied tensor it uses)
@@ -23,10 +22,15 @@ optimizer's update of bucket j; `forget()`: the initial draw, a resume).
 
 Who gathers is the caller's (`gather(j, view)`, comm/zero3.py: this
 rank's part copied in, the strategy's allgather), so this module needs
-no MPI. Not yet: a prefetch, the next bucket's gather posted while the
-current one computes (FSDP's), which needs a second shared slot and the
-gathers on fusion's communication thread, in order with the buckets'
-reduce-scatters.
+no MPI. With overlap (`thread`: comm/fusion.FusedAllreduce) the gathers
+run on the communication thread, in order with the buckets'
+reduce-scatters, and each is posted one bucket ahead (FSDP's forward and
+backward prefetch): when a layer of bucket j runs, the gather of the
+bucket after it in this pass (j - 1 forward, j + 1 backward) is posted,
+into the other shared slot, so it moves while bucket j computes; in
+backward it goes ahead of bucket j's own reduce-scatter. Two shared
+slots then, one read and one being filled: at most three buckets of
+parameters (with a tied home's) are alive at once.
 
     mpirun -n 2 python -m mpi4py -m pytest --only-mpi tests/test_zero3.py
 """
@@ -81,13 +85,17 @@ class ShardedStore:
     def __init__(self, spec, slots, grads, state, shard, gather, base=(0, 0)):
         self.spec, self.params, self.grads, self.state, self.shard = spec, slots, grads, state, shard
         self.gather, self.base = gather, tuple(base)
-        self.resident = [None] * len(slots.slots)   # slot -> the bucket whose current parameters it holds
-        self.gathers = 0   # how many buckets were gathered (tests count them)
-        # layer i -> the buckets it reads: its own, a tied tensor's home
-        self.reads = [[] for _ in spec.layers]
+        self.resident = [None] * len(slots.slots)   # slot -> (bucket, shard version) its parameters are
+        # with a communication thread (comm/fusion.FusedAllreduce, `thread`): the gathers run
+        # there, and each layer's next bucket is posted ahead (prefetch); slot -> (bucket, version) posted
+        self.thread, self.pending = None, {}
+        self.gathers = self.posted = 0   # buckets gathered, and of them posted to a thread (tests count them)
+        # layer i -> the buckets it reads: its own (`own`, None without tensors), a tied tensor's home
+        self.reads, self.own = [[] for _ in spec.layers], [None] * len(spec.layers)
         for i, entries in enumerate(spec.layer_tensors):
             if entries and entries[-1][3] > entries[0][2]:
-                self.reads[i].append(slots.bucket_at(entries[0][2]))
+                self.own[i] = slots.bucket_at(entries[0][2])
+                self.reads[i].append(self.own[i])
         for t in spec.ties:
             j = slots.bucket_at(t.lo)
             if j not in self.reads[t.user]:
@@ -98,29 +106,68 @@ class ShardedStore:
         return (spec.views(self.params, i), spec.views(self.grads, i),
                 spec.views(self.state, i, of="state", base=self.base[1]))
 
-    def _need(self, a, b):
+    def _need(self, a, b, ahead):
+        """Layers [a, b) run next: the buckets they read gathered; then the
+        bucket `ahead` of each one's own (its neighbour in this pass's order)
+        posted (not of a tied home: the GPT's head reads the embedding's, at
+        the other end of the pass)."""
         for i in range(a, b):
             for j in self.reads[i]:
                 self.ensure(j)
+            if self.thread is not None and self.own[i] is not None:
+                self._prefetch(self.own[i] + ahead, self.reads[i])
 
     def ensure(self, j):
         """Bucket j's parameters in its slot (gathered unless they are there)."""
         slot, now = self.params.slot_of[j], (j, self.shard.version[j])
-        if self.resident[slot] != now:
-            self.resident[slot] = None   # half-gathered is not there
-            lo, hi = self.params.buckets[j]
-            self.gather(j, self.params.slots[slot][:hi - lo])
+        if self.resident[slot] == now:
+            return
+        if self.pending.get(slot) is not None:
+            self._collect(self.pending[slot][0])   # whatever was posted there is done first
+            if self.resident[slot] == now:
+                return
+        self.resident[slot] = None   # half-gathered is not there
+        if self.thread is None:
+            self._gather(j, slot)
             self.resident[slot] = now
-            self.gathers += 1
+        else:
+            self._post(j, slot, now)
+            self._collect(j)
+
+    def _gather(self, j, slot):
+        lo, hi = self.params.buckets[j]
+        self.gather(j, self.params.slots[slot][:hi - lo])
+        self.gathers += 1
+
+    def _post(self, j, slot, now):
+        self.pending[slot] = now
+        self.posted += 1
+        self.thread.post(j, lambda: self._gather(j, slot))
+
+    def _collect(self, j):
+        for k in self.thread.collect(j):
+            slot = self.params.slot_of[k]
+            self.resident[slot] = self.pending.pop(slot)
+
+    def _prefetch(self, k, reading):
+        """Post bucket k's gather where its slot is not one the running layer reads."""
+        if not 0 <= k < len(self.params.buckets):
+            return
+        slot, now = self.params.slot_of[k], (k, self.shard.version[k])
+        if self.resident[slot] == now or slot in self.pending or \
+                any(self.params.slot_of[j] == slot for j in reading):
+            return
+        self.resident[slot] = None
+        self._post(k, slot, now)
 
     def before_forward(self, a, b):
-        self._need(a, b)
+        self._need(a, b, -1)   # forward runs from the last bucket (the model's start) to bucket 0
 
     def after_forward(self, a, b):
         """Nothing: a slot is reused when a later bucket needs it."""
 
     def before_backward(self, a, b):
-        self._need(a, b)
+        self._need(a, b, +1)
 
     def grads_done(self, a, b):
         """Nothing: the fused allreduce takes each bucket (comm/fusion.py)."""

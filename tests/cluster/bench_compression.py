@@ -11,6 +11,10 @@ and each --compression, the same samples per step (4 x B):
             window is compressed)
   zero2, zero2-bf16  --zero 2 (the gradient sharded too: the same bytes
             as none), alone and with bf16; not run by default
+  zero3, zero3-bf16, zero1-overlap  --zero 3 with --overlap on (its
+            gathers prefetched on the communication thread), alone and
+            with bf16, and stage 1 with --overlap on beside them; not run
+            by default
 
 Bytes each way per link per step, the arithmetic: hier on 2 nodes carries
 2(M-1)/M = 1 x what each rank hands its allreduce per step over each
@@ -71,6 +75,10 @@ ALL = {
     # the ZeRO stages against none (stage 1): the same float32 bytes (issue 44)
     "zero2": ("--zero", "2"),
     "zero2-bf16": ("--zero", "2", "--compression", "bf16"),
+    # stage 3 (the parameters gathered before use, one bucket ahead with --overlap on): 1.5x the bytes at most
+    "zero3": ("--zero", "3", "--overlap", "on"),
+    "zero3-bf16": ("--zero", "3", "--overlap", "on", "--compression", "bf16"),
+    "zero1-overlap": ("--overlap", "on"),
 }
 CASES = {name: ALL[name] for name in os.environ.get("BENCH_CASES", "none,fp16,bf16,powersgd").split(",")}
 PER_STEP = 4 * BATCH
@@ -78,8 +86,10 @@ PER_STEP = 4 * BATCH
 
 def must(name, record):
     """Bytes each way per link per step by the arithmetic (hier, 2 nodes)."""
-    if name in ("none", "zero2"):
+    if name in ("none", "zero2", "zero1-overlap"):
         return 4 * (PARAMS + 2)
+    if name.startswith("zero3"):
+        return None   # the gathers' bytes depend on which buckets stay in their slots: measured only
     if name in ("fp16", "bf16", "zero2-bf16"):
         return 2 * (PARAMS + 2) + 8
     return record["sent_bytes_per_step"]
@@ -155,7 +165,8 @@ def bench(across, what):
                     m = r["must"]
                     row += ("; MB/step out of, into hpt-n1: {:.2f}, {:.2f}; hpt-n2: {:.2f}, {:.2f}".format(
                         *(b / 1e6 for b in r["per_link"]))
-                        + f" (must {m / 1e6:.2f}: x{min(r['per_link']) / m:.3f}..{max(r['per_link']) / m:.3f})")
+                        + (f" (must {m / 1e6:.2f}: x{min(r['per_link']) / m:.3f}..{max(r['per_link']) / m:.3f})"
+                           if m else ""))
                 print(row, flush=True)
     med = {name: statistics.median(r["samples_per_s"] for r in rs) for name, rs in runs.items()}
     if "none" in runs:
