@@ -228,7 +228,8 @@ def _ring_flags(g):
                    help="ZeRO stage of ring mode: 0 every rank holds everything; 1 each rank updates only its share "
                         "of every bucket after the reduce-scatter and the allgather carries parameters (optimizer state "
                         "and work 1/N); 2 the gradient sharded too (each rank keeps its 1/N of the summed gradient and "
-                        "one or two buckets in flight, no full-length gradient); 3 (parameters sharded) is not built yet. The "
+                        "one or two buckets in flight, no full-length gradient); 3 the parameters sharded too (each bucket "
+                        "gathered just before its layers run, forward and backward; one bucket ahead with --overlap on). The "
                         "same parameters bit for bit at every stage. Default: 1 with 2 or more workers on CPUs with "
                         "--allreduce auto|ring|hier, where it measured faster, else 0")
     g.add_argument("--shard-optimizer", choices=["auto", "on", "off"], default="auto",

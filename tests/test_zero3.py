@@ -31,9 +31,16 @@ def test_stage_3_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, overl
     posted one bucket ahead, with two shared slots; without, each right
     before its layers, with one."""
     comm = MPI.COMM_WORLD
-    one, one_losses, _ = run_steps(comm, name, 1, fusion_elems, overlap, clip, accumulate)
+    one, one_losses, ring1 = run_steps(comm, name, 1, fusion_elems, overlap, clip, accumulate)
     three, losses, ring = run_steps(comm, name, 3, fusion_elems, overlap, clip, accumulate)
     assert losses == one_losses and np.array_equal(one, three)
+    # this rank's shards of the last step's summed gradient and of Adam's state: stage 1's owned parts
+    owned = ring.update.parts[0].owned
+    assert owned == ring1.update.parts[0].owned and ring.optimizer.ranges == ring1.optimizer.ranges
+    for a, b in owned:
+        assert np.array_equal(ring.update.parts[0].shard[a:b], ring1.model.grads[a:b])
+    for key, state in ring.optimizer.state().items():
+        assert np.array_equal(state, ring1.optimizer.state()[key])
     store, n = ring.store, ring.model.num_params
     assert isinstance(store, ShardedStore)
     assert ring.param_shard.buf.size <= n / comm.size + len(store.params.buckets)

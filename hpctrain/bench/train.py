@@ -4,6 +4,7 @@ rank count, repeats each, and reports the median of the repeats.
     python -m hpctrain.bench train --mode ring --ranks 1,2,4
     python -m hpctrain.bench train --mode ps --ranks 3,4 -- --num-ps 2 --async
     python -m hpctrain.bench train --ranks 2,4 --compare shard-optimizer=off,on
+    python -m hpctrain.bench train --ranks 4 --compare zero=1,2,3 -- --data TEXT --model gpt:layers=4 --block-size 128
     python -m hpctrain.bench train --ranks 1,2 --plot train.png   # and a picture (hpctrain.plot)
     python -m hpctrain.bench train --mode ps --ranks 4 --versus-ring -- --num-ps 2
     python -m hpctrain.bench train --ranks 1,2 --against b4056b6   # that commit's code interleaved (bench/against.py)
@@ -58,7 +59,8 @@ def run_failed(ranks, args, r):
 
 def header(what, flags, extra):
     """The first line of a train table: what ran, the model and the extra flags."""
-    return (f"train, {what}, hidden {','.join(map(str, flags.hidden))}, {flags.optimizer}, "
+    model = f"hidden {','.join(map(str, flags.hidden))}" if flags.model == "mlp" else f"--model {flags.model}"
+    return (f"train, {what}, {model}, {flags.optimizer}, "
             f"batch {flags.batch_size}/worker" + (f", flags: {' '.join(extra)}" if extra else ""))
 
 
@@ -109,7 +111,7 @@ def summarise(mode, ranks, runs, flags):
         "peak_mb": med.get("peak_rss_mb"),
         "above_base_mb": med.get("peak_rss_above_base_mb"),
         "mem_target_mb": memory_target_mb(flags.hidden, flags.optimizer, flags.batch_size,
-                                          model_shape(flags)),
+                                          model_shape(flags)) if flags.model == "mlp" else None,
         "test_accuracy": med.get("test_accuracy"),
     }
 

@@ -14,6 +14,9 @@ What it owns, per step:
   (nn/grad_slots.py) and each reduce-scatter leaves this rank's part in
   its compact gradient shard (`GradShard`), which the optimizer and the
   norm read: the same sums, the same update, the same bits as stage 1;
+  with --zero 3 the optimizer updates the parameters' shard in place
+  (nn/sharded_store.ParamShard) and nothing is allgathered after it: the
+  store gathers each bucket when its layers run;
 - the compression exchange (comm/compressed_exchange.py), through which a
   bucket is summed instead of the strategy's own allreduce;
 - the optimizer of each part, its state sized by what this rank updates;
@@ -31,6 +34,7 @@ and a sharded run with an unsharded one's, bit for bit.
 
     mpirun -n 4 python -m hpctrain.train --steps 200 --zero 1 --clip-norm 1
     mpirun -n 4 python -m hpctrain.train --steps 200 --zero 2 --clip-norm 1
+    mpirun -n 4 python -m hpctrain.train --steps 200 --zero 3 --clip-norm 1
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --clip-norm 1 --shard-optimizer on
 """
 from ..chunks import chunk_parts

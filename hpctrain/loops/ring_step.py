@@ -47,8 +47,8 @@ from ..comm.fusion import FusedAllreduce, overlaps, ready_from
 from ..comm.loss_and_stop import LossAndStop
 from .. import device
 from ..device import all_finite
-from ..nn.accumulate import Accumulation
 from ..comm.zero3 import Gatherer
+from ..nn.accumulate import Accumulation
 from ..nn.grad_slots import OVERLAPPED, GradSlots
 from ..nn.sharded_store import ParamShard, ShardedStore, param_slots
 from ..optim.compression_math import powersgd_layout
@@ -71,7 +71,10 @@ class RingStep:
     optimizer over this rank's part of each bucket); shard_grads: --zero 2
     (the gradient too: the model built over nn/grad_slots.GradSlots, each
     bucket summed into this rank's shard as backprop finishes it, and with
-    --accumulate-steps the first micro-batches added a layer at a time)."""
+    --accumulate-steps the first micro-batches added a layer at a time);
+    shard_params: --zero 3 (the parameters too: the model built over
+    nn/sharded_store.ShardedStore, each bucket gathered as its layers run,
+    on the communication thread one bucket ahead with overlap)."""
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
                  marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None,

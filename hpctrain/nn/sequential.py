@@ -136,8 +136,10 @@ class LayerRange:
         """The share as one piece: drawn in place on the host, else on the host and copied."""
         if self.xp is np:
             return base, base + params.size, params, lambda host: None
-        return base, base + params.size, np.zeros(params.size, params.dtype), \
-            lambda host: params.__setitem__(Ellipsis, self.xp.asarray(host))
+
+        def put(host):
+            params[...] = self.xp.asarray(host)
+        return base, base + params.size, np.zeros(params.size, params.dtype), put
 
     def set_noise(self, noise, slot=0):
         """`noise=(seed, step, sample_ids)`, or None, for the slot's next

@@ -31,6 +31,12 @@ gradient): so a store may keep a layer's parameters anywhere between calls,
 the seam through which sharded parameters will be gathered before use and
 released after, and a tensor-parallel layer will find its slice.
 
+A store that says `per_layer = True` (--zero 3's nn/sharded_store.py) hears
+the two before-hooks a layer at a time, [i, i + 1), right before layer i
+runs forward or backward, so it can hold one bucket of parameters at a
+time; `init_pieces(dtype)`, where a store has it, hands the initial draw
+out a piece of the share at a time (nn/sequential.LayerRange.init).
+
 The views are bound once (layers keep what they derive from them at bind
 time, Conv2d its W as a matrix, and a step allocates nothing): a store that
 keeps its parameters elsewhere hands out views of a working buffer of its

@@ -54,13 +54,14 @@ def ring_needs(args, spec, replicas, stage):
     """Bytes one rank of ring mode needs at least (nn/spec.py memory_bytes)
     at ZeRO stage `stage` over `replicas` ranks: the optimizer state 1/R
     from stage 1; from stage 2 the gradient as its 1/R shard and its
-    slots (nn/grad_slots.py, one: an estimate from below); at stage 3 the
-    parameters too (nn/sharded_store.py: a shared slot and a tied home's)."""
+    slots (nn/grad_slots.py: one, two with --overlap on); at stage 3 the
+    parameters too (nn/sharded_store.py: shared slots and a tied home's)."""
     buffers, n = 2, spec.num_params   # the parameters and the gradient
     if stage >= 2 and n:
         buckets = bucket_bounds(n, int(args.fusion_mb * (1 << 20)) // FLOAT32.grads.itemsize,
                                 ready_from(spec.layer_ranges))
-        sharded = (slot_elements(spec, buckets) + n / replicas) / n
+        shared = 2 if args.overlap == "on" and replicas > 1 and len(buckets) > 1 else 1
+        sharded = (slot_elements(spec, buckets, shared) + n / replicas) / n
         buffers = (1 if stage == 2 else sharded) + sharded
     return spec.memory_bytes(args.batch_size, STATES[args.optimizer] / (replicas if stage else 1),
                              buffers=buffers, threads=threads.count())
