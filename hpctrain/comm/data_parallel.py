@@ -186,7 +186,7 @@ class DataParallelUpdate:
         lo, hi = p.owned[i]
         if lo < hi:
             if p.param_shard is not None:
-                p.optimizer.update_shard(p.param_shard.buf, p.shard.buf, lo, hi)
+                p.optimizer.update_compact(p.param_shard.buf, p.shard.buf, lo, hi, shard=True)
                 p.param_shard.changed(i)   # a slot's gathered copy of bucket i is old now
             elif p.shard is not None:
                 p.optimizer.update_compact(p.params, p.shard.buf, lo, hi)

@@ -31,7 +31,7 @@ from ..comm.zero3 import ShardsFromChief, ShardsToChief
 from ..data.splits import held_out
 from ..errors import EXIT_DIVERGED, HpctrainError
 from ..files import create_new, remove_temp, temp_name_next_to
-from ..report.params import chief_text, write_attrs
+from ..report.params import chief_text, write_attrs, written_by_chief
 
 
 def all_finite(world, comm, shard):
@@ -133,14 +133,7 @@ class ShardedModel:
         each bucket's tensors as the bucket arrives. OSError on the chief
         when it cannot (the others learn it from `agree`)."""
         stream = _stream(self.world, self.comm, self, {"params": self.store.shard.buf})
-        if not self.world.chief:
-            stream.send()
-            return
-        try:
-            self._write(path, step, attrs, stream)
-        except BaseException:
-            stream.drain()
-            raise
+        written_by_chief(self.world.chief, stream, lambda: self._write(path, step, attrs, stream))
 
     @property
     def param_shard(self):   # what _stream asks of a ring

@@ -445,21 +445,14 @@ class Sharded(_Wrapper):
         shift = lo - c
         self.inner.update(params[shift:], grads[shift:], c, c + hi - lo)
 
-    def update_compact(self, params, grads, lo, hi):
+    def update_compact(self, params, grads, lo, hi, shard=False):
         """update(), the gradient given in the compact layout (--zero 2: the
-        rank's shard of the summed gradient, comm/data_parallel.GradShard)."""
+        rank's shard of the summed gradient, comm/data_parallel.GradShard);
+        shard: the parameters too (--zero 3: nn/sharded_store.ParamShard)."""
         if hi <= lo:
             return
         c = self.compact_offset(lo, hi)
-        self.inner.update(params[lo - c:], grads, c, c + hi - lo)
-
-    def update_shard(self, params, grads, lo, hi):
-        """update(), parameters and gradient both given in the compact layout
-        (--zero 3: the rank's parameter shard, nn/sharded_store.ParamShard)."""
-        if hi <= lo:
-            return
-        c = self.compact_offset(lo, hi)
-        self.inner.update(params, grads, c, c + hi - lo)
+        self.inner.update(params if shard else params[lo - c:], grads, c, c + hi - lo)
 
     def compact(self, full, out):
         """out (compact) <- the owned elements of full (a full-length array)."""

@@ -36,7 +36,7 @@ from .. import device
 from ..checkpoints.file import Pieces
 from ..checkpoints.sharded import ShardedState
 from ..errors import HpctrainError
-from ..report.params import chief_text, write_attrs
+from ..report.params import chief_text, write_attrs, written_by_chief
 from ..files import create_new, remove_temp, temp_name_next_to
 from . import stage_compression as pipeline_compression
 from .stages import ranges
@@ -348,14 +348,7 @@ class Pipelined:
         if spec.num_state:
             parts["state"] = (layouts.state, [c.state for c in chunks] if grid.replica == 0 else None)
         stream = ToChief(grid, self.world.watchdog, list(parts), parts, chunks[0].params.dtype)
-        if not self.world.chief:
-            stream.send()
-            return
-        try:
-            self._write(path, step, attrs, stream)
-        except BaseException:
-            stream.drain()
-            raise
+        written_by_chief(self.world.chief, stream, lambda: self._write(path, step, attrs, stream))
 
     def _write(self, path, step, attrs, stream):
         import h5py

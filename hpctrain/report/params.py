@@ -96,3 +96,17 @@ def chief_text(world, text):
         world.comm.Bcast(buf, root=0)
     said = bytes(buf).rstrip(b"\0").decode(errors="replace")
     return said[1:] if said else None
+
+
+def written_by_chief(chief, stream, write):
+    """A collective model's --save (a pipeline's, --zero 3's): the chief runs
+    write(), taking the others' pieces from `stream` (whatever a failed
+    write left is drained, so no sender waits); the others send theirs."""
+    if not chief:
+        stream.send()
+        return
+    try:
+        write()
+    except BaseException:
+        stream.drain()
+        raise
