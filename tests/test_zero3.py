@@ -105,18 +105,18 @@ def test_zero_3_trains_the_gpt_of_zero_1_with_accumulation(job, tmp_path, text_d
 
 
 def test_a_model_refused_at_zero_2_on_4_ranks_trains_at_zero_3_there(job, tmp_path):
-    """16 layers of 1024 (16.8 M parameters, Adam): --memory-budget 0.18
-    refuses it on one rank (0.32 GiB) naming --zero 3 on 4 ranks (about
-    0.14 GiB: each bucket one layer, so a rank holds its shards and two
-    layers' worth of slots), and --zero 2 on 4 ranks (0.18 GiB) naming
-    --zero 3; at stage 3 it trains there, every rank's measured peak (about
-    170 MB here) under the budget (184 MB)."""
-    big = ["--hidden", ",".join(["1024"] * 16), "--fusion-mb", "4", "--steps", "4", "--log-every", "4",
-           "--batch-size", "16", "--memory-budget", "0.18"]
+    """32 layers of 1024 (33.6 M parameters, Adam): --memory-budget 0.28
+    refuses it on one rank (0.57 GiB) naming --zero 3 on 4 ranks (about
+    0.21 GiB: each bucket one layer, so a rank holds its shards and two
+    layers' worth of slots), and --zero 2 on 4 ranks (0.30 GiB) naming
+    --zero 3; at stage 3 it trains there, every rank's measured peak (243
+    MB here, ~20 MB more in one CI run) under the budget (287 MB)."""
+    big = ["--hidden", ",".join(["1024"] * 32), "--fusion-mb", "4", "--steps", "4", "--log-every", "4",
+           "--batch-size", "16", "--memory-budget", "0.28"]
     for ranks, zero, names in ((1, [], "; --zero 3 on 4 ranks would fit ("), (4, ["--zero", "2"], "; --zero 3 would fit (")):
         r = job(ranks, *big, *zero, timeout=120)
         lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
         assert r.returncode == 2 and len(lines) == 1, r.stderr
         assert "needs at least" in lines[0] and names in lines[0], lines
     final = trained(job, 4, [*big, "--zero", 3], tmp_path, "z3")
-    assert final["peak_rss_mb"] < 0.18 * 1024, final["peak_rss_mb"]   # the largest of any rank
+    assert final["peak_rss_mb"] < 0.28 * 1024, final["peak_rss_mb"]   # the largest of any rank
