@@ -207,11 +207,12 @@ def trained(job, ranks, flags, out, name):
     return json.loads((out / f"{name}.jsonl").read_text().splitlines()[-1])
 
 
-def test_zero_2_trains_the_parameters_of_zero_1_and_0(job, tmp_path, shards):
-    for z in (0, 1, 2):
+def test_every_zero_stage_trains_the_parameters_of_zero_0(job, tmp_path, shards):
+    """Stages 1, 2 and 3 (tests/test_zero3.py) give stage 0's --save file, bit for bit."""
+    for z in (0, 1, 2, 3):
         final = trained(job, 3, [*MLP, "--data", shards, "--zero", z], tmp_path, f"z{z}")
         assert final["zero"] == z
-    assert same_bytes(tmp_path / "z0.h5", tmp_path / "z1.h5") and same_bytes(tmp_path / "z1.h5", tmp_path / "z2.h5")
+        assert same_bytes(tmp_path / "z0.h5", tmp_path / f"z{z}.h5")
 
 
 def test_zero_2_trains_the_gpt_of_zero_1_with_accumulation(job, tmp_path, text_dir):
@@ -252,9 +253,14 @@ def test_a_model_refused_on_one_rank_trains_at_zero_2_on_the_ranks_the_refusal_n
     on 2 ranks measured 512 MB."""
     big = ["--hidden", "4096,4096,4096", "--steps", "4", "--log-every", "4", "--batch-size", "16",
            "--memory-budget", "0.45"]
-    r = job(1, *big, timeout=120)
-    lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
-    assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert "needs at least" in lines[0] and "; --zero 2 on 4 ranks would fit (" in lines[0], lines
+    refused(job, 1, big, "; --zero 2 on 4 ranks would fit (")
     final = trained(job, 4, [*big, "--zero", 2], tmp_path, "z2")
     assert final["peak_rss_mb"] < 0.45 * 1024, final["peak_rss_mb"]   # the largest of any rank
+
+
+def refused(job, ranks, flags, names):
+    """The memory check's one line for `flags` on `ranks`, naming what would fit (`names`)."""
+    r = job(ranks, *flags, timeout=120)
+    lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "needs at least" in lines[0] and names in lines[0], lines

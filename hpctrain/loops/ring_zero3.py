@@ -43,9 +43,10 @@ def all_finite(world, comm, shard):
     return bool(ok[0])
 
 
-def _stream(world, comm, ring, arrays):
-    return ShardsToChief(comm, ring.param_shard, world.watchdog, arrays, world.chief_in(comm),
-                         world.cluster.chief_rank, ring.param_shard.buf.dtype)
+def _stream(world, comm, shard, arrays):
+    """Compact arrays in `shard`'s layout to the chief a bucket at a time (comm/zero3.ShardsToChief)."""
+    return ShardsToChief(comm, shard, world.watchdog, arrays, world.chief_in(comm), world.cluster.chief_rank,
+                         shard.buf.dtype)
 
 
 def _lazy(stream, name):
@@ -62,7 +63,7 @@ def save_checkpoint(checkpoints, comm, ring, reader, step):
     positions = checkpoints.gather_positions(reader)
     device.synchronize(world.xp)
     arrays = {"params": shard.buf, **{f"optimizer/{name}": a for name, a in optimizer.state().items()}}
-    stream = _stream(world, comm, ring, arrays)
+    stream = _stream(world, comm, shard, arrays)
     n = optimizer.full_size
     state = {name: Pieces(n, _lazy(stream, f"optimizer/{name}")) for name in optimizer.state()}
     compression = compression_state.gather(world, comm, ring.exchange, ring.error, ring.layout_key)
@@ -132,12 +133,8 @@ class ShardedModel:
         """--save, --keep-best: report/params.py's file, the chief writing
         each bucket's tensors as the bucket arrives. OSError on the chief
         when it cannot (the others learn it from `agree`)."""
-        stream = _stream(self.world, self.comm, self, {"params": self.store.shard.buf})
+        stream = _stream(self.world, self.comm, self.store.shard, {"params": self.store.shard.buf})
         written_by_chief(self.world.chief, stream, lambda: self._write(path, step, attrs, stream))
-
-    @property
-    def param_shard(self):   # what _stream asks of a ring
-        return self.store.shard
 
     def _write(self, path, step, attrs, stream):
         import h5py

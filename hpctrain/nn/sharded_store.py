@@ -52,7 +52,7 @@ class ParamShard:
         for j in order:
             self.offset[j] = c
             c += self.owned[j][1] - self.owned[j][0]
-        self.size = c
+        self.size, self.xp = c, xp
         self.buf = xp.zeros(c, dtype)
         self.version = [0] * len(self.owned)   # bumped as bucket j's part changes (`changed`)
 
@@ -186,18 +186,9 @@ class ShardedStore:
 
             def put(host, j=j, lo=lo):
                 a, b = shard.owned[j]
-                _to(shard.part(j), host[a - lo:b - lo])
+                shard.part(j)[...] = shard.xp.asarray(host[a - lo:b - lo])
             yield lo, hi, np.zeros(hi - lo, dtype), put
         self.forget()
-
-
-def _to(target, host):
-    """host copied into target (a NumPy or CuPy view)."""
-    if isinstance(target, np.ndarray):
-        target[...] = host
-    else:
-        target.set(np.ascontiguousarray(host))
-    return target
 
 
 def param_slots(size, buckets, xp, dtype, homes, shared=1):
