@@ -26,10 +26,12 @@ import numpy as np
 from . import compiled, passes, threads
 from .layers import Context, Dropout, Layer, LayerError, Noise
 from .linear import normal
+from .tensor_parallel import Cut
 
 
 class CausalSelfAttention(Layer):
     keeps_output = False   # its backward reads q, k, v, the attention and the heads' outputs
+    tensor = None   # --tensor-parallel: the TensorGroup its heads split over (nn/tensor_parallel.py)
 
     def __init__(self, heads, dropout=0.0, std=0.02, out_std=0.02):
         self.heads, self.std, self.out_std = int(heads), float(std), float(out_std)
@@ -47,14 +49,28 @@ class CausalSelfAttention(Layer):
         if self.width % self.heads:
             raise LayerError(f"{self.describe()}: the width {self.width} is not a multiple of the heads")
         self.head_width = self.width // self.heads
-        self.drop.configure((self.heads, self.T, self.T))
+        # this rank's heads (a tensor group's slice: q, k, v column-parallel, Wo row-parallel)
+        self.heads_here, self._cuts = self.heads, {}
+        if self.tensor is not None:
+            size = self.tensor.size
+            if self.heads % size:
+                raise LayerError(f"{self.describe()}: {self.heads} heads are not a multiple of --tensor-parallel "
+                                 f"{size}")
+            self.heads_here = self.heads // size
+            bounds = tuple(range(0, self.width + 1, self.width // size))
+            self._cuts = {"Wqkv": Cut(1, 3, bounds), "bqkv": Cut(0, 3, bounds), "Wo": Cut(0, 1, bounds)}
+        self.inner_width = self.heads_here * self.head_width
+        self.drop.configure((self.heads_here, self.T, self.T))
         return self.out_shape
 
     decays = ("Wqkv", "Wo")
 
     def param_shapes(self):
-        e = self.width
-        return [("Wqkv", (e, 3 * e)), ("bqkv", (3 * e,)), ("Wo", (e, e)), ("bo", (e,))]
+        e, i = self.width, self.inner_width
+        return [("Wqkv", (e, 3 * i)), ("bqkv", (3 * i,)), ("Wo", (i, e)), ("bo", (e,))]
+
+    def tensor_cuts(self):
+        return self._cuts
 
     def init(self, rng, params, dtype):
         params["Wqkv"][...] = normal(rng, params["Wqkv"].shape, self.std, dtype)
@@ -107,17 +123,17 @@ class CausalSelfAttention(Layer):
 
     def _heads(self, a, n, t, which):
         """Part `which` (0 q, 1 k, 2 v) of a (n t, 3E) array as (n, heads, t, head width), a view."""
-        return a.reshape(n, t, 3, self.heads, self.head_width)[:, :, which].transpose(0, 2, 1, 3)
+        return a.reshape(n, t, 3, self.heads_here, self.head_width)[:, :, which].transpose(0, 2, 1, 3)
 
     def forward(self, ctx, x, train):
         xp, W, b = self.xp, self.params["Wqkv"], self.params["bqkv"]
-        n, t, e = x.shape
+        (n, t, e), h, i = x.shape, self.heads_here, self.inner_width
         rows = x.reshape(n * t, e)
-        qkv = ctx.buffer("qkv", (n * t, 3 * e), W.dtype)
+        qkv = ctx.buffer("qkv", (n * t, 3 * i), W.dtype)
         self._product(rows, W, qkv)
         qkv += b
         q, k, v = (self._heads(qkv, n, t, j) for j in range(3))
-        att = ctx.buffer("att", (n, self.heads, t, t), W.dtype)
+        att = ctx.buffer("att", (n, h, t, t), W.dtype)
         self._batched(q, k.transpose(0, 1, 3, 2), att)
         if self.compiled:
             self._rows(passes.causal_softmax, att)
@@ -128,33 +144,35 @@ class CausalSelfAttention(Layer):
             xp.exp(att, out=att)
             att /= att.sum(axis=-1, keepdims=True)
         dropped = self.drop.forward(ctx.inner[0], att, train)
-        heads = ctx.buffer("heads", (n, self.heads, t, self.head_width), W.dtype)
+        heads = ctx.buffer("heads", (n, h, t, self.head_width), W.dtype)
         self._batched(dropped, v, heads)
-        merged = ctx.buffer("merged", (n, t, self.heads, self.head_width), W.dtype)
+        merged = ctx.buffer("merged", (n, t, h, self.head_width), W.dtype)
         xp.copyto(merged, heads.transpose(0, 2, 1, 3))
-        merged = merged.reshape(n * t, e)
+        merged = merged.reshape(n * t, i)
         y = ctx.buffer(("out", train), (n * t, e), W.dtype)
         self._product(merged, self.params["Wo"], y)
+        if self.tensor is not None:   # each rank's heads' part of the projection, added over the group
+            self.tensor.sum(y)
         y += self.params["bo"]
         ctx.rows, ctx.qkv, ctx.att, ctx.dropped, ctx.merged = rows, qkv, att, dropped, merged
         return y.reshape(n, t, e)
 
     def backward(self, ctx, dy, need_dx):
         xp, Wo = self.xp, self.params["Wo"]
-        n, t, e = dy.shape
+        (n, t, e), h, i = dy.shape, self.heads_here, self.inner_width
         d = dy.reshape(n * t, e)
         self._product(ctx.merged.T, d, self.grads["Wo"])
         d.sum(axis=0, out=self.grads["bo"])
-        dmerged = ctx.buffer("dmerged", (n * t, e), dy.dtype)
+        dmerged = ctx.buffer("dmerged", (n * t, i), dy.dtype)
         self._product(d, Wo.T, dmerged)
-        dheads = ctx.buffer("dheads", (n, self.heads, t, self.head_width), dy.dtype)
-        xp.copyto(dheads, dmerged.reshape(n, t, self.heads, self.head_width).transpose(0, 2, 1, 3))
+        dheads = ctx.buffer("dheads", (n, h, t, self.head_width), dy.dtype)
+        xp.copyto(dheads, dmerged.reshape(n, t, h, self.head_width).transpose(0, 2, 1, 3))
         q, k, v = (self._heads(ctx.qkv, n, t, j) for j in range(3))
-        dqkv = ctx.buffer("dqkv", (n * t, 3 * e), dy.dtype)
-        part = ctx.buffer("part", (n, self.heads, t, self.head_width), dy.dtype)
+        dqkv = ctx.buffer("dqkv", (n * t, 3 * i), dy.dtype)
+        part = ctx.buffer("part", (n, h, t, self.head_width), dy.dtype)
         self._batched(ctx.dropped.transpose(0, 1, 3, 2), dheads, part)
         xp.copyto(self._heads(dqkv, n, t, 2), part)                            # dv
-        datt = ctx.buffer("datt", (n, self.heads, t, t), dy.dtype)
+        datt = ctx.buffer("datt", (n, h, t, t), dy.dtype)
         self._batched(dheads, v.transpose(0, 1, 3, 2), datt)
         datt = self.drop.backward(ctx.inner[0], datt, True)
         # the softmax's backward: A (dA - rowsum(dA A)); 0 where masked (A is)
@@ -177,17 +195,20 @@ class CausalSelfAttention(Layer):
             return None
         dx = ctx.buffer("dx", (n * t, e), dy.dtype)
         self._product(dqkv, self.params["Wqkv"].T, dx)
+        if self.tensor is not None:   # each rank's heads' part of the input gradient, added over the group
+            self.tensor.sum(dx)
         return dx.reshape(n, t, e)
 
     def train_floats(self):
-        t, e, h = self.T, self.width, self.heads
-        # forward: qkv (3), heads, merged, out; backward: dmerged, dheads, part, dqkv (3), dx;
-        # the attention, its gradient and the softmax's scratch (heads t^2 each), the dropout's
-        return 14 * t * e + 3 * h * t * t + self.drop.train_floats()
+        t, e, h, i = self.T, self.width, self.heads_here, self.inner_width
+        # forward: qkv (3), heads, merged (this rank's heads' width), out; backward: dmerged, dheads,
+        # part, dqkv (3) (the same), dx; the attention, its gradient and the softmax's scratch
+        # (heads t^2 each), the dropout's
+        return 11 * t * i + 3 * t * e + 3 * h * t * t + self.drop.train_floats()
 
     def flops(self):
-        t, e = self.T, self.width
-        return 4 * t * e * e + 2 * t * t * e   # the two projections; scores and A v in full (the mask after)
+        t, e, i = self.T, self.width, self.inner_width
+        return 4 * t * e * i + 2 * t * t * i   # the two projections; scores and A v in full (the mask after)
 
     def describe(self):
         drop = f", dropout={self.drop.p:g}" if self.drop.p else ""

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from .layers import Layer, LayerError
+from .tensor_parallel import Cut, nearly_even
 
 
 class Embedding(Layer):
@@ -25,6 +26,7 @@ class Embedding(Layer):
     gradient reaches the ids: its input gradient is zeros."""
     input_kind = "tokens"
     keeps_output = False   # its backward reads the ids, not its output
+    tensor = None   # --tensor-parallel: ("vocab", group), its rows cut over the group (nn/tensor_parallel.py)
 
     def __init__(self, vocab, dim, std=None):
         self.vocab, self.dim = int(vocab), int(dim)
@@ -35,12 +37,21 @@ class Embedding(Layer):
     def configure(self, in_shape):
         super().configure(in_shape)
         self.out_shape = (*self.in_shape, self.dim)
+        # the rows this rank holds: all, or its part of the vocabulary [lo, hi)
+        self.rows, self._cuts = (0, self.vocab), {}
+        if self.tensor is not None:
+            group = self.tensor[1]
+            bounds = nearly_even(self.vocab, group.size)
+            self.rows, self._cuts = bounds[group.rank:group.rank + 2], {"E": Cut(0, 1, bounds)}
         return self.out_shape
 
     decays = ("E",)
 
     def param_shapes(self):
-        return [("E", (self.vocab, self.dim))]
+        return [("E", (self.rows[1] - self.rows[0], self.dim))]
+
+    def tensor_cuts(self):
+        return self._cuts
 
     def init(self, rng, params, dtype):
         E = rng.standard_normal(self.vocab * self.dim, dtype=np.float64 if dtype == np.float64 else np.float32)
@@ -55,7 +66,18 @@ class Embedding(Layer):
         if low < 0 or high >= self.vocab:
             raise LayerError(f"{self.describe()}: token id {low if low < 0 else high} is outside [0, {self.vocab})")
         y = ctx.buffer(("out", train), (*x.shape, self.dim), self.params["E"].dtype)
-        xp.take(self.params["E"], ids.reshape(-1), axis=0, out=y.reshape(-1, self.dim))
+        if self.tensor is not None:   # this rank's rows, zeros for the others' ids, added over the group
+            lo, hi = self.rows
+            inside = ctx.buffer("inside", x.shape, bool)
+            xp.logical_and(ids >= lo, ids < hi, out=inside)
+            ids -= lo
+            ids *= inside   # an id outside: row 0, zeroed below
+            xp.take(self.params["E"], ids.reshape(-1), axis=0, out=y.reshape(-1, self.dim))
+            y *= inside[..., None]
+            self.tensor[1].sum(y)
+            ctx.inside = inside
+        else:
+            xp.take(self.params["E"], ids.reshape(-1), axis=0, out=y.reshape(-1, self.dim))
         ctx.ids = ids
         return y
 
@@ -64,7 +86,11 @@ class Embedding(Layer):
         # order of the positions (np.add.at: unbuffered, one add at a time)
         dE = self.grads["E"]
         dE[...] = 0
-        self.xp.add.at(dE, ctx.ids.reshape(-1), dy.reshape(-1, self.dim))
+        if self.tensor is not None:   # this rank's rows: its ids' positions, in their order
+            inside = ctx.inside.reshape(-1)
+            self.xp.add.at(dE, ctx.ids.reshape(-1)[inside], dy.reshape(-1, self.dim)[inside])
+        else:
+            self.xp.add.at(dE, ctx.ids.reshape(-1), dy.reshape(-1, self.dim))
         if not need_dx:
             return None
         return self.xp.zeros(ctx.ids.shape, dy.dtype)

@@ -321,6 +321,7 @@ class Dense(Layer):
     """y = x W + b on a flat input (batch, fan_in); W is (fan_in, units).
     He-normal weights (for ReLU nets: variance 2/fan_in), zero bias."""
     keeps_output = False   # its backward reads its input
+    tensor = None   # --tensor-parallel: ("column", group, kind) or ("row", group) (nn/tensor_parallel.py)
 
     def __init__(self, units):
         self.units = int(units)
@@ -330,26 +331,36 @@ class Dense(Layer):
             raise LayerError(f"Dense({self.units}) takes a flat input, not {'x'.join(map(str, in_shape))}: "
                              f"put Flatten() before it")
         super().configure(in_shape)
-        self.fan_in = self.in_shape[0]
-        self.out_shape = (self.units,)
+        from .tensor_parallel import split_linear   # (which imports this module's LayerError)
+        # here: this rank's units (all of them but in a column-parallel layer)
+        self.fan_in, self.here, self._cuts = split_linear(self, self.in_shape[0], self.units, True)
+        self.out_shape = (self.here,)
         return self.out_shape
 
     decays = ("W",)
 
     def param_shapes(self):
-        return [("W", (self.fan_in, self.units)), ("b", (self.units,))]
+        return [("W", (self.fan_in, self.here)), ("b", (self.here,))]
+
+    def tensor_cuts(self):
+        return self._cuts
 
     def init(self, rng, params, dtype):
         params["W"][...] = he_normal(rng, params["W"].shape, self.fan_in, dtype)
 
     def forward(self, ctx, x, train):
         xp, W, b = self.xp, self.params["W"], self.params["b"]
-        h = ctx.buffer(("out", train), (x.shape[0], self.units), W.dtype)
+        h = ctx.buffer(("out", train), (x.shape[0], self.here), W.dtype)
+        row_parallel = self.tensor is not None and self.tensor[0] == "row"
 
         def rows(t, lo, hi):
             xp.matmul(x[lo:hi], W, out=h[lo:hi])
-            h[lo:hi] += b
+            if not row_parallel:
+                h[lo:hi] += b
         self._split_rows(x.shape[0], rows, x.shape[0])
+        if row_parallel:   # the partial products added over the group, then the bias each rank holds whole
+            self.tensor[1].sum(h)
+            h += b
         ctx.x = x
         return h
 
@@ -361,6 +372,8 @@ class Dense(Layer):
             return None
         dx = ctx.buffer("dx", (dy.shape[0], self.fan_in), dy.dtype)
         self._split_rows(dy.shape[0], lambda t, lo, hi: xp.matmul(dy[lo:hi], W.T, out=dx[lo:hi]), dy.shape[0])
+        if self.tensor is not None and self.tensor[0] == "column":
+            self.tensor[1].sum(dx)   # each rank's units' part of the input gradient, added
         return dx
 
     def _split_rows(self, n, work, batch):
@@ -368,14 +381,14 @@ class Dense(Layer):
         threads.ROW_TILE), on the compute threads where it is large enough:
         each output row is the one it is in one GEMM. Not by columns: BLAS
         sums a column in other bits when it is cut off from its neighbours."""
-        self.split(n, work, unit=threads.row_unit(1), most=threads.most(macs=batch * self.fan_in * self.units))
+        self.split(n, work, unit=threads.row_unit(1), most=threads.most(macs=batch * self.fan_in * self.here))
 
     def train_floats(self):
         # its output, and the gradient the next layer hands back (the same size)
-        return 2 * self.units
+        return 2 * self.here
 
     def flops(self):
-        return self.fan_in * self.units
+        return self.fan_in * self.here
 
     def describe(self):
         return f"Dense({self.units})"

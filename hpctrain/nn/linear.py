@@ -14,6 +14,7 @@ import numpy as np
 
 from . import threads
 from .layers import Layer, LayerError
+from .tensor_parallel import split_linear
 
 
 def normal(rng, shape, std, dtype):
@@ -27,6 +28,7 @@ def normal(rng, shape, std, dtype):
 class Linear(Layer):
     """(batch, ..., fan_in) -> (batch, ..., units); W is (fan_in, units)."""
     keeps_output = False   # its backward reads its input
+    tensor = None   # --tensor-parallel: ("column", group, kind) or ("row", group) (nn/tensor_parallel.py)
 
     def __init__(self, units, bias=True, std=0.02):
         self.units, self.bias, self.std = int(units), bool(bias), float(std)
@@ -35,14 +37,18 @@ class Linear(Layer):
 
     def configure(self, in_shape):
         super().configure(in_shape)
-        self.fan_in = self.in_shape[-1]
-        self.out_shape = (*self.in_shape[:-1], self.units)
+        # here: this rank's units (all of them but in a column-parallel layer)
+        self.fan_in, self.here, self._cuts = split_linear(self, self.in_shape[-1], self.units, self.bias)
+        self.out_shape = (*self.in_shape[:-1], self.here)
         return self.out_shape
 
     decays = ("W",)
 
     def param_shapes(self):
-        return [("W", (self.fan_in, self.units))] + ([("b", (self.units,))] if self.bias else [])
+        return [("W", (self.fan_in, self.here))] + ([("b", (self.here,))] if self.bias else [])
+
+    def tensor_cuts(self):
+        return self._cuts
 
     def init(self, rng, params, dtype):
         params["W"][...] = normal(rng, params["W"].shape, self.std, dtype)
@@ -50,19 +56,24 @@ class Linear(Layer):
     def forward(self, ctx, x, train):
         xp, W = self.xp, self.params["W"]
         rows = x.reshape(-1, self.fan_in)
-        h = ctx.buffer(("out", train), (rows.shape[0], self.units), W.dtype)
+        h = ctx.buffer(("out", train), (rows.shape[0], self.here), W.dtype)
+        row_parallel = self.tensor is not None and self.tensor[0] == "row"
 
         def part(t, lo, hi):
             xp.matmul(rows[lo:hi], W, out=h[lo:hi])
-            if self.bias:
+            if self.bias and not row_parallel:
                 h[lo:hi] += self.params["b"]
         self._split_rows(rows.shape[0], part, rows.shape[0])
+        if row_parallel:   # the partial products added over the group, then the bias each rank holds whole
+            self.tensor[1].sum(h)
+            if self.bias:
+                h += self.params["b"]
         ctx.rows = rows
-        return h.reshape(*x.shape[:-1], self.units)
+        return h.reshape(*x.shape[:-1], self.here)
 
     def backward(self, ctx, dy, need_dx):
         xp, rows, W, dW = self.xp, ctx.rows, self.params["W"], self.grads["W"]
-        d = dy.reshape(-1, self.units)
+        d = dy.reshape(-1, self.here)
         self._split_rows(self.fan_in, lambda t, lo, hi: xp.matmul(rows[:, lo:hi].T, d, out=dW[lo:hi]), d.shape[0])
         if self.bias:
             d.sum(axis=0, out=self.grads["b"])
@@ -70,20 +81,22 @@ class Linear(Layer):
             return None
         dx = ctx.buffer("dx", rows.shape, dy.dtype)
         self._split_rows(d.shape[0], lambda t, lo, hi: xp.matmul(d[lo:hi], W.T, out=dx[lo:hi]), d.shape[0])
+        if self.tensor is not None and self.tensor[0] == "column":
+            self.tensor[1].sum(dx)   # each rank's units' part of the input gradient, added
         return dx.reshape(*dy.shape[:-1], self.fan_in)
 
     def _split_rows(self, n, work, rows):
         """Dense's rule (nn/layers.py Dense._split_rows): a product over
         ranges of its output's rows, whole BLAS row tiles, so the bits do not
         depend on the threads."""
-        self.split(n, work, unit=threads.row_unit(1), most=threads.most(macs=rows * self.fan_in * self.units))
+        self.split(n, work, unit=threads.row_unit(1), most=threads.most(macs=rows * self.fan_in * self.here))
 
     def train_floats(self):
         # its output and the gradient handed back
         return 2 * math.prod(self.out_shape)
 
     def flops(self):
-        return math.prod(self.in_shape[:-1]) * self.fan_in * self.units
+        return math.prod(self.in_shape[:-1]) * self.fan_in * self.here
 
     def describe(self):
         return f"Linear({self.units}{'' if self.bias else ', bias=False'})"

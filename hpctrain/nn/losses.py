@@ -114,11 +114,18 @@ class TokenCrossEntropy(Loss):
     own tokens, which is the global mean when each counts as many tokens
     (no ignored targets, or as many on each)."""
 
+    tensor = None   # --tensor-parallel: the TensorGroup the vocabulary is cut over (nn/tensor_parallel.py)
+
     def __init__(self, ignore_index=-1):
         self.ignore_index = int(ignore_index)
 
     def check(self, out_shape, classes):
-        if len(out_shape) != 2 or out_shape[1] != classes:
+        self.rows = (0, classes)   # the logits' columns this rank holds: the vocabulary, or its part
+        if self.tensor is not None:
+            from .tensor_parallel import nearly_even
+            bounds = nearly_even(classes, self.tensor.size)
+            self.rows = bounds[self.tensor.rank:self.tensor.rank + 2]
+        if len(out_shape) != 2 or out_shape[1] != self.rows[1] - self.rows[0]:
             raise LayerError(f"the last layer gives {'x'.join(map(str, out_shape))} outputs per sample, a "
                              f"per-token loss needs (positions, {classes}): one score per token of the vocabulary")
 
@@ -132,6 +139,8 @@ class TokenCrossEntropy(Loss):
         return rows, xp.where(counted, ids, 0), counted.astype(logits.dtype)
 
     def forward_backward(self, ctx, logits, targets):
+        if self.tensor is not None:
+            return self._split_forward_backward(ctx, logits, targets)
         xp = ctx.xp
         rows, ids, counted = self._scored(ctx, logits, targets)
         index = ClassCrossEntropy._rows(ctx, rows.shape[0])
@@ -149,8 +158,56 @@ class TokenCrossEntropy(Loss):
         d *= (counted / count)[:, None]
         return loss, d.reshape(logits.shape)
 
+    def _split(self, ctx, logits, targets):
+        """A vocabulary cut over the tensor group: (rows, the targets' columns
+        here (0 where another rank holds them), 1 where this rank holds the
+        target (the logits' dtype), counted, the rows' max over the whole
+        vocabulary)."""
+        xp, (lo, hi) = ctx.xp, self.rows
+        rows, ids, counted = self._scored(ctx, logits, targets)
+        inside = (ids >= lo) & (ids < hi)
+        local = xp.where(inside, ids - lo, 0)
+        top = self.tensor.max(rows.max(axis=1))
+        return rows, local, inside.astype(rows.dtype), counted, top
+
+    def _split_forward_backward(self, ctx, logits, targets):
+        """forward_backward on this rank's columns of the logits: the max, the
+        sum of exp and the target's logit over the group (one allreduce for
+        the max, one for both sums), never the whole logits."""
+        xp = ctx.xp
+        rows, local, inside, counted, top = self._split(ctx, logits, targets)
+        index = ClassCrossEntropy._rows(ctx, rows.shape[0])
+        d = ctx.buffer("dlogits", rows.shape, rows.dtype)
+        xp.subtract(rows, top[:, None], out=d)
+        sums = ctx.buffer("sums", (2, rows.shape[0]), rows.dtype)
+        xp.multiply(d[index, local], inside, out=sums[1])   # the target's shifted logit, where it is here
+        xp.exp(d, out=d)
+        d.sum(axis=1, out=sums[0])
+        total, picked = self.tensor.sum(sums)
+        d /= total[:, None]
+        count = xp.maximum(counted.sum(), 1)
+        loss = ((xp.log(total) - picked) * counted).sum() / count
+        d[index, local] -= inside
+        d *= (counted / count)[:, None]
+        return loss, d.reshape(logits.shape)
+
     def sums(self, ctx, logits, targets):
         xp = ctx.xp
+        if self.tensor is not None:
+            rows, local, inside, counted, top = self._split(ctx, logits, targets)
+            index = xp.arange(rows.shape[0])
+            shifted = rows - top[:, None]
+            both = xp.stack([xp.exp(shifted).sum(axis=1), shifted[index, local] * inside])
+            total, picked = self.tensor.sum(both)
+            # the first column holding the row's max over the group (np.argmax's choice), in the whole vocabulary
+            best = rows.argmax(axis=1)
+            first = xp.where(rows[index, best] == top, best + self.rows[0], self.rows[1] + 2 ** 40).astype(xp.int64)
+            first = self.tensor.min(first)
+            ids = local + self.rows[0]
+            right = ((first == ids) & (inside > 0)) * counted
+            right = self.tensor.sum(right.astype(xp.int64))
+            losses = xp.log(total) - picked
+            return {"loss": float((losses * counted).sum()), "count": int(counted.sum()), "correct": int(right.sum())}
         rows, ids, counted = self._scored(ctx, logits, targets)
         shifted = rows - rows.max(axis=1, keepdims=True)
         index = xp.arange(rows.shape[0])

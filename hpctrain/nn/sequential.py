@@ -127,7 +127,10 @@ class LayerRange:
                 if not (lo <= at < hi if at is not None else first):
                     continue
                 views = self.ties.init_views(i, self.spec.views(host, i, base=lo), host.dtype)
-                layer.init(np.random.default_rng([seed, i]), views, host.dtype)
+                if i in self.spec.split_layers:   # --tensor-parallel: the whole layer's draw, cut
+                    self.spec.init_split(i, np.random.default_rng([seed, i]), views, host.dtype)
+                else:
+                    layer.init(np.random.default_rng([seed, i]), views, host.dtype)
             put(host)
             first = False
         self.ties.init_copies(self.spec, seed, self.copies, self.xp)

@@ -31,6 +31,7 @@ statistics) is laid out the same way in a buffer of its own.
 
     python -m hpctrain.nn               # the MLP's layers, shapes and buffer layout
 """
+import copy
 import hashlib
 import math
 import os
@@ -44,6 +45,7 @@ from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
 from .store import PlainStore
 from ..precision import FLOAT32
+from .tensor_parallel import local_layout, split_model
 from .tied import declared, resolve
 
 
@@ -161,12 +163,16 @@ INPUT_KINDS = ("image", "tokens")
 
 
 class ModelSpec:
-    def __init__(self, layers, input_shape, classes, name="custom", code=None, loss=None, input_kind=None):
+    def __init__(self, layers, input_shape, classes, name="custom", code=None, loss=None, input_kind=None,
+                 tensor=None):
         """code: a digest of the code that made the layers (a user's model
         file and what it imports beside it, nn/user.py), which ranks compare.
         loss: a nn/losses.Loss (None: softmax cross-entropy over classes).
-        input_kind: what the model takes (INPUT_KINDS; None: its first layer's)."""
+        input_kind: what the model takes (INPUT_KINDS; None: its first layer's).
+        tensor: a nn/tensor_parallel.TensorGroup: this rank's slice of the
+        model split over it (made by `split_tensor`, which sets `full`)."""
         self.layers, self.name, self.code = list(layers), name, code
+        self.tensor, self.full = tensor, self
         # --recompute: the runner recomputes each recompute unit's activations in
         # backward (nn/sequential.LayerRange); the same bits, less memory
         self.recompute = False
@@ -182,6 +188,8 @@ class ModelSpec:
                                  f"{', '.join(INPUT_KINDS)}")
         self.input_kind = input_kind
         _reused(self.layers)
+        # --tensor-parallel: which layers split, decided before they are configured
+        self.split_layers = split_model(self.layers, self.loss, tensor) if tensor is not None else []
         shape = self.input_shape
         self.shapes = []   # each layer's output shape
         for i, layer in enumerate(self.layers):
@@ -217,6 +225,37 @@ class ModelSpec:
         self.decay_ranges = tuple(decayed)   # in buffer order: sorted, disjoint
         # (lo, hi) of each layer with parameters, in buffer order
         self.layer_ranges = [(self.layer_tensors[i][0][2], self.layer_tensors[i][-1][3]) for i in self.param_layers]
+        # {tensor name: nn/tensor_parallel.Cut} of the split layers' own tensors (none without --tensor-parallel)
+        self.cuts = {full: cut for i in self.split_layers for full, _, _, _ in self.layer_tensors[i]
+                     for name, cut in self.layers[i].tensor_cuts().items() if full.split("/", 1)[1] == name}
+
+    def split_tensor(self, group):
+        """This model as tensor rank `group.rank` of `group.size` holds it
+        (nn/tensor_parallel.py): a spec of fresh copies of the layers, split;
+        its `full` is this spec (identity, fingerprint, the files' layout),
+        its buffers this rank's slices. LayerError (one line) where the
+        model does not split over `group`."""
+        if group.size == 1:
+            return self
+        local = ModelSpec(copy.deepcopy(self.layers), self.input_shape, self.classes, name=self.name,
+                          code=self.code, loss=copy.deepcopy(self.loss), input_kind=self.input_kind, tensor=group)
+        local.full = self
+        layout = local_layout(self, local.cuts, group.rank)
+        if [(name, shape) for name, _, _, shape, _, _ in layout] != [(n, s) for n, s, _, _ in local.tensors]:
+            raise LayerCodeError("the split model's tensors are not the whole model's cut (a layer's "
+                                 "tensor_cuts do not match its param_shapes)")
+        return local
+
+    def init_split(self, i, rng, views, dtype):
+        """Split layer i's initial slices into `views`: the whole layer's
+        draw (the full spec's layer, from the same stream), cut, so every
+        --tensor-parallel starts from the parameters of one process."""
+        whole = self.full.layers[i]
+        full = {name: np.zeros(shape, dtype) for name, shape in whole.param_shapes()}
+        whole.init(rng, full, dtype)
+        cuts, t = self.layers[i].tensor_cuts(), self.tensor.rank
+        for name, view in views.items():
+            view[...] = cuts[name].take(full[name], t) if name in cuts else full[name]
 
     @staticmethod
     def _lay(shapes, k, offset, per_layer, flat):
@@ -244,7 +283,10 @@ class ModelSpec:
     def identity(self):
         """What rank agreement, checkpoints and resume compare: the zoo's name,
         and for anything but the MLP (whose --hidden and parameter count pin it
-        down) a digest of every layer and its shapes."""
+        down) a digest of every layer and its shapes (the whole model's: a
+        tensor-parallel slice has the identity of the model it is cut from)."""
+        if self.full is not self:
+            return self.full.identity
         if self.name == "mlp":
             return "mlp"
         text = ";".join(f"{describe(layer)}:{shape}" for layer, shape in zip(self.layers, self.shapes))
@@ -259,6 +301,8 @@ class ModelSpec:
         checkpoints record: every tensor's name and shape, the state's too,
         so two copies of a user's file that differ where describe() does not
         look (a constant, a parameter shape) are not one model."""
+        if self.full is not self:
+            return self.full.fingerprint
         text = ";".join(f"{name}{shape}" for name, shape, _, _ in self.tensors + self.state)
         # the loss's class by name alone: a user's module is named per process (nn/user.py)
         text += f";loss {type(self.loss).__qualname__} {_loss_name(self.loss)};input {self.input_kind}"

@@ -100,6 +100,17 @@ class Block(Container):
         # each path's input is read again by the residual sum: an in-place layer gets a copy (nn/chain.py)
         self._chains = Chain(self.attn_path, xp, input_kept=True), Chain(self.mlp_path, xp, input_kept=True)
 
+    def split(self, group):
+        """--tensor-parallel: the attention by heads, the MLP's fc
+        column-parallel and proj row-parallel over `group` (nn/tensor_parallel.py)."""
+        self.attn_path[1].tensor = group
+        self.mlp_path[1].tensor = ("column", group, None)
+        self.mlp_path[3].tensor = ("row", group)
+
+    def tensor_cuts(self):
+        return {f"{prefix}.{name}": cut for prefix, layer in self.inner
+                for name, cut in getattr(layer, "tensor_cuts", dict)().items()}
+
     def context(self):
         return Context(self.xp, [chain.context() for chain in self._chains])
 

@@ -1,0 +1,46 @@
+"""The handle a tensor-parallel layer's collectives go through
+(nn/tensor_parallel.TensorGroup.comm): in-place sums, maxima and minima
+over the mesh's tensor axis (run/mesh.py: the T ranks that split one
+layer), each one MPI Allreduce under the watchdog's deadline, so a tensor
+rank that stalls mid-layer is named within --timeout by its coordinates
+(the watchdog names ranks by the mesh). On a GPU the array goes through
+the host (CUDA-aware MPI or NCCL would skip the copy: not yet measured on
+a device). Blocking, on the calling thread: forward and backward wait for
+it, as Megatron's layers wait for theirs.
+
+    mpirun -n 2 python -m mpi4py -m pytest -q --only-mpi tests/test_tensor_parallel.py
+"""
+import numpy as np
+from mpi4py import MPI
+
+from .. import device
+from .strategy import waiting
+
+
+class TensorComm:
+    """comm: the tensor axis's communicator; watchdog: the run's (None: no
+    deadline, for tests); xp: where the layers' arrays live."""
+
+    def __init__(self, comm, watchdog=None, xp=np):
+        self.comm, self.watchdog, self.xp = comm, watchdog, xp
+        self.calls = 0   # allreduces so far (the tests count them: two a transformer block forward)
+
+    def sum(self, a):
+        self._allreduce(a, MPI.SUM, "sum")
+
+    def max(self, a):
+        self._allreduce(a, MPI.MAX, "max")
+
+    def min(self, a):
+        self._allreduce(a, MPI.MIN, "min")
+
+    def _allreduce(self, a, op, what):
+        self.calls += 1
+        host = a if self.xp is np else device.to_host(a)
+        if not host.flags.c_contiguous:
+            raise ValueError("a tensor-parallel allreduce takes a contiguous array")
+        with waiting(self.watchdog, f"tensor-parallel allreduce ({what} of {host.size} values over "
+                                    f"{self.comm.Get_size()} tensor ranks)"):
+            self.comm.Allreduce(MPI.IN_PLACE, host, op=op)
+        if host is not a:
+            a[...] = self.xp.asarray(host)

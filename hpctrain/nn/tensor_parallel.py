@@ -1,0 +1,255 @@
+"""Tensor parallelism (Megatron-LM's, `--tensor-parallel T`): layers split
+inside, each of a tensor group's T ranks holding a slice of their matrices
+and computing on it, with the conjugate collectives that keep the rest of
+the model whole on every rank of the group.
+
+- A column-parallel Linear or Dense (rank t holds W[:, cols_t], b[cols_t])
+  takes the whole input and gives its slice of the output: forward nothing
+  to send; backward its input gradient is a partial sum, added over the
+  group (an allreduce).
+- A row-parallel one (W[rows_t, :]) takes a slice and gives the whole
+  output: forward the partial products are added over the group (an
+  allreduce), then the bias, which every rank holds whole; backward nothing
+  to send. A column layer, then elementwise layers (ReLU, GELU), then a row
+  layer: two allreduces forward and backward for the pair.
+- Attention splits by heads: q, k and v column-parallel (the fused Wqkv's
+  q, k and v blocks each cut alike), the output projection row-parallel.
+- The vocabulary: the embedding holds rows [v_t, v_t+1) of E (a token
+  outside gives zeros; the vectors are added over the group), the tied
+  head is then column-parallel over the vocabulary and the loss
+  (nn/losses.TokenCrossEntropy) takes its slice of the logits, from a
+  max and two sums over the group: the whole logits are never gathered.
+  The vocabulary is cut into T nearly equal parts (np.array_split's: the
+  first V mod T ranks one row more) rather than padded, since a tensor
+  rank's buffers need not match the others' (each has a data-parallel ring
+  of its own): no padded rows to mask, nothing in the file to strip.
+
+`split_model(layers, loss, group)` decides which layers split, before the
+spec configures them (nn/spec.ModelSpec's `tensor`): a transformer Block
+splits its attention and MLP, the embedding and its tied head the
+vocabulary, and Dense or Linear layers pair up (column, then row) where
+only elementwise layers lie between them; every other layer, and a last
+unpaired Dense, stays whole on every rank (replicated: its gradient is the
+same on every rank of the group, nothing to add). A layer that splits says
+how each of its tensors is cut (`tensor_cuts()` -> {name: Cut}); that is
+all checkpoints, --save and the initial draw need to go between a rank's
+flat buffer and the whole model's tensors (`local_layout`): the file holds
+the whole tensors, so a run resumes at any T.
+
+The collectives go through the group's handle (`TensorGroup.comm`, set by
+the runner from the mesh's tensor axis: comm/tensor_group.py); nn/ never
+imports MPI. A group of one (T = 1) sends nothing.
+
+    mpirun -n 2 python -m mpi4py -m pytest -q --only-mpi tests/test_tensor_parallel.py
+"""
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from .layers import LayerError
+
+# Layers between a column- and a row-parallel one that work on each element
+# alone (their class names: nn/layers.ReLU, nn/gelu.GELU), so a slice of the
+# activations goes through them as it is.
+ELEMENTWISE = ("ReLU", "GELU")
+
+
+class Cut(NamedTuple):
+    """How a tensor of the whole model is cut over a tensor group: along
+    `axis`, whose length is `groups` blocks (attention's fused q|k|v: 3),
+    each block cut at `bounds` (T + 1 offsets within a block): rank t holds
+    [bounds[t], bounds[t + 1]) of every block."""
+    axis: int
+    groups: int
+    bounds: tuple
+
+    @property
+    def block(self):
+        return self.bounds[-1]
+
+    def local_shape(self, full_shape, t):
+        shape = list(full_shape)
+        shape[self.axis] = self.groups * (self.bounds[t + 1] - self.bounds[t])
+        return tuple(shape)
+
+    def _blocks(self, full):
+        """full as (..., groups, block, ...) along axis: a view."""
+        shape = full.shape
+        return full.reshape(*shape[:self.axis], self.groups, self.block, *shape[self.axis + 1:])
+
+    def take(self, full, t):
+        """Rank t's slice of the whole tensor `full`, contiguous."""
+        lo, hi = self.bounds[t], self.bounds[t + 1]
+        index = (slice(None),) * (self.axis + 1) + (slice(lo, hi),)
+        part = self._blocks(full)[index]
+        return np.ascontiguousarray(part).reshape(self.local_shape(full.shape, t))
+
+    def put(self, local, full, t):
+        """Rank t's slice `local` into the whole tensor `full`."""
+        lo, hi = self.bounds[t], self.bounds[t + 1]
+        index = (slice(None),) * (self.axis + 1) + (slice(lo, hi),)
+        target = self._blocks(full)[index]
+        target[...] = local.reshape(target.shape)
+
+
+def even(n, size, what):
+    """Bounds cutting n into `size` equal parts; LayerError where it cannot."""
+    if n % size:
+        raise LayerError(f"{what} {n} is not a multiple of --tensor-parallel {size}")
+    return tuple(range(0, n + 1, n // size))
+
+
+def nearly_even(n, size):
+    """Bounds cutting n into `size` parts, the first n mod size one longer (np.array_split's)."""
+    q, r = divmod(n, size)
+    return tuple(int(v) for v in np.cumsum([0] + [q + (t < r) for t in range(size)]))
+
+
+class TensorGroup:
+    """The tensor group a rank's split layers belong to: `size` ranks, this
+    one `rank` among them, and `comm`, the handle their collectives go
+    through (None until the runner sets it; comm/tensor_group.py): in place
+    on an array, `sum(a)`, `max(a)`, `min(a)` over the group."""
+
+    def __init__(self, size, rank):
+        self.size, self.rank, self.comm = int(size), int(rank), None
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor rank {rank} of {size}")
+
+    def sum(self, a):
+        if self.size > 1:
+            self._comm().sum(a)
+        return a
+
+    def max(self, a):
+        if self.size > 1:
+            self._comm().max(a)
+        return a
+
+    def min(self, a):
+        if self.size > 1:
+            self._comm().min(a)
+        return a
+
+    def _comm(self):
+        if self.comm is None:
+            raise RuntimeError("a tensor-parallel layer ran before the runner gave its group a communicator")
+        return self.comm
+
+    def __deepcopy__(self, memo):
+        return self   # one group however often the layers are copied
+
+
+def split_model(layers, loss, group):
+    """Mark the layers (and the loss) that split over `group`, before they
+    are configured; returns the indices of the split layers. A model with
+    nothing to split is refused in one line (T ranks would each compute
+    the whole model)."""
+    from .embedding import Embedding
+    from .layers import Dense
+    from .linear import Linear
+    from .losses import TokenCrossEntropy
+    from .transformer import Block
+    split, pending = [], None   # pending: a Dense/Linear waiting for its row-parallel partner
+    vocab_split = False
+    for i, layer in enumerate(layers):
+        name = type(layer).__name__
+        if isinstance(layer, Embedding):
+            layer.tensor = ("vocab", group)
+            split.append(i)
+            pending, vocab_split = None, True
+        elif isinstance(layer, (Linear, Dense)) and any(isinstance(owner, Embedding) and transposed
+                                                        for _, owner, _, transposed in layer.ties):
+            # the tied head: column-parallel over the vocabulary, as its embedding's rows
+            layer.tensor = ("column", group, "vocab")
+            split.append(i)
+            pending = None
+            if isinstance(loss, TokenCrossEntropy) and vocab_split and i == len(layers) - 1:
+                loss.tensor = group
+        elif isinstance(layer, Block):
+            layer.split(group)
+            split.append(i)
+            pending = None
+        elif isinstance(layer, (Linear, Dense)):
+            if pending is None:
+                pending = i
+            else:
+                layers[pending].tensor = ("column", group, None)
+                layer.tensor = ("row", group)
+                split += [pending, i]
+                pending = None
+        elif name not in ELEMENTWISE:
+            pending = None
+    tied_heads = [i for i in split if getattr(layers[i], "tensor", (None,))[-1] == "vocab"]
+    if tied_heads and getattr(loss, "tensor", None) is not group:
+        raise LayerError("the vocabulary splits over the tensor group, but the head tied to the embedding is not "
+                         "the last layer before a per-token cross-entropy, which would need the whole logits")
+    if any(isinstance(layers[i], Embedding) for i in split) and not tied_heads:
+        raise LayerError("the embedding's vocabulary splits over the tensor group only with the output head tied "
+                         "to it (transposed) and a per-token cross-entropy after it")
+    if not split:
+        raise LayerError("it has no layer that splits over a tensor group (a transformer Block, Dense or Linear "
+                         "layers in pairs with only ReLU or GELU between them, a tied embedding and head)")
+    return sorted(split)
+
+
+def local_layout(full_spec, cuts, t):
+    """Tensor rank t's flat buffer as the whole model's tensors cut:
+    [(full name, full shape, full (lo, hi), local shape, local (lo, hi), Cut or None)],
+    in the buffer's order (the whole model's: a split layer's tensors keep
+    their places, smaller). cuts: {full tensor name: Cut} (ModelSpec.cuts)."""
+    out, at = [], 0
+    for name, shape, lo, hi in full_spec.tensors:
+        cut = cuts.get(name)
+        local = cut.local_shape(shape, t) if cut else tuple(shape)
+        size = math.prod(local)
+        out.append((name, tuple(shape), (lo, hi), local, (at, at + size), cut))
+        at += size
+    return out
+
+
+def take_local(full_spec, cuts, full, t, out=None):
+    """Tensor rank t's flat buffer from the whole model's flat buffer `full` (host arrays)."""
+    layout = local_layout(full_spec, cuts, t)
+    out = np.empty(layout[-1][4][1] if layout else 0, full.dtype) if out is None else out
+    for _, shape, (lo, hi), local, (a, b), cut in layout:
+        whole = full[lo:hi].reshape(shape)
+        out[a:b] = (cut.take(whole, t) if cut else whole).reshape(-1)
+    return out
+
+
+def put_local(full_spec, cuts, local, t, full):
+    """Tensor rank t's flat buffer `local` into the whole model's flat buffer
+    `full` (its replicated tensors too: every rank holds them alike)."""
+    for _, shape, (lo, hi), shape_t, (a, b), cut in local_layout(full_spec, cuts, t):
+        if cut:
+            cut.put(local[a:b].reshape(shape_t), full[lo:hi].reshape(shape), t)
+        else:
+            full[lo:hi] = local[a:b]
+    return full
+
+
+def counted_ranges(full_spec, cuts, t):
+    """The local flat ranges tensor rank t counts in a sum over the whole
+    model (the clip norm): its slices of the split tensors, and on rank 0
+    alone the replicated ones, which every rank holds alike."""
+    return [(a, b) for _, _, _, _, (a, b), cut in local_layout(full_spec, cuts, t) if cut or t == 0]
+
+
+def split_linear(layer, fan_in, units, bias):
+    """(fan_in here, units here, {tensor: Cut}) of a Dense or Linear by its
+    `tensor` role: None (whole), ("column", group, kind) (its units cut:
+    evenly, or nearly so for the vocabulary, kind "vocab") or ("row", group)
+    (its input is the column layer's slice: fan_in here is the slice's)."""
+    role = layer.tensor
+    if role is None:
+        return fan_in, units, {}
+    group = role[1]
+    if role[0] == "column":
+        bounds = nearly_even(units, group.size) if role[2] == "vocab" else \
+            even(units, group.size, f"{layer.describe()}: the units")
+        here = bounds[group.rank + 1] - bounds[group.rank]
+        return fan_in, here, {"W": Cut(1, 1, bounds), **({"b": Cut(0, 1, bounds)} if bias else {})}
+    bounds = tuple(range(0, fan_in * group.size + 1, fan_in))
+    return fan_in, units, {"W": Cut(0, 1, bounds)}
