@@ -304,6 +304,11 @@ def _pipeline_flags(g):
     g.add_argument("--pipeline-stages", type=positive_int, default=1, metavar="P",
                    help="cut the model's layers into P stages on P x R ranks (R = world size / P replicas of each "
                         "stage, averaging its gradient); 1 = no pipeline (default: %(default)s)")
+    g.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="T",
+                   help="split each transformer block (attention by heads, the MLP by columns then rows), the "
+                        "vocabulary and Dense pairs over T consecutive ranks (Megatron-LM's tensor parallelism, "
+                        "docs/parallelism.md); the world is T x R ranks, R replicas averaging the gradient; "
+                        "1 = no split (default: %(default)s)")
     g.add_argument("--micro-batches", type=positive_int, default=1, metavar="M",
                    help="with --pipeline-stages: M micro-batches of --batch-size per replica and step, pipelined "
                         "through the stages (the samples of --accumulate-steps M) (default: %(default)s)")
@@ -402,6 +407,8 @@ def validate(args, world_size):
     if args.allreduce == "nccl" and args.device == "cpu":
         raise HpctrainError("--allreduce nccl needs --device gpu (or auto on a GPU node)")
     check_zero(args)
+    if args.tensor_parallel > 1:
+        _check_tensor_parallel(args, world_size)
     if args.compression != "none":
         _check_compression(args)
     if args.lr_schedule == "step" and not args.lr_decay_steps:
@@ -415,6 +422,28 @@ def validate(args, world_size):
     if args.keep_best and not args.eval_every:
         # Best of what? Only the periodic validations (and the final one) choose.
         raise HpctrainError("--keep-best needs --eval-every N (N > 0)")
+
+
+def _check_tensor_parallel(args, world_size):
+    """--tensor-parallel T where it cannot run: one line each."""
+    t = args.tensor_parallel
+    if args.mode == "ps":
+        raise HpctrainError(f"--tensor-parallel {t} is for --mode ring: a ps worker pulls and pushes the whole "
+                            f"model, and a split layer's ranks must exchange activations inside every layer")
+    if args.pipeline_stages > 1:
+        raise HpctrainError(f"--tensor-parallel {t} with --pipeline-stages {args.pipeline_stages}: not yet (the "
+                            f"stages would send a tensor group's activations); use one or the other")
+    if world_size % t:
+        raise HpctrainError(f"--tensor-parallel {t} does not divide the {world_size} ranks (the world is T x R: "
+                            f"R replicas of a model split over T ranks)")
+    if args.compression in ("fp16", "powersgd"):
+        raise HpctrainError(f"--compression {args.compression} with --tensor-parallel {t}: not yet (" +
+                            ("its overflow check is one tensor rank's" if args.compression == "fp16" else
+                             "its error feedback would be one slice's, checkpointed whole") +
+                            "); use --compression bf16 or none")
+    if args.zero == 3:
+        raise HpctrainError(f"--zero 3 with --tensor-parallel {t}: not yet (its shards and the tensor slices "
+                            f"would both need gathering); use --zero 1 or 2")
 
 
 def _check_compression(args):

@@ -94,8 +94,9 @@ class NormScope:
     cut into, how many replicas hold pieces of one chunk's parts and this
     rank's index among them, and the watchdog of the collective."""
 
-    def __init__(self, comm=None, chunks=1, replicas=1, replica=0, watchdog=None):
+    def __init__(self, comm=None, chunks=1, replicas=1, replica=0, watchdog=None, tensor=None):
         self.comm, self.chunks, self.replicas, self.replica, self.watchdog = comm, chunks, replicas, replica, watchdog
+        self.tensor = tensor   # --tensor-parallel: a comm/grad_norm.TensorNorm
 
 
 class DataParallelUpdate:
@@ -140,7 +141,7 @@ class DataParallelUpdate:
         held = [(p.chunk, p.lo, p.owned if self.sharded else [(0, p.grads.size)] if scope.replica == 0 else [])
                 for p in self.parts]
         return GradNorm(part_ranges(buckets, parts), held, scope.chunks, scope.replicas, scope.replica,
-                        scope.comm, scope.watchdog)
+                        scope.comm, scope.watchdog, scope.tensor)
 
     @property
     def optimizers(self):

@@ -26,9 +26,24 @@ so every mode takes a norm by the same reduction.
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_clip.py
 """
 import numpy as np
+from mpi4py import MPI
 
 from ..optim.clipping import sum_squares
 from .strategy import waiting
+
+
+class TensorNorm:
+    """Where a tensor-parallel rank's norm pieces go (GradNorm's `tensor`):
+    the tensor axis's communicator, its size and this rank's place, and the
+    ranges of the rank's buffer it counts (nn/tensor_parallel.counted_ranges)."""
+
+    def __init__(self, comm, counted):
+        self.comm, self.size, self.rank, self.counted = comm, comm.Get_size(), comm.Get_rank(), list(counted)
+
+
+def _meet(owned, counted):
+    """The ranges both lists cover (each sorted and disjoint)."""
+    return [(max(a, c), min(b, d)) for a, b in owned for c, d in counted if max(a, c) < min(b, d)]
 
 
 def part_ranges(buckets, parts):
@@ -50,9 +65,11 @@ class GradNorm:
     this rank's index among them. Part i's piece on chunk c, replica q has
     slot (i C + c) R + q; grads: per local buffer, its gradient."""
 
-    def __init__(self, ranges, held, chunks=1, replicas=1, replica=0, comm=None, watchdog=None):
-        self.comm, self.watchdog = comm, watchdog
+    def __init__(self, ranges, held, chunks=1, replicas=1, replica=0, comm=None, watchdog=None, tensor=None):
+        self.comm, self.watchdog, self.tensor = comm, watchdog, tensor
         R = replicas
+        if tensor is not None:   # a tensor rank counts its slices, and the replicated tensors on rank 0 alone
+            held = [(c, lo, _meet(owned, [(a - lo, b - lo) for a, b in tensor.counted])) for c, lo, owned in held]
         self._mine = [((i * chunks + c) * R + replica, k, max(a - lo, o_lo), min(b - lo, o_hi))
                       for k, (c, lo, owned) in enumerate(held)
                       for i, (a, b) in enumerate(ranges) for o_lo, o_hi in owned
@@ -66,7 +83,17 @@ class GradNorm:
         # a part may meet two held ranges of one rank: its pieces add up there, in one order
         np.add.at(self._pieces, self._slots, sum_squares([grads[k][a:b] for _, k, a, b in self._mine]))
         if self.comm is None:
-            return self._pieces
-        with waiting(self.watchdog, "clip norm: sums of squares allreduce"):
-            self.comm.Allreduce(self._pieces, self._all)   # the default op: a sum
-        return self._all
+            out = self._pieces
+        else:
+            with waiting(self.watchdog, "clip norm: sums of squares allreduce"):
+                self.comm.Allreduce(self._pieces, self._all)   # the default op: a sum
+            out = self._all
+        if self.tensor is None:
+            return out
+        # --tensor-parallel: every tensor rank's slots side by side, each slot one rank's: exact in any order
+        t = self.tensor
+        mine = np.zeros((t.size, out.size), np.float64)
+        mine[t.rank] = out
+        with waiting(self.watchdog, "clip norm: the tensor ranks' sums of squares allreduce"):
+            t.comm.Allreduce(MPI.IN_PLACE, mine)
+        return mine.reshape(-1)

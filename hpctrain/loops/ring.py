@@ -17,6 +17,7 @@ from ..comm.topology import Topology
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
 from ..report.evaluated import WholeModel
+from . import ring_tensor as tensor
 from . import ring_zero3 as zero3
 from .frame import Frame
 from .ring_step import RingStep
@@ -25,7 +26,12 @@ from .ring_step import RingStep
 def train_ring(world, plan, inputs, timeline):
     xp, ring_plan, mesh = world.xp, plan.ring, world.mesh
     comm = mesh.comm("data")   # the replicas: every rank, in world order (one stage, no tensor split)
-    frame = Frame(world, plan, inputs, timeline, comm)   # where the run starts, and its last step
+    # --tensor-parallel: each rank a slice of the model (loops/ring_tensor.py); the run's
+    # agreements (resume, loss and stop, the end) over every rank, not one tensor rank's replicas
+    split = mesh.size("tensor") > 1
+    everyone = world.cluster.worker_comm if split else comm
+    tensor_norm = tensor.attach(world, plan.spec) if split else None
+    frame = Frame(world, plan, inputs, timeline, everyone)   # where the run starts, and its last step
 
     # --- the allreduce, then the step's buffers, model and optimizer --------
     with world.waiting("start-up (allreduce communicators)", peer=None):
@@ -40,7 +46,8 @@ def train_ring(world, plan, inputs, timeline):
         clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=ring_plan.overlap, timeline=timeline if timeline.enabled else None, watchdog=world.watchdog,
-        accumulate=ring_plan.accumulate_steps, compression=plan.compression, dtype=plan.precision.params)
+        accumulate=ring_plan.accumulate_steps, compression=plan.compression, dtype=plan.precision.params,
+        tensor=tensor_norm, everyone=everyone)
     if ring.exchange is not None:
         world.say(summary(ring.exchange, ring.buckets, ring.sharded))
     model = ring.model
@@ -55,7 +62,11 @@ def train_ring(world, plan, inputs, timeline):
     reader = prefetch.device_batches(inputs.reader(comm, mesh.coords.data, mesh.size("data")), xp)
 
     def restore(resume):
-        # every rank holds the whole state: the chief's copy goes to all (--zero 3: each rank its shards)
+        # every rank holds the whole state: the chief's copy goes to all (--zero 3: each rank its shards;
+        # --tensor-parallel: each rank its slice)
+        if split:
+            tensor.restore(world, frame.checkpoints, resume, ring)
+            return
         if ring.param_shard is not None:
             zero3.restore(world, comm, resume, ring)
         else:
@@ -68,7 +79,8 @@ def train_ring(world, plan, inputs, timeline):
 
     # --- training, then the end ---------------------------------------------
     # what the chief evaluates and saves (--zero 3: every rank together, the parameters a bucket at a time)
-    evaluated = WholeModel(world, plan, model) if ring.param_shard is None else \
+    evaluated = tensor.TensorModel(world, plan, model) if split else \
+        WholeModel(world, plan, model) if ring.param_shard is None else \
         zero3.ShardedModel(world, plan, model, ring.store, comm)
     step, stopped = train_steps(world, frame, ring, reader, evaluated)
     ring.close()   # the communication thread ends with the loop
@@ -77,7 +89,7 @@ def train_ring(world, plan, inputs, timeline):
              "compression": plan.compression.kind}
     if ring.exchange is not None:
         extra["sent_bytes_per_step"] = ring.sent_bytes()   # what each rank hands its allreduce, compressed
-    return frame.end(step, stopped and step < frame.steps, comm, evaluated,
+    return frame.end(step, stopped and step < frame.steps, everyone, evaluated,
                      save=lambda at: save_checkpoint(frame.checkpoints, comm, ring, reader, at),
                      extra=extra, state_bytes=state_bytes(ring.optimizer))
 
@@ -85,7 +97,8 @@ def train_ring(world, plan, inputs, timeline):
 def train_steps(world, frame, ring, reader, evaluated):
     """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
     timeline, model, fused, comm = frame.timeline, ring.model, ring.fused, world.mesh.comm("data")
-    workers = world.mesh.size("data")   # the losses summed: one a replica
+    # the losses summed: one a replica (--tensor-parallel: one a rank, each of a group the same)
+    workers = ring.loss_and_stop.comm.Get_size()
     step, stopped = frame.start, False   # stopped: some rank asked to stop (the summed flag, the same everywhere)
 
     def save(at):
@@ -122,6 +135,8 @@ def train_steps(world, frame, ring, reader, evaluated):
 
 
 def save_checkpoint(checkpoints, comm, ring, reader, step):
+    if ring.model.spec.tensor is not None:
+        return tensor.save_checkpoint(checkpoints, checkpoints.world, ring, reader, step)
     if ring.param_shard is not None:
         return zero3.save_checkpoint(checkpoints, comm, ring, reader, step)
     positions = checkpoints.gather_positions(reader)

@@ -74,11 +74,15 @@ class RingStep:
     --accumulate-steps the first micro-batches added a layer at a time);
     shard_params: --zero 3 (the parameters too: the model built over
     nn/sharded_store.ShardedStore, each bucket gathered as its layers run,
-    on the communication thread one bucket ahead with overlap)."""
+    on the communication thread one bucket ahead with overlap).
+    --tensor-parallel: `tensor` (comm/grad_norm.TensorNorm: the clip norm's
+    pieces added over the tensor axis too) and `everyone` (the loss and stop
+    flag summed over every rank, not one tensor rank's replicas: a rank
+    that stops alone would leave its tensor group waiting mid-layer)."""
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
                  marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None,
-                 dtype=FLOAT32.params, shard_grads=False, shard_params=False):
+                 dtype=FLOAT32.params, shard_grads=False, shard_params=False, tensor=None, everyone=None):
         n = spec.num_params
         self.sharded, self.clip, self.accumulate_steps = sharded, clip, int(accumulate)
         self.shard_grads = bool(sharded and shard_grads and strategy is not None)   # as the update's sharded
@@ -112,7 +116,7 @@ class RingStep:
         else:
             self.model = spec.build(xp, dtype=dtype)
         grads = self.model.grads   # the buckets' buffer: the gradients only
-        self.loss_and_stop = LossAndStop(comm, device.copier(xp), watchdog)
+        self.loss_and_stop = LossAndStop(everyone or comm, device.copier(xp), watchdog)
         # --compression: the buckets' exchange; PowerSGD's matrices in gradient offsets
         self.matrices, self.layout_key = powersgd_layout(spec.tensors, compression.rank, compression.min_rate) \
             if compression is not None and compression.kind == "powersgd" else ([], "")
@@ -120,8 +124,8 @@ class RingStep:
             if compression is not None else None
         # sharded, the norm's pieces are every rank's part: summed over the ranks holding them
         shards = getattr(strategy, "shard_comm", comm)
-        scope = NormScope(shards, replicas=shards.Get_size(), replica=shards.Get_rank(), watchdog=watchdog) \
-            if sharded else NormScope()
+        scope = NormScope(shards, replicas=shards.Get_size(), replica=shards.Get_rank(), watchdog=watchdog,
+                          tensor=tensor) if sharded else NormScope(watchdog=watchdog, tensor=tensor)
         self.update = DataParallelUpdate(
             [Part(self.model.params, grads, exchange=self.exchange, param_shard=param_shard)],
             buckets, strategy, optimizer, xp, 1.0 / (comm.Get_size() * self.accumulate_steps), sharded=sharded,

@@ -334,9 +334,9 @@ class Plan:
 
 def data_plan(args, cluster, data_dir, digest, manifest, has_val):
     """How the data is dealt: the workers that take batches of their own (a
-    pipeline's replicas, world / stages), their samples per step, and the
-    samples an update takes."""
-    workers = cluster.num_workers // args.pipeline_stages
+    pipeline's or a tensor group's replicas, world / (stages x tensor ranks)),
+    their samples per step, and the samples an update takes."""
+    workers = cluster.num_workers // (args.pipeline_stages * args.tensor_parallel)
     return Data(dir=str(data_dir), digest=digest, train_samples=train_samples(manifest, args.block_size),
                 has_val=bool(has_val), workers=workers, batch_size=args.batch_size,
                 batches=args.accumulate_steps * args.micro_batches, seed=args.seed, augment=args.augment,

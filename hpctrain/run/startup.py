@@ -28,6 +28,7 @@ from ..data.augment import Augment
 from ..errors import HpctrainError
 from ..nn import LayerError, compiled, spec_for, threads
 from ..nn.kernels_used import layers_line
+from ..nn.tensor_parallel import TensorGroup
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
@@ -163,6 +164,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # --pipeline-stages: where the layers are cut (None without), or the one line refusing the flags
     cuts = agree(cuts_for, args, cluster.size, spec)
     world = with_mesh(world, args)
+    if args.tensor_parallel > 1:   # this rank's slice of the model (nn/tensor_parallel.py)
+        spec = agree(tensor_slice, args, spec, world.mesh)
+        say(tensor_line(spec, world.mesh))
     replicas = world.mesh.size("data") if world.mesh else cluster.num_workers
     agree(check_memory, args, cluster.local_size, spec, cuts, replicas,
           zero_stage(args, replicas, xp) if replicas > 1 else 0, schedule.total_steps)
@@ -197,9 +201,34 @@ def with_mesh(world, args):
     if args.mode == "ps":
         return world
     with world.watchdog.waiting("start-up (mesh communicators)", peer=None):
-        mesh = Mesh(world.comm, pipeline=args.pipeline_stages)
+        mesh = Mesh(world.comm, pipeline=args.pipeline_stages, tensor=args.tensor_parallel)
     world.watchdog.name_roles(mesh.describe)
     return replace(world, mesh=mesh)
+
+
+def tensor_slice(args, spec, mesh):
+    """--tensor-parallel T: the spec of this rank's slice of the model (its
+    mesh coordinate on the tensor axis), or the one line saying why the
+    model does not split."""
+    group = TensorGroup(mesh.size("tensor"), mesh.coords.tensor)
+    try:
+        return spec.split_tensor(group)
+    except LayerError as e:
+        raise HpctrainError(f"--tensor-parallel {group.size}: --model {args.model}: {e}") from None
+
+
+def tensor_line(spec, mesh):
+    """The start-up line of a tensor-parallel run: the groups, and how the vocabulary is cut."""
+    t, r = mesh.size("tensor"), mesh.size("data")
+    line = (f"tensor parallelism: each layer split over {t} consecutive ranks (a tensor group), "
+            f"{r} replica{'s' if r > 1 else ''} of the split model averaging the gradient; "
+            f"{len(spec.split_layers)} of {len(spec.layers)} layers split")
+    vocab = [cut for name, cut in spec.cuts.items() if cut.groups == 1 and len(set(
+        b - a for a, b in zip(cut.bounds, cut.bounds[1:]))) > 1]
+    if vocab:
+        sizes = [b - a for a, b in zip(vocab[0].bounds, vocab[0].bounds[1:])]
+        line += f"; the vocabulary's {vocab[0].block} rows cut {' + '.join(map(str, sizes))} (not padded)"
+    return line
 
 
 def _model_spec(args, model_shape, watchdog):

@@ -1,0 +1,182 @@
+"""Ring mode's --tensor-parallel T outside the step: every rank holds a
+slice of the model (nn/tensor_parallel.py), so whatever needs the whole
+model gathers the slices, and every evaluation runs on a tensor group's
+ranks together (their layers exchange activations).
+
+- `attach`: the tensor group's communicator handed to the split layers
+  (comm/tensor_group.TensorComm), and the clip norm's tensor pieces.
+- `save_checkpoint`: ring mode's one file with the whole model's tensors
+  (the layout is not part of the file): each tensor rank's replica 0
+  first gathers its sharded optimizer state over its replicas (--zero 1,
+  2), then the chief gathers the T slices over the tensor axis and cuts
+  them into the whole tensors; so a run resumes at any T, N or stage, or
+  in another mode.
+- `restore`: the chief's whole tensors to every rank, each keeping its
+  slice (and its shard of the optimizer state).
+- `TensorModel`: the model for the report and the frame, collective: each
+  replica's tensor group evaluates its part of a split, the sums added
+  over the replicas; --save and --keep-best the whole tensors, written by
+  the chief.
+
+    mpirun -n 4 python -m hpctrain.train --model gpt:layers=2,heads=4,width=64 \\
+        --data data/shakespeare --tensor-parallel 2 --checkpoint-dir ckpt --steps 20
+"""
+import numpy as np
+from mpi4py import MPI
+
+from .. import device
+from ..checkpoints.sharded import ShardedState, displacements
+from ..comm.grad_norm import TensorNorm
+from ..comm.tensor_group import TensorComm
+from ..data.splits import held_out
+from ..nn.tensor_parallel import counted_ranges, local_layout, put_local, take_local
+from ..report.params import chief_text, write_params
+
+
+def attach(world, spec):
+    """The split layers' collectives on the mesh's tensor axis; returns the
+    clip norm's comm/grad_norm.TensorNorm."""
+    comm = world.mesh.comm("tensor")
+    spec.tensor.comm = TensorComm(comm, world.watchdog, world.xp)
+    return TensorNorm(comm, counted_ranges(spec.full, spec.cuts, spec.tensor.rank))
+
+
+def gather_whole(world, spec, arrays):
+    """Collective over the ranks of replica 0 (data coordinate 0; the others
+    return None at once): each tensor rank's full-length host arrays (its
+    slice's flat layout) to the chief, which returns them as the whole
+    model's flat arrays ({name: array}); None elsewhere."""
+    mesh = world.mesh
+    if mesh.coords.data:
+        return None
+    comm, full, t = mesh.comm("tensor"), spec.full, spec.tensor.rank
+    sizes = np.array([local_layout(full, spec.cuts, r)[-1][4][1] for r in range(comm.Get_size())], np.int64)
+    out = {}
+    for name, array in arrays.items():
+        host = np.ascontiguousarray(device.to_host(array))
+        parts = np.empty(int(sizes.sum()), host.dtype) if t == 0 else None
+        with world.waiting(f"tensor slices gather ({name})", peer=None):
+            comm.Gatherv(host, [parts, (sizes, displacements(sizes))] if t == 0 else None, root=0)
+        if t == 0:
+            whole = np.zeros(full.num_params, host.dtype)
+            for r, start in enumerate(displacements(sizes)):
+                put_local(full, spec.cuts, parts[start:start + sizes[r]], r, whole)
+            out[name] = whole
+    return out if t == 0 else None
+
+
+def _local_state(world, ring):
+    """This rank's optimizer state as full-length host arrays of its slice
+    (a sharded optimizer's gathered over its replicas onto replica 0; {}
+    on the others)."""
+    optimizer, mesh = ring.optimizer, world.mesh
+    if not ring.sharded:
+        return {name: device.to_host(a) for name, a in optimizer.state().items()}
+    owners = ShardedState(mesh.comm("data"), optimizer, 0, mesh.rank_of(data=0), world.watchdog, world.xp)
+    return owners.gather()
+
+
+def save_checkpoint(checkpoints, world, ring, reader, step):
+    """Collective over every rank: the checkpoint of `step`, the whole tensors, written by the chief."""
+    mesh = world.mesh
+    positions = checkpoints.gather_positions(reader, mesh.comm("data")) if mesh.coords.tensor == 0 else None
+    device.synchronize(world.xp)
+    state = _local_state(world, ring)
+    whole = gather_whole(world, ring.model.spec, {"params": ring.model.params,
+                                                  **{f"optimizer/{k}": v for k, v in state.items()}}) or {}
+    checkpoints.save(world.cluster.worker_comm, step, whole.get("params"),
+                     {k.split("/", 1)[1]: v for k, v in whole.items() if k != "params"}, ring.optimizer.t,
+                     positions, ring.model.state)
+
+
+def restore(world, checkpoints, resume, ring):
+    """Collective over every rank: the resumed whole tensors from the chief,
+    each rank keeping its slice (and its shard of the optimizer state)."""
+    spec, comm, ckpt = ring.model.spec, world.cluster.worker_comm, resume.checkpoint
+    optimizer, t = ring.optimizer, spec.tensor.rank
+    sources = {"params": ckpt.params if ckpt else None,
+               **{name: ckpt.optimizer_state[name] if ckpt else None for name in optimizer.state()}}
+    for name, source in sources.items():
+        whole = np.zeros(spec.full.num_params, ring.model.params.dtype)
+        if source is not None:
+            whole[...] = source
+        with world.waiting(f"checkpoint broadcast ({name})", peer=world.cluster.chief_rank):
+            comm.Bcast(whole, root=world.chief_in(comm))
+        mine = take_local(spec.full, spec.cuts, whole, t)
+        if name == "params":
+            ring.model.params[...] = world.xp.asarray(mine)
+            continue
+        target = optimizer.state()[name]
+        if ring.sharded:   # this rank's shard of its slice's state: the ranges it owns, back to back
+            mine = np.concatenate([mine[lo:hi] for lo, hi in optimizer.ranges] or [mine[:0]])
+        target[...] = world.xp.asarray(mine.astype(target.dtype, copy=False))
+    optimizer.t = resume.optimizer_t
+    checkpoints.broadcast_model_state(comm, resume, ring.model.state)
+    device.synchronize(world.xp)
+
+
+class _Whole:
+    """The whole model's tensors over one flat host buffer, as write_params reads a model."""
+
+    def __init__(self, spec, params, state_tensors):
+        self.spec, self.params, self._state = spec, params, state_tensors
+
+    def tensors(self):
+        return [(name, self.params[lo:hi].reshape(shape)) for name, shape, lo, hi in self.spec.tensors]
+
+    def state_tensors(self):
+        return self._state
+
+
+class TensorModel:
+    """--tensor-parallel's model for the report and the frame (report/evaluated.py's
+    interface), collective over every rank. model: the ring's, this rank's slice."""
+    collective = True
+
+    def __init__(self, world, plan, model):
+        self.world, self.plan, self.model, self.spec = world, plan, model, model.spec
+        self._parts = {}   # split -> this replica's part of it, read once
+
+    def finite(self):
+        device.synchronize(self.world.xp)
+        ok = np.array([1 if device.all_finite(self.model.params) else 0], np.int64)
+        with self.world.waiting("parameter finiteness allreduce", peer=None):
+            self.world.cluster.worker_comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
+        return bool(ok[0])
+
+    def share_state(self):
+        """Nothing to share: the state (batch-norm statistics) of a split
+        model's replicas follows their own batches, as ring mode's do, and
+        the chief's is what checkpoints hold."""
+
+    def agree(self, text):
+        return chief_text(self.world, text)
+
+    def evaluate(self, split="test"):
+        """(loss sum, correct, count) over the whole split: each replica's
+        tensor group its contiguous part, in step, the sums added over the replicas."""
+        world, mesh, xp = self.world, self.world.mesh, self.world.xp
+        if split not in self._parts:
+            data_dir = self.plan.data.dir
+            with world.waiting(f"reading the {split} part of {data_dir}", peer="the file system"):
+                self._parts[split] = held_out(data_dir, mesh.coords.data, mesh.size("data"),
+                                              self.plan.data.block_size, split=split)
+        x, y = self._parts[split]
+        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y)) if len(y) else self.spec.loss.zero_sums()
+        totals = np.array([sums["loss"], sums.get("correct", 0), sums["count"]], np.float64)
+        with world.waiting("evaluation allreduce", peer=None):
+            mesh.comm("data").Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+        return totals[0], totals[1], int(totals[2])
+
+    def evaluate_parts(self, inputs):
+        return self.evaluate("test")
+
+    def write(self, path, step, attrs=None):
+        """--save, --keep-best: the whole tensors, gathered to the chief and
+        written there (report/params.py's file). OSError on the chief when it
+        cannot (the others learn it from `agree`)."""
+        device.synchronize(self.world.xp)
+        whole = gather_whole(self.world, self.spec, {"params": self.model.params})
+        if self.world.chief:
+            state = [(name, device.to_host(view)) for name, view in self.model.state_tensors()]
+            write_params(path, _Whole(self.spec.full, whole["params"], state), step, self.plan, attrs)
