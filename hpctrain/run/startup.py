@@ -223,8 +223,8 @@ def tensor_line(spec, mesh):
     line = (f"tensor parallelism: each layer split over {t} consecutive ranks (a tensor group), "
             f"{r} replica{'s' if r > 1 else ''} of the split model averaging the gradient; "
             f"{len(spec.split_layers)} of {len(spec.layers)} layers split")
-    vocab = [cut for name, cut in spec.cuts.items() if cut.groups == 1 and len(set(
-        b - a for a, b in zip(cut.bounds, cut.bounds[1:]))) > 1]
+    vocab = [layer.tensor_cuts()["E"] for i, layer in enumerate(spec.layers)
+             if i in spec.split_layers and getattr(layer, "tensor", (None,))[0] == "vocab"]
     if vocab:
         sizes = [b - a for a, b in zip(vocab[0].bounds, vocab[0].bounds[1:])]
         line += f"; the vocabulary's {vocab[0].block} rows cut {' + '.join(map(str, sizes))} (not padded)"

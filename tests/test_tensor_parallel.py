@@ -1,0 +1,188 @@
+"""Tensor parallelism (--tensor-parallel T, nn/tensor_parallel.py,
+loops/ring_tensor.py) against one process: every split layer's loss,
+evaluation sums and gradient slices against the whole model's in float64
+(odd sizes: a vocabulary that does not divide by T, widths of 17 T), the
+collectives a block costs, the replicated tensors identical over a group
+after training; then whole runs: T = 2 and 4 (and T = 2 x R = 2) against
+one process at the same global batch, the GPT and the MLP, clipped, with
+ZeRO stages 1 and 2 over the replicas; checkpoints that resume at another
+T; and the refusals.
+
+    mpirun -n 4 python -m mpi4py -m pytest -q --only-mpi tests/test_tensor_parallel.py
+    python -m pytest -q tests/test_tensor_parallel.py
+"""
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import saved
+from test_zero import text_dir   # noqa: F401 (the fixture)
+from hpctrain.comm.tensor_group import TensorComm
+from hpctrain.nn.gpt import gpt
+from hpctrain.nn.tensor_parallel import TensorGroup, put_local, take_local
+from hpctrain.nn.zoo import mlp
+
+
+def _group():
+    comm = MPI.COMM_WORLD
+    group = TensorGroup(comm.Get_size(), comm.Get_rank())
+    group.comm = TensorComm(comm)
+    return group
+
+
+def _models(T):
+    """(name, the whole spec, a batch (x, y)) at odd sizes for T tensor ranks."""
+    rng = np.random.default_rng(7)
+    vocab = 13 * T + 1   # not a multiple of T: the vocabulary's parts differ by one row
+    return [("gpt", gpt(vocab, 6, 2, 2 * T, 4 * T), rng.integers(0, vocab, (3, 6)), rng.integers(0, vocab, (3, 6))),
+            ("mlp", mlp((13,), 5, (17 * T, 17 * T, 17 * T)), rng.standard_normal((3, 13)), rng.integers(0, 5, 3))]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("which", [0, 1], ids=["gpt", "mlp"])
+def test_every_split_layer_matches_the_whole_model(which):
+    """Each rank's slice, from the same seed, is the whole model's cut; its
+    loss, evaluation sums and gradient slice are the whole model's in float64."""
+    group = _group()
+    name, full, x, y = _models(group.size)[which]
+    local = full.split_tensor(group)
+    whole, mine = full.build(dtype=np.float64), local.build(dtype=np.float64)
+    whole.init(3)
+    mine.init(3)
+    assert np.array_equal(take_local(full, local.cuts, whole.params, group.rank), mine.params)
+    x = x.astype(np.float64)
+    loss, loss_t = whole.forward_backward(x, y), mine.forward_backward(x, y)
+    assert abs(float(loss) - float(loss_t)) <= 1e-12 * abs(float(loss))
+    expected = take_local(full, local.cuts, whole.grads, group.rank)
+    assert np.allclose(mine.grads, expected, rtol=1e-10, atol=1e-13), np.abs(mine.grads - expected).max()
+    sums, sums_t = whole.evaluate(x, y), mine.evaluate(x, y)
+    assert sums["count"] == sums_t["count"] and sums["correct"] == sums_t["correct"]
+    assert abs(sums["loss"] - sums_t["loss"]) <= 1e-12 * abs(sums["loss"])
+    # the slices put back together are the whole gradient (the file's layout)
+    parts = MPI.COMM_WORLD.allgather(mine.grads)
+    rebuilt = np.zeros(full.num_params)
+    for r, part in enumerate(parts):
+        put_local(full, local.cuts, part, r, rebuilt)
+    assert np.allclose(rebuilt, whole.grads, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_block_costs_two_allreduces_forward_and_two_backward():
+    """Megatron's count: per block one after attention's projection and one
+    after the MLP's forward, one for each's input gradient backward; the
+    vocabulary one forward (the embedding), one backward (the head's input
+    gradient) and two in the loss (the max, then both sums)."""
+    group = _group()
+    name, full, x, y = _models(group.size)[0]
+    model = full.split_tensor(group).build()
+    model.init(1)
+    model.forward_backward(x, y)
+    layers = 2
+    assert group.comm.calls == 4 * layers + 1 + 1 + 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_replicated_tensors_stay_identical_over_the_group():
+    """LayerNorm's gains, the row-parallel biases, the position table: every
+    rank of a group computes their gradients from the same (allreduced)
+    activations, so ten SGD steps leave them the same bits everywhere."""
+    group = _group()
+    name, full, x, y = _models(group.size)[0]
+    local = full.split_tensor(group)
+    model = local.build()
+    model.init(1)
+    for _ in range(10):
+        model.forward_backward(x, y)
+        model.params -= 0.1 * model.grads
+    replicated = np.concatenate([model.params[lo:hi] for name, _, lo, hi in local.tensors if name not in local.cuts])
+    everyone = MPI.COMM_WORLD.allgather(replicated.tobytes())
+    assert all(b == everyone[0] for b in everyone)
+
+
+# --- runs ------------------------------------------------------------------------
+
+def losses(path):
+    return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "step" in r and "loss" in r]
+
+
+def run(job, ranks, flags, out, name):
+    r = job(ranks, *flags, "--save", out / f"{name}.h5", "--metrics", out / f"{name}.jsonl", timeout=180)
+    assert r.returncode == 0, r.stderr
+    return r, losses(out / f"{name}.jsonl"), saved(out / f"{name}.h5")
+
+
+def close(a, b, tol):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.allclose(a[k], b[k], rtol=tol, atol=tol), (k, np.abs(a[k] - b[k]).max())
+
+
+def gpt_flags(data):
+    return ["--data", data, "--model", "gpt:layers=2,heads=4,width=32", "--block-size", 16, "--steps", 30,
+            "--clip-norm", 0.5, "--lr", 3e-3, "--eval-every", 0, "--log-every", 1, "--fusion-mb", 0.01]
+
+
+@pytest.mark.parametrize("ranks, tensor, zero", [(2, 2, 0), (4, 4, 0), (4, 2, 1), (4, 2, 2)])
+def test_tensor_parallel_trains_the_gpt_of_one_process(job, tmp_path, text_dir, ranks, tensor, zero):
+    """The same global batch (8 windows a step): the loss at every step and
+    the parameters after 30 clipped Adam steps within float32 rounding; the
+    start-up line says how the vocabulary is cut."""
+    replicas = ranks // tensor
+    flags = gpt_flags(text_dir)
+    _, want, whole = run(job, 1, [*flags, "--batch-size", 8], tmp_path, "one")
+    r, got, split = run(job, ranks, [*flags, "--batch-size", 8 // replicas, "--tensor-parallel", tensor,
+                                     "--zero", zero], tmp_path, "split")
+    assert f"each layer split over {tensor} consecutive ranks" in r.stdout
+    assert "the vocabulary's" in r.stdout and "(not padded)" in r.stdout
+    assert len(got) == len(want) == 30
+    assert np.allclose(got, want, rtol=2e-5), np.abs(np.subtract(got, want)).max()
+    close(split, whole, 2e-4)
+
+
+def test_tensor_parallel_trains_the_mlp_of_one_process(job, tmp_path):
+    """Dense pairs (column, then row), the last Dense whole on every rank."""
+    flags = ["--hidden", "64,64,64", "--steps", 30, "--log-every", 1, "--optimizer", "momentum", "--lr", 0.05]
+    _, want, whole = run(job, 1, [*flags, "--batch-size", 32], tmp_path, "one")
+    _, got, split = run(job, 2, [*flags, "--batch-size", 32, "--tensor-parallel", 2], tmp_path, "split")
+    assert np.allclose(got, want, rtol=2e-5)
+    close(split, whole, 2e-4)
+
+
+def test_a_checkpoint_resumes_at_another_tensor_parallel(job, tmp_path, text_dir):
+    """The file holds the whole tensors: written at T = 2 x R = 2 with
+    --zero 2, resumed on 2 ranks without tensor parallelism (--zero 1),
+    within float32 rounding of the run that never stopped; and from there
+    at T = 4 (one replica: the global batch halves, as a resume on fewer
+    ranks does)."""
+    flags = [*gpt_flags(text_dir), "--batch-size", 4, "--checkpoint-dir", tmp_path / "ckpt"]
+    r = job(4, *flags, "--steps", 10, "--tensor-parallel", 2, "--zero", 2, timeout=180)
+    assert r.returncode == 0, r.stderr
+    r, _, resumed = run(job, 2, [*flags, "--steps", 20, "--zero", 1], tmp_path, "resumed")
+    assert "resumed from" in r.stdout
+    r, _, again = run(job, 4, [*flags, "--steps", 30, "--tensor-parallel", 4], tmp_path, "again")
+    assert "resumed from" in r.stdout
+    _, _, straight = run(job, 2, [*flags[:-2], "--steps", 20], tmp_path, "straight")
+    close(resumed, straight, 2e-4)
+    assert again.keys() == straight.keys()
+
+
+@pytest.mark.parametrize("ranks, flags, line", [
+    (2, ["--model", "gpt:layers=1,heads=3,width=12"], "--tensor-parallel 2: --model gpt:layers=1,heads=3,width=12: "
+                                                       "layer 3 (Block(12, heads=3)): CausalSelfAttention(3): 3 heads "
+                                                       "are not a multiple of --tensor-parallel 2"),
+    (2, ["--model", "resnet"], "--tensor-parallel 2: --model resnet: it has no layer that splits"),
+    (2, ["--hidden", "63,64"], "Dense(63): the units 63 is not a multiple of --tensor-parallel 2"),
+    (3, [], "--tensor-parallel 2 does not divide the 3 ranks"),
+    (3, ["--mode", "ps"], "--tensor-parallel 2 is for --mode ring"),
+    (4, ["--pipeline-stages", "2"], "--tensor-parallel 2 with --pipeline-stages 2: not yet"),
+    (2, ["--zero", "3"], "--zero 3 with --tensor-parallel 2: not yet"),
+    (2, ["--compression", "fp16"], "--compression fp16 with --tensor-parallel 2: not yet"),
+])
+def test_what_does_not_split_is_one_line(job, text_dir, ranks, flags, line):
+    data = ["--data", text_dir, "--block-size", 16] if any(f.startswith("gpt:") for f in flags) else []
+    r = job(ranks, *data, *flags, "--steps", 2, "--tensor-parallel", 2, timeout=120)
+    lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert line in lines[0], lines
