@@ -473,8 +473,9 @@ def assert_bit_identical(a_path, b_path):
 
 
 @needs_own_jobs
-@pytest.mark.parametrize("zero", [[], ["--zero", "2", "--fusion-mb", "0.01"], ["--zero", "3", "--fusion-mb", "0.01"]],
-                         ids=["zero-auto", "zero-2", "zero-3"])
+@pytest.mark.parametrize("zero", [[], ["--zero", "2", "--fusion-mb", "0.01"], ["--zero", "3", "--fusion-mb", "0.01"],
+                                  ["--tensor-parallel", "2"]],
+                         ids=["zero-auto", "zero-2", "zero-3", "tensor-2"])
 def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, zero):
     # Long enough that a signal sent right after the first checkpoint lands
     # mid-run even on a loaded machine (the signal landed within ~10 steps of

@@ -114,6 +114,19 @@ def test_a_rank_stopped_mid_training_is_named_and_no_other(job, flags):
     assert took < 40
 
 
+def test_a_tensor_rank_stopped_mid_layer_is_named_by_its_coordinates(job):
+    """--tensor-parallel 2 on 4 ranks: rank 3 (replica 1's second slice)
+    stopped while its group waits for it inside a layer's allreduce."""
+    rc, out, err, took = stall(4, 3, ["--steps", "1000000", "--log-every", "1", "--hidden", "64,64",
+                                      "--timeout", "4", "--tensor-parallel", "2"], in_training=True)
+    assert rc == 3, err
+    lines = errors(err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith("hpctrain: error: rank 3 (pipeline 0, data 1, tensor 1) stopped responding (no answer "
+                               "to a roll call"), lines
+    assert took < 40
+
+
 def hanging_checkpoint_dir(tmp_path):
     """A checkpoint directory whose newest 'checkpoint' is a FIFO: opening it
     blocks, as a file on a dead file server would."""
