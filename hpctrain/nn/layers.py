@@ -93,21 +93,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import compiled, passes, threads
-
-
-class LayerError(ValueError):
-    """A layer that does not fit its input: one line saying why."""
-
-
-class LayerCodeError(LayerError):
-    """A layer that breaks the contract: its own code raised, returned
-    something that is not what the contract asks, or wrote where it must not
-    (nn/spec.py, nn/check.py). One line naming the layer; `traceback`: the
-    traceback of the layer's own code when it raised, else None."""
-
-    def __init__(self, line, traceback=None):
-        super().__init__(line)
-        self.traceback = traceback
+from .layer_errors import LayerCodeError, LayerError   # noqa: F401 (the layer contract's errors, named here too)
+from .tensor_parallel import split_linear
 
 
 def describe(layer):
@@ -331,7 +318,6 @@ class Dense(Layer):
             raise LayerError(f"Dense({self.units}) takes a flat input, not {'x'.join(map(str, in_shape))}: "
                              f"put Flatten() before it")
         super().configure(in_shape)
-        from .tensor_parallel import split_linear   # (which imports this module's LayerError)
         # here: this rank's units (all of them but in a column-parallel layer)
         self.fan_in, self.here, self._cuts = split_linear(self, self.in_shape[0], self.units, True)
         self.out_shape = (self.here,)

@@ -32,6 +32,7 @@ reads them.
     python -m hpctrain.nn               # the model's summary names its loss
 """
 from .layers import LayerError
+from .tensor_parallel import nearly_even
 
 
 class Loss:
@@ -122,7 +123,6 @@ class TokenCrossEntropy(Loss):
     def check(self, out_shape, classes):
         self.rows = (0, classes)   # the logits' columns this rank holds: the vocabulary, or its part
         if self.tensor is not None:
-            from .tensor_parallel import nearly_even
             bounds = nearly_even(classes, self.tensor.size)
             self.rows = bounds[self.tensor.rank:self.tensor.rank + 2]
         if len(out_shape) != 2 or out_shape[1] != self.rows[1] - self.rows[0]:

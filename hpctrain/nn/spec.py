@@ -45,7 +45,8 @@ from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
 from .store import PlainStore
 from ..precision import FLOAT32
-from .tensor_parallel import local_layout, split_model
+from .tensor_parallel import local_layout
+from .tensor_split import split_model
 from .tied import declared, resolve
 
 
