@@ -5,6 +5,7 @@ rank count, repeats each, and reports the median of the repeats.
     python -m hpctrain.bench train --mode ps --ranks 3,4 -- --num-ps 2 --async
     python -m hpctrain.bench train --ranks 2,4 --compare shard-optimizer=off,on
     python -m hpctrain.bench train --ranks 4 --compare zero=1,2,3 -- --data TEXT --model gpt:layers=4 --block-size 128
+    python -m hpctrain.bench train --ranks 2,4 --compare tensor-parallel=1,2 -- --data TEXT --model gpt:layers=4
     python -m hpctrain.bench train --ranks 1,2 --plot train.png   # and a picture (hpctrain.plot)
     python -m hpctrain.bench train --mode ps --ranks 4 --versus-ring -- --num-ps 2
     python -m hpctrain.bench train --ranks 1,2 --against b4056b6   # that commit's code interleaved (bench/against.py)
@@ -278,7 +279,8 @@ def compare_settings(args, extra):
             runs = {v: [] for v in values}
             for _ in range(args.repeats):
                 for v in values:
-                    runs[v].append(one_run(ranks, args.mode, args.steps, [*extra, f"--{flag}", v], tmp))
+                    runs[v].append(one_run(ranks, args.mode, args.steps,
+                                           [*extra, f"--{flag}", v, *same_global_batch(flag, v, values, flags)], tmp))
             base = None
             for v in values:
                 row = dict(summarise(args.mode, ranks, runs[v], flags), setting=f"{flag}={v}")
@@ -302,6 +304,15 @@ def compare_settings(args, extra):
         ("comm not hidden ms", "comm_ms", "{:.3f}"), ("optimizer ms (all)", "optimizer_total_ms", "{:.3f}"),
         ("optimizer x first", "optimizer_ratio", "{:.2f}"), ("peak MB", "peak_mb", "{:.1f}")]))
     return plot(args, rows, f"train, {args.mode} mode, {args.steps} steps, --compare {args.compare}")
+
+
+def same_global_batch(flag, value, values, flags):
+    """--compare tensor-parallel=1,2,...: each T at the first value's global
+    batch (T times the ranks per replica: T times the batch each), so the
+    settings train the same samples a step and differ only in the split."""
+    if flag != "tensor-parallel":
+        return []
+    return ["--batch-size", str(flags.batch_size * int(value) // int(values[0]))]
 
 
 def plot(args, rows, title):
