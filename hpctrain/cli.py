@@ -430,12 +430,12 @@ def _check_tensor_parallel(args, world_size):
     if args.mode == "ps":
         raise HpctrainError(f"--tensor-parallel {t} is for --mode ring: a ps worker pulls and pushes the whole "
                             f"model, and a split layer's ranks must exchange activations inside every layer")
-    if args.pipeline_stages > 1:
-        raise HpctrainError(f"--tensor-parallel {t} with --pipeline-stages {args.pipeline_stages}: not yet (the "
-                            f"stages would send a tensor group's activations); use one or the other")
-    if world_size % t:
-        raise HpctrainError(f"--tensor-parallel {t} does not divide the {world_size} ranks (the world is T x R: "
-                            f"R replicas of a model split over T ranks)")
+    p = args.pipeline_stages
+    if world_size % (t * p):
+        raise HpctrainError(f"--tensor-parallel {t}" + (f" x --pipeline-stages {p}" if p > 1 else "") +
+                            f" does not divide the {world_size} ranks (the world is " + ("P x " if p > 1 else "") +
+                            "T x R: R replicas of a model split over T ranks" + (", in P stages" if p > 1 else "") +
+                            ")")
     if args.compression in ("fp16", "powersgd"):
         raise HpctrainError(f"--compression {args.compression} with --tensor-parallel {t}: not yet (" +
                             ("its overflow check is one tensor rank's" if args.compression == "fp16" else

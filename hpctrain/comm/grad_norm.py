@@ -34,11 +34,14 @@ from .strategy import waiting
 
 class TensorNorm:
     """Where a tensor-parallel rank's norm pieces go (GradNorm's `tensor`):
-    the tensor axis's communicator, its size and this rank's place, and the
-    ranges of the rank's buffer it counts (nn/tensor_parallel.counted_ranges)."""
+    the group's size and this rank's place in it (each slot gets a place
+    per tensor rank), the ranges of the rank's buffer it counts
+    (nn/tensor_parallel.counted_ranges), and `comm`, the tensor axis's
+    communicator where GradNorm's own comm does not span it (ring mode:
+    one tensor rank's replicas), None where it does (a pipeline's world)."""
 
-    def __init__(self, comm, counted):
-        self.comm, self.size, self.rank, self.counted = comm, comm.Get_size(), comm.Get_rank(), list(counted)
+    def __init__(self, size, rank, counted, comm=None):
+        self.size, self.rank, self.counted, self.comm = int(size), int(rank), list(counted), comm
 
 
 def _meet(owned, counted):
@@ -68,14 +71,16 @@ class GradNorm:
     def __init__(self, ranges, held, chunks=1, replicas=1, replica=0, comm=None, watchdog=None, tensor=None):
         self.comm, self.watchdog, self.tensor = comm, watchdog, tensor
         R = replicas
+        T, t = 1, 0
         if tensor is not None:   # a tensor rank counts its slices, and the replicated tensors on rank 0 alone
             held = [(c, lo, _meet(owned, [(a - lo, b - lo) for a, b in tensor.counted])) for c, lo, owned in held]
-        self._mine = [((i * chunks + c) * R + replica, k, max(a - lo, o_lo), min(b - lo, o_hi))
+            T, t = tensor.size, tensor.rank
+        self._mine = [(((i * chunks + c) * R + replica) * T + t, k, max(a - lo, o_lo), min(b - lo, o_hi))
                       for k, (c, lo, owned) in enumerate(held)
                       for i, (a, b) in enumerate(ranges) for o_lo, o_hi in owned
                       if max(a - lo, o_lo) < min(b - lo, o_hi)]
         self._slots = np.array([slot for slot, _, _, _ in self._mine], np.int64)
-        self._pieces = np.zeros(len(ranges) * chunks * R, np.float64)
+        self._pieces = np.zeros(len(ranges) * chunks * R * T, np.float64)
         self._all = np.zeros_like(self._pieces)
 
     def partials(self, grads):
@@ -88,12 +93,10 @@ class GradNorm:
             with waiting(self.watchdog, "clip norm: sums of squares allreduce"):
                 self.comm.Allreduce(self._pieces, self._all)   # the default op: a sum
             out = self._all
-        if self.tensor is None:
+        if self.tensor is None or self.tensor.comm is None:
             return out
-        # --tensor-parallel: every tensor rank's slots side by side, each slot one rank's: exact in any order
-        t = self.tensor
-        mine = np.zeros((t.size, out.size), np.float64)
-        mine[t.rank] = out
+        # --tensor-parallel where comm is one tensor rank's replicas: each tensor rank's slots
+        # filled by the others (every slot one rank's: exact in any order)
         with waiting(self.watchdog, "clip norm: the tensor ranks' sums of squares allreduce"):
-            t.comm.Allreduce(MPI.IN_PLACE, mine)
-        return mine.reshape(-1)
+            self.tensor.comm.Allreduce(MPI.IN_PLACE, out)
+        return out

@@ -23,6 +23,9 @@ from ..comm.device_buffers import bcast
 from ..comm.topology import Topology
 from ..comm.compressed_exchange import summary
 from ..comm.data_parallel import DataParallelUpdate, NormScope, Part, model_buckets
+from ..comm.grad_norm import TensorNorm
+from ..comm.tensor_group import TensorComm
+from ..nn.tensor_parallel import counted_ranges
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
 from ..pipeline import stage_compression as pipeline_compression
@@ -60,6 +63,11 @@ def train_pipe(world, plan, inputs, timeline):
     copies = sched.chunk_peaks(actions, virtual)
     chunks = [Stage(spec, cuts, sched.chunk_index(stages, grid.stage, k), micro, xp, plan.precision.params,
                     copies=copies[k]) for k in range(virtual)]
+    # --tensor-parallel: each stage's layers split over its tensor group (nn/tensor_parallel.py)
+    split = grid.tensors > 1
+    if split:
+        spec.tensor.comm = TensorComm(grid.tensor_comm, world.watchdog, xp)
+    slices = whole.WholeSlices(world, grid, spec, chunks) if split else None   # the files' whole tensors
     for chunk in chunks:
         initial_parameters(world, spec, grid, chunk, plan.data.seed)
     reader = prefetch.device_batches(inputs.reader(world.comm, grid.replica, grid.replicas, stage_arrays(grid)), xp)
@@ -77,7 +85,9 @@ def train_pipe(world, plan, inputs, timeline):
         model_buckets(spec.layer_ranges, spec.num_params, plan.ring.fusion_elems), strategy,
         (plan.optimizer.name, plan.optimizer.kwargs), xp, 1.0 / (grid.replicas * micro),
         sharded=plan.ring.shard_optimizer, clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
-        scope=NormScope(world.comm, stages * virtual, grid.replicas, grid.replica, world.watchdog))
+        scope=NormScope(world.comm, stages * virtual, grid.replicas, grid.replica, world.watchdog,
+                        TensorNorm(grid.tensors, grid.tensor, counted_ranges(spec.full, spec.cuts, grid.tensor))
+                        if split else None))
     optimizers = update.optimizers
     if compression is not None and compression.exchange is not None:
         world.say(summary(compression.exchange, update.parts[0].buckets, update.sharded)
@@ -88,7 +98,7 @@ def train_pipe(world, plan, inputs, timeline):
 
     # --- resume: the chief's file, each stage its chunks' slices -------------
     def restore(resume):
-        whole.resume_stage(world, spec, grid, chunks, optimizers, layouts, resume)
+        whole.resume_stage(world, spec, grid, chunks, optimizers, layouts, resume, slices)
         if compression is not None:
             pipeline_compression.restore(world, grid, compression, layouts, resume)
     frame.resumed(reader, restore)
@@ -102,14 +112,15 @@ def train_pipe(world, plan, inputs, timeline):
     engine = Engine(world, spec, grid, chunks, update, actions, plan.data.batch_size,
                     StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), compression=compression,
                     tied=tied, compute=plan.precision.compute)
-    model = whole.Pipelined(world, plan, engine, layouts)   # what the frame evaluates and saves, stage by stage
-    step, stopped = train_steps(world, frame, engine, layouts, reader, model)
+    model = whole.Pipelined(world, plan, engine, layouts, slices)   # what the frame evaluates and saves, by stages
+    step, stopped = train_steps(world, frame, engine, layouts, reader, model, slices)
     extra = {"workers": grid.replicas, "pipeline_stages": grid.stages,
              "micro_batches": micro, "schedule": pipe.schedule, "virtual_stages": virtual, "replicas": grid.replicas,
              "pipeline_split": pipe.split, "shard_optimizer": "on" if engine.sharded else "off",
              **(engine.clip.totals() if engine.clip else {}), "compression": plan.compression.kind}
     record = frame.end(step, stopped and step < frame.steps, world.comm, model,
-                       save=lambda at: whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at),
+                       save=lambda at: whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at,
+                                                             slices),
                        extra=extra, state_bytes=sum(state_bytes(o) for o in optimizers))
     if tied is not None:
         tied.free()
@@ -141,13 +152,13 @@ def stage_arrays(grid):
     return ("images",) if grid.first else ("labels",) if grid.last else ()
 
 
-def train_steps(world, frame, engine, layouts, reader, model):
+def train_steps(world, frame, engine, layouts, reader, model, slices=None):
     """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
     replicas = engine.grid.replicas
     step, stopped = frame.start, False
 
     def save(at):
-        whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at)
+        whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at, slices)
     with frame.training():
         while step < frame.steps:
             # the reader reuses its arrays: each micro-batch's own copy

@@ -29,7 +29,7 @@ from ..checkpoints.sharded import ShardedState, displacements
 from ..comm.grad_norm import TensorNorm
 from ..comm.tensor_group import TensorComm
 from ..data.splits import held_out
-from ..nn.tensor_parallel import counted_ranges, local_layout, put_local, take_local
+from ..nn.tensor_parallel import counted_ranges, local_size, put_local, take_local
 from ..report.params import chief_text, write_params
 
 
@@ -38,7 +38,7 @@ def attach(world, spec):
     clip norm's comm/grad_norm.TensorNorm."""
     comm = world.mesh.comm("tensor")
     spec.tensor.comm = TensorComm(comm, world.watchdog, world.xp)
-    return TensorNorm(comm, counted_ranges(spec.full, spec.cuts, spec.tensor.rank))
+    return TensorNorm(comm.Get_size(), comm.Get_rank(), counted_ranges(spec.full, spec.cuts, spec.tensor.rank), comm)
 
 
 def gather_whole(world, spec, arrays):
@@ -50,7 +50,7 @@ def gather_whole(world, spec, arrays):
     if mesh.coords.data:
         return None
     comm, full, t = mesh.comm("tensor"), spec.full, spec.tensor.rank
-    sizes = np.array([local_layout(full, spec.cuts, r)[-1][4][1] for r in range(comm.Get_size())], np.int64)
+    sizes = np.array([local_size(full, spec.cuts, r) for r in range(comm.Get_size())], np.int64)
     out = {}
     for name, array in arrays.items():
         host = np.ascontiguousarray(device.to_host(array))

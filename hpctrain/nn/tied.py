@@ -215,7 +215,11 @@ class RangeTies:
             for t in spec.ties:   # the owner's own tied tensors, if it reads another's: scratch, as init_views
                 if t.user == group.owner:
                     views[t.name] = np.zeros(tuple(reversed(t.shape)) if t.transposed else t.shape, host.dtype)
-            spec.layers[group.owner].init(np.random.default_rng([seed, group.owner]), views, host.dtype)
+            rng = np.random.default_rng([seed, group.owner])
+            if group.owner in spec.split_layers:   # --tensor-parallel: the whole layer's draw, cut
+                spec.init_split(group.owner, rng, views, host.dtype)
+            else:
+                spec.layers[group.owner].init(rng, views, host.dtype)
             tensor = views[group.tensor].reshape(-1)
             lo, hi = group.copy
             copy_params[lo:hi] = xp.asarray(tensor)

@@ -180,7 +180,8 @@ class Engine:
             with trace.span("tied parameters"):
                 self.tied.share_parameters()
         # ring mode's float32 sums (nn/accumulate.py): the losses added in order, times 1/M
-        self.head[0] = float(self.losses.mean()[0]) if self.grid.last else 0.0
+        # the last stage's replicas' losses (--tensor-parallel: its tensor rank 0's, each of them the same)
+        self.head[0] = float(self.losses.mean()[0]) if self.grid.last and self.grid.tensor == 0 else 0.0
         self.head[1] = 1.0 if self.world.stop.received else 0.0
         self.head[2:] = self._fp16_notes()
         with trace.span("loss and stop"), self.world.waiting("loss and stop allreduce", peer=None):

@@ -19,8 +19,13 @@ What needs the whole model goes a stage at a time:
   stages, each replica its part of the test set (or val part), the last
   stage counting loss and accuracy, one world Allreduce of the sums.
 
+With --tensor-parallel each stage's ranks hold slices of its layers: its
+replica 0's tensor ranks gather theirs on tensor rank 0, which goes
+between the whole model's slice and the chief (`WholeSlices`), so the file
+holds whole tensors whatever the layout.
+
 Transfers to and from the chief go along replica 0's pipe communicator
-(the chief is world rank 0: stage 0, replica 0), blocking sends and receives
+(the chief is world rank 0: stage 0, replica 0, tensor rank 0), blocking sends and receives
 in one fixed order that both ends follow, each under the watchdog; a chief
 that fails to write still takes every piece (`drain`), so no sender is left
 waiting. Takes the grid's communicators; imports mpi4py only for the
@@ -34,10 +39,11 @@ import numpy as np
 
 from .. import device
 from ..checkpoints.file import Pieces
-from ..checkpoints.sharded import ShardedState
+from ..checkpoints.sharded import ShardedState, displacements
 from ..errors import HpctrainError
 from ..report.params import chief_text, write_attrs, written_by_chief
 from ..files import create_new, remove_temp, temp_name_next_to
+from ..nn.tensor_parallel import local_size, put_local, take_local
 from . import stage_compression as pipeline_compression
 from .stages import ranges
 
@@ -45,10 +51,51 @@ TAG = 31000          # checkpoint, --save and resume pieces, on the pipe communi
 
 
 class Layouts:
-    """Where each stage's slices lie in the whole flat buffers: (counts, displacements)."""
+    """Where each stage's slices lie in the whole flat buffers: (counts,
+    displacements) (a tensor-parallel spec's: the whole model's)."""
 
     def __init__(self, spec, cuts):
+        spec = spec.full
         self.params, self.state = spans(spec, cuts), spans(spec, cuts, of="state")
+
+
+class WholeSlices:
+    """--tensor-parallel: this stage's chunks' slices of its (split) buffers
+    as slices of the whole model's, on the stage's tensor rank 0, and back;
+    collective over the stage's tensor group (grid.tensor_comm). spec: the
+    split spec; chunks: this stage's (pipeline/stage.Stage)."""
+
+    def __init__(self, world, grid, spec, chunks):
+        self.world, self.grid, self.full, self.cuts = world, grid, spec.full, spec.cuts
+        self.spans = [ranges(spec.full, c.a, c.b) for c in chunks]
+
+    def whole(self, k, local):
+        """Chunk k's slice of the whole model from every tensor rank's `local`
+        (its slice of the chunk's buffer): on tensor rank 0, None elsewhere."""
+        (lo, hi), grid = self.spans[k], self.grid
+        sizes = np.array([local_size(self.full, self.cuts, t, lo, hi) for t in range(grid.tensors)], np.int64)
+        host = np.ascontiguousarray(device.to_host(local))
+        parts = np.empty(int(sizes.sum()), host.dtype) if grid.tensor == 0 else None
+        with self.world.waiting("pipeline tensor slices to the stage's tensor rank 0",
+                                peer=None if grid.tensor else grid.world_rank(grid.stage, tensor=0)):
+            grid.tensor_comm.Gatherv(host, [parts, (sizes, displacements(sizes))] if parts is not None else None,
+                                     root=0)
+        if parts is None:
+            return None
+        whole = np.zeros(hi - lo, host.dtype)
+        for t, start in enumerate(displacements(sizes)):
+            put_local(self.full, self.cuts, parts[start:start + sizes[t]], t, whole, lo, hi)
+        return whole
+
+    def local(self, k, whole, dtype):
+        """This tensor rank's slice of chunk k from `whole` (the whole model's
+        slice on tensor rank 0; ignored elsewhere)."""
+        (lo, hi), grid = self.spans[k], self.grid
+        buf = np.ascontiguousarray(whole, dtype) if grid.tensor == 0 else np.empty(hi - lo, dtype)
+        with self.world.waiting("pipeline whole slices to the stage's tensor ranks",
+                                peer=None if grid.tensor == 0 else grid.world_rank(grid.stage, tensor=0)):
+            grid.tensor_comm.Bcast(buf, root=0)
+        return take_local(self.full, self.cuts, buf, grid.tensor, lo, hi)
 
 
 def spans(spec, cuts, of="params"):
@@ -105,9 +152,9 @@ class ToChief:
                     self._taken.add((name, c))
 
     def send(self):
-        """A stage's replica 0 (not the chief's stage): its chunks' slices, in order."""
+        """A stage's replica 0 (not the chief's stage; its tensor rank 0): its chunks' slices, in order."""
         grid = self.grid
-        if grid.first or grid.replica != 0:
+        if grid.first or grid.replica != 0 or grid.tensor != 0:
             return
         for name in self.names:
             for slice_ in self.parts[name][1]:
@@ -128,11 +175,22 @@ def all_finite(world, grid, parts):
 
 # --- checkpoints ----------------------------------------------------------------------
 
-def save_checkpoint(world, checkpoints, engine, layouts, reader, step):
+def sent_slices(engine, arrays, slices):
+    """What a rank of replica 0 hands ToChief for one buffer (`arrays`: its
+    chunks'): the arrays, or with --tensor-parallel (`slices`: WholeSlices)
+    the whole model's slices on tensor rank 0, None on the others."""
+    if slices is None:
+        return arrays
+    wholes = [slices.whole(k, a) for k, a in enumerate(arrays)]
+    return wholes if engine.grid.tensor == 0 else None
+
+
+def save_checkpoint(world, checkpoints, engine, layouts, reader, step, slices=None):
     """The chief writes the whole model's checkpoint, the file ring mode
     writes (every stage's parameters, model state and optimizer state, the
     replicas' data positions: the first stage's ranks, one per replica),
-    receiving each stage's slice of each buffer as the file takes it."""
+    receiving each stage's slice of each buffer as the file takes it.
+    slices: --tensor-parallel's WholeSlices (None without)."""
     grid, chunks, optimizers = engine.grid, engine.chunks, engine.optimizers
     if not all_finite(world, grid, [c.params for c in chunks]):   # before any piece moves: every rank stops alike
         from ..errors import EXIT_DIVERGED
@@ -140,16 +198,16 @@ def save_checkpoint(world, checkpoints, engine, layouts, reader, step):
                             f"no checkpoint written", exit_code=EXIT_DIVERGED, collective=True, report=world.chief)
     # each chunk's whole optimizer state on the stage's replica 0
     states = [stage_optimizer_state(world, grid, optimizer) for optimizer in optimizers]
-    mine = replica0 = grid.replica == 0
-    parts = {"params": (layouts.params, [c.params for c in chunks] if mine else None)}
-    parts.update({f"optimizer/{name}": (layouts.params, [st[name] for st in states] if replica0 else None)
-                  for name in states[0]})
+    mine = grid.replica == 0
+    parts = {"params": (layouts.params, sent_slices(engine, [c.params for c in chunks], slices) if mine else None)}
+    parts.update({f"optimizer/{name}": (layouts.params, sent_slices(engine, [st[name] for st in states], slices)
+                                        if mine else None) for name in states[0]})
     spec_state = sum(layouts.state[0])
     if spec_state:
-        parts["model_state"] = (layouts.state, [c.state for c in chunks] if mine else None)
+        parts["model_state"] = (layouts.state, [c.state for c in chunks] if mine and grid.tensor == 0 else None)
     stream = ToChief(grid, world.watchdog, sorted(parts), parts,   # the file's order: checkpoints/file.py
                      chunks[0].params.dtype)
-    positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first else None
+    positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first and grid.tensor == 0 else None
     compressed = pipeline_compression.gather(world, grid, engine.compression, layouts) \
         if engine.compression is not None else None   # --compression powersgd's state, whole on the chief
     n = sum(layouts.params[0])
@@ -209,10 +267,23 @@ def to_stages(world, grid, source, layout, sizes, what, dtype):
     return mine
 
 
-def from_chief(world, grid, source, parts, layout, what):
+def stage_slices(world, grid, source, layout, parts, what, dtype, slices=None):
+    """to_stages for this stage's `parts` (their sizes): with --tensor-parallel
+    (`slices`) the whole model's slices to the stage's tensor rank 0, and
+    each tensor rank of replica 0 its slices of them; None on the other replicas."""
+    if slices is None:
+        return to_stages(world, grid, source, layout, [part.size for part in parts], what, dtype)
+    if grid.replica != 0:
+        return None
+    wholes = to_stages(world, grid, source, layout, [hi - lo for lo, hi in slices.spans], what, dtype) \
+        if grid.tensor == 0 else [None] * len(parts)
+    return [slices.local(k, whole, dtype) for k, whole in enumerate(wholes)]
+
+
+def from_chief(world, grid, source, parts, layout, what, slices=None):
     """Every chunk's slice of `source` into `parts` (this stage's chunks') on all its replicas."""
     dtype = parts[0].dtype
-    hosts = to_stages(world, grid, source, layout, [part.size for part in parts], what, dtype)
+    hosts = stage_slices(world, grid, source, layout, parts, what, dtype, slices)
     if hosts is None:
         hosts = [np.zeros(part.shape, dtype) for part in parts]
     for host, part in zip(hosts, parts):
@@ -232,7 +303,7 @@ class _InMemory:
         return np.ascontiguousarray(self.array[lo:hi])
 
 
-def resume_stage(world, spec, grid, chunks, optimizers, layouts, resume):
+def resume_stage(world, spec, grid, chunks, optimizers, layouts, resume, slices=None):
     """The checkpoint's buffers (the chief's, read lazily) into every stage's
     chunks' slices, the optimizers' step count too: whatever cut, chunks
     and replica count wrote it (a ring mode checkpoint as well). No rank
@@ -240,13 +311,13 @@ def resume_stage(world, spec, grid, chunks, optimizers, layouts, resume):
     buffer at a time."""
     ckpt = resume.checkpoint
     if ckpt is not None:
-        for what, have, want in (("parameters", ckpt.params.size, spec.num_params),
+        for what, have, want in (("parameters", ckpt.params.size, spec.full.num_params),
                                  ("model state", ckpt.model_state.size, spec.num_state)):
             if have != want:   # the model identity was compared: a crafted file
                 raise HpctrainError(f"{ckpt.path}: {have} floats of {what}, this model has {want}")
     try:
         from_chief(world, grid, ckpt.params if ckpt else None, [c.params for c in chunks], layouts.params,
-                   "parameters")
+                   "parameters", slices)
         if spec.num_state:   # collective: every stage alike, with state of its own or not
             from_chief(world, grid, _InMemory(ckpt.model_state) if ckpt else None, [c.state for c in chunks],
                        layouts.state, "model state")
@@ -255,11 +326,11 @@ def resume_stage(world, spec, grid, chunks, optimizers, layouts, resume):
         for name in sorted(optimizers[0].state()):
             source = ckpt.optimizer_state[name] if ckpt else None
             if sharded:   # each chunk's whole state on the stage's replica 0, then each replica its part
-                stage_state[name] = to_stages(world, grid, source, layouts.params, [c.hi - c.lo for c in chunks],
-                                              f"optimizer state {name}", optimizers[0].dtype)
+                stage_state[name] = stage_slices(world, grid, source, layouts.params, [c.params for c in chunks],
+                                                 f"optimizer state {name}", optimizers[0].dtype, slices)
             else:
                 from_chief(world, grid, source, [o.state()[name] for o in optimizers], layouts.params,
-                           f"optimizer state {name}")
+                           f"optimizer state {name}", slices)
         if sharded:
             for k, optimizer in enumerate(optimizers):
                 replicas_state(world, grid, optimizer).scatter(
@@ -280,9 +351,9 @@ class Pipelined:
     this rank's pipeline/engine.Engine; layouts: Layouts; plan: run/plan.Plan."""
     collective = True
 
-    def __init__(self, world, plan, engine, layouts):
-        self.world, self.plan, self.engine, self.layouts = world, plan, engine, layouts
-        self.grid, self.chunks, self.spec = engine.grid, engine.chunks, plan.spec
+    def __init__(self, world, plan, engine, layouts, slices=None):
+        self.world, self.plan, self.engine, self.layouts, self.slices = world, plan, engine, layouts, slices
+        self.grid, self.chunks, self.spec = engine.grid, engine.chunks, plan.spec.full   # the file's: whole tensors
         self._parts = {}   # split -> this replica's part (images on the first stage, labels on the last)
 
     def finite(self):
@@ -329,7 +400,8 @@ class Pipelined:
         sums = self.engine.evaluate(x, y, count)
         for k, state in own.items():
             self.chunks[k].state[...] = state
-        totals = np.array([sums["loss"], sums.get("correct", 0), sums["count"]], np.float64) if grid.last \
+        totals = np.array([sums["loss"], sums.get("correct", 0), sums["count"]], np.float64) \
+            if grid.last and grid.tensor == 0 \
             else np.zeros(3, np.float64)
         with world.waiting("evaluation allreduce", peer=None):
             world.comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
@@ -344,9 +416,11 @@ class Pipelined:
         a time. OSError on the chief when it cannot (the others learn it
         from `agree`)."""
         grid, chunks, layouts, spec = self.grid, self.chunks, self.layouts, self.spec
-        parts = {"params": (layouts.params, [c.params for c in chunks] if grid.replica == 0 else None)}
+        mine = grid.replica == 0
+        parts = {"params": (layouts.params, sent_slices(self.engine, [c.params for c in chunks], self.slices)
+                            if mine else None)}
         if spec.num_state:
-            parts["state"] = (layouts.state, [c.state for c in chunks] if grid.replica == 0 else None)
+            parts["state"] = (layouts.state, [c.state for c in chunks] if mine and grid.tensor == 0 else None)
         stream = ToChief(grid, self.world.watchdog, list(parts), parts, chunks[0].params.dtype)
         written_by_chief(self.world.chief, stream, lambda: self._write(path, step, attrs, stream))
 

@@ -211,6 +211,9 @@ def tensor_slice(args, spec, mesh):
     mesh coordinate on the tensor axis), or the one line saying why the
     model does not split."""
     group = TensorGroup(mesh.size("tensor"), mesh.coords.tensor)
+    if spec.num_state:
+        raise HpctrainError(f"--tensor-parallel {group.size}: --model {args.model} has non-trainable state (batch "
+                            f"norm's statistics): not split yet")
     try:
         return spec.split_tensor(group)
     except LayerError as e:
