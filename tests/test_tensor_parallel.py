@@ -168,15 +168,39 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel(job, tmp_path, text_dir
     assert again.keys() == straight.keys()
 
 
+def test_the_three_axes_together_train_the_gpt_of_accumulation(job, tmp_path, text_dir):
+    """8 ranks as 2 stages x 2 tensor ranks x 2 replicas (--zero 1 over the
+    replicas) against 2 ranks with --accumulate-steps 4: the same losses
+    and parameters within float32 rounding; its checkpoint resumed by a
+    tensor-parallel ring without a pipeline (T = 2 x R = 2) and by the same
+    3-D layout end where the plain run ends."""
+    flags = ["--data", text_dir, "--model", "gpt:layers=2,heads=4,width=32", "--block-size", 16, "--clip-norm", 0.5,
+             "--lr", 3e-3, "--eval-every", 0, "--log-every", 1, "--batch-size", 2]
+    pipe = ["--micro-batches", 4, "--pipeline-stages", 2, "--tensor-parallel", 2]
+    _, want, whole = run(job, 2, [*flags, "--steps", 20, "--accumulate-steps", 4], tmp_path, "plain")
+    r, got, split = run(job, 8, [*flags, "--steps", 10, *pipe, "--zero", 1, "--checkpoint-dir", tmp_path / "a"],
+                        tmp_path, "three")
+    assert "pipeline of 2 stages x 2 replicas" in r.stdout and "split over 2 consecutive ranks" in r.stdout
+    assert np.allclose(got, want[:10], rtol=2e-5), (got, want)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "ckpt-00000010.h5").write_bytes((tmp_path / "a" / "ckpt-00000010.h5").read_bytes())
+    for ranks, layout, ckpt in ((4, ["--accumulate-steps", 4, "--tensor-parallel", 2], "a"), (8, pipe, "b")):
+        r, _, resumed = run(job, ranks, [*flags, "--steps", 20, *layout, "--checkpoint-dir", tmp_path / ckpt],
+                            tmp_path, f"resumed-{ckpt}")
+        assert "resumed from" in r.stdout, r.stdout
+        close(resumed, whole, 2e-4)
+
+
 @pytest.mark.parametrize("ranks, flags, line", [
     (2, ["--model", "gpt:layers=1,heads=3,width=12"], "--tensor-parallel 2: --model gpt:layers=1,heads=3,width=12: "
                                                        "layer 3 (Block(12, heads=3)): CausalSelfAttention(3): 3 heads "
                                                        "are not a multiple of --tensor-parallel 2"),
-    (2, ["--model", "resnet"], "--tensor-parallel 2: --model resnet: it has no layer that splits"),
+    (2, ["--model", "cnn"], "--tensor-parallel 2: --model cnn: it has no layer that splits"),
     (2, ["--hidden", "63,64"], "Dense(63): the units 63 is not a multiple of --tensor-parallel 2"),
     (3, [], "--tensor-parallel 2 does not divide the 3 ranks"),
     (3, ["--mode", "ps"], "--tensor-parallel 2 is for --mode ring"),
-    (4, ["--pipeline-stages", "2"], "--tensor-parallel 2 with --pipeline-stages 2: not yet"),
+    (6, ["--pipeline-stages", "2"], "--tensor-parallel 2 x --pipeline-stages 2 does not divide the 6 ranks"),
+    (2, ["--model", "resnet"], "--tensor-parallel 2: --model resnet has non-trainable state"),
     (2, ["--zero", "3"], "--zero 3 with --tensor-parallel 2: not yet"),
     (2, ["--compression", "fp16"], "--compression fp16 with --tensor-parallel 2: not yet"),
 ])
