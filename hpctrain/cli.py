@@ -309,6 +309,10 @@ def _pipeline_flags(g):
                         "vocabulary and Dense pairs over T consecutive ranks (Megatron-LM's tensor parallelism, "
                         "docs/parallelism.md); the world is T x R ranks, R replicas averaging the gradient; "
                         "1 = no split (default: %(default)s)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-parallel T on a GPT: the norms, dropouts and residual sums between the split "
+                        "layers on 1/T of the positions each (Megatron-LM's sequence parallelism): each allreduce "
+                        "a reduce-scatter and an allgather, the same bytes; those activations T times smaller")
     g.add_argument("--micro-batches", type=positive_int, default=1, metavar="M",
                    help="with --pipeline-stages: M micro-batches of --batch-size per replica and step, pipelined "
                         "through the stages (the samples of --accumulate-steps M) (default: %(default)s)")
@@ -409,6 +413,9 @@ def validate(args, world_size):
     check_zero(args)
     if args.tensor_parallel > 1:
         _check_tensor_parallel(args, world_size)
+    elif args.sequence_parallel:
+        raise HpctrainError("--sequence-parallel cuts the positions over a tensor group: it needs --tensor-parallel "
+                            "T > 1")
     if args.compression != "none":
         _check_compression(args)
     if args.lr_schedule == "step" and not args.lr_decay_steps:

@@ -34,6 +34,29 @@ class TensorComm:
     def min(self, a):
         self._allreduce(a, MPI.MIN, "min")
 
+    def reduce_scatter(self, full, out):
+        """--sequence-parallel: `full` (n, t, ...) partial sums over the group
+        into `out` (n, t / T, ...), this rank's positions of the sum."""
+        self.calls += 1
+        size, (n, t) = self.comm.Get_size(), full.shape[:2]
+        host = device.to_host(full) if self.xp is not np else full
+        blocks = np.ascontiguousarray(host.reshape(n, size, t // size, *host.shape[2:]).swapaxes(0, 1))
+        mine = np.empty(out.shape, host.dtype) if self.xp is not np or not out.flags.c_contiguous else out
+        with waiting(self.watchdog, f"tensor-parallel reduce-scatter of {host.size} values over {size} tensor ranks"):
+            self.comm.Reduce_scatter_block(blocks, mine, op=MPI.SUM)
+        if mine is not out:
+            out[...] = self.xp.asarray(mine)
+
+    def allgather(self, part, out):
+        """--sequence-parallel: every rank's `part` (n, t / T, ...) into `out` (n, t, ...), in rank order."""
+        self.calls += 1
+        size, n = self.comm.Get_size(), part.shape[0]
+        host = np.ascontiguousarray(device.to_host(part) if self.xp is not np else part)
+        got = np.empty((size, *host.shape), host.dtype)
+        with waiting(self.watchdog, f"tensor-parallel allgather of {got.size} values over {size} tensor ranks"):
+            self.comm.Allgather(host, got)
+        out[...] = self.xp.asarray(got.swapaxes(0, 1).reshape(out.shape))
+
     def _allreduce(self, a, op, what):
         self.calls += 1
         host = a if self.xp is np else device.to_host(a)

@@ -46,6 +46,10 @@ class CausalSelfAttention(Layer):
                              f"{'x'.join(map(str, in_shape))}")
         super().configure(in_shape)
         self.T, self.width = self.in_shape
+        # --sequence-parallel: it takes and gives this rank's positions, attending over all of them
+        self.sequence = self.tensor is not None and self.tensor.sequence
+        if self.sequence:
+            self.T *= self.tensor.size
         if self.width % self.heads:
             raise LayerError(f"{self.describe()}: the width {self.width} is not a multiple of the heads")
         self.head_width = self.width // self.heads
@@ -127,6 +131,10 @@ class CausalSelfAttention(Layer):
 
     def forward(self, ctx, x, train):
         xp, W, b = self.xp, self.params["Wqkv"], self.params["bqkv"]
+        if self.sequence:   # every rank's positions
+            whole = ctx.buffer("whole", (x.shape[0], self.T, x.shape[2]), x.dtype)
+            self.tensor.allgather(x, whole)
+            x = whole
         (n, t, e), h, i = x.shape, self.heads_here, self.inner_width
         rows = x.reshape(n * t, e)
         qkv = ctx.buffer("qkv", (n * t, 3 * i), W.dtype)
@@ -149,20 +157,32 @@ class CausalSelfAttention(Layer):
         merged = ctx.buffer("merged", (n, t, h, self.head_width), W.dtype)
         xp.copyto(merged, heads.transpose(0, 2, 1, 3))
         merged = merged.reshape(n * t, i)
-        y = ctx.buffer(("out", train), (n * t, e), W.dtype)
+        y = ctx.buffer("partial" if self.sequence else ("out", train), (n * t, e), W.dtype)
         self._product(merged, self.params["Wo"], y)
+        ctx.rows, ctx.qkv, ctx.att, ctx.dropped, ctx.merged = rows, qkv, att, dropped, merged
+        if self.sequence:   # summed over the group, this rank's positions kept
+            out = ctx.buffer(("out", train), (n, *self.in_shape), W.dtype)
+            self.tensor.reduce_scatter(y.reshape(n, t, e), out)
+            out += self.params["bo"]
+            return out
         if self.tensor is not None:   # each rank's heads' part of the projection, added over the group
             self.tensor.sum(y)
         y += self.params["bo"]
-        ctx.rows, ctx.qkv, ctx.att, ctx.dropped, ctx.merged = rows, qkv, att, dropped, merged
         return y.reshape(n, t, e)
 
     def backward(self, ctx, dy, need_dx):
         xp, Wo = self.xp, self.params["Wo"]
+        if self.sequence:   # bo's gradient from this rank's positions, summed; then every rank's positions
+            dy.reshape(-1, dy.shape[-1]).sum(axis=0, out=self.grads["bo"])
+            self.tensor.sum(self.grads["bo"])
+            whole = ctx.buffer("dwhole", (dy.shape[0], self.T, dy.shape[2]), dy.dtype)
+            self.tensor.allgather(dy, whole)
+            dy = whole
         (n, t, e), h, i = dy.shape, self.heads_here, self.inner_width
         d = dy.reshape(n * t, e)
         self._product(ctx.merged.T, d, self.grads["Wo"])
-        d.sum(axis=0, out=self.grads["bo"])
+        if not self.sequence:
+            d.sum(axis=0, out=self.grads["bo"])
         dmerged = ctx.buffer("dmerged", (n * t, i), dy.dtype)
         self._product(d, Wo.T, dmerged)
         dheads = ctx.buffer("dheads", (n, h, t, self.head_width), dy.dtype)
@@ -195,6 +215,10 @@ class CausalSelfAttention(Layer):
             return None
         dx = ctx.buffer("dx", (n * t, e), dy.dtype)
         self._product(dqkv, self.params["Wqkv"].T, dx)
+        if self.sequence:   # summed over the group, this rank's positions kept
+            part = ctx.buffer("dpart", (n, *self.in_shape), dy.dtype)
+            self.tensor.reduce_scatter(dx.reshape(n, t, e), part)
+            return part
         if self.tensor is not None:   # each rank's heads' part of the input gradient, added over the group
             self.tensor.sum(dx)
         return dx.reshape(n, t, e)

@@ -43,6 +43,9 @@ class Embedding(Layer):
             group = self.tensor[1]
             bounds = nearly_even(self.vocab, group.size)
             self.rows, self._cuts = bounds[group.rank:group.rank + 2], {"E": Cut(0, 1, bounds)}
+            if group.sequence:   # --sequence-parallel: this rank's positions of the vectors
+                _, count = group.positions(self.in_shape[0], self.describe())
+                self.out_shape = (count, *self.in_shape[1:], self.dim)
         return self.out_shape
 
     decays = ("E",)
@@ -72,9 +75,14 @@ class Embedding(Layer):
             xp.logical_and(ids >= lo, ids < hi, out=inside)
             ids -= lo
             ids *= inside   # an id outside: row 0, zeroed below
-            xp.take(self.params["E"], ids.reshape(-1), axis=0, out=y.reshape(-1, self.dim))
-            y *= inside[..., None]
-            self.tensor[1].sum(y)
+            whole = ctx.buffer("whole", y.shape, y.dtype) if self.tensor[1].sequence else y
+            xp.take(self.params["E"], ids.reshape(-1), axis=0, out=whole.reshape(-1, self.dim))
+            whole *= inside[..., None]
+            if self.tensor[1].sequence:   # summed over the group, this rank's positions kept
+                y = ctx.buffer(("part", train), (x.shape[0], *self.out_shape), y.dtype)
+                self.tensor[1].reduce_scatter(whole, y)
+            else:
+                self.tensor[1].sum(y)
             ctx.inside = inside
         else:
             xp.take(self.params["E"], ids.reshape(-1), axis=0, out=y.reshape(-1, self.dim))
@@ -87,6 +95,10 @@ class Embedding(Layer):
         dE = self.grads["E"]
         dE[...] = 0
         if self.tensor is not None:   # this rank's rows: its ids' positions, in their order
+            if self.tensor[1].sequence:   # every rank's positions' gradient
+                whole = ctx.buffer("dwhole", (*ctx.ids.shape, self.dim), dy.dtype)
+                self.tensor[1].allgather(dy, whole)
+                dy = whole
             inside = ctx.inside.reshape(-1)
             self.xp.add.at(dE, ctx.ids.reshape(-1)[inside], dy.reshape(-1, self.dim)[inside])
         else:

@@ -418,15 +418,26 @@ class Dropout(Layer):
     draw what one process does. Training without noise is an error: a mask
     from anything else would depend on the rank."""
     keeps_output = False   # its backward reads its mask
+    # --tensor-parallel: where this rank's units start among the whole layer's (its heads' or positions'
+    # part: nn/tensor_parallel.py), so a slice draws the whole layer's mask's slice
+    unit_offset = 0
 
     @property
     def view(self):
         return self.p == 0   # p = 0 hands its input on as it is
 
+    split = None   # --tensor-parallel: the TensorGroup whose slices of the whole layer's units it masks
+
     def __init__(self, p):
         self.p = float(p)
         if not 0 <= self.p < 1:
             raise LayerError(f"Dropout({p}): p must be in [0, 1)")
+
+    def configure(self, in_shape):
+        super().configure(in_shape)
+        # a slice (rank r's heads or positions, the leading axis of a sample) starts at unit r x its size
+        self.unit_offset = self.split.rank * math.prod(self.in_shape) if self.split is not None else 0
+        return self.out_shape
 
     def _mask(self, ctx, x):
         xp, noise = self.xp, ctx.noise
@@ -439,7 +450,7 @@ class Dropout(Layer):
         ids = xp.asarray(noise.sample_ids).astype(np.uint64).reshape(batch, 1)
         unit_hash = self._constants.get("unit_hash")
         if unit_hash is None or len(unit_hash) != units:   # a constant of the layer: each unit's own hash
-            j = xp.arange(1, units + 1, dtype=np.uint64)
+            j = xp.arange(self.unit_offset + 1, self.unit_offset + units + 1, dtype=np.uint64)
             unit_hash = self._constants["unit_hash"] = _splitmix(xp, j * _GOLDEN, xp.empty_like(j))
         h = ctx.buffer("hash", (batch, units), np.uint64)
         tmp = ctx.buffer("tmp", (batch, units), np.uint64)

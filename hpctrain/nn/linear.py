@@ -40,6 +40,18 @@ class Linear(Layer):
         # here: this rank's units (all of them but in a column-parallel layer)
         self.fan_in, self.here, self._cuts = split_linear(self, self.in_shape[-1], self.units, self.bias)
         self.out_shape = (*self.in_shape[:-1], self.here)
+        # --sequence-parallel: a column layer gathers every rank's positions before it, a row
+        # layer keeps this rank's after it (the sum's reduce-scatter); the positions: the first axis
+        self.gathers = self.keeps_part = False
+        if self.tensor is not None and self.tensor[1].sequence:
+            size = self.tensor[1].size
+            if self.tensor[0] == "column":
+                self.gathers = True
+                self.out_shape = (self.in_shape[0] * size, *self.out_shape[1:])
+            else:
+                self.keeps_part = True
+                self.tensor[1].positions(self.in_shape[0], self.describe())
+                self.out_shape = (self.in_shape[0] // size, *self.out_shape[1:])
         return self.out_shape
 
     decays = ("W",)
@@ -55,8 +67,12 @@ class Linear(Layer):
 
     def forward(self, ctx, x, train):
         xp, W = self.xp, self.params["W"]
+        if self.gathers:   # every rank's positions
+            whole = ctx.buffer("whole", (x.shape[0], x.shape[1] * self.tensor[1].size, *x.shape[2:]), x.dtype)
+            self.tensor[1].allgather(x, whole)
+            x = whole
         rows = x.reshape(-1, self.fan_in)
-        h = ctx.buffer(("out", train), (rows.shape[0], self.here), W.dtype)
+        h = ctx.buffer("partial" if self.keeps_part else ("out", train), (rows.shape[0], self.here), W.dtype)
         row_parallel = self.tensor is not None and self.tensor[0] == "row"
 
         def part(t, lo, hi):
@@ -64,26 +80,44 @@ class Linear(Layer):
             if self.bias and not row_parallel:
                 h[lo:hi] += self.params["b"]
         self._split_rows(rows.shape[0], part, rows.shape[0])
+        ctx.rows = rows
+        if self.keeps_part:   # summed over the group, this rank's positions kept, then the bias
+            out = ctx.buffer(("out", train), (x.shape[0], *self.out_shape), W.dtype)
+            self.tensor[1].reduce_scatter(h.reshape(*x.shape[:-1], self.here), out)
+            if self.bias:
+                out += self.params["b"]
+            return out
         if row_parallel:   # the partial products added over the group, then the bias each rank holds whole
             self.tensor[1].sum(h)
             if self.bias:
                 h += self.params["b"]
-        ctx.rows = rows
         return h.reshape(*x.shape[:-1], self.here)
 
     def backward(self, ctx, dy, need_dx):
         xp, rows, W, dW = self.xp, ctx.rows, self.params["W"], self.grads["W"]
+        if self.keeps_part:   # the bias's gradient from this rank's positions, summed; then every rank's
+            if self.bias:
+                dy.reshape(-1, self.here).sum(axis=0, out=self.grads["b"])
+                self.tensor[1].sum(self.grads["b"])
+            whole = ctx.buffer("dwhole", (dy.shape[0], dy.shape[1] * self.tensor[1].size, *dy.shape[2:]), dy.dtype)
+            self.tensor[1].allgather(dy, whole)
+            dy = whole
         d = dy.reshape(-1, self.here)
         self._split_rows(self.fan_in, lambda t, lo, hi: xp.matmul(rows[:, lo:hi].T, d, out=dW[lo:hi]), d.shape[0])
-        if self.bias:
+        if self.bias and not self.keeps_part:
             d.sum(axis=0, out=self.grads["b"])
         if not need_dx:
             return None
         dx = ctx.buffer("dx", rows.shape, dy.dtype)
         self._split_rows(d.shape[0], lambda t, lo, hi: xp.matmul(d[lo:hi], W.T, out=dx[lo:hi]), d.shape[0])
+        dx = dx.reshape(*dy.shape[:-1], self.fan_in)
+        if self.gathers:   # summed over the group, this rank's positions kept
+            part = ctx.buffer("dpart", (dy.shape[0], *self.in_shape), dy.dtype)
+            self.tensor[1].reduce_scatter(dx, part)
+            return part
         if self.tensor is not None and self.tensor[0] == "column":
             self.tensor[1].sum(dx)   # each rank's units' part of the input gradient, added
-        return dx.reshape(*dy.shape[:-1], self.fan_in)
+        return dx
 
     def _split_rows(self, n, work, rows):
         """Dense's rule (nn/layers.py Dense._split_rows): a product over

@@ -20,6 +20,8 @@ class LayerNorm(Layer):
     """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last axis."""
     keeps_output = False   # its backward reads the normalised input and 1/std
 
+    tensor = None   # --sequence-parallel: the TensorGroup whose positions it normalises (nn/tensor_parallel.py)
+
     def __init__(self, eps=EPS):
         self.eps = float(eps)
 
@@ -78,6 +80,11 @@ class LayerNorm(Layer):
         xp.multiply(d, xhat, out=scratch)
         scratch.sum(axis=0, out=self.grads["gamma"])
         d.sum(axis=0, out=self.grads["beta"])
+        if self.tensor is not None:   # --sequence-parallel: this rank's positions' part, summed over the group
+            both = ctx.buffer("both", (2, self.width), dy.dtype)
+            both[0], both[1] = self.grads["gamma"], self.grads["beta"]
+            self.tensor.sum(both)
+            self.grads["gamma"][...], self.grads["beta"][...] = both
         if not need_dx:
             return None
         # dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma

@@ -106,10 +106,33 @@ class TensorGroup:
     through (None until the runner sets it; comm/tensor_group.py): in place
     on an array, `sum(a)`, `max(a)`, `min(a)` over the group."""
 
-    def __init__(self, size, rank):
+    def __init__(self, size, rank, sequence=False):
         self.size, self.rank, self.comm = int(size), int(rank), None
+        # --sequence-parallel: between the split layers the activations are cut along the positions
+        self.sequence = bool(sequence)
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor rank {rank} of {size}")
+
+    def positions(self, t, what):
+        """--sequence-parallel: this rank's (first, count) of t positions; LayerError where T does not divide t."""
+        if t % self.size:
+            raise LayerError(f"{what}: {t} positions are not a multiple of --tensor-parallel {self.size} "
+                             f"(--sequence-parallel cuts them evenly)")
+        return self.rank * (t // self.size), t // self.size
+
+    def reduce_scatter(self, full, out):
+        """full (n, t, ...) partial sums -> out (n, t / T, ...): this rank's positions of their sum."""
+        if self.size > 1:
+            self._comm().reduce_scatter(full, out)
+        else:
+            out[...] = full
+
+    def allgather(self, part, out):
+        """part (n, t / T, ...), each rank's positions -> out (n, t, ...)."""
+        if self.size > 1:
+            self._comm().allgather(part, out)
+        else:
+            out[...] = part
 
     def sum(self, a):
         if self.size > 1:

@@ -31,6 +31,7 @@ class PositionEmbedding(Layer):
     sequence (t < T positions: a prompt, called outside a spec) gets P's
     first t rows, and the other rows' gradient is 0."""
     keeps_output = False   # its backward reads nothing
+    tensor = None   # --sequence-parallel: the TensorGroup whose positions it gets (nn/tensor_parallel.py)
 
     def __init__(self, std=0.02):
         self.std = float(std)
@@ -39,23 +40,32 @@ class PositionEmbedding(Layer):
         if len(in_shape) != 2:
             raise LayerError(f"PositionEmbedding takes (positions, width) per sample, not "
                              f"{'x'.join(map(str, in_shape))}")
-        return super().configure(in_shape)
+        super().configure(in_shape)
+        # the table's rows: every position's; this rank's input from `first` on (a slice of them)
+        self.table, self.first = self.in_shape, 0
+        if self.tensor is not None:
+            self.table = (self.in_shape[0] * self.tensor.size, self.in_shape[1])
+            self.first = self.tensor.rank * self.in_shape[0]
+        return self.out_shape
 
     def param_shapes(self):
-        return [("P", self.in_shape)]
+        return [("P", self.table)]
 
     def init(self, rng, params, dtype):
         params["P"][...] = normal(rng, params["P"].shape, self.std, dtype)
 
     def forward(self, ctx, x, train):
         y = ctx.buffer(("out", train), x.shape, x.dtype)
-        self.xp.add(x, self.params["P"][:x.shape[1]], out=y)
+        self.xp.add(x, self.params["P"][self.first:self.first + x.shape[1]], out=y)
         return y
 
     def backward(self, ctx, dy, need_dx):
-        t, dP = dy.shape[1], self.grads["P"]
-        dP[t:] = 0
-        dy.sum(axis=0, out=dP[:t])
+        a, b, dP = self.first, self.first + dy.shape[1], self.grads["P"]
+        dP[:a] = 0
+        dP[b:] = 0
+        dy.sum(axis=0, out=dP[a:b])
+        if self.tensor is not None:   # --sequence-parallel: each rank its positions' rows, the others 0
+            self.tensor.sum(dP)
         return dy if need_dx else None
 
     def train_floats(self):
@@ -102,10 +112,19 @@ class Block(Container):
 
     def split(self, group):
         """--tensor-parallel: the attention by heads, the MLP's fc
-        column-parallel and proj row-parallel over `group` (nn/tensor_parallel.py)."""
-        self.attn_path[1].tensor = group
+        column-parallel and proj row-parallel over `group` (nn/tensor_parallel.py);
+        with --sequence-parallel the rest (the norms, the dropouts, the
+        residual sums) on this rank's positions."""
+        attn = self.attn_path[1]
+        attn.tensor = group
+        attn.drop.split = group   # its heads' part of the attention's mask
         self.mlp_path[1].tensor = ("column", group, None)
         self.mlp_path[3].tensor = ("row", group)
+        if group.sequence:
+            for layer in (self.attn_path[0], self.mlp_path[0]):
+                layer.tensor = group
+            for layer in (self.attn_path[2], self.mlp_path[4]):
+                layer.split = group
 
     def tensor_cuts(self):
         return {f"{prefix}.{name}": cut for prefix, layer in self.inner

@@ -210,7 +210,7 @@ def tensor_slice(args, spec, mesh):
     """--tensor-parallel T: the spec of this rank's slice of the model (its
     mesh coordinate on the tensor axis), or the one line saying why the
     model does not split."""
-    group = TensorGroup(mesh.size("tensor"), mesh.coords.tensor)
+    group = TensorGroup(mesh.size("tensor"), mesh.coords.tensor, sequence=args.sequence_parallel)
     if spec.num_state:
         raise HpctrainError(f"--tensor-parallel {group.size}: --model {args.model} has non-trainable state (batch "
                             f"norm's statistics): not split yet")
@@ -225,7 +225,8 @@ def tensor_line(spec, mesh):
     t, r = mesh.size("tensor"), mesh.size("data")
     line = (f"tensor parallelism: each layer split over {t} consecutive ranks (a tensor group), "
             f"{r} replica{'s' if r > 1 else ''} of the split model averaging the gradient; "
-            f"{len(spec.split_layers)} of {len(spec.layers)} layers split")
+            f"{len(spec.split_layers)} of {len(spec.layers)} layers split" +
+            (", the others on 1/T of the positions each (--sequence-parallel)" if spec.tensor.sequence else ""))
     vocab = [layer.tensor_cuts()["E"] for i, layer in enumerate(spec.layers)
              if i in spec.split_layers and getattr(layer, "tensor", (None,))[0] == "vocab"]
     if vocab:
