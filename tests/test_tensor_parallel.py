@@ -25,35 +25,40 @@ from hpctrain.nn.tensor_parallel import TensorGroup, put_local, take_local
 from hpctrain.nn.zoo import mlp
 
 
-def _group():
+def _group(sequence=False):
     comm = MPI.COMM_WORLD
-    group = TensorGroup(comm.Get_size(), comm.Get_rank())
+    group = TensorGroup(comm.Get_size(), comm.Get_rank(), sequence=sequence)
     group.comm = TensorComm(comm)
     return group
 
 
-def _models(T):
+def _models(T, dropout=0.0):
     """(name, the whole spec, a batch (x, y)) at odd sizes for T tensor ranks."""
     rng = np.random.default_rng(7)
     vocab = 13 * T + 1   # not a multiple of T: the vocabulary's parts differ by one row
-    return [("gpt", gpt(vocab, 6, 2, 2 * T, 4 * T), rng.integers(0, vocab, (3, 6)), rng.integers(0, vocab, (3, 6))),
+    return [("gpt", gpt(vocab, 3 * T, 2, 2 * T, 4 * T, dropout), rng.integers(0, vocab, (3, 3 * T)),
+             rng.integers(0, vocab, (3, 3 * T))),
             ("mlp", mlp((13,), 5, (17 * T, 17 * T, 17 * T)), rng.standard_normal((3, 13)), rng.integers(0, 5, 3))]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("which", [0, 1], ids=["gpt", "mlp"])
-def test_every_split_layer_matches_the_whole_model(which):
+@pytest.mark.parametrize("which, sequence, dropout", [(0, False, 0.0), (0, False, 0.1), (0, True, 0.1), (1, False, 0.0)],
+                         ids=["gpt", "gpt-dropout", "gpt-sequence-parallel", "mlp"])
+def test_every_split_layer_matches_the_whole_model(which, sequence, dropout):
     """Each rank's slice, from the same seed, is the whole model's cut; its
-    loss, evaluation sums and gradient slice are the whole model's in float64."""
-    group = _group()
-    name, full, x, y = _models(group.size)[which]
+    loss, evaluation sums and gradient slice are the whole model's in float64
+    (with dropout: each slice draws the whole layer's mask's part; with
+    --sequence-parallel: 3 positions a rank)."""
+    group = _group(sequence)
+    name, full, x, y = _models(group.size, dropout)[which]
     local = full.split_tensor(group)
     whole, mine = full.build(dtype=np.float64), local.build(dtype=np.float64)
     whole.init(3)
     mine.init(3)
     assert np.array_equal(take_local(full, local.cuts, whole.params, group.rank), mine.params)
     x = x.astype(np.float64)
-    loss, loss_t = whole.forward_backward(x, y), mine.forward_backward(x, y)
+    noise = (5, 2, np.arange(len(x))) if dropout else None
+    loss, loss_t = whole.forward_backward(x, y, noise=noise), mine.forward_backward(x, y, noise=noise)
     assert abs(float(loss) - float(loss_t)) <= 1e-12 * abs(float(loss))
     expected = take_local(full, local.cuts, whole.grads, group.rank)
     assert np.allclose(mine.grads, expected, rtol=1e-10, atol=1e-13), np.abs(mine.grads - expected).max()
@@ -69,26 +74,36 @@ def test_every_split_layer_matches_the_whole_model(which):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_block_costs_two_allreduces_forward_and_two_backward():
+@pytest.mark.parametrize("sequence", [False, True])
+def test_a_block_costs_two_allreduces_forward_and_two_backward(sequence):
     """Megatron's count: per block one after attention's projection and one
     after the MLP's forward, one for each's input gradient backward; the
     vocabulary one forward (the embedding), one backward (the head's input
-    gradient) and two in the loss (the max, then both sums)."""
-    group = _group()
+    gradient) and two in the loss (the max, then both sums). With
+    --sequence-parallel each allreduce is a reduce-scatter and an allgather,
+    and the gradients of what every rank holds from its own positions (2
+    norms, 2 row biases a block; the position table, the last norm) one
+    small allreduce each."""
+    group = _group(sequence)
     name, full, x, y = _models(group.size)[0]
     model = full.split_tensor(group).build()
     model.init(1)
     model.forward_backward(x, y)
     layers = 2
-    assert group.comm.calls == 4 * layers + 1 + 1 + 2
+    if sequence:
+        assert group.comm.calls == (8 + 4) * layers + 2 + 2 + 2 + 2
+    else:
+        assert group.comm.calls == 4 * layers + 1 + 1 + 2
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_replicated_tensors_stay_identical_over_the_group():
+@pytest.mark.parametrize("sequence", [False, True])
+def test_the_replicated_tensors_stay_identical_over_the_group(sequence):
     """LayerNorm's gains, the row-parallel biases, the position table: every
     rank of a group computes their gradients from the same (allreduced)
-    activations, so ten SGD steps leave them the same bits everywhere."""
-    group = _group()
+    activations, so ten SGD steps leave them the same bits everywhere
+    (--sequence-parallel: each rank's positions' part, summed over the group)."""
+    group = _group(sequence)
     name, full, x, y = _models(group.size)[0]
     local = full.split_tensor(group)
     model = local.build()
@@ -137,6 +152,24 @@ def test_tensor_parallel_trains_the_gpt_of_one_process(job, tmp_path, text_dir, 
     assert f"each layer split over {tensor} consecutive ranks" in r.stdout
     assert "the vocabulary's" in r.stdout and "(not padded)" in r.stdout
     assert len(got) == len(want) == 30
+    assert np.allclose(got, want, rtol=2e-5), np.abs(np.subtract(got, want)).max()
+    close(split, whole, 2e-4)
+
+
+@pytest.mark.parametrize("ranks, layout", [(4, ["--tensor-parallel", 2]), (4, ["--tensor-parallel", 4]),
+                                           (8, ["--tensor-parallel", 2, "--pipeline-stages", 2, "--micro-batches", 2])])
+def test_sequence_parallel_with_dropout_trains_the_gpt_of_one_process(job, tmp_path, text_dir, ranks, layout):
+    """--sequence-parallel, dropout 0.1 (each slice draws its part of the
+    whole layer's mask), 16 positions cut over 2 or 4 tensor ranks: the
+    losses and parameters of one process at the same global batch."""
+    flags = ["--data", text_dir, "--model", "gpt:layers=2,heads=4,width=32,dropout=0.1", "--block-size", 16,
+             "--steps", 20, "--clip-norm", 0.5, "--lr", 3e-3, "--eval-every", 0, "--log-every", 1]
+    _, want, whole = run(job, 1, [*flags, "--batch-size", 8], tmp_path, "one")
+    replicas = ranks // (layout[1] * (2 if "--pipeline-stages" in layout else 1))
+    micro = 2 if "--micro-batches" in layout else 1
+    r, got, split = run(job, ranks, [*flags, "--batch-size", 8 // replicas // micro, *layout, "--sequence-parallel"],
+                        tmp_path, "split")
+    assert "on 1/T of the positions each (--sequence-parallel)" in r.stdout
     assert np.allclose(got, want, rtol=2e-5), np.abs(np.subtract(got, want)).max()
     close(split, whole, 2e-4)
 
@@ -202,11 +235,23 @@ def test_the_three_axes_together_train_the_gpt_of_accumulation(job, tmp_path, te
     (6, ["--pipeline-stages", "2"], "--tensor-parallel 2 x --pipeline-stages 2 does not divide the 6 ranks"),
     (2, ["--model", "resnet"], "--tensor-parallel 2: --model resnet has non-trainable state"),
     (2, ["--zero", "3"], "--zero 3 with --tensor-parallel 2: not yet"),
+    (2, ["--sequence-parallel"], "--tensor-parallel 2: --model mlp: --sequence-parallel cuts a language model's "
+                                 "positions"),
+    (2, ["--model", "gpt:layers=1,heads=2,width=8", "--block-size", "15", "--sequence-parallel"],
+     "layer 0 (Embedding(62, 8)): 15 positions are not a multiple of --tensor-parallel 2"),
     (2, ["--compression", "fp16"], "--compression fp16 with --tensor-parallel 2: not yet"),
 ])
 def test_what_does_not_split_is_one_line(job, text_dir, ranks, flags, line):
-    data = ["--data", text_dir, "--block-size", 16] if any(f.startswith("gpt:") for f in flags) else []
+    data = ["--data", text_dir] + ([] if "--block-size" in flags else ["--block-size", 16]) \
+        if any(f.startswith("gpt:") for f in flags) else []
     r = job(ranks, *data, *flags, "--steps", 2, "--tensor-parallel", 2, timeout=120)
     lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert line in lines[0], lines
+
+
+def test_sequence_parallel_needs_tensor_parallel(job):
+    r = job(2, "--steps", 2, "--sequence-parallel", timeout=120)
+    lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "--sequence-parallel cuts the positions over a tensor group: it needs --tensor-parallel T > 1" in lines[0]

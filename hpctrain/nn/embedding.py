@@ -44,7 +44,7 @@ class Embedding(Layer):
             bounds = nearly_even(self.vocab, group.size)
             self.rows, self._cuts = bounds[group.rank:group.rank + 2], {"E": Cut(0, 1, bounds)}
             if group.sequence:   # --sequence-parallel: this rank's positions of the vectors
-                _, count = group.positions(self.in_shape[0], self.describe())
+                _, count = group.positions(self.in_shape[0])
                 self.out_shape = (count, *self.in_shape[1:], self.dim)
         return self.out_shape
 

@@ -50,7 +50,7 @@ class Linear(Layer):
                 self.out_shape = (self.in_shape[0] * size, *self.out_shape[1:])
             else:
                 self.keeps_part = True
-                self.tensor[1].positions(self.in_shape[0], self.describe())
+                self.tensor[1].positions(self.in_shape[0])
                 self.out_shape = (self.in_shape[0] // size, *self.out_shape[1:])
         return self.out_shape
 

@@ -113,10 +113,10 @@ class TensorGroup:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor rank {rank} of {size}")
 
-    def positions(self, t, what):
+    def positions(self, t):
         """--sequence-parallel: this rank's (first, count) of t positions; LayerError where T does not divide t."""
         if t % self.size:
-            raise LayerError(f"{what}: {t} positions are not a multiple of --tensor-parallel {self.size} "
+            raise LayerError(f"{t} positions are not a multiple of --tensor-parallel {self.size} "
                              f"(--sequence-parallel cuts them evenly)")
         return self.rank * (t // self.size), t // self.size
 
