@@ -146,6 +146,7 @@ class Frame:
             self._phase = phase
             yield self
             self.loop_s = time.perf_counter() - self._t0
+            self.stats.training_ended()
 
     def elapsed(self):
         """Seconds of training so far, evaluations excluded."""

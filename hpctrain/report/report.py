@@ -296,9 +296,9 @@ def peak_memory_and_step_medians(world, stats, alone=False):
     worker (bytes above the interpreter with its imports, and in all), and
     on the chief every worker's (by worker rank: a pipeline's stages)."""
     summary = stats.summary()
-    peak = summary.pop("peak_rss_bytes")
-    mine = np.array([peak, peak - summary.pop("base_rss_bytes")], np.float64)
-    mem, each = mine.copy(), mine.reshape(1, 2)
+    peak, base = summary.pop("peak_rss_bytes"), summary.pop("base_rss_bytes")
+    mine = np.array([peak, peak - base], np.float64)
+    mem, each = np.append(mine, summary.pop("trained_rss_bytes")), mine.reshape(1, 2)
     if not alone:
         comm = world.cluster.worker_comm
         each = np.zeros((comm.Get_size(), 2), np.float64) if world.chief else None
@@ -308,6 +308,8 @@ def peak_memory_and_step_medians(world, stats, alone=False):
     summary = {k: round(v, 7) for k, v in summary.items()}
     summary["peak_rss_mb"] = round(mem[0] / 2**20, 1)
     summary["peak_rss_above_base_mb"] = round(mem[1] / 2**20, 1)
+    # the training loop's own (the final evaluation's batches can be larger than a step's)
+    summary["training_peak_rss_mb"] = round(mem[2] / 2**20, 1)
     if each is not None:
         summary["peak_rss_mb_by_worker"] = [round(v / 2**20, 1) for v in each[:, 0]]
         summary["peak_rss_above_base_mb_by_worker"] = [round(v / 2**20, 1) for v in each[:, 1]]

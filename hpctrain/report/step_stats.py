@@ -33,6 +33,7 @@ class StepStats:
 
     def __init__(self):
         self.base_rss = rss_bytes()
+        self.trained_rss = None   # the high-water mark as the training loop ended (before the final evaluation)
         self._rows = np.zeros((CAPACITY, len(self.FIELDS)))
         self._n = 0
 
@@ -41,12 +42,17 @@ class StepStats:
                                           optimizer_exposed_s, optimizer_total_s)
         self._n += 1
 
+    def training_ended(self):
+        """The training loop is over: its high-water mark, before the final evaluation's batches."""
+        self.trained_rss = peak_rss_bytes()
+
     def summary(self, warmup_fraction=0.1):
         """Medians over the steps after warm-up (seconds), and memory (bytes)."""
         n = min(self._n, CAPACITY)
         skip = int(self._n * warmup_fraction) if self._n <= CAPACITY else 0
         rows = self._rows[:n][skip:] if n else self._rows[:0]
-        out = {"peak_rss_bytes": peak_rss_bytes(), "base_rss_bytes": self.base_rss}
+        out = {"peak_rss_bytes": peak_rss_bytes(), "base_rss_bytes": self.base_rss,
+               "trained_rss_bytes": self.trained_rss or peak_rss_bytes()}
         if len(rows):
             for i, name in enumerate(self.FIELDS):
                 out[f"{name}_median_s"] = float(np.median(rows[:, i]))

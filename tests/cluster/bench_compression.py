@@ -15,6 +15,10 @@ and each --compression, the same samples per step (4 x B):
             gathers prefetched on the communication thread), alone and
             with bf16, and stage 1 with --overlap on beside them; not run
             by default
+  tp2       --tensor-parallel 2 (issue 45): each node's 2 ranks one tensor
+            group (the Dense pair split column, then row), the replicas
+            across the nodes, at the same global batch (2 x B a replica);
+            not run by default
 
 Bytes each way per link per step, the arithmetic: hier on 2 nodes carries
 2(M-1)/M = 1 x what each rank hands its allreduce per step over each
@@ -61,6 +65,7 @@ NODES = ("hpt-n1", "hpt-n2")
 VETHS = {node: subprocess.run([str(HERE / "names.sh"), "veth", node], capture_output=True, text=True,
                               check=True).stdout.strip() for node in NODES}
 HIDDEN, PARAMS = 4096, 20_037_642
+PARAMS_TP2 = 10_041_354   # a tensor rank's slice at --tensor-parallel 2 (the last Dense whole on both)
 STEPS = int(os.environ.get("BENCH_STEPS", "30"))
 WARM = int(os.environ.get("BENCH_WARM", "5"))
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
@@ -79,6 +84,8 @@ ALL = {
     "zero3": ("--zero", "3", "--overlap", "on"),
     "zero3-bf16": ("--zero", "3", "--overlap", "on", "--compression", "bf16"),
     "zero1-overlap": ("--overlap", "on"),
+    # tensor parallelism inside each node, data parallelism across (issue 45)
+    "tp2": ("--tensor-parallel", "2", "--batch-size", str(2 * int(os.environ.get("BENCH_BATCH", "8")))),
 }
 CASES = {name: ALL[name] for name in os.environ.get("BENCH_CASES", "none,fp16,bf16,powersgd").split(",")}
 PER_STEP = 4 * BATCH
@@ -88,6 +95,8 @@ def must(name, record):
     """Bytes each way per link per step by the arithmetic (hier, 2 nodes)."""
     if name in ("none", "zero2", "zero1-overlap"):
         return 4 * (PARAMS + 2)
+    if name == "tp2":   # each tensor rank's 2-rank replica ring sends its whole slice out of its node: 2 a node
+        return 2 * 4 * PARAMS_TP2
     if name.startswith("zero3"):
         return None   # the gathers' bytes depend on which buckets stay in their slots: measured only
     if name in ("fp16", "bf16", "zero2-bf16"):
