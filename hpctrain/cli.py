@@ -14,7 +14,7 @@ from .arguments import (Parser, ShortHelp, finite_float, nonneg_float, nonneg_in
                         positive_ints)
 from .model_names import MODELS, gpt_name, gpt_options, is_model_file
 from .errors import HpctrainError
-from .zero_flags import check_zero
+from .parallel_flags import check_tensor_parallel, check_zero
 
 DEFAULT_STEPS = 2000
 # Past these a run cannot be meant: a million passes over the data (--steps
@@ -411,11 +411,7 @@ def validate(args, world_size):
     if args.allreduce == "nccl" and args.device == "cpu":
         raise HpctrainError("--allreduce nccl needs --device gpu (or auto on a GPU node)")
     check_zero(args)
-    if args.tensor_parallel > 1:
-        _check_tensor_parallel(args, world_size)
-    elif args.sequence_parallel:
-        raise HpctrainError("--sequence-parallel cuts the positions over a tensor group: it needs --tensor-parallel "
-                            "T > 1")
+    check_tensor_parallel(args, world_size)
     if args.compression != "none":
         _check_compression(args)
     if args.lr_schedule == "step" and not args.lr_decay_steps:
@@ -429,28 +425,6 @@ def validate(args, world_size):
     if args.keep_best and not args.eval_every:
         # Best of what? Only the periodic validations (and the final one) choose.
         raise HpctrainError("--keep-best needs --eval-every N (N > 0)")
-
-
-def _check_tensor_parallel(args, world_size):
-    """--tensor-parallel T where it cannot run: one line each."""
-    t = args.tensor_parallel
-    if args.mode == "ps":
-        raise HpctrainError(f"--tensor-parallel {t} is for --mode ring: a ps worker pulls and pushes the whole "
-                            f"model, and a split layer's ranks must exchange activations inside every layer")
-    p = args.pipeline_stages
-    if world_size % (t * p):
-        raise HpctrainError(f"--tensor-parallel {t}" + (f" x --pipeline-stages {p}" if p > 1 else "") +
-                            f" does not divide the {world_size} ranks (the world is " + ("P x " if p > 1 else "") +
-                            "T x R: R replicas of a model split over T ranks" + (", in P stages" if p > 1 else "") +
-                            ")")
-    if args.compression in ("fp16", "powersgd"):
-        raise HpctrainError(f"--compression {args.compression} with --tensor-parallel {t}: not yet (" +
-                            ("its overflow check is one tensor rank's" if args.compression == "fp16" else
-                             "its error feedback would be one slice's, checkpointed whole") +
-                            "); use --compression bf16 or none")
-    if args.zero == 3:
-        raise HpctrainError(f"--zero 3 with --tensor-parallel {t}: not yet (its shards and the tensor slices "
-                            f"would both need gathering); use --zero 1 or 2")
 
 
 def _check_compression(args):

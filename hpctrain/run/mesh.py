@@ -1,8 +1,8 @@
 """The mesh of process groups: the ranks of a ring or pipeline run laid out
 on named axes, pipeline x data x tensor (DeepSpeed's
 PipeModelDataParallelTopology), built once at start-up (run/startup.py)
-from the world communicator and the plan (P stages; the tensor degree, 1
-until tensor parallelism comes; R = size / (P T) replicas). It hands out
+from the world communicator and the plan (P stages; T tensor ranks,
+--tensor-parallel; R = size / (P T) replicas). It hands out
 each axis's communicator (made once here, freed once by `free`) and any
 rank's coordinates; no other module computes rank arithmetic. Takes a
 communicator; never imports MPI itself.
@@ -37,10 +37,10 @@ and keep their roles (run/cluster.py: /job:ps/task:k). run/cluster.py's
 a ring or pipeline run, the mesh's ranks in the same order): evaluation,
 checkpoints and the run's agreements go there in every mode.
 
-Layers that need a collective (a tensor-parallel layer's allreduce or
-allgather) will get it as a handle at bind time, made by the runner from
-`comm("tensor")` (comm/ wraps the communicator), so nn/ never imports MPI;
-that handle comes with tensor parallelism.
+Layers that need a collective (a tensor-parallel layer's allreduce,
+reduce-scatter or allgather) get it through their TensorGroup's handle,
+made by the loop from `comm("tensor")` (comm/tensor_group.py), so nn/
+never imports MPI.
 
     mpirun -n 4 python -m hpctrain.run.mesh --pipeline 2    # prints each rank's coordinates
 """
