@@ -24,9 +24,18 @@ the model whole on every rank of the group.
   rank's buffers need not match the others' (each has a data-parallel ring
   of its own): no padded rows to mask, nothing in the file to strip.
 
+- --sequence-parallel (`TensorGroup.sequence`): between a GPT's split
+  layers the activations are cut along the positions (rank t its 1/T of
+  them): a column layer allgathers them first, a row layer reduce-scatters
+  its sum (the same bytes as the allreduce), and what every rank holds
+  whole but now sees only its positions of (the norms, the row biases,
+  the position table) has its gradient summed over the group. A dropout
+  on a slice (heads or positions) draws that slice of the whole layer's
+  mask (nn/layers.Dropout.unit_offset), so T changes no random draw.
+
 `split_model(layers, loss, group)` (nn/tensor_split.py) decides which
-layers split, before the spec configures them (nn/spec.ModelSpec's `tensor`): a transformer Block
-splits its attention and MLP, the embedding and its tied head the
+layers split, before the spec configures them (nn/spec.ModelSpec's
+`tensor`): a transformer Block splits its attention and MLP, the embedding and its tied head the
 vocabulary, and Dense or Linear layers pair up (column, then row) where
 only elementwise layers lie between them; every other layer, and a last
 unpaired Dense, stays whole on every rank (replicated: its gradient is the
