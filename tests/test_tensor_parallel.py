@@ -255,3 +255,14 @@ def test_sequence_parallel_needs_tensor_parallel(job):
     lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "--sequence-parallel cuts the positions over a tensor group: it needs --tensor-parallel T > 1" in lines[0]
+
+
+def test_a_tensor_group_across_nodes_is_named_in_the_warning():
+    """Allowed with one warning line: the groups of consecutive ranks whose
+    hosts differ (a launcher that placed ranks round-robin)."""
+    from hpctrain.run.startup import across_nodes_line, groups_across_nodes
+    assert groups_across_nodes(2, ["a", "a", "b", "b"]) == []
+    apart = groups_across_nodes(2, ["a", "b", "a", "b"])
+    assert apart == [([0, 1], ["a", "b"]), ([2, 3], ["a", "b"])]
+    line = across_nodes_line(2, apart, 4)
+    assert line.startswith("--tensor-parallel 2: 2 of 2 tensor groups span nodes (ranks 0-1 on a, b, ...)")

@@ -167,6 +167,10 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     if args.tensor_parallel > 1:   # this rank's slice of the model (nn/tensor_parallel.py)
         spec = agree(tensor_slice, args, spec, world.mesh)
         say(tensor_line(spec, world.mesh))
+        apart = groups_across_nodes(world.mesh.size("tensor"), cluster.hosts)
+        if apart and cluster.is_chief:   # allowed, but every layer's allreduces then cross the slow links
+            print(f"hpctrain: warning: {across_nodes_line(args.tensor_parallel, apart, cluster.size)}",
+                  file=sys.stderr, flush=True)
     replicas = world.mesh.size("data") if world.mesh else cluster.num_workers
     agree(check_memory, args, cluster.local_size, spec, cuts, replicas,
           zero_stage(args, replicas, xp) if replicas > 1 else 0, schedule.total_steps)
@@ -218,6 +222,27 @@ def tensor_slice(args, spec, mesh):
         return spec.split_tensor(group)
     except LayerError as e:
         raise HpctrainError(f"--tensor-parallel {group.size}: --model {args.model}: {e}") from None
+
+
+def groups_across_nodes(size, hosts):
+    """The tensor groups (`size` consecutive ranks of the world, `hosts`
+    each rank's host) whose ranks lie on more than one host: [(ranks, hosts)]."""
+    out = []
+    for first in range(0, len(hosts), size):
+        ranks = list(range(first, first + size))
+        names = sorted({hosts[r] for r in ranks})
+        if len(names) > 1:
+            out.append((ranks, names))
+    return out
+
+
+def across_nodes_line(size, apart, world):
+    """The warning for tensor groups that span nodes (groups_across_nodes)."""
+    ranks, names = apart[0]
+    return (f"--tensor-parallel {size}: {len(apart)} of {world // size} tensor groups span nodes (ranks "
+            f"{ranks[0]}-{ranks[-1]} on {', '.join(names)}{', ...' if len(apart) > 1 else ''}): their allreduces "
+            f"cross the nodes' links in every layer; place {size} consecutive ranks on each node (the launcher's "
+            f"fill-by-node order) to keep each group inside one")
 
 
 def tensor_line(spec, mesh):

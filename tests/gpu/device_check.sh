@@ -177,6 +177,22 @@ if time_left "GPT GPU vs CPU params, 2 ranks, 20 SGD"; then
         row "GPT GPU vs CPU params, 2 ranks, 20 SGD" FAIL "rc gpu=$g cpu=$c (logs gpt_*.txt)"
     fi
 fi
+# tensor and sequence parallelism (issue 45): the same GPT at --tensor-parallel 2 --sequence-parallel on the
+# GPU (two ranks sharing it, one tensor group) against one GPU rank at the same batch
+if time_left "GPT T=2 vs T=1 on the GPU, 20 SGD" && [ -d "$WORK/plays" ]; then
+    TP_GPT="${GPT/--batch-size 8/--batch-size 16}"
+    train gpt_t1 1 180 --device gpu --data "$WORK/plays" $TP_GPT --save "$WORK/gpt_t1.h5"; a=$?
+    train gpt_t2 2 180 --device gpu --data "$WORK/plays" $TP_GPT --tensor-parallel 2 --sequence-parallel \
+        --save "$WORK/gpt_t2.h5"; b=$?
+    if [ $a = 0 ] && [ $b = 0 ]; then
+        d=$(maxdiff "$WORK/gpt_t1.h5" "$WORK/gpt_t2.h5")
+        ok=$("$PY" -c "print('pass' if float('$d') < 1e-4 else 'FAIL')" 2>/dev/null || echo FAIL)
+        row "GPT T=2 vs T=1 on the GPU, 20 SGD" "$ok" "max |diff| = $d (pass < 1e-4); tokens/s T=1 \
+$(final gpt_t1 tokens_per_s), T=2 $(final gpt_t2 tokens_per_s)"
+    else
+        row "GPT T=2 vs T=1 on the GPU, 20 SGD" FAIL "rc t1=$a t2=$b (logs gpt_t*.txt)"
+    fi
+fi
 for ranks in 1 4; do
     time_left "GPU training, $ranks rank(s), Adam 300 steps" || continue
     train "adam_gpu_$ranks" "$ranks" 120 --device gpu --steps 300 --log-every 300; rc=$?
