@@ -49,11 +49,9 @@ def check_tensor_parallel(args, world_size):
                             f" does not divide the {world_size} ranks (the world is " + ("P x " if p > 1 else "") +
                             "T x R: R replicas of a model split over T ranks" + (", in P stages" if p > 1 else "") +
                             ")")
-    if args.compression in ("fp16", "powersgd"):
-        raise HpctrainError(f"--compression {args.compression} with --tensor-parallel {t}: not yet (" +
-                            ("its overflow check is one tensor rank's" if args.compression == "fp16" else
-                             "its error feedback would be one slice's, checkpointed whole") +
-                            "); use --compression bf16 or none")
+    if args.compression == "powersgd":
+        raise HpctrainError(f"--compression powersgd with --tensor-parallel {t}: not yet (its error feedback "
+                            f"would be one slice's, checkpointed whole); use --compression bf16, fp16 or none")
     if args.zero == 3:
         raise HpctrainError(f"--zero 3 with --tensor-parallel {t}: not yet (its shards and the tensor slices "
                             f"would both need gathering); use --zero 1 or 2")

@@ -174,6 +174,18 @@ def test_sequence_parallel_with_dropout_trains_the_gpt_of_one_process(job, tmp_p
     close(split, whole, 2e-4)
 
 
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_compressed_replicas_of_a_split_model_train_as_without_the_split(job, tmp_path, text_dir, kind):
+    """--compression over the data axis: each tensor rank's replica ring
+    sends its slice in 16 bits; T = 2 x R = 2 against R = 2 alone, the same
+    global batch, within the 16-bit rounding of the gradients."""
+    flags = [*gpt_flags(text_dir), "--batch-size", 4, "--compression", kind]
+    _, want, whole = run(job, 2, flags, tmp_path, "alone")
+    _, got, split = run(job, 4, [*flags, "--tensor-parallel", 2], tmp_path, "split")
+    assert np.allclose(got, want, rtol=2e-3), np.abs(np.subtract(got, want)).max()
+    close(split, whole, 2e-2)
+
+
 def test_tensor_parallel_trains_the_mlp_of_one_process(job, tmp_path):
     """Dense pairs (column, then row), the last Dense whole on every rank."""
     flags = ["--hidden", "64,64,64", "--steps", 30, "--log-every", 1, "--optimizer", "momentum", "--lr", 0.05]
@@ -239,7 +251,7 @@ def test_the_three_axes_together_train_the_gpt_of_accumulation(job, tmp_path, te
                                  "positions"),
     (2, ["--model", "gpt:layers=1,heads=2,width=8", "--block-size", "15", "--sequence-parallel"],
      "layer 0 (Embedding(62, 8)): 15 positions are not a multiple of --tensor-parallel 2"),
-    (2, ["--compression", "fp16"], "--compression fp16 with --tensor-parallel 2: not yet"),
+    (2, ["--compression", "powersgd"], "--compression powersgd with --tensor-parallel 2: not yet"),
 ])
 def test_what_does_not_split_is_one_line(job, text_dir, ranks, flags, line):
     data = ["--data", text_dir] + ([] if "--block-size" in flags else ["--block-size", 16]) \

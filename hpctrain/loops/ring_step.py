@@ -117,6 +117,7 @@ class RingStep:
             self.model = spec.build(xp, dtype=dtype)
         grads = self.model.grads   # the buckets' buffer: the gradients only
         self.loss_and_stop = LossAndStop(everyone or comm, device.copier(xp), watchdog)
+        self.everyone = everyone if everyone is not None and everyone is not comm else None
         # --compression: the buckets' exchange; PowerSGD's matrices in gradient offsets
         self.matrices, self.layout_key = powersgd_layout(spec.tensors, compression.rank, compression.min_rate) \
             if compression is not None and compression.kind == "powersgd" else ([], "")
@@ -219,11 +220,13 @@ class RingStep:
         world's deadline for it."""
         if self.exchange is None or self.exchange.kind != "fp16":
             return False
-        if self.store is not None:
-            # --zero 3: each rank sees its shard only; every step, (all finite, every wire finite) over the ranks
-            both = np.array([all_finite(self.store.shard.buf), self.exchange.sent_finite], np.int64)
+        if self.store is not None or self.everyone is not None:
+            # --zero 3: each rank sees its shard only (--tensor-parallel: its slice, and every rank of the
+            # run must answer alike); every step, (all finite, every wire finite) over the ranks
+            params = self.store.shard.buf if self.store is not None else self.model.params
+            both = np.array([all_finite(params), self.exchange.sent_finite], np.int64)
             with waiting("fp16 overflow check (allreduce)"):
-                comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
+                (self.everyone or comm).Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
             return not both[0] and bool(both[1])
         if all_finite(self.model.params):
             return False
