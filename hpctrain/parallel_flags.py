@@ -52,6 +52,3 @@ def check_tensor_parallel(args, world_size):
     if args.compression == "powersgd":
         raise HpctrainError(f"--compression powersgd with --tensor-parallel {t}: not yet (its error feedback "
                             f"would be one slice's, checkpointed whole); use --compression bf16, fp16 or none")
-    if args.zero == 3:
-        raise HpctrainError(f"--zero 3 with --tensor-parallel {t}: not yet (its shards and the tensor slices "
-                            f"would both need gathering); use --zero 1 or 2")

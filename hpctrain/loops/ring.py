@@ -79,7 +79,7 @@ def train_ring(world, plan, inputs, timeline):
 
     # --- training, then the end ---------------------------------------------
     # what the chief evaluates and saves (--zero 3: every rank together, the parameters a bucket at a time)
-    evaluated = tensor.TensorModel(world, plan, model) if split else \
+    evaluated = tensor.TensorModel(world, plan, model, ring) if split else \
         WholeModel(world, plan, model) if ring.param_shard is None else \
         zero3.ShardedModel(world, plan, model, ring.store, comm)
     step, stopped = train_steps(world, frame, ring, reader, evaluated)
