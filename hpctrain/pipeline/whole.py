@@ -77,7 +77,7 @@ class WholeSlices:
         host = np.ascontiguousarray(device.to_host(local))
         parts = np.empty(int(sizes.sum()), host.dtype) if grid.tensor == 0 else None
         with self.world.waiting("pipeline tensor slices to the stage's tensor rank 0",
-                                peer=None if grid.tensor else grid.world_rank(grid.stage, tensor=0)):
+                                peer=grid.world_rank(grid.stage, tensor=0) if grid.tensor else None):
             grid.tensor_comm.Gatherv(host, [parts, (sizes, displacements(sizes))] if parts is not None else None,
                                      root=0)
         if parts is None:
