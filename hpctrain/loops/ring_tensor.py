@@ -31,12 +31,13 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import device
-from ..checkpoints.sharded import ShardedState, displacements
+from ..checkpoints.sharded import ShardedState
 from ..comm.zero3 import ShardsToChief
 from ..comm.grad_norm import TensorNorm
+from ..comm import tensor_group
 from ..comm.tensor_group import TensorComm
 from ..data.splits import held_out
-from ..nn.tensor_parallel import counted_ranges, local_size, put_local, take_local
+from ..nn.tensor_parallel import counted_ranges, take_local
 from ..report.params import chief_text, write_params
 
 
@@ -56,20 +57,11 @@ def gather_whole(world, spec, arrays):
     mesh = world.mesh
     if mesh.coords.data:
         return None
-    comm, full, t = mesh.comm("tensor"), spec.full, spec.tensor.rank
-    sizes = np.array([local_size(full, spec.cuts, r) for r in range(comm.Get_size())], np.int64)
-    out = {}
-    for name, array in arrays.items():
-        host = np.ascontiguousarray(device.to_host(array))
-        parts = np.empty(int(sizes.sum()), host.dtype) if t == 0 else None
-        with world.waiting(f"tensor slices gather ({name})", peer=None):
-            comm.Gatherv(host, [parts, (sizes, displacements(sizes))] if t == 0 else None, root=0)
-        if t == 0:
-            whole = np.zeros(full.num_params, host.dtype)
-            for r, start in enumerate(displacements(sizes)):
-                put_local(full, spec.cuts, parts[start:start + sizes[r]], r, whole)
-            out[name] = whole
-    return out if t == 0 else None
+    comm = mesh.comm("tensor")
+    out = {name: tensor_group.gather_whole(comm, spec.full, spec.cuts, array,
+                                           world.waiting(f"tensor slices gather ({name})", peer=None))
+           for name, array in arrays.items()}
+    return out if spec.tensor.rank == 0 else None
 
 
 def local_arrays(world, ring, state=True):

@@ -39,11 +39,12 @@ import numpy as np
 
 from .. import device
 from ..checkpoints.file import Pieces
-from ..checkpoints.sharded import ShardedState, displacements
+from ..checkpoints.sharded import ShardedState
+from ..comm.tensor_group import gather_whole
 from ..errors import HpctrainError
 from ..report.params import chief_text, write_attrs, written_by_chief
 from ..files import create_new, remove_temp, temp_name_next_to
-from ..nn.tensor_parallel import local_size, put_local, take_local
+from ..nn.tensor_parallel import take_local
 from . import stage_compression as pipeline_compression
 from .stages import ranges
 
@@ -73,19 +74,10 @@ class WholeSlices:
         """Chunk k's slice of the whole model from every tensor rank's `local`
         (its slice of the chunk's buffer): on tensor rank 0, None elsewhere."""
         (lo, hi), grid = self.spans[k], self.grid
-        sizes = np.array([local_size(self.full, self.cuts, t, lo, hi) for t in range(grid.tensors)], np.int64)
-        host = np.ascontiguousarray(device.to_host(local))
-        parts = np.empty(int(sizes.sum()), host.dtype) if grid.tensor == 0 else None
-        with self.world.waiting("pipeline tensor slices to the stage's tensor rank 0",
-                                peer=grid.world_rank(grid.stage, tensor=0) if grid.tensor else None):
-            grid.tensor_comm.Gatherv(host, [parts, (sizes, displacements(sizes))] if parts is not None else None,
-                                     root=0)
-        if parts is None:
-            return None
-        whole = np.zeros(hi - lo, host.dtype)
-        for t, start in enumerate(displacements(sizes)):
-            put_local(self.full, self.cuts, parts[start:start + sizes[t]], t, whole, lo, hi)
-        return whole
+        return gather_whole(grid.tensor_comm, self.full, self.cuts, local,
+                            self.world.waiting("pipeline tensor slices to the stage's tensor rank 0",
+                                               peer=grid.world_rank(grid.stage, tensor=0) if grid.tensor else None),
+                            lo, hi)
 
     def local(self, k, whole, dtype):
         """This tensor rank's slice of chunk k from `whole` (the whole model's
