@@ -483,3 +483,30 @@ def test_layer_norms_compiled_passes_match_numpys(dtype, tol):
         check_gradients(LayerNorm(), (3, 5))
     finally:
         compiled.use(False)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_embeddings_compiled_gradient_has_numpys_bits(dtype):
+    """The embedding's gradient by the compiled loop (nn/passes.py add_rows)
+    against np.add.at: the same adds in the same order, so the same bits,
+    with ids repeated many times and gradients of -0.0 among them."""
+    from hpctrain.nn import compiled
+    from hpctrain.nn.embedding import Embedding
+    rng = np.random.default_rng(6)
+    x = rng.integers(0, 7, (9, 40))
+    dy = rng.standard_normal((9, 40, 5)).astype(dtype)
+    dy[rng.random(dy.shape) < 0.2] = -0.0
+    out = {}
+    for on in (False, True):
+        compiled.use(on)
+        try:
+            slot, _, grads = bound(Embedding(7, 5), (40,), dtype=dtype)
+        finally:
+            compiled.use(False)
+        assert slot.layer.compiled == on
+        slot.forward(x.copy(), True)
+        slot.backward(dy.copy(), False)
+        out[on] = grads.copy()
+    assert out[True].tobytes() == out[False].tobytes()
+    assert np.abs(out[True]).max() > 0
+

@@ -100,11 +100,21 @@ def test_layers_give_the_same_bits_on_any_number_of_threads(name, split_everythi
     assert _same(results[0], results[1]) and _same(results[0], results[2])
 
 
-def test_the_gpt_gives_the_same_bits_on_any_number_of_threads(split_everything):
-    """GELU's chunks and the Linear projections split (nn/gelu.py, nn/linear.py), dropout on."""
+@pytest.mark.parametrize("compiled_layers", [False, True])
+def test_the_gpt_gives_the_same_bits_on_any_number_of_threads(split_everything, compiled_layers):
+    """GELU's chunks and the Linear projections split (nn/gelu.py, nn/linear.py), the
+    attention by samples, dropout on; on two threads each backward's two products at
+    once (threads.pair); with compiled layers (nn/passes.py) too."""
+    from hpctrain.nn import compiled
+    if compiled_layers and not compiled.available():
+        pytest.skip("numba is not installed")
     rng = np.random.default_rng(1)
     x, y = rng.integers(0, 65, (24, 16)), rng.integers(0, 65, (24, 16))
-    results = [_step(gpt(65, 16, 2, 4, 64, dropout=0.1), count, x, y) for count in (1, 2, 3)]
+    compiled.use(compiled_layers)
+    try:
+        results = [_step(gpt(65, 16, 2, 4, 64, dropout=0.1), count, x, y) for count in (1, 2, 3)]
+    finally:
+        compiled.use(False)
     assert split_everything, "nothing split: the test would prove nothing"
     assert _same(results[0], results[1]) and _same(results[0], results[2])
 

@@ -86,7 +86,7 @@ class CausalSelfAttention(Layer):
         # compiled layers: the softmax and its backward in one pass a row, the masked half skipped
         self.compiled = compiled.on() and xp is np
         if self.compiled:
-            passes.prepare(("causal_softmax", "causal_softmax_backward"), np.float32)
+            passes.prepare(("causal_shift", "causal_normalise", "causal_softmax_backward"), np.float32)
 
     def _product(self, a, b, out):
         """out = a @ b over the compute threads, by ranges of out's rows in
@@ -96,18 +96,40 @@ class CausalSelfAttention(Layer):
         self.split(out.shape[0], lambda t, lo, hi: xp.matmul(a[lo:hi], b, out=out[lo:hi]),
                    unit=threads.row_unit(1), most=threads.most(macs=macs))
 
-    def _batched(self, a, b, out):
-        """out = a @ b, stacked over (batch, heads), split by sample over the threads (each product its own)."""
-        xp = self.xp
-        self.split(out.shape[0], lambda t, lo, hi: xp.matmul(a[lo:hi], b[lo:hi], out=out[lo:hi]),
-                   most=threads.most(macs=out.size * a.shape[-1]))
+    def _samples(self, work, n, products):
+        """work(lo, hi) over ranges [lo, hi) of the n samples, on the compute
+        threads: a range's attention, its products stacked over (sample,
+        head), each product its own, `products` of them, and its row-wise
+        passes, so the bits do not depend on the threads. One hand-off for
+        several steps: each costs tens of microseconds."""
+        t, hw = self.T, self.head_width
+        self.split(n, lambda _, lo, hi: work(lo, hi),
+                   most=threads.most(macs=products * n * self.heads_here * t * t * hw))
 
-    def _rows(self, fn, *arrays):
-        """fn over the (batch, heads, t, t) arrays as (rows, t, t), split by sample over the threads."""
-        n, t = arrays[0].shape[0], arrays[0].shape[-1]
-        self.split(n, lambda _, lo, hi: fn(*(a[lo:hi].reshape(-1, t, t) for a in arrays),
-                                           1 / math.sqrt(self.head_width)),
-                   most=threads.most(floats=4 * arrays[0].size))
+    def _softmax(self, att, dtype):
+        """The causal softmax of att's scores (samples, heads, t, t), in place."""
+        t = att.shape[-1]
+        if self.compiled:
+            passes.causal_softmax(att.reshape(-1, t, t), 1 / math.sqrt(self.head_width))
+            return
+        xp = self.xp
+        att *= dtype.type(1 / math.sqrt(self.head_width))
+        att += self._mask(t, dtype)
+        att -= att.max(axis=-1, keepdims=True)
+        xp.exp(att, out=att)
+        att /= att.sum(axis=-1, keepdims=True)
+
+    def _softmax_backward(self, att, datt, weighted):
+        """The softmax's backward on datt in place: A (dA - rowsum(dA A)), 0 where masked (A is)."""
+        t = att.shape[-1]
+        if self.compiled and datt.flags.c_contiguous:
+            passes.causal_softmax_backward(att.reshape(-1, t, t), datt.reshape(-1, t, t),
+                                           1 / math.sqrt(self.head_width))
+            return
+        self.xp.multiply(datt, att, out=weighted)
+        datt -= weighted.sum(axis=-1, keepdims=True)
+        datt *= att
+        datt *= datt.dtype.type(1 / math.sqrt(self.head_width))
 
     def context(self):
         return Context(self.xp, [self.drop.context()])
@@ -142,20 +164,19 @@ class CausalSelfAttention(Layer):
         qkv += b
         q, k, v = (self._heads(qkv, n, t, j) for j in range(3))
         att = ctx.buffer("att", (n, h, t, t), W.dtype)
-        self._batched(q, k.transpose(0, 1, 3, 2), att)
-        if self.compiled:
-            self._rows(passes.causal_softmax, att)
-        else:
-            att *= W.dtype.type(1 / math.sqrt(self.head_width))
-            att += self._mask(t, W.dtype)
-            att -= att.max(axis=-1, keepdims=True)
-            xp.exp(att, out=att)
-            att /= att.sum(axis=-1, keepdims=True)
+
+        def scores(lo, hi):
+            xp.matmul(q[lo:hi], k[lo:hi].transpose(0, 1, 3, 2), out=att[lo:hi])
+            self._softmax(att[lo:hi], W.dtype)
+        self._samples(scores, n, 1)
         dropped = self.drop.forward(ctx.inner[0], att, train)
         heads = ctx.buffer("heads", (n, h, t, self.head_width), W.dtype)
-        self._batched(dropped, v, heads)
         merged = ctx.buffer("merged", (n, t, h, self.head_width), W.dtype)
-        xp.copyto(merged, heads.transpose(0, 2, 1, 3))
+
+        def weigh(lo, hi):
+            xp.matmul(dropped[lo:hi], v[lo:hi], out=heads[lo:hi])
+            xp.copyto(merged[lo:hi], heads[lo:hi].transpose(0, 2, 1, 3))
+        self._samples(weigh, n, 1)
         merged = merged.reshape(n * t, i)
         y = ctx.buffer("partial" if self.sequence else ("out", train), (n * t, e), W.dtype)
         self._product(merged, self.params["Wo"], y)
@@ -180,41 +201,46 @@ class CausalSelfAttention(Layer):
             dy = whole
         (n, t, e), h, i = dy.shape, self.heads_here, self.inner_width
         d = dy.reshape(n * t, e)
-        self._product(ctx.merged.T, d, self.grads["Wo"])
-        if not self.sequence:
-            d.sum(axis=0, out=self.grads["bo"])
         dmerged = ctx.buffer("dmerged", (n * t, i), dy.dtype)
-        self._product(d, Wo.T, dmerged)
+
+        def out_weight():
+            self._product(ctx.merged.T, d, self.grads["Wo"])
+            if not self.sequence:
+                d.sum(axis=0, out=self.grads["bo"])
+        self.pair(out_weight, lambda: self._product(d, Wo.T, dmerged))
         dheads = ctx.buffer("dheads", (n, h, t, self.head_width), dy.dtype)
-        xp.copyto(dheads, dmerged.reshape(n, t, h, self.head_width).transpose(0, 2, 1, 3))
         q, k, v = (self._heads(ctx.qkv, n, t, j) for j in range(3))
         dqkv = ctx.buffer("dqkv", (n * t, 3 * i), dy.dtype)
+        dq, dk, dv = (self._heads(dqkv, n, t, j) for j in range(3))
         part = ctx.buffer("part", (n, h, t, self.head_width), dy.dtype)
-        self._batched(ctx.dropped.transpose(0, 1, 3, 2), dheads, part)
-        xp.copyto(self._heads(dqkv, n, t, 2), part)                            # dv
         datt = ctx.buffer("datt", (n, h, t, t), dy.dtype)
-        self._batched(dheads, v.transpose(0, 1, 3, 2), datt)
+        dropped = ctx.dropped
+
+        def values(lo, hi):   # dv = A^T dheads; dA = dheads v^T
+            xp.copyto(dheads[lo:hi], dmerged.reshape(n, t, h, self.head_width)[lo:hi].transpose(0, 2, 1, 3))
+            xp.matmul(dropped[lo:hi].transpose(0, 1, 3, 2), dheads[lo:hi], out=part[lo:hi])
+            xp.copyto(dv[lo:hi], part[lo:hi])
+            xp.matmul(dheads[lo:hi], v[lo:hi].transpose(0, 1, 3, 2), out=datt[lo:hi])
+        self._samples(values, n, 2)
         datt = self.drop.backward(ctx.inner[0], datt, True)
-        # the softmax's backward: A (dA - rowsum(dA A)); 0 where masked (A is)
-        att = ctx.att
-        if self.compiled and datt.flags.c_contiguous:
-            self._rows(passes.causal_softmax_backward, att, datt)
-        else:
-            weighted = ctx.buffer("weighted", att.shape, dy.dtype)
-            xp.multiply(datt, att, out=weighted)
-            datt -= weighted.sum(axis=-1, keepdims=True)
-            datt *= att
-            datt *= dy.dtype.type(1 / math.sqrt(self.head_width))
-        self._batched(datt, k, part)
-        xp.copyto(self._heads(dqkv, n, t, 0), part)                            # dq
-        self._batched(datt.transpose(0, 1, 3, 2), q, part)
-        xp.copyto(self._heads(dqkv, n, t, 1), part)                            # dk
-        self._product(ctx.rows.T, dqkv, self.grads["Wqkv"])
-        dqkv.sum(axis=0, out=self.grads["bqkv"])
+        weighted = None if self.compiled and datt.flags.c_contiguous else ctx.buffer("weighted", datt.shape, dy.dtype)
+
+        def keys(lo, hi):   # the softmax's backward, then dq = dS k, dk = dS^T q
+            self._softmax_backward(ctx.att[lo:hi], datt[lo:hi], None if weighted is None else weighted[lo:hi])
+            xp.matmul(datt[lo:hi], k[lo:hi], out=part[lo:hi])
+            xp.copyto(dq[lo:hi], part[lo:hi])
+            xp.matmul(datt[lo:hi].transpose(0, 1, 3, 2), q[lo:hi], out=part[lo:hi])
+            xp.copyto(dk[lo:hi], part[lo:hi])
+        self._samples(keys, n, 2)
+
+        def in_weight():
+            self._product(ctx.rows.T, dqkv, self.grads["Wqkv"])
+            dqkv.sum(axis=0, out=self.grads["bqkv"])
+        dx = ctx.buffer("dx", (n * t, e), dy.dtype) if need_dx else None
         if not need_dx:
+            in_weight()
             return None
-        dx = ctx.buffer("dx", (n * t, e), dy.dtype)
-        self._product(dqkv, self.params["Wqkv"].T, dx)
+        self.pair(in_weight, lambda: self._product(dqkv, self.params["Wqkv"].T, dx))
         if self.sequence:   # summed over the group, this rank's positions kept
             part = ctx.buffer("dpart", (n, *self.in_shape), dy.dtype)
             self.tensor.reduce_scatter(dx.reshape(n, t, e), part)

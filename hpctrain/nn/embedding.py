@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from . import compiled, passes
 from .layers import Layer, LayerError
 from .tensor_parallel import Cut, nearly_even
 
@@ -89,9 +90,23 @@ class Embedding(Layer):
         ctx.ids = ids
         return y
 
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        self.compiled = compiled.on() and xp is np
+        if self.compiled:
+            passes.prepare(("add_rows",), np.float32)
+
+    def _add_rows(self, out, ids, rows):
+        """out[ids[p]] += rows[p] for each position p in order."""
+        if self.compiled and rows.dtype == out.dtype and rows.flags.c_contiguous:
+            passes.add_rows(ids, rows, out)
+        else:
+            self.xp.add.at(out, ids, rows)
+
     def backward(self, ctx, dy, need_dx):
         # each id's row gets the sum of its positions' gradients, in the
-        # order of the positions (np.add.at: unbuffered, one add at a time)
+        # order of the positions (np.add.at: unbuffered, one add at a time; compiled, a loop that
+        # does the same adds, 0.9 ms against 0.02 a step of the small GPT: nn/passes.py)
         dE = self.grads["E"]
         dE[...] = 0
         if self.tensor is not None:   # this rank's rows: its ids' positions, in their order
@@ -100,9 +115,9 @@ class Embedding(Layer):
                 self.tensor[1].allgather(dy, whole)
                 dy = whole
             inside = ctx.inside.reshape(-1)
-            self.xp.add.at(dE, ctx.ids.reshape(-1)[inside], dy.reshape(-1, self.dim)[inside])
+            self._add_rows(dE, ctx.ids.reshape(-1)[inside], dy.reshape(-1, self.dim)[inside])
         else:
-            self.xp.add.at(dE, ctx.ids.reshape(-1), dy.reshape(-1, self.dim))
+            self._add_rows(dE, ctx.ids.reshape(-1), dy.reshape(-1, self.dim))
         if not need_dx:
             return None
         return self.xp.zeros(ctx.ids.shape, dy.dtype)

@@ -223,6 +223,10 @@ class Layer:
         rows or columns of a product), so the bits do not depend on the threads."""
         threads.split(n, work, unit, most, on=self.xp is np)
 
+    def pair(self, first, second):
+        """first() and second() at once on a two-thread rank (nn/threads.py pair)."""
+        threads.pair(first, second, on=self.xp is np)
+
     def set_noise(self, ctx, noise):
         """Randomness for the slot's next training forward (Noise or None), kept on ctx."""
         ctx.noise = noise

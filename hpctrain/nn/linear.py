@@ -103,13 +103,20 @@ class Linear(Layer):
             self.tensor[1].allgather(dy, whole)
             dy = whole
         d = dy.reshape(-1, self.here)
-        self._split_rows(self.fan_in, lambda t, lo, hi: xp.matmul(rows[:, lo:hi].T, d, out=dW[lo:hi]), d.shape[0])
-        if self.bias and not self.keeps_part:
-            d.sum(axis=0, out=self.grads["b"])
+        dx = ctx.buffer("dx", rows.shape, dy.dtype) if need_dx else None
+
+        def weight():
+            self._split_rows(self.fan_in, lambda t, lo, hi: xp.matmul(rows[:, lo:hi].T, d, out=dW[lo:hi]),
+                             d.shape[0])
+            if self.bias and not self.keeps_part:
+                d.sum(axis=0, out=self.grads["b"])
+
+        def inputs():
+            self._split_rows(d.shape[0], lambda t, lo, hi: xp.matmul(d[lo:hi], W.T, out=dx[lo:hi]), d.shape[0])
         if not need_dx:
+            weight()
             return None
-        dx = ctx.buffer("dx", rows.shape, dy.dtype)
-        self._split_rows(d.shape[0], lambda t, lo, hi: xp.matmul(d[lo:hi], W.T, out=dx[lo:hi]), d.shape[0])
+        self.pair(weight, inputs)
         dx = dx.reshape(*dy.shape[:-1], self.fan_in)
         if self.gathers:   # summed over the group, this rank's positions kept
             part = ctx.buffer("dpart", (dy.shape[0], *self.in_shape), dy.dtype)

@@ -160,9 +160,11 @@ def run(fn, parts):
             _workers[i].start(lambda i=i, part=part: fn(i, *part))
             started.append(_workers[i])
         before = _set_local(1)
+        _here.worker = True   # a split inside this thread's part runs serially: the workers are busy
         try:
             fn(len(parts) - 1, *parts[-1])
         finally:
+            _here.worker = False
             _set_local(before)
     finally:
         errors = [worker.wait() for worker in started]   # every part done before anything is raised
@@ -181,6 +183,22 @@ def row_unit(rows_per_item):
     """The fewest items (images, samples) whose output rows make a whole
     number of ROW_TILEs: the unit a product splits in."""
     return ROW_TILE // math.gcd(ROW_TILE, int(rows_per_item))
+
+
+def pair(first, second, on=True):
+    """first() and second() at the same time where the rank has exactly two
+    compute threads (and `on`: NumPy arrays), else one after the other.
+    For a layer's two backward products (the weight's gradient and the
+    input's), which cost the same multiply-adds: each done whole by one
+    thread, the two threads are balanced and meet once, where splitting
+    each over both meets twice and splits a 128-row weight gradient 48/80
+    (whole ROW_TILEs). A product done whole has one thread's bits. With
+    more threads each is split over all of them (split) instead."""
+    if on and len(_workers) == 1 and not getattr(_here, "worker", False):
+        run(lambda i: first() if i == 0 else second(), [(), ()])
+    else:
+        first()
+        second()
 
 
 def split(n, work, unit=1, most=None, on=True):
