@@ -137,7 +137,8 @@ def _training_flags(p):
                    help="the optimizer's update as one compiled pass over each range (numba on NumPy, one kernel "
                         "on CuPy) or NumPy's blocks: the same bits; auto: on a GPU, and on NumPy where numba "
                         "(pip install 'hpctrain[fast]') pays back its ~1 s and ~110 MB start-up within the run: "
-                        "from 131,072 parameters and 3.6e8 parameter-steps (default: %(default)s)")
+                        "from 131,072 parameters and 3.6e8 parameter-steps, or from the first with compiled "
+                        "layers (default: %(default)s)")
     g.add_argument("--momentum", type=nonneg_float, default=0.9, help="momentum coefficient for --optimizer momentum (default: %(default)s)")
     g.add_argument("--adam-betas", type=_betas, default=(0.9, 0.999), metavar="B1,B2",
                    help="--optimizer adam's decay rates of the gradient's first and second moments, each in "

@@ -204,6 +204,28 @@ def test_the_single_pass_runs_where_it_pays_back_numbas_start_up_within_the_run(
     assert sharded.inner._kernel is not None
 
 
+def test_the_single_pass_runs_from_the_first_step_with_compiled_layers():
+    """With compiled layers numba is in the process already: --single-pass
+    auto takes the pass however short the run (run/plan.py single_pass);
+    off stays off."""
+    from types import SimpleNamespace
+
+    from hpctrain.nn import compiled
+    from hpctrain.run.plan import Optimizer, single_pass
+    pytest.importorskip("numba")
+    size = 2 * optim.FUSE_FROM
+    for on, flag, want in ((False, "auto", "auto"), (True, "auto", "on"), (True, "off", "off"), (False, "on", "on")):
+        compiled.use(on)
+        try:
+            chosen = single_pass(SimpleNamespace(single_pass=flag))
+        finally:
+            compiled.use(False)
+        assert chosen == want, (on, flag)
+        plan = Optimizer("adam", 0.9, (0.9, 0.999), 0.0, None, None, 10, chosen)
+        fused = make_optimizer("adam", size, **plan.kwargs)._kernel is not None
+        assert fused == (want == "on"), (on, flag)
+
+
 class _FakeElementwiseKernel:
     """cupy.ElementwiseKernel on NumPy: the arguments bound to the declared
     names, then the optimizer's Python loop (its parameters bear the same

@@ -186,8 +186,10 @@ def row_unit(rows_per_item):
 
 
 def pair(first, second, on=True):
-    """first() and second() at the same time where the rank has exactly two
-    compute threads (and `on`: NumPy arrays), else one after the other.
+    """first() here and second() on the worker at the same time where the
+    rank has exactly two compute threads (and `on`: NumPy arrays), else one
+    after the other. The worker starts some 30 us late (it waits for the
+    GIL until this thread is inside NumPy): give it the lighter task.
     For a layer's two backward products (the weight's gradient and the
     input's), which cost the same multiply-adds: each done whole by one
     thread, the two threads are balanced and meet once, where splitting
@@ -195,7 +197,7 @@ def pair(first, second, on=True):
     (whole ROW_TILEs). A product done whole has one thread's bits. With
     more threads each is split over all of them (split) instead."""
     if on and len(_workers) == 1 and not getattr(_here, "worker", False):
-        run(lambda i: first() if i == 0 else second(), [(), ()])
+        run(lambda i: second() if i == 0 else first(), [(), ()])
     else:
         first()
         second()
@@ -205,7 +207,7 @@ def split(n, work, unit=1, most=None, on=True):
     """work(thread, lo, hi) over range(n) in ranges of whole `unit`s, one per
     compute thread (at most `most`), where `on` (NumPy arrays: CuPy's
     kernels have the GPU); otherwise work(0, 0, n) here."""
-    parts = min(count(), most or count()) if on and _workers else 1
+    parts = min(count(), most or count()) if on and _workers and not getattr(_here, "worker", False) else 1
     if parts == 1:   # a one-core rank, or small work: no ranges to make (every step's path)
         work(0, 0, n)
         return
