@@ -88,13 +88,17 @@ class CausalSelfAttention(Layer):
         if self.compiled:
             passes.prepare(("causal_shift", "causal_normalise", "causal_softmax_backward"), np.float32)
 
-    def _product(self, a, b, out):
-        """out = a @ b over the compute threads, by ranges of out's rows in
-        whole BLAS row tiles (Dense's rule: the bits do not depend on the
-        threads); a weight's gradient passes its input transposed as `a`."""
+    def _product(self, a, b, out, bias=None):
+        """out = a @ b (+ bias) over the compute threads, by ranges of out's
+        rows in whole BLAS row tiles (Dense's rule: the bits do not depend on
+        the threads); a weight's gradient passes its input transposed as `a`."""
         xp, macs = self.xp, a.shape[0] * a.shape[1] * b.shape[1]
-        self.split(out.shape[0], lambda t, lo, hi: xp.matmul(a[lo:hi], b, out=out[lo:hi]),
-                   unit=threads.row_unit(1), most=threads.most(macs=macs))
+
+        def rows(t, lo, hi):
+            xp.matmul(a[lo:hi], b, out=out[lo:hi])
+            if bias is not None:
+                out[lo:hi] += bias
+        self.split(out.shape[0], rows, unit=threads.row_unit(1), most=threads.most(macs=macs))
 
     def _samples(self, work, n, products):
         """work(lo, hi) over ranges [lo, hi) of the n samples, on the compute
@@ -102,9 +106,9 @@ class CausalSelfAttention(Layer):
         head), each product its own, `products` of them, and its row-wise
         passes, so the bits do not depend on the threads. One hand-off for
         several steps: each costs tens of microseconds."""
-        t, hw = self.T, self.head_width
-        self.split(n, lambda _, lo, hi: work(lo, hi),
-                   most=threads.most(macs=products * n * self.heads_here * t * t * hw))
+        t, hw, h = self.T, self.head_width, self.heads_here
+        self.split(n, lambda _, lo, hi: work(lo, hi),   # the products, and the passes over (t, t) arrays
+                   most=threads.most(floats=4 * n * h * t * t, macs=products * n * h * t * t * hw))
 
     def _softmax(self, att, dtype):
         """The causal softmax of att's scores (samples, heads, t, t), in place."""
@@ -160,8 +164,7 @@ class CausalSelfAttention(Layer):
         (n, t, e), h, i = x.shape, self.heads_here, self.inner_width
         rows = x.reshape(n * t, e)
         qkv = ctx.buffer("qkv", (n * t, 3 * i), W.dtype)
-        self._product(rows, W, qkv)
-        qkv += b
+        self._product(rows, W, qkv, b)
         q, k, v = (self._heads(qkv, n, t, j) for j in range(3))
         att = ctx.buffer("att", (n, h, t, t), W.dtype)
 
@@ -179,16 +182,17 @@ class CausalSelfAttention(Layer):
         self._samples(weigh, n, 1)
         merged = merged.reshape(n * t, i)
         y = ctx.buffer("partial" if self.sequence else ("out", train), (n * t, e), W.dtype)
-        self._product(merged, self.params["Wo"], y)
+        whole = self.tensor is None   # else the bias after the sum over the group
+        self._product(merged, self.params["Wo"], y, self.params["bo"] if whole else None)
         ctx.rows, ctx.qkv, ctx.att, ctx.dropped, ctx.merged = rows, qkv, att, dropped, merged
         if self.sequence:   # summed over the group, this rank's positions kept
             out = ctx.buffer(("out", train), (n, *self.in_shape), W.dtype)
             self.tensor.reduce_scatter(y.reshape(n, t, e), out)
             out += self.params["bo"]
             return out
-        if self.tensor is not None:   # each rank's heads' part of the projection, added over the group
+        if not whole:   # each rank's heads' part of the projection, added over the group
             self.tensor.sum(y)
-        y += self.params["bo"]
+            y += self.params["bo"]
         return y.reshape(n, t, e)
 
     def backward(self, ctx, dy, need_dx):
