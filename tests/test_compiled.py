@@ -395,8 +395,9 @@ def test_512_bit_vectors_on_avx512_cpus_give_the_same_bits(tmp_path):
 
 @pytest.mark.parametrize("dtype, ulps", [(np.float32, 4), (np.float64, 64)])
 def test_gelus_compiled_passes_match_numpys(dtype, ulps):
-    """GELU's one-pass kernels (nn/passes.py: the C library's erfc in
-    float64) against the NumPy path (Cody's ratios in the dtype), forward
+    """GELU's one-pass kernels (nn/passes.py: on float32 the fit in float32
+    lanes, on float64 Cody's erfc an element at a time) against the NumPy
+    path (Cody's ratios in the dtype), forward
     and input gradient, both tails included, within a few units of the
     last place of what each sums (or 1e-30 where a value underflows); and
     a gradient that the finite differences accept."""
