@@ -166,10 +166,10 @@ def test_evaluate_gives_the_final_records_loss_and_its_perplexity(trained_gpt):
     assert evaluate.evaluate_text(model, text_dir, data.load_manifest(text_dir), "test")["loss"] == final["test_loss"]
 
 
-def test_a_vocabulary_too_large_for_the_record_is_left_out_and_read_from_data(tmp_path):
-    """20,000 distinct characters (JSON escapes them: 120 KB) do not fit the
-    record's attribute: the file leaves them out, and generate takes them
-    from --data, or says so in one line."""
+def test_a_wide_vocabulary_travels_in_the_record(tmp_path):
+    """20,000 distinct characters (JSON escapes them: 120 KB, past an HDF5
+    object header's 64 KiB) stay in the record, a variable-length string in
+    the global heap: generate needs no --data, and gives what it gives with it."""
     if under_mpirun():
         pytest.skip("launches its own mpirun job: runs in the plain pytest pass")
     chars = "".join(map(chr, range(0x4E00, 0x4E00 + 20_000)))
@@ -180,9 +180,29 @@ def test_a_vocabulary_too_large_for_the_record_is_left_out_and_read_from_data(tm
                 "--batch-size", 2, "--steps", 1, "--save", save)
     assert r.returncode == 0, r.stderr
     with h5py.File(save, "r") as f:
-        rec = json.loads(f.attrs[ATTR])
-    assert rec["text"] is None and rec["classes"] == 20_000
-    r = cli("generate", "--params", save, "--prompt", chars[:3], "--tokens", 4)
-    assert r.returncode == 2 and "records no vocabulary" in r.stderr and len(r.stderr.splitlines()) == 1
-    r = cli("generate", "--params", save, "--prompt", chars[:3], "--tokens", 4, "--data", tmp_path / "wide")
+        text = f.attrs[ATTR]
+    rec = json.loads(text)
+    assert len(text) > 65536 and rec["classes"] == 20_000 and rec["text"]["kind"] == "chars"
+    flags = ("--prompt", chars[:3], "--tokens", 4, "--seed", 3)
+    r = cli("generate", "--params", save, *flags)
     assert r.returncode == 0 and r.stdout.startswith(chars[:3]) and len(r.stdout) == 3 + 4 + 1, r.stderr
+    assert cli("generate", "--params", save, *flags, "--data", tmp_path / "wide").stdout == r.stdout
+
+
+def test_a_record_past_its_cap_leaves_the_vocabulary_out(tmp_path, monkeypatch):
+    """Past model_record.MAX_RECORD the class names go, then the vocabulary
+    (generate then takes --data's, or says so in one line: above)."""
+    from types import SimpleNamespace
+
+    from hpctrain.checkpoints import model_record
+    (tmp_path / "t.txt").write_text("abcdefgh" * 50, encoding="utf-8")
+    data.prepare_text(str(tmp_path / "t.txt"), str(tmp_path / "t"), "chars", log=lambda *a, **k: None)
+    spec = SimpleNamespace(identity="gpt", input_shape=(8,), classes=8)
+    plan = SimpleNamespace(model="gpt:layers=1,heads=1,width=8", hidden=(), data=SimpleNamespace(dir=tmp_path / "t"))
+    whole = json.loads(model_record.record(spec, plan)[ATTR])
+    assert whole["text"]["kind"] == "chars"
+    monkeypatch.setattr(model_record, "MAX_RECORD", len(json.dumps(whole)) - 1)
+    cut = json.loads(model_record.record(spec, plan)[ATTR])
+    assert cut["text"] is None and cut["model"] == whole["model"] and cut["classes"] == 8
+
+

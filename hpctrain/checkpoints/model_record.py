@@ -26,10 +26,14 @@ from ..errors import HpctrainError
 from ..model_names import is_model_file
 
 ATTR = "inference"
-# HDF5 keeps an attribute in the object header, 64 KiB at most: a record
-# larger than this leaves its class names out (predict then prints numbers),
-# then its vocabulary (generate then needs --data).
-_MAX_RECORD = 60_000
+# The record is a variable-length string attribute: HDF5 keeps its bytes in
+# the file's global heap, not in the object header, so the header's 64 KiB
+# does not bound it (a 4 MB record written and read back by h5py 3.x, HDF5
+# 2.0). What bounds it is this cap, against a record without end: one
+# larger leaves its class names out (predict then prints numbers), then its
+# vocabulary (generate then needs --data). A 32768-token BPE of the plays
+# packs to about 0.5 MB.
+MAX_RECORD = 16 << 20
 
 
 @functools.lru_cache(maxsize=8)
@@ -61,7 +65,7 @@ def record(spec, plan):
         pass
     text = json.dumps(out)
     for dropped in ("class_names", "text"):
-        if len(text) > _MAX_RECORD:
+        if len(text) > MAX_RECORD:
             out[dropped] = None
             text = json.dumps(out)
     return {ATTR: text}

@@ -159,7 +159,7 @@ class Bpe:
         return {}
 
     def record_entry(self):
-        # zlib and base64: a 4096-token BPE's JSON (~100 KB) in an attribute of 64 KiB at most
+        # zlib and base64: half the JSON's size in the record (checkpoints/model_record.py)
         packed = base64.b64encode(zlib.compress(self.tokenizer.to_str().encode(), 9)).decode()
         return {"kind": self.kind, "tokenizer_zlib": packed}
 
