@@ -78,9 +78,22 @@ class LayerNorm(Layer):
         xp, xhat, rstd = self.xp, ctx.xhat, ctx.rstd
         d = dy.reshape(-1, self.width)
         scratch = ctx.buffer("scratch", d.shape, dy.dtype)
-        xp.multiply(d, xhat, out=scratch)
-        scratch.sum(axis=0, out=self.grads["gamma"])
-        d.sum(axis=0, out=self.grads["beta"])
+
+        def sums():   # gamma's and beta's gradients
+            xp.multiply(d, xhat, out=scratch)
+            scratch.sum(axis=0, out=self.grads["gamma"])
+            d.sum(axis=0, out=self.grads["beta"])
+        g = ctx.buffer("dx", d.shape, dy.dtype) if need_dx else None
+        compiled = self.compiled and d.flags.c_contiguous
+        gamma = self.params["gamma"]
+
+        def inputs():   # dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma: a pass a row
+            self._rows(lambda lo, hi: passes.layer_norm_backward(d[lo:hi], gamma, xhat[lo:hi],
+                                                                 rstd[lo:hi].reshape(-1), g[lo:hi]), d)
+        if need_dx and compiled and self.tensor is None:   # on two threads, the sums beside it (threads.pair)
+            self.pair(inputs, sums)
+            return g.reshape(dy.shape)
+        sums()
         if self.tensor is not None:   # --sequence-parallel: this rank's positions' part, summed over the group
             both = ctx.buffer("both", (2, self.width), dy.dtype)
             both[0], both[1] = self.grads["gamma"], self.grads["beta"]
@@ -88,14 +101,10 @@ class LayerNorm(Layer):
             self.grads["gamma"][...], self.grads["beta"][...] = both
         if not need_dx:
             return None
-        # dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma
-        g = ctx.buffer("dx", d.shape, dy.dtype)
-        if self.compiled and d.flags.c_contiguous:
-            gamma = self.params["gamma"]
-            self._rows(lambda lo, hi: passes.layer_norm_backward(d[lo:hi], gamma, xhat[lo:hi],
-                                                                 rstd[lo:hi].reshape(-1), g[lo:hi]), d)
+        if compiled:
+            inputs()
             return g.reshape(dy.shape)
-        xp.multiply(d, self.params["gamma"], out=g)
+        xp.multiply(d, gamma, out=g)
         xp.multiply(g, xhat, out=scratch)
         m2 = scratch.mean(axis=1, keepdims=True)
         m1 = g.mean(axis=1, keepdims=True)
