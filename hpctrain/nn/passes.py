@@ -12,7 +12,7 @@ adds in np.add.at's order: the same bits), except:
   "reassoc", _ROW_SUMS), and the softmax's exp (NumPy's, in the dtype);
 - GELU's forward: on float64 Cody's erfc (nn/erfc.py) one element at a
   time, only the interval the element is in, each result rounded once; on
-  float32 a branch-free fit in float32 lanes (_make_gelu_forward_fast).
+  float32 a branch-free fit in float32 lanes (nn/gelu_fast.py).
 Those are within a few units of the last place of the NumPy path, not its
 bits (tests/test_compiled.py).
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import vector_width
 from ..tuning import SUMS_CHANNELS
-from . import compiled
+from . import compiled, gelu_fast
 from .erfc import A, B, C, D, MIDDLE, P, Q, SMALL, SQRPI
 
 _kernels = {}
@@ -186,8 +186,7 @@ def _relu_backward(y, dy):
         dy[i] = dy[i] * (1.0 if y[i] > 0 else 0.0)
 
 
-_INV_SQRT2 = 1 / math.sqrt(2)
-_INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
+_INV_SQRT2, _INV_SQRT_2PI = gelu_fast.INV_SQRT2, gelu_fast.INV_SQRT_2PI
 
 
 def _gelu_forward(x, y, cdf, phi):
@@ -223,50 +222,6 @@ def _gelu_forward(x, y, cdf, phi):
         cdf[i] = 0.5 * erfc if v < 0 else 1.0 - 0.5 * erfc
         phi[i] = gauss * _INV_SQRT_2PI
         y[i] = x[i] * cdf[i]
-
-
-# GELU's float32 kernel: erfc(a) = t exp(-a^2) exp(R(t)), t = 1 / (1 + a/2),
-# R the degree-9 Chebyshev fit of Numerical Recipes' erfcc (Press et al.,
-# Numerical Recipes in C, 2nd ed., 6.2): fractional error under 1.2e-7 for
-# every a >= 0, one float32 ulp, so the left tail keeps its relative
-# accuracy (no 1 - erf). exp(R) without a call: R(t) lies in [-1.27, 0] for
-# t in (0, 1], so exp(R) = exp(-0.625) exp(u), u = R + 0.625 in
-# [-0.65, 0.63], by its Taylor series to u^8 (the next term 5e-8 of it).
-# Branch-free and in float32 lanes with fused multiply-adds ("contract"
-# only), LLVM vectorises it: 4x faster than Cody's float64 intervals
-# (0.65 against 2.5 ns an element on an AMD EPYC), within 2 float32 units of
-# |x| of the exact value. float64 input keeps Cody's kernel (_gelu_forward).
-_ERFCC = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398,
-          1.48851587, -0.82215223, 0.17087277)
-_EXP_AT = -0.625
-_TAYLOR = tuple(1 / math.factorial(k) for k in range(9))
-
-
-def _make_gelu_forward_fast(real):
-    """The float32 forward (see above) with constants of type `real`: cdf,
-    y = x cdf and phi (exp(-x^2 / 2) in, the normal density out), flat arrays."""
-    fit, taylor = tuple(real(c) for c in _ERFCC), tuple(real(c) for c in _TAYLOR)
-    at, scale = real(_EXP_AT), real(math.exp(_EXP_AT))
-    inv_sqrt2, inv_sqrt_2pi, half, one = real(_INV_SQRT2), real(_INV_SQRT_2PI), real(0.5), real(1.0)
-
-    def gelu_forward_fast(x, y, cdf, phi):
-        for i in range(x.shape[0]):
-            v = x[i]
-            gauss = phi[i]
-            t = one / (one + half * (abs(v) * inv_sqrt2))
-            r = fit[9]
-            for j in range(8, -1, -1):
-                r = r * t + fit[j]
-            u = r - at
-            e = taylor[8]
-            for j in range(7, -1, -1):
-                e = e * u + taylor[j]
-            tail = half * (t * gauss * e * scale)   # erfc(|x| / sqrt 2) / 2
-            c = tail if v < 0 else one - tail
-            cdf[i] = c
-            phi[i] = gauss * inv_sqrt_2pi
-            y[i] = v * c
-    return gelu_forward_fast
 
 
 def _gelu_backward(x, cdf, phi, dy, dx):
@@ -438,7 +393,7 @@ def prepare(names, dtype):
     """Compile (or load from numba's cache) these _PLAIN kernels before the first step."""
     for name in names:
         if name == "gelu_forward" and np.dtype(dtype) == np.float32:
-            _fast_gelu()
+            gelu_fast.kernel()
         else:
             _plain(name, dtype)
 
@@ -490,18 +445,9 @@ def causal_softmax_backward(att, datt, scale):
 
 def gelu_forward(x, y, cdf, phi):
     if x.dtype == np.float32:
-        _fast_gelu()(x, y, cdf, phi)
+        gelu_fast.kernel()(x, y, cdf, phi)
     else:
         _plain("gelu_forward", x.dtype)(x, y, cdf, phi)
-
-
-def _fast_gelu():
-    """_make_gelu_forward_fast's kernel for float32, compiled once (fastmath "contract" only)."""
-    if "gelu_forward_fast" not in _kernels:
-        numba = vector_width.load()
-        _kernels["gelu_forward_fast"] = _njit(numba, _make_gelu_forward_fast(np.float32),
-                                              _signature(numba, "ffff", np.float32), {"contract"})
-    return _kernels["gelu_forward_fast"]
 
 
 def gelu_backward(x, cdf, phi, dy, dx):
