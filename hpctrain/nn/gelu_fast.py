@@ -1,5 +1,5 @@
 """GELU's float32 forward kernel for compiled layers (nn/passes.py
-gelu_forward calls it for float32; float64 keeps Cody's kernel there):
+gelu_forward compiles and calls it for float32; float64 keeps Cody's kernel there):
 Phi(x) from a branch-free fit of erfc in float32 lanes, y = x Phi(x), and
 the normal density for the gradient, one pass.
 
@@ -9,7 +9,6 @@ import math
 
 import numpy as np
 
-from .. import vector_width
 
 INV_SQRT2 = 1 / math.sqrt(2)
 INV_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
@@ -56,17 +55,3 @@ def make(real):
             phi[i] = gauss * inv_sqrt_2pi
             y[i] = v * c
     return gelu_forward_fast
-
-
-_compiled = {}
-
-
-def kernel():
-    """make's kernel for float32, compiled once (fastmath "contract" only), with
-    nn/passes.py's options and argument types."""
-    if not _compiled:
-        from . import passes   # it imports this module: its helpers taken when first compiled
-        numba = vector_width.load()
-        _compiled["f"] = passes._njit(numba, make(np.float32), passes._signature(numba, "ffff", np.float32),
-                                      {"contract"})
-    return _compiled["f"]

@@ -389,11 +389,20 @@ def _sums(name, c, dtype):
     return _kernels[full]
 
 
+def _fast_gelu():
+    """gelu_fast.make's kernel for float32, compiled once (fastmath "contract" only)."""
+    if "gelu_forward_fast" not in _kernels:
+        numba = vector_width.load()
+        _kernels["gelu_forward_fast"] = _njit(numba, gelu_fast.make(np.float32), _signature(numba, "ffff", np.float32),
+                                              {"contract"})
+    return _kernels["gelu_forward_fast"]
+
+
 def prepare(names, dtype):
     """Compile (or load from numba's cache) these _PLAIN kernels before the first step."""
     for name in names:
         if name == "gelu_forward" and np.dtype(dtype) == np.float32:
-            gelu_fast.kernel()
+            _fast_gelu()
         else:
             _plain(name, dtype)
 
@@ -445,7 +454,7 @@ def causal_softmax_backward(att, datt, scale):
 
 def gelu_forward(x, y, cdf, phi):
     if x.dtype == np.float32:
-        gelu_fast.kernel()(x, y, cdf, phi)
+        _fast_gelu()(x, y, cdf, phi)
     else:
         _plain("gelu_forward", x.dtype)(x, y, cdf, phi)
 
