@@ -7,7 +7,6 @@ the normal density for the gradient, one pass.
 """
 import math
 
-import numpy as np
 
 
 INV_SQRT2 = 1 / math.sqrt(2)
