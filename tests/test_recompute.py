@@ -7,6 +7,8 @@ runner holds; a model without a block refused in one line.
 
     .venv/bin/python -m pytest -q tests/test_recompute.py
 """
+import json
+
 import numpy as np
 import pytest
 
@@ -34,19 +36,28 @@ def same_parameters(a, b):
     return set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
 
 
-@pytest.mark.parametrize("n, flags", [
-    (2, []),                                                   # ring, dropout in every block
-    (2, ["--accumulate-steps", 2]),
-    (2, ["--pipeline-stages", 2, "--micro-batches", 2]),      # 1F1B: two slots in flight on stage 0
+@pytest.mark.parametrize("n, flags, recomputed", [
+    (2, [], 2 * 4),                                            # ring, dropout in every block: 2 blocks, 4 steps
+    (2, ["--accumulate-steps", 2], 2 * 4 * 2),
+    (2, ["--pipeline-stages", 2, "--micro-batches", 2], None),     # 1F1B: two slots in flight on stage 0
     (2, ["--pipeline-stages", 2, "--micro-batches", 4, "--pipeline-schedule", "interleaved",
-         "--virtual-stages", 2]),                               # two chunks a stage, the tie between stages
-    (3, ["--mode", "ps", "--optimizer", "sgd"]),                # 2 workers, 1 server
+         "--virtual-stages", 2], None),                         # two chunks a stage, the tie between stages
+    (3, ["--mode", "ps", "--optimizer", "sgd"], None),          # 2 workers, 1 server
 ], ids=["ring", "accumulate", "pipeline", "interleaved", "ps"])
-def test_recompute_trains_the_bits_of_a_run_without(job, text_dir, tmp_path, n, flags):
+def test_recompute_trains_the_bits_of_a_run_without(job, text_dir, tmp_path, n, flags, recomputed):
+    """The same bits, and the final record counts the chief's block forwards
+    run again (recomputed_forwards: a loop that ignored the flag has none)."""
+    finals = {}
     for name, extra in (("plain", []), ("recompute", ["--recompute"])):
-        r = job(n, "--data", text_dir, *FLAGS, *flags, *extra, "--save", tmp_path / f"{name}.h5")
+        metrics = tmp_path / f"{name}.jsonl"
+        r = job(n, "--data", text_dir, *FLAGS, *flags, *extra, "--save", tmp_path / f"{name}.h5",
+                "--metrics", metrics)
         assert r.returncode == 0, r.stderr
+        finals[name] = json.loads(metrics.read_text().splitlines()[-1])
     assert same_parameters(tmp_path / "plain.h5", tmp_path / "recompute.h5")
+    assert "recomputed_forwards" not in finals["plain"]
+    count = finals["recompute"]["recomputed_forwards"]
+    assert count == recomputed if recomputed else count > 0, count
 
 
 def _step(spec, batch, slots=1):

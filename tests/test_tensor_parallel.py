@@ -12,6 +12,7 @@ T; and the refusals.
     python -m pytest -q tests/test_tensor_parallel.py
 """
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -207,11 +208,17 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel(job, tmp_path, text_dir
     assert r.returncode == 0, r.stderr
     r, _, resumed = run(job, 2, [*flags, "--steps", 20, "--zero", 1], tmp_path, "resumed")
     assert "resumed from" in r.stdout
-    r, _, again = run(job, 4, [*flags, "--steps", 30, "--tensor-parallel", 4], tmp_path, "again")
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt-one")   # step 20, for the one-process reference
+    r, again_losses, again = run(job, 4, [*flags, "--steps", 30, "--tensor-parallel", 4], tmp_path, "again")
     assert "resumed from" in r.stdout
     _, _, straight = run(job, 2, [*flags[:-2], "--steps", 20], tmp_path, "straight")
     close(resumed, straight, 2e-4)
-    assert again.keys() == straight.keys()
+    # T = 4 with one replica is one process (the same 4 windows a step): its values, not only its names
+    r, one_losses, one = run(job, 1, [*flags[:-2], "--checkpoint-dir", tmp_path / "ckpt-one", "--steps", 30],
+                             tmp_path, "one")
+    assert "resumed from" in r.stdout
+    assert len(again_losses) == 10 and np.allclose(again_losses, one_losses, rtol=2e-5), (again_losses, one_losses)
+    close(again, one, 2e-4)
 
 
 def test_the_three_axes_together_train_the_gpt_of_accumulation(job, tmp_path, text_dir):

@@ -98,6 +98,8 @@ def test_zero_3_trains_the_gpt_of_zero_1_with_accumulation(job, tmp_path, text_d
     assert same_bytes(tmp_path / "z1.h5", tmp_path / "z3.h5")
     assert same_bytes(tmp_path / "best1.h5", tmp_path / "best3.h5")   # --keep-best: written a bucket at a time
     assert finals[0]["test_loss"] == finals[1]["test_loss"]
+    # the stage that ran (the loop's sharded parameters, not the flag): a stage 3 run as 1 fails here
+    assert [f["zero"] for f in finals] == [1, 3]
 
 
 def test_a_model_refused_at_zero_2_on_4_ranks_trains_at_zero_3_there(job, tmp_path):

@@ -118,6 +118,8 @@ def train_pipe(world, plan, inputs, timeline):
              "micro_batches": micro, "schedule": pipe.schedule, "virtual_stages": virtual, "replicas": grid.replicas,
              "pipeline_split": pipe.split, "shard_optimizer": "on" if engine.sharded else "off",
              **(engine.clip.totals() if engine.clip else {}), "compression": plan.compression.kind}
+    if spec.recompute:   # the chief's stage's block forwards run again
+        extra["recomputed_forwards"] = sum(chunk.model.run.recomputed for chunk in engine.chunks)
     record = frame.end(step, stopped and step < frame.steps, world.comm, model,
                        save=lambda at: whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at,
                                                              slices),

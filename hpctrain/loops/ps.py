@@ -322,6 +322,8 @@ def end_worker(world, plan, frame, w, local):
         extra["clip_norm"] = plan.optimizer.clip_norm
         if w.clip:   # async: this worker's (the chief's) own pushes
             extra.update(w.clip.totals())
+    if w.model.run.units:   # --recompute: this worker's (the chief's) block forwards run again
+        extra["recomputed_forwards"] = w.model.run.recomputed
     alone = bool(extra["abandoned_workers"])
     record = frame.end(step, client.preempted, cluster.comm, w.evaluated,
                        save=(lambda at: save_cut(plan, checkpoints, final_cut, w.model.state)) if want_state else None,

@@ -87,6 +87,8 @@ def train_ring(world, plan, inputs, timeline):
     extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": 3 if ring.shard_params else 2 if ring.shard_grads else int(ring.sharded),
              **(ring.clip.totals() if ring.clip else {}),
              "compression": plan.compression.kind}
+    if ring.model.run.units:   # --recompute: the chief's block forwards run again
+        extra["recomputed_forwards"] = ring.model.run.recomputed
     if ring.exchange is not None:
         extra["sent_bytes_per_step"] = ring.sent_bytes()   # what each rank hands its allreduce, compressed
     return frame.end(step, stopped and step < frame.steps, everyone, evaluated,

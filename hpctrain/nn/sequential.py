@@ -92,6 +92,9 @@ class LayerRange:
         self._shared_of = {k: self.shared.setdefault(self._kind(k), self.layers[k].context())
                            for k in sorted(self.units)}
         self._unit_inputs = [{} for _ in range(slots)]
+        # forwards of units run again before their backward: the final record's
+        # recomputed_forwards, so a run shows --recompute happened (loops/)
+        self.recomputed = 0
         self._scratch = Context(xp)   # a unit's output gradient and the state a recompute puts back
         self.in_shape = spec.input_shape if a == 0 else spec.shapes[a - 1]
         # the model's loss where the range ends the model, and a context per slot
@@ -216,6 +219,7 @@ class LayerRange:
         layer.set_noise(shared, self.slots[slot].inner[k].noise)
         with self._state_kept(self.a + k):
             layer.forward(shared, self._unit_inputs[slot].pop(k), True)
+        self.recomputed += 1
         return layer.backward(shared, dy, need_dx)
 
     @contextlib.contextmanager
