@@ -21,11 +21,11 @@ import numpy as np
 from . import data as data_mod
 from .errors import HpctrainError
 from .data.arrays import memory_available
-from .data.fit import check_fit
+from .data.fit import check_fit, check_kind
 from .checkpoints.trust import Corrupt, Refused, hard_linked, stored_inside
 from .nn import LayerError, spec_for
 from .nn.user import UserModelError
-from .model_names import gpt_options, is_model_file
+from .model_names import gpt_options, input_kind_of, is_model_file
 from .nn.zoo import MODELS
 from .checkpoints.model_record import ATTR
 from .files import printable
@@ -135,6 +135,9 @@ def _record_of(attrs, source, data_dir, model):
                                 f"give --data DIR (the data it was trained on)"
                                 + ("" if _in_zoo(name) else " and --model FILE.py:FUNCTION"))
         manifest = data_mod.load_manifest(data_dir)
+        # images or text, in every command's words (data/fit.py), before the shapes are read
+        check_kind(f"model {source}", input_kind_of(name) or "image", data_mod.input_kind(manifest),
+                   f"data {data_dir}")
         shape, classes = data_mod.model_shape(manifest)
         hidden = [int(w) for w in str(attrs.get("hidden", "")).split(",") if w.strip().isdigit()]
         rec = {"model": name, "hidden": hidden, "identity": identity, "input_shape": list(shape),

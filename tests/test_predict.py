@@ -290,6 +290,12 @@ def test_a_file_from_before_the_record_loads_with_its_data(trained_once, photos,
     r = tool("evaluate", "--params", old, "--data", photos[1], "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["class_names"] == ["blue", "green", "red"]
+    # given text, it is an image model as every command says (data/fit.py; issue 54, item 5)
+    (tmp_path / "t.txt").write_text("To be, or not to be\n" * 20, encoding="utf-8")
+    data.prepare_text(str(tmp_path / "t.txt"), str(tmp_path / "t"), "chars", log=quiet)
+    assert one_line(tool("predict", "--params", old, "--data", tmp_path / "t")) == (
+        f"hpctrain: error: model {old} is an image model and data {tmp_path / 't'} holds text: an image model "
+        f"cannot read text")
 
 
 def readme_image_commands():
