@@ -13,7 +13,7 @@ every command refuses the same things in the same words, exit 2.
   differ in one), never just their size (`check_fit`). A file from before
   the record carried a vocabulary is held to the size alone.
 
-    python -c "from hpctrain.data.fit import check_fit; check_fit('model gpt.h5', 'tokens', 'data/x', text={'kind': 'bytes'})"
+    python -c "from hpctrain.data.fit import check_fit; check_fit('model gpt.h5', 'tokens', 'data/shakespeare-chars', text={'kind': 'bytes'})"
 
 No MPI here (house rule): the callers make the line one for the whole job.
 """
