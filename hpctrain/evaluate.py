@@ -15,7 +15,9 @@ of a run `accuracy` and `loss` are the final record's `test_accuracy` and
 digits it records (bit for bit where that run had one worker; with more, each
 worker summed its own part, and the loss may differ in the 7th digit). A
 model file and data that do not match (another image shape or class count,
-other class names) is one line, exit 2; so is a --plot that is one of the
+other class names; text for an image model or images for a language model;
+text of another vocabulary than the one the model was trained on, even of
+the same size: data/fit.py) is one line, exit 2; so is a --plot that is one of the
 inputs (the model's file, anything in --data), a device or FIFO, or in a
 folder that takes no file, refused before the model is read. The picture
 written adds a line that names it.
@@ -64,10 +66,7 @@ def evaluate_text(model, data_dir, manifest, split):
     """{loss, perplexity, accuracy, num_tokens, ...} of a language model on
     a split of prepared text, windows of its block size."""
     from . import data
-    if model.spec.input_kind != "tokens" or int(manifest["vocab_size"]) != model.spec.classes:
-        raise HpctrainError(f"{data_dir}: text of {manifest['vocab_size']} tokens, but the model in {model.source} "
-                            f"takes {model.spec.input_kind}s of {model.spec.classes} classes: another model's file, "
-                            f"or other data")
+    model.check_data(data_dir)   # text, and the vocabulary the model was trained on (data/fit.py)
     block_size = model.input_shape[0]
     x, y = data.load_test_windows(data_dir, block_size, split=split)
     sums = model.model.evaluate(x, y)
@@ -150,16 +149,17 @@ def build_parser(prog="python -m hpctrain.evaluate"):
 def main(argv=None, prog="python -m hpctrain.evaluate"):
     args = build_parser(prog).parse_args(argv)
     from . import data, trained
-    from .data.splits import is_text
     if args.plot:
         from . import plot
         plot.require()
         files, folders = trained.input_paths(args.params, args.checkpoint, args.model)
         check_output_file(args.plot, "--plot", inputs=files, input_folders=[args.data, *folders])
     model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
-    if model.spec.input_kind == "tokens" or is_text(data.load_manifest(args.data)):
-        return _text(model, args)
+    # A model meeting the other kind of data, or a language model another
+    # vocabulary, is one line here, whatever the command (data/fit.py).
     manifest = model.check_data(args.data)
+    if model.spec.input_kind == "tokens":
+        return _text(model, args)
     if args.split not in manifest:
         raise HpctrainError(f"{args.data}: no {args.split} part (prepare --val-fraction F holds one out)")
     x, y = data.load_test(args.data, raw=True, split=args.split)

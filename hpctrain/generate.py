@@ -8,7 +8,9 @@
 The model and its vocabulary come from the --save file (or a checkpoint):
 training records the vocabulary beside the parameters (checkpoints/
 model_record.py), so no data directory is needed; a file that lacks it
-takes it from --data DIR (the prepared text it was trained on). The prompt
+takes it from --data DIR (the prepared text it was trained on). A --data
+DIR given is held to the model as every command holds it (data/fit.py):
+images, or text of another vocabulary than the record's, are one line. The prompt
 is encoded with that vocabulary (a character outside a `chars` vocabulary
 is one line, exit 2); an empty prompt starts from a newline, as nanoGPT's
 sample.py does (token 0 where the vocabulary has no newline), and that
@@ -73,6 +75,8 @@ def vocabulary(model, data_dir):
     if model.spec.input_kind != "tokens":
         raise HpctrainError(f"{model.source}: model {model.spec.name} takes {model.spec.input_kind}s, not token ids: "
                             f"generate samples a language model (--model gpt:...)")
+    if data_dir is not None:   # text, of the vocabulary the model records (data/fit.py)
+        model.check_data(data_dir)
     vocab = from_record(model.text, model.source)
     if vocab is None and data_dir is None:
         raise HpctrainError(f"{model.source}: records no vocabulary (saved by an older hpctrain, or too large "

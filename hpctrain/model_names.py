@@ -56,3 +56,16 @@ def gpt_name(options):
     """The canonical --model text of gpt_options' dict (what ranks compare and files record)."""
     text = f"gpt:layers={options['layers']},heads={options['heads']},width={options['width']}"
     return text + (f",dropout={options['dropout']:g}" if options["dropout"] else "")
+
+
+def input_kind_of(name):
+    """What a --model name's first layer takes, known before it is built
+    (nn/spec.INPUT_KINDS): "tokens" for a GPT, "image" for the zoo's other
+    models, None for a user's file (known once built) or a name that does
+    not parse (refused where it is built)."""
+    if name in MODELS:
+        return "image"
+    try:
+        return "tokens" if gpt_options(name) is not None else None
+    except ValueError:
+        return None

@@ -18,7 +18,8 @@ one line `wrote N predictions to FILE`; an --out that is one of the inputs,
 a device or FIFO, or in a folder that takes no file is refused before the
 model is read: run/outputs.check_output_file). Every image is read before
 anything is written: an unreadable one, a file and data that do not match
-(another shape or class count) is one line, exit 2. A model trained from a
+(another shape or class count; a language model, or text for an image model:
+data/fit.py) is one line, exit 2. A model trained from a
 user's FILE.py is rebuilt only with --model naming it (trained.py).
 
 No MPI here: one process.
@@ -101,6 +102,22 @@ def inputs_from_data(model, data_dir, split):
     return x, [f"{split}:{i}" for i in range(len(y))], y
 
 
+def check_model(model, args):
+    """One line unless the model classifies images and can read the inputs:
+    an image model given text (--data), a language model given images or
+    text, in data/fit.py's words (the check every command makes)."""
+    from .data.fit import check_kind
+    if args.data:
+        model.check_data(args.data)
+    else:
+        more = len(args.images) - 1
+        check_kind(f"model {model.source}", model.spec.input_kind, "image",
+                   args.images[0] + (f" (and {more} more)" if more else ""))
+    if model.spec.input_kind == "tokens":
+        raise HpctrainError(f"model {model.source} is a language model: predict classifies images (hpctrain "
+                            f"generate samples text from it, hpctrain evaluate --data DIR scores it on text)")
+
+
 def check_out(args):
     """--out, before the model is read: a file that can be written and is
     none of the inputs (the model's file, an image, anything under --data)."""
@@ -148,6 +165,7 @@ def main(argv=None, prog="python -m hpctrain.predict"):
     check_out(args)
     from . import trained
     model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
+    check_model(model, args)
     top = min(args.top, model.spec.classes)
     if args.data:
         x, names, labels = inputs_from_data(model, args.data, args.split)

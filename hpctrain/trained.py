@@ -21,10 +21,11 @@ import numpy as np
 from . import data as data_mod
 from .errors import HpctrainError
 from .data.arrays import memory_available
+from .data.fit import check_fit, check_kind
 from .checkpoints.trust import Corrupt, Refused, hard_linked, stored_inside
 from .nn import LayerError, spec_for
 from .nn.user import UserModelError
-from .model_names import gpt_options, is_model_file
+from .model_names import gpt_options, input_kind_of, is_model_file
 from .nn.zoo import MODELS
 from .checkpoints.model_record import ATTR
 from .files import printable
@@ -70,8 +71,15 @@ class Trained:
                 f"{'x'.join(map(str, self.input_shape))}, {self.spec.classes} classes")
 
     def check_data(self, data_dir):
-        """One line unless data_dir's images have this model's shape and class count."""
-        manifest = data_mod.load_manifest(data_dir)
+        """data_dir's manifest, once this model can read it: the same kind of
+        input (images or text) and, for a language model, the same whole
+        vocabulary as its record's (data/fit.py, the check every command
+        makes); for images, their shape, class count and class names.
+        Otherwise one line."""
+        manifest = check_fit(f"model {self.source}", self.spec.input_kind, data_dir, classes=self.spec.classes,
+                             text=self.text)
+        if self.spec.input_kind == "tokens":
+            return manifest
         shape, classes = data_mod.model_shape(manifest)
         if tuple(shape) != tuple(self.input_shape) or classes != self.spec.classes:
             raise HpctrainError(
@@ -127,6 +135,9 @@ def _record_of(attrs, source, data_dir, model):
                                 f"give --data DIR (the data it was trained on)"
                                 + ("" if _in_zoo(name) else " and --model FILE.py:FUNCTION"))
         manifest = data_mod.load_manifest(data_dir)
+        # images or text, in every command's words (data/fit.py), before the shapes are read
+        check_kind(f"model {source}", input_kind_of(name) or "image", data_mod.input_kind(manifest),
+                   f"data {data_dir}")
         shape, classes = data_mod.model_shape(manifest)
         hidden = [int(w) for w in str(attrs.get("hidden", "")).split(",") if w.strip().isdigit()]
         rec = {"model": name, "hidden": hidden, "identity": identity, "input_shape": list(shape),

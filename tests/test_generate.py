@@ -9,6 +9,7 @@ final record.
 """
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 from conftest import run_job, under_mpirun
 from hpctrain import data, evaluate, generate, trained
 from hpctrain.checkpoints.model_record import ATTR
-from hpctrain.data.vocab import Bpe, Bytes, Chars, from_record
+from hpctrain.data.vocab import Bpe, Bytes, Chars, describe, from_record, load_vocabulary
 from hpctrain.errors import HpctrainError
 from hpctrain.nn.decode import Decoder
 from hpctrain.nn.gpt import gpt
@@ -83,7 +84,8 @@ def test_every_vocabulary_comes_back_from_its_record_entry():
 @pytest.fixture(scope="module")
 def trained_gpt(tmp_path_factory):
     """A small GPT trained 6 steps on 40,000 characters of the plays, on one
-    rank: (data dir, --save file, the final record, --checkpoint-dir)."""
+    rank: (data dir, --save file, the final record, --checkpoint-dir); its
+    --keep-best file is best.h5 beside the --save file."""
     if under_mpirun():
         pytest.skip("launches its own mpirun job: runs in the plain pytest pass")
     root = tmp_path_factory.mktemp("generate")
@@ -94,7 +96,7 @@ def trained_gpt(tmp_path_factory):
     save, metrics, ckpt = root / "gpt.h5", root / "m.jsonl", root / "ckpt"
     r = run_job(1, "--data", text_dir, "--model", "gpt:layers=2,heads=2,width=16", "--block-size", 16,
                 "--batch-size", 4, "--steps", 6, "--lr", 1e-2, "--save", save, "--metrics", metrics,
-                "--checkpoint-dir", ckpt, "--checkpoint-every", 6)
+                "--checkpoint-dir", ckpt, "--checkpoint-every", 6, "--eval-every", 6, "--keep-best", root / "best.h5")
     assert r.returncode == 0, r.stderr
     return str(text_dir), str(save), json.loads(metrics.read_text().splitlines()[-1]), str(ckpt)
 
@@ -206,3 +208,58 @@ def test_a_record_past_its_cap_leaves_the_vocabulary_out(tmp_path, monkeypatch):
     assert cut["text"] is None and cut["model"] == whole["model"] and cut["classes"] == 8
 
 
+
+
+def test_a_model_meeting_other_data_is_one_line_in_every_command(trained_gpt, tmp_path, capsys):
+    """Issue 54, items 1 and 5: the GPT's files (--save, --keep-best, a
+    checkpoint) meeting the plays with one character made another (a
+    vocabulary of the same size: evaluate once scored it, rc 0), or images
+    (a KeyError, an IndexError once), and a resume on that text, fine-tuning
+    (--resume-other-data) included: one line naming both sides, exit 2."""
+    from PIL import Image
+
+    from hpctrain import predict
+    text_dir, save, _, ckpt = trained_gpt
+    best = str(Path(save).parent / "best.h5")
+    plays = Path(data.bundled_text_path()).read_text(encoding="utf-8")[:40_000]
+    assert "z" in plays and "@" not in plays
+    (tmp_path / "other.txt").write_text(plays.replace("z", "@"), encoding="utf-8")
+    other = tmp_path / "other"
+    data.prepare_text(str(tmp_path / "other.txt"), str(other), "chars", log=lambda *a, **k: None)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "images.npz", x=rng.integers(0, 256, (40, 6, 6), np.uint8), y=np.arange(40) % 4)
+    images = tmp_path / "images"
+    data.prepare(str(tmp_path / "images.npz"), str(images), log=lambda *a, **k: None)
+    Image.fromarray(rng.integers(0, 256, (6, 6), np.uint8)).save(tmp_path / "one.png")
+    mine, have = (describe(load_vocabulary(d)) for d in (text_dir, other))
+    assert mine.split(" ")[0] == have.split(" ")[0] and mine != have   # chars:N both, another digest
+
+    def one_line(command, *args):
+        code = {"evaluate": evaluate, "predict": predict, "generate": generate}[command].main(list(map(str, args)))
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("hpctrain: error: "), err
+        return err.rstrip("\n").removeprefix("hpctrain: error: ")
+
+    other_vocab = f"was trained on vocabulary {mine} but data {other} holds {have}: another model's file, or other data"
+    assert one_line("evaluate", "--params", save, "--data", other) == f"model {save} {other_vocab}"
+    assert one_line("evaluate", "--params", best, "--data", other) == f"model {best} {other_vocab}"
+    assert one_line("generate", "--params", save, "--data", other) == f"model {save} {other_vocab}"
+    assert one_line("evaluate", "--checkpoint", ckpt, "--data", other).endswith(other_vocab)
+    on_images = f"is a language model and data {images} holds images: a language model cannot read images"
+    assert one_line("evaluate", "--params", save, "--data", images) == f"model {save} {on_images}"
+    assert one_line("predict", "--params", save, "--data", images) == f"model {save} {on_images}"
+    assert one_line("generate", "--params", save, "--data", images) == f"model {save} {on_images}"
+    assert one_line("predict", "--params", save, tmp_path / "one.png") == (
+        f"model {save} is a language model and {tmp_path / 'one.png'} holds images: a language model cannot "
+        f"read images")
+    assert one_line("predict", "--params", save, "--data", text_dir).startswith(
+        f"model {save} is a language model: predict classifies images")
+    # a resume on the other text, fine-tuning included: the same ids would be other characters
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    r = run_job(1, "--data", other, "--model", "gpt:layers=2,heads=2,width=16", "--block-size", 16,
+                "--batch-size", 4, "--steps", 8, "--lr", 1e-2, "--checkpoint-dir", tmp_path / "ckpt",
+                "--resume-other-data")
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith(
+        f"hpctrain: error: checkpoint {tmp_path / 'ckpt'}/ckpt-00000006.h5 was trained on vocabulary {mine} but "
+        f"data {other} holds {have}: resume on text of its vocabulary"), r.stderr
+    assert "Traceback" not in r.stderr

@@ -117,7 +117,9 @@ def test_a_resumed_gpt_run_ends_with_the_bits_of_one_run_through(job, text_dir, 
     (["--model", "gpt:layers=2,width=16"], "heads= missing"),
     (["--model", "gpt:layers=2,heads=2,width=16,depth=3"], "'depth=3' is not one of layers=, heads=, width="),
     (["--model", "gpt:layers=2,heads=2,width=16,dropout=1"], "dropout=1 is not in [0, 1)"),
-    (["--model", "mlp"], "--model mlp takes image inputs (its first layer's input_kind), the data in"),
+    # lenet once said it "does not fit the data (256, 67 classes)" (issue 54, item 10)
+    (["--model", "lenet"], "holds text: an image model cannot train on text; for text, a language model is --model "
+                           "gpt:layers=L,heads=H,width=E"),
     (["--model", GPT, "--block-size", 16, "--batch-size", 20_000],
      "35,984 training windows of --block-size 16 + 1 tokens, fewer than one step takes (2 workers x --batch-size "
      "20000 = 40,000); use a smaller --block-size, --batch-size or fewer workers"),
@@ -132,7 +134,8 @@ def test_bad_gpt_flags_and_models_that_do_not_take_text_are_one_line(job, text_d
 def test_the_gpt_on_images_is_one_line(job):
     r = job(1, "--model", GPT, "--steps", 2)
     assert r.returncode == 2, r.stderr
-    assert f"--model {GPT} takes tokens inputs (its first layer's input_kind), the data in" in r.stderr, r.stderr
+    assert f"--model {GPT} is a language model and --data " in r.stderr, r.stderr
+    assert "holds images: a language model cannot train on images" in r.stderr, r.stderr
 
 
 def test_keep_best_keeps_the_lowest_val_loss_and_resumes_it(job, text_dir, tmp_path):

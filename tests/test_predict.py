@@ -266,6 +266,19 @@ def test_mismatched_file_and_data_are_one_line_exit_2(trained_once, photos, tmp_
     assert "give IMAGE files or --data DIR" in one_line(tool("predict", "--params", save))
 
 
+def test_an_image_model_on_text_is_one_line_in_every_command(trained_once, tmp_path, capsys):
+    """Issue 54, item 5: the image model's --save file and checkpoint given
+    prepared text, in data/fit.py's words (the GPT's side: test_generate.py)."""
+    tmp, save, _ = trained_once
+    (tmp_path / "t.txt").write_text("To be, or not to be\n" * 20, encoding="utf-8")
+    data.prepare_text(str(tmp_path / "t.txt"), str(tmp_path / "t"), "chars", log=quiet)
+    says = f"is an image model and data {tmp_path / 't'} holds text: an image model cannot read text\n"
+    for name, source in (("evaluate", ("--params", save)), ("predict", ("--params", save)),
+                         ("evaluate", ("--checkpoint", tmp / "ckpt1"))):
+        code, out, err = in_process(capsys, name, *source, "--data", tmp_path / "t")
+        assert code == 2 and out == "" and err.startswith("hpctrain: error: model ") and err.endswith(says), err
+
+
 def test_a_file_from_before_the_record_loads_with_its_data(trained_once, photos, tmp_path):
     _, save, _ = trained_once
     old = tmp_path / "old.h5"
@@ -277,6 +290,12 @@ def test_a_file_from_before_the_record_loads_with_its_data(trained_once, photos,
     r = tool("evaluate", "--params", old, "--data", photos[1], "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["class_names"] == ["blue", "green", "red"]
+    # given text, it is an image model as every command says (data/fit.py; issue 54, item 5)
+    (tmp_path / "t.txt").write_text("To be, or not to be\n" * 20, encoding="utf-8")
+    data.prepare_text(str(tmp_path / "t.txt"), str(tmp_path / "t"), "chars", log=quiet)
+    assert one_line(tool("predict", "--params", old, "--data", tmp_path / "t")) == (
+        f"hpctrain: error: model {old} is an image model and data {tmp_path / 't'} holds text: an image model "
+        f"cannot read text")
 
 
 def readme_image_commands():

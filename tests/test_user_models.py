@@ -64,7 +64,7 @@ BAD = {
     "a first layer that takes tokens": (
         "from hpctrain.nn import Dense, Flatten\n\n\nclass Tokens(Flatten):\n    input_kind = 'tokens'\n\n\n"
         "def build(shape, classes):\n    return [Tokens(), Dense(classes)]\n", None,
-        "takes tokens inputs (its first layer's input_kind), the data in"),
+        "is a language model and --data "),
 }
 
 

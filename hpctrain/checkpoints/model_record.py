@@ -69,3 +69,19 @@ def record(spec, plan):
             out[dropped] = None
             text = json.dumps(out)
     return {ATTR: text}
+
+
+def recorded_text(attrs, source):
+    """The vocabulary entry (data/vocab.py record_entry) of a file's
+    attributes' record, or None where it carries none (a file from before
+    the record, an image model's, one too large for it); one line for a
+    record that does not parse."""
+    text = attrs.get(ATTR)
+    if text is None:
+        return None
+    try:
+        rec = json.loads(text.decode() if isinstance(text, bytes) else str(text))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise HpctrainError(f"{source}: damaged '{ATTR}' attribute; save the model again") from None
+    entry = rec.get("text") if isinstance(rec, dict) else None
+    return entry if isinstance(entry, dict) else None

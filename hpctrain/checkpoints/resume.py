@@ -22,8 +22,9 @@ import numpy as np
 
 from . import file as checkpoint
 from .read_back import check_data, load_latest
-from .model_record import record as model_record
+from .model_record import record as model_record, recorded_text
 from .. import device
+from ..data.fit import check_fit
 from ..errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 from ..tuning import rounding
 from .sharded import ShardedState
@@ -144,10 +145,17 @@ class Checkpoints:
         return ckpt
 
     def _check_data(self, ckpt):
-        """A checkpoint of other data is refused, or with --resume-other-data
+        """A checkpoint of a language model trained on another vocabulary is
+        refused; one of other data is refused, or with --resume-other-data
         goes on from the new data's first epoch, its samples counted from 0
         (--epochs: E epochs of the new data)."""
         data = self.data
+        # First the model against the data, as every command holds it (data/fit.py): a
+        # language model goes on only on text of the vocabulary it was trained on, even
+        # with --resume-other-data (the same ids of another vocabulary are other tokens).
+        check_fit(f"checkpoint {ckpt.path}", self.plan.spec.input_kind, data.dir,
+                  text=recorded_text(ckpt.attrs, ckpt.path),
+                  advice="resume on text of its vocabulary, or start fresh with another --checkpoint-dir")
         line = check_data(ckpt, data.digest, data.dir, self.outputs.resume_other_data)
         if line:
             print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)

@@ -30,6 +30,7 @@ One job per module:
     prepare_text.py  text -> token shards (its last --val-fraction held out) + manifest.json, atomically
     tokens.py    TokenReader (training windows), load_test_windows (the held-out windows)
     splits.py    the reader a directory takes (images or tokens): training batches, held-out parts
+    fit.py       whether a model can read a directory: images or text, and a language model's vocabulary
     augment.py   --augment crop,flip: per sample, from (seed, epoch, sample id)
     fetch.py     download the published files, verify their MD5, unpack archives safely
     manifest.py  format constants, paths, load_manifest and its structure check

@@ -17,11 +17,16 @@ Every vocabulary round-trips: decode(encode(text)) == text for any text
 it was trained on (chars: of its characters; bytes and bpe: any UTF-8).
 A trained model carries its vocabulary (`record_entry()`, read back by
 `from_record`: the characters, or the BPE's tokenizer.json compressed),
-so generation needs no data directory (checkpoints/model_record.py).
+so generation needs no data directory (checkpoints/model_record.py);
+`same(a, b)` compares two whole vocabularies (ids and their strings, not
+just their size) and `describe` names one in a line, "chars:65 (digest
+...)": data/fit.py holds a model's against its data's.
 No MPI here (house rule).
 """
 
 import base64
+import hashlib
+import json
 import zlib
 from pathlib import Path
 
@@ -88,6 +93,9 @@ class Chars:
     def record_entry(self):
         return {"kind": self.kind, "vocabulary": "".join(self.vocabulary)}
 
+    def content(self):
+        return "".join(self.vocabulary)
+
 
 class Bytes:
     """Id b is byte b. Text is encoded as UTF-8; decode replaces what is not
@@ -107,6 +115,9 @@ class Bytes:
 
     def record_entry(self):
         return {"kind": self.kind}
+
+    def content(self):
+        return ""
 
 
 def _tokenizers():
@@ -163,10 +174,30 @@ class Bpe:
         packed = base64.b64encode(zlib.compress(self.tokenizer.to_str().encode(), 9)).decode()
         return {"kind": self.kind, "tokenizer_zlib": packed}
 
+    def content(self):
+        # The tokenizer's JSON with its keys sorted: the same whether it was
+        # read from the data's tokenizer.json (written pretty-printed) or
+        # rebuilt from a model's record (compact); the merges keep their order.
+        return json.dumps(json.loads(self.tokenizer.to_str()), sort_keys=True)
+
     @classmethod
     def from_str(cls, text):
         tk = _tokenizers()
         return cls(tk.Tokenizer.from_str(text))
+
+
+def same(a, b):
+    """Whether two vocabularies give every id the same string: their whole
+    content compared, not their size (a `bytes` and a `bpe:256` vocabulary
+    both have 256 ids)."""
+    return a.kind == b.kind and a.content() == b.content()
+
+
+def describe(vocab):
+    """A vocabulary in a line: kind:size and a digest of its whole content
+    (ids and their strings), which tells apart two of one kind and size."""
+    digest = hashlib.sha256(f"{vocab.kind}\n{vocab.content()}".encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{vocab.kind}:{vocab.vocab_size} (digest {digest[:12]})"
 
 
 def train_vocabulary(kind, size, text):

@@ -19,12 +19,13 @@ from mpi4py import MPI
 from .. import data as data_mod
 from .. import device, vector_width
 from ..cli import validate
-from ..model_names import is_model_file
+from ..model_names import input_kind_of, is_model_file
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
 from ..comm.records import allgather_bytes
 from ..comm.waits import Waits
 from ..data.augment import Augment
+from ..data.fit import check_kind
 from ..errors import HpctrainError
 from ..nn import LayerError, compiled, spec_for, threads
 from ..nn.kernels_used import layers_line
@@ -111,6 +112,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     digest, model_shape, manifest = agree(data_identity, data_dir, args.block_size)
     with watchdog.waiting("start-up (same data on every rank)", peer=None):
         agree(check_consistency, comm, {"data (manifest digest)": digest})
+    # An image model on text, or a GPT on images, in plain words before
+    # anything is built from the data's shapes (a user's file: once built, below).
+    agree(check_input_kind, args, input_kind_of(args.model), manifest, data_dir)
     has_val = data_mod.has_val(data_dir)
     agree(check_val, args, has_val, data_dir)
     # --augment flip on --no-flip data, crop=P past the image: refused; a wide crop: a warning
@@ -151,7 +155,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
 
     # --- the model, shaped by the data's manifest --------------------------------
     spec = agree(_model_spec, args, model_shape, watchdog, what="building the model")
-    agree(check_input_kind, args, spec, manifest, data_dir)
+    agree(check_input_kind, args, spec.input_kind, manifest, data_dir)
     with watchdog.waiting("start-up (same model on every rank)", peer=None):
         # a user's file may differ between nodes: its code, layers and tensors are compared
         agree(check_consistency, comm, {"model (layers, tensors and their shapes)": spec.fingerprint,
@@ -294,13 +298,13 @@ def _nothing(*args):
     return None
 
 
-def check_input_kind(args, spec, manifest, data_dir):
-    """The model takes what the data's reader gives (nn/spec.py input_kind,
-    data.input_kind): image pixels, or token ids."""
-    given = data_mod.input_kind(manifest)
-    if spec.input_kind != given:
-        raise HpctrainError(f"--model {args.model} takes {spec.input_kind} inputs (its first layer's input_kind), "
-                            f"the data in {data_dir} gives {given} inputs")
+def check_input_kind(args, kind, manifest, data_dir):
+    """The model takes what the data's reader gives (kind: nn/spec.py
+    input_kind, None where not known yet; data.input_kind): image pixels,
+    or token ids; otherwise data/fit.py's line, every command's."""
+    if kind is not None:
+        check_kind(f"--model {args.model}", kind, data_mod.input_kind(manifest), f"--data {data_dir}",
+                   verb="train on")
 
 
 def model_spec(args, model_shape):
