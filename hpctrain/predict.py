@@ -29,6 +29,10 @@ import json
 import os
 import sys
 
+if __name__ == "__main__":   # python -m hpctrain.predict: BLAS's threads before numpy loads (command.py's ONE_PROCESS)
+    from .run.cluster import one_process
+    one_process()
+
 import numpy as np
 
 from .arguments import Parser
@@ -147,6 +151,9 @@ def main(argv=None, prog="python -m hpctrain.predict"):
         raise HpctrainError(f"--top must be at least 1, got {args.top}")
     check_out(args)
     from . import trained
+    from .nn import threads
+    from .run.cluster import threads_per_rank
+    threads.configure(threads_per_rank())   # the cores this process has, as training's rank alone (pin_blas)
     model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
     top = min(args.top, model.spec.classes)
     if args.data:
