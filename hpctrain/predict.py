@@ -145,15 +145,15 @@ def build_parser(prog="python -m hpctrain.predict"):
 def main(argv=None, prog="python -m hpctrain.predict"):
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    from .nn import threads
+    from .run.cluster import threads_per_rank
+    threads.configure(threads_per_rank())   # the cores this process has, as training's rank alone (pin_blas)
     if bool(args.images) == bool(args.data):
         raise HpctrainError("give IMAGE files or --data DIR (one of them)")
     if args.top < 1:
         raise HpctrainError(f"--top must be at least 1, got {args.top}")
     check_out(args)
     from . import trained
-    from .nn import threads
-    from .run.cluster import threads_per_rank
-    threads.configure(threads_per_rank())   # the cores this process has, as training's rank alone (pin_blas)
     model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
     top = min(args.top, model.spec.classes)
     if args.data:

@@ -331,7 +331,8 @@ print("env", os.environ.get("OPENBLAS_NUM_THREADS"), "blas", [f() for f in blas]
 """
 
 
-@pytest.mark.parametrize("how", ["hpctrain generate", "python -m hpctrain.generate", "hpctrain evaluate"])
+@pytest.mark.parametrize("how", ["hpctrain generate", "python -m hpctrain.generate", "hpctrain evaluate",
+                                 "hpctrain predict"])
 def test_one_process_commands_pin_blas_as_training_does(trained_gpt, how):
     """Issue 54, N1: BLAS at one thread and the cores as compute threads, as
     train gives a rank alone on its node (run/cluster.py pin_blas), not
@@ -341,7 +342,9 @@ def test_one_process_commands_pin_blas_as_training_does(trained_gpt, how):
     the global count too, so the count alone says less)."""
     from hpctrain.run.cluster import threads_per_rank
     text_dir, save, _, _ = trained_gpt
-    args = ["--params", save] + (["--data", text_dir] if "evaluate" in how else ["--tokens", "2"])
+    more = {"generate": ["--tokens", "2"], "evaluate": ["--data", text_dir],
+            "predict": [os.path.join(text_dir, "manifest.json")]}   # (predict refuses it: its threads come first)
+    args = ["--params", save] + more[how.split()[-1].split(".")[-1]]
     if how.startswith("python -m"):
         run = (f"import runpy; sys.argv = ['generate'] + {args!r}\ntry:\n"
                f"    runpy.run_module('hpctrain.generate', run_name='__main__')\nexcept SystemExit:\n    pass")
