@@ -140,8 +140,10 @@ trap 'forward INT' INT
 # The launcher's standard output passes through awk, line by line as it
 # comes, which keeps what MPICH's "BAD TERMINATION" banner says of the first
 # process that died ("=   PID 4242 RUNNING AT node1", then "... EXIT STRING:
-# Killed (signal 9)") for the rank's name at the end.
-exec {OUT_FD}> >(awk -v dead="$DEAD_FILE" '{ print; fflush() }
+# Killed (signal 9)") for the rank's name at the end. awk ignores the stop
+# signals (preemption signals every process of the job): the launcher must
+# not lose its standard output, and die of SIGPIPE, while the ranks checkpoint.
+exec {OUT_FD}> >(trap '' TERM INT HUP USR1 USR2; exec awk -v dead="$DEAD_FILE" '{ print; fflush() }
     /^=   PID [0-9]+ RUNNING AT / && !pid { pid = $3; host = $6 }
     /TERMINATED WITH THE EXIT STRING: .*\(signal [0-9]+\)/ && pid && !said {
         sub(/.*EXIT STRING: /, ""); print pid, host, $0 > dead; fflush(dead); said = 1 }')
