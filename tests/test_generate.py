@@ -308,7 +308,8 @@ def test_the_new_flags_give_the_same_text_for_a_seed(trained_gpt, tmp_path, monk
     assert one.events[:2] == ["ROMEO:", None] and one.events.count(None) >= 40   # the prompt, then each token
     whole = "".join(one.pieces())
     assert whole.startswith("ROMEO:") and len(whole) == 6 + 40 + 1
-    two = run("--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "40", "--num-samples", "2", "--stream", "off")
+    two = run("--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "40", "--num-samples", "2",
+              "--stream", "off")
     assert None not in two.events and len(two.pieces()) == 1   # written once, at the end
     first, second = two.pieces()[0].split("-" * 15 + "\n")
     assert first == whole and second.startswith("ROMEO:") and second != first
