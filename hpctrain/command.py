@@ -12,7 +12,8 @@ PATH for what `python -m hpctrain.*` runs, as torchrun and horovodrun are.
 
 Each subcommand is its module's main(), given the arguments after its name;
 nothing else is imported first (train configures BLAS and MPI before numpy
-loads: train.py). `python -m hpctrain.X` keeps working.
+loads: train.py; the one-process commands get BLAS's threads here, before
+their module loads numpy: ONE_PROCESS). `python -m hpctrain.X` keeps working.
 """
 import importlib
 import inspect
@@ -29,6 +30,11 @@ COMMANDS = {
     "plot": ("hpctrain.plot", "pictures of --metrics files"),
     "checkpoint": ("hpctrain.checkpoint", "list and verify a --checkpoint-dir's checkpoints"),
 }
+
+# Commands that compute in one process: BLAS's threads pinned as training
+# pins a rank alone on its node (run/cluster.py one_process), before their
+# module imports numpy (OpenBLAS reads them once, when it loads).
+ONE_PROCESS = ("generate", "evaluate", "predict")
 
 
 def usage():
@@ -52,6 +58,9 @@ def main(argv=None):
         print(f"hpctrain: error: unknown command {name!r}; one of {', '.join(COMMANDS)} (hpctrain --help)",
               file=sys.stderr)
         return 2
+    if name in ONE_PROCESS:
+        from .run.cluster import one_process
+        one_process()
     entry = importlib.import_module(COMMANDS[name][0]).main
     kwargs = {"prog": f"hpctrain {name}"} if "prog" in inspect.signature(entry).parameters else {}
     code = entry(rest, **kwargs)

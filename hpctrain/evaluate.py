@@ -34,6 +34,10 @@ import json
 import math
 import sys
 
+if __name__ == "__main__":   # python -m hpctrain.evaluate: BLAS's threads before numpy loads (command.py's ONE_PROCESS)
+    from .run.cluster import one_process
+    one_process()
+
 import numpy as np
 
 from .arguments import Parser
@@ -149,6 +153,9 @@ def build_parser(prog="python -m hpctrain.evaluate"):
 def main(argv=None, prog="python -m hpctrain.evaluate"):
     args = build_parser(prog).parse_args(argv)
     from . import data, trained
+    from .nn import threads
+    from .run.cluster import threads_per_rank
+    threads.configure(threads_per_rank())   # the cores this process has, as training's rank alone (pin_blas)
     if args.plot:
         from . import plot
         plot.require()

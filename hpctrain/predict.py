@@ -30,6 +30,10 @@ import json
 import os
 import sys
 
+if __name__ == "__main__":   # python -m hpctrain.predict: BLAS's threads before numpy loads (command.py's ONE_PROCESS)
+    from .run.cluster import one_process
+    one_process()
+
 import numpy as np
 
 from .arguments import Parser
@@ -158,6 +162,9 @@ def build_parser(prog="python -m hpctrain.predict"):
 def main(argv=None, prog="python -m hpctrain.predict"):
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    from .nn import threads
+    from .run.cluster import threads_per_rank
+    threads.configure(threads_per_rank())   # the cores this process has, as training's rank alone (pin_blas)
     if bool(args.images) == bool(args.data):
         raise HpctrainError("give IMAGE files or --data DIR (one of them)")
     if args.top < 1:

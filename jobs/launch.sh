@@ -16,7 +16,10 @@
 #      after MPI_Finalize is ended by its own watcher first (hpctrain/comm/
 #      exit_guard.py; the launcher then exits 9, and this script 3), and if
 #      that did not happen this script ends it (exit 3: the results are written);
-#      a launcher that exits 0 without that record is a failure (exit 1).
+#      a launcher that exits 0 without that record is a failure (exit 1),
+#   6. when a rank's process dies of a signal (SIGKILL: the OOM killer), names
+#      the rank: MPICH's mpirun says only "PID n RUNNING AT host", and
+#      hpctrain's chief wrote each rank's pid to HPCTRAIN_RANKS_FILE at start-up.
 #
 # Exit codes: 0 training finished, or stopped and requeued (the requeued run
 # continues); 75 stopped with a checkpoint but not requeued (requeue limit
@@ -101,6 +104,11 @@ FINISH_GRACE_S=$((TIMEOUT_S + 10))  # the ranks' own deadlines come first (and n
 # On the shared file system, where the chief (on whichever node) can write it.
 export HPCTRAIN_FINISHED_FILE="$CKPT_DIR/.finished-${SLURM_JOB_ID}-$RESTARTS"
 rm -f "$HPCTRAIN_FINISHED_FILE"
+# rank host pid, a line, from the chief at start-up (hpctrain/run/jobcheck.py);
+# DEAD_FILE: the pid and host of a rank the launcher saw die (MPICH's banner).
+export HPCTRAIN_RANKS_FILE="$CKPT_DIR/.ranks-${SLURM_JOB_ID}-$RESTARTS"
+DEAD_FILE="$CKPT_DIR/.dead-${SLURM_JOB_ID}-$RESTARTS"
+rm -f "$HPCTRAIN_RANKS_FILE" "$DEAD_FILE"
 # A requeued run must continue even if the first run said --resume no.
 [ "$RESTARTS" -gt 0 ] && CMD+=(--resume auto)
 
@@ -129,8 +137,20 @@ trap 'forward USR1' USR1
 trap 'forward TERM' TERM
 trap 'forward INT' INT
 
-"${HPCTRAIN_LAUNCH[@]}" "${CMD[@]}" &
+# The launcher's standard output passes through awk, line by line as it
+# comes, which keeps what MPICH's "BAD TERMINATION" banner says of the first
+# process that died ("=   PID 4242 RUNNING AT node1", then "... EXIT STRING:
+# Killed (signal 9)") for the rank's name at the end. awk ignores the stop
+# signals (preemption signals every process of the job): the launcher must
+# not lose its standard output, and die of SIGPIPE, while the ranks checkpoint.
+exec {OUT_FD}> >(trap '' TERM INT HUP USR1 USR2; exec awk -v dead="$DEAD_FILE" '{ print; fflush() }
+    /^=   PID [0-9]+ RUNNING AT / && !pid { pid = $3; host = $6 }
+    /TERMINATED WITH THE EXIT STRING: .*\(signal [0-9]+\)/ && pid && !said {
+        sub(/.*EXIT STRING: /, ""); print pid, host, $0 > dead; fflush(dead); said = 1 }')
+FILTER_PID=$!
+"${HPCTRAIN_LAUNCH[@]}" "${CMD[@]}" >&"$OUT_FD" &
 LAUNCHER_PID=$!
+exec {OUT_FD}>&-   # the launcher holds the pipe now: awk ends with it
 # Polled once a second (a trapped signal interrupts the `wait` on the sleep at
 # once): after the chief's final record the launcher gets FINISH_GRACE_S more.
 finished_at=""
@@ -163,6 +183,26 @@ done
 [ -z "$finished_at" ] && [ -e "$HPCTRAIN_FINISHED_FILE" ] && finished_at=$SECONDS
 rm -f "$HPCTRAIN_FINISHED_FILE"
 trap - USR1 TERM INT
+# awk has the banner's last line once it has seen the pipe close (a rank
+# that outlives the launcher may hold it: waited for 5 s at most).
+for _ in $(seq 50); do kill -0 "$FILTER_PID" 2>/dev/null || break; sleep 0.1; done
+# A rank that died of a signal before the run finished (not one its exit
+# watcher killed after the results, nor the stop this script passed on): its
+# rank, from the pid in MPICH's banner and the chief's map (pids are per host:
+# the map's host is the one the rank's own hostname gave, the banner's may be
+# spelt otherwise, so the pid alone finds it where it is unique).
+if [ "$rc" -ne 0 ] && [ -z "$finished_at" ] && [ -z "$SIGNALED" ] && [ -s "$DEAD_FILE" ] \
+        && [ -s "$HPCTRAIN_RANKS_FILE" ]; then
+    read -r dead_pid dead_host dead_why < "$DEAD_FILE"
+    dead_rank=$(awk -v pid="$dead_pid" -v host="$dead_host" '$3 == pid { n++; r = $1; if ($2 == host) { h = $1 } }
+        END { if (h != "") print h; else if (n == 1) print r }' "$HPCTRAIN_RANKS_FILE")
+    if [ -n "$dead_rank" ]; then
+        case $dead_why in *"(signal 9)"*) dead_why="$dead_why: SIGKILL, e.g. the kernel's OOM killer or kill -9" ;; esac
+        echo "hpctrain-job: error: rank $dead_rank (pid $dead_pid on $dead_host) died before the run finished" \
+            "($dead_why); ${HPCTRAIN_LAUNCH[0]##*/} ended the other ranks, exit $rc" >&2
+    fi
+fi
+rm -f "$HPCTRAIN_RANKS_FILE" "$DEAD_FILE"
 
 # ---- exit code -> requeue or not ------------------------------------------------------
 if [ "$rc" -eq 0 ] && [ -n "$SIGNALED" ]; then

@@ -208,7 +208,7 @@ def cluster(tmp_path_factory):
 # ---- what the first log line and the links say ---------------------------------------------
 
 LAYOUT = re.compile(r"^hpctrain: world size (\d+) \([^)]*\), (\d+) hosts?: ([^;]*); "
-                    r"rank -> host/local rank/GPU: (.*)$", re.M)
+                    r"rank -> host/local rank/GPU/pid: (.*)$", re.M)
 ACCURACY = re.compile(r"^test accuracy (\d+\.\d+)", re.M)
 
 
@@ -220,7 +220,7 @@ def rank_hosts(out):
     assert len(entries) == int(m.group(1)), out
     places = []
     for r, entry in enumerate(entries):
-        e = re.fullmatch(rf"{r} -> (\S+)/(\d+)/(-|\d+)", entry)
+        e = re.fullmatch(rf"{r} -> (\S+)/(\d+)/(-|\d+)/\d+", entry)
         assert e, out
         places.append((e.group(1), int(e.group(2))))
     return places

@@ -9,6 +9,7 @@ final record.
 """
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -101,9 +102,10 @@ def trained_gpt(tmp_path_factory):
     return str(text_dir), str(save), json.loads(metrics.read_text().splitlines()[-1]), str(ckpt)
 
 
-def cli(*args):
+def cli(*args, env=None):
+    # (an argument's surrogate escapes reach the child as the bytes they stand for: subprocess fsencodes)
     return subprocess.run([sys.executable, "-m", "hpctrain", *map(str, args)], capture_output=True, text=True,
-                          timeout=120, env=child_env())
+                          timeout=120, env=env or child_env())
 
 
 def test_the_saved_model_generates_without_its_data_the_same_text_for_a_seed(trained_gpt, tmp_path):
@@ -135,6 +137,14 @@ def test_the_saved_model_generates_without_its_data_the_same_text_for_a_seed(tra
     (["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
     (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["--prompt", "ROMEO\u2603"], "the character '\u2603' is not in this"),
+    # issue 54, 4: a byte that is not UTF-8 (the shell's $'ROMEO:\\xff': a surrogate escape in sys.argv)
+    (["--prompt", "ROMEO:\udcff"], "--prompt: byte 0xff at offset 6 is not UTF-8; a chars vocabulary takes UTF-8"),
+    # issue 54, N4
+    (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+    (["--top-p", "1.5"], "argument --top-p: must be in (0, 1], got 1.5"),
+    (["--num-samples", "0"], "argument --num-samples: must be >= 1, got 0"),
+    (["--prompt-file", "nowhere.txt"], "--prompt-file nowhere.txt: No such file or directory"),
+    (["--stop", ""], "argument --stop: an empty string would end every sample"),
 ])
 def test_bad_flags_are_one_line(trained_gpt, args, message):
     params = [] if "--params" in args else ["--params", trained_gpt[1]]
@@ -263,3 +273,145 @@ def test_a_model_meeting_other_data_is_one_line_in_every_command(trained_gpt, tm
         f"hpctrain: error: checkpoint {tmp_path / 'ckpt'}/ckpt-00000006.h5 was trained on vocabulary {mine} but "
         f"data {other} holds {have}: resume on text of its vocabulary"), r.stderr
     assert "Traceback" not in r.stderr
+def test_top_p_samples_from_the_nucleus_only():
+    # p = softmax([0, 3, 1, 2]) = .032 .644 .087 .237: the nucleus of .5 is {1}, of .7 {1, 3}, of .9 {1, 3, 2}
+    logits = np.array([0.0, 3.0, 1.0, 2.0])
+    for top_p, nucleus in ((0.5, {1}), (0.7, {1, 3}), (0.9, {1, 2, 3}), (1.0, {0, 1, 2, 3})):
+        assert {generate.sample(logits, np.random.default_rng(s), 1.0, top_p=top_p) for s in range(200)} == nucleus
+    model = seeded(np.float32)
+    a, b = (generate.generate(Decoder(model), [1, 2], 2 * T, 1.0, seed=5, top_p=0.8) for _ in range(2))
+    assert a == b
+
+
+def test_a_bytes_vocabulary_takes_a_prompts_bytes_the_others_name_the_byte(tmp_path):
+    # issue 54, 4: $'ROMEO:\xff' reaches sys.argv as 'ROMEO:\udcff' (a surrogate escape)
+    assert generate.prompt_text(Bytes(), "ROMEO:\udcff", None) == b"ROMEO:\xff"
+    assert list(Bytes().encode(generate.prompt_text(Bytes(), "ROMEO:\udcff", None)))[-1] == 0xff
+    (tmp_path / "p.txt").write_bytes(b"ROMEO:\xff")
+    assert generate.prompt_text(Bytes(), "", str(tmp_path / "p.txt")) == b"ROMEO:\xff"
+    assert generate.prompt_text(Chars.train("ROMEO:"), "ROMEO:", None) == "ROMEO:"
+    with pytest.raises(HpctrainError, match=r"^--prompt: byte 0xff at offset 6 is not UTF-8; a chars vocabulary"):
+        generate.prompt_text(Chars.train("ROMEO:"), "ROMEO:\udcff", None)
+    with pytest.raises(HpctrainError, match=r"^--prompt-file .*p.txt: byte 0xff at offset 6 is not UTF-8"):
+        generate.prompt_text(Chars.train("ROMEO:"), "", str(tmp_path / "p.txt"))
+
+
+class Recorded:
+    """A stdout that keeps each write and where flushes fell."""
+
+    def __init__(self):
+        self.events = []
+
+    def write(self, text):
+        self.events.append(text)
+
+    def flush(self):
+        self.events.append(None)
+
+    def pieces(self):
+        return [e for e in self.events if e is not None]
+
+
+def test_text_comes_out_in_whole_characters_each_flushed():
+    # issue 54, N1: a bytes (or BPE) vocabulary splits a character over tokens; what is written is whole
+    out = Recorded()
+    text = generate.TextOut(Bytes(), out)
+    for b in "é€x".encode() + b"\xffa":
+        text.write(b)
+    text.close()
+    assert out.events == ["é", None, "€", None, "x", None, "\ufffda", None]
+    out = Recorded()
+    text = generate.TextOut(Bytes(), out, flush=False)
+    for b in "ab€".encode()[:-1]:   # ends mid-character: written at the end, as decode gives it
+        text.write(b)
+    text.close()
+    assert "".join(out.pieces()) == Bytes().decode(list("ab€".encode()[:-1])) and None not in out.events
+
+
+def test_a_stop_string_ends_the_sample_where_it_ends():
+    vocab = Chars.train("abcdef")
+    out = Recorded()
+    text = generate.TextOut(vocab, out, stop=["zz", "cd"])
+    for i in vocab.encode("abcdef"):
+        text.write(int(i))
+        if text.done:
+            break
+    assert "".join(out.pieces()) == "abcd" and text.done
+    text = generate.TextOut(Bytes(), Recorded(), stop=["€"])   # a stop string inside a multi-byte character
+    for b in "a€b".encode():
+        text.write(b)
+        if text.done:
+            break
+    assert text.text == "a€"
+
+
+def test_the_new_flags_give_the_same_text_for_a_seed(trained_gpt, tmp_path, monkeypatch):
+    """Issue 54, N4/N1: --prompt-file = --prompt, --max-new-tokens = --tokens,
+    the first of --num-samples 2 = --num-samples 1, --stream off = on; the
+    streamed text flushed token by token (the main run in this process)."""
+    _, save, _, _ = trained_gpt
+    (tmp_path / "p.txt").write_text("ROMEO:", encoding="utf-8")
+    flags = ["--params", save, "--top-k", "10", "--seed", "1"]
+
+    def run(*more):
+        out = Recorded()
+        monkeypatch.setattr(sys, "stdout", out)
+        assert generate.main([*flags, *more]) == 0
+        monkeypatch.undo()
+        return out
+    one = run("--prompt", "ROMEO:", "--tokens", "40")
+    assert one.events[:2] == ["ROMEO:", None] and one.events.count(None) >= 40   # the prompt, then each token
+    whole = "".join(one.pieces())
+    assert whole.startswith("ROMEO:") and len(whole) == 6 + 40 + 1
+    two = run("--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "40", "--num-samples", "2",
+              "--stream", "off")
+    assert None not in two.events and len(two.pieces()) == 1   # written once, at the end
+    first, second = two.pieces()[0].split("-" * 15 + "\n")
+    assert first == whole and second.startswith("ROMEO:") and second != first
+    generated = whole[6:-1]
+    stop = generated[10:12]
+    cut = run("--prompt", "ROMEO:", "--tokens", "40", "--stop", stop)
+    assert "".join(cut.pieces()) == "ROMEO:" + generated[:generated.index(stop) + 2] + "\n"
+
+
+PROBE = """
+import ctypes, os, sys
+{run}
+from hpctrain.nn import threads
+with open("/proc/self/maps") as f:
+    libs = sorted({{line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}})
+names = ("openblas_get_num_threads", "openblas_get_num_threads64_", "scipy_openblas_get_num_threads64_")
+blas = [getattr(ctypes.CDLL(p), n) for p in libs for n in names if hasattr(ctypes.CDLL(p), n)]
+print("env", os.environ.get("OPENBLAS_NUM_THREADS"), "blas", [f() for f in blas], "compute", threads.count(),
+      file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("how", ["hpctrain generate", "python -m hpctrain.generate", "hpctrain evaluate",
+                                 "hpctrain predict"])
+def test_one_process_commands_pin_blas_as_training_does(trained_gpt, how):
+    """Issue 54, N1: BLAS at one thread and the cores as compute threads, as
+    train gives a rank alone on its node (run/cluster.py pin_blas), not
+    OpenBLAS's default of a thread per core. The variable is what counts:
+    set before numpy loads, OpenBLAS starts no pool of its own (a pthreads
+    OpenBLAS's openblas_set_num_threads_local, which nn/threads calls, sets
+    the global count too, so the count alone says less)."""
+    from hpctrain.run.cluster import threads_per_rank
+    text_dir, save, _, _ = trained_gpt
+    more = {"generate": ["--tokens", "2"], "evaluate": ["--data", text_dir],
+            "predict": [os.path.join(text_dir, "manifest.json")]}   # (predict refuses it: its threads come first)
+    args = ["--params", save] + more[how.split()[-1].split(".")[-1]]
+    if how.startswith("python -m"):
+        run = (f"import runpy; sys.argv = ['generate'] + {args!r}\ntry:\n"
+               f"    runpy.run_module('hpctrain.generate', run_name='__main__')\nexcept SystemExit:\n    pass")
+    else:
+        run = f"from hpctrain import command; command.main({[how.split()[1], *args]!r})"
+    env = {k: v for k, v in child_env().items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                                               "MKL_NUM_THREADS")}
+    r = subprocess.run([sys.executable, "-c", PROBE.format(run=run)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    # (compute threads only where BLAS can hold each to one thread: nn/threads.configure)
+    from hpctrain.nn import threads
+    compute = threads_per_rank() if threads._blas_local_threads() else 1
+    assert r.stderr.splitlines()[-1] == f"env 1 blas [1] compute {compute}", r.stderr

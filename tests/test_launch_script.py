@@ -7,6 +7,7 @@ scheduler (requeue, srun, signals from slurmctld) is in tests/test_slurm.py.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,3 +122,30 @@ def test_a_launcher_that_exits_0_without_the_final_record_is_a_failure(tmp_path)
     assert lines == ["hpctrain-job: error: mpirun exited 0, but hpctrain's chief wrote no final record: a rank "
                      "ended the process before the run finished (os._exit or sys.exit in the model's code?); "
                      "no result, exit 1"], err
+
+
+def test_a_rank_killed_by_sigkill_is_named_by_its_pid(tmp_path):
+    # Issue 54, 7: rank 1 dies of SIGKILL (as the OOM killer kills) in
+    # training; MPICH's mpirun ends the job at once with a banner naming a
+    # PID and a host. The start-up map gives each rank's pid, and the job
+    # script names the rank in one line.
+    model = tmp_path / "dies.py"
+    model.write_text("import os, signal\nfrom hpctrain.nn import Dense, Flatten, Layer\n\n\n"
+                     "class Dies(Layer):\n    keeps_output = False\n    calls = 0\n\n"
+                     "    def forward(self, ctx, x, train):\n        Dies.calls += 1\n"
+                     "        if Dies.calls > 6 and os.environ.get('PMI_RANK') == '1':\n"
+                     "            os.kill(os.getpid(), signal.SIGKILL)\n"
+                     "        return x * 1\n\n    def backward(self, ctx, dy, need_dx):\n        return dy\n\n\n"
+                     "def build(shape, classes):\n    return [Flatten(), Dense(16), Dies(), Dense(classes)]\n")
+    rc, out, err, lines = fault_launch(tmp_path, ["--steps", "200", "--model", f"{model}:build", "--timeout", "20"])
+    assert rc == 9, (out, err)
+    ranks = re.search(r"rank -> host/local rank/GPU/pid: 0 -> (\S+)/0/(?:-|\d+)/(\d+), 1 -> (\S+)/1/(?:-|\d+)/(\d+)$",
+                      out, re.M)
+    banner = re.search(r"^=   PID (\d+) RUNNING AT (\S+)", out, re.M)
+    assert ranks and banner and banner.group(1) == ranks.group(4), out
+    assert (tmp_path / "pids" / "rank-1.pid").read_text().strip() == ranks.group(4)
+    assert lines == [f"hpctrain-job: error: rank 1 (pid {banner.group(1)} on {banner.group(2)}) died before the run "
+                     f"finished (Killed (signal 9): SIGKILL, e.g. the kernel's OOM killer or kill -9); mpirun ended "
+                     f"the other ranks, exit 9"], err
+    left = [p.name for p in (tmp_path / "runs" / "fake").iterdir() if p.name.startswith((".ranks-", ".dead-"))]
+    assert not left, left

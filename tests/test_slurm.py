@@ -237,7 +237,7 @@ def test_impossible_job_is_rejected_at_submission(slurm):
 RING_JOB = REPO / "jobs" / "ring.slurm"
 PS_JOB = REPO / "jobs" / "ps.slurm"
 WORLD_LINE = re.compile(r"^hpctrain: world size (\d+) \(as expected\), 1 host: (\S+) x(\d+); "
-                        r"rank -> host/local rank/GPU: (.*)$", re.M)
+                        r"rank -> host/local rank/GPU/pid: (.*)$", re.M)
 ACCURACY = re.compile(r"^test accuracy (\d+\.\d+)", re.M)
 STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+\.h5)")
 RESUMED = re.compile(r"^resumed from (\S+) at step (\d+)$", re.M)
@@ -260,8 +260,8 @@ def _check_world_of_four(out):
     ranks = m.group(4).split(", ")
     assert len(ranks) == 4, out
     for r, entry in enumerate(ranks):
-        # rank -> host/local rank/GPU ("-" without CuPy or a GPU)
-        assert re.fullmatch(rf"{r} -> {host}/{r}/(-|\d+)", entry), out
+        # rank -> host/local rank/GPU/pid ("-" without CuPy or a GPU)
+        assert re.fullmatch(rf"{r} -> {host}/{r}/(-|\d+)/\d+", entry), out
 
 
 def _final_metrics(path):

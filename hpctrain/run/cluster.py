@@ -129,6 +129,36 @@ def threads_per_rank(env=None):
     return cores if bound else max(1, cores // (local_size or 1))
 
 
+def pin_blas(env=None, threads=None):
+    """Before numpy loads: BLAS's threads for this process, one where it has
+    compute threads of its own (nn/threads.py: the cores threads_per_rank
+    gives it, or --threads), else the cores it has; a variable the user set
+    is left alone. Training's ranks (configure_process) and the one-process
+    commands (generate, evaluate, predict: one_process) both take it from
+    here. Returns the compute threads to configure (nn/threads.configure)
+    once numpy is loaded."""
+    env = os.environ if env is None else env
+    # Two BLAS threads on the small GEMMs of a convolution gained nothing or
+    # lost (their helper spinning beside our threads: resnet at one rank,
+    # 568-651 samples/s against 764-856 with BLAS at one thread); the MLP
+    # ran the same either way, its wide Dense layers split by our threads.
+    per_rank = threads_per_rank(env)
+    blas = 1 if (threads or per_rank) > 1 else per_rank
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, str(blas))
+    return threads or per_rank
+
+
+def one_process(env=None):
+    """A command that computes in one process (generate, evaluate, predict),
+    before numpy loads: BLAS's threads as training sets them for a rank alone
+    on this node (pin_blas). Left at OpenBLAS's default (a thread per core,
+    spinning while it waits), `hpctrain generate` took 40-67 s for 300
+    characters on a busy 2-core machine, 12-17x what one thread took.
+    Returns the compute threads for nn/threads.configure."""
+    return pin_blas(env)
+
+
 def configure_process(env=None, device="auto", threads=None):
     """Before numpy and MPI load: when more ranks than cores share this node,
     make idle MPI ranks yield instead of busy-polling the cores that the
@@ -147,14 +177,7 @@ def configure_process(env=None, device="auto", threads=None):
         for var in ("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "OMPI_MCA_mpi_yield_when_idle"):
             env.setdefault(var, "1")
         notes.append(f"{local_size} ranks on {cores} cores: MPI progress throttled")
-    # Two BLAS threads on the small GEMMs of a convolution gained nothing or
-    # lost (their helper spinning beside our threads: resnet at one rank,
-    # 568-651 samples/s against 764-856 with BLAS at one thread); the MLP
-    # ran the same either way, its wide Dense layers split by our threads.
-    per_rank = threads_per_rank(env)
-    blas = 1 if (threads or per_rank) > 1 else per_rank
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.setdefault(var, str(blas))
+    pin_blas(env, threads)
     notes.append(f"BLAS threads per rank: {env['OPENBLAS_NUM_THREADS']}")
     # Our one RMA window is ps's node-local shared memory (comm/ps/shared.py),
     # Open MPI's osc/sm; osc/ucx, queried first, prints an "Error" line per

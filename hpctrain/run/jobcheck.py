@@ -7,24 +7,32 @@ scripts export `HPCTRAIN_EXPECT_WORLD_SIZE=$SLURM_NTASKS`; `check_world()`
 compares it with the MPI world size and stops every rank with one clear line
 (exit 2) when they differ. Then, on the chief, it prints the layout:
 
-    hpctrain: world size 4 (as expected), 1 host: node1 x4; rank -> host/local rank/GPU: 0 -> node1/0/-, ...
+    hpctrain: world size 4 (as expected), 1 host: node1 x4; rank -> host/local rank/GPU/pid: 0 -> node1/0/-/4242, ...
 
 The GPU column is the device a rank binds to, `local_rank % gpus_on_node`
 (local rank from the MPI shared-memory split, GPU count from CuPy); "-" where
-CuPy is not installed or sees no GPU. No pickle: the map is gathered as
-fixed-size byte records.
+CuPy is not installed or sees no GPU. The pid is the rank's process id: a
+rank killed by a signal (SIGKILL: the kernel's OOM killer) ends an MPICH job
+with a banner that names only a PID and a host, and this line says which
+rank that was. Where jobs/launch.sh runs the job (HPCTRAIN_RANKS_FILE), the
+chief also writes the map there, one rank a line (rank host pid), and the
+job script names the rank behind the banner's PID itself. No pickle: the map
+is gathered as fixed-size byte records.
 
     HPCTRAIN_EXPECT_WORLD_SIZE=4 mpirun -n 4 python -m hpctrain.run.jobcheck
 """
 import importlib.util
 import os
+import sys
 
 import numpy as np
 
 from ..comm.records import gather_bytes
 from ..errors import HpctrainError
+from ..files import write_atomically
 
 ENV_EXPECT = "HPCTRAIN_EXPECT_WORLD_SIZE"
+ENV_RANKS_FILE = "HPCTRAIN_RANKS_FILE"
 HOST_BYTES = 64
 # Beyond this many ranks the map lists the first and last ranks only.
 MAP_MAX_RANKS = 64
@@ -76,38 +84,55 @@ def check_world(cluster, log, env=None):
     records = gather_layout(cluster)
     if records is not None:
         log(layout_line(records, expected))
+        write_ranks_file(records, env)
 
 
 def gather_layout(cluster):
-    """(host, local_rank, gpu) per rank, on the chief; None elsewhere."""
+    """(host, local_rank, gpu, pid) per rank, on the chief; None elsewhere."""
     gpus = gpus_on_node()
     gpu = cluster.local_rank % gpus if gpus else -1
-    nums = np.array([cluster.local_rank, gpu], np.int32)
+    nums = np.array([cluster.local_rank, gpu, os.getpid()], np.int64)
     # An impossible layout (--num-ps >= world size) has no chief: gather to
     # rank 0 then, and let validation report the layout right after.
     root = cluster.chief_rank if cluster.chief_rank < cluster.size else 0
     is_root = cluster.rank == root
     size = cluster.size
     all_hosts = gather_bytes(cluster.comm, cluster.host, HOST_BYTES, root=root)
-    all_nums = np.empty((size, 2), np.int32) if is_root else None
+    all_nums = np.empty((size, len(nums)), np.int64) if is_root else None
     cluster.comm.Gather(nums, all_nums, root=root)
     if not is_root:
         return None
-    return [(all_hosts[r], int(all_nums[r, 0]), int(all_nums[r, 1])) for r in range(size)]
+    return [(all_hosts[r], *map(int, all_nums[r])) for r in range(size)]
+
+
+def write_ranks_file(records, env=None):
+    """The map for jobs/launch.sh, where it asked for it (HPCTRAIN_RANKS_FILE):
+    `rank host pid` a line, written whole. A failure is a warning: the map is
+    also on the first line of the log."""
+    env = os.environ if env is None else env
+    path = env.get(ENV_RANKS_FILE)
+    if not path:
+        return
+    lines = "".join(f"{r} {host} {pid}\n" for r, (host, _, _, pid) in enumerate(records))
+    try:
+        write_atomically(path, lambda f: f.write(lines))
+    except OSError as e:
+        print(f"hpctrain: warning: {ENV_RANKS_FILE} {path}: cannot write ({e.strerror or e}); the job script "
+              f"cannot name a rank that dies by its pid", file=sys.stderr, flush=True)
 
 
 def layout_line(records, expected=None):
-    """One line: world size, hosts (with ranks per host), rank -> host/local/GPU."""
+    """One line: world size, hosts (with ranks per host), rank -> host/local/GPU/pid."""
     size = len(records)
     per_host = {}
-    for host, _, _ in records:
+    for host, *_ in records:
         per_host[host] = per_host.get(host, 0) + 1
     hosts = ", ".join(f"{h} x{n}" for h, n in per_host.items())
     said = "as expected" if expected == size else (f"expected {expected}" if expected else "no expected size set")
 
     def entry(r):
-        host, local, gpu = records[r]
-        return f"{r} -> {host}/{local}/{gpu if gpu >= 0 else '-'}"
+        host, local, gpu, pid = records[r]
+        return f"{r} -> {host}/{local}/{gpu if gpu >= 0 else '-'}/{pid}"
 
     if size <= MAP_MAX_RANKS:
         shown = ", ".join(entry(r) for r in range(size))
@@ -116,11 +141,10 @@ def layout_line(records, expected=None):
         shown = (", ".join(entry(r) for r in range(half)) + f", ... ({size - 2 * half} more), "
                  + ", ".join(entry(r) for r in range(size - half, size)))
     return (f"hpctrain: world size {size} ({said}), {len(per_host)} host"
-            f"{'' if len(per_host) == 1 else 's'}: {hosts}; rank -> host/local rank/GPU: {shown}")
+            f"{'' if len(per_host) == 1 else 's'}: {hosts}; rank -> host/local rank/GPU/pid: {shown}")
 
 
 if __name__ == "__main__":
-    import sys
     from mpi4py import MPI
     from .cluster import Cluster
     c = Cluster(MPI.COMM_WORLD)
