@@ -14,7 +14,9 @@ What it changes from argparse's:
   refused with the closest real one ("did you mean --epochs?");
 - `quiet`: --help prints nothing (non-zero ranks: one copy per job);
 - ShortHelp: a --help of a few common flags and the groups, for a parser
-  whose full help is long (train's: `--help-all`).
+  whose full help is long (train's: `--help-all`);
+- with_config_file: a `--config FILE` (TOML or JSON) of flags, turned into
+  the words of a command line placed before the real one (train's, cli.parse).
 
 Standard library only: training parses its flags before numpy, BLAS or MPI load.
 """
