@@ -72,8 +72,7 @@ def test_the_recorded_configuration_is_itself_a_config_file_for_the_same_run(tmp
                                                      "--batch-size"),
     ("h.json", '{"model": {"layers": 2}}', "--config {}: key 'model' (--model): expected a number or a string, "
                                            "got a table"),
-    ("i.json", '{"mode": "rings"}', "--config {}: key 'mode' (--mode): invalid choice: 'rings' (choose from "
-                                    "'ring', 'ps')"),
+    ("i.json", '{"mode": "rings"}', "--config {}: key 'mode' (--mode): invalid choice: 'rings' (choose from "),
     ("j.json", '{"config": "other.json"}', "--config {}: unknown key 'config' (no flag --config)"),
     ("k.json", "[1]", "--config {}: expected an object of settings (keys: the flags' names), got a JSON list"),
     ("l.yaml", "lr: 1", "--config {}: YAML is not read (PyYAML is no dependency of hpctrain); write the same keys "
@@ -81,7 +80,8 @@ def test_the_recorded_configuration_is_itself_a_config_file_for_the_same_run(tmp
 ])
 def test_a_bad_key_or_value_is_one_line_naming_the_key_and_the_file(tmp_path, name, text, line):
     path = write(tmp_path, name, text)
-    assert refused("--config", path) == line.format(path)
+    message = refused("--config", path)   # argparse's choices are quoted by some Pythons, not others
+    assert message.startswith(line.format(path)) and "\n" not in message, message
 
 
 def test_an_unreadable_or_malformed_file_is_one_line(tmp_path):
