@@ -12,7 +12,7 @@ from .checkpoints.read_back import read
 from .checkpoints.trust import Corrupt
 from .arguments import Parser
 from .errors import HpctrainError
-from .run.identity import SAME_ON_RESUME
+from .run.identity import SAME_ON_RESUME, unused_by
 
 
 def main(argv=None, prog="python -m hpctrain.checkpoint"):
@@ -34,7 +34,8 @@ def main(argv=None, prog="python -m hpctrain.checkpoint"):
             c = read(path)
             if c.step != named:
                 raise Corrupt(f"its name says step {named} but it holds step {c.step}")
-            keys = ", ".join(f"{k} {c.attrs[k]}" for k in SAME_ON_RESUME if k in c.attrs)
+            unused = unused_by(c.attrs.get("optimizer"))   # an Adam run lists no momentum
+            keys = ", ".join(f"{k} {c.attrs[k]}" for k in SAME_ON_RESUME if k in c.attrs and k not in unused)
             print(f"{c.name}: ok, step {c.step}, {keys}")
         except Corrupt as e:
             bad += 1

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from .arguments import (Parser, ShortHelp, finite_float, nonneg_float, nonneg_int, positive_float, positive_int,
-                        positive_ints)
+                        positive_ints, with_config_file)
 from .model_names import MODELS, gpt_name, gpt_options, is_model_file
 from .errors import HpctrainError
 from .parallel_flags import check_tensor_parallel, check_zero
@@ -90,9 +90,10 @@ def _augment(text):
 # The flags most runs use, shown by --help (--help-all: every flag): the ten
 # that README's and docs/'s training commands give most often, counted, with
 # --num-ps and --compression (one mode's, listed under their groups) replaced
-# by --batch-size and --save, which every run has a value for.
-COMMON_FLAGS = ("--data", "--model", "--steps", "--epochs", "--batch-size", "--lr", "--mode",
-                "--checkpoint-dir", "--save", "--metrics")
+# by --batch-size and --save, which every run has a value for; and
+# --block-size, which every GPT run sets, and --config, a run's flags in a file.
+COMMON_FLAGS = ("--config", "--data", "--model", "--block-size", "--steps", "--epochs", "--batch-size", "--lr",
+                "--mode", "--checkpoint-dir", "--save", "--metrics")
 
 
 def build_parser(prog="python -m hpctrain.train"):
@@ -114,6 +115,9 @@ def build_parser(prog="python -m hpctrain.train"):
 
 def _training_flags(p):
     g = p.add_argument_group("training")
+    g.add_argument("--config", metavar="FILE.toml|FILE.json", type=_path, default=None,
+      help="a run's flags from a file, keys the flags' names (block_size = 64), the command line's "
+           "overriding it (examples/shakespeare_char.toml; docs/usage.md)")
     g.add_argument("--mode", choices=["ring", "ps"], default="ring",
       help="ring: every rank a peer, gradients averaged by ring allreduce; "
            "ps: parameter servers + workers (default: %(default)s)")
@@ -447,7 +451,7 @@ def parse(argv=None, quiet=False, prog="python -m hpctrain.train"):
     ranks) --help prints nothing, so the job shows one copy."""
     parser = build_parser(prog)
     parser.quiet = quiet
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_config_file(parser, sys.argv[1:] if argv is None else list(argv)))
     if args.steps is None and args.epochs is None:
         args.steps = DEFAULT_STEPS
     elif args.steps is None:
@@ -458,6 +462,17 @@ def parse(argv=None, quiet=False, prog="python -m hpctrain.train"):
         for line in doubtful(args, parser):
             print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
     return args
+
+
+def configuration(args):
+    """The run's merged configuration: every setting by its flag's dest name
+    (the --config file's, the command line's over it, the defaults), as the
+    final record's `config` and each checkpoint's `config` attribute (JSON)
+    keep it; written to FILE.json, itself a --config file for the same run."""
+    config = {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items()) if k != "config"}
+    if args.epochs is not None:
+        config["steps"] = None   # parse's placeholder: --epochs sets the steps
+    return config
 
 
 def doubtful(args, parser):

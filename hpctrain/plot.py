@@ -148,7 +148,8 @@ def _number(v):
 
 def wall_times(steps):
     """time_s of each step record, made continuous: a resumed run's clock
-    starts again from 0, so each restart is placed after the last time seen."""
+    goes on from its checkpoint's, but in a file from before that it
+    started again from 0, so each restart is placed after the last time seen."""
     out, offset, last = [], 0.0, 0.0
     for r in steps:
         t = float(r.get("time_s", np.nan))
@@ -242,13 +243,18 @@ TIME_PARTS = ("compute", "comm", "other")
 
 
 def time_split(run):
-    """(compute_s, comm_s, the rest of wall_s) from the final record, or None
-    (a run stopped before its end has none)."""
+    """(compute, communication, the rest of the wall time) in seconds from the
+    final record, over every run of a resumed one (total_wall_s, ...: its
+    wall_s, compute_s and comm_s are its last run's; a file from before
+    them: those), or None (a run stopped before its end has none)."""
     final = run["final"] or {}
-    if not all(_number(final.get(k)) for k in ("wall_s", "compute_s", "comm_s")):
+    keys = ("total_wall_s", "total_compute_s", "total_comm_s")
+    if not all(_number(final.get(k)) for k in keys):
+        keys = ("wall_s", "compute_s", "comm_s")
+    if not all(_number(final.get(k)) for k in keys):
         return None
-    compute, comm = float(final["compute_s"]), float(final["comm_s"])
-    return compute, comm, max(float(final["wall_s"]) - compute - comm, 0.0)
+    wall, compute, comm = (float(final[k]) for k in keys)
+    return compute, comm, max(wall - compute - comm, 0.0)
 
 
 def _plot_time_split(drawn, ax, runs, colors):

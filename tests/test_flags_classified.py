@@ -26,6 +26,8 @@ LOCAL = {
     "wait_mode": "how this rank waits for its peers",
     "overlap": "whether this rank's buckets travel during backprop; the same sums",
     "compiled_layers": "agreed by its own Allreduce at start-up (run/startup.py): on only where every rank has numba",
+    "config": "read into the other flags before they are parsed (arguments.with_config_file): what it sets is "
+              "compared and recorded as theirs, and the merged flags are recorded as `config`",
 }
 
 

@@ -3,7 +3,11 @@ shows the two commands a user starts with; CI runs the README's test command;
 the quick tier names tests that exist."""
 import os
 import re
+import shutil
+import subprocess
 import tomllib
+
+import pytest
 
 from conftest import REPO
 
@@ -34,8 +38,11 @@ def test_environment_yml_names_the_same_packages_as_pyproject():
 def test_readme_quick_start_and_ci():
     readme = open(os.path.join(REPO, "README.md")).read()
     quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    commands = re.findall(r"^\s*(make \w+)\s*$", quick, re.M)
-    assert commands[:2] == ["make run", "make test"]
+    commands = re.findall(r"^\s*(make [\w-]+)\s*$", quick, re.M)
+    assert commands[:3] == ["make run", "make test-quick", "make test"]
+    # issue 54, N5: `make test` stood under "no root needed" with neither its time nor what it does as root
+    for words in ("40 minutes", "as root", "SLURM and munge", "/etc/slurm", "network namespaces", "171 tests"):
+        assert words in quick, words
     assert "make test" in open(os.path.join(REPO, ".ci", "run")).read()
 
 
@@ -57,3 +64,20 @@ def test_quick_tier_names_tests_that_exist_and_leaves_make_test_alone():
     assert re.search(r"^test: test-serial test-mpi$", makefile, re.M)
     assert re.search(r"^test-quick: ", makefile, re.M)
     assert "make test-quick" in open(os.path.join(REPO, "README.md")).read()
+
+
+def test_gitignore_ignores_what_users_put_in_data_but_not_the_bundled_files():
+    # issue 54, N7: only data/shakespeare-* and data/prepared* were ignored: a
+    # user's data/mytext-chars/ showed in `git status`
+    if not shutil.which("git") or not os.path.exists(os.path.join(REPO, ".git")):
+        pytest.skip("not a git checkout")
+
+    def ignored(*paths):
+        r = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=REPO, capture_output=True, text=True)
+        return set(r.stdout.split())
+    users = ["data/mytext-chars/manifest.json", "data/mytext-chars/train-00000-of-00001.h5", "data/mnist/x.h5",
+             "data/shakespeare-bpe/manifest.json", "data/notes.txt"]
+    assert ignored(*users) == set(users)
+    bundled = ["data/README.md", "data/mnist-5k/README.md", "data/mnist-5k/images-idx3-ubyte.gz",
+               "data/shakespeare/input.txt", "data/shakespeare/README.md"]
+    assert ignored(*bundled) == set()

@@ -14,6 +14,7 @@ outcome).
     mpirun -n 2 python -m hpctrain.mnist --checkpoint-dir ckpt --checkpoint-every 100
 """
 import contextlib
+import json
 import signal
 import sys
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ class Resume:
     optimizer_t: int
     checkpoint: object = None
     samples: int = 0
+    # (wall, compute, communication seconds, runs) of the runs up to the
+    # checkpoint, every rank: a resumed run's clock goes on from them
+    clock: tuple = (0.0, 0.0, 0.0, 0)
 
 
 def resume_point(positions):
@@ -61,6 +65,15 @@ def samples_trained(ckpt, batch_size):
     return ckpt.step * int(ckpt.attrs.get("num_workers", 1)) * int(batch_size)
 
 
+def clock_of(ckpt):
+    """(elapsed_s, compute_s_total, comm_s_total, segments) a checkpoint
+    records (Frame.clock); one from before them: none (its run's clock
+    restarted at every resume), one segment."""
+    attrs = ckpt.attrs
+    return (float(attrs.get("elapsed_s", 0.0)), float(attrs.get("compute_s_total", 0.0)),
+            float(attrs.get("comm_s_total", 0.0)), int(attrs.get("segments", 1)))
+
+
 def positions_for(point, num_workers):
     """The (num_workers, 2) positions of workers that all go on from `point`."""
     return np.tile(np.asarray(point, np.int64), (int(num_workers), 1))
@@ -73,10 +86,12 @@ class Checkpoints:
     report/timeline.Timeline (a checkpoint is a span in it); best: the
     report/best.Best whose record every checkpoint carries (--keep-best's
     best validation so far, so that a resumed run keeps the file an
-    uninterrupted run keeps)."""
+    uninterrupted run keeps); clock: a callable giving the run's time so
+    far over every segment, {attribute: value}, that each checkpoint records
+    (loops/frame.Frame.clock), or None."""
 
-    def __init__(self, world, plan, timeline, best):
-        self.world, self.plan, self.timeline, self.best = world, plan, timeline, best
+    def __init__(self, world, plan, timeline, best, clock=None):
+        self.world, self.plan, self.timeline, self.best, self.clock = world, plan, timeline, best, clock
         self.outputs, self.data = plan.outputs, plan.data
         self.enabled = bool(self.outputs.checkpoint_dir)
         self.saved_step = None   # the step of the newest checkpoint written or resumed from
@@ -97,14 +112,17 @@ class Checkpoints:
         if not self.enabled:
             return None
         ckpt = world.agreed(comm, self._chief_reads_bounded if world.chief else lambda: None)
-        head = np.zeros(4, np.int64)
+        head, clock = np.zeros(4, np.int64), np.zeros(4, np.float64)
         if ckpt is not None:
             head[:] = 1, ckpt.step, ckpt.optimizer_t, samples_trained(ckpt, self.data.per_worker)
+            clock[:] = clock_of(ckpt)
         with world.waiting("checkpoint header broadcast", peer=world.cluster.chief_rank):
             comm.Bcast(head, root=world.chief_in(comm))
+            comm.Bcast(clock, root=world.chief_in(comm))
         if not head[0]:
             return None
-        resume = Resume(step=int(head[1]), optimizer_t=int(head[2]), checkpoint=ckpt, samples=int(head[3]))
+        resume = Resume(step=int(head[1]), optimizer_t=int(head[2]), checkpoint=ckpt, samples=int(head[3]),
+                        clock=(*map(float, clock[:3]), int(clock[3])))
         self.saved_step, self._base = resume.step, (resume.step, resume.samples)
         self.saved_path = ckpt.path if ckpt is not None else None
         return resume
@@ -294,7 +312,9 @@ class Checkpoints:
                                            keep=outputs.keep_checkpoints,
                                            info=dict(self.plan.recorded, samples=self.samples_at(step),
                                                      data=data.dir, data_digest=data.digest,
+                                                     config=json.dumps(self.plan.config, sort_keys=True),
                                                      **self.best.checkpoint_attrs(),
+                                                     **(self.clock() if self.clock else {}),
                                                      **model_record(self.plan.spec, self.plan), **more),
                                            model_state=host(model_state), compression_state=arrays or None,
                                            dtype=self.plan.precision.params)

@@ -83,7 +83,7 @@ class Frame:
     def __init__(self, world, plan, inputs, timeline, comm):
         self.world, self.plan, self.inputs, self.timeline = world, plan, inputs, timeline
         best = Best(plan.outputs.keep_best, by_loss=plan.data.text)
-        self.checkpoints = Checkpoints(world, plan, timeline, best)
+        self.checkpoints = Checkpoints(world, plan, timeline, best, clock=self.clock)
         self.resume = self.checkpoints.load(comm)   # None: a fresh run
         self.steps = plan.last_step(self.resume)     # the run's last step
         self.start = self.resume.step if self.resume is not None else 0
@@ -151,6 +151,16 @@ class Frame:
     def elapsed(self):
         """Seconds of training so far, evaluations excluded."""
         return time.perf_counter() - self._t0
+
+    def clock(self):
+        """The run's time so far over every segment (a resumed run's earlier
+        ones as its checkpoint recorded them), as each checkpoint records it:
+        wall seconds since the first run started, compute and communication
+        seconds, and the runs (1 + resumes) that took them."""
+        wall, compute, comm, runs = self.resume.clock if self.resume is not None else (0.0, 0.0, 0.0, 0)
+        return {"elapsed_s": round(wall + time.perf_counter() - self.world.t_start, 3),
+                "compute_s_total": round(compute + self.compute_s, 4), "comm_s_total": round(comm + self.comm_s, 4),
+                "segments": runs + 1}
 
     def timed(self, t0, t1, t2, exposed_comm_s=None, exposed_update_s=0.0, update_s=0.0):
         """One step's accounting: compute from t0 to t1, then communication to t2."""

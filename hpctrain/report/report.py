@@ -57,12 +57,15 @@ class Report:
         self._last_eval = None
         self._final_val = None   # (loss, accuracy) on the val part at the end (final_val)
         self._mark = None   # (step, wall time) of the last progress line, for the ETA
+        self._before = (0.0, 0.0, 0.0, 0)   # a resumed run's earlier runs: checkpoints/resume.Resume.clock
 
     def resume_at(self, step, resume=None):
         """Where this run starts (None: step 0): the metrics file keeps the
         records up to it, and the first ETA counts the steps from it. The
         chief takes the best validation so far from resume's checkpoint."""
         self.best.resumed(getattr(resume, "checkpoint", None))
+        if resume is not None:   # elapsed and time_s go on from the checkpoint's
+            self._before = resume.clock
         self.metrics.resume_at(step)
         self.board.resume_at(step)
         self._mark = (step or 0, time.perf_counter())
@@ -72,7 +75,7 @@ class Report:
         workers each print their own line, as in the tutorial: `worker` and
         `local_step` say whose it is. grad_norm (--clip-norm): the mean
         pre-clip gradient norm since the last line."""
-        elapsed = time.perf_counter() - self.world.t_start
+        elapsed = self._before[0] + time.perf_counter() - self.world.t_start
         rate = samples / t_loop if t_loop > 0 else 0.0
         who = f"worker {worker}: " if worker is not None else ""
         local = f"  (local step {local_step})" if local_step is not None else ""
@@ -224,7 +227,12 @@ class Report:
                   **({"tokens_per_s": round(rate * per_token, 1)} if per_token else {}),
                   "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
                   "device": world.device_name}
+        # a resumed run's time over every run that took it (wall_s, compute_s, comm_s: this run's)
+        wall_before, compute_before, comm_before, runs = self._before
+        record.update(total_wall_s=round(wall_before + wall, 3), total_compute_s=round(compute_before + compute_s, 4),
+                      total_comm_s=round(comm_before + comm_s, 4), segments=runs + 1)
         record.update(result["medians"])
+        record["config"] = plan.config   # the run's flags, merged (--config's file, the command line)
         record.update(extra or {})
         with self._file_wait(f"writing --metrics {outputs.metrics}"):
             self.metrics.write(record)

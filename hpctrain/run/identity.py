@@ -120,9 +120,16 @@ def same_on_resume(args, num_workers, spec, total_steps):
     the ones that use them."""
     job = dict(_job(args), **_model(spec), num_workers=int(num_workers),
                lr_schedule=schedule_key(args, total_steps))
-    unused = {"hidden": args.model != "mlp", "momentum": args.optimizer != "momentum",
-              "adam_betas": args.optimizer != "adam"}
-    return {k: job[k] for k in SAME_ON_RESUME if not unused.get(k)}
+    unused = unused_by(args.optimizer) | ({"hidden"} if args.model != "mlp" else set())
+    return {k: job[k] for k in SAME_ON_RESUME if k not in unused}
+
+
+def unused_by(optimizer):
+    """The optimizer settings an --optimizer does not use (--momentum but for
+    momentum, --adam-betas but for adam): recorded with every checkpoint (they
+    are flags of the job), neither compared on resume nor listed
+    (hpctrain/checkpoint.py)."""
+    return {name for name, user in (("momentum", "momentum"), ("adam_betas", "adam")) if optimizer != user}
 
 
 def recorded(args, world_size, num_workers, spec, layers_key="NumPy"):

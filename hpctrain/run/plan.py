@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import device
+from ..cli import configuration
 from ..data.manifest import train_samples
 from ..nn import compiled
 from ..nn.spec import ModelSpec
@@ -312,6 +313,7 @@ class Plan:
     resume_key: dict        # what a resume must match (identity.same_on_resume)
     compression: Compression = Compression()   # --compression (ring mode, a pipeline's replicas)
     precision: Precision = FLOAT32   # hpctrain/precision.py: the dtypes of parameters, gradients, optimizer state, compute
+    config: dict = None     # the merged flags (cli.configuration): the final record's and each checkpoint's `config`
 
     @property
     def pipelined(self):
@@ -400,4 +402,4 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
         epochs=args.epochs, timeout=args.timeout, world_size=cluster.size,
         recorded=identity.recorded(args, cluster.size, workers, spec, layers_key),
         resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps),
-        compression=compression_plan(args), precision=precision)
+        compression=compression_plan(args), precision=precision, config=configuration(args))
