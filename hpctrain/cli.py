@@ -58,11 +58,11 @@ def _betas(text):
 # --eval-tokens' default for text: the held-out tokens a GPT's evaluations
 # score (an evenly spaced sample of the held-out windows past it,
 # data/tokens.eval_windows). 2**17: the bundled plays' held-out tenth
-# (111,540 tokens) is evaluated whole, as README's figures were, while a
-# larger corpus's (a 100 MB text's tenth: 10M tokens, hours on a CPU) costs
-# what that does, about 4 s per million parameters on one core; the mean
-# per-token loss of 131,072 tokens is within about 0.01 nats of the whole
-# split's (docs/usage.md, "The final evaluation").
+# (103,616 tokens in windows of 64) is evaluated whole, as README's figures
+# were, while a large corpus's (a 100 MB text's tenth: 10M tokens, about an
+# hour for README's GPT on one CPU process) costs what 131,072 tokens cost
+# (about 40 s); samples of 8,192 to 65,536 of the plays' tokens came within
+# 0.01 nats of the whole split's loss (docs/usage.md, "The final evaluation").
 DEFAULT_EVAL_TOKENS = 2**17
 
 
