@@ -231,7 +231,7 @@ class Frame:
         the loop's own, unless this step is saved already), then the
         pre-emption exit (75 everywhere), or the results: the largest
         optimizer state any rank holds (state_bytes: this rank's) and the
-        final evaluation and record (`finish`). model: report/evaluated.py's
+        final evaluation (none with --final-eval off) and record (`finish`). model: report/evaluated.py's
         (a collective one, a pipeline's, is evaluated by every rank together)."""
         world, checkpoints = self.world, self.checkpoints
         final_eval = self.plan.outputs.final_eval == "on"
