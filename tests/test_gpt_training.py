@@ -9,6 +9,7 @@ and bad flags or mismatched data refused in one line.
     .venv/bin/python -m pytest -q tests/test_gpt_training.py
 """
 import json
+import re
 
 import numpy as np
 import pytest
@@ -52,6 +53,7 @@ def test_two_ranks_train_the_gpt_of_one_process_with_accumulation(job, text_dir,
     assert "a vocabulary of" in r.stdout and "MFLOPs per token" in r.stdout, r.stdout
     # the ZeRO stage in the start line and the end line, with a rank's peak memory (issue 54 N3)
     assert "(2 workers), ZeRO stage 1 (the optimizer state sharded over 2 replicas, the default), " in r.stdout
+    assert re.search(r"^memory: at least [\d,]+ MB a rank expected at ZeRO stage 1 \(", r.stdout, re.M), r.stdout
     assert "evaluations: 512 of the 3,984 held-out tokens, 32 windows evenly spaced over them" in r.stdout
     end = [line for line in r.stdout.splitlines() if line.startswith("test loss")]
     assert len(end) == 1 and "per token" in end[0], r.stdout

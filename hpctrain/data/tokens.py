@@ -4,7 +4,7 @@ a rank's part of the held-out windows.
     reader = TokenReader("data/shakespeare-chars", worker, num_workers, batch_size, seed, block_size=64)
     x, y = reader.next_batch()          # int64 (B, T) token ids, int64 (B, T) the next tokens
     x, y = load_test_windows("data/shakespeare-chars", 64, part, parts)
-    x, y = load_test_windows("data/shakespeare-chars", 64, part, parts, eval_tokens=8192)   # a sample
+    x, y = load_test_windows("data/shakespeare-chars", 64, eval_tokens=8192)   # 128 windows, evenly spaced
 
 A training sample is a window of T+1 tokens of the training split starting
 at any offset (x its first T, y its last T); an epoch is one permutation of

@@ -178,8 +178,13 @@ def start(args, process_note, watchdog, stop, on_roles=None):
             print(f"hpctrain: warning: {across_nodes_line(args.tensor_parallel, apart, cluster.size)}",
                   file=sys.stderr, flush=True)
     replicas = world.mesh.size("data") if world.mesh else cluster.num_workers
-    agree(check_memory, args, cluster.local_size, spec, cuts, replicas,
-          zero_stage(args, replicas, xp) if replicas > 1 else 0, schedule.total_steps)
+    sharded = zero_stage(args, replicas, xp) if replicas > 1 else 0
+    need = agree(check_memory, args, cluster.local_size, spec, cuts, replicas, sharded, schedule.total_steps)
+    if need:   # what the end line's peak memory will be, foreseen (issue 54 N3: the console said neither)
+        at = f" at ZeRO stage {sharded}" if args.mode == "ring" else ""
+        say(f"memory: at least {need / 2**20:,.0f} MB a rank expected{at} (the interpreter, parameters, gradients, "
+            f"optimizer state and a step's activations{', the heaviest pipeline stage' if cuts else ''}); the last "
+            f"line gives the peak")
     agree(check_step_size, args, data.workers, manifest, data_dir)
     # Last before training, so a refusal above leaves nothing behind (this
     # creates --checkpoint-dir): a result that cannot be written would be lost.
