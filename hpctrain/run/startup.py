@@ -183,7 +183,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     if need:   # what the end line's peak memory will be, foreseen (issue 54 N3: the console said neither)
         at = f" at ZeRO stage {sharded}" if args.mode == "ring" else ""
         say(f"memory: at least {need / 2**20:,.0f} MB a rank expected{at} (the interpreter, parameters, gradients, "
-            f"optimizer state and a step's activations{', the heaviest pipeline stage' if cuts else ''}); the last "
+            f"optimizer state and a step's activations{', the heaviest pipeline stage' if cuts else ''}); the result "
             f"line gives the peak")
     agree(check_step_size, args, data.workers, manifest, data_dir)
     # Last before training, so a refusal above leaves nothing behind (this
