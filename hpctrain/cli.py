@@ -55,6 +55,27 @@ def _betas(text):
     return betas
 
 
+# --eval-tokens' default for text: the held-out tokens a GPT's evaluations
+# score (an evenly spaced sample of the held-out windows past it,
+# data/tokens.eval_windows). 2**17: the bundled plays' held-out tenth
+# (103,616 tokens in windows of 64) is evaluated whole, as README's figures
+# were, while a large corpus's (a 100 MB text's tenth: 10M tokens, about an
+# hour for README's GPT on one CPU process) costs what 131,072 tokens cost
+# (about 40 s); samples of 8,192 to 65,536 of the plays' tokens came within
+# 0.01 nats of the whole split's loss (docs/usage.md, "The final evaluation").
+DEFAULT_EVAL_TOKENS = 2**17
+
+
+def eval_tokens(text):
+    """--eval-tokens N|all: a positive count of held-out tokens, or 0 for all of them."""
+    if text == "all":
+        return 0
+    try:
+        return positive_int(text)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens or all, got {text!r}") from None
+
+
 def _model(text):
     if text in MODELS or is_model_file(text):
         return text
@@ -384,6 +405,14 @@ def _output_flags(g):
     g.add_argument("--eval-every", type=nonneg_int, default=0,
                    help="evaluate on the test set (and the validation part, if the data has one) every N steps "
                         "(0: only at the end) (default: %(default)s)")
+    g.add_argument("--eval-tokens", type=eval_tokens, default=None, metavar="N|all",
+                   help="text data: score N held-out tokens in every evaluation (periodic, --keep-best, final), "
+                        "an evenly spaced sample of the held-out windows, the same at every evaluation and on any "
+                        "number of ranks (nanoGPT's eval_iters x batch size); all: every window "
+                        f"(default: {DEFAULT_EVAL_TOKENS:,}, docs/usage.md)")
+    g.add_argument("--final-eval", choices=["on", "off"], default="on",
+                   help="off: no evaluation after the last step (the final record's test_loss and test_accuracy "
+                        "are null, final_eval \"off\"); --eval-every's evaluations still run (default: %(default)s)")
     g.add_argument("--keep-best", metavar="FILE.h5", type=_path, default=None,
                    help="write the parameters of the best validation accuracy so far to this HDF5 file "
                         "(text data: the lowest validation loss) (needs --eval-every and data prepared with "

@@ -24,9 +24,13 @@ written adds a line that names it.
 
 A language model reads the held-out text as training's final evaluation
 does (data/tokens.py load_test_windows: consecutive windows of its
---block-size, from the record's input shape, each token predicted once):
+--block-size, from the record's input shape, each token predicted once;
+past --eval-tokens N, training's default cap too, the same evenly spaced
+sample of N tokens' windows a run's evaluations take):
 `loss` is the mean per-token cross-entropy in nats, the final record's
-`test_loss`, and `perplexity` is exp(loss); --plot does not apply.
+`test_loss` (where the run had the same --eval-tokens), and `perplexity`
+is exp(loss); `num_tokens` the tokens scored, `held_out_tokens` all the
+windows'; --plot does not apply.
 
 No MPI here: one process.
 """
@@ -41,6 +45,7 @@ if __name__ == "__main__":   # python -m hpctrain.evaluate: BLAS's threads befor
 import numpy as np
 
 from .arguments import Parser
+from .cli import DEFAULT_EVAL_TOKENS, eval_tokens
 from .errors import HpctrainError, one_line_errors
 from .files import printable
 from .run.outputs import check_output_file
@@ -66,24 +71,28 @@ def evaluate(model, x, y):
             "confusion": confusion.tolist(), "step": model.step, "source": model.source}
 
 
-def evaluate_text(model, data_dir, manifest, split):
+def evaluate_text(model, data_dir, manifest, split, eval_tokens=None):
     """{loss, perplexity, accuracy, num_tokens, ...} of a language model on
     a split of prepared text, windows of its block size."""
     from . import data
     model.check_data(data_dir)   # text, and the vocabulary the model was trained on (data/fit.py)
     block_size = model.input_shape[0]
-    x, y = data.load_test_windows(data_dir, block_size, split=split)
+    x, y = data.load_test_windows(data_dir, block_size, split=split, eval_tokens=eval_tokens)
     sums = model.model.evaluate(x, y)
     count = max(sums["count"], 1)
     loss = sums["loss"] / count
+    from .data.splits import held_out_tokens
     return {"loss": round(loss, 6), "perplexity": round(math.exp(loss), 6),
             "accuracy": round(sums["correct"] / count, 6), "num_tokens": sums["count"],
+            "held_out_tokens": held_out_tokens(manifest, block_size, split=split),
             "block_size": block_size, "step": model.step, "source": model.source}
 
 
 def text_line(result, split):
     return (f"{split} loss {result['loss']:.4f} per token  perplexity {result['perplexity']:.4f}  {split} accuracy "
-            f"{result['accuracy']:.4f}  ({result['num_tokens']:,} tokens in windows of {result['block_size']}; "
+            f"{result['accuracy']:.4f}  (on {result['num_tokens']:,} of {result['held_out_tokens']:,} held-out tokens"
+            f"{', an evenly spaced sample (--eval-tokens)' if result['num_tokens'] < result['held_out_tokens'] else ''}"
+            f" in windows of {result['block_size']}; "
             f"{result['source']}, step {result['step']})")
 
 
@@ -144,6 +153,10 @@ def build_parser(prog="python -m hpctrain.evaluate"):
                    help="rebuild the model with this instead of what the file records; a model trained from "
                         "a user's FILE.py is rebuilt only from the file named here, never from a path inside "
                         "the saved file")
+    p.add_argument("--eval-tokens", type=eval_tokens, default=None, metavar="N|all",
+                   help="a language model: score N held-out tokens, the evenly spaced sample of windows training's "
+                        "evaluations take with --eval-tokens N; all: every window (default: "
+                        f"{DEFAULT_EVAL_TOKENS:,}, training's default)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the confusion matrix")
     return p
@@ -167,6 +180,9 @@ def main(argv=None, prog="python -m hpctrain.evaluate"):
     manifest = model.check_data(args.data)
     if model.spec.input_kind == "tokens":
         return _text(model, args)
+    if args.eval_tokens is not None:
+        raise HpctrainError("--eval-tokens samples a language model's held-out windows; a classifier's test set "
+                            "is evaluated whole")
     if args.split not in manifest:
         raise HpctrainError(f"{args.data}: no {args.split} part (prepare --val-fraction F holds one out)")
     x, y = data.load_test(args.data, raw=True, split=args.split)
@@ -189,7 +205,8 @@ def _text(model, args):
     manifest = data.load_manifest(args.data)
     if args.split not in manifest:
         raise HpctrainError(f"{args.data}: no {args.split} part (prepare --val-fraction F holds one out)")
-    result = dict(evaluate_text(model, args.data, manifest, args.split), split=args.split)
+    cap = None if args.eval_tokens == 0 else args.eval_tokens or DEFAULT_EVAL_TOKENS
+    result = dict(evaluate_text(model, args.data, manifest, args.split, eval_tokens=cap), split=args.split)
     print(json.dumps(result) if args.json else text_line(result, args.split))
     return 0
 

@@ -191,11 +191,28 @@ def plot_runs(runs, path):
     return drawn
 
 
+def is_text(run):
+    """A language model's run: its step records count tokens/s (text data)."""
+    return all(_number(r.get("tokens_per_s")) for r in run["steps"])
+
+
+def loss_points(run):
+    """(steps, held-out losses per token) of a text run: its validation loss
+    where recorded (--eval-every, the final record), else its test loss."""
+    key = "val_loss" if any(_number(r.get("val_loss")) for r in run["evals"] + [run["final"] or {}]) \
+        else "test_loss"
+    return accuracy_points(run, key)
+
+
 def draw_runs(runs):
     """Loss, test accuracy and samples/s against steps, loss and samples/s
     against wall time, one line per run; the sixth panel: the staleness of
     async ps runs where one recorded its histogram, else where each run's
-    time went. Returns (the figure, {"panel/label": (x, y)})."""
+    time went. Language models' runs (every one text: draw_text_runs) draw
+    the held-out loss, tokens/s and the learning rate instead. Returns
+    (the figure, {"panel/label": (x, y)})."""
+    if runs and all(is_text(run) for run in runs):
+        return draw_text_runs(runs)
     fig, axes = _figure(RUN_SIZE, 2, 3, left=0.05, top=0.88, bottom=0.09)
     drawn = {}
     colors = [f"C{i % 10}" for i in range(len(runs))]
@@ -236,6 +253,48 @@ def draw_runs(runs):
         _plot_staleness(drawn, axes[1][2], runs, colors)
     else:
         _plot_time_split(drawn, axes[1][2], runs, colors)
+    return fig, drawn
+
+
+def draw_text_runs(runs):
+    """draw_runs for language models: the training loss with the held-out
+    loss per token over it (markers: --eval-every's and the final one; the
+    validation loss where recorded), the held-out loss alone, tokens/s
+    against steps; the loss against wall time, the learning rate (the
+    records' `lr`), and where the time went."""
+    fig, axes = _figure(RUN_SIZE, 2, 3, left=0.05, top=0.88, bottom=0.09)
+    drawn = {}
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for run, color in zip(runs, colors):
+        label, steps = run["label"], run["steps"]
+        x = [r["step"] for r in steps]
+        _line(drawn, f"loss/{label}", axes[0][0], x, [r["loss"] for r in steps], color=color, label=label)
+        held_x, held_y = loss_points(run)
+        if held_x:
+            axes[0][0].plot(held_x, held_y, color=color, marker="o", linestyle="none")
+            _line(drawn, f"held_out_loss/{label}", axes[0][1], held_x, held_y, color=color, marker="o",
+                  label=label)
+        _line(drawn, f"tokens_per_s/{label}", axes[0][2], x, [r["tokens_per_s"] for r in steps], color=color,
+              label=label)
+        _line(drawn, f"loss_vs_time/{label}", axes[1][0], wall_times(steps), [r["loss"] for r in steps],
+              color=color, label=label)
+        lr = [(r["step"], r["lr"]) for r in steps if _number(r.get("lr"))]
+        if lr:
+            _line(drawn, f"lr/{label}", axes[1][1], *zip(*lr), color=color, label=label)
+    titles = [("loss per token (training; markers: held out)", "step"), ("held-out loss per token", "step"),
+              ("tokens/s (loop mean so far)", "step"), ("loss per token", "wall time (s)"),
+              ("learning rate", "step")]
+    for ax, (title, xlabel) in zip([axes[0][0], axes[0][1], axes[0][2], axes[1][0], axes[1][1]], titles):
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    fig.legend(handles=[ln for ln in axes[0][0].lines if not ln.get_label().startswith("_")],   # not the markers
+               loc="upper center", ncol=min(len(runs), 4), fontsize="small", frameon=False)
+    if not axes[0][1].lines:
+        _note(axes[0][1], "no held-out evaluations recorded")
+    if not axes[1][1].lines:
+        _note(axes[1][1], "no lr in the records (written before it was)")
+    _plot_time_split(drawn, axes[1][2], runs, colors)
     return fig, drawn
 
 

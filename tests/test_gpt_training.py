@@ -9,6 +9,7 @@ and bad flags or mismatched data refused in one line.
     .venv/bin/python -m pytest -q tests/test_gpt_training.py
 """
 import json
+import re
 
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ def close(a, b, rtol):
         np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=rtol * 1e-2, err_msg=k)
 
 
-def test_two_ranks_train_the_gpt_of_one_process_with_accumulation(job, text_dir, tmp_path):
+def test_two_ranks_train_the_gpt_of_one_process_with_accumulation(job, text_dir, tmp_path, capsys):
     """The same windows (dealt as images are dealt) on 2 ranks and on 1 with
     --accumulate-steps 2: the same parameters within float32 rounding (the
     embedding's gradient sums over tokens in another order); the line gives
@@ -45,15 +46,52 @@ def test_two_ranks_train_the_gpt_of_one_process_with_accumulation(job, text_dir,
     but for rounding: softmax ignores a constant added to every key) into
     steps of lr."""
     metrics = tmp_path / "m.jsonl"
-    flags = [*FLAGS, "--optimizer", "sgd", "--lr", 0.1]
+    # --eval-tokens 512: 32 of the 249 held-out windows, the same sample on 1 and 2 ranks (issue 54 N2)
+    flags = [*FLAGS, "--optimizer", "sgd", "--lr", 0.1, "--eval-tokens", 512]
     r = ok(job(2, "--data", text_dir, *flags, "--save", tmp_path / "two.h5", "--metrics", metrics))
     assert "tokens/s" in r.stdout and "samples/s" not in r.stdout, r.stdout
     assert "a vocabulary of" in r.stdout and "MFLOPs per token" in r.stdout, r.stdout
-    final = json.loads(metrics.read_text().splitlines()[-1])
+    # the ZeRO stage in the start line and the end line, with a rank's peak memory (issue 54 N3)
+    assert "(2 workers), ZeRO stage 1 (the optimizer state sharded over 2 replicas, the default), " in r.stdout
+    assert re.search(r"^memory: at least [\d,]+ MB a rank expected at ZeRO stage 1 \(", r.stdout, re.M), r.stdout
+    assert "evaluations: 512 of the 3,984 held-out tokens, 32 windows evenly spaced over them" in r.stdout
+    end = [line for line in r.stdout.splitlines() if line.startswith("test loss")]
+    assert len(end) == 1 and "per token" in end[0], r.stdout
+    assert "(on 512 of 3,984 held-out tokens, an evenly spaced sample (--eval-tokens), 6 steps, " in end[0], end
+    assert "; ZeRO stage 1, peak memory " in end[0] and end[0].endswith(" MB (the largest rank's))"), end
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    final = records[-1]
     assert final["tokens_per_s"] == pytest.approx(final["samples_per_s"] * 16, rel=1e-3)
     assert 2.5 < final["test_loss"] < 5, final   # ln(vocabulary) ~ 4 at the start, per token
-    ok(job(1, "--data", text_dir, *flags, "--accumulate-steps", 2, "--save", tmp_path / "one.h5"))
+    assert (final["test_tokens"], final["held_out_tokens"]) == (512, 3984), final
+    assert [r["lr"] for r in records[:-1]] == [0.1, 0.1], records   # the metrics records carry the lr
+    ok(job(1, "--data", text_dir, *flags, "--accumulate-steps", 2, "--save", tmp_path / "one.h5",
+           "--metrics", tmp_path / "one.jsonl"))
     close(tmp_path / "two.h5", tmp_path / "one.h5", 1e-5)
+    alone = json.loads((tmp_path / "one.jsonl").read_text().splitlines()[-1])
+    assert alone["test_tokens"] == 512 and alone["test_loss"] == pytest.approx(final["test_loss"], rel=1e-5)
+    # hpctrain evaluate --eval-tokens 512 scores the same windows: the final record's loss, one process's bits
+    from hpctrain import evaluate
+    assert evaluate.main(["--params", str(tmp_path / "one.h5"), "--data", text_dir, "--eval-tokens", "512",
+                          "--json"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert (scored["loss"], scored["num_tokens"], scored["held_out_tokens"]) == (alone["test_loss"], 512, 3984)
+
+
+def test_final_eval_off_skips_the_final_evaluation_and_says_so(job, text_dir, tmp_path):
+    """--final-eval off: --eval-every's evaluations run, the one after the
+    last step does not; the final record's test_loss and test_accuracy are
+    null and final_eval says "off"; the end line says so."""
+    metrics = tmp_path / "m.jsonl"
+    r = ok(job(1, "--data", text_dir, *FLAGS, "--eval-every", 3, "--eval-tokens", 256, "--final-eval", "off",
+               "--metrics", metrics))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [e["step"] for e in records if e.get("event") == "eval"] == [3], records
+    final = records[-1]
+    assert (final["test_loss"], final["test_accuracy"], final["final_eval"]) == (None, None, "off"), final
+    assert "test_tokens" not in final and "val_loss" not in final, final
+    assert "no final evaluation (--final-eval off)  (6 steps, " in r.stdout, r.stdout
+    assert "test loss" not in r.stdout.split("step      6/6")[1], r.stdout
 
 
 @pytest.mark.parametrize("schedule, micro, virtual", [("1f1b", 2, []), ("gpipe", 2, []),
@@ -64,12 +102,18 @@ def test_a_pipeline_cut_between_embedding_and_head_equals_accumulation(job, text
     the second (the tied tensor's gradient summed across the cut; with
     --virtual-stages 2 between the first chunk and the last): the bits of
     --accumulate-steps M on one rank, dropout on in every block."""
-    flags = [*FLAGS[:1], GPT + ",dropout=0.1", *FLAGS[2:]]
+    flags = [*FLAGS[:1], GPT + ",dropout=0.1", *FLAGS[2:], "--eval-tokens", 512]
     r = ok(job(2, "--data", text_dir, *flags, "--pipeline-stages", 2, "--micro-batches", micro,
-               "--pipeline-schedule", schedule, *virtual, "--save", tmp_path / "pipe.h5"))
+               "--pipeline-schedule", schedule, *virtual, "--save", tmp_path / "pipe.h5",
+               "--metrics", tmp_path / "pipe.jsonl"))
     assert "Traceback" not in r.stderr
-    ok(job(1, "--data", text_dir, *flags, "--accumulate-steps", micro, "--save", tmp_path / "acc.h5"))
+    ok(job(1, "--data", text_dir, *flags, "--accumulate-steps", micro, "--save", tmp_path / "acc.h5",
+           "--metrics", tmp_path / "acc.jsonl"))
     assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+    # the stages' final evaluation scores the sample the one process scores (--eval-tokens: issue 54 N2)
+    pipe, acc = (json.loads((tmp_path / f"{n}.jsonl").read_text().splitlines()[-1]) for n in ("pipe", "acc"))
+    assert pipe["test_tokens"] == acc["test_tokens"] == 512
+    assert pipe["test_loss"] == pytest.approx(acc["test_loss"], rel=1e-6), (pipe, acc)
 
 
 def test_two_chunks_of_one_stage_using_a_tied_tensor_are_one_line(job, text_dir, tmp_path):
@@ -131,11 +175,15 @@ def test_bad_gpt_flags_and_models_that_do_not_take_text_are_one_line(job, text_d
     assert "Traceback" not in r.stderr, r.stderr
 
 
-def test_the_gpt_on_images_is_one_line(job):
-    r = job(1, "--model", GPT, "--steps", 2)
+@pytest.mark.parametrize("flags, lines", [
+    (["--model", GPT], (f"--model {GPT} is a language model and --data ",
+                        "holds images: a language model cannot train on images")),
+    (["--eval-tokens", 100], ("--eval-tokens samples the held-out windows of text data (prepare --text); ",)),
+])
+def test_the_gpt_on_images_is_one_line(job, flags, lines):
+    r = job(1, "--steps", 2, *flags)
     assert r.returncode == 2, r.stderr
-    assert f"--model {GPT} is a language model and --data " in r.stderr, r.stderr
-    assert "holds images: a language model cannot train on images" in r.stderr, r.stderr
+    assert all(line in r.stderr for line in lines), r.stderr
 
 
 def test_keep_best_keeps_the_lowest_val_loss_and_resumes_it(job, text_dir, tmp_path):

@@ -192,6 +192,31 @@ def test_validation_accuracy_is_drawn_beside_the_test_accuracy(tmp_path):
     assert_png(tmp_path / "val.png", plot.RUN_SIZE)
 
 
+def test_a_language_models_run_draws_its_held_out_loss_tokens_per_s_and_lr(tmp_path):
+    """Text runs (records with tokens_per_s): the validation loss per token
+    (--eval-every's and the final record's), tokens/s and the records' lr,
+    not next-token accuracy and samples/s (issue 54 N3). The final record
+    of a --final-eval off run (test_loss null) adds no point."""
+    path = tmp_path / "gpt.jsonl"
+    lines = [{"step": 10, "loss": 4.0, "samples_per_s": 100.0, "tokens_per_s": 6400.0, "time_s": 1.0, "lr": 1e-3},
+             {"event": "eval", "step": 10, "test_accuracy": 0.2, "test_loss": 3.9, "val_accuracy": 0.2,
+              "val_loss": 3.9},
+             {"step": 20, "loss": 3.0, "samples_per_s": 110.0, "tokens_per_s": 7040.0, "time_s": 2.0, "lr": 5e-4},
+             {"event": "final", "mode": "ring", "steps": 20, "test_accuracy": 0.3, "test_loss": 2.9,
+              "val_accuracy": 0.3, "val_loss": 2.9, "wall_s": 3.0, "compute_s": 1.5, "comm_s": 0.5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    fig, drawn = plot.draw_runs([plot.read_run(path)])
+    assert drawn["held_out_loss/gpt"][1].tolist() == [3.9, 2.9]
+    assert drawn["tokens_per_s/gpt"][1].tolist() == [6400.0, 7040.0]
+    assert (drawn["lr/gpt"][0].tolist(), drawn["lr/gpt"][1].tolist()) == ([10, 20], [1e-3, 5e-4])
+    assert not any(k.startswith(("test_accuracy/", "samples_per_s")) for k in drawn), drawn
+    titles = [ax.get_title() for ax in fig.axes]
+    assert "held-out loss per token" in titles and "learning rate" in titles, titles
+    lines[-1].update(test_loss=None, test_accuracy=None, val_loss=None, val_accuracy=None, final_eval="off")
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert plot.draw_runs([plot.read_run(path)])[1]["held_out_loss/gpt"][1].tolist() == [3.9]
+
+
 def test_output_naming_an_input_and_a_deeply_nested_line_are_one_line(tmp_path, capsys):
     good = tmp_path / "good.jsonl"
     record = '{"step": 1, "loss": 2.0, "samples_per_s": 1.0, "time_s": 0.1}\n'

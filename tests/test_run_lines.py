@@ -13,6 +13,7 @@ import re
 import pytest
 
 from hpctrain.data import bundled_sample_dir, prepare
+from hpctrain.report.report import tensorboard_view
 
 pytestmark = pytest.mark.usefixtures("job")
 
@@ -35,7 +36,7 @@ def test_a_cpu_run_of_one_worker_says_what_it_uses(job):
             "--model", f"{EXAMPLE}:build", "--compiled-layers", "on")
     assert r.returncode == 0, r.stderr
     assert "pip install" not in r.stdout and "cupy-cuda" not in r.stdout, r.stdout
-    assert "world size 1 (1 worker), device cpu" in r.stdout, r.stdout
+    assert "world size 1 (1 worker), ZeRO stage 0 (nothing sharded, the default), device cpu" in r.stdout, r.stdout
     assert "steps: 1 epoch of 4500 samples at 1 worker x 900 = 5 steps" in r.stdout, r.stdout
     layers = [line for line in r.stdout.splitlines() if line.startswith("layers:")]
     assert layers == ["layers: NumPy (no layer of this model has a compiled kernel)"], r.stdout
@@ -66,7 +67,7 @@ def test_the_run_ends_with_one_line_per_file_written(job, tmp_path, val_data):
     lines = r.stdout.splitlines()
     assert "augment: random 28x28 crops of the image padded by 3 px, left-right flips of half the images; " \
            "training batches only (test and val sets as they are)" in lines, r.stdout
-    assert f"tensorboard: the --metrics records as scalars in {board} (tensorboard --logdir {board})" in lines
+    assert f"tensorboard: the --metrics records as scalars in {board} ({tensorboard_view(board)})" in lines
     end = lines[[i for i, line in enumerate(lines) if line.startswith("test accuracy")][-1] + 1:]
     final = json.loads(metrics.read_text().splitlines()[-1])
     kept = [json.loads(s) for s in metrics.read_text().splitlines() if '"val_accuracy"' in s]
@@ -78,7 +79,7 @@ def test_the_run_ends_with_one_line_per_file_written(job, tmp_path, val_data):
                         rf"accuracy, 0\.\d{{4}}\)", end[1]), (end, best_step)
     assert end[2] == f"last checkpoint {ckpt / newest} (step 20)", end
     assert end[3:] == [f"wrote --metrics {metrics} (the final record last)",
-                       f"wrote --tensorboard {board} (tensorboard --logdir {board})",
+                       f"wrote --tensorboard {board} ({tensorboard_view(board)})",
                        f"wrote --timeline {trace}"], end
     assert final["event"] == "final" and trace.exists() and best.exists()
 

@@ -146,7 +146,7 @@ def test_tensor_parallel_trains_the_gpt_of_one_process(job, tmp_path, text_dir, 
     the parameters after 30 clipped Adam steps within float32 rounding; the
     start-up line says how the vocabulary is cut."""
     replicas = ranks // tensor
-    flags = gpt_flags(text_dir)
+    flags = [*gpt_flags(text_dir), "--eval-tokens", 512]   # 32 of the 124 held-out windows, cut over the replicas
     _, want, whole = run(job, 1, [*flags, "--batch-size", 8], tmp_path, "one")
     r, got, split = run(job, ranks, [*flags, "--batch-size", 8 // replicas, "--tensor-parallel", tensor,
                                      "--zero", zero], tmp_path, "split")
@@ -155,6 +155,10 @@ def test_tensor_parallel_trains_the_gpt_of_one_process(job, tmp_path, text_dir, 
     assert len(got) == len(want) == 30
     assert np.allclose(got, want, rtol=2e-5), np.abs(np.subtract(got, want)).max()
     close(split, whole, 2e-4)
+    # the final evaluation scored the same sample of the held-out windows (issue 54 N2)
+    finals = [json.loads((tmp_path / f"{name}.jsonl").read_text().splitlines()[-1]) for name in ("one", "split")]
+    assert [f["test_tokens"] for f in finals] == [512, 512], finals
+    assert finals[1]["test_loss"] == pytest.approx(finals[0]["test_loss"], rel=2e-4), finals
 
 
 @pytest.mark.parametrize("ranks, layout", [(4, ["--tensor-parallel", 2]), (4, ["--tensor-parallel", 4]),

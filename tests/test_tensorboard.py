@@ -163,3 +163,16 @@ def test_a_dir_under_a_file_is_one_line_at_start_whatever_the_files_mode(job, tm
     assert r.returncode == 2 and lines == [f"hpctrain: error: --tensorboard {tmp_path / 'file' / 'sub'}: is under "
                                            f"{tmp_path / 'file'}, which is a file, not a directory"], r.stderr
     assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_the_end_line_says_how_to_get_the_viewer_where_it_is_not_installed(monkeypatch):
+    """tensorboardX writes the files but brings no viewer: `tensorboard
+    --logdir DIR` alone where it is installed, how to get it where not (issue 54 N3)."""
+    import importlib.util
+    import shutil
+    from hpctrain.report.report import tensorboard_view
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert tensorboard_view("runs/a") == "to view them: pip install tensorboard, then tensorboard --logdir runs/a"
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert tensorboard_view("runs/a") == "tensorboard --logdir runs/a"

@@ -213,6 +213,33 @@ def test_held_out_windows_are_consecutive_and_split_over_parts(chars_dir):
         data.load_test_windows(chars_dir, len(test))
 
 
+def test_eval_tokens_take_the_same_evenly_spaced_windows_on_any_number_of_parts(chars_dir):
+    """--eval-tokens N: N // T windows evenly spaced over the held-out split
+    (window floor(i * count / k)), a pure function of (count, T, N): the
+    parts of 1, 2 and 3 ranks together are the one sample, and
+    held_out_count / held_out_tokens say the same from the manifest alone."""
+    from hpctrain.data.splits import held_out, held_out_count, held_out_tokens
+    block = 5
+    test = data.read_tokens(chars_dir, "test")
+    count = (len(test) - 1) // block
+    whole_x, _ = data.load_test_windows(chars_dir, block)
+    x, y = data.load_test_windows(chars_dir, block, eval_tokens=52)
+    k = 52 // block
+    assert x.shape == (k, block) and 2 * k < count
+    assert np.array_equal(x, whole_x[np.arange(k) * count // k])
+    assert np.array_equal(y[:, :-1], x[:, 1:])
+    manifest = data.load_manifest(chars_dir)
+    for parts in (2, 3):
+        pieces = [held_out(chars_dir, part, parts, block, eval_tokens=52) for part in range(parts)]
+        assert np.array_equal(np.concatenate([p[0] for p in pieces]), x)
+        assert [len(p[0]) for p in pieces] == [held_out_count(manifest, part, parts, block, eval_tokens=52)
+                                               for part in range(parts)]
+    assert held_out_tokens(manifest, block, 52) == k * block and held_out_tokens(manifest, block) == count * block
+    # a cap at or past the windows' tokens takes them all; one below a window takes one
+    assert np.array_equal(data.load_test_windows(chars_dir, block, eval_tokens=count * block)[0], whole_x)
+    assert np.array_equal(data.load_test_windows(chars_dir, block, eval_tokens=1)[0], whole_x[:1])
+
+
 def test_too_few_windows_for_a_step_is_one_line(chars_dir):
     with pytest.raises(HpctrainError, match="fewer than one step takes"):
         data.TokenReader(chars_dir, 0, 1, 10_000, 0, 8)

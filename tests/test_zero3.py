@@ -92,9 +92,10 @@ def test_zero_3_trains_the_gpt_of_zero_1_with_accumulation(job, tmp_path, text_d
     (--keep-best)."""
     flags = ["--data", text_dir, "--model", "gpt:layers=3,heads=2,width=16,dropout=0.1", "--block-size", 16,
              "--batch-size", 4, "--steps", 4, "--accumulate-steps", 2, "--clip-norm", 0.5, "--fusion-mb", 0.005,
-             "--lr", 1e-3, "--eval-every", 2]
+             "--lr", 1e-3, "--eval-every", 2, "--eval-tokens", 512]
     finals = [trained(job, 2, [*flags, "--zero", z, "--keep-best", tmp_path / f"best{z}.h5"], tmp_path, f"z{z}")
               for z in (1, 3)]
+    assert [f["zero"] for f in finals] == [1, 3] and [f["test_tokens"] for f in finals] == [512, 512], finals
     assert same_bytes(tmp_path / "z1.h5", tmp_path / "z3.h5")
     assert same_bytes(tmp_path / "best1.h5", tmp_path / "best3.h5")   # --keep-best: written a bucket at a time
     assert finals[0]["test_loss"] == finals[1]["test_loss"]

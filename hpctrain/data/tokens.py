@@ -4,6 +4,7 @@ a rank's part of the held-out windows.
     reader = TokenReader("data/shakespeare-chars", worker, num_workers, batch_size, seed, block_size=64)
     x, y = reader.next_batch()          # int64 (B, T) token ids, int64 (B, T) the next tokens
     x, y = load_test_windows("data/shakespeare-chars", 64, part, parts)
+    x, y = load_test_windows("data/shakespeare-chars", 64, eval_tokens=8192)   # 128 windows, evenly spaced
 
 A training sample is a window of T+1 tokens of the training split starting
 at any offset (x its first T, y its last T); an epoch is one permutation of
@@ -12,7 +13,9 @@ workers step by step exactly as reader.py deals images (`deal`): any number
 of workers sees the same windows, and the W batches of a step, in worker
 order, are the one batch of W*B a single worker would take. The held-out
 split is read as consecutive non-overlapping windows (every token predicted
-once), cut into contiguous parts like load_test's. Every shard is checked
+once), cut into contiguous parts like load_test's; with `eval_tokens` N
+(--eval-tokens) only an evenly spaced sample of them (`eval_windows`),
+the same sample on any number of parts. Every shard is checked
 against the manifest (sha256, dtype, length, ids below vocab_size) first.
 No MPI here (house rule): callers pass worker numbers, not ranks.
 
@@ -171,11 +174,29 @@ class TokenReader:
         return self._x, self._y
 
 
-def load_test_windows(data_dir, block_size, part=0, parts=1, split="test"):
+def eval_windows(count, block_size, eval_tokens=None):
+    """The windows an evaluation scores, of the `count` consecutive windows
+    of `block_size` tokens: all of them, or, where they hold more than
+    `eval_tokens` tokens (--eval-tokens N), N // T of them (at least one),
+    evenly spaced over the split: window floor(i * count / k) for i < k.
+    A pure function of (count, T, N): no seed, no rank, so every evaluation
+    of a run (periodic, --keep-best, final) and `hpctrain evaluate` score the
+    same windows on any number of ranks. Evenly spaced, not drawn at random:
+    a held-out tail is a stretch of one text (the end of the last plays), and
+    a systematic sample covers it from beginning to end, where a random one
+    of a few hundred windows may cluster."""
+    if eval_tokens is None or count * block_size <= eval_tokens:
+        return np.arange(count)
+    k = max(1, int(eval_tokens) // block_size)
+    return np.arange(k, dtype=np.int64) * count // k   # k < count: distinct, increasing
+
+
+def load_test_windows(data_dir, block_size, part=0, parts=1, split="test", eval_tokens=None):
     """Contiguous part `part` of `parts` of the held-out split's consecutive
     non-overlapping windows: (x int64 (n, T), y int64 (n, T)), window k
     being tokens kT .. kT+T. Together the parts cover every window once; a
-    part is empty when parts exceeds them."""
+    part is empty when parts exceeds them. eval_tokens: only the sample
+    `eval_windows` takes, cut into parts the same way."""
     if not (isinstance(parts, (int, np.integer)) and parts >= 1 and 0 <= part < parts):
         raise HpctrainError(f"load_test_windows: part must be in 0..parts-1 with parts >= 1, "
                             f"got part={part!r}, parts={parts!r}")
@@ -186,8 +207,9 @@ def load_test_windows(data_dir, block_size, part=0, parts=1, split="test"):
     if count == 0:
         raise HpctrainError(f"{data_dir}: the {split} split's {len(tokens)} tokens hold no window of "
                             f"--block-size {block_size} + 1; prepare with a larger --val-fraction")
-    lo, hi = chunk_parts(count, parts)[part]
+    windows = eval_windows(count, block_size, eval_tokens)
+    lo, hi = chunk_parts(len(windows), parts)[part]
     x = np.empty((hi - lo, block_size), np.int64)
     y = np.empty_like(x)
-    _windows(tokens, np.arange(lo, hi) * block_size, block_size, x, y)
+    _windows(tokens, windows[lo:hi] * block_size, block_size, x, y)
     return x, y

@@ -241,10 +241,11 @@ class Frame:
         the loop's own, unless this step is saved already), then the
         pre-emption exit (75 everywhere), or the results: the largest
         optimizer state any rank holds (state_bytes: this rank's) and the
-        final evaluation and record (`finish`). model: report/evaluated.py's
+        final evaluation (none with --final-eval off) and record (`finish`). model: report/evaluated.py's
         (a collective one, a pipeline's, is evaluated by every rank together)."""
         world, checkpoints = self.world, self.checkpoints
-        if (world.chief or model.collective) and self.plan.data.has_val and not preempted:
+        final_eval = self.plan.outputs.final_eval == "on"
+        if (world.chief or model.collective) and self.plan.data.has_val and not preempted and final_eval:
             self.report.final_val(model, step)
         if save is not None and checkpoints.enabled and checkpoints.saved_step != step:
             save(step)
@@ -276,7 +277,9 @@ class Frame:
                                 exit_code=EXIT_DIVERGED, collective=not alone, report=world.chief)
         if not alone:
             model.share_state()
-        if self.plan.data.val_is_test:
+        if self.plan.outputs.final_eval == "off":
+            test = None   # --final-eval off: every rank skips the evaluation alike (the record says so)
+        elif self.plan.data.val_is_test:
             # text: the held-out tail final_val evaluated already (end() ran it on the chief, or on
             # every rank of a collective model); every rank skips the collective evaluation alike
             test = report.final_test_from_val() or (0.0, 0.0, 0)

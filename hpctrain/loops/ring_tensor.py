@@ -195,7 +195,8 @@ class TensorModel:
             data_dir = self.plan.data.dir
             with world.waiting(f"reading the {split} part of {data_dir}", peer="the file system"):
                 part, parts = (0, 1) if self.whole_split else (mesh.coords.data, mesh.size("data"))
-                self._parts[split] = held_out(data_dir, part, parts, self.plan.data.block_size, split=split)
+                self._parts[split] = held_out(data_dir, part, parts, self.plan.data.block_size, split=split,
+                                               eval_tokens=self.plan.data.eval_tokens)
         x, y = self._parts[split]
         sums = self.model.evaluate(xp.asarray(x), xp.asarray(y)) if len(y) else self.spec.loss.zero_sums()
         totals = np.array([sums["loss"], sums.get("correct", 0), sums["count"]], np.float64)

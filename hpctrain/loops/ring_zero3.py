@@ -117,7 +117,8 @@ class ShardedModel:
         if split not in self._full:
             data_dir = self.plan.data.dir
             with world.waiting(f"reading the {split} part of {data_dir}", peer="the file system"):
-                self._full[split] = held_out(data_dir, 0, 1, self.plan.data.block_size, split=split)
+                self._full[split] = held_out(data_dir, 0, 1, self.plan.data.block_size, split=split,
+                                             eval_tokens=self.plan.data.eval_tokens)
         own = state.copy() if state.size else None
         self.share_state()
         x, y = self._full[split]

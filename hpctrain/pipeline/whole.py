@@ -364,11 +364,13 @@ class Pipelined:
             from .. import data as data_mod
             from ..data.splits import held_out, held_out_count
             grid, data_dir, block_size = self.grid, self.plan.data.dir, self.plan.data.block_size
-            count = held_out_count(data_mod.load_manifest(data_dir), grid.replica, grid.replicas, block_size, split)
+            eval_tokens = self.plan.data.eval_tokens
+            count = held_out_count(data_mod.load_manifest(data_dir), grid.replica, grid.replicas, block_size, split,
+                                   eval_tokens)
             x = y = None
             if grid.first or grid.last:
                 with self.world.waiting(f"reading the {split} part of {data_dir}", peer="the file system"):
-                    x, y = held_out(data_dir, grid.replica, grid.replicas, block_size, split)
+                    x, y = held_out(data_dir, grid.replica, grid.replicas, block_size, split, eval_tokens)
                 x, y = (x if grid.first else None), (y if grid.last else None)
             self._parts[split] = (x, y, count)
         return self._parts[split]

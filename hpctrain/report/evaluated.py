@@ -52,7 +52,8 @@ class WholeModel:
         if split not in self._full:
             data_dir = self.plan.data.dir
             with self.world.waiting(f"reading the {split} part of {data_dir}", peer="the file system"):
-                self._full[split] = held_out(data_dir, 0, 1, self.plan.data.block_size, split=split)
+                self._full[split] = held_out(data_dir, 0, 1, self.plan.data.block_size, split=split,
+                                             eval_tokens=self.plan.data.eval_tokens)
         x, y = self._full[split]
         xp = self.world.xp
         sums = self.model.evaluate(xp.asarray(x), xp.asarray(y))

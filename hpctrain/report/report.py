@@ -86,7 +86,9 @@ class Report:
               f"{speed}  elapsed {elapsed:.1f}s  {self._eta(step)}{local}", flush=True)
         record = {"step": step, "loss": round(float(loss), 6), "samples_per_s": round(rate, 1),
                   **({"tokens_per_s": round(rate * per_token, 1)} if per_token else {}),
-                  "time_s": round(elapsed, 3)}
+                  "time_s": round(elapsed, 3),
+                  # the learning rate of the step just taken (0-based step - 1), as --tensorboard's train/lr
+                  "lr": float(self.plan.lr(step - 1))}
         if grad_norm is not None:
             record["grad_norm"] = round(float(grad_norm), 6)
         self.metrics.write(record)
@@ -203,26 +205,32 @@ class Report:
 
     def _final(self, result, step, t_loop, samples, comm_s, compute_s, extra):
         world, plan, outputs, cluster = self.world, self.plan, self.outputs, self.world.cluster
-        test_loss, test_acc, n_test = result["test"]
+        evaluated = result["test"] is not None   # None: --final-eval off
+        test = self._final_test(result["test"])
         val = {}
-        if plan.data.has_val:
+        if plan.data.has_val and evaluated:
             val_loss, val_acc = self.final_val(result["model"], step)
             val = {"val_accuracy": round(val_acc, 6), "val_loss": round(val_loss, 6)}
             print(f"val accuracy {val_acc:.4f}  val loss {val_loss:.4f}", flush=True)
         wall = time.perf_counter() - world.t_start
         rate = samples / t_loop if t_loop > 0 else 0.0
         per_token = plan.data.tokens_per_sample
-        if per_token:   # a language model: the loss per held-out token, next-token accuracy
-            print(f"test loss {test_loss:.4f} per token  test accuracy {test_acc:.4f}  ({n_test:,} tokens, "
-                  f"{step} steps, {rate * per_token:,.0f} tokens/s, {wall:.1f}s)", flush=True)
+        speed = f"{rate * per_token:,.0f} tokens/s" if per_token else f"{rate:,.0f} samples/s"
+        memory = self._memory_text(result["medians"], extra)
+        if not evaluated:
+            print(f"no final evaluation (--final-eval off)  ({step} steps, {speed}, {wall:.1f}s; {memory})",
+                  flush=True)
+        elif per_token:   # a language model: the loss per held-out token, next-token accuracy
+            print(f"test loss {test['test_loss']:.4f} per token  test accuracy {test['test_accuracy']:.4f}  "
+                  f"({self._tokens_text(test)}, {step} steps, {speed}, {wall:.1f}s; {memory})", flush=True)
         else:
-            print(f"test accuracy {test_acc:.4f}  test loss {test_loss:.4f}  ({n_test} images, "
-                  f"{step} steps, {rate:,.0f} samples/s, {wall:.1f}s)", flush=True)
+            print(f"test accuracy {test['test_accuracy']:.4f}  test loss {test['test_loss']:.4f}  "
+                  f"({result['test'][2]} images, {step} steps, {speed}, {wall:.1f}s; {memory})", flush=True)
         save_error = result["save_error"]
         record = {"event": "final", "mode": plan.mode, "world_size": cluster.size, "workers": cluster.num_workers,
                   "steps": step,
                   "global_batch": plan.per_step,
-                  **val, "test_accuracy": round(test_acc, 6), "test_loss": round(test_loss, 6),
+                  **val, **test,
                   "wall_s": round(wall, 3), "samples_per_s": round(rate, 1),
                   **({"tokens_per_s": round(rate * per_token, 1)} if per_token else {}),
                   "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
@@ -250,6 +258,37 @@ class Report:
         return record, save_error
 
 
+    def _final_test(self, test):
+        """The final record's test figures: test_loss and test_accuracy (null,
+        and final_eval "off", where --final-eval off skipped them); for text
+        the tokens scored (test_tokens) of the held-out windows' (held_out_tokens):
+        fewer where --eval-tokens (or its default cap) sampled them."""
+        if test is None:
+            return {"test_accuracy": None, "test_loss": None, "final_eval": "off"}
+        loss, accuracy, count = test
+        out = {"test_accuracy": round(accuracy, 6), "test_loss": round(loss, 6)}
+        data = self.plan.data
+        if data.text:
+            from ..data import load_manifest
+            from ..data.splits import held_out_tokens
+            whole = held_out_tokens(load_manifest(data.dir), data.block_size)
+            out.update(test_tokens=int(count), held_out_tokens=int(whole))
+        return out
+
+    @staticmethod
+    def _tokens_text(test):
+        """ "on 8,192 of 111,488 held-out tokens, a sample (--eval-tokens)": what the final evaluation scored."""
+        used, whole = test["test_tokens"], test["held_out_tokens"]
+        sample = ", an evenly spaced sample (--eval-tokens)" if used < whole else ""
+        return f"on {used:,} of {whole:,} held-out tokens{sample}"
+
+    def _memory_text(self, medians, extra):
+        """The end line's ZeRO stage (ring mode's, from the final record's `zero`)
+        and the largest peak memory of any rank (its resident set)."""
+        zero = (extra or {}).get("zero")
+        stage = f"ZeRO stage {zero}, " if zero is not None else ""
+        return f"{stage}peak memory {medians['peak_rss_mb']:,.0f} MB (the largest rank's)"
+
     def written_lines(self, step, save_error, checkpoint):
         """The run's last lines: one per file it wrote (or kept), so the user
         knows what is where. checkpoint: (path, step) of the newest checkpoint."""
@@ -265,10 +304,22 @@ class Report:
         if self.metrics.whole():
             lines.append(f"wrote --metrics {outputs.metrics} (the final record last)")
         if self.board.whole():
-            lines.append(f"wrote --tensorboard {outputs.tensorboard} (tensorboard --logdir {outputs.tensorboard})")
+            lines.append(f"wrote --tensorboard {outputs.tensorboard} ({tensorboard_view(outputs.tensorboard)})")
         if self.timeline.written:
             lines.append(f"wrote --timeline {outputs.timeline}")
         return lines
+
+
+def tensorboard_view(path):
+    """How to look at --tensorboard's files: `tensorboard --logdir DIR`, and
+    where the viewer is not installed (hpctrain writes them through
+    tensorboardX, which brings no viewer), how to get it."""
+    import importlib.util
+    import shutil
+    view = f"tensorboard --logdir {path}"
+    if shutil.which("tensorboard") or importlib.util.find_spec("tensorboard"):
+        return view
+    return f"to view them: pip install tensorboard, then {view}"
 
 
 def results_note(outputs):

@@ -33,7 +33,7 @@ from ..files import one_line
 
 INSTALL = "--tensorboard needs tensorboardX, an optional dependency: pip install 'hpctrain[tensorboard]'"
 TRAIN_TAGS = {"loss": "train/loss", "samples_per_s": "train/samples_per_s", "tokens_per_s": "train/tokens_per_s",
-              "grad_norm": "train/grad_norm"}
+              "grad_norm": "train/grad_norm", "lr": "train/lr"}
 EVAL_TAGS = {"test_accuracy": "eval/test_accuracy", "test_loss": "eval/test_loss",
              "val_accuracy": "eval/val_accuracy", "val_loss": "eval/val_loss"}
 
@@ -112,7 +112,7 @@ class Board:
         step = int(record["steps"] if record.get("event") == "final" else record["step"])
         tags = EVAL_TAGS if final_or_eval else TRAIN_TAGS
         values = [(tags[k], float(v)) for k, v in record.items() if k in tags and v is not None]
-        if not final_or_eval and self.lr is not None:
+        if not final_or_eval and self.lr is not None and "lr" not in record:
             values.append(("train/lr", float(self.lr(step - 1))))
         try:
             for tag, value in values:

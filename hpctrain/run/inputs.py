@@ -76,5 +76,6 @@ class Inputs:
         if self._test is None:
             cluster = self.world.cluster
             self._test = self.world.agreed(cluster.worker_comm, held_out, self.data.dir, cluster.worker_index,
-                                           cluster.num_workers, self.data.block_size)
+                                           cluster.num_workers, self.data.block_size, "test",
+                                           self.data.eval_tokens)
         return self._test

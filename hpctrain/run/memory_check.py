@@ -98,7 +98,8 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
     sharded: the ZeRO stage over the `replicas` (1: the optimizer state 1/R;
     2: the gradient too, its shard and its slots, nn/grad_slots.py; 3: the
     parameters too, nn/sharded_store.py). A
-    refusal names the pipeline that would fit."""
+    refusal names the pipeline that would fit. Returns the bytes it expects
+    this rank to need (where it fits)."""
     from ..optim.optimizers import prepare
     from ..pipeline.stages import ranges, stage_chunks, virtual_stages
     from ..report.step_stats import rss_bytes
@@ -120,12 +121,12 @@ def check_memory(args, ranks_on_node, spec, cuts, replicas, sharded, steps=None)
     else:
         have = memory_available()
         if have is None:
-            return
+            return need
         budget = have / ranks_on_node
         where = (f"this node has {have / 2**30:.1f} GiB available for {ranks_on_node} "
                  f"rank{'s' if ranks_on_node > 1 else ''}")
     if need <= budget:
-        return
+        return need   # (the start-up line says it: run/startup.py)
     what = f"--hidden {','.join(map(str, args.hidden))}" if args.model == "mlp" else f"--model {args.model}"
     part = (f" for its heaviest stage ({heaviest}: layers "
             + " ".join(f"[{a},{b})" for a, b in stage_chunks(cuts, stages, heaviest)) + ")" if cuts else "")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import device
-from ..cli import configuration
+from ..cli import DEFAULT_EVAL_TOKENS, configuration
 from ..data.manifest import train_samples
 from ..nn import compiled
 from ..nn.spec import ModelSpec
@@ -138,6 +138,9 @@ class Data:
     text: bool           # token windows (prepare --text), not images
     aggregated: int      # the workers whose batches one optimizer step takes (ps: the gradients it aggregates)
     val_is_test: bool = False   # the val split is the test split's files (text's one held-out tail)
+    # text: the held-out tokens an evaluation scores (--eval-tokens; data/splits.held_out's
+    # sample, the same at every evaluation); None: every window (images: every image)
+    eval_tokens: int = None
 
     @property
     def tokens_per_sample(self):
@@ -291,6 +294,7 @@ class Outputs:
     eval_every: int
     log_every: int
     tensorboard: str
+    final_eval: str = "on"   # --final-eval off: no evaluation after the last step
 
 
 @dataclass(frozen=True)
@@ -345,7 +349,17 @@ def data_plan(args, cluster, data_dir, digest, manifest, has_val):
                 batches=args.accumulate_steps * args.micro_batches, seed=args.seed, augment=args.augment,
                 block_size=args.block_size, text=manifest.get("kind") == "tokens",
                 aggregated=aggregated_workers(args, workers),
-                val_is_test=bool(has_val) and manifest.get("val") == manifest.get("test"))
+                val_is_test=bool(has_val) and manifest.get("val") == manifest.get("test"),
+                eval_tokens=eval_tokens_of(args, manifest))
+
+
+def eval_tokens_of(args, manifest):
+    """The held-out tokens each evaluation scores: text's --eval-tokens N,
+    its default cap (cli.DEFAULT_EVAL_TOKENS), or None for all of them (all;
+    images, which take no sample)."""
+    if manifest.get("kind") != "tokens" or args.eval_tokens == 0:
+        return None
+    return args.eval_tokens or DEFAULT_EVAL_TOKENS
 
 
 def schedule_plan(args, data):
@@ -398,7 +412,8 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
                         keep_checkpoints=args.keep_checkpoints, resume=args.resume,
                         resume_other_data=args.resume_other_data, save=args.save, metrics=args.metrics,
                         keep_best=args.keep_best, timeline=args.timeline, timeline_steps=args.timeline_steps,
-                        eval_every=args.eval_every, log_every=args.log_every, tensorboard=args.tensorboard),
+                        eval_every=args.eval_every, log_every=args.log_every, tensorboard=args.tensorboard,
+                        final_eval=args.final_eval),
         epochs=args.epochs, timeout=args.timeout, world_size=cluster.size,
         recorded=identity.recorded(args, cluster.size, workers, spec, layers_key),
         resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps),

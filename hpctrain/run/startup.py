@@ -34,6 +34,7 @@ from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
 from ..report import tensorboard
+from ..report.report import tensorboard_view
 from ..tuning import rounding
 from . import cluster as cluster_mod
 from . import identity, jobcheck, stop_signal
@@ -101,7 +102,8 @@ def start(args, process_note, watchdog, stop, on_roles=None):
                   server_xp=server_xp, thread_multiple=thread_multiple, waits=waits, t_start=t_start)
     workers = counted(cluster.num_workers, "worker")
     say(f"hpctrain: {args.mode} mode, world size {cluster.size} "
-        f"({f'{cluster.num_ps} ps + {workers}' if cluster.num_ps else workers}), device {device_name} "
+        f"({f'{cluster.num_ps} ps + {workers}' if cluster.num_ps else workers}), "
+        f"{zero_text(args, cluster, xp)}device {device_name} "
         f"({device_note})" + (f"; {process_note}" if process_note else ""))
     if cluster.num_ps:
         say(cluster.servers_line())
@@ -117,6 +119,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     agree(check_input_kind, args, input_kind_of(args.model), manifest, data_dir)
     has_val = data_mod.has_val(data_dir)
     agree(check_val, args, has_val, data_dir)
+    agree(check_eval_tokens, args, manifest, data_dir)
     # --augment flip on --no-flip data, crop=P past the image: refused; a wide crop: a warning
     augment_warning = agree(data_mod.check_augment, args.augment, data_dir)
     if augment_warning and cluster.is_chief:
@@ -124,6 +127,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     agree(tensorboard.check, args)   # tensorboardX installed, DIR writable
     agree(check_single_pass, args, xp)   # --single-pass on: numba there (NumPy)
     data = data_plan(args, cluster, data_dir, digest, manifest, has_val)
+    sampled = eval_tokens_line(args, manifest, data) if data.eval_tokens else None
+    if sampled:
+        say(sampled)
     # --epochs count its training samples (the same on every rank: the
     # manifest's digest was compared above); the last step is decided with
     # the resume point (Plan.last_step).
@@ -137,7 +143,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         say(augment_line(args.augment, manifest["image_shape"], args.seed))
     if args.tensorboard:
         say(f"tensorboard: the --metrics records as scalars in {args.tensorboard} "
-            f"(tensorboard --logdir {args.tensorboard})")
+            f"({tensorboard_view(args.tensorboard)})")
     # Before any layer is bound; every rank the same way (auto: only where
     # every rank has numba), so no two ranks mix compiled and NumPy layers.
     # (The compiled kernels' sum order still depends on the CPU: ranks on
@@ -176,8 +182,13 @@ def start(args, process_note, watchdog, stop, on_roles=None):
             print(f"hpctrain: warning: {across_nodes_line(args.tensor_parallel, apart, cluster.size)}",
                   file=sys.stderr, flush=True)
     replicas = world.mesh.size("data") if world.mesh else cluster.num_workers
-    agree(check_memory, args, cluster.local_size, spec, cuts, replicas,
-          zero_stage(args, replicas, xp) if replicas > 1 else 0, schedule.total_steps)
+    sharded = zero_stage(args, replicas, xp) if replicas > 1 else 0
+    need = agree(check_memory, args, cluster.local_size, spec, cuts, replicas, sharded, schedule.total_steps)
+    if need:   # what the end line's peak memory will be, foreseen (issue 54 N3: the console said neither)
+        at = f" at ZeRO stage {sharded}" if args.mode == "ring" else ""
+        say(f"memory: at least {need / 2**20:,.0f} MB a rank expected{at} (the interpreter, parameters, gradients, "
+            f"optimizer state and a step's activations{', the heaviest pipeline stage' if cuts else ''}); the result "
+            f"line gives the peak")
     agree(check_step_size, args, data.workers, manifest, data_dir)
     # Last before training, so a refusal above leaves nothing behind (this
     # creates --checkpoint-dir): a result that cannot be written would be lost.
@@ -193,6 +204,25 @@ def augment_line(text, image_shape, seed):
     kinds = ([f"random {h}x{w} crops of the image padded by {augment.pad} px"] if augment.crop else []) + \
         (["left-right flips of half the images"] if augment.flip else [])
     return f"augment: {', '.join(kinds)}; training batches only (test and val sets as they are)"
+
+
+ZERO_SHARDS = ("nothing sharded", "the optimizer state sharded", "the optimizer state and gradients sharded",
+               "the optimizer state, gradients and parameters sharded")
+
+
+def zero_text(args, cluster, xp):
+    """The start line's ZeRO stage (ring mode; ps mode's servers hold the
+    shards): --zero, or its default's rule (plan.zero_stage) over the replicas
+    that average the gradient (world / (stages x tensor ranks)); with one
+    replica nothing is sharded (comm/data_parallel.py), whatever --zero says."""
+    if args.mode != "ring":
+        return ""
+    replicas = cluster.num_workers // (args.pipeline_stages * args.tensor_parallel)
+    stage = zero_stage(args, replicas, xp)
+    if replicas == 1 and stage < 3:   # (a --zero 3 store of one shard still holds the parameters its way)
+        stage = 0
+    over = f" over {replicas} replicas" if stage else ""
+    return f"ZeRO stage {stage} ({ZERO_SHARDS[stage]}{over}{'' if args.zero is not None else ', the default'}), "
 
 
 def counted(n, noun):
@@ -292,6 +322,27 @@ def check_val(args, has_val, data_dir):
     if args.keep_best and not has_val:
         raise HpctrainError(f"--keep-best needs a validation part, and {data_dir} has none; prepare "
                             f"it with: python -m hpctrain.data prepare --val-fraction F --out DIR")
+
+
+def eval_tokens_line(args, manifest, data):
+    """The start-up line of a text run whose evaluations score a sample of the
+    held-out windows (--eval-tokens, or its default cap); None where they score all."""
+    from ..data.splits import held_out_tokens
+    used = held_out_tokens(manifest, data.block_size, data.eval_tokens)
+    whole = held_out_tokens(manifest, data.block_size)
+    if used >= whole:
+        return None
+    given = f"--eval-tokens {args.eval_tokens:,}" if args.eval_tokens else \
+        f"the default --eval-tokens {data.eval_tokens:,}; all: every one"
+    return (f"evaluations: {used:,} of the {whole:,} held-out tokens, {used // data.block_size:,} windows evenly "
+            f"spaced over them, the same at every evaluation ({given})")
+
+
+def check_eval_tokens(args, manifest, data_dir):
+    """--eval-tokens samples text's held-out windows; images are evaluated whole."""
+    if args.eval_tokens is not None and manifest.get("kind") != "tokens":
+        raise HpctrainError(f"--eval-tokens samples the held-out windows of text data (prepare --text); "
+                            f"{data_dir} holds images, whose test set is evaluated whole")
 
 
 def _nothing(*args):
