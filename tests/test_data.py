@@ -1002,17 +1002,19 @@ def test_cli_prepare_force_never_deletes_its_input(tmp_path):
     # IDX files untouched (before, `--out D --force` replaced D and exited 0).
     source = make_single_source(tmp_path / "raw" / "mnist", n=100)
     before = {p.name: p.read_bytes() for p in source.iterdir()}
-    for out, verb in ((source, "is"), (tmp_path / "raw", "contains"), (tmp_path, "contains")):
+    for out, says in ((source, "would write into the run's input"),
+                      (tmp_path / "raw", "would write over the run's input"),
+                      (tmp_path, "would write over the run's input")):
         r = run_cli("prepare", "--source", source, "--out", out, "--force")
         assert r.returncode == 2, r.stderr
-        assert r.stderr == (f"hpctrain: error: --out {out} {verb} --source {source}: preparing "
-                            f"would replace the input files; write the shards elsewhere\n")
+        held = ", which it holds" if out != source else ""
+        assert r.stderr == f"hpctrain: error: --out {out} {says} {source} (the --source folder){held}\n"
         assert {p.name: p.read_bytes() for p in source.iterdir()} == before
     # Through a symlink too: the check compares resolved paths.
     link = tmp_path / "link"
     link.symlink_to(source)
     r = run_cli("prepare", "--source", source, "--out", link, "--force")
-    assert r.returncode == 2 and "would replace the input files" in r.stderr
+    assert r.returncode == 2 and "would write into the run's input" in r.stderr
     assert {p.name: p.read_bytes() for p in source.iterdir()} == before
     # A sibling directory is fine.
     r = run_cli("prepare", "--source", source, "--out", tmp_path / "raw" / "shards", "--force")
