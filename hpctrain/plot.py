@@ -20,7 +20,7 @@ import textwrap
 import numpy as np
 
 from .arguments import Parser
-from .errors import EXIT_BAD_INPUT, HpctrainError
+from .errors import EXIT_BAD_INPUT, HpctrainError, one_line_errors
 from .overwrites import Input
 from .run.outputs import check_output_file
 from .files import one_line, write_atomically
@@ -412,6 +412,7 @@ def plot_train(rows, path, title="train"):
 # ---------------------------------------------------------------------------
 # python -m hpctrain.plot
 
+@one_line_errors   # its stop signals: one line (errors.stops_as_errors)
 def main(argv=None, prog="python -m hpctrain.plot"):
     p = Parser(prog=prog,
                                 description="Loss, test accuracy, samples/s (and async ps staleness) of "

@@ -460,9 +460,10 @@ def temporaries_beside(out):
     return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-")]
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 75), (signal.SIGHUP, 75), (signal.SIGINT, 130)])
 def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, code):
-    # Before: SIGTERM's default action ended prepare with its .out.tmp-PID-XXXX folder left for ever.
+    # Before: SIGTERM's default action ended prepare with its .out.tmp-PID-XXXX folder left for ever;
+    # then SIGHUP's (a closed terminal, a dropped ssh session) still did.
     rng = np.random.default_rng(0)
     # Random pixels compress slowly: writing the shards takes seconds, time to stop it half-way.
     np.save(tmp_path / "x.npy", rng.integers(0, 256, (30000, 28, 28), dtype=np.uint8))
@@ -514,7 +515,7 @@ def test_a_stop_while_the_shards_are_renamed_into_place_changes_nothing():
     code = ("import os, signal\n"
             "from hpctrain.data.stopping import signals_held\n"
             "with signals_held():\n"
-            "    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):\n"
+            "    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):\n"
             "        os.kill(os.getpid(), sig)\n"
             "print('installed')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
