@@ -92,6 +92,9 @@ def conflict(out, given):
     if _within(real, top) and _counts(given, real, top):
         if os.path.lexists(real) and not os.path.isdir(real) and not out.folder:
             return f"would overwrite the run's input {out.path} (a file of {given.what} {given.path})"
+        if given.names is not None:   # a name the folder's own files take (a later checkpoint's)
+            return (f"would write inside the run's input {given.path} ({given.what}) under one of its own "
+                    f"names; name another file")
         return f"would write inside the run's input {given.path} ({given.what}); name a path elsewhere"
     linked = None if out.folder else _linked_from(out.path, given)
     if linked:

@@ -64,8 +64,9 @@ def refusal(args, data="data"):
                                 f"--data folder data; hard.h5 is a hard link of it)"),
     (dict(save="data/p.h5"), "--save data/p.h5 would write inside the run's input data (the --data folder)"),
     (dict(save="ckpt/ckpt-00000010.h5"), "--save ckpt/ckpt-00000010.h5 would overwrite the run's input "
-                                         "ckpt/ckpt-00000010.h5 (a file of the checkpoints of --checkpoint-dir ckpt)"),
-    (dict(save="ckpt/ckpt-00000020.h5"), "--save ckpt/ckpt-00000020.h5 would write inside the run's input ckpt"),
+                                         "ckpt/ckpt-00000010.h5 (a file of the --checkpoint-dir folder ckpt)"),
+    (dict(save="ckpt/ckpt-00000020.h5"), "--save ckpt/ckpt-00000020.h5 would write inside the run's input ckpt (the "
+                                         "--checkpoint-dir folder) under one of its own names; name another file"),
     (dict(checkpoint_dir="data/c"), "--checkpoint-dir data/c would write inside the run's input data"),
     (dict(tensorboard="datalink"), "--tensorboard datalink would write into the run's input data (the --data folder)"),
     (dict(tensorboard="."), "--tensorboard . would write over the run's input data (the --data folder), which it "

@@ -50,23 +50,22 @@ def check_outputs(args, data_dir=None):
     flags name can be written and none would overwrite the run's inputs
     (data_dir: the --data folder the run reads). Creates --checkpoint-dir
     if missing."""
-    check_not_inputs(run_outputs(args), run_inputs(args, data_dir))
     seen = {}
-    for name in FILE_FLAGS:
-        path = getattr(args, name, None)
-        if not path:
-            continue
-        flag = name.replace("_", "-")
+    files = [(getattr(args, name, None), f"--{name.replace('_', '-')}") for name in FILE_FLAGS]
+    for path, flag in filter(lambda f: f[0], files):
         real = os.path.realpath(path)
         if real in seen:
-            raise HpctrainError(f"--{flag} and --{seen[real]} both name {path}: give each its own file")
-        seen[real] = flag
-        _check_writable(path, f"--{flag}")
+            raise HpctrainError(f"{flag} and --{seen[real]} both name {path}: give each its own file")
+        seen[real] = flag[2:]
+    if args.checkpoint_dir and os.path.realpath(args.checkpoint_dir) in seen:
+        raise HpctrainError(f"--checkpoint-dir and --{seen[os.path.realpath(args.checkpoint_dir)]} both name "
+                            f"{args.checkpoint_dir}")
+    check_not_inputs(run_outputs(args), run_inputs(args, data_dir))
+    for path, flag in filter(lambda f: f[0], files):
+        _check_writable(path, flag)
     if args.checkpoint_dir:
         d = args.checkpoint_dir
         real = os.path.realpath(d)
-        if real in seen:
-            raise HpctrainError(f"--checkpoint-dir and --{seen[real]} both name {d}")
         if os.path.exists(real) and not os.path.isdir(real):
             raise HpctrainError(f"--checkpoint-dir {d}: exists and is not a directory")
         try:
@@ -153,7 +152,7 @@ def run_inputs(args, data_dir):
     if args.model and is_model_file(args.model):
         inputs.append(Input(args.model.rpartition(":")[0], "the --model file"))
     if args.checkpoint_dir:
-        inputs.append(Input(args.checkpoint_dir, "the checkpoints of --checkpoint-dir", names=CHECKPOINT_NAME,
+        inputs.append(Input(args.checkpoint_dir, "the --checkpoint-dir folder", names=CHECKPOINT_NAME,
                             writer="--checkpoint-dir"))
     for name in ("init_from", "config"):
         if getattr(args, name, None):
