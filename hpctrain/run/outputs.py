@@ -149,10 +149,11 @@ def run_inputs(args, data_dir):
     --checkpoint-dir (which a resume reads), and the files of flags that
     name one (--init-from, --config) where this version has them."""
     inputs = [Input(data_dir, "the --data folder")]
-    if args.model and is_model_file(args.model):
-        inputs.append(Input(args.model.rpartition(":")[0], "the --model file"))
-    if args.checkpoint_dir:
-        inputs.append(Input(args.checkpoint_dir, "the --checkpoint-dir folder", names=CHECKPOINT_NAME,
+    model, checkpoint_dir = getattr(args, "model", None), getattr(args, "checkpoint_dir", None)
+    if model and is_model_file(model):
+        inputs.append(Input(model.rpartition(":")[0], "the --model file"))
+    if checkpoint_dir:
+        inputs.append(Input(checkpoint_dir, "the --checkpoint-dir folder", names=CHECKPOINT_NAME,
                             writer="--checkpoint-dir"))
     for name in ("init_from", "config"):
         if getattr(args, name, None):
@@ -162,8 +163,9 @@ def run_inputs(args, data_dir):
 
 def run_outputs(args):
     """What a training run writes, for check_not_inputs."""
-    outputs = [Output(getattr(args, name), f"--{name.replace('_', '-')}") for name in FILE_FLAGS]
-    outputs.append(Output(args.checkpoint_dir, "--checkpoint-dir", folder=True, names=CHECKPOINT_NAME))
+    outputs = [Output(getattr(args, name, None), f"--{name.replace('_', '-')}") for name in FILE_FLAGS]
+    outputs.append(Output(getattr(args, "checkpoint_dir", None), "--checkpoint-dir", folder=True,
+                          names=CHECKPOINT_NAME))
     outputs.append(Output(getattr(args, "tensorboard", None), "--tensorboard", folder=True))
     return outputs
 
