@@ -74,7 +74,7 @@ def one_line_errors(main):
     on standard error) and its exit code returned, and the stop signals
     made one such line too (stops_as_errors): the single-process commands'
     error tail, written once (train has its own: ranks agree)."""
-    command = _command_name(main.__module__)
+    command = _command_name(main)
 
     @functools.wraps(main)
     def run(*args, **kwargs):
@@ -87,8 +87,12 @@ def one_line_errors(main):
     return run
 
 
-def _command_name(module):
-    """hpctrain.evaluate -> evaluate, hpctrain.data.__main__ -> data."""
+def _command_name(main):
+    """main's command: hpctrain.evaluate -> evaluate, hpctrain.data.__main__
+    -> data; run as `python -m hpctrain.evaluate` too, where its module is
+    __main__ (the spec keeps the name)."""
+    spec = getattr(sys.modules.get(main.__module__), "__spec__", None)
+    module = spec.name if spec is not None else main.__module__
     return module.removeprefix("hpctrain.").removesuffix(".__main__")
 
 

@@ -55,8 +55,10 @@ def stop_when_caught(p, sig, within=60.0, settle=0.5):
 @pytest.mark.parametrize("sig, code, ctrl_c", SIGNALS, ids=[s.name for s, _, _ in SIGNALS])
 def test_generate_stopped_by_a_signal_is_one_line_and_128_plus_the_signal(trained_gpt, sig, code, ctrl_c):  # noqa: F811
     # Before: Ctrl-C printed a KeyboardInterrupt traceback; SIGHUP and SIGTERM ended it without a word.
+    # (SIGHUP: as `python -m hpctrain.generate`, the module's own name, not __main__, in the line.)
     _, save, _, _ = trained_gpt
-    p = subprocess.Popen([sys.executable, "-m", "hpctrain", "generate", "--params", save, "--tokens", "10000000"],
+    command = ["hpctrain.generate"] if sig == signal.SIGHUP else ["hpctrain", "generate"]
+    p = subprocess.Popen([sys.executable, "-m", *command, "--params", save, "--tokens", "10000000"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
     rc, out, err = stop_when_caught(p, sig)
     assert (rc, out, err) == (code, "", f"hpctrain: error: generate stopped by {sig.name}{ctrl_c}\n")
