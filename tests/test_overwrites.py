@@ -90,12 +90,22 @@ def test_a_folder_output_replaced_whole_holds_no_input_and_a_source_folder_may_h
     check("data/prepared", "data")   # a folder inside a raw source harms none of its files
 
 
-def test_training_onto_its_own_input_is_one_line_before_the_first_step(job, bundled_shards):
-    manifest = os.path.join(bundled_shards, "manifest.json")
-    text = open(manifest).read()
-    spelt = os.path.join(bundled_shards, "..", os.path.basename(bundled_shards), "manifest.json")
-    r = job(1, "--data", bundled_shards, "--steps", "100000", "--metrics", spelt, timeout=120)
+@pytest.mark.parametrize("case", ["metrics onto the manifest", "save onto the model file"])
+def test_training_onto_its_own_input_is_one_line_before_the_first_step(job, bundled_shards, tmp_path, case):
+    # Before: rc 0, the prepared set's manifest or the user's code replaced by the run's output.
+    model = tmp_path / "net.py"
+    model.write_text(open(os.path.join(os.path.dirname(__file__), "models", "tiny_cnn.py")).read())
+    if case == "metrics onto the manifest":
+        victim = os.path.join(bundled_shards, "manifest.json")
+        spelt = os.path.join(bundled_shards, "..", os.path.basename(bundled_shards), "manifest.json")
+        flags, says = ["--metrics", spelt], f"--metrics {spelt} would overwrite the run's input {spelt} (a file of " \
+                                             f"the --data folder {bundled_shards})"
+    else:
+        victim, spelt = str(model), f"{tmp_path}/./net.py"
+        flags = ["--model", f"{model}:build", "--save", spelt]
+        says = f"--save {spelt} would overwrite the run's input {model} (the --model file)"
+    text = open(victim).read()
+    r = job(2, "--data", bundled_shards, "--steps", "100000", *flags, timeout=120)
     lines = [s for s in r.stderr.splitlines() if s.strip()]
-    assert r.returncode == 2 and lines == [f"hpctrain: error: --metrics {spelt} would overwrite the run's input "
-                                           f"{spelt} (a file of the --data folder {bundled_shards})"], r.stderr
-    assert "step " not in r.stdout and open(manifest).read() == text
+    assert r.returncode == 2 and lines == [f"hpctrain: error: {says}"], r.stderr   # one line for both ranks
+    assert "step " not in r.stdout and open(victim).read() == text
