@@ -11,10 +11,11 @@ from .checkpoints.file import list_checkpoints
 from .checkpoints.read_back import read
 from .checkpoints.trust import Corrupt
 from .arguments import Parser
-from .errors import HpctrainError
+from .errors import HpctrainError, one_line_errors
 from .run.identity import SAME_ON_RESUME, unused_by
 
 
+@one_line_errors   # its stop signals: one line (errors.stops_as_errors)
 def main(argv=None, prog="python -m hpctrain.checkpoint"):
     """List DIR's checkpoints newest first and verify each (exit 1 if any is
     corrupt; 2, with one line, if DIR is not a directory)."""

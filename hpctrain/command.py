@@ -13,11 +13,15 @@ PATH for what `python -m hpctrain.*` runs, as torchrun and horovodrun are.
 Each subcommand is its module's main(), given the arguments after its name;
 nothing else is imported first (train configures BLAS and MPI before numpy
 loads: train.py; the one-process commands get BLAS's threads here, before
-their module loads numpy: ONE_PROCESS). `python -m hpctrain.X` keeps working.
+their module loads numpy: ONE_PROCESS) but errors.py, whose stop signals
+make a Ctrl-C while a command loads one line, as in its main().
+`python -m hpctrain.X` keeps working.
 """
 import importlib
 import inspect
 import sys
+
+from .errors import HpctrainError, stops_as_errors
 
 # subcommand -> (module whose main() runs it, what it does)
 COMMANDS = {
@@ -61,10 +65,28 @@ def main(argv=None):
     if name in ONE_PROCESS:
         from .run.cluster import one_process
         one_process()
+    if name in ("train", "bench"):
+        # Their own signals from their first line (train.py; bench's
+        # launcher): a rank blocked in MPI must keep SIGTERM's default action.
+        code = _run(name, rest)
+    else:
+        # A stop while the command's modules load (numpy: a second on a busy
+        # machine), or between that and its main()'s own handling, is its
+        # one line too (errors.stops_as_errors).
+        try:
+            with stops_as_errors(name):
+                code = _run(name, rest)
+        except HpctrainError as e:
+            print(f"hpctrain: error: {e}", file=sys.stderr)
+            return e.exit_code
+    return code if isinstance(code, int) else 0
+
+
+def _run(name, rest):
+    """The subcommand's main(), given the arguments after its name."""
     entry = importlib.import_module(COMMANDS[name][0]).main
     kwargs = {"prog": f"hpctrain {name}"} if "prog" in inspect.signature(entry).parameters else {}
-    code = entry(rest, **kwargs)
-    return code if isinstance(code, int) else 0
+    return entry(rest, **kwargs)
 
 
 if __name__ == "__main__":

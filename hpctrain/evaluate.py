@@ -172,8 +172,10 @@ def main(argv=None, prog="python -m hpctrain.evaluate"):
     if args.plot:
         from . import plot
         plot.require()
-        files, folders = trained.input_paths(args.params, args.checkpoint, args.model)
-        check_output_file(args.plot, "--plot", inputs=files, input_folders=[args.data, *folders])
+        from .overwrites import Input
+        inputs = [*trained.model_inputs(args.params, args.checkpoint, args.model),
+                  Input(args.data, "the --data folder")]
+        check_output_file(args.plot, "--plot", inputs=inputs)
     model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
     # A model meeting the other kind of data, or a language model another
     # vocabulary, is one line here, whatever the command (data/fit.py).

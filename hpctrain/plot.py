@@ -20,7 +20,8 @@ import textwrap
 import numpy as np
 
 from .arguments import Parser
-from .errors import EXIT_BAD_INPUT, HpctrainError
+from .errors import EXIT_BAD_INPUT, HpctrainError, one_line_errors
+from .overwrites import Input
 from .run.outputs import check_output_file
 from .files import one_line, write_atomically
 
@@ -44,10 +45,7 @@ def check_output(path, flag, inputs=()):
     """Refuse an output we could not write before anything long runs, or
     that would overwrite one of the inputs (run/outputs.check_output_file:
     a device or FIFO at its name included, which the rename would replace)."""
-    for given in inputs:
-        if os.path.realpath(given) == os.path.realpath(path):
-            raise HpctrainError(f"{flag} {path}: is one of the input files; name another file for the picture")
-    check_output_file(path, flag, inputs=inputs)
+    check_output_file(path, flag, inputs=[Input(given, "a file to plot") for given in inputs])
 
 
 def _figure(size, rows=1, cols=1, **margins):
@@ -479,6 +477,7 @@ def plot_train(rows, path, title="train"):
 # ---------------------------------------------------------------------------
 # python -m hpctrain.plot
 
+@one_line_errors   # its stop signals: one line (errors.stops_as_errors)
 def main(argv=None, prog="python -m hpctrain.plot"):
     p = Parser(prog=prog,
                                 description="Loss, test accuracy, samples/s (and async ps staleness) of "

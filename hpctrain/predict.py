@@ -125,10 +125,13 @@ def check_model(model, args):
 def check_out(args):
     """--out, before the model is read: a file that can be written and is
     none of the inputs (the model's file, an image, anything under --data)."""
-    from .trained import input_paths
+    from .overwrites import Input
+    from .trained import model_inputs
     if args.out is not None:
-        files, folders = input_paths(args.params, args.checkpoint, args.model)
-        check_output_file(args.out, "--out", inputs=[*files, *args.images], input_folders=[args.data, *folders])
+        inputs = [*model_inputs(args.params, args.checkpoint, args.model),
+                  *(Input(image, "an IMAGE to classify") for image in args.images),
+                  Input(args.data, "the --data folder")]
+        check_output_file(args.out, "--out", inputs=inputs)
 
 
 def write_out(path, text):

@@ -126,6 +126,7 @@ def train(args, process_note="", flag_error=None, seen=None):
         seen["watchdog"], seen["guard"] = watchdog, guard
     from .comm.start import start_mpi, stop_mpi
     MPI = start_mpi(watchdog)   # numpy, BLAS and MPI start here
+    stop.claim()   # the stop signals' handlers back where MPI_Init took one (UCX: SIGHUP)
     if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         with watchdog.waiting("start-up (roll-call communicator)", peer=None):
             watchdog.roll_call_on(MPI.COMM_WORLD)

@@ -93,16 +93,18 @@ class Trained:
         return manifest
 
 
-def input_paths(params=None, checkpoint=None, model=None):
-    """(files, folders) a model is read from: the --params file, the
-    --checkpoint file or folder, a --model FILE.py: what predict's and
-    evaluate's outputs must not replace."""
-    files, folders = [params], []
+def model_inputs(params=None, checkpoint=None, model=None):
+    """The files and folders a model is read from (overwrites.Input): the
+    --params file, the --checkpoint file or folder, a --model FILE.py: what
+    predict's and evaluate's outputs must not replace."""
+    from .overwrites import Input
+    inputs = [Input(params, "the --params file")]
     if checkpoint:
-        (folders if os.path.isdir(checkpoint) else files).append(checkpoint)
+        inputs.append(Input(checkpoint, "the --checkpoint folder" if os.path.isdir(checkpoint)
+                            else "the --checkpoint file"))
     if model and is_model_file(model):
-        files.append(model.rpartition(":")[0])
-    return [f for f in files if f], folders
+        inputs.append(Input(model.rpartition(":")[0], "the --model file"))
+    return [i for i in inputs if i.path]
 
 
 def _plain(value):

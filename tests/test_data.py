@@ -460,9 +460,10 @@ def temporaries_beside(out):
     return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp-")]
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 75), (signal.SIGHUP, 75), (signal.SIGINT, 130)])
 def test_a_stopped_prepare_removes_its_temporary_folder(tmp_path, sig, code):
-    # Before: SIGTERM's default action ended prepare with its .out.tmp-PID-XXXX folder left for ever.
+    # Before: SIGTERM's default action ended prepare with its .out.tmp-PID-XXXX folder left for ever;
+    # then SIGHUP's (a closed terminal, a dropped ssh session) still did.
     rng = np.random.default_rng(0)
     # Random pixels compress slowly: writing the shards takes seconds, time to stop it half-way.
     np.save(tmp_path / "x.npy", rng.integers(0, 256, (30000, 28, 28), dtype=np.uint8))
@@ -514,7 +515,7 @@ def test_a_stop_while_the_shards_are_renamed_into_place_changes_nothing():
     code = ("import os, signal\n"
             "from hpctrain.data.stopping import signals_held\n"
             "with signals_held():\n"
-            "    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):\n"
+            "    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):\n"
             "        os.kill(os.getpid(), sig)\n"
             "print('installed')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
@@ -1002,17 +1003,19 @@ def test_cli_prepare_force_never_deletes_its_input(tmp_path):
     # IDX files untouched (before, `--out D --force` replaced D and exited 0).
     source = make_single_source(tmp_path / "raw" / "mnist", n=100)
     before = {p.name: p.read_bytes() for p in source.iterdir()}
-    for out, verb in ((source, "is"), (tmp_path / "raw", "contains"), (tmp_path, "contains")):
+    for out, says in ((source, "would write into the run's input"),
+                      (tmp_path / "raw", "would write over the run's input"),
+                      (tmp_path, "would write over the run's input")):
         r = run_cli("prepare", "--source", source, "--out", out, "--force")
         assert r.returncode == 2, r.stderr
-        assert r.stderr == (f"hpctrain: error: --out {out} {verb} --source {source}: preparing "
-                            f"would replace the input files; write the shards elsewhere\n")
+        held = ", which it holds" if out != source else ""
+        assert r.stderr == f"hpctrain: error: --out {out} {says} {source} (the --source folder){held}\n"
         assert {p.name: p.read_bytes() for p in source.iterdir()} == before
     # Through a symlink too: the check compares resolved paths.
     link = tmp_path / "link"
     link.symlink_to(source)
     r = run_cli("prepare", "--source", source, "--out", link, "--force")
-    assert r.returncode == 2 and "would replace the input files" in r.stderr
+    assert r.returncode == 2 and "would write into the run's input" in r.stderr
     assert {p.name: p.read_bytes() for p in source.iterdir()} == before
     # A sibling directory is fine.
     r = run_cli("prepare", "--source", source, "--out", tmp_path / "raw" / "shards", "--force")

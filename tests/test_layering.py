@@ -21,7 +21,8 @@ LEVELS = [
     {"run", "checkpoints", "report", "pipeline", "trained"},
     {"comm", "optim"},
     {"nn", "data", "device", "prefetch"},
-    {"errors", "chunks", "cli", "arguments", "parallel_flags", "model_names", "vector_width", "files", "tuning", "precision",
+    {"errors", "chunks", "cli", "arguments", "parallel_flags", "model_names", "vector_width", "files", "overwrites",
+     "tuning", "precision",
      "__init__"},
 ]
 # What users run: they sit on top of everything.

@@ -224,8 +224,8 @@ def test_output_naming_an_input_and_a_deeply_nested_line_are_one_line(tmp_path, 
     (tmp_path / "link.jsonl").symlink_to(good)
     deep = tmp_path / "deep.jsonl"
     deep.write_text(record + "[" * 100000 + "]" * 100000 + "\n" + record)
-    cases = [([good, "-o", good], f"-o {good}: is one of the input files; name another file for the picture"),
-             ([good, "-o", tmp_path / "link.jsonl"], "link.jsonl: is one of the input files"),
+    cases = [([good, "-o", good], f"-o {good} would overwrite the run's input {good} (a file to plot)"),
+             ([good, "-o", tmp_path / "link.jsonl"], "link.jsonl would overwrite the run's input"),
              ([deep, "-o", tmp_path / "x.png"], f"{deep} line 2: not JSON")]
     for args, message in cases:
         code = plot.main([str(a) for a in args])

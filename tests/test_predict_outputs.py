@@ -49,25 +49,31 @@ def test_an_output_that_is_one_of_the_inputs_is_refused_however_it_is_spelt(inpu
     ckpt = os.path.basename(sorted(os.listdir(inputs / "ckpt"))[-1])
     evaluate = ("evaluate", "--params", "p.h5", "--data", "data", "--plot")
     predict = ("predict", "--params", "p.h5", "red.png", "--out")
-    the_params = "is the input file p.h5, which writing it would destroy; name another file"
-    in_data = "is inside the input folder data; name a file elsewhere"
+    the_params = "would overwrite the run's input p.h5 (the --params file)"
+
+    def in_data(out, folder="data", what="the --data folder"):
+        return f"would overwrite the run's input {out} (a file of {what} {folder})"
     cases = [(evaluate, "./p.h5", the_params), (evaluate, "sub/../p.h5", the_params),
              (evaluate, "link.h5", the_params), (evaluate, "hard.h5", the_params),
              (evaluate, inputs / "p.h5", the_params),
-             (evaluate, "data/manifest.json", in_data), (evaluate, "data/confusion.png", in_data),
-             (evaluate, "datalink/manifest.json", in_data),
-             (evaluate, "m.json", "is a hard link of a file in the input folder data; name another file"),
+             (evaluate, "data/manifest.json", in_data("data/manifest.json")),
+             (evaluate, "data/confusion.png",
+              "would write inside the run's input data (the --data folder); name a path elsewhere"),
+             (evaluate, "datalink/manifest.json", in_data("datalink/manifest.json")),
+             (evaluate, "m.json", "would overwrite the run's input data/manifest.json (a file of the --data folder "
+                                  "data; m.json is a hard link of it)"),
              (("evaluate", "--checkpoint", "ckpt", "--data", "data", "--plot"), f"ckpt/{ckpt}",
-              "is inside the input folder ckpt; name a file elsewhere"),
+              in_data(f"ckpt/{ckpt}", "ckpt", "the --checkpoint folder")),
              (("evaluate", "--checkpoint", f"ckpt/{ckpt}", "--data", "data", "--plot"), f"./ckpt/{ckpt}",
-              f"is the input file ckpt/{ckpt}, which writing it would destroy; name another file"),
+              f"would overwrite the run's input ckpt/{ckpt} (the --checkpoint file)"),
              (predict, "p.h5", the_params), (predict, "hard.h5", the_params),
-             (predict, "./red.png", "is the input file red.png, which writing it would destroy; name another file"),
-             (("predict", "--params", "p.h5", "--data", "data", "--out"), "data/manifest.json", in_data)]
+             (predict, "./red.png", "would overwrite the run's input red.png (an IMAGE to classify)"),
+             (("predict", "--params", "p.h5", "--data", "data", "--out"), "data/manifest.json",
+              in_data("data/manifest.json"))]
     monkeypatch.chdir(inputs)
     before = snapshot(inputs)
     for (name, *args, flag), out, says in cases:
-        assert in_process(capsys, name, *args, flag, out) == (2, "", f"hpctrain: error: {flag} {out}: {says}\n")
+        assert in_process(capsys, name, *args, flag, out) == (2, "", f"hpctrain: error: {flag} {out} {says}\n")
         assert snapshot(inputs) == before, (name, out)   # nothing replaced, nothing left behind
 
 

@@ -10,10 +10,9 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 
 from ..run.cluster import child_env, in_mpi_job
-from ..errors import EXIT_TIMEOUT, HpctrainError
+from ..errors import EXIT_TIMEOUT, HpctrainError, signals_raise
 
 # Set by the bench for the jobs it launches, to a value of its own: a rank
 # that finds it is one of the bench's ranks (a world of one rank included,
@@ -51,30 +50,19 @@ def check_ranks(counts, oversubscribe_ok=False, least=1, why=""):
 
 
 class Stopped(HpctrainError):
-    """SIGTERM or SIGINT: the bench and its job end (128 + the signal, as shells report it)."""
+    """SIGTERM, SIGINT or SIGHUP: the bench and its job end (128 + the signal, as shells report it)."""
 
     def __init__(self, signum):
         super().__init__(f"stopped by {signal.Signals(signum).name}; its MPI job was taken down",
                          exit_code=128 + signum)
 
 
-def _stop(signum, frame):
-    # Once: a second signal must not cut short the taking down of the job.
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, signal.SIG_IGN)
-    raise Stopped(signum)
-
-
-@contextmanager
 def stopping_on_signals():
-    """SIGTERM and SIGINT raise Stopped, so that every `finally` (the job's
-    take-down, temporary folders) runs; the previous handlers come back after."""
-    before = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, handler in before.items():
-            signal.signal(s, handler)
+    """SIGTERM, SIGINT and SIGHUP raise Stopped, so that every `finally` (the
+    job's take-down, temporary folders) runs; a second signal is ignored,
+    not to cut that short; the previous handlers come back after
+    (errors.signals_raise, every one-process command's way)."""
+    return signals_raise(Stopped)
 
 
 def mpirun_path():

@@ -111,7 +111,7 @@ class Watchdog:
         """heartbeat: called by this thread a few times a second, for as long
         as the process moves (exit_guard.py's watcher listens). preempted:
         called when a wait expires; the words to end the line with when a
-        stop signal (SIGTERM, SIGUSR1) had come to this rank, else None: the
+        stop signal (SIGTERM, SIGUSR1, SIGHUP) had come to this rank, else None: the
         job then ends with exit 75, as a pre-emption does (a rank stuck in
         its step must not turn a pre-emption into a failure), else 3."""
         self.timeout = float(timeout)

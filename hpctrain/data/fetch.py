@@ -33,9 +33,8 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from hpctrain.errors import HpctrainError
+from hpctrain.errors import HpctrainError, signals_raise
 
-from .file_errors import signals_raise
 
 STANDARD_FILES = {
     "train_images": "train-images-idx3-ubyte.gz",

@@ -40,6 +40,7 @@ import h5py
 import numpy as np
 
 from hpctrain.errors import HpctrainError
+from hpctrain.overwrites import Input, Output, check_not_inputs
 
 from . import arrays, known
 from .cifar import read_batches
@@ -314,9 +315,10 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         raise HpctrainError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if image_size is not None:
         image_size = arrays.parse_size(image_size)
-    inputs = [source] if source is not None else [Path(images), Path(labels or images)]
-    for path in inputs:
-        _check_not_input(path, out)
+    inputs = [(source, "--source")] if source is not None else [(Path(images), "--images"),
+                                                                (Path(labels or images), "--labels")]
+    for path, flag in inputs:
+        _check_not_input(path, out, flag)
     _check_out(out, force)
 
     loaded = _load_user_source(source, images, labels, image_size, grayscale, warn)
@@ -391,15 +393,16 @@ def _resolve_out(out):
     return out.resolve() if out.is_symlink() else out
 
 
-def _check_not_input(source, out):
+def _check_not_input(source, out, flag="--source"):
     """--out must not be, or contain, --source: installing the shards replaces
     out as a whole, and with --force that would delete the IDX files. Nor may
     it lie inside an image folder: its shards' folder would be taken as a
     class by every later prepare of that folder."""
+    # The one check of outputs against inputs (hpctrain/overwrites.py): out
+    # is replaced whole, so the source must be neither it nor inside it.
+    check_not_inputs([Output(str(out), "--out", folder=True)],
+                     [Input(str(source), f"the {flag} {'folder' if source.is_dir() else 'file'}", inside=False)])
     src, dst = source.resolve(), out.resolve()
-    if dst == src or dst in src.parents:
-        raise HpctrainError(f"--out {out} {'is' if dst == src else 'contains'} --source {source}: "
-                            f"preparing would replace the input files; write the shards elsewhere")
     if src in dst.parents and is_image_folder(source):
         raise HpctrainError(f"--out {out} is inside the image folder --source {source}: the shards' folder would "
                             f"be taken as a class the next time; write them elsewhere")

@@ -19,18 +19,19 @@ import stat
 import sys
 import threading
 
-from hpctrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, HpctrainError
+from hpctrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, HpctrainError, signals_raise
 from hpctrain.files import abandoned, process_start_time
 
-from .file_errors import signals_raise
 
-# SLURM's pre-emption and time-limit signals, and Ctrl-C
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# SLURM's pre-emption and time-limit signals, a closed terminal's (SIGHUP:
+# like SIGTERM, else its default action leaves the temporary folder), and Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT)
 
 
 def _stopped(num):
     """A stopped prepare's line; its exit code as errors.py gives it (130
-    for Ctrl-C; 75 for SLURM's stops: requeued, the same command redoes it)."""
+    for Ctrl-C; 75 for SLURM's stops and SIGHUP: requeued, the same command
+    redoes it)."""
     return HpctrainError(f"prepare stopped by {signal.Signals(num).name}: nothing written (--out as it was, "
                          f"the temporary folder removed); run the same command again",
                          exit_code=EXIT_INTERRUPTED if num == signal.SIGINT else EXIT_PREEMPTED)
@@ -41,7 +42,7 @@ _STOPS = contextvars.ContextVar("hpctrain_prepare_stops", default=())
 
 
 def stops_cleanly(prepare):
-    """prepare, a stop signal raising _stopped inside it (files.signals_raise),
+    """prepare, a stop signal raising _stopped inside it (errors.signals_raise),
     so that its `except` removes the temporary folder (SIGTERM's default
     action left it for ever). A handler that runs inside a __del__ or a
     weakref callback (h5py's, while shards are written) raises where Python

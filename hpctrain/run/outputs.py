@@ -21,10 +21,11 @@ longer running (names without a pid, from older versions: when untouched for
 an hour). One job per output file and checkpoint directory, as always; a pid
 is checked on this node only.
 
-The one-process commands' outputs (predict's --out, evaluate's and plot's
-pictures) are checked the same way by `check_output_file`, which also
-refuses an output that is one of the command's inputs however the path is
-spelt, and written whole by files.write_atomically (a temporary file renamed).
+No output may overwrite one of the run's inputs, however the path is spelt
+(hpctrain/overwrites.py, the one check: run_inputs and run_outputs list a
+training run's). The one-process commands' outputs (predict's --out,
+evaluate's and plot's pictures) are checked the same way by
+`check_output_file`, and written whole by files.write_atomically (a temporary file renamed).
 
     python -c "from hpctrain.run.outputs import check_outputs"   # used by run/startup.py
 """
@@ -33,31 +34,38 @@ import re
 import stat
 import tempfile
 
+from ..checkpoints import file as checkpoint_file
 from ..errors import HpctrainError
 from ..files import abandoned, process_start_time
+from ..model_names import is_model_file
+from ..overwrites import Input, Output, check_not_inputs
 
 FILE_FLAGS = ("save", "metrics", "timeline", "keep_best")
+# A checkpoint's name in --checkpoint-dir, which no other output may take
+CHECKPOINT_NAME = checkpoint_file._NAME_RE
 
 
-def check_outputs(args):
+def check_outputs(args, data_dir=None):
     """Raise HpctrainError (one line naming the flag) unless every output the
-    flags name can be written. Creates --checkpoint-dir if missing."""
+    flags name can be written and none would overwrite the run's inputs
+    (data_dir: the --data folder the run reads). Creates --checkpoint-dir
+    if missing."""
     seen = {}
-    for name in FILE_FLAGS:
-        path = getattr(args, name, None)
-        if not path:
-            continue
-        flag = name.replace("_", "-")
+    files = [(getattr(args, name, None), f"--{name.replace('_', '-')}") for name in FILE_FLAGS]
+    for path, flag in filter(lambda f: f[0], files):
         real = os.path.realpath(path)
         if real in seen:
-            raise HpctrainError(f"--{flag} and --{seen[real]} both name {path}: give each its own file")
-        seen[real] = flag
-        _check_writable(path, f"--{flag}")
+            raise HpctrainError(f"{flag} and --{seen[real]} both name {path}: give each its own file")
+        seen[real] = flag[2:]
+    if args.checkpoint_dir and os.path.realpath(args.checkpoint_dir) in seen:
+        raise HpctrainError(f"--checkpoint-dir and --{seen[os.path.realpath(args.checkpoint_dir)]} both name "
+                            f"{args.checkpoint_dir}")
+    check_not_inputs(run_outputs(args), run_inputs(args, data_dir))
+    for path, flag in filter(lambda f: f[0], files):
+        _check_writable(path, flag)
     if args.checkpoint_dir:
         d = args.checkpoint_dir
         real = os.path.realpath(d)
-        if real in seen:
-            raise HpctrainError(f"--checkpoint-dir and --{seen[real]} both name {d}")
         if os.path.exists(real) and not os.path.isdir(real):
             raise HpctrainError(f"--checkpoint-dir {d}: exists and is not a directory")
         try:
@@ -119,65 +127,47 @@ def _try_write(directory, what):
     os.unlink(probe)
 
 
-def check_output_file(path, flag, inputs=(), input_folders=()):
+def check_output_file(path, flag, inputs=()):
     """Raise HpctrainError (one line naming the flag) unless `path` can take
     a file written whole by write_atomically (predict's --out, evaluate's and
-    plot's pictures), checked before anything is read or computed: its
-    directory exists and takes a new file, the name holds nothing but a
-    regular file (as root, a renamed file would replace a device node such
-    as /dev/null), and it is none of the command's inputs: one of `inputs`
-    (files) or anything inside `input_folders` (--data, a checkpoint folder),
-    however the path is spelt (relative, `..`, through symbolic links, or a
-    hard link of an input's file)."""
+    plot's pictures), checked before anything is read or computed: it is
+    none of the command's inputs (overwrites.Input: a file, or anything
+    inside a folder such as --data or a checkpoint folder, however the path
+    is spelt: overwrites.check_not_inputs), its directory exists and takes
+    a new file, and the name holds nothing but a regular file (as root, a
+    renamed file would replace a device node such as /dev/null)."""
     real = os.path.realpath(path)
+    check_not_inputs([Output(path, flag)], inputs)
     if not os.path.isdir(os.path.dirname(real)):
         raise HpctrainError(f"{flag} {path}: no such directory {os.path.dirname(real)}")
-    for given in filter(None, inputs):
-        if _same_file(path, given):
-            raise HpctrainError(f"{flag} {path}: is the input file {given}, which writing it would destroy; "
-                                f"name another file")
-    for folder in filter(None, input_folders):
-        if _inside(real, folder):
-            raise HpctrainError(f"{flag} {path}: is inside the input folder {folder}; name a file elsewhere")
-        if _linked_from(path, folder):
-            raise HpctrainError(f"{flag} {path}: is a hard link of a file in the input folder {folder}; name "
-                                f"another file")
     _check_writable(path, flag)
 
 
-def _same_file(a, b):
-    """a and b name one file: the same real path, or the same inode (a hard link)."""
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:
-        sa, sb = os.stat(a), os.stat(b)
-    except OSError:
-        return False
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+def run_inputs(args, data_dir):
+    """What a training run reads, for check_not_inputs: the --model file,
+    the --data folder (its shards and manifest), the checkpoints in
+    --checkpoint-dir (which a resume reads), and the files of flags that
+    name one (--init-from, --config) where this version has them."""
+    inputs = [Input(data_dir, "the --data folder")]
+    model, checkpoint_dir = getattr(args, "model", None), getattr(args, "checkpoint_dir", None)
+    if model and is_model_file(model):
+        inputs.append(Input(model.rpartition(":")[0], "the --model file"))
+    if checkpoint_dir:
+        inputs.append(Input(checkpoint_dir, "the --checkpoint-dir folder", names=CHECKPOINT_NAME,
+                            writer="--checkpoint-dir"))
+    for name in ("init_from", "config"):
+        if getattr(args, name, None):
+            inputs.append(Input(getattr(args, name), f"the --{name.replace('_', '-')} file"))
+    return inputs
 
 
-def _inside(real, folder):
-    top = os.path.realpath(folder)
-    return os.path.commonpath([real, top]) == top
-
-
-def _linked_from(path, folder):
-    """path is an existing file with a hard link inside folder."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    if st.st_nlink < 2:
-        return False
-    for top, _, names in os.walk(folder):
-        for name in names:
-            try:
-                other = os.lstat(os.path.join(top, name))
-            except OSError:
-                continue
-            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
-                return True
-    return False
+def run_outputs(args):
+    """What a training run writes, for check_not_inputs."""
+    outputs = [Output(getattr(args, name, None), f"--{name.replace('_', '-')}") for name in FILE_FLAGS]
+    outputs.append(Output(getattr(args, "checkpoint_dir", None), "--checkpoint-dir", folder=True,
+                          names=CHECKPOINT_NAME))
+    outputs.append(Output(getattr(args, "tensorboard", None), "--tensorboard", folder=True))
+    return outputs
 
 
 # ---------------------------------------------------------------------------

@@ -192,7 +192,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     agree(check_step_size, args, data.workers, manifest, data_dir)
     # Last before training, so a refusal above leaves nothing behind (this
     # creates --checkpoint-dir): a result that cannot be written would be lost.
-    agree(check_outputs if cluster.is_chief else _nothing, args)
+    agree(check_outputs if cluster.is_chief else _nothing, args, data_dir)
     plan = make_plan(args, world, spec, data, schedule, cuts, layers_key)
     return world, plan, Inputs(world, data, plan.precision.compute)
 

@@ -1,6 +1,8 @@
-"""SIGTERM and SIGUSR1 (SLURM's pre-emption and time-limit warnings): a flag
-the next step carries to every rank, so all ranks stop after the same step
-and checkpoint (exit 75).
+"""SIGTERM and SIGUSR1 (SLURM's pre-emption and time-limit warnings), and
+SIGHUP (a closed terminal, a dropped ssh session: its default action would
+end the rank with no checkpoint and its temporary files left): a flag the
+next step carries to every rank, so all ranks stop after the same step and
+checkpoint (exit 75). A SIGHUP the caller ignores (nohup) stays ignored.
 
 Made first thing in every rank (train.py), before MPI starts: a signal that
 comes during start-up is kept for the first step instead of killing the rank
@@ -17,9 +19,12 @@ import types
 
 from ..errors import EXIT_PREEMPTED
 
+# The signals that stop training after a checkpoint (Ctrl-C is train.py's: at once)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+
 
 class StopSignal:
-    """SIGTERM/SIGUSR1 (SLURM's pre-emption and time-limit warnings) set a flag
+    """SIGTERM/SIGUSR1 (SLURM's pre-emption and time-limit warnings) and SIGHUP set a flag
     that the next step carries to every rank, so all ranks stop after the same
     step.
 
@@ -41,14 +46,23 @@ class StopSignal:
         self.received = None   # the signal's name, e.g. "SIGTERM"
         self.signum = 0
         self.phase = "start-up"   # then "training" and "finishing": training() and frame.Frame.training
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
+        # nohup: a SIGHUP ignored stays ignored, and the run goes on
+        self._handlers = {sig: signal.SIG_IGN if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN
+                          else self._handle for sig in STOP_SIGNALS}
+        self.claim()
         self.wakeup_fd, write_fd = os.pipe()
         os.set_blocking(self.wakeup_fd, False)
         os.set_blocking(write_fd, False)
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         self._arrived = None
         self._seen = None   # the first stop signal delivered, read from the pipe (any phase)
+
+    def claim(self):
+        """Set this rank's handlers (again): MPI_Init may put its own in their
+        place (UCX takes SIGHUP for its debug signal, UCX_DEBUG_SIGNO, and
+        swallows it), so train.py calls this once MPI is up."""
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
         self.received = signal.Signals(signum).name
@@ -89,7 +103,7 @@ class StopSignal:
         except BlockingIOError:
             data = b""
         for num in data:
-            if num not in (signal.SIGTERM, signal.SIGUSR1):
+            if num not in STOP_SIGNALS:
                 continue
             self._seen = self._seen or signal.Signals(num).name
             # A signal read during training is the loop's to act on.
