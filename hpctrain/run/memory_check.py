@@ -36,18 +36,51 @@ def stage_needs(args, spec, cuts, replicas=1, sharded=False):
     return needs
 
 
+MOST_TRIED = 8   # stage counts fitting_pipeline tries one by one from its lower bound, before it bisects
+
+
 def fitting_pipeline(args, spec, budget, base):
     """(P, bytes of its heaviest stage) for the fewest balanced pipeline stages
-    whose heaviest stage fits `budget` beside `base`, or None."""
+    whose heaviest stage fits `budget` beside `base`, or None. A bounded
+    search (trying every P took O(layers^4): a minute for 1,000 layers,
+    never an answer for 100,000; issue 54, 3): the stages' needs add up to
+    at least the whole model's with one copy of its activations, so no P
+    below whole / room fits and the search starts there; it tries
+    MOST_TRIED counts in turn, then the finest pipeline (one layer with
+    parameters per chunk): if that does not fit, none does; else it bisects
+    between (a stage's layers, and so its need, shrink as P grows, give or
+    take the cut's rounding). At most MOST_TRIED + 1 + log2(layers) cuts."""
     from ..pipeline.stages import balanced, virtual_stages
     virtual = virtual_stages(args)
-    for stages in range(2, len(spec.param_layers) // virtual + 1):
-        if args.pipeline_schedule == "interleaved" and args.micro_batches % stages:
-            continue   # its micro-batches go in groups of P (pipeline/stages.py refuses the others)
-        heaviest = max(stage_needs(args, spec, balanced(spec, stages * virtual)))
-        if base + heaviest <= budget:
-            return stages, heaviest
-    return None
+    room = budget - base
+    if room <= 0:
+        return None
+    whole = spec.memory_bytes(args.batch_size, STATES[args.optimizer], buffers=3, threads=threads.count())
+    lowest = max(2, -(-int(whole) // int(room)))
+    most = len(spec.param_layers) // virtual
+    if args.pipeline_schedule == "interleaved":   # its micro-batches go in groups of P (pipeline/stages.py refuses the others)
+        counts = [p for p in range(lowest, min(most, args.micro_batches) + 1) if args.micro_batches % p == 0]
+    else:
+        counts = range(lowest, most + 1)
+
+    def heaviest(stages):
+        return max(stage_needs(args, spec, balanced(spec, stages * virtual)))
+
+    for stages in counts[:MOST_TRIED]:
+        need = heaviest(stages)
+        if base + need <= budget:
+            return stages, need
+    rest = counts[MOST_TRIED:]
+    if not rest or base + heaviest(rest[-1]) > budget:
+        return None
+    lo, hi = 0, len(rest) - 1   # rest[hi] fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if base + heaviest(rest[mid]) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return rest[lo], heaviest(rest[lo])
 
 
 def ring_needs(args, spec, replicas, stage):
