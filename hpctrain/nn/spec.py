@@ -294,7 +294,9 @@ class ModelSpec:
         text += "".join(f";tie {t.user}.{t.name}={t.owner}.{t.tensor}{'T' if t.transposed else ''}" for t in self.ties)
         digest = hashlib.sha256(f"{self.input_shape};{text}".encode()).hexdigest()[:12]
         name = self.name.replace(os.sep, "/").rsplit("/", 1)[-1]   # a user's FILE.py:FUNCTION, without its folder
-        return f"{name[-40:]} {digest}"   # within the 64-byte records ranks compare
+        # the whole name (issue 54, 9: its last 40 characters were kept, "pt:layers=2,..." in every listing);
+        # ranks compare a hash of it (fingerprint), not it
+        return f"{name} {digest}"
 
     @property
     def fingerprint(self):
