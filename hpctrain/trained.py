@@ -71,8 +71,7 @@ class Trained:
 
     def check_data(self, data_dir):
         """One line unless data_dir's images have this model's shape and class count."""
-        manifest = data_mod.load_manifest(data_dir)
-        shape, classes = data_mod.model_shape(manifest)
+        shape, classes = _data_shape(data_dir)
         if tuple(shape) != tuple(self.input_shape) or classes != self.spec.classes:
             raise HpctrainError(
                 f"{data_dir}: {'x'.join(map(str, shape))} images of {classes} classes, but the model in "
@@ -127,7 +126,7 @@ def _record_of(attrs, source, data_dir, model):
                                 f"give --data DIR (the data it was trained on)"
                                 + ("" if _in_zoo(name) else " and --model FILE.py:FUNCTION"))
         manifest = data_mod.load_manifest(data_dir)
-        shape, classes = data_mod.model_shape(manifest)
+        shape, classes = _data_shape(data_dir, manifest)
         hidden = [int(w) for w in str(attrs.get("hidden", "")).split(",") if w.strip().isdigit()]
         rec = {"model": name, "hidden": hidden, "identity": identity, "input_shape": list(shape),
                "classes": classes, "class_names": manifest.get("class_names")}
@@ -177,6 +176,15 @@ def _checked(rec, source):
 def _whole_numbers(values, lo, hi):
     return isinstance(values, list) and all(
         isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi for v in values)
+
+
+def _data_shape(data_dir, manifest=None):
+    """(input shape, classes) of the images in data_dir; a text set's line
+    names the folder (issue 54, 10: "holds text as tokens" said of nothing)."""
+    try:
+        return data_mod.model_shape(data_mod.load_manifest(data_dir) if manifest is None else manifest)
+    except HpctrainError as e:
+        raise HpctrainError(f"{data_dir}: {e}") from None
 
 
 def _short(value):
