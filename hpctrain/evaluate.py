@@ -60,13 +60,20 @@ def evaluate(model, x, y):
             "confusion": confusion.tolist(), "step": model.step, "source": model.source}
 
 
+def _takes(spec):
+    """What a model reads, in words ("tokenss of 67 classes" before issue 54, 10)."""
+    if spec.input_kind == "tokens":
+        return f"text of {spec.classes} tokens"
+    return f"images of {spec.classes} classes"
+
+
 def evaluate_text(model, data_dir, manifest, split):
     """{loss, perplexity, accuracy, num_tokens, ...} of a language model on
     a split of prepared text, windows of its block size."""
     from . import data
     if model.spec.input_kind != "tokens" or int(manifest["vocab_size"]) != model.spec.classes:
         raise HpctrainError(f"{data_dir}: text of {manifest['vocab_size']} tokens, but the model in {model.source} "
-                            f"takes {model.spec.input_kind}s of {model.spec.classes} classes: another model's file, "
+                            f"takes {_takes(model.spec)}: another model's file, "
                             f"or other data")
     block_size = model.input_shape[0]
     x, y = data.load_test_windows(data_dir, block_size, split=split)
