@@ -39,6 +39,7 @@ import traceback
 
 import numpy as np
 
+from . import compiled
 from .grad_slots import GradSlots
 from .layers import Dropout, LayerCodeError, LayerError, describe
 from .losses import ClassCrossEntropy, Loss
@@ -177,6 +178,7 @@ class ModelSpec:
         # --recompute: the runner recomputes each recompute unit's activations in
         # backward (nn/sequential.LayerRange); the same bits, less memory
         self.recompute = False
+        self._counted = {}   # memory_bytes' counts per layer range (_range_counts)
         self.input_shape, self.classes = tuple(int(d) for d in input_shape), int(classes)
         self.loss = ClassCrossEntropy() if loss is None else loss
         if not isinstance(self.loss, Loss):
@@ -349,14 +351,24 @@ class ModelSpec:
         activation_floats) and each of the rank's `threads` compute threads' scratch
         (nn/threads.py: a convolution's blocks). An estimate from below."""
         b = len(self.layers) if b is None else b
-        params = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_tensors[i])
-        state = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_state[i])
-        acts, once = self.activation_floats(a, b)
+        params, state, acts, once, scratch = self._range_counts(a, b)
         given = batch * math.prod(self.input_shape) * 5 if a == 0 else \
             itemsize * batch * math.prod(self.shapes[a - 1]) * copies
-        scratch = sum(layer.scratch_floats() for layer in self.layers[a:b])
         return (itemsize * params * (buffers + optimizer_states) + itemsize * state + given
                 + itemsize * batch * (acts * copies + once) + itemsize * threads * scratch)
+
+    def _range_counts(self, a, b):
+        """(parameters, state, activation floats a slot and once, scratch
+        floats) of layers [a, b): what memory_bytes scales, counted once
+        per range (a memory refusal asks for the same ranges at many
+        batch, state and rank counts: 1.5 s a time for 100,000 layers)."""
+        key = (a, b, self.recompute, compiled.on())   # a convolution's scratch depends on its kernels
+        if key not in self._counted:
+            params = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_tensors[i])
+            state = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_state[i])
+            scratch = sum(layer.scratch_floats() for layer in self.layers[a:b])
+            self._counted[key] = (params, state, *self.activation_floats(a, b), scratch)
+        return self._counted[key]
 
     def use_recompute(self):
         """--recompute: the runner recomputes each recompute unit's

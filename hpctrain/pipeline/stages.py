@@ -82,6 +82,8 @@ def bottleneck_cuts(flops, has, stages):
     # A stage with two layers with parameters splits between them at no cost
     # to the largest, so `stages` fit under a bound iff the fewest do.
     lo, hi = max(-(-prefix[n] // stages), max(flops)), prefix[n]
+    if lo + max(flops) < hi and fewest_stages(prefix, last, lo + max(flops))[n] <= stages:
+        hi = lo + max(flops)   # where layers with parameters are dense enough, the least is within a layer of lo
     while lo < hi:
         mid = (lo + hi) // 2
         if fewest_stages(prefix, last, mid)[n] <= stages:
