@@ -71,7 +71,8 @@ class Trained:
 
     def check_data(self, data_dir):
         """One line unless data_dir's images have this model's shape and class count."""
-        shape, classes = _data_shape(data_dir)
+        manifest = data_mod.load_manifest(data_dir)
+        shape, classes = _data_shape(data_dir, manifest)
         if tuple(shape) != tuple(self.input_shape) or classes != self.spec.classes:
             raise HpctrainError(
                 f"{data_dir}: {'x'.join(map(str, shape))} images of {classes} classes, but the model in "
@@ -178,11 +179,12 @@ def _whole_numbers(values, lo, hi):
         isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi for v in values)
 
 
-def _data_shape(data_dir, manifest=None):
-    """(input shape, classes) of the images in data_dir; a text set's line
-    names the folder (issue 54, 10: "holds text as tokens" said of nothing)."""
+def _data_shape(data_dir, manifest):
+    """(input shape, classes) of the images in data_dir (its `manifest`); a
+    text set's line names the folder (issue 54, 10: "holds text as tokens"
+    said of nothing)."""
     try:
-        return data_mod.model_shape(data_mod.load_manifest(data_dir) if manifest is None else manifest)
+        return data_mod.model_shape(manifest)
     except HpctrainError as e:
         raise HpctrainError(f"{data_dir}: {e}") from None
 

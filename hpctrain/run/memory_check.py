@@ -58,7 +58,7 @@ def fitting_pipeline(args, spec, budget, base):
     whole = spec.memory_bytes(args.batch_size, STATES[args.optimizer], buffers=3, threads=threads.count())
     lowest = max(2, -(-int(whole) // int(room)))
     most = len(spec.param_layers) // virtual
-    if args.pipeline_schedule == "interleaved":   # its micro-batches go in groups of P (pipeline/stages.py refuses the others)
+    if args.pipeline_schedule == "interleaved":   # micro-batches in groups of P (pipeline/stages.py refuses others)
         counts = [p for p in range(lowest, min(most, args.micro_batches) + 1) if args.micro_batches % p == 0]
     else:
         counts = range(lowest, most + 1)
