@@ -21,7 +21,7 @@ in the same order.
 
     python -c "from hpctrain.nn import zoo; from hpctrain.pipeline.stages import balanced; print(balanced(zoo.mlp(), 2))"
 """
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
 
 from ..errors import HpctrainError
@@ -67,10 +67,13 @@ def balanced(spec, stages):
 def bottleneck_cuts(flops, has, stages):
     """Cut points for `stages` stages of layers costing `flops` (integers),
     each stage with a layer that `has` parameters, whose largest stage is
-    the least possible: bisection over that largest cost, each probe
-    `fewest_stages` (linear), then the cuts from the last back, each as
-    early as the bound and the stages left allow. O(n log(sum of flops));
-    None when there are fewer layers with parameters than stages."""
+    the least possible: bisection over that largest cost, each probe two
+    farthest-reaching partitions by bisection of the prefix sums (`_jumps`:
+    one without the parameters' rule, too few stages: it fails; one with
+    it, enough: it fits) or, where they disagree, `fewest_stages` (linear);
+    then the cuts from the last back, each as early as the bound and the
+    stages left allow. At most O(n log(sum of flops)); None when there are
+    fewer layers with parameters than stages."""
     n = len(flops)
     prefix, last, count = [0] * (n + 1), [-1] * (n + 1), [0] * (n + 1)
     for j in range(1, n + 1):
@@ -81,12 +84,24 @@ def bottleneck_cuts(flops, has, stages):
         return None
     # A stage with two layers with parameters splits between them at no cost
     # to the largest, so `stages` fit under a bound iff the fewest do.
+    following = [n] * (n + 1)   # following[a]: the first layer with parameters at or after a (n: none)
+    for a in range(n - 1, -1, -1):
+        following[a] = a if has[a] else following[a + 1]
+
+    def fits(bound):
+        # two jumps of O(stages log n) settle most probes; the linear programme the rest
+        if _jumps(prefix, bound, None, stages) is None:
+            return False   # even without the parameters' rule more stages than `stages`
+        if _jumps(prefix, bound, following, stages) is not None:
+            return True    # a partition that keeps the rule
+        return fewest_stages(prefix, last, bound)[n] <= stages
+
     lo, hi = max(-(-prefix[n] // stages), max(flops)), prefix[n]
-    if lo + max(flops) < hi and fewest_stages(prefix, last, lo + max(flops))[n] <= stages:
+    if lo + max(flops) < hi and fits(lo + max(flops)):
         hi = lo + max(flops)   # where layers with parameters are dense enough, the least is within a layer of lo
     while lo < hi:
         mid = (lo + hi) // 2
-        if fewest_stages(prefix, last, mid)[n] <= stages:
+        if fits(mid):
             hi = mid
         else:
             lo = mid + 1
@@ -99,6 +114,30 @@ def bottleneck_cuts(flops, has, stages):
             i += 1
         cuts.append(i)
     return [0, *reversed(cuts)]
+
+
+def _jumps(prefix, bound, following, stages):
+    """Stages of at most `bound` each, every one reaching as far as it can
+    (a bisection of the prefix sums), if at most `stages` cover the layers,
+    else None. following None: no rule on parameters (no partition has
+    fewer stages); else each stage holds the first layer with parameters
+    from its start, and a tail without any joins the last stage (a
+    partition that keeps the rule when it succeeds, not always the fewest)."""
+    n, a, count = len(prefix) - 1, 0, 0
+    while a < n:
+        c = bisect_right(prefix, prefix[a] + bound, a, n + 1) - 1
+        if following is not None:
+            if following[a] >= c:
+                return None   # the stage cannot reach a layer with parameters
+            if c < n and following[c] == n:
+                return None   # the rest has none: it would have to join this stage, past the bound
+        if c == a:
+            return None   # one layer over the bound
+        count += 1
+        if count > stages:
+            return None
+        a = c
+    return count
 
 
 def fewest_stages(prefix, last, bound):
