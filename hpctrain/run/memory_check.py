@@ -83,18 +83,26 @@ def fitting_pipeline(args, spec, budget, base):
     return rest[lo], heaviest(rest[lo])
 
 
-def ring_needs(args, spec, replicas, stage):
+def ring_needs(args, spec, replicas, stage, counted=None):
     """Bytes one rank of ring mode needs at least (nn/spec.py memory_bytes)
     at ZeRO stage `stage` over `replicas` ranks: the optimizer state 1/R
     from stage 1; from stage 2 the gradient as its 1/R shard and its
     slots (nn/grad_slots.py: one, two with --overlap on); at stage 3 the
-    parameters too (nn/sharded_store.py: shared slots and a tied home's)."""
+    parameters too (nn/sharded_store.py: shared slots and a tied home's).
+    counted: a dict that keeps the buckets and slots between calls for one
+    model (fitting_stage asks for ~20 rank counts: seconds each at 100,000
+    layers)."""
     buffers, n = 2, spec.num_params   # the parameters and the gradient
+    counted = {} if counted is None else counted
     if stage >= 2 and n:
-        buckets = bucket_bounds(n, int(args.fusion_mb * (1 << 20)) // FLOAT32.grads.itemsize,
-                                ready_from(spec.layer_ranges))
+        if "buckets" not in counted:
+            counted["buckets"] = bucket_bounds(n, int(args.fusion_mb * (1 << 20)) // FLOAT32.grads.itemsize,
+                                               ready_from(spec.layer_ranges))
+        buckets = counted["buckets"]
         shared = 2 if args.overlap == "on" and replicas > 1 and len(buckets) > 1 else 1
-        sharded = (slot_elements(spec, buckets, shared) + n / replicas) / n
+        if shared not in counted:
+            counted[shared] = slot_elements(spec, buckets, shared)
+        sharded = (counted[shared] + n / replicas) / n
         buffers = (1 if stage == 2 else sharded) + sharded
     return spec.memory_bytes(args.batch_size, STATES[args.optimizer] / (replicas if stage else 1),
                              buffers=buffers, threads=threads.count())
@@ -108,14 +116,15 @@ def fitting_stage(args, spec, replicas, stage, budget, base):
     `stage` that fits `budget` per rank on these `replicas`, else the
     fewest ranks (a power of two) on which a stage 2 or 3 does, and the
     smaller of those stages; "" if none."""
+    counted = {}
     for higher in range(stage + 1, 4):
-        need = base + ring_needs(args, spec, replicas, higher) if replicas > 1 else None
+        need = base + ring_needs(args, spec, replicas, higher, counted) if replicas > 1 else None
         if need is not None and need <= budget:
             return f"; --zero {higher} would fit ({need / 2**30:.2f} GiB per rank)"
     ranks = 2
     while ranks <= MOST_RANKS:
         for higher in (2, 3):
-            need = base + ring_needs(args, spec, ranks, higher)
+            need = base + ring_needs(args, spec, ranks, higher, counted)
             if ranks > replicas and need <= budget:
                 return f"; --zero {higher} on {ranks} ranks would fit ({need / 2**30:.2f} GiB per rank)"
         ranks *= 2
