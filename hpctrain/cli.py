@@ -475,12 +475,33 @@ def _check_compression(args):
                             f"hier (--compression powersgd works with {args.allreduce}: its factors are float32 sums)")
 
 
+# Flags whose value may start with '-' ("--adam-betas -0.1,0.9"): argparse
+# takes such a word for a flag and says "expected one argument"; joined to its
+# flag ("--adam-betas=-0.1,0.9") it reaches the flag's own check, which names
+# what is wrong with it.
+DASH_VALUES = ("--adam-betas",)
+
+
+def _dash_values(argv):
+    argv, out = [str(a) for a in argv], []
+    i = 0
+    while i < len(argv):
+        if argv[i] in DASH_VALUES and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and not argv[i + 1].startswith("--"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def parse(argv=None, quiet=False, prog="python -m hpctrain.train"):
     """Parse flags; a bad flag raises HpctrainError. With quiet=True (non-zero
     ranks) --help prints nothing, so the job shows one copy."""
     parser = build_parser(prog)
     parser.quiet = quiet
-    args = parser.parse_args(with_config_file(parser, sys.argv[1:] if argv is None else list(argv)))
+    args = parser.parse_args(_dash_values(with_config_file(parser, sys.argv[1:] if argv is None else list(argv))))
     if args.steps is None and args.epochs is None:
         args.steps = DEFAULT_STEPS
     elif args.steps is None:

@@ -94,3 +94,21 @@ def test_a_resume_with_another_momentum_is_refused_in_one_line(tmp_path, job):
     assert len(errors(r)) == 1 and "checkpoint was written with --momentum 0.9, this run has --momentum 0.5" \
         in errors(r)[0], r.stderr
     assert not (tmp_path / "p.h5").exists()
+
+
+def test_a_long_model_name_is_kept_whole_and_a_checkpoint_with_it_cut_still_resumes(tmp_path):
+    # Issue 54, 9: an identity kept a name's last 40 characters ("pt:layers=2,..." in every file and
+    # listing); now the whole name, and a checkpoint written before resumes (the digest compares).
+    from hpctrain.checkpoints.read_back import Checkpoint
+    name = "gpt:layers=2,heads=2,width=8,dropout=0.125"
+    spec = spec_for(cli.parse(["--model", name]), (16,), 11)
+    assert len(name) > 40 and spec.identity.startswith(name + " "), spec.identity
+    digest = spec.identity.rpartition(" ")[2]
+    old = Checkpoint(path=str(tmp_path / "ckpt-00000010.h5"), step=10, optimizer_t=10, params=None,
+                     optimizer_state={}, data_positions=None,
+                     attrs={"format_version": reader.FORMAT_VERSION, "model": f"{name[-40:]} {digest}"})
+    reader.check_compatible(old, {"model": spec.identity})
+    for other in (f"{name[-39:]} {digest}", f"{name[-40:]} 0123456789ab"):
+        old.attrs["model"] = other
+        with pytest.raises(Exception, match="checkpoint was written with"):
+            reader.check_compatible(old, {"model": spec.identity})

@@ -104,3 +104,25 @@ def test_async_workers_progress_lines_stay_whole_unbuffered(job):
     broken = [line for line in progress
               if not re.fullmatch(r"worker [01]: step +\d+/400  loss [^w]*\(local step \d+\)", line)]
     assert not broken, broken[:3]
+
+
+def test_the_start_line_counts_the_workers_the_data_is_dealt_over():
+    # Issue 54, 10: at --tensor-parallel 2 on 4 ranks it said "4 workers"; the data goes to 2.
+    from hpctrain import cli
+    from hpctrain.run.startup import workers_said
+    assert workers_said(cli.parse(["--tensor-parallel", "2"]), 4, 4) == "2 workers x --tensor-parallel 2"
+    assert workers_said(cli.parse(["--tensor-parallel", "2"]), 2, 2) == "1 worker x --tensor-parallel 2"
+    assert (workers_said(cli.parse(["--tensor-parallel", "2", "--pipeline-stages", "2"]), 8, 8)
+            == "2 workers x --pipeline-stages 2 x --tensor-parallel 2")
+    assert workers_said(cli.parse([]), 3, 3) == "3 workers"
+
+
+def test_a_resume_on_more_workers_counts_one_worker_as_one():
+    # Issue 54, 10: "written with 1 workers".
+    from types import SimpleNamespace
+    from hpctrain.checkpoints.resume import resumed_line
+    plan = SimpleNamespace(data=SimpleNamespace(workers=2), epochs=None, schedule=SimpleNamespace(scale_lr=False))
+    resume = SimpleNamespace(step=5, checkpoint=SimpleNamespace(attrs={"num_workers": 1}, data_positions=[[0, 40]]))
+    line = resumed_line(plan, "ckpt-00000005.h5", resume, 10)
+    assert "; written with 1 worker, this run has 2: the rest of epoch 0 (from sample 40) is dealt over 2 workers" \
+        in line, line

@@ -273,6 +273,15 @@ def test_what_does_not_split_is_one_line(job, text_dir, ranks, flags, line):
     assert line in lines[0], lines
 
 
+def test_a_vocabulary_smaller_than_the_group_is_one_line():
+    # Issue 54, 8: a rank without a token's row reached the head's configure
+    # ("configure returned (16, 0) ...", an internal contract check).
+    from hpctrain.nn import LayerError
+    with pytest.raises(LayerError, match=r"^layer 0 \(Embedding\(3, 8\)\): a vocabulary of 3 tokens cannot be cut "
+                                         r"over 4 ranks"):
+        gpt(3, 16, 1, 4, 8).split_tensor(TensorGroup(4, 3))
+
+
 def test_sequence_parallel_needs_tensor_parallel(job):
     r = job(2, "--steps", 2, "--sequence-parallel", timeout=120)
     lines = [s for s in r.stderr.splitlines() if s.startswith("hpctrain: error:")]

@@ -311,6 +311,27 @@ def test_token_data_is_refused_by_the_image_readers(chars_dir):
             read()
 
 
+def test_a_text_folders_shards_may_lie_inside_it(tmp_path):
+    # Issue 54, 10: refused as "inside the image folder --source" (a text folder with a subfolder);
+    # a later prepare of the folder reads its .txt files, none of the shards'.
+    source = tmp_path / "texts"
+    (source / "act2").mkdir(parents=True)
+    (source / "act1.txt").write_text("to be or not to be\n")
+    (source / "act2" / "scene1.txt").write_text("that is the question\n")
+    first = data.prepare_text(str(source), str(source / "chars"), "chars", log=None)
+    again = data.prepare_text(str(source), str(tmp_path / "again"), "chars", log=None)
+    assert [f["name"] for f in again["source"]["files"]] == ["act1.txt", "act2/scene1.txt"]
+    assert again["source"] == first["source"]
+
+
+def test_an_image_models_check_of_text_names_the_folder(chars_dir):
+    # Issue 54, 10: predict --data TEXT said "holds text as tokens" of nothing.
+    import re
+    from hpctrain.trained import Trained
+    with pytest.raises(HpctrainError, match=f"^{re.escape(str(chars_dir))}: holds text as tokens"):
+        Trained.check_data(None, chars_dir)   # refused before it reads the model
+
+
 def test_a_stopped_text_prepare_removes_its_temporary_folder(tmp_path):
     # Random bytes (no NUL) compress slowly: writing the shards takes a while, time to stop it half-way.
     corpus = np.random.default_rng(0).integers(1, 256, 24 << 20, dtype=np.uint8)

@@ -268,10 +268,19 @@ def check_compatible(ckpt, expected_settings):
         if have is None:
             raise HpctrainError(f"{ckpt.path}: checkpoint does not record {key}; cannot resume "
                                 f"from it (use a new --checkpoint-dir or --resume no)")
-        if str(have) != str(want):
+        if str(have) != str(want) and not (key == "model" and _cut_name_of(str(have), str(want))):
             raise HpctrainError(f"{ckpt.path}: checkpoint was written with {_describe(key, have)}, this "
                                 f"run has {_describe(key, want)}; resume with the same setting, or start "
                                 f"fresh with another --checkpoint-dir")
+
+
+def _cut_name_of(have, want):
+    """Whether a checkpoint's model identity ("NAME DIGEST") is `want` as an
+    hpctrain before issue 54 recorded it: the name's last 40 characters
+    (nn/spec.py identity), the same digest."""
+    have_name, _, have_digest = have.rpartition(" ")
+    want_name, _, want_digest = want.rpartition(" ")
+    return have_digest == want_digest and len(have_name) == 40 < len(want_name) and want_name.endswith(have_name)
 
 
 def check_data(ckpt, digest, data_dir, other_ok=False):

@@ -375,15 +375,19 @@ def resumed_line(plan, saved_path, resume, steps):
     before = int(resume.checkpoint.attrs.get("num_workers", workers)) if resume.checkpoint else workers
     if before != workers:
         epoch, pos = resume_point(resume.checkpoint.data_positions)
-        line += (f"; written with {before} workers, this run has {workers}: the rest of epoch "
-                 f"{epoch} (from sample {pos}) is dealt over {workers} workers")
+        line += (f"; written with {_workers(before)}, this run has {workers}: the rest of epoch "
+                 f"{epoch} (from sample {pos}) is dealt over {_workers(workers)}")
         if plan.epochs is not None:
             line += (f"; --epochs {plan.epochs:g}: {resume.samples} samples taken so far, "
                      f"the rest at {plan.data.per_update_line()}: the run ends at step {steps}")
         if plan.schedule.scale_lr:
-            line += (f"; --scale-lr: lr {plan.lr(step):g} at step {step} for {workers} "
-                     f"workers (was {plan.lr(step) * before / workers:g})")
+            line += (f"; --scale-lr: lr {plan.lr(step):g} at step {step} for "
+                     f"{_workers(workers)} (was {plan.lr(step) * before / workers:g})")
     return line
+
+
+def _workers(n):
+    return f"{n} worker{'' if n == 1 else 's'}"
 
 
 def tuning_line(saved, now):

@@ -393,17 +393,19 @@ def _resolve_out(out):
     return out.resolve() if out.is_symlink() else out
 
 
-def _check_not_input(source, out, flag="--source"):
+def _check_not_input(source, out, flag="--source", images=True):
     """--out must not be, or contain, --source: installing the shards replaces
     out as a whole, and with --force that would delete the IDX files. Nor may
     it lie inside an image folder: its shards' folder would be taken as a
-    class by every later prepare of that folder."""
+    class by every later prepare of that folder (images=False: a text
+    folder, whose later prepares read its .txt files only, none of the
+    shards'; it was refused as "the image folder", issue 54, 10)."""
     # The one check of outputs against inputs (hpctrain/overwrites.py): out
     # is replaced whole, so the source must be neither it nor inside it.
     check_not_inputs([Output(str(out), "--out", folder=True)],
                      [Input(str(source), f"the {flag} {'folder' if source.is_dir() else 'file'}", inside=False)])
     src, dst = source.resolve(), out.resolve()
-    if src in dst.parents and is_image_folder(source):
+    if images and src in dst.parents and is_image_folder(source):
         raise HpctrainError(f"--out {out} is inside the image folder --source {source}: the shards' folder would "
                             f"be taken as a class the next time; write them elsewhere")
 

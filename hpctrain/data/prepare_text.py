@@ -118,7 +118,7 @@ def prepare_text(source, out, text="chars", val_fraction=0.1, force=False, log=p
     if not 0 < val_fraction < 1:
         raise HpctrainError(f"--val-fraction must be in (0, 1) for text (the held-out tail), got {val_fraction}")
     source, out = Path(source), _resolve_out(out)
-    _check_not_input(source, out)
+    _check_not_input(source, out, images=False)
     _check_out(out, force)
     corpus, files = read_corpus(source)
     vocab, ids = _encode(kind, size, corpus, source, files)
@@ -142,6 +142,7 @@ def prepare_text(source, out, text="chars", val_fraction=0.1, force=False, log=p
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    tokens = f"{vocab.vocab_size} token{'s' * (vocab.vocab_size != 1)}"   # "1 tokens" of a one-letter text
     log(f"prepared {out}: {len(train)} training tokens, {len(test)} held out (the last {val_fraction:g}), "
-        f"{vocab.vocab_size} tokens of --text {text} ({dtype}), from {len(corpus)} bytes in {source}")
+        f"{tokens} of --text {text} ({dtype}), from {len(corpus)} bytes in {source}")
     return manifest

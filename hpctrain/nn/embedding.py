@@ -42,6 +42,10 @@ class Embedding(Layer):
         self.rows, self._cuts = (0, self.vocab), {}
         if self.tensor is not None:
             group = self.tensor[1]
+            if self.vocab < group.size:   # a rank without rows: its tied head would have no columns
+                tokens = f"{self.vocab} token{'s' * (self.vocab != 1)}"
+                raise LayerError(f"a vocabulary of {tokens} cannot be cut over {group.size} ranks (one token's row "
+                                 f"each at least)")
             bounds = nearly_even(self.vocab, group.size)
             self.rows, self._cuts = bounds[group.rank:group.rank + 2], {"E": Cut(0, 1, bounds)}
             if group.sequence:   # --sequence-parallel: this rank's positions of the vectors

@@ -39,6 +39,7 @@ import traceback
 
 import numpy as np
 
+from . import compiled
 from .grad_slots import GradSlots
 from .layers import Dropout, LayerCodeError, LayerError, describe
 from .losses import ClassCrossEntropy, Loss
@@ -177,6 +178,7 @@ class ModelSpec:
         # --recompute: the runner recomputes each recompute unit's activations in
         # backward (nn/sequential.LayerRange); the same bits, less memory
         self.recompute = False
+        self._counted = {}   # memory_bytes' counts per layer, summed (_range_counts)
         self.input_shape, self.classes = tuple(int(d) for d in input_shape), int(classes)
         self.loss = ClassCrossEntropy() if loss is None else loss
         if not isinstance(self.loss, Loss):
@@ -294,7 +296,9 @@ class ModelSpec:
         text += "".join(f";tie {t.user}.{t.name}={t.owner}.{t.tensor}{'T' if t.transposed else ''}" for t in self.ties)
         digest = hashlib.sha256(f"{self.input_shape};{text}".encode()).hexdigest()[:12]
         name = self.name.replace(os.sep, "/").rsplit("/", 1)[-1]   # a user's FILE.py:FUNCTION, without its folder
-        return f"{name[-40:]} {digest}"   # within the 64-byte records ranks compare
+        # the whole name (issue 54, 9: its last 40 characters were kept, "pt:layers=2,..." in every listing);
+        # ranks compare a hash of it (fingerprint), not it
+        return f"{name} {digest}"
 
     @property
     def fingerprint(self):
@@ -347,14 +351,34 @@ class ModelSpec:
         activation_floats) and each of the rank's `threads` compute threads' scratch
         (nn/threads.py: a convolution's blocks). An estimate from below."""
         b = len(self.layers) if b is None else b
-        params = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_tensors[i])
-        state = sum(hi - lo for i in range(a, b) for _, _, lo, hi in self.layer_state[i])
-        acts, once = self.activation_floats(a, b)
+        params, state, acts, once, scratch = self._range_counts(a, b)
         given = batch * math.prod(self.input_shape) * 5 if a == 0 else \
             itemsize * batch * math.prod(self.shapes[a - 1]) * copies
-        scratch = sum(layer.scratch_floats() for layer in self.layers[a:b])
         return (itemsize * params * (buffers + optimizer_states) + itemsize * state + given
                 + itemsize * batch * (acts * copies + once) + itemsize * threads * scratch)
+
+    def _range_counts(self, a, b):
+        """(parameters, state, activation floats a slot and once, scratch
+        floats) of layers [a, b): what memory_bytes scales (activation_floats'
+        count), from per-layer counts made once (a memory refusal asks for
+        many ranges at many batch, state and rank counts: 1.5 s a time for
+        100,000 layers)."""
+        key = (self.recompute, compiled.on())   # a convolution's scratch depends on its kernels
+        if key not in self._counted:   # per layer, as prefix sums: a range's sums in O(1)
+            units = set(self.recompute_units()) if self.recompute else set()
+            per_layer = [(sum(hi - lo for _, _, lo, hi in self.layer_tensors[i]),
+                          sum(hi - lo for _, _, lo, hi in self.layer_state[i]),
+                          math.prod(self.shapes[i]) if i in units else layer.train_floats(),
+                          layer.scratch_floats()) for i, layer in enumerate(self.layers)]
+            sums = [(0, 0, 0, 0)]
+            for counts in per_layer:
+                sums.append(tuple(x + y for x, y in zip(sums[-1], counts)))
+            once = [layer.train_floats() if i in units else 0 for i, layer in enumerate(self.layers)]
+            self._counted[key] = (sums, once, units)
+        sums, once, units = self._counted[key]
+        params, state, acts, scratch = (y - x for x, y in zip(sums[a], sums[b]))
+        acts += math.prod(self.layers[a].in_shape) if a in units else 0   # a range's first input (activation_floats)
+        return params, state, acts, max(once[a:b], default=0), scratch
 
     def use_recompute(self):
         """--recompute: the runner recomputes each recompute unit's

@@ -21,17 +21,30 @@ in the same order.
 
     python -c "from hpctrain.nn import zoo; from hpctrain.pipeline.stages import balanced; print(balanced(zoo.mlp(), 2))"
 """
+from bisect import bisect_left, bisect_right
+from collections import deque
+
 from ..errors import HpctrainError
 
 MAX_TAGS = 30000   # message tags a step's transfers use, below the checkpoints' (pipeline/whole.py: 31000)
 
 
+# Above this many steps (layers^2 x stages) the dynamic programme gives way to
+# the bottleneck search: a 1,000-layer model's advice took a minute (issue 54, 3).
+SMALL_CUT = 200_000
+
+
 def balanced(spec, stages):
     """The cut points [0, ..., len(layers)] that minimise the largest stage's
-    training multiply-adds, each stage with a layer that has parameters (dynamic programming
-    over the cut positions: layer lists are short)."""
+    training multiply-adds, each stage with a layer that has parameters.
+    Short layer lists: dynamic programming over every cut position (the
+    cuts every run so far has used); long ones (above SMALL_CUT): the
+    smallest feasible largest stage found by bisection (`bottleneck_cuts`),
+    the same largest stage, the others cut as early as it allows."""
     flops, n = spec.train_flops(), len(spec.layers)
     has = [bool(spec.layer_tensors[i]) for i in range(n)]
+    if n * n * stages > SMALL_CUT:
+        return bottleneck_cuts([round(f) for f in flops], has, stages)   # bisection needs integers
     prefix = [0]
     for f in flops:
         prefix.append(prefix[-1] + f)
@@ -49,6 +62,106 @@ def balanced(spec, stages):
                 if worst < best[s][j][0]:
                     best[s][j] = (worst, cuts + [j])
     return best[stages][n][1]
+
+
+def bottleneck_cuts(flops, has, stages):
+    """Cut points for `stages` stages of layers costing `flops` (integers),
+    each stage with a layer that `has` parameters, whose largest stage is
+    the least possible: bisection over that largest cost, each probe two
+    farthest-reaching partitions by bisection of the prefix sums (`_jumps`:
+    one without the parameters' rule, too few stages: it fails; one with
+    it, enough: it fits) or, where they disagree, `fewest_stages` (linear);
+    then the cuts from the last back, each as early as the bound and the
+    stages left allow. At most O(n log(sum of flops)); None when there are
+    fewer layers with parameters than stages."""
+    n = len(flops)
+    prefix, last, count = [0] * (n + 1), [-1] * (n + 1), [0] * (n + 1)
+    for j in range(1, n + 1):
+        prefix[j] = prefix[j - 1] + flops[j - 1]
+        last[j] = j - 1 if has[j - 1] else last[j - 1]   # a stage [i, j) holds parameters iff i <= last[j]
+        count[j] = count[j - 1] + bool(has[j - 1])
+    if not 1 <= stages <= count[n]:
+        return None
+    # A stage with two layers with parameters splits between them at no cost
+    # to the largest, so `stages` fit under a bound iff the fewest do.
+    following = [n] * (n + 1)   # following[a]: the first layer with parameters at or after a (n: none)
+    for a in range(n - 1, -1, -1):
+        following[a] = a if has[a] else following[a + 1]
+
+    def fits(bound):
+        # two jumps of O(stages log n) settle most probes; the linear programme the rest
+        if _jumps(prefix, bound, None, stages) is None:
+            return False   # even without the parameters' rule more stages than `stages`
+        if _jumps(prefix, bound, following, stages) is not None:
+            return True    # a partition that keeps the rule
+        return fewest_stages(prefix, last, bound)[n] <= stages
+
+    lo, hi = max(-(-prefix[n] // stages), max(flops)), prefix[n]
+    if lo + max(flops) < hi and fits(lo + max(flops)):
+        hi = lo + max(flops)   # where layers with parameters are dense enough, the least is within a layer of lo
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    least = fewest_stages(prefix, last, lo)
+    cuts = [n]
+    for k in range(stages - 1, 0, -1):   # [0, i) must take k stages: least[i] <= k <= its layers with parameters
+        j = cuts[-1]
+        i = bisect_left(prefix, prefix[j] - lo, 0, j)
+        while not least[i] <= k <= count[i]:
+            i += 1
+        cuts.append(i)
+    return [0, *reversed(cuts)]
+
+
+def _jumps(prefix, bound, following, stages):
+    """Stages of at most `bound` each, every one reaching as far as it can
+    (a bisection of the prefix sums), if at most `stages` cover the layers,
+    else None. following None: no rule on parameters (no partition has
+    fewer stages); else each stage holds the first layer with parameters
+    from its start, and a tail without any joins the last stage (a
+    partition that keeps the rule when it succeeds, not always the fewest)."""
+    n, a, count = len(prefix) - 1, 0, 0
+    while a < n:
+        c = bisect_right(prefix, prefix[a] + bound, a, n + 1) - 1
+        if following is not None:
+            if following[a] >= c:
+                return None   # the stage cannot reach a layer with parameters
+            if c < n and following[c] == n:
+                return None   # the rest has none: it would have to join this stage, past the bound
+        if c == a:
+            return None   # one layer over the bound
+        count += 1
+        if count > stages:
+            return None
+        a = c
+    return count
+
+
+def fewest_stages(prefix, last, bound):
+    """least[j]: the fewest stages, each costing at most `bound` and holding
+    a layer with parameters, that cover layers [0, j) (n + 1: none do): a
+    sliding-window minimum, since a stage ending at j may start anywhere
+    from the first i within the bound to last[j]."""
+    n = len(prefix) - 1
+    least = [n + 1] * (n + 1)
+    least[0] = 0
+    window, first, added = deque(), 0, 0
+    for j in range(1, n + 1):
+        while added <= last[j]:
+            while window and least[window[-1]] >= least[added]:
+                window.pop()
+            window.append(added)
+            added += 1
+        while prefix[j] - prefix[first] > bound:
+            first += 1
+        while window and window[0] < first:
+            window.popleft()
+        if window and least[window[0]] <= n:
+            least[j] = least[window[0]] + 1
+    return least
 
 
 def virtual_stages(args):

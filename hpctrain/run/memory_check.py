@@ -36,32 +36,73 @@ def stage_needs(args, spec, cuts, replicas=1, sharded=False):
     return needs
 
 
+MOST_TRIED = 8   # stage counts fitting_pipeline tries one by one from its lower bound, before it bisects
+
+
 def fitting_pipeline(args, spec, budget, base):
     """(P, bytes of its heaviest stage) for the fewest balanced pipeline stages
-    whose heaviest stage fits `budget` beside `base`, or None."""
+    whose heaviest stage fits `budget` beside `base`, or None. A bounded
+    search (trying every P took O(layers^4): a minute for 1,000 layers,
+    never an answer for 100,000; issue 54, 3): the stages' needs add up to
+    at least the whole model's with one copy of its activations, so no P
+    below whole / room fits and the search starts there; it tries
+    MOST_TRIED counts in turn, then the finest pipeline (one layer with
+    parameters per chunk): if that does not fit, none does; else it bisects
+    between (a stage's layers, and so its need, shrink as P grows, give or
+    take the cut's rounding). At most MOST_TRIED + 1 + log2(layers) cuts."""
     from ..pipeline.stages import balanced, virtual_stages
     virtual = virtual_stages(args)
-    for stages in range(2, len(spec.param_layers) // virtual + 1):
-        if args.pipeline_schedule == "interleaved" and args.micro_batches % stages:
-            continue   # its micro-batches go in groups of P (pipeline/stages.py refuses the others)
-        heaviest = max(stage_needs(args, spec, balanced(spec, stages * virtual)))
-        if base + heaviest <= budget:
-            return stages, heaviest
-    return None
+    room = budget - base
+    if room <= 0:
+        return None
+    whole = spec.memory_bytes(args.batch_size, STATES[args.optimizer], buffers=3, threads=threads.count())
+    lowest = max(2, -(-int(whole) // int(room)))
+    most = len(spec.param_layers) // virtual
+    if args.pipeline_schedule == "interleaved":   # micro-batches in groups of P (pipeline/stages.py refuses others)
+        counts = [p for p in range(lowest, min(most, args.micro_batches) + 1) if args.micro_batches % p == 0]
+    else:
+        counts = range(lowest, most + 1)
+
+    def heaviest(stages):
+        return max(stage_needs(args, spec, balanced(spec, stages * virtual)))
+
+    for stages in counts[:MOST_TRIED]:
+        need = heaviest(stages)
+        if base + need <= budget:
+            return stages, need
+    rest = counts[MOST_TRIED:]
+    if not rest or base + heaviest(rest[-1]) > budget:
+        return None
+    lo, hi = 0, len(rest) - 1   # rest[hi] fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if base + heaviest(rest[mid]) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return rest[lo], heaviest(rest[lo])
 
 
-def ring_needs(args, spec, replicas, stage):
+def ring_needs(args, spec, replicas, stage, counted=None):
     """Bytes one rank of ring mode needs at least (nn/spec.py memory_bytes)
     at ZeRO stage `stage` over `replicas` ranks: the optimizer state 1/R
     from stage 1; from stage 2 the gradient as its 1/R shard and its
     slots (nn/grad_slots.py: one, two with --overlap on); at stage 3 the
-    parameters too (nn/sharded_store.py: shared slots and a tied home's)."""
+    parameters too (nn/sharded_store.py: shared slots and a tied home's).
+    counted: a dict that keeps the buckets and slots between calls for one
+    model (fitting_stage asks for ~20 rank counts: seconds each at 100,000
+    layers)."""
     buffers, n = 2, spec.num_params   # the parameters and the gradient
+    counted = {} if counted is None else counted
     if stage >= 2 and n:
-        buckets = bucket_bounds(n, int(args.fusion_mb * (1 << 20)) // FLOAT32.grads.itemsize,
-                                ready_from(spec.layer_ranges))
+        if "buckets" not in counted:
+            counted["buckets"] = bucket_bounds(n, int(args.fusion_mb * (1 << 20)) // FLOAT32.grads.itemsize,
+                                               ready_from(spec.layer_ranges))
+        buckets = counted["buckets"]
         shared = 2 if args.overlap == "on" and replicas > 1 and len(buckets) > 1 else 1
-        sharded = (slot_elements(spec, buckets, shared) + n / replicas) / n
+        if shared not in counted:
+            counted[shared] = slot_elements(spec, buckets, shared)
+        sharded = (counted[shared] + n / replicas) / n
         buffers = (1 if stage == 2 else sharded) + sharded
     return spec.memory_bytes(args.batch_size, STATES[args.optimizer] / (replicas if stage else 1),
                              buffers=buffers, threads=threads.count())
@@ -75,14 +116,15 @@ def fitting_stage(args, spec, replicas, stage, budget, base):
     `stage` that fits `budget` per rank on these `replicas`, else the
     fewest ranks (a power of two) on which a stage 2 or 3 does, and the
     smaller of those stages; "" if none."""
+    counted = {}
     for higher in range(stage + 1, 4):
-        need = base + ring_needs(args, spec, replicas, higher) if replicas > 1 else None
+        need = base + ring_needs(args, spec, replicas, higher, counted) if replicas > 1 else None
         if need is not None and need <= budget:
             return f"; --zero {higher} would fit ({need / 2**30:.2f} GiB per rank)"
     ranks = 2
     while ranks <= MOST_RANKS:
         for higher in (2, 3):
-            need = base + ring_needs(args, spec, ranks, higher)
+            need = base + ring_needs(args, spec, ranks, higher, counted)
             if ranks > replicas and need <= budget:
                 return f"; --zero {higher} on {ranks} ranks would fit ({need / 2**30:.2f} GiB per rank)"
         ranks *= 2

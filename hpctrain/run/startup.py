@@ -100,7 +100,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         device_note += "; MPI gives less than MPI_THREAD_MULTIPLE: no communication thread (--overlap off)"
     world = World(comm=comm, cluster=cluster, watchdog=watchdog, stop=stop, xp=xp, device_name=device_name,
                   server_xp=server_xp, thread_multiple=thread_multiple, waits=waits, t_start=t_start)
-    workers = counted(cluster.num_workers, "worker")
+    workers = workers_said(args, cluster.size, cluster.num_workers)
     say(f"hpctrain: {args.mode} mode, world size {cluster.size} "
         f"({f'{cluster.num_ps} ps + {workers}' if cluster.num_ps else workers}), "
         f"{zero_text(args, cluster, xp)}device {device_name} "
@@ -228,6 +228,18 @@ def zero_text(args, cluster, xp):
 def counted(n, noun):
     """ "1 worker", "2 workers", "0.5 epochs" (n a number of them)."""
     return f"{n:g} {noun}" + ("" if n == 1 else "s")
+
+
+def workers_said(args, size, num_workers):
+    """The start line's workers: those the data is dealt over, "2 workers
+    x --tensor-parallel 2" where --pipeline-stages or --tensor-parallel
+    split the model over several ranks of each (issue 54, 10: it said 4)."""
+    model_ranks = args.tensor_parallel * args.pipeline_stages if args.mode == "ring" else 1
+    if model_ranks == 1 or size % model_ranks:   # (cuts_for refuses a split that does not divide the world)
+        return counted(num_workers, "worker")
+    return " x ".join([counted(size // model_ranks, "worker")]
+                      + [f"{flag} {n}" for flag, n in (("--pipeline-stages", args.pipeline_stages),
+                                                       ("--tensor-parallel", args.tensor_parallel)) if n > 1])
 
 
 def with_mesh(world, args):
