@@ -178,15 +178,6 @@ def test_evaluate_gives_the_final_records_loss_and_its_perplexity(trained_gpt):
     assert evaluate.evaluate_text(model, text_dir, data.load_manifest(text_dir), "test")["loss"] == final["test_loss"]
 
 
-def test_a_language_model_on_text_of_another_size_says_what_it_takes():
-    # Issue 54, 10: "takes tokenss of 65 classes".
-    from types import SimpleNamespace
-    model = SimpleNamespace(spec=SimpleNamespace(input_kind="tokens", classes=65), source="gpt.h5")
-    with pytest.raises(HpctrainError, match=r"^text: text of 67 tokens, but the model in gpt.h5 takes text of 65 "
-                                            r"tokens: another model's file"):
-        evaluate.evaluate_text(model, "text", {"vocab_size": 67}, "test")
-
-
 def test_a_wide_vocabulary_travels_in_the_record(tmp_path):
     """20,000 distinct characters (JSON escapes them: 120 KB, past an HDF5
     object header's 64 KiB) stay in the record, a variable-length string in

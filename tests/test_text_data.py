@@ -324,14 +324,6 @@ def test_a_text_folders_shards_may_lie_inside_it(tmp_path):
     assert again["source"] == first["source"]
 
 
-def test_an_image_models_check_of_text_names_the_folder(chars_dir):
-    # Issue 54, 10: predict --data TEXT said "holds text as tokens" of nothing.
-    import re
-    from hpctrain.trained import Trained
-    with pytest.raises(HpctrainError, match=f"^{re.escape(str(chars_dir))}: holds text as tokens"):
-        Trained.check_data(None, chars_dir)   # refused before it reads the model
-
-
 def test_a_stopped_text_prepare_removes_its_temporary_folder(tmp_path):
     # Random bytes (no NUL) compress slowly: writing the shards takes a while, time to stop it half-way.
     corpus = np.random.default_rng(0).integers(1, 256, 24 << 20, dtype=np.uint8)
