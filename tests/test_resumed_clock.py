@@ -17,7 +17,7 @@ from hpctrain.run import identity
 
 def test_a_resumed_runs_elapsed_and_time_s_go_on_from_its_checkpoint(capsys):
     world = SimpleNamespace(chief=True, t_start=time.perf_counter())
-    plan = SimpleNamespace(outputs=SimpleNamespace(metrics=None, tensorboard=None), lr=None,
+    plan = SimpleNamespace(outputs=SimpleNamespace(metrics=None, tensorboard=None), lr=lambda step: 1e-3,
                            data=SimpleNamespace(tokens_per_sample=0))
     report = Report(world, plan, 10, timeline=None, best=Best(None))
     written = []
