@@ -146,8 +146,7 @@ def check_output_file(path, flag, inputs=()):
 def run_inputs(args, data_dir):
     """What a training run reads, for check_not_inputs: the --model file,
     the --data folder (its shards and manifest), the checkpoints in
-    --checkpoint-dir (which a resume reads), and the files of flags that
-    name one (--init-from, --config) where this version has them."""
+    --checkpoint-dir (which a resume reads), and the --config file."""
     inputs = [Input(data_dir, "the --data folder")]
     model, checkpoint_dir = getattr(args, "model", None), getattr(args, "checkpoint_dir", None)
     if model and is_model_file(model):
@@ -155,9 +154,8 @@ def run_inputs(args, data_dir):
     if checkpoint_dir:
         inputs.append(Input(checkpoint_dir, "the --checkpoint-dir folder", names=CHECKPOINT_NAME,
                             writer="--checkpoint-dir"))
-    for name in ("init_from", "config"):
-        if getattr(args, name, None):
-            inputs.append(Input(getattr(args, name), f"the --{name.replace('_', '-')} file"))
+    if getattr(args, "config", None):
+        inputs.append(Input(args.config, "the --config file"))
     return inputs
 
 
