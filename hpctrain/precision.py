@@ -12,8 +12,9 @@ float array of the model's, instead of a float32 written into each module.
 Today every field is float32 (`FLOAT32`, the only precision a run takes:
 `--compression fp16/bf16` changes what goes over the wire, not what is kept).
 A 16-bit compute with float32 master parameters (mixed precision) becomes a
-second constant here, and every consumer already takes its dtype from the
-plan, so nothing else has to be found and changed.
+second constant here. Allocations of the model's floats take their dtype from
+the plan, from the array they follow, or from `file_dtype` (what a file holds);
+the few float32 literals left elsewhere say why they are fixed.
 
     python -m hpctrain.precision        # the run's precision, as the plan records it
 """

@@ -5,9 +5,9 @@ layers (the whole model, or a pipeline stage), and `Sequential`, the model
 over all of them: `init`, `forward_backward` (with the hooks fusion and the
 timeline use), `evaluate`.
 
-The loss is the spec's (nn/losses.py: today softmax cross-entropy over
-classes), scoring the last layer's outputs (the logits) against the
-batch's targets.
+The loss is the spec's (nn/losses.py: cross-entropy over classes, or over
+tokens for a language model), scoring the last layer's outputs (the logits)
+against the batch's targets.
 
     python -m hpctrain.nn               # what a built model holds
 """

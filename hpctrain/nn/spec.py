@@ -7,9 +7,8 @@ by default) check the last layer's output, and lays every trainable
 tensor, layer by layer, into one flat buffer. `input_kind` says what the
 first layer takes (its `input_kind`, nn/layers.py), which the data's reader
 must give (run/startup.py checks it against data.input_kind): "image"
-(float32 pixels in [0, 1], what every reader gives today) or "tokens"
-(integer ids, for the embedding and the token reader the transformer issue
-adds). Whoever needs the
+(float pixels in [0, 1], data/reader.py) or "tokens" (integer ids, for the
+embedding: data/tokens.py). Whoever needs the
 model's size, identity, memory or layout asks the spec, without building
 anything: rank agreement and checkpoints (`identity`, `num_params`), the
 memory check (`memory_bytes`), ps placement (`tensor_ranges`), fusion

@@ -28,8 +28,9 @@ Outside those hooks the runner reads no parameters (tests/test_store.py
 proves it with a store that keeps them elsewhere, fills the views in the
 two before-hooks and NaN-fills them after a forward and after each layer's
 gradient): so a store may keep a layer's parameters anywhere between calls,
-the seam through which sharded parameters will be gathered before use and
-released after, and a tensor-parallel layer will find its slice.
+the seam through which --zero 3's sharded parameters are gathered before use
+and released after. (A tensor-parallel layer's slice is not the store's: the
+spec lays out each rank's slice, nn/tensor_split.py.)
 
 A store that says `per_layer = True` (--zero 3's nn/sharded_store.py) hears
 the two before-hooks a layer at a time, [i, i + 1), right before layer i

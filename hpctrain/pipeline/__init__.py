@@ -8,7 +8,8 @@ stage.py: one stage's chunks, their model copies and their gradient sum.
 The loop that runs them is hpctrain/loops/pipe.py, the engine one stage
 runs (engine.py). Importing the package imports no MPI (only schedule.py);
 the modules take the communicators they are given (grid.py splits one), and
-engine.py and whole.py import mpi4py for its constants (IN_PLACE, the ops).
+engine.py, tied.py and whole.py import mpi4py for its constants (IN_PLACE,
+the ops).
 
     python -m hpctrain.pipeline --stages 2 --micro-batches 4    # every schedule's tick diagram
 """
