@@ -150,7 +150,78 @@ def deal(num_samples, num_workers, batch_size, seed, epoch, start=0):
     return perm[start:start + steps * W * B].reshape(steps, W, B)
 
 
-class ShardReader:
+class Dealt:
+    """What a training reader of W workers shares, whatever it reads (images
+    here, token windows in tokens.py): the dealing of each epoch (`deal`)
+    from `position`, `seek` to another position (at any W), the ids of the
+    last batch (`last_ids`, `last_draw`) and the step through the epochs
+    (`_next`). `num_samples` (set by the reader) is what is dealt; `unit`
+    names it in errors."""
+
+    unit = "samples"
+
+    def __init__(self, data_dir, worker, num_workers, batch_size, seed):
+        if not (isinstance(num_workers, (int, np.integer)) and num_workers >= 1):
+            raise HpctrainError(f"num_workers must be a positive integer, got {num_workers!r}")
+        if not (isinstance(worker, (int, np.integer)) and 0 <= worker < num_workers):
+            raise HpctrainError(f"worker must be in 0..{num_workers - 1}, got {worker!r}")
+        if not (isinstance(batch_size, (int, np.integer)) and batch_size >= 1):
+            raise HpctrainError(f"--batch-size must be a positive integer, got {batch_size!r}")
+        self.data_dir = Path(data_dir)
+        self.worker, self.num_workers = int(worker), int(num_workers)
+        self.batch_size, self.seed = int(batch_size), int(seed)
+        self._epoch, self._start = 0, 0     # the epoch dealt, from which position
+        self._taken = 0                     # batches of it handed out
+        self._steps = None                  # steps in it; None: not dealt yet
+        self._ids = None                    # this worker's ids of the epoch, in order
+
+    @property
+    def position(self):
+        """(epoch, pos) of the next batch; pass it to seek() to resume there (any W)."""
+        return self._epoch, self._start + self._taken * self.num_workers * self.batch_size
+
+    def seek(self, epoch, pos):
+        if not (0 <= epoch and 0 <= pos <= self.num_samples):
+            raise HpctrainError(f"{self.data_dir}: cannot seek to epoch {epoch}, position {pos} "
+                                f"({self.num_samples} training {self.unit})")
+        if (int(epoch), int(pos)) != self.position:
+            self._epoch, self._start, self._taken, self._steps = int(epoch), int(pos), 0, None
+
+    @property
+    def last_ids(self):
+        """Global ids (of the training set's samples, or windows' first tokens) of the last batch."""
+        B = self.batch_size
+        return self._ids[(self._taken - 1) * B: self._taken * B]
+
+    @property
+    def last_draw(self):
+        """(epoch, ids) of the last batch: what a dropout mask is a function
+        of (with the seed), whichever worker takes the sample."""
+        return self._epoch, self.last_ids
+
+    def _deal(self):
+        """This worker's ids of the epoch from the current position."""
+        while True:
+            blocks = deal(self.num_samples, self.num_workers, self.batch_size, self.seed,
+                          self._epoch, self._start)
+            if len(blocks):
+                break
+            self._epoch, self._start = self._epoch + 1, 0   # nothing left to deal: the next epoch
+        self._steps, self._taken = len(blocks), 0
+        self._ids = np.ascontiguousarray(blocks[:, self.worker, :]).reshape(-1)
+
+    def _next(self):
+        """The index of the next batch in this worker's part of the epoch,
+        dealing the next epoch when this one is done."""
+        if self._steps is None or self._taken == self._steps:
+            if self._steps is not None:   # the epoch is done: the next one from its start
+                self._epoch, self._start = self._epoch + 1, 0
+            self._deal()
+        self._taken += 1
+        return self._taken - 1
+
+
+class ShardReader(Dealt):
     """Training batches for one of W workers, dealt from one permutation of
     the whole training set per epoch (`deal`), as Horovod's elastic sampler
     does, so that a run can stop and go on with another number of workers.
@@ -179,15 +250,7 @@ class ShardReader:
 
     def __init__(self, data_dir, worker, num_workers, batch_size, seed, resident_bytes=RESIDENT_BYTES,
                  arrays=ARRAYS, augment=None, dtype=FLOAT32.compute):
-        if not (isinstance(num_workers, (int, np.integer)) and num_workers >= 1):
-            raise HpctrainError(f"num_workers must be a positive integer, got {num_workers!r}")
-        if not (isinstance(worker, (int, np.integer)) and 0 <= worker < num_workers):
-            raise HpctrainError(f"worker must be in 0..{num_workers - 1}, got {worker!r}")
-        if not (isinstance(batch_size, (int, np.integer)) and batch_size >= 1):
-            raise HpctrainError(f"--batch-size must be a positive integer, got {batch_size!r}")
-        self.data_dir = Path(data_dir)
-        self.worker, self.num_workers = int(worker), int(num_workers)
-        self.batch_size, self.seed = int(batch_size), int(seed)
+        super().__init__(data_dir, worker, num_workers, batch_size, seed)
         self.arrays = tuple(name for name in ARRAYS if name in arrays)
 
         manifest = _image_manifest(self.data_dir)
@@ -212,10 +275,6 @@ class ShardReader:
                         for e in shards]
         self._first = np.cumsum([0] + [n for _, n in self._shards])   # global id of each shard's row 0
 
-        self._epoch, self._start = 0, 0     # the epoch dealt, from which position
-        self._taken = 0                     # batches of it handed out
-        self._steps = None                  # steps in it; None: not dealt yet
-        self._ids = None                    # this worker's sample ids of the epoch, in order
         self.images = self.labels = None    # the samples held: all, or the epoch's own
         self._rows = None                   # the rows of images that _ids are
         self.resident = self.num_samples * self.num_features <= resident_bytes
@@ -247,40 +306,9 @@ class ShardReader:
                                 f"samples of {self.num_features} values) does not fit in memory; "
                                 f"{hint}") from None
 
-    @property
-    def position(self):
-        """(epoch, pos) of the next batch; pass it to seek() to resume there (any W)."""
-        return self._epoch, self._start + self._taken * self.num_workers * self.batch_size
-
-    def seek(self, epoch, pos):
-        if not (0 <= epoch and 0 <= pos <= self.num_samples):
-            raise HpctrainError(f"{self.data_dir}: cannot seek to epoch {epoch}, position {pos} "
-                                f"({self.num_samples} training samples)")
-        if (int(epoch), int(pos)) != self.position:
-            self._epoch, self._start, self._taken, self._steps = int(epoch), int(pos), 0, None
-
-    @property
-    def last_ids(self):
-        """Global sample ids (rows of the training set, in shard order) of the last batch."""
-        B = self.batch_size
-        return self._ids[(self._taken - 1) * B: self._taken * B]
-
-    @property
-    def last_draw(self):
-        """(epoch, sample ids) of the last batch: what a dropout mask is a
-        function of (with the seed), whichever worker takes the sample."""
-        return self._epoch, self.last_ids
-
     def _deal(self):
         """This worker's samples of the epoch from the current position, read into memory."""
-        while True:
-            blocks = deal(self.num_samples, self.num_workers, self.batch_size, self.seed,
-                          self._epoch, self._start)
-            if len(blocks):
-                break
-            self._epoch, self._start = self._epoch + 1, 0   # nothing left to deal: the next epoch
-        self._steps, self._taken = len(blocks), 0
-        self._ids = np.ascontiguousarray(blocks[:, self.worker, :]).reshape(-1)
+        super()._deal()
         count = len(self._ids)
         if self.resident:
             self._rows = self._ids
@@ -308,12 +336,7 @@ class ShardReader:
     def next_batch(self):
         """(x float32 (B, features) in [0, 1], y int64 (B,)); both reused by
         the next call; either None where the reader does not read it."""
-        if self._steps is None or self._taken == self._steps:
-            if self._steps is not None:   # the epoch is done: the next one from its start
-                self._epoch, self._start = self._epoch + 1, 0
-            self._deal()
-        B, k = self.batch_size, self._taken
-        self._taken += 1
+        B, k = self.batch_size, self._next()
         rows = self._rows[k * B:(k + 1) * B]
         if self._x is not None:
             np.take(self.images, rows, axis=0, out=self._ubuf, mode="clip")

@@ -31,7 +31,7 @@ from hpctrain.chunks import chunk_parts
 from hpctrain.errors import HpctrainError
 
 from .manifest import MANIFEST, _sha256, load_manifest
-from .reader import ARRAYS, _describe, _open_h5, _unreadable, deal
+from .reader import ARRAYS, Dealt, _describe, _open_h5, _unreadable
 
 
 def _token_manifest(data_dir):
@@ -88,7 +88,7 @@ def _windows(tokens, offsets, block_size, x, y):
         y[...] = tokens[at + 1]
 
 
-class TokenReader:
+class TokenReader(Dealt):
     """Training windows for one of W workers: ShardReader's dealing (reader.py
     `deal`) over the window offsets 0 .. n - T - 1 of the n training tokens,
     so position, seek and resuming on another number of workers mean what
@@ -98,17 +98,13 @@ class TokenReader:
     last stage); what it does not give is None. next_batch() returns arrays
     that the next call overwrites: copy them if they must outlive the step."""
 
+    unit = "windows"
+
     def __init__(self, data_dir, worker, num_workers, batch_size, seed, block_size, arrays=ARRAYS):
-        if not (isinstance(num_workers, (int, np.integer)) and num_workers >= 1):
-            raise HpctrainError(f"num_workers must be a positive integer, got {num_workers!r}")
-        if not (isinstance(worker, (int, np.integer)) and 0 <= worker < num_workers):
-            raise HpctrainError(f"worker must be in 0..{num_workers - 1}, got {worker!r}")
-        for name, value in (("--batch-size", batch_size), ("--block-size", block_size)):
-            if not (isinstance(value, (int, np.integer)) and value >= 1):
-                raise HpctrainError(f"{name} must be a positive integer, got {value!r}")
-        self.data_dir = Path(data_dir)
-        self.worker, self.num_workers = int(worker), int(num_workers)
-        self.batch_size, self.seed, self.block_size = int(batch_size), int(seed), int(block_size)
+        super().__init__(data_dir, worker, num_workers, batch_size, seed)
+        if not (isinstance(block_size, (int, np.integer)) and block_size >= 1):
+            raise HpctrainError(f"--block-size must be a positive integer, got {block_size!r}")
+        self.block_size = int(block_size)
         manifest = _token_manifest(self.data_dir)
         self.vocab_size = int(manifest["vocab_size"])
         self.tokens = read_tokens(self.data_dir, "train", manifest)
@@ -119,57 +115,15 @@ class TokenReader:
                                 f"windows of --block-size {self.block_size} + 1, fewer than one step takes "
                                 f"({self.num_workers} workers x --batch-size {self.batch_size} = {per_step}); "
                                 f"use a smaller --block-size or --batch-size, or fewer workers")
-        self._epoch, self._start = 0, 0     # the epoch dealt, from which position
-        self._taken = 0                     # batches of it handed out
-        self._steps = None                  # steps in it; None: not dealt yet
-        self._ids = None                    # this worker's window offsets of the epoch, in order
         shape = (self.batch_size, self.block_size)
         self._x = np.empty(shape, np.int64) if "images" in arrays else None
         self._y = np.empty(shape, np.int64) if "labels" in arrays else None
-
-    @property
-    def position(self):
-        """(epoch, pos) of the next batch; pass it to seek() to resume there (any W)."""
-        return self._epoch, self._start + self._taken * self.num_workers * self.batch_size
-
-    def seek(self, epoch, pos):
-        if not (0 <= epoch and 0 <= pos <= self.num_samples):
-            raise HpctrainError(f"{self.data_dir}: cannot seek to epoch {epoch}, position {pos} "
-                                f"({self.num_samples} training windows)")
-        if (int(epoch), int(pos)) != self.position:
-            self._epoch, self._start, self._taken, self._steps = int(epoch), int(pos), 0, None
-
-    @property
-    def last_ids(self):
-        """The window offsets (first token's place in the training split) of the last batch."""
-        B = self.batch_size
-        return self._ids[(self._taken - 1) * B: self._taken * B]
-
-    @property
-    def last_draw(self):
-        """(epoch, window offsets) of the last batch: what a dropout mask is a
-        function of (with the seed), whichever worker takes the window."""
-        return self._epoch, self.last_ids
-
-    def _deal(self):
-        while True:
-            blocks = deal(self.num_samples, self.num_workers, self.batch_size, self.seed,
-                          self._epoch, self._start)
-            if len(blocks):
-                break
-            self._epoch, self._start = self._epoch + 1, 0   # nothing left to deal: the next epoch
-        self._steps, self._taken = len(blocks), 0
-        self._ids = np.ascontiguousarray(blocks[:, self.worker, :]).reshape(-1)
 
     def next_batch(self):
         """(x int64 (B, T), y int64 (B, T)): windows' tokens and the tokens
         after them; both reused by the next call; either None where the
         reader does not give it."""
-        if self._steps is None or self._taken == self._steps:
-            if self._steps is not None:   # the epoch is done: the next one from its start
-                self._epoch, self._start = self._epoch + 1, 0
-            self._deal()
-        self._taken += 1
+        self._next()
         _windows(self.tokens, self.last_ids, self.block_size, self._x, self._y)
         return self._x, self._y
 
