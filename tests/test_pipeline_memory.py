@@ -70,30 +70,6 @@ def test_a_stage_holds_one_set_of_layers_and_a_slot_per_micro_batch():
     assert stage.state.tobytes() == whole.state.tobytes()
 
 
-def test_a_range_dropped_after_forward_and_recomputed_gives_the_same_bits():
-    # The seam for recomputation (issue 42, 1): a slot's contexts dropped
-    # after forward, the forward run again into them before backward.
-    from hpctrain.nn.sequential import LayerRange
-    from hpctrain.nn.store import PlainStore
-    spec = _tiny_cnn()
-    (x, y, noise), = _micro_batches(spec, 1)
-    results = []
-    for recompute in (False, True):
-        n, s = spec.num_params, spec.num_state
-        params, grads, state = np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(s, np.float32)
-        run = LayerRange(spec, 0, len(spec.layers), np, PlainStore(spec, params, grads, state), keep_input=True)
-        run.init(5)
-        run.set_noise(noise)
-        loss, d = run.loss_forward_backward(run.forward(x.copy(), True), y)
-        if recompute:
-            run.drop(0)
-            assert run.slots[0].held_bytes() == 0
-            run.recompute(0)
-        run.backward(d)
-        results.append((float(loss), grads.tobytes(), state.tobytes()))
-    assert results[0] == results[1]
-
-
 def test_each_layer_draws_from_a_stream_of_its_own():
     # a layer's initial values depend on (seed, its index), not on the layers before it
     a, b = mlp((28, 28), 10, (64, 32)).build(), mlp((28, 28), 10, (48, 32)).build()

@@ -352,27 +352,6 @@ def test_dropout_in_the_gpt_is_per_sample_whatever_the_batch_split():
     assert not np.allclose(whole, model.run.forward(ids, True))   # another step, other masks
 
 
-def test_a_recomputed_gpt_forward_gives_the_same_gradient_bits():
-    """A slot dropped after its forward and recomputed before its backward
-    (nn/sequential.LayerRange.recompute: the seam recomputation uses), with
-    dropout in every block: the dropouts' noise, nested in the blocks'
-    contexts, survives the drop."""
-    spec, model = _gpt_model(dropout=0.3)
-    rng = np.random.default_rng(8)
-    ids, targets, noise = rng.integers(0, VOCAB, (BATCH, T)), rng.integers(0, VOCAB, (BATCH, T)), (1, 4, np.arange(3))
-    model.forward_backward(ids, targets, noise=noise)
-    kept = model.grads.copy()
-    model.grads[...] = 0
-    run = model.run
-    run.set_noise(noise)
-    _, d = run.loss_forward_backward(run.forward(ids, True), targets)
-    run.drop(0)
-    assert run.slots[0].held_bytes() == 0
-    run.recompute(0)
-    run.backward(d)
-    assert np.array_equal(model.grads, kept)
-
-
 # --- the contract, as nn/check.py checks a user's layer ------------------------------
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])

@@ -43,9 +43,7 @@ class; a user's own layer subclasses it and overrides what it needs):
    leaves for its backward goes on ctx (`ctx.x = x`), and so do the
    buffers it reuses between calls (`ctx.buffer(key, shape, dtype)`): a
    step allocates nothing once warm. A container returns a Context whose
-   `inner` holds its layers' contexts. The runner may `ctx.drop()` a slot
-   after forward and run forward into it again before backward
-   (nn/sequential.LayerRange.recompute). A container that declares
+   `inner` holds its layers' contexts. A container that declares
    `recompute_unit = True` (the transformer's Block) is what --recompute
    recomputes: its forward runs in a context shared by the range's units
    and is run again from its kept input just before its backward
@@ -141,15 +139,6 @@ class Context:
         if buf is None or buf.shape != shape or buf.dtype != dtype:
             buf = self._buffers[key] = self.xp.zeros(shape, dtype)
         return buf
-
-    def drop(self):
-        """Forget what the forward kept and every buffer, inner contexts'
-        too (the slot's noise stays: a forward run again draws the same)."""
-        for inner in self.inner:
-            inner.drop()
-        kept = {"xp": self.xp, "noise": self.noise, "inner": self.inner}
-        self.__dict__.clear()
-        self.__dict__.update(kept, _buffers={})
 
     def held_bytes(self):
         """Bytes of the buffers this slot holds, inner contexts' included."""

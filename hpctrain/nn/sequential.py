@@ -48,10 +48,6 @@ class LayerRange:
     One set of layers, `slots` contexts (nn/layers.py Context): a slot holds
     one call's activations from its forward to its backward, so a pipeline
     stage keeps a slot per micro-batch in flight, not a copy of its layers.
-    `drop(slot)` forgets a slot's activations after its forward and
-    `recompute(slot)` runs that forward again into it before the backward,
-    to the same bits (the range's input must then stay intact until
-    backward: `keep_input=True` copies it before an in-place first layer).
 
     --recompute (spec.recompute): each layer that declares itself a
     recompute unit (`recompute_unit`: the transformer's Block; the grain is
@@ -63,7 +59,7 @@ class LayerRange:
     holds the units' inputs and the other layers' activations, and the
     range one unit's activations: what memory_bytes counts (nn/spec.py)."""
 
-    def __init__(self, spec, a, b, xp, store, slots=1, keep_input=False):
+    def __init__(self, spec, a, b, xp, store, slots=1):
         self.spec, self.a, self.b, self.xp, self.store = spec, a, b, xp, store
         self.base = store.base
         # a store that gathers parameters a bucket at a time hears of each layer (nn/sharded_store.py)
@@ -82,10 +78,9 @@ class LayerRange:
             self.ties.bind_views(i, params, grads, pv, gv, self.copies, self.extra, self.base[0])
             layer.bind(xp, pv, gv, sv)
         self.state, self.grads = store.state, grads
-        # the range's input is its own (the batch, or a received buffer) unless it is kept for a recompute
-        self.chain = Chain(self.layers, xp, input_kept=keep_input)
+        # the range's input is its own (the batch, or a received buffer): an in-place first layer may write it
+        self.chain = Chain(self.layers, xp)
         self.slots = [self.chain.context() for _ in range(slots)]
-        self._inputs = [None] * slots   # each slot's last training input, for a recompute
         # --recompute: the units (positions in the range), their shared contexts, each slot's units' inputs
         self.units = {k for k, layer in enumerate(self.layers) if spec.recompute and layer.recompute_unit}
         self.shared = {}   # kind -> context (_kind)
@@ -158,16 +153,11 @@ class LayerRange:
         """The range's output for x (the last range: the logits), its
         activations held in the slot until its backward."""
         x = x.reshape(x.shape[0], *self.in_shape)
-        if train:
-            self._inputs[slot] = x
-        self._before_forward()
+        if not self.per_layer:
+            self.store.before_forward(self.a, self.b)
         y = self._forward(slot, x, train)
         self.store.after_forward(self.a, self.b)
         return y
-
-    def _before_forward(self):
-        if not self.per_layer:
-            self.store.before_forward(self.a, self.b)
 
     def _layer_hook(self, k):
         """A per-layer store's before_forward, for layer k of the range."""
@@ -268,7 +258,6 @@ class LayerRange:
                 store.grads_done(i, i + 1)
                 if on_layer_done is not None:
                     on_layer_done(self.owner[i])
-        self._inputs[slot] = None
         return d if self.a > self.first else None
 
     def combine(self, i, grads, extra):
@@ -277,24 +266,6 @@ class LayerRange:
         order (nn/tied.py)."""
         for group in self.ties.done_by(i):
             self.ties.combine(group, grads, extra, self.base[0])
-
-    def drop(self, slot):
-        """Forget the slot's activations after its training forward (its
-        buffers released; its input and noise kept for `recompute`)."""
-        self.slots[slot].drop()
-
-    def recompute(self, slot):
-        """Run the slot's training forward again, from its kept input and
-        noise, into its contexts: the activations its backward needs, the
-        same bits as the first time. The range's non-trainable state is put
-        back after it: batch norm's running statistics move once a forward."""
-        x = self._inputs[slot]
-        saved = self.slots[slot].buffer("state_before_recompute", self.state.shape, self.state.dtype)
-        self.xp.copyto(saved, self.state)
-        self._before_forward()
-        self._forward(slot, x, True)
-        self.store.after_forward(self.a, self.b)
-        self.xp.copyto(self.state, saved)
 
 
 class Sequential:
