@@ -13,6 +13,7 @@ T; and the refusals.
 """
 import json
 import shutil
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -115,6 +116,28 @@ def test_the_replicated_tensors_stay_identical_over_the_group(sequence):
     replicated = np.concatenate([model.params[lo:hi] for name, _, lo, hi in local.tensors if name not in local.cuts])
     everyone = MPI.COMM_WORLD.allgather(replicated.tobytes())
     assert all(b == everyone[0] for b in everyone)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_warm_sequence_parallel_collective_allocates_nothing():
+    """--sequence-parallel's reduce-scatter and allgather keep their host
+    buffers per shape: the second call of each allocates no array (both
+    made theirs on every call before), and they still sum and gather."""
+    comm = MPI.COMM_WORLD
+    T, r = comm.Get_size(), comm.Get_rank()
+    tensor = TensorComm(comm)
+    base = np.arange(4 * 16 * T * 32, dtype=np.float64).reshape(4, 16 * T, 32)
+    full, mine, whole = base * (r + 1), np.empty((4, 16, 32)), np.empty_like(base)
+    peaks = []
+    for _ in range(2):
+        tracemalloc.start()
+        tensor.reduce_scatter(full, mine)
+        tensor.allgather(mine, whole)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert np.array_equal(mine, base[:, 16 * r:16 * (r + 1)] * (T * (T + 1) // 2))
+    assert np.array_equal(whole, base * (T * (T + 1) // 2))
+    assert peaks[0] >= mine.nbytes > peaks[1], peaks   # a Python object or two, no array
 
 
 # --- runs ------------------------------------------------------------------------

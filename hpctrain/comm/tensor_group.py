@@ -25,6 +25,14 @@ class TensorComm:
     def __init__(self, comm, watchdog=None, xp=np):
         self.comm, self.watchdog, self.xp = comm, watchdog, xp
         self.calls = 0   # allreduces so far (the tests count them: two a transformer block forward)
+        self._buffers = {}   # the sequence-parallel host buffers, one per (use, shape, dtype): a warm step allocates none
+
+    def _buffer(self, use, shape, dtype):
+        key = (use, tuple(shape), np.dtype(dtype))
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = np.empty(shape, dtype)
+        return buf
 
     def sum(self, a):
         self._allreduce(a, MPI.SUM, "sum")
@@ -41,8 +49,10 @@ class TensorComm:
         self.calls += 1
         size, (n, t) = self.comm.Get_size(), full.shape[:2]
         host = device.to_host(full) if self.xp is not np else full
-        blocks = np.ascontiguousarray(host.reshape(n, size, t // size, *host.shape[2:]).swapaxes(0, 1))
-        mine = np.empty(out.shape, host.dtype) if self.xp is not np or not out.flags.c_contiguous else out
+        by_rank = host.reshape(n, size, t // size, *host.shape[2:]).swapaxes(0, 1)   # rank r's positions at [r]
+        blocks = self._buffer("blocks", by_rank.shape, host.dtype)
+        np.copyto(blocks, by_rank)
+        mine = self._buffer("mine", out.shape, host.dtype) if self.xp is not np or not out.flags.c_contiguous else out
         with waiting(self.watchdog, f"tensor-parallel reduce-scatter of {host.size} values over {size} tensor ranks"):
             self.comm.Reduce_scatter_block(blocks, mine, op=MPI.SUM)
         if mine is not out:
@@ -52,11 +62,19 @@ class TensorComm:
         """--sequence-parallel: every rank's `part` (n, t / T, ...) into `out` (n, t, ...), in rank order."""
         self.calls += 1
         size = self.comm.Get_size()
-        host = np.ascontiguousarray(device.to_host(part) if self.xp is not np else part)
-        got = np.empty((size, *host.shape), host.dtype)
+        host = device.to_host(part) if self.xp is not np else part
+        if not host.flags.c_contiguous:
+            contiguous = self._buffer("part", host.shape, host.dtype)
+            np.copyto(contiguous, host)
+            host = contiguous
+        got = self._buffer("got", (size, *host.shape), host.dtype)
         with waiting(self.watchdog, f"tensor-parallel allgather of {got.size} values over {size} tensor ranks"):
             self.comm.Allgather(host, got)
-        out[...] = self.xp.asarray(got.swapaxes(0, 1).reshape(out.shape))
+        by_rank = self.xp.asarray(got.swapaxes(0, 1))   # (n, T, t / T, ...): rank r's part at [:, r]
+        if out.flags.c_contiguous:   # out seen as by_rank's shape: written without a temporary
+            out.reshape(by_rank.shape)[...] = by_rank
+        else:
+            out[...] = by_rank.reshape(out.shape)
 
     def _allreduce(self, a, op, what):
         self.calls += 1
