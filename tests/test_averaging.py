@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.nn import mlp
-from hpctrain.optim.optimizers import SGD
+from hpctrain.optim.sgd import SGD
 
 
 @pytest.mark.mpi(min_size=2)

@@ -140,7 +140,7 @@ def test_numbas_memory_is_one_figure_in_help_docs_and_code():
     # (measured again: resident 30 -> 138 MB across loading numba and the Adam pass).
     from hpctrain import cli
     texts = {"--help": cli.build_parser().format_help()}
-    for name in ("docs/usage.md", "docs/models.md", "hpctrain/optim/optimizers.py"):
+    for name in ("docs/usage.md", "docs/models.md", "hpctrain/optim/base.py"):
         texts[name] = Path(REPO, name).read_text()
     # the first memory figure after each mention of numba's cost
     figures = {name: re.search(r"numba[^.]{0,200}?(\d+) MB", re.sub(r"\s+", " ", text))[1]

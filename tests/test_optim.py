@@ -4,8 +4,14 @@ import math
 import numpy as np
 import pytest
 
-from hpctrain.optim import optimizers as optim
-from hpctrain.optim.optimizers import Adam, Momentum, OnDevice, SGD, Sharded, make_optimizer
+from hpctrain.optim import base
+from hpctrain.optim.adam import FLUSH_EVERY, Adam
+from hpctrain.optim.base import BLOCK, FUSE_FROM, FUSE_WORK
+from hpctrain.optim.momentum import Momentum
+from hpctrain.optim.on_device import OnDevice
+from hpctrain.optim.optimizers import OPTIMIZERS, make_optimizer
+from hpctrain.optim.sgd import SGD
+from hpctrain.optim.sharded import Sharded
 from hpctrain.optim.lr_schedule import learning_rate
 
 
@@ -30,7 +36,7 @@ def reference(name, p, grads, lr, scale):
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
 def test_matches_reference(name):
     rng = np.random.default_rng(0)
-    n = optim.BLOCK * 2 + 123  # several blocks and a ragged end
+    n = BLOCK * 2 + 123  # several blocks and a ragged end
     p0 = rng.standard_normal(n).astype(np.float32)
     grads = [rng.standard_normal(n).astype(np.float32) for _ in range(5)]
     p = p0.copy()
@@ -64,7 +70,7 @@ def test_adam_flushes_subnormal_moments():
     g[:10] = 1e-3
     opt.step(p, g, 1e-3)
     g[:] = 0
-    for _ in range(optim.FLUSH_EVERY * 20):
+    for _ in range(FLUSH_EVERY * 20):
         opt.step(p, g, 1e-3)
     tiny = np.finfo(np.float32).tiny
     for state in (opt.m, opt.v):
@@ -90,7 +96,6 @@ def test_state_names():
 def test_on_device_equals_the_inner_optimizer_through_restores(name):
     """optim.OnDevice (a server's --ps-device gpu optimizer; NumPy stands in for
     CuPy here) keeps host parameters and state authoritative across restores."""
-    from hpctrain.optim.optimizers import OnDevice
     rng = np.random.default_rng(3)
     n = 5000
     grads = [rng.standard_normal(n).astype(np.float32) for _ in range(8)]
@@ -139,10 +144,10 @@ def _same_steps(fast, slow, n, dtype, rng, pieces):
     p0 = rng.standard_normal(n).astype(dtype)
     pf, ps = p0.copy(), p0.copy()
     cuts = [0, *pieces, n]
-    for step in range(1, optim.FLUSH_EVERY + 3):
+    for step in range(1, FLUSH_EVERY + 3):
         g = (rng.standard_normal(n) * (1e-3 if step % 7 else 1e-32)).astype(dtype)
         g[: n // 10] = 0                      # parameters that never see a gradient
-        if step == optim.FLUSH_EVERY:
+        if step == FLUSH_EVERY:
             tiny = np.array([3e-31, -3e-31, 5e-40, -5e-40, 1e-29], dtype)[np.arange(n // 20) % 5]
             for opt in (fast, slow):
                 for key, state in opt.state().items():
@@ -163,11 +168,11 @@ def _same_steps(fast, slow, n, dtype, rng, pieces):
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
 def test_single_pass_gives_the_numpy_blocks_bits(name, weight_decay, dtype):
     pytest.importorskip("numba")
-    n = optim.BLOCK + 4_321
+    n = BLOCK + 4_321
     fast = make_optimizer(name, n, dtype=dtype, weight_decay=weight_decay, fused=True)
     slow = make_optimizer(name, n, dtype=dtype, weight_decay=weight_decay, fused=False)
     assert fast._kernel is not None and slow._kernel is None
-    _same_steps(fast, slow, n, dtype, np.random.default_rng(7), [1, 999, optim.BLOCK + 5])
+    _same_steps(fast, slow, n, dtype, np.random.default_rng(7), [1, 999, BLOCK + 5])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -175,30 +180,30 @@ def test_single_pass_gives_the_numpy_blocks_bits(name, weight_decay, dtype):
 def test_single_pass_gives_the_numpy_blocks_bits_with_decay_on_part_of_the_buffer(name, dtype):
     # decay ranges that cross a block's end and the update's ranges, start at 0, and touch
     pytest.importorskip("numba")
-    n = optim.BLOCK + 4_321
-    decay = [(0, 500), (500, 700), (900, optim.BLOCK + 10), (optim.BLOCK + 2000, n - 1)]
+    n = BLOCK + 4_321
+    decay = [(0, 500), (500, 700), (900, BLOCK + 10), (BLOCK + 2000, n - 1)]
     fast = make_optimizer(name, n, dtype=dtype, weight_decay=0.01, fused=True, decay_ranges=decay)
     slow = make_optimizer(name, n, dtype=dtype, weight_decay=0.01, fused=False, decay_ranges=decay)
     assert fast._kernel is not None and slow._kernel is None
-    _same_steps(fast, slow, n, dtype, np.random.default_rng(7), [1, 999, optim.BLOCK + 5])
+    _same_steps(fast, slow, n, dtype, np.random.default_rng(7), [1, 999, BLOCK + 5])
 
 
 def test_the_single_pass_runs_from_fuse_from_elements_where_numba_is():
     pytest.importorskip("numba")
-    assert Adam(optim.FUSE_FROM)._kernel is not None
-    assert Adam(optim.FUSE_FROM - 1)._kernel is None
-    sharded = make_optimizer("sgd", 2 * optim.FUSE_FROM, owned=[(0, optim.FUSE_FROM)])
+    assert Adam(FUSE_FROM)._kernel is not None
+    assert Adam(FUSE_FROM - 1)._kernel is None
+    sharded = make_optimizer("sgd", 2 * FUSE_FROM, owned=[(0, FUSE_FROM)])
     assert sharded.inner._kernel is not None
 
 
 def test_the_single_pass_runs_where_it_pays_back_numbas_start_up_within_the_run():
     pytest.importorskip("numba")
-    size = 2 * optim.FUSE_FROM
-    pays = -(-optim.FUSE_WORK // size)   # the fewest steps over which it does
+    size = 2 * FUSE_FROM
+    pays = -(-FUSE_WORK // size)   # the fewest steps over which it does
     assert make_optimizer("adam", size, steps=pays)._kernel is not None
     assert make_optimizer("adam", size, steps=pays - 1)._kernel is None
     assert make_optimizer("adam", size, steps=pays - 1, fused=True)._kernel is not None   # --single-pass on
-    assert make_optimizer("adam", optim.FUSE_FROM - 1, steps=10**9)._kernel is None
+    assert make_optimizer("adam", FUSE_FROM - 1, steps=10**9)._kernel is None
     assert make_optimizer("adam", size)._kernel is not None   # steps not known: size alone
     sharded = make_optimizer("sgd", 2 * size, owned=[(0, size)], steps=pays)
     assert sharded.inner._kernel is not None
@@ -213,7 +218,7 @@ def test_the_single_pass_runs_from_the_first_step_with_compiled_layers():
     from hpctrain.nn import compiled
     from hpctrain.run.plan import Optimizer, single_pass
     pytest.importorskip("numba")
-    size = 2 * optim.FUSE_FROM
+    size = 2 * FUSE_FROM
     for on, flag, want in ((False, "auto", "auto"), (True, "auto", "on"), (True, "off", "off"), (False, "on", "on")):
         compiled.use(on)
         try:
@@ -243,7 +248,7 @@ class _FakeElementwiseKernel:
         _FakeElementwiseKernel.launches.append((self.name, args[self.names.index("p")].size))
         bound = dict(zip(self.names, args))
         assert all(np.ndim(v) == 0 or v.shape == bound["p"].shape for v in args)
-        optim._LOOPS[self.name[len("hpctrain_"):]](**bound)
+        OPTIMIZERS[self.name[len("hpctrain_"):]].loop(**bound)
 
 
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
@@ -251,7 +256,7 @@ def test_gpu_kernel_is_one_launch_per_range_with_the_numpy_blocks_bits(name, mon
     import types
     fake = types.SimpleNamespace(__name__="cupy", ElementwiseKernel=_FakeElementwiseKernel,
                                  zeros=np.zeros, empty=np.empty)
-    monkeypatch.setattr(optim, "_compiled", {})
+    monkeypatch.setattr(base, "_compiled", {})
     monkeypatch.setattr(_FakeElementwiseKernel, "launches", [])
     monkeypatch.setattr(_FakeElementwiseKernel, "options", [])
     n = 2_000   # the loops run in Python here
@@ -259,7 +264,7 @@ def test_gpu_kernel_is_one_launch_per_range_with_the_numpy_blocks_bits(name, mon
     slow = make_optimizer(name, n, weight_decay=0.01, fused=False)
     assert _FakeElementwiseKernel.options == [("--fmad=false",)]   # no a * b + c in one rounding
     _same_steps(fast, slow, n, np.float32, np.random.default_rng(8), [700, 701])
-    assert _FakeElementwiseKernel.launches == [(f"hpctrain_{name}", size) for _ in range(optim.FLUSH_EVERY + 2)
+    assert _FakeElementwiseKernel.launches == [(f"hpctrain_{name}", size) for _ in range(FLUSH_EVERY + 2)
                                                for size in (700, 1, n - 701)]
 
 
@@ -270,7 +275,7 @@ def test_gpu_kernel_with_decay_on_part_of_the_buffer_is_one_launch_per_piece_wit
     import types
     fake = types.SimpleNamespace(__name__="cupy", ElementwiseKernel=_FakeElementwiseKernel,
                                  zeros=np.zeros, empty=np.empty)
-    monkeypatch.setattr(optim, "_compiled", {})
+    monkeypatch.setattr(base, "_compiled", {})
     monkeypatch.setattr(_FakeElementwiseKernel, "launches", [])
     n, decay = 2_000, [(100, 600), (650, 1500)]
     fast = make_optimizer(name, n, xp=fake, weight_decay=0.01, decay_ranges=decay)

@@ -190,7 +190,7 @@ EXCHANGES = ["mpi", "shared"]
 @pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("placement", ["even", "round-robin"])
 def test_sync_rounds_sum_in_worker_order_on_every_server(placement, exchange):
-    from hpctrain.optim.optimizers import SGD
+    from hpctrain.optim.sgd import SGD
     s = Setup(placement, exchange)
     rounds, lr = 4, 0.5
     W = len(s.workers)
@@ -233,7 +233,7 @@ def test_sync_rounds_sum_in_worker_order_on_every_server(placement, exchange):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_snapshot_and_restore_round_trip_parameters_adam_state_and_positions(exchange):
-    from hpctrain.optim.optimizers import Adam
+    from hpctrain.optim.adam import Adam
     s = Setup("round-robin", exchange, sync=False)
     W = len(s.workers)
     if s.is_server:
@@ -310,7 +310,7 @@ def two_worker_race(s, first, second):
 @pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("lam", [0.0, 2.0])
 def test_dc_asgd_update_matches_a_direct_computation(lam, exchange):
-    from hpctrain.optim.optimizers import SGD
+    from hpctrain.optim.sgd import SGD
     s = Setup("round-robin", exchange, sync=False)
     g0, g1 = gradient(0, 1), gradient(1, 1)
     if s.is_server:
@@ -338,7 +338,7 @@ def test_dc_asgd_update_matches_a_direct_computation(lam, exchange):
 @pytest.mark.mpi(min_size=3)
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_a_push_beyond_max_staleness_is_not_applied_and_brings_fresh_parameters(exchange):
-    from hpctrain.optim.optimizers import SGD
+    from hpctrain.optim.sgd import SGD
     s = Setup("even", exchange, sync=False)
     g0, g1 = gradient(0, 2), gradient(1, 2)
     if s.is_server:

@@ -25,7 +25,8 @@ from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.nn import mlp
-from hpctrain.optim.optimizers import Sharded, make_optimizer, state_bytes
+from hpctrain.optim.optimizers import make_optimizer, state_bytes
+from hpctrain.optim.sharded import Sharded
 from hpctrain.checkpoints.resume import Checkpoints
 from hpctrain.checkpoints.sharded import displacements
 from hpctrain.loops.ring_step import RingStep

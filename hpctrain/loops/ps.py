@@ -46,7 +46,8 @@ from ..comm.ps.shared import open_shared
 from ..errors import EXIT_TIMEOUT, HpctrainError
 from ..nn.accumulate import Accumulation
 from ..optim.clipping import Clip
-from ..optim.optimizers import OnDevice, make_optimizer
+from ..optim.on_device import OnDevice
+from ..optim.optimizers import make_optimizer
 from ..report.evaluated import WholeModel
 from .frame import Frame, diverged
 

@@ -43,7 +43,7 @@ class ParamShard:
     """This rank's parts of the model's parameters: `owned[j]` (lo, hi),
     model offsets, of bucket j (buckets: ring mode's, [(lo, hi)]), laid
     one after another in buffer order in `buf` (the sharded optimizer's
-    compact layout: optim/optimizers.Sharded)."""
+    compact layout: optim/sharded.Sharded)."""
 
     def __init__(self, buckets, owned, xp, dtype):
         self.buckets, self.owned = list(buckets), [(int(a), int(b)) for a, b in owned]

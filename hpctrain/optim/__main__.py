@@ -1,11 +1,11 @@
 """python -m hpctrain.optim: one Adam step over the default MLP's 650k
-parameters, timed on both paths (optimizers.py: the NumPy blocks and the
+parameters, timed on both paths (base.py: the NumPy blocks and the
 single pass)."""
 import time
 
 import numpy as np
 
-from .optimizers import Adam
+from .adam import Adam
 
 n = 784 * 500 + 500 + 500 * 500 + 500 + 500 * 10 + 10   # MNIST's default model
 p = np.zeros(n, np.float32)

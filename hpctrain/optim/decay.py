@@ -1,6 +1,6 @@
 """Where decoupled weight decay applies: sorted (lo, hi) ranges of a flat
 buffer (the model's matrices, nn/spec.py decay_ranges, with
---weight-decay-on matrices), as the optimizers (optimizers.py) walk them
+--weight-decay-on matrices), as the optimizers (base.py) walk them
 within each range they update. No mask of the buffer's size: a range
 update finds its first decayed range by bisection and walks on from there,
 allocating no array.

@@ -173,7 +173,7 @@ class Optimizer:
     weight_decay: float
     decay_ranges: tuple  # the model's (lo, hi) weight decay applies to (None: every element)
     clip_norm: float     # None: no clipping
-    steps: int           # the run's optimizer steps (whether numba's pass pays: optimizers.fuse_pays)
+    steps: int           # the run's optimizer steps (whether numba's pass pays: optim/base.fuse_pays)
     single_pass: str     # --single-pass auto|on|off
     dtype: np.dtype = FLOAT32.optimizer   # its state's (the plan's precision.optimizer)
 
@@ -375,7 +375,7 @@ def schedule_plan(args, data):
 def single_pass(args):
     """--single-pass, where auto is on with compiled layers: numba is in the
     process then, so the optimizer's pass has no start-up to pay back
-    (optim/optimizers.fuse_pays) and saves from the first step (the small
+    (optim/base.fuse_pays) and saves from the first step (the small
     GPT's Adam: 0.8 against 2.1 ms a step). The same bits either way."""
     return "on" if args.single_pass == "auto" and compiled.on() else args.single_pass
 
