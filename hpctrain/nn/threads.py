@@ -96,7 +96,7 @@ def _blas_local_threads():
     """OpenBLAS's per-thread thread count setter (it returns the count in
     force before; 0 gives the thread the global count back), from the
     library NumPy loaded, or None."""
-    import numpy  # noqa: F401  (loads its BLAS)
+    __import__("numpy")   # loads its BLAS (a call, not an import pyflakes would call unused)
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
