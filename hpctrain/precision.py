@@ -46,6 +46,14 @@ PRECISIONS = {"float32": FLOAT32}   # what a run takes, by name (a --precision f
 FLOATS = tuple({p.params for p in PRECISIONS.values()})
 
 
+def draw_dtype(dtype):
+    """The dtype an array of `dtype` draws its initial values in: NumPy's
+    generators draw float32 and float64 only, so float64 for float64 and
+    float32 for every other float (cast after: a 16-bit buffer rounds a
+    float32 draw)."""
+    return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+
+
 def file_dtype(dtype):
     """The dtype a file holds `dtype` as: little-endian whatever the machine
     ("<f4" for float32), so a checkpoint moves between machines."""

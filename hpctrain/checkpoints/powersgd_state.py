@@ -44,14 +44,14 @@ def gather(world, comm, exchange, error, layout):
     arrays = {}
     device.synchronize(world.xp)
     if error is not None:
-        mine = np.ascontiguousarray(device.to_host(error), np.float32)
-        rows = np.empty(workers * mine.size, np.float32) if world.chief else None
+        mine = np.ascontiguousarray(device.to_host(error))
+        rows = np.empty(workers * mine.size, mine.dtype) if world.chief else None
         with world.waiting("checkpoint gather (compression error feedback)", peer=world.cluster.chief_rank):
             comm.Gather(mine, rows, root=root)
         arrays["error"] = rows
     if not world.chief:
         return {}, {}
-    arrays["q"] = np.ascontiguousarray(device.to_host(exchange.q), np.float32)
+    arrays["q"] = np.ascontiguousarray(device.to_host(exchange.q))
     return arrays, {"compression_workers": int(workers), "compression_layout": layout}
 
 
@@ -110,14 +110,14 @@ def restore(world, comm, resume, exchange, error, layout, kind):
     with world.waiting("checkpoint broadcast (compression decision)", peer=world.cluster.chief_rank):
         comm.Bcast(decision, root=root)
     if decision[0]:
-        mine = np.empty(n, np.float32)
-        rows = np.ascontiguousarray(ckpt.compression_state["error"], np.float32) if world.chief else None
+        mine = np.empty(n, error.dtype)
+        rows = np.ascontiguousarray(ckpt.compression_state["error"], error.dtype) if world.chief else None
         with world.waiting("checkpoint scatter (compression error feedback)", peer=world.cluster.chief_rank):
             comm.Scatter(rows, mine, root=root)
         error[...] = xp.asarray(mine)
     if decision[1]:
-        q = np.ascontiguousarray(ckpt.compression_state["q"], np.float32) if world.chief \
-            else np.empty(exchange.q.size, np.float32)
+        q = np.ascontiguousarray(ckpt.compression_state["q"], exchange.q.dtype) if world.chief \
+            else np.empty(exchange.q.size, exchange.q.dtype)
         with world.waiting("checkpoint broadcast (compression Q)", peer=world.cluster.chief_rank):
             comm.Bcast(q, root=root)
         exchange.q[...] = xp.asarray(q)

@@ -25,6 +25,8 @@ CPU) and a watchdog.
 import numpy as np
 from mpi4py import MPI
 
+from ..precision import FLOAT32
+
 from .strategy import waiting
 
 
@@ -35,7 +37,7 @@ class LossAndStop:
 
     def __init__(self, comm, copier, watchdog=None):
         self.comm, self.watchdog, self.copier = comm, watchdog, copier
-        self._host_loss = self.copier.host_empty(1, np.float32)
+        self._host_loss = self.copier.host_empty(1, FLOAT32.compute)   # the loss, as the model computes it
         self._mine = np.zeros(2, np.float64)
         self._sum = np.zeros(2, np.float64)
         self._copied = self._request = None

@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 from .. import device
 from ..errors import HpctrainError
+from ..precision import FLOAT32
 from .records import allgather_bytes
 from .strategy import chunk_bounds, chunk_parts, waiting
 
@@ -137,6 +138,7 @@ class NcclAllreduce:
                 self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         except Exception as exc:
             raise HpctrainError(f"NCCL could not set up its communicator ({exc})") from None
+        # NCCL's names for the dtypes it may be handed: a table of every float, not the run's choice
         self._types = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float64): nccl.NCCL_FLOAT64,
                        np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.int32): nccl.NCCL_INT32,
                        np.dtype(np.int64): nccl.NCCL_INT64}
@@ -207,7 +209,7 @@ if __name__ == "__main__":
     xp, name, note = dev.select("gpu")
     world = MPI.COMM_WORLD
     strategy = NcclAllreduce(world, xp)
-    x = xp.full(1000, world.rank, np.float32)
+    x = xp.full(1000, world.rank, FLOAT32.grads)
     strategy.allreduce(x)
     assert bool((x == sum(range(world.size))).all())
     if world.rank == 0:

@@ -26,10 +26,9 @@ orthogonalisation) is optim/compression_math.py's, this module moves the bytes.
 
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_compression.py
 """
-import numpy as np
-
 from ..device import array_module
 from ..optim.compression_math import initial_q, orthogonalise
+from ..precision import FLOAT32
 
 
 class _Bucket:
@@ -57,8 +56,8 @@ class PowerSgd:
         self.matrices = list(matrices)
         self.q_base = self.matrices[0].q_lo if self.matrices else 0
         size = (self.matrices[-1].q_hi - self.q_base) if self.matrices else 0
-        self.q = xp.zeros(size, np.float32)
-        self.error = xp.zeros(buffer.size, np.float32) if error_feedback else None
+        self.q = xp.zeros(size, FLOAT32.grads)
+        self.error = xp.zeros(buffer.size, FLOAT32.grads) if error_feedback else None
         self.active, self.step = False, None
         self._buckets = {}
         self.draw_q()
@@ -111,7 +110,7 @@ class PowerSgd:
         for m in inside:
             bucket.p_at.append(p)
             p += m.p_size
-        bucket.flat = self.xp.zeros(p, np.float32)
+        bucket.flat = self.xp.zeros(p, FLOAT32.grads)
         if inside:
             bucket.q_lo, bucket.q_hi = inside[0].q_lo - self.q_base, inside[-1].q_hi - self.q_base
         self._buckets[(lo, hi)] = bucket

@@ -110,11 +110,12 @@ if __name__ == "__main__":
     from mpi4py import MPI
 
     from .. import device
+    from ..precision import FLOAT32
     from .ring_allreduce import RingAllreduce
     world = MPI.COMM_WORLD
     staged = StagedAllreduce(RingAllreduce(world), device.HostCopier(), chunk_bytes=4096)
     for n in (1, 7, 1000, 100_003):
-        x = np.full(n, world.rank, np.float32)
+        x = np.full(n, world.rank, FLOAT32.grads)
         staged.allreduce(x)
         assert np.all(x == sum(range(world.size))), n
     if world.rank == 0:

@@ -115,9 +115,11 @@ def self_check(strategy, name):
     sum(range(size)), and reduce_scatter + allgather gives the same buffer,
     for lengths 0, 1, below the world size, odd and large."""
     import numpy as np
+
+    from ..precision import FLOAT32
     expect = sum(range(strategy.size))
     for n in (0, 1, strategy.size - 1, 7, 1000, 1 << 20):
-        x = np.full(n, strategy.rank, dtype=np.float32)
+        x = np.full(n, strategy.rank, dtype=FLOAT32.grads)
         y = x.copy()
         strategy.allreduce(x)
         assert np.all(x == expect), (n, x[:5])

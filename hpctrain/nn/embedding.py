@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from . import compiled, passes
+from ..precision import draw_dtype
 from .layers import Layer, LayerError
 from .tensor_parallel import Cut, nearly_even
 
@@ -62,7 +63,7 @@ class Embedding(Layer):
         return self._cuts
 
     def init(self, rng, params, dtype):
-        E = rng.standard_normal(self.vocab * self.dim, dtype=np.float64 if dtype == np.float64 else np.float32)
+        E = rng.standard_normal(self.vocab * self.dim, dtype=draw_dtype(dtype))
         E *= np.sqrt(1.0 / self.dim) if self.std is None else self.std
         params["E"][...] = E.astype(dtype, copy=False).reshape(self.vocab, self.dim)
 
@@ -98,7 +99,7 @@ class Embedding(Layer):
         super().bind(xp, params, grads, state)
         self.compiled = compiled.on() and xp is np
         if self.compiled:
-            passes.prepare(("add_rows",), np.float32)
+            passes.prepare(("add_rows",))
 
     def _add_rows(self, out, ids, rows):
         """out[ids[p]] += rows[p] for each position p in order."""

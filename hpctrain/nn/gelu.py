@@ -77,7 +77,7 @@ class GELU(Layer):
         super().bind(xp, params, grads, state)
         self.compiled = compiled.on() and xp is np   # one pass each way (nn/passes.py)
         if self.compiled:
-            passes.prepare(("gelu_forward", "gelu_backward"), np.float32)
+            passes.prepare(("gelu_forward", "gelu_backward"))
 
     def _rows(self, fn, *arrays):
         """fn over the flat arrays, split into rows over the compute threads."""

@@ -30,6 +30,8 @@ import bisect
 
 import numpy as np
 
+from ..precision import FLOAT32
+
 OVERLAPPED = 2   # shared slots with overlap: one bucket written by backprop, the one before it on the wire
 
 
@@ -40,7 +42,7 @@ class GradSlots:
     buckets get slots of their own; the others take `shared` slots in
     turn. dtype, xp: the buffers'."""
 
-    def __init__(self, size, buckets, xp=np, dtype=np.float32, homes=(), shared=OVERLAPPED):
+    def __init__(self, size, buckets, xp=np, dtype=FLOAT32.grads, homes=(), shared=OVERLAPPED):
         self.size, self.shape, self.dtype = int(size), (int(size),), np.dtype(dtype)
         self.itemsize = self.dtype.itemsize
         self.buckets = [(int(lo), int(hi)) for lo, hi in buckets]

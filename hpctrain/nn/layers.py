@@ -91,6 +91,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import compiled, passes, threads
+from ..precision import draw_dtype
 from .layer_errors import LayerCodeError, LayerError   # noqa: F401 (the layer contract's errors, named here too)
 from .tensor_parallel import split_linear
 
@@ -240,7 +241,7 @@ def he_normal(rng, shape, fan_in, dtype):
     """He/Kaiming normal for ReLU nets: N(0, 2/fan_in), drawn from `rng` in
     C order of `shape`. One layer at a time, in the buffer's dtype: no
     model-sized temporaries."""
-    w = rng.standard_normal(math.prod(shape), dtype=np.float64 if dtype == np.float64 else np.float32)
+    w = rng.standard_normal(math.prod(shape), dtype=draw_dtype(dtype))
     w *= np.sqrt(2.0 / fan_in)
     return w.astype(dtype, copy=False).reshape(shape)
 
@@ -271,7 +272,7 @@ class ReLU(Layer):
         # Compiled layers on: the gradient in one pass, the same bits (nn/passes.py).
         self.compiled = compiled.on() and xp is np
         if self.compiled:
-            passes.prepare(("relu_backward",), np.float32)
+            passes.prepare(("relu_backward",))
 
     def forward(self, ctx, x, train):
         self.split(x.shape[0], lambda t, lo, hi: self.xp.maximum(x[lo:hi], 0, out=x[lo:hi]),

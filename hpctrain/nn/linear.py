@@ -10,9 +10,8 @@ embedding, "E", transposed=True)`).
 """
 import math
 
-import numpy as np
-
 from . import threads
+from ..precision import draw_dtype
 from .layers import Layer, LayerError
 from .tensor_parallel import split_linear
 
@@ -20,7 +19,7 @@ from .tensor_parallel import split_linear
 def normal(rng, shape, std, dtype):
     """N(0, std^2) in C order of `shape`, drawn from `rng` as he_normal draws
     (nn/layers.py): float32 draws for float32 buffers, float64 for float64."""
-    w = rng.standard_normal(math.prod(shape), dtype=np.float64 if dtype == np.float64 else np.float32)
+    w = rng.standard_normal(math.prod(shape), dtype=draw_dtype(dtype))
     w *= std
     return w.astype(dtype, copy=False).reshape(shape)
 

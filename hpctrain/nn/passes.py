@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from .. import vector_width
+from ..precision import FLOAT32
 from ..tuning import SUMS_CHANNELS
 from . import compiled, gelu_fast
 from .erfc import A, B, C, D, MIDDLE, P, Q, SMALL, SQRPI
@@ -390,7 +391,9 @@ def _sums(name, c, dtype):
 
 
 def _fast_gelu():
-    """gelu_fast.make's kernel for float32, compiled once (fastmath "contract" only)."""
+    """gelu_fast.make's kernel for float32, compiled once (fastmath "contract"
+    only). float32 by name here and in prepare and gelu_forward: the fast
+    form's constants and its error bound are float32's (nn/gelu_fast.py)."""
     if "gelu_forward_fast" not in _kernels:
         numba = vector_width.load()
         _kernels["gelu_forward_fast"] = _njit(numba, gelu_fast.make(np.float32), _signature(numba, "ffff", np.float32),
@@ -398,8 +401,10 @@ def _fast_gelu():
     return _kernels["gelu_forward_fast"]
 
 
-def prepare(names, dtype):
-    """Compile (or load from numba's cache) these _PLAIN kernels before the first step."""
+def prepare(names, dtype=FLOAT32.compute):
+    """Compile (or load from numba's cache) these _PLAIN kernels for `dtype`
+    (a layer's bind: the activations', the run's compute dtype) before the
+    first step."""
     for name in names:
         if name == "gelu_forward" and np.dtype(dtype) == np.float32:
             _fast_gelu()

@@ -81,7 +81,7 @@ class MaxPool2d(_Pool):
         # way, the same bits (nn/passes.py); the rest as below.
         self.compiled = self.compiled_fits(xp)
         if self.compiled:
-            passes.prepare(("max_pool_forward", "max_pool_backward"), np.float32)
+            passes.prepare(("max_pool_forward", "max_pool_backward"))
 
     def forward(self, ctx, x, train):
         xp = self.xp

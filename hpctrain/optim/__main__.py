@@ -6,10 +6,11 @@ import time
 import numpy as np
 
 from .adam import Adam
+from ..precision import FLOAT32
 
 n = 784 * 500 + 500 + 500 * 500 + 500 + 500 * 10 + 10   # MNIST's default model
-p = np.zeros(n, np.float32)
-g = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+p = np.zeros(n, FLOAT32.params)
+g = np.random.default_rng(0).standard_normal(n).astype(FLOAT32.grads)
 for fused, what in ((False, "NumPy blocks"), (True, "single pass")):
     opt = Adam(n, fused=fused)
     if fused and opt._kernel is None:

@@ -29,6 +29,7 @@ import math
 import numpy as np
 
 from ..device import array_module
+from ..precision import FLOAT32
 
 KINDS = ("none", "fp16", "bf16", "powersgd")
 HALF_KINDS = ("fp16", "bf16")
@@ -254,7 +255,7 @@ def initial_q(seed, index, cols, rank, step=None):
     step, for --powersgd-warm-start off, which draws a new one every step),
     so every rank draws the same, whatever its rank."""
     key = [int(seed), 0x9D5, int(index)] + ([] if step is None else [int(step)])
-    q = np.random.default_rng(key).standard_normal((cols, rank)).astype(np.float32)
+    q = np.random.default_rng(key).standard_normal((cols, rank)).astype(FLOAT32.grads)
     return orthogonalise(q)
 
 

@@ -67,19 +67,19 @@ def gather(world, grid, mine, layouts):
     counts, displs = layouts.params
     n = sum(counts)
     if mine.error is not None:
-        part = np.ascontiguousarray(device.to_host(mine.error), np.float32)
-        row = np.zeros(n, np.float32) if grid.first else None
+        part = np.ascontiguousarray(device.to_host(mine.error))
+        row = np.zeros(n, part.dtype) if grid.first else None
         with watchdog.waiting("checkpoint gather (compression error feedback, along the pipe)", peer=None):
             grid.pipe_comm.Gatherv(part, [row, (counts, displs)] if grid.first else None, root=0)
         if grid.first:   # each replica's row, from its first stage, to the chief
-            rows = np.empty(grid.replicas * n, np.float32) if grid.replica == 0 else None
+            rows = np.empty(grid.replicas * n, row.dtype) if grid.replica == 0 else None
             with watchdog.waiting("checkpoint gather (compression error feedback, over the replicas)", peer=None):
                 grid.stage_comm.Gather(row, rows, root=0)
             arrays["error"] = rows
     if grid.replica == 0:   # the Qs are the same on every replica: replica 0's
         q_counts, q_displs = mine.q_spans
-        q = np.zeros(sum(q_counts), np.float32) if grid.first else None
-        part = np.ascontiguousarray(device.to_host(mine.exchange.q), np.float32)
+        part = np.ascontiguousarray(device.to_host(mine.exchange.q))
+        q = np.zeros(sum(q_counts), part.dtype) if grid.first else None
         with watchdog.waiting("checkpoint gather (compression Q)", peer=None):
             grid.pipe_comm.Gatherv(part, [q, (q_counts, q_displs)] if grid.first else None, root=0)
         arrays["q"] = q
@@ -110,19 +110,19 @@ def restore(world, grid, mine, layouts, resume):
     if not mine.stateful:
         return
     if decision[0] and mine.error is not None:
-        row = np.empty(n, np.float32) if grid.first else None
+        row = np.empty(n, mine.error.dtype) if grid.first else None
         if grid.first:
-            rows = np.ascontiguousarray(ckpt.compression_state["error"], np.float32) if grid.replica == 0 else None
+            rows = np.ascontiguousarray(ckpt.compression_state["error"], row.dtype) if grid.replica == 0 else None
             with watchdog.waiting("checkpoint scatter (compression error feedback, over the replicas)", peer=None):
                 grid.stage_comm.Scatter(rows, row, root=0)
-        part = np.empty(mine.error.size, np.float32)
+        part = np.empty(mine.error.size, mine.error.dtype)
         with watchdog.waiting("checkpoint scatter (compression error feedback, along the pipe)", peer=None):
             grid.pipe_comm.Scatterv([row, (counts, displs)] if grid.first else None, part, root=0)
         mine.error[...] = xp.asarray(part)
     if decision[1]:
-        part = np.empty(mine.exchange.q.size, np.float32)
+        part = np.empty(mine.exchange.q.size, mine.exchange.q.dtype)
         if grid.replica == 0:
-            whole = np.ascontiguousarray(ckpt.compression_state["q"], np.float32) if grid.first else None
+            whole = np.ascontiguousarray(ckpt.compression_state["q"], part.dtype) if grid.first else None
             with watchdog.waiting("checkpoint scatter (compression Q)", peer=None):
                 grid.pipe_comm.Scatterv([whole, (q_counts, q_displs)] if grid.first else None, part, root=0)
         with watchdog.waiting("checkpoint broadcast (compression Q over the replicas)", peer=None):

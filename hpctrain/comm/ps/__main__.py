@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import Client, Server, place
+from ...precision import FLOAT32
 
 
 class PlainSGD:
@@ -24,7 +25,7 @@ class PlainSGD:
 
     def step(self, params, grads, lr, grad_scale=1.0):
         self.t += 1
-        params -= grads * np.float32(lr * grad_scale)
+        params -= grads * params.dtype.type(lr * grad_scale)
 
 
 def main():
@@ -42,7 +43,7 @@ def main():
         Server(world, mine, workers, servers, PlainSGD(size), lambda v: 1.0, steps=rounds).serve_until_done()
         return
     worker = world.rank - num_ps
-    params, grads = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    params, grads = np.zeros(n, FLOAT32.params), np.zeros(n, FLOAT32.grads)
     client = Client(world, servers, layout, params, grads, worker, len(workers))
     if worker == 0:
         client.restore(0, 0, params)
