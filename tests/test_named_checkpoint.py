@@ -2,7 +2,9 @@
 (hpctrain/checkpoints/named.py): the pieces of a ZeRO-like flat layout and
 of a column split round-trip at any box; a damaged or missing rank file is
 found; boxes that do not tile a tensor, or a rank that fails to write, leave
-nothing behind and raise the same error on every rank.
+nothing behind and raise the same error on every rank. Beside flat files:
+the newest valid one resumed, the command's listing, the sweep of a killed
+writer's folder.
 
     python -m pytest -q tests/test_named_checkpoint.py                  # in-process, COMM_SELF
     mpirun -n 3 python -m mpi4py -m pytest --with-mpi -q tests/test_named_checkpoint.py
@@ -10,15 +12,18 @@ nothing behind and raise the same error on every rank.
 import contextlib
 import os
 import shutil
+import subprocess
 import tempfile
+import time
 
 import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+from hpctrain import checkpoint as checkpoint_command
 from hpctrain.checkpoints import file as flat
-from hpctrain.checkpoints import named
+from hpctrain.checkpoints import named, read_back
 from hpctrain.checkpoints.trust import Corrupt
 from hpctrain.errors import HpctrainError
 from hpctrain.state.parts import box_slices, flat_parts
@@ -121,6 +126,9 @@ def round_trip(comm):
         with h5py.File(os.path.join(path, named.INDEX), "r") as f:
             assert np.array_equal(f["layer0/W"][...], values["layer0/W"])
             assert np.array_equal(f["head/W"][...], values["embed/E"])
+            # named relative to the index: the folder can be moved or copied whole
+            assert {s.file_name for s in f["tp/W"].virtual_sources()} == \
+                {named.rank_file_name(r) for r in range(comm.Get_size())}
         comm.Barrier()
         # The chief's share of the bytes: its rank file and the index, against the whole state.
         if comm.Get_rank() == 0:
@@ -219,3 +227,72 @@ def test_refused_and_failed_leave_nothing_in_process():
 @pytest.mark.mpi(min_size=2)
 def test_refused_and_failed_leave_nothing_on_every_rank():
     refused_and_failed_leave_nothing(MPI.COMM_WORLD)
+
+
+# ---------------------------------------------------------------------------
+# finding, checking and listing them beside flat files (one process)
+
+def test_the_newest_valid_checkpoint_of_either_format_is_resumed(tmp_path):
+    values, comm = whole_values(), MPI.COMM_SELF
+    flat.save(tmp_path, 5, np.zeros(3, np.float32), {}, 0, np.zeros((1, 2), np.int64), {"model": "mlp 1234"})
+    path = write(comm, tmp_path, 10, my_pieces(comm, values))
+    warnings = []
+    ckpt = read_back.load_latest(tmp_path, {"model": "mlp 1234"}, warn=warnings.append)
+    assert (ckpt.path, ckpt.step, warnings) == (path, 10, [])
+    assert np.array_equal(ckpt.read("tp/W"), values["tp/W"])
+    ckpt.close()
+    with pytest.raises(HpctrainError, match="ckpt-00000010: checkpoint was written with --model mlp 1234, this "
+                                            "run has --model gpt 99"):
+        read_back.load_latest(tmp_path, {"model": "gpt 99"})
+    # A rank file gone: the folder is skipped for the flat file before it.
+    os.unlink(os.path.join(path, named.rank_file_name(0)))
+    ckpt = read_back.load_latest(tmp_path, {"model": "mlp 1234"}, warn=warnings.append)
+    assert ckpt.step == 5 and warnings == ["ckpt-00000010: corrupt (rank-00000.h5: No such file or directory), "
+                                           "trying the previous one"]
+    # A folder whose name lies about its step is skipped as a renamed file is.
+    os.rename(write(comm, tmp_path, 20, my_pieces(comm, values)), tmp_path / "ckpt-00000030")
+    warnings.clear()
+    assert read_back.load_latest(tmp_path, {}, warn=warnings.append).step == 5
+    assert warnings[0].startswith("ckpt-00000030: its name says step 30 but it holds step 20")
+
+
+def test_the_checkpoint_command_lists_the_tensors_of_both_formats(tmp_path, capsys):
+    values, comm = whole_values(), MPI.COMM_SELF
+    flat.save(tmp_path, 5, np.zeros(3, np.float32), {"m": np.zeros(3, np.float32)}, 0, np.zeros((1, 2), np.int64),
+              {"optimizer": "adam"})
+    path = write(comm, tmp_path, 10, my_pieces(comm, values))
+    assert checkpoint_command.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("ckpt-00000010: ok, step 10, ")
+    assert out[1:8] == ["  layer0/W         float32 (33, 17)", "  layer0/b         float32 (17,)",
+                        "  embed/E          float32 (9, 8)", "  adam.m/layer0/W  float32 (33, 17)",
+                        "  tp/W             float64 (6, 10)", "  head/W           = embed/E",
+                        "  data_positions   int64 (2, 2)"]
+    assert out[8].startswith("ckpt-00000005.h5: ok, step 5, ")
+    assert out[9:] == ["  params          float32 (3,)", "  optimizer/m     float32 (3,)",
+                       "  data_positions  int64 (1, 2)"]
+    # The command hashes every rank file, not only those a reader would open.
+    with open(os.path.join(path, named.rank_file_name(0)), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert checkpoint_command.main([str(tmp_path)]) == 1
+    assert "ckpt-00000010: corrupt (rank-00000.h5: checksum mismatch" in capsys.readouterr().out
+
+
+def test_a_killed_writers_temporary_folder_is_swept_at_the_next_start(tmp_path):
+    from argparse import Namespace
+    from hpctrain.run import outputs
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".ckpt-00000020.tmp-{dead.pid}-abcd1234"        # a checkpoint being written
+    aside = tmp_path / f".ckpt-00000010.tmp-{dead.pid}-0123abcd"        # an old one being pruned
+    live = tmp_path / f".ckpt-00000030.tmp-{os.getppid()}-abcd1234"      # a running writer's
+    for folder in (stale, aside, live):
+        folder.mkdir()
+        (folder / "rank-00000.h5").write_bytes(b"half")
+        os.utime(folder, (time.time() - 7200, time.time() - 7200))   # before this process started
+    args = Namespace(save=None, metrics=None, timeline=None, checkpoint_dir=str(tmp_path))
+    assert sorted(outputs.sweep_stale_temporaries(args)) == [str(aside), str(stale)]
+    assert os.listdir(tmp_path) == [live.name]

@@ -71,6 +71,8 @@ USERBLOCK = 512
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 # A checkpoint of named tensors (checkpoints/named.py) is a folder: ckpt-00000123/
 _FOLDER_RE = re.compile(r"^ckpt-(\d{8,})$")
+# Either: the names no other output may take in a --checkpoint-dir (run/outputs.py)
+ANY_NAME_RE = re.compile(r"^ckpt-(\d{8,})(?:\.h5)?$")
 
 
 def checkpoint_name(step):

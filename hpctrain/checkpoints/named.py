@@ -55,8 +55,7 @@ import shutil
 import numpy as np
 
 from . import file as flat
-from .read_back import _plain
-from .trust import Corrupt, Refused, check_attr_types, hard_linked, stored_inside
+from .trust import MAX_COUNT, Corrupt, Refused, check_attr_types, hard_linked, plain, stored_inside
 from ..errors import EXIT_FAILURE, HpctrainError
 from ..files import temp_name_next_to
 from ..state.parts import box_shape, box_slices
@@ -159,7 +158,7 @@ def _chief_prepares(directory, path, tensors, everyone):
         table = [(name, tuple(map(tuple, box)), f"rank {r}", dtype, shape)
                  for r, e in enumerate(everyone) for k, (name, box, dtype, shape) in enumerate(e["pieces"])]
         check_tiling({n: (tuple(s), flat.file_dtype(d).str) for n, (s, d, _) in tensors.items()}, table)
-    except (Refused, ValueError, TypeError) as e:
+    except Exception as e:
         # a layout that writes a box twice or not at all: a bug, said on every rank
         return {"error": f"{path}: not written: {_reason(e)}", "exit_code": EXIT_FAILURE}
     try:
@@ -254,14 +253,17 @@ def _chief_finishes(directory, path, tmp, step, tensors, attrs, small, everyone,
             flat._remove_folder(path)
         os.replace(tmp, path)
         flat._fsync_dir(directory)
-    except (OSError, HpctrainError, ValueError, TypeError) as e:
+    except Exception as e:   # whatever it is, every rank hears it (none is left waiting)
         shutil.rmtree(tmp, ignore_errors=True)
         text = str(e) if isinstance(e, HpctrainError) else f"{path}: cannot write checkpoint ({_reason(e)})"
         return {"error": text}
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    flat._prune(directory, keep, mine=path)
+    try:
+        flat._prune(directory, keep, mine=path)
+    except OSError as e:
+        return {"error": f"{path}: written, but an older checkpoint cannot be removed ({_reason(e)})"}
     return {"path": path}
 
 
@@ -270,7 +272,7 @@ def _write_index(index, step, tensors, attrs, small, pieces, files):
     import h5py
     manifest = {"tensors": {n: {"shape": list(map(int, s)), "dtype": flat.file_dtype(d).str, "aliases": list(a)}
                             for n, (s, d, a) in tensors.items()},
-                "pieces": pieces, "files": files}
+                "pieces": pieces, "files": files, "small": sorted(small)}
     by_name = {}
     for name, box, fname, dataset in pieces:
         by_name.setdefault(name, []).append((box, fname, dataset))
@@ -362,7 +364,7 @@ def open_checkpoint(path):
 
 class NamedCheckpoint:
     """A verified checkpoint folder: `.path .step .attrs .tensors` ({name:
-    (shape, dtype)}), `.aliases` ({alias: name}), `.small(name)`,
+    (shape, dtype)}), `.aliases` ({alias: name}), `.small(name)` (one of `.smalls`),
     `.read(name, box=None)` (the box's values, from the rank files under it,
     each hashed whole before its first read), `.files` ({rank file: (size,
     sha256)}), `.close()`."""
@@ -386,7 +388,7 @@ class NamedCheckpoint:
     def _load(self, size):
         f = self._index
         try:
-            self.attrs = {k: _plain(v) for k, v in f.attrs.items()}
+            self.attrs = {k: plain(v) for k, v in f.attrs.items()}
             check_attr_types(self.attrs)
             raw = stored_inside(hard_linked(f, MANIFEST), MANIFEST, size)
             if raw.dtype != np.uint8 or raw.ndim != 1:
@@ -396,6 +398,7 @@ class NamedCheckpoint:
                             for n, t in manifest["tensors"].items()}
             self.aliases = {a: n for n, t in manifest["tensors"].items() for a in t["aliases"]}
             self.files = {str(n): (int(v["size"]), str(v["sha256"])) for n, v in manifest["files"].items()}
+            self.smalls = [str(n) for n in manifest["small"]]
             pieces = [(str(n), tuple((int(a), int(b)) for a, b in box), str(fn), str(ds))
                       for n, box, fn, ds in manifest["pieces"]]
         except (KeyError, ValueError, TypeError, AttributeError, OSError) as e:
@@ -403,6 +406,8 @@ class NamedCheckpoint:
         if self.attrs.get("format") != FORMAT or not isinstance(self.attrs.get("step"), int):
             raise Corrupt(f"{INDEX}: not an hpctrain checkpoint index")
         self.step = self.attrs["step"]
+        if not 0 <= self.step <= MAX_COUNT:
+            raise Refused(f"step {self.step} is out of range (0..{MAX_COUNT})")
         for name, (shape, dtype) in self.tensors.items():
             if np.dtype(dtype).kind not in "fiu" or any(n < 0 for n in shape):
                 raise Refused(f"tensor {name} is {dtype} {shape}")
@@ -429,9 +434,13 @@ class NamedCheckpoint:
             if have != want:
                 raise Corrupt(f"{fname}: {have} bytes, the index says {want}")
 
+    @property
+    def name(self):
+        return os.path.basename(self.path)
+
     def small(self, name):
         """A dataset the chief wrote whole into the index (data positions, ...)."""
-        if name in self.tensors or name.startswith("_hpctrain"):
+        if name not in self.smalls:
             raise KeyError(name)
         try:
             obj = stored_inside(hard_linked(self._index, name), name, os.path.getsize(os.path.join(self.path, INDEX)))
@@ -461,17 +470,26 @@ class NamedCheckpoint:
                 raise Corrupt(f"{fname}: {_reason(e)}") from None
         return out
 
+    def verify(self):
+        """Hash every rank file now (the checkpoint command), not as it is read."""
+        for fname in self.files:
+            self._verified(fname)
+
+    def _verified(self, fname):
+        """Corrupt unless the rank file's bytes are those the index records."""
+        size, digest = self.files[fname]
+        try:
+            have = _digest(os.path.join(self.path, fname))
+        except OSError as e:
+            raise Corrupt(f"{fname}: {_reason(e)}") from None
+        if have != (size, digest):
+            raise Corrupt(f"{fname}: checksum mismatch (the index records another file)")
+
     def _dataset(self, fname, dataset, box, dtype):
         import h5py
         if fname not in self._opened:
-            size, digest = self.files[fname]
+            self._verified(fname)
             full = os.path.join(self.path, fname)
-            try:
-                have = _digest(full)
-            except OSError as e:
-                raise Corrupt(f"{fname}: {_reason(e)}") from None
-            if have != (size, digest):
-                raise Corrupt(f"{fname}: checksum mismatch (the index records another file)")
             try:
                 self._opened[fname] = h5py.File(full, "r", locking=False)
             except OSError as e:
