@@ -30,7 +30,8 @@ from hpctrain.state.parts import box_slices, flat_parts
 
 # name -> (shape, dtype, aliases): the flat layout's tensors, then a column-split one
 FLAT = {"layer0/W": ((33, 17), "<f4", []), "layer0/b": ((17,), "<f4", []),
-        "embed/E": ((9, 8), "<f4", ["head/W"]), "adam.m/layer0/W": ((33, 17), "<f4", [])}
+        "embed/E": ((9, 8), "<f4", ["head/W"]), "adam.m/layer0/W": ((33, 17), "<f4", []),
+        "layer1/W": ((384, 256), "<f4", [])}   # most of the bytes: the chief's share is measured
 SPLIT = {"tp/W": ((6, 10), "<f8", [])}
 TENSORS = {**FLAT, **SPLIT}
 
@@ -133,9 +134,11 @@ def round_trip(comm):
         # The chief's share of the bytes: its rank file and the index, against the whole state.
         if comm.Get_rank() == 0:
             state = sum(v.nbytes for v in values.values())
-            chief = sum(os.path.getsize(os.path.join(path, n)) for n in (named.rank_file_name(0), named.INDEX))
-            print(f"\nnamed checkpoint at {comm.Get_size()} rank(s): the chief writes {chief} bytes, "
-                  f"the state is {state} bytes ({chief / state:.2f})")
+            index = os.path.getsize(os.path.join(path, named.INDEX))
+            chief = index + os.path.getsize(os.path.join(path, named.rank_file_name(0)))
+            print(f"\nnamed checkpoint at {comm.Get_size()} rank(s): the chief writes {chief} bytes (the index "
+                  f"{index}), the state is {state} bytes ({chief / state:.2f})")
+            assert chief < state / comm.Get_size() + 64 * 1024   # its share, the index and HDF5's headers
         # Later steps prune the oldest, the flat file first; nothing temporary is left.
         write(comm, d, 20, my_pieces(comm, values), keep=2)
         write(comm, d, 30, my_pieces(comm, values), keep=2)
@@ -174,6 +177,8 @@ def damaged_files_are_found(comm):
         comm.Barrier()
         with pytest.raises(Corrupt, match=f"{last}: No such file"):
             named.open_checkpoint(path)
+        with h5py.File(os.path.join(path, named.INDEX), "r") as f:   # read past the reader: NaN, never zeros
+            assert np.isnan(f["tp/W"][:, -1]).all()
 
 
 def test_damaged_files_are_found_in_process():
@@ -264,12 +269,12 @@ def test_the_checkpoint_command_lists_the_tensors_of_both_formats(tmp_path, caps
     assert checkpoint_command.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ckpt-00000010: ok, step 10, ")
-    assert out[1:8] == ["  layer0/W         float32 (33, 17)", "  layer0/b         float32 (17,)",
+    assert out[1:9] == ["  layer0/W         float32 (33, 17)", "  layer0/b         float32 (17,)",
                         "  embed/E          float32 (9, 8)", "  adam.m/layer0/W  float32 (33, 17)",
-                        "  tp/W             float64 (6, 10)", "  head/W           = embed/E",
-                        "  data_positions   int64 (2, 2)"]
-    assert out[8].startswith("ckpt-00000005.h5: ok, step 5, ")
-    assert out[9:] == ["  params          float32 (3,)", "  optimizer/m     float32 (3,)",
+                        "  layer1/W         float32 (384, 256)", "  tp/W             float64 (6, 10)",
+                        "  head/W           = embed/E", "  data_positions   int64 (2, 2)"]
+    assert out[9].startswith("ckpt-00000005.h5: ok, step 5, ")
+    assert out[10:] == ["  params          float32 (3,)", "  optimizer/m     float32 (3,)",
                        "  data_positions  int64 (1, 2)"]
     # The command hashes every rank file, not only those a reader would open.
     with open(os.path.join(path, named.rank_file_name(0)), "r+b") as f:
