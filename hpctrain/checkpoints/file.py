@@ -1,6 +1,11 @@
 """Atomic HDF5 checkpoints, their format and their writing: what a pre-empted
 job needs to continue exactly where it stopped.
 
+Two formats share a --checkpoint-dir: folders of named tensors written by
+their owners, `DIR/ckpt-00000123/` (checkpoints/named.py), and this
+module's flat files. Listing both (`list_checkpoints`) and keeping the
+newest K of both (the prune after each write) are this module's.
+
 One file per checkpoint, `DIR/ckpt-00000123.h5` (the global step, 8 digits),
 written by the chief only. It holds everything a bit-exact resume needs:
 
