@@ -91,7 +91,7 @@ class Waits:
 
 def write(comm, d, step, pieces, keep=3, waiting=None):
     attrs = {"model": "mlp 1234", "optimizer": "adam", "lr": 0.1}
-    small = {"data_positions": np.array([[1, 40], [1, 41]], np.int64)}
+    small = {"data_positions": np.array([[1, 40], [1, 41]], np.int64), "model_state": np.zeros(0, np.float32)}
     return named.write_checkpoint(d, step, comm, 0, pieces, TENSORS, attrs, small=small, keep=keep,
                                   waiting=waiting)
 
@@ -116,6 +116,7 @@ def round_trip(comm):
             assert c.step == 10 and c.attrs["lr"] == 0.1 and c.attrs["optimizer"] == "adam"
             assert c.tensors == {n: (s, d_) for n, (s, d_, _) in TENSORS.items()}
             np.testing.assert_array_equal(c.small("data_positions"), [[1, 40], [1, 41]])
+            assert c.small("model_state").shape == (0,)
             rng = np.random.default_rng(comm.Get_rank())
             for name, want in values.items():
                 assert np.array_equal(c.read(name), want), name
@@ -261,6 +262,15 @@ def test_the_newest_valid_checkpoint_of_either_format_is_resumed(tmp_path):
     assert warnings[0].startswith("ckpt-00000030: its name says step 30 but it holds step 20")
 
 
+def test_a_crafted_index_is_refused_in_one_line(tmp_path):
+    values, comm = whole_values(), MPI.COMM_SELF
+    named.write_checkpoint(tmp_path, 10, comm, 0, my_pieces(comm, values), TENSORS, {},
+                           small={"data_positions": np.array([[2 ** 60, 0]], np.int64)})
+    with pytest.raises(HpctrainError, match="ckpt-00000010: refused: a data position's epoch 1152921504606846976 "
+                                            "is out of range"):
+        read_back.load_latest(tmp_path, {})
+
+
 def test_the_checkpoint_command_lists_the_tensors_of_both_formats(tmp_path, capsys):
     values, comm = whole_values(), MPI.COMM_SELF
     flat.save(tmp_path, 5, np.zeros(3, np.float32), {"m": np.zeros(3, np.float32)}, 0, np.zeros((1, 2), np.int64),
@@ -269,12 +279,13 @@ def test_the_checkpoint_command_lists_the_tensors_of_both_formats(tmp_path, caps
     assert checkpoint_command.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ckpt-00000010: ok, step 10, ")
-    assert out[1:9] == ["  layer0/W         float32 (33, 17)", "  layer0/b         float32 (17,)",
+    assert out[1:10] == ["  layer0/W         float32 (33, 17)", "  layer0/b         float32 (17,)",
                         "  embed/E          float32 (9, 8)", "  adam.m/layer0/W  float32 (33, 17)",
                         "  layer1/W         float32 (384, 256)", "  tp/W             float64 (6, 10)",
-                        "  head/W           = embed/E", "  data_positions   int64 (2, 2)"]
-    assert out[9].startswith("ckpt-00000005.h5: ok, step 5, ")
-    assert out[10:] == ["  params          float32 (3,)", "  optimizer/m     float32 (3,)",
+                        "  head/W           = embed/E", "  data_positions   int64 (2, 2)",
+                        "  model_state      float32 (0,)"]
+    assert out[10].startswith("ckpt-00000005.h5: ok, step 5, ")
+    assert out[11:] == ["  params          float32 (3,)", "  optimizer/m     float32 (3,)",
                        "  data_positions  int64 (1, 2)"]
     # The command hashes every rank file, not only those a reader would open.
     with open(os.path.join(path, named.rank_file_name(0)), "r+b") as f:

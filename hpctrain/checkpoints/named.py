@@ -55,7 +55,7 @@ import shutil
 import numpy as np
 
 from . import file as flat
-from .trust import MAX_COUNT, Corrupt, Refused, check_attr_types, hard_linked, plain, stored_inside
+from .trust import MAX_COUNT, Corrupt, Refused, check_attr_types, check_ranges, hard_linked, plain, stored_inside
 from ..errors import EXIT_FAILURE, HpctrainError
 from ..files import temp_name_next_to
 from ..state.parts import box_shape, box_slices
@@ -424,6 +424,11 @@ class NamedCheckpoint:
         self._pieces = {}
         for name, box, fname, dataset in pieces:
             self._pieces.setdefault(name, []).append((box, fname, dataset))
+        if "data_positions" in self.smalls:   # the counts a resume computes with, as a flat file's
+            positions = self.small("data_positions")
+            if positions.dtype != np.int64 or positions.ndim != 2 or positions.shape[1] != 2:
+                raise Refused(f"data_positions is {positions.dtype} {positions.shape}, expected int64 (workers, 2)")
+            check_ranges({"optimizer_t": 0, **self.attrs}, positions)
         # Every rank file present at its size: a checkpoint with one missing is
         # skipped whole at resume, not found out half-way through reading it.
         for fname, (want, _) in self.files.items():
@@ -443,7 +448,9 @@ class NamedCheckpoint:
         if name not in self.smalls:
             raise KeyError(name)
         try:
-            obj = stored_inside(hard_linked(self._index, name), name, os.path.getsize(os.path.join(self.path, INDEX)))
+            obj = hard_linked(self._index, name)
+            if obj.size:   # an empty dataset has no storage to check
+                stored_inside(obj, name, os.path.getsize(os.path.join(self.path, INDEX)))
             return obj[()]
         except OSError as e:
             raise Corrupt(f"{INDEX}: {name}: {_reason(e)}") from None
