@@ -96,6 +96,14 @@ def write(comm, d, step, pieces, keep=3, waiting=None):
                                   waiting=waiting)
 
 
+def flip_last_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+
+
 def hidden(d):
     return sorted(n for n in os.listdir(d) if n.startswith("."))
 
@@ -163,11 +171,7 @@ def damaged_files_are_found(comm):
         path = write(comm, d, 10, my_pieces(comm, values))
         comm.Barrier()
         if comm.Get_rank() == 0:
-            with open(os.path.join(path, last), "r+b") as f:   # one flipped bit of data, same size
-                f.seek(-1, os.SEEK_END)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_END)
-                f.write(bytes([byte[0] ^ 1]))
+            flip_last_byte(os.path.join(path, last))   # one flipped bit of data, same size
         comm.Barrier()
         with named.open_checkpoint(path) as c:
             with pytest.raises(Corrupt, match=f"{last}: checksum mismatch"):
@@ -180,6 +184,12 @@ def damaged_files_are_found(comm):
             named.open_checkpoint(path)
         with h5py.File(os.path.join(path, named.INDEX), "r") as f:   # read past the reader: NaN, never zeros
             assert np.isnan(f["tp/W"][:, -1]).all()
+        comm.Barrier()
+        if comm.Get_rank() == 0:   # the index itself: hashed before HDF5 parses it
+            flip_last_byte(os.path.join(path, named.INDEX))
+        comm.Barrier()
+        with pytest.raises(Corrupt, match=f"^{named.INDEX}: checksum mismatch$"):
+            named.open_checkpoint(path)
 
 
 def test_damaged_files_are_found_in_process():
@@ -288,11 +298,7 @@ def test_the_checkpoint_command_lists_the_tensors_of_both_formats(tmp_path, caps
     assert out[11:] == ["  params          float32 (3,)", "  optimizer/m     float32 (3,)",
                        "  data_positions  int64 (1, 2)"]
     # The command hashes every rank file, not only those a reader would open.
-    with open(os.path.join(path, named.rank_file_name(0)), "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 1]))
+    flip_last_byte(os.path.join(path, named.rank_file_name(0)))
     assert checkpoint_command.main([str(tmp_path)]) == 1
     assert "ckpt-00000010: corrupt (rank-00000.h5: checksum mismatch" in capsys.readouterr().out
 

@@ -66,7 +66,6 @@ INDEX_HEADER = "hpctrain-checkpoint-index"
 INDEX_VERSION = 1
 MANIFEST = "_hpctrain/manifest"
 _RANK_FILE_RE = re.compile(r"^rank-\d{5,}\.h5$")
-BLOCK_BYTES = 1 << 22
 
 
 def rank_file_name(rank):
@@ -228,7 +227,7 @@ def _digest(path, durable=False):
     with open(path, "rb") as f:
         if durable:
             os.fsync(f.fileno())
-        for block in iter(lambda: f.read(BLOCK_BYTES), b""):
+        for block in iter(lambda: f.read(flat.BLOCK_BYTES), b""):
             h.update(block)
             size += len(block)
     return size, h.hexdigest()
@@ -293,23 +292,7 @@ def _write_index(index, step, tensors, attrs, small, pieces, files):
         f.create_dataset(MANIFEST, data=np.frombuffer(json.dumps(manifest).encode(), np.uint8))
         for key, value in {**head, **{k: v for k, v in attrs.items() if k not in head}}.items():
             f.attrs[key] = flat._attr_value(key, value)
-    with open(index, "r+b") as f:
-        h = _index_hasher(INDEX_VERSION)
-        f.seek(flat.USERBLOCK)
-        for block in iter(lambda: f.read(BLOCK_BYTES), b""):
-            h.update(block)
-        f.seek(0)
-        f.write(_index_header(INDEX_VERSION, h.hexdigest()))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _index_hasher(version):
-    return hashlib.sha256(f"{INDEX_HEADER} {version}\n".encode())
-
-
-def _index_header(version, digest):
-    return f"{INDEX_HEADER} {version} sha256 {digest}\n".encode().ljust(flat.USERBLOCK, b"\0")
+    flat.stamp(index, durable=True, kind=INDEX_HEADER, version=INDEX_VERSION)
 
 
 # ---------------------------------------------------------------------------
@@ -530,21 +513,6 @@ def _check_index(index):
     """The index's bytes against its header, before HDF5 parses it: its
     size, or Corrupt."""
     try:
-        with open(index, "rb") as f:
-            head = f.read(flat.USERBLOCK)
-            fields = head.split(b"\n", 1)[0].split(b" ")
-            if len(head) < flat.USERBLOCK or len(fields) != 4 or fields[0] != INDEX_HEADER.encode():
-                raise Corrupt(f"{INDEX}: no hpctrain index header")
-            version = fields[1].decode(errors="replace")
-            h, size = _index_hasher(version), flat.USERBLOCK
-            for block in iter(lambda: f.read(BLOCK_BYTES), b""):
-                h.update(block)
-                size += len(block)
-    except OSError as e:
-        raise Corrupt(f"{INDEX}: {_reason(e)}") from None
-    if head != _index_header(version, h.hexdigest()):
-        raise Corrupt(f"{INDEX}: checksum mismatch")
-    if version != str(INDEX_VERSION):
-        raise HpctrainError(f"{index}: checkpoint index version {version}, this hpctrain reads {INDEX_VERSION}")
-    return size
-
+        return flat.check_stamp(index, INDEX_HEADER, INDEX_VERSION, "checkpoint index")
+    except Corrupt as e:
+        raise Corrupt(f"{INDEX}: {e}") from None
