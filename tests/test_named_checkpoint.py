@@ -250,8 +250,10 @@ def test_refused_and_failed_leave_nothing_on_every_rank():
 
 def test_the_newest_valid_checkpoint_of_either_format_is_resumed(tmp_path):
     values, comm = whole_values(), MPI.COMM_SELF
-    flat.save(tmp_path, 5, np.zeros(3, np.float32), {}, 0, np.zeros((1, 2), np.int64), {"model": "mlp 1234"})
+    for step in (5, 10):
+        flat.save(tmp_path, step, np.zeros(3, np.float32), {}, 0, np.zeros((1, 2), np.int64), {"model": "mlp 1234"})
     path = write(comm, tmp_path, 10, my_pieces(comm, values))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000005.h5", "ckpt-00000010"]   # step 10's file replaced
     warnings = []
     ckpt = read_back.load_latest(tmp_path, {"model": "mlp 1234"}, warn=warnings.append)
     assert (ckpt.path, ckpt.step, warnings) == (path, 10, [])

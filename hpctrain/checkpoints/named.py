@@ -155,7 +155,7 @@ def _chief_prepares(directory, path, tensors, everyone):
         return {"error": f"{path}: not written: {errors[0]}", "exit_code": EXIT_FAILURE}
     try:
         table = [(name, tuple(map(tuple, box)), f"rank {r}", dtype, shape)
-                 for r, e in enumerate(everyone) for k, (name, box, dtype, shape) in enumerate(e["pieces"])]
+                 for r, e in enumerate(everyone) for name, box, dtype, shape in e["pieces"]]
         check_tiling({n: (tuple(s), flat.file_dtype(d).str) for n, (s, d, _) in tensors.items()}, table)
     except Exception as e:
         # a layout that writes a box twice or not at all: a bug, said on every rank
@@ -251,6 +251,7 @@ def _chief_finishes(directory, path, tmp, step, tensors, attrs, small, everyone,
         if os.path.isdir(path) and not os.path.islink(path):   # this step written before: replaced whole
             flat._remove_folder(path)
         os.replace(tmp, path)
+        flat._unlink_quietly(path + ".h5")   # a flat file of this step (an older hpctrain's): replaced too
         flat._fsync_dir(directory)
     except Exception as e:   # whatever it is, every rank hears it (none is left waiting)
         shutil.rmtree(tmp, ignore_errors=True)
