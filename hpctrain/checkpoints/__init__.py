@@ -1,5 +1,7 @@
-"""Checkpoints: the file format and its writing (file.py), its reading back
-(read_back.py) and what it trusts (trust.py), the orchestration of a run's
+"""Checkpoints: the flat file format and its writing (file.py), folders of
+named tensors written by their owners and read by boxes (named.py), their
+reading back and the newest valid one of either (read_back.py) and what
+they trust (trust.py), the orchestration of a run's
 checkpoints and its resume (resume.py), and a sharded optimizer's state
 gathered and scattered (sharded.py).
 

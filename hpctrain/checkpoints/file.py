@@ -1,6 +1,11 @@
 """Atomic HDF5 checkpoints, their format and their writing: what a pre-empted
 job needs to continue exactly where it stopped.
 
+Two formats share a --checkpoint-dir: folders of named tensors written by
+their owners, `DIR/ckpt-00000123/` (checkpoints/named.py), and this
+module's flat files. Listing both (`list_checkpoints`) and keeping the
+newest K of both (the prune after each write) are this module's.
+
 One file per checkpoint, `DIR/ckpt-00000123.h5` (the global step, 8 digits),
 written by the chief only. It holds everything a bit-exact resume needs:
 
@@ -48,10 +53,12 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
 
+from .trust import Corrupt
 from ..errors import HpctrainError
 from ..files import create_new, remove_temp, temp_name_next_to
 from ..precision import FLOAT32, file_dtype
@@ -67,7 +74,13 @@ FORMAT_VERSION = 2
 # checked before HDF5 parses the file: the HDF5 library can crash (not raise)
 # on damaged metadata.
 USERBLOCK = 512
+# A file is hashed this many bytes at a time (a lazy read holds no more of it).
+BLOCK_BYTES = 1 << 22
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
+# A checkpoint of named tensors (checkpoints/named.py) is a folder: ckpt-00000123/
+_FOLDER_RE = re.compile(r"^ckpt-(\d{8,})$")
+# Either: the names no other output may take in a --checkpoint-dir (run/outputs.py)
+ANY_NAME_RE = re.compile(r"^ckpt-(\d{8,})(?:\.h5)?$")
 
 
 def checkpoint_name(step):
@@ -182,26 +195,55 @@ def _write_dataset(f, key, value, content, dtype):
         raise ValueError(f"{key}: the pieces hold {at} of its {value.size} values")
 
 
-def _hasher(version):
-    return hashlib.sha256(f"{FORMAT} {version}\n".encode())
+def _hasher(version, kind=FORMAT):
+    return hashlib.sha256(f"{kind} {version}\n".encode())
 
 
-def _header(version, digest):
-    return f"{FORMAT} {version} sha256 {digest}\n".encode().ljust(USERBLOCK, b"\0")
+def _header(version, digest, kind=FORMAT):
+    return f"{kind} {version} sha256 {digest}\n".encode().ljust(USERBLOCK, b"\0")
 
 
-def stamp(path, durable=False):
-    """Write the header of a checkpoint file whose HDF5 part is complete."""
+def stamp(path, durable=False, kind=FORMAT, version=FORMAT_VERSION):
+    """Write the header of a checkpoint file whose HDF5 part is complete
+    (kind, version: a checkpoint folder's index is stamped too, checkpoints/named.py)."""
     with open(path, "r+b") as f:
         f.seek(USERBLOCK)
-        h = _hasher(FORMAT_VERSION)
-        for block in iter(lambda: f.read(1 << 20), b""):
+        h = _hasher(version, kind)
+        for block in iter(lambda: f.read(BLOCK_BYTES), b""):
             h.update(block)
         f.seek(0)
-        f.write(_header(FORMAT_VERSION, h.hexdigest()))
+        f.write(_header(version, h.hexdigest(), kind))
         f.flush()
         if durable:
             os.fsync(f.fileno())
+
+
+def check_stamp(path, kind=FORMAT, version=FORMAT_VERSION, what="checkpoint format"):
+    """A stamped file's bytes against its header, read a block at a time,
+    before HDF5 parses them: its size, or trust.Corrupt; HpctrainError for
+    another version of `kind` (`what` in the line)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(USERBLOCK)
+            if len(head) < USERBLOCK:
+                raise Corrupt(f"truncated ({len(head)} bytes)")
+            fields = head.split(b"\n", 1)[0].split(b" ")
+            if len(fields) != 4 or fields[0] != kind.encode() or fields[2] != b"sha256":
+                raise Corrupt("no hpctrain checkpoint header")
+            have = fields[1].decode(errors="replace")
+            h = _hasher(have, kind)
+            size = USERBLOCK
+            for block in iter(lambda: f.read(BLOCK_BYTES), b""):
+                h.update(block)
+                size += len(block)
+    except OSError as e:
+        raise Corrupt(f"cannot read: {e.strerror}") from None
+    if head != _header(have, h.hexdigest(), kind):
+        raise Corrupt("checksum mismatch")
+    if have != str(version):
+        raise HpctrainError(f"{path}: {what} version {have}, this hpctrain reads "
+                            f"version {version}; start fresh with another --checkpoint-dir")
+    return size
 
 
 def _flat(array, what, dtype):
@@ -239,28 +281,56 @@ def _fsync_dir(directory):
 
 
 def list_checkpoints(directory):
-    """[(step, path)] of DIR's checkpoint files, newest first."""
+    """[(step, path)] of DIR's checkpoints, newest first: flat files
+    (`ckpt-*.h5`, this module's) and folders of named tensors (`ckpt-*/`,
+    checkpoints/named.py)."""
     try:
-        names = os.listdir(directory)
+        entries = list(os.scandir(directory))
     except FileNotFoundError:
         return []
     except OSError as e:
         raise HpctrainError(f"--checkpoint-dir {directory}: cannot list ({e.strerror})") from None
-    found = [(int(m.group(1)), os.path.join(directory, n)) for n in names if (m := _NAME_RE.match(n))]
+    found = []
+    for entry in entries:
+        m = _NAME_RE.match(entry.name) or (_FOLDER_RE.match(entry.name) if _is_folder(entry) else None)
+        if m:
+            found.append((int(m.group(1)), os.path.join(directory, entry.name)))
     return sorted(found, reverse=True)
+
+
+def _is_folder(entry):
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
 
 
 def _prune(directory, keep, mine):
     """Keep the newest `keep` checkpoints up to `mine` (the one just written),
-    by the step in their names; remove the older ones. A file named above
-    `mine` is never removed here: it is either newer than this run's step or a
-    file whose name lies about its step (a renamed copy, which resume reports
-    and skips); counted among the `keep`, a lying name would prune the real
-    newest checkpoints, the one just written included."""
-    mine_step = int(_NAME_RE.match(os.path.basename(mine)).group(1))
+    by the step in their names; remove the older ones, files and folders. A
+    checkpoint named above `mine` is never removed here: it is either newer
+    than this run's step or one whose name lies about its step (a renamed
+    copy, which resume reports and skips); counted among the `keep`, a lying
+    name would prune the real newest checkpoints, the one just written included."""
+    base = os.path.basename(mine)
+    mine_step = int((_NAME_RE.match(base) or _FOLDER_RE.match(base)).group(1))
     older = [path for step, path in list_checkpoints(directory) if step <= mine_step and path != mine]
     for path in older[max(keep - 1, 0):]:
-        _unlink_quietly(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            _remove_folder(path)
+        else:
+            _unlink_quietly(path)
+
+
+def _remove_folder(path):
+    """A checkpoint folder removed: renamed aside first (a hidden name the
+    next start sweeps), so a crash half-way never leaves a partial `ckpt-*/`."""
+    aside = temp_name_next_to(path)
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _unlink_quietly(path):

@@ -1,5 +1,7 @@
 """Reading a checkpoint file back (checkpoints/file.py's format): verified
-before it is trusted, and the newest valid one of a --checkpoint-dir.
+before it is trusted, and the newest valid one of a --checkpoint-dir, flat
+files and folders of named tensors (checkpoints/named.py, which reads and
+verifies those) alike.
 
 Newest first; a file that is unreadable, truncated, incomplete,
 fails a checksum or holds another step than its name says (a renamed copy)
@@ -27,10 +29,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .file import FORMAT, FORMAT_VERSION, USERBLOCK, _checksum, _hasher, _header, list_checkpoints
+from .named import is_named, open_checkpoint
+from .file import BLOCK_BYTES, FORMAT, FORMAT_VERSION, USERBLOCK, _checksum, _hasher, _header, check_stamp
+from .file import list_checkpoints
 from .trust import Corrupt as _Corrupt
 from .trust import Refused as _Refused
 from .trust import check_attr_types, check_ranges, stored_dataset
+from .trust import plain as _plain
 from ..errors import HpctrainError
 from ..precision import FLOAT32
 
@@ -96,17 +101,6 @@ class OnDisk:
         return np.asarray(self._dataset[lo:hi], dtype=self.dtype)
 
 
-def _plain(value):
-    """An attribute as read by h5py -> the Python value it was written as."""
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray) and value.shape == ():
-        return value.item()
-    return value
-
-
 def _check_header(path, raw):
     """The file's bytes against its header: _Corrupt unless they match."""
     if len(raw) < USERBLOCK:
@@ -124,37 +118,6 @@ def _check_header(path, raw):
                             f"version {FORMAT_VERSION}; start fresh with another --checkpoint-dir")
 
 
-# A lazy read hashes the file and its datasets this many bytes at a time.
-BLOCK_BYTES = 1 << 22
-
-
-def _check_header_streamed(path):
-    """_check_header, reading the file a block at a time (a lazy read holds
-    no more than a block of it): its size, or _Corrupt."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(USERBLOCK)
-            if len(head) < USERBLOCK:
-                raise _Corrupt(f"truncated ({len(head)} bytes)")
-            fields = head.split(b"\n", 1)[0].split(b" ")
-            if len(fields) != 4 or fields[0] != FORMAT.encode() or fields[2] != b"sha256":
-                raise _Corrupt("no hpctrain checkpoint header")
-            version = fields[1].decode(errors="replace")
-            h = _hasher(version)
-            size = USERBLOCK
-            for block in iter(lambda: f.read(BLOCK_BYTES), b""):
-                h.update(block)
-                size += len(block)
-    except OSError as e:
-        raise _Corrupt(f"cannot read: {e.strerror}") from None
-    if head != _header(version, h.hexdigest()):
-        raise _Corrupt("checksum mismatch")
-    if version != str(FORMAT_VERSION):
-        raise HpctrainError(f"{path}: checkpoint format version {version}, this hpctrain reads "
-                            f"version {FORMAT_VERSION}; start fresh with another --checkpoint-dir")
-    return size
-
-
 def read(path, lazy=False):
     """One checkpoint, verified (Checkpoint), or _Corrupt with the reason.
     lazy: the file is hashed a block at a time, its datasets too, and params
@@ -164,7 +127,7 @@ def read(path, lazy=False):
     source = None
     try:
         if lazy:
-            size = _check_header_streamed(path)
+            size = check_stamp(path)
             opened = path
         else:
             try:
@@ -305,7 +268,10 @@ def check_data(ckpt, digest, data_dir, other_ok=False):
 
 
 def load_latest(directory, expected_settings, warn=None, lazy=False):
-    """The newest valid checkpoint in DIR (Checkpoint), or None if it holds none.
+    """The newest valid checkpoint in DIR, or None if it holds none: a flat
+    file's Checkpoint, or a folder's checkpoints/named.NamedCheckpoint (its
+    index and the presence of its rank files verified; each rank file is
+    hashed when first read).
 
     The newest is the one with the highest step stored inside it: a file whose
     name says another step than its content (a renamed copy) is reported
@@ -316,7 +282,7 @@ def load_latest(directory, expected_settings, warn=None, lazy=False):
     warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
     for named, path in list_checkpoints(directory):
         try:
-            ckpt = read(path, lazy=lazy)
+            ckpt = open_checkpoint(path) if is_named(path) else read(path, lazy=lazy)
         except _Refused as e:
             raise HpctrainError(f"{path}: refused: {e}; hpctrain writes no such checkpoint (a crafted file?): "
                                 f"move it away to resume from an earlier one") from None
