@@ -41,7 +41,7 @@ import numpy as np
 
 from . import compiled
 from .grad_slots import GradSlots
-from .layers import Dropout, LayerCodeError, LayerError, describe
+from .layers import LayerCodeError, LayerError, describe
 from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
 from .store import PlainStore
@@ -323,7 +323,7 @@ class ModelSpec:
         """Whether training needs `noise` (a Dropout, inside a container too):
         the loops pass the batch's sample ids only then."""
         def draws(layer):
-            return isinstance(layer, Dropout) or any(draws(inner) for _, inner in getattr(layer, "inner", ()))
+            return layer.draws_noise or any(draws(inner) for _, inner in getattr(layer, "inner", ()))
         return any(draws(layer) for layer in self.layers)
 
     def flops(self):
