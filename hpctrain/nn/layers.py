@@ -9,7 +9,7 @@ class; a user's own layer subclasses it and overrides what it needs):
 
 1. `configure(in_shape) -> out_shape`: shapes per sample (no batch axis),
    called once when the spec is made. Raise `LayerError` with one line when
-   the input does not fit (a Dense on a spatial input, a pool below 1x1).
+   the input does not fit (attention on a flat input, a pool below 1x1).
 2. `param_shapes()`: the trainable tensors, `[(name, shape), ...]`, in the
    order they sit in the flat buffer (`[]` for a layer without parameters:
    ReLU, pooling). Any number, any shapes: not one W and one b.
@@ -82,6 +82,12 @@ class; a user's own layer subclasses it and overrides what it needs):
    and `flops()`: multiply-adds per
    sample of its forward pass; the memory check and the pipeline's stage
    balance read these. `describe()`: one short line for the model summary.
+9. What it is, declared as class attributes a subclass inherits:
+   `elementwise` (a tensor-parallel column slice passes through it),
+   `tokenwise` (decoded by its own forward, nn/decode.py), `kernel` (its
+   nn/compiled.py kernel), `draws_noise`; and under --tensor-parallel its
+   `role`, set where it is built (nn/linear.py, nn/tensor_parallel.py),
+   and `join(group)`, which the spec calls on its copy before configure.
 
 Everything runs on NumPy or CuPy (`xp`) with the same code.
 
