@@ -303,7 +303,7 @@ def tensor_line(spec, mesh):
             f"{len(spec.split_layers)} of {len(spec.layers)} layers split" +
             (", the others on 1/T of the positions each (--sequence-parallel)" if spec.tensor.sequence else ""))
     vocab = [layer.tensor_cuts()["E"] for i, layer in enumerate(spec.layers)
-             if i in spec.split_layers and getattr(layer, "tensor", (None,))[0] == "vocab"]
+             if i in spec.split_layers and layer.role == "vocab" and "E" in layer.tensor_cuts()]
     if vocab:
         sizes = [b - a for a, b in zip(vocab[0].bounds, vocab[0].bounds[1:])]
         line += f"; the vocabulary's {vocab[0].block} rows cut {' + '.join(map(str, sizes))} (not padded)"
