@@ -1,8 +1,8 @@
 """Linear: y = x W (+ b) over the last axis of an input of any shape, each
 position by itself: the MLPs' and CNNs' dense layers on (batch, fan_in), a
-transformer's projections on (batch, T, E). One class; `Dense` is its
-other name (nn/layers.py), the one the MLPs, the CNNs and users' model
-files have always written.
+transformer's projections on (batch, T, E). One class; `Dense` (below)
+is its other name, the one the MLPs, the CNNs and users' model files have
+always written.
 
 Weights He-normal (variance 2 / fan_in, for ReLU nets) by default, or N(0,
 std) where `std` is given (nanoGPT's 0.02, `normal`); the bias zero or
