@@ -114,7 +114,7 @@ class CausalSelfAttention(Layer):
         several steps: each costs tens of microseconds."""
         t, hw, h = self.T, self.head_width, self.heads_here
         self.in_parallel(n, lambda _, lo, hi: work(lo, hi),   # the products, and the passes over (t, t) arrays
-                   most=threads.most(floats=4 * n * h * t * t, macs=products * n * h * t * t * hw))
+                         most=threads.most(floats=4 * n * h * t * t, macs=products * n * h * t * t * hw))
 
     def _softmax(self, att, dtype):
         """The causal softmax of att's scores (samples, heads, t, t), in place."""

@@ -140,7 +140,7 @@ class _BatchNorm(Layer):
         ctx.x2, ctx.mean = x2, mean
         gamma, beta = self.params["gamma"], self.params["beta"]
         self.in_parallel(m, lambda t, lo, hi: passes.bn_normalise(x2[lo:hi], mean, inv_std, gamma, beta, y2[lo:hi]),
-                   most=threads.most(floats=x2.size))
+                         most=threads.most(floats=x2.size))
         return mean, var
 
     def _numpy_forward(self, ctx, x, y, shape):
@@ -182,7 +182,7 @@ class _BatchNorm(Layer):
         g_beta[...] = self._column_sums(dy.reshape(m, c))
         prod = ctx.buffer("prod", shape, dy.dtype)
         self.in_parallel(shape[0], lambda t, lo, hi: xp.multiply(dyw[lo:hi], xhat[lo:hi], out=prod[lo:hi]),
-                   most=threads.most(floats=dy.size))
+                         most=threads.most(floats=dy.size))
         g_gamma[...] = self._column_sums(prod.reshape(m, c))
         if not need_dx:
             return None
@@ -214,8 +214,8 @@ class _BatchNorm(Layer):
         dx = ctx.buffer("dx", (m, c), dy.dtype)
         a, b, scale = g_gamma / m, g_beta / m, self.params["gamma"] * inv_std
         self.in_parallel(m, lambda t, lo, hi: passes.bn_input_gradient(dy2[lo:hi], x2[lo:hi], mean, inv_std, a, b,
-                                                                   scale, dx[lo:hi]),
-                   most=threads.most(floats=dy.size))
+                                                                         scale, dx[lo:hi]),
+                         most=threads.most(floats=dy.size))
         return dx.reshape(dy.shape)
 
     def train_floats(self):

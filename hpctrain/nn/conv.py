@@ -129,9 +129,7 @@ class Conv2d(Layer):
                                   params["W"].dtype, self._direct_dx(), self.in_shape[1], self.ow)
 
     @property
-    def kernel(self):
-        """Its compiled kernel (nn/kernels_used.py): the direct one where it
-        fits, else im2col's GEMM ("conv")."""
+    def kernel(self):   # (nn/kernels_used.py) im2col's GEMM where the direct kernel does not fit
         return "direct conv" if self.direct_fits() else "conv"
 
     def direct_fits(self, xp=np):
@@ -171,7 +169,7 @@ class Conv2d(Layer):
                 if self.bias:
                     out += self.params["b"]
             self.in_parallel(n, product, unit=threads.row_unit(h * w),
-                       most=threads.most(macs=n * h * w * c * self.out_channels))
+                             most=threads.most(macs=n * h * w * c * self.out_channels))
             return y.reshape(n, *self.out_shape)
         source = x
         if p:
@@ -291,8 +289,8 @@ class Conv2d(Layer):
         if self.k == 1 and self.stride == 1 and self.pad == 0:
             dx = ctx.buffer("dx", (n * h * w, c), dy.dtype)
             self.in_parallel(n, lambda t, lo, hi: xp.matmul(dy2[lo * h * w:hi * h * w], self.W2.T,
-                                                          out=dx[lo * h * w:hi * h * w]),
-                       unit=threads.row_unit(h * w), most=threads.most(macs=n * h * w * c * self.out_channels))
+                                                                out=dx[lo * h * w:hi * h * w]),
+                             unit=threads.row_unit(h * w), most=threads.most(macs=n * h * w * c * self.out_channels))
             return dx.reshape(n, h, w, c)
         how = self.direct and self._direct_dx()
         if how == "turned":
@@ -310,7 +308,7 @@ class Conv2d(Layer):
             self._col2im(dcols[lo * rows:hi * rows].reshape(hi - lo, self.oh, self.ow, self.k, self.k, c),
                          dx[lo:hi])
         self.in_parallel(n, images, unit=threads.row_unit(rows),
-                   most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
+                         most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
         return dx
 
     def _transposed(self, ctx, dy, direct_kernel=False):
@@ -372,8 +370,8 @@ class Conv2d(Layer):
         dy4 = np.ascontiguousarray(dy.reshape(n, self.oh, self.ow, o))
         dx = ctx.buffer("dx", (n, h, w, c), dy.dtype)
         self.in_parallel(n, lambda t, lo, hi: compiled.input_gradient(dy4[lo:hi], swapped, dx[lo:hi], self.stride,
-                                                                self.pad),
-                   most=threads.most(macs=n * self.flops()))
+                                                                      self.pad),
+                         most=threads.most(macs=n * self.flops()))
         return dx
 
     def _col2im(self, dcols, dx):

@@ -30,9 +30,8 @@ class Embedding(Layer):
     tokenwise = True
 
     def __init__(self, vocab, dim, std=None, role=None):
-        """role: "vocab" (its rows cut over a tensor group, Megatron's
-        VocabParallelEmbedding: nn/tensor_parallel.py; its head then tied to
-        it with role "vocab" too) or None (whole on every rank)."""
+        # role "vocab": its rows cut over a tensor group (Megatron's VocabParallelEmbedding; its head tied
+        # to it with role "vocab" too: nn/tensor_parallel.py)
         self.vocab, self.dim = int(vocab), int(dim)
         self.std = None if std is None else float(std)
         if self.vocab < 1 or self.dim < 1:

@@ -82,12 +82,8 @@ class; a user's own layer subclasses it and overrides what it needs):
    and `flops()`: multiply-adds per
    sample of its forward pass; the memory check and the pipeline's stage
    balance read these. `describe()`: one short line for the model summary.
-9. What it is, declared as class attributes a subclass inherits:
-   `elementwise` (a tensor-parallel column slice passes through it),
-   `tokenwise` (decoded by its own forward, nn/decode.py), `kernel` (its
-   nn/compiled.py kernel), `draws_noise`; and under --tensor-parallel its
-   `role`, set where it is built (nn/linear.py, nn/tensor_parallel.py),
-   and `join(group)`, which the spec calls on its copy before configure.
+9. What it is, declared as class attributes a subclass inherits
+   (`elementwise`, `tokenwise`, `kernel`, `draws_noise`, `role`: `Layer`).
 
 Everything runs on NumPy or CuPy (`xp`) with the same code.
 
@@ -310,7 +306,7 @@ class ReLU(Layer):
 
     def forward(self, ctx, x, train):
         self.in_parallel(x.shape[0], lambda t, lo, hi: self.xp.maximum(x[lo:hi], 0, out=x[lo:hi]),
-                   most=threads.most(floats=x.size))
+                         most=threads.most(floats=x.size))
         ctx.y = x
         return x
 
@@ -320,8 +316,8 @@ class ReLU(Layer):
         if self.compiled and dy.flags.c_contiguous and ctx.y.flags.c_contiguous:
             y, flat = ctx.y.reshape(len(dy), -1), dy.reshape(len(dy), -1)
             self.in_parallel(len(dy), lambda t, lo, hi: passes.relu_backward(y[lo:hi].reshape(-1),
-                                                                         flat[lo:hi].reshape(-1)),
-                       most=threads.most(floats=dy.size))
+                                                                               flat[lo:hi].reshape(-1)),
+                             most=threads.most(floats=dy.size))
             return dy
         active = ctx.buffer("active", dy.shape, bool)
 

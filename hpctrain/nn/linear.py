@@ -4,17 +4,11 @@ transformer's projections on (batch, T, E). One class; `Dense` (below)
 is its other name, the one the MLPs, the CNNs and users' model files have
 always written.
 
-Weights He-normal (variance 2 / fan_in, for ReLU nets) by default, or N(0,
-std) where `std` is given (nanoGPT's 0.02, `normal`); the bias zero or
-absent (`bias=False`: a tied output head, `Linear(vocab, bias=False,
-role="vocab").tie("W", embedding, "E", transposed=True)`).
-
-`role`, its part under --tensor-parallel (Megatron-LM's
-ColumnParallelLinear and RowParallelLinear, chosen where the model is
-written; nn/tensor_parallel.py): "column" (its units cut), "row" (its
-input the column layer's slice), "vocab" (a head's units cut nearly evenly
-over the vocabulary), or None (whole on every rank, or paired by the spec:
-nn/tensor_split.py).
+Weights He-normal (variance 2 / fan_in) by default, N(0, std) where `std`
+is given (nanoGPT's 0.02); the bias zero or absent (`bias=False`: a tied
+head). `role`, chosen where the model is written as Megatron-LM chooses
+ColumnParallelLinear or RowParallelLinear (nn/tensor_parallel.py):
+"column", "row", "vocab" (a head's units over the vocabulary) or None.
 
     python -m pytest -q tests/test_transformer_layers.py -k Linear
 """

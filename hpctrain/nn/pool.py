@@ -94,8 +94,8 @@ class MaxPool2d(_Pool):
         if self.compiled:
             x = np.ascontiguousarray(x)
             self.in_parallel(x.shape[0], lambda t, lo, hi: passes.max_pool_forward(x[lo:hi], y[lo:hi], won[lo:hi],
-                                                                               self.k),
-                       most=threads.most(floats=x.size))
+                                                                                     self.k),
+                             most=threads.most(floats=x.size))
             return y
         gt = ctx.buffer("gt", y.shape, bool)
         offset = ctx.buffer("offset", y.shape, self.offsets)
@@ -120,8 +120,8 @@ class MaxPool2d(_Pool):
         if self.compiled:
             dy = np.ascontiguousarray(dy)
             self.in_parallel(dy.shape[0], lambda t, lo, hi: passes.max_pool_backward(dy[lo:hi], won[lo:hi], dx[lo:hi],
-                                                                                 self.k),
-                       most=threads.most(floats=dx.size))
+                                                                                       self.k),
+                             most=threads.most(floats=dx.size))
             return dx
         hit = ctx.buffer("gt", dy.shape, bool)
         part = ctx.buffer("part", dy.shape, dy.dtype)

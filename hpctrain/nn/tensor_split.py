@@ -1,15 +1,8 @@
 """Which layers of a model split over a tensor group (--tensor-parallel,
-nn/tensor_parallel.py): the spec's copy of each joins the group, by the
-role it was built with, before the spec configures it (nn/spec.ModelSpec's
-`tensor`).
-
-A role is declared where the layer is built (Megatron-LM's choice of
-ColumnParallelLinear or RowParallelLinear when the model is written): the
-GPT's (nn/gpt.py, nn/transformer.py) and the zoo's MLPs and CNNs
-(nn/zoo.py) declare theirs. In a model built without roles (a user's MLP)
-Linear (Dense) layers pair up, column then row, where only elementwise
-layers (their `elementwise` declaration: ReLU, GELU, a user's subclass of
-either) lie between them.
+nn/tensor_parallel.py): the spec's copy of each layer built with a role
+joins the group before the spec configures it; in a model built without
+roles (a user's MLP) Linear layers pair up, column then row, where only
+`elementwise` layers (ReLU, GELU, a user's subclass of either) lie between.
 
     python -c "from hpctrain.nn import mlp; print([l.role for l in mlp().layers])"
 """
