@@ -57,6 +57,38 @@ def test_a_prompt_longer_than_the_context_keeps_its_last_tokens():
     np.testing.assert_allclose(got, model.run.forward(seq[None, -T:], False), rtol=0, atol=1e-12)
 
 
+def test_a_users_subclass_of_a_tokenwise_layer_decodes_and_keeps_its_kernel():
+    """What a layer is (tokenwise, its compiled kernel) is declared on its
+    class and inherited (issue 55, 3): a GPT whose final LayerNorm is a
+    user's subclass decodes as the plain one, and a user's ReLU subclass
+    still runs ReLU's compiled kernel by the start-up line."""
+    from hpctrain import vector_width
+    from hpctrain.nn import Dense, Flatten, LayerNorm, ModelSpec, ReLU, compiled
+    from hpctrain.nn.gpt import gpt_layers
+    from hpctrain.nn.kernels_used import layers_line
+
+    class MyNorm(LayerNorm):
+        pass
+    layers, loss = gpt_layers(11, T, layers=1, heads=2, width=16)
+    layers[-2] = MyNorm()
+    spec = ModelSpec(layers, (T,), 11, loss=loss)
+    model = spec.build(np, dtype=np.float64)
+    model.init(3)
+    seq = np.random.default_rng(1).integers(0, 11, T)
+    np.testing.assert_allclose(Decoder(model).feed(seq[None]), model.run.forward(seq[None], False), rtol=0,
+                               atol=1e-12)
+
+    class MyReLU(ReLU):
+        pass
+    was = compiled.on()
+    try:
+        compiled.use(True)
+        assert layers_line(ModelSpec([Flatten(), Dense(4), MyReLU(), Dense(2)], (3,), 2)) == \
+            "layers: compiled (nn/compiled.py: ReLU" + ("; 512-bit vectors" if vector_width.wide() else "") + ")"
+    finally:
+        compiled.use(was)
+
+
 def test_sampling_repeats_for_a_seed_and_greedy_is_top_k_1():
     model = seeded(np.float32)
     def text(**kw):

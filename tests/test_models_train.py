@@ -78,7 +78,7 @@ def test_a_cifar_shaped_file_trains_the_cnn_and_a_dense_only_model_is_refused_on
     mine = tmp_path / "dense.py"
     mine.write_text("from hpctrain.nn import Dense\n\ndef build(shape, classes):\n    return [Dense(classes)]\n")
     r = job(2, "--model", f"{mine}:build", "--data", tmp_path / "shards", "--steps", "4", timeout=60)
-    assert r.returncode == 2 and "not 32x32x3: put Flatten()" in r.stderr, r.stderr
+    assert r.returncode == 2 and "gives 32x32x10 outputs per sample, the data has 10 classes: put Flatten()" in r.stderr, r.stderr
 
 
 def test_a_cnn_that_cannot_fit_is_refused_up_front(job, tmp_path):

@@ -12,6 +12,7 @@ T; and the refusals.
     python -m pytest -q tests/test_tensor_parallel.py
 """
 import json
+import re
 import shutil
 import tracemalloc
 
@@ -22,6 +23,7 @@ from mpi4py import MPI
 from conftest import saved
 from test_zero import text_dir   # noqa: F401 (the fixture)
 from hpctrain.comm.tensor_group import TensorComm
+from hpctrain.nn import Flatten, Linear, ModelSpec, ReLU
 from hpctrain.nn.gpt import gpt
 from hpctrain.nn.tensor_parallel import TensorGroup, put_local, take_local
 from hpctrain.nn.zoo import mlp
@@ -29,9 +31,7 @@ from hpctrain.nn.zoo import mlp
 
 def _group(sequence=False):
     comm = MPI.COMM_WORLD
-    group = TensorGroup(comm.Get_size(), comm.Get_rank(), sequence=sequence)
-    group.comm = TensorComm(comm)
-    return group
+    return TensorGroup(comm.Get_size(), comm.Get_rank(), sequence=sequence, comm=TensorComm(comm))
 
 
 def _models(T, dropout=0.0):
@@ -138,6 +138,47 @@ def test_a_warm_sequence_parallel_collective_allocates_nothing():
     assert np.array_equal(mine, base[:, 16 * r:16 * (r + 1)] * (T * (T + 1) // 2))
     assert np.array_equal(whole, base * (T * (T + 1) // 2))
     assert peaks[0] >= mine.nbytes > peaks[1], peaks   # a Python object or two, no array
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_subclass_of_relu_between_two_linears_still_pairs_them():
+    """Layer kinds are declarations a subclass inherits (issue 55, 3): a
+    user's MyReLU(ReLU) between two Linears built without roles keeps them a
+    column/row pair (and the last Linear whole), and the split model gives
+    the unsplit one's loss and gradient in float64."""
+    class MyReLU(ReLU):
+        pass
+
+    group = _group()
+    T = group.size
+    full = ModelSpec([Flatten(), Linear(6 * T), MyReLU(), Linear(5 * T), Linear(3)], (2, 2), 3)
+    local = full.split_tensor(group)
+    assert local.split_layers == [1, 3] and [layer.role for layer in local.layers] == [None, "column", None, "row",
+                                                                                          None]
+    assert [layer.role for layer in full.layers] == [None] * 5   # the whole model's layers are left as built
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((4, 2, 2)), rng.integers(0, 3, 4)
+    whole, mine = full.build(dtype=np.float64), local.build(dtype=np.float64)
+    whole.init(2)
+    mine.init(2)
+    loss, loss_t = whole.forward_backward(x, y), mine.forward_backward(x, y)
+    assert abs(float(loss) - float(loss_t)) <= 1e-12 * abs(float(loss))
+    expected = take_local(full, local.cuts, whole.grads, group.rank)
+    assert np.allclose(mine.grads, expected, rtol=1e-10, atol=1e-13), np.abs(mine.grads - expected).max()
+
+
+@pytest.mark.parametrize("layers, line", [
+    (lambda: [Linear(4, role="column"), Linear(2)], "layer 0 (Dense(4)) is column-parallel without a row-parallel"),
+    (lambda: [Linear(4, role="column"), ReLU(), Flatten(), Linear(2, role="row")],
+     "layer 0 (Dense(4)) is column-parallel without a row-parallel"),
+    (lambda: [Linear(4), Linear(2, role="row")], "layer 1 (Dense(2)) is row-parallel without a column-parallel"),
+], ids=["column-then-whole", "column-then-flatten", "row-first"])
+def test_a_declared_role_without_its_partner_is_one_line(layers, line):
+    """A column layer's slice reaches only elementwise layers and then its
+    row layer: any other pairing is refused when the spec is split."""
+    from hpctrain.nn import LayerError
+    with pytest.raises(LayerError, match=re.escape(line)):
+        ModelSpec(layers(), (4,), 2).split_tensor(TensorGroup(2, 0))
 
 
 # --- runs ------------------------------------------------------------------------

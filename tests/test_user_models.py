@@ -50,7 +50,8 @@ BAD = {
         "layer 1 (Dense(10)): init raised ValueError: no init"),
     "not a layer": ("def build(shape, classes):\n    return [3]\n", None, "item 0 is a int, not a layer"),
     "a Dense on an image": ("from hpctrain.nn import Dense\n\ndef build(shape, classes):\n"
-                            "    return [Dense(classes)]\n", None, "takes a flat input, not 28x28: put Flatten()"),
+                            "    return [Dense(classes)]\n", None,
+                            "gives 28x10 outputs per sample, the data has 10 classes: put Flatten()"),
     "the wrong class count": ("from hpctrain.nn import Dense, Flatten\n\ndef build(shape, classes):\n"
                               "    return [Flatten(), Dense(7)]\n", None, "gives 7 outputs per sample, the data has 10"),
     "a loss that is not a loss": ("from hpctrain.nn import Dense, Flatten\n\ndef build(shape, classes):\n"

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ..nn import MODELS, Conv2d, Dense
+from ..nn import MODELS, Conv2d, Linear
 from .common import table
 
 
@@ -47,8 +47,8 @@ def _gemms(layer, ctx, need_dx):
     """The layer's own GEMMs on its own buffers (its context's), as a callable (None if it has none)."""
     if isinstance(layer, Conv2d):
         cols, w = layer.columns(ctx), layer.W2
-    elif isinstance(layer, Dense):
-        cols, w = ctx.x, layer.params["W"]
+    elif isinstance(layer, Linear):
+        cols, w = ctx.rows, layer.params["W"]
     else:
         return None
     y, dy = np.empty((cols.shape[0], w.shape[1]), w.dtype), np.ones((cols.shape[0], w.shape[1]), w.dtype)

@@ -19,7 +19,8 @@ import numpy as np
 from ..nn import MODELS, MNIST_CLASSES, MNIST_SHAPE
 from ..nn.conv import Channels, Conv2d
 from ..nn.pool import AvgPool2d, GlobalAvgPool, MaxPool2d
-from ..nn.layers import Dense, Dropout, Flatten, ReLU
+from ..nn.layers import Dropout, Flatten, ReLU
+from ..nn.linear import Dense
 from ..nn.batchnorm import EPS, MOMENTUM, BatchNorm1d, BatchNorm2d
 from ..nn.residual import Residual
 

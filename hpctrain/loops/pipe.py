@@ -24,7 +24,6 @@ from ..comm.topology import Topology
 from ..comm.compressed_exchange import summary
 from ..comm.data_parallel import DataParallelUpdate, NormScope, Part, model_buckets
 from ..comm.grad_norm import TensorNorm
-from ..comm.tensor_group import TensorComm
 from ..nn.tensor_parallel import counted_ranges
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
@@ -65,8 +64,6 @@ def train_pipe(world, plan, inputs, timeline):
                     copies=copies[k]) for k in range(virtual)]
     # --tensor-parallel: each stage's layers split over its tensor group (nn/tensor_parallel.py)
     split = grid.tensors > 1
-    if split:
-        spec.tensor.comm = TensorComm(grid.tensor_comm, world.watchdog, xp)
     slices = whole.WholeSlices(world, grid, spec, chunks) if split else None   # the files' whole tensors
     for chunk in chunks:
         initial_parameters(world, spec, grid, chunk, plan.data.seed)

@@ -3,8 +3,8 @@ slice of the model (nn/tensor_parallel.py), so whatever needs the whole
 model gathers the slices, and every evaluation runs on a tensor group's
 ranks together (their layers exchange activations).
 
-- `attach`: the tensor group's communicator handed to the split layers
-  (comm/tensor_group.TensorComm), and the clip norm's tensor pieces.
+- `attach`: the clip norm's tensor pieces (the split layers' collectives
+  came with their group: run/startup.tensor_slice).
 - `save_checkpoint`: ring mode's one file with the whole model's tensors
   (the layout is not part of the file): each tensor rank's replica 0
   first gathers its sharded optimizer state over its replicas (--zero 1,
@@ -35,17 +35,14 @@ from ..checkpoints.sharded import ShardedState
 from ..comm.zero3 import ShardsToChief
 from ..comm.grad_norm import TensorNorm
 from ..comm import tensor_group
-from ..comm.tensor_group import TensorComm
 from ..data.splits import held_out
 from ..nn.tensor_parallel import counted_ranges, take_local
 from ..report.params import chief_text, write_params
 
 
 def attach(world, spec):
-    """The split layers' collectives on the mesh's tensor axis; returns the
-    clip norm's comm/grad_norm.TensorNorm."""
+    """The clip norm's comm/grad_norm.TensorNorm over the mesh's tensor axis."""
     comm = world.mesh.comm("tensor")
-    spec.tensor.comm = TensorComm(comm, world.watchdog, world.xp)
     return TensorNorm(comm.Get_size(), comm.Get_rank(), counted_ranges(spec.full, spec.cuts, spec.tensor.rank), comm)
 
 

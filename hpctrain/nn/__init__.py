@@ -10,12 +10,12 @@ nanoGPT's model (gpt.py), and the models known by name (zoo.py). Never imports M
 from .conv import Channels, Conv2d
 from .embedding import Embedding
 from .pool import AvgPool2d, GlobalAvgPool, MaxPool2d
-from .layers import Context, Dense, Dropout, Flatten, Layer, LayerError, Noise, ReLU
+from .layers import Context, Dropout, Flatten, Layer, LayerError, Noise, ReLU
 from .losses import ClassCrossEntropy, Loss, TokenCrossEntropy
 from .attention import CausalSelfAttention
 from .gelu import GELU
 from .gpt import gpt, gpt_layers
-from .linear import Linear
+from .linear import Dense, Linear
 from .norm import LayerNorm
 from .transformer import Block, PositionEmbedding
 from .batchnorm import BatchNorm1d, BatchNorm2d

@@ -31,7 +31,8 @@ from .tensor_parallel import Cut
 
 class CausalSelfAttention(Layer):
     keeps_output = False   # its backward reads q, k, v, the attention and the heads' outputs
-    tensor = None   # --tensor-parallel: the TensorGroup its heads split over (nn/tensor_parallel.py)
+    kernel = "attention"
+    role = "heads"   # --tensor-parallel: its heads split over the group (nn/tensor_parallel.py)
 
     def __init__(self, heads, dropout=0.0, std=0.02, out_std=0.02):
         self.heads, self.std, self.out_std = int(heads), float(std), float(out_std)
@@ -40,6 +41,11 @@ class CausalSelfAttention(Layer):
         self.drop = Dropout(dropout)
         self.inner = [("drop", self.drop)]
 
+    def join(self, group):
+        """--tensor-parallel: its heads' slice, its dropout their part of the mask."""
+        self.group = group
+        self.drop.join(group)
+
     def configure(self, in_shape):
         if len(in_shape) != 2:
             raise LayerError(f"{self.describe()} takes (positions, width) per sample, not "
@@ -47,16 +53,16 @@ class CausalSelfAttention(Layer):
         super().configure(in_shape)
         self.T, self.width = self.in_shape
         # --sequence-parallel: it takes and gives this rank's positions, attending over all of them
-        self.sequence = self.tensor is not None and self.tensor.sequence
+        self.sequence = self.group is not None and self.group.sequence
         if self.sequence:
-            self.T *= self.tensor.size
+            self.T *= self.group.size
         if self.width % self.heads:
             raise LayerError(f"{self.describe()}: the width {self.width} is not a multiple of the heads")
         self.head_width = self.width // self.heads
         # this rank's heads (a tensor group's slice: q, k, v column-parallel, Wo row-parallel)
         self.heads_here, self._cuts = self.heads, {}
-        if self.tensor is not None:
-            size = self.tensor.size
+        if self.group is not None:
+            size = self.group.size
             if self.heads % size:
                 raise LayerError(f"{self.describe()}: {self.heads} heads are not a multiple of --tensor-parallel "
                                  f"{size}")
@@ -98,7 +104,7 @@ class CausalSelfAttention(Layer):
             xp.matmul(a[lo:hi], b, out=out[lo:hi])
             if bias is not None:
                 out[lo:hi] += bias
-        self.split(out.shape[0], rows, unit=threads.row_unit(1), most=threads.most(macs=macs))
+        self.in_parallel(out.shape[0], rows, unit=threads.row_unit(1), most=threads.most(macs=macs))
 
     def _samples(self, work, n, products):
         """work(lo, hi) over ranges [lo, hi) of the n samples, on the compute
@@ -107,8 +113,8 @@ class CausalSelfAttention(Layer):
         passes, so the bits do not depend on the threads. One hand-off for
         several steps: each costs tens of microseconds."""
         t, hw, h = self.T, self.head_width, self.heads_here
-        self.split(n, lambda _, lo, hi: work(lo, hi),   # the products, and the passes over (t, t) arrays
-                   most=threads.most(floats=4 * n * h * t * t, macs=products * n * h * t * t * hw))
+        self.in_parallel(n, lambda _, lo, hi: work(lo, hi),   # the products, and the passes over (t, t) arrays
+                         most=threads.most(floats=4 * n * h * t * t, macs=products * n * h * t * t * hw))
 
     def _softmax(self, att, dtype):
         """The causal softmax of att's scores (samples, heads, t, t), in place."""
@@ -159,7 +165,7 @@ class CausalSelfAttention(Layer):
         xp, W, b = self.xp, self.params["Wqkv"], self.params["bqkv"]
         if self.sequence:   # every rank's positions
             whole = ctx.buffer("whole", (x.shape[0], self.T, x.shape[2]), x.dtype)
-            self.tensor.allgather(x, whole)
+            self.group.allgather(x, whole)
             x = whole
         (n, t, e), h, i = x.shape, self.heads_here, self.inner_width
         rows = x.reshape(n * t, e)
@@ -182,16 +188,16 @@ class CausalSelfAttention(Layer):
         self._samples(weigh, n, 1)
         merged = merged.reshape(n * t, i)
         y = ctx.buffer("partial" if self.sequence else ("out", train), (n * t, e), W.dtype)
-        whole = self.tensor is None   # else the bias after the sum over the group
+        whole = self.group is None   # else the bias after the sum over the group
         self._product(merged, self.params["Wo"], y, self.params["bo"] if whole else None)
         ctx.rows, ctx.qkv, ctx.att, ctx.dropped, ctx.merged = rows, qkv, att, dropped, merged
         if self.sequence:   # summed over the group, this rank's positions kept
             out = ctx.buffer(("out", train), (n, *self.in_shape), W.dtype)
-            self.tensor.reduce_scatter(y.reshape(n, t, e), out)
+            self.group.reduce_scatter(y.reshape(n, t, e), out)
             out += self.params["bo"]
             return out
         if not whole:   # each rank's heads' part of the projection, added over the group
-            self.tensor.sum(y)
+            self.group.sum(y)
             y += self.params["bo"]
         return y.reshape(n, t, e)
 
@@ -199,9 +205,9 @@ class CausalSelfAttention(Layer):
         xp, Wo = self.xp, self.params["Wo"]
         if self.sequence:   # bo's gradient from this rank's positions, summed; then every rank's positions
             dy.reshape(-1, dy.shape[-1]).sum(axis=0, out=self.grads["bo"])
-            self.tensor.sum(self.grads["bo"])
+            self.group.sum(self.grads["bo"])
             whole = ctx.buffer("dwhole", (dy.shape[0], self.T, dy.shape[2]), dy.dtype)
-            self.tensor.allgather(dy, whole)
+            self.group.allgather(dy, whole)
             dy = whole
         (n, t, e), h, i = dy.shape, self.heads_here, self.inner_width
         d = dy.reshape(n * t, e)
@@ -247,10 +253,10 @@ class CausalSelfAttention(Layer):
         self.pair(in_weight, lambda: self._product(dqkv, self.params["Wqkv"].T, dx))
         if self.sequence:   # summed over the group, this rank's positions kept
             part = ctx.buffer("dpart", (n, *self.in_shape), dy.dtype)
-            self.tensor.reduce_scatter(dx.reshape(n, t, e), part)
+            self.group.reduce_scatter(dx.reshape(n, t, e), part)
             return part
-        if self.tensor is not None:   # each rank's heads' part of the input gradient, added over the group
-            self.tensor.sum(dx)
+        if self.group is not None:   # each rank's heads' part of the input gradient, added over the group
+            self.group.sum(dx)
         return dx.reshape(n, t, e)
 
     def train_floats(self):

@@ -35,6 +35,7 @@ TILE_FLOATS = 2048
 class _BatchNorm(Layer):
     rank = None   # the input's rank per sample: 3 (h, w, c) or 1 (features)
     keeps_output = False   # its backward reads its normalised input (NumPy) or its input (compiled), not y
+    kernel = "batch norm"
 
     def configure(self, in_shape):
         if len(in_shape) != self.rank:
@@ -110,7 +111,7 @@ class _BatchNorm(Layer):
                 xp.subtract(xw[lo:hi], mean, out=y[lo:hi])
                 y[lo:hi] *= scale
                 y[lo:hi] += beta
-            self.split(shape[0], evaluate, most=threads.most(floats=x.size))
+            self.in_parallel(shape[0], evaluate, most=threads.most(floats=x.size))
             return y.reshape(x.shape)
         if self.compiled:
             mean, var = self._compiled_forward(ctx, x.reshape(m, c), y.reshape(m, c))
@@ -138,8 +139,8 @@ class _BatchNorm(Layer):
         # interleaved runs of 40 steps): its 9 layers' passes 7.5 -> 5.7 ms.
         ctx.x2, ctx.mean = x2, mean
         gamma, beta = self.params["gamma"], self.params["beta"]
-        self.split(m, lambda t, lo, hi: passes.bn_normalise(x2[lo:hi], mean, inv_std, gamma, beta, y2[lo:hi]),
-                   most=threads.most(floats=x2.size))
+        self.in_parallel(m, lambda t, lo, hi: passes.bn_normalise(x2[lo:hi], mean, inv_std, gamma, beta, y2[lo:hi]),
+                         most=threads.most(floats=x2.size))
         return mean, var
 
     def _numpy_forward(self, ctx, x, y, shape):
@@ -155,7 +156,7 @@ class _BatchNorm(Layer):
         def centre(t, lo, hi):
             xp.subtract(xw[lo:hi], tiled, out=xhat[lo:hi])
             xp.multiply(xhat[lo:hi], xhat[lo:hi], out=prod[lo:hi])
-        self.split(shape[0], centre, most=threads.most(floats=x.size))
+        self.in_parallel(shape[0], centre, most=threads.most(floats=x.size))
         var = self._column_sums(prod.reshape(m, c)) / m
         ctx.inv_std = 1 / xp.sqrt(var + EPS)
         inv_std, gamma, beta = (self._tiled(v, shape[1]) for v in (ctx.inv_std, self.params["gamma"],
@@ -165,7 +166,7 @@ class _BatchNorm(Layer):
             xhat[lo:hi] *= inv_std
             xp.multiply(xhat[lo:hi], gamma, out=y[lo:hi])
             y[lo:hi] += beta
-        self.split(shape[0], normalise, most=threads.most(floats=x.size))
+        self.in_parallel(shape[0], normalise, most=threads.most(floats=x.size))
         ctx.xhat = xhat
         return mean, var
 
@@ -180,8 +181,8 @@ class _BatchNorm(Layer):
         g_gamma, g_beta = self.grads["gamma"], self.grads["beta"]
         g_beta[...] = self._column_sums(dy.reshape(m, c))
         prod = ctx.buffer("prod", shape, dy.dtype)
-        self.split(shape[0], lambda t, lo, hi: xp.multiply(dyw[lo:hi], xhat[lo:hi], out=prod[lo:hi]),
-                   most=threads.most(floats=dy.size))
+        self.in_parallel(shape[0], lambda t, lo, hi: xp.multiply(dyw[lo:hi], xhat[lo:hi], out=prod[lo:hi]),
+                         most=threads.most(floats=dy.size))
         g_gamma[...] = self._column_sums(prod.reshape(m, c))
         if not need_dx:
             return None
@@ -195,7 +196,7 @@ class _BatchNorm(Layer):
             dx[lo:hi] += b
             xp.subtract(dyw[lo:hi], dx[lo:hi], out=dx[lo:hi])
             dx[lo:hi] *= scale
-        self.split(shape[0], rows, most=threads.most(floats=dy.size))
+        self.in_parallel(shape[0], rows, most=threads.most(floats=dy.size))
         return dx.reshape(dy.shape)
 
     def _compiled_backward(self, ctx, dy, need_dx):
@@ -212,9 +213,9 @@ class _BatchNorm(Layer):
             return None
         dx = ctx.buffer("dx", (m, c), dy.dtype)
         a, b, scale = g_gamma / m, g_beta / m, self.params["gamma"] * inv_std
-        self.split(m, lambda t, lo, hi: passes.bn_input_gradient(dy2[lo:hi], x2[lo:hi], mean, inv_std, a, b,
-                                                                   scale, dx[lo:hi]),
-                   most=threads.most(floats=dy.size))
+        self.in_parallel(m, lambda t, lo, hi: passes.bn_input_gradient(dy2[lo:hi], x2[lo:hi], mean, inv_std, a, b,
+                                                                         scale, dx[lo:hi]),
+                         most=threads.most(floats=dy.size))
         return dx.reshape(dy.shape)
 
     def train_floats(self):

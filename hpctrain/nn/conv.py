@@ -128,6 +128,10 @@ class Conv2d(Layer):
             compiled.prepare_conv(self.k, self.stride, self.pad, self.in_shape[2], self.out_channels,
                                   params["W"].dtype, self._direct_dx(), self.in_shape[1], self.ow)
 
+    @property
+    def kernel(self):   # (nn/kernels_used.py) im2col's GEMM where the direct kernel does not fit
+        return "direct conv" if self.direct_fits() else "conv"
+
     def direct_fits(self, xp=np):
         """Whether this layer runs nn/compiled.py's direct kernels: compiled
         layers on, NumPy, outputs the kernels have blocks for here
@@ -164,8 +168,8 @@ class Conv2d(Layer):
                 xp.matmul(cols[lo * h * w:hi * h * w], self.W2, out=out)
                 if self.bias:
                     out += self.params["b"]
-            self.split(n, product, unit=threads.row_unit(h * w),
-                       most=threads.most(macs=n * h * w * c * self.out_channels))
+            self.in_parallel(n, product, unit=threads.row_unit(h * w),
+                             most=threads.most(macs=n * h * w * c * self.out_channels))
             return y.reshape(n, *self.out_shape)
         source = x
         if p:
@@ -194,7 +198,7 @@ class Conv2d(Layer):
                 xp.matmul(block.reshape((hi - lo) * rows, self.fan_in), self.W2, out=out)
                 if self.bias:
                     out += self.params["b"]
-        self.split(n, blocks, unit=per)
+        self.in_parallel(n, blocks, unit=per)
         ctx.cols = None if again else kept.reshape(n * rows, self.fan_in)
         ctx.windows, ctx.per = windows, per
         return y.reshape(n, *self.out_shape)
@@ -213,7 +217,7 @@ class Conv2d(Layer):
             compiled.forward(x[lo:hi], self.params["W"], y4[lo:hi], self.stride)
             if self.bias:
                 y4[lo:hi] += self.params["b"]
-        self.split(n, images, most=threads.most(macs=n * self.flops()))
+        self.in_parallel(n, images, most=threads.most(macs=n * self.flops()))
         ctx.cols, ctx.input = None, x
         return y4
 
@@ -248,7 +252,7 @@ class Conv2d(Layer):
                 xp.copyto(block, windows[lo:hi])
                 xp.matmul(block.reshape((hi - lo) * rows, self.fan_in).T, dy2[lo * rows:hi * rows],
                           out=products[lo // per])
-        self.split(n, blocks, unit=per)
+        self.in_parallel(n, blocks, unit=per)
         xp.copyto(self.dW2, products[0])
         for part in products[1:]:
             self.dW2 += part
@@ -266,7 +270,7 @@ class Conv2d(Layer):
             for lo in range(lo0, hi0, per):
                 hi = min(lo + per, hi0)
                 compiled.weight_gradient(x[lo:hi], dy[lo:hi], products[lo // per], self.stride)
-        self.split(n, blocks, unit=per)
+        self.in_parallel(n, blocks, unit=per)
         dW = self.grads["W"]
         self.xp.copyto(dW, products[0])
         for part in products[1:]:
@@ -284,9 +288,9 @@ class Conv2d(Layer):
         h, w, c = self.in_shape
         if self.k == 1 and self.stride == 1 and self.pad == 0:
             dx = ctx.buffer("dx", (n * h * w, c), dy.dtype)
-            self.split(n, lambda t, lo, hi: xp.matmul(dy2[lo * h * w:hi * h * w], self.W2.T,
-                                                          out=dx[lo * h * w:hi * h * w]),
-                       unit=threads.row_unit(h * w), most=threads.most(macs=n * h * w * c * self.out_channels))
+            self.in_parallel(n, lambda t, lo, hi: xp.matmul(dy2[lo * h * w:hi * h * w], self.W2.T,
+                                                                out=dx[lo * h * w:hi * h * w]),
+                             unit=threads.row_unit(h * w), most=threads.most(macs=n * h * w * c * self.out_channels))
             return dx.reshape(n, h, w, c)
         how = self.direct and self._direct_dx()
         if how == "turned":
@@ -303,8 +307,8 @@ class Conv2d(Layer):
             xp.matmul(dy2[lo * rows:hi * rows], self.W2.T, out=dcols[lo * rows:hi * rows])
             self._col2im(dcols[lo * rows:hi * rows].reshape(hi - lo, self.oh, self.ow, self.k, self.k, c),
                          dx[lo:hi])
-        self.split(n, images, unit=threads.row_unit(rows),
-                   most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
+        self.in_parallel(n, images, unit=threads.row_unit(rows),
+                         most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
         return dx
 
     def _transposed(self, ctx, dy, direct_kernel=False):
@@ -335,7 +339,7 @@ class Conv2d(Layer):
                 if q:
                     padded[lo:hi, q:q + self.oh, q:q + self.ow, :] = source[lo:hi]
                 compiled.forward(padded[lo:hi], turned, dx4[lo:hi], 1)
-            self.split(n, images, most=threads.most(macs=n * h * w * k * k * o * c))
+            self.in_parallel(n, images, most=threads.most(macs=n * h * w * k * k * o * c))
             return dx4
         turned = turned.reshape(k * k * o, c)
         # dy's columns a block of images at a time, each multiplied while in
@@ -353,7 +357,7 @@ class Conv2d(Layer):
                 block = cols[:hi - lo]
                 xp.copyto(block, windows[lo:hi])
                 xp.matmul(block.reshape((hi - lo) * h * w, k * k * o), turned, out=dx[lo * h * w:hi * h * w])
-        self.split(n, blocks, unit=per)
+        self.in_parallel(n, blocks, unit=per)
         return dx.reshape(n, h, w, c)
 
     def _gathered(self, ctx, dy):
@@ -365,9 +369,9 @@ class Conv2d(Layer):
         self.xp.copyto(swapped, self.params["W"].transpose(0, 1, 3, 2))
         dy4 = np.ascontiguousarray(dy.reshape(n, self.oh, self.ow, o))
         dx = ctx.buffer("dx", (n, h, w, c), dy.dtype)
-        self.split(n, lambda t, lo, hi: compiled.input_gradient(dy4[lo:hi], swapped, dx[lo:hi], self.stride,
-                                                                self.pad),
-                   most=threads.most(macs=n * self.flops()))
+        self.in_parallel(n, lambda t, lo, hi: compiled.input_gradient(dy4[lo:hi], swapped, dx[lo:hi], self.stride,
+                                                                      self.pad),
+                         most=threads.most(macs=n * self.flops()))
         return dx
 
     def _col2im(self, dcols, dx):

@@ -8,7 +8,8 @@ pass over the whole sequence (hpctrain/generate.py samples from them).
 
 It reads the trained layers' parameters and runs their own forward (in
 contexts of its own, train=False) where a layer acts on each position by
-itself (Embedding, LayerNorm, Linear, GELU, Dropout); the two layers that
+itself (its `tokenwise` declaration, nn/layers.py: Embedding, LayerNorm,
+Linear, GELU, Dropout, and a user's subclass of one); the two layers that
 see positions are decoded here: PositionEmbedding adds the rows of the new
 positions, and each CausalSelfAttention keeps the keys and values of the
 positions so far, (batch, heads, T, head width) each, and attends a new
@@ -34,15 +35,8 @@ import math
 import numpy as np
 
 from .attention import CausalSelfAttention
-from .embedding import Embedding
-from .gelu import GELU
-from .layers import Context, Dropout, LayerError
-from .linear import Linear
-from .norm import LayerNorm
+from .layers import Context, LayerError
 from .transformer import Block, PositionEmbedding
-
-# Layers that act on each position by itself: decoded by their own forward.
-TOKENWISE = (Embedding, LayerNorm, Linear, GELU, Dropout)
 
 
 class Decoder:
@@ -61,7 +55,7 @@ class Decoder:
 
     def _step_of(self, layer, dtype):
         """f(x, pos) -> the layer's output for the positions pos.. of x."""
-        if isinstance(layer, TOKENWISE):
+        if layer.tokenwise:   # each position by itself: decoded by its own forward
             ctx = Context(self.xp)
             return lambda x, pos: layer.forward(ctx, x, False)
         if isinstance(layer, PositionEmbedding):

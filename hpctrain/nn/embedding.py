@@ -28,21 +28,26 @@ class Embedding(Layer):
     gradient reaches the ids: its input gradient is zeros."""
     input_kind = "tokens"
     keeps_output = False   # its backward reads the ids, not its output
-    tensor = None   # --tensor-parallel: ("vocab", group), its rows cut over the group (nn/tensor_parallel.py)
+    tokenwise = True
 
-    def __init__(self, vocab, dim, std=None):
+    def __init__(self, vocab, dim, std=None, role=None):
+        # role "vocab": its rows cut over a tensor group (Megatron's VocabParallelEmbedding; its head tied
+        # to it with role "vocab" too: nn/tensor_parallel.py)
         self.vocab, self.dim = int(vocab), int(dim)
         self.std = None if std is None else float(std)
         if self.vocab < 1 or self.dim < 1:
             raise LayerError(f"Embedding({vocab}, {dim}): the vocabulary and the width must be at least 1")
+        if role not in (None, "vocab"):
+            raise LayerError(f"Embedding({vocab}, {dim}): role {role!r} is not None or 'vocab'")
+        self.role = role
 
     def configure(self, in_shape):
         super().configure(in_shape)
         self.out_shape = (*self.in_shape, self.dim)
         # the rows this rank holds: all, or its part of the vocabulary [lo, hi)
         self.rows, self._cuts = (0, self.vocab), {}
-        if self.tensor is not None:
-            group = self.tensor[1]
+        group = self.group
+        if group is not None:
             if self.vocab < group.size:   # a rank without rows: its tied head would have no columns
                 tokens = f"{self.vocab} token{'s' * (self.vocab != 1)}"
                 raise LayerError(f"a vocabulary of {tokens} cannot be cut over {group.size} ranks (one token's row "
@@ -75,20 +80,20 @@ class Embedding(Layer):
         if low < 0 or high >= self.vocab:
             raise LayerError(f"{self.describe()}: token id {low if low < 0 else high} is outside [0, {self.vocab})")
         y = ctx.buffer(("out", train), (*x.shape, self.dim), self.params["E"].dtype)
-        if self.tensor is not None:   # this rank's rows, zeros for the others' ids, added over the group
+        if self.group is not None:   # this rank's rows, zeros for the others' ids, added over the group
             lo, hi = self.rows
             inside = ctx.buffer("inside", x.shape, bool)
             xp.logical_and(ids >= lo, ids < hi, out=inside)
             ids -= lo
             ids *= inside   # an id outside: row 0, zeroed below
-            whole = ctx.buffer("whole", y.shape, y.dtype) if self.tensor[1].sequence else y
+            whole = ctx.buffer("whole", y.shape, y.dtype) if self.group.sequence else y
             xp.take(self.params["E"], ids.reshape(-1), axis=0, out=whole.reshape(-1, self.dim))
             whole *= inside[..., None]
-            if self.tensor[1].sequence:   # summed over the group, this rank's positions kept
+            if self.group.sequence:   # summed over the group, this rank's positions kept
                 y = ctx.buffer(("part", train), (x.shape[0], *self.out_shape), y.dtype)
-                self.tensor[1].reduce_scatter(whole, y)
+                self.group.reduce_scatter(whole, y)
             else:
-                self.tensor[1].sum(y)
+                self.group.sum(y)
             ctx.inside = inside
         else:
             xp.take(self.params["E"], ids.reshape(-1), axis=0, out=y.reshape(-1, self.dim))
@@ -114,10 +119,10 @@ class Embedding(Layer):
         # does the same adds, 0.9 ms against 0.02 a step of the small GPT: nn/passes.py)
         dE = self.grads["E"]
         dE[...] = 0
-        if self.tensor is not None:   # this rank's rows: its ids' positions, in their order
-            if self.tensor[1].sequence:   # every rank's positions' gradient
+        if self.group is not None:   # this rank's rows: its ids' positions, in their order
+            if self.group.sequence:   # every rank's positions' gradient
                 whole = ctx.buffer("dwhole", (*ctx.ids.shape, self.dim), dy.dtype)
-                self.tensor[1].allgather(dy, whole)
+                self.group.allgather(dy, whole)
                 dy = whole
             inside = ctx.inside.reshape(-1)
             self._add_rows(dE, ctx.ids.reshape(-1)[inside], dy.reshape(-1, self.dim)[inside])

@@ -72,6 +72,8 @@ class GELU(Layer):
     """y = x Phi(x), the exact (erf) form; its derivative Phi(x) + x phi(x),
     phi the normal density. Keeps its input and Phi(x) for the backward."""
     keeps_output = False   # its backward reads its input and Phi
+    elementwise = tokenwise = True
+    kernel = "gelu"
 
     def bind(self, xp, params, grads, state):
         super().bind(xp, params, grads, state)
@@ -83,8 +85,8 @@ class GELU(Layer):
         """fn over the flat arrays, split into rows over the compute threads."""
         n = len(arrays[0])
         flat = [a.reshape(n, -1) for a in arrays]
-        self.split(n, lambda t, lo, hi: fn(*(a[lo:hi].reshape(-1) for a in flat)),
-                   most=threads.most(floats=4 * arrays[0].size))
+        self.in_parallel(n, lambda t, lo, hi: fn(*(a[lo:hi].reshape(-1) for a in flat)),
+                         most=threads.most(floats=4 * arrays[0].size))
 
     def forward(self, ctx, x, train):
         cdf = ctx.buffer("cdf", x.shape, x.dtype)
@@ -93,7 +95,8 @@ class GELU(Layer):
             phi = ctx.phi = ctx.buffer("phi", x.shape, x.dtype)
             self._rows(_gauss_then_kernel, x, y, cdf, phi)
         else:
-            normal_cdf(self.xp, x, cdf, lambda n, work: self.split(n, work, most=threads.most(floats=30 * x.size)))
+            most = threads.most(floats=30 * x.size)
+            normal_cdf(self.xp, x, cdf, lambda n, work: self.in_parallel(n, work, most=most))
             self.xp.multiply(x, cdf, out=y)
         ctx.x, ctx.cdf = x, cdf
         return y

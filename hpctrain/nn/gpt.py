@@ -45,10 +45,13 @@ def gpt_layers(vocab, block_size, layers, heads, width, dropout=0.0):
     if width % heads:
         raise LayerError(f"gpt: the width {width} is not a multiple of the heads ({heads})")
     out_std = STD / math.sqrt(2 * layers)
-    embedding = Embedding(vocab, width, std=STD)
+    # --tensor-parallel: the vocabulary split over the group (the embedding's rows, the tied head's
+    # units), each Block by its inner layers' roles (nn/transformer.py)
+    embedding = Embedding(vocab, width, std=STD, role="vocab")
     model = [embedding, PositionEmbedding(STD), Dropout(dropout)]
     model += [Block(width, heads, dropout, std=STD, out_std=out_std) for _ in range(layers)]
-    model += [LayerNorm(), Linear(vocab, bias=False).tie("W", embedding, "E", transposed=True)]
+    model += [LayerNorm(), Linear(vocab, bias=False, role="vocab").tie("W", embedding, "E",
+                                                                                 transposed=True)]
     return model, TokenCrossEntropy()
 
 

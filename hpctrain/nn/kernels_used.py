@@ -1,19 +1,13 @@
 """Which of a model's layers run nn/compiled.py's kernels on the CPU, as
 the start-up line says it (`layers: compiled (...)` or `layers: NumPy`):
-the kinds of layer that have one, looked for inside containers too (a
-Residual's block, a transformer Block's attention, LayerNorms and GELU).
+the kernels the model's layers declare (`kernel`, nn/layers.py), looked
+for inside containers too (a Residual's block, a transformer Block's
+attention, LayerNorms and GELU).
 
     python -c "from hpctrain.nn import compiled, resnet; from hpctrain.nn.kernels_used import layers_line; compiled.use(True); print(layers_line(resnet((32, 32, 3), 10)))"
 """
 from .. import vector_width
 from . import compiled
-from .attention import CausalSelfAttention
-from .batchnorm import BatchNorm1d, BatchNorm2d
-from .conv import Conv2d
-from .gelu import GELU
-from .layers import ReLU
-from .norm import LayerNorm
-from .pool import MaxPool2d
 
 
 def layers_line(spec):
@@ -31,31 +25,17 @@ def layers_line(spec):
     return "layers: NumPy" + (" (no layer of this model has a compiled kernel)" if compiled.on() else "")
 
 
-# nn/compiled.py's kernels, by the kind of layer that runs them (_layer_kinds)
+# nn/compiled.py's kernels, by the name a layer declares as its `kernel` (_layer_kinds)
 _COMPILED = (("direct conv", "direct convolutions with 16, 32 or 64 output channels"),
              ("batch norm", "batch norm"), ("max pool", "max pooling"), ("relu", "ReLU"),
              ("attention", "attention's causal softmax"), ("layer norm", "LayerNorm"), ("gelu", "GELU"))
 
 
 def _layer_kinds(layers):
-    """The kinds of layer among `layers` and the layers inside them (a
-    Residual's, a transformer Block's) that _COMPILED names, and "conv" for a
-    convolution that runs im2col with compiled layers on (too few or many
-    output channels)."""
+    """The kernels (a layer's `kernel` declaration, nn/layers.py: "conv" for
+    a convolution that runs im2col with compiled layers on) of `layers` and
+    of the layers inside them (a Residual's, a transformer Block's)."""
     for layer in layers:
-        if isinstance(layer, CausalSelfAttention):
-            yield "attention"
-        elif getattr(layer, "inner", None):
-            yield from _layer_kinds(inner for _, inner in layer.inner)
-        elif isinstance(layer, LayerNorm):
-            yield "layer norm"
-        elif isinstance(layer, GELU):
-            yield "gelu"
-        elif isinstance(layer, Conv2d):
-            yield "direct conv" if layer.direct_fits() else "conv"
-        elif isinstance(layer, (BatchNorm1d, BatchNorm2d)):
-            yield "batch norm"
-        elif isinstance(layer, MaxPool2d) and layer.compiled_fits():
-            yield "max pool"
-        elif isinstance(layer, ReLU):
-            yield "relu"
+        if layer.kernel is not None:
+            yield layer.kernel
+        yield from _layer_kinds(inner for _, inner in getattr(layer, "inner", ()))

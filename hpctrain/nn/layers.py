@@ -1,5 +1,5 @@
 """Layers: what one layer of a model must provide, and the plain layers
-(Dense, ReLU, Flatten, Dropout). A model is a list of these (nn/sequential.py
+(ReLU, Flatten, Dropout; Dense is nn/linear.py's Linear). A model is a list of these (nn/sequential.py
 runs it; nn/spec.py lays its parameters into the one flat buffer); the image
 layers are in nn/conv.py and nn/pool.py, batch norm in nn/batchnorm.py, the residual container
 in nn/residual.py.
@@ -9,7 +9,7 @@ class; a user's own layer subclasses it and overrides what it needs):
 
 1. `configure(in_shape) -> out_shape`: shapes per sample (no batch axis),
    called once when the spec is made. Raise `LayerError` with one line when
-   the input does not fit (a Dense on a spatial input, a pool below 1x1).
+   the input does not fit (attention on a flat input, a pool below 1x1).
 2. `param_shapes()`: the trainable tensors, `[(name, shape), ...]`, in the
    order they sit in the flat buffer (`[]` for a layer without parameters:
    ReLU, pooling). Any number, any shapes: not one W and one b.
@@ -80,6 +80,8 @@ class; a user's own layer subclasses it and overrides what it needs):
    and `flops()`: multiply-adds per
    sample of its forward pass; the memory check and the pipeline's stage
    balance read these. `describe()`: one short line for the model summary.
+9. What it is, declared as class attributes a subclass inherits
+   (`elementwise`, `tokenwise`, `kernel`, `draws_noise`, `role`: `Layer`).
 
 Everything runs on NumPy or CuPy (`xp`) with the same code.
 
@@ -93,7 +95,6 @@ import numpy as np
 from . import compiled, passes, threads
 from ..precision import draw_dtype
 from .layer_errors import LayerCodeError, LayerError   # noqa: F401 (the layer contract's errors, named here too)
-from .tensor_parallel import split_linear
 
 
 def describe(layer):
@@ -156,6 +157,16 @@ class Layer:
     ties = ()             # (name, owner layer, its tensor, transposed): tensors read from another layer (tie)
     recompute_unit = False  # --recompute drops its activations after forward and recomputes them in backward
     decays = ()           # its tensors weight decay applies to (--weight-decay-on matrices): what multiplies
+    # What it is, declared here and inherited by a subclass (a user's `class MyReLU(ReLU)` is a ReLU to all
+    # of these):
+    elementwise = False   # works on each element alone: a column-parallel slice passes through as it is
+    tokenwise = False     # works on each position alone: decoded by its own forward (nn/decode.py)
+    kernel = None         # the nn/compiled.py kernel it runs with compiled layers on (nn/kernels_used.py)
+    draws_noise = False   # its training forward needs the batch's noise (Dropout)
+    # --tensor-parallel (nn/tensor_parallel.py): how it splits over a tensor group, declared where it is
+    # built (Linear's "column", "row", "vocab"; the embedding's "vocab"; attention's heads); None: whole
+    role = None
+    group = None          # the TensorGroup it is a slice of (join), None: whole
 
     def configure(self, in_shape):
         self.in_shape = tuple(in_shape)
@@ -173,6 +184,13 @@ class Layer:
 
     def init_state(self, state):
         """Fill the non-trainable tensors' starting values (views on the model's device)."""
+
+    def join(self, group):
+        """--tensor-parallel: become rank group.rank's slice of this layer
+        (by its `role`; with --sequence-parallel a layer between a GPT's
+        embedding and head, its positions). The spec calls it once, on its
+        own copy of the layer, before configure (nn/tensor_split.py)."""
+        self.group = group
 
     def bind(self, xp, params, grads, state):
         self.xp, self.params, self.grads, self.state = xp, params, grads, state
@@ -205,7 +223,7 @@ class Layer:
         per thread (nn/spec.py memory_bytes)."""
         return 0
 
-    def split(self, n, work, unit=1, most=None):
+    def in_parallel(self, n, work, unit=1, most=None):
         """work(thread, lo, hi) over rows [lo, hi) of n, on the rank's compute
         threads (nn/threads.py) when the arrays are NumPy's, in at most
         `most` parts (threads.most: what the work is worth). Each range's
@@ -266,6 +284,8 @@ class ReLU(Layer):
     """max(x, 0), in place on its input: the layer before keeps its own input,
     so nothing reads x after this (a container that does, copies first)."""
     inplace = True
+    elementwise = True
+    kernel = "relu"
 
     def bind(self, xp, params, grads, state):
         super().bind(xp, params, grads, state)
@@ -275,8 +295,8 @@ class ReLU(Layer):
             passes.prepare(("relu_backward",))
 
     def forward(self, ctx, x, train):
-        self.split(x.shape[0], lambda t, lo, hi: self.xp.maximum(x[lo:hi], 0, out=x[lo:hi]),
-                   most=threads.most(floats=x.size))
+        self.in_parallel(x.shape[0], lambda t, lo, hi: self.xp.maximum(x[lo:hi], 0, out=x[lo:hi]),
+                         most=threads.most(floats=x.size))
         ctx.y = x
         return x
 
@@ -285,93 +305,17 @@ class ReLU(Layer):
         # a warm step allocates nothing)
         if self.compiled and dy.flags.c_contiguous and ctx.y.flags.c_contiguous:
             y, flat = ctx.y.reshape(len(dy), -1), dy.reshape(len(dy), -1)
-            self.split(len(dy), lambda t, lo, hi: passes.relu_backward(y[lo:hi].reshape(-1),
-                                                                         flat[lo:hi].reshape(-1)),
-                       most=threads.most(floats=dy.size))
+            self.in_parallel(len(dy), lambda t, lo, hi: passes.relu_backward(y[lo:hi].reshape(-1),
+                                                                               flat[lo:hi].reshape(-1)),
+                             most=threads.most(floats=dy.size))
             return dy
         active = ctx.buffer("active", dy.shape, bool)
 
         def rows(t, lo, hi):
             self.xp.greater(ctx.y[lo:hi], 0, out=active[lo:hi])
             self.xp.multiply(dy[lo:hi], active[lo:hi], out=dy[lo:hi])
-        self.split(dy.shape[0], rows, most=threads.most(floats=dy.size))
+        self.in_parallel(dy.shape[0], rows, most=threads.most(floats=dy.size))
         return dy
-
-
-class Dense(Layer):
-    """y = x W + b on a flat input (batch, fan_in); W is (fan_in, units).
-    He-normal weights (for ReLU nets: variance 2/fan_in), zero bias."""
-    keeps_output = False   # its backward reads its input
-    tensor = None   # --tensor-parallel: ("column", group, kind) or ("row", group) (nn/tensor_parallel.py)
-
-    def __init__(self, units):
-        self.units = int(units)
-
-    def configure(self, in_shape):
-        if len(in_shape) != 1:
-            raise LayerError(f"Dense({self.units}) takes a flat input, not {'x'.join(map(str, in_shape))}: "
-                             f"put Flatten() before it")
-        super().configure(in_shape)
-        # here: this rank's units (all of them but in a column-parallel layer)
-        self.fan_in, self.here, self._cuts = split_linear(self, self.in_shape[0], self.units, True)
-        self.out_shape = (self.here,)
-        return self.out_shape
-
-    decays = ("W",)
-
-    def param_shapes(self):
-        return [("W", (self.fan_in, self.here)), ("b", (self.here,))]
-
-    def tensor_cuts(self):
-        return self._cuts
-
-    def init(self, rng, params, dtype):
-        params["W"][...] = he_normal(rng, params["W"].shape, self.fan_in, dtype)
-
-    def forward(self, ctx, x, train):
-        xp, W, b = self.xp, self.params["W"], self.params["b"]
-        h = ctx.buffer(("out", train), (x.shape[0], self.here), W.dtype)
-        row_parallel = self.tensor is not None and self.tensor[0] == "row"
-
-        def rows(t, lo, hi):
-            xp.matmul(x[lo:hi], W, out=h[lo:hi])
-            if not row_parallel:
-                h[lo:hi] += b
-        self._split_rows(x.shape[0], rows, x.shape[0])
-        if row_parallel:   # the partial products added over the group, then the bias each rank holds whole
-            self.tensor[1].sum(h)
-            h += b
-        ctx.x = x
-        return h
-
-    def backward(self, ctx, dy, need_dx):
-        xp, x, W, dW = self.xp, ctx.x, self.params["W"], self.grads["W"]
-        self._split_rows(self.fan_in, lambda t, lo, hi: xp.matmul(x[:, lo:hi].T, dy, out=dW[lo:hi]), dy.shape[0])
-        dy.sum(axis=0, out=self.grads["b"])
-        if not need_dx:
-            return None
-        dx = ctx.buffer("dx", (dy.shape[0], self.fan_in), dy.dtype)
-        self._split_rows(dy.shape[0], lambda t, lo, hi: xp.matmul(dy[lo:hi], W.T, out=dx[lo:hi]), dy.shape[0])
-        if self.tensor is not None and self.tensor[0] == "column":
-            self.tensor[1].sum(dx)   # each rank's units' part of the input gradient, added
-        return dx
-
-    def _split_rows(self, n, work, batch):
-        """A product over ranges of its output's rows (whole BLAS row tiles:
-        threads.ROW_TILE), on the compute threads where it is large enough:
-        each output row is the one it is in one GEMM. Not by columns: BLAS
-        sums a column in other bits when it is cut off from its neighbours."""
-        self.split(n, work, unit=threads.row_unit(1), most=threads.most(macs=batch * self.fan_in * self.here))
-
-    def train_floats(self):
-        # its output, and the gradient the next layer hands back (the same size)
-        return 2 * self.here
-
-    def flops(self):
-        return self.fan_in * self.here
-
-    def describe(self):
-        return f"Dense({self.units})"
 
 
 # splitmix64's constants: a counter-based generator, the same bits on NumPy and CuPy
@@ -415,12 +359,12 @@ class Dropout(Layer):
     # --tensor-parallel: where this rank's units start among the whole layer's (its heads' or positions'
     # part: nn/tensor_parallel.py), so a slice draws the whole layer's mask's slice
     unit_offset = 0
+    tokenwise = True
+    draws_noise = True
 
     @property
     def view(self):
         return self.p == 0   # p = 0 hands its input on as it is
-
-    split = None   # --tensor-parallel: the TensorGroup whose slices of the whole layer's units it masks
 
     def __init__(self, p):
         self.p = float(p)
@@ -429,8 +373,9 @@ class Dropout(Layer):
 
     def configure(self, in_shape):
         super().configure(in_shape)
-        # a slice (rank r's heads or positions, the leading axis of a sample) starts at unit r x its size
-        self.unit_offset = self.split.rank * math.prod(self.in_shape) if self.split is not None else 0
+        # joined to a tensor group, it masks a slice of the whole layer's units (rank r's heads or
+        # positions, the leading axis of a sample), which starts at unit r x its size
+        self.unit_offset = self.group.rank * math.prod(self.in_shape) if self.group is not None else 0
         return self.out_shape
 
     def _mask(self, ctx, x):

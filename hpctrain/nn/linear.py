@@ -1,10 +1,13 @@
 """Linear: y = x W (+ b) over the last axis of an input of any shape, each
-position by itself: a transformer's projections on (batch, T, E). Dense
-(nn/layers.py) stays the flat layer of the MLPs and CNNs, which refuses a
-spatial input with a hint to flatten it; this one is for token vectors.
-Weights N(0, std) (nanoGPT's 0.02, `normal`), the bias zero or absent
-(`bias=False`: a tied output head, `Linear(vocab, bias=False).tie("W",
-embedding, "E", transposed=True)`).
+position by itself: the MLPs' and CNNs' dense layers on (batch, fan_in), a
+transformer's projections on (batch, T, E). One class; `Dense` (below)
+is the same layer with He-normal weights (variance 2 / fan_in, for ReLU
+nets), the name the MLPs, the CNNs and users' model files have always
+written; `Linear` draws N(0, std), nanoGPT's 0.02 unless given (each the
+draw it has always made, so a user's model starts where it always did).
+The bias zero or absent (`bias=False`: a tied head). `role`, chosen where the model is written as Megatron-LM chooses
+ColumnParallelLinear or RowParallelLinear (nn/tensor_parallel.py):
+"column", "row", "vocab" (a head's units over the vocabulary) or None.
 
     python -m pytest -q tests/test_transformer_layers.py -k Linear
 """
@@ -12,8 +15,10 @@ import math
 
 from . import threads
 from ..precision import draw_dtype
-from .layers import Layer, LayerError
+from .layers import Layer, LayerError, he_normal
 from .tensor_parallel import split_linear
+
+ROLES = (None, "column", "row", "vocab")
 
 
 def normal(rng, shape, std, dtype):
@@ -27,12 +32,23 @@ def normal(rng, shape, std, dtype):
 class Linear(Layer):
     """(batch, ..., fan_in) -> (batch, ..., units); W is (fan_in, units)."""
     keeps_output = False   # its backward reads its input
-    tensor = None   # --tensor-parallel: ("column", group, kind) or ("row", group) (nn/tensor_parallel.py)
+    tokenwise = True       # each position by itself: decoded by its own forward (nn/decode.py)
 
-    def __init__(self, units, bias=True, std=0.02):
-        self.units, self.bias, self.std = int(units), bool(bias), float(std)
+    def __init__(self, units, bias=True, std=0.02, role=None):
+        self.units, self.bias = int(units), bool(bias)
+        self.std = None if std is None else float(std)
         if self.units < 1:
-            raise LayerError(f"Linear({units}): at least one unit")
+            raise LayerError(f"{self.describe()}: at least one unit")
+        if role not in ROLES:
+            raise LayerError(f"{self.describe()}: role {role!r} is none of {', '.join(map(repr, ROLES))}")
+        self.role = role
+
+    def join(self, group, role=None):
+        """--tensor-parallel: this layer as rank group.rank's slice of itself,
+        by its role (`role`: the one the spec pairs it in where it was built
+        without one: nn/tensor_split.py)."""
+        self.group = group
+        self.role = role or self.role
 
     def configure(self, in_shape):
         super().configure(in_shape)
@@ -42,15 +58,15 @@ class Linear(Layer):
         # --sequence-parallel: a column layer gathers every rank's positions before it, a row
         # layer keeps this rank's after it (the sum's reduce-scatter); the positions: the first axis
         self.gathers = self.keeps_part = False
-        if self.tensor is not None and self.tensor[1].sequence:
-            size = self.tensor[1].size
-            if self.tensor[0] == "column":
+        if self.group is not None and self.group.sequence:
+            size = self.group.size
+            if self.role == "row":
+                self.keeps_part = True
+                self.group.positions(self.in_shape[0])
+                self.out_shape = (self.in_shape[0] // size, *self.out_shape[1:])
+            else:
                 self.gathers = True
                 self.out_shape = (self.in_shape[0] * size, *self.out_shape[1:])
-            else:
-                self.keeps_part = True
-                self.tensor[1].positions(self.in_shape[0])
-                self.out_shape = (self.in_shape[0] // size, *self.out_shape[1:])
         return self.out_shape
 
     decays = ("W",)
@@ -62,56 +78,59 @@ class Linear(Layer):
         return self._cuts
 
     def init(self, rng, params, dtype):
-        params["W"][...] = normal(rng, params["W"].shape, self.std, dtype)
+        shape = params["W"].shape
+        params["W"][...] = he_normal(rng, shape, self.fan_in, dtype) if self.std is None else \
+            normal(rng, shape, self.std, dtype)
 
     def forward(self, ctx, x, train):
-        xp, W = self.xp, self.params["W"]
+        xp, W, group = self.xp, self.params["W"], self.group
         if self.gathers:   # every rank's positions
-            whole = ctx.buffer("whole", (x.shape[0], x.shape[1] * self.tensor[1].size, *x.shape[2:]), x.dtype)
-            self.tensor[1].allgather(x, whole)
+            whole = ctx.buffer("whole", (x.shape[0], x.shape[1] * group.size, *x.shape[2:]), x.dtype)
+            group.allgather(x, whole)
             x = whole
         rows = x.reshape(-1, self.fan_in)
         h = ctx.buffer("partial" if self.keeps_part else ("out", train), (rows.shape[0], self.here), W.dtype)
-        row_parallel = self.tensor is not None and self.tensor[0] == "row"
+        row_parallel = group is not None and self.role == "row"
 
         def part(t, lo, hi):
             xp.matmul(rows[lo:hi], W, out=h[lo:hi])
             if self.bias and not row_parallel:
                 h[lo:hi] += self.params["b"]
-        self._split_rows(rows.shape[0], part, rows.shape[0])
+        self._rows_in_parallel(rows.shape[0], part, rows.shape[0])
         ctx.rows = rows
         if self.keeps_part:   # summed over the group, this rank's positions kept, then the bias
             out = ctx.buffer(("out", train), (x.shape[0], *self.out_shape), W.dtype)
-            self.tensor[1].reduce_scatter(h.reshape(*x.shape[:-1], self.here), out)
+            group.reduce_scatter(h.reshape(*x.shape[:-1], self.here), out)
             if self.bias:
                 out += self.params["b"]
             return out
         if row_parallel:   # the partial products added over the group, then the bias each rank holds whole
-            self.tensor[1].sum(h)
+            group.sum(h)
             if self.bias:
                 h += self.params["b"]
         return h.reshape(*x.shape[:-1], self.here)
 
     def backward(self, ctx, dy, need_dx):
-        xp, rows, W, dW = self.xp, ctx.rows, self.params["W"], self.grads["W"]
+        xp, rows, W, dW, group = self.xp, ctx.rows, self.params["W"], self.grads["W"], self.group
         if self.keeps_part:   # the bias's gradient from this rank's positions, summed; then every rank's
             if self.bias:
                 dy.reshape(-1, self.here).sum(axis=0, out=self.grads["b"])
-                self.tensor[1].sum(self.grads["b"])
-            whole = ctx.buffer("dwhole", (dy.shape[0], dy.shape[1] * self.tensor[1].size, *dy.shape[2:]), dy.dtype)
-            self.tensor[1].allgather(dy, whole)
+                group.sum(self.grads["b"])
+            whole = ctx.buffer("dwhole", (dy.shape[0], dy.shape[1] * group.size, *dy.shape[2:]), dy.dtype)
+            group.allgather(dy, whole)
             dy = whole
         d = dy.reshape(-1, self.here)
         dx = ctx.buffer("dx", rows.shape, dy.dtype) if need_dx else None
 
         def weight():
-            self._split_rows(self.fan_in, lambda t, lo, hi: xp.matmul(rows[:, lo:hi].T, d, out=dW[lo:hi]),
-                             d.shape[0])
+            self._rows_in_parallel(self.fan_in, lambda t, lo, hi: xp.matmul(rows[:, lo:hi].T, d, out=dW[lo:hi]),
+                                   d.shape[0])
             if self.bias and not self.keeps_part:
                 d.sum(axis=0, out=self.grads["b"])
 
         def inputs():
-            self._split_rows(d.shape[0], lambda t, lo, hi: xp.matmul(d[lo:hi], W.T, out=dx[lo:hi]), d.shape[0])
+            self._rows_in_parallel(d.shape[0], lambda t, lo, hi: xp.matmul(d[lo:hi], W.T, out=dx[lo:hi]),
+                                   d.shape[0])
         if not need_dx:
             weight()
             return None
@@ -119,17 +138,18 @@ class Linear(Layer):
         dx = dx.reshape(*dy.shape[:-1], self.fan_in)
         if self.gathers:   # summed over the group, this rank's positions kept
             part = ctx.buffer("dpart", (dy.shape[0], *self.in_shape), dy.dtype)
-            self.tensor[1].reduce_scatter(dx, part)
+            group.reduce_scatter(dx, part)
             return part
-        if self.tensor is not None and self.tensor[0] == "column":
-            self.tensor[1].sum(dx)   # each rank's units' part of the input gradient, added
+        if group is not None and self.role != "row":
+            group.sum(dx)   # each rank's units' part of the input gradient, added
         return dx
 
-    def _split_rows(self, n, work, rows):
-        """Dense's rule (nn/layers.py Dense._split_rows): a product over
-        ranges of its output's rows, whole BLAS row tiles, so the bits do not
-        depend on the threads."""
-        self.split(n, work, unit=threads.row_unit(1), most=threads.most(macs=rows * self.fan_in * self.here))
+    def _rows_in_parallel(self, n, work, rows):
+        """A product over ranges of its output's rows (whole BLAS row tiles:
+        threads.ROW_TILE), on the compute threads where it is large enough:
+        each output row is the one it is in one GEMM. Not by columns: BLAS
+        sums a column in other bits when it is cut off from its neighbours."""
+        self.in_parallel(n, work, unit=threads.row_unit(1), most=threads.most(macs=rows * self.fan_in * self.here))
 
     def train_floats(self):
         # its output and the gradient handed back
@@ -139,4 +159,16 @@ class Linear(Layer):
         return math.prod(self.in_shape[:-1]) * self.fan_in * self.here
 
     def describe(self):
+        # He-initialised with a bias it is the layer model identities have always named Dense
+        # (checkpoints compare the identity, a digest of these lines: nn/spec.py)
+        if self.std is None and self.bias:
+            return f"Dense({self.units})"
         return f"Linear({self.units}{'' if self.bias else ', bias=False'})"
+
+
+class Dense(Linear):
+    """Linear with He-normal weights and a bias: the MLPs', the CNNs' and
+    users' model files' dense layer (nothing else of its own)."""
+
+    def __init__(self, units, role=None):
+        super().__init__(units, bias=True, std=None, role=role)

@@ -60,8 +60,10 @@ class ClassCrossEntropy(Loss):
 
     def check(self, out_shape, classes):
         if tuple(out_shape) != (classes,):
+            # a Dense (Linear) acts on its input's last axis: on an image it gives one row of scores per pixel row
+            hint = ": put Flatten() before the dense layers" if len(out_shape) > 1 else ""
             raise LayerError(f"the last layer gives {'x'.join(map(str, out_shape))} outputs per sample, "
-                             f"the data has {classes} classes")
+                             f"the data has {classes} classes{hint}")
 
     def forward_backward(self, ctx, logits, targets):
         xp = ctx.xp
@@ -115,16 +117,21 @@ class TokenCrossEntropy(Loss):
     own tokens, which is the global mean when each counts as many tokens
     (no ignored targets, or as many on each)."""
 
-    tensor = None   # --tensor-parallel: the TensorGroup the vocabulary is cut over (nn/tensor_parallel.py)
+    group = None   # --tensor-parallel: the TensorGroup the vocabulary is cut over (join; nn/tensor_parallel.py)
 
     def __init__(self, ignore_index=-1):
         self.ignore_index = int(ignore_index)
 
+    def join(self, group):
+        """--tensor-parallel: score the slice of the logits a vocabulary-parallel
+        head gives (the spec calls it, before check: nn/tensor_split.py)."""
+        self.group = group
+
     def check(self, out_shape, classes):
         self.rows = (0, classes)   # the logits' columns this rank holds: the vocabulary, or its part
-        if self.tensor is not None:
-            bounds = nearly_even(classes, self.tensor.size)
-            self.rows = bounds[self.tensor.rank:self.tensor.rank + 2]
+        if self.group is not None:
+            bounds = nearly_even(classes, self.group.size)
+            self.rows = bounds[self.group.rank:self.group.rank + 2]
         if len(out_shape) != 2 or out_shape[1] != self.rows[1] - self.rows[0]:
             raise LayerError(f"the last layer gives {'x'.join(map(str, out_shape))} outputs per sample, a "
                              f"per-token loss needs (positions, {classes}): one score per token of the vocabulary")
@@ -139,7 +146,7 @@ class TokenCrossEntropy(Loss):
         return rows, xp.where(counted, ids, 0), counted.astype(logits.dtype)
 
     def forward_backward(self, ctx, logits, targets):
-        if self.tensor is not None:
+        if self.group is not None:
             return self._split_forward_backward(ctx, logits, targets)
         xp = ctx.xp
         rows, ids, counted = self._scored(ctx, logits, targets)
@@ -167,7 +174,7 @@ class TokenCrossEntropy(Loss):
         rows, ids, counted = self._scored(ctx, logits, targets)
         inside = (ids >= lo) & (ids < hi)
         local = xp.where(inside, ids - lo, 0)
-        top = self.tensor.max(rows.max(axis=1))
+        top = self.group.max(rows.max(axis=1))
         return rows, local, inside.astype(rows.dtype), counted, top
 
     def _split_forward_backward(self, ctx, logits, targets):
@@ -183,7 +190,7 @@ class TokenCrossEntropy(Loss):
         xp.multiply(d[index, local], inside, out=sums[1])   # the target's shifted logit, where it is here
         xp.exp(d, out=d)
         d.sum(axis=1, out=sums[0])
-        total, picked = self.tensor.sum(sums)
+        total, picked = self.group.sum(sums)
         d /= total[:, None]
         count = xp.maximum(counted.sum(), 1)
         loss = ((xp.log(total) - picked) * counted).sum() / count
@@ -193,19 +200,19 @@ class TokenCrossEntropy(Loss):
 
     def sums(self, ctx, logits, targets):
         xp = ctx.xp
-        if self.tensor is not None:
+        if self.group is not None:
             rows, local, inside, counted, top = self._split(ctx, logits, targets)
             index = xp.arange(rows.shape[0])
             shifted = rows - top[:, None]
             both = xp.stack([xp.exp(shifted).sum(axis=1), shifted[index, local] * inside])
-            total, picked = self.tensor.sum(both)
+            total, picked = self.group.sum(both)
             # the first column holding the row's max over the group (np.argmax's choice), in the whole vocabulary
             best = rows.argmax(axis=1)
             first = xp.where(rows[index, best] == top, best + self.rows[0], self.rows[1] + 2 ** 40).astype(xp.int64)
-            first = self.tensor.min(first)
+            first = self.group.min(first)
             ids = local + self.rows[0]
             right = ((first == ids) & (inside > 0)) * counted
-            right = self.tensor.sum(right.astype(xp.int64))
+            right = self.group.sum(right.astype(xp.int64))
             losses = xp.log(total) - picked
             return {"loss": float((losses * counted).sum()), "count": int(counted.sum()), "correct": int(right.sum())}
         rows, ids, counted = self._scored(ctx, logits, targets)

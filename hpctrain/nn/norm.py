@@ -19,8 +19,9 @@ EPS = 1e-5
 class LayerNorm(Layer):
     """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last axis."""
     keeps_output = False   # its backward reads the normalised input and 1/std
-
-    tensor = None   # --sequence-parallel: the TensorGroup whose positions it normalises (nn/tensor_parallel.py)
+    tokenwise = True
+    kernel = "layer norm"
+    # joined to a tensor group (--sequence-parallel): it normalises this rank's positions (nn/tensor_parallel.py)
 
     def __init__(self, eps=EPS):
         self.eps = float(eps)
@@ -46,7 +47,7 @@ class LayerNorm(Layer):
     def _rows(self, work, rows):
         """work(lo, hi) over row ranges [lo, hi) of rows, on the compute threads."""
         # the compiled passes take some 0.6 ns an element: a part of MIN_FLOATS is worth its hand-off
-        self.split(len(rows), lambda _, lo, hi: work(lo, hi), most=threads.most(floats=rows.size))
+        self.in_parallel(len(rows), lambda _, lo, hi: work(lo, hi), most=threads.most(floats=rows.size))
 
     def forward(self, ctx, x, train):
         xp, gamma, beta = self.xp, self.params["gamma"], self.params["beta"]
@@ -90,14 +91,14 @@ class LayerNorm(Layer):
         def inputs():   # dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma: a pass a row
             self._rows(lambda lo, hi: passes.layer_norm_backward(d[lo:hi], gamma, xhat[lo:hi],
                                                                  rstd[lo:hi].reshape(-1), g[lo:hi]), d)
-        if need_dx and compiled and self.tensor is None:   # on two threads, the sums beside it (threads.pair)
+        if need_dx and compiled and self.group is None:   # on two threads, the sums beside it (threads.pair)
             self.pair(inputs, sums)
             return g.reshape(dy.shape)
         sums()
-        if self.tensor is not None:   # --sequence-parallel: this rank's positions' part, summed over the group
+        if self.group is not None:   # --sequence-parallel: this rank's positions' part, summed over the group
             both = ctx.buffer("both", (2, self.width), dy.dtype)
             both[0], both[1] = self.grads["gamma"], self.grads["beta"]
-            self.tensor.sum(both)
+            self.group.sum(both)
             self.grads["gamma"][...], self.grads["beta"][...] = both
         if not need_dx:
             return None

@@ -71,6 +71,10 @@ class MaxPool2d(_Pool):
         self.offsets = np.uint8 if self.k * self.k <= 256 else np.uint16 if self.k * self.k <= 65536 else np.uint32
         return out
 
+    @property
+    def kernel(self):
+        return "max pool" if self.compiled_fits() else None   # (nn/kernels_used.py)
+
     def compiled_fits(self, xp=np):
         """Whether this layer runs nn/passes.py's compiled passes (configured)."""
         return compiled.on() and xp is np and self.stride == self.k and self.offsets is np.uint8
@@ -89,9 +93,9 @@ class MaxPool2d(_Pool):
         won = ctx.won = ctx.buffer("won", y.shape, self.offsets)
         if self.compiled:
             x = np.ascontiguousarray(x)
-            self.split(x.shape[0], lambda t, lo, hi: passes.max_pool_forward(x[lo:hi], y[lo:hi], won[lo:hi],
-                                                                               self.k),
-                       most=threads.most(floats=x.size))
+            self.in_parallel(x.shape[0], lambda t, lo, hi: passes.max_pool_forward(x[lo:hi], y[lo:hi], won[lo:hi],
+                                                                                     self.k),
+                             most=threads.most(floats=x.size))
             return y
         gt = ctx.buffer("gt", y.shape, bool)
         offset = ctx.buffer("offset", y.shape, self.offsets)
@@ -115,9 +119,9 @@ class MaxPool2d(_Pool):
         dx, won = self._dx(ctx, dy), ctx.won
         if self.compiled:
             dy = np.ascontiguousarray(dy)
-            self.split(dy.shape[0], lambda t, lo, hi: passes.max_pool_backward(dy[lo:hi], won[lo:hi], dx[lo:hi],
-                                                                                 self.k),
-                       most=threads.most(floats=dx.size))
+            self.in_parallel(dy.shape[0], lambda t, lo, hi: passes.max_pool_backward(dy[lo:hi], won[lo:hi], dx[lo:hi],
+                                                                                       self.k),
+                             most=threads.most(floats=dx.size))
             return dx
         hit = ctx.buffer("gt", dy.shape, bool)
         part = ctx.buffer("part", dy.shape, dy.dtype)

@@ -40,7 +40,7 @@ import numpy as np
 
 from . import compiled
 from .grad_slots import GradSlots
-from .layers import Dropout, LayerCodeError, LayerError, describe
+from .layers import LayerCodeError, LayerError, describe
 from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
 from .store import PlainStore
@@ -165,15 +165,16 @@ INPUT_KINDS = ("image", "tokens")
 
 class ModelSpec:
     def __init__(self, layers, input_shape, classes, name="custom", code=None, loss=None, input_kind=None,
-                 tensor=None):
+                 tensor=None, full=None):
         """code: a digest of the code that made the layers (a user's model
         file and what it imports beside it, nn/user.py), which ranks compare.
         loss: a nn/losses.Loss (None: softmax cross-entropy over classes).
         input_kind: what the model takes (INPUT_KINDS; None: its first layer's).
         tensor: a nn/tensor_parallel.TensorGroup: this rank's slice of the
-        model split over it (made by `split_tensor`, which sets `full`)."""
+        model split over it (made by `split_tensor`); full: then the whole
+        model's spec."""
         self.layers, self.name, self.code = list(layers), name, code
-        self.tensor, self.full = tensor, self
+        self.tensor, self.full = tensor, self if full is None else full
         # --recompute: the runner recomputes each recompute unit's activations in
         # backward (nn/sequential.LayerRange); the same bits, less memory
         self.recompute = False
@@ -240,8 +241,8 @@ class ModelSpec:
         if group.size == 1:
             return self
         local = ModelSpec(copy.deepcopy(self.layers), self.input_shape, self.classes, name=self.name,
-                          code=self.code, loss=copy.deepcopy(self.loss), input_kind=self.input_kind, tensor=group)
-        local.full = self
+                          code=self.code, loss=copy.deepcopy(self.loss), input_kind=self.input_kind, tensor=group,
+                          full=self)
         layout = local_layout(self, local.cuts, group.rank)
         if [(name, shape) for name, _, _, shape, _, _ in layout] != [(n, s) for n, s, _, _ in local.tensors]:
             raise LayerCodeError("the split model's tensors are not the whole model's cut (a layer's "
@@ -322,7 +323,7 @@ class ModelSpec:
         """Whether training needs `noise` (a Dropout, inside a container too):
         the loops pass the batch's sample ids only then."""
         def draws(layer):
-            return isinstance(layer, Dropout) or any(draws(inner) for _, inner in getattr(layer, "inner", ()))
+            return layer.draws_noise or any(draws(inner) for _, inner in getattr(layer, "inner", ()))
         return any(draws(layer) for layer in self.layers)
 
     def flops(self):

@@ -33,21 +33,24 @@ the model whole on every rank of the group.
   on a slice (heads or positions) draws that slice of the whole layer's
   mask (nn/layers.Dropout.unit_offset), so T changes no random draw.
 
-`split_model(layers, loss, group)` (nn/tensor_split.py) decides which
-layers split, before the spec configures them (nn/spec.ModelSpec's
-`tensor`): a transformer Block splits its attention and MLP, the embedding and its tied head the
-vocabulary, and Dense or Linear layers pair up (column, then row) where
-only elementwise layers lie between them; every other layer, and a last
-unpaired Dense, stays whole on every rank (replicated: its gradient is the
-same on every rank of the group, nothing to add). A layer that splits says
+A layer's role is declared where it is built (`Linear(n, role="column")`,
+`"row"`, `"vocab"`; `Embedding(..., role="vocab")`; attention splits by
+heads; a transformer Block by its inner layers' roles), and
+`split_model(layers, loss, group)` (nn/tensor_split.py) has the spec's
+copy of each such layer join the group (`layer.join(group)`) before the
+spec configures it; in a model built without roles, Linear (Dense) layers
+pair up (column, then row) where only elementwise layers lie between
+them. Every other layer, and a last unpaired Dense, stays whole on every
+rank (replicated: its gradient is the same on every rank of the group,
+nothing to add). A layer that splits says
 how each of its tensors is cut (`tensor_cuts()` -> {name: Cut}); that is
 all checkpoints, --save and the initial draw need to go between a rank's
 flat buffer and the whole model's tensors (`local_layout`): the file holds
 the whole tensors, so a run resumes at any T.
 
-The collectives go through the group's handle (`TensorGroup.comm`, set by
-the runner from the mesh's tensor axis: comm/tensor_group.py); nn/ never
-imports MPI. A group of one (T = 1) sends nothing.
+The collectives go through the group's handle (`TensorGroup(..., comm=)`,
+made at start-up on the mesh's tensor axis: comm/tensor_group.py); nn/
+never imports MPI. A group of one (T = 1) sends nothing.
 
     mpirun -n 2 python -m mpi4py -m pytest -q --only-mpi tests/test_tensor_parallel.py
 """
@@ -112,11 +115,12 @@ def nearly_even(n, size):
 class TensorGroup:
     """The tensor group a rank's split layers belong to: `size` ranks, this
     one `rank` among them, and `comm`, the handle their collectives go
-    through (None until the runner sets it; comm/tensor_group.py): in place
+    through (comm/tensor_group.TensorComm on the mesh's tensor axis, made
+    at start-up; None: a spec that is only looked at, never run): in place
     on an array, `sum(a)`, `max(a)`, `min(a)` over the group."""
 
-    def __init__(self, size, rank, sequence=False):
-        self.size, self.rank, self.comm = int(size), int(rank), None
+    def __init__(self, size, rank, sequence=False, comm=None):
+        self.size, self.rank, self.comm = int(size), int(rank), comm
         # --sequence-parallel: between the split layers the activations are cut along the positions
         self.sequence = bool(sequence)
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -160,7 +164,7 @@ class TensorGroup:
 
     def _comm(self):
         if self.comm is None:
-            raise RuntimeError("a tensor-parallel layer ran before the runner gave its group a communicator")
+            raise RuntimeError("a tensor-parallel layer ran in a group made without a communicator")
         return self.comm
 
     def __deepcopy__(self, memo):
@@ -230,16 +234,15 @@ def counted_ranges(full_spec, cuts, t):
 
 
 def split_linear(layer, fan_in, units, bias):
-    """(fan_in here, units here, {tensor: Cut}) of a Dense or Linear by its
-    `tensor` role: None (whole), ("column", group, kind) (its units cut:
-    evenly, or nearly so for the vocabulary, kind "vocab") or ("row", group)
-    (its input is the column layer's slice: fan_in here is the slice's)."""
-    role = layer.tensor
-    if role is None:
+    """(fan_in here, units here, {tensor: Cut}) of a Linear by its `role`
+    over its `group`: whole (no group), "column" (its units cut evenly),
+    "vocab" (nearly evenly: a head's vocabulary) or "row" (its input is the
+    column layer's slice: fan_in here is the slice's)."""
+    role, group = layer.role, layer.group
+    if group is None:
         return fan_in, units, {}
-    group = role[1]
-    if role[0] == "column":
-        bounds = nearly_even(units, group.size) if role[2] == "vocab" else \
+    if role != "row":
+        bounds = nearly_even(units, group.size) if role == "vocab" else \
             even(units, group.size, f"{layer.describe()}: the units")
         here = bounds[group.rank + 1] - bounds[group.rank]
         return fan_in, here, {"W": Cut(1, 1, bounds), **({"b": Cut(0, 1, bounds)} if bias else {})}

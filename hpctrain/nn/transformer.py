@@ -31,7 +31,7 @@ class PositionEmbedding(Layer):
     sequence (t < T positions: a prompt, called outside a spec) gets P's
     first t rows, and the other rows' gradient is 0."""
     keeps_output = False   # its backward reads nothing
-    tensor = None   # --sequence-parallel: the TensorGroup whose positions it gets (nn/tensor_parallel.py)
+    # joined to a tensor group (--sequence-parallel): it gets this rank's positions (nn/tensor_parallel.py)
 
     def __init__(self, std=0.02):
         self.std = float(std)
@@ -43,9 +43,9 @@ class PositionEmbedding(Layer):
         super().configure(in_shape)
         # the table's rows: every position's; this rank's input from `first` on (a slice of them)
         self.table, self.first = self.in_shape, 0
-        if self.tensor is not None:
-            self.table = (self.in_shape[0] * self.tensor.size, self.in_shape[1])
-            self.first = self.tensor.rank * self.in_shape[0]
+        if self.group is not None:
+            self.table = (self.in_shape[0] * self.group.size, self.in_shape[1])
+            self.first = self.group.rank * self.in_shape[0]
         return self.out_shape
 
     def param_shapes(self):
@@ -64,8 +64,8 @@ class PositionEmbedding(Layer):
         dP[:a] = 0
         dP[b:] = 0
         dy.sum(axis=0, out=dP[a:b])
-        if self.tensor is not None:   # --sequence-parallel: each rank its positions' rows, the others 0
-            self.tensor.sum(dP)
+        if self.group is not None:   # --sequence-parallel: each rank its positions' rows, the others 0
+            self.group.sum(dP)
         return dy if need_dx else None
 
     def train_floats(self):
@@ -84,12 +84,14 @@ class Block(Container):
     residual branches."""
     keeps_output = False   # its backward reads its inner layers' own buffers
     recompute_unit = True  # --recompute's grain: one block (nn/sequential.LayerRange)
+    role = "block"         # --tensor-parallel: its inner layers split by their own roles (join)
 
     def __init__(self, width, heads, dropout=0.0, std=0.02, out_std=0.02):
         self.width = int(width)
         self.attn_path = [LayerNorm(), CausalSelfAttention(heads, dropout, std, out_std), Dropout(dropout)]
-        self.mlp_path = [LayerNorm(), Linear(4 * self.width, std=std), GELU(), Linear(self.width, std=out_std),
-                         Dropout(dropout)]
+        # --tensor-parallel: the attention by heads, fc column- and proj row-parallel (Megatron's MLP)
+        self.mlp_path = [LayerNorm(), Linear(4 * self.width, std=std, role="column"), GELU(),
+                         Linear(self.width, std=out_std, role="row"), Dropout(dropout)]
         self.inner = list(zip(("ln1", "attn", "drop1"), self.attn_path)) + \
             list(zip(("ln2", "fc", "gelu", "proj", "drop2"), self.mlp_path))
         self._chains = None
@@ -110,21 +112,15 @@ class Block(Container):
         # each path's input is read again by the residual sum: an in-place layer gets a copy (nn/chain.py)
         self._chains = Chain(self.attn_path, xp, input_kept=True), Chain(self.mlp_path, xp, input_kept=True)
 
-    def split(self, group):
-        """--tensor-parallel: the attention by heads, the MLP's fc
-        column-parallel and proj row-parallel over `group` (nn/tensor_parallel.py);
-        with --sequence-parallel the rest (the norms, the dropouts, the
-        residual sums) on this rank's positions."""
-        attn = self.attn_path[1]
-        attn.tensor = group
-        attn.drop.split = group   # its heads' part of the attention's mask
-        self.mlp_path[1].tensor = ("column", group, None)
-        self.mlp_path[3].tensor = ("row", group)
-        if group.sequence:
-            for layer in (self.attn_path[0], self.mlp_path[0]):
-                layer.tensor = group
-            for layer in (self.attn_path[2], self.mlp_path[4]):
-                layer.split = group
+    def join(self, group):
+        """--tensor-parallel: its inner layers by the roles they were built
+        with (the attention by heads, fc column- and proj row-parallel over
+        `group`: nn/tensor_parallel.py); with --sequence-parallel the rest
+        (the norms, the dropouts, the residual sums) on this rank's positions."""
+        self.group = group
+        (ln1, attn, drop1), (ln2, fc, _, proj, drop2) = self.attn_path, self.mlp_path
+        for layer in (attn, fc, proj) + ((ln1, drop1, ln2, drop2) if group.sequence else ()):
+            layer.join(group)
 
     def tensor_cuts(self):
         return {f"{prefix}.{name}": cut for prefix, layer in self.inner

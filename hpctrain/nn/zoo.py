@@ -34,7 +34,8 @@ from . import user
 from .check import check_layers
 from .conv import Channels, Conv2d
 from .pool import GlobalAvgPool, MaxPool2d
-from .layers import Dense, Dropout, Flatten, ReLU
+from .layers import Dropout, Flatten, ReLU
+from .linear import Dense
 from .batchnorm import BatchNorm2d
 from .residual import Residual
 from .gpt import gpt
@@ -45,16 +46,24 @@ MNIST_SHAPE = (28, 28)
 MNIST_CLASSES = 10
 
 
+def _dense(widths):
+    """Dense layers of these widths, ReLU between them, paired for
+    --tensor-parallel (column, then row; an odd last one whole:
+    nn/tensor_parallel.py)."""
+    layers = []
+    for k, width in enumerate(widths):
+        pair = k < len(widths) // 2 * 2
+        layers += [Dense(width, role=("column", "row")[k % 2] if pair else None), ReLU()]
+    return layers[:-1]
+
+
 def mlp(input_shape=MNIST_SHAPE, classes=MNIST_CLASSES, hidden=(500, 500)):
-    layers = [Flatten()]
-    for width in hidden:
-        layers += [Dense(width), ReLU()]
-    return ModelSpec([*layers, Dense(classes)], input_shape, classes, name="mlp")
+    return ModelSpec([Flatten(), *_dense([*hidden, classes])], input_shape, classes, name="mlp")
 
 
 def lenet(input_shape=MNIST_SHAPE, classes=MNIST_CLASSES):
     layers = [Channels(), Conv2d(6, 5, padding=2), MaxPool2d(2), ReLU(), Conv2d(16, 5), MaxPool2d(2), ReLU(),
-              Flatten(), Dense(120), ReLU(), Dense(84), ReLU(), Dense(classes)]
+              Flatten(), *_dense([120, 84, classes])]
     return ModelSpec(layers, input_shape, classes, name="lenet")
 
 
@@ -85,7 +94,7 @@ def resnet(input_shape=MNIST_SHAPE, classes=MNIST_CLASSES, width=16):
 
 def small_cnn(input_shape=MNIST_SHAPE, classes=MNIST_CLASSES):
     layers = [Channels(), Conv2d(32, 3, padding=1), MaxPool2d(2), ReLU(), Conv2d(64, 3, padding=1), MaxPool2d(2),
-              ReLU(), Flatten(), Dense(256), ReLU(), Dense(classes)]
+              ReLU(), Flatten(), *_dense([256, classes])]
     return ModelSpec(layers, input_shape, classes, name="small_cnn")
 
 

@@ -29,6 +29,7 @@ from ..data.fit import check_kind
 from ..errors import HpctrainError
 from ..nn import LayerError, compiled, spec_for, threads
 from ..nn.kernels_used import layers_line
+from ..comm.tensor_group import TensorComm
 from ..nn.tensor_parallel import TensorGroup
 from ..nn.layers import LayerCodeError
 from ..nn.user import UserModelError
@@ -175,7 +176,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     cuts = agree(cuts_for, args, cluster.size, spec)
     world = with_mesh(world, args)
     if args.tensor_parallel > 1:   # this rank's slice of the model (nn/tensor_parallel.py)
-        spec = agree(tensor_slice, args, spec, world.mesh)
+        spec = agree(tensor_slice, args, spec, world)
         say(tensor_line(spec, world.mesh))
         apart = groups_across_nodes(world.mesh.size("tensor"), cluster.hosts)
         if apart and cluster.is_chief:   # allowed, but every layer's allreduces then cross the slow links
@@ -256,11 +257,14 @@ def with_mesh(world, args):
     return replace(world, mesh=mesh)
 
 
-def tensor_slice(args, spec, mesh):
+def tensor_slice(args, spec, world):
     """--tensor-parallel T: the spec of this rank's slice of the model (its
-    mesh coordinate on the tensor axis), or the one line saying why the
+    mesh coordinate on the tensor axis), its layers' collectives on the
+    mesh's tensor axis under the watchdog; or the one line saying why the
     model does not split."""
-    group = TensorGroup(mesh.size("tensor"), mesh.coords.tensor, sequence=args.sequence_parallel)
+    mesh = world.mesh
+    group = TensorGroup(mesh.size("tensor"), mesh.coords.tensor, sequence=args.sequence_parallel,
+                        comm=TensorComm(mesh.comm("tensor"), world.watchdog, world.xp))
     if spec.num_state:
         raise HpctrainError(f"--tensor-parallel {group.size}: --model {args.model} has non-trainable state (batch "
                             f"norm's statistics): not split yet")
@@ -299,7 +303,7 @@ def tensor_line(spec, mesh):
             f"{len(spec.split_layers)} of {len(spec.layers)} layers split" +
             (", the others on 1/T of the positions each (--sequence-parallel)" if spec.tensor.sequence else ""))
     vocab = [layer.tensor_cuts()["E"] for i, layer in enumerate(spec.layers)
-             if i in spec.split_layers and getattr(layer, "tensor", (None,))[0] == "vocab"]
+             if i in spec.split_layers and layer.role == "vocab" and "E" in layer.tensor_cuts()]
     if vocab:
         sizes = [b - a for a, b in zip(vocab[0].bounds, vocab[0].bounds[1:])]
         line += f"; the vocabulary's {vocab[0].block} rows cut {' + '.join(map(str, sizes))} (not padded)"
