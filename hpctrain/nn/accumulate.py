@@ -1,14 +1,9 @@
-"""Gradient accumulation, written once for every loop: a step's micro-batches
-summed in one order, a_0, then += a_1, += a_2, ..., so --accumulate-steps K
-in ring and ps mode and a pipeline's --micro-batches M give the same bits
-(IEEE addition commutes: the last addition, g + sum or sum + g, is one value).
-
-Ring mode adds the first K - 1 micro-batches' gradients here and then this
-sum into the last one's, layer by layer as backprop finishes it (`into`),
-so each bucket can start its allreduce at once; ps mode the same, at once;
-a pipeline stage adds every micro-batch's gradient right after its
-backward, into the buffer its replicas average. Losses the same way, one
-float per micro-batch, and their mean times 1/K.
+"""A running sum in one order, a_0, then += a_1, += a_2, ...: what the step
+gradient of every loop (comm/step_gradient.py) sums a step's micro-batches'
+gradients, tied uses and losses with, so --accumulate-steps K in ring and
+ps mode and a pipeline's --micro-batches M give the same bits (IEEE
+addition commutes: the last addition, g + sum or sum + g, is one value).
+Never imports MPI.
 
     python -m pytest -q tests/test_accumulate.py
 """
