@@ -54,7 +54,7 @@ def test_a_stage_holds_one_set_of_layers_and_a_slot_per_micro_batch():
     whole = spec.build()
     whole.init(5)
     step = np.zeros_like(whole.grads)
-    from hpctrain.nn.accumulate import Accumulation
+    from hpctrain.comm.step_gradient import Accumulation
     total = Accumulation(step)
     for x, y, noise in batches:
         whole.forward_backward(x, y, noise=noise)

@@ -3,10 +3,11 @@ ring step (loops/ring_step.py), a pipeline stage's chunks (pipeline/engine.py)
 and a ps worker (loops/ps.py) each hold one StepGradient.
 
 The micro-batches (--accumulate-steps K, a pipeline's --micro-batches M):
-their gradients summed in one order, g_0, += g_1 ... (nn/accumulate.py),
-so every loop gets the same bits; a tied tensor's later uses (nn/tied.py),
-run with combine=False, summed apart the same way and combined once the sum
-is whole; their losses' mean. A part a chunk (ring and ps: one, the model).
+their gradients summed in one order, g_0, += g_1 ... (`Accumulation`), so
+ring, ps and a pipeline give the same bits (IEEE addition commutes: the
+last addition, g + sum or sum + g, is one value); a tied tensor's later uses
+(nn/tied.py), run with combine=False, summed apart the same way and combined
+once the sum is whole; their losses' mean. A part a chunk (ring, ps: one).
 The update reads the sum where it always did: ring mode adds it into the
 last micro-batch's gradient a layer at a time as backprop finishes it
 (`layer_done`: each bucket starts at once), ps at once (`into`), a pipeline
@@ -32,8 +33,45 @@ import numpy as np
 from mpi4py import MPI
 
 from ..device import all_finite
-from ..nn.accumulate import Accumulation
 from .strategy import waiting
+
+
+class Accumulation:
+    """The running sum of arrays of one shape, into `out` (owned by the caller)."""
+
+    def __init__(self, out):
+        self.out, self.count = out, 0
+
+    def add(self, array):
+        """The next one: the first is copied, every other added in order."""
+        if self.count:
+            self.out += array
+        else:
+            self.out[...] = array
+        self.count += 1
+
+    def add_range(self, part, lo, hi):
+        """As add, for the next one's [lo:hi] only (`part`); counted() once every range is in."""
+        if self.count:
+            self.out[lo:hi] += part
+        else:
+            self.out[lo:hi] = part
+
+    def counted(self):
+        self.count += 1
+
+    def into(self, target, lo=None, hi=None):
+        """target[lo:hi] += the sum's [lo:hi] (all of it without lo, hi)."""
+        view = target[lo:hi]   # a view, added into in place (GradSlots has no item assignment)
+        view += self.out[lo:hi]
+
+    def mean(self):
+        """The sum times 1 / count (a new array)."""
+        return self.out * (1.0 / self.count)
+
+    def restart(self):
+        """The next add starts a new sum (the buffer is kept)."""
+        self.count = 0
 
 
 class StepGradient:
