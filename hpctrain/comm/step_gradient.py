@@ -1,30 +1,24 @@
-"""One step's gradient, loss and stop flag, written once for every loop: a
-ring step (loops/ring_step.py), a pipeline stage's chunks (pipeline/engine.py)
-and a ps worker (loops/ps.py) each hold one StepGradient.
+"""One step's gradient, loss and stop flag, written once: a ring step
+(loops/ring_step.py), a pipeline stage's chunks (pipeline/engine.py) and a
+ps worker (loops/ps.py) each hold a StepGradient.
 
-The micro-batches (--accumulate-steps K, a pipeline's --micro-batches M):
-their gradients summed in one order, g_0, += g_1 ... (`Accumulation`), so
-ring, ps and a pipeline give the same bits (IEEE addition commutes: the
-last addition, g + sum or sum + g, is one value); a tied tensor's later uses
-(nn/tied.py), run with combine=False, summed apart the same way and combined
-once the sum is whole; their losses' mean. A part a chunk (ring, ps: one).
-The update reads the sum where it always did: ring mode adds it into the
-last micro-batch's gradient a layer at a time as backprop finishes it
+Its micro-batches (--accumulate-steps K, a pipeline's M) are summed in one
+order, g_0, += g_1 ... (`Accumulation`), so ring, ps and a pipeline give
+the same bits (the last addition, g + sum or sum + g, is one value); a tied
+tensor's later uses (nn/tied.py; combine=False) apart, combined once the sum
+is whole; their losses' mean. The update reads the sum where it always did:
+ring mode adds it into the last micro-batch's gradient a layer at a time
 (`layer_done`: each bucket starts at once), ps at once (`into`), a pipeline
 chunk sums into the buffer its replicas average (`combine_tied`).
 
-The loss and stop flag, summed over the ranks in a small float64 allreduce
-of their own (the buffer the buckets exchange holds the gradient only;
-exact for the flags, the float32 losses summed without float32's rounding).
-A ring step starts it as soon as the host holds the loss (`loss_ready`: on
-the CPU an Iallreduce beside backprop and the buckets; from a GPU the loss
-copied to pinned memory asynchronously, the sum started in `summed()`), so
-the loop never waits for the optimizer's kernels. A pipeline's loss is on
-its last stage and its fp16 notes exist after the update: it sums [loss,
-stop, notes] then (`sum_now`, through comm/waits.Waits). The fp16 notes
-(--compression fp16): this rank's parameters not finite, a value not finite
-put on the wire; summed, they tell a 16-bit overflow (every wire finite)
-from divergence (`overflowed`); a ring step asks after its update
+The loss and stop flag are summed over the ranks in a float64 allreduce of
+their own (the buckets exchange the gradient only). A ring step starts it as
+soon as the host holds the loss (`loss_ready`; from a GPU through pinned
+memory, started in `summed()`): the loop never waits for the optimizer's
+kernels. A pipeline sums [loss, stop, fp16 notes] after its update
+(`sum_now`). The fp16 notes (--compression fp16: parameters not finite, a
+value not finite put on the wire), summed, tell a 16-bit overflow from
+divergence (`overflowed`); a ring step asks after its update
 (`wire_overflowed`). A ps worker's push carries its loss: no comm there.
 
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_step_gradient.py
@@ -161,9 +155,7 @@ class StepGradient:
     # --- the loss and stop flag ---------------------------------------------
 
     def loss_ready(self, loss):
-        """forward has written this rank's loss (1 element, a ring step's):
-        on the host it goes out at once; from a device once summed() finds it
-        copied."""
+        """Forward wrote this rank's loss (1 element): from the host it goes out at once."""
         self._copied = self.copier.to_host(loss, self._host_loss, after=self.copier.mark())
         if self._copied is None:   # a host array: nothing to wait for
             self._start()
@@ -183,9 +175,8 @@ class StepGradient:
         return float(self._sum[0]), bool(self._sum[1] > 0)
 
     def sum_now(self, loss, stop, notes, waits):
-        """A pipeline's [loss, stop, fp16 notes] summed over comm now, after
-        the update (loss: this rank's share, a float; notes: fp16_notes'):
-        (loss, any rank stops, the fp16 sum overflowed) the same on every rank."""
+        """A pipeline's [loss, stop, fp16_notes] summed over comm after its update:
+        (loss, any rank stops, the fp16 sum overflowed), the same everywhere."""
         head = self._head
         head[0], head[1], head[2:] = loss, 1.0 if stop else 0.0, (0.0, 0.0) if notes is None else notes
         with waiting(self.watchdog, "loss and stop allreduce"):
@@ -209,12 +200,10 @@ def overflowed(notes):
 
 
 def wire_overflowed(params, exchange, comm, waiting_for, replicated):
-    """--compression fp16, after a ring step whose summed loss was finite:
-    whether the 16-bit sum overflowed (the same answer on every rank of
-    comm). replicated: every rank holds the same `params`, so only where
-    they are not finite does comm need asking (--zero 3's shards and
-    --tensor-parallel's slices ask every step); waiting_for: the world's
-    deadline for that collective."""
+    """After a ring step whose summed loss was finite: did the fp16 sum
+    overflow (the same answer on every rank of comm)? replicated: every rank
+    holds the same `params`, so comm is asked only where they are not
+    finite (--zero 3's shards and --tensor-parallel's slices ask every step)."""
     notes = fp16_notes(params, exchange)
     if notes is None or (replicated and not notes[0]):
         return False
