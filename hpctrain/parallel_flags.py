@@ -29,7 +29,8 @@ def check_zero(args):
                             "(or --compression fp16|bf16)")
     if stage >= 2 and args.pipeline_stages > 1:
         raise HpctrainError(f"--zero {stage} does not work with --pipeline-stages yet (a stage sums its "
-                            "micro-batches into a full-length gradient); use --zero 1")
+                            "micro-batches into a full-length gradient; what it would save: docs/parallelism.md); "
+                            "use --zero 1")
 
 
 def check_tensor_parallel(args, world_size):

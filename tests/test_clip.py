@@ -125,7 +125,7 @@ def clipped_ring_steps(comm, strategy_name, optimizer, sharded, fusion_elems, ov
     size = comm.size
     strategy = STRATEGIES[strategy_name](comm)
     clip = Clip(c)
-    ring = RingStep(mlp(hidden=HIDDEN), strategy, comm, np, (optimizer, {}), fusion_elems, sharded=sharded,
+    ring = RingStep(mlp(hidden=HIDDEN), strategy, comm, np, (optimizer, {}), fusion_elems, zero=int(sharded),
                     clip=clip, overlap=overlap)
     model, fused = ring.model, ring.fused
     model.init(0)

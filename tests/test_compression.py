@@ -403,7 +403,7 @@ def ring_steps(comm, strategy, kind, sharded, fusion_elems, overlap, clip=None, 
     from hpctrain.run.plan import Compression
     from hpctrain.loops.ring_step import RingStep
     rng = np.random.default_rng(200 + comm.rank)
-    ring = RingStep(mlp(hidden=(37, 19)), strategy, comm, np, ("adam", {}), fusion_elems, sharded=sharded,
+    ring = RingStep(mlp(hidden=(37, 19)), strategy, comm, np, ("adam", {}), fusion_elems, zero=int(sharded),
                     overlap=overlap, clip=Clip(clip) if clip else None, compression=Compression(kind=kind, start=1))
     model = ring.model
     model.init(0)

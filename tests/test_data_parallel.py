@@ -38,7 +38,7 @@ def steps(comm, cuts, sharded, clip, fusion_elems=300, count=3):
                       comm.rank if sharded or not one else 0)
     strategy = RingAllreduce(comm)
     update = DataParallelUpdate(parts, model_buckets(SPEC.layer_ranges, n, fusion_elems), strategy, ("adam", {}),
-                                np, 1.0 / comm.size, sharded=sharded, clip=Clip(clip) if clip else None, scope=scope)
+                                np, 1.0 / comm.size, zero=int(sharded), clip=Clip(clip) if clip else None, scope=scope)
     norms = []
     for step in range(count):
         grads[...] = np.random.default_rng([comm.rank, step]).standard_normal(n).astype(np.float32)

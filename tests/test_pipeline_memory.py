@@ -6,6 +6,7 @@ builds and initialises only its layers, to the bits of the whole model's.
 import numpy as np
 import pytest
 
+from hpctrain.comm.step_gradient import StepGradient
 from hpctrain.nn import MODELS, mlp
 from hpctrain.pipeline.stage import Stage
 from hpctrain.pipeline.stages import balanced
@@ -53,19 +54,22 @@ def test_a_stage_holds_one_set_of_layers_and_a_slot_per_micro_batch():
     whole = spec.build()
     whole.init(5)
     step = np.zeros_like(whole.grads)
-    from hpctrain.nn.accumulate import Accumulation
+    from hpctrain.comm.step_gradient import Accumulation
     total = Accumulation(step)
     for x, y, noise in batches:
         whole.forward_backward(x, y, noise=noise)
         total.add(whole.grads)
     stage = Stage(spec, [0, len(spec.layers)], 0, 8, np, np.float32)
     stage.init(5)
+    gradient = StepGradient(np, np.float32, [(stage.grads, stage.model.run.extra)])   # the engine's
+    gradient.begin()
     run = stage.model.run
     assert stage.slots == 8 and len(run.slots) == 8 and len(run.layers) == len(spec.layers)
     for m, (x, y, noise) in enumerate(batches):
         stage.forward(m, x, y, noise)
     for m in range(8):
         assert stage.backward(m) is None
+        gradient.add(stage.grad, stage.model.run.extra)
     assert stage.grads.tobytes() == step.tobytes()
     assert stage.state.tobytes() == whole.state.tobytes()
 

@@ -46,7 +46,7 @@ def run_steps(comm, strategy_name, optimizer, sharded, fusion_elems, overlap, st
     losses and stops are the summed values every rank read after each step."""
     rng = np.random.default_rng(100 + comm.rank)
     strategy = STRATEGIES[strategy_name](comm)
-    ring = RingStep(mlp(hidden=HIDDEN), strategy, comm, np, (optimizer, {}), fusion_elems, sharded=sharded,
+    ring = RingStep(mlp(hidden=HIDDEN), strategy, comm, np, (optimizer, {}), fusion_elems, zero=int(sharded),
                     overlap=overlap)
     model, opt = ring.model, ring.optimizer
     model.init(0)

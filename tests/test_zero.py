@@ -50,7 +50,7 @@ def run_steps(comm, name, stage, fusion_elems, overlap, clip=None, accumulate=1,
     rng = np.random.default_rng(100 + comm.rank)
     strategy = make(comm)
     ring = RingStep(MODELS[name](), strategy, comm, np, ("adam", {"weight_decay": 0.1}), fusion_elems,
-                    sharded=True, shard_grads=stage >= 2, shard_params=stage == 3, overlap=overlap, clip=Clip(clip) if clip else None,
+                    zero=stage, overlap=overlap, clip=Clip(clip) if clip else None,
                     accumulate=accumulate, compression=Compression(compression) if compression else None)
     ring.model.init(0)
     losses = []

@@ -148,7 +148,7 @@ class Checkpoints:
                     f"{found[0][1].rsplit('/', 1)[-1]}); remove them or use another --checkpoint-dir")
             return None
         # a pipeline's chief hands each stage its slice of the file, holding none whole (lazy; --zero 3 too)
-        ckpt = load_latest(d, self.plan.resume_key, lazy=self.plan.pipelined or self.plan.ring.shard_params,
+        ckpt = load_latest(d, self.plan.resume_key, lazy=self.plan.pipelined or self.plan.ring.zero == 3,
                            warn=lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
         if ckpt is None and found:
             raise HpctrainError(f"--checkpoint-dir {d}: none of its {len(found)} checkpoints is "

@@ -23,7 +23,7 @@ sum): no partial sum can then exceed the largest gradient element of a
 single rank, where an undivided sum of W gradients near 65504 / W
 overflows to inf (tests/test_compression.py shows both). bf16 has
 float32's range and is not divided. The buffer is gradients only: the
-loss and the stop flag are summed apart (comm/loss_and_stop.py). MPI's and NCCL's collectives have no 16-bit sum in float32: --allreduce mpi
+loss and the stop flag are summed apart (comm/step_gradient.py). MPI's and NCCL's collectives have no 16-bit sum in float32: --allreduce mpi
 and nccl are refused with fp16 and bf16 (cli.validate).
 
 PowerSGD (`PowerSgd`: rank-R factors with error feedback, Vogels et al.

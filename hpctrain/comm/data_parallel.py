@@ -104,15 +104,15 @@ class DataParallelUpdate:
     the replicas' allreduce (comm/; None for one replica: nothing to sum);
     optimizer: (name, keyword arguments of optim.make_optimizer); xp: the
     array module; grad_scale: what turns the summed gradient into the mean
-    (1 / (replicas x micro-batches)); sharded: --zero 1 (with a strategy);
-    shard_grads: --zero 2 (sharded, each part's grads a GradSlots); clip:
+    (1 / (replicas x micro-batches)); zero: the ZeRO stage (run/plan.Ring.zero;
+    with a strategy): 1 and up sharded (each replica updates its part of
+    each bucket), 2 and up each part's grads a GradSlots; clip:
     an optim.clipping.Clip or None; scope: a NormScope (with clip)."""
 
-    def __init__(self, parts, buckets, strategy, optimizer, xp, grad_scale, sharded=False, clip=None, scope=None,
-                 shard_grads=False):
+    def __init__(self, parts, buckets, strategy, optimizer, xp, grad_scale, zero=0, clip=None, scope=None):
         self.parts, self.strategy, self.grad_scale = parts, strategy, grad_scale
-        self.sharded = bool(sharded) and strategy is not None
-        self.shard_grads = self.sharded and bool(shard_grads)
+        self.sharded = zero >= 1 and strategy is not None
+        self.shard_grads = self.sharded and zero >= 2
         name, kwargs = optimizer
         for p in parts:
             p.buckets = cut(buckets, p.lo, p.lo + p.grads.size)

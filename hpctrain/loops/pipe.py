@@ -24,6 +24,7 @@ from ..comm.topology import Topology
 from ..comm.compressed_exchange import summary
 from ..comm.data_parallel import DataParallelUpdate, NormScope, Part, model_buckets
 from ..comm.grad_norm import TensorNorm
+from ..comm.step_gradient import StepGradient
 from ..nn.tensor_parallel import counted_ranges
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
@@ -81,7 +82,7 @@ def train_pipe(world, plan, inputs, timeline):
               compression.exchange if compression is not None else None) for k, chunk in enumerate(chunks)],
         model_buckets(spec.layer_ranges, spec.num_params, plan.ring.fusion_elems), strategy,
         (plan.optimizer.name, plan.optimizer.kwargs), xp, 1.0 / (grid.replicas * micro),
-        sharded=plan.ring.shard_optimizer, clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
+        zero=plan.ring.zero, clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
         scope=NormScope(world.comm, stages * virtual, grid.replicas, grid.replica, world.watchdog,
                         TensorNorm(grid.tensors, grid.tensor, counted_ranges(spec.full, spec.cuts, grid.tensor))
                         if split else None))
@@ -99,15 +100,20 @@ def train_pipe(world, plan, inputs, timeline):
         if compression is not None:
             pipeline_compression.restore(world, grid, compression, layouts, resume)
     frame.resumed(reader, restore)
+    # the step's gradient: each chunk's micro-batches summed into its `grads` (the buffer the update
+    # reads), the loss and stop flag over the world
+    gradient = StepGradient(xp, plan.precision.compute, [(c.grads, c.model.run.extra) for c in chunks],
+                            world.comm, watchdog=world.watchdog)
     # tied tensors across the cut, between stages (one chunk of each: stages.tied_in_chunks):
     # the copies start as the owner's tensor, initialised or resumed
-    tied = TiedStages(world, grid, spec, cuts, chunks) if spec.ties else None
+    tied = TiedStages(world, grid, spec, cuts, chunks, gradient) if spec.ties else None
     if tied is not None:
         tied.share_parameters()
 
     # --- training, then the end ----------------------------------------------
     engine = Engine(world, spec, grid, chunks, update, actions, plan.data.batch_size,
-                    StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), compression=compression,
+                    StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), gradient,
+                    compression=compression,
                     tied=tied, compute=plan.precision.compute)
     model = whole.Pipelined(world, plan, engine, layouts, slices)   # what the frame evaluates and saves, by stages
     step, stopped = train_steps(world, frame, engine, layouts, reader, model, slices)

@@ -43,8 +43,8 @@ from ..comm.ps import Client, ProtocolError, Server, describe, place, summarize
 from ..comm.ps.placement import slice_size
 from ..comm.ps.server import reply_buffers_needed
 from ..comm.ps.shared import open_shared
+from ..comm.step_gradient import StepGradient
 from ..errors import EXIT_TIMEOUT, HpctrainError
-from ..nn.accumulate import Accumulation
 from ..optim.clipping import Clip
 from ..optim.on_device import OnDevice
 from ..optim.optimizers import make_optimizer
@@ -173,16 +173,14 @@ def save_cut(plan, checkpoints, cut, model_state):
 class Worker:
     """What a worker trains with: the model, the host mirrors MPI reads and
     writes, the protocol's client, the optimizer's state names (for
-    checkpoints), async --clip-norm's clip, and --accumulate-steps' sums."""
+    checkpoints), async --clip-norm's clip, and the step's gradient."""
     model: object
     pm: HostMirror
     gm: HostMirror
     client: Client
     state_names: tuple
     clip: object
-    acc: object        # the first K - 1 micro-batches' gradients (nn/accumulate.py), or None
-    acc_loss: object
-    acc_extra: object  # their tied tensors' later uses' gradients (nn/tied.py), or None
+    gradient: object   # the first K - 1 micro-batches' gradients, tied uses and losses (comm/step_gradient.py)
     evaluated: object  # report/evaluated.WholeModel: what the chief evaluates and saves
 
 
@@ -217,12 +215,10 @@ def start_worker(world, plan, frame, comm, placement, shared, why_not):
         start_servers(client, frame.resume, model, state_names, cluster.num_workers)
     # async: each worker clips its own gradient (sync: the servers clip the aggregate)
     clip = Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm and not plan.ps.sync else None
-    acc = acc_loss = acc_extra = None
-    if plan.ring.accumulate_steps > 1:
-        acc = Accumulation(xp.zeros(spec.num_params, model.grads.dtype))
-        acc_loss = Accumulation(xp.zeros(1, model.grads.dtype))
-        acc_extra = Accumulation(xp.zeros_like(model.extra))
-    return Worker(model, pm, gm, client, state_names, clip, acc, acc_loss, acc_extra, WholeModel(world, plan, model))
+    # no allreduce of its own: the push carries the loss and stop request
+    gradient = StepGradient(xp, model.grads.dtype, [(xp.zeros(spec.num_params, model.grads.dtype), model.extra)]
+                            if plan.ring.accumulate_steps > 1 else ())
+    return Worker(model, pm, gm, client, state_names, clip, gradient, WholeModel(world, plan, model))
 
 
 def worker_steps(world, plan, frame, w, reader):
@@ -239,25 +235,19 @@ def worker_steps(world, plan, frame, w, reader):
             t0 = time.perf_counter()
             with tl.span("forward+backward", cat="compute"):
                 # --accumulate-steps K: the first K - 1 micro-batches' gradients summed, nothing pushed
-                if k > 1:
-                    w.acc.restart()
-                    w.acc_loss.restart()
-                    w.acc_extra.restart()
-                    for _ in range(k - 1):   # a tied tensor's uses summed apart (nn/tied.py), as ring mode does
-                        w.acc_loss.add(model.forward_backward(x, y, noise=noise, combine=False))
-                        w.acc.add(model.grads)
-                        w.acc_extra.add(model.extra)
-                        x, y, noise = frame.batch(reader)
+                w.gradient.begin()
+                for _ in range(k - 1):   # a tied tensor's uses summed apart (nn/tied.py), as ring mode does
+                    loss = model.forward_backward(x, y, noise=noise, combine=False)
+                    w.gradient.add(model.grads, model.extra, loss)
+                    x, y, noise = frame.batch(reader)
                 forward_done, layer_done = tl.model_hooks(t0, None)
                 loss = model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
                                               noise=noise, combine=k == 1)
                 if k > 1:   # the push is the mean gradient (and loss) of the K
-                    w.acc.into(model.grads)
-                    w.acc_extra.into(model.extra)
-                    model.combine()
+                    w.gradient.into(model)
                     model.grads *= 1.0 / k
-                    w.acc_loss.add(loss)
-                    loss = w.acc_loss.mean()[0]
+                    w.gradient.add_loss(loss)
+                    loss = w.gradient.loss_mean()[0]
                 gm.to_host()        # returns when the gradients are where MPI reads them
                 loss = float(loss)  # after that wait: no second one for the loss
                 if clip:

@@ -42,7 +42,7 @@ def train_ring(world, plan, inputs, timeline):
         world.say(f"hpctrain: allreduce {strategy.name} ({strategy.choice})")
     ring = RingStep(
         plan.spec, strategy, comm, xp, (plan.optimizer.name, plan.optimizer.kwargs), ring_plan.fusion_elems,
-        sharded=ring_plan.shard_optimizer, shard_grads=ring_plan.shard_grads, shard_params=ring_plan.shard_params,
+        zero=ring_plan.zero,
         clip=Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm else None,
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=ring_plan.overlap, timeline=timeline if timeline.enabled else None, watchdog=world.watchdog,
@@ -84,7 +84,7 @@ def train_ring(world, plan, inputs, timeline):
         zero3.ShardedModel(world, plan, model, ring.store, comm)
     step, stopped = train_steps(world, frame, ring, reader, evaluated)
     ring.close()   # the communication thread ends with the loop
-    extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": 3 if ring.shard_params else 2 if ring.shard_grads else int(ring.sharded),
+    extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": ring.zero,
              **(ring.clip.totals() if ring.clip else {}),
              "compression": plan.compression.kind}
     if ring.model.run.units:   # --recompute: the chief's block forwards run again
@@ -100,7 +100,7 @@ def train_steps(world, frame, ring, reader, evaluated):
     """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
     timeline, model, fused, comm = frame.timeline, ring.model, ring.fused, world.mesh.comm("data")
     # the losses summed: one a replica (--tensor-parallel: one a rank, each of a group the same)
-    workers = ring.loss_and_stop.comm.Get_size()
+    workers = ring.gradient.comm.Get_size()
     step, stopped = frame.start, False   # stopped: some rank asked to stop (the summed flag, the same everywhere)
 
     def save(at):

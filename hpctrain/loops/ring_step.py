@@ -4,7 +4,8 @@ ones before it:
 1. the model, over its flat parameter and gradient buffers (the buckets
    exchange the gradients only; sharded, each bucket's allgather carries
    the parameters);
-2. the loss and stop flag's own small allreduce (comm/loss_and_stop.py);
+2. the step's gradient over its micro-batches, its loss and stop flag (their
+   own small allreduce): comm/step_gradient.py;
 3. with --compression, the buckets' exchange (comm/compressed_exchange.py);
 4. the data-parallel update (comm/data_parallel.py), the one a pipeline
    stage runs too: ring mode's buckets (a pure function of the layer
@@ -38,17 +39,12 @@ decompressed sum as they see today's.
     mpirun -n 4 python -m hpctrain.train --steps 200 --zero 2 --clip-norm 1
     mpirun -n 4 python -m hpctrain.train --steps 200 --compression powersgd --powersgd-start 20
 """
-import numpy as np
-from mpi4py import MPI
-
 from ..comm.compressed_exchange import make_exchange, sharding_for
 from ..comm.data_parallel import DataParallelUpdate, NormScope, Part, model_buckets
 from ..comm.fusion import FusedAllreduce, overlaps, ready_from
-from ..comm.loss_and_stop import LossAndStop
+from ..comm.step_gradient import StepGradient, wire_overflowed
 from .. import device
-from ..device import all_finite
 from ..comm.zero3 import Gatherer
-from ..nn.accumulate import Accumulation
 from ..nn.grad_slots import OVERLAPPED, GradSlots
 from ..nn.sharded_store import ParamShard, ShardedStore, param_slots
 from ..optim.compression_math import powersgd_layout
@@ -67,31 +63,30 @@ class RingStep:
     FusedAllreduce takes them (the watchdog: the collectives' deadline);
     compression: a run/plan.Compression or None (the buckets' exchange,
     comm/compressed_exchange.py; `exchange` is None without); dtype: the
-    model's buffers' (the plan's precision.params); sharded: --zero 1 (the
-    optimizer over this rank's part of each bucket); shard_grads: --zero 2
-    (the gradient too: the model built over nn/grad_slots.GradSlots, each
-    bucket summed into this rank's shard as backprop finishes it, and with
-    --accumulate-steps the first micro-batches added a layer at a time);
-    shard_params: --zero 3 (the parameters too: the model built over
-    nn/sharded_store.ShardedStore, each bucket gathered as its layers run,
-    on the communication thread one bucket ahead with overlap).
+    model's buffers' (the plan's precision.params); zero: the ZeRO stage,
+    0-3 (the plan's ring.zero): 1 the optimizer over this rank's part of
+    each bucket; 2 the gradient too (the model built over
+    nn/grad_slots.GradSlots, each bucket summed into this rank's shard as
+    backprop finishes it, and with --accumulate-steps the first
+    micro-batches added a layer at a time); 3 the parameters too (the model
+    built over nn/sharded_store.ShardedStore, each bucket gathered as its
+    layers run, on the communication thread one bucket ahead with overlap).
     --tensor-parallel: `tensor` (comm/grad_norm.TensorNorm: the clip norm's
     pieces added over the tensor axis too) and `everyone` (the loss and stop
     flag summed over every rank, not one tensor rank's replicas: a rank
     that stops alone would leave its tensor group waiting mid-layer)."""
 
-    def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, sharded=False, clip=None,
+    def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, zero=0, clip=None,
                  marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None,
-                 dtype=FLOAT32.params, shard_grads=False, shard_params=False, tensor=None, everyone=None):
+                 dtype=FLOAT32.params, tensor=None, everyone=None):
         n = spec.num_params
-        self.sharded, self.clip, self.accumulate_steps = sharded, clip, int(accumulate)
-        self.shard_grads = bool(sharded and shard_grads and strategy is not None)   # as the update's sharded
-        self.shard_params = self.shard_grads and bool(shard_params)
+        self.zero, self.clip, self.accumulate_steps = int(zero), clip, int(accumulate)
+        self.sharded = sharded = self.zero >= 1   # the optimizer over this rank's part of each bucket
         buckets = model_buckets(spec.layer_ranges, n, fusion_elems)
         # sharded with --compression on several nodes: hier's node shards (comm/compressed_exchange.py)
         strategy = sharding_for(strategy, compression) if sharded else strategy
         self.strategy, self.store, param_shard = strategy, None, None
-        if self.shard_params:
+        if self.zero == 3:
             if compression is not None and compression.kind == "powersgd":
                 raise ValueError("--zero 3 does not take --compression powersgd")   # cli.py refuses it in one line
             # --zero 3: the parameters in shards, each bucket gathered into a slot as its layers run
@@ -105,7 +100,7 @@ class RingStep:
                                       xp.zeros(spec.num_state, dtype), param_shard,
                                       Gatherer(strategy, param_shard, xp, timeline))
             self.model = spec.build_on(self.store, xp, dtype)
-        elif self.shard_grads:
+        elif self.zero == 2:
             if compression is not None and compression.kind == "powersgd":
                 raise ValueError("--zero 2 does not take --compression powersgd")   # cli.py refuses it in one line
             # --zero 2: no full-length gradient, each bucket's in a slot (nn/grad_slots.py);
@@ -116,7 +111,6 @@ class RingStep:
         else:
             self.model = spec.build(xp, dtype=dtype)
         grads = self.model.grads   # the buckets' buffer: the gradients only
-        self.loss_and_stop = LossAndStop(everyone or comm, device.copier(xp), watchdog)
         self.everyone = everyone if everyone is not None and everyone is not comm else None
         # --compression: the buckets' exchange; PowerSGD's matrices in gradient offsets
         self.matrices, self.layout_key = powersgd_layout(spec.tensors, compression.rank, compression.min_rate) \
@@ -129,8 +123,8 @@ class RingStep:
                           tensor=tensor) if sharded else NormScope(watchdog=watchdog, tensor=tensor)
         self.update = DataParallelUpdate(
             [Part(self.model.params, grads, exchange=self.exchange, param_shard=param_shard)],
-            buckets, strategy, optimizer, xp, 1.0 / (comm.Get_size() * self.accumulate_steps), sharded=sharded,
-            clip=clip, scope=scope, shard_grads=self.shard_grads)
+            buckets, strategy, optimizer, xp, 1.0 / (comm.Get_size() * self.accumulate_steps), zero=self.zero,
+            clip=clip, scope=scope)
         self.optimizer, self.buckets = self.update.parts[0].optimizer, self.update.parts[0].buckets
         self.fused = FusedAllreduce(self.update, ready_from(self.model.layer_ranges), marks=marks, overlap=overlap,
                                     timeline=timeline, watchdog=watchdog)
@@ -140,12 +134,12 @@ class RingStep:
         self.loss_out = xp.zeros(1, grads.dtype)   # forward_backward writes the loss there
         # the model sums a tied tensor's uses itself, but for accumulated steps: layer_done does
         self.combine = self.accumulate_steps == 1
+        # the first K - 1 micro-batches' gradients, tied uses and losses summed apart (comm/step_gradient.py);
+        # the loss and stop flag summed over every rank of the run
+        self.gradient = StepGradient(xp, grads.dtype, [(xp.zeros(n, grads.dtype), self.model.extra)]
+                                     if self.accumulate_steps > 1 else (),
+                                     everyone or comm, device.copier(xp), watchdog)
         if self.accumulate_steps > 1:
-            # the first K - 1 micro-batches' gradients and losses (nn/accumulate.py)
-            self.acc = Accumulation(xp.zeros(n, grads.dtype))
-            # a tied tensor's later uses, summed apart and combined at the end (nn/tied.py)
-            self.acc_extra = Accumulation(xp.zeros_like(self.model.extra))
-            self.acc_loss = Accumulation(xp.zeros(1, grads.dtype))
             self.layer_done, self.forward_done = self._layer_done_accumulated, self._forward_done_accumulated
 
     @property
@@ -156,49 +150,38 @@ class RingStep:
     def accumulate(self, x, y, noise=None):
         """One of a step's first K - 1 micro-batches: its gradient and loss
         added up here, nothing exchanged."""
-        if self.shard_grads:   # the slots hold a bucket at a time: each layer added as it is done
-            loss = self.model.forward_backward(x, y, noise=noise, combine=False, on_layer_done=self._add_layer)
-            self.acc.counted()
+        model, gradient = self.model, self.gradient
+        if self.zero >= 2:   # the slots hold a bucket at a time: each layer added as it is done
+            def add_layer(k):
+                lo, hi = model.layer_ranges[k]
+                gradient.add_range(model.grads[lo:hi], lo, hi)
+            loss = model.forward_backward(x, y, noise=noise, combine=False, on_layer_done=add_layer)
+            gradient.add(None, model.extra, loss)
         else:
-            loss = self.model.forward_backward(x, y, noise=noise, combine=False)
-            self.acc.add(self.model.grads)
-        self.acc_extra.add(self.model.extra)
-        self.acc_loss.add(loss)
-
-    def _add_layer(self, k):
-        lo, hi = self.model.layer_ranges[k]
-        self.acc.add_range(self.model.grads[lo:hi], lo, hi)
+            loss = model.forward_backward(x, y, noise=noise, combine=False)
+            gradient.add(model.grads, model.extra, loss)
 
     def _forward_done(self):
-        self.loss_and_stop.loss_ready(self.loss_out)
+        self.gradient.loss_ready(self.loss_out)
 
     def _forward_done_accumulated(self):
         # the last micro-batch's loss is in loss_out: the ranks sum the mean of the K
-        self.acc_loss.add(self.loss_out)
-        self.loss_out[...] = self.acc_loss.mean()
-        self.loss_and_stop.loss_ready(self.loss_out)
+        self.gradient.add_loss(self.loss_out)
+        self.loss_out[...] = self.gradient.loss_mean()
+        self.gradient.loss_ready(self.loss_out)
 
     def _layer_done_accumulated(self, k):
+        # the last micro-batch ran with combine=False: the step's sums go in before the bucket starts
         model = self.model
-        lo, hi = model.layer_ranges[k]
-        self.acc.into(model.grads, lo, hi)
-        # the last micro-batch ran with combine=False: a tied tensor owned here
-        # gets its uses' sums over the step, then their sum (nn/tied.py)
-        i = model.spec.param_layers[k]
-        for group in model.run.ties.done_by(i):
-            self.acc_extra.into(model.extra, *model.run.ties.extra_range(group))
-        model.run.combine(i, model.grads, model.extra)
+        self.gradient.layer_done(model.run, model.spec.param_layers[k], model.grads, model.extra,
+                                 *model.layer_ranges[k])
         self.fused.layer_done(k)
 
     def begin(self, lr, stop, step=0):
         """Before backprop of 0-based `step`: its learning rate, this rank's
         wish to stop, and (--compression powersgd) whether it is compressed."""
-        self.loss_and_stop.begin(stop)
+        self.gradient.begin(stop)
         self.update.begin(lr, step)
-        if self.accumulate_steps > 1:
-            self.acc.restart()
-            self.acc_extra.restart()
-            self.acc_loss.restart()
 
     @property
     def error(self):
@@ -213,33 +196,19 @@ class RingStep:
 
     def wire_overflowed(self, comm, waiting):
         """--compression fp16, after a step whose summed loss was finite:
-        whether its parameters are not (the same bits on every rank) though
-        every rank's gradient was finite as it went on the wire, i.e. a sum
-        past fp16's 65504 became inf in 16 bits. Collective over comm (the
-        workers) only when the parameters are not finite; `waiting`: the
-        world's deadline for it."""
-        if self.exchange is None or self.exchange.kind != "fp16":
-            return False
-        if self.store is not None or self.everyone is not None:
-            # --zero 3: each rank sees its shard only (--tensor-parallel: its slice, and every rank of the
-            # run must answer alike); every step, (all finite, every wire finite) over the ranks
-            params = self.store.shard.buf if self.store is not None else self.model.params
-            both = np.array([all_finite(params), self.exchange.sent_finite], np.int64)
-            with waiting("fp16 overflow check (allreduce)"):
-                (self.everyone or comm).Allreduce(MPI.IN_PLACE, both, op=MPI.MIN)
-            return not both[0] and bool(both[1])
-        if all_finite(self.model.params):
-            return False
-        everyone = np.array([self.exchange.sent_finite], np.int64)
-        with waiting("fp16 overflow check (allreduce)"):
-            comm.Allreduce(MPI.IN_PLACE, everyone, op=MPI.MIN)
-        return bool(everyone[0])
+        whether its 16-bit sum overflowed (comm/step_gradient.wire_overflowed;
+        comm: the workers, `waiting`: the world's deadline). --zero 3: each
+        rank sees its shard only; --tensor-parallel: its slice, and every
+        rank of the run must answer alike."""
+        params = self.store.shard.buf if self.store is not None else self.model.params
+        return wire_overflowed([params], self.exchange, self.everyone or comm, waiting,
+                               replicated=self.store is None and self.everyone is None)
 
     def summed(self):
         """(loss summed over the ranks, did any rank ask to stop), after
-        fused.wait(): their own allreduce (comm/loss_and_stop.py), never a
+        fused.wait(): their own allreduce (comm/step_gradient.py), never a
         wait for the optimizer's kernels on the device."""
-        return self.loss_and_stop.summed()
+        return self.gradient.summed()
 
     def close(self):
         if self.store is not None:

@@ -4,7 +4,8 @@ own method (`ACTIONS`; an action it does not know is refused when the
 engine is made, not taken for another), activations forward and their
 gradients back as raw buffers of the run's precision.compute (Isend/Irecv on the replica's pipe
 communicator); then the stage's micro-batches' gradient, summed as
---accumulate-steps sums it (stage.py), averaged over the stage's R replicas
+--accumulate-steps sums it (the step gradient of every loop,
+comm/step_gradient.py), averaged over the stage's R replicas
 and the update: ring mode's data-parallel update (comm/data_parallel.py,
 over its buckets cut to each chunk's slice, the --allreduce strategy on the
 stage communicator; sharded: reduce-scatter, each replica its part,
@@ -23,10 +24,11 @@ a schedule that does not), so the bits are still those of --accumulate-steps M.
 
 The loss lives on the last stage, layer 0 on the first: each step one world
 Allreduce of [loss, stop] (the last stages' mean loss over their
-micro-batches, any rank's stop signal) brings the summed loss to the chief
-(world rank 0, on the first stage) and to every rank the same stop
-decision, so all stop after the same step (with --compression fp16 it also
-carries what tells a 16-bit overflow from divergence: `wire_overflowed`).
+micro-batches, any rank's stop signal; StepGradient.sum_now) brings the
+summed loss to the chief (world rank 0, on the first stage) and to every
+rank the same stop decision, so all stop after the same step (with
+--compression fp16 it also carries what tells a 16-bit overflow from
+divergence: `wire_overflowed`).
 Takes communicators (the grid's);
 loops/pipe.py makes it.
 
@@ -37,10 +39,9 @@ loops/pipe.py makes it.
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import device
-from ..nn.accumulate import Accumulation
+from ..comm.step_gradient import fp16_notes
 from ..nn.losses import add_sums
 from ..precision import FLOAT32
 from . import schedule as sched
@@ -76,7 +77,9 @@ class Engine:
     state; one chunk a stage only, stages.cuts_for refuses it with
     --virtual-stages V > 1); tied: pipeline/tied.TiedStages (tied tensors
     across the cut: their gradients summed before the average, the owner's
-    tensor shared after the update) or None.
+    tensor shared after the update) or None; gradient: the step's
+    (comm/step_gradient.StepGradient: a part per chunk over its `grads`,
+    the loss and stop flag over the world).
 
     Messages: chunk c's activations go to chunk c + 1 (stage (s + 1) mod P),
     its input gradients to chunk c - 1 (stage (s - 1) mod P), on the pipe
@@ -84,11 +87,11 @@ class Engine:
     kM + m for an activation, VM + kM + m for a gradient, so that two
     stages that trade both ways (P = 2) never confuse two messages."""
 
-    def __init__(self, world, spec, grid, chunks, update, actions, batch, trace, compression=None, tied=None,
-                 compute=FLOAT32.compute):
+    def __init__(self, world, spec, grid, chunks, update, actions, batch, trace, gradient, compression=None,
+                 tied=None, compute=FLOAT32.compute):
         self.tied = tied   # pipeline/tied.TiedStages: tied tensors across the cut, or None
         self.compute = np.dtype(compute)   # the activations' and their gradients' dtype, on the wire too
-        self.world, self.grid, self.chunks, self.update = world, grid, chunks, update
+        self.world, self.grid, self.chunks, self.update, self.gradient = world, grid, chunks, update, gradient
         self.optimizers, self.sharded, self.clip = update.optimizers, update.sharded, update.clip
         self.compression = compression
         self.exchange = compression.exchange if compression is not None else None
@@ -105,14 +108,9 @@ class Engine:
         self.first = [s == 0 and k == 0 for k in range(V)]
         self.last = [s == P - 1 and k == V - 1 for k in range(V)]
         self.batch = batch   # a micro-batch's samples, whatever this stage reads
-        # [loss, stop, ranks whose parameters are not finite, ranks that put a value that is not on
-        # the fp16 wire], summed over the world (the last two: wire_overflowed; 0 without fp16)
-        self.head = np.zeros(4, np.float64)
         self.wire_overflowed = False
         self.schedule_done = None
         self.trace = trace   # --timeline; without it, no-ops
-        # the micro-batches' losses (the last chunk's), summed as --accumulate-steps sums them
-        self.losses = Accumulation(self.xp.zeros(1, self.compute))
         # the neighbours: chunk to chunk round the stages (one chunk per stage: no wrap)
         before, after = (s - 1) % P, (s + 1) % P
         self.neighbours = sorted({grid.world_rank(before), grid.world_rank(after)} - {grid.world_rank(s)}) \
@@ -154,7 +152,7 @@ class Engine:
         rank stops)."""
         trace, start = self.trace, time.perf_counter()
         self.update.begin(lr, step)
-        self.losses.restart()
+        self.gradient.begin()
         self._step = _Step(batches)
         for receives in self.from_before + self.from_next:
             if receives is not None:
@@ -170,8 +168,8 @@ class Engine:
         self._step = None
         self.schedule_done = time.perf_counter()   # the rest: the replicas' average, the update, [loss, stop]
         trace.add("schedule", start, self.schedule_done)
-        for chunk in self.chunks:
-            chunk.combine_tied()
+        for k, chunk in enumerate(self.chunks):   # each tied tensor's summed uses into its gradient
+            self.gradient.combine_tied(chunk.model.run, chunk.a, chunk.b, part=k)
         if self.tied is not None:
             with trace.span("tied gradients"):
                 self.tied.sum_gradients()
@@ -179,26 +177,17 @@ class Engine:
         if self.tied is not None:
             with trace.span("tied parameters"):
                 self.tied.share_parameters()
-        # ring mode's float32 sums (nn/accumulate.py): the losses added in order, times 1/M
-        # the last stage's replicas' losses (--tensor-parallel: its tensor rank 0's, each of them the same)
-        self.head[0] = float(self.losses.mean()[0]) if self.grid.last and self.grid.tensor == 0 else 0.0
-        self.head[1] = 1.0 if self.world.stop.received else 0.0
-        self.head[2:] = self._fp16_notes()
-        with trace.span("loss and stop"), self.world.waiting("loss and stop allreduce", peer=None):
-            self.world.waits.allreduce(self.world.comm, self.head, MPI.SUM)
+        # ring mode's float32 sums: the losses added in order, times 1/M; the last stage's replicas'
+        # losses (--tensor-parallel: its tensor rank 0's, each of them the same)
+        loss = float(self.gradient.loss_mean()[0]) if self.grid.last and self.grid.tensor == 0 else 0.0
         # --compression fp16: some stage's parameters are not finite though every gradient on the
         # wire was: the 16-bit sum overflowed (loops/pipe.py names it, as loops/ring.py does)
-        self.wire_overflowed = bool(self.head[2] > 0 and self.head[3] == 0)
+        notes = fp16_notes([chunk.params for chunk in self.chunks], self.exchange)
+        with trace.span("loss and stop"):
+            loss, stop, self.wire_overflowed = self.gradient.sum_now(loss, self.world.stop.received, notes,
+                                                                     self.world.waits)
         trace.flush()
-        return float(self.head[0]), bool(self.head[1] > 0)
-
-    def _fp16_notes(self):
-        """(this rank's chunks' parameters not finite, this rank put a value that is not finite on the
-        fp16 wire) as 0/1; (0, 0) without fp16 (no scan)."""
-        if self.exchange is None or self.exchange.kind != "fp16":
-            return 0.0, 0.0
-        finite = all(device.all_finite(chunk.params) for chunk in self.chunks)
-        return float(not finite), float(not self.exchange.sent_finite)
+        return loss, stop
 
     def evaluate(self, x, y, count, batch=128):
         """Forward only, in evaluation mode, batches of `batch` through the
@@ -249,7 +238,7 @@ class Engine:
         held = step.inputs.get((m, k))
         out = self.chunks[k].forward(m, x if held is None else self.xp.asarray(held), y, noise)
         if self.last[k]:
-            self.losses.add(out)
+            self.gradient.add_loss(out)
         else:
             step.outputs[m, k] = out
 
@@ -262,7 +251,9 @@ class Engine:
     def _backward(self, m, k):
         step = self._step
         dy = step.grads_in.pop((m, k), None)
-        step.grads_out[m, k] = self.chunks[k].backward(m, None if dy is None else self.xp.asarray(dy))
+        chunk = self.chunks[k]
+        step.grads_out[m, k] = chunk.backward(m, None if dy is None else self.xp.asarray(dy))
+        self.gradient.add(chunk.grad, chunk.model.run.extra, part=k)   # into the step's sum at once
         if dy is not None:
             self.from_next[k].release(dy)
         held = step.inputs.pop((m, k), None)

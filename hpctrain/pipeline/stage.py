@@ -13,16 +13,16 @@ its backward needs, so a slot holds one micro-batch's activations from
 `forward(m)` to `backward(m)` and then serves the next forward. That bound
 is the stage's activation memory. The slots share the stage's layers,
 parameter, state and gradient buffers: a slot's backward
-writes micro-batch m's gradient, which is added to the step's sum right away
-(every schedule backprops in micro-batch order 0..M-1) by the one
-accumulation of every loop (nn/accumulate.py): g0, += g1 ... g_{M-1}.
-A tied tensor's later uses (nn/tied.py) are summed apart the same way and
-combined after the last backward (`combine_tied`); pipeline/tied.py then
-sums a tensor whose uses lie on several stages.
+writes micro-batch m's gradient (`grad`), which the engine adds to the
+step's sum (`grads`, the buffer the replicas average) right away (every
+schedule backprops in micro-batch order 0..M-1) through the step gradient of
+every loop (comm/step_gradient.py): g0, += g1 ... g_{M-1}. A tied tensor's
+later uses (nn/tied.py) are summed apart the same way and combined after
+the last backward; pipeline/tied.py then sums a tensor whose uses lie on
+several stages.
 
     python -m pytest -q tests/test_pipeline.py
 """
-from ..nn.accumulate import Accumulation
 from ..nn.sequential import LayerRange
 from ..nn.store import PlainStore
 from .stages import ranges
@@ -54,7 +54,7 @@ class StageModel:
         """Writes the slot's micro-batch's gradient into the stage's gradient buffer;
         returns the gradient with respect to the stage's input (None on the first stage)."""
         d, self._d[slot] = (self._d[slot] if dy is None else dy), None
-        # a tied tensor's uses are summed over the micro-batches apart, then combined (Stage.combine_tied)
+        # a tied tensor's uses are summed over the micro-batches apart, then combined (comm/step_gradient.py)
         return self.run.backward(d, slot=slot, combine=False)
 
 
@@ -75,15 +75,12 @@ class Stage:
         self.params = xp.zeros(n, dtype)
         self.state = xp.zeros(self.state_hi - self.state_lo, dtype)
         self.grad = xp.zeros(n, dtype)   # one micro-batch's, written by every slot's backward
-        self.grads = xp.zeros(n, dtype)   # the step's sum
+        self.grads = xp.zeros(n, dtype)   # the step's sum (the engine's StepGradient adds into it)
         self.micro = micro_batches
         self.slots = copies or micro_batches
         store = PlainStore(spec, self.params, self.grad, self.state, (self.lo, self.state_lo))
         self.model = StageModel(spec, self.a, self.b, xp, store, self.slots)
         self._free, self._holding = list(range(self.slots)), {}
-        self.sum = Accumulation(self.grads)   # the step's micro-batches, in --accumulate-steps' order
-        # tied tensors' later uses and copies (nn/tied.py), summed the same way
-        self.extra_sum = Accumulation(xp.zeros_like(self.model.run.extra))
 
     def init(self, seed):
         """The stage's layers' initial parameters and state, drawn by the stage
@@ -96,22 +93,11 @@ class Stage:
         self._holding[m] = slot
         return self.model.forward(slot, x, y, noise)
 
-    def combine_tied(self):
-        """After the step's last backward: each tied tensor's summed uses
-        added into its gradient (or its copy's), in backprop order (nn/tied.py)."""
-        run = self.model.run
-        for i in range(self.b - 1, self.a - 1, -1):
-            run.combine(i, self.grads, self.extra_sum.out)
-
     def backward(self, m, dy=None):
-        """Micro-batch m's backward: its gradient into the step's sum; the slot freed.
-        Returns the gradient with respect to the stage's input (None on the first stage)."""
+        """Micro-batch m's backward: its gradient in `grad` (its tied uses' in
+        the runner's extra), the slot freed. Returns the gradient with respect
+        to the stage's input (None on the first stage)."""
         slot = self._holding.pop(m)
         dx = self.model.backward(slot, dy)
-        if m == 0:   # every schedule backprops 0..M-1 in order (schedule.backward_order refuses others)
-            self.sum.restart()
-            self.extra_sum.restart()
-        self.sum.add(self.grad)
-        self.extra_sum.add(self.model.run.extra)
         self._free.append(slot)
         return dx

@@ -33,20 +33,22 @@ from .. import device
 class _Spanning:
     """One tied tensor spanning stages, as this rank sees it."""
 
-    def __init__(self, tie, stages, comm, owner_stage, chunk):
+    def __init__(self, tie, stages, comm, owner_stage, chunk, tied_sums):
         self.key, self.lo, self.hi = (tie.owner, tie.tensor), tie.lo, tie.hi   # the owner's tensor in the model
         self.stages, self.comm = stages, comm
         self.owner_here = comm.Get_rank() == 0
         self.owner_stage = owner_stage
         self.chunk = chunk   # this stage's chunk (stage.Stage) that holds the owner or the use
+        self.tied_sums = tied_sums   # that chunk's tied uses' sums over the step (comm/step_gradient.py)
 
 
 class TiedStages:
     """The tied tensors of the model that span stages, and their per-step
     exchanges for this rank's stage (`chunks`: its stage.Stage chunks, local
-    chunk k the model's chunk kP + stage)."""
+    chunk k the model's chunk kP + stage; gradient: the step's,
+    comm/step_gradient.StepGradient, a part per chunk)."""
 
-    def __init__(self, world, grid, spec, cuts, chunks):
+    def __init__(self, world, grid, spec, cuts, chunks, gradient):
         self.world, self.grid = world, grid
         chunk_of = {i: c for c, (a, b) in enumerate(zip(cuts, cuts[1:])) for i in range(a, b)}
         stages = grid.stages
@@ -66,7 +68,7 @@ class TiedStages:
             if here:
                 mine = next(c for c in used if c % stages == grid.stage)
                 self.spanning.append(_Spanning(ties[0], span, comm, chunk_of[owner] % stages,
-                                               chunks[mine // stages]))
+                                               chunks[mine // stages], gradient.tied_sums(mine // stages)))
 
     def _tensor(self, span, of):
         """The tensor of `span` in this stage's buffers: `of` "params" or
@@ -78,7 +80,7 @@ class TiedStages:
         group = next(g for g in chunk.model.run.ties.groups if (g.owner, g.tensor) == span.key)
         if of == "params":
             return chunk.model.run.copies[group.copy[0]:group.copy[1]]
-        return chunk.extra_sum.out[group.copy_extra[0]:group.copy_extra[1]]
+        return span.tied_sums[group.copy_extra[0]:group.copy_extra[1]]
 
     def sum_gradients(self):
         """Step 1: the users' stages' gradients into the owner's."""

@@ -216,9 +216,9 @@ class Ring:
     cuda_aware: str
     ring_order: str
     fusion_elems: int       # --fusion-mb in gradient elements (precision.grads; 0: one bucket)
-    shard_optimizer: bool   # optimizer state and updates sharded over the workers (ZeRO-1)
-    shard_grads: bool       # the gradient sharded too (ZeRO-2; nn/grad_slots.py)
-    shard_params: bool      # and the parameters, gathered a bucket at a time (ZeRO-3; nn/sharded_store.py)
+    zero: int               # the ZeRO stage over the replicas: 1 the optimizer state and updates sharded,
+    #                         2 the gradient too (nn/grad_slots.py), 3 and the parameters, gathered a bucket
+    #                         at a time (nn/sharded_store.py); 0 unsharded (and outside ring mode)
     overlap: bool           # a communication thread overlaps the buckets with backprop
     accumulate_steps: int
 
@@ -397,8 +397,7 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
         schedule=schedule,
         ring=Ring(allreduce=args.allreduce, cuda_aware=args.cuda_aware, ring_order=args.ring_order,
                   fusion_elems=int(args.fusion_mb * (1 << 20)) // precision.grads.itemsize,
-                  shard_optimizer=ring and stage >= 1, shard_grads=ring and stage >= 2,
-                  shard_params=ring and stage == 3,
+                  zero=stage if ring else 0,
                   overlap=ring and overlap_wanted(args.overlap, world.xp, cluster.local_size,
                                                   world.thread_multiple),
                   accumulate_steps=args.accumulate_steps),
