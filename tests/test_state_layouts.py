@@ -5,10 +5,16 @@ replicas or not; parameter servers) are filled with the whole model's
 values as the layout holds them, and every rank's writer parts, put
 together, must give each whole tensor back with each element written
 exactly once (the optimizer's state and the non-trainable state too).
+Then the consumers over parts (state/consumers.py): finiteness over every
+rank, and a state written at one layout (the writers' parts to the chief)
+read back at another (each rank its boxes, from an old flat checkpoint).
 
     mpirun -n 4 python -m mpi4py -m pytest -q --only-mpi tests/test_state_layouts.py
     python -m pytest -q tests/test_state_layouts.py
 """
+from contextlib import nullcontext
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -24,6 +30,7 @@ from hpctrain.optim.optimizers import make_optimizer
 from hpctrain.pipeline.stage import Stage
 from hpctrain.pipeline.stages import balanced
 from hpctrain.state import layouts
+from hpctrain.state.consumers import FromChief, ToChief, finite, flat_read, parameters
 from hpctrain.state.parts import box_slices, range_boxes
 
 KEYS = ("m", "v")   # adam's state, in the order the values below number them
@@ -79,6 +86,48 @@ def fill_state(model_state, replica, t=0):
     model_state[...] = np.arange(model_state.size) + 0.5 + 1000 * replica + 100 * t
 
 
+class RingLayout:
+    """Ring mode's step at ZeRO `stage` with T = `tensor` (RingStep over this
+    rank's replicas), its buffers filled with the whole model's values as
+    the layout holds them (`fill`) and its parts (`parts`)."""
+
+    def __init__(self, full, stage, tensor):
+        world = MPI.COMM_WORLD
+        self.full, self.stage = full, stage
+        self.t, self.replica = world.Get_rank() % tensor, world.Get_rank() // tensor
+        self.data = world.Split(self.t, self.replica)
+        self.spec = full
+        if tensor > 1:
+            group = TensorGroup(tensor, self.t)
+            group.comm = TensorComm(world.Split(self.replica, self.t))
+            self.spec = full.split_tensor(group)
+        self.strategy = RingAllreduce(self.data)
+        self.ring = RingStep(self.spec, self.strategy, self.data, np, ("adam", {}), 200, sharded=stage >= 1,
+                             shard_grads=stage >= 2, shard_params=stage == 3, overlap=False, dtype=np.float64)
+
+    def fill(self):
+        full, ring, t = self.full, self.ring, self.t
+        local = [take_local(full, self.spec.cuts, whole(full, k), t) if self.spec.cuts else whole(full, k)
+                 for k in range(3)]
+        if ring.param_shard is not None:
+            ring.param_shard.buf[...] = compact(local[0], ring.param_shard.ranges)
+        else:
+            ring.model.params[...] = local[0]
+        state = ring.optimizer.state()
+        for k, key in enumerate(KEYS):
+            state[key][...] = compact(local[1 + k], ring.optimizer.ranges) if self.stage else local[1 + k]
+        fill_state(ring.model.state, self.replica, t)
+
+    def parts(self):
+        ring = self.ring
+        return layouts.ring(self.spec, None if self.stage == 3 else ring.model.params, ring.model.state,
+                            ring.optimizer, "adam", self.replica, self.data.Get_size(), ring.param_shard)
+
+    def close(self):
+        self.ring.close()
+        self.strategy.free()
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("name, tensor", [("gpt", 1), ("gpt", 2), ("small_cnn", 1)])
@@ -86,63 +135,59 @@ def test_ring_parts_put_together_are_the_whole_model(stage, name, tensor):
     """Ring mode at ZeRO stage 0-3, tensor-parallel or not: the GPT (its head
     tied to the embedding, held once; the vocabulary and heads cut) and a
     CNN (batch-norm state)."""
-    world = MPI.COMM_WORLD
-    if world.Get_size() % tensor:
+    if MPI.COMM_WORLD.Get_size() % tensor:
         pytest.skip("the ranks do not divide by T")
-    full = gpt(13, 8, 4, 2, 12) if name == "gpt" else small_cnn((12, 12), 10)
-    t, replica = world.Get_rank() % tensor, world.Get_rank() // tensor
-    data = world.Split(t, replica)
-    spec = full
-    if tensor > 1:
-        group = TensorGroup(tensor, t)
-        group.comm = TensorComm(world.Split(replica, t))
-        spec = full.split_tensor(group)
-    strategy = RingAllreduce(data)
-    ring = RingStep(spec, strategy, data, np, ("adam", {}), 200, sharded=stage >= 1, shard_grads=stage >= 2,
-                    shard_params=stage == 3, overlap=False, dtype=np.float64)
+    layout = RingLayout(gpt(13, 8, 4, 2, 12) if name == "gpt" else small_cnn((12, 12), 10), stage, tensor)
     try:
-        local = [take_local(full, spec.cuts, whole(full, k), t) if tensor > 1 else whole(full, k) for k in range(3)]
-        if ring.param_shard is not None:
-            ring.param_shard.buf[...] = compact(local[0], ring.param_shard.ranges)
-        else:
-            ring.model.params[...] = local[0]
-        state = ring.optimizer.state()
-        for k, key in enumerate(KEYS):
-            state[key][...] = compact(local[1 + k], ring.optimizer.ranges) if stage else local[1 + k]
-        fill_state(ring.model.state, replica, t)
-        parts = layouts.ring(spec, None if stage == 3 else ring.model.params, ring.model.state, ring.optimizer,
-                             "adam", replica, data.Get_size(), ring.param_shard)
-        check(parts, full)
-        if stage == 0 and tensor == 1 and data.Get_size() > 1:   # the writing spread over the replicas
+        layout.fill()
+        parts = layout.parts()
+        check(parts, layout.full)
+        if stage == 0 and tensor == 1 and layout.data.Get_size() > 1:   # the writing spread over the replicas
             assert 0 < sum(p.writer for p in parts) < len(parts)
     finally:
-        ring.close()
-        strategy.free()
+        layout.close()
+
+
+class PipeLayout:
+    """Two pipeline stages (the GPT's tied head on the last: a copy there,
+    not a part), each of size / 2 replicas (an odd rank out holds nothing),
+    the optimizer sharded over them or not."""
+
+    def __init__(self, full, sharded, stages=2):
+        world = MPI.COMM_WORLD
+        self.full, self.sharded = full, sharded
+        self.s, self.replica, self.replicas = world.Get_rank() % stages, world.Get_rank() // stages, \
+            world.Get_size() // stages
+        if world.Get_rank() >= stages * self.replicas:
+            self.replica = -1
+        self.chunk = Stage(full, balanced(full, stages), self.s, 1, np, np.float64)
+        n = self.chunk.hi - self.chunk.lo
+        r, R = max(self.replica, 0), self.replicas
+        self.owned = [(r * n // R, (r + 1) * n // R)] if sharded else None
+        self.optimizer = make_optimizer("adam", n, np, np.float64, owned=self.owned)
+
+    def fill(self):
+        chunk = self.chunk
+        chunk.params[...] = whole(self.full, 0)[chunk.lo:chunk.hi]
+        for k, key in enumerate(KEYS):
+            values = whole(self.full, 1 + k)[chunk.lo:chunk.hi]
+            self.optimizer.state()[key][...] = compact(values, self.owned) if self.sharded else values
+        fill_state(chunk.state, self.replica)
+
+    def parts(self):
+        return [] if self.replica < 0 else \
+            layouts.pipeline(self.full, [self.chunk], [self.optimizer], "adam", self.replica, self.replicas)
+
+    def close(self):
+        pass
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sharded", [False, True])
 def test_pipeline_parts_put_together_are_the_whole_model(sharded):
-    """Two stages (the GPT's tied head on the last: a copy there, not a part),
-    each of size / 2 replicas, the optimizer sharded over them or not."""
-    world = MPI.COMM_WORLD
-    stages = 2
-    full = gpt(13, 8, 4, 2, 12)
-    s, replica, replicas = world.Get_rank() % stages, world.Get_rank() // stages, world.Get_size() // stages
-    if world.Get_rank() >= stages * replicas:
-        replica = -1   # an odd rank out: holds nothing (the check's allgather still needs it)
-    cuts = balanced(full, stages)
-    chunk = Stage(full, cuts, s, 1, np, np.float64)
-    n = chunk.hi - chunk.lo
-    owned = [(replica * n // replicas, (replica + 1) * n // replicas)] if sharded else None
-    optimizer = make_optimizer("adam", n, np, np.float64, owned=owned)
-    chunk.params[...] = whole(full, 0)[chunk.lo:chunk.hi]
-    for k, key in enumerate(KEYS):
-        values = whole(full, 1 + k)[chunk.lo:chunk.hi]
-        optimizer.state()[key][...] = compact(values, owned) if sharded else values
-    fill_state(chunk.state, replica)
-    parts = [] if replica < 0 else layouts.pipeline(full, [chunk], [optimizer], "adam", replica, replicas)
-    check(parts, full)
+    layout = PipeLayout(gpt(13, 8, 4, 2, 12), sharded)
+    layout.fill()
+    check(layout.parts(), layout.full)
 
 
 @pytest.mark.mpi
@@ -166,3 +211,87 @@ def test_ps_parts_put_together_are_the_whole_model(placement):
         fill_state(state, 0)
         parts += layouts.ps_worker(full, whole(full, 0) + 1, state, chief=True)
     check(parts, full)
+
+
+# --- the consumers over parts (state/consumers.py) ------------------------------------
+
+def waiting(what, peer):
+    return nullcontext()
+
+
+@pytest.mark.mpi
+def test_finite_is_every_ranks_parts_on_every_rank():
+    comm = MPI.COMM_WORLD
+    full = gpt(13, 8, 4, 2, 12)
+    layout = RingLayout(full, 3, 1)
+    try:
+        layout.fill()
+        params = parameters(layout.parts(), full)
+        assert finite(params, comm, waiting)
+        if comm.Get_rank() == comm.Get_size() - 1:
+            params[-1].view.reshape(-1)[-1] = np.inf
+        assert not finite(params, comm, waiting)
+        assert finite(params) == (comm.Get_rank() != comm.Get_size() - 1)   # this rank's alone
+    finally:
+        layout.close()
+
+
+def flat_checkpoint(full, tensors):
+    """An old flat checkpoint (checkpoints/read_back.Checkpoint's arrays) from whole tensors {name: array}."""
+    def flat(prefix, layout, n):
+        out = np.full(n, np.nan)
+        for name, _, lo, hi in layout:
+            out[lo:hi] = tensors[prefix + name].reshape(-1)
+        return out
+    return SimpleNamespace(params=flat("", full.tensors, full.num_params),
+                           optimizer_state={key: flat(f"adam.{key}/", full.tensors, full.num_params) for key in KEYS},
+                           model_state=flat("", full.state, full.num_state))
+
+
+LAYOUTS = {"ring": lambda full: RingLayout(full, 0, 1), "zero1": lambda full: RingLayout(full, 1, 1),
+           "zero3": lambda full: RingLayout(full, 3, 1), "tp2": lambda full: RingLayout(full, 0, 2),
+           "tp2-zero2": lambda full: RingLayout(full, 2, 2), "tp2-zero3": lambda full: RingLayout(full, 3, 2),
+           "pipe": lambda full: PipeLayout(full, False), "pipe-sharded": lambda full: PipeLayout(full, True)}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("first, then", [("ring", "tp2-zero3"), ("zero3", "pipe-sharded"), ("tp2-zero3", "zero1"),
+                                         ("pipe-sharded", "tp2"), ("tp2-zero2", "pipe"), ("pipe", "zero3")])
+def test_a_state_written_at_one_layout_restores_at_another(first, then):
+    """The writers' parts of layout `first` to the chief tensor by tensor
+    (ToChief, what --save writes), as an old flat checkpoint, read back
+    into every part of layout `then` (FromChief over flat_read): each
+    rank's buffers hold the whole model's values at their places."""
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() % 2 and "tp2" in first + then:
+        pytest.skip("the ranks do not divide by T")
+    full = gpt(13, 8, 4, 2, 12)
+    a = LAYOUTS[first](full)
+    try:
+        a.fill()
+        names = [f"adam.{key}/{name}" for key in KEYS for name, _, _, _ in full.tensors] + \
+            [name for name, _, _, _ in full.tensors + full.state]
+        stream = ToChief(comm, 0, a.parts(), names, waiting)
+        ckpt = None
+        if comm.Get_rank() == 0:
+            tensors = {name: np.full(shape, np.nan) for name, shape in
+                       ((name, expected(full)[name].shape) for name in names)}
+            for name, box, values in stream.tensors():
+                tensors[name][box_slices(box)] = values
+            ckpt = flat_checkpoint(full, tensors)
+        else:
+            stream.send()
+    finally:
+        a.close()
+    b = LAYOUTS[then](full)
+    try:
+        parts = b.parts()
+        for p in parts:
+            p.view[...] = np.nan
+        FromChief(comm, 0, flat_read(ckpt, full, "adam") if ckpt else None, waiting).restore(parts)
+        want = expected(full)
+        for p in parts:
+            assert np.array_equal(p.view, want[p.name][box_slices(p.box)]), p.name
+        check(parts, full)
+    finally:
+        b.close()

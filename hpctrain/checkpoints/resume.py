@@ -1,7 +1,8 @@
 """Checkpoint orchestration for the three loops, on top of
 checkpoints/file.py's files (written there, read back by checkpoints/read_back.py):
-which checkpoint a run resumes from, the state and data positions sent to
-every rank, the checkpoints written while training, and the exit after a
+which checkpoint a run resumes from (its state goes into each rank's
+parts of the whole tensors: state/consumers.py, flat_read), the data
+positions sent to every rank, the checkpoints written while training, and the exit after a
 pre-emption signal (loops/frame.py makes one Checkpoints per run and says
 when).
 
@@ -157,6 +158,11 @@ class Checkpoints:
             raise HpctrainError(f"--resume yes, but --checkpoint-dir {d} holds no checkpoint")
         if ckpt is not None:
             self._check_data(ckpt)
+            spec = self.plan.spec.full
+            for what, have, want in (("parameters", ckpt.params.size, spec.num_params),
+                                     ("model state", ckpt.model_state.size, spec.num_state)):
+                if have != want:   # the model identity was compared: a crafted file
+                    raise HpctrainError(f"{ckpt.path}: {have} floats of {what}, this model has {want}")
             line = tuning_line(ckpt.attrs.get("tuning"), self.plan.recorded["tuning"])
             if line:
                 print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
@@ -186,48 +192,6 @@ class Checkpoints:
         """The chief's line for a resumed run whose last step is `steps` (resumed_line below)."""
         return resumed_line(self.plan, self.saved_path, resume, steps)
 
-    def broadcast_model_state(self, comm, resume, state):
-        """Collective over comm (the workers'): the checkpoint's non-trainable
-        model state (batch-norm statistics) from the chief into every
-        worker's `state` (nothing when the model has none)."""
-        if not state.size:
-            return
-        world = self.world
-        host = np.zeros(state.shape, state.dtype)
-        ckpt = resume.checkpoint
-        if ckpt is not None:
-            if ckpt.model_state.size != state.size:
-                raise HpctrainError(f"{ckpt.path}: {ckpt.model_state.size} floats of model state, this model has "
-                                    f"{state.size}")   # the model identity was compared: a crafted file
-            host[...] = ckpt.model_state
-        with world.waiting("checkpoint broadcast (model state)", peer=world.cluster.chief_rank):
-            comm.Bcast(host, root=world.chief_in(comm))
-        state[...] = world.xp.asarray(host)
-
-    def broadcast_state(self, comm, resume, params, optimizer):
-        """Collective over comm: the resumed parameters and optimizer state
-        from the chief into every rank's params and optimizer (ring mode, where
-        every rank holds all of them; a sharded optimizer gets its owned parts
-        of the state, scattered: `scatter_state`); optimizer.t restored too."""
-        world = self.world
-        root = world.chief_in(comm)
-        ckpt = resume.checkpoint
-        targets = [("params", params, ckpt.params if ckpt else None)]
-        if getattr(optimizer, "ranges", None) is not None:
-            self.scatter_state(comm, ckpt.optimizer_state if ckpt else None, optimizer)
-        else:
-            for name, array in optimizer.state().items():
-                targets.append((f"optimizer state {name}", array, ckpt.optimizer_state[name] if ckpt else None))
-        for what, target, source in targets:
-            host = np.empty(target.shape, target.dtype)
-            if source is not None:
-                host[...] = source
-            with world.waiting(f"checkpoint broadcast ({what})", peer=world.cluster.chief_rank):
-                comm.Bcast(host, root=root)
-            target[...] = world.xp.asarray(host)
-        optimizer.t = resume.optimizer_t
-        device.synchronize(world.xp)
-
     # --- a sharded optimizer's state (--shard-optimizer on): checkpoints/sharded.py
 
     def _sharded(self, comm, optimizer):
@@ -242,11 +206,6 @@ class Checkpoints:
         host arrays on the chief (the same checkpoint as an unsharded run
         writes); {} elsewhere."""
         return self._sharded(comm, optimizer).gather()
-
-    def scatter_state(self, comm, full_state, optimizer):
-        """Collective over comm: full-length state arrays on the chief (from a
-        checkpoint, sharded or not) into each rank's owned parts."""
-        self._sharded(comm, optimizer).scatter(full_state)
 
     def seek_readers(self, reader, resume):
         """Every worker: its reader to the checkpoint's `resume_point`, whatever

@@ -1,9 +1,9 @@
 """A sharded optimizer's state (--shard-optimizer on) in and out of the one
 full-length checkpoint: each rank owns some ranges of the flat buffer
 (comm/data_parallel.py: its shard of each bucket), and the chief gathers the owned parts into
-full-length arrays (the same file an unsharded run writes) or scatters a
-checkpoint's arrays back into them. Raw int64 and float buffers through
-Gather(v)/Scatterv, no pickle; every wait under the watchdog.
+full-length arrays (the same file an unsharded run writes; a resume puts
+each rank's owned parts back through state/consumers.py). Raw int64 and
+float buffers through Gather(v), no pickle; every wait under the watchdog.
 
     mpirun -n 2 python -m mpi4py -m pytest --only-mpi tests/test_shard_optimizer.py
 """
@@ -71,20 +71,3 @@ class ShardedState:
                     c += hi - lo
             out[name] = full
         return out
-
-    def scatter(self, full_state):
-        """Full-length state arrays on the chief (from a checkpoint, sharded
-        or not) into each rank's owned parts (Scatterv)."""
-        layout = self.layout
-        for name, compact in self.optimizer.state().items():
-            mine = np.empty(compact.shape, compact.dtype)
-            with self.watchdog.waiting(f"checkpoint scatter (optimizer state {name})", peer=self.chief_rank):
-                if layout is None:
-                    self.comm.Scatterv(None, mine, root=self.root)
-                else:
-                    ranges, sizes = layout
-                    full = np.asarray(full_state[name], compact.dtype)
-                    parts = np.concatenate([full[lo:hi] for owned in ranges for lo, hi in owned]
-                                           or [np.empty(0, compact.dtype)])
-                    self.comm.Scatterv([parts, (sizes, displacements(sizes))], mine, root=self.root)
-            compact[...] = self.xp.asarray(mine)

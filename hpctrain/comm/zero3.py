@@ -13,11 +13,9 @@ needs them whole takes them a bucket at a time.
   of one array at once, never the whole model. The others `send()` in
   the file's order meanwhile; a chief whose write fails `drain()`s the
   rest, so no sender is left waiting.
-- `ShardsFromChief`: the other way, a resume: each bucket of a
-  checkpoint's full-length dataset (read from the file a bucket at a
-  time: checkpoints/read_back.OnDisk) scattered into the owners' parts.
+(A resume puts each rank's parts back through state/consumers.py.)
 
-Raw buffers through Gatherv and Scatterv, no pickle; every wait under the
+Raw buffers through Gatherv, no pickle; every wait under the
 watchdog, naming the chief where the others wait for it.
 
     mpirun -n 2 python -m mpi4py -m pytest --only-mpi tests/test_zero3.py
@@ -103,29 +101,3 @@ class ShardsToChief(_Layout):
 
     def drain(self):
         self.send()
-
-
-class ShardsFromChief(_Layout):
-    """The chief's full-length datasets (an array or read_back.OnDisk; None
-    elsewhere) into each rank's compact arrays, a bucket at a time."""
-
-    def __init__(self, comm, shard, watchdog, root, chief_rank):
-        super().__init__(comm, shard, watchdog)
-        self.root, self.chief_rank = root, chief_rank
-
-    def scatter(self, name, source, target, xp):
-        chief = self.comm.Get_rank() == self.root
-        for j in self.order:
-            lo, hi = self.shard.buckets[j]
-            whole = None
-            if chief:
-                whole = source.read(lo, hi) if hasattr(source, "read") else np.asarray(source[lo:hi])
-                whole = np.ascontiguousarray(whole, target.dtype)
-            a, b = self.shard.owned[j]
-            mine = np.empty(b - a, target.dtype)
-            with self.watchdog.waiting(f"checkpoint scatter ({name} [{lo}:{hi}))",
-                                       peer=None if chief else self.chief_rank):
-                self.comm.Scatterv([whole, (self.counts[j], self.displs[j])] if chief else None, mine,
-                                   root=self.root)
-            c = self.shard.offset[j]
-            target[c:c + b - a] = xp.asarray(mine)

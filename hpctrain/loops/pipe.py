@@ -37,6 +37,8 @@ from ..pipeline.grid import Grid
 from ..pipeline.stage import Stage
 from ..pipeline.tied import TiedStages
 from ..pipeline.trace import StageTrace
+from ..state import layouts as state_layouts
+from ..state.consumers import FromChief, flat_read
 from .frame import Frame
 
 
@@ -96,9 +98,21 @@ def train_pipe(world, plan, inputs, timeline):
         world.say(f"hpctrain: --compression {plan.compression.kind}: one replica a stage, nothing is exchanged "
                   f"and nothing compressed")
 
-    # --- resume: the chief's file, each stage its chunks' slices -------------
+    def parts():   # this rank's state as parts of the whole named tensors (state/layouts.py)
+        return state_layouts.pipeline(spec, chunks, optimizers, plan.optimizer.name, grid.replica, grid.replicas)
+
+    # --- resume: each rank its boxes of the checkpoint's whole tensors, read by the chief ----------
     def restore(resume):
-        whole.resume_stage(world, spec, grid, chunks, optimizers, layouts, resume, slices)
+        ckpt = resume.checkpoint
+        try:   # an old flat checkpoint, whatever cut, P, T or R wrote it (a ring mode one as well)
+            read = flat_read(ckpt, spec, plan.optimizer.name) if ckpt is not None else None
+            FromChief(world.comm, world.chief_in(world.comm), read, world.waiting).restore(parts(), xp)
+        finally:
+            if ckpt is not None:
+                ckpt.close()
+        for optimizer in optimizers:
+            optimizer.t = resume.optimizer_t
+        device.synchronize(xp)
         if compression is not None:
             pipeline_compression.restore(world, grid, compression, layouts, resume)
     frame.resumed(reader, restore)
@@ -112,7 +126,7 @@ def train_pipe(world, plan, inputs, timeline):
     engine = Engine(world, spec, grid, chunks, update, actions, plan.data.batch_size,
                     StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), compression=compression,
                     tied=tied, compute=plan.precision.compute)
-    model = whole.Pipelined(world, plan, engine, layouts, slices)   # what the frame evaluates and saves, by stages
+    model = whole.Pipelined(world, plan, engine, parts)   # what the frame evaluates and saves, by stages
     step, stopped = train_steps(world, frame, engine, layouts, reader, model, slices)
     extra = {"workers": grid.replicas, "pipeline_stages": grid.stages,
              "micro_batches": micro, "schedule": pipe.schedule, "virtual_stages": virtual, "replicas": grid.replicas,

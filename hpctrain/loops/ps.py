@@ -48,6 +48,8 @@ from ..nn.accumulate import Accumulation
 from ..optim.clipping import Clip
 from ..optim.optimizers import OnDevice, make_optimizer
 from ..report.evaluated import WholeModel
+from ..state.consumers import FromChief, flat_read
+from ..state.layouts import buffer_parts
 from .frame import Frame, diverged
 
 
@@ -188,13 +190,22 @@ class Worker:
 def run_worker(world, plan, frame, comm, reader, placement, shared, why_not=""):
     reader = prefetch.device_batches(reader, world.xp)   # GPU: pinned, async, one step ahead
     w = start_worker(world, plan, frame, comm, placement, shared, why_not)
-    frame.resumed(reader, lambda resume: frame.checkpoints.broadcast_model_state(world.cluster.worker_comm, resume,
-                                                                                 w.model.state))
+    frame.resumed(reader, lambda resume: restore_state(world, plan, resume, w.model))
     w.pm.recv_buffer()
     w.client.pull()
     w.pm.to_device()
     local = worker_steps(world, plan, frame, w, reader)
     return end_worker(world, plan, frame, w, local)
+
+
+def restore_state(world, plan, resume, model):
+    """Every worker's non-trainable state (batch-norm statistics), the
+    checkpoint's, read by the chief (the servers take the parameters and
+    optimizer state from it: start_servers)."""
+    ckpt, comm, spec = resume.checkpoint, world.cluster.worker_comm, plan.spec
+    read = flat_read(ckpt, spec, plan.optimizer.name) if ckpt is not None else None
+    FromChief(comm, 0, read, world.waiting).restore(buffer_parts(spec, [(0, spec.num_state)], model.state, of="state"),
+                                                  world.xp)
 
 
 def start_worker(world, plan, frame, comm, placement, shared, why_not):

@@ -17,6 +17,8 @@ from ..comm.topology import Topology
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
 from ..report.evaluated import WholeModel
+from ..state import layouts
+from ..state.consumers import FromChief, flat_read
 from . import ring_tensor as tensor
 from . import ring_zero3 as zero3
 from .frame import Frame
@@ -61,27 +63,30 @@ def train_ring(world, plan, inputs, timeline):
     # GPU: pinned, async, one step ahead
     reader = prefetch.device_batches(inputs.reader(comm, mesh.coords.data, mesh.size("data")), xp)
 
+    def parts():   # this rank's state as parts of the whole named tensors (state/layouts.py)
+        return layouts.ring(plan.spec, None if ring.param_shard is not None else model.params, model.state,
+                            ring.optimizer, plan.optimizer.name, comm.Get_rank(), comm.Get_size(), ring.param_shard)
+
     def restore(resume):
-        # every rank holds the whole state: the chief's copy goes to all (--zero 3: each rank its shards;
-        # --tensor-parallel: each rank its slice)
-        if split:
-            tensor.restore(world, frame.checkpoints, resume, ring)
-            return
-        if ring.param_shard is not None:
-            zero3.restore(world, comm, resume, ring)
-        else:
-            frame.checkpoints.broadcast_state(comm, resume, model.params, ring.optimizer)
-        frame.checkpoints.broadcast_model_state(comm, resume, model.state)
-        # --compression powersgd: each worker its own error feedback, every rank the Qs
-        compression_state.restore(world, comm, resume, ring.exchange, ring.error, ring.layout_key,
-                                  plan.compression.kind)
+        # each rank its boxes of the checkpoint's whole tensors, read by the chief (an old flat
+        # checkpoint, whatever layout wrote it)
+        ckpt = resume.checkpoint
+        read = flat_read(ckpt, plan.spec, plan.optimizer.name) if ckpt is not None else None
+        FromChief(everyone, world.chief_in(everyone), read, world.waiting).restore(parts(), xp)
+        ring.optimizer.t = resume.optimizer_t
+        if ring.store is not None:   # --zero 3: the gathered copies are of the old parameters
+            ring.store.forget()
+        device.synchronize(xp)
+        if not split:   # --compression powersgd: each worker its own error feedback, every rank the Qs
+            compression_state.restore(world, comm, resume, ring.exchange, ring.error, ring.layout_key,
+                                      plan.compression.kind)
     frame.resumed(reader, restore)
 
     # --- training, then the end ---------------------------------------------
     # what the chief evaluates and saves (--zero 3: every rank together, the parameters a bucket at a time)
-    evaluated = tensor.TensorModel(world, plan, model, ring) if split else \
+    evaluated = tensor.TensorModel(world, plan, model, ring, parts) if split else \
         WholeModel(world, plan, model) if ring.param_shard is None else \
-        zero3.ShardedModel(world, plan, model, ring.store, comm)
+        zero3.ShardedModel(world, plan, model, parts, comm)
     step, stopped = train_steps(world, frame, ring, reader, evaluated)
     ring.close()   # the communication thread ends with the loop
     extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": 3 if ring.shard_params else 2 if ring.shard_grads else int(ring.sharded),

@@ -9,15 +9,12 @@ What needs the whole model goes a stage at a time:
   takes it: checkpoints/file.Pieces), so the chief holds one stage's slice
   of one buffer at once; a sharded optimizer's parts are first gathered on
   the stage's replica 0;
-- a resume (`resume_stage`): the checkpoint read lazily (its datasets stay
-  in the file: checkpoints/read_back.OnDisk), each stage's slice read and sent
-  to its replica 0, then to the stage's replicas; whatever cut, P or R
-  wrote it (a ring mode checkpoint as well);
-- --save and --keep-best (`Pipelined.write`): the parameters file, a
-  stage's tensors at a time;
 - evaluations (`Pipelined.evaluate`): forward-only batches through the
   stages, each replica its part of the test set (or val part), the last
-  stage counting loss and accuracy, one world Allreduce of the sums.
+  stage counting loss and accuracy, one world Allreduce of the sums;
+  finiteness, --save and --keep-best are report/evaluated.Evaluated's,
+  over the stage's parts (state/layouts.pipeline), and so is a resume
+  (loops/pipe.py, state/consumers.py).
 
 With --tensor-parallel each stage's ranks hold slices of its layers: its
 replica 0's tensor ranks gather theirs on tensor rank 0, which goes
@@ -33,8 +30,6 @@ constants of its two world Allreduces (IN_PLACE, MIN and SUM).
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --checkpoint-dir ckpt --steps 20
 """
-import os
-
 import numpy as np
 
 from .. import device
@@ -42,9 +37,7 @@ from ..checkpoints.file import Pieces
 from ..checkpoints.sharded import ShardedState
 from ..comm.tensor_group import gather_whole
 from ..errors import HpctrainError
-from ..report.params import chief_text, write_attrs, written_by_chief
-from ..files import create_new, remove_temp, temp_name_next_to
-from ..nn.tensor_parallel import take_local
+from ..report.evaluated import Evaluated
 from . import stage_compression as pipeline_compression
 from .stages import ranges
 
@@ -62,8 +55,8 @@ class Layouts:
 
 class WholeSlices:
     """--tensor-parallel: this stage's chunks' slices of its (split) buffers
-    as slices of the whole model's, on the stage's tensor rank 0, and back;
-    collective over the stage's tensor group (grid.tensor_comm). spec: the
+    as slices of the whole model's, on the stage's tensor rank 0 (a
+    checkpoint's); collective over the stage's tensor group (grid.tensor_comm). spec: the
     split spec; chunks: this stage's (pipeline/stage.Stage)."""
 
     def __init__(self, world, grid, spec, chunks):
@@ -78,16 +71,6 @@ class WholeSlices:
                             self.world.waiting("pipeline tensor slices to the stage's tensor rank 0",
                                                peer=grid.world_rank(grid.stage, tensor=0) if grid.tensor else None),
                             lo, hi)
-
-    def local(self, k, whole, dtype):
-        """This tensor rank's slice of chunk k from `whole` (the whole model's
-        slice on tensor rank 0; ignored elsewhere)."""
-        (lo, hi), grid = self.spans[k], self.grid
-        buf = np.ascontiguousarray(whole, dtype) if grid.tensor == 0 else np.empty(hi - lo, dtype)
-        with self.world.waiting("pipeline whole slices to the stage's tensor ranks",
-                                peer=None if grid.tensor == 0 else grid.world_rank(grid.stage, tensor=0)):
-            grid.tensor_comm.Bcast(buf, root=0)
-        return take_local(self.full, self.cuts, buf, grid.tensor, lo, hi)
 
 
 def spans(spec, cuts, of="params"):
@@ -228,135 +211,21 @@ def stage_optimizer_state(world, grid, optimizer):
     return {name: full.get(name) for name in optimizer.state()}
 
 
-# --- resume ---------------------------------------------------------------------------
-
-def to_stages(world, grid, source, layout, sizes, what, dtype):
-    """Every chunk's slice of `source` (the chief's lazily read checkpoint
-    dataset: checkpoints/read_back.OnDisk; ignored elsewhere), read and sent a
-    chunk at a time to its stage's replica 0 (host): there the list of this
-    stage's chunks' slices (`sizes` elements of `dtype` each, the stages'
-    buffers'); None elsewhere."""
-    if grid.replica != 0:
-        return None
-    counts, displs = layout
-    watchdog, P = world.watchdog, grid.stages
-    if not grid.first:
-        mine = []
-        for n in sizes:
-            host = np.empty(n, dtype)
-            with watchdog.waiting(f"pipeline resume ({what}) from the chief", peer=grid.world_rank(0, 0)):
-                grid.pipe_comm.Recv(host, source=0, tag=TAG)
-            mine.append(host)
-        return mine
-    mine = []
-    for c in range(len(counts)):
-        piece = source.read(displs[c], displs[c] + counts[c]) if counts[c] else np.zeros(0, dtype)
-        if c % P == 0:
-            mine.append(piece)
-            continue
-        with watchdog.waiting(f"pipeline resume ({what}) to stage {c % P}", peer=grid.world_rank(c % P, 0)):
-            grid.pipe_comm.Send(piece, dest=c % P, tag=TAG)
-    return mine
-
-
-def stage_slices(world, grid, source, layout, parts, what, dtype, slices=None):
-    """to_stages for this stage's `parts` (their sizes): with --tensor-parallel
-    (`slices`) the whole model's slices to the stage's tensor rank 0, and
-    each tensor rank of replica 0 its slices of them; None on the other replicas."""
-    if slices is None:
-        return to_stages(world, grid, source, layout, [part.size for part in parts], what, dtype)
-    if grid.replica != 0:
-        return None
-    wholes = to_stages(world, grid, source, layout, [hi - lo for lo, hi in slices.spans], what, dtype) \
-        if grid.tensor == 0 else [None] * len(parts)
-    return [slices.local(k, whole, dtype) for k, whole in enumerate(wholes)]
-
-
-def from_chief(world, grid, source, parts, layout, what, slices=None):
-    """Every chunk's slice of `source` into `parts` (this stage's chunks') on all its replicas."""
-    dtype = parts[0].dtype
-    hosts = stage_slices(world, grid, source, layout, parts, what, dtype, slices)
-    if hosts is None:
-        hosts = [np.zeros(part.shape, dtype) for part in parts]
-    for host, part in zip(hosts, parts):
-        with world.waiting(f"pipeline broadcast to the stage's replicas ({what})",
-                           peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
-            grid.stage_comm.Bcast(host, root=0)
-        part[...] = world.xp.asarray(host)
-
-
-class _InMemory:
-    """A dataset already in memory (a small one: the model state), read by slices as OnDisk is."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def read(self, lo, hi):
-        return np.ascontiguousarray(self.array[lo:hi])
-
-
-def resume_stage(world, spec, grid, chunks, optimizers, layouts, resume, slices=None):
-    """The checkpoint's buffers (the chief's, read lazily) into every stage's
-    chunks' slices, the optimizers' step count too: whatever cut, chunks
-    and replica count wrote it (a ring mode checkpoint as well). No rank
-    holds more than its stage's slices; the chief one chunk's slice of one
-    buffer at a time."""
-    ckpt = resume.checkpoint
-    if ckpt is not None:
-        for what, have, want in (("parameters", ckpt.params.size, spec.full.num_params),
-                                 ("model state", ckpt.model_state.size, spec.num_state)):
-            if have != want:   # the model identity was compared: a crafted file
-                raise HpctrainError(f"{ckpt.path}: {have} floats of {what}, this model has {want}")
-    try:
-        from_chief(world, grid, ckpt.params if ckpt else None, [c.params for c in chunks], layouts.params,
-                   "parameters", slices)
-        if spec.num_state:   # collective: every stage alike, with state of its own or not
-            from_chief(world, grid, _InMemory(ckpt.model_state) if ckpt else None, [c.state for c in chunks],
-                       layouts.state, "model state")
-        sharded = getattr(optimizers[0], "ranges", None) is not None
-        stage_state = {}
-        for name in sorted(optimizers[0].state()):
-            source = ckpt.optimizer_state[name] if ckpt else None
-            if sharded:   # each chunk's whole state on the stage's replica 0, then each replica its part
-                stage_state[name] = stage_slices(world, grid, source, layouts.params, [c.params for c in chunks],
-                                                 f"optimizer state {name}", optimizers[0].dtype, slices)
-            else:
-                from_chief(world, grid, source, [o.state()[name] for o in optimizers], layouts.params,
-                           f"optimizer state {name}", slices)
-        if sharded:
-            for k, optimizer in enumerate(optimizers):
-                replicas_state(world, grid, optimizer).scatter(
-                    {name: None if full is None else full[k] for name, full in stage_state.items()})
-    finally:
-        if ckpt is not None:
-            ckpt.close()
-    for optimizer in optimizers:
-        optimizer.t = resume.optimizer_t
-    device.synchronize(world.xp)
-
-
 # --- the model as the report sees it ----------------------------------------------------
 
-class Pipelined:
+class Pipelined(Evaluated):
     """The pipeline's model for the report and the frame (report/evaluated.py's
     interface), collective: every rank takes part in each call. engine:
-    this rank's pipeline/engine.Engine; layouts: Layouts; plan: run/plan.Plan."""
-    collective = True
+    this rank's pipeline/engine.Engine; parts: the layout's (state/layouts.pipeline);
+    plan: run/plan.Plan."""
 
-    def __init__(self, world, plan, engine, layouts, slices=None):
-        self.world, self.plan, self.engine, self.layouts, self.slices = world, plan, engine, layouts, slices
-        self.grid, self.chunks, self.spec = engine.grid, engine.chunks, plan.spec.full   # the file's: whole tensors
+    def __init__(self, world, plan, engine, parts):
+        super().__init__(world, plan, plan.spec, parts, world.comm)
+        self.engine, self.grid, self.chunks = engine, engine.grid, engine.chunks
         self._parts = {}   # split -> this replica's part (images on the first stage, labels on the last)
-
-    def finite(self):
-        return all_finite(self.world, self.grid, [c.params for c in self.chunks])
 
     def share_state(self):
         """Nothing to share: each evaluation runs with its stage's replica 0's state (evaluate)."""
-
-    def agree(self, text):
-        """The chief's text (None: nothing to say) on every rank (report/params.chief_text)."""
-        return chief_text(self.world, text)
 
     def _part(self, split):
         """This replica's part of `split`: (x or None, y or None, count)."""
@@ -403,39 +272,3 @@ class Pipelined:
 
     def evaluate_parts(self, inputs):
         return self.evaluate("test")
-
-    def write(self, path, step, attrs=None):
-        """--save, --keep-best: report/params.py's file (one dataset per
-        tensor, the state beside), written by the chief a stage's tensors at
-        a time. OSError on the chief when it cannot (the others learn it
-        from `agree`)."""
-        grid, chunks, layouts, spec = self.grid, self.chunks, self.layouts, self.spec
-        mine = grid.replica == 0
-        parts = {"params": (layouts.params, sent_slices(self.engine, [c.params for c in chunks], self.slices)
-                            if mine else None)}
-        if spec.num_state:
-            parts["state"] = (layouts.state, [c.state for c in chunks] if mine and grid.tensor == 0 else None)
-        stream = ToChief(grid, self.world.watchdog, list(parts), parts, chunks[0].params.dtype)
-        written_by_chief(self.world.chief, stream, lambda: self._write(path, step, attrs, stream))
-
-    def _write(self, path, step, attrs, stream):
-        import h5py
-        spec, plan = self.spec, self.plan
-        tmp = temp_name_next_to(path)
-        try:
-            os.close(create_new(tmp))
-            with h5py.File(tmp, "w") as f:
-                # the chunks' tensors in buffer order, each chunk's slice as it arrives
-                for piece, (count, base) in zip(stream.pieces("params"), zip(*self.layouts.params)):
-                    for name, shape, lo, hi in spec.tensors:
-                        if base <= lo and hi <= base + count:
-                            f.create_dataset(name, data=piece[lo - base:hi - base].reshape(shape))
-                if spec.num_state:
-                    for piece, (count, base) in zip(stream.pieces("state"), zip(*self.layouts.state)):
-                        for name, shape, lo, hi in spec.state:
-                            if base <= lo and hi <= base + count:
-                                f.create_dataset(name, data=piece[lo - base:hi - base].reshape(shape))
-                write_attrs(f, spec, plan, step, attrs)
-            os.replace(tmp, path)
-        finally:
-            remove_temp(tmp)
