@@ -12,8 +12,9 @@ same inode). An output is refused when it
 - is an input file;
 - lies inside an input folder: anywhere inside one read whole (--data, a
   checkpoint folder given to predict), or under one of the names that count
-  in a folder read in part (a checkpoint's name in --checkpoint-dir); or is a
-  hard link of a file there;
+  in a folder read in part (a checkpoint's name in --checkpoint-dir, and
+  anything inside a checkpoint that is a folder); or is a hard link of a file
+  there;
 - is a folder that holds an input, where the folder's own writes could touch
   it: any input inside a folder replaced or written whole (prepare's --out,
   --tensorboard), an input of the names it writes (--checkpoint-dir's
@@ -35,7 +36,8 @@ from .errors import HpctrainError
 class Input(NamedTuple):
     """A file or folder the command reads. what: how the line names it ("the
     --model file"); names: for a folder read in part, a compiled pattern of
-    the names inside it that count (None: the whole folder counts); inside:
+    the names inside it that count, with all they hold (None: the whole
+    folder counts); inside:
     False for a folder whose contents are not themselves the input (prepare's
     --source: only replacing it harms it); writer: the output flag that also
     writes it."""
@@ -121,18 +123,21 @@ def _within(path, top):
 
 def _counts(given, real, top):
     """A path inside the input folder `top` counts as the input: anything,
-    or for a folder read in part, a name of its pattern directly in it."""
-    if given.names is None:
-        return True
-    return os.path.dirname(real) == top and bool(given.names.match(os.path.basename(real)))
+    or for a folder read in part, a name of its pattern directly in it and
+    what that holds (a checkpoint folder's files)."""
+    return given.names is None or _named(given.names, real, top)
 
 
 def _writes(out, inner, real):
     """The output folder `real` writes where the input `inner` (inside it) is:
-    anywhere, or only the names of its pattern directly in it."""
-    if out.names is None:
-        return True
-    return os.path.dirname(inner) == real and bool(out.names.match(os.path.basename(inner)))
+    anywhere, or only the names of its pattern directly in it (and in them)."""
+    return out.names is None or _named(out.names, inner, real)
+
+
+def _named(names, path, top):
+    """path (inside top) is, or lies inside, an entry of top of these names."""
+    first = os.path.relpath(path, top).split(os.sep)[0]
+    return first not in (os.curdir, os.pardir) and bool(names.match(first))
 
 
 def _linked_from(path, given):
@@ -146,9 +151,9 @@ def _linked_from(path, given):
         return None
     for top, _, names in os.walk(given.path):
         for name in names:
-            if given.names is not None and (top != given.path or not given.names.match(name)):
-                continue
             other = os.path.join(top, name)
+            if given.names is not None and not _named(given.names, other, given.path):
+                continue
             try:
                 ost = os.lstat(other)
             except OSError:

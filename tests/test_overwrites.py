@@ -20,7 +20,8 @@ SHARD = "train-00000-of-00001.h5"
 @pytest.fixture
 def tree(tmp_path, monkeypatch):
     """A user's model file, a prepared set (manifest, shards), a checkpoint
-    folder with one checkpoint, and links to them; the working directory."""
+    folder with two checkpoints (a file, a folder), and links to them; the
+    working directory."""
     (tmp_path / "model.py").write_text("def net(shape, classes): return []\n")
     data = tmp_path / "data"
     data.mkdir()
@@ -28,6 +29,8 @@ def tree(tmp_path, monkeypatch):
         (data / name).write_text(name)
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "ckpt-00000010.h5").write_text("step 10")
+    (tmp_path / "ckpt" / "ckpt-00000030").mkdir()   # a checkpoint of named tensors is a folder
+    (tmp_path / "ckpt" / "ckpt-00000030" / "rank-00000.h5").write_text("rank 0 at step 30")
     (tmp_path / "sub").mkdir()
     (tmp_path / "datalink").symlink_to("data")
     (tmp_path / "model-link.py").symlink_to("model.py")
@@ -67,6 +70,11 @@ def refusal(args, data="data"):
                                          "ckpt/ckpt-00000010.h5 (a file of the --checkpoint-dir folder ckpt)"),
     (dict(save="ckpt/ckpt-00000020.h5"), "--save ckpt/ckpt-00000020.h5 would write inside the run's input ckpt (the "
                                          "--checkpoint-dir folder) under one of its own names; name another file"),
+    (dict(save="ckpt/ckpt-00000030/rank-00000.h5"), "--save ckpt/ckpt-00000030/rank-00000.h5 would overwrite the "
+                                                    "run's input ckpt/ckpt-00000030/rank-00000.h5 (a file of the "
+                                                    "--checkpoint-dir folder ckpt)"),
+    (dict(save="ckpt/ckpt-00000040"), "--save ckpt/ckpt-00000040 would write inside the run's input ckpt (the "
+                                      "--checkpoint-dir folder) under one of its own names; name another file"),
     (dict(checkpoint_dir="data/c"), "--checkpoint-dir data/c would write inside the run's input data"),
     (dict(tensorboard="datalink"), "--tensorboard datalink would write into the run's input data (the --data folder)"),
     (dict(tensorboard="."), "--tensorboard . would write over the run's input data (the --data folder), which it "

@@ -48,6 +48,7 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,10 @@ FORMAT_VERSION = 2
 # on damaged metadata.
 USERBLOCK = 512
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
+# A checkpoint of named tensors (checkpoints/named.py) is a folder: ckpt-00000123/
+_FOLDER_RE = re.compile(r"^ckpt-(\d{8,})$")
+# Either: the names no other output may take in a --checkpoint-dir (run/outputs.py)
+ANY_NAME_RE = re.compile(r"^ckpt-(\d{8,})(?:\.h5)?$")
 
 
 def checkpoint_name(step):
@@ -239,28 +244,56 @@ def _fsync_dir(directory):
 
 
 def list_checkpoints(directory):
-    """[(step, path)] of DIR's checkpoint files, newest first."""
+    """[(step, path)] of DIR's checkpoints, newest first: flat files
+    (`ckpt-*.h5`, this module's) and folders of named tensors (`ckpt-*/`,
+    checkpoints/named.py)."""
     try:
-        names = os.listdir(directory)
+        entries = list(os.scandir(directory))
     except FileNotFoundError:
         return []
     except OSError as e:
         raise HpctrainError(f"--checkpoint-dir {directory}: cannot list ({e.strerror})") from None
-    found = [(int(m.group(1)), os.path.join(directory, n)) for n in names if (m := _NAME_RE.match(n))]
+    found = []
+    for entry in entries:
+        m = _NAME_RE.match(entry.name) or (_FOLDER_RE.match(entry.name) if _is_folder(entry) else None)
+        if m:
+            found.append((int(m.group(1)), os.path.join(directory, entry.name)))
     return sorted(found, reverse=True)
+
+
+def _is_folder(entry):
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
 
 
 def _prune(directory, keep, mine):
     """Keep the newest `keep` checkpoints up to `mine` (the one just written),
-    by the step in their names; remove the older ones. A file named above
-    `mine` is never removed here: it is either newer than this run's step or a
-    file whose name lies about its step (a renamed copy, which resume reports
-    and skips); counted among the `keep`, a lying name would prune the real
-    newest checkpoints, the one just written included."""
-    mine_step = int(_NAME_RE.match(os.path.basename(mine)).group(1))
+    by the step in their names; remove the older ones, files and folders. A
+    checkpoint named above `mine` is never removed here: it is either newer
+    than this run's step or one whose name lies about its step (a renamed
+    copy, which resume reports and skips); counted among the `keep`, a lying
+    name would prune the real newest checkpoints, the one just written included."""
+    base = os.path.basename(mine)
+    mine_step = int((_NAME_RE.match(base) or _FOLDER_RE.match(base)).group(1))
     older = [path for step, path in list_checkpoints(directory) if step <= mine_step and path != mine]
     for path in older[max(keep - 1, 0):]:
-        _unlink_quietly(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            _remove_folder(path)
+        else:
+            _unlink_quietly(path)
+
+
+def _remove_folder(path):
+    """A checkpoint folder removed: renamed aside first (a hidden name the
+    next start sweeps), so a crash half-way never leaves a partial `ckpt-*/`."""
+    aside = temp_name_next_to(path)
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _unlink_quietly(path):

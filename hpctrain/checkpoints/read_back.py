@@ -1,5 +1,7 @@
 """Reading a checkpoint file back (checkpoints/file.py's format): verified
-before it is trusted, and the newest valid one of a --checkpoint-dir.
+before it is trusted, and the newest valid one of a --checkpoint-dir, flat
+files and folders of named tensors (checkpoints/named.py, which reads and
+verifies those) alike.
 
 Newest first; a file that is unreadable, truncated, incomplete,
 fails a checksum or holds another step than its name says (a renamed copy)
@@ -27,10 +29,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .named import is_named, open_checkpoint
 from .file import FORMAT, FORMAT_VERSION, USERBLOCK, _checksum, _hasher, _header, list_checkpoints
 from .trust import Corrupt as _Corrupt
 from .trust import Refused as _Refused
 from .trust import check_attr_types, check_ranges, stored_dataset
+from .trust import plain as _plain
 from ..errors import HpctrainError
 from ..precision import FLOAT32
 
@@ -94,17 +98,6 @@ class OnDisk:
 
     def read(self, lo, hi):
         return np.asarray(self._dataset[lo:hi], dtype=self.dtype)
-
-
-def _plain(value):
-    """An attribute as read by h5py -> the Python value it was written as."""
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray) and value.shape == ():
-        return value.item()
-    return value
 
 
 def _check_header(path, raw):
@@ -305,7 +298,10 @@ def check_data(ckpt, digest, data_dir, other_ok=False):
 
 
 def load_latest(directory, expected_settings, warn=None, lazy=False):
-    """The newest valid checkpoint in DIR (Checkpoint), or None if it holds none.
+    """The newest valid checkpoint in DIR, or None if it holds none: a flat
+    file's Checkpoint, or a folder's checkpoints/named.NamedCheckpoint (its
+    index and the presence of its rank files verified; each rank file is
+    hashed when first read).
 
     The newest is the one with the highest step stored inside it: a file whose
     name says another step than its content (a renamed copy) is reported
@@ -316,7 +312,7 @@ def load_latest(directory, expected_settings, warn=None, lazy=False):
     warn = warn or (lambda line: print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True))
     for named, path in list_checkpoints(directory):
         try:
-            ckpt = read(path, lazy=lazy)
+            ckpt = open_checkpoint(path) if is_named(path) else read(path, lazy=lazy)
         except _Refused as e:
             raise HpctrainError(f"{path}: refused: {e}; hpctrain writes no such checkpoint (a crafted file?): "
                                 f"move it away to resume from an earlier one") from None

@@ -83,6 +83,17 @@ def stored_inside(obj, key, file_size):
     return obj
 
 
+def plain(value):
+    """An attribute as h5py reads it -> the Python value it was written as."""
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) and value.shape == ():
+        return value.item()
+    return value
+
+
 def check_attr_types(attrs):
     """Every attribute a plain int, finite float or str, as save() writes them."""
     for key, value in attrs.items():

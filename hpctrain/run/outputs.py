@@ -31,6 +31,7 @@ evaluate's and plot's pictures) are checked the same way by
 """
 import os
 import re
+import shutil
 import stat
 import tempfile
 
@@ -42,7 +43,7 @@ from ..overwrites import Input, Output, check_not_inputs
 
 FILE_FLAGS = ("save", "metrics", "timeline", "keep_best")
 # A checkpoint's name in --checkpoint-dir, which no other output may take
-CHECKPOINT_NAME = checkpoint_file._NAME_RE
+CHECKPOINT_NAME = checkpoint_file.ANY_NAME_RE
 
 
 def check_outputs(args, data_dir=None):
@@ -174,13 +175,15 @@ def run_outputs(args):
 # After "<name>.tmp-": this version's "<pid>-<random>", or what older versions
 # wrote: "<pid>" (checkpoints, metrics, timeline) or mkstemp's "<random>" (--save).
 _TMP_SUFFIX = r"\.tmp-(?:(?P<pid>\d+)(?:-[a-z0-9_]{8})?|[a-z0-9_]{8})"
-_CKPT_TMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5" + _TMP_SUFFIX + "$")
+# a flat checkpoint's temporary file, or a checkpoint folder's (checkpoints/named.py:
+# one being written, or an old one renamed aside to be removed)
+_CKPT_TMP_RE = re.compile(r"^\.ckpt-\d{8,}(?:\.h5)?" + _TMP_SUFFIX + "$")
 
 
 def sweep_stale_temporaries(args):
     """Remove the temporary files that killed runs left next to --save,
-    --metrics, --timeline and in --checkpoint-dir (see the module's
-    docstring for which). Returns the paths removed. Never raises: a file
+    --metrics, --timeline and in --checkpoint-dir, where a checkpoint
+    folder's temporary folders too (see the module's docstring for which). Returns the paths removed. Never raises: a file
     that cannot be removed is left as it was."""
     started = process_start_time()
     removed = []
@@ -190,10 +193,10 @@ def sweep_stale_temporaries(args):
         if path:
             base = re.escape(os.path.basename(os.path.abspath(path)))
             targets.append((os.path.dirname(os.path.abspath(path)),
-                            re.compile(rf"^\.?{base}{_TMP_SUFFIX}$")))
+                            re.compile(rf"^\.?{base}{_TMP_SUFFIX}$"), False))
     if getattr(args, "checkpoint_dir", None):
-        targets.append((os.path.abspath(args.checkpoint_dir), _CKPT_TMP_RE))
-    for directory, pattern in targets:
+        targets.append((os.path.abspath(args.checkpoint_dir), _CKPT_TMP_RE, True))
+    for directory, pattern, folders in targets:
         try:
             names = os.listdir(directory)
         except OSError:
@@ -204,10 +207,13 @@ def sweep_stale_temporaries(args):
                 continue
             path = os.path.join(directory, name)
             pid = int(m.group("pid")) if m.group("pid") else None
-            if abandoned(path, pid, started):
-                try:
+            try:
+                if abandoned(path, pid, started):
                     os.unlink(path)
                     removed.append(path)
-                except OSError:
-                    pass
+                elif folders and abandoned(path, pid, started, kind=stat.S_ISDIR):
+                    shutil.rmtree(path)
+                    removed.append(path)
+            except OSError:
+                pass
     return removed

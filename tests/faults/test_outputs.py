@@ -248,7 +248,7 @@ def test_checkpoint_command_on_a_file_or_a_missing_directory_is_one_line(tmp_pat
             (tmp_path / "ckpt-00000010.h5", 2, f"hpctrain: error: {tmp_path / 'ckpt-00000010.h5'}: is a file; "
                                                f"give the checkpoint directory (--checkpoint-dir) that holds it"),
             (tmp_path / "missing", 2, f"hpctrain: error: {tmp_path / 'missing'}: no such directory"),
-            (tmp_path / "empty", 0, f"{tmp_path / 'empty'}: no checkpoints (ckpt-NNNNNNNN.h5) in it")]:
+            (tmp_path / "empty", 0, f"{tmp_path / 'empty'}: no checkpoints (ckpt-NNNNNNNN/ or ckpt-NNNNNNNN.h5) in it")]:
         r = subprocess.run([sys.executable, "-m", "hpctrain.checkpoint", str(target)], capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == code and (r.stderr + r.stdout).splitlines() == [says], r.stderr + r.stdout
