@@ -11,6 +11,7 @@ resume across stages (the refusals are in tests/test_train.py).
     python -m pytest tests/test_zero.py                                     # slots; jobs
 """
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -225,20 +226,26 @@ def test_zero_2_trains_the_gpt_of_zero_1_with_accumulation(job, tmp_path, text_d
     assert same_bytes(tmp_path / "z1.h5", tmp_path / "z2.h5")
 
 
-@pytest.mark.parametrize("first, then, ranks", [(2, 0, 3), (0, 2, 3), (3, 0, 3), (0, 3, 3), (3, 3, 2)])
-def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, tmp_path, shards, first, then, ranks):
+@pytest.mark.parametrize("first, then, ranks, fmt", [(2, 0, 3, "flat"), (0, 2, 3, "named"), (3, 0, 3, "named"),
+                                                     (0, 3, 3, "flat"), (3, 3, 2, "named")])
+def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, tmp_path, shards, first, then, ranks, fmt):
     """Checkpoints at 4, 8, 12 at one stage on 3 ranks, the two newest
     removed, resumed at step 4 at the other stage (or on 2 ranks): where an
-    uninterrupted run ends (the file is the same at every stage:
-    full-length state; stage 3 writes and reads it a bucket at a time)."""
+    uninterrupted run ends (the checkpoint holds the whole named tensors
+    at every stage, each rank's parts written by it (--checkpoint-format
+    named) or sent to the chief's one file (flat), and read back into each
+    rank's parts)."""
     (tmp_path / "whole").mkdir()
     trained(job, 3, [*MLP, "--data", shards, "--zero", 1], tmp_path / "whole", "p")
     ckpt, cut = tmp_path / "ckpt", tmp_path / "cut"
     cut.mkdir()
-    every = ["--checkpoint-dir", ckpt, "--checkpoint-every", 4]
+    every = ["--checkpoint-dir", ckpt, "--checkpoint-every", 4, "--checkpoint-format", fmt]
     trained(job, 3, [*MLP, "--data", shards, *every, "--zero", first], cut, "p")
     for step in (8, 12):
-        (ckpt / f"ckpt-{step:08d}.h5").unlink()
+        if fmt == "named":
+            shutil.rmtree(ckpt / f"ckpt-{step:08d}")
+        else:
+            (ckpt / f"ckpt-{step:08d}.h5").unlink()
     final = trained(job, ranks, [*MLP, "--data", shards, *every, "--zero", then], cut, "p")
     assert final["zero"] == then
     if ranks == 3:   # on another N the batches are others'

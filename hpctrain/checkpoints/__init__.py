@@ -1,7 +1,7 @@
-"""Checkpoints: the file format and its writing (file.py), its reading back
-(read_back.py) and what it trusts (trust.py), the orchestration of a run's
-checkpoints and its resume (resume.py), and a sharded optimizer's state
-gathered and scattered (sharded.py).
+"""Checkpoints: the flat file format and its writing (file.py), checkpoints
+of named tensors written by their owners (named.py), their reading back
+(read_back.py) and what it trusts (trust.py), and the orchestration of a
+run's checkpoints and its resume over the layout's parts (resume.py).
 
     python -m hpctrain.checkpoint DIR      # lists DIR's checkpoints and checks each
 """

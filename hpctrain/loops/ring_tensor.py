@@ -1,27 +1,18 @@
 """Ring mode's --tensor-parallel T outside the step: every rank holds a
-slice of the model (nn/tensor_parallel.py), so whatever needs the whole
-model gathers the slices, and every evaluation runs on a tensor group's
-ranks together (their layers exchange activations).
+slice of the model (nn/tensor_parallel.py), and every evaluation runs on a
+tensor group's ranks together (their layers exchange activations).
 
 - `attach`: the tensor group's communicator handed to the split layers
   (comm/tensor_group.TensorComm), and the clip norm's tensor pieces.
-- `save_checkpoint`: ring mode's one file with the whole model's tensors
-  (the layout is not part of the file): each tensor rank's replica 0
-  first gathers its sharded optimizer state over its replicas (--zero 1,
-  2), then the chief gathers the T slices over the tensor axis and cuts
-  them into the whole tensors; so a run resumes at any T, N or stage, or
-  in another mode.
 - `TensorModel`: the model for the report and the frame, collective: each
   replica's tensor group evaluates its part of a split, the sums added
   over the replicas (--zero 3: every rank the whole split, in step with
   its replicas' gathers); finiteness, --save and --keep-best are
-  report/evaluated.Evaluated's, over the layout's parts (a resume too:
-  loops/ring.py, state/consumers.py).
+  report/evaluated.Evaluated's, over the layout's parts.
 
-With --zero 3 the replicas hold shards of each slice: a checkpoint first
-gathers a tensor rank's slice on its replica 0 a bucket at a time, so
-that rank holds its whole slice (1/T of the model) while the file is
-written; the chief the whole model, as without --zero 3.
+Checkpoints hold the whole tensors, each rank writing the boxes of them
+its slice holds (state/layouts.ring; loops/ring.py), so a run resumes at
+any T, N or stage, or in another mode.
 
     mpirun -n 4 python -m hpctrain.train --model gpt:layers=2,heads=4,width=64 \\
         --data data/shakespeare --tensor-parallel 2 --checkpoint-dir ckpt --steps 20
@@ -29,11 +20,7 @@ written; the chief the whole model, as without --zero 3.
 import numpy as np
 from mpi4py import MPI
 
-from .. import device
-from ..checkpoints.sharded import ShardedState
-from ..comm.zero3 import ShardsToChief
 from ..comm.grad_norm import TensorNorm
-from ..comm import tensor_group
 from ..comm.tensor_group import TensorComm
 from ..data.splits import held_out
 from ..nn.tensor_parallel import counted_ranges
@@ -46,65 +33,6 @@ def attach(world, spec):
     comm = world.mesh.comm("tensor")
     spec.tensor.comm = TensorComm(comm, world.watchdog, world.xp)
     return TensorNorm(comm.Get_size(), comm.Get_rank(), counted_ranges(spec.full, spec.cuts, spec.tensor.rank), comm)
-
-
-def gather_whole(world, spec, arrays):
-    """Collective over the ranks of replica 0 (data coordinate 0; the others
-    return None at once): each tensor rank's full-length host arrays (its
-    slice's flat layout) to the chief, which returns them as the whole
-    model's flat arrays ({name: array}); None elsewhere."""
-    mesh = world.mesh
-    if mesh.coords.data:
-        return None
-    comm = mesh.comm("tensor")
-    out = {name: tensor_group.gather_whole(comm, spec.full, spec.cuts, array,
-                                           world.waiting(f"tensor slices gather ({name})", peer=None))
-           for name, array in arrays.items()}
-    return out if spec.tensor.rank == 0 else None
-
-
-def local_arrays(world, ring, state=True):
-    """This rank's parameters (and with `state` its optimizer state) as
-    full-length host arrays of its slice's flat layout, {"params": ...,
-    "optimizer/NAME": ...}, on its replica 0 (data coordinate 0; {}
-    elsewhere where the replicas hold shards): a sharded optimizer's state
-    gathered over the replicas (--zero 1, 2), and with --zero 3 the
-    parameters too, a bucket at a time (comm/zero3.ShardsToChief). Collective
-    over the replicas."""
-    optimizer, mesh, shard = ring.optimizer, world.mesh, ring.param_shard
-    if shard is not None:
-        arrays = {"params": shard.buf, **({f"optimizer/{k}": v for k, v in optimizer.state().items()} if state else {})}
-        stream = ShardsToChief(mesh.comm("data"), shard, world.watchdog, arrays, 0, mesh.rank_of(data=0),
-                               shard.buf.dtype)
-        if mesh.coords.data:
-            stream.send()
-            return {}
-        out = {}
-        for name in sorted(arrays):
-            full = np.empty(ring.model.spec.num_params, shard.buf.dtype)
-            for j, piece in zip(stream.order, stream.pieces(name)):
-                lo, hi = shard.buckets[j]
-                full[lo:hi] = piece
-            out[name] = full
-        return out
-    out = {"params": device.to_host(ring.model.params)}
-    if not state:
-        return out
-    if not ring.sharded:
-        return {**out, **{f"optimizer/{k}": device.to_host(a) for k, a in optimizer.state().items()}}
-    owners = ShardedState(mesh.comm("data"), optimizer, 0, mesh.rank_of(data=0), world.watchdog, world.xp)
-    return {**out, **{f"optimizer/{k}": v for k, v in owners.gather().items()}}
-
-
-def save_checkpoint(checkpoints, world, ring, reader, step):
-    """Collective over every rank: the checkpoint of `step`, the whole tensors, written by the chief."""
-    mesh = world.mesh
-    positions = checkpoints.gather_positions(reader, mesh.comm("data")) if mesh.coords.tensor == 0 else None
-    device.synchronize(world.xp)
-    whole = gather_whole(world, ring.model.spec, local_arrays(world, ring)) or {}
-    checkpoints.save(world.cluster.worker_comm, step, whole.get("params"),
-                     {k.split("/", 1)[1]: v for k, v in whole.items() if k != "params"}, ring.optimizer.t,
-                     positions, ring.model.state)
 
 
 class TensorModel(Evaluated):

@@ -64,7 +64,7 @@ def write_params(path, spec, pieces, plan, step, attrs=None):
     try:
         os.close(create_new(tmp))
         with h5py.File(tmp, "w") as f:
-            # the non-trainable state (batch-norm statistics) beside the parameters
+            # a box written where it lies: the tensor never whole in memory (it may be 1/N of a ZeRO shard)
             for name, box, values in pieces:
                 if name not in f:
                     f.create_dataset(name, shapes[name], dtype=values.dtype)

@@ -98,11 +98,12 @@ def linger_after_the_barrier(rank, seconds):
 
 
 def stop_a_stage(rank, where):
-    from hpctrain.pipeline import engine, whole
+    from hpctrain.checkpoints import named
+    from hpctrain.pipeline import engine
     if where == "eval":
         cls, name = engine.Engine, "evaluate"
-    else:
-        cls, name = whole.ToChief, "send"
+    else:   # a checkpoint: every rank writes its own file, the others then wait for it
+        cls, name = named, "_write_rank_file"
     original = getattr(cls, name)
 
     def stopping(self, *args, **kwargs):
