@@ -18,7 +18,7 @@ import pytest
 from mpi4py import MPI
 
 from collectives import ring_step
-from conftest import prepared_plays, same_bytes
+from conftest import prepared_plays, same_bytes, saved
 from test_hier import hier_on_fake_nodes
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.data_parallel import model_buckets
@@ -202,6 +202,11 @@ def text_dir(tmp_path_factory):
     return prepared_plays(tmp_path_factory, 20_000)
 
 
+def same_tensors(model, file):
+    """A model's {name: tensor} against a --save file's datasets ({group/name: array}), bit for bit."""
+    return set(model) <= set(file) and all(model[k].tobytes() == file[k].tobytes() for k in model)
+
+
 def trained(job, ranks, flags, out, name):
     r = job(ranks, *flags, "--save", out / f"{name}.h5", "--metrics", out / f"{name}.jsonl", timeout=180)
     assert r.returncode == 0, r.stderr
@@ -248,6 +253,10 @@ def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, tmp_path, sha
             (ckpt / f"ckpt-{step:08d}.h5").unlink()
     final = trained(job, ranks, [*MLP, "--data", shards, *every, "--zero", then], cut, "p")
     assert final["zero"] == then
+    if fmt == "named":   # the last checkpoint, read whole by name (evaluate, predict): the --save file's tensors
+        from hpctrain.trained import load_checkpoint
+        model = load_checkpoint(ckpt).model
+        assert same_tensors(dict(model.tensors()), saved(cut / "p.h5"))
     if ranks == 3:   # on another N the batches are others'
         assert same_bytes(tmp_path / "whole" / "p.h5", cut / "p.h5")
 
