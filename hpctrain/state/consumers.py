@@ -22,7 +22,7 @@ Boxes travel as raw arrays (mpi4py's buffer calls) and what describes them
 as JSON bytes: no pickle. Every blocking wait goes through `waiting(what,
 peer)` (run/world.World.waiting: the watchdog, naming the peer).
 
-    mpirun -n 4 python -m mpi4py -m pytest -q --only-mpi tests/test_state_consumers.py
+    mpirun -n 4 python -m mpi4py -m pytest -q --only-mpi tests/test_state_layouts.py
 """
 import json
 
