@@ -119,10 +119,10 @@ class RingLayout:
             state[key][...] = compact(local[1 + k], ring.optimizer.ranges) if self.stage else local[1 + k]
         fill_state(ring.model.state, self.replica, t)
 
-    def parts(self):
+    def parts(self, spread=True):
         ring = self.ring
         return layouts.ring(self.spec, None if self.stage == 3 else ring.model.params, ring.model.state,
-                            ring.optimizer, "adam", self.replica, self.data.Get_size(), ring.param_shard)
+                            ring.optimizer, "adam", self.replica, self.data.Get_size(), ring.param_shard, spread)
 
     def close(self):
         self.ring.close()
@@ -145,6 +145,10 @@ def test_ring_parts_put_together_are_the_whole_model(stage, name, tensor):
         check(parts, layout.full)
         if stage == 0 and tensor == 1 and layout.data.Get_size() > 1:   # the writing spread over the replicas
             assert 0 < sum(p.writer for p in parts) < len(parts)
+        gathered = layout.parts(spread=False)   # a flat file's: the chief's replica writes what it holds
+        check(gathered, layout.full)
+        if stage == 0 and tensor == 1:
+            assert all(p.writer == (layout.replica == 0) for p in gathered)
     finally:
         layout.close()
 

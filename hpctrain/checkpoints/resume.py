@@ -303,6 +303,14 @@ class Checkpoints:
             comm.Gather(mine, everyone, root=0)
         return everyone
 
+    @property
+    def spread(self):
+        """Whether the layouts spread their writers over the replicas
+        (state/layouts.writes): where each writes its own file (named); a
+        flat file's writers send the chief their parts, so the chief's
+        replica writes what it holds."""
+        return self.outputs.checkpoint_format == "named"
+
     def save_parts(self, comm, step, parts, keys, optimizer_t, positions, compression=None):
         """Collective over comm: the checkpoint of `step` from every rank's
         `parts` (state/layouts.py; keys: the optimizer's state arrays), with

@@ -96,8 +96,9 @@ def train_pipe(world, plan, inputs, timeline):
         world.say(f"hpctrain: --compression {plan.compression.kind}: one replica a stage, nothing is exchanged "
                   f"and nothing compressed")
 
-    def parts():   # this rank's state as parts of the whole named tensors (state/layouts.py)
-        return state_layouts.pipeline(spec, chunks, optimizers, plan.optimizer.name, grid.replica, grid.replicas)
+    def parts(spread=True):   # this rank's state as parts of the whole named tensors (state/layouts.py)
+        return state_layouts.pipeline(spec, chunks, optimizers, plan.optimizer.name, grid.replica, grid.replicas,
+                                      spread)
 
     # --- resume: each rank its boxes of the checkpoint's whole tensors, whatever cut, P, T or R wrote it ----
     def restore(resume):
@@ -128,8 +129,8 @@ def train_pipe(world, plan, inputs, timeline):
         positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first and grid.tensor == 0 else None
         compressed = pipeline_compression.gather(world, grid, engine.compression, layouts) \
             if engine.compression is not None else None   # --compression powersgd's state, whole on the chief
-        checkpoints.save_parts(world.comm, at, parts(), sorted(optimizers[0].state()), optimizers[0].t, positions,
-                               compressed)
+        checkpoints.save_parts(world.comm, at, parts(checkpoints.spread), sorted(optimizers[0].state()),
+                               optimizers[0].t, positions, compressed)
     step, stopped = train_steps(world, frame, engine, reader, model, save)
     extra = {"workers": grid.replicas, "pipeline_stages": grid.stages,
              "micro_batches": micro, "schedule": pipe.schedule, "virtual_stages": virtual, "replicas": grid.replicas,

@@ -62,9 +62,10 @@ def train_ring(world, plan, inputs, timeline):
     # GPU: pinned, async, one step ahead
     reader = prefetch.device_batches(inputs.reader(comm, mesh.coords.data, mesh.size("data")), xp)
 
-    def parts():   # this rank's state as parts of the whole named tensors (state/layouts.py)
+    def parts(spread=True):   # this rank's state as parts of the whole named tensors (state/layouts.py)
         return layouts.ring(plan.spec, None if ring.param_shard is not None else model.params, model.state,
-                            ring.optimizer, plan.optimizer.name, comm.Get_rank(), comm.Get_size(), ring.param_shard)
+                            ring.optimizer, plan.optimizer.name, comm.Get_rank(), comm.Get_size(), ring.param_shard,
+                            spread)
 
     def restore(resume):
         # each rank its boxes of the checkpoint's whole tensors, whatever layout wrote it
@@ -87,8 +88,8 @@ def train_ring(world, plan, inputs, timeline):
         positions = checkpoints.gather_positions(reader, comm) if not split or mesh.coords.tensor == 0 else None
         compression = compression_state.gather(world, comm, ring.exchange, ring.error, ring.layout_key) \
             if not split else None
-        checkpoints.save_parts(everyone, at, parts(), sorted(ring.optimizer.state()), ring.optimizer.t, positions,
-                               compression)
+        checkpoints.save_parts(everyone, at, parts(checkpoints.spread), sorted(ring.optimizer.state()),
+                               ring.optimizer.t, positions, compression)
     step, stopped = train_steps(world, frame, ring, reader, evaluated, save)
     ring.close()   # the communication thread ends with the loop
     extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": 3 if ring.shard_params else 2 if ring.shard_grads else int(ring.sharded),

@@ -34,7 +34,7 @@ from .params import chief_text, write_params, written_by_chief
 class Evaluated:
     """finite, agree and write over `parts` (this rank's, state/layouts.py:
     the parameters' and the model state's; a callable giving them, asked
-    when needed); comm: None (the chief holds every part whole and does
+    when needed, taking layouts' `spread`); comm: None (the chief holds every part whole and does
     each alone) or the communicator of every rank (`collective`: each call
     made by all)."""
 
@@ -55,7 +55,7 @@ class Evaluated:
         Collective: the chief writes each writer's parts as they arrive.
         OSError on the chief when it cannot (the others learn it from `agree`)."""
         device.synchronize(self.world.xp)
-        parts, world = self.held(), self.world
+        parts, world = self.held(False), self.world   # the chief's replica writes what it holds: less to send
         if not self.collective:
             write_params(path, self.spec, ((p.name, p.box, device.to_host(p.view)) for p in parts), self.plan, step,
                          attrs)
@@ -73,8 +73,8 @@ class WholeModel(Evaluated):
 
     def __init__(self, world, plan, model):
         spec = model.spec
-        super().__init__(world, plan, spec, lambda: buffer_parts(spec, [(0, spec.num_params)], model.params) +
-                         buffer_parts(spec, [(0, spec.num_state)], model.state, of="state"))
+        super().__init__(world, plan, spec, lambda spread=True: buffer_parts(spec, [(0, spec.num_params)], model.params)
+                         + buffer_parts(spec, [(0, spec.num_state)], model.state, of="state"))
         self.model = model
         self._full = {}   # split -> the whole split (uint8), read once (the chief's)
 

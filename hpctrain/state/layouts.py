@@ -68,12 +68,14 @@ def buffer_parts(spec, ranges, buffer, prefix="", of="params"):
     return [q for p in parts for q in (_whole(p, cut[p.name], t) if p.name in cut else [p])]
 
 
-def writes(parts, spec, replica, replicas, sharded, prefix=""):
+def writes(parts, spec, replica, replicas, sharded, prefix="", spread=True):
     """The parts with their writer flags: of the replicas holding the same
-    box, tensor i's is written by replica i mod `replicas` (sharded: each
-    replica holds its own boxes and writes them all); of a tensor group's
-    ranks, a tensor that every rank holds whole (not cut) is written by
-    tensor rank 0's alone. prefix: the parts' names' before the tensor's."""
+    box, tensor i's is written by replica i mod `replicas` (not `spread`:
+    replica 0, where the writers send the chief their parts, which replica 0
+    then holds already; sharded: each replica holds its own boxes and writes
+    them all); of a tensor group's ranks, a tensor that every rank holds
+    whole (not cut) is written by tensor rank 0's alone. prefix: the parts'
+    names' before the tensor's."""
     index = {name: i for i, (name, _, _, _) in enumerate(spec.full.tensors)}
     t = spec.tensor.rank if spec.tensor is not None else 0
 
@@ -81,7 +83,7 @@ def writes(parts, spec, replica, replicas, sharded, prefix=""):
         name = p.name[len(prefix):]
         if t and name not in spec.cuts:
             return False
-        return sharded or index[name] % replicas == replica
+        return sharded or (index[name] % replicas if spread else 0) == replica
     return [p._replace(writer=writer(p)) for p in parts]
 
 
@@ -91,7 +93,7 @@ def state_parts(spec, buffer, ranges, replica):
     return [p._replace(writer=replica == 0 and t == 0) for p in buffer_parts(spec, ranges, buffer, of="state")]
 
 
-def optimizer_parts(spec, optimizer, name, replica, replicas, base=0, size=None):
+def optimizer_parts(spec, optimizer, name, replica, replicas, base=0, size=None, spread=True):
     """The optimizer's state arrays as parts `<name>.<key>/<tensor>`: over the
     owned ranges of a sharded optimizer (compact; each replica writes its
     own), else the whole buffer [base, base + size) (size: the spec's
@@ -101,32 +103,34 @@ def optimizer_parts(spec, optimizer, name, replica, replicas, base=0, size=None)
     ranges = [(base + lo, base + hi) for lo, hi in optimizer.ranges] if sharded else [(base, base + size)]
     return [p for key, array in sorted(optimizer.state().items())
             for p in writes(buffer_parts(spec, ranges, array, prefix=f"{name}.{key}/"), spec, replica, replicas,
-                            sharded, f"{name}.{key}/")]
+                            sharded, f"{name}.{key}/", spread)]
 
 
-def ring(spec, params, state, optimizer, name, replica, replicas, param_shard=None):
+def ring(spec, params, state, optimizer, name, replica, replicas, param_shard=None, spread=True):
     """Ring mode's parts on this rank (loops/ring_step.RingStep's buffers):
     params the model's (None with --zero 3: `param_shard`,
     nn/sharded_store.ParamShard), state its non-trainable state, optimizer
     ring.optimizer (sharded or not), name the optimizer's (plan.optimizer.name);
-    replica, replicas: this rank's place among the data-parallel replicas."""
+    replica, replicas: this rank's place among the data-parallel replicas;
+    spread: `writes`'."""
     held = buffer_parts(spec, param_shard.ranges, param_shard.buf) if param_shard is not None else \
         buffer_parts(spec, [(0, spec.num_params)], params)
-    out = writes(held, spec, replica, replicas, param_shard is not None)
-    out += optimizer_parts(spec, optimizer, name, replica, replicas)
+    out = writes(held, spec, replica, replicas, param_shard is not None, spread=spread)
+    out += optimizer_parts(spec, optimizer, name, replica, replicas, spread=spread)
     return out + state_parts(spec, state, [(0, spec.num_state)], replica)
 
 
-def pipeline(spec, chunks, optimizers, name, replica, replicas):
+def pipeline(spec, chunks, optimizers, name, replica, replicas, spread=True):
     """A pipeline stage's parts (loops/pipe.py): its chunks (pipeline/stage.Stage:
     `params` over [lo, hi) of the (split) spec's flat layout, `state` over
     [state_lo, state_hi)), each chunk's optimizer (sharded over the stage's
     replicas or not, its ranges in the chunk's coordinates); replica,
-    replicas: this rank's place among the stage's replicas."""
+    replicas: this rank's place among the stage's replicas; spread: `writes`'."""
     out = []
     for chunk, optimizer in zip(chunks, optimizers):
-        out += writes(buffer_parts(spec, [(chunk.lo, chunk.hi)], chunk.params), spec, replica, replicas, False)
-        out += optimizer_parts(spec, optimizer, name, replica, replicas, chunk.lo, chunk.hi - chunk.lo)
+        out += writes(buffer_parts(spec, [(chunk.lo, chunk.hi)], chunk.params), spec, replica, replicas, False,
+                      spread=spread)
+        out += optimizer_parts(spec, optimizer, name, replica, replicas, chunk.lo, chunk.hi - chunk.lo, spread)
         out += state_parts(spec, chunk.state, [(chunk.state_lo, chunk.state_hi)], replica)
     return out
 
