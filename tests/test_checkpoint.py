@@ -24,6 +24,7 @@ from hpctrain.run.cluster import child_env
 from hpctrain import checkpoint as checkpoint_command
 from hpctrain.checkpoints import file as checkpoint
 from hpctrain.checkpoints import read_back as reader
+from hpctrain.checkpoints.trust import Corrupt
 from hpctrain.errors import EXIT_PREEMPTED, HpctrainError
 
 SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",
@@ -239,6 +240,21 @@ def test_the_header_hash_catches_any_flipped_byte_before_hdf5_reads_it(tmp_path)
         ckpt, warnings = load(tmp_path)
         assert ckpt is None and len(warnings) == 1, at
         assert "checksum mismatch" in warnings[0] or "header" in warnings[0], (at, warnings)
+
+
+def test_a_lazy_read_checks_the_header_a_block_at_a_time(tmp_path):
+    path, params, state, _ = write(tmp_path, 10)
+    ckpt = reader.read(path, lazy=True)
+    assert np.array_equal(ckpt.params.read(0, 16), params) and np.array_equal(ckpt.optimizer_state["v"].read(3, 9),
+                                                                               state["v"][3:9])
+    ckpt.close()
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(Corrupt, match="^checksum mismatch$"):
+        reader.read(path, lazy=True)
 
 
 def test_checksum_catches_a_flipped_bit_on_disk(tmp_path):

@@ -30,7 +30,8 @@ from hpctrain.state.parts import box_slices, flat_parts
 
 # name -> (shape, dtype, aliases): the flat layout's tensors, then a column-split one
 FLAT = {"layer0/W": ((33, 17), "<f4", []), "layer0/b": ((17,), "<f4", []),
-        "embed/E": ((9, 8), "<f4", ["head/W"]), "adam.m/layer0/W": ((33, 17), "<f4", [])}
+        "embed/E": ((9, 8), "<f4", ["head/W"]), "adam.m/layer0/W": ((33, 17), "<f4", []),
+        "layer1/W": ((384, 256), "<f4", [])}   # most of the bytes: the chief's share is measured
 SPLIT = {"tp/W": ((6, 10), "<f8", [])}
 TENSORS = {**FLAT, **SPLIT}
 
@@ -90,9 +91,17 @@ class Waits:
 
 def write(comm, d, step, pieces, keep=3, waiting=None):
     attrs = {"model": "mlp 1234", "optimizer": "adam", "lr": 0.1}
-    small = {"data_positions": np.array([[1, 40], [1, 41]], np.int64)}
+    small = {"data_positions": np.array([[1, 40], [1, 41]], np.int64), "model_state": np.zeros(0, np.float32)}
     return named.write_checkpoint(d, step, comm, 0, pieces, TENSORS, attrs, small=small, keep=keep,
                                   waiting=waiting)
+
+
+def flip_last_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
 
 
 def hidden(d):
@@ -115,6 +124,7 @@ def round_trip(comm):
             assert c.step == 10 and c.attrs["lr"] == 0.1 and c.attrs["optimizer"] == "adam"
             assert c.tensors == {n: (s, d_) for n, (s, d_, _) in TENSORS.items()}
             np.testing.assert_array_equal(c.small("data_positions"), [[1, 40], [1, 41]])
+            assert c.small("model_state").shape == (0,)
             rng = np.random.default_rng(comm.Get_rank())
             for name, want in values.items():
                 assert np.array_equal(c.read(name), want), name
@@ -133,9 +143,11 @@ def round_trip(comm):
         # The chief's share of the bytes: its rank file and the index, against the whole state.
         if comm.Get_rank() == 0:
             state = sum(v.nbytes for v in values.values())
-            chief = sum(os.path.getsize(os.path.join(path, n)) for n in (named.rank_file_name(0), named.INDEX))
-            print(f"\nnamed checkpoint at {comm.Get_size()} rank(s): the chief writes {chief} bytes, "
-                  f"the state is {state} bytes ({chief / state:.2f})")
+            index = os.path.getsize(os.path.join(path, named.INDEX))
+            chief = index + os.path.getsize(os.path.join(path, named.rank_file_name(0)))
+            print(f"\nnamed checkpoint at {comm.Get_size()} rank(s): the chief writes {chief} bytes (the index "
+                  f"{index}), the state is {state} bytes ({chief / state:.2f})")
+            assert chief < state / comm.Get_size() + 64 * 1024   # its share, the index and HDF5's headers
         # Later steps prune the oldest, the flat file first; nothing temporary is left.
         write(comm, d, 20, my_pieces(comm, values), keep=2)
         write(comm, d, 30, my_pieces(comm, values), keep=2)
@@ -159,11 +171,7 @@ def damaged_files_are_found(comm):
         path = write(comm, d, 10, my_pieces(comm, values))
         comm.Barrier()
         if comm.Get_rank() == 0:
-            with open(os.path.join(path, last), "r+b") as f:   # one flipped bit of data, same size
-                f.seek(-1, os.SEEK_END)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_END)
-                f.write(bytes([byte[0] ^ 1]))
+            flip_last_byte(os.path.join(path, last))   # one flipped bit of data, same size
         comm.Barrier()
         with named.open_checkpoint(path) as c:
             with pytest.raises(Corrupt, match=f"{last}: checksum mismatch"):
@@ -173,6 +181,14 @@ def damaged_files_are_found(comm):
             os.unlink(os.path.join(path, last))
         comm.Barrier()
         with pytest.raises(Corrupt, match=f"{last}: No such file"):
+            named.open_checkpoint(path)
+        with h5py.File(os.path.join(path, named.INDEX), "r") as f:   # read past the reader: NaN, never zeros
+            assert np.isnan(f["tp/W"][:, -1]).all()
+        comm.Barrier()
+        if comm.Get_rank() == 0:   # the index itself: hashed before HDF5 parses it
+            flip_last_byte(os.path.join(path, named.INDEX))
+        comm.Barrier()
+        with pytest.raises(Corrupt, match=f"^{named.INDEX}: checksum mismatch$"):
             named.open_checkpoint(path)
 
 
@@ -234,8 +250,10 @@ def test_refused_and_failed_leave_nothing_on_every_rank():
 
 def test_the_newest_valid_checkpoint_of_either_format_is_resumed(tmp_path):
     values, comm = whole_values(), MPI.COMM_SELF
-    flat.save(tmp_path, 5, np.zeros(3, np.float32), {}, 0, np.zeros((1, 2), np.int64), {"model": "mlp 1234"})
+    for step in (5, 10):
+        flat.save(tmp_path, step, np.zeros(3, np.float32), {}, 0, np.zeros((1, 2), np.int64), {"model": "mlp 1234"})
     path = write(comm, tmp_path, 10, my_pieces(comm, values))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000005.h5", "ckpt-00000010"]   # step 10's file replaced
     warnings = []
     ckpt = read_back.load_latest(tmp_path, {"model": "mlp 1234"}, warn=warnings.append)
     assert (ckpt.path, ckpt.step, warnings) == (path, 10, [])
@@ -256,6 +274,15 @@ def test_the_newest_valid_checkpoint_of_either_format_is_resumed(tmp_path):
     assert warnings[0].startswith("ckpt-00000030: its name says step 30 but it holds step 20")
 
 
+def test_a_crafted_index_is_refused_in_one_line(tmp_path):
+    values, comm = whole_values(), MPI.COMM_SELF
+    named.write_checkpoint(tmp_path, 10, comm, 0, my_pieces(comm, values), TENSORS, {},
+                           small={"data_positions": np.array([[2 ** 60, 0]], np.int64)})
+    with pytest.raises(HpctrainError, match="ckpt-00000010: refused: a data position's epoch 1152921504606846976 "
+                                            "is out of range"):
+        read_back.load_latest(tmp_path, {})
+
+
 def test_the_checkpoint_command_lists_the_tensors_of_both_formats(tmp_path, capsys):
     values, comm = whole_values(), MPI.COMM_SELF
     flat.save(tmp_path, 5, np.zeros(3, np.float32), {"m": np.zeros(3, np.float32)}, 0, np.zeros((1, 2), np.int64),
@@ -264,19 +291,16 @@ def test_the_checkpoint_command_lists_the_tensors_of_both_formats(tmp_path, caps
     assert checkpoint_command.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ckpt-00000010: ok, step 10, ")
-    assert out[1:8] == ["  layer0/W         float32 (33, 17)", "  layer0/b         float32 (17,)",
+    assert out[1:10] == ["  layer0/W         float32 (33, 17)", "  layer0/b         float32 (17,)",
                         "  embed/E          float32 (9, 8)", "  adam.m/layer0/W  float32 (33, 17)",
-                        "  tp/W             float64 (6, 10)", "  head/W           = embed/E",
-                        "  data_positions   int64 (2, 2)"]
-    assert out[8].startswith("ckpt-00000005.h5: ok, step 5, ")
-    assert out[9:] == ["  params          float32 (3,)", "  optimizer/m     float32 (3,)",
+                        "  layer1/W         float32 (384, 256)", "  tp/W             float64 (6, 10)",
+                        "  head/W           = embed/E", "  data_positions   int64 (2, 2)",
+                        "  model_state      float32 (0,)"]
+    assert out[10].startswith("ckpt-00000005.h5: ok, step 5, ")
+    assert out[11:] == ["  params          float32 (3,)", "  optimizer/m     float32 (3,)",
                        "  data_positions  int64 (1, 2)"]
     # The command hashes every rank file, not only those a reader would open.
-    with open(os.path.join(path, named.rank_file_name(0)), "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 1]))
+    flip_last_byte(os.path.join(path, named.rank_file_name(0)))
     assert checkpoint_command.main([str(tmp_path)]) == 1
     assert "ckpt-00000010: corrupt (rank-00000.h5: checksum mismatch" in capsys.readouterr().out
 

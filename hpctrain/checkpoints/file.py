@@ -1,6 +1,11 @@
 """Atomic HDF5 checkpoints, their format and their writing: what a pre-empted
 job needs to continue exactly where it stopped.
 
+Two formats share a --checkpoint-dir: folders of named tensors written by
+their owners, `DIR/ckpt-00000123/` (checkpoints/named.py), and this
+module's flat files. Listing both (`list_checkpoints`) and keeping the
+newest K of both (the prune after each write) are this module's.
+
 One file per checkpoint, `DIR/ckpt-00000123.h5` (the global step, 8 digits),
 written by the chief only. It holds everything a bit-exact resume needs:
 
@@ -53,6 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .trust import Corrupt
 from ..errors import HpctrainError
 from ..files import create_new, remove_temp, temp_name_next_to
 from ..precision import FLOAT32, file_dtype
@@ -68,6 +74,8 @@ FORMAT_VERSION = 2
 # checked before HDF5 parses the file: the HDF5 library can crash (not raise)
 # on damaged metadata.
 USERBLOCK = 512
+# A file is hashed this many bytes at a time (a lazy read holds no more of it).
+BLOCK_BYTES = 1 << 22
 _NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 # A checkpoint of named tensors (checkpoints/named.py) is a folder: ckpt-00000123/
 _FOLDER_RE = re.compile(r"^ckpt-(\d{8,})$")
@@ -187,26 +195,55 @@ def _write_dataset(f, key, value, content, dtype):
         raise ValueError(f"{key}: the pieces hold {at} of its {value.size} values")
 
 
-def _hasher(version):
-    return hashlib.sha256(f"{FORMAT} {version}\n".encode())
+def _hasher(version, kind=FORMAT):
+    return hashlib.sha256(f"{kind} {version}\n".encode())
 
 
-def _header(version, digest):
-    return f"{FORMAT} {version} sha256 {digest}\n".encode().ljust(USERBLOCK, b"\0")
+def _header(version, digest, kind=FORMAT):
+    return f"{kind} {version} sha256 {digest}\n".encode().ljust(USERBLOCK, b"\0")
 
 
-def stamp(path, durable=False):
-    """Write the header of a checkpoint file whose HDF5 part is complete."""
+def stamp(path, durable=False, kind=FORMAT, version=FORMAT_VERSION):
+    """Write the header of a checkpoint file whose HDF5 part is complete
+    (kind, version: a checkpoint folder's index is stamped too, checkpoints/named.py)."""
     with open(path, "r+b") as f:
         f.seek(USERBLOCK)
-        h = _hasher(FORMAT_VERSION)
-        for block in iter(lambda: f.read(1 << 20), b""):
+        h = _hasher(version, kind)
+        for block in iter(lambda: f.read(BLOCK_BYTES), b""):
             h.update(block)
         f.seek(0)
-        f.write(_header(FORMAT_VERSION, h.hexdigest()))
+        f.write(_header(version, h.hexdigest(), kind))
         f.flush()
         if durable:
             os.fsync(f.fileno())
+
+
+def check_stamp(path, kind=FORMAT, version=FORMAT_VERSION, what="checkpoint format"):
+    """A stamped file's bytes against its header, read a block at a time,
+    before HDF5 parses them: its size, or trust.Corrupt; HpctrainError for
+    another version of `kind` (`what` in the line)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(USERBLOCK)
+            if len(head) < USERBLOCK:
+                raise Corrupt(f"truncated ({len(head)} bytes)")
+            fields = head.split(b"\n", 1)[0].split(b" ")
+            if len(fields) != 4 or fields[0] != kind.encode() or fields[2] != b"sha256":
+                raise Corrupt("no hpctrain checkpoint header")
+            have = fields[1].decode(errors="replace")
+            h = _hasher(have, kind)
+            size = USERBLOCK
+            for block in iter(lambda: f.read(BLOCK_BYTES), b""):
+                h.update(block)
+                size += len(block)
+    except OSError as e:
+        raise Corrupt(f"cannot read: {e.strerror}") from None
+    if head != _header(have, h.hexdigest(), kind):
+        raise Corrupt("checksum mismatch")
+    if have != str(version):
+        raise HpctrainError(f"{path}: {what} version {have}, this hpctrain reads "
+                            f"version {version}; start fresh with another --checkpoint-dir")
+    return size
 
 
 def _flat(array, what, dtype):

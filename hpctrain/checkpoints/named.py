@@ -55,7 +55,7 @@ import shutil
 import numpy as np
 
 from . import file as flat
-from .trust import MAX_COUNT, Corrupt, Refused, check_attr_types, hard_linked, plain, stored_inside
+from .trust import MAX_COUNT, Corrupt, Refused, check_attr_types, check_ranges, hard_linked, plain, stored_inside
 from ..errors import EXIT_FAILURE, HpctrainError
 from ..files import temp_name_next_to
 from ..state.parts import box_shape, box_slices
@@ -66,7 +66,6 @@ INDEX_HEADER = "hpctrain-checkpoint-index"
 INDEX_VERSION = 1
 MANIFEST = "_hpctrain/manifest"
 _RANK_FILE_RE = re.compile(r"^rank-\d{5,}\.h5$")
-BLOCK_BYTES = 1 << 22
 
 
 def rank_file_name(rank):
@@ -156,7 +155,7 @@ def _chief_prepares(directory, path, tensors, everyone):
         return {"error": f"{path}: not written: {errors[0]}", "exit_code": EXIT_FAILURE}
     try:
         table = [(name, tuple(map(tuple, box)), f"rank {r}", dtype, shape)
-                 for r, e in enumerate(everyone) for k, (name, box, dtype, shape) in enumerate(e["pieces"])]
+                 for r, e in enumerate(everyone) for name, box, dtype, shape in e["pieces"]]
         check_tiling({n: (tuple(s), flat.file_dtype(d).str) for n, (s, d, _) in tensors.items()}, table)
     except Exception as e:
         # a layout that writes a box twice or not at all: a bug, said on every rank
@@ -228,7 +227,7 @@ def _digest(path, durable=False):
     with open(path, "rb") as f:
         if durable:
             os.fsync(f.fileno())
-        for block in iter(lambda: f.read(BLOCK_BYTES), b""):
+        for block in iter(lambda: f.read(flat.BLOCK_BYTES), b""):
             h.update(block)
             size += len(block)
     return size, h.hexdigest()
@@ -252,6 +251,7 @@ def _chief_finishes(directory, path, tmp, step, tensors, attrs, small, everyone,
         if os.path.isdir(path) and not os.path.islink(path):   # this step written before: replaced whole
             flat._remove_folder(path)
         os.replace(tmp, path)
+        flat._unlink_quietly(path + ".h5")   # a flat file of this step (an older hpctrain's): replaced too
         flat._fsync_dir(directory)
     except Exception as e:   # whatever it is, every rank hears it (none is left waiting)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -293,23 +293,7 @@ def _write_index(index, step, tensors, attrs, small, pieces, files):
         f.create_dataset(MANIFEST, data=np.frombuffer(json.dumps(manifest).encode(), np.uint8))
         for key, value in {**head, **{k: v for k, v in attrs.items() if k not in head}}.items():
             f.attrs[key] = flat._attr_value(key, value)
-    with open(index, "r+b") as f:
-        h = _index_hasher(INDEX_VERSION)
-        f.seek(flat.USERBLOCK)
-        for block in iter(lambda: f.read(BLOCK_BYTES), b""):
-            h.update(block)
-        f.seek(0)
-        f.write(_index_header(INDEX_VERSION, h.hexdigest()))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _index_hasher(version):
-    return hashlib.sha256(f"{INDEX_HEADER} {version}\n".encode())
-
-
-def _index_header(version, digest):
-    return f"{INDEX_HEADER} {version} sha256 {digest}\n".encode().ljust(flat.USERBLOCK, b"\0")
+    flat.stamp(index, durable=True, kind=INDEX_HEADER, version=INDEX_VERSION)
 
 
 # ---------------------------------------------------------------------------
@@ -424,6 +408,11 @@ class NamedCheckpoint:
         self._pieces = {}
         for name, box, fname, dataset in pieces:
             self._pieces.setdefault(name, []).append((box, fname, dataset))
+        if "data_positions" in self.smalls:   # the counts a resume computes with, as a flat file's
+            positions = self.small("data_positions")
+            if positions.dtype != np.int64 or positions.ndim != 2 or positions.shape[1] != 2:
+                raise Refused(f"data_positions is {positions.dtype} {positions.shape}, expected int64 (workers, 2)")
+            check_ranges({"optimizer_t": 0, **self.attrs}, positions)
         # Every rank file present at its size: a checkpoint with one missing is
         # skipped whole at resume, not found out half-way through reading it.
         for fname, (want, _) in self.files.items():
@@ -443,7 +432,9 @@ class NamedCheckpoint:
         if name not in self.smalls:
             raise KeyError(name)
         try:
-            obj = stored_inside(hard_linked(self._index, name), name, os.path.getsize(os.path.join(self.path, INDEX)))
+            obj = hard_linked(self._index, name)
+            if obj.size:   # an empty dataset has no storage to check
+                stored_inside(obj, name, os.path.getsize(os.path.join(self.path, INDEX)))
             return obj[()]
         except OSError as e:
             raise Corrupt(f"{INDEX}: {name}: {_reason(e)}") from None
@@ -523,21 +514,6 @@ def _check_index(index):
     """The index's bytes against its header, before HDF5 parses it: its
     size, or Corrupt."""
     try:
-        with open(index, "rb") as f:
-            head = f.read(flat.USERBLOCK)
-            fields = head.split(b"\n", 1)[0].split(b" ")
-            if len(head) < flat.USERBLOCK or len(fields) != 4 or fields[0] != INDEX_HEADER.encode():
-                raise Corrupt(f"{INDEX}: no hpctrain index header")
-            version = fields[1].decode(errors="replace")
-            h, size = _index_hasher(version), flat.USERBLOCK
-            for block in iter(lambda: f.read(BLOCK_BYTES), b""):
-                h.update(block)
-                size += len(block)
-    except OSError as e:
-        raise Corrupt(f"{INDEX}: {_reason(e)}") from None
-    if head != _index_header(version, h.hexdigest()):
-        raise Corrupt(f"{INDEX}: checksum mismatch")
-    if version != str(INDEX_VERSION):
-        raise HpctrainError(f"{index}: checkpoint index version {version}, this hpctrain reads {INDEX_VERSION}")
-    return size
-
+        return flat.check_stamp(index, INDEX_HEADER, INDEX_VERSION, "checkpoint index")
+    except Corrupt as e:
+        raise Corrupt(f"{INDEX}: {e}") from None

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .named import NamedCheckpoint, is_named, open_checkpoint
-from .file import FORMAT, FORMAT_VERSION, USERBLOCK, _checksum, _hasher, _header, list_checkpoints
+from .file import BLOCK_BYTES, FORMAT, FORMAT_VERSION, USERBLOCK, _checksum, _hasher, _header, check_stamp
+from .file import list_checkpoints
 from .trust import Corrupt as _Corrupt
 from .trust import Refused as _Refused
 from .trust import check_attr_types, check_ranges, stored_dataset
@@ -122,37 +123,6 @@ def _check_header(path, raw):
                             f"version {FORMAT_VERSION}; start fresh with another --checkpoint-dir")
 
 
-# A lazy read hashes the file and its datasets this many bytes at a time.
-BLOCK_BYTES = 1 << 22
-
-
-def _check_header_streamed(path):
-    """_check_header, reading the file a block at a time (a lazy read holds
-    no more than a block of it): its size, or _Corrupt."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(USERBLOCK)
-            if len(head) < USERBLOCK:
-                raise _Corrupt(f"truncated ({len(head)} bytes)")
-            fields = head.split(b"\n", 1)[0].split(b" ")
-            if len(fields) != 4 or fields[0] != FORMAT.encode() or fields[2] != b"sha256":
-                raise _Corrupt("no hpctrain checkpoint header")
-            version = fields[1].decode(errors="replace")
-            h = _hasher(version)
-            size = USERBLOCK
-            for block in iter(lambda: f.read(BLOCK_BYTES), b""):
-                h.update(block)
-                size += len(block)
-    except OSError as e:
-        raise _Corrupt(f"cannot read: {e.strerror}") from None
-    if head != _header(version, h.hexdigest()):
-        raise _Corrupt("checksum mismatch")
-    if version != str(FORMAT_VERSION):
-        raise HpctrainError(f"{path}: checkpoint format version {version}, this hpctrain reads "
-                            f"version {FORMAT_VERSION}; start fresh with another --checkpoint-dir")
-    return size
-
-
 def read(path, lazy=False):
     """One checkpoint, verified (Checkpoint), or _Corrupt with the reason.
     lazy: the file is hashed a block at a time, its datasets too, and params
@@ -162,7 +132,7 @@ def read(path, lazy=False):
     source = None
     try:
         if lazy:
-            size = _check_header_streamed(path)
+            size = check_stamp(path)
             opened = path
         else:
             try:
