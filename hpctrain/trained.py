@@ -294,8 +294,15 @@ def _check_finite(built, source):
 def load_checkpoint(path, data_dir=None, model=None):
     """The model in a checkpoint file, or the newest valid one of a --checkpoint-dir."""
     from .checkpoints import read_back as reader
+    from .checkpoints.named import INDEX, NamedCheckpoint, open_checkpoint
+    from .checkpoints.trust import Corrupt, Refused
     path = str(path)
-    if os.path.isdir(path):
+    if os.path.isfile(os.path.join(path, INDEX)):   # one checkpoint of named tensors (a folder)
+        try:
+            ckpt = open_checkpoint(path)
+        except (Corrupt, Refused) as e:
+            raise HpctrainError(f"{path}: not a valid checkpoint ({e})") from None
+    elif os.path.isdir(path):
         ckpt = _newest_checkpoint(path)
     elif os.path.isfile(path):
         try:
@@ -304,6 +311,9 @@ def load_checkpoint(path, data_dir=None, model=None):
             raise HpctrainError(f"{path}: not a valid checkpoint ({e})") from None
     else:
         raise HpctrainError(f"{path}: no such file or directory")
+    if isinstance(ckpt, NamedCheckpoint):
+        with ckpt:
+            return _named(ckpt, data_dir, model)
     rec = _record_of(ckpt.attrs, ckpt.path, data_dir, model)
     spec = _build(rec, ckpt.path, os.path.getsize(ckpt.path))
     if ckpt.params.size != spec.num_params or ckpt.model_state.size != spec.num_state:
@@ -311,6 +321,22 @@ def load_checkpoint(path, data_dir=None, model=None):
     built = spec.build(np, params=ckpt.params.copy())
     if spec.num_state:
         built.state[...] = ckpt.model_state
+    _check_finite(built, ckpt.path)
+    return _trained(spec, built, ckpt.path, ckpt.step, rec)
+
+
+def _named(ckpt, data_dir, model):
+    """The model in a checkpoint of named tensors (checkpoints/named.py): each tensor read whole by name."""
+    from .state.consumers import restore
+    from .state.layouts import buffer_parts
+    rec = _record_of(ckpt.attrs, ckpt.path, data_dir, model)
+    spec = _build(rec, ckpt.path, sum(size for size, _ in ckpt.files.values()))
+    built = spec.build(np)
+    for name, shape, _, _ in spec.tensors + spec.state:
+        if tuple(ckpt.tensors.get(name, ((),))[0]) != tuple(shape):
+            raise HpctrainError(f"{ckpt.path}: no tensor {name} of shape {tuple(shape)}, as model {spec.name} has")
+    restore(buffer_parts(spec, [(0, spec.num_params)], built.params) +
+            buffer_parts(spec, [(0, spec.num_state)], built.state, of="state"), ckpt.read)
     _check_finite(built, ckpt.path)
     return _trained(spec, built, ckpt.path, ckpt.step, rec)
 

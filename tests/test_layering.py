@@ -18,7 +18,7 @@ PACKAGE = os.path.join(REPO, "hpctrain")
 # (COMMANDS) anything.
 LEVELS = [
     {"loops"},
-    {"run", "checkpoints", "report", "pipeline", "trained"},
+    {"run", "checkpoints", "state", "report", "pipeline", "trained"},
     {"comm", "optim"},
     {"nn", "data", "device", "prefetch"},
     {"errors", "chunks", "cli", "arguments", "parallel_flags", "model_names", "vector_width", "files", "overwrites",

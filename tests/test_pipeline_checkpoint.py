@@ -37,18 +37,19 @@ def datasets(path):
             **{f"optimizer/{k}": v for k, v in ckpt.optimizer_state.items()}}
 
 
-@pytest.mark.parametrize("ranks, grid, model", [
-    (4, pipe(2), MLP),                                      # R = 2, Adam
-    (2, pipe(2, 2, "gpipe"), ["--model", f"{TINY}:build"]),  # batch norm's state and dropout's masks
-], ids=["p2r2-mlp", "p2-cnn-bn"])
-def test_a_resumed_pipeline_ends_with_the_bits_of_one_run_through(job, tmp_path, ranks, grid, model):
+@pytest.mark.parametrize("ranks, grid, model, fmt", [
+    (4, pipe(2), MLP, "named"),                                      # R = 2, Adam; each rank its own parts
+    (2, pipe(2, 2, "gpipe"), ["--model", f"{TINY}:build"], "flat"),  # batch norm's state and dropout's masks
+], ids=["p2r2-mlp-named", "p2-cnn-bn"])
+def test_a_resumed_pipeline_ends_with_the_bits_of_one_run_through(job, tmp_path, ranks, grid, model, fmt):
     flags = [*FLAGS, *model, *grid]
     ok(job(ranks, *flags, "--steps", 12, "--save", tmp_path / "through.h5"))
-    ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 3]
+    ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 3, "--checkpoint-format", fmt]
     ok(job(ranks, *flags, "--steps", 6, *ck))
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "ck")] == [6, 3]
     r = ok(job(ranks, *flags, "--steps", 12, *ck, "--save", tmp_path / "resumed.h5"))
-    assert f"resumed from {tmp_path / 'ck' / 'ckpt-00000006.h5'} at step 6" in r.stdout, r.stdout
+    name = "ckpt-00000006" + (".h5" if fmt == "flat" else "")
+    assert f"resumed from {tmp_path / 'ck' / name} at step 6" in r.stdout, r.stdout
     assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
 
 

@@ -10,8 +10,6 @@ file either way, so each resumes the other.
 """
 import json
 import os
-from contextlib import nullcontext
-from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -25,10 +23,7 @@ from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.nn import mlp
-from hpctrain.optim.optimizers import make_optimizer, state_bytes
-from hpctrain.optim.sharded import Sharded
-from hpctrain.checkpoints.resume import Checkpoints
-from hpctrain.checkpoints.sharded import displacements
+from hpctrain.optim.optimizers import state_bytes
 from hpctrain.loops.ring_step import RingStep
 
 HIDDEN = (37, 19)
@@ -108,51 +103,6 @@ def test_sharded_update_on_mpi_collectives_is_within_1e_6_under_sgd(fusion_elems
     shard, losses, _, _ = run_steps(comm, "mpi", "sgd", True, fusion_elems, False)
     assert float(np.abs(plain - shard).max()) <= 1e-6
     assert losses[0] == float(sum(r + 1 for r in range(comm.size)))
-
-
-def stub_checkpoints():
-    """Checkpoints over what gather_state and scatter_state read of the world and plan."""
-    world = SimpleNamespace(xp=np, chief_in=lambda c: 0, cluster=SimpleNamespace(chief_rank=0),
-                            watchdog=SimpleNamespace(waiting=lambda *a, **k: nullcontext()))
-    return Checkpoints(world, SimpleNamespace(outputs=SimpleNamespace(checkpoint_dir=None), data=None), None, None)
-
-
-def test_displacements_put_the_parts_back_to_back():
-    assert displacements(np.array([3, 0, 2], np.int64)).tolist() == [0, 3, 3]
-    assert displacements(np.array([5], np.int64)).tolist() == [0]
-
-
-@pytest.mark.mpi
-def test_state_gathers_full_length_on_the_chief_and_scatters_back_to_the_owners():
-    comm = MPI.COMM_WORLD
-    n = 1001
-    ring = RingAllreduce(comm)
-    buckets = [(600, n), (37, 600), (0, 37)]
-    owned = []
-    for lo, hi in buckets:
-        a, b = ring.shard(hi - lo)
-        owned.append((lo + a, lo + b))
-    ring.free()
-    opt = make_optimizer("adam", n, owned=owned)
-    assert isinstance(opt, Sharded)
-    for name, compact in opt.state().items():
-        full = np.arange(n, dtype=np.float32) * (2 if name == "v" else -1)
-        opt.compact(full, compact)
-    checkpoints = stub_checkpoints()
-    gathered = checkpoints.gather_state(comm, opt)
-    if comm.rank == 0:
-        assert np.array_equal(gathered["m"], -np.arange(n, dtype=np.float32))
-        assert np.array_equal(gathered["v"], 2 * np.arange(n, dtype=np.float32))
-    else:
-        assert gathered == {}
-    for compact in opt.state().values():
-        compact[...] = np.nan
-    source = {k: v + 1 for k, v in gathered.items()} if comm.rank == 0 else None
-    checkpoints.scatter_state(comm, source, opt)
-    for name, compact in opt.state().items():
-        want = np.arange(n, dtype=np.float32) * (2 if name == "v" else -1) + 1
-        for (lo, hi), c in zip(opt.ranges, opt.offsets):   # the compact layout: owned ranges in buffer order
-            assert np.array_equal(compact[c:c + hi - lo], want[lo:hi])
 
 
 # --- jobs ------------------------------------------------------------------

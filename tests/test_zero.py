@@ -11,13 +11,14 @@ resume across stages (the refusals are in tests/test_train.py).
     python -m pytest tests/test_zero.py                                     # slots; jobs
 """
 import json
+import shutil
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from collectives import ring_step
-from conftest import prepared_plays, same_bytes
+from conftest import prepared_plays, same_bytes, saved
 from test_hier import hier_on_fake_nodes
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.data_parallel import model_buckets
@@ -201,6 +202,11 @@ def text_dir(tmp_path_factory):
     return prepared_plays(tmp_path_factory, 20_000)
 
 
+def same_tensors(model, file):
+    """A model's {name: tensor} against a --save file's datasets ({group/name: array}), bit for bit."""
+    return set(model) <= set(file) and all(model[k].tobytes() == file[k].tobytes() for k in model)
+
+
 def trained(job, ranks, flags, out, name):
     r = job(ranks, *flags, "--save", out / f"{name}.h5", "--metrics", out / f"{name}.jsonl", timeout=180)
     assert r.returncode == 0, r.stderr
@@ -225,22 +231,32 @@ def test_zero_2_trains_the_gpt_of_zero_1_with_accumulation(job, tmp_path, text_d
     assert same_bytes(tmp_path / "z1.h5", tmp_path / "z2.h5")
 
 
-@pytest.mark.parametrize("first, then, ranks", [(2, 0, 3), (0, 2, 3), (3, 0, 3), (0, 3, 3), (3, 3, 2)])
-def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, tmp_path, shards, first, then, ranks):
+@pytest.mark.parametrize("first, then, ranks, fmt", [(2, 0, 3, "flat"), (0, 2, 3, "named"), (3, 0, 3, "named"),
+                                                     (0, 3, 3, "flat"), (3, 3, 2, "named")])
+def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, tmp_path, shards, first, then, ranks, fmt):
     """Checkpoints at 4, 8, 12 at one stage on 3 ranks, the two newest
     removed, resumed at step 4 at the other stage (or on 2 ranks): where an
-    uninterrupted run ends (the file is the same at every stage:
-    full-length state; stage 3 writes and reads it a bucket at a time)."""
+    uninterrupted run ends (the checkpoint holds the whole named tensors
+    at every stage, each rank's parts written by it (--checkpoint-format
+    named) or sent to the chief's one file (flat), and read back into each
+    rank's parts)."""
     (tmp_path / "whole").mkdir()
     trained(job, 3, [*MLP, "--data", shards, "--zero", 1], tmp_path / "whole", "p")
     ckpt, cut = tmp_path / "ckpt", tmp_path / "cut"
     cut.mkdir()
-    every = ["--checkpoint-dir", ckpt, "--checkpoint-every", 4]
+    every = ["--checkpoint-dir", ckpt, "--checkpoint-every", 4, "--checkpoint-format", fmt]
     trained(job, 3, [*MLP, "--data", shards, *every, "--zero", first], cut, "p")
     for step in (8, 12):
-        (ckpt / f"ckpt-{step:08d}.h5").unlink()
+        if fmt == "named":
+            shutil.rmtree(ckpt / f"ckpt-{step:08d}")
+        else:
+            (ckpt / f"ckpt-{step:08d}.h5").unlink()
     final = trained(job, ranks, [*MLP, "--data", shards, *every, "--zero", then], cut, "p")
     assert final["zero"] == then
+    if fmt == "named":   # the last checkpoint, read whole by name (evaluate, predict): the --save file's tensors
+        from hpctrain.trained import load_checkpoint
+        model = load_checkpoint(ckpt).model
+        assert same_tensors(dict(model.tensors()), saved(cut / "p.h5"))
     if ranks == 3:   # on another N the batches are others'
         assert same_bytes(tmp_path / "whole" / "p.h5", cut / "p.h5")
 

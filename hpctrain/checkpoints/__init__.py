@@ -1,9 +1,8 @@
 """Checkpoints: the flat file format and its writing (file.py), folders of
 named tensors written by their owners and read by boxes (named.py), their
 reading back and the newest valid one of either (read_back.py) and what
-they trust (trust.py), the orchestration of a run's
-checkpoints and its resume (resume.py), and a sharded optimizer's state
-gathered and scattered (sharded.py).
+they trust (trust.py), and the orchestration of a run's checkpoints and
+its resume over the layout's parts (resume.py).
 
     python -m hpctrain.checkpoint DIR      # lists DIR's checkpoints and checks each
 """

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .named import is_named, open_checkpoint
+from .named import NamedCheckpoint, is_named, open_checkpoint
 from .file import BLOCK_BYTES, FORMAT, FORMAT_VERSION, USERBLOCK, _checksum, _hasher, _header, check_stamp
 from .file import list_checkpoints
 from .trust import Corrupt as _Corrupt
@@ -80,6 +80,11 @@ class Checkpoint:
     @property
     def name(self):
         return os.path.basename(self.path)
+
+    @property
+    def named(self):
+        """A checkpoint of named tensors (checkpoints/named.py): its tensors in `source`'s rank files."""
+        return isinstance(self.source, NamedCheckpoint)
 
     def close(self):
         if self.source is not None:

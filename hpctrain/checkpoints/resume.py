@@ -1,7 +1,8 @@
 """Checkpoint orchestration for the three loops, on top of
 checkpoints/file.py's files (written there, read back by checkpoints/read_back.py):
-which checkpoint a run resumes from, the state and data positions sent to
-every rank, the checkpoints written while training, and the exit after a
+which checkpoint a run resumes from (its state goes into each rank's
+parts of the whole tensors: state/consumers.py, flat_read), the data
+positions sent to every rank, the checkpoints written while training, and the exit after a
 pre-emption signal (loops/frame.py makes one Checkpoints per run and says
 when).
 
@@ -28,7 +29,46 @@ from .. import device
 from ..data.fit import check_fit
 from ..errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 from ..tuning import rounding
-from .sharded import ShardedState
+from .named import NamedCheckpoint, open_checkpoint, write_checkpoint
+from .read_back import Checkpoint
+from .trust import Corrupt, Refused
+from ..state.consumers import FromChief, ToChief, finite, flat_read, parameters, restore
+from ..state.parts import box_slices
+
+
+PATH_BYTES = 4096   # a named checkpoint's path, broadcast as UTF-8
+
+
+class _Wholes:
+    """The chief's whole tensors, one at a time, from a ToChief stream's boxes (in the stream's order)."""
+
+    def __init__(self, stream):
+        self.boxes = stream.tensors()
+
+    def take(self, name, shape):
+        out, filled, size = None, 0, int(np.prod(shape, dtype=np.int64))
+        while filled < size:
+            got, box, values = next(self.boxes)
+            if got != name:
+                raise RuntimeError(f"checkpoint stream: {got} arrived where {name} was due")
+            if out is None:
+                out = np.empty(shape, values.dtype)
+            out[box_slices(box)] = values
+            filled += values.size
+        return out
+
+
+def as_checkpoint(named):
+    """A checkpoint of named tensors (checkpoints/named.NamedCheckpoint, the
+    chief's) as a flat one's Checkpoint of what the chief reads whole: step,
+    optimizer step, attributes, data positions and --compression's state
+    (the tensors stay in the rank files: `source`, which each rank opens)."""
+    attrs = named.attrs
+    compressed = [n for n in str(attrs.get("compression_state", "")).split(",") if n]
+    positions = np.asarray(named.small("data_positions"), np.int64).reshape(-1, 2)
+    return Checkpoint(path=named.path, step=named.step, optimizer_t=int(attrs.get("optimizer_t", 0)), params=None,
+                      optimizer_state={}, data_positions=positions, attrs=attrs, source=named,
+                      compression_state={n: named.small(f"compression/{n}") for n in compressed})
 
 
 @dataclass
@@ -43,6 +83,7 @@ class Resume:
     # (wall, compute, communication seconds, runs) of the runs up to the
     # checkpoint, every rank: a resumed run's clock goes on from them
     clock: tuple = (0.0, 0.0, 0.0, 0)
+    named: str = None   # a checkpoint of named tensors (checkpoints/named.py): its path, every rank
 
 
 def resume_point(positions):
@@ -97,7 +138,6 @@ class Checkpoints:
         self.saved_step = None   # the step of the newest checkpoint written or resumed from
         self.saved_path = None
         self._base = (0, 0)      # (step, training samples taken up to it): where this run started
-        self._owners = None      # a sharded optimizer's ShardedState, made once
 
     # --- resume -----------------------------------------------------------
 
@@ -121,8 +161,16 @@ class Checkpoints:
             comm.Bcast(clock, root=world.chief_in(comm))
         if not head[0]:
             return None
+        # a checkpoint of named tensors: every rank reads its own boxes from it (`restore`)
+        named = np.zeros(PATH_BYTES, np.uint8)
+        if ckpt is not None and ckpt.named:
+            raw = ckpt.path.encode()
+            named[:len(raw)] = np.frombuffer(raw, np.uint8)
+        with world.waiting("checkpoint path broadcast", peer=world.cluster.chief_rank):
+            comm.Bcast(named, root=world.chief_in(comm))
         resume = Resume(step=int(head[1]), optimizer_t=int(head[2]), checkpoint=ckpt, samples=int(head[3]),
-                        clock=(*map(float, clock[:3]), int(clock[3])))
+                        clock=(*map(float, clock[:3]), int(clock[3])),
+                        named=bytes(named).rstrip(b"\0").decode() or None)
         self.saved_step, self._base = resume.step, (resume.step, resume.samples)
         self.saved_path = ckpt.path if ckpt is not None else None
         return resume
@@ -156,11 +204,47 @@ class Checkpoints:
         if ckpt is None and outputs.resume == "yes":
             raise HpctrainError(f"--resume yes, but --checkpoint-dir {d} holds no checkpoint")
         if ckpt is not None:
+            ckpt = as_checkpoint(ckpt) if isinstance(ckpt, NamedCheckpoint) else ckpt
             self._check_data(ckpt)
+            self._check_sizes(ckpt)
             line = tuning_line(ckpt.attrs.get("tuning"), self.plan.recorded["tuning"])
             if line:
                 print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
         return ckpt
+
+    def _check_sizes(self, ckpt):
+        """The model identity was compared: tensors of other sizes are a crafted file."""
+        spec = self.plan.spec.full
+        if ckpt.named:
+            have = ckpt.source.tensors
+            for name, shape, _, _ in spec.tensors + spec.state:
+                if name not in have or tuple(have[name][0]) != tuple(shape):
+                    raise HpctrainError(f"{ckpt.path}: no tensor {name} of shape {tuple(shape)}, as this model has")
+            return
+        for what, have, want in (("parameters", ckpt.params.size, spec.num_params),
+                                 ("model state", ckpt.model_state.size, spec.num_state)):
+            if have != want:
+                raise HpctrainError(f"{ckpt.path}: {have} floats of {what}, this model has {want}")
+
+    def restore(self, comm, resume, parts):
+        """Collective over comm: every part's box of the resumed checkpoint
+        into its view (state/consumers.py). A checkpoint of named tensors:
+        each rank reads its own boxes from the rank files; an old flat one:
+        the chief reads every rank's boxes and sends them (flat_read)."""
+        world, plan = self.world, self.plan
+        if resume.named:
+            def read_own():
+                try:
+                    with open_checkpoint(resume.named) as ckpt:
+                        restore(parts, ckpt.read, world.xp)
+                except (Corrupt, Refused) as e:
+                    raise HpctrainError(f"{resume.named}: {e}") from None
+            world.agreed(comm, read_own, what="checkpoint read")
+        else:
+            ckpt = resume.checkpoint
+            read = flat_read(ckpt, plan.spec, plan.optimizer.name) if ckpt is not None else None
+            FromChief(comm, world.chief_in(comm), read, world.waiting).restore(parts, world.xp)
+        device.synchronize(world.xp)
 
     def _check_data(self, ckpt):
         """A checkpoint of a language model trained on another vocabulary is
@@ -185,68 +269,6 @@ class Checkpoints:
     def resumed_line(self, resume, steps):
         """The chief's line for a resumed run whose last step is `steps` (resumed_line below)."""
         return resumed_line(self.plan, self.saved_path, resume, steps)
-
-    def broadcast_model_state(self, comm, resume, state):
-        """Collective over comm (the workers'): the checkpoint's non-trainable
-        model state (batch-norm statistics) from the chief into every
-        worker's `state` (nothing when the model has none)."""
-        if not state.size:
-            return
-        world = self.world
-        host = np.zeros(state.shape, state.dtype)
-        ckpt = resume.checkpoint
-        if ckpt is not None:
-            if ckpt.model_state.size != state.size:
-                raise HpctrainError(f"{ckpt.path}: {ckpt.model_state.size} floats of model state, this model has "
-                                    f"{state.size}")   # the model identity was compared: a crafted file
-            host[...] = ckpt.model_state
-        with world.waiting("checkpoint broadcast (model state)", peer=world.cluster.chief_rank):
-            comm.Bcast(host, root=world.chief_in(comm))
-        state[...] = world.xp.asarray(host)
-
-    def broadcast_state(self, comm, resume, params, optimizer):
-        """Collective over comm: the resumed parameters and optimizer state
-        from the chief into every rank's params and optimizer (ring mode, where
-        every rank holds all of them; a sharded optimizer gets its owned parts
-        of the state, scattered: `scatter_state`); optimizer.t restored too."""
-        world = self.world
-        root = world.chief_in(comm)
-        ckpt = resume.checkpoint
-        targets = [("params", params, ckpt.params if ckpt else None)]
-        if getattr(optimizer, "ranges", None) is not None:
-            self.scatter_state(comm, ckpt.optimizer_state if ckpt else None, optimizer)
-        else:
-            for name, array in optimizer.state().items():
-                targets.append((f"optimizer state {name}", array, ckpt.optimizer_state[name] if ckpt else None))
-        for what, target, source in targets:
-            host = np.empty(target.shape, target.dtype)
-            if source is not None:
-                host[...] = source
-            with world.waiting(f"checkpoint broadcast ({what})", peer=world.cluster.chief_rank):
-                comm.Bcast(host, root=root)
-            target[...] = world.xp.asarray(host)
-        optimizer.t = resume.optimizer_t
-        device.synchronize(world.xp)
-
-    # --- a sharded optimizer's state (--shard-optimizer on): checkpoints/sharded.py
-
-    def _sharded(self, comm, optimizer):
-        if self._owners is None or self._owners.optimizer is not optimizer:
-            world = self.world
-            self._owners = ShardedState(comm, optimizer, world.chief_in(comm), world.cluster.chief_rank,
-                                        world.watchdog, world.xp)
-        return self._owners
-
-    def gather_state(self, comm, optimizer):
-        """Collective over comm: the state of a sharded optimizer, full-length
-        host arrays on the chief (the same checkpoint as an unsharded run
-        writes); {} elsewhere."""
-        return self._sharded(comm, optimizer).gather()
-
-    def scatter_state(self, comm, full_state, optimizer):
-        """Collective over comm: full-length state arrays on the chief (from a
-        checkpoint, sharded or not) into each rank's owned parts."""
-        self._sharded(comm, optimizer).scatter(full_state)
 
     def seek_readers(self, reader, resume):
         """Every worker: its reader to the checkpoint's `resume_point`, whatever
@@ -281,63 +303,103 @@ class Checkpoints:
             comm.Gather(mine, everyone, root=0)
         return everyone
 
-    def save(self, comm, step, params, optimizer_state, optimizer_t, positions, model_state=None, senders=None,
-             on_failure=None, compression=None):
-        """Collective over comm: the chief writes the checkpoint of `step` from
-        the arrays it passes (device or host, or checkpoints/file.Pieces that
-        the other ranks send as the file takes them: `senders`, run by them
-        meanwhile, and `on_failure`, run by the chief when its write fails,
-        so that no sender is left waiting) and prunes to
-        --keep-checkpoints. compression: (state arrays, attributes) of
-        --compression powersgd (checkpoints/powersgd_state.py) or None. A
-        failure to write stops every rank of comm with one error line.
-        Returns the path on the chief."""
-        arrays, more = compression or ({}, {})
-        world, outputs, data = self.world, self.outputs, self.data
+    @property
+    def spread(self):
+        """Whether the layouts spread their writers over the replicas
+        (state/layouts.writes): where each writes its own file (named); a
+        flat file's writers send the chief their parts, so the chief's
+        replica writes what it holds."""
+        return self.outputs.checkpoint_format == "named"
 
-        def host(array):
-            return array if isinstance(array, checkpoint.Pieces) or array is None else device.to_host(array)
+    def save_parts(self, comm, step, parts, keys, optimizer_t, positions, compression=None):
+        """Collective over comm: the checkpoint of `step` from every rank's
+        `parts` (state/layouts.py; keys: the optimizer's state arrays), with
+        the data positions (`positions`, the chief's) and --compression's
+        state (`compression`: (arrays, attributes) or None) beside.
+        --checkpoint-format named: each rank writes its writer parts, the
+        chief the index last (checkpoints/named.py); flat: the chief writes
+        the one flat file, the writers' parts arriving tensor by tensor
+        (state/consumers.ToChief), so the chief holds one whole tensor
+        beyond its own. Not finite parameters: no checkpoint, every rank
+        stops alike. A failure to write stops every rank of comm with one
+        error line. Returns the path."""
+        world, plan = self.world, self.plan
+        device.synchronize(world.xp)
+        spec = plan.spec.full
+        if not finite(parameters(parts, spec), comm, world.waiting):
+            raise HpctrainError(f"the parameters of step {step} are not finite: training diverged (try a lower "
+                                f"--lr); no checkpoint written", exit_code=EXIT_DIVERGED, collective=True,
+                                report=world.chief)
+        arrays, more = compression or ({}, {})
+        info = dict(plan.recorded, samples=self.samples_at(step), data=self.data.dir, data_digest=self.data.digest,
+                    config=json.dumps(plan.config, sort_keys=True), **self.best.checkpoint_attrs(),
+                    **(self.clock() if self.clock else {}), **model_record(plan.spec, plan), **more)
+        with self.timeline.span("checkpoint", cat="checkpoint"):
+            write = self._named if self.outputs.checkpoint_format == "named" else self._flat
+            path = write(comm, step, parts, sorted(keys), optimizer_t, positions, arrays, info)
+        self.saved_step, self.saved_path = step, path
+        return path
+
+    def _named(self, comm, step, parts, keys, optimizer_t, positions, arrays, info):
+        world, plan, outputs = self.world, self.plan, self.outputs
+        spec, name, dtype = plan.spec.full, plan.optimizer.name, np.dtype(plan.precision.params).str
+        tensors = {t: (tuple(shape), dtype, []) for t, shape, _, _ in spec.tensors + spec.state}
+        tensors.update({f"{name}.{key}/{t}": (tuple(shape), dtype, []) for key in keys
+                        for t, shape, _, _ in spec.tensors})
+        attrs = {"optimizer_t": int(optimizer_t), "optimizer_state": ",".join(keys),
+                 "model_state": int(spec.num_state), **({"compression_state": ",".join(arrays)} if arrays else {}),
+                 **info, **plan.resume_key}
+        small = {"data_positions": np.asarray(positions if positions is not None else np.zeros((0, 2)), np.int64),
+                 **{f"compression/{k}": device.to_host(a) for k, a in arrays.items()}}
+        pieces = [(p.name, p.box, np.ascontiguousarray(device.to_host(p.view), plan.precision.params))
+                  for p in parts if p.writer]
+        # every rank writes its file: busy, not stalled, while others wait for it (its MPI waits have deadlines)
+        with world.watchdog.busy():
+            return write_checkpoint(outputs.checkpoint_dir, step, comm, world.chief_in(comm), pieces, tensors,
+                                    attrs, small, keep=outputs.keep_checkpoints, waiting=world.waiting)
+
+    def _flat(self, comm, step, parts, keys, optimizer_t, positions, arrays, info):
+        world, plan, outputs = self.world, self.plan, self.outputs
+        spec, name = plan.spec.full, plan.optimizer.name
+        # the file's datasets in the order it writes them (sorted: model_state, optimizer/KEY, params)
+        datasets = [("model_state", "", spec.state)] if spec.num_state else []
+        datasets += [(f"optimizer/{key}", f"{name}.{key}/", spec.tensors) for key in keys]
+        datasets.append(("params", "", spec.tensors))
+        stream = ToChief(comm, world.chief_in(comm), parts,
+                         [prefix + t for _, prefix, tensors in datasets for t, _, _, _ in tensors], world.waiting)
+        wholes = _Wholes(stream) if world.chief else None
+
+        def flat(prefix, tensors):
+            for t, shape, _, _ in tensors:
+                yield wholes.take(prefix + t, shape).reshape(-1)
+        flats = {key: checkpoint.Pieces(sum(hi - lo for _, _, lo, hi in tensors), flat(prefix, tensors))
+                 for key, prefix, tensors in datasets}
 
         def chief_writes():
-            device.synchronize(world.xp)
             try:
-                if not isinstance(params, checkpoint.Pieces) and not np.isfinite(host(params)).all():
-                    # a checkpoint to resume from must be worth resuming (Pieces: the caller checked)
-                    raise HpctrainError(f"the parameters of step {step} are not finite: training diverged "
-                                        f"(try a lower --lr); no checkpoint written", exit_code=EXIT_DIVERGED)
                 with world.waiting(f"writing a checkpoint in {outputs.checkpoint_dir}", peer="the file system"):
-                    return checkpoint.save(outputs.checkpoint_dir, step, host(params),
-                                           {k: host(v) for k, v in optimizer_state.items()},
-                                           optimizer_t, positions, self.plan.resume_key,
-                                           keep=outputs.keep_checkpoints,
-                                           info=dict(self.plan.recorded, samples=self.samples_at(step),
-                                                     data=data.dir, data_digest=data.digest,
-                                                     config=json.dumps(self.plan.config, sort_keys=True),
-                                                     **self.best.checkpoint_attrs(),
-                                                     **(self.clock() if self.clock else {}),
-                                                     **model_record(self.plan.spec, self.plan), **more),
-                                           model_state=host(model_state), compression_state=arrays or None,
-                                           dtype=self.plan.precision.params)
+                    return checkpoint.save(outputs.checkpoint_dir, step, flats["params"],
+                                           {key: flats[f"optimizer/{key}"] for key in keys}, optimizer_t, positions,
+                                           plan.resume_key, keep=outputs.keep_checkpoints, info=info,
+                                           model_state=flats.get("model_state"), compression_state=arrays or None,
+                                           dtype=plan.precision.params)
             except BaseException:
-                if on_failure is not None:
-                    on_failure()
+                stream.drain()   # no sender is left waiting
                 raise
         # The others wait for the chief's write in the agreement: it answers
         # their roll calls "busy" meanwhile, so a healthy write longer than
         # --timeout is no stall (the write itself has its own deadline above).
-        with self.timeline.span("checkpoint", cat="checkpoint"), \
-                (world.watchdog.busy() if world.chief else contextlib.nullcontext()):
-            path = world.agreed(comm, chief_writes if world.chief else (senders or (lambda: None)))
-        self.saved_step, self.saved_path = step, path
-        return path
+        with (world.watchdog.busy() if world.chief else contextlib.nullcontext()):
+            return world.agreed(comm, chief_writes if world.chief else stream.send)
 
-    def save_on_chief_only(self, step, params, states, t, positions, model_state=None):
-        """ps mode: the chief writes a checkpoint by itself while servers and
-        workers keep going. A failure to write is one error line and aborts the
-        job (the others are not at a point where they could agree)."""
+    def save_alone(self, step, parts, keys, t, positions):
+        """ps mode: the chief writes a checkpoint by itself (every part of
+        `parts` its own) while servers and workers keep going. A failure to
+        write is one error line and aborts the job (the others are not at a
+        point where they could agree)."""
         from mpi4py import MPI
         try:
-            self.save(MPI.COMM_SELF, step, params, states, t, positions, model_state)
+            self.save_parts(MPI.COMM_SELF, step, parts, keys, t, positions)
         except HpctrainError as exc:
             raise HpctrainError(str(exc), exit_code=exc.exit_code) from None   # not collective: abort
 

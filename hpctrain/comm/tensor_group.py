@@ -14,7 +14,6 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import device
-from ..nn.tensor_parallel import local_size, put_local
 from .strategy import waiting
 
 
@@ -86,25 +85,3 @@ class TensorComm:
             self.comm.Allreduce(MPI.IN_PLACE, host, op=op)
         if host is not a:
             a[...] = self.xp.asarray(host)
-
-
-def gather_whole(comm, full_spec, cuts, local, wait, lo=0, hi=None):
-    """Collective over `comm`, a tensor group (its rank: the tensor rank):
-    every rank's slice `local` of the whole model's flat buffer [lo, hi)
-    (all of it by default; a pipeline stage's part) to rank 0, put together
-    there (nn/tensor_parallel.put_local); None elsewhere. wait: the
-    deadline around the Gatherv (a context manager)."""
-    hi = full_spec.num_params if hi is None else hi
-    sizes = np.array([local_size(full_spec, cuts, t, lo, hi) for t in range(comm.Get_size())], np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    host = np.ascontiguousarray(device.to_host(local))
-    root = comm.Get_rank() == 0
-    parts = np.empty(int(sizes.sum()), host.dtype) if root else None
-    with wait:
-        comm.Gatherv(host, [parts, (sizes, starts)] if root else None, root=0)
-    if not root:
-        return None
-    whole = np.zeros(hi - lo, host.dtype)
-    for t, start in enumerate(starts):
-        put_local(full_spec, cuts, parts[start:start + sizes[t]], t, whole, lo, hi)
-    return whole

@@ -37,6 +37,7 @@ from ..pipeline.grid import Grid
 from ..pipeline.stage import Stage
 from ..pipeline.tied import TiedStages
 from ..pipeline.trace import StageTrace
+from ..state import layouts as state_layouts
 from .frame import Frame
 
 
@@ -65,7 +66,6 @@ def train_pipe(world, plan, inputs, timeline):
                     copies=copies[k]) for k in range(virtual)]
     # --tensor-parallel: each stage's layers split over its tensor group (nn/tensor_parallel.py)
     split = grid.tensors > 1
-    slices = whole.WholeSlices(world, grid, spec, chunks) if split else None   # the files' whole tensors
     for chunk in chunks:
         initial_parameters(world, spec, grid, chunk, plan.data.seed)
     reader = prefetch.device_batches(inputs.reader(world.comm, grid.replica, grid.replicas, stage_arrays(grid)), xp)
@@ -94,9 +94,20 @@ def train_pipe(world, plan, inputs, timeline):
         world.say(f"hpctrain: --compression {plan.compression.kind}: one replica a stage, nothing is exchanged "
                   f"and nothing compressed")
 
-    # --- resume: the chief's file, each stage its chunks' slices -------------
+    def parts(spread=True):   # this rank's state as parts of the whole named tensors (state/layouts.py)
+        return state_layouts.pipeline(spec, chunks, optimizers, plan.optimizer.name, grid.replica, grid.replicas,
+                                      spread)
+
+    # --- resume: each rank its boxes of the checkpoint's whole tensors, whatever cut, P, T or R wrote it ----
     def restore(resume):
-        whole.resume_stage(world, spec, grid, chunks, optimizers, layouts, resume, slices)
+        ckpt = resume.checkpoint
+        try:
+            frame.checkpoints.restore(world.comm, resume, parts())
+        finally:
+            if ckpt is not None:
+                ckpt.close()
+        for optimizer in optimizers:
+            optimizer.t = resume.optimizer_t
         if compression is not None:
             pipeline_compression.restore(world, grid, compression, layouts, resume)
     frame.resumed(reader, restore)
@@ -115,8 +126,15 @@ def train_pipe(world, plan, inputs, timeline):
                     StageTrace(world, plan.outputs, timeline, grid, chunks, optimizers), gradient,
                     compression=compression,
                     tied=tied, compute=plan.precision.compute)
-    model = whole.Pipelined(world, plan, engine, layouts, slices)   # what the frame evaluates and saves, by stages
-    step, stopped = train_steps(world, frame, engine, layouts, reader, model, slices)
+    model = whole.Pipelined(world, plan, engine, parts)   # what the frame evaluates and saves, by stages
+    def save(at):   # every rank writes its writer parts (checkpoints/named.py)
+        checkpoints = frame.checkpoints
+        positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first and grid.tensor == 0 else None
+        compressed = pipeline_compression.gather(world, grid, engine.compression, layouts) \
+            if engine.compression is not None else None   # --compression powersgd's state, whole on the chief
+        checkpoints.save_parts(world.comm, at, parts(checkpoints.spread), sorted(optimizers[0].state()),
+                               optimizers[0].t, positions, compressed)
+    step, stopped = train_steps(world, frame, engine, reader, model, save)
     extra = {"workers": grid.replicas, "pipeline_stages": grid.stages,
              "micro_batches": micro, "schedule": pipe.schedule, "virtual_stages": virtual, "replicas": grid.replicas,
              "pipeline_split": pipe.split, "shard_optimizer": "on" if engine.sharded else "off",
@@ -124,8 +142,7 @@ def train_pipe(world, plan, inputs, timeline):
     if spec.recompute:   # the chief's stage's block forwards run again
         extra["recomputed_forwards"] = sum(chunk.model.run.recomputed for chunk in engine.chunks)
     record = frame.end(step, stopped and step < frame.steps, world.comm, model,
-                       save=lambda at: whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at,
-                                                             slices),
+                       save=save,
                        extra=extra, state_bytes=sum(state_bytes(o) for o in optimizers))
     if tied is not None:
         tied.free()
@@ -157,13 +174,11 @@ def stage_arrays(grid):
     return ("images",) if grid.first else ("labels",) if grid.last else ()
 
 
-def train_steps(world, frame, engine, layouts, reader, model, slices=None):
-    """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
+def train_steps(world, frame, engine, reader, model, save):
+    """The training loop from the frame's start: (the last step, whether some rank asked to stop).
+    save(step): the checkpoint of `step`, collective."""
     replicas = engine.grid.replicas
     step, stopped = frame.start, False
-
-    def save(at):
-        whole.save_checkpoint(world, frame.checkpoints, engine, layouts, reader, at, slices)
     with frame.training():
         while step < frame.steps:
             # the reader reuses its arrays: each micro-batch's own copy

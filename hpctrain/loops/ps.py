@@ -49,6 +49,8 @@ from ..optim.clipping import Clip
 from ..optim.on_device import OnDevice
 from ..optim.optimizers import make_optimizer
 from ..report.evaluated import WholeModel
+from ..state import layouts
+from ..state.consumers import whole_flat
 from .frame import Frame, diverged
 
 
@@ -166,7 +168,8 @@ def save_cut(plan, checkpoints, cut, model_state):
     from ps 0's (docs/ps.md, "Checkpoints in ps mode")."""
     if plan.ps.sync and not cut.consistent:
         raise ProtocolError(f"a sync checkpoint cut is not one version: {cut.describe()}")
-    checkpoints.save_on_chief_only(cut.versions[0], cut.params, cut.states, cut.ts[0], cut.positions, model_state)
+    parts = layouts.whole(plan.spec, cut.params, cut.states, model_state, plan.optimizer.name)
+    checkpoints.save_alone(cut.versions[0], parts, sorted(cut.states), cut.ts[0], cut.positions)
 
 
 @dataclass
@@ -187,13 +190,21 @@ class Worker:
 def run_worker(world, plan, frame, comm, reader, placement, shared, why_not=""):
     reader = prefetch.device_batches(reader, world.xp)   # GPU: pinned, async, one step ahead
     w = start_worker(world, plan, frame, comm, placement, shared, why_not)
-    frame.resumed(reader, lambda resume: frame.checkpoints.broadcast_model_state(world.cluster.worker_comm, resume,
-                                                                                 w.model.state))
+    frame.resumed(reader, lambda resume: restore_state(world, plan, frame.checkpoints, resume, w.model))
     w.pm.recv_buffer()
     w.client.pull()
     w.pm.to_device()
     local = worker_steps(world, plan, frame, w, reader)
     return end_worker(world, plan, frame, w, local)
+
+
+def restore_state(world, plan, checkpoints, resume, model):
+    """Every worker's non-trainable state (batch-norm statistics), the
+    checkpoint's (the servers take the parameters and optimizer state from
+    the chief: start_servers)."""
+    spec = plan.spec
+    checkpoints.restore(world.cluster.worker_comm, resume,
+                        layouts.buffer_parts(spec, [(0, spec.num_state)], model.state, of="state"))
 
 
 def start_worker(world, plan, frame, comm, placement, shared, why_not):
@@ -212,7 +223,7 @@ def start_worker(world, plan, frame, comm, placement, shared, why_not):
     state_names = make_optimizer(plan.optimizer.name, 1, np).state_names
     if world.chief:
         print(cluster_lines(world, plan, placement, exchange_name(client), why_not), flush=True)
-        start_servers(client, frame.resume, model, state_names, cluster.num_workers)
+        start_servers(client, frame.resume, model, state_names, cluster.num_workers, plan.optimizer.name)
     # async: each worker clips its own gradient (sync: the servers clip the aggregate)
     clip = Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm and not plan.ps.sync else None
     # no allreduce of its own: the push carries the loss and stop request
@@ -324,7 +335,7 @@ def end_worker(world, plan, frame, w, local):
     return record
 
 
-def start_servers(client, resume, model, state_names, num_workers):
+def start_servers(client, resume, model, state_names, num_workers, optimizer):
     """The chief decides the servers' starting point: the checkpoint's
     parameters, optimizer state and data positions, or its initial parameters."""
     from ..checkpoints.resume import positions_for, resume_point
@@ -332,8 +343,13 @@ def start_servers(client, resume, model, state_names, num_workers):
         client.restore(0, 0, device.to_host(model.params))
         return
     ckpt = resume.checkpoint
-    client.restore(resume.step, resume.optimizer_t, ckpt.params,
-                   {name: ckpt.optimizer_state[name] for name in state_names},
+    if ckpt.named:   # a checkpoint of named tensors: the whole flat buffers the servers take, read on the chief
+        tensors = model.spec.tensors
+        params = whole_flat(ckpt.source.read, tensors)
+        states = {name: whole_flat(ckpt.source.read, tensors, f"{optimizer}.{name}/") for name in state_names}
+    else:
+        params, states = ckpt.params, {name: ckpt.optimizer_state[name] for name in state_names}
+    client.restore(resume.step, resume.optimizer_t, params, states,
                    positions_for(resume_point(ckpt.data_positions), num_workers))
 
 

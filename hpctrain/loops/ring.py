@@ -17,6 +17,7 @@ from ..comm.topology import Topology
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
 from ..report.evaluated import WholeModel
+from ..state import layouts
 from . import ring_tensor as tensor
 from . import ring_zero3 as zero3
 from .frame import Frame
@@ -61,28 +62,35 @@ def train_ring(world, plan, inputs, timeline):
     # GPU: pinned, async, one step ahead
     reader = prefetch.device_batches(inputs.reader(comm, mesh.coords.data, mesh.size("data")), xp)
 
+    def parts(spread=True):   # this rank's state as parts of the whole named tensors (state/layouts.py)
+        return layouts.ring(plan.spec, None if ring.param_shard is not None else model.params, model.state,
+                            ring.optimizer, plan.optimizer.name, comm.Get_rank(), comm.Get_size(), ring.param_shard,
+                            spread)
+
     def restore(resume):
-        # every rank holds the whole state: the chief's copy goes to all (--zero 3: each rank its shards;
-        # --tensor-parallel: each rank its slice)
-        if split:
-            tensor.restore(world, frame.checkpoints, resume, ring)
-            return
-        if ring.param_shard is not None:
-            zero3.restore(world, comm, resume, ring)
-        else:
-            frame.checkpoints.broadcast_state(comm, resume, model.params, ring.optimizer)
-        frame.checkpoints.broadcast_model_state(comm, resume, model.state)
-        # --compression powersgd: each worker its own error feedback, every rank the Qs
-        compression_state.restore(world, comm, resume, ring.exchange, ring.error, ring.layout_key,
-                                  plan.compression.kind)
+        # each rank its boxes of the checkpoint's whole tensors, whatever layout wrote it
+        frame.checkpoints.restore(everyone, resume, parts())
+        ring.optimizer.t = resume.optimizer_t
+        if ring.store is not None:   # --zero 3: the gathered copies are of the old parameters
+            ring.store.forget()
+        if not split:   # --compression powersgd: each worker its own error feedback, every rank the Qs
+            compression_state.restore(world, comm, resume, ring.exchange, ring.error, ring.layout_key,
+                                      plan.compression.kind)
     frame.resumed(reader, restore)
 
     # --- training, then the end ---------------------------------------------
     # what the chief evaluates and saves (--zero 3: every rank together, the parameters a bucket at a time)
-    evaluated = tensor.TensorModel(world, plan, model, ring) if split else \
+    evaluated = tensor.TensorModel(world, plan, model, ring, parts) if split else \
         WholeModel(world, plan, model) if ring.param_shard is None else \
-        zero3.ShardedModel(world, plan, model, ring.store, comm)
-    step, stopped = train_steps(world, frame, ring, reader, evaluated)
+        zero3.ShardedModel(world, plan, model, parts, comm)
+    def save(at):   # every rank writes its writer parts (checkpoints/named.py)
+        checkpoints = frame.checkpoints
+        positions = checkpoints.gather_positions(reader, comm) if not split or mesh.coords.tensor == 0 else None
+        compression = compression_state.gather(world, comm, ring.exchange, ring.error, ring.layout_key) \
+            if not split else None
+        checkpoints.save_parts(everyone, at, parts(checkpoints.spread), sorted(ring.optimizer.state()),
+                               ring.optimizer.t, positions, compression)
+    step, stopped = train_steps(world, frame, ring, reader, evaluated, save)
     ring.close()   # the communication thread ends with the loop
     extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": ring.zero,
              **(ring.clip.totals() if ring.clip else {}),
@@ -92,19 +100,17 @@ def train_ring(world, plan, inputs, timeline):
     if ring.exchange is not None:
         extra["sent_bytes_per_step"] = ring.sent_bytes()   # what each rank hands its allreduce, compressed
     return frame.end(step, stopped and step < frame.steps, everyone, evaluated,
-                     save=lambda at: save_checkpoint(frame.checkpoints, comm, ring, reader, at),
+                     save=save,
                      extra=extra, state_bytes=state_bytes(ring.optimizer))
 
 
-def train_steps(world, frame, ring, reader, evaluated):
-    """The training loop from the frame's start: (the last step, whether some rank asked to stop)."""
+def train_steps(world, frame, ring, reader, evaluated, save):
+    """The training loop from the frame's start: (the last step, whether some rank asked to stop).
+    save(step): the checkpoint of `step`, collective."""
     timeline, model, fused, comm = frame.timeline, ring.model, ring.fused, world.mesh.comm("data")
     # the losses summed: one a replica (--tensor-parallel: one a rank, each of a group the same)
     workers = ring.gradient.comm.Get_size()
     step, stopped = frame.start, False   # stopped: some rank asked to stop (the summed flag, the same everywhere)
-
-    def save(at):
-        save_checkpoint(frame.checkpoints, comm, ring, reader, at)
     with frame.training():
         while step < frame.steps:
             with timeline.span("data", cat="data"):
@@ -134,16 +140,3 @@ def train_steps(world, frame, ring, reader, evaluated):
                                 overflowed=lambda: ring.wire_overflowed(comm, world.waiting)):
                 break
     return step, stopped
-
-
-def save_checkpoint(checkpoints, comm, ring, reader, step):
-    if ring.model.spec.tensor is not None:
-        return tensor.save_checkpoint(checkpoints, checkpoints.world, ring, reader, step)
-    if ring.param_shard is not None:
-        return zero3.save_checkpoint(checkpoints, comm, ring, reader, step)
-    positions = checkpoints.gather_positions(reader)
-    # Sharded: the chief gathers the full-length state (the same file either way).
-    state = checkpoints.gather_state(comm, ring.optimizer) if ring.sharded else ring.optimizer.state()
-    compression = compression_state.gather(checkpoints.world, comm, ring.exchange, ring.error, ring.layout_key)
-    checkpoints.save(comm, step, ring.model.params, state, ring.optimizer.t, positions, ring.model.state,
-                     compression=compression)

@@ -1,103 +1,29 @@
-"""Ring mode's --zero 3 outside the step: no rank holds the whole model,
-so whatever needs it goes a bucket at a time, every rank taking part.
-
-- `save_checkpoint`: ring mode's one file, the chief writing each of its
-  big datasets (the parameters, each optimizer state array) a bucket at a
-  time as the owners' parts arrive (comm/zero3.ShardsToChief, the file's
-  checkpoints/file.Pieces); the same file stages 0-2 write, so a run
-  resumes on another stage, N or mode.
-- `restore`: a resume, the checkpoint read lazily on the chief and each
-  bucket scattered into the owners' shards (comm/zero3.ShardsFromChief),
-  whatever stage or N wrote it.
-- `ShardedModel`: the model for the report and the frame
-  (report/evaluated.py's interface), collective: each evaluation runs
-  forward on every rank in step, the store gathering each bucket as its
-  layers run (so every rank evaluates the same batches: the chief's
-  share alone would leave the gathers unmatched); --save and --keep-best
-  are written by the chief a bucket at a time.
+"""Ring mode's --zero 3 outside the step: no rank holds the whole model.
+`ShardedModel`: the model for the report and the frame
+(report/evaluated.py's interface), collective: each evaluation runs
+forward on every rank in step, the store gathering each bucket as its
+layers run (so every rank evaluates the same batches: the chief's share
+alone would leave the gathers unmatched); finiteness, --save and
+--keep-best are report/evaluated.Evaluated's, over the layout's parts, and
+checkpoints are each rank's own parts (loops/ring.py, state/layouts.py).
 
     mpirun -n 4 python -m hpctrain.train --zero 3 --checkpoint-dir ckpt --steps 20 --save p.h5
 """
-import os
-
-import numpy as np
-from mpi4py import MPI
-
 from .. import device
-from ..checkpoints import powersgd_state as compression_state
-from ..checkpoints.file import Pieces
 from ..comm.device_buffers import bcast
-from ..comm.zero3 import ShardsFromChief, ShardsToChief
 from ..data.splits import held_out
-from ..errors import EXIT_DIVERGED, HpctrainError
-from ..files import create_new, remove_temp, temp_name_next_to
-from ..report.params import chief_text, write_attrs, written_by_chief
+from ..report.evaluated import Evaluated
 
 
-def all_finite(world, comm, shard):
-    """Every rank's parameter shard finite, known on every rank (one Allreduce)."""
-    device.synchronize(world.xp)
-    ok = np.array([1 if device.all_finite(shard.buf) else 0], np.int64)
-    with world.waiting("parameter finiteness allreduce", peer=None):
-        comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
-    return bool(ok[0])
-
-
-def _stream(world, comm, shard, arrays):
-    """Compact arrays in `shard`'s layout to the chief a bucket at a time (comm/zero3.ShardsToChief)."""
-    return ShardsToChief(comm, shard, world.watchdog, arrays, world.chief_in(comm), world.cluster.chief_rank,
-                         shard.buf.dtype)
-
-
-def _lazy(stream, name):
-    """stream.pieces(name), started only when the file asks for it."""
-    yield from stream.pieces(name)
-
-
-def save_checkpoint(checkpoints, comm, ring, reader, step):
-    """Collective over comm: the checkpoint of `step`, written by the chief a bucket at a time."""
-    world, shard, optimizer = checkpoints.world, ring.param_shard, ring.optimizer
-    if not all_finite(world, comm, shard):   # before any piece moves: every rank stops alike
-        raise HpctrainError(f"the parameters of step {step} are not finite: training diverged (try a lower --lr); "
-                            f"no checkpoint written", exit_code=EXIT_DIVERGED, collective=True, report=world.chief)
-    positions = checkpoints.gather_positions(reader)
-    device.synchronize(world.xp)
-    arrays = {"params": shard.buf, **{f"optimizer/{name}": a for name, a in optimizer.state().items()}}
-    stream = _stream(world, comm, shard, arrays)
-    n = optimizer.full_size
-    state = {name: Pieces(n, _lazy(stream, f"optimizer/{name}")) for name in optimizer.state()}
-    compression = compression_state.gather(world, comm, ring.exchange, ring.error, ring.layout_key)
-    checkpoints.save(comm, step, Pieces(n, _lazy(stream, "params")), state, optimizer.t, positions,
-                     ring.model.state, senders=stream.send, on_failure=stream.drain, compression=compression)
-
-
-def restore(world, comm, resume, ring):
-    """Collective over comm: the resumed parameters and optimizer state into
-    this rank's shards (the chief reads the file a bucket at a time)."""
-    ckpt, optimizer = resume.checkpoint, ring.optimizer
-    scatter = ShardsFromChief(comm, ring.param_shard, world.watchdog, world.chief_in(comm),
-                              world.cluster.chief_rank)
-    scatter.scatter("params", ckpt.params if ckpt else None, ring.param_shard.buf, world.xp)
-    for name, compact in optimizer.state().items():
-        scatter.scatter(f"optimizer state {name}", ckpt.optimizer_state[name] if ckpt else None, compact, world.xp)
-    optimizer.t = resume.optimizer_t
-    ring.store.forget()
-    device.synchronize(world.xp)
-
-
-class ShardedModel:
+class ShardedModel(Evaluated):
     """--zero 3's model for the report and the frame, collective over comm
     (the workers: every rank). model: the ring's (nn/sequential.Sequential
-    over nn/sharded_store.ShardedStore `store`)."""
-    collective = True
+    over nn/sharded_store.ShardedStore); parts: the layout's (state/layouts.ring)."""
 
-    def __init__(self, world, plan, model, store, comm):
-        self.world, self.plan, self.model, self.store, self.comm = world, plan, model, store, comm
-        self.spec = model.spec
+    def __init__(self, world, plan, model, parts, comm):
+        super().__init__(world, plan, model.spec, parts, comm)
+        self.model = model
         self._full = {}   # split -> the whole split (uint8), read once
-
-    def finite(self):
-        return all_finite(self.world, self.comm, self.store.shard)
 
     def share_state(self):
         """The chief's non-trainable state to every rank (report/evaluated.WholeModel's)."""
@@ -105,9 +31,6 @@ class ShardedModel:
             device.synchronize(self.world.xp)
             with self.world.waiting("model state broadcast", peer=self.world.cluster.chief_rank):
                 bcast(self.comm, self.model.state, root=self.world.chief_in(self.comm))
-
-    def agree(self, text):
-        return chief_text(self.world, text)
 
     def evaluate(self, split="test"):
         """(loss sum, correct, count) over the whole split, every rank the
@@ -129,29 +52,3 @@ class ShardedModel:
 
     def evaluate_parts(self, inputs):
         return self.evaluate("test")
-
-    def write(self, path, step, attrs=None):
-        """--save, --keep-best: report/params.py's file, the chief writing
-        each bucket's tensors as the bucket arrives. OSError on the chief
-        when it cannot (the others learn it from `agree`)."""
-        stream = _stream(self.world, self.comm, self.store.shard, {"params": self.store.shard.buf})
-        written_by_chief(self.world.chief, stream, lambda: self._write(path, step, attrs, stream))
-
-    def _write(self, path, step, attrs, stream):
-        import h5py
-        spec, shard = self.spec, self.store.shard
-        tmp = temp_name_next_to(path)
-        try:
-            os.close(create_new(tmp))
-            with h5py.File(tmp, "w") as f:
-                for j, piece in zip(stream.order, stream.pieces("params")):
-                    lo, hi = shard.buckets[j]
-                    for name, shape, a, b in spec.tensors:
-                        if lo <= a and b <= hi:
-                            f.create_dataset(name, data=piece[a - lo:b - lo].reshape(shape))
-                for name, view in self.model.state_tensors():
-                    f.create_dataset(name, data=device.to_host(view))
-                write_attrs(f, spec, self.plan, step, attrs)
-            os.replace(tmp, path)
-        finally:
-            remove_temp(tmp)

@@ -1,54 +1,25 @@
 """A pipeline's model as the run's outputs see it, held by no rank whole: each
 stage holds its slice of the parameters, the model state and the optimizer
 state (the stages' slices lie in stage order, pipeline/stages.py `ranges`).
-What needs the whole model goes a stage at a time:
 
-- checkpoints (`save_checkpoint`): ring mode's one file, written by the
-  chief a dataset at a time and each dataset a stage at a time (stage 0's
-  slice its own, then each stage's from its replica 0, received as the file
-  takes it: checkpoints/file.Pieces), so the chief holds one stage's slice
-  of one buffer at once; a sharded optimizer's parts are first gathered on
-  the stage's replica 0;
-- a resume (`resume_stage`): the checkpoint read lazily (its datasets stay
-  in the file: checkpoints/read_back.OnDisk), each stage's slice read and sent
-  to its replica 0, then to the stage's replicas; whatever cut, P or R
-  wrote it (a ring mode checkpoint as well);
-- --save and --keep-best (`Pipelined.write`): the parameters file, a
-  stage's tensors at a time;
+- `Layouts`: where each stage's slices lie in the whole flat buffers
+  (--compression powersgd's state goes between them and the chief:
+  pipeline/stage_compression.py);
 - evaluations (`Pipelined.evaluate`): forward-only batches through the
   stages, each replica its part of the test set (or val part), the last
-  stage counting loss and accuracy, one world Allreduce of the sums.
-
-With --tensor-parallel each stage's ranks hold slices of its layers: its
-replica 0's tensor ranks gather theirs on tensor rank 0, which goes
-between the whole model's slice and the chief (`WholeSlices`), so the file
-holds whole tensors whatever the layout.
-
-Transfers to and from the chief go along replica 0's pipe communicator
-(the chief is world rank 0: stage 0, replica 0, tensor rank 0), blocking sends and receives
-in one fixed order that both ends follow, each under the watchdog; a chief
-that fails to write still takes every piece (`drain`), so no sender is left
-waiting. Takes the grid's communicators; imports mpi4py only for the
-constants of its two world Allreduces (IN_PLACE, MIN and SUM).
+  stage counting loss and accuracy, one world Allreduce of the sums;
+  finiteness, --save and --keep-best are report/evaluated.Evaluated's,
+  over the stage's parts (state/layouts.pipeline), and so are checkpoints
+  and a resume (loops/pipe.py, checkpoints/resume.py: each rank writes and
+  reads its own boxes).
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --checkpoint-dir ckpt --steps 20
 """
-import os
-
 import numpy as np
 
 from .. import device
-from ..checkpoints.file import Pieces
-from ..checkpoints.sharded import ShardedState
-from ..comm.tensor_group import gather_whole
-from ..errors import HpctrainError
-from ..report.params import chief_text, write_attrs, written_by_chief
-from ..files import create_new, remove_temp, temp_name_next_to
-from ..nn.tensor_parallel import take_local
-from . import stage_compression as pipeline_compression
+from ..report.evaluated import Evaluated
 from .stages import ranges
-
-TAG = 31000          # checkpoint, --save and resume pieces, on the pipe communicator (engine.py: 31001)
 
 
 class Layouts:
@@ -60,303 +31,27 @@ class Layouts:
         self.params, self.state = spans(spec, cuts), spans(spec, cuts, of="state")
 
 
-class WholeSlices:
-    """--tensor-parallel: this stage's chunks' slices of its (split) buffers
-    as slices of the whole model's, on the stage's tensor rank 0, and back;
-    collective over the stage's tensor group (grid.tensor_comm). spec: the
-    split spec; chunks: this stage's (pipeline/stage.Stage)."""
-
-    def __init__(self, world, grid, spec, chunks):
-        self.world, self.grid, self.full, self.cuts = world, grid, spec.full, spec.cuts
-        self.spans = [ranges(spec.full, c.a, c.b) for c in chunks]
-
-    def whole(self, k, local):
-        """Chunk k's slice of the whole model from every tensor rank's `local`
-        (its slice of the chunk's buffer): on tensor rank 0, None elsewhere."""
-        (lo, hi), grid = self.spans[k], self.grid
-        return gather_whole(grid.tensor_comm, self.full, self.cuts, local,
-                            self.world.waiting("pipeline tensor slices to the stage's tensor rank 0",
-                                               peer=grid.world_rank(grid.stage, tensor=0) if grid.tensor else None),
-                            lo, hi)
-
-    def local(self, k, whole, dtype):
-        """This tensor rank's slice of chunk k from `whole` (the whole model's
-        slice on tensor rank 0; ignored elsewhere)."""
-        (lo, hi), grid = self.spans[k], self.grid
-        buf = np.ascontiguousarray(whole, dtype) if grid.tensor == 0 else np.empty(hi - lo, dtype)
-        with self.world.waiting("pipeline whole slices to the stage's tensor ranks",
-                                peer=None if grid.tensor == 0 else grid.world_rank(grid.stage, tensor=0)):
-            grid.tensor_comm.Bcast(buf, root=0)
-        return take_local(self.full, self.cuts, buf, grid.tensor, lo, hi)
-
-
 def spans(spec, cuts, of="params"):
     """(counts, displacements) of every stage's slice, in stage order."""
     lohi = [ranges(spec, a, b, of) for a, b in zip(cuts, cuts[1:])]
     return [hi - lo for lo, hi in lohi], [lo for lo, _ in lohi]
 
 
-# --- the stages' slices to the chief, one at a time ------------------------------
-
-class ToChief:
-    """Flat buffers whose slices the stages hold, to the chief chunk by chunk
-    (a stage's slice is its chunk's with one chunk a stage; with V, chunk c
-    is stage c mod P's local chunk c // P), in the order of `names` (the
-    order its file takes them). parts: name -> (layout (counts,
-    displacements) over the chunks, this stage's chunks' slices [one per
-    local chunk], or None where this rank sends nothing: every replica but
-    0). The chief asks `pieces(name)`; every stage's replica 0 but the
-    chief's `send()`s. dtype: the stages' buffers' (the run's
-    precision.params), what goes between the ranks."""
-
-    def __init__(self, grid, watchdog, names, parts, dtype):
-        self.grid, self.watchdog, self.names, self.parts = grid, watchdog, list(names), parts
-        self.dtype = np.dtype(dtype)
-        self._taken = set()   # (name, chunk) the chief has received
-
-    def pieces(self, name):
-        """The chief: chunk 0's slice of `name`, then each other chunk's, its own or as it arrives."""
-        P = self.grid.stages
-        counts, _ = self.parts[name][0]
-        for c in range(len(counts)):
-            s, k = c % P, c // P
-            if s == 0:
-                piece = np.ascontiguousarray(device.to_host(self.parts[name][1][k]), dtype=self.dtype)
-            else:
-                piece = self._receive(name, s, counts[c])
-            self._taken.add((name, c))
-            yield piece
-
-    def _receive(self, name, s, count):
-        piece = np.empty(count, self.dtype)
-        with self.watchdog.waiting(f"pipeline {name} from stage {s} to the chief", peer=self.grid.world_rank(s, 0)):
-            self.grid.pipe_comm.Recv(piece, source=s, tag=TAG)
-        return piece
-
-    def drain(self):
-        """The chief, after a failed write: receive what is still to come (discarded)."""
-        P = self.grid.stages
-        for name in self.names:
-            counts, _ = self.parts[name][0]
-            for c in range(len(counts)):
-                if c % P and (name, c) not in self._taken:
-                    self._receive(name, c % P, counts[c])
-                    self._taken.add((name, c))
-
-    def send(self):
-        """A stage's replica 0 (not the chief's stage; its tensor rank 0): its chunks' slices, in order."""
-        grid = self.grid
-        if grid.first or grid.replica != 0 or grid.tensor != 0:
-            return
-        for name in self.names:
-            for slice_ in self.parts[name][1]:
-                part = np.ascontiguousarray(device.to_host(slice_), dtype=self.dtype)
-                with self.watchdog.waiting(f"pipeline {name} from stage {grid.stage} to the chief",
-                                           peer=grid.world_rank(0, 0)):
-                    grid.pipe_comm.Send(part, dest=0, tag=TAG)
-
-
-def all_finite(world, grid, parts):
-    """Every stage's `parts` (its chunks' slices) finite, known on every rank (one world Allreduce)."""
-    from mpi4py import MPI
-    ok = np.array([1 if all(device.all_finite(part) for part in parts) else 0], np.int64)
-    with world.waiting("pipeline finiteness allreduce", peer=None):
-        world.comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
-    return bool(ok[0])
-
-
-# --- checkpoints ----------------------------------------------------------------------
-
-def sent_slices(engine, arrays, slices):
-    """What a rank of replica 0 hands ToChief for one buffer (`arrays`: its
-    chunks'): the arrays, or with --tensor-parallel (`slices`: WholeSlices)
-    the whole model's slices on tensor rank 0, None on the others."""
-    if slices is None:
-        return arrays
-    wholes = [slices.whole(k, a) for k, a in enumerate(arrays)]
-    return wholes if engine.grid.tensor == 0 else None
-
-
-def save_checkpoint(world, checkpoints, engine, layouts, reader, step, slices=None):
-    """The chief writes the whole model's checkpoint, the file ring mode
-    writes (every stage's parameters, model state and optimizer state, the
-    replicas' data positions: the first stage's ranks, one per replica),
-    receiving each stage's slice of each buffer as the file takes it.
-    slices: --tensor-parallel's WholeSlices (None without)."""
-    grid, chunks, optimizers = engine.grid, engine.chunks, engine.optimizers
-    if not all_finite(world, grid, [c.params for c in chunks]):   # before any piece moves: every rank stops alike
-        from ..errors import EXIT_DIVERGED
-        raise HpctrainError(f"the parameters of step {step} are not finite: training diverged (try a lower --lr); "
-                            f"no checkpoint written", exit_code=EXIT_DIVERGED, collective=True, report=world.chief)
-    # each chunk's whole optimizer state on the stage's replica 0
-    states = [stage_optimizer_state(world, grid, optimizer) for optimizer in optimizers]
-    mine = grid.replica == 0
-    parts = {"params": (layouts.params, sent_slices(engine, [c.params for c in chunks], slices) if mine else None)}
-    parts.update({f"optimizer/{name}": (layouts.params, sent_slices(engine, [st[name] for st in states], slices)
-                                        if mine else None) for name in states[0]})
-    spec_state = sum(layouts.state[0])
-    if spec_state:
-        parts["model_state"] = (layouts.state, [c.state for c in chunks] if mine and grid.tensor == 0 else None)
-    stream = ToChief(grid, world.watchdog, sorted(parts), parts,   # the file's order: checkpoints/file.py
-                     chunks[0].params.dtype)
-    positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first and grid.tensor == 0 else None
-    compressed = pipeline_compression.gather(world, grid, engine.compression, layouts) \
-        if engine.compression is not None else None   # --compression powersgd's state, whole on the chief
-    n = sum(layouts.params[0])
-    optimizer_state = {name: Pieces(n, _lazy(stream, f"optimizer/{name}")) for name in sorted(states[0])}
-    model_state = Pieces(spec_state, _lazy(stream, "model_state")) if spec_state else None
-    checkpoints.save(world.comm, step, Pieces(n, _lazy(stream, "params")), optimizer_state, optimizers[0].t, positions,
-                     model_state, senders=stream.send, on_failure=stream.drain, compression=compressed)
-
-
-def _lazy(stream, name):
-    """stream.pieces(name), started only when the file asks for it."""
-    yield from stream.pieces(name)
-
-
-def replicas_state(world, grid, optimizer):
-    """A sharded optimizer's parts over the stage's replicas (checkpoints/sharded.py), replica 0 their root."""
-    return ShardedState(grid.stage_comm, optimizer, 0, grid.world_rank(grid.stage, 0), world.watchdog, world.xp)
-
-
-def stage_optimizer_state(world, grid, optimizer):
-    """name -> the stage's whole optimizer state on its replica 0 (a sharded
-    optimizer's parts gathered there; unsharded: every replica's own)."""
-    if getattr(optimizer, "ranges", None) is None:
-        return optimizer.state()
-    full = replicas_state(world, grid, optimizer).gather()   # {} on the other replicas
-    return {name: full.get(name) for name in optimizer.state()}
-
-
-# --- resume ---------------------------------------------------------------------------
-
-def to_stages(world, grid, source, layout, sizes, what, dtype):
-    """Every chunk's slice of `source` (the chief's lazily read checkpoint
-    dataset: checkpoints/read_back.OnDisk; ignored elsewhere), read and sent a
-    chunk at a time to its stage's replica 0 (host): there the list of this
-    stage's chunks' slices (`sizes` elements of `dtype` each, the stages'
-    buffers'); None elsewhere."""
-    if grid.replica != 0:
-        return None
-    counts, displs = layout
-    watchdog, P = world.watchdog, grid.stages
-    if not grid.first:
-        mine = []
-        for n in sizes:
-            host = np.empty(n, dtype)
-            with watchdog.waiting(f"pipeline resume ({what}) from the chief", peer=grid.world_rank(0, 0)):
-                grid.pipe_comm.Recv(host, source=0, tag=TAG)
-            mine.append(host)
-        return mine
-    mine = []
-    for c in range(len(counts)):
-        piece = source.read(displs[c], displs[c] + counts[c]) if counts[c] else np.zeros(0, dtype)
-        if c % P == 0:
-            mine.append(piece)
-            continue
-        with watchdog.waiting(f"pipeline resume ({what}) to stage {c % P}", peer=grid.world_rank(c % P, 0)):
-            grid.pipe_comm.Send(piece, dest=c % P, tag=TAG)
-    return mine
-
-
-def stage_slices(world, grid, source, layout, parts, what, dtype, slices=None):
-    """to_stages for this stage's `parts` (their sizes): with --tensor-parallel
-    (`slices`) the whole model's slices to the stage's tensor rank 0, and
-    each tensor rank of replica 0 its slices of them; None on the other replicas."""
-    if slices is None:
-        return to_stages(world, grid, source, layout, [part.size for part in parts], what, dtype)
-    if grid.replica != 0:
-        return None
-    wholes = to_stages(world, grid, source, layout, [hi - lo for lo, hi in slices.spans], what, dtype) \
-        if grid.tensor == 0 else [None] * len(parts)
-    return [slices.local(k, whole, dtype) for k, whole in enumerate(wholes)]
-
-
-def from_chief(world, grid, source, parts, layout, what, slices=None):
-    """Every chunk's slice of `source` into `parts` (this stage's chunks') on all its replicas."""
-    dtype = parts[0].dtype
-    hosts = stage_slices(world, grid, source, layout, parts, what, dtype, slices)
-    if hosts is None:
-        hosts = [np.zeros(part.shape, dtype) for part in parts]
-    for host, part in zip(hosts, parts):
-        with world.waiting(f"pipeline broadcast to the stage's replicas ({what})",
-                           peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
-            grid.stage_comm.Bcast(host, root=0)
-        part[...] = world.xp.asarray(host)
-
-
-class _InMemory:
-    """A dataset already in memory (a small one: the model state), read by slices as OnDisk is."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def read(self, lo, hi):
-        return np.ascontiguousarray(self.array[lo:hi])
-
-
-def resume_stage(world, spec, grid, chunks, optimizers, layouts, resume, slices=None):
-    """The checkpoint's buffers (the chief's, read lazily) into every stage's
-    chunks' slices, the optimizers' step count too: whatever cut, chunks
-    and replica count wrote it (a ring mode checkpoint as well). No rank
-    holds more than its stage's slices; the chief one chunk's slice of one
-    buffer at a time."""
-    ckpt = resume.checkpoint
-    if ckpt is not None:
-        for what, have, want in (("parameters", ckpt.params.size, spec.full.num_params),
-                                 ("model state", ckpt.model_state.size, spec.num_state)):
-            if have != want:   # the model identity was compared: a crafted file
-                raise HpctrainError(f"{ckpt.path}: {have} floats of {what}, this model has {want}")
-    try:
-        from_chief(world, grid, ckpt.params if ckpt else None, [c.params for c in chunks], layouts.params,
-                   "parameters", slices)
-        if spec.num_state:   # collective: every stage alike, with state of its own or not
-            from_chief(world, grid, _InMemory(ckpt.model_state) if ckpt else None, [c.state for c in chunks],
-                       layouts.state, "model state")
-        sharded = getattr(optimizers[0], "ranges", None) is not None
-        stage_state = {}
-        for name in sorted(optimizers[0].state()):
-            source = ckpt.optimizer_state[name] if ckpt else None
-            if sharded:   # each chunk's whole state on the stage's replica 0, then each replica its part
-                stage_state[name] = stage_slices(world, grid, source, layouts.params, [c.params for c in chunks],
-                                                 f"optimizer state {name}", optimizers[0].dtype, slices)
-            else:
-                from_chief(world, grid, source, [o.state()[name] for o in optimizers], layouts.params,
-                           f"optimizer state {name}", slices)
-        if sharded:
-            for k, optimizer in enumerate(optimizers):
-                replicas_state(world, grid, optimizer).scatter(
-                    {name: None if full is None else full[k] for name, full in stage_state.items()})
-    finally:
-        if ckpt is not None:
-            ckpt.close()
-    for optimizer in optimizers:
-        optimizer.t = resume.optimizer_t
-    device.synchronize(world.xp)
-
-
 # --- the model as the report sees it ----------------------------------------------------
 
-class Pipelined:
+class Pipelined(Evaluated):
     """The pipeline's model for the report and the frame (report/evaluated.py's
     interface), collective: every rank takes part in each call. engine:
-    this rank's pipeline/engine.Engine; layouts: Layouts; plan: run/plan.Plan."""
-    collective = True
+    this rank's pipeline/engine.Engine; parts: the layout's (state/layouts.pipeline);
+    plan: run/plan.Plan."""
 
-    def __init__(self, world, plan, engine, layouts, slices=None):
-        self.world, self.plan, self.engine, self.layouts, self.slices = world, plan, engine, layouts, slices
-        self.grid, self.chunks, self.spec = engine.grid, engine.chunks, plan.spec.full   # the file's: whole tensors
+    def __init__(self, world, plan, engine, parts):
+        super().__init__(world, plan, plan.spec, parts, world.comm)
+        self.engine, self.grid, self.chunks = engine, engine.grid, engine.chunks
         self._parts = {}   # split -> this replica's part (images on the first stage, labels on the last)
-
-    def finite(self):
-        return all_finite(self.world, self.grid, [c.params for c in self.chunks])
 
     def share_state(self):
         """Nothing to share: each evaluation runs with its stage's replica 0's state (evaluate)."""
-
-    def agree(self, text):
-        """The chief's text (None: nothing to say) on every rank (report/params.chief_text)."""
-        return chief_text(self.world, text)
 
     def _part(self, split):
         """This replica's part of `split`: (x or None, y or None, count)."""
@@ -403,39 +98,3 @@ class Pipelined:
 
     def evaluate_parts(self, inputs):
         return self.evaluate("test")
-
-    def write(self, path, step, attrs=None):
-        """--save, --keep-best: report/params.py's file (one dataset per
-        tensor, the state beside), written by the chief a stage's tensors at
-        a time. OSError on the chief when it cannot (the others learn it
-        from `agree`)."""
-        grid, chunks, layouts, spec = self.grid, self.chunks, self.layouts, self.spec
-        mine = grid.replica == 0
-        parts = {"params": (layouts.params, sent_slices(self.engine, [c.params for c in chunks], self.slices)
-                            if mine else None)}
-        if spec.num_state:
-            parts["state"] = (layouts.state, [c.state for c in chunks] if mine and grid.tensor == 0 else None)
-        stream = ToChief(grid, self.world.watchdog, list(parts), parts, chunks[0].params.dtype)
-        written_by_chief(self.world.chief, stream, lambda: self._write(path, step, attrs, stream))
-
-    def _write(self, path, step, attrs, stream):
-        import h5py
-        spec, plan = self.spec, self.plan
-        tmp = temp_name_next_to(path)
-        try:
-            os.close(create_new(tmp))
-            with h5py.File(tmp, "w") as f:
-                # the chunks' tensors in buffer order, each chunk's slice as it arrives
-                for piece, (count, base) in zip(stream.pieces("params"), zip(*self.layouts.params)):
-                    for name, shape, lo, hi in spec.tensors:
-                        if base <= lo and hi <= base + count:
-                            f.create_dataset(name, data=piece[lo - base:hi - base].reshape(shape))
-                if spec.num_state:
-                    for piece, (count, base) in zip(stream.pieces("state"), zip(*self.layouts.state)):
-                        for name, shape, lo, hi in spec.state:
-                            if base <= lo and hi <= base + count:
-                                f.create_dataset(name, data=piece[lo - base:hi - base].reshape(shape))
-                write_attrs(f, spec, plan, step, attrs)
-            os.replace(tmp, path)
-        finally:
-            remove_temp(tmp)

@@ -10,10 +10,10 @@ import os
 
 import numpy as np
 
-from .. import device
 from ..checkpoints.model_record import record as model_record
 from ..nn.sequential import INIT_VERSION
 from ..files import create_new, one_line, remove_temp, rescue_path, temp_name_next_to
+from ..state.parts import box_slices
 
 
 def save_params(path, model, step, checkpoint_path=None, agree=None, chief=True):
@@ -47,20 +47,29 @@ def save_params(path, model, step, checkpoint_path=None, agree=None, chief=True)
     return f"{failed}; the parameters of step {step} are kept in {rescue}"
 
 
-def write_params(path, model, step, plan, attrs=None):
-    """One dataset per tensor (the run's parameter dtype), attributes step/mode/world_size/model
-    (/hidden: the MLP's; and attrs: --keep-best's val_accuracy); written to a
-    temporary name and renamed, so it is never half-written."""
+def write_params(path, spec, pieces, plan, step, attrs=None):
+    """One dataset per whole tensor of the model's parameters and state (the
+    run's parameter dtype), written from `pieces`, (name, box, host values)
+    that tile each tensor once, in any order (a layout's parts, the chief's
+    own or as they arrive: state/consumers.ToChief), so no whole tensor is
+    held beyond the file; attributes step/mode/world_size/model (/hidden:
+    the MLP's; and attrs: --keep-best's val_accuracy); written to a
+    temporary name and renamed, so it is never half-written. spec: the
+    model's (a tensor-split one's whole model is what the file holds)."""
     import h5py
+    spec = spec.full
+    shapes = {name: shape for name, shape, _, _ in spec.tensors + spec.state}
     # Exclusive and unpredictable: a planted symlink is never followed.
     tmp = temp_name_next_to(path)
     try:
         os.close(create_new(tmp))
         with h5py.File(tmp, "w") as f:
-            # the non-trainable state (batch-norm statistics) beside the parameters
-            for name, view in model.tensors() + model.state_tensors():
-                f.create_dataset(name, data=device.to_host(view))
-            write_attrs(f, model.spec, plan, step, attrs)
+            # a box written where it lies: the tensor never whole in memory (it may be 1/N of a ZeRO shard)
+            for name, box, values in pieces:
+                if name not in f:
+                    f.create_dataset(name, shapes[name], dtype=values.dtype)
+                f[name][box_slices(box)] = values
+            write_attrs(f, spec, plan, step, attrs)
         os.replace(tmp, path)
     finally:
         remove_temp(tmp)
@@ -99,8 +108,8 @@ def chief_text(world, text):
 
 
 def written_by_chief(chief, stream, write):
-    """A collective model's --save (a pipeline's, --zero 3's): the chief runs
-    write(), taking the others' pieces from `stream` (whatever a failed
+    """A collective model's --save: the chief runs write(), taking the
+    others' pieces from `stream` (state/consumers.ToChief; whatever a failed
     write left is drained, so no sender waits); the others send theirs."""
     if not chief:
         stream.send()

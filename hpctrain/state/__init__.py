@@ -20,5 +20,5 @@ unsplit model: `layer3/attn.Wqkv`), its non-trainable state's
 (`ModelSpec.state`), and the optimizer state by the same names under the
 optimizer's (`adam.m/layer3/attn.Wqkv`).
 
-    python -m pytest -q tests/test_state_parts.py
+    mpirun -n 4 python -m mpi4py -m pytest -q --only-mpi tests/test_state_layouts.py
 """

@@ -11,7 +11,7 @@ turns the ways a layout holds state into parts:
 A box is a tuple of (start, stop) per dimension of the whole tensor; a
 part's view has the box's shape.
 
-    python -m pytest -q tests/test_state_parts.py
+    mpirun -n 4 python -m mpi4py -m pytest -q --only-mpi tests/test_state_layouts.py
 """
 from typing import NamedTuple
 

@@ -98,11 +98,12 @@ def linger_after_the_barrier(rank, seconds):
 
 
 def stop_a_stage(rank, where):
-    from hpctrain.pipeline import engine, whole
+    from hpctrain.pipeline import engine
+    from hpctrain.state import consumers
     if where == "eval":
         cls, name = engine.Engine, "evaluate"
-    else:
-        cls, name = whole.ToChief, "send"
+    else:   # a (flat) checkpoint: every rank sends the chief its writer parts
+        cls, name = consumers.ToChief, "send"
     original = getattr(cls, name)
 
     def stopping(self, *args, **kwargs):
