@@ -99,12 +99,11 @@ class RingLayout:
         self.data = world.Split(self.t, self.replica)
         self.spec = full
         if tensor > 1:
-            group = TensorGroup(tensor, self.t)
-            group.comm = TensorComm(world.Split(self.replica, self.t))
+            group = TensorGroup(tensor, self.t, comm=TensorComm(world.Split(self.replica, self.t)))
             self.spec = full.split_tensor(group)
         self.strategy = RingAllreduce(self.data)
-        self.ring = RingStep(self.spec, self.strategy, self.data, np, ("adam", {}), 200, sharded=stage >= 1,
-                             shard_grads=stage >= 2, shard_params=stage == 3, overlap=False, dtype=np.float64)
+        self.ring = RingStep(self.spec, self.strategy, self.data, np, ("adam", {}), 200, zero=stage, overlap=False,
+                             dtype=np.float64)
 
     def fill(self):
         full, ring, t = self.full, self.ring, self.t
