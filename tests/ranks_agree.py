@@ -47,7 +47,7 @@ def train(args, *rest):
                 print(f"stage parameters on {engine.grid.replicas} replicas of each stage: "
                       f"{'identical' if same[0] else 'DIFFERENT'}", flush=True)
         else:
-            same = agree(world.cluster.worker_comm, model.params)
+            same = agree(world.cluster.worker_comm, model.model.params)
             if world.chief:
                 print(f"parameters on {world.cluster.num_workers} workers: {'identical' if same else 'DIFFERENT'}",
                       flush=True)

@@ -168,10 +168,10 @@ def test_a_subclass_of_relu_between_two_linears_still_pairs_them():
 
 
 @pytest.mark.parametrize("layers, line", [
-    (lambda: [Linear(4, role="column"), Linear(2)], "layer 0 (Dense(4)) is column-parallel without a row-parallel"),
+    (lambda: [Linear(4, role="column"), Linear(2)], "layer 0 (Linear(4)) is column-parallel without a row-parallel"),
     (lambda: [Linear(4, role="column"), ReLU(), Flatten(), Linear(2, role="row")],
-     "layer 0 (Dense(4)) is column-parallel without a row-parallel"),
-    (lambda: [Linear(4), Linear(2, role="row")], "layer 1 (Dense(2)) is row-parallel without a column-parallel"),
+     "layer 0 (Linear(4)) is column-parallel without a row-parallel"),
+    (lambda: [Linear(4), Linear(2, role="row")], "layer 1 (Linear(2)) is row-parallel without a column-parallel"),
 ], ids=["column-then-whole", "column-then-flatten", "row-first"])
 def test_a_declared_role_without_its_partner_is_one_line(layers, line):
     """A column layer's slice reaches only elementwise layers and then its
