@@ -35,8 +35,9 @@ from hpctrain.errors import HpctrainError
 
 # main as issue 55 found it (one state written once: the layouts' checkpoints,
 # the layer roles, one step gradient): code moves, not arithmetic, and the
-# runs its "Done when" names are here. d133b31 gives the same bits as its
-# predecessor pins on every run below (checked when the pin moved). The
+# runs its "Done when" names are here. On every run the previous pin had,
+# d133b31 gives that pin's bits (b4056b6's; 586fa13's for the 16-bit wires):
+# main at c5581b1 matched both when the pin moved. The
 # arithmetic last moved by design at 586fa13 (issue 42 §6: the 16-bit ring's
 # chunks start 2 elements earlier) and a218478 (issue 29: each layer's initial
 # parameters from (seed, its index)); before them the pins were b4056b6
