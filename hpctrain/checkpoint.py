@@ -15,8 +15,8 @@ from .checkpoints.file import list_checkpoints
 from .checkpoints.named import is_named, open_checkpoint
 from .checkpoints.read_back import read
 from .checkpoints.trust import Corrupt
-from .arguments import Parser
-from .errors import HpctrainError, one_line_errors
+from .flags.arguments import Parser
+from .base.errors import HpctrainError, one_line_errors
 from .run.identity import SAME_ON_RESUME, unused_by
 
 

@@ -21,7 +21,7 @@ import importlib
 import inspect
 import sys
 
-from .errors import HpctrainError, stops_as_errors
+from .base.errors import HpctrainError, stops_as_errors
 
 # subcommand -> (module whose main() runs it, what it does)
 COMMANDS = {

@@ -44,10 +44,10 @@ if __name__ == "__main__":   # python -m hpctrain.evaluate: BLAS's threads befor
 
 import numpy as np
 
-from .arguments import Parser
-from .cli import DEFAULT_EVAL_TOKENS, eval_tokens
-from .errors import HpctrainError, one_line_errors
-from .files import printable
+from .flags.arguments import Parser
+from .flags.cli import DEFAULT_EVAL_TOKENS, eval_tokens
+from .base.errors import HpctrainError, one_line_errors
+from .base.files import printable
 from .run.outputs import check_output_file
 
 
@@ -165,14 +165,15 @@ def build_parser(prog="python -m hpctrain.evaluate"):
 @one_line_errors
 def main(argv=None, prog="python -m hpctrain.evaluate"):
     args = build_parser(prog).parse_args(argv)
-    from . import data, trained
+    from . import data
+    from .checkpoints import trained
     from .nn import threads
     from .run.cluster import threads_per_rank
     threads.configure(threads_per_rank())   # the cores this process has, as training's rank alone (pin_blas)
     if args.plot:
         from . import plot
         plot.require()
-        from .overwrites import Input
+        from .base.overwrites import Input
         inputs = [*trained.model_inputs(args.params, args.checkpoint, args.model),
                   Input(args.data, "the --data folder")]
         check_output_file(args.plot, "--plot", inputs=inputs)

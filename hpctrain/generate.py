@@ -61,9 +61,9 @@ if __name__ == "__main__":   # python -m hpctrain.generate: BLAS's threads befor
 
 import numpy as np
 
-from .arguments import Parser
-from .arguments import finite_float, nonneg_float, nonneg_int, positive_int
-from .errors import HpctrainError, one_line_errors
+from .flags.arguments import Parser
+from .flags.arguments import finite_float, nonneg_float, nonneg_int, positive_int
+from .base.errors import HpctrainError, one_line_errors
 
 
 def sample(logits, rng, temperature, top_k=None, top_p=1.0):
@@ -221,7 +221,7 @@ def prompt_ids(vocab, prompt):
 
 def on_device(model, device):
     """The model on --device's array module (a copy of its parameters on a GPU)."""
-    from . import device as dev
+    from .base import device as dev
     xp, _, _ = dev.select(device)
     if xp is np:
         return model.model, np.asarray
@@ -266,7 +266,7 @@ def build_parser(prog="python -m hpctrain.generate"):
 @one_line_errors
 def main(argv=None, prog="python -m hpctrain.generate"):
     args = build_parser(prog).parse_args(argv)
-    from . import trained
+    from .checkpoints import trained
     from .nn.decode import Decoder
     from .nn import threads
     from .run.cluster import threads_per_rank

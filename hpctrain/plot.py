@@ -19,11 +19,11 @@ import textwrap
 
 import numpy as np
 
-from .arguments import Parser
-from .errors import EXIT_BAD_INPUT, HpctrainError, one_line_errors
-from .overwrites import Input
+from .flags.arguments import Parser
+from .base.errors import EXIT_BAD_INPUT, HpctrainError, one_line_errors
+from .base.overwrites import Input
 from .run.outputs import check_output_file
-from .files import one_line, write_atomically
+from .base.files import one_line, write_atomically
 
 INSTALL = "plotting needs matplotlib: pip install 'hpctrain[plot]'"
 DPI = 80

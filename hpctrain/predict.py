@@ -36,9 +36,9 @@ if __name__ == "__main__":   # python -m hpctrain.predict: BLAS's threads before
 
 import numpy as np
 
-from .arguments import Parser
-from .errors import HpctrainError, one_line_errors
-from .files import one_line, write_atomically
+from .flags.arguments import Parser
+from .base.errors import HpctrainError, one_line_errors
+from .base.files import one_line, write_atomically
 from .run.outputs import check_output_file
 
 
@@ -125,8 +125,8 @@ def check_model(model, args):
 def check_out(args):
     """--out, before the model is read: a file that can be written and is
     none of the inputs (the model's file, an image, anything under --data)."""
-    from .overwrites import Input
-    from .trained import model_inputs
+    from .base.overwrites import Input
+    from .checkpoints.trained import model_inputs
     if args.out is not None:
         inputs = [*model_inputs(args.params, args.checkpoint, args.model),
                   *(Input(image, "an IMAGE to classify") for image in args.images),
@@ -173,7 +173,7 @@ def main(argv=None, prog="python -m hpctrain.predict"):
     if args.top < 1:
         raise HpctrainError(f"--top must be at least 1, got {args.top}")
     check_out(args)
-    from . import trained
+    from .checkpoints import trained
     model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
     check_model(model, args)
     top = min(args.top, model.spec.classes)

@@ -10,15 +10,15 @@ the process configured (BLAS threads, MPI progress throttling, GPU binding)
 before numpy and MPI are imported, because they read those settings once,
 when they load; then MPI starts under a deadline, the run's world and plan
 are made (run/startup.py), one of the three loops trains (loops/), and
-every rank leaves through one shutdown barrier. Exit codes: hpctrain/errors.py.
+every rank leaves through one shutdown barrier. Exit codes: hpctrain/base/errors.py.
 """
 import os
 import signal
 import sys
 
-from . import cli
+from .flags import cli
 from .run import cluster
-from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, HpctrainError
+from .base.errors import EXIT_FAILURE, EXIT_INTERRUPTED, HpctrainError
 
 # A rank other than the chief that got Ctrl-C waits this long per rank of
 # distance from the chief (after the abort grace) for the chief's abort,

@@ -25,11 +25,11 @@
 # continues); 75 stopped with a checkpoint but not requeued (requeue limit
 # reached, disabled or refused: resubmit the same command to continue);
 # 2 bad set-up (this script, env.sh, or hpctrain's bad-input errors); any other
-# code is hpctrain's (see hpctrain/errors.py), passed through unchanged.
+# code is hpctrain's (see hpctrain/base/errors.py), passed through unchanged.
 # Variables: see jobs/README.md and jobs/env.sh.
 set -uo pipefail
 
-EXIT_PREEMPTED=75                      # hpctrain/errors.py
+EXIT_PREEMPTED=75                      # hpctrain/base/errors.py
 say() { echo "hpctrain-job: $*"; }
 die() { echo "hpctrain-job: error: $*" >&2; exit 2; }
 
@@ -90,7 +90,7 @@ CMD=("$HPCTRAIN_PYTHON" -m hpctrain.mnist
      --checkpoint-dir "$CKPT_DIR" --checkpoint-every "${HPCTRAIN_CHECKPOINT_EVERY:-500}" --resume auto
      "${TIMEOUT_FLAGS[@]}" "$@")
 # hpctrain's --timeout as the command line gives it (the last one wins), for
-# the wait after the final record; 300: hpctrain/cli.py's default.
+# the wait after the final record; 300: hpctrain/flags/cli.py's default.
 TIMEOUT_S=300
 prev=""
 for arg in "${CMD[@]}"; do

@@ -26,7 +26,7 @@ import types
 import numpy as np
 import pytest
 
-from hpctrain import device
+from hpctrain.base import device
 
 
 class KernelUpdate:

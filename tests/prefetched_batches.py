@@ -21,7 +21,7 @@ _train = entry.train
 
 def train(args, *rest):
     from gpu_fakes import LazyCopier
-    from hpctrain import prefetch
+    from hpctrain.data import prefetch
     prefetch.device_batches = lambda reader, xp: prefetch.Prefetcher(reader, LazyCopier())
     return _train(args, *rest)
 

@@ -22,7 +22,7 @@ def train(args, *rest):
 
     import numpy as np
 
-    from hpctrain import device
+    from hpctrain.base import device
     from hpctrain.loops import frame
 
     finish = frame.Frame.finish

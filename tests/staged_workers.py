@@ -21,7 +21,7 @@ _train = entry.train
 def train(args, *rest):
     from gpu_fakes import LazyCopier
     from hpctrain.loops import ps as loop_ps
-    from hpctrain import prefetch
+    from hpctrain.data import prefetch
     from hpctrain.comm.device_buffers import HostMirror
     loop_ps.HostMirror = lambda array, direct=False: HostMirror(array, copier=LazyCopier())
     loop_ps.prefetch = types.SimpleNamespace(

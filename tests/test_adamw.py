@@ -171,8 +171,8 @@ def test_bad_betas_are_one_line_and_exit_2(job, tmp_path, value):
 
 def test_a_negative_beta_gets_the_flags_own_line_not_argparses():
     # Issue 54, 10: "-0.1,0.9" was taken for a flag ("expected one argument").
-    from hpctrain import cli
-    from hpctrain.errors import HpctrainError
+    from hpctrain.flags import cli
+    from hpctrain.base.errors import HpctrainError
     with pytest.raises(HpctrainError, match=r"^argument --adam-betas: expected B1,B2, each in \[0, 1\), got "
                                             r"'-0.1,0.9' \(see --help\)$"):
         cli.parse(["--adam-betas", "-0.1,0.9"])
@@ -180,7 +180,7 @@ def test_a_negative_beta_gets_the_flags_own_line_not_argparses():
 
 
 def test_betas_must_match_on_resume_with_adam_only():
-    from hpctrain import cli
+    from hpctrain.flags import cli
     from hpctrain.run import identity
     spec = mlp((28, 28), 10, [64])
 

@@ -19,7 +19,7 @@ from conftest import MPIRUN, REPO, saved, same_bytes
 from hpctrain import data
 from hpctrain.run.cluster import child_env
 from hpctrain.data.augment import Augment
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 from test_data import make_single_source, quiet
 
 TINY = os.path.join(REPO, "tests", "models", "tiny_cnn.py")

@@ -308,7 +308,7 @@ def test_a_run_that_refuses_its_flags_is_its_one_line():
 
 def test_more_ranks_than_the_cores_can_run_only_when_insisted_on():
     from hpctrain.bench.common import RANKS_PER_CORE, check_ranks
-    from hpctrain.errors import HpctrainError
+    from hpctrain.base.errors import HpctrainError
     many = RANKS_PER_CORE * os.cpu_count() + 1
     check_ranks([1, many], oversubscribe_ok=True)
     with pytest.raises(HpctrainError, match=f"--ranks {many}: .*--oversubscribe-ok"):

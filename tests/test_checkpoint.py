@@ -25,7 +25,7 @@ from hpctrain import checkpoint as checkpoint_command
 from hpctrain.checkpoints import file as checkpoint
 from hpctrain.checkpoints import read_back as reader
 from hpctrain.checkpoints.trust import Corrupt
-from hpctrain.errors import EXIT_PREEMPTED, HpctrainError
+from hpctrain.base.errors import EXIT_PREEMPTED, HpctrainError
 
 SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",
             "batch_size": 4, "seed": 0}
@@ -110,7 +110,7 @@ def a_dead_pid():
 def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path):
     from argparse import Namespace
     from hpctrain.run import outputs
-    from hpctrain.files import STALE_AFTER_S
+    from hpctrain.base.files import STALE_AFTER_S
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     ckpt.mkdir()
     out.mkdir()
@@ -150,7 +150,7 @@ def test_stale_temporary_files_are_swept_at_start_up_and_live_ones_kept(tmp_path
 
 
 def test_temporary_names_are_exclusive_unpredictable_and_carry_the_pid(tmp_path):
-    from hpctrain import files
+    from hpctrain.base import files
     names = set()
     for _ in range(3):
         tmp = files.temp_name_next_to(tmp_path / "p.h5")
@@ -304,7 +304,7 @@ def test_files_with_a_valid_header_but_wrong_content_are_skipped(tmp_path, damag
 
 def test_the_writer_writes_the_runs_precision_and_the_reader_refuses_one_it_does_not_run(tmp_path):
     # The datasets take the dtype handed down from the plan's precision
-    # (hpctrain/precision.py), not a float32 of the writer's own: written as
+    # (hpctrain/base/precision.py), not a float32 of the writer's own: written as
     # float64, every float dataset is float64 and the content hash covers
     # it; this code runs float32 only, so the reader refuses the file in one
     # line rather than convert it (a resume promises the same bits).
@@ -427,7 +427,7 @@ def test_a_small_file_claiming_a_huge_params_is_refused_before_it_is_read(tmp_pa
     checkpoint.stamp(path)
     assert os.path.getsize(path) < 100_000
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
-            "from hpctrain.checkpoints import read_back as reader; from hpctrain.errors import HpctrainError\n"
+            "from hpctrain.checkpoints import read_back as reader; from hpctrain.base.errors import HpctrainError\n"
             "try:\n    reader.load_latest(sys.argv[1], {})\n"
             "except HpctrainError as e:\n    print(e)")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,

@@ -27,7 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from hpctrain.checkpoints import file as checkpoint
 from hpctrain.checkpoints import read_back as reader
-from hpctrain.errors import HpctrainError  # noqa: E402
+from hpctrain.base.errors import HpctrainError  # noqa: E402
 
 SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam",
             "batch_size": 4, "seed": 0}

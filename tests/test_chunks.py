@@ -1,8 +1,8 @@
-"""The one near-equal partition (hpctrain/chunks.py) and its users agree.
+"""The one near-equal partition (hpctrain/base/chunks.py) and its users agree.
 
     .venv/bin/python -m pytest -q tests/test_chunks.py
 """
-from hpctrain.chunks import chunk_bounds, chunk_parts
+from hpctrain.base.chunks import chunk_bounds, chunk_parts
 from hpctrain.comm.ps.placement import place
 
 

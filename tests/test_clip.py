@@ -23,7 +23,7 @@ from mpi4py import MPI
 from collectives import ring_step
 from conftest import same_bytes, saved
 from gpu_fakes import LazyCopier
-from hpctrain import device
+from hpctrain.base import device
 from hpctrain.optim.clipping import EPS, Clip, clip_, clip_factor, global_norm, sum_squares
 from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring_allreduce import RingAllreduce

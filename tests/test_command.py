@@ -72,7 +72,7 @@ def test_a_job_through_the_command_is_the_same_program(tmp_path):
 def test_the_data_predict_evaluate_and_tensorboard_modules_never_import_mpi():
     # House rule: data never imports MPI; predict and evaluate are one process.
     code = ("import sys, hpctrain.data, hpctrain.data.images, hpctrain.data.arrays, hpctrain.data.augment, "
-            "hpctrain.predict, hpctrain.evaluate, hpctrain.generate, hpctrain.nn.decode, hpctrain.trained, "
+            "hpctrain.predict, hpctrain.evaluate, hpctrain.generate, hpctrain.nn.decode, hpctrain.checkpoints.trained, "
             "hpctrain.report.tensorboard, hpctrain.command, "
             "hpctrain.checkpoint\nprint(sorted(m for m in sys.modules if m.startswith('mpi4py')))")
     r = run(sys.executable, "-c", code)
@@ -113,7 +113,7 @@ def test_every_entry_points_bad_arguments_are_one_line(tmp_path, module, args):
 
 
 def test_every_parser_is_the_shared_one():
-    # One class (hpctrain/arguments.py) makes every parser: no prefix
+    # One class (hpctrain/flags/arguments.py) makes every parser: no prefix
     # matching, one-line errors. A bare argparse.ArgumentParser brings both back.
     bare = [str(path.relative_to(REPO)) for path in Path(REPO, "hpctrain").rglob("*.py")
             if "ArgumentParser(" in path.read_text() and path.name != "arguments.py"]
@@ -122,7 +122,7 @@ def test_every_parser_is_the_shared_one():
 
 def test_train_help_is_a_screenful_and_help_all_every_flag():
     # issue 41, 32: --help was 324 lines.
-    from hpctrain import cli
+    from hpctrain.flags import cli
     short = run(SCRIPT, "train", "--help")
     full = run(SCRIPT, "train", "--help-all")
     assert short.returncode == 0 and full.returncode == 0
@@ -138,7 +138,7 @@ def test_train_help_is_a_screenful_and_help_all_every_flag():
 def test_numbas_memory_is_one_figure_in_help_docs_and_code():
     # issue 41, 32: --help said ~110 MB, docs/usage.md and docs/models.md ~140 MB
     # (measured again: resident 30 -> 138 MB across loading numba and the Adam pass).
-    from hpctrain import cli
+    from hpctrain.flags import cli
     texts = {"--help": cli.build_parser().format_help()}
     for name in ("docs/usage.md", "docs/models.md", "hpctrain/optim/base.py"):
         texts[name] = Path(REPO, name).read_text()
@@ -155,8 +155,8 @@ def test_numbas_memory_is_one_figure_in_help_docs_and_code():
 def test_train_and_the_layer_check_parse_comma_separated_numbers_alike(text, message):
     """One parser of comma-separated whole numbers (arguments.positive_ints)
     for train's --hidden and python -m hpctrain.nn's --hidden and --shape."""
-    from hpctrain import cli
-    from hpctrain.errors import HpctrainError
+    from hpctrain.flags import cli
+    from hpctrain.base.errors import HpctrainError
     from hpctrain.nn.__main__ import parser
     assert cli.parse(["--hidden", "64,,32"]).hidden == [64, 32]
     with pytest.raises(HpctrainError, match=re.escape(message)):

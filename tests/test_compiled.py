@@ -246,7 +246,7 @@ def test_compiled_layers_on_without_numba_is_one_line(job, tmp_path):
 
 def test_compiled_layers_auto_takes_them_where_they_pay():
     from types import SimpleNamespace
-    from hpctrain.errors import HpctrainError
+    from hpctrain.base.errors import HpctrainError
     from hpctrain.run.startup import COMPILED_FROM, compiled_layers
 
     def flag(value):
@@ -343,7 +343,7 @@ def test_auto_takes_compiled_layers_only_where_every_rank_has_numba(tmp_path):
 VECTORS_SCRIPT = """
 import os, sys
 import numpy as np
-from hpctrain import vector_width
+from hpctrain.base import vector_width
 if sys.argv[1] == "512":
     note = vector_width.configure(os.environ)
 else:   # LLVM's own choice: the CPU's features as they are (hpctrain then leaves the variable alone)
@@ -366,13 +366,13 @@ print(note or "-", asm.count("zmm"))
 
 
 def test_512_bit_vectors_on_avx512_cpus_give_the_same_bits(tmp_path):
-    """hpctrain/vector_width.py: on an AVX-512 CPU the kernels compile to 512-bit
+    """hpctrain/base/vector_width.py: on an AVX-512 CPU the kernels compile to 512-bit
     registers (LLVM's tuning for Intel's asks for 256), with the bits of
     LLVM's own choice; elsewhere nothing is set."""
     import os
     import subprocess
     import sys
-    from hpctrain import vector_width
+    from hpctrain.base import vector_width
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CPU_FEATURES"}
     mine = dict(env, NUMBA_CPU_FEATURES="+avx2")
     assert vector_width.configure(mine) == "" and mine["NUMBA_CPU_FEATURES"] == "+avx2"   # the user's, kept

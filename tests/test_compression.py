@@ -22,7 +22,7 @@ from hpctrain.comm.hier import HierAllreduce
 from hpctrain.comm.ring_allreduce import SEGMENT_BYTES, RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.topology import Topology
-from hpctrain.device import array_module
+from hpctrain.base.device import array_module
 from hpctrain.optim.compression_math import Half, compressed_rank, initial_q, matrix_shape, orthogonalise, powersgd_layout
 
 

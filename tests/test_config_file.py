@@ -11,8 +11,8 @@ import os
 import pytest
 
 from conftest import REPO
-from hpctrain import cli
-from hpctrain.errors import HpctrainError
+from hpctrain.flags import cli
+from hpctrain.base.errors import HpctrainError
 
 
 def write(tmp_path, name, text):

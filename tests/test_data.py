@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from hpctrain import data
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 # The module, not the function of the same name that hpctrain.data re-exports
 # (`import hpctrain.data.prepare as m` would bind the function).
@@ -493,7 +493,7 @@ def test_a_stop_raised_where_python_swallows_it_still_stops_prepare():
     # written) had its exception printed as "Exception ignored" and prepare went on to install (exit 0).
     code = ("import os, signal, sys\n"
             "from hpctrain.data.stopping import signals_held, stops_cleanly\n"
-            "from hpctrain.errors import one_line_errors\n"
+            "from hpctrain.base.errors import one_line_errors\n"
             "class Stops:\n"
             "    def __del__(self):\n"
             "        os.kill(os.getpid(), signal.SIGTERM)\n"

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from hpctrain import data
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 try:
     from hypothesis import HealthCheck, given, settings

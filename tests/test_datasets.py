@@ -24,7 +24,7 @@ import pytest
 
 from hpctrain import data
 from hpctrain.data.cifar import read_cifar10
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 
 def quiet(*args):

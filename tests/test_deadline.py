@@ -3,7 +3,7 @@ import io
 import time
 
 from hpctrain.comm.deadline import Watchdog
-from hpctrain.errors import EXIT_TIMEOUT
+from hpctrain.base.errors import EXIT_TIMEOUT
 
 
 def test_fires_after_timeout_naming_the_peer():

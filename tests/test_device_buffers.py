@@ -83,7 +83,7 @@ def test_bound_to_device_passes_every_call_through():
 
 
 def test_both_wrapping_strategies_partition_as_the_inner_one():
-    from hpctrain import device
+    from hpctrain.base import device
     from hpctrain.comm.ring_allreduce import RingAllreduce
     from hpctrain.comm.staged import StagedAllreduce
     inner = RingAllreduce(MPI.COMM_WORLD)

@@ -21,7 +21,7 @@ from conftest import MPIRUN, OPEN_MPI, REPO, under_mpirun, without_launcher_bann
 from hpctrain.checkpoints import file as checkpoint
 from hpctrain import data
 from hpctrain.run.cluster import child_env
-from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.base.errors import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun jobs: runs in the plain pytest pass")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain import data
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 REPO = Path(__file__).resolve().parents[1]
 fetch_module = importlib.import_module("hpctrain.data.fetch")   # data.fetch is the function

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import MPIRUN, REPO
-from hpctrain import cli
+from hpctrain.flags import cli
 from hpctrain.checkpoints import read_back as reader
 from hpctrain.nn.zoo import spec_for
 from hpctrain.run import identity

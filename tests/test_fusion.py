@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from gpu_fakes import DevArray, KernelUpdate, Scale, launch, threadstreams  # noqa: F401 (a fixture)
-from hpctrain import device
+from hpctrain.base import device
 from hpctrain.comm.data_parallel import DataParallelUpdate, Part, model_buckets
 from hpctrain.comm.fusion import FusedAllreduce, bucket_bounds, ready_from
 from hpctrain.comm.ring_allreduce import RingAllreduce

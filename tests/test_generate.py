@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 from conftest import run_job, under_mpirun
-from hpctrain import data, evaluate, generate, trained
+from hpctrain import data, evaluate, generate
+from hpctrain.checkpoints import trained
 from hpctrain.checkpoints.model_record import ATTR
 from hpctrain.data.vocab import Bpe, Bytes, Chars, describe, from_record, load_vocabulary
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 from hpctrain.nn.decode import Decoder
 from hpctrain.nn.gpt import gpt
 from hpctrain.run.cluster import child_env
@@ -62,7 +63,7 @@ def test_a_users_subclass_of_a_tokenwise_layer_decodes_and_keeps_its_kernel():
     class and inherited (issue 55, 3): a GPT whose final LayerNorm is a
     user's subclass decodes as the plain one, and a user's ReLU subclass
     still runs ReLU's compiled kernel by the start-up line."""
-    from hpctrain import vector_width
+    from hpctrain.base import vector_width
     from hpctrain.nn import Dense, Flatten, LayerNorm, ModelSpec, ReLU, compiled
     from hpctrain.nn.gpt import gpt_layers
     from hpctrain.nn.kernels_used import layers_line

@@ -213,7 +213,7 @@ def test_the_gpt_with_compiled_layers_says_which_run_compiled(job, text_dir, tmp
     flags = ["--data", text_dir, *FLAGS, "--optimizer", "sgd", "--lr", 0.1]
     r = ok(job(1, *flags, "--compiled-layers", "on", "--save", tmp_path / "on.h5"))
     layers = [line for line in r.stdout.splitlines() if line.startswith("layers:")]
-    # "; 512-bit vectors" where the CPU has AVX-512 (hpctrain/vector_width.py)
+    # "; 512-bit vectors" where the CPU has AVX-512 (hpctrain/base/vector_width.py)
     want = "layers: compiled (nn/compiled.py: attention's causal softmax, LayerNorm, GELU{})"
     assert layers in ([want.format("")], [want.format("; 512-bit vectors")]), r.stdout
     ok(job(1, *flags, "--compiled-layers", "off", "--save", tmp_path / "off.h5"))

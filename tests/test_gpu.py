@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpctrain import device, prefetch
+from hpctrain.base import device
+from hpctrain.data import prefetch
 from hpctrain.comm import allreduce_plan, make_allreduce
 from hpctrain.comm.cuda_aware import cuda_aware
 from hpctrain.comm.device_buffers import HostMirror, bcast
@@ -24,7 +25,7 @@ from hpctrain.comm.records import allgather_bytes
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.topology import Topology
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 from hpctrain.nn import mlp
 from hpctrain.optim.optimizers import make_optimizer
 

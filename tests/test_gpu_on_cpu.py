@@ -16,7 +16,8 @@ from mpi4py import MPI
 
 from gpu_fakes import DevArray, LazyCopier, cudacopier  # noqa: F401 (a fixture)
 from hpctrain.run import cluster
-from hpctrain import device, prefetch
+from hpctrain.base import device
+from hpctrain.data import prefetch
 
 NO_GPU = device._cupy_or_reason()[0] is None
 

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 import test_shard_optimizer as shard_tests
 from gpu_fakes import LazyCopier
-from hpctrain import device
+from hpctrain.base import device
 from hpctrain.comm import choose, make_allreduce
 from hpctrain.comm.device_buffers import BoundToDevice
 from hpctrain.comm.hier import HierAllreduce

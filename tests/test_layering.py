@@ -18,12 +18,10 @@ PACKAGE = os.path.join(REPO, "hpctrain")
 # (COMMANDS) anything.
 LEVELS = [
     {"loops"},
-    {"run", "checkpoints", "state", "report", "pipeline", "trained"},
+    {"run", "checkpoints", "state", "report", "pipeline"},
     {"comm", "optim"},
-    {"nn", "data", "device", "prefetch"},
-    {"errors", "chunks", "cli", "arguments", "parallel_flags", "model_names", "vector_width", "files", "overwrites",
-     "tuning", "precision",
-     "__init__"},
+    {"nn", "data"},
+    {"base", "flags", "__init__"},
 ]
 # What users run: they sit on top of everything.
 COMMANDS = {"train", "mnist", "checkpoint", "plot", "bench", "predict", "evaluate", "generate", "command", "__main__"}

@@ -14,8 +14,8 @@ import pytest
 from hpctrain import data
 from hpctrain.data.fit import check_fit, check_kind
 from hpctrain.data.vocab import describe, load_vocabulary
-from hpctrain.errors import HpctrainError
-from hpctrain.model_names import input_kind_of
+from hpctrain.base.errors import HpctrainError
+from hpctrain.flags.model_names import input_kind_of
 
 TEXT = "To be, or not to be: that is the question.\nWhether 'tis nobler in the mind to suffer\n" * 30
 

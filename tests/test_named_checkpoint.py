@@ -25,7 +25,7 @@ from hpctrain import checkpoint as checkpoint_command
 from hpctrain.checkpoints import file as flat
 from hpctrain.checkpoints import named, read_back
 from hpctrain.checkpoints.trust import Corrupt
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 from hpctrain.state.parts import box_slices, flat_parts
 
 # name -> (shape, dtype, aliases): the flat layout's tensors, then a column-split one

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from hpctrain.comm import nccl
 from hpctrain.comm.records import allgather_bytes
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 
 def test_unique_id_round_trips_signed_and_unsigned_chars():

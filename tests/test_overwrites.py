@@ -1,5 +1,5 @@
 """No output of a run overwrites one of its inputs, however the path is spelt
-(hpctrain/overwrites.py, the one check; training's lists in run/outputs.py):
+(hpctrain/base/overwrites.py, the one check; training's lists in run/outputs.py):
 the check's cases on a small tree of files, and one training job refused
 before its first step with nothing changed.
 
@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from hpctrain.errors import HpctrainError
-from hpctrain.overwrites import Input, Output, check_not_inputs
+from hpctrain.base.errors import HpctrainError
+from hpctrain.base.overwrites import Input, Output, check_not_inputs
 from hpctrain.run.outputs import run_inputs, run_outputs
 
 SHARD = "train-00000-of-00001.h5"

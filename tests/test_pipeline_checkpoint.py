@@ -19,7 +19,7 @@ from conftest import OPEN_MPI, saved, same_bytes
 from hpctrain.checkpoints import file as checkpoint
 from hpctrain.checkpoints import read_back as reader
 from hpctrain.data import bundled_sample_dir, prepare
-from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.base.errors import EXIT_PREEMPTED
 from test_checkpoint import run_and_signal
 from test_pipeline import MLP, TINY, ok
 

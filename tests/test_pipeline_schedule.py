@@ -288,7 +288,7 @@ def test_a_lost_wrap_round_is_caught():
 # where the layer list is cut (pipeline/stages.py)
 
 def _mlp(hidden):
-    from hpctrain import cli
+    from hpctrain.flags import cli
     from hpctrain.nn import spec_for
     return spec_for(cli.parse(["--hidden", hidden]), (28, 28), 10)
 

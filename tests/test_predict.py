@@ -119,7 +119,7 @@ def test_evaluate_gives_the_final_records_numbers_for_the_same_file(trained_once
     with Image.open(tmp / "confusion.png") as im:
         assert im.format == "PNG" and im.size[0] > 200
     # predict's probabilities come from the logits evaluate's loss is made of.
-    from hpctrain import trained
+    from hpctrain.checkpoints import trained
     model = trained.load(params=save)
     x, y = data.load_test(photos[1], raw=True)
     logits = model.logits(x).astype(np.float64)
@@ -450,7 +450,8 @@ def test_a_model_too_large_for_memory_is_refused_before_it_is_built(trained_once
 
 
 def test_a_class_name_with_control_characters_keeps_the_table_one_row_per_class(trained_once, photos):
-    from hpctrain import evaluate, trained
+    from hpctrain import evaluate
+    from hpctrain.checkpoints import trained
     _, save, _ = trained_once
     model = trained.load(params=save)
     model.class_names = ["blue", "gre\nen", "red\x1b[0m"]

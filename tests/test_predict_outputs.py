@@ -129,7 +129,7 @@ def test_each_file_written_is_named_and_written_whole(trained_once, photos, tmp_
 
 
 def test_write_atomically_leaves_the_old_file_whole_when_writing_fails(tmp_path):
-    from hpctrain.files import write_atomically
+    from hpctrain.base.files import write_atomically
     path = tmp_path / "out.csv"
     path.write_text("old\n")
     os.chmod(path, 0o640)

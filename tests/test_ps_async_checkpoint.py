@@ -20,7 +20,7 @@ import pytest
 
 from conftest import MPIRUN, OPEN_MPI, REPO, under_mpirun
 from hpctrain.run.cluster import child_env
-from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.base.errors import EXIT_PREEMPTED
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
 STEPS = 1500

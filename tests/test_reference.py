@@ -31,7 +31,7 @@ import pytest
 from conftest import REPO, prepared_plays
 from hpctrain import data
 from hpctrain.bench.against import extract
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 # main as issue 55 found it (one state written once: the layouts' checkpoints,
 # the layer roles, one step gradient): code moves, not arithmetic, and the

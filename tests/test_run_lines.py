@@ -108,7 +108,7 @@ def test_async_workers_progress_lines_stay_whole_unbuffered(job):
 
 def test_the_start_line_counts_the_workers_the_data_is_dealt_over():
     # Issue 54, 10: at --tensor-parallel 2 on 4 ranks it said "4 workers"; the data goes to 2.
-    from hpctrain import cli
+    from hpctrain.flags import cli
     from hpctrain.run.startup import workers_said
     assert workers_said(cli.parse(["--tensor-parallel", "2"]), 4, 4) == "2 workers x --tensor-parallel 2"
     assert workers_said(cli.parse(["--tensor-parallel", "2"]), 2, 2) == "1 worker x --tensor-parallel 2"

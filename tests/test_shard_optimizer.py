@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from collectives import ring_step
 from hpctrain import data as data_mod
-from hpctrain import device
+from hpctrain.base import device
 from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from collectives import COMMS, fives_around_a_view, rank0_copy
 from gpu_fakes import DevArray, LazyCopier, Scale, cudacopier  # noqa: F401 (a fixture)
-from hpctrain import device
+from hpctrain.base import device
 from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from collectives import ring_step
 from gpu_fakes import LazyCopier
-from hpctrain import device
+from hpctrain.base import device
 from hpctrain.comm.step_gradient import StepGradient, wire_overflowed
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce

@@ -15,14 +15,14 @@ import pytest
 from mpi4py import MPI
 
 from gpu_fakes import LazyCopier
-from hpctrain import device
+from hpctrain.base import device
 from hpctrain.comm import allreduce_plan, make_allreduce, nccl
 from hpctrain.comm.device_buffers import BoundToDevice
 from hpctrain.comm.mpi import MpiAllreduce
 from hpctrain.comm.ring_allreduce import SEGMENT_BYTES, RingAllreduce
 from hpctrain.comm.staged import StagedAllreduce
 from hpctrain.comm.topology import Topology
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 COMMS = [pytest.param(MPI.COMM_SELF, id="self"), pytest.param(MPI.COMM_WORLD, id="world")]
 

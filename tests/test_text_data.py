@@ -21,7 +21,7 @@ import pytest
 
 from hpctrain import data
 from hpctrain.data.vocab import load_vocabulary
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""hpctrain/tuning.py, the compiled kernels' CPU table: every row forced in
+"""hpctrain/base/tuning.py, the compiled kernels' CPU table: every row forced in
 a process of its own (numba told the CPU's name and features, as
 NUMBA_CPU_NAME=haswell forces AVX2) and its kernels checked against the
 plain float64 loops of tests/test_layers.py; each compiled kernel in
@@ -27,7 +27,7 @@ import sys
 import numpy as np
 import pytest
 
-from hpctrain import tuning
+from hpctrain.base import tuning
 from test_layers import bound, direct_conv, direct_conv_grads
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -180,7 +180,7 @@ def test_intel_rows_forward_blocks_cut_rows_with_the_fewest_pixels():
 
 def _mixed_job(tmp_path, *flags):
     """Two ranks, rank 1's numba told it compiles for a CPU without AVX2
-    (hpctrain/tuning.py's row for neither: another key than this CPU's)."""
+    (hpctrain/base/tuning.py's row for neither: another key than this CPU's)."""
     from conftest import MPIRUN, OPEN_MPI, REPO, child_env, under_mpirun, without_launcher_banners
     if under_mpirun() or OPEN_MPI:
         pytest.skip("its own MPICH job, one rank's environment of its own (hydra's -env)")
@@ -218,7 +218,7 @@ def test_data_parallel_replicas_on_cpus_that_round_apart_go_on_with_a_note(tmp_p
 
 
 def test_the_verdict_names_the_ranks_that_differ():
-    from hpctrain.errors import HpctrainError
+    from hpctrain.base.errors import HpctrainError
     from hpctrain.run.startup import tuning_verdict
     hosts = ["a", "a", "b", "b"]
     assert tuning_verdict({0: "avx512/amd: k", 1: "avx512/generic: k"}, hosts, 2) is None   # the same bits

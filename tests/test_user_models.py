@@ -138,7 +138,7 @@ def test_resume_refuses_a_checkpoint_of_another_model_naming_both(job, tmp_path)
 
 
 def test_the_flag_names_every_model_of_the_zoo():
-    from hpctrain import cli
+    from hpctrain.flags import cli
     from hpctrain.nn import zoo
     assert list(cli.MODELS) == list(zoo.MODELS)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hpctrain.data import bundled_sample_dir, load_test, prepare
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 COMMON = ["--steps", "40", "--eval-every", "10", "--log-every", "20", "--hidden", "32", "--lr", "0.3"]
 

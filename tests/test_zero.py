@@ -254,7 +254,7 @@ def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, tmp_path, sha
     final = trained(job, ranks, [*MLP, "--data", shards, *every, "--zero", then], cut, "p")
     assert final["zero"] == then
     if fmt == "named":   # the last checkpoint, read whole by name (evaluate, predict): the --save file's tensors
-        from hpctrain.trained import load_checkpoint
+        from hpctrain.checkpoints.trained import load_checkpoint
         model = load_checkpoint(ckpt).model
         assert same_tensors(dict(model.tensors()), saved(cut / "p.h5"))
     if ranks == 3:   # on another N the batches are others'

@@ -17,7 +17,7 @@ from hpctrain import train as entry
 cluster.configure_process(device="cpu")   # before numpy's BLAS starts (tests/record_samples.py)
 import numpy as np  # noqa: E402
 
-from hpctrain import device  # noqa: E402
+from hpctrain.base import device   # noqa: E402
 from hpctrain.pipeline import tied  # noqa: E402
 
 OUT = os.environ["TIED_COPIES"]

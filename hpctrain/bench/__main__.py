@@ -7,8 +7,8 @@ import os
 import sys
 from contextlib import nullcontext
 
-from ..arguments import Parser
-from ..errors import HpctrainError
+from ..flags.arguments import Parser
+from ..base.errors import HpctrainError
 from .common import RANKS_PER_CORE, check_ranks, is_rank, parse_size, stopping_on_signals
 
 
@@ -228,7 +228,7 @@ def _run(args, extra):
 def _compare_flags(args):
     """compare's --model and the flags that go with it, checked before
     anything runs; --block-size's default for the GPT."""
-    from ..model_names import gpt_options
+    from ..flags.model_names import gpt_options
     from ..nn import MODELS
     try:
         gpt = gpt_options(args.model)

@@ -20,7 +20,7 @@ import os
 import subprocess
 import tempfile
 
-from ..errors import HpctrainError
+from ..base.errors import HpctrainError
 from .common import table
 from .train import header, one_run, row_rate, summarise
 
@@ -63,7 +63,7 @@ def against(args, extra):
     """bench train --against COMMIT: rows per rank count, the commit's then this code's."""
     if args.compare or args.versus_ring:
         raise HpctrainError("--against: not with --compare or --versus-ring (one comparison a run)")
-    from ..cli import parse
+    from ..flags.cli import parse
     flags = parse(["--mode", args.mode, *extra])
     both = with_data(extra)
     rows = []

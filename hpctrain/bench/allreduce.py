@@ -82,7 +82,7 @@ def measure(comm, sizes, device="cpu", min_time=0.3, max_iters=200, algorithms=(
             link_gbit=None):
     from ..comm import make_allreduce
     from ..comm.topology import Topology
-    from .. import device as dev
+    from ..base import device as dev
     xp, _, _ = dev.select(device)
     topology = Topology(comm)
     strategies = {name: make_allreduce(ALGORITHMS[name][0], topology, xp, ring_order=ALGORITHMS[name][1])

@@ -12,7 +12,7 @@ import sys
 import time
 
 from ..run.cluster import child_env, in_mpi_job
-from ..errors import EXIT_TIMEOUT, HpctrainError, signals_raise
+from ..base.errors import EXIT_TIMEOUT, HpctrainError, signals_raise
 
 # Set by the bench for the jobs it launches, to a value of its own: a rank
 # that finds it is one of the bench's ranks (a world of one rank included,

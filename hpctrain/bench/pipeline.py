@@ -50,7 +50,7 @@ import os
 import statistics
 import tempfile
 
-from ..errors import HpctrainError
+from ..base.errors import HpctrainError
 from ..pipeline import schedule as sched
 from ..pipeline.stages import balanced, stage_chunks
 from .common import launch, markdown
@@ -234,7 +234,7 @@ COLUMNS = [("schedule", "schedule", "{}"), ("M", "micro_batches", "{}"), ("stage
 
 def main(args, extra):
     schedules = settings(args)
-    from ..cli import parse
+    from ..flags.cli import parse
     from ..nn import spec_for
     flags = parse(job_flags(args, extra))
     spec = spec_for(flags, *model_shape(flags))

@@ -143,7 +143,7 @@ def rate(options, vocab, block_size, ranks, steps, batch, threads=1):
 
 
 if __name__ == "__main__":
-    from ..model_names import gpt_options
+    from ..flags.model_names import gpt_options
     name, block = (sys.argv[1:] + ["gpt:layers=4,heads=4,width=128", "64"][len(sys.argv[1:]):])[:2]
     r = same_gpt(gpt_options(name), 65, int(block))
     print(f"{name}, T {block}: parameters hpctrain {r['hpctrain_params']:,}, torch {r['torch_params']:,}; one "

@@ -28,7 +28,7 @@ import tempfile
 import numpy as np
 
 from ..nn import MNIST_CLASSES, MNIST_SHAPE, mlp
-from ..errors import EXIT_BAD_INPUT, HpctrainError
+from ..base.errors import EXIT_BAD_INPUT, HpctrainError
 from .common import launch, table
 
 STATE_COPIES = {"adam": 2, "momentum": 1, "sgd": 0}
@@ -82,7 +82,7 @@ def model_shape(flags):
 def measure(args, extra):
     """One row per rank count: medians over args.repeats runs."""
     rows = []
-    from ..cli import parse
+    from ..flags.cli import parse
     flags = parse(["--mode", args.mode, *extra])
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:
@@ -161,7 +161,7 @@ def compare_model(args):
     the bundled Shakespeare as characters (prepared into a temporary folder;
     torch on random tokens of the same vocabulary), --block-size T,
     --batch-size per rank (default 12: nanoGPT's CPU recipe)."""
-    from ..model_names import gpt_options
+    from ..flags.model_names import gpt_options
     options = gpt_options(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         if options:
@@ -236,7 +236,7 @@ def twin_check(model, check):
 def interleaved(args, ranks, bench, tmp):
     """One row of compare_model: hpctrain's runs and torch's, interleaved."""
     from ..run.cluster import cores_available
-    from ..cli import parse
+    from ..flags.cli import parse
     threads = max(1, cores_available() // ranks)
     ours, theirs = [], []
     for _ in range(args.repeats):
@@ -271,7 +271,7 @@ def compare_settings(args, extra):
     divides the optimizer's work by N: 1 / (1 - f_opt * (1 - 1/N)), f_opt the
     optimizer's share of the first setting's step, from the same run."""
     flag, values = compare_values(args.compare, args.mode, extra)
-    from ..cli import parse
+    from ..flags.cli import parse
     flags = parse(["--mode", args.mode, *extra])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -365,7 +365,7 @@ def server_ms_per_update(runs):
 def compare_values(spec, mode, extra):
     """--compare FLAG=V1,V2[,...] -> (FLAG, [V1, V2, ...]), or one error line;
     each `--FLAG V` is checked with the other flags before anything runs."""
-    from ..cli import parse
+    from ..flags.cli import parse
     flag, _, values = spec.partition("=")
     values = [v for v in values.split(",") if v]
     if not flag or flag.startswith("-") or len(values) < 2:
@@ -386,7 +386,7 @@ def versus_ring(args, extra):
     workers x --steps updates (one worker's batch each). With --compare
     FLAG=V1,V2: ps sync and async with each value (e.g. ps-exchange=mpi,auto:
     before and after, in one run); x sync is against the sync of that value."""
-    from ..cli import parse
+    from ..flags.cli import parse
     flags = parse(["--mode", "ps", *extra])
     ring_extra = ring_baseline_flags(extra)
     ps_extra = [a for a in extra if a not in ("--sync", "--async")]

@@ -24,7 +24,7 @@ written by the chief only. It holds everything a bit-exact resume needs:
                            run information (world_size, num_ps, steps, lr, ...),
                            sha256: over every dataset and every other attribute
 
-P is the run's parameter dtype (hpctrain/precision.py, the plan's
+P is the run's parameter dtype (hpctrain/base/precision.py, the plan's
 `precision.params`: little-endian float32 today); the reader takes the
 file's and resume refuses one that is not the run's.
 
@@ -59,9 +59,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .trust import Corrupt
-from ..errors import HpctrainError
-from ..files import create_new, remove_temp, temp_name_next_to
-from ..precision import FLOAT32, file_dtype
+from ..base.errors import HpctrainError
+from ..base.files import create_new, remove_temp, temp_name_next_to
+from ..base.precision import FLOAT32, file_dtype
 
 FORMAT = "hpctrain-checkpoint"
 # 2: data_positions are (epoch, position in the epoch's permutation of the

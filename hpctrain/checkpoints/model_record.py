@@ -22,8 +22,8 @@ import json
 import os
 
 from .. import data as data_mod
-from ..errors import HpctrainError
-from ..model_names import is_model_file
+from ..base.errors import HpctrainError
+from ..flags.model_names import is_model_file
 
 ATTR = "inference"
 # The record is a variable-length string attribute: HDF5 keeps its bytes in

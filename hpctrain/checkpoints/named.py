@@ -56,8 +56,8 @@ import numpy as np
 
 from . import file as flat
 from .trust import MAX_COUNT, Corrupt, Refused, check_attr_types, check_ranges, hard_linked, plain, stored_inside
-from ..errors import EXIT_FAILURE, HpctrainError
-from ..files import temp_name_next_to
+from ..base.errors import EXIT_FAILURE, HpctrainError
+from ..base.files import temp_name_next_to
 from ..state.parts import box_shape, box_slices
 
 FORMAT = "hpctrain-checkpoint"

@@ -29,7 +29,7 @@ import sys
 
 import numpy as np
 
-from .. import device
+from ..base import device
 
 
 def gather(world, comm, exchange, error, layout):

@@ -36,8 +36,8 @@ from .trust import Corrupt as _Corrupt
 from .trust import Refused as _Refused
 from .trust import check_attr_types, check_ranges, stored_dataset
 from .trust import plain as _plain
-from ..errors import HpctrainError
-from ..precision import FLOAT32
+from ..base.errors import HpctrainError
+from ..base.precision import FLOAT32
 
 # What a checkpoint written before a setting existed means by it (it is
 # missing there): checkpoints from before --lr-schedule were all constant,

@@ -25,10 +25,10 @@ import numpy as np
 from . import file as checkpoint
 from .read_back import check_data, load_latest
 from .model_record import record as model_record, recorded_text
-from .. import device
+from ..base import device
 from ..data.fit import check_fit
-from ..errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
-from ..tuning import rounding
+from ..base.errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
+from ..base.tuning import rounding
 from .named import NamedCheckpoint, open_checkpoint, write_checkpoint
 from .read_back import Checkpoint
 from .trust import Corrupt, Refused

@@ -13,7 +13,7 @@ tests/test_predict.py:
 """
 import numpy as np
 
-from ..precision import FLOATS, file_dtype
+from ..base.precision import FLOATS, file_dtype
 
 
 class Corrupt(Exception):
@@ -33,7 +33,7 @@ MAX_COUNT = 2 ** 53
 def stored_dataset(f, key, file_size):
     """f[key], unread, once it is stored as save() stores it: hard links all
     the way (a soft or external link would lead elsewhere), a dataset of
-    a precision's float (params, optimizer state: hpctrain/precision.py's
+    a precision's float (params, optimizer state: hpctrain/base/precision.py's
     FLOATS, a dtype this code does not run is refused, never converted) or
     int64 (data_positions), of 1 or 2
     dimensions, its bytes contiguous inside this file: no chunks (a small

@@ -87,8 +87,8 @@ def make_allreduce(name, topology, xp, watchdog=None, cuda_aware="auto", ring_or
 
 
 def _make(name, topology, xp, watchdog, cuda_aware, ring_order):
-    from .. import device
-    from ..errors import HpctrainError
+    from ..base import device
+    from ..base.errors import HpctrainError
     if name not in STRATEGIES:
         raise ValueError(f"unknown allreduce {name!r} (one of {', '.join(STRATEGIES)})")
     comm = topology.comm
@@ -129,8 +129,8 @@ def allreduce_plan(name, xp, mode="ring", cuda_aware="auto"):
     nccl without a GPU or without NCCL). Local and collective-free: the start-up
     calls it on every rank through `agreed` (one error line for the job), before
     make_allreduce."""
-    from .. import device
-    from ..errors import HpctrainError
+    from ..base import device
+    from ..base.errors import HpctrainError
     gpu = device.is_gpu(xp)
     if name == "nccl":
         if not gpu:

@@ -9,7 +9,7 @@ data, the same model), with fixed-size byte records, no pickle.
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import HpctrainError
+from ..base.errors import HpctrainError
 from .deadline import NO_WATCHDOG
 
 

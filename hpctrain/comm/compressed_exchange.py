@@ -44,8 +44,8 @@ the bytes there, PowerSGD about half of them (docs/ring.md).
 import numpy as np
 from mpi4py import MPI
 
-from ..chunks import chunk_bounds
-from ..device import all_finite
+from ..base.chunks import chunk_bounds
+from ..base.device import all_finite
 from ..optim.compression_math import HALF_KINDS, Half
 from .device_buffers import BoundToDevice
 from .hier import HierAllreduce

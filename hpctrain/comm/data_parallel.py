@@ -37,7 +37,7 @@ and a sharded run with an unsharded one's, bit for bit.
     mpirun -n 4 python -m hpctrain.train --steps 200 --zero 3 --clip-norm 1
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 4 --clip-norm 1 --shard-optimizer on
 """
-from ..chunks import chunk_parts
+from ..base.chunks import chunk_parts
 from ..optim.optimizers import make_optimizer
 from .fusion import bucket_bounds, ready_from
 from .grad_norm import GradNorm, part_ranges

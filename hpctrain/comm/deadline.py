@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 
-from ..errors import EXIT_PREEMPTED, EXIT_TIMEOUT
+from ..base.errors import EXIT_PREEMPTED, EXIT_TIMEOUT
 
 ABORT_GRACE_S = 0.5
 ROLL_CALL_S = 2.0      # how long the others have to answer "alive?"

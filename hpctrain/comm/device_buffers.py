@@ -9,7 +9,7 @@ logic runs on CPU with a stand-in copier, which is how it is tested:
     python -m pytest -q tests/test_device_buffers.py
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_device_buffers.py
 """
-from .. import device
+from ..base import device
 from .strategy import WrappedStrategy
 
 

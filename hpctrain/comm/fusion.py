@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 
-from .. import device
+from ..base import device
 from .strategy import waiting
 
 

@@ -11,7 +11,7 @@ synchronized first, since MPI reads what kernels wrote.
 import numpy as np
 from mpi4py import MPI
 
-from ..device import array_module
+from ..base.device import array_module
 from .strategy import FlatStrategy, chunk_bounds
 
 

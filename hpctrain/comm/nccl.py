@@ -17,9 +17,9 @@ import socket
 import numpy as np
 from mpi4py import MPI
 
-from .. import device
-from ..errors import HpctrainError
-from ..precision import FLOAT32
+from ..base import device
+from ..base.errors import HpctrainError
+from ..base.precision import FLOAT32
 from .records import allgather_bytes
 from .strategy import chunk_bounds, chunk_parts, waiting
 
@@ -205,7 +205,7 @@ class NcclAllreduce:
 
 
 if __name__ == "__main__":
-    from .. import device as dev
+    from ..base import device as dev
     xp, name, note = dev.select("gpu")
     world = MPI.COMM_WORLD
     strategy = NcclAllreduce(world, xp)

@@ -26,9 +26,9 @@ orthogonalisation) is optim/compression_math.py's, this module moves the bytes.
 
     mpirun -n 3 python -m mpi4py -m pytest --only-mpi tests/test_compression.py
 """
-from ..device import array_module
+from ..base.device import array_module
 from ..optim.compression_math import initial_q, orthogonalise
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 
 class _Bucket:

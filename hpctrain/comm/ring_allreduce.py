@@ -21,7 +21,7 @@ synchronized before MPI touches anything a kernel wrote.
 import numpy as np
 from mpi4py import MPI
 
-from ..device import array_module
+from ..base.device import array_module
 from .strategy import FlatStrategy, chunk_bounds
 
 __all__ = ["RingAllreduce", "chunk_bounds", "SEGMENT_BYTES"]

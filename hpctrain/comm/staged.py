@@ -109,8 +109,8 @@ class StagedAllreduce(WrappedStrategy):
 if __name__ == "__main__":
     from mpi4py import MPI
 
-    from .. import device
-    from ..precision import FLOAT32
+    from ..base import device
+    from ..base.precision import FLOAT32
     from .ring_allreduce import RingAllreduce
     world = MPI.COMM_WORLD
     staged = StagedAllreduce(RingAllreduce(world), device.HostCopier(), chunk_bytes=4096)

@@ -26,8 +26,8 @@ divergence (`overflowed`); a ring step asks after its update
 import numpy as np
 from mpi4py import MPI
 
-from ..device import all_finite
-from ..precision import FLOAT32
+from ..base.device import all_finite
+from ..base.precision import FLOAT32
 from .strategy import waiting
 
 

@@ -15,7 +15,7 @@ A strategy sums contiguous 1-D arrays across the ranks of a communicator:
                          own: comm/grad_norm.py's sum of squares)
 
 reduce_scatter followed by allgather equals allreduce. Parts are near-equal
-(hpctrain/chunks.py); which rank owns which part is the strategy's own business
+(hpctrain/base/chunks.py); which rank owns which part is the strategy's own business
 (the ring's rank r owns chunk r+1, MPI's Reduce_scatter gives rank r chunk r),
 so always ask `shard`. Parts may be empty when a buffer is shorter than the
 communicator. Attributes: `name`, `size`, `rank`.
@@ -28,7 +28,7 @@ any of the host ones for device buffers.
 """
 from .deadline import NO_WATCHDOG
 
-from ..chunks import chunk_bounds, chunk_parts
+from ..base.chunks import chunk_bounds, chunk_parts
 
 
 def waiting(watchdog, what, peer=None):
@@ -116,7 +116,7 @@ def self_check(strategy, name):
     for lengths 0, 1, below the world size, odd and large."""
     import numpy as np
 
-    from ..precision import FLOAT32
+    from ..base.precision import FLOAT32
     expect = sum(range(strategy.size))
     for n in (0, 1, strategy.size - 1, 7, 1000, 1 << 20):
         x = np.full(n, strategy.rank, dtype=FLOAT32.grads)

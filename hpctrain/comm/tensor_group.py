@@ -13,7 +13,7 @@ it, as Megatron's layers wait for theirs.
 import numpy as np
 from mpi4py import MPI
 
-from .. import device
+from ..base import device
 from .strategy import waiting
 
 

@@ -21,8 +21,8 @@ command prints the help and exits 2. No MPI here (house rule).
 
 import sys
 
-from hpctrain.arguments import Parser
-from hpctrain.errors import HpctrainError, one_line_errors
+from hpctrain.flags.arguments import Parser
+from hpctrain.base.errors import HpctrainError, one_line_errors
 
 from .fetch import EMNIST_SPLITS, MD5, fetch
 from .manifest import bundled_sample_dir, default_data_dir

@@ -25,7 +25,7 @@ No MPI here (house rule).
 
 import numpy as np
 
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 from .manifest import load_manifest
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 from .file_errors import file_errors
 

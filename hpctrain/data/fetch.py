@@ -33,7 +33,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from hpctrain.errors import HpctrainError, signals_raise
+from hpctrain.base.errors import HpctrainError, signals_raise
 
 
 STANDARD_FILES = {

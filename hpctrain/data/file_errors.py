@@ -11,7 +11,7 @@ No MPI here (house rule).
 """
 from contextlib import contextmanager
 
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 
 @contextmanager

@@ -17,7 +17,7 @@ every command refuses the same things in the same words, exit 2.
 
 No MPI here (house rule): the callers make the line one for the whole job.
 """
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 from .manifest import input_kind, load_manifest
 from .vocab import describe, from_record, load_vocabulary, same

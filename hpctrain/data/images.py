@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 from .arrays import MAX_CLASSES, Loaded, check_memory
 

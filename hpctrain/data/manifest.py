@@ -16,7 +16,7 @@ import json
 import shlex
 from pathlib import Path
 
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 FORMAT = "hpctrain-shards"
 FORMAT_VERSION = 1

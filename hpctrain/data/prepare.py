@@ -39,8 +39,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpctrain.errors import HpctrainError
-from hpctrain.overwrites import Input, Output, check_not_inputs
+from hpctrain.base.errors import HpctrainError
+from hpctrain.base.overwrites import Input, Output, check_not_inputs
 
 from . import arrays, known
 from .cifar import read_batches
@@ -400,7 +400,7 @@ def _check_not_input(source, out, flag="--source", images=True):
     class by every later prepare of that folder (images=False: a text
     folder, whose later prepares read its .txt files only, none of the
     shards'; it was refused as "the image folder", issue 54, 10)."""
-    # The one check of outputs against inputs (hpctrain/overwrites.py): out
+    # The one check of outputs against inputs (hpctrain/base/overwrites.py): out
     # is replaced whole, so the source must be neither it nor inside it.
     check_not_inputs([Output(str(out), "--out", folder=True)],
                      [Input(str(source), f"the {flag} {'folder' if source.is_dir() else 'file'}", inside=False)])

@@ -25,7 +25,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, shard_name, token_dtype
 from .prepare import _check_not_input, _check_out, _install, _make_tmp, _resolve_out, _tmp_name

@@ -20,9 +20,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpctrain.chunks import chunk_parts
-from hpctrain.errors import HpctrainError
-from hpctrain.precision import FLOAT32
+from hpctrain.base.chunks import chunk_parts
+from hpctrain.base.errors import HpctrainError
+from hpctrain.base.precision import FLOAT32
 
 from . import augment as augment_mod
 from .manifest import MANIFEST, _sha256, load_manifest
@@ -284,7 +284,7 @@ class ShardReader(Dealt):
                 self._store(slice(first, first + n), *_read_rows(path, 0, n, self.num_classes, self.arrays))
         images, labels = "images" in self.arrays, "labels" in self.arrays
         self._ubuf = np.empty((self.batch_size, self.num_features), np.uint8) if images else None
-        # the batches' pixels in the run's compute dtype (hpctrain/precision.py)
+        # the batches' pixels in the run's compute dtype (hpctrain/base/precision.py)
         self._x = np.empty((self.batch_size, self.num_features), dtype) if images else None
         self._y = np.empty(self.batch_size, np.int64) if labels else None
 

@@ -9,7 +9,7 @@ splits, deals and writes what these return. No MPI here (house rule).
 """
 import re
 
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 from . import arrays
 from . import images as images_mod

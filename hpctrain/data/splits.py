@@ -6,7 +6,7 @@ No MPI here (house rule): callers pass worker numbers, not ranks.
 
     python -c "from hpctrain.data.splits import held_out; print(held_out('data/mnist', 0, 4)[1].shape)"
 """
-from ..chunks import chunk_parts
+from ..base.chunks import chunk_parts
 from .manifest import load_manifest
 from .reader import ShardReader, load_test
 from .tokens import TokenReader, eval_windows, load_test_windows

@@ -2,7 +2,7 @@
 one-line stop inside prepare (its `except` then removes the temporary
 folder), the renames that install the shards held from stops, and the
 temporary folders of killed prepares (SIGKILL, a crashed node) swept once
-their process is gone, as training sweeps its files (hpctrain/files.py).
+their process is gone, as training sweeps its files (hpctrain/base/files.py).
 
     python -c "from hpctrain.data.stopping import stops_cleanly"
 
@@ -19,8 +19,8 @@ import stat
 import sys
 import threading
 
-from hpctrain.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, HpctrainError, signals_raise
-from hpctrain.files import abandoned, process_start_time
+from hpctrain.base.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, HpctrainError, signals_raise
+from hpctrain.base.files import abandoned, process_start_time
 
 
 # SLURM's pre-emption and time-limit signals, a closed terminal's (SIGHUP:

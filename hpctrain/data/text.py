@@ -13,7 +13,7 @@ the offset. Each is one HpctrainError line. No MPI here (house rule).
 
 from pathlib import Path
 
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 from .manifest import _sha256
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hpctrain.chunks import chunk_parts
-from hpctrain.errors import HpctrainError
+from hpctrain.base.chunks import chunk_parts
+from hpctrain.base.errors import HpctrainError
 
 from .manifest import MANIFEST, _sha256, load_manifest
 from .reader import ARRAYS, Dealt, _describe, _open_h5, _unreadable

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 from .manifest import MANIFEST, MAX_VOCAB, TEXT_KINDS, _sha256, load_manifest
 

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checkpoints.resume import Checkpoints
-from ..errors import EXIT_DIVERGED, HpctrainError
+from ..base.errors import EXIT_DIVERGED, HpctrainError
 from ..report.best import Best
 from ..report.params import save_params
 from ..report.report import Report, peak_memory_and_step_medians, results_note

@@ -17,7 +17,8 @@ written a stage at a time (pipeline/whole.py).
 """
 import time
 
-from .. import device, prefetch
+from ..base import device
+from ..data import prefetch
 from ..comm import make_allreduce
 from ..comm.device_buffers import bcast
 from ..comm.topology import Topology

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import device, prefetch
+from ..base import device
+from ..data import prefetch
 from ..comm.cuda_aware import cuda_aware
 from ..comm.device_buffers import HostMirror
 from ..comm.ps import Client, ProtocolError, Server, describe, place, summarize
@@ -44,7 +45,7 @@ from ..comm.ps.placement import slice_size
 from ..comm.ps.server import reply_buffers_needed
 from ..comm.ps.shared import open_shared
 from ..comm.step_gradient import StepGradient
-from ..errors import EXIT_TIMEOUT, HpctrainError
+from ..base.errors import EXIT_TIMEOUT, HpctrainError
 from ..optim.clipping import Clip
 from ..optim.on_device import OnDevice
 from ..optim.optimizers import make_optimizer

@@ -8,7 +8,8 @@ batches, the accounting, the end).
 """
 import time
 
-from .. import device, prefetch
+from ..base import device
+from ..data import prefetch
 from ..checkpoints import powersgd_state as compression_state
 from ..comm import make_allreduce
 from ..comm.compressed_exchange import summary

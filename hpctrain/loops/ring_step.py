@@ -43,12 +43,12 @@ from ..comm.compressed_exchange import make_exchange, sharding_for
 from ..comm.data_parallel import DataParallelUpdate, NormScope, Part, model_buckets
 from ..comm.fusion import FusedAllreduce, overlaps, ready_from
 from ..comm.step_gradient import StepGradient, wire_overflowed
-from .. import device
+from ..base import device
 from ..comm.zero3 import Gatherer
 from ..nn.grad_slots import OVERLAPPED, GradSlots
 from ..nn.sharded_store import ParamShard, ShardedStore, param_slots
 from ..optim.compression_math import powersgd_layout
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 
 class RingStep:

@@ -9,7 +9,7 @@ checkpoints are each rank's own parts (loops/ring.py, state/layouts.py).
 
     mpirun -n 4 python -m hpctrain.train --zero 3 --checkpoint-dir ckpt --steps 20 --save p.h5
 """
-from .. import device
+from ..base import device
 from ..comm.device_buffers import bcast
 from ..data.splits import held_out
 from ..report.evaluated import Evaluated

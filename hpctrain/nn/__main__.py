@@ -18,8 +18,8 @@ import sys
 
 import numpy as np
 
-from ..arguments import Parser, positive_ints
-from ..errors import HpctrainError
+from ..flags.arguments import Parser, positive_ints
+from ..base.errors import HpctrainError
 from .check import check_layer, sample_inputs, takes_tokens
 from .layers import LayerCodeError, LayerError, Noise, describe
 from .user import UserModelError
@@ -47,7 +47,7 @@ def _positive(text):
 
 
 def _model(text):
-    from ..cli import MODELS as NAMES, _model as flag
+    from ..flags.cli import MODELS as NAMES, _model as flag
     if text not in NAMES:
         flag(text)   # FILE.py:FUNCTION, as the training flag takes it
     return text

@@ -53,9 +53,9 @@ import traceback
 import numpy as np
 
 from .layers import Context, Layer, LayerCodeError, Noise, describe
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
-# The probe runs a layer in the precision a run takes (hpctrain/precision.py):
+# The probe runs a layer in the precision a run takes (hpctrain/base/precision.py):
 # parameters in .params, activations and gradients in .compute.
 PROBE = FLOAT32
 BATCH = 3   # samples per check: more than one (batch norm), few (big layers are cheap to run)

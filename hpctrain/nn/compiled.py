@@ -12,7 +12,7 @@ times, and OpenBLAS packs it first). Measured here (one thread, batch 32,
 28x28, 16 -> 16 channels, 3x3): the columns' GEMM ran at 32 GFLOP/s, a
 third of this machine's SGEMM, and im2col's copy came on top; this forward
 kernel ran at 108. It keeps a block of output pixels x all output
-channels in vector registers (hpctrain/tuning.py: 4 x 16 floats, four
+channels in vector registers (hpctrain/base/tuning.py: 4 x 16 floats, four
 AVX-512 registers, at 16 channels), and for each
 input value of the window broadcasts it and adds it times one row of W into
 each pixel's accumulators: the input is read in place, the weights stay in
@@ -37,8 +37,8 @@ dtype: what the cache hashes to find them again).
 """
 import numpy as np
 
-from .. import vector_width
-from ..tuning import STACK_ITEMS, tuning_for, vendor_of
+from ..base import vector_width
+from ..base.tuning import STACK_ITEMS, tuning_for, vendor_of
 
 _target = []
 
@@ -68,7 +68,7 @@ def isa():
 
 
 def tuning():
-    """hpctrain/tuning.py's row for what numba compiles for."""
+    """hpctrain/base/tuning.py's row for what numba compiles for."""
     return tuning_for(*_cpu())
 
 

@@ -32,13 +32,13 @@ import math
 
 import numpy as np
 
-from .. import tuning
+from ..base import tuning
 from . import compiled, threads
 from .layers import Layer, LayerError, he_normal
 
 
 # im2col's blocks of images (BLOCK_FLOATS) and when the weight gradient
-# writes its columns again (AGAIN_FROM): measured in hpctrain/tuning.py, one
+# writes its columns again (AGAIN_FROM): measured in hpctrain/base/tuning.py, one
 # value on every CPU (they decide the order the weight gradient sums in).
 BLOCK_FLOATS, AGAIN_FROM = tuning.BLOCK_FLOATS, tuning.AGAIN_FROM
 

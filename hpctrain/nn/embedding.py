@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from . import compiled, passes
-from ..precision import draw_dtype
+from ..base.precision import draw_dtype
 from .layers import Layer, LayerError
 from .tensor_parallel import Cut, nearly_even
 

@@ -30,7 +30,7 @@ import bisect
 
 import numpy as np
 
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 OVERLAPPED = 2   # shared slots with overlap: one bucket written by backprop, the one before it on the wire
 

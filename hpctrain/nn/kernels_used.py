@@ -6,7 +6,7 @@ attention, LayerNorms and GELU).
 
     python -c "from hpctrain.nn import compiled, resnet; from hpctrain.nn.kernels_used import layers_line; compiled.use(True); print(layers_line(resnet((32, 32, 3), 10)))"
 """
-from .. import vector_width
+from ..base import vector_width
 from . import compiled
 
 

@@ -93,7 +93,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import compiled, passes, threads
-from ..precision import draw_dtype
+from ..base.precision import draw_dtype
 from .layer_errors import LayerCodeError, LayerError   # noqa: F401 (the layer contract's errors, named here too)
 
 

@@ -14,7 +14,7 @@ ColumnParallelLinear or RowParallelLinear (nn/tensor_parallel.py):
 import math
 
 from . import threads
-from ..precision import draw_dtype
+from ..base.precision import draw_dtype
 from .layers import Layer, LayerError, he_normal
 from .tensor_parallel import split_linear
 

@@ -22,9 +22,9 @@ import math
 
 import numpy as np
 
-from .. import vector_width
-from ..precision import FLOAT32
-from ..tuning import SUMS_CHANNELS
+from ..base import vector_width
+from ..base.precision import FLOAT32
+from ..base.tuning import SUMS_CHANNELS
 from . import compiled, gelu_fast
 from .erfc import A, B, C, D, MIDDLE, P, Q, SMALL, SQRPI
 
@@ -42,7 +42,7 @@ _stack = None   # nn/compiled.py's stack intrinsic, set before a _SUMS kernel co
 # The two sums' kernels are also made per channel count (_make_*, up to
 # SUMS_CHANNELS; _sums): the channel loop unrolled, the float64 sums on the
 # stack, which LLVM keeps in registers, the same additions in the same
-# order (the same bits); measured in hpctrain/tuning.py. The plain loop
+# order (the same bits); measured in hpctrain/base/tuning.py. The plain loop
 # keeps its sums in memory: a store and a load per element.
 
 def _bn_statistics(x, out):

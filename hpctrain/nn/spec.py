@@ -44,7 +44,7 @@ from .layers import LayerCodeError, LayerError, describe
 from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
 from .store import PlainStore
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 from .tensor_parallel import local_layout
 from .tensor_split import split_model
 from .tied import declared, resolve
@@ -430,7 +430,7 @@ class ModelSpec:
     # --- buffers --------------------------------------------------------------
     def build(self, xp=np, params=None, grads=None, state=None, dtype=FLOAT32.params):
         """The model over these flat buffers (each `num_params` long, contiguous,
-        of `dtype`, the run's precision.params (hpctrain/precision.py); fresh
+        of `dtype`, the run's precision.params (hpctrain/base/precision.py); fresh
         zeros where not given; grads may be nn/grad_slots.GradSlots). Each
         build has its own copy of the layers: two models of one spec share
         nothing."""

@@ -29,7 +29,7 @@ Channels() (the data's images to NHWC, once per batch).
 
     python -m hpctrain.nn               # the MLP's spec
 """
-from ..model_names import gpt_options, is_model_file
+from ..flags.model_names import gpt_options, is_model_file
 from . import user
 from .check import check_layers
 from .conv import Channels, Conv2d

@@ -6,7 +6,7 @@ import time
 import numpy as np
 
 from .adam import Adam
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 n = 784 * 500 + 500 + 500 * 500 + 500 + 500 * 10 + 10   # MNIST's default model
 p = np.zeros(n, FLOAT32.params)

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from .base import Optimizer
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 FLUSH_EVERY = 50
 # float32 subnormals start below 1.2e-38; m decays by beta1=0.9 per step, so

@@ -39,9 +39,9 @@ multiply) gets what it would get without decay.
 """
 import numpy as np
 
-from .. import vector_width
+from ..base import vector_width
 from .decay import Decayed
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 BLOCK = 32768
 # numba costs a process about 1 s of CPU (its import and type registries, even

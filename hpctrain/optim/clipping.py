@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from ..device import array_module, to_host
+from ..base.device import array_module, to_host
 
 # PyTorch's clip_grad_norm_ guard: a zero gradient divides by 1e-6, not by 0.
 EPS = 1e-6

@@ -28,8 +28,8 @@ import math
 
 import numpy as np
 
-from ..device import array_module
-from ..precision import FLOAT32
+from ..base.device import array_module
+from ..base.precision import FLOAT32
 
 KINDS = ("none", "fp16", "bf16", "powersgd")
 HALF_KINDS = ("fp16", "bf16")

@@ -5,7 +5,7 @@
 import numpy as np
 
 from .base import Optimizer
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 
 def _momentum(p, g, v, keep, mu, gs, lr):

@@ -6,7 +6,7 @@ through host arrays: a parameter server's --ps-device gpu (loops/ps.py).
 import numpy as np
 
 from .base import Wrapper
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 
 class OnDevice(Wrapper):

@@ -14,7 +14,7 @@ from .decay import decay_in
 from .momentum import Momentum
 from .sgd import SGD
 from .sharded import Sharded
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 OPTIMIZERS = {cls.kernel: cls for cls in (SGD, Momentum, Adam)}
 

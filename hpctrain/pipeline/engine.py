@@ -40,10 +40,10 @@ import time
 
 import numpy as np
 
-from .. import device
+from ..base import device
 from ..comm.step_gradient import fp16_notes
 from ..nn.losses import add_sums
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 from . import schedule as sched
 from .transfers import Receives, Sends
 

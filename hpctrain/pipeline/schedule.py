@@ -419,8 +419,8 @@ def diagram(timeline):
 def main(argv=None):
     """Every schedule's tick diagram, step length, activation peaks per stage and the bubble."""
     import sys
-    from ..arguments import Parser
-    from ..errors import HpctrainError
+    from ..flags.arguments import Parser
+    from ..base.errors import HpctrainError
     parser = Parser(prog="python -m hpctrain.pipeline", description=main.__doc__)
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages P (default: %(default)s)")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches M (default: %(default)s)")

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from .. import device
+from ..base import device
 from ..checkpoints.powersgd_state import decide
 from ..comm.compressed_exchange import make_exchange
 from ..optim.compression_math import powersgd_layout

@@ -24,7 +24,7 @@ in the same order.
 from bisect import bisect_left, bisect_right
 from collections import deque
 
-from ..errors import HpctrainError
+from ..base.errors import HpctrainError
 
 MAX_TAGS = 30000   # message tags a step's transfers use, below the checkpoints' (pipeline/whole.py: 31000)
 

@@ -27,7 +27,7 @@ embedding on chunk 0 (stage 0) and its head on the last chunk (stage P-1).
 import numpy as np
 from mpi4py import MPI
 
-from .. import device
+from ..base import device
 
 
 class _Spanning:

@@ -26,9 +26,9 @@ from collections import deque
 
 import numpy as np
 
-from .. import device
+from ..base import device
 from ..comm.waits import Waits
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 
 class Pool:

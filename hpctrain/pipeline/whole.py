@@ -17,7 +17,7 @@ state (the stages' slices lie in stage order, pipeline/stages.py `ranges`).
 """
 import numpy as np
 
-from .. import device
+from ..base import device
 from ..report.evaluated import Evaluated
 from .stages import ranges
 

@@ -23,7 +23,7 @@ worker its part, summed over all); `write(path, step, attrs)` (--save,
 import numpy as np
 from mpi4py import MPI
 
-from .. import device
+from ..base import device
 from ..data.splits import held_out
 from ..comm.device_buffers import bcast
 from ..state.consumers import ToChief, finite, parameters

@@ -8,8 +8,8 @@ import json
 import os
 import sys
 
-from ..errors import HpctrainError
-from ..files import one_line, open_in_place, write_atomically
+from ..base.errors import HpctrainError
+from ..base.files import one_line, open_in_place, write_atomically
 
 
 class Metrics:

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..checkpoints.model_record import record as model_record
 from ..nn.sequential import INIT_VERSION
-from ..files import create_new, one_line, remove_temp, rescue_path, temp_name_next_to
+from ..base.files import create_new, one_line, remove_temp, rescue_path, temp_name_next_to
 from ..state.parts import box_slices
 
 

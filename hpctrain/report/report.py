@@ -26,8 +26,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import HpctrainError
-from ..files import create_new, one_line, remove_temp, temp_name_next_to
+from ..base.errors import HpctrainError
+from ..base.files import create_new, one_line, remove_temp, temp_name_next_to
 from .metrics import Metrics
 from .tensorboard import Board
 

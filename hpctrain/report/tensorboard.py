@@ -28,8 +28,8 @@ import os
 import sys
 import time
 
-from ..errors import HpctrainError
-from ..files import one_line
+from ..base.errors import HpctrainError
+from ..base.files import one_line
 
 INSTALL = "--tensorboard needs tensorboardX, an optional dependency: pip install 'hpctrain[tensorboard]'"
 TRAIN_TAGS = {"loss": "train/loss", "samples_per_s": "train/samples_per_s", "tokens_per_s": "train/tokens_per_s",

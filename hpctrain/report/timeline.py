@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from ..files import create_new, one_line, temp_name_next_to
+from ..base.files import create_new, one_line, temp_name_next_to
 
 # Events held in memory before they go to the file: ~0.3 MB.
 FLUSH_EVERY = 1000

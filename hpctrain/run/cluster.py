@@ -18,7 +18,7 @@ Two halves, because some settings must be made before MPI (and BLAS) start:
 import os
 import socket
 
-from ..errors import HpctrainError
+from ..base.errors import HpctrainError
 
 # (rank, size, local rank, local size) variables, per launcher, in the order we trust them.
 _LAUNCHER_VARS = [
@@ -407,7 +407,7 @@ class Cluster:
 
 
 if __name__ == "__main__":
-    from ..arguments import Parser
+    from ..flags.arguments import Parser
     p = Parser()
     p.add_argument("--mode", default="ring")
     p.add_argument("--num-ps", type=int, default=1)

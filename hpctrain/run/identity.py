@@ -22,14 +22,14 @@
 - What a checkpoint from before a setting existed means by it is the
   reader's (checkpoints/read_back.RESUME_DEFAULTS).
 
-    python -c "from hpctrain import cli; from hpctrain.run import identity; print(identity.same_on_every_rank(cli.parse([])))"
+    python -c "from hpctrain.flags import cli; from hpctrain.run import identity; print(identity.same_on_every_rank(cli.parse([])))"
 """
 import hashlib
 import math
 import os
 
 from .. import __version__
-from ..model_names import is_model_file
+from ..flags.model_names import is_model_file
 from ..nn.sequential import INIT_VERSION
 
 # Flags whose value must be identical on every rank of a job.

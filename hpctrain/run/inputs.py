@@ -14,7 +14,7 @@ import json
 from .. import data as data_mod
 from ..comm.agree import agreed
 from ..data.splits import held_out, training_reader
-from ..errors import HpctrainError
+from ..base.errors import HpctrainError
 
 
 def ensure_data(given, cluster, watchdog):

@@ -28,8 +28,8 @@ import sys
 import numpy as np
 
 from ..comm.records import gather_bytes
-from ..errors import HpctrainError
-from ..files import write_atomically
+from ..base.errors import HpctrainError
+from ..base.files import write_atomically
 
 ENV_EXPECT = "HPCTRAIN_EXPECT_WORLD_SIZE"
 ENV_RANKS_FILE = "HPCTRAIN_RANKS_FILE"

@@ -8,10 +8,10 @@ naming what would fit (a higher ZeRO stage, more ranks, a pipeline).
 """
 from ..comm.fusion import bucket_bounds, ready_from
 from ..data.arrays import memory_available
-from ..errors import HpctrainError
+from ..base.errors import HpctrainError
 from ..nn import threads
 from ..nn.grad_slots import slot_elements
-from ..precision import FLOAT32
+from ..base.precision import FLOAT32
 
 STATES = {"sgd": 0, "momentum": 1, "adam": 2}   # optimizer state buffers per parameter
 

@@ -106,7 +106,7 @@ class Mesh:
 if __name__ == "__main__":
     from mpi4py import MPI
 
-    from ..arguments import Parser
+    from ..flags.arguments import Parser
     p = Parser(prog="python -m hpctrain.run.mesh")
     p.add_argument("--pipeline", type=int, default=1)
     p.add_argument("--tensor", type=int, default=1)

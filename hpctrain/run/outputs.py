@@ -22,7 +22,7 @@ an hour). One job per output file and checkpoint directory, as always; a pid
 is checked on this node only.
 
 No output may overwrite one of the run's inputs, however the path is spelt
-(hpctrain/overwrites.py, the one check: run_inputs and run_outputs list a
+(hpctrain/base/overwrites.py, the one check: run_inputs and run_outputs list a
 training run's). The one-process commands' outputs (predict's --out,
 evaluate's and plot's pictures) are checked the same way by
 `check_output_file`, and written whole by files.write_atomically (a temporary file renamed).
@@ -36,10 +36,10 @@ import stat
 import tempfile
 
 from ..checkpoints import file as checkpoint_file
-from ..errors import HpctrainError
-from ..files import abandoned, process_start_time
-from ..model_names import is_model_file
-from ..overwrites import Input, Output, check_not_inputs
+from ..base.errors import HpctrainError
+from ..base.files import abandoned, process_start_time
+from ..flags.model_names import is_model_file
+from ..base.overwrites import Input, Output, check_not_inputs
 
 FILE_FLAGS = ("save", "metrics", "timeline", "keep_best")
 # A checkpoint's name in --checkpoint-dir, which no other output may take

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import device
-from ..cli import DEFAULT_EVAL_TOKENS, configuration
+from ..base import device
+from ..flags.cli import DEFAULT_EVAL_TOKENS, configuration
 from ..data.manifest import train_samples
 from ..nn import compiled
 from ..nn.spec import ModelSpec
-from ..precision import FLOAT32, Precision
+from ..base.precision import FLOAT32, Precision
 from ..optim.lr_schedule import learning_rate, schedule_line
 from ..pipeline.stages import virtual_stages
 from . import identity
@@ -317,7 +317,7 @@ class Plan:
     recorded: dict          # what a checkpoint records of the job (identity.recorded)
     resume_key: dict        # what a resume must match (identity.same_on_resume)
     compression: Compression = Compression()   # --compression (ring mode, a pipeline's replicas)
-    precision: Precision = FLOAT32   # hpctrain/precision.py: the dtypes of parameters, gradients, optimizer state, compute
+    precision: Precision = FLOAT32   # hpctrain/base/precision.py: the dtypes of parameters, gradients, optimizer state, compute
     config: dict = None     # the merged flags (cli.configuration): the final record's and each checkpoint's `config`
 
     @property
@@ -389,7 +389,7 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
     cluster, workers = world.cluster, data.workers
     ring = args.mode == "ring"
     stage = zero_stage(args, workers, world.xp)   # --zero, or the default's rule
-    precision = FLOAT32   # the one precision a run takes today (hpctrain/precision.py)
+    precision = FLOAT32   # the one precision a run takes today (hpctrain/base/precision.py)
     return Plan(
         mode=args.mode, model=args.model, hidden=tuple(args.hidden), spec=spec, data=data,
         optimizer=Optimizer(args.optimizer, args.momentum, tuple(args.adam_betas), args.weight_decay,

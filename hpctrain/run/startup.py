@@ -17,16 +17,16 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import data as data_mod
-from .. import device, vector_width
-from ..cli import validate
-from ..model_names import input_kind_of, is_model_file
+from ..base import device, vector_width
+from ..flags.cli import validate
+from ..flags.model_names import input_kind_of, is_model_file
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
 from ..comm.records import allgather_bytes
 from ..comm.waits import Waits
 from ..data.augment import Augment
 from ..data.fit import check_kind
-from ..errors import HpctrainError
+from ..base.errors import HpctrainError
 from ..nn import LayerError, compiled, spec_for, threads
 from ..nn.kernels_used import layers_line
 from ..comm.tensor_group import TensorComm
@@ -36,7 +36,7 @@ from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
 from ..report import tensorboard
 from ..report.report import tensorboard_view
-from ..tuning import rounding
+from ..base.tuning import rounding
 from . import cluster as cluster_mod
 from . import identity, jobcheck, stop_signal
 from .cluster import Cluster
@@ -430,7 +430,7 @@ TUNING_BYTES = 128   # an "isa/vendor: key" of nn/compiled.py's tuning_key, with
 
 def check_tuning(comm, cluster, stages):
     """Collective: every worker's compiled-layer tuning key (nn/compiled.py
-    tuning_key; hpctrain/tuning.py), compared. Returns (the chief's key,
+    tuning_key; hpctrain/base/tuning.py), compared. Returns (the chief's key,
     a note for the log or None); raises where the keys differ in a
     pipeline (tuning_verdict)."""
     key = compiled.tuning_key() if cluster.is_worker else ""   # servers run no layers (nor load numba)
@@ -443,7 +443,7 @@ def tuning_verdict(keys, hosts, stages):
     """keys: {worker rank: its tuning label, "isa/vendor: key"}; hosts: each
     rank's host name. Compared by their keys (tuning.rounding): the part
     that decides the bits.
-    Where the ranks' CPUs take rows of hpctrain/tuning.py that round apart
+    Where the ranks' CPUs take rows of hpctrain/base/tuning.py that round apart
     (another sum order, another set of layers run direct):
     - data-parallel replicas (ring, ps, a stage's replicas) still hold the
       same parameters: each rank's gradient is only ever summed with the

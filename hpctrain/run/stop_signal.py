@@ -17,7 +17,7 @@ import signal
 import time
 import types
 
-from ..errors import EXIT_PREEMPTED
+from ..base.errors import EXIT_PREEMPTED
 
 # The signals that stop training after a checkpoint (Ctrl-C is train.py's: at once)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)

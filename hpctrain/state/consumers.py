@@ -29,7 +29,7 @@ import json
 import numpy as np
 from mpi4py import MPI
 
-from .. import device
+from ..base import device
 from .parts import box_shape, box_slices
 
 TAG = 32000   # the parts' boxes between the chief and the others

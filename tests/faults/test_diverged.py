@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hpctrain.errors import EXIT_DIVERGED
+from hpctrain.base.errors import EXIT_DIVERGED
 
 
 @pytest.mark.parametrize("ranks, mode", [(2, "ring"), (3, "ps")])

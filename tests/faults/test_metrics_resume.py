@@ -16,7 +16,7 @@ FAULTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(FAULTS))
 from test_checkpoint import run_and_signal  # noqa: E402  (tests/ is on the path)
 
-from hpctrain.errors import EXIT_PREEMPTED  # noqa: E402
+from hpctrain.base.errors import EXIT_PREEMPTED  # noqa: E402
 
 
 def records(path):

@@ -111,7 +111,7 @@ def not_a_regular_file(tmp_path, kind):
                                         ("symlink to a directory", "is a directory; name a file in it")])
 def test_an_output_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path, flag, kind, says):
     from hpctrain.run import outputs
-    from hpctrain.errors import HpctrainError
+    from hpctrain.base.errors import HpctrainError
     path = not_a_regular_file(tmp_path, kind)
     before = os.lstat(path)
     args = argparse.Namespace(save=None, metrics=None, timeline=None, keep_best=None, checkpoint_dir=None)
@@ -153,7 +153,7 @@ def test_metrics_symlink_planted_in_a_shared_directory_is_refused(job, tmp_path)
 def test_metrics_planted_after_the_check_is_not_followed_nor_blocks(tmp_path, planted):
     """What check_outputs saw can change before the file is opened: the open
     itself refuses a symlink (O_NOFOLLOW) and a FIFO (without blocking)."""
-    from hpctrain.errors import HpctrainError
+    from hpctrain.base.errors import HpctrainError
     from hpctrain.report.report import Metrics
     path, victim = tmp_path / "run.jsonl", tmp_path / "victim"
     victim.write_text("precious\n")

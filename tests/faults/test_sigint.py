@@ -14,7 +14,7 @@ import pytest
 
 from conftest import MPIRUN, REPO
 from hpctrain.run.cluster import child_env
-from hpctrain.errors import EXIT_INTERRUPTED
+from hpctrain.base.errors import EXIT_INTERRUPTED
 from ranks import rank_pid
 
 def start(n, out, *flags):

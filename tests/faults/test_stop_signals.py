@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import MPIRUN, REPO
-from hpctrain.errors import EXIT_PREEMPTED
+from hpctrain.base.errors import EXIT_PREEMPTED
 from hpctrain.run.cluster import child_env
 from ranks import rank_pid
 from test_generate import trained_gpt   # noqa: F401 (fixture)
@@ -70,7 +70,7 @@ def test_a_stop_raised_inside_a_finaliser_still_stops_the_command_in_one_line():
     # and goes on: the stop must reach the command instead, quietly.
     code = """if True:
         import os, signal, sys, weakref
-        from hpctrain.errors import one_line_errors
+        from hpctrain.base.errors import one_line_errors
         class Thing: pass
         def evaluate():
             thing = Thing()
@@ -94,7 +94,7 @@ def test_a_stop_raised_inside_a_finaliser_still_stops_the_command_in_one_line():
 def test_a_sighup_that_nohup_ignores_stays_ignored_in_every_command_and_in_training():
     code = """if True:
         import signal
-        from hpctrain.errors import one_line_errors
+        from hpctrain.base.errors import one_line_errors
         from hpctrain.run.stop_signal import StopSignal
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         StopSignal()

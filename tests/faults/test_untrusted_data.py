@@ -13,7 +13,7 @@ import time
 import pytest
 
 from hpctrain import data
-from hpctrain.errors import HpctrainError
+from hpctrain.base.errors import HpctrainError
 
 
 @pytest.fixture(scope="module")

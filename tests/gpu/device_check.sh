@@ -91,7 +91,7 @@ EOF
 "$MPIRUN" -n 1 "$PY" -m hpctrain.comm.cuda_aware > "$LOGS/cuda_aware.txt" 2>&1
 AWARE=$(grep -m1 "CUDA-aware" "$LOGS/cuda_aware.txt" || tail -2 "$LOGS/cuda_aware.txt" | tr '\n' ' ')
 row "MPI CUDA-aware (detected)" info "${AWARE#CUDA-aware: }"
-"$PY" -m hpctrain.device > "$LOGS/device.txt" 2>&1
+"$PY" -m hpctrain.base.device > "$LOGS/device.txt" 2>&1
 row "device --auto picks" info "$(tail -1 "$LOGS/device.txt")"
 
 # --- 2. GPU-marked tests ----------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import Client, Server, place
-from ...precision import FLOAT32
+from ...base.precision import FLOAT32
 
 
 class PlainSGD:

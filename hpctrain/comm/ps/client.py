@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from ...device import array_module
+from ...base.device import array_module
 from ..deadline import NO_WATCHDOG
 from .placement import Slice
 from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,

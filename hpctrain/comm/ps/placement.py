@@ -12,8 +12,8 @@ slice updates bit for bit as the whole buffer would.
 """
 import numpy as np
 
-from ...chunks import chunk_parts
-from ...device import array_module
+from ...base.chunks import chunk_parts
+from ...base.device import array_module
 
 PLACEMENTS = ("even", "round-robin", "greedy")
 

@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..deadline import NO_WATCHDOG
-from ...precision import FLOAT32
+from ...base.precision import FLOAT32
 from .aggregate import Update
 from .exchange import Exchange
 from .leader import RoundLink

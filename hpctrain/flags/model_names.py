@@ -4,7 +4,7 @@ before numpy, BLAS and MPI start: cli.py): the zoo's (nn/zoo.py), nanoGPT's
 `FILE.py:FUNCTION` (nn/user.py); what ranks compare, checkpoints record
 and trained.py rebuilds from.
 
-    python -c "from hpctrain.model_names import gpt_options; print(gpt_options('gpt:layers=4,heads=4,width=128'))"
+    python -c "from hpctrain.flags.model_names import gpt_options; print(gpt_options('gpt:layers=4,heads=4,width=128'))"
 """
 
 # The zoo's names (hpctrain/nn/zoo.py MODELS; this module imports no numpy).

@@ -5,7 +5,7 @@ the model as named, its shapes, the data's class names and preparation).
 Files written before the record existed still load where the data names the
 shapes (`--data DIR`: an MLP's, or a zoo model's).
 
-    python -c "from hpctrain import trained; m = trained.load(params='p.h5'); print(m.describe())"
+    python -c "from hpctrain.checkpoints import trained; m = trained.load(params='p.h5'); print(m.describe())"
 
 No MPI here: predict and evaluate are one process.
 """
@@ -18,17 +18,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import data as data_mod
-from .errors import HpctrainError
-from .data.arrays import memory_available
-from .data.fit import check_fit, check_kind
-from .checkpoints.trust import Corrupt, Refused, hard_linked, stored_inside
-from .nn import LayerError, spec_for
-from .nn.user import UserModelError
-from .model_names import gpt_options, input_kind_of, is_model_file
-from .nn.zoo import MODELS
-from .checkpoints.model_record import ATTR
-from .files import printable
+from .. import data as data_mod
+from ..base.errors import HpctrainError
+from ..data.arrays import memory_available
+from ..data.fit import check_fit, check_kind
+from .trust import Corrupt, Refused, hard_linked, stored_inside
+from ..nn import LayerError, spec_for
+from ..nn.user import UserModelError
+from ..flags.model_names import gpt_options, input_kind_of, is_model_file
+from ..nn.zoo import MODELS
+from .model_record import ATTR
+from ..base.files import printable
 
 _ZOO = tuple(MODELS)
 # The largest input (values per sample: 16384 x 16384 pixels of one channel)
@@ -97,7 +97,7 @@ def model_inputs(params=None, checkpoint=None, model=None):
     """The files and folders a model is read from (overwrites.Input): the
     --params file, the --checkpoint file or folder, a --model FILE.py: what
     predict's and evaluate's outputs must not replace."""
-    from .overwrites import Input
+    from ..base.overwrites import Input
     inputs = [Input(params, "the --params file")]
     if checkpoint:
         inputs.append(Input(checkpoint, "the --checkpoint folder" if os.path.isdir(checkpoint)
@@ -293,9 +293,9 @@ def _check_finite(built, source):
 
 def load_checkpoint(path, data_dir=None, model=None):
     """The model in a checkpoint file, or the newest valid one of a --checkpoint-dir."""
-    from .checkpoints import read_back as reader
-    from .checkpoints.named import INDEX, NamedCheckpoint, open_checkpoint
-    from .checkpoints.trust import Corrupt, Refused
+    from . import read_back as reader
+    from .named import INDEX, NamedCheckpoint, open_checkpoint
+    from .trust import Corrupt, Refused
     path = str(path)
     if os.path.isfile(os.path.join(path, INDEX)):   # one checkpoint of named tensors (a folder)
         try:
@@ -327,8 +327,8 @@ def load_checkpoint(path, data_dir=None, model=None):
 
 def _named(ckpt, data_dir, model):
     """The model in a checkpoint of named tensors (checkpoints/named.py): each tensor read whole by name."""
-    from .state.consumers import restore
-    from .state.layouts import buffer_parts
+    from ..state.consumers import restore
+    from ..state.layouts import buffer_parts
     rec = _record_of(ckpt.attrs, ckpt.path, data_dir, model)
     spec = _build(rec, ckpt.path, sum(size for size, _ in ckpt.files.values()))
     built = spec.build(np)
@@ -345,7 +345,7 @@ def _newest_checkpoint(folder):
     """The newest valid checkpoint in folder; the files skipped on the way
     are warned about once one is found, and where none is, the one line
     says why each was skipped (not that there was none)."""
-    from .checkpoints import file, read_back as reader
+    from . import file, read_back as reader
     skipped = []
     ckpt = reader.load_latest(folder, {}, warn=skipped.append)
     if ckpt is None:

@@ -1,7 +1,7 @@
 """The argument parser every hpctrain command line uses (train, data,
 predict, evaluate, bench, plot, checkpoint, nn, pipeline).
 
-    from hpctrain.arguments import Parser
+    from hpctrain.flags.arguments import Parser
     p = Parser(prog=prog, description=...)
 
 What it changes from argparse's:
@@ -26,7 +26,7 @@ import math
 import re
 import sys
 
-from .errors import HpctrainError
+from ..base.errors import HpctrainError
 
 _UNRECOGNIZED = "unrecognized arguments: "
 _REQUIRED = ("the following arguments are required", "one of the arguments")   # argparse's words

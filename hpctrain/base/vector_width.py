@@ -10,7 +10,7 @@ of the 3x3 kernels, 256-bit (LLVM's choice) -> 512-bit: weight gradient
 -> 70; forward 16->16 100 -> 112, 32->32 101 -> 115 (32->64 unchanged,
 about 87). AMD's Zen 4 is not tuned that way: nothing changes there. So,
 as numba loads (it reads the variable then), where the CPU has AVX-512, its
-row of hpctrain/tuning.py says `wide_vectors` (every AVX-512 row does) and
+row of hpctrain/base/tuning.py says `wide_vectors` (every AVX-512 row does) and
 NUMBA_CPU_FEATURES is not set, it is set to the CPU's own features with
 -prefer-256-bit. The bits do not change: each output channel is its own
 vector lane, summed in the same order at any width. A variable you set
@@ -21,7 +21,7 @@ LLVM's library (about 44 MB resident) is loaded only in a process that
 loads numba anyway: not at start-up, where the memory check counts what a
 rank holds before its model.
 
-    python -c "import os; from hpctrain import vector_width as v; print(v.configure(dict(os.environ)))"
+    python -c "import os; from hpctrain.base import vector_width as v; print(v.configure(dict(os.environ)))"
 """
 import importlib.util
 import os

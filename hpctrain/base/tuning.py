@@ -1,5 +1,5 @@
 """The CPU tuning of the compiled layers (nn/compiled.py, nn/passes.py,
-hpctrain/vector_width.py) and of im2col (nn/conv.py), in one table: a row
+hpctrain/base/vector_width.py) and of im2col (nn/conv.py), in one table: a row
 per (instruction set, vendor) numba compiles for, looked up by
 `tuning_for(isa, vendor)`. Each value is a measured speed; what changes
 the bits a kernel gives is only the row's `key` (the sum order and which
@@ -9,7 +9,7 @@ record (run/startup.py, run/identity.py).
 A new CPU generation is a new row here and a test that forces it
 (tests/test_compiled.py, NUMBA_CPU_NAME): nothing else moves.
 
-    python -c "from hpctrain import tuning; print(*tuning.ROWS, sep='\\n')"
+    python -c "from hpctrain.base import tuning; print(*tuning.ROWS, sep='\\n')"
 """
 from dataclasses import dataclass
 
@@ -58,7 +58,7 @@ class Tuning:
                      of a block's row once for the k offsets that read it:
                      its sums in the order (kh, c, kw), not (kh, kw, c)
     wide_vectors:    compile with 512-bit registers (-prefer-256-bit off;
-                     hpctrain/vector_width.py)
+                     hpctrain/base/vector_width.py)
     """
     isa: str
     vendor: str
@@ -115,7 +115,7 @@ class Tuning:
 #   1.01-1.05x; none slower. At stride 2 it was 1.3-8x slower (its offsets
 #   do not fold away), so only stride 1 reuses. LLVM tunes these CPUs to
 #   256-bit vectors; 512-bit ones: weight gradient 16->16 channels 81 ->
-#   115, 32->32 77 -> 124, forward 16->16 100 -> 112 (hpctrain/vector_width.py).
+#   115, 32->32 77 -> 124, forward 16->16 100 -> 112 (hpctrain/base/vector_width.py).
 #   Zen 4 is not tuned that way (nothing changes there), but 512-bit is its
 #   measured row too.
 # - AVX2 (16 registers of 8 floats): O = 16 at 4 pixels 106, 4 channels 90

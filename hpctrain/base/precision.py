@@ -16,7 +16,7 @@ second constant here. Allocations of the model's floats take their dtype from
 the plan, from the array they follow, or from `file_dtype` (what a file holds);
 the few float32 literals left elsewhere say why they are fixed.
 
-    python -m hpctrain.precision        # the run's precision, as the plan records it
+    python -m hpctrain.base.precision        # the run's precision, as the plan records it
 """
 from dataclasses import dataclass
 

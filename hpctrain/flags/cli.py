@@ -13,7 +13,7 @@ import sys
 from .arguments import (Parser, ShortHelp, finite_float, nonneg_float, nonneg_int, positive_float, positive_int,
                         positive_ints, with_config_file)
 from .model_names import MODELS, gpt_name, gpt_options, is_model_file
-from .errors import HpctrainError
+from ..base.errors import HpctrainError
 from .parallel_flags import check_tensor_parallel, check_zero
 
 DEFAULT_STEPS = 2000

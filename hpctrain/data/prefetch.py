@@ -18,9 +18,9 @@ The wrapper is a drop-in for the reader: `position` is the position after the
 last batch handed out (not after the one read ahead), so a checkpoint records
 where the training really is; `seek()` drops the batch read ahead.
 
-    python -m hpctrain.prefetch      # checks prefetched batches equal the reader's (GPU if present)
+    python -m hpctrain.data.prefetch      # checks prefetched batches equal the reader's (GPU if present)
 """
-from . import device
+from ..base import device
 
 
 def device_batches(reader, xp):
@@ -110,7 +110,7 @@ class Prefetcher:
 if __name__ == "__main__":
     import numpy as np
 
-    from . import data
+    from .. import data
     xp, name, note = device.select("auto")
     path = data.default_data_dir()
     if not data.is_prepared(path):

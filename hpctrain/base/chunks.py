@@ -5,7 +5,7 @@ test set's evaluation parts all use.
 It lives at the top of the package, in neither data/ nor comm/: both import
 it, and data/ never imports comm/ (the MPI side of the house).
 
-    python -c "from hpctrain.chunks import chunk_parts; print(chunk_parts(10, 3))"
+    python -c "from hpctrain.base.chunks import chunk_parts; print(chunk_parts(10, 3))"
 """
 
 

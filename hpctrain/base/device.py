@@ -14,7 +14,7 @@ the same interface copies synchronously, so code written against it
 CuPy is imported as `cupy`, whichever wheel provides it (cupy-cuda11x,
 cupy-cuda12x, cupy-cuda13x, ...); nothing here depends on the CUDA version.
 
-    python -m hpctrain.device        # prints what --device auto would pick
+    python -m hpctrain.base.device        # prints what --device auto would pick
 """
 import numpy as np
 

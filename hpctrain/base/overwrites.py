@@ -22,7 +22,7 @@ same inode). An output is refused when it
 An input may name the output that writes it too (`writer`: the checkpoints
 that --checkpoint-dir both resumes from and writes): that pair is no conflict.
 
-    python -c "from hpctrain.overwrites import Input, Output, check_not_inputs"
+    python -c "from hpctrain.base.overwrites import Input, Output, check_not_inputs"
 
 Standard library only: it sits at the bottom, under data/ and run/.
 """

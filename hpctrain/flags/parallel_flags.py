@@ -7,7 +7,7 @@ cli.py. The stage a run takes is run/plan.zero_stage's.
     mpirun -n 2 python -m hpctrain.train --zero 3 --mode ps     # one line, exit 2
     mpirun -n 3 python -m hpctrain.train --tensor-parallel 2    # one line, exit 2
 """
-from .errors import HpctrainError
+from ..base.errors import HpctrainError
 
 
 def check_zero(args):

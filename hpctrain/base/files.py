@@ -19,7 +19,7 @@ need not import run/ for a temporary file.
 - `one_line`, `printable`: an OSError's reason, a name, on one line;
 - `rescue_path`: where parameters go when --save fails.
 
-    python -c "from hpctrain.files import temp_name_next_to, write_atomically, abandoned"
+    python -c "from hpctrain.base.files import temp_name_next_to, write_atomically, abandoned"
 """
 import errno
 import os
