@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import same_bytes, saved
-from hpctrain.nn.layers import LayerCodeError, ReLU
+from hpctrain.nn.layers import ReLU
+from hpctrain.nn.layer_errors import LayerCodeError
 from hpctrain.nn.linear import Dense
 from hpctrain.nn.spec import ModelSpec
 from hpctrain.nn.gpt import gpt

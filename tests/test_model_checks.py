@@ -14,7 +14,7 @@ import pytest
 
 from hpctrain.nn import Dense, Flatten, Layer, LayerError, MaxPool2d, ModelSpec, ReLU, Residual
 from hpctrain.nn.check import check_layers
-from hpctrain.nn.layers import LayerCodeError
+from hpctrain.nn.layer_errors import LayerCodeError
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from custom_model import LeakyReLU  # noqa: E402  (the example, as users copy it)

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, saved, same_bytes
 from hpctrain.nn import Dense, Embedding, Flatten, LayerError, ModelSpec, ReLU
-from hpctrain.nn.layers import LayerCodeError
+from hpctrain.nn.layer_errors import LayerCodeError
 from test_layers import bound, rel_error
 
 TIED = os.path.join(REPO, "examples", "tied_model.py")

@@ -21,7 +21,8 @@ import numpy as np
 from ..flags.arguments import Parser, positive_ints
 from ..base.errors import HpctrainError
 from .check import check_layer, sample_inputs, takes_tokens
-from .layers import LayerCodeError, LayerError, Noise, describe
+from .layers import LayerError, Noise, describe
+from .layer_errors import LayerCodeError
 from .user import UserModelError
 from .zoo import MODELS, mlp, spec_for
 

@@ -52,7 +52,8 @@ import traceback
 
 import numpy as np
 
-from .layers import Context, Layer, LayerCodeError, Noise, describe
+from .layers import Context, Layer, Noise, describe
+from .layer_errors import LayerCodeError
 from ..base.precision import FLOAT32
 
 # The probe runs a layer in the precision a run takes (hpctrain/base/precision.py):

@@ -94,7 +94,7 @@ import numpy as np
 
 from . import compiled, passes, threads
 from ..base.precision import draw_dtype
-from .layer_errors import LayerCodeError, LayerError   # noqa: F401 (the layer contract's errors, named here too)
+from .layer_errors import LayerError
 
 
 def describe(layer):

@@ -40,7 +40,8 @@ import numpy as np
 
 from . import compiled
 from .grad_slots import GradSlots
-from .layers import LayerCodeError, LayerError, describe
+from .layers import LayerError, describe
+from .layer_errors import LayerCodeError
 from .losses import ClassCrossEntropy, Loss
 from .sequential import Sequential
 from .store import PlainStore

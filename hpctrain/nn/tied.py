@@ -39,7 +39,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .layers import Layer, LayerCodeError, describe
+from .layers import Layer, describe
+from .layer_errors import LayerCodeError
 
 
 class Tie(NamedTuple):

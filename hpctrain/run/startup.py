@@ -31,7 +31,7 @@ from ..nn import LayerError, compiled, spec_for, threads
 from ..nn.kernels_used import layers_line
 from ..comm.tensor_group import TensorComm
 from ..nn.tensor_parallel import TensorGroup
-from ..nn.layers import LayerCodeError
+from ..nn.layer_errors import LayerCodeError
 from ..nn.user import UserModelError
 from ..pipeline.stages import cuts_for
 from ..report import tensorboard
