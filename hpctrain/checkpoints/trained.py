@@ -351,7 +351,7 @@ def _newest_checkpoint(folder):
     if ckpt is None:
         found = file.list_checkpoints(folder)
         if not found:
-            raise HpctrainError(f"{folder}: no checkpoint (ckpt-NNNNNNNN.h5) in it")
+            raise HpctrainError(f"{folder}: no checkpoint (ckpt-NNNNNNNN/ or ckpt-NNNNNNNN.h5) in it")
         why = [line.removesuffix(", trying the previous one").removesuffix("; trying the previous one")
                for line in skipped]
         raise HpctrainError(f"{folder}: none of its {len(found)} checkpoint file{'s' if len(found) > 1 else ''} "

@@ -391,7 +391,7 @@ def _output_flags(g):
     g.add_argument("--checkpoint-every", type=nonneg_int, default=0,
                    help="checkpoint every N steps (0: only on SIGTERM/SIGUSR1/SIGHUP and at the end) (default: %(default)s)")
     g.add_argument("--keep-checkpoints", type=positive_int, default=3, help="keep the newest K checkpoints (default: %(default)s)")
-    g.add_argument("--checkpoint-format", choices=["flat", "named"], default="flat",
+    g.add_argument("--checkpoint-format", choices=["flat", "named"], default="named",
                    help="flat: one file the chief writes (ckpt-N.h5); named: a folder of named whole tensors "
                         "(ckpt-N/), each rank writing its own parts, the chief an index last; either resumes "
                         "at any layout (default: %(default)s)")
