@@ -90,3 +90,42 @@ def bundled_shards(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards") / "mnist"
     data.prepare(data.bundled_sample_dir(), str(out), shards=2, log=lambda *a, **k: None)
     return str(out)
+
+
+def checkpoints(folder):
+    """[(step, path)] of folder's checkpoints, newest first, whichever the
+    format (a flat file `ckpt-N.h5` or a named folder `ckpt-N/`)."""
+    from hpctrain.checkpoints.file import list_checkpoints
+    return list_checkpoints(str(folder))
+
+
+def checkpoint_steps(folder):
+    """The steps of folder's checkpoints, oldest first."""
+    return sorted(step for step, _ in checkpoints(folder))
+
+
+def newest_checkpoint(folder):
+    """The path of folder's newest checkpoint (a file or a folder)."""
+    found = checkpoints(folder)
+    assert found, f"no checkpoint in {folder}"
+    return Path(found[0][1])
+
+
+def checkpoint_path(folder, step):
+    """The path of folder's checkpoint of `step`, whichever the format."""
+    for s, path in checkpoints(folder):
+        if s == step:
+            return Path(path)
+    raise AssertionError(f"no checkpoint of step {step} in {folder}: {os.listdir(folder)}")
+
+
+def only_checkpoints(folder):
+    """Whether folder holds its checkpoints and nothing else (no temporary files)."""
+    return sorted(os.listdir(folder)) == sorted(os.path.basename(p) for _, p in checkpoints(folder))
+
+
+def checkpoint_file(path):
+    """The HDF5 file holding a checkpoint's attributes: a flat file itself,
+    a named folder's index.h5."""
+    path = Path(path)
+    return path / "index.h5" if path.is_dir() else path

@@ -1,6 +1,7 @@
 """Faults: a checkpoint file whose name lies about its step (a copy renamed
 `ckpt-99999999.h5`). Before, it pinned every later run to its old step and
-pruning by name deleted the real newest checkpoints.
+pruning by name deleted the real newest checkpoints. About the flat file
+(one file to copy): --checkpoint-format flat.
 
     .venv/bin/python -m pytest tests/faults/test_checkpoint_names.py
 """
@@ -10,7 +11,8 @@ import shutil
 
 def test_a_renamed_copy_is_reported_and_skipped_and_never_pruned_for(job, tmp_path):
     ckpt = tmp_path / "ckpt"
-    flags = ["--hidden", "64", "--log-every", "10", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"]
+    flags = ["--hidden", "64", "--log-every", "10", "--checkpoint-dir", ckpt, "--checkpoint-every", "10",
+             "--checkpoint-format", "flat"]
     r = job(2, "--steps", "20", *flags, timeout=120)
     assert r.returncode == 0, r.stderr
     shutil.copy(ckpt / "ckpt-00000010.h5", ckpt / "ckpt-99999999.h5")
