@@ -129,3 +129,25 @@ def checkpoint_file(path):
     a named folder's index.h5."""
     path = Path(path)
     return path / "index.h5" if path.is_dir() else path
+
+
+def remove_checkpoint(path):
+    """Remove one checkpoint, a flat file or a named folder."""
+    import shutil
+    path = Path(path)
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def checkpoint_floats(path):
+    """{name: array} of a checkpoint's floating-point datasets: a flat file's
+    `params`, `optimizer/...`; a named folder's whole tensors (read through
+    its index's virtual datasets)."""
+    import h5py
+    import numpy as np
+    out = {}
+    with h5py.File(checkpoint_file(path), "r") as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset) and not name.startswith("_hpctrain") and obj.dtype.kind == "f":
+                out[name] = np.asarray(obj[()])
+        f.visititems(visit)
+    return out

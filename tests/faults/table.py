@@ -264,7 +264,8 @@ def different_checkpoint_dirs(r):
 
 
 def renamed_checkpoint(r):
-    flags = ["--hidden", 64, "--log-every", 10, "--checkpoint-dir", r.p("ckpt"), "--checkpoint-every", 10]
+    flags = ["--hidden", 64, "--log-every", 10, "--checkpoint-dir", r.p("ckpt"), "--checkpoint-every", 10,
+             "--checkpoint-format", "flat"]   # a flat file, copied under another name
     first = subprocess.run([str(c) for c in job(2, "--steps", 20, *flags)], capture_output=True, text=True,
                            env=r.env(), cwd=REPO, timeout=TIMEOUT)
     if first.returncode != 0:

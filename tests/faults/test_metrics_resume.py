@@ -14,6 +14,7 @@ import pytest
 
 FAULTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(FAULTS))
+from conftest import checkpoint_path, remove_checkpoint  # noqa: E402
 from test_checkpoint import run_and_signal  # noqa: E402  (tests/ is on the path)
 
 from hpctrain.base.errors import EXIT_PREEMPTED  # noqa: E402
@@ -52,7 +53,7 @@ def test_rerun_to_more_steps_and_after_a_killed_run(job, tmp_path, mode):
 
     # As if killed after step 50 with its last checkpoint at 40 and a record
     # half-written: resumed at 40, records past it and the torn line dropped.
-    os.unlink(ckpt / "ckpt-00000050.h5")
+    remove_checkpoint(checkpoint_path(ckpt, 50))
     with open(metrics, "a") as f:
         f.write('{"step": 60, "loss"')
     r = job(n, "--steps", "60", *flags, timeout=120)

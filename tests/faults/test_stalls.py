@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import MPIRUN, REPO, saved
+from conftest import MPIRUN, REPO, checkpoint_steps, saved
 from hpctrain.run.cluster import child_env
 from ranks import Stopped, rank_pid
 
@@ -221,7 +221,7 @@ def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
     try:
         pid = rank_pid(proc, 1)
         assert pid, "rank 1 not found"
-        while not (ckpt / "ckpt-00000040.h5").exists() and proc.poll() is None:
+        while 40 not in checkpoint_steps(ckpt) and proc.poll() is None:
             time.sleep(0.005)   # the final checkpoint is written right after the loop
         with Stopped(pid):
             time.sleep(1)
@@ -496,7 +496,7 @@ def test_sigterm_while_a_rank_is_stuck_in_its_forward_is_a_pre_emption(tmp_path)
                              "6", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
     try:
-        while not (ckpt / "ckpt-00000030.h5").exists() and proc.poll() is None:
+        while 30 not in checkpoint_steps(ckpt) and proc.poll() is None:
             time.sleep(0.02)
         time.sleep(1)   # rank 1 is stuck from its 41st training forward on
         proc.send_signal(signal.SIGTERM)   # Hydra forwards it to every rank
