@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import REPO, saved, same_bytes
+from conftest import REPO, checkpoint_path, remove_checkpoint, same_bytes, saved
 
 TINY = os.path.join(REPO, "tests", "models", "tiny_cnn.py")
 SGD = ["--optimizer", "sgd", "--lr", "0.05", "--steps", "12", "--log-every", "6"]
@@ -55,7 +55,7 @@ def test_a_step_counts_k_batches_and_resume_is_bit_exact(job, tmp_path):
     ok(job(2, *flags, "--save", tmp_path / "through.h5"))
     ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "10", "--save", tmp_path / "resumed.h5"]
     ok(job(2, *flags, *ckpt))
-    (tmp_path / "ckpt" / "ckpt-00000020.h5").unlink()
+    remove_checkpoint(checkpoint_path(tmp_path / "ckpt", 20))
     assert "at step 10" in ok(job(2, *flags, *ckpt)).stdout
     assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
     r = job(2, *flags[:-2], "--steps", "30", "--accumulate-steps", "3", *ckpt, timeout=60)

@@ -15,7 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import MPIRUN, REPO, saved, same_bytes
+from conftest import MPIRUN, REPO, checkpoint_path, remove_checkpoint, same_bytes, saved
 from hpctrain import data
 from hpctrain.run.cluster import child_env
 from hpctrain.data.augment import Augment
@@ -176,7 +176,7 @@ def test_augmented_jobs_n_ranks_see_one_process_and_resume_bit_exactly(tmp_path)
     resumable = [*common, "--batch-size", "8", "--checkpoint-dir", ckpt, "--checkpoint-every", "10",
                  "--save", tmp_path / "resumed.h5"]
     recorded_job(2, tmp_path / "first", *resumable)
-    (ckpt / "ckpt-00000020.h5").unlink()
+    remove_checkpoint(checkpoint_path(ckpt, 20))
     r, second = recorded_job(2, tmp_path / "second", *resumable)
     assert "at step 10" in r.stdout
     assert same_bytes(tmp_path / "two.h5", tmp_path / "resumed.h5")

@@ -21,7 +21,7 @@ import pytest
 from mpi4py import MPI
 
 from collectives import ring_step
-from conftest import same_bytes, saved
+from conftest import checkpoint_file, checkpoint_path, remove_checkpoint, same_bytes, saved
 from gpu_fakes import LazyCopier
 from hpctrain.base import device
 from hpctrain.optim.clipping import EPS, Clip, clip_, clip_factor, global_norm, sum_squares
@@ -332,10 +332,10 @@ def test_clipping_survives_checkpoint_and_resume_bit_exact(job, tmp_path, mode):
     flags = [*ranks, "--steps", 24, "--log-every", 8, *SMALL, "--lr", 0.001, "--clip-norm", 0.5,
              "--checkpoint-dir", ckpt, "--checkpoint-every", 8]
     ok(job(n, *flags, "--save", tmp_path / "full.h5"))
-    with h5py.File(ckpt / "ckpt-00000016.h5", "r") as f:
+    with h5py.File(checkpoint_file(checkpoint_path(ckpt, 16)), "r") as f:
         assert f.attrs["clip_norm"] == 0.5
-    (ckpt / "ckpt-00000024.h5").unlink()
-    (ckpt / "ckpt-00000016.h5").unlink()
+    remove_checkpoint(checkpoint_path(ckpt, 24))
+    remove_checkpoint(checkpoint_path(ckpt, 16))
     r = ok(job(n, *flags, "--save", tmp_path / "resumed.h5"))
     assert "at step 8" in r.stdout
     assert same_bytes(tmp_path / "full.h5", tmp_path / "resumed.h5")

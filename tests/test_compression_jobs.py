@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from conftest import REPO, same_bytes
+from conftest import REPO, checkpoint_file, checkpoint_path, remove_checkpoint, same_bytes
 from hpctrain import data
 
 COMMON = ["--steps", "40", "--log-every", "20", "--batch-size", "16", "--hidden", "64,32", "--timeout", "120"]
@@ -104,7 +104,7 @@ def resumed(job, tmp_path, shards, ranks, flags, name):
     flags = [*flags, "--steps", "24", "--checkpoint-dir", ckpt, "--checkpoint-every", "8"]
     run(job, tmp_path, shards, ranks, flags, name)
     for step in (16, 24):
-        (ckpt / f"ckpt-{step:08d}.h5").unlink()
+        remove_checkpoint(checkpoint_path(ckpt, step))
     r, _ = run(job, tmp_path, shards, ranks, flags, name)
     assert "resumed from" in r.stdout and "at step 8" in r.stdout, r.stdout
     assert "warning" not in r.stderr, r.stderr
@@ -121,7 +121,7 @@ def test_a_resume_is_bit_exact_with_each_compression(job, tmp_path, shards, rank
     assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
     if "powersgd" in flags:   # its state is in the file: a row of error feedback per worker
         import h5py
-        with h5py.File(ckpt / "ckpt-00000024.h5", "r") as f:
+        with h5py.File(checkpoint_file(checkpoint_path(ckpt, 24)), "r") as f:
             workers = 2 if "--pipeline-stages" in flags else ranks
             assert f["compression/error"].shape == (workers * 52_650,) and f["compression/q"].size > 0
             assert f.attrs["compression_workers"] == workers

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, checkpoint_file, checkpoint_path
 from hpctrain.flags import cli
 from hpctrain.base.errors import HpctrainError
 
@@ -121,7 +121,7 @@ def test_a_resumed_run_records_its_config_lists_its_own_optimizer_and_goes_on_wi
     flags = ["--config", path, "--lr", "2e-3", "--metrics", metrics, "--checkpoint-dir", ckpt, "--timeout", "60"]
     r = job(1, *flags)
     assert r.returncode == 0, r.stderr
-    with h5py.File(ckpt / "ckpt-00000004.h5", "r") as f:
+    with h5py.File(checkpoint_file(checkpoint_path(ckpt, 4)), "r") as f:
         first = json.loads(f.attrs["config"])
         elapsed, segments = float(f.attrs["elapsed_s"]), int(f.attrs["segments"])
     assert (first["hidden"], first["steps"], first["batch_size"], first["lr"]) == ([16], 4, 8, 2e-3)
@@ -134,7 +134,7 @@ def test_a_resumed_run_records_its_config_lists_its_own_optimizer_and_goes_on_wi
     assert final["config"] == dict(first, steps=6)
     assert final["segments"] == 2 and final["total_wall_s"] > final["wall_s"] + elapsed * 0.99, final
     assert final["total_compute_s"] > final["compute_s"], final
-    with h5py.File(ckpt / "ckpt-00000006.h5", "r") as f:
+    with h5py.File(checkpoint_file(checkpoint_path(ckpt, 6)), "r") as f:
         assert json.loads(f.attrs["config"]) == final["config"] and int(f.attrs["segments"]) == 2
     from io import StringIO
     from contextlib import redirect_stdout

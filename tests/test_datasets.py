@@ -22,6 +22,7 @@ import h5py
 import numpy as np
 import pytest
 
+from conftest import checkpoint_file, newest_checkpoint
 from hpctrain import data
 from hpctrain.data.cifar import read_cifar10
 from hpctrain.base.errors import HpctrainError
@@ -290,6 +291,6 @@ def test_train_a_few_steps_on_each_format(fmt, tmp_path, job):
     assert r.returncode == 0, r.stderr
     with h5py.File(tmp_path / "p.h5") as f:
         assert f["layer0/W"].shape == (shape[0], 16) and f["layer1/W"].shape == (16, shape[1])
-    with h5py.File(sorted((tmp_path / "ckpt").glob("ckpt-*.h5"))[-1]) as f:
+    with h5py.File(checkpoint_file(newest_checkpoint(tmp_path / "ckpt"))) as f:
         assert (f.attrs["inputs"], f.attrs["classes"]) == shape
         assert f.attrs["num_params"] == shape[0] * 16 + 16 + 16 * shape[1] + shape[1]
