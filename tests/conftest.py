@@ -151,3 +151,13 @@ def checkpoint_floats(path):
                 out[name] = np.asarray(obj[()])
         f.visititems(visit)
     return out
+
+
+def copy_checkpoint(path, folder):
+    """Copy one checkpoint (a flat file or a named folder) into folder,
+    under its own name; returns the copy's path."""
+    import shutil
+    path, folder = Path(path), Path(folder)
+    to = folder / path.name
+    shutil.copytree(path, to) if path.is_dir() else shutil.copy(path, to)
+    return to

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import run_job, under_mpirun
+from conftest import checkpoint_path, run_job, under_mpirun
 from hpctrain import data, evaluate, generate
 from hpctrain.checkpoints import trained
 from hpctrain.checkpoints.model_record import ATTR
@@ -303,7 +303,7 @@ def test_a_model_meeting_other_data_is_one_line_in_every_command(trained_gpt, tm
                 "--batch-size", 4, "--steps", 8, "--lr", 1e-2, "--checkpoint-dir", tmp_path / "ckpt",
                 "--resume-other-data")
     assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith(
-        f"hpctrain: error: checkpoint {tmp_path / 'ckpt'}/ckpt-00000006.h5 was trained on vocabulary {mine} but "
+        f"hpctrain: error: checkpoint {checkpoint_path(tmp_path / 'ckpt', 6)} was trained on vocabulary {mine} but "
         f"data {other} holds {have}: resume on text of its vocabulary"), r.stderr
     assert "Traceback" not in r.stderr
 def test_top_p_samples_from_the_nucleus_only():

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import REPO, saved, same_bytes
+from conftest import REPO, checkpoint_path, remove_checkpoint, same_bytes, saved
 
 TINY = os.path.join(REPO, "tests", "models", "tiny_cnn.py")
 COMMON = ["--steps", "20", "--log-every", "10", "--batch-size", "8"]
@@ -56,7 +56,7 @@ def test_resume_is_bit_exact_with_dropout_and_batch_norm(job, tmp_path, mode):
     ckpt = tmp_path / "ckpt"
     stopped = [*flags, "--checkpoint-dir", ckpt, "--checkpoint-every", "10", "--save", tmp_path / "resumed.h5"]
     ok(job(ranks, *stopped))
-    (ckpt / "ckpt-00000020.h5").unlink()
+    remove_checkpoint(checkpoint_path(ckpt, 20))
     r = ok(job(ranks, *stopped))
     assert "at step 10" in r.stdout, r.stdout
     assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")

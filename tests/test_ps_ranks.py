@@ -15,11 +15,11 @@
 """
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
 
+from conftest import checkpoint_path, copy_checkpoint
 from hpctrain.run.cluster import PS_RULES, server_ranks
 
 # ---------------------------------------------------------------------------
@@ -191,7 +191,7 @@ def test_servers_on_later_ranks_train_the_same_and_checkpoints_move_between_layo
     for written, resumed, kw in (("first", "b", servers_at([1, 3])), ("later", "a", {})):
         where = tmp_path / resumed / "ckpt"
         where.mkdir(parents=True)
-        shutil.copy(tmp_path / written / "ckpt" / "ckpt-00000008.h5", where)
+        copy_checkpoint(checkpoint_path(tmp_path / written / "ckpt", 8), where)
         r = run(job, tmp_path / resumed, "--checkpoint-dir", where, *ckpt, "--ps-ranks", "first", **kw)
         assert "at step 8" in r.stdout, r.stdout
         assert_same(baseline, result(tmp_path / resumed))

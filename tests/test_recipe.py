@@ -10,7 +10,7 @@ bit, and bad values as one line and exit 2.
 import numpy as np
 import pytest
 
-from conftest import same_bytes, saved
+from conftest import checkpoint_path, remove_checkpoint, same_bytes, saved
 from hpctrain.run.plan import steps_for_epochs
 from hpctrain.optim.optimizers import make_optimizer
 from hpctrain.optim.lr_schedule import learning_rate, schedule_line
@@ -124,13 +124,13 @@ def test_recipe_survives_checkpoint_and_resume_bit_exact(job, tmp_path, mode):
     # 0.5 epochs of the bundled sample's 4500 training images at 2 workers x 32
     assert "= 36 steps" in r.stdout and "lr: cosine from 0.0001 (after 4 warm-up steps) to 1e-05 at step 36" \
         in r.stdout
-    (ckpt / "ckpt-00000036.h5").unlink()
+    remove_checkpoint(checkpoint_path(ckpt, 36))
     r = ok(job(n, *flags, "--save", tmp_path / "resumed.h5"))
     assert "at step 30" in r.stdout
     assert same_bytes(tmp_path / "full.h5", tmp_path / "resumed.h5")
     if mode == "ring":
         # a cosine that would end elsewhere takes another path: refused
-        (ckpt / "ckpt-00000036.h5").unlink()
+        remove_checkpoint(checkpoint_path(ckpt, 36))
         r = job(n, "--steps", 50, *recipe)
         lines = [s for s in r.stderr.splitlines() if s.strip()]
         assert r.returncode == 2 and len(lines) == 1, r.stderr
@@ -143,7 +143,7 @@ def test_step_schedule_resumes_bit_exact(job, tmp_path):
     flags = ["--steps", 25, *SMALL, "--optimizer", "momentum", "--lr", 0.01, "--lr-schedule", "step",
              "--lr-decay", 0.5, "--lr-decay-steps", 7, "--checkpoint-dir", ckpt, "--checkpoint-every", 10]
     ok(job(2, *flags, "--save", tmp_path / "full.h5"))
-    (ckpt / "ckpt-00000025.h5").unlink()
+    remove_checkpoint(checkpoint_path(ckpt, 25))
     r = ok(job(2, *flags, "--save", tmp_path / "resumed.h5"))
     assert "at step 20" in r.stdout
     assert same_bytes(tmp_path / "full.h5", tmp_path / "resumed.h5")

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 from tensorboardX.proto.event_pb2 import Event
 
-from conftest import REPO
+from conftest import REPO, checkpoint_path, remove_checkpoint
 
 COMMON = ["--steps", "30", "--hidden", "16", "--log-every", "5", "--eval-every", "10", "--batch-size", "16",
           "--lr", "0.002"]
@@ -98,8 +98,8 @@ def test_a_resumed_run_appends_and_reads_as_one(job, tmp_path):
     board, ckpt = tmp_path / "tb", tmp_path / "ckpt"
     flags = [*COMMON, "--tensorboard", board, "--checkpoint-dir", ckpt, "--checkpoint-every", "10"]
     assert job(2, *flags).returncode == 0
-    (ckpt / "ckpt-00000030.h5").unlink()
-    (ckpt / "ckpt-00000020.h5").unlink()
+    remove_checkpoint(checkpoint_path(ckpt, 30))
+    remove_checkpoint(checkpoint_path(ckpt, 20))
     r = job(2, *flags)
     assert r.returncode == 0 and "at step 10" in r.stdout, r.stderr
     assert len(os.listdir(board)) == 2

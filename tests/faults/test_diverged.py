@@ -3,7 +3,6 @@ step and exit 4 (EXIT_DIVERGED), and no checkpoint of those parameters.
 
     .venv/bin/python -m pytest tests/faults/test_diverged.py
 """
-import os
 
 import pytest
 
