@@ -25,6 +25,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import checkpoint_file, checkpoint_path, checkpoint_steps, copy_checkpoint, only_checkpoints
 from hpctrain.comm import ps
 from hpctrain.nn import mlp
 
@@ -554,18 +555,18 @@ def test_a_stopped_sync_run_resumes_where_an_uninterrupted_run_ends(job, tmp_pat
     r = job(4, *common, "--checkpoint-dir", ckpt, "--checkpoint-every", 15,
             **with_faults(FAULT_SIGNAL="1:22"))
     assert r.returncode == 75, r.stderr
-    assert f"stopped by SIGUSR1 after step 22; checkpoint {ckpt}/ckpt-00000022.h5" in r.stderr
-    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-00000015.h5", "ckpt-00000022.h5"]
+    assert f"stopped by SIGUSR1 after step 22; checkpoint {checkpoint_path(ckpt, 22)}" in r.stderr
+    assert checkpoint_steps(ckpt) == [15, 22] and only_checkpoints(ckpt), os.listdir(ckpt)
     periodic = tmp_path / "periodic"
     periodic.mkdir()
-    (periodic / "ckpt-00000015.h5").write_bytes((ckpt / "ckpt-00000015.h5").read_bytes())
+    copy_checkpoint(checkpoint_path(ckpt, 15), periodic)
     straight, _ = saved(tmp_path / "straight.h5")
     for directory, step in ((ckpt, 22), (periodic, 15)):
         r = ok(job(4, *common, "--checkpoint-dir", directory, "--save", tmp_path / "resumed.h5"))
-        assert f"resumed from {directory}/ckpt-{step:08d}.h5 at step {step}" in r.stdout
+        assert f"resumed from {checkpoint_path(directory, step)} at step {step}" in r.stdout
         resumed, attrs = saved(tmp_path / "resumed.h5")
         assert attrs["step"] == 40 and all(np.array_equal(straight[k], resumed[k]) for k in straight)
-        assert (directory / "ckpt-00000040.h5").exists()
+        assert 40 in checkpoint_steps(directory)
 
 
 @pytest.mark.parametrize("mode", ["sync-backup", "async"])
@@ -584,14 +585,14 @@ def test_a_checkpoint_is_one_cut_across_servers(job, tmp_path, mode):
                **with_faults(FAULT_SLOW_WORKER="0:0.02", PROBE_CUTS=str(cuts))))
     records = [json.loads(line) for line in cuts.read_text().splitlines()]
     assert records and records[-1]["kind"] == "final"
-    written = {p.name for p in ckpt.iterdir()}
+    written = set(checkpoint_steps(ckpt))
     for rec in records:
         one = len(set(rec["versions"])) == 1 and len(set(rec["ts"])) == 1
         if mode != "async":
             assert one, rec            # sync: the leader's hold makes every cut one version
-        assert f"ckpt-{rec['versions'][0]:08d}.h5" in written, rec
-    for name in written:
-        attrs = saved_attrs(ckpt / name)
+        assert rec['versions'][0] in written, rec
+    for step in written:
+        attrs = saved_attrs(checkpoint_file(checkpoint_path(ckpt, step)))
         assert attrs["optimizer_t"] == attrs["step"]      # Adam: one step per version, on every server
 
 
@@ -719,7 +720,7 @@ def test_a_worker_stuck_for_good_is_left_behind_and_the_result_is_written(job, t
     assert f["event"] == "final" and f["steps"] == 60 and f["abandoned_workers"] == [2]
     params, attrs = saved(save)
     assert attrs["step"] == 60 and attrs["mode"] == "ps"
-    assert (ckpt / "ckpt-00000060.h5").exists()
+    assert 60 in checkpoint_steps(ckpt)
 
 
 def test_a_server_that_stops_answering_is_a_deadline_error(job):
