@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import saved
+from conftest import checkpoint_path, copy_checkpoint, saved
 from test_zero import text_dir   # noqa: F401 (the fixture)
 from hpctrain.comm.tensor_group import TensorComm
 from hpctrain.nn import Flatten, Linear, ModelSpec, ReLU
@@ -306,7 +306,7 @@ def test_the_three_axes_together_train_the_gpt_of_accumulation(job, tmp_path, te
     assert "pipeline of 2 stages x 2 replicas" in r.stdout and "split over 2 consecutive ranks" in r.stdout
     assert np.allclose(got, want[:10], rtol=2e-5), (got, want)
     (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "ckpt-00000010.h5").write_bytes((tmp_path / "a" / "ckpt-00000010.h5").read_bytes())
+    copy_checkpoint(checkpoint_path(tmp_path / "a", 10), tmp_path / "b")
     for ranks, layout, ckpt in ((4, ["--accumulate-steps", 4, "--tensor-parallel", 2], "a"), (8, pipe, "b")):
         r, _, resumed = run(job, ranks, [*flags, "--steps", 20, *layout, "--checkpoint-dir", tmp_path / ckpt],
                             tmp_path, f"resumed-{ckpt}")
