@@ -28,7 +28,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import REPO, prepared_plays
+from conftest import REPO, checkpoint_path, copy_checkpoint, prepared_plays, remove_checkpoint
 from hpctrain import data
 from hpctrain.bench.against import extract
 from hpctrain.base.errors import HpctrainError
@@ -207,7 +207,7 @@ def resumed(job, code, out, ranks, flags, data_dir):
     flags = [*flags, "--checkpoint-dir", ckpt, "--checkpoint-every", "8"]
     train(job, code, out, ranks, flags, data_dir)
     for step in (16, 24):
-        (ckpt / f"ckpt-{step:08d}.h5").unlink()
+        remove_checkpoint(checkpoint_path(ckpt, step))
     r = train(job, code, out, ranks, flags, data_dir)
     assert "resumed from" in r.stdout and "at step 8" in r.stdout, r.stdout
 
@@ -301,7 +301,7 @@ def test_resumed_results_and_a_checkpoint_of_the_pinned_commit(job, tmp_path, pi
     assert_same(want, result(tmp_path / "now")[0])
     # the pinned run's step-8 checkpoint (its resume wrote only 16 and 24)
     (tmp_path / "mixed" / "ckpt").mkdir(parents=True)
-    shutil.copy(tmp_path / "pinned" / "ckpt" / "ckpt-00000008.h5", tmp_path / "mixed" / "ckpt")
+    copy_checkpoint(checkpoint_path(tmp_path / "pinned" / "ckpt", 8), tmp_path / "mixed" / "ckpt")
     r = train(job, REPO, tmp_path / "mixed", ranks,
               [*flags, "--checkpoint-dir", tmp_path / "mixed" / "ckpt", "--checkpoint-every", "8"], shards)
     assert "resumed from" in r.stdout and "at step 8" in r.stdout, r.stdout
