@@ -31,6 +31,10 @@ def pipe(stages, micro=3, schedule="1f1b", *split):
             *(["--pipeline-split", split[0]] if split else [])]
 
 
+# the tests that compare a flat file's datasets write flat files
+FLAT = ["--checkpoint-format", "flat"]
+
+
 def datasets(path):
     ckpt = reader.read(path)
     return {"params": ckpt.params, "data_positions": ckpt.data_positions, "model_state": ckpt.model_state,
@@ -59,7 +63,7 @@ def test_one_checkpoint_file_for_every_grid_and_ring_mode(job, tmp_path):
     under the other (and under other cuts): the same parameters at the end."""
     ring = ["--accumulate-steps", 3]
     for name, ranks, how in (("ring", 2, ring), ("pipe", 4, pipe(2))):
-        ok(job(ranks, *FLAGS, *MLP, *how, "--steps", 6, "--checkpoint-dir", tmp_path / name))
+        ok(job(ranks, *FLAGS, *MLP, *how, "--steps", 6, "--checkpoint-dir", tmp_path / name, *FLAT))
     ring_ck, pipe_ck = (tmp_path / n / "ckpt-00000006.h5" for n in ("ring", "pipe"))
     a, b = datasets(ring_ck), datasets(pipe_ck)
     assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a), sorted(a)
@@ -142,7 +146,7 @@ def test_a_sharded_stage_optimizer_gives_the_same_bits_in_half_the_state(job, tm
     flags = [*FLAGS, *MLP, *pipe(2)]
     finals = {}
     for shard in ("on", "off"):
-        ok(job(4, *flags, "--steps", 6, "--shard-optimizer", shard, "--checkpoint-dir", tmp_path / shard,
+        ok(job(4, *flags, "--steps", 6, "--shard-optimizer", shard, "--checkpoint-dir", tmp_path / shard, *FLAT,
                "--save", tmp_path / f"{shard}.h5", "--metrics", tmp_path / f"{shard}.jsonl"))
         finals[shard] = json.loads((tmp_path / f"{shard}.jsonl").read_text().splitlines()[-1])
     assert same_bytes(tmp_path / "on.h5", tmp_path / "off.h5")
@@ -192,7 +196,7 @@ def test_interleaved_chunks_checkpoint_resume_and_evaluate_as_ring_mode(job, tmp
     assert same_bytes(tmp_path / "inter.h5", tmp_path / "ring.h5")
     assert [e["step"] for e in evals["inter"]] == [4, 8, None] and evals["inter"] == evals["ring"], evals
     for name, n, how in (("inter-ck", ranks, inter), ("ring-ck", replicas, ring)):
-        ok(job(n, *flags, *how, "--steps", 6, "--checkpoint-dir", tmp_path / name, "--checkpoint-every", 3))
+        ok(job(n, *flags, *how, "--steps", 6, "--checkpoint-dir", tmp_path / name, "--checkpoint-every", 3, *FLAT))
     a, b = (datasets(tmp_path / name / "ckpt-00000006.h5") for name in ("inter-ck", "ring-ck"))
     assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a), sorted(a)
     for source, n, how, out in (("inter-ck", ranks, inter, "inter-inter"), ("inter-ck", replicas, ring, "inter-ring"),
