@@ -506,7 +506,7 @@ def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, ze
 
     ckpt_dir = tmp_path / "ckpt"
     resumable = [*common, "--checkpoint-dir", ckpt_dir, "--checkpoint-every", 10, "--save", tmp_path / "resumed.h5"]
-    stopped_at = 0
+    stopped_at, stopped_path = 0, None
     # Open MPI's mpirun turns SIGTERM into killing the ranks; it relays USR1.
     for sig in (signal.SIGUSR1, signal.SIGUSR1) if OPEN_MPI else (signal.SIGTERM, signal.SIGUSR1):
         r = run_and_signal(2, sig, ckpt_dir, stopped_at, *resumable)
@@ -517,16 +517,18 @@ def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, ze
                          r"run the same command again to resume", lines[0])
         assert m, lines[0]
         step, path = int(m.group(1)), m.group(2)
-        assert stopped_at < step < steps and path == str(ckpt_dir / f"ckpt-{step:08d}.h5")
+        # a named folder (the default) or a flat file
+        assert stopped_at < step < steps and path in (str(ckpt_dir / f"ckpt-{step:08d}"),
+                                                      str(ckpt_dir / f"ckpt-{step:08d}.h5"))
         assert checkpoint.list_checkpoints(ckpt_dir)[0] == (step, path)
         if stopped_at:
-            assert f"resumed from {ckpt_dir / f'ckpt-{stopped_at:08d}.h5'} at step {stopped_at}" in r.stdout
+            assert f"resumed from {stopped_path} at step {stopped_at}" in r.stdout
         assert not (tmp_path / "resumed.h5").exists()
-        stopped_at = step
+        stopped_at, stopped_path = step, path
 
     r = run(2, *resumable)
     assert r.returncode == 0, r.stderr
-    assert f"resumed from {ckpt_dir / f'ckpt-{stopped_at:08d}.h5'} at step {stopped_at}" in r.stdout
+    assert f"resumed from {stopped_path} at step {stopped_at}" in r.stdout
     assert_bit_identical(tmp_path / "full.h5", tmp_path / "resumed.h5")
     # the final checkpoint, and only the newest --keep-checkpoints (3)
     assert [s for s, _ in checkpoint.list_checkpoints(ckpt_dir)] == [steps, steps - 10, steps - 20]
@@ -536,7 +538,8 @@ def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, ze
 @needs_own_jobs
 def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
-    flags = ["--steps", 40, *SMALL, "--checkpoint-dir", ckpt_dir, "--checkpoint-every", 10]
+    flags = ["--steps", 40, *SMALL, "--checkpoint-dir", ckpt_dir, "--checkpoint-every", 10,
+             "--checkpoint-format", "flat"]   # one file to truncate
     r = run(2, *flags, "--save", tmp_path / "first.h5")
     assert r.returncode == 0, r.stderr
     newest = ckpt_dir / "ckpt-00000040.h5"
@@ -591,7 +594,7 @@ def test_a_checkpoint_resumes_only_on_the_data_it_was_trained_on(tmp_path):
     manifest = json.loads((other / data.MANIFEST).read_text())
     (other / data.MANIFEST).write_text(json.dumps(dict(manifest, seed=99)))
     ckpt_dir = tmp_path / "ckpt"
-    flags = ["--steps", 20, *SMALL, "--checkpoint-dir", ckpt_dir]
+    flags = ["--steps", 20, *SMALL, "--checkpoint-dir", ckpt_dir, "--checkpoint-format", "flat"]   # recheck: a file
     r = run(2, *flags)
     assert r.returncode == 0, r.stderr
     r = run(2, *flags, "--data", other, "--steps", 30)
@@ -619,7 +622,7 @@ def test_a_crafted_checkpoint_stops_the_job_in_one_line(tmp_path):
     # An epoch of 2**63-1 with valid checksums trained to the end and failed
     # at the last checkpoint (OverflowError, exit 1).
     ckpt_dir = tmp_path / "ckpt"
-    flags = [*SMALL, "--checkpoint-dir", ckpt_dir]
+    flags = [*SMALL, "--checkpoint-dir", ckpt_dir, "--checkpoint-format", "flat"]   # recheck edits a flat file
     r = run(2, "--steps", 10, *flags)
     assert r.returncode == 0, r.stderr
     path = ckpt_dir / "ckpt-00000010.h5"
