@@ -68,7 +68,7 @@ from typing import NamedTuple
 
 import pytest
 
-from conftest import under_mpirun
+from conftest import checkpoint_steps, checkpoints, under_mpirun
 from hpctrain.run.cluster import child_env
 from machine_lock import take_turn
 
@@ -239,7 +239,7 @@ PS_JOB = REPO / "jobs" / "ps.slurm"
 WORLD_LINE = re.compile(r"^hpctrain: world size (\d+) \(as expected\), 1 host: (\S+) x(\d+); "
                         r"rank -> host/local rank/GPU/pid: (.*)$", re.M)
 ACCURACY = re.compile(r"^test accuracy (\d+\.\d+)", re.M)
-STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+\.h5)")
+STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+(?:\.h5)?);")
 RESUMED = re.compile(r"^resumed from (\S+) at step (\d+)$", re.M)
 EXPECT_MSG = ("hpctrain: error: expected one MPI world of 4 ranks, got size 1 "
               "(srun without --mpi=pmi2? set HPCTRAIN_SRUN_MPI)")
@@ -307,8 +307,8 @@ def test_ring_job_trains_the_sample(slurm, tmp_path):
     final = _final_metrics(metrics)
     assert (final["mode"], final["world_size"], final["workers"], final["steps"]) == ("ring", 4, 4, 2000)
     # Checkpoints under <root>/<job name>/, the last one at the end of training.
-    ckpts = sorted((tmp_path / "runs").glob("hpctrain-test-*/ckpt-*.h5"))
-    assert ckpts and ckpts[-1].name == "ckpt-00002000.h5", (ckpts, out)
+    [job_dir] = (tmp_path / "runs").glob("hpctrain-test-*")
+    assert checkpoint_steps(job_dir)[-1:] == [2000], (os.listdir(job_dir), out)
     assert "hpctrain-job: finished" in out, out
 
 
@@ -337,7 +337,8 @@ def test_job_without_pmi_stops_with_one_clear_line(slurm, tmp_path):
     assert "test accuracy" not in out, out
     assert "hpctrain-job: hpctrain failed with exit code 2" in out, out
     assert "requeue" not in out, out
-    assert not list((tmp_path / "runs").glob("*/ckpt-*.h5")), "a singleton world wrote a checkpoint"
+    written = [c for d in (tmp_path / "runs").glob("*") for c in checkpoints(d)]
+    assert not written, "a singleton world wrote a checkpoint"
 
 
 @needs_mpich
@@ -434,7 +435,7 @@ def _interrupt_mid_run(slurm, script, flags, ckpt_dir, extra_env, scancel_args):
     send the signal with scancel. Returns (job id, job name, output file)."""
     env = {"HPCTRAIN_CHECKPOINT_DIR": str(ckpt_dir), **extra_env}
     job_id, name, out = _submit_nowait(slurm, script, *flags, env=env)
-    _wait_for("the first checkpoint", lambda: list(ckpt_dir.glob("ckpt-*.h5")), 120, job_id, slurm, out)
+    _wait_for("the first checkpoint", lambda: checkpoints(ckpt_dir), 120, job_id, slurm, out)
     sent = slurm.cmd("scancel", *scancel_args, job_id)
     assert sent.returncode == 0, sent.stderr
     return job_id, name, out
