@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, under_mpirun
+from conftest import REPO, checkpoints, under_mpirun
 from hpctrain.run.cluster import child_env
 
 pytestmark = pytest.mark.cluster
@@ -433,12 +433,12 @@ def test_sbatch_two_nodes_trains_as_on_one_node(cluster, tmp_path, mode):
         assert_same_params(saved, single)
 
 
-STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+\.h5)")
+STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+(?:\.h5)?);")
 RESUMED = re.compile(r"^resumed from (\S+) at step (\d+)$", re.M)
 
 
 def _first_checkpoint(cluster, ckpt, job_id, out):
-    cluster.wait("the first checkpoint", lambda: list(ckpt.glob("ckpt-*.h5")), 180, job_id, out)
+    cluster.wait("the first checkpoint", lambda: checkpoints(ckpt), 180, job_id, out)
 
 
 def _start_requeued_now(cluster, job_id, out, restarts=1):
