@@ -233,13 +233,14 @@ def test_a_resume_with_other_rounding_says_so_in_one_warning(job, tmp_path):
     """Checkpoints record how the layers rounded (`tuning`, beside
     init_version); a resume whose layers round otherwise warns, and goes on."""
     import h5py
+    from conftest import checkpoint_file
     from hpctrain.checkpoints.file import list_checkpoints
     pytest.importorskip("numba")
     common = ["--model", "small_cnn", "--batch-size", "4", "--threads", "1", "--checkpoint-dir", tmp_path / "c",
               "--checkpoint-every", "2"]
     r = job(1, *common, "--steps", "2", "--compiled-layers", "off")
     assert r.returncode == 0, r.stderr
-    with h5py.File(list_checkpoints(str(tmp_path / "c"))[0][1], "r") as f:
+    with h5py.File(checkpoint_file(list_checkpoints(str(tmp_path / "c"))[0][1]), "r") as f:
         assert f.attrs["tuning"] == "NumPy" and "init_version" in f.attrs
     r = job(1, *common, "--steps", "4", "--compiled-layers", "on")
     assert r.returncode == 0, r.stderr
