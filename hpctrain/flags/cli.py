@@ -387,7 +387,7 @@ def _ps_flags(g):
 
 
 def _output_flags(g):
-    g.add_argument("--checkpoint-dir", metavar="DIR", type=_path, default=None, help="write checkpoints here (chief only)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", type=_path, default=None, help="write checkpoints here (each rank its own parts, the chief the index)")
     g.add_argument("--checkpoint-every", type=nonneg_int, default=0,
                    help="checkpoint every N steps (0: only on SIGTERM/SIGUSR1/SIGHUP and at the end) (default: %(default)s)")
     g.add_argument("--keep-checkpoints", type=positive_int, default=3, help="keep the newest K checkpoints (default: %(default)s)")
