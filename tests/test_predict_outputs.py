@@ -62,10 +62,11 @@ def test_an_output_that_is_one_of_the_inputs_is_refused_however_it_is_spelt(inpu
              (evaluate, "datalink/manifest.json", in_data("datalink/manifest.json")),
              (evaluate, "m.json", "would overwrite the run's input data/manifest.json (a file of the --data folder "
                                   "data; m.json is a hard link of it)"),
+             # a checkpoint is a folder (the named default): an output inside --checkpoint's folder
              (("evaluate", "--checkpoint", "ckpt", "--data", "data", "--plot"), f"ckpt/{ckpt}",
-              in_data(f"ckpt/{ckpt}", "ckpt", "the --checkpoint folder")),
+              "would write inside the run's input ckpt (the --checkpoint folder); name a path elsewhere"),
              (("evaluate", "--checkpoint", f"ckpt/{ckpt}", "--data", "data", "--plot"), f"./ckpt/{ckpt}",
-              f"would overwrite the run's input ckpt/{ckpt} (the --checkpoint file)"),
+              f"would write into the run's input ckpt/{ckpt} (the --checkpoint folder)"),
              (predict, "p.h5", the_params), (predict, "hard.h5", the_params),
              (predict, "./red.png", "would overwrite the run's input red.png (an IMAGE to classify)"),
              (("predict", "--params", "p.h5", "--data", "data", "--out"), "data/manifest.json",

@@ -18,8 +18,9 @@ Environment:
                       of the job can see it any more (the launcher's wait)
   FAULT_PID_DIR=DIR   every rank writes its pid to DIR/rank-<rank>.pid
   FAULT_STAGE_STOP=R:WHERE  rank R of a pipeline stops itself (SIGSTOP) at its
-                      first pipelined evaluation (WHERE=eval) or as it sends its
-                      stage's slices for the first checkpoint (WHERE=checkpoint)
+                      first pipelined evaluation (WHERE=eval) or as it writes its
+                      parts of the first checkpoint (WHERE=checkpoint: its own file,
+                      or with --checkpoint-format flat its parts sent to the chief)
   FAULT_LOOP_STOP=R:MODE  rank R stops itself (SIGSTOP) as the training loop
                       of MODE (ring, ps or pipe) starts, before its first collective
                       (the loop's own communicators)
@@ -102,7 +103,15 @@ def stop_a_stage(rank, where):
     from hpctrain.state import consumers
     if where == "eval":
         cls, name = engine.Engine, "evaluate"
-    else:   # a (flat) checkpoint: every rank sends the chief its writer parts
+    else:   # a checkpoint: named (the default), each rank writes its own file; flat, it sends the chief its parts
+        from hpctrain.checkpoints import named
+        write = named._write_rank_file
+
+        def stopping_write(*args, **kwargs):
+            if cluster.launcher_env()[0] == rank:
+                stop_here()
+            return write(*args, **kwargs)
+        named._write_rank_file = stopping_write
         cls, name = consumers.ToChief, "send"
     original = getattr(cls, name)
 
