@@ -13,6 +13,8 @@ PY     := $(VENV)/bin/python
 MPIRUN := $(VENV)/bin/mpirun
 NP     ?= 4
 ARGS   ?=
+# The interop tests' torch: the CPU build (PyPI's default wheel carries CUDA, several GB).
+TORCH  ?= torch==2.13.0
 # An MPI test that hangs is a bug: kill it rather than CI.
 MPI_TEST_TIMEOUT ?= 900
 
@@ -21,7 +23,8 @@ MPI_TEST_TIMEOUT ?= 900
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mpich,test,plot,images,tensorboard]'
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[mpich,test,plot,images,tensorboard,interop]'
 	touch $@
 
 run: $(VENV)/.installed
