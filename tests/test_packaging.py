@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 
 # pip name -> conda-forge name, where they differ in more than version pins.
-PIP_TO_CONDA = {"mpich": "openmpi", "cupy-cuda12x": "cupy"}
+PIP_TO_CONDA = {"mpich": "openmpi", "cupy-cuda12x": "cupy", "torch": "pytorch"}
 
 
 def _name(spec):
