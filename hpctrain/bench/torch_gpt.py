@@ -5,7 +5,7 @@ benchmark-only dependency (`pip install torch`), imported here alone.
 The twin is karpathy/nanoGPT's model.py as PyTorch users run it on a CPU:
 token and position embeddings, pre-LN blocks (one fused qkv Linear,
 F.scaled_dot_product_attention(is_causal=True), the output projection;
-MLP E -> 4E, exact GELU, 4E -> E), the final LayerNorm, the head tied to
+MLP E -> 4E, exact GELU (act=gelu_tanh: the tanh form), 4E -> E), the final LayerNorm, the head tied to
 the token embedding (lm_head.weight = wte.weight). torch keeps a Linear's
 weight as (out, in), hpctrain as (in, out): `same_gpt` copies hpctrain's
 initial parameters across transposed (the qkv columns are q, k, v, each
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 
-def build(vocab, block_size, layers, heads, width, dropout=0.0):
+def build(vocab, block_size, layers, heads, width, dropout=0.0, act="gelu", eps=1e-5):
     """The torch module: (batch, T) token ids -> (batch, T, vocab) logits."""
     import torch
     import torch.nn as tnn
@@ -38,8 +38,9 @@ def build(vocab, block_size, layers, heads, width, dropout=0.0):
     class Block(tnn.Module):
         def __init__(self):
             super().__init__()
-            self.ln_1, self.attn, self.ln_2 = tnn.LayerNorm(width), Attention(), tnn.LayerNorm(width)
-            self.mlp = tnn.Sequential(tnn.Linear(width, 4 * width), tnn.GELU(), tnn.Linear(4 * width, width))
+            self.ln_1, self.attn, self.ln_2 = tnn.LayerNorm(width, eps), Attention(), tnn.LayerNorm(width, eps)
+            gelu = tnn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
+            self.mlp = tnn.Sequential(tnn.Linear(width, 4 * width), gelu, tnn.Linear(4 * width, width))
             self.drop1, self.drop2 = tnn.Dropout(dropout), tnn.Dropout(dropout)
 
         def forward(self, x):
@@ -52,7 +53,7 @@ def build(vocab, block_size, layers, heads, width, dropout=0.0):
             self.wte, self.wpe = tnn.Embedding(vocab, width), tnn.Embedding(block_size, width)
             self.drop = tnn.Dropout(dropout)
             self.h = tnn.ModuleList(Block() for _ in range(layers))
-            self.ln_f = tnn.LayerNorm(width)
+            self.ln_f = tnn.LayerNorm(width, eps)
             self.lm_head = tnn.Linear(width, vocab, bias=False)
             self.lm_head.weight = self.wte.weight   # tied, as nanoGPT's
 
@@ -91,14 +92,14 @@ def same_gpt(options, vocab, block_size, batch=4, seed=0):
     difference| of one evaluation forward on the same random tokens."""
     import torch
     from ..nn import gpt
-    spec = gpt(vocab, block_size, options["layers"], options["heads"], options["width"], options["dropout"])
+    spec = gpt(vocab, block_size, **options)
     model = spec.build()
     model.init(seed)
     rng = np.random.default_rng(seed)
     for layer in model.layers:   # off the initial values: biases (0) and LayerNorm's gamma (1) checked too
         for v in layer.params.values():
             v += rng.normal(0, 0.05, v.shape).astype(v.dtype)
-    twin = build(vocab, block_size, options["layers"], options["heads"], options["width"], options["dropout"])
+    twin = build(vocab, block_size, **options)
     copy_parameters(model, twin)
     twin.eval()
     ids = rng.integers(0, vocab, (batch, block_size))
@@ -121,7 +122,7 @@ def _rank(rank, world, shape, steps, batch, threads, rendezvous, out):
     torch.set_num_threads(threads)
     torch.manual_seed(rank)
     vocab, block_size, options = shape
-    module = build(vocab, block_size, options["layers"], options["heads"], options["width"], options["dropout"])
+    module = build(vocab, block_size, **options)
     x = torch.randint(0, vocab, (batch, block_size))
     y = torch.randint(0, vocab, (batch * block_size,))
     timed_steps(rank, world, module, lambda m: F.cross_entropy(m(x).view(-1, vocab), y), steps,

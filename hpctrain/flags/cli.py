@@ -169,8 +169,9 @@ def _training_flags(p):
                    help="--optimizer adam's decay rates of the gradient's first and second moments, each in "
                         "[0, 1) (nanoGPT: 0.9,0.99) (default: 0.9,0.999)")
     g.add_argument("--model", type=_model, default="mlp", metavar="NAME|FILE.py:FUNCTION",
-                   help=f"the network: {', '.join(MODELS)}, gpt:layers=L,heads=H,width=E[,dropout=P] (nanoGPT's, on text "
-                        f"data) (docs/models.md), or FUNCTION(input_shape, classes) "
+                   help=f"the network: {', '.join(MODELS)}, gpt:layers=L,heads=H,width=E[,dropout=P][,act=A]"
+                        f"[,eps=X] (nanoGPT's, on text data; act=gelu_tanh: GPT-2's GELU; eps: the LayerNorms' "
+                        f"epsilon, default 1e-5) (docs/models.md), or FUNCTION(input_shape, classes) "
                         f"of your own FILE.py returning a list of layers (default: %(default)s)")
     g.add_argument("--block-size", type=positive_int, default=256, metavar="T",
                    help="text data (prepare --text): the tokens a sample holds, the model's context length "

@@ -1,6 +1,8 @@
-"""GELU, the exact form nanoGPT uses (PyTorch's nn.GELU(), approximate='none'):
-gelu(x) = x * Phi(x), Phi the standard normal distribution function,
-Phi(x) = (1 + erf(x / sqrt 2)) / 2, not the tanh approximation.
+"""GELU, by default the exact form nanoGPT uses (PyTorch's nn.GELU(),
+approximate='none'): gelu(x) = x * Phi(x), Phi the standard normal
+distribution function, Phi(x) = (1 + erf(x / sqrt 2)) / 2; with
+approximate="tanh" (PyTorch's name; `--model gpt:...,act=gelu_tanh`) GPT-2's
+form, transformers' gelu_new: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
 
 NumPy has no erf, SciPy is not a dependency, and math.erf one element at a
 time (np.frompyfunc) is a Python call per element. So Phi is computed here
@@ -22,6 +24,14 @@ erf form still, evaluated to float32's precision as PyTorch's CPU kernel
 evaluates it, 4x faster than Cody's intervals there), on float64 Cody's
 erfc element by element, its interval only; within a few float32 ulps of
 |x| of this path, not its bits.
+
+The tanh form is x S(x), S(x) = (1 + tanh u) / 2 = 1 / (1 + exp(-2u)),
+u = sqrt(2/pi) (x + 0.044715 x^3), evaluated as the logistic of 2u with
+e = exp(-2|u|) <= 1: S = 1 / (1 + e) or e / (1 + e), and its derivative
+S' = 2 u' e / (1 + e)^2, so neither tail cancels (1 + tanh u near u = -9
+is 0 in float32, e / (1 + e) is not). Both forms keep S and S' from the
+forward, so the backward is one: dx = dy (S + x S'). With compiled layers
+the tanh form is one pass each way too, in float64 rounded once (nn/passes.py).
 
     python -m pytest -q tests/test_transformer_layers.py -k gelu
 """
@@ -68,18 +78,52 @@ def _gauss_then_kernel(x, y, cdf, phi):
     passes.gelu_forward(x, y, cdf, phi)
 
 
+# The tanh form's constants: u = K x (1 + C x^2), u' = K (1 + 3 C x^2).
+TANH_K, TANH_C = math.sqrt(2 / math.pi), 0.044715
+APPROXIMATE = ("none", "tanh")
+
+
+def tanh_gate(xp, x, y, cdf, slope, e):
+    """The tanh form on xp's arrays of one shape, in their dtype: cdf = S(x),
+    slope = S'(x), y = x S(x), e scratch (see the module's docstring)."""
+    t = x.dtype.type
+    xp.multiply(x, x, out=slope)
+    xp.multiply(slope, t(TANH_K * TANH_C), out=cdf)
+    cdf += t(TANH_K)
+    cdf *= x                                        # u
+    slope *= t(6 * TANH_K * TANH_C)
+    slope += t(2 * TANH_K)                          # 2 u'
+    xp.abs(cdf, out=e)
+    e *= t(-2)
+    xp.exp(e, out=e)                                # exp(-2|u|), in (0, 1]
+    slope *= e
+    cdf[...] = xp.where(cdf < 0, e, t(1))
+    e += t(1)
+    cdf /= e
+    slope /= e
+    slope /= e
+    xp.multiply(x, cdf, out=y)
+
+
 class GELU(Layer):
-    """y = x Phi(x), the exact (erf) form; its derivative Phi(x) + x phi(x),
-    phi the normal density. Keeps its input and Phi(x) for the backward."""
+    """y = x Phi(x), the exact (erf) form, or with approximate="tanh" GPT-2's
+    x S(x); the derivative S(x) + x S'(x) (exact: Phi + x phi, phi the
+    normal density). Keeps its input and S(x) (tanh: S'(x) too) for the backward."""
     keeps_output = False   # its backward reads its input and Phi
     elementwise = tokenwise = True
     kernel = "gelu"
+
+    def __init__(self, approximate="none"):
+        if approximate not in APPROXIMATE:
+            raise ValueError(f"GELU(approximate={approximate!r}): one of {', '.join(map(repr, APPROXIMATE))}")
+        self.approximate = approximate
 
     def bind(self, xp, params, grads, state):
         super().bind(xp, params, grads, state)
         self.compiled = compiled.on() and xp is np   # one pass each way (nn/passes.py)
         if self.compiled:
-            passes.prepare(("gelu_forward", "gelu_backward"))
+            forward = "gelu_tanh_forward" if self.approximate == "tanh" else "gelu_forward"
+            passes.prepare((forward, "gelu_backward"))
 
     def _rows(self, fn, *arrays):
         """fn over the flat arrays, split into rows over the compute threads."""
@@ -91,7 +135,14 @@ class GELU(Layer):
     def forward(self, ctx, x, train):
         cdf = ctx.buffer("cdf", x.shape, x.dtype)
         y = ctx.buffer(("out", train), x.shape, x.dtype)
-        if self.compiled and x.flags.c_contiguous:   # the density too, for the gradient
+        if self.approximate == "tanh":   # S' kept as the exact form's compiled path keeps phi
+            phi = ctx.phi = ctx.buffer("phi", x.shape, x.dtype)
+            if self.compiled and x.flags.c_contiguous:
+                self._rows(passes.gelu_tanh_forward, x, y, cdf, phi)
+            else:
+                self._rows(lambda *flat: tanh_gate(self.xp, *flat), x, y, cdf, phi,
+                           ctx.buffer("e", x.shape, x.dtype))
+        elif self.compiled and x.flags.c_contiguous:   # the density too, for the gradient
             phi = ctx.phi = ctx.buffer("phi", x.shape, x.dtype)
             self._rows(_gauss_then_kernel, x, y, cdf, phi)
         else:
@@ -109,6 +160,11 @@ class GELU(Layer):
         if self.compiled and x.flags.c_contiguous and dy.flags.c_contiguous:
             self._rows(passes.gelu_backward, x, ctx.cdf, ctx.phi, dy, dx)
             return dx
+        if self.approximate == "tanh":   # S' from the forward
+            xp.multiply(x, ctx.phi, out=dx)
+            dx += ctx.cdf
+            dx *= dy
+            return dx
         # phi(x) = exp(-x^2 / 2) / sqrt(2 pi), into dx, then x phi + Phi, times dy
         xp.multiply(x, x, out=dx)
         dx *= x.dtype.type(-0.5)
@@ -121,12 +177,12 @@ class GELU(Layer):
 
     def train_floats(self):
         # its output, Phi, the input gradient, with compiled layers the density (and on NumPy erfc's
-        # temporaries, a few per unit while it runs)
-        return 4 * math.prod(self.in_shape)
+        # temporaries, a few per unit while it runs; the tanh form's scratch)
+        return (5 if self.approximate == "tanh" else 4) * math.prod(self.in_shape)
 
     def flops(self):
         return 30 * math.prod(self.in_shape)   # Cody's ratios and two exps, in multiply-adds roughly
 
     def describe(self):
-        return "GELU"
+        return "GELU(tanh)" if self.approximate == "tanh" else "GELU"
 

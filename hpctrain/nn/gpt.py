@@ -5,6 +5,10 @@
     Dropout(p)                     on the sum
     Block(E, heads, p) x L         pre-LN residual blocks (nn/transformer.py)
     LayerNorm                      the final one
+
+act="gelu_tanh" gives every block's MLP GPT-2's tanh GELU (nn/gelu.py;
+transformers' gelu_new) instead of the exact one; eps is every LayerNorm's
+epsilon (1e-5: PyTorch's, nanoGPT's and GPT-2's).
     Linear(vocab, bias=False)      the head, tied to the token embedding
                                    transposed (nanoGPT's lm_head.weight = wte.weight)
 
@@ -24,6 +28,7 @@ A model file (`--model FILE.py:build`, nn/user.py) returns the pair:
 """
 import math
 
+from ..flags.model_names import ACTS, DEFAULT_ACT, DEFAULT_EPS
 from .embedding import Embedding
 from .layers import Dropout, LayerError
 from .linear import Linear
@@ -35,7 +40,7 @@ from .transformer import Block, PositionEmbedding
 STD = 0.02   # nanoGPT's weight scale
 
 
-def gpt_layers(vocab, block_size, layers, heads, width, dropout=0.0):
+def gpt_layers(vocab, block_size, layers, heads, width, dropout=0.0, act=DEFAULT_ACT, eps=DEFAULT_EPS):
     """(the layer list, its loss): what a user's model file returns
     (nn/user.py) to train nanoGPT's model on tokens of (block_size,)."""
     vocab, layers, heads, width = int(vocab), int(layers), int(heads), int(width)
@@ -44,19 +49,25 @@ def gpt_layers(vocab, block_size, layers, heads, width, dropout=0.0):
                          f"width={width}): each must be at least 1")
     if width % heads:
         raise LayerError(f"gpt: the width {width} is not a multiple of the heads ({heads})")
+    if act not in ACTS:
+        raise LayerError(f"gpt: act={act!r} is not one of {', '.join(ACTS)}")
+    if not 0 < eps < 1:
+        raise LayerError(f"gpt: eps={eps!r} is not in (0, 1)")
+    approximate = "tanh" if act == "gelu_tanh" else "none"
     out_std = STD / math.sqrt(2 * layers)
     # --tensor-parallel: the vocabulary split over the group (the embedding's rows, the tied head's
     # units), each Block by its inner layers' roles (nn/transformer.py)
     embedding = Embedding(vocab, width, std=STD, role="vocab")
     model = [embedding, PositionEmbedding(STD), Dropout(dropout)]
-    model += [Block(width, heads, dropout, std=STD, out_std=out_std) for _ in range(layers)]
-    model += [LayerNorm(), Linear(vocab, bias=False, role="vocab").tie("W", embedding, "E",
+    model += [Block(width, heads, dropout, std=STD, out_std=out_std, approximate=approximate, eps=eps)
+              for _ in range(layers)]
+    model += [LayerNorm(eps), Linear(vocab, bias=False, role="vocab").tie("W", embedding, "E",
                                                                                  transposed=True)]
     return model, TokenCrossEntropy()
 
 
-def gpt(vocab, block_size, layers, heads, width, dropout=0.0, name="gpt"):
+def gpt(vocab, block_size, layers, heads, width, dropout=0.0, act=DEFAULT_ACT, eps=DEFAULT_EPS, name="gpt"):
     """nanoGPT's model as a spec: input (block_size,) token ids, logits
     (block_size, vocab)."""
-    model, loss = gpt_layers(vocab, block_size, layers, heads, width, dropout)
+    model, loss = gpt_layers(vocab, block_size, layers, heads, width, dropout, act, eps)
     return ModelSpec(model, (int(block_size),), int(vocab), name=name, loss=loss)

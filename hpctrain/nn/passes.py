@@ -2,7 +2,8 @@
 on (nn/compiled.py use/on, --compiled-layers): batch norm's statistics,
 normalising, gradient sums and input gradient (nn/batchnorm.py), max
 pooling with windows k apart (nn/pool.py), ReLU's gradient
-(nn/layers.py), LayerNorm's two (nn/norm.py), GELU's two (nn/gelu.py),
+(nn/layers.py), LayerNorm's two (nn/norm.py), GELU's two (nn/gelu.py;
+the tanh form's forward its own),
 attention's causal softmax, forward and backward, over each row's
 unmasked part only (nn/attention.py), and an embedding's gradient
 (nn/embedding.py). Plain loops, no fastmath: each element gets the NumPy
@@ -12,7 +13,8 @@ adds in np.add.at's order: the same bits), except:
   "reassoc", _ROW_SUMS), and the softmax's exp (NumPy's, in the dtype);
 - GELU's forward: on float64 Cody's erfc (nn/erfc.py) one element at a
   time, only the interval the element is in, each result rounded once; on
-  float32 a branch-free fit in float32 lanes (nn/gelu_fast.py).
+  float32 a branch-free fit in float32 lanes (nn/gelu_fast.py); the tanh
+  form's in float64, each result rounded once.
 Those are within a few units of the last place of the NumPy path, not its
 bits (tests/test_compiled.py).
 
@@ -225,6 +227,25 @@ def _gelu_forward(x, y, cdf, phi):
         y[i] = x[i] * cdf[i]
 
 
+_TANH_K, _TANH_C = math.sqrt(2 / math.pi), 0.044715   # nn/gelu.py TANH_K, TANH_C
+
+
+def _gelu_tanh_forward(x, y, cdf, phi):
+    """GPT-2's tanh GELU (nn/gelu.py tanh_gate's arithmetic) an element at a
+    time in float64, each result rounded once: cdf = S(x), the logistic of
+    2u, u = K x (1 + C x^2); phi = S'(x) = 2 u' e / (1 + e)^2, e =
+    exp(-2|u|); y = x cdf in the dtype; flat arrays."""
+    for i in range(x.shape[0]):
+        v = float(x[i])
+        s = v * v
+        u = v * (_TANH_K + _TANH_K * _TANH_C * s)
+        e = math.exp(-2.0 * abs(u))
+        d = 1.0 + e
+        cdf[i] = (e if u < 0 else 1.0) / d
+        phi[i] = (2.0 * _TANH_K + 6.0 * _TANH_K * _TANH_C * s) * e / (d * d)
+        y[i] = x[i] * cdf[i]
+
+
 def _gelu_backward(x, cdf, phi, dy, dx):
     """dx = dy (Phi(x) + x phi(x)) in float64, rounded once; flat arrays."""
     for i in range(x.shape[0]):
@@ -329,6 +350,7 @@ _PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalis
           "bn_gradient_sums": (_bn_gradient_sums, "mmvvo"), "bn_input_gradient": (_bn_input_gradient, "mmvvvvvm"),
           "max_pool_forward": (_max_pool_forward, "iiuk"), "max_pool_backward": (_max_pool_backward, "iuik"),
           "relu_backward": (_relu_backward, "ff"), "gelu_forward": (_gelu_forward, "ffff"),
+          "gelu_tanh_forward": (_gelu_tanh_forward, "ffff"),
           "gelu_backward": (_gelu_backward, "fffff"), "causal_shift": (_causal_shift, "cd"),
           "causal_normalise": (_causal_normalise, "c"),
           "layer_norm": (_layer_norm, "mvvdmfm"), "layer_norm_backward": (_layer_norm_backward, "mvmfm"),
@@ -462,6 +484,10 @@ def gelu_forward(x, y, cdf, phi):
         _fast_gelu()(x, y, cdf, phi)
     else:
         _plain("gelu_forward", x.dtype)(x, y, cdf, phi)
+
+
+def gelu_tanh_forward(x, y, cdf, phi):
+    _plain("gelu_tanh_forward", x.dtype)(x, y, cdf, phi)
 
 
 def gelu_backward(x, cdf, phi, dy, dx):

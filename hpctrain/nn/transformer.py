@@ -22,7 +22,7 @@ from .chain import Chain, Container
 from .gelu import GELU
 from .layers import Context, Dropout, Layer, LayerError
 from .linear import Linear, normal
-from .norm import LayerNorm
+from .norm import EPS, LayerNorm
 
 
 class PositionEmbedding(Layer):
@@ -81,16 +81,17 @@ class PositionEmbedding(Layer):
 class Block(Container):
     """A pre-LN transformer block of `width` (the input's last axis),
     `heads` attention heads, dropout p on the attention and on both
-    residual branches."""
+    residual branches, its GELU `approximate` ("none" exact, "tanh"
+    GPT-2's: nn/gelu.py), its two LayerNorms' epsilon `eps`."""
     keeps_output = False   # its backward reads its inner layers' own buffers
     recompute_unit = True  # --recompute's grain: one block (nn/sequential.LayerRange)
     role = "block"         # --tensor-parallel: its inner layers split by their own roles (join)
 
-    def __init__(self, width, heads, dropout=0.0, std=0.02, out_std=0.02):
+    def __init__(self, width, heads, dropout=0.0, std=0.02, out_std=0.02, approximate="none", eps=EPS):
         self.width = int(width)
-        self.attn_path = [LayerNorm(), CausalSelfAttention(heads, dropout, std, out_std), Dropout(dropout)]
+        self.attn_path = [LayerNorm(eps), CausalSelfAttention(heads, dropout, std, out_std), Dropout(dropout)]
         # --tensor-parallel: the attention by heads, fc column- and proj row-parallel (Megatron's MLP)
-        self.mlp_path = [LayerNorm(), Linear(4 * self.width, std=std, role="column"), GELU(),
+        self.mlp_path = [LayerNorm(eps), Linear(4 * self.width, std=std, role="column"), GELU(approximate),
                          Linear(self.width, std=out_std, role="row"), Dropout(dropout)]
         self.inner = list(zip(("ln1", "attn", "drop1"), self.attn_path)) + \
             list(zip(("ln2", "fc", "gelu", "proj", "drop2"), self.mlp_path))
@@ -169,6 +170,7 @@ class Block(Container):
         return sum(layer.flops() for _, layer in self.inner) + 2 * math.prod(self.in_shape)
 
     def describe(self):
-        attn = self.attn_path[1]
+        attn, gelu, eps = self.attn_path[1], self.mlp_path[2], self.attn_path[0].eps
         drop = f", dropout={self.attn_path[2].p:g}" if self.attn_path[2].p else ""
-        return f"Block({self.width}, heads={attn.heads}{drop})"
+        act = ", act=gelu_tanh" if gelu.approximate == "tanh" else ""
+        return f"Block({self.width}, heads={attn.heads}{drop}{act}{f', eps={eps:g}' if eps != EPS else ''})"

@@ -15,9 +15,10 @@ into a spec.
                average pooling, dense.
     small_cnn: conv32 - pool - conv64 - pool - dense256 - dense (3x3 convolutions,
                padding 1): issue 21's benchmark net.
-    gpt:layers=L,heads=H,width=E[,dropout=P]: nanoGPT's model on text data
-               (nn/gpt.py), its context --block-size tokens, its head the
-               vocabulary, scored per token.
+    gpt:layers=L,heads=H,width=E[,dropout=P][,act=A][,eps=X]: nanoGPT's model
+               on text data (nn/gpt.py), its context --block-size tokens, its
+               head the vocabulary, scored per token; act=gelu_tanh GPT-2's
+               GELU, eps every LayerNorm's epsilon (flags/model_names.py).
 
 Every function takes (input_shape, classes) and sizes itself from the image
 shape; each model is scored by the spec's default loss, softmax
