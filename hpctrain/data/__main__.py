@@ -14,6 +14,7 @@ NumPy, HDF5 or CSV files, token shards from text, or download a dataset.
     python -m hpctrain.data prepare --source mnist_train.csv --out data/mine
     python -m hpctrain.data prepare --source data/shakespeare/input.txt --out data/shakespeare-chars --text chars
     python -m hpctrain.data prepare --source corpus/ --out data/corpus-bpe --text bpe:4096 --val-fraction 0.05
+    python -m hpctrain.data prepare --source corpus/ --out data/corpus-gpt2 --text tokenizer:gpt2/
 
 Bad input is one line on stderr (`hpctrain: error: ...`) and exit 2; no
 command prints the help and exits 2. No MPI here (house rule).
@@ -53,10 +54,12 @@ def build_parser(prog="python -m hpctrain.data"):
                          "y_test), .h5 or .csv (label, pixels...) file (default: the bundled 5k "
                          f"sample, {bundled_sample_dir()}); with --text, a text file or a folder of "
                          f".txt files (default: the bundled Shakespeare, {bundled_text_path()})")
-    pp.add_argument("--text", metavar="chars|bytes|bpe:N", default=None,
+    pp.add_argument("--text", metavar="chars|bytes|bpe:N|tokenizer:PATH", default=None,
                     help="prepare text as token shards instead of images: its characters as the "
-                         "vocabulary, the 256 byte values, or a byte-level BPE of N tokens trained on it "
-                         "(saved as tokenizer.json beside the shards); the held-out split is the last "
+                         "vocabulary, the 256 byte values, a byte-level BPE of N tokens trained on it "
+                         "(saved as tokenizer.json beside the shards), or a Hugging Face tokenizer.json "
+                         "(PATH: the file, or a folder holding it, such as GPT-2's; kept as bpe:N's is, its "
+                         "size the model's vocabulary); the held-out split is the last "
                          "--val-fraction of the tokens")
     pp.add_argument("--images", metavar="NAME|A.npy", default=None,
                     help="the images' array in an .npz or HDF5 --source; without --source, a .npy file")

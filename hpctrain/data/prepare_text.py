@@ -2,17 +2,20 @@
 
     python -m hpctrain.data prepare --source data/shakespeare/input.txt --out data/shakespeare-chars --text chars
     python -m hpctrain.data prepare --source corpus/ --out data/corpus-bpe --text bpe:4096 --val-fraction 0.05
+    python -m hpctrain.data prepare --source corpus/ --out data/corpus-gpt2 --text tokenizer:gpt2/tokenizer.json
 
 or in code `prepare_text(source, out, text="chars")`, which returns the
 manifest. The corpus (text.py: a file or a folder's .txt files) is encoded
-whole with its vocabulary (vocab.py: chars, bytes, bpe:N); its last
+whole with its vocabulary (vocab.py: chars, bytes, bpe:N, or a given
+tokenizer.json, tokenizer:PATH, kept as bpe:N's is); its last
 --val-fraction of tokens (default 0.1) is the held-out split, written once
 (test-00000-of-00001.h5) and listed as both "test" and "val", so validation
 and the final test read text training never saw; the rest is
 train-00000-of-00001.h5. Each shard holds one dataset, `tokens`, uint8 when
 the vocabulary has at most 256 tokens, else uint16. The manifest says
 `"kind": "tokens"` and records the vocabulary (its characters for chars; the
-BPE's tokenizer.json, saved beside the shards, by name and sha256), the
+BPE's tokenizer.json, saved beside the shards, by name and sha256, and for
+tokenizer:PATH the path it came from), the
 token counts, the source files and every file's sha256. As with images
 (prepare.py), everything is written to a temporary sibling of --out and
 renamed into place: --out is complete or untouched. No MPI here (house rule).
@@ -31,19 +34,24 @@ from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, shard_name, tok
 from .prepare import _check_not_input, _check_out, _install, _make_tmp, _resolve_out, _tmp_name
 from .stopping import signals_held, stops_cleanly, sweep_stale_tmps
 from .text import decode_utf8, read_corpus
-from .vocab import TOKENIZER, parse_text, train_vocabulary
+from .vocab import TOKENIZER, load_tokenizer, parse_text, train_vocabulary
 
 # Tokens per HDF5 chunk (1 or 2 MB): the readers read a split whole, one pass over its chunks.
 _CHUNK_TOKENS = 1 << 20
 
 
-def _encode(kind, size, corpus, source, files):
-    """(vocabulary, ids) of the corpus (bytes: uint8 as they are, not a copy 8 times larger)."""
+def _encode(kind, size, corpus, source, files, vocab=None):
+    """(vocabulary, ids) of the corpus (bytes: uint8 as they are, not a copy
+    8 times larger); vocab: a given one (tokenizer:PATH), else trained."""
     if kind == "bytes":
         return train_vocabulary(kind, size, corpus), np.frombuffer(corpus, np.uint8)
     text = decode_utf8(corpus, source, files)
-    vocab = train_vocabulary(kind, size, text)
-    return vocab, vocab.encode(text)
+    vocab = vocab or train_vocabulary(kind, size, text)
+    ids = vocab.encode(text)
+    if len(ids) and ids.max() >= vocab.vocab_size:   # a tokenizer whose ids skip some: the model's rows would not
+        raise HpctrainError(f"--text {kind}:{size}: id {ids.max()} for a vocabulary of {vocab.vocab_size} "
+                            f"tokens; its ids must be 0..{vocab.vocab_size - 1}")
+    return vocab, ids
 
 
 def _split_tail(ids, val_fraction, source):
@@ -108,20 +116,22 @@ def _build_manifest(source, files, vocab, dtype, val_fraction, entries):
 
 @stops_cleanly
 def prepare_text(source, out, text="chars", val_fraction=0.1, force=False, log=print):
-    """Encode the corpus at source with --text `text` (chars, bytes, bpe:N)
-    and write its token shards, manifest.json and (bpe) tokenizer.json into
+    """Encode the corpus at source with --text `text` (chars, bytes, bpe:N,
+    tokenizer:PATH) and write its token shards, manifest.json and (bpe,
+    tokenizer) tokenizer.json into
     out; return the manifest. Everything is checked before anything is
     written: a binary file, an empty corpus, bytes that are not UTF-8 (chars
     and bpe), a vocabulary past uint16 are one HpctrainError line."""
     log = log or (lambda *a: None)
     kind, size = parse_text(text)
+    given = load_tokenizer(size) if kind == "tokenizer" else None   # checked before the corpus is read
     if not 0 < val_fraction < 1:
         raise HpctrainError(f"--val-fraction must be in (0, 1) for text (the held-out tail), got {val_fraction}")
     source, out = Path(source), _resolve_out(out)
     _check_not_input(source, out, images=False)
     _check_out(out, force)
     corpus, files = read_corpus(source)
-    vocab, ids = _encode(kind, size, corpus, source, files)
+    vocab, ids = _encode(kind, size, corpus, source, files, given)
     dtype = token_dtype(vocab.vocab_size)
     train, test = _split_tail(ids, val_fraction, source)
 
@@ -130,6 +140,8 @@ def prepare_text(source, out, text="chars", val_fraction=0.1, force=False, log=p
     try:
         _make_tmp(tmp, out)   # in the try: a stop right after the mkdir removes it too
         entries = _write(tmp, vocab, train, test, dtype)
+        if given is not None:   # where the tokenizer came from (its copy is the file beside the shards)
+            entries["tokenizer"]["from"] = str(Path(size).resolve())
         manifest = _build_manifest(source, files, vocab, dtype, val_fraction, entries)
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=2)

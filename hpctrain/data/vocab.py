@@ -7,6 +7,13 @@ back, the same for training, evaluation and generation.
     bpe:N   a byte-level BPE of N tokens (GPT-2's pre-tokenization) trained
             on the corpus with Hugging Face `tokenizers`, offline, saved as
             tokenizer.json beside the shards
+    tokenizer:PATH
+            a Hugging Face tokenizer.json (or a folder holding one: GPT-2's
+            byte-level BPE, any `tokenizers` model) as it is: ids are its
+            `Tokenizer.from_file(PATH).encode(text).ids`, its size (added
+            tokens counted) the vocabulary's; kept as bpe:N's is (a copy as
+            tokenizer.json beside the shards, recorded as kind "bpe"), so
+            what reads a bpe:N vocabulary reads it (load_tokenizer)
 
     from hpctrain.data.vocab import load_vocabulary
     vocab = load_vocabulary("data/shakespeare-chars")
@@ -14,7 +21,8 @@ back, the same for training, evaluation and generation.
     vocab.decode(ids)                               # the text again
 
 Every vocabulary round-trips: decode(encode(text)) == text for any text
-it was trained on (chars: of its characters; bytes and bpe: any UTF-8).
+it was trained on (chars: of its characters; bytes and bpe: any UTF-8; a
+given tokenizer as its own decoder does: GPT-2's round-trips).
 A trained model carries its vocabulary (`record_entry()`, read back by
 `from_record`: the characters, or the BPE's tokenizer.json compressed),
 so generation needs no data directory (checkpoints/model_record.py);
@@ -41,10 +49,15 @@ BYTE_ALPHABET = 256            # a byte-level BPE starts from the 256 byte symbo
 
 
 def parse_text(spec):
-    """("chars" | "bytes" | "bpe", N or None) of a --text value."""
+    """("chars" | "bytes" | "bpe" | "tokenizer", N, a path or None) of a --text value."""
     kind, _, size = str(spec).partition(":")
+    if kind == "tokenizer":
+        if not size:
+            raise HpctrainError(f"--text tokenizer:PATH needs the path of a tokenizer.json or of a folder holding one, "
+                                f"got {spec!r}")
+        return kind, size
     if kind not in TEXT_KINDS or (kind == "bpe") != bool(size):
-        raise HpctrainError(f"--text must be chars, bytes or bpe:N (N tokens), got {spec!r}")
+        raise HpctrainError(f"--text must be chars, bytes, bpe:N (N tokens) or tokenizer:PATH, got {spec!r}")
     if kind != "bpe":
         return kind, None
     try:
@@ -125,13 +138,15 @@ def _tokenizers():
     try:
         import tokenizers
     except ImportError:
-        raise HpctrainError("--text bpe:N needs Hugging Face tokenizers: pip install tokenizers") from None
+        raise HpctrainError("--text bpe:N and tokenizer:PATH need Hugging Face tokenizers: pip install tokenizers") \
+            from None
     return tokenizers
 
 
 class Bpe:
-    """A byte-level BPE (tokenizers.Tokenizer): GPT-2's pre-tokenization, no
-    prefix space, no special tokens, so decode(encode(text)) == text."""
+    """A tokenizers.Tokenizer: one trained here (a byte-level BPE, GPT-2's
+    pre-tokenization, no prefix space, no special tokens, so
+    decode(encode(text)) == text) or a user's (load_tokenizer)."""
     kind = "bpe"
 
     def __init__(self, tokenizer):
@@ -198,6 +213,33 @@ def describe(vocab):
     (ids and their strings), which tells apart two of one kind and size."""
     digest = hashlib.sha256(f"{vocab.kind}\n{vocab.content()}".encode("utf-8", "surrogatepass")).hexdigest()
     return f"{vocab.kind}:{vocab.vocab_size} (digest {digest[:12]})"
+
+
+def load_tokenizer(path):
+    """--text tokenizer:PATH: the Hugging Face tokenizer.json at path, or in
+    the folder path (a transformers save_pretrained folder), as a vocabulary;
+    one line where there is none, it does not load, or its ids do not fit
+    the token shards' uint16."""
+    path = Path(path)
+    file = path / TOKENIZER if path.is_dir() else path
+    if not file.is_file():
+        slow = path.is_dir() and (path / "vocab.json").is_file()
+        raise HpctrainError(f"--text tokenizer:{path}: " + (
+            "no such file or folder" if not path.exists() else
+            f"no {TOKENIZER} in this folder" + (" (vocab.json and merges.txt are a slow tokenizer's: save it as a "
+                                                "fast one, AutoTokenizer.from_pretrained(PATH).save_pretrained(PATH))"
+                                                if slow else "")))
+    tk = _tokenizers()
+    try:
+        tokenizer = tk.Tokenizer.from_file(str(file))
+    except Exception as e:   # tokenizers raises plain Exceptions for a bad file
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise HpctrainError(f"--text tokenizer:{path}: {file.name} is not a Hugging Face tokenizer ({why})") from None
+    size = tokenizer.get_vocab_size()
+    if not 0 < size <= MAX_VOCAB:
+        raise HpctrainError(f"--text tokenizer:{path}: {size} tokens; token ids are stored as uint16 "
+                            f"(1..{MAX_VOCAB} tokens)")
+    return Bpe(tokenizer)
 
 
 def train_vocabulary(kind, size, text):
