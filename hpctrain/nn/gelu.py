@@ -29,11 +29,14 @@ The tanh form is x S(x), S(x) = (1 + tanh u) / 2 = 1 / (1 + exp(-2u)),
 u = sqrt(2/pi) (x + 0.044715 x^3), evaluated as the logistic of 2u with
 e = exp(-2|u|) <= 1: S = 1 / (1 + e) or e / (1 + e), and its derivative
 S' = 2 u' e / (1 + e)^2, so neither tail cancels (1 + tanh u near u = -9
-is 0 in float32, e / (1 + e) is not). Both forms keep S and S' from the
-forward, so the backward is one: dx = dy (S + x S'). With compiled layers
-the tanh form is one pass each way too, in float64 rounded once (nn/passes.py).
+is 0 in float32, e / (1 + e) is not). It keeps S and S' from the forward,
+as the exact form's compiled path keeps Phi and phi, so the backward is
+that one: dx = dy (S + x S'). With compiled layers the tanh forward is one
+pass too, in float64 rounded once (nn/passes.py): within a few ulps of
+PyTorch's either way (tests/test_gpt_options.py).
 
     python -m pytest -q tests/test_transformer_layers.py -k gelu
+    python -m pytest -q tests/test_gpt_options.py
 """
 import math
 
