@@ -107,7 +107,8 @@ class _Graph:
     def op(self, op_type, inputs, out=None, **attrs):
         """One node; its output's name (a fresh one unless `out` is given)."""
         out = out or self.fresh(op_type.lower())
-        self.nodes.append(self.helper.make_node(op_type, list(inputs), [out], **attrs))
+        # named as its output: a runtime's error names the node
+        self.nodes.append(self.helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
         return out
 
 
