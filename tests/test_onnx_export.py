@@ -176,13 +176,13 @@ class LeakyReLU(ReLU):
         return np.where(x > 0, x, 0.01 * x)
 
 
-@pytest.mark.parametrize("layer, said", [(Square, "layer 2 (Square) is a Square, a layer the ONNX export does not "
+@pytest.mark.parametrize("layer, said", [(Square, "user.h5: layer 2 (Square) is a Square, a layer the ONNX export does not "
                                                   "know (it writes "),
-                                         (LeakyReLU, "layer 2 (LeakyReLU) is a LeakyReLU, a subclass of ReLU with a "
+                                         (LeakyReLU, "user.h5: layer 2 (LeakyReLU) is a LeakyReLU, a subclass of ReLU with a "
                                                      "forward of its own")])
 def test_a_layer_the_export_cannot_write_is_one_line_exit_2_and_no_file(layer, said, tmp_path):
     spec = ModelSpec([Flatten(), Dense(8), layer(), Dense(10)], (4, 4), 10)
-    model = trained.Trained(spec.build(np), spec, "user", 0, [str(i) for i in range(10)], None)
+    model = trained.Trained(spec.build(np), spec, "user.h5", 0, [str(i) for i in range(10)], None)
     with pytest.raises(HpctrainError) as e:
         write_onnx(model, tmp_path / "user.onnx")
     assert str(e.value).startswith(said) and "\n" not in str(e.value)

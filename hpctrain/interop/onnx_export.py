@@ -80,12 +80,34 @@ class _Graph:
     """The graph being built: nodes, initializers (the model's tensors
     under their names, once each), fresh names for the rest."""
 
-    def __init__(self, onnx):
-        self.onnx, self.helper = onnx, onnx.helper
+    def __init__(self, onnx, source):
+        self.onnx, self.helper, self.source = onnx, onnx.helper, source   # source: the graph's input
         self.nodes, self.initializers, self.bytes = [], [], 0
         self._held, self._count = set(), 0   # the initializers' names
-        self.positions = None   # a GPT's (1,) int64 tensor: the input's positions (_positions)
-        self._masks = {}        # causal masks by size, made once and shared by the blocks
+        self._positions = None   # the input's positions, a (1,) int64 tensor (a GPT's: positions)
+        self._masks = {}         # causal masks by size, made once and shared by the blocks
+
+    @property
+    def positions(self):
+        """The input's positions (its axis 1), a (1,) int64 tensor, made at first use."""
+        if self._positions is None:
+            self._positions = self.op("Shape", [self.source], start=1, end=2)
+        return self._positions
+
+    def first_rows(self, table, axes):
+        """table's first `positions` entries along each of `axes` (a prompt
+        shorter than the context reads the first rows, as the decoder does)."""
+        ends = self.positions if len(axes) == 1 else self.op("Concat", [self.positions] * len(axes), axis=0)
+        return self.op("Slice", [table, self.const("zeros", [0] * len(axes), np.int64), ends,
+                                 self.const("axes", list(axes), np.int64)])
+
+    def causal_mask(self, size):
+        """(t, t) of a (size, size) mask, 0 on and below the diagonal, -inf
+        above (nn/attention.py's), t the input's positions; one for every block."""
+        if size not in self._masks:
+            above = np.triu(np.ones((size, size), bool), 1)
+            self._masks[size] = self.first_rows(self.const("causal_mask", np.where(above, -np.inf, 0)), (0, 1))
+        return self._masks[size]
 
     def fresh(self, base):
         self._count += 1
@@ -227,24 +249,8 @@ def _embedding(g, layer, x, t, where):
     return Value(g.op("Gather", [t.get(g, "E"), x.name], axis=0))
 
 
-def _first_rows(g, table, axes):
-    """table's first `positions` entries along each of `axes` (a prompt
-    shorter than the context reads the first rows, as the decoder does)."""
-    ends = g.positions if len(axes) == 1 else g.op("Concat", [g.positions] * len(axes), axis=0)
-    return g.op("Slice", [table, g.const("zeros", [0] * len(axes), np.int64), ends,
-                          g.const("axes", list(axes), np.int64)])
-
-
 def _position(g, layer, x, t, where):
-    return Value(g.op("Add", [x.name, _first_rows(g, t.get(g, "P"), (0,))]))
-
-
-def _causal_mask(g, positions):
-    """(t, t): 0 on and below the diagonal, -inf above (nn/attention.py's), sliced to the input's t."""
-    if positions not in g._masks:
-        above = np.triu(np.ones((positions, positions), bool), 1)
-        g._masks[positions] = _first_rows(g, g.const("causal_mask", np.where(above, -np.inf, 0)), (0, 1))
-    return g._masks[positions]
+    return Value(g.op("Add", [x.name, g.first_rows(t.get(g, "P"), (0,))]))
 
 
 def _attention(g, layer, x, t, where):
@@ -258,7 +264,7 @@ def _attention(g, layer, x, t, where):
                  perm=[2, 0, 3, 1, 4])
     q, k, v = (g.op("Gather", [split, g.const("part", j, np.int64)], axis=0) for j in range(3))
     scores = g.op("MatMul", [q, g.op("Transpose", [k], perm=[0, 1, 3, 2])])
-    scores = g.op("Add", [g.op("Mul", [scores, g.const("scale", 1 / math.sqrt(hw))]), _causal_mask(g, layer.T)])
+    scores = g.op("Add", [g.op("Mul", [scores, g.const("scale", 1 / math.sqrt(hw))]), g.causal_mask(layer.T)])
     heads = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), v])
     merged = g.op("Reshape", [g.op("Transpose", [heads], perm=[0, 2, 1, 3]), g.const("merged", [0, 0, e], np.int64)])
     return Value(g.op("Add", [g.op("MatMul", [merged, t.get(g, "Wo")]), t.get(g, "bo")]))
@@ -323,17 +329,16 @@ def to_onnx(model, opset=OPSET):
     unchecked; one line (HpctrainError) for a layer it cannot write."""
     onnx = _onnx()
     spec, net = model.spec, model.model
-    g = _Graph(onnx)
     proto_type = onnx.TensorProto
     tokens = spec.input_kind == "tokens"
     if tokens:
         name, dims, elem = "tokens", ["batch", "positions"], proto_type.INT64
-        g.positions = g.op("Shape", [name], start=1, end=2)
     else:
         name, dims, elem = "images", ["batch", *spec.input_shape], proto_type.FLOAT
+    g = _Graph(onnx, name)
     x = Value(name)
     for i, layer in enumerate(spec.layers):
-        x = _emit(g, layer, x, _layer_tensors(spec, net, i), f"layer {i}")
+        x = _emit(g, layer, x, _layer_tensors(spec, net, i), f"{model.source}: layer {i}")
     g.op("Identity", [_nhwc(g, x).name], out="logits")
     out_dims = ["batch", "positions", *spec.shapes[-1][1:]] if tokens else ["batch", *spec.shapes[-1]]
     if g.bytes > MAX_BYTES:
