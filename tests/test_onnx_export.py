@@ -72,15 +72,17 @@ def saved_and_loaded(tmp_path, model, shape, classes, x, y, hidden=()):
 
 
 def session(path):
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1   # the machine's cores are the suite's
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 @pytest.fixture(scope="module", params=["mlp", "small_cnn", "resnet"])
 def image_export(request, mnist, tmp_path_factory):
     images, labels = mnist
     tmp = tmp_path_factory.mktemp(request.param)
-    x = images[:32].astype(np.float32) / 255
-    model = saved_and_loaded(tmp, request.param, (28, 28), 10, x, labels[:32].astype(np.int64),
+    x = images[:16].astype(np.float32) / 255
+    model = saved_and_loaded(tmp, request.param, (28, 28), 10, x, labels[:16].astype(np.int64),
                              hidden=(32,) if request.param == "mlp" else ())
     write_onnx(model, tmp / "model.onnx")
     return model, tmp / "model.onnx"
@@ -194,3 +196,18 @@ def test_an_opset_before_layer_normalization_is_one_line(gpt_export, tmp_path):
     with pytest.raises(HpctrainError, match=r"^ONNX opset 16: the export writes opsets 17 to \d+"):
         write_onnx(gpt_export[0], tmp_path / "16.onnx", opset=16)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_past_what_one_onnx_file_holds_is_one_line_before_anything_is_built(tmp_path):
+    spec = ModelSpec([Flatten(), Dense(2 ** 20)], (2 ** 9,), 2 ** 20)   # 2 GiB of float32: laid out, not built
+    model = trained.Trained(None, spec, "big.h5", 0, [], None)
+    with pytest.raises(HpctrainError, match=r"^big\.h5: 2\.0 GiB of parameters, more than one ONNX file holds"):
+        write_onnx(model, tmp_path / "big.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_path_that_takes_no_file_is_one_line(tmp_path):
+    spec = ModelSpec([Flatten(), Dense(10)], (4, 4), 10)
+    model = trained.Trained(spec.build(np), spec, "p.h5", 0, [str(i) for i in range(10)], None)
+    with pytest.raises(HpctrainError, match=r"/no/such/folder/p\.onnx: cannot write the ONNX file \(No such file"):
+        write_onnx(model, tmp_path / "no/such/folder/p.onnx")

@@ -65,8 +65,9 @@ from ..nn.transformer import Block, PositionEmbedding
 
 OPSET = 17   # LayerNormalization's first opset
 # A model file is one protobuf message, which cannot pass 2 GiB: the tensors
-# and the graph around them must fit below it (a GPT-2 of 124M parameters is 0.5 GB).
-MAX_BYTES = 2 ** 31 - 2 ** 24
+# and the graph around them (its causal mask: 4 MB at 1024 positions) must fit
+# below it (a GPT-2 of 124M parameters is 0.5 GB).
+MAX_BYTES = 2 ** 31 - 2 ** 26
 
 
 class Value(NamedTuple):
@@ -82,7 +83,7 @@ class _Graph:
 
     def __init__(self, onnx, source):
         self.onnx, self.helper, self.source = onnx, onnx.helper, source   # source: the graph's input
-        self.nodes, self.initializers, self.bytes = [], [], 0
+        self.nodes, self.initializers = [], []
         self._held, self._count = set(), 0   # the initializers' names
         self._positions = None   # the input's positions, a (1,) int64 tensor (a GPT's: positions)
         self._masks = {}         # causal masks by size, made once and shared by the blocks
@@ -111,7 +112,7 @@ class _Graph:
 
     def fresh(self, base):
         self._count += 1
-        return f"{base}_{self._count}"   # '_' and a number: no tensor of the model's ('layer0/W') is named so
+        return f"{base}_{self._count}"   # never a tensor of the model's: theirs hold a '/' ('layer0/W')
 
     def tensor(self, name, array):
         """The initializer `name` holding array (added once: a tensor read by
@@ -119,7 +120,6 @@ class _Graph:
         if name not in self._held:
             array = np.asarray(array, np.int64 if array.dtype.kind in "iu" else np.float32, order="C")
             self.initializers.append(self.onnx.numpy_helper.from_array(array, name))
-            self.bytes += array.nbytes
             self._held.add(name)
         return name
 
@@ -329,6 +329,10 @@ def to_onnx(model, opset=OPSET):
     unchecked; one line (HpctrainError) for a layer it cannot write."""
     onnx = _onnx()
     spec, net = model.spec, model.model
+    size = 4 * (spec.num_params + spec.num_state)   # float32, before any is copied into the graph
+    if size > MAX_BYTES:
+        raise HpctrainError(f"{model.source}: {size / 2**30:.1f} GiB of parameters, more than one ONNX file "
+                            f"holds (2 GiB, protobuf's limit); export --format safetensors instead")
     proto_type = onnx.TensorProto
     tokens = spec.input_kind == "tokens"
     if tokens:
@@ -341,9 +345,6 @@ def to_onnx(model, opset=OPSET):
         x = _emit(g, layer, x, _layer_tensors(spec, net, i), f"{model.source}: layer {i}")
     g.op("Identity", [_nhwc(g, x).name], out="logits")
     out_dims = ["batch", "positions", *spec.shapes[-1][1:]] if tokens else ["batch", *spec.shapes[-1]]
-    if g.bytes > MAX_BYTES:
-        raise HpctrainError(f"{model.source}: {g.bytes / 2**30:.1f} GiB of parameters, more than one ONNX file "
-                            f"holds (2 GiB, protobuf's limit); export --format safetensors instead")
     graph = g.helper.make_graph(g.nodes, spec.name, [g.helper.make_tensor_value_info(name, elem, dims)],
                                 [g.helper.make_tensor_value_info("logits", proto_type.FLOAT, out_dims)],
                                 g.initializers, doc_string=_input_doc(model, tokens))
