@@ -23,7 +23,8 @@ from hpctrain.checkpoints import trained   # noqa: E402
 from hpctrain.data.idx import read_idx   # noqa: E402
 from hpctrain.data.vocab import Chars   # noqa: E402
 from hpctrain.interop.onnx_export import write_onnx   # noqa: E402
-from hpctrain.nn import Dense, Flatten, ModelSpec, ReLU   # noqa: E402
+from hpctrain.nn import (AvgPool2d, BatchNorm1d, Channels, Conv2d, Dense, Dropout, Flatten, ModelSpec,   # noqa: E402
+                         ReLU)
 from hpctrain.nn.decode import Decoder   # noqa: E402
 from hpctrain.nn.gelu import GELU   # noqa: E402
 from hpctrain.nn.layers import Layer   # noqa: E402
@@ -145,6 +146,23 @@ def test_a_later_opset_writes_the_same_logits(gpt_export, plays, tmp_path):
     x = windows(plays, 2)
     np.testing.assert_allclose(session(tmp_path / "18.onnx").run(["logits"], {"tokens": x})[0],
                                model.model.run.forward(x, False), rtol=0, atol=TOL)
+
+
+def test_the_layers_the_zoo_models_above_leave_out_are_hpctrains_too(tmp_path):
+    """Average pooling (overlapping windows), a strided convolution without a
+    bias on three channels, dropout at inference, batch norm of a flat input."""
+    spec = ModelSpec([Channels(), Conv2d(4, 3, stride=2, padding=1, bias=False), AvgPool2d(3, stride=2), ReLU(),
+                      Dropout(0.5), Flatten(), Dense(16), BatchNorm1d(), ReLU(), Dense(10)], (12, 12, 3), 10)
+    net = spec.build(np)
+    net.init(5)
+    rng = np.random.default_rng(5)
+    for name, view in net.state_tensors():   # running statistics away from their starting 0 and 1
+        view[...] = rng.uniform(0.5, 2, view.shape) if name.endswith("var") else rng.normal(0, 0.3, view.shape)
+    model = trained.Trained(net, spec, "layers.h5", 0, [str(i) for i in range(10)], None)
+    write_onnx(model, tmp_path / "layers.onnx")
+    x = rng.integers(0, 256, (10, 12, 12, 3)).astype(np.uint8)
+    np.testing.assert_allclose(session(tmp_path / "layers.onnx").run(["logits"], {"images": x / np.float32(255)})[0],
+                               model.logits(x), rtol=0, atol=TOL)
 
 
 class TanhGELU(GELU):
