@@ -18,7 +18,7 @@ PACKAGE = os.path.join(REPO, "hpctrain")
 # (COMMANDS) anything.
 LEVELS = [
     {"loops"},
-    {"run", "checkpoints", "state", "report", "pipeline"},
+    {"run", "checkpoints", "state", "report", "pipeline", "interop"},
     {"comm", "optim"},
     {"nn", "data"},
     {"base", "flags", "__init__"},
