@@ -165,21 +165,18 @@ def test_the_layers_the_zoo_models_above_leave_out_are_hpctrains_too(tmp_path):
                                model.logits(x), rtol=0, atol=TOL)
 
 
-class TanhGELU(GELU):
-    """What GPT-2's GELU declares (issue 56: `approximate = "tanh"`); its
-    forward is GELU's, so the test computes the tanh form itself."""
-    approximate = "tanh"
-
-
 def test_gelus_tanh_form_is_written_as_gpt2s(tmp_path):
-    spec = ModelSpec([Flatten(), TanhGELU()], (4, 4), 16)
+    """GPT-2's GELU (`act=gelu_tanh`): the graph's tanh form equals the
+    formula and hpctrain's own forward."""
+    spec = ModelSpec([Flatten(), GELU(approximate="tanh")], (4, 4), 16)
     model = trained.Trained(spec.build(np), spec, "tanh", 0, [str(i) for i in range(16)], None)
     write_onnx(model, tmp_path / "tanh.onnx")
     x = np.linspace(-6, 6, 3 * 16, dtype=np.float32).reshape(3, 4, 4)
     v = x.reshape(3, 16).astype(np.float64)
     want = 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))
-    np.testing.assert_allclose(session(tmp_path / "tanh.onnx").run(["logits"], {"images": x})[0], want, rtol=0,
-                               atol=1e-6)
+    got = session(tmp_path / "tanh.onnx").run(["logits"], {"images": x})[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got, model.logits(x), rtol=0, atol=1e-6)
 
 
 class Square(Layer):
