@@ -48,6 +48,7 @@ class Trained:
     class_names: list        # index -> name (the numbers as text when the data had none)
     preprocess: dict         # prepare's record of how the training images were made, or None
     text: dict = None        # a language model's vocabulary (data/vocab.py record_entry), or None
+    record: dict = None      # the whole record it was rebuilt from (checkpoints/model_record.py), for an export
 
     @property
     def input_shape(self):
@@ -228,7 +229,7 @@ def _trained(spec, model, source, step, rec):
     names = rec.get("class_names") or [str(i) for i in range(spec.classes)]
     if len(names) != spec.classes:
         raise HpctrainError(f"{source}: {len(names)} class names for {spec.classes} classes")
-    return Trained(model, spec, source, step, list(names), rec.get("preprocess"), rec.get("text"))
+    return Trained(model, spec, source, step, list(names), rec.get("preprocess"), rec.get("text"), rec)
 
 
 def load_params(path, data_dir=None, model=None):
@@ -361,9 +362,41 @@ def _newest_checkpoint(folder):
     return ckpt
 
 
+def load_pretrained(path, model=None):
+    """The model of a Hugging Face GPT-2 folder or a .safetensors export
+    (interop/pretrained.py): its architecture from the folder's config.json
+    or the file's record, its context the position table's rows, its
+    vocabulary the record's, else the folder's tokenizer.json (as the
+    data of `prepare --text tokenizer:PATH` records it)."""
+    from ..data.vocab import Bpe
+    from ..interop import gpt2
+    from ..interop.pretrained import open_source
+    from ..state.consumers import restore
+    from ..state.layouts import buffer_parts
+    with open_source(path) as source:
+        rec = dict(source.record or {})
+        rec.update({"model": source.model, "hidden": [], "input_shape": [source.positions],
+                    "classes": source.vocab})
+        tokenizer = os.path.join(str(path), gpt2.TOKENIZER)
+        if rec.get("text") is None and os.path.isfile(tokenizer):
+            rec["text"] = Bpe.load(tokenizer).record_entry()
+        if model is not None and model != source.model:
+            raise HpctrainError(f"--model {model}: {path} holds model {source.model}")
+        rec.pop("identity", None)   # a config's name need not spell the record's; the shapes are checked
+        spec = _build(_checked(rec, path), path, math.inf)   # bf16 files hold 2 bytes a value
+        source.check(spec)
+        built = spec.build(np)
+        restore(buffer_parts(spec, [(0, spec.num_params)], built.params), source.read)
+    _check_finite(built, str(path))
+    return _trained(spec, built, str(path), 0, rec)
+
+
 def load(params=None, checkpoint=None, data_dir=None, model=None):
     if (params is None) == (checkpoint is None):
         raise HpctrainError("give --params FILE.h5 or --checkpoint DIR|FILE (one of them)")
     if params is not None:
+        from ..interop.pretrained import is_pretrained
+        if is_pretrained(params):   # a Hugging Face folder, a .safetensors file
+            return load_pretrained(params, model)
         return load_params(params, data_dir, model)
     return load_checkpoint(checkpoint, data_dir, model)
