@@ -362,41 +362,26 @@ def _newest_checkpoint(folder):
     return ckpt
 
 
-def load_pretrained(path, model=None):
-    """The model of a Hugging Face GPT-2 folder or a .safetensors export
-    (interop/pretrained.py): its architecture from the folder's config.json
-    or the file's record, its context the position table's rows, its
-    vocabulary the record's, else the folder's tokenizer.json (as the
-    data of `prepare --text tokenizer:PATH` records it)."""
-    from ..data.vocab import Bpe
-    from ..interop import gpt2
-    from ..interop.pretrained import open_source
+def rebuilt(rec, source, read, check=None, step=0):
+    """The model of record `rec` (checked as a file's is) whose tensors
+    `read(name, box)` gives whole (a pretrained model's files:
+    interop/pretrained.py); check(spec): one line for tensors the file lacks
+    or holds in another shape, before anything of the model's size is
+    allocated. The byte count is not held to 4 a value (bf16 files hold 2)."""
     from ..state.consumers import restore
     from ..state.layouts import buffer_parts
-    with open_source(path) as source:
-        rec = dict(source.record or {})
-        rec.update({"model": source.model, "hidden": [], "input_shape": [source.positions],
-                    "classes": source.vocab})
-        tokenizer = os.path.join(str(path), gpt2.TOKENIZER)
-        if rec.get("text") is None and os.path.isfile(tokenizer):
-            rec["text"] = Bpe.load(tokenizer).record_entry()
-        if model is not None and model != source.model:
-            raise HpctrainError(f"--model {model}: {path} holds model {source.model}")
-        rec.pop("identity", None)   # a config's name need not spell the record's; the shapes are checked
-        spec = _build(_checked(rec, path), path, math.inf)   # bf16 files hold 2 bytes a value
-        source.check(spec)
-        built = spec.build(np)
-        restore(buffer_parts(spec, [(0, spec.num_params)], built.params), source.read)
-    _check_finite(built, str(path))
-    return _trained(spec, built, str(path), 0, rec)
+    spec = _build(_checked(rec, source), source, math.inf)
+    if check is not None:
+        check(spec)
+    built = spec.build(np)
+    restore(buffer_parts(spec, [(0, spec.num_params)], built.params), read)
+    _check_finite(built, source)
+    return _trained(spec, built, source, step, rec)
 
 
 def load(params=None, checkpoint=None, data_dir=None, model=None):
     if (params is None) == (checkpoint is None):
         raise HpctrainError("give --params FILE.h5 or --checkpoint DIR|FILE (one of them)")
     if params is not None:
-        from ..interop.pretrained import is_pretrained
-        if is_pretrained(params):   # a Hugging Face folder, a .safetensors file
-            return load_pretrained(params, model)
         return load_params(params, data_dir, model)
     return load_checkpoint(checkpoint, data_dir, model)

@@ -187,6 +187,41 @@ def _saved(path):
     return Source(path, record["model"], vocab, positions, record, shapes, reader, f.close, False)
 
 
+# --- generate and evaluate: --params PATH ----------------------------------------------
+
+
+def load(params=None, checkpoint=None, data_dir=None, model=None):
+    """The model generate and evaluate read (checkpoints/trained.Trained):
+    a Hugging Face folder or a .safetensors file here, anything else as
+    checkpoints/trained.load reads it."""
+    from ..checkpoints import trained
+    if params is not None and is_pretrained(params):
+        return load_trained(params, model)
+    return trained.load(params, checkpoint, data_dir=data_dir, model=model)
+
+
+def load_trained(path, model=None):
+    """The model of a Hugging Face GPT-2 folder or a .safetensors export:
+    its architecture from the folder's config.json or the file's record,
+    its context the position table's rows, its vocabulary the record's,
+    else the folder's tokenizer.json (as `prepare --text tokenizer:PATH`
+    records one: a BPE's)."""
+    from ..checkpoints.trained import rebuilt
+    from ..data.vocab import Bpe
+    path = str(path)
+    with open_source(path) as source:
+        if model is not None and model != source.model:
+            raise HpctrainError(f"--model {model}: {path} holds model {source.model}")
+        rec = dict(source.record or {})
+        # a config's name need not spell the record's (dropout); the tensors' shapes are what is checked
+        rec.pop("identity", None)
+        rec.update({"model": source.model, "hidden": [], "input_shape": [source.positions], "classes": source.vocab})
+        tokenizer = os.path.join(path, gpt2.TOKENIZER)
+        if rec.get("text") is None and os.path.isfile(tokenizer):
+            rec["text"] = Bpe.load(tokenizer).record_entry()
+        return rebuilt(rec, path, source.read, source.check)
+
+
 # --- hpctrain train --init-from PATH ---------------------------------------------------
 
 
