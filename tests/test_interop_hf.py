@@ -231,3 +231,19 @@ def test_bad_exports_are_one_line_and_write_nothing(world, tmp_path, capsys):
     with pytest.raises(HpctrainError, match="--init-from: ring mode .* not --mode ps"):
         pretrained.init_args(cli.parse(["--init-from", str(root / "ft.h5"), "--mode", "ps"], quiet=True), 256)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_shorter_block_takes_the_tables_first_rows_and_no_output_replaces_the_model(world):
+    from hpctrain.base.overwrites import Output, check_not_inputs
+    from hpctrain.nn.gpt import gpt
+    from hpctrain.run.outputs import run_inputs
+    root, vocab = world["root"], world["source"].config.vocab_size
+    for path in (root / "ft.h5", root / "gpt2"):
+        with pretrained.open_source(path) as source:
+            source.check(gpt(vocab, 8, 2, 2, 32))   # 8 of its 16 (32) positions
+            assert source.read("layer1/P").shape == (8, 32)
+            with pytest.raises(HpctrainError, match=r"layer1/P is 16x32, model .* needs 64x32|wpe.weight is 32x32"):
+                source.check(gpt(vocab, 64, 2, 2, 32))
+    args = cli.parse(["--init-from", str(root / "ft.h5"), "--save", str(root / "ft.h5")], quiet=True)
+    with pytest.raises(HpctrainError, match=r"--save .* would overwrite the run's input .* \(the --init-from model\)"):
+        check_not_inputs([Output(args.save, "--save")], run_inputs(args, str(world["data"])))

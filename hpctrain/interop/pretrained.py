@@ -58,13 +58,19 @@ class Source:
         """Every tensor of the (whole) spec held, of its shape (the position
         table: at least the spec's rows, its first ones taken); one line for
         the first that is not. Then read() takes the spec's names."""
+        try:
+            as_gpt2 = gpt2.names(spec)
+        except HpctrainError:   # not a GPT: its own names only (a --save file's, an export's)
+            as_gpt2 = {}
+        table = next((name for name, theirs in as_gpt2.items() if theirs.endswith("wpe.weight")), None)
         mine = gpt2.names(spec) if self._gpt2 else {name: name for name, _, _, _ in spec.full.tensors}
         shapes = {name: shape for name, shape, _, _ in spec.full.tensors}
         for name, theirs in mine.items():
             have, want = self._shapes.get(theirs), tuple(shapes[name])
             if have is None:
                 raise HpctrainError(f"{self.path}: no tensor {theirs}, which model {self.model} needs")
-            rows_ok = theirs.endswith("wpe.weight") and len(have) == 2 and have[1] == want[1] and have[0] >= want[0]
+            # a GPT's position table may hold more positions than the run's --block-size takes
+            rows_ok = name == table and len(have) == 2 and have[1] == want[1] and have[0] >= want[0]
             if tuple(have) != want and not rows_ok:
                 raise HpctrainError(f"{self.path}: {theirs} is {'x'.join(map(str, have))}, model {self.model} "
                                     f"needs {'x'.join(map(str, want))}")
