@@ -70,10 +70,12 @@ def world(tmp_path_factory):
     source = hf_model(vocab)
     source.save_pretrained(root / "gpt2", safe_serialization=True)
     r = run_job(2, "--init-from", root / "gpt2", "--data", data, "--block-size", BLOCK, "--steps", 3,
-                "--batch-size", 4, "--save", root / "ft.h5", "--metrics", root / "ft.jsonl", module="hpctrain.train")
+                "--batch-size", 4, "--save", root / "ft.h5", "--metrics", root / "ft.jsonl",
+                "--checkpoint-dir", root / "ckpt", module="hpctrain.train")
     assert r.returncode == 0, r.stderr
     assert "parameters from --init-from" in r.stdout and "gpt:layers=2,heads=2,width=32" in r.stdout
-    assert export.main(["--params", str(root / "ft.h5"), "--format", "hf", "--to", str(root / "ft-hf")]) == 0
+    # the folder from the run's last checkpoint (each rank's parts), the file from its --save
+    assert export.main(["--params", str(root / "ckpt"), "--format", "hf", "--to", str(root / "ft-hf")]) == 0
     assert export.main(["--params", str(root / "ft.h5"), "--format", "safetensors",
                         "--to", str(root / "ft.safetensors")]) == 0
     return {"data": data, "root": root, "source": source, "ft": final(root / "ft.jsonl")}
