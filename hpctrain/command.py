@@ -8,6 +8,7 @@ PATH for what `python -m hpctrain.*` runs, as torchrun and horovodrun are.
     hpctrain evaluate --params model.h5 --data data/photos
     hpctrain generate --params gpt.h5 --prompt "ROMEO:" --tokens 200
     hpctrain bench allreduce | hpctrain plot m.jsonl -o run.png | hpctrain checkpoint ckpt/
+    hpctrain export --params gpt.h5 --format hf --to gpt-hf/
     python -m hpctrain ...                     # the same, without the script
 
 Each subcommand is its module's main(), given the arguments after its name;
@@ -33,12 +34,13 @@ COMMANDS = {
     "bench": ("hpctrain.bench.__main__", "allreduce, training and layer benchmarks"),
     "plot": ("hpctrain.plot", "pictures of --metrics files"),
     "checkpoint": ("hpctrain.checkpoint", "list and verify a --checkpoint-dir's checkpoints"),
+    "export": ("hpctrain.interop.export", "write a trained model as safetensors or a Hugging Face GPT-2 folder"),
 }
 
 # Commands that compute in one process: BLAS's threads pinned as training
 # pins a rank alone on its node (run/cluster.py one_process), before their
 # module imports numpy (OpenBLAS reads them once, when it loads).
-ONE_PROCESS = ("generate", "evaluate", "predict")
+ONE_PROCESS = ("generate", "evaluate", "predict", "export")
 
 
 def usage():

@@ -145,7 +145,8 @@ def build_parser(prog="python -m hpctrain.evaluate"):
     p = Parser(prog=prog, description="Accuracy, loss, per-class accuracy and the confusion "
                                 "matrix of a model trained by hpctrain, on a prepared data directory.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", metavar="FILE.h5", help="a --save (or --keep-best) file")
+    src.add_argument("--params", metavar="FILE.h5|HF_DIR", help="a --save (or --keep-best) file, a Hugging Face "
+                     "GPT-2 folder (config.json + model.safetensors) or a .safetensors file of hpctrain export")
     src.add_argument("--checkpoint", metavar="DIR|FILE", help="a checkpoint file, or the newest valid one in DIR")
     p.add_argument("--data", metavar="DIR", required=True, help="a prepared shard directory")
     p.add_argument("--split", choices=["test", "val"], default="test", help="(default: %(default)s)")
@@ -167,6 +168,7 @@ def main(argv=None, prog="python -m hpctrain.evaluate"):
     args = build_parser(prog).parse_args(argv)
     from . import data
     from .checkpoints import trained
+    from .interop import pretrained
     from .nn import threads
     from .run.cluster import threads_per_rank
     threads.configure(threads_per_rank())   # the cores this process has, as training's rank alone (pin_blas)
@@ -177,7 +179,8 @@ def main(argv=None, prog="python -m hpctrain.evaluate"):
         inputs = [*trained.model_inputs(args.params, args.checkpoint, args.model),
                   Input(args.data, "the --data folder")]
         check_output_file(args.plot, "--plot", inputs=inputs)
-    model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
+    # a Hugging Face folder or .safetensors file too (interop/pretrained.py), else trained.load's files
+    model = pretrained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
     # A model meeting the other kind of data, or a language model another
     # vocabulary, is one line here, whatever the command (data/fit.py).
     manifest = model.check_data(args.data)

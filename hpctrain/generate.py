@@ -231,7 +231,8 @@ def on_device(model, device):
 def build_parser(prog="python -m hpctrain.generate"):
     p = Parser(prog=prog, description="Sample text from a GPT trained by hpctrain (--model gpt:...).")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", metavar="FILE.h5", help="a --save (or --keep-best) file")
+    src.add_argument("--params", metavar="FILE.h5|HF_DIR", help="a --save (or --keep-best) file, a Hugging Face "
+                     "GPT-2 folder (config.json + model.safetensors) or a .safetensors file of hpctrain export")
     src.add_argument("--checkpoint", metavar="DIR|FILE", help="a checkpoint file, or the newest valid one in DIR")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="the text to continue (default: a newline)")
@@ -266,13 +267,14 @@ def build_parser(prog="python -m hpctrain.generate"):
 @one_line_errors
 def main(argv=None, prog="python -m hpctrain.generate"):
     args = build_parser(prog).parse_args(argv)
-    from .checkpoints import trained
+    from .interop import pretrained
     from .nn.decode import Decoder
     from .nn import threads
     from .run.cluster import threads_per_rank
     if "" in args.stop:
         raise HpctrainError("argument --stop: an empty string would end every sample before its first token")
-    model = trained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
+    # a Hugging Face folder or .safetensors file too (interop/pretrained.py), else trained.load's files
+    model = pretrained.load(args.params, args.checkpoint, data_dir=args.data, model=args.model)
     vocab = vocabulary(model, args.data)
     ids = prompt_ids(vocab, prompt_text(vocab, args.prompt, args.prompt_file))
     built, host = on_device(model, args.device)

@@ -29,7 +29,7 @@ def test_the_command_is_installed_from_pyproject():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         assert tomllib.load(f)["project"]["scripts"] == {"hpctrain": "hpctrain.command:main"}
     assert SCRIPT.is_file() and os.access(SCRIPT, os.X_OK), "make .venv/.installed installs it"
-    assert set(COMMANDS) == {"train", "data", "predict", "evaluate", "generate", "bench", "plot", "checkpoint"}
+    assert set(COMMANDS) == {"train", "data", "predict", "evaluate", "generate", "bench", "plot", "checkpoint", "export"}
 
 
 def test_every_subcommand_answers_help_under_its_own_name(tmp_path):
@@ -48,7 +48,7 @@ def test_every_subcommand_answers_help_under_its_own_name(tmp_path):
     r = run(SCRIPT, "fly")
     assert r.returncode == 2 and r.stderr.splitlines() == [
         "hpctrain: error: unknown command 'fly'; one of train, data, predict, evaluate, generate, bench, plot, "
-        "checkpoint (hpctrain --help)"]
+        "checkpoint, export (hpctrain --help)"]
     r = run(sys.executable, "-m", "hpctrain", "checkpoint", tmp_path / "none")
     assert r.returncode == 2 and r.stderr == f"hpctrain: error: {tmp_path / 'none'}: no such directory\n"
 

@@ -18,7 +18,7 @@ PACKAGE = os.path.join(REPO, "hpctrain")
 # (COMMANDS) anything.
 LEVELS = [
     {"loops"},
-    {"run", "checkpoints", "state", "report", "pipeline", "interop"},
+    {"run", "interop", "checkpoints", "state", "report", "pipeline"},
     {"comm", "optim"},
     {"nn", "data"},
     {"base", "flags", "__init__"},

@@ -22,6 +22,7 @@ from hpctrain.base.errors import HpctrainError   # noqa: E402
 from hpctrain.checkpoints import trained   # noqa: E402
 from hpctrain.data.idx import read_idx   # noqa: E402
 from hpctrain.data.vocab import Chars   # noqa: E402
+from hpctrain.interop import export   # noqa: E402
 from hpctrain.interop.onnx_export import write_onnx   # noqa: E402
 from hpctrain.nn import (AvgPool2d, BatchNorm1d, Channels, Conv2d, Dense, Dropout, Flatten, ModelSpec,   # noqa: E402
                          ReLU)
@@ -85,7 +86,8 @@ def image_export(request, mnist, tmp_path_factory):
     x = images[:16].astype(np.float32) / 255
     model = saved_and_loaded(tmp, request.param, (28, 28), 10, x, labels[:16].astype(np.int64),
                              hidden=(32,) if request.param == "mlp" else ())
-    write_onnx(model, tmp / "model.onnx")
+    # as a user types it: hpctrain export --params params.h5 --format onnx --to model.onnx
+    assert export.main(["--params", str(tmp / "params.h5"), "--format", "onnx", "--to", str(tmp / "model.onnx")]) == 0
     return model, tmp / "model.onnx"
 
 
@@ -219,6 +221,15 @@ def test_a_model_past_what_one_onnx_file_holds_is_one_line_before_anything_is_bu
     with pytest.raises(HpctrainError, match=r"^big\.h5: 2\.0 GiB of parameters, more than one ONNX file holds"):
         write_onnx(model, tmp_path / "big.onnx")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_export_command_writes_onnx_in_float32_only(gpt_export, tmp_path, capsys):
+    model, _ = gpt_export
+    assert export.main(["--params", model.source, "--format", "onnx", "--dtype", "bf16",
+                        "--to", str(tmp_path / "g.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "float32" in err[0], err
+    assert not (tmp_path / "g.onnx").exists()
 
 
 def test_a_path_that_takes_no_file_is_one_line(tmp_path):

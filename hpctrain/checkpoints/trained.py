@@ -48,6 +48,7 @@ class Trained:
     class_names: list        # index -> name (the numbers as text when the data had none)
     preprocess: dict         # prepare's record of how the training images were made, or None
     text: dict = None        # a language model's vocabulary (data/vocab.py record_entry), or None
+    record: dict = None      # the whole record it was rebuilt from (checkpoints/model_record.py), for an export
 
     @property
     def input_shape(self):
@@ -228,7 +229,7 @@ def _trained(spec, model, source, step, rec):
     names = rec.get("class_names") or [str(i) for i in range(spec.classes)]
     if len(names) != spec.classes:
         raise HpctrainError(f"{source}: {len(names)} class names for {spec.classes} classes")
-    return Trained(model, spec, source, step, list(names), rec.get("preprocess"), rec.get("text"))
+    return Trained(model, spec, source, step, list(names), rec.get("preprocess"), rec.get("text"), rec)
 
 
 def load_params(path, data_dir=None, model=None):
@@ -359,6 +360,23 @@ def _newest_checkpoint(folder):
     for line in skipped:
         print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
     return ckpt
+
+
+def rebuilt(rec, source, read, check=None, step=0):
+    """The model of record `rec` (checked as a file's is) whose tensors
+    `read(name, box)` gives whole (a pretrained model's files:
+    interop/pretrained.py); check(spec): one line for tensors the file lacks
+    or holds in another shape, before anything of the model's size is
+    allocated. The byte count is not held to 4 a value (bf16 files hold 2)."""
+    from ..state.consumers import restore
+    from ..state.layouts import buffer_parts
+    spec = _build(_checked(rec, source), source, math.inf)
+    if check is not None:
+        check(spec)
+    built = spec.build(np)
+    restore(buffer_parts(spec, [(0, spec.num_params)], built.params), read)
+    _check_finite(built, source)
+    return _trained(spec, built, source, step, rec)
 
 
 def load(params=None, checkpoint=None, data_dir=None, model=None):

@@ -401,6 +401,10 @@ def _output_flags(g):
     g.add_argument("--resume-other-data", action="store_true", default=False,
                    help="resume from a checkpoint trained on other data than --data (fine-tuning): the data "
                         "starts at its first epoch; without it such a resume is refused (default: off)")
+    g.add_argument("--init-from", metavar="PATH", type=_path, default=None,
+                   help="start from a pretrained model's parameters (the optimizer fresh), the architecture "
+                        "its: a Hugging Face GPT-2 folder (config.json + model.safetensors), a .safetensors file of "
+                        "hpctrain export, or a --save file; a resumable checkpoint in --checkpoint-dir comes first")
     g.add_argument("--save", metavar="FILE.h5", type=_path, default=None, help="write the final parameters to this HDF5 file")
     g.add_argument("--metrics", metavar="FILE.jsonl", type=_path, default=None, help="write metrics as JSON Lines (chief only)")
     g.add_argument("--tensorboard", metavar="DIR", type=_path, default=None,

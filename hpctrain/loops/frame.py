@@ -100,19 +100,34 @@ class Frame:
 
     # --- the start ----------------------------------------------------------------
 
-    def resumed(self, reader, restore=None):
+    def resumed(self, reader, restore=None, initialize=None):
         """Once the loop has built its state: a resumed run's state restored
         (restore(resume), the loop's own: its buffers differ), every worker's
-        reader at the checkpoint's data position, the chief's line; and the
-        report learns where the run starts (a fresh run: a fresh metrics
-        file). Collective over the workers."""
+        reader at the checkpoint's data position, the chief's line; a fresh
+        run with --init-from its parameters from PATH (initialize(), the
+        loop's: self.init_from on its parts); and the report learns where the
+        run starts (a fresh run: a fresh metrics file). Collective over the workers."""
         resume = self.resume
+        if resume is None and self.plan.init_from and initialize is not None:
+            initialize()
+            self.world.say(f"hpctrain: parameters from --init-from {self.plan.init_from} ({self.plan.model}); "
+                           f"the optimizer starts fresh")
         if resume is not None:
             if restore is not None:
                 restore(resume)
             self.checkpoints.seek_readers(reader, resume)
             self.world.say(self.checkpoints.resumed_line(resume, self.steps))
         self.report.resume_at(self.checkpoints.saved_step, resume)
+
+    def init_from(self, comm, parts):
+        """Collective over comm: this rank's parameters' parts (parts: all it
+        holds, state/layouts.py) from --init-from's tensors, each rank reading
+        its own boxes from the file (interop/pretrained.py)."""
+        from ..base import device
+        from ..interop.pretrained import initialize
+        self.world.agreed(comm, initialize, self.plan.init_from, self.plan.spec, parts, self.world.xp,
+                          what="--init-from read")
+        device.synchronize(self.world.xp)
 
     def batch(self, reader, own=False):
         """The reader's next batch on the model's device: (x, y, noise), noise

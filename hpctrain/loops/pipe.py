@@ -111,7 +111,8 @@ def train_pipe(world, plan, inputs, timeline):
             optimizer.t = resume.optimizer_t
         if compression is not None:
             pipeline_compression.restore(world, grid, compression, layouts, resume)
-    frame.resumed(reader, restore)
+    # --init-from: each rank its boxes of the pretrained parameters (tied copies follow their owners, below)
+    frame.resumed(reader, restore, lambda: frame.init_from(world.comm, parts()))
     # the step's gradient: each chunk's micro-batches summed into its `grads` (the buffer the update
     # reads), the loss and stop flag over the world
     gradient = StepGradient(xp, plan.precision.compute, [(c.grads, c.model.run.extra) for c in chunks],

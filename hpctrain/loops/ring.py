@@ -77,7 +77,11 @@ def train_ring(world, plan, inputs, timeline):
         if not split:   # --compression powersgd: each worker its own error feedback, every rank the Qs
             compression_state.restore(world, comm, resume, ring.exchange, ring.error, ring.layout_key,
                                       plan.compression.kind)
-    frame.resumed(reader, restore)
+    def initialize():   # --init-from: each rank its boxes of the pretrained parameters, the optimizer fresh
+        frame.init_from(everyone, parts())
+        if ring.store is not None:   # --zero 3: the gathered copies are of the drawn parameters
+            ring.store.forget()
+    frame.resumed(reader, restore, initialize)
 
     # --- training, then the end ---------------------------------------------
     # what the chief evaluates and saves (--zero 3: every rank together, the parameters a bucket at a time)

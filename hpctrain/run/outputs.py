@@ -147,7 +147,8 @@ def check_output_file(path, flag, inputs=()):
 def run_inputs(args, data_dir):
     """What a training run reads, for check_not_inputs: the --model file,
     the --data folder (its shards and manifest), the checkpoints in
-    --checkpoint-dir (which a resume reads), and the --config file."""
+    --checkpoint-dir (which a resume reads), the --config file and the
+    --init-from model (file or folder)."""
     inputs = [Input(data_dir, "the --data folder")]
     model, checkpoint_dir = getattr(args, "model", None), getattr(args, "checkpoint_dir", None)
     if model and is_model_file(model):
@@ -157,6 +158,8 @@ def run_inputs(args, data_dir):
                             writer="--checkpoint-dir"))
     if getattr(args, "config", None):
         inputs.append(Input(args.config, "the --config file"))
+    if getattr(args, "init_from", None):
+        inputs.append(Input(args.init_from, "the --init-from model"))
     return inputs
 
 

@@ -318,6 +318,7 @@ class Plan:
     resume_key: dict        # what a resume must match (identity.same_on_resume)
     compression: Compression = Compression()   # --compression (ring mode, a pipeline's replicas)
     precision: Precision = FLOAT32   # hpctrain/base/precision.py: the dtypes of parameters, gradients, optimizer state, compute
+    init_from: str = None   # --init-from PATH: a fresh run's parameters from it (interop/pretrained.py)
     config: dict = None     # the merged flags (cli.configuration): the final record's and each checkpoint's `config`
 
     @property
@@ -415,7 +416,7 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
                         keep_best=args.keep_best, timeline=args.timeline, timeline_steps=args.timeline_steps,
                         eval_every=args.eval_every, log_every=args.log_every, tensorboard=args.tensorboard,
                         final_eval=args.final_eval),
-        epochs=args.epochs, timeout=args.timeout, world_size=cluster.size,
+        epochs=args.epochs, timeout=args.timeout, world_size=cluster.size, init_from=args.init_from,
         recorded=identity.recorded(args, cluster.size, workers, spec, layers_key),
         resume_key=identity.same_on_resume(args, workers, spec, schedule.total_steps),
         compression=compression_plan(args), precision=precision, config=configuration(args))

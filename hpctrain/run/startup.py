@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from .. import data as data_mod
 from ..base import device, vector_width
-from ..flags.cli import validate
+from ..flags.cli import build_parser, validate
 from ..flags.model_names import input_kind_of, is_model_file
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
@@ -82,6 +82,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         jobcheck.check_world(cluster, say)
     t_start = time.perf_counter()
     agree(validate, args, cluster.size)
+    if args.init_from:   # the model (and a --block-size that fits it) from the pretrained model's files
+        from ..interop.pretrained import init_args
+        args = agree(init_args, args, build_parser().get_default("block_size"), what="reading --init-from")
 
     # --- the device and the world ---------------------------------------------
     with watchdog.waiting("start-up (GPU binding)", peer=None):
@@ -115,6 +118,9 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     digest, model_shape, manifest = agree(data_identity, data_dir, args.block_size)
     with watchdog.waiting("start-up (same data on every rank)", peer=None):
         agree(check_consistency, comm, {"data (manifest digest)": digest})
+    if args.init_from:   # the data's vocabulary the pretrained model's
+        from ..interop.pretrained import check_init_data
+        agree(check_init_data, args.init_from, model_shape[1], data_dir)
     # An image model on text, or a GPT on images, in plain words before
     # anything is built from the data's shapes (a user's file: once built, below).
     agree(check_input_kind, args, input_kind_of(args.model), manifest, data_dir)
@@ -163,6 +169,13 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # --- the model, shaped by the data's manifest --------------------------------
     spec = agree(_model_spec, args, model_shape, watchdog, what="building the model")
     agree(check_input_kind, args, spec.input_kind, manifest, data_dir)
+    if args.init_from:   # every tensor there, of its shape, before anything trains
+        from ..interop.pretrained import open_source
+
+        def check_tensors():
+            with open_source(args.init_from) as source:
+                source.check(spec)
+        agree(check_tensors, what="reading --init-from")
     with watchdog.waiting("start-up (same model on every rank)", peer=None):
         # a user's file may differ between nodes: its code, layers and tensors are compared
         agree(check_consistency, comm, {"model (layers, tensors and their shapes)": spec.fingerprint,

@@ -1,0 +1,292 @@
+"""A pretrained model's tensors, by hpctrain's names, from what `hpctrain
+train --init-from PATH`, `generate --params PATH` and `evaluate --params
+PATH` take:
+
+- a Hugging Face GPT-2 folder: config.json + model.safetensors (GPT-2's
+  names, interop/gpt2.py; a pytorch_model.bin alone is refused: loading it
+  is unpickling, which runs whatever code the file names);
+- a .safetensors file that `hpctrain export --format safetensors` wrote
+  (hpctrain's names, the model's record in its metadata);
+- an hpctrain --save file (HDF5, whole tensors by name, the record beside).
+
+`open_source(path)` gives a `Source`: the model's --model name, vocabulary
+size and positions (the rows of its position table), its record (the
+vocabulary it was trained on) where it carries one, and `read(name, box)`:
+one box of one tensor, read from the file alone (a memory map; an HDF5
+slice), so that each rank of any layout reads only its pieces through
+state/consumers.restore. Nothing is allocated before the names and shapes
+are checked (`check(spec)`): every bad file is one line.
+
+    python -c "from hpctrain.interop.pretrained import open_source; s = open_source('gpt2-folder'); print(s.model)"
+    python -m pytest -q tests/test_interop_hf.py
+"""
+import json
+import os
+
+import numpy as np
+
+from ..base.errors import HpctrainError
+from ..checkpoints.model_record import ATTR
+from ..state.parts import box_slices
+from . import gpt2
+from .safetensors import SafeTensors
+
+SUFFIX = ".safetensors"
+
+
+def is_pretrained(path):
+    """PATH names a model this module reads rather than an hpctrain --save file
+    or checkpoint: a Hugging Face folder (its config or weights), a .safetensors file."""
+    path = str(path)
+    if os.path.isdir(path):
+        return any(os.path.exists(os.path.join(path, name)) for name in (gpt2.CONFIG, gpt2.WEIGHTS, gpt2.PICKLED))
+    return path.endswith(SUFFIX)
+
+
+class Source:
+    """One pretrained model's tensors by hpctrain's names (module docstring).
+    model: the --model name; vocab, positions: its token count and
+    position rows; record: the inference record (checkpoints/model_record.py)
+    or None; `names`: hpctrain name -> the file's (None until check())."""
+
+    def __init__(self, path, model, vocab, positions, record, shapes, reader, close, gpt2_names):
+        self.path, self.model, self.vocab, self.positions, self.record = path, model, vocab, positions, record
+        self._shapes, self._read, self._close, self._gpt2 = shapes, reader, close, gpt2_names
+        self.names = None
+
+    def check(self, spec):
+        """Every tensor of the (whole) spec held, of its shape (the position
+        table: at least the spec's rows, its first ones taken); one line for
+        the first that is not. Then read() takes the spec's names."""
+        try:
+            as_gpt2 = gpt2.names(spec)
+        except HpctrainError:   # not a GPT: its own names only (a --save file's, an export's)
+            as_gpt2 = {}
+        table = next((name for name, theirs in as_gpt2.items() if theirs.endswith("wpe.weight")), None)
+        mine = gpt2.names(spec) if self._gpt2 else {name: name for name, _, _, _ in spec.full.tensors}
+        shapes = {name: shape for name, shape, _, _ in spec.full.tensors}
+        for name, theirs in mine.items():
+            have, want = self._shapes.get(theirs), tuple(shapes[name])
+            if have is None:
+                raise HpctrainError(f"{self.path}: no tensor {theirs}, which model {self.model} needs")
+            # a GPT's position table may hold more positions than the run's --block-size takes
+            rows_ok = name == table and len(have) == 2 and have[1] == want[1] and have[0] >= want[0]
+            if tuple(have) != want and not rows_ok:
+                raise HpctrainError(f"{self.path}: {theirs} is {'x'.join(map(str, have))}, model {self.model} "
+                                    f"needs {'x'.join(map(str, want))}")
+        self.names, self._shapes_wanted = mine, shapes
+
+    def read(self, name, box=None):
+        """Box `box` of hpctrain's tensor `name` (whole: None), float32."""
+        if box is None:   # the whole tensor as the spec has it (a position table: its first rows)
+            box = tuple((0, n) for n in self._shapes_wanted[name])
+        return self._read(self.names[name], box)
+
+    def text(self):
+        """The vocabulary entry its record carries (data/vocab.py record_entry), or None."""
+        entry = (self.record or {}).get("text")
+        return entry if isinstance(entry, dict) else None
+
+    def close(self):
+        self._close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _record(text, where):
+    if text is None:
+        return None
+    try:
+        rec = json.loads(text)
+    except (ValueError, RecursionError):
+        rec = None
+    if not isinstance(rec, dict) or not isinstance(rec.get("model"), str):
+        raise HpctrainError(f"{where}: damaged '{ATTR}' record in its metadata; export the model again")
+    return rec
+
+
+def open_source(path):
+    """The Source of a pretrained model at path (module docstring); one line for what is not one."""
+    path = str(path)
+    if os.path.isdir(path):
+        return _folder(path)
+    if not os.path.exists(path):
+        raise HpctrainError(f"{path}: no such file or folder")
+    if path.endswith(SUFFIX):
+        return _safetensors(path)
+    return _saved(path)
+
+
+def _folder(path):
+    weights = os.path.join(path, gpt2.WEIGHTS)
+    if not os.path.isfile(weights):
+        if os.path.isfile(os.path.join(path, gpt2.PICKLED)):
+            raise HpctrainError(f"{path}: holds {gpt2.PICKLED} only, a pickle (loading it runs whatever code it "
+                                f"names), which hpctrain refuses; convert it: AutoModelForCausalLM.from_pretrained"
+                                f"(PATH).save_pretrained(OUT, safe_serialization=True)")
+        raise HpctrainError(f"{path}: no {gpt2.WEIGHTS} (a Hugging Face model folder's weights)")
+    config = gpt2.read_config(path)
+    model, vocab, positions = gpt2.model_of(config, os.path.join(path, gpt2.CONFIG))
+    st = SafeTensors(weights)
+    # GPT2LMHeadModel's names start transformer.; GPT2Model's do not (the head is wte in both)
+    prefix = "" if any(n.startswith("transformer.") for n in st.names) else "transformer."
+    shapes = {prefix + n: st.shape(n) for n in st.names}
+    record = _record(st.metadata.get(ATTR), weights)
+
+    def reader(name, box):
+        return st.read(name[len(prefix):], box)
+    return Source(path, model, vocab, positions, record, shapes, reader, st.close, True)
+
+
+def _shape_of_record(rec):
+    shape = rec.get("input_shape") or [0]
+    return int(rec.get("classes") or 0), int(shape[0])
+
+
+def _safetensors(path):
+    st = SafeTensors(path)
+    record = _record(st.metadata.get(ATTR), path)
+    if record is None:
+        st.close()
+        raise HpctrainError(f"{path}: no '{ATTR}' record in its metadata (hpctrain export writes one); for a Hugging "
+                            f"Face model give its folder, with config.json")
+    vocab, positions = _shape_of_record(record)
+    shapes = {n: st.shape(n) for n in st.names}
+    return Source(path, record["model"], vocab, positions, record, shapes, st.read, st.close,
+                 "transformer.wte.weight" in shapes)
+
+
+def _saved(path):
+    """An hpctrain --save file (HDF5): its record and datasets."""
+    import h5py
+    from ..checkpoints.trust import Corrupt, Refused, hard_linked
+    try:
+        f = h5py.File(path, "r", locking=False)
+    except OSError as e:
+        raise HpctrainError(f"{path}: neither a Hugging Face folder, a .safetensors file nor an hpctrain --save "
+                            f"file ({str(e).splitlines()[0]})") from None
+    text = f.attrs.get(ATTR)
+    record = _record(text.decode() if isinstance(text, bytes) else text, path) if text is not None else None
+    if record is None:
+        f.close()
+        raise HpctrainError(f"{path}: records no model ('{ATTR}' attribute): not a --save file of this hpctrain")
+    shapes, datasets = {}, {}
+
+    def visit(name, obj):
+        if isinstance(obj, h5py.Dataset):
+            datasets[name] = obj
+            shapes[name] = obj.shape
+    f.visititems(visit)
+
+    def reader(name, box):
+        try:
+            stored = hard_linked(f, name)
+        except (Corrupt, Refused) as e:
+            raise HpctrainError(f"{path}: {name}: {e}") from None
+        values = stored[box_slices(box)] if box else stored[()]   # a 0-d tensor's box is ()
+        return np.asarray(values, np.float32)
+    vocab, positions = _shape_of_record(record)
+    return Source(path, record["model"], vocab, positions, record, shapes, reader, f.close, False)
+
+
+# --- generate and evaluate: --params PATH ----------------------------------------------
+
+
+def load(params=None, checkpoint=None, data_dir=None, model=None):
+    """The model generate and evaluate read (checkpoints/trained.Trained):
+    a Hugging Face folder or a .safetensors file here, anything else as
+    checkpoints/trained.load reads it."""
+    from ..checkpoints import trained
+    if params is not None and is_pretrained(params):
+        return load_trained(params, model)
+    return trained.load(params, checkpoint, data_dir=data_dir, model=model)
+
+
+def load_trained(path, model=None):
+    """The model of a Hugging Face GPT-2 folder or a .safetensors export:
+    its architecture from the folder's config.json or the file's record,
+    its context the position table's rows, its vocabulary the record's,
+    else the folder's tokenizer.json (as `prepare --text tokenizer:PATH`
+    records one: a BPE's)."""
+    from ..checkpoints.trained import rebuilt
+    from ..data.vocab import Bpe
+    path = str(path)
+    with open_source(path) as source:
+        if model is not None and model != source.model:
+            raise HpctrainError(f"--model {model}: {path} holds model {source.model}")
+        rec = dict(source.record or {})
+        # a config's name need not spell the record's (dropout); the tensors' shapes are what is checked
+        rec.pop("identity", None)
+        rec.update({"model": source.model, "hidden": [], "input_shape": [source.positions], "classes": source.vocab})
+        tokenizer = os.path.join(path, gpt2.TOKENIZER)
+        if rec.get("text") is None and os.path.isfile(tokenizer):
+            rec["text"] = Bpe.load(tokenizer).record_entry()
+        return rebuilt(rec, path, source.read, source.check)
+
+
+# --- hpctrain train --init-from PATH ---------------------------------------------------
+
+
+def init_args(args, default_block):
+    """The flags of a run with --init-from PATH, the model's from PATH: a copy
+    of `args` whose --model is PATH's (a --model that names another model is
+    one line; one that names the same with dropout= keeps its dropout) and
+    whose --block-size fits PATH's position table (left at its default
+    `default_block`, it becomes the table's rows where they are fewer)."""
+    from argparse import Namespace
+    from ..flags.model_names import gpt_options
+    if args.mode == "ps":
+        raise HpctrainError("--init-from: ring mode (any --zero, --tensor-parallel, --pipeline-stages); not --mode ps")
+    with open_source(args.init_from) as source:
+        model, positions = source.model, source.positions
+    out = Namespace(**vars(args))
+    if args.model != "mlp":   # --model given (mlp, the default, is no GPT: taken as not given)
+        try:
+            given, theirs = gpt_options(args.model), gpt_options(model)
+        except ValueError:
+            given = theirs = None
+        same = given is not None and theirs is not None and \
+            {k: v for k, v in given.items() if k != "dropout"} == {k: v for k, v in theirs.items() if k != "dropout"}
+        if not same and args.model != model:
+            raise HpctrainError(f"--model {args.model} contradicts --init-from {args.init_from}, which holds model "
+                                f"{model}; leave --model out (the model is PATH's)")
+        if same and given.get("dropout"):
+            model = args.model
+    out.model = model
+    if positions and args.block_size > positions:
+        if args.block_size != default_block:
+            raise HpctrainError(f"--block-size {args.block_size}: --init-from {args.init_from} has {positions} "
+                                f"positions; give --block-size {positions} or less")
+        out.block_size = positions
+    return out
+
+
+def check_init_data(path, classes, data_dir):
+    """The data's vocabulary is the pretrained model's: the same size (what a
+    Hugging Face folder can tell), and where PATH records the vocabulary it
+    was trained on (an hpctrain export or --save file), the same one
+    (data/fit.py); else one line."""
+    from ..data.fit import check_fit
+    from ..data.vocab import describe, load_vocabulary
+    with open_source(path) as source:
+        vocab, text = source.vocab, source.text()
+    if text is None and vocab != classes:
+        raise HpctrainError(f"--init-from {path}: a model of {vocab} token ids, but data {data_dir} holds "
+                            f"{describe(load_vocabulary(data_dir))}: prepare the text with the model's tokenizer "
+                            f"(hpctrain data prepare --text tokenizer:{path})")
+    check_fit(f"--init-from {path}", "tokens", data_dir, classes=vocab, text=text, verb="fine-tune on",
+              advice="prepare the text with the model's vocabulary")
+
+
+def initialize(path, spec, parts, xp=np):
+    """The parameters' parts of this rank (state/consumers.parameters) from
+    PATH's tensors, each part its box alone (whatever the layout); the
+    optimizer's state and the non-trainable state stay as made."""
+    from ..state.consumers import parameters, restore
+    with open_source(path) as source:
+        source.check(spec)
+        restore(parameters(parts, spec), source.read, xp)
