@@ -17,19 +17,20 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import prepared_plays, run_job, under_mpirun
+from conftest import run_job, under_mpirun
 from hpctrain import evaluate, generate
 from hpctrain.base.errors import HpctrainError
 from hpctrain.data.tokens import load_test_windows
-from hpctrain.data.vocab import Bpe, Bytes, Chars, load_vocabulary
+from hpctrain.data.vocab import Bpe, Bytes, Chars
 from hpctrain.flags import cli
 from hpctrain.interop import export, gpt2, pretrained, safetensors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-BLOCK = 16        # the fine-tune's context
-POSITIONS = 32    # the pretrained model's: its table longer than the fine-tune takes
+BLOCK = 64        # the fine-tune's context: room for a prompt and 50 greedy tokens
+POSITIONS = 128   # the pretrained model's: its table longer than the fine-tune takes
+STEPS = 100       # the fine-tune's
 LINE = "ROMEO:\nBut soft, what light through yonder window breaks?"
 
 pytestmark = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun jobs: runs in the plain pytest pass")
@@ -37,9 +38,10 @@ pytestmark = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun 
 
 def hf_model(vocab, positions=POSITIONS, seed=0, **config):
     torch.manual_seed(seed)
+    config = {"activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, **config}   # GPT-2's
     cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=32, n_layer=2, n_head=2,
-                                  activation_function="gelu", layer_norm_epsilon=1e-5, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, **config)
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                                  eos_token_id=None, **config)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():   # larger than the 0.02 initialisation, so that the tokens' losses differ
         for p in model.parameters():
@@ -60,20 +62,40 @@ def final(metrics):
     return json.loads(open(metrics).read().splitlines()[-1])
 
 
+def gpt2_folder(text, folder):
+    """What a user brings: a byte-level BPE trained (by `tokenizers`) on the
+    text, and a random GPT2LMHeadModel of its vocabulary with GPT-2's own
+    GELU (gelu_new), both saved by transformers' save_pretrained."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    model = hf_model(tok.get_vocab_size())
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """The plays as chars, a random GPT-2 of their vocabulary saved by
-    transformers, a 2-rank fine-tune of it (--save, --metrics), and its exports."""
-    data = prepared_plays(tmp_path_factory, 20000)
-    root = data.parent
-    vocab = load_vocabulary(str(data)).vocab_size
-    source = hf_model(vocab)
-    source.save_pretrained(root / "gpt2", safe_serialization=True)
-    r = run_job(2, "--init-from", root / "gpt2", "--data", data, "--block-size", BLOCK, "--steps", 3,
+    """Issue 56's scenario: the plays prepared with a pretrained model's
+    tokenizer (`--text tokenizer:FOLDER`), the model fine-tuned from its
+    folder at 2 ranks for 100 steps (--save, --metrics, checkpoints), and
+    the run exported."""
+    from hpctrain import data as data_mod
+    root = tmp_path_factory.mktemp("hf")
+    text = open(data_mod.bundled_text_path(), encoding="utf-8").read()[:20000]
+    (root / "plays.txt").write_text(text, encoding="utf-8")
+    source = gpt2_folder(text, root / "gpt2")
+    data = root / "plays"
+    data_mod.prepare_text(str(root / "plays.txt"), str(data), f"tokenizer:{root / 'gpt2'}", log=None)
+    r = run_job(2, "--init-from", root / "gpt2", "--data", data, "--block-size", BLOCK, "--steps", STEPS,
                 "--batch-size", 4, "--save", root / "ft.h5", "--metrics", root / "ft.jsonl",
                 "--checkpoint-dir", root / "ckpt", module="hpctrain.train")
     assert r.returncode == 0, r.stderr
-    assert "parameters from --init-from" in r.stdout and "gpt:layers=2,heads=2,width=32" in r.stdout
+    assert "parameters from --init-from" in r.stdout and "gpt:layers=2,heads=2,width=32,act=gelu_tanh" in r.stdout
     # the folder from the run's last checkpoint (each rank's parts), the file from its --save
     assert export.main(["--params", str(root / "ckpt"), "--format", "hf", "--to", str(root / "ft-hf")]) == 0
     assert export.main(["--params", str(root / "ft.h5"), "--format", "safetensors",
@@ -94,7 +116,7 @@ def test_the_export_loads_in_transformers_with_hpctrains_loss_logits_and_greedy_
     model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert type(model).__name__ == "GPT2LMHeadModel"
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    assert model.config.activation_function == "gelu" and model.config.n_positions == BLOCK
+    assert model.config.activation_function == "gelu_new" and model.config.n_positions == BLOCK
     assert abs(torch_loss(model, world["data"], BLOCK) - world["ft"]["test_loss"]) < 1e-4
     ours = trained.load(params=str(world["root"] / "ft.h5"))
     x = np.random.default_rng(1).integers(0, ours.spec.classes, (2, BLOCK))
@@ -104,9 +126,10 @@ def test_the_export_loads_in_transformers_with_hpctrains_loss_logits_and_greedy_
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     prompt = "ROMEO:"
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    greedy = model.generate(ids, max_new_tokens=BLOCK - ids.shape[1], do_sample=False)
-    assert generate.main(["--params", str(world["root"] / "ft.h5"), "--prompt", prompt, "--tokens",
-                          str(BLOCK - ids.shape[1]), "--top-k", "1"]) == 0
+    greedy = model.generate(ids, max_new_tokens=50, do_sample=False)
+    assert greedy.shape[1] == ids.shape[1] + 50
+    assert generate.main(["--params", str(world["root"] / "ft.h5"), "--prompt", prompt, "--tokens", "50",
+                          "--top-k", "1"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == tokenizer.decode(greedy[0])
 
 
@@ -181,9 +204,9 @@ def test_a_pickle_alone_is_refused_and_missing_or_misshapen_tensors_named(tmp_pa
     model = hf_model(65)
     for i, (tensors, line) in enumerate([
             (hf_tensors(model, drop="transformer.h.1.mlp.c_fc.bias"),
-             "no tensor transformer.h.1.mlp.c_fc.bias, which model gpt:layers=2,heads=2,width=32 needs"),
+             "no tensor transformer.h.1.mlp.c_fc.bias, which model gpt:layers=2,heads=2,width=32,act=gelu_tanh needs"),
             ([(k, v.T if k == "transformer.h.0.attn.c_attn.weight" else v) for k, v in hf_tensors(model)],
-             "transformer.h.0.attn.c_attn.weight is 96x32, model gpt:layers=2,heads=2,width=32 needs 32x96")]):
+             "transformer.h.0.attn.c_attn.weight is 96x32, model gpt:layers=2,heads=2,width=32,act=gelu_tanh needs 32x96")]):
         with pytest.raises(HpctrainError, match=line):   # the loader generate and evaluate use
             pretrained.load_trained(folder_with(tmp_path / str(i), gpt2_config(), tensors))
 
@@ -191,16 +214,17 @@ def test_a_pickle_alone_is_refused_and_missing_or_misshapen_tensors_named(tmp_pa
 def test_init_from_takes_the_model_and_refuses_one_that_contradicts_it(world):
     hf = str(world["root"] / "gpt2")
     args = pretrained.init_args(cli.parse(["--init-from", hf], quiet=True), 256)
-    assert args.model == "gpt:layers=2,heads=2,width=32" and args.block_size == POSITIONS
-    args = cli.parse(["--init-from", hf, "--model", "gpt:layers=2,heads=2,width=32,dropout=0.1", "--block-size", "8"],
+    assert args.model == "gpt:layers=2,heads=2,width=32,act=gelu_tanh" and args.block_size == POSITIONS
+    args = cli.parse(["--init-from", hf, "--model", "gpt:layers=2,heads=2,width=32,act=gelu_tanh,dropout=0.1",
+                      "--block-size", "8"],
                      quiet=True)
-    assert pretrained.init_args(args, 256).model.endswith("dropout=0.1")   # the same model, dropout its own
+    assert "dropout=0.1" in pretrained.init_args(args, 256).model   # the same model, dropout its own
     with pytest.raises(HpctrainError, match=f"--model gpt:layers=4,heads=2,width=32 contradicts --init-from {hf}, "
-                                            f"which holds model gpt:layers=2,heads=2,width=32"):
+                                            f"which holds model gpt:layers=2,heads=2,width=32,act=gelu_tanh"):
         pretrained.init_args(cli.parse(["--init-from", hf, "--model", "gpt:layers=4,heads=2,width=32"], quiet=True),
                              256)
-    with pytest.raises(HpctrainError, match=f"--block-size 64: --init-from {hf} has 32 positions"):
-        pretrained.init_args(cli.parse(["--init-from", hf, "--block-size", "64"], quiet=True), 256)
+    with pytest.raises(HpctrainError, match=f"--block-size 512: --init-from {hf} has 128 positions"):
+        pretrained.init_args(cli.parse(["--init-from", hf, "--block-size", "512"], quiet=True), 256)
 
 
 def test_data_of_another_vocabulary_is_one_line(world, tmp_path):
@@ -208,11 +232,11 @@ def test_data_of_another_vocabulary_is_one_line(world, tmp_path):
     (tmp_path / "t.txt").write_text("hello there\n" * 300)
     data.prepare_text(str(tmp_path / "t.txt"), str(tmp_path / "bytes"), "bytes", log=lambda *a, **k: None)
     hf = str(world["root"] / "gpt2")
-    with pytest.raises(HpctrainError, match=f"--init-from {hf}: a model of 62 token ids, but data .* holds "
+    with pytest.raises(HpctrainError, match=f"--init-from {hf}: a model of 300 token ids, but data .* holds "
                                             f"bytes:256 .*: prepare the text with the model's tokenizer"):
         pretrained.check_init_data(hf, 256, str(tmp_path / "bytes"))
     # an export records the vocabulary it was trained on: held whole, not just its size
-    with pytest.raises(HpctrainError, match="was trained on vocabulary chars:62"):
+    with pytest.raises(HpctrainError, match="was trained on vocabulary bpe:300"):
         pretrained.check_init_data(str(world["root"] / "ft.safetensors"), 256, str(tmp_path / "bytes"))
 
 
@@ -242,10 +266,10 @@ def test_a_shorter_block_takes_the_tables_first_rows_and_no_output_replaces_the_
     root, vocab = world["root"], world["source"].config.vocab_size
     for path in (root / "ft.h5", root / "gpt2"):
         with pretrained.open_source(path) as source:
-            source.check(gpt(vocab, 8, 2, 2, 32))   # 8 of its 16 (32) positions
+            source.check(gpt(vocab, 8, 2, 2, 32))   # 8 of its 64 (128) positions
             assert source.read("layer1/P").shape == (8, 32)
-            with pytest.raises(HpctrainError, match=r"layer1/P is 16x32, model .* needs 64x32|wpe.weight is 32x32"):
-                source.check(gpt(vocab, 64, 2, 2, 32))
+            with pytest.raises(HpctrainError, match=r"layer1/P is 64x32, model .* needs 256x32|wpe.weight is 128x32"):
+                source.check(gpt(vocab, 256, 2, 2, 32))
     args = cli.parse(["--init-from", str(root / "ft.h5"), "--save", str(root / "ft.h5")], quiet=True)
     with pytest.raises(HpctrainError, match=r"--save .* would overwrite the run's input .* \(the --init-from model\)"):
         check_not_inputs([Output(args.save, "--save")], run_inputs(args, str(world["data"])))
