@@ -1,12 +1,14 @@
 """Checkpoint orchestration for the three loops, on top of
-checkpoints/file.py's files (written there, read back by checkpoints/read_back.py):
+checkpoints/named.py's folders (and the old flat files read_back.py reads):
 which checkpoint a run resumes from (its state goes into each rank's
-parts of the whole tensors: state/consumers.py, flat_read), the data
-positions sent to every rank, the checkpoints written while training, and the exit after a
-pre-emption signal (loops/frame.py makes one Checkpoints per run and says
+parts of the whole tensors: state/consumers.py), the data positions sent
+to every rank, the checkpoints written while training, and the exit after
+a pre-emption signal (loops/frame.py makes one Checkpoints per run and says
 when).
 
-The chief alone reads and writes the files. The data positions travel over
+The chief chooses and checks the checkpoint to resume from; every rank
+writes its own parts and reads its own boxes (an old flat file: the chief
+reads every rank's and sends them). The data positions travel over
 the workers' communicator, whose rank 0 is the chief in every mode;
 everything else over the communicator the caller passes (ring: the workers';
 ps and a pipeline: the world, so the servers and every stage share the
