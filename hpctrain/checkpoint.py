@@ -1,7 +1,7 @@
 """The checkpoint command: list a --checkpoint-dir's checkpoints, newest
 first, verify each and show its tensors by name, dtype and shape (the
 formats: checkpoints/named.py's folders of named tensors, each rank file
-hashed; checkpoints/file.py's flat files, their flat datasets; the checks:
+hashed; the old flat files (checkpoints/file.py), their flat datasets; the checks:
 checkpoints/read_back.py).
 
     python -m hpctrain.checkpoint DIR      # exit 1 if one is corrupt, 2 if DIR is not a directory

@@ -93,8 +93,8 @@ def bundled_shards(tmp_path_factory):
 
 
 def checkpoints(folder):
-    """[(step, path)] of folder's checkpoints, newest first, whichever the
-    format (a flat file `ckpt-N.h5` or a named folder `ckpt-N/`)."""
+    """[(step, path)] of folder's checkpoints, newest first (named folders
+    `ckpt-N/`; an old flat file `ckpt-N.h5` a test wrote too)."""
     from hpctrain.checkpoints.file import list_checkpoints
     return list_checkpoints(str(folder))
 
@@ -105,14 +105,14 @@ def checkpoint_steps(folder):
 
 
 def newest_checkpoint(folder):
-    """The path of folder's newest checkpoint (a file or a folder)."""
+    """The path of folder's newest checkpoint."""
     found = checkpoints(folder)
     assert found, f"no checkpoint in {folder}"
     return Path(found[0][1])
 
 
 def checkpoint_path(folder, step):
-    """The path of folder's checkpoint of `step`, whichever the format."""
+    """The path of folder's checkpoint of `step`."""
     for s, path in checkpoints(folder):
         if s == step:
             return Path(path)
@@ -125,23 +125,21 @@ def only_checkpoints(folder):
 
 
 def checkpoint_file(path):
-    """The HDF5 file holding a checkpoint's attributes: a flat file itself,
-    a named folder's index.h5."""
-    path = Path(path)
-    return path / "index.h5" if path.is_dir() else path
+    """The HDF5 file holding a checkpoint folder's attributes: its index.h5."""
+    return Path(path) / "index.h5"
 
 
 def remove_checkpoint(path):
-    """Remove one checkpoint, a flat file or a named folder."""
+    """Remove one checkpoint: a folder, or an old flat file (an older
+    hpctrain's: tests/test_reference.py's pinned commit writes them)."""
     import shutil
     path = Path(path)
     shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def checkpoint_floats(path):
-    """{name: array} of a checkpoint's floating-point datasets: a flat file's
-    `params`, `optimizer/...`; a named folder's whole tensors (read through
-    its index's virtual datasets)."""
+    """{name: array} of a checkpoint's whole floating-point tensors (read
+    through its index's virtual datasets)."""
     import h5py
     import numpy as np
     out = {}
@@ -154,10 +152,71 @@ def checkpoint_floats(path):
 
 
 def copy_checkpoint(path, folder):
-    """Copy one checkpoint (a flat file or a named folder) into folder,
+    """Copy one checkpoint (a folder, or an old flat file) into folder,
     under its own name; returns the copy's path."""
     import shutil
     path, folder = Path(path), Path(folder)
     to = folder / path.name
     shutil.copytree(path, to) if path.is_dir() else shutil.copy(path, to)
     return to
+
+
+# ---------------------------------------------------------------------------
+# old flat checkpoints: hpctrain writes none now but still resumes them
+
+def write_flat_checkpoint(directory, step, params, optimizer_state, positions, attrs, optimizer_t=None,
+                          model_state=None, compression_state=None):
+    """DIR/ckpt-<step>.h5 in the old flat format (hpctrain/checkpoints/file.py's
+    docstring), as an hpctrain before issue 55 wrote it: datasets of their
+    own dtypes, the content hash over them and the attributes, the header
+    stamp. attrs: the settings and run information, plain ints, floats, strs."""
+    import h5py
+    import numpy as np
+    from hpctrain.checkpoints import file
+    little = lambda a: np.ascontiguousarray(a).astype(np.asarray(a).dtype.newbyteorder("<"), copy=False)  # noqa: E731
+    datasets = {"params": little(params), "data_positions": little(np.asarray(positions, np.int64)),
+                **{f"optimizer/{k}": little(v) for k, v in optimizer_state.items()},
+                **{f"compression/{k}": little(v) for k, v in (compression_state or {}).items()}}
+    if model_state is not None and len(model_state):
+        datasets["model_state"] = little(model_state)
+    head = {"format": file.FORMAT, "format_version": file.FORMAT_VERSION, "step": int(step),
+            "optimizer_t": int(step if optimizer_t is None else optimizer_t),
+            "optimizer_state": ",".join(optimizer_state),
+            "model_state": int(datasets["model_state"].size) if "model_state" in datasets else 0,
+            **({"compression_state": ",".join(compression_state)} if compression_state else {})}
+    attrs = {**head, **{k: file._attr_value(k, v) for k, v in attrs.items() if k not in head}}
+    attrs["sha256"] = file._checksum(datasets, attrs)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"ckpt-{int(step):08d}.h5")
+    with h5py.File(path, "w", userblock_size=file.USERBLOCK) as f:
+        for key, value in datasets.items():
+            f.create_dataset(key, data=value)
+        for key, value in attrs.items():
+            f.attrs[key] = value
+    file.stamp(path)
+    return path
+
+
+def flat_from_named(folder):
+    """Replace a checkpoint folder a job wrote by the old flat file of the
+    same step, values and attributes (the tensors in the model's order, as
+    the manifest lists them): how the tests get flat files to resume from."""
+    import shutil
+    import numpy as np
+    from hpctrain.checkpoints.named import open_checkpoint
+    with open_checkpoint(str(folder)) as ckpt:
+        attrs = {k: v for k, v in ckpt.attrs.items() if k not in ("format", "format_version", "sha256")}
+        keys = [k for k in str(attrs["optimizer_state"]).split(",") if k]
+        of_key = {n: k for n in ckpt.tensors for k in keys if n.split("/", 1)[0].endswith(f".{k}")}
+        model = [n for n in ckpt.tensors if n not in of_key]
+        flat = lambda names: np.concatenate([ckpt.read(n, None).reshape(-1) for n in names])  # noqa: E731
+        values = flat(model)
+        state_size = int(attrs["model_state"])
+        params, state = values[:values.size - state_size], values[values.size - state_size:]
+        optimizer = {k: flat([n for n in of_key if of_key[n] == k]) for k in keys}
+        compressed = [n for n in str(attrs.get("compression_state", "")).split(",") if n]
+        path = write_flat_checkpoint(os.path.dirname(os.path.abspath(folder)), ckpt.step, params, optimizer,
+                                     ckpt.small("data_positions"), attrs, attrs["optimizer_t"], state,
+                                     {n: ckpt.small(f"compression/{n}") for n in compressed})
+    shutil.rmtree(folder)
+    return Path(path)

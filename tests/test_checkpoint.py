@@ -1,7 +1,9 @@
 """Tests for checkpoints and resume (hpctrain/checkpoint.py and the ring loop's use of it).
 
-Serial tests of the file format (atomic write, keep-K, corrupt files, checksum,
-incompatible settings), then real jobs under the venv's mpirun: a ring run
+Serial tests of the old flat files hpctrain still resumes (written here by
+conftest.write_flat_checkpoint: corrupt files, checksum, incompatible
+settings, pruning beside them) and of an interrupted checkpoint write, then
+real jobs under the venv's mpirun: a ring run
 stopped by SIGTERM and by SIGUSR1 and resumed ends bit-identical to an
 uninterrupted run. The jobs run in the plain pytest pass (skipped inside the
 MPI pass), with a small model so the file takes well under a minute on 2 cores:
@@ -19,7 +21,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import MPIRUN, OPEN_MPI, REPO, under_mpirun
+from conftest import MPIRUN, OPEN_MPI, REPO, flat_from_named, under_mpirun, write_flat_checkpoint
 from hpctrain.run.cluster import child_env
 from hpctrain import checkpoint as checkpoint_command
 from hpctrain.checkpoints import file as checkpoint
@@ -31,13 +33,14 @@ SETTINGS = {"mode": "ring", "hidden": "8", "num_params": 16, "optimizer": "adam"
             "batch_size": 4, "seed": 0}
 
 
-def write(directory, step, n=16, keep=3, settings=None, seed=None):
+def write(directory, step, n=16, settings=None, seed=None):
+    """An old flat checkpoint of step `step`: (path, params, state, positions)."""
     rng = np.random.default_rng(step if seed is None else seed)
     params = rng.standard_normal(n).astype(np.float32)
     state = {"m": rng.standard_normal(n).astype(np.float32), "v": rng.random(n).astype(np.float32)}
     positions = np.array([[step // 10, 4 * step % 40], [step // 10, 8]], np.int64)
-    path = checkpoint.save(directory, step, params, state, step, positions, settings or SETTINGS, keep=keep,
-                           info={"world_size": 2, "num_workers": 2, "lr": 1e-4})
+    path = write_flat_checkpoint(directory, step, params, state, positions,
+                                 {"world_size": 2, "num_workers": 2, "lr": 1e-4, **(settings or SETTINGS)})
     return path, params, state, positions
 
 
@@ -67,7 +70,16 @@ def test_round_trip_keeps_every_bit_and_attribute(tmp_path):
         assert f["params"].dtype == np.float32 and f["data_positions"].shape == (2, 2)
 
 
-def test_save_is_atomic_and_durable(tmp_path, monkeypatch):
+def named_write(directory, step):
+    """A one-tensor checkpoint folder written by this process alone (checkpoints/named.py)."""
+    from mpi4py import MPI
+    from hpctrain.checkpoints import named
+    w = np.arange(16, dtype=np.float32)
+    return named.write_checkpoint(directory, step, MPI.COMM_SELF, 0, [("w", ((0, 16),), w)],
+                                  {"w": ((16,), "<f4", [])}, {}, small={"data_positions": np.zeros((1, 2), np.int64)})
+
+
+def test_a_checkpoint_write_is_atomic_and_durable(tmp_path, monkeypatch):
     synced = []
     real_fsync = os.fsync
 
@@ -75,30 +87,12 @@ def test_save_is_atomic_and_durable(tmp_path, monkeypatch):
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
     monkeypatch.setattr(os, "fsync", fsync)
-    path, _, _, _ = write(tmp_path, 10)
-    # the file's bytes under its temporary name, then the directory after the rename
-    assert len(synced) == 2 and ".ckpt-00000010.h5.tmp-" in synced[0] and synced[1] == str(tmp_path)
-    assert os.listdir(tmp_path) == ["ckpt-00000010.h5"]
-
-
-def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
-    write(tmp_path, 10)
-
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(h5py.Group, "create_dataset", disk_full)
-    with pytest.raises(HpctrainError, match=r"ckpt-00000020.h5: cannot write checkpoint \(No space left"):
-        write(tmp_path, 20)
-    assert os.listdir(tmp_path) == ["ckpt-00000010.h5"]
-    monkeypatch.undo()
-    assert load(tmp_path)[0].step == 10
-
-
-def test_keeps_the_newest_k(tmp_path):
-    for step in range(10, 60, 10):
-        write(tmp_path, step, keep=2)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000040.h5", "ckpt-00000050.h5"]
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [50, 40]
+    path = named_write(tmp_path, 10)
+    # the rank file and the index under the temporary folder, the folder, then the directory after the rename
+    tmp = os.path.dirname(synced[0])
+    assert os.path.basename(tmp).startswith(".ckpt-00000010.tmp-"), synced
+    assert synced == [os.path.join(tmp, "rank-00000.h5"), os.path.join(tmp, "index.h5"), tmp, str(tmp_path)]
+    assert os.listdir(tmp_path) == ["ckpt-00000010"] and path == str(tmp_path / "ckpt-00000010")
 
 
 def a_dead_pid():
@@ -178,14 +172,14 @@ def interrupted_at_call(after, directory):
     return hook
 
 
-@pytest.mark.parametrize("after", [1, 2, 3, 5, 8, 13, 40])
+@pytest.mark.parametrize("after", [1, 2, 3, 5, 8, 13, 40, 120])
 def test_ctrl_c_anywhere_in_a_checkpoint_write_leaves_no_temporary(tmp_path, after):
     # CI once found a .ckpt-*.h5.tmp-* after Ctrl-C: the interrupt landed
     # inside mkstemp (after it made the file, before its caller held the name).
     sys.setprofile(interrupted_at_call(after, tmp_path))
     try:
         with pytest.raises(KeyboardInterrupt):
-            write(tmp_path, 10)
+            named_write(tmp_path, 10)
     finally:
         sys.setprofile(None)
     assert os.listdir(tmp_path) == []
@@ -197,14 +191,15 @@ def test_a_file_whose_name_lies_about_its_step_is_skipped_and_never_pins_pruning
     old, params10, _, _ = write(tmp_path, 10)
     liar = tmp_path / "ckpt-99999999.h5"
     liar.write_bytes(open(old, "rb").read())
-    _, params20, _, _ = write(tmp_path, 20, keep=2)
+    _, params20, _, _ = write(tmp_path, 20)
+    checkpoint._prune(tmp_path, 2, mine=str(tmp_path / "ckpt-00000020.h5"))
     ckpt, warnings = load(tmp_path)
     assert ckpt.step == 20 and np.array_equal(ckpt.params, params20)
     assert warnings == ["ckpt-99999999.h5: its name says step 99999999 but it holds step 10 (a renamed "
                         "copy?), skipped; trying the previous one"]
     # Pruning keeps the newest 2 up to the one just written; the lying name is
     # neither counted nor removed (resume reports it every time).
-    write(tmp_path, 30, keep=2)
+    checkpoint._prune(tmp_path, 2, mine=write(tmp_path, 30)[0])
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000020.h5", "ckpt-00000030.h5", "ckpt-99999999.h5"]
     # A name below its content is a liar too: skipped for the real previous one.
     (tmp_path / "ckpt-00000030.h5").rename(tmp_path / "ckpt-00000025.h5")
@@ -302,21 +297,15 @@ def test_files_with_a_valid_header_but_wrong_content_are_skipped(tmp_path, damag
     assert ckpt.step == 10 and warnings == [f"ckpt-00000020.h5: corrupt ({reason}), trying the previous one"]
 
 
-def test_the_writer_writes_the_runs_precision_and_the_reader_refuses_one_it_does_not_run(tmp_path):
-    # The datasets take the dtype handed down from the plan's precision
-    # (hpctrain/base/precision.py), not a float32 of the writer's own: written as
-    # float64, every float dataset is float64 and the content hash covers
-    # it; this code runs float32 only, so the reader refuses the file in one
-    # line rather than convert it (a resume promises the same bits).
+def test_the_reader_refuses_a_precision_it_does_not_run(tmp_path):
+    # A flat file of float64 datasets, its content hash over them: this code
+    # runs float32 only, so the reader refuses the file in one line rather
+    # than convert it (a resume promises the same bits).
     rng = np.random.default_rng(0)
     params = rng.standard_normal(16)
     state = {"m": rng.standard_normal(16), "v": rng.random(16)}
     write(tmp_path, 10)
-    path = checkpoint.save(tmp_path, 20, params, state, 20, np.zeros((2, 2), np.int64), SETTINGS,
-                           model_state=np.ones(3), dtype=np.float64)
-    with h5py.File(path, "r") as f:
-        assert {f[k].dtype.str for k in ("params", "optimizer/m", "optimizer/v", "model_state")} == {"<f8"}
-        assert np.array_equal(f["params"][...], params)
+    write_flat_checkpoint(tmp_path, 20, params, state, np.zeros((2, 2), np.int64), SETTINGS, model_state=np.ones(3))
     ckpt, warnings = load(tmp_path)
     assert ckpt.step == 10 and warnings == [
         "ckpt-00000020.h5: corrupt (dataset params is float64 (16,), expected float32 with 1 dimension(s)), "
@@ -436,6 +425,37 @@ def test_a_small_file_claiming_a_huge_params_is_refused_before_it_is_read(tmp_pa
         f"{path}: refused: dataset params is not stored contiguously in the file (chunked"), (r.stdout, r.stderr)
 
 
+def test_the_chief_closes_the_checkpoint_it_resumed_from_once_restored(tmp_path):
+    # Ring mode kept the chief's checkpoint (a folder's index, a lazily read
+    # flat file) open for the whole run; every loop resumes through
+    # Frame.resumed, which closes it after the loop's restore, failed or not.
+    from types import SimpleNamespace
+    from hpctrain.loops.frame import Frame
+    path, params, _, positions = write(tmp_path, 10)
+    for fails in (False, True):
+        ckpt = reader.read(path, lazy=True)
+        assert ckpt.source is not None
+        said = []
+        frame = SimpleNamespace(resume=SimpleNamespace(checkpoint=ckpt), steps=20,
+                                checkpoints=SimpleNamespace(seek_readers=lambda reader, resume: None,
+                                                            resumed_line=lambda resume, steps: "resumed",
+                                                            saved_step=10),
+                                world=SimpleNamespace(say=said.append),
+                                report=SimpleNamespace(resume_at=lambda step, resume: None))
+
+        def restore(resume):
+            assert np.array_equal(resume.checkpoint.params.read(0, 16), params)   # open while restoring
+            if fails:
+                raise HpctrainError("a rank could not restore")
+        if fails:
+            with pytest.raises(HpctrainError):
+                Frame.resumed(frame, None, restore)
+        else:
+            Frame.resumed(frame, None, restore)
+            assert said == ["resumed"]
+        assert ckpt.source is None and np.array_equal(ckpt.data_positions, positions)
+
+
 # ---------------------------------------------------------------------------
 # real jobs
 
@@ -517,9 +537,7 @@ def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, ze
                          r"run the same command again to resume", lines[0])
         assert m, lines[0]
         step, path = int(m.group(1)), m.group(2)
-        # a named folder (the default) or a flat file
-        assert stopped_at < step < steps and path in (str(ckpt_dir / f"ckpt-{step:08d}"),
-                                                      str(ckpt_dir / f"ckpt-{step:08d}.h5"))
+        assert stopped_at < step < steps and path == str(ckpt_dir / f"ckpt-{step:08d}")
         assert checkpoint.list_checkpoints(ckpt_dir)[0] == (step, path)
         if stopped_at:
             assert f"resumed from {stopped_path} at step {stopped_at}" in r.stdout
@@ -536,12 +554,14 @@ def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, ze
 
 
 @needs_own_jobs
-def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
+def test_an_old_flat_checkpoint_resumes_and_a_corrupt_newest_one_is_skipped(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
-    flags = ["--steps", 40, *SMALL, "--checkpoint-dir", ckpt_dir, "--checkpoint-every", 10,
-             "--checkpoint-format", "flat"]   # one file to truncate
+    flags = ["--steps", 40, *SMALL, "--checkpoint-dir", ckpt_dir, "--checkpoint-every", 10]
     r = run(2, *flags, "--save", tmp_path / "first.h5")
     assert r.returncode == 0, r.stderr
+    # as an hpctrain before issue 55 left them: flat files, one file to truncate
+    for step in (30, 40):
+        flat_from_named(ckpt_dir / f"ckpt-{step:08d}")
     newest = ckpt_dir / "ckpt-00000040.h5"
     newest.write_bytes(newest.read_bytes()[:1000])
     r = run(2, *flags, "--save", tmp_path / "again.h5")
@@ -559,7 +579,7 @@ def test_corrupt_newest_checkpoint_resumes_from_the_previous_one(tmp_path):
     # starting fresh over another run's checkpoints would mix the two
     r = run(2, *flags, "--resume", "no")
     assert r.returncode == 2 and len(errors(r)) == 1, r.stderr
-    assert "--resume no, but" in errors(r)[0] and "ckpt-00000040.h5" in errors(r)[0]
+    assert "--resume no, but" in errors(r)[0] and "(newest ckpt-00000040)" in errors(r)[0]
 
 
 @needs_own_jobs
@@ -594,9 +614,10 @@ def test_a_checkpoint_resumes_only_on_the_data_it_was_trained_on(tmp_path):
     manifest = json.loads((other / data.MANIFEST).read_text())
     (other / data.MANIFEST).write_text(json.dumps(dict(manifest, seed=99)))
     ckpt_dir = tmp_path / "ckpt"
-    flags = ["--steps", 20, *SMALL, "--checkpoint-dir", ckpt_dir, "--checkpoint-format", "flat"]   # recheck: a file
+    flags = ["--steps", 20, *SMALL, "--checkpoint-dir", ckpt_dir]
     r = run(2, *flags)
     assert r.returncode == 0, r.stderr
+    flat_from_named(ckpt_dir / "ckpt-00000020")   # recheck edits a flat file
     r = run(2, *flags, "--data", other, "--steps", 30)
     assert r.returncode == 2 and len(errors(r)) == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert re.fullmatch(rf"hpctrain: error: {ckpt_dir / 'ckpt-00000020.h5'}: checkpoint was trained on other "
@@ -607,8 +628,9 @@ def test_a_checkpoint_resumes_only_on_the_data_it_was_trained_on(tmp_path):
     r = run(2, *flags, "--data", other, "--steps", 30, "--resume-other-data")
     assert r.returncode == 0 and f"resumed from {ckpt_dir / 'ckpt-00000020.h5'} at step 20" in r.stdout, r.stderr
     assert "hpctrain: warning: --resume-other-data: ckpt-00000020.h5 was trained on" in r.stderr, r.stderr
-    with h5py.File(ckpt_dir / "ckpt-00000030.h5") as f:
+    with h5py.File(ckpt_dir / "ckpt-00000030" / "index.h5") as f:
         assert f.attrs["data"] == str(other) and f.attrs["samples"] == 10 * 2 * 32
+    flat_from_named(ckpt_dir / "ckpt-00000030")
     # A checkpoint from before checkpoints recorded their data still resumes, and says so.
     recheck(ckpt_dir / "ckpt-00000030.h5", lambda f: [f.attrs.__delitem__(k) for k in ("data", "data_digest")])
     r = run(2, *flags, "--steps", 40)
@@ -622,10 +644,10 @@ def test_a_crafted_checkpoint_stops_the_job_in_one_line(tmp_path):
     # An epoch of 2**63-1 with valid checksums trained to the end and failed
     # at the last checkpoint (OverflowError, exit 1).
     ckpt_dir = tmp_path / "ckpt"
-    flags = [*SMALL, "--checkpoint-dir", ckpt_dir, "--checkpoint-format", "flat"]   # recheck edits a flat file
+    flags = [*SMALL, "--checkpoint-dir", ckpt_dir]
     r = run(2, "--steps", 10, *flags)
     assert r.returncode == 0, r.stderr
-    path = ckpt_dir / "ckpt-00000010.h5"
+    path = flat_from_named(ckpt_dir / "ckpt-00000010")   # recheck edits a flat file
     recheck(path, lambda f: f["data_positions"].__setitem__((0, 0), 2 ** 63 - 1))
     r = run(2, "--steps", 100, *flags, "--save", tmp_path / "p.h5")   # past the end of that epoch
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [

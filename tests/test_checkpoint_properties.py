@@ -1,6 +1,6 @@
 """Property-based tests for the checkpoint reader (issue 10, section 5).
 
-A valid checkpoint written by checkpoint.save, then a copy of it truncated at
+A valid old flat checkpoint (conftest.write_flat_checkpoint), then a copy of it truncated at
 any length and/or with 1-8 bytes xor'ed at any offsets: reader.read
 returns a Checkpoint bit-identical to the original (only when the mutation
 changed nothing) or raises reader._Corrupt or HpctrainError with a
@@ -25,7 +25,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hpctrain.checkpoints import file as checkpoint
+from conftest import write_flat_checkpoint  # noqa: E402
 from hpctrain.checkpoints import read_back as reader
 from hpctrain.base.errors import HpctrainError  # noqa: E402
 
@@ -41,8 +41,7 @@ def write(directory, step, n=16):
     params = rng.standard_normal(n).astype(np.float32)
     state = {"m": rng.standard_normal(n).astype(np.float32), "v": rng.random(n).astype(np.float32)}
     positions = np.array([[step // 10, 4 * step % 40], [step // 10, 8]], np.int64)
-    return checkpoint.save(directory, step, params, state, step, positions, SETTINGS, keep=3,
-                           info={"world_size": 2, "lr": 1e-4})
+    return write_flat_checkpoint(directory, step, params, state, positions, {"world_size": 2, "lr": 1e-4, **SETTINGS})
 
 
 @pytest.fixture(scope="module")

@@ -433,7 +433,7 @@ def test_sbatch_two_nodes_trains_as_on_one_node(cluster, tmp_path, mode):
         assert_same_params(saved, single)
 
 
-STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+(?:\.h5)?);")
+STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+);")
 RESUMED = re.compile(r"^resumed from (\S+) at step (\d+)$", re.M)
 
 

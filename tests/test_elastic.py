@@ -102,7 +102,7 @@ def test_stop_and_go_on_with_more_then_fewer_ranks(tmp_path, mode, sizes, extra)
 
     first, second, third = sizes
     s1, _ = stop_after_checkpoint(first, flags(first, tmp_path / "m1.jsonl"), ckpt, 0, env)
-    written = checkpoint_path(ckpt, s1)   # a named folder or a flat file
+    written = checkpoint_path(ckpt, s1)
     s2, out = stop_after_checkpoint(second, flags(second, tmp_path / "m2.jsonl"), ckpt, s1, env)
     workers = {n: n - servers.get(n, 0) for n in sizes}
     assert (f"resumed from {written} at step {s1}; written with {workers[first]} workers, "

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import write_flat_checkpoint
 from hpctrain import checkpoint as checkpoint_command
 from hpctrain.checkpoints import file as flat
 from hpctrain.checkpoints import named, read_back
@@ -114,7 +115,7 @@ def round_trip(comm):
     values = whole_values()
     with shared_dir(comm) as d:
         if comm.Get_rank() == 0:   # an old flat checkpoint counts among the kept
-            flat.save(d, 5, np.zeros(3, np.float32), {}, 0, np.zeros((1, 2), np.int64), {})
+            write_flat_checkpoint(d, 5, np.zeros(3, np.float32), {}, np.zeros((1, 2), np.int64), {})
         comm.Barrier()
         waits = Waits()
         path = write(comm, d, 10, my_pieces(comm, values), waiting=waits)
@@ -251,7 +252,8 @@ def test_refused_and_failed_leave_nothing_on_every_rank():
 def test_the_newest_valid_checkpoint_of_either_format_is_resumed(tmp_path):
     values, comm = whole_values(), MPI.COMM_SELF
     for step in (5, 10):
-        flat.save(tmp_path, step, np.zeros(3, np.float32), {}, 0, np.zeros((1, 2), np.int64), {"model": "mlp 1234"})
+        write_flat_checkpoint(tmp_path, step, np.zeros(3, np.float32), {}, np.zeros((1, 2), np.int64),
+                              {"model": "mlp 1234"})
     path = write(comm, tmp_path, 10, my_pieces(comm, values))
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000005.h5", "ckpt-00000010"]   # step 10's file replaced
     warnings = []
@@ -285,8 +287,8 @@ def test_a_crafted_index_is_refused_in_one_line(tmp_path):
 
 def test_the_checkpoint_command_lists_the_tensors_of_both_formats(tmp_path, capsys):
     values, comm = whole_values(), MPI.COMM_SELF
-    flat.save(tmp_path, 5, np.zeros(3, np.float32), {"m": np.zeros(3, np.float32)}, 0, np.zeros((1, 2), np.int64),
-              {"optimizer": "adam"})
+    write_flat_checkpoint(tmp_path, 5, np.zeros(3, np.float32), {"m": np.zeros(3, np.float32)},
+                          np.zeros((1, 2), np.int64), {"optimizer": "adam"})
     path = write(comm, tmp_path, 10, my_pieces(comm, values))
     assert checkpoint_command.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()

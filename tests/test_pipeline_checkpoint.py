@@ -1,6 +1,7 @@
 """Pipeline checkpoints, evaluation and --keep-best: a pipeline writes ring
-mode's checkpoint file (the chief gathers every stage's slices), resumes from
-it bit for bit, under another cut or replica count, or in ring mode with
+mode's checkpoint (the same whole named tensors, each rank writing its own
+parts), resumes from it (or from an old flat file of it) bit for bit,
+under another cut or replica count, or in ring mode with
 --accumulate-steps M, and back; SIGTERM mid-run stops every rank after the
 same step with exit 75 and the same command goes on to the uninterrupted
 run's bits; --eval-every and --keep-best see the whole model; the interleaved
@@ -15,9 +16,10 @@ import signal
 
 import pytest
 
-from conftest import OPEN_MPI, saved, same_bytes
+import h5py
+
+from conftest import OPEN_MPI, checkpoint_file, checkpoint_floats, flat_from_named, saved, same_bytes
 from hpctrain.checkpoints import file as checkpoint
-from hpctrain.checkpoints import read_back as reader
 from hpctrain.data import bundled_sample_dir, prepare
 from hpctrain.base.errors import EXIT_PREEMPTED
 from test_checkpoint import run_and_signal
@@ -31,26 +33,25 @@ def pipe(stages, micro=3, schedule="1f1b", *split):
             *(["--pipeline-split", split[0]] if split else [])]
 
 
-# the tests that compare a flat file's datasets write flat files
-FLAT = ["--checkpoint-format", "flat"]
-
-
-def datasets(path):
-    ckpt = reader.read(path)
-    return {"params": ckpt.params, "data_positions": ckpt.data_positions, "model_state": ckpt.model_state,
-            **{f"optimizer/{k}": v for k, v in ckpt.optimizer_state.items()}}
+def datasets(folder):
+    """A checkpoint's whole tensors (read through its index) and its data positions."""
+    with h5py.File(checkpoint_file(folder), "r") as f:
+        return {**checkpoint_floats(folder), "data_positions": f["data_positions"][()]}
 
 
 @pytest.mark.parametrize("ranks, grid, model, fmt", [
     (4, pipe(2), MLP, "named"),                                      # R = 2, Adam; each rank its own parts
-    (2, pipe(2, 2, "gpipe"), ["--model", f"{TINY}:build"], "flat"),  # batch norm's state and dropout's masks
+    (2, pipe(2, 2, "gpipe"), ["--model", f"{TINY}:build"], "flat"),  # batch norm's state and dropout's masks,
+                                                                     # from an old flat file
 ], ids=["p2r2-mlp-named", "p2-cnn-bn"])
 def test_a_resumed_pipeline_ends_with_the_bits_of_one_run_through(job, tmp_path, ranks, grid, model, fmt):
     flags = [*FLAGS, *model, *grid]
     ok(job(ranks, *flags, "--steps", 12, "--save", tmp_path / "through.h5"))
-    ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 3, "--checkpoint-format", fmt]
+    ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 3]
     ok(job(ranks, *flags, "--steps", 6, *ck))
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "ck")] == [6, 3]
+    if fmt == "flat":
+        flat_from_named(tmp_path / "ck" / "ckpt-00000006")
     r = ok(job(ranks, *flags, "--steps", 12, *ck, "--save", tmp_path / "resumed.h5"))
     name = "ckpt-00000006" + (".h5" if fmt == "flat" else "")
     assert f"resumed from {tmp_path / 'ck' / name} at step 6" in r.stdout, r.stdout
@@ -63,8 +64,8 @@ def test_one_checkpoint_file_for_every_grid_and_ring_mode(job, tmp_path):
     under the other (and under other cuts): the same parameters at the end."""
     ring = ["--accumulate-steps", 3]
     for name, ranks, how in (("ring", 2, ring), ("pipe", 4, pipe(2))):
-        ok(job(ranks, *FLAGS, *MLP, *how, "--steps", 6, "--checkpoint-dir", tmp_path / name, *FLAT))
-    ring_ck, pipe_ck = (tmp_path / n / "ckpt-00000006.h5" for n in ("ring", "pipe"))
+        ok(job(ranks, *FLAGS, *MLP, *how, "--steps", 6, "--checkpoint-dir", tmp_path / name))
+    ring_ck, pipe_ck = (tmp_path / n / "ckpt-00000006" for n in ("ring", "pipe"))
     a, b = datasets(ring_ck), datasets(pipe_ck)
     assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a), sorted(a)
 
@@ -146,14 +147,14 @@ def test_a_sharded_stage_optimizer_gives_the_same_bits_in_half_the_state(job, tm
     flags = [*FLAGS, *MLP, *pipe(2)]
     finals = {}
     for shard in ("on", "off"):
-        ok(job(4, *flags, "--steps", 6, "--shard-optimizer", shard, "--checkpoint-dir", tmp_path / shard, *FLAT,
+        ok(job(4, *flags, "--steps", 6, "--shard-optimizer", shard, "--checkpoint-dir", tmp_path / shard,
                "--save", tmp_path / f"{shard}.h5", "--metrics", tmp_path / f"{shard}.jsonl"))
         finals[shard] = json.loads((tmp_path / f"{shard}.jsonl").read_text().splitlines()[-1])
     assert same_bytes(tmp_path / "on.h5", tmp_path / "off.h5")
     assert (finals["on"]["shard_optimizer"], finals["off"]["shard_optimizer"]) == ("on", "off")
     assert 2 * finals["on"]["optimizer_state_bytes"] in range(finals["off"]["optimizer_state_bytes"] - 64,
                                                               finals["off"]["optimizer_state_bytes"] + 65)
-    a, b = (datasets(tmp_path / s / "ckpt-00000006.h5") for s in ("on", "off"))
+    a, b = (datasets(tmp_path / s / "ckpt-00000006") for s in ("on", "off"))
     assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a)
     for shard, other in (("on", "off"), ("off", "on")):   # each resumes the other's file
         ok(job(4, *flags, "--steps", 12, "--shard-optimizer", other, "--checkpoint-dir", tmp_path / shard,
@@ -196,13 +197,13 @@ def test_interleaved_chunks_checkpoint_resume_and_evaluate_as_ring_mode(job, tmp
     assert same_bytes(tmp_path / "inter.h5", tmp_path / "ring.h5")
     assert [e["step"] for e in evals["inter"]] == [4, 8, None] and evals["inter"] == evals["ring"], evals
     for name, n, how in (("inter-ck", ranks, inter), ("ring-ck", replicas, ring)):
-        ok(job(n, *flags, *how, "--steps", 6, "--checkpoint-dir", tmp_path / name, "--checkpoint-every", 3, *FLAT))
-    a, b = (datasets(tmp_path / name / "ckpt-00000006.h5") for name in ("inter-ck", "ring-ck"))
+        ok(job(n, *flags, *how, "--steps", 6, "--checkpoint-dir", tmp_path / name, "--checkpoint-every", 3))
+    a, b = (datasets(tmp_path / name / "ckpt-00000006") for name in ("inter-ck", "ring-ck"))
     assert set(a) == set(b) and all(a[k].tobytes() == b[k].tobytes() for k in a), sorted(a)
     for source, n, how, out in (("inter-ck", ranks, inter, "inter-inter"), ("inter-ck", replicas, ring, "inter-ring"),
                                 ("ring-ck", ranks, inter, "ring-inter")):
         where = tmp_path / out
         shutil.copytree(tmp_path / source, where)
         r = ok(job(n, *flags, *how, "--steps", 12, "--checkpoint-dir", where, "--save", tmp_path / f"{out}.h5"))
-        assert f"resumed from {where / 'ckpt-00000006.h5'} at step 6" in r.stdout, r.stdout
+        assert f"resumed from {where / 'ckpt-00000006'} at step 6" in r.stdout, r.stdout
         assert same_bytes(tmp_path / "inter.h5", tmp_path / f"{out}.h5"), out

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import REPO, run_job
+from conftest import REPO, copy_checkpoint, flat_from_named, run_job
 from hpctrain.run.cluster import child_env
 from hpctrain import data
 from hpctrain.checkpoints import file as checkpoint
@@ -92,13 +92,6 @@ def one_line(r):
 def trained_once(photos, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run")
     return (tmp, *train(tmp, photos[1], 1))
-
-
-@pytest.fixture(scope="module")
-def trained_flat(photos, tmp_path_factory):
-    """As trained_once, its checkpoints flat files (one file to corrupt, copy, rename)."""
-    tmp = tmp_path_factory.mktemp("flat")
-    return (tmp, *train(tmp, photos[1], 1, "--checkpoint-format", "flat"))
 
 
 def test_evaluate_gives_the_final_records_numbers_for_the_same_file(trained_once, photos):
@@ -189,7 +182,7 @@ def test_the_files_record_how_to_rebuild_the_model(trained_once, photos):
     assert rec["class_names"] == ["blue", "green", "red"] and rec["classes"] == 3
     assert rec["preprocess"]["resize"] == [10, 8] and rec["preprocess"]["mode"] == "RGB"
     assert rec["data"] == str(photos[1]) and len(rec["data_digest"]) == 16
-    ckpt = reader.load_latest(tmp / "ckpt1", {})   # a named folder or a flat file
+    ckpt = reader.load_latest(tmp / "ckpt1", {})
     assert json.loads(ckpt.attrs["inference"]) == rec
 
 
@@ -468,9 +461,11 @@ def test_a_class_name_with_control_characters_keeps_the_table_one_row_per_class(
     assert table[4].startswith("gre\\nen  ") and table[-1].startswith("red\\x1b[0m") and table[-1].endswith("(2)")
 
 
-def test_a_checkpoint_folder_of_corrupt_files_says_why_each_was_skipped(trained_flat, photos, tmp_path):
-    tmp, _, final = trained_flat
-    (name, newest), = [(os.path.basename(p), p) for _, p in checkpoint.list_checkpoints(tmp / "ckpt1")][:1]
+def test_a_checkpoint_folder_of_corrupt_files_says_why_each_was_skipped(trained_once, photos, tmp_path):
+    tmp, _, final = trained_once
+    # old flat files (one file to corrupt, copy, rename), of the run's newest checkpoint
+    newest = flat_from_named(copy_checkpoint(checkpoint.list_checkpoints(tmp / "ckpt1")[0][1], tmp_path))
+    name = newest.name
     folder = tmp_path / "ckpt"
     folder.mkdir()
     shutil.copy(newest, folder / name)

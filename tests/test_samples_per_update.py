@@ -49,5 +49,5 @@ def test_async_epochs_take_that_many_epochs_of_samples(job, tmp_path):
            f"= {steps} steps" in r.stdout, r.stdout
     assert final_record(metrics)["steps"] == steps
     (step, path), *_ = checkpoint.list_checkpoints(ckpt)
-    with h5py.File(checkpoint_file(path), "r") as f:   # a flat file or a named folder's index
+    with h5py.File(checkpoint_file(path), "r") as f:   # the folder's index
         assert step == steps and f.attrs["samples"] == steps * 16, dict(f.attrs)

@@ -192,12 +192,9 @@ def test_checkpoints_resume_across_sharding_bit_exact(job, tmp_path, shards, fir
     assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout
     assert_same(params(tmp_path / "whole" / "p.h5"), params(tmp_path / "cut" / "p.h5"))
     # and the checkpoint at the end holds the same state as an unsharded one
-    floats = checkpoint_floats(checkpoint_path(ckpt, 12))
-    if "params" in floats:   # a flat file
-        assert floats["optimizer/m"].shape == floats["params"].shape
-    else:                    # named tensors: each one's Adam m whole beside it
-        tensors = {k: v for k, v in floats.items() if not k.startswith("adam.")}
-        assert tensors and all(floats[f"adam.m/{k}"].shape == v.shape for k, v in tensors.items()), list(floats)
+    floats = checkpoint_floats(checkpoint_path(ckpt, 12))   # named tensors: each one's Adam m whole beside it
+    tensors = {k: v for k, v in floats.items() if not k.startswith("adam.")}
+    assert tensors and all(floats[f"adam.m/{k}"].shape == v.shape for k, v in tensors.items()), list(floats)
 
 
 @pytest.mark.parametrize("flags, expect", [

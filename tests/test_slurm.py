@@ -239,7 +239,7 @@ PS_JOB = REPO / "jobs" / "ps.slurm"
 WORLD_LINE = re.compile(r"^hpctrain: world size (\d+) \(as expected\), 1 host: (\S+) x(\d+); "
                         r"rank -> host/local rank/GPU/pid: (.*)$", re.M)
 ACCURACY = re.compile(r"^test accuracy (\d+\.\d+)", re.M)
-STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+(?:\.h5)?);")
+STOPPED = re.compile(r"stopped by (SIG\w+) after step (\d+); checkpoint (\S+ckpt-\d+);")
 RESUMED = re.compile(r"^resumed from (\S+) at step (\d+)$", re.M)
 EXPECT_MSG = ("hpctrain: error: expected one MPI world of 4 ranks, got size 1 "
               "(srun without --mpi=pmi2? set HPCTRAIN_SRUN_MPI)")

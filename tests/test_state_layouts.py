@@ -144,7 +144,7 @@ def test_ring_parts_put_together_are_the_whole_model(stage, name, tensor):
         check(parts, layout.full)
         if stage == 0 and tensor == 1 and layout.data.Get_size() > 1:   # the writing spread over the replicas
             assert 0 < sum(p.writer for p in parts) < len(parts)
-        gathered = layout.parts(spread=False)   # a flat file's: the chief's replica writes what it holds
+        gathered = layout.parts(spread=False)   # the --save file's: the chief's replica writes what it holds
         check(gathered, layout.full)
         if stage == 0 and tensor == 1:
             assert all(p.writer == (layout.replica == 0) for p in gathered)

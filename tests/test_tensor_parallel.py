@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import checkpoint_path, copy_checkpoint, saved
+from conftest import checkpoint_path, copy_checkpoint, flat_from_named, saved
 from test_zero import text_dir   # noqa: F401 (the fixture)
 from hpctrain.comm.tensor_group import TensorComm
 from hpctrain.nn import Flatten, Linear, ModelSpec, ReLU
@@ -270,12 +270,14 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel(job, tmp_path, text_dir
     --zero 2 or 3, resumed on 2 ranks without tensor parallelism (--zero 1),
     within float32 rounding of the run that never stopped; and from there
     at T = 4 (one replica: the global batch halves, as a resume on fewer
-    ranks does). With --zero 3 the checkpoints are of named tensors, each
-    rank writing the boxes its slice's shard holds and reading its own."""
-    flags = [*gpt_flags(text_dir), "--batch-size", 4, "--checkpoint-format", "named" if zero == 3 else "flat",
-             "--checkpoint-dir", tmp_path / "ckpt"]
+    ranks does). Each rank writes the boxes its slice's shard holds and
+    reads its own; with --zero 2 the first resume is from the old flat file
+    of the same values (conftest.flat_from_named), through the chief."""
+    flags = [*gpt_flags(text_dir), "--batch-size", 4, "--checkpoint-dir", tmp_path / "ckpt"]
     r = job(4, *flags, "--steps", 10, "--tensor-parallel", 2, "--zero", zero, timeout=180)
     assert r.returncode == 0, r.stderr
+    if zero == 2:
+        flat_from_named(tmp_path / "ckpt" / "ckpt-00000010")
     r, _, resumed = run(job, 2, [*flags, "--steps", 20, "--zero", 1], tmp_path, "resumed")
     assert "resumed from" in r.stdout
     shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt-one")   # step 20, for the one-process reference

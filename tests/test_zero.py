@@ -18,7 +18,7 @@ import pytest
 from mpi4py import MPI
 
 from collectives import ring_step
-from conftest import prepared_plays, same_bytes, saved
+from conftest import flat_from_named, prepared_plays, same_bytes, saved
 from test_hier import hier_on_fake_nodes
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.data_parallel import model_buckets
@@ -237,26 +237,24 @@ def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, tmp_path, sha
     """Checkpoints at 4, 8, 12 at one stage on 3 ranks, the two newest
     removed, resumed at step 4 at the other stage (or on 2 ranks): where an
     uninterrupted run ends (the checkpoint holds the whole named tensors
-    at every stage, each rank's parts written by it (--checkpoint-format
-    named) or sent to the chief's one file (flat), and read back into each
-    rank's parts)."""
+    at every stage, each rank's parts written by it, and read back into
+    each rank's parts; `flat`: resumed from the old flat file of the same
+    values, conftest.flat_from_named)."""
     (tmp_path / "whole").mkdir()
     trained(job, 3, [*MLP, "--data", shards, "--zero", 1], tmp_path / "whole", "p")
     ckpt, cut = tmp_path / "ckpt", tmp_path / "cut"
     cut.mkdir()
-    every = ["--checkpoint-dir", ckpt, "--checkpoint-every", 4, "--checkpoint-format", fmt]
+    every = ["--checkpoint-dir", ckpt, "--checkpoint-every", 4]
     trained(job, 3, [*MLP, "--data", shards, *every, "--zero", first], cut, "p")
     for step in (8, 12):
-        if fmt == "named":
-            shutil.rmtree(ckpt / f"ckpt-{step:08d}")
-        else:
-            (ckpt / f"ckpt-{step:08d}.h5").unlink()
+        shutil.rmtree(ckpt / f"ckpt-{step:08d}")
+    if fmt == "flat":
+        flat_from_named(ckpt / "ckpt-00000004")
     final = trained(job, ranks, [*MLP, "--data", shards, *every, "--zero", then], cut, "p")
     assert final["zero"] == then
-    if fmt == "named":   # the last checkpoint, read whole by name (evaluate, predict): the --save file's tensors
-        from hpctrain.checkpoints.trained import load_checkpoint
-        model = load_checkpoint(ckpt).model
-        assert same_tensors(dict(model.tensors()), saved(cut / "p.h5"))
+    # the last checkpoint, read whole by name (evaluate, predict): the --save file's tensors
+    from hpctrain.checkpoints.trained import load_checkpoint
+    assert same_tensors(dict(load_checkpoint(ckpt).model.tensors()), saved(cut / "p.h5"))
     if ranks == 3:   # on another N the batches are others'
         assert same_bytes(tmp_path / "whole" / "p.h5", cut / "p.h5")
 

@@ -1,51 +1,32 @@
-"""Atomic HDF5 checkpoints, their format and their writing: what a pre-empted
-job needs to continue exactly where it stopped.
+"""A --checkpoint-dir and its checkpoints' common ground: listing them
+(`list_checkpoints`: folders of named tensors, `DIR/ckpt-00000123/`, which
+checkpoints/named.py writes, and the old flat files, `DIR/ckpt-00000123.h5`,
+which hpctrain no longer writes but still resumes from), keeping the newest
+K of both (`_prune`, after each write), and the 512-byte header stamp that
+a folder's index and a flat file both begin with (`stamp`, `check_stamp`).
 
-Two formats share a --checkpoint-dir: folders of named tensors written by
-their owners, `DIR/ckpt-00000123/` (checkpoints/named.py), and this
-module's flat files. Listing both (`list_checkpoints`) and keeping the
-newest K of both (the prune after each write) are this module's.
-
-One file per checkpoint, `DIR/ckpt-00000123.h5` (the global step, 8 digits),
-written by the chief only. It holds everything a bit-exact resume needs:
+The old flat file (read back by checkpoints/read_back.py; an hpctrain
+before issue 55 wrote it, the chief alone):
 
     user block (512 B)     "hpctrain-checkpoint 2 sha256 <hex>\n": a hash of
                            every byte after it, checked before HDF5 parses the file
     params                 P (n,)          all parameters, the model's flat buffer
     optimizer/<name>       P (n,)          each optimizer state array (Adam: m, v)
     model_state            P (m,)          the model's non-trainable state (batch-norm running
-                                           statistics; the chief's), only when m > 0
+                                           statistics), only when m > 0
     data_positions         int64 (W, 2)    each worker's reader position: epoch, samples of its permutation taken
     compression/<name>     P               --compression powersgd's state, only when it has some
-                                           (checkpoints/powersgd_state.py: each worker's error feedback,
-                                           W x n; the Qs); older files have none and load as before
+                                           (checkpoints/powersgd_state.py)
     attrs                  format, format_version, step, optimizer_t, optimizer_state,
                            the settings that must match on resume (run/identity.same_on_resume),
                            run information (world_size, num_ps, steps, lr, ...),
-                           sha256: over every dataset and every other attribute
+                           sha256 (`_checksum`): over every dataset and every other attribute
 
-P is the run's parameter dtype (hpctrain/base/precision.py, the plan's
-`precision.params`: little-endian float32 today); the reader takes the
-file's and resume refuses one that is not the run's.
+P is the parameter dtype of the run that wrote it (little-endian float32);
+resume refuses one that is not the run's.
 
-No random-number state is stored because there is none to store: each reader's
-shuffle is a pure function of (seed, epoch), and a dropout mask of (seed,
-epoch, sample id).
-
-Writing: a hidden temporary name in the same directory, flushed and fsync'd,
-renamed into place, then the directory fsync'd; so a crash leaves either the
-complete new file or none, never a half-written `ckpt-*.h5`. The newest K
-files up to the one just written are kept (by the step in their names; a
-name above it is never pruned: it may lie), older ones removed. Temporary
-files that killed writers left are swept at the next start
-(outputs.sweep_stale_temporaries); one job per checkpoint directory.
-
-Reading a file back, checking it and choosing the newest valid one is
-checkpoints/read_back.py's.
-
-No MPI here: the loops gather and broadcast (checkpoints/resume.py), this
-module writes (and lists a directory's files); hpctrain/checkpoint.py is the
-command that lists and checks them.
+No MPI here: the loops gather and broadcast (checkpoints/resume.py);
+hpctrain/checkpoint.py is the command that lists and checks them.
 
     python -m hpctrain.checkpoint DIR      # lists DIR's checkpoints and checks each
 """
@@ -54,14 +35,12 @@ import hashlib
 import os
 import re
 import shutil
-from dataclasses import dataclass
 
 import numpy as np
 
 from .trust import Corrupt
 from ..base.errors import HpctrainError
-from ..base.files import create_new, remove_temp, temp_name_next_to
-from ..base.precision import FLOAT32, file_dtype
+from ..base.files import temp_name_next_to
 
 FORMAT = "hpctrain-checkpoint"
 # 2: data_positions are (epoch, position in the epoch's permutation of the
@@ -84,116 +63,12 @@ ANY_NAME_RE = re.compile(r"^ckpt-(\d{8,})(?:\.h5)?$")
 
 
 def checkpoint_name(step):
-    return f"ckpt-{int(step):08d}.h5"
-
-
-@dataclass
-class Pieces:
-    """A flat dataset of the run's parameter dtype handed to save() in pieces, in order: a
-    pipeline's chief writes each stage's slice as it arrives, holding one at
-    a time. pieces: an iterable of 1-D arrays whose sizes add up to size."""
-    size: int
-    pieces: object
+    """A checkpoint folder's name (checkpoints/named.py)."""
+    return f"ckpt-{int(step):08d}"
 
 
 # ---------------------------------------------------------------------------
-# writing
-
-def save(directory, step, params, optimizer_state, optimizer_t, data_positions, settings, keep=3,
-         info=None, model_state=None, compression_state=None, dtype=FLOAT32.params):
-    """Write DIR/ckpt-<step>.h5 atomically; keep the newest `keep`; return its path.
-
-    params and each optimizer state array: 1-D host arrays, written as `dtype`
-    (the run's precision.params, run/plan.py); data_positions:
-    (workers, 2) int64 (epoch, offset); model_state: 1-D, `dtype`, or None (none);
-    settings: the values that must match on resume (run/identity.same_on_resume); info:
-    more attributes recorded for people (world size, lr, ...), checked by no one;
-    compression_state: {name: 1-D, `dtype`} or None (checkpoints/powersgd_state.py).
-    """
-    import h5py
-    params = params if isinstance(params, Pieces) else _flat(params, "params", dtype)
-    state = {name: a if isinstance(a, Pieces) else _flat(a, f"optimizer state {name}", dtype)
-             for name, a in optimizer_state.items()}
-    positions = np.ascontiguousarray(data_positions, dtype="<i8")
-    if positions.ndim != 2 or positions.shape[1] != 2:
-        raise ValueError(f"data_positions must be (workers, 2), got {positions.shape}")
-    if isinstance(model_state, Pieces):
-        model_state = model_state if model_state.size else None
-    else:
-        model_state = _flat(model_state, "model state", dtype) if model_state is not None and len(model_state) else None
-    compressed = {name: _flat(a, f"compression state {name}", dtype) for name, a in (compression_state or {}).items()}
-    attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": int(step),
-             "optimizer_t": int(optimizer_t), "optimizer_state": ",".join(state),
-             "model_state": 0 if model_state is None else int(model_state.size)}
-    if compressed:   # absent otherwise: the attributes of a run without it stay as they were
-        attrs["compression_state"] = ",".join(compressed)
-    for key, value in {**(info or {}), **settings}.items():
-        if key not in attrs:
-            attrs[key] = _attr_value(key, value)
-    datasets = {"params": params, "data_positions": positions,
-                **{f"optimizer/{name}": a for name, a in state.items()},
-                **{f"compression/{name}": a for name, a in compressed.items()}}
-    if model_state is not None:
-        datasets["model_state"] = model_state
-
-    directory = os.fspath(directory)
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        raise HpctrainError(f"--checkpoint-dir {directory}: cannot create ({e.strerror})") from None
-    name = checkpoint_name(step)
-    path = os.path.join(directory, name)
-    # Exclusive, unpredictable, with this pid (files.temp_name_next_to):
-    # removed below on every way out, or at the next start if killed.
-    tmp = temp_name_next_to(path)
-    try:
-        os.close(create_new(tmp))
-        # No HDF5 file lock: it fails on some parallel filesystems, and the
-        # temporary name is this process's alone.
-        with h5py.File(tmp, "w", userblock_size=USERBLOCK, locking=False) as f:
-            content = hashlib.sha256()   # _checksum's, as the datasets are written
-            for key in sorted(datasets):
-                _write_dataset(f, key, datasets[key], content, dtype)
-            attrs["sha256"] = _checksum({}, attrs, content)
-            for key, value in attrs.items():
-                f.attrs[key] = value
-        # h5py has flushed and closed the file: hash it, write the header and
-        # make every byte durable before the rename shows it under the real name.
-        stamp(tmp, durable=True)
-        os.replace(tmp, path)
-        _fsync_dir(directory)
-    except OSError as e:
-        raise HpctrainError(f"{path}: cannot write checkpoint ({e.strerror or e})") from None
-    finally:
-        remove_temp(tmp)
-    _prune(directory, keep, mine=path)
-    return path
-
-
-def _write_dataset(f, key, value, content, dtype):
-    """One dataset into the open file, its name, type, shape and bytes into
-    the content hash (_checksum's order: datasets by name, each in order)."""
-    if not isinstance(value, Pieces):
-        a = np.ascontiguousarray(value)
-        a = a.astype(a.dtype.newbyteorder("<"), copy=False)
-        f.create_dataset(key, data=a)
-        content.update(f"dataset {key} {a.dtype.str} {a.shape}\n".encode())
-        content.update(memoryview(a).cast("B"))
-        return
-    on_disk = file_dtype(dtype)
-    dataset = f.create_dataset(key, shape=(value.size,), dtype=on_disk)
-    content.update(f"dataset {key} {on_disk.str} {(value.size,)}\n".encode())
-    at = 0
-    for piece in value.pieces:
-        piece = _flat(piece, key, dtype)
-        if at + piece.size > value.size:
-            raise ValueError(f"{key}: the pieces hold more than its {value.size} values")
-        dataset[at:at + piece.size] = piece
-        content.update(memoryview(piece).cast("B"))
-        at += piece.size
-    if at != value.size:
-        raise ValueError(f"{key}: the pieces hold {at} of its {value.size} values")
-
+# the header stamp: an old flat file's and a checkpoint folder's index
 
 def _hasher(version, kind=FORMAT):
     return hashlib.sha256(f"{kind} {version}\n".encode())
@@ -244,13 +119,6 @@ def check_stamp(path, kind=FORMAT, version=FORMAT_VERSION, what="checkpoint form
         raise HpctrainError(f"{path}: {what} version {have}, this hpctrain reads "
                             f"version {version}; start fresh with another --checkpoint-dir")
     return size
-
-
-def _flat(array, what, dtype):
-    a = np.ascontiguousarray(array, dtype=file_dtype(dtype))
-    if a.ndim != 1:
-        raise ValueError(f"{what} must be a flat 1-D array, got shape {a.shape}")
-    return a
 
 
 def _attr_value(key, value):

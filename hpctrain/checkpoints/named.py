@@ -32,7 +32,7 @@ the chief's pid for the sweep at the next start), fsyncs it and reports its
 size and hash; the chief writes the index last, fsyncs it, renames the folder
 into place and fsyncs DIR. A refusal or any rank's failure leaves no
 checkpoint (the temporary folder removed) and raises the same error on every
-rank. The newest `keep` checkpoints are kept, flat files (checkpoints/file.py)
+rank. The newest `keep` checkpoints are kept, old flat files (checkpoints/file.py)
 counted too.
 
 Reading (`open_checkpoint`): the index's hash is checked before HDF5 parses
@@ -57,7 +57,8 @@ import numpy as np
 from . import file as flat
 from .trust import MAX_COUNT, Corrupt, Refused, check_attr_types, check_ranges, hard_linked, plain, stored_inside
 from ..base.errors import EXIT_FAILURE, HpctrainError
-from ..base.files import temp_name_next_to
+from ..base.files import create_new, temp_name_next_to
+from ..base.precision import file_dtype
 from ..state.parts import box_shape, box_slices
 
 FORMAT = "hpctrain-checkpoint"
@@ -92,26 +93,44 @@ def write_checkpoint(directory, step, comm, chief, pieces, tensors, attrs, small
     same line, when the boxes do not tile the tensors or any rank fails to
     write; nothing is left behind then."""
     waiting = waiting or _no_watchdog
-    rank = comm.Get_rank()
     directory = os.fspath(directory)
-    path = os.path.join(directory, flat.checkpoint_name(step).removesuffix(".h5"))
+    path = os.path.join(directory, flat.checkpoint_name(step))
+    is_chief = comm.Get_rank() == chief
+
+    # The chief names the temporary folder before it exists: an interrupt
+    # (Ctrl-C raises wherever a Python function starts) anywhere after it is
+    # made removes it below, never leaving a half-written checkpoint behind.
+    tmp = temp_name_next_to(path) if is_chief else None
+    try:
+        return _write(directory, path, step, comm, chief, tmp, pieces, tensors, attrs, small, keep, waiting)
+    except HpctrainError:   # the folder already removed, or never made (a planted name is not ours to remove)
+        raise
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)   # gone already once renamed into place
+        raise
+
+
+def _write(directory, path, step, comm, chief, tmp, pieces, tensors, attrs, small, keep, waiting):
+    """write_checkpoint's three rounds; tmp: the chief's temporary folder's name (None elsewhere)."""
+    rank = comm.Get_rank()
     is_chief = rank == chief
     peer = None if is_chief else chief
 
     # 1. What every rank holds, to the chief; its verdict (and the folder) back.
     try:
-        mine = {"pieces": [[name, [list(map(int, b)) for b in box], flat.file_dtype(np.asarray(v).dtype).str,
+        mine = {"pieces": [[name, [list(map(int, b)) for b in box], file_dtype(np.asarray(v).dtype).str,
                             list(np.shape(v))] for name, box, v in pieces]}
     except Exception as e:   # a box that is no box: said by the chief, like any other refusal
         mine = {"error": f"rank {rank}: {_reason(e)}"}
     everyone = _gather_json(comm, chief, mine, waiting, peer, "checkpoint pieces gather")
     verdict = None
     if is_chief:
-        verdict = _chief_prepares(directory, path, tensors, everyone)
+        verdict = _chief_prepares(directory, path, tmp, tensors, everyone)
     verdict = _bcast_json(comm, chief, verdict, waiting, peer, "checkpoint plan broadcast")
     if "error" in verdict:
         raise _collective(verdict, is_chief)
-    tmp = verdict["tmp"]
+    tmp = verdict["tmp"]   # every rank's, now
 
     # 2. Each rank its file, durable, its size and hash to the chief.
     outcome = {"file": None}
@@ -147,22 +166,21 @@ def _collective(said, is_chief):
     return HpctrainError(said["error"], exit_code=said.get("exit_code"), collective=True, report=is_chief)
 
 
-def _chief_prepares(directory, path, tensors, everyone):
-    """The chief checks the tiling and makes the temporary folder: {"tmp": its
-    path} or {"error": ..., "exit_code": ...}."""
+def _chief_prepares(directory, path, tmp, tensors, everyone):
+    """The chief checks the tiling and makes the temporary folder `tmp`:
+    {"tmp": tmp} or {"error": ..., "exit_code": ...}."""
     errors = [e["error"] for e in everyone if "error" in e]
     if errors:
         return {"error": f"{path}: not written: {errors[0]}", "exit_code": EXIT_FAILURE}
     try:
         table = [(name, tuple(map(tuple, box)), f"rank {r}", dtype, shape)
                  for r, e in enumerate(everyone) for name, box, dtype, shape in e["pieces"]]
-        check_tiling({n: (tuple(s), flat.file_dtype(d).str) for n, (s, d, _) in tensors.items()}, table)
+        check_tiling({n: (tuple(s), file_dtype(d).str) for n, (s, d, _) in tensors.items()}, table)
     except Exception as e:
         # a layout that writes a box twice or not at all: a bug, said on every rank
         return {"error": f"{path}: not written: {_reason(e)}", "exit_code": EXIT_FAILURE}
     try:
         os.makedirs(directory, exist_ok=True)
-        tmp = temp_name_next_to(path)
         os.mkdir(tmp)   # exclusive: a name someone planted fails here, it is never written into
     except OSError as e:
         return {"error": f"{path}: cannot write checkpoint ({_reason(e)})"}
@@ -209,13 +227,13 @@ def _show(box):
 def _write_rank_file(path, pieces):
     """This rank's pieces into a new file, fsync'd: (size, sha256 hex)."""
     import h5py
-    os.close(flat.create_new(path))
+    os.close(create_new(path))
     with h5py.File(path, "w", locking=False) as f:
         for k, (name, box, values) in enumerate(pieces):
             if not box_volume(box):
                 continue
             a = np.ascontiguousarray(values)
-            d = f.create_dataset(f"{k:06d}", data=a.astype(flat.file_dtype(a.dtype), copy=False))
+            d = f.create_dataset(f"{k:06d}", data=a.astype(file_dtype(a.dtype), copy=False))
             d.attrs["tensor"] = name
             d.attrs["box"] = json.dumps([list(map(int, b)) for b in box])
     return _digest(path, durable=True)
@@ -270,17 +288,17 @@ def _chief_finishes(directory, path, tmp, step, tensors, attrs, small, everyone,
 def _write_index(index, step, tensors, attrs, small, pieces, files):
     """The chief's index (this module's docstring), stamped and fsync'd."""
     import h5py
-    manifest = {"tensors": {n: {"shape": list(map(int, s)), "dtype": flat.file_dtype(d).str, "aliases": list(a)}
+    manifest = {"tensors": {n: {"shape": list(map(int, s)), "dtype": file_dtype(d).str, "aliases": list(a)}
                             for n, (s, d, a) in tensors.items()},
                 "pieces": pieces, "files": files, "small": sorted(small)}
     by_name = {}
     for name, box, fname, dataset in pieces:
         by_name.setdefault(name, []).append((box, fname, dataset))
     head = {"format": FORMAT, "format_version": flat.FORMAT_VERSION, "step": int(step)}
-    os.close(flat.create_new(index))
+    os.close(create_new(index))
     with h5py.File(index, "w", userblock_size=flat.USERBLOCK, locking=False) as f:
         for name, (shape, dtype, aliases) in tensors.items():
-            dtype = flat.file_dtype(dtype)
+            dtype = file_dtype(dtype)
             layout = h5py.VirtualLayout(shape=tuple(shape), dtype=dtype)
             for box, fname, dataset in by_name.get(name, []):
                 layout[box_slices(box)] = h5py.VirtualSource(fname, dataset, shape=box_shape(box), dtype=dtype)
@@ -289,7 +307,7 @@ def _write_index(index, step, tensors, attrs, small, pieces, files):
                 f[alias] = h5py.SoftLink("/" + name)
         for key, value in small.items():
             a = np.ascontiguousarray(value)
-            f.create_dataset(key, data=a.astype(flat.file_dtype(a.dtype), copy=False))
+            f.create_dataset(key, data=a.astype(file_dtype(a.dtype), copy=False))
         f.create_dataset(MANIFEST, data=np.frombuffer(json.dumps(manifest).encode(), np.uint8))
         for key, value in {**head, **{k: v for k, v in attrs.items() if k not in head}}.items():
             f.attrs[key] = flat._attr_value(key, value)

@@ -1,15 +1,15 @@
-"""Reading a checkpoint file back (checkpoints/file.py's format): verified
-before it is trusted, and the newest valid one of a --checkpoint-dir, flat
-files and folders of named tensors (checkpoints/named.py, which reads and
-verifies those) alike.
+"""Reading an old flat checkpoint file back (its format: checkpoints/file.py;
+hpctrain now writes folders, checkpoints/named.py): verified before it is
+trusted; and the newest valid checkpoint of a --checkpoint-dir, flat files
+and folders of named tensors (named.py reads and verifies those) alike.
 
 Newest first; a file that is unreadable, truncated, incomplete,
 fails a checksum or holds another step than its name says (a renamed copy)
 is reported through `warn` and skipped for the previous one. A valid
 checkpoint of a different job (another model, mode, optimizer, worker count,
 batch size or seed) is an error naming the setting, never silently skipped.
-A file with a valid header that save() could not have written is refused
-with one line (never read, never skipped): a dataset that is not a hard
+A file with a valid header that hpctrain's flat writer could not have
+written is refused with one line (never read, never skipped): a dataset that is not a hard
 link, not stored contiguously inside the file (chunked, compressed, virtual,
 external storage, which would read any file named), or larger than the
 file; an attribute that is not a plain int, float or str; a step, optimizer

@@ -1,12 +1,14 @@
 """Checkpoint orchestration for the three loops, on top of
-checkpoints/file.py's files (written there, read back by checkpoints/read_back.py):
+checkpoints/named.py's folders (and the old flat files read_back.py reads):
 which checkpoint a run resumes from (its state goes into each rank's
-parts of the whole tensors: state/consumers.py, flat_read), the data
-positions sent to every rank, the checkpoints written while training, and the exit after a
-pre-emption signal (loops/frame.py makes one Checkpoints per run and says
+parts of the whole tensors: state/consumers.py), the data positions sent
+to every rank, the checkpoints written while training, and the exit after
+a pre-emption signal (loops/frame.py makes one Checkpoints per run and says
 when).
 
-The chief alone reads and writes the files. The data positions travel over
+The chief chooses and checks the checkpoint to resume from; every rank
+writes its own parts and reads its own boxes (an old flat file: the chief
+reads every rank's and sends them). The data positions travel over
 the workers' communicator, whose rank 0 is the chief in every mode;
 everything else over the communicator the caller passes (ring: the workers';
 ps and a pipeline: the world, so the servers and every stage share the
@@ -14,7 +16,6 @@ outcome).
 
     mpirun -n 2 python -m hpctrain.mnist --checkpoint-dir ckpt --checkpoint-every 100
 """
-import contextlib
 import json
 import signal
 import sys
@@ -32,30 +33,10 @@ from ..base.tuning import rounding
 from .named import NamedCheckpoint, open_checkpoint, write_checkpoint
 from .read_back import Checkpoint
 from .trust import Corrupt, Refused
-from ..state.consumers import FromChief, ToChief, finite, flat_read, parameters, restore
-from ..state.parts import box_slices
+from ..state.consumers import FromChief, finite, flat_read, parameters, restore
 
 
 PATH_BYTES = 4096   # a named checkpoint's path, broadcast as UTF-8
-
-
-class _Wholes:
-    """The chief's whole tensors, one at a time, from a ToChief stream's boxes (in the stream's order)."""
-
-    def __init__(self, stream):
-        self.boxes = stream.tensors()
-
-    def take(self, name, shape):
-        out, filled, size = None, 0, int(np.prod(shape, dtype=np.int64))
-        while filled < size:
-            got, box, values = next(self.boxes)
-            if got != name:
-                raise RuntimeError(f"checkpoint stream: {got} arrived where {name} was due")
-            if out is None:
-                out = np.empty(shape, values.dtype)
-            out[box_slices(box)] = values
-            filled += values.size
-        return out
 
 
 def as_checkpoint(named):
@@ -303,25 +284,14 @@ class Checkpoints:
             comm.Gather(mine, everyone, root=0)
         return everyone
 
-    @property
-    def spread(self):
-        """Whether the layouts spread their writers over the replicas
-        (state/layouts.writes): where each writes its own file (named); a
-        flat file's writers send the chief their parts, so the chief's
-        replica writes what it holds."""
-        return self.outputs.checkpoint_format == "named"
-
     def save_parts(self, comm, step, parts, keys, optimizer_t, positions, compression=None):
         """Collective over comm: the checkpoint of `step` from every rank's
         `parts` (state/layouts.py; keys: the optimizer's state arrays), with
         the data positions (`positions`, the chief's) and --compression's
         state (`compression`: (arrays, attributes) or None) beside.
-        --checkpoint-format named: each rank writes its writer parts, the
-        chief the index last (checkpoints/named.py); flat: the chief writes
-        the one flat file, the writers' parts arriving tensor by tensor
-        (state/consumers.ToChief), so the chief holds one whole tensor
-        beyond its own. Not finite parameters: no checkpoint, every rank
-        stops alike. A failure to write stops every rank of comm with one
+        Each rank writes its writer parts, the chief the index last
+        (checkpoints/named.py). Not finite parameters: no checkpoint, every
+        rank stops alike. A failure to write stops every rank of comm with one
         error line. Returns the path."""
         world, plan = self.world, self.plan
         device.synchronize(world.xp)
@@ -331,66 +301,28 @@ class Checkpoints:
                                 f"--lr); no checkpoint written", exit_code=EXIT_DIVERGED, collective=True,
                                 report=world.chief)
         arrays, more = compression or ({}, {})
-        info = dict(plan.recorded, samples=self.samples_at(step), data=self.data.dir, data_digest=self.data.digest,
-                    config=json.dumps(plan.config, sort_keys=True), **self.best.checkpoint_attrs(),
-                    **(self.clock() if self.clock else {}), **model_record(plan.spec, plan), **more)
-        with self.timeline.span("checkpoint", cat="checkpoint"):
-            write = self._named if self.outputs.checkpoint_format == "named" else self._flat
-            path = write(comm, step, parts, sorted(keys), optimizer_t, positions, arrays, info)
-        self.saved_step, self.saved_path = step, path
-        return path
-
-    def _named(self, comm, step, parts, keys, optimizer_t, positions, arrays, info):
-        world, plan, outputs = self.world, self.plan, self.outputs
-        spec, name, dtype = plan.spec.full, plan.optimizer.name, np.dtype(plan.precision.params).str
+        keys, name, dtype = sorted(keys), plan.optimizer.name, np.dtype(plan.precision.params).str
         tensors = {t: (tuple(shape), dtype, []) for t, shape, _, _ in spec.tensors + spec.state}
         tensors.update({f"{name}.{key}/{t}": (tuple(shape), dtype, []) for key in keys
                         for t, shape, _, _ in spec.tensors})
         attrs = {"optimizer_t": int(optimizer_t), "optimizer_state": ",".join(keys),
                  "model_state": int(spec.num_state), **({"compression_state": ",".join(arrays)} if arrays else {}),
-                 **info, **plan.resume_key}
+                 **dict(plan.recorded, samples=self.samples_at(step), data=self.data.dir,
+                        data_digest=self.data.digest, config=json.dumps(plan.config, sort_keys=True),
+                        **self.best.checkpoint_attrs(), **(self.clock() if self.clock else {}),
+                        **model_record(plan.spec, plan), **more),
+                 **plan.resume_key}
         small = {"data_positions": np.asarray(positions if positions is not None else np.zeros((0, 2)), np.int64),
                  **{f"compression/{k}": device.to_host(a) for k, a in arrays.items()}}
-        pieces = [(p.name, p.box, np.ascontiguousarray(device.to_host(p.view), plan.precision.params))
-                  for p in parts if p.writer]
-        # every rank writes its file: busy, not stalled, while others wait for it (its MPI waits have deadlines)
-        with world.watchdog.busy():
-            return write_checkpoint(outputs.checkpoint_dir, step, comm, world.chief_in(comm), pieces, tensors,
-                                    attrs, small, keep=outputs.keep_checkpoints, waiting=world.waiting)
-
-    def _flat(self, comm, step, parts, keys, optimizer_t, positions, arrays, info):
-        world, plan, outputs = self.world, self.plan, self.outputs
-        spec, name = plan.spec.full, plan.optimizer.name
-        # the file's datasets in the order it writes them (sorted: model_state, optimizer/KEY, params)
-        datasets = [("model_state", "", spec.state)] if spec.num_state else []
-        datasets += [(f"optimizer/{key}", f"{name}.{key}/", spec.tensors) for key in keys]
-        datasets.append(("params", "", spec.tensors))
-        stream = ToChief(comm, world.chief_in(comm), parts,
-                         [prefix + t for _, prefix, tensors in datasets for t, _, _, _ in tensors], world.waiting)
-        wholes = _Wholes(stream) if world.chief else None
-
-        def flat(prefix, tensors):
-            for t, shape, _, _ in tensors:
-                yield wholes.take(prefix + t, shape).reshape(-1)
-        flats = {key: checkpoint.Pieces(sum(hi - lo for _, _, lo, hi in tensors), flat(prefix, tensors))
-                 for key, prefix, tensors in datasets}
-
-        def chief_writes():
-            try:
-                with world.waiting(f"writing a checkpoint in {outputs.checkpoint_dir}", peer="the file system"):
-                    return checkpoint.save(outputs.checkpoint_dir, step, flats["params"],
-                                           {key: flats[f"optimizer/{key}"] for key in keys}, optimizer_t, positions,
-                                           plan.resume_key, keep=outputs.keep_checkpoints, info=info,
-                                           model_state=flats.get("model_state"), compression_state=arrays or None,
-                                           dtype=plan.precision.params)
-            except BaseException:
-                stream.drain()   # no sender is left waiting
-                raise
-        # The others wait for the chief's write in the agreement: it answers
-        # their roll calls "busy" meanwhile, so a healthy write longer than
-        # --timeout is no stall (the write itself has its own deadline above).
-        with (world.watchdog.busy() if world.chief else contextlib.nullcontext()):
-            return world.agreed(comm, chief_writes if world.chief else stream.send)
+        with self.timeline.span("checkpoint", cat="checkpoint"):
+            pieces = [(p.name, p.box, np.ascontiguousarray(device.to_host(p.view), plan.precision.params))
+                      for p in parts if p.writer]
+            # every rank writes its file: busy, not stalled, while others wait for it (its MPI waits have deadlines)
+            with world.watchdog.busy():
+                path = write_checkpoint(self.outputs.checkpoint_dir, step, comm, world.chief_in(comm), pieces, tensors,
+                                        attrs, small, keep=self.outputs.keep_checkpoints, waiting=world.waiting)
+        self.saved_step, self.saved_path = step, path
+        return path
 
     def save_alone(self, step, parts, keys, t, positions):
         """ps mode: the chief writes a checkpoint by itself (every part of

@@ -392,10 +392,6 @@ def _output_flags(g):
     g.add_argument("--checkpoint-every", type=nonneg_int, default=0,
                    help="checkpoint every N steps (0: only on SIGTERM/SIGUSR1/SIGHUP and at the end) (default: %(default)s)")
     g.add_argument("--keep-checkpoints", type=positive_int, default=3, help="keep the newest K checkpoints (default: %(default)s)")
-    g.add_argument("--checkpoint-format", choices=["flat", "named"], default="named",
-                   help="flat: one file the chief writes (ckpt-N.h5); named: a folder of named whole tensors "
-                        "(ckpt-N/), each rank writing its own parts, the chief an index last; either resumes "
-                        "at any layout (default: %(default)s)")
     g.add_argument("--resume", choices=["auto", "yes", "no"], default="auto",
                    help="auto: resume from the newest valid checkpoint if there is one; yes: require one; no: start fresh")
     g.add_argument("--resume-other-data", action="store_true", default=False,

@@ -102,19 +102,24 @@ class Frame:
 
     def resumed(self, reader, restore=None, initialize=None):
         """Once the loop has built its state: a resumed run's state restored
-        (restore(resume), the loop's own: its buffers differ), every worker's
-        reader at the checkpoint's data position, the chief's line; a fresh
-        run with --init-from its parameters from PATH (initialize(), the
-        loop's: self.init_from on its parts); and the report learns where the
-        run starts (a fresh run: a fresh metrics file). Collective over the workers."""
+        (restore(resume), the loop's own: its buffers differ; the chief's
+        checkpoint closed after it), every worker's reader at the
+        checkpoint's data position, the chief's line; a fresh run with
+        --init-from its parameters from PATH (initialize(), the loop's:
+        self.init_from on its parts); and the report learns where the run
+        starts (a fresh run: a fresh metrics file). Collective over the workers."""
         resume = self.resume
         if resume is None and self.plan.init_from and initialize is not None:
             initialize()
             self.world.say(f"hpctrain: parameters from --init-from {self.plan.init_from} ({self.plan.model}); "
                            f"the optimizer starts fresh")
         if resume is not None:
-            if restore is not None:
-                restore(resume)
+            try:
+                if restore is not None:
+                    restore(resume)
+            finally:   # the chief's checkpoint (open files: its index, a lazy flat file) read: closed
+                if resume.checkpoint is not None:
+                    resume.checkpoint.close()
             self.checkpoints.seek_readers(reader, resume)
             self.world.say(self.checkpoints.resumed_line(resume, self.steps))
         self.report.resume_at(self.checkpoints.saved_step, resume)

@@ -101,12 +101,7 @@ def train_pipe(world, plan, inputs, timeline):
 
     # --- resume: each rank its boxes of the checkpoint's whole tensors, whatever cut, P, T or R wrote it ----
     def restore(resume):
-        ckpt = resume.checkpoint
-        try:
-            frame.checkpoints.restore(world.comm, resume, parts())
-        finally:
-            if ckpt is not None:
-                ckpt.close()
+        frame.checkpoints.restore(world.comm, resume, parts())
         for optimizer in optimizers:
             optimizer.t = resume.optimizer_t
         if compression is not None:
@@ -134,7 +129,7 @@ def train_pipe(world, plan, inputs, timeline):
         positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first and grid.tensor == 0 else None
         compressed = pipeline_compression.gather(world, grid, engine.compression, layouts) \
             if engine.compression is not None else None   # --compression powersgd's state, whole on the chief
-        checkpoints.save_parts(world.comm, at, parts(checkpoints.spread), sorted(optimizers[0].state()),
+        checkpoints.save_parts(world.comm, at, parts(), sorted(optimizers[0].state()),
                                optimizers[0].t, positions, compressed)
     step, stopped = train_steps(world, frame, engine, reader, model, save)
     extra = {"workers": grid.replicas, "pipeline_stages": grid.stages,

@@ -93,7 +93,7 @@ def train_ring(world, plan, inputs, timeline):
         positions = checkpoints.gather_positions(reader, comm) if not split or mesh.coords.tensor == 0 else None
         compression = compression_state.gather(world, comm, ring.exchange, ring.error, ring.layout_key) \
             if not split else None
-        checkpoints.save_parts(everyone, at, parts(checkpoints.spread), sorted(ring.optimizer.state()),
+        checkpoints.save_parts(everyone, at, parts(), sorted(ring.optimizer.state()),
                                ring.optimizer.t, positions, compression)
     step, stopped = train_steps(world, frame, ring, reader, evaluated, save)
     ring.close()   # the communication thread ends with the loop

@@ -46,7 +46,7 @@ RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epoch
 # above but not recorded in checkpoints; paths as the files they name.
 # (--eval-tokens and --final-eval: what every rank's share of an evaluation
 # takes, compared so that no rank scores another sample or skips alone.)
-OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "checkpoint_format", "resume", "resume_other_data", "save", "metrics",
+OUTPUT_FLAGS = ("checkpoint_dir", "keep_checkpoints", "resume", "resume_other_data", "save", "metrics",
                 "keep_best", "timeline", "timeline_steps", "eval_every", "log_every", "memory_budget", "tensorboard",
                 "eval_tokens", "final_eval")
 PATH_FLAGS = ("checkpoint_dir", "save", "metrics", "keep_best", "timeline", "tensorboard")

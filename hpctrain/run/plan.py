@@ -284,7 +284,6 @@ class Outputs:
     checkpoint_dir: str
     checkpoint_every: int
     keep_checkpoints: int
-    checkpoint_format: str
     resume: str
     resume_other_data: bool
     save: str
@@ -410,8 +409,7 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
         pipe=Pipe(stages=args.pipeline_stages, micro_batches=args.micro_batches, schedule=args.pipeline_schedule,
                   cuts=tuple(cuts or ()), virtual_stages=virtual_stages(args)),
         outputs=Outputs(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                        keep_checkpoints=args.keep_checkpoints, checkpoint_format=args.checkpoint_format,
-                        resume=args.resume,
+                        keep_checkpoints=args.keep_checkpoints, resume=args.resume,
                         resume_other_data=args.resume_other_data, save=args.save, metrics=args.metrics,
                         keep_best=args.keep_best, timeline=args.timeline, timeline_steps=args.timeline_steps,
                         eval_every=args.eval_every, log_every=args.log_every, tensorboard=args.tensorboard,

@@ -19,8 +19,7 @@ Environment:
   FAULT_PID_DIR=DIR   every rank writes its pid to DIR/rank-<rank>.pid
   FAULT_STAGE_STOP=R:WHERE  rank R of a pipeline stops itself (SIGSTOP) at its
                       first pipelined evaluation (WHERE=eval) or as it writes its
-                      parts of the first checkpoint (WHERE=checkpoint: its own file,
-                      or with --checkpoint-format flat its parts sent to the chief)
+                      parts of the first checkpoint (WHERE=checkpoint: its own file)
   FAULT_LOOP_STOP=R:MODE  rank R stops itself (SIGSTOP) as the training loop
                       of MODE (ring, ps or pipe) starts, before its first collective
                       (the loop's own communicators)
@@ -100,27 +99,17 @@ def linger_after_the_barrier(rank, seconds):
 
 def stop_a_stage(rank, where):
     from hpctrain.pipeline import engine
-    from hpctrain.state import consumers
-    if where == "eval":
-        cls, name = engine.Engine, "evaluate"
-    else:   # a checkpoint: named (the default), each rank writes its own file; flat, it sends the chief its parts
-        from hpctrain.checkpoints import named
-        write = named._write_rank_file
+    from hpctrain.checkpoints import named
+    # a checkpoint: each rank writes its own file
+    cls, name = (engine.Engine, "evaluate") if where == "eval" else (None, "_write_rank_file")
+    original = getattr(cls or named, name)
 
-        def stopping_write(*args, **kwargs):
-            if cluster.launcher_env()[0] == rank:
-                stop_here()
-            return write(*args, **kwargs)
-        named._write_rank_file = stopping_write
-        cls, name = consumers.ToChief, "send"
-    original = getattr(cls, name)
-
-    def stopping(self, *args, **kwargs):
+    def stopping(*args, **kwargs):
         if cluster.launcher_env()[0] == rank:
             stop_here()
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    setattr(cls, name, stopping)
+    setattr(cls or named, name, stopping)
 
 
 def stop_at_loop_start(rank, mode):

@@ -264,15 +264,14 @@ def different_checkpoint_dirs(r):
 
 
 def renamed_checkpoint(r):
-    flags = ["--hidden", 64, "--log-every", 10, "--checkpoint-dir", r.p("ckpt"), "--checkpoint-every", 10,
-             "--checkpoint-format", "flat"]   # a flat file, copied under another name
+    flags = ["--hidden", 64, "--log-every", 10, "--checkpoint-dir", r.p("ckpt"), "--checkpoint-every", 10]
     first = subprocess.run([str(c) for c in job(2, "--steps", 20, *flags)], capture_output=True, text=True,
                            env=r.env(), cwd=REPO, timeout=TIMEOUT)
     if first.returncode != 0:
         r.rc, r.err = f"setup failed ({first.returncode})", first.stderr
         r.took = "-"
         return
-    shutil.copy(r.p("ckpt", "ckpt-00000010.h5"), r.p("ckpt", "ckpt-99999999.h5"))
+    shutil.copytree(r.p("ckpt", "ckpt-00000010"), r.p("ckpt", "ckpt-99999999"))
     r.run(job(2, "--steps", 40, *flags, "--save", r.p("p.h5")))
 
 
@@ -348,7 +347,7 @@ CASES = [
     ("13a. diverging: sgd --lr 1e30, ring", diverging("ring")),
     ("13b. diverging: sgd --lr 1e30, ps", diverging("ps")),
     ("14. ranks with different --checkpoint-dir (MPMD)", different_checkpoint_dirs),
-    ("15. renamed copy ckpt-99999999.h5 holding step 10", renamed_checkpoint),
+    ("15. renamed copy ckpt-99999999 holding step 10", renamed_checkpoint),
     ("16. Ctrl-C (SIGINT to mpirun) mid-training", ctrl_c),
     ("17. async ps: worker 2 stopped for good, --timeout 8", async_worker_stopped_for_good),
 ]
