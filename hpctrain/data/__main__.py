@@ -15,12 +15,18 @@ NumPy, HDF5 or CSV files, token shards from text, or download a dataset.
     python -m hpctrain.data prepare --source data/shakespeare/input.txt --out data/shakespeare-chars --text chars
     python -m hpctrain.data prepare --source corpus/ --out data/corpus-bpe --text bpe:4096 --val-fraction 0.05
     python -m hpctrain.data prepare --source corpus/ --out data/corpus-gpt2 --text tokenizer:gpt2/
+    python -m hpctrain.data verify data/corpus-gpt2
+    mpirun -n 4 python -m hpctrain.data verify data/corpus-gpt2   # the files dealt over the ranks
 
 Bad input is one line on stderr (`hpctrain: error: ...`) and exit 2; no
-command prints the help and exits 2. No MPI here (house rule).
+command prints the help and exits 2. MPI only for `verify` under mpirun
+(the data package below never imports it: house rule).
 """
 
 import sys
+import time
+
+import numpy as np
 
 from hpctrain.flags.arguments import Parser
 from hpctrain.base.errors import HpctrainError, one_line_errors
@@ -30,6 +36,7 @@ from .manifest import bundled_sample_dir, default_data_dir
 from .manifest import bundled_text_path
 from .prepare import prepare
 from .prepare_text import prepare_text
+from .verify import check_file, listed_files
 
 
 def build_parser(prog="python -m hpctrain.data"):
@@ -93,6 +100,13 @@ def build_parser(prog="python -m hpctrain.data"):
                     help="replace --out if it holds a prepared dataset (its manifest.json); a folder of other "
                          "files is never replaced")
 
+    pv = sub.add_parser("verify", help="recompute every shard's sha256 against manifest.json (a start checks "
+                                       "sizes and headers only)",
+                        description="Hash every file manifest.json lists (shards, tokenizer.json) and compare "
+                                    "with the sha256 prepare recorded; each bad file is one line, exit 2 if any. "
+                                    "Under mpirun the files are dealt over the ranks.")
+    pv.add_argument("dir", metavar="DIR", help="a prepared directory (holding manifest.json)")
+
     pf = sub.add_parser("fetch", help="download a dataset and verify its MD5 checksums",
                         description="Download the dataset's published files into --out (EMNIST, "
                                     "CIFAR-10: the archive, then its files taken out of it); "
@@ -150,6 +164,58 @@ def _attach_dashed_values(argv, flags=("--image-size",)):
     return out
 
 
+def _world():
+    """(rank, size, comm): COMM_WORLD under a launcher, else (0, 1, None);
+    MPI is started only when the launcher says this is a job of ranks."""
+    from hpctrain.run.cluster import in_mpi_job
+    if not in_mpi_job():
+        return 0, 1, None
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    return comm.Get_rank(), comm.Get_size(), comm
+
+
+def _verify(data_dir, log=print):
+    """`verify DIR`: this rank hashes files r, r + W, ...; rank 0 prints a
+    progress line for its share, then each bad file (one line, stderr) or
+    the summary. The ranks' findings meet as an array of problem codes, not
+    as pickled objects (house rule)."""
+    rank, size, comm = _world()
+    try:
+        files = listed_files(data_dir)
+    except HpctrainError:
+        if rank:   # every rank read the same manifest: rank 0 says why, once
+            return 2
+        raise
+    found = np.zeros(len(files), np.int8)
+    problems = {}
+    mine = range(rank, len(files), size)
+    total = sum(files[i][1] or 0 for i in mine)
+    done = 0
+    start = shown = time.monotonic()
+    for i in mine:
+        problem = check_file(data_dir, *files[i])
+        if problem:
+            found[i], problems[i] = 1, problem
+        done += files[i][1] or 0
+        now = time.monotonic()
+        if rank == 0 and (now - shown >= 1 or i == mine[-1]):
+            shown, rate = now, done / max(now - start, 1e-9) / 1e6
+            print(f"verify: rank 0 {done / 1e6:.1f} of {total / 1e6:.1f} MB hashed ({rate:.0f} MB/s), "
+                  f"{len(files)} files on {size} rank{'s' * (size > 1)}", file=sys.stderr, flush=True)
+    if comm is not None:
+        from mpi4py import MPI
+        comm.Allreduce(MPI.IN_PLACE, found, op=MPI.MAX)
+    # Each rank names the bad files it hashed (it knows why); rank 0 the count.
+    for i, problem in sorted(problems.items()):
+        print(f"hpctrain: error: {data_dir}/{files[i][0]}: corrupt ({problem}); prepare again with --force",
+              file=sys.stderr, flush=True)
+    bad = int(found.sum())
+    if rank == 0 and not bad:
+        log(f"verified {data_dir}: {len(files)} files match manifest.json's sha256")
+    return 2 if bad else 0
+
+
 @one_line_errors
 def main(argv=None, prog="python -m hpctrain.data"):
     argv = _attach_dashed_values(sys.argv[1:] if argv is None else list(map(str, argv)))
@@ -159,6 +225,8 @@ def main(argv=None, prog="python -m hpctrain.data"):
         _prepare_text(args)
     elif args.command == "prepare":
         _prepare_images(args)
+    elif args.command == "verify":
+        return _verify(args.dir)
     elif args.command == "fetch":
         fetch(args.dataset, args.out, mirror=args.mirror, timeout=args.timeout,
               split=args.split)
