@@ -1,7 +1,7 @@
 """Tests for text read in place (data/tokens.py) and `hpctrain data verify`
 (data/verify.py): a start that checks sizes and headers and reads no
-tokens, windows read from the shards as they are needed (memory-mapped, or
-through h5py where a shard is chunked and compressed) equal to the windows
+tokens, windows read from the shards as they are needed (read at their
+file offset, or through h5py where a shard is chunked and compressed) equal to the windows
 of the whole stream, ids checked where they are read, --eval-tokens reading
 only its sample, and verify naming a flipped shard at 1 rank in-process
 and in a 2-rank job.
@@ -9,6 +9,7 @@ and in a 2-rank job.
     .venv/bin/python -m pytest -q tests/test_text_in_place.py
 """
 import json
+import os
 import shutil
 
 import h5py
@@ -19,7 +20,7 @@ from hpctrain import data
 from hpctrain.base.errors import HpctrainError
 from hpctrain.data.__main__ import main as data_main
 from hpctrain.data.manifest import _sha256
-from hpctrain.data.tokens import TokenShards
+from hpctrain.data.tokens import TokenShards, _InFile, _InHDF5
 
 from conftest import prepared_plays
 
@@ -49,7 +50,7 @@ def write_manifest(folder, manifest):
 
 def reshard(src, dst, cuts, compressed):
     """src's training tokens as several shards, cut at `cuts`, shard i gzip
-    chunked where compressed[i] (the h5py path), else contiguous (memory-mapped)."""
+    chunked where compressed[i] (the h5py path), else contiguous (read at its file offset)."""
     dst = copy_of(src, dst)
     manifest = json.loads((src / "manifest.json").read_text())
     ids = data.read_tokens(src, "train")
@@ -80,13 +81,21 @@ def batches(data_dir, steps, block=16, workers=1):
 # ---------------------------------------------------------------------------
 # Windows read in place
 
-def test_prepared_shards_are_memory_mapped_and_windows_equal_the_whole_streams(plays):
-    shards = TokenShards(plays, "train")
-    assert all(isinstance(ids, np.memmap) for _, ids in shards._shards)
+def test_prepared_shards_are_read_at_their_file_offset_a_batchs_windows_only(plays, monkeypatch):
     whole = data.read_tokens(plays, "train")
+    read = []
+    preadv = os.preadv
+
+    def counted(fd, buffers, offset):
+        read.append(sum(memoryview(b).nbytes for b in buffers))
+        return preadv(fd, buffers, offset)
+    monkeypatch.setattr(os, "preadv", counted)
+    shards = TokenShards(plays, "train")
+    assert all(isinstance(ids, _InFile) for _, ids in shards._shards) and read == []   # the start reads no token
     for x, y, ids in batches(plays, 5):
         at = ids[:, None] + np.arange(16)
         assert np.array_equal(x, whole[at]) and np.array_equal(y, whole[at + 1])
+    assert read == [17] * 5 * 4   # each batch's 4 windows of T + 1 tokens, nothing more
 
 
 def test_windows_across_shards_and_through_h5py_are_the_same(plays, tmp_path):
@@ -94,7 +103,7 @@ def test_windows_across_shards_and_through_h5py_are_the_same(plays, tmp_path):
     # and windows read through h5py are the one-shard set's windows.
     n = data.load_manifest(plays)["train"]["num_tokens"]
     split = reshard(plays, tmp_path / "split", [n // 3, 2 * n // 3], [False, True, False])
-    assert not isinstance(TokenShards(split, "train")._shards[1][1], np.memmap)
+    assert isinstance(TokenShards(split, "train")._shards[1][1], _InHDF5)
     for a, b in zip(batches(plays, 40), batches(split, 40)):
         assert all(np.array_equal(u, v) for u, v in zip(a, b))
     straddling = np.array([n // 3 - 5, 2 * n // 3 - 1])

@@ -13,11 +13,11 @@ tokenizer.json, tokenizer:PATH, kept as bpe:N's is); its last
 and the final test read text training never saw; the rest is
 train-00000-of-00001.h5. Each shard holds one dataset, `tokens`, uint8 when
 the vocabulary has at most 256 tokens, else uint16, stored contiguous and
-uncompressed, so that the readers memory-map it (tokens.py). The manifest says
-`"kind": "tokens"` and records the vocabulary (its characters for chars; the
-BPE's tokenizer.json, saved beside the shards, by name and sha256, and for
-tokenizer:PATH the path it came from), the
-token counts, the source files and every file's sha256. As with images
+uncompressed, so that the readers read windows at their offset in the file
+(tokens.py). The manifest says `"kind": "tokens"` and records the
+vocabulary (its characters for chars; the BPE's tokenizer.json, saved
+beside the shards, by name and sha256, and for tokenizer:PATH the path it
+came from), the token counts, the source files and every file's sha256. As with images
 (prepare.py), everything is written to a temporary sibling of --out and
 renamed into place: --out is complete or untouched. No MPI here (house rule).
 """
@@ -64,7 +64,7 @@ def _split_tail(ids, val_fraction, source):
 
 
 def _write_shard(path, ids, dtype, split):
-    # Contiguous and uncompressed: the readers memory-map the tokens at their
+    # Contiguous and uncompressed: the readers read a batch's windows at their
     # offset in the file and read a batch's windows in place (tokens.py).
     with h5py.File(path, "w") as f:
         f.create_dataset("tokens", data=ids.astype(dtype))

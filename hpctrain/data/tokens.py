@@ -23,9 +23,10 @@ sample's windows are read.
 A split's shards (`TokenShards`) are opened and checked against the manifest
 at the start without reading their tokens: each file's size, its HDF5
 header, a 1-D `tokens` dataset of the listed length and dtype. An
-uncompressed contiguous dataset (what prepare writes) is memory-mapped at
-its offset in the file; a chunked or compressed one is read through h5py's
-slicing. The ids are checked where they are read: one at or above the
+uncompressed contiguous dataset (what prepare writes) is read at its offset
+in the file (pread, into the batch: not memory-mapped, so that resident
+memory does not grow with the pages a long run touches); a chunked or
+compressed one is read through h5py's slicing. The ids are checked where they are read: one at or above the
 vocabulary is one line naming the shard and the offset. Hashes are not
 computed at the start (their cost grows with the corpus): `hpctrain data
 verify DIR` recomputes them (verify.py). No MPI here (house rule): callers
@@ -34,6 +35,7 @@ pass worker numbers, not ranks.
     python -c "from hpctrain.data.tokens import TokenReader as R; print(R('data/shakespeare-chars', 0, 1, 12, 0, 64).num_samples)"
 """
 
+import os
 from pathlib import Path
 
 import h5py
@@ -59,11 +61,48 @@ def _token_manifest(data_dir):
     return manifest
 
 
+class _InFile:
+    """A contiguous, uncompressed dataset's n tokens, read with pread(2) at
+    their offset in the shard's file straight into the caller's array. Not
+    memory-mapped: a map's touched pages count in the process's resident
+    memory (peak_rss_mb) and would grow toward the corpus's size over a
+    long run; a read leaves nothing behind but the batch it filled."""
+
+    def __init__(self, path, offset, n, dtype):
+        self.path, self.offset, self.n, self.itemsize = path, offset, n, dtype.itemsize
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self):
+        return self.n
+
+    def read_into(self, lo, out):
+        want = out.nbytes
+        if os.preadv(self.fd, [out.view(np.uint8)], self.offset + lo * self.itemsize) != want:
+            raise OSError(f"a short read at token {lo}: the file was cut")
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+
+
+class _InHDF5:
+    """A chunked or compressed dataset (or an empty one), read through h5py's
+    slicing; the file stays open while this lives."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def read_into(self, lo, out):
+        self.tokens.read_direct(out, np.s_[lo:lo + len(out)])
+
+
 def _open_shard(data_dir, entry, dtype):
-    """(path, ids) of one token shard once its size and header match the
-    manifest: `ids` a read-only memory map of the tokens where the dataset
-    is stored contiguous and uncompressed, else the open h5py dataset. No
-    token is read here."""
+    """(path, reader) of one token shard once its size and header match the
+    manifest: _InFile where the dataset is stored contiguous and
+    uncompressed (prepare's), else _InHDF5. No token is read here."""
     path = Path(data_dir) / entry["file"]
     if not path.is_file():
         raise HpctrainError(f"{path}: missing shard (listed in {MANIFEST}); prepare again with --force")
@@ -81,14 +120,14 @@ def _open_shard(data_dir, entry, dtype):
             raise HpctrainError(f"{path}: bad shard: expected {dtype} tokens ({n},), found {found}")
         at = tokens.id.get_offset() if tokens.chunks is None and not tokens.compression else None
         if at is None:
-            return path, tokens   # chunked, compressed or empty: h5py reads it (and keeps the file open)
+            return path, _InHDF5(tokens)
         f.close()
     except OSError as e:
         raise _unreadable(path, e) from None
     if at + n * dtype.itemsize > size:
         raise HpctrainError(f"{path}: corrupt shard (its tokens end past the file's {size} bytes); "
                             f"prepare again with --force")
-    return path, np.memmap(path, dtype=dtype, mode="r", offset=at, shape=(n,))
+    return path, _InFile(path, at, n, dtype)
 
 
 class TokenShards:
@@ -116,7 +155,7 @@ class TokenShards:
             lo = start + done - int(self._starts[i])
             hi = min(len(ids), lo + n - done)
             try:
-                out[done:done + hi - lo] = ids[lo:hi]
+                ids.read_into(lo, out[done:done + hi - lo])
             except OSError as e:
                 raise _unreadable(path, e) from None
             done += hi - lo
