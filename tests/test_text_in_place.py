@@ -173,7 +173,7 @@ def test_verify_passes_a_good_set_and_names_a_flipped_shard(plays, tmp_path, cap
     assert data_main(["verify", plays]) == 0
     out, err = capsys.readouterr()
     assert out == f"verified {plays}: 2 files match manifest.json's sha256\n"
-    assert "verify: rank 0 " in err
+    assert "verify: rank 0 hashed " in err
     folder = copy_of(plays, tmp_path / "d")
     flip(folder / TEST)
     data.TokenReader(folder, 0, 1, 4, 3, 16)   # a start does not hash: verify's job
@@ -192,4 +192,4 @@ def test_verify_deals_the_files_over_two_ranks(plays, tmp_path, job):
     assert r.returncode == 2, r.stderr
     bad = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
     assert bad == [f"hpctrain: error: {folder}/train-00001-of-00003.h5: corrupt (sha256 " + bad[0].split("sha256 ")[1]]
-    assert "4 files on 2 ranks" in r.stderr and r.stdout == ""
+    assert "4 files over 2 ranks" in r.stderr and r.stdout == ""

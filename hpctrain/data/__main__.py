@@ -23,6 +23,7 @@ command prints the help and exits 2. MPI only for `verify` under mpirun
 (the data package below never imports it: house rule).
 """
 
+import os
 import sys
 import time
 
@@ -175,11 +176,18 @@ def _world():
     return comm.Get_rank(), comm.Get_size(), comm
 
 
+def _size(data_dir, name):
+    try:
+        return os.path.getsize(os.path.join(data_dir, name))
+    except OSError:
+        return 0   # missing: check_file names it
+
+
 def _verify(data_dir, log=print):
     """`verify DIR`: this rank hashes files r, r + W, ...; rank 0 prints a
     progress line for its share, then each bad file (one line, stderr) or
-    the summary. The ranks' findings meet as an array of problem codes, not
-    as pickled objects (house rule)."""
+    the summary. The ranks' findings meet as one flag per file in an
+    Allreduce, not as pickled objects (house rule)."""
     rank, size, comm = _world()
     try:
         files = listed_files(data_dir)
@@ -190,23 +198,24 @@ def _verify(data_dir, log=print):
     found = np.zeros(len(files), np.int8)
     problems = {}
     mine = range(rank, len(files), size)
-    total = sum(files[i][1] or 0 for i in mine)
+    sizes = {i: _size(data_dir, files[i][0]) for i in mine}   # a tokenizer's is not in the manifest
+    total = sum(sizes.values())
     done = 0
     start = shown = time.monotonic()
     for i in mine:
         problem = check_file(data_dir, *files[i])
         if problem:
             found[i], problems[i] = 1, problem
-        done += files[i][1] or 0
+        done += sizes[i]
         now = time.monotonic()
         if rank == 0 and (now - shown >= 1 or i == mine[-1]):
             shown, rate = now, done / max(now - start, 1e-9) / 1e6
-            print(f"verify: rank 0 {done / 1e6:.1f} of {total / 1e6:.1f} MB hashed ({rate:.0f} MB/s), "
-                  f"{len(files)} files on {size} rank{'s' * (size > 1)}", file=sys.stderr, flush=True)
+            print(f"verify: rank 0 hashed {done / 1e6:.1f} of its {total / 1e6:.1f} MB ({rate:.0f} MB/s); "
+                  f"{len(files)} files over {size} rank{'s' * (size > 1)}", file=sys.stderr, flush=True)
     if comm is not None:
         from mpi4py import MPI
         comm.Allreduce(MPI.IN_PLACE, found, op=MPI.MAX)
-    # Each rank names the bad files it hashed (it knows why); rank 0 the count.
+    # Each rank names the bad files it hashed (it knows why); every rank exits 2 if any is bad.
     for i, problem in sorted(problems.items()):
         print(f"hpctrain: error: {data_dir}/{files[i][0]}: corrupt ({problem}); prepare again with --force",
               file=sys.stderr, flush=True)
