@@ -35,6 +35,8 @@ pass worker numbers, not ranks.
     python -c "from hpctrain.data.tokens import TokenReader as R; print(R('data/shakespeare-chars', 0, 1, 12, 0, 64).num_samples)"
 """
 
+import bisect
+import itertools
 import os
 from pathlib import Path
 
@@ -77,7 +79,7 @@ class _InFile:
 
     def read_into(self, lo, out):
         want = out.nbytes
-        if os.preadv(self.fd, [out.view(np.uint8)], self.offset + lo * self.itemsize) != want:
+        if os.preadv(self.fd, [out], self.offset + lo * self.itemsize) != want:
             raise OSError(f"a short read at token {lo}: the file was cut")
 
     def __del__(self):
@@ -142,23 +144,23 @@ class TokenShards:
             raise HpctrainError(f"{data_dir}: no {split} split")
         self.dtype, self.vocab_size = np.dtype(manifest["dtype"]), int(manifest["vocab_size"])
         self._shards = [_open_shard(data_dir, e, self.dtype) for e in manifest[split]["shards"]]
-        sizes = [int(e["num_tokens"]) for e in manifest[split]["shards"]]
-        self._starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        self.num_tokens = int(self._starts[-1])
+        # Python ints, found by bisect: a batch is a dozen windows, NumPy's per-call cost would dominate.
+        self._starts = [0, *itertools.accumulate(int(e["num_tokens"]) for e in manifest[split]["shards"])]
+        self.num_tokens = self._starts[-1]
 
     def _read_into(self, start, out):
         """out[:] = tokens start .. start + len(out), across shards where the range does."""
         done, n = 0, len(out)
-        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        i = bisect.bisect_right(self._starts, start) - 1
         while done < n:
             path, ids = self._shards[i]
-            lo = start + done - int(self._starts[i])
-            hi = min(len(ids), lo + n - done)
+            lo = start + done - self._starts[i]
+            m = min(len(ids) - lo, n - done)
             try:
-                ids.read_into(lo, out[done:done + hi - lo])
+                ids.read_into(lo, out if m == n else out[done:done + m])
             except OSError as e:
                 raise _unreadable(path, e) from None
-            done += hi - lo
+            done += m
             i += 1
 
     def _check(self, rows, starts):
@@ -169,8 +171,8 @@ class TokenShards:
         if len(bad):
             r, c = divmod(int(bad[0]), rows.shape[1])
             at = int(starts[r]) + c
-            i = int(np.searchsorted(self._starts, at, side="right")) - 1
-            raise HpctrainError(f"{self._shards[i][0]}: token {int(rows[r, c])} at {at - int(self._starts[i])} "
+            i = bisect.bisect_right(self._starts, at) - 1
+            raise HpctrainError(f"{self._shards[i][0]}: token {int(rows[r, c])} at {at - self._starts[i]} "
                                 f"is not below the manifest's vocab_size {self.vocab_size}; "
                                 f"prepare again with --force")
 
@@ -187,8 +189,8 @@ class TokenShards:
     def windows(self, offsets, length, out=None):
         """(k, length) tokens: row r the `length` tokens from offsets[r], checked."""
         out = np.empty((len(offsets), length), self.dtype) if out is None else out
-        for row, at in zip(out, offsets):
-            self._read_into(int(at), row)
+        for row, at in zip(out, np.asarray(offsets).tolist()):
+            self._read_into(at, row)
         self._check(out, offsets)
         return out
 
