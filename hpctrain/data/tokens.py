@@ -71,7 +71,7 @@ class _InFile:
     long run; a read leaves nothing behind but the batch it filled."""
 
     def __init__(self, path, offset, n, dtype):
-        self.path, self.offset, self.n, self.itemsize = path, offset, n, dtype.itemsize
+        self.offset, self.n, self.itemsize = offset, n, dtype.itemsize
         self.fd = os.open(path, os.O_RDONLY)
 
     def __len__(self):
@@ -114,7 +114,7 @@ def _open_shard(data_dir, entry, dtype):
                             f"prepare again with --force")
     n = entry["num_tokens"]
     try:
-        f = _open_h5(path) if n == 0 else h5py.File(path, "r", locking=False, rdcc_nbytes=_CHUNK_CACHE_BYTES)
+        f = _open_h5(path, rdcc_nbytes=_CHUNK_CACHE_BYTES)
         tokens = f.get("tokens")
         if not (isinstance(tokens, h5py.Dataset) and tokens.shape == (n,) and tokens.dtype == dtype):
             found = _describe(tokens)
