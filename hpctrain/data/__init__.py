@@ -28,14 +28,15 @@ One job per module:
     text.py      a text --source (a file, a folder's .txt files) -> bytes, checked (binary, empty, UTF-8)
     vocab.py     the text vocabularies (chars, bytes, a byte-level BPE with tokenizers): encode, decode
     prepare_text.py  text -> token shards (its last --val-fraction held out) + manifest.json, atomically
-    tokens.py    TokenReader (training windows), load_test_windows (the held-out windows)
+    tokens.py    TokenReader (training windows), load_test_windows (the held-out windows), read in place
+    verify.py    every listed file's sha256 against the manifest (data verify)
     splits.py    the reader a directory takes (images or tokens): training batches, held-out parts
     fit.py       whether a model can read a directory: images or text, and a language model's vocabulary
     augment.py   --augment crop,flip: per sample, from (seed, epoch, sample id)
     fetch.py     download the published files, verify their MD5, unpack archives safely
     manifest.py  format constants, paths, load_manifest and its structure check
     reader.py    ShardReader (training batches), load_test (test or val set parts)
-    __main__.py  the command line (python -m hpctrain.data prepare|fetch)
+    __main__.py  the command line (python -m hpctrain.data prepare|fetch|verify)
 """
 
 from .augment import check_dir as check_augment

@@ -12,11 +12,12 @@ tokenizer.json, tokenizer:PATH, kept as bpe:N's is); its last
 (test-00000-of-00001.h5) and listed as both "test" and "val", so validation
 and the final test read text training never saw; the rest is
 train-00000-of-00001.h5. Each shard holds one dataset, `tokens`, uint8 when
-the vocabulary has at most 256 tokens, else uint16. The manifest says
-`"kind": "tokens"` and records the vocabulary (its characters for chars; the
-BPE's tokenizer.json, saved beside the shards, by name and sha256, and for
-tokenizer:PATH the path it came from), the
-token counts, the source files and every file's sha256. As with images
+the vocabulary has at most 256 tokens, else uint16, stored contiguous and
+uncompressed, so that the readers read windows at their offset in the file
+(tokens.py). The manifest says `"kind": "tokens"` and records the
+vocabulary (its characters for chars; the BPE's tokenizer.json, saved
+beside the shards, by name and sha256, and for tokenizer:PATH the path it
+came from), the token counts, the source files and every file's sha256. As with images
 (prepare.py), everything is written to a temporary sibling of --out and
 renamed into place: --out is complete or untouched. No MPI here (house rule).
 """
@@ -35,10 +36,6 @@ from .prepare import _check_not_input, _check_out, _install, _make_tmp, _resolve
 from .stopping import signals_held, stops_cleanly, sweep_stale_tmps
 from .text import decode_utf8, read_corpus
 from .vocab import TOKENIZER, load_tokenizer, parse_text, train_vocabulary
-
-# Tokens per HDF5 chunk (1 or 2 MB): the readers read a split whole, one pass over its chunks.
-_CHUNK_TOKENS = 1 << 20
-
 
 def _encode(kind, size, corpus, source, files, vocab=None):
     """(vocabulary, ids) of the corpus (bytes: uint8 as they are, not a copy
@@ -67,9 +64,10 @@ def _split_tail(ids, val_fraction, source):
 
 
 def _write_shard(path, ids, dtype, split):
+    # Contiguous and uncompressed: the readers read a batch's windows at their
+    # offset in the file and read a batch's windows in place (tokens.py).
     with h5py.File(path, "w") as f:
-        f.create_dataset("tokens", data=ids.astype(dtype), chunks=(max(1, min(len(ids), _CHUNK_TOKENS)),),
-                         compression="gzip", compression_opts=4)
+        f.create_dataset("tokens", data=ids.astype(dtype))
         f.attrs["split"] = split
         f.attrs["shard"] = 0
         f.attrs["num_shards"] = 1

@@ -28,13 +28,13 @@ from . import augment as augment_mod
 from .manifest import MANIFEST, _sha256, load_manifest
 
 
-def _open_h5(path):
+def _open_h5(path, **options):
     # Many ranks open the same shard; HDF5's file locks fail on some parallel
     # filesystems and buy nothing for read-only access.
     try:
-        return h5py.File(path, "r", locking=False)
+        return h5py.File(path, "r", locking=False, **options)
     except (TypeError, ValueError):  # h5py < 3.5, or HDF5 too old for the option
-        return h5py.File(path, "r")
+        return h5py.File(path, "r", **options)
 
 
 ARRAYS = ("images", "labels")   # a shard's datasets

@@ -1,5 +1,6 @@
-"""Reading prepared text (`prepare --text`): a worker's training windows and
-a rank's part of the held-out windows.
+"""Reading prepared text (`prepare --text`) in place: a worker's training
+windows and a rank's part of the held-out windows, read from the shards as
+they are needed, never the whole corpus.
 
     reader = TokenReader("data/shakespeare-chars", worker, num_workers, batch_size, seed, block_size=64)
     x, y = reader.next_batch()          # int64 (B, T) token ids, int64 (B, T) the next tokens
@@ -11,17 +12,32 @@ at any offset (x its first T, y its last T); an epoch is one permutation of
 every window offset, a pure function of (seed, epoch), dealt over the
 workers step by step exactly as reader.py deals images (`deal`): any number
 of workers sees the same windows, and the W batches of a step, in worker
-order, are the one batch of W*B a single worker would take. The held-out
-split is read as consecutive non-overlapping windows (every token predicted
-once), cut into contiguous parts like load_test's; with `eval_tokens` N
-(--eval-tokens) only an evenly spaced sample of them (`eval_windows`),
-the same sample on any number of parts. Every shard is checked
-against the manifest (sha256, dtype, length, ids below vocab_size) first.
-No MPI here (house rule): callers pass worker numbers, not ranks.
+order, are the one batch of W*B a single worker would take. (The
+permutation is the one thing held per epoch: 8 bytes per window offset.)
+The held-out split is read as consecutive non-overlapping windows (every
+token predicted once), cut into contiguous parts like load_test's; with
+`eval_tokens` N (--eval-tokens) only an evenly spaced sample of them
+(`eval_windows`), the same sample on any number of parts, and only the
+sample's windows are read.
+
+A split's shards (`TokenShards`) are opened and checked against the manifest
+at the start without reading their tokens: each file's size, its HDF5
+header, a 1-D `tokens` dataset of the listed length and dtype. An
+uncompressed contiguous dataset (what prepare writes) is read at its offset
+in the file (pread, into the batch: not memory-mapped, so that resident
+memory does not grow with the pages a long run touches); a chunked or
+compressed one is read through h5py's slicing. The ids are checked where they are read: one at or above the
+vocabulary is one line naming the shard and the offset. Hashes are not
+computed at the start (their cost grows with the corpus): `hpctrain data
+verify DIR` recomputes them (verify.py). No MPI here (house rule): callers
+pass worker numbers, not ranks.
 
     python -c "from hpctrain.data.tokens import TokenReader as R; print(R('data/shakespeare-chars', 0, 1, 12, 0, 64).num_samples)"
 """
 
+import bisect
+import itertools
+import os
 from pathlib import Path
 
 import h5py
@@ -30,8 +46,13 @@ import numpy as np
 from hpctrain.base.chunks import chunk_parts
 from hpctrain.base.errors import HpctrainError
 
-from .manifest import MANIFEST, _sha256, load_manifest
+from .manifest import MANIFEST, load_manifest
 from .reader import ARRAYS, Dealt, _describe, _open_h5, _unreadable
+
+# h5py's chunk cache per shard read through it (chunked or compressed
+# shards, written before prepare wrote them contiguous): a gzip chunk of 1M
+# tokens is decompressed once for the windows in it, not once per window.
+_CHUNK_CACHE_BYTES = 16 << 20
 
 
 def _token_manifest(data_dir):
@@ -42,61 +63,154 @@ def _token_manifest(data_dir):
     return manifest
 
 
-def _read_shard(data_dir, entry, manifest):
-    """One token shard's ids, once it matches the manifest: its sha256, a 1-D
-    `tokens` dataset of the listed length and dtype, every id below vocab_size."""
+class _InFile:
+    """A contiguous, uncompressed dataset's n tokens, read with pread(2) at
+    their offset in the shard's file straight into the caller's array. Not
+    memory-mapped: a map's touched pages count in the process's resident
+    memory (peak_rss_mb) and would grow toward the corpus's size over a
+    long run; a read leaves nothing behind but the batch it filled."""
+
+    def __init__(self, path, offset, n, dtype):
+        self.offset, self.n, self.itemsize = offset, n, dtype.itemsize
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self):
+        return self.n
+
+    def read_into(self, lo, out):
+        want = out.nbytes
+        if os.preadv(self.fd, [out], self.offset + lo * self.itemsize) != want:
+            raise OSError(f"a short read at token {lo}: the file was cut")
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+
+
+class _InHDF5:
+    """A chunked or compressed dataset (or an empty one), read through h5py's
+    slicing; the file stays open while this lives."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def read_into(self, lo, out):
+        self.tokens.read_direct(out, np.s_[lo:lo + len(out)])
+
+
+def _open_shard(data_dir, entry, dtype):
+    """(path, reader) of one token shard once its size and header match the
+    manifest: _InFile where the dataset is stored contiguous and
+    uncompressed (prepare's), else _InHDF5. No token is read here."""
     path = Path(data_dir) / entry["file"]
     if not path.is_file():
         raise HpctrainError(f"{path}: missing shard (listed in {MANIFEST}); prepare again with --force")
-    got = _sha256(path)
-    if got != entry["sha256"]:
-        raise HpctrainError(f"{path}: corrupt shard (sha256 {got[:12]}..., manifest says "
-                            f"{entry['sha256'][:12]}...); prepare again with --force")
-    n, dtype = entry["num_tokens"], np.dtype(manifest["dtype"])
+    size = path.stat().st_size
+    if "bytes" in entry and size != entry["bytes"]:
+        raise HpctrainError(f"{path}: corrupt shard ({size} bytes, manifest says {entry['bytes']}); "
+                            f"prepare again with --force")
+    n = entry["num_tokens"]
     try:
-        with _open_h5(path) as f:
-            tokens = f.get("tokens")
-            if not (isinstance(tokens, h5py.Dataset) and tokens.shape == (n,) and tokens.dtype == dtype):
-                raise HpctrainError(f"{path}: bad shard: expected {dtype} tokens ({n},), found {_describe(tokens)}")
-            ids = tokens[:]
+        f = _open_h5(path, rdcc_nbytes=_CHUNK_CACHE_BYTES)
+        tokens = f.get("tokens")
+        if not (isinstance(tokens, h5py.Dataset) and tokens.shape == (n,) and tokens.dtype == dtype):
+            found = _describe(tokens)
+            f.close()
+            raise HpctrainError(f"{path}: bad shard: expected {dtype} tokens ({n},), found {found}")
+        at = tokens.id.get_offset() if tokens.chunks is None and not tokens.compression else None
+        if at is None:
+            return path, _InHDF5(tokens)
+        f.close()
     except OSError as e:
         raise _unreadable(path, e) from None
-    # An id past the vocabulary would index past the embedding (or its
-    # negative twin, silently, through NumPy).
-    bad = np.flatnonzero(ids >= manifest["vocab_size"])
-    if len(bad):
-        raise HpctrainError(f"{path}: token {int(ids[bad[0]])} at {int(bad[0])} is not below the manifest's "
-                            f"vocab_size {manifest['vocab_size']}; prepare again with --force")
-    return ids
+    if at + n * dtype.itemsize > size:
+        raise HpctrainError(f"{path}: corrupt shard (its tokens end past the file's {size} bytes); "
+                            f"prepare again with --force")
+    return path, _InFile(path, at, n, dtype)
+
+
+class TokenShards:
+    """A split's token stream, its shards in order, read in place: opened and
+    checked at construction (`_open_shard`: sizes and headers, no tokens
+    read), then `read(start, stop)` and `windows(offsets, length, out)` read
+    only what they are asked, each id checked below vocab_size."""
+
+    def __init__(self, data_dir, split="train", manifest=None):
+        manifest = _token_manifest(data_dir) if manifest is None else manifest
+        if split not in manifest:
+            raise HpctrainError(f"{data_dir}: no {split} split")
+        self.dtype, self.vocab_size = np.dtype(manifest["dtype"]), int(manifest["vocab_size"])
+        self._shards = [_open_shard(data_dir, e, self.dtype) for e in manifest[split]["shards"]]
+        # Python ints, found by bisect: a batch is a dozen windows, NumPy's per-call cost would dominate.
+        self._starts = [0, *itertools.accumulate(int(e["num_tokens"]) for e in manifest[split]["shards"])]
+        self.num_tokens = self._starts[-1]
+
+    def _read_into(self, start, out):
+        """out[:] = tokens start .. start + len(out), across shards where the range does."""
+        done, n = 0, len(out)
+        i = bisect.bisect_right(self._starts, start) - 1
+        while done < n:
+            path, ids = self._shards[i]
+            lo = start + done - self._starts[i]
+            m = min(len(ids) - lo, n - done)
+            try:
+                ids.read_into(lo, out if m == n else out[done:done + m])
+            except OSError as e:
+                raise _unreadable(path, e) from None
+            done += m
+            i += 1
+
+    def _check(self, rows, starts):
+        """Every id of rows (k, L), row r being tokens starts[r] .. starts[r] + L,
+        below vocab_size: an id past the vocabulary would index past the
+        embedding (or its negative twin, silently, through NumPy)."""
+        bad = np.flatnonzero(rows.reshape(-1) >= self.vocab_size)
+        if len(bad):
+            r, c = divmod(int(bad[0]), rows.shape[1])
+            at = int(starts[r]) + c
+            i = bisect.bisect_right(self._starts, at) - 1
+            raise HpctrainError(f"{self._shards[i][0]}: token {int(rows[r, c])} at {at - self._starts[i]} "
+                                f"is not below the manifest's vocab_size {self.vocab_size}; "
+                                f"prepare again with --force")
+
+    def read(self, start=0, stop=None):
+        """Tokens start .. stop of the split (a new array), checked."""
+        stop = self.num_tokens if stop is None else stop
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise HpctrainError(f"tokens {start}..{stop} of a split of {self.num_tokens}")
+        out = np.empty(stop - start, self.dtype)
+        self._read_into(start, out)
+        self._check(out.reshape(1, -1), [start])
+        return out
+
+    def windows(self, offsets, length, out=None):
+        """(k, length) tokens: row r the `length` tokens from offsets[r], checked."""
+        out = np.empty((len(offsets), length), self.dtype) if out is None else out
+        for row, at in zip(out, np.asarray(offsets).tolist()):
+            self._read_into(at, row)
+        self._check(out, offsets)
+        return out
 
 
 def read_tokens(data_dir, split="train", manifest=None):
-    """The whole token stream of a split (its shards in order), checked."""
-    manifest = _token_manifest(data_dir) if manifest is None else manifest
-    if split not in manifest:
-        raise HpctrainError(f"{data_dir}: no {split} split")
-    parts = [_read_shard(data_dir, e, manifest) for e in manifest[split]["shards"]]
-    return np.concatenate(parts) if parts else np.empty(0, manifest["dtype"])
-
-
-def _windows(tokens, offsets, block_size, x, y):
-    """Windows of T+1 tokens at offsets: x their first T, y their last T."""
-    at = offsets[:, None] + np.arange(block_size)
-    if x is not None:
-        x[...] = tokens[at]
-    if y is not None:
-        y[...] = tokens[at + 1]
+    """The whole token stream of a split (its shards in order), checked:
+    the readers never call it (they read windows in place); tools and tests do."""
+    return TokenShards(data_dir, split, manifest).read()
 
 
 class TokenReader(Dealt):
     """Training windows for one of W workers: ShardReader's dealing (reader.py
     `deal`) over the window offsets 0 .. n - T - 1 of the n training tokens,
     so position, seek and resuming on another number of workers mean what
-    they mean for images. The training tokens are held whole (1 or 2 bytes
-    each). `arrays` names what next_batch gives, a part of reader.ARRAYS:
-    "images" the inputs x, "labels" the targets y (a pipeline's first and
-    last stage); what it does not give is None. next_batch() returns arrays
-    that the next call overwrites: copy them if they must outlive the step."""
+    they mean for images. Only a batch's windows are read, from the shards
+    in place (`TokenShards`). `arrays` names what next_batch gives, a part of
+    reader.ARRAYS: "images" the inputs x, "labels" the targets y (a
+    pipeline's first and last stage); what it does not give is None.
+    next_batch() returns arrays that the next call overwrites: copy them if
+    they must outlive the step."""
 
     unit = "windows"
 
@@ -107,15 +221,17 @@ class TokenReader(Dealt):
         self.block_size = int(block_size)
         manifest = _token_manifest(self.data_dir)
         self.vocab_size = int(manifest["vocab_size"])
-        self.tokens = read_tokens(self.data_dir, "train", manifest)
-        self.num_samples = max(0, len(self.tokens) - self.block_size)   # window offsets: the training set
+        self.shards = TokenShards(self.data_dir, "train", manifest)
+        n = self.shards.num_tokens
+        self.num_samples = max(0, n - self.block_size)   # window offsets: the training set
         per_step = self.num_workers * self.batch_size
         if self.num_samples < per_step:
-            raise HpctrainError(f"{self.data_dir}: {len(self.tokens)} training tokens hold {self.num_samples} "
+            raise HpctrainError(f"{self.data_dir}: {n} training tokens hold {self.num_samples} "
                                 f"windows of --block-size {self.block_size} + 1, fewer than one step takes "
                                 f"({self.num_workers} workers x --batch-size {self.batch_size} = {per_step}); "
                                 f"use a smaller --block-size or --batch-size, or fewer workers")
         shape = (self.batch_size, self.block_size)
+        self._rows = np.empty((self.batch_size, self.block_size + 1), self.shards.dtype)
         self._x = np.empty(shape, np.int64) if "images" in arrays else None
         self._y = np.empty(shape, np.int64) if "labels" in arrays else None
 
@@ -124,7 +240,11 @@ class TokenReader(Dealt):
         after them; both reused by the next call; either None where the
         reader does not give it."""
         self._next()
-        _windows(self.tokens, self.last_ids, self.block_size, self._x, self._y)
+        rows = self.shards.windows(self.last_ids, self.block_size + 1, self._rows)
+        if self._x is not None:
+            self._x[...] = rows[:, :-1]
+        if self._y is not None:
+            self._y[...] = rows[:, 1:]
         return self._x, self._y
 
 
@@ -150,20 +270,24 @@ def load_test_windows(data_dir, block_size, part=0, parts=1, split="test", eval_
     non-overlapping windows: (x int64 (n, T), y int64 (n, T)), window k
     being tokens kT .. kT+T. Together the parts cover every window once; a
     part is empty when parts exceeds them. eval_tokens: only the sample
-    `eval_windows` takes, cut into parts the same way."""
+    `eval_windows` takes, cut into parts the same way. Only the part's
+    windows are read (in place: TokenShards)."""
     if not (isinstance(parts, (int, np.integer)) and parts >= 1 and 0 <= part < parts):
         raise HpctrainError(f"load_test_windows: part must be in 0..parts-1 with parts >= 1, "
                             f"got part={part!r}, parts={parts!r}")
     if not (isinstance(block_size, (int, np.integer)) and block_size >= 1):
         raise HpctrainError(f"--block-size must be a positive integer, got {block_size!r}")
-    tokens = read_tokens(data_dir, split)
-    count = (len(tokens) - 1) // block_size
+    shards = TokenShards(data_dir, split)
+    count = (shards.num_tokens - 1) // block_size
     if count == 0:
-        raise HpctrainError(f"{data_dir}: the {split} split's {len(tokens)} tokens hold no window of "
+        raise HpctrainError(f"{data_dir}: the {split} split's {shards.num_tokens} tokens hold no window of "
                             f"--block-size {block_size} + 1; prepare with a larger --val-fraction")
     windows = eval_windows(count, block_size, eval_tokens)
     lo, hi = chunk_parts(len(windows), parts)[part]
-    x = np.empty((hi - lo, block_size), np.int64)
-    y = np.empty_like(x)
-    _windows(tokens, windows[lo:hi] * block_size, block_size, x, y)
-    return x, y
+    if len(windows) == count:   # every window: one read of the part's stretch
+        stretch = shards.read(lo * block_size, hi * block_size + 1)
+        x = stretch[:-1].reshape(hi - lo, block_size).astype(np.int64)
+        y = stretch[1:].reshape(hi - lo, block_size).astype(np.int64)
+        return x, y
+    rows = shards.windows(windows[lo:hi] * block_size, block_size + 1)
+    return rows[:, :-1].astype(np.int64), rows[:, 1:].astype(np.int64)
