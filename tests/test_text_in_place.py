@@ -193,3 +193,29 @@ def test_verify_deals_the_files_over_two_ranks(plays, tmp_path, job):
     bad = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
     assert bad == [f"hpctrain: error: {folder}/train-00001-of-00003.h5: corrupt (sha256 " + bad[0].split("sha256 ")[1]]
     assert "4 files over 2 ranks" in r.stderr and r.stdout == ""
+
+
+STALLED_RANK = """
+import time, numpy as np
+from mpi4py import MPI
+from hpctrain.data.__main__ import _meet
+comm = MPI.COMM_WORLD
+if comm.Get_rank() == 2:
+    time.sleep(30)   # a rank stuck in its share
+_meet(comm, np.zeros(3, np.int8), 1.0)
+"""
+
+
+def test_verify_names_a_rank_that_never_reports_within_the_timeout(job):
+    """verify's one collective is bounded: rank 0 names the rank it waited
+    for (the others wait longer, so theirs is not the first line)."""
+    import subprocess
+    import sys
+    from conftest import MPIRUN
+    from hpctrain.run.cluster import child_env
+    r = subprocess.run([MPIRUN, "-n", "3", sys.executable, "-c", STALLED_RANK], capture_output=True, text=True,
+                       timeout=60, env=child_env())
+    assert r.returncode != 0
+    first = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")][0]
+    assert first == "hpctrain: error: verify: rank 2 sent no findings within --timeout 1 s of rank 0's own share; " \
+                    "the job ends", r.stderr

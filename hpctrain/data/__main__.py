@@ -107,6 +107,9 @@ def build_parser(prog="python -m hpctrain.data"):
                                     "with the sha256 prepare recorded; each bad file is one line, exit 2 if any. "
                                     "Under mpirun the files are dealt over the ranks.")
     pv.add_argument("dir", metavar="DIR", help="a prepared directory (holding manifest.json)")
+    pv.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                    help="under mpirun: how long rank 0 waits for the others' findings once its own share is "
+                         "hashed, and they for its answer (default: %(default)s)")
 
     pf = sub.add_parser("fetch", help="download a dataset and verify its MD5 checksums",
                         description="Download the dataset's published files into --out (EMNIST, "
@@ -183,11 +186,53 @@ def _size(data_dir, name):
         return 0   # missing: check_file names it
 
 
-def _verify(data_dir, log=print):
+def _wait_all(requests, timeout):
+    """Poll requests until all are done or timeout s pass; the indices of
+    those still open (none: all done)."""
+    from mpi4py import MPI
+    deadline = time.monotonic() + timeout
+    while not MPI.Request.Testall(requests):
+        if time.monotonic() > deadline:
+            return [i for i, r in enumerate(requests) if not r.Test()]
+        time.sleep(0.01)
+    return []
+
+
+def _meet(comm, found, timeout):
+    """The ranks' flags OR-ed (one int8 per file), every wait bounded: rank 0
+    collects each rank's flags and sends back the sum, naming the ranks not
+    heard from within timeout s; another rank names rank 0 if no answer comes."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        theirs = [np.empty_like(found) for _ in range(1, size)]
+        late = _wait_all([comm.Irecv(b, source=r, tag=7) for r, b in enumerate(theirs, 1)], timeout)
+        if late:
+            print(f"hpctrain: error: verify: rank {', '.join(str(i + 1) for i in late)} sent no findings within "
+                  f"--timeout {timeout:g} s of rank 0's own share; the job ends", file=sys.stderr, flush=True)
+            comm.Abort(3)
+            os._exit(3)   # MPI_Abort may return before the launcher ends this rank
+        for b in theirs:
+            np.maximum(found, b, out=found)
+        _wait_all([comm.Isend(found, dest=r, tag=8) for r in range(1, size)], timeout)
+        return found
+    send = comm.Isend(found, dest=0, tag=7)
+    answer = np.empty_like(found)
+    # longer than rank 0 waits for a late rank, so that its line, naming that rank, comes first
+    patience = 2 * timeout + 5
+    if _wait_all([comm.Irecv(answer, source=0, tag=8), send], patience):
+        print(f"hpctrain: error: verify: rank {rank} had no answer from rank 0 within {patience:g} s; "
+              f"the job ends", file=sys.stderr, flush=True)
+        comm.Abort(3)
+        os._exit(3)
+    return answer
+
+
+def _verify(data_dir, log=print, timeout=300.0):
     """`verify DIR`: this rank hashes files r, r + W, ...; rank 0 prints a
     progress line for its share, then each bad file (one line, stderr) or
-    the summary. The ranks' findings meet as one flag per file in an
-    Allreduce, not as pickled objects (house rule)."""
+    the summary. The ranks' findings meet as one flag per file (numpy
+    buffers, not pickled objects: house rule), every wait bounded by
+    --timeout and naming the rank it waited for (_meet)."""
     rank, size, comm = _world()
     try:
         files = listed_files(data_dir)
@@ -213,8 +258,7 @@ def _verify(data_dir, log=print):
             print(f"verify: rank 0 hashed {done / 1e6:.1f} of its {total / 1e6:.1f} MB ({rate:.0f} MB/s); "
                   f"{len(files)} files over {size} rank{'s' * (size > 1)}", file=sys.stderr, flush=True)
     if comm is not None:
-        from mpi4py import MPI
-        comm.Allreduce(MPI.IN_PLACE, found, op=MPI.MAX)
+        found = _meet(comm, found, timeout)
     # Each rank names the bad files it hashed (it knows why); every rank exits 2 if any is bad.
     for i, problem in sorted(problems.items()):
         print(f"hpctrain: error: {data_dir}/{files[i][0]}: corrupt ({problem}); prepare again with --force",
@@ -235,7 +279,7 @@ def main(argv=None, prog="python -m hpctrain.data"):
     elif args.command == "prepare":
         _prepare_images(args)
     elif args.command == "verify":
-        return _verify(args.dir)
+        return _verify(args.dir, timeout=args.timeout)
     elif args.command == "fetch":
         fetch(args.dataset, args.out, mirror=args.mirror, timeout=args.timeout,
               split=args.split)
