@@ -148,7 +148,7 @@ def test_a_resume_on_other_workers_or_another_compression_says_so_in_one_line(jo
     assert len(lines) == 1 and "written with --compression bf16: PowerSGD starts afresh" in lines[0], lines
 
 
-@pytest.mark.parametrize("flags, expect", [
+REFUSED = [
     (["--mode", "ps", "--compression", "fp16"], "--compression fp16 is for --mode ring (and a pipeline's replicas)"),
     (["--compression", "bf16", "--allreduce", "mpi"], "--compression bf16 with --allreduce mpi: MPI has no 16-bit"),
     (["--compression", "fp16", "--allreduce", "nccl"], "--compression fp16 with --allreduce nccl: NCCL sums"),
@@ -157,7 +157,21 @@ def test_a_resume_on_other_workers_or_another_compression_says_so_in_one_line(jo
     (["--compression", "powersgd", "--powersgd-warm-start", "yes"], "argument --powersgd-warm-start: expected on "
                                                                     "or off, got 'yes'"),
     (["--compression", "zstd"], "argument --compression: invalid choice: 'zstd'"),
-])
+]
+
+
+@pytest.mark.parametrize("flags, expect", REFUSED)
+def test_refused_combinations_are_refused_by_the_start_up_checks(flags, expect):
+    """In-process, as run/startup.py runs them: the parser, then cli.validate at 3 ranks."""
+    from hpctrain.base.errors import HpctrainError
+    from hpctrain.flags import cli
+    with pytest.raises(HpctrainError) as refused:
+        cli.validate(cli.parse(["--steps", "5", *flags], quiet=True), 3)
+    assert expect in str(refused.value)
+
+
+# On the whole job: one refused by cli.validate, one by the parser.
+@pytest.mark.parametrize("flags, expect", [REFUSED[0], REFUSED[-1]])
 def test_refused_combinations_are_one_line_and_exit_2(job, tmp_path, flags, expect):
     r = job(3, "--steps", "5", *flags, "--metrics", tmp_path / "m.jsonl", timeout=60)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
