@@ -65,6 +65,21 @@ def job():
     return run_job
 
 
+@pytest.fixture(scope="session")
+def once(tmp_path_factory):
+    """once(key, make): make(folder) the first time `key` is asked for in the
+    session (folder: a fresh directory for its files), what it returned every
+    time after. For a reference run that several tests compare against with
+    the same flags: launched once, not once a test (the suite's time)."""
+    made = {}
+
+    def get(key, make):
+        if key not in made:
+            made[key] = make(tmp_path_factory.mktemp("once"))
+        return made[key]
+    return get
+
+
 def saved(path):
     """Every dataset of a --save (or checkpoint) file: {"group/name": array}."""
     import h5py

@@ -52,9 +52,9 @@ def test_a_step_counts_k_batches_and_resume_is_bit_exact(job, tmp_path):
     assert final["steps"] == 71 and final["global_batch"] == 64, final
     assert "2 workers x 32 = 71 steps" in r.stdout, r.stdout
     flags = [*flags, "--steps", "20"]
-    ok(job(2, *flags, "--save", tmp_path / "through.h5"))
     ckpt = ["--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", "10", "--save", tmp_path / "resumed.h5"]
-    ok(job(2, *flags, *ckpt))
+    # the run through writes the checkpoints the resume starts from (one job, not two)
+    ok(job(2, *flags, *ckpt[:-1], tmp_path / "through.h5"))
     remove_checkpoint(checkpoint_path(tmp_path / "ckpt", 20))
     assert "at step 10" in ok(job(2, *flags, *ckpt)).stdout
     assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")

@@ -163,7 +163,10 @@ def recorded_job(n, out, *args):
 def test_augmented_jobs_n_ranks_see_one_process_and_resume_bit_exactly(tmp_path):
     common = ["--model", f"{TINY}:without_batch_norm", "--optimizer", "sgd", "--lr", "0.05", "--steps", "20",
               "--log-every", "10", "--augment", "crop,flip"]
-    _, two = recorded_job(2, tmp_path / "two", *common, "--batch-size", "8", "--save", tmp_path / "two.h5")
+    # (its checkpoints are the ones the resume below starts from: one run, not two)
+    ckpt = tmp_path / "ckpt"
+    _, two = recorded_job(2, tmp_path / "two", *common, "--batch-size", "8", "--checkpoint-dir", ckpt,
+                          "--checkpoint-every", "10", "--save", tmp_path / "two.h5")
     _, one = recorded_job(1, tmp_path / "one", *common, "--batch-size", "16", "--save", tmp_path / "one.h5")
     assert two == one and len(one) == 20 * 16   # every sample, its pixels as augmented, bit for bit
     a, b = saved(tmp_path / "two.h5"), saved(tmp_path / "one.h5")
@@ -172,10 +175,8 @@ def test_augmented_jobs_n_ranks_see_one_process_and_resume_bit_exactly(tmp_path)
     assert [line.split()[:2] for line in plain] == [line.split()[:2] for line in one] and plain != one
 
     # Stopped at a checkpoint and resumed: the bits of the run through.
-    ckpt = tmp_path / "ckpt"
     resumable = [*common, "--batch-size", "8", "--checkpoint-dir", ckpt, "--checkpoint-every", "10",
                  "--save", tmp_path / "resumed.h5"]
-    recorded_job(2, tmp_path / "first", *resumable)
     remove_checkpoint(checkpoint_path(ckpt, 20))
     r, second = recorded_job(2, tmp_path / "second", *resumable)
     assert "at step 10" in r.stdout

@@ -520,12 +520,15 @@ def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, ze
     # The sharded and split layouts step 2-3x slower: half the steps keep the
     # same margin in time and halve their share of the serial pass.
     steps = 1500 if zero else 3000
+    # A checkpoint every 50 steps, not 10: writing them was most of the
+    # test's time, and one past the last stop is all the signals wait for.
+    every = 50
     common = ["--steps", steps, *SMALL, *zero]  # Adam, the default optimizer
     r = run(2, *common, "--save", tmp_path / "full.h5")
     assert r.returncode == 0, r.stderr
 
     ckpt_dir = tmp_path / "ckpt"
-    resumable = [*common, "--checkpoint-dir", ckpt_dir, "--checkpoint-every", 10, "--save", tmp_path / "resumed.h5"]
+    resumable = [*common, "--checkpoint-dir", ckpt_dir, "--checkpoint-every", every, "--save", tmp_path / "resumed.h5"]
     stopped_at, stopped_path = 0, None
     # Open MPI's mpirun turns SIGTERM into killing the ranks; it relays USR1.
     for sig in (signal.SIGUSR1, signal.SIGUSR1) if OPEN_MPI else (signal.SIGTERM, signal.SIGUSR1):
@@ -549,7 +552,7 @@ def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, ze
     assert f"resumed from {stopped_path} at step {stopped_at}" in r.stdout
     assert_bit_identical(tmp_path / "full.h5", tmp_path / "resumed.h5")
     # the final checkpoint, and only the newest --keep-checkpoints (3)
-    assert [s for s, _ in checkpoint.list_checkpoints(ckpt_dir)] == [steps, steps - 10, steps - 20]
+    assert [s for s, _ in checkpoint.list_checkpoints(ckpt_dir)] == [steps, steps - every, steps - 2 * every]
     assert [n for n in os.listdir(ckpt_dir) if not n.startswith("ckpt-")] == []
 
 

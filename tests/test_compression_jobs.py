@@ -97,12 +97,13 @@ def test_sharded_compression_gives_the_bits_of_unsharded(job, tmp_path, shards, 
     assert same_bytes(tmp_path / "off.h5", tmp_path / "on.h5")
 
 
-def resumed(job, tmp_path, shards, ranks, flags, name):
-    """Checkpoints at 8, 16, 24 of 24 steps; the two newest removed; the same
-    command again goes on from step 8."""
+def resumed(job, tmp_path, shards, ranks, flags, name, through=None):
+    """Checkpoints at 8, 16, 24 of 24 steps (that run's files under the name
+    `through`, if given); the two newest removed; the same command again
+    goes on from step 8."""
     ckpt = tmp_path / f"{name}-ckpt"
     flags = [*flags, "--steps", "24", "--checkpoint-dir", ckpt, "--checkpoint-every", "8"]
-    run(job, tmp_path, shards, ranks, flags, name)
+    run(job, tmp_path, shards, ranks, flags, through or name)
     for step in (16, 24):
         remove_checkpoint(checkpoint_path(ckpt, step))
     r, _ = run(job, tmp_path, shards, ranks, flags, name)
@@ -116,8 +117,8 @@ def resumed(job, tmp_path, shards, ranks, flags, name):
     (3, [*POWERSGD, *SHARDED_OVERLAPPED]), (4, [*POWERSGD, *PIPELINE]),
 ], ids=["fp16", "bf16-overlapped", "powersgd", "powersgd-sharded-overlapped", "powersgd-pipeline"])
 def test_a_resume_is_bit_exact_with_each_compression(job, tmp_path, shards, ranks, flags):
-    run(job, tmp_path, shards, ranks, [*flags, "--steps", "24"], "through")
-    ckpt = resumed(job, tmp_path, shards, ranks, flags, "resumed")
+    # the run through writes the checkpoints the resume starts from (one job, not two)
+    ckpt = resumed(job, tmp_path, shards, ranks, flags, "resumed", through="through")
     assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
     if "powersgd" in flags:   # its state is in the file: a row of error feedback per worker
         import h5py
@@ -148,7 +149,7 @@ def test_a_resume_on_other_workers_or_another_compression_says_so_in_one_line(jo
     assert len(lines) == 1 and "written with --compression bf16: PowerSGD starts afresh" in lines[0], lines
 
 
-@pytest.mark.parametrize("flags, expect", [
+REFUSED = [
     (["--mode", "ps", "--compression", "fp16"], "--compression fp16 is for --mode ring (and a pipeline's replicas)"),
     (["--compression", "bf16", "--allreduce", "mpi"], "--compression bf16 with --allreduce mpi: MPI has no 16-bit"),
     (["--compression", "fp16", "--allreduce", "nccl"], "--compression fp16 with --allreduce nccl: NCCL sums"),
@@ -157,7 +158,21 @@ def test_a_resume_on_other_workers_or_another_compression_says_so_in_one_line(jo
     (["--compression", "powersgd", "--powersgd-warm-start", "yes"], "argument --powersgd-warm-start: expected on "
                                                                     "or off, got 'yes'"),
     (["--compression", "zstd"], "argument --compression: invalid choice: 'zstd'"),
-])
+]
+
+
+@pytest.mark.parametrize("flags, expect", REFUSED)
+def test_refused_combinations_are_refused_by_the_start_up_checks(flags, expect):
+    """In-process, as run/startup.py runs them: the parser, then cli.validate at 3 ranks."""
+    from hpctrain.base.errors import HpctrainError
+    from hpctrain.flags import cli
+    with pytest.raises(HpctrainError) as refused:
+        cli.validate(cli.parse(["--steps", "5", *flags], quiet=True), 3)
+    assert expect in str(refused.value)
+
+
+# On the whole job: one refused by cli.validate, one by the parser.
+@pytest.mark.parametrize("flags, expect", [REFUSED[0], REFUSED[-1]])
 def test_refused_combinations_are_one_line_and_exit_2(job, tmp_path, flags, expect):
     r = job(3, "--steps", "5", *flags, "--metrics", tmp_path / "m.jsonl", timeout=60)
     lines = [line for line in r.stderr.splitlines() if line.strip()]

@@ -52,10 +52,10 @@ def test_the_sharded_optimizer_gives_the_bits_of_the_unsharded_for_a_cnn(job, tm
 def test_resume_is_bit_exact_with_dropout_and_batch_norm(job, tmp_path, mode):
     ranks, flags = (2, []) if mode == "ring" else (3, ["--mode", "ps"])
     flags = [*flags, "--model", f"{TINY}:build", *COMMON]
-    ok(job(ranks, *flags, "--save", tmp_path / "through.h5"))
     ckpt = tmp_path / "ckpt"
     stopped = [*flags, "--checkpoint-dir", ckpt, "--checkpoint-every", "10", "--save", tmp_path / "resumed.h5"]
-    ok(job(ranks, *stopped))
+    # the run through writes the checkpoints the resume starts from (one job, not two)
+    ok(job(ranks, *stopped[:-1], tmp_path / "through.h5"))
     remove_checkpoint(checkpoint_path(ckpt, 20))
     r = ok(job(ranks, *stopped))
     assert "at step 10" in r.stdout, r.stdout

@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from conftest import REPO, saved, same_bytes
-from hpctrain.nn import mlp
+from hpctrain.base.errors import HpctrainError
+from hpctrain.flags import cli
+from hpctrain.nn import mlp, spec_for
 from hpctrain.pipeline import schedule as sched
+from hpctrain.pipeline.stages import cuts_for
 
 TINY = os.path.join(REPO, "tests", "models", "tiny_cnn.py")
 MLP = ["--hidden", "64,32,16"]   # Flatten, then Dense/ReLU x 3, Dense: 8 layers, 4 with parameters
@@ -25,6 +28,22 @@ SHORT = ["--steps", "6", "--batch-size", "8", "--log-every", "3"]
 def ok(r):
     assert r.returncode == 0, r.stderr
     return r
+
+
+# One BLAS thread on both sides of a comparison: a 1024-wide product split
+# over threads sums in another order.
+ONE_THREAD = {var: "1" for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+def accumulated(job, once, ranks, flags, micro):
+    """(--save file, final record) of flags with --accumulate-steps micro on
+    `ranks` ranks: the run a pipeline of these flags must end as, launched
+    once for every test of the session that compares with it."""
+    def make(out):
+        ok(job(ranks, *flags, "--accumulate-steps", micro, "--save", out / "acc.h5", "--metrics", out / "acc.jsonl",
+               env=ONE_THREAD))
+        return out / "acc.h5", json.loads((out / "acc.jsonl").read_text().splitlines()[-1])
+    return once(("test_pipeline accumulated", ranks, micro, *map(str, flags)), make)
 
 
 @pytest.mark.parametrize("ranks, stages, micro, schedule, split, model", [
@@ -41,13 +60,15 @@ def ok(r):
     (6, 2, 2, "gpipe", "", [*MLP, "--fusion-mb", "0.0001"]),           # (auto: --shard-optimizer on)
     (6, 2, 2, "1f1b", "", [*MLP, "--fusion-mb", "0.0001", "--shard-optimizer", "off"]),
 ], ids=["p2-1f1b", "p2-gpipe", "p2r2", "p3-uneven-gpipe", "p3-m<p", "p4-1f1b", "p4-gpipe", "p2-cnn", "p2r3", "p2r3-unsharded"])
-def test_pipeline_equals_accumulation_on_one_stage(job, tmp_path, ranks, stages, micro, schedule, split, model):
+def test_pipeline_equals_accumulation_on_one_stage(job, once, tmp_path, ranks, stages, micro, schedule, split,
+                                                   model):
     flags = [*SHORT, *model]
     pipe = ["--pipeline-stages", stages, "--micro-batches", micro, "--pipeline-schedule", schedule,
             *(["--pipeline-split", split] if split else [])]
-    r = ok(job(ranks, *flags, *pipe, "--save", tmp_path / "pipe.h5", "--metrics", tmp_path / "m.jsonl"))
-    ok(job(ranks // stages, *flags, "--accumulate-steps", micro, "--save", tmp_path / "acc.h5"))
-    assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+    r = ok(job(ranks, *flags, *pipe, "--save", tmp_path / "pipe.h5", "--metrics", tmp_path / "m.jsonl",
+               env=ONE_THREAD))
+    acc, _ = accumulated(job, once, ranks // stages, flags, micro)
+    assert same_bytes(tmp_path / "pipe.h5", acc)
     final = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     assert (final["pipeline_stages"], final["micro_batches"], final["schedule"], final["replicas"]) == \
         (stages, micro, schedule, ranks // stages), final
@@ -73,7 +94,7 @@ DEEP = ["--hidden", "64,32,16,16,16"]   # 12 layers, 6 with parameters: P x V = 
     (2, 2, 2, 4, ["--hidden", "1024,1024,1024", "--batch-size", "64", "--steps", "2"]),
 ], ids=["p2v2", "p2v2-cnn", "p2v2-cnn-bn", "p2v2r2", "p2v2r2-unsharded", "p2v3", "p3v2", "p2v1", "p4v2",
         "p2v2r3", "p2v2-large-messages"])
-def test_interleaved_equals_accumulation_on_one_stage(job, tmp_path, ranks, stages, virtual, micro, model):
+def test_interleaved_equals_accumulation_on_one_stage(job, once, tmp_path, ranks, stages, virtual, micro, model):
     """--pipeline-schedule interleaved --virtual-stages V: each stage holds V
     chunks of the layers (chunk c on stage c mod P), activations go chunk to
     chunk round the stages; the parameters end bit-identical to
@@ -82,14 +103,11 @@ def test_interleaved_equals_accumulation_on_one_stage(job, tmp_path, ranks, stag
     flags = [*SHORT, *model]
     pipe = ["--pipeline-stages", stages, "--micro-batches", micro, "--pipeline-schedule", "interleaved",
             "--virtual-stages", virtual]
-    # one BLAS thread on both sides: a 1024-wide product split over threads sums in another order
-    one = {var: "1" for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    r = ok(job(ranks, *flags, *pipe, "--save", tmp_path / "pipe.h5", "--metrics", tmp_path / "m.jsonl", env=one))
-    ok(job(ranks // stages, *flags, "--accumulate-steps", micro, "--save", tmp_path / "acc.h5",
-           "--metrics", tmp_path / "acc.jsonl", env=one))
-    assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+    r = ok(job(ranks, *flags, *pipe, "--save", tmp_path / "pipe.h5", "--metrics", tmp_path / "m.jsonl",
+               env=ONE_THREAD))
+    acc, alone = accumulated(job, once, ranks // stages, flags, micro)
+    assert same_bytes(tmp_path / "pipe.h5", acc)
     final = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
-    alone = json.loads((tmp_path / "acc.jsonl").read_text().splitlines()[-1])
     assert (final["pipeline_stages"], final["micro_batches"], final["schedule"], final["virtual_stages"],
             final["replicas"]) == (stages, micro, "interleaved", virtual, ranks // stages), final
     assert (final["test_loss"], final["test_accuracy"]) == (alone["test_loss"], alone["test_accuracy"])
@@ -216,7 +234,7 @@ def test_epochs_count_the_replicas_batches(job, tmp_path):
 INTERLEAVED = ["--pipeline-stages", "2", "--pipeline-schedule", "interleaved"]
 
 
-@pytest.mark.parametrize("ranks, flags, expect", [
+BAD_FLAGS = [
     (3, ["--pipeline-stages", "2"], "--pipeline-stages 2 does not divide the 3 ranks"),
     (3, ["--pipeline-stages", "3", "--hidden", "64"], "the model has 2 layers with parameters"),
     (2, ["--pipeline-stages", "2", "--pipeline-split", "9"], "cut points must be layer indices in 1..7"),
@@ -245,11 +263,30 @@ INTERLEAVED = ["--pipeline-stages", "2", "--pipeline-schedule", "interleaved"]
     (2, [*INTERLEAVED, "--micro-batches", "2", "--virtual-stages", "0"], "argument --virtual-stages: must be >= 1"),
     (4, [*INTERLEAVED, "--micro-batches", "2", "--compression", "bf16"],
      "--compression bf16 with --pipeline-schedule interleaved --virtual-stages 2: not built"),
-], ids=["p-not-dividing", "more-stages-than-layers", "cut-out-of-range", "cuts-not-increasing",
-        "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "overlap",
-        "micro-alone", "split-alone", "virtual-without-interleaved", "virtual-1-gpipe", "interleaved-one-stage",
-        "interleaved-m-not-multiple", "more-chunks-than-layers", "chunk-cuts-count", "chunk-without-parameters",
-        "interleaved-too-many-tags", "virtual-0", "interleaved-compressed"])
+]
+BAD_IDS = ["p-not-dividing", "more-stages-than-layers", "cut-out-of-range", "cuts-not-increasing",
+           "stage-without-parameters", "too-many-cuts", "ps-mode", "accumulate", "overlap",
+           "micro-alone", "split-alone", "virtual-without-interleaved", "virtual-1-gpipe", "interleaved-one-stage",
+           "interleaved-m-not-multiple", "more-chunks-than-layers", "chunk-cuts-count", "chunk-without-parameters",
+           "interleaved-too-many-tags", "virtual-0", "interleaved-compressed"]
+# The whole job for one refusal of each kind: argparse's, a cut that needs the
+# world size, a cut that needs the model; the rest in-process below.
+ON_THE_JOB = ("p-not-dividing", "more-stages-than-layers", "virtual-0")
+
+
+@pytest.mark.parametrize("ranks, flags, expect", BAD_FLAGS, ids=BAD_IDS)
+def test_bad_pipeline_flags_are_refused_by_the_start_up_checks(ranks, flags, expect):
+    """The checks run/startup.py runs on every rank, in its order: the
+    parser, then cli.validate and stages.cuts_for at the world size."""
+    with pytest.raises(HpctrainError) as refused:
+        args = cli.parse([*MLP, "--steps", "2", *flags], quiet=True)
+        cli.validate(args, ranks)
+        cuts_for(args, ranks, spec_for(args, (28, 28), 10))
+    assert expect in str(refused.value)
+
+
+@pytest.mark.parametrize("ranks, flags, expect", [case for case, name in zip(BAD_FLAGS, BAD_IDS) if name in ON_THE_JOB],
+                         ids=[name for name in BAD_IDS if name in ON_THE_JOB])
 def test_bad_pipeline_flags_are_one_line_exit_2(job, tmp_path, ranks, flags, expect):
     r = job(ranks, *MLP, "--steps", "2", *flags, "--save", tmp_path / "out.h5")
     errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]

@@ -90,11 +90,12 @@ def test_one_checkpoint_file_for_every_grid_and_ring_mode(job, tmp_path):
 
 
 def test_sigterm_stops_every_stage_after_the_same_step_and_the_same_command_resumes(job, tmp_path):
-    steps = 300   # the signal lands after the first checkpoint (step 10), mid-run at any speed
+    steps = 300   # the signal lands after the first checkpoint (step 50), mid-run at any speed
     flags = [*FLAGS[:2], *MLP, *pipe(2), "--log-every", 1000, "--steps", steps]
     ok(job(4, *flags, "--save", tmp_path / "through.h5"))
     ck = tmp_path / "ck"
-    again = [*flags, "--checkpoint-dir", ck, "--checkpoint-every", 10, "--save", tmp_path / "resumed.h5"]
+    # every 50 steps, not 10: the checkpoints the resumed run writes were most of the test's time
+    again = [*flags, "--checkpoint-dir", ck, "--checkpoint-every", 50, "--save", tmp_path / "resumed.h5"]
     sig = signal.SIGUSR1 if OPEN_MPI else signal.SIGTERM   # Open MPI's mpirun kills on TERM, relays USR1
     r = run_and_signal(4, sig, ck, 0, *again)
     assert r.returncode == EXIT_PREEMPTED, (r.returncode, r.stdout, r.stderr)

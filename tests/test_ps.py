@@ -580,9 +580,9 @@ def test_a_checkpoint_is_one_cut_across_servers(job, tmp_path, mode):
         ranks, flags = 4, ["--async"]
     else:
         ranks, flags = 5, ["--backup-workers", 1]
-    r = ok(job(ranks, "--mode", "ps", "--num-ps", 2, *flags, "--hidden", "32", "--steps", 60,
-               "--checkpoint-dir", ckpt, "--checkpoint-every", 5, "--keep-checkpoints", 100, "--log-every", 60,
-               **with_faults(FAULT_SLOW_WORKER="0:0.02", PROBE_CUTS=str(cuts))))
+    ok(job(ranks, "--mode", "ps", "--num-ps", 2, *flags, "--hidden", "32", "--steps", 60,
+           "--checkpoint-dir", ckpt, "--checkpoint-every", 5, "--keep-checkpoints", 100, "--log-every", 60,
+           **with_faults(FAULT_SLOW_WORKER="0:0.02", PROBE_CUTS=str(cuts))))
     records = [json.loads(line) for line in cuts.read_text().splitlines()]
     assert records and records[-1]["kind"] == "final"
     written = set(checkpoint_steps(ckpt))
@@ -633,8 +633,8 @@ def stopped(pid):
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-def stop_one_async_worker(tmp_path, stopped_for, steps=600):
-    """4 ranks (1 ps, 3 workers), async, --timeout 8; worker 2 (rank 3) stops
+def stop_one_async_worker(tmp_path, stopped_for, steps=600, timeout=8):
+    """4 ranks (1 ps, 3 workers), async, --timeout `timeout`; worker 2 (rank 3) stops
     itself in its 20th step with its push sent and its reply posted (both
     2.6 MB: they stay half-way while it is stopped); SIGCONT after
     `stopped_for` seconds (None: never). Returns (result, worker 0's local
@@ -642,7 +642,7 @@ def stop_one_async_worker(tmp_path, stopped_for, steps=600):
     pids, progress = tmp_path / "pids", tmp_path / "progress"
     pids.mkdir()
     progress.mkdir()
-    proc = start_job(4, "--mode", "ps", "--async", "--steps", steps, "--log-every", 300, "--timeout", 8,
+    proc = start_job(4, "--mode", "ps", "--async", "--steps", steps, "--log-every", 300, "--timeout", timeout,
                      "--metrics", tmp_path / "m.jsonl",
                      env={"FAULT_PID_DIR": str(pids), "PROBE_PROGRESS": str(progress),
                           "FAULT_STOP_WORKER": "2:20"})
@@ -683,12 +683,13 @@ def test_async_a_stopped_worker_does_not_stop_the_others(job, tmp_path):
 
 
 def test_async_a_worker_that_never_returns_ends_the_job_at_the_deadline(job, tmp_path):
-    # 100000 steps: the others are still training at the deadline
-    r, before, during = stop_one_async_worker(tmp_path, stopped_for=None, steps=100000)
+    # 100000 steps: the others are still training at the deadline. --timeout 6
+    # (the suite's time): past the 4 s in which the others are seen training.
+    r, before, during = stop_one_async_worker(tmp_path, stopped_for=None, steps=100000, timeout=6)
     assert r.returncode == 3, r.stderr[-3000:]
     assert during - before >= 20, (before, during)
     assert re.search(r"^hpctrain: error: rank 0 waited \d+ s for rank 3 \(requests from worker 2\); "
-                     r"giving up \(--timeout 8\)$", r.stderr, re.M), r.stderr
+                     r"giving up \(--timeout 6\)$", r.stderr, re.M), r.stderr
 
 
 @pytest.mark.parametrize("mode", ["backup", "async"])
@@ -703,7 +704,8 @@ def test_a_worker_stuck_for_good_is_left_behind_and_the_result_is_written(job, t
     pids = tmp_path / "pids"
     pids.mkdir()
     try:
-        r = job(4, "--mode", "ps", *flags, "--hidden", "32", "--steps", 60, "--log-every", 30, "--timeout", 8,
+        # --timeout 5, not 8 (the suite's time): the others' 60 steps take a second or two
+        r = job(4, "--mode", "ps", *flags, "--hidden", "32", "--steps", 60, "--log-every", 30, "--timeout", 5,
                 "--checkpoint-dir", ckpt, "--metrics", m, "--save", save, timeout=120,
                 **with_faults(FAULT_STOP_WORKER="2:3", FAULT_PID_DIR=str(pids)))
     finally:
@@ -714,7 +716,7 @@ def test_a_worker_stuck_for_good_is_left_behind_and_the_result_is_written(job, t
     assert r.returncode == 3, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]
     assert len(errors) == 1 and errors[0].startswith("hpctrain: error: worker 2 (rank 3) sent nothing for "
-                                                     "--timeout 8 s and never finished; the result of step 60 "
+                                                     "--timeout 5 s and never finished; the result of step 60 "
                                                      "is written"), r.stderr
     f = final_record(m)
     assert f["event"] == "final" and f["steps"] == 60 and f["abandoned_workers"] == [2]
@@ -737,6 +739,12 @@ def test_a_server_that_stops_answering_is_a_deadline_error(job):
     (3, ["--backup-workers", "2"], "must be less than the 2 workers"),
 ])
 def test_invalid_layouts_are_one_line_errors(job, tmp_path, ranks, flags, expect):
+    from hpctrain.base.errors import HpctrainError
+    from hpctrain.flags import cli
+    with pytest.raises(HpctrainError, match=re.escape(expect)):   # cli.validate, as every rank runs it
+        cli.validate(cli.parse(["--mode", "ps", *flags], quiet=True), ranks)
+    if "--num-ps" not in flags:
+        return   # the whole job for the first alone: the same agreed line for each
     r = job(ranks, "--mode", "ps", *flags, "--save", tmp_path / "p.h5", timeout=60)
     errors = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode == 2 and len(errors) == 1 and expect in errors[0], r.stderr

@@ -193,6 +193,15 @@ def run(job, ranks, flags, out, name):
     return r, losses(out / f"{name}.jsonl"), saved(out / f"{name}.h5")
 
 
+def one_process(job, once, flags):
+    """(losses, parameters, final record) of flags on one rank: the reference
+    that every layout of a test compares with, launched once a session."""
+    def make(out):
+        _, losses_, params = run(job, 1, flags, out, "one")
+        return losses_, params, json.loads((out / "one.jsonl").read_text().splitlines()[-1])
+    return once(("test_tensor_parallel one process", *map(str, flags)), make)
+
+
 def close(a, b, tol):
     assert a.keys() == b.keys()
     for k in a:
@@ -205,13 +214,13 @@ def gpt_flags(data):
 
 
 @pytest.mark.parametrize("ranks, tensor, zero", [(2, 2, 0), (4, 4, 0), (4, 2, 1), (4, 2, 2), (4, 2, 3)])
-def test_tensor_parallel_trains_the_gpt_of_one_process(job, tmp_path, text_dir, ranks, tensor, zero):
+def test_tensor_parallel_trains_the_gpt_of_one_process(job, once, tmp_path, text_dir, ranks, tensor, zero):
     """The same global batch (8 windows a step): the loss at every step and
     the parameters after 30 clipped Adam steps within float32 rounding; the
     start-up line says how the vocabulary is cut."""
     replicas = ranks // tensor
     flags = [*gpt_flags(text_dir), "--eval-tokens", 512]   # 32 of the 124 held-out windows, cut over the replicas
-    _, want, whole = run(job, 1, [*flags, "--batch-size", 8], tmp_path, "one")
+    want, whole, one_final = one_process(job, once, [*flags, "--batch-size", 8])
     r, got, split = run(job, ranks, [*flags, "--batch-size", 8 // replicas, "--tensor-parallel", tensor,
                                      "--zero", zero], tmp_path, "split")
     assert f"each layer split over {tensor} consecutive ranks" in r.stdout
@@ -220,20 +229,20 @@ def test_tensor_parallel_trains_the_gpt_of_one_process(job, tmp_path, text_dir, 
     assert np.allclose(got, want, rtol=2e-5), np.abs(np.subtract(got, want)).max()
     close(split, whole, 2e-4)
     # the final evaluation scored the same sample of the held-out windows (issue 54 N2)
-    finals = [json.loads((tmp_path / f"{name}.jsonl").read_text().splitlines()[-1]) for name in ("one", "split")]
+    finals = [one_final, json.loads((tmp_path / "split.jsonl").read_text().splitlines()[-1])]
     assert [f["test_tokens"] for f in finals] == [512, 512], finals
     assert finals[1]["test_loss"] == pytest.approx(finals[0]["test_loss"], rel=2e-4), finals
 
 
 @pytest.mark.parametrize("ranks, layout", [(4, ["--tensor-parallel", 2]), (4, ["--tensor-parallel", 4]),
                                            (8, ["--tensor-parallel", 2, "--pipeline-stages", 2, "--micro-batches", 2])])
-def test_sequence_parallel_with_dropout_trains_the_gpt_of_one_process(job, tmp_path, text_dir, ranks, layout):
+def test_sequence_parallel_with_dropout_trains_the_gpt_of_one_process(job, once, tmp_path, text_dir, ranks, layout):
     """--sequence-parallel, dropout 0.1 (each slice draws its part of the
     whole layer's mask), 16 positions cut over 2 or 4 tensor ranks: the
     losses and parameters of one process at the same global batch."""
     flags = ["--data", text_dir, "--model", "gpt:layers=2,heads=4,width=32,dropout=0.1", "--block-size", 16,
              "--steps", 20, "--clip-norm", 0.5, "--lr", 3e-3, "--eval-every", 0, "--log-every", 1]
-    _, want, whole = run(job, 1, [*flags, "--batch-size", 8], tmp_path, "one")
+    want, whole, _ = one_process(job, once, [*flags, "--batch-size", 8])
     replicas = ranks // (layout[1] * (2 if "--pipeline-stages" in layout else 1))
     micro = 2 if "--micro-batches" in layout else 1
     r, got, split = run(job, ranks, [*flags, "--batch-size", 8 // replicas // micro, *layout, "--sequence-parallel"],

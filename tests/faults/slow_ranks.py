@@ -14,6 +14,9 @@ Environment:
   FAULT_EXIT_LINGER=R:S  rank R sleeps S seconds right after the shutdown barrier,
                       its watchdog still holding roll calls while the others
                       leave (comm/start.py stop_mpi, deadline.Watchdog.stop_using_mpi)
+  FAULT_STOP_GRACE=S  a stop signal outside training is overdue after S
+                      seconds, not run/stop_signal.py's 5 (StopSignal.GRACE_S):
+                      the tests of what an overdue signal does wait less
   FAULT_FINAL_STOP=R  rank R stops itself after MPI_Finalize, where no watchdog
                       of the job can see it any more (the launcher's wait)
   FAULT_PID_DIR=DIR   every rank writes its pid to DIR/rank-<rank>.pid
@@ -140,6 +143,9 @@ def train(*args, **kwargs):
         slow_evaluations()
     if os.environ.get("FAULT_FINAL_EVAL_SLEEP"):
         slow_final_evaluation(float(os.environ["FAULT_FINAL_EVAL_SLEEP"]))
+    if os.environ.get("FAULT_STOP_GRACE"):
+        from hpctrain.run.stop_signal import StopSignal
+        StopSignal.GRACE_S = float(os.environ["FAULT_STOP_GRACE"])
     if os.environ.get("FAULT_EXIT_LINGER"):
         rank, seconds = os.environ["FAULT_EXIT_LINGER"].split(":")
         linger_after_the_barrier(int(rank), float(seconds))

@@ -251,13 +251,15 @@ FAULTS = os.path.dirname(os.path.abspath(__file__))
 @pytest.mark.parametrize("sig, ranks, flags", [("SIGUSR1", 2, []), ("SIGTERM", 3, ["--mode", "ps"])])
 def test_a_signal_during_a_long_final_evaluation_changes_nothing(tmp_path, sig, ranks, flags):
     # Issue 41, 11: the signal comes after the last step, during a final
-    # evaluation longer than the stop signal's 5 s grace (SLURM's
+    # evaluation longer than the stop signal's grace (SLURM's
     # --signal=USR1@60 with a large test set). Every rank answers the roll
     # call: working, not stuck. The results are written and the run exits 0,
     # as docs/checkpoints.md promises; before, exit 75 and nothing written.
+    # A grace of 2 s, not 5 (the suite's time): the signal, 1 s into the 6 s
+    # evaluation, is overdue 3 s before it ends, as it was with 5 and 9.
     ckpt, metrics, save = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "p.h5"
     env = child_env()
-    env.update(PYTHONPATH=FAULTS, FAULT_FINAL_EVAL_SLEEP="9")
+    env.update(PYTHONPATH=FAULTS, FAULT_FINAL_EVAL_SLEEP="6", FAULT_STOP_GRACE="2")
     proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", "--steps", "20",
                              "--hidden", "16", "--log-every", "20", "--timeout", "60", "--checkpoint-dir", ckpt,
                              "--metrics", metrics, "--save", save, *flags], stdout=subprocess.PIPE,
@@ -286,9 +288,11 @@ def test_a_signal_overdue_while_the_ranks_leave_changes_nothing(tmp_path, ranks,
     # silence is not a rank stuck in the results: exit 0 and no line. Before,
     # the roll call named them ("ranks 1, 2 did not answer a roll call") and
     # the job ended 75, or 0 with an error line, by which thread won.
+    # A grace of 3 s, not 5, and a linger of 6 s, not 9 (the suite's time):
+    # the grace still runs out 3 s before rank 0 leaves.
     metrics, save = tmp_path / "m.jsonl", tmp_path / "p.h5"
     env = child_env()
-    env.update(PYTHONPATH=FAULTS, FAULT_EXIT_LINGER="0:9")
+    env.update(PYTHONPATH=FAULTS, FAULT_EXIT_LINGER="0:6", FAULT_STOP_GRACE="3")
     proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", "--steps", "20",
                              "--hidden", "16", "--log-every", "20", "--timeout", "60", "--metrics", metrics,
                              "--save", save, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
