@@ -231,11 +231,23 @@ def test_data_of_another_vocabulary_is_one_line(world, tmp_path):
     from hpctrain import data
     (tmp_path / "t.txt").write_text("hello there\n" * 300)
     data.prepare_text(str(tmp_path / "t.txt"), str(tmp_path / "bytes"), "bytes", log=lambda *a, **k: None)
-    hf = str(world["root"] / "gpt2")
-    with pytest.raises(HpctrainError, match=f"--init-from {hf}: a model of 300 token ids, but data .* holds "
+    # a folder without its tokenizer: all it can tell is its size
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in (gpt2.CONFIG, gpt2.WEIGHTS):
+        shutil.copy(world["root"] / "gpt2" / name, bare / name)
+    with pytest.raises(HpctrainError, match=f"--init-from {bare}: a model of 300 token ids, but data .* holds "
                                             f"bytes:256 .*: prepare the text with the model's tokenizer"):
-        pretrained.check_init_data(hf, 256, str(tmp_path / "bytes"))
-    # an export records the vocabulary it was trained on: held whole, not just its size
+        pretrained.check_init_data(str(bare), 256, str(tmp_path / "bytes"))
+    # a folder with its tokenizer, and data of another tokenizer of the same size: held whole, not by its size
+    text = open(world["root"] / "plays.txt", encoding="utf-8").read()
+    other = tmp_path / "other-tokenizer"
+    gpt2_folder(text[::-1], other)
+    data.prepare_text(str(world["root"] / "plays.txt"), str(tmp_path / "other"), f"tokenizer:{other}", log=None)
+    with pytest.raises(HpctrainError, match=f"--init-from {world['root'] / 'gpt2'}.* vocabulary bpe:300 .*digest"):
+        pretrained.check_init_data(str(world["root"] / "gpt2"), 300, str(tmp_path / "other"))
+    pretrained.check_init_data(str(world["root"] / "gpt2"), 300, str(world["data"]))   # its own tokenizer's data
+    # an export records the vocabulary it was trained on
     with pytest.raises(HpctrainError, match="was trained on vocabulary bpe:300"):
         pretrained.check_init_data(str(world["root"] / "ft.safetensors"), 256, str(tmp_path / "bytes"))
 

@@ -83,9 +83,17 @@ class Source:
         return self._read(self.names[name], box)
 
     def text(self):
-        """The vocabulary entry its record carries (data/vocab.py record_entry), or None."""
+        """The vocabulary (data/vocab.py record_entry) its record carries, else
+        a Hugging Face folder's tokenizer.json (as `prepare --text
+        tokenizer:PATH` records one: a BPE's), else None."""
         entry = (self.record or {}).get("text")
-        return entry if isinstance(entry, dict) else None
+        if isinstance(entry, dict):
+            return entry
+        tokenizer = os.path.join(self.path, gpt2.TOKENIZER)
+        if self._gpt2 and os.path.isfile(tokenizer):
+            from ..data.vocab import Bpe
+            return Bpe.load(tokenizer).record_entry()
+        return None
 
     def close(self):
         self._close()
@@ -213,7 +221,6 @@ def load_trained(path, model=None):
     else the folder's tokenizer.json (as `prepare --text tokenizer:PATH`
     records one: a BPE's)."""
     from ..checkpoints.trained import rebuilt
-    from ..data.vocab import Bpe
     path = str(path)
     with open_source(path) as source:
         if model is not None and model != source.model:
@@ -221,10 +228,8 @@ def load_trained(path, model=None):
         rec = dict(source.record or {})
         # a config's name need not spell the record's (dropout); the tensors' shapes are what is checked
         rec.pop("identity", None)
-        rec.update({"model": source.model, "hidden": [], "input_shape": [source.positions], "classes": source.vocab})
-        tokenizer = os.path.join(path, gpt2.TOKENIZER)
-        if rec.get("text") is None and os.path.isfile(tokenizer):
-            rec["text"] = Bpe.load(tokenizer).record_entry()
+        rec.update({"model": source.model, "hidden": [], "input_shape": [source.positions], "classes": source.vocab,
+                    "text": source.text()})
         return rebuilt(rec, path, source.read, source.check)
 
 
@@ -266,10 +271,10 @@ def init_args(args, default_block):
 
 
 def check_init_data(path, classes, data_dir):
-    """The data's vocabulary is the pretrained model's: the same size (what a
-    Hugging Face folder can tell), and where PATH records the vocabulary it
-    was trained on (an hpctrain export or --save file), the same one
-    (data/fit.py); else one line."""
+    """The data's vocabulary is the pretrained model's: where PATH records the
+    vocabulary it was trained on (an hpctrain export or --save file) or holds
+    its tokenizer.json (a Hugging Face folder), the same one (data/fit.py);
+    else the same size (all a folder without a tokenizer can tell); else one line."""
     from ..data.fit import check_fit
     from ..data.vocab import describe, load_vocabulary
     with open_source(path) as source:
