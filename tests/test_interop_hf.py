@@ -134,7 +134,7 @@ def test_the_export_loads_in_transformers_with_hpctrains_loss_logits_and_greedy_
 
 
 @pytest.mark.parametrize("source, flags", [("ft.h5", ["--zero", "3"]), ("ft-hf", ["--tensor-parallel", "2"]),
-                                           ("ft.safetensors", [])])
+                                           ("ft.safetensors", []), ("ft-hf", ["--pipeline-stages", "2"])])
 def test_a_fine_tune_starts_from_the_files_parameters_at_any_layout(world, source, flags):
     """Each file the fine-tune was saved or exported as starts a run from its
     parameters: at a learning rate too small to move them, the run's held-out
