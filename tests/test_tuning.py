@@ -1,6 +1,8 @@
 """hpctrain/base/tuning.py, the compiled kernels' CPU table: every row forced in
 a process of its own (numba told the CPU's name and features, as
-NUMBA_CPU_NAME=haswell forces AVX2) and its kernels checked against the
+NUMBA_CPU_NAME=haswell forces AVX2), this CPU's own row checked in the test's
+process (its kernels in numba's disk cache after the first run, and shared
+with the other tests' in the serial pass), and its kernels checked against the
 plain float64 loops of tests/test_layers.py; each compiled kernel in
 float32 within a stated bound of the exact sums; and the tuning key that
 ranks and checkpoints compare.
@@ -88,27 +90,35 @@ def shapes_for(row):
     return shapes + [(min(row.pixels), 3, 1, 1, (5, 7, 1))] if row.pixels else []
 
 
+def check_row(isa, vendor):
+    """The row (isa, vendor) taken by this process's numba, its layers direct
+    exactly where it fits, every path of shapes_for equal to the float64
+    loops and within the float32 bound: the row's key."""
+    from test_layers import check_against_loops
+    from hpctrain.nn import Conv2d, compiled, passes
+    row = compiled.tuning()
+    assert (row.isa, row.vendor) == (isa, vendor), (row, compiled._cpu())
+    compiled.use(True)
+    try:
+        for out in (16, 32, 64, 128):
+            assert bound(Conv2d(out, 3, padding=1), (4, 5, 16))[0].direct == row.fits(out), out
+        for out, k, s, p, shape in shapes_for(row):
+            layer, _, _ = bound(Conv2d(out, k, stride=s, padding=p), shape)
+            check_against_loops(layer, shape, s, p)
+            print(out, k, s, p, shape, "float32 error / bound %.3g" % check_float32_kernels(out, k, s, p, shape))
+        x = np.random.default_rng(3).standard_normal((300, 16)).astype(np.float32)
+        plain = np.empty((2, 16))
+        passes._plain("bn_statistics", np.float32)(x, plain)
+        assert passes.bn_statistics(x).tobytes() == plain.tobytes()   # batch norm's sums, made for 16 channels
+        return compiled.tuning_key()
+    finally:
+        compiled.use(False)
+
+
 ROW_SCRIPT = """
 import sys
-import numpy as np
-from test_layers import bound, check_against_loops
-from test_tuning import check_float32_kernels, shapes_for
-from hpctrain.nn import Conv2d, compiled, passes
-isa, vendor = sys.argv[1] if sys.argv[1] != "None" else None, sys.argv[2]
-row = compiled.tuning()
-assert (row.isa, row.vendor) == (isa, vendor), (row, compiled._cpu())
-compiled.use(True)
-for out in (16, 32, 64, 128):
-    assert bound(Conv2d(out, 3, padding=1), (4, 5, 16))[0].direct == row.fits(out), out
-for out, k, s, p, shape in shapes_for(row):
-    layer, _, _ = bound(Conv2d(out, k, stride=s, padding=p), shape)
-    check_against_loops(layer, shape, s, p)
-    print(out, k, s, p, shape, "float32 error / bound %.3g" % check_float32_kernels(out, k, s, p, shape))
-x = np.random.default_rng(3).standard_normal((300, 16)).astype(np.float32)
-plain = np.empty((2, 16))
-passes._plain("bn_statistics", np.float32)(x, plain)
-assert passes.bn_statistics(x).tobytes() == plain.tobytes()   # batch norm's sums, made for 16 channels
-print("row ok", compiled.tuning_key())
+from test_tuning import check_row
+print("row ok", check_row(sys.argv[1] if sys.argv[1] != "None" else None, sys.argv[2]))
 """
 
 
@@ -129,6 +139,14 @@ def test_each_row_forced_computes_the_plain_loops_sums(key, tmp_path):
     pytest.importorskip("numba")
     if key[0] == "avx512" and not avx512_here():
         pytest.skip("this CPU has no AVX-512: code compiled for that row would not run here")
+    from hpctrain.nn import compiled
+    here = compiled.tuning()
+    if (here.isa, here.vendor) == key and "NUMBA_CPU_NAME" not in os.environ:
+        # this CPU's own row: numba compiles for it as it is, in this process
+        # (the kernels of this file's other float32 checks shared, no numba
+        # started and compiling afresh for a CPU named by hand)
+        check_row(*key)
+        return
     name, features = FORCED[key]
     env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features,
                NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]))
