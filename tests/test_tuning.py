@@ -132,7 +132,7 @@ def test_every_row_is_forced_by_a_test():
 
 
 @pytest.mark.parametrize("key", list(FORCED), ids=lambda key: f"{key[0]}-{key[1]}")
-def test_each_row_forced_computes_the_plain_loops_sums(key, tmp_path):
+def test_each_row_forced_computes_the_plain_loops_sums(key, forced_cpu_cache):
     """numba told it compiles for the row's CPU: that row taken, its
     layers direct exactly where it fits, every path equal to the float64
     loops and within the float32 bound."""
@@ -149,7 +149,7 @@ def test_each_row_forced_computes_the_plain_loops_sums(key, tmp_path):
         return
     name, features = FORCED[key]
     env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features,
-               NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]))
+               NUMBA_CACHE_DIR=forced_cpu_cache, PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]))
     r = subprocess.run([sys.executable, "-c", ROW_SCRIPT, str(key[0]), key[1]], capture_output=True, text=True,
                        env=env, timeout=600)
     assert r.returncode == 0 and "row ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
@@ -196,7 +196,7 @@ def test_intel_rows_forward_blocks_cut_rows_with_the_fewest_pixels():
 
 # --- start-up and checkpoints agree on the key ------------------------------------------
 
-def _mixed_job(tmp_path, *flags):
+def _mixed_job(cache, *flags):
     """Two ranks, rank 1's numba told it compiles for a CPU without AVX2
     (hpctrain/base/tuning.py's row for neither: another key than this CPU's)."""
     from conftest import MPIRUN, OPEN_MPI, REPO, child_env, under_mpirun, without_launcher_banners
@@ -206,30 +206,30 @@ def _mixed_job(tmp_path, *flags):
     run = [sys.executable, "-m", "hpctrain.mnist", "--model", "small_cnn", "--steps", "2", "--batch-size", "4",
            "--compiled-layers", "on", "--threads", "1", *flags]
     r = subprocess.run([MPIRUN, "-n", "1", *run, ":", "-n", "1", "-env", "NUMBA_CPU_NAME", name,
-                        "-env", "NUMBA_CPU_FEATURES", features, "-env", "NUMBA_CACHE_DIR", str(tmp_path / "cache"),
+                        "-env", "NUMBA_CPU_FEATURES", features, "-env", "NUMBA_CACHE_DIR", cache,
                         *run], capture_output=True, text=True, timeout=300, env=child_env(), cwd=REPO)
     r.stderr = without_launcher_banners(r.stderr)
     return r
 
 
-def test_a_pipeline_on_cpus_that_round_apart_is_refused_in_one_line(tmp_path):
+def test_a_pipeline_on_cpus_that_round_apart_is_refused_in_one_line(forced_cpu_cache):
     pytest.importorskip("numba")
     from hpctrain.nn import compiled
     if compiled.tuning().isa is None:
         pytest.skip("this CPU takes the row for neither AVX2 nor AVX-512: nothing rounds apart")
-    r = _mixed_job(tmp_path, "--pipeline-stages", "2")
+    r = _mixed_job(forced_cpu_cache, "--pipeline-stages", "2")
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "--pipeline-stages 2 with compiled layers on CPUs whose kernels round apart" in \
         lines[0] and "rank 0 (" in lines[0] and "rank 1 (" in lines[0] and "none/" in lines[0], r.stderr
 
 
-def test_data_parallel_replicas_on_cpus_that_round_apart_go_on_with_a_note(tmp_path):
+def test_data_parallel_replicas_on_cpus_that_round_apart_go_on_with_a_note(forced_cpu_cache):
     pytest.importorskip("numba")
     from hpctrain.nn import compiled
     if compiled.tuning().isa is None:
         pytest.skip("this CPU takes the row for neither AVX2 nor AVX-512: nothing rounds apart")
-    r = _mixed_job(tmp_path)
+    r = _mixed_job(forced_cpu_cache)
     assert r.returncode == 0, r.stderr
     assert "compiled layers: the ranks' CPUs round apart (rank 0 (" in r.stdout and "replicas stay identical" \
         in r.stdout, r.stdout
