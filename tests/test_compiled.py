@@ -11,7 +11,6 @@ and a training job.
 import numpy as np
 import pytest
 
-from conftest import same_bytes
 from test_layers import bound, check_against_loops, check_gradients
 from hpctrain.nn import (MODELS, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d, MaxPool2d, ReLU, Residual,
                          compiled, conv, passes, threads)
