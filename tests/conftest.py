@@ -80,6 +80,16 @@ def once(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def forced_cpu_cache(tmp_path_factory):
+    """NUMBA_CACHE_DIR for processes whose numba is told another CPU
+    (NUMBA_CPU_NAME): one folder for the session, so a kernel compiled for
+    a forced CPU is compiled once, whichever test forces that CPU again
+    (numba's cache keys hold the CPU's name and features); never the
+    package's own cache, which holds this CPU's kernels."""
+    return str(tmp_path_factory.mktemp("numba-forced"))
+
+
 def saved(path):
     """Every dataset of a --save (or checkpoint) file: {"group/name": array}."""
     import h5py

@@ -11,7 +11,6 @@ and a training job.
 import numpy as np
 import pytest
 
-from conftest import same_bytes
 from test_layers import bound, check_against_loops, check_gradients
 from hpctrain.nn import (MODELS, AvgPool2d, BatchNorm1d, BatchNorm2d, Conv2d, MaxPool2d, ReLU, Residual,
                          compiled, conv, passes, threads)
@@ -289,8 +288,6 @@ def test_the_memory_check_counts_what_compiled_layers_hold(compiled_layers):
     assert checked == 18   # resnet's 9 convolutions and 9 batch norms
 
 
-AVX2_ONLY = ("+64bit,+avx,+avx2,+fma,+sse,+sse2,+sse3,+ssse3,+sse4.1,+sse4.2,+popcnt,+f16c,+bmi,+bmi2,+lzcnt,"
-             "+movbe,+cx16,-avx512f,-avx512bw,-avx512dq,-avx512vl,-avx512cd")
 AVX2_SCRIPT = """
 import numpy as np
 from test_layers import bound, check_against_loops
@@ -306,7 +303,7 @@ print("avx2 ok")
 """
 
 
-def test_the_avx2_blocks_compute_the_same(tmp_path):
+def test_the_avx2_blocks_compute_the_same(forced_cpu_cache):
     """numba told the CPU has AVX2 and no AVX-512 (as on the AVX2 EPYCs
     these sessions also get): its own register blocks, 64 channels left to
     im2col, every path still equal to the plain loops."""
@@ -314,8 +311,9 @@ def test_the_avx2_blocks_compute_the_same(tmp_path):
     import subprocess
     import sys
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=AVX2_ONLY,
-               NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+    from test_tuning import FORCED
+    name, features = FORCED[("avx2", "*")]   # the CPU that row's test forces: the kernels both compile, once
+    env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=forced_cpu_cache,
                PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests)]))
     r = subprocess.run([sys.executable, "-c", AVX2_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "avx2 ok" in r.stdout, r.stderr[-3000:]

@@ -142,14 +142,27 @@ def assert_same(a, b):
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
 
 
+def flags_of(optimizer):
+    return ["--optimizer", optimizer, "--lr", LR[optimizer], "--fusion-mb", "0.003"]
+
+
+def unsharded(job, once, shards, ranks, optimizer):
+    """The folder of the unsharded run of `optimizer` on `ranks` (off.h5,
+    off.jsonl): one job for the sharded run it is compared with and the
+    resumes that must end where it does."""
+    def make(out):
+        train(job, out, ranks, [*flags_of(optimizer), "--shard-optimizer", "off"], shards, "off")
+        return out
+    return once(("test_shard_optimizer unsharded", ranks, optimizer, str(shards)), make)
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
-def test_sharded_job_gives_the_same_parameters(job, tmp_path, shards, ranks, optimizer):
-    flags = ["--optimizer", optimizer, "--lr", LR[optimizer], "--fusion-mb", "0.003"]
-    for s in ("off", "on"):
-        train(job, tmp_path, ranks, [*flags, "--shard-optimizer", s], shards, s)
-    assert_same(params(tmp_path / "off.h5"), params(tmp_path / "on.h5"))
-    off, on = final(tmp_path / "off.jsonl"), final(tmp_path / "on.jsonl")
+def test_sharded_job_gives_the_same_parameters(job, once, tmp_path, shards, ranks, optimizer):
+    whole = unsharded(job, once, shards, ranks, optimizer)
+    train(job, tmp_path, ranks, [*flags_of(optimizer), "--shard-optimizer", "on"], shards, "on")
+    assert_same(params(whole / "off.h5"), params(tmp_path / "on.h5"))
+    off, on = final(whole / "off.jsonl"), final(tmp_path / "on.jsonl")
     assert (off["shard_optimizer"], on["shard_optimizer"]) == ("off", "on")
     assert on["test_loss"] == off["test_loss"]
     # the largest share of the state is about 1/N of all of it
@@ -169,20 +182,19 @@ def test_sharded_job_same_with_overlap_and_buckets(job, tmp_path, shards, ranks,
     assert_same(params(tmp_path / "off.h5"), params(tmp_path / "on.h5"))
 
 
-def test_sharded_job_on_mpi_collectives_within_1e_6_under_sgd(job, tmp_path, shards):
-    flags = ["--optimizer", "sgd", "--lr", "0.05", "--fusion-mb", "0.003"]
-    train(job, tmp_path, 3, [*flags, "--shard-optimizer", "off"], shards, "off")
-    train(job, tmp_path, 3, [*flags, "--shard-optimizer", "on", "--allreduce", "mpi"], shards, "on")
-    a, b = params(tmp_path / "off.h5"), params(tmp_path / "on.h5")
+def test_sharded_job_on_mpi_collectives_within_1e_6_under_sgd(job, once, tmp_path, shards):
+    whole = unsharded(job, once, shards, 3, "sgd")
+    train(job, tmp_path, 3, [*flags_of("sgd"), "--shard-optimizer", "on", "--allreduce", "mpi"], shards, "on")
+    a, b = params(whole / "off.h5"), params(tmp_path / "on.h5")
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-6
 
 
 @pytest.mark.parametrize("first, then", [("on", "off"), ("off", "on")])
-def test_checkpoints_resume_across_sharding_bit_exact(job, tmp_path, shards, first, then):
+def test_checkpoints_resume_across_sharding_bit_exact(job, once, tmp_path, shards, first, then):
     """Checkpoints at 4, 8, 12 written one way; the two newest removed; the
     run resumed from step 4 the other way ends where an uninterrupted run ends."""
-    flags = ["--optimizer", "adam", "--lr", "0.001", "--fusion-mb", "0.003"]
-    train(job, tmp_path / "whole", 3, [*flags, "--shard-optimizer", "off"], shards, "p")
+    flags = flags_of("adam")
+    whole = unsharded(job, once, shards, 3, "adam")
     ckpt = tmp_path / "ckpt"
     every = ["--checkpoint-dir", ckpt, "--checkpoint-every", "4"]
     train(job, tmp_path / "cut", 3, [*flags, *every, "--shard-optimizer", first], shards, "p")
@@ -190,7 +202,7 @@ def test_checkpoints_resume_across_sharding_bit_exact(job, tmp_path, shards, fir
         remove_checkpoint(checkpoint_path(ckpt, step))
     r = train(job, tmp_path / "cut", 3, [*flags, *every, "--shard-optimizer", then], shards, "p")
     assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout
-    assert_same(params(tmp_path / "whole" / "p.h5"), params(tmp_path / "cut" / "p.h5"))
+    assert_same(params(whole / "off.h5"), params(tmp_path / "cut" / "p.h5"))
     # and the checkpoint at the end holds the same state as an unsharded one
     floats = checkpoint_floats(checkpoint_path(ckpt, 12))   # named tensors: each one's Adam m whole beside it
     tensors = {k: v for k, v in floats.items() if not k.startswith("adam.")}

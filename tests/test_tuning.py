@@ -1,6 +1,8 @@
 """hpctrain/base/tuning.py, the compiled kernels' CPU table: every row forced in
 a process of its own (numba told the CPU's name and features, as
-NUMBA_CPU_NAME=haswell forces AVX2) and its kernels checked against the
+NUMBA_CPU_NAME=haswell forces AVX2), this CPU's own row checked in the test's
+process (its kernels in numba's disk cache after the first run, and shared
+with the other tests' in the serial pass), and its kernels checked against the
 plain float64 loops of tests/test_layers.py; each compiled kernel in
 float32 within a stated bound of the exact sums; and the tuning key that
 ranks and checkpoints compare.
@@ -88,27 +90,35 @@ def shapes_for(row):
     return shapes + [(min(row.pixels), 3, 1, 1, (5, 7, 1))] if row.pixels else []
 
 
+def check_row(isa, vendor):
+    """The row (isa, vendor) taken by this process's numba, its layers direct
+    exactly where it fits, every path of shapes_for equal to the float64
+    loops and within the float32 bound: the row's key."""
+    from test_layers import check_against_loops
+    from hpctrain.nn import Conv2d, compiled, passes
+    row = compiled.tuning()
+    assert (row.isa, row.vendor) == (isa, vendor), (row, compiled._cpu())
+    compiled.use(True)
+    try:
+        for out in (16, 32, 64, 128):
+            assert bound(Conv2d(out, 3, padding=1), (4, 5, 16))[0].direct == row.fits(out), out
+        for out, k, s, p, shape in shapes_for(row):
+            layer, _, _ = bound(Conv2d(out, k, stride=s, padding=p), shape)
+            check_against_loops(layer, shape, s, p)
+            print(out, k, s, p, shape, "float32 error / bound %.3g" % check_float32_kernels(out, k, s, p, shape))
+        x = np.random.default_rng(3).standard_normal((300, 16)).astype(np.float32)
+        plain = np.empty((2, 16))
+        passes._plain("bn_statistics", np.float32)(x, plain)
+        assert passes.bn_statistics(x).tobytes() == plain.tobytes()   # batch norm's sums, made for 16 channels
+        return compiled.tuning_key()
+    finally:
+        compiled.use(False)
+
+
 ROW_SCRIPT = """
 import sys
-import numpy as np
-from test_layers import bound, check_against_loops
-from test_tuning import check_float32_kernels, shapes_for
-from hpctrain.nn import Conv2d, compiled, passes
-isa, vendor = sys.argv[1] if sys.argv[1] != "None" else None, sys.argv[2]
-row = compiled.tuning()
-assert (row.isa, row.vendor) == (isa, vendor), (row, compiled._cpu())
-compiled.use(True)
-for out in (16, 32, 64, 128):
-    assert bound(Conv2d(out, 3, padding=1), (4, 5, 16))[0].direct == row.fits(out), out
-for out, k, s, p, shape in shapes_for(row):
-    layer, _, _ = bound(Conv2d(out, k, stride=s, padding=p), shape)
-    check_against_loops(layer, shape, s, p)
-    print(out, k, s, p, shape, "float32 error / bound %.3g" % check_float32_kernels(out, k, s, p, shape))
-x = np.random.default_rng(3).standard_normal((300, 16)).astype(np.float32)
-plain = np.empty((2, 16))
-passes._plain("bn_statistics", np.float32)(x, plain)
-assert passes.bn_statistics(x).tobytes() == plain.tobytes()   # batch norm's sums, made for 16 channels
-print("row ok", compiled.tuning_key())
+from test_tuning import check_row
+print("row ok", check_row(sys.argv[1] if sys.argv[1] != "None" else None, sys.argv[2]))
 """
 
 
@@ -122,16 +132,24 @@ def test_every_row_is_forced_by_a_test():
 
 
 @pytest.mark.parametrize("key", list(FORCED), ids=lambda key: f"{key[0]}-{key[1]}")
-def test_each_row_forced_computes_the_plain_loops_sums(key, tmp_path):
+def test_each_row_forced_computes_the_plain_loops_sums(key, forced_cpu_cache):
     """numba told it compiles for the row's CPU: that row taken, its
     layers direct exactly where it fits, every path equal to the float64
     loops and within the float32 bound."""
     pytest.importorskip("numba")
     if key[0] == "avx512" and not avx512_here():
         pytest.skip("this CPU has no AVX-512: code compiled for that row would not run here")
+    from hpctrain.nn import compiled
+    here = compiled.tuning()
+    if (here.isa, here.vendor) == key and "NUMBA_CPU_NAME" not in os.environ:
+        # this CPU's own row: numba compiles for it as it is, in this process
+        # (the kernels of this file's other float32 checks shared, no numba
+        # started and compiling afresh for a CPU named by hand)
+        check_row(*key)
+        return
     name, features = FORCED[key]
     env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features,
-               NUMBA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]))
+               NUMBA_CACHE_DIR=forced_cpu_cache, PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]))
     r = subprocess.run([sys.executable, "-c", ROW_SCRIPT, str(key[0]), key[1]], capture_output=True, text=True,
                        env=env, timeout=600)
     assert r.returncode == 0 and "row ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
@@ -178,7 +196,7 @@ def test_intel_rows_forward_blocks_cut_rows_with_the_fewest_pixels():
 
 # --- start-up and checkpoints agree on the key ------------------------------------------
 
-def _mixed_job(tmp_path, *flags):
+def _mixed_job(cache, *flags):
     """Two ranks, rank 1's numba told it compiles for a CPU without AVX2
     (hpctrain/base/tuning.py's row for neither: another key than this CPU's)."""
     from conftest import MPIRUN, OPEN_MPI, REPO, child_env, under_mpirun, without_launcher_banners
@@ -188,30 +206,30 @@ def _mixed_job(tmp_path, *flags):
     run = [sys.executable, "-m", "hpctrain.mnist", "--model", "small_cnn", "--steps", "2", "--batch-size", "4",
            "--compiled-layers", "on", "--threads", "1", *flags]
     r = subprocess.run([MPIRUN, "-n", "1", *run, ":", "-n", "1", "-env", "NUMBA_CPU_NAME", name,
-                        "-env", "NUMBA_CPU_FEATURES", features, "-env", "NUMBA_CACHE_DIR", str(tmp_path / "cache"),
+                        "-env", "NUMBA_CPU_FEATURES", features, "-env", "NUMBA_CACHE_DIR", cache,
                         *run], capture_output=True, text=True, timeout=300, env=child_env(), cwd=REPO)
     r.stderr = without_launcher_banners(r.stderr)
     return r
 
 
-def test_a_pipeline_on_cpus_that_round_apart_is_refused_in_one_line(tmp_path):
+def test_a_pipeline_on_cpus_that_round_apart_is_refused_in_one_line(forced_cpu_cache):
     pytest.importorskip("numba")
     from hpctrain.nn import compiled
     if compiled.tuning().isa is None:
         pytest.skip("this CPU takes the row for neither AVX2 nor AVX-512: nothing rounds apart")
-    r = _mixed_job(tmp_path, "--pipeline-stages", "2")
+    r = _mixed_job(forced_cpu_cache, "--pipeline-stages", "2")
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "--pipeline-stages 2 with compiled layers on CPUs whose kernels round apart" in \
         lines[0] and "rank 0 (" in lines[0] and "rank 1 (" in lines[0] and "none/" in lines[0], r.stderr
 
 
-def test_data_parallel_replicas_on_cpus_that_round_apart_go_on_with_a_note(tmp_path):
+def test_data_parallel_replicas_on_cpus_that_round_apart_go_on_with_a_note(forced_cpu_cache):
     pytest.importorskip("numba")
     from hpctrain.nn import compiled
     if compiled.tuning().isa is None:
         pytest.skip("this CPU takes the row for neither AVX2 nor AVX-512: nothing rounds apart")
-    r = _mixed_job(tmp_path)
+    r = _mixed_job(forced_cpu_cache)
     assert r.returncode == 0, r.stderr
     assert "compiled layers: the ranks' CPUs round apart (rank 0 (" in r.stdout and "replicas stay identical" \
         in r.stdout, r.stdout

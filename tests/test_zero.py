@@ -213,12 +213,23 @@ def trained(job, ranks, flags, out, name):
     return json.loads((out / f"{name}.jsonl").read_text().splitlines()[-1])
 
 
-def test_every_zero_stage_trains_the_parameters_of_zero_0(job, tmp_path, shards):
+def zero_1_run_through(job, once, shards):
+    """MLP's 12 steps at --zero 1 on 3 ranks, uninterrupted: (folder, final
+    metrics); its p.h5 the parameters every stage and every resume on 3
+    ranks must end on (one job for this file's tests, not one a test)."""
+    def make(out):
+        return out, trained(job, 3, [*MLP, "--data", shards, "--zero", 1], out, "p")
+    return once(("test_zero", "mlp zero 1 on 3 ranks", str(shards)), make)
+
+
+def test_every_zero_stage_trains_the_parameters_of_zero_0(job, once, tmp_path, shards):
     """Stages 1, 2 and 3 (tests/test_zero3.py) give stage 0's --save file, bit for bit."""
-    for z in (0, 1, 2, 3):
+    one, final = zero_1_run_through(job, once, shards)
+    assert final["zero"] == 1
+    for z in (0, 2, 3):
         final = trained(job, 3, [*MLP, "--data", shards, "--zero", z], tmp_path, f"z{z}")
         assert final["zero"] == z
-        assert same_bytes(tmp_path / "z0.h5", tmp_path / f"z{z}.h5")
+        assert same_bytes(one / "p.h5", tmp_path / f"z{z}.h5")
 
 
 def test_zero_2_trains_the_gpt_of_zero_1_with_accumulation(job, tmp_path, text_dir):
@@ -233,19 +244,25 @@ def test_zero_2_trains_the_gpt_of_zero_1_with_accumulation(job, tmp_path, text_d
 
 @pytest.mark.parametrize("first, then, ranks, fmt", [(2, 0, 3, "flat"), (0, 2, 3, "named"), (3, 0, 3, "named"),
                                                      (0, 3, 3, "flat"), (3, 3, 2, "named")])
-def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, tmp_path, shards, first, then, ranks, fmt):
+def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, once, tmp_path, shards, first, then, ranks,
+                                                              fmt):
     """Checkpoints at 4, 8, 12 at one stage on 3 ranks, the two newest
     removed, resumed at step 4 at the other stage (or on 2 ranks): where an
     uninterrupted run ends (the checkpoint holds the whole named tensors
     at every stage, each rank's parts written by it, and read back into
     each rank's parts; `flat`: resumed from the old flat file of the same
-    values, conftest.flat_from_named)."""
-    (tmp_path / "whole").mkdir()
-    trained(job, 3, [*MLP, "--data", shards, "--zero", 1], tmp_path / "whole", "p")
+    values, conftest.flat_from_named). The run that writes the checkpoints
+    is one job a first stage, copied for each case that starts from it."""
+    def written(out):
+        (out / "cut").mkdir()
+        trained(job, 3, [*MLP, "--data", shards, "--checkpoint-dir", out / "ckpt", "--checkpoint-every", 4,
+                         "--zero", first], out / "cut", "p")
+        return out
+    made = once(("test_zero", "mlp checkpoints at zero", first, str(shards)), written)
     ckpt, cut = tmp_path / "ckpt", tmp_path / "cut"
-    cut.mkdir()
+    shutil.copytree(made / "ckpt", ckpt)
+    shutil.copytree(made / "cut", cut)
     every = ["--checkpoint-dir", ckpt, "--checkpoint-every", 4]
-    trained(job, 3, [*MLP, "--data", shards, *every, "--zero", first], cut, "p")
     for step in (8, 12):
         shutil.rmtree(ckpt / f"ckpt-{step:08d}")
     if fmt == "flat":
@@ -256,7 +273,7 @@ def test_checkpoints_resume_across_stages_and_ranks_bit_exact(job, tmp_path, sha
     from hpctrain.checkpoints.trained import load_checkpoint
     assert same_tensors(dict(load_checkpoint(ckpt).model.tensors()), saved(cut / "p.h5"))
     if ranks == 3:   # on another N the batches are others'
-        assert same_bytes(tmp_path / "whole" / "p.h5", cut / "p.h5")
+        assert same_bytes(zero_1_run_through(job, once, shards)[0] / "p.h5", cut / "p.h5")
 
 
 def test_a_model_refused_on_one_rank_trains_at_zero_2_on_the_ranks_the_refusal_names(job, tmp_path):
