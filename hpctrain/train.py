@@ -18,6 +18,7 @@ import sys
 
 from .flags import cli
 from .run import cluster
+from .base import launcher
 from .base.errors import EXIT_FAILURE, EXIT_INTERRUPTED, HpctrainError
 
 # A rank other than the chief that got Ctrl-C waits this long per rank of
@@ -54,12 +55,12 @@ def _whole_lines():
 
 
 def _main(argv, seen, prog):
-    rank, _, _, _ = cluster.launcher_env()
+    rank, _, _, _ = launcher.launcher_env()
     args = flag_error = None
     try:
         args = cli.parse(argv, quiet=bool(rank), prog=prog)
     except HpctrainError as exc:
-        if not cluster.in_mpi_job():
+        if not launcher.in_mpi_job():
             print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
             return exc.exit_code
         flag_error = exc   # the other ranks may have good flags: agree first (train)
@@ -118,7 +119,7 @@ def train(args, process_note="", flag_error=None, seen=None):
     # a deadline that passes after one ends the job as a pre-emption (75).
     stop = StopSignal()
     timeout = args.timeout if args else cli.DEFAULT_TIMEOUT
-    rank = cluster.launcher_env()[0] or 0
+    rank = launcher.launcher_env()[0] or 0
     guard = exit_guard.start(rank, timeout)
     watchdog = Watchdog(timeout, rank, abort=_exit_now, heartbeat=guard.heartbeat,
                         preempted=lambda: stop.preempted_line(args.checkpoint_dir if args else None))
@@ -213,7 +214,7 @@ def _interrupted(args, chief=None):
     from .comm.deadline import ABORT_GRACE_S
     mpi = sys.modules.get("mpi4py.MPI")
     up = mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
-    rank = mpi.COMM_WORLD.Get_rank() if up else (cluster.launcher_env()[0] or 0)
+    rank = mpi.COMM_WORLD.Get_rank() if up else (launcher.launcher_env()[0] or 0)
     if chief is None:   # before the roles are known: today's rule's chief, or rank 0
         chief = args.num_ps if args is not None and args.mode == "ps" else 0
     if rank != chief:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.run.cluster import child_env, in_mpi_job
+from hpctrain.base.launcher import in_mpi_job
+from hpctrain.run.cluster import child_env
 # The MPI pass: only rank 0's report on the terminal, other ranks' on failure.
 from quiet_ranks import (pytest_configure, pytest_sessionfinish, pytest_sessionstart,  # noqa: F401
                          pytest_unconfigure)

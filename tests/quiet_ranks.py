@@ -14,7 +14,7 @@ import tempfile
 
 import pytest
 
-from hpctrain.run.cluster import in_mpi_job, launcher_env
+from hpctrain.base.launcher import in_mpi_job, launcher_env
 
 _report = {}  # "file": the rank's report; "status": its pytest's exit status
 

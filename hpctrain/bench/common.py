@@ -11,7 +11,8 @@ import subprocess
 import sys
 import time
 
-from ..run.cluster import child_env, in_mpi_job
+from ..base.launcher import in_mpi_job
+from ..run.cluster import child_env
 from ..base.errors import EXIT_TIMEOUT, HpctrainError, signals_raise
 
 # Set by the bench for the jobs it launches, to a value of its own: a rank

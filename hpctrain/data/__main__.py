@@ -171,7 +171,7 @@ def _attach_dashed_values(argv, flags=("--image-size",)):
 def _world():
     """(rank, size, comm): COMM_WORLD under a launcher, else (0, 1, None);
     MPI is started only when the launcher says this is a job of ranks."""
-    from hpctrain.run.cluster import in_mpi_job
+    from hpctrain.base.launcher import in_mpi_job
     if not in_mpi_job():
         return 0, 1, None
     from mpi4py import MPI
