@@ -213,18 +213,20 @@ def test_a_pickle_alone_is_refused_and_missing_or_misshapen_tensors_named(tmp_pa
 
 def test_init_from_takes_the_model_and_refuses_one_that_contradicts_it(world):
     hf = str(world["root"] / "gpt2")
-    args = pretrained.init_args(cli.parse(["--init-from", hf], quiet=True), 256)
+    args = pretrained.init_args(cli.parse(["--init-from", hf], quiet=True))
     assert args.model == "gpt:layers=2,heads=2,width=32,act=gelu_tanh" and args.block_size == POSITIONS
     args = cli.parse(["--init-from", hf, "--model", "gpt:layers=2,heads=2,width=32,act=gelu_tanh,dropout=0.1",
                       "--block-size", "8"],
                      quiet=True)
-    assert "dropout=0.1" in pretrained.init_args(args, 256).model   # the same model, dropout its own
+    assert "dropout=0.1" in pretrained.init_args(args).model   # the same model, dropout its own
     with pytest.raises(HpctrainError, match=f"--model gpt:layers=4,heads=2,width=32 contradicts --init-from {hf}, "
                                             f"which holds model gpt:layers=2,heads=2,width=32,act=gelu_tanh"):
-        pretrained.init_args(cli.parse(["--init-from", hf, "--model", "gpt:layers=4,heads=2,width=32"], quiet=True),
-                             256)
-    with pytest.raises(HpctrainError, match=f"--block-size 512: --init-from {hf} has 128 positions"):
-        pretrained.init_args(cli.parse(["--init-from", hf, "--block-size", "512"], quiet=True), 256)
+        pretrained.init_args(cli.parse(["--init-from", hf, "--model", "gpt:layers=4,heads=2,width=32"], quiet=True))
+    for given in ("512", "256"):   # 256, the default's value, typed: still given, still too long
+        with pytest.raises(HpctrainError, match=f"--block-size {given}: --init-from {hf} has 128 positions"):
+            pretrained.init_args(cli.parse(["--init-from", hf, "--block-size", given], quiet=True))
+    with pytest.raises(HpctrainError, match=f"--model mlp contradicts --init-from {hf}"):
+        pretrained.init_args(cli.parse(["--init-from", hf, "--model", "mlp"], quiet=True))
 
 
 def test_data_of_another_vocabulary_is_one_line(world, tmp_path):
@@ -267,7 +269,7 @@ def test_bad_exports_are_one_line_and_write_nothing(world, tmp_path, capsys):
         gpt2.names(mlp((4,), 3, [8]))
     assert not (root / "ft-hf" / "x").exists()
     with pytest.raises(HpctrainError, match="--init-from: ring mode .* not --mode ps"):
-        pretrained.init_args(cli.parse(["--init-from", str(root / "ft.h5"), "--mode", "ps"], quiet=True), 256)
+        pretrained.init_args(cli.parse(["--init-from", str(root / "ft.h5"), "--mode", "ps"], quiet=True))
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 

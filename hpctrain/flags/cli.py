@@ -17,6 +17,10 @@ from ..base.errors import HpctrainError
 from .parallel_flags import check_tensor_parallel, check_zero
 
 DEFAULT_STEPS = 2000
+# Flags a pretrained model decides when left out (--init-from: its model and
+# its position table); given, they are checked against it. None in the parser
+# so that a value typed equal to the default still counts as given.
+PRETRAINED_DEFAULTS = {"model": "mlp", "block_size": 256}
 # Past these a run cannot be meant: a million passes over the data (--steps
 # says a long run plainly), or a trillion steps (116 days at 10 us a step).
 MAX_EPOCHS = 1e6
@@ -168,14 +172,15 @@ def _training_flags(p):
     g.add_argument("--adam-betas", type=_betas, default=(0.9, 0.999), metavar="B1,B2",
                    help="--optimizer adam's decay rates of the gradient's first and second moments, each in "
                         "[0, 1) (nanoGPT: 0.9,0.99) (default: 0.9,0.999)")
-    g.add_argument("--model", type=_model, default="mlp", metavar="NAME|FILE.py:FUNCTION",
+    g.add_argument("--model", type=_model, default=None, metavar="NAME|FILE.py:FUNCTION",
                    help=f"the network: {', '.join(MODELS)}, gpt:layers=L,heads=H,width=E[,dropout=P][,act=A]"
                         f"[,eps=X] (nanoGPT's, on text data; act=gelu_tanh: GPT-2's GELU; eps: the LayerNorms' "
                         f"epsilon, default 1e-5) (docs/models.md), or FUNCTION(input_shape, classes) "
                         f"of your own FILE.py returning a list of layers (default: %(default)s)")
-    g.add_argument("--block-size", type=positive_int, default=256, metavar="T",
+    g.add_argument("--block-size", type=positive_int, default=None, metavar="T",
                    help="text data (prepare --text): the tokens a sample holds, the model's context length "
-                        "(default: %(default)s)")
+                        f"(default: {PRETRAINED_DEFAULTS['block_size']}, or with --init-from the pretrained model's "
+                        f"positions where they are fewer)")
     g.add_argument("--recompute", action="store_true",
                    help="drop each transformer block's activations after its forward and recompute them in its "
                         "backward (Megatron's full recomputation, one block the grain): the same parameters bit "
@@ -507,6 +512,10 @@ def parse(argv=None, quiet=False, prog="python -m hpctrain.train"):
     parser = build_parser(prog)
     parser.quiet = quiet
     args = parser.parse_args(_dash_values(with_config_file(parser, sys.argv[1:] if argv is None else list(argv))))
+    if not args.init_from:   # with --init-from, the pretrained model decides them (interop/pretrained.init_args)
+        for dest, value in PRETRAINED_DEFAULTS.items():
+            if getattr(args, dest) is None:
+                setattr(args, dest, value)
     if args.steps is None and args.epochs is None:
         args.steps = DEFAULT_STEPS
     elif args.steps is None:
@@ -544,7 +553,7 @@ def doubtful(args, parser):
     if args.steps and args.warmup_steps > args.steps:
         lines.append(f"--warmup-steps {args.warmup_steps} is longer than the run ({args.steps} steps): "
                      f"the learning rate never reaches --lr {args.lr:g}")
-    if args.model != "mlp" and args.hidden != default("hidden"):
+    if args.model not in ("mlp", None) and args.hidden != default("hidden"):
         lines.append(f"--hidden has no effect with --model {args.model} (it sizes --model mlp)")
     powersgd = [flag for flag in ("powersgd_rank", "powersgd_start", "powersgd_min_rate", "powersgd_warm_start",
                                   "powersgd_epsilon", "powersgd_error_feedback") if getattr(args, flag) != default(flag)]

@@ -236,20 +236,22 @@ def load_trained(path, model=None):
 # --- hpctrain train --init-from PATH ---------------------------------------------------
 
 
-def init_args(args, default_block):
+def init_args(args):
     """The flags of a run with --init-from PATH, the model's from PATH: a copy
     of `args` whose --model is PATH's (a --model that names another model is
     one line; one that names the same with dropout= keeps its dropout) and
-    whose --block-size fits PATH's position table (left at its default
-    `default_block`, it becomes the table's rows where they are fewer)."""
+    whose --block-size fits PATH's position table (left out, it is the
+    default or the table's rows where they are fewer; given larger, one line).
+    flags/cli.parse leaves both None where not given."""
     from argparse import Namespace
+    from ..flags.cli import PRETRAINED_DEFAULTS
     from ..flags.model_names import gpt_options
     if args.mode == "ps":
         raise HpctrainError("--init-from: ring mode (any --zero, --tensor-parallel, --pipeline-stages); not --mode ps")
     with open_source(args.init_from) as source:
         model, positions = source.model, source.positions
     out = Namespace(**vars(args))
-    if args.model != "mlp":   # --model given (mlp, the default, is no GPT: taken as not given)
+    if args.model is not None:   # --model given
         try:
             given, theirs = gpt_options(args.model), gpt_options(model)
         except ValueError:
@@ -262,11 +264,11 @@ def init_args(args, default_block):
         if same and given.get("dropout"):
             model = args.model
     out.model = model
-    if positions and args.block_size > positions:
-        if args.block_size != default_block:
-            raise HpctrainError(f"--block-size {args.block_size}: --init-from {args.init_from} has {positions} "
-                                f"positions; give --block-size {positions} or less")
-        out.block_size = positions
+    if args.block_size is None:
+        out.block_size = min(PRETRAINED_DEFAULTS["block_size"], positions or PRETRAINED_DEFAULTS["block_size"])
+    elif positions and args.block_size > positions:
+        raise HpctrainError(f"--block-size {args.block_size}: --init-from {args.init_from} has {positions} "
+                            f"positions; give --block-size {positions} or less")
     return out
 
 

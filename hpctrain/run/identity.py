@@ -107,7 +107,7 @@ def same_on_every_rank(args):
     # would wait for checkpoints forever.
     outputs = {k: _where(getattr(args, k)) if k in PATH_FLAGS else getattr(args, k) for k in OUTPUT_FLAGS}
     job = dict(_job(args), **outputs)
-    if is_model_file(args.model):
+    if args.model is not None and is_model_file(args.model):   # None: --init-from's model, compared later
         # FILE.py:FUNCTION: not the path (relative on one rank, absolute on
         # another, or a copy per node), but what it names: the function here,
         # the file's code and the model it builds in run/startup.py.

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from .. import data as data_mod
 from ..base import device, vector_width
-from ..flags.cli import build_parser, validate
+from ..flags.cli import validate
 from ..flags.model_names import input_kind_of, is_model_file
 from ..comm import allreduce_plan
 from ..comm.agree import agreed, check_consistency
@@ -84,7 +84,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     agree(validate, args, cluster.size)
     if args.init_from:   # the model (and a --block-size that fits it) from the pretrained model's files
         from ..interop.pretrained import init_args
-        args = agree(init_args, args, build_parser().get_default("block_size"), what="reading --init-from")
+        args = agree(init_args, args, what="reading --init-from")
 
     # --- the device and the world ---------------------------------------------
     with watchdog.waiting("start-up (GPU binding)", peer=None):
