@@ -75,6 +75,8 @@ def test_fp16_compression_sums_in_float32_with_16_bit_words(dist):
     x = np.full(1000, 0.1, np.float32)
     got = dist.allreduce(x, op=dist.Sum, compression=dist.Compression.fp16)
     assert np.allclose(got, 0.1 * n, rtol=1e-3) and not np.array_equal(got, dist.allreduce(x, op=dist.Sum))
+    got = dist.allreduce(x, op=dist.Sum, compression=dist.Compression.bf16)
+    assert np.allclose(got, 0.1 * n, rtol=1e-2)
     with pytest.raises(hvd.DistError, match="compresses a floating-point"):
         dist.allreduce(np.ones(3, np.int32), compression="fp16")
 
@@ -136,6 +138,8 @@ def test_distributed_optimizer_sums_buckets_as_backward_finishes(dist):
         opt.ready(i)
     assert opt.flats[0].launched == 1     # tensors 2 and 3 are ready: bucket [16, 26) is summing
     opt.ready(1)
+    with pytest.raises(hvd.DistError, match=r"ready\(1\) called 2 times"):
+        opt.ready(1)
     opt.ready(0)
     opt.synchronize()
     for k, g in enumerate(grads):
