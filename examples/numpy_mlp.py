@@ -2,14 +2,14 @@
 hpctrain.dist: the user's loop stays the user's, Horovod's five lines make it
 distributed (marked # hvd below).
 
-    mpirun -n 4 python examples/numpy_mlp.py --data data/mnist --hidden 32,32 --steps 20 \
+    mpirun -n 4 python examples/numpy_mlp.py --hidden 32,32 --steps 20 \
         --batch-size 64 --lr 0.1 --save mlp.npz
 
 It reads the data and draws the initial parameters as a user of hpctrain's
 library would (data.ShardReader, the model zoo's initializer), so, at the
 same global batch, it trains the parameters of
 
-    python -m hpctrain.train --data data/mnist --model mlp --hidden 32,32 --steps 20 \
+    python -m hpctrain.train --model mlp --hidden 32,32 --steps 20 \
         --batch-size 64 --optimizer sgd --lr 0.1 --save mlp.h5
 
 within float32 rounding, at any number of ranks (tests/test_dist.py). The
@@ -23,7 +23,7 @@ import argparse
 import numpy as np
 
 import hpctrain.dist as hvd
-from hpctrain.data import ShardReader, load_manifest
+from hpctrain.data import ShardReader, bundled_sample_dir, default_data_dir, load_manifest, prepare
 from hpctrain.data.manifest import model_shape
 from hpctrain.nn import mlp
 
@@ -55,7 +55,8 @@ def forward_backward(params, grads, x, y, opt):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default="data/mnist")
+    ap.add_argument("--data", default=str(default_data_dir()),
+                    help="prepared shards (default: data/mnist, prepared from the bundled sample on first use)")
     ap.add_argument("--hidden", default="32,32")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=64, help="the global batch (all ranks together)")
@@ -69,6 +70,10 @@ def main(argv=None):
         raise hvd.DistError(f"--batch-size {args.batch_size} does not split over {hvd.size()} ranks", collective=True,
                             report=hvd.rank() == 0)
     batch = args.batch_size // hvd.size()
+    if args.data == str(default_data_dir()) and not (default_data_dir() / "manifest.json").exists():
+        if hvd.rank() == 0:   # as hpctrain train does on first use
+            prepare(bundled_sample_dir(), args.data, log=None)
+        hvd.barrier()
     reader = ShardReader(args.data, hvd.rank(), hvd.size(), batch, args.seed)  # this rank's share of each step
     shape, classes = model_shape(load_manifest(args.data))
     spec = mlp(shape, classes, hidden=[int(h) for h in args.hidden.split(",")])
