@@ -50,6 +50,9 @@ def test_collectives_against_their_definitions(dist):
     assert np.array_equal(dist.allreduce(x, op=dist.Min), np.arange(10))
     assert np.array_equal(dist.allreduce(x, op=dist.Max), np.arange(10) + n - 1)
     assert np.array_equal(x, np.arange(10) + r)   # not in place
+    total = dist.allreduce(x, op=dist.Sum)
+    assert np.array_equal(dist.allreduce(x, op=dist.Sum, prescale_factor=2.0), 2 * total)
+    assert np.array_equal(dist.allreduce(x, op=dist.Sum, postscale_factor=0.25), total / 4)
     y = np.full((3, 2), r, np.int64)[:, :1]        # not contiguous: reduced through a copy, written back
     dist.allreduce_(y, op=dist.Sum)
     assert np.all(y == n * (n - 1) // 2)
