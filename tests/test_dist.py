@@ -147,6 +147,11 @@ def test_distributed_optimizer_sums_buckets_as_backward_finishes(dist):
     opt.synchronize()
     for k, g in enumerate(grads):
         assert np.array_equal(g, np.full(shapes[k], (n - 1) / 2 + k, np.float32))
+    fresh = [np.full(s, 2 * r + k, np.float32) for k, s in enumerate(shapes)]   # a new array each step
+    for i in (3, 2, 1, 0):
+        opt.ready(i, fresh[i])
+    opt.synchronize()
+    assert all(np.array_equal(g, np.full(shapes[k], n - 1 + k, np.float32)) for k, g in enumerate(fresh))
     flat, views = dist.flat_like(shapes)
     for k, v in enumerate(views):
         v[...] = r + k
