@@ -88,3 +88,22 @@ def test_a_bad_blend_is_one_line(sets):
     assert parse_blend(str(sets / "lower")) is None
     assert describe_blend(parse_blend(f"{sets / 'lower'}:3,{sets / 'upper'}:1"), T).startswith(
         f"{sets / 'lower'} 75.0% (2692 windows), {sets / 'upper'} 25.0% (")
+
+
+def test_a_gpt_trains_on_a_blend_and_resumes_it_at_another_world_size(sets, tmp_path, job):
+    """The mix in the start line; a checkpoint of 2 ranks resumed at 1 at
+    another global batch (the blend's position: its samples taken);
+    another mix is other data, refused."""
+    spec = f"{sets / 'lower'}:0.7,{sets / 'upper'}:0.3"
+    flags = ["--model", "gpt:layers=1,heads=2,width=32", "--block-size", T, "--eval-tokens", 64,
+             "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", 2, "--timeout", 60]
+    r = job(2, "--data", spec, "--steps", 2, "--batch-size", 4, *flags, module="hpctrain.train", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"blend: {sets / 'lower'} 70.0% (2692 windows), {sets / 'upper'} 30.0% (1288 windows)" in r.stdout
+    r = job(1, "--data", spec, "--steps", 4, "--batch-size", 4, *flags, "--resume", "yes",
+            module="hpctrain.train", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "resum" in r.stdout, r.stdout
+    r = job(1, "--data", f"{sets / 'lower'}:0.5,{sets / 'upper'}:0.5", "--steps", 6, "--batch-size", 4, *flags,
+            "--resume", "yes", module="hpctrain.train", timeout=120)
+    assert r.returncode == 2 and "other data" in r.stderr, r.stderr
