@@ -14,7 +14,8 @@ Megatron's rule (each slot to the set whose count lags its share the most),
 so any stretch of samples holds each set's share to within a few samples.
 A set's k-th sample (k: the samples of that set before j, computed from the
 period, not counted) is window perm[k mod n] of its epoch k // n, perm a
-permutation of its n windows from (seed, set, epoch): each set's windows
+permutation of its n windows from (seed, set, epoch), computed per window
+(reader.permuted, never held): each set's windows
 once per its own epoch, a small set repeated more often than a large one,
 as its weight says. A step takes samples W*B at a time, worker w the w-th
 B of them, so sample j's window is a pure function of (sets, seed, j): the
@@ -31,7 +32,7 @@ import numpy as np
 from hpctrain.base.errors import HpctrainError
 
 from .manifest import load_manifest
-from .reader import ARRAYS
+from .reader import ARRAYS, permuted
 from .tokens import TokenShards
 from .vocab import describe, load_vocabulary, same
 
@@ -140,7 +141,6 @@ class BlendReader:
         self.windows = [s.num_tokens - self.block_size for s in self.shards]
         self.num_samples = sum(self.windows)
         self._slots, self._nth, self._quotas = schedule([w for _, w in self.sets])
-        self._perms = {}    # (set, epoch) -> that epoch's permutation of the set's windows (the latest two kept)
         self._pos = 0
         self._ids = np.empty(0, np.int64)
         self._rows = np.empty((self.batch_size, self.block_size + 1), self.shards[0].dtype)
@@ -176,15 +176,10 @@ class BlendReader:
         for i in np.unique(sets).tolist():
             mine = sets == i
             epoch, at = np.divmod(k[mine], self.windows[i])
-            offsets[mine] = [self._perm(i, e)[a] for e, a in zip(epoch.tolist(), at.tolist())]
+            for e in np.unique(epoch).tolist():   # a batch may cross the set's epochs
+                offsets[np.flatnonzero(mine)[epoch == e]] = permuted(self.windows[i], (self.seed, i, e),
+                                                                     at[epoch == e])
         return sets, offsets
-
-    def _perm(self, i, epoch):
-        if (i, epoch) not in self._perms:
-            for old in [key for key in self._perms if key[0] == i and key[1] < epoch - 1]:
-                del self._perms[old]
-            self._perms[(i, epoch)] = np.random.default_rng([self.seed, i, epoch]).permutation(self.windows[i])
-        return self._perms[(i, epoch)]
 
     def next_batch(self):
         W, B = self.num_workers, self.batch_size
