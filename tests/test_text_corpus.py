@@ -71,7 +71,7 @@ def test_every_format_gives_the_documents_tokens(corpus, tmp_path):
     assert load_vocabulary(tmp_path / "mixed").decode(all_tokens(tmp_path / "mixed")) == "".join(DOCS)
 
 
-def test_eot_ends_every_document_and_bytes_refuse_it(corpus, tmp_path, capsys):
+def test_eot_ends_every_document_holds_out_whole_ones_and_bytes_refuse_it(corpus, tmp_path, capsys):
     folder, _ = corpus
     manifest = data.prepare_text(folder, tmp_path / "bpe", "bpe:300", eot=True, log=quiet)
     vocab = load_vocabulary(tmp_path / "bpe")
@@ -82,6 +82,16 @@ def test_eot_ends_every_document_and_bytes_refuse_it(corpus, tmp_path, capsys):
     ends = np.flatnonzero(ids == eot)
     assert len(ends) == 34 and ends[-1] == len(ids) - 1
     assert vocab.decode(ids) == "".join(DOCS)   # the token decodes to nothing
+    # whole documents held out: from the first document start at or past the last 10% of the tokens,
+    # or, the last document holding that point (a text file, here), the last start before it
+    starts, cut = ends + 1, len(ids) - int(np.floor(len(ids) * 0.1 + 0.5))
+    after, before = starts[(starts >= cut) & (starts < len(ids) - 1)], starts[starts < cut]
+    assert len(after) == 0 and len(data.read_tokens(tmp_path / "bpe", "train")) == before[-1]
+    # 16 records: the first start past the point
+    data.prepare_text(folder / "b.jsonl.gz", tmp_path / "records", "bpe:300", eot=True, log=quiet)
+    ids = all_tokens(tmp_path / "records")
+    starts, cut = np.flatnonzero(ids == eot) + 1, len(ids) - int(np.floor(len(ids) * 0.1 + 0.5))
+    assert len(data.read_tokens(tmp_path / "records", "train")) == starts[starts >= cut][0] < len(ids) - 1
     assert data_main(["prepare", "--source", folder, "--out", tmp_path / "b", "--text", "bytes", "--eot"]) == 2
     assert capsys.readouterr().err == ("hpctrain: error: --eot: --text bytes has no end-of-text token (every id is a "
                                        "byte); use bpe:N or a tokenizer with <|endoftext|>\n")

@@ -24,7 +24,8 @@ Parquet row) ends with the tokenizer's end-of-text token (GPT-2's
 <|endoftext|>; bpe:N reserves it), so a window may cross documents the way
 GPT-2 trained; chars and bytes have none and refuse --eot.
 
-The last round(F * n) tokens (F: --val-fraction, default 0.1) are the
+The last round(F * n) tokens (F: --val-fraction, default 0.1), with --eot
+moved to a document's start (whole documents held out), are the
 held-out split, listed as both "test" and "val", so validation and the
 final test read text training never saw; a unit's tokens before that point
 are a training shard, those after it a test shard (one unit: the
@@ -186,6 +187,46 @@ def _encode(job, vocab, dtype, eot_id, tmp, progress):
                      f"({rate / 1e6:.0f} MB/s, ETA {(total - done) / max(rate, 1e-9):.0f} s); "
                      f"{len(job.units)} units over {job.size} rank{'s' * (job.size > 1)}")
     return counts, digests
+
+
+def _boundaries(job, counts, units, eot_id, dtype, tmp, lo, hi, first):
+    """Document starts b (an EOT's position + 1), lo <= b < hi, in this
+    rank's units among `units` (ascending), read in steps: the first such
+    where first (no further unit read), else all of them."""
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    found = []
+    for k in units:
+        if k % job.size != job.rank:
+            continue
+        with open(tmp / f".unit-{k:05d}.ids", "rb") as f:
+            at = int(starts[k])
+            while True:
+                step = np.fromfile(f, dtype, count=_COPY_TOKENS)
+                if not len(step):
+                    break
+                b = np.flatnonzero(step == eot_id) + at + 1
+                found.extend(b[(b >= lo) & (b < hi)].tolist())
+                if first and found:
+                    return found[:1]
+                at += len(step)
+    return found
+
+
+def _document_cut(job, counts, cut, eot_id, dtype, tmp):
+    """The held-out split's start moved to a document's (--eot): the first
+    at or past the token cut, or, where the last document holds the cut,
+    the last before it; the token cut where there is no document boundary
+    (one document). The same on any number of ranks: the ranks' candidates
+    met (each split keeps 2 tokens at least)."""
+    n = int(counts.sum())
+    at = int(np.searchsorted(np.cumsum(counts), cut, side="right"))   # the unit holding token `cut`
+    after = _boundaries(job, counts, range(at, len(counts)), eot_id, dtype, tmp, cut, n - 1, True)
+    found = job.meet(np.array([-min(after, default=n)], np.int64))   # the ranks' least, as a maximum
+    if -found[0] < n:
+        return int(-found[0])
+    before = _boundaries(job, counts, range(0, min(at + 1, len(counts))), eot_id, dtype, tmp, 2, cut, False)
+    found = job.meet(np.array([max(before, default=0)], np.int64))
+    return int(found[0]) or cut
 
 
 def _parts(counts, cut):
@@ -381,6 +422,8 @@ def prepare_text(source, out, text="chars", val_fraction=0.1, force=False, log=p
         if n == 0:
             raise HpctrainError(f"{source}: empty, no text to learn from", report=rank == 0)
         held = _together(job, lambda: _check_held_out(n, val_fraction, source))
+        if eot_id is not None:   # whole documents held out
+            held = n - _together(job, lambda: _document_cut(job, counts, n - held, eot_id, np.dtype(dtype), tmp))
         parts = _parts(counts, n - held)
         listed, sizes, shard_digests = _together(job, lambda: _write_shards(job, parts, np.dtype(dtype), tmp))
         sizes, shard_digests = meet(sizes), meet(shard_digests)
