@@ -148,21 +148,29 @@ def _vocabulary(job, kind, size, given, eot, tmp, sample_mb):
 # Encoding (each rank its units) and writing shards
 
 def _encode_unit(job, k, vocab, dtype, eot_id, path, digests):
-    """Unit k's ids into the file at path, block by block; their count."""
-    n = 0
+    """Unit k's ids into the file at path, block by block (a record's ids
+    gathered with the next ones' and written a few MB at a time: a write per
+    record cost more than its encoding); their count."""
+    n, pending, held = 0, [], 0
+    eot = None if eot_id is None else np.array([eot_id], dtype)
     with open(path, "wb") as out:
         for block, doc_end in _documents(job, k, vocab.kind != "bytes", digests):
             if len(block):
                 ids = np.frombuffer(block, np.uint8) if vocab.kind == "bytes" else vocab.encode(block)
-                if ids.max() >= vocab.vocab_size:   # a tokenizer whose ids skip some: the model's rows would not
+                if vocab.kind != "bytes" and ids.max() >= vocab.vocab_size:   # a tokenizer whose ids skip some
                     raise HpctrainError(f"--text {vocab.kind}: id {ids.max()} for a vocabulary of "
                                         f"{vocab.vocab_size} tokens; its ids must be 0..{vocab.vocab_size - 1}")
-                ids.astype(dtype).tofile(out)
-                n += len(ids)
-            if doc_end and eot_id is not None:
-                np.array([eot_id], dtype).tofile(out)
-                n += 1
-    return n
+                pending.append(ids.astype(dtype, copy=False))
+                held += len(ids)
+            if doc_end and eot is not None:
+                pending.append(eot)
+                held += 1
+            if held >= _COPY_TOKENS:
+                out.write(np.concatenate(pending).tobytes())
+                n, pending, held = n + held, [], 0
+        if pending:
+            out.write(np.concatenate(pending).tobytes())
+    return n + held
 
 
 def _encode(job, vocab, dtype, eot_id, tmp, progress):

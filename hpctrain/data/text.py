@@ -240,7 +240,7 @@ def _lines_before(f, offset):
 def _record(value, field, where, bad):
     """A record's document (str), or None where it is bad (bad() raised or counted it)."""
     try:
-        record = json.loads(value)
+        record = json.loads(value.decode("utf-8"))   # decoded here: json's own guess of the encoding costs more
     except UnicodeDecodeError:
         return bad(f"{where}: not UTF-8")
     except ValueError as e:
