@@ -74,7 +74,7 @@ class _Job(NamedTuple):
 
 
 def _together(job, step):
-    """step() on every rank; where it raised an HpctrainError on any, every
+    """step() on every rank; where it raised an HpctrainError (or OSError) on any, every
     rank stops: the lowest such rank with its line, the others quietly
     (exit 2, report=False), so the job says one thing once."""
     error, result = None, None
@@ -82,6 +82,8 @@ def _together(job, step):
         result = step()
     except HpctrainError as e:
         error = e
+    except OSError as e:   # a full disk on one rank: the others must not wait for it
+        error = HpctrainError(f"{e.filename or 'prepare'}: cannot write ({e.strerror or e})")
     failed = np.zeros(job.size, np.int8)
     failed[job.rank] = error is not None
     failed = job.meet(failed)
