@@ -219,3 +219,22 @@ def test_verify_names_a_rank_that_never_reports_within_the_timeout(job):
     first = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")][0]
     assert first == "hpctrain: error: verify: rank 2 sent no findings within --timeout 1 s of rank 0's own share; " \
                     "the job ends", r.stderr
+
+
+def test_an_epochs_order_is_computed_per_batch_never_held(plays, monkeypatch):
+    """reader.permuted: a bijection of 0..n-1 for any n, another per key;
+    entries of a permutation of 10^12 windows in milliseconds; and the
+    training reader takes its batches without materialising a permutation."""
+    from hpctrain.data.reader import permuted
+    for n in (1, 2, 3, 17, 1000, 4097):
+        assert sorted(permuted(n, (5, 0), np.arange(n)).tolist()) == list(range(n))
+    assert not np.array_equal(permuted(1000, (5, 0), np.arange(1000)), permuted(1000, (5, 1), np.arange(1000)))
+    far = permuted(10**12, (0, 0), np.arange(10**12 - 1000, 10**12))
+    assert len(np.unique(far)) == 1000 and far.max() < 10**12
+
+    def held(*args, **kwargs):
+        raise AssertionError("a permutation of every window materialised")
+    monkeypatch.setattr("hpctrain.data.reader.deal", held)   # images' dealing: a permutation of every sample
+    reader = data.TokenReader(plays, 1, 2, 4, 0, 16)
+    ids = [reader.next_batch() and reader.last_ids.copy() for _ in range(3)]
+    assert all(len(np.unique(i)) == 4 and i.max() < reader.num_samples for i in ids)

@@ -18,8 +18,10 @@ NumPy, HDF5 or CSV files, token shards from text, or download a dataset.
     python -m hpctrain.data verify data/corpus-gpt2
     mpirun -n 4 python -m hpctrain.data verify data/corpus-gpt2   # the files dealt over the ranks
 
+    mpirun -n 4 python -m hpctrain.data prepare --source owt/ --out data/owt --text tokenizer:gpt2/ --eot
+
 Bad input is one line on stderr (`hpctrain: error: ...`) and exit 2; no
-command prints the help and exits 2. MPI only for `verify` under mpirun
+command prints the help and exits 2. MPI only for `verify` and `prepare --text` under mpirun
 (the data package below never imports it: house rule).
 """
 
@@ -69,6 +71,25 @@ def build_parser(prog="python -m hpctrain.data"):
                          "(PATH: the file, or a folder holding it, such as GPT-2's; kept as bpe:N's is, its "
                          "size the model's vocabulary); the held-out split is the last "
                          "--val-fraction of the tokens")
+    pp.add_argument("--text-field", metavar="NAME", default=None,
+                    help="--text: the field of each JSON Lines record (the column of a Parquet file) that holds "
+                         "its document (default: text)")
+    pp.add_argument("--eot", action="store_true",
+                    help="--text: end each document (a file, a record, a row) with the tokenizer's end-of-text "
+                         "token, <|endoftext|> (bpe:N reserves it; a tokenizer:PATH must have it)")
+    pp.add_argument("--skip-bad-records", action="store_true",
+                    help="--text: skip a bad JSON Lines record or Parquet row (not JSON, no such field, not a "
+                         "string, not UTF-8) and count it, instead of stopping at the first, named")
+    pp.add_argument("--tokenizer-sample-mb", type=float, default=None, metavar="MB",
+                    help=f"--text bpe:N: train the tokenizer on the corpus's first MB (default: "
+                         f"{TEXT_SAMPLE_MB}); every token is then encoded with it")
+    pp.add_argument("--shard-mb", type=float, default=None, metavar="MB",
+                    help=f"--text: the input that makes one shard, a rank's unit of work (default: {TEXT_SHARD_MB:g}); "
+                         f"a larger file is cut at line ends")
+    pp.add_argument("--timeout", type=float, default=None, metavar="S",
+                    help="--text under mpirun: how long a rank waits for the others at each meeting (the "
+                         f"vocabulary, the token counts, the shards) once its own share is done (default: "
+                         f"{TEXT_TIMEOUT:g})")
     pp.add_argument("--images", metavar="NAME|A.npy", default=None,
                     help="the images' array in an .npz or HDF5 --source; without --source, a .npy file")
     pp.add_argument("--labels", metavar="NAME|B.npy", default=None,
@@ -134,6 +155,10 @@ def build_parser(prog="python -m hpctrain.data"):
 IMAGE_DEFAULTS = {"shards": 8, "test_fraction": 0.1, "val_fraction": 0.0, "seed": 0}
 IMAGE_ONLY = ("images", "labels", "image_size", "grayscale", "no_flip", "shards", "test_fraction", "seed")
 TEXT_VAL_FRACTION = 0.1
+TEXT_SAMPLE_MB = 256
+TEXT_SHARD_MB = 64
+TEXT_TIMEOUT = 600.0
+TEXT_ONLY = ("text_field", "eot", "skip_bad_records", "tokenizer_sample_mb", "shard_mb", "timeout")
 
 
 def _prepare_text(args):
@@ -142,12 +167,29 @@ def _prepare_text(args):
         raise HpctrainError(f"{', '.join(given)}: for images, not --text")
     if args.out is None:
         raise HpctrainError("--text needs --out DIR (where the token shards go)")
-    prepare_text(args.source if args.source is not None else bundled_text_path(), args.out, text=args.text,
-                 val_fraction=TEXT_VAL_FRACTION if args.val_fraction is None else args.val_fraction,
-                 force=args.force)
+    rank, size, comm = _world()
+    timeout = TEXT_TIMEOUT if args.timeout is None else args.timeout
+    meet = None if comm is None else (lambda found: _meet(comm, found, timeout, "prepare"))
+    try:
+        prepare_text(args.source if args.source is not None else bundled_text_path(), args.out, text=args.text,
+                     val_fraction=TEXT_VAL_FRACTION if args.val_fraction is None else args.val_fraction,
+                     force=args.force, text_field=args.text_field or "text", eot=args.eot,
+                     skip_bad_records=args.skip_bad_records, rank=rank, size=size, meet=meet,
+                     tokenizer_sample_mb=TEXT_SAMPLE_MB if args.tokenizer_sample_mb is None
+                     else args.tokenizer_sample_mb,
+                     shard_mb=TEXT_SHARD_MB if args.shard_mb is None else args.shard_mb,
+                     progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except HpctrainError as e:
+        if e.report:
+            raise
+        return e.exit_code   # another rank says what stopped the job
+    return 0
 
 
 def _prepare_images(args):
+    given = [f"--{name.replace('_', '-')}" for name in TEXT_ONLY if getattr(args, name) not in (None, False)]
+    if given:
+        raise HpctrainError(f"{', '.join(given)}: for --text, not images")
     options = {name: IMAGE_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
                for name in IMAGE_DEFAULTS}
     out = default_data_dir() if args.out is None else args.out
@@ -198,16 +240,18 @@ def _wait_all(requests, timeout):
     return []
 
 
-def _meet(comm, found, timeout):
-    """The ranks' flags OR-ed (one int8 per file), every wait bounded: rank 0
-    collects each rank's flags and sends back the sum, naming the ranks not
-    heard from within timeout s; another rank names rank 0 if no answer comes."""
+def _meet(comm, found, timeout, command="verify"):
+    """The ranks' arrays met as their elementwise maximum (verify: one int8
+    flag per file; prepare: counts, hashes, flags), every wait bounded:
+    rank 0 collects each rank's array and sends back the maximum, naming the
+    ranks not heard from within timeout s; another rank names rank 0 if no
+    answer comes."""
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank == 0:
         theirs = [np.empty_like(found) for _ in range(1, size)]
         late = _wait_all([comm.Irecv(b, source=r, tag=7) for r, b in enumerate(theirs, 1)], timeout)
         if late:
-            print(f"hpctrain: error: verify: rank {', '.join(str(i + 1) for i in late)} sent no findings within "
+            print(f"hpctrain: error: {command}: rank {', '.join(str(i + 1) for i in late)} sent no findings within "
                   f"--timeout {timeout:g} s of rank 0's own share; the job ends", file=sys.stderr, flush=True)
             comm.Abort(3)
             os._exit(3)   # MPI_Abort may return before the launcher ends this rank
@@ -220,7 +264,7 @@ def _meet(comm, found, timeout):
     # longer than rank 0 waits for a late rank, so that its line, naming that rank, comes first
     patience = 2 * timeout + 5
     if _wait_all([comm.Irecv(answer, source=0, tag=8), send], patience):
-        print(f"hpctrain: error: verify: rank {rank} had no answer from rank 0 within {patience:g} s; "
+        print(f"hpctrain: error: {command}: rank {rank} had no answer from rank 0 within {patience:g} s; "
               f"the job ends", file=sys.stderr, flush=True)
         comm.Abort(3)
         os._exit(3)
@@ -275,7 +319,7 @@ def main(argv=None, prog="python -m hpctrain.data"):
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.command == "prepare" and args.text is not None:
-        _prepare_text(args)
+        return _prepare_text(args)
     elif args.command == "prepare":
         _prepare_images(args)
     elif args.command == "verify":

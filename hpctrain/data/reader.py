@@ -150,6 +150,40 @@ def deal(num_samples, num_workers, batch_size, seed, epoch, start=0):
     return perm[start:start + steps * W * B].reshape(steps, W, B)
 
 
+_FEISTEL_ROUNDS = 4
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def permuted(n, key, index):
+    """Entries `index` (int64) of a seeded permutation of 0..n-1, each
+    computed on its own, none of the others held: a Feistel network of
+    _FEISTEL_ROUNDS rounds (splitmix64's mixing, round keys from `key`, a
+    tuple of ints such as (seed, epoch)) is a bijection of the 2h-bit
+    numbers, 2^2h the least such power at or above n (under 4n); a value
+    at or past n is sent through it again until it falls below n (cycle
+    walking: fewer than 4 passes expected), which keeps it a bijection of
+    0..n-1. Memory: the indices asked for, whatever n."""
+    index = np.asarray(index, np.int64)
+    if n <= 1:
+        return np.zeros_like(index)
+    h = max(1, ((int(n) - 1).bit_length() + 1) // 2)
+    mask, shift = np.uint64((1 << h) - 1), np.uint64(h)
+    keys = np.random.default_rng([int(k) for k in key]).integers(0, 1 << 63, _FEISTEL_ROUNDS, dtype=np.uint64)
+    x = index.astype(np.uint64)
+    todo = np.arange(len(x))
+    while len(todo):
+        v = x[todo]
+        left, right = v >> shift, v & mask
+        for k in keys:
+            f = (right + k) * _MIX[0]
+            f = (f ^ (f >> np.uint64(30))) * _MIX[1]
+            f = (f ^ (f >> np.uint64(27))) * _MIX[2]
+            left, right = right, (left ^ f ^ (f >> np.uint64(31))) & mask
+        x[todo] = (left << shift) | right
+        todo = todo[x[todo] >= np.uint64(n)]
+    return x.astype(np.int64)
+
+
 class Dealt:
     """What a training reader of W workers shares, whatever it reads (images
     here, token windows in tokens.py): the dealing of each epoch (`deal`)

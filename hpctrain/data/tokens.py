@@ -10,10 +10,12 @@ they are needed, never the whole corpus.
 A training sample is a window of T+1 tokens of the training split starting
 at any offset (x its first T, y its last T); an epoch is one permutation of
 every window offset, a pure function of (seed, epoch), dealt over the
-workers step by step exactly as reader.py deals images (`deal`): any number
-of workers sees the same windows, and the W batches of a step, in worker
-order, are the one batch of W*B a single worker would take. (The
-permutation is the one thing held per epoch: 8 bytes per window offset.)
+workers step by step as reader.py deals images (`deal`): any number of
+workers sees the same windows, and the W batches of a step, in worker
+order, are the one batch of W*B a single worker would take. The
+permutation is never held: a batch's entries of it are computed when the
+batch is taken (reader.permuted, a Feistel bijection over the window
+offsets), so a reader's memory does not grow with the corpus.
 The held-out split is read as consecutive non-overlapping windows (every
 token predicted once), cut into contiguous parts like load_test's; with
 `eval_tokens` N (--eval-tokens) only an evenly spaced sample of them
@@ -47,7 +49,7 @@ from hpctrain.base.chunks import chunk_parts
 from hpctrain.base.errors import HpctrainError
 
 from .manifest import MANIFEST, load_manifest
-from .reader import ARRAYS, Dealt, _describe, _open_h5, _unreadable
+from .reader import ARRAYS, Dealt, _describe, _open_h5, _unreadable, permuted
 
 # h5py's chunk cache per shard read through it (chunked or compressed
 # shards, written before prepare wrote them contiguous): a gzip chunk of 1M
@@ -235,12 +237,26 @@ class TokenReader(Dealt):
         self._x = np.empty(shape, np.int64) if "images" in arrays else None
         self._y = np.empty(shape, np.int64) if "labels" in arrays else None
 
+    def _deal(self):
+        """The epoch's steps from the current position; no ids held: a
+        batch's are computed when it is taken (next_batch: `permuted`)."""
+        per_step = self.num_workers * self.batch_size
+        while (self.num_samples - self._start) // per_step == 0:   # nothing left to deal: the next epoch
+            self._epoch, self._start = self._epoch + 1, 0
+        self._steps, self._taken = (self.num_samples - self._start) // per_step, 0
+
+    @property
+    def last_ids(self):
+        return self._ids
+
     def next_batch(self):
         """(x int64 (B, T), y int64 (B, T)): windows' tokens and the tokens
         after them; both reused by the next call; either None where the
         reader does not give it."""
-        self._next()
-        rows = self.shards.windows(self.last_ids, self.block_size + 1, self._rows)
+        t, B = self._next(), self.batch_size
+        at = self._start + (t * self.num_workers + self.worker) * B   # this worker's B of the step's W x B
+        self._ids = permuted(self.num_samples, (self.seed, self._epoch), np.arange(at, at + B))
+        rows = self.shards.windows(self._ids, self.block_size + 1, self._rows)
         if self._x is not None:
             self._x[...] = rows[:, :-1]
         if self._y is not None:

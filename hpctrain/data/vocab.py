@@ -46,6 +46,7 @@ from .manifest import MANIFEST, MAX_VOCAB, TEXT_KINDS, _sha256, load_manifest
 
 TOKENIZER = "tokenizer.json"   # a BPE's file in the data directory
 BYTE_ALPHABET = 256            # a byte-level BPE starts from the 256 byte symbols
+EOT = "<|endoftext|>"          # GPT-2's end of a document (--eot)
 
 
 def parse_text(spec):
@@ -154,13 +155,15 @@ class Bpe:
         self.vocab_size = tokenizer.get_vocab_size()
 
     @classmethod
-    def train(cls, text, size):
+    def train(cls, text, size, special=()):
+        """special: tokens added whole (--eot's EOT), ids before the merges'."""
         tk = _tokenizers()
         tokenizer = tk.Tokenizer(tk.models.BPE())
         tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = tk.decoders.ByteLevel()
         trainer = tk.trainers.BpeTrainer(vocab_size=size, show_progress=False,
-                                         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+                                         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+                                         special_tokens=list(special))
         tokenizer.train_from_iterator([text], trainer=trainer)
         return cls(tokenizer)
 
@@ -242,13 +245,22 @@ def load_tokenizer(path):
     return Bpe(tokenizer)
 
 
-def train_vocabulary(kind, size, text):
-    """The vocabulary of --text kind[:size] for the corpus (str; bytes for kind "bytes")."""
+def train_vocabulary(kind, size, text, eot=False):
+    """The vocabulary of --text kind[:size] for the corpus (str; bytes for
+    kind "bytes"); eot: a BPE with the end-of-text token EOT."""
     if kind == "chars":
         return Chars.train(text)
     if kind == "bytes":
         return Bytes()
-    return Bpe.train(text, size)
+    return Bpe.train(text, size, (EOT,) if eot else ())
+
+
+def end_of_text(vocab):
+    """The id of the vocabulary's end-of-text token (GPT-2's EOT), or None
+    where it has none (chars, bytes: every id is a character or a byte)."""
+    if vocab.kind != "bpe":
+        return None
+    return vocab.tokenizer.token_to_id(EOT)
 
 
 def load_vocabulary(data_dir, manifest=None):

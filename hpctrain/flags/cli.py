@@ -148,7 +148,8 @@ def _training_flags(p):
            "ps: parameter servers + workers (default: %(default)s)")
     g.add_argument("--data", metavar="DIR", type=_path, default=None,
       help="directory of prepared HDF5 shards (default: data/mnist, prepared from "
-           "the bundled 5k sample on first use)")
+           "the bundled 5k sample on first use); or a blend of prepared text sets, "
+           "DIR_A:0.7,DIR_B:0.3, each drawn at its weight (the held-out split: the first set's)")
     g.add_argument("--batch-size", type=positive_int, default=32, help="samples per worker per step (default: %(default)s)")
     length = g.add_mutually_exclusive_group()
     length.add_argument("--steps", type=_steps, default=None,

@@ -13,6 +13,7 @@ import json
 
 from .. import data as data_mod
 from ..comm.agree import agreed
+from ..data.blend import BlendReader, describe_blend
 from ..data.splits import held_out, training_reader
 from ..base.errors import HpctrainError
 
@@ -51,6 +52,16 @@ def data_identity(data_dir, block_size):
     return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16], shape, manifest
 
 
+def blend_identity(sets, block_size):
+    """(digest, start line) of --data A:0.7,B:0.3: its sets' manifests and
+    weights as one digest (what ranks and checkpoints compare: a resume on
+    another mix is other data), and the mix in a line, once the sets are
+    checked (one vocabulary, a window each: data/blend.check_blend)."""
+    line = describe_blend(sets, block_size)
+    parts = [f"{data_identity(path, block_size)[0]}:{weight!r}" for path, weight in sets]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16], f"blend: {line}"
+
+
 class Inputs:
     """The training reader and the test part of one run (world: run/world.World;
     data: run/plan.Data)."""
@@ -65,8 +76,14 @@ class Inputs:
         for all), agreed over comm; then this worker's test part is read too,
         before training memory is touched."""
         data = self.data
-        read = functools.partial(training_reader, augment=data.augment or None, dtype=self.compute,
-                                 **({} if arrays is None else {"arrays": arrays}))
+        given = {} if arrays is None else {"arrays": arrays}
+        if data.blend is not None:   # the held-out part stays the first set's (data.dir)
+            read = functools.partial(BlendReader, **given)
+            reader = self.world.agreed(comm, read, data.blend, index, count, data.batch_size, data.seed,
+                                       data.block_size)
+            self.test_part()
+            return reader
+        read = functools.partial(training_reader, augment=data.augment or None, dtype=self.compute, **given)
         reader = self.world.agreed(comm, read, data.dir, index, count, data.batch_size, data.seed, data.block_size)
         self.test_part()
         return reader

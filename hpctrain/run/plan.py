@@ -26,7 +26,7 @@ import numpy as np
 
 from ..base import device
 from ..flags.cli import DEFAULT_EVAL_TOKENS, configuration
-from ..data.manifest import train_samples
+from ..data.manifest import load_manifest, train_samples
 from ..nn import compiled
 from ..nn.spec import ModelSpec
 from ..base.precision import FLOAT32, Precision
@@ -141,6 +141,9 @@ class Data:
     # text: the held-out tokens an evaluation scores (--eval-tokens; data/splits.held_out's
     # sample, the same at every evaluation); None: every window (images: every image)
     eval_tokens: int = None
+    # --data A:0.7,B:0.3: ((path, weight), ...) of the blend (data/blend.py), dir its first set's
+    # (the held-out split, the vocabulary); None: one directory
+    blend: tuple = None
 
     @property
     def tokens_per_sample(self):
@@ -340,18 +343,22 @@ class Plan:
         return epochs_end(self.epochs, self.data.train_samples, resume.step, resume.samples, self.per_step)
 
 
-def data_plan(args, cluster, data_dir, digest, manifest, has_val):
+def data_plan(args, cluster, data_dir, digest, manifest, has_val, blend=None):
     """How the data is dealt: the workers that take batches of their own (a
     pipeline's or a tensor group's replicas, world / (stages x tensor ranks)),
-    their samples per step, and the samples an update takes."""
+    their samples per step, and the samples an update takes. blend: the
+    sets of --data A:0.7,B:0.3 (their windows together are its samples)."""
     workers = cluster.num_workers // (args.pipeline_stages * args.tensor_parallel)
-    return Data(dir=str(data_dir), digest=digest, train_samples=train_samples(manifest, args.block_size),
+    samples = train_samples(manifest, args.block_size) if blend is None else \
+        sum(train_samples(load_manifest(path), args.block_size) for path, _ in blend)
+    return Data(dir=str(data_dir), digest=digest, train_samples=samples,
                 has_val=bool(has_val), workers=workers, batch_size=args.batch_size,
                 batches=args.accumulate_steps * args.micro_batches, seed=args.seed, augment=args.augment,
                 block_size=args.block_size, text=manifest.get("kind") == "tokens",
                 aggregated=aggregated_workers(args, workers),
                 val_is_test=bool(has_val) and manifest.get("val") == manifest.get("test"),
-                eval_tokens=eval_tokens_of(args, manifest))
+                eval_tokens=eval_tokens_of(args, manifest),
+                blend=None if blend is None else tuple((str(path), weight) for path, weight in blend))
 
 
 def eval_tokens_of(args, manifest):

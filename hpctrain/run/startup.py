@@ -25,6 +25,7 @@ from ..comm.agree import agreed, check_consistency
 from ..comm.records import allgather_bytes
 from ..comm.waits import Waits
 from ..data.augment import Augment
+from ..data.blend import parse_blend
 from ..data.fit import check_kind
 from ..base.errors import HpctrainError
 from ..nn import LayerError, compiled, spec_for, threads
@@ -40,7 +41,7 @@ from ..base.tuning import rounding
 from . import cluster as cluster_mod
 from . import identity, jobcheck, stop_signal
 from .cluster import Cluster
-from .inputs import Inputs, data_identity, ensure_data
+from .inputs import Inputs, blend_identity, data_identity, ensure_data
 from .memory_check import check_memory
 from .mesh import Mesh
 from .outputs import check_outputs
@@ -113,9 +114,14 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         say(cluster.servers_line())
 
     # --- the data: the same everywhere (its manifest's content, not its path) --
-    data_dir = ensure_data(args.data, cluster, watchdog)
+    # --data A:0.7,B:0.3: a blend (data/blend.py); its first set gives the held-out split and the vocabulary
+    blend = agree(parse_blend, args.data) if args.data else None
+    data_dir = ensure_data(str(blend[0][0]) if blend else args.data, cluster, watchdog)
     # (the digest is also what checkpoints record of the data: checkpoints/resume.py)
     digest, model_shape, manifest = agree(data_identity, data_dir, args.block_size)
+    if blend:
+        digest, mix = agree(blend_identity, blend, args.block_size)
+        say(mix)
     with watchdog.waiting("start-up (same data on every rank)", peer=None):
         agree(check_consistency, comm, {"data (manifest digest)": digest})
     if args.init_from:   # the data's vocabulary the pretrained model's
@@ -133,7 +139,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         print(f"hpctrain: warning: {augment_warning}", file=sys.stderr, flush=True)
     agree(tensorboard.check, args)   # tensorboardX installed, DIR writable
     agree(check_single_pass, args, xp)   # --single-pass on: numba there (NumPy)
-    data = data_plan(args, cluster, data_dir, digest, manifest, has_val)
+    data = data_plan(args, cluster, data_dir, digest, manifest, has_val, blend)
     sampled = eval_tokens_line(args, manifest, data) if data.eval_tokens else None
     if sampled:
         say(sampled)
