@@ -14,11 +14,16 @@ its optimizer state and run `Server.serve_until_done()` (`run_server`). Workers 
 chief (worker 0) initializes the servers with its initial parameters (the same
 as ring mode's for the same seed), logs, evaluates and writes the files.
 
-Checkpoints (--checkpoint-dir): the chief writes them alone, from the servers'
-slices and optimizer state (SNAPSHOT every --checkpoint-every steps; the final
-reply at the end or after a signal) and the data positions that the workers'
-pushes carried to ps 0. On resume it loads the servers back (RESTORE) and the
-workers seek their readers, so sync training resumes bit for bit.
+Checkpoints (--checkpoint-dir): the chief makes a checkpoint's temporary
+folder and sends its path with the request (SNAPSHOT every
+--checkpoint-every steps; the final request at the end or after a signal);
+each server writes its slice and optimizer state there as its own rank file
+(`server_writer`: the ps layout of state/layouts.py through
+checkpoints/named.py, as ring ranks write theirs) and replies with what it
+wrote; the chief adds its non-trainable state and the data positions that
+the workers' pushes carried to ps 0, checks the tiling and writes the
+index. On resume it loads the servers back (RESTORE) and the workers seek
+their readers, so sync training resumes bit for bit.
 
 Faults (a straggler, a hung server, a signal) are injected by the tests
 (tests/faults/inject_ps.py), not here.
@@ -31,6 +36,7 @@ parameters per round. For NumPy the mirrors are the buffers themselves and
 the reader is used as it is: one loop serves both.
 """
 import math
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -51,7 +57,7 @@ from ..optim.on_device import OnDevice
 from ..optim.optimizers import make_optimizer
 from ..report.evaluated import WholeModel
 from ..state import layouts
-from ..state.consumers import whole_flat
+from ..state.consumers import finite, parameters, whole_flat
 from .frame import Frame, diverged
 
 
@@ -151,7 +157,8 @@ def run_server(world, plan, frame, comm, placement, shared):
                     stop_requested=lambda: world.stop.received, nap=world.waits.nap,
                     # --clip-norm, sync: on the aggregate (async: each worker clips its own)
                     clip=Clip(opt.clip_norm) if opt.clip_norm and ps.sync else None,
-                    servers_comm=cluster.ps_comm, shared=shared, dtype=plan.precision.params)
+                    servers_comm=cluster.ps_comm, shared=shared, dtype=plan.precision.params,
+                    write=server_writer(plan, mine, cluster.rank))
     with world.stop.training() as phase:   # the server loop takes stop requests from here on
         server.serve_until_done()
         phase.stopped = server.round.preempted
@@ -160,17 +167,34 @@ def run_server(world, plan, frame, comm, placement, shared):
     return None
 
 
-def save_cut(plan, checkpoints, cut, model_state):
-    """A checkpoint of the servers' Cut at ps 0's version and optimizer step,
-    and the chief's own non-trainable model state (batch-norm statistics).
-    Sync: every server is at that version (ps 0's hold makes it so: anything
-    else is a bug). Async: each server's slice as it was while held, with
-    the updates it applied; the servers' own counts may differ and resume
-    from ps 0's (docs/ps.md, "Checkpoints in ps mode")."""
+def server_writer(plan, ranges, rank):
+    """A server's `write(folder, params, states)`: its parts (the ps layout,
+    state/layouts.ps_server: `ranges` of the flat parameters and their
+    optimizer state) written into the checkpoint folder as rank `rank`'s
+    file (checkpoints/named.write_part), and whether its parameters are finite."""
+    from ..checkpoints.named import write_part
+    spec = plan.spec
+
+    def write(folder, params, states):
+        states = {key: device.to_host(a) for key, a in states.items()}   # --ps-device gpu: on the device
+        parts = layouts.ps_server(spec, ranges, params, states, plan.optimizer.name)
+        pieces = [(p.name, p.box, np.ascontiguousarray(p.view, plan.precision.params)) for p in parts]
+        return dict(write_part(folder, rank, pieces), finite=finite(parameters(parts, spec)))
+    return write
+
+
+def save_cut(plan, checkpoints, cut, folder, keys, model):
+    """The checkpoint of the servers' Cut, written into `folder` by them, at
+    ps 0's version and optimizer step, with the chief's own non-trainable
+    model state (batch-norm statistics). Sync: every server is at that
+    version (ps 0's hold makes it so: anything else is a bug). Async: each
+    server's slice as it was while held, with the updates it applied; the
+    servers' own counts may differ and resume from ps 0's (docs/ps.md,
+    "Checkpoints in ps mode")."""
     if plan.ps.sync and not cut.consistent:
         raise ProtocolError(f"a sync checkpoint cut is not one version: {cut.describe()}")
-    parts = layouts.whole(plan.spec, cut.params, cut.states, model_state, plan.optimizer.name)
-    checkpoints.save_alone(cut.versions[0], parts, sorted(cut.states), cut.ts[0], cut.positions)
+    parts = layouts.ps_worker(plan.spec, model.params, model.state, chief=True)   # it writes the state alone
+    checkpoints.save_written(cut.versions[0], folder, parts, cut.written, keys, cut.ts[0], cut.positions)
 
 
 @dataclass
@@ -295,7 +319,8 @@ def worker_steps(world, plan, frame, w, reader):
             if chief and not client.stop and frame.checkpoint_due(step):
                 # The chief alone: the servers' slices and state at one version
                 # (SNAPSHOT), with the data positions the leader recorded for it.
-                save_cut(plan, frame.checkpoints, client.snapshot(w.state_names), model.state)
+                folder = frame.checkpoints.folder_for_servers(step)
+                save_cut(plan, frame.checkpoints, client.snapshot(folder), folder, w.state_names, model)
             if client.preempted:
                 frame.stopping(step)
     return local
@@ -303,14 +328,27 @@ def worker_steps(world, plan, frame, w, reader):
 
 def end_worker(world, plan, frame, w, local):
     """Every worker ends with the final parameters (the evaluation is shared);
-    the chief also gets the final optimizer state for the last checkpoint.
-    Then the pre-emption exit, or the results."""
-    cluster, chief, checkpoints, client, ps = world.cluster, world.chief, frame.checkpoints, w.client, plan.ps
+    with --checkpoint-dir the servers write their final state into the
+    chief's folder for the last checkpoint. Then the pre-emption exit, or
+    the results."""
+    checkpoints, client = frame.checkpoints, w.client
+    want_state = checkpoints.enabled and world.chief
+    # the servers write their final state into it with their last reply
+    folder = checkpoints.folder_for_servers(client.version) if want_state else None
+    try:
+        with frame.timeline.span("final pull", cat="comm"):
+            w.pm.recv_buffer()
+            stats, final_cut = client.final(folder)
+        return end_run(world, plan, frame, w, local, stats, final_cut, folder)
+    finally:
+        if folder is not None:   # renamed into place by the save, or none written (this step was saved already)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def end_run(world, plan, frame, w, local, stats, final_cut, folder):
+    """end_worker's rest, once the servers' final reply is in."""
+    cluster, checkpoints, client, ps = world.cluster, frame.checkpoints, w.client, plan.ps
     W, R = cluster.num_workers, ps.replicas
-    want_state = checkpoints.enabled and chief
-    with frame.timeline.span("final pull", cat="comm"):
-        w.pm.recv_buffer()
-        stats, final_cut = client.final(w.state_names if want_state else None)
     w.pm.to_device()
     w.pm.wait()   # nothing reads the pinned mirror once run_worker returns
     step = client.version
@@ -329,7 +367,8 @@ def end_worker(world, plan, frame, w, local):
         extra["recomputed_forwards"] = w.model.run.recomputed
     alone = bool(extra["abandoned_workers"])
     record = frame.end(step, client.preempted, cluster.comm, w.evaluated,
-                       save=(lambda at: save_cut(plan, checkpoints, final_cut, w.model.state)) if want_state else None,
+                       save=(lambda at: save_cut(plan, checkpoints, final_cut, folder, w.state_names, w.model))
+                       if final_cut is not None else None,
                        extra=extra, alone=alone)
     if alone:
         finish_without(world, plan, step, extra)
