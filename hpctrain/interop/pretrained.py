@@ -223,8 +223,6 @@ def init_args(args, default_block):
     `default_block`, it becomes the table's rows where they are fewer)."""
     from argparse import Namespace
     from ..flags.model_names import gpt_options
-    if args.mode == "ps":
-        raise HpctrainError("--init-from: ring mode (any --zero, --tensor-parallel, --pipeline-stages); not --mode ps")
     with open_source(args.init_from) as source:
         model, positions = source.model, source.positions
     out = Namespace(**vars(args))

@@ -215,7 +215,18 @@ class Worker:
 def run_worker(world, plan, frame, comm, reader, placement, shared, why_not=""):
     reader = prefetch.device_batches(reader, world.xp)   # GPU: pinned, async, one step ahead
     w = start_worker(world, plan, frame, comm, placement, shared, why_not)
-    frame.resumed(reader, lambda resume: restore_state(world, plan, frame.checkpoints, resume, w.model))
+    chief, workers = world.chief, world.cluster.worker_comm
+
+    def restore(resume):
+        restore_state(world, plan, frame.checkpoints, resume, w.model)
+        if chief:   # the servers: the checkpoint's parameters, optimizer state and data positions
+            start_servers(w.client, resume, w.model, w.state_names, world.cluster.num_workers, plan.optimizer.name)
+
+    def initialize():   # --init-from: every worker's copy from the file (its parts), the optimizer fresh
+        frame.init_from(workers, layouts.ps_worker(plan.spec, w.model.params, w.model.state, chief))
+    frame.resumed(reader, restore, initialize)
+    if chief and frame.resume is None:   # the servers: the chief's initial (or --init-from) parameters
+        start_servers(w.client, None, w.model, w.state_names, world.cluster.num_workers, plan.optimizer.name)
     w.pm.recv_buffer()
     w.client.pull()
     w.pm.to_device()
@@ -226,7 +237,7 @@ def run_worker(world, plan, frame, comm, reader, placement, shared, why_not=""):
 def restore_state(world, plan, checkpoints, resume, model):
     """Every worker's non-trainable state (batch-norm statistics), the
     checkpoint's (the servers take the parameters and optimizer state from
-    the chief: start_servers)."""
+    the chief: start_servers, after it)."""
     spec = plan.spec
     checkpoints.restore(world.cluster.worker_comm, resume,
                         layouts.buffer_parts(spec, [(0, spec.num_state)], model.state, of="state"))
@@ -248,7 +259,6 @@ def start_worker(world, plan, frame, comm, placement, shared, why_not):
     state_names = make_optimizer(plan.optimizer.name, 1, np).state_names
     if world.chief:
         print(cluster_lines(world, plan, placement, exchange_name(client), why_not), flush=True)
-        start_servers(client, frame.resume, model, state_names, cluster.num_workers, plan.optimizer.name)
     # async: each worker clips its own gradient (sync: the servers clip the aggregate)
     clip = Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm and not plan.ps.sync else None
     # no allreduce of its own: the push carries the loss and stop request
