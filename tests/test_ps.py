@@ -185,7 +185,7 @@ WHOLE = [("p", (N,), 0, N)]   # the flat parameters as one tensor: what a server
 
 
 def flat_writer(rank, ranges):
-    """A server's `write` (loops/ps.server_writer's, without a model): its
+    """A server's `write` (as loops/ps.server_files', without a model): its
     ranges of the one tensor `p` and of its optimizer state's `<key>/p`."""
     from hpctrain.checkpoints.named import write_part
     from hpctrain.state.parts import flat_parts

@@ -18,12 +18,14 @@ Checkpoints (--checkpoint-dir): the chief makes a checkpoint's temporary
 folder and sends its path with the request (SNAPSHOT every
 --checkpoint-every steps; the final request at the end or after a signal);
 each server writes its slice and optimizer state there as its own rank file
-(`server_writer`: the ps layout of state/layouts.py through
+(`server_files`: the ps layout of state/layouts.py through
 checkpoints/named.py, as ring ranks write theirs) and replies with what it
 wrote; the chief adds its non-trainable state and the data positions that
 the workers' pushes carried to ps 0, checks the tiling and writes the
-index. On resume it loads the servers back (RESTORE) and the workers seek
-their readers, so sync training resumes bit for bit.
+index. On resume the chief sends each server the checkpoint's path
+(RESTORE), and each reads its own boxes (an old flat file: the chief reads
+it and sends the slices); the workers seek their readers, so sync training
+resumes bit for bit.
 
 Faults (a straggler, a hung server, a signal) are injected by the tests
 (tests/faults/inject_ps.py), not here.
@@ -57,7 +59,7 @@ from ..optim.on_device import OnDevice
 from ..optim.optimizers import make_optimizer
 from ..report.evaluated import WholeModel
 from ..state import layouts
-from ..state.consumers import finite, parameters, whole_flat
+from ..state.consumers import finite, parameters, restore
 from .frame import Frame, diverged
 
 
@@ -158,7 +160,7 @@ def run_server(world, plan, frame, comm, placement, shared):
                     # --clip-norm, sync: on the aggregate (async: each worker clips its own)
                     clip=Clip(opt.clip_norm) if opt.clip_norm and ps.sync else None,
                     servers_comm=cluster.ps_comm, shared=shared, dtype=plan.precision.params,
-                    write=server_writer(plan, mine, cluster.rank))
+                    **server_files(plan, mine, cluster.rank))
     with world.stop.training() as phase:   # the server loop takes stop requests from here on
         server.serve_until_done()
         phase.stopped = server.round.preempted
@@ -167,20 +169,30 @@ def run_server(world, plan, frame, comm, placement, shared):
     return None
 
 
-def server_writer(plan, ranges, rank):
-    """A server's `write(folder, params, states)`: its parts (the ps layout,
-    state/layouts.ps_server: `ranges` of the flat parameters and their
-    optimizer state) written into the checkpoint folder as rank `rank`'s
-    file (checkpoints/named.write_part), and whether its parameters are finite."""
-    from ..checkpoints.named import write_part
-    spec = plan.spec
+def server_files(plan, ranges, rank):
+    """A server's `write` and `read` (comm/ps/server.Server's) of its parts
+    in a checkpoint folder: the ps layout (state/layouts.ps_server: `ranges`
+    of the flat parameters and their optimizer state, host arrays: an
+    --ps-device gpu optimizer's state() is its host copy). write: rank
+    `rank`'s file (checkpoints/named.write_part), and whether its parameters
+    are finite; read: each part's box from the folder's rank files, as ring
+    ranks restore theirs (state/consumers.restore)."""
+    from ..checkpoints.named import open_checkpoint, write_part
+    from ..checkpoints.trust import Corrupt
+    spec, name = plan.spec, plan.optimizer.name
 
     def write(folder, params, states):
-        states = {key: device.to_host(a) for key, a in states.items()}   # --ps-device gpu: on the device
-        parts = layouts.ps_server(spec, ranges, params, states, plan.optimizer.name)
+        parts = layouts.ps_server(spec, ranges, params, states, name)
         pieces = [(p.name, p.box, np.ascontiguousarray(p.view, plan.precision.params)) for p in parts]
         return dict(write_part(folder, rank, pieces), finite=finite(parameters(parts, spec)))
-    return write
+
+    def read(folder, params, states):
+        try:
+            with open_checkpoint(folder) as ckpt:
+                restore(layouts.ps_server(spec, ranges, params, states, name), ckpt.read)
+        except Corrupt as e:   # checked by the chief already: changed since
+            raise HpctrainError(f"{folder}: {e}") from None
+    return {"write": write, "read": read}
 
 
 def save_cut(plan, checkpoints, cut, folder, keys, model):
@@ -217,16 +229,16 @@ def run_worker(world, plan, frame, comm, reader, placement, shared, why_not=""):
     w = start_worker(world, plan, frame, comm, placement, shared, why_not)
     chief, workers = world.chief, world.cluster.worker_comm
 
-    def restore(resume):
+    def resume_from(resume):
         restore_state(world, plan, frame.checkpoints, resume, w.model)
         if chief:   # the servers: the checkpoint's parameters, optimizer state and data positions
-            start_servers(w.client, resume, w.model, w.state_names, world.cluster.num_workers, plan.optimizer.name)
+            start_servers(w.client, resume, w.model, w.state_names, world.cluster.num_workers)
 
     def initialize():   # --init-from: every worker's copy from the file (its parts), the optimizer fresh
         frame.init_from(workers, layouts.ps_worker(plan.spec, w.model.params, w.model.state, chief))
-    frame.resumed(reader, restore, initialize)
+    frame.resumed(reader, resume_from, initialize)
     if chief and frame.resume is None:   # the servers: the chief's initial (or --init-from) parameters
-        start_servers(w.client, None, w.model, w.state_names, world.cluster.num_workers, plan.optimizer.name)
+        start_servers(w.client, None, w.model, w.state_names, world.cluster.num_workers)
     w.pm.recv_buffer()
     w.client.pull()
     w.pm.to_device()
@@ -385,7 +397,7 @@ def end_run(world, plan, frame, w, local, stats, final_cut, folder):
     return record
 
 
-def start_servers(client, resume, model, state_names, num_workers, optimizer):
+def start_servers(client, resume, model, state_names, num_workers):
     """The chief decides the servers' starting point: the checkpoint's
     parameters, optimizer state and data positions, or its initial parameters."""
     from ..checkpoints.resume import positions_for, resume_point
@@ -393,14 +405,12 @@ def start_servers(client, resume, model, state_names, num_workers, optimizer):
         client.restore(0, 0, device.to_host(model.params))
         return
     ckpt = resume.checkpoint
-    if ckpt.named:   # a checkpoint of named tensors: the whole flat buffers the servers take, read on the chief
-        tensors = model.spec.tensors
-        params = whole_flat(ckpt.source.read, tensors)
-        states = {name: whole_flat(ckpt.source.read, tensors, f"{optimizer}.{name}/") for name in state_names}
-    else:
-        params, states = ckpt.params, {name: ckpt.optimizer_state[name] for name in state_names}
-    client.restore(resume.step, resume.optimizer_t, params, states,
-                   positions_for(resume_point(ckpt.data_positions), num_workers))
+    positions = positions_for(resume_point(ckpt.data_positions), num_workers)
+    if ckpt.named:   # a checkpoint of named tensors: each server reads its own boxes
+        client.restore(resume.step, resume.optimizer_t, positions=positions, folder=ckpt.path)
+        return
+    client.restore(resume.step, resume.optimizer_t, ckpt.params,
+                   {name: ckpt.optimizer_state[name] for name in state_names}, positions)
 
 
 def log_progress(world, plan, frame, step, clip, norms, local):

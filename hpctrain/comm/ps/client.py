@@ -27,7 +27,7 @@ from mpi4py import MPI
 from ...base.device import array_module
 from ..deadline import NO_WATCHDOG
 from .placement import Slice
-from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
+from .protocol import (FROM_FOLDER, F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
                        H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL,
                        OP_PULL, OP_PUSH, OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS,
                        TAG_REPLY, ProtocolError, loss_field, stats_length)
@@ -237,10 +237,11 @@ class Client:
         return written
 
     # --- checkpoint support (chief) ----------------------------------------
-    def restore(self, version, t, params, states=None, positions=None):
+    def restore(self, version, t, params=None, states=None, positions=None, folder=None):
         """Load every server: its slice of `params` (full flat array) and, when
         `states` (name -> full flat array, in the optimizer's state order) is
-        given, of each optimizer state; version, optimizer step t, and the
+        given, of each optimizer state; or, with `folder` (a checkpoint's),
+        what each server reads there itself; version, optimizer step t, and the
         workers' data positions (W x 2, default zeros) that go with them."""
         states = states or {}
         positions = self._positions() if positions is None else \
@@ -249,10 +250,12 @@ class Client:
             header = self.hdr_out[k]
             header[:] = 0
             header[H_OP], header[H_VERSION], header[H_WORKER] = OP_RESTORE, version, self.worker
-            header[H_T], header[H_NSTATE] = t, len(states)
+            header[H_T], header[H_NSTATE] = t, len(states) if folder is None else FROM_FOLDER
             with self.waiting("restore servers", peer=rank):
                 self.comm.Send(header, rank, TAG_HEADER)
-                for flat in [params, *states.values()]:
+                if folder is not None:
+                    self.comm.Send(text_buffer(folder), rank, TAG_BULK)
+                for flat in [params, *states.values()] if folder is None else []:
                     piece = Slice(np.ascontiguousarray(flat, self.params.dtype), self.placement[k])
                     piece.pack()
                     self.comm.Send(piece.buf, rank, TAG_BULK)

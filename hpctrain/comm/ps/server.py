@@ -65,12 +65,13 @@ class Server:
     node's SharedExchange (shared.py) or None; write: `write(folder,
     params, states)` writes this server's slice and optimizer state into a
     checkpoint's folder and returns what it wrote (JSON-able: the writer is
-    the loop's, loops/ps.py, which knows the model's tensors).
+    the loop's, loops/ps.py, which knows the model's tensors); read:
+    `read(folder, params, states)`, the other way (a resume).
     """
 
     def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
                  sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=NO_WATCHDOG,
-                 stop_requested=None, nap=False, clip=None, servers_comm=None, shared=None, dtype=FLOAT32.params, write=None):
+                 stop_requested=None, nap=False, clip=None, servers_comm=None, shared=None, dtype=FLOAT32.params, write=None, read=None):
         self.comm, self.rank = comm, comm.Get_rank()
         self.workers, self.servers = list(worker_ranks), list(server_ranks)
         self.leader = self.rank == self.servers[0]
@@ -99,7 +100,7 @@ class Server:
         self.want = np.full(W, -1, np.int64)    # pending reply: minimum version, -1 none
         self.done = np.zeros(W, bool)
         self.final_state = None                 # OP_FINAL with F_WANT_STATE: (worker, the folder to write it to)
-        self._write = write
+        self._write, self._read = write, read
         self.left_behind = np.zeros(W, bool)    # silent past the deadline after the run
         self.positions = DataPositions(W)
         self.cut = CutHold(self)                # a checkpoint cut being taken
@@ -264,6 +265,13 @@ class Server:
             raise ProtocolError(f"ps rank {self.rank}: asked for a checkpoint, but it has no writer")
         with self.watchdog.busy():   # others wait for the file: busy, not stalled
             return self._write(folder, self.ex.params, self.opt.state())
+
+    def read(self, folder, states):
+        """This server's slice and optimizer state (`states`: opt.state()'s) read from a checkpoint folder."""
+        if self._read is None:
+            raise ProtocolError(f"ps rank {self.rank}: asked to read a checkpoint, but it has no reader")
+        with self.watchdog.busy():   # the chief waits for the acknowledgement: busy, not stalled
+            self._read(folder, self.ex.params, states)
 
     def repost(self, w):
         if not self.done[w]:

@@ -2,7 +2,8 @@
 a version, OP_SNAPSHOT (at one cut, CutHold: write the slice and its
 optimizer state into the folder the chief named, through the server's
 `write`, and reply with what was written and the positions) and OP_RESTORE
-(load them, or the chief's initial parameters). Texts (a folder's path,
+(load them: the chief's initial parameters, or a checkpoint folder's
+parts, which the server reads itself). Texts (a folder's path,
 what was written, as JSON) travel as raw bytes: `send_text`, `receive_text`.
 
     mpirun -n 3 python -m pytest --only-mpi tests/test_ps.py -k snapshot
@@ -17,7 +18,7 @@ import json
 import numpy as np
 from mpi4py import MPI
 
-from .protocol import H_NSTATE, H_T, H_VERSION, TAG_BULK, ProtocolError
+from .protocol import FROM_FOLDER, H_NSTATE, H_T, H_VERSION, TAG_BULK, ProtocolError
 
 
 def text_buffer(text):
@@ -80,23 +81,30 @@ def send_snapshot(server, w, folder):
 
 def receive_restore(server, w, header):
     """OP_RESTORE from worker w (the chief): load slice, state (or zeros),
+    or read them from a checkpoint folder (nstate FROM_FOLDER: server.read);
     version, t and positions; acknowledge; answer the pulls that waited."""
     rank = server.workers[w]
     states = server.opt.state()
     nstate = int(header[H_NSTATE])
-    if nstate not in (0, len(states)):
+    if nstate not in (0, len(states), FROM_FOLDER):
         raise ProtocolError(f"ps rank {server.rank}: restore with {nstate} state arrays, "
                             f"the optimizer has {len(states)}")
     server.quiesce()
+    folder = None
     with server.watchdog.waiting("restore from the chief", peer=rank):
-        server.comm.Recv(server.ex.params, rank, TAG_BULK)
-        for array in states.values():
-            if nstate:
-                server.comm.Recv(array, rank, TAG_BULK)
-            else:
-                array[...] = 0
+        if nstate == FROM_FOLDER:
+            folder = receive_text(server.comm, rank)
+        else:
+            server.comm.Recv(server.ex.params, rank, TAG_BULK)
+            for array in states.values():
+                if nstate:
+                    server.comm.Recv(array, rank, TAG_BULK)
+                else:
+                    array[...] = 0
         positions = np.empty((server.num_workers, 2), np.int64)
         server.comm.Recv(positions, rank, TAG_BULK)
+    if folder is not None:
+        server.read(folder, states)
     server.opt.t = int(header[H_T])
     dropped = server.round.restore(int(header[H_VERSION]))   # gradients of the old state mean nothing now
     server.positions.reset(server.round.version, positions)
