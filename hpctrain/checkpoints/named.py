@@ -165,20 +165,29 @@ def _written(tmp, rank, pieces):
 
 # --- written point to point (ps: the servers write at the cut, the chief last) ---
 
+@contextlib.contextmanager
 def new_folder(directory, step):
     """The chief's temporary folder for a checkpoint that ranks write into
     outside a collective (ps's servers, each when it takes the cut): made
     empty and exclusive, named as write_checkpoint's (the sweep at the next
-    start knows it; `step`: the expected one, the name only). A failure to
-    make it is one line."""
+    start knows it; `step`: the expected one, the name only), and removed on
+    the way out whatever happens, an interrupt included (once `finish`
+    renamed it into place it is gone already). A failure to make it is one
+    line."""
     path = os.path.join(os.fspath(directory), flat.checkpoint_name(step))
-    tmp = temp_name_next_to(path)
+    tmp = temp_name_next_to(path)   # named before it exists, as write_checkpoint's
     try:
         os.makedirs(os.fspath(directory), exist_ok=True)
         os.mkdir(tmp)
-    except OSError as e:
+    except OSError as e:   # nothing made (a planted name is not ours to remove)
         raise HpctrainError(f"{path}: cannot write checkpoint ({_reason(e)})") from None
-    return tmp
+    except BaseException:   # an interrupt right after it was made
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_part(tmp, rank, pieces):

@@ -17,7 +17,6 @@ outcome).
     mpirun -n 2 python -m hpctrain.mnist --checkpoint-dir ckpt --checkpoint-every 100
 """
 import json
-import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -341,8 +340,9 @@ class Checkpoints:
     # --- ps mode: the servers write their parts at the cut, the chief the rest ---
 
     def folder_for_servers(self, step):
-        """ps's chief, before a cut: the temporary folder the servers write
-        their parts into when they take it (named.new_folder)."""
+        """ps's chief, around a cut: the temporary folder the servers write
+        their parts into when they take it (named.new_folder: a context
+        manager that removes it on the way out)."""
         return new_folder(self.outputs.checkpoint_dir, step)
 
     def save_written(self, step, folder, parts, written, keys, t, positions):
@@ -350,19 +350,16 @@ class Checkpoints:
         (`written`: their named.write_part outcomes, each with `finite`, its
         parameters'): its own writer `parts` (the non-trainable state) beside
         them, then the index (named.finish), while servers and workers keep
-        going. Not finite parameters or a failure to write: the folder
-        removed, one error line, and the job aborts (the others are not at a
-        point where they could agree)."""
-        try:
-            if not all(w.get("finite", True) for w in written):
-                raise self._diverged(step, collective=False)
-            tensors, attrs, small = self._contents(step, keys, t, positions, None)
-            with self.timeline.span("checkpoint", cat="checkpoint"):
-                mine = write_part(folder, self.world.cluster.rank, self.pieces(parts))
-                path = finish(self.outputs.checkpoint_dir, step, folder, tensors, attrs, small, [mine, *written],
-                              keep=self.outputs.keep_checkpoints)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)   # renamed into place, or no checkpoint
+        going. Not finite parameters or a failure to write: no checkpoint
+        (folder_for_servers removes the folder), one error line, and the job
+        aborts (the others are not at a point where they could agree)."""
+        if not all(w.get("finite", True) for w in written):
+            raise self._diverged(step, collective=False)
+        tensors, attrs, small = self._contents(step, keys, t, positions, None)
+        with self.timeline.span("checkpoint", cat="checkpoint"):
+            mine = write_part(folder, self.world.cluster.rank, self.pieces(parts))
+            path = finish(self.outputs.checkpoint_dir, step, folder, tensors, attrs, small, [mine, *written],
+                          keep=self.outputs.keep_checkpoints)
         self.saved_step, self.saved_path = step, path
         return path
 

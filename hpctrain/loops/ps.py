@@ -37,8 +37,8 @@ one device-to-host copy of the gradients and one copy back of the
 parameters per round. For NumPy the mirrors are the buffers themselves and
 the reader is used as it is: one loop serves both.
 """
+import contextlib
 import math
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -341,8 +341,8 @@ def worker_steps(world, plan, frame, w, reader):
             if chief and not client.stop and frame.checkpoint_due(step):
                 # The chief alone: the servers' slices and state at one version
                 # (SNAPSHOT), with the data positions the leader recorded for it.
-                folder = frame.checkpoints.folder_for_servers(step)
-                save_cut(plan, frame.checkpoints, client.snapshot(folder), folder, w.state_names, model)
+                with frame.checkpoints.folder_for_servers(step) as folder:
+                    save_cut(plan, frame.checkpoints, client.snapshot(folder), folder, w.state_names, model)
             if client.preempted:
                 frame.stopping(step)
     return local
@@ -355,16 +355,13 @@ def end_worker(world, plan, frame, w, local):
     the results."""
     checkpoints, client = frame.checkpoints, w.client
     want_state = checkpoints.enabled and world.chief
-    # the servers write their final state into it with their last reply
-    folder = checkpoints.folder_for_servers(client.version) if want_state else None
-    try:
+    # the servers write their final state into it with their last reply (removed unless
+    # the save renamed it into place: this step may be saved already)
+    with checkpoints.folder_for_servers(client.version) if want_state else contextlib.nullcontext() as folder:
         with frame.timeline.span("final pull", cat="comm"):
             w.pm.recv_buffer()
             stats, final_cut = client.final(folder)
         return end_run(world, plan, frame, w, local, stats, final_cut, folder)
-    finally:
-        if folder is not None:   # renamed into place by the save, or none written (this step was saved already)
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def end_run(world, plan, frame, w, local, stats, final_cut, folder):

@@ -279,7 +279,9 @@ class Client:
             reply = self.hdr_in[k]
             with self.waiting("snapshot", peer=rank):
                 self.comm.Send(path, rank, TAG_BULK)
-                self.comm.Recv(reply, rank, TAG_BULK)
+                # while the server writes: polled where ranks nap, so that a Ctrl-C reaches
+                # Python here and the folder is removed (a blocking Recv would sit in C)
+                self.waits.one(self.comm.Irecv(reply, rank, TAG_BULK))
                 written.append(self._receive_written(k, positions))
             versions.append(int(reply[H_VERSION]))
             ts.append(int(reply[H_T]))
