@@ -142,9 +142,10 @@ def _write(directory, path, step, comm, chief, tmp, pieces, tensors, attrs, smal
 
 
 def _described(rank, pieces):
-    """What the chief checks of a rank's pieces: {"pieces": [[name, box, dtype, shape]]} or {"error": ...}."""
+    """What the chief checks of a rank's pieces: {"rank", "pieces": [[name,
+    box, dtype, shape]]} or {"error": ...}."""
     try:
-        return {"pieces": [[name, [list(map(int, b)) for b in box], file_dtype(np.asarray(v).dtype).str,
+        return {"rank": rank, "pieces": [[name, [list(map(int, b)) for b in box], file_dtype(np.asarray(v).dtype).str,
                             list(np.shape(v))] for name, box, v in pieces]}
     except Exception as e:   # a box that is no box: said by the chief, like any other refusal
         return {"error": f"rank {rank}: {_reason(e)}"}
@@ -202,22 +203,12 @@ def finish(directory, step, tmp, tensors, attrs, small, parts, keep=3):
     """The chief, once every writer's `write_part` outcome is in `parts`
     (one per rank file, any order): the tiling checked, the index written,
     the folder renamed into place, the older ones pruned; the path. Any
-    failure: tmp removed and one line (HpctrainError)."""
+    failure: one line (HpctrainError), and no checkpoint (new_folder removes tmp)."""
     directory = os.fspath(directory)
     path = os.path.join(directory, flat.checkpoint_name(step))
-    try:
-        errors = [e["error"] for e in parts if "error" in e]
-        if errors:
-            raise HpctrainError(f"{path}: not written: {errors[0]}")
-        table = [(name, tuple(map(tuple, box)), e["file"], dtype, shape)
-                 for e in parts for name, box, dtype, shape in e["pieces"]]
-        try:
-            check_tiling({n: (tuple(s), file_dtype(d).str) for n, (s, d, _) in tensors.items()}, table)
-        except Exception as e:
-            raise HpctrainError(f"{path}: not written: {_reason(e)}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    refusal = _refusal(path, tensors, parts)
+    if refusal:
+        raise HpctrainError(refusal)
     final = _chief_finishes(directory, path, tmp, step, tensors, attrs, small, parts, parts, keep)
     if "error" in final:
         raise HpctrainError(final["error"])
@@ -240,22 +231,30 @@ def _collective(said, is_chief):
 def _chief_prepares(directory, path, tmp, tensors, everyone):
     """The chief checks the tiling and makes the temporary folder `tmp`:
     {"tmp": tmp} or {"error": ..., "exit_code": ...}."""
-    errors = [e["error"] for e in everyone if "error" in e]
-    if errors:
-        return {"error": f"{path}: not written: {errors[0]}", "exit_code": EXIT_FAILURE}
-    try:
-        table = [(name, tuple(map(tuple, box)), f"rank {r}", dtype, shape)
-                 for r, e in enumerate(everyone) for name, box, dtype, shape in e["pieces"]]
-        check_tiling({n: (tuple(s), file_dtype(d).str) for n, (s, d, _) in tensors.items()}, table)
-    except Exception as e:
-        # a layout that writes a box twice or not at all: a bug, said on every rank
-        return {"error": f"{path}: not written: {_reason(e)}", "exit_code": EXIT_FAILURE}
+    refusal = _refusal(path, tensors, everyone)
+    if refusal:   # a layout that writes a box twice or not at all: a bug, said on every rank
+        return {"error": refusal, "exit_code": EXIT_FAILURE}
     try:
         os.makedirs(directory, exist_ok=True)
         os.mkdir(tmp)   # exclusive: a name someone planted fails here, it is never written into
     except OSError as e:
         return {"error": f"{path}: cannot write checkpoint ({_reason(e)})"}
     return {"tmp": tmp}
+
+
+def _refusal(path, tensors, described):
+    """The line for pieces that are not written (`_described`'s of every
+    writer: one's error, or boxes that do not tile the tensors), or None."""
+    errors = [e["error"] for e in described if "error" in e]
+    if errors:
+        return f"{path}: not written: {errors[0]}"
+    try:
+        table = [(name, tuple(map(tuple, box)), f"rank {e['rank']}", dtype, shape)
+                 for e in described for name, box, dtype, shape in e["pieces"]]
+        check_tiling({n: (tuple(s), file_dtype(d).str) for n, (s, d, _) in tensors.items()}, table)
+    except Exception as e:
+        return f"{path}: not written: {_reason(e)}"
+    return None
 
 
 def check_tiling(tensors, table):

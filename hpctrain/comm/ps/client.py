@@ -27,10 +27,10 @@ from mpi4py import MPI
 from ...base.device import array_module
 from ..deadline import NO_WATCHDOG
 from .placement import Slice
-from .protocol import (FROM_FOLDER, F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
-                       H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL,
-                       OP_PULL, OP_PUSH, OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS,
-                       TAG_REPLY, ProtocolError, loss_field, stats_length)
+from .protocol import (FROM_FOLDER, F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE,
+                       H_EPOCH, H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER,
+                       OP_FINAL, OP_PULL, OP_PUSH, OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER,
+                       TAG_PARAMS, TAG_REPLY, ProtocolError, loss_field, stats_length)
 from .snapshot import receive_text, text_buffer
 from ..waits import Waits
 

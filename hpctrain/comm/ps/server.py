@@ -71,7 +71,8 @@ class Server:
 
     def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
                  sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=NO_WATCHDOG,
-                 stop_requested=None, nap=False, clip=None, servers_comm=None, shared=None, dtype=FLOAT32.params, write=None, read=None):
+                 stop_requested=None, nap=False, clip=None, servers_comm=None, shared=None, dtype=FLOAT32.params,
+                 write=None, read=None):
         self.comm, self.rank = comm, comm.Get_rank()
         self.workers, self.servers = list(worker_ranks), list(server_ranks)
         self.leader = self.rank == self.servers[0]
