@@ -14,9 +14,11 @@ Three kinds of tests:
   and a signal are injected by tests/faults/inject_ps.py (FAULT_SLOW_WORKER=i:s,
   FAULT_HANG_PS=k:v, FAULT_SIGNAL=i:n): see `with_faults`.
 """
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,6 +182,33 @@ def free_window(shared):
         shared.win.Free()
 
 
+WHOLE = [("p", (N,), 0, N)]   # the flat parameters as one tensor: what a server writes of a snapshot
+
+
+def flat_writer(rank, ranges):
+    """A server's `write` (as loops/ps.server_files', without a model): its
+    ranges of the one tensor `p` and of its optimizer state's `<key>/p`."""
+    from hpctrain.checkpoints.named import write_part
+    from hpctrain.state.parts import flat_parts
+
+    def write(folder, params, states):
+        parts = flat_parts(WHOLE, ranges, params) + [
+            q for key, a in sorted(states.items()) for q in flat_parts(WHOLE, ranges, a, prefix=f"{key}/")]
+        return write_part(folder, rank, [(q.name, q.box, q.view) for q in parts])
+    return write
+
+
+def read_cut(cut, folder, keys):
+    """(params, {key: state}) of the checkpoint the servers wrote into
+    folder, once the chief wrote its index (named.finish)."""
+    from hpctrain.checkpoints.named import finish, open_checkpoint
+    tensors = {name: ((N,), "<f4", []) for name in ["p", *(f"{k}/p" for k in keys)]}
+    path = finish(os.path.dirname(folder), cut.versions[0], folder, tensors, {}, {}, cut.written)
+    with open_checkpoint(path) as ckpt:
+        assert sorted(ckpt.files) == [f"rank-{r:05d}.h5" for r in roles()[1]]   # one file per server
+        return ckpt.read("p"), {k: ckpt.read(f"{k}/p") for k in keys}
+
+
 def gradient(worker, step):
     return np.random.default_rng([worker, step]).standard_normal(N).astype(np.float32)
 
@@ -234,14 +263,19 @@ def test_sync_rounds_sum_in_worker_order_on_every_server(placement, exchange):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_snapshot_and_restore_round_trip_parameters_adam_state_and_positions(exchange):
+    import tempfile
+    from hpctrain.checkpoints.named import new_folder
     from hpctrain.optim.adam import Adam
     s = Setup("round-robin", exchange, sync=False)
     W = len(s.workers)
     if s.is_server:
-        s.serve(Adam, steps=100, sync=False, lr_fn=lambda v: 1e-3 * (v + 1))
+        s.serve(Adam, steps=100, sync=False, lr_fn=lambda v: 1e-3 * (v + 1),
+                write=flat_writer(s.rank, s.layout[s.rank]))
         s.close()
         return
     index, client = s.client(sync=False)
+    top = tempfile.mkdtemp(prefix="ps-snapshot-") if index == 0 else None
+    made = contextlib.ExitStack()   # the chief's: each removed unless finish renamed it into place
     if index == 0:
         rng = np.random.default_rng(7)
         p0 = rng.standard_normal(N).astype(np.float32)
@@ -249,35 +283,42 @@ def test_snapshot_and_restore_round_trip_parameters_adam_state_and_positions(exc
         v0 = rng.random(N).astype(np.float32)
         pos0 = np.arange(2 * W).reshape(W, 2) * 32
         client.restore(7, 5, p0, {"m": m0, "v": v0}, pos0)
-        first = client.snapshot(("m", "v"))
+        folders = [made.enter_context(new_folder(top, 7)) for _ in range(3)]
+        first = client.snapshot(folders[0])
         # one more update on the servers, then the same on a local Adam from the same state
         g = gradient(0, 0)
         s.grads[:] = g
         client.push_pull(0.0, position=(3, 96))
         pushed = s.params.copy()
-        second = client.snapshot(("m", "v"))
+        second = client.snapshot(folders[1])
         local = Adam(N)
         local.m[:], local.v[:], local.t = m0, v0, 5
         p = p0.copy()
         local.step(p, g, 1e-3 * 8, 1.0)
     s.wcomm.Barrier()        # the others finish only after the snapshots: the final state is the same
-    _, final_cut = client.final(("m", "v") if index == 0 else None)
+    _, final_cut = client.final(folders[2] if index == 0 else None)
     s.close()
     assert (final_cut is None) == (index != 0) and not hasattr(client, "final_state")   # returned, not set aside
     if index != 0:
         return
-    versions, ts, params, states, positions = first
+    versions, ts, _, positions = first
+    params, states = read_cut(first, folders[0], ("m", "v"))
     assert versions == [7] * len(s.servers) and ts == [5] * len(s.servers) and first.consistent
     assert np.array_equal(params, p0) and np.array_equal(states["m"], m0) and np.array_equal(states["v"], v0)
     assert np.array_equal(positions, pos0)
-    versions, ts, params, states, positions = second
+    versions, ts, _, positions = second
+    params, states = read_cut(second, folders[1], ("m", "v"))
     assert versions == [8] * len(s.servers) and ts == [6] * len(s.servers)
     assert np.array_equal(params, p) and np.array_equal(pushed, p)
     assert np.array_equal(states["m"], local.m) and np.array_equal(states["v"], local.v)
     expect_pos = pos0.copy()
     expect_pos[0] = 3, 96    # the chief's push carried its position; the others' are the restored ones
     assert np.array_equal(positions, expect_pos)
-    versions, ts, _, states, positions = final_cut
+    versions, ts, _, positions = final_cut
+    _, states = read_cut(final_cut, folders[2], ("m", "v"))
+    made.close()
+    assert sorted(os.listdir(top)) == ["ckpt-00000007", "ckpt-00000008"]   # the folders renamed, nothing left
+    shutil.rmtree(top)
     assert ts == [6] * len(s.servers) and versions == [8] * len(s.servers) and np.array_equal(states["m"], local.m) and np.array_equal(states["v"], local.v)
     assert np.array_equal(positions, expect_pos) and np.array_equal(s.params, p)
 
@@ -557,6 +598,10 @@ def test_a_stopped_sync_run_resumes_where_an_uninterrupted_run_ends(job, tmp_pat
     assert r.returncode == 75, r.stderr
     assert f"stopped by SIGUSR1 after step 22; checkpoint {checkpoint_path(ckpt, 22)}" in r.stderr
     assert checkpoint_steps(ckpt) == [15, 22] and only_checkpoints(ckpt), os.listdir(ckpt)
+    from hpctrain.checkpoints.named import open_checkpoint
+    for step in (15, 22):   # each server wrote its own part (ranks 0 and 1); the chief, no state to write, none
+        with open_checkpoint(checkpoint_path(ckpt, step)) as written:
+            assert sorted(written.files) == ["rank-00000.h5", "rank-00001.h5"], written.files
     periodic = tmp_path / "periodic"
     periodic.mkdir()
     copy_checkpoint(checkpoint_path(ckpt, 15), periodic)

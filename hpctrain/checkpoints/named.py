@@ -118,11 +118,7 @@ def _write(directory, path, step, comm, chief, tmp, pieces, tensors, attrs, smal
     peer = None if is_chief else chief
 
     # 1. What every rank holds, to the chief; its verdict (and the folder) back.
-    try:
-        mine = {"pieces": [[name, [list(map(int, b)) for b in box], file_dtype(np.asarray(v).dtype).str,
-                            list(np.shape(v))] for name, box, v in pieces]}
-    except Exception as e:   # a box that is no box: said by the chief, like any other refusal
-        mine = {"error": f"rank {rank}: {_reason(e)}"}
+    mine = _described(rank, pieces)
     everyone = _gather_json(comm, chief, mine, waiting, peer, "checkpoint pieces gather")
     verdict = None
     if is_chief:
@@ -133,15 +129,7 @@ def _write(directory, path, step, comm, chief, tmp, pieces, tensors, attrs, smal
     tmp = verdict["tmp"]   # every rank's, now
 
     # 2. Each rank its file, durable, its size and hash to the chief.
-    outcome = {"file": None}
-    if any(box_volume(box) for _, box, _ in pieces):
-        name = rank_file_name(rank)
-        try:
-            size, digest = _write_rank_file(os.path.join(tmp, name), pieces)
-            outcome = {"file": name, "size": size, "sha256": digest}
-        except Exception as e:
-            outcome = {"error": f"rank {rank}: {name}: {_reason(e)}"}
-    reports = _gather_json(comm, chief, outcome, waiting, peer, "checkpoint outcome gather")
+    reports = _gather_json(comm, chief, _written(tmp, rank, pieces), waiting, peer, "checkpoint outcome gather")
 
     # 3. The chief: the index, the rename, the prune; or the folder removed.
     final = None
@@ -150,6 +138,80 @@ def _write(directory, path, step, comm, chief, tmp, pieces, tensors, attrs, smal
     final = _bcast_json(comm, chief, final, waiting, peer, "checkpoint outcome broadcast")
     if "error" in final:
         raise _collective(final, is_chief)
+    return final["path"]
+
+
+def _described(rank, pieces):
+    """What the chief checks of a rank's pieces: {"rank", "pieces": [[name,
+    box, dtype, shape]]} or {"error": ...}."""
+    try:
+        return {"rank": rank, "pieces": [[name, [list(map(int, b)) for b in box], file_dtype(np.asarray(v).dtype).str,
+                            list(np.shape(v))] for name, box, v in pieces]}
+    except Exception as e:   # a box that is no box: said by the chief, like any other refusal
+        return {"error": f"rank {rank}: {_reason(e)}"}
+
+
+def _written(tmp, rank, pieces):
+    """This rank's file of `pieces` in folder tmp, durable: {"file", "size",
+    "sha256"} ({"file": None}: nothing to write), or {"error": ...}."""
+    if not any(box_volume(box) for _, box, _ in pieces):
+        return {"file": None}
+    name = rank_file_name(rank)
+    try:
+        size, digest = _write_rank_file(os.path.join(tmp, name), pieces)
+        return {"file": name, "size": size, "sha256": digest}
+    except Exception as e:
+        return {"error": f"rank {rank}: {name}: {_reason(e)}"}
+
+
+# --- written point to point (ps: the servers write at the cut, the chief last) ---
+
+@contextlib.contextmanager
+def new_folder(directory, step):
+    """The chief's temporary folder for a checkpoint that ranks write into
+    outside a collective (ps's servers, each when it takes the cut): made
+    empty and exclusive, named as write_checkpoint's (the sweep at the next
+    start knows it; `step`: the expected one, the name only), and removed on
+    the way out whatever happens, an interrupt included (once `finish`
+    renamed it into place it is gone already). A failure to make it is one
+    line."""
+    path = os.path.join(os.fspath(directory), flat.checkpoint_name(step))
+    tmp = temp_name_next_to(path)   # named before it exists, as write_checkpoint's
+    try:
+        os.makedirs(os.fspath(directory), exist_ok=True)
+        os.mkdir(tmp)
+    except OSError as e:   # nothing made (a planted name is not ours to remove)
+        raise HpctrainError(f"{path}: cannot write checkpoint ({_reason(e)})") from None
+    except BaseException:   # an interrupt right after it was made
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_part(tmp, rank, pieces):
+    """Rank `rank`'s file of `pieces` [(name, box, host ndarray)] in the
+    temporary folder `tmp` (new_folder's): what `finish` takes of it,
+    JSON-able (its pieces, file, size and sha256, or the error)."""
+    described = _described(rank, pieces)
+    return {**described, **_written(tmp, rank, pieces)} if "error" not in described else described
+
+
+def finish(directory, step, tmp, tensors, attrs, small, parts, keep=3):
+    """The chief, once every writer's `write_part` outcome is in `parts`
+    (one per rank file, any order): the tiling checked, the index written,
+    the folder renamed into place, the older ones pruned; the path. Any
+    failure: one line (HpctrainError), and no checkpoint (new_folder removes tmp)."""
+    directory = os.fspath(directory)
+    path = os.path.join(directory, flat.checkpoint_name(step))
+    refusal = _refusal(path, tensors, parts)
+    if refusal:
+        raise HpctrainError(refusal)
+    final = _chief_finishes(directory, path, tmp, step, tensors, attrs, small, parts, parts, keep)
+    if "error" in final:
+        raise HpctrainError(final["error"])
     return final["path"]
 
 
@@ -169,22 +231,30 @@ def _collective(said, is_chief):
 def _chief_prepares(directory, path, tmp, tensors, everyone):
     """The chief checks the tiling and makes the temporary folder `tmp`:
     {"tmp": tmp} or {"error": ..., "exit_code": ...}."""
-    errors = [e["error"] for e in everyone if "error" in e]
-    if errors:
-        return {"error": f"{path}: not written: {errors[0]}", "exit_code": EXIT_FAILURE}
-    try:
-        table = [(name, tuple(map(tuple, box)), f"rank {r}", dtype, shape)
-                 for r, e in enumerate(everyone) for name, box, dtype, shape in e["pieces"]]
-        check_tiling({n: (tuple(s), file_dtype(d).str) for n, (s, d, _) in tensors.items()}, table)
-    except Exception as e:
-        # a layout that writes a box twice or not at all: a bug, said on every rank
-        return {"error": f"{path}: not written: {_reason(e)}", "exit_code": EXIT_FAILURE}
+    refusal = _refusal(path, tensors, everyone)
+    if refusal:   # a layout that writes a box twice or not at all: a bug, said on every rank
+        return {"error": refusal, "exit_code": EXIT_FAILURE}
     try:
         os.makedirs(directory, exist_ok=True)
         os.mkdir(tmp)   # exclusive: a name someone planted fails here, it is never written into
     except OSError as e:
         return {"error": f"{path}: cannot write checkpoint ({_reason(e)})"}
     return {"tmp": tmp}
+
+
+def _refusal(path, tensors, described):
+    """The line for pieces that are not written (`_described`'s of every
+    writer: one's error, or boxes that do not tile the tensors), or None."""
+    errors = [e["error"] for e in described if "error" in e]
+    if errors:
+        return f"{path}: not written: {errors[0]}"
+    try:
+        table = [(name, tuple(map(tuple, box)), f"rank {e['rank']}", dtype, shape)
+                 for e in described for name, box, dtype, shape in e["pieces"]]
+        check_tiling({n: (tuple(s), file_dtype(d).str) for n, (s, d, _) in tensors.items()}, table)
+    except Exception as e:
+        return f"{path}: not written: {_reason(e)}"
+    return None
 
 
 def check_tiling(tensors, table):
@@ -261,8 +331,8 @@ def _chief_finishes(directory, path, tmp, step, tensors, attrs, small, everyone,
             raise HpctrainError(f"{path}: not written: {errors[0]}" + (
                 f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""))
         files = {r["file"]: {"size": r["size"], "sha256": r["sha256"]} for r in reports if r["file"]}
-        pieces = [[name, box, rank_file_name(rank), f"{k:06d}"]
-                  for rank, e in enumerate(everyone) for k, (name, box, _, _) in enumerate(e["pieces"])
+        pieces = [[name, box, report["file"], f"{k:06d}"]
+                  for e, report in zip(everyone, reports) for k, (name, box, _, _) in enumerate(e["pieces"])
                   if box_volume(box)]
         _write_index(os.path.join(tmp, INDEX), step, tensors, attrs, small, pieces, files)
         flat._fsync_dir(tmp)

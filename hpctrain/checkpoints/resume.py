@@ -30,7 +30,7 @@ from ..base import device
 from ..data.fit import check_fit
 from ..base.errors import EXIT_DIVERGED, EXIT_PREEMPTED, HpctrainError
 from ..base.tuning import rounding
-from .named import NamedCheckpoint, open_checkpoint, write_checkpoint
+from .named import NamedCheckpoint, finish, new_folder, open_checkpoint, write_checkpoint, write_part
 from .read_back import Checkpoint
 from .trust import Corrupt, Refused
 from ..state.consumers import FromChief, finite, flat_read, parameters, restore
@@ -295,11 +295,32 @@ class Checkpoints:
         error line. Returns the path."""
         world, plan = self.world, self.plan
         device.synchronize(world.xp)
-        spec = plan.spec.full
-        if not finite(parameters(parts, spec), comm, world.waiting):
-            raise HpctrainError(f"the parameters of step {step} are not finite: training diverged (try a lower "
-                                f"--lr); no checkpoint written", exit_code=EXIT_DIVERGED, collective=True,
-                                report=world.chief)
+        if not finite(parameters(parts, plan.spec.full), comm, world.waiting):
+            raise self._diverged(step, collective=True)
+        tensors, attrs, small = self._contents(step, keys, optimizer_t, positions, compression)
+        with self.timeline.span("checkpoint", cat="checkpoint"):
+            # every rank writes its file: busy, not stalled, while others wait for it (its MPI waits have deadlines)
+            with world.watchdog.busy():
+                path = write_checkpoint(self.outputs.checkpoint_dir, step, comm, world.chief_in(comm),
+                                        self.pieces(parts), tensors, attrs, small,
+                                        keep=self.outputs.keep_checkpoints, waiting=world.waiting)
+        self.saved_step, self.saved_path = step, path
+        return path
+
+    def pieces(self, parts):
+        """What this rank writes of `parts`: its writer parts' (name, box, host values) in the run's precision."""
+        return [(p.name, p.box, np.ascontiguousarray(device.to_host(p.view), self.plan.precision.params))
+                for p in parts if p.writer]
+
+    def _diverged(self, step, collective):
+        return HpctrainError(f"the parameters of step {step} are not finite: training diverged (try a lower "
+                             f"--lr); no checkpoint written", exit_code=EXIT_DIVERGED, collective=collective,
+                             report=self.world.chief or not collective)
+
+    def _contents(self, step, keys, optimizer_t, positions, compression):
+        """The checkpoint's tensors {name: (shape, dtype, aliases)}, attributes
+        and the small datasets the chief writes into the index."""
+        plan, spec = self.plan, self.plan.spec.full
         arrays, more = compression or ({}, {})
         keys, name, dtype = sorted(keys), plan.optimizer.name, np.dtype(plan.precision.params).str
         tensors = {t: (tuple(shape), dtype, []) for t, shape, _, _ in spec.tensors + spec.state}
@@ -314,26 +335,33 @@ class Checkpoints:
                  **plan.resume_key}
         small = {"data_positions": np.asarray(positions if positions is not None else np.zeros((0, 2)), np.int64),
                  **{f"compression/{k}": device.to_host(a) for k, a in arrays.items()}}
+        return tensors, attrs, small
+
+    # --- ps mode: the servers write their parts at the cut, the chief the rest ---
+
+    def folder_for_servers(self, step):
+        """ps's chief, around a cut: the temporary folder the servers write
+        their parts into when they take it (named.new_folder: a context
+        manager that removes it on the way out)."""
+        return new_folder(self.outputs.checkpoint_dir, step)
+
+    def save_written(self, step, folder, parts, written, keys, t, positions):
+        """ps's chief, once the servers wrote their parts into `folder`
+        (`written`: their named.write_part outcomes, each with `finite`, its
+        parameters'): its own writer `parts` (the non-trainable state) beside
+        them, then the index (named.finish), while servers and workers keep
+        going. Not finite parameters or a failure to write: no checkpoint
+        (folder_for_servers removes the folder), one error line, and the job
+        aborts (the others are not at a point where they could agree)."""
+        if not all(w.get("finite", True) for w in written):
+            raise self._diverged(step, collective=False)
+        tensors, attrs, small = self._contents(step, keys, t, positions, None)
         with self.timeline.span("checkpoint", cat="checkpoint"):
-            pieces = [(p.name, p.box, np.ascontiguousarray(device.to_host(p.view), plan.precision.params))
-                      for p in parts if p.writer]
-            # every rank writes its file: busy, not stalled, while others wait for it (its MPI waits have deadlines)
-            with world.watchdog.busy():
-                path = write_checkpoint(self.outputs.checkpoint_dir, step, comm, world.chief_in(comm), pieces, tensors,
-                                        attrs, small, keep=self.outputs.keep_checkpoints, waiting=world.waiting)
+            mine = write_part(folder, self.world.cluster.rank, self.pieces(parts))
+            path = finish(self.outputs.checkpoint_dir, step, folder, tensors, attrs, small, [mine, *written],
+                          keep=self.outputs.keep_checkpoints)
         self.saved_step, self.saved_path = step, path
         return path
-
-    def save_alone(self, step, parts, keys, t, positions):
-        """ps mode: the chief writes a checkpoint by itself (every part of
-        `parts` its own) while servers and workers keep going. A failure to
-        write is one error line and aborts the job (the others are not at a
-        point where they could agree)."""
-        from mpi4py import MPI
-        try:
-            self.save_parts(MPI.COMM_SELF, step, parts, keys, t, positions)
-        except HpctrainError as exc:
-            raise HpctrainError(str(exc), exit_code=exc.exit_code) from None   # not collective: abort
 
     # --- pre-emption ----------------------------------------------------------
 

@@ -29,6 +29,7 @@ from ..flags.model_names import gpt_options, input_kind_of, is_model_file
 from ..nn.zoo import MODELS
 from .model_record import ATTR
 from ..base.files import printable
+from ..state.parts import box_slices
 
 _ZOO = tuple(MODELS)
 # The largest input (values per sample: 16384 x 16384 pixels of one channel)
@@ -232,54 +233,104 @@ def _trained(spec, model, source, step, rec):
     return Trained(model, spec, source, step, list(names), rec.get("preprocess"), rec.get("text"), rec)
 
 
+class Saved:
+    """An hpctrain --save (or --keep-best) file open for reading, the one
+    reader of such a file (load_params here; interop/pretrained's Source
+    for --init-from): `attrs` (plain values), `shapes` {dataset: shape}, and
+    `read(name, box)`, one box of one dataset as float32, once it is stored
+    as write_params stores it (`stored`); one line for what is not. The
+    datasets stay unread until read."""
+
+    def __init__(self, path):
+        import h5py
+        path = str(path)
+        if not os.path.isfile(path):
+            raise HpctrainError(f"{path}: no such file" if not os.path.exists(path) else f"{path}: not a file")
+        self.path, self.size, self.shapes = path, os.path.getsize(path), {}
+
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset):
+                self.shapes[name] = obj.shape
+        try:
+            self._f = h5py.File(path, "r", locking=False)
+            self.attrs = {k: _plain(v) for k, v in self._f.attrs.items()}
+            self._f.visititems(visit)
+        except OSError as e:
+            raise HpctrainError(f"{path}: not a readable --save file ({str(e).splitlines()[0]})") from None
+
+    def stored(self, name, shape=None, model=None):
+        """The dataset `name`, unread, once it is stored as write_params
+        stores it: through hard links only (a soft or external link would
+        read another place or file), of the tensor's shape (where given),
+        floating-point, its bytes inside the file (checkpoints/trust.py's rules)."""
+        path, f = self.path, self._f
+        try:
+            stored = hard_linked(f, name)
+        except Refused as e:
+            raise HpctrainError(f"{path}: {e}; hpctrain writes no such --save file (a crafted one?)") from None
+        except Corrupt:
+            stored = None
+        if stored is None or (shape is not None and stored.shape != tuple(shape)):
+            found = stored.shape if stored is not None else "not a dataset" if name in f else "nothing"
+            raise HpctrainError(f"{path}: {name} is {found}, model {model} needs {tuple(shape or ())}: not the "
+                                f"parameters of this model")
+        if stored.dtype.kind != "f":
+            raise HpctrainError(f"{path}: {name} holds {stored.dtype} values, not floating-point numbers: not "
+                                f"parameters hpctrain saved")
+        try:
+            return stored_inside(stored, name, self.size)
+        except Refused as e:
+            raise HpctrainError(f"{path}: {e}; hpctrain writes no such --save file (a crafted one?)") from None
+
+    def check(self, spec):
+        """Every tensor and state of spec stored, of its shape: before
+        anything of the model's size is allocated."""
+        for name, shape, _, _ in spec.tensors + spec.state:
+            self.stored(name, shape, spec.name)
+
+    def read(self, name, box=None):
+        stored = self.stored(name)
+        try:
+            return np.asarray(stored[box_slices(box)] if box else stored[()], np.float32)   # a 0-d tensor's box is ()
+        except OSError as e:
+            raise HpctrainError(f"{self.path}: not a readable --save file ({str(e).splitlines()[0]})") from None
+
+    def close(self):
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def load_params(path, data_dir=None, model=None):
     """The model in a --save (or --keep-best) file: its record and tensors
-    checked before anything of their size is allocated (_build, _stored)."""
-    import h5py
-    path = str(path)
-    if not os.path.isfile(path):
-        raise HpctrainError(f"{path}: no such file" if not os.path.exists(path) else f"{path}: not a file")
-    try:
-        with h5py.File(path, "r", locking=False) as f:
-            attrs = {k: _plain(v) for k, v in f.attrs.items()}
-            rec = _record_of(attrs, path, data_dir, model)
-            step = attrs.get("step", 0)
-            if not _whole_numbers([step], 0, 2 ** 53):
-                raise HpctrainError(f"{path}: attribute step is {_short(step)}, not a step number; save the model "
-                                    f"again")
-            spec = _build(rec, path, os.path.getsize(path))
-            stored = {name: _stored(f, name, shape, spec, path) for name, shape, _, _ in spec.tensors + spec.state}
-            built = spec.build(np)
-            for name, view in built.tensors() + built.state_tensors():
-                view[...] = stored[name][()]
-    except OSError as e:
-        raise HpctrainError(f"{path}: not a readable --save file ({str(e).splitlines()[0]})") from None
-    _check_finite(built, path)
-    return _trained(spec, built, path, step, rec)
+    checked before anything of their size is allocated (_build, Saved.check)."""
+    with Saved(path) as saved:
+        rec = _record_of(saved.attrs, saved.path, data_dir, model)
+        step = saved.attrs.get("step", 0)
+        if not _whole_numbers([step], 0, 2 ** 53):
+            raise HpctrainError(f"{saved.path}: attribute step is {_short(step)}, not a step number; save the model "
+                                f"again")
+        spec = _build(rec, saved.path, saved.size)
+        saved.check(spec)
+        return _restored(spec, rec, saved.path, saved.read, step)
 
 
-def _stored(f, name, shape, spec, path):
-    """The dataset `name` of a --save file, unread, once it is stored as
-    write_params stores it: through hard links only (a soft or external link
-    would read another place or file), of the tensor's shape, floating-point,
-    its bytes inside the file (checkpoints/trust.py's rules)."""
-    try:
-        stored = hard_linked(f, name)
-    except Refused as e:
-        raise HpctrainError(f"{path}: {e}; hpctrain writes no such --save file (a crafted one?)") from None
-    except Corrupt:
-        stored = None
-    if stored is None or stored.shape != tuple(shape):
-        found = stored.shape if stored is not None else "not a dataset" if name in f else "nothing"
-        raise HpctrainError(f"{path}: {name} is {found}, model {spec.name} needs {tuple(shape)}: not the "
-                            f"parameters of this model")
-    if stored.dtype.kind != "f":
-        raise HpctrainError(f"{path}: {name} holds {stored.dtype} values, not floating-point numbers: not "
-                            f"parameters hpctrain saved")
-    try:
-        return stored_inside(stored, name, os.path.getsize(path))
-    except Refused as e:
-        raise HpctrainError(f"{path}: {e}; hpctrain writes no such --save file (a crafted one?)") from None
+def _restored(spec, rec, source, read, step, state=True):
+    """The model of `spec`, its parameters (and non-trainable state: `state`)
+    read whole by name through `read(name, box)`, every value finite."""
+    from ..state.consumers import restore
+    from ..state.layouts import buffer_parts
+    built = spec.build(np)
+    parts = buffer_parts(spec, [(0, spec.num_params)], built.params)
+    if state:
+        parts += buffer_parts(spec, [(0, spec.num_state)], built.state, of="state")
+    restore(parts, read)
+    _check_finite(built, source)
+    return _trained(spec, built, source, step, rec)
 
 
 def _check_finite(built, source):
@@ -328,18 +379,12 @@ def load_checkpoint(path, data_dir=None, model=None):
 
 def _named(ckpt, data_dir, model):
     """The model in a checkpoint of named tensors (checkpoints/named.py): each tensor read whole by name."""
-    from ..state.consumers import restore
-    from ..state.layouts import buffer_parts
     rec = _record_of(ckpt.attrs, ckpt.path, data_dir, model)
     spec = _build(rec, ckpt.path, sum(size for size, _ in ckpt.files.values()))
-    built = spec.build(np)
     for name, shape, _, _ in spec.tensors + spec.state:
         if tuple(ckpt.tensors.get(name, ((),))[0]) != tuple(shape):
             raise HpctrainError(f"{ckpt.path}: no tensor {name} of shape {tuple(shape)}, as model {spec.name} has")
-    restore(buffer_parts(spec, [(0, spec.num_params)], built.params) +
-            buffer_parts(spec, [(0, spec.num_state)], built.state, of="state"), ckpt.read)
-    _check_finite(built, ckpt.path)
-    return _trained(spec, built, ckpt.path, ckpt.step, rec)
+    return _restored(spec, rec, ckpt.path, ckpt.read, ckpt.step)
 
 
 def _newest_checkpoint(folder):
@@ -363,20 +408,15 @@ def _newest_checkpoint(folder):
 
 
 def rebuilt(rec, source, read, check=None, step=0):
-    """The model of record `rec` (checked as a file's is) whose tensors
+    """The model of record `rec` (checked as a file's is) whose parameters
     `read(name, box)` gives whole (a pretrained model's files:
     interop/pretrained.py); check(spec): one line for tensors the file lacks
     or holds in another shape, before anything of the model's size is
     allocated. The byte count is not held to 4 a value (bf16 files hold 2)."""
-    from ..state.consumers import restore
-    from ..state.layouts import buffer_parts
     spec = _build(_checked(rec, source), source, math.inf)
     if check is not None:
         check(spec)
-    built = spec.build(np)
-    restore(buffer_parts(spec, [(0, spec.num_params)], built.params), read)
-    _check_finite(built, source)
-    return _trained(spec, built, source, step, rec)
+    return _restored(spec, rec, source, read, step, state=False)
 
 
 def load(params=None, checkpoint=None, data_dir=None, model=None):

@@ -27,7 +27,6 @@ import numpy as np
 
 from ..base.errors import HpctrainError
 from ..checkpoints.model_record import ATTR
-from ..state.parts import box_slices
 from . import gpt2
 from .safetensors import SafeTensors
 
@@ -169,36 +168,16 @@ def _safetensors(path):
 
 
 def _saved(path):
-    """An hpctrain --save file (HDF5): its record and datasets."""
-    import h5py
-    from ..checkpoints.trust import Corrupt, Refused, hard_linked
-    try:
-        f = h5py.File(path, "r", locking=False)
-    except OSError as e:
-        raise HpctrainError(f"{path}: neither a Hugging Face folder, a .safetensors file nor an hpctrain --save "
-                            f"file ({str(e).splitlines()[0]})") from None
-    text = f.attrs.get(ATTR)
-    record = _record(text.decode() if isinstance(text, bytes) else text, path) if text is not None else None
+    """An hpctrain --save file (HDF5): its record and datasets, read as
+    predict and evaluate read it (checkpoints/trained.Saved)."""
+    from ..checkpoints.trained import Saved
+    saved = Saved(path)
+    record = _record(saved.attrs.get(ATTR), path)
     if record is None:
-        f.close()
+        saved.close()
         raise HpctrainError(f"{path}: records no model ('{ATTR}' attribute): not a --save file of this hpctrain")
-    shapes, datasets = {}, {}
-
-    def visit(name, obj):
-        if isinstance(obj, h5py.Dataset):
-            datasets[name] = obj
-            shapes[name] = obj.shape
-    f.visititems(visit)
-
-    def reader(name, box):
-        try:
-            stored = hard_linked(f, name)
-        except (Corrupt, Refused) as e:
-            raise HpctrainError(f"{path}: {name}: {e}") from None
-        values = stored[box_slices(box)] if box else stored[()]   # a 0-d tensor's box is ()
-        return np.asarray(values, np.float32)
     vocab, positions = _shape_of_record(record)
-    return Source(path, record["model"], vocab, positions, record, shapes, reader, f.close, False)
+    return Source(path, record["model"], vocab, positions, record, saved.shapes, saved.read, saved.close, False)
 
 
 # --- generate and evaluate: --params PATH ----------------------------------------------
@@ -246,8 +225,6 @@ def init_args(args):
     from argparse import Namespace
     from ..flags.cli import PRETRAINED_DEFAULTS
     from ..flags.model_names import gpt_options
-    if args.mode == "ps":
-        raise HpctrainError("--init-from: ring mode (any --zero, --tensor-parallel, --pipeline-stages); not --mode ps")
     with open_source(args.init_from) as source:
         model, positions = source.model, source.positions
     out = Namespace(**vars(args))

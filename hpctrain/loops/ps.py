@@ -14,11 +14,18 @@ its optimizer state and run `Server.serve_until_done()` (`run_server`). Workers 
 chief (worker 0) initializes the servers with its initial parameters (the same
 as ring mode's for the same seed), logs, evaluates and writes the files.
 
-Checkpoints (--checkpoint-dir): the chief writes them alone, from the servers'
-slices and optimizer state (SNAPSHOT every --checkpoint-every steps; the final
-reply at the end or after a signal) and the data positions that the workers'
-pushes carried to ps 0. On resume it loads the servers back (RESTORE) and the
-workers seek their readers, so sync training resumes bit for bit.
+Checkpoints (--checkpoint-dir): the chief makes a checkpoint's temporary
+folder and sends its path with the request (SNAPSHOT every
+--checkpoint-every steps; the final request at the end or after a signal);
+each server writes its slice and optimizer state there as its own rank file
+(`server_files`: the ps layout of state/layouts.py through
+checkpoints/named.py, as ring ranks write theirs) and replies with what it
+wrote; the chief adds its non-trainable state and the data positions that
+the workers' pushes carried to ps 0, checks the tiling and writes the
+index. On resume the chief sends each server the checkpoint's path
+(RESTORE), and each reads its own boxes (an old flat file: the chief reads
+it and sends the slices); the workers seek their readers, so sync training
+resumes bit for bit.
 
 Faults (a straggler, a hung server, a signal) are injected by the tests
 (tests/faults/inject_ps.py), not here.
@@ -30,6 +37,7 @@ one device-to-host copy of the gradients and one copy back of the
 parameters per round. For NumPy the mirrors are the buffers themselves and
 the reader is used as it is: one loop serves both.
 """
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -51,7 +59,7 @@ from ..optim.on_device import OnDevice
 from ..optim.optimizers import make_optimizer
 from ..report.evaluated import WholeModel
 from ..state import layouts
-from ..state.consumers import whole_flat
+from ..state.consumers import finite, parameters, restore
 from .frame import Frame, diverged
 
 
@@ -151,7 +159,8 @@ def run_server(world, plan, frame, comm, placement, shared):
                     stop_requested=lambda: world.stop.received, nap=world.waits.nap,
                     # --clip-norm, sync: on the aggregate (async: each worker clips its own)
                     clip=Clip(opt.clip_norm) if opt.clip_norm and ps.sync else None,
-                    servers_comm=cluster.ps_comm, shared=shared, dtype=plan.precision.params)
+                    servers_comm=cluster.ps_comm, shared=shared, dtype=plan.precision.params,
+                    **server_files(plan, mine, cluster.rank))
     with world.stop.training() as phase:   # the server loop takes stop requests from here on
         server.serve_until_done()
         phase.stopped = server.round.preempted
@@ -160,17 +169,44 @@ def run_server(world, plan, frame, comm, placement, shared):
     return None
 
 
-def save_cut(plan, checkpoints, cut, model_state):
-    """A checkpoint of the servers' Cut at ps 0's version and optimizer step,
-    and the chief's own non-trainable model state (batch-norm statistics).
-    Sync: every server is at that version (ps 0's hold makes it so: anything
-    else is a bug). Async: each server's slice as it was while held, with
-    the updates it applied; the servers' own counts may differ and resume
-    from ps 0's (docs/ps.md, "Checkpoints in ps mode")."""
+def server_files(plan, ranges, rank):
+    """A server's `write` and `read` (comm/ps/server.Server's) of its parts
+    in a checkpoint folder: the ps layout (state/layouts.ps_server: `ranges`
+    of the flat parameters and their optimizer state, host arrays: an
+    --ps-device gpu optimizer's state() is its host copy). write: rank
+    `rank`'s file (checkpoints/named.write_part), and whether its parameters
+    are finite; read: each part's box from the folder's rank files, as ring
+    ranks restore theirs (state/consumers.restore)."""
+    from ..checkpoints.named import open_checkpoint, write_part
+    from ..checkpoints.trust import Corrupt
+    spec, name = plan.spec, plan.optimizer.name
+
+    def write(folder, params, states):
+        parts = layouts.ps_server(spec, ranges, params, states, name)
+        pieces = [(p.name, p.box, np.ascontiguousarray(p.view, plan.precision.params)) for p in parts]
+        return dict(write_part(folder, rank, pieces), finite=finite(parameters(parts, spec)))
+
+    def read(folder, params, states):
+        try:
+            with open_checkpoint(folder) as ckpt:
+                restore(layouts.ps_server(spec, ranges, params, states, name), ckpt.read)
+        except Corrupt as e:   # checked by the chief already: changed since
+            raise HpctrainError(f"{folder}: {e}") from None
+    return {"write": write, "read": read}
+
+
+def save_cut(plan, checkpoints, cut, folder, keys, model):
+    """The checkpoint of the servers' Cut, written into `folder` by them, at
+    ps 0's version and optimizer step, with the chief's own non-trainable
+    model state (batch-norm statistics). Sync: every server is at that
+    version (ps 0's hold makes it so: anything else is a bug). Async: each
+    server's slice as it was while held, with the updates it applied; the
+    servers' own counts may differ and resume from ps 0's (docs/ps.md,
+    "Checkpoints in ps mode")."""
     if plan.ps.sync and not cut.consistent:
         raise ProtocolError(f"a sync checkpoint cut is not one version: {cut.describe()}")
-    parts = layouts.whole(plan.spec, cut.params, cut.states, model_state, plan.optimizer.name)
-    checkpoints.save_alone(cut.versions[0], parts, sorted(cut.states), cut.ts[0], cut.positions)
+    parts = layouts.ps_worker(plan.spec, model.params, model.state, chief=True)   # it writes the state alone
+    checkpoints.save_written(cut.versions[0], folder, parts, cut.written, keys, cut.ts[0], cut.positions)
 
 
 @dataclass
@@ -191,7 +227,18 @@ class Worker:
 def run_worker(world, plan, frame, comm, reader, placement, shared, why_not=""):
     reader = prefetch.device_batches(reader, world.xp)   # GPU: pinned, async, one step ahead
     w = start_worker(world, plan, frame, comm, placement, shared, why_not)
-    frame.resumed(reader, lambda resume: restore_state(world, plan, frame.checkpoints, resume, w.model))
+    chief, workers = world.chief, world.cluster.worker_comm
+
+    def resume_from(resume):
+        restore_state(world, plan, frame.checkpoints, resume, w.model)
+        if chief:   # the servers: the checkpoint's parameters, optimizer state and data positions
+            start_servers(w.client, resume, w.model, w.state_names, world.cluster.num_workers)
+
+    def initialize():   # --init-from: every worker's copy from the file (its parts), the optimizer fresh
+        frame.init_from(workers, layouts.ps_worker(plan.spec, w.model.params, w.model.state, chief))
+    frame.resumed(reader, resume_from, initialize)
+    if chief and frame.resume is None:   # the servers: the chief's initial (or --init-from) parameters
+        start_servers(w.client, None, w.model, w.state_names, world.cluster.num_workers)
     w.pm.recv_buffer()
     w.client.pull()
     w.pm.to_device()
@@ -202,7 +249,7 @@ def run_worker(world, plan, frame, comm, reader, placement, shared, why_not=""):
 def restore_state(world, plan, checkpoints, resume, model):
     """Every worker's non-trainable state (batch-norm statistics), the
     checkpoint's (the servers take the parameters and optimizer state from
-    the chief: start_servers)."""
+    the chief: start_servers, after it)."""
     spec = plan.spec
     checkpoints.restore(world.cluster.worker_comm, resume,
                         layouts.buffer_parts(spec, [(0, spec.num_state)], model.state, of="state"))
@@ -224,7 +271,6 @@ def start_worker(world, plan, frame, comm, placement, shared, why_not):
     state_names = make_optimizer(plan.optimizer.name, 1, np).state_names
     if world.chief:
         print(cluster_lines(world, plan, placement, exchange_name(client), why_not), flush=True)
-        start_servers(client, frame.resume, model, state_names, cluster.num_workers, plan.optimizer.name)
     # async: each worker clips its own gradient (sync: the servers clip the aggregate)
     clip = Clip(plan.optimizer.clip_norm) if plan.optimizer.clip_norm and not plan.ps.sync else None
     # no allreduce of its own: the push carries the loss and stop request
@@ -295,7 +341,8 @@ def worker_steps(world, plan, frame, w, reader):
             if chief and not client.stop and frame.checkpoint_due(step):
                 # The chief alone: the servers' slices and state at one version
                 # (SNAPSHOT), with the data positions the leader recorded for it.
-                save_cut(plan, frame.checkpoints, client.snapshot(w.state_names), model.state)
+                with frame.checkpoints.folder_for_servers(step) as folder:
+                    save_cut(plan, frame.checkpoints, client.snapshot(folder), folder, w.state_names, model)
             if client.preempted:
                 frame.stopping(step)
     return local
@@ -303,14 +350,24 @@ def worker_steps(world, plan, frame, w, reader):
 
 def end_worker(world, plan, frame, w, local):
     """Every worker ends with the final parameters (the evaluation is shared);
-    the chief also gets the final optimizer state for the last checkpoint.
-    Then the pre-emption exit, or the results."""
-    cluster, chief, checkpoints, client, ps = world.cluster, world.chief, frame.checkpoints, w.client, plan.ps
+    with --checkpoint-dir the servers write their final state into the
+    chief's folder for the last checkpoint. Then the pre-emption exit, or
+    the results."""
+    checkpoints, client = frame.checkpoints, w.client
+    want_state = checkpoints.enabled and world.chief
+    # the servers write their final state into it with their last reply (removed unless
+    # the save renamed it into place: this step may be saved already)
+    with checkpoints.folder_for_servers(client.version) if want_state else contextlib.nullcontext() as folder:
+        with frame.timeline.span("final pull", cat="comm"):
+            w.pm.recv_buffer()
+            stats, final_cut = client.final(folder)
+        return end_run(world, plan, frame, w, local, stats, final_cut, folder)
+
+
+def end_run(world, plan, frame, w, local, stats, final_cut, folder):
+    """end_worker's rest, once the servers' final reply is in."""
+    cluster, checkpoints, client, ps = world.cluster, frame.checkpoints, w.client, plan.ps
     W, R = cluster.num_workers, ps.replicas
-    want_state = checkpoints.enabled and chief
-    with frame.timeline.span("final pull", cat="comm"):
-        w.pm.recv_buffer()
-        stats, final_cut = client.final(w.state_names if want_state else None)
     w.pm.to_device()
     w.pm.wait()   # nothing reads the pinned mirror once run_worker returns
     step = client.version
@@ -329,14 +386,15 @@ def end_worker(world, plan, frame, w, local):
         extra["recomputed_forwards"] = w.model.run.recomputed
     alone = bool(extra["abandoned_workers"])
     record = frame.end(step, client.preempted, cluster.comm, w.evaluated,
-                       save=(lambda at: save_cut(plan, checkpoints, final_cut, w.model.state)) if want_state else None,
+                       save=(lambda at: save_cut(plan, checkpoints, final_cut, folder, w.state_names, w.model))
+                       if final_cut is not None else None,
                        extra=extra, alone=alone)
     if alone:
         finish_without(world, plan, step, extra)
     return record
 
 
-def start_servers(client, resume, model, state_names, num_workers, optimizer):
+def start_servers(client, resume, model, state_names, num_workers):
     """The chief decides the servers' starting point: the checkpoint's
     parameters, optimizer state and data positions, or its initial parameters."""
     from ..checkpoints.resume import positions_for, resume_point
@@ -344,14 +402,12 @@ def start_servers(client, resume, model, state_names, num_workers, optimizer):
         client.restore(0, 0, device.to_host(model.params))
         return
     ckpt = resume.checkpoint
-    if ckpt.named:   # a checkpoint of named tensors: the whole flat buffers the servers take, read on the chief
-        tensors = model.spec.tensors
-        params = whole_flat(ckpt.source.read, tensors)
-        states = {name: whole_flat(ckpt.source.read, tensors, f"{optimizer}.{name}/") for name in state_names}
-    else:
-        params, states = ckpt.params, {name: ckpt.optimizer_state[name] for name in state_names}
-    client.restore(resume.step, resume.optimizer_t, params, states,
-                   positions_for(resume_point(ckpt.data_positions), num_workers))
+    positions = positions_for(resume_point(ckpt.data_positions), num_workers)
+    if ckpt.named:   # a checkpoint of named tensors: each server reads its own boxes
+        client.restore(resume.step, resume.optimizer_t, positions=positions, folder=ckpt.path)
+        return
+    client.restore(resume.step, resume.optimizer_t, ckpt.params,
+                   {name: ckpt.optimizer_state[name] for name in state_names}, positions)
 
 
 def log_progress(world, plan, frame, step, clip, norms, local):

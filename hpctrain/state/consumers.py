@@ -11,8 +11,6 @@ whatever the layout:
 - `restore(parts, read)`: every part's box from `read(name, box)` (host
   values) into its view; `FromChief`: that read, where the chief alone has
   the file, each rank's boxes read on the chief and sent to it;
-- `whole_flat(read, tensors)`: the other way, named tensors read into one
-  flat buffer (ps's servers take flat buffers);
 - `flat_read(ckpt, spec, optimizer)`: such a read over an old flat
   checkpoint (checkpoints/read_back.Checkpoint: `params`,
   `optimizer_state`, `model_state`, arrays or lazily read datasets laid out
@@ -148,13 +146,6 @@ class FromChief:
                 values = np.ascontiguousarray(self.read(name, tuple(map(tuple, box))), np.dtype(dtype))
                 with self.waiting(f"{name} to rank {rank} (resume)", rank):
                     comm.Send(values, dest=rank, tag=TAG + 1)
-
-
-def whole_flat(read, tensors, prefix=""):
-    """The flat buffer of `tensors` [(name, shape, lo, hi)] (a spec's), each
-    read whole (`read(prefix + name, None)`): what a layout that takes flat
-    buffers (ps's servers) needs of a checkpoint of named tensors."""
-    return np.concatenate([np.asarray(read(prefix + name, None)).reshape(-1) for name, _, _, _ in tensors])
 
 
 def flat_read(ckpt, spec, optimizer):

@@ -18,9 +18,7 @@ parts of a flat buffer laid out by a (possibly tensor-split) spec
   chunk's buffer (pipeline/tied.py) and is not a part: its owner's is;
 - `ps_server`: a parameter server's ranges of the flat parameters and its
   optimizer state (compact, as the server holds them); `ps_worker`: a
-  worker's copy (written by no one) and the chief's non-trainable state;
-  `whole`: flat buffers of the whole model (ps's chief writes the
-  servers' cut of them alone).
+  worker's copy (written by no one) and the chief's non-trainable state.
 
 The non-trainable state (batch-norm statistics) follows each replica's own
 batches; the model's is the chief's, as checkpoints and --save always held
@@ -143,15 +141,6 @@ def ps_server(spec, ranges, params, state, name):
     for key, array in sorted(state.items()):
         out += buffer_parts(spec, ranges, array, prefix=f"{name}.{key}/")
     return out
-
-
-def whole(spec, params, optimizer_state, state, name):
-    """Flat buffers of the whole model, all written from here: `params`, the
-    optimizer's `optimizer_state` {key: array}, the non-trainable `state`
-    (ps's chief writing the servers' cut of them alone)."""
-    n = [(0, spec.num_params)]
-    return buffer_parts(spec, n, params) + buffer_parts(spec, [(0, spec.num_state)], state, of="state") + \
-        [p for key, array in sorted(optimizer_state.items()) for p in buffer_parts(spec, n, array, f"{name}.{key}/")]
 
 
 def ps_worker(spec, params, state, chief):

@@ -115,8 +115,8 @@ def probe_cuts(path):
         record(cut, "snapshot")
         return cut
 
-    def final_recorded(self, state_names=None):
-        stats, cut = final(self, state_names)
+    def final_recorded(self, folder=None):
+        stats, cut = final(self, folder)
         if cut is not None:
             record(cut, "final")
         return stats, cut

@@ -17,6 +17,7 @@ and writes device memory itself): then the stream is synchronized before
 MPI may overwrite what kernels still read, and after packing (kernels)
 before MPI reads the packed copies; unpacking is ordered on the stream.
 """
+import json
 import time
 from typing import NamedTuple
 
@@ -26,21 +27,23 @@ from mpi4py import MPI
 from ...base.device import array_module
 from ..deadline import NO_WATCHDOG
 from .placement import Slice
-from .protocol import (F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH,
-                       H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER, OP_FINAL,
-                       OP_PULL, OP_PUSH, OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER, TAG_PARAMS,
-                       TAG_REPLY, ProtocolError, loss_field, stats_length)
+from .protocol import (FROM_FOLDER, F_OWN_BUFFER, F_PREEMPTED, F_REJECTED, F_STOP, F_STOP_REQUEST, F_WANT_STATE,
+                       H_EPOCH, H_FLAGS, H_LOSS, H_NORM, H_NSTATE, H_OFFSET, H_OP, H_T, H_VERSION, H_WORKER, HEADER,
+                       OP_FINAL, OP_PULL, OP_PUSH, OP_RELEASE, OP_RESTORE, OP_SNAPSHOT, TAG_BULK, TAG_GRAD, TAG_HEADER,
+                       TAG_PARAMS, TAG_REPLY, ProtocolError, loss_field, stats_length)
+from .snapshot import receive_text, text_buffer
 from ..waits import Waits
 
 
 class Cut(NamedTuple):
-    """Every server's state at one moment, as full flat arrays: a checkpoint.
-    versions and ts: each server's version and optimizer step; positions: the
-    workers' data positions (W x 2) that go with the leader's version."""
+    """Every server's state at one moment, each written by its server into
+    the chief's folder: a checkpoint. versions and ts: each server's version
+    and optimizer step; written: what each wrote (its writer's JSON, decoded);
+    positions: the workers' data positions (W x 2) that go with the leader's
+    version."""
     versions: list
     ts: list
-    params: np.ndarray
-    states: dict
+    written: list
     positions: np.ndarray
 
     @property
@@ -195,52 +198,50 @@ class Client:
         self._exchange(OP_PUSH, flags, loss, grads=True, what="push gradients, pull parameters",
                        position=position)
 
-    def final(self, state_names=None):
+    def final(self, folder=None):
         """Say done; once every worker is, receive the final parameters and each
         server's statistics. Returns (stats, cut): stats one row per server;
-        with state_names (the optimizer's, in order) cut is the final
-        optimizer state and data positions, a Cut whose params are this
-        client's buffer, else None."""
+        with `folder` (a checkpoint's temporary folder) every server writes
+        its final slice and optimizer state there and cut is the Cut of what
+        they wrote, else None."""
+        path = None if folder is None else text_buffer(folder)
+        # the folder rides right behind the request (each server reads it on OP_FINAL)
+        sends = [] if path is None else [self.comm.Isend(path, rank, TAG_BULK) for rank in self.servers]
         reqs = [self.comm.Irecv(self.stats[k], self.servers[k], TAG_BULK) for k in range(self.num_servers)]
-        flags = (F_PREEMPTED if self.preempted else 0) | (F_WANT_STATE if state_names is not None else 0)
+        flags = (F_PREEMPTED if self.preempted else 0) | (F_WANT_STATE if folder is not None else 0)
         self._exchange(OP_FINAL, flags, what="final parameters")
         with self.waiting("final statistics", peer=self.servers):
-            MPI.Request.Waitall(reqs)
+            MPI.Request.Waitall(reqs + sends)
         cut = None
-        if state_names is not None:
-            states, positions = self._flat_states(state_names), self._positions()
+        if folder is not None:
+            written, positions = [], self._positions()
             for k, rank in enumerate(self.servers):
                 with self.waiting("final state", peer=rank):
-                    self._receive_slices(k, states.values(), positions)
-            cut = Cut([int(h[H_VERSION]) for h in self.hdr_in], [int(h[H_T]) for h in self.hdr_in],
-                      self.params, states, positions)
+                    written.append(self._receive_written(k, positions))
+            cut = Cut([int(h[H_VERSION]) for h in self.hdr_in], [int(h[H_T]) for h in self.hdr_in], written,
+                      positions)
         for req in self.pushes + self.recvs:
             req.Free()
         return self.stats, cut
-
-    def _flat_states(self, state_names):
-        return {name: np.zeros(self.params.size, self.params.dtype) for name in state_names}
 
     def _positions(self):
         """The workers' data positions, W x 2, none yet."""
         return np.zeros((self.num_workers, 2), np.int64)
 
-    def _receive_slices(self, k, flats, positions):
-        """From server k on TAG_BULK: its slice of each of `flats` (full flat
-        arrays, in order), then the workers' data positions, kept from the
-        leader (k = 0) only."""
+    def _receive_written(self, k, positions):
+        """From server k on TAG_BULK: what it wrote (JSON), then the workers'
+        data positions, kept from the leader (k = 0) only."""
         rank = self.servers[k]
-        for flat in flats:
-            piece = Slice(flat, self.placement[k])
-            self.comm.Recv(piece.buf, rank, TAG_BULK)
-            piece.unpack()
+        written = json.loads(receive_text(self.comm, rank))
         self.comm.Recv(positions if k == 0 else self._positions(), rank, TAG_BULK)
+        return written
 
     # --- checkpoint support (chief) ----------------------------------------
-    def restore(self, version, t, params, states=None, positions=None):
+    def restore(self, version, t, params=None, states=None, positions=None, folder=None):
         """Load every server: its slice of `params` (full flat array) and, when
         `states` (name -> full flat array, in the optimizer's state order) is
-        given, of each optimizer state; version, optimizer step t, and the
+        given, of each optimizer state; or, with `folder` (a checkpoint's),
+        what each server reads there itself; version, optimizer step t, and the
         workers' data positions (W x 2, default zeros) that go with them."""
         states = states or {}
         positions = self._positions() if positions is None else \
@@ -249,10 +250,12 @@ class Client:
             header = self.hdr_out[k]
             header[:] = 0
             header[H_OP], header[H_VERSION], header[H_WORKER] = OP_RESTORE, version, self.worker
-            header[H_T], header[H_NSTATE] = t, len(states)
+            header[H_T], header[H_NSTATE] = t, len(states) if folder is None else FROM_FOLDER
             with self.waiting("restore servers", peer=rank):
                 self.comm.Send(header, rank, TAG_HEADER)
-                for flat in [params, *states.values()]:
+                if folder is not None:
+                    self.comm.Send(text_buffer(folder), rank, TAG_BULK)
+                for flat in [params, *states.values()] if folder is None else []:
                     piece = Slice(np.ascontiguousarray(flat, self.params.dtype), self.placement[k])
                     piece.pack()
                     self.comm.Send(piece.buf, rank, TAG_BULK)
@@ -261,29 +264,30 @@ class Client:
             self.versions[k] = self.hdr_in[k][H_VERSION]
         self.version = int(version)
 
-    def snapshot(self, state_names):
-        """A Cut of every server: the leader first (it holds, and its version
-        is the cut's), then each other server, sync at that version, async
-        held as it is (its version may differ); then every server is released."""
-        params = np.zeros(self.params.size, self.params.dtype)
-        states, positions = self._flat_states(state_names), self._positions()
-        versions, ts = [], []
+    def snapshot(self, folder):
+        """A Cut of every server, each writing its slice and optimizer state
+        into `folder` (a checkpoint's temporary folder): the leader first (it
+        holds, and its version is the cut's), then each other server, sync at
+        that version, async held as it is (its version may differ); then
+        every server is released."""
+        path, positions = text_buffer(folder), self._positions()
+        versions, ts, written = [], [], []
         for k, rank in enumerate(self.servers):
             # sync: followers answer at the leader's version; async: each as it is, held
             target = versions[0] if k and self.sync else -1
             self._send_header(k, OP_SNAPSHOT, target, "snapshot")
             reply = self.hdr_in[k]
             with self.waiting("snapshot", peer=rank):
-                self.comm.Recv(reply, rank, TAG_BULK)
-                if int(reply[H_NSTATE]) != len(state_names):
-                    raise ProtocolError(f"ps rank {rank} sent {int(reply[H_NSTATE])} state arrays, "
-                                        f"expected {len(state_names)}")
-                self._receive_slices(k, [params, *states.values()], positions)
+                self.comm.Send(path, rank, TAG_BULK)
+                # while the server writes: polled where ranks nap, so that a Ctrl-C reaches
+                # Python here and the folder is removed (a blocking Recv would sit in C)
+                self.waits.one(self.comm.Irecv(reply, rank, TAG_BULK))
+                written.append(self._receive_written(k, positions))
             versions.append(int(reply[H_VERSION]))
             ts.append(int(reply[H_T]))
         for k in range(self.num_servers):
             self._send_header(k, OP_RELEASE, -1, "release after the snapshot")
-        return Cut(versions, ts, params, states, positions)
+        return Cut(versions, ts, written, positions)
 
     def _send_header(self, k, op, version, what):
         header = self.hdr_out[k]

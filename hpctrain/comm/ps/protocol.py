@@ -32,7 +32,9 @@ position after the batch of this gradient. Ops:
                  workers' data positions (int64 W x 2) that go with that version
     OP_RESTORE   (chief) header (version, t, nstate) then, on TAG_BULK, the
                  slice, nstate state arrays (0: reset the state) and the data
-                 positions (W x 2); ack on TAG_BULK.
+                 positions (W x 2); ack on TAG_BULK. nstate FROM_FOLDER: a
+                 checkpoint folder's path in place of the arrays, from which
+                 the server reads its slice and state itself.
     OP_RELEASE   (chief) the snapshot is taken: apply the pushes held since.
 
 A checkpoint is one cut: the chief asks the leader first (version -1); the
@@ -48,6 +50,8 @@ HEADER = 11
 H_OP, H_VERSION, H_WORKER, H_FLAGS, H_STOP, H_T, H_NSTATE, H_LOSS, H_EPOCH, H_OFFSET, H_NORM = range(HEADER)
 
 OP_PULL, OP_PUSH, OP_FINAL, OP_SNAPSHOT, OP_RESTORE, OP_REPLY, OP_ROUND, OP_RELEASE = 1, 2, 3, 4, 5, 6, 7, 8
+
+FROM_FOLDER = -1     # OP_RESTORE's nstate: the server reads its parts from a checkpoint folder
 
 F_STOP_REQUEST = 1   # a stop signal was seen: please stop soon
 F_STOP = 2           # reply: the leader's version reached its stop version: stop now

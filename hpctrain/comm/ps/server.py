@@ -20,6 +20,7 @@ The server returns when every worker sent OP_FINAL.
 
 Every blocking wait runs under the watchdog (`--timeout`), naming the peer.
 """
+import json
 import time
 
 import numpy as np
@@ -35,7 +36,7 @@ from .protocol import (F_PREEMPTED, F_STOP_REQUEST, F_WANT_STATE, H_EPOCH, H_FLA
                        loss_field)
 from .round import Async, Push, Round, Sync
 from .silence import SilenceWatch
-from .snapshot import CutHold, DataPositions, receive_restore
+from .snapshot import CutHold, DataPositions, receive_restore, receive_text, text_buffer
 from .stats import ServerStats
 from ..waits import Waits
 
@@ -61,12 +62,17 @@ class Server:
     (server_ranks[0] leads); steps: the step budget; nap: wait without
     busy-polling (comm/waits.py); servers_comm: the servers' communicator, where
     the slices' sums of squares meet (clip, several servers); shared: the
-    node's SharedExchange (shared.py) or None.
+    node's SharedExchange (shared.py) or None; write: `write(folder,
+    params, states)` writes this server's slice and optimizer state into a
+    checkpoint's folder and returns what it wrote (JSON-able: the writer is
+    the loop's, loops/ps.py, which knows the model's tensors); read:
+    `read(folder, params, states)`, the other way (a resume).
     """
 
     def __init__(self, comm, ranges, worker_ranks, server_ranks, optimizer, lr_fn, *, steps,
                  sync=True, replicas=None, max_staleness=None, dc_lambda=0.0, watchdog=NO_WATCHDOG,
-                 stop_requested=None, nap=False, clip=None, servers_comm=None, shared=None, dtype=FLOAT32.params):
+                 stop_requested=None, nap=False, clip=None, servers_comm=None, shared=None, dtype=FLOAT32.params,
+                 write=None, read=None):
         self.comm, self.rank = comm, comm.Get_rank()
         self.workers, self.servers = list(worker_ranks), list(server_ranks)
         self.leader = self.rank == self.servers[0]
@@ -94,7 +100,8 @@ class Server:
         self.final_version = 0                  # the leader version workers ended at (from OP_FINAL)
         self.want = np.full(W, -1, np.int64)    # pending reply: minimum version, -1 none
         self.done = np.zeros(W, bool)
-        self.want_state = np.zeros(W, bool)     # OP_FINAL asked for the optimizer state
+        self.final_state = None                 # OP_FINAL with F_WANT_STATE: (worker, the folder to write it to)
+        self._write, self._read = write, read
         self.left_behind = np.zeros(W, bool)    # silent past the deadline after the run
         self.positions = DataPositions(W)
         self.cut = CutHold(self)                # a checkpoint cut being taken
@@ -175,7 +182,7 @@ class Server:
         elif op == OP_FINAL:
             self._on_final(w, header)
         elif op == OP_SNAPSHOT:
-            self.cut.on_snapshot(w, int(header[H_VERSION]))
+            self.cut.on_snapshot(w, int(header[H_VERSION]), self._folder_from(w))
             ex.req_hdr[w].Start()
         elif op == OP_RELEASE:
             ex.req_hdr[w].Start()
@@ -242,10 +249,30 @@ class Server:
     def _on_final(self, w, header):
         self.done[w] = True
         self.final_version = max(self.final_version, int(header[H_VERSION]))
-        self.want_state[w] = bool(header[H_FLAGS] & F_WANT_STATE)
+        if header[H_FLAGS] & F_WANT_STATE:
+            self.final_state = (w, self._folder_from(w))
         if header[H_FLAGS] & F_PREEMPTED:
             self.round.preempted = True
         self.ex.cancel_gradient(w)
+
+    def _folder_from(self, w):
+        """The checkpoint folder the chief sends right behind its request."""
+        with self.watchdog.waiting("checkpoint folder from the chief", peer=self.workers[w]):
+            return receive_text(self.comm, self.workers[w])
+
+    def written(self, folder):
+        """This server's slice and optimizer state written into `folder`: what `write` says of it."""
+        if self._write is None:
+            raise ProtocolError(f"ps rank {self.rank}: asked for a checkpoint, but it has no writer")
+        with self.watchdog.busy():   # others wait for the file: busy, not stalled
+            return self._write(folder, self.ex.params, self.opt.state())
+
+    def read(self, folder, states):
+        """This server's slice and optimizer state (`states`: opt.state()'s) read from a checkpoint folder."""
+        if self._read is None:
+            raise ProtocolError(f"ps rank {self.rank}: asked to read a checkpoint, but it has no reader")
+        with self.watchdog.busy():   # the chief waits for the acknowledgement: busy, not stalled
+            self._read(folder, self.ex.params, states)
 
     def repost(self, w):
         if not self.done[w]:
@@ -287,13 +314,14 @@ class Server:
         if self.link is not None:
             self.link.finish()
         stats = self.stats.to_array(self.round.version, ex.size)
-        states = list(self.opt.state().values())
         positions = self.positions.at(self.round.version)
+        asked, folder = self.final_state or (None, None)
+        written = None if folder is None else text_buffer(json.dumps(self.written(folder)))
         present = [w for w in range(self.num_workers) if not self.left_behind[w]]
         reqs = []
         for w in present:
             self.fill_reply(ex.hdr_out[w], w)
-            reqs += ex.final_sends(w, stats, states + [positions] if self.want_state[w] else [])
+            reqs += ex.final_sends(w, stats, [written, positions] if w == asked else [])
         with self.watchdog.waiting("final replies", peer=[self.workers[w] for w in present]):
             MPI.Request.Waitall(reqs)
         if self.silence:
