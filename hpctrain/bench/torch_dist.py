@@ -14,6 +14,7 @@ of the repeats' own ratios. The example lives in the repository
 (examples/), not in an installed package: a pip-installed hpctrain has no
 such case, and says so in one line.
 """
+import importlib.util
 import json
 import os
 import tempfile
@@ -53,10 +54,8 @@ def one_run(ranks, ddp, steps, extra, tmp):
 
 
 def main(args, extra):
-    try:
-        import torch  # noqa: F401 (the example needs it; one line now rather than a rank's traceback)
-    except ImportError:
-        raise HpctrainError("bench torch needs torch: pip install 'hpctrain[torch]'") from None
+    if importlib.util.find_spec("torch") is None:   # one line now rather than a traceback from each rank
+        raise HpctrainError("bench torch needs torch: pip install 'hpctrain[torch]'")
     example_path()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
