@@ -18,7 +18,7 @@ PACKAGE = os.path.join(REPO, "hpctrain")
 # (COMMANDS) anything.
 LEVELS = [
     {"loops"},
-    {"run", "interop", "checkpoints", "state", "report", "pipeline"},
+    {"run", "interop", "checkpoints", "state", "report", "pipeline", "dist"},
     {"comm", "optim"},
     {"nn", "data"},
     {"base", "flags", "__init__"},

@@ -1,0 +1,367 @@
+"""hpctrain.dist's collectives on host arrays (NumPy, PyTorch CPU tensors,
+any buffer): allreduce, allgather, broadcast, reducescatter, alltoall,
+barrier, each with an `_async` form returning a handle (engine.py),
+in-place forms (`allreduce_`, `broadcast_`), and join().
+
+Sum and Average go through hpctrain's own allreduce, the one the program's
+data parallelism uses (comm/__init__.make_allreduce: the ring of
+comm/ring_allreduce.py on one node, hier.py across nodes), and with
+compression fp16/bf16 through its 16-bit ring (comm/compressed_exchange.py:
+float32 sums, 16-bit words on the wire, fp16 divided by the ranks first).
+The ring sums; Min, Max and Product are MPI's own MPI_Allreduce, and
+allgather, broadcast, reducescatter and alltoall MPI's collectives
+(MPI_Allgatherv, MPI_Bcast, MPI_Reduce_scatter, MPI_Alltoallv). Each call
+is checked first (calls.py: one small allreduce of a fingerprint), and
+every wait is bounded by the deadline (runtime.py).
+
+    mpirun -n 3 python -m mpi4py -m pytest -q --only-mpi tests/test_dist.py
+"""
+import numpy as np
+
+from ..base.chunks import chunk_bounds
+from .arrays import host_array, like
+from .calls import COMPRESSIONS, OPS, Call, agree
+from .errors import DistError
+from .runtime import runtime
+
+Average, Sum, Min, Max, Product = "Average", "Sum", "Min", "Max", "Product"
+
+
+class Compression:
+    """How allreduce's Sum/Average crosses the wire (Horovod's
+    hvd.Compression.none/fp16; bf16 beside them): float32 summed, 16-bit words sent."""
+    none, fp16, bf16 = "none", "fp16", "bf16"
+
+
+def _op(op, what):
+    if op not in OPS[1:]:
+        raise DistError(f"{what}: op={op!r} is not one of Average, Sum, Min, Max, Product")
+    return op
+
+
+def _compression(compression, op, dtype, what):
+    c = getattr(compression, "kind", compression)
+    if c is None:
+        c = "none"
+    if c not in COMPRESSIONS:
+        raise DistError(f"{what}: compression={compression!r} is not one of none, fp16, bf16")
+    if c != "none" and (op not in (Sum, Average) or np.dtype(dtype).kind != "f"):
+        raise DistError(f"{what}: compression={c} compresses a floating-point Sum or Average, "
+                        f"not {np.dtype(dtype)} {op}")
+    return c
+
+
+def _group(process_set):
+    return runtime().group(process_set)
+
+
+def _root(process_set, root_rank, what):
+    """root_rank (a world rank) as a rank of process_set's communicator."""
+    root_rank = int(root_rank)
+    if process_set is None:
+        if not 0 <= root_rank < runtime().world.size:
+            raise DistError(f"{what}: root_rank={root_rank} is not a rank (0 to {runtime().world.size - 1})")
+        return root_rank
+    if root_rank not in process_set.ranks:
+        raise DistError(f"{what}: root_rank={root_rank} is not in {process_set}")
+    return process_set.ranks.index(root_rank)
+
+
+def _flat(arr):
+    """A contiguous 1-D view of arr, or None when that needs a copy."""
+    return arr.reshape(-1) if arr.flags.c_contiguous else None
+
+
+def _mpi_op(op):
+    from mpi4py import MPI   # here, not at import: init() decides how MPI starts
+    return {Sum: MPI.SUM, Average: MPI.SUM, Min: MPI.MIN, Max: MPI.MAX, Product: MPI.PROD,
+            "IN_PLACE": MPI.IN_PLACE}[op]
+
+
+def _neutral(op, dtype):
+    """What a joined rank contributes: it changes no result."""
+    if op in (Sum, Average):
+        return 0
+    if op == Product:
+        return 1
+    if dtype.kind == "f":
+        return np.inf if op == Min else -np.inf
+    if dtype.kind == "b":
+        return op == Min
+    info = np.iinfo(dtype)
+    return info.max if op == Min else info.min
+
+
+# --- the work the engine's thread runs (g: runtime.Group, buffers 1-D contiguous) ---------------
+
+def _reduce(g, buf, op, compression, active):
+    if op in (Sum, Average):
+        if compression != "none":
+            work = buf if buf.dtype == np.float32 else buf.astype(np.float32)
+            g.half(compression).allreduce(work)
+            if work is not buf:
+                buf[...] = work
+        else:
+            g.strategy.allreduce(buf)
+        if op == Average and len(active) > 1:
+            if buf.dtype.kind in "fc":
+                buf /= buf.dtype.type(len(active))
+            else:
+                buf //= len(active)
+    elif g.size > 1:
+        with g.watchdog.waiting(f"hpctrain.dist allreduce ({op})", peer=None):
+            g.comm.Allreduce(_mpi_op("IN_PLACE"), buf, op=_mpi_op(op))
+    return buf
+
+
+def _reduce_scatter(g, flat, rows, row_elems, op, active):
+    bounds = chunk_bounds(rows, g.size)
+    counts = [(bounds[i + 1] - bounds[i]) * row_elems for i in range(g.size)]
+    out = np.empty(counts[g.rank], flat.dtype)
+    with g.watchdog.waiting("hpctrain.dist reducescatter", peer=None):
+        g.comm.Reduce_scatter(flat, out, recvcounts=counts, op=_mpi_op(op))
+    if op == Average and len(active) > 1:
+        if out.dtype.kind in "fc":
+            out /= out.dtype.type(len(active))
+        else:
+            out //= len(active)
+    return out, bounds[g.rank + 1] - bounds[g.rank]
+
+
+def _allgatherv(g, flat, rows, row_elems, dtype):
+    counts = [r * row_elems for r in rows]
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+    out = np.empty(sum(counts), dtype)
+    with g.watchdog.waiting("hpctrain.dist allgather", peer=None):
+        g.comm.Allgatherv(flat, [out, (counts, displs)])
+    return out
+
+
+def _bcast(g, buf, root):
+    if g.size > 1:
+        with g.watchdog.waiting("hpctrain.dist broadcast", peer=g.world_ranks[root]):
+            g.comm.Bcast(buf, root=root)
+    return buf
+
+
+def _serve(g, ag):
+    """A joined rank's part in the others' call (calls.Agreement ag)."""
+    kind, dtype = ag.kind, ag.dtype
+    if kind == "allreduce":
+        _reduce(g, np.full(ag.count, _neutral(ag.op, dtype), dtype), ag.op, ag.compression, ag.active)
+    elif kind == "reducescatter":   # its rows travel in the root field
+        _reduce_scatter(g, np.full(ag.count, _neutral(ag.op, dtype), dtype), ag.root,
+                        ag.count // max(ag.root, 1), ag.op, ag.active)
+    elif kind in ("allgather", "allgather_object"):
+        _allgatherv(g, np.empty(0, dtype), ag.rows, ag.count, dtype)
+    elif kind == "broadcast":
+        _bcast(g, np.empty(ag.count, dtype), ag.root)
+    elif kind == "broadcast_object":
+        _bcast(g, np.empty(ag.rows[ag.root], np.uint8), ag.root)
+
+
+def _call(work, what, process_set):
+    """Submit work(g) to the engine for process_set's group; a Handle."""
+    rt = runtime()
+    return rt.engine.submit(lambda: work(rt.group(process_set)), what)
+
+
+# --- allreduce ---------------------------------------------------------------------------------
+
+def allreduce_async_(tensor, op=Average, compression=Compression.none, name=None, process_set=None):
+    """In place: tensor becomes the reduction over the ranks; the handle's result is tensor."""
+    arr = host_array(tensor, "allreduce_", writable=True)
+    op = _op(op, "allreduce_")
+    comp = _compression(compression, op, arr.dtype, "allreduce_")
+    call = Call("allreduce", arr.dtype, arr.shape, op, comp, name=name)
+    flat = _flat(arr)
+
+    def work(g):
+        ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        buf = flat if flat is not None else np.ascontiguousarray(arr).reshape(-1)
+        _reduce(g, buf, op, comp, ag.active)
+        if flat is None:
+            arr[...] = buf.reshape(arr.shape)
+        return tensor
+    return _call(work, call.describe(), process_set)
+
+
+def allreduce_async(tensor, op=Average, compression=Compression.none, name=None, process_set=None):
+    """The reduction over the ranks as a new array (tensor unchanged)."""
+    arr = np.array(host_array(tensor, "allreduce"), copy=True, order="C")
+    handle = allreduce_async_(arr, op, compression, name, process_set)
+    return _then(handle, lambda out: like(tensor, out))
+
+
+def allreduce(tensor, op=Average, compression=Compression.none, name=None, process_set=None):
+    return synchronize(allreduce_async(tensor, op, compression, name, process_set))
+
+
+def allreduce_(tensor, op=Average, compression=Compression.none, name=None, process_set=None):
+    return synchronize(allreduce_async_(tensor, op, compression, name, process_set))
+
+
+# --- allgather, broadcast, reducescatter, alltoall, barrier -------------------------------------
+
+def allgather_async(tensor, name=None, process_set=None):
+    """Every rank's tensor concatenated along the first dimension (which may differ between ranks)."""
+    arr = np.ascontiguousarray(host_array(tensor, "allgather"))
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    call = Call("allgather", arr.dtype, arr.shape, name=name)
+
+    def work(g):
+        ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        out = _allgatherv(g, arr.reshape(-1), ag.rows, ag.count, arr.dtype)
+        return like(tensor, out.reshape((sum(ag.rows),) + arr.shape[1:]))
+    return _call(work, call.describe(), process_set)
+
+
+def allgather(tensor, name=None, process_set=None):
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=None):
+    """In place: tensor becomes root_rank's (a world rank)."""
+    arr = host_array(tensor, "broadcast_", writable=True)
+    root = _root(process_set, root_rank, "broadcast")
+    call = Call("broadcast", arr.dtype, arr.shape, root=root, name=name)
+    flat = _flat(arr)
+
+    def work(g):
+        agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        buf = flat if flat is not None else np.ascontiguousarray(arr).reshape(-1)
+        _bcast(g, buf, root)
+        if flat is None:
+            arr[...] = buf.reshape(arr.shape)
+        return tensor
+    return _call(work, call.describe(), process_set)
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=None):
+    arr = np.array(host_array(tensor, "broadcast"), copy=True, order="C")
+    return _then(broadcast_async_(arr, root_rank, name, process_set), lambda out: like(tensor, out))
+
+
+def broadcast(tensor, root_rank, name=None, process_set=None):
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=None):
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def reducescatter_async(tensor, op=Average, name=None, process_set=None):
+    """The reduction over the ranks, cut along the first dimension: this
+    rank's near-equal share of the rows (base/chunks.py's partition: the
+    later ranks get the extra rows)."""
+    arr = np.ascontiguousarray(host_array(tensor, "reducescatter"))
+    if arr.ndim == 0:
+        raise DistError("reducescatter: a tensor of at least one dimension")
+    op = _op(op, "reducescatter")
+    call = Call("reducescatter", arr.dtype, arr.shape, op, root=arr.shape[0], name=name)
+    row_elems = int(np.prod(arr.shape[1:], dtype=np.int64))
+
+    def work(g):
+        ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        out, rows = _reduce_scatter(g, arr.reshape(-1), arr.shape[0], row_elems, op, ag.active)
+        return like(tensor, out.reshape((rows,) + arr.shape[1:]))
+    return _call(work, call.describe(), process_set)
+
+
+def reducescatter(tensor, op=Average, name=None, process_set=None):
+    return synchronize(reducescatter_async(tensor, op, name, process_set))
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=None, received_splits=False):
+    """Rows splits[i] of tensor (in order) to rank i of the set; the rows
+    every rank sent this one, in rank order. splits None: equal parts.
+    received_splits=True: (output, the rows from each rank)."""
+    arr = np.ascontiguousarray(host_array(tensor, "alltoall"))
+    if arr.ndim == 0:
+        raise DistError("alltoall: a tensor of at least one dimension")
+    call = Call("alltoall", arr.dtype, arr.shape, name=name)
+    row_elems = int(np.prod(arr.shape[1:], dtype=np.int64))
+    size = runtime().world.size if process_set is None else process_set.size()
+    if splits is None:
+        if arr.shape[0] % size:
+            raise DistError(f"alltoall: {arr.shape[0]} rows do not split evenly over {size} ranks: give splits")
+        send = np.full(size, arr.shape[0] // size, np.int64)
+    else:
+        send = np.asarray(host_array(splits, "alltoall splits"), np.int64).reshape(-1)
+    if send.size != size or send.sum() != arr.shape[0] or (send < 0).any():
+        raise DistError(f"alltoall: splits {send.tolist()} must be {size} counts adding up to the "
+                        f"{arr.shape[0]} rows")
+
+    def work(g):
+        agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        recv = np.empty(g.size, np.int64)
+        with g.watchdog.waiting("hpctrain.dist alltoall (splits)", peer=None):
+            g.comm.Alltoall(send, recv)
+        scounts, rcounts = (send * row_elems).tolist(), (recv * row_elems).tolist()
+        sdispls = [0] + np.cumsum(scounts)[:-1].tolist()
+        rdispls = [0] + np.cumsum(rcounts)[:-1].tolist()
+        out = np.empty(sum(rcounts), arr.dtype)
+        with g.watchdog.waiting("hpctrain.dist alltoall", peer=None):
+            g.comm.Alltoallv([arr.reshape(-1), (scounts, sdispls)], [out, (rcounts, rdispls)])
+        out = like(tensor, out.reshape((int(recv.sum()),) + arr.shape[1:]))
+        return (out, like(splits if splits is not None else tensor, recv)) if received_splits else out
+    return _call(work, call.describe(), process_set)
+
+
+def alltoall(tensor, splits=None, name=None, process_set=None, received_splits=False):
+    return synchronize(alltoall_async(tensor, splits, name, process_set, received_splits))
+
+
+def barrier_async(process_set=None):
+    call = Call("barrier")
+    return _call(lambda g: agree(g.comm, call, 0, g.watchdog, g.world_ranks) and None,
+                 "barrier()", process_set)
+
+
+def barrier(process_set=None):
+    """Every rank of the set got here (the fingerprint's allreduce is the barrier)."""
+    synchronize(barrier_async(process_set))
+
+
+def join(process_set=None):
+    """This rank has no more batches: until every rank of the set has joined,
+    it takes part in the others' collectives with zeros (allreduce; not
+    counted in Average's divisor), no rows (allgather) or as a receiver
+    (broadcast). Returns the rank (world) that joined last."""
+    def work(g):
+        joined = 2   # calls.agree: joining in this call, then 1
+        while True:
+            ag = agree(g.comm, None, joined, g.watchdog, g.world_ranks)
+            joined = 1
+            if ag.all_joined:
+                return g.world_ranks[max(ag.fresh)]
+            _serve(g, ag)
+    return synchronize(_call(work, "join()", process_set))
+
+
+# --- handles -------------------------------------------------------------------------------------
+
+class _Then:
+    """A handle whose result is fn(the inner handle's result)."""
+    __slots__ = ("inner", "fn")
+
+    def __init__(self, inner, fn):
+        self.inner, self.fn = inner, fn
+
+
+def _then(handle, fn):
+    return _Then(handle, fn)
+
+
+def poll(handle):
+    """Whether the call is done (synchronize will not wait)."""
+    inner = handle.inner if isinstance(handle, _Then) else handle
+    return inner.done.is_set()
+
+
+def synchronize(handle):
+    """Wait for an `_async` call; its result (its error raised here)."""
+    if isinstance(handle, _Then):
+        return handle.fn(synchronize(handle.inner))
+    return runtime().engine.wait(handle)
