@@ -45,7 +45,7 @@ from hpctrain.bench.torch_gpt import build
 from hpctrain.data import bundled_text_path
 
 
-def arguments():
+def arguments(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ddp", action="store_true", help="PyTorch DDP (gloo) instead of hpctrain.dist")
     p.add_argument("--data", default=bundled_text_path(), help="a text file (default: the bundled plays)")
@@ -68,7 +68,7 @@ def arguments():
                    help="hpctrain.dist: the gradients' type on the wire")
     p.add_argument("--metrics", default=None, help="rank 0's per-iteration loss and time, JSON Lines")
     p.add_argument("--seed", type=int, default=1337)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def ddp_setup():
@@ -87,11 +87,15 @@ def ddp_setup():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(int(port[0]))
     dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-    return comm.rank, comm.size, MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).size
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_size = node.size
+    node.Free()
+    return comm.rank, comm.size, local_size
 
 
-def main():
-    args = arguments()
+def main(argv=None):
+    """The loop; returns this rank's loss at each iteration."""
+    args = arguments(argv)
     if args.ddp:
         rank, world, local_size = ddp_setup()
     else:
@@ -174,7 +178,7 @@ def main():
     # ------------------------------------------------------------------------------
     # the loop
     metrics = open(args.metrics, "w") if master_process and args.metrics else None
-    times = []
+    times, losses = [], []
     model.train()
     for it in range(args.max_iters):
         if args.eval_interval and it % args.eval_interval == 0 and master_process:
@@ -196,6 +200,7 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         lossf = loss.item()
         times.append(time.perf_counter() - t0)
+        losses.append(lossf)
         if master_process:
             print(f"iter {it}: loss {lossf:.4f}, time {times[-1] * 1000:.2f}ms", flush=True)
             if metrics:
@@ -208,6 +213,7 @@ def main():
         metrics.close()
     if args.ddp:
         torch.distributed.destroy_process_group()
+    return losses
 
 
 if __name__ == "__main__":

@@ -3,13 +3,12 @@ optimizer averages as one process over every rank's samples would, the
 optimizer state's broadcast carries Adam's step and the learning rate, and
 nanoGPT's loop (examples/torch_nanogpt.py) follows PyTorch DDP's losses.
 
-    mpirun -n 2 python -m mpi4py -m pytest -q --only-mpi tests/test_dist_torch.py   # in-process, on the ranks
-    python -m pytest -q tests/test_dist_torch.py                                      # the example against DDP
+    mpirun -n 2 python -m mpi4py -m pytest -q --only-mpi tests/test_dist_torch.py   # on the ranks, in-process
+    python -m pytest -q tests/test_dist_torch.py                                      # what needs one process
 
 Each MPI test exchanges what it found before asserting, so that a failed
 check on one rank does not leave the others in a collective.
 """
-import json
 
 import numpy as np
 import pytest
@@ -186,32 +185,24 @@ def test_optimizer_state_dict_crosses_the_wire_whole(kind):
     assert other.param_groups[0]["lr"] == sd["param_groups"][0]["lr"]
 
 
-@pytest.fixture(scope="module")
-def nanogpt_runs(tmp_path_factory):
-    """examples/torch_nanogpt.py at 2 ranks, nanoGPT's CPU recipe, STEPS
-    iterations: over hpctrain.dist and over DDP (gloo), each rank 0's losses."""
-    from conftest import run_job, under_mpirun
-    if under_mpirun():
-        pytest.skip("launches its own mpirun jobs: runs in the plain pytest pass")
-    out = tmp_path_factory.mktemp("nanogpt")
-    runs = {}
-    for mode in ("hpctrain", "ddp"):
-        metrics = out / f"{mode}.jsonl"
-        args = ["examples/torch_nanogpt.py", "--max-iters", STEPS, "--metrics", metrics]
-        r = run_job(2, *args, *(["--ddp"] if mode == "ddp" else []), module="mpi4py", timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[mode] = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return runs
+STEPS = 8
 
 
-STEPS = 10
-
-
-def test_nanogpt_losses_follow_ddp(nanogpt_runs):
-    ours = [r["loss"] for r in nanogpt_runs["hpctrain"] if "loss" in r]
-    theirs = [r["loss"] for r in nanogpt_runs["ddp"] if "loss" in r]
-    assert len(ours) == len(theirs) == STEPS
+@pytest.mark.mpi(min_size=2)
+def test_nanogpt_losses_follow_ddp():
+    """examples/torch_nanogpt.py, nanoGPT's CPU recipe (block 64, batch 12,
+    4 layers, 4 heads, width 128, AdamW, clipping through synchronize() and
+    skip_synchronize()), run in these ranks over hpctrain.dist and then
+    over PyTorch DDP (gloo): every rank's loss at every step within 1e-4,
+    and it learns. (The report runs 50 steps at 2 and 4 ranks.)"""
+    import importlib.util
+    from conftest import REPO
+    spec = importlib.util.spec_from_file_location("torch_nanogpt", f"{REPO}/examples/torch_nanogpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    flags = ["--max-iters", str(STEPS), "--threads", "1"]
+    ours = example.main(flags)
+    theirs = example.main(flags + ["--ddp"])
     diff = max(abs(a - b) for a, b in zip(ours, theirs))
-    assert diff < 1e-4, (diff, ours, theirs)
-    assert ours[-1] < ours[0] - 0.5   # it learns
-    assert nanogpt_runs["hpctrain"][-1]["event"] == "final" and nanogpt_runs["hpctrain"][-1]["world_size"] == 2
+    _agree(len(ours) == len(theirs) == STEPS and diff < 1e-4 and ours[-1] < ours[0] - 0.3,
+           f"largest loss difference {diff:.2e}; hpctrain.dist {ours}, DDP {theirs}")
