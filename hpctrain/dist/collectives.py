@@ -160,15 +160,17 @@ def _serve(g, ag):
         _bcast(g, np.empty(ag.rows[ag.root], np.uint8), ag.root)
 
 
-def _call(work, what, process_set):
-    """Submit work(g) to the engine for process_set's group; a Handle."""
+def _call(work, what, process_set, now=False):
+    """Submit work(g) to the engine for process_set's group; a Handle.
+    now: the caller waits for it at once (engine.Engine.now: on its thread
+    when nothing is pending)."""
     rt = runtime()
-    return rt.engine.submit(lambda: work(rt.group(process_set)), what)
+    return (rt.engine.now if now else rt.engine.submit)(lambda: work(rt.group(process_set)), what)
 
 
 # --- allreduce ---------------------------------------------------------------------------------
 
-def allreduce_async_(tensor, op=Average, compression=Compression.none, name=None, process_set=None):
+def allreduce_async_(tensor, op=Average, compression=Compression.none, name=None, process_set=None, _now=False):
     """In place: tensor becomes the reduction over the ranks; the handle's result is tensor."""
     arr = host_array(tensor, "allreduce_", writable=True)
     op = _op(op, "allreduce_")
@@ -183,27 +185,27 @@ def allreduce_async_(tensor, op=Average, compression=Compression.none, name=None
         if flat is None:
             arr[...] = buf.reshape(arr.shape)
         return tensor
-    return _call(work, call.describe(), process_set)
+    return _call(work, call.describe(), process_set, _now)
 
 
-def allreduce_async(tensor, op=Average, compression=Compression.none, name=None, process_set=None):
+def allreduce_async(tensor, op=Average, compression=Compression.none, name=None, process_set=None, _now=False):
     """The reduction over the ranks as a new array (tensor unchanged)."""
     arr = np.array(host_array(tensor, "allreduce"), copy=True, order="C")
-    handle = allreduce_async_(arr, op, compression, name, process_set)
+    handle = allreduce_async_(arr, op, compression, name, process_set, _now)
     return _then(handle, lambda out: like(tensor, out))
 
 
 def allreduce(tensor, op=Average, compression=Compression.none, name=None, process_set=None):
-    return synchronize(allreduce_async(tensor, op, compression, name, process_set))
+    return synchronize(allreduce_async(tensor, op, compression, name, process_set, True))
 
 
 def allreduce_(tensor, op=Average, compression=Compression.none, name=None, process_set=None):
-    return synchronize(allreduce_async_(tensor, op, compression, name, process_set))
+    return synchronize(allreduce_async_(tensor, op, compression, name, process_set, True))
 
 
 # --- allgather, broadcast, reducescatter, alltoall, barrier -------------------------------------
 
-def allgather_async(tensor, name=None, process_set=None):
+def allgather_async(tensor, name=None, process_set=None, _now=False):
     """Every rank's tensor concatenated along the first dimension (which may differ between ranks)."""
     arr = np.ascontiguousarray(host_array(tensor, "allgather"))
     if arr.ndim == 0:
@@ -214,14 +216,14 @@ def allgather_async(tensor, name=None, process_set=None):
         ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
         out = _allgatherv(g, arr.reshape(-1), ag.rows, ag.count, arr.dtype)
         return like(tensor, out.reshape((sum(ag.rows),) + arr.shape[1:]))
-    return _call(work, call.describe(), process_set)
+    return _call(work, call.describe(), process_set, _now)
 
 
 def allgather(tensor, name=None, process_set=None):
-    return synchronize(allgather_async(tensor, name, process_set))
+    return synchronize(allgather_async(tensor, name, process_set, True))
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=None):
+def broadcast_async_(tensor, root_rank, name=None, process_set=None, _now=False):
     """In place: tensor becomes root_rank's (a world rank)."""
     arr = host_array(tensor, "broadcast_", writable=True)
     root = _root(process_set, root_rank, "broadcast")
@@ -235,23 +237,23 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None):
         if flat is None:
             arr[...] = buf.reshape(arr.shape)
         return tensor
-    return _call(work, call.describe(), process_set)
+    return _call(work, call.describe(), process_set, _now)
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=None):
+def broadcast_async(tensor, root_rank, name=None, process_set=None, _now=False):
     arr = np.array(host_array(tensor, "broadcast"), copy=True, order="C")
-    return _then(broadcast_async_(arr, root_rank, name, process_set), lambda out: like(tensor, out))
+    return _then(broadcast_async_(arr, root_rank, name, process_set, _now), lambda out: like(tensor, out))
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set, True))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set, True))
 
 
-def reducescatter_async(tensor, op=Average, name=None, process_set=None):
+def reducescatter_async(tensor, op=Average, name=None, process_set=None, _now=False):
     """The reduction over the ranks, cut along the first dimension: this
     rank's near-equal share of the rows (base/chunks.py's partition: the
     later ranks get the extra rows)."""
@@ -266,14 +268,14 @@ def reducescatter_async(tensor, op=Average, name=None, process_set=None):
         ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
         out, rows = _reduce_scatter(g, arr.reshape(-1), arr.shape[0], row_elems, op, ag.active)
         return like(tensor, out.reshape((rows,) + arr.shape[1:]))
-    return _call(work, call.describe(), process_set)
+    return _call(work, call.describe(), process_set, _now)
 
 
 def reducescatter(tensor, op=Average, name=None, process_set=None):
-    return synchronize(reducescatter_async(tensor, op, name, process_set))
+    return synchronize(reducescatter_async(tensor, op, name, process_set, True))
 
 
-def alltoall_async(tensor, splits=None, name=None, process_set=None, received_splits=False):
+def alltoall_async(tensor, splits=None, name=None, process_set=None, received_splits=False, _now=False):
     """Rows splits[i] of tensor (in order) to rank i of the set; the rows
     every rank sent this one, in rank order. splits None: equal parts.
     received_splits=True: (output, the rows from each rank)."""
@@ -306,22 +308,22 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None, received_sp
             g.comm.Alltoallv([arr.reshape(-1), (scounts, sdispls)], [out, (rcounts, rdispls)])
         out = like(tensor, out.reshape((int(recv.sum()),) + arr.shape[1:]))
         return (out, like(splits if splits is not None else tensor, recv)) if received_splits else out
-    return _call(work, call.describe(), process_set)
+    return _call(work, call.describe(), process_set, _now)
 
 
 def alltoall(tensor, splits=None, name=None, process_set=None, received_splits=False):
-    return synchronize(alltoall_async(tensor, splits, name, process_set, received_splits))
+    return synchronize(alltoall_async(tensor, splits, name, process_set, received_splits, True))
 
 
-def barrier_async(process_set=None):
+def barrier_async(process_set=None, _now=False):
     call = Call("barrier")
     return _call(lambda g: agree(g.comm, call, 0, g.watchdog, g.world_ranks) and None,
-                 "barrier()", process_set)
+                 "barrier()", process_set, _now)
 
 
 def barrier(process_set=None):
     """Every rank of the set got here (the fingerprint's allreduce is the barrier)."""
-    synchronize(barrier_async(process_set))
+    synchronize(barrier_async(process_set, True))
 
 
 def join(process_set=None):
@@ -337,7 +339,7 @@ def join(process_set=None):
             if ag.all_joined:
                 return g.world_ranks[max(ag.fresh)]
             _serve(g, ag)
-    return synchronize(_call(work, "join()", process_set))
+    return synchronize(_call(work, "join()", process_set, now=True))
 
 
 # --- handles -------------------------------------------------------------------------------------

@@ -32,6 +32,11 @@ class Engine:
     def __init__(self):
         self._todo = queue.SimpleQueue()
         self._failed = None
+        # Work submitted and not yet done. A synchronous call made when it is 0 runs
+        # on the caller's thread, holding the lock (a later submit waits for it): the
+        # same order, without two thread switches per call (100-150 us on loaded cores).
+        self._pending = 0
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="hpctrain-dist", daemon=True)
         self._thread.start()
 
@@ -40,7 +45,9 @@ class Engine:
         if self._failed is not None:
             raise self._failed
         handle = Handle(what)
-        self._todo.put((work, handle))
+        with self._lock:
+            self._pending += 1
+            self._todo.put((work, handle))
         return handle
 
     def wait(self, handle):
@@ -51,8 +58,20 @@ class Engine:
             raise handle.error
         return handle.result
 
+    def now(self, work, what):
+        """A Handle of work() run after everything submitted before: done on
+        this thread when nothing is pending, else by the engine's thread."""
+        with self._lock:
+            if self._pending == 0:
+                if self._failed is not None:
+                    raise self._failed
+                handle = Handle(what)
+                self._do(work, handle)
+                return handle
+        return self.submit(work, what)
+
     def run(self, work, what):
-        return self.wait(self.submit(work, what))
+        return self.wait(self.now(work, what))
 
     def stop(self):
         """After the work submitted so far; the thread ends."""
@@ -65,15 +84,20 @@ class Engine:
             if item is None:
                 return
             work, handle = item
-            if self._failed is not None:
-                handle.error = self._failed
-            else:
-                try:
-                    handle.result = work()
-                except BaseException as exc:   # raised in the caller's thread by wait()
-                    handle.error = exc
-                    if not getattr(exc, "collective", False):
-                        # one rank's failure: the ranks may now disagree on what was sent.
-                        # A collective error (every rank raised it at the same call) leaves them in step.
-                        self._failed = exc
-            handle.done.set()
+            self._do(work, handle)
+            with self._lock:
+                self._pending -= 1
+
+    def _do(self, work, handle):
+        if self._failed is not None:
+            handle.error = self._failed
+        else:
+            try:
+                handle.result = work()
+            except BaseException as exc:   # raised in the caller's thread by wait()
+                handle.error = exc
+                if not getattr(exc, "collective", False):
+                    # one rank's failure: the ranks may now disagree on what was sent.
+                    # A collective error (every rank raised it at the same call) leaves them in step.
+                    self._failed = exc
+        handle.done.set()

@@ -110,7 +110,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
         buf = data if g.rank == root else np.empty(ag.rows[root], np.uint8)
         _bcast(g, buf, root)
         return obj if g.rank == root else decode(buf)
-    return synchronize(_call(work, "broadcast_object()", process_set))
+    return synchronize(_call(work, "broadcast_object()", process_set, now=True))
 
 
 def allgather_object(obj, name=None, process_set=None):
@@ -123,4 +123,4 @@ def allgather_object(obj, name=None, process_set=None):
         out = _allgatherv(g, data, ag.rows, 1, np.uint8)
         bounds = np.concatenate([[0], np.cumsum(ag.rows)])
         return [decode(out[bounds[i]:bounds[i + 1]]) for i in range(g.size) if not ag.joined[i]]
-    return synchronize(_call(work, "allgather_object()", process_set))
+    return synchronize(_call(work, "allgather_object()", process_set, now=True))

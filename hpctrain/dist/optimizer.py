@@ -129,6 +129,10 @@ class DistributedOptimizer:
         if src.shape != self.grads[i].shape:
             raise DistError(f"DistributedOptimizer.ready({self.names[i]!r}): shape {src.shape}, "
                             f"not {self.grads[i].shape}")
+        if self.counts[i] >= self.passes:
+            # its bucket may be on the wire already: a second write would race the sum
+            raise DistError(f"DistributedOptimizer.ready({self.names[i]!r}) called {self.counts[i] + 1} times in a "
+                            f"step of backward_passes_per_step={self.passes}: call synchronize() first")
         self.counts[i] += 1
         if flat.inplace is None or grad is not None:
             part = flat.buf[flat.offsets[k]:flat.offsets[k + 1]]
