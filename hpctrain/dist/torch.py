@@ -44,7 +44,11 @@ weight-decayed parameters and counted a step, is not needed).
 import contextlib
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError:
+    raise ImportError("hpctrain.dist.torch needs PyTorch: pip install 'hpctrain[torch]'") from None
 
 from .. import dist as _dist
 from . import Average, Compression, broadcast_object, rank
