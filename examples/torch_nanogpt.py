@@ -99,7 +99,7 @@ def main(argv=None):
     if args.ddp:
         rank, world, local_size = ddp_setup()
     else:
-        import hpctrain.dist.torch as hvd
+        import hpctrain.dist as hvd
         hvd.init()                                                                      # hvd 1: init
         rank, world, local_size = hvd.rank(), hvd.size(), hvd.local_size()
     master_process = rank == 0

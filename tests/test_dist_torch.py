@@ -1,4 +1,5 @@
-"""hpctrain.dist for PyTorch (hpctrain/dist/torch.py): the wrapped
+"""hpctrain.dist for PyTorch (hpctrain/dist/torch.py, reached through
+hpctrain.dist's own names, dispatch.py): the wrapped
 optimizer averages as one process over every rank's samples would, the
 optimizer state's broadcast carries Adam's step and the learning rate, and
 nanoGPT's loop (examples/torch_nanogpt.py) follows PyTorch DDP's losses.
@@ -19,7 +20,7 @@ from mpi4py import MPI  # noqa: E402
 
 
 def _hvd():
-    import hpctrain.dist.torch as hvd
+    import hpctrain.dist as hvd
     hvd.init()
     return hvd
 
@@ -93,10 +94,8 @@ def test_steps_equal_one_process_over_every_ranks_samples(clip):
 @pytest.mark.mpi(min_size=2)
 def test_backward_passes_per_step_accumulates_before_averaging():
     """Two backward passes a step: the averaged gradient is the average of
-    every rank's two-pass sum; an unused parameter's gradient is zeros.
-    Through `hpctrain.dist` itself, which hands a torch optimizer on."""
-    _hvd()
-    import hpctrain.dist as hvd
+    every rank's two-pass sum; an unused parameter's gradient is zeros."""
+    hvd = _hvd()
     model = _tiny()
     extra = torch.nn.Parameter(torch.ones(5))   # in the optimizer, never in the loss
     named = list(model.named_parameters()) + [("extra", extra)]

@@ -82,15 +82,7 @@ class DistributedOptimizer:
     backward. grads: a list of arrays, or a dict name -> array (the arrays
     the user's backward writes; their shapes are fixed). The update itself
     stays the user's: after synchronize() (or allreduce_gradients()) the
-    arrays hold the averages. Given a torch.optim.Optimizer instead, the
-    torch one (torch.py: Horovod's `hvd.DistributedOptimizer(optimizer,
-    named_parameters=...)`)."""
-
-    def __new__(cls, grads, *args, **kwargs):
-        if _is_torch_optimizer(grads):
-            from .torch import DistributedOptimizer as TorchOptimizer
-            return TorchOptimizer(grads, *args, **kwargs)
-        return super().__new__(cls)
+    arrays hold the averages."""
 
     def __init__(self, grads, op=Average, compression=Compression.none, backward_passes_per_step=1,
                  fusion_mb=FUSION_MB, process_set=None, name="grad"):
@@ -189,11 +181,6 @@ class DistributedOptimizer:
         return self.synchronize()
 
 
-def _is_torch_optimizer(x):
-    """A torch.optim.Optimizer, found without importing torch (a loop that passed one has)."""
-    return any(c.__module__.startswith("torch.optim") and c.__name__ == "Optimizer" for c in type(x).__mro__)
-
-
 def _tensors(params):
     """[(name, array)] of a list, a dict, or (name, tensor) pairs (named_parameters())."""
     if isinstance(params, dict):
@@ -216,11 +203,7 @@ def broadcast_optimizer_state(state, root_rank=0, process_set=None):
     """An optimizer's state (a dict of arrays, scalars such as lr and step,
     lists and dicts of them) made root_rank's on every rank: arrays in
     place, everything else written into the dict (and its nested dicts and
-    lists). Returns state. One message (objects.py's encoding, no pickle).
-    A torch.optim.Optimizer: its whole state_dict (torch.py)."""
-    if _is_torch_optimizer(state):
-        from .torch import broadcast_optimizer_state as torch_state
-        return torch_state(state, root_rank)
+    lists). Returns state. One message (objects.py's encoding, no pickle)."""
     root = broadcast_object(state, root_rank, name="optimizer state", process_set=process_set)
     return _assign(state, root, "state")
 

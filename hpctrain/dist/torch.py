@@ -1,7 +1,7 @@
-"""hpctrain.dist for PyTorch (Horovod's `horovod.torch`): a user's torch
-training loop made data-parallel over hpctrain's ring with five lines.
+"""hpctrain.dist's optimizer lines for PyTorch (Horovod's `horovod.torch`):
+a user's torch training loop made data-parallel over hpctrain's ring.
 
-    import hpctrain.dist.torch as hvd
+    import hpctrain.dist as hvd
     hvd.init()
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -9,10 +9,11 @@ training loop made data-parallel over hpctrain's ring with five lines.
 
     mpirun -n 2 python -m mpi4py examples/torch_nanogpt.py    # the whole loop
 
-The rest of hpctrain.dist (init, size, rank, allreduce, ...) is re-exported
-here, so that `hvd` is the one name a Horovod user knows. torch is an
-optional extra (`pip install 'hpctrain[torch]'`): this module imports it,
-nothing else in hpctrain.dist does.
+hpctrain.dist's DistributedOptimizer and broadcast_optimizer_state hand a
+torch.optim.Optimizer to this module (dispatch.py): one `import
+hpctrain.dist as hvd` for NumPy and torch loops alike. torch is an optional
+extra (`pip install 'hpctrain[torch]'`): this module imports it, nothing
+else in hpctrain.dist does.
 
 DistributedOptimizer wraps a torch.optim.Optimizer (it is one, so that LR
 schedulers take it). Every parameter's gradient has a slot in one flat
@@ -50,17 +51,12 @@ try:
 except ImportError:
     raise ImportError("hpctrain.dist.torch needs PyTorch: pip install 'hpctrain[torch]'") from None
 
-from .. import dist as _dist
-from . import Average, Compression, broadcast_object, rank
+from .collectives import Average, Compression
 from .errors import DistError
+from .objects import broadcast_object
 from .optimizer import FUSION_MB, flat_like
 from .optimizer import DistributedOptimizer as _Buckets
-
-# Horovod's torch module is the whole API under one name: every name of
-# hpctrain.dist, DistributedOptimizer and broadcast_optimizer_state then
-# replaced by the torch ones below (broadcast_parameters takes tensors as it is)
-__all__ = list(_dist.__all__)
-globals().update({name: getattr(_dist, name) for name in __all__})
+from .runtime import rank
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
