@@ -194,14 +194,44 @@ def test_nanogpt_losses_follow_ddp():
     skip_synchronize()), run in these ranks over hpctrain.dist and then
     over PyTorch DDP (gloo): every rank's loss at every step within 1e-4,
     and it learns. (The report runs 50 steps at 2 and 4 ranks.)"""
-    import importlib.util
-    from conftest import REPO
-    spec = importlib.util.spec_from_file_location("torch_nanogpt", f"{REPO}/examples/torch_nanogpt.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = _example("torch_nanogpt")
     flags = ["--max-iters", str(STEPS), "--threads", "1"]
     ours = example.main(flags)
     theirs = example.main(flags + ["--ddp"])
     diff = max(abs(a - b) for a, b in zip(ours, theirs))
     _agree(len(ours) == len(theirs) == STEPS and diff < 1e-4 and ours[-1] < ours[0] - 0.3,
            f"largest loss difference {diff:.2e}; hpctrain.dist {ours}, DDP {theirs}")
+
+
+def _example(name):
+    import importlib.util
+    from conftest import REPO
+    spec = importlib.util.spec_from_file_location(name, f"{REPO}/examples/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cupy_loop_with_numpy_standing_in_averages_and_learns():
+    """examples/cupy_loop.py's loop (no GPU here: NumPy stands in for CuPy):
+    every rank ends with the same parameters, bit for bit, and the
+    averaged loss falls."""
+    _hvd()
+    params, losses = _example("cupy_loop").train(np, steps=30, log=None)
+    blob = b"".join(p.tobytes() for p in params)
+    every = MPI.COMM_WORLD.allgather(blob)
+    _agree(all(b == every[0] for b in every) and losses[-1] < 0.6 * losses[0],
+           f"same parameters: {[b == every[0] for b in every]}; losses {losses[0]:.3f} -> {losses[-1]:.3f}")
+
+
+def test_cupy_loop_without_a_gpu_is_one_line(capsys):
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+        pytest.skip("CuPy and a GPU are here")
+    except Exception:
+        pass
+    assert _example("cupy_loop").main(["--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hpctrain: error: examples/cupy_loop.py needs CuPy and a GPU"), err
