@@ -58,17 +58,19 @@ def _agree(ok, why):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("clip", [None, 0.05])
-def test_steps_equal_one_process_over_every_ranks_samples(clip):
+@pytest.mark.parametrize("clip, compression", [(None, "none"), (0.05, "none"), (None, "fp16")])
+def test_steps_equal_one_process_over_every_ranks_samples(clip, compression):
     """Three SGD steps on each rank's own batch, the gradients averaged by
     the hooks (clipped after synchronize() with skip_synchronize(), to a
     norm small enough to bind), equal one process's steps on all the
-    batches at once (equal batches: the mean of the means)."""
+    batches at once (equal batches: the mean of the means); with fp16 on
+    the wire, within its rounding, and not exactly (it did compress)."""
     hvd = _hvd()
     size = hvd.size()
     model, ref = _tiny(), _tiny()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   compression=getattr(hvd.Compression, compression))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     x, y = _batch(hvd.rank())
     whole = _whole_batch(size)
@@ -88,7 +90,8 @@ def test_steps_equal_one_process_over_every_ranks_samples(clip):
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         ref_opt.step()
     diff = float(np.abs(_flat(model) - _flat(ref)).max())
-    _agree(diff < 1e-6, f"largest difference from one process {diff:.2e}")
+    ok = diff < 1e-6 if compression == "none" else 1e-6 < diff < 1e-3
+    _agree(ok, f"largest difference from one process {diff:.2e}")
 
 
 @pytest.mark.mpi(min_size=2)
