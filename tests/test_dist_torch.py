@@ -196,7 +196,10 @@ def test_nanogpt_losses_follow_ddp():
     4 layers, 4 heads, width 128, AdamW, clipping through synchronize() and
     skip_synchronize()), run in these ranks over hpctrain.dist and then
     over PyTorch DDP (gloo): every rank's loss at every step within 1e-4,
-    and it learns. (The report runs 50 steps at 2 and 4 ranks.)"""
+    and it learns. At 2 and 3 ranks (4 ranks on the suite's machine cost
+    twice as much; the report runs 50 steps at 2 and 4)."""
+    if MPI.COMM_WORLD.size > 3:
+        pytest.skip("run at 2 and 3 ranks")
     example = _example("torch_nanogpt")
     flags = ["--max-iters", str(STEPS), "--threads", "1"]
     ours = example.main(flags)
