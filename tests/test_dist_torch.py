@@ -241,3 +241,13 @@ def test_cupy_loop_without_a_gpu_is_one_line(capsys):
     assert _example("cupy_loop").main(["--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hpctrain: error: examples/cupy_loop.py needs CuPy and a GPU"), err
+
+
+def test_bench_torch_without_the_example_is_one_line(tmp_path, monkeypatch, capsys):
+    """`python -m hpctrain.bench torch` runs the repository's example: an
+    installed hpctrain without it says so in one line, exit 2, before any job."""
+    from hpctrain.bench import __main__ as bench, torch_dist
+    monkeypatch.setattr(torch_dist, "repo_root", lambda: tmp_path)
+    assert bench.main(["torch", "--ranks", "2", "--steps", "3", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "examples/torch_nanogpt.py of the repository, not found" in err[0], err
