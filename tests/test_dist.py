@@ -50,6 +50,9 @@ def test_collectives_against_their_definitions(dist):
     assert np.array_equal(dist.allreduce(x, op=dist.Min), np.arange(10))
     assert np.array_equal(dist.allreduce(x, op=dist.Max), np.arange(10) + n - 1)
     assert np.array_equal(x, np.arange(10) + r)   # not in place
+    total = dist.allreduce(x, op=dist.Sum)
+    assert np.array_equal(dist.allreduce(x, op=dist.Sum, prescale_factor=2.0), 2 * total)
+    assert np.array_equal(dist.allreduce(x, op=dist.Sum, postscale_factor=0.25), total / 4)
     y = np.full((3, 2), r, np.int64)[:, :1]        # not contiguous: reduced through a copy, written back
     dist.allreduce_(y, op=dist.Sum)
     assert np.all(y == n * (n - 1) // 2)
@@ -144,6 +147,11 @@ def test_distributed_optimizer_sums_buckets_as_backward_finishes(dist):
     opt.synchronize()
     for k, g in enumerate(grads):
         assert np.array_equal(g, np.full(shapes[k], (n - 1) / 2 + k, np.float32))
+    fresh = [np.full(s, 2 * r + k, np.float32) for k, s in enumerate(shapes)]   # a new array each step
+    for i in (3, 2, 1, 0):
+        opt.ready(i, fresh[i])
+    opt.synchronize()
+    assert all(np.array_equal(g, np.full(shapes[k], n - 1 + k, np.float32)) for k, g in enumerate(fresh))
     flat, views = dist.flat_like(shapes)
     for k, v in enumerate(views):
         v[...] = r + k

@@ -170,10 +170,18 @@ def _call(work, what, process_set, now=False):
 
 # --- allreduce ---------------------------------------------------------------------------------
 
-def allreduce_async_(tensor, op=Average, compression=Compression.none, name=None, process_set=None, _now=False):
-    """In place: tensor becomes the reduction over the ranks; the handle's result is tensor."""
+def allreduce_async_(tensor, op=Average, compression=Compression.none, name=None, process_set=None,
+                     prescale_factor=1.0, postscale_factor=1.0, _now=False):
+    """In place: tensor becomes the reduction over the ranks; the handle's
+    result is tensor. prescale_factor / postscale_factor: each rank's tensor
+    is multiplied by the one before the reduction, the result by the other
+    after it (Horovod's; a floating-point Sum or Average)."""
     arr = host_array(tensor, "allreduce_", writable=True)
     op = _op(op, "allreduce_")
+    scale = (float(prescale_factor), float(postscale_factor))
+    if scale != (1.0, 1.0) and (op not in (Sum, Average) or arr.dtype.kind not in "fc"):
+        raise DistError(f"allreduce_: prescale_factor and postscale_factor scale a floating-point Sum or Average, "
+                        f"not {arr.dtype} {op}")
     comp = _compression(compression, op, arr.dtype, "allreduce_")
     call = Call("allreduce", arr.dtype, arr.shape, op, comp, name=name)
     flat = _flat(arr)
@@ -181,26 +189,35 @@ def allreduce_async_(tensor, op=Average, compression=Compression.none, name=None
     def work(g):
         ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
         buf = flat if flat is not None else np.ascontiguousarray(arr).reshape(-1)
+        if scale[0] != 1.0:
+            buf *= buf.dtype.type(scale[0])
         _reduce(g, buf, op, comp, ag.active)
+        if scale[1] != 1.0:
+            buf *= buf.dtype.type(scale[1])
         if flat is None:
             arr[...] = buf.reshape(arr.shape)
         return tensor
     return _call(work, call.describe(), process_set, _now)
 
 
-def allreduce_async(tensor, op=Average, compression=Compression.none, name=None, process_set=None, _now=False):
+def allreduce_async(tensor, op=Average, compression=Compression.none, name=None, process_set=None,
+                    prescale_factor=1.0, postscale_factor=1.0, _now=False):
     """The reduction over the ranks as a new array (tensor unchanged)."""
     arr = np.array(host_array(tensor, "allreduce"), copy=True, order="C")
-    handle = allreduce_async_(arr, op, compression, name, process_set, _now)
+    handle = allreduce_async_(arr, op, compression, name, process_set, prescale_factor, postscale_factor, _now)
     return _then(handle, lambda out: like(tensor, out))
 
 
-def allreduce(tensor, op=Average, compression=Compression.none, name=None, process_set=None):
-    return synchronize(allreduce_async(tensor, op, compression, name, process_set, True))
+def allreduce(tensor, op=Average, compression=Compression.none, name=None, process_set=None,
+              prescale_factor=1.0, postscale_factor=1.0):
+    return synchronize(allreduce_async(tensor, op, compression, name, process_set, prescale_factor,
+                                       postscale_factor, True))
 
 
-def allreduce_(tensor, op=Average, compression=Compression.none, name=None, process_set=None):
-    return synchronize(allreduce_async_(tensor, op, compression, name, process_set, True))
+def allreduce_(tensor, op=Average, compression=Compression.none, name=None, process_set=None,
+               prescale_factor=1.0, postscale_factor=1.0):
+    return synchronize(allreduce_async_(tensor, op, compression, name, process_set, prescale_factor,
+                                        postscale_factor, True))
 
 
 # --- allgather, broadcast, reducescatter, alltoall, barrier -------------------------------------

@@ -103,6 +103,7 @@ class DistributedOptimizer:
         self.where = {i: (f, k) for f in self.flats for k, i in enumerate(f.indices)}
         self.counts = [0] * len(self.grads)
         self.handles = []
+        self.current = list(self.grads)   # where each average goes this step: ready()'s `grad`, or the array given here
 
     def _index(self, i):
         if isinstance(i, (int, np.integer)) and not isinstance(self.names[0], str):
@@ -114,10 +115,12 @@ class DistributedOptimizer:
 
     def ready(self, i, grad=None):
         """Tensor i's gradient (the array given at construction, or `grad`,
-        of its shape) is final for this backward pass."""
+        of its shape: a framework that makes a new gradient array each step)
+        is final for this backward pass; synchronize() writes the average
+        into that array."""
         i = self._index(i)
         flat, k = self.where[i]
-        src = self.grads[i] if grad is None else host_array(grad, "ready")
+        src = self.grads[i] if grad is None else host_array(grad, "ready", writable=True)
         if src.shape != self.grads[i].shape:
             raise DistError(f"DistributedOptimizer.ready({self.names[i]!r}): shape {src.shape}, "
                             f"not {self.grads[i].shape}")
@@ -126,6 +129,7 @@ class DistributedOptimizer:
             raise DistError(f"DistributedOptimizer.ready({self.names[i]!r}) called {self.counts[i] + 1} times in a "
                             f"step of backward_passes_per_step={self.passes}: call synchronize() first")
         self.counts[i] += 1
+        self.current[i] = src
         if flat.inplace is None or grad is not None:
             part = flat.buf[flat.offsets[k]:flat.offsets[k + 1]]
             if self.counts[i] == 1:
@@ -151,7 +155,8 @@ class DistributedOptimizer:
 
     def synchronize(self):
         """Wait for every bucket (tensors not marked ready are taken as they
-        are now); the gradient arrays then hold the averages."""
+        are now); the gradient arrays (ready()'s, or those given at
+        construction) then hold the averages; returns them."""
         for i in range(len(self.grads)):
             while self.counts[i] < self.passes:
                 self.ready(i)
@@ -161,17 +166,18 @@ class DistributedOptimizer:
             synchronize(h)
         self.handles = []
         for flat in self.flats:
-            if flat.inplace is None:
-                for k, i in enumerate(flat.indices):
-                    self.grads[i].reshape(-1)[...] = flat.buf[flat.offsets[k]:flat.offsets[k + 1]]
+            for k, i in enumerate(flat.indices):
+                if flat.inplace is None or self.current[i] is not self.grads[i]:
+                    self.current[i].reshape(-1)[...] = flat.buf[flat.offsets[k]:flat.offsets[k + 1]]
             flat.launched, flat.done_from = 0, len(flat.indices)
         self.counts = [0] * len(self.grads)
-        return self.grads
+        out, self.current = self.current, list(self.grads)
+        return out
 
     def allreduce_gradients(self, grads=None):
         """The whole step in one call, after backward: every gradient (the
         arrays given at construction, or `grads` in the same order) summed
-        and averaged; returns the arrays at construction, holding the result."""
+        and averaged in place; returns them."""
         given = grads if grads is not None else [None] * len(self.grads)
         if isinstance(given, dict):
             given = [given[n] for n in self.names]

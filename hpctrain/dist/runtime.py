@@ -20,8 +20,8 @@ collective over the members only), on the engine's thread, in call order.
 """
 import atexit
 import os
+import sys
 
-from ..base.errors import HpctrainError
 from .errors import DistError, install_hook
 
 DEFAULT_TIMEOUT = 300.0   # the program's --timeout default (flags/cli.py)
@@ -137,8 +137,10 @@ class Runtime:
         return group
 
     def close(self):
-        """The engine stopped, the communicators freed; MPI finalized if init() started it."""
+        """The engine stopped, the communicators freed, the exception hook
+        put back; MPI finalized if init() started it."""
         self.engine.stop()
+        sys.excepthook = self.previous_hook
         with self.watchdog.waiting("hpctrain.dist.shutdown", peer=None):
             for group in self.groups.values():
                 group.free()
@@ -195,10 +197,7 @@ def shutdown():
     global _RUNTIME
     if _RUNTIME is not None:
         rt, _RUNTIME = _RUNTIME, None
-        try:
-            rt.close()
-        except HpctrainError:
-            raise
+        rt.close()
 
 
 def is_initialized():
