@@ -144,7 +144,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise DistError(f"DistributedOptimizer: {self._names[i]} has a {p.grad.layout} gradient "
                             f"(hpctrain.dist averages dense gradients)")
         grad = p.grad.detach().numpy()
-        self._buckets.ready(i, None if np.shares_memory(grad, self._slots[i]) else grad)
+        if not np.shares_memory(grad, self._slots[i]):
+            self._slots[i][...] = grad   # into the slot here: the buckets then neither copy in nor back out
+        self._buckets.ready(i)
 
     def synchronize(self):
         """Wait until every gradient is averaged; each `.grad` is then its
