@@ -45,16 +45,23 @@ from hpctrain.bench.torch_gpt import build
 from hpctrain.data import bundled_text_path
 
 
+def positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return value
+
+
 def arguments(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ddp", action="store_true", help="PyTorch DDP (gloo) instead of hpctrain.dist")
     p.add_argument("--data", default=bundled_text_path(), help="a text file (default: the bundled plays)")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=12, help="sequences per rank and iteration")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--max-iters", type=int, default=2000)
+    p.add_argument("--block-size", type=positive, default=64)
+    p.add_argument("--batch-size", type=positive, default=12, help="sequences per rank and iteration")
+    p.add_argument("--n-layer", type=positive, default=4)
+    p.add_argument("--n-head", type=positive, default=4)
+    p.add_argument("--n-embd", type=positive, default=128)
+    p.add_argument("--max-iters", type=positive, default=2000)
     p.add_argument("--learning-rate", type=float, default=1e-3, help="one rank's; scaled by the ranks")
     p.add_argument("--min-lr", type=float, default=1e-4)
     p.add_argument("--warmup-iters", type=int, default=100)
@@ -62,13 +69,16 @@ def arguments(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--eval-interval", type=int, default=0, help="iterations between evaluations (0: none)")
-    p.add_argument("--eval-iters", type=int, default=20)
+    p.add_argument("--eval-iters", type=positive, default=20)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: the cores shared out)")
     p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
                    help="hpctrain.dist: the gradients' type on the wire")
     p.add_argument("--metrics", default=None, help="rank 0's per-iteration loss and time, JSON Lines")
     p.add_argument("--seed", type=int, default=1337)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd {args.n_embd} does not split into --n-head {args.n_head} heads")
+    return args
 
 
 def ddp_setup():
