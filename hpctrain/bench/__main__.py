@@ -1,4 +1,4 @@
-"""python -m hpctrain.bench allreduce|train|model|layers|pipeline --help  (--plot PNG: allreduce, train)
+"""python -m hpctrain.bench allreduce|train|compare|torch|model|layers|pipeline --help  (--plot PNG: allreduce, train)
 
 A bad argument is one line (`hpctrain: error: ...`), exit 2, before anything runs."""
 import argparse
@@ -73,7 +73,7 @@ def main(argv=None, prog="python -m hpctrain.bench"):
         args.argv = argv
         # A rank keeps the default handlers: its launcher's SIGTERM must end
         # it even while it waits inside MPI, where no Python handler runs.
-        launcher = args.what in ("train", "compare", "pipeline") or not is_rank()
+        launcher = args.what in ("train", "compare", "torch", "pipeline") or not is_rank()
         with stopping_on_signals() if launcher else nullcontext():
             return _run(args, extra)
     except HpctrainError as e:
@@ -133,6 +133,14 @@ def _subcommands(sub):
                    help="--model NAME: hpctrain's --compiled-layers (auto: on from 200 steps where numba is installed)")
     c.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     c.add_argument("--json", action="store_true")
+
+    o = sub.add_parser("torch", help="nanoGPT's PyTorch loop over hpctrain.dist against PyTorch DDP, repeats "
+                                     "interleaved (tokens/s; flags after -- go to examples/torch_nanogpt.py)")
+    o.add_argument("--ranks", type=_counts, default="2,4", help="comma-separated rank counts (default: %(default)s)")
+    o.add_argument("--steps", type=_POSITIVE, default=50, help="iterations per run (default: %(default)s)")
+    o.add_argument("--repeats", type=_POSITIVE, default=3, help="runs of each per rank count (medians)")
+    o.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
+    o.add_argument("--json", action="store_true")
 
     m = sub.add_parser("model", help="fit alpha-beta models here, predict 8-256 GPUs")
     m.add_argument("--ranks", type=int, default=4, help="ranks for the measurements (default: %(default)s)")
@@ -216,6 +224,9 @@ def _run(args, extra):
             from .train import compare_settings
             return compare_settings(args, extra)
         from .train import main as run
+        return run(args, extra)
+    if args.what == "torch":
+        from .torch_dist import main as run
         return run(args, extra)
     if args.what == "compare":
         _compare_flags(args)

@@ -16,7 +16,8 @@ rank makes the same call: the fingerprint, join's part), collectives.py
 (allreduce over hpctrain's ring, allgather, broadcast, reducescatter,
 alltoall, barrier, join), objects.py (broadcast_object, allgather_object
 without pickle), optimizer.py (DistributedOptimizer, broadcast_parameters,
-broadcast_optimizer_state), arrays.py (NumPy, PyTorch CPU tensors and
+broadcast_optimizer_state), dispatch.py and torch.py (those two names for a torch
+optimizer), arrays.py (NumPy, PyTorch CPU tensors and
 buffers, zero-copy), errors.py (the one-line errors).
 """
 from .collectives import (Average, Compression, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
@@ -25,7 +26,8 @@ from .collectives import (Average, Compression, Max, Min, Product, Sum, allgathe
                           reducescatter, reducescatter_async, synchronize)
 from .errors import DistError
 from .objects import allgather_object, broadcast_object
-from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters, flat_like
+from .dispatch import DistributedOptimizer, broadcast_optimizer_state
+from .optimizer import broadcast_parameters, flat_like
 from .runtime import (ProcessSet, cross_rank, cross_size, init, is_initialized, local_rank, local_size,
                       mpi_threads_supported, rank, shutdown, size)
 

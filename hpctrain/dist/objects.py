@@ -31,7 +31,7 @@ def encode(obj):
     offset = [0]
 
     def add(arr, torch):
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr, order="C")   # 0-d stays 0-d (an optimizer's step; ascontiguousarray makes it 1-d)
         arrays.append({"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset[0], "torch": torch})
         raw.append(arr.tobytes())
         offset[0] += arr.nbytes
