@@ -20,7 +20,7 @@ from .. import data as data_mod
 from ..base import device, vector_width
 from ..flags.cli import build_parser, validate
 from ..flags.model_names import input_kind_of, is_model_file
-from ..comm import allreduce_plan
+from ..comm import allreduce_plan, ulfm
 from ..comm.agree import agreed, check_consistency
 from ..comm.records import allgather_bytes
 from ..comm.waits import Waits
@@ -82,6 +82,7 @@ def start(args, process_note, watchdog, stop, on_roles=None):
         jobcheck.check_world(cluster, say)
     t_start = time.perf_counter()
     agree(validate, args, cluster.size)
+    agree(ulfm.check, args.on_failure)   # --on-failure shrink: refused where the MPI cannot survive a lost rank
     if args.init_from:   # the model (and a --block-size that fits it) from the pretrained model's files
         from ..interop.pretrained import init_args
         args = agree(init_args, args, build_parser().get_default("block_size"), what="reading --init-from")
