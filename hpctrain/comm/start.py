@@ -14,11 +14,17 @@ mpi4py initializes as usual and the deadline starts after MPI_Init.
 import ctypes
 
 
-def start_mpi(watchdog):
+def start_mpi(watchdog, inherit_errhandler=False):
     """Initialize MPI (THREAD_MULTIPLE requested) under watchdog; return the
-    mpi4py.MPI module. On return the watchdog aborts through MPI_Abort."""
+    mpi4py.MPI module. On return the watchdog aborts through MPI_Abort.
+    inherit_errhandler: communicators keep their parent's error handler
+    (MPI's rule) instead of mpi4py's ERRORS_RETURN on each new one, so that
+    --on-failure shrink's handler on the world reaches every communicator
+    made from it (run/survival.revoke_on_failure)."""
     import mpi4py
     mpi4py.rc.initialize = False
+    if inherit_errhandler:
+        mpi4py.rc.errors = "default"
     mpi4py.rc.finalize = True
     from mpi4py import MPI
     from .cuda_aware import loaded_libmpi   # imports mpi4py.MPI: only now, with initialize off
@@ -37,7 +43,7 @@ def start_mpi(watchdog):
     return MPI
 
 
-def stop_mpi(watchdog, guard=None):
+def stop_mpi(watchdog, guard=None, comm=None):
     """A barrier of every rank, then MPI_Finalize, both under watchdog
     (MPI_Finalize waits for the other ranks in some libraries), GIL released
     as in start_mpi. The barrier comes first because a rank that leaves is
@@ -48,14 +54,15 @@ def stop_mpi(watchdog, guard=None):
     the watchdog's thread stops calling MPI, and from here on ends only this
     process; a process that stands still altogether (stopped, stuck in the
     kernel) is ended by `guard`, the watcher outside it (exit_guard.py),
-    armed right after the barrier."""
+    armed right after the barrier. comm: the ranks left (--on-failure
+    shrink: the survivors' communicator), by default the world."""
     import os
     from mpi4py import MPI
     from .cuda_aware import loaded_libmpi
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
     with watchdog.last_barrier(), watchdog.waiting("shutdown: every rank before MPI_Finalize", peer=None):
-        MPI.COMM_WORLD.Barrier()
+        (MPI.COMM_WORLD if comm is None else comm).Barrier()
     if guard is not None:   # from here on, a process that stops moving is ended from outside (exit_guard.py)
         guard.arm(finished=watchdog.note is not None)
     watchdog.stop_using_mpi(abort=os._exit)

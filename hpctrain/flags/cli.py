@@ -438,6 +438,9 @@ def _output_flags(g):
                         "resumes from the last checkpoint) or shrink (the survivors go on without it from the "
                         "last in-memory commit; needs Open MPI's ULFM: mpirun --with-ft ulfm; docs/faults.md) "
                         "(default: %(default)s)")
+    g.add_argument("--commit-every", type=positive_int, default=10, metavar="K",
+                   help="--on-failure shrink: hold in memory what a resume needs every K steps; a lost rank costs "
+                        "the steps since (default: %(default)s)")
 
 
 def validate(args, world_size):
