@@ -164,9 +164,12 @@ def train(args, process_note="", flag_error=None, seen=None):
                 raise
             world, plan, inputs = survival.recover(
                 world, lambda comm: start(args, process_note, watchdog, stop, survival=survival, comm=comm))
-    if world.mesh is not None and survival is None:
+    if survival is not None and survival.recoveries:
+        from .comm.start import stop_survivors
+        stop_survivors(watchdog, world.comm)   # (no MPI_Finalize: it may wait for the lost ranks)
+    if world.mesh is not None:
         world.mesh.free()   # its communicators, made once at start-up
-    stop_mpi(watchdog, guard, comm=world.comm)   # shutdown is a wait too
+    stop_mpi(watchdog, guard)   # shutdown is a wait too
     return record
 
 

