@@ -123,7 +123,9 @@ class Frame:
             self.checkpoints.seek_readers(reader, resume)
             if resume.held is None:   # (after a lost rank, run/survival.py says its own line)
                 self.world.say(self.checkpoints.resumed_line(resume, self.steps))
-        self.report.resume_at(self.checkpoints.saved_step, resume)
+        # (an in-memory commit is no checkpoint on disk, but the metrics go on from it as from one)
+        held = resume is not None and resume.held is not None
+        self.report.resume_at(resume.step if held else self.checkpoints.saved_step, resume)
 
     def init_from(self, comm, parts):
         """Collective over comm: this rank's parameters' parts (parts: all it

@@ -61,7 +61,15 @@ class Survival:
         """After step `step`: hold copies of this rank's parts (every part
         whole in plain data parallelism)."""
         from ..base import device
-        tensors = {p.name: np.array(device.to_host(p.view), copy=True) for p in parts}
+        # Into the older commit's arrays: fresh ones cost their pages' first
+        # touch every time (8 MB: 31 ms a commit against 3 ms reused, here)
+        tensors = self.commits[0].tensors if len(self.commits) == 2 else {}
+        for p in parts:
+            values = device.to_host(p.view)
+            if p.name in tensors and tensors[p.name].shape == values.shape:
+                np.copyto(tensors[p.name], values)
+            else:
+                tensors[p.name] = np.array(values, copy=True)
         self.commits = self.commits[-1:] + [Commit(step, int(optimizer_t), int(samples),
                                                    (float(clock["elapsed_s"]), float(clock["compute_s_total"]),
                                                     float(clock["comm_s_total"]), int(clock["segments"])),

@@ -95,7 +95,9 @@ def test_a_lost_rank_is_survived_and_the_run_equals_a_resume_at_3_ranks(shrunk_a
     said = [s for s in shrunk.stdout.splitlines() if " failed at step " in s]
     assert len(said) == 1 and said[0].startswith("hpctrain: rank 2 (") and said[0].endswith(" s"), shrunk.stdout
     assert "failed at step 36; going on with 3 ranks from the commit of step 30, 6 steps lost" in said[0]
-    final = json.loads((d / "m.jsonl").read_text().splitlines()[-1])
+    records = [json.loads(line) for line in (d / "m.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in records[:-1]] == list(range(10, 81, 10))   # each once, the lost ones again
+    final = records[-1]
     assert final["event"] == "final" and final["world_size"] == 3 and final["steps"] == 80
     (recovery,) = final["recoveries"]
     assert {k: recovery[k] for k in ("step", "commit_step", "lost", "ranks_before", "ranks_after")} == \
