@@ -76,6 +76,9 @@ def _main(argv, seen, prog):
             print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
         if not exc.collective:
             _abort_others(exc.exit_code)
+        elif "survivors" in seen:   # --on-failure shrink, ranks lost: the world's barrier would wait for them
+            from .comm.start import stop_survivors
+            stop_survivors(seen["watchdog"], seen["survivors"], exc.exit_code)
         elif "watchdog" in seen:
             # Every rank of a communicator got it; ranks outside it (ps
             # servers, when --save failed on the chief) end the run as usual:
@@ -162,8 +165,12 @@ def train(args, process_note="", flag_error=None, seen=None):
             from .comm.ulfm import peer_lost
             if survival is None or not peer_lost(exc):
                 raise
-            world, plan, inputs = survival.recover(
-                world, lambda comm: start(args, process_note, watchdog, stop, survival=survival, comm=comm))
+            try:
+                world, plan, inputs = survival.recover(
+                    world, lambda comm: start(args, process_note, watchdog, stop, survival=survival, comm=comm))
+            finally:
+                if seen is not None:   # an error from here on leaves through main's stop_survivors
+                    seen["survivors"] = survival.comm
     if survival is not None and survival.recoveries:
         from .comm.start import stop_survivors
         stop_survivors(watchdog, world.comm)   # (no MPI_Finalize: it may wait for the lost ranks)

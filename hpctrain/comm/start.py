@@ -43,12 +43,13 @@ def start_mpi(watchdog, inherit_errhandler=False):
     return MPI
 
 
-def stop_survivors(watchdog, comm):
+def stop_survivors(watchdog, comm, code=0):
     """The way out of a run that lost ranks and went on (--on-failure shrink):
     the survivors' barrier, then this process ends with 0 without
     MPI_Finalize, which in Open MPI 5.0.11 with ULFM sometimes waited for the
     lost rank until the deadline (exit 3 after a finished run: 1 run in 3
-    here); mpirun --with-ft ulfm reports 0 for it."""
+    here); mpirun --with-ft ulfm reports 0 for it. code: the exit status
+    (a run that ended with an error after the loss: its code)."""
     import os
     import sys
     with watchdog.last_barrier(), watchdog.waiting("shutdown: every surviving rank", peer=None):
@@ -56,7 +57,7 @@ def stop_survivors(watchdog, comm):
     watchdog.stop_using_mpi(abort=os._exit)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def stop_mpi(watchdog, guard=None):

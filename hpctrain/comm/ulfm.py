@@ -64,6 +64,7 @@ def peer_lost(exc):
 class Shrunk:
     comm: object        # the survivors' communicator (errors returned, as the old one)
     lost: tuple         # the lost ranks, in the old communicator's numbering
+    lost_world: tuple   # the same in the world's (the launcher's) numbering
     seconds: float      # revoke and shrink
 
 
@@ -77,11 +78,12 @@ def shrink(comm):
     comm.Revoke()
     survivors = comm.Shrink()
     survivors.Set_errhandler(MPI.ERRORS_RETURN)
-    old, new = comm.Get_group(), survivors.Get_group()
+    old, new, world = comm.Get_group(), survivors.Get_group(), MPI.COMM_WORLD.Get_group()
     gone = MPI.Group.Difference(old, new)
     try:
-        lost = tuple(sorted(MPI.Group.Translate_ranks(gone, list(range(gone.Get_size())), old)))
+        lost = MPI.Group.Translate_ranks(gone, list(range(gone.Get_size())), old)
+        lost_world = MPI.Group.Translate_ranks(gone, list(range(gone.Get_size())), world)
     finally:
-        for g in (old, new, gone):
+        for g in (old, new, world, gone):
             g.Free()
-    return Shrunk(survivors, lost, time.perf_counter() - t0)
+    return Shrunk(survivors, tuple(sorted(lost)), tuple(sorted(lost_world)), time.perf_counter() - t0)

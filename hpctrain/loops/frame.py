@@ -121,8 +121,10 @@ class Frame:
                 if resume.checkpoint is not None:
                     resume.checkpoint.close()
             self.checkpoints.seek_readers(reader, resume)
-            if resume.held is None:   # (after a lost rank, run/survival.py says its own line)
+            if resume.held is None:
                 self.world.say(self.checkpoints.resumed_line(resume, self.steps))
+            else:   # after a lost rank: run/survival.py's line
+                self.world.survival.restored(self.world.say)
         # (an in-memory commit is no checkpoint on disk, but the metrics go on from it as from one)
         held = resume is not None and resume.held is not None
         self.report.resume_at(resume.step if held else self.checkpoints.saved_step, resume)

@@ -100,6 +100,8 @@ def train_ring(world, plan, inputs, timeline):
     def commit(at):   # --on-failure shrink: what a resume needs, held in memory (run/survival.py)
         world.survival.commit(at, ring.optimizer.t, frame.checkpoints.samples_at(at), frame.clock(),
                               reader.position, parts(spread=False))
+    if world.survival is not None:   # the start is a commit too: a rank lost in the first K steps is survived
+        commit(frame.start)
     step, stopped = train_steps(world, frame, ring, reader, evaluated, save, commit)
     ring.close()   # the communication thread ends with the loop
     extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": ring.zero,

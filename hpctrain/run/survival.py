@@ -50,6 +50,7 @@ class Survival:
     recoveries: list = field(default_factory=list)
     pending: Commit = None    # the commit the rebuilt run resumes from (read once by its checkpoints)
     done: int = 0             # the last step this rank finished
+    _said: tuple = None       # (when the last recovery began, its line)
 
     def stepped(self, step):
         self.done = step
@@ -88,7 +89,7 @@ class Survival:
         old = world.comm
         roles = world.watchdog.roles
         shrunk = ulfm.shrink(old)
-        comm = shrunk.comm
+        comm = self.comm = shrunk.comm
         mine = np.array([self.commits[-1].step if self.commits else -1, self.done + 1], np.int64)
         with world.waiting("agreeing on the commit after a lost rank", peer=None):
             comm.Allreduce(MPI.IN_PLACE, mine[:1], op=MPI.MIN)
@@ -97,22 +98,28 @@ class Survival:
         held = [c for c in self.commits if c.step == step]
         if not held:
             from ..base.errors import HpctrainError
-            raise HpctrainError(f"rank {', '.join(map(str, shrunk.lost))} failed before the first in-memory "
+            raise HpctrainError(f"rank {', '.join(map(str, shrunk.lost_world))} failed before the first in-memory "
                                 f"commit (--commit-every {self.every}): nothing to go on from",
                                 exit_code=75, collective=True, report=comm.Get_rank() == 0)
-        self.commits, self.pending, self.comm = held, held[0], comm
-        who = ", ".join(f"rank {r}" + (f" ({roles(r)})" if roles else "") for r in shrunk.lost)
+        self.commits, self.pending = held, held[0]
+        # the launcher's rank numbers (what the job's other lines say), the roles they had
+        who = ", ".join(f"rank {w}" + (f" ({roles(r)})" if roles else "") for r, w in zip(shrunk.lost, shrunk.lost_world))
         world.watchdog.roll_call_on(comm)
-        new = rebuild(comm)
-        seconds = time.perf_counter() - t0
         failed = int(mine[1])
-        self.recoveries.append({"step": failed, "commit_step": step, "lost": list(shrunk.lost),
-                                "ranks_before": old.Get_size(), "ranks_after": comm.Get_size(),
-                                "seconds": round(seconds, 3)})
-        if comm.Get_rank() == 0:
-            print(f"hpctrain: {who} failed at step {failed}; going on with {comm.Get_size()} ranks from the commit "
-                  f"of step {step}, {failed - step} steps lost, {seconds:.1f} s", flush=True)
-        return new
+        self._said = (t0, f"hpctrain: {who} failed at step {failed}; going on with {comm.Get_size()} ranks from the "
+                          f"commit of step {step}, {failed - step} steps lost")
+        self.recoveries.append({"step": failed, "commit_step": step, "lost": list(shrunk.lost_world),
+                                "ranks_before": old.Get_size(), "ranks_after": comm.Get_size(), "seconds": None})
+        return rebuild(comm)
+
+    def restored(self, say):
+        """The rebuilt run holds the commit's state (loops/frame.Frame.resumed):
+        the recovery's seconds, from the failure's error to here, and its
+        line (say: the new chief's)."""
+        t0, line = self._said
+        seconds = time.perf_counter() - t0
+        self.recoveries[-1]["seconds"] = round(seconds, 3)
+        say(f"{line}, {seconds:.1f} s")
 
 
 def revoke_on_failure(comm):

@@ -4,7 +4,7 @@ it finished a given step: a fault injected from the tests, for
 
     FAULT_KILL=2:35 PYTHONPATH=tests/faults mpirun --with-ft ulfm -n 4 python -m killed_rank --on-failure shrink ...
 
-Environment: FAULT_KILL=R:STEP  rank R (the launcher's numbering) kills itself after step STEP.
+Environment: FAULT_KILL=R:STEP[,R:STEP...]  rank R (the launcher's numbering) kills itself after step STEP.
 """
 import os
 import signal
@@ -14,8 +14,9 @@ from hpctrain.base import launcher
 
 
 def _patch():
-    rank, step = (int(v) for v in os.environ["FAULT_KILL"].split(":"))
-    if (launcher.launcher_env()[0] or 0) != rank:
+    kills = dict(tuple(int(v) for v in kill.split(":")) for kill in os.environ["FAULT_KILL"].split(","))
+    step = kills.get(launcher.launcher_env()[0] or 0)
+    if step is None:
         return
     from hpctrain.loops import frame
     ended = frame.Frame.step_ended
