@@ -41,6 +41,19 @@ def test_ulfm_on_or_not_asked_for_passes():
     ulfm.check("exit", {}, MPICH)
 
 
+@pytest.mark.parametrize("flags", [[], ["--zero", "1"], ["--zero", "0", "--tensor-parallel", "2"],
+                                   ["--zero", "0", "--mode", "ps"], ["--zero", "0", "--compression", "bf16"]])
+def test_shrink_outside_plain_data_parallelism_is_refused_in_one_line(flags):
+    from hpctrain.flags import cli
+    from hpctrain.run.startup import check_shrink_layout
+    with pytest.raises(HpctrainError) as refused:
+        check_shrink_layout(cli.parse(["--on-failure", "shrink", *flags]))
+    assert str(refused.value).startswith("--on-failure shrink runs plain data parallelism so far: --mode ring "
+                                         "--zero 0") and refused.value.exit_code == 2
+    check_shrink_layout(cli.parse(["--on-failure", "shrink", "--zero", "0"]))
+    check_shrink_layout(cli.parse(flags))   # (without the flag: whatever the layout)
+
+
 def test_the_job_refuses_shrink_without_ulfm_on_every_rank(job, tmp_path):
     r = job(2, "--steps", "5", "--on-failure", "shrink", "--save", tmp_path / "p.h5", timeout=60)
     lines = [s for s in r.stderr.splitlines() if s.strip()]
