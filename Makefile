@@ -83,7 +83,7 @@ OMPI_ENV  := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 # The tests that cover ring, ps, resume and bad input; the MPI-marked ones
 # run under mpirun, the others start their own mpirun jobs.
 OMPI_MPI_TESTS := tests/test_ring.py tests/test_strategies.py tests/test_ps.py tests/test_hier.py tests/test_ps_ranks.py
-OMPI_JOB_TESTS := tests/test_train.py tests/faults/test_bad_flags.py \
+OMPI_JOB_TESTS := tests/test_train.py tests/faults/test_bad_flags.py tests/faults/test_ulfm.py \
   "tests/test_checkpoint.py::test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical" \
   "tests/test_ps.py::test_sync_ps_equals_ring_under_sgd" \
   "tests/test_slurm.py::test_ring_job_on_open_mpi_with_srun_pmix"

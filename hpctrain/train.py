@@ -76,6 +76,9 @@ def _main(argv, seen, prog):
             print(f"hpctrain: error: {exc}", file=sys.stderr, flush=True)
         if not exc.collective:
             _abort_others(exc.exit_code)
+        elif "survivors" in seen:   # --on-failure shrink, ranks lost: the world's barrier would wait for them
+            from .comm.start import stop_survivors
+            stop_survivors(seen["watchdog"], seen["survivors"], exc.exit_code)
         elif "watchdog" in seen:
             # Every rank of a communicator got it; ranks outside it (ps
             # servers, when --save failed on the chief) end the run as usual:
@@ -126,8 +129,17 @@ def train(args, process_note="", flag_error=None, seen=None):
     if seen is not None:
         seen["watchdog"], seen["guard"] = watchdog, guard
     from .comm.start import start_mpi, stop_mpi
-    MPI = start_mpi(watchdog)   # numpy, BLAS and MPI start here
+    shrink = args is not None and args.on_failure == "shrink"
+    MPI = start_mpi(watchdog, inherit_errhandler=shrink)   # numpy, BLAS and MPI start here
     stop.claim()   # the stop signals' handlers back where MPI_Init took one (UCX: SIGHUP)
+    survival = None
+    if shrink:
+        from .comm import ulfm
+        from .run import survival as survival_mod
+        if ulfm.active():   # (without ULFM start() refuses the flag in one line)
+            # before any communicator is made from the world: they inherit the handler
+            survival_mod.revoke_on_failure(MPI.COMM_WORLD)
+            survival = survival_mod.Survival(args.commit_every, comm=MPI.COMM_WORLD)
     if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         with watchdog.waiting("start-up (roll-call communicator)", peer=None):
             watchdog.roll_call_on(MPI.COMM_WORLD)
@@ -137,14 +149,40 @@ def train(args, process_note="", flag_error=None, seen=None):
         watchdog.without_roll_call("the culprit could not be determined: MPI gives less than MPI_THREAD_MULTIPLE",
                                    abort=_exit_now)
     from .comm.agree import agreed
-    from .report.timeline import Timeline
     from .run.startup import start
     # The first collective of every rank: a flag bad on some ranks only (an
     # MPMD launch, a per-rank wrapper) ends every rank with its line, exit 2.
     agreed(MPI.COMM_WORLD, _raise, flag_error, watchdog=watchdog, what="flags")
     world, plan, inputs = start(args, process_note, watchdog, stop,
                                 on_roles=(lambda chief: seen.__setitem__("chief", chief)) if seen is not None
-                                else None)
+                                else None, survival=survival)
+    while True:
+        try:
+            record = _loop(world, plan, inputs)
+            break
+        except MPI.Exception as exc:
+            # --on-failure shrink: a peer died; the survivors go on from the in-memory commit
+            from .comm.ulfm import peer_lost
+            if survival is None or not peer_lost(exc):
+                raise
+            try:
+                world, plan, inputs = survival.recover(
+                    world, lambda comm: start(args, process_note, watchdog, stop, survival=survival, comm=comm))
+            finally:
+                if seen is not None:   # an error from here on leaves through main's stop_survivors
+                    seen["survivors"] = survival.comm
+    if survival is not None and survival.recoveries:
+        from .comm.start import stop_survivors
+        stop_survivors(watchdog, world.comm)   # (no MPI_Finalize: it may wait for the lost ranks)
+    if world.mesh is not None:
+        world.mesh.free()   # its communicators, made once at start-up
+    stop_mpi(watchdog, guard)   # shutdown is a wait too
+    return record
+
+
+def _loop(world, plan, inputs):
+    """The run's loop on the world start() made: the chief's final record, or None."""
+    from .report.timeline import Timeline
     if plan.pipelined:
         from .loops.pipe import train_pipe as loop
     elif plan.mode == "ring":
@@ -154,13 +192,9 @@ def train(args, process_note="", flag_error=None, seen=None):
     # the chief's trace; the other ranks' record nothing
     timeline = Timeline(plan.outputs.timeline if world.chief else None, steps=plan.outputs.timeline_steps)
     try:
-        record = loop(world, plan, inputs, timeline)
+        return loop(world, plan, inputs, timeline)
     finally:
         timeline.discard()   # a trace that was not written leaves no temporary
-    if world.mesh is not None:
-        world.mesh.free()   # its communicators, made once at start-up
-    stop_mpi(watchdog, guard)   # shutdown is a wait too
-    return record
 
 
 def _raise(error):

@@ -65,6 +65,7 @@ class Resume:
     # checkpoint, every rank: a resumed run's clock goes on from them
     clock: tuple = (0.0, 0.0, 0.0, 0)
     named: str = None   # a checkpoint of named tensors (checkpoints/named.py): its path, every rank
+    held: object = None  # --on-failure shrink: the in-memory commit the survivors go on from (run/survival.Commit)
 
 
 def resume_point(positions):
@@ -130,6 +131,11 @@ class Checkpoints:
         A problem (--resume yes and nothing to resume, a checkpoint of another
         job) is one error line and a clean exit on every rank of comm."""
         world = self.world
+        held = world.survival.take_pending() if world.survival is not None else None
+        if held is not None:   # the survivors of a lost rank: every rank holds the commit, no file is read
+            self._base = (held.step, held.samples)
+            return Resume(step=held.step, optimizer_t=held.optimizer_t, samples=held.samples, clock=held.clock,
+                          held=held)
         if not self.enabled:
             return None
         ckpt = world.agreed(comm, self._chief_reads_bounded if world.chief else lambda: None)
@@ -213,7 +219,9 @@ class Checkpoints:
         each rank reads its own boxes from the rank files; an old flat one:
         the chief reads every rank's boxes and sends them (flat_read)."""
         world, plan = self.world, self.plan
-        if resume.named:
+        if resume.held is not None:   # the in-memory commit: read as a checkpoint folder is
+            world.agreed(comm, restore, parts, resume.held.read, world.xp, what="restoring the in-memory commit")
+        elif resume.named:
             def read_own():
                 try:
                     with open_checkpoint(resume.named) as ckpt:
@@ -256,7 +264,9 @@ class Checkpoints:
         number of workers wrote it."""
         world, cluster = self.world, self.world.cluster
         point = np.zeros(2, np.int64)
-        if resume.checkpoint is not None:
+        if resume.held is not None:
+            point[:] = resume.held.position
+        elif resume.checkpoint is not None:
             point[:] = resume_point(resume.checkpoint.data_positions)
         with world.waiting("checkpoint broadcast (data positions)", peer=cluster.chief_rank):
             cluster.worker_comm.Bcast(point, root=0)

@@ -248,7 +248,15 @@ class Watchdog:
         with self._lock:
             if self._roll is None:
                 return
-            self._answer_locked(*self._roll)
+            try:
+                self._answer_locked(*self._roll)
+            except Exception as exc:
+                # --on-failure shrink (comm/ulfm.py): a peer died; no roll call on
+                # this communicator any more (the survivors' comes with roll_call_on)
+                from mpi4py import MPI
+                if not isinstance(exc, MPI.Exception):
+                    raise
+                self._roll = None
 
     def _answer_locked(self, comm, np):
         asked = np.zeros(1, np.int64)

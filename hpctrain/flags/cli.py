@@ -439,6 +439,14 @@ def _output_flags(g):
                         "refused at start-up, naming the pipeline (--pipeline-stages) that would fit")
     g.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds any rank waits for a peer before it names the peer and aborts the job (default: %(default)s)")
+    g.add_argument("--on-failure", choices=["exit", "shrink"], default="exit",
+                   help="a rank that dies: exit (the others name it within --timeout and end the job; a requeue "
+                        "resumes from the last checkpoint) or shrink (the survivors go on without it from the "
+                        "last in-memory commit; needs Open MPI's ULFM: mpirun --with-ft ulfm; docs/faults.md) "
+                        "(default: %(default)s)")
+    g.add_argument("--commit-every", type=positive_int, default=10, metavar="K",
+                   help="--on-failure shrink: hold in memory what a resume needs every K steps; a lost rank costs "
+                        "the steps since (default: %(default)s)")
 
 
 def validate(args, world_size):

@@ -121,8 +121,13 @@ class Frame:
                 if resume.checkpoint is not None:
                     resume.checkpoint.close()
             self.checkpoints.seek_readers(reader, resume)
-            self.world.say(self.checkpoints.resumed_line(resume, self.steps))
-        self.report.resume_at(self.checkpoints.saved_step, resume)
+            if resume.held is None:
+                self.world.say(self.checkpoints.resumed_line(resume, self.steps))
+            else:   # after a lost rank: run/survival.py's line
+                self.world.survival.restored(self.world.say)
+        # (an in-memory commit is no checkpoint on disk, but the metrics go on from it as from one)
+        held = resume is not None and resume.held is not None
+        self.report.resume_at(resume.step if held else self.checkpoints.saved_step, resume)
 
     def init_from(self, comm, parts):
         """Collective over comm: this rank's parameters' parts (parts: all it
@@ -228,14 +233,15 @@ class Frame:
             print(f"stopping after step {step}: signal received", flush=True)
             self.report.metrics.close()
 
-    def step_ended(self, step, loss, ranks, clip, model, stopped, save, overflowed=None):
+    def step_ended(self, step, loss, ranks, clip, model, stopped, save, overflowed=None, commit=None):
         """The ring's and the pipeline's tail of a step, once its loss and stop
         flag are summed (the same bits on every rank): the loss line
         (summed_loss, clip: --clip-norm's Clip or None), the fp16 wire's
         overflow (overflowed(): True where the parameters went non-finite
         though every gradient sent was finite; the same answer on every rank),
         the periodic evaluation of `model`, then True to leave the loop (some
-        rank asked to stop) or, when due, the checkpoint (save(step)) and False."""
+        rank asked to stop) or, when due, the checkpoint (save(step)) and False;
+        under --on-failure shrink, when due, the in-memory commit (commit(step))."""
         self.summed_loss(step, loss, ranks, grad_norm=clip.mean_norm if clip else None)
         if overflowed is not None and overflowed():
             raise wire_overflow(step, self.world.chief)
@@ -246,6 +252,11 @@ class Frame:
             return True
         if self.checkpoint_due(step):
             save(step)
+        survival = self.world.survival
+        if survival is not None:
+            survival.stepped(step)
+            if survival.due(step) and commit is not None:
+                commit(step)
         return False
 
     def samples(self, step):
@@ -272,6 +283,8 @@ class Frame:
         if preempted:
             checkpoints.raise_preempted(comm, step)
         extra = dict(extra or {})
+        if world.survival is not None:   # --on-failure shrink: the lost ranks the run went on without
+            extra["recoveries"] = list(world.survival.recoveries)
         if state_bytes is not None:   # sharded: about 1/N of it
             most = np.array([state_bytes], np.int64)
             with world.waiting("optimizer state size allreduce", peer=None):

@@ -74,7 +74,9 @@ def train_ring(world, plan, inputs, timeline):
         ring.optimizer.t = resume.optimizer_t
         if ring.store is not None:   # --zero 3: the gathered copies are of the old parameters
             ring.store.forget()
-        if not split:   # --compression powersgd: each worker its own error feedback, every rank the Qs
+        # --compression powersgd: each worker its own error feedback, every rank the Qs (an in-memory
+        # commit holds none: --on-failure shrink runs without compression, run/startup.check_shrink_layout)
+        if not split and resume.held is None:
             compression_state.restore(world, comm, resume, ring.exchange, ring.error, ring.layout_key,
                                       plan.compression.kind)
     def initialize():   # --init-from: each rank its boxes of the pretrained parameters, the optimizer fresh
@@ -95,7 +97,12 @@ def train_ring(world, plan, inputs, timeline):
             if not split else None
         checkpoints.save_parts(everyone, at, parts(), sorted(ring.optimizer.state()),
                                ring.optimizer.t, positions, compression)
-    step, stopped = train_steps(world, frame, ring, reader, evaluated, save)
+    def commit(at):   # --on-failure shrink: what a resume needs, held in memory (run/survival.py)
+        world.survival.commit(at, ring.optimizer.t, frame.checkpoints.samples_at(at), frame.clock(),
+                              reader.position, parts(spread=False))
+    if world.survival is not None:   # the start is a commit too: a rank lost in the first K steps is survived
+        commit(frame.start)
+    step, stopped = train_steps(world, frame, ring, reader, evaluated, save, commit)
     ring.close()   # the communication thread ends with the loop
     extra = {"shard_optimizer": "on" if ring.sharded else "off", "zero": ring.zero,
              **(ring.clip.totals() if ring.clip else {}),
@@ -109,9 +116,9 @@ def train_ring(world, plan, inputs, timeline):
                      extra=extra, state_bytes=state_bytes(ring.optimizer))
 
 
-def train_steps(world, frame, ring, reader, evaluated, save):
+def train_steps(world, frame, ring, reader, evaluated, save, commit=None):
     """The training loop from the frame's start: (the last step, whether some rank asked to stop).
-    save(step): the checkpoint of `step`, collective."""
+    save(step): the checkpoint of `step`, collective; commit(step): --on-failure shrink's in-memory one."""
     timeline, model, fused, comm = frame.timeline, ring.model, ring.fused, world.mesh.comm("data")
     # the losses summed: one a replica (--tensor-parallel: one a rank, each of a group the same)
     workers = ring.gradient.comm.Get_size()
@@ -142,6 +149,6 @@ def train_steps(world, frame, ring, reader, evaluated, save):
             # step as on the CPU.
             loss, stopped = ring.summed()
             if frame.step_ended(step, loss, workers, ring.clip, evaluated, stopped, save,
-                                overflowed=lambda: ring.wire_overflowed(comm, world.waiting)):
+                                overflowed=lambda: ring.wire_overflowed(comm, world.waiting), commit=commit):
                 break
     return step, stopped

@@ -20,7 +20,7 @@ from .. import data as data_mod
 from ..base import device, vector_width
 from ..flags.cli import validate
 from ..flags.model_names import input_kind_of, is_model_file
-from ..comm import allreduce_plan
+from ..comm import allreduce_plan, ulfm
 from ..comm.agree import agreed, check_consistency
 from ..comm.records import allgather_bytes
 from ..comm.waits import Waits
@@ -49,12 +49,16 @@ from .plan import data_plan, make_plan, schedule_plan, zero_stage
 from .world import World
 
 
-def start(args, process_note, watchdog, stop, on_roles=None):
+def start(args, process_note, watchdog, stop, on_roles=None, survival=None, comm=None):
     """(World, Plan, Inputs) of this run, the same on every rank. watchdog:
     started before MPI_Init (train.train), aborting through MPI now; every
     start-up collective below waits under it. stop: the StopSignal made
     before it. on_roles: called with the chief's world rank as soon as the
-    roles are known (train.py's Ctrl-C line must not call MPI to learn it)."""
+    roles are known (train.py's Ctrl-C line must not call MPI to learn it).
+    survival: --on-failure shrink's run/survival.Survival. comm: the
+    survivors' communicator when the run is built again after a lost rank
+    (run/survival.py): the same checks, quietly (the job's lines were said),
+    the outputs already checked."""
     watchdog.also_watch(lambda: stop_signal.stopped_outside_training(stop, args.checkpoint_dir, watchdog))
     # Overflow to inf/nan is caught by the loops (one line, exit 4), not by
     # NumPy's warnings on every rank.
@@ -62,14 +66,15 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # The cores this rank gets, as compute threads (nn/threads.py); on a GPU
     # the layers run as CuPy kernels and never split.
     compute_threads = threads.configure(args.threads or cluster_mod.threads_per_rank())
-    comm = MPI.COMM_WORLD
+    rebuilt = comm is not None
+    comm = MPI.COMM_WORLD if comm is None else comm
     with watchdog.waiting("start-up (communicators)", peer=None):
         cluster = Cluster(comm, args.mode, args.num_ps, args.ps_ranks)
     if on_roles is not None:
         on_roles(cluster.chief_rank)
 
     def say(text):
-        if cluster.is_chief:
+        if cluster.is_chief and not rebuilt:
             print(text, flush=True)
 
     def agree(fn, *fn_args, what=None):
@@ -79,10 +84,13 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     # --ps-ranks disagree on who the chief is (the rank map's root).
     with watchdog.waiting("start-up (same job on every rank)", peer=None):
         agree(check_consistency, comm, identity.same_on_every_rank(args))
-    with watchdog.waiting("start-up (rank map)", peer=None):
-        jobcheck.check_world(cluster, say)
+    if not rebuilt:   # (the launcher's size is the job's first, not the survivors')
+        with watchdog.waiting("start-up (rank map)", peer=None):
+            jobcheck.check_world(cluster, say)
     t_start = time.perf_counter()
     agree(validate, args, cluster.size)
+    agree(ulfm.check, args.on_failure)   # --on-failure shrink: refused where the MPI cannot survive a lost rank
+    agree(check_shrink_layout, args)
     if args.init_from:   # the model (and a --block-size that fits it) from the pretrained model's files
         from ..interop.pretrained import init_args
         args = agree(init_args, args, what="reading --init-from")
@@ -104,7 +112,8 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     if not thread_multiple:
         device_note += "; MPI gives less than MPI_THREAD_MULTIPLE: no communication thread (--overlap off)"
     world = World(comm=comm, cluster=cluster, watchdog=watchdog, stop=stop, xp=xp, device_name=device_name,
-                  server_xp=server_xp, thread_multiple=thread_multiple, waits=waits, t_start=t_start)
+                  server_xp=server_xp, thread_multiple=thread_multiple, waits=waits, t_start=t_start,
+                  survival=survival)
     workers = workers_said(args, cluster.size, cluster.num_workers)
     say(f"hpctrain: {args.mode} mode, world size {cluster.size} "
         f"({f'{cluster.num_ps} ps + {workers}' if cluster.num_ps else workers}), "
@@ -212,9 +221,22 @@ def start(args, process_note, watchdog, stop, on_roles=None):
     agree(check_step_size, args, data.workers, manifest, data_dir)
     # Last before training, so a refusal above leaves nothing behind (this
     # creates --checkpoint-dir): a result that cannot be written would be lost.
-    agree(check_outputs if cluster.is_chief else _nothing, args, data_dir)
+    agree(check_outputs if cluster.is_chief and not rebuilt else _nothing, args, data_dir)
     plan = make_plan(args, world, spec, data, schedule, cuts, layers_key)
     return world, plan, Inputs(world, data, plan.precision.compute)
+
+
+def check_shrink_layout(args):
+    """--on-failure shrink where the in-memory commit is not built yet: one
+    line. Plain data parallelism holds every tensor on every replica; a
+    sharded layout needs a neighbour's copy of each shard (issue 58, not yet)."""
+    if args.on_failure != "shrink":
+        return
+    if args.mode != "ring" or args.zero != 0 or args.tensor_parallel > 1 or args.pipeline_stages > 1 \
+            or args.compression != "none":
+        raise HpctrainError("--on-failure shrink runs plain data parallelism so far: --mode ring --zero 0, "
+                            "no --tensor-parallel, --pipeline-stages or --compression (ZeRO's and the model "
+                            "splits' in-memory commits are not built yet)")
 
 
 def augment_line(text, image_shape, seed):

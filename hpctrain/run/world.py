@@ -27,6 +27,7 @@ class World:
     waits: object           # comm/waits.Waits: how this rank waits (naps where ranks outnumber cores)
     t_start: float          # perf_counter at start-up, after the checks that need no data
     mesh: object = None     # run/mesh.Mesh: ring and pipeline modes' process groups (ps mode: none)
+    survival: object = None  # run/survival.Survival under --on-failure shrink: the in-memory commits, the recoveries
 
     @property
     def chief(self):

