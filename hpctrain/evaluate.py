@@ -8,8 +8,8 @@ on text prepared with `prepare --text`), the per-token loss and perplexity.
     hpctrain evaluate --params model.h5 --data data/photos --split val
 
 The loss and accuracy are computed as the training run's final evaluation
-computes them (the whole split through Sequential.evaluate, 128 images at a
-time, the chief's way: report.Report.evaluate_alone), so for the --save file
+computes them (the whole split through Sequential.evaluate, sums of 128
+images at a time run forward --batch-size at a time, the chief's way: report.Report.evaluate_alone), so for the --save file
 of a run `accuracy` and `loss` are the final record's `test_accuracy` and
 `test_loss` (with --split val, `val_accuracy` and `val_loss`), to the
 digits it records (bit for bit where that run had one worker; with more, each
@@ -44,22 +44,25 @@ if __name__ == "__main__":   # python -m hpctrain.evaluate: BLAS's threads befor
 
 import numpy as np
 
-from .flags.arguments import Parser
-from .flags.cli import DEFAULT_EVAL_TOKENS, eval_tokens
+from .flags.arguments import Parser, positive_int
+from .flags.cli import DEFAULT_BATCH_SIZE, DEFAULT_EVAL_TOKENS, eval_tokens
 from .base.errors import HpctrainError, one_line_errors
 from .base.files import printable
+from .nn.sequential import eval_forward
 from .run.outputs import check_output_file
 
 
-def evaluate(model, x, y):
+def evaluate(model, x, y, batch_size=DEFAULT_BATCH_SIZE):
     """{accuracy, loss, num_samples, per_class_accuracy, confusion, ...}: the
     loss and accuracy from the model's loss's sums (Sequential.evaluate:
-    the loss per item it counts), the rest from the same logits."""
-    sums = model.model.evaluate(x, y)
+    the loss per item it counts), the rest from the same logits; run
+    forward as a training step of `batch_size` would (eval_forward)."""
+    forward = eval_forward(model.spec, batch_size)
+    sums = model.model.evaluate(x, y, forward=forward)
     loss_sum, correct = sums["loss"], sums["correct"]
     n = max(len(y), 1)
     k = model.spec.classes
-    predicted = model.logits(x).argmax(axis=1)
+    predicted = model.logits(x, forward).argmax(axis=1)
     confusion = np.zeros((k, k), np.int64)
     np.add.at(confusion, (y, predicted), 1)
     counts = confusion.sum(axis=1)
@@ -71,14 +74,14 @@ def evaluate(model, x, y):
             "confusion": confusion.tolist(), "step": model.step, "source": model.source}
 
 
-def evaluate_text(model, data_dir, manifest, split, eval_tokens=None):
+def evaluate_text(model, data_dir, manifest, split, eval_tokens=None, batch_size=DEFAULT_BATCH_SIZE):
     """{loss, perplexity, accuracy, num_tokens, ...} of a language model on
     a split of prepared text, windows of its block size."""
     from . import data
     model.check_data(data_dir)   # text, and the vocabulary the model was trained on (data/fit.py)
     block_size = model.input_shape[0]
     x, y = data.load_test_windows(data_dir, block_size, split=split, eval_tokens=eval_tokens)
-    sums = model.model.evaluate(x, y)
+    sums = model.model.evaluate(x, y, forward=eval_forward(model.spec, batch_size))
     count = max(sums["count"], 1)
     loss = sums["loss"] / count
     from .data.splits import held_out_tokens
@@ -158,6 +161,9 @@ def build_parser(prog="python -m hpctrain.evaluate"):
                    help="a language model: score N held-out tokens, the evenly spaced sample of windows training's "
                         "evaluations take with --eval-tokens N; all: every window (default: "
                         f"{DEFAULT_EVAL_TOKENS:,}, training's default)")
+    p.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
+                   help="samples run forward at once, as a training step of --batch-size N: no more activation "
+                        "memory than that step (the result's bits do not depend on it; default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the confusion matrix")
     return p
@@ -192,7 +198,7 @@ def main(argv=None, prog="python -m hpctrain.evaluate"):
     if args.split not in manifest:
         raise HpctrainError(f"{args.data}: no {args.split} part (prepare --val-fraction F holds one out)")
     x, y = data.load_test(args.data, raw=True, split=args.split)
-    result = dict(evaluate(model, x, y), split=args.split)
+    result = dict(evaluate(model, x, y, args.batch_size), split=args.split)
     if args.plot:
         plot_confusion(result, args.plot, f"{args.data} ({args.split}): accuracy {result['accuracy']:.4f}")
     if args.json:
@@ -212,7 +218,8 @@ def _text(model, args):
     if args.split not in manifest:
         raise HpctrainError(f"{args.data}: no {args.split} part (prepare --val-fraction F holds one out)")
     cap = None if args.eval_tokens == 0 else args.eval_tokens or DEFAULT_EVAL_TOKENS
-    result = dict(evaluate_text(model, args.data, manifest, args.split, eval_tokens=cap), split=args.split)
+    result = dict(evaluate_text(model, args.data, manifest, args.split, eval_tokens=cap, batch_size=args.batch_size),
+                  split=args.split)
     print(json.dumps(result) if args.json else text_line(result, args.split))
     return 0
 

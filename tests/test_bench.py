@@ -411,3 +411,5 @@ def test_bench_compare_gpt_gives_tokens_per_s_of_both():
     row, = out["rows"]
     assert row["ranks"] == 1 and row["hpctrain"] > 0 and row["torch"] > 0
     assert row["hpctrain"] == pytest.approx(3 * 8 / (row["step_ms"] / 1e3))
+    # MFU of both against the SGEMM the runs measured (report/mfu.py): in proportion to their tokens/s
+    assert 0 < row["mfu"] < 1 and row["torch_mfu"] == pytest.approx(row["mfu"] * row["torch"] / row["hpctrain"])

@@ -64,6 +64,8 @@ def test_two_ranks_train_the_gpt_of_one_process_with_accumulation(job, text_dir,
     assert final["tokens_per_s"] == pytest.approx(final["samples_per_s"] * 16, rel=1e-3)
     assert 2.5 < final["test_loss"] < 5, final   # ln(vocabulary) ~ 4 at the start, per token
     assert (final["test_tokens"], final["held_out_tokens"]) == (512, 3984), final
+    # the model's FLOPs over the ranks' measured SGEMM (report/mfu.py): a fraction of it (issue 60 §2)
+    assert 0 < final["mfu"] < 1 and final["sgemm_gflops"] > 0, final
     assert [r["lr"] for r in records[:-1]] == [0.1, 0.1], records   # the metrics records carry the lr
     ok(job(1, "--data", text_dir, *flags, "--accumulate-steps", 2, "--save", tmp_path / "one.h5",
            "--metrics", tmp_path / "one.jsonl"))

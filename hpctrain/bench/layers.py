@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from ..nn import MODELS, Conv2d, Linear
+from ..report.mfu import sgemm_gflops
 from .common import table
 
 
@@ -34,13 +35,6 @@ def _best_ms(fn, seconds, least=5):
         cpu.append(time.process_time() - c)
         wall.append(time.perf_counter() - t)
     return 1e3 * min(cpu), 1e3 * min(wall)
-
-
-def sgemm_gflops(seconds, n=1024):
-    a, b = np.ones((n, n), np.float32), np.ones((n, n), np.float32)
-    out = np.empty((n, n), np.float32)
-    best, _ = _best_ms(lambda: np.matmul(a, b, out=out), seconds)   # CPU time, as the layers
-    return 2 * n ** 3 / best / 1e6
 
 
 def _gemms(layer, ctx, need_dx):
@@ -159,7 +153,7 @@ def main(args):
     # cores trains; torch at as many): wall time, CPU time adding every
     # thread's; the peak then N single-thread SGEMMs.
     clock = 1 if args.threads > 1 else 0
-    peak = sgemm_gflops(min(1.0, args.seconds))
+    peak = sgemm_gflops(min(1.0, args.seconds), n=1024)
     rows, (step_cpu, step_wall) = profile(model, args.batch, args.seconds, clock=clock)
     step_cpu = (step_cpu, step_wall)[clock]
     theirs = torch_profile(model, args.batch, args.seconds, args.threads, clock=clock)
@@ -167,7 +161,7 @@ def main(args):
         for r, ms in zip(rows, theirs[0]):
             r["torch_ms"] = ms
             r["x_torch"] = ms / r["ms"] if ms and r["ms"] > 0.01 else None
-    peak = max(peak, sgemm_gflops(min(1.0, args.seconds))) * args.threads   # before and after: the less disturbed
+    peak = max(peak, sgemm_gflops(min(1.0, args.seconds), n=1024)) * args.threads   # before and after: the less disturbed
     total = sum(r["ms"] for r in rows)
     for r in rows:
         r["share"] = 100 * r["ms"] / total

@@ -188,7 +188,8 @@ def compare_model(args):
     print(table(rows, [("ranks", "ranks", "{}"), ("threads/rank", "threads", "{}"),
                        ("hpctrain", "hpctrain", "{:,.0f}"), ("range", "h_range", "{}"),
                        ("PyTorch", "torch", "{:,.0f}"), ("range", "t_range", "{}"),
-                       ("hpctrain/PyTorch", "ratio", "{:.2f}"), ("step ms", "step_ms", "{:.2f}"),
+                       ("hpctrain/PyTorch", "ratio", "{:.2f}"), ("MFU", "mfu", "{:.1%}"),
+                       ("PyTorch MFU", "torch_mfu", "{:.1%}"), ("step ms", "step_ms", "{:.2f}"),
                        ("compute ms", "compute_ms", "{:.2f}"), ("comm not hidden ms", "comm_ms", "{:.2f}"),
                        ("optimizer ms", "optimizer_ms", "{:.2f}")]))
     return 0
@@ -245,7 +246,13 @@ def interleaved(args, ranks, bench, tmp):
         theirs.append(bench["torch"](ranks, threads))
     row = summarise("ring", ranks, ours, parse(["--model", args.model]))
     rates = [row_rate(r) * bench["per_sample"] for r in ours]
+    # MFU (report/mfu.py) of both against the SGEMM hpctrain's runs measured (the same threads a rank):
+    # a record's mfu over its samples/s is a sample's FLOPs over the ranks' peak
+    per = [r["mfu"] / r["samples_per_s"] for r in ours if r.get("mfu") and r.get("samples_per_s")]
+    scale = float(np.median(per)) / bench["per_sample"] if per else None
     return {"ranks": ranks, "threads": threads, "hpctrain": float(np.median(rates)),
+            "mfu": scale * float(np.median(rates)) if scale else None,
+            "torch_mfu": scale * float(np.median(theirs)) if scale else None,
             "hpctrain_min": min(rates), "hpctrain_max": max(rates),
             "torch": float(np.median(theirs)), "torch_min": min(theirs), "torch_max": max(theirs),
             "ratio": float(np.median(rates)) / float(np.median(theirs)),

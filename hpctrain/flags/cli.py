@@ -68,6 +68,8 @@ def _betas(text):
 # (about 40 s); samples of 8,192 to 65,536 of the plays' tokens came within
 # 0.01 nats of the whole split's loss (docs/usage.md, "The final evaluation").
 DEFAULT_EVAL_TOKENS = 2**17
+# --batch-size's default: also the batch `hpctrain evaluate` runs forward (a training step's memory)
+DEFAULT_BATCH_SIZE = 32
 
 
 def eval_tokens(text):
@@ -150,7 +152,7 @@ def _training_flags(p):
       help="directory of prepared HDF5 shards (default: data/mnist, prepared from "
            "the bundled 5k sample on first use); or a blend of prepared text sets, "
            "DIR_A:0.7,DIR_B:0.3, each drawn at its weight (the held-out split: the first set's)")
-    g.add_argument("--batch-size", type=positive_int, default=32, help="samples per worker per step (default: %(default)s)")
+    g.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, help="samples per worker per step (default: %(default)s)")
     length = g.add_mutually_exclusive_group()
     length.add_argument("--steps", type=_steps, default=None,
                         help=f"global training steps (default: {DEFAULT_STEPS})")

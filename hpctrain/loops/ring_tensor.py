@@ -61,7 +61,8 @@ class TensorModel(Evaluated):
                 self._parts[split] = held_out(data_dir, part, parts, self.plan.data.block_size, split=split,
                                                eval_tokens=self.plan.data.eval_tokens)
         x, y = self._parts[split]
-        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y)) if len(y) else self.spec.loss.zero_sums()
+        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y), forward=self.forward) if len(y) else \
+            self.spec.loss.zero_sums()
         totals = np.array([sums["loss"], sums.get("correct", 0), sums["count"]], np.float64)
         if not self.whole_split:
             with world.waiting("evaluation allreduce", peer=None):

@@ -45,7 +45,7 @@ class ShardedModel(Evaluated):
         own = state.copy() if state.size else None
         self.share_state()
         x, y = self._full[split]
-        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y))
+        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y), forward=self.forward)
         if own is not None:
             state[...] = own
         return sums["loss"], sums.get("correct", 0), sums["count"]

@@ -18,6 +18,12 @@ its layers, nn/user.py):
   scored: the mean loss is loss / count) and "correct" (items predicted
   right) where accuracy means something; a loss without it leaves "correct"
   out; `zero_sums()` the same keys at 0, the sums of no batch.
+- `items(ctx, logits, targets) -> dict` (optional; the built-in losses have
+  it): the same keys, each a 1-D array of one value per item whose sum is
+  `sums`' number (`Loss.sums` is that sum). Evaluation runs forward in
+  batches no larger than a training step's and sums the items of a fixed
+  group of samples at once (`EvalSums`), so its bits do not depend on the
+  forward's batch; a loss with its own `sums` is called per forward batch.
 - `describe()`: one short line (the model summary, rank agreement).
 
 Shapes: nothing here assumes one target per sample. `ClassCrossEntropy`
@@ -44,8 +50,11 @@ class Loss:
     def forward_backward(self, ctx, logits, targets):
         raise NotImplementedError
 
-    def sums(self, ctx, logits, targets):
+    def items(self, ctx, logits, targets):
         raise NotImplementedError
+
+    def sums(self, ctx, logits, targets):
+        return item_sums(self.items(ctx, logits, targets))
 
     def zero_sums(self):
         return {"loss": 0.0, "count": 0}
@@ -87,13 +96,14 @@ class ClassCrossEntropy(Loss):
             rows = ctx.rows = ctx.xp.arange(n)
         return rows
 
-    def sums(self, ctx, logits, targets):
+    def items(self, ctx, logits, targets):
         xp = ctx.xp
         shifted = logits - logits.max(axis=1, keepdims=True)
         logp = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
         n = logits.shape[0]
-        return {"loss": float(-logp[xp.arange(n), targets].sum()), "count": int(n),
-                "correct": int((logits.argmax(axis=1) == targets).sum())}
+        # -sum(a) and sum(-a) are the same bits: rounding is symmetric in sign
+        return {"loss": -logp[xp.arange(n), targets], "count": xp.ones(n, xp.int64),
+                "correct": logits.argmax(axis=1) == targets}
 
     def zero_sums(self):
         return {"loss": 0.0, "count": 0, "correct": 0}
@@ -198,7 +208,7 @@ class TokenCrossEntropy(Loss):
         d *= (counted / count)[:, None]
         return loss, d.reshape(logits.shape)
 
-    def sums(self, ctx, logits, targets):
+    def items(self, ctx, logits, targets):
         xp = ctx.xp
         if self.group is not None:
             rows, local, inside, counted, top = self._split(ctx, logits, targets)
@@ -214,13 +224,13 @@ class TokenCrossEntropy(Loss):
             right = ((first == ids) & (inside > 0)) * counted
             right = self.group.sum(right.astype(xp.int64))
             losses = xp.log(total) - picked
-            return {"loss": float((losses * counted).sum()), "count": int(counted.sum()), "correct": int(right.sum())}
+            return {"loss": losses * counted, "count": counted, "correct": right}
         rows, ids, counted = self._scored(ctx, logits, targets)
         shifted = rows - rows.max(axis=1, keepdims=True)
         index = xp.arange(rows.shape[0])
         losses = xp.log(xp.exp(shifted).sum(axis=1)) - shifted[index, ids]
         right = (rows.argmax(axis=1) == ids) * counted
-        return {"loss": float((losses * counted).sum()), "count": int(counted.sum()), "correct": int(right.sum())}
+        return {"loss": losses * counted, "count": counted, "correct": right}
 
     def zero_sums(self):
         return {"loss": 0.0, "count": 0, "correct": 0}
@@ -228,6 +238,51 @@ class TokenCrossEntropy(Loss):
     def describe(self):
         ignored = "" if self.ignore_index == -1 else f", ignoring {self.ignore_index}"
         return f"softmax cross-entropy per token{ignored}"
+
+
+def item_sums(items):
+    """`Loss.sums` from `Loss.items`: each key's items summed at once, as Python numbers."""
+    return {key: (float if key == "loss" else int)(values.sum()) for key, values in items.items()}
+
+
+class EvalSums:
+    """Evaluation's sums over batches run forward `add` by `add`: with a
+    loss that has items (`Loss.items`), a group's items are kept until
+    `end_group` and summed at once, the bits a `sums` of the whole group's
+    logits gives, whatever forward batches it came in (a group is a few
+    thousand floats; its logits were what evaluation held before, up to
+    8,192 tokens' worth of vocabulary scores and the activations that made
+    them). A loss with its own `sums` (a user's) is summed per forward batch."""
+
+    def __init__(self, loss, ctx):
+        self.loss, self.ctx = loss, ctx
+        self.grouped = type(loss).sums is Loss.sums
+        self.total, self.parts = loss.zero_sums(), []
+
+    def add(self, logits, targets):
+        if not self.grouped:
+            add_sums(self.total, self.loss.sums(self.ctx, logits, targets))
+            return
+        self.parts.append(self.loss.items(self.ctx, logits, targets))
+
+    def end_group(self):
+        if not self.parts:
+            return
+        xp, parts = self.ctx.xp, self.parts
+        whole = parts[0] if len(parts) == 1 else {k: xp.concatenate([p[k] for p in parts]) for k in parts[0]}
+        add_sums(self.total, item_sums(whole))
+        self.parts = []
+
+
+def eval_batches(count, group, forward):
+    """(lo, hi, ends_group) of evaluation's forward batches over `count`
+    items: groups of `group` (whose sums are one reduction: EvalSums), each
+    cut into forward batches of `forward` from its start."""
+    for lo in range(0, count, group):
+        hi = min(lo + group, count)
+        for a in range(lo, hi, forward):
+            b = min(a + forward, hi)
+            yield a, b, b == hi
 
 
 def add_sums(total, part):

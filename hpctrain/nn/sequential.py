@@ -18,7 +18,8 @@ import numpy as np
 
 from .chain import Chain
 from .layers import Context, Noise
-from .losses import add_sums
+from . import threads
+from .losses import EvalSums, eval_batches
 from .tied import RangeTies
 
 
@@ -150,12 +151,13 @@ class LayerRange:
             layer.set_noise(inner, None if noise is None else Noise(*noise[:3], stream=i))
 
     def forward(self, x, train, slot=0):
-        """The range's output for x (the last range: the logits), its
-        activations held in the slot until its backward."""
+        """The range's output for x (the last range: the logits), a training
+        forward's activations held in the slot until its backward (an
+        evaluation's in none: _evaluation_forward)."""
         x = x.reshape(x.shape[0], *self.in_shape)
         if not self.per_layer:
             self.store.before_forward(self.a, self.b)
-        y = self._forward(slot, x, train)
+        y = self._forward(slot, x) if train else self._evaluation_forward(x)
         self.store.after_forward(self.a, self.b)
         return y
 
@@ -163,18 +165,38 @@ class LayerRange:
         """A per-layer store's before_forward, for layer k of the range."""
         self.store.before_forward(self.a + k, self.a + k + 1)
 
-    def _forward(self, slot, x, train):
-        """The range's layers forward over x into the slot (the units into their shared contexts)."""
+    def _forward(self, slot, x):
+        """The range's layers forward over x into the slot, in training mode
+        (the units into their shared contexts)."""
         ctx = self.slots[slot]
         before = self._layer_hook if self.per_layer else None
         if not self.units:
-            return self.chain.forward(ctx, x, train, before)
+            return self.chain.forward(ctx, x, True, before)
         for k, layer in enumerate(self.layers):
             if before is not None:
                 before(k)
             if self.chain.copies[k]:
                 x = self.chain.copy_input(ctx, k, x)
-            x = self._unit_forward(slot, k, x, train) if k in self.units else layer.forward(ctx.inner[k], x, train)
+            x = self._unit_forward(slot, k, x) if k in self.units else layer.forward(ctx.inner[k], x, True)
+        return x
+
+    def _evaluation_forward(self, x):
+        """The range's layers forward over x in evaluation mode, each layer
+        in a context of its own, let go once the layer has run: an
+        evaluation keeps no activations for a backward, so it holds one
+        layer's buffers (a transformer Block's) at a time beside what the
+        training slots keep, not every layer's (a slot's evaluation buffers
+        were as large again as a step's activations, issue 60). The calls
+        are a training slot's in evaluation mode (a recompute unit's too:
+        its output is what its shared context gives), so the same bits;
+        the buffers are made again each call (a few ms a batch)."""
+        before = self._layer_hook if self.per_layer else None
+        for k, layer in enumerate(self.layers):
+            if before is not None:
+                before(k)
+            if self.chain.copies[k]:
+                x = x.copy()
+            x = layer.forward(layer.context(), x, False)
         return x
 
     def _kind(self, k):
@@ -182,18 +204,16 @@ class LayerRange:
         layer = self.layers[k]
         return type(layer), layer.in_shape, layer.describe()
 
-    def _unit_forward(self, slot, k, x, train):
-        """Unit k's forward in its kind's shared context; its output copied
-        into the slot (a training forward's per unit, an evaluation's one),
-        its input kept for the recompute (the range's own input copied: its
-        sender may reuse the buffer)."""
+    def _unit_forward(self, slot, k, x):
+        """Unit k's training forward in its kind's shared context; its output
+        copied into the slot, its input kept for the recompute (the range's
+        own input copied: its sender may reuse the buffer)."""
         ctx, layer, shared = self.slots[slot], self.layers[k], self._shared_of[k]
-        if train:
-            if k == 0:
-                x = self._copied(ctx, "unit input", x)
-            self._unit_inputs[slot][k] = x
-            layer.set_noise(shared, ctx.inner[k].noise)
-        return self._copied(ctx, ("unit output", k if train else None), layer.forward(shared, x, train))
+        if k == 0:
+            x = self._copied(ctx, "unit input", x)
+        self._unit_inputs[slot][k] = x
+        layer.set_noise(shared, ctx.inner[k].noise)
+        return self._copied(ctx, ("unit output", k), layer.forward(shared, x, True))
 
     def _copied(self, ctx, key, x):
         buf = ctx.buffer(key, x.shape, x.dtype)
@@ -330,20 +350,36 @@ class Sequential:
         for i in range(len(self.layers) - 1, -1, -1):
             self.run.combine(i, self.grads, self.extra)
 
-    def evaluate(self, x, y, batch=128):
+    def evaluate(self, x, y, batch=128, forward=None):
         """The loss's sums over x, y (nn/losses.py: {"loss": sum, "count",
-        "correct"}, Python numbers), added batch by batch in order. x may be
-        uint8 pixels (scaled by 1/255 a batch at a time) or floats. Token
-        windows go EVAL_TOKENS tokens a batch at most: a long context's
-        attention holds heads T^2 values a window in every block, so 128
-        windows of 256 tokens would hold more than training does."""
+        "correct"}, Python numbers), added group by group in order. x may be
+        uint8 pixels (scaled by 1/255 a batch at a time) or floats. A group
+        is `batch` samples, token windows EVAL_TOKENS tokens at most: what
+        one sum adds (its bits). Each runs forward `forward` samples at a
+        time (eval_forward: the training step's batch, so evaluation holds
+        no more activations than a step; None: the group whole)."""
         if self.spec.input_kind == "tokens" and x.ndim == 2:
             batch = max(1, min(batch, EVAL_TOKENS // x.shape[1]))
-        total = self.loss.zero_sums()
-        for lo in range(0, x.shape[0], batch):
-            xb, yb = x[lo: lo + batch], y[lo: lo + batch]
+        forward = min(forward or batch, batch)
+        sums = EvalSums(self.loss, self.run.loss_slots[0])
+        for lo, hi, ends in eval_batches(x.shape[0], batch, forward):
+            xb, yb = x[lo:hi], y[lo:hi]
             if xb.dtype == np.uint8:
                 xb = xb.astype(self.dtype)
                 xb /= 255
-            add_sums(total, self.run.sums(self.run.forward(xb, False), yb))
-        return total
+            sums.add(self.run.forward(xb, False), yb)
+            if ends:
+                sums.end_group()
+        return sums.total
+
+
+def eval_forward(spec, batch_size):
+    """Samples an evaluation runs forward at once: the training step's
+    `batch_size` (a rank's, a micro-batch's), so its activations are no more
+    than a step's, rounded down to whole ROW_TILEs of the products' rows
+    (nn/threads.row_unit: a token window's T rows, an image's one), so each
+    row's bits are those of the whole group's product (OpenBLAS sums a
+    row in other bits in another tile shape); at least one such unit."""
+    rows = spec.input_shape[0] if spec.input_kind == "tokens" else 1
+    unit = threads.row_unit(rows)
+    return max(unit, batch_size // unit * unit)

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..base import device
 from ..comm.step_gradient import fp16_notes
-from ..nn.losses import add_sums
+from ..nn.losses import EvalSums, eval_batches
 from ..base.precision import FLOAT32
 from . import schedule as sched
 from .transfers import Receives, Sends
@@ -189,22 +189,25 @@ class Engine:
         trace.flush()
         return loss, stop
 
-    def evaluate(self, x, y, count, batch=128):
-        """Forward only, in evaluation mode, batches of `batch` through the
-        stages (Sequential.evaluate's batches, scaled the same way), each
-        batch through this stage's chunks in turn: x this replica's part of
-        the images on the first stage, y its labels on the last (None
-        elsewhere), count its samples (known everywhere). Returns the loss's
-        sums (nn/losses.py: loss, count, correct) on the last stage, its zero
-        sums elsewhere. Sends wait two
+    def evaluate(self, x, y, count, forward=None, batch=128):
+        """Forward only, in evaluation mode, groups of `batch` samples (the
+        sums' groups: nn/losses.EvalSums) run `forward` at a time (a training
+        micro-batch's: nn/sequential.eval_forward; None: a group whole)
+        through the stages, each forward batch through this stage's chunks
+        in turn: x this replica's part of the images on the first stage, y
+        its labels on the last (None elsewhere), count its samples (known
+        everywhere). Returns the loss's sums (nn/losses.py: loss, count,
+        correct) on the last stage, its zero sums elsewhere. Sends wait two
         batches behind (no more than two activation buffers a chunk in flight)."""
         grid, P = self.grid, self.grid.stages
-        sums, sends = self.spec.loss.zero_sums(), []
-        for lo in range(0, count, batch):
-            n = min(batch, count - lo)
+        sends = []
+        last = [chunk.model.run for k, chunk in enumerate(self.chunks) if self.last[k]]
+        sums = EvalSums(last[0].loss, last[0].loss_slots[0]) if last else None
+        for lo, hi, ends in eval_batches(count, batch, min(forward or batch, batch)):
+            n = hi - lo
             for k, chunk in enumerate(self.chunks):
                 if self.first[k]:
-                    a = x[lo:lo + n]
+                    a = x[lo:hi]
                     a = self.xp.asarray(a)
                     if a.dtype == np.uint8:
                         a = a.astype(self.compute)
@@ -216,7 +219,9 @@ class Engine:
                 run = chunk.model.run
                 out = run.forward(a, False)
                 if self.last[k]:
-                    add_sums(sums, run.sums(out, self.xp.asarray(y[lo:lo + n])))
+                    sums.add(out, self.xp.asarray(y[lo:hi]))
+                    if ends:
+                        sums.end_group()
                     continue
                 sends.append(self._send(out, (grid.stage + 1) % P, EVAL_TAG + k))
                 if len(sends) > 2 * self.virtual:
@@ -224,7 +229,7 @@ class Engine:
                         self.world.waits.one(sends.pop(0)[0])
         with self.world.waiting("pipeline evaluation sends", peer=self.neighbours):
             self.world.waits.all([request for request, _ in sends])
-        return sums
+        return sums.total if sums is not None else self.spec.loss.zero_sums()
 
     # --- the actions (schedule.py), one method each: micro-batch m, local chunk k ---------
 

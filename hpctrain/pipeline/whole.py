@@ -86,7 +86,7 @@ class Pipelined(Evaluated):
                 with world.waiting("model state broadcast over the stage's replicas (evaluation)",
                                    peer=None if grid.replica == 0 else grid.world_rank(grid.stage, 0)):
                     bcast(grid.stage_comm, stage.state, root=0)
-        sums = self.engine.evaluate(x, y, count)
+        sums = self.engine.evaluate(x, y, count, self.forward)
         for k, state in own.items():
             self.chunks[k].state[...] = state
         totals = np.array([sums["loss"], sums.get("correct", 0), sums["count"]], np.float64) \

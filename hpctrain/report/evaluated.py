@@ -26,6 +26,7 @@ from mpi4py import MPI
 from ..base import device
 from ..data.splits import held_out
 from ..comm.device_buffers import bcast
+from ..nn.sequential import eval_forward
 from ..state.consumers import ToChief, finite, parameters
 from ..state.layouts import buffer_parts
 from .params import chief_text, write_params, written_by_chief
@@ -41,6 +42,8 @@ class Evaluated:
     def __init__(self, world, plan, spec, parts, comm=None):
         self.world, self.plan, self.spec, self.held, self.comm = world, plan, spec, parts, comm
         self.collective = comm is not None
+        # samples an evaluation runs forward at once: a training step's (nn/sequential.eval_forward)
+        self.forward = eval_forward(spec, plan.data.batch_size)
 
     def finite(self):
         device.synchronize(self.world.xp)
@@ -100,14 +103,14 @@ class WholeModel(Evaluated):
                                              eval_tokens=self.plan.data.eval_tokens)
         x, y = self._full[split]
         xp = self.world.xp
-        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y))
+        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y), forward=self.forward)
         return sums["loss"], sums.get("correct", 0), sums["count"]
 
     def evaluate_parts(self, inputs):
         """Every worker its part of the test set (run/inputs.Inputs.test_part), one Allreduce of the sums."""
         world, xp = self.world, self.world.xp
         x, y = inputs.test_part()
-        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y))
+        sums = self.model.evaluate(xp.asarray(x), xp.asarray(y), forward=self.forward)
         totals = np.array([sums["loss"], sums.get("correct", 0), sums["count"]], np.float64)
         with world.waiting("evaluation allreduce", peer=None):
             world.cluster.worker_comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)

@@ -235,6 +235,7 @@ class Report:
                   **({"tokens_per_s": round(rate * per_token, 1)} if per_token else {}),
                   "comm_s": round(comm_s, 4), "compute_s": round(compute_s, 4),
                   "device": world.device_name}
+        record.update(self._mfu(rate))
         # a resumed run's time over every run that took it (wall_s, compute_s, comm_s: this run's)
         wall_before, compute_before, comm_before, runs = self._before
         record.update(total_wall_s=round(wall_before + wall, 3), total_compute_s=round(compute_before + compute_s, 4),
@@ -257,6 +258,19 @@ class Report:
             mark_finished(record)
         return record, save_error
 
+
+    def _mfu(self, rate):
+        """The record's `mfu` and the SGEMM it is measured against (report/mfu.py):
+        the ranks that compute the model (ps: its workers; its servers only
+        add) at this rank's compute threads; none on a GPU (no SGEMM of its own here)."""
+        if self.world.xp is not np:
+            return {}
+        from ..nn import threads
+        from .mfu import mfu
+        cluster = self.world.cluster
+        ranks = cluster.num_workers if self.plan.mode == "ps" else cluster.size
+        value, peak = mfu(self.plan.spec, rate, ranks, threads.count())
+        return {"mfu": round(value, 4), "sgemm_gflops": round(peak, 1)}
 
     def _final_test(self, test):
         """The final record's test figures: test_loss and test_accuracy (null,

@@ -2,7 +2,9 @@
 rank will hold at least, for ring mode at its ZeRO stage (`ring_needs`) or
 for a pipeline's heaviest stage (`stage_needs`), against --memory-budget or
 this node's available memory shared among its ranks; a refusal is one line
-naming what would fit (a higher ZeRO stage, more ranks, a pipeline).
+naming what would fit (a higher ZeRO stage, more ranks, a pipeline). The
+evaluations are counted: they run forward no more samples at once than
+`held_batch`.
 
     mpirun -n 1 python -m hpctrain.train --hidden 4096,4096,4096 --memory-budget 0.45
 """
@@ -11,9 +13,18 @@ from ..data.arrays import memory_available
 from ..base.errors import HpctrainError
 from ..nn import threads
 from ..nn.grad_slots import slot_elements
+from ..nn.sequential import eval_forward
 from ..base.precision import FLOAT32
 
 STATES = {"sgd": 0, "momentum": 1, "adam": 2}   # optimizer state buffers per parameter
+
+
+def held_batch(args, spec):
+    """Samples whose activations a rank holds at once: a training step's
+    --batch-size, or where it is larger the evaluations' forward batch
+    (nn/sequential.eval_forward: whole row tiles, so a batch of 16 images
+    evaluates 48 at a time), which holds no more per sample than training."""
+    return max(args.batch_size, eval_forward(spec, args.batch_size))
 
 
 def stage_needs(args, spec, cuts, replicas=1, sharded=False):
@@ -30,7 +41,7 @@ def stage_needs(args, spec, cuts, replicas=1, sharded=False):
     needs = []
     for s in range(stages):
         copies = chunk_peaks(actions_for(args.pipeline_schedule, stages, args.micro_batches, s, virtual), virtual)
-        needs.append(sum(spec.memory_bytes(args.batch_size, states, a=a, b=b, buffers=3, copies=n,
+        needs.append(sum(spec.memory_bytes(held_batch(args, spec), states, a=a, b=b, buffers=3, copies=n,
                                            threads=threads.count())
                          for (a, b), n in zip(stage_chunks(cuts, stages, s), copies)))
     return needs
@@ -55,7 +66,7 @@ def fitting_pipeline(args, spec, budget, base):
     room = budget - base
     if room <= 0:
         return None
-    whole = spec.memory_bytes(args.batch_size, STATES[args.optimizer], buffers=3, threads=threads.count())
+    whole = spec.memory_bytes(held_batch(args, spec), STATES[args.optimizer], buffers=3, threads=threads.count())
     lowest = max(2, -(-int(whole) // int(room)))
     most = len(spec.param_layers) // virtual
     if args.pipeline_schedule == "interleaved":   # micro-batches in groups of P (pipeline/stages.py refuses others)
@@ -104,7 +115,7 @@ def ring_needs(args, spec, replicas, stage, counted=None):
             counted[shared] = slot_elements(spec, buckets, shared)
         sharded = (counted[shared] + n / replicas) / n
         buffers = (1 if stage == 2 else sharded) + sharded
-    return spec.memory_bytes(args.batch_size, STATES[args.optimizer] / (replicas if stage else 1),
+    return spec.memory_bytes(held_batch(args, spec), STATES[args.optimizer] / (replicas if stage else 1),
                              buffers=buffers, threads=threads.count())
 
 
