@@ -100,22 +100,33 @@ class ShardedStore:
             j = slots.bucket_at(t.lo)
             if j not in self.reads[t.user]:
                 self.reads[t.user].append(j)
+        # backward: the model's first layer with parameters runs it without dx (nn/sequential.py), and
+        # one that needs no parameters for that (Linear, Conv2d, Embedding: needs_params_without_dx)
+        # reads none: its bucket is not gathered again for it, nor prefetched, unless a later layer's
+        # backward reads it (an MLP's first layer: a bucket's gather fewer each step)
+        self.back_reads = [list(r) for r in self.reads]
+        if spec.param_layers and not spec.layers[spec.param_layers[0]].needs_params_without_dx:
+            self.back_reads[spec.param_layers[0]] = []
+        self.back_needed = {j for r in self.back_reads for j in r}
 
     def views(self, i):
         spec = self.spec
         return (spec.views(self.params, i), spec.views(self.grads, i),
                 spec.views(self.state, i, of="state", base=self.base[1]))
 
-    def _need(self, a, b, ahead):
-        """Layers [a, b) run next: the buckets they read gathered; then the
-        bucket `ahead` of each one's own (its neighbour in this pass's order)
-        posted (not of a tied home: the GPT's head reads the embedding's, at
+    def _need(self, a, b, ahead, reads, needed=None):
+        """Layers [a, b) run next: the buckets they read (`reads[i]`) gathered;
+        then the bucket `ahead` of each one's own (its neighbour in this
+        pass's order) posted, if this pass reads it (`needed`; None: every
+        bucket) (not of a tied home: the GPT's head reads the embedding's, at
         the other end of the pass)."""
         for i in range(a, b):
-            for j in self.reads[i]:
+            for j in reads[i]:
                 self.ensure(j)
-            if self.thread is not None and self.own[i] is not None:
-                self._prefetch(self.own[i] + ahead, self.reads[i])
+            if self.thread is not None and self.own[i] is not None and reads[i]:
+                k = self.own[i] + ahead
+                if needed is None or k in needed:
+                    self._prefetch(k, reads[i])
 
     def ensure(self, j):
         """Bucket j's parameters in its slot (gathered unless they are there)."""
@@ -161,13 +172,13 @@ class ShardedStore:
         self._post(k, slot, now)
 
     def before_forward(self, a, b):
-        self._need(a, b, -1)   # forward runs from the last bucket (the model's start) to bucket 0
+        self._need(a, b, -1, self.reads)   # forward runs from the last bucket (the model's start) to bucket 0
 
     def after_forward(self, a, b):
         """Nothing: a slot is reused when a later bucket needs it."""
 
     def before_backward(self, a, b):
-        self._need(a, b, +1)
+        self._need(a, b, +1, self.back_reads, self.back_needed)
 
     def grads_done(self, a, b):
         """Nothing: the fused allreduce takes each bucket (comm/fusion.py)."""
