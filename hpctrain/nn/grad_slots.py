@@ -104,9 +104,11 @@ def assign(buckets, own, shared):
     return slot_of, reuses, sizes
 
 
-def slot_elements(spec, buckets, shared=1):
-    """Elements the slots of a model `spec` over `buckets` hold (the start-up memory check's count)."""
-    homes = {i for t in spec.ties for i, (lo, hi) in enumerate(buckets) if lo <= t.lo < hi}
+def slot_elements(spec, buckets, shared=1, extra=()):
+    """Elements the slots of a model `spec` over `buckets` hold (the start-up
+    memory check's count); extra: more buckets [(lo, hi)] with slots of their own."""
+    homes = {i for t in spec.ties for i, (lo, hi) in enumerate(buckets) if lo <= t.lo < hi} | \
+        {buckets.index(b) for b in extra}
     return sum(assign(buckets, homes, shared)[2])
 
 

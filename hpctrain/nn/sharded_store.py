@@ -36,7 +36,7 @@ parameters (with a tied home's) are alive at once.
 """
 import numpy as np
 
-from .grad_slots import GradSlots
+from .grad_slots import GradSlots, slot_elements
 
 
 class ParamShard:
@@ -202,8 +202,33 @@ class ShardedStore:
         self.forget()
 
 
+SMALL_TAIL = 8   # the buckets forward gathers last keep slots of their own while together <= 1/8 of the largest
+
+
+def tail_homes(buckets):
+    """The buckets forward gathers last (0, 1, ...: the model's end, a
+    classifier's small head) while together at most 1/SMALL_TAIL of the
+    largest bucket: slots of their own, so the shared slot still holds the
+    bucket forward gathered before them when backward starts there, and
+    backward gathers that one (the largest kind) no more, for at most 1/8
+    of a slot. (An MLP of 1024 x 1024 at 4 MiB buckets: its 10,250-element
+    head's bucket alone; backward then gathers nothing.)"""
+    largest, total, out = max(hi - lo for lo, hi in buckets), 0, []
+    for lo, hi in buckets:
+        total += hi - lo
+        if total * SMALL_TAIL > largest:
+            break
+        out.append((lo, hi))
+    return out
+
+
 def param_slots(size, buckets, xp, dtype, homes, shared=1):
     """The parameters' slots: `shared` the buckets take in turn (one while
     each gather is done before its layers run; a prefetch needs a second),
-    one per tied home's bucket."""
-    return GradSlots(size, buckets, xp, dtype, homes=homes, shared=shared)
+    one per tied home's bucket and per small bucket of the tail (tail_homes)."""
+    return GradSlots(size, buckets, xp, dtype, homes=[*homes, *tail_homes(buckets)], shared=shared)
+
+
+def param_slot_elements(spec, buckets, shared=1):
+    """Elements the parameters' slots of a model `spec` over `buckets` hold (the start-up memory check's count)."""
+    return slot_elements(spec, buckets, shared, extra=tail_homes(buckets))

@@ -11,6 +11,7 @@ from ..data.arrays import memory_available
 from ..base.errors import HpctrainError
 from ..nn import threads
 from ..nn.grad_slots import slot_elements
+from ..nn.sharded_store import param_slot_elements
 from ..base.precision import FLOAT32
 
 STATES = {"sgd": 0, "momentum": 1, "adam": 2}   # optimizer state buffers per parameter
@@ -101,9 +102,9 @@ def ring_needs(args, spec, replicas, stage, counted=None):
         buckets = counted["buckets"]
         shared = 2 if args.overlap == "on" and replicas > 1 and len(buckets) > 1 else 1
         if shared not in counted:
-            counted[shared] = slot_elements(spec, buckets, shared)
-        sharded = (counted[shared] + n / replicas) / n
-        buffers = (1 if stage == 2 else sharded) + sharded
+            counted[shared] = slot_elements(spec, buckets, shared), param_slot_elements(spec, buckets, shared)
+        grad_slots, param_slots = counted[shared]
+        buffers = (1 if stage == 2 else (param_slots + n / replicas) / n) + (grad_slots + n / replicas) / n
     return spec.memory_bytes(args.batch_size, STATES[args.optimizer] / (replicas if stage else 1),
                              buffers=buffers, threads=threads.count())
 
