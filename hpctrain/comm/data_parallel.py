@@ -12,8 +12,9 @@ What it owns, per step:
   parameters allgathered (`reduce`, `update`, `gather`); with --zero 2 the
   gradient too is sharded: the buckets live in a few slots
   (nn/grad_slots.py) and each reduce-scatter leaves this rank's part in
-  its compact gradient shard (`GradShard`), which the optimizer and the
-  norm read: the same sums, the same update, the same bits as stage 1;
+  the slot, where the optimizer reads it (`Summed`), or with --clip-norm
+  in its compact gradient shard (`GradShard`), which the norm and then the
+  optimizer read: the same sums, the same update, the same bits as stage 1;
   with --zero 3 the optimizer updates the parameters' shard in place
   (nn/sharded_store.ParamShard) and nothing is allgathered after it: the
   store gathers each bucket when its layers run;
@@ -61,7 +62,8 @@ class Part:
     its buckets and the ranges of them this rank updates (buffer
     coordinates), its optimizer and its exchange (None: the strategy);
     with --zero 2 `grads` is the model's nn/grad_slots.GradSlots and
-    `shard` this rank's summed part of it (GradShard); with --zero 3
+    `shard` this rank's summed part of it (GradShard; with --clip-norm
+    only, else None: each part is updated from its slot); with --zero 3
     `param_shard` the parameters' (nn/sharded_store.ParamShard), which the
     optimizer updates in place, and `params` their slots."""
     __slots__ = ("params", "grads", "lo", "chunk", "buckets", "owned", "optimizer", "exchange", "shard",

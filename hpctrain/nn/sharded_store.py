@@ -10,7 +10,10 @@ The slots are nn/grad_slots.GradSlots' (the same cut: the buckets take
 the shared slots in turn, one where each gather is done right before
 the layers that need it run, two with a prefetch; a bucket that holds a
 tied tensor's home a slot of its own, since the GPT's head reads the
-embedding at the other end of the model). Each
+embedding at the other end of the model, and so do the small buckets
+forward gathers last: `tail_homes`). Backward gathers nothing for the
+model's first layer where that layer's backward without dx reads no
+parameters (`needs_params_without_dx`, nn/layers.py). Each
 layer is bound once to its bucket's slot; the runner (nn/sequential.py)
 calls the hooks a layer at a time (`per_layer`), and `_need` gathers the
 buckets layer i reads (its own, and the home of a tied tensor it uses)
