@@ -117,6 +117,16 @@ class Rebinds(Layer):
         return dy * self.params["w"]
 
 
+class DecayedDense(Dense):
+    """Adds an L2 term to its weight gradient, which reads the weights: Dense's
+    needs_params_without_dx = False inherited wrongly."""
+
+    def backward(self, ctx, dy, need_dx):
+        dx = super().backward(ctx, dy, need_dx)
+        self.grads["W"] += 0.01 * self.params["W"]
+        return dx
+
+
 def _raises(method):
     def fail(self, *args):
         raise TypeError("my bug")
@@ -168,6 +178,8 @@ BAD = {
     "keeps_output = False, wrongly": (lambda: [ClaimsNoOutput()], "declares keeps_output = False, but its "
                                                                   "backward reads its forward's output"),
     "rebound gradient views": (lambda: [Rebinds()], "its gradient views were replaced"),
+    "needs_params_without_dx = False, wrongly": (lambda: [DecayedDense(6)], "declares needs_params_without_dx = "
+                                                 "False, but its backward without dx reads its parameters"),
     "an undeclared in-place write in a Residual": (lambda: [Residual([UndeclaredLeaky(), Dense(6)])],
                                                    "layer 1 (Residual[UndeclaredLeaky>Dense(6)]): forward wrote "
                                                    "into its input"),

@@ -12,8 +12,9 @@ What it owns, per step:
   parameters allgathered (`reduce`, `update`, `gather`); with --zero 2 the
   gradient too is sharded: the buckets live in a few slots
   (nn/grad_slots.py) and each reduce-scatter leaves this rank's part in
-  its compact gradient shard (`GradShard`), which the optimizer and the
-  norm read: the same sums, the same update, the same bits as stage 1;
+  the slot, where the optimizer reads it (`Summed`), or with --clip-norm
+  in its compact gradient shard (`GradShard`), which the norm and then the
+  optimizer read: the same sums, the same update, the same bits as stage 1;
   with --zero 3 the optimizer updates the parameters' shard in place
   (nn/sharded_store.ParamShard) and nothing is allgathered after it: the
   store gathers each bucket when its layers run;
@@ -61,7 +62,8 @@ class Part:
     its buckets and the ranges of them this rank updates (buffer
     coordinates), its optimizer and its exchange (None: the strategy);
     with --zero 2 `grads` is the model's nn/grad_slots.GradSlots and
-    `shard` this rank's summed part of it (GradShard); with --zero 3
+    `shard` this rank's summed part of it (GradShard; with --clip-norm
+    only, else None: each part is updated from its slot); with --zero 3
     `param_shard` the parameters' (nn/sharded_store.ParamShard), which the
     optimizer updates in place, and `params` their slots."""
     __slots__ = ("params", "grads", "lo", "chunk", "buckets", "owned", "optimizer", "exchange", "shard",
@@ -86,6 +88,20 @@ class GradShard:
     def __getitem__(self, key):
         c = self.optimizer.compact_offset(key.start, key.stop)
         return self.buf[c:c + key.stop - key.start]
+
+
+class Summed:
+    """--zero 2 and 3 without --clip-norm: a bucket's summed part where the
+    reduce-scatter left it, in its slot, indexed as the sharded optimizer's
+    compact layout would hold it (`[c + x:c + y]` is `view[x:y]`, c its
+    compact offset): the optimizer reads it there, no 1/N copy of the
+    gradient is kept."""
+
+    def __init__(self, view, offset):
+        self.view, self.offset = view, offset
+
+    def __getitem__(self, key):
+        return self.view[key.start - self.offset:key.stop - self.offset]
 
 
 class NormScope:
@@ -120,12 +136,15 @@ class DataParallelUpdate:
             # at: the part's slice of the model, where the model's weight-decay ranges fall in it
             p.optimizer = make_optimizer(name, p.grads.size, xp, owned=p.owned if self.sharded else None,
                                          at=[(p.lo, p.lo + p.grads.size)], **kwargs)
-            if self.shard_grads:
+            if self.shard_grads and clip is not None:
+                # the summed parts kept until every bucket is summed: the clip norm reads them all;
+                # without it each bucket is updated right after its sum, from its slot (`_summed`)
                 p.shard = GradShard(p.optimizer, xp, p.grads.dtype)
             if p.param_shard is not None and p.param_shard.ranges != p.optimizer.ranges:
                 raise ValueError("--zero 3: the parameter shard and the optimizer own different ranges")
         self.clip = clip
         self.norm = self._norm(buckets, scope or NormScope()) if clip is not None else None
+        self._summed = {}   # (part, bucket) -> its summed part in its slot, without a GradShard, until updated
 
     def _owned(self, lo, hi):
         """What this rank updates of bucket [lo, hi) (buffer coordinates): its shard, or all of it."""
@@ -169,10 +188,13 @@ class DataParallelUpdate:
         if strategy is None:
             return
         if self.shard_grads:
-            # the bucket's slot is free again once its part is in the shard
+            # the bucket's slot is free again once its part is in the shard, or (no shard) updated:
+            # the fused allreduce runs update(k, i) straight after, before any layer writes the slot again
             bucket = p.grads[lo:hi]
             a, b = p.exchange.reduce_scatter(lo, hi) if p.exchange is not None else strategy.reduce_scatter(bucket)
-            if a < b:
+            if a < b and p.shard is None:
+                self._summed[k, i] = Summed(bucket[a:b], p.optimizer.compact_offset(lo + a, lo + b))
+            elif a < b:
                 p.shard[lo + a:lo + b][...] = bucket[a:b]
         elif self.sharded:
             p.exchange.reduce_scatter(lo, hi) if p.exchange is not None else strategy.reduce_scatter(p.grads[lo:hi])
@@ -185,12 +207,15 @@ class DataParallelUpdate:
         """The optimizer on what this rank updates of bucket i of part k."""
         p = self.parts[k]
         lo, hi = p.owned[i]
+        summed = self._summed.pop((k, i), None) if self.shard_grads else None
         if lo < hi:
-            if p.param_shard is not None:
-                p.optimizer.update_compact(p.param_shard.buf, p.shard.buf, lo, hi, shard=True)
-                p.param_shard.changed(i)   # a slot's gathered copy of bucket i is old now
-            elif p.shard is not None:
-                p.optimizer.update_compact(p.params, p.shard.buf, lo, hi)
+            if self.shard_grads:
+                grads = p.shard.buf if p.shard is not None else summed
+                if p.param_shard is not None:
+                    p.optimizer.update_compact(p.param_shard.buf, grads, lo, hi, shard=True)
+                    p.param_shard.changed(i)   # a slot's gathered copy of bucket i is old now
+                else:
+                    p.optimizer.update_compact(p.params, grads, lo, hi)
             else:
                 p.optimizer.update(p.params, p.grads, lo, hi)
 

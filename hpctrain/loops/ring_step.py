@@ -66,7 +66,7 @@ class RingStep:
     model's buffers' (the plan's precision.params); zero: the ZeRO stage,
     0-3 (the plan's ring.zero): 1 the optimizer over this rank's part of
     each bucket; 2 the gradient too (the model built over
-    nn/grad_slots.GradSlots, each bucket summed into this rank's shard as
+    nn/grad_slots.GradSlots, each bucket's part summed and updated (with --clip-norm kept in this rank's shard) as
     backprop finishes it, and with --accumulate-steps the first
     micro-batches added a layer at a time); 3 the parameters too (the model
     built over nn/sharded_store.ShardedStore, each bucket gathered as its

@@ -27,6 +27,10 @@ samples, and refuses it when:
   output after all (an in-place layer after it would then overwrite what it
   reads), or it rebinds its views (`self.grads["W"] = ...` instead of
   writing into them: the gradient would never reach the flat buffer);
+- it declares `needs_params_without_dx = False` (Linear's, Conv2d's,
+  Embedding's, inherited by a subclass) but its backward without dx reads
+  its parameters after all (--zero 3 leaves them ungathered for the
+  model's first layer's backward);
 - `forward` or `backward` sets or replaces an attribute of the layer (a
   call's activations kept on `self`, not on its ctx: a pipeline stage runs
   several micro-batches through the one layer, and the last forward's would
@@ -265,6 +269,25 @@ def check_layer(spec, i, seed=0):
         if repeatable and not (_same(runs[2][0], runs[0][0]) and _same(runs[2][1], runs[0][1])):
             probe.refuse("declares keeps_output = False, but its backward reads its forward's output (an in-place "
                          "layer after it would overwrite that): remove the declaration")
+    if not layer.needs_params_without_dx and probe.pv:
+        # Says its backward without dx reads no parameters (--zero 3 then
+        # leaves them ungathered for the model's first layer): run it so
+        # with the parameters scribbled over; the same gradients, or it reads them.
+        runs = []
+        for scribble in (False, False, True):
+            probe.forward(before.copy())
+            kept = {name: view.copy() for name, view in probe.pv.items()}
+            if scribble:
+                for view in probe.pv.values():
+                    view[...] = probe.rng.standard_normal(view.shape)
+            probe.call("backward", layer.backward, probe.ctx, dy.copy(), False)
+            for name, view in probe.pv.items():
+                view[...] = kept[name]
+            runs.append(probe.grads.copy())
+        if _same(runs[0], runs[1]) and not _same(runs[2], runs[0]):
+            probe.refuse("declares needs_params_without_dx = False, but its backward without dx reads its "
+                         "parameters (--zero 3 would not gather them for the model's first layer): declare "
+                         "needs_params_without_dx = True")
     probe.forward(probe.inputs(), train=False)
 
 

@@ -95,6 +95,7 @@ class Conv2d(Layer):
     2/fan_in, fan_in = k*k*in_channels), drawn from the rng init is given
     (the layer's own stream, (seed, its index): nn/sequential.py); zero bias."""
     keeps_output = False   # its backward reads its input's columns
+    needs_params_without_dx = False   # dW from its input's columns and dy, db from dy
 
     def __init__(self, out_channels, kernel, stride=1, padding=0, bias=True):
         self.out_channels, self.k, self.stride, self.pad = int(out_channels), int(kernel), int(stride), int(padding)

@@ -28,6 +28,7 @@ class Embedding(Layer):
     gradient reaches the ids: its input gradient is zeros."""
     input_kind = "tokens"
     keeps_output = False   # its backward reads the ids, not its output
+    needs_params_without_dx = False   # dE from the ids and dy
     tokenwise = True
 
     def __init__(self, vocab, dim, std=None, role=None):

@@ -1,8 +1,9 @@
 """The model's gradient without a full-length buffer (--zero 2): each of
 ring mode's buckets writes into one of a few bucket-sized slots, which the
-bucket's reduce-scatter frees again, so a rank holds its 1/N shard of the
-summed gradient (comm/data_parallel.py) and one or two buckets' worth of
-gradients being written or on the wire, not the whole model's.
+bucket's reduce-scatter and update free again, so a rank holds one or
+two buckets' worth of gradients being written or on the wire (and with
+--clip-norm its 1/N shard of the summed gradient: comm/data_parallel.py),
+not the whole model's.
 
 A model built over GradSlots (nn/spec.ModelSpec.build(grads=...)) binds
 every layer's gradient views to its bucket's slot, once: `slots[lo:hi]` for
@@ -104,9 +105,11 @@ def assign(buckets, own, shared):
     return slot_of, reuses, sizes
 
 
-def slot_elements(spec, buckets, shared=1):
-    """Elements the slots of a model `spec` over `buckets` hold (the start-up memory check's count)."""
-    homes = {i for t in spec.ties for i, (lo, hi) in enumerate(buckets) if lo <= t.lo < hi}
+def slot_elements(spec, buckets, shared=1, extra=()):
+    """Elements the slots of a model `spec` over `buckets` hold (the start-up
+    memory check's count); extra: more buckets [(lo, hi)] with slots of their own."""
+    homes = {i for t in spec.ties for i, (lo, hi) in enumerate(buckets) if lo <= t.lo < hi} | \
+        {buckets.index(b) for b in extra}
     return sum(assign(buckets, homes, shared)[2])
 
 

@@ -152,6 +152,10 @@ class Layer:
     inplace = False       # forward overwrites its input
     view = False          # forward returns a view of its input (a reshape)
     keeps_output = True   # backward reads forward's output: an in-place layer after it gets a copy
+    # backward(need_dx=False), the model's first layer's, reads its parameters: False where only its input and
+    # dy make its gradient (Linear, Conv2d, Embedding), so --zero 3 need not gather them again for it
+    # (nn/sharded_store.py); the default, True, is the safe one
+    needs_params_without_dx = True
     min_batch = 1         # the smallest batch a training forward makes sense of (BatchNorm1d: 2)
     input_kind = "image"  # what it takes as a model's first layer (nn/spec.INPUT_KINDS): the reader must give it
     ties = ()             # (name, owner layer, its tensor, transposed): tensors read from another layer (tie)

@@ -32,6 +32,7 @@ def normal(rng, shape, std, dtype):
 class Linear(Layer):
     """(batch, ..., fan_in) -> (batch, ..., units); W is (fan_in, units)."""
     keeps_output = False   # its backward reads its input
+    needs_params_without_dx = False   # dW from its input and dy, db from dy
     tokenwise = True       # each position by itself: decoded by its own forward (nn/decode.py)
 
     def __init__(self, units, bias=True, std=0.02, role=None):

@@ -10,7 +10,10 @@ The slots are nn/grad_slots.GradSlots' (the same cut: the buckets take
 the shared slots in turn, one where each gather is done right before
 the layers that need it run, two with a prefetch; a bucket that holds a
 tied tensor's home a slot of its own, since the GPT's head reads the
-embedding at the other end of the model). Each
+embedding at the other end of the model, and so do the small buckets
+forward gathers last: `tail_homes`). Backward gathers nothing for the
+model's first layer where that layer's backward without dx reads no
+parameters (`needs_params_without_dx`, nn/layers.py). Each
 layer is bound once to its bucket's slot; the runner (nn/sequential.py)
 calls the hooks a layer at a time (`per_layer`), and `_need` gathers the
 buckets layer i reads (its own, and the home of a tied tensor it uses)
@@ -36,7 +39,7 @@ parameters (with a tied home's) are alive at once.
 """
 import numpy as np
 
-from .grad_slots import GradSlots
+from .grad_slots import GradSlots, slot_elements
 
 
 class ParamShard:
@@ -100,22 +103,33 @@ class ShardedStore:
             j = slots.bucket_at(t.lo)
             if j not in self.reads[t.user]:
                 self.reads[t.user].append(j)
+        # backward: the model's first layer with parameters runs it without dx (nn/sequential.py), and
+        # one that needs no parameters for that (Linear, Conv2d, Embedding: needs_params_without_dx)
+        # reads none: its bucket is not gathered again for it, nor prefetched, unless a later layer's
+        # backward reads it (an MLP's first layer: a bucket's gather fewer each step)
+        self.back_reads = [list(r) for r in self.reads]
+        if spec.param_layers and not spec.layers[spec.param_layers[0]].needs_params_without_dx:
+            self.back_reads[spec.param_layers[0]] = []
+        self.back_needed = {j for r in self.back_reads for j in r}
 
     def views(self, i):
         spec = self.spec
         return (spec.views(self.params, i), spec.views(self.grads, i),
                 spec.views(self.state, i, of="state", base=self.base[1]))
 
-    def _need(self, a, b, ahead):
-        """Layers [a, b) run next: the buckets they read gathered; then the
-        bucket `ahead` of each one's own (its neighbour in this pass's order)
-        posted (not of a tied home: the GPT's head reads the embedding's, at
+    def _need(self, a, b, ahead, reads, needed=None):
+        """Layers [a, b) run next: the buckets they read (`reads[i]`) gathered;
+        then the bucket `ahead` of each one's own (its neighbour in this
+        pass's order) posted, if this pass reads it (`needed`; None: every
+        bucket) (not of a tied home: the GPT's head reads the embedding's, at
         the other end of the pass)."""
         for i in range(a, b):
-            for j in self.reads[i]:
+            for j in reads[i]:
                 self.ensure(j)
-            if self.thread is not None and self.own[i] is not None:
-                self._prefetch(self.own[i] + ahead, self.reads[i])
+            if self.thread is not None and self.own[i] is not None and reads[i]:
+                k = self.own[i] + ahead
+                if needed is None or k in needed:
+                    self._prefetch(k, reads[i])
 
     def ensure(self, j):
         """Bucket j's parameters in its slot (gathered unless they are there)."""
@@ -161,13 +175,13 @@ class ShardedStore:
         self._post(k, slot, now)
 
     def before_forward(self, a, b):
-        self._need(a, b, -1)   # forward runs from the last bucket (the model's start) to bucket 0
+        self._need(a, b, -1, self.reads)   # forward runs from the last bucket (the model's start) to bucket 0
 
     def after_forward(self, a, b):
         """Nothing: a slot is reused when a later bucket needs it."""
 
     def before_backward(self, a, b):
-        self._need(a, b, +1)
+        self._need(a, b, +1, self.back_reads, self.back_needed)
 
     def grads_done(self, a, b):
         """Nothing: the fused allreduce takes each bucket (comm/fusion.py)."""
@@ -191,8 +205,33 @@ class ShardedStore:
         self.forget()
 
 
+SMALL_TAIL = 8   # the buckets forward gathers last keep slots of their own while together <= 1/8 of the largest
+
+
+def tail_homes(buckets):
+    """The buckets forward gathers last (0, 1, ...: the model's end, a
+    classifier's small head) while together at most 1/SMALL_TAIL of the
+    largest bucket: slots of their own, so the shared slot still holds the
+    bucket forward gathered before them when backward starts there, and
+    backward gathers that one (the largest kind) no more, for at most 1/8
+    of a slot. (An MLP of 1024 x 1024 at 4 MiB buckets: its 10,250-element
+    head's bucket alone; backward then gathers nothing.)"""
+    largest, total, out = max(hi - lo for lo, hi in buckets), 0, []
+    for lo, hi in buckets:
+        total += hi - lo
+        if total * SMALL_TAIL > largest:
+            break
+        out.append((lo, hi))
+    return out
+
+
 def param_slots(size, buckets, xp, dtype, homes, shared=1):
     """The parameters' slots: `shared` the buckets take in turn (one while
     each gather is done before its layers run; a prefetch needs a second),
-    one per tied home's bucket."""
-    return GradSlots(size, buckets, xp, dtype, homes=homes, shared=shared)
+    one per tied home's bucket and per small bucket of the tail (tail_homes)."""
+    return GradSlots(size, buckets, xp, dtype, homes=[*homes, *tail_homes(buckets)], shared=shared)
+
+
+def param_slot_elements(spec, buckets, shared=1):
+    """Elements the parameters' slots of a model `spec` over `buckets` hold (the start-up memory check's count)."""
+    return slot_elements(spec, buckets, shared, extra=tail_homes(buckets))
