@@ -28,7 +28,8 @@ Reusing the fixture (e.g. for ``jobs/ring.slurm``)::
 
 ``slurm.submit(script, *args, sbatch_args=(), env=None, timeout=120)`` runs
 ``sbatch --parsable --output=FILE --chdir=<repo> [sbatch_args] script args...``,
-follows the job with scontrol until it ends and returns ``(returncode,
+follows the job with scontrol until it ends (asked every 0.1 s at first, at
+most every 1 s later) and returns ``(returncode,
 output_text)``: the job's exit code (scontrol's ExitCode; 128 + N for a job
 ended by signal N) and the job's combined stdout/stderr, or sbatch's own
 message when the submission is rejected. ``script`` is a path, or the text of
@@ -389,13 +390,18 @@ def _output(out):
     return out.read_text(errors="replace") if out.exists() else "(no output file yet)"
 
 
-def _wait_for(what, predicate, timeout, job_id=None, slurm=None, out=None):
+def _wait_for(what, predicate, timeout, job_id=None, slurm=None, out=None, most=0.1):
+    """predicate()'s first true value, asked every 0.1 s at first, then
+    every 1.5 times longer up to `most` s (each scontrol is a process: a
+    job of minutes asked every 0.1 s took cores from the job it waited for)."""
     deadline = time.monotonic() + timeout
+    pause = 0.1
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.1)
+        time.sleep(pause)
+        pause = min(most, pause * 1.5)
     if job_id and slurm:
         slurm.cmd("scancel", job_id, timeout=15)
     pytest.fail(f"gave up waiting for {what} after {timeout} s"
@@ -421,7 +427,7 @@ def _wait_until_ended(slurm, job_id, out, restarts, timeout):
     def ended():
         state, n, code = _job_info(slurm, job_id)
         return (code,) if state in TERMINAL and n == restarts else None
-    return _wait_for(f"job {job_id} to end", ended, timeout, job_id, slurm, out)[0], _output(out)
+    return _wait_for(f"job {job_id} to end", ended, timeout, job_id, slurm, out, most=1.0)[0], _output(out)
 
 
 def _interrupt_mid_run(slurm, script, flags, ckpt_dir, extra_env, scancel_args):
