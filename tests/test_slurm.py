@@ -27,16 +27,19 @@ Reusing the fixture (e.g. for ``jobs/ring.slurm``)::
         assert rc == 0, out
 
 ``slurm.submit(script, *args, sbatch_args=(), env=None, timeout=120)`` runs
-``sbatch --wait --output=FILE --chdir=<repo> [sbatch_args] script args...`` and
-returns ``(returncode, output_text)``: the job's exit code (as sbatch --wait
-reports it) and the job's combined stdout/stderr, or sbatch's own message when
-the submission is rejected. ``script`` is a path, or the text of a script
-(starting with ``#!``), which is written to a file first. ``env`` adds
+``sbatch --parsable --output=FILE --chdir=<repo> [sbatch_args] script args...``,
+follows the job with scontrol until it ends (asked every 0.1 s at first, at
+most every 1 s later) and returns ``(returncode,
+output_text)``: the job's exit code (scontrol's ExitCode; 128 + N for a job
+ended by signal N) and the job's combined stdout/stderr, or sbatch's own
+message when the submission is rejected. ``script`` is a path, or the text of
+a script (starting with ``#!``), which is written to a file first. ``env`` adds
 variables to the submitting environment (sbatch exports it to the job);
 ``HPCTRAIN_PYTHON`` is always set to the python running the tests, and
 ``PMI_*``/``OMPI_*``/``SLURM_*``-style launcher variables are dropped. A job still
 running at ``timeout`` is cancelled and the test fails with its output so far.
-``sbatch --wait`` polls every 2 s (``MinJobAge=5``), so a job costs >= 2 s.
+Not ``sbatch --wait``: it polls every 2 s (``MinJobAge=5``), a second lost per
+job on average, and across a requeue it can return early (below).
 
 The job-script tests below submit the real ``jobs/ring.slurm`` and
 ``jobs/ps.slurm`` (see ``jobs/README.md``): training to >= 0.92 accuracy, the
@@ -132,12 +135,12 @@ class Slurm:
         path.chmod(0o755)
         return path
 
-    def submit(self, script, *args, sbatch_args=(), env=None, timeout=120):
-        if isinstance(script, str) and script.startswith("#!"):
-            script = self.script(script)
+    def sbatch(self, script, *args, sbatch_args=(), env=None):
+        """sbatch --parsable, the job followed by no one: (CompletedProcess,
+        job id or None where the submission was rejected, job name, output file)."""
         name = f"hpctrain-test-{uuid.uuid4().hex[:8]}"
         out = self.workdir / f"{name}.out"
-        argv = ["sbatch", "--wait", f"--job-name={name}", f"--output={out}",
+        argv = ["sbatch", "--parsable", f"--job-name={name}", f"--output={out}",
                 f"--chdir={self.repo}", *map(str, sbatch_args), str(script),
                 *map(str, args)]
         # The job must form its own MPI world under its own allocation: drop
@@ -145,21 +148,18 @@ class Slurm:
         full_env = child_env(also=("SLURM_",))
         full_env["HPCTRAIN_PYTHON"] = str(self.python)
         full_env.update(env or {})
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True,
-                                  timeout=timeout, env=full_env)
-        except subprocess.TimeoutExpired:
-            self.cmd("scancel", f"--name={name}", timeout=15)
-            so_far = out.read_text(errors="replace") if out.exists() else "(no output file)"
-            pytest.fail(f"job {name} ({script}) still not finished after {timeout} s; "
-                        f"cancelled. Output so far:\n{so_far}")
-        if out.exists():
-            text = out.read_text(errors="replace")
-            if proc.stderr.strip():
-                text += proc.stderr
-        else:
-            text = proc.stdout + proc.stderr
-        return JobResult(proc.returncode, text)
+        proc = subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=30)
+        job_id = proc.stdout.strip().split(";")[0] if proc.returncode == 0 else None
+        return proc, job_id, name, out
+
+    def submit(self, script, *args, sbatch_args=(), env=None, timeout=120):
+        if isinstance(script, str) and script.startswith("#!"):
+            script = self.script(script)
+        proc, job_id, _, out = self.sbatch(script, *args, sbatch_args=sbatch_args, env=env)
+        if job_id is None:
+            return JobResult(proc.returncode, proc.stdout + proc.stderr)
+        rc, text = _wait_until_ended(self, job_id, out, restarts=0, timeout=timeout)
+        return JobResult(rc, text + proc.stderr if proc.stderr.strip() else text)
 
 
 @pytest.fixture(scope="module")
@@ -380,30 +380,28 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPT
 
 
 def _submit_nowait(slurm, script, *args, env):
-    """sbatch without --wait; returns (job id, job name, output file)."""
-    name = f"hpctrain-test-{uuid.uuid4().hex[:8]}"
-    out = slurm.workdir / f"{name}.out"
-    argv = ["sbatch", "--parsable", f"--job-name={name}", f"--output={out}", f"--chdir={slurm.repo}",
-            str(script), *map(str, args)]
-    full_env = child_env(also=("SLURM_",))
-    full_env["HPCTRAIN_PYTHON"] = str(slurm.python)
-    full_env.update(env)
-    proc = subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=30)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout.strip().split(";")[0], name, out
+    """sbatch, not followed; returns (job id, job name, output file)."""
+    proc, job_id, name, out = slurm.sbatch(script, *args, env=env)
+    assert job_id is not None, proc.stdout + proc.stderr
+    return job_id, name, out
 
 
 def _output(out):
     return out.read_text(errors="replace") if out.exists() else "(no output file yet)"
 
 
-def _wait_for(what, predicate, timeout, job_id=None, slurm=None, out=None):
+def _wait_for(what, predicate, timeout, job_id=None, slurm=None, out=None, most=0.1):
+    """predicate()'s first true value, asked every 0.1 s at first, then
+    every 1.5 times longer up to `most` s (each scontrol is a process: a
+    job of minutes asked every 0.1 s took cores from the job it waited for)."""
     deadline = time.monotonic() + timeout
+    pause = 0.1
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.1)
+        time.sleep(pause)
+        pause = min(most, pause * 1.5)
     if job_id and slurm:
         slurm.cmd("scancel", job_id, timeout=15)
     pytest.fail(f"gave up waiting for {what} after {timeout} s"
@@ -412,14 +410,16 @@ def _wait_for(what, predicate, timeout, job_id=None, slurm=None, out=None):
 
 
 def _job_info(slurm, job_id):
-    """(state, restarts, exit code) from scontrol; (None, None, None) once it is gone."""
+    """(state, restarts, exit code) from scontrol; (None, None, None) once it is gone.
+    The exit code: 128 + N for a job ended by signal N (ExitCode=0:N)."""
     show = slurm.cmd("scontrol", "show", "job", "-o", job_id).stdout
     state = re.search(r"\bJobState=(\S+)", show)
     restarts = re.search(r"\bRestarts=(\d+)", show)
-    code = re.search(r"\bExitCode=(\d+):\d+", show)
+    code = re.search(r"\bExitCode=(\d+):(\d+)", show)
     if not state:
         return None, None, None
-    return state.group(1), int(restarts.group(1)), int(code.group(1))
+    status, signal_number = int(code.group(1)), int(code.group(2))
+    return state.group(1), int(restarts.group(1)), status or (128 + signal_number if signal_number else 0)
 
 
 def _wait_until_ended(slurm, job_id, out, restarts, timeout):
@@ -427,7 +427,7 @@ def _wait_until_ended(slurm, job_id, out, restarts, timeout):
     def ended():
         state, n, code = _job_info(slurm, job_id)
         return (code,) if state in TERMINAL and n == restarts else None
-    return _wait_for(f"job {job_id} to end", ended, timeout, job_id, slurm, out)[0], _output(out)
+    return _wait_for(f"job {job_id} to end", ended, timeout, job_id, slurm, out, most=1.0)[0], _output(out)
 
 
 def _interrupt_mid_run(slurm, script, flags, ckpt_dir, extra_env, scancel_args):

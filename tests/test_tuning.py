@@ -100,8 +100,8 @@ def check_row(isa, vendor):
     assert (row.isa, row.vendor) == (isa, vendor), (row, compiled._cpu())
     compiled.use(True)
     try:
-        for out in (16, 32, 64, 128):
-            assert bound(Conv2d(out, 3, padding=1), (4, 5, 16))[0].direct == row.fits(out), out
+        for out in (16, 32, 64, 128):   # (shapes_for's first shape: its kernels, bound here, compiled once)
+            assert bound(Conv2d(out, 3, padding=1), (4, 11, 16))[0].direct == row.fits(out), out
         for out, k, s, p, shape in shapes_for(row):
             layer, _, _ = bound(Conv2d(out, k, stride=s, padding=p), shape)
             check_against_loops(layer, shape, s, p)
@@ -131,28 +131,58 @@ def test_every_row_is_forced_by_a_test():
     assert set(FORCED) == {(row.isa, row.vendor) for row in tuning.ROWS}
 
 
-@pytest.mark.parametrize("key", list(FORCED), ids=lambda key: f"{key[0]}-{key[1]}")
-def test_each_row_forced_computes_the_plain_loops_sums(key, forced_cpu_cache):
-    """numba told it compiles for the row's CPU: that row taken, its
-    layers direct exactly where it fits, every path equal to the float64
-    loops and within the float32 bound."""
-    pytest.importorskip("numba")
+def where_forced(key):
+    """How row `key` is checked here: "skip: why", "here" (this CPU's own
+    row, in this process) or "process" (a process whose numba is told the
+    row's CPU)."""
     if key[0] == "avx512" and not avx512_here():
-        pytest.skip("this CPU has no AVX-512: code compiled for that row would not run here")
+        return "skip: this CPU has no AVX-512: code compiled for that row would not run here"
     from hpctrain.nn import compiled
     here = compiled.tuning()
     if (here.isa, here.vendor) == key and "NUMBA_CPU_NAME" not in os.environ:
         # this CPU's own row: numba compiles for it as it is, in this process
         # (the kernels of this file's other float32 checks shared, no numba
         # started and compiling afresh for a CPU named by hand)
+        return "here"
+    return "process"
+
+
+@pytest.fixture(scope="module")
+def forced_rows(forced_cpu_cache):
+    """{key: its process} for every row checked in a process of its own,
+    all started at once: numba compiles on one thread, and each compiles
+    for a CPU of its own (nothing shared between them), so on a machine of
+    several cores they compile side by side (and beside this process's own
+    row) instead of one after another."""
+    pytest.importorskip("numba")
+    started = {}
+    for key in FORCED:
+        if where_forced(key) == "process":
+            name, features = FORCED[key]
+            env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=forced_cpu_cache,
+                       PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]))
+            started[key] = subprocess.Popen([sys.executable, "-c", ROW_SCRIPT, str(key[0]), key[1]], env=env,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield started
+    for proc in started.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("key", list(FORCED), ids=lambda key: f"{key[0]}-{key[1]}")
+def test_each_row_forced_computes_the_plain_loops_sums(key, forced_rows):
+    """numba told it compiles for the row's CPU: that row taken, its
+    layers direct exactly where it fits, every path equal to the float64
+    loops and within the float32 bound."""
+    where = where_forced(key)
+    if where.startswith("skip: "):
+        pytest.skip(where[len("skip: "):])
+    if where == "here":
         check_row(*key)
         return
-    name, features = FORCED[key]
-    env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features,
-               NUMBA_CACHE_DIR=forced_cpu_cache, PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]))
-    r = subprocess.run([sys.executable, "-c", ROW_SCRIPT, str(key[0]), key[1]], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert r.returncode == 0 and "row ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    out, err = forced_rows[key].communicate(timeout=600)
+    assert forced_rows[key].returncode == 0 and "row ok" in out, out[-2000:] + err[-3000:]
 
 
 @pytest.mark.parametrize("out, k, s, p, shape", [
