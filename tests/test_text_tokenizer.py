@@ -20,6 +20,7 @@ from conftest import run_job, under_mpirun
 from hpctrain import data, generate
 from hpctrain.checkpoints.model_record import recorded_text
 from hpctrain.data.__main__ import main as data_main
+from hpctrain.data.tokens import TokenShards
 from hpctrain.data.vocab import Bpe, from_record, load_vocabulary, same
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -69,6 +70,25 @@ def test_prepare_encodes_with_the_tokenizer_and_keeps_it_with_the_data(plays, tm
     assert manifest["tokenizer"]["from"] == str(path.resolve())
     vocab = load_vocabulary(tmp_path / "out")
     assert same(vocab, Bpe(reference)) and vocab.decode(reference.encode(text).ids) == text
+
+
+def test_a_vocabulary_over_65536_tokens_is_stored_as_uint32_and_read_back(plays, tmp_path):
+    """Llama 3's 128k tokens do not fit uint16: the shards take uint32 and the
+    windows a rank reads hold the ids above 65,535 as they were encoded."""
+    source, text, _ = plays
+    words = sorted(set(text.split()))
+    vocab = {f"filler{i}": i for i in range(70_000 - len(words) - 1)}
+    vocab.update({"[UNK]": len(vocab)}, **{w: len(vocab) + 1 + i for i, w in enumerate(words)})
+    tk = tokenizers
+    tokenizer = tk.Tokenizer(tk.models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "wide.json"))
+    manifest = data.prepare_text(source, tmp_path / "out", text=f"tokenizer:{tmp_path / 'wide.json'}", log=quiet)
+    ids = tokenizer.encode(text).ids
+    assert (manifest["vocab_size"], manifest["dtype"]) == (70_000, "uint32") and min(ids) > 65_535
+    assert all_tokens(tmp_path / "out").tolist() == ids
+    shards = TokenShards(tmp_path / "out", "train")
+    assert shards.windows([0, 7], 50).tolist() == [ids[:50], ids[7:57]]
 
 
 @pytest.mark.parametrize("make, line", [

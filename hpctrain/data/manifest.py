@@ -21,8 +21,9 @@ from hpctrain.base.errors import HpctrainError
 FORMAT = "hpctrain-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-# Token ids are stored as uint16 at most: a larger vocabulary is refused.
-MAX_VOCAB = 1 << 16
+# Token ids are stored in the narrowest of uint8, uint16 and uint32 that holds them
+# (a vocabulary over 65,536 tokens, Llama 3's 128k, takes uint32).
+MAX_VOCAB = 1 << 32
 TEXT_KINDS = ("chars", "bytes", "bpe")
 
 
@@ -163,7 +164,7 @@ def _tokens_problem(manifest):
 
 def token_dtype(vocab_size):
     """The narrowest dtype that holds ids below vocab_size (<= MAX_VOCAB)."""
-    return "uint8" if vocab_size <= 256 else "uint16"
+    return "uint8" if vocab_size <= 1 << 8 else "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 def _plain_name(name):

@@ -67,7 +67,7 @@ def parse_text(spec):
         raise HpctrainError(f"--text bpe:N needs a whole number of tokens, got {spec!r}") from None
     if not BYTE_ALPHABET <= n <= MAX_VOCAB:
         raise HpctrainError(f"--text bpe:{n}: N must be in {BYTE_ALPHABET}..{MAX_VOCAB} (the 256 bytes "
-                            f"at least; token ids are stored as uint16)")
+                            f"at least; token ids are stored as uint32 at most)")
     return kind, n
 
 
@@ -83,11 +83,7 @@ class Chars:
 
     @classmethod
     def train(cls, text):
-        vocabulary = sorted(set(text))
-        if len(vocabulary) > MAX_VOCAB:
-            raise HpctrainError(f"{len(vocabulary)} distinct characters, more than {MAX_VOCAB} token ids "
-                                f"(uint16) hold; use --text bytes or --text bpe:N")
-        return cls(vocabulary)
+        return cls(sorted(set(text)))   # Unicode's code points are fewer than uint32's ids
 
     def encode(self, text):
         points = np.frombuffer(text.encode("utf-32-le"), np.uint32).astype(np.int64)
@@ -240,7 +236,7 @@ def load_tokenizer(path):
         raise HpctrainError(f"--text tokenizer:{path}: {file.name} is not a Hugging Face tokenizer ({why})") from None
     size = tokenizer.get_vocab_size()
     if not 0 < size <= MAX_VOCAB:
-        raise HpctrainError(f"--text tokenizer:{path}: {size} tokens; token ids are stored as uint16 "
+        raise HpctrainError(f"--text tokenizer:{path}: {size} tokens; token ids are stored as uint32 at most "
                             f"(1..{MAX_VOCAB} tokens)")
     return Bpe(tokenizer)
 
