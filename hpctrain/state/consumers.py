@@ -25,7 +25,6 @@ peer)` (run/world.World.waiting: the watchdog, naming the peer).
 import json
 
 import numpy as np
-from mpi4py import MPI
 
 from ..base import device
 from .parts import box_shape, box_slices
@@ -44,6 +43,10 @@ def finite(parts, comm=None, waiting=None):
     same answer), or this rank's alone (comm None)."""
     ok = np.array([1 if all(device.all_finite(p.view) for p in parts) else 0], np.int64)
     if comm is not None:
+        # MPI imported only here: `generate`, `evaluate` and `export` restore a
+        # model in one process, and importing mpi4py.MPI starts MPI, whose
+        # handlers replace the commands' SIGHUP and SIGTERM stops
+        from mpi4py import MPI
         with waiting("parameter finiteness allreduce", None):
             comm.Allreduce(MPI.IN_PLACE, ok, op=MPI.MIN)
     return bool(ok[0])
