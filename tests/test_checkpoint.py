@@ -436,7 +436,7 @@ def test_the_chief_closes_the_checkpoint_it_resumed_from_once_restored(tmp_path)
         ckpt = reader.read(path, lazy=True)
         assert ckpt.source is not None
         said = []
-        frame = SimpleNamespace(resume=SimpleNamespace(checkpoint=ckpt), steps=20,
+        frame = SimpleNamespace(resume=SimpleNamespace(checkpoint=ckpt, held=None), steps=20,
                                 checkpoints=SimpleNamespace(seek_readers=lambda reader, resume: None,
                                                             resumed_line=lambda resume, steps: "resumed",
                                                             saved_step=10),

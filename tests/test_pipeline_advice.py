@@ -83,7 +83,7 @@ def test_a_deep_models_advice_cuts_a_bounded_number_of_times(monkeypatch):
         assert len(calls) <= bound, f"more than {bound} cuts"   # fail at once, not after the old search's minutes
         return balanced(spec, stages)
     monkeypatch.setattr(stages_mod, "balanced", counted)
-    whole = spec.memory_bytes(args.batch_size, 2, buffers=3)
+    whole = spec.memory_bytes(memory_check.held_batch(args, spec), 2, buffers=3)   # as the check counts it
     for budget in (whole / 1000, whole / 40, whole / 300):   # none fits; one fits at once; one a search away
         calls.clear()
         memory_check.fitting_pipeline(args, spec, budget, 0)

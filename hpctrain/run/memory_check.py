@@ -83,16 +83,20 @@ def fitting_pipeline(args, spec, budget, base):
         if base + need <= budget:
             return stages, need
     rest = counts[MOST_TRIED:]
-    if not rest or base + heaviest(rest[-1]) > budget:
+    if not rest:
         return None
-    lo, hi = 0, len(rest) - 1   # rest[hi] fits
+    fits = heaviest(rest[-1])   # the need of rest[hi], which fits: kept, not cut again
+    if base + fits > budget:
+        return None
+    lo, hi = 0, len(rest) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if base + heaviest(rest[mid]) <= budget:
-            hi = mid
+        need = heaviest(rest[mid])
+        if base + need <= budget:
+            hi, fits = mid, need
         else:
             lo = mid + 1
-    return rest[lo], heaviest(rest[lo])
+    return rest[hi], fits
 
 
 def ring_needs(args, spec, replicas, stage, counted=None):
