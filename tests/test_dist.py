@@ -20,7 +20,8 @@ import pytest
 import hpctrain.dist as hvd
 from conftest import MPIRUN, REPO, run_job, under_mpirun
 from hpctrain.dist.objects import decode, encode
-from hpctrain.run.cluster import child_env
+from hpctrain.dist.runtime import runtime
+from hpctrain.run.cluster import child_env, cores_available, oversubscribed, throttle_idle_mpi
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,33 @@ def test_a_torch_tensor_is_used_zero_copy():
     assert isinstance(like(t, arr * 2), torch.Tensor)
     with pytest.raises(hvd.DistError, match="in place needs an array"):
         host_array([1, 2], "allreduce_", writable=True)
+
+
+def test_oversubscribed_nodes_throttle_mpi_before_it_starts():
+    cores = cores_available()
+    env = {"OMPI_MCA_mpi_yield_when_idle": "0"}   # the user's own: kept
+    assert throttle_idle_mpi(cores + 1, env)
+    assert env == {"OMPI_MCA_mpi_yield_when_idle": "0", "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1"}
+    env = {}
+    assert not throttle_idle_mpi(cores, env) and env == {}
+    with pytest.raises(hvd.DistError, match="wait_mode='fast' is not one of auto, nap, spin"):
+        hvd.init(wait_mode="fast")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_outnumbering_cores_nap_where_each_call_meets(dist, monkeypatch):
+    from hpctrain.comm.waits import Waits
+    from mpi4py import MPI
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    here = oversubscribed(node.Get_size())
+    node.Free()
+    anywhere = dist.allreduce(np.array([int(here)]), op=dist.Max)[0]
+    assert runtime().waits.nap == bool(anywhere)   # decided by all: the same calls on every rank
+    met = []
+    monkeypatch.setattr(Waits, "allreduce", lambda self, *a: met.append(1) or Waits.one(self, a[0].Ibarrier())
+                        or a[0].Allreduce(MPI.IN_PLACE, a[1], op=a[2]))
+    assert dist.allreduce(np.ones(3), op=dist.Sum)[0] == dist.size()
+    assert len(met) == int(anywhere)
 
 
 @pytest.mark.mpi(min_size=2)

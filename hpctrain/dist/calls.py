@@ -108,10 +108,13 @@ class Agreement:
                 COMPRESSIONS[comp]
 
 
-def agree(comm, call, joined, watchdog, world_ranks):
-    """The fingerprint's one Allreduce over comm (this rank's `call`, or None
-    inside join(); `joined` 0, or 2 in join()'s first call, 1 after); raises the same DistError on every rank when the active
-    ranks' calls differ. world_ranks: comm's ranks as the world numbers them."""
+def agree(g, call, joined):
+    """The fingerprint's one Allreduce over the group g's communicator
+    (runtime.Group; this rank's `call`, or None inside join(); `joined` 0,
+    or 2 in join()'s first call, 1 after), the ranks' meeting napping where
+    g's waits nap; raises the same DistError on every rank when the active
+    ranks' calls differ."""
+    comm, world_ranks = g.comm, g.world_ranks
     size, rank = comm.Get_size(), comm.Get_rank()
     vec = np.empty(2 * FIELDS + 2 * size, np.int64)
     if call is None:
@@ -125,8 +128,11 @@ def agree(comm, call, joined, watchdog, world_ranks):
     vec[2 * FIELDS + size + rank] = 0 if call is None else call.rows
     from mpi4py import MPI   # here, not at import: init() decides how MPI starts
     what = call.describe() if call is not None else "join()"
-    with watchdog.waiting(f"hpctrain.dist {what}: every rank's call", peer=None):
-        comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+    with g.watchdog.waiting(f"hpctrain.dist {what}: every rank's call", peer=None):
+        if g.waits.nap:   # (the ranks decided together: the same calls on every rank)
+            g.waits.allreduce(comm, vec, MPI.MAX)
+        else:
+            comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
     top, low = vec[:FIELDS], -vec[FIELDS:2 * FIELDS]
     agreement = Agreement(top, vec[2 * FIELDS + size:], vec[2 * FIELDS:2 * FIELDS + size])
     if not agreement.all_joined and not np.array_equal(top, low):

@@ -187,7 +187,7 @@ def allreduce_async_(tensor, op=Average, compression=Compression.none, name=None
     flat = _flat(arr)
 
     def work(g):
-        ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        ag = agree(g, call, 0)
         buf = flat if flat is not None else np.ascontiguousarray(arr).reshape(-1)
         if scale[0] != 1.0:
             buf *= buf.dtype.type(scale[0])
@@ -230,7 +230,7 @@ def allgather_async(tensor, name=None, process_set=None, _now=False):
     call = Call("allgather", arr.dtype, arr.shape, name=name)
 
     def work(g):
-        ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        ag = agree(g, call, 0)
         out = _allgatherv(g, arr.reshape(-1), ag.rows, ag.count, arr.dtype)
         return like(tensor, out.reshape((sum(ag.rows),) + arr.shape[1:]))
     return _call(work, call.describe(), process_set, _now)
@@ -248,7 +248,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None, _now=False)
     flat = _flat(arr)
 
     def work(g):
-        agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        agree(g, call, 0)
         buf = flat if flat is not None else np.ascontiguousarray(arr).reshape(-1)
         _bcast(g, buf, root)
         if flat is None:
@@ -282,7 +282,7 @@ def reducescatter_async(tensor, op=Average, name=None, process_set=None, _now=Fa
     row_elems = int(np.prod(arr.shape[1:], dtype=np.int64))
 
     def work(g):
-        ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        ag = agree(g, call, 0)
         out, rows = _reduce_scatter(g, arr.reshape(-1), arr.shape[0], row_elems, op, ag.active)
         return like(tensor, out.reshape((rows,) + arr.shape[1:]))
     return _call(work, call.describe(), process_set, _now)
@@ -313,7 +313,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None, received_sp
                         f"{arr.shape[0]} rows")
 
     def work(g):
-        agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        agree(g, call, 0)
         recv = np.empty(g.size, np.int64)
         with g.watchdog.waiting("hpctrain.dist alltoall (splits)", peer=None):
             g.comm.Alltoall(send, recv)
@@ -334,7 +334,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None, received_splits=F
 
 def barrier_async(process_set=None, _now=False):
     call = Call("barrier")
-    return _call(lambda g: agree(g.comm, call, 0, g.watchdog, g.world_ranks) and None,
+    return _call(lambda g: agree(g, call, 0) and None,
                  "barrier()", process_set, _now)
 
 
@@ -351,7 +351,7 @@ def join(process_set=None):
     def work(g):
         joined = 2   # calls.agree: joining in this call, then 1
         while True:
-            ag = agree(g.comm, None, joined, g.watchdog, g.world_ranks)
+            ag = agree(g, None, joined)
             joined = 1
             if ag.all_joined:
                 return g.world_ranks[max(ag.fresh)]

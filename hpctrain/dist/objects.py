@@ -106,7 +106,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     def work(g):
         data = np.frombuffer(encode(obj), np.uint8) if g.rank == root else np.empty(0, np.uint8)
         call = Call("broadcast_object", np.uint8, (data.size if g.rank == root else -1,), root=root, name=name)
-        ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        ag = agree(g, call, 0)
         buf = data if g.rank == root else np.empty(ag.rows[root], np.uint8)
         _bcast(g, buf, root)
         return obj if g.rank == root else decode(buf)
@@ -119,7 +119,7 @@ def allgather_object(obj, name=None, process_set=None):
 
     def work(g):
         call = Call("allgather_object", np.uint8, (data.size,), name=name)
-        ag = agree(g.comm, call, 0, g.watchdog, g.world_ranks)
+        ag = agree(g, call, 0)
         out = _allgatherv(g, data, ag.rows, 1, np.uint8)
         bounds = np.concatenate([[0], np.cumsum(ag.rows)])
         return [decode(out[bounds[i]:bounds[i + 1]]) for i in range(g.size) if not ag.joined[i]]

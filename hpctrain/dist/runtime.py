@@ -12,6 +12,15 @@ node, the hierarchical ring across nodes) and starts the engine's thread
 (HPCTRAIN_TIMEOUT, default the program's --timeout, 300 s): past it, the
 job ends with one line naming the rank that stopped responding, exit 3.
 
+Where a node's ranks outnumber its cores (4 ranks on 2 cores), init()
+waits as the program does there (`wait_mode`, the program's --wait-mode):
+MPI's idle progress throttled before MPI_Init (run/cluster.
+throttle_idle_mpi), and each call's meeting, the fingerprint that comes
+first (calls.py), naps (comm/waits.py) instead of busy-polling a core the
+other ranks compute on; the ring's exchanges that follow spin, as the
+program's do. The ranks decide together (one rank that naps makes them
+all meet through the napping Ibarrier: the same calls everywhere).
+
 A ProcessSet is a list of world ranks; its communicator, topology and
 ring are made by its members at its first use (MPI_Comm_create_group,
 collective over the members only), on the engine's thread, in call order.
@@ -25,6 +34,7 @@ import sys
 from .errors import DistError, install_hook
 
 DEFAULT_TIMEOUT = 300.0   # the program's --timeout default (flags/cli.py)
+WAIT_MODES = ("auto", "nap", "spin")   # the program's --wait-mode (flags/cli.py)
 
 
 class ProcessSet:
@@ -61,12 +71,12 @@ class Group:
     rank, size, world_ranks, the topology and allreduce strategy, the
     16-bit rings made on first use."""
 
-    def __init__(self, comm, watchdog):
+    def __init__(self, comm, watchdog, waits):
         from ..comm import make_allreduce
         from ..comm.strategy import world_ranks
         from ..comm.topology import Topology
         import numpy as np
-        self.comm, self.watchdog = comm, watchdog
+        self.comm, self.watchdog, self.waits = comm, watchdog, waits
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.world_ranks = world_ranks(comm)
         with watchdog.waiting("hpctrain.dist: a process set's topology and ring", peer=None):
@@ -92,10 +102,11 @@ class Group:
 class Runtime:
     """What init() made: the world's group, the engine, the watchdog, the process sets."""
 
-    def __init__(self, comm, timeout):
+    def __init__(self, comm, timeout, wait_mode):
         from ..base.launcher import launcher_env
         from ..comm.deadline import Watchdog
         from ..comm.start import start_mpi
+        from ..run.cluster import oversubscribed, throttle_idle_mpi
         from .engine import Engine
         timeout = float(timeout if timeout is not None else os.environ.get("HPCTRAIN_TIMEOUT", DEFAULT_TIMEOUT))
         self.watchdog = Watchdog(timeout, launcher_env()[0] or 0, abort=os._exit)
@@ -103,6 +114,8 @@ class Runtime:
         mpi4py.rc.initialize = False   # (start_mpi's own setting, before the first import of mpi4py.MPI)
         from mpi4py import MPI
         self.owns_mpi = comm is None and not MPI.Is_initialized()   # else the user's MPI: not finalized here
+        if self.owns_mpi and wait_mode != "spin":
+            throttle_idle_mpi(launcher_env()[3])   # read by MPI_Init: only where init() starts MPI
         MPI = start_mpi(self.watchdog)
         if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
             with self.watchdog.waiting("hpctrain.dist.init (roll-call communicator)", peer=None):
@@ -111,10 +124,12 @@ class Runtime:
             self.watchdog.without_roll_call("the culprit could not be determined: MPI gives less than "
                                             "MPI_THREAD_MULTIPLE", abort=os._exit)
         self.MPI = MPI
+        from ..comm.waits import Waits   # imports mpi4py.MPI: only once MPI is started
         base = comm if comm is not None else MPI.COMM_WORLD
         self.world_rank = base.Get_rank()   # ranks of a process set count in `base`
         with self.watchdog.waiting("hpctrain.dist.init", peer=None):
-            self.world = Group(base.Dup(), self.watchdog)
+            self.waits = Waits(self._nap(base, wait_mode, oversubscribed))
+            self.world = Group(base.Dup(), self.watchdog, self.waits)
         self.groups = {}
         self.engine = Engine()
         self.previous_hook = install_hook(self.leave, MPI.COMM_WORLD.Abort)
@@ -133,8 +148,20 @@ class Runtime:
                 comm = self.world.comm.Create_group(sub)
             sub.Free()
             world_group.Free()
-            group = self.groups[process_set.ranks] = Group(comm, self.watchdog)
+            group = self.groups[process_set.ranks] = Group(comm, self.watchdog, self.waits)
         return group
+
+    def _nap(self, base, wait_mode, oversubscribed):
+        """Whether the ranks nap: wait_mode's, or (auto) where any node has
+        more ranks than cores, decided by all (one MAX over base)."""
+        if wait_mode != "auto":
+            return wait_mode == "nap"
+        import numpy as np
+        node = base.Split_type(self.MPI.COMM_TYPE_SHARED)
+        mine = np.array([oversubscribed(node.Get_size())], np.int64)
+        node.Free()
+        base.Allreduce(self.MPI.IN_PLACE, mine, op=self.MPI.MAX)
+        return bool(mine[0])
 
     def close(self):
         """The engine stopped, the communicators freed, the exception hook
@@ -175,14 +202,19 @@ def runtime():
     return _rt()
 
 
-def init(comm=None, timeout=None):
+def init(comm=None, timeout=None, wait_mode="auto"):
     """Start hpctrain.dist over `comm` (an mpi4py communicator; default
     MPI.COMM_WORLD, MPI started here under the deadline). timeout: seconds
     any rank may wait for another (default HPCTRAIN_TIMEOUT or 300).
+    wait_mode (the program's --wait-mode): "nap" (a waiting rank leaves
+    shared cores to those that compute), "spin" (MPI's blocking calls, a core
+    per rank), "auto" (nap where a node's ranks outnumber its cores).
     Collective. A second call does nothing."""
     global _RUNTIME
+    if wait_mode not in WAIT_MODES:
+        raise DistError(f"hpctrain.dist.init: wait_mode={wait_mode!r} is not one of {', '.join(WAIT_MODES)}")
     if _RUNTIME is None:
-        _RUNTIME = Runtime(comm, timeout)
+        _RUNTIME = Runtime(comm, timeout, wait_mode)
         atexit.register(_at_exit)
 
 

@@ -51,6 +51,21 @@ def oversubscribed(local_size):
     return (local_size or 1) > cores_available()
 
 
+def throttle_idle_mpi(local_size, env=None):
+    """Before MPI_Init, where this node's ranks outnumber its cores: MPI's
+    idle progress yields the core (MPICH's progress throttle, Open MPI's
+    yield_when_idle) instead of busy-polling it beside the ranks that
+    compute; a variable the user set is left alone. Training's ranks
+    (configure_process) and hpctrain.dist.init() both set it here. Returns
+    whether the node is oversubscribed."""
+    env = os.environ if env is None else env
+    if not oversubscribed(local_size):
+        return False
+    for var in ("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "OMPI_MCA_mpi_yield_when_idle"):
+        env.setdefault(var, "1")
+    return True
+
+
 def threads_per_rank(env=None):
     """The cores one rank of this node gets: a launcher that binds ranks to
     cores leaves each rank fewer cores than the node has, and then those
@@ -105,9 +120,7 @@ def configure_process(env=None, device="auto", threads=None):
     local_size = local_size or 1
     cores = cores_available()
     notes = []
-    if oversubscribed(local_size):
-        for var in ("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "OMPI_MCA_mpi_yield_when_idle"):
-            env.setdefault(var, "1")
+    if throttle_idle_mpi(local_size, env):
         notes.append(f"{local_size} ranks on {cores} cores: MPI progress throttled")
     pin_blas(env, threads)
     notes.append(f"BLAS threads per rank: {env['OPENBLAS_NUM_THREADS']}")
