@@ -122,6 +122,47 @@ def test_backward_passes_per_step_accumulates_before_averaging():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_parameter_is_averaged_by_one_optimizer_at_a_time():
+    """Wrapping twice, or a second optimizer over hooked parameters, is one
+    line; remove() takes the hooks off (refused mid-step), after which the
+    old optimizer steps no more and a new one averages alone: two steps of
+    it each average once (the old hooks, left on, would count a second pass)."""
+    hvd = _hvd()
+    model = _tiny()
+    first = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                     named_parameters=model.named_parameters())
+    with pytest.raises(hvd.DistError, match="^DistributedOptimizer: the optimizer is a DistributedOptimizer already"):
+        hvd.DistributedOptimizer(first)
+    with pytest.raises(hvd.DistError, match="^DistributedOptimizer: 0.weight is averaged by another "
+                                            r"DistributedOptimizer already .*: call the first one's remove\(\)$"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                 named_parameters=model.named_parameters())
+    x, y = _batch(hvd.rank())
+    _loss(model, x, y).backward()
+    with pytest.raises(hvd.DistError, match=r"remove\(\) between backward\(\) and step\(\)"):
+        first.remove()
+    first.synchronize()
+    first.remove()
+    with pytest.raises(hvd.DistError, match=r"step\(\) after remove\(\)"):
+        first.step()
+    second = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                      named_parameters=model.named_parameters())
+    for _ in range(2):
+        second.zero_grad()
+        _loss(model, x, y).backward()
+        second.step()
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+    second.remove()
+    ref, mine = _tiny(), []   # (lr 0: the model is still _tiny()'s)
+    for r in range(hvd.size()):
+        ref.zero_grad()
+        _loss(ref, *_batch(r)).backward()
+        mine.append(torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).numpy())
+    diff = float(np.abs(got - np.mean(mine, axis=0)).max())
+    _agree(diff < 1e-6, f"difference {diff:.2e}")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_broadcast_optimizer_state_carries_adams_step_lr_and_betas():
     """The root trained two Adam steps at lr 0.01 under a scheduler; the
     others hold a fresh Adam (empty state) at lr 0.5 with other betas.

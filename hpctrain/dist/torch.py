@@ -34,6 +34,13 @@ unless inside `skip_synchronize()` (for clipping the averaged gradient
 first). With `backward_passes_per_step=k` the hooks hand a gradient over on
 its k-th backward only (the passes accumulate locally first).
 
+A parameter is averaged by one DistributedOptimizer at a time: wrapping a
+DistributedOptimizer, or a second one over parameters the first still
+hooks, would average each gradient twice (Horovod does not check: its hooks
+on the gradient accumulators stay for the process's life). That is refused
+in one line; `remove()` takes an optimizer's hooks off (then a new one may
+take the parameters; the old one steps no more).
+
 broadcast_optimizer_state sends the root's whole `state_dict()`: every
 state tensor (Adam's `step` included, a tensor in torch 2), every
 param_group's options (lr, betas as a tuple, weight_decay, a scheduler's
@@ -43,6 +50,7 @@ whole state without taking a step (Horovod's zero-gradient step, which moved
 weight-decayed parameters and counted a step, is not needed).
 """
 import contextlib
+import weakref
 
 import numpy as np
 
@@ -72,12 +80,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # below): state_dict, load_state_dict and the user's reference to it
         # all see the same objects. Optimizer.__init__ is not called: it
         # would make groups of its own.
+        if isinstance(optimizer, DistributedOptimizer):
+            raise DistError("DistributedOptimizer: the optimizer is a DistributedOptimizer already (wrapping "
+                            "twice would average every gradient twice): wrap the torch optimizer once")
         self._inner = optimizer
         if backward_passes_per_step < 1:
             raise DistError(f"DistributedOptimizer: backward_passes_per_step={backward_passes_per_step}, "
                             f"must be at least 1")
         self._passes = int(backward_passes_per_step)
         named = [(n, p) for n, p in _named(optimizer, named_parameters) if p.requires_grad]
+        for name, p in named:
+            if _owner(p) is not None:
+                raise DistError(f"DistributedOptimizer: {name} is averaged by another DistributedOptimizer "
+                                f"already (a second would average it twice): call the first one's remove()")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._index = {p: i for i, p in enumerate(self._params)}
@@ -89,6 +104,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._synchronized = True                # nothing new since the last synchronize()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._params]
+        me = weakref.ref(self)
+        for p in self._params:
+            _HOOKED[id(p)] = (weakref.ref(p), me)
+
+    def remove(self):
+        """Take this optimizer's hooks off its parameters: their gradients
+        are averaged no more, and another DistributedOptimizer may take them.
+        Between backward() and step() it would drop gradients being
+        averaged: refused. This optimizer steps no more (the wrapped one
+        still does)."""
+        if not self._synchronized:
+            raise DistError("DistributedOptimizer: remove() between backward() and step() (or synchronize()) "
+                            "would drop gradients still being averaged")
+        for hook in self._hooks:
+            hook.remove()
+        for p in self._params:
+            if _owner(p) is self:
+                del _HOOKED[id(p)]
+        self._hooks = None
 
     # the wrapped optimizer's own objects, so schedulers and checkpoints see one optimizer
     @property
@@ -177,12 +211,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if self._hooks is None:
+            raise DistError("DistributedOptimizer: step() after remove(): step the wrapped optimizer, or wrap "
+                            "it anew")
         if self._should_synchronize:
             self.synchronize()
         elif not self._synchronized:
             raise DistError("DistributedOptimizer: step() inside skip_synchronize() before synchronize(): "
                             "the gradients are still being averaged")
         return self._inner.step(closure)
+
+
+# id(parameter) -> (its weak reference, the DistributedOptimizer whose hook it holds): one
+# at a time. Weak both ways: the registry keeps neither alive (the hook keeps the optimizer).
+_HOOKED = {}
+
+
+def _owner(p):
+    """The DistributedOptimizer that hooks parameter p, or None."""
+    ref, owner = _HOOKED.get(id(p), (None, None))
+    if ref is None or ref() is not p:   # (a freed tensor's id, reused)
+        return None
+    return owner()
 
 
 def _named(optimizer, named_parameters):
