@@ -159,6 +159,25 @@ def test_a_mismatched_call_is_one_error_naming_both_ranks_and_calls(dist):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_call_refused_on_some_ranks_is_one_line_on_all(dist):
+    """A call refused by its own arguments is still made, as a refusal: on
+    every rank alike it is the same error, which one rank prints (the job's
+    one line), and no rank waits for another; the ranks are in step after."""
+    r = dist.rank()
+    bad = "Mean" if r == 1 else dist.Sum
+    with pytest.raises(hvd.DistError) as e:
+        dist.allreduce(np.ones(3), op=bad)
+    assert str(e.value) == "rank 1: allreduce_: op='Mean' is not one of Average, Sum, Min, Max, Product"
+    assert e.value.collective and e.value.report == (r == 1) and e.value.exit_code == 2
+    with pytest.raises(hvd.DistError) as e:   # every rank refuses: the line as one process says it, said once
+        dist.allgather_object(len)
+    assert str(e.value).startswith("a builtin_function_or_method cannot be sent") and e.value.report == (r == 0)
+    with pytest.raises(hvd.DistError, match="^rank 0: a function cannot be sent"):
+        dist.broadcast_object((lambda: 0) if r == 0 else None, root_rank=0)   # the root's alone
+    assert dist.allreduce(np.ones(1), op=dist.Sum)[0] == dist.size()   # in step again
+
+
+@pytest.mark.mpi(min_size=2)
 def test_distributed_optimizer_sums_buckets_as_backward_finishes(dist):
     r, n = dist.rank(), dist.size()
     shapes = [(3, 4), (4,), (4, 2), (2,)]
@@ -243,6 +262,20 @@ def test_a_call_with_another_shape_is_one_line_and_exit_2(job):
         "allreduce(float64 [5], op=Average, name='w'): every rank must make the same collective calls, in "
         "the same order, with the same shapes and dtypes"]
     assert "Traceback" not in r.stderr
+
+
+def test_a_mismatch_inside_a_process_set_leaves_through_the_set(job):
+    """Ranks 0 and 1 disagree in their set while rank 2 waits in a world
+    barrier: one line, exit 2, at once (not the world's barrier before
+    MPI_Finalize, which rank 2 never reaches: the deadline, exit 3)."""
+    t0 = time.monotonic()
+    r = job(3, "set_mismatch", 60, module="tests.dist_calls", timeout=90)
+    assert r.returncode == 2, r.stderr
+    assert error_lines(r.stderr) == [
+        "hpctrain: error: rank 0 called allreduce(float64 [4], op=Average, name='w') but rank 1 called "
+        "allreduce(float64 [5], op=Average, name='w'): every rank must make the same collective calls, in "
+        "the same order, with the same shapes and dtypes"]
+    assert time.monotonic() - t0 < 40
 
 
 EXAMPLE = os.path.join(REPO, "examples", "numpy_mlp.py")

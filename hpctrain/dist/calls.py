@@ -7,7 +7,12 @@ call's fields (kind, dtype, op, compression, root, elements, a CRC of the
 shape, dimensions) and their negatives (so MAX gives both the largest and
 the smallest of each field: equal everywhere or not), and one slot per
 rank for whether it has joined and for its first dimension (an allgather's
-rows: the counts the allgather needs, so they cost no second message).
+rows: the counts the allgather needs, so they cost no second message),
+and one slot per rank for whether it refused its call (its own arguments
+were wrong: a bad op, dtype, root...). A refused call is still made, as a
+refusal, so that the others do not wait for it: every rank of the set
+then raises the lowest refusing rank's one line (that rank prints it),
+the job's one line instead of one per rank.
 PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL and Horovod's coordinator check
 the same thing with a gather of descriptions on every call; here the
 descriptions travel only when the fields differ: then every rank knows it
@@ -108,15 +113,16 @@ class Agreement:
                 COMPRESSIONS[comp]
 
 
-def agree(g, call, joined):
+def agree(g, call, joined, refused=None):
     """The fingerprint's one Allreduce over the group g's communicator
     (runtime.Group; this rank's `call`, or None inside join(); `joined` 0,
-    or 2 in join()'s first call, 1 after), the ranks' meeting napping where
-    g's waits nap; raises the same DistError on every rank when the active
-    ranks' calls differ."""
+    or 2 in join()'s first call, 1 after; `refused`: this rank's own error
+    instead of a call), the ranks' meeting napping where g's waits nap;
+    raises the same DistError on every rank when a rank refused its call or
+    the active ranks' calls differ."""
     comm, world_ranks = g.comm, g.world_ranks
     size, rank = comm.Get_size(), comm.Get_rank()
-    vec = np.empty(2 * FIELDS + 2 * size, np.int64)
+    vec = np.empty(2 * FIELDS + 3 * size, np.int64)
     if call is None:
         vec[:2 * FIELDS] = NEUTRAL
     else:
@@ -124,34 +130,49 @@ def agree(g, call, joined):
         vec[:FIELDS], vec[FIELDS:2 * FIELDS] = f, -f
     vec[2 * FIELDS:2 * FIELDS + size] = 0
     vec[2 * FIELDS + rank] = int(joined)   # 2: joins in this call, 1: had joined before
-    vec[2 * FIELDS + size:] = -1
+    vec[2 * FIELDS + size:2 * FIELDS + 2 * size] = -1
     vec[2 * FIELDS + size + rank] = 0 if call is None else call.rows
+    vec[2 * FIELDS + 2 * size:] = 0
+    vec[2 * FIELDS + 2 * size + rank] = refused is not None
     from mpi4py import MPI   # here, not at import: init() decides how MPI starts
-    what = call.describe() if call is not None else "join()"
+    what = call.describe() if call is not None else "join()" if refused is None else "a refused call"
     with g.watchdog.waiting(f"hpctrain.dist {what}: every rank's call", peer=None):
         if g.waits.nap:   # (the ranks decided together: the same calls on every rank)
             g.waits.allreduce(comm, vec, MPI.MAX)
         else:
             comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+    if vec[2 * FIELDS + 2 * size:].any():
+        _refusal(g, refused, vec[2 * FIELDS + 2 * size:])
     top, low = vec[:FIELDS], -vec[FIELDS:2 * FIELDS]
-    agreement = Agreement(top, vec[2 * FIELDS + size:], vec[2 * FIELDS:2 * FIELDS + size])
+    agreement = Agreement(top, vec[2 * FIELDS + size:2 * FIELDS + 2 * size], vec[2 * FIELDS:2 * FIELDS + size])
     if not agreement.all_joined and not np.array_equal(top, low):
-        _mismatch(comm, what, agreement, world_ranks)
+        _mismatch(g, what, agreement, world_ranks)
     if not agreement.all_joined and any(agreement.joined):
-        _joined_cannot(agreement, world_ranks, rank)
+        _joined_cannot(g, agreement, world_ranks, rank)
     return agreement
 
 
-def _mismatch(comm, what, agreement, world_ranks):
+def _refusal(g, refused, who):
+    """Every rank of g raises the lowest refusing rank's line (naming it
+    where some ranks did not refuse); that rank prints it."""
+    said = allgather_bytes(g.comm, str(refused) if refused is not None else "", 1000)
+    first = int(np.flatnonzero(who)[0])
+    line = said[first] if who.all() else f"rank {g.world_ranks[first]}: {said[first]}"
+    raise DistError(line, exit_code=refused.exit_code if refused is not None else 2, collective=True,
+                    report=g.rank == first, world=g.whole)
+
+
+def _mismatch(g, what, agreement, world_ranks):
+    comm = g.comm
     said = allgather_bytes(comm, what, 240)
     a = agreement.active[0]
     b = next((r for r in agreement.active if said[r] != said[a]), agreement.active[-1])
     raise DistError(f"rank {world_ranks[a]} called {said[a]} but rank {world_ranks[b]} called {said[b]}: every "
                     f"rank must make the same collective calls, in the same order, with the same shapes and dtypes",
-                    collective=True, report=comm.Get_rank() == 0)
+                    collective=True, report=comm.Get_rank() == 0, world=g.whole)
 
 
-def _joined_cannot(agreement, world_ranks, rank):
+def _joined_cannot(g, agreement, world_ranks, rank):
     joined = [world_ranks[r] for r, j in enumerate(agreement.joined) if j]
     names = ", ".join(map(str, joined))
     if agreement.kind == "alltoall":
@@ -161,4 +182,4 @@ def _joined_cannot(agreement, world_ranks, rank):
     else:
         return
     raise DistError(f"{why} (joined: rank{'s' if len(joined) > 1 else ''} {names})", collective=True,
-                    report=rank == agreement.active[0])
+                    report=rank == agreement.active[0], world=g.whole)

@@ -16,13 +16,16 @@ every wait is bounded by the deadline (runtime.py).
 
     mpirun -n 3 python -m mpi4py -m pytest -q --only-mpi tests/test_dist.py
 """
+import functools
+import inspect
+
 import numpy as np
 
 from ..base.chunks import chunk_bounds
 from .arrays import host_array, like
 from .calls import COMPRESSIONS, OPS, Call, agree
 from .errors import DistError
-from .runtime import runtime
+from .runtime import is_initialized, runtime
 
 Average, Sum, Min, Max, Product = "Average", "Sum", "Min", "Max", "Product"
 
@@ -160,6 +163,30 @@ def _serve(g, ag):
         _bcast(g, np.empty(ag.rows[ag.root], np.uint8), ag.root)
 
 
+def refused_together(fn):
+    """fn, a collective call, whose refusal on this rank (a DistError of its
+    own arguments: a bad op, dtype, root, splits...) is still made in
+    fn's process set, as a refusal (calls.agree): every rank of the set
+    raises the same line, printed once, and none waits for this one's call."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except DistError as e:
+            if e.collective or not is_initialized():
+                raise
+            process_set = signature.bind(*args, **kwargs).arguments.get("process_set")
+            if process_set is not None and not process_set.included():
+                raise
+            refusal = e
+            synchronize(_call(lambda g: agree(g, None, 0, refused=refusal), f"{fn.__name__} (refused)",
+                              process_set, now=True))
+            raise   # (not reached: the refusal raised on every rank)
+    return call
+
+
 def _call(work, what, process_set, now=False):
     """Submit work(g) to the engine for process_set's group; a Handle.
     now: the caller waits for it at once (engine.Engine.now: on its thread
@@ -170,6 +197,7 @@ def _call(work, what, process_set, now=False):
 
 # --- allreduce ---------------------------------------------------------------------------------
 
+@refused_together
 def allreduce_async_(tensor, op=Average, compression=Compression.none, name=None, process_set=None,
                      prescale_factor=1.0, postscale_factor=1.0, _now=False):
     """In place: tensor becomes the reduction over the ranks; the handle's
@@ -200,6 +228,7 @@ def allreduce_async_(tensor, op=Average, compression=Compression.none, name=None
     return _call(work, call.describe(), process_set, _now)
 
 
+@refused_together
 def allreduce_async(tensor, op=Average, compression=Compression.none, name=None, process_set=None,
                     prescale_factor=1.0, postscale_factor=1.0, _now=False):
     """The reduction over the ranks as a new array (tensor unchanged)."""
@@ -222,6 +251,7 @@ def allreduce_(tensor, op=Average, compression=Compression.none, name=None, proc
 
 # --- allgather, broadcast, reducescatter, alltoall, barrier -------------------------------------
 
+@refused_together
 def allgather_async(tensor, name=None, process_set=None, _now=False):
     """Every rank's tensor concatenated along the first dimension (which may differ between ranks)."""
     arr = np.ascontiguousarray(host_array(tensor, "allgather"))
@@ -240,6 +270,7 @@ def allgather(tensor, name=None, process_set=None):
     return synchronize(allgather_async(tensor, name, process_set, True))
 
 
+@refused_together
 def broadcast_async_(tensor, root_rank, name=None, process_set=None, _now=False):
     """In place: tensor becomes root_rank's (a world rank)."""
     arr = host_array(tensor, "broadcast_", writable=True)
@@ -257,6 +288,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None, _now=False)
     return _call(work, call.describe(), process_set, _now)
 
 
+@refused_together
 def broadcast_async(tensor, root_rank, name=None, process_set=None, _now=False):
     arr = np.array(host_array(tensor, "broadcast"), copy=True, order="C")
     return _then(broadcast_async_(arr, root_rank, name, process_set, _now), lambda out: like(tensor, out))
@@ -270,6 +302,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set, True))
 
 
+@refused_together
 def reducescatter_async(tensor, op=Average, name=None, process_set=None, _now=False):
     """The reduction over the ranks, cut along the first dimension: this
     rank's near-equal share of the rows (base/chunks.py's partition: the
@@ -292,6 +325,7 @@ def reducescatter(tensor, op=Average, name=None, process_set=None):
     return synchronize(reducescatter_async(tensor, op, name, process_set, True))
 
 
+@refused_together
 def alltoall_async(tensor, splits=None, name=None, process_set=None, received_splits=False, _now=False):
     """Rows splits[i] of tensor (in order) to rank i of the set; the rows
     every rank sent this one, in rank order. splits None: equal parts.

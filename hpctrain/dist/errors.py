@@ -13,18 +13,29 @@ through MPI_Abort, so no rank is left in a collective.
 """
 import os
 import sys
+import time
 
 from ..base.errors import HpctrainError
 
+ABORT_GRACE_S = 10.0   # how long a silent rank of a process set waits for the speaking rank's MPI_Abort
+
 
 class DistError(HpctrainError):
-    """A call of hpctrain.dist that cannot be done: the message is one line."""
+    """A call of hpctrain.dist that cannot be done: the message is one line.
+    world: a collective error is the whole world's (every rank raised it);
+    False where only a process set's ranks did (the others know nothing)."""
+
+    def __init__(self, message, exit_code=None, collective=False, report=True, world=True):
+        super().__init__(message, exit_code, collective, report)
+        self.world = world
 
 
 def install_hook(leave, abort):
     """sys.excepthook: an uncaught HpctrainError is its one line and its
-    exit code: collective, `leave()` first (every rank is here: MPI is
-    finalized); else `abort(code)` (MPI_Abort on the world). Anything else
+    exit code: collective over the world, `leave()` first (every rank is
+    here: MPI is finalized); else `abort(code)` (MPI_Abort on the world: a
+    process set's ranks that raised it together do not wait for the ranks
+    outside it, which know nothing of it). Anything else
     as before, then abort(1), so the other ranks do not wait for this one
     forever."""
     previous = sys.excepthook
@@ -34,9 +45,13 @@ def install_hook(leave, abort):
             if value.report and str(value):
                 print(f"hpctrain: error: {value}", file=sys.stderr, flush=True)
             sys.stdout.flush()
-            if value.collective:
+            if value.collective and getattr(value, "world", True):
                 leave()
                 os._exit(value.exit_code)
+            if value.collective and not value.report:
+                # a process set's rank that did not print: the one that did aborts the job; MPI's
+                # "Abort(2) on node ..." lines of several ranks at once cut into its line
+                time.sleep(ABORT_GRACE_S)
             abort(value.exit_code)
             os._exit(value.exit_code)
         previous(kind, value, tb)

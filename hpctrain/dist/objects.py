@@ -20,7 +20,7 @@ import numpy as np
 
 from .arrays import is_torch
 from .calls import Call, agree
-from .collectives import _allgatherv, _bcast, _call, _root, synchronize
+from .collectives import _allgatherv, _bcast, _call, _root, refused_together, synchronize
 from .errors import DistError
 
 _SPECIAL = ("__array__", "__tuple__", "__items__")
@@ -99,12 +99,16 @@ def _key(k):
     return tuple(k) if isinstance(k, list) else k
 
 
+@refused_together
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """root_rank's obj on every rank of the set (JSON-able data and arrays)."""
     root = _root(process_set, root_rank, "broadcast_object")
 
     def work(g):
-        data = np.frombuffer(encode(obj), np.uint8) if g.rank == root else np.empty(0, np.uint8)
+        try:
+            data = np.frombuffer(encode(obj), np.uint8) if g.rank == root else np.empty(0, np.uint8)
+        except DistError as e:   # (the root's: the others learn it from the fingerprint, calls.agree)
+            agree(g, None, 0, refused=e)
         call = Call("broadcast_object", np.uint8, (data.size if g.rank == root else -1,), root=root, name=name)
         ag = agree(g, call, 0)
         buf = data if g.rank == root else np.empty(ag.rows[root], np.uint8)
@@ -113,6 +117,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     return synchronize(_call(work, "broadcast_object()", process_set, now=True))
 
 
+@refused_together
 def allgather_object(obj, name=None, process_set=None):
     """Every rank's obj, as a list in rank order."""
     data = np.frombuffer(encode(obj), np.uint8)

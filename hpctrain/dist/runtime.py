@@ -69,14 +69,15 @@ class ProcessSet:
 class Group:
     """A process set as this rank's members made it: comm (its own),
     rank, size, world_ranks, the topology and allreduce strategy, the
-    16-bit rings made on first use."""
+    16-bit rings made on first use. whole: the world's group (an error
+    its ranks agree on is every rank's)."""
 
-    def __init__(self, comm, watchdog, waits):
+    def __init__(self, comm, watchdog, waits, whole):
         from ..comm import make_allreduce
         from ..comm.strategy import world_ranks
         from ..comm.topology import Topology
         import numpy as np
-        self.comm, self.watchdog, self.waits = comm, watchdog, waits
+        self.comm, self.watchdog, self.waits, self.whole = comm, watchdog, waits, whole
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.world_ranks = world_ranks(comm)
         with watchdog.waiting("hpctrain.dist: a process set's topology and ring", peer=None):
@@ -129,7 +130,7 @@ class Runtime:
         self.world_rank = base.Get_rank()   # ranks of a process set count in `base`
         with self.watchdog.waiting("hpctrain.dist.init", peer=None):
             self.waits = Waits(self._nap(base, wait_mode, oversubscribed))
-            self.world = Group(base.Dup(), self.watchdog, self.waits)
+            self.world = Group(base.Dup(), self.watchdog, self.waits, True)
         self.groups = {}
         self.engine = Engine()
         self.previous_hook = install_hook(self.leave, MPI.COMM_WORLD.Abort)
@@ -148,7 +149,7 @@ class Runtime:
                 comm = self.world.comm.Create_group(sub)
             sub.Free()
             world_group.Free()
-            group = self.groups[process_set.ranks] = Group(comm, self.watchdog, self.waits)
+            group = self.groups[process_set.ranks] = Group(comm, self.watchdog, self.waits, False)
         return group
 
     def _nap(self, base, wait_mode, oversubscribed):
