@@ -71,8 +71,9 @@ def arguments(argv=None):
     p.add_argument("--eval-interval", type=int, default=0, help="iterations between evaluations (0: none)")
     p.add_argument("--eval-iters", type=positive, default=20)
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: the cores shared out)")
-    p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
-                   help="hpctrain.dist: the gradients' type on the wire")
+    p.add_argument("--compression", choices=["none", "fp16", "bf16", "powersgd"], default="none",
+                   help="hpctrain.dist: the gradients' type on the wire (powersgd: rank-4 factors from step 100, "
+                        "the program's defaults)")
     p.add_argument("--metrics", default=None, help="rank 0's per-iteration loss and time, JSON Lines")
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args(argv)

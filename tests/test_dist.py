@@ -208,6 +208,37 @@ def test_distributed_optimizer_sums_buckets_as_backward_finishes(dist):
     assert np.array_equal(views[1], np.full(4, (n - 1) / 2 + 1, np.float32))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_powersgd_is_exact_on_low_rank_gradients_and_the_programs_on_others(dist):
+    """compression=powersgd: a rank-1 W gradient on every rank (one u, each
+    rank its v) averaged exactly at rank 1; full-rank ones, two steps
+    (error feedback, warm Q), the bits of the program's PowerSgd over the
+    same layout, divided by the ranks; the bias exact; and compressed."""
+    from hpctrain.comm.powersgd import PowerSgd
+    from hpctrain.optim.compression_math import powersgd_layout
+    r, n = dist.rank(), dist.size()
+    settings = dist.Compression.PowerSGD(rank=1, start=0)
+    flat, (w, b) = hvd.flat_like([(16, 8), (8,)])
+    u = np.random.default_rng(7).standard_normal(16).astype(np.float32)
+    vs = [np.random.default_rng(10 + q).standard_normal(8).astype(np.float32) for q in range(n)]
+    w[...], b[...] = np.outer(u, vs[r]), r
+    dist.DistributedOptimizer([w, b], compression=settings).synchronize()
+    assert np.allclose(w, np.mean([np.outer(u, v) for v in vs], axis=0), rtol=1e-4, atol=1e-5)
+    assert np.all(b == (n - 1) / 2)
+    opt = dist.DistributedOptimizer([w, b], compression=settings)
+    program_flat = np.zeros_like(flat)
+    layout = powersgd_layout([("w", (16, 8), 0, 128), ("b", (8,), 128, 136)], 1, settings.min_rate)[0]
+    program = PowerSgd(runtime().world.strategy, program_flat, layout, start=0)
+    for step in range(2):
+        flat[...] = program_flat[...] = np.random.default_rng([step, r]).standard_normal(136).astype(np.float32)
+        mean = dist.allreduce(flat, op=dist.Average)
+        opt.synchronize()
+        program.begin(step)
+        program.allreduce(0, 136)
+        assert np.array_equal(flat, program_flat / np.float32(n))
+        assert np.allclose(b, mean[128:], rtol=1e-6) and not np.allclose(w.reshape(-1), mean[:128], atol=1e-2)
+
+
 @pytest.mark.mpi(min_size=3)
 def test_join_with_10_7_and_3_batches_equals_one_process_over_them(dist):
     """Ranks 0, 1, 2 hold 10, 7, 3 batches (more ranks: 3 each); a linear

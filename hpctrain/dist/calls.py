@@ -42,7 +42,7 @@ ROWS = {"allgather", "alltoall", "allgather_object", "broadcast_object"}
 DTYPES = tuple(np.dtype(t) for t in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
                                      "uint64", "float16", "float32", "float64", "complex64", "complex128"))
 OPS = ("", "Average", "Sum", "Min", "Max", "Product")
-COMPRESSIONS = ("none", "fp16", "bf16")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 NEUTRAL = -(1 << 62)          # a joined rank's field: never the MAX
 FIELDS = 8
 
@@ -177,6 +177,8 @@ def _joined_cannot(g, agreement, world_ranks, rank):
     names = ", ".join(map(str, joined))
     if agreement.kind == "alltoall":
         why = "alltoall after join(): a joined rank has no rows to send"
+    elif agreement.compression == "powersgd":
+        why = "a PowerSGD DistributedOptimizer after join(): a joined rank has no factors to send"
     elif agreement.kind in ("broadcast", "broadcast_object") and agreement.joined[agreement.root]:
         why = f"{agreement.kind} from rank {world_ranks[agreement.root]}, which has joined"
     else:

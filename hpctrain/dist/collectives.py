@@ -30,10 +30,29 @@ from .runtime import is_initialized, runtime
 Average, Sum, Min, Max, Product = "Average", "Sum", "Min", "Max", "Product"
 
 
+class PowerSGD:
+    """Compression.powersgd's settings, the program's --powersgd-* flags
+    and their defaults (comm/powersgd.py: each weight matrix sent as two
+    rank-`rank` factors, error feedback per parameter, Q warm-started);
+    float32 from `start` steps on only. For a DistributedOptimizer's
+    gradients: it keeps state from step to step, which a lone allreduce has
+    not. The same settings on every rank."""
+    kind = "powersgd"
+
+    def __init__(self, rank=4, start=100, min_rate=2.0, warm_start=True, epsilon=0.0, error_feedback=True,
+                 seed=0):
+        self.rank, self.start, self.min_rate, self.warm_start = int(rank), int(start), float(min_rate), warm_start
+        self.epsilon, self.error_feedback, self.seed = float(epsilon), error_feedback, int(seed)
+
+
 class Compression:
     """How allreduce's Sum/Average crosses the wire (Horovod's
-    hvd.Compression.none/fp16; bf16 beside them): float32 summed, 16-bit words sent."""
+    hvd.Compression.none/fp16; bf16 beside them): float32 summed, 16-bit
+    words sent; powersgd (a DistributedOptimizer's only): PowerSGD's
+    factors, `Compression.PowerSGD(rank=...)` for other settings."""
     none, fp16, bf16 = "none", "fp16", "bf16"
+    PowerSGD = PowerSGD
+    powersgd = PowerSGD()
 
 
 def _op(op, what):
@@ -46,6 +65,9 @@ def _compression(compression, op, dtype, what):
     c = getattr(compression, "kind", compression)
     if c is None:
         c = "none"
+    if c == "powersgd":
+        raise DistError(f"{what}: compression=powersgd is for a DistributedOptimizer's gradients (its error "
+                        f"feedback and Q go from step to step); a lone allreduce takes none, fp16 or bf16")
     if c not in COMPRESSIONS:
         raise DistError(f"{what}: compression={compression!r} is not one of none, fp16, bf16")
     if c != "none" and (op not in (Sum, Average) or np.dtype(dtype).kind != "f"):

@@ -21,13 +21,25 @@ averages back into the gradient arrays. Or, with no overlap, one call:
 are added (copied ones here; in-place ones by the user's backward) and
 summed over the ranks after the k-th.
 
+compression=Compression.powersgd (or Compression.PowerSGD(rank=...)): the
+program's PowerSGD (comm/powersgd.PowerSgd) over each float32 flat buffer,
+bucket by bucket: its weight matrices (2-D and up, where the factors are
+smaller: optim/compression_math.powersgd_layout) as two low-rank factors,
+each parameter's error feedback kept in the PowerSgd's buffer-sized error
+from step to step, Q warm-started; the rest of the bucket float32. The same
+code and bits as `hpctrain train --compression powersgd` on a buffer laid out
+alike.
+
     mpirun -n 2 python examples/numpy_mlp.py
 """
 import numpy as np
 
 from ..comm.fusion import bucket_bounds
+from ..comm.powersgd import PowerSgd
+from ..optim.compression_math import powersgd_layout
 from .arrays import host_array
-from .collectives import Average, Compression, allreduce_async_, broadcast_async_, synchronize
+from .calls import Call, agree
+from .collectives import Average, Compression, Sum, _call, allreduce_async_, broadcast_async_, synchronize
 from .errors import DistError
 from .objects import broadcast_object
 
@@ -104,6 +116,24 @@ class DistributedOptimizer:
         self.counts = [0] * len(self.grads)
         self.handles = []
         self.current = list(self.grads)   # where each average goes this step: ready()'s `grad`, or the array given here
+        self.steps = 0                    # synchronize() calls: PowerSGD's step
+        self._layouts = self._powersgd_layouts(compression, op)   # flat's index -> its compressed matrices
+        # the buffers PowerSGD does not take (not float32) go as they are
+        self._plain = Compression.none if getattr(compression, "kind", compression) == "powersgd" else compression
+        self._exchanges = {}              # flat's index -> its PowerSgd, made by the first bucket's work
+
+    def _powersgd_layouts(self, compression, op):
+        if getattr(compression, "kind", compression) != "powersgd":
+            return {}
+        if op not in (Sum, Average):
+            raise DistError(f"DistributedOptimizer: compression=powersgd compresses a Sum or Average, not {op}")
+        layouts = {}
+        for k, flat in enumerate(self.flats):
+            if flat.buf.dtype == np.float32:   # (the program's PowerSGD is float32's)
+                tensors = [(str(self.names[i]), self.grads[i].shape, flat.offsets[j], flat.offsets[j + 1])
+                           for j, i in enumerate(flat.indices)]
+                layouts[k] = powersgd_layout(tensors, compression.rank, compression.min_rate)[0]
+        return layouts
 
     def _index(self, i):
         if isinstance(i, (int, np.integer)) and not isinstance(self.names[0], str):
@@ -150,8 +180,32 @@ class DistributedOptimizer:
 
     def _launch(self, flat, b):
         lo, hi = flat.buckets[b]
-        self.handles.append(allreduce_async_(flat.buf[lo:hi], op=self.op, compression=self.compression,
+        k = self.flats.index(flat)
+        if k in self._layouts:
+            self.handles.append(self._powersgd_async(k, b, lo, hi))
+            return
+        self.handles.append(allreduce_async_(flat.buf[lo:hi], op=self.op, compression=self._plain,
                                              name=f"{self.name}[{lo}:{hi}]", process_set=self.process_set))
+
+    def _powersgd_async(self, k, b, lo, hi):
+        """Bucket b ([lo, hi) of flat k) through its PowerSgd, after the call check."""
+        settings, op, step, buf = self.compression, self.op, self.steps, self.flats[k].buf
+        call = Call("allreduce", buf.dtype, (hi - lo,), op, "powersgd", name=f"{self.name}[{lo}:{hi}]")
+
+        def work(g):
+            ag = agree(g, call, 0)
+            exchange = self._exchanges.get(k)
+            if exchange is None:
+                exchange = self._exchanges[k] = PowerSgd(
+                    g.strategy, buf, self._layouts[k], start=settings.start, warm_start=settings.warm_start,
+                    eps=settings.epsilon, error_feedback=settings.error_feedback, seed=settings.seed)
+            if b == 0:   # the step's first bucket
+                exchange.begin(step)
+            exchange.allreduce(lo, hi)   # the sum
+            if op == Average and len(ag.active) > 1:
+                buf[lo:hi] /= np.float32(len(ag.active))
+            return None
+        return _call(work, call.describe(), self.process_set)
 
     def synchronize(self):
         """Wait for every bucket (tensors not marked ready are taken as they
@@ -171,6 +225,7 @@ class DistributedOptimizer:
                     self.current[i].reshape(-1)[...] = flat.buf[flat.offsets[k]:flat.offsets[k + 1]]
             flat.launched, flat.done_from = 0, len(flat.indices)
         self.counts = [0] * len(self.grads)
+        self.steps += 1
         out, self.current = self.current, list(self.grads)
         return out
 
