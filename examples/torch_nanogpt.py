@@ -74,6 +74,8 @@ def arguments(argv=None):
     p.add_argument("--compression", choices=["none", "fp16", "bf16", "powersgd"], default="none",
                    help="hpctrain.dist: the gradients' type on the wire (powersgd: rank-4 factors from step 100, "
                         "the program's defaults)")
+    p.add_argument("--wait-mode", choices=["auto", "nap", "spin"], default="auto",
+                   help="hpctrain.dist.init's wait_mode: nap where ranks outnumber cores (auto), or always, or never")
     p.add_argument("--metrics", default=None, help="rank 0's per-iteration loss and time, JSON Lines")
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args(argv)
@@ -111,7 +113,7 @@ def main(argv=None):
         rank, world, local_size = ddp_setup()
     else:
         import hpctrain.dist as hvd
-        hvd.init()                                                                      # hvd 1: init
+        hvd.init(wait_mode=args.wait_mode)                                              # hvd 1: init
         rank, world, local_size = hvd.rank(), hvd.size(), hvd.local_size()
     master_process = rank == 0
     # hvd 2, "pin the device": a GPU would be torch.cuda.set_device(hvd.local_rank());
