@@ -174,6 +174,12 @@ def test_a_call_refused_on_some_ranks_is_one_line_on_all(dist):
     assert str(e.value).startswith("a builtin_function_or_method cannot be sent") and e.value.report == (r == 0)
     with pytest.raises(hvd.DistError, match="^rank 0: a function cannot be sent"):
         dist.broadcast_object((lambda: 0) if r == 0 else None, root_rank=0)   # the root's alone
+    with pytest.raises(hvd.DistError) as e:   # an optimizer refused on rank 1: its line at the others' next call
+        if r == 1:
+            dist.DistributedOptimizer([np.zeros(3)], backward_passes_per_step=0)
+        dist.barrier()
+    assert str(e.value) == "rank 1: DistributedOptimizer: backward_passes_per_step=0 (at least 1)"
+    assert e.value.report == (r == 1)
     assert dist.allreduce(np.ones(1), op=dist.Sum)[0] == dist.size()   # in step again
 
 

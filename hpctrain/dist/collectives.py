@@ -202,11 +202,16 @@ def refused_together(fn):
             process_set = signature.bind(*args, **kwargs).arguments.get("process_set")
             if process_set is not None and not process_set.included():
                 raise
-            refusal = e
-            synchronize(_call(lambda g: agree(g, None, 0, refused=refusal), f"{fn.__name__} (refused)",
-                              process_set, now=True))
-            raise   # (not reached: the refusal raised on every rank)
+            refuse(e, fn.__name__, process_set)
     return call
+
+
+def refuse(error, what, process_set=None):
+    """This rank's DistError `error` made in process_set's next call check
+    (calls.agree), where the other ranks meet it with their call (or their
+    own refusal): raises the same line on every rank, said once."""
+    synchronize(_call(lambda g: agree(g, None, 0, refused=error), f"{what} (refused)", process_set, now=True))
+    raise error   # (not reached: agree raised)
 
 
 def _call(work, what, process_set, now=False):

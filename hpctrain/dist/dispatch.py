@@ -8,6 +8,7 @@ hpctrain.dist as hvd` serves both.
     python -c "import hpctrain.dist as hvd; print(hvd.DistributedOptimizer.__mro__[1])"
 """
 from . import optimizer
+from .errors import DistError
 
 
 def is_torch_optimizer(x):
@@ -24,8 +25,26 @@ class DistributedOptimizer(optimizer.DistributedOptimizer):
     def __new__(cls, grads, *args, **kwargs):
         if is_torch_optimizer(grads):
             from .torch import DistributedOptimizer as TorchOptimizer
-            return TorchOptimizer(grads, *args, **kwargs)
+            return _refused_in_the_world(TorchOptimizer, grads, *args, **kwargs)
         return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        _refused_in_the_world(super().__init__, *args, **kwargs)
+
+
+def _refused_in_the_world(make, *args, **kwargs):
+    """make(...), whose DistError (a wrong argument: every rank makes the
+    same, as a rule) goes to the world's next call check (collectives.
+    refuse; Horovod's recipe calls broadcast_parameters next): one line for
+    the job, not one per rank, and no rank left waiting in that call."""
+    from .collectives import refuse
+    from .runtime import is_initialized
+    try:
+        return make(*args, **kwargs)
+    except DistError as e:
+        if e.collective or not is_initialized():
+            raise
+        refuse(e, "DistributedOptimizer")
 
 
 def broadcast_optimizer_state(state, root_rank=0, process_set=None):
@@ -33,7 +52,6 @@ def broadcast_optimizer_state(state, root_rank=0, process_set=None):
     torch.optim.Optimizer's whole state_dict through torch.py's."""
     if is_torch_optimizer(state):
         if process_set is not None:
-            from .errors import DistError
             raise DistError("broadcast_optimizer_state: a torch optimizer's state goes to the whole world "
                             "(process_set is for NumPy state)")
         from .torch import broadcast_optimizer_state as torch_state
