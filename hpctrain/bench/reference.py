@@ -12,7 +12,6 @@ NumPy loop trains on the bundled MNIST sample (its zero border pixels give
 zero gradients, whose Adam moments decay into slow subnormal floats: part of
 what a plain implementation pays); DDP uses random inputs of MNIST's shape.
 """
-import os
 import sys
 import time
 
@@ -96,16 +95,8 @@ def ddp(ranks, steps, batch=32):
     """samples/s of PyTorch DDP on `ranks` processes, or None without torch.
     (Rendezvous through a file; gloo itself talks TCP over loopback: torch's
     sockets, for this comparison only.)"""
-    try:
-        import torch.multiprocessing as mp
-    except ImportError:
-        return None
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rate")
-        mp.start_processes(_ddp_rank, args=(ranks, steps, batch, os.path.join(tmp, "rdv"), out),
-                           nprocs=ranks, start_method="spawn", join=True)
-        return float(open(out).read())
+    from .torch_models import spawned
+    return spawned(_ddp_rank, ranks, steps, batch)
 
 
 if __name__ == "__main__":

@@ -200,6 +200,13 @@ def timed_steps(rank, world, module, loss, steps, per_step, rendezvous, out):
 def rate(name, ranks, steps, batch=32, threads=1):
     """samples/s of the torch twin of `name` on `ranks` processes (`threads`
     each), or None without torch."""
+    return spawned(_rank, ranks, name, steps, batch, threads)
+
+
+def spawned(fn, ranks, *args):
+    """The rate rank 0 writes of fn(rank, ranks, *args, rendezvous, out) run
+    on `ranks` spawned processes (rendezvous: a file for gloo's), or None
+    without torch."""
     try:
         import torch.multiprocessing as mp
     except ImportError:
@@ -208,8 +215,8 @@ def rate(name, ranks, steps, batch=32, threads=1):
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rate")
-        mp.start_processes(_rank, args=(ranks, name, steps, batch, threads, os.path.join(tmp, "rdv"), out),
-                           nprocs=ranks, start_method="spawn", join=True)
+        mp.start_processes(fn, args=(ranks, *args, os.path.join(tmp, "rdv"), out), nprocs=ranks,
+                           start_method="spawn", join=True)
         with open(out) as f:
             return float(f.read())
 
