@@ -45,7 +45,7 @@ if __name__ == "__main__":   # python -m hpctrain.evaluate: BLAS's threads befor
 import numpy as np
 
 from .flags.arguments import Parser, positive_int
-from .flags.cli import DEFAULT_BATCH_SIZE, DEFAULT_EVAL_TOKENS, eval_tokens
+from .flags.cli import DEFAULT_BATCH_SIZE, DEFAULT_EVAL_TOKENS, eval_tokens, trained_flags
 from .base.errors import HpctrainError, one_line_errors
 from .base.files import printable
 from .nn.sequential import eval_forward
@@ -147,16 +147,9 @@ def plot_confusion(result, path, title):
 def build_parser(prog="python -m hpctrain.evaluate"):
     p = Parser(prog=prog, description="Accuracy, loss, per-class accuracy and the confusion "
                                 "matrix of a model trained by hpctrain, on a prepared data directory.")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", metavar="FILE.h5|HF_DIR", help="a --save (or --keep-best) file, a Hugging Face "
-                     "GPT-2 folder (config.json + model.safetensors) or a .safetensors file of hpctrain export")
-    src.add_argument("--checkpoint", metavar="DIR|FILE", help="a checkpoint file, or the newest valid one in DIR")
+    trained_flags(p, pretrained=True)
     p.add_argument("--data", metavar="DIR", required=True, help="a prepared shard directory")
     p.add_argument("--split", choices=["test", "val"], default="test", help="(default: %(default)s)")
-    p.add_argument("--model", metavar="NAME|FILE.py:FUNCTION", default=None,
-                   help="rebuild the model with this instead of what the file records; a model trained from "
-                        "a user's FILE.py is rebuilt only from the file named here, never from a path inside "
-                        "the saved file")
     p.add_argument("--eval-tokens", type=eval_tokens, default=None, metavar="N|all",
                    help="a language model: score N held-out tokens, the evenly spaced sample of windows training's "
                         "evaluations take with --eval-tokens N; all: every window (default: "

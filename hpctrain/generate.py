@@ -63,6 +63,7 @@ import numpy as np
 
 from .flags.arguments import Parser
 from .flags.arguments import finite_float, nonneg_float, nonneg_int, positive_int
+from .flags.cli import trained_flags
 from .base.errors import HpctrainError, one_line_errors
 
 
@@ -230,10 +231,7 @@ def on_device(model, device):
 
 def build_parser(prog="python -m hpctrain.generate"):
     p = Parser(prog=prog, description="Sample text from a GPT trained by hpctrain (--model gpt:...).")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", metavar="FILE.h5|HF_DIR", help="a --save (or --keep-best) file, a Hugging Face "
-                     "GPT-2 folder (config.json + model.safetensors) or a .safetensors file of hpctrain export")
-    src.add_argument("--checkpoint", metavar="DIR|FILE", help="a checkpoint file, or the newest valid one in DIR")
+    trained_flags(p, pretrained=True)
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="the text to continue (default: a newline)")
     prompt.add_argument("--prompt-file", metavar="FILE", default=None,
@@ -257,9 +255,6 @@ def build_parser(prog="python -m hpctrain.generate"):
     p.add_argument("--seed", type=nonneg_int, default=0, help="the sampler's seed (default: %(default)s)")
     p.add_argument("--data", metavar="DIR", default=None,
                    help="the prepared text, for the vocabulary of a file that records none")
-    p.add_argument("--model", metavar="NAME|FILE.py:FUNCTION", default=None,
-                   help="rebuild the model with this instead of what the file records (a model trained from a "
-                        "user's FILE.py is rebuilt only from the file named here)")
     p.add_argument("--device", choices=["cpu", "gpu", "auto"], default="cpu", help="(default: %(default)s)")
     return p
 

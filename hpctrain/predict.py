@@ -37,6 +37,7 @@ if __name__ == "__main__":   # python -m hpctrain.predict: BLAS's threads before
 import numpy as np
 
 from .flags.arguments import Parser
+from .flags.cli import trained_flags
 from .base.errors import HpctrainError, one_line_errors
 from .base.files import one_line, write_atomically
 from .run.outputs import check_output_file
@@ -144,17 +145,11 @@ def write_out(path, text):
 def build_parser(prog="python -m hpctrain.predict"):
     p = Parser(prog=prog, description="Classify images with a model trained by hpctrain: each "
                                 "input's class name and probability, as CSV or JSON Lines.")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", metavar="FILE.h5", help="a --save (or --keep-best) file")
-    src.add_argument("--checkpoint", metavar="DIR|FILE", help="a checkpoint file, or the newest valid one in DIR")
+    trained_flags(p)
     p.add_argument("images", nargs="*", metavar="IMAGE", help="image files (PNG, JPEG)")
     p.add_argument("--data", metavar="DIR", help="classify a prepared directory's test set instead (its labels too)")
     p.add_argument("--split", choices=["test", "val"], default="test",
                    help="with --data: which part (default: %(default)s)")
-    p.add_argument("--model", metavar="NAME|FILE.py:FUNCTION", default=None,
-                   help="rebuild the model with this instead of what the file records; a model trained from "
-                        "a user's FILE.py is rebuilt only from the file named here, never from a path inside "
-                        "the saved file")
     p.add_argument("--format", choices=["csv", "jsonl"], default="csv", help="(default: %(default)s)")
     p.add_argument("--top", type=int, default=1, metavar="K", help="the K most probable classes (default: 1)")
     p.add_argument("--out", metavar="FILE", default=None, help="write here instead of standard output")

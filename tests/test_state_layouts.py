@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collectives import take_local
 from hpctrain.comm.ps.placement import place
 from hpctrain.comm.ring_allreduce import RingAllreduce
 from hpctrain.comm.tensor_group import TensorComm
 from hpctrain.loops.ring_step import RingStep
 from hpctrain.nn.gpt import gpt
-from hpctrain.nn.tensor_parallel import TensorGroup, take_local
+from hpctrain.nn.tensor_parallel import TensorGroup
 from hpctrain.nn.zoo import small_cnn
 from hpctrain.optim.optimizers import make_optimizer
 from hpctrain.pipeline.stage import Stage

@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from collectives import put_local, take_local
 from conftest import checkpoint_path, copy_checkpoint, flat_from_named, saved
 from test_zero import text_dir   # noqa: F401 (the fixture)
 from hpctrain.comm.tensor_group import TensorComm
 from hpctrain.nn import Flatten, Linear, ModelSpec, ReLU
 from hpctrain.nn.gpt import gpt
-from hpctrain.nn.tensor_parallel import TensorGroup, put_local, take_local
+from hpctrain.nn.tensor_parallel import TensorGroup
 from hpctrain.nn.zoo import mlp
 
 

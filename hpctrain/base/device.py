@@ -103,6 +103,22 @@ def use_device(xp, device_id):
         xp.cuda.runtime.setDevice(device_id)
 
 
+class Scratch:
+    """Scratch arrays by (name, array module), each grown on demand and kept:
+    a warm step allocates none. get() gives the first n elements; one
+    thread at a time uses an instance."""
+
+    def __init__(self):
+        self.arrays = {}
+
+    def get(self, name, xp, dtype, n):
+        key = (name, xp.__name__)
+        a = self.arrays.get(key)
+        if a is None or a.size < n:
+            a = self.arrays[key] = xp.empty(max(n, 1), dtype)
+        return a[:n]
+
+
 def pinned_empty(shape, dtype):
     """An uninitialized NumPy array in page-locked (pinned) host memory, which
     the GPU's copy engines can read and write asynchronously."""

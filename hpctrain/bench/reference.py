@@ -12,7 +12,6 @@ NumPy loop trains on the bundled MNIST sample (its zero border pixels give
 zero gradients, whose Adam moments decay into slow subnormal floats: part of
 what a plain implementation pays); DDP uses random inputs of MNIST's shape.
 """
-import os
 import sys
 import time
 
@@ -64,48 +63,23 @@ def numpy_loop(steps, batch=32, hidden=HIDDEN, lr=1e-4):
 
 def _ddp_rank(rank, world, steps, batch, rendezvous, out):
     import torch
-    import torch.distributed as dist
+    from .torch_models import timed_steps
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     torch.manual_seed(rank)
     layers, sizes = [], [784, *HIDDEN, 10]
     for i, o in zip(sizes, sizes[1:]):
         layers += [torch.nn.Linear(i, o), torch.nn.ReLU()]
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers[:-1]))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.rand(batch, 784)
-    y = torch.randint(0, 10, (batch,))
-    loss_fn = torch.nn.CrossEntropyLoss()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([float(np.median(times[steps // 5:]))])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        with open(out, "w") as f:
-            f.write(str(world * batch / float(t)))
-    dist.barrier()
-    dist.destroy_process_group()
+    x, y, loss_fn = torch.rand(batch, 784), torch.randint(0, 10, (batch,)), torch.nn.CrossEntropyLoss()
+    timed_steps(rank, world, torch.nn.Sequential(*layers[:-1]), lambda m: loss_fn(m(x), y), steps, batch,
+                rendezvous, out, ddp=True)   # DDP at 1 rank too: the reference is DDP's cost
 
 
 def ddp(ranks, steps, batch=32):
     """samples/s of PyTorch DDP on `ranks` processes, or None without torch.
     (Rendezvous through a file; gloo itself talks TCP over loopback: torch's
     sockets, for this comparison only.)"""
-    try:
-        import torch.multiprocessing as mp
-    except ImportError:
-        return None
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rate")
-        mp.start_processes(_ddp_rank, args=(ranks, steps, batch, os.path.join(tmp, "rdv"), out),
-                           nprocs=ranks, start_method="spawn", join=True)
-        return float(open(out).read())
+    from .torch_models import spawned
+    return spawned(_ddp_rank, ranks, steps, batch)
 
 
 if __name__ == "__main__":

@@ -131,16 +131,8 @@ def _rank(rank, world, shape, steps, batch, threads, rendezvous, out):
 
 def rate(options, vocab, block_size, ranks, steps, batch, threads=1):
     """tokens/s of the twin on `ranks` processes (`threads` each)."""
-    import os
-    import tempfile
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rate")
-        shape = (vocab, block_size, options)
-        mp.start_processes(_rank, args=(ranks, shape, steps, batch, threads, os.path.join(tmp, "rdv"), out),
-                           nprocs=ranks, start_method="spawn", join=True)
-        with open(out) as f:
-            return float(f.read())
+    from .torch_models import spawned
+    return spawned(_rank, ranks, (vocab, block_size, options), steps, batch, threads)
 
 
 if __name__ == "__main__":

@@ -166,15 +166,16 @@ def _rank(rank, world, name, steps, batch, threads, rendezvous, out):
     timed_steps(rank, world, module, lambda m: loss_fn(m(x), y), steps, batch, rendezvous, out)
 
 
-def timed_steps(rank, world, module, loss, steps, per_step, rendezvous, out):
-    """Train `module` `steps` steps (DDP over gloo from 2 ranks, Adam 1e-4,
-    loss(module) each step); rank 0 writes world x per_step (samples, or
-    tokens) / the slowest rank's median step, the first fifth of the steps
-    left out as warm-up."""
+def timed_steps(rank, world, module, loss, steps, per_step, rendezvous, out, ddp=False):
+    """Train `module` `steps` steps (DDP over gloo from 2 ranks, or at any
+    count with `ddp`: the reference; Adam 1e-4, loss(module) each step);
+    rank 0 writes world x per_step (samples, or tokens) / the slowest rank's
+    median step, the first fifth of the steps left out as warm-up."""
     import time
     import torch
     import torch.distributed as dist
-    if world > 1:
+    ddp = ddp or world > 1
+    if ddp:
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
         module = torch.nn.parallel.DistributedDataParallel(module)
     module.train()
@@ -187,12 +188,12 @@ def timed_steps(rank, world, module, loss, steps, per_step, rendezvous, out):
         opt.step()
         times.append(time.perf_counter() - t0)
     t = torch.tensor([float(np.median(times[steps // 5:]))])
-    if world > 1:
+    if ddp:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
         with open(out, "w") as f:
             f.write(str(world * per_step / float(t)))
-    if world > 1:
+    if ddp:
         dist.barrier()
         dist.destroy_process_group()
 
@@ -200,6 +201,13 @@ def timed_steps(rank, world, module, loss, steps, per_step, rendezvous, out):
 def rate(name, ranks, steps, batch=32, threads=1):
     """samples/s of the torch twin of `name` on `ranks` processes (`threads`
     each), or None without torch."""
+    return spawned(_rank, ranks, name, steps, batch, threads)
+
+
+def spawned(fn, ranks, *args):
+    """The rate rank 0 writes of fn(rank, ranks, *args, rendezvous, out) run
+    on `ranks` spawned processes (rendezvous: a file for gloo's), or None
+    without torch."""
     try:
         import torch.multiprocessing as mp
     except ImportError:
@@ -208,8 +216,8 @@ def rate(name, ranks, steps, batch=32, threads=1):
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rate")
-        mp.start_processes(_rank, args=(ranks, name, steps, batch, threads, os.path.join(tmp, "rdv"), out),
-                           nprocs=ranks, start_method="spawn", join=True)
+        mp.start_processes(fn, args=(ranks, *args, os.path.join(tmp, "rdv"), out), nprocs=ranks,
+                           start_method="spawn", join=True)
         with open(out) as f:
             return float(f.read())
 

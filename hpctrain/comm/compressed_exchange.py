@@ -45,7 +45,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base.chunks import chunk_bounds
-from ..base.device import all_finite
+from ..base.device import Scratch, all_finite
 from ..optim.compression_math import HALF_KINDS, Half
 from .device_buffers import BoundToDevice
 from .hier import HierAllreduce
@@ -74,7 +74,7 @@ class HalfRing:
         self.size, self.rank = ring.size, ring.rank
         self.name = f"{ring.name} ({codec.kind})"
         self.scale = int(ranks or ring.size) if codec.prescale else 1
-        self._scratch = {}
+        self._scratch = Scratch()
 
     def shard(self, n):
         return self.ring.shard(n)
@@ -82,15 +82,8 @@ class HalfRing:
     def parts(self, n):
         return self.ring.parts(n)
 
-    def _buf(self, what, xp, dtype, n):
-        key = (what, xp.__name__)
-        a = self._scratch.get(key)
-        if a is None or a.size < n:
-            a = self._scratch[key] = xp.empty(max(n, 1), dtype)
-        return a[:n]
-
     def _words(self, xp, n):
-        return self._buf("words", xp, np.uint16, n)
+        return self._scratch.get("words", xp, np.uint16, n)
 
     def _round(self, buf, words, lo, hi):
         """The owner's sum rounded to 16 bits: what every rank will decode."""
@@ -147,8 +140,8 @@ class HalfRing:
         n, size, rank = buf.size, self.size, self.rank
         bounds = chunk_bounds(n, size)
         longest = max(bounds[i + 1] - bounds[i] for i in range(size))
-        send = self._buf("send", xp, np.uint16, longest)
-        recv = self._buf("recv", xp, np.uint16, longest)
+        send = self._scratch.get("send", xp, np.uint16, longest)
+        recv = self._scratch.get("recv", xp, np.uint16, longest)
         comm, right, left, seg = ring.comm, ring.right, ring.left, SEGMENT_WORDS
         # As ring.py: after step s, chunk (rank - s - 1) holds s+2 ranks' sum.
         for step in range(size - 1):

@@ -11,7 +11,7 @@ synchronized first, since MPI reads what kernels wrote.
 import numpy as np
 from mpi4py import MPI
 
-from ..base.device import array_module
+from ..base.device import Scratch, array_module
 from .strategy import FlatStrategy, chunk_bounds
 
 
@@ -27,7 +27,7 @@ class MpiAllreduce(FlatStrategy):
 
     def __init__(self, comm, watchdog=None):
         super().__init__(comm, watchdog)
-        self._scratch = {}
+        self._scratch = Scratch()
 
     def allreduce(self, buf):
         if self.size == 1 or buf.size == 0:
@@ -50,10 +50,7 @@ class MpiAllreduce(FlatStrategy):
         # MPI_IN_PLACE would leave the result at the front of buf, not at
         # [lo, hi): receive into scratch and copy it into place.
         xp = array_module(buf)
-        key = (xp.__name__, buf.dtype)
-        scratch = self._scratch.get(key)
-        if scratch is None or scratch.size < hi - lo:
-            scratch = self._scratch[key] = xp.empty(max(hi - lo, 1), buf.dtype)
+        scratch = self._scratch.get(buf.dtype, xp, buf.dtype, hi - lo)
         with self.waiting("MPI_Reduce_scatter"):
             self.comm.Reduce_scatter(buf, scratch[: hi - lo], recvcounts=counts, op=MPI.SUM)
         buf[lo:hi] = scratch[: hi - lo]

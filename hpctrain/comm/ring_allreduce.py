@@ -21,7 +21,7 @@ synchronized before MPI touches anything a kernel wrote.
 import numpy as np
 from mpi4py import MPI
 
-from ..base.device import array_module
+from ..base.device import Scratch, array_module
 from .strategy import FlatStrategy, chunk_bounds
 
 __all__ = ["RingAllreduce", "chunk_bounds", "SEGMENT_BYTES"]
@@ -54,19 +54,11 @@ class RingAllreduce(FlatStrategy):
         self.label = label
         self.right = (self.rank + 1) % self.size
         self.left = (self.rank - 1) % self.size
-        self._scratch = {}
+        self._scratch = Scratch()
 
     def owned_chunk(self):
         # After size-1 reduce-scatter steps, chunk (rank - (size-1)) mod size is complete.
         return (self.rank + 1) % self.size
-
-    def _scratch_for(self, dtype, n, xp=np):
-        key = (xp.__name__, dtype)
-        buf = self._scratch.get(key)
-        if buf is None or buf.size < n:
-            buf = xp.empty(max(n, 1), dtype=dtype)
-            self._scratch[key] = buf
-        return buf
 
     def _waiting(self, what):
         # Sendrecv waits on both neighbours: the left one's data, the right one's receive.
@@ -101,7 +93,7 @@ class RingAllreduce(FlatStrategy):
         n, size, rank = buf.size, self.size, self.rank
         bounds = chunk_bounds(n, size)
         seg = max(1, SEGMENT_BYTES // buf.itemsize)
-        scratch = self._scratch_for(buf.dtype, min(bounds[1] - bounds[0] + 1, seg), xp)
+        scratch = self._scratch.get(buf.dtype, xp, buf.dtype, min(bounds[1] - bounds[0] + 1, seg))
         comm, right, left = self.comm, self.right, self.left
         # After step s, chunk (rank - s - 1) holds s+2 ranks' sum.
         for step in range(size - 1):
@@ -134,7 +126,7 @@ class RingAllreduce(FlatStrategy):
         count from the chunk's length alone); each received segment is added
         while the next is in flight, through a double-buffered scratch."""
         comm, right, left = self.comm, self.right, self.left
-        scratch = self._scratch_for(buf.dtype, 2 * seg, xp)
+        scratch = self._scratch.get(buf.dtype, xp, buf.dtype, 2 * seg)
         halves = (scratch[:seg], scratch[seg: 2 * seg])
         sends = [comm.Isend(buf[lo:min(lo + seg, s_hi)], right, 0) for lo in range(s_lo, s_hi, seg)]
         starts = list(range(r_lo, r_hi, seg))

@@ -363,11 +363,7 @@ def prepare(source, out, shards=8, test_fraction=0.1, seed=0, force=False, log=p
         entries = _write_shards(tmp, splits, num_classes)
         manifest = _build_manifest(source, layout, files, seed, test_fraction, splits, entries,
                                    num_classes, val_fraction, split_here, extra)
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=2)
-            f.write("\n")
-        with signals_held():
-            _install(tmp, out, force)
+        _install(tmp, manifest, out, force)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise HpctrainError(f"{out}: cannot write shards ({e})") from None
@@ -439,24 +435,30 @@ def _make_tmp(tmp, out):
         raise HpctrainError(f"{out}: cannot create output directory ({e})") from None
 
 
-def _install(tmp, out, force):
-    _check_out(out, force)
-    old = None
-    if out.is_dir():
-        if any(out.iterdir()):
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out, old)
-        else:
-            out.rmdir()
-    try:
-        os.rename(tmp, out)
-    except OSError:
+def _install(tmp, manifest, out, force):
+    """The manifest written into tmp, then tmp put in out's place (an old
+    out moved aside first and removed after), signals held over the swap."""
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+    with signals_held():
+        _check_out(out, force)
+        old = None
+        if out.is_dir():
+            if any(out.iterdir()):
+                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(out, old)
+            else:
+                out.rmdir()
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if old is not None:
+                os.rename(old, out)
+            elif out.is_dir() and any(out.iterdir()):
+                # Another process prepared out between our check and this rename.
+                raise HpctrainError(f"{out}: already exists (use --force to overwrite)") from None
+            raise
         if old is not None:
-            os.rename(old, out)
-        elif out.is_dir() and any(out.iterdir()):
-            # Another process prepared out between our check and this rename.
-            raise HpctrainError(f"{out}: already exists (use --force to overwrite)") from None
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)

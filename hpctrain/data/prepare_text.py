@@ -42,7 +42,6 @@ elementwise maximum of an array, each wait bounded (data/__main__.py).
 """
 
 import hashlib
-import json
 import shutil
 import time
 from pathlib import Path
@@ -53,9 +52,9 @@ import numpy as np
 
 from hpctrain.base.errors import HpctrainError
 
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, _sha256, shard_name, token_dtype
+from .manifest import FORMAT, FORMAT_VERSION, _sha256, shard_name, token_dtype
 from .prepare import _check_not_input, _check_out, _install, _make_tmp, _resolve_out, _tmp_name
-from .stopping import signals_held, stops_cleanly, sweep_stale_tmps
+from .stopping import stops_cleanly, sweep_stale_tmps
 from .text import piece_digest, plan_units, read_piece, source_files, unit_bytes_of
 from .vocab import EOT, TOKENIZER, Bpe, Chars, end_of_text, load_tokenizer, parse_text, train_vocabulary
 
@@ -455,14 +454,7 @@ def prepare_text(source, out, text="chars", val_fraction=0.1, force=False, log=p
         if skips.sum():
             extra["skipped_records"] = int(skips.sum())
         manifest = _build_manifest(source, _file_records(job, digests), vocab, dtype, val_fraction, entries, extra)
-
-        def install():
-            with open(tmp / MANIFEST, "w") as f:
-                json.dump(manifest, f, indent=2)
-                f.write("\n")
-            with signals_held():
-                _install(tmp, out, force)
-        _together(job, install)
+        _together(job, lambda: _install(tmp, manifest, out, force))
     except OSError as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -82,6 +82,22 @@ def eval_tokens(text):
         raise argparse.ArgumentTypeError(f"expected a positive number of tokens or all, got {text!r}") from None
 
 
+def trained_flags(p, pretrained=False):
+    """The flags of a command that reads a trained model (evaluate,
+    predict, generate): --params or --checkpoint, one of them, and --model;
+    pretrained: --params takes a Hugging Face folder or an exported
+    .safetensors file too (interop/pretrained.load)."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", metavar="FILE.h5|HF_DIR" if pretrained else "FILE.h5",
+                     help="a --save (or --keep-best) file" + (", a Hugging Face GPT-2 folder (config.json + "
+                     "model.safetensors) or a .safetensors file of hpctrain export" if pretrained else ""))
+    src.add_argument("--checkpoint", metavar="DIR|FILE", help="a checkpoint file, or the newest valid one in DIR")
+    p.add_argument("--model", metavar="NAME|FILE.py:FUNCTION", default=None,
+                   help="rebuild the model with this instead of what the file records; a model trained from "
+                        "a user's FILE.py is rebuilt only from the file named here, never from a path inside "
+                        "the saved file")
+
+
 def _model(text):
     if text in MODELS or is_model_file(text):
         return text

@@ -401,13 +401,10 @@ class ModelSpec:
         train_floats (attention's grow with T^2) in a slot; with
         --recompute a unit keeps only its output (and the range's first its
         input) in a slot, and the range one unit's train_floats, the largest,
-        for the unit being recomputed (nn/sequential.LayerRange)."""
-        b = len(self.layers) if b is None else b
-        units = set(self.recompute_units(a, b)) if self.recompute else set()
-        acts = sum(self.layers[i].train_floats() for i in range(a, b) if i not in units)
-        acts += sum(math.prod(self.shapes[i]) for i in units)
-        acts += math.prod(self.layers[a].in_shape) if a in units else 0
-        return acts, max((self.layers[i].train_floats() for i in units), default=0)
+        for the unit being recomputed (nn/sequential.LayerRange). The memory
+        check's count (_range_counts)."""
+        _, _, acts, once, _ = self._range_counts(a, len(self.layers) if b is None else b)
+        return acts, once
 
     def summary(self):
         """The model, one line per layer (output shape, parameters), and the total."""

@@ -186,46 +186,6 @@ def local_layout(full_spec, cuts, t):
     return out
 
 
-def _within(full_spec, cuts, t, lo, hi):
-    """local_layout's entries of the whole tensors inside [lo, hi) of the
-    whole model's buffer, and where the first starts in the local buffer."""
-    entries = [e for e in local_layout(full_spec, cuts, t) if lo <= e[2][0] and e[2][1] <= hi]
-    return entries, (entries[0][4][0] if entries else 0)
-
-
-def local_size(full_spec, cuts, t, lo=0, hi=None):
-    """Elements of tensor rank t's slice of the whole model's [lo, hi) (all: the rank's buffer)."""
-    entries, _ = _within(full_spec, cuts, t, lo, full_spec.num_params if hi is None else hi)
-    return sum(b - a for _, _, _, _, (a, b), _ in entries)
-
-
-def take_local(full_spec, cuts, full, t, lo=0, hi=None):
-    """Tensor rank t's slice of the whole model's flat buffer `full` (host
-    arrays), or of its part [lo, hi) (`full` then that part: a pipeline
-    stage's), as the rank's buffer lays it out."""
-    hi = full_spec.num_params if hi is None else hi
-    entries, base = _within(full_spec, cuts, t, lo, hi)
-    out = np.empty(sum(b - a for _, _, _, _, (a, b), _ in entries), full.dtype)
-    for _, shape, (a0, b0), _, (a, b), cut in entries:
-        whole = full[a0 - lo:b0 - lo].reshape(shape)
-        out[a - base:b - base] = (cut.take(whole, t) if cut else whole).reshape(-1)
-    return out
-
-
-def put_local(full_spec, cuts, local, t, full, lo=0, hi=None):
-    """Tensor rank t's slice `local` into the whole model's flat buffer
-    `full` (or its part [lo, hi): `full` then that part); its replicated
-    tensors too (every rank holds them alike)."""
-    hi = full_spec.num_params if hi is None else hi
-    entries, base = _within(full_spec, cuts, t, lo, hi)
-    for _, shape, (a0, b0), shape_t, (a, b), cut in entries:
-        if cut:
-            cut.put(local[a - base:b - base].reshape(shape_t), full[a0 - lo:b0 - lo].reshape(shape), t)
-        else:
-            full[a0 - lo:b0 - lo] = local[a - base:b - base]
-    return full
-
-
 def counted_ranges(full_spec, cuts, t):
     """The local flat ranges tensor rank t counts in a sum over the whole
     model (the clip norm): its slices of the split tensors, and on rank 0

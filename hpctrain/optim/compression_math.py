@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from ..base.device import array_module
+from ..base.device import Scratch, array_module
 from ..base.precision import FLOAT32
 
 KINDS = ("none", "fp16", "bf16", "powersgd")
@@ -54,20 +54,6 @@ _F16_BIAS = (((15 - 127) << 23) + 0xFFF) & 0xFFFFFFFF   # float32 exponent to fp
 _F16_MIN_NORMAL = 113 << 23                              # |x| below 2**-14: an fp16 subnormal (or zero)
 _F16_DENORM = ((127 - 15) + (23 - 10) + 1) << 23         # float32 0.5: x + it leaves x's subnormal word in its bits
 _F16_INF, _F32_INF = 0x7C00, 0x7F800000
-
-
-class _Work:
-    """Scratch arrays by name, grown on demand (one per codec: one thread at a time uses it)."""
-
-    def __init__(self):
-        self.arrays = {}
-
-    def get(self, name, xp, dtype, n):
-        key = (name, xp.__name__)
-        a = self.arrays.get(key)
-        if a is None or a.size < n:
-            a = self.arrays[key] = xp.empty(max(n, 1), dtype)
-        return a[:n]
 
 
 def _blocks(xp, n):
@@ -166,7 +152,7 @@ class Half:
         # so no partial sum on the wire exceeds the largest of the gradients
         # summed. bf16 has float32's range and needs none.
         self.prescale = kind == "fp16"
-        self._work = _Work()
+        self._work = Scratch()   # one per codec: one thread at a time uses it
 
     def _run(self, block, src, dst):
         xp = array_module(src)

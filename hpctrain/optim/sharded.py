@@ -18,8 +18,7 @@ class Sharded(Wrapper):
     lies inside one owned range; the arithmetic is the inner optimizer's, per
     element, so each owned element gets bit for bit what the unsharded
     optimizer would give it. `t` (Adam's bias correction) is the inner's, the
-    same on every rank. `state()` is compact; `expand`/`compact` move state
-    between that layout and full-length arrays (checkpoints hold full ones)."""
+    same on every rank. `state()` is compact."""
 
     def __init__(self, inner_factory, ranges, full_size, decay_ranges=None):
         """inner_factory(n, decay_ranges): the inner optimizer over n compact
@@ -71,9 +70,3 @@ class Sharded(Wrapper):
             return
         c = self.compact_offset(lo, hi)
         self.inner.update(params if shard else params[lo - c:], grads, c, c + hi - lo)
-
-    def compact(self, full, out):
-        """out (compact) <- the owned elements of full (a full-length array)."""
-        for (lo, hi), c in zip(self.ranges, self.offsets):
-            out[c:c + hi - lo] = full[lo:hi]
-        return out

@@ -17,9 +17,9 @@ inside).
   their gradients are summed there.
 - `pipe_comm`: the P ranks of this rank's replica index, in stage order
   (the mesh's pipeline axis; its rank there is the stage); activations travel there.
-- `tensor_comm`: with --tensor-parallel T, the T ranks that split this
-  stage's layers (the mesh's tensor axis; `tensor` this rank's place
-  there): each sends its copy of the activations to its counterpart of the
+- `tensors`, `tensor`: with --tensor-parallel T, the T ranks that split
+  this stage's layers and this rank's place among them (the mesh's tensor
+  axis): each sends its copy of the activations to its counterpart of the
   next stage, and whatever goes to or from the chief goes by tensor rank 0.
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --hidden 64,32 --steps 20
@@ -35,7 +35,6 @@ class Grid:
         self.stage_comm = mesh.comm("data")
         self.pipe_comm = mesh.comm("pipeline")
         self.tensors, self.tensor = mesh.size("tensor"), mesh.coords.tensor
-        self.tensor_comm = mesh.comm("tensor")
 
     def world_rank(self, stage, replica=None, tensor=None):
         """The world rank of (stage, replica, tensor rank), this rank's replica and tensor rank by default."""

@@ -36,12 +36,11 @@ class Pool:
     taken and given back."""
 
     def __init__(self, shape, dtype):
-        self.shape, self.dtype, self.free, self.made = tuple(shape), np.dtype(dtype), [], 0
+        self.shape, self.dtype, self.free = tuple(shape), np.dtype(dtype), []
 
     def take(self):
         if self.free:
             return self.free.pop()
-        self.made += 1
         return np.empty(self.shape, self.dtype)
 
     def give(self, buffer):
