@@ -8,10 +8,14 @@ start-up (run/startup.start on the smaller communicator), the same restore
 of every part's box (checkpoints/resume.Checkpoints.restore reads the
 commit as it reads a checkpoint folder), the same data windows.
 
-Plain data parallelism (ring, --zero 0) for now: every replica holds every
-tensor whole, so any survivor's commit is the whole state.
+Data parallelism (ring) for now. Without ZeRO every replica holds every
+tensor whole, so any survivor's commit is the whole state; with --zero
+1|2|3 a replica alone holds its shards, so each commit also keeps a copy of
+the next rank's (sent to the previous rank: one Sendrecv), and a recovery
+puts every shard together from its owner or that copy. A rank and its
+neighbour lost: a shard is held by no survivor, one line, exit 75.
 
-    mpirun --with-ft ulfm -n 4 python -m hpctrain.mnist --on-failure shrink --zero 0 --commit-every 10
+    mpirun --with-ft ulfm -n 4 python -m hpctrain.mnist --on-failure shrink --commit-every 10
 """
 import json
 import time
