@@ -41,12 +41,13 @@ def test_ulfm_on_or_not_asked_for_passes():
     ulfm.check("exit", {}, MPICH)
 
 
-@pytest.mark.parametrize("flags", [[], ["--tensor-parallel", "2"], ["--mode", "ps"], ["--compression", "bf16"]])
+@pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--tensor-parallel", "2"], ["--mode", "ps"],
+                                   ["--compression", "bf16"]])
 def test_shrink_outside_data_parallelism_is_refused_in_one_line(flags):
     from hpctrain.flags import cli
     from hpctrain.run.startup import check_shrink_layout
     with pytest.raises(HpctrainError) as refused:
-        check_shrink_layout(cli.parse(["--on-failure", "shrink", "--pipeline-stages", "2", *flags]))
+        check_shrink_layout(cli.parse(["--on-failure", "shrink", *flags]))
     assert str(refused.value).startswith("--on-failure shrink runs data parallelism so far: --mode ring "
                                          "(any --zero)") and refused.value.exit_code == 2
     for zero in ("0", "1", "2", "3"):   # ZeRO's shards: a neighbour's copy (run/survival.py)
