@@ -6,7 +6,7 @@ not depend on the loop: whether ULFM is on (the start-up refusal otherwise),
 which MPI errors mean "a peer is gone", and the shrink itself (revoke, then
 the survivors' communicator and who was lost, the same on every survivor).
 
-    mpirun --with-ft ulfm -n 4 python -m hpctrain.mnist --on-failure shrink --zero 0 --steps 200
+    mpirun --with-ft ulfm -n 4 python -m hpctrain.mnist --on-failure shrink --steps 200
 """
 import os
 import time

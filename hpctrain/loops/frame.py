@@ -254,7 +254,7 @@ class Frame:
             save(step)
         survival = self.world.survival
         if survival is not None:
-            survival.stepped(step)
+            survival.stepped(step, self.checkpoints.saved_step)   # (the exit-75 line names it)
             if survival.due(step) and commit is not None:
                 commit(step)
         return False

@@ -18,7 +18,7 @@ from ..comm.topology import Topology
 from ..optim.clipping import Clip
 from ..optim.optimizers import state_bytes
 from ..report.evaluated import WholeModel
-from ..state import layouts
+from ..state import consumers, layouts
 from . import ring_tensor as tensor
 from . import ring_zero3 as zero3
 from .frame import Frame
@@ -98,8 +98,13 @@ def train_ring(world, plan, inputs, timeline):
         checkpoints.save_parts(everyone, at, parts(), sorted(ring.optimizer.state()),
                                ring.optimizer.t, positions, compression)
     def commit(at):   # --on-failure shrink: what a resume needs, held in memory (run/survival.py)
+        held = parts(spread=False)
+        # ZeRO: the shards this replica alone holds (a copy goes to its neighbour)
+        alone = None if not ring.sharded else \
+            (consumers.parameters(held, plan.spec) if ring.param_shard is not None else []) + \
+            [p for p in held if p.name.startswith(f"{plan.optimizer.name}.")]
         world.survival.commit(at, ring.optimizer.t, frame.checkpoints.samples_at(at), frame.clock(),
-                              reader.position, parts(spread=False))
+                              reader.position, held, alone, comm, world.waiting)
     if world.survival is not None:   # the start is a commit too: a rank lost in the first K steps is survived
         commit(frame.start)
     step, stopped = train_steps(world, frame, ring, reader, evaluated, save, commit)

@@ -228,15 +228,15 @@ def start(args, process_note, watchdog, stop, on_roles=None, survival=None, comm
 
 def check_shrink_layout(args):
     """--on-failure shrink where the in-memory commit is not built yet: one
-    line. Plain data parallelism holds every tensor on every replica; a
-    sharded layout needs a neighbour's copy of each shard (issue 58, not yet)."""
+    line. Data parallelism holds every tensor on every replica, or (ZeRO) a
+    shard on its owner and a copy on the previous rank; the model splits'
+    commits are not built yet (issue 58)."""
     if args.on_failure != "shrink":
         return
-    if args.mode != "ring" or args.zero != 0 or args.tensor_parallel > 1 or args.pipeline_stages > 1 \
-            or args.compression != "none":
-        raise HpctrainError("--on-failure shrink runs plain data parallelism so far: --mode ring --zero 0, "
-                            "no --tensor-parallel, --pipeline-stages or --compression (ZeRO's and the model "
-                            "splits' in-memory commits are not built yet)")
+    if args.mode != "ring" or args.tensor_parallel > 1 or args.pipeline_stages > 1 or args.compression != "none":
+        raise HpctrainError("--on-failure shrink runs data parallelism so far: --mode ring (any --zero), "
+                            "no --tensor-parallel, --pipeline-stages or --compression (the model splits' and "
+                            "compression's in-memory commits are not built yet)")
 
 
 def augment_line(text, image_shape, seed):

@@ -8,34 +8,76 @@ start-up (run/startup.start on the smaller communicator), the same restore
 of every part's box (checkpoints/resume.Checkpoints.restore reads the
 commit as it reads a checkpoint folder), the same data windows.
 
-Plain data parallelism (ring, --zero 0) for now: every replica holds every
-tensor whole, so any survivor's commit is the whole state.
+Data parallelism (ring) for now. Without ZeRO every replica holds every
+tensor whole, so any survivor's commit is the whole state; with --zero
+1|2|3 a replica alone holds its shards, so each commit also keeps a copy of
+the next rank's (sent to the previous rank: one Sendrecv), and a recovery
+puts every shard together from its owner or that copy. A rank and its
+neighbour lost: a shard is held by no survivor, one line, exit 75.
 
-    mpirun --with-ft ulfm -n 4 python -m hpctrain.mnist --on-failure shrink --zero 0 --commit-every 10
+    mpirun --with-ft ulfm -n 4 python -m hpctrain.mnist --on-failure shrink --commit-every 10
 """
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from mpi4py import MPI
 
 from ..comm import ulfm
-from ..state.parts import box_slices
+from ..state.parts import box_shape, box_slices
+
+
+TAG = 32100   # a commit's shards to the previous rank (the neighbour's copy)
 
 
 @dataclass(frozen=True)
 class Commit:
-    """What a resume needs, held in this process (host copies)."""
+    """What a resume needs, held in this process (host copies): `pieces`
+    [(name, box, values, alone)], its parts' boxes (alone: a ZeRO shard only
+    this replica holds; the rest every replica holds alike) and, with ZeRO,
+    `neighbour` [(name, box, values)], the next rank's shards (rank r + 1 mod
+    size of the communicator the commit was made on: `rank`, `size`).
+    `tensors`, the whole tensors read back, is put together at a recovery."""
     step: int
     optimizer_t: int
     samples: int          # training samples taken up to `step`
     clock: tuple          # (elapsed, compute, communication seconds, segments), as a checkpoint records it
     position: tuple       # (epoch, pos) where the data goes on (every replica's is the same in ring mode)
-    tensors: dict         # name -> the whole tensor
+    pieces: list
+    neighbour: list = None
+    rank: int = 0
+    size: int = 1
+    packed: object = None     # the uint8 buffer this rank's shards live in (what goes to the neighbour)
+    received: object = None   # the uint8 buffer the neighbour's live in
+    tensors: dict = None
 
     def read(self, name, box):
         """state/consumers.restore's read: the box of a whole tensor."""
         return self.tensors[name][box_slices(box)]
+
+
+def _packed(described, buffer=None):
+    """Arrays [(name, box, values)] laid back to back in one uint8 buffer
+    (`buffer` reused where it is the size), as described [(name, box, dtype)]."""
+    sizes = [int(np.prod(box_shape(box), dtype=np.int64)) * np.dtype(dtype).itemsize for _, box, dtype in described]
+    total = int(sum(sizes))
+    if buffer is None or buffer.size != total:
+        buffer = np.empty(total, np.uint8)
+    out, at = [], 0
+    for (name, box, dtype), n in zip(described, sizes):
+        out.append((name, box, buffer[at:at + n].view(np.dtype(dtype)).reshape(box_shape(box))))
+        at += n
+    return buffer, out
+
+
+def _described(pieces):
+    return [(name, tuple(map(tuple, box)), np.dtype(values.dtype).str) for name, box, values, *_ in pieces]
+
+
+def _joined(ranks):
+    ranks = [str(r) for r in ranks]
+    return ranks[0] if len(ranks) == 1 else f"{', '.join(ranks[:-1])} and {ranks[-1]}"
 
 
 @dataclass
@@ -50,31 +92,82 @@ class Survival:
     recoveries: list = field(default_factory=list)
     pending: Commit = None    # the commit the rebuilt run resumes from (read once by its checkpoints)
     done: int = 0             # the last step this rank finished
+    saved: int = None         # the step of the newest checkpoint on disk (the exit-75 line names it)
     _said: tuple = None       # (when the last recovery began, its line)
+    _link: tuple = None       # (communicator, the neighbour's shards described): exchanged once a communicator
 
-    def stepped(self, step):
-        self.done = step
+    def stepped(self, step, saved=None):
+        self.done, self.saved = step, saved
 
     def due(self, step):
         return self.every and step % self.every == 0
 
-    def commit(self, step, optimizer_t, samples, clock, position, parts):
-        """After step `step`: hold copies of this rank's parts (every part
-        whole in plain data parallelism)."""
+    def commit(self, step, optimizer_t, samples, clock, position, parts, alone=None, comm=None, waiting=None):
+        """After step `step`: hold copies of this rank's parts. alone: None
+        where every replica holds every part (plain data parallelism), else
+        the parts this replica alone holds (ZeRO's shards), which also go to
+        the previous rank of comm, which hands over the next one's: one
+        Sendrecv (waiting: run/world.World.waiting)."""
         from ..base import device
+        sharded = alone is not None
+        alone = {id(p) for p in alone or ()}
         # Into the older commit's arrays: fresh ones cost their pages' first
         # touch every time (8 MB: 31 ms a commit against 7 ms reused, on a loaded machine here)
-        tensors = self.commits[0].tensors if len(self.commits) == 2 else {}
+        old = self.commits[0] if len(self.commits) == 2 else None
+        rank, size = (comm.Get_rank(), comm.Get_size()) if sharded else (0, 1)
+        if old is not None and (old.rank, old.size) != (rank, size):
+            old = None
+        # the older commit is gone while its arrays are written: a failure in the exchange leaves the last one
+        self.commits = self.commits[-1:]
+        shared = {(n, b): v for n, b, v, a in old.pieces if not a} if old is not None else {}
+        pieces = []
         for p in parts:
+            if id(p) in alone:
+                continue
             values = device.to_host(p.view)
-            if p.name in tensors and tensors[p.name].shape == values.shape:
-                np.copyto(tensors[p.name], values)
+            kept = shared.get((p.name, p.box))
+            if kept is not None and kept.shape == values.shape and kept.dtype == values.dtype:
+                np.copyto(kept, values)
             else:
-                tensors[p.name] = np.array(values, copy=True)
+                kept = np.array(values, copy=True)
+            pieces.append((p.name, p.box, kept, False))
+        packed = received = neighbour = None
+        if sharded:
+            mine = [p for p in parts if id(p) in alone]
+            packed, views = _packed([(p.name, p.box, np.dtype(p.view.dtype).str) for p in mine],
+                                    old.packed if old is not None else None)
+            for p, (name, box, view) in zip(mine, views):
+                np.copyto(view, device.to_host(p.view))
+                pieces.append((name, box, view, True))
+            received, neighbour = self._exchange(comm, waiting, _described(views), packed,
+                                                 old.received if old is not None else None)
         self.commits = self.commits[-1:] + [Commit(step, int(optimizer_t), int(samples),
                                                    (float(clock["elapsed_s"]), float(clock["compute_s_total"]),
                                                     float(clock["comm_s_total"]), int(clock["segments"])),
-                                                   tuple(int(v) for v in position), tensors)]
+                                                   tuple(int(v) for v in position), pieces, neighbour, rank, size,
+                                                   packed, received)]
+
+    def _exchange(self, comm, waiting, described, packed, received):
+        """This rank's shards (`packed`) to the previous rank of comm, the next
+        one's into `received` (reused): (received, [(name, box, values)]). What
+        the shards are does not change while the layout stands: described
+        to each other once a communicator."""
+        rank, size = comm.Get_rank(), comm.Get_size()
+        left, right = (rank - 1) % size, (rank + 1) % size
+        if self._link is None or self._link[0] is not comm:
+            raw = np.frombuffer(json.dumps(described).encode(), np.uint8)
+            n = np.zeros(1, np.int64)
+            with waiting("a commit's shards described to the neighbour", None):
+                comm.Sendrecv(np.array([raw.size], np.int64), dest=left, sendtag=TAG, recvbuf=n, source=right,
+                              recvtag=TAG)
+                theirs = np.empty(int(n[0]), np.uint8)
+                comm.Sendrecv(raw, dest=left, sendtag=TAG, recvbuf=theirs, source=right, recvtag=TAG)
+            self._link = (comm, [(name, tuple(map(tuple, box)), dtype)
+                                 for name, box, dtype in json.loads(bytes(theirs).decode())])
+        received, views = _packed(self._link[1], received)
+        with waiting("a commit's shards to the neighbour", None):
+            comm.Sendrecv(packed, dest=left, sendtag=TAG, recvbuf=received, source=right, recvtag=TAG)
+        return received, views
 
     def take_pending(self):
         pending, self.pending = self.pending, None
@@ -82,9 +175,11 @@ class Survival:
 
     def recover(self, world, rebuild):
         """After a lost peer, on this survivor: shrink, agree on the
-        commit every survivor holds, rebuild the run on the survivors
+        commit every survivor holds, put its whole tensors together from
+        the survivors' pieces, rebuild the run on the survivors
         (rebuild(comm) -> start-up's (world, plan, inputs)). The line, and the
-        record's entry, on the new chief."""
+        record's entry, on the new chief. Where some shard of the commit is
+        held by no survivor (a rank and its neighbour lost): one line, exit 75."""
         t0 = time.perf_counter()
         old = world.comm
         roles = world.watchdog.roles
@@ -94,24 +189,80 @@ class Survival:
         with world.waiting("agreeing on the commit after a lost rank", peer=None):
             comm.Allreduce(MPI.IN_PLACE, mine[:1], op=MPI.MIN)
             comm.Allreduce(MPI.IN_PLACE, mine[1:], op=MPI.MAX)
-        step = int(mine[0])
+        step, failed = int(mine[0]), int(mine[1])
         held = [c for c in self.commits if c.step == step]
+        who_lost = _joined(shrunk.lost_world)
         if not held:
             from ..base.errors import HpctrainError
-            raise HpctrainError(f"rank {', '.join(map(str, shrunk.lost_world))} failed before the first in-memory "
+            raise HpctrainError(f"rank {who_lost} failed before the first in-memory "
                                 f"commit (--commit-every {self.every}): nothing to go on from",
                                 exit_code=75, collective=True, report=comm.Get_rank() == 0)
-        self.commits, self.pending = held, held[0]
+        commit = held[0]
+        self.commits, self.pending = held, self._whole(commit, comm, world.waiting, who_lost, failed)
         # the launcher's rank numbers (what the job's other lines say), the roles they had
         who = ", ".join(f"rank {w}" + (f" ({roles(r)})" if roles else "")
                         for r, w in zip(shrunk.lost, shrunk.lost_world))
         world.watchdog.roll_call_on(comm)
-        failed = int(mine[1])
         self._said = (t0, f"hpctrain: {who} failed at step {failed}; going on with {comm.Get_size()} ranks from the "
                           f"commit of step {step}, {failed - step} steps lost")
         self.recoveries.append({"step": failed, "commit_step": step, "lost": list(shrunk.lost_world),
                                 "ranks_before": old.Get_size(), "ranks_after": comm.Get_size(), "seconds": None})
         return rebuild(comm)
+
+    def _whole(self, commit, comm, waiting, who_lost, failed):
+        """The commit with its whole tensors, on every survivor of comm
+        (collective): what every replica held, its own; the shards, each from
+        its owner if it survived, else from the previous rank's copy, gathered
+        from every survivor (one Allgatherv of their descriptions, one of their
+        values)."""
+        tensors = {name: values for name, box, values, alone in commit.pieces if not alone}
+        if commit.neighbour is None:   # plain data parallelism: every survivor holds every tensor whole
+            return replace(commit, tensors=tensors)
+        alive = np.zeros(comm.Get_size(), np.int64)
+        with waiting("the survivors' ranks before the loss", None):
+            comm.Allgather(np.array([commit.rank], np.int64), alive)
+        lost = sorted(set(range(commit.size)) - set(int(r) for r in alive))
+        orphans = [r for r in lost if (r - 1) % commit.size in lost]   # r's copy was on r - 1
+        if orphans:
+            from ..base.errors import HpctrainError
+            kept = f"the last checkpoint (step {self.saved}) stands" if self.saved is not None else \
+                "no checkpoint was written"
+            raise HpctrainError(f"ranks {who_lost} (neighbours) failed at step {failed}: "
+                                f"shard{'s' if len(orphans) > 1 else ''} {_joined(orphans)} "
+                                f"{'are' if len(orphans) > 1 else 'is'} held by no survivor; {kept}; "
+                                f"exit 75 to requeue",
+                                exit_code=75, collective=True, report=comm.Get_rank() == 0)
+        given = [(n, b, v) for n, b, v, alone in commit.pieces if alone]
+        if (commit.rank + 1) % commit.size in lost:
+            given += commit.neighbour
+        # every survivor's shards, described (JSON) and packed (raw bytes): no pickle
+        raw = np.frombuffer(json.dumps(_described(given)).encode(), np.uint8)
+        sizes = np.zeros((2, comm.Get_size()), np.int64)
+        send = np.concatenate([np.ascontiguousarray(v).reshape(-1).view(np.uint8) for _, _, v in given]) \
+            if given else np.empty(0, np.uint8)
+        with waiting("the commit's shards to every survivor", None):
+            comm.Allgather(np.array([raw.size], np.int64), sizes[0])
+            comm.Allgather(np.array([send.size], np.int64), sizes[1])
+            descriptions = np.empty(int(sizes[0].sum()), np.uint8)
+            comm.Allgatherv(raw, [descriptions, sizes[0]])
+            everything = np.empty(int(sizes[1].sum()), np.uint8)
+            comm.Allgatherv(send, [everything, sizes[1]])
+        pieces, at, bytes_at = [], 0, 0
+        for n, m in zip(sizes[0], sizes[1]):
+            listed = [(name, tuple(map(tuple, box)), dtype)
+                      for name, box, dtype in json.loads(bytes(descriptions[at:at + n]).decode())]
+            pieces += _packed(listed, everything[bytes_at:bytes_at + m])[1]
+            at, bytes_at = at + n, bytes_at + m
+        shapes = {}
+        for name, box, values in pieces:
+            stops = tuple(stop for _, stop in box)
+            shapes[name] = (tuple(max(a, b) for a, b in zip(shapes[name][0], stops)) if name in shapes else stops,
+                            values.dtype)
+        for name, (shape, dtype) in shapes.items():
+            tensors[name] = np.empty(shape, dtype)
+        for name, box, values in pieces:
+            tensors[name][box_slices(box)] = values
+        return replace(commit, tensors=tensors)
 
     def restored(self, say):
         """The rebuilt run holds the commit's state (loops/frame.Frame.resumed):

@@ -41,16 +41,17 @@ def test_ulfm_on_or_not_asked_for_passes():
     ulfm.check("exit", {}, MPICH)
 
 
-@pytest.mark.parametrize("flags", [[], ["--zero", "1"], ["--zero", "0", "--tensor-parallel", "2"],
-                                   ["--zero", "0", "--mode", "ps"], ["--zero", "0", "--compression", "bf16"]])
-def test_shrink_outside_plain_data_parallelism_is_refused_in_one_line(flags):
+@pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--tensor-parallel", "2"], ["--mode", "ps"],
+                                   ["--compression", "bf16"]])
+def test_shrink_outside_data_parallelism_is_refused_in_one_line(flags):
     from hpctrain.flags import cli
     from hpctrain.run.startup import check_shrink_layout
     with pytest.raises(HpctrainError) as refused:
         check_shrink_layout(cli.parse(["--on-failure", "shrink", *flags]))
-    assert str(refused.value).startswith("--on-failure shrink runs plain data parallelism so far: --mode ring "
-                                         "--zero 0") and refused.value.exit_code == 2
-    check_shrink_layout(cli.parse(["--on-failure", "shrink", "--zero", "0"]))
+    assert str(refused.value).startswith("--on-failure shrink runs data parallelism so far: --mode ring "
+                                         "(any --zero)") and refused.value.exit_code == 2
+    for zero in ("0", "1", "2", "3"):   # ZeRO's shards: a neighbour's copy (run/survival.py)
+        check_shrink_layout(cli.parse(["--on-failure", "shrink", "--zero", zero]))
     check_shrink_layout(cli.parse(flags))   # (without the flag: whatever the layout)
 
 
@@ -66,11 +67,11 @@ def test_the_job_refuses_shrink_without_ulfm_on_every_rank(job, tmp_path):
 # --- Open MPI with ULFM (make test-openmpi): a rank lost, the run goes on ---------------
 
 FAULTS = os.path.dirname(os.path.abspath(__file__))
-TINY = ["--zero", "0", "--hidden", "32", "--log-every", "10", "--timeout", "20"]
+TINY = ["--hidden", "32", "--log-every", "10", "--timeout", "20"]
 
 
 def ulfm_job(n, *args, kill=None, ft=True):
-    """mpirun [--with-ft ulfm] -n n python -m hpctrain.mnist args; kill="R:STEP": rank R killed after
+    """mpirun [--with-ft ulfm] -n n python -m hpctrain.mnist args; kill="R:STEP[,R:STEP]": rank R killed after
     step STEP (tests/faults/killed_rank.py)."""
     env = child_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULTS, env.get("PYTHONPATH")]))
@@ -84,26 +85,33 @@ def ulfm_job(n, *args, kill=None, ft=True):
     return r
 
 
-@pytest.fixture(scope="module")
-def shrunk_and_resumed(tmp_path_factory):
-    """The shrink run (4 ranks, rank 2 killed after step 35 of 80) and the run
-    it must equal: 4 ranks stopped at the commit's step 30 with a checkpoint,
-    resumed at 3 ranks."""
+def needs_ulfm():
     if not OPEN_MPI or under_mpirun():
         pytest.skip("needs Open MPI's mpirun --with-ft ulfm (make test-openmpi), from the plain pytest pass")
-    d = tmp_path_factory.mktemp("ulfm")
-    shrunk = ulfm_job(4, *TINY, "--steps", "80", "--on-failure", "shrink", "--commit-every", "10",
-                      "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl", kill="2:35")
-    first = ulfm_job(4, *TINY, "--steps", "30", "--checkpoint-dir", d / "ck", ft=False)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """The run every shrink run must equal: 4 ranks stopped at the commit's
+    step 30 with a checkpoint, resumed at 3 ranks (--zero 0; ZeRO's stages
+    give the same bits, so one such run serves every stage)."""
+    needs_ulfm()
+    d = tmp_path_factory.mktemp("resumed")
+    first = ulfm_job(4, *TINY, "--zero", "0", "--steps", "30", "--checkpoint-dir", d / "ck", ft=False)
     assert first.returncode == 0, first.stderr
-    resumed = ulfm_job(3, *TINY, "--steps", "80", "--checkpoint-dir", d / "ck", "--save", d / "resumed.h5",
-                       ft=False)
-    assert resumed.returncode == 0, resumed.stderr
-    return d, shrunk
+    again = ulfm_job(3, *TINY, "--zero", "0", "--steps", "80", "--checkpoint-dir", d / "ck",
+                     "--save", d / "resumed.h5", ft=False)
+    assert again.returncode == 0, again.stderr
+    return d / "resumed.h5"
 
 
-def test_a_lost_rank_is_survived_and_the_run_equals_a_resume_at_3_ranks(shrunk_and_resumed):
-    d, shrunk = shrunk_and_resumed
+# --zero 0: every replica holds everything; 1 (no flag: the default on CPUs) and 3: rank 2's
+# shards come from rank 1's copy
+@pytest.mark.parametrize("zero", [["--zero", "0"], [], ["--zero", "3"]], ids=["zero0", "zero1", "zero3"])
+def test_a_lost_rank_is_survived_and_the_run_equals_a_resume_at_3_ranks(resumed, zero, tmp_path):
+    d = tmp_path
+    shrunk = ulfm_job(4, *TINY, *zero, "--steps", "80", "--on-failure", "shrink", "--commit-every", "10",
+                      "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl", kill="2:35")
     assert shrunk.returncode == 0, shrunk.stderr
     said = [s for s in shrunk.stdout.splitlines() if " failed at step " in s]
     assert len(said) == 1 and said[0].startswith("hpctrain: rank 2 (") and said[0].endswith(" s"), shrunk.stdout
@@ -112,8 +120,26 @@ def test_a_lost_rank_is_survived_and_the_run_equals_a_resume_at_3_ranks(shrunk_a
     assert [r.get("step") for r in records[:-1]] == list(range(10, 81, 10))   # each once, the lost ones again
     final = records[-1]
     assert final["event"] == "final" and final["world_size"] == 3 and final["steps"] == 80
+    assert final["zero"] == (int(zero[1]) if zero else 1)
     (recovery,) = final["recoveries"]
     assert {k: recovery[k] for k in ("step", "commit_step", "lost", "ranks_before", "ranks_after")} == \
         {"step": 36, "commit_step": 30, "lost": [2], "ranks_before": 4, "ranks_after": 3}
     assert 0 < recovery["seconds"] < 20
-    assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
+    assert same_bytes(d / "shrunk.h5", resumed)
+
+
+def test_a_rank_and_its_neighbour_lost_leave_the_last_checkpoint_and_exit_75(tmp_path):
+    """ZeRO-3, ranks 1 and 2 lost together: rank 2's shard was held by
+    rank 2 and its copy by rank 1, so no survivor has it: one line, exit 75
+    (the requeue path), the checkpoint of step 20 as it was."""
+    needs_ulfm()
+    from hpctrain.checkpoints.file import list_checkpoints
+    ck = tmp_path / "ck"
+    r = ulfm_job(4, *TINY, "--zero", "3", "--steps", "80", "--on-failure", "shrink", "--commit-every", "10",
+                 "--checkpoint-every", "20", "--checkpoint-dir", ck, kill="1:35,2:35")
+    lines = [s for s in r.stderr.splitlines() if s.strip() and not s.startswith("NBC_Progress")]
+    assert r.returncode == 75 and lines == [
+        "hpctrain: error: ranks 1 and 2 (neighbours) failed at step 36: shard 2 is held by no survivor; "
+        "the last checkpoint (step 20) stands; exit 75 to requeue"], r.stderr
+    assert sorted(os.listdir(ck)) == ["ckpt-00000020"]
+    assert [path.rsplit("/", 1)[-1] for _, path in list_checkpoints(ck)] == ["ckpt-00000020"]
