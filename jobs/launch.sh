@@ -51,6 +51,16 @@ case $MAX_REQUEUES in
     ''|*[!0-9]*) die "HPCTRAIN_MAX_REQUEUES=$MAX_REQUEUES: expected a whole number of requeues (0: never)" ;;
 esac
 
+# --on-failure shrink (the last one given wins): env.sh picks the launcher
+# that carries ULFM (mpirun --with-ft ulfm).
+HPCTRAIN_ON_FAILURE=""
+prev=""
+for arg in "$@"; do
+    case $arg in --on-failure=*) HPCTRAIN_ON_FAILURE=${arg#*=} ;; esac
+    [ "$prev" = --on-failure ] && HPCTRAIN_ON_FAILURE=$arg
+    prev=$arg
+done
+
 # shellcheck source=jobs/env.sh
 . "$HPCTRAIN_HOME/jobs/env.sh"
 

@@ -102,8 +102,10 @@ class Survival:
                                 f"commit (--commit-every {self.every}): nothing to go on from",
                                 exit_code=75, collective=True, report=comm.Get_rank() == 0)
         self.commits, self.pending = held, held[0]
-        # the launcher's rank numbers (what the job's other lines say), the roles they had
-        who = ", ".join(f"rank {w}" + (f" ({roles(r)})" if roles else "")
+        # the launcher's rank numbers (what the job's other lines say), the node each was on
+        # (a whole node lost shows as its ranks together), the roles they had
+        hosts = world.cluster.hosts
+        who = ", ".join(f"rank {w} (node {hosts[r]}" + (f", {roles(r)})" if roles else ")")
                         for r, w in zip(shrunk.lost, shrunk.lost_world))
         world.watchdog.roll_call_on(comm)
         failed = int(mine[1])
