@@ -50,10 +50,14 @@ class Survival:
     recoveries: list = field(default_factory=list)
     pending: Commit = None    # the commit the rebuilt run resumes from (read once by its checkpoints)
     done: int = 0             # the last step this rank finished
+    ended: bool = False       # past the last step: in the final evaluation, checkpoint or --save
     _said: tuple = None       # (when the last recovery began, its line)
 
     def stepped(self, step):
         self.done = step
+
+    def ending(self):
+        self.ended = True
 
     def due(self, step):
         return self.every and step % self.every == 0
@@ -90,10 +94,11 @@ class Survival:
         roles = world.watchdog.roles
         shrunk = ulfm.shrink(old)
         comm = self.comm = shrunk.comm
-        mine = np.array([self.commits[-1].step if self.commits else -1, self.done + 1], np.int64)
+        mine = np.array([self.commits[-1].step if self.commits else -1, self.done + 1, self.ended], np.int64)
         with world.waiting("agreeing on the commit after a lost rank", peer=None):
             comm.Allreduce(MPI.IN_PLACE, mine[:1], op=MPI.MIN)
             comm.Allreduce(MPI.IN_PLACE, mine[1:], op=MPI.MAX)
+        self.ended = False   # (the rebuilt run reaches its end again)
         step = int(mine[0])
         held = [c for c in self.commits if c.step == step]
         if not held:
@@ -108,8 +113,10 @@ class Survival:
         who = ", ".join(f"rank {w} (node {hosts[r]}" + (f", {roles(r)})" if roles else ")")
                         for r, w in zip(shrunk.lost, shrunk.lost_world))
         world.watchdog.roll_call_on(comm)
-        failed = int(mine[1])
-        self._said = (t0, f"hpctrain: {who} failed at step {failed}; going on with {comm.Get_size()} ranks from the "
+        # in a step: the step; past the last one (a survivor in the run's end): after the last step
+        failed = int(mine[1]) - int(mine[2])
+        when = f"after step {failed}, in the run's end (final evaluation and writes)" if mine[2] else f"at step {failed}"
+        self._said = (t0, f"hpctrain: {who} failed {when}; going on with {comm.Get_size()} ranks from the "
                           f"commit of step {step}, {failed - step} steps lost")
         self.recoveries.append({"step": failed, "commit_step": step, "lost": list(shrunk.lost_world),
                                 "ranks_before": old.Get_size(), "ranks_after": comm.Get_size(), "seconds": None})
