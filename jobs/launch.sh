@@ -118,7 +118,10 @@ rm -f "$HPCTRAIN_FINISHED_FILE"
 # DEAD_FILE: the pid and host of a rank the launcher saw die (MPICH's banner).
 export HPCTRAIN_RANKS_FILE="$CKPT_DIR/.ranks-${SLURM_JOB_ID}-$RESTARTS"
 DEAD_FILE="$CKPT_DIR/.dead-${SLURM_JOB_ID}-$RESTARTS"
-rm -f "$HPCTRAIN_RANKS_FILE" "$DEAD_FILE"
+# LOST_FILE: the node whose Open MPI daemon (prted) was lost, from mpirun's
+# banner: Open MPI 5's runtime ends the whole job then, ULFM or not.
+LOST_FILE="$CKPT_DIR/.lost-${SLURM_JOB_ID}-$RESTARTS"
+rm -f "$HPCTRAIN_RANKS_FILE" "$DEAD_FILE" "$LOST_FILE"
 # A requeued run must continue even if the first run said --resume no.
 [ "$RESTARTS" -gt 0 ] && CMD+=(--resume auto)
 
@@ -158,9 +161,18 @@ exec {OUT_FD}> >(trap '' TERM INT HUP USR1 USR2; exec awk -v dead="$DEAD_FILE" '
     /TERMINATED WITH THE EXIT STRING: .*\(signal [0-9]+\)/ && pid && !said {
         sub(/.*EXIT STRING: /, ""); print pid, host, $0 > dead; fflush(dead); said = 1 }')
 FILTER_PID=$!
-"${HPCTRAIN_LAUNCH[@]}" "${CMD[@]}" >&"$OUT_FD" &
+# Standard error likewise, for Open MPI's word of a lost daemon (the node named in it);
+# read by bash, a line as it comes (mawk reads a pipe in blocks: the line would
+# wait there while a process that outlived the launcher holds the pipe open).
+exec {ERR_FD}> >(trap '' TERM INT HUP USR1 USR2
+    while IFS= read -r line; do
+        printf '%s\n' "$line" >&2
+        case $line in *"Remote daemon: "*" on node "*) [ -s "$LOST_FILE" ] || echo "${line##* }" > "$LOST_FILE" ;; esac
+    done)
+ERR_FILTER_PID=$!
+"${HPCTRAIN_LAUNCH[@]}" "${CMD[@]}" >&"$OUT_FD" 2>&"$ERR_FD" &
 LAUNCHER_PID=$!
-exec {OUT_FD}>&-   # the launcher holds the pipe now: awk ends with it
+exec {OUT_FD}>&- {ERR_FD}>&-   # the launcher holds the pipes now: the awks end with them
 # Polled once a second (a trapped signal interrupts the `wait` on the sleep at
 # once): after the chief's final record the launcher gets FINISH_GRACE_S more.
 finished_at=""
@@ -195,7 +207,7 @@ rm -f "$HPCTRAIN_FINISHED_FILE"
 trap - USR1 TERM INT
 # awk has the banner's last line once it has seen the pipe close (a rank
 # that outlives the launcher may hold it: waited for 5 s at most).
-for _ in $(seq 50); do kill -0 "$FILTER_PID" 2>/dev/null || break; sleep 0.1; done
+for _ in $(seq 50); do kill -0 "$FILTER_PID" 2>/dev/null || kill -0 "$ERR_FILTER_PID" 2>/dev/null || break; sleep 0.1; done
 # A rank that died of a signal before the run finished (not one its exit
 # watcher killed after the results, nor the stop this script passed on): its
 # rank, from the pid in MPICH's banner and the chief's map (pids are per host:
@@ -212,7 +224,17 @@ if [ "$rc" -ne 0 ] && [ -z "$finished_at" ] && [ -z "$SIGNALED" ] && [ -s "$DEAD
             "($dead_why); ${HPCTRAIN_LAUNCH[0]##*/} ended the other ranks, exit $rc" >&2
     fi
 fi
-rm -f "$HPCTRAIN_RANKS_FILE" "$DEAD_FILE"
+lost_node=""
+[ -s "$LOST_FILE" ] && read -r lost_node < "$LOST_FILE"
+rm -f "$HPCTRAIN_RANKS_FILE" "$DEAD_FILE" "$LOST_FILE"
+if [ -n "$lost_node" ] && [ -z "$finished_at" ] && [ -z "$SIGNALED" ]; then
+    # mpirun then ends every rank and exits 0 (Open MPI 5.0's runtime, PRRTE 3, has no
+    # recovery from a lost daemon; --on-failure shrink survives lost ranks, not this):
+    # the checkpoint-and-requeue path, as after a stop.
+    echo "hpctrain-job: error: Open MPI lost its daemon on node $lost_node (the node, or all of the job's processes" \
+        "on it, died) and its runtime ended every rank; going on from the last checkpoint in $CKPT_DIR" >&2
+    rc=$EXIT_PREEMPTED
+fi
 
 # ---- exit code -> requeue or not ------------------------------------------------------
 if [ "$rc" -eq 0 ] && [ -n "$SIGNALED" ]; then

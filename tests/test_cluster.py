@@ -522,19 +522,25 @@ def test_a_job_resubmitted_on_more_nodes_goes_on(cluster, tmp_path):
     assert (final["event"], final["world_size"], final["steps"]) == ("final", 4, JOB_STEPS), final
 
 
-def _node_ranks(node):
-    """The pids of hpctrain's ranks running on node (its network namespace)."""
+def _node_pids(node, what=b"hpctrain.mnist"):
+    """The pids on node (its network namespace) whose command line has `what`
+    (hpctrain's ranks); what=None: every process there but its slurmd."""
     pids = subprocess.run(["ip", "netns", "pids", _names("netns", node)], capture_output=True,
                           text=True).stdout.split()
-    ranks = []
+    found = []
     for pid in pids:
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"hpctrain.mnist" in argv:
-            ranks.append(int(pid))
-    return ranks
+        if (what in argv) if what else not any(a.endswith(b"slurmd") for a in argv[:1]):
+            found.append(int(pid))
+    return found
+
+
+SHRINK_FLAGS = ("--zero", "0", "--hidden", "32", "--log-every", "10", "--on-failure", "shrink",
+                "--commit-every", "10", "--timeout", "30")
+OMPI_JOB_ENV = {"OMPI_MCA_osc": "^ucx", "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
 
 
 @pytest.mark.skipif(not OPEN_MPI, reason="needs Open MPI's ULFM (make test-openmpi runs it)")
@@ -544,13 +550,10 @@ def test_shrink_job_outlives_a_node_s_ranks(cluster, tmp_path):
     # on hpt-n2. Both of hpt-n2's ranks are killed after step 20: the two on
     # hpt-n1 shrink, go on from the commit and finish, rc 0.
     metrics = tmp_path / "m.jsonl"
-    env = {"HPCTRAIN_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "OMPI_MCA_osc": "^ucx",
-           "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
-    job_id, _, out = cluster.submit(RING_JOB, "--zero", "0", "--hidden", "32", "--steps", "200",
-                                    "--log-every", "10", "--on-failure", "shrink", "--commit-every", "10",
-                                    "--timeout", "30", "--metrics", metrics, env=env)
+    job_id, _, out = cluster.submit(RING_JOB, *SHRINK_FLAGS, "--steps", "200", "--metrics", metrics,
+                                    env={"HPCTRAIN_CHECKPOINT_DIR": str(tmp_path / "ckpt"), **OMPI_JOB_ENV})
     cluster.wait("step 20", lambda: metrics.exists() and '"step": 20,' in metrics.read_text(), 120, job_id, out)
-    ranks = _node_ranks("hpt-n2")
+    ranks = _node_pids("hpt-n2")
     assert len(ranks) == 2, ranks
     for pid in ranks:
         os.kill(pid, 9)
@@ -563,3 +566,24 @@ def test_shrink_job_outlives_a_node_s_ranks(cluster, tmp_path):
     assert (final["event"], final["world_size"], final["steps"]) == ("final", 2, 200), final
     (recovery,) = final["recoveries"]
     assert (recovery["lost"], recovery["ranks_before"], recovery["ranks_after"]) == ([2, 3], 4, 2), recovery
+
+
+@pytest.mark.skipif(not OPEN_MPI, reason="needs Open MPI's ULFM (make test-openmpi runs it)")
+def test_shrink_job_requeues_when_a_node_s_daemon_is_lost(cluster, tmp_path):
+    # Every process of the job on hpt-n2 killed, Open MPI's daemon (prted)
+    # too: Open MPI 5.0's runtime ends the whole job then (mpirun exits 0,
+    # ULFM or not); jobs/launch.sh names the node and takes the
+    # checkpoint-and-requeue path instead of "no result".
+    ckpt = tmp_path / "ckpt"
+    job_id, _, out = cluster.submit(RING_JOB, *SHRINK_FLAGS, "--steps", "400", "--checkpoint-every", "20",
+                                    env={"HPCTRAIN_CHECKPOINT_DIR": str(ckpt), **OMPI_JOB_ENV})
+    _first_checkpoint(cluster, ckpt, job_id, out)
+    for pid in _node_pids("hpt-n2", what=None):
+        os.kill(pid, 9)
+    cluster.wait("the requeue", lambda: cluster.job(job_id)[:2] == ("PENDING", 1), 120, job_id, out)
+    cluster.cli("scancel", job_id)
+    text = _text(out)
+    assert ("hpctrain-job: error: Open MPI lost its daemon on node hpt-n2 (the node, or all of the job's "
+            "processes on it, died) and its runtime ended every rank; going on from the last checkpoint in "
+            f"{ckpt}") in text and "requeueing job" in text, text
+    assert checkpoints(ckpt), text
