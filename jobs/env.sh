@@ -11,7 +11,8 @@
 #                       "openmpi/4.1 cuda/12.2" (site MPI; then HPCTRAIN_SRUN_MPI=pmix)
 #   HPCTRAIN_VENV       virtual environment to activate (default: <repo>/.venv)
 #   HPCTRAIN_PYTHON     the Python that runs hpctrain (default: $HPCTRAIN_VENV/bin/python)
-#   HPCTRAIN_LAUNCHER   srun (default) or mpirun
+#   HPCTRAIN_LAUNCHER   srun (default) or mpirun; with --on-failure shrink in the
+#                       flags: mpirun --with-ft ulfm (Open MPI only; srun refused)
 #   HPCTRAIN_MPI        openmpi or mpich: which MPI the Python's mpi4py uses
 #                       (default: detected, see below); picks the defaults of
 #                       the launcher settings that follow
@@ -109,9 +110,8 @@ if [ "${HPCTRAIN_ON_FAILURE:-}" = shrink ]; then
         exit 2
     fi
     HPCTRAIN_LAUNCHER=mpirun
-    # ssh (HPCTRAIN_SSH, e.g. the site's ssh) rather than Open MPI's SLURM
-    # launcher: that one starts its daemons with `srun --kill-on-bad-exit`,
-    # so a node lost takes every other node's daemon, and ranks, with it.
+    # (A node's daemon lost ends the job in Open MPI 5.0's runtime with either of
+    # its launchers, SLURM's or ssh: launch.sh then requeues; jobs/README.md.)
     HPCTRAIN_MPIRUN_ARGS="--with-ft ulfm${HPCTRAIN_MPIRUN_ARGS:+ $HPCTRAIN_MPIRUN_ARGS}"
 fi
 : "${HPCTRAIN_LAUNCHER:=srun}"

@@ -19,7 +19,11 @@
 #      a launcher that exits 0 without that record is a failure (exit 1),
 #   6. when a rank's process dies of a signal (SIGKILL: the OOM killer), names
 #      the rank: MPICH's mpirun says only "PID n RUNNING AT host", and
-#      hpctrain's chief wrote each rank's pid to HPCTRAIN_RANKS_FILE at start-up.
+#      hpctrain's chief wrote each rank's pid to HPCTRAIN_RANKS_FILE at start-up,
+#   7. with --on-failure shrink among the flags, launches mpirun --with-ft ulfm
+#      (env.sh; srun does not carry ULFM), and when Open MPI loses a node's
+#      daemon (its runtime then ends every rank, ULFM or not) names the node
+#      and requeues as after a stop (jobs/README.md).
 #
 # Exit codes: 0 training finished, or stopped and requeued (the requeued run
 # continues); 75 stopped with a checkpoint but not requeued (requeue limit
@@ -165,7 +169,7 @@ FILTER_PID=$!
 # read by bash, a line as it comes (mawk reads a pipe in blocks: the line would
 # wait there while a process that outlived the launcher holds the pipe open).
 exec {ERR_FD}> >(trap '' TERM INT HUP USR1 USR2
-    while IFS= read -r line; do
+    while IFS= read -r line || [ -n "$line" ]; do
         printf '%s\n' "$line" >&2
         case $line in *"Remote daemon: "*" on node "*) [ -s "$LOST_FILE" ] || echo "${line##* }" > "$LOST_FILE" ;; esac
     done)

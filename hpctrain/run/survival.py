@@ -92,8 +92,16 @@ class Survival:
         t0 = time.perf_counter()
         old = world.comm
         roles = world.watchdog.roles
+        before = old.Get_size()
         shrunk = ulfm.shrink(old)
         comm = self.comm = shrunk.comm
+        # The failed world's communicators, revoked, are of no more use: freed (MPI_Comm_free
+        # is local, and completes on a revoked communicator under ULFM); the launcher's
+        # world is not ours to free.
+        if world.mesh is not None:
+            world.mesh.free()
+        if old != MPI.COMM_WORLD:
+            old.Free()
         mine = np.array([self.commits[-1].step if self.commits else -1, self.done + 1, self.ended], np.int64)
         with world.waiting("agreeing on the commit after a lost rank", peer=None):
             comm.Allreduce(MPI.IN_PLACE, mine[:1], op=MPI.MIN)
@@ -119,7 +127,7 @@ class Survival:
         self._said = (t0, f"hpctrain: {who} failed {when}; going on with {comm.Get_size()} ranks from the "
                           f"commit of step {step}, {failed - step} steps lost")
         self.recoveries.append({"step": failed, "commit_step": step, "lost": list(shrunk.lost_world),
-                                "ranks_before": old.Get_size(), "ranks_after": comm.Get_size(), "seconds": None})
+                                "ranks_before": before, "ranks_after": comm.Get_size(), "seconds": None})
         return rebuild(comm)
 
     def restored(self, say):
