@@ -110,8 +110,8 @@ if [ "${HPCTRAIN_ON_FAILURE:-}" = shrink ]; then
         exit 2
     fi
     HPCTRAIN_LAUNCHER=mpirun
-    # (A node's daemon lost ends the job in Open MPI 5.0's runtime with either of
-    # its launchers, SLURM's or ssh: launch.sh then requeues; jobs/README.md.)
+    # (A node's daemon lost ends the job: Open MPI 5.0's runtime aborts on any
+    # daemon's loss, whichever launcher started it; launch.sh then requeues.)
     HPCTRAIN_MPIRUN_ARGS="--with-ft ulfm${HPCTRAIN_MPIRUN_ARGS:+ $HPCTRAIN_MPIRUN_ARGS}"
 fi
 : "${HPCTRAIN_LAUNCHER:=srun}"
