@@ -240,6 +240,11 @@ def check_shrink_layout(args):
         raise HpctrainError("--on-failure shrink runs plain data parallelism so far: --mode ring --zero 0, "
                             "no --tensor-parallel, --pipeline-stages or --compression (ZeRO's and the model "
                             "splits' in-memory commits are not built yet)")
+    if args.allreduce == "hier":
+        # A rank lost on another node leaves hier's survivors waiting in their node's
+        # communicator, which holds no failed rank and so is never revoked (seen on 2 nodes).
+        raise HpctrainError("--on-failure shrink with --allreduce hier: a survivor would wait in its node's "
+                            "communicator for one gone to recover; use --allreduce ring (auto is ring with shrink)")
 
 
 def augment_line(text, image_shape, seed):

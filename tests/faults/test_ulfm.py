@@ -36,6 +36,15 @@ def test_shrink_without_ulfm_is_refused_in_one_line(lib, environ, says):
     assert refused.value.exit_code == 2
 
 
+def test_shrink_with_hier_is_refused_in_one_line():
+    from hpctrain.flags import cli
+    from hpctrain.run.startup import check_shrink_layout
+    with pytest.raises(HpctrainError) as refused:
+        check_shrink_layout(cli.parse(["--on-failure", "shrink", "--zero", "0", "--allreduce", "hier"]))
+    assert str(refused.value).startswith("--on-failure shrink with --allreduce hier: a survivor would wait")
+    check_shrink_layout(cli.parse(["--allreduce", "hier"]))
+
+
 def test_ulfm_on_or_not_asked_for_passes():
     ulfm.check("shrink", {"OMPI_MCA_mpi_ft_enable": "1"}, OPENMPI)   # what mpirun --with-ft ulfm hands each rank
     ulfm.check("exit", {}, MPICH)
