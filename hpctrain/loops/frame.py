@@ -250,13 +250,13 @@ class Frame:
             if step < self.steps:
                 self.stopping(step)
             return True
+        survival = self.world.survival
+        if survival is not None and survival.due(step) and commit is not None:
+            commit(step)   # before the checkpoint: a rank lost while it is written costs no steps
         if self.checkpoint_due(step):
             save(step)
-        survival = self.world.survival
         if survival is not None:
             survival.stepped(step, self.checkpoints.saved_step)   # (the exit-75 line names it)
-            if survival.due(step) and commit is not None:
-                commit(step)
         return False
 
     def samples(self, step):
@@ -275,6 +275,8 @@ class Frame:
         final evaluation (none with --final-eval off) and record (`finish`). model: report/evaluated.py's
         (a collective one, a pipeline's, is evaluated by every rank together)."""
         world, checkpoints = self.world, self.checkpoints
+        if world.survival is not None:   # a rank lost from here on is lost in the run's end, not in a step
+            world.survival.ending()
         final_eval = self.plan.outputs.final_eval == "on"
         if (world.chief or model.collective) and self.plan.data.has_val and not preempted and final_eval:
             self.report.final_val(model, step)

@@ -183,12 +183,14 @@ _TMP_SUFFIX = r"\.tmp-(?:(?P<pid>\d+)(?:-[a-z0-9_]{8})?|[a-z0-9_]{8})"
 _CKPT_TMP_RE = re.compile(r"^\.ckpt-\d{8,}(?:\.h5)?" + _TMP_SUFFIX + "$")
 
 
-def sweep_stale_temporaries(args):
+def sweep_stale_temporaries(args, started=None):
     """Remove the temporary files that killed runs left next to --save,
     --metrics, --timeline and in --checkpoint-dir, where a checkpoint
     folder's temporary folders too (see the module's docstring for which). Returns the paths removed. Never raises: a file
-    that cannot be removed is left as it was."""
-    started = process_start_time()
+    that cannot be removed is left as it was. started: older than this
+    (time.time()) counts as left behind; default this process's start
+    (--on-failure shrink's rebuild: the recovery's, run/survival.py)."""
+    started = process_start_time() if started is None else started
     removed = []
     targets = []
     for flag in FILE_FLAGS:

@@ -403,7 +403,10 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
                             spec.decay_ranges if args.weight_decay_on == "matrices" else None, args.clip_norm,
                             schedule.total_steps, single_pass(args), precision.optimizer),
         schedule=schedule,
-        ring=Ring(allreduce=args.allreduce, cuda_aware=args.cuda_aware, ring_order=args.ring_order,
+        # --on-failure shrink: auto is the flat ring, whose one communicator holds every rank
+        # (run/startup.check_shrink_layout says why hier is not)
+        ring=Ring(allreduce="ring" if args.on_failure == "shrink" and args.allreduce == "auto" else args.allreduce,
+                  cuda_aware=args.cuda_aware, ring_order=args.ring_order,
                   fusion_elems=int(args.fusion_mb * (1 << 20)) // precision.grads.itemsize,
                   zero=stage if ring else 0,
                   overlap=ring and overlap_wanted(args.overlap, world.xp, cluster.local_size,

@@ -44,7 +44,7 @@ from .cluster import Cluster
 from .inputs import Inputs, blend_identity, data_identity, ensure_data
 from .memory_check import check_memory
 from .mesh import Mesh
-from .outputs import check_outputs
+from .outputs import check_outputs, sweep_stale_temporaries
 from .plan import data_plan, make_plan, schedule_plan, zero_stage
 from .world import World
 
@@ -222,6 +222,9 @@ def start(args, process_note, watchdog, stop, on_roles=None, survival=None, comm
     # Last before training, so a refusal above leaves nothing behind (this
     # creates --checkpoint-dir): a result that cannot be written would be lost.
     agree(check_outputs if cluster.is_chief and not rebuilt else _nothing, args, data_dir)
+    if rebuilt and cluster.is_chief:
+        # after a lost rank: a checkpoint's temporary folder the lost chief was writing is gone with it
+        sweep_stale_temporaries(args, started=time.time())
     plan = make_plan(args, world, spec, data, schedule, cuts, layers_key)
     return world, plan, Inputs(world, data, plan.precision.compute)
 
@@ -237,6 +240,11 @@ def check_shrink_layout(args):
         raise HpctrainError("--on-failure shrink runs data parallelism so far: --mode ring (any --zero), "
                             "no --tensor-parallel, --pipeline-stages or --compression (the model splits' and "
                             "compression's in-memory commits are not built yet)")
+    if args.allreduce == "hier":
+        # A rank lost on another node leaves hier's survivors waiting in their node's
+        # communicator, which holds no failed rank and so is never revoked (seen on 2 nodes).
+        raise HpctrainError("--on-failure shrink with --allreduce hier: a survivor would wait in its node's "
+                            "communicator for one gone to recover; use --allreduce ring (auto is ring with shrink)")
 
 
 def augment_line(text, image_shape, seed):

@@ -93,11 +93,15 @@ class Survival:
     pending: Commit = None    # the commit the rebuilt run resumes from (read once by its checkpoints)
     done: int = 0             # the last step this rank finished
     saved: int = None         # the step of the newest checkpoint on disk (the exit-75 line names it)
+    ended: bool = False       # past the last step: in the final evaluation, checkpoint or --save
     _said: tuple = None       # (when the last recovery began, its line)
     _link: tuple = None       # (communicator, the neighbour's shards described): exchanged once a communicator
 
     def stepped(self, step, saved=None):
         self.done, self.saved = step, saved
+
+    def ending(self):
+        self.ended = True
 
     def due(self, step):
         return self.every and step % self.every == 0
@@ -183,13 +187,23 @@ class Survival:
         t0 = time.perf_counter()
         old = world.comm
         roles = world.watchdog.roles
+        before = old.Get_size()
         shrunk = ulfm.shrink(old)
         comm = self.comm = shrunk.comm
-        mine = np.array([self.commits[-1].step if self.commits else -1, self.done + 1], np.int64)
+        # The failed world's communicators, revoked, are of no more use: freed (MPI_Comm_free
+        # is local, and completes on a revoked communicator under ULFM); the launcher's
+        # world is not ours to free.
+        if world.mesh is not None:
+            world.mesh.free()
+        if old != MPI.COMM_WORLD:
+            old.Free()
+        mine = np.array([self.commits[-1].step if self.commits else -1, self.done + 1, self.ended], np.int64)
         with world.waiting("agreeing on the commit after a lost rank", peer=None):
             comm.Allreduce(MPI.IN_PLACE, mine[:1], op=MPI.MIN)
             comm.Allreduce(MPI.IN_PLACE, mine[1:], op=MPI.MAX)
-        step, failed = int(mine[0]), int(mine[1])
+        self.ended = False   # (the rebuilt run reaches its end again)
+        # in a step: the step; past the last one (a survivor in the run's end): after the last step
+        step, failed, ended = int(mine[0]), int(mine[1]) - int(mine[2]), bool(mine[2])
         held = [c for c in self.commits if c.step == step]
         who_lost = _joined(shrunk.lost_world)
         if not held:
@@ -199,14 +213,17 @@ class Survival:
                                 exit_code=75, collective=True, report=comm.Get_rank() == 0)
         commit = held[0]
         self.commits, self.pending = held, self._whole(commit, comm, world.waiting, who_lost, failed)
-        # the launcher's rank numbers (what the job's other lines say), the roles they had
-        who = ", ".join(f"rank {w}" + (f" ({roles(r)})" if roles else "")
+        # the launcher's rank numbers (what the job's other lines say), the node each was on
+        # (a whole node lost shows as its ranks together), the roles they had
+        hosts = world.cluster.hosts
+        who = ", ".join(f"rank {w} (node {hosts[r]}" + (f", {roles(r)})" if roles else ")")
                         for r, w in zip(shrunk.lost, shrunk.lost_world))
         world.watchdog.roll_call_on(comm)
-        self._said = (t0, f"hpctrain: {who} failed at step {failed}; going on with {comm.Get_size()} ranks from the "
+        when = f"after step {failed}, in the run's end (final evaluation and writes)" if ended else f"at step {failed}"
+        self._said = (t0, f"hpctrain: {who} failed {when}; going on with {comm.Get_size()} ranks from the "
                           f"commit of step {step}, {failed - step} steps lost")
         self.recoveries.append({"step": failed, "commit_step": step, "lost": list(shrunk.lost_world),
-                                "ranks_before": old.Get_size(), "ranks_after": comm.Get_size(), "seconds": None})
+                                "ranks_before": before, "ranks_after": comm.Get_size(), "seconds": None})
         return rebuild(comm)
 
     def _whole(self, commit, comm, waiting, who_lost, failed):
