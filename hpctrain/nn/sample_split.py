@@ -40,7 +40,9 @@ class SampleSplit:
             raise ValueError("--thread-split samples cannot split batch norm's statistics (they are the whole "
                              "batch's); use --thread-split ops")
         self.model, self.slices, self.xp = model, int(slices), xp
-        self.copies = [spec.build(xp, params=model.params, dtype=model.dtype) for _ in range(self.slices)]
+        # the first slice's gradient written in the model's own buffer: the sum starts there, no copy
+        self.copies = [spec.build(xp, params=model.params, grads=model.grads if s == 0 else None, dtype=model.dtype)
+                       for s in range(self.slices)]
 
     def forward_backward(self, x, y, on_layer_done=None, loss_out=None, on_forward_done=None, noise=None,
                          combine=True):
@@ -83,14 +85,16 @@ class SampleSplit:
 
     def _sum(self, parts, out, weights):
         """out = sum_s weights[s] * parts[s], in slice order, element ranges
-        over the threads (each element's sum the same whoever adds it)."""
+        over the threads (each element's sum the same whoever adds it);
+        parts[0] may be out itself."""
         xp, dtype = self.xp, out.dtype
         ws = [dtype.type(w) for w in weights]
         even = all(w == ws[0] for w in ws)
 
         def add(t, lo, hi):
             o = out[lo:hi]
-            xp.copyto(o, parts[0][lo:hi])
+            if parts[0] is not out:
+                xp.copyto(o, parts[0][lo:hi])
             if not even:
                 o *= ws[0]
             for w, p in zip(ws[1:], parts[1:]):
