@@ -7,6 +7,8 @@ command line at 1 and 2 threads; the settings it cannot take are one line.
 
     .venv/bin/python -m pytest -q tests/test_sample_split.py
 """
+import json
+
 import numpy as np
 import pytest
 
@@ -101,13 +103,17 @@ def test_batch_norm_is_refused_in_one_line():
 
 def test_training_saves_the_same_bits_on_one_and_two_threads(job, tmp_path_factory, tmp_path):
     """The flags through ring mode, accumulated micro-batches (their tied
-    parts kept apart, combine=False) each cut into slices."""
+    parts kept apart, combine=False) each cut into slices, with --recompute:
+    the record counts the slices' recomputed blocks (3 steps x 2
+    micro-batches x 3 slices x 2 blocks)."""
     text = prepared_plays(tmp_path_factory, 20_000)
     common = ["--data", text, "--model", "gpt:layers=2,heads=2,width=32", "--block-size", "16", "--batch-size", "6",
               "--steps", "3", "--accumulate-steps", "2", "--eval-tokens", "256", "--thread-split", "samples",
-              "--thread-slices", "3"]
+              "--thread-slices", "3", "--recompute"]
     for count in (1, 2):
         r = job(1, *common, "--threads", str(count), "--save", tmp_path / f"t{count}.h5",
-                env={"OPENBLAS_NUM_THREADS": "1"})
+                "--metrics", tmp_path / f"m{count}.jsonl", env={"OPENBLAS_NUM_THREADS": "1"})
         assert r.returncode == 0, r.stderr
     assert same_bytes(tmp_path / "t1.h5", tmp_path / "t2.h5")
+    final = json.loads((tmp_path / "m2.jsonl").read_text().splitlines()[-1])
+    assert final["recomputed_forwards"] == 3 * 2 * 3 * 2, final

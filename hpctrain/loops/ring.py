@@ -108,7 +108,9 @@ def train_ring(world, plan, inputs, timeline):
              **(ring.clip.totals() if ring.clip else {}),
              "compression": plan.compression.kind}
     if ring.model.run.units:   # --recompute: the chief's block forwards run again
-        extra["recomputed_forwards"] = ring.model.run.recomputed
+        # (--thread-split samples: the slices' copies of the model ran them)
+        models = ring.trainer.copies if ring.trainer is not ring.model else [ring.model]
+        extra["recomputed_forwards"] = sum(m.run.recomputed for m in models)
     if ring.exchange is not None:
         extra["sent_bytes_per_step"] = ring.sent_bytes()   # what each rank hands its allreduce, compressed
     return frame.end(step, stopped and step < frame.steps, everyone, evaluated,
