@@ -117,3 +117,11 @@ def test_training_saves_the_same_bits_on_one_and_two_threads(job, tmp_path_facto
     assert same_bytes(tmp_path / "t1.h5", tmp_path / "t2.h5")
     final = json.loads((tmp_path / "m2.jsonl").read_text().splitlines()[-1])
     assert final["recomputed_forwards"] == 3 * 2 * 3 * 2, final
+
+
+def test_the_memory_check_counts_each_slices_gradient():
+    from hpctrain.run.memory_check import ring_needs
+    spec = CASES["gpt"][0]()
+    need = {s: ring_needs(build_parser().parse_args(["--thread-split", s, "--thread-slices", "3"]), spec, 1, 0)
+            for s in ("ops", "samples")}
+    assert need["samples"] - need["ops"] == 2 * 4 * spec.num_params
