@@ -14,7 +14,7 @@ from .arguments import (Parser, ShortHelp, finite_float, nonneg_float, nonneg_in
                         positive_ints, with_config_file)
 from .model_names import MODELS, gpt_name, gpt_options, is_model_file
 from ..base.errors import HpctrainError
-from .parallel_flags import check_tensor_parallel, check_zero
+from .parallel_flags import check_tensor_parallel, check_thread_split, check_zero
 
 DEFAULT_STEPS = 2000
 # Flags a pretrained model decides when left out (--init-from: its model and
@@ -249,6 +249,15 @@ def _training_flags(p):
                    help="compute threads per rank on the CPU: convolutions and batch norm split their images "
                         "over them, each thread's BLAS at one thread (the same bits on any N); 1: none "
                         "(default: the cores this rank gets, as for BLAS's threads: one rank on 2 cores, 2)")
+    g.add_argument("--thread-split", choices=["ops", "samples"], default="ops",
+                   help="how --threads share a training step: ops (each operation's rows over the threads, the "
+                        "bits of one thread) or samples (the batch cut into --thread-slices slices, each run "
+                        "through whole layers by one thread, their gradients summed in slice order: the same bits "
+                        "on any --threads, other bits than ops; ring mode, --zero 0 or 1, no batch norm) "
+                        "(default: %(default)s)")
+    g.add_argument("--thread-slices", type=positive_int, default=2, metavar="S",
+                   help="--thread-split samples: slices a batch (or micro-batch) is cut into, whatever the "
+                        "thread count; at most S threads have work (default: %(default)s)")
     g.add_argument("--wait-mode", choices=["auto", "nap", "spin"], default="auto",
                    help="how a rank waits for the others in a pipeline's transfers, its loss-and-stop sum and a "
                         "ps round: spin (MPI's blocking calls: the lowest latency, for a core per rank), nap (poll, "
@@ -483,6 +492,7 @@ def validate(args, world_size):
         raise HpctrainError("--allreduce nccl needs --device gpu (or auto on a GPU node)")
     check_zero(args)
     check_tensor_parallel(args, world_size)
+    check_thread_split(args)
     if args.compression != "none":
         _check_compression(args)
     if args.lr_schedule == "step" and not args.lr_decay_steps:

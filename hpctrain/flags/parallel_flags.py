@@ -1,11 +1,13 @@
 """The sharding and splitting flags' one-line refusals, where a setting
 cannot run (cli.validate calls them): --zero (ring mode's ZeRO stage) and
 its old name --shard-optimizer (`check_zero`), --tensor-parallel and
---sequence-parallel (`check_tensor_parallel`). Standard library only, as
+--sequence-parallel (`check_tensor_parallel`), --thread-split samples
+(`check_thread_split`). Standard library only, as
 cli.py. The stage a run takes is run/plan.zero_stage's.
 
     mpirun -n 2 python -m hpctrain.train --zero 3 --mode ps     # one line, exit 2
     mpirun -n 3 python -m hpctrain.train --tensor-parallel 2    # one line, exit 2
+    python -m hpctrain.train --thread-split samples --zero 2     # one line, exit 2
 """
 from ..base.errors import HpctrainError
 
@@ -53,3 +55,21 @@ def check_tensor_parallel(args, world_size):
     if args.compression == "powersgd":
         raise HpctrainError(f"--compression powersgd with --tensor-parallel {t}: not yet (its error feedback "
                             f"would be one slice's, checkpointed whole); use --compression bf16, fp16 or none")
+
+
+def check_thread_split(args):
+    """--thread-split samples (nn/sample_split.py) where it cannot run: one
+    line each. Its slices each keep a whole-length gradient and run the
+    whole model: a ring replica's step on the CPU, nothing that shards the
+    gradient or cuts the model."""
+    if args.thread_split != "samples":
+        return
+    why = ("--mode ps" if args.mode == "ps" else
+           f"--zero {args.zero}" if args.zero is not None and args.zero >= 2 else
+           f"--tensor-parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else
+           f"--pipeline-stages {args.pipeline_stages}" if args.pipeline_stages > 1 else
+           "--device gpu" if args.device == "gpu" else None)
+    if why:
+        raise HpctrainError(f"--thread-split samples does not work with {why}: each slice runs the whole "
+                            "model into a whole-length gradient of its own (ring mode, --zero 0 or 1, the CPU); "
+                            "use --thread-split ops")

@@ -49,7 +49,7 @@ def train_ring(world, plan, inputs, timeline):
         marks=device.stream_marks(xp),   # GPU: events order backprop, the comm thread, the next forward
         overlap=ring_plan.overlap, timeline=timeline if timeline.enabled else None, watchdog=world.watchdog,
         accumulate=ring_plan.accumulate_steps, compression=plan.compression, dtype=plan.precision.params,
-        tensor=tensor_norm, everyone=everyone)
+        tensor=tensor_norm, everyone=everyone, slices=ring_plan.slices)
     if ring.exchange is not None:
         world.say(summary(ring.exchange, ring.buckets, ring.sharded))
     model = ring.model
@@ -113,7 +113,9 @@ def train_ring(world, plan, inputs, timeline):
              **(ring.clip.totals() if ring.clip else {}),
              "compression": plan.compression.kind}
     if ring.model.run.units:   # --recompute: the chief's block forwards run again
-        extra["recomputed_forwards"] = ring.model.run.recomputed
+        # (--thread-split samples: the slices' copies of the model ran them)
+        models = ring.trainer.copies if ring.trainer is not ring.model else [ring.model]
+        extra["recomputed_forwards"] = sum(m.run.recomputed for m in models)
     if ring.exchange is not None:
         extra["sent_bytes_per_step"] = ring.sent_bytes()   # what each rank hands its allreduce, compressed
     return frame.end(step, stopped and step < frame.steps, everyone, evaluated,
@@ -124,7 +126,7 @@ def train_ring(world, plan, inputs, timeline):
 def train_steps(world, frame, ring, reader, evaluated, save, commit=None):
     """The training loop from the frame's start: (the last step, whether some rank asked to stop).
     save(step): the checkpoint of `step`, collective; commit(step): --on-failure shrink's in-memory one."""
-    timeline, model, fused, comm = frame.timeline, ring.model, ring.fused, world.mesh.comm("data")
+    timeline, fused, comm = frame.timeline, ring.fused, world.mesh.comm("data")
     # the losses summed: one a replica (--tensor-parallel: one a rank, each of a group the same)
     workers = ring.gradient.comm.Get_size()
     step, stopped = frame.start, False   # stopped: some rank asked to stop (the summed flag, the same everywhere)
@@ -139,8 +141,8 @@ def train_steps(world, frame, ring, reader, evaluated, save, commit=None):
                 with timeline.span("data", cat="data"):
                     x, y, noise = frame.batch(reader)
             forward_done, layer_done = timeline.model_hooks(t0, ring.layer_done, ring.forward_done)
-            model.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
-                                   loss_out=ring.loss_out, noise=noise, combine=ring.combine)
+            ring.trainer.forward_backward(x, y, on_layer_done=layer_done, on_forward_done=forward_done,
+                                          loss_out=ring.loss_out, noise=noise, combine=ring.combine)
             t1 = time.perf_counter()
             with timeline.span("wait for gradients", cat="comm"):
                 fused.wait()

@@ -17,7 +17,8 @@ ones before it:
    backprop finishes it and then runs the update on it, as Horovod's hooks
    start reductions and `step()` waits.
 
-Per step the loop calls `begin(lr, stop)`, the model's
+Per step the loop calls `begin(lr, stop)`, the trainer's (the model's, or
+with --thread-split samples its slices': nn/sample_split.py)
 `forward_backward(..., on_layer_done=step.layer_done, loss_out=step.loss_out,
 on_forward_done=step.forward_done, combine=step.combine)`, `step.fused.wait()`, then reads
 `summed()`: the loss summed over the ranks and whether any rank asked to
@@ -46,6 +47,7 @@ from ..comm.step_gradient import StepGradient, wire_overflowed
 from ..base import device
 from ..comm.zero3 import Gatherer
 from ..nn.grad_slots import OVERLAPPED, GradSlots
+from ..nn.sample_split import SampleSplit
 from ..nn.sharded_store import ParamShard, ShardedStore, param_slots
 from ..optim.compression_math import powersgd_layout
 from ..base.precision import FLOAT32
@@ -74,11 +76,13 @@ class RingStep:
     --tensor-parallel: `tensor` (comm/grad_norm.TensorNorm: the clip norm's
     pieces added over the tensor axis too) and `everyone` (the loss and stop
     flag summed over every rank, not one tensor rank's replicas: a rank
-    that stops alone would leave its tensor group waiting mid-layer)."""
+    that stops alone would leave its tensor group waiting mid-layer).
+    slices: --thread-split samples' slices (1: the model runs each batch
+    whole; more: `trainer` is nn/sample_split.SampleSplit, --zero 0 or 1)."""
 
     def __init__(self, spec, strategy, comm, xp, optimizer, fusion_elems, zero=0, clip=None,
                  marks=None, overlap=True, timeline=None, watchdog=None, accumulate=1, compression=None,
-                 dtype=FLOAT32.params, tensor=None, everyone=None):
+                 dtype=FLOAT32.params, tensor=None, everyone=None, slices=1):
         n = spec.num_params
         self.zero, self.clip, self.accumulate_steps = int(zero), clip, int(accumulate)
         self.sharded = sharded = self.zero >= 1   # the optimizer over this rank's part of each bucket
@@ -110,6 +114,9 @@ class RingStep:
                                                                      homes=[(t.lo, t.hi) for t in spec.ties]))
         else:
             self.model = spec.build(xp, dtype=dtype)
+        # what runs a (micro-)batch forward and backward: the model, or with --thread-split samples
+        # its slices on the compute threads, summed into the model's gradient (nn/sample_split.py)
+        self.trainer = SampleSplit(spec, self.model, slices, xp) if slices > 1 else self.model
         grads = self.model.grads   # the buckets' buffer: the gradients only
         self.everyone = everyone if everyone is not None and everyone is not comm else None
         # --compression: the buckets' exchange; PowerSGD's matrices in gradient offsets
@@ -155,10 +162,10 @@ class RingStep:
             def add_layer(k):
                 lo, hi = model.layer_ranges[k]
                 gradient.add_range(model.grads[lo:hi], lo, hi)
-            loss = model.forward_backward(x, y, noise=noise, combine=False, on_layer_done=add_layer)
+            loss = self.trainer.forward_backward(x, y, noise=noise, combine=False, on_layer_done=add_layer)
             gradient.add(None, model.extra, loss)
         else:
-            loss = model.forward_backward(x, y, noise=noise, combine=False)
+            loss = self.trainer.forward_backward(x, y, noise=noise, combine=False)
             gradient.add(model.grads, model.extra, loss)
 
     def _forward_done(self):

@@ -122,6 +122,8 @@ def ring_needs(args, spec, replicas, stage, counted=None):
         # the summed gradient's 1/R parts kept only for --clip-norm (comm/data_parallel.Summed)
         grad_shard = n / replicas if args.clip_norm is not None else 0
         buffers = (1 if stage == 2 else (param_slots + n / replicas) / n) + (grad_slots + grad_shard) / n
+    if args.thread_split == "samples":   # every slice but the first its own gradient (nn/sample_split.py)
+        buffers += args.thread_slices - 1
     return spec.memory_bytes(held_batch(args, spec), STATES[args.optimizer] / (replicas if stage else 1),
                              buffers=buffers, threads=threads.count())
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..base import device
+from ..base.errors import HpctrainError
 from ..flags.cli import DEFAULT_EVAL_TOKENS, configuration
 from ..data.manifest import load_manifest, train_samples
 from ..nn import compiled
@@ -224,6 +225,7 @@ class Ring:
     #                         at a time (nn/sharded_store.py); 0 unsharded (and outside ring mode)
     overlap: bool           # a communication thread overlaps the buckets with backprop
     accumulate_steps: int
+    slices: int = 1         # --thread-split samples: the slices each (micro-)batch is cut into (nn/sample_split.py)
 
 
 @dataclass(frozen=True)
@@ -388,6 +390,21 @@ def single_pass(args):
     return "on" if args.single_pass == "auto" and compiled.on() else args.single_pass
 
 
+def thread_slices(args, spec, xp):
+    """The slices --thread-split samples cuts a batch into (1: the ops
+    split), or one line where this model or device cannot take them (the
+    flags alone: flags/parallel_flags.check_thread_split)."""
+    if args.thread_split != "samples":
+        return 1
+    if spec.num_state:
+        raise HpctrainError("--thread-split samples cannot split batch norm: its statistics are the whole "
+                            "batch's; use --thread-split ops")
+    if xp is not np:
+        raise HpctrainError("--thread-split samples is for the CPU's threads: this run is on a GPU "
+                            "(use --thread-split ops, or --device cpu)")
+    return args.thread_slices
+
+
 def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
     """The plan of a run: `args` the flags, `world` the run/world.World, the
     spec of the model for the data, the data and schedule plans above, the
@@ -411,7 +428,7 @@ def make_plan(args, world, spec, data, schedule, cuts, layers_key="NumPy"):
                   zero=stage if ring else 0,
                   overlap=ring and overlap_wanted(args.overlap, world.xp, cluster.local_size,
                                                   world.thread_multiple),
-                  accumulate_steps=args.accumulate_steps),
+                  accumulate_steps=args.accumulate_steps, slices=thread_slices(args, spec, world.xp)),
         ps=Ps(num_ps=cluster.num_ps, ps_ranks=args.ps_ranks, sync=args.sync,
               replicas=data.aggregated,
               backup_workers=args.backup_workers, max_staleness=args.max_staleness, dc_lambda=args.dc_lambda,
