@@ -288,37 +288,6 @@ def test_the_memory_check_counts_what_compiled_layers_hold(compiled_layers):
     assert checked == 18   # resnet's 9 convolutions and 9 batch norms
 
 
-AVX2_SCRIPT = """
-import numpy as np
-from test_layers import bound, check_against_loops
-from hpctrain.nn import Conv2d, compiled
-assert compiled.isa() == "avx2", compiled.isa()
-compiled.use(True)
-assert not bound(Conv2d(64, 3, padding=1), (4, 4, 16))[0].direct   # 64 channels: im2col under AVX2
-for out, s, shape in ((16, 1, (6, 7, 16)), (32, 1, (5, 6, 32)), (32, 2, (9, 10, 16))):
-    layer, _, _ = bound(Conv2d(out, 3, stride=s, padding=1), shape)
-    assert layer.direct
-    check_against_loops(layer, shape, s, 1)
-print("avx2 ok")
-"""
-
-
-def test_the_avx2_blocks_compute_the_same(forced_cpu_cache):
-    """numba told the CPU has AVX2 and no AVX-512 (as on the AVX2 EPYCs
-    these sessions also get): its own register blocks, 64 channels left to
-    im2col, every path still equal to the plain loops."""
-    import os
-    import subprocess
-    import sys
-    tests = os.path.dirname(os.path.abspath(__file__))
-    from test_tuning import FORCED
-    name, features = FORCED[("avx2", "*")]   # the CPU that row's test forces: the kernels both compile, once
-    env = dict(os.environ, NUMBA_CPU_NAME=name, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=forced_cpu_cache,
-               PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests)]))
-    r = subprocess.run([sys.executable, "-c", AVX2_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and "avx2 ok" in r.stdout, r.stderr[-3000:]
-
-
 def test_auto_takes_compiled_layers_only_where_every_rank_has_numba(tmp_path):
     """Rank 1 without numba, the chief with it: auto runs NumPy's layers on
     both (one rank's compiled layers would round differently)."""

@@ -454,10 +454,11 @@ def _check_stopped_and_resumed(out, signal_name, ckpt_dir):
 
 
 # Long enough that the signal lands mid-run after the first periodic
-# checkpoint, short enough for CI: ~4 s of training each on 2 idle cores.
+# checkpoint (180 steps of ring after it, 380 of ps, whose steps are about
+# twice as fast), short enough for CI: the first checkpoint comes early.
 KILL_FLAGS = {
-    "ring": ("--steps", "400", "--checkpoint-every", "50"),
-    "ps": ("--steps", "800", "--checkpoint-every", "50"),
+    "ring": ("--steps", "200", "--checkpoint-every", "20"),
+    "ps": ("--steps", "400", "--checkpoint-every", "20"),
 }
 _REFERENCE = {}
 
