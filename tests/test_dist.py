@@ -311,7 +311,7 @@ def test_a_mismatch_inside_a_process_set_leaves_through_the_set(job):
     assert error_lines(r.stderr) == [
         "hpctrain: error: rank 0 called allreduce(float64 [4], op=Average, name='w') but rank 1 called "
         "allreduce(float64 [5], op=Average, name='w'): every rank must make the same collective calls, in "
-        "the same order, with the same shapes and dtypes"]
+        "the same order, with the same shapes and dtypes"], r.stderr
     assert time.monotonic() - t0 < 40
 
 

@@ -16,8 +16,9 @@ import sys
 import time
 
 from ..base.errors import HpctrainError
+from ..comm.deadline import ABORT_GRACE_S
 
-ABORT_GRACE_S = 10.0   # how long a silent rank of a process set waits for the speaking rank's MPI_Abort
+SILENT_WAIT_S = 10.0   # how long a silent rank of a process set waits for the speaking rank's MPI_Abort
 
 
 class DistError(HpctrainError):
@@ -51,11 +52,16 @@ def install_hook(leave, abort):
             if value.collective and not value.report:
                 # a process set's rank that did not print: the one that did aborts the job; MPI's
                 # "Abort(2) on node ..." lines of several ranks at once cut into its line
+                time.sleep(SILENT_WAIT_S)
+            else:
+                # MPI_Abort's launcher ends every process at once: a line not yet forwarded from
+                # the pipe is lost (seen under load), so the launcher gets the time the program gives it
                 time.sleep(ABORT_GRACE_S)
             abort(value.exit_code)
             os._exit(value.exit_code)
         previous(kind, value, tb)
         sys.stderr.flush()
+        time.sleep(ABORT_GRACE_S)   # (the traceback forwarded first, as above)
         abort(1)
 
     sys.excepthook = hook
