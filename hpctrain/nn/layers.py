@@ -161,7 +161,7 @@ class Layer:
     ties = ()             # (name, owner layer, its tensor, transposed): tensors read from another layer (tie)
     # its path in the model (`blocks.0`), given where the model is built (named): its tensors are PATH/tensor in
     # checkpoints and --save files; None: `layer{k}`, k counting the layers with tensors (nn/spec.py)
-    path = None
+    model_path = None
     recompute_unit = False  # --recompute drops its activations after forward and recomputes them in backward
     decays = ()           # its tensors weight decay applies to (--weight-decay-on matrices): what multiplies
     # What it is, declared here and inherited by a subclass (a user's `class MyReLU(ReLU)` is a ReLU to all
@@ -215,7 +215,7 @@ class Layer:
         """Call this layer `path` in the model (`blocks.0`, `embedding`),
         where the model is built (nn/gpt.py): its tensors are then named
         `path/tensor`. Returns the layer."""
-        self.path = path
+        self.model_path = path
         return self
 
     def context(self):

@@ -165,20 +165,17 @@ def _reused(layers):
         walk(layer, f"layer {i}")
 
 
-def _layer_name(i, layer, k, taken):
+def _layer_name(i, layer, k, holds):
     """Layer i's name: its path in the model (Layer.named, given where the
     model is built), else `layer{k}` (k counting the layers with tensors
-    before it); LayerCodeError (one line) for a path that is not a name or
-    is another layer's."""
-    path = getattr(layer, "path", None)
+    before it) where it holds tensors (`holds`), else `layers.{i}` (a tie's
+    alias may name it); LayerCodeError (one line) for a path that is not a name."""
+    path = getattr(layer, "model_path", None)
     if path is None:
-        return f"layer{k}"
+        return f"layer{k}" if holds else f"layers.{i}"
     if not isinstance(path, str) or not path or "/" in path:
         raise LayerCodeError(f"layer {i} ({describe(layer)}): its path {path!r} is not a non-empty string "
                              f"without '/'")
-    if path in taken:
-        raise LayerCodeError(f"layer {i} ({describe(layer)}): its path {path!r} is layer {taken.index(path)}'s too "
-                             f"(each layer's tensors are named PATH/tensor)")
     return path
 
 
@@ -232,11 +229,10 @@ class ModelSpec:
         self.ties = []   # nn/tied.Tie: a layer's tensor that is an earlier layer's
         decayed = []     # (lo, hi) of the tensors weight decay applies to (a tied one: at its owner)
         ties = declared(self.layers)
-        self.layer_names = []   # each layer's path (`blocks.0`, its builder's), else `layer{k}`
+        self.layer_names = []   # each layer's path (`blocks.0`, its builder's), else `layer{k}` (_layer_name)
         self.positional = {}    # {tensor name: its positional name, `layer{k}/W`} where they differ (name_in_file)
         n = s = k = 0
         for i, layer in enumerate(self.layers):
-            self.layer_names.append(_layer_name(i, layer, k, self.layer_names))
             taken = set()
             params = _tensors(i, layer, "param_shapes()", _call(i, layer, "param_shapes", layer.param_shapes), taken)
             decays = _decays(i, layer, [name for name, _ in params])
@@ -244,6 +240,11 @@ class ModelSpec:
                 params, mine = resolve(i, layer, params, ties[i], lambda j: self.layer_tensors[j])
                 self.ties.extend(mine)
             state = _tensors(i, layer, "state_shapes()", _call(i, layer, "state_shapes", layer.state_shapes), taken)
+            self.layer_names.append(_layer_name(i, layer, k, bool(params or state)))
+            if self.layer_names[i] in self.layer_names[:i]:
+                raise LayerCodeError(f"layer {i} ({describe(layer)}): its name {self.layer_names[i]!r} is layer "
+                                     f"{self.layer_names.index(self.layer_names[i])}'s too (each layer's tensors are "
+                                     f"named NAME/tensor)")
             n = self._lay(params, self.layer_names[i], k, n, self.layer_tensors, self.tensors)
             s = self._lay(state, self.layer_names[i], k, s, self.layer_state, self.state)
             decayed += [(lo, hi) for name, _, lo, hi in self.layer_tensors[i] if name.split("/", 1)[1] in decays]
@@ -307,10 +308,8 @@ class ModelSpec:
         owners = {(lo, hi): name for name, _, lo, hi in full.tensors}
         out = {}
         for t in full.ties:
-            # a user without a path or tensors of its own has no layer{k} (that is the next layer's): its index
-            held = full.layer_tensors[t.user] or full.layer_state[t.user] or full.layers[t.user].path is not None
-            user = full.layer_names[t.user] if held else f"layers.{t.user}"
-            out.setdefault(owners[(t.lo, t.hi)], []).append({"name": f"{user}/{t.name}", "transpose": t.transposed})
+            out.setdefault(owners[(t.lo, t.hi)], []).append({"name": f"{full.layer_names[t.user]}/{t.name}",
+                                                             "transpose": t.transposed})
         return out
 
     def name_in_file(self, held):
