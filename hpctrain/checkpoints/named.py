@@ -546,6 +546,13 @@ class NamedCheckpoint:
         except OSError as e:
             raise Corrupt(f"{INDEX}: {name}: {_reason(e)}") from None
 
+    def read_as(self, spec):
+        """read(name, box) by the names of the model `spec` (nn/spec.py), of a
+        checkpoint an older hpctrain wrote (positional names) too:
+        ModelSpec.name_in_file."""
+        in_file = spec.name_in_file(self.tensors)
+        return lambda name, box=None: self.read(in_file(name), box)
+
     def read(self, name, box=None):
         """The values of `box` ((start, stop) per dimension; None: the whole
         tensor) of tensor `name` (or an alias: a transposed one reads the

@@ -226,8 +226,7 @@ class Checkpoints:
             def read_own():
                 try:
                     with open_checkpoint(resume.named) as ckpt:
-                        in_file = plan.spec.name_in_file(ckpt.tensors)
-                        restore(parts, lambda name, box: ckpt.read(in_file(name), box), world.xp)
+                        restore(parts, ckpt.read_as(plan.spec), world.xp)
                 except (Corrupt, Refused) as e:
                     raise HpctrainError(f"{resume.named}: {e}") from None
             world.agreed(comm, read_own, what="checkpoint read")

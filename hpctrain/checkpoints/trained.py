@@ -387,7 +387,7 @@ def _named(ckpt, data_dir, model):
     for name, shape, _, _ in spec.tensors + spec.state:
         if tuple(ckpt.tensors.get(in_file(name), ((),))[0]) != tuple(shape):
             raise HpctrainError(f"{ckpt.path}: no tensor {name} of shape {tuple(shape)}, as model {spec.name} has")
-    return _restored(spec, rec, ckpt.path, lambda name, box: ckpt.read(in_file(name), box), ckpt.step)
+    return _restored(spec, rec, ckpt.path, ckpt.read_as(spec), ckpt.step)
 
 
 def _newest_checkpoint(folder):
