@@ -151,7 +151,8 @@ def test_sync_ps_trains_the_gpt_as_the_ring_does(job, text_dir, tmp_path):
 
 
 def positional(spec):
-    """name -> the name an hpctrain before path names gave it (layer{k}/...), an optimizer's state's too."""
+    """name -> the name an hpctrain before path names gave it (layer{k}/...), an optimizer's state's too;
+    the test's own (not ModelSpec.name_in_file's), so a broken reader cannot write what it reads."""
     def old(name):
         head, _, rest = name.partition("/")
         return spec.positional.get(name) or f"{head}/{spec.positional[rest]}"
