@@ -54,13 +54,14 @@ def main(argv=None, prog="python -m hpctrain.checkpoint"):
 
 def _verified(path):
     """A checkpoint read and verified whole, and [(name, "dtype shape")] of
-    what it holds: a folder's named tensors (an alias as "= the tensor") and
+    what it holds: a folder's named tensors (a tied tensor's alias as "-> the
+    tensor", "(transposed)" where it is read so) and
     the datasets its index holds whole; a flat file's datasets."""
     if is_named(path):
         with open_checkpoint(path) as c:
             c.verify()
             tensors = [(n, _described(dtype, shape)) for n, (shape, dtype) in c.tensors.items()]
-            tensors += [(alias, f"= {n}") for alias, n in c.aliases.items()]
+            tensors += [(alias, f"-> {n}{' (transposed)' if t else ''}") for alias, (n, t) in c.aliases.items()]
             tensors += [(n, _described((a := c.small(n)).dtype, a.shape)) for n in c.smalls]
         return c, tensors
     c = read(path)

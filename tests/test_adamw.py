@@ -50,7 +50,7 @@ def test_an_mlp_decays_its_dense_weights_not_its_biases():
 def test_the_gpt_decays_embedding_and_block_matrices_not_biases_norms_or_positions():
     spec = gpt(65, 16, 2, 2, 8)
     per_block = ["attn.Wqkv", "attn.Wo", "fc.W", "proj.W"]
-    assert decayed_names(spec) == ["layer0/E"] + [f"layer{k}/{t}" for k in (2, 3) for t in per_block]
+    assert decayed_names(spec) == ["embedding/E"] + [f"blocks.{k}/{t}" for k in (0, 1) for t in per_block]
     # the tied head's W is the embedding's E: laid out (and decayed) once
     assert sum(hi - lo for lo, hi in spec.decay_ranges) == 65 * 8 + 2 * (8 * 24 + 8 * 8 + 8 * 32 + 32 * 8)
     assert all(a < b <= c for (a, b), (c, _) in zip(spec.decay_ranges, spec.decay_ranges[1:]))

@@ -150,15 +150,69 @@ def test_sync_ps_trains_the_gpt_as_the_ring_does(job, text_dir, tmp_path):
     close(tmp_path / "ps.h5", tmp_path / "ring.h5", 1e-5)
 
 
-def test_a_resumed_gpt_run_ends_with_the_bits_of_one_run_through(job, text_dir, tmp_path):
+def positional(spec):
+    """name -> the name an hpctrain before path names gave it (layer{k}/...), an optimizer's state's too;
+    the test's own (not ModelSpec.name_in_file's), so a broken reader cannot write what it reads."""
+    def old(name):
+        head, _, rest = name.partition("/")
+        return spec.positional.get(name) or f"{head}/{spec.positional[rest]}"
+    return old
+
+
+def rewritten_with_positional_names(path, spec):
+    """The checkpoint at `path` written again as an older hpctrain wrote it:
+    positional names, no aliases."""
+    from mpi4py import MPI
+    from hpctrain.checkpoints.named import open_checkpoint, write_checkpoint
+    old = positional(spec)
+    with open_checkpoint(path) as c:
+        step, attrs, small = c.step, c.attrs, {n: c.small(n) for n in c.smalls}
+        tensors = {old(n): (shape, dtype, []) for n, (shape, dtype) in c.tensors.items()}
+        pieces = [(old(n), tuple((0, d) for d in shape), c.read(n)) for n, (shape, _) in c.tensors.items()]
+    remove_checkpoint(path)
+    write_checkpoint(path.parent, step, MPI.COMM_SELF, 0, pieces, tensors, attrs, small)
+
+
+def test_a_resumed_gpt_run_ends_with_the_bits_of_one_run_through(job, text_dir, tmp_path, capsys):
+    """Its tensors named by their paths, the head's tie recorded; a
+    checkpoint and a --save file of an older hpctrain's positional names
+    (layer0/E) resume and load."""
+    from hpctrain import checkpoint as checkpoint_command
+    from hpctrain.checkpoints.named import open_checkpoint
+    from hpctrain.checkpoints.trained import load_params
+    from hpctrain.nn.gpt import gpt
     flags = ["--data", text_dir, *FLAGS[:-4], "--lr", 1e-3, "--log-every", 4]
     ck = ["--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 4]
     # the run through writes the checkpoints the resume starts from (one job, not two)
     ok(job(2, *flags, "--steps", 8, *ck, "--save", tmp_path / "through.h5"))
+    four = checkpoint_path(tmp_path / "ck", 4)
+    with open_checkpoint(four) as c:
+        assert c.aliases == {"head/W": ("embedding/E", True)}   # tied: written once, read transposed
+        assert np.array_equal(c.read("head/W", ((0, 16), (3, 9))), c.read("embedding/E")[3:9].T)
+        assert {"position/P", "blocks.1/attn.Wqkv", "adam.m/blocks.1/attn.Wqkv", "ln_f/gamma"} <= set(c.tensors)
+    assert checkpoint_command.main([str(tmp_path / "ck")]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["head/W", "->", "embedding/E", "(transposed)"] in lines, lines
     remove_checkpoint(checkpoint_path(tmp_path / "ck", 8))
     r = ok(job(2, *flags, "--steps", 8, *ck, "--save", tmp_path / "resumed.h5"))
     assert "resumed from" in r.stdout, r.stdout
     assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
+    # an older hpctrain's checkpoint: the same bits
+    spec = gpt(2, 16, 2, 2, 16)   # the vocabulary names nothing
+    remove_checkpoint(checkpoint_path(tmp_path / "ck", 8))
+    rewritten_with_positional_names(four, spec)
+    r = ok(job(2, *flags, "--steps", 8, *ck, "--save", tmp_path / "old.h5"))
+    assert "resumed from" in r.stdout and "at step 4" in r.stdout, r.stdout
+    assert same_bytes(tmp_path / "through.h5", tmp_path / "old.h5")
+    # and its --save file: the same model
+    import h5py
+    layers = {new.split("/")[0]: was.split("/")[0] for new, was in spec.positional.items()}
+    with h5py.File(tmp_path / "old.h5", "a") as f:
+        for path in [g for g in f if g in layers]:
+            f.move(path, layers[path])
+    assert {"layer0/E", "layer4/gamma"} <= set(saved(tmp_path / "old.h5"))
+    through, old = load_params(tmp_path / "through.h5"), load_params(tmp_path / "old.h5")
+    assert through.model.params.tobytes() == old.model.params.tobytes()
 
 
 @pytest.mark.parametrize("flags, line", [

@@ -31,7 +31,8 @@ from hpctrain.state.parts import box_slices, flat_parts
 
 # name -> (shape, dtype, aliases): the flat layout's tensors, then a column-split one
 FLAT = {"layer0/W": ((33, 17), "<f4", []), "layer0/b": ((17,), "<f4", []),
-        "embed/E": ((9, 8), "<f4", ["head/W"]), "adam.m/layer0/W": ((33, 17), "<f4", []),
+        "embed/E": ((9, 8), "<f4", ["head/W", {"name": "out/W", "transpose": True}]),
+        "adam.m/layer0/W": ((33, 17), "<f4", []),
         "layer1/W": ((384, 256), "<f4", [])}   # most of the bytes: the chief's share is measured
 SPLIT = {"tp/W": ((6, 10), "<f8", [])}
 TENSORS = {**FLAT, **SPLIT}
@@ -133,10 +134,14 @@ def round_trip(comm):
                     box = tuple(tuple(sorted(rng.integers(0, n + 1, 2))) for n in want.shape)
                     assert np.array_equal(c.read(name, box), want[box_slices(box)]), (name, box)
             assert np.array_equal(c.read("head/W"), values["embed/E"])   # an alias: the tied tensor once
+            # a transposed one (the GPT's head reads its embedding so): read transposed, a box of it too
+            assert np.array_equal(c.read("out/W"), values["embed/E"].T)
+            assert np.array_equal(c.read("out/W", ((1, 7), (2, 5))), values["embed/E"].T[1:7, 2:5])
         # Any h5py user reads the whole tensor through the index's virtual datasets.
         with h5py.File(os.path.join(path, named.INDEX), "r") as f:
             assert np.array_equal(f["layer0/W"][...], values["layer0/W"])
             assert np.array_equal(f["head/W"][...], values["embed/E"])
+            assert "out/W" not in f   # no link reads a transposed use as it is stored
             # named relative to the index: the folder can be moved or copied whole
             assert {s.file_name for s in f["tp/W"].virtual_sources()} == \
                 {named.rank_file_name(r) for r in range(comm.Get_size())}
@@ -293,13 +298,13 @@ def test_the_checkpoint_command_lists_the_tensors_of_both_formats(tmp_path, caps
     assert checkpoint_command.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ckpt-00000010: ok, step 10, ")
-    assert out[1:10] == ["  layer0/W         float32 (33, 17)", "  layer0/b         float32 (17,)",
+    assert out[1:11] == ["  layer0/W         float32 (33, 17)", "  layer0/b         float32 (17,)",
                         "  embed/E          float32 (9, 8)", "  adam.m/layer0/W  float32 (33, 17)",
                         "  layer1/W         float32 (384, 256)", "  tp/W             float64 (6, 10)",
-                        "  head/W           = embed/E", "  data_positions   int64 (2, 2)",
-                        "  model_state      float32 (0,)"]
-    assert out[10].startswith("ckpt-00000005.h5: ok, step 5, ")
-    assert out[11:] == ["  params          float32 (3,)", "  optimizer/m     float32 (3,)",
+                        "  head/W           -> embed/E", "  out/W            -> embed/E (transposed)",
+                        "  data_positions   int64 (2, 2)", "  model_state      float32 (0,)"]
+    assert out[11].startswith("ckpt-00000005.h5: ok, step 5, ")
+    assert out[12:] == ["  params          float32 (3,)", "  optimizer/m     float32 (3,)",
                        "  data_positions  int64 (1, 2)"]
     # The command hashes every rank file, not only those a reader would open.
     flip_last_byte(os.path.join(path, named.rank_file_name(0)))

@@ -138,7 +138,7 @@ def test_a_prompt_shorter_than_the_context_gives_the_decoders_logits(gpt_export,
 def test_the_tied_head_reads_the_one_embedding_tensor(gpt_export):
     graph = onnx.load(str(gpt_export[1])).graph
     embedding = (gpt_export[0].spec.classes, 32)   # (vocabulary, width)
-    assert [t.name for t in graph.initializer if tuple(t.dims) in (embedding, embedding[::-1])] == ["layer0/E"]
+    assert [t.name for t in graph.initializer if tuple(t.dims) in (embedding, embedding[::-1])] == ["embedding/E"]
 
 
 def test_a_later_opset_writes_the_same_logits(gpt_export, plays, tmp_path):

@@ -73,6 +73,8 @@ def test_tied_pair_in_a_spec_matches_finite_differences_and_lies_once():
     spec = ModelSpec(tied_layers(), (5,), 10)
     assert [name for name, *_ in spec.tensors] == ["layer0/E", "layer1/W", "layer1/b", "layer2/W", "layer2/b",
                                                    "layer3/b"]
+    # what a checkpoint's index records of the tie: the tensor once, the name that reads it and how
+    assert spec.aliases() == {"layer0/E": [{"name": "layer3/W", "transpose": True}]}
     m = spec.build(dtype=np.float64)
     m.init(3)
     rng = np.random.default_rng(0)
@@ -231,3 +233,12 @@ def test_sync_ps_trains_the_tied_model_as_the_ring_does(job, tmp_path):
     assert set(a) == set(b)
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_layers_named_where_the_model_is_built_name_their_tensors_and_two_of_one_name_are_one_line():
+    spec = ModelSpec([Embedding(10, 8).named("wte"), Flatten(), Dense(6).named("fc")], (5,), 6)
+    assert [name for name, *_ in spec.tensors] == ["wte/E", "fc/W", "fc/b"]
+    assert spec.name_in_file({"layer0/E"})("adam.m/fc/W") == "adam.m/layer1/W"   # an older file's names
+    assert spec.name_in_file({"wte/E"})("fc/W") == "fc/W"
+    with pytest.raises(LayerCodeError, match=r"layer 2 \(Dense\(6\)\): its name 'wte' is layer 0's too"):
+        ModelSpec([Embedding(10, 8).named("wte"), Flatten(), Dense(6).named("wte")], (5,), 6)

@@ -142,7 +142,7 @@ class Reference:
     """nanoGPT's forward and backward, one sample and one head at a time, in
     plain float64 NumPy: softmax over the visible positions only (no mask),
     LayerNorm's input gradient through its Jacobian, GELU through math.erf.
-    `p`: the model's tensors by name (layer{k}/...)."""
+    `p`: the model's tensors by name (embedding/E, blocks.b/..., ln_f/...)."""
 
     def __init__(self, p, layers=LAYERS, heads=HEADS):
         self.p, self.layers, self.heads = p, layers, heads
@@ -206,10 +206,10 @@ class Reference:
     def run(self, ids, targets):
         """(logits, loss, {tensor name: gradient})."""
         p, grads = self.p, {}
-        x = p["layer0/E"][ids] + p["layer1/P"]
+        x = p["embedding/E"][ids] + p["position/P"]
         caches = []
         for b in range(self.layers):
-            w = {name.split("/")[1]: v for name, v in p.items() if name.startswith(f"layer{b + 2}/")}
+            w = {name.split("/")[1]: v for name, v in p.items() if name.startswith(f"blocks.{b}/")}
             h1, c1 = self.layernorm(x, w["ln1.gamma"], w["ln1.beta"])
             a, ca = self.attention(h1, {k[5:]: v for k, v in w.items() if k.startswith("attn.")})
             x1 = x + a
@@ -219,9 +219,9 @@ class Reference:
             x2 = x1 + gelu @ w["proj.W"] + w["proj.b"]
             caches.append((w, c1, ca, c2, h2, f, gelu))
             x = x2
-        last = f"layer{self.layers + 2}/"
+        last = "ln_f/"
         xf, cf = self.layernorm(x, p[last + "gamma"], p[last + "beta"])
-        logits = xf @ p["layer0/E"].T
+        logits = xf @ p["embedding/E"].T
         counted = targets != -1
         e = np.exp(logits - logits.max(-1, keepdims=True))
         soft = e / e.sum(-1, keepdims=True)
@@ -232,10 +232,10 @@ class Reference:
             dlogits[s, i, targets[s, i]] -= 1
         dlogits *= counted[..., None] / counted.sum()
         dE = dlogits.reshape(-1, VOCAB).T @ xf.reshape(-1, xf.shape[-1])
-        dx, grads[last + "gamma"], grads[last + "beta"] = self.layernorm_back(dlogits @ p["layer0/E"], cf)
+        dx, grads[last + "gamma"], grads[last + "beta"] = self.layernorm_back(dlogits @ p["embedding/E"], cf)
         for b in range(self.layers - 1, -1, -1):
             w, c1, ca, c2, h2, f, gelu = caches[b]
-            name = f"layer{b + 2}/"
+            name = f"blocks.{b}/"
             grads[name + "proj.W"] = gelu.reshape(-1, gelu.shape[-1]).T @ dx.reshape(-1, dx.shape[-1])
             grads[name + "proj.b"] = dx.reshape(-1, dx.shape[-1]).sum(0)
             dgelu = dx @ w["proj.W"].T
@@ -248,10 +248,10 @@ class Reference:
             grads.update({name + "attn." + k: v for k, v in g.items()})
             dx0, grads[name + "ln1.gamma"], grads[name + "ln1.beta"] = self.layernorm_back(dh1, c1)
             dx = dx1 + dx0
-        grads["layer1/P"] = dx.sum(0)
+        grads["position/P"] = dx.sum(0)
         for s, i in np.ndindex(*ids.shape):
             dE[ids[s, i]] += dx[s, i]
-        grads["layer0/E"] = dE
+        grads["embedding/E"] = dE
         return logits, loss, grads
 
 
@@ -314,11 +314,11 @@ def test_gpt_layout_init_and_summary():
     model.init(0)
     t = dict(model.tensors())
     assert [(tie.user, tie.owner, tie.transposed) for tie in spec.ties] == [(8, 0, True)]
-    for name, std in (("layer0/E", 0.02), ("layer1/P", 0.02), ("layer2/attn.Wqkv", 0.02), ("layer3/fc.W", 0.02),
-                      ("layer4/attn.Wo", 0.02 / math.sqrt(8)), ("layer5/proj.W", 0.02 / math.sqrt(8))):
+    for name, std in (("embedding/E", 0.02), ("position/P", 0.02), ("blocks.0/attn.Wqkv", 0.02), ("blocks.1/fc.W", 0.02),
+                      ("blocks.2/attn.Wo", 0.02 / math.sqrt(8)), ("blocks.3/proj.W", 0.02 / math.sqrt(8))):
         assert abs(t[name].std() / std - 1) < 0.05 and abs(t[name].mean()) < std / 10, name
-    assert not t["layer2/attn.bqkv"].any() and not t["layer5/fc.b"].any() and not t["layer5/proj.b"].any()
-    assert (t["layer2/ln1.gamma"] == 1).all() and (t["layer6/gamma"] == 1).all() and not t["layer6/beta"].any()
+    assert not t["blocks.0/attn.bqkv"].any() and not t["blocks.3/fc.b"].any() and not t["blocks.3/proj.b"].any()
+    assert (t["blocks.0/ln1.gamma"] == 1).all() and (t["ln_f/gamma"] == 1).all() and not t["ln_f/beta"].any()
     assert spec.input_kind == "tokens" and spec.shapes[-1] == (16, 1000)
     assert "W is layer 0's E transposed (tied)" in "\n".join(spec.summary())
 

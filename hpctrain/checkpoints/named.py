@@ -16,9 +16,12 @@ A checkpoint is a folder, `DIR/ckpt-00000123/` (the global step, 8 digits):
                            folder, so the folder can move): `h5py.File(".../index.h5")
                            ["layer0/W"][...]` reads it whole; fill value NaN, so a
                            missing rank file reads as NaN, never as plausible zeros
-      <alias>              a soft link to the tensor it is tied to
+      <alias>              a soft link to the tensor it is tied to (none for a
+                           transposed use: the manifest records it)
       <small>              datasets the chief writes whole (data positions, ...)
-      _hpctrain/manifest   JSON bytes: every tensor (shape, dtype, aliases), every
+      _hpctrain/manifest   JSON bytes: every tensor (shape, dtype, aliases: a tied
+                           tensor's other names, [{"name": "head/W", "transpose":
+                           true}]: the GPT's head reads embedding/E transposed), every
                            piece (tensor, box, file, dataset), every rank file's
                            size and sha256
       attrs                format, format_version, step, and the run's attributes
@@ -358,7 +361,8 @@ def _chief_finishes(directory, path, tmp, step, tensors, attrs, small, everyone,
 def _write_index(index, step, tensors, attrs, small, pieces, files):
     """The chief's index (this module's docstring), stamped and fsync'd."""
     import h5py
-    manifest = {"tensors": {n: {"shape": list(map(int, s)), "dtype": file_dtype(d).str, "aliases": list(a)}
+    manifest = {"tensors": {n: {"shape": list(map(int, s)), "dtype": file_dtype(d).str,
+                                "aliases": [dict(zip(("name", "transpose"), alias_of(x))) for x in a]}
                             for n, (s, d, a) in tensors.items()},
                 "pieces": pieces, "files": files, "small": sorted(small)}
     by_name = {}
@@ -373,8 +377,10 @@ def _write_index(index, step, tensors, attrs, small, pieces, files):
             for box, fname, dataset in by_name.get(name, []):
                 layout[box_slices(box)] = h5py.VirtualSource(fname, dataset, shape=box_shape(box), dtype=dtype)
             f.create_virtual_dataset(name, layout, fillvalue=np.nan if dtype.kind == "f" else 0)
-            for alias in aliases:
-                f[alias] = h5py.SoftLink("/" + name)
+            for alias in aliases:   # a link reads the tensor as it is: none for a transposed use
+                alias, transposed = alias_of(alias)
+                if not transposed:
+                    f[alias] = h5py.SoftLink("/" + name)
         for key, value in small.items():
             a = np.ascontiguousarray(value)
             f.create_dataset(key, data=a.astype(file_dtype(a.dtype), copy=False))
@@ -382,6 +388,18 @@ def _write_index(index, step, tensors, attrs, small, pieces, files):
         for key, value in {**head, **{k: v for k, v in attrs.items() if k not in head}}.items():
             f.attrs[key] = flat._attr_value(key, value)
     flat.stamp(index, durable=True, kind=INDEX_HEADER, version=INDEX_VERSION)
+
+
+def alias_of(entry):
+    """(name, transposed) of an alias as the manifest records it: {"name":
+    "head/W", "transpose": true} (a tie, nn/spec.ModelSpec.aliases), or a
+    plain name (read as the tensor is)."""
+    if isinstance(entry, str):
+        return entry, False
+    name, transposed = entry["name"], entry.get("transpose", False)
+    if not isinstance(name, str) or not isinstance(transposed, bool):
+        raise ValueError(f"alias {entry!r} is not a name and a transpose flag")
+    return name, transposed
 
 
 # ---------------------------------------------------------------------------
@@ -436,7 +454,7 @@ def open_checkpoint(path):
 
 class NamedCheckpoint:
     """A verified checkpoint folder: `.path .step .attrs .tensors` ({name:
-    (shape, dtype)}), `.aliases` ({alias: name}), `.small(name)` (one of `.smalls`),
+    (shape, dtype)}), `.aliases` ({alias: (name, transposed)}), `.small(name)` (one of `.smalls`),
     `.read(name, box=None)` (the box's values, from the rank files under it,
     each hashed whole before its first read), `.files` ({rank file: (size,
     sha256)}), `.close()`."""
@@ -468,7 +486,8 @@ class NamedCheckpoint:
             manifest = json.loads(bytes(raw[()]))
             self.tensors = {n: (tuple(int(x) for x in t["shape"]), np.dtype(str(t["dtype"])).str)
                             for n, t in manifest["tensors"].items()}
-            self.aliases = {a: n for n, t in manifest["tensors"].items() for a in t["aliases"]}
+            self.aliases = {a: (n, transposed) for n, t in manifest["tensors"].items()
+                            for a, transposed in map(alias_of, t["aliases"])}
             self.files = {str(n): (int(v["size"]), str(v["sha256"])) for n, v in manifest["files"].items()}
             self.smalls = [str(n) for n in manifest["small"]]
             pieces = [(str(n), tuple((int(a), int(b)) for a, b in box), str(fn), str(ds))
@@ -527,10 +546,21 @@ class NamedCheckpoint:
         except OSError as e:
             raise Corrupt(f"{INDEX}: {name}: {_reason(e)}") from None
 
+    def read_as(self, spec):
+        """read(name, box) by the names of the model `spec` (nn/spec.py), of a
+        checkpoint an older hpctrain wrote (positional names) too:
+        ModelSpec.name_in_file."""
+        in_file = spec.name_in_file(self.tensors)
+        return lambda name, box=None: self.read(in_file(name), box)
+
     def read(self, name, box=None):
         """The values of `box` ((start, stop) per dimension; None: the whole
-        tensor) of tensor `name` (or an alias), a new host array of its dtype."""
-        name = self.aliases.get(name, name)
+        tensor) of tensor `name` (or an alias: a transposed one reads the
+        tensor's transposed box, transposed), a new host array of its dtype."""
+        if name in self.aliases:
+            name, transposed = self.aliases[name]
+            if transposed:
+                return self.read(name, None if box is None else box[::-1]).T.copy()
         shape, dtype = self.tensors[name]
         box = tuple((0, n) for n in shape) if box is None else tuple((int(a), int(b)) for a, b in box)
         if len(box) != len(shape) or any(not (0 <= a <= b <= n) for (a, b), n in zip(box, shape)):

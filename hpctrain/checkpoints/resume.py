@@ -204,8 +204,9 @@ class Checkpoints:
         spec = self.plan.spec.full
         if ckpt.named:
             have = ckpt.source.tensors
+            in_file = spec.name_in_file(have)
             for name, shape, _, _ in spec.tensors + spec.state:
-                if name not in have or tuple(have[name][0]) != tuple(shape):
+                if in_file(name) not in have or tuple(have[in_file(name)][0]) != tuple(shape):
                     raise HpctrainError(f"{ckpt.path}: no tensor {name} of shape {tuple(shape)}, as this model has")
             return
         for what, have, want in (("parameters", ckpt.params.size, spec.num_params),
@@ -225,7 +226,7 @@ class Checkpoints:
             def read_own():
                 try:
                     with open_checkpoint(resume.named) as ckpt:
-                        restore(parts, ckpt.read, world.xp)
+                        restore(parts, ckpt.read_as(plan.spec), world.xp)
                 except (Corrupt, Refused) as e:
                     raise HpctrainError(f"{resume.named}: {e}") from None
             world.agreed(comm, read_own, what="checkpoint read")
@@ -333,7 +334,8 @@ class Checkpoints:
         plan, spec = self.plan, self.plan.spec.full
         arrays, more = compression or ({}, {})
         keys, name, dtype = sorted(keys), plan.optimizer.name, np.dtype(plan.precision.params).str
-        tensors = {t: (tuple(shape), dtype, []) for t, shape, _, _ in spec.tensors + spec.state}
+        ties = spec.aliases()   # a tied tensor once, with the names that read it (the GPT's head/W)
+        tensors = {t: (tuple(shape), dtype, ties.get(t, [])) for t, shape, _, _ in spec.tensors + spec.state}
         tensors.update({f"{name}.{key}/{t}": (tuple(shape), dtype, []) for key in keys
                         for t, shape, _, _ in spec.tensors})
         attrs = {"optimizer_t": int(optimizer_t), "optimizer_state": ",".join(keys),

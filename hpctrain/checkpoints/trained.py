@@ -282,11 +282,12 @@ class Saved:
         except Refused as e:
             raise HpctrainError(f"{path}: {e}; hpctrain writes no such --save file (a crafted one?)") from None
 
-    def check(self, spec):
-        """Every tensor and state of spec stored, of its shape: before
+    def check(self, spec, in_file):
+        """Every tensor and state of spec stored (by its name in the file:
+        in_file, nn/spec.ModelSpec.name_in_file), of its shape: before
         anything of the model's size is allocated."""
         for name, shape, _, _ in spec.tensors + spec.state:
-            self.stored(name, shape, spec.name)
+            self.stored(in_file(name), shape, spec.name)
 
     def read(self, name, box=None):
         stored = self.stored(name)
@@ -315,8 +316,9 @@ def load_params(path, data_dir=None, model=None):
             raise HpctrainError(f"{saved.path}: attribute step is {_short(step)}, not a step number; save the model "
                                 f"again")
         spec = _build(rec, saved.path, saved.size)
-        saved.check(spec)
-        return _restored(spec, rec, saved.path, saved.read, step)
+        in_file = spec.name_in_file(saved.shapes)   # a file of positional names (an older hpctrain's) too
+        saved.check(spec, in_file)
+        return _restored(spec, rec, saved.path, lambda name, box: saved.read(in_file(name), box), step)
 
 
 def _restored(spec, rec, source, read, step, state=True):
@@ -381,10 +383,11 @@ def _named(ckpt, data_dir, model):
     """The model in a checkpoint of named tensors (checkpoints/named.py): each tensor read whole by name."""
     rec = _record_of(ckpt.attrs, ckpt.path, data_dir, model)
     spec = _build(rec, ckpt.path, sum(size for size, _ in ckpt.files.values()))
+    in_file = spec.name_in_file(ckpt.tensors)
     for name, shape, _, _ in spec.tensors + spec.state:
-        if tuple(ckpt.tensors.get(name, ((),))[0]) != tuple(shape):
+        if tuple(ckpt.tensors.get(in_file(name), ((),))[0]) != tuple(shape):
             raise HpctrainError(f"{ckpt.path}: no tensor {name} of shape {tuple(shape)}, as model {spec.name} has")
-    return _restored(spec, rec, ckpt.path, ckpt.read, ckpt.step)
+    return _restored(spec, rec, ckpt.path, ckpt.read_as(spec), ckpt.step)
 
 
 def _newest_checkpoint(folder):

@@ -2,15 +2,15 @@
 in two sets of names (docs/models.md has the table):
 
     hpctrain                    GPT-2 (transformers)
-    layer0/E        (V, E)      transformer.wte.weight      (V, E)   the head tied to it in both
-    layer1/P        (T, E)      transformer.wpe.weight      (n_positions, E): its first T rows
-    layerK/ln1.gamma, .beta     transformer.h.i.ln_1.weight, .bias
-    layerK/attn.Wqkv (E, 3E)    transformer.h.i.attn.c_attn.weight (E, 3E)
-    layerK/attn.bqkv, Wo, bo    ...attn.c_attn.bias, attn.c_proj.weight, .bias
-    layerK/ln2.gamma, .beta     ...ln_2.weight, .bias
-    layerK/fc.W, fc.b           ...mlp.c_fc.weight (E, 4E), .bias
-    layerK/proj.W, proj.b       ...mlp.c_proj.weight (4E, E), .bias
-    layerN/gamma, beta          transformer.ln_f.weight, .bias
+    embedding/E       (V, E)    transformer.wte.weight      (V, E)   the head (head/W) tied to it in both
+    position/P        (T, E)    transformer.wpe.weight      (n_positions, E): its first T rows
+    blocks.i/ln1.gamma, .beta   transformer.h.i.ln_1.weight, .bias
+    blocks.i/attn.Wqkv (E, 3E)  transformer.h.i.attn.c_attn.weight (E, 3E)
+    blocks.i/attn.bqkv, Wo, bo  ...attn.c_attn.bias, attn.c_proj.weight, .bias
+    blocks.i/ln2.gamma, .beta   ...ln_2.weight, .bias
+    blocks.i/fc.W, fc.b         ...mlp.c_fc.weight (E, 4E), .bias
+    blocks.i/proj.W, proj.b     ...mlp.c_proj.weight (4E, E), .bias
+    ln_f/gamma, beta            transformer.ln_f.weight, .bias
 
 GPT-2's Conv1D stores its weight input x output and computes x W + b,
 hpctrain's Linear the same: no transpose. Its fused qkv columns are q | k | v,
@@ -53,17 +53,15 @@ ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 
 def names(spec):
     """{hpctrain name: GPT-2 name} of every tensor of a GPT spec (the whole
-    model's), in the spec's order; one line for another model."""
+    model's, its layers named by nn/gpt.py: embedding, position, blocks.i,
+    ln_f), in the spec's order; one line for another model."""
     tensors = [name for name, _, _, _ in spec.full.tensors]
-    layers = sorted({name.split("/", 1)[0] for name in tensors}, key=lambda s: int(s[5:]))
-    blocks = [layer for layer in layers if f"{layer}/attn.Wqkv" in tensors]
-    want = [f"{layers[0]}/E", f"{layers[1]}/P"] if len(layers) > 2 else []
-    out = dict(zip(want, ("transformer.wte.weight", "transformer.wpe.weight")))
-    for i, layer in enumerate(blocks):
-        out.update({f"{layer}/{inner}": f"transformer.h.{i}.{theirs}" for inner, theirs in BLOCK.items()})
-    if len(layers) > 2:
-        out.update({f"{layers[-1]}/gamma": "transformer.ln_f.weight", f"{layers[-1]}/beta": "transformer.ln_f.bias"})
-    if not blocks or set(out) != set(tensors) or spec.state or len(layers) != len(blocks) + 3:
+    blocks = sum(1 for layer in spec.full.layer_names if layer.startswith("blocks."))
+    out = {"embedding/E": "transformer.wte.weight", "position/P": "transformer.wpe.weight",
+           "ln_f/gamma": "transformer.ln_f.weight", "ln_f/beta": "transformer.ln_f.bias"}
+    for i in range(blocks):
+        out.update({f"blocks.{i}/{inner}": f"transformer.h.{i}.{theirs}" for inner, theirs in BLOCK.items()})
+    if not blocks or set(out) != set(tensors) or spec.state:
         raise HpctrainError(f"model {spec.name} is not hpctrain's GPT (--model gpt:...): only a GPT has GPT-2's "
                             f"tensors; export it as safetensors")
     return {name: out[name] for name in tensors}

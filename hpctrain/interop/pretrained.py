@@ -62,7 +62,8 @@ class Source:
         except HpctrainError:   # not a GPT: its own names only (a --save file's, an export's)
             as_gpt2 = {}
         table = next((name for name, theirs in as_gpt2.items() if theirs.endswith("wpe.weight")), None)
-        mine = gpt2.names(spec) if self._gpt2 else {name: name for name, _, _, _ in spec.full.tensors}
+        in_file = spec.name_in_file(self._shapes)   # an older --save file's or export's positional names too
+        mine = gpt2.names(spec) if self._gpt2 else {name: in_file(name) for name, _, _, _ in spec.full.tensors}
         shapes = {name: shape for name, shape, _, _ in spec.full.tensors}
         for name, theirs in mine.items():
             have, want = self._shapes.get(theirs), tuple(shapes[name])

@@ -189,7 +189,7 @@ def server_files(plan, ranges, rank):
     def read(folder, params, states):
         try:
             with open_checkpoint(folder) as ckpt:
-                restore(layouts.ps_server(spec, ranges, params, states, name), ckpt.read)
+                restore(layouts.ps_server(spec, ranges, params, states, name), ckpt.read_as(spec))
         except Corrupt as e:   # checked by the chief already: changed since
             raise HpctrainError(f"{folder}: {e}") from None
     return {"write": write, "read": read}

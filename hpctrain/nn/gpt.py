@@ -57,12 +57,13 @@ def gpt_layers(vocab, block_size, layers, heads, width, dropout=0.0, act=DEFAULT
     out_std = STD / math.sqrt(2 * layers)
     # --tensor-parallel: the vocabulary split over the group (the embedding's rows, the tied head's
     # units), each Block by its inner layers' roles (nn/transformer.py)
-    embedding = Embedding(vocab, width, std=STD, role="vocab")
-    model = [embedding, PositionEmbedding(STD), Dropout(dropout)]
+    # Each layer named by its path in the model (nanoGPT's wte, wpe, h.i, ln_f, lm_head): the checkpoints' names
+    embedding = Embedding(vocab, width, std=STD, role="vocab").named("embedding")
+    model = [embedding, PositionEmbedding(STD).named("position"), Dropout(dropout).named("drop")]
     model += [Block(width, heads, dropout, std=STD, out_std=out_std, approximate=approximate, eps=eps)
-              for _ in range(layers)]
-    model += [LayerNorm(eps), Linear(vocab, bias=False, role="vocab").tie("W", embedding, "E",
-                                                                                 transposed=True)]
+              .named(f"blocks.{b}") for b in range(layers)]
+    model += [LayerNorm(eps).named("ln_f"), Linear(vocab, bias=False, role="vocab").named("head")
+              .tie("W", embedding, "E", transposed=True)]
     return model, TokenCrossEntropy()
 
 

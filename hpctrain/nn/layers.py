@@ -159,6 +159,9 @@ class Layer:
     min_batch = 1         # the smallest batch a training forward makes sense of (BatchNorm1d: 2)
     input_kind = "image"  # what it takes as a model's first layer (nn/spec.INPUT_KINDS): the reader must give it
     ties = ()             # (name, owner layer, its tensor, transposed): tensors read from another layer (tie)
+    # its path in the model (`blocks.0`), given where the model is built (named): its tensors are PATH/tensor in
+    # checkpoints and --save files; None: `layer{k}`, k counting the layers with tensors (nn/spec.py)
+    model_path = None
     recompute_unit = False  # --recompute drops its activations after forward and recomputes them in backward
     decays = ()           # its tensors weight decay applies to (--weight-decay-on matrices): what multiplies
     # What it is, declared here and inherited by a subclass (a user's `class MyReLU(ReLU)` is a ReLU to all
@@ -206,6 +209,13 @@ class Layer:
         (nn/tied.py), e.g. `Dense(vocab).tie("W", embedding, "E",
         transposed=True)`. Returns the layer. Checked when the spec is made."""
         self.ties = (*self.ties, (name, owner, tensor, bool(transposed)))
+        return self
+
+    def named(self, path):
+        """Call this layer `path` in the model (`blocks.0`, `embedding`),
+        where the model is built (nn/gpt.py): its tensors are then named
+        `path/tensor`. Returns the layer."""
+        self.model_path = path
         return self
 
     def context(self):

@@ -23,9 +23,14 @@ Layout: layers in order, layer 0 first; within a layer its tensors in
 `param_shapes()` order. Backprop finishes the last layer first, so the
 finished part of the gradient grows from the end of the buffer towards its
 start, which is what bucket fusion relies on. A tied tensor (nn/tied.py)
-lies once, in the layer that owns it (`ties`). Names are `layer{k}/{tensor}`,
-k counting the layers that hold tensors (the MLP's `layer0/W`, `layer0/b`,
-..., the `--save` file's datasets). Non-trainable state (batch-norm
+lies once, in the layer that owns it (`ties`; a checkpoint records it once,
+with its `aliases`). A tensor's name is its layer's path in the model and
+its own, `PATH/tensor` (the GPT's `embedding/E`, `blocks.0/attn.Wqkv`,
+`ln_f/gamma`: Layer.named, where the model is built), or `layer{k}/{tensor}`
+for a layer without a path, k counting the layers that hold tensors (the
+MLP's `layer0/W`, `layer0/b`, ...): the checkpoints' and `--save` files'
+datasets. Files written before layers had paths are read through
+`name_in_file`. Non-trainable state (batch-norm
 statistics) is laid out the same way in a buffer of its own.
 
     python -m hpctrain.nn               # the MLP's layers, shapes and buffer layout
@@ -160,6 +165,20 @@ def _reused(layers):
         walk(layer, f"layer {i}")
 
 
+def _layer_name(i, layer, k, holds):
+    """Layer i's name: its path in the model (Layer.named, given where the
+    model is built), else `layer{k}` (k counting the layers with tensors
+    before it) where it holds tensors (`holds`), else `layers.{i}` (a tie's
+    alias may name it); LayerCodeError (one line) for a path that is not a name."""
+    path = getattr(layer, "model_path", None)
+    if path is None:
+        return f"layer{k}" if holds else f"layers.{i}"
+    if not isinstance(path, str) or not path or "/" in path:
+        raise LayerCodeError(f"layer {i} ({describe(layer)}): its path {path!r} is not a non-empty string "
+                             f"without '/'")
+    return path
+
+
 # What a model's first layer may take (input_kind), each a kind of data a reader gives.
 INPUT_KINDS = ("image", "tokens")
 
@@ -210,6 +229,8 @@ class ModelSpec:
         self.ties = []   # nn/tied.Tie: a layer's tensor that is an earlier layer's
         decayed = []     # (lo, hi) of the tensors weight decay applies to (a tied one: at its owner)
         ties = declared(self.layers)
+        self.layer_names = []   # each layer's path (`blocks.0`, its builder's), else `layer{k}` (_layer_name)
+        self.positional = {}    # {tensor name: its positional name, `layer{k}/W`} where they differ (name_in_file)
         n = s = k = 0
         for i, layer in enumerate(self.layers):
             taken = set()
@@ -219,8 +240,13 @@ class ModelSpec:
                 params, mine = resolve(i, layer, params, ties[i], lambda j: self.layer_tensors[j])
                 self.ties.extend(mine)
             state = _tensors(i, layer, "state_shapes()", _call(i, layer, "state_shapes", layer.state_shapes), taken)
-            n = self._lay(params, k, n, self.layer_tensors, self.tensors)
-            s = self._lay(state, k, s, self.layer_state, self.state)
+            self.layer_names.append(_layer_name(i, layer, k, bool(params or state)))
+            if self.layer_names[i] in self.layer_names[:i]:
+                raise LayerCodeError(f"layer {i} ({describe(layer)}): its name {self.layer_names[i]!r} is layer "
+                                     f"{self.layer_names.index(self.layer_names[i])}'s too (each layer's tensors are "
+                                     f"named NAME/tensor)")
+            n = self._lay(params, self.layer_names[i], k, n, self.layer_tensors, self.tensors)
+            s = self._lay(state, self.layer_names[i], k, s, self.layer_state, self.state)
             decayed += [(lo, hi) for name, _, lo, hi in self.layer_tensors[i] if name.split("/", 1)[1] in decays]
             if params:
                 self.param_layers.append(i)
@@ -261,18 +287,48 @@ class ModelSpec:
         for name, view in views.items():
             view[...] = cuts[name].take(full[name], t) if name in cuts else full[name]
 
-    @staticmethod
-    def _lay(shapes, k, offset, per_layer, flat):
+    def _lay(self, shapes, prefix, k, offset, per_layer, flat):
         mine = []
         for tensor, shape in shapes:
             size = math.prod(shape)
-            mine.append((f"layer{k}/{tensor}", tuple(shape), offset, offset + size))
+            mine.append((f"{prefix}/{tensor}", tuple(shape), offset, offset + size))
+            if prefix != f"layer{k}":
+                self.positional[f"{prefix}/{tensor}"] = f"layer{k}/{tensor}"
             offset += size
         per_layer.append(mine)
         flat.extend(mine)
         return offset
 
     # --- what others ask ------------------------------------------------------
+    def aliases(self):
+        """{tensor name: [{"name": the alias, "transpose": bool}]} of the tied
+        tensors (nn/tied.py): what a checkpoint's index records of a tie
+        (the GPT's head/W, its embedding/E read transposed)."""
+        full = self.full
+        owners = {(lo, hi): name for name, _, lo, hi in full.tensors}
+        out = {}
+        for t in full.ties:
+            out.setdefault(owners[(t.lo, t.hi)], []).append({"name": f"{full.layer_names[t.user]}/{t.name}",
+                                                             "transpose": t.transposed})
+        return out
+
+    def name_in_file(self, held):
+        """name -> its name in a file (a checkpoint, a --save file, an export)
+        that holds the tensors `held`: the model's own names, or, where the
+        file was written before the model's layers had paths (it holds
+        `layer{k}/W` for `blocks.0/W`), the positional ones, k counting the
+        layers with tensors; an optimizer's state by the same names
+        (`adam.m/blocks.0/W` as `adam.m/layer2/W`). Every reader of such a
+        file asks through it."""
+        old = self.full.positional
+        if not old or any(name in held for name in old):
+            return lambda name: name
+
+        def positional(name):
+            head, _, rest = name.partition("/")
+            return old[name] if name in old else f"{head}/{old[rest]}" if rest in old else name
+        return positional
+
     def tensor_ranges(self):
         """(name, lo, hi) of each parameter tensor in the flat buffer."""
         return [(name, lo, hi) for name, _, lo, hi in self.tensors]
