@@ -68,7 +68,7 @@ _made = []
 
 def made(comm):
     """comm, revoked by `revoke_all` while it lives."""
-    _made.append(weakref.ref(comm))
+    _made[:] = [r for r in _made if r() is not None] + [weakref.ref(comm)]
     return comm
 
 

@@ -233,14 +233,15 @@ def check_shrink_layout(args):
     """--on-failure shrink where the in-memory commit is not built yet: one
     line. Data parallelism holds every tensor on every replica, or (ZeRO) a
     shard on its owner and a copy on the previous rank; a tensor slice is
-    held by every replica of its tensor position (run/survival.py); the
-    pipeline's and compression's commits are not built yet (issue 58)."""
+    held by every replica of its tensor position (run/survival.py;
+    --sequence-parallel rides on the same groups); the pipeline's and
+    compression's commits are not built yet (issue 58)."""
     if args.on_failure != "shrink":
         return
-    if args.mode != "ring" or args.pipeline_stages > 1 or args.compression != "none" or args.sequence_parallel:
+    if args.mode != "ring" or args.pipeline_stages > 1 or args.compression != "none":
         raise HpctrainError("--on-failure shrink runs data and tensor parallelism so far: --mode ring (any "
-                            "--zero, --tensor-parallel), no --pipeline-stages, --sequence-parallel or "
-                            "--compression (their in-memory commits are not built yet)")
+                            "--zero, --tensor-parallel), no --pipeline-stages or --compression (their "
+                            "in-memory commits are not built yet)")
     if args.allreduce == "hier":
         # A rank lost on another node leaves hier's survivors waiting in their node's
         # communicator, which holds no failed rank and so is never revoked (seen on 2 nodes).

@@ -50,8 +50,7 @@ def test_ulfm_on_or_not_asked_for_passes():
     ulfm.check("exit", {}, MPICH)
 
 
-@pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--mode", "ps"], ["--compression", "bf16"],
-                                   ["--tensor-parallel", "2", "--sequence-parallel"]])
+@pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--mode", "ps"], ["--compression", "bf16"]])
 def test_shrink_outside_data_and_tensor_parallelism_is_refused_in_one_line(flags):
     from hpctrain.flags import cli
     from hpctrain.run.startup import check_shrink_layout
@@ -61,7 +60,8 @@ def test_shrink_outside_data_and_tensor_parallelism_is_refused_in_one_line(flags
                                          "ring (any --zero, --tensor-parallel)") and refused.value.exit_code == 2
     for zero in ("0", "1", "2", "3"):   # ZeRO's shards: a neighbour's copy (run/survival.py)
         check_shrink_layout(cli.parse(["--on-failure", "shrink", "--zero", zero]))
-    check_shrink_layout(cli.parse(["--on-failure", "shrink", "--tensor-parallel", "2"]))   # a slice's replicas
+    for split in (["--tensor-parallel", "2"], ["--tensor-parallel", "2", "--sequence-parallel"]):
+        check_shrink_layout(cli.parse(["--on-failure", "shrink", *split]))   # a slice from its replicas
     check_shrink_layout(cli.parse(flags))   # (without the flag: whatever the layout)
 
 
