@@ -222,16 +222,16 @@ class Survival:
         # in a step: the step; past the last one (a survivor in the run's end): after the last step
         step, failed, ended = int(mine[0]), int(mine[1]) - int(mine[2]), bool(mine[2])
         held = [c for c in self.commits if c.step == step]
-        who_lost = _joined(shrunk.lost_world)
+        who_lost = f"rank{'s' if len(shrunk.lost_world) > 1 else ''} {_joined(shrunk.lost_world)}"
         if not held:
             from ..base.errors import HpctrainError
-            raise HpctrainError(f"rank {who_lost} failed before the first in-memory "
+            raise HpctrainError(f"{who_lost} failed before the first in-memory "
                                 f"commit (--commit-every {self.every}): nothing to go on from",
                                 exit_code=75, collective=True, report=comm.Get_rank() == 0)
         commit = held[0]
         survivors = comm.Get_size()
         if survivors < commit.slices:
-            self._requeue(comm, f"rank {who_lost} failed at step {failed}: {survivors} "
+            self._requeue(comm, f"{who_lost} failed at step {failed}: {survivors} "
                                 f"survivor{'s' if survivors > 1 else ''} cannot hold --tensor-parallel "
                                 f"{commit.slices}")
         self.commits, self.pending = held, self._whole(commit, comm, world.waiting, who_lost, failed)
@@ -293,7 +293,7 @@ class Survival:
         alive = [(int(t), int(r)) for t, r in alive]
         empty = [t for t in range(commit.slices) if t not in {t for t, _ in alive}]
         if empty:
-            self._requeue(comm, f"ranks {who_lost} failed at step {failed}: tensor slice{'s' if len(empty) > 1 else ''} "
+            self._requeue(comm, f"{who_lost} failed at step {failed}: tensor slice{'s' if len(empty) > 1 else ''} "
                                 f"{_joined(empty)} of --tensor-parallel {commit.slices} "
                                 f"{'are' if len(empty) > 1 else 'is'} held by no survivor")
         # a slice every replica of its position holds alike: sent by the first of them
@@ -307,7 +307,7 @@ class Survival:
                        if (r - 1) % commit.size in lost[t]]   # r's copy was on r - 1
             if orphans:
                 named = [f"{r}" + (f" of tensor slice {t}" if split else "") for t, r in orphans]
-                self._requeue(comm, f"ranks {who_lost} (neighbours) failed at step {failed}: "
+                self._requeue(comm, f"{who_lost} (neighbours) failed at step {failed}: "
                                     f"shard{'s' if len(orphans) > 1 else ''} {_joined(named)} "
                                     f"{'are' if len(orphans) > 1 else 'is'} held by no survivor")
             given += [(n, b, v) for n, b, v, alone in commit.pieces if alone]
