@@ -243,11 +243,11 @@ class Survival:
             left = MPI.Group.Translate_ranks(group, list(range(kept, survivors)), world_group)
             group.Free()
             world_group.Free()
+            # (it inherits comm's error handler, which revokes on a failure)
             working = comm.Split(0 if comm.Get_rank() < kept else MPI.UNDEFINED, comm.Get_rank())
             if working == MPI.COMM_NULL:   # left over: its part (the gather above) is done
                 from ..comm.start import stop_survivors
                 stop_survivors(world.watchdog, None)
-            working.Set_errhandler(MPI.ERRORS_RETURN)
             comm.Free()
             comm = self.comm = working
         # the launcher's rank numbers (what the job's other lines say), the node each was on
