@@ -49,11 +49,13 @@ def stop_survivors(watchdog, comm, code=0):
     MPI_Finalize, which in Open MPI 5.0.11 with ULFM sometimes waited for the
     lost rank until the deadline (exit 3 after a finished run: 1 run in 3
     here); mpirun --with-ft ulfm reports 0 for it. code: the exit status
-    (a run that ended with an error after the loss: its code)."""
+    (a run that ended with an error after the loss: its code). comm None:
+    a survivor the run went on without leaves alone (run/survival.py)."""
     import os
     import sys
-    with watchdog.last_barrier(), watchdog.waiting("shutdown: every surviving rank", peer=None):
-        comm.Barrier()
+    if comm is not None:
+        with watchdog.last_barrier(), watchdog.waiting("shutdown: every surviving rank", peer=None):
+            comm.Barrier()
     watchdog.stop_using_mpi(abort=os._exit)
     sys.stdout.flush()
     sys.stderr.flush()

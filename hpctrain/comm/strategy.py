@@ -59,7 +59,8 @@ class FlatStrategy:
     name = "?"
 
     def __init__(self, comm, watchdog=NO_WATCHDOG):
-        self.comm = comm.Dup()
+        from . import ulfm   # (MPI's import, here once MPI runs)
+        self.comm = ulfm.made(comm.Dup())   # (revoked after a lost rank: --on-failure shrink)
         self.size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
         self.world_ranks = world_ranks(self.comm)

@@ -104,7 +104,8 @@ def train_ring(world, plan, inputs, timeline):
             (consumers.parameters(held, plan.spec) if ring.param_shard is not None else []) + \
             [p for p in held if p.name.startswith(f"{plan.optimizer.name}.")]
         world.survival.commit(at, ring.optimizer.t, frame.checkpoints.samples_at(at), frame.clock(),
-                              reader.position, held, alone, comm, world.waiting)
+                              reader.position, held, alone, comm, world.waiting,
+                              tensor=(mesh.coords.tensor, mesh.size("tensor")))
     if world.survival is not None:   # the start is a commit too: a rank lost in the first K steps is survived
         commit(frame.start)
     step, stopped = train_steps(world, frame, ring, reader, evaluated, save, commit)

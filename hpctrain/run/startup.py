@@ -232,14 +232,16 @@ def start(args, process_note, watchdog, stop, on_roles=None, survival=None, comm
 def check_shrink_layout(args):
     """--on-failure shrink where the in-memory commit is not built yet: one
     line. Data parallelism holds every tensor on every replica, or (ZeRO) a
-    shard on its owner and a copy on the previous rank; the model splits'
-    commits are not built yet (issue 58)."""
+    shard on its owner and a copy on the previous rank; a tensor slice is
+    held by every replica of its tensor position (run/survival.py;
+    --sequence-parallel rides on the same groups); the pipeline's and
+    compression's commits are not built yet (issue 58)."""
     if args.on_failure != "shrink":
         return
-    if args.mode != "ring" or args.tensor_parallel > 1 or args.pipeline_stages > 1 or args.compression != "none":
-        raise HpctrainError("--on-failure shrink runs data parallelism so far: --mode ring (any --zero), "
-                            "no --tensor-parallel, --pipeline-stages or --compression (the model splits' and "
-                            "compression's in-memory commits are not built yet)")
+    if args.mode != "ring" or args.pipeline_stages > 1 or args.compression != "none":
+        raise HpctrainError("--on-failure shrink runs data and tensor parallelism so far: --mode ring (any "
+                            "--zero, --tensor-parallel), no --pipeline-stages or --compression (their "
+                            "in-memory commits are not built yet)")
     if args.allreduce == "hier":
         # A rank lost on another node leaves hier's survivors waiting in their node's
         # communicator, which holds no failed rank and so is never revoked (seen on 2 nodes).

@@ -8,12 +8,18 @@ start-up (run/startup.start on the smaller communicator), the same restore
 of every part's box (checkpoints/resume.Checkpoints.restore reads the
 commit as it reads a checkpoint folder), the same data windows.
 
-Data parallelism (ring) for now. Without ZeRO every replica holds every
-tensor whole, so any survivor's commit is the whole state; with --zero
-1|2|3 a replica alone holds its shards, so each commit also keeps a copy of
-the next rank's (sent to the previous rank: one Sendrecv), and a recovery
-puts every shard together from its owner or that copy. A rank and its
-neighbour lost: a shard is held by no survivor, one line, exit 75.
+Data and tensor parallelism (ring) for now. Without ZeRO every replica
+holds every tensor whole, so any survivor's commit is the whole state; with
+--zero 1|2|3 a replica alone holds its shards, so each commit also keeps a
+copy of the next rank's (sent to the previous rank: one Sendrecv), and a
+recovery puts every shard together from its owner or that copy. A rank and
+its neighbour lost: a shard is held by no survivor, one line, exit 75.
+With --tensor-parallel T a rank's commit is its slice (a box of each whole
+tensor), held alike by every replica of its tensor position: a recovery
+takes each slice from one survivor of that position, and the run goes on
+on the largest multiple of T survivors; a survivor left over leaves (its
+part in the gather done; docs/faults.md says why). A position with no
+survivor, or fewer survivors than T: one line, exit 75.
 
     mpirun --with-ft ulfm -n 4 python -m hpctrain.mnist --on-failure shrink --commit-every 10
 """
@@ -26,6 +32,7 @@ from mpi4py import MPI
 
 from ..comm import ulfm
 from ..state.parts import box_shape, box_slices
+from .mesh import AXES
 
 
 TAG = 32100   # a commit's shards to the previous rank (the neighbour's copy)
@@ -48,6 +55,8 @@ class Commit:
     neighbour: list = None
     rank: int = 0
     size: int = 1
+    slice: int = 0        # --tensor-parallel: this rank's tensor position at the commit, of `slices`
+    slices: int = 1
     packed: object = None     # the uint8 buffer this rank's shards live in (what goes to the neighbour)
     received: object = None   # the uint8 buffer the neighbour's live in
     tensors: dict = None
@@ -106,12 +115,14 @@ class Survival:
     def due(self, step):
         return self.every and step % self.every == 0
 
-    def commit(self, step, optimizer_t, samples, clock, position, parts, alone=None, comm=None, waiting=None):
+    def commit(self, step, optimizer_t, samples, clock, position, parts, alone=None, comm=None, waiting=None,
+               tensor=(0, 1)):
         """After step `step`: hold copies of this rank's parts. alone: None
         where every replica holds every part (plain data parallelism), else
         the parts this replica alone holds (ZeRO's shards), which also go to
         the previous rank of comm, which hands over the next one's: one
-        Sendrecv (waiting: run/world.World.waiting)."""
+        Sendrecv (waiting: run/world.World.waiting). tensor: this rank's
+        tensor position and the tensor ranks (--tensor-parallel)."""
         from ..base import device
         sharded = alone is not None
         alone = {id(p) for p in alone or ()}
@@ -149,7 +160,7 @@ class Survival:
                                                    (float(clock["elapsed_s"]), float(clock["compute_s_total"]),
                                                     float(clock["comm_s_total"]), int(clock["segments"])),
                                                    tuple(int(v) for v in position), pieces, neighbour, rank, size,
-                                                   packed, received)]
+                                                   int(tensor[0]), int(tensor[1]), packed, received)]
 
     def _exchange(self, comm, waiting, described, packed, received):
         """This rank's shards (`packed`) to the previous rank of comm, the next
@@ -181,15 +192,21 @@ class Survival:
         """After a lost peer, on this survivor: shrink, agree on the
         commit every survivor holds, put its whole tensors together from
         the survivors' pieces, rebuild the run on the survivors
-        (rebuild(comm) -> start-up's (world, plan, inputs)). The line, and the
-        record's entry, on the new chief. Where some shard of the commit is
-        held by no survivor (a rank and its neighbour lost): one line, exit 75."""
+        (rebuild(comm) -> start-up's (world, plan, inputs)); with
+        --tensor-parallel T on the first multiple of T of them, a survivor
+        left over leaving here. The line, and the record's entry, on the new
+        chief. Where some part of the commit is held by no survivor (a rank
+        and its neighbour lost; a tensor position with no survivor) or the
+        survivors are fewer than T: one line, exit 75."""
         t0 = time.perf_counter()
         old = world.comm
         roles = world.watchdog.roles
         before = old.Get_size()
+        ulfm.revoke_all(([world.mesh.comm(axis) for axis in AXES] if world.mesh is not None else []) +
+                        [world.cluster.worker_comm])
         shrunk = ulfm.shrink(old)
         comm = self.comm = shrunk.comm
+        revoke_on_failure(comm)   # (what the rebuilt run makes of it inherits it, as from the world)
         # The failed world's communicators, revoked, are of no more use: freed (MPI_Comm_free
         # is local, and completes on a revoked communicator under ULFM); the launcher's
         # world is not ours to free.
@@ -205,14 +222,34 @@ class Survival:
         # in a step: the step; past the last one (a survivor in the run's end): after the last step
         step, failed, ended = int(mine[0]), int(mine[1]) - int(mine[2]), bool(mine[2])
         held = [c for c in self.commits if c.step == step]
-        who_lost = _joined(shrunk.lost_world)
+        who_lost = f"rank{'s' if len(shrunk.lost_world) > 1 else ''} {_joined(shrunk.lost_world)}"
         if not held:
             from ..base.errors import HpctrainError
-            raise HpctrainError(f"rank {who_lost} failed before the first in-memory "
+            raise HpctrainError(f"{who_lost} failed before the first in-memory "
                                 f"commit (--commit-every {self.every}): nothing to go on from",
                                 exit_code=75, collective=True, report=comm.Get_rank() == 0)
         commit = held[0]
+        survivors = comm.Get_size()
+        if survivors < commit.slices:
+            self._requeue(comm, f"{who_lost} failed at step {failed}: {survivors} "
+                                f"survivor{'s' if survivors > 1 else ''} cannot hold --tensor-parallel "
+                                f"{commit.slices}")
         self.commits, self.pending = held, self._whole(commit, comm, world.waiting, who_lost, failed)
+        # --tensor-parallel T: the run goes on on the first multiple of T survivors
+        kept = survivors - survivors % commit.slices
+        left = []
+        if kept < survivors:
+            group, world_group = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+            left = MPI.Group.Translate_ranks(group, list(range(kept, survivors)), world_group)
+            group.Free()
+            world_group.Free()
+            # (it inherits comm's error handler, which revokes on a failure)
+            working = comm.Split(0 if comm.Get_rank() < kept else MPI.UNDEFINED, comm.Get_rank())
+            if working == MPI.COMM_NULL:   # left over: its part (the gather above) is done
+                from ..comm.start import stop_survivors
+                stop_survivors(world.watchdog, None)
+            comm.Free()
+            comm = self.comm = working
         # the launcher's rank numbers (what the job's other lines say), the node each was on
         # (a whole node lost shows as its ranks together), the roles they had
         hosts = world.cluster.hosts
@@ -220,38 +257,62 @@ class Survival:
                         for r, w in zip(shrunk.lost, shrunk.lost_world))
         world.watchdog.roll_call_on(comm)
         when = f"after step {failed}, in the run's end (final evaluation and writes)" if ended else f"at step {failed}"
-        self._said = (t0, f"hpctrain: {who} failed {when}; going on with {comm.Get_size()} ranks from the "
+        spare = (f" (rank {_joined(left)} left the job: --tensor-parallel {commit.slices} runs on {kept} of the "
+                 f"{survivors} survivors)") if left else ""
+        self._said = (t0, f"hpctrain: {who} failed {when}; going on with {comm.Get_size()} ranks{spare} from the "
                           f"commit of step {step}, {failed - step} steps lost")
         self.recoveries.append({"step": failed, "commit_step": step, "lost": list(shrunk.lost_world),
-                                "ranks_before": before, "ranks_after": comm.Get_size(), "seconds": None})
+                                "ranks_before": before, "ranks_after": comm.Get_size(), "seconds": None,
+                                **({"left": [int(r) for r in left]} if left else {})})
         return rebuild(comm)
+
+    def _requeue(self, comm, why):
+        """The end of a run whose survivors cannot go on: `why`, the last
+        checkpoint on disk as it is, exit 75 (the requeue path); collective."""
+        from ..base.errors import HpctrainError
+        kept = f"the last checkpoint (step {self.saved}) stands" if self.saved is not None else \
+            "no checkpoint was written"
+        raise HpctrainError(f"{why}; {kept}; exit 75 to requeue", exit_code=75, collective=True,
+                            report=comm.Get_rank() == 0)
 
     def _whole(self, commit, comm, waiting, who_lost, failed):
         """The commit with its whole tensors, on every survivor of comm
-        (collective): what every replica held, its own; the shards, each from
-        its owner if it survived, else from the previous rank's copy, gathered
-        from every survivor (one Allgatherv of their descriptions, one of their
-        values)."""
-        tensors = {name: values for name, box, values, alone in commit.pieces if not alone}
-        if commit.neighbour is None:   # plain data parallelism: every survivor holds every tensor whole
+        (collective): what every replica held, its own (with
+        --tensor-parallel, each tensor position's slice from its first
+        survivor); the shards, each from its owner if it survived, else from
+        the previous rank's copy, gathered from every survivor (one
+        Allgatherv of their descriptions, one of their values)."""
+        split = commit.slices > 1
+        tensors = {} if split else {name: values for name, box, values, alone in commit.pieces if not alone}
+        if commit.neighbour is None and not split:   # plain data parallelism: every survivor holds every tensor
             return replace(commit, tensors=tensors)
-        alive = np.zeros(comm.Get_size(), np.int64)
+        # where each survivor stood at the commit: its tensor position and its rank among that position's replicas
+        alive = np.zeros((comm.Get_size(), 2), np.int64)
         with waiting("the survivors' ranks before the loss", None):
-            comm.Allgather(np.array([commit.rank], np.int64), alive)
-        lost = sorted(set(range(commit.size)) - set(int(r) for r in alive))
-        orphans = [r for r in lost if (r - 1) % commit.size in lost]   # r's copy was on r - 1
-        if orphans:
-            from ..base.errors import HpctrainError
-            kept = f"the last checkpoint (step {self.saved}) stands" if self.saved is not None else \
-                "no checkpoint was written"
-            raise HpctrainError(f"ranks {who_lost} (neighbours) failed at step {failed}: "
-                                f"shard{'s' if len(orphans) > 1 else ''} {_joined(orphans)} "
-                                f"{'are' if len(orphans) > 1 else 'is'} held by no survivor; {kept}; "
-                                f"exit 75 to requeue",
-                                exit_code=75, collective=True, report=comm.Get_rank() == 0)
-        given = [(n, b, v) for n, b, v, alone in commit.pieces if alone]
-        if (commit.rank + 1) % commit.size in lost:
-            given += commit.neighbour
+            comm.Allgather(np.array([commit.slice, commit.rank], np.int64), alive)
+        alive = [(int(t), int(r)) for t, r in alive]
+        empty = [t for t in range(commit.slices) if t not in {t for t, _ in alive}]
+        if empty:
+            self._requeue(comm, f"{who_lost} failed at step {failed}: tensor slice{'s' if len(empty) > 1 else ''} "
+                                f"{_joined(empty)} of --tensor-parallel {commit.slices} "
+                                f"{'are' if len(empty) > 1 else 'is'} held by no survivor")
+        # a slice every replica of its position holds alike: sent by the first of them
+        first = split and [t for t, _ in alive].index(commit.slice) == comm.Get_rank()
+        given = [(n, b, v) for n, b, v, alone in commit.pieces if first and not alone]
+        if commit.neighbour is not None:
+            # each position's replicas lost (the same on every survivor: from `alive`)
+            lost = {t: sorted(set(range(commit.size)) - {r for u, r in alive if u == t})
+                    for t in range(commit.slices)}
+            orphans = [(t, r) for t in range(commit.slices) for r in lost[t]
+                       if (r - 1) % commit.size in lost[t]]   # r's copy was on r - 1
+            if orphans:
+                named = [f"{r}" + (f" of tensor slice {t}" if split else "") for t, r in orphans]
+                self._requeue(comm, f"{who_lost} (neighbours) failed at step {failed}: "
+                                    f"shard{'s' if len(orphans) > 1 else ''} {_joined(named)} "
+                                    f"{'are' if len(orphans) > 1 else 'is'} held by no survivor")
+            given += [(n, b, v) for n, b, v, alone in commit.pieces if alone]
+            if (commit.rank + 1) % commit.size in lost[commit.slice]:
+                given += commit.neighbour
         # every survivor's shards, described (JSON) and packed (raw bytes): no pickle
         raw = np.frombuffer(json.dumps(_described(given)).encode(), np.uint8)
         sizes = np.zeros((2, comm.Get_size()), np.int64)

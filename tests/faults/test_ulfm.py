@@ -6,6 +6,7 @@ MPI has no ULFM (MPICH; Open MPI launched without --with-ft ulfm).
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -50,17 +51,18 @@ def test_ulfm_on_or_not_asked_for_passes():
     ulfm.check("exit", {}, MPICH)
 
 
-@pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--tensor-parallel", "2"], ["--mode", "ps"],
-                                   ["--compression", "bf16"]])
-def test_shrink_outside_data_parallelism_is_refused_in_one_line(flags):
+@pytest.mark.parametrize("flags", [["--pipeline-stages", "2"], ["--mode", "ps"], ["--compression", "bf16"]])
+def test_shrink_outside_data_and_tensor_parallelism_is_refused_in_one_line(flags):
     from hpctrain.flags import cli
     from hpctrain.run.startup import check_shrink_layout
     with pytest.raises(HpctrainError) as refused:
         check_shrink_layout(cli.parse(["--on-failure", "shrink", *flags]))
-    assert str(refused.value).startswith("--on-failure shrink runs data parallelism so far: --mode ring "
-                                         "(any --zero)") and refused.value.exit_code == 2
+    assert str(refused.value).startswith("--on-failure shrink runs data and tensor parallelism so far: --mode "
+                                         "ring (any --zero, --tensor-parallel)") and refused.value.exit_code == 2
     for zero in ("0", "1", "2", "3"):   # ZeRO's shards: a neighbour's copy (run/survival.py)
         check_shrink_layout(cli.parse(["--on-failure", "shrink", "--zero", zero]))
+    for split in (["--tensor-parallel", "2"], ["--tensor-parallel", "2", "--sequence-parallel"]):
+        check_shrink_layout(cli.parse(["--on-failure", "shrink", *split]))   # a slice from its replicas
     check_shrink_layout(cli.parse(flags))   # (without the flag: whatever the layout)
 
 
@@ -152,6 +154,50 @@ def test_a_rank_and_its_neighbour_lost_leave_the_last_checkpoint_and_exit_75(tmp
         "the last checkpoint (step 20) stands; exit 75 to requeue"], r.stderr
     assert sorted(os.listdir(ck)) == ["ckpt-00000020"]
     assert [path.rsplit("/", 1)[-1] for _, path in list_checkpoints(ck)] == ["ckpt-00000020"]
+
+
+def test_a_lost_tensor_slice_comes_from_its_replica_and_the_run_equals_a_resume_at_2_ranks(tmp_path):
+    """--tensor-parallel 2 x 2 replicas (the default ZeRO-1 over them), rank
+    2 (tensor 0 of replica 1) lost: its slice comes from rank 0, its
+    optimizer shard from rank 0's copy; 3 survivors hold T = 2 on 2 of them,
+    the third leaves the job (docs/faults.md). The run to equal: its own
+    checkpoint of step 30 (written before the loss, as a run stopped there
+    writes it) resumed at 2 ranks."""
+    needs_ulfm()
+    d = tmp_path
+    shrunk = ulfm_job(4, *TINY, "--tensor-parallel", "2", "--steps", "80", "--on-failure", "shrink",
+                      "--commit-every", "10", "--checkpoint-every", "30", "--checkpoint-dir", d / "ck",
+                      "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl", kill="2:35")
+    assert shrunk.returncode == 0, shrunk.stderr
+    said = [s for s in shrunk.stdout.splitlines() if " failed at step " in s]
+    assert len(said) == 1 and said[0].startswith("hpctrain: rank 2 (node "), shrunk.stdout
+    assert ("failed at step 36; going on with 2 ranks (rank 3 left the job: --tensor-parallel 2 runs on 2 of the "
+            "3 survivors) from the commit of step 30, 6 steps lost") in said[0]
+    final = json.loads((d / "m.jsonl").read_text().splitlines()[-1])
+    assert final["event"] == "final" and final["world_size"] == 2 and final["steps"] == 80
+    (recovery,) = final["recoveries"]
+    assert {k: recovery[k] for k in ("step", "commit_step", "lost", "ranks_before", "ranks_after", "left")} == \
+        {"step": 36, "commit_step": 30, "lost": [2], "ranks_before": 4, "ranks_after": 2, "left": [3]}
+    shutil.copytree(d / "ck" / "ckpt-00000030", d / "at30" / "ckpt-00000030")
+    resumed = ulfm_job(2, *TINY, "--tensor-parallel", "2", "--steps", "80", "--checkpoint-dir", d / "at30",
+                       "--save", d / "resumed.h5", ft=False)
+    assert resumed.returncode == 0, resumed.stderr
+    assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
+
+
+def test_a_tensor_group_with_one_replica_losing_a_rank_exits_75(tmp_path):
+    """--tensor-parallel 2 on 2 ranks (one replica): a lost rank's slice is
+    held by no one, and one survivor cannot hold T = 2: one line, exit 75,
+    the checkpoint of step 10 as it was."""
+    needs_ulfm()
+    ck = tmp_path / "ck"
+    r = ulfm_job(2, *TINY, "--tensor-parallel", "2", "--steps", "40", "--on-failure", "shrink",
+                 "--commit-every", "10", "--checkpoint-every", "10", "--checkpoint-dir", ck, kill="1:15")
+    lines = [s for s in r.stderr.splitlines() if s.strip() and not s.startswith("NBC_Progress")]
+    assert r.returncode == 75 and lines == [
+        "hpctrain: error: rank 1 failed at step 16: 1 survivor cannot hold --tensor-parallel 2; "
+        "the last checkpoint (step 10) stands; exit 75 to requeue"], r.stderr
+    assert os.listdir(ck) == ["ckpt-00000010"] and checkpoint_steps(ck) == [10]
 
 
 @pytest.fixture(scope="module")
