@@ -15,9 +15,20 @@ the next rank's (sent to the previous rank: one Sendrecv), and a recovery
 puts every shard together from its owner or that copy. A rank and its
 neighbour lost: a shard is held by no survivor, one line, exit 75.
 
+When to commit (`--commit-every auto`, the default): a time budget, not a
+step count. Each rank times its commits and the steps between them and
+proposes the next interval so that a commit costs at most BUDGET of the
+run's time (its last commit's seconds / (BUDGET x its mean step seconds)
+since the last commit), between 1 and LONGEST steps; the ranks take the
+largest proposal, agreed in one nonblocking MAX started by the commit and
+read at the next step (never a blocking round a step). A start (the run's,
+or a rebuilt one's) has nothing timed yet: its next commit is FIRST steps
+on, so a loss early loses little. `--commit-every K`: every K steps.
+
     mpirun --with-ft ulfm -n 4 python -m hpctrain.mnist --on-failure shrink --commit-every 10
 """
 import json
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +40,9 @@ from ..state.parts import box_shape, box_slices
 
 
 TAG = 32100   # a commit's shards to the previous rank (the neighbour's copy)
+BUDGET = 0.02   # --commit-every auto: the commits' share of the run's time
+FIRST = 10      # auto: steps from a start to the first commit timed (before any step is)
+LONGEST = 200   # auto: the most steps between commits (what a loss can cost)
 
 
 @dataclass(frozen=True)
@@ -85,8 +99,9 @@ class Survival:
     """One process's side of --on-failure shrink, kept across rebuilds: the
     commits (the last two: a failure inside a step may leave survivors one
     commit apart, and they go on from the older), the recoveries so far, and
-    the communicator the run stands on now."""
-    every: int
+    the communicator the run stands on now. every: K, or "auto" (the
+    module's docstring)."""
+    every: object
     comm: object = None
     commits: list = field(default_factory=list)
     recoveries: list = field(default_factory=list)
@@ -96,6 +111,13 @@ class Survival:
     ended: bool = False       # past the last step: in the final evaluation, checkpoint or --save
     _said: tuple = None       # (when the last recovery began, its line)
     _link: tuple = None       # (communicator, the neighbour's shards described): exchanged once a communicator
+    made: int = 0             # commits made by this rank, and their seconds (the final record's "commits")
+    made_s: float = 0.0
+    _timed: tuple = None      # auto: (when the last commit ended, its step); None at a start
+    _next: int = None         # auto: the step of the next commit, as agreed
+    _agreed: int = None       # auto: the last interval agreed (steps)
+    _agreeing: tuple = None   # auto: (the MAX of the proposals under way, its buffer, the commit's step, waiting)
+    clock: object = field(default=time.perf_counter, repr=False)   # what commits and steps are timed by
 
     def stepped(self, step, saved=None):
         self.done, self.saved = step, saved
@@ -104,15 +126,42 @@ class Survival:
         self.ended = True
 
     def due(self, step):
-        return self.every and step % self.every == 0
+        """A commit after step `step` (the same answer on every rank)."""
+        if self.every != "auto":
+            return step % self.every == 0
+        if self._agreeing is not None:   # started by the last commit: every rank is in it by now
+            request, proposal, at, waiting = self._agreeing
+            with waiting("the next commit's step agreed", None):
+                request.Wait()
+            self._agreeing, self._agreed = None, int(proposal[0])
+            self._next = at + self._agreed
+        return step >= self._next
+
+    def totals(self):
+        """The final record's "commits": this rank's count and mean cost, the interval."""
+        return {"count": self.made, "mean_ms": round(1000 * self.made_s / max(self.made, 1), 3),
+                "every": self.every, **({"last_agreed": self._agreed} if self.every == "auto" else {})}
+
+    def _schedule(self, step, t0, t1, comm, waiting):
+        """auto, after the commit of `step` (t0 to t1): propose the next one's
+        step to the others (a MAX, nonblocking: due() reads it)."""
+        last, self._timed = self._timed, (t1, step)
+        if last is None or step <= last[1]:   # a start: nothing timed yet
+            self._next, self._agreeing = step + FIRST, None
+            return
+        per_step = max(t0 - last[0], 1e-9) / (step - last[1])
+        proposal = np.array([min(LONGEST, max(1, math.ceil((t1 - t0) / (BUDGET * per_step))))], np.int64)
+        self._agreeing = (comm.Iallreduce(MPI.IN_PLACE, proposal, op=MPI.MAX), proposal, step, waiting)
 
     def commit(self, step, optimizer_t, samples, clock, position, parts, alone=None, comm=None, waiting=None):
         """After step `step`: hold copies of this rank's parts. alone: None
         where every replica holds every part (plain data parallelism), else
         the parts this replica alone holds (ZeRO's shards), which also go to
         the previous rank of comm, which hands over the next one's: one
-        Sendrecv (waiting: run/world.World.waiting)."""
+        Sendrecv (waiting: run/world.World.waiting). Timed; under auto, the
+        next commit's step proposed on comm."""
         from ..base import device
+        t0 = self.clock()
         sharded = alone is not None
         alone = {id(p) for p in alone or ()}
         # Into the older commit's arrays: fresh ones cost their pages' first
@@ -150,6 +199,10 @@ class Survival:
                                                     float(clock["comm_s_total"]), int(clock["segments"])),
                                                    tuple(int(v) for v in position), pieces, neighbour, rank, size,
                                                    packed, received)]
+        t1 = self.clock()
+        self.made, self.made_s = self.made + 1, self.made_s + t1 - t0
+        if self.every == "auto":
+            self._schedule(step, t0, t1, comm, waiting)
 
     def _exchange(self, comm, waiting, described, packed, received):
         """This rank's shards (`packed`) to the previous rank of comm, the next
@@ -185,6 +238,8 @@ class Survival:
         record's entry, on the new chief. Where some shard of the commit is
         held by no survivor (a rank and its neighbour lost): one line, exit 75."""
         t0 = time.perf_counter()
+        # the interval's MAX under way is on the failed communicator: the rebuilt run starts again
+        self._timed = self._agreeing = None
         old = world.comm
         roles = world.watchdog.roles
         before = old.Get_size()
