@@ -7,6 +7,7 @@ MPI has no ULFM (MPICH; Open MPI launched without --with-ft ulfm).
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -155,6 +156,32 @@ def test_a_rank_and_its_neighbour_lost_leave_the_last_checkpoint_and_exit_75(tmp
         "the last checkpoint (step 20) stands; exit 75 to requeue"], r.stderr
     assert sorted(os.listdir(ck)) == ["ckpt-00000020"]
     assert [path.rsplit("/", 1)[-1] for _, path in list_checkpoints(ck)] == ["ckpt-00000020"]
+
+
+def test_two_ranks_lost_at_once_not_neighbours_zero3_at_6_ranks_equal_a_resume_at_4(tmp_path):
+    """ZeRO-3 on 6 ranks, ranks 1 and 4 killed after the same step: each
+    lost shard comes from its previous rank's copy (0's, 3's); the run goes
+    on with 4 ranks, bit for bit a run stopped at the commit's step and
+    resumed at 4 ranks (from the checkpoint this run wrote at that step on
+    6 ranks, before the loss: one 6-rank job, not two)."""
+    needs_ulfm()
+    d, run = tmp_path, [*TINY, "--zero", "3", "--log-every", "5", "--checkpoint-dir", tmp_path / "ck"]
+    shrunk = ulfm_job(6, *run, "--steps", "20", "--on-failure", "shrink", "--commit-every", "10",
+                      "--checkpoint-every", "10", "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl",
+                      kill="1:15,4:15")
+    assert shrunk.returncode == 0, shrunk.stderr
+    (said,) = [s for s in shrunk.stdout.splitlines() if " failed at step " in s]
+    assert said.startswith("hpctrain: rank 1 (node ") and ", rank 4 (node " in said and \
+        "failed at step 16; going on with 4 ranks from the commit of step 10, 6 steps lost" in said, said
+    final = json.loads((d / "m.jsonl").read_text().splitlines()[-1])
+    assert (final["world_size"], final["steps"]) == (4, 20)
+    assert [(e["step"], e["commit_step"], e["lost"], e["ranks_before"], e["ranks_after"])
+            for e in final["recoveries"]] == [(16, 10, [1, 4], 6, 4)]
+    assert checkpoint_steps(d / "ck") == [10, 20]
+    shutil.rmtree(d / "ck" / "ckpt-00000020")
+    again = ulfm_job(4, *run, "--steps", "20", "--save", d / "resumed.h5", ft=False)
+    assert again.returncode == 0, again.stderr
+    assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
 
 
 @pytest.fixture(scope="module")
