@@ -236,23 +236,41 @@ class Survival:
         the survivors' pieces, rebuild the run on the survivors
         (rebuild(comm) -> start-up's (world, plan, inputs)). The line, and the
         record's entry, on the new chief. Where some shard of the commit is
-        held by no survivor (a rank and its neighbour lost): one line, exit 75."""
+        held by no survivor (a rank and its neighbour lost): one line, exit 75.
+        A survivor lost during all this (the agreement, the gather, the
+        rebuild's start-up): shrink again and all again, one recovery of both."""
         t0 = time.perf_counter()
         # the interval's MAX under way is on the failed communicator: the rebuilt run starts again
         self._timed = self._agreeing = None
         old = world.comm
-        roles = world.watchdog.roles
-        before = old.Get_size()
-        shrunk = ulfm.shrink(old)
-        comm = self.comm = shrunk.comm
+        before, ended = old.Get_size(), self.ended
+        # the world's rank -> old's (the lines name nodes and roles by old's ranks)
+        groups = old.Get_group(), MPI.COMM_WORLD.Get_group()
+        in_old = dict(zip(MPI.Group.Translate_ranks(groups[0], list(range(before)), groups[1]), range(before)))
+        for g in groups:
+            g.Free()
         # The failed world's communicators, revoked, are of no more use: freed (MPI_Comm_free
         # is local, and completes on a revoked communicator under ULFM); the launcher's
         # world is not ours to free.
         if world.mesh is not None:
             world.mesh.free()
-        if old != MPI.COMM_WORLD:
-            old.Free()
-        mine = np.array([self.commits[-1].step if self.commits else -1, self.done + 1, self.ended], np.int64)
+        comm, lost = old, ()
+        while True:
+            shrunk = ulfm.shrink(comm)
+            if comm != MPI.COMM_WORLD:
+                comm.Free()
+            comm = self.comm = shrunk.comm
+            lost = tuple(sorted(lost + shrunk.lost_world))
+            try:
+                return self._rebuilt(world, rebuild, comm, t0, before, ended, [(in_old[w], w) for w in lost])
+            except MPI.Exception as exc:
+                if not ulfm.peer_lost(exc):
+                    raise
+
+    def _rebuilt(self, world, rebuild, comm, t0, before, ended, lost):
+        """recover() on the survivors' comm: lost [(rank before, the world's rank)]."""
+        lost_world = [w for _, w in lost]
+        mine = np.array([self.commits[-1].step if self.commits else -1, self.done + 1, ended], np.int64)
         with world.waiting("agreeing on the commit after a lost rank", peer=None):
             comm.Allreduce(MPI.IN_PLACE, mine[:1], op=MPI.MIN)
             comm.Allreduce(MPI.IN_PLACE, mine[1:], op=MPI.MAX)
@@ -260,7 +278,7 @@ class Survival:
         # in a step: the step; past the last one (a survivor in the run's end): after the last step
         step, failed, ended = int(mine[0]), int(mine[1]) - int(mine[2]), bool(mine[2])
         held = [c for c in self.commits if c.step == step]
-        who_lost = _joined(shrunk.lost_world)
+        who_lost = _joined(lost_world)
         if not held:
             from ..base.errors import HpctrainError
             raise HpctrainError(f"rank {who_lost} failed before the first in-memory "
@@ -270,16 +288,16 @@ class Survival:
         self.commits, self.pending = held, self._whole(commit, comm, world.waiting, who_lost, failed)
         # the launcher's rank numbers (what the job's other lines say), the node each was on
         # (a whole node lost shows as its ranks together), the roles they had
-        hosts = world.cluster.hosts
-        who = ", ".join(f"rank {w} (node {hosts[r]}" + (f", {roles(r)})" if roles else ")")
-                        for r, w in zip(shrunk.lost, shrunk.lost_world))
+        hosts, roles = world.cluster.hosts, world.watchdog.roles
+        who = ", ".join(f"rank {w} (node {hosts[r]}" + (f", {roles(r)})" if roles else ")") for r, w in lost)
         world.watchdog.roll_call_on(comm)
+        built = rebuild(comm)
         when = f"after step {failed}, in the run's end (final evaluation and writes)" if ended else f"at step {failed}"
         self._said = (t0, f"hpctrain: {who} failed {when}; going on with {comm.Get_size()} ranks from the "
                           f"commit of step {step}, {failed - step} steps lost")
-        self.recoveries.append({"step": failed, "commit_step": step, "lost": list(shrunk.lost_world),
+        self.recoveries.append({"step": failed, "commit_step": step, "lost": lost_world,
                                 "ranks_before": before, "ranks_after": comm.Get_size(), "seconds": None})
-        return rebuild(comm)
+        return built
 
     def _whole(self, commit, comm, waiting, who_lost, failed):
         """The commit with its whole tensors, on every survivor of comm

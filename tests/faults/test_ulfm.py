@@ -184,6 +184,29 @@ def test_two_ranks_lost_at_once_not_neighbours_zero3_at_6_ranks_equal_a_resume_a
     assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
 
 
+def test_a_rank_lost_during_the_recovery_is_survived_too(tmp_path):
+    """ZeRO-1 on 4 ranks: rank 1 killed after step 15, rank 3 as it comes
+    to gather the commit's shards for that recovery (the others wait in the
+    gather): the survivors shrink again and go on with 2 ranks, one
+    recovery naming both, bit for bit a resume at 2 ranks from step 10."""
+    needs_ulfm()
+    d, run = tmp_path, [*TINY, "--checkpoint-dir", tmp_path / "ck"]
+    r = ulfm_job(4, *run, "--steps", "20", "--on-failure", "shrink", "--commit-every", "10",
+                 "--checkpoint-every", "10", "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl",
+                 kill="1:15,3:15:recovery")
+    assert r.returncode == 0, r.stderr
+    (said,) = [s for s in r.stdout.splitlines() if " failed at step " in s]
+    assert said.startswith("hpctrain: rank 1 (node ") and ", rank 3 (node " in said and \
+        "failed at step 16; going on with 2 ranks from the commit of step 10, 6 steps lost" in said, said
+    final = json.loads((d / "m.jsonl").read_text().splitlines()[-1])
+    assert [(e["step"], e["commit_step"], e["lost"], e["ranks_before"], e["ranks_after"])
+            for e in final["recoveries"]] == [(16, 10, [1, 3], 4, 2)]
+    shutil.rmtree(d / "ck" / "ckpt-00000020")
+    again = ulfm_job(2, *run, "--steps", "20", "--save", d / "resumed.h5", ft=False)
+    assert again.returncode == 0, again.stderr
+    assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
+
+
 @pytest.fixture(scope="module")
 def lost_at_awkward_moments(tmp_path_factory):
     """One run, two losses (issue 58 §4): the chief killed in the checkpoint
