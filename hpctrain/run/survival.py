@@ -124,6 +124,11 @@ class Survival:
 
     def ending(self):
         self.ended = True
+        if self._agreeing is not None:   # the last commit's MAX, left to finish (every rank started it)
+            request, _, _, waiting = self._agreeing
+            with waiting("the next commit's step agreed", None):
+                request.Wait()
+            self._agreeing = None
 
     def due(self, step):
         """A commit after step `step` (the same answer on every rank)."""
