@@ -55,15 +55,22 @@ case $MAX_REQUEUES in
     ''|*[!0-9]*) die "HPCTRAIN_MAX_REQUEUES=$MAX_REQUEUES: expected a whole number of requeues (0: never)" ;;
 esac
 
-# --on-failure shrink (the last one given wins): env.sh picks the launcher
-# that carries ULFM (mpirun --with-ft ulfm).
-HPCTRAIN_ON_FAILURE=""
-prev=""
-for arg in "$@"; do
-    case $arg in --on-failure=*) HPCTRAIN_ON_FAILURE=${arg#*=} ;; esac
-    [ "$prev" = --on-failure ] && HPCTRAIN_ON_FAILURE=$arg
-    prev=$arg
-done
+# flag_value NAME ARGS...: the value the training flags ARGS give NAME
+# (--NAME VALUE or --NAME=VALUE; the last one given wins, as for the
+# program), empty where none does.
+flag_value() {
+    local name=$1 prev="" arg value=""
+    shift
+    for arg in "$@"; do
+        case $arg in "$name"=*) value=${arg#*=} ;; esac
+        if [ "$prev" = "$name" ]; then value=$arg; fi
+        prev=$arg
+    done
+    printf '%s' "$value"
+}
+
+# --on-failure shrink: env.sh picks the launcher that carries ULFM (mpirun --with-ft ulfm).
+HPCTRAIN_ON_FAILURE=$(flag_value --on-failure "$@")
 
 # shellcheck source=jobs/env.sh
 . "$HPCTRAIN_HOME/jobs/env.sh"
@@ -74,13 +81,8 @@ done
 RESTARTS=${SLURM_RESTART_COUNT:-0}
 # Array tasks share a name: each gets its own directory (the task id is stable too).
 RUN_NAME=${SLURM_JOB_NAME:-hpctrain}${SLURM_ARRAY_TASK_ID:+_$SLURM_ARRAY_TASK_ID}
-CKPT_DIR=${HPCTRAIN_CHECKPOINT_DIR:-${HPCTRAIN_CHECKPOINT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/runs}/$RUN_NAME}
-prev=""
-for arg in "$@"; do
-    case $arg in --checkpoint-dir=*) CKPT_DIR=${arg#*=} ;; esac
-    [ "$prev" = --checkpoint-dir ] && CKPT_DIR=$arg
-    prev=$arg
-done
+CKPT_DIR=$(flag_value --checkpoint-dir "$@")
+CKPT_DIR=${CKPT_DIR:-${HPCTRAIN_CHECKPOINT_DIR:-${HPCTRAIN_CHECKPOINT_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}/runs}/$RUN_NAME}}
 mkdir -p "$CKPT_DIR" || die "cannot create checkpoint directory $CKPT_DIR"
 
 # ---- --timeout above SlurmdTimeout ----------------------------------------------

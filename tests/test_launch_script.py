@@ -62,6 +62,22 @@ def test_shrink_where_the_launch_cannot_carry_ulfm_is_one_line(tmp_path, flags, 
     assert r.stderr.splitlines() == ["hpctrain-job: error: " + says.format(python=sys.executable)], r.stderr
 
 
+@pytest.mark.parametrize("flags, name, value", [
+    (["--steps", "5", "--checkpoint-dir", "a b"], "--checkpoint-dir", "a b"),
+    (["--checkpoint-dir=c", "--steps", "5"], "--checkpoint-dir", "c"),
+    (["--on-failure", "exit", "--on-failure=shrink"], "--on-failure", "shrink"),   # the last one wins
+    (["--on-failure=shrink", "--on-failure", "exit"], "--on-failure", "exit"),
+    (["--checkpoint-dirs", "x", "--steps", "--on-failure"], "--checkpoint-dir", ""),   # another flag; none given
+])
+def test_the_job_script_reads_a_training_flag_as_the_program_does(flags, name, value):
+    # launch.sh's one reader of the training flags (--on-failure, --checkpoint-dir), run by itself
+    with open(LAUNCH) as f:
+        function = re.search(r"^flag_value\(\) \{\n.*?^\}\n", f.read(), re.S | re.M).group(0)
+    r = subprocess.run(["bash", "-c", function + 'flag_value "$@"', "bash", name, *flags], capture_output=True,
+                       text=True, timeout=10)
+    assert (r.returncode, r.stdout, r.stderr) == (0, value, "")
+
+
 def fault_launch(tmp_path, flags, **faults):
     """launch.sh over mpirun -n 2 with the fault launcher (tests/faults/slow_ranks.py):
     (returncode, stdout, stderr, the error lines)."""

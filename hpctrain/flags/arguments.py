@@ -136,6 +136,11 @@ def positive_int(text):
     return value
 
 
+def auto_or_positive_int(text):
+    """'auto' (a value the program decides as it runs) or a whole number >= 1."""
+    return "auto" if text.strip().lower() == "auto" else positive_int(text)
+
+
 def nonneg_int(text):
     value = int(text)
     if value < 0:

@@ -10,7 +10,7 @@ variables that we set from the flags and the launcher).
 import argparse
 import sys
 
-from .arguments import (Parser, ShortHelp, finite_float, nonneg_float, nonneg_int, positive_float, positive_int,
+from .arguments import (Parser, ShortHelp, auto_or_positive_int, finite_float, nonneg_float, nonneg_int, positive_float, positive_int,
                         positive_ints, with_config_file)
 from .model_names import MODELS, gpt_name, gpt_options, is_model_file
 from ..base.errors import HpctrainError
@@ -471,9 +471,11 @@ def _output_flags(g):
                         "resumes from the last checkpoint) or shrink (the survivors go on without it from the "
                         "last in-memory commit; needs Open MPI's ULFM: mpirun --with-ft ulfm; docs/faults.md) "
                         "(default: %(default)s)")
-    g.add_argument("--commit-every", type=positive_int, default=10, metavar="K",
+    g.add_argument("--commit-every", type=auto_or_positive_int, default="auto", metavar="K|auto",
                    help="--on-failure shrink: hold in memory what a resume needs every K steps; a lost rank costs "
-                        "the steps since (default: %(default)s)")
+                        "the steps since. auto: as often as keeps the commits within 2%% of the run's time, "
+                        "timed as it runs (the first 10 steps after a start, then every 1 to 200 steps, the "
+                        "same on every rank; docs/faults.md) (default: %(default)s)")
 
 
 def validate(args, world_size):

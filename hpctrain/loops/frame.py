@@ -287,6 +287,7 @@ class Frame:
         extra = dict(extra or {})
         if world.survival is not None:   # --on-failure shrink: the lost ranks the run went on without
             extra["recoveries"] = list(world.survival.recoveries)
+            extra["commits"] = world.survival.totals()
         if state_bytes is not None:   # sharded: about 1/N of it
             most = np.array([state_bytes], np.int64)
             with world.waiting("optimizer state size allreduce", peer=None):

@@ -21,9 +21,20 @@ on the largest multiple of T survivors; a survivor left over leaves (its
 part in the gather done; docs/faults.md says why). A position with no
 survivor, or fewer survivors than T: one line, exit 75.
 
+When to commit (`--commit-every auto`, the default): a time budget, not a
+step count. Each rank times its commits and the steps between them and
+proposes the next interval so that a commit costs at most BUDGET of the
+run's time (its last commit's seconds / (BUDGET x its mean step seconds)
+since the last commit), between 1 and LONGEST steps; the ranks take the
+largest proposal, agreed in one nonblocking MAX started by the commit and
+read at the next step (never a blocking round a step). A start (the run's,
+or a rebuilt one's) has nothing timed yet: its next commit is FIRST steps
+on, so a loss early loses little. `--commit-every K`: every K steps.
+
     mpirun --with-ft ulfm -n 4 python -m hpctrain.mnist --on-failure shrink --commit-every 10
 """
 import json
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -36,6 +47,9 @@ from .mesh import AXES
 
 
 TAG = 32100   # a commit's shards to the previous rank (the neighbour's copy)
+BUDGET = 0.02   # --commit-every auto: the commits' share of the run's time
+FIRST = 10      # auto: steps from a start to the first commit timed (before any step is)
+LONGEST = 200   # auto: the most steps between commits (what a loss can cost)
 
 
 @dataclass(frozen=True)
@@ -94,8 +108,9 @@ class Survival:
     """One process's side of --on-failure shrink, kept across rebuilds: the
     commits (the last two: a failure inside a step may leave survivors one
     commit apart, and they go on from the older), the recoveries so far, and
-    the communicator the run stands on now."""
-    every: int
+    the communicator the run stands on now. every: K, or "auto" (the
+    module's docstring)."""
+    every: object
     comm: object = None
     commits: list = field(default_factory=list)
     recoveries: list = field(default_factory=list)
@@ -105,15 +120,52 @@ class Survival:
     ended: bool = False       # past the last step: in the final evaluation, checkpoint or --save
     _said: tuple = None       # (when the last recovery began, its line)
     _link: tuple = None       # (communicator, the neighbour's shards described): exchanged once a communicator
+    made: int = 0             # commits made by this rank, and their seconds (the final record's "commits")
+    made_s: float = 0.0
+    _timed: tuple = None      # auto: (when the last commit ended, its step); None at a start
+    _next: int = None         # auto: the step of the next commit, as agreed
+    _agreed: int = None       # auto: the last interval agreed (steps)
+    _agreeing: tuple = None   # auto: (the MAX of the proposals under way, its buffer, the commit's step, waiting)
+    clock: object = field(default=time.perf_counter, repr=False)   # what commits and steps are timed by
 
     def stepped(self, step, saved=None):
         self.done, self.saved = step, saved
 
     def ending(self):
         self.ended = True
+        if self._agreeing is not None:   # the last commit's MAX, left to finish (every rank started it)
+            request, _, _, waiting = self._agreeing
+            with waiting("the next commit's step agreed", None):
+                request.Wait()
+            self._agreeing = None
 
     def due(self, step):
-        return self.every and step % self.every == 0
+        """A commit after step `step` (the same answer on every rank)."""
+        if self.every != "auto":
+            return step % self.every == 0
+        if self._agreeing is not None:   # started by the last commit: every rank is in it by now
+            request, proposal, at, waiting = self._agreeing
+            with waiting("the next commit's step agreed", None):
+                request.Wait()
+            self._agreeing, self._agreed = None, int(proposal[0])
+            self._next = at + self._agreed
+        return step >= self._next
+
+    def totals(self):
+        """The final record's "commits": this rank's count and mean cost, the interval."""
+        return {"count": self.made, "mean_ms": round(1000 * self.made_s / max(self.made, 1), 3),
+                "every": self.every, **({"last_agreed": self._agreed} if self.every == "auto" else {})}
+
+    def _schedule(self, step, t0, t1, comm, waiting):
+        """auto, after the commit of `step` (t0 to t1): propose the next one's
+        step to the others (a MAX, nonblocking: due() reads it)."""
+        last, self._timed = self._timed, (t1, step)
+        if last is None or step <= last[1]:   # a start: nothing timed yet
+            self._next, self._agreeing = step + FIRST, None
+            return
+        per_step = max(t0 - last[0], 1e-9) / (step - last[1])
+        proposal = np.array([min(LONGEST, max(1, math.ceil((t1 - t0) / (BUDGET * per_step))))], np.int64)
+        self._agreeing = (comm.Iallreduce(MPI.IN_PLACE, proposal, op=MPI.MAX), proposal, step, waiting)
 
     def commit(self, step, optimizer_t, samples, clock, position, parts, alone=None, comm=None, waiting=None,
                tensor=(0, 1)):
@@ -122,8 +174,10 @@ class Survival:
         the parts this replica alone holds (ZeRO's shards), which also go to
         the previous rank of comm, which hands over the next one's: one
         Sendrecv (waiting: run/world.World.waiting). tensor: this rank's
-        tensor position and the tensor ranks (--tensor-parallel)."""
+        tensor position and the tensor ranks (--tensor-parallel). Timed;
+        under auto, the next commit's step proposed on comm."""
         from ..base import device
+        t0 = self.clock()
         sharded = alone is not None
         alone = {id(p) for p in alone or ()}
         # Into the older commit's arrays: fresh ones cost their pages' first
@@ -161,6 +215,11 @@ class Survival:
                                                     float(clock["comm_s_total"]), int(clock["segments"])),
                                                    tuple(int(v) for v in position), pieces, neighbour, rank, size,
                                                    int(tensor[0]), int(tensor[1]), packed, received)]
+        t1 = self.clock()
+        self.made, self.made_s = self.made + 1, self.made_s + t1 - t0
+        if self.every == "auto":
+            # (on every rank of the run: --tensor-parallel passes comm as the data axis alone)
+            self._schedule(step, t0, t1, self.comm, waiting)
 
     def _exchange(self, comm, waiting, described, packed, received):
         """This rank's shards (`packed`) to the previous rank of comm, the next
@@ -197,24 +256,47 @@ class Survival:
         left over leaving here. The line, and the record's entry, on the new
         chief. Where some part of the commit is held by no survivor (a rank
         and its neighbour lost; a tensor position with no survivor) or the
-        survivors are fewer than T: one line, exit 75."""
+        survivors are fewer than T: one line, exit 75. A survivor lost
+        during all this (the agreement, the gather, the rebuild's start-up):
+        shrink again and all again, one recovery of both."""
         t0 = time.perf_counter()
+        # the interval's MAX under way is on the failed communicator: the rebuilt run starts again
+        self._timed = self._agreeing = None
         old = world.comm
-        roles = world.watchdog.roles
-        before = old.Get_size()
+        before, ended = old.Get_size(), self.ended
+        # the world's rank -> old's (the lines name nodes and roles by old's ranks)
+        groups = old.Get_group(), MPI.COMM_WORLD.Get_group()
+        in_old = dict(zip(MPI.Group.Translate_ranks(groups[0], list(range(before)), groups[1]), range(before)))
+        for g in groups:
+            g.Free()
+        # every communicator a survivor may wait in, revoked, so the loss reaches each (a tensor
+        # position's gradient ring holds no lost rank and would wait until --timeout)
         ulfm.revoke_all(([world.mesh.comm(axis) for axis in AXES] if world.mesh is not None else []) +
                         [world.cluster.worker_comm])
-        shrunk = ulfm.shrink(old)
-        comm = self.comm = shrunk.comm
-        revoke_on_failure(comm)   # (what the rebuilt run makes of it inherits it, as from the world)
         # The failed world's communicators, revoked, are of no more use: freed (MPI_Comm_free
         # is local, and completes on a revoked communicator under ULFM); the launcher's
         # world is not ours to free.
         if world.mesh is not None:
             world.mesh.free()
-        if old != MPI.COMM_WORLD:
-            old.Free()
-        mine = np.array([self.commits[-1].step if self.commits else -1, self.done + 1, self.ended], np.int64)
+        comm, lost = old, ()
+        while True:
+            shrunk = ulfm.shrink(comm)
+            if comm != MPI.COMM_WORLD:
+                comm.Free()
+            comm = self.comm = shrunk.comm
+            revoke_on_failure(comm)   # (what the rebuilt run makes of it inherits it, as from the world)
+            lost = tuple(sorted(lost + shrunk.lost_world))
+            try:
+                return self._rebuilt(world, rebuild, comm, t0, before, ended, [(in_old[w], w) for w in lost])
+            except MPI.Exception as exc:
+                if not ulfm.peer_lost(exc):
+                    raise
+                comm = self.comm   # (a --tensor-parallel run's working part, where it split)
+
+    def _rebuilt(self, world, rebuild, comm, t0, before, ended, lost):
+        """recover() on the survivors' comm: lost [(rank before, the world's rank)]."""
+        lost_world = [w for _, w in lost]
+        mine = np.array([self.commits[-1].step if self.commits else -1, self.done + 1, ended], np.int64)
         with world.waiting("agreeing on the commit after a lost rank", peer=None):
             comm.Allreduce(MPI.IN_PLACE, mine[:1], op=MPI.MIN)
             comm.Allreduce(MPI.IN_PLACE, mine[1:], op=MPI.MAX)
@@ -222,7 +304,7 @@ class Survival:
         # in a step: the step; past the last one (a survivor in the run's end): after the last step
         step, failed, ended = int(mine[0]), int(mine[1]) - int(mine[2]), bool(mine[2])
         held = [c for c in self.commits if c.step == step]
-        who_lost = f"rank{'s' if len(shrunk.lost_world) > 1 else ''} {_joined(shrunk.lost_world)}"
+        who_lost = f"rank{'s' if len(lost_world) > 1 else ''} {_joined(lost_world)}"
         if not held:
             from ..base.errors import HpctrainError
             raise HpctrainError(f"{who_lost} failed before the first in-memory "
@@ -252,19 +334,19 @@ class Survival:
             comm = self.comm = working
         # the launcher's rank numbers (what the job's other lines say), the node each was on
         # (a whole node lost shows as its ranks together), the roles they had
-        hosts = world.cluster.hosts
-        who = ", ".join(f"rank {w} (node {hosts[r]}" + (f", {roles(r)})" if roles else ")")
-                        for r, w in zip(shrunk.lost, shrunk.lost_world))
+        hosts, roles = world.cluster.hosts, world.watchdog.roles
+        who = ", ".join(f"rank {w} (node {hosts[r]}" + (f", {roles(r)})" if roles else ")") for r, w in lost)
         world.watchdog.roll_call_on(comm)
+        built = rebuild(comm)
         when = f"after step {failed}, in the run's end (final evaluation and writes)" if ended else f"at step {failed}"
         spare = (f" (rank {_joined(left)} left the job: --tensor-parallel {commit.slices} runs on {kept} of the "
                  f"{survivors} survivors)") if left else ""
         self._said = (t0, f"hpctrain: {who} failed {when}; going on with {comm.Get_size()} ranks{spare} from the "
                           f"commit of step {step}, {failed - step} steps lost")
-        self.recoveries.append({"step": failed, "commit_step": step, "lost": list(shrunk.lost_world),
+        self.recoveries.append({"step": failed, "commit_step": step, "lost": lost_world,
                                 "ranks_before": before, "ranks_after": comm.Get_size(), "seconds": None,
                                 **({"left": [int(r) for r in left]} if left else {})})
-        return rebuild(comm)
+        return built
 
     def _requeue(self, comm, why):
         """The end of a run whose survivors cannot go on: `why`, the last

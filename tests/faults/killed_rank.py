@@ -1,6 +1,6 @@
 """Run hpctrain.mnist with one rank killed (SIGKILL, no goodbye) right after
-it finished a given step, or inside the first checkpoint write or the final
-evaluation after it: a fault injected from the tests, for --on-failure shrink
+it finished a given step, or inside the first checkpoint write, the final
+evaluation after it or a recovery from another rank's loss: a fault injected from the tests, for --on-failure shrink
 (run/survival.py).
 
     FAULT_KILL=2:35 PYTHONPATH=tests/faults mpirun --with-ft ulfm -n 4 python -m killed_rank --on-failure shrink ...
@@ -8,7 +8,8 @@ evaluation after it: a fault injected from the tests, for --on-failure shrink
 Environment: FAULT_KILL=R:STEP[:WHEN][,...]  rank R (the launcher's numbering) kills itself after step
 STEP; WHEN checkpoint: instead, once past step STEP, when it has written its file of a checkpoint (the
 others wait in the write's gather; the chief has made the temporary folder); WHEN evaluation: when it
-enters its part of the final evaluation (the others wait in its allreduce).
+enters its part of the final evaluation (the others wait in its allreduce); WHEN recovery: when, a
+survivor of another rank's loss, it comes to gather the commit's shards (the others wait in that gather).
 """
 import os
 import signal
@@ -54,8 +55,14 @@ def _patch():
         def evaluate_parts(self, inputs):
             _die()
         evaluated.WholeModel.evaluate_parts = evaluate_parts
+    elif during == "recovery":
+        from hpctrain.run import survival
+
+        def _whole(self, *args, **kwargs):
+            _die()
+        survival.Survival._whole = _whole
     elif during != "step":
-        raise SystemExit(f"FAULT_KILL: {during}: expected step, checkpoint or evaluation")
+        raise SystemExit(f"FAULT_KILL: {during}: expected step, checkpoint, evaluation or recovery")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ MPI has no ULFM (MPICH; Open MPI launched without --with-ft ulfm).
     make test-openmpi     # the same file under Open MPI
 """
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -136,6 +137,8 @@ def test_a_lost_rank_is_survived_and_the_run_equals_a_resume_at_3_ranks(resumed,
     assert {k: recovery[k] for k in ("step", "commit_step", "lost", "ranks_before", "ranks_after")} == \
         {"step": 36, "commit_step": 30, "lost": [2], "ranks_before": 4, "ranks_after": 3}
     assert 0 < recovery["seconds"] < 20
+    # the chief's: the start's, 10 to 30, the rebuilt run's start (30), 40 to 80
+    assert final["commits"]["count"] == 10 and final["commits"]["every"] == 10 and final["commits"]["mean_ms"] > 0
     assert same_bytes(d / "shrunk.h5", resumed)
 
 
@@ -200,6 +203,55 @@ def test_a_tensor_group_with_one_replica_losing_a_rank_exits_75(tmp_path):
     assert os.listdir(ck) == ["ckpt-00000010"] and checkpoint_steps(ck) == [10]
 
 
+def test_two_ranks_lost_at_once_not_neighbours_zero3_at_6_ranks_equal_a_resume_at_4(tmp_path):
+    """ZeRO-3 on 6 ranks, ranks 1 and 4 killed after the same step: each
+    lost shard comes from its previous rank's copy (0's, 3's); the run goes
+    on with 4 ranks, bit for bit a run stopped at the commit's step and
+    resumed at 4 ranks (from the checkpoint this run wrote at that step on
+    6 ranks, before the loss: one 6-rank job, not two)."""
+    needs_ulfm()
+    d, run = tmp_path, [*TINY, "--zero", "3", "--log-every", "5", "--checkpoint-dir", tmp_path / "ck"]
+    shrunk = ulfm_job(6, *run, "--steps", "20", "--on-failure", "shrink", "--commit-every", "10",
+                      "--checkpoint-every", "10", "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl",
+                      kill="1:15,4:15")
+    assert shrunk.returncode == 0, shrunk.stderr
+    (said,) = [s for s in shrunk.stdout.splitlines() if " failed at step " in s]
+    assert said.startswith("hpctrain: rank 1 (node ") and ", rank 4 (node " in said and \
+        "failed at step 16; going on with 4 ranks from the commit of step 10, 6 steps lost" in said, said
+    final = json.loads((d / "m.jsonl").read_text().splitlines()[-1])
+    assert (final["world_size"], final["steps"]) == (4, 20)
+    assert [(e["step"], e["commit_step"], e["lost"], e["ranks_before"], e["ranks_after"])
+            for e in final["recoveries"]] == [(16, 10, [1, 4], 6, 4)]
+    assert checkpoint_steps(d / "ck") == [10, 20]
+    shutil.rmtree(d / "ck" / "ckpt-00000020")
+    again = ulfm_job(4, *run, "--steps", "20", "--save", d / "resumed.h5", ft=False)
+    assert again.returncode == 0, again.stderr
+    assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
+
+
+def test_a_rank_lost_during_the_recovery_is_survived_too(tmp_path):
+    """ZeRO-1 on 4 ranks: rank 1 killed after step 15, rank 3 as it comes
+    to gather the commit's shards for that recovery (the others wait in the
+    gather): the survivors shrink again and go on with 2 ranks, one
+    recovery naming both, bit for bit a resume at 2 ranks from step 10."""
+    needs_ulfm()
+    d, run = tmp_path, [*TINY, "--checkpoint-dir", tmp_path / "ck"]
+    r = ulfm_job(4, *run, "--steps", "20", "--on-failure", "shrink", "--commit-every", "10",
+                 "--checkpoint-every", "10", "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl",
+                 kill="1:15,3:15:recovery")
+    assert r.returncode == 0, r.stderr
+    (said,) = [s for s in r.stdout.splitlines() if " failed at step " in s]
+    assert said.startswith("hpctrain: rank 1 (node ") and ", rank 3 (node " in said and \
+        "failed at step 16; going on with 2 ranks from the commit of step 10, 6 steps lost" in said, said
+    final = json.loads((d / "m.jsonl").read_text().splitlines()[-1])
+    assert [(e["step"], e["commit_step"], e["lost"], e["ranks_before"], e["ranks_after"])
+            for e in final["recoveries"]] == [(16, 10, [1, 3], 4, 2)]
+    shutil.rmtree(d / "ck" / "ckpt-00000020")
+    again = ulfm_job(2, *run, "--steps", "20", "--save", d / "resumed.h5", ft=False)
+    assert again.returncode == 0, again.stderr
+    assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
+
+
 @pytest.fixture(scope="module")
 def lost_at_awkward_moments(tmp_path_factory):
     """One run, two losses (issue 58 §4): the chief killed in the checkpoint
@@ -233,3 +285,40 @@ def test_a_rank_lost_in_the_final_evaluation_loses_no_result(lost_at_awkward_mom
     assert (final["event"], final["world_size"], final["steps"]) == ("final", 2, 20) and final["test_accuracy"] > 0
     assert [(e["step"], e["commit_step"], e["lost"]) for e in final["recoveries"]] == [(10, 10, [0]), (20, 20, [2])]
     assert (d / "p.h5").exists()
+
+
+@pytest.mark.mpi
+def test_auto_commits_within_the_budget_at_the_step_every_rank_agrees():
+    """--commit-every auto (run/survival.py): FIRST steps after a start, then
+    the interval that keeps a commit within BUDGET of the steps' time, the
+    largest any rank proposes (ranks here time different costs), 1 to LONGEST."""
+    import contextlib
+    from mpi4py import MPI
+    from hpctrain.run import survival
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    times = iter([0.0, 0.001,                        # the start's commit (step 0)
+                  1.001, 1.001 + 0.0049 * (rank + 1),  # step 10: 10 steps of 0.1 s, then this rank's commit
+                  9.0, 9.0 + 1000.0,                  # a commit far above the budget
+                  10.0, 10.0])                        # one that costs nothing
+    s = survival.Survival("auto", clock=lambda: next(times))
+    clock = {"elapsed_s": 0.0, "compute_s_total": 0.0, "comm_s_total": 0.0, "segments": 1}
+
+    def commit(step):
+        s.commit(step, 0, 0, clock, (0, 0), [], comm=comm, waiting=lambda what, peer: contextlib.nullcontext())
+
+    def next_commit(after):
+        return next(step for step in range(after + 1, after + 1000) if s.due(step))
+
+    commit(0)
+    assert next_commit(0) == survival.FIRST == 10
+    commit(10)
+    # 0.0049 s a commit against 0.02 x 0.1 s: 2.45 steps a rank, the largest rank's rounded up
+    every = next_commit(10) - 10
+    assert every == math.ceil(2.45 * size) and comm.allgather(every) == [every] * size
+    commit(10 + every)
+    assert next_commit(10 + every) - (10 + every) == survival.LONGEST == 200
+    commit(210 + every)
+    assert next_commit(210 + every) - (210 + every) == 1
+    assert s.totals() == {"count": 4, "mean_ms": pytest.approx(250000.25 + 1.225 * (rank + 1), rel=1e-6),
+                          "every": "auto", "last_agreed": 1}
