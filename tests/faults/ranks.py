@@ -31,6 +31,24 @@ def rank_pid(launcher, rank, module=b"hpctrain.mnist", within=60.0, poll=0.02):
     return None
 
 
+def blocked_opening_a_fifo(pid, within=60.0, poll=0.02):
+    """Wait until a thread of process `pid` sleeps in the kernel opening a FIFO
+    that has no writer (wchan wait_for_partner): the state a fault test wants
+    to signal it in, waited for rather than guessed with a sleep. True once
+    seen; False at `within` seconds or when the process is gone."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if any(open(f"/proc/{pid}/task/{t}/wchan").read() == "wait_for_partner"
+                   for t in os.listdir(f"/proc/{pid}/task")):
+                return True
+        except OSError:   # a thread ended between the listing and the read, or the process did
+            if not os.path.exists(f"/proc/{pid}"):
+                return False
+        time.sleep(poll)
+    return False
+
+
 class Stopped:
     """with Stopped(pid): the process is SIGSTOPped, and continued on exit."""
 

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import MPIRUN, REPO, checkpoint_steps, saved
 from hpctrain.run.cluster import child_env
-from ranks import Stopped, rank_pid
+from ranks import Stopped, blocked_opening_a_fifo, rank_pid
 
 PY = [sys.executable, "-m", "hpctrain.mnist"]
 
@@ -155,8 +155,10 @@ def test_sigterm_stops_a_job_stuck_in_start_up(tmp_path):
                              "--checkpoint-dir", hanging_checkpoint_dir(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
     try:
-        assert rank_pid(proc, 1), "rank 1 not found"
-        time.sleep(4)
+        # The chief blocked opening the FIFO: every rank is past the start-up
+        # collectives before it (their stop handlers set) and stuck there.
+        chief = rank_pid(proc, 0)
+        assert chief and blocked_opening_a_fifo(chief), ("rank 0 never blocked reading the checkpoint", proc.poll())
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)   # Hydra forwards it to every rank
         out, err = proc.communicate(timeout=60)
