@@ -201,6 +201,26 @@ def test_broadcast_optimizer_state_carries_adams_step_lr_and_betas():
         assert params == every[0][1], f"rank {r}'s parameters differ from rank 0's after the step"
 
 
+def test_first_bucket_is_small_so_the_sum_starts_during_backward():
+    """The torch optimizer's first bucket (the output end, ready first) is
+    at most FIRST_BUCKET_MB (DDP's 1 MB), the rest fused under fusion_mb:
+    five 257 KB layers (1.3 MB) are two buckets, not the one that 4 MB
+    would make and that could only start after the last gradient."""
+    import hpctrain.dist as hvd
+    from hpctrain.dist.optimizer import FIRST_BUCKET_MB
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(5)])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    try:
+        buckets = opt._buckets.flats[0].buckets
+        n = sum(p.numel() for p in model.parameters())
+        assert len(buckets) == 2 and buckets[0][1] == n and buckets[1] == (0, buckets[0][0])
+        assert 0.5 * FIRST_BUCKET_MB < (buckets[0][1] - buckets[0][0]) * 4 / (1 << 20) <= FIRST_BUCKET_MB
+    finally:
+        opt.remove()
+
+
 @pytest.mark.parametrize("kind", ["AdamW", "SGD", "Adagrad", "RMSprop"])
 def test_optimizer_state_dict_crosses_the_wire_whole(kind):
     """What broadcast_optimizer_state sends (broadcast_object's bytes, no
