@@ -91,7 +91,17 @@ def test_steps_equal_one_process_over_every_ranks_samples(clip, compression):
         ref_opt.step()
     diff = float(np.abs(_flat(model) - _flat(ref)).max())
     ok = diff < 1e-6 if compression == "none" else 1e-6 < diff < 1e-3
-    _agree(ok, f"largest difference from one process {diff:.2e}")
+    # zero_grad() (set_to_none) leaves each .grad its slot, zeroed (DDP's gradient_as_bucket_view),
+    # and backward adds into it: the hooks copy nothing
+    opt.zero_grad()
+    slots = [v.data_ptr() for v in opt._views]
+    zeroed = all(p.grad is not None and not p.grad.any() and p.grad.data_ptr() == s
+                 for p, s in zip(model.parameters(), slots))
+    _loss(model, x, y).backward()
+    added = all(p.grad.data_ptr() == s and p.grad.any() for p, s in zip(model.parameters(), slots))
+    opt.synchronize()
+    _agree(ok and zeroed and added, f"largest difference from one process {diff:.2e}; zero_grad left the "
+                                     f"slots zeroed {zeroed}, backward added into them {added}")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -21,14 +21,18 @@ buffer per dtype, in the order of `named_parameters` (the model's: backward
 finishes its end first), and the NumPy DistributedOptimizer
 (optimizer.py) sums those slots in place: its buckets (comm/fusion.
 bucket_bounds, the program's cut: ending on tensor boundaries, about
-`fusion_mb` each, from the end), each started on hpctrain.dist's
-communication thread as soon as every gradient in it is done, in the same
-order on every rank, while backward goes on. A hook per parameter
-(register_post_accumulate_grad_hook) is its `ready(i)`: it copies the
-finished gradient into its slot, or finds it there already: after the
-first step each `.grad` is a view of its slot, so a loop that zeroes
-gradients in place (zero_grad(set_to_none=False)) accumulates straight
-into the buffer, zero-copy. `synchronize()` waits for the last bucket and leaves each
+`fusion_mb` each, from the end; the first, the output end, at most
+`first_bucket_mb`, DDP's 1 MB first bucket, so that its sum starts while
+backward still runs rather than after the last gradient), each started on
+hpctrain.dist's communication thread as soon as every gradient in it is
+done, in the same order on every rank, while backward goes on. A hook per
+parameter (register_post_accumulate_grad_hook) is its `ready(i)`: it
+copies the finished gradient into its slot, or finds it there already:
+after the first step each `.grad` is a view of its slot, and zero_grad()
+zeroes the slots in place whether or not set_to_none (DDP's
+gradient_as_bucket_view: a `.grad` is a zeroed tensor, not None, after
+zero_grad()), so backward adds straight into the buffer, zero-copy.
+`synchronize()` waits for the last bucket and leaves each
 `.grad` the replicas' average (op=Average; Sum, ...); `step()` synchronizes
 unless inside `skip_synchronize()` (for clipping the averaged gradient
 first). With `backward_passes_per_step=k` the hooks hand a gradient over on
