@@ -91,7 +91,17 @@ def test_steps_equal_one_process_over_every_ranks_samples(clip, compression):
         ref_opt.step()
     diff = float(np.abs(_flat(model) - _flat(ref)).max())
     ok = diff < 1e-6 if compression == "none" else 1e-6 < diff < 1e-3
-    _agree(ok, f"largest difference from one process {diff:.2e}")
+    # zero_grad() (set_to_none) leaves each .grad its slot, zeroed (DDP's gradient_as_bucket_view),
+    # and backward adds into it: the hooks copy nothing
+    opt.zero_grad()
+    slots = [v.data_ptr() for v in opt._views]
+    zeroed = all(p.grad is not None and not p.grad.any() and p.grad.data_ptr() == s
+                 for p, s in zip(model.parameters(), slots))
+    _loss(model, x, y).backward()
+    added = all(p.grad.data_ptr() == s and p.grad.any() for p, s in zip(model.parameters(), slots))
+    opt.synchronize()
+    _agree(ok and zeroed and added, f"largest difference from one process {diff:.2e}; zero_grad left the "
+                                     f"slots zeroed {zeroed}, backward added into them {added}")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -199,6 +209,26 @@ def test_broadcast_optimizer_state_carries_adams_step_lr_and_betas():
     for r, (s, params) in enumerate(every):
         assert s == root_seen, (r, s, root_seen)
         assert params == every[0][1], f"rank {r}'s parameters differ from rank 0's after the step"
+
+
+def test_first_bucket_is_small_so_the_sum_starts_during_backward():
+    """The torch optimizer's first bucket (the output end, ready first) is
+    at most FIRST_BUCKET_MB (DDP's 1 MB), the rest fused under fusion_mb:
+    five 257 KB layers (1.3 MB) are two buckets, not the one that 4 MB
+    would make and that could only start after the last gradient."""
+    import hpctrain.dist as hvd
+    from hpctrain.dist.optimizer import FIRST_BUCKET_MB
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(5)])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    try:
+        buckets = opt._buckets.flats[0].buckets
+        n = sum(p.numel() for p in model.parameters())
+        assert len(buckets) == 2 and buckets[0][1] == n and buckets[1] == (0, buckets[0][0])
+        assert 0.5 * FIRST_BUCKET_MB < (buckets[0][1] - buckets[0][0]) * 4 / (1 << 20) <= FIRST_BUCKET_MB
+    finally:
+        opt.remove()
 
 
 @pytest.mark.parametrize("kind", ["AdamW", "SGD", "Adagrad", "RMSprop"])

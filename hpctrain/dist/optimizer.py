@@ -44,6 +44,9 @@ from .errors import DistError
 from .objects import broadcast_object
 
 FUSION_MB = 4.0   # the program's --fusion-mb default (flags/cli.py)
+# The torch optimizer's first bucket (DDP's first-bucket rule, its 1 MB): the sum of the
+# output end starts while backward still runs, where one 4 MB bucket waits for its last gradient.
+FIRST_BUCKET_MB = 1.0
 
 
 def flat_like(shapes, dtype=np.float32):
@@ -74,17 +77,28 @@ def _views_of_one(arrays):
     return base[first:at]
 
 
+def first_bucket_bounds(n, bucket_elems, first_elems, cuts):
+    """comm/fusion.bucket_bounds with the first bucket (the end, ready first)
+    cut at first_elems instead (None: the program's cut, unchanged)."""
+    if first_elems is None or bucket_elems <= 0 or first_elems >= bucket_elems:
+        return bucket_bounds(n, bucket_elems, cuts)
+    first = bucket_bounds(n, first_elems, cuts)[0]
+    if first[0] == 0:
+        return [first]
+    return [first] + bucket_bounds(first[0], bucket_elems, [c for c in cuts if c < first[0]])
+
+
 class _Flat:
     """One dtype's tensors: their flat buffer, offsets and buckets."""
 
-    def __init__(self, indices, arrays, fusion_elems):
+    def __init__(self, indices, arrays, fusion_elems, first_elems=None):
         self.indices = indices
         self.sizes = [a.size for a in arrays]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(int).tolist()
         n = self.offsets[-1]
         self.inplace = _views_of_one(arrays)
         self.buf = self.inplace if self.inplace is not None else np.zeros(n, arrays[0].dtype)
-        self.buckets = bucket_bounds(n, fusion_elems, self.offsets[:-1])
+        self.buckets = first_bucket_bounds(n, fusion_elems, first_elems, self.offsets[:-1])
         self.launched = 0          # buckets handed to the engine this step
         self.done_from = len(indices)   # tensors [done_from:] are ready
 
@@ -97,7 +111,7 @@ class DistributedOptimizer:
     arrays hold the averages."""
 
     def __init__(self, grads, op=Average, compression=Compression.none, backward_passes_per_step=1,
-                 fusion_mb=FUSION_MB, process_set=None, name="grad"):
+                 fusion_mb=FUSION_MB, process_set=None, name="grad", first_bucket_mb=None):
         self.names = list(grads) if isinstance(grads, dict) else list(range(len(grads)))
         self.grads = [host_array(g, "DistributedOptimizer", writable=True)
                       for g in (grads.values() if isinstance(grads, dict) else grads)]
@@ -110,7 +124,9 @@ class DistributedOptimizer:
         by_dtype = {}
         for i, g in enumerate(self.grads):
             by_dtype.setdefault(g.dtype, []).append(i)
-        self.flats = [_Flat(ix, [self.grads[i] for i in ix], int(fusion_mb * (1 << 20)) // np.dtype(dt).itemsize)
+        def elems(mb, dt):
+            return None if mb is None else int(mb * (1 << 20)) // np.dtype(dt).itemsize
+        self.flats = [_Flat(ix, [self.grads[i] for i in ix], elems(fusion_mb, dt), elems(first_bucket_mb, dt))
                       for dt, ix in by_dtype.items()]
         self.where = {i: (f, k) for f in self.flats for k, i in enumerate(f.indices)}
         self.counts = [0] * len(self.grads)

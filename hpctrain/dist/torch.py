@@ -21,14 +21,18 @@ buffer per dtype, in the order of `named_parameters` (the model's: backward
 finishes its end first), and the NumPy DistributedOptimizer
 (optimizer.py) sums those slots in place: its buckets (comm/fusion.
 bucket_bounds, the program's cut: ending on tensor boundaries, about
-`fusion_mb` each, from the end), each started on hpctrain.dist's
-communication thread as soon as every gradient in it is done, in the same
-order on every rank, while backward goes on. A hook per parameter
-(register_post_accumulate_grad_hook) is its `ready(i)`: it copies the
-finished gradient into its slot, or finds it there already: after the
-first step each `.grad` is a view of its slot, so a loop that zeroes
-gradients in place (zero_grad(set_to_none=False)) accumulates straight
-into the buffer, zero-copy. `synchronize()` waits for the last bucket and leaves each
+`fusion_mb` each, from the end; the first, the output end, at most
+`first_bucket_mb`, DDP's 1 MB first bucket, so that its sum starts while
+backward still runs rather than after the last gradient), each started on
+hpctrain.dist's communication thread as soon as every gradient in it is
+done, in the same order on every rank, while backward goes on. A hook per
+parameter (register_post_accumulate_grad_hook) is its `ready(i)`: it
+copies the finished gradient into its slot, or finds it there already:
+after the first step each `.grad` is a view of its slot, and zero_grad()
+zeroes the slots in place whether or not set_to_none (DDP's
+gradient_as_bucket_view: a `.grad` is a zeroed tensor, not None, after
+zero_grad()), so backward adds straight into the buffer, zero-copy.
+`synchronize()` waits for the last bucket and leaves each
 `.grad` the replicas' average (op=Average; Sum, ...); `step()` synchronizes
 unless inside `skip_synchronize()` (for clipping the averaged gradient
 first). With `backward_passes_per_step=k` the hooks hand a gradient over on
@@ -52,8 +56,6 @@ weight-decayed parameters and counted a step, is not needed).
 import contextlib
 import weakref
 
-import numpy as np
-
 try:
     import torch
 except ImportError:
@@ -62,7 +64,7 @@ except ImportError:
 from .collectives import Average, Compression
 from .errors import DistError
 from .objects import broadcast_object
-from .optimizer import FUSION_MB, flat_like
+from .optimizer import FIRST_BUCKET_MB, FUSION_MB, flat_like
 from .optimizer import DistributedOptimizer as _Buckets
 from .runtime import rank
 
@@ -75,7 +77,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     optimizer updates must be among them, each name once."""
 
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
-                 backward_passes_per_step=1, op=Average, fusion_mb=FUSION_MB):
+                 backward_passes_per_step=1, op=Average, fusion_mb=FUSION_MB, first_bucket_mb=FIRST_BUCKET_MB):
         # The wrapped optimizer keeps its own state and groups (properties
         # below): state_dict, load_state_dict and the user's reference to it
         # all see the same objects. Optimizer.__init__ is not called: it
@@ -97,9 +99,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._params = [p for _, p in named]
         self._index = {p: i for i, p in enumerate(self._params)}
         self._slots = _slots(named)
+        self._views = [torch.from_numpy(slot) for slot in self._slots]   # each slot as the .grad it becomes
         # the NumPy optimizer's buckets over the slots (in place: they are views of one buffer per dtype);
         # the passes are counted here, where autograd has already added them up in .grad
-        self._buckets = _Buckets(self._slots, op=op, compression=compression, fusion_mb=fusion_mb)
+        self._buckets = _Buckets(self._slots, op=op, compression=compression, fusion_mb=fusion_mb,
+                                 first_bucket_mb=first_bucket_mb)
         self._counts = [0] * len(self._params)   # backward passes since the last synchronize
         self._should_synchronize = True
         self._synchronized = True                # nothing new since the last synchronize()
@@ -156,7 +160,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._synchronized:
             raise DistError("DistributedOptimizer: zero_grad() between backward() and step() (or "
                             "synchronize()) would drop gradients still being averaged")
-        self._inner.zero_grad(set_to_none=set_to_none)
+        if not set_to_none or self._hooks is None:
+            self._inner.zero_grad(set_to_none=set_to_none)
+            return
+        # DDP's gradient_as_bucket_view: a .grad that is its slot stays so, zeroed in place (the
+        # slots' one buffer at once), and the next backward adds into it: the hook then copies
+        # nothing. Dropping it (set_to_none) would have autograd make a new tensor for the hook
+        # to copy, each step; the slots' memory is held either way.
+        for flat in self._buckets.flats:
+            flat.buf[...] = 0
+        views = {p: view for p, view in zip(self._params, self._views)}
+        for group in self._inner.param_groups:
+            for p in group["params"]:
+                view = views.get(p)
+                if p.grad is not None and (view is None or p.grad.data_ptr() != view.data_ptr()):
+                    p.grad = None
 
     def __repr__(self):
         return f"DistributedOptimizer({self._inner!r})"
@@ -177,9 +195,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if p.grad.layout != torch.strided:
             raise DistError(f"DistributedOptimizer: {self._names[i]} has a {p.grad.layout} gradient "
                             f"(hpctrain.dist averages dense gradients)")
-        grad = p.grad.detach().numpy()
-        if not np.shares_memory(grad, self._slots[i]):
-            self._slots[i][...] = grad   # into the slot here: the buckets then neither copy in nor back out
+        view = self._views[i]
+        if p.grad.data_ptr() != view.data_ptr():
+            # into the slot here (the buckets then neither copy in nor back out); torch's copy
+            # leaves the interpreter lock to the engine's thread, summing the buckets before
+            view.copy_(p.grad.detach())
         self._buckets.ready(i)
 
     def synchronize(self):
@@ -193,8 +213,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if count < self._passes:
                 self._slots[i][...] = 0   # its bucket has not started: it waits for this one
         self._buckets.synchronize()
-        for p, slot in zip(self._params, self._slots):
-            view = torch.from_numpy(slot)
+        for p, view in zip(self._params, self._views):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
         self._counts = [0] * len(self._params)
