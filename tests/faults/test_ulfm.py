@@ -203,51 +203,34 @@ def test_a_tensor_group_with_one_replica_losing_a_rank_exits_75(tmp_path):
     assert os.listdir(ck) == ["ckpt-00000010"] and checkpoint_steps(ck) == [10]
 
 
-def test_two_ranks_lost_at_once_not_neighbours_zero3_at_6_ranks_equal_a_resume_at_4(tmp_path):
-    """ZeRO-3 on 6 ranks, ranks 1 and 4 killed after the same step: each
-    lost shard comes from its previous rank's copy (0's, 3's); the run goes
-    on with 4 ranks, bit for bit a run stopped at the commit's step and
-    resumed at 4 ranks (from the checkpoint this run wrote at that step on
-    6 ranks, before the loss: one 6-rank job, not two)."""
+@pytest.mark.parametrize("ranks, zero, kill, lost, after", [
+    # ZeRO-3, ranks 1 and 4 after the same step (not neighbours): each lost shard from its previous
+    # rank's copy (0's, 3's)
+    (6, ["--zero", "3"], "1:15,4:15", [1, 4], 4),
+    # ZeRO-1, rank 3 lost as it comes to gather the commit's shards for rank 1's recovery (the others
+    # wait in the gather): the survivors shrink again, one recovery naming both
+    (4, [], "1:15,3:15:recovery", [1, 3], 2),
+], ids=["two-at-once-zero3-6-ranks", "one-during-the-recovery"])
+def test_two_losses_survived_equal_a_resume_from_the_commit(tmp_path, ranks, zero, kill, lost, after):
+    """The run goes on with the survivors, bit for bit a run stopped at the
+    commit's step and resumed on as many ranks (from the checkpoint this run
+    wrote at that step, before the losses: one job under faults, not two)."""
     needs_ulfm()
-    d, run = tmp_path, [*TINY, "--zero", "3", "--log-every", "5", "--checkpoint-dir", tmp_path / "ck"]
-    shrunk = ulfm_job(6, *run, "--steps", "20", "--on-failure", "shrink", "--commit-every", "10",
+    d, run = tmp_path, [*TINY, *zero, "--log-every", "5", "--checkpoint-dir", tmp_path / "ck"]
+    shrunk = ulfm_job(ranks, *run, "--steps", "20", "--on-failure", "shrink", "--commit-every", "10",
                       "--checkpoint-every", "10", "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl",
-                      kill="1:15,4:15")
+                      kill=kill)
     assert shrunk.returncode == 0, shrunk.stderr
     (said,) = [s for s in shrunk.stdout.splitlines() if " failed at step " in s]
-    assert said.startswith("hpctrain: rank 1 (node ") and ", rank 4 (node " in said and \
-        "failed at step 16; going on with 4 ranks from the commit of step 10, 6 steps lost" in said, said
+    assert said.startswith(f"hpctrain: rank {lost[0]} (node ") and f", rank {lost[1]} (node " in said and \
+        f"failed at step 16; going on with {after} ranks from the commit of step 10, 6 steps lost" in said, said
     final = json.loads((d / "m.jsonl").read_text().splitlines()[-1])
-    assert (final["world_size"], final["steps"]) == (4, 20)
+    assert (final["world_size"], final["steps"]) == (after, 20)
     assert [(e["step"], e["commit_step"], e["lost"], e["ranks_before"], e["ranks_after"])
-            for e in final["recoveries"]] == [(16, 10, [1, 4], 6, 4)]
+            for e in final["recoveries"]] == [(16, 10, lost, ranks, after)]
     assert checkpoint_steps(d / "ck") == [10, 20]
     shutil.rmtree(d / "ck" / "ckpt-00000020")
-    again = ulfm_job(4, *run, "--steps", "20", "--save", d / "resumed.h5", ft=False)
-    assert again.returncode == 0, again.stderr
-    assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
-
-
-def test_a_rank_lost_during_the_recovery_is_survived_too(tmp_path):
-    """ZeRO-1 on 4 ranks: rank 1 killed after step 15, rank 3 as it comes
-    to gather the commit's shards for that recovery (the others wait in the
-    gather): the survivors shrink again and go on with 2 ranks, one
-    recovery naming both, bit for bit a resume at 2 ranks from step 10."""
-    needs_ulfm()
-    d, run = tmp_path, [*TINY, "--checkpoint-dir", tmp_path / "ck"]
-    r = ulfm_job(4, *run, "--steps", "20", "--on-failure", "shrink", "--commit-every", "10",
-                 "--checkpoint-every", "10", "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl",
-                 kill="1:15,3:15:recovery")
-    assert r.returncode == 0, r.stderr
-    (said,) = [s for s in r.stdout.splitlines() if " failed at step " in s]
-    assert said.startswith("hpctrain: rank 1 (node ") and ", rank 3 (node " in said and \
-        "failed at step 16; going on with 2 ranks from the commit of step 10, 6 steps lost" in said, said
-    final = json.loads((d / "m.jsonl").read_text().splitlines()[-1])
-    assert [(e["step"], e["commit_step"], e["lost"], e["ranks_before"], e["ranks_after"])
-            for e in final["recoveries"]] == [(16, 10, [1, 3], 4, 2)]
-    shutil.rmtree(d / "ck" / "ckpt-00000020")
-    again = ulfm_job(2, *run, "--steps", "20", "--save", d / "resumed.h5", ft=False)
+    again = ulfm_job(after, *run, "--steps", "20", "--save", d / "resumed.h5", ft=False)
     assert again.returncode == 0, again.stderr
     assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
 
