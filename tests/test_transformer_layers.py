@@ -397,6 +397,18 @@ def test_cupy_path_on_a_stand_in_equals_numpy():
     assert dev.evaluate(xp.asarray(x), xp.asarray(y), batch=3) == host.evaluate(x, y, batch=3)
 
 
+def test_attention_holds_no_per_head_copies_beyond_its_estimate():
+    """The heads' outputs are written into `merged` and q, k, v's gradients
+    into dqkv by the products themselves (no per-head copies): what one
+    attention's context holds after a step (NumPy's path, its softmax
+    scratch included) stays within the memory check's count of it."""
+    n = 3
+    att, _, _ = bound(CausalSelfAttention(HEADS), (T, WIDTH))
+    x = np.random.default_rng(0).standard_normal((n, T, WIDTH))
+    att.backward(att.forward(x, True), True)
+    assert 0.9 * n * 8 * att.train_floats() <= att.ctx.held_bytes() <= n * 8 * att.train_floats()
+
+
 def test_noise_reaches_the_attention_dropout_inside_a_block():
     block, _, _ = bound(Block(WIDTH, HEADS, dropout=0.5), (T, WIDTH))
     block.set_noise(Noise(1, 2, np.arange(BATCH), stream=3))

@@ -179,12 +179,11 @@ class CausalSelfAttention(Layer):
             self._softmax(att[lo:hi], W.dtype)
         self._samples(scores, n, 1)
         dropped = self.drop.forward(ctx.inner[0], att, train)
-        heads = ctx.buffer("heads", (n, h, t, self.head_width), W.dtype)
         merged = ctx.buffer("merged", (n, t, h, self.head_width), W.dtype)
+        heads = merged.transpose(0, 2, 1, 3)   # each head's (t, head width) rows i apart: BLAS writes them there
 
         def weigh(lo, hi):
             xp.matmul(dropped[lo:hi], v[lo:hi], out=heads[lo:hi])
-            xp.copyto(merged[lo:hi], heads[lo:hi].transpose(0, 2, 1, 3))
         self._samples(weigh, n, 1)
         merged = merged.reshape(n * t, i)
         y = ctx.buffer("partial" if self.sequence else ("out", train), (n * t, e), W.dtype)
@@ -218,18 +217,18 @@ class CausalSelfAttention(Layer):
             if not self.sequence:
                 d.sum(axis=0, out=self.grads["bo"])
         self.pair(out_weight, lambda: self._product(d, Wo.T, dmerged))
-        dheads = ctx.buffer("dheads", (n, h, t, self.head_width), dy.dtype)
+        # the heads' gradients read and q, k, v's written in place, rows i (3 i) apart: BLAS takes a
+        # matrix's row stride as it is (lda, ldc) and packs its operands anyway, so these are the bits
+        # of contiguous copies, without the copies
+        dheads = dmerged.reshape(n, t, h, self.head_width).transpose(0, 2, 1, 3)
         q, k, v = (self._heads(ctx.qkv, n, t, j) for j in range(3))
         dqkv = ctx.buffer("dqkv", (n * t, 3 * i), dy.dtype)
         dq, dk, dv = (self._heads(dqkv, n, t, j) for j in range(3))
-        part = ctx.buffer("part", (n, h, t, self.head_width), dy.dtype)
         datt = ctx.buffer("datt", (n, h, t, t), dy.dtype)
         dropped = ctx.dropped
 
         def values(lo, hi):   # dv = A^T dheads; dA = dheads v^T
-            xp.copyto(dheads[lo:hi], dmerged.reshape(n, t, h, self.head_width)[lo:hi].transpose(0, 2, 1, 3))
-            xp.matmul(dropped[lo:hi].transpose(0, 1, 3, 2), dheads[lo:hi], out=part[lo:hi])
-            xp.copyto(dv[lo:hi], part[lo:hi])
+            xp.matmul(dropped[lo:hi].transpose(0, 1, 3, 2), dheads[lo:hi], out=dv[lo:hi])
             xp.matmul(dheads[lo:hi], v[lo:hi].transpose(0, 1, 3, 2), out=datt[lo:hi])
         self._samples(values, n, 2)
         datt = self.drop.backward(ctx.inner[0], datt, True)
@@ -237,10 +236,8 @@ class CausalSelfAttention(Layer):
 
         def keys(lo, hi):   # the softmax's backward, then dq = dS k, dk = dS^T q
             self._softmax_backward(ctx.att[lo:hi], datt[lo:hi], None if weighted is None else weighted[lo:hi])
-            xp.matmul(datt[lo:hi], k[lo:hi], out=part[lo:hi])
-            xp.copyto(dq[lo:hi], part[lo:hi])
-            xp.matmul(datt[lo:hi].transpose(0, 1, 3, 2), q[lo:hi], out=part[lo:hi])
-            xp.copyto(dk[lo:hi], part[lo:hi])
+            xp.matmul(datt[lo:hi], k[lo:hi], out=dq[lo:hi])
+            xp.matmul(datt[lo:hi].transpose(0, 1, 3, 2), q[lo:hi], out=dk[lo:hi])
         self._samples(keys, n, 2)
 
         def in_weight():
@@ -261,10 +258,10 @@ class CausalSelfAttention(Layer):
 
     def train_floats(self):
         t, e, h, i = self.T, self.width, self.heads_here, self.inner_width
-        # forward: qkv (3), heads, merged (this rank's heads' width), out; backward: dmerged, dheads,
-        # part, dqkv (3) (the same), dx; the attention, its gradient and the softmax's scratch
+        # forward: qkv (3), merged (this rank's heads' width; the heads write into it), out; backward:
+        # dmerged, dqkv (3) (the same), dx; the attention, its gradient and the softmax's scratch
         # (heads t^2 each), the dropout's
-        return 11 * t * i + 3 * t * e + 3 * h * t * t + self.drop.train_floats()
+        return 8 * t * i + 3 * t * e + 3 * h * t * t + self.drop.train_floats()
 
     def flops(self):
         t, e, i = self.T, self.width, self.inner_width
