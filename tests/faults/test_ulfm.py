@@ -284,7 +284,7 @@ def test_auto_commits_within_the_budget_at_the_step_every_rank_agrees():
                   1.001, 1.001 + 0.0049 * (rank + 1),  # step 10: 10 steps of 0.1 s, then this rank's commit
                   9.0, 9.0 + 1000.0,                  # a commit far above the budget
                   10.0, 10.0])                        # one that costs nothing
-    s = survival.Survival("auto", clock=lambda: next(times))
+    s = survival.Survival("auto", comm=comm, clock=lambda: next(times))   # (the run's communicator: the MAX)
     clock = {"elapsed_s": 0.0, "compute_s_total": 0.0, "comm_s_total": 0.0, "segments": 1}
 
     def commit(step):
