@@ -10,8 +10,8 @@ variables that we set from the flags and the launcher).
 import argparse
 import sys
 
-from .arguments import (Parser, ShortHelp, auto_or_positive_int, finite_float, nonneg_float, nonneg_int, positive_float, positive_int,
-                        positive_ints, with_config_file)
+from .arguments import (Parser, ShortHelp, auto_or_positive_int, finite_float, nonneg_float, nonneg_int,
+                        positive_float, positive_int, positive_ints, with_config_file)
 from .model_names import MODELS, gpt_name, gpt_options, is_model_file
 from ..base.errors import HpctrainError
 from .parallel_flags import check_tensor_parallel, check_thread_split, check_zero
