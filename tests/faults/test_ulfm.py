@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from conftest import MPIRUN, OPEN_MPI, REPO, checkpoint_steps, same_bytes, under_mpirun, without_launcher_banners
+from conftest import (MPIRUN, OPEN_MPI, REPO, checkpoint_steps, prepared_plays, same_bytes, under_mpirun,
+                      without_launcher_banners)
 from hpctrain.run.cluster import child_env
 from hpctrain.base.errors import HpctrainError
 from hpctrain.comm import ulfm
@@ -159,16 +160,21 @@ def test_a_rank_and_its_neighbour_lost_leave_the_last_checkpoint_and_exit_75(tmp
     assert [path.rsplit("/", 1)[-1] for _, path in list_checkpoints(ck)] == ["ckpt-00000020"]
 
 
-def test_a_lost_tensor_slice_comes_from_its_replica_and_the_run_equals_a_resume_at_2_ranks(tmp_path):
-    """--tensor-parallel 2 x 2 replicas (the default ZeRO-1 over them), rank
-    2 (tensor 0 of replica 1) lost: its slice comes from rank 0, its
-    optimizer shard from rank 0's copy; 3 survivors hold T = 2 on 2 of them,
-    the third leaves the job (docs/faults.md). The run to equal: its own
-    checkpoint of step 30 (written before the loss, as a run stopped there
-    writes it) resumed at 2 ranks."""
+def test_a_lost_tensor_slice_comes_from_its_replica_and_the_run_equals_a_resume_at_2_ranks(tmp_path_factory,
+                                                                                          tmp_path):
+    """The GPT, --tensor-parallel 2 --sequence-parallel x 2 replicas (the
+    default ZeRO-1 over them), rank 2 (tensor 0 of replica 1) lost: its
+    slice comes from rank 0, its optimizer shard from rank 0's copy; 3
+    survivors hold T = 2 on 2 of them, the third leaves the job
+    (docs/faults.md). The run to equal: its own checkpoint of step 30
+    (written before the loss, as a run stopped there writes it) resumed at
+    2 ranks."""
     needs_ulfm()
     d = tmp_path
-    shrunk = ulfm_job(4, *TINY, "--tensor-parallel", "2", "--steps", "80", "--on-failure", "shrink",
+    gpt = ["--model", "gpt:layers=1,heads=2,width=32", "--block-size", "16", "--batch-size", "4",
+           "--data", prepared_plays(tmp_path_factory, 20_000), "--log-every", "10", "--timeout", "20",
+           "--tensor-parallel", "2", "--sequence-parallel"]
+    shrunk = ulfm_job(4, *gpt, "--steps", "80", "--on-failure", "shrink",
                       "--commit-every", "10", "--checkpoint-every", "30", "--checkpoint-dir", d / "ck",
                       "--save", d / "shrunk.h5", "--metrics", d / "m.jsonl", kill="2:35")
     assert shrunk.returncode == 0, shrunk.stderr
@@ -182,7 +188,7 @@ def test_a_lost_tensor_slice_comes_from_its_replica_and_the_run_equals_a_resume_
     assert {k: recovery[k] for k in ("step", "commit_step", "lost", "ranks_before", "ranks_after", "left")} == \
         {"step": 36, "commit_step": 30, "lost": [2], "ranks_before": 4, "ranks_after": 2, "left": [3]}
     shutil.copytree(d / "ck" / "ckpt-00000030", d / "at30" / "ckpt-00000030")
-    resumed = ulfm_job(2, *TINY, "--tensor-parallel", "2", "--steps", "80", "--checkpoint-dir", d / "at30",
+    resumed = ulfm_job(2, *gpt, "--steps", "80", "--checkpoint-dir", d / "at30",
                        "--save", d / "resumed.h5", ft=False)
     assert resumed.returncode == 0, resumed.stderr
     assert same_bytes(d / "shrunk.h5", d / "resumed.h5")
