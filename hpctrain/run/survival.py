@@ -175,7 +175,8 @@ class Survival:
         the previous rank of comm, which hands over the next one's: one
         Sendrecv (waiting: run/world.World.waiting). tensor: this rank's
         tensor position and the tensor ranks (--tensor-parallel). Timed;
-        under auto, the next commit's step proposed on comm."""
+        under auto, the next commit's step proposed to every rank of the
+        run (self.comm: comm is the data axis alone with --tensor-parallel)."""
         from ..base import device
         t0 = self.clock()
         sharded = alone is not None
