@@ -169,11 +169,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # to copy, each step; the slots' memory is held either way.
         for flat in self._buckets.flats:
             flat.buf[...] = 0
-        views = {p: view for p, view in zip(self._params, self._views)}
         for group in self._inner.param_groups:
             for p in group["params"]:
-                view = views.get(p)
-                if p.grad is not None and (view is None or p.grad.data_ptr() != view.data_ptr()):
+                i = self._index.get(p)
+                if p.grad is not None and (i is None or p.grad.data_ptr() != self._views[i].data_ptr()):
                     p.grad = None
 
     def __repr__(self):
