@@ -1,11 +1,13 @@
 """Each layout's state as parts (the contract in state/__init__.py): one
 function per way a rank holds the run's state, all built on one step, the
 parts of a flat buffer laid out by a (possibly tensor-split) spec
-(`buffer_parts`), and one rule for who writes a box (`writes`).
+(`buffer_parts`), and one rule for who writes a box (`writes`, over
+`pieces` where every replica holds the same values).
 
 - `ring`: ring mode, every rank a replica of the model: plain (each holds
-  everything; tensor i is written by replica i mod N, so writing is
-  parallel without ZeRO), --zero 1/2 (the optimizer state: the owned
+  everything; replica r writes the r-th of N equal pieces of the flat
+  layout, so writing is parallel and even without ZeRO, whatever the
+  tensors' sizes), --zero 1/2 (the optimizer state: the owned
   ranges, `optimizer.ranges`), --zero 3 (the parameters too: the shard's
   ranges), and any of them with --tensor-parallel (a local tensor is
   `groups` boxes of the whole one along the cut's axis: a box of a ZeRO
@@ -66,23 +68,32 @@ def buffer_parts(spec, ranges, buffer, prefix="", of="params"):
     return [q for p in parts for q in (_whole(p, cut[p.name], t) if p.name in cut else [p])]
 
 
-def writes(parts, spec, replica, replicas, sharded, prefix="", spread=True):
-    """The parts with their writer flags: of the replicas holding the same
-    box, tensor i's is written by replica i mod `replicas` (not `spread`:
-    replica 0, where the writers send the chief their parts, which replica 0
-    then holds already; sharded: each replica holds its own boxes and writes
-    them all); of a tensor group's ranks, a tensor that every rank holds
-    whole (not cut) is written by tensor rank 0's alone. prefix: the parts'
-    names' before the tensor's."""
-    index = {name: i for i, (name, _, _, _) in enumerate(spec.full.tensors)}
+def writes(parts, spec, mine, prefix=""):
+    """The parts with their writer flags: `mine` (this rank writes them,
+    of the replicas holding the same boxes: `pieces`' piece, a sharded
+    layout's own boxes, or replica 0's), except that of a tensor group's
+    ranks, a tensor that every rank holds whole (not cut) is written by
+    tensor rank 0's alone. prefix: the parts' names' before the tensor's."""
     t = spec.tensor.rank if spec.tensor is not None else 0
+    return [p._replace(writer=mine and not (t and p.name[len(prefix):] not in spec.cuts)) for p in parts]
 
-    def writer(p):
-        name = p.name[len(prefix):]
-        if t and name not in spec.cuts:
-            return False
-        return sharded or (index[name] % replicas if spread else 0) == replica
-    return [p._replace(writer=writer(p)) for p in parts]
+
+def pieces(spec, lo, hi, buffer, replica, replicas, prefix="", spread=True):
+    """The parts of `buffer`, which holds [lo, hi) of `spec`'s flat layout
+    alike on every replica, each piece of it written by one replica: the
+    range cut into `replicas` contiguous pieces of equal size, replica r
+    writing the r-th, so each writes 1/N of the bytes whatever the
+    tensors' sizes (one writer per whole tensor put an MLP's first layer,
+    60% of it, on one rank). Not `spread`: one piece, replica 0's, where
+    the writers send the chief their parts, which replica 0 then holds
+    already."""
+    n = replicas if spread else 1
+    out = []
+    for r in range(n):
+        a, b = lo + (hi - lo) * r // n, lo + (hi - lo) * (r + 1) // n
+        if a < b:
+            out += writes(buffer_parts(spec, [(a, b)], buffer[a - lo:b - lo], prefix), spec, r == replica, prefix)
+    return out
 
 
 def state_parts(spec, buffer, ranges, replica):
@@ -95,13 +106,14 @@ def optimizer_parts(spec, optimizer, name, replica, replicas, base=0, size=None,
     """The optimizer's state arrays as parts `<name>.<key>/<tensor>`: over the
     owned ranges of a sharded optimizer (compact; each replica writes its
     own), else the whole buffer [base, base + size) (size: the spec's
-    num_params; written as `writes` spreads them)."""
+    num_params; written as `pieces` cuts it)."""
     size = spec.num_params if size is None else size
-    sharded = getattr(optimizer, "ranges", None) is not None
-    ranges = [(base + lo, base + hi) for lo, hi in optimizer.ranges] if sharded else [(base, base + size)]
+    if getattr(optimizer, "ranges", None) is None:
+        return [p for key, array in sorted(optimizer.state().items())
+                for p in pieces(spec, base, base + size, array, replica, replicas, f"{name}.{key}/", spread)]
+    ranges = [(base + lo, base + hi) for lo, hi in optimizer.ranges]
     return [p for key, array in sorted(optimizer.state().items())
-            for p in writes(buffer_parts(spec, ranges, array, prefix=f"{name}.{key}/"), spec, replica, replicas,
-                            sharded, f"{name}.{key}/", spread)]
+            for p in writes(buffer_parts(spec, ranges, array, prefix=f"{name}.{key}/"), spec, True, f"{name}.{key}/")]
 
 
 def ring(spec, params, state, optimizer, name, replica, replicas, param_shard=None, spread=True):
@@ -110,10 +122,9 @@ def ring(spec, params, state, optimizer, name, replica, replicas, param_shard=No
     nn/sharded_store.ParamShard), state its non-trainable state, optimizer
     ring.optimizer (sharded or not), name the optimizer's (plan.optimizer.name);
     replica, replicas: this rank's place among the data-parallel replicas;
-    spread: `writes`'."""
-    held = buffer_parts(spec, param_shard.ranges, param_shard.buf) if param_shard is not None else \
-        buffer_parts(spec, [(0, spec.num_params)], params)
-    out = writes(held, spec, replica, replicas, param_shard is not None, spread=spread)
+    spread: `pieces`'."""
+    out = writes(buffer_parts(spec, param_shard.ranges, param_shard.buf), spec, True) if param_shard is not None \
+        else pieces(spec, 0, spec.num_params, params, replica, replicas, spread=spread)
     out += optimizer_parts(spec, optimizer, name, replica, replicas, spread=spread)
     return out + state_parts(spec, state, [(0, spec.num_state)], replica)
 
@@ -123,11 +134,10 @@ def pipeline(spec, chunks, optimizers, name, replica, replicas, spread=True):
     `params` over [lo, hi) of the (split) spec's flat layout, `state` over
     [state_lo, state_hi)), each chunk's optimizer (sharded over the stage's
     replicas or not, its ranges in the chunk's coordinates); replica,
-    replicas: this rank's place among the stage's replicas; spread: `writes`'."""
+    replicas: this rank's place among the stage's replicas; spread: `pieces`'."""
     out = []
     for chunk, optimizer in zip(chunks, optimizers):
-        out += writes(buffer_parts(spec, [(chunk.lo, chunk.hi)], chunk.params), spec, replica, replicas, False,
-                      spread=spread)
+        out += pieces(spec, chunk.lo, chunk.hi, chunk.params, replica, replicas, spread=spread)
         out += optimizer_parts(spec, optimizer, name, replica, replicas, chunk.lo, chunk.hi - chunk.lo, spread)
         out += state_parts(spec, chunk.state, [(chunk.state_lo, chunk.state_hi)], replica)
     return out
