@@ -13,7 +13,6 @@ grid's communicators; never imports MPI.
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 2 --hidden 64,32 --steps 20 --compression powersgd --powersgd-start 5
 """
-import sys
 
 import numpy as np
 
