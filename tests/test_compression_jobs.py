@@ -10,6 +10,7 @@ says what it does in one line; refused combinations are one line and exit 2.
 import json
 import os
 
+import numpy as np
 import pytest
 
 from conftest import REPO, checkpoint_file, checkpoint_path, remove_checkpoint, same_bytes
@@ -112,6 +113,37 @@ def resumed(job, tmp_path, shards, ranks, flags, name, through=None):
     return ckpt
 
 
+def error_rows(folder):
+    """{rank file: [(row, lo, hi)]} of the boxes of PowerSGD's error feedback
+    (`powersgd.error`) each rank file of a checkpoint folder holds, read from
+    the files themselves (their datasets' `tensor` and `box`), not the index."""
+    import h5py
+    held = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("rank-"):
+            with h5py.File(folder / name, "r") as f:
+                held[name] = [(rows[0], cols[0], cols[1]) for rows, cols in
+                              (json.loads(d.attrs["box"]) for d in f.values() if d.attrs["tensor"] == "powersgd.error")]
+    return held
+
+
+def rewritten_with_flat_error(path):
+    """The checkpoint folder at `path` written again as an hpctrain before
+    issue 55's last item wrote it: the error feedback one flat
+    `compression/error` (W x n) the chief wrote into the index; the test's
+    own, so a broken reader cannot write what it reads."""
+    from mpi4py import MPI
+    from hpctrain.checkpoints.named import open_checkpoint, write_checkpoint
+    with open_checkpoint(path) as c:
+        step, attrs, small = c.step, dict(c.attrs), {n: c.small(n) for n in c.smalls}
+        tensors = {n: (shape, dtype, []) for n, (shape, dtype) in c.tensors.items() if n != "powersgd.error"}
+        pieces = [(n, tuple((0, d) for d in shape), c.read(n)) for n, (shape, _, _) in tensors.items()]
+        small["compression/error"] = c.read("powersgd.error").ravel()
+    attrs["compression_state"] = "error,q"
+    remove_checkpoint(path)
+    write_checkpoint(path.parent, step, MPI.COMM_SELF, 0, pieces, tensors, attrs, small)
+
+
 @pytest.mark.parametrize("ranks, flags", [
     (2, FP16), (3, [*BF16, "--overlap", "on", "--fusion-mb", "0.01"]), (2, POWERSGD),
     (3, [*POWERSGD, *SHARDED_OVERLAPPED]), (4, [*POWERSGD, *PIPELINE]),
@@ -120,12 +152,29 @@ def test_a_resume_is_bit_exact_with_each_compression(job, tmp_path, shards, rank
     # the run through writes the checkpoints the resume starts from (one job, not two)
     ckpt = resumed(job, tmp_path, shards, ranks, flags, "resumed", through="through")
     assert same_bytes(tmp_path / "through.h5", tmp_path / "resumed.h5")
-    if "powersgd" in flags:   # its state is in the file: a row of error feedback per worker
-        import h5py
-        with h5py.File(checkpoint_file(checkpoint_path(ckpt, 24)), "r") as f:
-            workers = 2 if "--pipeline-stages" in flags else ranks
-            assert f["compression/error"].shape == (workers * 52_650,) and f["compression/q"].size > 0
-            assert f.attrs["compression_workers"] == workers
+    if "powersgd" not in flags:
+        return
+    # its state: a row of error feedback per worker, each written by its owner, the Qs once
+    import h5py
+    workers = 2 if "--pipeline-stages" in flags else ranks
+    with h5py.File(checkpoint_file(checkpoint_path(ckpt, 24)), "r") as f:
+        assert f["powersgd.error"].shape == (workers, 52_650) and f["compression/q"].size > 0
+        assert "compression/error" not in f and f.attrs["compression_workers"] == workers
+        assert np.isfinite(f["powersgd.error"][...]).all()   # every box written (a missing one reads NaN)
+    held = error_rows(checkpoint_path(ckpt, 24))
+    assert {row for row, _, _ in held["rank-00000.h5"]} == {0}, held   # the chief: its own row, no other's
+    assert all(len({row for row, _, _ in boxes}) == 1 for boxes in held.values()), held
+    if "--pipeline-stages" not in flags:   # worker r: the whole of row r
+        assert held == {f"rank-{r:05d}.h5": [(r, 0, 52_650)] for r in range(ranks)}, held
+    if flags == POWERSGD or "--pipeline-stages" in flags:
+        # an older hpctrain's layout (the chief's flat rows) resumes with the same bits
+        for step in (16, 24):
+            remove_checkpoint(checkpoint_path(ckpt, step))
+        rewritten_with_flat_error(checkpoint_path(ckpt, 8))
+        r, _ = run(job, tmp_path, shards, ranks, [*flags, "--steps", "24", "--checkpoint-dir", ckpt,
+                                                 "--checkpoint-every", "8"], "old")
+        assert "at step 8" in r.stdout and "warning" not in r.stderr, r.stdout + r.stderr
+        assert same_bytes(tmp_path / "through.h5", tmp_path / "old.h5")
 
 
 def test_a_resume_on_other_workers_or_another_compression_says_so_in_one_line(job, tmp_path, shards):

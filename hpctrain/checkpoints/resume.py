@@ -299,8 +299,9 @@ class Checkpoints:
         """Collective over comm: the checkpoint of `step` from every rank's
         `parts` (state/layouts.py; keys: the optimizer's state arrays), with
         the data positions (`positions`, the chief's) and --compression's
-        state (`compression`: (arrays, attributes) or None) beside.
-        Each rank writes its writer parts, the chief the index last
+        state (`compression`: checkpoints/powersgd_state.Saved, or None) beside.
+        Each rank writes its writer parts (and its box of the compression's
+        error feedback), the chief the index last
         (checkpoints/named.py). Not finite parameters: no checkpoint, every
         rank stops alike. A failure to write stops every rank of comm with one
         error line. Returns the path."""
@@ -313,7 +314,8 @@ class Checkpoints:
             # every rank writes its file: busy, not stalled, while others wait for it (its MPI waits have deadlines)
             with world.watchdog.busy():
                 path = write_checkpoint(self.outputs.checkpoint_dir, step, comm, world.chief_in(comm),
-                                        self.pieces(parts), tensors, attrs, small,
+                                        self.pieces(parts + (compression.parts if compression else [])),
+                                        tensors, attrs, small,
                                         keep=self.outputs.keep_checkpoints, waiting=world.waiting)
         self.saved_step, self.saved_path = step, path
         return path
@@ -332,12 +334,14 @@ class Checkpoints:
         """The checkpoint's tensors {name: (shape, dtype, aliases)}, attributes
         and the small datasets the chief writes into the index."""
         plan, spec = self.plan, self.plan.spec.full
-        arrays, more = compression or ({}, {})
+        shapes, arrays, more = (compression.tensors, compression.arrays, compression.attrs) if compression \
+            else ({}, {}, {})
         keys, name, dtype = sorted(keys), plan.optimizer.name, np.dtype(plan.precision.params).str
         ties = spec.aliases()   # a tied tensor once, with the names that read it (the GPT's head/W)
         tensors = {t: (tuple(shape), dtype, ties.get(t, [])) for t, shape, _, _ in spec.tensors + spec.state}
         tensors.update({f"{name}.{key}/{t}": (tuple(shape), dtype, []) for key in keys
                         for t, shape, _, _ in spec.tensors})
+        tensors.update({t: (tuple(shape), dtype, []) for t, shape in shapes.items()})
         attrs = {"optimizer_t": int(optimizer_t), "optimizer_state": ",".join(keys),
                  "model_state": int(spec.num_state), **({"compression_state": ",".join(arrays)} if arrays else {}),
                  **dict(plan.recorded, samples=self.samples_at(step), data=self.data.dir,

@@ -105,7 +105,7 @@ def train_pipe(world, plan, inputs, timeline):
         for optimizer in optimizers:
             optimizer.t = resume.optimizer_t
         if compression is not None:
-            pipeline_compression.restore(world, grid, compression, layouts, resume)
+            pipeline_compression.restore(world, grid, compression, layouts, resume, frame.checkpoints)
     # --init-from: each rank its boxes of the pretrained parameters (tied copies follow their owners, below)
     frame.resumed(reader, restore, lambda: frame.init_from(world.comm, parts()))
     # the step's gradient: each chunk's micro-batches summed into its `grads` (the buffer the update
@@ -127,8 +127,9 @@ def train_pipe(world, plan, inputs, timeline):
     def save(at):   # every rank writes its writer parts (checkpoints/named.py)
         checkpoints = frame.checkpoints
         positions = checkpoints.gather_positions(reader, grid.stage_comm) if grid.first and grid.tensor == 0 else None
-        compressed = pipeline_compression.gather(world, grid, engine.compression, layouts) \
-            if engine.compression is not None else None   # --compression powersgd's state, whole on the chief
+        # --compression powersgd's state: each rank its box of the error feedback, the chief the Qs
+        compressed = pipeline_compression.state(world, grid, engine.compression, layouts) \
+            if engine.compression is not None else None
         checkpoints.save_parts(world.comm, at, parts(), sorted(optimizers[0].state()),
                                optimizers[0].t, positions, compressed)
     step, stopped = train_steps(world, frame, engine, reader, model, save)

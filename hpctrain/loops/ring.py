@@ -78,7 +78,7 @@ def train_ring(world, plan, inputs, timeline):
         # commit holds none: --on-failure shrink runs without compression, run/startup.check_shrink_layout)
         if not split and resume.held is None:
             compression_state.restore(world, comm, resume, ring.exchange, ring.error, ring.layout_key,
-                                      plan.compression.kind)
+                                      plan.compression.kind, frame.checkpoints)
     def initialize():   # --init-from: each rank its boxes of the pretrained parameters, the optimizer fresh
         frame.init_from(everyone, parts())
         if ring.store is not None:   # --zero 3: the gathered copies are of the drawn parameters
@@ -93,7 +93,8 @@ def train_ring(world, plan, inputs, timeline):
     def save(at):   # every rank writes its writer parts (checkpoints/named.py)
         checkpoints = frame.checkpoints
         positions = checkpoints.gather_positions(reader, comm) if not split or mesh.coords.tensor == 0 else None
-        compression = compression_state.gather(world, comm, ring.exchange, ring.error, ring.layout_key) \
+        # --compression powersgd: each worker writes its own row of the error feedback
+        compression = compression_state.of_ring(world, comm, ring.exchange, ring.error, ring.layout_key) \
             if not split else None
         checkpoints.save_parts(everyone, at, parts(), sorted(ring.optimizer.state()),
                                ring.optimizer.t, positions, compression)

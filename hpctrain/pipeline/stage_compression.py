@@ -1,22 +1,23 @@
 """--compression on a pipeline: a stage's replicas average its gradient
 through ring mode's exchange (comm/compressed_exchange.py) over the stage's part of
-its gradient slice, bucket by bucket (pipeline/engine.py); and PowerSGD's state in the
-one checkpoint file ring mode writes (checkpoints/powersgd_state.py), whole:
-each replica's error feedback over the whole model (its stages' slices, in
-stage order: replica r's row is what worker r's is in ring mode) and the
-Qs of every compressed matrix. So a pipeline's checkpoint resumes in ring
-mode on R workers and back, its state carried over. A stage with one
-replica exchanges nothing and so compresses nothing. Takes the grid's
-communicators; never imports MPI.
+its gradient slice, bucket by bucket (pipeline/engine.py); and PowerSGD's state in
+the checkpoint ring mode writes (checkpoints/powersgd_state.py): the error
+feedback as the same named tensor (R, n), replica r's row what worker r's
+is in ring mode, each rank writing (and on resume reading) its own box, its
+replica's row over its stage's slice of the model; and the Qs of every
+compressed matrix, whole, gathered along replica 0's pipe to the chief, who
+writes them once. So a pipeline's checkpoint resumes in ring mode on R
+workers and back, and under another cut, its state carried over. A stage
+with one replica exchanges nothing and so compresses nothing. Takes the
+grid's communicators; never imports MPI.
 
     mpirun -n 4 python -m hpctrain.train --pipeline-stages 2 --micro-batches 2 --hidden 64,32 --steps 20 --compression powersgd --powersgd-start 5
 """
-import sys
 
 import numpy as np
 
 from ..base import device
-from ..checkpoints.powersgd_state import decide
+from ..checkpoints.powersgd_state import decided, error_part, saved
 from ..comm.compressed_exchange import make_exchange
 from ..optim.compression_math import powersgd_layout
 from .stages import ranges
@@ -33,6 +34,7 @@ class StageCompression:
         if compression.kind == "powersgd":
             matrices, self.layout = powersgd_layout(spec.tensors, compression.rank, compression.min_rate)
         self.q_spans = _q_spans(spec, cuts, matrices)
+        self.lo = stage.lo   # where the stage's slice (its error's) lies in the model's flat parameters
         mine = [m for m in matrices if stage.lo <= m.lo and m.hi <= stage.hi]
         self.exchange = None
         if strategy is not None and compression.kind != "none":
@@ -54,62 +56,48 @@ def _q_spans(spec, cuts, matrices):
     return counts, displs
 
 
-def gather(world, grid, mine, layouts):
-    """Collective over the world: (arrays, attributes) of the pipeline's
-    PowerSGD state on the chief (checkpoints.compression's layout), ({}, {})
-    elsewhere and without state. mine: this rank's StageCompression;
-    layouts: whole.Layouts (the stages' parameter slices)."""
+def state(world, grid, mine, layouts):
+    """Collective over the world: this rank's checkpoints/powersgd_state.Saved
+    of the pipeline's PowerSGD state (its box of the error feedback, and on
+    the chief the Qs, gathered along replica 0's pipe), or None without
+    state. mine: this rank's StageCompression; layouts: whole.Layouts (the
+    stages' parameter slices)."""
     if not mine.stateful:
-        return {}, {}
+        return None
     watchdog, xp = world.watchdog, world.xp
     device.synchronize(xp)
-    arrays = {}
-    counts, displs = layouts.params
-    n = sum(counts)
-    if mine.error is not None:
-        part = np.ascontiguousarray(device.to_host(mine.error))
-        row = np.zeros(n, part.dtype) if grid.first else None
-        with watchdog.waiting("checkpoint gather (compression error feedback, along the pipe)", peer=None):
-            grid.pipe_comm.Gatherv(part, [row, (counts, displs)] if grid.first else None, root=0)
-        if grid.first:   # each replica's row, from its first stage, to the chief
-            rows = np.empty(grid.replicas * n, row.dtype) if grid.replica == 0 else None
-            with watchdog.waiting("checkpoint gather (compression error feedback, over the replicas)", peer=None):
-                grid.stage_comm.Gather(row, rows, root=0)
-            arrays["error"] = rows
+    q = None
     if grid.replica == 0:   # the Qs are the same on every replica: replica 0's
         q_counts, q_displs = mine.q_spans
         part = np.ascontiguousarray(device.to_host(mine.exchange.q))
         q = np.zeros(sum(q_counts), part.dtype) if grid.first else None
         with watchdog.waiting("checkpoint gather (compression Q)", peer=None):
             grid.pipe_comm.Gatherv(part, [q, (q_counts, q_displs)] if grid.first else None, root=0)
-        arrays["q"] = q
-    if not world.chief:
-        return {}, {}
-    return arrays, {"compression_workers": int(grid.replicas), "compression_layout": mine.layout}
+    return saved(world, mine.error, grid.replica, grid.replicas, sum(layouts.params[0]), q, mine.layout, mine.lo)
 
 
-def restore(world, grid, mine, layouts, resume):
-    """Collective over the world: the chief's checkpoint state back into
-    every stage's exchange, as checkpoints/powersgd_state.decide says (one line
-    when anything is not carried over)."""
+def restore(world, grid, mine, layouts, resume, checkpoints):
+    """Collective over the world: the checkpoint's state back into every
+    stage's exchange, as checkpoints/powersgd_state.decide says (one line
+    when anything is not carried over): each rank its box of the error
+    feedback, read by `checkpoints` (checkpoints/resume.Checkpoints) as
+    every part is (an old flat one: scattered over the replicas from the
+    chief, then along the pipe), the Qs along replica 0's pipe and over the
+    replicas."""
     watchdog, xp, ckpt = world.watchdog, world.xp, resume.checkpoint
     counts, displs = layouts.params
     q_counts, q_displs = mine.q_spans
     n = sum(counts)
-    decision = np.zeros(2, np.int64)
-    if world.chief:
-        # with one replica a stage exchanges nothing: no state to go on with
-        kind = mine.kind if mine.stateful or mine.kind != "powersgd" else "powersgd and one replica a stage"
-        keep_error, keep_q, line = decide(ckpt, kind, mine.error is not None, mine.layout, grid.replicas, n,
-                                          sum(q_counts))
-        decision[:] = keep_error, keep_q
-        if line:
-            print(f"hpctrain: warning: {line}", file=sys.stderr, flush=True)
-    with watchdog.waiting("checkpoint broadcast (compression decision)", peer=None):
-        world.comm.Bcast(decision, root=0)
+    # with one replica a stage exchanges nothing: no state to go on with
+    kind = mine.kind if mine.stateful or mine.kind != "powersgd" else "powersgd and one replica a stage"
+    keep_error, keep_q, by_box = decided(world, world.comm, resume, kind, mine.error is not None, mine.layout,
+                                         grid.replicas, n, sum(q_counts))
     if not mine.stateful:
         return
-    if decision[0] and mine.error is not None:
+    if keep_error and by_box:
+        checkpoints.restore(world.comm, resume, [error_part(mine.error, grid.replica, mine.lo)]
+                            if mine.error is not None else [])
+    elif keep_error and mine.error is not None:
         row = np.empty(n, mine.error.dtype) if grid.first else None
         if grid.first:
             rows = np.ascontiguousarray(ckpt.compression_state["error"], row.dtype) if grid.replica == 0 else None
@@ -119,7 +107,7 @@ def restore(world, grid, mine, layouts, resume):
         with watchdog.waiting("checkpoint scatter (compression error feedback, along the pipe)", peer=None):
             grid.pipe_comm.Scatterv([row, (counts, displs)] if grid.first else None, part, root=0)
         mine.error[...] = xp.asarray(part)
-    if decision[1]:
+    if keep_q:
         part = np.empty(mine.exchange.q.size, mine.exchange.q.dtype)
         if grid.replica == 0:
             whole = np.ascontiguousarray(ckpt.compression_state["q"], part.dtype) if grid.first else None
