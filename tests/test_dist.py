@@ -110,7 +110,7 @@ def test_oversubscribed_nodes_throttle_mpi_before_it_starts():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_ranks_outnumbering_cores_nap_where_each_call_meets(dist, monkeypatch):
+def test_ranks_outnumbering_cores_nap_where_each_call_waits(dist, monkeypatch):
     from hpctrain.comm.waits import Waits
     from mpi4py import MPI
     node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
@@ -118,11 +118,29 @@ def test_ranks_outnumbering_cores_nap_where_each_call_meets(dist, monkeypatch):
     node.Free()
     anywhere = dist.allreduce(np.array([int(here)]), op=dist.Max)[0]
     assert runtime().waits.nap == bool(anywhere)   # decided by all: the same calls on every rank
-    met = []
-    monkeypatch.setattr(Waits, "allreduce", lambda self, *a: met.append(1) or Waits.one(self, a[0].Ibarrier())
-                        or a[0].Allreduce(MPI.IN_PLACE, a[1], op=a[2]))
+    naps, napped = Waits._naps, []
+    monkeypatch.setattr(Waits, "_naps", staticmethod(lambda: napped.append(1) or naps()))
     assert dist.allreduce(np.ones(3), op=dist.Sum)[0] == dist.size()
-    assert len(met) == int(anywhere)
+    # the call's meeting (one Iallreduce) and each of the ring's 2 (size - 1) exchanges
+    assert len(napped) == (1 + 2 * (dist.size() - 1)) * int(anywhere)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_napping_ring_sums_to_the_same_bits():
+    """hpctrain.dist's ring where ranks outnumber cores (Irecv/Isend, napping
+    waits) against the program's (Sendrecv): one chunk of a few elements, and
+    chunks of several segments (the double-buffered path)."""
+    from hpctrain.comm.ring_allreduce import SEGMENT_BYTES, RingAllreduce
+    from hpctrain.comm.waits import Waits
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    spin, nap = RingAllreduce(comm), RingAllreduce(comm, waits=Waits(nap=True))
+    for n in (5, 3 * SEGMENT_BYTES // 4 * comm.size + 7):
+        x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+        a, b = spin.allreduce(x.copy()), nap.allreduce(x.copy())
+        assert np.array_equal(a, b) and not np.array_equal(a, x)
+    spin.free()
+    nap.free()
 
 
 @pytest.mark.mpi(min_size=2)

@@ -70,7 +70,7 @@ def _ring_comm(topology, ring_order):
     return split, split
 
 
-def make_allreduce(name, topology, xp, watchdog=None, cuda_aware="auto", ring_order="node"):
+def make_allreduce(name, topology, xp, watchdog=None, cuda_aware="auto", ring_order="node", waits=None):
     """The gradient allreduce strategy `name` (one of STRATEGIES) over
     topology.comm for arrays of module xp; 'auto' and 'hier' resolved by
     `choose` (its reason is the returned strategy's `choice`, "" if none);
@@ -80,13 +80,15 @@ def make_allreduce(name, topology, xp, watchdog=None, cuda_aware="auto", ring_or
       CUDA-aware MPI (`cuda_aware`: 'auto' asks the library, 'yes'/'no'
       override), or staged through pinned host memory; either bound to this
       rank's GPU in whatever thread calls it. Its `path` says which, and why.
+    waits: the flat ring's (ring_allreduce.RingAllreduce: hpctrain.dist's
+    napping exchanges where ranks outnumber cores; None, the program's: MPI's).
     Collective over topology.comm (every rank must call it)."""
-    strategy = _make(name, topology, xp, watchdog, cuda_aware, ring_order)
+    strategy = _make(name, topology, xp, watchdog, cuda_aware, ring_order, waits)
     strategy.choice = choose(name, topology, ring_order)[1]
     return strategy
 
 
-def _make(name, topology, xp, watchdog, cuda_aware, ring_order):
+def _make(name, topology, xp, watchdog, cuda_aware, ring_order, waits):
     from ..base import device
     from ..base.errors import HpctrainError
     if name not in STRATEGIES:
@@ -102,7 +104,7 @@ def _make(name, topology, xp, watchdog, cuda_aware, ring_order):
     if name == "ring":
         from .ring_allreduce import RingAllreduce
         ring_comm, to_free = _ring_comm(topology, ring_order)
-        strategy = RingAllreduce(ring_comm, watchdog)
+        strategy = RingAllreduce(ring_comm, watchdog, waits=waits)
         if to_free is not None:
             to_free.Free()
     elif name == "hier":

@@ -16,6 +16,14 @@ decides, and stages through host memory otherwise, comm/staged.py). For CuPy
 the scratch lives on the device, the adds are kernels, and the stream is
 synchronized before MPI touches anything a kernel wrote.
 
+`waits` (comm/waits.Waits), given only by hpctrain.dist where ranks
+outnumber cores: each exchange is an Irecv and an Isend whose wait naps
+instead of MPI's busy-polling Sendrecv, the same messages and adds (the
+same bits). There the ring runs on a communication thread beside the
+user's backward on shared cores, so a spinning wait takes the core from
+the neighbour it waits for. The program's ring (no `waits`) keeps
+Sendrecv: its exchanges are latency-bound (comm/waits.py says why).
+
     mpirun -n 3 python -m hpctrain.comm.ring_allreduce      # self-check: full(n, rank) sums
 """
 import numpy as np
@@ -45,13 +53,16 @@ def _device_sync(buf):
 class RingAllreduce(FlatStrategy):
     """Ring allreduce over `comm` (duplicated), in comm's rank order.
     Contiguous 1-D arrays, summed in place. `label` starts the watchdog's
-    description of each wait (hier.py's two rings say which is which)."""
+    description of each wait (hier.py's two rings say which is which).
+    waits: a napping comm/waits.Waits for the exchanges (see above), or
+    None: MPI's blocking calls."""
 
     name = "ring"
 
-    def __init__(self, comm, watchdog=None, label="ring"):
+    def __init__(self, comm, watchdog=None, label="ring", waits=None):
         super().__init__(comm, watchdog)
         self.label = label
+        self.waits = waits if waits is not None and waits.nap else None
         self.right = (self.rank + 1) % self.size
         self.left = (self.rank - 1) % self.size
         self._scratch = Scratch()
@@ -94,7 +105,6 @@ class RingAllreduce(FlatStrategy):
         bounds = chunk_bounds(n, size)
         seg = max(1, SEGMENT_BYTES // buf.itemsize)
         scratch = self._scratch.get(buf.dtype, xp, buf.dtype, min(bounds[1] - bounds[0] + 1, seg))
-        comm, right, left = self.comm, self.right, self.left
         # After step s, chunk (rank - s - 1) holds s+2 ranks' sum.
         for step in range(size - 1):
             send = (rank - step) % size
@@ -103,7 +113,7 @@ class RingAllreduce(FlatStrategy):
             r_lo, r_hi = bounds[recv], bounds[recv + 1]
             if s_hi - s_lo <= seg and r_hi - r_lo <= seg:
                 incoming = scratch[: r_hi - r_lo]
-                comm.Sendrecv(buf[s_lo:s_hi], right, 0, incoming, left, 0)
+                self._sendrecv(buf[s_lo:s_hi], incoming, 0)
                 xp.add(buf[r_lo:r_hi], incoming, out=buf[r_lo:r_hi])
                 if sync is not None:
                     sync()
@@ -117,8 +127,14 @@ class RingAllreduce(FlatStrategy):
         for step in range(size - 1):
             send = (rank + 1 - step) % size
             recv = (rank - step) % size
-            self.comm.Sendrecv(buf[bounds[send]:bounds[send + 1]], self.right, 1,
-                               buf[bounds[recv]:bounds[recv + 1]], self.left, 1)
+            self._sendrecv(buf[bounds[send]:bounds[send + 1]], buf[bounds[recv]:bounds[recv + 1]], 1)
+
+    def _sendrecv(self, send, recv, tag):
+        """send to the right neighbour, recv from the left one."""
+        if self.waits is None:
+            self.comm.Sendrecv(send, self.right, tag, recv, self.left, tag)
+        else:
+            self.waits.all([self.comm.Irecv(recv, self.left, tag), self.comm.Isend(send, self.right, tag)])
 
     def _sendrecv_add(self, buf, s_lo, s_hi, r_lo, r_hi, seg, xp=np, sync=None):
         """Large chunks travel as segments of `seg` elements (a chunk of at most
@@ -138,11 +154,17 @@ class RingAllreduce(FlatStrategy):
             if i + 1 < len(starts):
                 nlo = starts[i + 1]
                 reqs[(i + 1) % 2] = comm.Irecv(halves[(i + 1) % 2][: min(seg, r_hi - nlo)], left, 0)
-            reqs[i % 2].Wait()
+            if self.waits is None:
+                reqs[i % 2].Wait()
+            else:
+                self.waits.one(reqs[i % 2])
             xp.add(buf[lo:hi], halves[i % 2][: hi - lo], out=buf[lo:hi])
             if sync is not None:
                 sync()  # before the next Irecv into this half, and before buf[lo:hi] is sent on
-        MPI.Request.Waitall(sends)
+        if self.waits is None:
+            MPI.Request.Waitall(sends)
+        else:
+            self.waits.all(sends)
 
 
 

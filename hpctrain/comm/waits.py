@@ -20,9 +20,13 @@ for 1 us of slack (prctl PR_SET_TIMERSLACK, once per thread; elsewhere the
 naps are longer). Without `nap` (a core per rank), MPI's plain blocking
 calls: the lowest latency, and the same messages either way.
 
-Not for the ring's exchanges (comm/ring_allreduce.py): many short waits for a
-neighbour that is exchanging too, latency-bound; napping there took the
-MLP from 23k to 13k samples/s at 4 ranks on 2 cores.
+Not for the program's ring exchanges (comm/ring_allreduce.py): many short
+waits for a neighbour that is exchanging too, latency-bound; napping there
+took the MLP from 23k to 13k samples/s at 4 ranks on 2 cores. hpctrain.dist's
+ring does nap there (RingAllreduce's `waits`): it runs on a communication
+thread while the user's backward computes on the same cores, so a spinning
+exchange takes the core from the neighbour it waits for (nanoGPT's loop, 4
+ranks on 2 cores: the thread's CPU 13.6 -> 5.2 ms a step, docs/library.md).
 
 The waits run under the watchdog's deadline as before: the caller's
 `watchdog.waiting(...)` is around them.

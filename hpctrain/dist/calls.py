@@ -137,8 +137,12 @@ def agree(g, call, joined, refused=None):
     from mpi4py import MPI   # here, not at import: init() decides how MPI starts
     what = call.describe() if call is not None else "join()" if refused is None else "a refused call"
     with g.watchdog.waiting(f"hpctrain.dist {what}: every rank's call", peer=None):
-        if g.waits.nap:   # (the ranks decided together: the same calls on every rank)
-            g.waits.allreduce(comm, vec, MPI.MAX)
+        if g.waits.nap:
+            # The ranks decided together (runtime._nap): every rank makes this same nonblocking
+            # call, and its wait naps. One Iallreduce, where Waits.allreduce's Ibarrier then
+            # Allreduce (for ranks that may differ) takes twice the rounds, each a wait for a
+            # rank that may be off its shared core.
+            g.waits.one(comm.Iallreduce(MPI.IN_PLACE, vec, op=MPI.MAX))
         else:
             comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
     if vec[2 * FIELDS + 2 * size:].any():

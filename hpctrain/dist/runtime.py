@@ -16,10 +16,14 @@ Where a node's ranks outnumber its cores (4 ranks on 2 cores), init()
 waits as the program does there (`wait_mode`, the program's --wait-mode):
 MPI's idle progress throttled before MPI_Init (run/cluster.
 throttle_idle_mpi), and each call's meeting, the fingerprint that comes
-first (calls.py), naps (comm/waits.py) instead of busy-polling a core the
-other ranks compute on; the ring's exchanges that follow spin, as the
-program's do. The ranks decide together (one rank that naps makes them
-all meet through the napping Ibarrier: the same calls everywhere).
+first (calls.py), and the ring's exchanges that follow (comm/
+ring_allreduce.py's `waits`) nap (comm/waits.py) instead of busy-polling a
+core the other ranks compute on. The ring runs on the engine's thread
+while the user's backward runs on the same shared cores: a spinning wait
+there took the core from the very neighbour it waited for (the program's
+ring, latency-bound between steps, keeps spinning). The ranks decide
+together (one rank that naps makes them all meet through the napping
+Ibarrier: the same calls everywhere).
 
 A ProcessSet is a list of world ranks; its communicator, topology and
 ring are made by its members at its first use (MPI_Comm_create_group,
@@ -82,7 +86,7 @@ class Group:
         self.world_ranks = world_ranks(comm)
         with watchdog.waiting("hpctrain.dist: a process set's topology and ring", peer=None):
             self.topology = Topology(comm)
-            self.strategy = make_allreduce("auto", self.topology, np, watchdog)
+            self.strategy = make_allreduce("auto", self.topology, np, watchdog, waits=waits)
         self._halves = {}
 
     def half(self, kind):
