@@ -9,8 +9,8 @@ depend on the rank count.
 Why: the per-operation split (nn/threads.py, `--thread-split ops`) hands
 work to the other thread many times a layer (30-90 us each on a 2-core VM)
 and leaves the small operations on one thread; a slice per thread meets the
-others twice a step (after the forwards, for the loss; after the
-backwards) and keeps every operation on its own core, as two ranks do.
+others once a step (after the backwards: a slice's backward needs its own
+loss only, so the step's loss is summed at the end) and keeps every operation on its own core, as two ranks do.
 
 The arithmetic is not today's: each slice's loss is the mean over its own
 samples, and the step's gradient is sum_s (n_s / n) * g_s (the slices'
@@ -52,29 +52,27 @@ class SampleSplit:
         n = len(x)
         cuts = threads.ranges(n, self.slices)   # whole samples; fewer slices than S where n < S
         runs = [copy.run for copy in self.copies[:len(cuts)]]
-        grads = [None] * len(cuts)
+        losses = [None] * len(cuts)
 
-        def forward(t, a, b):
+        def slices(t, a, b):
+            # a slice's backward needs its own loss only (the sizes weigh the sum below): each thread
+            # runs its slices forward and backward without meeting the others in between
             for s in range(a, b):
                 lo, hi = cuts[s]
                 runs[s].set_noise(None if noise is None else (noise[0], noise[1], noise[2][lo:hi]))
-                grads[s] = runs[s].loss_forward_backward(runs[s].forward(x[lo:hi], True), y[lo:hi])
-
-        def backward(t, a, b):
-            for s in range(a, b):
-                runs[s].backward(grads[s][1], combine=combine)
+                loss, dout = runs[s].loss_forward_backward(runs[s].forward(x[lo:hi], True), y[lo:hi])
+                losses[s] = float(loss)   # read before the backward, which may reuse its buffer
+                runs[s].backward(dout, combine=combine)
 
         # each thread a run of whole slices: which thread takes a slice changes nothing but the time
-        parts = threads.ranges(len(cuts), threads.count())
-        threads.run(forward, parts)
+        threads.run(slices, threads.ranges(len(cuts), threads.count()))
         weights = [(hi - lo) / n for lo, hi in cuts]
-        loss = sum(float(w) * float(g[0]) for w, g in zip(weights, grads))
+        loss = sum(float(w) * part for w, part in zip(weights, losses))
         loss = self.xp.asarray(loss, dtype=self.model.grads.dtype)
         if loss_out is not None:
             loss_out[...] = loss
-        if on_forward_done is not None:
+        if on_forward_done is not None:   # after the backwards: the loss is the slices' sum
             on_forward_done()
-        threads.run(backward, parts)
         self._sum([c.grads for c in self.copies[:len(cuts)]], self.model.grads, weights)
         if self.model.extra.size:
             self._sum([c.extra for c in self.copies[:len(cuts)]], self.model.extra, weights)
