@@ -75,6 +75,16 @@ def test_the_same_bits_on_any_number_of_threads_and_the_model_within_rounding(na
     assert np.abs(grads).max() > 0
 
 
+def test_the_slices_meet_once_a_step(spied):
+    """Each thread runs its slices forward and backward in one hand-off (a
+    slice's backward needs its own loss only): one meeting a step, not one
+    after the forwards and another after the backwards (this MLP's gradient
+    is too small for its sum to be split, so it adds none)."""
+    spec, (x, y) = CASES["mlp"][0](), CASES["mlp"][1](np.random.default_rng(2))
+    _split_step(spec, 2, 2, x, y)
+    assert spied == [2]
+
+
 def test_one_slice_is_the_model():
     spec, (x, y) = CASES["mlp"][0](), CASES["mlp"][1](np.random.default_rng(2))
     loss, grads = _split_step(spec, 2, 1, x, y)
