@@ -8,9 +8,13 @@ depend on the rank count.
 
 Why: the per-operation split (nn/threads.py, `--thread-split ops`) hands
 work to the other thread many times a layer (30-90 us each on a 2-core VM)
-and leaves the small operations on one thread; a slice per thread meets the
-others once a step (after the backwards: a slice's backward needs its own
-loss only, so the step's loss is summed at the end) and keeps every operation on its own core, as two ranks do.
+and leaves the small operations on one thread; a slice per thread runs
+forward and backward in one hand-off (a slice's backward needs its own
+loss only: the step's loss is summed at the end), the threads meet again
+only for the gradients' sum, and every operation stays on its own core, as
+two ranks do. What one rank still loses against two at the same batch per
+worker is mostly the slices' size: half the rows a product, and each
+layer's fixed cost paid once a slice (docs/benchmarks.md).
 
 The arithmetic is not today's: each slice's loss is the mean over its own
 samples, and the step's gradient is sum_s (n_s / n) * g_s (the slices'
@@ -48,7 +52,9 @@ class SampleSplit:
                          combine=True):
         """As Sequential.forward_backward: the batch's mean loss (an xp
         scalar), its gradient in model.grads, the hooks called as there
-        (on_layer_done for every layer once the sum is done, last first)."""
+        but later: on_forward_done once every slice's backward is done too
+        (the loss is the slices' sum), on_layer_done for every layer once
+        the gradients' sum is done, last first."""
         n = len(x)
         cuts = threads.ranges(n, self.slices)   # whole samples; fewer slices than S where n < S
         runs = [copy.run for copy in self.copies[:len(cuts)]]
