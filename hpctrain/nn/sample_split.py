@@ -10,11 +10,13 @@ Why: the per-operation split (nn/threads.py, `--thread-split ops`) hands
 work to the other thread many times a layer (30-90 us each on a 2-core VM)
 and leaves the small operations on one thread; a slice per thread runs
 forward and backward in one hand-off (a slice's backward needs its own
-loss only: the step's loss is summed at the end), the threads meet again
-only for the gradients' sum, and every operation stays on its own core, as
-two ranks do. What one rank still loses against two at the same batch per
-worker is mostly the slices' size: half the rows a product, and each
-layer's fixed cost paid once a slice (docs/benchmarks.md).
+loss only: the step's loss is summed at the end), a thread whose slices
+are done adds up the layers every slice has finished while the others
+finish theirs (no meeting for the sum), and every operation stays on its
+own core, as two ranks do. What one rank still loses against two at the
+same batch per worker is mostly the slices' size: half the rows a
+product, and each layer's fixed cost paid once a slice
+(docs/benchmarks.md).
 
 The arithmetic is not today's: each slice's loss is the mean over its own
 samples, and the step's gradient is sum_s (n_s / n) * g_s (the slices'
