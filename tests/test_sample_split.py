@@ -75,6 +75,37 @@ def test_the_same_bits_on_any_number_of_threads_and_the_model_within_rounding(na
     assert np.abs(grads).max() > 0
 
 
+def test_the_slices_meet_once_a_step(spied):
+    """Each thread runs its slices forward and backward in one hand-off (a
+    slice's backward needs its own loss only) and then adds up the layers
+    every slice has finished: one meeting a step, none after the forwards
+    and none for the gradients' sum, though this one (188,000 floats) is
+    large enough to split over the threads."""
+    spec = ModelSpec([Flatten(), Dense(4096), ReLU(), Dense(10)], (6, 6), 10)
+    x, y = CASES["mlp"][1](np.random.default_rng(2))
+    loss, grads = _split_step(spec, 2, 2, x, y)
+    assert spied == [2]
+    assert grads.tobytes() == _split_step(spec, 1, 2, x, y)[1].tobytes()
+
+
+def test_an_error_in_one_slice_is_raised_not_waited_for(monkeypatch):
+    """The thread whose slice failed tells the others to wait for none of its
+    layers: the error comes back, nothing hangs."""
+    assert threads.configure(2) == 2
+    spec, (x, y) = CASES["mlp"][0](), CASES["mlp"][1](np.random.default_rng(2))
+    model = spec.build(np)
+    split = SampleSplit(spec, model, 2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("slice 0 broke")
+    monkeypatch.setattr(split.copies[0].run, "backward", broken)   # slice 0: the worker's
+    try:
+        with pytest.raises(RuntimeError, match="slice 0 broke"):
+            split.forward_backward(x, y)
+    finally:
+        threads.configure(1)
+
+
 def test_one_slice_is_the_model():
     spec, (x, y) = CASES["mlp"][0](), CASES["mlp"][1](np.random.default_rng(2))
     loss, grads = _split_step(spec, 2, 1, x, y)
