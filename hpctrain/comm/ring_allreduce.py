@@ -31,6 +31,7 @@ from mpi4py import MPI
 
 from ..base.device import Scratch, array_module
 from .strategy import FlatStrategy, chunk_bounds
+from .waits import Waits
 
 __all__ = ["RingAllreduce", "chunk_bounds", "SEGMENT_BYTES"]
 
@@ -55,14 +56,14 @@ class RingAllreduce(FlatStrategy):
     Contiguous 1-D arrays, summed in place. `label` starts the watchdog's
     description of each wait (hier.py's two rings say which is which).
     waits: a napping comm/waits.Waits for the exchanges (see above), or
-    None: MPI's blocking calls."""
+    None: MPI's blocking calls (a Waits that does not nap waits as they do)."""
 
     name = "ring"
 
     def __init__(self, comm, watchdog=None, label="ring", waits=None):
         super().__init__(comm, watchdog)
         self.label = label
-        self.waits = waits if waits is not None and waits.nap else None
+        self.waits = waits if waits is not None else Waits(nap=False)
         self.right = (self.rank + 1) % self.size
         self.left = (self.rank - 1) % self.size
         self._scratch = Scratch()
@@ -131,7 +132,7 @@ class RingAllreduce(FlatStrategy):
 
     def _sendrecv(self, send, recv, tag):
         """send to the right neighbour, recv from the left one."""
-        if self.waits is None:
+        if not self.waits.nap:
             self.comm.Sendrecv(send, self.right, tag, recv, self.left, tag)
         else:
             self.waits.all([self.comm.Irecv(recv, self.left, tag), self.comm.Isend(send, self.right, tag)])
@@ -154,17 +155,11 @@ class RingAllreduce(FlatStrategy):
             if i + 1 < len(starts):
                 nlo = starts[i + 1]
                 reqs[(i + 1) % 2] = comm.Irecv(halves[(i + 1) % 2][: min(seg, r_hi - nlo)], left, 0)
-            if self.waits is None:
-                reqs[i % 2].Wait()
-            else:
-                self.waits.one(reqs[i % 2])
+            self.waits.one(reqs[i % 2])
             xp.add(buf[lo:hi], halves[i % 2][: hi - lo], out=buf[lo:hi])
             if sync is not None:
                 sync()  # before the next Irecv into this half, and before buf[lo:hi] is sent on
-        if self.waits is None:
-            MPI.Request.Waitall(sends)
-        else:
-            self.waits.all(sends)
+        self.waits.all(sends)
 
 
 
