@@ -51,23 +51,42 @@ def test_stage_3_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, overl
         buckets = len(store.params.buckets)
         assert buckets > 3
         shared = 2 if overlap and comm.size > 1 else 1
-        assert len(store.grads.slots) == shared + (name == "gpt")   # the embedding's own
+        # the MLP's buckets (Dense layers) write their gradient over their parameters: no slots of
+        # their own; the GPT's blocks do not declare it (grads_may_overwrite_params), and the embedding has its own
+        assert len(store.grads.slots) == (shared + 1 if name == "gpt" else 0)
         # the parameters' too, and the small buckets forward gathers last theirs (the GPT's final
         # LayerNorm, 24 elements; the MLP's head is over 1/8 of its largest bucket)
         tail = {store.params.bucket_at(lo) for lo, _ in tail_homes(store.params.buckets)} - \
             {store.params.bucket_at(t.lo) for t in ring.model.spec.ties}
-        assert len(tail) == (name == "gpt") and len(store.params.slots) == len(store.grads.slots) + len(tail)
+        assert len(tail) == (name == "gpt") and len(store.params.slots) == shared + (name == "gpt") + len(tail)
         assert store.params.nbytes < n * 4 * 0.75 and store.grads.nbytes < n * 4 * 0.75
         assert (store.posted > 0) == (shared == 2) and not store.pending
         # a step's first forward gathers every bucket (the update made them old); then each pass
         # (backward, a micro-batch's next forward) all but those still in the slots from the pass
-        # before: the shared slots' last, the GPT's embedding and the MLP's head in their own (a
-        # prefetch gathers only what the pass reads next); run_steps gathers every bucket once more
-        # at the end. The MLP's first Dense reads no parameters in its backward (no dx): its bucket
-        # is not gathered for it, and a micro-batch's next forward gathers it instead (one fewer a step)
+        # before: the shared slots' last, the GPT's embedding in its own (a prefetch gathers only
+        # what the pass reads next); run_steps gathers every bucket once more at the end. The MLP's
+        # slots hold its gradients after backward, so each micro-batch's forward gathers every
+        # bucket; its first Dense reads no parameters in its backward (no dx): its bucket is not
+        # gathered for it
         kept = len(store.params.slots)
-        per_step = buckets + (buckets - kept) * (1 + 2 * (accumulate - 1)) - (name == "mlp")
+        per_step = accumulate * (2 * buckets - kept - 1) if name == "mlp" else \
+            buckets + (buckets - kept) * (1 + 2 * (accumulate - 1))
         assert store.gathers == 4 * per_step + buckets
+
+def test_a_dense_layers_gradient_is_written_over_its_gathered_weights():
+    """One rank, in-process: each Dense bucket's gradient lives in its
+    gathered parameters' slot (no gradient slot: one slot a bucket, not two),
+    its backward computing dx before it writes dW over W, and the steps
+    give stage 1's parameters bit for bit (dW written first, dx would read it)."""
+    comm = MPI.COMM_SELF
+    one, one_losses, _ = run_steps(comm, "mlp", 1, 200, False, steps=2)
+    three, losses, ring = run_steps(comm, "mlp", 3, 200, False, steps=2)
+    assert losses == one_losses and np.array_equal(one, three)
+    store, dense = ring.store, [layer for layer in ring.model.run.layers if layer.param_shapes()]
+    assert store.grads.slots == [] and len(store.params.slots) == 1 and len(store.params.buckets) > 3
+    assert all(np.shares_memory(layer.grads["W"], layer.params["W"]) for layer in dense)
+    assert all(np.shares_memory(layer.grads["W"], store.params.slots[0]) for layer in dense)
+
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["small_cnn", "resnet"])

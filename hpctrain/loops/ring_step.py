@@ -48,7 +48,7 @@ from ..base import device
 from ..comm.zero3 import Gatherer
 from ..nn.grad_slots import OVERLAPPED, GradSlots
 from ..nn.sample_split import SampleSplit
-from ..nn.sharded_store import ParamShard, ShardedStore, param_slots
+from ..nn.sharded_store import ParamShard, ShardedStore, zero3_slots
 from ..optim.compression_math import powersgd_layout
 from ..base.precision import FLOAT32
 
@@ -95,12 +95,11 @@ class RingStep:
                 raise ValueError("--zero 3 does not take --compression powersgd")   # cli.py refuses it in one line
             # --zero 3: the parameters in shards, each bucket gathered into a slot as its layers run
             # (nn/sharded_store.py); with overlap the gathers go on the buckets' thread, one ahead
+            # (a Linear bucket's gradient written over its gathered parameters: one slot for both)
             shared = OVERLAPPED if overlaps(overlap, buckets, strategy) else 1
-            homes = [(t.lo, t.hi) for t in spec.ties]
             param_shard = ParamShard(buckets, [_offset(lo, strategy.shard(hi - lo)) for lo, hi in buckets], xp,
                                      dtype)
-            self.store = ShardedStore(spec, param_slots(n, buckets, xp, dtype, homes, shared),
-                                      GradSlots(n, buckets, xp, dtype, homes=homes, shared=shared),
+            self.store = ShardedStore(spec, *zero3_slots(spec, buckets, xp, dtype, shared),
                                       xp.zeros(spec.num_state, dtype), param_shard,
                                       Gatherer(strategy, param_shard, xp, timeline))
             self.model = spec.build_on(self.store, xp, dtype)

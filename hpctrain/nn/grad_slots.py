@@ -25,6 +25,13 @@ Every layer writes (never adds to) its gradient views, every element of a
 bucket is some layer's, so a slot needs no zeroing between buckets: what
 the previous bucket left is overwritten.
 
+--zero 3 (nn/sharded_store.py) gathers each bucket's parameters into slots
+of this kind too; a bucket whose layers all write their gradient over
+their parameters (`grads_may_overwrite_params`, nn/layers.py) then has no
+gradient slot: `over` names those buckets and the parameters' slots, and
+`[lo:hi]` of such a bucket is its view in its parameters' slot, where its
+reduce-scatter then runs (one slot a bucket instead of two).
+
     mpirun -n 2 python -m mpi4py -m pytest --only-mpi tests/test_zero.py
 """
 import bisect
@@ -41,9 +48,11 @@ class GradSlots:
     hi)] (ring mode's, in the order backprop finishes them: from the end of
     the buffer), with `homes` [(lo, hi)]: tied tensors' home ranges, whose
     buckets get slots of their own; the others take `shared` slots in
-    turn. dtype, xp: the buffers'."""
+    turn. dtype, xp: the buffers'. over: (the parameters' GradSlots over the
+    same buckets, the indices of the buckets whose gradient is written in
+    their parameters' slot), or None."""
 
-    def __init__(self, size, buckets, xp=np, dtype=FLOAT32.grads, homes=(), shared=OVERLAPPED):
+    def __init__(self, size, buckets, xp=np, dtype=FLOAT32.grads, homes=(), shared=OVERLAPPED, over=None):
         self.size, self.shape, self.dtype = int(size), (int(size),), np.dtype(dtype)
         self.itemsize = self.dtype.itemsize
         self.buckets = [(int(lo), int(hi)) for lo, hi in buckets]
@@ -51,9 +60,26 @@ class GradSlots:
             raise ValueError(f"buckets {self.buckets} do not cover [0, {size}) once")
         self._los = sorted(lo for lo, _ in self.buckets)
         self._index = {lo: i for i, (lo, _) in enumerate(self.buckets)}
-        self.slot_of, self._reuses, sizes = assign(self.buckets, {self.bucket_at(lo) for lo, hi in homes if hi > lo},
-                                                   shared)
+        params, self.over = (None, frozenset()) if over is None else (over[0], frozenset(over[1]))
+        kept = [i for i in range(len(self.buckets)) if i not in self.over]   # the buckets with slots here
+        at = {i: k for k, i in enumerate(kept)}
+        slot_of, reuses, sizes = assign([self.buckets[i] for i in kept],
+                                        {at[i] for i in {self.bucket_at(lo) for lo, hi in homes if hi > lo} if i in at},
+                                        shared)
         self.slots = [xp.zeros(n, self.dtype) for n in sizes]
+        # bucket -> the array its gradient is written in (its own slot, or its parameters'), and the
+        # bucket that wrote there before it (None: nobody this pass)
+        self._slot, self._reuses = [None] * len(self.buckets), [None] * len(self.buckets)
+        for k, i in enumerate(kept):
+            self._slot[i] = self.slots[slot_of[k]]
+            self._reuses[i] = None if reuses[k] is None else kept[reuses[k]]
+        last = {}   # a parameters' slot -> the last bucket so far whose gradient is written there
+        for i in sorted(self.over):
+            slot = params.slot_of[i]
+            self._slot[i], self._reuses[i], last[slot] = params.slots[slot], last.get(slot), i
+        self.slot_of = [None] * len(self.buckets)   # bucket -> its own slot's index (None: in its parameters')
+        for k, i in enumerate(kept):
+            self.slot_of[i] = slot_of[k]
 
     def bucket_at(self, offset):
         """The index of the bucket holding model offset `offset`."""
@@ -61,7 +87,8 @@ class GradSlots:
         return self._index[lo]
 
     def reuses(self, i):
-        """The bucket whose slot bucket i takes over (None: a fresh one)."""
+        """The bucket whose slot bucket i takes over, the last to write its
+        gradient there before it (None: a fresh one)."""
         return self._reuses[i]
 
     @property
@@ -78,7 +105,7 @@ class GradSlots:
         b_lo, b_hi = self.buckets[i]
         if hi > b_hi:
             raise ValueError(f"[{lo}:{hi}) crosses the end of bucket [{b_lo}:{b_hi})")
-        return self.slots[self.slot_of[i]][lo - b_lo:hi - b_lo]
+        return self._slot[i][lo - b_lo:hi - b_lo]
 
 
 def assign(buckets, own, shared):
@@ -105,12 +132,14 @@ def assign(buckets, own, shared):
     return slot_of, reuses, sizes
 
 
-def slot_elements(spec, buckets, shared=1, extra=()):
+def slot_elements(spec, buckets, shared=1, extra=(), over=()):
     """Elements the slots of a model `spec` over `buckets` hold (the start-up
-    memory check's count); extra: more buckets [(lo, hi)] with slots of their own."""
+    memory check's count); extra: more buckets [(lo, hi)] with slots of their
+    own; over: indices of buckets without a slot (GradSlots' `over`)."""
     homes = {i for t in spec.ties for i, (lo, hi) in enumerate(buckets) if lo <= t.lo < hi} | \
         {buckets.index(b) for b in extra}
-    return sum(assign(buckets, homes, shared)[2])
+    kept = [i for i in range(len(buckets)) if i not in set(over)]
+    return sum(assign([buckets[i] for i in kept], {kept.index(i) for i in homes if i in kept}, shared)[2])
 
 
 def _cover(buckets, size):

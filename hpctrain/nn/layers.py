@@ -156,6 +156,11 @@ class Layer:
     # dy make its gradient (Linear, Conv2d, Embedding), so --zero 3 need not gather them again for it
     # (nn/sharded_store.py); the default, True, is the safe one
     needs_params_without_dx = True
+    # backward reads each of its parameters only before it writes that parameter's gradient (Linear: W for dx,
+    # dx first): its gradient may then be bound over its parameters, --zero 3's one slot a bucket for both
+    # (nn/sharded_store.py), and where it is (a parameter and its gradient share memory) its backward keeps that
+    # order; the default, False, is the safe one
+    grads_may_overwrite_params = False
     min_batch = 1         # the smallest batch a training forward makes sense of (BatchNorm1d: 2)
     input_kind = "image"  # what it takes as a model's first layer (nn/spec.INPUT_KINDS): the reader must give it
     ties = ()             # (name, owner layer, its tensor, transposed): tensors read from another layer (tie)

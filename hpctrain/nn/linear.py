@@ -33,6 +33,7 @@ class Linear(Layer):
     """(batch, ..., fan_in) -> (batch, ..., units); W is (fan_in, units)."""
     keeps_output = False   # its backward reads its input
     needs_params_without_dx = False   # dW from its input and dy, db from dy
+    grads_may_overwrite_params = True   # W read for dx only: with dW over W (--zero 3), dx first
     tokenwise = True       # each position by itself: decoded by its own forward (nn/decode.py)
 
     def __init__(self, units, bias=True, std=0.02, role=None):
@@ -82,6 +83,11 @@ class Linear(Layer):
         shape = params["W"].shape
         params["W"][...] = he_normal(rng, shape, self.fan_in, dtype) if self.std is None else \
             normal(rng, shape, self.std, dtype)
+
+    def bind(self, xp, params, grads, state):
+        super().bind(xp, params, grads, state)
+        # --zero 3 binds dW over W where it can (grads_may_overwrite_params): dx, W's last read, then goes first
+        self._dx_first = "W" in grads and bool(xp.may_share_memory(params["W"], grads["W"]))
 
     def forward(self, ctx, x, train):
         xp, W, group = self.xp, self.params["W"], self.group
@@ -135,7 +141,11 @@ class Linear(Layer):
         if not need_dx:
             weight()
             return None
-        self.pair(weight, inputs)
+        if self._dx_first:   # the same products, one after the other: dW is written over W
+            inputs()
+            weight()
+        else:
+            self.pair(weight, inputs)
         dx = dx.reshape(*dy.shape[:-1], self.fan_in)
         if self.gathers:   # summed over the group, this rank's positions kept
             part = ctx.buffer("dpart", (dy.shape[0], *self.in_shape), dy.dtype)

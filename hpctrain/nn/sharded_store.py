@@ -23,6 +23,19 @@ gather. A slot's copy is current while the shard's version of
 its bucket is the one it was gathered at (ParamShard.changed: the
 optimizer's update of bucket j; `forget()`: the initial draw, a resume).
 
+A bucket whose layers all declare `grads_may_overwrite_params` (Linear:
+its backward reads W for dx only, and computes dx before dW) has no
+gradient slot of its own: its layers' gradient views are views of its
+parameters' slot (GradSlots' `over`, `zero3_slots`), each layer writing its
+gradient over its own parameters once it has read them, and the bucket's
+reduce-scatter and update run there. Once the bucket's last layer in
+backward is done, the slot holds no parameters (`grads_done`); a bucket
+that backward writes without gathering it (the model's first layer) takes
+its slot as the gather would (`_claim`), and the fused allreduce's wait for
+the slot's previous bucket (`reuses`) covers the gradient before it. The
+MLPs' buckets hold one slot each instead of two (issue 60: 0.41 to 0.34 of
+an unsharded rank's peak at N = 4, docs/ring.md).
+
 Who gathers is the caller's (`gather(j, view)`, comm/zero3.py: this
 rank's part copied in, the strategy's allgather), so this module needs
 no MPI. With overlap (`thread`: comm/fusion.FusedAllreduce) the gathers
@@ -37,6 +50,8 @@ parameters (with a tied home's) are alive at once.
 
     mpirun -n 2 python -m mpi4py -m pytest --only-mpi tests/test_zero3.py
 """
+import bisect
+
 import numpy as np
 
 from .grad_slots import GradSlots, slot_elements
@@ -111,6 +126,12 @@ class ShardedStore:
         if spec.param_layers and not spec.layers[spec.param_layers[0]].needs_params_without_dx:
             self.back_reads[spec.param_layers[0]] = []
         self.back_needed = {j for r in self.back_reads for j in r}
+        # the buckets whose gradient is written over their parameters (grads.over): bucket -> the layer whose
+        # backward finishes it (its lowest), after which its slot holds no parameters
+        self.last_writer = {}
+        for i in spec.param_layers:
+            if self.own[i] in grads.over and self.own[i] not in self.last_writer:
+                self.last_writer[self.own[i]] = i
 
     def views(self, i):
         spec = self.spec
@@ -182,9 +203,27 @@ class ShardedStore:
 
     def before_backward(self, a, b):
         self._need(a, b, +1, self.back_reads, self.back_needed)
+        for i in range(a, b):
+            if self.own[i] in self.last_writer and not self.back_reads[i]:
+                self._claim(self.own[i])
+
+    def _claim(self, j):
+        """Bucket j's gradient is about to be written in its parameters' slot
+        without a gather: whatever was posted there done first, and the slot
+        no longer holds what it held."""
+        slot = self.params.slot_of[j]
+        if self.pending.get(slot) is not None:
+            self._collect(self.pending[slot][0])
+        self.resident[slot] = None
 
     def grads_done(self, a, b):
-        """Nothing: the fused allreduce takes each bucket (comm/fusion.py)."""
+        """A bucket whose gradient is written over its parameters, once its
+        last layer is done: its slot holds the gradient (the fused allreduce
+        takes each bucket: comm/fusion.py)."""
+        for i in range(a, b):
+            j = self.own[i]
+            if self.last_writer.get(j) == i:
+                self.resident[self.params.slot_of[j]] = None
 
     def forget(self):
         """Every slot stale (the shard was written whole: the initial draw, a resume)."""
@@ -225,13 +264,41 @@ def tail_homes(buckets):
     return out
 
 
-def param_slots(size, buckets, xp, dtype, homes, shared=1):
-    """The parameters' slots: `shared` the buckets take in turn (one while
+def grads_over_params(spec, buckets):
+    """The indices of the `buckets` whose gradient may be written over their
+    parameters: every layer with tensors there declares
+    grads_may_overwrite_params, and no tied tensor is read there or lives
+    there (the head reads the embedding's at the other end of the pass)."""
+    starts = sorted((lo, j) for j, (lo, hi) in enumerate(buckets))
+
+    def bucket_at(offset):
+        return starts[bisect.bisect_right(starts, (offset, len(buckets))) - 1][1]
+    own = [bucket_at(entries[0][2]) if entries and entries[-1][3] > entries[0][2] else None
+           for entries in spec.layer_tensors]
+    tied, ok = set(), {}
+    for t in spec.ties:
+        tied |= {bucket_at(t.lo), own[t.user]}
+    for i, j in enumerate(own):
+        if j is not None:
+            ok[j] = ok.get(j, True) and spec.layers[i].grads_may_overwrite_params
+    return {j for j, fine in ok.items() if fine and j not in tied}
+
+
+def zero3_slots(spec, buckets, xp, dtype, shared=1):
+    """(the parameters' slots, the gradient's) of --zero 3 over ring mode's
+    `buckets`: the parameters' `shared` the buckets take in turn (one while
     each gather is done before its layers run; a prefetch needs a second),
-    one per tied home's bucket and per small bucket of the tail (tail_homes)."""
-    return GradSlots(size, buckets, xp, dtype, homes=[*homes, *tail_homes(buckets)], shared=shared)
+    one per tied home's bucket and per small bucket of the tail
+    (tail_homes); the gradient's the same but for the buckets it is written
+    over the parameters in (grads_over_params), which have none."""
+    n, homes = spec.num_params, [(t.lo, t.hi) for t in spec.ties]
+    params = GradSlots(n, buckets, xp, dtype, homes=[*homes, *tail_homes(buckets)], shared=shared)
+    return params, GradSlots(n, buckets, xp, dtype, homes=homes, shared=shared,
+                             over=(params, grads_over_params(spec, buckets)))
 
 
-def param_slot_elements(spec, buckets, shared=1):
-    """Elements the parameters' slots of a model `spec` over `buckets` hold (the start-up memory check's count)."""
-    return slot_elements(spec, buckets, shared, extra=tail_homes(buckets))
+def zero3_slot_elements(spec, buckets, shared=1):
+    """Elements (the gradient's, the parameters') the slots of zero3_slots
+    hold for a model `spec` over `buckets` (the start-up memory check's count)."""
+    return (slot_elements(spec, buckets, shared, over=grads_over_params(spec, buckets)),
+            slot_elements(spec, buckets, shared, extra=tail_homes(buckets)))

@@ -14,7 +14,7 @@ from ..base.errors import HpctrainError
 from ..nn import threads
 from ..nn.grad_slots import slot_elements
 from ..nn.sequential import eval_forward
-from ..nn.sharded_store import param_slot_elements
+from ..nn.sharded_store import zero3_slot_elements
 from ..base.precision import FLOAT32
 
 STATES = {"sgd": 0, "momentum": 1, "adam": 2}   # optimizer state buffers per parameter
@@ -104,7 +104,8 @@ def ring_needs(args, spec, replicas, stage, counted=None):
     at ZeRO stage `stage` over `replicas` ranks: the optimizer state 1/R
     from stage 1; from stage 2 the gradient's slots (nn/grad_slots.py: one,
     two with --overlap on) and with --clip-norm its 1/R shard; at stage 3 the
-    parameters too (nn/sharded_store.py: shared slots and a tied home's).
+    parameters too (nn/sharded_store.py: shared slots and a tied home's;
+    no gradient slot for a bucket of Linear layers, written over its parameters).
     counted: a dict that keeps the buckets and slots between calls for one
     model (fitting_stage asks for ~20 rank counts: seconds each at 100,000
     layers)."""
@@ -116,9 +117,11 @@ def ring_needs(args, spec, replicas, stage, counted=None):
                                                ready_from(spec.layer_ranges))
         buckets = counted["buckets"]
         shared = 2 if args.overlap == "on" and replicas > 1 and len(buckets) > 1 else 1
-        if shared not in counted:
-            counted[shared] = slot_elements(spec, buckets, shared), param_slot_elements(spec, buckets, shared)
-        grad_slots, param_slots = counted[shared]
+        if (stage, shared) not in counted:
+            # stage 3: no gradient slot for a bucket whose gradient is written over its parameters
+            counted[stage, shared] = zero3_slot_elements(spec, buckets, shared) if stage == 3 else \
+                (slot_elements(spec, buckets, shared), 0)
+        grad_slots, param_slots = counted[stage, shared]
         # the summed gradient's 1/R parts kept only for --clip-norm (comm/data_parallel.Summed)
         grad_shard = n / replicas if args.clip_norm is not None else 0
         buffers = (1 if stage == 2 else (param_slots + n / replicas) / n) + (grad_slots + grad_shard) / n
