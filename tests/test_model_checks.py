@@ -127,6 +127,17 @@ class DecayedDense(Dense):
         return dx
 
 
+class WeightFirstDense(Dense):
+    """Writes dW before it computes dx from W: Dense's
+    grads_may_overwrite_params = True inherited wrongly (--zero 3 writes dW over W)."""
+
+    def backward(self, ctx, dy, need_dx):
+        d = dy.reshape(-1, self.here)
+        np.matmul(ctx.rows.T, d, out=self.grads["W"])
+        d.sum(axis=0, out=self.grads["b"])
+        return (d @ self.params["W"].T).reshape(*dy.shape[:-1], self.fan_in) if need_dx else None
+
+
 def _raises(method):
     def fail(self, *args):
         raise TypeError("my bug")
@@ -180,6 +191,9 @@ BAD = {
     "rebound gradient views": (lambda: [Rebinds()], "its gradient views were replaced"),
     "needs_params_without_dx = False, wrongly": (lambda: [DecayedDense(6)], "declares needs_params_without_dx = "
                                                  "False, but its backward without dx reads its parameters"),
+    "grads_may_overwrite_params = True, wrongly": (lambda: [WeightFirstDense(6)], "declares "
+                                                   "grads_may_overwrite_params = True, but its backward reads a "
+                                                   "parameter after writing its gradient"),
     "an undeclared in-place write in a Residual": (lambda: [Residual([UndeclaredLeaky(), Dense(6)])],
                                                    "layer 1 (Residual[UndeclaredLeaky>Dense(6)]): forward wrote "
                                                    "into its input"),

@@ -31,6 +31,10 @@ samples, and refuses it when:
   Embedding's, inherited by a subclass) but its backward without dx reads
   its parameters after all (--zero 3 leaves them ungathered for the
   model's first layer's backward);
+- it declares `grads_may_overwrite_params = True` (Linear's, inherited by
+  a subclass) but its backward, with its gradient views over its
+  parameters, gives other gradients than with them apart (it reads a
+  parameter after writing its gradient: --zero 3 binds them so);
 - `forward` or `backward` sets or replaces an attribute of the layer (a
   call's activations kept on `self`, not on its ctx: a pipeline stage runs
   several micro-batches through the one layer, and the last forward's would
@@ -288,7 +292,29 @@ def check_layer(spec, i, seed=0):
             probe.refuse("declares needs_params_without_dx = False, but its backward without dx reads its "
                          "parameters (--zero 3 would not gather them for the model's first layer): declare "
                          "needs_params_without_dx = True")
+    if layer.grads_may_overwrite_params and probe.pv and not any(t.user == i for t in spec.ties):
+        overwritten(spec, i, seed, before, dy)
     probe.forward(probe.inputs(), train=False)
+
+
+def overwritten(spec, i, seed, x, dy):
+    """A layer that declares grads_may_overwrite_params, run on x and dy
+    (need_dx) twice as --zero 3 runs it: with its gradient views apart,
+    then over its parameters; refused where they differ (twice apart first:
+    a layer that draws randomness of its own cannot be judged so)."""
+    runs = []
+    for over in (False, False, True):
+        probe = _Probe(spec, i, seed)
+        if over:
+            probe.grads, probe.gv = probe.params, probe.pv
+        probe.start()
+        probe.forward(x.copy())
+        runs.append((probe.backward(dy.copy()).copy(), probe.grads.copy()))
+    repeatable = _same(runs[0][0], runs[1][0]) and _same(runs[0][1], runs[1][1])
+    if repeatable and not (_same(runs[2][0], runs[0][0]) and _same(runs[2][1], runs[0][1])):
+        probe.refuse("declares grads_may_overwrite_params = True, but its backward reads a parameter after writing "
+                     "its gradient (--zero 3 writes the gradient over the parameters): compute dx first, or declare "
+                     "grads_may_overwrite_params = False")
 
 
 def check_layers(spec, seed=0):
