@@ -19,6 +19,7 @@ from mpi4py import MPI
 from test_zero import refused, run_steps, trained, shards, text_dir   # noqa: F401 (fixtures)
 from conftest import same_bytes
 from test_hier import hier_on_fake_nodes
+from hpctrain.nn import threads
 from hpctrain.nn.sharded_store import ShardedStore, tail_homes
 
 
@@ -73,14 +74,22 @@ def test_stage_3_gives_stage_1s_parameters_bit_for_bit(name, fusion_elems, overl
             buckets + (buckets - kept) * (1 + 2 * (accumulate - 1))
         assert store.gathers == 4 * per_step + buckets
 
-def test_a_dense_layers_gradient_is_written_over_its_gathered_weights():
+@pytest.mark.parametrize("compute_threads", [1, 2])
+def test_a_dense_layers_gradient_is_written_over_its_gathered_weights(compute_threads):
     """One rank, in-process: each Dense bucket's gradient lives in its
     gathered parameters' slot (no gradient slot: one slot a bucket, not two),
-    its backward computing dx before it writes dW over W, and the steps
-    give stage 1's parameters bit for bit (dW written first, dx would read it)."""
+    its backward computing dx before it writes dW over W (on two compute
+    threads too, where stage 1 runs the two products at once: nn/threads.pair),
+    and the steps give stage 1's parameters bit for bit (dW written first,
+    dx would read it)."""
     comm = MPI.COMM_SELF
-    one, one_losses, _ = run_steps(comm, "mlp", 1, 200, False, steps=2)
-    three, losses, ring = run_steps(comm, "mlp", 3, 200, False, steps=2)
+    if threads.configure(compute_threads) != compute_threads:
+        pytest.skip("no per-thread BLAS thread count here (nn/threads.py)")
+    try:
+        one, one_losses, _ = run_steps(comm, "mlp", 1, 200, False, steps=2)
+        three, losses, ring = run_steps(comm, "mlp", 3, 200, False, steps=2)
+    finally:
+        threads.configure(1)
     assert losses == one_losses and np.array_equal(one, three)
     store, dense = ring.store, [layer for layer in ring.model.run.layers if layer.param_shapes()]
     assert store.grads.slots == [] and len(store.params.slots) == 1 and len(store.params.buckets) > 3
