@@ -22,6 +22,16 @@ from hpctrain.run.cluster import child_env
 from ranks import Stopped, blocked_opening_a_fifo, rank_pid
 
 PY = [sys.executable, "-m", "hpctrain.mnist"]
+SLOW = [sys.executable, "-m", "slow_ranks"]   # hpctrain.mnist with tests/faults/slow_ranks.py's faults
+FAULTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def grace_env(seconds):
+    """The jobs' environment for SLOW: a stop signal outside training is
+    overdue after `seconds`, not 5 (FAULT_STOP_GRACE)."""
+    env = child_env()
+    env.update(PYTHONPATH=FAULTS, FAULT_STOP_GRACE=str(seconds))
+    return env
 
 
 def errors(stderr):
@@ -151,14 +161,16 @@ def test_a_hanging_file_system_ends_the_job_within_the_deadline(job, tmp_path):
 def test_sigterm_stops_a_job_stuck_in_start_up(tmp_path):
     # Stuck reading a checkpoint with a long --timeout: SIGTERM (what SLURM
     # sends) must still end it, with exit 75 so the job script requeues it.
+    # The signal is overdue after a grace of 2 s, not 5 (the suite's time:
+    # tests/faults/slow_ranks.py's FAULT_STOP_GRACE).
     import signal
-    proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--steps", "30", "--hidden", "16", "--timeout", "300",
+    proc = subprocess.Popen([MPIRUN, "-n", "2", *SLOW, "--steps", "30", "--hidden", "16", "--timeout", "300",
                              "--checkpoint-dir", hanging_checkpoint_dir(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=grace_env(2), cwd=REPO)
     try:
         # The chief blocked opening the FIFO: every rank is past the start-up
         # collectives before it (their stop handlers set) and stuck there.
-        chief = rank_pid(proc, 0)
+        chief = rank_pid(proc, 0, module=b"slow_ranks")
         assert chief and blocked_opening_a_fifo(chief), ("rank 0 never blocked reading the checkpoint", proc.poll())
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)   # Hydra forwards it to every rank
@@ -213,16 +225,17 @@ def test_a_rank_stopped_at_shutdown_ends_the_job_and_the_result_is_kept(tmp_path
 def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
     # Rank 1 stopped after the last step, while the chief evaluates and writes
     # (long --timeout): SIGTERM ends the job with exit 75, and the same command
-    # again resumes from the final checkpoint and writes the results.
+    # again resumes from the final checkpoint and writes the results. A grace
+    # of 2 s, not 5, as above.
     import json
     import signal
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    cmd = [MPIRUN, "-n", "2", *PY, "--steps", "40", "--hidden", "16", "--log-every", "40", "--timeout", "300",
+    cmd = [MPIRUN, "-n", "2", *SLOW, "--steps", "40", "--hidden", "16", "--log-every", "40", "--timeout", "300",
            "--checkpoint-dir", ckpt, "--metrics", metrics]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=grace_env(2),
                             cwd=REPO)
     try:
-        pid = rank_pid(proc, 1)
+        pid = rank_pid(proc, 1, module=b"slow_ranks")
         assert pid, "rank 1 not found"
         while 40 not in checkpoint_steps(ckpt) and proc.poll() is None:
             time.sleep(0.005)   # the final checkpoint is written right after the loop
@@ -242,13 +255,10 @@ def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("hpctrain: error: stopped by SIGTERM after the last step"), err
     assert "(rank 1 did not answer a roll call)" in lines[0], err
     assert took < 20
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=grace_env(2), cwd=REPO)
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stdout and "nothing left to train" in again.stdout
     assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
-
-
-FAULTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.parametrize("sig, ranks, flags", [("SIGUSR1", 2, []), ("SIGTERM", 3, ["--mode", "ps"])])
@@ -261,9 +271,9 @@ def test_a_signal_during_a_long_final_evaluation_changes_nothing(tmp_path, sig, 
     # A grace of 2 s, not 5 (the suite's time): the signal, 1 s into the 5 s
     # evaluation, is overdue 2 s before it ends (3 s with 5 and 9).
     ckpt, metrics, save = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "p.h5"
-    env = child_env()
-    env.update(PYTHONPATH=FAULTS, FAULT_FINAL_EVAL_SLEEP="5", FAULT_STOP_GRACE="2")
-    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", "--steps", "20",
+    env = grace_env(2)
+    env.update(FAULT_FINAL_EVAL_SLEEP="5")
+    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), *SLOW, "--steps", "20",
                              "--hidden", "16", "--log-every", "20", "--timeout", "60", "--checkpoint-dir", ckpt,
                              "--metrics", metrics, "--save", save, *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -294,9 +304,9 @@ def test_a_signal_overdue_while_the_ranks_leave_changes_nothing(tmp_path, ranks,
     # A grace of 2 s, not 5, and a linger of 5 s, not 9 (the suite's time):
     # the grace still runs out 3 s before rank 0 leaves.
     metrics, save = tmp_path / "m.jsonl", tmp_path / "p.h5"
-    env = child_env()
-    env.update(PYTHONPATH=FAULTS, FAULT_EXIT_LINGER="0:5", FAULT_STOP_GRACE="2")
-    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", "--steps", "20",
+    env = grace_env(2)
+    env.update(FAULT_EXIT_LINGER="0:5")
+    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), *SLOW, "--steps", "20",
                              "--hidden", "16", "--log-every", "20", "--timeout", "60", "--metrics", metrics,
                              "--save", save, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=REPO)
@@ -332,7 +342,7 @@ def with_faults(tmp_path, cmd, timeout=90, ranks=2, **faults):
     pids.mkdir()
     env = child_env()
     env.update(PYTHONPATH=FAULTS, FAULT_PID_DIR=str(pids), **faults)
-    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", *map(str, cmd)],
+    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), *SLOW, *map(str, cmd)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     t0 = time.monotonic()
     deadline = t0 + timeout
