@@ -697,7 +697,11 @@ def stop_one_async_worker(tmp_path, stopped_for, steps=600, timeout=8):
         pid = int((pids / "rank-3.pid").read_text())
         wait_for(lambda: stopped(pid), 120, "stop of worker 2")
         before = local_steps(progress, 0)
-        time.sleep(stopped_for or 4)
+        if stopped_for:
+            time.sleep(stopped_for)
+        else:   # stopped for good: the others seen training on (polled: the deadline is the test's time)
+            wait_for(lambda: local_steps(progress, 0) - before >= 20 or proc.poll() is not None, 60,
+                     "steps of worker 0")
         during = local_steps(progress, 0)
         if stopped_for:
             os.kill(pid, signal.SIGCONT)
@@ -728,13 +732,14 @@ def test_async_a_stopped_worker_does_not_stop_the_others(job, tmp_path):
 
 
 def test_async_a_worker_that_never_returns_ends_the_job_at_the_deadline(job, tmp_path):
-    # 100000 steps: the others are still training at the deadline. --timeout 6
-    # (the suite's time): past the 4 s in which the others are seen training.
-    r, before, during = stop_one_async_worker(tmp_path, stopped_for=None, steps=100000, timeout=6)
+    # 100000 steps: the others are still training at the deadline. --timeout 5
+    # (the suite's time), as the other 4-rank ps stalls: the others are seen
+    # training (20 steps) well within it.
+    r, before, during = stop_one_async_worker(tmp_path, stopped_for=None, steps=100000, timeout=5)
     assert r.returncode == 3, r.stderr[-3000:]
     assert during - before >= 20, (before, during)
     assert re.search(r"^hpctrain: error: rank 0 waited \d+ s for rank 3 \(requests from worker 2\); "
-                     r"giving up \(--timeout 6\)$", r.stderr, re.M), r.stderr
+                     r"giving up \(--timeout 5\)$", r.stderr, re.M), r.stderr
 
 
 @pytest.mark.parametrize("mode", ["backup", "async"])

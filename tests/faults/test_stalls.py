@@ -22,6 +22,16 @@ from hpctrain.run.cluster import child_env
 from ranks import Stopped, blocked_opening_a_fifo, rank_pid
 
 PY = [sys.executable, "-m", "hpctrain.mnist"]
+SLOW = [sys.executable, "-m", "slow_ranks"]   # hpctrain.mnist with tests/faults/slow_ranks.py's faults
+FAULTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def grace_env(seconds):
+    """The jobs' environment for SLOW: a stop signal outside training is
+    overdue after `seconds`, not 5 (FAULT_STOP_GRACE)."""
+    env = child_env()
+    env.update(PYTHONPATH=FAULTS, FAULT_STOP_GRACE=str(seconds))
+    return env
 
 
 def errors(stderr):
@@ -46,7 +56,8 @@ def test_a_rank_stopped_at_start_up_ends_the_job(job):
     t0 = time.monotonic()
     # 100000 steps: a job that ran on because rank 1 was found late cannot end
     # before it is found (with 300 it once did, on loaded cores)
-    proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--steps", "100000", "--timeout", "5"],
+    # --timeout 3, not 5 (the suite's time): every wait that runs out is one for rank 1
+    proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--steps", "100000", "--timeout", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
     try:
         pid = rank_pid(proc, 1, poll=0.005)
@@ -58,7 +69,7 @@ def test_a_rank_stopped_at_start_up_ends_the_job(job):
             proc.kill()
     took = time.monotonic() - t0
     lines = errors(err)
-    assert len(lines) == 1 and "giving up (--timeout 5)" in lines[0], err
+    assert len(lines) == 1 and "giving up (--timeout 3)" in lines[0], err
     # Stopped before MPI was up (CI once found rank 1 that early), rank 0
     # has no MPI_Abort: it exits 3 and Hydra SIGKILLs rank 1, and reports
     # that 9 when it reaps rank 1 first (errors.py). Once MPI is up: 3.
@@ -139,7 +150,7 @@ def hanging_checkpoint_dir(tmp_path):
 
 def test_a_hanging_file_system_ends_the_job_within_the_deadline(job, tmp_path):
     t0 = time.monotonic()
-    r = job(2, "--steps", "30", "--hidden", "16", "--timeout", "4", "--checkpoint-dir",
+    r = job(2, "--steps", "30", "--hidden", "16", "--timeout", "3", "--checkpoint-dir",
             hanging_checkpoint_dir(tmp_path), timeout=90)
     assert r.returncode == 3, r.stderr
     lines = errors(r.stderr)
@@ -150,14 +161,16 @@ def test_a_hanging_file_system_ends_the_job_within_the_deadline(job, tmp_path):
 def test_sigterm_stops_a_job_stuck_in_start_up(tmp_path):
     # Stuck reading a checkpoint with a long --timeout: SIGTERM (what SLURM
     # sends) must still end it, with exit 75 so the job script requeues it.
+    # The signal is overdue after a grace of 2 s, not 5 (the suite's time:
+    # tests/faults/slow_ranks.py's FAULT_STOP_GRACE).
     import signal
-    proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--steps", "30", "--hidden", "16", "--timeout", "300",
+    proc = subprocess.Popen([MPIRUN, "-n", "2", *SLOW, "--steps", "30", "--hidden", "16", "--timeout", "300",
                              "--checkpoint-dir", hanging_checkpoint_dir(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=grace_env(2), cwd=REPO)
     try:
         # The chief blocked opening the FIFO: every rank is past the start-up
         # collectives before it (their stop handlers set) and stuck there.
-        chief = rank_pid(proc, 0)
+        chief = rank_pid(proc, 0, module=b"slow_ranks")
         assert chief and blocked_opening_a_fifo(chief), ("rank 0 never blocked reading the checkpoint", proc.poll())
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)   # Hydra forwards it to every rank
@@ -178,7 +191,7 @@ def test_a_rank_stopped_at_shutdown_ends_the_job_and_the_result_is_kept(tmp_path
     import json
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--steps", "40", "--hidden", "16", "--log-every", "20",
-                             "--timeout", "4", "--metrics", metrics], stdout=subprocess.PIPE,
+                             "--timeout", "3", "--metrics", metrics], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
     try:
         pid = rank_pid(proc, 1)
@@ -203,7 +216,7 @@ def test_a_rank_stopped_at_shutdown_ends_the_job_and_the_result_is_kept(tmp_path
         # used for one) the wait itself, or by the watcher.
         assert len(lines) == 1, err
         assert (lines[0].startswith("hpctrain: error: rank 1 (pipeline 0, data 1, tensor 0) stopped responding")
-                or "waited 4 s for the other ranks (shutdown (MPI_Finalize))" in lines[0]
+                or "waited 3 s for the other ranks (shutdown (MPI_Finalize))" in lines[0]
                 or lines[0].startswith("hpctrain: error: rank 1 (pid ")), err
     assert took < 30
     assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
@@ -212,16 +225,17 @@ def test_a_rank_stopped_at_shutdown_ends_the_job_and_the_result_is_kept(tmp_path
 def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
     # Rank 1 stopped after the last step, while the chief evaluates and writes
     # (long --timeout): SIGTERM ends the job with exit 75, and the same command
-    # again resumes from the final checkpoint and writes the results.
+    # again resumes from the final checkpoint and writes the results. A grace
+    # of 2 s, not 5, as above.
     import json
     import signal
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    cmd = [MPIRUN, "-n", "2", *PY, "--steps", "40", "--hidden", "16", "--log-every", "40", "--timeout", "300",
+    cmd = [MPIRUN, "-n", "2", *SLOW, "--steps", "40", "--hidden", "16", "--log-every", "40", "--timeout", "300",
            "--checkpoint-dir", ckpt, "--metrics", metrics]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=grace_env(2),
                             cwd=REPO)
     try:
-        pid = rank_pid(proc, 1)
+        pid = rank_pid(proc, 1, module=b"slow_ranks")
         assert pid, "rank 1 not found"
         while 40 not in checkpoint_steps(ckpt) and proc.poll() is None:
             time.sleep(0.005)   # the final checkpoint is written right after the loop
@@ -241,13 +255,10 @@ def test_sigterm_stops_a_job_stuck_after_its_last_step(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("hpctrain: error: stopped by SIGTERM after the last step"), err
     assert "(rank 1 did not answer a roll call)" in lines[0], err
     assert took < 20
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=grace_env(2), cwd=REPO)
     assert again.returncode == 0, again.stderr
     assert "resumed from" in again.stdout and "nothing left to train" in again.stdout
     assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
-
-
-FAULTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.parametrize("sig, ranks, flags", [("SIGUSR1", 2, []), ("SIGTERM", 3, ["--mode", "ps"])])
@@ -257,12 +268,12 @@ def test_a_signal_during_a_long_final_evaluation_changes_nothing(tmp_path, sig, 
     # --signal=USR1@60 with a large test set). Every rank answers the roll
     # call: working, not stuck. The results are written and the run exits 0,
     # as docs/checkpoints.md promises; before, exit 75 and nothing written.
-    # A grace of 2 s, not 5 (the suite's time): the signal, 1 s into the 6 s
-    # evaluation, is overdue 3 s before it ends, as it was with 5 and 9.
+    # A grace of 2 s, not 5 (the suite's time): the signal, 1 s into the 5 s
+    # evaluation, is overdue 2 s before it ends (3 s with 5 and 9).
     ckpt, metrics, save = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "p.h5"
-    env = child_env()
-    env.update(PYTHONPATH=FAULTS, FAULT_FINAL_EVAL_SLEEP="6", FAULT_STOP_GRACE="2")
-    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", "--steps", "20",
+    env = grace_env(2)
+    env.update(FAULT_FINAL_EVAL_SLEEP="5")
+    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), *SLOW, "--steps", "20",
                              "--hidden", "16", "--log-every", "20", "--timeout", "60", "--checkpoint-dir", ckpt,
                              "--metrics", metrics, "--save", save, *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -290,12 +301,12 @@ def test_a_signal_overdue_while_the_ranks_leave_changes_nothing(tmp_path, ranks,
     # silence is not a rank stuck in the results: exit 0 and no line. Before,
     # the roll call named them ("ranks 1, 2 did not answer a roll call") and
     # the job ended 75, or 0 with an error line, by which thread won.
-    # A grace of 3 s, not 5, and a linger of 6 s, not 9 (the suite's time):
+    # A grace of 2 s, not 5, and a linger of 5 s, not 9 (the suite's time):
     # the grace still runs out 3 s before rank 0 leaves.
     metrics, save = tmp_path / "m.jsonl", tmp_path / "p.h5"
-    env = child_env()
-    env.update(PYTHONPATH=FAULTS, FAULT_EXIT_LINGER="0:6", FAULT_STOP_GRACE="3")
-    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", "--steps", "20",
+    env = grace_env(2)
+    env.update(FAULT_EXIT_LINGER="0:5")
+    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), *SLOW, "--steps", "20",
                              "--hidden", "16", "--log-every", "20", "--timeout", "60", "--metrics", metrics,
                              "--save", save, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=REPO)
@@ -331,7 +342,7 @@ def with_faults(tmp_path, cmd, timeout=90, ranks=2, **faults):
     pids.mkdir()
     env = child_env()
     env.update(PYTHONPATH=FAULTS, FAULT_PID_DIR=str(pids), **faults)
-    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), sys.executable, "-m", "slow_ranks", *map(str, cmd)],
+    proc = subprocess.Popen([MPIRUN, "-n", str(ranks), *SLOW, *map(str, cmd)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     t0 = time.monotonic()
     deadline = t0 + timeout
@@ -374,7 +385,7 @@ def test_a_rank_that_hangs_after_the_last_step_is_named_and_the_result_is_kept(t
     # chief stopped), or ended naming nobody (rank 1 stopped): the shutdown
     # barrier waits under the deadline and its roll call names the rank.
     metrics, save = tmp_path / "m.jsonl", tmp_path / "p.h5"
-    rc, out, err, took = with_faults(tmp_path, ["--steps", 40, "--hidden", 16, "--log-every", 20, "--timeout", 4,
+    rc, out, err, took = with_faults(tmp_path, ["--steps", 40, "--hidden", 16, "--log-every", 20, "--timeout", 3,
                                                 "--metrics", metrics, "--save", save],
                                      FAULT_EXIT_STOP=str(victim))
     assert rc == 3, err
@@ -382,9 +393,9 @@ def test_a_rank_that_hangs_after_the_last_step_is_named_and_the_result_is_kept(t
     assert len(lines) == 1, err
     assert lines[0].startswith(f"hpctrain: error: rank {victim} (pipeline 0, data {victim}, tensor 0) stopped "
                                f"responding (no answer to a roll call"), err
-    assert lines[0].endswith(f"giving up (--timeout 4); the run finished and its results are written (--save "
+    assert lines[0].endswith(f"giving up (--timeout 3); the run finished and its results are written (--save "
                              f"{save}, the final record in --metrics {metrics})"), err
-    assert took < 4 + 15, took
+    assert took < 3 + 15, took
     assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
     assert saved(save)
 
@@ -416,8 +427,9 @@ def test_a_chief_that_evaluates_for_longer_than_the_deadline_is_not_a_stall(tmp_
     # Issue 19, 3.6: the chief's evaluation alone (--eval-every) takes longer
     # than --timeout while rank 1 waits for it in the next step: the chief
     # answers the roll call busy, so rank 1 waits on. Before: exit 3.
+    # 6 s, twice the deadline, not 8 (the suite's time).
     rc, out, err, _ = with_faults(tmp_path, ["--steps", 20, "--hidden", 16, "--eval-every", 10, "--timeout", 3],
-                                  FAULT_EVAL_SLEEP="8")
+                                  FAULT_EVAL_SLEEP="6")
     assert rc == 0, err
     assert not errors(err) and "step     10/20  test accuracy" in out, (out, err)
 
@@ -435,8 +447,9 @@ def test_a_chief_stopped_while_it_evaluates_is_named(tmp_path):
 def test_a_stopped_ps_server_is_named_not_the_worker_that_waits_for_it(job):
     # Issue 19, 3.7: server 1 (rank 1) stopped; ps 0 (rank 0) sees worker 0
     # (rank 2) silent, since it waits for server 1. Before, the line named rank 2.
+    # --timeout 4, not 5 (the suite's time), as the tensor-parallel stall at 4 ranks above
     rc, out, err, took = stall(4, 1, ["--mode", "ps", "--num-ps", "2", "--steps", "100000", "--hidden", "64",
-                                      "--log-every", "100000", "--timeout", "5"], after_s=3.0)
+                                      "--log-every", "100000", "--timeout", "4"], after_s=3.0)
     assert rc == 3, err
     lines = errors(err)
     assert len(lines) == 1, err
@@ -455,8 +468,9 @@ def test_a_rank_stopped_as_its_training_loop_starts_is_named(tmp_path, mode, vic
     # protocol communicator). CI once saw a ps job with --timeout 5 still
     # waiting after 90 s: the others sat in an MPI_Comm_dup outside any
     # deadline. Every collective of the loop's start-up now waits under one.
+    # --timeout 4, not 5 (the suite's time), as the tensor-parallel stall at 4 ranks.
     rc, out, err, took = with_faults(tmp_path, [*flags, "--steps", 100000, "--hidden", 64, "--log-every", 100000,
-                                                "--timeout", 5], ranks=4, timeout=90,
+                                                "--timeout", 4], ranks=4, timeout=90,
                                      FAULT_LOOP_STOP=f"{victim}:{mode}")
     assert rc == 3, err
     lines = errors(err)
@@ -496,10 +510,12 @@ def test_sigterm_while_a_rank_is_stuck_in_its_forward_is_a_pre_emption(tmp_path)
     # forward: rank 0 waits for it at the step's end, and at --timeout the
     # job ended with exit 3. It is a pre-emption all the same: exit 75, the
     # checkpoints written before are whole, and the job script requeues it.
+    # --timeout 4, not 6 (the suite's time): the signal comes about 1 s after
+    # rank 1 stuck, 3 s before rank 0's wait for it runs out.
     model, ckpt = tmp_path / "m.py", tmp_path / "ckpt"
     model.write_text(STUCK_IN_FORWARD)
     proc = subprocess.Popen([MPIRUN, "-n", "2", *PY, "--model", f"{model}:build", "--steps", "1000", "--timeout",
-                             "6", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"],
+                             "4", "--checkpoint-dir", ckpt, "--checkpoint-every", "10"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(), cwd=REPO)
     try:
         while 30 not in checkpoint_steps(ckpt) and proc.poll() is None:
@@ -513,7 +529,7 @@ def test_sigterm_while_a_rank_is_stuck_in_its_forward_is_a_pre_emption(tmp_path)
     assert proc.returncode == 75, err
     lines = errors(err)
     assert len(lines) == 1, err
-    assert lines[0].endswith(f"giving up (--timeout 6); stopped by SIGTERM before every rank ended its step; the "
+    assert lines[0].endswith(f"giving up (--timeout 4); stopped by SIGTERM before every rank ended its step; the "
                              f"checkpoints in --checkpoint-dir {ckpt} are whole: run the same command again to "
                              f"resume from the newest"), lines
 
@@ -530,14 +546,14 @@ def test_a_model_file_that_never_returns_is_named(tmp_path, ranks):
     env = child_env()
     env["STUCK"] = str(ranks - 1)
     t0 = time.monotonic()
-    r = subprocess.run([MPIRUN, "-n", str(ranks), *PY, "--model", f"{model}:build", "--steps", "5", "--timeout", "4"],
+    r = subprocess.run([MPIRUN, "-n", str(ranks), *PY, "--model", f"{model}:build", "--steps", "5", "--timeout", "3"],
                        capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
     assert r.returncode == 3, r.stderr
     lines = errors(r.stderr)
     assert len(lines) == 1, r.stderr
     if ranks == 1:
-        assert lines[0].startswith("hpctrain: error: rank 0 waited 4 s for its own model code (--model "), lines
+        assert lines[0].startswith("hpctrain: error: rank 0 waited 3 s for its own model code (--model "), lines
     else:
         assert lines[0].startswith("hpctrain: error: rank 1 is stuck in its own work, outside MPI (the model "
                                    "file's code"), lines
-    assert time.monotonic() - t0 < 4 + 15
+    assert time.monotonic() - t0 < 3 + 15
