@@ -64,40 +64,6 @@ def test_all_and_one_complete_with_or_without_naps(nap):
     assert got[0] == 11
 
 
-class DoneAt:
-    """A request that completes at a given time, counting the polls that
-    follow a nap (a gap of NAP_MIN_S at least; the spin polls as fast as
-    this fake answers)."""
-
-    def __init__(self, seconds):
-        import time
-        self.clock, self.polls = time.perf_counter, 0
-        self.last, self.at = self.clock(), self.clock() + seconds
-
-    def Test(self):
-        from hpctrain.comm.waits import NAP_MIN_S
-        now = self.clock()
-        self.polls += now - self.last >= NAP_MIN_S
-        self.last = now
-        return now >= self.at
-
-
-def test_growing_naps_poll_a_long_wait_a_few_dozen_times_and_end_soon_after():
-    """hpctrain.dist's waits (growing): a 0.2 s wait costs a few dozen
-    naps, not one per 160 us (~1,250), and ends within an eighth of it
-    (2 ms) plus the machine's lateness."""
-    import time
-    from hpctrain.comm.waits import GROW_NAP_MAX_S, NAP_MAX_S
-    polls = {}
-    for growing in (False, True):
-        request = DoneAt(0.2)
-        Waits(True, growing=growing).one(request)
-        late = time.perf_counter() - request.at
-        polls[growing] = request.polls
-        assert late < (GROW_NAP_MAX_S if growing else NAP_MAX_S) + 0.05, (growing, late)
-    assert polls[True] < 0.2 / GROW_NAP_MAX_S + 30 and 4 * polls[True] < polls[False], polls
-
-
 def test_wait_mode_decides_the_naps_and_not_the_numbers(job, tmp_path):
     """--wait-mode: auto naps with 4 ranks on this machine's 2 cores (the
     chief's start line says so), spin does not; a pipelined run ends with

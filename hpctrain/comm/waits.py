@@ -20,15 +20,6 @@ for 1 us of slack (prctl PR_SET_TIMERSLACK, once per thread; elsewhere the
 naps are longer). Without `nap` (a core per rank), MPI's plain blocking
 calls: the lowest latency, and the same messages either way.
 
-`growing` (hpctrain.dist's engine thread): a wait that has gone on for a
-while naps up to GROW_FRACTION of the time waited so far (at most
-GROW_NAP_MAX_S) instead of NAP_MAX_S, so a wait of T costs a few dozen polls
-rather than T / NAP_MAX_S, and ends at most an eighth of T (2 ms) late; a
-wait shorter than NAP_MAX_S / GROW_FRACTION (1.3 ms) naps as before. There a
-call's meeting waits for the other ranks' backward (tens of ms where four
-ranks share two cores): about 1,000 polls a step, most of the engine
-thread's 10 ms of CPU a step, against DDP's gloo threads' 5 (docs/library.md).
-
 Not for the program's ring exchanges (comm/ring_allreduce.py): many short
 waits for a neighbour that is exchanging too, latency-bound; napping there
 took the MLP from 23k to 13k samples/s at 4 ranks on 2 cores. hpctrain.dist's
@@ -50,8 +41,6 @@ from mpi4py import MPI
 SPIN_S = 30e-6
 NAP_MIN_S = 20e-6
 NAP_MAX_S = 160e-6
-GROW_FRACTION = 0.125
-GROW_NAP_MAX_S = 2e-3
 PR_SET_TIMERSLACK = 29
 
 _slack = threading.local()
@@ -67,17 +56,17 @@ def tight_timer_slack():
 
 
 class Waits:
-    def __init__(self, nap, growing=False):
-        self.nap, self.growing = bool(nap), bool(growing)
+    def __init__(self, nap):
+        self.nap = bool(nap)
 
     def __repr__(self):
-        return f"Waits(nap={self.nap}{', growing=True' if self.growing else ''})"
+        return f"Waits(nap={self.nap})"
 
     def one(self, request):
         if not self.nap:
             request.Wait()
             return
-        for _ in self._naps(self.growing):
+        for _ in self._naps():
             if request.Test():
                 return
 
@@ -85,7 +74,7 @@ class Waits:
         if not self.nap:
             MPI.Request.Waitall(requests)
             return
-        for _ in self._naps(self.growing):
+        for _ in self._naps():
             if MPI.Request.Testall(requests):
                 return
 
@@ -93,7 +82,7 @@ class Waits:
         """Indices of the completed requests (at least one), None if none is active."""
         if not self.nap:
             return MPI.Request.Waitsome(requests)
-        for _ in self._naps(self.growing):
+        for _ in self._naps():
             ready = MPI.Request.Testsome(requests)
             if ready is None or ready:
                 return ready
@@ -109,21 +98,17 @@ class Waits:
         comm.Allreduce(MPI.IN_PLACE, buf, op=op)
 
     @staticmethod
-    def _naps(growing=False):
-        """Yields before each poll: at once while spinning, then after a nap
-        (growing: up to an eighth of the time waited so far, see above)."""
+    def _naps():
+        """Yields before each poll: at once while spinning, then after a nap."""
         if not getattr(_slack, "tight", False):
             tight_timer_slack()      # per thread: the training thread, the allreduce thread
             _slack.tight = True
         clock = time.perf_counter
-        start = clock()
-        spin_until = start + SPIN_S
+        spin_until = clock() + SPIN_S
         nap = NAP_MIN_S
         while True:
             yield
-            now = clock()
-            if now < spin_until:
+            if clock() < spin_until:
                 continue
             time.sleep(nap)
-            most = NAP_MAX_S if not growing else min(GROW_NAP_MAX_S, max(NAP_MAX_S, GROW_FRACTION * (now - start)))
-            nap = min(2 * nap, most)
+            nap = min(2 * nap, NAP_MAX_S)

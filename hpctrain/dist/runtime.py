@@ -133,8 +133,7 @@ class Runtime:
         base = comm if comm is not None else MPI.COMM_WORLD
         self.world_rank = base.Get_rank()   # ranks of a process set count in `base`
         with self.watchdog.waiting("hpctrain.dist.init", peer=None):
-            # growing: the engine's meetings wait out the others' backward (comm/waits.py)
-            self.waits = Waits(self._nap(base, wait_mode, oversubscribed), growing=True)
+            self.waits = Waits(self._nap(base, wait_mode, oversubscribed))
             self.world = Group(base.Dup(), self.watchdog, self.waits, True)
         self.groups = {}
         self.engine = Engine()
