@@ -177,6 +177,35 @@ def test_auto_picks_by_topology_and_says_why(split):
     strategy.free()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_napping_waits_reach_both_of_hiers_rings_and_change_no_bit(split, monkeypatch):
+    """hpctrain.dist's strategy where ranks outnumber cores (`auto` with its
+    napping waits: hier across nodes) against the program's (MPI's blocking
+    Sendrecv): the same bits, one chunk and several segments, and every ring
+    exchange naps: 2(L-1) inside the node and 2(M-1) across nodes."""
+    from hpctrain.comm.waits import Waits
+    comm = MPI.COMM_WORLD
+    with fake_topology(split) as topology:
+        spin = make_allreduce("auto", topology, np)
+        nap = make_allreduce("auto", topology, np, waits=Waits(nap=True))
+        hier, nodes, local = topology.equal_nodes, topology.num_nodes, topology.local_size
+    assert type(nap) is (HierAllreduce if hier and nodes > 1 else RingAllreduce)
+    for n in (5, SEGMENT_BYTES // 4 * comm.size * 3 + 7):
+        x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+        a, b = spin.allreduce(x.copy()), nap.allreduce(x.copy())
+        assert np.array_equal(a, b) and not np.array_equal(a, x)
+    naps, napped = Waits._naps, []
+    monkeypatch.setattr(Waits, "_naps", staticmethod(lambda: napped.append(1) or naps()))
+    nap.allreduce(np.ones(5, np.float32))
+    exchanges = 2 * (local - 1) + 2 * (nodes - 1) if hier and nodes > 1 else 2 * (comm.size - 1)
+    assert len(napped) == exchanges
+    spin.allreduce(np.ones(5, np.float32))
+    assert len(napped) == exchanges   # the program's rings never nap
+    spin.free()
+    nap.free()
+
+
 # --- device buffers, and the sharded optimizer -------------------------------------
 
 @pytest.fixture

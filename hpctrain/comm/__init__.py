@@ -80,8 +80,9 @@ def make_allreduce(name, topology, xp, watchdog=None, cuda_aware="auto", ring_or
       CUDA-aware MPI (`cuda_aware`: 'auto' asks the library, 'yes'/'no'
       override), or staged through pinned host memory; either bound to this
       rank's GPU in whatever thread calls it. Its `path` says which, and why.
-    waits: the flat ring's (ring_allreduce.RingAllreduce: hpctrain.dist's
-    napping exchanges where ranks outnumber cores; None, the program's: MPI's).
+    waits: the rings' (ring_allreduce.RingAllreduce, hier's two rings:
+    hpctrain.dist's napping exchanges where ranks outnumber cores; None, the
+    program's: MPI's).
     Collective over topology.comm (every rank must call it)."""
     strategy = _make(name, topology, xp, watchdog, cuda_aware, ring_order, waits)
     strategy.choice = choose(name, topology, ring_order)[1]
@@ -109,7 +110,7 @@ def _make(name, topology, xp, watchdog, cuda_aware, ring_order, waits):
             to_free.Free()
     elif name == "hier":
         from .hier import HierAllreduce
-        strategy = HierAllreduce(topology, watchdog)
+        strategy = HierAllreduce(topology, watchdog, waits=waits)
     else:
         from .mpi import MpiAllreduce
         strategy = MpiAllreduce(comm, watchdog)

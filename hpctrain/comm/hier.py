@@ -28,6 +28,9 @@ the node's ring, which is then the flat ring in rank order, bit for bit.
 Unequal ranks per node: the factory (comm/__init__.py) uses the node-ordered
 flat ring instead and says so. NumPy or CuPy buffers, as ring.py (the rings
 do the device syncs); the factory wraps it for CuPy exactly as it wraps the ring.
+`waits` goes to both rings: hpctrain.dist's napping exchanges where ranks
+outnumber cores (ring_allreduce.py says why), the same messages and adds,
+the same bits.
 
     mpirun -n 4 python -m hpctrain.comm.hier       # self-check on a fake 2-node split
 """
@@ -38,21 +41,21 @@ class HierAllreduce:
     """Allreduce over topology.comm in two levels (topology: comm/topology.py,
     equal ranks per node). Collective to build; `free()` releases the
     communicators. Every wait is inside one of the two rings, each bounded by
-    the watchdog and naming world ranks."""
+    the watchdog and naming world ranks. waits: both rings' (RingAllreduce's)."""
 
     name = "hier"
 
-    def __init__(self, topology, watchdog=None):
+    def __init__(self, topology, watchdog=None, waits=None):
         if not topology.equal_nodes:
             raise ValueError(f"hier needs equal ranks per node, got {topology.local_sizes}")
         comm = topology.comm
         self.size, self.rank = topology.size, topology.rank
         self.num_nodes, self.local_size = topology.num_nodes, topology.local_size
-        self.intra = RingAllreduce(topology.node_comm, watchdog, label="hier intra-node ring")
+        self.intra = RingAllreduce(topology.node_comm, watchdog, label="hier intra-node ring", waits=waits)
         # One inter-node ring per local rank, its members in node order.
         cross = comm.Split(topology.local_rank, key=topology.node)
         try:
-            self.inter = RingAllreduce(cross, watchdog, label="hier inter-node ring")
+            self.inter = RingAllreduce(cross, watchdog, label="hier inter-node ring", waits=waits)
         finally:
             cross.Free()   # the ring keeps its own duplicate
 

@@ -17,8 +17,8 @@ waits as the program does there (`wait_mode`, the program's --wait-mode):
 MPI's idle progress throttled before MPI_Init (run/cluster.
 throttle_idle_mpi), and each call's meeting, the fingerprint that comes
 first (calls.py), and the ring's exchanges that follow (comm/
-ring_allreduce.py's `waits`) nap (comm/waits.py) instead of busy-polling a
-core the other ranks compute on. The ring runs on the engine's thread
+ring_allreduce.py's `waits`; across nodes, both of hier.py's rings) nap
+(comm/waits.py) instead of busy-polling a core the other ranks compute on. The ring runs on the engine's thread
 while the user's backward runs on the same shared cores: a spinning wait
 there took the core from the very neighbour it waited for (the program's
 ring, latency-bound between steps, keeps spinning). The ranks decide
