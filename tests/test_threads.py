@@ -125,6 +125,32 @@ def test_products_split_only_above_openblas_small_kernels():
     assert threads.MIN_MACS // 2 > 100 ** 3   # the half of a product split in two
 
 
+
+def test_a_split_sizes_its_parts_only_where_it_can_split(monkeypatch):
+    """The serial path (one thread, or a part's own split: every slice of
+    --thread-split samples) does the work at once, never the parts'
+    arithmetic; with two threads the work's size bounds the parts."""
+    def parts_of(**size):
+        seen = []
+        threads.split(10, lambda t, lo, hi: seen.append((lo, hi)), **size)
+        return seen
+    sized = threads.most
+    monkeypatch.setattr(threads, "most", lambda *a, **k: pytest.fail("a serial split sized its parts"))
+    assert parts_of(floats=1 << 30) == [(0, 10)]
+    try:
+        assert threads.configure(2) == 2 or pytest.skip("BLAS cannot be held to one thread")
+        inner = []
+        threads.split(2, lambda t, lo, hi: inner.append(parts_of(floats=1 << 30)))
+        assert inner == [[(0, 10)], [(0, 10)]]   # each part's split ran serially
+        monkeypatch.setattr(threads, "most", sized)
+        assert parts_of(floats=threads.MIN_FLOATS - 1) == [(0, 10)]
+        assert sorted(parts_of(floats=2 * threads.MIN_FLOATS)) == [(0, 5), (5, 10)]
+        assert sorted(parts_of(macs=2 * threads.MIN_MACS)) == [(0, 5), (5, 10)]
+        assert sorted(parts_of()) == [(0, 5), (5, 10)]   # no size: every thread
+    finally:
+        threads.configure(1)
+
+
 @pytest.mark.parametrize("name", ["small_cnn", "cnn", "resnet"])
 def test_zoo_models_give_the_same_bits_on_two_threads(name):
     """At their own thresholds and blocks: what a run on a 2-core rank does."""

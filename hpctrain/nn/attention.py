@@ -104,7 +104,7 @@ class CausalSelfAttention(Layer):
             xp.matmul(a[lo:hi], b, out=out[lo:hi])
             if bias is not None:
                 out[lo:hi] += bias
-        self.in_parallel(out.shape[0], rows, unit=threads.row_unit(1), most=threads.most(macs=macs))
+        self.in_parallel(out.shape[0], rows, unit=threads.row_unit(1), macs=macs)
 
     def _samples(self, work, n, products):
         """work(lo, hi) over ranges [lo, hi) of the n samples, on the compute
@@ -114,7 +114,7 @@ class CausalSelfAttention(Layer):
         several steps: each costs tens of microseconds."""
         t, hw, h = self.T, self.head_width, self.heads_here
         self.in_parallel(n, lambda _, lo, hi: work(lo, hi),   # the products, and the passes over (t, t) arrays
-                         most=threads.most(floats=4 * n * h * t * t, macs=products * n * h * t * t * hw))
+                         floats=4 * n * h * t * t, macs=products * n * h * t * t * hw)
 
     def _softmax(self, att, dtype):
         """The causal softmax of att's scores (samples, heads, t, t), in place."""

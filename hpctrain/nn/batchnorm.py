@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from . import compiled, passes, threads
+from . import compiled, passes
 from .layers import Layer, LayerError
 
 MOMENTUM = 0.1
@@ -111,7 +111,7 @@ class _BatchNorm(Layer):
                 xp.subtract(xw[lo:hi], mean, out=y[lo:hi])
                 y[lo:hi] *= scale
                 y[lo:hi] += beta
-            self.in_parallel(shape[0], evaluate, most=threads.most(floats=x.size))
+            self.in_parallel(shape[0], evaluate, floats=x.size)
             return y.reshape(x.shape)
         if self.compiled:
             mean, var = self._compiled_forward(ctx, x.reshape(m, c), y.reshape(m, c))
@@ -140,7 +140,7 @@ class _BatchNorm(Layer):
         ctx.x2, ctx.mean = x2, mean
         gamma, beta = self.params["gamma"], self.params["beta"]
         self.in_parallel(m, lambda t, lo, hi: passes.bn_normalise(x2[lo:hi], mean, inv_std, gamma, beta, y2[lo:hi]),
-                         most=threads.most(floats=x2.size))
+                         floats=x2.size)
         return mean, var
 
     def _numpy_forward(self, ctx, x, y, shape):
@@ -156,7 +156,7 @@ class _BatchNorm(Layer):
         def centre(t, lo, hi):
             xp.subtract(xw[lo:hi], tiled, out=xhat[lo:hi])
             xp.multiply(xhat[lo:hi], xhat[lo:hi], out=prod[lo:hi])
-        self.in_parallel(shape[0], centre, most=threads.most(floats=x.size))
+        self.in_parallel(shape[0], centre, floats=x.size)
         var = self._column_sums(prod.reshape(m, c)) / m
         ctx.inv_std = 1 / xp.sqrt(var + EPS)
         inv_std, gamma, beta = (self._tiled(v, shape[1]) for v in (ctx.inv_std, self.params["gamma"],
@@ -166,7 +166,7 @@ class _BatchNorm(Layer):
             xhat[lo:hi] *= inv_std
             xp.multiply(xhat[lo:hi], gamma, out=y[lo:hi])
             y[lo:hi] += beta
-        self.in_parallel(shape[0], normalise, most=threads.most(floats=x.size))
+        self.in_parallel(shape[0], normalise, floats=x.size)
         ctx.xhat = xhat
         return mean, var
 
@@ -182,7 +182,7 @@ class _BatchNorm(Layer):
         g_beta[...] = self._column_sums(dy.reshape(m, c))
         prod = ctx.buffer("prod", shape, dy.dtype)
         self.in_parallel(shape[0], lambda t, lo, hi: xp.multiply(dyw[lo:hi], xhat[lo:hi], out=prod[lo:hi]),
-                         most=threads.most(floats=dy.size))
+                         floats=dy.size)
         g_gamma[...] = self._column_sums(prod.reshape(m, c))
         if not need_dx:
             return None
@@ -196,7 +196,7 @@ class _BatchNorm(Layer):
             dx[lo:hi] += b
             xp.subtract(dyw[lo:hi], dx[lo:hi], out=dx[lo:hi])
             dx[lo:hi] *= scale
-        self.in_parallel(shape[0], rows, most=threads.most(floats=dy.size))
+        self.in_parallel(shape[0], rows, floats=dy.size)
         return dx.reshape(dy.shape)
 
     def _compiled_backward(self, ctx, dy, need_dx):
@@ -215,7 +215,7 @@ class _BatchNorm(Layer):
         a, b, scale = g_gamma / m, g_beta / m, self.params["gamma"] * inv_std
         self.in_parallel(m, lambda t, lo, hi: passes.bn_input_gradient(dy2[lo:hi], x2[lo:hi], mean, inv_std, a, b,
                                                                          scale, dx[lo:hi]),
-                         most=threads.most(floats=dy.size))
+                         floats=dy.size)
         return dx.reshape(dy.shape)
 
     def train_floats(self):

@@ -170,7 +170,7 @@ class Conv2d(Layer):
                 if self.bias:
                     out += self.params["b"]
             self.in_parallel(n, product, unit=threads.row_unit(h * w),
-                             most=threads.most(macs=n * h * w * c * self.out_channels))
+                             macs=n * h * w * c * self.out_channels)
             return y.reshape(n, *self.out_shape)
         source = x
         if p:
@@ -218,7 +218,7 @@ class Conv2d(Layer):
             compiled.forward(x[lo:hi], self.params["W"], y4[lo:hi], self.stride)
             if self.bias:
                 y4[lo:hi] += self.params["b"]
-        self.in_parallel(n, images, most=threads.most(macs=n * self.flops()))
+        self.in_parallel(n, images, macs=n * self.flops())
         ctx.cols, ctx.input = None, x
         return y4
 
@@ -291,7 +291,7 @@ class Conv2d(Layer):
             dx = ctx.buffer("dx", (n * h * w, c), dy.dtype)
             self.in_parallel(n, lambda t, lo, hi: xp.matmul(dy2[lo * h * w:hi * h * w], self.W2.T,
                                                                 out=dx[lo * h * w:hi * h * w]),
-                             unit=threads.row_unit(h * w), most=threads.most(macs=n * h * w * c * self.out_channels))
+                             unit=threads.row_unit(h * w), macs=n * h * w * c * self.out_channels)
             return dx.reshape(n, h, w, c)
         how = self.direct and self._direct_dx()
         if how == "turned":
@@ -309,7 +309,7 @@ class Conv2d(Layer):
             self._col2im(dcols[lo * rows:hi * rows].reshape(hi - lo, self.oh, self.ow, self.k, self.k, c),
                          dx[lo:hi])
         self.in_parallel(n, images, unit=threads.row_unit(rows),
-                         most=threads.most(macs=n * rows * self.out_channels * self.fan_in))
+                         macs=n * rows * self.out_channels * self.fan_in)
         return dx
 
     def _transposed(self, ctx, dy, direct_kernel=False):
@@ -340,7 +340,7 @@ class Conv2d(Layer):
                 if q:
                     padded[lo:hi, q:q + self.oh, q:q + self.ow, :] = source[lo:hi]
                 compiled.forward(padded[lo:hi], turned, dx4[lo:hi], 1)
-            self.in_parallel(n, images, most=threads.most(macs=n * h * w * k * k * o * c))
+            self.in_parallel(n, images, macs=n * h * w * k * k * o * c)
             return dx4
         turned = turned.reshape(k * k * o, c)
         # dy's columns a block of images at a time, each multiplied while in
@@ -372,7 +372,7 @@ class Conv2d(Layer):
         dx = ctx.buffer("dx", (n, h, w, c), dy.dtype)
         self.in_parallel(n, lambda t, lo, hi: compiled.input_gradient(dy4[lo:hi], swapped, dx[lo:hi], self.stride,
                                                                       self.pad),
-                         most=threads.most(macs=n * self.flops()))
+                         macs=n * self.flops())
         return dx
 
     def _col2im(self, dcols, dx):

@@ -42,7 +42,7 @@ import math
 
 import numpy as np
 
-from . import compiled, passes, threads
+from . import compiled, passes
 from .erfc import erfc_abs
 from .layers import Layer
 
@@ -133,7 +133,7 @@ class GELU(Layer):
         n = len(arrays[0])
         flat = [a.reshape(n, -1) for a in arrays]
         self.in_parallel(n, lambda t, lo, hi: fn(*(a[lo:hi].reshape(-1) for a in flat)),
-                         most=threads.most(floats=4 * arrays[0].size))
+                         floats=4 * arrays[0].size)
 
     def forward(self, ctx, x, train):
         cdf = ctx.buffer("cdf", x.shape, x.dtype)
@@ -149,8 +149,7 @@ class GELU(Layer):
             phi = ctx.phi = ctx.buffer("phi", x.shape, x.dtype)
             self._rows(_gauss_then_kernel, x, y, cdf, phi)
         else:
-            most = threads.most(floats=30 * x.size)
-            normal_cdf(self.xp, x, cdf, lambda n, work: self.in_parallel(n, work, most=most))
+            normal_cdf(self.xp, x, cdf, lambda n, work: self.in_parallel(n, work, floats=30 * x.size))
             self.xp.multiply(x, cdf, out=y)
         ctx.x, ctx.cdf = x, cdf
         return y

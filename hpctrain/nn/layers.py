@@ -242,13 +242,15 @@ class Layer:
         per thread (nn/spec.py memory_bytes)."""
         return 0
 
-    def in_parallel(self, n, work, unit=1, most=None):
+    def in_parallel(self, n, work, unit=1, floats=None, macs=None):
         """work(thread, lo, hi) over rows [lo, hi) of n, on the rank's compute
         threads (nn/threads.py) when the arrays are NumPy's, in at most
-        `most` parts (threads.most: what the work is worth). Each range's
-        result must not depend on the others (elementwise work, or its own
-        rows or columns of a product), so the bits do not depend on the threads."""
-        threads.split(n, work, unit, most, on=self.xp is np)
+        threads.most(floats, macs) parts where either is given (what the
+        work is worth: `floats` elementwise, `macs` multiply-adds). Each
+        range's result must not depend on the others (elementwise work, or
+        its own rows or columns of a product), so the bits do not depend on
+        the threads."""
+        threads.split(n, work, unit, floats, macs, on=self.xp is np)
 
     def pair(self, first, second):
         """first() and second() at once on a two-thread rank (nn/threads.py pair)."""
@@ -315,7 +317,7 @@ class ReLU(Layer):
 
     def forward(self, ctx, x, train):
         self.in_parallel(x.shape[0], lambda t, lo, hi: self.xp.maximum(x[lo:hi], 0, out=x[lo:hi]),
-                         most=threads.most(floats=x.size))
+                         floats=x.size)
         ctx.y = x
         return x
 
@@ -326,14 +328,14 @@ class ReLU(Layer):
             y, flat = ctx.y.reshape(len(dy), -1), dy.reshape(len(dy), -1)
             self.in_parallel(len(dy), lambda t, lo, hi: passes.relu_backward(y[lo:hi].reshape(-1),
                                                                                flat[lo:hi].reshape(-1)),
-                             most=threads.most(floats=dy.size))
+                             floats=dy.size)
             return dy
         active = ctx.buffer("active", dy.shape, bool)
 
         def rows(t, lo, hi):
             self.xp.greater(ctx.y[lo:hi], 0, out=active[lo:hi])
             self.xp.multiply(dy[lo:hi], active[lo:hi], out=dy[lo:hi])
-        self.in_parallel(dy.shape[0], rows, most=threads.most(floats=dy.size))
+        self.in_parallel(dy.shape[0], rows, floats=dy.size)
         return dy
 
 

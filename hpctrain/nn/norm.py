@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from . import compiled, passes, threads
+from . import compiled, passes
 from .layers import Layer
 
 EPS = 1e-5
@@ -47,7 +47,7 @@ class LayerNorm(Layer):
     def _rows(self, work, rows):
         """work(lo, hi) over row ranges [lo, hi) of rows, on the compute threads."""
         # the compiled passes take some 0.6 ns an element: a part of MIN_FLOATS is worth its hand-off
-        self.in_parallel(len(rows), lambda _, lo, hi: work(lo, hi), most=threads.most(floats=rows.size))
+        self.in_parallel(len(rows), lambda _, lo, hi: work(lo, hi), floats=rows.size)
 
     def forward(self, ctx, x, train):
         xp, gamma, beta = self.xp, self.params["gamma"], self.params["beta"]

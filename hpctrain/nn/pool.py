@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from . import compiled, passes, threads
+from . import compiled, passes
 from .conv import _image, _out_size
 from .layers import Layer, LayerError
 
@@ -95,7 +95,7 @@ class MaxPool2d(_Pool):
             x = np.ascontiguousarray(x)
             self.in_parallel(x.shape[0], lambda t, lo, hi: passes.max_pool_forward(x[lo:hi], y[lo:hi], won[lo:hi],
                                                                                      self.k),
-                             most=threads.most(floats=x.size))
+                             floats=x.size)
             return y
         gt = ctx.buffer("gt", y.shape, bool)
         offset = ctx.buffer("offset", y.shape, self.offsets)
@@ -121,7 +121,7 @@ class MaxPool2d(_Pool):
             dy = np.ascontiguousarray(dy)
             self.in_parallel(dy.shape[0], lambda t, lo, hi: passes.max_pool_backward(dy[lo:hi], won[lo:hi], dx[lo:hi],
                                                                                        self.k),
-                             most=threads.most(floats=dx.size))
+                             floats=dx.size)
             return dx
         hit = ctx.buffer("gt", dy.shape, bool)
         part = ctx.buffer("part", dy.shape, dy.dtype)

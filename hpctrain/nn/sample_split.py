@@ -108,7 +108,7 @@ class SampleSplit:
     def _sum(self, parts, out, weights):
         """out = sum_s weights[s] * parts[s], element ranges over the threads."""
         add = self._adder(parts, out, weights)
-        threads.split(out.size, lambda t, lo, hi: add(lo, hi), most=threads.most(floats=out.size * len(parts)),
+        threads.split(out.size, lambda t, lo, hi: add(lo, hi), floats=out.size * len(parts),
                       on=self.xp is np)
 
     def _adder(self, parts, out, weights):

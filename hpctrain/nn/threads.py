@@ -185,6 +185,14 @@ def row_unit(rows_per_item):
     return ROW_TILE // math.gcd(ROW_TILE, int(rows_per_item))
 
 
+def serial():
+    """Whether a split here runs in this thread alone: no workers, or this
+    thread is one (its part of a split, or a slice of --thread-split
+    samples: the others are busy). Every layer's step asks it first: a
+    one-core rank's path is then one call, not the parts' arithmetic."""
+    return not _workers or getattr(_here, "worker", False)
+
+
 def pair(first, second, on=True):
     """first() here and second() on the worker at the same time where the
     rank has exactly two compute threads (and `on`: NumPy arrays), else one
@@ -203,12 +211,17 @@ def pair(first, second, on=True):
         second()
 
 
-def split(n, work, unit=1, most=None, on=True):
+def split(n, work, unit=1, floats=None, macs=None, on=True):
     """work(thread, lo, hi) over range(n) in ranges of whole `unit`s, one per
-    compute thread (at most `most`), where `on` (NumPy arrays: CuPy's
-    kernels have the GPU); otherwise work(0, 0, n) here."""
-    parts = min(count(), most or count()) if on and _workers and not getattr(_here, "worker", False) else 1
-    if parts == 1:   # a one-core rank, or small work: no ranges to make (every step's path)
+    compute thread (at most most(floats, macs) where either is given: what
+    the work is worth), where `on` (NumPy arrays: CuPy's kernels have the
+    GPU); otherwise work(0, 0, n) here. The sizes, not a count, so a serial
+    rank (every step's path on one core) skips the arithmetic."""
+    if not on or serial():
+        work(0, 0, n)
+        return
+    parts = count() if floats is None and macs is None else min(count(), most(floats or 0, macs or 0))
+    if parts == 1:   # small work: no ranges to make
         work(0, 0, n)
         return
     run(work, ranges(n, parts, unit))
