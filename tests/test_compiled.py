@@ -8,6 +8,8 @@ and a training job.
 
     .venv/bin/python -m pytest -q tests/test_compiled.py
 """
+import functools
+
 import numpy as np
 import pytest
 
@@ -156,6 +158,19 @@ def _train_step(spec, x, y, dtype=np.float32, params=None):
     return np.float64(loss), model.grads.copy(), model.evaluate(x.astype(dtype), y)
 
 
+@functools.cache
+def float64_step(name):
+    """(spec, images, labels, initial parameters, the float64 step's
+    (loss, gradients, evaluation)) of zoo model `name`: computed once for
+    both paths below (resnet's float64 step is most of its cost)."""
+    spec = MODELS[name]((28, 28), 10)
+    rng = np.random.default_rng(4)
+    x, y = rng.random((32, 28, 28), dtype=np.float32), rng.integers(0, 10, 32)
+    reference = spec.build(np)
+    reference.init(3)
+    return spec, x, y, reference.params, _train_step(spec, x, y, np.float64, reference.params)
+
+
 @pytest.mark.parametrize("on", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("name", ["small_cnn", "resnet"])
 def test_zoo_models_step_as_in_float64(name, on):
@@ -168,16 +183,11 @@ def test_zoo_models_step_as_in_float64(name, on):
     that one flip also moves resnet's gradients by 1e-3: the images here
     (seed 4) have none such on either path; seeds 2, 3 and 5 had one once
     the forward kernel summed in the order (kh, c, kw)."""
-    spec = MODELS[name]((28, 28), 10)
-    rng = np.random.default_rng(4)
-    x, y = rng.random((32, 28, 28), dtype=np.float32), rng.integers(0, 10, 32)
-    reference = spec.build(np)
-    reference.init(3)
-    exact = _train_step(spec, x, y, np.float64, reference.params)
+    spec, x, y, params, exact = float64_step(name)
     compiled.use(on)
     try:
         assert any(getattr(layer, "direct", False) for layer in spec.build(np).layers) == on
-        ours = _train_step(spec, x, y, params=reference.params)
+        ours = _train_step(spec, x, y, params=params)
     finally:
         compiled.use(False)
     assert abs(ours[0] - exact[0]) < 1e-5 * abs(exact[0])

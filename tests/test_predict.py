@@ -81,6 +81,13 @@ def in_process(capsys, name, *args):
     return code, captured.out, captured.err
 
 
+def here(capsys, name, *args):
+    """in_process's run as a CompletedProcess, for one_line: a refusal
+    there is main's one_line_errors, the same as the command's."""
+    code, out, err = in_process(capsys, name, *args)
+    return subprocess.CompletedProcess([name, *args], code, out, err)
+
+
 def one_line(r):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.splitlines()
@@ -225,26 +232,26 @@ def test_a_users_model_file_is_run_only_where_the_command_line_names_it(photos, 
                    "FILE.py:FUNCTION"
 
 
-def test_mismatched_file_and_data_are_one_line_exit_2(trained_once, photos, tmp_path):
+def test_mismatched_file_and_data_are_one_line_exit_2(trained_once, photos, tmp_path, capsys):
     tmp, save, _ = trained_once
     src, shards = photos
     # The same images at another size; four classes; other class names.
     data.prepare(src, tmp_path / "small", shards=2, image_size=(8, 8), log=quiet)
-    line = one_line(tool("evaluate", "--params", save, "--data", tmp_path / "small"))
+    line = one_line(here(capsys, "evaluate", "--params", save, "--data", tmp_path / "small"))
     assert "8x8x3 images of 3 classes, but the model in" in line and "takes 10x8x3 images of 3 classes" in line
     four = tmp_path / "four"
     shutil.copytree(src, four)
     for split in ("train", "test"):
         shutil.copytree(four / split / "red", four / split / "yellow")
     data.prepare(four, tmp_path / "four-shards", shards=2, image_size=(10, 8), log=quiet)
-    assert "of 4 classes, but the model" in one_line(tool("predict", "--params", save, "--data",
+    assert "of 4 classes, but the model" in one_line(here(capsys, "predict", "--params", save, "--data",
                                                           tmp_path / "four-shards"))
     renamed = tmp_path / "renamed"
     shutil.copytree(src, renamed)
     for split in ("train", "test"):
         (renamed / split / "red").rename(renamed / split / "scarlet")
     data.prepare(renamed, tmp_path / "renamed-shards", shards=2, image_size=(10, 8), log=quiet)
-    line = one_line(tool("evaluate", "--params", save, "--data", tmp_path / "renamed-shards"))
+    line = one_line(here(capsys, "evaluate", "--params", save, "--data", tmp_path / "renamed-shards"))
     assert "classes blue, green, scarlet, but the model in" in line
     # A file of another model's parameters; not a parameters file at all; a missing image.
     other = tmp_path / "other.h5"
@@ -252,18 +259,18 @@ def test_mismatched_file_and_data_are_one_line_exit_2(trained_once, photos, tmp_
     with h5py.File(other, "a") as f:
         del f["layer0/W"]
         f["layer0/W"] = np.zeros((5, 32), np.float32)
-    assert "layer0/W is (5, 32), model mlp needs (240, 32)" in one_line(tool("predict", "--params", other,
-                                                                             src / "test/red/001.png"))
+    line = one_line(here(capsys, "predict", "--params", other, src / "test/red/001.png"))
+    assert "layer0/W is (5, 32), model mlp needs (240, 32)" in line
     (tmp_path / "junk.h5").write_bytes(b"not hdf5")
-    assert "junk.h5: not a readable --save file" in one_line(tool("predict", "--params", tmp_path / "junk.h5",
-                                                                  src / "test/red/001.png"))
+    line = one_line(here(capsys, "predict", "--params", tmp_path / "junk.h5", src / "test/red/001.png"))
+    assert "junk.h5: not a readable --save file" in line
     out = tmp_path / "never.csv"
     broken = tmp_path / "broken.png"
     broken.write_bytes((src / "test/red/001.png").read_bytes()[:-30])
-    line = one_line(tool("predict", "--params", save, src / "test/red/001.png", broken, "--out", out))
+    line = one_line(here(capsys, "predict", "--params", save, src / "test/red/001.png", broken, "--out", out))
     assert "broken.png: unreadable image" in line and not out.exists()
-    assert "no such file" in one_line(tool("predict", "--params", save, tmp_path / "nothing.png"))
-    assert "give IMAGE files or --data DIR" in one_line(tool("predict", "--params", save))
+    assert "no such file" in one_line(here(capsys, "predict", "--params", save, tmp_path / "nothing.png"))
+    assert "give IMAGE files or --data DIR" in one_line(here(capsys, "predict", "--params", save))
 
 
 def test_an_image_model_on_text_is_one_line_in_every_command(trained_once, tmp_path, capsys):
@@ -279,13 +286,13 @@ def test_an_image_model_on_text_is_one_line_in_every_command(trained_once, tmp_p
         assert code == 2 and out == "" and err.startswith("hpctrain: error: model ") and err.endswith(says), err
 
 
-def test_a_file_from_before_the_record_loads_with_its_data(trained_once, photos, tmp_path):
+def test_a_file_from_before_the_record_loads_with_its_data(trained_once, photos, tmp_path, capsys):
     _, save, _ = trained_once
     old = tmp_path / "old.h5"
     shutil.copy(save, old)
     with h5py.File(old, "a") as f:
         del f.attrs["inference"]
-    line = one_line(tool("predict", "--params", old, photos[0] / "test/red/001.png"))
+    line = one_line(here(capsys, "predict", "--params", old, photos[0] / "test/red/001.png"))
     assert "did not record how to rebuild the model; give --data DIR" in line
     r = tool("evaluate", "--params", old, "--data", photos[1], "--json")
     assert r.returncode == 0, r.stderr
@@ -293,7 +300,7 @@ def test_a_file_from_before_the_record_loads_with_its_data(trained_once, photos,
     # given text, it is an image model as every command says (data/fit.py; issue 54, item 5)
     (tmp_path / "t.txt").write_text("To be, or not to be\n" * 20, encoding="utf-8")
     data.prepare_text(str(tmp_path / "t.txt"), str(tmp_path / "t"), "chars", log=quiet)
-    assert one_line(tool("predict", "--params", old, "--data", tmp_path / "t")) == (
+    assert one_line(here(capsys, "predict", "--params", old, "--data", tmp_path / "t")) == (
         f"hpctrain: error: model {old} is an image model and data {tmp_path / 't'} holds text: an image model "
         f"cannot read text")
 

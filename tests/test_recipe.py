@@ -155,6 +155,17 @@ def test_step_schedule_resumes_bit_exact(job, tmp_path):
     (["--epochs", "1", "--steps", "5"], "argument --steps: not allowed with argument --epochs"),
 ])
 def test_bad_recipe_flags_are_one_line_and_exit_2(job, tmp_path, flags, expect):
+    # The start-up checks in this process, as run/startup.py runs them (the
+    # parser, then cli.validate at 2 ranks); the first on the whole job too
+    # (a refused flag is one line and exit 2 the same way for every flag:
+    # tests/faults/test_bad_flags.py)
+    from hpctrain.base.errors import HpctrainError
+    from hpctrain.flags import cli
+    with pytest.raises(HpctrainError) as refused:
+        cli.validate(cli.parse([*map(str, flags)], quiet=True), 2)
+    assert expect in str(refused.value) and "\n" not in str(refused.value)
+    if flags[0] != "--weight-decay":
+        return
     r = job(2, *flags, "--save", tmp_path / "p.h5", timeout=60)
     lines = [s for s in r.stderr.splitlines() if s.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr

@@ -137,20 +137,42 @@ def test_bad_ties_are_refused_with_one_line():
     assert "tie it" in _bad([Flatten(), d, d], shape=(2, 5))
 
 
+SGD = ["--model", f"{TIED}:build", "--optimizer", "sgd", "--lr", "0.05", "--steps", 6]
+
+
+def ring_sgd(job, once, more):
+    """--save file of the tied model under SGD on 2 ranks with `more`:
+    launched once for the tests that compare with it (two ranks against
+    one with --accumulate-steps, and sync ps, run the same one)."""
+    def make(out):
+        ok(job(2, *SGD, *more, "--save", out / "ring.h5"))
+        return out / "ring.h5"
+    return once(("test_tied ring sgd", *map(str, more)), make)
+
+
+def accumulated(job, once, ranks, micro):
+    """--save file of the tied model (Adam, the default) on `ranks` ranks
+    with --accumulate-steps micro: what a pipeline of these replicas must
+    end as, launched once for every test that compares with it (the
+    p2-gpipe and p3 cuts and the virtual stages share one)."""
+    def make(out):
+        ok(job(ranks, "--model", f"{TIED}:build", *SHORT, "--accumulate-steps", micro, "--save", out / "acc.h5"))
+        return out / "acc.h5"
+    return once(("test_tied accumulated", ranks, micro), make)
+
+
 @pytest.mark.parametrize("two, one", [
     (["--batch-size", 8], ["--batch-size", 16]),
     (["--batch-size", 8, "--accumulate-steps", 2], ["--batch-size", 8, "--accumulate-steps", 4]),
 ], ids=["2x8=16", "2x8x2=8x4"])
-def test_tied_model_trains_in_ring_mode_and_two_ranks_equal_one(job, tmp_path, two, one):
+def test_tied_model_trains_in_ring_mode_and_two_ranks_equal_one(job, once, tmp_path, two, one):
     """Two ranks equal one process over the same samples (SGD: within
     float32 rounding: the embedding's gradient adds 784 positions a sample,
     and the batch split changes the order), with
     --accumulate-steps too (each use summed over the micro-batches apart);
     the saved file holds the tied tensor once."""
-    flags = ["--model", f"{TIED}:build", "--optimizer", "sgd", "--lr", "0.05", "--steps", 6]
-    ok(job(2, *flags, *two, "--save", tmp_path / "two.h5"))
-    ok(job(1, *flags, *one, "--save", tmp_path / "one.h5"))
-    a, b = saved(tmp_path / "two.h5"), saved(tmp_path / "one.h5")
+    ok(job(1, *SGD, *one, "--save", tmp_path / "one.h5"))
+    a, b = saved(ring_sgd(job, once, two)), saved(tmp_path / "one.h5")
     assert sorted(a) == ["layer0/E", "layer1/W", "layer1/b", "layer2/W", "layer2/b", "layer3/b"]
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5, err_msg=name)
@@ -160,7 +182,7 @@ def test_tied_model_trains_in_ring_mode_and_two_ranks_equal_one(job, tmp_path, t
     (2, 2, 3, "1f1b", "3"), (2, 2, 2, "gpipe", "3"), (4, 2, 2, "1f1b", "3"),
     (3, 3, 2, "1f1b", "3,6"),   # a stage between the two uses, which holds neither
 ], ids=["p2-1f1b", "p2-gpipe", "p2r2", "p3"])
-def test_a_cut_between_the_uses_equals_accumulation_and_keeps_the_copies_identical(job, tmp_path, ranks, stages,
+def test_a_cut_between_the_uses_equals_accumulation_and_keeps_the_copies_identical(job, once, tmp_path, ranks, stages,
                                                                                  micro, schedule, split):
     """--pipeline-split 3 puts the embedding on stage 0 and the tied head on
     a later stage: the parameters equal --accumulate-steps M on R ranks bit
@@ -172,24 +194,23 @@ def test_a_cut_between_the_uses_equals_accumulation_and_keeps_the_copies_identic
     ok(job(ranks, *flags, "--pipeline-stages", stages, "--pipeline-split", split, "--micro-batches", micro,
            "--pipeline-schedule", schedule, "--save", tmp_path / "pipe.h5", module="tied_copies",
            env={"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)), "TIED_COPIES": str(copies)}))
-    ok(job(ranks // stages, *flags, "--accumulate-steps", micro, "--save", tmp_path / "acc.h5"))
-    assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+    acc = accumulated(job, once, ranks // stages, micro)
+    assert same_bytes(tmp_path / "pipe.h5", acc)
     holding = [rank for rank in range(ranks) if (copies / f"{rank}.npy").exists()]
     assert len(holding) == 2 * ranks // stages, holding   # the owner's stage's ranks and the head's
     bits = {rank: np.load(copies / f"{rank}.npy") for rank in holding}
     assert all(b.tobytes() == bits[0].tobytes() for b in bits.values()), {r: b.ravel()[:3] for r, b in bits.items()}
-    assert bits[0].tobytes() == saved(tmp_path / "acc.h5")["layer0/E"].astype(np.float32).tobytes()
+    assert bits[0].tobytes() == saved(acc)["layer0/E"].astype(np.float32).tobytes()
 
 
-def test_virtual_stages_that_cut_a_tie_apart_equal_accumulation(job, tmp_path):
+def test_virtual_stages_that_cut_a_tie_apart_equal_accumulation(job, once, tmp_path):
     """--virtual-stages 2: the embedding on chunk 0 (stage 0), the tied head
     on chunk 3 (stage 1): the tied gradient summed between those chunks'
     stages, the bits of --accumulate-steps 2 on one rank."""
     flags = ["--model", f"{TIED}:build", *SHORT]
     ok(job(2, *flags, "--pipeline-stages", 2, "--pipeline-schedule", "interleaved", "--virtual-stages", 2,
            "--micro-batches", 2, "--pipeline-split", "2,4,6", "--save", tmp_path / "pipe.h5"))
-    ok(job(1, *flags, "--accumulate-steps", 2, "--save", tmp_path / "acc.h5"))
-    assert same_bytes(tmp_path / "pipe.h5", tmp_path / "acc.h5")
+    assert same_bytes(tmp_path / "pipe.h5", accumulated(job, once, 1, 2))
 
 
 def test_the_spec_tool_checks_the_tied_model_layer_by_layer():
@@ -222,14 +243,12 @@ def test_a_resumed_cut_ends_with_the_bits_of_one_run_through(job, tmp_path):
     assert same_bytes(tmp_path / "through.h5", tmp_path / "ring.h5")
 
 
-def test_sync_ps_trains_the_tied_model_as_the_ring_does(job, tmp_path):
+def test_sync_ps_trains_the_tied_model_as_the_ring_does(job, once, tmp_path):
     """A ps worker sums a tied tensor's uses over --accumulate-steps apart
     too: its parameters are ring mode's within rounding (SGD)."""
-    flags = ["--model", f"{TIED}:build", "--optimizer", "sgd", "--lr", "0.05", "--steps", 6, "--batch-size", 8,
-             "--accumulate-steps", 2]
-    ok(job(3, "--mode", "ps", *flags, "--save", tmp_path / "ps.h5"))
-    ok(job(2, *flags, "--save", tmp_path / "ring.h5"))
-    a, b = saved(tmp_path / "ps.h5"), saved(tmp_path / "ring.h5")
+    more = ["--batch-size", 8, "--accumulate-steps", 2]   # the ring run of "2x8x2=8x4" above
+    ok(job(3, "--mode", "ps", *SGD, *more, "--save", tmp_path / "ps.h5"))
+    a, b = saved(tmp_path / "ps.h5"), saved(ring_sgd(job, once, more))
     assert set(a) == set(b)
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=0, atol=1e-5, err_msg=name)
