@@ -58,8 +58,7 @@ class GradSlots:
         self.buckets = [(int(lo), int(hi)) for lo, hi in buckets]
         if sorted(self.buckets) != _cover(self.buckets, self.size):
             raise ValueError(f"buckets {self.buckets} do not cover [0, {size}) once")
-        self._los = sorted(lo for lo, _ in self.buckets)
-        self._index = {lo: i for i, (lo, _) in enumerate(self.buckets)}
+        self.bucket_at = bucket_finder(self.buckets)
         params, self.over = (None, frozenset()) if over is None else (over[0], frozenset(over[1]))
         kept = [i for i in range(len(self.buckets)) if i not in self.over]   # the buckets with slots here
         at = {i: k for k, i in enumerate(kept)}
@@ -69,22 +68,16 @@ class GradSlots:
         self.slots = [xp.zeros(n, self.dtype) for n in sizes]
         # bucket -> the array its gradient is written in (its own slot, or its parameters'), and the
         # bucket that wrote there before it (None: nobody this pass)
+        # and bucket -> its own slot's index (None: in its parameters')
         self._slot, self._reuses = [None] * len(self.buckets), [None] * len(self.buckets)
+        self.slot_of = [None] * len(self.buckets)
         for k, i in enumerate(kept):
-            self._slot[i] = self.slots[slot_of[k]]
+            self.slot_of[i], self._slot[i] = slot_of[k], self.slots[slot_of[k]]
             self._reuses[i] = None if reuses[k] is None else kept[reuses[k]]
         last = {}   # a parameters' slot -> the last bucket so far whose gradient is written there
         for i in sorted(self.over):
             slot = params.slot_of[i]
             self._slot[i], self._reuses[i], last[slot] = params.slots[slot], last.get(slot), i
-        self.slot_of = [None] * len(self.buckets)   # bucket -> its own slot's index (None: in its parameters')
-        for k, i in enumerate(kept):
-            self.slot_of[i] = slot_of[k]
-
-    def bucket_at(self, offset):
-        """The index of the bucket holding model offset `offset`."""
-        lo = self._los[bisect.bisect_right(self._los, offset) - 1]
-        return self._index[lo]
 
     def reuses(self, i):
         """The bucket whose slot bucket i takes over, the last to write its
@@ -106,6 +99,14 @@ class GradSlots:
         if hi > b_hi:
             raise ValueError(f"[{lo}:{hi}) crosses the end of bucket [{b_lo}:{b_hi})")
         return self._slot[i][lo - b_lo:hi - b_lo]
+
+
+def bucket_finder(buckets):
+    """offset -> the index in `buckets` [(lo, hi)] (covering [0, n) once)
+    of the bucket holding model offset `offset`."""
+    los = sorted(lo for lo, _ in buckets)
+    index = {lo: i for i, (lo, _) in enumerate(buckets)}
+    return lambda offset: index[los[bisect.bisect_right(los, offset) - 1]]
 
 
 def assign(buckets, own, shared):

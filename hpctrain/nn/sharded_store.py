@@ -50,11 +50,9 @@ parameters (with a tied home's) are alive at once.
 
     mpirun -n 2 python -m mpi4py -m pytest --only-mpi tests/test_zero3.py
 """
-import bisect
-
 import numpy as np
 
-from .grad_slots import GradSlots, slot_elements
+from .grad_slots import GradSlots, bucket_finder, slot_elements
 
 
 class ParamShard:
@@ -109,11 +107,8 @@ class ShardedStore:
         self.thread, self.pending = None, {}
         self.gathers = self.posted = 0   # buckets gathered, and of them posted to a thread (tests count them)
         # layer i -> the buckets it reads: its own (`own`, None without tensors), a tied tensor's home
-        self.reads, self.own = [[] for _ in spec.layers], [None] * len(spec.layers)
-        for i, entries in enumerate(spec.layer_tensors):
-            if entries and entries[-1][3] > entries[0][2]:
-                self.own[i] = slots.bucket_at(entries[0][2])
-                self.reads[i].append(self.own[i])
+        self.own = own_buckets(spec, slots.bucket_at)
+        self.reads = [[] if j is None else [j] for j in self.own]
         for t in spec.ties:
             j = slots.bucket_at(t.lo)
             if j not in self.reads[t.user]:
@@ -264,17 +259,21 @@ def tail_homes(buckets):
     return out
 
 
+def own_buckets(spec, bucket_at):
+    """Layer i -> the index of the bucket its tensors are in (a layer's
+    tensors lie in one bucket: a bucket never splits a layer), None for a
+    layer without tensors; bucket_at: offset -> bucket (grad_slots.bucket_finder)."""
+    return [bucket_at(entries[0][2]) if entries and entries[-1][3] > entries[0][2] else None
+            for entries in spec.layer_tensors]
+
+
 def grads_over_params(spec, buckets):
     """The indices of the `buckets` whose gradient may be written over their
     parameters: every layer with tensors there declares
     grads_may_overwrite_params, and no tied tensor is read there or lives
     there (the head reads the embedding's at the other end of the pass)."""
-    starts = sorted((lo, j) for j, (lo, hi) in enumerate(buckets))
-
-    def bucket_at(offset):
-        return starts[bisect.bisect_right(starts, (offset, len(buckets))) - 1][1]
-    own = [bucket_at(entries[0][2]) if entries and entries[-1][3] > entries[0][2] else None
-           for entries in spec.layer_tensors]
+    bucket_at = bucket_finder(buckets)
+    own = own_buckets(spec, bucket_at)
     tied, ok = set(), {}
     for t in spec.ties:
         tied |= {bucket_at(t.lo), own[t.user]}
