@@ -3,7 +3,7 @@ on (nn/compiled.py use/on, --compiled-layers): batch norm's statistics,
 normalising, gradient sums and input gradient (nn/batchnorm.py), max
 pooling with windows k apart (nn/pool.py), ReLU's gradient
 (nn/layers.py), LayerNorm's two (nn/norm.py), GELU's two (nn/gelu.py;
-the tanh form's forward its own),
+the tanh form's forward its own; -x^2 / 2 before the forward's exp),
 attention's causal softmax, forward and backward, over each row's
 unmasked part only (nn/attention.py), and an embedding's gradient
 (nn/embedding.py). Plain loops, no fastmath: each element gets the NumPy
