@@ -488,3 +488,21 @@ def test_embeddings_compiled_gradient_has_numpys_bits(dtype):
     assert out[True].tobytes() == out[False].tobytes()
     assert np.abs(out[True]).max() > 0
 
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gelus_half_square_has_numpys_bits(dtype):
+    """GELU's -x^2 / 2 before NumPy's exp (nn/passes.py half_square) against
+    NumPy's two multiplies it replaced: x x rounded to the dtype, then
+    halved: the same bits, subnormal squares, overflow, -0.0 and NaN among them."""
+    from hpctrain.nn import passes
+    info = np.finfo(dtype)
+    x = np.random.default_rng(9).standard_normal(500).astype(dtype) * dtype(4)
+    x[:8] = [0.0, -0.0, np.nan, np.inf, -np.inf, info.max, info.tiny, np.sqrt(info.tiny) * dtype(1.3)]
+    x[8:40] = np.sqrt(info.tiny) * np.linspace(0.5, 1.5, 32).astype(dtype)   # squares near the subnormals
+    out = np.empty_like(x)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        expected = np.multiply(x, x)
+        expected *= dtype(-0.5)
+        passes.half_square(x, out)
+    assert out.tobytes() == expected.tobytes()

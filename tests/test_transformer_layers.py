@@ -352,6 +352,23 @@ def test_dropout_in_the_gpt_is_per_sample_whatever_the_batch_split():
     assert not np.allclose(whole, model.run.forward(ids, True))   # another step, other masks
 
 
+def test_noise_none_after_a_step_with_noise_reaches_every_layer():
+    """set_noise(None) after a step with noise clears every layer's, down to
+    the attention's own dropout (LayerRange.set_noise skips the layers only
+    while every context holds None already): a dropout then refuses to train
+    without noise, not reuse the last step's masks; with noise again the
+    masks are that step's."""
+    _, model = _gpt_model(dropout=0.3)
+    ids = np.random.default_rng(6).integers(0, VOCAB, (2, T))
+    model.run.set_noise((1, 9, np.arange(2)))
+    dropped = model.run.forward(ids, True).copy()
+    model.run.set_noise(None)
+    with pytest.raises(LayerError, match="needs noise"):
+        model.run.forward(ids, True)
+    model.run.set_noise((1, 9, np.arange(2)))
+    assert model.run.forward(ids, True).tobytes() == dropped.tobytes()
+
+
 # --- the contract, as nn/check.py checks a user's layer ------------------------------
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])

@@ -104,16 +104,16 @@ class CausalSelfAttention(Layer):
             xp.matmul(a[lo:hi], b, out=out[lo:hi])
             if bias is not None:
                 out[lo:hi] += bias
-        self.in_parallel(out.shape[0], rows, unit=threads.row_unit(1), macs=macs)
+        self.in_parallel(out.shape[0], rows, unit=threads.ROW_TILE, macs=macs)
 
     def _samples(self, work, n, products):
-        """work(lo, hi) over ranges [lo, hi) of the n samples, on the compute
+        """work(thread, lo, hi) over ranges [lo, hi) of the n samples, on the compute
         threads: a range's attention, its products stacked over (sample,
         head), each product its own, `products` of them, and its row-wise
         passes, so the bits do not depend on the threads. One hand-off for
         several steps: each costs tens of microseconds."""
         t, hw, h = self.T, self.head_width, self.heads_here
-        self.in_parallel(n, lambda _, lo, hi: work(lo, hi),   # the products, and the passes over (t, t) arrays
+        self.in_parallel(n, work,   # the products, and the passes over (t, t) arrays
                          floats=4 * n * h * t * t, macs=products * n * h * t * t * hw)
 
     def _softmax(self, att, dtype):
@@ -174,7 +174,7 @@ class CausalSelfAttention(Layer):
         q, k, v = (self._heads(qkv, n, t, j) for j in range(3))
         att = ctx.buffer("att", (n, h, t, t), W.dtype)
 
-        def scores(lo, hi):
+        def scores(_, lo, hi):
             xp.matmul(q[lo:hi], k[lo:hi].transpose(0, 1, 3, 2), out=att[lo:hi])
             self._softmax(att[lo:hi], W.dtype)
         self._samples(scores, n, 1)
@@ -182,14 +182,14 @@ class CausalSelfAttention(Layer):
         merged = ctx.buffer("merged", (n, t, h, self.head_width), W.dtype)
         heads = merged.transpose(0, 2, 1, 3)   # each head's (t, head width) rows i apart: BLAS writes them there
 
-        def weigh(lo, hi):
+        def weigh(_, lo, hi):
             xp.matmul(dropped[lo:hi], v[lo:hi], out=heads[lo:hi])
         self._samples(weigh, n, 1)
         merged = merged.reshape(n * t, i)
         y = ctx.buffer("partial" if self.sequence else ("out", train), (n * t, e), W.dtype)
         whole = self.group is None   # else the bias after the sum over the group
         self._product(merged, self.params["Wo"], y, self.params["bo"] if whole else None)
-        ctx.rows, ctx.qkv, ctx.att, ctx.dropped, ctx.merged = rows, qkv, att, dropped, merged
+        ctx.rows, ctx.heads, ctx.att, ctx.dropped, ctx.merged = rows, (q, k, v), att, dropped, merged
         if self.sequence:   # summed over the group, this rank's positions kept
             out = ctx.buffer(("out", train), (n, *self.in_shape), W.dtype)
             self.group.reduce_scatter(y.reshape(n, t, e), out)
@@ -221,20 +221,20 @@ class CausalSelfAttention(Layer):
         # matrix's row stride as it is (lda, ldc) and packs its operands anyway, so these are the bits
         # of contiguous copies, without the copies
         dheads = dmerged.reshape(n, t, h, self.head_width).transpose(0, 2, 1, 3)
-        q, k, v = (self._heads(ctx.qkv, n, t, j) for j in range(3))
+        q, k, v = ctx.heads
         dqkv = ctx.buffer("dqkv", (n * t, 3 * i), dy.dtype)
         dq, dk, dv = (self._heads(dqkv, n, t, j) for j in range(3))
         datt = ctx.buffer("datt", (n, h, t, t), dy.dtype)
         dropped = ctx.dropped
 
-        def values(lo, hi):   # dv = A^T dheads; dA = dheads v^T
+        def values(_, lo, hi):   # dv = A^T dheads; dA = dheads v^T
             xp.matmul(dropped[lo:hi].transpose(0, 1, 3, 2), dheads[lo:hi], out=dv[lo:hi])
             xp.matmul(dheads[lo:hi], v[lo:hi].transpose(0, 1, 3, 2), out=datt[lo:hi])
         self._samples(values, n, 2)
         datt = self.drop.backward(ctx.inner[0], datt, True)
         weighted = None if self.compiled and datt.flags.c_contiguous else ctx.buffer("weighted", datt.shape, dy.dtype)
 
-        def keys(lo, hi):   # the softmax's backward, then dq = dS k, dk = dS^T q
+        def keys(_, lo, hi):   # the softmax's backward, then dq = dS k, dk = dS^T q
             self._softmax_backward(ctx.att[lo:hi], datt[lo:hi], None if weighted is None else weighted[lo:hi])
             xp.matmul(datt[lo:hi], k[lo:hi], out=dq[lo:hi])
             xp.matmul(datt[lo:hi].transpose(0, 1, 3, 2), q[lo:hi], out=dk[lo:hi])

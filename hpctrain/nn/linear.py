@@ -160,7 +160,7 @@ class Linear(Layer):
         threads.ROW_TILE), on the compute threads where it is large enough:
         each output row is the one it is in one GEMM. Not by columns: BLAS
         sums a column in other bits when it is cut off from its neighbours."""
-        self.in_parallel(n, work, unit=threads.row_unit(1), macs=rows * self.fan_in * self.here)
+        self.in_parallel(n, work, unit=threads.ROW_TILE, macs=rows * self.fan_in * self.here)
 
     def train_floats(self):
         # its output and the gradient handed back

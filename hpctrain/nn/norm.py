@@ -45,9 +45,9 @@ class LayerNorm(Layer):
             passes.prepare(("layer_norm", "layer_norm_backward"))
 
     def _rows(self, work, rows):
-        """work(lo, hi) over row ranges [lo, hi) of rows, on the compute threads."""
+        """work(thread, lo, hi) over row ranges [lo, hi) of rows, on the compute threads."""
         # the compiled passes take some 0.6 ns an element: a part of MIN_FLOATS is worth its hand-off
-        self.in_parallel(len(rows), lambda _, lo, hi: work(lo, hi), floats=rows.size)
+        self.in_parallel(len(rows), work, floats=rows.size)
 
     def forward(self, ctx, x, train):
         xp, gamma, beta = self.xp, self.params["gamma"], self.params["beta"]
@@ -56,8 +56,8 @@ class LayerNorm(Layer):
             xhat = ctx.xhat = ctx.buffer("xhat", rows.shape, x.dtype)
             rstd = ctx.rstd = ctx.buffer("rstd", (rows.shape[0], 1), x.dtype)
             y = ctx.buffer(("out", train), rows.shape, x.dtype)
-            self._rows(lambda lo, hi: passes.layer_norm(rows[lo:hi], gamma, beta, self.eps, xhat[lo:hi],
-                                                        rstd[lo:hi].reshape(-1), y[lo:hi]), rows)
+            self._rows(lambda _, lo, hi: passes.layer_norm(rows[lo:hi], gamma, beta, self.eps, xhat[lo:hi],
+                                                           rstd[lo:hi].reshape(-1), y[lo:hi]), rows)
             return y.reshape(x.shape)
         xhat = ctx.buffer("xhat", rows.shape, x.dtype)
         xp.subtract(rows, rows.mean(axis=1, keepdims=True), out=xhat)
@@ -89,8 +89,8 @@ class LayerNorm(Layer):
         gamma = self.params["gamma"]
 
         def inputs():   # dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma: a pass a row
-            self._rows(lambda lo, hi: passes.layer_norm_backward(d[lo:hi], gamma, xhat[lo:hi],
-                                                                 rstd[lo:hi].reshape(-1), g[lo:hi]), d)
+            self._rows(lambda _, lo, hi: passes.layer_norm_backward(d[lo:hi], gamma, xhat[lo:hi],
+                                                                    rstd[lo:hi].reshape(-1), g[lo:hi]), d)
         if need_dx and compiled and self.group is None:   # on two threads, the sums beside it (threads.pair)
             self.pair(inputs, sums)
             return g.reshape(dy.shape)

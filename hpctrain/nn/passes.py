@@ -3,7 +3,7 @@ on (nn/compiled.py use/on, --compiled-layers): batch norm's statistics,
 normalising, gradient sums and input gradient (nn/batchnorm.py), max
 pooling with windows k apart (nn/pool.py), ReLU's gradient
 (nn/layers.py), LayerNorm's two (nn/norm.py), GELU's two (nn/gelu.py;
-the tanh form's forward its own),
+the tanh form's forward its own; -x^2 / 2 before the forward's exp),
 attention's causal softmax, forward and backward, over each row's
 unmasked part only (nn/attention.py), and an embedding's gradient
 (nn/embedding.py). Plain loops, no fastmath: each element gets the NumPy
@@ -230,6 +230,14 @@ def _gelu_forward(x, y, cdf, phi):
 _TANH_K, _TANH_C = math.sqrt(2 / math.pi), 0.044715   # nn/gelu.py TANH_K, TANH_C
 
 
+def _half_square(x, out):
+    """out = -x^2 / 2: x x rounded to the dtype, then halved (exact: NumPy's
+    two multiplies' bits, in one pass); flat arrays."""
+    for i in range(x.shape[0]):
+        square = x[i] * x[i]
+        out[i] = square * -0.5
+
+
 def _gelu_tanh_forward(x, y, cdf, phi):
     """GPT-2's tanh GELU (nn/gelu.py tanh_gate's arithmetic) an element at a
     time in float64, each result rounded once: cdf = S(x), the logistic of
@@ -350,6 +358,7 @@ _PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalis
           "bn_gradient_sums": (_bn_gradient_sums, "mmvvo"), "bn_input_gradient": (_bn_input_gradient, "mmvvvvvm"),
           "max_pool_forward": (_max_pool_forward, "iiuk"), "max_pool_backward": (_max_pool_backward, "iuik"),
           "relu_backward": (_relu_backward, "ff"), "gelu_forward": (_gelu_forward, "ffff"),
+          "half_square": (_half_square, "ff"),
           "gelu_tanh_forward": (_gelu_tanh_forward, "ffff"),
           "gelu_backward": (_gelu_backward, "fffff"), "causal_shift": (_causal_shift, "cd"),
           "causal_normalise": (_causal_normalise, "c"),
@@ -383,12 +392,14 @@ def _njit(numba, fn, sig, fastmath=False):
 def _plain(name, dtype):
     """The kernel `name` of _PLAIN compiled for dtype (loops numba compiles
     as they are: no fastmath, its default vectorizers)."""
-    full = (name, np.dtype(dtype).str)
-    if full not in _kernels:
+    full = (name, np.dtype(dtype))   # a layer's every call asks: one lookup, no dtype string made
+    kernel = _kernels.get(full)
+    if kernel is None:
         numba = vector_width.load()
         fn, args = _PLAIN[name]
-        _kernels[full] = _njit(numba, fn, _signature(numba, args, dtype), {"reassoc"} if name in _ROW_SUMS else False)
-    return _kernels[full]
+        kernel = _kernels[full] = _njit(numba, fn, _signature(numba, args, dtype),
+                                        {"reassoc"} if name in _ROW_SUMS else False)
+    return kernel
 
 
 def _sums(name, c, dtype):
@@ -484,6 +495,10 @@ def gelu_forward(x, y, cdf, phi):
         _fast_gelu()(x, y, cdf, phi)
     else:
         _plain("gelu_forward", x.dtype)(x, y, cdf, phi)
+
+
+def half_square(x, out):
+    _plain("half_square", x.dtype)(x, out)
 
 
 def gelu_tanh_forward(x, y, cdf, phi):

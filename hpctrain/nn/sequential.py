@@ -72,6 +72,8 @@ class LayerRange:
         # that moves parameters (tests/test_store.py) sees ties as the plain one.
         params, grads = store.params, store.grads
         self.ties = RangeTies(spec, a, b)
+        # the tied tensors each layer is the last writer of (nn/tied.py): only those layers combine
+        self._last_writes = {i: groups for i in range(a, b) if (groups := self.ties.done_by(i))}
         self.copies = xp.zeros(self.ties.copy_size, params.dtype)
         self.extra = xp.zeros(self.ties.extra_size, params.dtype)
         for i, layer in zip(range(a, b), self.layers):
@@ -82,6 +84,7 @@ class LayerRange:
         # the range's input is its own (the batch, or a received buffer): an in-place first layer may write it
         self.chain = Chain(self.layers, xp)
         self.slots = [self.chain.context() for _ in range(slots)]
+        self._noiseless = [True] * slots   # every layer's context of the slot holds noise None (set_noise)
         # --recompute: the units (positions in the range), their shared contexts, each slot's units' inputs
         self.units = {k for k, layer in enumerate(self.layers) if spec.recompute and layer.recompute_unit}
         self.shared = {}   # kind -> context (_kind)
@@ -146,6 +149,9 @@ class LayerRange:
     def set_noise(self, noise, slot=0):
         """`noise=(seed, step, sample_ids)`, or None, for the slot's next
         training forward: each layer's Noise, stream = its index in the model."""
+        if noise is None and self._noiseless[slot]:   # a model without dropout: nothing to set, every step
+            return
+        self._noiseless[slot] = noise is None
         ctx = self.slots[slot]
         for i, layer, inner in zip(range(self.a, self.b), self.layers, ctx.inner):
             layer.set_noise(inner, None if noise is None else Noise(*noise[:3], stream=i))
@@ -284,7 +290,7 @@ class LayerRange:
         """The tied tensors whose last writer is layer i: each one's gradient
         in `grads` (the range's layout) += its parts in `extra`, in backprop
         order (nn/tied.py)."""
-        for group in self.ties.done_by(i):
+        for group in self._last_writes.get(i, ()):
             self.ties.combine(group, grads, extra, self.base[0])
 
 

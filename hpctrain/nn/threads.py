@@ -217,7 +217,7 @@ def split(n, work, unit=1, floats=None, macs=None, on=True):
     the work is worth), where `on` (NumPy arrays: CuPy's kernels have the
     GPU); otherwise work(0, 0, n) here. The sizes, not a count, so a serial
     rank (every step's path on one core) skips the arithmetic."""
-    if not on or serial():
+    if not on or not _workers or getattr(_here, "worker", False):   # serial(), inlined: every layer's call asks
         work(0, 0, n)
         return
     parts = count() if floats is None and macs is None else min(count(), most(floats or 0, macs or 0))
