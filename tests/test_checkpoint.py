@@ -474,10 +474,13 @@ def errors(r):
 
 def run_and_signal(n, sig, ckpt_dir, after_step, *args, timeout=120):
     """Start a job, and once it has written a checkpoint past `after_step`,
-    send `sig` to mpirun (MPICH's hydra forwards SIGTERM/SIGUSR1 to every rank)."""
-    cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "hpctrain.mnist", *map(str, args)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                         cwd=REPO)
+    send `sig` to mpirun (MPICH's hydra forwards SIGTERM/SIGUSR1 to every rank).
+    The ranks wait for the signal after that checkpoint (tests/held_for_signals.py):
+    they stop after the step that follows it, at any speed."""
+    cmd = [MPIRUN, "-n", str(n), sys.executable, "-m", "held_for_signals", *map(str, args)]
+    env = child_env()
+    env.update(PYTHONPATH=os.path.dirname(os.path.abspath(__file__)), HELD_AFTER_STEP=str(after_step))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     deadline = time.monotonic() + timeout
     try:
         while p.poll() is None and time.monotonic() < deadline:
@@ -513,16 +516,14 @@ def assert_bit_identical(a_path, b_path):
                                   ["--tensor-parallel", "2"]],
                          ids=["zero-auto", "zero-2", "zero-3", "tensor-2"])
 def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, zero):
-    # Long enough that a signal sent right after the first checkpoint lands
-    # mid-run even on a loaded machine (the signal landed within ~10 steps of
-    # the first checkpoint here, at ~7000 steps/s), short enough to be quick.
-    # --zero 2 with small buckets: every rank stops after the same step there too.
-    # The sharded and split layouts step 2-3x slower: half the steps keep the
-    # same margin in time and halve their share of the serial pass.
-    steps = 1500 if zero else 3000
-    # A checkpoint every 50 steps, not 10: writing them was most of the
-    # test's time, and one past the last stop is all the signals wait for.
-    every = 50
+    # Rank 0 waits for each signal after the checkpoint the test sends it at
+    # (run_and_signal), so the runs stop after steps 11 and 21 at any speed:
+    # 60 steps, not 1500-3000 of margin for a signal that landed anywhere
+    # (the steps were most of the test's time). The last run writes the
+    # checkpoints of steps 30 to 60. --zero 2 with small buckets: every rank
+    # stops after the same step there too.
+    steps = 60
+    every = 10
     common = ["--steps", steps, *SMALL, *zero]  # Adam, the default optimizer
     r = run(2, *common, "--save", tmp_path / "full.h5")
     assert r.returncode == 0, r.stderr
@@ -540,7 +541,7 @@ def test_ring_run_stopped_by_signals_and_resumed_ends_bit_identical(tmp_path, ze
                          r"run the same command again to resume", lines[0])
         assert m, lines[0]
         step, path = int(m.group(1)), m.group(2)
-        assert stopped_at < step < steps and path == str(ckpt_dir / f"ckpt-{step:08d}")
+        assert step == stopped_at // every * every + every + 1 and path == str(ckpt_dir / f"ckpt-{step:08d}")
         assert checkpoint.list_checkpoints(ckpt_dir)[0] == (step, path)
         if stopped_at:
             assert f"resumed from {stopped_path} at step {stopped_at}" in r.stdout

@@ -4,6 +4,7 @@ the same program (a training job through it writes the same bits).
 
     .venv/bin/python -m pytest -q tests/test_command.py
 """
+import json
 import os
 import re
 import subprocess
@@ -32,17 +33,51 @@ def test_the_command_is_installed_from_pyproject():
     assert set(COMMANDS) == {"train", "data", "predict", "evaluate", "generate", "bench", "plot", "checkpoint", "export"}
 
 
+# Each subcommand's --help as the console command runs it (command.main, what
+# SCRIPT calls) and as `python -m` runs its module (runpy, what -m calls),
+# all in one process: a process each was most of the test's time. JSON out:
+# {name: [[exit code, stdout] of the command, [exit code, stdout] of -m]}.
+HELPS = """
+import contextlib, io, json, runpy, sys
+from hpctrain import command
+
+def answer(call):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            code = call()
+        except SystemExit as e:
+            code = e.code
+    return [code or 0, out.getvalue()]
+
+def as_m(module):
+    sys.argv = [module, "--help"]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+print(json.dumps({name: [answer(lambda: command.main([name, "--help"])),
+                         answer(lambda: as_m(module.removesuffix(".__main__")))]
+                  for name, (module, _) in command.COMMANDS.items()}))
+"""
+
+
 def test_every_subcommand_answers_help_under_its_own_name(tmp_path):
     r = run(SCRIPT, "--help")
     assert r.returncode == 0 and all(f"  {name}" in r.stdout for name in COMMANDS), r.stdout
-    for name in COMMANDS:
-        r = run(SCRIPT, name, "--help", cwd=tmp_path)
-        assert r.returncode == 0, (name, r.stderr)
-        assert r.stdout.startswith("usage: "), (name, r.stdout)
-        assert r.stdout.startswith(f"usage: hpctrain {name}"), (name, r.stdout[:80])   # bench, plot, checkpoint said python -m
+    # one subcommand through the installed script and python -m as processes of their own, every one below
+    r = run(SCRIPT, "train", "--help", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("usage: hpctrain train"), r.stdout[:80]
+    r = run(sys.executable, "-m", "hpctrain.train", "--help", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m hpctrain.train "), r.stdout[:80]
+    r = run(sys.executable, "-c", HELPS, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    helps = json.loads(r.stdout.splitlines()[-1])
+    assert set(helps) == set(COMMANDS)
+    for name, ((code, out), (m_code, m_out)) in helps.items():
+        assert code == 0, (name, out)
+        assert out.startswith("usage: "), (name, out)
+        assert out.startswith(f"usage: hpctrain {name}"), (name, out[:80])   # bench, plot, checkpoint said python -m
         module = COMMANDS[name][0].removesuffix(".__main__")
-        r = run(sys.executable, "-m", module, "--help", cwd=tmp_path)
-        assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m {module} "), (name, r.stdout[:80])
+        assert m_code == 0 and m_out.startswith(f"usage: python -m {module} "), (name, m_out[:80])
     r = run(SCRIPT)
     assert r.returncode == 2 and r.stderr.startswith("usage: hpctrain COMMAND")
     r = run(SCRIPT, "fly")

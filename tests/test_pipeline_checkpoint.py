@@ -90,12 +90,15 @@ def test_one_checkpoint_file_for_every_grid_and_ring_mode(job, tmp_path):
 
 
 def test_sigterm_stops_every_stage_after_the_same_step_and_the_same_command_resumes(job, tmp_path):
-    steps = 300   # the signal lands after the first checkpoint (step 50), mid-run at any speed
+    # The signal is sent once the first checkpoint (step 10) is there, and rank 0
+    # waits for it (run_and_signal): every rank stops after step 11 at any speed.
+    # 30 steps, not 300 of margin for a signal that landed anywhere (the
+    # three runs' steps were most of the test's time).
+    steps = 30
     flags = [*FLAGS[:2], *MLP, *pipe(2), "--log-every", 1000, "--steps", steps]
     ok(job(4, *flags, "--save", tmp_path / "through.h5"))
     ck = tmp_path / "ck"
-    # every 50 steps, not 10: the checkpoints the resumed run writes were most of the test's time
-    again = [*flags, "--checkpoint-dir", ck, "--checkpoint-every", 50, "--save", tmp_path / "resumed.h5"]
+    again = [*flags, "--checkpoint-dir", ck, "--checkpoint-every", 10, "--save", tmp_path / "resumed.h5"]
     sig = signal.SIGUSR1 if OPEN_MPI else signal.SIGTERM   # Open MPI's mpirun kills on TERM, relays USR1
     r = run_and_signal(4, sig, ck, 0, *again)
     assert r.returncode == EXIT_PREEMPTED, (r.returncode, r.stdout, r.stderr)
@@ -103,7 +106,7 @@ def test_sigterm_stops_every_stage_after_the_same_step_and_the_same_command_resu
     assert len(lines) == 1, r.stderr
     m = re.fullmatch(rf"hpctrain: error: stopped by {sig.name} after step (\d+); checkpoint (\S+); "
                      r"run the same command again to resume", lines[0])
-    assert m and 0 < int(m.group(1)) < steps, lines
+    assert m and int(m.group(1)) == 11, lines
     assert checkpoint.list_checkpoints(ck)[0] == (int(m.group(1)), m.group(2))
     assert not (tmp_path / "resumed.h5").exists()
     r = ok(job(4, *again))

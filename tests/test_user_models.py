@@ -69,14 +69,40 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD))
-def test_a_bad_user_model_is_one_line_and_exit_2(job, tmp_path, case):
-    source, value, expect = BAD[case]
+# The whole job for a refusal of each kind (a file that is not there, a
+# user's file that ends the process, the user's own traceback, a layer's
+# contract, a model that does not fit the data, a model for other data);
+# the rest in-process below, through start-up's own model_spec.
+ON_THE_JOB = ("no such file", "the user's code raises", "sys.exit at import", "its own argparse at import",
+              "a layer that writes into its input undeclared", "a layer whose init raises", "the wrong class count",
+              "a first layer that takes tokens")
+
+
+def user_model(tmp_path, case):
+    """The --model value of BAD's `case` (its file written under tmp_path)."""
+    source, value, _ = BAD[case]
     if value is None:
         (tmp_path / "mine.py").write_text(source)
-        value = f"{tmp_path / 'mine.py'}:build"
-    else:
-        value = str(tmp_path / value)
+        return f"{tmp_path / 'mine.py'}:build"
+    return str(tmp_path / value)
+
+
+@pytest.mark.parametrize("case", [case for case in BAD if case not in ON_THE_JOB])
+def test_a_bad_user_model_is_refused_by_the_start_up_checks(tmp_path, case):
+    """The line run/startup.py's model_spec gives every rank for the data's shape."""
+    from hpctrain.base.errors import HpctrainError
+    from hpctrain.flags import cli
+    from hpctrain.run.startup import model_spec
+    value, expect = user_model(tmp_path, case), BAD[case][2]
+    with pytest.raises(HpctrainError) as refused:
+        model_spec(cli.parse(["--model", value, "--steps", "5"], quiet=True), ((28, 28), 10))
+    line = str(refused.value)
+    assert expect in line and (value in line or "--model" in line) and "\n" not in line, line
+
+
+@pytest.mark.parametrize("case", ON_THE_JOB)
+def test_a_bad_user_model_is_one_line_and_exit_2(job, tmp_path, case):
+    value, expect = user_model(tmp_path, case), BAD[case][2]
     r = job(2, "--model", value, "--steps", "5", "--save", tmp_path / "p.h5", "--metrics", tmp_path / "m.jsonl",
             "--checkpoint-dir", tmp_path / "ckpt", timeout=60)
     errors = [line for line in r.stderr.splitlines() if line.startswith("hpctrain: error:")]

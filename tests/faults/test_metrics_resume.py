@@ -65,8 +65,11 @@ def test_rerun_to_more_steps_and_after_a_killed_run(job, tmp_path, mode):
 
 def test_ring_stopped_by_sigterm_and_resumed(tmp_path):
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    steps = 3000
-    # a checkpoint every 50 steps, records every 10: 300 checkpoint writes were most of the test's time
+    # Rank 0 waits for the signal after the first checkpoint (run_and_signal):
+    # the run stops after step 51 at any speed, so 100 steps, not 3000 of
+    # margin for a signal that landed anywhere (most of the test's time).
+    # A checkpoint every 50 steps, records every 10.
+    steps = 100
     flags = ["--steps", steps, "--hidden", "64", "--log-every", "10", "--metrics", metrics,
              "--checkpoint-dir", ckpt, "--checkpoint-every", "50"]
     r = run_and_signal(2, signal.SIGTERM, ckpt, 0, *flags, timeout=120)
