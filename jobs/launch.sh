@@ -12,7 +12,7 @@
 #   4. on exit code 75 (stopped by a signal, checkpoint written) requeues the
 #      job with `scontrol requeue`, so it resumes by itself from the checkpoint,
 #   5. once hpctrain's chief has written its final record (HPCTRAIN_FINISHED_FILE),
-#      waits at most --timeout + 10 s more for the launcher: a rank that hangs
+#      waits at most --timeout + 5 s more for the launcher: a rank that hangs
 #      after MPI_Finalize is ended by its own watcher first (hpctrain/comm/
 #      exit_guard.py; the launcher then exits 9, and this script 3), and if
 #      that did not happen this script ends it (exit 3: the results are written);
@@ -116,7 +116,13 @@ for arg in "${CMD[@]}"; do
 done
 TIMEOUT_S=${TIMEOUT_S%%.*}          # whole seconds are enough here
 case $TIMEOUT_S in ''|*[!0-9]*) TIMEOUT_S=300 ;; esac   # hpctrain itself refuses a bad one
-FINISH_GRACE_S=$((TIMEOUT_S + 10))  # the ranks' own deadlines come first (and name the rank)
+# The ranks' own deadlines come first (and name the rank): a rank that stands
+# still on its way out is killed by its exit watcher --timeout after its last
+# heartbeat, which comes after the final record by the shutdown barrier and
+# MPI_Finalize, plus the watcher's 0.5 s poll (1 s in all with --timeout 3 on
+# the loaded 2-core test machine); FINISH_MARGIN_S is what this script adds.
+FINISH_MARGIN_S=5
+FINISH_GRACE_S=$((TIMEOUT_S + FINISH_MARGIN_S))
 # On the shared file system, where the chief (on whichever node) can write it.
 export HPCTRAIN_FINISHED_FILE="$CKPT_DIR/.finished-${SLURM_JOB_ID}-$RESTARTS"
 rm -f "$HPCTRAIN_FINISHED_FILE"
@@ -179,8 +185,9 @@ ERR_FILTER_PID=$!
 "${HPCTRAIN_LAUNCH[@]}" "${CMD[@]}" >&"$OUT_FD" 2>&"$ERR_FD" &
 LAUNCHER_PID=$!
 exec {OUT_FD}>&- {ERR_FD}>&-   # the launcher holds the pipes now: the awks end with them
-# Polled once a second (a trapped signal interrupts the `wait` on the sleep at
-# once): after the chief's final record the launcher gets FINISH_GRACE_S more.
+# Polled 5 times a second (a trapped signal interrupts the `wait` on the sleep
+# at once), so the job ends soon after the launcher: after the chief's final
+# record the launcher gets FINISH_GRACE_S more.
 finished_at=""
 while kill -0 "$LAUNCHER_PID" 2>/dev/null; do
     if [ -z "$finished_at" ] && [ -e "$HPCTRAIN_FINISHED_FILE" ]; then
@@ -194,10 +201,10 @@ while kill -0 "$LAUNCHER_PID" 2>/dev/null; do
         rm -f "$HPCTRAIN_FINISHED_FILE"
         echo "hpctrain-job: error: hpctrain's chief wrote its final record (the results are written)" \
             "$((SECONDS - finished_at)) s ago and ${HPCTRAIN_LAUNCH[0]##*/} has not ended: a rank hangs on" \
-            "its way out; killed the job step (--timeout $TIMEOUT_S + 10 s), exit 3" >&2
+            "its way out; killed the job step (--timeout $TIMEOUT_S + $FINISH_MARGIN_S s), exit 3" >&2
         exit 3
     fi
-    sleep 1 &
+    sleep 0.2 &
     wait $! 2>/dev/null
 done
 # `wait` returns early (>128) when a trapped signal arrives: wait again until

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,18 @@ def bundled_shards(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards") / "mnist"
     data.prepare(data.bundled_sample_dir(), str(out), shards=2, log=lambda *a, **k: None)
     return str(out)
+
+
+def into_the_next_second():
+    """Sleep into the next whole second of the clock (0.05 s into it).
+
+    For a test that starts a requeued SLURM job at once (`scontrol update
+    StartTime=now`): SLURM revokes the first run's job credential with the
+    whole second the run was ended in, and slurmd refuses a credential
+    created in that second or before ("Job credential revoked"). The run
+    ended before the test saw the job pending again, so a credential made
+    from the next second on is a new one."""
+    time.sleep(1.05 - time.time() % 1)
 
 
 def checkpoints(folder):

@@ -109,7 +109,7 @@ def test_a_rank_that_hangs_after_mpi_finalize_is_ended_by_the_job_script(tmp_pat
     # Issue 19, 2: rank 1 stops itself after MPI_Finalize (tests/faults/slow_ranks.py),
     # where no watchdog of the job can see it, and (issue 27, 7: its exit
     # watcher is what ends it now) without its watcher: rank 0 exits 0 and
-    # mpirun waits for rank 1 forever. launch.sh waits --timeout + 10 s after
+    # mpirun waits for rank 1 forever. launch.sh waits --timeout + 5 s after
     # the chief's final record (HPCTRAIN_FINISHED_FILE), then ends the
     # launcher, one line, exit 3.
     metrics = tmp_path / "m.jsonl"
@@ -118,7 +118,7 @@ def test_a_rank_that_hangs_after_mpi_finalize_is_ended_by_the_job_script(tmp_pat
     assert rc == 3, (out, err)
     assert len(lines) == 1 and lines[0].startswith("hpctrain-job: error: hpctrain's chief wrote its final record "
                                                    "(the results are written)"), err
-    assert "mpirun has not ended: a rank hangs on its way out; killed the job step (--timeout 3 + 10 s)" in lines[0]
+    assert "mpirun has not ended: a rank hangs on its way out; killed the job step (--timeout 3 + 5 s)" in lines[0]
     assert json.loads(metrics.read_text().splitlines()[-1])["event"] == "final"
     assert not list((tmp_path / "runs" / "fake").glob(".finished-*"))
 

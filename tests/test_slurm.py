@@ -71,7 +71,7 @@ from typing import NamedTuple
 
 import pytest
 
-from conftest import checkpoint_steps, checkpoints, under_mpirun
+from conftest import checkpoint_steps, checkpoints, into_the_next_second, under_mpirun
 from hpctrain.run.cluster import child_env
 from machine_lock import take_turn
 
@@ -505,11 +505,8 @@ def _kill_and_resume(slurm, tmp_path, tmp_path_factory, mode, how):
         # again; let it start now.
         _wait_for("the requeued job", lambda: _job_info(slurm, job_id)[:2] == ("PENDING", 1), 120,
                   job_id, slurm, out_file)
-        # SLURM revokes the first run's job credential when it ends and
-        # compares times in whole seconds: a restart within that same second
-        # is killed as "Job credential revoked" (seen when the first run
-        # stopped within a second of the signal). Start it in a later second.
-        time.sleep(2)
+        # Not within the second the first run ended in (conftest.into_the_next_second).
+        into_the_next_second()
         up = slurm.cmd("scontrol", "update", f"JobId={job_id}", "StartTime=now")
         assert up.returncode == 0, up.stderr
         rc, out = _wait_until_ended(slurm, job_id, out_file, restarts=1, timeout=180)

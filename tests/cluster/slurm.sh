@@ -19,9 +19,11 @@
 #                     job steps and ranks): the node fails as when it loses power
 #   start-node NODE   starts NODE's slurmd again (it re-registers; ReturnToService=2
 #                     puts a node marked down back into service)
-# Env: HPT_SLURMD_TIMEOUT (default 10): seconds before slurmctld marks a silent
-# node down. Needs root and Debian's slurmctld/slurmd/slurm-client/munge (installed
-# with apt-get if missing, as tests/slurm/slurm_up.sh does).
+# Env: HPT_SLURMD_TIMEOUT (default 5): seconds before slurmctld marks a silent
+# node down (it pings every SlurmdTimeout/3 s, so a node that died is down
+# about SlurmdTimeout + 2 s later). Needs root and Debian's
+# slurmctld/slurmd/slurm-client/munge (installed with apt-get if missing, as
+# tests/slurm/slurm_up.sh does).
 set -uo pipefail
 export PATH=$PATH:/usr/sbin:/sbin
 here=$(dirname "$(readlink -f "$0")")
@@ -94,7 +96,7 @@ up() {
         nodelines+="NodeName=$n NodeAddr=$(awk -v n="$n" '$2==n {print $1}' "/etc/netns/$(hpt_netns "$n")/hosts") CPUs=2 State=UNKNOWN"$'\n'
     done
     awk -v dir="$D" -v nodes="${nodelines%$'\n'}" -v nl="$(IFS=,; echo "${nodes_list[*]}")" \
-        -v to="${HPT_SLURMD_TIMEOUT:-10}" -v first="$HPT_FIRST_JOB_ID" \
+        -v to="${HPT_SLURMD_TIMEOUT:-5}" -v first="$HPT_FIRST_JOB_ID" \
         '{ gsub(/@DIR@/, dir); gsub(/@NODELIST@/, nl); gsub(/@SLURMD_TIMEOUT@/, to); gsub(/@FIRST_JOB_ID@/, first)
            if ($0 == "@NODES@") $0 = nodes; print }' \
         "$here/slurm.conf.in" > "$CONF"

@@ -115,6 +115,7 @@ MinJobAge=5
 JobRequeue=1
 PreemptMode=OFF
 SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0
 MailProg=/bin/true
 StateSaveLocation=$STATEDIR/ctld
 SlurmdSpoolDir=$STATEDIR/slurmd
