@@ -488,8 +488,9 @@ def test_a_job_killed_then_its_node_failing_requeues_and_resumes_bit_exact(clust
     #    script asks for --requeue; slurmctld marks a node that stops
     #    answering DOWN after SlurmdTimeout (5 s here), cancels the job "due
     #    to node failure" and requeues it (restart 2). hpctrain's ranks on the
-    #    surviving node wait meanwhile; their --timeout (60 s here; the job
-    #    script keeps it above SlurmdTimeout) must not fire first.
+    #    surviving node wait meanwhile (or die, as MPICH's did here when their
+    #    peer's sockets closed); their --timeout (the default 300 s; the job
+    #    script keeps it above 2 x SlurmdTimeout + 60 s) must not fire first.
     # The end: the parameters of the uninterrupted run, bit for bit.
     _, whole, _ = _uninterrupted(cluster, "ring")
     ckpt = tmp_path / "ckpt"
