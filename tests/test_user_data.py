@@ -360,12 +360,13 @@ def test_images_past_pillows_bomb_size_are_one_line(tmp_path):
             "exceeds limit of 178956970 pixels", "shrink the image")
 
 
-def test_out_inside_the_image_folder_is_refused(tmp_path):
+def test_out_inside_the_image_folder_is_refused(tmp_path, capsys):
     # Before, it was written there, and every later prepare of the folder
     # found an empty class (the shards' folder).
     src = image_folder(tmp_path / "photos", train=3, test=0)
-    for out in (src / "prepared", src / "train" / "cat" / "prepared"):
-        refused(run_cli("prepare", "--source", src, "--out", out), out,
+    here = functools.partial(run_main, capsys)   # the command once, then its main
+    for out, run in ((src / "prepared", run_cli), (src / "train" / "cat" / "prepared", here)):
+        refused(run("prepare", "--source", src, "--out", out), out,
                 f"--out {out} is inside the image folder --source {src}", "write them elsewhere")
     assert run_cli("prepare", "--source", src, "--out", tmp_path / "prepared", "--shards", 1).returncode == 0
 
@@ -591,11 +592,11 @@ def test_no_flip_is_recorded_only_when_asked(tmp_path):
     assert {k: v for k, v in flipless.items() if k != "no_flip"} == plain and "preprocess" not in plain
 
 
-def test_image_options_on_idx_sources_are_refused(tmp_path):
-    out = tmp_path / "out"
+def test_image_options_on_idx_sources_are_refused(tmp_path, capsys):
+    out, here = tmp_path / "out", functools.partial(run_main, capsys)   # the command once, then its main
     refused(run_cli("prepare", "--source", data.bundled_sample_dir(), "--out", out, "--grayscale"), out,
             "--image-size and --grayscale are for image folders")
-    refused(run_cli("prepare", "--source", data.bundled_sample_dir(), "--out", out, "--image-size", "0,3"), out,
+    refused(here("prepare", "--source", data.bundled_sample_dir(), "--out", out, "--image-size", "0,3"), out,
             "--image-size expects H,W")
-    refused(run_cli("prepare", "--source", tmp_path / "nowhere", "--out", out, "--image-size", "8,8"), out,
+    refused(here("prepare", "--source", tmp_path / "nowhere", "--out", out, "--image-size", "8,8"), out,
             "nowhere: no such directory")
