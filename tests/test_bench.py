@@ -128,14 +128,21 @@ def test_bench_train_compare_two_settings_in_one_run():
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(REPO, ".git")), reason="needs the repository's history")
-def test_bench_train_against_a_commit_runs_both_codes_interleaved():
+def test_bench_train_against_a_commit_runs_both_codes_interleaved(capsys):
+    from argparse import Namespace
+    from hpctrain.bench.against import report
+    from hpctrain.flags.cli import parse
     out = json.loads(bench("train", "--ranks", "2", "--steps", "20", "--repeats", "1", "--against", "HEAD~1",
                            "--json", "--", "--hidden", "32"))
     old, new = out["rows"]
     assert (old["code"], new["code"]) == ("HEAD~1", "this") and old["ranks"] == new["ranks"] == 2
     assert new["x_commit"] == new["samples_per_s"] / old["samples_per_s"] > 0
     assert new["ratio_min"] == new["ratio_max"] == pytest.approx(new["x_commit"])
-    table = bench("train", "--ranks", "1", "--steps", "20", "--repeats", "1", "--against", "HEAD", "--", "--hidden", "32")
+    # The table without --json: the same report, over the rows this run measured (a second
+    # bench run, two more jobs and an archive, would measure nothing this one did not).
+    args = Namespace(json=False, mode="ring", steps=20, repeats=1, against="HEAD~1")
+    assert report(args, out["rows"], parse(["--mode", "ring", "--hidden", "32"]), ["--hidden", "32"]) == 0
+    table = capsys.readouterr().out
     assert "this/commit" in table and len(table.splitlines()) == 5, table
 
 

@@ -5,8 +5,10 @@ the servers' versions differ, and the same command resumes from them.
     .venv/bin/python -m pytest -q tests/test_ps_async_checkpoint.py
 
 The job runs under tests/faults/inject_ps.py for its probes only (no fault):
-PROBE_CUTS records every cut the chief takes, PROBE_PROGRESS the workers'
-local steps (the signal goes to mpirun once training is under way).
+PROBE_CUTS records every cut the chief takes; HELD_AFTER_STEP holds the chief
+after its first checkpoint past that step until the signal (sent to mpirun
+once that checkpoint is on disk) reached it, so the job stops there at any
+speed and a short run leaves the stop room before its last step.
 """
 import json
 import os
@@ -23,7 +25,8 @@ from hpctrain.run.cluster import child_env
 from hpctrain.base.errors import EXIT_PREEMPTED
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
-STEPS = 1500
+STEPS = 400
+HELD_AFTER = 50
 
 pytestmark = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun jobs: runs in the plain pytest pass")
 
@@ -34,21 +37,14 @@ def launch(args, env):
                             env=dict(child_env(), PYTHONPATH=FAULTS, **env))
 
 
-def local_steps(progress):
-    try:
-        return int((progress / "worker-0.steps").read_text())
-    except (FileNotFoundError, ValueError):
-        return 0
-
-
-def run_and_signal(args, env, progress, sig, after=50, timeout=120):
+def run_and_signal(args, env, ckpt, sig, timeout=120):
     """The job, and `sig` to mpirun (MPICH's hydra forwards it to every rank)
-    once worker 0 took `after` steps."""
-    p = launch(args, env)
+    once a checkpoint past HELD_AFTER is written (the chief waits there for it)."""
+    p = launch(args, dict(env, HELD_AFTER_STEP=str(HELD_AFTER)))
     deadline = time.monotonic() + timeout
     try:
         while p.poll() is None and time.monotonic() < deadline:
-            if local_steps(progress) >= after:
+            if any(step > HELD_AFTER for step in checkpoint_steps(ckpt)):
                 p.send_signal(sig)
                 break
             time.sleep(0.005)
@@ -61,15 +57,13 @@ def run_and_signal(args, env, progress, sig, after=50, timeout=120):
 
 
 def test_async_two_servers_checkpoint_periodically_and_on_a_signal_and_resume(tmp_path):
-    ckpt, cuts, progress, metrics = tmp_path / "ckpt", tmp_path / "cuts.jsonl", tmp_path / "progress", \
-        tmp_path / "m.jsonl"
-    progress.mkdir()
+    ckpt, cuts, metrics = tmp_path / "ckpt", tmp_path / "cuts.jsonl", tmp_path / "m.jsonl"
     args = ["--mode", "ps", "--num-ps", 2, "--async", "--hidden", 64, "--steps", STEPS, "--log-every", 1000,
             "--checkpoint-dir", ckpt, "--checkpoint-every", 50, "--keep-checkpoints", 1000, "--metrics", metrics]
-    env = {"PROBE_CUTS": str(cuts), "PROBE_PROGRESS": str(progress)}
+    env = {"PROBE_CUTS": str(cuts)}
     # Open MPI's mpirun turns SIGTERM into killing the ranks; it relays USR1.
     sig = signal.SIGUSR1 if OPEN_MPI else signal.SIGTERM
-    rc, out, err = run_and_signal(args, env, progress, sig)
+    rc, out, err = run_and_signal(args, env, ckpt, sig)
     assert rc == EXIT_PREEMPTED, (rc, out[-2000:], err[-3000:])
     lines = [line for line in err.splitlines() if line.startswith("hpctrain: error:")]
     assert len(lines) == 1, err

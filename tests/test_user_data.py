@@ -2,11 +2,13 @@
 written here with Pillow, one of them corrupt), NumPy arrays (.npz, a .npy
 pair), HDF5 files with two named datasets, and CSV files of label + pixels.
 
-Serial, no MPI; every bad input is checked through the command line: one
-line `hpctrain: error: ...`, exit 2, nothing written.
+Serial, no MPI; every bad input is checked through the command's main (the
+first of each list as the command line itself): one line `hpctrain: error:
+...`, exit 2, nothing written.
 
     .venv/bin/python -m pytest tests/test_user_data.py
 """
+import functools
 import json
 import os
 import subprocess
@@ -34,6 +36,14 @@ def run_cli(*args, cwd=REPO):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "hpctrain.data", *map(str, args)],
                           capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+def run_main(capsys, *args):
+    """run_cli in this process: the command's own main (its one-line error
+    tail included), for the refusals after the one a test runs as the command."""
+    code = data_cli.main(list(map(str, args)))
+    got = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, got.out, got.err)
 
 
 def picture(label, i, size=(12, 10), rgb=True):
@@ -260,10 +270,11 @@ def folder_refusals(tmp_path):
     return cases
 
 
-def test_bad_image_folders_are_one_line_exit_2_nothing_written(tmp_path):
-    for name, src, flags, fragments in folder_refusals(tmp_path):
+def test_bad_image_folders_are_one_line_exit_2_nothing_written(tmp_path, capsys):
+    for i, (name, src, flags, fragments) in enumerate(folder_refusals(tmp_path)):
         out = tmp_path / f"out-{name}"
-        refused(run_cli("prepare", "--source", src, "--out", out, *flags), out, *fragments)
+        run = run_cli if i == 0 else functools.partial(run_main, capsys)   # the command once, then its main
+        refused(run("prepare", "--source", src, "--out", out, *flags), out, *fragments)
 
 
 def test_links_inside_the_folder_are_followed(tmp_path):
@@ -349,12 +360,13 @@ def test_images_past_pillows_bomb_size_are_one_line(tmp_path):
             "exceeds limit of 178956970 pixels", "shrink the image")
 
 
-def test_out_inside_the_image_folder_is_refused(tmp_path):
+def test_out_inside_the_image_folder_is_refused(tmp_path, capsys):
     # Before, it was written there, and every later prepare of the folder
     # found an empty class (the shards' folder).
     src = image_folder(tmp_path / "photos", train=3, test=0)
-    for out in (src / "prepared", src / "train" / "cat" / "prepared"):
-        refused(run_cli("prepare", "--source", src, "--out", out), out,
+    here = functools.partial(run_main, capsys)   # the command once, then its main
+    for out, run in ((src / "prepared", run_cli), (src / "train" / "cat" / "prepared", here)):
+        refused(run("prepare", "--source", src, "--out", out), out,
                 f"--out {out} is inside the image folder --source {src}", "write them elsewhere")
     assert run_cli("prepare", "--source", src, "--out", tmp_path / "prepared", "--shards", 1).returncode == 0
 
@@ -537,10 +549,11 @@ def array_refusals(tmp_path):
     return cases
 
 
-def test_bad_arrays_are_one_line_exit_2_nothing_written(tmp_path):
+def test_bad_arrays_are_one_line_exit_2_nothing_written(tmp_path, capsys):
     for i, (flags, fragments) in enumerate(array_refusals(tmp_path)):
         out = tmp_path / f"out{i}"
-        refused(run_cli("prepare", *flags, "--out", out, "--shards", 2), out, *fragments)
+        run = run_cli if i == 0 else functools.partial(run_main, capsys)   # the command once, then its main
+        refused(run("prepare", *flags, "--out", out, "--shards", 2), out, *fragments)
 
 
 def test_a_source_bigger_than_memory_is_refused_before_it_is_read(tmp_path, monkeypatch, capsys):
@@ -579,11 +592,11 @@ def test_no_flip_is_recorded_only_when_asked(tmp_path):
     assert {k: v for k, v in flipless.items() if k != "no_flip"} == plain and "preprocess" not in plain
 
 
-def test_image_options_on_idx_sources_are_refused(tmp_path):
-    out = tmp_path / "out"
+def test_image_options_on_idx_sources_are_refused(tmp_path, capsys):
+    out, here = tmp_path / "out", functools.partial(run_main, capsys)   # the command once, then its main
     refused(run_cli("prepare", "--source", data.bundled_sample_dir(), "--out", out, "--grayscale"), out,
             "--image-size and --grayscale are for image folders")
-    refused(run_cli("prepare", "--source", data.bundled_sample_dir(), "--out", out, "--image-size", "0,3"), out,
+    refused(here("prepare", "--source", data.bundled_sample_dir(), "--out", out, "--image-size", "0,3"), out,
             "--image-size expects H,W")
-    refused(run_cli("prepare", "--source", tmp_path / "nowhere", "--out", out, "--image-size", "8,8"), out,
+    refused(here("prepare", "--source", tmp_path / "nowhere", "--out", out, "--image-size", "8,8"), out,
             "nowhere: no such directory")

@@ -25,15 +25,15 @@ def test_a_napping_rank_leaves_the_core_to_the_ones_it_waits_for():
     """Rank 1 waits 1 s for rank 0 in each kind of wait (tests/napping_ranks.py):
     napping, it uses a small part of that second's CPU; MPI's blocking calls
     (MPICH) spin through all of it, which on shared cores is taken from the
-    rank that computes."""
-    used = {}
-    for nap in ("1", "0"):
-        r = subprocess.run([MPIRUN, "-n", "2", sys.executable, os.path.join(REPO, "tests", "napping_ranks.py"), nap],
-                           capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
-        assert r.returncode == 0, r.stderr
-        used[nap] = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(used["1"]) == {"one", "pipeline receive", "loss and stop"}
-    for kind, cpu in used["1"].items():
+    rank that computes. (The spinning run is not made here: under load it
+    spins less than 100%, so its figure could prove nothing; the spinning
+    waits' results are test_wait_mode_decides_the_naps_and_not_the_numbers's.)"""
+    r = subprocess.run([MPIRUN, "-n", "2", sys.executable, os.path.join(REPO, "tests", "napping_ranks.py"), "1"],
+                       capture_output=True, text=True, timeout=120, env=child_env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    used = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(used) == {"one", "pipeline receive", "loss and stop"}
+    for kind, cpu in used.items():
         # 1 s of waiting: a poll every 160 us at most costs ~10% here; spinning costs up to 100% (less under load)
         assert cpu < 0.25, (kind, used)
 

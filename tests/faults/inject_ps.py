@@ -1,6 +1,7 @@
 """Run hpctrain.mnist (--mode ps) with faults injected from the tests, not
 from production code: a slow worker, a server that stops answering, a stop
-signal at a given step, and pid files for tests that stop a rank from outside.
+signal at a given step, pid files for tests that stop a rank from outside,
+and a hold of the chief until a stop signal reached it.
 
     FAULT_SLOW_WORKER=1:0.1 mpirun -n 3 python tests/faults/inject_ps.py --mode ps --steps 15
 
@@ -14,8 +15,10 @@ Environment (each item `index:value`, several separated by commas):
                                started and its reply posted, before it waits for the reply:
                                messages to and from it stay half-way until SIGCONT
   FAULT_PID_DIR=DIR            every rank writes its pid to DIR/rank-<rank>.pid
-  PROBE_PROGRESS=DIR           every worker writes its local step count to
-                               DIR/worker-<i>.steps every 10 steps
+  HELD_AFTER_STEP=S            after writing its first checkpoint of a step past S,
+                               the chief waits (up to 30 s) for a stop signal, then
+                               goes on (tests/held_for_signals.py's hold, on ps's
+                               path: Checkpoints.save_written)
   PROBE_CUTS=FILE              the chief appends each checkpoint cut's server
                                versions and optimizer steps to FILE (JSON lines)
 """
@@ -29,6 +32,8 @@ import time
 # (BLAS threads, MPI progress) first; the faults go in right after that.
 from hpctrain.run import cluster
 from hpctrain import train as entry
+
+HOLD_S = 30.0
 
 
 def setting(name, index):
@@ -47,7 +52,6 @@ def inject_worker_faults():
     from hpctrain.nn.sequential import Sequential
     worker = {}
     client_init, forward_backward = Client.__init__, Sequential.forward_backward
-    progress = os.environ.get("PROBE_PROGRESS")
 
     def init(self, *args, **kwargs):
         client_init(self, *args, **kwargs)
@@ -62,12 +66,6 @@ def inject_worker_faults():
             if worker["slow"]:
                 time.sleep(worker["slow"])
             worker["steps"] += 1
-            if progress and worker["steps"] % 10 == 0:
-                # written aside and renamed: a reader never sees the file truncated and empty
-                path = os.path.join(progress, f"worker-{worker['index']}.steps")
-                with open(path + ".part", "w") as f:
-                    f.write(str(worker["steps"]))
-                os.replace(path + ".part", path)
             if worker["signal_at"] == worker["steps"]:
                 signal.raise_signal(signal.SIGUSR1)
         return loss
@@ -99,6 +97,31 @@ def inject_server_hang():
         reply(self, w)
 
     Server.reply = patched
+
+
+def hold_after_checkpoints(after_step):
+    """The chief, once it wrote a checkpoint past `after_step`, waits there
+    until the test's stop signal reached it: the job stops soon after that
+    checkpoint at any speed of the machine, not wherever the signal lands."""
+    from hpctrain.checkpoints.resume import Checkpoints
+    from hpctrain.run.stop_signal import StopSignal
+    made, held_once = [], []
+    init, save_written = StopSignal.__init__, Checkpoints.save_written
+
+    def remembered(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    def held(self, step, *args, **kwargs):
+        path = save_written(self, step, *args, **kwargs)
+        if step > after_step and not held_once:
+            held_once.append(step)
+            deadline = time.monotonic() + HOLD_S
+            while made[0].received is None and time.monotonic() < deadline:
+                time.sleep(0.001)   # the handler runs here, in the main thread
+        return path
+
+    StopSignal.__init__, Checkpoints.save_written = remembered, held
 
 
 def probe_cuts(path):
@@ -136,6 +159,8 @@ def main():
         inject_worker_faults()
         if os.environ.get("FAULT_HANG_PS"):
             inject_server_hang()
+        if os.environ.get("HELD_AFTER_STEP"):
+            hold_after_checkpoints(int(os.environ["HELD_AFTER_STEP"]))
         if os.environ.get("PROBE_CUTS"):
             probe_cuts(os.environ["PROBE_CUTS"])
         return note
