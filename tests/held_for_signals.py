@@ -30,19 +30,23 @@ _train = entry.train
 HOLD_S = 30.0
 
 
-def hold_after_checkpoints(after_step):
-    from hpctrain.checkpoints import resume
+def hold_after_checkpoints(after_step, owner, name, holds=True):
+    """Wrap `owner.name`, a checkpoint write called (x, step, ...) (the
+    program's resume.write_checkpoint; ps's Checkpoints.save_written,
+    tests/faults/inject_ps.py): where `holds`, once it has written the first
+    checkpoint of a step past `after_step`, wait there (up to HOLD_S) until
+    the stop signal the test then sends has reached this process."""
     from hpctrain.run.stop_signal import StopSignal
     made, held_once = [], []
-    init, write = StopSignal.__init__, resume.write_checkpoint
+    init, write = StopSignal.__init__, getattr(owner, name)
 
     def remembered(self, *args, **kwargs):
         init(self, *args, **kwargs)
         made.append(self)
 
-    def held(directory, step, *args, **kwargs):
-        path = write(directory, step, *args, **kwargs)
-        if step > after_step and (cluster.launcher_env()[0] or 0) == 0 and not held_once:
+    def held(first, step, *args, **kwargs):
+        path = write(first, step, *args, **kwargs)
+        if holds and step > after_step and not held_once:
             held_once.append(step)
             deadline = time.monotonic() + HOLD_S
             while made[0].received is None and time.monotonic() < deadline:
@@ -50,11 +54,13 @@ def hold_after_checkpoints(after_step):
         return path
 
     StopSignal.__init__ = remembered
-    resume.write_checkpoint = held
+    setattr(owner, name, held)
 
 
 def train(*args, **kwargs):
-    hold_after_checkpoints(int(os.environ["HELD_AFTER_STEP"]))
+    from hpctrain.checkpoints import resume
+    hold_after_checkpoints(int(os.environ["HELD_AFTER_STEP"]), resume, "write_checkpoint",
+                           holds=(cluster.launcher_env()[0] or 0) == 0)   # rank 0
     return _train(*args, **kwargs)
 
 

@@ -24,7 +24,8 @@ from conftest import MPIRUN, OPEN_MPI, REPO, checkpoint_path, checkpoint_steps, 
 from hpctrain.run.cluster import child_env
 from hpctrain.base.errors import EXIT_PREEMPTED
 
-FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+FAULTS = os.path.join(TESTS, "faults")
 STEPS = 400
 HELD_AFTER = 50
 
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.skipif(under_mpirun(), reason="launches its own mpirun 
 def launch(args, env):
     cmd = [MPIRUN, "-n", "4", sys.executable, "-m", "inject_ps", *map(str, args)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=dict(child_env(), PYTHONPATH=FAULTS, **env))
+                            env=dict(child_env(), PYTHONPATH=os.pathsep.join([FAULTS, TESTS]), **env))
 
 
 def run_and_signal(args, env, ckpt, sig, timeout=120):

@@ -23,7 +23,6 @@ from PIL import Image
 from hpctrain import data
 from hpctrain.data import __main__ as data_cli
 from hpctrain.data import arrays as arrays_mod
-from hpctrain.base.errors import HpctrainError
 
 REPO = Path(__file__).resolve().parent.parent
 

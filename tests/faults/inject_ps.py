@@ -18,7 +18,7 @@ Environment (each item `index:value`, several separated by commas):
   HELD_AFTER_STEP=S            after writing its first checkpoint of a step past S,
                                the chief waits (up to 30 s) for a stop signal, then
                                goes on (tests/held_for_signals.py's hold, on ps's
-                               path: Checkpoints.save_written)
+                               path: Checkpoints.save_written; tests/ on PYTHONPATH)
   PROBE_CUTS=FILE              the chief appends each checkpoint cut's server
                                versions and optimizer steps to FILE (JSON lines)
 """
@@ -32,9 +32,6 @@ import time
 # (BLAS threads, MPI progress) first; the faults go in right after that.
 from hpctrain.run import cluster
 from hpctrain import train as entry
-
-HOLD_S = 30.0
-
 
 def setting(name, index):
     """The value for `index` in a variable like "1:0.2,3:0.5", or None."""
@@ -99,31 +96,6 @@ def inject_server_hang():
     Server.reply = patched
 
 
-def hold_after_checkpoints(after_step):
-    """The chief, once it wrote a checkpoint past `after_step`, waits there
-    until the test's stop signal reached it: the job stops soon after that
-    checkpoint at any speed of the machine, not wherever the signal lands."""
-    from hpctrain.checkpoints.resume import Checkpoints
-    from hpctrain.run.stop_signal import StopSignal
-    made, held_once = [], []
-    init, save_written = StopSignal.__init__, Checkpoints.save_written
-
-    def remembered(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    def held(self, step, *args, **kwargs):
-        path = save_written(self, step, *args, **kwargs)
-        if step > after_step and not held_once:
-            held_once.append(step)
-            deadline = time.monotonic() + HOLD_S
-            while made[0].received is None and time.monotonic() < deadline:
-                time.sleep(0.001)   # the handler runs here, in the main thread
-        return path
-
-    StopSignal.__init__, Checkpoints.save_written = remembered, held
-
-
 def probe_cuts(path):
     """Record what every snapshot and final state looked like, server by server."""
     from hpctrain.comm.ps import Client
@@ -160,7 +132,9 @@ def main():
         if os.environ.get("FAULT_HANG_PS"):
             inject_server_hang()
         if os.environ.get("HELD_AFTER_STEP"):
-            hold_after_checkpoints(int(os.environ["HELD_AFTER_STEP"]))
+            from hpctrain.checkpoints.resume import Checkpoints
+            from held_for_signals import hold_after_checkpoints   # tests/ on PYTHONPATH too
+            hold_after_checkpoints(int(os.environ["HELD_AFTER_STEP"]), Checkpoints, "save_written")
         if os.environ.get("PROBE_CUTS"):
             probe_cuts(os.environ["PROBE_CUTS"])
         return note
