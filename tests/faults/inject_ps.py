@@ -15,6 +15,8 @@ Environment (each item `index:value`, several separated by commas):
                                started and its reply posted, before it waits for the reply:
                                messages to and from it stay half-way until SIGCONT
   FAULT_PID_DIR=DIR            every rank writes its pid to DIR/rank-<rank>.pid
+  PROBE_PROGRESS=DIR           every worker writes its local step count to
+                               DIR/worker-<i>.steps every 10 steps
   HELD_AFTER_STEP=S            after writing its first checkpoint of a step past S,
                                the chief waits (up to 30 s) for a stop signal, then
                                goes on (tests/held_for_signals.py's hold, on ps's
@@ -33,6 +35,7 @@ import time
 from hpctrain.run import cluster
 from hpctrain import train as entry
 
+
 def setting(name, index):
     """The value for `index` in a variable like "1:0.2,3:0.5", or None."""
     for item in os.environ.get(name, "").split(","):
@@ -49,6 +52,7 @@ def inject_worker_faults():
     from hpctrain.nn.sequential import Sequential
     worker = {}
     client_init, forward_backward = Client.__init__, Sequential.forward_backward
+    progress = os.environ.get("PROBE_PROGRESS")
 
     def init(self, *args, **kwargs):
         client_init(self, *args, **kwargs)
@@ -63,6 +67,12 @@ def inject_worker_faults():
             if worker["slow"]:
                 time.sleep(worker["slow"])
             worker["steps"] += 1
+            if progress and worker["steps"] % 10 == 0:
+                # written aside and renamed: a reader never sees the file truncated and empty
+                path = os.path.join(progress, f"worker-{worker['index']}.steps")
+                with open(path + ".part", "w") as f:
+                    f.write(str(worker["steps"]))
+                os.replace(path + ".part", path)
             if worker["signal_at"] == worker["steps"]:
                 signal.raise_signal(signal.SIGUSR1)
         return loss
