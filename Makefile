@@ -1,6 +1,6 @@
 # make run  : set up .venv (first time only) and train MNIST on 4 ranks, ring mode.
 # make test : set up .venv, then serial tests and the MPI tests at 2, 3 and 4 ranks
-#   (about 40 minutes on 2 cores; as root it also installs and runs SLURM and a
+#   (about 21 minutes on 2 cores; as root it also installs and runs SLURM and a
 #   simulated cluster: README.md, "Testing").
 # make test-quick: the core of it in a few minutes, for a first check (README.md).
 # make test-openmpi: the same code on Open MPI (second venv .venv-openmpi): the
