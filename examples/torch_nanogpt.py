@@ -5,6 +5,7 @@ Horovod's five lines, each marked `# hvd`: the loop stays the user's.
     pip install 'hpctrain[torch]'
     mpirun -n 2 python -m mpi4py examples/torch_nanogpt.py --max-iters 200
     mpirun -n 2 python -m mpi4py examples/torch_nanogpt.py --max-iters 200 --ddp   # the same loop, PyTorch DDP (gloo)
+    mpirun -n 2 python -m mpi4py examples/torch_nanogpt.py --max-iters 200 --alone # each rank alone: no exchange
     python examples/torch_nanogpt.py --max-iters 2000 --eval-interval 250          # one process
 
 The recipe (nanoGPT's README, "I only have a macbook"): block 64, batch 12
@@ -20,7 +21,11 @@ the two runs are the same arithmetic and their losses can be compared.
 --ddp runs the same loop under torch.nn.parallel.DistributedDataParallel
 (gloo over loopback; mpirun only starts the processes and tells each its
 rank): the reference hpctrain.dist is measured and tested against
-(tests/test_dist_torch.py, `python -m hpctrain.bench torch`). --metrics FILE
+(tests/test_dist_torch.py, `python -m hpctrain.bench torch`). --alone runs
+it with no data parallelism at all: every rank trains its own copy on its
+own batches and exchanges nothing (the ranks meet once, before the loop),
+so its tokens/s is the most any gradient exchange on these cores could
+reach: the bench's ceiling. --metrics FILE
 writes rank 0's loss and step time per iteration as JSON Lines, then a
 final line with tokens/s (the world's tokens of a step over the median step,
 the first fifth left out as warm-up).
@@ -54,7 +59,10 @@ def positive(text):
 
 def arguments(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ddp", action="store_true", help="PyTorch DDP (gloo) instead of hpctrain.dist")
+    way = p.add_mutually_exclusive_group()
+    way.add_argument("--ddp", action="store_true", help="PyTorch DDP (gloo) instead of hpctrain.dist")
+    way.add_argument("--alone", action="store_true",
+                     help="no exchange: each rank trains its own copy (the speed no data parallelism can beat)")
     p.add_argument("--data", default=bundled_text_path(), help="a text file (default: the bundled plays)")
     p.add_argument("--block-size", type=positive, default=64)
     p.add_argument("--batch-size", type=positive, default=12, help="sequences per rank and iteration")
@@ -84,10 +92,20 @@ def arguments(argv=None):
     return args
 
 
+def mpi_world():
+    """This rank, the world's size and this node's ranks, from the MPI job
+    mpirun started (for --ddp and --alone, which do not call hvd.init)."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_size = node.size
+    node.Free()
+    return comm.rank, comm.size, local_size
+
+
 def ddp_setup():
-    """torch.distributed over gloo in a job mpirun started: rank and size
-    from MPI, rank 0's free loopback port to every rank (an int array, no
-    pickle)."""
+    """torch.distributed over gloo in a job mpirun started: rank 0's free
+    loopback port to every rank (an int array, no pickle)."""
     import torch.distributed as dist
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
@@ -100,10 +118,7 @@ def ddp_setup():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(int(port[0]))
     dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local_size = node.size
-    node.Free()
-    return comm.rank, comm.size, local_size
+    return mpi_world()
 
 
 def main(argv=None):
@@ -111,6 +126,8 @@ def main(argv=None):
     args = arguments(argv)
     if args.ddp:
         rank, world, local_size = ddp_setup()
+    elif args.alone:
+        rank, world, local_size = mpi_world()
     else:
         import hpctrain.dist as hvd
         hvd.init(wait_mode=args.wait_mode)                                              # hvd 1: init
@@ -159,6 +176,9 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.99))
     if args.ddp:
         model = torch.nn.parallel.DistributedDataParallel(model)
+    elif args.alone:
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Barrier()   # the ranks' loops start together, as the others' first exchange makes them
     else:
         compression = getattr(hvd.Compression, args.compression)
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),  # hvd 4
@@ -204,10 +224,10 @@ def main(argv=None):
         loss = F.cross_entropy(model(x).view(-1, vocab), y.view(-1))
         loss.backward()
         if args.grad_clip:
-            if not args.ddp:
+            if not (args.ddp or args.alone):
                 optimizer.synchronize()   # the averaged gradients, before clipping
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        with nullcontext() if args.ddp or not args.grad_clip else optimizer.skip_synchronize():
+        with nullcontext() if args.ddp or args.alone or not args.grad_clip else optimizer.skip_synchronize():
             optimizer.step()
         # flush the gradients as soon as we can, no need for this memory anymore
         optimizer.zero_grad(set_to_none=True)
@@ -220,7 +240,7 @@ def main(argv=None):
                 metrics.write(json.dumps({"step": it, "loss": lossf, "time_s": times[-1]}) + "\n")
     if metrics:
         step = float(np.median(times[len(times) // 5:]))
-        metrics.write(json.dumps({"event": "final", "mode": "ddp" if args.ddp else "hpctrain.dist",
+        metrics.write(json.dumps({"event": "final", "mode": "ddp" if args.ddp else "alone" if args.alone else "hpctrain.dist",
                                   "world_size": world, "steps": args.max_iters, "step_median_s": step,
                                   "tokens_per_s": world * args.batch_size * args.block_size / step}) + "\n")
         metrics.close()

@@ -231,6 +231,22 @@ def test_first_bucket_is_small_so_the_sum_starts_during_backward():
         opt.remove()
 
 
+def test_where_ranks_nap_the_buckets_are_the_programs_cut(monkeypatch):
+    """Where the ranks nap (more ranks than cores) the buckets start together
+    once backward is done, so the first bucket's smaller cut is not made:
+    the same 1.3 MB of gradients is one bucket under the 4 MB fusion."""
+    hvd = _hvd()
+    from hpctrain.dist.runtime import runtime
+    monkeypatch.setattr(runtime().waits, "nap", True)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(5)])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    try:
+        assert opt._buckets.flats[0].buckets == [(0, sum(p.numel() for p in model.parameters()))]
+    finally:
+        opt.remove()
+
+
 @pytest.mark.parametrize("kind", ["AdamW", "SGD", "Adagrad", "RMSprop"])
 def test_optimizer_state_dict_crosses_the_wire_whole(kind):
     """What broadcast_optimizer_state sends (broadcast_object's bytes, no
@@ -278,6 +294,12 @@ def test_nanogpt_losses_follow_ddp():
     diff = max(abs(a - b) for a, b in zip(ours, theirs))
     _agree(len(ours) == len(theirs) == STEPS and diff < 1e-4 and ours[-1] < ours[0] - 0.3,
            f"largest loss difference {diff:.2e}; hpctrain.dist {ours}, DDP {theirs}")
+    # --alone (the bench's ceiling): the same start and batches, but nothing averaged, so the
+    # losses part from the step after the first
+    alone = example.main(flags + ["--alone"])
+    apart = max(abs(a - b) for a, b in zip(ours[1:], alone[1:]))
+    _agree(len(alone) == STEPS and alone[0] == ours[0] and apart > 1e-3,
+           f"--alone's first loss {alone[0]} (hpctrain.dist's {ours[0]}), then at most {apart:.2e} apart")
 
 
 def _example(name):

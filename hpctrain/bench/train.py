@@ -174,10 +174,11 @@ def compare_model(args):
     if args.json:
         print(json.dumps({"bench": "compare", "model": args.model, "steps": args.steps, "repeats": args.repeats,
                           "batch_size": bench["batch"], "block_size": bench.get("block_size"), "unit": bench["unit"],
-                          "compiled_layers": args.compiled_layers, "check": check, "load_after": load, "rows": rows}))
+                          "compiled_layers": args.compiled_layers, "thread_split": args.thread_split, "check": check, "load_after": load, "rows": rows}))
         return 0
     print(f"{bench['unit']}, {bench['what']}, Adam 1e-4, batch {bench['batch']} per rank, {args.steps} steps, "
-          f"--compiled-layers {args.compiled_layers}, {args.repeats} interleaved repeats (medians; hpctrain ring "
+          f"--compiled-layers {args.compiled_layers}, --thread-split {args.thread_split} where a rank has more "
+          f"than one thread, {args.repeats} interleaved repeats (medians; hpctrain ring "
           f"against torch{' DDP over gloo' if max(args.ranks) > 1 else ''}, the same threads per rank); load "
           f"average {load[0]:.2f} after")
     print(f"same network: parameters {check['hpctrain_params']:,} = {check['torch_params']:,}; one forward on the "
@@ -239,10 +240,12 @@ def interleaved(args, ranks, bench, tmp):
     from ..run.cluster import cores_available
     from ..flags.cli import parse
     threads = max(1, cores_available() // ranks)
+    # at one thread a rank the sample split only cuts the batch (each slice's fixed cost paid for nothing)
+    split = ["--thread-split", args.thread_split] if threads > 1 else []
     ours, theirs = [], []
     for _ in range(args.repeats):
-        ours.append(one_run(ranks, "ring", args.steps, [*bench["flags"], "--compiled-layers", args.compiled_layers],
-                            tmp))
+        ours.append(one_run(ranks, "ring", args.steps, [*bench["flags"], "--compiled-layers", args.compiled_layers,
+                                                        *split], tmp))
         theirs.append(bench["torch"](ranks, threads))
     row = summarise("ring", ranks, ours, parse(["--model", args.model]))
     rates = [row_rate(r) * bench["per_sample"] for r in ours]
@@ -250,7 +253,8 @@ def interleaved(args, ranks, bench, tmp):
     # a record's mfu over its samples/s is a sample's FLOPs over the ranks' peak
     per = [r["mfu"] / r["samples_per_s"] for r in ours if r.get("mfu") and r.get("samples_per_s")]
     scale = float(np.median(per)) / bench["per_sample"] if per else None
-    return {"ranks": ranks, "threads": threads, "hpctrain": float(np.median(rates)),
+    return {"ranks": ranks, "threads": threads, "thread_split": ours[0]["config"]["thread_split"],   # as the run took it
+            "hpctrain": float(np.median(rates)),
             "mfu": scale * float(np.median(rates)) if scale else None,
             "torch_mfu": scale * float(np.median(theirs)) if scale else None,
             "hpctrain_min": min(rates), "hpctrain_max": max(rates),

@@ -19,8 +19,9 @@ backward goes on; `synchronize()` waits for the rest and writes the
 averages back into the gradient arrays. Or, with no overlap, one call:
 `allreduce_gradients()`. Where the ranks nap (more ranks than cores,
 runtime.py's `wait_mode`), the buckets are handed over together, in the
-same order, once the last tensor of their buffer is ready (the same
-buckets, the same bits): the cores have no idle time for the overlap to
+same order, once the last tensor of their buffer is ready, and a first
+bucket's smaller cut (`first_bucket_mb`, the torch optimizer's) is not
+made, since it exists only to start early: the cores have no idle time for the overlap to
 fill, and a bucket started during backward only has the engine's thread
 wait for the other ranks' backward, a napping poll every 160 us (each
 sleep ~20 us of CPU here) taken from the ranks that compute; started
@@ -51,7 +52,7 @@ from .calls import Call, agree
 from .collectives import Average, Compression, Sum, _call, allreduce_async_, broadcast_async_, synchronize
 from .errors import DistError
 from .objects import broadcast_object
-from .runtime import runtime
+from .runtime import is_initialized, runtime
 
 FUSION_MB = 4.0   # the program's --fusion-mb default (flags/cli.py)
 # The torch optimizer's first bucket (DDP's first-bucket rule, its 1 MB): the sum of the
@@ -136,7 +137,11 @@ class DistributedOptimizer:
             by_dtype.setdefault(g.dtype, []).append(i)
         def elems(mb, dt):
             return None if mb is None else int(mb * (1 << 20)) // np.dtype(dt).itemsize
-        self.flats = [_Flat(ix, [self.grads[i] for i in ix], elems(fusion_mb, dt), elems(first_bucket_mb, dt))
+        # where the ranks nap the buckets start together after backward (_advance): a small first
+        # bucket would only add a ring, so the program's cut alone (nanoGPT's loop at 4 ranks on 2
+        # cores: one bucket, not two; docs/library.md)
+        first_mb = None if is_initialized() and runtime().waits.nap else first_bucket_mb
+        self.flats = [_Flat(ix, [self.grads[i] for i in ix], elems(fusion_mb, dt), elems(first_mb, dt))
                       for dt, ix in by_dtype.items()]
         self.where = {i: (f, k) for f in self.flats for k, i in enumerate(f.indices)}
         self.counts = [0] * len(self.grads)
