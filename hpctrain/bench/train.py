@@ -174,11 +174,11 @@ def compare_model(args):
     if args.json:
         print(json.dumps({"bench": "compare", "model": args.model, "steps": args.steps, "repeats": args.repeats,
                           "batch_size": bench["batch"], "block_size": bench.get("block_size"), "unit": bench["unit"],
-                          "compiled_layers": args.compiled_layers, "thread_split": args.thread_split, "check": check, "load_after": load, "rows": rows}))
+                          "compiled_layers": args.compiled_layers, "thread_split": args.thread_split, "check": check,
+                          "load_after": load, "rows": rows}))
         return 0
     print(f"{bench['unit']}, {bench['what']}, Adam 1e-4, batch {bench['batch']} per rank, {args.steps} steps, "
-          f"--compiled-layers {args.compiled_layers}, --thread-split {args.thread_split} where a rank has more "
-          f"than one thread, {args.repeats} interleaved repeats (medians; hpctrain ring "
+          f"--compiled-layers {args.compiled_layers}, {args.repeats} interleaved repeats (medians; hpctrain ring "
           f"against torch{' DDP over gloo' if max(args.ranks) > 1 else ''}, the same threads per rank); load "
           f"average {load[0]:.2f} after")
     print(f"same network: parameters {check['hpctrain_params']:,} = {check['torch_params']:,}; one forward on the "
@@ -187,6 +187,7 @@ def compare_model(args):
         r["h_range"] = f"{r['hpctrain_min']:,.0f}-{r['hpctrain_max']:,.0f}"
         r["t_range"] = f"{r['torch_min']:,.0f}-{r['torch_max']:,.0f}"
     print(table(rows, [("ranks", "ranks", "{}"), ("threads/rank", "threads", "{}"),
+                       ("thread split", "thread_split", "{}"),
                        ("hpctrain", "hpctrain", "{:,.0f}"), ("range", "h_range", "{}"),
                        ("PyTorch", "torch", "{:,.0f}"), ("range", "t_range", "{}"),
                        ("hpctrain/PyTorch", "ratio", "{:.2f}"), ("MFU", "mfu", "{:.1%}"),
