@@ -240,7 +240,8 @@ def main(argv=None):
                 metrics.write(json.dumps({"step": it, "loss": lossf, "time_s": times[-1]}) + "\n")
     if metrics:
         step = float(np.median(times[len(times) // 5:]))
-        metrics.write(json.dumps({"event": "final", "mode": "ddp" if args.ddp else "alone" if args.alone else "hpctrain.dist",
+        mode = "ddp" if args.ddp else "alone" if args.alone else "hpctrain.dist"
+        metrics.write(json.dumps({"event": "final", "mode": mode,
                                   "world_size": world, "steps": args.max_iters, "step_median_s": step,
                                   "tokens_per_s": world * args.batch_size * args.block_size / step}) + "\n")
         metrics.close()

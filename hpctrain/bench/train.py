@@ -254,7 +254,8 @@ def interleaved(args, ranks, bench, tmp):
     # a record's mfu over its samples/s is a sample's FLOPs over the ranks' peak
     per = [r["mfu"] / r["samples_per_s"] for r in ours if r.get("mfu") and r.get("samples_per_s")]
     scale = float(np.median(per)) / bench["per_sample"] if per else None
-    return {"ranks": ranks, "threads": threads, "thread_split": ours[0]["config"]["thread_split"],   # as the run took it
+    return {"ranks": ranks, "threads": threads,
+            "thread_split": ours[0]["config"]["thread_split"],   # as the runs took it, not the flag echoed
             "hpctrain": float(np.median(rates)),
             "mfu": scale * float(np.median(rates)) if scale else None,
             "torch_mfu": scale * float(np.median(theirs)) if scale else None,

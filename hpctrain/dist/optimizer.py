@@ -20,9 +20,9 @@ averages back into the gradient arrays. Or, with no overlap, one call:
 `allreduce_gradients()`. Where the ranks nap (more ranks than cores,
 runtime.py's `wait_mode`), the buckets are handed over together, in the
 same order, once the last tensor of their buffer is ready, and a first
-bucket's smaller cut (`first_bucket_mb`, the torch optimizer's) is not
-made, since it exists only to start early: the cores have no idle time for the overlap to
-fill, and a bucket started during backward only has the engine's thread
+bucket's smaller cut (`first_bucket_mb`, the torch optimizer's), which
+exists only to start early, is not made: the cores have no idle time for
+the overlap to fill, and a bucket started during backward only has the engine's thread
 wait for the other ranks' backward, a napping poll every 160 us (each
 sleep ~20 us of CPU here) taken from the ranks that compute; started
 together, a step's buckets wait for them once. nanoGPT's loop at 4 ranks

@@ -27,7 +27,7 @@ backward still runs rather than after the last gradient), each started on
 hpctrain.dist's communication thread as soon as every gradient in it is
 done, in the same order on every rank, while backward goes on (where the
 ranks nap, more ranks than cores, all of them once the last gradient is
-done: optimizer.py says why). A hook per
+done, with no first-bucket cut: optimizer.py says why). A hook per
 parameter (register_post_accumulate_grad_hook) is its `ready(i)`: it
 copies the finished gradient into its slot, or finds it there already:
 after the first step each `.grad` is a view of its slot, and zero_grad()
