@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[mpich,test,plot,images,tensorboard,interop,corpus]'
+	$(PY) -m pip install -q -e '.[mpich,test,plot,images,tensorboard,interop,corpus,mkl]'
 	touch $@
 
 run: $(VENV)/.installed

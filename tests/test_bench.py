@@ -283,7 +283,7 @@ def test_a_rank_count_this_machine_cannot_run_is_one_line(args, capsys, monkeypa
     ["compare", "--model", "gpt:layers=2", "--ranks", "1"], ["compare", "--model", "gpt:layers=1,heads=3,width=8"],
     ["compare", "--model", "lenet", "--block-size", "8", "--ranks", "1"], ["compare", "--batch-size", "8"],
     ["compare", "--model", "gpt:layers=1,heads=2,width=8", "--block-size", "0"],
-    ["compare", "--thread-split", "samples", "--ranks", "1"],
+    ["compare", "--thread-split", "samples", "--ranks", "1"], ["compare", "--blas", "mkl", "--ranks", "1"],
 ])
 def test_a_bad_bench_argument_is_one_line_before_anything_runs(args, capsys, monkeypatch):
     from hpctrain.bench.__main__ import main
@@ -410,17 +410,21 @@ def test_the_torch_twin_of_the_gpt_is_the_same_network():
 
 
 def test_bench_compare_gpt_gives_tokens_per_s_of_both():
-    """compare --model gpt:...: both sides run at --block-size and --batch-size, in tokens/s."""
+    """compare --model gpt:...: both sides run at --block-size and --batch-size, in tokens/s;
+    hpctrain's runs take --thread-split and --blas (MKL's products, where it is installed)."""
     pytest.importorskip("torch")
+    from hpctrain.nn import blas
+    library = "mkl" if blas.available() else "numpy"
     out = json.loads(bench("compare", "--model", "gpt:layers=1,heads=2,width=16", "--block-size", "8",
                            "--batch-size", "3", "--ranks", "1", "--steps", "4", "--repeats", "1",
-                           "--thread-split", "samples", "--json"))
+                           "--thread-split", "samples", "--blas", library, "--json"))
     assert (out["unit"], out["block_size"], out["batch_size"]) == ("tokens/s", 8, 3)
     assert out["check"]["hpctrain_params"] == out["check"]["torch_params"]
     row, = out["rows"]
     assert row["ranks"] == 1 and row["hpctrain"] > 0 and row["torch"] > 0
     # one rank on several cores takes --thread-split samples (the run's own config says so)
     assert row["thread_split"] == ("samples" if row["threads"] > 1 else "ops"), row
+    assert row["blas"] == out["blas"] == library, row
     assert row["hpctrain"] == pytest.approx(3 * 8 / (row["step_ms"] / 1e3))
     # MFU of both against the SGEMM the runs measured (report/mfu.py): in proportion to their tokens/s
     assert 0 < row["mfu"] < 1 and row["torch_mfu"] == pytest.approx(row["mfu"] * row["torch"] / row["hpctrain"])

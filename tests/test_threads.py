@@ -119,6 +119,32 @@ def test_the_gpt_gives_the_same_bits_on_any_number_of_threads(split_everything, 
     assert _same(results[0], results[1]) and _same(results[0], results[2])
 
 
+@pytest.mark.parametrize("name", ["gpt", "conv columns again", "conv col2im", "dense by columns"])
+def test_mkl_products_give_the_same_bits_on_any_number_of_threads(name, split_everything, monkeypatch):
+    """--blas mkl (nn/blas.py): the products' rows cut as for OpenBLAS; the
+    layers' products are MKL's (counted)."""
+    from hpctrain.nn import blas
+    if not blas.available():
+        pytest.skip("--blas mkl needs MKL (pip install 'hpctrain[mkl]')")
+    rng = np.random.default_rng(1)
+    if name == "gpt":
+        spec, x, y = gpt(65, 16, 2, 4, 64, dropout=0.1), rng.integers(0, 65, (24, 16)), rng.integers(0, 65, (24, 16))
+    else:
+        layers, shape, batch = LAYERS[name]
+        spec = ModelSpec(list(layers), shape, 10)
+        x, y = rng.standard_normal((batch, *shape)).astype(np.float32), rng.integers(0, 10, batch)
+    blas.configure("mkl")
+    taken, gemm = [], blas._gemm
+    monkeypatch.setattr(blas, "_gemm", lambda a, b, out: taken.append(gemm(a, b, out)) or taken[-1])
+    try:
+        results = [_step(spec, count, x, y) for count in (1, 2, 3)]
+    finally:
+        blas.configure("numpy")
+    assert sum(taken) >= 3 * (2 if name == "gpt" else 3), taken   # MKL's: each layer's forward, dW and dx at least
+    assert split_everything, "nothing split: the test would prove nothing"
+    assert _same(results[0], results[1]) and _same(results[0], results[2])
+
+
 def test_products_split_only_above_openblas_small_kernels():
     assert threads.most(macs=threads.MIN_MACS - 1) == 1
     assert threads.most(macs=3 * threads.MIN_MACS) == 3

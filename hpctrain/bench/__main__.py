@@ -134,6 +134,9 @@ def _subcommands(sub):
     c.add_argument("--thread-split", choices=["ops", "samples"], default="ops",
                    help="hpctrain's --thread-split where a rank has more than one thread (one rank on several "
                         "cores); a row of one thread a rank runs without it (default: %(default)s, training's)")
+    c.add_argument("--blas", choices=["numpy", "mkl"], default="numpy",
+                   help="--model NAME or gpt:...: hpctrain's --blas, the library of its products (mkl: Intel MKL's, "
+                        "as PyTorch's are) (default: %(default)s, training's)")
     c.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     c.add_argument("--json", action="store_true")
 
@@ -254,9 +257,10 @@ def _compare_flags(args):
         raise HpctrainError(f"--block-size is for --model gpt:..., not {args.model}")
     if args.model == "mlp" and args.batch_size is not None:
         raise HpctrainError("--batch-size is for --model NAME or gpt:... (the MLP comparison is at batch 32)")
-    if args.model == "mlp" and args.thread_split != "ops":
-        raise HpctrainError("--thread-split is for --model NAME or gpt:... (the MLP comparison runs training's "
-                            "defaults)")
+    for flag, value, default in (("--thread-split", args.thread_split, "ops"), ("--blas", args.blas, "numpy")):
+        if args.model == "mlp" and value != default:
+            raise HpctrainError(f"{flag} is for --model NAME or gpt:... (the MLP comparison runs training's "
+                                f"defaults)")
     if gpt is not None and args.block_size is None:
         args.block_size = 64
 

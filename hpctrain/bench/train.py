@@ -174,11 +174,12 @@ def compare_model(args):
     if args.json:
         print(json.dumps({"bench": "compare", "model": args.model, "steps": args.steps, "repeats": args.repeats,
                           "batch_size": bench["batch"], "block_size": bench.get("block_size"), "unit": bench["unit"],
-                          "compiled_layers": args.compiled_layers, "thread_split": args.thread_split, "check": check,
+                          "compiled_layers": args.compiled_layers, "thread_split": args.thread_split, "blas": args.blas,
+                          "check": check,
                           "load_after": load, "rows": rows}))
         return 0
     print(f"{bench['unit']}, {bench['what']}, Adam 1e-4, batch {bench['batch']} per rank, {args.steps} steps, "
-          f"--compiled-layers {args.compiled_layers}, {args.repeats} interleaved repeats (medians; hpctrain ring "
+          f"--compiled-layers {args.compiled_layers}, --blas {args.blas}, {args.repeats} interleaved repeats (medians; hpctrain ring "
           f"against torch{' DDP over gloo' if max(args.ranks) > 1 else ''}, the same threads per rank); load "
           f"average {load[0]:.2f} after")
     print(f"same network: parameters {check['hpctrain_params']:,} = {check['torch_params']:,}; one forward on the "
@@ -246,7 +247,7 @@ def interleaved(args, ranks, bench, tmp):
     ours, theirs = [], []
     for _ in range(args.repeats):
         ours.append(one_run(ranks, "ring", args.steps, [*bench["flags"], "--compiled-layers", args.compiled_layers,
-                                                        *split], tmp))
+                                                        "--blas", args.blas, *split], tmp))
         theirs.append(bench["torch"](ranks, threads))
     row = summarise("ring", ranks, ours, parse(["--model", args.model]))
     rates = [row_rate(r) * bench["per_sample"] for r in ours]
@@ -256,6 +257,7 @@ def interleaved(args, ranks, bench, tmp):
     scale = float(np.median(per)) / bench["per_sample"] if per else None
     return {"ranks": ranks, "threads": threads,
             "thread_split": ours[0]["config"]["thread_split"],   # as the runs took it, not the flag echoed
+            "blas": ours[0]["config"]["blas"],
             "hpctrain": float(np.median(rates)),
             "mfu": scale * float(np.median(rates)) if scale else None,
             "torch_mfu": scale * float(np.median(theirs)) if scale else None,

@@ -437,5 +437,5 @@ def tuning_line(saved, now):
     A checkpoint from before the key was recorded says nothing."""
     if saved is None or rounding(str(saved)) == rounding(now):
         return None
-    return (f"the checkpoint's layers rounded as {saved}, this run's as {now} (another CPU type or "
-            f"--compiled-layers): the resumed run's bits will differ from an uninterrupted one's")
+    return (f"the checkpoint's layers rounded as {saved}, this run's as {now} (another CPU type, "
+            f"--compiled-layers or --blas): the resumed run's bits will differ from an uninterrupted one's")

@@ -249,6 +249,10 @@ def _training_flags(p):
                    help="compute threads per rank on the CPU: convolutions and batch norm split their images "
                         "over them, each thread's BLAS at one thread (the same bits on any N); 1: none "
                         "(default: the cores this rank gets, as for BLAS's threads: one rank on 2 cores, 2)")
+    g.add_argument("--blas", choices=["numpy", "mkl"], default="numpy",
+                   help="the library of the layers' matrix products on the CPU: numpy (NumPy's own BLAS, OpenBLAS "
+                        "in its wheels) or mkl (Intel MKL's SGEMM, pip install 'hpctrain[mkl]': faster on Intel "
+                        "CPUs, its own bits; nn/blas.py) (default: %(default)s)")
     g.add_argument("--thread-split", choices=["ops", "samples"], default="ops",
                    help="how --threads share a training step: ops (each operation's rows over the threads, the "
                         "bits of one thread) or samples (the batch cut into --thread-slices slices, each run "

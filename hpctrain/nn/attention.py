@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from . import compiled, passes, threads
+from . import blas, compiled, passes, threads
 from .layers import Context, Dropout, Layer, LayerError, Noise
 from .linear import normal
 from .tensor_parallel import Cut
@@ -101,7 +101,7 @@ class CausalSelfAttention(Layer):
         xp, macs = self.xp, a.shape[0] * a.shape[1] * b.shape[1]
 
         def rows(t, lo, hi):
-            xp.matmul(a[lo:hi], b, out=out[lo:hi])
+            blas.matmul(xp, a[lo:hi], b, out[lo:hi])
             if bias is not None:
                 out[lo:hi] += bias
         self.in_parallel(out.shape[0], rows, unit=threads.ROW_TILE, macs=macs)

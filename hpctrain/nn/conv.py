@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from ..base import tuning
-from . import compiled, threads
+from . import blas, compiled, threads
 from .layers import Layer, LayerError, he_normal
 
 
@@ -166,7 +166,7 @@ class Conv2d(Layer):
 
             def product(t, lo, hi):
                 out = y[lo * h * w:hi * h * w]
-                xp.matmul(cols[lo * h * w:hi * h * w], self.W2, out=out)
+                blas.matmul(xp, cols[lo * h * w:hi * h * w], self.W2, out)
                 if self.bias:
                     out += self.params["b"]
             self.in_parallel(n, product, unit=threads.row_unit(h * w),
@@ -196,7 +196,7 @@ class Conv2d(Layer):
                 block = cols[:hi - lo] if again else kept[lo:hi]
                 xp.copyto(block, windows[lo:hi])
                 out = y[lo * rows:hi * rows]
-                xp.matmul(block.reshape((hi - lo) * rows, self.fan_in), self.W2, out=out)
+                blas.matmul(xp, block.reshape((hi - lo) * rows, self.fan_in), self.W2, out)
                 if self.bias:
                     out += self.params["b"]
         self.in_parallel(n, blocks, unit=per)
@@ -237,7 +237,7 @@ class Conv2d(Layer):
         if self.direct:
             return self._direct_weight_gradient(ctx, dy2)
         if ctx.cols is not None:
-            self.xp.matmul(ctx.cols.T, dy2, out=self.dW2)
+            blas.matmul(self.xp, ctx.cols.T, dy2, self.dW2)
             return
         xp, windows, per, rows = self.xp, ctx.windows, ctx.per, self.oh * self.ow
         n = windows.shape[0]
@@ -251,8 +251,8 @@ class Conv2d(Layer):
                 hi = min(lo + per, hi0)
                 block = cols[:hi - lo]
                 xp.copyto(block, windows[lo:hi])
-                xp.matmul(block.reshape((hi - lo) * rows, self.fan_in).T, dy2[lo * rows:hi * rows],
-                          out=products[lo // per])
+                blas.matmul(xp, block.reshape((hi - lo) * rows, self.fan_in).T, dy2[lo * rows:hi * rows],
+                            products[lo // per])
         self.in_parallel(n, blocks, unit=per)
         xp.copyto(self.dW2, products[0])
         for part in products[1:]:
@@ -289,8 +289,8 @@ class Conv2d(Layer):
         h, w, c = self.in_shape
         if self.k == 1 and self.stride == 1 and self.pad == 0:
             dx = ctx.buffer("dx", (n * h * w, c), dy.dtype)
-            self.in_parallel(n, lambda t, lo, hi: xp.matmul(dy2[lo * h * w:hi * h * w], self.W2.T,
-                                                                out=dx[lo * h * w:hi * h * w]),
+            self.in_parallel(n, lambda t, lo, hi: blas.matmul(xp, dy2[lo * h * w:hi * h * w], self.W2.T,
+                                                                   dx[lo * h * w:hi * h * w]),
                              unit=threads.row_unit(h * w), macs=n * h * w * c * self.out_channels)
             return dx.reshape(n, h, w, c)
         how = self.direct and self._direct_dx()
@@ -305,7 +305,7 @@ class Conv2d(Layer):
         dx = ctx.buffer("dx", (n, h, w, c), dy.dtype)
 
         def images(t, lo, hi):
-            xp.matmul(dy2[lo * rows:hi * rows], self.W2.T, out=dcols[lo * rows:hi * rows])
+            blas.matmul(xp, dy2[lo * rows:hi * rows], self.W2.T, dcols[lo * rows:hi * rows])
             self._col2im(dcols[lo * rows:hi * rows].reshape(hi - lo, self.oh, self.ow, self.k, self.k, c),
                          dx[lo:hi])
         self.in_parallel(n, images, unit=threads.row_unit(rows),
@@ -357,7 +357,7 @@ class Conv2d(Layer):
                 hi = min(lo + per, hi0)
                 block = cols[:hi - lo]
                 xp.copyto(block, windows[lo:hi])
-                xp.matmul(block.reshape((hi - lo) * h * w, k * k * o), turned, out=dx[lo * h * w:hi * h * w])
+                blas.matmul(xp, block.reshape((hi - lo) * h * w, k * k * o), turned, dx[lo * h * w:hi * h * w])
         self.in_parallel(n, blocks, unit=per)
         return dx.reshape(n, h, w, c)
 

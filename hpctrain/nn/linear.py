@@ -13,7 +13,7 @@ ColumnParallelLinear or RowParallelLinear (nn/tensor_parallel.py):
 """
 import math
 
-from . import threads
+from . import blas, threads
 from ..base.precision import draw_dtype
 from .layers import Layer, LayerError, he_normal
 from .tensor_parallel import split_linear
@@ -100,7 +100,7 @@ class Linear(Layer):
         row_parallel = group is not None and self.role == "row"
 
         def part(t, lo, hi):
-            xp.matmul(rows[lo:hi], W, out=h[lo:hi])
+            blas.matmul(xp, rows[lo:hi], W, h[lo:hi])
             if self.bias and not row_parallel:
                 h[lo:hi] += self.params["b"]
         self._rows_in_parallel(rows.shape[0], part, rows.shape[0])
@@ -130,13 +130,13 @@ class Linear(Layer):
         dx = ctx.buffer("dx", rows.shape, dy.dtype) if need_dx else None
 
         def weight():
-            self._rows_in_parallel(self.fan_in, lambda t, lo, hi: xp.matmul(rows[:, lo:hi].T, d, out=dW[lo:hi]),
+            self._rows_in_parallel(self.fan_in, lambda t, lo, hi: blas.matmul(xp, rows[:, lo:hi].T, d, dW[lo:hi]),
                                    d.shape[0])
             if self.bias and not self.keeps_part:
                 d.sum(axis=0, out=self.grads["b"])
 
         def inputs():
-            self._rows_in_parallel(d.shape[0], lambda t, lo, hi: xp.matmul(d[lo:hi], W.T, out=dx[lo:hi]),
+            self._rows_in_parallel(d.shape[0], lambda t, lo, hi: blas.matmul(xp, d[lo:hi], W.T, dx[lo:hi]),
                                    d.shape[0])
         if not need_dx:
             weight()

@@ -30,7 +30,7 @@ def sgemm_gflops(seconds=SECONDS, n=N, least=LEAST):
     over the least CPU time of the runs in `seconds` (at least `least`).
     CPU time, not the wall clock: what other processes take of a shared
     machine is left out (python -m hpctrain.bench layers measures so)."""
-    from ..nn import threads
+    from ..nn import blas, threads
     a, b = np.ones((n, n), np.float32), np.ones((n, n), np.float32)
     out = np.empty((n, n), np.float32)
     # BLAS at one thread meanwhile where OpenBLAS lets this thread say so:
@@ -41,7 +41,7 @@ def sgemm_gflops(seconds=SECONDS, n=N, least=LEAST):
         best, runs, end = float("inf"), 0, time.perf_counter() + seconds
         while runs < least or time.perf_counter() < end:
             t = time.process_time()
-            np.matmul(a, b, out=out)
+            blas.matmul(np, a, b, out)   # the library the layers' products use (--blas)
             best = min(best, time.process_time() - t)
             runs += 1
     finally:

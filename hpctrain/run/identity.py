@@ -41,7 +41,8 @@ RANK_FLAGS = ("mode", "model", "batch_size", "accumulate_steps", "steps", "epoch
               "timeout", "pipeline_stages", "micro_batches", "pipeline_schedule", "virtual_stages", "pipeline_split",
               "augment", "compression", "powersgd_rank", "powersgd_start", "powersgd_min_rate", "powersgd_warm_start",
               "powersgd_epsilon", "powersgd_error_feedback", "block_size", "recompute", "tensor_parallel",
-              "sequence_parallel", "init_from", "on_failure", "commit_every", "thread_split", "thread_slices")
+              "sequence_parallel", "init_from", "on_failure", "commit_every", "thread_split", "thread_slices",
+              "blas")
 # Flags only the chief acts on (its files and lines), compared like the ones
 # above but not recorded in checkpoints; paths as the files they name.
 # (--eval-tokens and --final-eval: what every rank's share of an evaluation

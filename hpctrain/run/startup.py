@@ -28,7 +28,7 @@ from ..data.augment import Augment
 from ..data.blend import parse_blend
 from ..data.fit import check_kind
 from ..base.errors import HpctrainError
-from ..nn import LayerError, compiled, spec_for, threads
+from ..nn import LayerError, blas, compiled, spec_for, threads
 from ..nn.kernels_used import layers_line
 from ..comm.tensor_group import TensorComm
 from ..nn.tensor_parallel import TensorGroup
@@ -180,6 +180,9 @@ def start(args, process_note, watchdog, stop, on_roles=None, survival=None, comm
             layers_key, note = agree(check_tuning, comm, cluster, args.pipeline_stages)
         if note:
             say(note)
+    if agree(use_blas, args.blas, xp) == "mkl":   # (every rank the same: a job flag, compared above)
+        layers_key = f"{layers_key}, MKL's products"
+        say(blas.line())
 
     # --- the model, shaped by the data's manifest --------------------------------
     spec = agree(_model_spec, args, model_shape, watchdog, what="building the model")
@@ -474,6 +477,15 @@ def compiled_layers(args, xp, steps):
     if args.compiled_layers == "auto":
         return steps >= COMPILED_FROM and compiled.available()
     return args.compiled_layers == "on"
+
+
+def use_blas(name, xp):
+    """--blas: the layers' products from NumPy's BLAS or MKL's (nn/blas.py),
+    before any layer is bound; mkl where it cannot run is refused."""
+    if name == "mkl" and xp is not np:
+        raise HpctrainError("--blas mkl: MKL computes on the CPU; on a GPU the products are CuPy's "
+                            "(use --blas numpy, or --device cpu)")
+    return blas.configure(name)
 
 
 TUNING_BYTES = 128   # an "isa/vendor: key" of nn/compiled.py's tuning_key, with room
