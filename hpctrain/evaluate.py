@@ -168,9 +168,10 @@ def main(argv=None, prog="python -m hpctrain.evaluate"):
     from . import data
     from .checkpoints import trained
     from .interop import pretrained
-    from .nn import threads
+    from .nn import blas, threads
     from .run.cluster import threads_per_rank
     threads.configure(threads_per_rank())   # the cores this process has, as training's rank alone (pin_blas)
+    blas.configure(args.blas)   # (MKL missing: one line)
     if args.plot:
         from . import plot
         plot.require()

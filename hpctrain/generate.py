@@ -231,7 +231,7 @@ def on_device(model, device):
 
 def build_parser(prog="python -m hpctrain.generate"):
     p = Parser(prog=prog, description="Sample text from a GPT trained by hpctrain (--model gpt:...).")
-    trained_flags(p, pretrained=True)
+    trained_flags(p, pretrained=True, products=False)
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="the text to continue (default: a newline)")
     prompt.add_argument("--prompt-file", metavar="FILE", default=None,

@@ -160,9 +160,10 @@ def build_parser(prog="python -m hpctrain.predict"):
 def main(argv=None, prog="python -m hpctrain.predict"):
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    from .nn import threads
+    from .nn import blas, threads
     from .run.cluster import threads_per_rank
     threads.configure(threads_per_rank())   # the cores this process has, as training's rank alone (pin_blas)
+    blas.configure(args.blas)   # (MKL missing: one line)
     if bool(args.images) == bool(args.data):
         raise HpctrainError("give IMAGE files or --data DIR (one of them)")
     if args.top < 1:

@@ -7,10 +7,12 @@ of compute threads: tests/test_threads.py.
     python -m pytest -q tests/test_blas.py
 """
 import json
+import os
 
 import numpy as np
 import pytest
 
+from conftest import REPO
 from hpctrain.nn import blas
 
 pytestmark = pytest.mark.skipif(not blas.available(), reason="--blas mkl needs MKL (pip install 'hpctrain[mkl]')")
@@ -64,13 +66,16 @@ def test_what_mkl_cannot_take_is_left_to_numpy(mkl):
         assert np.array_equal(out, np.matmul(x, y).astype(out.dtype)), what
 
 
-def test_a_run_names_the_library_and_a_resume_across_libraries_is_warned(job, tmp_path):
+def test_a_run_names_the_library_and_a_resume_across_libraries_is_warned(job, tmp_path, capsys):
+    """...and `hpctrain evaluate --blas mkl` scores the saved model as the run's final evaluation did."""
+    from hpctrain import evaluate
+    from hpctrain.nn import threads
     common = ["--steps", "6", "--batch-size", "16", "--log-every", "3", "--checkpoint-dir", tmp_path / "ck",
               "--checkpoint-every", "3"]
     first = job(1, *common[:1], "3", *common[2:])
     assert first.returncode == 0, first.stderr
     assert "matrix products" not in first.stdout
-    r = job(1, *common, "--blas", "mkl", "--metrics", tmp_path / "m.jsonl")
+    r = job(1, *common, "--blas", "mkl", "--metrics", tmp_path / "m.jsonl", "--save", tmp_path / "m.h5")
     assert r.returncode == 0, r.stderr
     assert "matrix products: Intel(R) oneAPI Math Kernel Library Version" in r.stdout, r.stdout
     assert "this run's as NumPy, MKL's products" in r.stderr, r.stderr
@@ -78,3 +83,12 @@ def test_a_run_names_the_library_and_a_resume_across_libraries_is_warned(job, tm
         final = [json.loads(line) for line in f][-1]
     assert final["config"]["blas"] == "mkl" and final["steps"] == 6
     assert final["sgemm_gflops"] > 0   # the MFU's SGEMM measured through MKL too
+    try:
+        assert evaluate.main(["--params", str(tmp_path / "m.h5"), "--data", os.path.join(REPO, "data", "mnist"), "--blas", "mkl",
+                              "--json"]) in (0, None)
+        assert blas.name() == "mkl"
+    finally:
+        blas.configure("numpy")
+        threads.configure(1)
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["loss"] == final["test_loss"], (scored, final)

@@ -82,11 +82,13 @@ def eval_tokens(text):
         raise argparse.ArgumentTypeError(f"expected a positive number of tokens or all, got {text!r}") from None
 
 
-def trained_flags(p, pretrained=False):
+def trained_flags(p, pretrained=False, products=True):
     """The flags of a command that reads a trained model (evaluate,
     predict, generate): --params or --checkpoint, one of them, and --model;
     pretrained: --params takes a Hugging Face folder or an exported
-    .safetensors file too (interop/pretrained.load)."""
+    .safetensors file too (interop/pretrained.load); products: --blas, for
+    a command that runs the layers (evaluate, predict; generation's cached
+    decoding has products of its own)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", metavar="FILE.h5|HF_DIR" if pretrained else "FILE.h5",
                      help="a --save (or --keep-best) file" + (", a Hugging Face GPT-2 folder (config.json + "
@@ -96,6 +98,10 @@ def trained_flags(p, pretrained=False):
                    help="rebuild the model with this instead of what the file records; a model trained from "
                         "a user's FILE.py is rebuilt only from the file named here, never from a path inside "
                         "the saved file")
+    if products:
+        p.add_argument("--blas", choices=["numpy", "mkl"], default="numpy",
+                       help="the library of the layers' products, as training's --blas: a model trained with "
+                            "--blas mkl scores as its final evaluation did with mkl (default: %(default)s)")
 
 
 def _model(text):
