@@ -284,10 +284,10 @@ def test_the_memory_check_counts_every_threads_blocks(name):
         threads.configure(1)
     def thread_1(key):   # ("cols", 1), not ("out", True): True == 1
         return isinstance(key, tuple) and type(key[1]) is int and key[1] == 1
-    held = {id(conv): sum(buf.nbytes for key, buf in ctx._buffers.items() if thread_1(key))
-            for conv, ctx in _convs(model.layers, model.ctx.inner)}
+    held = {id(layer): sum(buf.nbytes for key, buf in ctx._buffers.items() if thread_1(key))
+            for layer, ctx in _convs(model.layers, model.ctx.inner)}
     assert sum(held.values()) > 0   # the second thread did hold blocks
-    for conv, _ in _convs(model.layers, model.ctx.inner):
-        assert held[id(conv)] <= 4 * conv.scratch_floats(), conv.describe()
+    for layer, _ in _convs(model.layers, model.ctx.inner):
+        assert held[id(layer)] <= 4 * layer.scratch_floats(), layer.describe()
     scratch = sum(layer.scratch_floats() for layer in spec.layers)
     assert spec.memory_bytes(32, 2, threads=3) - spec.memory_bytes(32, 2, threads=1) == 2 * 4 * scratch
