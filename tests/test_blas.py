@@ -84,8 +84,8 @@ def test_a_run_names_the_library_and_a_resume_across_libraries_is_warned(job, tm
     assert final["config"]["blas"] == "mkl" and final["steps"] == 6
     assert final["sgemm_gflops"] > 0   # the MFU's SGEMM measured through MKL too
     try:
-        assert evaluate.main(["--params", str(tmp_path / "m.h5"), "--data", os.path.join(REPO, "data", "mnist"), "--blas", "mkl",
-                              "--json"]) in (0, None)
+        assert evaluate.main(["--params", str(tmp_path / "m.h5"), "--data", os.path.join(REPO, "data", "mnist"),
+                              "--blas", "mkl", "--json"]) in (0, None)
         assert blas.name() == "mkl"
     finally:
         blas.configure("numpy")

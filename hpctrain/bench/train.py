@@ -174,14 +174,13 @@ def compare_model(args):
     if args.json:
         print(json.dumps({"bench": "compare", "model": args.model, "steps": args.steps, "repeats": args.repeats,
                           "batch_size": bench["batch"], "block_size": bench.get("block_size"), "unit": bench["unit"],
-                          "compiled_layers": args.compiled_layers, "thread_split": args.thread_split, "blas": args.blas,
-                          "check": check,
-                          "load_after": load, "rows": rows}))
+                          "compiled_layers": args.compiled_layers, "thread_split": args.thread_split,
+                          "blas": args.blas, "check": check, "load_after": load, "rows": rows}))
         return 0
     print(f"{bench['unit']}, {bench['what']}, Adam 1e-4, batch {bench['batch']} per rank, {args.steps} steps, "
-          f"--compiled-layers {args.compiled_layers}, --blas {args.blas}, {args.repeats} interleaved repeats (medians; hpctrain ring "
-          f"against torch{' DDP over gloo' if max(args.ranks) > 1 else ''}, the same threads per rank); load "
-          f"average {load[0]:.2f} after")
+          f"--compiled-layers {args.compiled_layers}, --blas {args.blas}, {args.repeats} interleaved repeats (medians; "
+          f"hpctrain ring against torch{' DDP over gloo' if max(args.ranks) > 1 else ''}, the same threads per rank); "
+          f"load average {load[0]:.2f} after")
     print(f"same network: parameters {check['hpctrain_params']:,} = {check['torch_params']:,}; one forward on the "
           f"same weights, max |logit diff| {check['max_logit_diff']:.1e}")
     for r in rows:

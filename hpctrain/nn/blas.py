@@ -85,8 +85,7 @@ def available():
 def _layout(x):
     """(transpose flag, leading dimension) of a 2-D float array as a row-major
     BLAS operand, or None where its strides are no BLAS matrix (a step
-    between columns, negative or overlapping strides, a dimension of 1
-    whose stride NumPy leaves free)."""
+    between columns, negative, zero or overlapping strides)."""
     rows, cols = x.shape
     s0, s1 = x.strides
     item = x.itemsize
