@@ -23,7 +23,11 @@
 #   7. with --on-failure shrink among the flags, launches mpirun --with-ft ulfm
 #      (env.sh; srun does not carry ULFM), and when Open MPI loses a node's
 #      daemon (its runtime then ends every rank, ULFM or not) names the node
-#      and requeues as after a stop (jobs/README.md).
+#      and requeues as after a stop (jobs/README.md),
+#   8. when the launcher fails otherwise before the final record, runs one task
+#      on every node of the job: a node that does not answer was lost (the run
+#      ended before slurmctld marked it down and requeued the job itself), and
+#      the job is requeued as after a stop.
 #
 # Exit codes: 0 training finished, or stopped and requeued (the requeued run
 # continues); 75 stopped with a checkpoint but not requeued (requeue limit
@@ -247,6 +251,32 @@ if [ -n "$lost_node" ] && [ -z "$finished_at" ] && [ -z "$SIGNALED" ]; then
     echo "hpctrain-job: error: Open MPI lost its daemon on node $lost_node (the node, or all of the job's processes" \
         "on it, died) and its runtime ended every rank; going on from the last checkpoint in $CKPT_DIR" >&2
     rc=$EXIT_PREEMPTED
+fi
+# A node that died can end the run before slurmctld marks it down (SlurmdTimeout
+# later) and requeues the job: the ranks on the other nodes may fail at once
+# when their peer's connections close (MPICH's did, under srun), and srun then
+# exits with their status, the batch script with it, and the job is over with
+# no requeue. So a run that failed unexplained asks every node of the
+# allocation for one task; a node that does not answer was lost, and the run
+# goes on from its checkpoint as after a stop. The batch node always answers:
+# where none did, the probe itself failed and says nothing.
+if [ "$rc" -ne 0 ] && [ "$rc" -ne "$EXIT_PREEMPTED" ] && [ -z "$finished_at" ] && [ -z "$SIGNALED" ] \
+        && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+    job_nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null)
+    n=$(wc -w <<< "$job_nodes")
+    answered=$(timeout 60 srun --overlap --mpi=none --nodes="$n" --ntasks="$n" --ntasks-per-node=1 \
+        bash -c 'echo "$SLURMD_NODENAME"' 2>/dev/null)
+    silent=""
+    if [ -n "$answered" ]; then
+        for node in $job_nodes; do
+            grep -qxF "$node" <<< "$answered" || silent="$silent${silent:+,}$node"
+        done
+    fi
+    if [ -n "$silent" ]; then
+        echo "hpctrain-job: error: ${HPCTRAIN_LAUNCH[0]##*/} exited $rc and node(s) $silent of the job no longer" \
+            "answer: the run ended with them; going on from the last checkpoint in $CKPT_DIR" >&2
+        rc=$EXIT_PREEMPTED
+    fi
 fi
 
 # ---- exit code -> requeue or not ------------------------------------------------------
