@@ -327,6 +327,12 @@ if [ "$rc" -eq "$EXIT_PREEMPTED" ] || { [ -n "$SIGNALED" ] && [ "$rc" -gt 128 ];
     if out=$(scontrol requeue "$SLURM_JOB_ID" 2>&1); then
         exit 0
     fi
+    case $out in *"pending execution"*)
+        # SLURM came first: after a node failure it cancels the step (this
+        # script got TERM, the ranks crashed or stopped) and requeues the job.
+        say "SLURM has requeued job $SLURM_JOB_ID itself (a node failure?): it resumes from the checkpoint in $CKPT_DIR"
+        exit 0 ;;
+    esac
     say "stopped (exit $rc), checkpoint in $CKPT_DIR; scontrol requeue failed: $out." \
         "Resubmit with the same job name to continue."
     exit "$EXIT_PREEMPTED"
