@@ -259,9 +259,10 @@ fi
 # no requeue. So a run that failed unexplained asks every node of the
 # allocation for one task; a node that does not answer was lost, and the run
 # goes on from its checkpoint as after a stop. The batch node always answers:
-# where none did, the probe itself failed and says nothing.
-if [ "$rc" -ne 0 ] && [ "$rc" -ne "$EXIT_PREEMPTED" ] && [ -z "$finished_at" ] && [ -z "$SIGNALED" ] \
-        && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+# where none did, the probe itself failed and says nothing. Not asked after
+# hpctrain's own verdicts on the run (2 bad input, 4 diverged): no lost peer ends so.
+if [ "$rc" -ne 0 ] && [ "$rc" -ne "$EXIT_PREEMPTED" ] && [ "$rc" -ne 2 ] && [ "$rc" -ne 4 ] \
+        && [ -z "$finished_at" ] && [ -z "$SIGNALED" ] && [ -n "${SLURM_JOB_NODELIST:-}" ]; then
     job_nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null)
     n=$(wc -w <<< "$job_nodes")
     answered=$(timeout 60 srun --overlap --mpi=none --nodes="$n" --ntasks="$n" --ntasks-per-node=1 \
@@ -272,10 +273,15 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne "$EXIT_PREEMPTED" ] && [ -z "$finished_at" ] &
             grep -qxF "$node" <<< "$answered" || silent="$silent${silent:+,}$node"
         done
     fi
-    if [ -n "$silent" ]; then
+    if [ -z "$answered" ]; then
+        say "${HPCTRAIN_LAUNCH[0]##*/} exited $rc; whether a node of the job was lost is not known (srun could not" \
+            "run a task on any of them)"
+    elif [ -n "$silent" ]; then
         echo "hpctrain-job: error: ${HPCTRAIN_LAUNCH[0]##*/} exited $rc and node(s) $silent of the job no longer" \
             "answer: the run ended with them; going on from the last checkpoint in $CKPT_DIR" >&2
         rc=$EXIT_PREEMPTED
+    else
+        say "${HPCTRAIN_LAUNCH[0]##*/} exited $rc; every node of the job answers: no node was lost"
     fi
 fi
 

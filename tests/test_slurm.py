@@ -43,7 +43,8 @@ job on average, and across a requeue it can return early (below).
 
 The job-script tests below submit the real ``jobs/ring.slurm`` and
 ``jobs/ps.slurm`` (see ``jobs/README.md``): training to >= 0.92 accuracy, the
-world-size check, the mpirun launcher, and kill-and-resume (signal, checkpoint,
+world-size check, the mpirun launcher, a crash that is not requeued (every node
+answers the script's probe), and kill-and-resume (signal, checkpoint,
 requeue or resubmission, bit-exact final parameters). About 80 s on 2 idle cores.
 
 The python running pytest is the one the jobs use (``.venv`` for ``make test``,
@@ -339,6 +340,27 @@ def test_job_without_pmi_stops_with_one_clear_line(slurm, tmp_path):
     assert "requeue" not in out, out
     written = [c for d in (tmp_path / "runs").glob("*") for c in checkpoints(d)]
     assert not written, "a singleton world wrote a checkpoint"
+
+
+@needs_mpich
+def test_a_run_that_crashes_with_every_node_alive_is_not_requeued(slurm, tmp_path):
+    # The job script asks every node whether one was lost after a failure it
+    # cannot explain (jobs/launch.sh); here every rank dies of SIGKILL mid-run
+    # (a crash, not a lost node): the node answers, and the job ends with the
+    # launcher's status, not requeued (a crash requeued would crash again,
+    # HPCTRAIN_MAX_REQUEUES times).
+    model = tmp_path / "dies.py"
+    model.write_text("import os, signal\nfrom hpctrain.nn import Dense, Flatten, Layer\n\n\n"
+                     "class Dies(Layer):\n    keeps_output = False\n    calls = 0\n\n"
+                     "    def forward(self, ctx, x, train):\n        Dies.calls += 1\n"
+                     "        if Dies.calls > 6:\n            os.kill(os.getpid(), signal.SIGKILL)\n"
+                     "        return x * 1\n\n    def backward(self, ctx, dy, need_dx):\n        return dy\n\n\n"
+                     "def build(shape, classes):\n    return [Flatten(), Dense(16), Dies(), Dense(classes)]\n")
+    rc, out = slurm.submit(RING_JOB, "--steps", "200", "--model", f"{model}:build",
+                           env={"HPCTRAIN_CHECKPOINT_ROOT": str(tmp_path / "runs")}, timeout=120)
+    assert rc == 128 + 9, out
+    assert "hpctrain-job: srun exited 137; every node of the job answers: no node was lost" in out, out
+    assert "hpctrain-job: hpctrain failed with exit code 137" in out and "requeue" not in out, out
 
 
 @needs_mpich
