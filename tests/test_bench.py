@@ -284,6 +284,9 @@ def test_a_rank_count_this_machine_cannot_run_is_one_line(args, capsys, monkeypa
     ["compare", "--model", "lenet", "--block-size", "8", "--ranks", "1"], ["compare", "--batch-size", "8"],
     ["compare", "--model", "gpt:layers=1,heads=2,width=8", "--block-size", "0"],
     ["compare", "--thread-split", "samples", "--ranks", "1"], ["compare", "--blas", "mkl", "--ranks", "1"],
+    ["layers", "--model", "small_cnn", "--blas", "mkl"], ["layers", "--model", "lenet", "--block-size", "8"],
+    ["layers", "--model", "gpt:layers=1,heads=3,width=8"], ["layers", "--model", "gpt:layers=1,frob=2"],
+    ["layers", "--model", "gpt:layers=1,heads=2,width=8", "--threads", "2"],
 ])
 def test_a_bad_bench_argument_is_one_line_before_anything_runs(args, capsys, monkeypatch):
     from hpctrain.bench.__main__ import main
@@ -428,3 +431,24 @@ def test_bench_compare_gpt_gives_tokens_per_s_of_both():
     assert row["hpctrain"] == pytest.approx(3 * 8 / (row["step_ms"] / 1e3))
     # MFU of both against the SGEMM the runs measured (report/mfu.py): in proportion to their tokens/s
     assert 0 < row["mfu"] < 1 and row["torch_mfu"] == pytest.approx(row["mfu"] * row["torch"] / row["hpctrain"])
+
+
+def test_bench_layers_gpt_gives_a_steps_parts_beside_pytorchs():
+    """layers --model gpt:...: one thread's training steps (Adam included) by
+    kind of work, the parts adding up to the timed step, each part that
+    the model has taking time; PyTorch's twin beside it by the same kinds."""
+    torch = pytest.importorskip("torch")
+    out = json.loads(bench("layers", "--model", "gpt:layers=1,heads=2,width=16", "--block-size", "8", "--batch", "3",
+                           "--vocab", "11", "--steps", "3", "--compiled-layers", "on", "--json"))
+    assert (out["block_size"], out["batch"], out["vocab"], out["blas"]) == (8, 3, 11, "numpy")
+    parts = {row["part"]: row for row in out["parts"]}
+    assert list(parts) == ["2-D products", "attention: heads, softmax", "GELU", "LayerNorm", "Linear: bias",
+                           "embeddings", "loss", "optimizer", "the rest"]
+    assert sum(row["ms"] for row in out["parts"]) == pytest.approx(out["step_timed_ms"])
+    for name, row in parts.items():
+        if name != "the rest":   # what the timers leave: it may be anything near 0
+            assert row["ms"] > 0, row
+        assert row["torch_ms"] is not None
+    for name in ("2-D products", "attention: heads, softmax", "GELU", "LayerNorm", "optimizer"):
+        assert parts[name]["torch_ms"] > 0, (name, parts[name])
+    assert out["step_ms"] > 0 and out["torch_step_ms"] > 0 and torch is not None

@@ -506,3 +506,89 @@ def test_gelus_half_square_has_numpys_bits(dtype):
         expected *= dtype(-0.5)
         passes.half_square(x, out)
     assert out.tobytes() == expected.tobytes()
+
+
+def _bits_of_numpys_exp_everywhere():
+    """float32 inputs for exp32's test: every 251st bit pattern of all 2^32
+    (every sign, exponent and some of each's mantissas: 17 M values) and
+    nn/exp32.py's own check sample (the ties where k is decided)."""
+    from hpctrain.nn import exp32
+    patterns = np.arange(0, 2 ** 32, 251, dtype=np.uint64).astype(np.uint32)
+    return np.concatenate([patterns.view(np.float32), exp32.sample()])
+
+
+@pytest.mark.parametrize("fastmath", [False, {"contract"}, {"reassoc"}])
+def test_exp32_has_numpys_exp_bits_inside_any_kernel(fastmath):
+    """nn/exp32.py's intrinsic, inside a kernel compiled with each of the
+    fast-math settings the compiled layers use, against np.exp: the same
+    bits (NaN's too), subnormal results, overflow and underflow included.
+    (All 2^32 inputs agreed when checked by hand; this is a 1-in-251 sample
+    and every tie.) Where this NumPy's exp rounds otherwise, `matches` says
+    so and the layers keep NumPy's pass: the test is skipped there."""
+    from hpctrain.base import vector_width
+    from hpctrain.nn import exp32
+    if not exp32.matches():
+        pytest.skip("this NumPy's float32 exp is not the AVX2/AVX-512 algorithm nn/exp32.py reproduces")
+    numba = vector_width.load()
+    exp = exp32.make()
+
+    @numba.njit(numba.void(numba.float32[::1], numba.float32[::1]), fastmath=fastmath)
+    def each(x, out):
+        for i in range(x.shape[0]):
+            out[i] = exp(x[i])
+    x = _bits_of_numpys_exp_everywhere()
+    ours = np.empty_like(x)
+    each(x, ours)
+    with np.errstate(all="ignore"):
+        theirs = np.exp(x)
+    differ = np.flatnonzero(ours.view(np.uint32) != theirs.view(np.uint32))
+    assert differ.size == 0, (differ.size, x[differ[:5]], ours[differ[:5]], theirs[differ[:5]])
+    subnormal = (theirs > 0) & (theirs < np.finfo(np.float32).tiny)
+    assert (theirs == 0).any() and np.isinf(theirs).any() and subnormal.any()
+
+
+def test_gelus_one_pass_forward_has_the_three_passes_bits():
+    """GELU's float32 forward in one pass (its exp inside, nn/exp32.py)
+    against half_square, NumPy's exp and the kernel after it: y, Phi and
+    the density bit for bit (a NaN a NaN), over a sample of every float32
+    pattern and the values a layer meets."""
+    from hpctrain.nn import exp32
+    if not exp32.matches():
+        pytest.skip("this NumPy's float32 exp is not the algorithm nn/exp32.py reproduces: one pass is not used")
+    passes.prepare(("gelu_forward", "half_square"))
+    assert passes.exp_whole(np.float32)
+    x = np.concatenate([_bits_of_numpys_exp_everywhere(),
+                        np.random.default_rng(10).standard_normal(100_000).astype(np.float32) * 3])
+    three, one = [tuple(np.empty_like(x) for _ in range(3)) for _ in range(2)]
+    with np.errstate(all="ignore"):
+        passes.half_square(x, three[2])
+        np.exp(three[2], out=three[2])
+        passes.gelu_forward(x, *three)
+        passes.gelu_forward_whole(x, *one)
+    for a, b in zip(three, one):   # a NaN's payload (the input NaN's, or NumPy's exp's) may differ
+        differ = np.flatnonzero(a.view(np.uint32) != b.view(np.uint32))
+        assert np.isnan(a[differ]).all() and np.isnan(b[differ]).all(), (x[differ[:5]], a[differ[:5]], b[differ[:5]])
+
+
+def test_causal_softmax_in_one_pass_has_the_three_passes_bits():
+    """The causal softmax in one pass a row (nn/passes.py: the max in four
+    chains, NumPy's exp inside, the float64 sum) against the shift, NumPy's
+    exp over the array and the normalising, for rows of many lengths and
+    scales (the masked part 0 in both): the same bits."""
+    from hpctrain.nn import exp32
+    if not exp32.matches():
+        pytest.skip("this NumPy's float32 exp is not the algorithm nn/exp32.py reproduces: one pass is not used")
+    passes.prepare(("causal_softmax", "causal_shift", "causal_normalise"))
+    rng = np.random.default_rng(11)
+    for t in (1, 3, 4, 5, 15, 16, 17, 64, 100):
+        att = (rng.standard_normal((6, t, t)) * rng.choice([0.1, 1.0, 30.0], (6, 1, 1))).astype(np.float32)
+        att[0, :, :2] = 0.0   # zeros, +0 and -0 among the maxima
+        att[0, :, 2:3] = -0.0
+        three, one = att.copy(), att.copy()
+        with np.errstate(all="ignore"):
+            passes._plain("causal_shift", np.float32)(three, 0.125)
+            np.exp(three, out=three)
+            passes._plain("causal_normalise", np.float32)(three)
+        passes.causal_softmax(one, 0.125)
+        assert one.tobytes() == three.tobytes(), t
+        assert (one[:, np.triu_indices(t, 1)[0], np.triu_indices(t, 1)[1]] == 0).all()

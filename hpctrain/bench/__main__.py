@@ -164,8 +164,16 @@ def _subcommands(sub):
     m.add_argument(OVERSUBSCRIBE[0], **OVERSUBSCRIBE[1])
     m.add_argument("--json", action="store_true")
 
-    y = sub.add_parser("layers", help="a model's layers: forward+backward ms and GFLOP/s each, beside SGEMM; images/s")
-    y.add_argument("--model", default="small_cnn", help="a name from hpctrain.nn.MODELS (default: %(default)s)")
+    y = sub.add_parser("layers", help="a model's layers: forward+backward ms and GFLOP/s each, beside SGEMM; images/s "
+                                      "(gpt:...: a step's parts by kind, beside PyTorch's)")
+    y.add_argument("--model", default="small_cnn", help="a name from hpctrain.nn.MODELS, or gpt:layers=L,heads=H,"
+                                                        "width=E (default: %(default)s)")
+    for flag, default, what in (("--block-size", 64, "tokens a sample"),
+                                ("--vocab", 65, "tokens in the vocabulary (65: Shakespeare's characters)"),
+                                ("--steps", 50, "steps timed, each side")):
+        y.add_argument(flag, type=_POSITIVE, default=None, help=f"gpt:...: {what} (default: {default})")
+    y.add_argument("--blas", choices=["numpy", "mkl"], default=None,
+                   help="gpt:...: hpctrain's --blas, the library of its products (default: numpy)")
     y.add_argument("--shape", type=_shape, default=(32, 32, 3), help="image shape (default: 32,32,3)")
     y.add_argument("--classes", type=_POSITIVE, default=10)
     y.add_argument("--batch", type=_POSITIVE, default=32, help="batch size (default: %(default)s)")
@@ -270,7 +278,29 @@ def _layers(args):
     # one thread, as a training rank's with compute threads (nn/threads.py).
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
-    from ..nn import MODELS, LayerError, compiled, threads
+    from ..flags.model_names import gpt_options
+    from ..nn import MODELS, LayerError, blas, compiled, gpt, threads
+    # every flag checked before anything process-wide is switched (compiled layers, threads, MKL)
+    try:
+        options = gpt_options(args.model)
+    except ValueError as e:
+        raise HpctrainError(f"--model {args.model}: {e}") from None
+    if options is None:
+        for flag in ("block_size", "vocab", "steps", "blas"):
+            if getattr(args, flag) is not None:
+                raise HpctrainError(f"--{flag.replace('_', '-')} is for --model gpt:..., not {args.model}")
+        if args.model not in MODELS:
+            raise HpctrainError(f"--model {args.model}: not one of {', '.join(MODELS)}, or "
+                                f"gpt:layers=L,heads=H,width=E")
+    else:   # the GPT's parts: one thread's step (the threads' split is not timed by parts)
+        if args.threads != 1:
+            raise HpctrainError(f"--threads {args.threads}: --model gpt:... times one thread's step, by parts")
+        args.block_size, args.vocab = args.block_size or 64, args.vocab or 65
+        args.steps, args.blas = args.steps or 50, args.blas or "numpy"
+        try:
+            gpt(args.vocab, args.block_size, **options)
+        except (LayerError, ValueError) as e:
+            raise HpctrainError(f"--model {args.model} at --block-size {args.block_size}: {e}") from None
     if args.compiled_layers == "on" and not compiled.available():
         raise HpctrainError("--compiled-layers on: numba is not installed (pip install 'hpctrain[fast]')")
     if args.compiled_layers is None:
@@ -279,8 +309,10 @@ def _layers(args):
     if threads.configure(args.threads) != args.threads:
         raise HpctrainError(f"--threads {args.threads}: this NumPy's BLAS cannot be held to one thread per "
                             f"compute thread (needs OpenBLAS 0.3.27 or later)")
-    if args.model not in MODELS:
-        raise HpctrainError(f"--model {args.model}: not one of {', '.join(MODELS)}")
+    if options is not None:
+        blas.configure(args.blas)   # HpctrainError where MKL does not load
+        from .gpt_parts import main as run
+        return run(args, options)
     try:
         spec = MODELS[args.model](args.shape, args.classes)
     except LayerError as e:

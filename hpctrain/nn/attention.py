@@ -92,7 +92,7 @@ class CausalSelfAttention(Layer):
         # compiled layers: the softmax and its backward in one pass a row, the masked half skipped
         self.compiled = compiled.on() and xp is np
         if self.compiled:
-            passes.prepare(("causal_shift", "causal_normalise", "causal_softmax_backward"))
+            passes.prepare(("causal_softmax", "causal_softmax_backward"))
 
     def _product(self, a, b, out, bias=None):
         """out = a @ b (+ bias) over the compute threads, by ranges of out's

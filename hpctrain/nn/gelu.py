@@ -73,9 +73,14 @@ def normal_cdf(xp, x, out=None, split=None):
 
 
 def _gauss_then_kernel(x, y, cdf, phi):
-    """exp(-x^2 / 2) by NumPy (its exp runs in SIMD lanes, the kernel's would
-    be a call per element: most of its time), then the compiled pass; -x^2 / 2
-    in one pass before it (NumPy's two multiplies, their bits)."""
+    """The compiled forward: in one pass where the kernel takes NumPy's exp
+    itself (float32, nn/exp32.py); else exp(-x^2 / 2) by NumPy (its exp runs
+    in SIMD lanes, math.exp would be a call per element: most of its time),
+    then the compiled pass; -x^2 / 2 in one pass before it (NumPy's two
+    multiplies, their bits). The same bits either way."""
+    if passes.exp_whole(x.dtype):
+        passes.gelu_forward_whole(x, y, cdf, phi)
+        return
     passes.half_square(x, phi)
     np.exp(phi, out=phi)
     passes.gelu_forward(x, y, cdf, phi)

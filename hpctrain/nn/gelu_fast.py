@@ -29,17 +29,29 @@ _EXP_AT = -0.625
 _TAYLOR = tuple(1 / math.factorial(k) for k in range(9))
 
 
-def make(real):
+# nn/exp32.py's intrinsic, set before a kernel made with whole=True compiles (nn/passes.py): a global,
+# not in the closure, which holds only numbers (what numba's disk cache hashes)
+_exp32 = None
+
+
+def make(real, whole=False):
     """The float32 forward (see above) with constants of type `real`: cdf,
-    y = x cdf and phi (exp(-x^2 / 2) in, the normal density out), flat arrays."""
+    y = x cdf and phi (exp(-x^2 / 2) in, the normal density out), flat
+    arrays. whole: exp(-x^2 / 2) made here too (phi out only): NumPy's
+    two multiplies and NumPy's exp (nn/exp32.py), their bits, in the same pass."""
     fit, taylor = tuple(real(c) for c in _ERFCC), tuple(real(c) for c in _TAYLOR)
     at, scale = real(_EXP_AT), real(math.exp(_EXP_AT))
     inv_sqrt2, inv_sqrt_2pi, half, one = real(INV_SQRT2), real(INV_SQRT_2PI), real(0.5), real(1.0)
+    minus_half, whole = real(-0.5), bool(whole)
 
     def gelu_forward_fast(x, y, cdf, phi):
         for i in range(x.shape[0]):
             v = x[i]
-            gauss = phi[i]
+            if whole:
+                square = v * v
+                gauss = _exp32(square * minus_half)
+            else:
+                gauss = phi[i]
             t = one / (one + half * (abs(v) * inv_sqrt2))
             r = fit[9]
             for j in range(8, -1, -1):

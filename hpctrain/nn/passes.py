@@ -10,11 +10,14 @@ unmasked part only (nn/attention.py), and an embedding's gradient
 path's float operations (batch norm's sums in float64; the embedding's
 adds in np.add.at's order: the same bits), except:
 - the row sums of LayerNorm and the softmax (float64, in vector lanes:
-  "reassoc", _ROW_SUMS), and the softmax's exp (NumPy's, in the dtype);
+  "reassoc", _ROW_SUMS), and the softmax's exp (NumPy's, in the dtype:
+  on float32 inside the one pass a row, nn/exp32.py, its bits);
 - GELU's forward: on float64 Cody's erfc (nn/erfc.py) one element at a
   time, only the interval the element is in, each result rounded once; on
-  float32 a branch-free fit in float32 lanes (nn/gelu_fast.py); the tanh
-  form's in float64, each result rounded once.
+  float32 a branch-free fit in float32 lanes (nn/gelu_fast.py), from
+  NumPy's exp of -x^2 / 2 (on float32 taken inside the same pass,
+  nn/exp32.py, its bits); the tanh form's in float64, each result
+  rounded once.
 Those are within a few units of the last place of the NumPy path, not its
 bits (tests/test_compiled.py).
 
@@ -27,7 +30,7 @@ import numpy as np
 from ..base import vector_width
 from ..base.precision import FLOAT32
 from ..base.tuning import SUMS_CHANNELS
-from . import compiled, gelu_fast
+from . import compiled, exp32, gelu_fast
 from .erfc import A, B, C, D, MIDDLE, P, Q, SMALL, SQRPI
 
 _kernels = {}
@@ -336,6 +339,39 @@ def _causal_normalise(att):
                 att[b, i, j] = float(att[b, i, j]) * inv
 
 
+def _causal_softmax_whole(att, scale):
+    """causal_shift, NumPy's exp (nn/exp32.py, its bits) and causal_normalise
+    in one pass a row, the same operations in the same order: the same
+    bits; 0 beyond each row's first i + 1 entries (NumPy's exp(-inf))."""
+    for b in range(att.shape[0]):
+        for i in range(att.shape[1]):
+            # the row's max in four interleaved chains (a max's latency a step, not a chain of i + 1):
+            # the max of float(x) * scale for a scale > 0 in any order, rounding being monotonic (which
+            # of +0 and -0 wins changes no x - top after it)
+            m0 = m1 = m2 = m3 = att[b, i, 0]
+            j = 1
+            while j + 4 <= i + 1:
+                m0, m1 = max(m0, att[b, i, j]), max(m1, att[b, i, j + 1])
+                m2, m3 = max(m2, att[b, i, j + 2]), max(m3, att[b, i, j + 3])
+                j += 4
+            for j in range(j, i + 1):
+                m0 = max(m0, att[b, i, j])
+            top = float(max(max(m0, m1), max(m2, m3))) * scale
+            # up to the row's unmasked part rounded up to 16: whole vectors, no scalar tail a row
+            n = min(att.shape[2], (i + 16) // 16 * 16)
+            for j in range(n):
+                e = _exp32(np.float32(float(att[b, i, j]) * scale - top))
+                att[b, i, j] = e if j <= i else 0.0
+            for j in range(n, att.shape[2]):
+                att[b, i, j] = 0.0
+            total = 0.0
+            for j in range(i + 1):
+                total += att[b, i, j]
+            inv = 1.0 / total
+            for j in range(i + 1):
+                att[b, i, j] = float(att[b, i, j]) * inv
+
+
 def _causal_softmax_backward(att, datt, scale):
     """The softmax's backward in place on datt (its output A's gradient):
     scale * A (dA - sum_j dA A) over each row's first i + 1 entries (the
@@ -361,7 +397,7 @@ _PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalis
           "half_square": (_half_square, "ff"),
           "gelu_tanh_forward": (_gelu_tanh_forward, "ffff"),
           "gelu_backward": (_gelu_backward, "fffff"), "causal_shift": (_causal_shift, "cd"),
-          "causal_normalise": (_causal_normalise, "c"),
+          "causal_normalise": (_causal_normalise, "c"), "causal_softmax_whole": (_causal_softmax_whole, "cd"),
           "layer_norm": (_layer_norm, "mvvdmfm"), "layer_norm_backward": (_layer_norm_backward, "mvmfm"),
           "causal_softmax_backward": (_causal_softmax_backward, "ccd"), "add_rows": (_add_rows, "jmm")}
 # Kernels whose float64 sums over a row may be reassociated ("reassoc"
@@ -369,7 +405,11 @@ _PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalis
 # (768, 128) LayerNorm; the sums are float64 of float32 values, so the
 # order shows in the outputs' float32 bits rarely, within the rounding
 # the tests hold these kernels to (tests/test_compiled.py).
-_ROW_SUMS = {"layer_norm", "layer_norm_backward", "causal_shift", "causal_normalise", "causal_softmax_backward"}
+_ROW_SUMS = {"layer_norm", "layer_norm_backward", "causal_shift", "causal_normalise", "causal_softmax_backward",
+             "causal_softmax_whole"}
+# Kernels that call nn/exp32.py's intrinsic (_exp32, set before they compile), float32 only
+_EXP = {"causal_softmax_whole"}
+_exp32 = None
 _SUMS = {"bn_statistics": (_make_bn_statistics, "mo"), "bn_gradient_sums": (_make_bn_gradient_sums, "mmvvo")}
 
 
@@ -397,6 +437,9 @@ def _plain(name, dtype):
     if kernel is None:
         numba = vector_width.load()
         fn, args = _PLAIN[name]
+        if name in _EXP:
+            global _exp32
+            _exp32 = exp32.make()   # before the kernel compiles: it calls it
         kernel = _kernels[full] = _njit(numba, fn, _signature(numba, args, dtype),
                                         {"reassoc"} if name in _ROW_SUMS else False)
     return kernel
@@ -423,24 +466,37 @@ def _sums(name, c, dtype):
     return _kernels[full]
 
 
-def _fast_gelu():
+def _fast_gelu(whole=False):
     """gelu_fast.make's kernel for float32, compiled once (fastmath "contract"
     only). float32 by name here and in prepare and gelu_forward: the fast
-    form's constants and its error bound are float32's (nn/gelu_fast.py)."""
-    if "gelu_forward_fast" not in _kernels:
+    form's constants and its error bound are float32's (nn/gelu_fast.py).
+    whole: the kernel that takes exp(-x^2 / 2) itself (exp_whole)."""
+    name = "gelu_forward_whole" if whole else "gelu_forward_fast"
+    if name not in _kernels:
         numba = vector_width.load()
-        _kernels["gelu_forward_fast"] = _njit(numba, gelu_fast.make(np.float32), _signature(numba, "ffff", np.float32),
-                                              {"contract"})
-    return _kernels["gelu_forward_fast"]
+        if whole:
+            gelu_fast._exp32 = exp32.make()   # before the kernel compiles: it calls it
+        _kernels[name] = _njit(numba, gelu_fast.make(np.float32, whole), _signature(numba, "ffff", np.float32),
+                               {"contract"})
+    return _kernels[name]
+
+
+def exp_whole(dtype):
+    """Whether the kernels take NumPy's exp themselves for `dtype`: float32
+    where nn/exp32.py's matches NumPy's here; else NumPy's pass between them."""
+    return np.dtype(dtype) == np.float32 and exp32.matches()
 
 
 def prepare(names, dtype=FLOAT32.compute):
     """Compile (or load from numba's cache) these _PLAIN kernels for `dtype`
     (a layer's bind: the activations', the run's compute dtype) before the
-    first step."""
+    first step; "causal_softmax": the one pass or the three (causal_softmax)."""
     for name in names:
         if name == "gelu_forward" and np.dtype(dtype) == np.float32:
-            _fast_gelu()
+            _fast_gelu(exp_whole(dtype))
+        elif name == "causal_softmax":
+            for part in (("causal_softmax_whole",) if exp_whole(dtype) else ("causal_shift", "causal_normalise")):
+                _plain(part, dtype)
         else:
             _plain(name, dtype)
 
@@ -477,10 +533,13 @@ def layer_norm_backward(dy, gamma, xhat, rstd, dx):
 
 
 def causal_softmax(att, scale):
-    """The causal softmax of scale * att's rows (rows, t, t), in place: the
-    shift (a pass over each row's unmasked part), NumPy's exp (in SIMD
-    lanes: a call of math.exp per element was 5 ns of the 7 an element
-    took), the normalising (a pass)."""
+    """The causal softmax of scale * att's rows (rows, t, t), in place: one
+    pass a row where exp_whole(att.dtype); else the shift (a pass over each
+    row's unmasked part), NumPy's exp (in SIMD lanes: a call of math.exp per
+    element was 5 ns of the 7 an element took), the normalising (a pass)."""
+    if exp_whole(att.dtype):
+        _plain("causal_softmax_whole", att.dtype)(att, float(scale))
+        return
     _plain("causal_shift", att.dtype)(att, float(scale))
     np.exp(att, out=att)
     _plain("causal_normalise", att.dtype)(att)
@@ -491,10 +550,16 @@ def causal_softmax_backward(att, datt, scale):
 
 
 def gelu_forward(x, y, cdf, phi):
+    """From phi = exp(-x^2 / 2) (nn/gelu.py: NumPy's exp before it)."""
     if x.dtype == np.float32:
         _fast_gelu()(x, y, cdf, phi)
     else:
         _plain("gelu_forward", x.dtype)(x, y, cdf, phi)
+
+
+def gelu_forward_whole(x, y, cdf, phi):
+    """From x alone, where exp_whole(x.dtype): exp(-x^2 / 2) in the same pass, its bits."""
+    _fast_gelu(True)(x, y, cdf, phi)
 
 
 def half_square(x, out):
