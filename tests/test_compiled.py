@@ -592,3 +592,24 @@ def test_causal_softmax_in_one_pass_has_the_three_passes_bits():
         passes.causal_softmax(one, 0.125)
         assert one.tobytes() == three.tobytes(), t
         assert (one[:, np.triu_indices(t, 1)[0], np.triu_indices(t, 1)[1]] == 0).all()
+
+
+def test_layer_norms_backward_sums_in_its_pass_have_numpys_bits():
+    """LayerNorm's compiled backward with gamma's and beta's gradients in
+    the same pass (one compute thread) against the pass and NumPy's column
+    sums after it: the same bits, rows of many widths and scales, -0.0
+    among the first row's gradients."""
+    rng = np.random.default_rng(12)
+    passes.prepare(("layer_norm_backward", "layer_norm_backward_sums"))
+    for m, c in ((1, 2), (3, 5), (7, 16), (64, 128), (300, 384)):
+        dy = (rng.standard_normal((m, c)) * rng.choice([1e-3, 1.0, 1e3], (m, 1))).astype(np.float32)
+        dy[0, :2] = dy[:, -1] = -0.0   # a column of -0.0: NumPy's sum starts at +0
+        gamma, xhat = rng.standard_normal(c).astype(np.float32), rng.standard_normal((m, c)).astype(np.float32)
+        rstd = rng.random(m).astype(np.float32) + 0.5
+        dx, dx_fused, sums = np.empty_like(dy), np.empty_like(dy), np.empty((2, c), np.float32)
+        passes.layer_norm_backward(dy, gamma, xhat, rstd, dx)
+        passes.layer_norm_backward(dy, gamma, xhat, rstd, dx_fused, sums)
+        expected = np.empty_like(xhat)
+        np.multiply(dy, xhat, out=expected)
+        assert dx_fused.tobytes() == dx.tobytes()
+        assert sums[0].tobytes() == expected.sum(axis=0).tobytes() and sums[1].tobytes() == dy.sum(axis=0).tobytes()

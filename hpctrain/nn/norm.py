@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from . import compiled, passes
+from . import compiled, passes, threads
 from .layers import Layer
 
 EPS = 1e-5
@@ -42,7 +42,7 @@ class LayerNorm(Layer):
         # compiled layers: a row's statistics and its normalising in one pass each way (nn/passes.py)
         self.compiled = compiled.on() and xp is np
         if self.compiled:
-            passes.prepare(("layer_norm", "layer_norm_backward"))
+            passes.prepare(("layer_norm", "layer_norm_backward", "layer_norm_backward_sums"))
 
     def _rows(self, work, rows):
         """work(thread, lo, hi) over row ranges [lo, hi) of rows, on the compute threads."""
@@ -91,8 +91,13 @@ class LayerNorm(Layer):
         def inputs():   # dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma: a pass a row
             self._rows(lambda _, lo, hi: passes.layer_norm_backward(d[lo:hi], gamma, xhat[lo:hi],
                                                                     rstd[lo:hi].reshape(-1), g[lo:hi]), d)
-        if need_dx and compiled and self.group is None:   # on two threads, the sums beside it (threads.pair)
-            self.pair(inputs, sums)
+        if need_dx and compiled and self.group is None and self.width > 1:
+            if threads.serial():   # one thread: the sums in the same pass, NumPy's column sums' bits
+                both = ctx.buffer("both", (2, self.width), dy.dtype)
+                passes.layer_norm_backward(d, gamma, xhat, rstd.reshape(-1), g, both)
+                self.grads["gamma"][...], self.grads["beta"][...] = both
+                return g.reshape(dy.shape)
+            self.pair(inputs, sums)   # on two threads, the sums beside it (threads.pair)
             return g.reshape(dy.shape)
         sums()
         if self.group is not None:   # --sequence-parallel: this rank's positions' part, summed over the group

@@ -311,6 +311,32 @@ def _layer_norm_backward(dy, gamma, xhat, rstd, dx):
             dx[i, j] = r * (float(dy[i, j]) * float(gamma[j]) - m1 - xhat[i, j] * m2)
 
 
+def _layer_norm_backward_sums(dy, gamma, xhat, rstd, dx, sums):
+    """_layer_norm_backward, and in the same pass gamma's and beta's
+    gradients into sums[0] and sums[1] (the dtype): NumPy's column sums of
+    dy xhat (each product rounded to the dtype) and of dy, as NumPy adds
+    them (from 0, each row in order: the same bits, +0 for a column of -0)."""
+    m, c = dy.shape
+    for j in range(c):
+        sums[0, j] = 0.0
+        sums[1, j] = 0.0
+    for i in range(m):
+        m1 = 0.0
+        m2 = 0.0
+        for j in range(c):
+            g = float(dy[i, j]) * float(gamma[j])
+            m1 += g
+            m2 += g * xhat[i, j]
+        m1 /= c
+        m2 /= c
+        r = float(rstd[i])
+        for j in range(c):
+            dx[i, j] = r * (float(dy[i, j]) * float(gamma[j]) - m1 - xhat[i, j] * m2)
+        for j in range(c):
+            sums[0, j] += dy[i, j] * xhat[i, j]
+            sums[1, j] += dy[i, j]
+
+
 def _causal_shift(att, scale):
     """Each row i of each (t, t) matrix of scores, in place: scale * its
     first i + 1 entries less their maximum (in float64, rounded once),
@@ -399,14 +425,15 @@ _PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalis
           "gelu_backward": (_gelu_backward, "fffff"), "causal_shift": (_causal_shift, "cd"),
           "causal_normalise": (_causal_normalise, "c"), "causal_softmax_whole": (_causal_softmax_whole, "cd"),
           "layer_norm": (_layer_norm, "mvvdmfm"), "layer_norm_backward": (_layer_norm_backward, "mvmfm"),
+          "layer_norm_backward_sums": (_layer_norm_backward_sums, "mvmfmm"),
           "causal_softmax_backward": (_causal_softmax_backward, "ccd"), "add_rows": (_add_rows, "jmm")}
 # Kernels whose float64 sums over a row may be reassociated ("reassoc"
 # only): LLVM then sums a row in vector lanes, 3x faster on a GPT's
 # (768, 128) LayerNorm; the sums are float64 of float32 values, so the
 # order shows in the outputs' float32 bits rarely, within the rounding
 # the tests hold these kernels to (tests/test_compiled.py).
-_ROW_SUMS = {"layer_norm", "layer_norm_backward", "causal_shift", "causal_normalise", "causal_softmax_backward",
-             "causal_softmax_whole"}
+_ROW_SUMS = {"layer_norm", "layer_norm_backward", "layer_norm_backward_sums", "causal_shift", "causal_normalise",
+             "causal_softmax_backward", "causal_softmax_whole"}
 # Kernels that call nn/exp32.py's intrinsic (_exp32, set before they compile), float32 only
 _EXP = {"causal_softmax_whole"}
 _exp32 = None
@@ -528,8 +555,12 @@ def layer_norm(x, gamma, beta, eps, xhat, rstd, y):
     _plain("layer_norm", x.dtype)(x, gamma, beta, float(eps), xhat, rstd, y)
 
 
-def layer_norm_backward(dy, gamma, xhat, rstd, dx):
-    _plain("layer_norm_backward", dy.dtype)(dy, gamma, xhat, rstd, dx)
+def layer_norm_backward(dy, gamma, xhat, rstd, dx, sums=None):
+    """sums: a (2, c) array for gamma's and beta's gradients in the same pass (NumPy's column sums' bits)."""
+    if sums is None:
+        _plain("layer_norm_backward", dy.dtype)(dy, gamma, xhat, rstd, dx)
+    else:
+        _plain("layer_norm_backward_sums", dy.dtype)(dy, gamma, xhat, rstd, dx, sums)
 
 
 def causal_softmax(att, scale):
