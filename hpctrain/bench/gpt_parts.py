@@ -10,11 +10,12 @@ layers' image models time each layer alone, hot).
 
 hpctrain's side is timed around its own calls (blas.matmul, each leaf
 layer's forward and backward less the products inside it, the loss, the
-optimizer); PyTorch's twin (bench/torch_gpt.py, the same parameters)
-from torch.profiler's self CPU time of its operators, sorted into the
-same kinds (KIND_OF_OP). Both sides' whole step is measured again
-without the timers, and the parts add up to the timed step: the
-difference is the timers' own cost.
+optimizer); PyTorch's twin (bench/torch_gpt.py: the same model and
+shapes, its own initial values) from torch.profiler's self CPU time of
+its operators, sorted into the same kinds (KIND_OF_OP). On each side the
+parts add up to the timed (profiled) step, the rest taking what no part
+names (residual sums, copies, Python, autograd, the timers themselves);
+the whole step is also measured without timers.
 
     python -m hpctrain.bench layers --model gpt:layers=4,heads=4,width=128 --block-size 64 --batch 12
 """
