@@ -19,6 +19,7 @@ the whole step is also measured without timers.
 
     python -m hpctrain.bench layers --model gpt:layers=4,heads=4,width=128 --block-size 64 --batch 12
 """
+import functools
 import os
 import time
 from collections import defaultdict
@@ -92,6 +93,14 @@ class _Timers:
         setattr(obj, name, call)
 
 
+def _ms_a_step(step, n):
+    """Milliseconds a step over n calls of step()."""
+    t = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t) / n * 1e3
+
+
 def hpctrain_parts(options, vocab, block_size, batch, steps, warmup, seed=0):
     """(ms a step by kind, the timed step's ms, the untimed step's ms):
     medians are not taken per kind (they would not add up): totals over
@@ -109,12 +118,7 @@ def hpctrain_parts(options, vocab, block_size, batch, steps, warmup, seed=0):
     def step():
         model.forward_backward(x, y)
         opt.step(model.params, model.grads, 1e-4)
-
-    def run(n):
-        t = time.perf_counter()
-        for _ in range(n):
-            step()
-        return (time.perf_counter() - t) / n * 1e3
+    run = functools.partial(_ms_a_step, step)
     run(warmup)
     plain = run(steps)
     timers = _Timers()
@@ -163,12 +167,7 @@ def torch_parts(options, vocab, block_size, batch, steps, warmup, seed=0):
         loss.backward()
         with record_function(OPTIMIZER):
             opt.step()
-
-    def run(n):
-        t = time.perf_counter()
-        for _ in range(n):
-            step()
-        return (time.perf_counter() - t) / n * 1e3
+    run = functools.partial(_ms_a_step, step)
     run(warmup)
     plain = run(steps)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

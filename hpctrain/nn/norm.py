@@ -42,7 +42,7 @@ class LayerNorm(Layer):
         # compiled layers: a row's statistics and its normalising in one pass each way (nn/passes.py)
         self.compiled = compiled.on() and xp is np
         if self.compiled:
-            passes.prepare(("layer_norm", "layer_norm_backward", "layer_norm_backward_sums"))
+            passes.prepare(("layer_norm", "layer_norm_backward"))
 
     def _rows(self, work, rows):
         """work(thread, lo, hi) over row ranges [lo, hi) of rows, on the compute threads."""

@@ -293,10 +293,18 @@ def _layer_norm(x, gamma, beta, eps, xhat, rstd, y):
             y[i, j] = xhat[i, j] * gamma[j] + beta[j]
 
 
-def _layer_norm_backward(dy, gamma, xhat, rstd, dx):
+def _layer_norm_backward(dy, gamma, xhat, rstd, dx, sums, with_sums):
     """dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gamma, each row's
-    means in float64, rounded once."""
+    means in float64, rounded once. with_sums (all of the rows in one call,
+    on one thread): gamma's and beta's gradients too, into sums[0] and
+    sums[1] (the dtype), NumPy's column sums of dy xhat (each product
+    rounded to the dtype) and of dy as NumPy adds them: from 0, each row in
+    order (the same bits, +0 for a column of -0)."""
     m, c = dy.shape
+    if with_sums:
+        for j in range(c):
+            sums[0, j] = 0.0
+            sums[1, j] = 0.0
     for i in range(m):
         m1 = 0.0
         m2 = 0.0
@@ -309,87 +317,51 @@ def _layer_norm_backward(dy, gamma, xhat, rstd, dx):
         r = float(rstd[i])
         for j in range(c):
             dx[i, j] = r * (float(dy[i, j]) * float(gamma[j]) - m1 - xhat[i, j] * m2)
+        if with_sums:
+            for j in range(c):
+                sums[0, j] += dy[i, j] * xhat[i, j]
+                sums[1, j] += dy[i, j]
 
 
-def _layer_norm_backward_sums(dy, gamma, xhat, rstd, dx, sums):
-    """_layer_norm_backward, and in the same pass gamma's and beta's
-    gradients into sums[0] and sums[1] (the dtype): NumPy's column sums of
-    dy xhat (each product rounded to the dtype) and of dy, as NumPy adds
-    them (from 0, each row in order: the same bits, +0 for a column of -0)."""
-    m, c = dy.shape
-    for j in range(c):
-        sums[0, j] = 0.0
-        sums[1, j] = 0.0
-    for i in range(m):
-        m1 = 0.0
-        m2 = 0.0
-        for j in range(c):
-            g = float(dy[i, j]) * float(gamma[j])
-            m1 += g
-            m2 += g * xhat[i, j]
-        m1 /= c
-        m2 /= c
-        r = float(rstd[i])
-        for j in range(c):
-            dx[i, j] = r * (float(dy[i, j]) * float(gamma[j]) - m1 - xhat[i, j] * m2)
-        for j in range(c):
-            sums[0, j] += dy[i, j] * xhat[i, j]
-            sums[1, j] += dy[i, j]
+SHIFT, NORMALISE, WHOLE = 0, 1, 2   # _causal_softmax's stages
 
 
-def _causal_shift(att, scale):
-    """Each row i of each (t, t) matrix of scores, in place: scale * its
-    first i + 1 entries less their maximum (in float64, rounded once),
-    -inf beyond (the causal mask), for NumPy's exp (causal_softmax)."""
+def _causal_softmax(att, scale, stage):
+    """Each row i of each (t, t) matrix of scores, in place. SHIFT: scale *
+    its first i + 1 entries less their maximum (in float64, rounded once),
+    -inf beyond (the causal mask), for NumPy's exp; NORMALISE, after that
+    exp: the first i + 1 entries over their sum (in float64; beyond them
+    exp(-inf) = 0 already); WHOLE: both, with NumPy's exp between them
+    taken here (nn/exp32.py, its bits; _exp32), in one pass a row: the
+    same operations in the same order, the same bits."""
     for b in range(att.shape[0]):
         for i in range(att.shape[1]):
-            top = -np.inf
-            for j in range(i + 1):
-                top = max(top, float(att[b, i, j]) * scale)
-            for j in range(i + 1):
-                att[b, i, j] = float(att[b, i, j]) * scale - top
-            for j in range(i + 1, att.shape[2]):
-                att[b, i, j] = -np.inf
-
-
-def _causal_normalise(att):
-    """Each row i, in place: its first i + 1 entries over their sum (in
-    float64); beyond them exp(-inf) = 0 already."""
-    for b in range(att.shape[0]):
-        for i in range(att.shape[1]):
-            total = 0.0
-            for j in range(i + 1):
-                total += att[b, i, j]
-            inv = 1.0 / total
-            for j in range(i + 1):
-                att[b, i, j] = float(att[b, i, j]) * inv
-
-
-def _causal_softmax_whole(att, scale):
-    """causal_shift, NumPy's exp (nn/exp32.py, its bits) and causal_normalise
-    in one pass a row, the same operations in the same order: the same
-    bits; 0 beyond each row's first i + 1 entries (NumPy's exp(-inf))."""
-    for b in range(att.shape[0]):
-        for i in range(att.shape[1]):
-            # the row's max in four interleaved chains (a max's latency a step, not a chain of i + 1):
-            # the max of float(x) * scale for a scale > 0 in any order, rounding being monotonic (which
-            # of +0 and -0 wins changes no x - top after it)
-            m0 = m1 = m2 = m3 = att[b, i, 0]
-            j = 1
-            while j + 4 <= i + 1:
-                m0, m1 = max(m0, att[b, i, j]), max(m1, att[b, i, j + 1])
-                m2, m3 = max(m2, att[b, i, j + 2]), max(m3, att[b, i, j + 3])
-                j += 4
-            for j in range(j, i + 1):
-                m0 = max(m0, att[b, i, j])
-            top = float(max(max(m0, m1), max(m2, m3))) * scale
-            # up to the row's unmasked part rounded up to 16: whole vectors, no scalar tail a row
-            n = min(att.shape[2], (i + 16) // 16 * 16)
-            for j in range(n):
-                e = _exp32(np.float32(float(att[b, i, j]) * scale - top))
-                att[b, i, j] = e if j <= i else 0.0
-            for j in range(n, att.shape[2]):
-                att[b, i, j] = 0.0
+            if stage != NORMALISE:
+                # the row's max in four interleaved chains (a max's latency a step, not a chain of i + 1):
+                # the max of float(x) * scale for a scale > 0 in any order, rounding being monotonic (which
+                # of +0 and -0 wins changes no x - top after it)
+                m0 = m1 = m2 = m3 = att[b, i, 0]
+                j = 1
+                while j + 4 <= i + 1:
+                    m0, m1 = max(m0, att[b, i, j]), max(m1, att[b, i, j + 1])
+                    m2, m3 = max(m2, att[b, i, j + 2]), max(m3, att[b, i, j + 3])
+                    j += 4
+                for j in range(j, i + 1):
+                    m0 = max(m0, att[b, i, j])
+                top = float(max(max(m0, m1), max(m2, m3))) * scale
+                if stage == SHIFT:
+                    for j in range(i + 1):
+                        att[b, i, j] = float(att[b, i, j]) * scale - top
+                    for j in range(i + 1, att.shape[2]):
+                        att[b, i, j] = -np.inf
+                    continue
+                # up to the row's unmasked part rounded up to 16: whole vectors, no scalar tail a row
+                n = min(att.shape[2], (i + 16) // 16 * 16)
+                for j in range(n):
+                    e = _exp32(np.float32(float(att[b, i, j]) * scale - top))
+                    att[b, i, j] = e if j <= i else 0.0
+                for j in range(n, att.shape[2]):
+                    att[b, i, j] = 0.0
             total = 0.0
             for j in range(i + 1):
                 total += att[b, i, j]
@@ -415,27 +387,24 @@ def _causal_softmax_backward(att, datt, scale):
 
 # name: (function, its arguments: m an (rows, c) array of the dtype, v a (c,)
 # vector, o (2, c) float64, i a 4-D array of the dtype, u 4-D uint8, f a flat
-# array of the dtype, k an integer, c a 3-D array of the dtype, d a float64, j int64 ids)
+# array of the dtype, k an integer, c a 3-D array of the dtype, d a float64, j int64 ids, b a boolean)
 _PLAIN = {"bn_statistics": (_bn_statistics, "mo"), "bn_normalise": (_bn_normalise, "mvvvvm"),
           "bn_gradient_sums": (_bn_gradient_sums, "mmvvo"), "bn_input_gradient": (_bn_input_gradient, "mmvvvvvm"),
           "max_pool_forward": (_max_pool_forward, "iiuk"), "max_pool_backward": (_max_pool_backward, "iuik"),
           "relu_backward": (_relu_backward, "ff"), "gelu_forward": (_gelu_forward, "ffff"),
           "half_square": (_half_square, "ff"),
           "gelu_tanh_forward": (_gelu_tanh_forward, "ffff"),
-          "gelu_backward": (_gelu_backward, "fffff"), "causal_shift": (_causal_shift, "cd"),
-          "causal_normalise": (_causal_normalise, "c"), "causal_softmax_whole": (_causal_softmax_whole, "cd"),
-          "layer_norm": (_layer_norm, "mvvdmfm"), "layer_norm_backward": (_layer_norm_backward, "mvmfm"),
-          "layer_norm_backward_sums": (_layer_norm_backward_sums, "mvmfmm"),
+          "gelu_backward": (_gelu_backward, "fffff"), "causal_softmax": (_causal_softmax, "cdk"),
+          "layer_norm": (_layer_norm, "mvvdmfm"), "layer_norm_backward": (_layer_norm_backward, "mvmfmmb"),
           "causal_softmax_backward": (_causal_softmax_backward, "ccd"), "add_rows": (_add_rows, "jmm")}
 # Kernels whose float64 sums over a row may be reassociated ("reassoc"
 # only): LLVM then sums a row in vector lanes, 3x faster on a GPT's
 # (768, 128) LayerNorm; the sums are float64 of float32 values, so the
 # order shows in the outputs' float32 bits rarely, within the rounding
 # the tests hold these kernels to (tests/test_compiled.py).
-_ROW_SUMS = {"layer_norm", "layer_norm_backward", "layer_norm_backward_sums", "causal_shift", "causal_normalise",
-             "causal_softmax_backward", "causal_softmax_whole"}
+_ROW_SUMS = {"layer_norm", "layer_norm_backward", "causal_softmax", "causal_softmax_backward"}
 # Kernels that call nn/exp32.py's intrinsic (_exp32, set before they compile), float32 only
-_EXP = {"causal_softmax_whole"}
+_EXP = {"causal_softmax"}
 _exp32 = None
 _SUMS = {"bn_statistics": (_make_bn_statistics, "mo"), "bn_gradient_sums": (_make_bn_gradient_sums, "mmvvo")}
 
@@ -444,7 +413,7 @@ def _signature(numba, args, dtype):
     item = numba.from_dtype(np.dtype(dtype))
     kinds = {"m": item[:, ::1], "v": item[::1], "o": numba.float64[:, ::1], "i": item[:, :, :, ::1],
              "u": numba.uint8[:, :, :, ::1], "f": item[::1], "k": numba.int64, "c": item[:, :, ::1],
-             "d": numba.float64, "j": numba.int64[::1]}
+             "d": numba.float64, "j": numba.int64[::1], "b": numba.boolean}
     return numba.void(*[kinds[a] for a in args])
 
 
@@ -517,13 +486,10 @@ def exp_whole(dtype):
 def prepare(names, dtype=FLOAT32.compute):
     """Compile (or load from numba's cache) these _PLAIN kernels for `dtype`
     (a layer's bind: the activations', the run's compute dtype) before the
-    first step; "causal_softmax": the one pass or the three (causal_softmax)."""
+    first step."""
     for name in names:
         if name == "gelu_forward" and np.dtype(dtype) == np.float32:
             _fast_gelu(exp_whole(dtype))
-        elif name == "causal_softmax":
-            for part in (("causal_softmax_whole",) if exp_whole(dtype) else ("causal_shift", "causal_normalise")):
-                _plain(part, dtype)
         else:
             _plain(name, dtype)
 
@@ -557,10 +523,9 @@ def layer_norm(x, gamma, beta, eps, xhat, rstd, y):
 
 def layer_norm_backward(dy, gamma, xhat, rstd, dx, sums=None):
     """sums: a (2, c) array for gamma's and beta's gradients in the same pass (NumPy's column sums' bits)."""
-    if sums is None:
-        _plain("layer_norm_backward", dy.dtype)(dy, gamma, xhat, rstd, dx)
-    else:
-        _plain("layer_norm_backward_sums", dy.dtype)(dy, gamma, xhat, rstd, dx, sums)
+    with_sums = sums is not None
+    sums = sums if with_sums else np.empty((2, dy.shape[1]), dy.dtype)
+    _plain("layer_norm_backward", dy.dtype)(dy, gamma, xhat, rstd, dx, sums, with_sums)
 
 
 def causal_softmax(att, scale):
@@ -568,12 +533,13 @@ def causal_softmax(att, scale):
     pass a row where exp_whole(att.dtype); else the shift (a pass over each
     row's unmasked part), NumPy's exp (in SIMD lanes: a call of math.exp per
     element was 5 ns of the 7 an element took), the normalising (a pass)."""
+    kernel = _plain("causal_softmax", att.dtype)
     if exp_whole(att.dtype):
-        _plain("causal_softmax_whole", att.dtype)(att, float(scale))
+        kernel(att, float(scale), WHOLE)
         return
-    _plain("causal_shift", att.dtype)(att, float(scale))
+    kernel(att, float(scale), SHIFT)
     np.exp(att, out=att)
-    _plain("causal_normalise", att.dtype)(att)
+    kernel(att, float(scale), NORMALISE)
 
 
 def causal_softmax_backward(att, datt, scale):
